@@ -1,0 +1,275 @@
+"""Switch the attention kernel of a model to one without the ``L x L`` score matrix.
+
+Eager attention keeps the ``[batch, heads, L, L]`` weights alive for backward: the quadratic term of
+the memory model. A fused kernel (``scaled_dot_product_attention`` or flash-attn) recomputes them
+blockwise in backward instead, with the same parameters and the same result up to rounding, so it
+is the cheapest mitigation: no extra compute and no state to migrate.
+
+Two kinds of model can be switched, found top-down (a module taken is not searched further):
+
+* Hugging Face ``PreTrainedModel`` (duck-typed: a ``set_attn_implementation`` method and a
+  ``config``), through ``set_attn_implementation("sdpa" | "flash_attention_2" | "eager")``;
+* any module with a callable ``set_attention_backend(backend, sdpa_backends=None)``, such as
+  :class:`lightning_seqmem.nn.GPT`. Its current backend is read from ``attention_backend``.
+
+Example:
+    >>> from lightning_seqmem.nn import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))
+    >>> AttentionSwitch("sdpa").apply(model).after
+    'sdpa'
+    >>> AttentionSwitch("sdpa").is_applicable(model)
+    (False, 'already on sdpa')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lightning_seqmem.mitigations import MitigationResult
+
+__all__ = [
+    "ATTENTION_SWITCH_BACKENDS",
+    "AttentionSwitch",
+    "current_attention_backend",
+    "find_attention_targets",
+    "flash_unavailable_reason",
+    "is_hf_pretrained_model",
+    "sdpa_kernel_context",
+]
+
+ATTENTION_SWITCH_BACKENDS = ("auto", "eager", "sdpa", "flash")
+"""Values accepted by ``AttentionSwitch(backend=...)``; ``"auto"`` means flash if it can run, else sdpa."""
+
+_HF_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_NO_TARGET_REASON = (
+    "no attention module implements set_attention_backend and the model is not a Hugging Face PreTrainedModel"
+)
+
+
+def is_hf_pretrained_model(module: nn.Module) -> bool:
+    """Whether ``module`` looks like a Hugging Face ``PreTrainedModel`` (no transformers import).
+
+    Example:
+        >>> is_hf_pretrained_model(nn.Linear(2, 2))
+        False
+    """
+    return callable(getattr(module, "set_attn_implementation", None)) and hasattr(module, "config")
+
+
+def _implements_protocol(module: nn.Module) -> bool:
+    return callable(getattr(module, "set_attention_backend", None))
+
+
+def find_attention_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules whose attention kernel can be switched, as ``(qualified name, module)`` pairs.
+
+    Searched top-down from ``model`` (the root's name is ``""``); a module taken is not searched
+    further, so a ``GPT`` implementing the protocol is returned alone, not with its attention layers.
+    Hugging Face models are preferred over the protocol when a module is both.
+
+    Example:
+        >>> from lightning_seqmem.nn import GPT, GPTConfig
+        >>> wrapper = nn.ModuleDict({"net": GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))})
+        >>> [name for name, _ in find_attention_targets(wrapper)]
+        ['net']
+    """
+    targets: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, name: str) -> None:
+        if id(module) in seen:  # shared submodules are visited once, as in named_modules()
+            return
+        seen.add(id(module))
+        if is_hf_pretrained_model(module) or _implements_protocol(module):
+            targets.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(model, "")
+    return targets
+
+
+def _backend_of(target: nn.Module) -> str | None:
+    if is_hf_pretrained_model(target):
+        implementation = getattr(target.config, "_attn_implementation", None)
+        if implementation is None:
+            return None
+        implementation = str(implementation)
+        return "flash" if implementation.startswith("flash_attention") else implementation
+    backend = getattr(target, "attention_backend", None)
+    return backend if isinstance(backend, str) else None
+
+
+def current_attention_backend(model: nn.Module) -> str | None:
+    """The attention backend the switchable modules of ``model`` use.
+
+    Returns ``None`` if there is no switchable module or its backend cannot be read, ``"mixed"`` if
+    the modules disagree. Hugging Face ``"flash_attention_*"`` implementations read as ``"flash"``.
+
+    Example:
+        >>> from lightning_seqmem.nn import GPT, GPTConfig
+        >>> current_attention_backend(GPT(GPTConfig(n_layer=1, d_model=32, n_head=2)))
+        'eager'
+        >>> current_attention_backend(nn.Linear(2, 2)) is None
+        True
+    """
+    backends = {_backend_of(target) for _, target in find_attention_targets(model)}
+    if not backends or None in backends:
+        return None
+    return backends.pop() if len(backends) == 1 else "mixed"
+
+
+def _first_parameter(model: nn.Module) -> torch.Tensor | None:
+    return next(iter(model.parameters()), None)
+
+
+def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str | None:
+    """Why flash-attn cannot run for ``model`` here, or ``None`` if it can.
+
+    Args:
+        model: its first parameter gives the device (and the dtype when ``check_dtype``).
+        check_dtype: also require fp16/bf16 parameters. Off for an explicit request, since fp32
+            parameters under bf16 autocast (``precision="bf16-mixed"``) feed flash-attn half tensors.
+    """
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn not installed"
+    if not torch.cuda.is_available():
+        return "CUDA not available"
+    param = _first_parameter(model)
+    if param is not None and param.device.type != "cuda":
+        return f"model parameters are on {param.device.type}, flash-attn needs CUDA"
+    if check_dtype and param is not None and param.dtype not in _HALF_DTYPES:
+        return f"model parameters are {param.dtype}, flash-attn needs float16 or bfloat16"
+    return None
+
+
+def _check_sdpa_backends(sdpa_backends: Sequence[SDPBackend] | SDPBackend | None) -> list[SDPBackend] | None:
+    if sdpa_backends is None:
+        return None
+    if isinstance(sdpa_backends, SDPBackend):
+        sdpa_backends = [sdpa_backends]
+    backends = list(sdpa_backends) if isinstance(sdpa_backends, Sequence) else None
+    if not backends or not all(isinstance(b, SDPBackend) for b in backends):
+        raise ValueError(
+            f"`sdpa_backends` must be None or a non-empty sequence of torch.nn.attention.SDPBackend "
+            f"(e.g. [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), got {sdpa_backends!r}."
+        )
+    return backends
+
+
+@contextlib.contextmanager
+def sdpa_kernel_context(backends: Sequence[SDPBackend] | SDPBackend | None) -> Iterator[None]:
+    """Restrict ``scaled_dot_product_attention`` to ``backends`` inside the block.
+
+    Wrap the training step with it (or drive ``__enter__``/``__exit__`` from batch-start/-end
+    hooks); the previous global flags are restored in ``finally``, also when the step raises.
+    ``None`` is a no-op.
+
+    Example:
+        >>> with sdpa_kernel_context([SDPBackend.MATH]):
+        ...     torch.backends.cuda.flash_sdp_enabled()
+        False
+        >>> torch.backends.cuda.flash_sdp_enabled()
+        True
+    """
+    checked = _check_sdpa_backends(backends)
+    if checked is None:
+        yield
+        return
+    with sdpa_kernel(checked):  # restores the previous flags in its own ``finally``
+        yield
+
+
+class AttentionSwitch:
+    """Policy: switch every attention target of a model to a memory-efficient kernel.
+
+    Args:
+        backend: one of :data:`ATTENTION_SWITCH_BACKENDS`. ``"auto"`` picks ``"flash"`` only when
+            flash-attn is installed, CUDA is present and the model's parameters are on CUDA in
+            fp16/bf16 (never on CPU), otherwise ``"sdpa"``.
+        sdpa_backends: ``SDPBackend`` values the ``"sdpa"`` kernel is restricted to, passed to
+            protocol modules' ``set_attention_backend``. Hugging Face models take no such argument:
+            wrap their step in :func:`sdpa_kernel_context` (see :meth:`kernel_context`).
+
+    Example:
+        >>> AttentionSwitch("xformers")
+        Traceback (most recent call last):
+        ...
+        ValueError: `backend` must be one of ('auto', 'eager', 'sdpa', 'flash'), got 'xformers'.
+    """
+
+    name = "attention"
+
+    def __init__(self, backend: str = "auto", sdpa_backends: Sequence[SDPBackend] | None = None) -> None:
+        if backend not in ATTENTION_SWITCH_BACKENDS:
+            raise ValueError(f"`backend` must be one of {ATTENTION_SWITCH_BACKENDS}, got {backend!r}.")
+        self.sdpa_backends = _check_sdpa_backends(sdpa_backends)
+        if self.sdpa_backends is not None and backend in ("eager", "flash"):
+            raise ValueError(
+                f"`sdpa_backends` applies only to backend 'sdpa' or 'auto', got backend={backend!r} "
+                f"with sdpa_backends={self.sdpa_backends!r}."
+            )
+        self.backend = backend
+
+    def resolve_backend(self, model: nn.Module) -> str:
+        """The concrete backend ``apply`` would switch ``model`` to."""
+        if self.backend != "auto":
+            return self.backend
+        return "flash" if flash_unavailable_reason(model, check_dtype=True) is None else "sdpa"
+
+    def kernel_context(self) -> contextlib.AbstractContextManager[None]:
+        """:func:`sdpa_kernel_context` with this policy's ``sdpa_backends`` (a no-op if ``None``)."""
+        return sdpa_kernel_context(self.sdpa_backends)
+
+    def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
+        """``(True, "eager -> sdpa")`` if ``apply`` would change something, else ``(False, reason)``."""
+        if not find_attention_targets(model):
+            return False, _NO_TARGET_REASON
+        backend = self.resolve_backend(model)
+        if backend == "flash":
+            reason = flash_unavailable_reason(model, check_dtype=False)
+            if reason is not None:
+                return False, reason
+        before = current_attention_backend(model)
+        if before == backend:
+            return False, f"already on {backend}"
+        return True, f"{before} -> {backend}"
+
+    def apply(self, model: nn.Module) -> MitigationResult:
+        """Switch in place; parameters, buffers and ``state_dict`` keys are untouched."""
+        before = str(current_attention_backend(model))
+        applicable, reason = self.is_applicable(model)
+        if not applicable:
+            return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
+        backend = self.resolve_backend(model)
+        targets = find_attention_targets(model)
+        try:
+            for _, target in targets:
+                if is_hf_pretrained_model(target):
+                    target.set_attn_implementation(_HF_IMPLEMENTATION[backend])
+                elif backend == "sdpa" and self.sdpa_backends is not None:
+                    target.set_attention_backend(backend, sdpa_backends=self.sdpa_backends)
+                else:
+                    target.set_attention_backend(backend)
+        except (ValueError, RuntimeError, ImportError) as err:
+            after = str(current_attention_backend(model))
+            detail = f"switching to {backend} failed: {type(err).__name__}: {err}"
+            return MitigationResult(self.name, applied=False, detail=detail, before=before, after=after)
+        after = str(current_attention_backend(model))
+        names = ", ".join(name or "<root>" for name, _ in targets)
+        if after != backend:  # e.g. a Hugging Face model that cannot switch dynamically only logs a warning
+            detail = f"asked for {backend} on {names} but the model reports {after}"
+            return MitigationResult(self.name, applied=False, detail=detail, before=before, after=after)
+        detail = f"attention {before} -> {after} on {names}"
+        return MitigationResult(self.name, applied=True, detail=detail, before=before, after=after)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self.backend!r}, sdpa_backends={self.sdpa_backends!r})"

@@ -1,0 +1,234 @@
+"""Activation checkpointing of the repeated transformer blocks.
+
+Each checkpointed block keeps only its input for backward and recomputes the rest, so activations
+grow with the number of blocks times ``L`` instead of with everything each block saves (the
+``L x L`` attention weights included). Costs about one extra forward (~25-30% of step time).
+
+* Hugging Face ``PreTrainedModel``: ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+  on transformers < 5.x) with ``use_reentrant=False``; it only takes effect in ``train()`` mode.
+* Anything else: the blocks (see :func:`find_repeated_blocks`) are wrapped in place by
+  ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``
+  with ``CheckpointImpl.NO_REENTRANT``. The wrappers hold the same parameter objects (an optimizer
+  built before keeps working, its state untouched) and strip their ``_checkpoint_wrapped_module.``
+  prefix from ``state_dict`` keys (and add it back on load), so checkpoints stay interchangeable
+  with an unwrapped model. ``named_parameters()`` of the root *does* show the prefix.
+
+Example:
+    >>> from lightning_seqmem.nn import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+    >>> ActivationCheckpointing().apply(model).applied
+    True
+    >>> is_checkpointed(model), ActivationCheckpointing().is_applicable(model)
+    (True, (False, 'already checkpointed'))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    ActivationWrapper,
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+
+from lightning_seqmem.mitigations import MitigationResult
+from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
+
+__all__ = ["ActivationCheckpointing", "find_repeated_blocks", "is_checkpointed"]
+
+
+def _find_hf_models(model: nn.Module) -> list[nn.Module]:
+    """Outermost Hugging Face ``PreTrainedModel``s inside ``model`` (``model`` included)."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if is_hf_pretrained_model(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _outermost(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Drop blocks nested inside other blocks (wrapping both would recompute twice); keep order."""
+    wanted = {id(b) for b in blocks}
+    kept: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in wanted:
+            kept.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return kept
+
+
+def _modules_named(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
+    return _outermost(model, [m for m in model.modules() if type(m).__name__ in class_names])
+
+
+def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | None = None) -> list[nn.Module]:
+    """The repeated blocks of ``model`` to checkpoint, outermost first-found order.
+
+    Args:
+        model: any module (a ``LightningModule`` is searched like any other).
+        block_class_names: class names of the blocks. ``None`` means: the classes in
+            ``_no_split_modules`` of a Hugging Face model inside ``model``; failing that, the children
+            of the largest ``nn.ModuleList`` whose children all have one class (the first on a tie).
+
+    Returns:
+        The matching modules; nested matches are dropped in favour of the outer one. Empty when
+        ``block_class_names`` is ``None`` and nothing repeated was found.
+
+    Raises:
+        ValueError: ``block_class_names`` given but no module has one of these class names.
+
+    Example:
+        >>> from lightning_seqmem.nn import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(n_layer=3, d_model=32, n_head=2))
+        >>> [type(b).__name__ for b in find_repeated_blocks(model)]
+        ['Block', 'Block', 'Block']
+        >>> find_repeated_blocks(model, ["DecoderLayer"])
+        Traceback (most recent call last):
+        ...
+        ValueError: `block_class_names`=['DecoderLayer'] matches no module of the model; class names present: ['Block', 'CausalSelfAttention', 'Dropout', 'Embedding', 'GELU', 'GPT', 'LayerNorm', 'Linear', 'ModuleList', 'Sequential'].
+    """
+    if block_class_names is not None:
+        if isinstance(block_class_names, str):
+            block_class_names = [block_class_names]
+        blocks = _modules_named(model, set(block_class_names))
+        if not blocks:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f"`block_class_names`={list(block_class_names)!r} matches no module of the model; "
+                f"class names present: {present}."
+            )
+        return blocks
+    no_split: set[str] = set()
+    for hf_model in _find_hf_models(model):
+        no_split.update(getattr(hf_model, "_no_split_modules", None) or ())
+    if no_split:
+        blocks = _modules_named(model, no_split)
+        if blocks:
+            return blocks
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            children = list(module)
+            if len({type(c) for c in children}) == 1:
+                best = children
+    return best
+
+
+def _hf_is_checkpointing(hf_model: nn.Module) -> bool:
+    # `is_activation_checkpointing` (transformers 5.x) avoids the FutureWarning of the old name.
+    name = "is_activation_checkpointing" if hasattr(type(hf_model), "is_activation_checkpointing") else None
+    if name is None and hasattr(type(hf_model), "is_gradient_checkpointing"):
+        name = "is_gradient_checkpointing"
+    return bool(getattr(hf_model, name)) if name is not None else False
+
+
+def is_checkpointed(model: nn.Module) -> bool:
+    """Whether any block of ``model`` is activation-checkpointed (by a wrapper or by Hugging Face).
+
+    Example:
+        >>> is_checkpointed(nn.Sequential(nn.Linear(2, 2)))
+        False
+    """
+    if any(isinstance(m, ActivationWrapper) for m in model.modules()):
+        return True
+    return any(_hf_is_checkpointing(m) for m in _find_hf_models(model))
+
+
+def _hf_enable(hf_model: nn.Module) -> None:
+    kwargs = {"use_reentrant": False}  # the reentrant variant warns and needs inputs that require grad
+    if callable(getattr(hf_model, "activation_checkpointing_enable", None)):  # transformers >= 5.x
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class ActivationCheckpointing:
+    """Policy: checkpoint every repeated block of a model, in place and idempotently.
+
+    Args:
+        block_class_names: class names of the blocks to wrap; ``None`` finds them (see
+            :func:`find_repeated_blocks`). Given names always use the wrapper path, also for
+            Hugging Face models.
+
+    Example:
+        >>> ActivationCheckpointing().is_applicable(nn.Linear(2, 2))
+        (False, 'no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); pass block_class_names')
+    """
+
+    name = "activation_checkpointing"
+
+    def __init__(self, block_class_names: Sequence[str] | None = None) -> None:
+        if block_class_names is not None:
+            names = [block_class_names] if isinstance(block_class_names, str) else list(block_class_names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(
+                    f"`block_class_names` must be None or a non-empty sequence of class names, "
+                    f"got {block_class_names!r}."
+                )
+            block_class_names = names
+        self.block_class_names = block_class_names
+
+    def _hf_models(self, model: nn.Module) -> list[nn.Module]:
+        if self.block_class_names is not None:
+            return []
+        return [m for m in _find_hf_models(model) if getattr(m, "supports_gradient_checkpointing", False)]
+
+    def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
+        """``(True, what would be wrapped)`` or ``(False, reason)``.
+
+        Raises:
+            ValueError: ``block_class_names`` matches no module of ``model``.
+        """
+        if is_checkpointed(model):
+            return False, "already checkpointed"
+        hf_models = self._hf_models(model)
+        if hf_models:
+            return True, "Hugging Face activation checkpointing on " + ", ".join(type(m).__name__ for m in hf_models)
+        blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
+        if not blocks:
+            return False, (
+                "no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); "
+                "pass block_class_names"
+            )
+        return True, f"wrap {len(blocks)} x {type(blocks[0]).__name__}"
+
+    def apply(self, model: nn.Module) -> MitigationResult:
+        """Enable checkpointing in place; a second call changes nothing."""
+        applicable, reason = self.is_applicable(model)
+        if not applicable:
+            state = "on" if is_checkpointed(model) else "off"
+            return MitigationResult(self.name, applied=False, detail=reason, before=state, after=state)
+        hf_models = self._hf_models(model)
+        if hf_models:
+            for hf_model in hf_models:
+                _hf_enable(hf_model)
+            detail = reason + " (takes effect in train mode)"
+        else:
+            blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
+            wanted = {id(b) for b in blocks}
+            apply_activation_checkpointing(
+                model,
+                checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+                check_fn=lambda m: id(m) in wanted,
+            )
+            detail = f"wrapped {len(blocks)} x {type(blocks[0]).__name__} with checkpoint_wrapper (non-reentrant)"
+        after = "on" if is_checkpointed(model) else "off"
+        return MitigationResult(self.name, applied=after == "on", detail=detail, before="off", after=after)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_class_names={self.block_class_names!r})"

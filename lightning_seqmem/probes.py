@@ -1,0 +1,380 @@
+"""Memory probes: what one training step really used, phase by phase.
+
+Two probes share one interface (:class:`MemoryProbe`): ``start_step`` at batch start,
+``mark_phase`` when the step moves from forward to backward to the optimizer step, ``end_step``
+at batch end, which returns a :class:`StepMemory`.
+
+* :class:`CudaAllocatorProbe` reads the CUDA caching allocator's counters. The peak is reset at
+  every phase boundary, so each phase gets its own peak; reserved memory, fragmentation, inactive
+  split blocks, allocator retries and OOMs come from ``torch.cuda.memory_stats``. It costs a few
+  microseconds per step.
+* :class:`TrackerProbe` works on any device (and is the only choice on CPU, whose memory cannot be
+  read from an allocator): a :class:`LiveTensorTracker` — a ``TorchDispatchMode`` that sees every
+  storage an op creates and registers a weakref finaliser on it — gives exact live tensor bytes,
+  counting the parameters, buffers, gradients, optimizer state and batch tensors that existed
+  before the step. With ``record_events=True`` it also keeps the ordered allocation/free sequence
+  that :mod:`lightning_seqmem.timeline` replays at other lengths.
+
+Bytes everywhere; conversion to GiB happens only where numbers are shown.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+PHASES = ("forward", "backward", "optimizer")
+"""Phases of a training step, in order: batch start → before backward → before optimizer step → batch end."""
+
+PROBE_NAMES = ("auto", "cuda", "tracker")
+"""Accepted values of ``SeqMemCallback(probe=...)``."""
+
+_CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes
+
+
+@dataclass
+class StepMemory:
+    """What a probe measured over one training step (bytes).
+
+    ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
+    a phase the step skipped (no optimizer step while accumulating gradients) is absent. The
+    allocator fields are ``None`` for a probe without an allocator (the tracker).
+    """
+
+    peak_bytes: int
+    phase_peak_bytes: dict[str, int]
+    start_bytes: int
+    end_bytes: int
+    reserved_bytes: Optional[int] = None
+    fragmentation_bytes: Optional[int] = None
+    fragmentation_fraction: Optional[float] = None
+    inactive_split_bytes: Optional[int] = None
+    alloc_retries: Optional[int] = None
+    num_ooms: Optional[int] = None
+    events: Optional["TrackedEvents"] = None
+
+
+@dataclass
+class TrackedEvents:
+    """The ordered allocation/free sequence of one traced step.
+
+    ``sizes[i]`` and ``ops[i]`` describe allocation ``i`` (the first ``num_existing`` are the
+    storages alive before the step: parameters, gradients, optimizer state, batch). ``sequence``
+    holds ``i`` for "allocation i happened" and ``~i`` (negative) for "allocation i was freed", in
+    order. ``phase_starts`` maps a phase to the position in ``sequence`` where it began.
+    """
+
+    sizes: list[int] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    sequence: list[int] = field(default_factory=list)
+    phase_starts: dict[str, int] = field(default_factory=dict)
+    num_existing: int = 0
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    if is_traceable_wrapper_subclass(t):
+        inner_names, _ = t.__tensor_flatten__()
+        out: list[torch.UntypedStorage] = []
+        for name in inner_names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                out.extend(_storages(inner))
+        return out
+    if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
+        return []
+    return [t.untyped_storage()]
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Exact live tensor bytes on one device type, by watching every storage an op creates.
+
+    Storages that existed before tracking began are counted only if passed to
+    :meth:`track_existing` (parameters, gradients, optimizer state, the batch). A storage shared
+    with an op's input (a view, an in-place op) is not a new allocation.
+
+    Example:
+        >>> import torch
+        >>> w = torch.randn(64, 64, requires_grad=True)
+        >>> tracker = LiveTensorTracker("cpu")
+        >>> tracker.track_existing([w])
+        >>> with tracker:
+        ...     y = (w @ w).relu().sum()
+        ...     y.backward()
+        >>> tracker.peak_bytes >= 3 * 64 * 64 * 4   # w, w @ w and w.grad at least
+        True
+    """
+
+    def __init__(self, device_type: str, record_events: bool = False) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.record_events = record_events
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase_peak_bytes: dict[str, int] = {}
+        self.phase: Optional[str] = None
+        self.events = TrackedEvents() if record_events else None
+        self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._finalizers: list[weakref.ref] = []
+        self._active = True
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _add(self, st: torch.UntypedStorage, op: str) -> None:
+        nbytes = st.nbytes()
+        index = len(self._finalizers)
+        self._ids[st] = index
+        self._finalizers.append(weakref.ref(st, lambda _ref, i=index, n=nbytes: self._free(i, n)))
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        if self.phase is not None and self.live_bytes > self.phase_peak_bytes[self.phase]:
+            self.phase_peak_bytes[self.phase] = self.live_bytes
+        if self.events is not None:
+            self.events.sizes.append(nbytes)
+            self.events.ops.append(op)
+            self.events.sequence.append(index)
+
+    def _free(self, index: int, nbytes: int) -> None:
+        if not self._active:
+            return
+        self.live_bytes -= nbytes
+        if self.events is not None:
+            self.events.sequence.append(~index)
+
+    def track_existing(self, tensors: Iterable[Any], kind: str = "existing") -> None:
+        """Count storages that were alive before tracking (each storage once)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            for st in _storages(t):
+                if st not in self._ids:
+                    self._add(st, f"<{kind}>")
+        if self.events is not None:
+            self.events.num_existing = len(self.events.sizes)
+
+    def mark_phase(self, phase: str) -> None:
+        """Start a new phase: its peak starts from the bytes live now."""
+        self.phase = phase
+        self.phase_peak_bytes[phase] = max(self.phase_peak_bytes.get(phase, 0), self.live_bytes)
+        if self.events is not None:
+            self.events.phase_starts[phase] = len(self.events.sequence)
+
+    def stop(self) -> None:
+        """Ignore frees from now on (storages of this step die later, during the next one)."""
+        self._active = False
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_out, _ = tree_flatten(out)
+        inputs: Optional[set[int]] = None
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            for st in _storages(t):
+                if st in self._ids:
+                    continue
+                if inputs is None:  # only built when an output storage is new to us
+                    flat_in, _ = tree_flatten((args, kwargs))
+                    inputs = {
+                        id(s) for x in flat_in if isinstance(x, torch.Tensor) for s in _storages(x)
+                    }
+                if id(st) in inputs:  # a view or in-place result of an untracked input
+                    continue
+                self._add(st, func.name() if self.events is not None else "")
+        return out
+
+
+class MemoryProbe:
+    """Interface of a per-step memory probe (see the module docstring)."""
+
+    name = "abstract"
+
+    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
+        raise NotImplementedError
+
+    def mark_phase(self, phase: str) -> None:
+        raise NotImplementedError
+
+    def end_step(self) -> StepMemory:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Leave any global state (dispatch modes) after an exception; never raises."""
+
+    @property
+    def running(self) -> bool:
+        return False
+
+
+class TrackerProbe(MemoryProbe):
+    """Per-step peaks from a :class:`LiveTensorTracker`; works on any device.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(32, 32)
+        >>> probe = TrackerProbe("cpu")
+        >>> probe.start_step(list(model.parameters()))
+        >>> probe.mark_phase("forward")
+        >>> loss = model(torch.randn(8, 32)).square().mean()
+        >>> probe.mark_phase("backward")
+        >>> loss.backward()
+        >>> m = probe.end_step()
+        >>> m.phase_peak_bytes["backward"] >= m.phase_peak_bytes["forward"] > m.start_bytes > 0
+        True
+    """
+
+    name = "tracker"
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.device_type = device_type
+        self._tracker: Optional[LiveTensorTracker] = None
+
+    @property
+    def running(self) -> bool:
+        return self._tracker is not None
+
+    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
+        self.abort()
+        tracker = LiveTensorTracker(self.device_type, record_events=record_events)
+        tracker.track_existing(existing)
+        self._start_bytes = tracker.live_bytes
+        tracker.__enter__()
+        self._tracker = tracker
+
+    def mark_phase(self, phase: str) -> None:
+        if self._tracker is not None:
+            self._tracker.mark_phase(phase)
+
+    def end_step(self) -> StepMemory:
+        tracker = self._tracker
+        if tracker is None:
+            raise RuntimeError("end_step() called without start_step()")
+        self._tracker = None
+        tracker.__exit__(None, None, None)
+        tracker.stop()
+        return StepMemory(
+            peak_bytes=tracker.peak_bytes,
+            phase_peak_bytes=dict(tracker.phase_peak_bytes),
+            start_bytes=self._start_bytes,
+            end_bytes=tracker.live_bytes,
+            events=tracker.events,
+        )
+
+    def abort(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            try:
+                tracker.__exit__(None, None, None)
+            except Exception:  # the mode stack was already unwound by someone else
+                pass
+            tracker.stop()
+
+
+class CudaAllocatorProbe(MemoryProbe):
+    """Per-phase peaks from the CUDA caching allocator's counters.
+
+    ``reserved_bytes`` is the step's peak reserved memory; ``fragmentation_bytes`` is reserved
+    minus allocated at the end of the step's peak phase (memory the allocator holds but no tensor
+    uses), and ``fragmentation_fraction`` that over reserved. With ``record_events=True`` a
+    :class:`LiveTensorTracker` runs alongside, for the timeline replay.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | int | str | None = None) -> None:
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self._tracker_probe = TrackerProbe("cuda")
+        self._phase: Optional[str] = None
+        self._phase_peaks: dict[str, int] = {}
+        self._max_reserved = 0
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def _close_phase(self) -> None:
+        if self._phase is not None:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self._phase_peaks[self._phase] = max(self._phase_peaks.get(self._phase, 0), peak)
+            self._max_reserved = max(self._max_reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
+        self.abort()
+        self._phase, self._phase_peaks, self._max_reserved = None, {}, 0
+        self._start_bytes = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        if record_events:
+            self._tracker_probe.start_step(existing, record_events=True)
+        self._running = True
+
+    def mark_phase(self, phase: str) -> None:
+        self._close_phase()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._phase = phase
+        self._tracker_probe.mark_phase(phase)
+
+    def end_step(self) -> StepMemory:
+        if not self._running:
+            raise RuntimeError("end_step() called without start_step()")
+        self._running = False
+        self._close_phase()
+        events = self._tracker_probe.end_step().events if self._tracker_probe.running else None
+        stats = torch.cuda.memory_stats(self.device)
+        peak = max(self._phase_peaks.values(), default=torch.cuda.max_memory_allocated(self.device))
+        reserved = max(self._max_reserved, torch.cuda.memory_reserved(self.device))
+        fragmentation = max(reserved - peak, 0)
+        return StepMemory(
+            peak_bytes=peak,
+            phase_peak_bytes=dict(self._phase_peaks),
+            start_bytes=self._start_bytes,
+            end_bytes=torch.cuda.memory_allocated(self.device),
+            reserved_bytes=reserved,
+            fragmentation_bytes=fragmentation,
+            fragmentation_fraction=fragmentation / reserved if reserved else 0.0,
+            inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
+            alloc_retries=int(stats.get("num_alloc_retries", 0)),
+            num_ooms=int(stats.get("num_ooms", 0)),
+            events=events,
+        )
+
+    def abort(self) -> None:
+        self._running = False
+        self._tracker_probe.abort()
+
+
+def round_cuda_block_bytes(nbytes: int) -> int:
+    """Round a size up to the CUDA caching allocator's 512-byte block (what it counts as allocated).
+
+    Example:
+        >>> round_cuda_block_bytes(1), round_cuda_block_bytes(512), round_cuda_block_bytes(513)
+        (512, 512, 1024)
+    """
+    return -(-nbytes // _CUDA_BLOCK_BYTES) * _CUDA_BLOCK_BYTES
+
+
+def make_probe(name: str, device: torch.device) -> MemoryProbe:
+    """The probe for ``SeqMemCallback(probe=name)`` on ``device``.
+
+    ``"auto"`` is the allocator probe on CUDA and the tracker elsewhere.
+
+    Example:
+        >>> make_probe("auto", torch.device("cpu")).name
+        'tracker'
+    """
+    if name not in PROBE_NAMES:
+        raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {name!r}")
+    if name == "cuda" or (name == "auto" and device.type == "cuda"):
+        if device.type != "cuda":
+            raise ValueError(
+                f"`probe='cuda'` needs the model on a CUDA device, but it is on {device}; "
+                "use probe='tracker' or 'auto'"
+            )
+        return CudaAllocatorProbe(device)
+    return TrackerProbe(device.type)
