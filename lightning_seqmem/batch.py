@@ -82,8 +82,8 @@ def set_batch_sequence_length(
             in Lightning's ``on_train_batch_start`` is what ``training_step`` sees), or a tensor (a
             new tensor is returned). Nested tuples are rebuilt; a top-level tuple is refused.
         seq_len: the new length, an int >= 1.
-        truncate: ``True`` keeps the first ``seq_len`` positions of every row (slices share memory
-            with the input). ``False`` keeps every token: rows ``[B, L]`` become
+        truncate: ``True`` keeps the first ``seq_len`` positions of every row (copied, so the
+            full-length storage is freed and memory is measured at the new length). ``False`` keeps every token: rows ``[B, L]`` become
             ``[B * L // seq_len, seq_len]`` (trailing dims kept, chunk ``j`` of sample ``b`` is row
             ``b * L // seq_len + j``), so ``seq_len`` must divide ``L``; per-sample tensors with
             dim 0 equal to ``B`` (such as ``index``) are repeated ``L // seq_len`` times along dim 0
@@ -162,8 +162,8 @@ def set_batch_sequence_length(
 
     def convert(x: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
         if is_sequence(x, top_key):
-            if truncate:
-                return x.narrow(seq_dim, 0, seq_len)
+            if truncate:  # a copy, not a view: a view would keep the full-length storage alive
+                return x.narrow(seq_dim, 0, seq_len).contiguous()
             rows = _split_rows(x, seq_len, seq_dim)
             if key == "position_ids":
                 shape = [1] * rows.dim()

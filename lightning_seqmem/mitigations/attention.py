@@ -188,6 +188,10 @@ def sdpa_kernel_context(backends: Sequence[SDPBackend] | SDPBackend | None) -> I
         yield
 
 
+def _describe(backend: str | None) -> str:
+    return "unknown" if backend is None else backend
+
+
 class AttentionSwitch:
     """Policy: switch every attention target of a model to a memory-efficient kernel.
 
@@ -245,7 +249,7 @@ class AttentionSwitch:
 
     def apply(self, model: nn.Module) -> MitigationResult:
         """Switch in place; parameters, buffers and ``state_dict`` keys are untouched."""
-        before = str(current_attention_backend(model))
+        before = _describe(current_attention_backend(model))
         applicable, reason = self.is_applicable(model)
         if not applicable:
             return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
@@ -260,10 +264,10 @@ class AttentionSwitch:
                 else:
                     target.set_attention_backend(backend)
         except (ValueError, RuntimeError, ImportError) as err:
-            after = str(current_attention_backend(model))
+            after = _describe(current_attention_backend(model))
             detail = f"switching to {backend} failed: {type(err).__name__}: {err}"
             return MitigationResult(self.name, applied=False, detail=detail, before=before, after=after)
-        after = str(current_attention_backend(model))
+        after = _describe(current_attention_backend(model))
         names = ", ".join(name or "<root>" for name, _ in targets)
         if after != backend:  # e.g. a Hugging Face model that cannot switch dynamically only logs a warning
             detail = f"asked for {backend} on {names} but the model reports {after}"

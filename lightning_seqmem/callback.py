@@ -1,0 +1,637 @@
+"""``SeqMemCallback``: the Lightning hook glue around the probes, the forecaster and the curriculum.
+
+The algorithms live elsewhere (:mod:`.probes`, :mod:`.timeline`, :mod:`.model`, :mod:`.forecast`,
+:mod:`.curriculum`, :mod:`.batch`); this file only adapts Lightning's hooks to them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils._pytree import tree_flatten
+
+from .batch import infer_batch_shape, set_batch_sequence_length
+from .curriculum import Curriculum
+from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
+from .probes import PHASES, PROBE_NAMES, MemoryProbe, make_probe
+from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
+from .timeline import Trace
+from .units import format_bytes, parse_bytes, to_gib
+
+SeqLenFn = Callable[[Any], "tuple[int, int]"]
+
+
+def _guarded(hook: Callable) -> Callable:
+    """Run a hook body; an internal failure becomes one warning and the callback stops measuring."""
+
+    @functools.wraps(hook)
+    def wrapper(self: "SeqMemCallback", *args: Any, **kwargs: Any) -> Any:
+        if self._disabled:
+            return None
+        try:
+            return hook(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the callback must never be the reason a run dies
+            self._fail(hook.__name__, exc)
+            return None
+
+    return wrapper
+
+
+class SeqMemCallback(Callback):
+    r"""Measure every training step's memory, predict it at any sequence length, stay in budget.
+
+    After ``warmup_steps`` batches, every batch's peak memory is measured phase by phase (forward,
+    backward, optimizer step) and kept in :attr:`records`. From the measured lengths two predictors
+    are fitted — a timeline replay of traced steps and the article's quadratic model
+    ``M(L, B) = C + B·(a·L + b·L²)`` — and :meth:`forecast` / :meth:`max_seq_len` answer for any
+    length. Every newly measured length verifies the forecast made for it beforehand. With a
+    :class:`~lightning_seqmem.Curriculum`, the sequence length grows stage by stage; each stage is
+    forecast before it starts and a stage predicted not to fit the budget is never entered: one
+    :class:`PredictedOOMWarning` is issued and the curriculum is capped at the largest length that
+    fits.
+
+    Args:
+        warmup_steps: batches at the start of training that are measured but not fitted (≥ 1:
+            the first step has no optimizer state and the previous step's grads are alive).
+        tolerance: accepted relative error of a forecast against the measurement, in (0, 1);
+            a larger miss gives one :class:`ForecastMismatchWarning`. The article uses 15%.
+        probe: ``"auto"`` (CUDA allocator counters on CUDA, the live-tensor tracker elsewhere),
+            ``"cuda"`` or ``"tracker"``.
+        memory_budget: bytes (int) or a string with a unit (``"12GiB"``, ``"900MB"``). Default:
+            the CUDA device's total memory; none on CPU (forecasts are then informational).
+        safety_margin: fraction of the budget kept free, in [0, 1).
+        curriculum: a :class:`~lightning_seqmem.Curriculum`; the callback cuts (or, with
+            ``truncate=False``, reshapes) each batch to the stage's length. ``None`` measures the
+            lengths the data has (fixed, or dynamic padding).
+        warmup_steps_after_change: occurrences of a new (sequence length, batch size,
+            mitigations) that are measured but not fitted (≥ 0): the first step at a new shape can
+            carry kernel autotuning workspace.
+        trace_lengths: distinct lengths whose allocation timeline is traced for the replay
+            predictor (2–8). On CUDA tracing costs one slow step per length; later steps use only
+            the allocator counters.
+        measure_every_n_steps: measure one batch in ``n`` once a length has been measured (≥ 1).
+            The CPU tracker slows traced steps; on CUDA leave it at 1.
+        seq_len_fn: ``batch -> (batch_size, seq_len)``; default reads the first 2-D integer tensor
+            (``input_ids`` first in a mapping).
+
+    Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes):
+
+    ==================================  ================================================================
+    tag                                 meaning
+    ==================================  ================================================================
+    ``seqmem/seq_len``                  sequence length of the batch (tokens)
+    ``seqmem/batch_size``               samples in the batch
+    ``seqmem/peak_allocated_gib``       peak allocated (CUDA) or live tensor (tracker) memory of the step
+    ``seqmem/peak_forward_gib``         peak during forward (batch start → before backward)
+    ``seqmem/peak_backward_gib``        peak during backward
+    ``seqmem/peak_optimizer_gib``       peak during the optimizer step (absent while accumulating)
+    ``seqmem/reserved_gib``             peak reserved by the CUDA caching allocator (CUDA only)
+    ``seqmem/fragmentation_gib``        reserved minus allocated at the peak (CUDA only)
+    ``seqmem/fragmentation_fraction``   fragmentation over reserved (CUDA only)
+    ``seqmem/inactive_split_gib``       inactive split blocks (CUDA only)
+    ``seqmem/alloc_retries``            allocator retries after a failed cudaMalloc, cumulative (CUDA)
+    ``seqmem/num_ooms``                 allocator OOMs, cumulative (CUDA only)
+    ``seqmem/warmup``                   1 for a warm-up batch (measured, not fitted)
+    ``seqmem/verification_error``       latest (forecast − measured) / measured at a new length
+    ``seqmem/stage``                    curriculum stage index (with a curriculum)
+    ``seqmem/forecast_next_gib``        forecast upper bound for the next stage (or this length)
+    ``seqmem/max_seq_len``              largest length that fits the usable budget (with a budget)
+    ``seqmem/budget_gib``               usable budget: budget × (1 − safety_margin)
+    ``seqmem/headroom_gib``             usable budget − forecast_next
+    ``seqmem/headroom_fraction``        headroom over usable budget
+    ==================================  ================================================================
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+        >>> cb = SeqMemCallback(curriculum=Curriculum(start=16, target=64, steps_per_stage=3))
+        >>> trainer = pl.Trainer(max_steps=9, accelerator="cpu", callbacks=[cb], logger=False,
+        ...                      enable_checkpointing=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False)
+        >>> trainer.fit(LitGPT(n_layer=1, d_model=32), SyntheticTokenDataModule(batch_size=2, seq_len=64))
+        >>> [r.seq_len for r in cb.records]
+        [16, 16, 16, 32, 32, 32, 64, 64, 64]
+        >>> cb.forecast(256).method
+        'replay'
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 2,
+        tolerance: float = 0.15,
+        probe: str = "auto",
+        memory_budget: Optional[int | str] = None,
+        safety_margin: float = 0.1,
+        curriculum: Optional[Curriculum] = None,
+        warmup_steps_after_change: int = 1,
+        trace_lengths: int = 3,
+        measure_every_n_steps: int = 1,
+        seq_len_fn: Optional[SeqLenFn] = None,
+    ) -> None:
+        _check_int("warmup_steps", warmup_steps, 1, "an int ≥ 1 (the first step has no optimizer state)")
+        _check_int("warmup_steps_after_change", warmup_steps_after_change, 0, "an int ≥ 0")
+        _check_int("trace_lengths", trace_lengths, 2, "an int in [2, 8]", maximum=8)
+        _check_int("measure_every_n_steps", measure_every_n_steps, 1, "an int ≥ 1")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 < tolerance < 1:
+            raise ValueError(f"`tolerance` must be a float in (0, 1), got {tolerance!r}")
+        if isinstance(safety_margin, bool) or not isinstance(safety_margin, numbers.Real) or not 0 <= safety_margin < 1:
+            raise ValueError(f"`safety_margin` must be a float in [0, 1), got {safety_margin!r}")
+        if probe not in PROBE_NAMES:
+            raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {probe!r}")
+        if curriculum is not None and not isinstance(curriculum, Curriculum):
+            raise ValueError(f"`curriculum` must be a lightning_seqmem.Curriculum or None, got {type(curriculum).__name__}")
+        if seq_len_fn is not None and not callable(seq_len_fn):
+            raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}")
+        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
+        self.warmup_steps = warmup_steps
+        self.tolerance = float(tolerance)
+        self.probe_name = probe
+        self.safety_margin = float(safety_margin)
+        self.curriculum = curriculum
+        self.warmup_steps_after_change = warmup_steps_after_change
+        self.trace_lengths = trace_lengths
+        self.measure_every_n_steps = measure_every_n_steps
+        self.seq_len_fn = seq_len_fn
+
+        self.records: list[StepRecord] = []
+        self.forecaster = MemoryForecaster(tolerance=self.tolerance)
+        self.mitigations: tuple[str, ...] = ()
+        self._probe: Optional[MemoryProbe] = None
+        self._device: Optional[torch.device] = None
+        self._budget_bytes: Optional[int] = self.memory_budget_bytes
+        self._step = 0
+        self._key_counts: dict[tuple, int] = {}
+        self._pending: dict[tuple[int, int], Forecast] = {}
+        self._warned: set[str] = set()
+        self._disabled = False
+        self._current: Optional[dict[str, Any]] = None
+        self._last_batch_size: Optional[int] = None
+        self._last_verification_error: Optional[float] = None
+        self._cache: dict[str, Any] = {}
+        # curriculum state
+        self._stages: tuple[int, ...] = curriculum.stages if curriculum else ()
+        self._stage = 0
+        self._stage_steps = 0
+        self._capped_at: Optional[int] = None
+        self._uses_datamodule_length = False
+
+    # ------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            probe=self.probe_name, curriculum=None if self.curriculum is None else self.curriculum.stages
+        )
+
+    @property
+    def usable_budget_bytes(self) -> Optional[int]:
+        """``memory_budget × (1 − safety_margin)``, or None without a budget."""
+        if self._budget_bytes is None:
+            return None
+        return int(self._budget_bytes * (1 - self.safety_margin))
+
+    @property
+    def seq_len(self) -> Optional[int]:
+        """The curriculum's current length (None without a curriculum)."""
+        return self._stages[self._stage] if self._stages else None
+
+    def forecast(self, seq_len: int, batch_size: Optional[int] = None) -> Forecast:
+        """Predicted peak of a training step at ``(seq_len, batch_size)``.
+
+        ``batch_size`` defaults to the last measured batch's. Raises
+        :class:`~lightning_seqmem.forecast.NotEnoughMeasurements` before two lengths are measured.
+        """
+        _check_int("seq_len", seq_len, 1, "a positive int")
+        batch_size = self._default_batch_size(batch_size)
+        return self.forecaster.forecast(seq_len, batch_size)
+
+    def max_seq_len(self, budget_bytes: Optional[int | str] = None, batch_size: Optional[int] = None) -> int:
+        """Largest sequence length whose forecast upper bound fits ``budget_bytes``.
+
+        ``budget_bytes`` defaults to the usable budget; on CUDA the bound includes the
+        fragmentation measured so far (an OOM happens at the reserved level).
+        """
+        if budget_bytes is None:
+            budget = self.usable_budget_bytes
+            if budget is None:
+                raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
+        else:
+            budget = parse_bytes(budget_bytes, "budget_bytes")
+        batch_size = self._default_batch_size(batch_size)
+        return self.forecaster.max_seq_len(budget, batch_size, reserved=self._on_cuda)
+
+    # ------------------------------------------------------------------------------------------
+    # Hooks
+    # ------------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._device = trainer.strategy.root_device
+        self._probe = make_probe(self.probe_name, self._device)
+        if self._budget_bytes is None and self._device.type == "cuda":
+            self._budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
+
+    @property
+    def _on_cuda(self) -> bool:
+        return self._device is not None and self._device.type == "cuda"
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._disabled:
+            return
+        try:
+            self._apply_curriculum(trainer, batch)
+            batch_size, seq_len = self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch)
+        except (TypeError, ValueError):
+            if self._step == 0:  # a configuration problem, found before any step ran: say so
+                raise
+            self._fail("on_train_batch_start", RuntimeError("the batch could not be read or cut"))
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._fail("on_train_batch_start", exc)
+            return
+        self._start_measurement(trainer, pl_module, batch, int(batch_size), int(seq_len))
+
+    @_guarded
+    def _start_measurement(self, trainer, pl_module, batch, batch_size: int, seq_len: int) -> None:
+        key = (seq_len, batch_size, self.mitigations)
+        count = self._key_counts.get(key, 0)
+        self._key_counts[key] = count + 1
+        warmup = self._step < self.warmup_steps or count < self.warmup_steps_after_change
+        if count == 0:
+            self._forecast_new_length(seq_len, batch_size)
+        measure = warmup or count == self.warmup_steps_after_change or self._step % self.measure_every_n_steps == 0
+        self._current = {
+            "step": self._step,
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "warmup": warmup,
+            "measure": measure,
+            "traced": False,
+        }
+        if not measure:
+            return
+        traced = not warmup and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
+        self._current["traced"] = traced
+        assert self._probe is not None, "setup() was not called"
+        self._probe.start_step(_existing_tensors(pl_module, trainer, batch), record_events=traced)
+        self._probe.mark_phase("forward")
+
+    @_guarded
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._probe is not None and self._probe.running:
+            self._probe.mark_phase("backward")
+
+    @_guarded
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._probe is not None and self._probe.running:
+            self._probe.mark_phase("optimizer")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._step += 1
+        self._stage_steps += 1
+        self._end_measurement(trainer)
+
+    @_guarded
+    def _end_measurement(self, trainer: pl.Trainer) -> None:
+        current, self._current = self._current, None
+        if current is None or not current["measure"] or self._probe is None or not self._probe.running:
+            return
+        m = self._probe.end_step()
+        phases = {p: m.phase_peak_bytes.get(p) for p in PHASES}
+        record = StepRecord(
+            step=current["step"],
+            global_step=current["global_step"],
+            epoch=current["epoch"],
+            seq_len=current["seq_len"],
+            batch_size=current["batch_size"],
+            warmup=current["warmup"],
+            traced=current["traced"],
+            peak_bytes=m.peak_bytes,
+            forward_peak_bytes=phases["forward"],
+            backward_peak_bytes=phases["backward"],
+            optimizer_peak_bytes=phases["optimizer"],
+            start_bytes=m.start_bytes,
+            reserved_bytes=m.reserved_bytes,
+            fragmentation_bytes=m.fragmentation_bytes,
+            fragmentation_fraction=m.fragmentation_fraction,
+            inactive_split_bytes=m.inactive_split_bytes,
+            alloc_retries=m.alloc_retries,
+            num_ooms=m.num_ooms,
+            stage=self._stage if self._stages else None,
+            mitigations=self.mitigations,
+        )
+        L, B = record.seq_len, record.batch_size
+        if record.step == 0:
+            self._check_budget_against_first_step(m.start_bytes, m.peak_bytes)
+        if not record.warmup:
+            self._last_batch_size = B
+            self.forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, m.reserved_bytes)
+            if m.events is not None:
+                block = 512 if self._on_cuda else 1
+                self.forecaster.add_trace(Trace(L, B, m.events, block_bytes=block, measured_peak_bytes=m.peak_bytes))
+            pending = self._pending.pop((L, B), None)
+            if pending is not None:
+                self._verify(record, pending)
+        self.records.append(record)
+        self._log(trainer, record)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._probe is not None:
+            self._probe.abort()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._probe is not None:
+            self._probe.abort()
+
+    # ------------------------------------------------------------------------------------------
+    # Curriculum
+    # ------------------------------------------------------------------------------------------
+    def _apply_curriculum(self, trainer: pl.Trainer, batch: Any) -> None:
+        if self.curriculum is None:
+            return
+        if self._stage_steps >= self.curriculum.steps_per_stage and self._stage + 1 < len(self._stages):
+            self._advance_stage(trainer, batch)
+        seq_len = self._stages[self._stage]
+        if isinstance(batch, tuple) or self._uses_datamodule_length:
+            setter = _length_setter(trainer)
+            if setter is None:  # let set_batch_sequence_length raise its message about tuples
+                set_batch_sequence_length(batch, seq_len, truncate=self.curriculum.truncate)
+            self._uses_datamodule_length = True
+            setter(seq_len)
+            return
+        set_batch_sequence_length(batch, seq_len, truncate=self.curriculum.truncate)
+
+    def _advance_stage(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Enter the next stage, or cap the curriculum if the forecast says it would not fit."""
+        self._stage_steps = 0
+        current, nxt = self._stages[self._stage], self._stages[self._stage + 1]
+        decision = self._stage_decision(batch, current, nxt)
+        if trainer.world_size > 1:  # every rank takes rank zero's decision at the same step
+            decision = trainer.strategy.broadcast(decision, src=0)
+        if decision is None:
+            self._stage += 1
+            return
+        capped = tuple(s for s in self._stages[: self._stage + 1])
+        if decision > current:
+            capped = capped + (decision,)
+        self._stages, self._capped_at = capped, capped[-1]
+        self._stage = len(capped) - 1
+
+    def _stage_decision(self, batch: Any, current: int, nxt: int) -> Optional[int]:
+        """None to go on to ``nxt``; else the length to cap at (a forecast said ``nxt`` won't fit)."""
+        budget = self.usable_budget_bytes
+        if budget is None or self._disabled or not self.forecaster.ready:
+            return None
+        try:
+            batch_size = self._stage_batch_size(batch, nxt)
+            fc = self.forecaster.forecast(nxt, batch_size)
+            bound = fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes
+            if bound <= budget:
+                return None
+            fit = self.forecaster.max_seq_len(budget, batch_size, reserved=self._on_cuda)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("forecast of the next stage", exc)
+            return None
+        assert self.curriculum is not None
+        cap = self.curriculum.round_down(fit) if fit >= self.curriculum.multiple_of else current
+        cap = max(min(cap, nxt - 1), current)
+        self._warn_once(
+            f"oom-{nxt}",
+            f"seqmem: the next curriculum stage, seq_len={nxt} (batch {batch_size}), is predicted to "
+            f"peak at {format_bytes(fc.peak_bytes)} (upper bound {format_bytes(bound)}, {fc.method}), "
+            f"over the usable budget {format_bytes(budget)} (budget {format_bytes(self._budget_bytes)} "
+            f"minus safety_margin={self.safety_margin}). The largest length that fits is {fit}. "
+            f"The curriculum stays at seq_len={cap}. To go further: switch attention to SDPA or "
+            "flash-attn, enable activation checkpointing, or train with batch size 1 and gradient "
+            "accumulation.",
+            PredictedOOMWarning,
+        )
+        return cap
+
+    def _stage_batch_size(self, batch: Any, seq_len: int) -> int:
+        batch_size, source_len = self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch)
+        if self.curriculum is not None and not self.curriculum.truncate:
+            return max(1, batch_size * source_len // seq_len)
+        return batch_size
+
+    # ------------------------------------------------------------------------------------------
+    # Forecast bookkeeping
+    # ------------------------------------------------------------------------------------------
+    def _forecast_new_length(self, seq_len: int, batch_size: int) -> None:
+        """Before a new (L, B) runs: keep the forecast for verification; warn if over budget."""
+        if not self.forecaster.ready:
+            return
+        fc = self.forecaster.forecast(seq_len, batch_size)
+        self._pending[(seq_len, batch_size)] = fc
+        budget = self.usable_budget_bytes
+        bound = fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes
+        if self.curriculum is None and budget is not None and bound > budget:
+            fit = self.forecaster.max_seq_len(budget, batch_size, reserved=self._on_cuda)
+            self._warn_once(
+                f"oom-batch-{seq_len}-{batch_size}",
+                f"seqmem: this batch (seq_len={seq_len}, batch {batch_size}) is predicted to peak at "
+                f"{format_bytes(fc.peak_bytes)} (upper bound {format_bytes(bound)}, {fc.method}), over "
+                f"the usable budget {format_bytes(budget)}; the largest length that fits is {fit}. "
+                "Cap the padded length of your collate function, or switch attention to SDPA or "
+                "flash-attn, enable activation checkpointing, or lower the batch size.",
+                PredictedOOMWarning,
+            )
+
+    def _verify(self, record: StepRecord, forecast: Forecast) -> None:
+        v = self.forecaster.verify(forecast, record.peak_bytes)
+        record.forecast_peak_bytes = forecast.peak_bytes
+        record.forecast_upper_bytes = forecast.upper_bytes
+        record.forecast_method = forecast.method
+        record.forecast_error = v.relative_error
+        self._last_verification_error = v.relative_error
+        if abs(v.relative_error) > self.tolerance:
+            self._warn_once(
+                f"mismatch-{record.seq_len}-{record.batch_size}",
+                f"seqmem: the {forecast.method} forecast for seq_len={record.seq_len} (batch "
+                f"{record.batch_size}) was {format_bytes(forecast.peak_bytes)}, measured "
+                f"{format_bytes(record.peak_bytes)} ({v.relative_error:+.1%}, tolerance "
+                f"{self.tolerance:.0%}). Likely causes: dynamic padding or sequence packing (the "
+                "batch's real length differs from its shape), a kernel whose choice depends on the "
+                "length, or memory held outside the step. Later forecasts widen their bounds by this miss.",
+                ForecastMismatchWarning,
+            )
+
+    def _check_budget_against_first_step(self, start_bytes: int, peak_bytes: int) -> None:
+        budget = self.usable_budget_bytes
+        if budget is not None and peak_bytes > budget:
+            self._warn_once(
+                "budget-first-step",
+                f"seqmem: the first step already used {format_bytes(peak_bytes)} at its peak "
+                f"({format_bytes(start_bytes)} before it began), more than the usable budget "
+                f"{format_bytes(budget)}. Raise `memory_budget` (now {format_bytes(self._budget_bytes)}), "
+                f"lower `safety_margin` (now {self.safety_margin}), or start the curriculum shorter.",
+                PredictedOOMWarning,
+            )
+
+    def _default_batch_size(self, batch_size: Optional[int]) -> int:
+        if batch_size is None:
+            if self._last_batch_size is None:
+                raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
+            return self._last_batch_size
+        _check_int("batch_size", batch_size, 1, "a positive int")
+        return batch_size
+
+    # ------------------------------------------------------------------------------------------
+    # Logging, warnings, failures
+    # ------------------------------------------------------------------------------------------
+    def _budget_view(self, batch_size: int) -> dict[str, float]:
+        """Forecast for the next stage, largest length that fits, headroom (cached per fit)."""
+        key = (len(self.forecaster.points), len(self.forecaster.traces), len(self.forecaster.verifications), self._stage, batch_size)
+        if self._cache.get("key") == key:
+            return self._cache["value"]
+        out: dict[str, float] = {}
+        if self.forecaster.ready:
+            target = self._stages[self._stage + 1] if self._stage + 1 < len(self._stages) else None
+            target = target or (self.records[-1].seq_len if self.records else None)
+            if target:
+                fc = self.forecaster.forecast(target, batch_size)
+                bound = fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes
+                out["forecast_next_gib"] = to_gib(bound)
+                budget = self.usable_budget_bytes
+                if budget is not None:
+                    out["budget_gib"] = to_gib(budget)
+                    out["max_seq_len"] = float(self.forecaster.max_seq_len(budget, batch_size, reserved=self._on_cuda))
+                    out["headroom_gib"] = to_gib(budget - bound)
+                    out["headroom_fraction"] = (budget - bound) / budget
+        self._cache = {"key": key, "value": out}
+        return out
+
+    def _log(self, trainer: pl.Trainer, record: StepRecord) -> None:
+        if not trainer.loggers:
+            return
+        metrics: dict[str, float] = {
+            "seq_len": record.seq_len,
+            "batch_size": record.batch_size,
+            "warmup": float(record.warmup),
+            "peak_allocated_gib": to_gib(record.peak_bytes),
+        }
+        for phase in PHASES:
+            value = getattr(record, f"{phase}_peak_bytes")
+            if value is not None:
+                metrics[f"peak_{phase}_gib"] = to_gib(value)
+        if record.reserved_bytes is not None:
+            metrics["reserved_gib"] = to_gib(record.reserved_bytes)
+            metrics["fragmentation_gib"] = to_gib(record.fragmentation_bytes or 0)
+            metrics["fragmentation_fraction"] = record.fragmentation_fraction or 0.0
+            metrics["inactive_split_gib"] = to_gib(record.inactive_split_bytes or 0)
+            metrics["alloc_retries"] = record.alloc_retries or 0
+            metrics["num_ooms"] = record.num_ooms or 0
+        if self._last_verification_error is not None:
+            metrics["verification_error"] = self._last_verification_error
+        if record.stage is not None:
+            metrics["stage"] = record.stage
+        try:
+            metrics.update(self._budget_view(record.batch_size))
+        except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
+            self._warn_once("budget-view", f"seqmem: forecast for logging failed ({exc!r}); skipping it.", SeqMemFailureWarning)
+        metrics = {f"seqmem/{k}": float(v) for k, v in metrics.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=record.global_step)
+
+    def _warn_once(self, key: str, message: str, category: type[Warning]) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        rank_zero_warn(message, category=category)
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self._disabled = True
+        if self._probe is not None:
+            self._probe.abort()
+        self._warn_once(
+            "failure",
+            f"seqmem: internal failure in {where} ({type(exc).__name__}: {exc}); the callback stops "
+            "measuring and predicting for the rest of this run. Training goes on unaffected.",
+            SeqMemFailureWarning,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpointing
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self._step,
+            "records": [r.to_dict() for r in self.records],
+            "forecaster": self.forecaster.state_dict(),
+            "key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self._key_counts.items()],
+            "warned": sorted(self._warned),
+            "mitigations": list(self.mitigations),
+            "stages": list(self._stages),
+            "stage": self._stage,
+            "stage_steps": self._stage_steps,
+            "capped_at": self._capped_at,
+            "last_batch_size": self._last_batch_size,
+            "last_verification_error": self._last_verification_error,
+            "pending": {f"{k[0]}x{k[1]}": vars(v) for k, v in self._pending.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._step = int(state_dict.get("step", 0))
+        self.records = [StepRecord.from_dict(r) for r in state_dict.get("records", [])]
+        self.forecaster.load_state_dict(state_dict.get("forecaster", {}))
+        self._key_counts = {(k0, k1, tuple(k2)): v for k0, k1, k2, v in state_dict.get("key_counts", [])}
+        self._warned = set(state_dict.get("warned", []))
+        self.mitigations = tuple(state_dict.get("mitigations", ()))
+        self._stages = tuple(state_dict.get("stages", self._stages))
+        self._stage = int(state_dict.get("stage", 0))
+        self._stage_steps = int(state_dict.get("stage_steps", 0))
+        self._capped_at = state_dict.get("capped_at")
+        self._last_batch_size = state_dict.get("last_batch_size")
+        self._last_verification_error = state_dict.get("last_verification_error")
+        self._pending = {}
+        for key, fc in state_dict.get("pending", {}).items():
+            L, B = (int(x) for x in key.split("x"))
+            self._pending[(L, B)] = Forecast(**fc)
+
+
+def _existing_tensors(pl_module: pl.LightningModule, trainer: pl.Trainer, batch: Any) -> list[torch.Tensor]:
+    """Tensors alive before the step: parameters, buffers, gradients, optimizer state, the batch."""
+    out: list[torch.Tensor] = list(pl_module.parameters()) + list(pl_module.buffers())
+    out += [p.grad for p in pl_module.parameters() if p.grad is not None]
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    flat, _ = tree_flatten(batch)
+    out += [t for t in flat if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _length_setter(trainer: pl.Trainer) -> Optional[Callable[[int], None]]:
+    """A datamodule's or train dataset's ``set_seq_len`` method, if it has one."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
+        return datamodule.set_seq_len
+    loader = getattr(trainer, "train_dataloader", None)
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and callable(getattr(dataset, "set_seq_len", None)):
+        return dataset.set_seq_len
+    return None
+
+
+def _check_int(name: str, value: Any, minimum: int, accepted: str, maximum: Optional[int] = None) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        raise ValueError(f"`{name}` must be {accepted}, got {value!r}")
+
+
+__all__ = ["SeqMemCallback"]
+_ = math  # keep import for future unit maths
