@@ -112,18 +112,26 @@ class MemoryForecaster:
         self._dirty = True
 
     def add_trace(self, trace: Trace) -> None:
-        """Add a traced step; keeps the ``max_traces`` shortest (one per (L, B))."""
+        """Add a traced step (one per (L, B)); beyond ``max_traces`` the longest other one is dropped."""
         if any((t.seq_len, t.batch_size) == (trace.seq_len, trace.batch_size) for t in self.traces):
             return
         self.traces.append(trace)
+        if len(self.traces) > self.max_traces:
+            longest = max((t for t in self.traces if t is not trace), key=lambda t: (t.seq_len, t.batch_size))
+            self.traces.remove(longest)
         self.traces.sort(key=lambda t: (t.seq_len, t.batch_size))
-        del self.traces[self.max_traces :]
         self._dirty = True
 
     def wants_trace(self, seq_len: int, batch_size: int, num_lengths: int) -> bool:
-        """Whether a step at ``(seq_len, batch_size)`` should be traced to reach ``num_lengths``."""
+        """Whether a step at ``(seq_len, batch_size)`` should be traced.
+
+        Yes until ``num_lengths`` lengths are traced at this batch size, and for a length whose
+        forecast missed by more than ``tolerance`` (its program may differ: the trace tells).
+        """
         if any((t.seq_len, t.batch_size) == (seq_len, batch_size) for t in self.traces):
             return False
+        if any((v.seq_len, v.batch_size) == (seq_len, batch_size) and abs(v.relative_error) > self.tolerance for v in self.verifications):
+            return True
         same_batch = {t.seq_len for t in self.traces if t.batch_size == batch_size}
         return len(same_batch) < num_lengths or len(self.traces) < self.max_traces and not same_batch
 
@@ -136,8 +144,7 @@ class MemoryForecaster:
         distinct = {seq_len * batch for seq_len, batch in self.points}
         self._quadratic = None
         if len(distinct) >= 2:
-            floor = max([self.tolerance] + [-v.relative_error for v in self.verifications if v.method == "quadratic"])
-            model = QuadraticMemoryModel(min_relative_uncertainty=floor)
+            model = QuadraticMemoryModel(min_relative_uncertainty=self.tolerance)
             phases = sorted({p for point in self.points.values() for p in point if p != "step"})
             if phases:
                 data = [(L, B, {p: point.get(p) for p in phases}) for (L, B), point in self.points.items()]
@@ -167,9 +174,9 @@ class MemoryForecaster:
         return self.timeline is not None or self.quadratic is not None
 
     # -- outputs ---------------------------------------------------------------------------------
-    def _replay_margin(self) -> float:
-        worst = [-v.relative_error for v in self.verifications if v.method == "replay"]
-        return max([self.replay_margin] + worst)
+    def _miss_ratio(self, method: str) -> float:
+        """Largest measured / forecast − 1 over this method's under-predictions (0 if none)."""
+        return max([0.0] + [v.measured_bytes / max(v.forecast_bytes, 1) - 1 for v in self.verifications if v.method == method])
 
     def forecast(self, seq_len: int, batch_size: int, method: Optional[str] = None) -> Forecast:
         """Predict the step peak; replay when it applies, else the quadratic fit (or ``method``)."""
@@ -178,7 +185,7 @@ class MemoryForecaster:
         timeline, quadratic = self.timeline, self.quadratic
         if timeline is not None and method in (None, "replay"):
             fc = timeline.predict(seq_len, batch_size)
-            upper = int(fc.peak_bytes * (1 + self._replay_margin()))
+            upper = int(fc.peak_bytes * (1 + max(self.replay_margin, self._miss_ratio("replay"))))
             detail = f"replay of steps traced at seq_len {list(timeline.seq_lens)}; " + "; ".join(timeline.notes)
             return self._make(seq_len, batch_size, fc.peak_bytes, upper, "replay", fc.phase_peak_bytes, detail)
         if quadratic is not None and method in (None, "quadratic"):
@@ -186,7 +193,8 @@ class MemoryForecaster:
             detail = "quadratic fit of measured peaks"
             if method is None:
                 detail += f" (replay unavailable: {self._timeline_reason})"
-            return self._make(seq_len, batch_size, fc.peak_bytes, fc.upper_bytes, "quadratic", fc.phase_peak_bytes, detail)
+            upper = max(fc.upper_bytes, int(fc.peak_bytes * (1 + self._miss_ratio("quadratic"))))
+            return self._make(seq_len, batch_size, fc.peak_bytes, upper, "quadratic", fc.phase_peak_bytes, detail)
         raise NotEnoughMeasurements(
             f"cannot forecast {method or 'memory'} yet: {len(self.points)} (seq_len, batch_size) point(s) "
             f"measured and replay unavailable ({self._timeline_reason}); measure at least two lengths "

@@ -327,7 +327,9 @@ class CudaAllocatorProbe(MemoryProbe):
         self._close_phase()
         events = self._tracker_probe.end_step().events if self._tracker_probe.running else None
         stats = torch.cuda.memory_stats(self.device)
-        peak = max(self._phase_peaks.values(), default=torch.cuda.max_memory_allocated(self.device))
+        if not self._phase_peaks:  # no phase was marked: the whole step is one phase
+            self._phase_peaks["forward"] = torch.cuda.max_memory_allocated(self.device)
+        peak = max(self._phase_peaks.values())
         reserved = max(self._max_reserved, torch.cuda.memory_reserved(self.device))
         fragmentation = max(reserved - peak, 0)
         return StepMemory(

@@ -1,0 +1,285 @@
+"""TensorBoard panels: the custom-scalars layout of the ``seqmem/*`` scalars, and the memory figure.
+
+The only module of the package that talks to TensorBoard or matplotlib. matplotlib is imported
+lazily, inside the functions that draw, and figures are drawn with its object API on an Agg canvas
+(``Figure`` + ``FigureCanvasAgg``): no global backend is switched and pyplot's figure registry is
+never touched, so drawing works headless and leaves a notebook's backend alone.
+
+* :func:`custom_scalars_layout` / :func:`write_layout`: the "CUSTOM SCALARS" tab groups the
+  scalars that :class:`~lightning_seqmem.SeqMemCallback` logs (see its docstring for the tags) into
+  four categories: memory per step, forecast vs measured, headroom, and CUDA fragmentation.
+* :func:`memory_figure` / :func:`log_figure` / :func:`save_figure`: memory against sequence length:
+  the measured points, both predictors' curves, the budget, and where mitigations switched on.
+
+Bytes everywhere else in the package; here, at the display edge, GiB (or MiB for small runs).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from .forecast import NotEnoughMeasurements
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+    from matplotlib.figure import Figure
+
+    from .callback import SeqMemCallback
+
+__all__ = [
+    "FIGURE_TAG",
+    "LAYOUT_CATEGORIES",
+    "custom_scalars_layout",
+    "log_figure",
+    "memory_figure",
+    "save_figure",
+    "write_layout",
+]
+
+FIGURE_TAG = "seqmem/memory_vs_seq_len"
+"""Image tag of :func:`log_figure` in TensorBoard's "IMAGES" tab."""
+
+LAYOUT_CATEGORIES = (
+    "seqmem: memory per step (GiB)",
+    "seqmem: forecast vs measured",
+    "seqmem: headroom",
+    "seqmem: fragmentation (CUDA)",
+)
+"""Category titles of :func:`custom_scalars_layout`, in display order."""
+
+# Loggers whose experiment already holds the layout (a second write would replace it: write once).
+_LAYOUT_WRITTEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# logger -> global steps whose figure was already logged (the callback and a script may both ask).
+_FIGURES_LOGGED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+
+
+def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]:
+    """The TensorBoard custom-scalars layout of the callback's scalars.
+
+    Returns ``{category: {chart title: ["Multiline", [tag, ...]]}}``, the format
+    ``SummaryWriter.add_custom_scalars`` takes. Tags are the callback's (``prefix`` + name, as in
+    the :class:`~lightning_seqmem.SeqMemCallback` docstring); TensorBoard reads them as regular
+    expressions, and none of them is a prefix of another. Units are in the chart titles.
+
+    Example:
+        >>> layout = custom_scalars_layout()
+        >>> list(layout) == list(LAYOUT_CATEGORIES)
+        True
+        >>> layout["seqmem: headroom"]["largest length that fits vs current (tokens)"]
+        ['Multiline', ['seqmem/max_seq_len', 'seqmem/seq_len']]
+    """
+    def tags(*names: str) -> list:
+        return ["Multiline", [prefix + name for name in names]]
+
+    memory, forecast, headroom, fragmentation = LAYOUT_CATEGORIES
+    return {
+        memory: {
+            "peak per phase (GiB)": tags("peak_allocated_gib", "peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib"),
+            "peak allocated vs reserved vs usable budget (GiB)": tags("peak_allocated_gib", "reserved_gib", "budget_gib"),
+            "sequence length (tokens)": tags("seq_len"),
+            "batch size (samples) and curriculum stage (index)": tags("batch_size", "stage"),
+        },
+        forecast: {
+            "forecast for the next stage vs measured peak (GiB)": tags("forecast_next_gib", "peak_allocated_gib"),
+            "verification error ((forecast - measured) / measured)": tags("verification_error"),
+            "warm-up step (1 = measured, not fitted)": tags("warmup"),
+        },
+        headroom: {
+            "headroom: usable budget - forecast (GiB)": tags("headroom_gib"),
+            "headroom fraction (of the usable budget)": tags("headroom_fraction"),
+            "largest length that fits vs current (tokens)": tags("max_seq_len", "seq_len"),
+        },
+        fragmentation: {
+            "reserved - allocated at the peak, inactive split blocks (GiB)": tags("fragmentation_gib", "inactive_split_gib"),
+            "fragmentation fraction (of reserved)": tags("fragmentation_fraction"),
+            "allocator retries and OOMs (count, cumulative)": tags("alloc_retries", "num_ooms"),
+        },
+    }
+
+
+def _tensorboard_loggers(trainer: "pl.Trainer") -> list[TensorBoardLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def _logger_prefix(logger: TensorBoardLogger) -> str:
+    """What ``TensorBoardLogger(prefix=...)`` puts before every tag (``"<prefix>-"`` or nothing)."""
+    prefix = getattr(logger, "_prefix", "") or ""
+    return f"{prefix}{logger.LOGGER_JOIN_CHAR}" if prefix else ""
+
+
+def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
+    """Write :func:`custom_scalars_layout` to every ``TensorBoardLogger`` of ``trainer``, once each.
+
+    Only on global rank zero (the other ranks' experiments are dummies). A logger created with
+    ``prefix=`` gets the layout of its prefixed tags. Calling again is a no-op for loggers already
+    written (TensorBoard keeps only the last layout written). Returns how many loggers were written.
+    """
+    if not trainer.is_global_zero:
+        return 0
+    written = 0
+    for logger in _tensorboard_loggers(trainer):
+        if logger in _LAYOUT_WRITTEN:
+            continue
+        logger.experiment.add_custom_scalars(custom_scalars_layout(_logger_prefix(logger) + prefix))
+        _LAYOUT_WRITTEN.add(logger)
+        written += 1
+    return written
+
+
+# ----------------------------------------------------------------------------------------------
+# The figure
+# ----------------------------------------------------------------------------------------------
+def _unit(max_bytes: float) -> tuple[str, float]:
+    """GiB for runs that reach 1 GiB, MiB below (a CPU demo peaks at a few hundred MiB)."""
+    return ("GiB", 2.0**30) if max_bytes >= 2**30 else ("MiB", 2.0**20)
+
+
+def _curve_lengths(max_len: int, num: int = 80) -> list[int]:
+    step = max(1, max_len // num)
+    return sorted(set(range(step, max_len + 1, step)) | {max_len})
+
+
+def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, method: str):
+    """(lengths, peaks, uppers) in bytes, or None when that predictor is unavailable."""
+    try:
+        forecasts = [forecaster.forecast(L, batch_size, method=method) for L in lengths]
+    except (NotEnoughMeasurements, ValueError, RuntimeError):
+        return None
+    if not forecasts or forecasts[0].method != method:
+        return None
+    return list(lengths), [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
+
+
+def _reference_batch_size(callback: "SeqMemCallback") -> Optional[int]:
+    measured = [r.batch_size for r in callback.records if not r.warmup]
+    if callback._last_batch_size is not None:
+        return callback._last_batch_size
+    return measured[-1] if measured else (callback.records[-1].batch_size if callback.records else None)
+
+
+def _mitigation_changes(callback: "SeqMemCallback") -> list[tuple[int, tuple[str, ...], tuple[str, ...]]]:
+    """``(seq_len, before, after)`` at each record whose ``mitigations`` differ from the previous one."""
+    changes, previous = [], ()
+    for record in callback.records:
+        current = tuple(record.mitigations)
+        if current != previous:
+            changes.append((record.seq_len, previous, current))
+        previous = current
+    return changes
+
+
+def memory_figure(
+    callback: "SeqMemCallback",
+    max_seq_len: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    title: Optional[str] = None,
+) -> "Figure":
+    """Memory against sequence length: measured points, both predictors, budget, mitigations.
+
+    Args:
+        callback: a fitted (or resumed) :class:`~lightning_seqmem.SeqMemCallback`.
+        max_seq_len: right end of the curves, in tokens; default twice the largest of the
+            curriculum target and the longest measured length.
+        batch_size: batch size of the curves; default the last measured batch's. Measured points
+            of other batch sizes are drawn with their own marker.
+        title: figure title; default names the batch size.
+
+    The quadratic fit and the timeline replay are drawn with their conservative upper bound as a
+    band; the usable budget (and the whole budget) as horizontal lines; a vertical line marks each
+    length where the set of mitigations changed, and a dotted one the largest length that fits.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    forecaster = callback.forecaster
+    measured = [r for r in callback.records if not r.warmup]
+    batch_size = batch_size or _reference_batch_size(callback)
+    target = callback.curriculum.target if callback.curriculum is not None else 0
+    longest = max([r.seq_len for r in callback.records], default=0)
+    right = max_seq_len or max(2 * max(target, longest), 16)
+    lengths = _curve_lengths(right)
+
+    curves = {}
+    if batch_size is not None and forecaster.ready:
+        for method in ("quadratic", "replay"):
+            curve = _predictor_curve(forecaster, lengths, batch_size, method)
+            if curve is not None:
+                curves[method] = curve
+    budget, usable = callback._budget_bytes, callback.usable_budget_bytes
+    candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
+    candidates += [max(c[2]) for c in curves.values()]
+    unit, scale = _unit(max(candidates, default=0))
+
+    fig = Figure(figsize=(8.0, 5.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    styles = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay")}
+    for method, (xs, peaks, uppers) in curves.items():
+        color, label = styles[method]
+        ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size})")
+        ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
+                        label=f"{method} upper bound")
+    by_batch: dict[int, list] = {}
+    for r in measured:
+        by_batch.setdefault(r.batch_size, []).append(r)
+    markers = iter("os^Dv<>")
+    for b, records in sorted(by_batch.items()):
+        ax.scatter([r.seq_len for r in records], [r.peak_bytes / scale for r in records], marker=next(markers, "o"),
+                   color="black" if b == batch_size else None, zorder=3, label=f"measured peak (batch {b})")
+    if usable:
+        ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
+    if budget and budget != usable:
+        ax.axhline(budget / scale, color="tab:red", linestyle=":", alpha=0.6, label=f"budget {budget / scale:.2f} {unit}")
+    if usable and batch_size is not None and forecaster.ready:
+        try:
+            fit = callback.max_seq_len(batch_size=batch_size)
+        except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
+            fit = None
+        if fit and fit < right:
+            ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
+    for i, (seq_len, before, after) in enumerate(_mitigation_changes(callback)):
+        added = [m for m in after if m not in before] or ["none"]
+        ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
+                   label=f"mitigations on at L={seq_len}: {', '.join(added)}" if i < 4 else None)
+    if target:
+        ax.axvline(target, color="gray", linestyle=":", alpha=0.6, label=f"curriculum target {target}")
+    ax.set_xlim(0, right)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel(f"peak memory of a training step ({unit})")
+    ax.set_title(title or f"seqmem: memory vs sequence length (batch {batch_size})")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def log_figure(trainer: "pl.Trainer", callback: "SeqMemCallback", step: Optional[int] = None) -> Optional["Figure"]:
+    """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger.
+
+    ``step`` defaults to ``trainer.global_step``. Only on global rank zero (returns None elsewhere);
+    a step already logged to a logger is not logged to it again. Returns the figure.
+    """
+    if not trainer.is_global_zero:
+        return None
+    step = trainer.global_step if step is None else int(step)
+    figure = memory_figure(callback)
+    for logger in _tensorboard_loggers(trainer):
+        steps = _FIGURES_LOGGED.setdefault(logger, set())
+        if step in steps:
+            continue
+        logger.experiment.add_figure(FIGURE_TAG, figure, global_step=step, close=False)
+        logger.experiment.flush()
+        steps.add(step)
+    return figure
+
+
+def save_figure(callback: "SeqMemCallback", path: Any, **kwargs: Any) -> "Figure":
+    """Draw :func:`memory_figure` (``kwargs`` go to it) and save it to ``path`` (PNG, SVG or PDF)."""
+    figure = memory_figure(callback, **kwargs)
+    figure.savefig(str(path))
+    return figure

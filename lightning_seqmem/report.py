@@ -1,0 +1,508 @@
+"""The run report: what was measured, what both predictors say, what fits, what was done about it.
+
+:func:`build_report` turns a fitted :class:`~lightning_seqmem.SeqMemCallback` into a plain,
+JSON-able dict (bytes everywhere); :func:`write_report` writes it as ``seqmem_report.json``, a
+Markdown summary ``seqmem_report.md`` and the figure ``seqmem_memory.png`` (see
+:mod:`lightning_seqmem.panels`); :func:`render_console` prints it as ``rich`` tables;
+:func:`load_report` reads the JSON back. GiB/MiB appear only in the Markdown and console output.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from .forecast import NotEnoughMeasurements
+from .probes import PHASES
+from .units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+    from .callback import SeqMemCallback
+
+__all__ = [
+    "JSON_NAME",
+    "MARKDOWN_NAME",
+    "PNG_NAME",
+    "REPORT_FORMAT",
+    "build_report",
+    "load_report",
+    "render_console",
+    "render_markdown",
+    "report_dir",
+    "write_report",
+]
+
+REPORT_FORMAT = "lightning-seqmem-report/1"
+JSON_NAME, MARKDOWN_NAME, PNG_NAME = "seqmem_report.json", "seqmem_report.md", "seqmem_memory.png"
+
+_WARNING_KINDS = {  # prefix of a SeqMemCallback._warned key -> what it means
+    "oom-batch-": "a batch was predicted not to fit the budget",
+    "oom-": "a curriculum stage was predicted not to fit; the curriculum was capped",
+    "mismatch-": "a forecast missed the measurement by more than the tolerance",
+    "budget-first-step": "the first step already exceeded the usable budget",
+    "budget-view": "a forecast for logging failed",
+    "failure": "internal failure: the callback stopped measuring",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------------------
+def _run_facts(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"]) -> dict[str, Any]:
+    import lightning
+    import torch
+
+    from . import __version__
+
+    device = callback._device
+    probe = callback._probe.name if callback._probe is not None else callback.probe_name
+    facts: dict[str, Any] = {
+        "device": None if device is None else str(device),
+        "device_name": None,
+        "probe": probe,
+        "budget_bytes": callback._budget_bytes,
+        "usable_budget_bytes": callback.usable_budget_bytes,
+        "safety_margin": callback.safety_margin,
+        "tolerance": callback.tolerance,
+        "warmup_steps": callback.warmup_steps,
+        "warmup_steps_after_change": callback.warmup_steps_after_change,
+        "model_class": None,
+        "num_parameters": None,
+        "precision": None,
+        "strategy": None,
+        "world_size": None,
+        "global_step": None,
+        "versions": {"lightning_seqmem": __version__, "torch": torch.__version__, "lightning": lightning.__version__},
+        "curriculum": None,
+    }
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        facts["device_name"] = torch.cuda.get_device_name(device)
+    if trainer is not None:
+        module = getattr(trainer, "lightning_module", None)
+        if module is not None:
+            facts["model_class"] = f"{type(module).__module__}.{type(module).__qualname__}"
+            facts["num_parameters"] = sum(p.numel() for p in module.parameters())
+        facts["precision"] = str(trainer.precision)
+        facts["strategy"] = type(trainer.strategy).__name__
+        facts["world_size"] = trainer.world_size
+        facts["global_step"] = trainer.global_step
+    if callback.curriculum is not None:
+        facts["curriculum"] = {
+            **callback.curriculum.to_dict(),
+            "stages": list(callback.curriculum.stages),
+            "stages_run": list(callback._stages),
+            "capped_at": callback._capped_at,
+            "final_stage": callback._stage,
+        }
+    return facts
+
+
+def _points(callback: "SeqMemCallback") -> list[dict[str, Any]]:
+    """Per (seq_len, batch_size, mitigations): max over non-warm-up records of each peak."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for r in callback.records:
+        if r.warmup:
+            continue
+        key = (r.seq_len, r.batch_size, tuple(r.mitigations))
+        p = out.setdefault(key, {
+            "seq_len": r.seq_len, "batch_size": r.batch_size, "mitigations": list(r.mitigations),
+            "num_steps": 0, "peak_bytes": 0, **{f"{ph}_peak_bytes": None for ph in PHASES},
+            "reserved_bytes": None, "fragmentation_bytes": None,
+        })
+        p["num_steps"] += 1
+        p["peak_bytes"] = max(p["peak_bytes"], r.peak_bytes)
+        for name in [f"{ph}_peak_bytes" for ph in PHASES] + ["reserved_bytes", "fragmentation_bytes"]:
+            value = getattr(r, name)
+            if value is not None:
+                p[name] = value if p[name] is None else max(p[name], value)
+    return [out[k] for k in sorted(out, key=lambda k: (k[1] * k[0], k[0], k[2]))]
+
+
+def _predictors(callback: "SeqMemCallback") -> dict[str, Any]:
+    forecaster = callback.forecaster
+    quadratic, timeline = forecaster.quadratic, forecaster.timeline
+    q: dict[str, Any] = {"available": quadratic is not None}
+    if quadratic is not None:
+        state = quadratic.to_dict()
+        q["min_relative_uncertainty"] = state["min_relative_uncertainty"]
+        q["confidence_z"] = state["confidence_z"]
+        q["phases"] = {
+            name: {k: v for k, v in c.items() if k != "covariance"} for name, c in state["phases"].items()
+        }
+    r: dict[str, Any] = {
+        "available": timeline is not None,
+        "traced": [{"seq_len": t.seq_len, "batch_size": t.batch_size, "measured_peak_bytes": t.measured_peak_bytes}
+                   for t in forecaster.traces],
+    }
+    if timeline is None:
+        r["unavailable_reason"] = forecaster.timeline_unavailable_reason
+    else:
+        r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size, notes=list(timeline.notes),
+                 num_allocations=int(timeline.coefficients.shape[1]),
+                 max_fit_residual_bytes=timeline.max_fit_residual_bytes)
+    verifications = [
+        {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method, "forecast_bytes": v.forecast_bytes,
+         "measured_bytes": v.measured_bytes, "relative_error": v.relative_error,
+         "within_tolerance": abs(v.relative_error) <= callback.tolerance}
+        for v in forecaster.verifications
+    ]
+    accuracy = {}
+    for method in ("replay", "quadratic"):
+        errors = [v["relative_error"] for v in verifications if v["method"] == method]
+        if errors:
+            accuracy[method] = {"num_verifications": len(errors), "max_abs_error": max(abs(e) for e in errors),
+                                "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
+                                "worst_under_prediction": min(min(errors), 0.0)}
+    return {"quadratic": q, "replay": r, "verifications": verifications, "accuracy": accuracy,
+            "reserved_ratio": forecaster.reserved_ratio}
+
+
+def _forecast_row(callback: "SeqMemCallback", seq_len: int, batch_size: int) -> dict[str, Any]:
+    fc = callback.forecaster.forecast(seq_len, batch_size)
+    on_cuda = callback._device is not None and callback._device.type == "cuda"
+    bound = fc.reserved_upper_bytes if on_cuda else fc.upper_bytes
+    row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
+           "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,
+           "phase_peak_bytes": dict(fc.phase_peak_bytes), "fits": None}
+    for method in ("quadratic", "replay"):
+        try:
+            other = callback.forecaster.forecast(seq_len, batch_size, method=method)
+            row[f"{method}_peak_bytes"] = other.peak_bytes if other.method == method else None
+        except NotEnoughMeasurements:
+            row[f"{method}_peak_bytes"] = None
+    if callback.usable_budget_bytes is not None:
+        row["fits"] = bound <= callback.usable_budget_bytes
+    return row
+
+
+def _forecasts(callback: "SeqMemCallback", batch_size: Optional[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
+    if batch_size is None or not callback.forecaster.ready:
+        out["error"] = "not enough measurements to forecast (two measured lengths are needed)"
+        return out
+    lengths = {r.seq_len for r in callback.records}
+    if callback.curriculum is not None:
+        lengths |= set(callback.curriculum.stages)
+        target = callback.curriculum.target
+        out["target"] = target
+        lengths |= {2 * target, 4 * target}
+    else:
+        longest = max(lengths, default=0)
+        lengths |= {2 * longest, 4 * longest} - {0}
+    try:
+        out["at"] = [_forecast_row(callback, L, batch_size) for L in sorted(lengths)]
+        if callback.usable_budget_bytes is not None:
+            out["max_seq_len"] = callback.max_seq_len(batch_size=batch_size)
+    except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _mitigations(callback: "SeqMemCallback") -> dict[str, Any]:
+    changes, previous = [], ()
+    for r in callback.records:
+        current = tuple(r.mitigations)
+        if current != previous:
+            changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
+                            "before": list(previous), "after": list(current)})
+        previous = current
+    return {"active": list(callback.mitigations), "changes": changes}
+
+
+def _warnings(callback: "SeqMemCallback") -> list[dict[str, str]]:
+    out = []
+    for key in sorted(callback._warned):
+        kind = next((v for k, v in _WARNING_KINDS.items() if key.startswith(k)), "other")
+        out.append({"key": key, "meaning": kind})
+    return out
+
+
+def _records_summary(callback: "SeqMemCallback") -> dict[str, Any]:
+    records = callback.records
+    if not records:
+        return {"num_records": 0}
+    top = max(records, key=lambda r: r.peak_bytes)
+    reserved = [r.reserved_bytes for r in records if r.reserved_bytes is not None]
+    fragmentation = [r.fragmentation_bytes for r in records if r.fragmentation_bytes is not None]
+    return {
+        "num_records": len(records),
+        "num_warmup": sum(r.warmup for r in records),
+        "num_traced": sum(r.traced for r in records),
+        "seq_lens": sorted({r.seq_len for r in records}),
+        "batch_sizes": sorted({r.batch_size for r in records}),
+        "first_global_step": records[0].global_step,
+        "last_global_step": records[-1].global_step,
+        "max_peak_bytes": top.peak_bytes,
+        "max_peak_seq_len": top.seq_len,
+        "max_peak_global_step": top.global_step,
+        "max_reserved_bytes": max(reserved) if reserved else None,
+        "max_fragmentation_bytes": max(fragmentation) if fragmentation else None,
+        "num_ooms": max((r.num_ooms for r in records if r.num_ooms is not None), default=None),
+    }
+
+
+def build_report(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"] = None,
+                 include_records: bool = True) -> dict[str, Any]:
+    """Everything the callback knows, as plain JSON-able values (bytes, tokens, fractions).
+
+    Keys: ``format``, ``created``, ``run`` (device, probe, budget, safety margin, model class,
+    parameter count, precision, curriculum stages planned and run), ``points`` (per measured
+    ``(seq_len, batch_size, mitigations)``: the maximum over non-warm-up steps of each peak),
+    ``predictors`` (quadratic coefficients per phase, replay lengths and notes, verifications and
+    accuracy per method), ``forecasts`` (at every measured and curriculum length, the target × 2 and
+    × 4, and the largest length that fits the usable budget), ``mitigations``, ``warnings`` (keys of
+    the warnings the callback gave), ``records_summary`` and, with ``include_records``, ``records``
+    (every :class:`~lightning_seqmem.StepRecord` as a dict).
+    """
+    batch_size = callback._last_batch_size
+    if batch_size is None and callback.records:
+        batch_size = callback.records[-1].batch_size
+    report = {
+        "format": REPORT_FORMAT,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "run": _run_facts(callback, trainer),
+        "points": _points(callback),
+        "predictors": _predictors(callback),
+        "forecasts": _forecasts(callback, batch_size),
+        "mitigations": _mitigations(callback),
+        "warnings": _warnings(callback),
+        "records_summary": _records_summary(callback),
+    }
+    if include_records:
+        report["records"] = [r.to_dict() for r in callback.records]
+    return _plain(report)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy: tuples to lists, numpy scalars to Python, non-finite floats to None."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalar
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+def report_dir(trainer: "pl.Trainer") -> str:
+    """Where the report goes: the first logger's ``log_dir`` (else its ``save_dir``), else
+    ``trainer.default_root_dir``.
+
+    Unlike ``trainer.log_dir`` this does not broadcast, so rank zero may call it alone.
+    """
+    for logger in trainer.loggers:
+        for attribute in ("log_dir", "save_dir"):
+            directory = getattr(logger, attribute, None)
+            if directory:
+                return str(directory)
+    return str(trainer.default_root_dir)
+
+
+def write_report(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"] = None,
+                 directory: Optional[str | os.PathLike] = None) -> Optional[tuple[Path, Path, Path]]:
+    """Write ``seqmem_report.json``, ``seqmem_report.md`` and ``seqmem_memory.png`` to ``directory``.
+
+    ``directory`` defaults to :func:`report_dir` of ``trainer``. Returns the three paths; on ranks
+    other than global zero nothing is written and None is returned.
+    """
+    if trainer is not None and not trainer.is_global_zero:
+        return None
+    if directory is None:
+        if trainer is None:
+            raise ValueError("`write_report` needs a `trainer` or a `directory`")
+        directory = report_dir(trainer)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(callback, trainer)
+    png_path = out / PNG_NAME
+    from .panels import save_figure
+
+    save_figure(callback, png_path)
+    report["files"] = {"json": JSON_NAME, "markdown": MARKDOWN_NAME, "figure": PNG_NAME}
+    json_path, md_path = out / JSON_NAME, out / MARKDOWN_NAME
+    json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    md_path.write_text(render_markdown(report), encoding="utf-8")
+    return json_path, md_path, png_path
+
+
+def load_report(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a report written by :func:`write_report` (a ``.json`` file, or the directory holding it)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / JSON_NAME
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    if not isinstance(report, dict) or report.get("format") != REPORT_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a lightning-seqmem report (expected format {REPORT_FORMAT!r})")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Display (the only place, with panels.py, where bytes become MiB/GiB)
+# ----------------------------------------------------------------------------------------------
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def _fits(x: Optional[bool]) -> str:
+    return "-" if x is None else ("yes" if x else "NO")
+
+
+def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    run = report["run"]
+    rows = [
+        ("device", f"{run['device'] or '-'}" + (f" ({run['device_name']})" if run.get("device_name") else "")),
+        ("probe", str(run["probe"])),
+        ("budget", format_bytes(run["budget_bytes"])),
+        ("usable budget", f"{format_bytes(run['usable_budget_bytes'])} (safety margin {run['safety_margin']:.0%})"),
+        ("model", f"{run['model_class'] or '-'}"
+                  + (f", {run['num_parameters']:,} parameters" if run.get("num_parameters") else "")),
+        ("precision", str(run["precision"] or "-")),
+    ]
+    if run.get("world_size") and run["world_size"] > 1:
+        rows.append(("strategy", f"{run['strategy']} × {run['world_size']}"))
+    cur = run.get("curriculum")
+    if cur:
+        planned, ran = cur["stages"], cur["stages_run"]
+        text = " → ".join(map(str, ran)) + f" ({cur['steps_per_stage']} steps per stage)"
+        if cur.get("capped_at") is not None:
+            text += f"; capped at {cur['capped_at']} (planned up to {planned[-1]})"
+        rows.append(("curriculum", text))
+    fc = report["forecasts"]
+    if fc.get("max_seq_len") is not None:
+        rows.append(("largest length that fits", f"{fc['max_seq_len']} tokens at batch {fc['batch_size']}"))
+    acc = report["predictors"]["accuracy"]
+    for method, a in acc.items():
+        rows.append((f"{method} accuracy", f"max |error| {a['max_abs_error']:.1%} over {a['num_verifications']} verification(s)"))
+    mit = report["mitigations"]
+    rows.append(("mitigations", ", ".join(mit["active"]) or "none"))
+    rows.append(("warnings", ", ".join(w["key"] for w in report["warnings"]) or "none"))
+    return rows
+
+
+def _points_rows(report: dict[str, Any]) -> list[list[str]]:
+    verified = {(v["seq_len"], v["batch_size"]): v for v in report["predictors"]["verifications"]}
+    rows = []
+    for p in report["points"]:
+        v = verified.get((p["seq_len"], p["batch_size"]))
+        rows.append([str(p["seq_len"]), str(p["batch_size"]), format_bytes(p["peak_bytes"]),
+                     *(format_bytes(p[f"{ph}_peak_bytes"]) for ph in PHASES), format_bytes(p["reserved_bytes"]),
+                     "-" if v is None else f"{format_bytes(v['forecast_bytes'])} ({v['method']}, {_pct(v['relative_error'])})",
+                     ", ".join(p["mitigations"]) or "-"])
+    return rows
+
+
+_POINT_HEADERS = ["seq_len", "batch", "peak", "forward", "backward", "optimizer", "reserved", "forecast (method, error)", "mitigations"]
+_FORECAST_HEADERS = ["seq_len", "batch", "method", "peak", "upper bound", "quadratic", "replay", "fits"]
+
+
+def _forecast_rows(report: dict[str, Any]) -> list[list[str]]:
+    return [[str(f["seq_len"]), str(f["batch_size"]), f["method"], format_bytes(f["peak_bytes"]),
+             format_bytes(f["upper_bytes"]), format_bytes(f.get("quadratic_peak_bytes")),
+             format_bytes(f.get("replay_peak_bytes")), _fits(f["fits"])] for f in report["forecasts"]["at"]]
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: run facts, measured points, forecasts, predictors, mitigations."""
+    parts = ["# lightning-seqmem report", "", f"Created {report['created']}.", "", "## Run", "",
+             _md_table(["", ""], [list(r) for r in _facts_rows(report)]), "",
+             "## Measured peaks (max over non-warm-up steps)", ""]
+    parts += [_md_table(_POINT_HEADERS, _points_rows(report)) if report["points"] else "No step was measured.", ""]
+    fc = report["forecasts"]
+    parts += ["## Forecasts", ""]
+    if fc["at"]:
+        parts += [f"Batch size {fc['batch_size']}; \"fits\" compares the upper bound with the usable budget.", "",
+                  _md_table(_FORECAST_HEADERS, _forecast_rows(report)), ""]
+    if fc.get("error"):
+        parts += [f"Forecast unavailable: {fc['error']}", ""]
+    pred = report["predictors"]
+    parts += ["## Predictors", ""]
+    q = pred["quadratic"]
+    if q["available"]:
+        parts += ["Quadratic fit `M(L, B) = C + B·(a·L + b·L²)` per phase:", "",
+                  _md_table(["phase", "C", "a (bytes/token)", "b (bytes/token²)", "residual std", "points"],
+                            [[name, format_bytes(c["const_bytes"]), f"{c['linear_bytes_per_token']:.1f}",
+                              f"{c['quadratic_bytes_per_token2']:.3f}", format_bytes(c["residual_std_bytes"]),
+                              str(c["num_points"])] for name, c in q["phases"].items()]), ""]
+    r = pred["replay"]
+    if r["available"]:
+        parts += [f"Timeline replay of steps traced at seq_len {r['seq_lens']} (batch {r['batch_size']}, "
+                  f"{r['num_allocations']} allocations); " + "; ".join(r["notes"]) + ".", ""]
+    else:
+        parts += [f"Timeline replay unavailable: {r.get('unavailable_reason', '-')}.", ""]
+    if pred["verifications"]:
+        parts += ["Verifications (forecast made before the length was first measured):", "",
+                  _md_table(["seq_len", "batch", "method", "forecast", "measured", "error", "within tolerance"],
+                            [[str(v["seq_len"]), str(v["batch_size"]), v["method"], format_bytes(v["forecast_bytes"]),
+                              format_bytes(v["measured_bytes"]), _pct(v["relative_error"]),
+                              "yes" if v["within_tolerance"] else "NO"] for v in pred["verifications"]]), ""]
+    mit = report["mitigations"]
+    parts += ["## Mitigations", ""]
+    if mit["changes"]:
+        parts += [_md_table(["global step", "seq_len", "before", "after"],
+                            [[str(c["global_step"]), str(c["seq_len"]), ", ".join(c["before"]) or "none",
+                              ", ".join(c["after"]) or "none"] for c in mit["changes"]]), ""]
+    else:
+        parts += ["None applied.", ""]
+    parts += ["## Warnings", ""]
+    parts += [f"- `{w['key']}`: {w['meaning']}" for w in report["warnings"]] or ["None."]
+    s = report["records_summary"]
+    parts += ["", "## Records", "", f"{s['num_records']} measured steps"
+              + (f" ({s['num_warmup']} warm-up, {s['num_traced']} traced), lengths {s['seq_lens']}; highest peak "
+                 f"{format_bytes(s['max_peak_bytes'])} at seq_len {s['max_peak_seq_len']} (global step "
+                 f"{s['max_peak_global_step']})." if s["num_records"] else ".")]
+    if report.get("files", {}).get("figure"):
+        parts += ["", f"![memory vs sequence length]({report['files']['figure']})"]
+    return "\n".join(parts) + "\n"
+
+
+def render_console(report: dict[str, Any], console: Any = None) -> None:
+    """Print the report as ``rich`` tables (run facts, measured peaks, forecasts) on ``console``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    facts = Table(title="seqmem: run", show_header=False, title_justify="left")
+    facts.add_column(style="bold")
+    facts.add_column()
+    for name, value in _facts_rows(report):
+        facts.add_row(name, value)
+    console.print(facts)
+    if report["points"]:
+        points = Table(title="seqmem: measured peaks (max over non-warm-up steps)", title_justify="left")
+        for header in _POINT_HEADERS:
+            points.add_column(header, justify="left" if header in ("forecast (method, error)", "mitigations") else "right")
+        for row in _points_rows(report):
+            points.add_row(*row)
+        console.print(points)
+    fc = report["forecasts"]
+    if fc["at"]:
+        table = Table(title=f"seqmem: forecasts (batch {fc['batch_size']}; fits = upper bound within the usable budget)",
+                      title_justify="left")
+        for header in _FORECAST_HEADERS:
+            table.add_column(header, justify="left" if header == "method" else "right")
+        for row in _forecast_rows(report):
+            style = "red" if row[-1] == "NO" else None
+            table.add_row(*row, style=style)
+        console.print(table)
+    if fc.get("error"):
+        console.print(f"[yellow]forecast unavailable:[/yellow] {fc['error']}")
