@@ -195,9 +195,11 @@ class MemoryForecaster:
                 detail += f" (replay unavailable: {self._timeline_reason})"
             upper = max(fc.upper_bytes, int(fc.peak_bytes * (1 + self._miss_ratio("quadratic"))))
             return self._make(seq_len, batch_size, fc.peak_bytes, upper, "quadratic", fc.phase_peak_bytes, detail)
+        if method == "replay":
+            raise NotEnoughMeasurements(f"replay unavailable: {self._timeline_reason}")
         raise NotEnoughMeasurements(
-            f"cannot forecast {method or 'memory'} yet: {len(self.points)} (seq_len, batch_size) point(s) "
-            f"measured and replay unavailable ({self._timeline_reason}); measure at least two lengths "
+            f"cannot forecast yet: {len(self.points)} (seq_len, batch_size) point(s) measured and "
+            f"replay unavailable ({self._timeline_reason}); measure at least two lengths "
             "(a curriculum, dynamic padding, or more warm-up-free steps)"
         )
 

@@ -393,20 +393,29 @@ def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _points_rows(report: dict[str, Any]) -> list[list[str]]:
+def _points_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of the measured points; CUDA-only and mitigation columns only when used."""
     verified = {(v["seq_len"], v["batch_size"]): v for v in report["predictors"]["verifications"]}
+    points = report["points"]
+    with_reserved = any(p["reserved_bytes"] is not None for p in points)
+    with_mitigations = any(p["mitigations"] for p in points)
+    headers = ["seq_len", "batch", "peak", *PHASES, *(["reserved"] if with_reserved else []),
+               "forecast error", *(["mitigations"] if with_mitigations else [])]
     rows = []
-    for p in report["points"]:
+    for p in points:
         v = verified.get((p["seq_len"], p["batch_size"]))
-        rows.append([str(p["seq_len"]), str(p["batch_size"]), format_bytes(p["peak_bytes"]),
-                     *(format_bytes(p[f"{ph}_peak_bytes"]) for ph in PHASES), format_bytes(p["reserved_bytes"]),
-                     "-" if v is None else f"{format_bytes(v['forecast_bytes'])} ({v['method']}, {_pct(v['relative_error'])})",
-                     ", ".join(p["mitigations"]) or "-"])
-    return rows
+        row = [str(p["seq_len"]), str(p["batch_size"]), format_bytes(p["peak_bytes"]),
+               *(format_bytes(p[f"{ph}_peak_bytes"]) for ph in PHASES)]
+        if with_reserved:
+            row.append(format_bytes(p["reserved_bytes"]))
+        row.append("-" if v is None else f"{_pct(v['relative_error'])} {v['method']}")
+        if with_mitigations:
+            row.append(", ".join(p["mitigations"]) or "-")
+        rows.append(row)
+    return headers, rows
 
 
-_POINT_HEADERS = ["seq_len", "batch", "peak", "forward", "backward", "optimizer", "reserved", "forecast (method, error)", "mitigations"]
-_FORECAST_HEADERS = ["seq_len", "batch", "method", "peak", "upper bound", "quadratic", "replay", "fits"]
+_FORECAST_HEADERS = ["seq_len", "batch", "method", "peak", "upper", "quadratic", "replay", "fits"]
 
 
 def _forecast_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -426,7 +435,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     parts = ["# lightning-seqmem report", "", f"Created {report['created']}.", "", "## Run", "",
              _md_table(["", ""], [list(r) for r in _facts_rows(report)]), "",
              "## Measured peaks (max over non-warm-up steps)", ""]
-    parts += [_md_table(_POINT_HEADERS, _points_rows(report)) if report["points"] else "No step was measured.", ""]
+    parts += [_md_table(*_points_table(report)) if report["points"] else "No step was measured.", ""]
     fc = report["forecasts"]
     parts += ["## Forecasts", ""]
     if fc["at"]:
@@ -488,10 +497,11 @@ def render_console(report: dict[str, Any], console: Any = None) -> None:
         facts.add_row(name, value)
     console.print(facts)
     if report["points"]:
+        headers, rows = _points_table(report)
         points = Table(title="seqmem: measured peaks (max over non-warm-up steps)", title_justify="left")
-        for header in _POINT_HEADERS:
-            points.add_column(header, justify="left" if header in ("forecast (method, error)", "mitigations") else "right")
-        for row in _points_rows(report):
+        for header in headers:
+            points.add_column(header, justify="left" if header in ("forecast error", "mitigations") else "right")
+        for row in rows:
             points.add_row(*row)
         console.print(points)
     fc = report["forecasts"]

@@ -144,8 +144,6 @@ def test_forecast_miss_beyond_tolerance_warns_once():
     assert cb.records[-1].traced and "differs" in cb.forecaster.timeline_unavailable_reason
     fc = cb.forecast(128)
     assert fc.method == "quadratic" and fc.upper_bytes >= miss.peak_bytes
-    # and a miss widens the bounds of that method from then on
-    assert cb.forecaster.forecast(128, 2, method="replay").upper_bytes >= miss.peak_bytes
 
 
 def _final_weights(callbacks, steps=6):
