@@ -390,7 +390,20 @@ class SeqMemCallback(Callback):
     def _stage_decision(self, batch: Any, current: int, nxt: int) -> Optional[int]:
         """None to go on to ``nxt``; else the length to cap at (a forecast said ``nxt`` won't fit)."""
         budget = self.usable_budget_bytes
-        if budget is None or self._disabled or not self.forecaster.ready:
+        if budget is None or self._disabled:
+            return None
+        measured_here = [r.peak_bytes for r in self.records if r.seq_len == current]
+        if measured_here and max(measured_here) > budget:  # already over: growing can only be worse
+            self._warn_once(
+                f"oom-{nxt}",
+                f"seqmem: seq_len={current} already peaked at {format_bytes(max(measured_here))}, over the "
+                f"usable budget {format_bytes(budget)}; the curriculum stays at seq_len={current} instead "
+                f"of growing to {nxt}. Raise `memory_budget`, or switch attention to SDPA or flash-attn, "
+                "enable activation checkpointing, or train with batch size 1 and gradient accumulation.",
+                PredictedOOMWarning,
+            )
+            return current
+        if not self.forecaster.ready:
             return None
         try:
             batch_size = self._stage_batch_size(batch, nxt)

@@ -20,6 +20,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 from conftest import make_trainer
@@ -171,38 +172,40 @@ def test_from_the_start_equals_full_batch(optimizer, micro_batch_size):
     assert micro.optimizer_steps == full.optimizer_steps == 6
     assert micro.global_step == full.global_step == 6
     _assert_close(micro.first_grads, full.first_grads, atol=1e-6)
-    _assert_close(micro.params, full.params, atol=2e-5)
+    # AdamW turns the rounding noise of gradients that are zero in exact arithmetic (the key bias
+    # of attention) into updates of up to lr * O(1); SGD shows the gradients' agreement directly.
+    _assert_close(micro.params, full.params, atol=1e-6 if optimizer == "sgd" else 2e-4)
     # training_step's returned loss is the full-batch loss, not the last micro-batch's
     assert micro.losses == pytest.approx(full.losses, rel=1e-5)
 
 
 def test_apply_mid_epoch_equals_full_batch():
-    full = _fit(None)
-    micro = _fit(1, apply_at=3)
+    full = _fit(None, optimizer="sgd")
+    micro = _fit(1, apply_at=3, optimizer="sgd")
     assert micro.results[0].applied
     assert [len(s) for s in micro.seen] == [4, 4, 4] + [1] * 12  # batches 0-2 whole, then split
     assert _flat(micro.seen) == _flat(full.seen) and micro.global_step == full.global_step == 6
-    _assert_close(micro.params, full.params, atol=2e-5)
+    _assert_close(micro.params, full.params, atol=1e-6)
 
 
 def test_accumulate_grad_batches_equals_without_micro_batching():
     # applied at batch 3: in the middle of an accumulation window of 2
-    full = _fit(None, accumulate=2, num_samples=32)
-    micro = _fit(2, apply_at=3, accumulate=2, num_samples=32)
+    full = _fit(None, optimizer="sgd", accumulate=2, num_samples=32)
+    micro = _fit(2, apply_at=3, optimizer="sgd", accumulate=2, num_samples=32)
     assert micro.optimizer_steps == full.optimizer_steps == 4 and micro.global_step == full.global_step == 4
     assert sorted(_flat(micro.seen)) == list(range(32))
     _assert_close(micro.first_grads, full.first_grads, atol=1e-6)
-    _assert_close(micro.params, full.params, atol=2e-5)
+    _assert_close(micro.params, full.params, atol=1e-6)
     assert micro.losses == pytest.approx(full.losses, rel=1e-5)
 
-    micro_from_start = _fit(1, apply_at=0, accumulate=2, num_samples=32)
+    micro_from_start = _fit(1, apply_at=0, optimizer="sgd", accumulate=2, num_samples=32)
     _assert_close(micro_from_start.first_grads, full.first_grads, atol=1e-6)
-    _assert_close(micro_from_start.params, full.params, atol=2e-5)
+    _assert_close(micro_from_start.params, full.params, atol=1e-6)
 
 
 def test_apply_before_fit_and_remove_mid_training():
     torch.manual_seed(0)
-    model = RecordingGPT(**SMALL)
+    model = RecordingGPT(optimizer="sgd", **SMALL)
     trainer = make_trainer([], max_steps=-1, max_epochs=1)
     result = MicroBatching(2).apply(trainer, model)  # before fit: batch size unknown, applies
     assert result.applied and result.after == "micro_batch_size=2" and is_micro_batching(model)
@@ -216,8 +219,8 @@ def test_apply_before_fit_and_remove_mid_training():
     trainer.fit(model, datamodule=SyntheticTokenDataModule(4, 16, 16, vocab_size=SMALL["vocab_size"]))
     assert [len(s) for s in model.seen] == [2, 2, 2, 2, 4, 4]
     assert not is_micro_batching(model) and "optimizer_zero_grad" not in model.__dict__
-    full = _fit(None, num_samples=16)
-    _assert_close({n: p.detach() for n, p in model.named_parameters()}, full.params, atol=2e-5)
+    full = _fit(None, optimizer="sgd", num_samples=16)
+    _assert_close({n: p.detach() for n, p in model.named_parameters()}, full.params, atol=1e-6)
 
 
 # --- memory ------------------------------------------------------------------------------------
@@ -259,7 +262,7 @@ def test_micro_batch_one_lowers_the_step_peak():
     full_dynamic, micro_dynamic = full.peak_bytes - full.start_bytes, micro.peak_bytes - micro.start_bytes
     assert micro.peak_bytes < full.peak_bytes
     # activations of 1 sample instead of 4 (plus the gradients, alive during later micro-batches)
-    assert micro_dynamic < 0.45 * full_dynamic, (micro_dynamic, full_dynamic)
+    assert micro_dynamic < 0.4 * full_dynamic, (micro_dynamic, full_dynamic)
 
 
 # --- refusals and idempotence ------------------------------------------------------------------
@@ -343,11 +346,19 @@ def test_training_step_without_trainer_is_not_split():
 def _ddp_worker(mode: str, out: str) -> None:
     """Train 2 CPU processes with gloo; rank 0 saves parameters, steps and seen indices to ``out``."""
     torch.manual_seed(0)
-    model = RecordingGPT(**SMALL)
+    model = RecordingGPT(optimizer="sgd", **SMALL)
     recorder = Recorder(1 if mode == "micro" else None, apply_at=0)
-    trainer = make_trainer(
-        [recorder], max_steps=-1, max_epochs=1, strategy="ddp", devices=2, accelerator="cpu",
-    )
+    allreduces = [0]
+
+    def counting_allreduce(state, bucket):  # called once per gradient bucket all-reduced
+        allreduces[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    class CountAllreduces(pl.Callback):  # Lightning registers `ddp_comm_hook` on CUDA only
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy.model.register_comm_hook(None, counting_allreduce)
+
+    trainer = make_trainer([recorder, CountAllreduces()], max_steps=-1, max_epochs=1, strategy="ddp", devices=2)
     trainer.fit(model, datamodule=SyntheticTokenDataModule(4, 16, 32, vocab_size=SMALL["vocab_size"]))
     seen = torch.tensor(_flat(model.seen))
     gathered = trainer.strategy.all_gather(seen)
@@ -359,6 +370,7 @@ def _ddp_worker(mode: str, out: str) -> None:
                 "optimizer_steps": recorder.optimizer_steps,
                 "seen": gathered.flatten().tolist(),
                 "calls": len(model.seen),
+                "allreduces": allreduces[0],
             },
             out,
         )
@@ -381,8 +393,9 @@ def test_ddp_equals_full_batch(tmp_path):
     assert micro["global_step"] == full["global_step"] == 4  # 32 samples / (2 ranks x 4)
     assert micro["optimizer_steps"] == full["optimizer_steps"] == 4
     assert micro["calls"] == 4 * full["calls"] == 16
+    assert micro["allreduces"] == full["allreduces"] > 0  # gradients synced once per optimizer step
     assert sorted(micro["seen"]) == sorted(full["seen"]) == list(range(32))
-    _assert_close(micro["params"], full["params"], atol=2e-5)
+    _assert_close(micro["params"], full["params"], atol=1e-6)
 
 
 if __name__ == "__main__":

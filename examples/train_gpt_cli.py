@@ -1,0 +1,39 @@
+"""Train the reference GPT from a LightningCLI config, with SeqMemCallback configured in YAML.
+
+    python examples/train_gpt_cli.py fit --config configs/cpu_demo.yaml
+    python examples/train_gpt_cli.py fit --config configs/cpu_demo.yaml --trainer.max_steps 12
+    python examples/train_gpt_cli.py fit --config configs/ddp_cpu.yaml
+    python examples/train_gpt_cli.py fit --help   # every option, SeqMemCallback's included
+
+At the end the seqmem report (JSON, Markdown, figure) is written to the logger's log_dir and printed.
+"""
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_seqmem import SeqMemCallback
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+
+
+def report(trainer) -> None:
+    """Write and print the report of the first SeqMemCallback (rank zero only)."""
+    from lightning_seqmem.panels import log_figure, write_layout
+    from lightning_seqmem.report import build_report, render_console, write_report
+
+    callback = next((c for c in trainer.callbacks if isinstance(c, SeqMemCallback)), None)
+    if callback is None or not trainer.is_global_zero:
+        return
+    write_layout(trainer)
+    log_figure(trainer, callback)
+    paths = write_report(callback, trainer)
+    render_console(build_report(callback, trainer, include_records=False))
+    print(f"seqmem report: {paths[0]}")
+
+
+def main() -> None:
+    cli = LightningCLI(LitGPT, SyntheticTokenDataModule, save_config_kwargs={"overwrite": True})
+    if cli.subcommand == "fit":
+        report(cli.trainer)
+
+
+if __name__ == "__main__":
+    main()

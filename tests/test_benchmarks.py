@@ -1,0 +1,64 @@
+"""The benchmark scripts run end to end (as subprocesses) and print what they promise."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: float = 300) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_prediction_accuracy_quick_replay_is_within_one_percent():
+    out = _run("prediction_accuracy.py", "--quick")
+    assert "prediction_accuracy: batch 4, vocab 256, L0=16" in out
+    assert re.search(r"^shape\s+attention\s+ckpt\s+target\s+measured MiB\s+replay\s+quad\s+quad>=T/4", out, re.M)
+    for attention in ("eager", "sdpa"):
+        for ckpt in ("off", "on"):
+            assert re.search(rf"^\S+\s+{attention}\s+{ckpt}\s+16·L0=256\s", out, re.M), (attention, ckpt, out)
+    replay = re.search(r"^SUMMARY replay\s+worst \|error\|: @8L0=([\d.]+)% @16L0=([\d.]+)%.*: (PASS|FAIL)$", out, re.M)
+    assert replay, out
+    assert float(replay.group(1)) <= 1.0 and float(replay.group(2)) <= 1.0, replay.group(0)
+    assert replay.group(3) == "PASS"
+    quadratic = re.search(r"^SUMMARY quad>=T/4\s+worst \|error\|: @8L0=([\d.]+)%.*target <= 15% at 8·L0: (PASS|FAIL)$", out, re.M)
+    assert quadratic, out
+    assert re.search(r"^total runtime: [\d.]+ s$", out, re.M)
+
+
+def test_overhead_quick_prints_ratios():
+    out = _run("overhead.py", "--quick")
+    assert "overhead: SeqMemCallback step-time ratio vs no callback" in out
+    assert re.search(r"^\s+config\s+steps\s+mean ms\s+median ms\s+ratio mean\s+ratio median$", out, re.M)
+    rows = {}
+    for name in ("baseline", "seqmem", "seqmem/10"):
+        match = re.search(rf"^\s+{re.escape(name)}\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+        assert match, (name, out)
+        rows[name] = match
+    assert float(rows["baseline"].group(4)) == 1.0
+    assert all(int(m.group(1)) > 0 and float(m.group(2)) > 0 for m in rows.values())
+    assert "the <= 1.01 target applies to the CUDA allocator counters" in out or "[cuda]" in out
+    assert re.search(r"^total runtime: [\d.]+ s$", out, re.M)
+
+
+def test_gpu_check_runs_or_skips():
+    import torch
+
+    out = _run("gpu_check.py", timeout=600)
+    if torch.cuda.is_available():
+        assert "SUMMARY forecast error" in out
+        assert re.search(r"^total runtime: [\d.]+ s$", out, re.M)
+    else:
+        assert out.strip() == "no CUDA device: gpu_check skipped"
