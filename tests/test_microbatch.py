@@ -5,7 +5,7 @@ Every comparison trains the same seeded model twice, with and without
 ``training_step``, the optimizer steps, ``global_step``, the first gradients and the final
 parameters (fp32, allclose). Memory is live tensor bytes from :class:`TrackerProbe`.
 
-Run as a script (``python tests/test_microbatch.py MODE OUT``) this file is the DDP worker of
+Run as a script (``python tests/test_microbatch.py OUT``) this file is the DDP worker of
 :func:`test_ddp_equals_full_batch`: Lightning's ``ddp`` launcher re-runs the script for rank 1.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -223,6 +224,27 @@ def test_apply_before_fit_and_remove_mid_training():
     _assert_close({n: p.detach() for n, p in model.named_parameters()}, full.params, atol=1e-6)
 
 
+def _fit_fp16(micro_batch_size: int | None):
+    torch.manual_seed(0)
+    model = RecordingGPT(optimizer="sgd", **SMALL)
+    recorder = Recorder(micro_batch_size, apply_at=0)
+    # "16-mixed" on CPU falls back to bf16 without a scaler: pass a GradScaler explicitly.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    trainer = make_trainer([recorder], max_steps=-1, max_epochs=1, plugins=[plugin])
+    trainer.fit(model, datamodule=SyntheticTokenDataModule(4, 16, 16, vocab_size=SMALL["vocab_size"]))
+    return recorder.first_grads, {n: p.detach() for n, p in model.named_parameters()}, plugin.scaler.get_scale()
+
+
+def test_grad_scaler_is_applied_to_every_micro_batch():
+    # An unscaled micro-batch backward would be off by the scale (4096); fp16 rounding is ~1e-3.
+    full_grads, full_params, full_scale = _fit_fp16(None)
+    micro_grads, micro_params, micro_scale = _fit_fp16(1)
+    assert micro_scale == full_scale == 2.0**12
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(micro_grads[name], grad, atol=1e-2 * float(grad.abs().max()) + 1e-9, rtol=0)
+    _assert_close(micro_params, full_params, atol=1e-3, rtol=0)
+
+
 # --- memory ------------------------------------------------------------------------------------
 
 
@@ -343,11 +365,11 @@ def test_training_step_without_trainer_is_not_split():
 # --- DDP ---------------------------------------------------------------------------------------
 
 
-def _ddp_worker(mode: str, out: str) -> None:
-    """Train 2 CPU processes with gloo; rank 0 saves parameters, steps and seen indices to ``out``."""
+def _ddp_fit(micro_batch_size: int | None) -> dict:
+    """One DDP fit on 2 CPU processes (gloo); returns rank 0's parameters, counts and seen indices."""
     torch.manual_seed(0)
     model = RecordingGPT(optimizer="sgd", **SMALL)
-    recorder = Recorder(1 if mode == "micro" else None, apply_at=0)
+    recorder = Recorder(micro_batch_size, apply_at=0)
     allreduces = [0]
 
     def counting_allreduce(state, bucket):  # called once per gradient bucket all-reduced
@@ -360,43 +382,45 @@ def _ddp_worker(mode: str, out: str) -> None:
 
     trainer = make_trainer([recorder, CountAllreduces()], max_steps=-1, max_epochs=1, strategy="ddp", devices=2)
     trainer.fit(model, datamodule=SyntheticTokenDataModule(4, 16, 32, vocab_size=SMALL["vocab_size"]))
-    seen = torch.tensor(_flat(model.seen))
-    gathered = trainer.strategy.all_gather(seen)
-    if trainer.global_rank == 0:
-        torch.save(
-            {
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "global_step": trainer.global_step,
-                "optimizer_steps": recorder.optimizer_steps,
-                "seen": gathered.flatten().tolist(),
-                "calls": len(model.seen),
-                "allreduces": allreduces[0],
-            },
-            out,
-        )
+    seen = trainer.strategy.all_gather(torch.tensor(_flat(model.seen)))
+    return {
+        "rank": trainer.global_rank,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "global_step": trainer.global_step,
+        "optimizer_steps": recorder.optimizer_steps,
+        "seen": seen.flatten().tolist(),
+        "calls": len(model.seen),
+        "allreduces": allreduces[0],
+    }
+
+
+def _ddp_worker(out: str) -> None:
+    """Both fits in one launch: the launcher re-runs this script once for rank 1, which runs both too."""
+    results = {"full": _ddp_fit(None), "micro": _ddp_fit(1)}
+    if results["full"]["rank"] == 0:
+        torch.save(results, out)
 
 
 @pytest.mark.ddp
 def test_ddp_equals_full_batch(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)
-    results = {}
-    for mode in ("full", "micro"):
-        out = tmp_path / f"{mode}.pt"
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), mode, str(out)],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[mode] = torch.load(out)
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    out = tmp_path / "ddp.pt"
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = torch.load(out)
     full, micro = results["full"], results["micro"]
     assert micro["global_step"] == full["global_step"] == 4  # 32 samples / (2 ranks x 4)
     assert micro["optimizer_steps"] == full["optimizer_steps"] == 4
-    assert micro["calls"] == 4 * full["calls"] == 16
-    assert micro["allreduces"] == full["allreduces"] > 0  # gradients synced once per optimizer step
+    assert micro["calls"] == 4 * full["calls"] == 16  # per rank: 4 batches of 4, split into 1s
     assert sorted(micro["seen"]) == sorted(full["seen"]) == list(range(32))
+    assert micro["allreduces"] == full["allreduces"] == 4  # gradients synced once per optimizer step
     _assert_close(micro["params"], full["params"], atol=1e-6)
 
 
 if __name__ == "__main__":
-    _ddp_worker(sys.argv[1], sys.argv[2])
+    _ddp_worker(sys.argv[1])
