@@ -10,8 +10,8 @@ checkpointing, no progress bar) for ``--steps`` steps in three configurations:
 Each step is timed from ``on_train_batch_start`` (a timer callback placed first) to
 ``on_train_batch_end`` (a timer callback placed last), so the callback's own hooks are inside the
 timed span; the first ``--skip`` steps (warm-up and the traced steps) are dropped. Runs are
-interleaved (baseline, seqmem, seqmem/10, baseline, ...) ``--repeats`` times so that machine noise
-hits all configurations alike; compare the ratios within one run.
+interleaved in alternating order (baseline, seqmem, seqmem/10, then seqmem/10, seqmem, baseline,
+...) ``--repeats`` times so that machine noise hits all configurations alike; compare the ratios within one run.
 
 The 1% overhead target is for the CUDA allocator counters (a few microseconds per step). On CPU
 the only probe is the live-tensor tracker (a ``TorchDispatchMode``), which runs on every measured
@@ -118,8 +118,11 @@ def run_once(config: str, accelerator: str, args: argparse.Namespace) -> list[fl
 def compare(accelerator: str, args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     run_once("seqmem", accelerator, args)  # untimed: process warm-up (thread pools, kernels, imports)
-    for _ in range(args.repeats):
-        for name in CONFIGS:  # interleaved: noise hits every configuration alike
+    for repeat in range(args.repeats):
+        # interleaved, in alternating order (ABC, CBA, ...): slow drifts of the machine's load hit
+        # every configuration alike
+        names = list(CONFIGS) if repeat % 2 == 0 else list(CONFIGS)[::-1]
+        for name in names:
             times[name].extend(run_once(name, accelerator, args))
     base_mean = statistics.fmean(times["baseline"])
     base_median = statistics.median(times["baseline"])
@@ -153,14 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved runs per configuration")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--attention", default="sdpa", choices=("eager", "sdpa"))
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: on a shared machine a parallel region waits for its slowest thread)",
+    )
     args = parser.parse_args(argv)
-    quick: dict[str, Any] = dict(steps=25, skip=8, repeats=2, seq_len=64, n_layer=2, d_model=128, n_head=4, batch_size=4)
+    quick: dict[str, Any] = dict(steps=20, skip=8, repeats=3, seq_len=64, n_layer=2, d_model=128, n_head=4, batch_size=4)
     full: dict[str, Any] = dict(steps=60, skip=10, repeats=3, seq_len=128, n_layer=2, d_model=128, n_head=4, batch_size=4)
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.skip >= args.steps:
         parser.error(f"--skip must be smaller than --steps, got skip={args.skip}, steps={args.steps}")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     print(f"overhead: SeqMemCallback step-time ratio vs no callback ({torch.get_num_threads()} CPU threads)")
     compare("cpu", args)

@@ -20,12 +20,19 @@ from torch.utils._pytree import tree_flatten
 from .batch import infer_batch_shape, set_batch_sequence_length
 from .curriculum import Curriculum
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
-from .probes import PHASES, PROBE_NAMES, MemoryProbe, make_probe
+from .probes import PHASES, PROBE_NAMES, MemoryProbe, StepMemory, make_probe
 from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
 from .timeline import Trace
 from .units import format_bytes, parse_bytes, to_gib
 
 SeqLenFn = Callable[[Any], "tuple[int, int]"]
+
+# StepMemory fields reduced with max across ranks, followed by the phase peaks and a failure flag
+_REDUCED_FIELDS = (
+    "peak_bytes", "start_bytes", "end_bytes", "reserved_bytes", "fragmentation_bytes",
+    "inactive_split_bytes", "alloc_retries", "num_ooms",
+)
+_NUM_REDUCED = len(_REDUCED_FIELDS) + 3  # + forward, backward, optimizer
 
 
 def _guarded(hook: Callable) -> Callable:
@@ -244,11 +251,11 @@ class SeqMemCallback(Callback):
         return self._device is not None and self._device.type == "cuda"
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._disabled:
-            return
+        # The curriculum runs even after a measurement failure: every rank must keep cutting
+        # batches the same way and entering the same collectives.
         try:
             self._apply_curriculum(trainer, batch)
-            batch_size, seq_len = self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch)
+            shape = None if self._disabled else (self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch))
         except (TypeError, ValueError):
             if self._step == 0:  # a configuration problem, found before any step ran: say so
                 raise
@@ -257,7 +264,8 @@ class SeqMemCallback(Callback):
         except Exception as exc:  # noqa: BLE001
             self._fail("on_train_batch_start", exc)
             return
-        self._start_measurement(trainer, pl_module, batch, int(batch_size), int(seq_len))
+        if shape is not None:
+            self._start_measurement(trainer, pl_module, batch, int(shape[0]), int(shape[1]))
 
     @_guarded
     def _start_measurement(self, trainer, pl_module, batch, batch_size: int, seq_len: int) -> None:
@@ -299,14 +307,44 @@ class SeqMemCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._step += 1
         self._stage_steps += 1
-        self._end_measurement(trainer)
+        current, self._current = self._current, None
+        measured = self._stop_probe(current)
+        if trainer.world_size > 1:
+            measured = self._reduce_across_ranks(trainer, pl_module, measured)
+        if measured is not None and current is not None:
+            self._record(trainer, current, measured)
 
     @_guarded
-    def _end_measurement(self, trainer: pl.Trainer) -> None:
-        current, self._current = self._current, None
+    def _stop_probe(self, current: Optional[dict[str, Any]]) -> Optional[StepMemory]:
         if current is None or not current["measure"] or self._probe is None or not self._probe.running:
-            return
-        m = self._probe.end_step()
+            return None
+        return self._probe.end_step()
+
+    def _reduce_across_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule, m: Optional[StepMemory]) -> Optional[StepMemory]:
+        """Max of every rank's measurement; called by every rank at every batch end, so no rank
+        ever enters the collective alone. A rank that failed sends a flag and all ranks stop."""
+        values = [-1] * _NUM_REDUCED
+        if m is not None:
+            values = [-1 if getattr(m, f) is None else int(getattr(m, f)) for f in _REDUCED_FIELDS]
+            values += [m.phase_peak_bytes.get(p, -1) for p in PHASES]
+        values.append(int(self._disabled))
+        try:
+            reduced = trainer.strategy.reduce(
+                torch.tensor(values, dtype=torch.int64, device=pl_module.device), reduce_op="max"
+            ).tolist()
+        except Exception as exc:  # noqa: BLE001
+            self._fail("the reduction of peaks across ranks", exc)
+            return None
+        if reduced[-1] and not self._disabled:
+            self._fail("another rank", RuntimeError("a rank stopped measuring, so every rank does"))
+        if self._disabled or m is None or reduced[0] < 0:
+            return None
+        fields = {f: (None if v < 0 else int(v)) for f, v in zip(_REDUCED_FIELDS, reduced)}
+        phases = {p: int(v) for p, v in zip(PHASES, reduced[len(_REDUCED_FIELDS) : -1]) if v >= 0}
+        return StepMemory(phase_peak_bytes=phases, fragmentation_fraction=m.fragmentation_fraction, events=m.events, **fields)
+
+    @_guarded
+    def _record(self, trainer: pl.Trainer, current: dict[str, Any], m: StepMemory) -> None:
         phases = {p: m.phase_peak_bytes.get(p) for p in PHASES}
         record = StepRecord(
             step=current["step"],

@@ -256,7 +256,7 @@ class _MicroBatchedTrainingStep:
             if isinstance(pending, _SkipNextZeroGrad):  # armed by a step whose zero_grad never came
                 pending.restore()
             self.pl_module.optimizer_zero_grad(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, optimizer)
-            self.pl_module.optimizer_zero_grad = _SkipNextZeroGrad(self.pl_module)
+            pass
         model = trainer.strategy.model
         no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
         done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached

@@ -1,0 +1,242 @@
+"""TensorBoard panels and the report, read back from what a real (tiny) fit wrote."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+from lightning_seqmem import Curriculum, SeqMemCallback, StepRecord
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.panels import (
+    FIGURE_TAG,
+    LAYOUT_CATEGORIES,
+    custom_scalars_layout,
+    log_figure,
+    memory_figure,
+    write_layout,
+)
+from lightning_seqmem.probes import PHASES
+from lightning_seqmem.report import (
+    JSON_NAME,
+    build_report,
+    load_report,
+    render_console,
+    render_markdown,
+    report_dir,
+    write_report,
+)
+
+from conftest import make_trainer
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One fit: 9 steps, curriculum 16 → 32 → 64, TensorBoard logger; layout, figure and report written."""
+    root = tmp_path_factory.mktemp("panels")
+    callback = SeqMemCallback(memory_budget="64MiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=3))
+    logger = TensorBoardLogger(save_dir=str(root), name="tb")
+    trainer = make_trainer([callback], max_steps=9, logger=logger, log_every_n_steps=1)
+    assert write_layout(trainer) == 1
+    assert write_layout(trainer) == 0  # once per logger
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
+    figure = log_figure(trainer, callback)
+    paths = write_report(callback, trainer)
+    accumulator = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    accumulator.Reload()
+    return {"callback": callback, "trainer": trainer, "logger": logger, "figure": figure, "paths": paths,
+            "events": accumulator}
+
+
+def _scalars(events, tag):
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def test_records_cover_three_lengths(run):
+    cb = run["callback"]
+    assert [r.seq_len for r in cb.records] == [16] * 3 + [32] * 3 + [64] * 3
+    assert cb.forecaster.verifications, "the length 64 should verify a forecast"
+
+
+def test_custom_scalars_layout_written(run):
+    events = run["events"]
+    tags = list(events.PluginTagToContent("custom_scalars"))
+    assert tags == ["custom_scalars__config__"]
+    written = events.Tensors(tags[0])
+    assert len(written) == 1  # written once
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(written[0].tensor_proto.string_val[0])
+    assert [c.title for c in layout.category] == list(LAYOUT_CATEGORIES)
+    expected = custom_scalars_layout()
+    for category in layout.category:
+        charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+        assert charts == {title: spec[1] for title, spec in expected[category.title].items()}
+
+
+def test_layout_tags_are_exactly_the_callback_tags():
+    documented = set(re.findall(r"``(seqmem/\w+)``", SeqMemCallback.__doc__))
+    in_layout = {tag for category in custom_scalars_layout().values() for spec in category.values() for tag in spec[1]}
+    assert in_layout == documented
+    assert all(spec[0] == "Multiline" for c in custom_scalars_layout().values() for spec in c.values())
+    assert all(re.search(r"\((GiB|tokens|count|index|samples|of .*)", title) or "error" in title or "warm-up" in title
+               for c in custom_scalars_layout().values() for title in c)  # units in titles
+
+
+def test_layout_follows_the_logger_prefix(tmp_path):
+    logger = TensorBoardLogger(save_dir=str(tmp_path), prefix="run1")
+    trainer = make_trainer([], max_steps=1, logger=logger)
+    assert write_layout(trainer) == 1
+    assert custom_scalars_layout("run1-seqmem/")["seqmem: headroom"]["headroom: usable budget - forecast (GiB)"][1] == ["run1-seqmem/headroom_gib"]
+
+
+def test_scalars_equal_the_records(run):
+    events, records = run["events"], run["callback"].records
+    tags = set(events.Tags()["scalars"])
+    for name in ("seq_len", "batch_size", "warmup", "peak_allocated_gib", "peak_forward_gib", "peak_backward_gib",
+                 "peak_optimizer_gib", "stage", "budget_gib", "forecast_next_gib", "max_seq_len", "headroom_gib",
+                 "headroom_fraction", "verification_error"):
+        assert f"seqmem/{name}" in tags, name
+    assert not any(t.startswith("seqmem/reserved") or t.startswith("seqmem/fragmentation") for t in tags)  # CPU
+    peak = _scalars(events, "seqmem/peak_allocated_gib")
+    seq_len = _scalars(events, "seqmem/seq_len")
+    assert sorted(peak) == [r.global_step for r in records]
+    for r in records:
+        assert peak[r.global_step] == pytest.approx(r.peak_bytes / GIB, rel=1e-6)  # float32 in the event file
+        assert seq_len[r.global_step] == r.seq_len
+        for phase in PHASES:
+            value = getattr(r, f"{phase}_peak_bytes")
+            if value is not None:
+                assert _scalars(events, f"seqmem/peak_{phase}_gib")[r.global_step] == pytest.approx(value / GIB, rel=1e-6)
+    budget = _scalars(events, "seqmem/budget_gib")
+    assert set(budget.values()) == {pytest.approx(run["callback"].usable_budget_bytes / GIB, rel=1e-6)}
+
+
+def test_figure_logged_as_image(run):
+    assert FIGURE_TAG in run["events"].Tags()["images"]
+    image = run["events"].Images(FIGURE_TAG)[-1]
+    assert image.step == run["trainer"].global_step and image.width > 100 and image.height > 100
+    labels = run["figure"].axes[0].get_legend_handles_labels()[1]
+    assert any(label.startswith("timeline replay") for label in labels)
+    assert any(label.startswith("quadratic fit") for label in labels)
+    assert any(label.startswith("usable budget") for label in labels)
+    assert any(label.startswith("measured peak") for label in labels)
+
+
+def test_figure_is_logged_once_per_step(run):
+    before = len(run["events"].Images(FIGURE_TAG))
+    log_figure(run["trainer"], run["callback"])  # same step: skipped
+    events = EventAccumulator(run["logger"].log_dir, size_guidance={"images": 0})
+    events.Reload()
+    assert len(events.Images(FIGURE_TAG)) == before == 1
+
+
+def test_report_files(run):
+    json_path, md_path, png_path = run["paths"]
+    assert json_path.parent == md_path.parent == png_path.parent
+    assert str(json_path.parent) == run["logger"].log_dir == report_dir(run["trainer"])
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = md_path.read_text()
+    assert "| seq_len | batch | peak |" in markdown and "## Forecasts" in markdown and "seqmem_memory.png" in markdown
+    json.loads(json_path.read_text())  # plain JSON (no NaN)
+
+
+def test_report_points_equal_the_records(run):
+    cb, report = run["callback"], load_report(run["paths"][0])
+    assert report == load_report(run["paths"][0].parent)
+    measured = [r for r in cb.records if not r.warmup]
+    expected = {}
+    for r in measured:
+        expected[(r.seq_len, r.batch_size)] = max(expected.get((r.seq_len, r.batch_size), 0), r.peak_bytes)
+    assert {(p["seq_len"], p["batch_size"]): p["peak_bytes"] for p in report["points"]} == expected
+    for p in report["points"]:
+        point = cb.forecaster.points[(p["seq_len"], p["batch_size"])]
+        assert p["peak_bytes"] == point["step"]
+        for phase in PHASES:
+            assert p[f"{phase}_peak_bytes"] == point.get(phase)
+        assert p["num_steps"] == sum(1 for r in measured if (r.seq_len, r.batch_size) == (p["seq_len"], p["batch_size"]))
+    assert report["records"] == [r.to_dict() for r in cb.records]
+    assert report["records_summary"]["num_records"] == len(cb.records)
+    assert report["records_summary"]["max_peak_bytes"] == max(r.peak_bytes for r in cb.records)
+
+
+def test_report_facts_and_predictors(run):
+    cb, trainer, report = run["callback"], run["trainer"], load_report(run["paths"][0])
+    facts = report["run"]
+    assert facts["device"] == "cpu" and facts["probe"] == "tracker"
+    assert facts["budget_bytes"] == 64 * 2**20 and facts["usable_budget_bytes"] == cb.usable_budget_bytes
+    assert facts["model_class"] == "lightning_seqmem.demo.LitGPT"
+    assert facts["num_parameters"] == sum(p.numel() for p in trainer.lightning_module.parameters())
+    assert facts["precision"] == "32-true"
+    assert facts["curriculum"]["stages"] == [16, 32, 64] and facts["curriculum"]["stages_run"] == [16, 32, 64]
+    pred = report["predictors"]
+    assert pred["replay"]["available"] and pred["replay"]["seq_lens"] == [16, 32]
+    assert pred["quadratic"]["available"] and set(pred["quadratic"]["phases"]) == set(PHASES)
+    assert [(v["seq_len"], v["method"]) for v in pred["verifications"]] == [
+        (v.seq_len, v.method) for v in cb.forecaster.verifications]
+    assert pred["accuracy"]["replay"]["max_abs_error"] == max(abs(v.relative_error) for v in cb.forecaster.verifications)
+    fc = report["forecasts"]
+    assert fc["max_seq_len"] == cb.max_seq_len()
+    at = {f["seq_len"]: f for f in fc["at"]}
+    assert {16, 32, 64, 128, 256} <= set(at)
+    assert at[128]["peak_bytes"] == cb.forecast(128).peak_bytes
+    assert at[64]["fits"] is True
+    assert report["mitigations"] == {"active": [], "changes": []}
+    assert report["warnings"] == [{"key": k, "meaning": report["warnings"][i]["meaning"]} for i, k in enumerate(sorted(cb._warned))]
+
+
+def test_render_console_and_markdown(run):
+    from rich.console import Console
+
+    report = load_report(run["paths"][0])
+    console = Console(record=True, width=140)
+    render_console(report, console)
+    text = console.export_text()
+    assert "seqmem: run" in text and "largest length that fits" in text and "replay" in text
+    assert f"{report['forecasts']['max_seq_len']} tokens" in text
+    assert render_markdown(report).startswith("# lightning-seqmem report")
+
+
+def test_report_before_any_measurement(tmp_path):
+    cb = SeqMemCallback()
+    report = build_report(cb)
+    assert report["points"] == [] and report["forecasts"]["error"]
+    from rich.console import Console
+
+    render_console(report, Console(record=True))
+    render_markdown(report)
+    json_path, _, png_path = write_report(cb, directory=tmp_path)
+    assert json_path.name == JSON_NAME and png_path.exists()
+
+
+def test_report_dir_without_logger(tmp_path):
+    trainer = make_trainer([], max_steps=1, default_root_dir=str(tmp_path))
+    assert report_dir(trainer) == str(tmp_path)
+
+
+def _record(step, seq_len, peak, mitigations=()):
+    return StepRecord(step=step, global_step=step, epoch=0, seq_len=seq_len, batch_size=2, warmup=False,
+                      traced=False, peak_bytes=peak, forward_peak_bytes=peak, backward_peak_bytes=peak // 2,
+                      optimizer_peak_bytes=peak // 4, start_bytes=peak // 8, mitigations=tuple(mitigations))
+
+
+def test_figure_marks_mitigations_and_report_lists_them(tmp_path):
+    cb = SeqMemCallback(memory_budget="1GiB")
+    cb.records = [_record(0, 128, 20 * 2**20), _record(1, 256, 60 * 2**20),
+                  _record(2, 512, 90 * 2**20, ["attention"]), _record(3, 1024, 200 * 2**20, ["attention", "activation_checkpointing"])]
+    for r in cb.records:
+        cb.forecaster.add_measurement(r.seq_len, r.batch_size, {"forward": r.forward_peak_bytes})
+    cb._last_batch_size = 2
+    labels = memory_figure(cb).axes[0].get_legend_handles_labels()[1]
+    assert any("mitigations on at L=512: attention" in label for label in labels)
+    assert any("mitigations on at L=1024: activation_checkpointing" in label for label in labels)
+    assert any(label.startswith("quadratic fit") for label in labels)
+    assert not any(label.startswith("timeline replay") for label in labels)  # nothing traced
+    report = build_report(cb)
+    assert [c["seq_len"] for c in report["mitigations"]["changes"]] == [512, 1024]
+    assert report["predictors"]["replay"]["available"] is False
