@@ -11,7 +11,8 @@ Each step is timed from ``on_train_batch_start`` (a timer callback placed first)
 ``on_train_batch_end`` (a timer callback placed last), so the callback's own hooks are inside the
 timed span; the first ``--skip`` steps (warm-up and the traced steps) are dropped. Runs are
 interleaved in alternating order (baseline, seqmem, seqmem/10, then seqmem/10, seqmem, baseline,
-...) ``--repeats`` times so that machine noise hits all configurations alike; compare the ratios within one run.
+...) ``--repeats`` times so that machine noise hits all configurations
+alike; compare the ratios within one run.
 
 The 1% overhead target is for the CUDA allocator counters (a few microseconds per step). On CPU
 the only probe is the live-tensor tracker (a ``TorchDispatchMode``), which runs on every measured

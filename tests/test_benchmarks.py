@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -38,6 +40,7 @@ def test_prediction_accuracy_quick_replay_is_within_one_percent():
     assert re.search(r"^total runtime: [\d.]+ s$", out, re.M)
 
 
+@pytest.mark.slow  # 21-28 s on the shared 2-core machine (10 short Trainer runs + imports)
 def test_overhead_quick_prints_ratios():
     out = _run("overhead.py", "--quick")
     assert "overhead: SeqMemCallback step-time ratio vs no callback" in out

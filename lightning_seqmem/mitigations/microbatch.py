@@ -27,7 +27,9 @@ Mechanism (automatic optimization; Lightning's ``Closure.closure`` runs ``traini
    loss (``GradScaler`` under ``16-mixed``) and the ``on_before_backward``/``on_after_backward``
    hooks run, once per micro-batch as they run once per batch under ``accumulate_grad_batches``.
    Under DDP these backward calls run inside ``DistributedDataParallel.no_sync()``, so gradients
-   are all-reduced once per optimizer step.
+   are all-reduced once per optimizer step. (With torch 2.13 the reducer is armed only in DDP's
+   ``_post_forward``, after ``training_step`` returns, so they would not all-reduce anyway;
+   ``no_sync`` keeps that true whatever DDP does inside its forward.)
 4. The last micro-batch is not backpropagated by the wrapper: its scaled loss is returned, and
    Lightning backpropagates it (with the DDP gradient sync).
 
@@ -49,6 +51,9 @@ Caveats:
   the last micro-batch's, one logged ``on_epoch`` is averaged over micro-batches weighted by the
   ``batch_size`` passed to ``self.log`` (pass ``batch_size=`` to weight by micro-batch size).
 * Only the training step is split; validation and prediction batches are not.
+* Under DDP with ``find_unused_parameters=True``, unused parameters are found from the last
+  micro-batch's graph: a parameter used by an earlier micro-batch only (data-dependent routing)
+  would be treated as unused. Not tested with ``static_graph=True``.
 * Supported: automatic optimization on a single device or DDP (``ddp``, ``ddp_spawn``, ...).
   Manual optimization, DeepSpeed (it accumulates itself), FSDP and other model-parallel
   strategies are refused by :meth:`MicroBatching.is_applicable`.
@@ -256,7 +261,7 @@ class _MicroBatchedTrainingStep:
             if isinstance(pending, _SkipNextZeroGrad):  # armed by a step whose zero_grad never came
                 pending.restore()
             self.pl_module.optimizer_zero_grad(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, optimizer)
-            pass
+            self.pl_module.optimizer_zero_grad = _SkipNextZeroGrad(self.pl_module)
         model = trainer.strategy.model
         no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
         done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached

@@ -1,0 +1,118 @@
+"""The ``seqmem`` command, the example scripts and the YAML configs, run as a user would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+EXAMPLES = ROOT / "examples"
+
+
+def _run(args, cwd, timeout=240):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "140"}
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "runs"
+    text = _run(["-m", "lightning_seqmem.cli", "demo", "--max-steps", "12", "--out", str(out)], cwd=out.parent)
+    return out, text
+
+
+def test_demo_trains_logs_and_reports(demo):
+    out, text = demo
+    log_dir = out / "demo" / "version_0"
+    assert any(p.name.startswith("events.out.tfevents") for p in log_dir.iterdir())
+    for name in ("seqmem_report.json", "seqmem_report.md", "seqmem_memory.png"):
+        assert (log_dir / name).is_file(), name
+        assert name in text
+    assert "seqmem: run" in text and "largest length that fits" in text and "tensorboard --logdir" in text
+    report = json.loads((log_dir / "seqmem_report.json").read_text())
+    assert report["records_summary"]["num_records"] == 12
+    assert report["run"]["curriculum"]["stages_run"][:2] == [64, 128]
+    assert [p["seq_len"] for p in report["points"]] == [64, 128]
+    assert report["forecasts"]["max_seq_len"] is not None
+
+
+def test_report_command_renders_saved_report(demo):
+    out, _ = demo
+    path = out / "demo" / "version_0" / "seqmem_report.json"
+    text = _run(["-m", "lightning_seqmem.cli", "report", str(path)], cwd=out)
+    assert "seqmem: run" in text and "measured peaks" in text
+    markdown = _run(["-m", "lightning_seqmem.cli", "report", str(path.parent), "--markdown"], cwd=out)
+    assert markdown.startswith("# lightning-seqmem report")
+
+
+def test_forecast_command_from_config(tmp_path):
+    json_path = tmp_path / "forecast.json"
+    text = _run(["-m", "lightning_seqmem.cli", "forecast", "--config", str(CONFIGS / "cpu_demo.yaml"),
+                 "--lengths", "256", "512", "4096", "--trace-lengths", "32", "64", "128", "--budget", "256MiB",
+                 "--json", str(json_path)], cwd=tmp_path)
+    assert "largest length that fits" in text and "4096" in text
+    result = json.loads(json_path.read_text())
+    assert [f["seq_len"] for f in result["forecasts"]] == [256, 512, 4096]
+    assert all(f["method"] == "replay" for f in result["forecasts"])
+    assert [f["fits"] for f in result["forecasts"]] == [True, True, False]
+    assert result["budget_bytes"] == 256 * 2**20 and result["usable_budget_bytes"] == int(256 * 2**20 * 0.9)
+    assert 512 < result["max_seq_len"] < 4096
+    assert not list(tmp_path.glob("seqmem_runs")), "forecast must not create the config's logger"
+
+
+def test_cli_help():
+    text = _run(["-m", "lightning_seqmem.cli", "--help"], cwd=ROOT)
+    assert "demo" in text and "report" in text and "forecast" in text
+
+
+@pytest.mark.parametrize("config", ["cpu_demo.yaml", pytest.param("ddp_cpu.yaml", marks=pytest.mark.ddp)])
+def test_gpt_configs_run_through_lightning_cli(config, tmp_path):
+    text = _run([str(EXAMPLES / "train_gpt_cli.py"), "fit", "--config", str(CONFIGS / config),
+                 "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false"], cwd=tmp_path)
+    assert "seqmem report:" in text
+    reports = list(tmp_path.glob("seqmem_runs/*/version_0/seqmem_report.json"))
+    assert len(reports) == 1
+    report = json.loads(reports[0].read_text())
+    assert report["records_summary"]["num_records"] == 3
+    if config == "ddp_cpu.yaml":
+        assert report["run"]["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_hf_config_runs_through_lightning_cli(tmp_path):
+    _run([str(EXAMPLES / "hf_causal_lm.py"), "fit", "--config", str(CONFIGS / "hf_causal_lm.yaml"),
+          "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false"], cwd=tmp_path)
+    assert list(tmp_path.glob("seqmem_runs/hf_causal_lm/version_0/events.out.tfevents*"))
+
+
+def test_every_config_parses_with_its_callback(tmp_path, monkeypatch):
+    """All configs (the CUDA one built on CPU with a small model) give the documented callback values."""
+    pytest.importorskip("transformers")
+    from lightning_seqmem import SeqMemCallback
+    from lightning_seqmem.cli import build_from_config
+
+    monkeypatch.chdir(tmp_path)
+    small = ["--model.init_args.n_layer=1", "--model.init_args.d_model=32", "--model.init_args.n_head=2",
+             "--model.init_args.d_ff=64", "--model.init_args.vocab_size=512", "--data.init_args.vocab_size=512",
+             "--trainer.accelerator=cpu"]
+    expected = {
+        "cpu_demo.yaml": (2**30, (64, 128, 256, 512, 1024), "32-true", []),
+        "ddp_cpu.yaml": (512 * 2**20, (64, 128, 256), "32-true", []),
+        "gpt2_small_8k_80gb.yaml": (76 * 2**30, (512, 1024, 2048, 4096, 8192), "bf16-mixed", small),
+        "hf_causal_lm.yaml": (900 * 10**6, (64, 128, 256, 512), "32-true", []),
+    }
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(expected)
+    for name, (budget, stages, precision, overrides) in expected.items():
+        cli = build_from_config(str(CONFIGS / name), overrides=overrides)
+        callback = next(c for c in cli.trainer.callbacks if isinstance(c, SeqMemCallback))
+        assert callback.memory_budget_bytes == budget, name
+        assert callback.curriculum.stages == stages, name
+        assert str(cli.trainer.precision) == precision, name
