@@ -188,6 +188,7 @@ class SeqMemCallback(Callback):
         self._stage_steps = 0
         self._capped_at: Optional[int] = None
         self._uses_datamodule_length = False
+        self._resume_warmup = 0  # steps after a resume that are not fitted (gradients were not saved)
 
     # ------------------------------------------------------------------------------------------
     # Public API
@@ -272,7 +273,8 @@ class SeqMemCallback(Callback):
         key = (seq_len, batch_size, self.mitigations)
         count = self._key_counts.get(key, 0)
         self._key_counts[key] = count + 1
-        warmup = self._step < self.warmup_steps or count < self.warmup_steps_after_change
+        warmup = self._step < self.warmup_steps or count < self.warmup_steps_after_change or self._resume_warmup > 0
+        self._resume_warmup = max(0, self._resume_warmup - 1)
         if count == 0:
             self._forecast_new_length(seq_len, batch_size)
         measure = warmup or count == self.warmup_steps_after_change or self._step % self.measure_every_n_steps == 0
@@ -644,6 +646,7 @@ class SeqMemCallback(Callback):
         self._capped_at = state_dict.get("capped_at")
         self._last_batch_size = state_dict.get("last_batch_size")
         self._last_verification_error = state_dict.get("last_verification_error")
+        self._resume_warmup = max(1, self.warmup_steps_after_change)
         self._pending = {}
         for key, fc in state_dict.get("pending", {}).items():
             L, B = (int(x) for x in key.split("x"))

@@ -11,6 +11,7 @@ Run as a script (``python tests/test_microbatch.py OUT``) this file is the DDP w
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -90,6 +91,7 @@ class Run:
     model: RecordingGPT | None = None
 
 
+@functools.lru_cache(maxsize=None)  # deterministic: the full-batch references are shared between tests
 def _fit(
     micro_batch_size: int | None = None,
     apply_at: int = 0,

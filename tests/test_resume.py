@@ -1,0 +1,69 @@
+"""Resuming from a checkpoint mid-curriculum gives the same lengths, decisions and records."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+
+BUDGET = 1_600_000  # bytes: caps this tiny model's curriculum between 64 and 256 tokens
+
+
+def _callback():
+    return SeqMemCallback(
+        warmup_steps=1, memory_budget=BUDGET, safety_margin=0.0,
+        curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16),
+    )
+
+
+def _fit(cb, max_steps, ckpt_path=None, root=None):
+    torch.manual_seed(0)
+    trainer = make_trainer([cb], max_steps=max_steps, default_root_dir=root)
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _comparable(records, skip_steps=()):
+    return [
+        (r.step, r.seq_len, r.batch_size, r.stage)
+        + (() if r.step in skip_steps else (r.peak_bytes, r.warmup, r.traced, r.forecast_peak_bytes, r.forecast_error))
+        for r in records
+    ]
+
+
+def test_resume_mid_curriculum_matches_an_uninterrupted_run(tmp_path):
+    straight = _callback()
+    _fit(straight, 14)
+    assert straight._capped_at is not None  # the run does get capped: decisions are exercised
+
+    first = _callback()
+    trainer = _fit(first, 7, root=tmp_path)
+    ckpt = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed = _callback()
+    _fit(resumed, 14, ckpt_path=str(ckpt), root=tmp_path)
+
+    assert [r.seq_len for r in resumed.records] == [r.seq_len for r in straight.records]
+    assert resumed._stages == straight._stages and resumed._capped_at == straight._capped_at
+    # the first step after the resume has no gradients from a previous step (they are not saved):
+    # it is measured for real, marked warm-up and not fitted, so the verification of its length
+    # moves one step later; every other record is identical
+    after_resume = resumed.records[7]
+    assert after_resume.warmup and after_resume.peak_bytes <= straight.records[7].peak_bytes
+    assert _comparable(resumed.records, skip_steps={7, 8}) == _comparable(straight.records, skip_steps={7, 8})
+    verified = lambda cb: {r.seq_len: r.forecast_peak_bytes for r in cb.records if r.forecast_error is not None}
+    assert verified(resumed) == verified(straight)
+    assert resumed.forecast(512) == straight.forecast(512)
+
+
+def test_two_callbacks_keep_separate_state(tmp_path):
+    a, b = _callback(), SeqMemCallback(warmup_steps=1)
+    torch.manual_seed(0)
+    trainer = make_trainer([a, b], max_steps=4, default_root_dir=tmp_path)
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    state = torch.load(tmp_path / "two.ckpt", weights_only=False)["callbacks"]
+    assert a.state_key in state and b.state_key in state and a.state_key != b.state_key
+    assert state[a.state_key]["stages"] != state[b.state_key]["stages"]
