@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
@@ -396,24 +396,27 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1  # as torch.utils.module_tracker.ModuleTracker.is_bw
 
 
-class _ModuleScope:
-    """Which module is running: a forward stack, and the modules whose backward is running.
+_NODE_KEY = "lightning_seqmem.module"  # key in autograd Node.metadata: (path, chain) of the module that made it
 
-    Backward entry/exit come from multi-grad hooks on each module's outputs/inputs, as in
-    ``torch.utils.module_tracker.ModuleTracker``; the innermost module in backward is the deepest
-    one. Recomputation under checkpointing runs forward hooks again, inside the backward.
+
+class _ModuleScope:
+    """Which module is running, in forward and in backward.
+
+    Forward: a stack kept by global module hooks. Backward: when a module's forward returns, the
+    autograd nodes it created (from its outputs back to its inputs' nodes, not yet claimed by an
+    inner module) are labelled with it in ``Node.metadata``; during backward the node being run
+    (``torch._C._current_autograd_node()``) names the module. Recomputation under activation
+    checkpointing runs forward hooks again inside the backward, and the stack wins.
     """
 
     def __init__(self, infos: dict[int, tuple[str, tuple]], root: nn.Module, device_type: str) -> None:
         self.infos = infos
         self.root = root
         self.device_type = device_type
-        self.stack: list[nn.Module] = []
-        self.in_backward: dict[int, nn.Module] = {}
+        self.stack: list[tuple[nn.Module, set[int]]] = []  # (module, ids of its inputs' grad_fn)
         self.root_forward_ran = False
         self.autocast_dtype: Optional[torch.dtype] = None
         self._handles: list[Any] = []
-        self._grad_handles: list[Any] = []
 
     def info(self, module: nn.Module) -> tuple[str, tuple]:
         found = self.infos.get(id(module))
@@ -422,34 +425,41 @@ class _ModuleScope:
             return f"<{name}>", (("", name),)
         return found
 
-    def current(self) -> Optional[nn.Module]:
+    def current(self) -> Optional[tuple[str, tuple]]:
+        """(path, chain) of the innermost running module, or ``None`` outside every module."""
         if self.stack:
-            return self.stack[-1]
-        if self.in_backward and _in_backward():
-            return max(self.in_backward.values(), key=lambda m: len(self.info(m)[1]))
+            return self.info(self.stack[-1][0])
+        if _in_backward():
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                return node.metadata.get(_NODE_KEY)
         return None
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self.autocast_dtype is None and torch.is_autocast_enabled(self.device_type):
             self.autocast_dtype = torch.get_autocast_dtype(self.device_type)
-        self.stack.append(module)
-        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors and torch.is_grad_enabled():
-            key = id(module)
-            self._grad_handles.append(register_multi_grad_hook(tensors, lambda _g: self.in_backward.pop(key, None)))
+        boundary = {id(t.grad_fn) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        self.stack.append((module, boundary))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        boundary: set[int] = set()
         for i in range(len(self.stack) - 1, -1, -1):
-            if self.stack[i] is module:
+            if self.stack[i][0] is module:
+                boundary = self.stack[i][1]
                 del self.stack[i:]
                 break
         if module is self.root:
             self.root_forward_ran = True
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors and torch.is_grad_enabled():
-            self._grad_handles.append(
-                register_multi_grad_hook(tensors, lambda _g: self.in_backward.__setitem__(id(module), module))
-            )
+        label = self.info(module)
+        todo = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        visited = set(boundary)
+        while todo:  # walk back to the inputs; nodes of inner modules are crossed, not relabelled
+            node = todo.pop()
+            if id(node) in visited or type(node).__name__ == "AccumulateGrad":
+                continue
+            visited.add(id(node))
+            node.metadata.setdefault(_NODE_KEY, label)
+            todo.extend(fn for fn, _ in node.next_functions if fn is not None)
 
     def install(self) -> None:
         self._handles = [
@@ -458,11 +468,10 @@ class _ModuleScope:
         ]
 
     def remove(self) -> None:
-        for handle in self._handles + self._grad_handles:
+        for handle in self._handles:
             handle.remove()
-        self._handles, self._grad_handles = [], []
+        self._handles = []
         self.stack.clear()
-        self.in_backward.clear()
 
 
 class _BreakdownTracker(LiveTensorTracker):
@@ -509,9 +518,9 @@ class _BreakdownTracker(LiveTensorTracker):
     def _describe(self, out: Any, before: int, op: str) -> None:
         self._grow()
         scope = self.scope
-        module = scope.current()
-        if module is not None:
-            path, chain = scope.info(module)
+        current = scope.current()
+        if current is not None:
+            path, chain = current
             category = module_category(chain)
         else:
             path = "<global>"
@@ -937,6 +946,11 @@ def calibrate(
         f"Measured: {measured} B per layer (mean over {len(layers)} blocks of the tensors made inside a block "
         f"and alive when backward starts), {measured / theory:.2f}x theory." if theory else f"Measured: {measured} B.",
     ]
+    param_shapes = {tuple(p.shape) for p in model.parameters()}
+    weight_copies = int(round(sum(
+        r.nbytes for rs in layers for r in rs
+        if r.op == "aten::_to_copy" and r.shape in param_shapes and s not in r.shape
+    ) / len(layers)))
     if not recompute:
         lin_m = measured - measured_q
         lines.append(
@@ -945,6 +959,12 @@ def calibrate(
             "it as the next layer's LayerNorm input): equal on average over layers. LayerNorm also keeps its mean "
             "and rstd (2·s·b fp32 per norm) and copies made for a matmul (contiguous q/k/v) appear here."
         )
+        if weight_copies:
+            lines.append(
+                f"Of the measured bytes, {weight_copies} B per layer are autocast's {breakdown.autocast_dtype} copies "
+                "of the block's weights, kept for backward (constant in L; not activations in the paper's sense); "
+                "under CPU autocast LayerNorm and the residual stream also stay float32."
+            )
         quad_unit = a * s * s * b
         if measured_q == 0 and quad_t > 0:
             lines.append(

@@ -9,16 +9,17 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_flatten
 
 from .batch import infer_batch_shape, set_batch_sequence_length
 from .curriculum import Curriculum
+from .mitigations import ladder
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from .probes import PHASES, PROBE_NAMES, MemoryProbe, StepMemory, make_probe
 from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
@@ -141,6 +142,7 @@ class SeqMemCallback(Callback):
         trace_lengths: int = 3,
         measure_every_n_steps: int = 1,
         seq_len_fn: Optional[SeqLenFn] = None,
+        mitigations: Sequence[str] = ladder.MITIGATIONS,
     ) -> None:
         _check_int("warmup_steps", warmup_steps, 1, "an int ≥ 1 (the first step has no optimizer state)")
         _check_int("warmup_steps_after_change", warmup_steps_after_change, 0, "an int ≥ 0")
@@ -156,6 +158,7 @@ class SeqMemCallback(Callback):
             raise ValueError(f"`curriculum` must be a lightning_seqmem.Curriculum or None, got {type(curriculum).__name__}")
         if seq_len_fn is not None and not callable(seq_len_fn):
             raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}")
+        self.mitigations = ladder.check_mitigations(mitigations)
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.warmup_steps = warmup_steps
         self.tolerance = float(tolerance)
@@ -168,8 +171,12 @@ class SeqMemCallback(Callback):
         self.seq_len_fn = seq_len_fn
 
         self.records: list[StepRecord] = []
-        self.forecaster = MemoryForecaster(tolerance=self.tolerance)
-        self.mitigations: tuple[str, ...] = ()
+        self.applied_mitigations: tuple[str, ...] = ()
+        self.mitigation_events: list[dict[str, Any]] = []
+        self._forecasters: dict[tuple[str, ...], MemoryForecaster] = {(): MemoryForecaster(tolerance=self.tolerance)}
+        self._pending_events: list[str] = []
+        self._refit_queue: list[int] = []
+        self._decide_now = False
         self._probe: Optional[MemoryProbe] = None
         self._device: Optional[torch.device] = None
         self._budget_bytes: Optional[int] = self.memory_budget_bytes
@@ -189,6 +196,7 @@ class SeqMemCallback(Callback):
         self._capped_at: Optional[int] = None
         self._uses_datamodule_length = False
         self._resume_warmup = 0  # steps after a resume that are not fitted (gradients were not saved)
+        self._reapply_on_fit_start = False
 
     # ------------------------------------------------------------------------------------------
     # Public API
@@ -198,6 +206,11 @@ class SeqMemCallback(Callback):
         return self._generate_state_key(
             probe=self.probe_name, curriculum=None if self.curriculum is None else self.curriculum.stages
         )
+
+    @property
+    def forecaster(self) -> MemoryForecaster:
+        """The forecaster of the mitigations applied now (each setting has its own fit)."""
+        return self._forecasters[self.applied_mitigations]
 
     @property
     def usable_budget_bytes(self) -> Optional[int]:
@@ -247,6 +260,19 @@ class SeqMemCallback(Callback):
         if self._budget_bytes is None and self._device.type == "cuda":
             self._budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a resume, switch on again the mitigations the checkpoint says were on."""
+        if not self._reapply_on_fit_start:
+            return
+        self._reapply_on_fit_start = False
+        for name in self.applied_mitigations:
+            try:
+                result = ladder.apply(name, trainer, pl_module)
+                detail = result.detail
+            except Exception as exc:  # noqa: BLE001
+                detail = f"failed: {type(exc).__name__}: {exc}"
+            rank_zero_info(f"seqmem: resumed with {name} on ({detail})")
+
     @property
     def _on_cuda(self) -> bool:
         return self._device is not None and self._device.type == "cuda"
@@ -255,7 +281,7 @@ class SeqMemCallback(Callback):
         # The curriculum runs even after a measurement failure: every rank must keep cutting
         # batches the same way and entering the same collectives.
         try:
-            self._apply_curriculum(trainer, batch)
+            self._apply_curriculum(trainer, pl_module, batch)
             shape = None if self._disabled else (self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch))
         except (TypeError, ValueError):
             if self._step == 0:  # a configuration problem, found before any step ran: say so
@@ -270,7 +296,7 @@ class SeqMemCallback(Callback):
 
     @_guarded
     def _start_measurement(self, trainer, pl_module, batch, batch_size: int, seq_len: int) -> None:
-        key = (seq_len, batch_size, self.mitigations)
+        key = (seq_len, batch_size, self.applied_mitigations)
         count = self._key_counts.get(key, 0)
         self._key_counts[key] = count + 1
         warmup = self._step < self.warmup_steps or count < self.warmup_steps_after_change or self._resume_warmup > 0
@@ -287,7 +313,9 @@ class SeqMemCallback(Callback):
             "warmup": warmup,
             "measure": measure,
             "traced": False,
+            "events": self._pending_events,
         }
+        self._pending_events = []
         if not measure:
             return
         traced = not warmup and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
@@ -368,7 +396,8 @@ class SeqMemCallback(Callback):
             alloc_retries=m.alloc_retries,
             num_ooms=m.num_ooms,
             stage=self._stage if self._stages else None,
-            mitigations=self.mitigations,
+            mitigations=self.applied_mitigations,
+            events=current.get("events", []),
         )
         L, B = record.seq_len, record.batch_size
         if record.step == 0:
@@ -382,6 +411,8 @@ class SeqMemCallback(Callback):
             pending = self._pending.pop((L, B), None)
             if pending is not None:
                 self._verify(record, pending)
+            self._after_mitigation(record)
+            self._precision_advice(trainer, B)
         self.records.append(record)
         self._log(trainer, record)
 
@@ -396,12 +427,18 @@ class SeqMemCallback(Callback):
     # ------------------------------------------------------------------------------------------
     # Curriculum
     # ------------------------------------------------------------------------------------------
-    def _apply_curriculum(self, trainer: pl.Trainer, batch: Any) -> None:
+    def _apply_curriculum(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         if self.curriculum is None:
             return
-        if self._stage_steps >= self.curriculum.steps_per_stage and self._stage + 1 < len(self._stages):
-            self._advance_stage(trainer, batch)
-        seq_len = self._stages[self._stage]
+        last_stage = self._stage + 1 >= len(self._stages)
+        if not self._refit_queue and (self._decide_now or self._stage_steps >= self.curriculum.steps_per_stage) and not last_stage:
+            self._decide_now = False
+            self._advance_stage(trainer, pl_module, batch)
+        if self._refit_queue:  # re-measuring after a mitigation, at shorter lengths first
+            seq_len = self._refit_queue.pop(0)
+            self._decide_now = not self._refit_queue
+        else:
+            seq_len = self._stages[self._stage]
         if isinstance(batch, tuple) or self._uses_datamodule_length:
             setter = _length_setter(trainer)
             if setter is None:  # let set_batch_sequence_length raise its message about tuples
@@ -411,65 +448,112 @@ class SeqMemCallback(Callback):
             return
         set_batch_sequence_length(batch, seq_len, truncate=self.curriculum.truncate)
 
-    def _advance_stage(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Enter the next stage, or cap the curriculum if the forecast says it would not fit."""
+    def _advance_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Enter the next stage, switch on a mitigation and re-measure, or cap the curriculum."""
         self._stage_steps = 0
         current, nxt = self._stages[self._stage], self._stages[self._stage + 1]
-        decision = self._stage_decision(batch, current, nxt)
+        decision = self._stage_decision(trainer, pl_module, batch, current, nxt)
         if trainer.world_size > 1:  # every rank takes rank zero's decision at the same step
             decision = trainer.strategy.broadcast(decision, src=0)
-        if decision is None:
+        action, value = decision
+        if action == "go":
             self._stage += 1
-            return
-        capped = tuple(s for s in self._stages[: self._stage + 1])
-        if decision > current:
-            capped = capped + (decision,)
-        self._stages, self._capped_at = capped, capped[-1]
-        self._stage = len(capped) - 1
+        elif action == "mitigate":
+            self._switch_on(trainer, pl_module, batch, value, current)
+        else:  # "cap"
+            capped = tuple(self._stages[: self._stage + 1])
+            if value > current:
+                capped = capped + (value,)
+            self._stages, self._capped_at = capped, capped[-1]
+            self._stage = len(capped) - 1
 
-    def _stage_decision(self, batch: Any, current: int, nxt: int) -> Optional[int]:
-        """None to go on to ``nxt``; else the length to cap at (a forecast said ``nxt`` won't fit)."""
+    def _stage_decision(self, trainer, pl_module, batch: Any, current: int, nxt: int) -> tuple[str, Any]:
+        """("go", nxt), ("mitigate", name) or ("cap", length): what to do instead of growing blindly."""
         budget = self.usable_budget_bytes
         if budget is None or self._disabled:
-            return None
-        measured_here = [r.peak_bytes for r in self.records if r.seq_len == current]
-        if measured_here and max(measured_here) > budget:  # already over: growing can only be worse
+            return ("go", nxt)
+        measured_here = [
+            r.peak_bytes for r in self.records if r.seq_len == current and r.mitigations == self.applied_mitigations
+        ]
+        over_now = bool(measured_here) and max(measured_here) > budget
+        fc = bound = None
+        fit = 0
+        if not over_now:
+            if not self.forecaster.ready:
+                return ("go", nxt)
+            try:
+                batch_size = self._stage_batch_size(batch, nxt)
+                fc = self.forecaster.forecast(nxt, batch_size)
+                bound = fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes
+                if bound <= budget:
+                    return ("go", nxt)
+                fit = self.forecaster.max_seq_len(budget, batch_size, reserved=self._on_cuda)
+            except Exception as exc:  # noqa: BLE001
+                self._fail("forecast of the next stage", exc)
+                return ("go", nxt)
+        if over_now:
+            why = f"seq_len={current} already peaked at {format_bytes(max(measured_here))}"
+        else:
+            why = (
+                f"the next curriculum stage, seq_len={nxt}, is predicted to peak at "
+                f"{format_bytes(fc.peak_bytes)} (upper bound {format_bytes(bound)}, {fc.method})"
+            )
+        why += (
+            f", over the usable budget {format_bytes(budget)} (budget {format_bytes(self._budget_bytes)} "
+            f"minus safety_margin={self.safety_margin})"
+        )
+        rung, skipped = ladder.next_rung(self.mitigations, self.applied_mitigations, trainer, pl_module, batch)
+        skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+        if rung is not None:
             self._warn_once(
-                f"oom-{nxt}",
-                f"seqmem: seq_len={current} already peaked at {format_bytes(max(measured_here))}, over the "
-                f"usable budget {format_bytes(budget)}; the curriculum stays at seq_len={current} instead "
-                f"of growing to {nxt}. Raise `memory_budget`, or switch attention to SDPA or flash-attn, "
-                "enable activation checkpointing, or train with batch size 1 and gradient accumulation.",
+                f"oom-{nxt}-{self.applied_mitigations}",
+                f"seqmem: {why}. The largest length that fits now is {fit}. Switching on the next "
+                f"mitigation, {rung!r}{skipped_text}, then re-measuring before growing.",
                 PredictedOOMWarning,
             )
-            return current
-        if not self.forecaster.ready:
-            return None
-        try:
-            batch_size = self._stage_batch_size(batch, nxt)
-            fc = self.forecaster.forecast(nxt, batch_size)
-            bound = fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes
-            if bound <= budget:
-                return None
-            fit = self.forecaster.max_seq_len(budget, batch_size, reserved=self._on_cuda)
-        except Exception as exc:  # noqa: BLE001
-            self._fail("forecast of the next stage", exc)
-            return None
+            return ("mitigate", rung)
         assert self.curriculum is not None
-        cap = self.curriculum.round_down(fit) if fit >= self.curriculum.multiple_of else current
+        cap = current if over_now or fit < self.curriculum.multiple_of else self.curriculum.round_down(fit)
         cap = max(min(cap, nxt - 1), current)
         self._warn_once(
-            f"oom-{nxt}",
-            f"seqmem: the next curriculum stage, seq_len={nxt} (batch {batch_size}), is predicted to "
-            f"peak at {format_bytes(fc.peak_bytes)} (upper bound {format_bytes(bound)}, {fc.method}), "
-            f"over the usable budget {format_bytes(budget)} (budget {format_bytes(self._budget_bytes)} "
-            f"minus safety_margin={self.safety_margin}). The largest length that fits is {fit}. "
-            f"The curriculum stays at seq_len={cap}. To go further: switch attention to SDPA or "
-            "flash-attn, enable activation checkpointing, or train with batch size 1 and gradient "
-            "accumulation.",
+            f"oom-{nxt}-{self.applied_mitigations}",
+            f"seqmem: {why}. The largest length that fits is {fit}. The curriculum stays at "
+            f"seq_len={cap}{skipped_text}. To go further: "
+            f"{ladder.remaining_advice(self.mitigations, self.applied_mitigations)}.",
             PredictedOOMWarning,
         )
-        return cap
+        return ("cap", cap)
+
+    def _switch_on(self, trainer, pl_module, batch: Any, name: str, seq_len: int) -> None:
+        """Apply one rung, start a fresh forecaster for the new settings and queue the re-fit."""
+        before = max((r.peak_bytes for r in self.records if r.seq_len == seq_len and r.mitigations == self.applied_mitigations), default=None)
+        try:
+            result = ladder.apply(name, trainer, pl_module, batch)
+        except Exception as exc:  # noqa: BLE001 - a failed mitigation must not kill the run
+            result = None
+            detail = f"{type(exc).__name__}: {exc}"
+        else:
+            detail = result.detail
+        if result is None or not result.applied:
+            self._warn_once(f"mitigation-failed-{name}", f"seqmem: could not switch on {name!r} ({detail}); skipping it.", SeqMemFailureWarning)
+            self.mitigations = tuple(m for m in self.mitigations if m != name)
+            self._decide_now = True
+            return
+        self.applied_mitigations = self.applied_mitigations + (name,)
+        self._forecasters.setdefault(self.applied_mitigations, MemoryForecaster(tolerance=self.tolerance))
+        self.mitigation_events.append(
+            {"name": name, "step": self._step, "seq_len": seq_len, "detail": detail, "before_bytes": before, "after_bytes": None}
+        )
+        self._pending_events.append(f"mitigation:{name}")
+        assert self.curriculum is not None
+        steps = max(1, self.warmup_steps_after_change) + 1  # warm-up, then one measured step per length
+        multiple_of = self.curriculum.multiple_of
+        lengths = sorted({self.curriculum.round_down(max(seq_len // d, multiple_of)) for d in (4, 2, 1)})
+        self._refit_queue = [L for L in lengths for _ in range(steps)]
+        rank_zero_info(
+            f"seqmem: switched on {name} at step {self._step} ({detail}); re-measuring at seq_len "
+            f"{lengths} before growing past {seq_len}."
+        )
 
     def _stage_batch_size(self, batch: Any, seq_len: int) -> int:
         batch_size, source_len = self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch)
@@ -517,6 +601,57 @@ class SeqMemCallback(Callback):
                 "batch's real length differs from its shape), a kernel whose choice depends on the "
                 "length, or memory held outside the step. Later forecasts widen their bounds by this miss.",
                 ForecastMismatchWarning,
+            )
+
+    def _after_mitigation(self, record: StepRecord) -> None:
+        """Fill the measured effect of the last mitigation; warn if attention stayed quadratic."""
+        if not self.mitigation_events:
+            return
+        event = self.mitigation_events[-1]
+        if event["after_bytes"] is None and record.seq_len == event["seq_len"] and record.mitigations == self.applied_mitigations:
+            event["after_bytes"] = record.peak_bytes
+            before = event["before_bytes"]
+            change = "" if not before else f" ({record.peak_bytes / before - 1:+.0%})"
+            rank_zero_info(
+                f"seqmem: with {event['name']} on, seq_len={record.seq_len} peaks at "
+                f"{format_bytes(record.peak_bytes)}, was {format_bytes(before)}{change}"
+            )
+        if event["name"] != "attention" or event.get("checked") or not self.forecaster.ready:
+            return
+        old = self._forecasters.get(self.applied_mitigations[:-1])
+        old_b, new_b = _quadratic_coefficient(old), _quadratic_coefficient(self.forecaster)
+        if old_b is None or new_b is None:
+            return
+        event["checked"] = True
+        if new_b > 0.5 * old_b:
+            self._warn_once(
+                "attention-still-quadratic",
+                f"seqmem: after switching attention ({event['detail']}), memory still grows "
+                f"quadratically with the length ({new_b:.0f} B/token² per sample, was {old_b:.0f}): "
+                "the kernel likely fell back to a path that materialises the scores — an explicit "
+                "attention mask, attention dropout, or a dtype the fused kernel does not support.",
+                PredictedOOMWarning,
+            )
+
+    def _precision_advice(self, trainer: pl.Trainer, batch_size: int) -> None:
+        """In 32-bit, if the L² term dominates at the target length, recommend bf16-mixed once."""
+        if "precision" in self._warned or not str(trainer.precision).startswith("32"):
+            return
+        model = self.forecaster.quadratic
+        if model is None:
+            return
+        target = self.curriculum.target if self.curriculum else max((r.seq_len for r in self.records), default=1)
+        fc = model.predict(target, batch_size)
+        quadratic = max(batch_size * c.quadratic_bytes_per_token2 * target**2 for c in model.coefficients.values())
+        if quadratic > 0.5 * fc.peak_bytes:
+            self._warn_once(
+                "precision",
+                f"seqmem: this run is in 32-bit precision and at the target length {target} the "
+                f"attention scores are forecast to be {quadratic / fc.peak_bytes:.0%} of the "
+                f"{format_bytes(fc.peak_bytes)} peak. Precision cannot change mid-run: restart with "
+                f"Trainer(precision='bf16-mixed') to roughly halve activations (about "
+                f"{format_bytes(quadratic / 2)} saved on the scores alone).",
+                UserWarning,
             )
 
     def _check_budget_against_first_step(self, start_bytes: int, peak_bytes: int) -> None:
@@ -588,6 +723,7 @@ class SeqMemCallback(Callback):
             metrics["verification_error"] = self._last_verification_error
         if record.stage is not None:
             metrics["stage"] = record.stage
+        metrics["mitigations_applied"] = len(record.mitigations)
         try:
             metrics.update(self._budget_view(record.batch_size))
         except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
@@ -620,10 +756,13 @@ class SeqMemCallback(Callback):
         return {
             "step": self._step,
             "records": [r.to_dict() for r in self.records],
-            "forecaster": self.forecaster.state_dict(),
+            "forecasters": {"|".join(k): f.state_dict() for k, f in self._forecasters.items()},
             "key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self._key_counts.items()],
             "warned": sorted(self._warned),
-            "mitigations": list(self.mitigations),
+            "applied_mitigations": list(self.applied_mitigations),
+            "mitigation_events": [dict(e) for e in self.mitigation_events],
+            "refit_queue": list(self._refit_queue),
+            "decide_now": self._decide_now,
             "stages": list(self._stages),
             "stage": self._stage,
             "stage_steps": self._stage_steps,
@@ -636,10 +775,19 @@ class SeqMemCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._step = int(state_dict.get("step", 0))
         self.records = [StepRecord.from_dict(r) for r in state_dict.get("records", [])]
-        self.forecaster.load_state_dict(state_dict.get("forecaster", {}))
+        self._forecasters = {}
+        for key, state in state_dict.get("forecasters", {"": state_dict.get("forecaster", {})}).items():
+            forecaster = MemoryForecaster(tolerance=self.tolerance)
+            forecaster.load_state_dict(state)
+            self._forecasters[tuple(key.split("|")) if key else ()] = forecaster
         self._key_counts = {(k0, k1, tuple(k2)): v for k0, k1, k2, v in state_dict.get("key_counts", [])}
         self._warned = set(state_dict.get("warned", []))
-        self.mitigations = tuple(state_dict.get("mitigations", ()))
+        self.applied_mitigations = tuple(state_dict.get("applied_mitigations", ()))
+        self._forecasters.setdefault(self.applied_mitigations, MemoryForecaster(tolerance=self.tolerance))
+        self.mitigation_events = [dict(e) for e in state_dict.get("mitigation_events", [])]
+        self._refit_queue = list(state_dict.get("refit_queue", []))
+        self._decide_now = bool(state_dict.get("decide_now", False))
+        self._reapply_on_fit_start = bool(self.applied_mitigations)
         self._stages = tuple(state_dict.get("stages", self._stages))
         self._stage = int(state_dict.get("stage", 0))
         self._stage_steps = int(state_dict.get("stage_steps", 0))
@@ -663,6 +811,14 @@ def _existing_tensors(pl_module: pl.LightningModule, trainer: pl.Trainer, batch:
     flat, _ = tree_flatten(batch)
     out += [t for t in flat if isinstance(t, torch.Tensor)]
     return out
+
+
+def _quadratic_coefficient(forecaster: Optional[MemoryForecaster]) -> Optional[float]:
+    """Largest b (bytes per token² per sample) over phases of a fitted quadratic model."""
+    model = None if forecaster is None else forecaster.quadratic
+    if model is None:
+        return None
+    return max(c.quadratic_bytes_per_token2 for c in model.coefficients.values())
 
 
 def _length_setter(trainer: pl.Trainer) -> Optional[Callable[[int], None]]:

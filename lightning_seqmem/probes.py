@@ -279,10 +279,14 @@ class TrackerProbe(MemoryProbe):
 class CudaAllocatorProbe(MemoryProbe):
     """Per-phase peaks from the CUDA caching allocator's counters.
 
-    ``reserved_bytes`` is the step's peak reserved memory; ``fragmentation_bytes`` is reserved
-    minus allocated at the end of the step's peak phase (memory the allocator holds but no tensor
-    uses), and ``fragmentation_fraction`` that over reserved. With ``record_events=True`` a
-    :class:`LiveTensorTracker` runs alongside, for the timeline replay.
+    ``reserved_bytes`` is the step's peak reserved memory; ``fragmentation_bytes`` is that minus the
+    step's peak allocated (memory the allocator holds that no tensor used even at the peak; the two
+    peaks may come from different moments), and ``fragmentation_fraction`` that over reserved.
+    With ``record_events=True`` a :class:`LiveTensorTracker` runs alongside, for the timeline replay.
+
+    Note: the probe resets the device's peak counters (``torch.cuda.reset_peak_memory_stats``) at
+    every step and phase boundary, so other code reading ``torch.cuda.max_memory_allocated()``
+    sees the peak since the last boundary only.
     """
 
     name = "cuda"

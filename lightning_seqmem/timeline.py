@@ -124,7 +124,8 @@ class TimelineModel:
         seq_lens = np.array([t.seq_len for t in group], dtype=np.float64)
         sizes = np.array([t.events.sizes for t in group], dtype=np.float64)  # [k, n]
         coefficients, residual = _fit_size_polynomials(seq_lens, sizes)
-        depends_on_len = np.any(np.abs(coefficients[1:]) > 1e-9, axis=0)
+        longest = seq_lens.max()  # an allocation depends on L if that changes it by ≥ 1 byte
+        depends_on_len = np.abs(coefficients[1]) * longest + np.abs(coefficients[2]) * longest**2 >= 0.5
         batch_scaled, notes = depends_on_len, []
         other = _batch_companion(by_batch, batch_size, signature)
         if other is not None:

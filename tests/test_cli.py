@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_seqmem.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 EXAMPLES = ROOT / "examples"
@@ -44,20 +46,22 @@ def test_demo_trains_logs_and_reports(demo):
     assert report["forecasts"]["max_seq_len"] is not None
 
 
-def test_report_command_renders_saved_report(demo):
+def test_report_command_renders_saved_report(demo, capsys):
     out, _ = demo
     path = out / "demo" / "version_0" / "seqmem_report.json"
-    text = _run(["-m", "lightning_seqmem.cli", "report", str(path)], cwd=out)
-    assert "seqmem: run" in text and "measured peaks" in text
-    markdown = _run(["-m", "lightning_seqmem.cli", "report", str(path.parent), "--markdown"], cwd=out)
-    assert markdown.startswith("# lightning-seqmem report")
+    assert main(["report", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "seqmem: run" in text and "measured peaks" in text and "forecasts" in text
+    assert main(["report", str(path.parent), "--markdown"]) == 0
+    assert capsys.readouterr().out.startswith("# lightning-seqmem report")
 
 
-def test_forecast_command_from_config(tmp_path):
+def test_forecast_command_from_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     json_path = tmp_path / "forecast.json"
-    text = _run(["-m", "lightning_seqmem.cli", "forecast", "--config", str(CONFIGS / "cpu_demo.yaml"),
-                 "--lengths", "256", "512", "4096", "--trace-lengths", "32", "64", "128", "--budget", "256MiB",
-                 "--json", str(json_path)], cwd=tmp_path)
+    assert main(["forecast", "--config", str(CONFIGS / "cpu_demo.yaml"), "--lengths", "256", "512", "4096",
+                 "--trace-lengths", "32", "64", "128", "--budget", "256MiB", "--json", str(json_path)]) == 0
+    text = capsys.readouterr().out
     assert "largest length that fits" in text and "4096" in text
     result = json.loads(json_path.read_text())
     assert [f["seq_len"] for f in result["forecasts"]] == [256, 512, 4096]
@@ -68,8 +72,24 @@ def test_forecast_command_from_config(tmp_path):
     assert not list(tmp_path.glob("seqmem_runs")), "forecast must not create the config's logger"
 
 
-def test_cli_help():
-    text = _run(["-m", "lightning_seqmem.cli", "--help"], cwd=ROOT)
+def test_forecast_matches_training(demo, tmp_path, monkeypatch):
+    """The forecast without training predicts the peak the demo measured while training (same model)."""
+    out, _ = demo
+    report = json.loads((out / "demo" / "version_0" / "seqmem_report.json").read_text())
+    measured = {p["seq_len"]: p["peak_bytes"] for p in report["points"]}
+    monkeypatch.chdir(tmp_path)
+    json_path = tmp_path / "forecast.json"
+    assert main(["forecast", "--config", str(CONFIGS / "cpu_demo.yaml"), "--lengths", "128",
+                 "--trace-lengths", "32", "48", "64", "--json", str(json_path)]) == 0
+    forecast = json.loads(json_path.read_text())["forecasts"][0]
+    assert forecast["peak_bytes"] == pytest.approx(measured[128], rel=0.01)
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
     assert "demo" in text and "report" in text and "forecast" in text
 
 

@@ -1,4 +1,5 @@
-"""Mitigations for long-sequence memory, cheapest first: attention kernel, activation checkpointing.
+"""Mitigations for long-sequence memory, cheapest first: attention kernel, activation checkpointing,
+micro-batching (see :mod:`.ladder` for the order the callback tries them in).
 
 Each policy is a small class with ``is_applicable(model) -> (bool, reason)`` and
 ``apply(model) -> MitigationResult``, working on any ``nn.Module`` (a ``LightningModule``
@@ -28,7 +29,6 @@ class MitigationResult:
 
 
 # Defined above the submodule imports: they import MitigationResult from this package.
-# microbatch.py and ladder.py (micro-batching, the ordered ladder) are added here when they land.
 from lightning_seqmem.mitigations.attention import (  # noqa: E402
     ATTENTION_SWITCH_BACKENDS,
     AttentionSwitch,
@@ -43,11 +43,13 @@ from lightning_seqmem.mitigations.checkpointing import (  # noqa: E402
     find_repeated_blocks,
     is_checkpointed,
 )
+from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch  # noqa: E402
 
 __all__ = [
     "ATTENTION_SWITCH_BACKENDS",
     "ActivationCheckpointing",
     "AttentionSwitch",
+    "MicroBatching",
     "MitigationResult",
     "current_attention_backend",
     "find_attention_targets",
@@ -55,5 +57,7 @@ __all__ = [
     "flash_unavailable_reason",
     "is_checkpointed",
     "is_hf_pretrained_model",
+    "is_micro_batching",
     "sdpa_kernel_context",
+    "split_batch",
 ]

@@ -162,7 +162,9 @@ def _loss_of(output: Any) -> torch.Tensor | None:
         return loss
     if output is None or isinstance(output, torch.Tensor):
         return output
-    raise ValueError(f"`training_step` must return a Tensor, a dict with a 'loss' key, or None; got {type(output).__name__}.")
+    raise ValueError(
+        f"`training_step` must return a Tensor, a dict with a 'loss' key, or None; got {type(output).__name__}."
+    )
 
 
 def _with_loss(output: Any, loss: torch.Tensor) -> Any:
@@ -381,7 +383,8 @@ class MicroBatching:
         else:
             pl_module.training_step = _MicroBatchedTrainingStep(pl_module, self.micro_batch_size)
         after = _describe(pl_module)
-        return MitigationResult(self.name, applied=True, detail=f"{reason} ({before} -> {after})", before=before, after=after)
+        detail = f"{reason} ({before} -> {after})"
+        return MitigationResult(self.name, applied=True, detail=detail, before=before, after=after)
 
     def remove(self, pl_module: Any) -> MitigationResult:
         """Restore the original ``training_step`` (call it between training steps)."""
@@ -396,7 +399,8 @@ class MicroBatching:
         skip = pl_module.__dict__.get("optimizer_zero_grad")
         if isinstance(skip, _SkipNextZeroGrad):
             skip.restore()
-        return MitigationResult(self.name, applied=True, detail="restored the original training_step", before=before, after="off")
+        detail = "restored the original training_step"
+        return MitigationResult(self.name, applied=True, detail=detail, before=before, after="off")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(micro_batch_size={self.micro_batch_size})"

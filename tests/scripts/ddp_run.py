@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--fail-rank0-at", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--mitigations", default="", help="comma-separated ladder, default none")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -31,6 +32,7 @@ def main() -> None:
         memory_budget=args.budget,
         safety_margin=0.0,
         curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16),
+        mitigations=tuple(args.mitigations.split(",")) if args.mitigations else (),
     )
     rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.fail_rank0_at is not None and rank == 0:

@@ -1,0 +1,96 @@
+"""The mitigation ladder: which mitigation to switch on next, cheapest first.
+
+Rungs, in the default order (``SeqMemCallback(mitigations=...)`` may reorder or drop them):
+
+========================  =====================================================  =====================
+name                      what it does                                           cost
+========================  =====================================================  =====================
+``"attention"``           eager → SDPA (→ flash-attn where installed, on CUDA,   none: no L² matrix,
+                          fp16/bf16): :class:`AttentionSwitch`                    no extra compute
+``"checkpointing"``       recompute each transformer block in backward:          ~25-30% more compute
+                          :class:`ActivationCheckpointing`
+``"microbatch"``          split each batch into micro-batches of one sample      throughput (smaller
+                          inside the step: :class:`MicroBatching`                kernels)
+========================  =====================================================  =====================
+
+Example:
+    >>> check_mitigations(["attention", "microbatch"])
+    ('attention', 'microbatch')
+    >>> check_mitigations(["attention", "fp8"])
+    Traceback (most recent call last):
+    ...
+    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch') (an empty one warns only), got ['attention', 'fp8']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from lightning_seqmem.mitigations import MitigationResult
+from lightning_seqmem.mitigations.attention import AttentionSwitch
+from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
+from lightning_seqmem.mitigations.microbatch import MicroBatching
+
+MITIGATIONS = ("attention", "checkpointing", "microbatch")
+"""Every rung of the ladder, cheapest first (the default order)."""
+
+ADVICE = {
+    "attention": "switch attention to SDPA or flash-attn",
+    "checkpointing": "enable activation checkpointing",
+    "microbatch": "train with batch size 1 and gradient accumulation",
+}
+
+
+def check_mitigations(value: Any) -> tuple[str, ...]:
+    """Validate ``SeqMemCallback(mitigations=...)``: distinct names from :data:`MITIGATIONS`."""
+    names = tuple(value) if isinstance(value, (list, tuple)) else None
+    if names is None or any(n not in MITIGATIONS for n in names) or len(set(names)) != len(names):
+        raise ValueError(
+            f"`mitigations` must be a sequence of distinct names from {MITIGATIONS} "
+            f"(an empty one warns only), got {value!r}"
+        )
+    return names
+
+
+def _policy(name: str) -> Any:
+    return {"attention": AttentionSwitch, "checkpointing": ActivationCheckpointing, "microbatch": MicroBatching}[name]()
+
+
+def is_applicable(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
+    """Whether rung ``name`` would change this model and run, with the reason."""
+    policy = _policy(name)
+    if name == "microbatch":
+        return policy.is_applicable(trainer, pl_module, batch)
+    return policy.is_applicable(pl_module)
+
+
+def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> MitigationResult:
+    """Switch rung ``name`` on (in place, between training steps)."""
+    policy = _policy(name)
+    if name == "microbatch":
+        return policy.apply(trainer, pl_module, batch)
+    return policy.apply(pl_module)
+
+
+def next_rung(
+    order: Sequence[str], applied: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None
+) -> tuple[Optional[str], list[str]]:
+    """The first rung of ``order`` not yet applied that applies here, and why others were skipped."""
+    skipped = []
+    for name in order:
+        if name in applied:
+            continue
+        ok, reason = is_applicable(name, trainer, pl_module, batch)
+        if ok:
+            return name, skipped
+        skipped.append(f"{name}: {reason}")
+    return None, skipped
+
+
+def remaining_advice(order: Sequence[str], applied: Sequence[str]) -> str:
+    """What else would help, in words, for a warning."""
+    rest = [ADVICE[n] for n in MITIGATIONS if n not in applied]
+    return ", or ".join(rest) if rest else "use sequence/context parallelism or ZeRO-3/FSDP across GPUs"
+
+
+__all__ = ["ADVICE", "MITIGATIONS", "apply", "check_mitigations", "is_applicable", "next_rung", "remaining_advice"]
