@@ -160,13 +160,15 @@ def fit_growth(seq_lens: Sequence[float], sizes: Sequence[float]) -> tuple[float
 def classify_growth(seq_lens: Sequence[float], sizes: Sequence[float], rel_tol: float = 0.02) -> str:
     """``"constant"``, ``"linear"`` or ``"quadratic"``: how a part grows with L.
 
-    Two lengths: the growth exponent ``log(s2/s1) / log(L2/L1)`` rounded (below 0.5 constant, below
-    1.5 linear, else quadratic). Three or more: the highest-degree term of :func:`fit_growth` that
-    contributes at least ``rel_tol`` of the size at the longest length (falling back to the exponent
-    between the two longest lengths when the fit misses a point by more than 5%).
+    The class is the highest-degree term present, assuming sizes have non-negative terms. Two
+    lengths: ``constant`` if the size changes by at most ``rel_tol``, ``quadratic`` if it grows faster
+    than L (ratio above ``(L2/L1)·(1 + rel_tol)``), else ``linear``. Three or more: the highest-degree
+    term of :func:`fit_growth` that contributes at least ``rel_tol`` of the largest size at the
+    longest length (falling back to the two-length rule on the two longest lengths when the fit
+    misses a point by more than 5%).
 
     Example:
-        >>> classify_growth([64, 128], [5, 5]), classify_growth([64, 128], [64, 128])
+        >>> classify_growth([64, 128], [5, 5]), classify_growth([64, 128], [100 + 64, 100 + 128])
         ('constant', 'linear')
         >>> classify_growth([64, 128, 256], [1000 + L * L for L in (64, 128, 256)])
         'quadratic'
@@ -194,8 +196,10 @@ def classify_growth(seq_lens: Sequence[float], sizes: Sequence[float], rel_tol: 
         Lmax = L[-1]
         terms = [abs(c[0]), abs(c[1]) * Lmax, abs(c[2]) * Lmax**2]
         return GROWTHS[int(np.argmax(terms))]
-    exponent = math.log(s2 / s1) / math.log(L2 / L1)
-    return "constant" if exponent < 0.5 else "linear" if exponent < 1.5 else "quadratic"
+    ratio = s2 / s1
+    if abs(ratio - 1) <= rel_tol:
+        return "constant"
+    return "quadratic" if ratio > (L2 / L1) * (1 + rel_tol) else "linear"
 
 
 def crossover_length(

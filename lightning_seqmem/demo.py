@@ -218,6 +218,12 @@ class LitGPT(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
+    @property
+    def attention_backend(self) -> str:
+        """The model's attention backend (``"eager"``, ``"sdpa"``, ``"flash"`` or ``"mixed"``)."""
+        return self.model.attention_backend
+
     def set_attention_backend(self, backend: str, sdpa_backends: Any = None) -> None:
         """Forward to :meth:`lightning_seqmem.nn.GPT.set_attention_backend`."""
         self.model.set_attention_backend(backend, sdpa_backends)
+        self.hparams.attention = backend  # a checkpoint then rebuilds the model on this backend
