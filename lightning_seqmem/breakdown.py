@@ -287,7 +287,7 @@ def korthikanti_activation_bytes(
         >>> korthikanti_activation_bytes(s, b, h, a, recompute=True) == 2 * s * b * h
         True
         >>> korthikanti_activation_bytes(64, 2, 128, 4, bytes_per_element=4, dropout=False)
-        1114112
+        1179648
     """
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("hidden", hidden), ("heads", heads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -963,6 +963,11 @@ def calibrate(
             "it as the next layer's LayerNorm input): equal on average over layers. LayerNorm also keeps its mean "
             "and rstd (2·s·b fp32 per norm) and copies made for a matmul (contiguous q/k/v) appear here."
         )
+        if any(name.split(".")[-1] in ("gate_proj", "w3", "gate_up_proj") for name, _ in model.named_modules()):
+            lines.append(
+                "The MLP is gated (SwiGLU-style): it keeps more ffn-wide tensors than the paper's GeLU MLP "
+                "(2·s·b·ffn elements), so the linear part runs above theory."
+            )
         if weight_copies:
             lines.append(
                 f"Of the measured bytes, {weight_copies} B per layer are autocast's {breakdown.autocast_dtype} copies "

@@ -618,16 +618,16 @@ class SeqMemCallback(Callback):
             )
         if event["name"] != "attention" or event.get("checked") or not self.forecaster.ready:
             return
-        old = self._forecasters.get(self.applied_mitigations[:-1])
-        old_b, new_b = _quadratic_coefficient(old), _quadratic_coefficient(self.forecaster)
-        if old_b is None or new_b is None:
+        terms = _quadratic_terms(self._forecasters.get(self.applied_mitigations[:-1]), self.forecaster)
+        if terms is None:
             return
+        old_b, new_b = terms
         event["checked"] = True
         if new_b > 0.5 * old_b:
             self._warn_once(
                 "attention-still-quadratic",
                 f"seqmem: after switching attention ({event['detail']}), memory still grows "
-                f"quadratically with the length ({new_b:.0f} B/token² per sample, was {old_b:.0f}): "
+                f"quadratically with the length ({new_b:.0f} B/token², was {old_b:.0f}): "
                 "the kernel likely fell back to a path that materialises the scores — an explicit "
                 "attention mask, attention dropout, or a dtype the fused kernel does not support.",
                 PredictedOOMWarning,
@@ -813,12 +813,21 @@ def _existing_tensors(pl_module: pl.LightningModule, trainer: pl.Trainer, batch:
     return out
 
 
-def _quadratic_coefficient(forecaster: Optional[MemoryForecaster]) -> Optional[float]:
-    """Largest b (bytes per token² per sample) over phases of a fitted quadratic model."""
-    model = None if forecaster is None else forecaster.quadratic
-    if model is None:
+def _quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:
+    """Bytes per token² (per sample) before and after a change, measured the same way, or None.
+
+    From the timeline replay when both settings have one (the L² coefficients of every allocation,
+    exact from two traced lengths); else from quadratic fits of three or more lengths (a two-point
+    fit is C + b·L² by construction and says nothing about the shape).
+    """
+    if old is None:
         return None
-    return max(c.quadratic_bytes_per_token2 for c in model.coefficients.values())
+    if old.timeline is not None and new.timeline is not None:
+        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum()) for f in (old, new))  # type: ignore[return-value]
+    fits = [f.quadratic for f in (old, new)]
+    if any(q is None for q in fits) or any(len({L for L, _ in f.points}) < 3 for f in (old, new)):
+        return None
+    return tuple(max(c.quadratic_bytes_per_token2 for c in q.coefficients.values()) for q in fits)  # type: ignore[union-attr,return-value]
 
 
 def _length_setter(trainer: pl.Trainer) -> Optional[Callable[[int], None]]:

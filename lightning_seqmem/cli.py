@@ -49,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .report import load_report, render_console, write_report
 
     _quiet()
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     pl.seed_everything(args.seed, verbose=False)
     curriculum = Curriculum(start=args.start, target=args.target, steps_per_stage=args.steps_per_stage)
     max_steps = args.max_steps or curriculum.num_stages * curriculum.steps_per_stage
@@ -185,7 +185,7 @@ def _forecast(args: argparse.Namespace) -> int:
     from .units import format_bytes, parse_bytes
 
     _quiet()
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     lengths = sorted(set(args.lengths))
     if min(lengths) < 1:
         raise SystemExit(f"seqmem forecast: --lengths must be positive, got {args.lengths}")

@@ -160,7 +160,7 @@ class LitGPT(pl.LightningModule):
     Logged keys: ``train/loss`` (mean cross entropy per token, nats).
 
     Args:
-        vocab_size, n_layer, n_head, d_model, d_ff, dropout, attention: see
+        vocab_size, n_layer, n_head, d_model, d_ff, dropout, attention_dropout, attention: see
             :class:`~lightning_seqmem.nn.GPTConfig`.
         lr: AdamW learning rate.
         weight_decay: AdamW decoupled weight decay.
@@ -186,6 +186,7 @@ class LitGPT(pl.LightningModule):
         attention: str = "eager",
         lr: float = 3e-4,
         weight_decay: float = 0.0,
+        attention_dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if not lr > 0:
@@ -201,6 +202,7 @@ class LitGPT(pl.LightningModule):
                 d_model=d_model,
                 d_ff=d_ff,
                 dropout=dropout,
+                attention_dropout=attention_dropout,
                 attention=attention,
             )
         )

@@ -80,7 +80,7 @@ def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]
             "peak per phase (GiB)": tags("peak_allocated_gib", "peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib"),
             "peak allocated vs reserved vs usable budget (GiB)": tags("peak_allocated_gib", "reserved_gib", "budget_gib"),
             "sequence length (tokens)": tags("seq_len"),
-            "batch size (samples) and curriculum stage (index)": tags("batch_size", "stage"),
+            "batch size (samples), curriculum stage (index), mitigations on (count)": tags("batch_size", "stage", "mitigations_applied"),
         },
         forecast: {
             "forecast for the next stage vs measured peak (GiB)": tags("forecast_next_gib", "peak_allocated_gib"),
@@ -160,15 +160,30 @@ def _reference_batch_size(callback: "SeqMemCallback") -> Optional[int]:
     return measured[-1] if measured else (callback.records[-1].batch_size if callback.records else None)
 
 
-def _mitigation_changes(callback: "SeqMemCallback") -> list[tuple[int, tuple[str, ...], tuple[str, ...]]]:
-    """``(seq_len, before, after)`` at each record whose ``mitigations`` differ from the previous one."""
-    changes, previous = [], ()
+def _mitigation_marks(callback: "SeqMemCallback") -> list[tuple[int, str]]:
+    """``(seq_len, what was switched on)`` for each mitigation switched on.
+
+    From the callback's ``mitigation_events`` (the length at which it was decided), else from the
+    records: the first record whose ``mitigations`` differ from the previous record's.
+    """
+    events = getattr(callback, "mitigation_events", None)
+    if events:
+        return [(int(e["seq_len"]), str(e["name"])) for e in events]
+    marks, previous = [], ()
     for record in callback.records:
         current = tuple(record.mitigations)
         if current != previous:
-            changes.append((record.seq_len, previous, current))
+            added = [m for m in current if m not in previous]
+            marks.append((record.seq_len, ", ".join(added) if added else "off: " + ", ".join(previous)))
         previous = current
-    return changes
+    return marks
+
+
+def _other_settings(callback: "SeqMemCallback") -> list[tuple[tuple[str, ...], Any]]:
+    """Forecasters of the mitigation settings other than the current one (fitted before a switch)."""
+    forecasters = getattr(callback, "_forecasters", None) or {}
+    current = tuple(getattr(callback, "applied_mitigations", ()))
+    return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
 
 
 def memory_figure(
@@ -187,8 +202,9 @@ def memory_figure(
             of other batch sizes are drawn with their own marker.
         title: figure title; default names the batch size.
 
-    The quadratic fit and the timeline replay are drawn with their conservative upper bound as a
-    band; the usable budget (and the whole budget) as horizontal lines; a vertical line marks each
+    The quadratic fit and the timeline replay (of the mitigations on now: each setting has its own
+    fit) are drawn with their conservative upper bound as a band; measured points are grouped by
+    batch size and mitigations; the usable budget (and the whole budget) as horizontal lines; a vertical line marks each
     length where the set of mitigations changed, and a dotted one the largest length that fits.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -211,24 +227,43 @@ def memory_figure(
     budget, usable = callback._budget_bytes, callback.usable_budget_bytes
     candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
     candidates += [max(c[2]) for c in curves.values()]
-    unit, scale = _unit(max(candidates, default=0))
+    if batch_size is not None:
+        for _, other in _other_settings(callback):
+            try:
+                candidates.append(other.forecast(right, batch_size).peak_bytes)
+            except Exception:  # noqa: BLE001
+                pass
+    unit, scale = _unit(min(max(candidates, default=0), 2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
+                        if budget else max(candidates, default=0))
 
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     styles = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay")}
+    current = tuple(getattr(callback, "applied_mitigations", ()))
+    setting = f", with {'+'.join(current)}" if current else ""
     for method, (xs, peaks, uppers) in curves.items():
         color, label = styles[method]
-        ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size})")
+        ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size}{setting})")
         ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
                         label=f"{method} upper bound")
-    by_batch: dict[int, list] = {}
+    for key, other in _other_settings(callback) if batch_size is not None else ():
+        try:
+            ys = [other.forecast(L, batch_size).peak_bytes / scale for L in lengths]
+        except Exception:  # noqa: BLE001 - a figure never fails on a forecast
+            continue
+        ax.plot(lengths, ys, color="gray", linestyle="--", linewidth=1,
+                label=f"forecast {'with ' + '+'.join(key) if key else 'before mitigations'}")
+    groups: dict[tuple, list] = {}  # (batch size, mitigations on) -> records
     for r in measured:
-        by_batch.setdefault(r.batch_size, []).append(r)
-    markers = iter("os^Dv<>")
-    for b, records in sorted(by_batch.items()):
+        groups.setdefault((r.batch_size, tuple(r.mitigations)), []).append(r)
+    current = tuple(getattr(callback, "applied_mitigations", ()))
+    markers = iter("os^Dv<>phX")
+    for (b, mitigations), records in sorted(groups.items(), key=lambda kv: (kv[0][0], len(kv[0][1]))):
+        mine = b == batch_size and mitigations == current
+        suffix = f", with {'+'.join(mitigations)}" if mitigations else ""
         ax.scatter([r.seq_len for r in records], [r.peak_bytes / scale for r in records], marker=next(markers, "o"),
-                   color="black" if b == batch_size else None, zorder=3, label=f"measured peak (batch {b})")
+                   color="black" if mine else None, zorder=3, label=f"measured peak (batch {b}{suffix})")
     if usable:
         ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
     if budget and budget != usable:
@@ -240,20 +275,25 @@ def memory_figure(
             fit = None
         if fit and fit < right:
             ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
-    for i, (seq_len, before, after) in enumerate(_mitigation_changes(callback)):
-        added = [m for m in after if m not in before] or ["none"]
+    for i, (seq_len, what) in enumerate(_mitigation_marks(callback)):
         ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
-                   label=f"mitigations on at L={seq_len}: {', '.join(added)}" if i < 4 else None)
+                   label=f"switched on at L={seq_len}: {what}" if i < 4 else None)
     if target:
         ax.axvline(target, color="gray", linestyle=":", alpha=0.6, label=f"curriculum target {target}")
     ax.set_xlim(0, right)
-    ax.set_ylim(bottom=0)
+    top = max(candidates, default=0)
+    if budget:  # keep the budget in view: curves may climb far above it at the right end
+        top = min(top, 2.5 * max([budget] + [r.peak_bytes for r in measured]))
+    if top > 0:
+        ax.set_ylim(0, 1.05 * top / scale)
+    else:
+        ax.set_ylim(bottom=0)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel(f"peak memory of a training step ({unit})")
     ax.set_title(title or f"seqmem: memory vs sequence length (batch {batch_size})")
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", fontsize="small")
+        ax.legend(loc="upper left", fontsize="small", framealpha=0.85)
     fig.tight_layout()
     return fig
 

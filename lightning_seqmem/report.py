@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -43,10 +44,13 @@ JSON_NAME, MARKDOWN_NAME, PNG_NAME = "seqmem_report.json", "seqmem_report.md", "
 
 _WARNING_KINDS = {  # prefix of a SeqMemCallback._warned key -> what it means
     "oom-batch-": "a batch was predicted not to fit the budget",
-    "oom-": "a curriculum stage was predicted not to fit; the curriculum was capped",
+    "oom-": "a curriculum stage was predicted not to fit: a mitigation was switched on or the curriculum capped",
     "mismatch-": "a forecast missed the measurement by more than the tolerance",
     "budget-first-step": "the first step already exceeded the usable budget",
     "budget-view": "a forecast for logging failed",
+    "mitigation-failed-": "a mitigation could not be switched on and was skipped",
+    "attention-still-quadratic": "after the attention switch, memory still grew quadratically",
+    "precision": "32-bit precision: bf16-mixed recommended",
     "failure": "internal failure: the callback stopped measuring",
 }
 
@@ -72,6 +76,7 @@ def _run_facts(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"]) -> d
         "tolerance": callback.tolerance,
         "warmup_steps": callback.warmup_steps,
         "warmup_steps_after_change": callback.warmup_steps_after_change,
+        "mitigations_allowed": list(getattr(callback, "mitigations", ())),
         "model_class": None,
         "num_parameters": None,
         "precision": None,
@@ -146,11 +151,12 @@ def _predictors(callback: "SeqMemCallback") -> dict[str, Any]:
         r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size, notes=list(timeline.notes),
                  num_allocations=int(timeline.coefficients.shape[1]),
                  max_fit_residual_bytes=timeline.max_fit_residual_bytes)
+    settings = getattr(callback, "_forecasters", None) or {_applied(callback): forecaster}
     verifications = [
         {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method, "forecast_bytes": v.forecast_bytes,
          "measured_bytes": v.measured_bytes, "relative_error": v.relative_error,
-         "within_tolerance": abs(v.relative_error) <= callback.tolerance}
-        for v in forecaster.verifications
+         "within_tolerance": abs(v.relative_error) <= callback.tolerance, "mitigations": list(key)}
+        for key, f in settings.items() for v in f.verifications
     ]
     accuracy = {}
     for method in ("replay", "quadratic"):
@@ -159,8 +165,10 @@ def _predictors(callback: "SeqMemCallback") -> dict[str, Any]:
             accuracy[method] = {"num_verifications": len(errors), "max_abs_error": max(abs(e) for e in errors),
                                 "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
                                 "worst_under_prediction": min(min(errors), 0.0)}
-    return {"quadratic": q, "replay": r, "verifications": verifications, "accuracy": accuracy,
-            "reserved_ratio": forecaster.reserved_ratio}
+    return {"mitigations": list(_applied(callback)), "quadratic": q, "replay": r, "verifications": verifications,
+            "accuracy": accuracy, "reserved_ratio": forecaster.reserved_ratio,
+            "settings": [{"mitigations": list(key), "num_points": len(f.points), "num_traces": len(f.traces),
+                          "ready": f.ready} for key, f in settings.items()]}
 
 
 def _forecast_row(callback: "SeqMemCallback", seq_len: int, batch_size: int) -> dict[str, Any]:
@@ -204,7 +212,12 @@ def _forecasts(callback: "SeqMemCallback", batch_size: Optional[int]) -> dict[st
     return out
 
 
+def _applied(callback: "SeqMemCallback") -> tuple[str, ...]:
+    return tuple(getattr(callback, "applied_mitigations", ()))
+
+
 def _mitigations(callback: "SeqMemCallback") -> dict[str, Any]:
+    """Allowed rungs, the ones on now, each switch (from the callback's events) and the record changes."""
     changes, previous = [], ()
     for r in callback.records:
         current = tuple(r.mitigations)
@@ -212,7 +225,10 @@ def _mitigations(callback: "SeqMemCallback") -> dict[str, Any]:
             changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
                             "before": list(previous), "after": list(current)})
         previous = current
-    return {"active": list(callback.mitigations), "changes": changes}
+    events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "detail", "before_bytes", "after_bytes")}
+              for e in getattr(callback, "mitigation_events", [])]
+    return {"allowed": list(getattr(callback, "mitigations", ())), "active": list(_applied(callback)),
+            "events": events, "changes": changes}
 
 
 def _warnings(callback: "SeqMemCallback") -> list[dict[str, str]]:
@@ -388,31 +404,40 @@ def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     for method, a in acc.items():
         rows.append((f"{method} accuracy", f"max |error| {a['max_abs_error']:.1%} over {a['num_verifications']} verification(s)"))
     mit = report["mitigations"]
-    rows.append(("mitigations", ", ".join(mit["active"]) or "none"))
+    rows.append(("mitigations on", ", ".join(mit["active"]) or "none"))
     rows.append(("warnings", ", ".join(w["key"] for w in report["warnings"]) or "none"))
     return rows
 
 
-def _points_table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows of the measured points; CUDA-only and mitigation columns only when used."""
-    verified = {(v["seq_len"], v["batch_size"]): v for v in report["predictors"]["verifications"]}
+def _unit(max_bytes: float) -> tuple[str, float]:
+    return ("GiB", 2.0**30) if max_bytes >= 2**30 else ("MiB", 2.0**20)
+
+
+def _points_table(report: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Unit, headers and rows of the measured points; CUDA-only and mitigation columns only when used."""
+    verified = {(v["seq_len"], v["batch_size"], tuple(v.get("mitigations", []))): v
+                for v in report["predictors"]["verifications"]}
     points = report["points"]
+    unit, scale = _unit(max(max(p["peak_bytes"], p["reserved_bytes"] or 0) for p in points))
     with_reserved = any(p["reserved_bytes"] is not None for p in points)
     with_mitigations = any(p["mitigations"] for p in points)
     headers = ["seq_len", "batch", "peak", *PHASES, *(["reserved"] if with_reserved else []),
-               "forecast error", *(["mitigations"] if with_mitigations else [])]
+               "error", *(["mitigations"] if with_mitigations else [])]
+
+    def num(nbytes: Optional[int]) -> str:
+        return "-" if nbytes is None else f"{nbytes / scale:.1f}"
+
     rows = []
     for p in points:
-        v = verified.get((p["seq_len"], p["batch_size"]))
-        row = [str(p["seq_len"]), str(p["batch_size"]), format_bytes(p["peak_bytes"]),
-               *(format_bytes(p[f"{ph}_peak_bytes"]) for ph in PHASES)]
+        v = verified.get((p["seq_len"], p["batch_size"], tuple(p["mitigations"])))
+        row = [str(p["seq_len"]), str(p["batch_size"]), num(p["peak_bytes"]), *(num(p[f"{ph}_peak_bytes"]) for ph in PHASES)]
         if with_reserved:
-            row.append(format_bytes(p["reserved_bytes"]))
+            row.append(num(p["reserved_bytes"]))
         row.append("-" if v is None else f"{_pct(v['relative_error'])} {v['method']}")
         if with_mitigations:
-            row.append(", ".join(p["mitigations"]) or "-")
+            row.append("+".join(p["mitigations"]) or "-")
         rows.append(row)
-    return headers, rows
+    return unit, headers, rows
 
 
 _FORECAST_HEADERS = ["seq_len", "batch", "method", "peak", "upper", "quadratic", "replay", "fits"]
@@ -435,7 +460,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     parts = ["# lightning-seqmem report", "", f"Created {report['created']}.", "", "## Run", "",
              _md_table(["", ""], [list(r) for r in _facts_rows(report)]), "",
              "## Measured peaks (max over non-warm-up steps)", ""]
-    parts += [_md_table(*_points_table(report)) if report["points"] else "No step was measured.", ""]
+    if report["points"]:
+        unit, headers, rows = _points_table(report)
+        parts += [f"Peaks in {unit}; forecast error = (forecast − measured) / measured at the first measurement of "
+                  "the length.", "", _md_table(headers, rows), ""]
+    else:
+        parts += ["No step was measured.", ""]
     fc = report["forecasts"]
     parts += ["## Forecasts", ""]
     if fc["at"]:
@@ -446,6 +476,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     pred = report["predictors"]
     parts += ["## Predictors", ""]
     q = pred["quadratic"]
+    if pred.get("mitigations"):
+        parts += [f"Fitted with {', '.join(pred['mitigations'])} on (each setting of mitigations has its own fit).", ""]
     if q["available"]:
         parts += ["Quadratic fit `M(L, B) = C + B·(a·L + b·L²)` per phase:", "",
                   _md_table(["phase", "C", "a (bytes/token)", "b (bytes/token²)", "residual std", "points"],
@@ -460,13 +492,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         parts += [f"Timeline replay unavailable: {r.get('unavailable_reason', '-')}.", ""]
     if pred["verifications"]:
         parts += ["Verifications (forecast made before the length was first measured):", "",
-                  _md_table(["seq_len", "batch", "method", "forecast", "measured", "error", "within tolerance"],
-                            [[str(v["seq_len"]), str(v["batch_size"]), v["method"], format_bytes(v["forecast_bytes"]),
-                              format_bytes(v["measured_bytes"]), _pct(v["relative_error"]),
-                              "yes" if v["within_tolerance"] else "NO"] for v in pred["verifications"]]), ""]
+                  _md_table(["seq_len", "batch", "mitigations", "method", "forecast", "measured", "error", "within tolerance"],
+                            [[str(v["seq_len"]), str(v["batch_size"]), "+".join(v.get("mitigations", [])) or "none",
+                              v["method"], format_bytes(v["forecast_bytes"]), format_bytes(v["measured_bytes"]),
+                              _pct(v["relative_error"]), "yes" if v["within_tolerance"] else "NO"]
+                             for v in pred["verifications"]]), ""]
     mit = report["mitigations"]
-    parts += ["## Mitigations", ""]
-    if mit["changes"]:
+    parts += ["## Mitigations", "", f"Allowed, in order: {', '.join(mit.get('allowed', [])) or 'none'}.", ""]
+    if mit.get("events"):
+        parts += [_md_table(["step", "seq_len", "switched on", "what was done", "peak before", "peak after"],
+                            [[str(e["step"]), str(e["seq_len"]), e["name"], str(e["detail"]),
+                              format_bytes(e["before_bytes"]), format_bytes(e["after_bytes"])]
+                             for e in mit["events"]]), ""]
+    elif mit["changes"]:
         parts += [_md_table(["global step", "seq_len", "before", "after"],
                             [[str(c["global_step"]), str(c["seq_len"]), ", ".join(c["before"]) or "none",
                               ", ".join(c["after"]) or "none"] for c in mit["changes"]]), ""]
@@ -489,7 +527,8 @@ def render_console(report: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:  # a pipe or a log file gets 120 columns rather than rich's default 80
+        console = Console(width=None if sys.stdout.isatty() else 120)
     facts = Table(title="seqmem: run", show_header=False, title_justify="left")
     facts.add_column(style="bold")
     facts.add_column()
@@ -497,10 +536,10 @@ def render_console(report: dict[str, Any], console: Any = None) -> None:
         facts.add_row(name, value)
     console.print(facts)
     if report["points"]:
-        headers, rows = _points_table(report)
-        points = Table(title="seqmem: measured peaks (max over non-warm-up steps)", title_justify="left")
+        unit, headers, rows = _points_table(report)
+        points = Table(title=f"seqmem: measured peaks ({unit}, max over non-warm-up steps)", title_justify="left")
         for header in headers:
-            points.add_column(header, justify="left" if header in ("forecast error", "mitigations") else "right")
+            points.add_column(header, justify="left" if header in ("error", "mitigations") else "right")
         for row in rows:
             points.add_row(*row)
         console.print(points)

@@ -79,10 +79,11 @@ def test_custom_scalars_layout_written(run):
         assert charts == {title: spec[1] for title, spec in expected[category.title].items()}
 
 
-def test_layout_tags_are_exactly_the_callback_tags():
+def test_layout_tags_are_exactly_the_callback_tags(run):
     documented = set(re.findall(r"``(seqmem/\w+)``", SeqMemCallback.__doc__))
+    logged = {t for t in run["events"].Tags()["scalars"] if t.startswith("seqmem/")}
     in_layout = {tag for category in custom_scalars_layout().values() for spec in category.values() for tag in spec[1]}
-    assert in_layout == documented
+    assert in_layout == documented | logged
     assert all(spec[0] == "Multiline" for c in custom_scalars_layout().values() for spec in c.values())
     assert all(re.search(r"\((GiB|tokens|count|index|samples|of .*)", title) or "error" in title or "warm-up" in title
                for c in custom_scalars_layout().values() for title in c)  # units in titles
@@ -149,7 +150,7 @@ def test_report_files(run):
     assert str(json_path.parent) == run["logger"].log_dir == report_dir(run["trainer"])
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = md_path.read_text()
-    assert "| seq_len | batch | peak |" in markdown and "## Forecasts" in markdown and "seqmem_memory.png" in markdown
+    assert "| seq_len | batch | peak | forward |" in markdown and "## Forecasts" in markdown and "seqmem_memory.png" in markdown
     json.loads(json_path.read_text())  # plain JSON (no NaN)
 
 
@@ -193,7 +194,8 @@ def test_report_facts_and_predictors(run):
     assert {16, 32, 64, 128, 256} <= set(at)
     assert at[128]["peak_bytes"] == cb.forecast(128).peak_bytes
     assert at[64]["fits"] is True
-    assert report["mitigations"] == {"active": [], "changes": []}
+    assert report["mitigations"]["active"] == [] and report["mitigations"]["changes"] == []
+    assert report["mitigations"]["allowed"] == list(cb.mitigations)
     assert report["warnings"] == [{"key": k, "meaning": report["warnings"][i]["meaning"]} for i, k in enumerate(sorted(cb._warned))]
 
 

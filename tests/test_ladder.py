@@ -1,0 +1,102 @@
+"""The mitigation ladder on a real run: reach a target 8× beyond what fits, never exceed the budget."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lightning.pytorch as pl
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching, ladder
+
+MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=64, attention="eager")
+BUDGET = 10_700_000  # bytes; the unmitigated eager model fits 80 tokens at batch 4, not 96
+TARGET = 640  # 8 × 80
+
+
+def _peak(seq_len, names=()):
+    """Measured peak of a step at ``seq_len`` with ``names`` switched on before training."""
+    cb = SeqMemCallback(warmup_steps=2, mitigations=())
+
+    class SwitchOn(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            for name in names:
+                assert ladder.apply(name, trainer, pl_module).applied
+
+    torch.manual_seed(0)
+    make_trainer([SwitchOn(), cb], max_steps=3).fit(
+        LitGPT(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=seq_len, num_samples=16, vocab_size=64)
+    )
+    return cb.records[-1].peak_bytes
+
+
+def _run(mitigations, max_steps=44, **model):
+    cb = SeqMemCallback(
+        warmup_steps=1, memory_budget=BUDGET, safety_margin=0.0, mitigations=mitigations,
+        curriculum=Curriculum(start=32, target=TARGET, steps_per_stage=2, multiple_of=16),
+    )
+    torch.manual_seed(0)
+    module = LitGPT(**{**MODEL, **model})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], max_steps=max_steps).fit(
+            module, SyntheticTokenDataModule(batch_size=4, seq_len=TARGET, num_samples=4 * max_steps, vocab_size=64)
+        )
+    return cb, module, [w for w in caught if issubclass(w.category, PredictedOOMWarning)]
+
+
+def test_unmitigated_model_fits_an_eighth_of_the_target():
+    assert _peak(80) <= BUDGET < _peak(96)
+
+
+def test_ladder_reaches_the_target_within_budget():
+    cb, module, oom = _run(ladder.MITIGATIONS)
+    lengths = [r.seq_len for r in cb.records]
+    assert lengths[-1] == TARGET and cb._capped_at is None
+    assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget
+    names = [e["name"] for e in cb.mitigation_events]
+    assert names == list(cb.applied_mitigations) and names[0] == "attention" and len(names) >= 2
+    # each mitigation: when (a record carries the event), and its measured effect at that length
+    for event in cb.mitigation_events:
+        record = next(r for r in cb.records if f"mitigation:{event['name']}" in r.events)
+        assert record.step == event["step"] and record.mitigations[-1] == event["name"]
+        assert event["after_bytes"] < event["before_bytes"], event
+    assert module.attention_backend == "sdpa"
+    assert is_checkpointed(module) == ("checkpointing" in names)
+    assert is_micro_batching(module) == ("microbatch" in names)
+    assert len(oom) == len(names)  # one warning per step taken, each naming the mitigation
+    assert all("Switching on the next mitigation" in str(w.message) for w in oom)
+
+
+def test_attention_switch_that_stays_quadratic_is_reported():
+    """With attention dropout, SDPA on CPU takes its math path: the L² term stays, and we say so."""
+    cb, module, oom = _run(("attention",), max_steps=14, attention_dropout=0.1)
+    assert cb.applied_mitigations == ("attention",) and module.attention_backend == "sdpa"
+    still = [w for w in oom if "still grows quadratically" in str(w.message)]
+    assert len(still) == 1 and "attention dropout" in str(still[0].message)
+    assert cb.mitigation_events[0].get("checked")
+
+
+def test_attention_switch_to_a_fused_kernel_is_not_reported():
+    cb, _, oom = _run(("attention",), max_steps=14)
+    assert cb.mitigation_events[0].get("checked")
+    assert not [w for w in oom if "still grows quadratically" in str(w.message)]
+
+
+def test_empty_ladder_warns_and_caps():
+    cb, module, oom = _run((), max_steps=14)
+    assert cb.applied_mitigations == () and module.attention_backend == "eager"
+    assert cb._capped_at is not None and cb._capped_at < 96
+    assert max(r.peak_bytes for r in cb.records) <= BUDGET
+    assert len(oom) == 1 and "switch attention to SDPA" in str(oom[0].message)
+
+
+def test_ladder_validation():
+    with pytest.raises(ValueError, match="`mitigations` must be a sequence of distinct names"):
+        SeqMemCallback(mitigations=("attention", "attention"))
+    with pytest.raises(ValueError, match="`mitigations`"):
+        SeqMemCallback(mitigations="attention")
