@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from .batch import infer_batch_shape, set_batch_sequence_length
 from .curriculum import Curriculum
 from .mitigations import ladder
+from .oom import is_oom, write_oom_diagnosis
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from .probes import PHASES, PROBE_NAMES, MemoryProbe, StepMemory, make_probe
 from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
@@ -257,8 +258,27 @@ class SeqMemCallback(Callback):
             return
         self._device = trainer.strategy.root_device
         self._probe = make_probe(self.probe_name, self._device)
+        self._check_strategy_and_module(trainer, pl_module)
         if self._budget_bytes is None and self._device.type == "cuda":
             self._budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
+
+    def _check_strategy_and_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Drop the rungs this run cannot take, saying why, before training starts."""
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        dropped = []
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            dropped = [m for m in self.mitigations if m in ("checkpointing", "microbatch")]
+            why = (
+                f"{type(trainer.strategy).__name__} shards or wraps the model itself; only single-device "
+                "and DDP runs are supported for these (measurement and forecasts still work; for FSDP "
+                "use its own activation checkpointing, for DeepSpeed its config)"
+            )
+        elif not pl_module.automatic_optimization and "microbatch" in self.mitigations:
+            dropped, why = ["microbatch"], "manual optimization runs its own backward, which cannot be split"
+        if dropped:
+            self.mitigations = tuple(m for m in self.mitigations if m not in dropped)
+            rank_zero_warn(f"seqmem: mitigations {dropped} are off for this run: {why}.", category=UserWarning)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a resume, switch on again the mitigations the checkpoint says were on."""
@@ -417,8 +437,17 @@ class SeqMemCallback(Callback):
         self._log(trainer, record)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Leave the dispatch mode; for an out-of-memory error, write a diagnosis. Lightning then
+        re-raises the error unchanged."""
         if self._probe is not None:
             self._probe.abort()
+        if not is_oom(exception) or trainer.global_rank != 0:
+            return
+        try:
+            path = write_oom_diagnosis(self, trainer, exception)
+            rank_zero_warn(f"seqmem: out of memory; diagnosis written to {path}", category=PredictedOOMWarning)
+        except Exception as exc:  # noqa: BLE001 - never mask the real error
+            rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._probe is not None:

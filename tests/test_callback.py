@@ -217,3 +217,54 @@ def test_state_dict_round_trip_keeps_forecasts():
     assert restored.forecast(256) == cb.forecast(256)
     assert restored.state_dict() == state
     assert SeqMemCallback().state_key != restored.state_key
+
+
+class _OOMAtStep(LitGPT):
+    def __init__(self, fail_at, **kwargs):
+        super().__init__(**kwargs)
+        self.fail_at = fail_at
+        self.error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at:
+            raise self.error
+        return super().training_step(batch, batch_idx)
+
+
+def test_real_oom_is_diagnosed_and_reraised_unchanged(tmp_path):
+    import json
+
+    cb = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
+    module = _OOMAtStep(5, n_layer=1, d_model=32, n_head=2)
+    trainer = make_trainer([cb], max_steps=8, default_root_dir=tmp_path)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        trainer.fit(module, SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
+    assert raised.value is module.error  # the very same error object
+    diagnosis = json.loads((tmp_path / "seqmem_oom_diagnosis.json").read_text())
+    assert "injected" in diagnosis["error"] and diagnosis["failing_batch"] == {"seq_len": 64, "batch_size": 2}
+    assert [r["step"] for r in diagnosis["last_records"]] == [0, 1, 2, 3, 4]
+    assert diagnosis["forecast_for_failing_batch"]["method"] in ("replay", "quadratic")
+    assert "switch on 'attention'" in diagnosis["would_have_done"]
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None  # the tracker was left on the way out
+
+
+def test_manual_optimization_drops_microbatching_at_setup():
+    class Manual(LitGPT):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    cb = SeqMemCallback()
+    with pytest.warns(UserWarning, match=r"mitigations \['microbatch'\] are off for this run: manual optimization"):
+        make_trainer([cb], max_steps=3).fit(Manual(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=16))
+    assert cb.mitigations == ("attention", "checkpointing") and len(cb.records) == 3
+    assert all(r.backward_peak_bytes for r in cb.records)  # manual_backward still marks the phase

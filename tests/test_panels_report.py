@@ -234,18 +234,36 @@ def _record(step, seq_len, peak, mitigations=()):
                       optimizer_peak_bytes=peak // 4, start_bytes=peak // 8, mitigations=tuple(mitigations))
 
 
-def test_figure_marks_mitigations_and_report_lists_them(tmp_path):
+def _callback_with_mitigations():
     cb = SeqMemCallback(memory_budget="1GiB")
     cb.records = [_record(0, 128, 20 * 2**20), _record(1, 256, 60 * 2**20),
-                  _record(2, 512, 90 * 2**20, ["attention"]), _record(3, 1024, 200 * 2**20, ["attention", "activation_checkpointing"])]
+                  _record(2, 512, 90 * 2**20, ["attention"]), _record(3, 1024, 200 * 2**20, ["attention", "checkpointing"])]
     for r in cb.records:
         cb.forecaster.add_measurement(r.seq_len, r.batch_size, {"forward": r.forward_peak_bytes})
     cb._last_batch_size = 2
+    return cb
+
+
+def test_figure_marks_mitigations_from_records():
+    cb = _callback_with_mitigations()
     labels = memory_figure(cb).axes[0].get_legend_handles_labels()[1]
-    assert any("mitigations on at L=512: attention" in label for label in labels)
-    assert any("mitigations on at L=1024: activation_checkpointing" in label for label in labels)
+    assert any("switched on at L=512: attention" in label for label in labels)
+    assert any("switched on at L=1024: checkpointing" in label for label in labels)
     assert any(label.startswith("quadratic fit") for label in labels)
     assert not any(label.startswith("timeline replay") for label in labels)  # nothing traced
     report = build_report(cb)
     assert [c["seq_len"] for c in report["mitigations"]["changes"]] == [512, 1024]
+    assert [c["after"] for c in report["mitigations"]["changes"]] == [["attention"], ["attention", "checkpointing"]]
     assert report["predictors"]["replay"]["available"] is False
+
+
+def test_figure_and_report_use_the_mitigation_events():
+    cb = _callback_with_mitigations()
+    cb.mitigation_events = [{"name": "attention", "step": 1, "seq_len": 256, "detail": "attention eager -> sdpa",
+                             "before_bytes": 60 * 2**20, "after_bytes": 30 * 2**20}]
+    labels = memory_figure(cb).axes[0].get_legend_handles_labels()[1]
+    assert any("switched on at L=256: attention" in label for label in labels)  # where it was decided
+    report = build_report(cb)
+    assert report["mitigations"]["events"] == cb.mitigation_events
+    markdown = render_markdown(report)
+    assert "attention eager -> sdpa" in markdown and "60.0 MiB" in markdown and "30.0 MiB" in markdown
