@@ -273,7 +273,12 @@ def _forecast(args: argparse.Namespace) -> int:
 # Parser
 # ----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="seqmem", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="seqmem",
+        description="Measure, predict and tame the memory of long-sequence transformer training.",
+        epilog="seqmem demo: train a small GPT and report its memory; seqmem report PATH: print a saved "
+        "report; seqmem forecast --config CONFIG.yaml --lengths ...: predict peaks without training.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="train a small GPT with a sequence-length curriculum and report its memory",

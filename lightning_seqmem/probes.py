@@ -27,7 +27,6 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 PHASES = ("forward", "backward", "optimizer")
 """Phases of a training step, in order: batch start → before backward → before optimizer step → batch end."""
@@ -77,7 +76,23 @@ class TrackedEvents:
     num_existing: int = 0
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's output or arguments (fast path for the usual shapes)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)) and all(isinstance(x, torch.Tensor) or x is None for x in obj):
+        return [x for x in obj if x is not None]
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    if type(t) in _PLAIN_TENSORS:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return []
+        return [t.untyped_storage()]
     if is_traceable_wrapper_subclass(t):
         inner_names, _ = t.__tensor_flatten__()
         out: list[torch.UntypedStorage] = []
@@ -119,7 +134,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.phase_peak_bytes: dict[str, int] = {}
         self.phase: Optional[str] = None
         self.events = TrackedEvents() if record_events else None
-        self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._ids: dict[int, int] = {}  # StorageImpl address -> allocation index, while alive
         self._finalizers: list[weakref.ref] = []
         self._active = True
 
@@ -127,8 +142,9 @@ class LiveTensorTracker(TorchDispatchMode):
     def _add(self, st: torch.UntypedStorage, op: str) -> None:
         nbytes = st.nbytes()
         index = len(self._finalizers)
-        self._ids[st] = index
-        self._finalizers.append(weakref.ref(st, lambda _ref, i=index, n=nbytes: self._free(i, n)))
+        key = st._cdata
+        self._ids[key] = index
+        self._finalizers.append(weakref.ref(st, lambda _ref, i=index, n=nbytes, k=key: self._free(i, n, k)))
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
@@ -139,7 +155,9 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.ops.append(op)
             self.events.sequence.append(index)
 
-    def _free(self, index: int, nbytes: int) -> None:
+    def _free(self, index: int, nbytes: int, key: int) -> None:
+        if self._ids.get(key) == index:
+            del self._ids[key]  # the address may be reused by a later storage
         if not self._active:
             return
         self.live_bytes -= nbytes
@@ -152,7 +170,7 @@ class LiveTensorTracker(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
             for st in _storages(t):
-                if st not in self._ids:
+                if st._cdata not in self._ids:
                     self._add(st, f"<{kind}>")
         if self.events is not None:
             self.events.num_existing = len(self.events.sizes)
@@ -171,20 +189,18 @@ class LiveTensorTracker(TorchDispatchMode):
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        flat_out, _ = tree_flatten(out)
         inputs: Optional[set[int]] = None
-        for t in flat_out:
-            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+        for t in _flat_tensors(out):
+            if t.device.type != self.device_type:
                 continue
             for st in _storages(t):
-                if st in self._ids:
+                key = st._cdata
+                if key in self._ids:
                     continue
                 if inputs is None:  # only built when an output storage is new to us
-                    flat_in, _ = tree_flatten((args, kwargs))
-                    inputs = {
-                        id(s) for x in flat_in if isinstance(x, torch.Tensor) for s in _storages(x)
-                    }
-                if id(st) in inputs:  # a view or in-place result of an untracked input
+                    tensors = _flat_tensors(args) + (_flat_tensors(kwargs) if kwargs else [])
+                    inputs = {s._cdata for x in tensors for s in _storages(x)}
+                if key in inputs:  # a view or in-place result of an untracked input
                     continue
                 self._add(st, func.name() if self.events is not None else "")
         return out
