@@ -945,7 +945,7 @@ def calibrate(
         f"Theory: Korthikanti et al. 2022 per-layer activations, s={s}, b={b}, h={h}, a={a}, ffn={f}, "
         f"{e}-byte elements, dropout {'on' if dropout else 'off'}"
         + (", full recomputation (only the layer input kept: e·s·b·h)" if recompute else
-           f": e·(8·s·b·h + 2·s·b·ffn) + e·a·s²·b" + (" + 2·s·b·h + a·s²·b (1-byte masks) + e·a·s²·b (dropout output)" if dropout else ""))
+           ": e·(8·s·b·h + 2·s·b·ffn) + e·a·s²·b" + (" + 2·s·b·h + a·s²·b (1-byte masks) + e·a·s²·b (dropout output)" if dropout else ""))
         + f" = {theory} B (the paper's 16-bit-with-dropout s·b·h·(34 + 5·a·s/h) would be {paper} B).",
         f"Measured: {measured} B per layer (mean over {len(layers)} blocks of the tensors made inside a block "
         f"and alive when backward starts), {measured / theory:.2f}x theory." if theory else f"Measured: {measured} B.",

@@ -7,7 +7,6 @@ The algorithms live elsewhere (:mod:`.probes`, :mod:`.timeline`, :mod:`.model`, 
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from typing import Any, Callable, Optional, Sequence
 
@@ -15,14 +14,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_flatten
 
 from .batch import infer_batch_shape, set_batch_sequence_length
 from .curriculum import Curriculum
 from .mitigations import ladder
 from .oom import is_oom, write_oom_diagnosis
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
-from .probes import PHASES, PROBE_NAMES, MemoryProbe, StepMemory, make_probe
+from .probes import PHASES, PROBE_NAMES, MemoryProbe, StepMemory, existing_tensors, make_probe
 from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
 from .timeline import Trace
 from .units import format_bytes, parse_bytes, to_gib
@@ -110,6 +108,7 @@ class SeqMemCallback(Callback):
     ``seqmem/warmup``                   1 for a warm-up batch (measured, not fitted)
     ``seqmem/verification_error``       latest (forecast − measured) / measured at a new length
     ``seqmem/stage``                    curriculum stage index (with a curriculum)
+    ``seqmem/mitigations_applied``      number of mitigations switched on so far
     ``seqmem/forecast_next_gib``        forecast upper bound for the next stage (or this length)
     ``seqmem/max_seq_len``              largest length that fits the usable budget (with a budget)
     ``seqmem/budget_gib``               usable budget: budget × (1 − safety_margin)
@@ -281,7 +280,9 @@ class SeqMemCallback(Callback):
             rank_zero_warn(f"seqmem: mitigations {dropped} are off for this run: {why}.", category=UserWarning)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After a resume, switch on again the mitigations the checkpoint says were on."""
+        """Write the TensorBoard panel layout; after a resume, switch the mitigations on again."""
+        if trainer.is_global_zero:
+            self._safely("the TensorBoard layout", lambda: panels().write_layout(trainer))
         if not self._reapply_on_fit_start:
             return
         self._reapply_on_fit_start = False
@@ -341,7 +342,7 @@ class SeqMemCallback(Callback):
         traced = not warmup and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
         self._current["traced"] = traced
         assert self._probe is not None, "setup() was not called"
-        self._probe.start_step(_existing_tensors(pl_module, trainer, batch), record_events=traced)
+        self._probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=traced)
         self._probe.mark_phase("forward")
 
     @_guarded
@@ -435,6 +436,29 @@ class SeqMemCallback(Callback):
             self._precision_advice(trainer, B)
         self.records.append(record)
         self._log(trainer, record)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The memory figure to TensorBoard, and the JSON / Markdown report next to the logs."""
+        if not trainer.is_global_zero or not self.records:
+            return
+        self._safely("the memory figure", lambda: panels().log_figure(trainer, self))
+        self._safely("the report", lambda: self.write_report(trainer))
+
+    def write_report(self, trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
+        """Write ``seqmem_report.json``, ``seqmem_report.md`` and the figure; return their paths.
+
+        ``directory`` defaults to the logger's ``log_dir`` (``default_root_dir`` without a logger).
+        Called at the end of fit; call it yourself for a report on demand.
+        """
+        from .report import write_report
+
+        return write_report(self, trainer, directory)
+
+    def _safely(self, what: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reporting must never end a run
+            self._warn_once(f"failed-{what}", f"seqmem: could not write {what} ({type(exc).__name__}: {exc})", SeqMemFailureWarning)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Leave the dispatch mode; for an out-of-memory error, write a diagnosis. Lightning then
@@ -535,7 +559,7 @@ class SeqMemCallback(Callback):
         skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
         if rung is not None:
             self._warn_once(
-                f"oom-{nxt}-{self.applied_mitigations}",
+                f"oom-{nxt}-{'+'.join(self.applied_mitigations) or 'none'}",
                 f"seqmem: {why}. The largest length that fits now is {fit}. Switching on the next "
                 f"mitigation, {rung!r}{skipped_text}, then re-measuring before growing.",
                 PredictedOOMWarning,
@@ -545,7 +569,7 @@ class SeqMemCallback(Callback):
         cap = current if over_now or fit < self.curriculum.multiple_of else self.curriculum.round_down(fit)
         cap = max(min(cap, nxt - 1), current)
         self._warn_once(
-            f"oom-{nxt}-{self.applied_mitigations}",
+            f"oom-{nxt}-{'+'.join(self.applied_mitigations) or 'none'}",
             f"seqmem: {why}. The largest length that fits is {fit}. The curriculum stays at "
             f"seq_len={cap}{skipped_text}. To go further: "
             f"{ladder.remaining_advice(self.mitigations, self.applied_mitigations)}.",
@@ -830,16 +854,11 @@ class SeqMemCallback(Callback):
             self._pending[(L, B)] = Forecast(**fc)
 
 
-def _existing_tensors(pl_module: pl.LightningModule, trainer: pl.Trainer, batch: Any) -> list[torch.Tensor]:
-    """Tensors alive before the step: parameters, buffers, gradients, optimizer state, the batch."""
-    out: list[torch.Tensor] = list(pl_module.parameters()) + list(pl_module.buffers())
-    out += [p.grad for p in pl_module.parameters() if p.grad is not None]
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    flat, _ = tree_flatten(batch)
-    out += [t for t in flat if isinstance(t, torch.Tensor)]
-    return out
+def panels() -> Any:
+    """The panels module, imported on first use (it is the only one importing tensorboard/matplotlib)."""
+    from . import panels as module
+
+    return module
 
 
 def _quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:
@@ -882,4 +901,3 @@ def _check_int(name: str, value: Any, minimum: int, accepted: str, maximum: Opti
 
 
 __all__ = ["SeqMemCallback"]
-_ = math  # keep import for future unit maths

@@ -27,26 +27,16 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from .batch import infer_batch_shape, set_batch_sequence_length
 from .forecast import MemoryForecaster
-from .probes import PHASES, StepMemory, make_probe
+from .probes import PHASES, StepMemory, existing_tensors, make_probe
 from .timeline import Trace
 
-__all__ = ["existing_tensors", "trace_training_steps", "training_step_memory"]
+__all__ = ["trace_training_steps", "training_step_memory"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-def existing_tensors(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> list[torch.Tensor]:
-    """Tensors alive before a step: parameters, buffers, gradients, optimizer state, the batch."""
-    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
-    out += [p.grad for p in model.parameters() if p.grad is not None]
-    for state in optimizer.state.values():
-        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    out += [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-    return out
 
 
 def _cut(batch: Any, seq_len: int, device: torch.device) -> Any:
@@ -72,7 +62,7 @@ def training_step_memory(
     gradients are alive during the forward, as in a Lightning run.
     """
     if probe is not None:
-        probe.start_step(existing_tensors(model, optimizer, batch), record_events=record_events)
+        probe.start_step(existing_tensors(model, [optimizer], batch), record_events=record_events)
         probe.mark_phase("forward")
     try:
         with (context() if context is not None else contextlib.nullcontext()):

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from .report import report_dir
+
 
 def is_oom(exception: BaseException) -> bool:
     """True for an out-of-memory error from any device.
@@ -31,18 +33,9 @@ def is_oom(exception: BaseException) -> bool:
     return isinstance(exception, RuntimeError) and "out of memory" in str(exception).lower()
 
 
-def log_directory(trainer: Any) -> str:
-    """The first logger's directory, else ``trainer.default_root_dir``."""
-    for logger in getattr(trainer, "loggers", []) or []:
-        path = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-        if path:
-            return str(path)
-    return str(trainer.default_root_dir)
-
-
 def write_oom_diagnosis(callback: Any, trainer: Any, exception: BaseException, last_records: int = 10) -> Optional[str]:
     """Write the diagnosis JSON (and the CUDA snapshot if history was on); return its path."""
-    directory = log_directory(trainer)
+    directory = report_dir(trainer)
     os.makedirs(directory, exist_ok=True)
     current = callback._current or {}
     seq_len, batch_size = current.get("seq_len"), current.get("batch_size")

@@ -371,6 +371,23 @@ class CudaAllocatorProbe(MemoryProbe):
         self._tracker_probe.abort()
 
 
+def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any], batch: Any) -> list[torch.Tensor]:
+    """Tensors alive before a training step: parameters, buffers, gradients, optimizer state, batch.
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> len(existing_tensors(lin, [torch.optim.SGD(lin.parameters(), lr=0.1)], {"x": torch.ones(2, 4)}))
+        3
+    """
+    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
+    out += [p.grad for p in model.parameters() if p.grad is not None]
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    out += _flat_tensors(batch)
+    return out
+
+
 def round_cuda_block_bytes(nbytes: int) -> int:
     """Round a size up to the CUDA caching allocator's 512-byte block (what it counts as allocated).
 
