@@ -87,6 +87,11 @@ class SeqMemCallback(Callback):
             The CPU tracker slows traced steps; on CUDA leave it at 1.
         seq_len_fn: ``batch -> (batch_size, seq_len)``; default reads the first 2-D integer tensor
             (``input_ids`` first in a mapping).
+        mitigations: the ladder, tried in this order when the next stage is forecast not to fit:
+            ``"attention"`` (eager → SDPA → flash-attn), ``"checkpointing"`` (activation
+            checkpointing of the repeated blocks), ``"microbatch"`` (micro-batches of one sample
+            inside the step). After each, the memory is re-measured at shorter lengths and the
+            forecast redone. ``()`` warns and caps the curriculum instead.
 
     Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes):
 

@@ -45,15 +45,15 @@ def _demo(args: argparse.Namespace) -> int:
 
     from . import Curriculum, SeqMemCallback
     from .demo import LitGPT, SyntheticTokenDataModule
-    from .panels import log_figure, write_layout
     from .report import load_report, render_console, write_report
 
     _quiet()
     console = Console(width=None if sys.stdout.isatty() else 120)
     pl.seed_everything(args.seed, verbose=False)
     curriculum = Curriculum(start=args.start, target=args.target, steps_per_stage=args.steps_per_stage)
-    max_steps = args.max_steps or curriculum.num_stages * curriculum.steps_per_stage
-    callback = SeqMemCallback(memory_budget=args.budget, curriculum=curriculum)
+    callback = SeqMemCallback(memory_budget=args.budget, curriculum=curriculum, mitigations=tuple(args.mitigations))
+    # every stage, plus room for each mitigation's re-measurement (3 lengths x 2 steps)
+    max_steps = args.max_steps or curriculum.num_stages * curriculum.steps_per_stage + 6 * len(args.mitigations)
     logger = TensorBoardLogger(save_dir=args.out, name="demo")
     model = LitGPT(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head, attention=args.attention)
     datamodule = SyntheticTokenDataModule(
@@ -74,15 +74,21 @@ def _demo(args: argparse.Namespace) -> int:
         f"batch {args.batch_size}, curriculum {' → '.join(map(str, curriculum.stages))} "
         f"({curriculum.steps_per_stage} steps each), {max_steps} steps, budget {args.budget or 'none'}"
     )
-    write_layout(trainer)
-    trainer.fit(model, datamodule=datamodule)
-    log_figure(trainer, callback)
-    paths = write_report(callback, trainer)
+    trainer.fit(model, datamodule=datamodule)  # the callback writes the panels, figure and report
+    paths = write_report(callback, trainer)  # again, to get the paths (same content)
     assert paths is not None  # a single process is rank zero
     render_console(load_report(paths[0]), console)
     console.print(f"TensorBoard logs: {logger.log_dir}   (view: [bold]tensorboard --logdir {args.out}[/bold], "
                   "tabs SCALARS, CUSTOM SCALARS and IMAGES)")
     console.print(f"Report: {paths[0]}\n        {paths[1]}\n        {paths[2]}")
+    return 0
+
+
+def _panels(args: argparse.Namespace) -> int:
+    from .panels import render_panels
+
+    render_panels(args.log_dir, args.out)
+    print(f"panels of {args.log_dir} written to {args.out}")
     return 0
 
 
@@ -285,10 +291,13 @@ def _parser() -> argparse.ArgumentParser:
                           description="Train the reference GPT on random tokens (CPU by default) with a growing "
                           "sequence length under SeqMemCallback; log to TensorBoard and write the report.")
     demo.add_argument("--max-steps", type=int, default=None,
-                      help="training steps (default: stages × steps-per-stage, 30 with the defaults)")
+                      help="training steps (default: stages × steps-per-stage + 6 per mitigation, 48 with the defaults)")
     demo.add_argument("--out", default="seqmem_runs", help="TensorBoard save_dir; the report goes in the run's log_dir")
-    demo.add_argument("--budget", default="1GiB",
-                      help="memory budget, e.g. 1GiB or 900MB (default 1GiB; try 200MiB to see the curriculum capped)")
+    demo.add_argument("--budget", default="200MiB",
+                      help="memory budget, e.g. 1GiB or 900MB (default 200MiB: eager attention at 1024 tokens "
+                      "would not fit, so the callback switches on SDPA before that stage)")
+    demo.add_argument("--mitigations", nargs="*", default=["attention", "checkpointing", "microbatch"],
+                      help="the ladder, in order (none: warn and cap the curriculum instead)")
     demo.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
                       help="eager materialises the L×L scores (quadratic memory); sdpa does not on CPU")
     demo.add_argument("--start", type=int, default=64, help="first sequence length (tokens)")
@@ -301,6 +310,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--accelerator", default="cpu", help="Lightning accelerator (cpu, cuda, auto)")
     demo.add_argument("--seed", type=int, default=0, help="random seed")
     demo.set_defaults(func=_demo)
+
+    panels = sub.add_parser("panels", help="draw a run's TensorBoard panels to a PNG",
+                            description="Read a run's event files and draw the seqmem custom-scalars panels to a PNG.")
+    panels.add_argument("log_dir", help="the run's log directory (holding events.out.tfevents.*)")
+    panels.add_argument("--out", default="seqmem_panels.png", help="PNG to write")
+    panels.set_defaults(func=_panels)
 
     report = sub.add_parser("report", help="print a saved report", description="Print a saved seqmem report.")
     report.add_argument("path", help="seqmem_report.json, or the directory holding it")

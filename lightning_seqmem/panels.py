@@ -323,3 +323,47 @@ def save_figure(callback: "SeqMemCallback", path: Any, **kwargs: Any) -> "Figure
     figure = memory_figure(callback, **kwargs)
     figure.savefig(str(path))
     return figure
+
+
+# ----------------------------------------------------------------------------------------------
+# A picture of the panels, from a run's event files
+# ----------------------------------------------------------------------------------------------
+def render_panels(log_dir: Any, path: Any, prefix: str = "seqmem/") -> "Figure":
+    """Draw the custom-scalars panels of a finished run, as TensorBoard lays them out, to a PNG.
+
+    Reads the scalars back from the event files in ``log_dir`` (``EventAccumulator``), one subplot
+    per chart of :func:`custom_scalars_layout`, charts without data left out. Handy for a design
+    review or a README, where TensorBoard itself is not at hand.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    available = set(events.Tags().get("scalars", []))
+    charts = [
+        (category, title, [t for t in tags if t in available])
+        for category, charts_ in custom_scalars_layout(prefix).items()
+        for title, (_, tags) in charts_.items()
+    ]
+    charts = [c for c in charts if c[2]]
+    if not charts:
+        raise ValueError(f"no {prefix}* scalars in the event files under {log_dir}")
+    columns = 3
+    rows = -(-len(charts) // columns)
+    fig = Figure(figsize=(5.2 * columns, 3.0 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (category, title, tags) in enumerate(charts):
+        ax = fig.add_subplot(rows, columns, i + 1)
+        for tag in tags:
+            scalars = events.Scalars(tag)
+            ax.plot([s.step for s in scalars], [s.value for s in scalars], marker=".", label=tag[len(prefix):])
+        ax.set_title(f"{category.removeprefix('seqmem: ')}\n{title}", fontsize=8)
+        ax.set_xlabel("step", fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"seqmem panels: {log_dir}", fontsize=10)
+    fig.savefig(str(path), dpi=90)
+    return fig

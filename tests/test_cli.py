@@ -27,7 +27,7 @@ def _run(args, cwd, timeout=240):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "runs"
-    text = _run(["-m", "lightning_seqmem.cli", "demo", "--max-steps", "12", "--out", str(out)], cwd=out.parent)
+    text = _run(["-m", "lightning_seqmem.cli", "demo", "--out", str(out)], cwd=out.parent)  # the README's main job
     return out, text
 
 
@@ -40,10 +40,23 @@ def test_demo_trains_logs_and_reports(demo):
         assert name in text
     assert "seqmem: run" in text and "largest length that fits" in text and "tensorboard --logdir" in text
     report = json.loads((log_dir / "seqmem_report.json").read_text())
-    assert report["records_summary"]["num_records"] == 12
-    assert report["run"]["curriculum"]["stages_run"][:2] == [64, 128]
-    assert [p["seq_len"] for p in report["points"]] == [64, 128]
+    assert report["records_summary"]["num_records"] == 48
+    # eager attention at 1024 tokens is forecast over the 200 MiB default budget: SDPA is switched
+    # on before that stage, and the curriculum reaches its target within the budget
+    assert report["run"]["curriculum"]["stages_run"] == [64, 128, 256, 512, 1024]
+    assert report["mitigations"]["active"] == ["attention"]
+    event = report["mitigations"]["events"][0]
+    assert event["seq_len"] == 512 and event["after_bytes"] < event["before_bytes"]
+    assert report["records_summary"]["max_peak_bytes"] <= 0.9 * 200 * 2**20
     assert report["forecasts"]["max_seq_len"] is not None
+    assert "switched on attention" in text
+
+
+def test_panels_command_draws_the_run(demo, tmp_path):
+    out, _ = demo
+    png = tmp_path / "panels.png"
+    assert main(["panels", str(out / "demo" / "version_0"), "--out", str(png)]) == 0
+    assert png.stat().st_size > 20_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_command_renders_saved_report(demo, capsys):
