@@ -93,7 +93,7 @@ def doubling(counter: _Counter, start: int, multiple_of: int, bisect: bool) -> i
 def seqmem(model_kwargs, batch_size, budget, start, target, multiple_of, steps_per_stage):
     torch.manual_seed(0)
     curriculum = Curriculum(start=start, target=target, steps_per_stage=steps_per_stage, multiple_of=multiple_of)
-    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, curriculum=curriculum)
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, curriculum=curriculum, mitigations=())
 
     class StopWhenSettled(pl.Callback):
         def on_train_batch_end(self, trainer, *args):

@@ -65,3 +65,22 @@ def test_gpu_check_runs_or_skips():
         assert re.search(r"^total runtime: [\d.]+ s$", out, re.M)
     else:
         assert out.strip() == "no CUDA device: gpu_check skipped"
+
+
+def test_mitigation_gain_quick_every_forecast_length_fits_and_the_ladder_gains_most():
+    out = _run("mitigation_gain.py", "--quick")
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(r"^(none|attention|checkpointing|microbatch|attention \+ checkpointing \+ microbatch)\s+(\d+)\s.*?\s(ok|OVER)\s+([\d.]+)x\s+([\d.]+)x$", line)
+        if match:
+            rows[match.group(1)] = (int(match.group(2)), match.group(3), float(match.group(4)))
+    assert len(rows) == 5, out
+    assert all(check == "ok" for _, check, _ in rows.values()), out
+    ladder_len = rows["attention + checkpointing + microbatch"][0]
+    assert all(ladder_len > length for name, (length, _, _) in rows.items() if "+" not in name)
+    assert all(gain > 1 for name, (_, _, gain) in rows.items() if name != "none")
+
+
+def test_curriculum_search_quick_zero_ooms():
+    out = _run("curriculum_search.py", "--quick")
+    assert "seqmem: 0 OOMs" in out and "PASS" in out, out
