@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
 from lightning_seqmem.model import QuadraticMemoryModel
 from lightning_seqmem.nn import GPT, GPTConfig
+from lightning_seqmem.offline import training_step_memory
 from lightning_seqmem.probes import TrackerProbe
 from lightning_seqmem.timeline import TimelineModel, Trace
 
@@ -83,38 +84,16 @@ class Stepper:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _existing(self, batch: list[torch.Tensor]) -> list[torch.Tensor]:
-        params = list(self.model.parameters())
-        out = params + list(self.model.buffers())
-        out += [p.grad for p in params if p.grad is not None]
-        for state in self.optimizer.state.values():
-            out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return out + batch
-
     def step(self, seq_len: int, probe: TrackerProbe | None = None, record_events: bool = False):
         tokens = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, seq_len + 1), generator=self.generator)
-        ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        batch = {"input_ids": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone()}
         del tokens
-        if probe is not None:
-            probe.start_step(self._existing([ids, labels]), record_events=record_events)
-            probe.mark_phase("forward")
-        try:
-            logits = self.model(ids)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            del logits
-            self.optimizer.zero_grad()  # frees last step's grads, as Lightning does before backward
-            if probe is not None:
-                probe.mark_phase("backward")
-            loss.backward()
-            del loss
-            if probe is not None:
-                probe.mark_phase("optimizer")
-            self.optimizer.step()
-        except BaseException:
-            if probe is not None:
-                probe.abort()
-            raise
-        return probe.end_step() if probe is not None else None
+        return training_step_memory(self.model, self.optimizer, batch, _loss, probe, record_events)
+
+
+def _loss(model, batch):
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
 
 
 def measure_variant(shape: Shape, attention: str, checkpointing: bool, l0: int) -> dict:
