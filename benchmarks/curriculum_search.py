@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 import time
 import warnings
 
@@ -36,6 +37,7 @@ STEPS_PER_PROBE = 3  # 2 warm-up steps + 1 measured step
 
 def _trainer(callbacks, max_steps):
     return pl.Trainer(
+        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
         max_steps=max_steps, accelerator="cpu", callbacks=callbacks, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import tempfile
 import time
 import warnings
 
@@ -55,6 +56,7 @@ class _StepTimer(pl.Callback):
 def _fit(model_kwargs, names, seq_len, batch_size, callbacks, max_steps):
     torch.manual_seed(0)
     trainer = pl.Trainer(
+        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
         max_steps=max_steps, accelerator="cpu", callbacks=[_SwitchOn(names), *callbacks], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )

@@ -29,6 +29,7 @@ import argparse
 import gc
 import logging
 import statistics
+import tempfile
 import time
 import warnings
 from typing import Any, Callable
@@ -96,6 +97,7 @@ def run_once(config: str, accelerator: str, args: argparse.Namespace) -> list[fl
         batch_size=args.batch_size, seq_len=args.seq_len, num_samples=args.batch_size * args.steps
     )
     trainer = pl.Trainer(
+        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
         accelerator=accelerator,
         devices=1,
         max_steps=args.steps,

@@ -32,6 +32,7 @@ def run_plain(max_steps: int = 12) -> SeqMemCallback:
         curriculum=Curriculum(start=64, target=256, steps_per_stage=4),  # 64, 128, 256 tokens
     )
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, callbacks=[callback],
+                         default_root_dir="seqmem_runs/hf_example",  # the seqmem report goes here
                          enable_checkpointing=False, enable_model_summary=False)
     trainer.fit(model, datamodule=data)
     print(f"{'seq_len':>8} {'batch':>5} {'peak (MiB)':>11} {'warm-up':>8}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 
 import lightning.pytorch as pl
@@ -25,8 +26,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def make_trainer(callbacks, max_steps, **kwargs) -> pl.Trainer:
-    """A quiet CPU trainer for tests."""
+    """A quiet CPU trainer for tests; its files (the seqmem report) go to a temporary directory."""
     defaults = dict(
+        default_root_dir=tempfile.mkdtemp(prefix="seqmem-test-"),
         accelerator="cpu",
         devices=1,
         logger=False,

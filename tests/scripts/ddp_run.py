@@ -47,7 +47,7 @@ def main() -> None:
 
         cb.forecaster.add_measurement = broken
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.max_steps, callbacks=[cb],
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.max_steps, callbacks=[cb], default_root_dir=args.out,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=128))
