@@ -503,7 +503,7 @@ class _BreakdownTracker(LiveTensorTracker):
             )
 
     def index_of(self, tensor: torch.Tensor) -> list[int]:
-        return [self._ids[st] for st in _storages(tensor) if st in self._ids]
+        return [self._ids[st._cdata] for st in _storages(tensor) if st._cdata in self._ids]
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device_type:
@@ -534,7 +534,7 @@ class _BreakdownTracker(LiveTensorTracker):
             if not isinstance(t, torch.Tensor):
                 continue
             for st in _storages(t):
-                i = self._ids.get(st)
+                i = self._ids.get(st._cdata)
                 if i is None or i < before or self.records[i] is not None:
                     continue
                 shape = tuple(t.shape)

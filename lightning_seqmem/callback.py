@@ -92,6 +92,15 @@ class SeqMemCallback(Callback):
             checkpointing of the repeated blocks), ``"microbatch"`` (micro-batches of one sample
             inside the step). After each, the memory is re-measured at shorter lengths and the
             forecast redone. ``()`` warns and caps the curriculum instead.
+        breakdown: after fit, attribute the memory to modules and kinds (:mod:`.breakdown`): on
+            rank zero, one training step is traced at up to 3 measured lengths on a copy of the
+            model and of the first optimizer (nothing the run holds is changed), from the longest
+            batch seen (kept as a CPU copy during training). Lengths equal to a model width are
+            replaced by a near one (L×L detection). The result is :attr:`breakdowns`,
+            :attr:`breakdown_table`, :attr:`breakdown_report`, the report's ``breakdown`` section,
+            a :class:`~lightning_seqmem.breakdown.MemoryDiagnosisWarning` per diagnosis, and the
+            TensorBoard text tagged seqmem/breakdown (tab TEXT; not a scalar). Costs two training
+            steps per length, once, at the end.
 
     Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes):
 
@@ -148,6 +157,7 @@ class SeqMemCallback(Callback):
         measure_every_n_steps: int = 1,
         seq_len_fn: Optional[SeqLenFn] = None,
         mitigations: Sequence[str] = ladder.MITIGATIONS,
+        breakdown: bool = False,
     ) -> None:
         _check_int("warmup_steps", warmup_steps, 1, "an int ≥ 1 (the first step has no optimizer state)")
         _check_int("warmup_steps_after_change", warmup_steps_after_change, 0, "an int ≥ 0")
@@ -163,6 +173,8 @@ class SeqMemCallback(Callback):
             raise ValueError(f"`curriculum` must be a lightning_seqmem.Curriculum or None, got {type(curriculum).__name__}")
         if seq_len_fn is not None and not callable(seq_len_fn):
             raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}")
+        if not isinstance(breakdown, bool):
+            raise ValueError(f"`breakdown` must be a bool, got {breakdown!r}")
         self.mitigations = ladder.check_mitigations(mitigations)
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.warmup_steps = warmup_steps
@@ -174,8 +186,13 @@ class SeqMemCallback(Callback):
         self.trace_lengths = trace_lengths
         self.measure_every_n_steps = measure_every_n_steps
         self.seq_len_fn = seq_len_fn
+        self.breakdown = breakdown
 
         self.records: list[StepRecord] = []
+        self.breakdowns: list[Any] = []  # breakdown.Breakdown per traced length, after fit (breakdown=True)
+        self.breakdown_table: Optional[Any] = None  # breakdown.BreakdownTable of them
+        self.breakdown_report: Optional[dict[str, Any]] = None  # the report's "breakdown" section
+        self._breakdown_batch: Optional[tuple[int, Any]] = None  # (seq_len, CPU copy) of the longest batch
         self.applied_mitigations: tuple[str, ...] = ()
         self.mitigation_events: list[dict[str, Any]] = []
         self._forecasters: dict[tuple[str, ...], MemoryForecaster] = {(): MemoryForecaster(tolerance=self.tolerance)}
@@ -369,6 +386,17 @@ class SeqMemCallback(Callback):
             measured = self._reduce_across_ranks(trainer, pl_module, measured)
         if measured is not None and current is not None:
             self._record(trainer, current, measured)
+        if self.breakdown and not self._disabled and trainer.is_global_zero:
+            self._safely("the memory breakdown", lambda: self._keep_batch(batch))
+
+    def _keep_batch(self, batch: Any) -> None:
+        """A CPU copy of the longest batch so far (the latest of equals), for the breakdown at the end."""
+        from torch.utils._pytree import tree_map
+
+        _, seq_len = self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch)
+        if self._breakdown_batch is None or seq_len >= self._breakdown_batch[0]:
+            copy = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
+            self._breakdown_batch = (int(seq_len), copy)
 
     @_guarded
     def _stop_probe(self, current: Optional[dict[str, Any]]) -> Optional[StepMemory]:
@@ -443,11 +471,29 @@ class SeqMemCallback(Callback):
         self._log(trainer, record)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The memory figure to TensorBoard, and the JSON / Markdown report next to the logs."""
+        """The memory breakdown (``breakdown=True``), the memory figure to TensorBoard, and the
+        JSON / Markdown report next to the logs."""
         if not trainer.is_global_zero or not self.records:
             return
+        if self.breakdown and not self._disabled:
+            self._safely("the memory breakdown", lambda: self.run_breakdown(trainer, pl_module))
         self._safely("the memory figure", lambda: panels().log_figure(trainer, self))
         self._safely("the report", lambda: self.write_report(trainer))
+
+    def run_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Trace the memory breakdown now (called at the end of fit with ``breakdown=True``).
+
+        One warm-up and one traced training step at each of up to 3 lengths (the longest measured
+        under the mitigations now on, none equal to a model width), on a copy of ``pl_module`` and
+        of the first optimizer, from the longest batch kept during training, with the precision
+        plugin's autocast and the micro-batching now on. The RNG state is restored afterwards.
+        Sets :attr:`breakdowns`, :attr:`breakdown_table` and :attr:`breakdown_report`, warns each
+        diagnosis once, logs the Markdown tables as TensorBoard text (seqmem/breakdown), and
+        returns the section.
+        """
+        from .breakdown_steps import run_breakdown
+
+        return run_breakdown(self, trainer, pl_module)
 
     def write_report(self, trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
         """Write ``seqmem_report.json``, ``seqmem_report.md`` and the figure; return their paths.

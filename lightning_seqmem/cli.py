@@ -5,7 +5,10 @@
 * ``seqmem report PATH``: print a saved report (``seqmem_report.json`` or its directory).
 * ``seqmem forecast --config CONFIG.yaml --lengths 1024 2048 4096``: build the model and data of a
   LightningCLI config, trace a few short training steps on a copy of the model (nothing is
-  trained), and print the predicted peak at each length and the largest length that fits.
+  trained), and print the predicted peak at each length and the largest length that fits; then
+  (``--no-breakdown`` to skip) where the memory goes: by kind and by module at the traced
+  lengths and extrapolated to the longest asked, the attention share, the crossover length and
+  any diagnosis (:mod:`lightning_seqmem.breakdown`).
 
 Run ``seqmem COMMAND --help`` for the options.
 """
@@ -265,14 +268,42 @@ def _forecast(args: argparse.Namespace) -> int:
                       f"safety margin {margin:.0%}) at batch {batch_size}: [bold]{max_len}[/bold] tokens")
     else:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback)")
+    section = None
+    if args.breakdown:
+        section = _forecast_breakdown(model, precision, device, batch, trace, max(lengths), forecaster, console)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": os.fspath(args.config), "device": str(device), "precision": str(trainer.precision),
             "trace_lengths": trace, "budget_bytes": budget, "usable_budget_bytes": usable,
             "forecasts": rows, "max_seq_len": max_len,
             "verifications": [{**vars(v), "relative_error": v.relative_error} for v in forecaster.verifications],
+            "breakdown": section,
         }, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, trace: Sequence[int], longest: int,
+                        forecaster: Any, console: Any) -> dict[str, Any]:
+    """Breakdowns at the traced lengths (made safe: none equal to a model width) on a fresh copy, printed."""
+    from .batch import infer_batch_shape
+    from .breakdown_steps import breakdown_section, safe_seq_lens, trace_breakdowns, training_step_loss, width_dims
+    from .report import render_breakdown_console
+
+    work = precision.convert_module(copy.deepcopy(model)).to(device)
+    optimizer, _ = _first_optimizer(work)
+    batch_size, source_len = infer_batch_shape(batch)
+    lengths, notes = safe_seq_lens(trace, width_dims(work, batch_size), source_len, num=3)
+    if len(lengths) < 2:
+        raise SystemExit(f"seqmem forecast: no two lengths to trace the breakdown at (from {list(trace)})")
+    console.print(f"[bold]where the memory goes[/bold]: tracing one step at seq_len {lengths} (batch {batch_size}) "
+                  "on a fresh copy of the model")
+    breakdowns = trace_breakdowns(work, optimizer, batch, lengths, training_step_loss, device=device,
+                                  context=precision.train_step_context)
+    forecast_peak = forecaster.forecast(longest, batch_size).peak_bytes if longest > lengths[-1] else None
+    section = breakdown_section(breakdowns, work, extrapolate_to=longest, forecast_peak_bytes=forecast_peak, notes=notes)
+    del work, optimizer, breakdowns
+    render_breakdown_console(section, console)
+    return section
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,7 +356,8 @@ def _parser() -> argparse.ArgumentParser:
     forecast = sub.add_parser("forecast", help="predict peak memory at given lengths from a LightningCLI config, without training",
                               description="Build the model and data of a LightningCLI config, trace a few short "
                               "training steps on a copy of the model (nothing is trained), and print the forecast "
-                              "peak at each length and the largest length that fits the budget.")
+                              "peak at each length, the largest length that fits the budget, and where the memory "
+                              "goes (by kind and module, attention share, crossover length, diagnoses).")
     forecast.add_argument("--config", required=True, help="LightningCLI YAML (model, data, trainer sections)")
     forecast.add_argument("--lengths", type=int, nargs="+", required=True, help="sequence lengths to forecast (tokens)")
     forecast.add_argument("--budget", default=None,
@@ -339,7 +371,11 @@ def _parser() -> argparse.ArgumentParser:
     forecast.add_argument("--no-check", action="store_true", help="skip the check step at a longer length")
     forecast.add_argument("--model-class", default=_DEFAULT_MODEL, help="model class when the config names none")
     forecast.add_argument("--data-class", default=_DEFAULT_DATA, help="datamodule class when the config names none")
-    forecast.add_argument("--json", default=None, help="also write the forecasts to this JSON file")
+    forecast.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                          help="after the forecast, trace one step per traced length on a fresh copy and show where "
+                          "the memory goes: by kind and module, extrapolated to the longest length asked, the "
+                          "attention share, the crossover length and diagnoses (default on; --no-breakdown skips it)")
+    forecast.add_argument("--json", default=None, help="also write the forecasts (and the breakdown) to this JSON file")
     forecast.set_defaults(func=_forecast)
     return parser
 

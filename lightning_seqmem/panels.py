@@ -10,6 +10,7 @@ never touched, so drawing works headless and leaves a notebook's backend alone.
   four categories: memory per step, forecast vs measured, headroom, and CUDA fragmentation.
 * :func:`memory_figure` / :func:`log_figure` / :func:`save_figure`: memory against sequence length:
   the measured points, both predictors' curves, the budget, and where mitigations switched on.
+* :func:`log_text`: Markdown in the "TEXT" tab (the memory breakdown, :data:`BREAKDOWN_TAG`).
 
 Bytes everywhere else in the package; here, at the display edge, GiB (or MiB for small runs).
 """
@@ -30,10 +31,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .callback import SeqMemCallback
 
 __all__ = [
+    "BREAKDOWN_TAG",
     "FIGURE_TAG",
     "LAYOUT_CATEGORIES",
     "custom_scalars_layout",
     "log_figure",
+    "log_text",
     "memory_figure",
     "save_figure",
     "write_layout",
@@ -41,6 +44,9 @@ __all__ = [
 
 FIGURE_TAG = "seqmem/memory_vs_seq_len"
 """Image tag of :func:`log_figure` in TensorBoard's "IMAGES" tab."""
+
+BREAKDOWN_TAG = "seqmem/breakdown"
+"""Text tag of the memory breakdown (``SeqMemCallback(breakdown=True)``) in TensorBoard's "TEXT" tab."""
 
 LAYOUT_CATEGORIES = (
     "seqmem: memory per step (GiB)",
@@ -316,6 +322,22 @@ def log_figure(trainer: "pl.Trainer", callback: "SeqMemCallback", step: Optional
         logger.experiment.flush()
         steps.add(step)
     return figure
+
+
+def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None, tag: Optional[str] = None) -> int:
+    """Log Markdown ``text`` under ``tag`` (default :data:`BREAKDOWN_TAG`) to every TensorBoard logger.
+
+    TensorBoard shows it in the *TEXT* tab, tables rendered. ``step`` defaults to
+    ``trainer.global_step``. Only on global rank zero. Returns how many loggers got it.
+    """
+    if not trainer.is_global_zero:
+        return 0
+    step = trainer.global_step if step is None else int(step)
+    loggers = _tensorboard_loggers(trainer)
+    for logger in loggers:
+        logger.experiment.add_text(tag or BREAKDOWN_TAG, text, global_step=step)
+        logger.experiment.flush()
+    return len(loggers)
 
 
 def save_figure(callback: "SeqMemCallback", path: Any, **kwargs: Any) -> "Figure":

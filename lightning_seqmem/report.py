@@ -33,6 +33,8 @@ __all__ = [
     "REPORT_FORMAT",
     "build_report",
     "load_report",
+    "render_breakdown_console",
+    "render_breakdown_markdown",
     "render_console",
     "render_markdown",
     "report_dir",
@@ -51,7 +53,9 @@ _WARNING_KINDS = {  # prefix of a SeqMemCallback._warned key -> what it means
     "mitigation-failed-": "a mitigation could not be switched on and was skipped",
     "attention-still-quadratic": "after the attention switch, memory still grew quadratically",
     "precision": "32-bit precision: bf16-mixed recommended",
+    "diagnosis-": "the memory breakdown found a problem (see the breakdown's diagnoses)",
     "failure": "internal failure: the callback stopped measuring",
+    "failed-": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
 }
 
 
@@ -273,8 +277,10 @@ def build_report(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"] = N
     ``predictors`` (quadratic coefficients per phase, replay lengths and notes, verifications and
     accuracy per method), ``forecasts`` (at every measured and curriculum length, the target × 2 and
     × 4, and the largest length that fits the usable budget), ``mitigations``, ``warnings`` (keys of
-    the warnings the callback gave), ``records_summary`` and, with ``include_records``, ``records``
-    (every :class:`~lightning_seqmem.StepRecord` as a dict).
+    the warnings the callback gave), ``records_summary``, ``breakdown`` (with
+    ``SeqMemCallback(breakdown=True)``, after fit: see
+    :func:`~lightning_seqmem.breakdown_steps.breakdown_section`) and, with ``include_records``,
+    ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
     """
     batch_size = callback._last_batch_size
     if batch_size is None and callback.records:
@@ -290,6 +296,9 @@ def build_report(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"] = N
         "warnings": _warnings(callback),
         "records_summary": _records_summary(callback),
     }
+    section = getattr(callback, "breakdown_report", None)
+    if section is not None:
+        report["breakdown"] = section
     if include_records:
         report["records"] = [r.to_dict() for r in callback.records]
     return _plain(report)
@@ -455,8 +464,125 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# The memory breakdown (SeqMemCallback(breakdown=True), seqmem forecast --breakdown)
+# ----------------------------------------------------------------------------------------------
+def _breakdown_tables(section: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, headers, rows) of the by-kind, by-category and activation tables of a breakdown section."""
+    lens, longer = section["seq_lens"], section.get("extrapolated_seq_len")
+    headers = [f"L={L}" for L in lens] + ([f"L={longer} (extrapolated)"] if longer else [])
+
+    def cells(row: dict[str, Any]) -> list[str]:
+        return [format_bytes(b) for b in row["bytes"]] + ([format_bytes(row["extrapolated_bytes"])] if longer else [])
+
+    kinds = [[r["kind"], *cells(r), r["growth"]] for r in section["by_kind"]]
+    kinds.append(["peak (traced, sum of the above)", *(format_bytes(b) for b in section["peak_bytes"]),
+                  *([format_bytes(section.get("extrapolated_peak_bytes"))] if longer else []), ""])
+    measured = section.get("measured_peak_bytes") or []
+    if any(b is not None for b in measured):
+        kinds.append(["peak measured in training", *(format_bytes(b) for b in measured), *(["-"] if longer else []), ""])
+    if longer and section.get("forecast_peak_bytes") is not None:
+        kinds.append(["peak forecast", *("" for _ in lens), format_bytes(section["forecast_peak_bytes"]), ""])
+    categories = [[r["category"], *cells(r), r["growth"]] for r in section["by_category"]]
+    activations = [[r["category"], *cells(r), r["growth"]] for r in section["activations"]]
+    share = section.get("attention_share_extrapolated")
+    activations.append(["attention share", *(f"{x:.1%}" for x in section["attention_share"]),
+                        *([f"{share:.1%}" if share is not None else "-"] if longer else []), ""])
+    batch = section["batch_size"]
+    return [
+        (f"Peak memory by kind (batch {batch})", ["kind", *headers, "growth"], kinds),
+        (f"Peak memory by module (batch {batch})", ["module", *headers, "growth"], categories),
+        ("Activations (alive when backward starts) by module", ["module", *headers, "growth"], activations),
+    ]
+
+
+def _crossover_text(section: dict[str, Any]) -> str:
+    crossover = section.get("crossover_seq_len")
+    backend = section.get("attention_backend") or "this"
+    if crossover is None:
+        return (f"Attention activations never exceed the rest at any length (no quadratic attention term with "
+                f"{backend} attention).")
+    if crossover <= 0:
+        return "Attention activations exceed the rest at every length."
+    return (f"Attention activations exceed the rest beyond L ≈ {math.ceil(crossover)} (crossover length, from the "
+            "per-part polynomials).")
+
+
+def _calibration_text(section: dict[str, Any]) -> Optional[str]:
+    c = section.get("calibration")
+    if not c:
+        return None
+    ratio = c.get("ratio")
+    return (f"Korthikanti et al. 2022 calibration at L={c['seq_len']}, batch {c['batch_size']}: measured "
+            f"{format_bytes(c['measured_bytes'])} of activations per layer (L×L part "
+            f"{format_bytes(c['measured_quadratic_bytes'])}) vs theory {format_bytes(c['theory_bytes'])} (L×L part "
+            f"{format_bytes(c['theory_quadratic_bytes'])}), {'-' if ratio is None else f'{ratio:.2f}x'}"
+            f"{'; full recomputation (checkpointing on)' if c.get('recompute') else ''}.")
+
+
+def _breakdown_intro(section: dict[str, Any]) -> str:
+    parts = [f"One training step traced at seq_len {section['seq_lens']} (batch {section['batch_size']}) on a copy "
+             "of the model and optimizer; what is alive at each step's peak, by kind and by module, and how each "
+             "part grows with L (constant / linear / quadratic polynomial fits)."]
+    if section.get("extrapolated_seq_len"):
+        parts.append(f"The L={section['extrapolated_seq_len']} column extrapolates each part with its own polynomial "
+                     "(the peak moment can move at longer lengths: the forecast row is the timeline replay's).")
+    facts = [f"attention: {section.get('attention_backend') or '-'}"]
+    if section.get("autocast_dtype"):
+        facts.append(f"autocast {section['autocast_dtype']}")
+    if section.get("checkpointed"):
+        facts.append("activation checkpointing on")
+    return " ".join(parts) + " (" + ", ".join(facts) + ")."
+
+
+def render_breakdown_markdown(section: dict[str, Any], heading: str = "") -> str:
+    """A breakdown section (see :func:`~lightning_seqmem.breakdown_steps.breakdown_section`) as Markdown:
+    tables by kind, by module and of activations with the attention share, the crossover length,
+    the diagnoses, the Korthikanti calibration and notes. ``heading``: a first line (e.g. ``"## ..."``)."""
+    parts = [heading, ""] if heading else []
+    parts += [_breakdown_intro(section), ""]
+    for title, headers, rows in _breakdown_tables(section):
+        parts += [f"**{title}**", "", _md_table(headers, rows), ""]
+    parts += [_crossover_text(section), ""]
+    if section.get("diagnoses"):
+        parts += ["Diagnoses:", ""] + [f"- {d}" for d in section["diagnoses"]] + [""]
+    else:
+        parts += ["Diagnoses: none (no fp32 scores under autocast, no hand-written L×L matmul, checkpointing effective).", ""]
+    calibration = _calibration_text(section)
+    if calibration:
+        parts += [calibration, ""]
+    parts += [f"- {n}" for n in section.get("notes", [])]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def render_breakdown_console(section: dict[str, Any], console: Any = None) -> None:
+    """A breakdown section as ``rich`` tables, then the crossover, diagnoses and calibration lines."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console(width=None if sys.stdout.isatty() else 120)
+    console.print(_breakdown_intro(section))
+    for title, headers, rows in _breakdown_tables(section):
+        table = Table(title=f"seqmem: {title.lower()}", title_justify="left")
+        for i, header in enumerate(headers):
+            table.add_column(header, justify="left" if i == 0 or header == "growth" else "right")
+        for row in rows:
+            table.add_row(*row, style="bold" if row[0].startswith("peak") or row[0] == "attention share" else None)
+        console.print(table)
+    console.print(_crossover_text(section))
+    for d in section.get("diagnoses", []):
+        console.print(f"[yellow]diagnosis:[/yellow] {d}")
+    calibration = _calibration_text(section)
+    if calibration:
+        console.print(calibration)
+    for n in section.get("notes", []):
+        console.print(f"note: {n}")
+
+
 def render_markdown(report: dict[str, Any]) -> str:
-    """The report as Markdown: run facts, measured points, forecasts, predictors, mitigations."""
+    """The report as Markdown: run facts, measured points, forecasts, predictors, mitigations, the
+    memory breakdown (when traced) and warnings."""
     parts = ["# lightning-seqmem report", "", f"Created {report['created']}.", "", "## Run", "",
              _md_table(["", ""], [list(r) for r in _facts_rows(report)]), "",
              "## Measured peaks (max over non-warm-up steps)", ""]
@@ -510,6 +636,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                               ", ".join(c["after"]) or "none"] for c in mit["changes"]]), ""]
     else:
         parts += ["None applied.", ""]
+    if report.get("breakdown"):
+        parts += [render_breakdown_markdown(report["breakdown"], "## Where the memory goes (breakdown)")]
     parts += ["## Warnings", ""]
     parts += [f"- `{w['key']}`: {w['meaning']}" for w in report["warnings"]] or ["None."]
     s = report["records_summary"]
@@ -555,3 +683,5 @@ def render_console(report: dict[str, Any], console: Any = None) -> None:
         console.print(table)
     if fc.get("error"):
         console.print(f"[yellow]forecast unavailable:[/yellow] {fc['error']}")
+    if report.get("breakdown"):
+        render_breakdown_console(report["breakdown"], console)

@@ -83,17 +83,41 @@ def test_forecast_command_from_config(tmp_path, monkeypatch, capsys):
     assert result["budget_bytes"] == 256 * 2**20 and result["usable_budget_bytes"] == int(256 * 2**20 * 0.9)
     assert 512 < result["max_seq_len"] < 4096
     assert not list(tmp_path.glob("seqmem_runs")), "forecast must not create the config's logger"
+    # where the memory goes (on by default): 32 and 128 are widths of the model (head size, d_model)
+    assert "peak memory by kind" in text and "peak memory by module" in text and "attention share" in text
+    assert "L=4096 (extrapolated)" in text and "crossover length" in text and "hand-written matmul" in text
+    breakdown = result["breakdown"]
+    assert breakdown["seq_lens"] == [24, 64, 120] and breakdown["extrapolated_seq_len"] == 4096
+    assert {r["category"]: r["growth"] for r in breakdown["activations"]}["attention_scores"] == "quadratic"
+    assert 120 < breakdown["crossover_seq_len"] < 4096
+    assert breakdown["attention_share_extrapolated"] > 0.5 > breakdown["attention_share"][0]
+
+
+def test_forecast_breakdown_with_sdpa_has_no_crossover(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "sdpa.yaml"
+    config.write_text((CONFIGS / "cpu_demo.yaml").read_text().replace("attention: eager", "attention: sdpa"))
+    json_path = tmp_path / "forecast.json"
+    assert main(["forecast", "--config", str(config), "--lengths", "2048", "--trace-lengths", "40", "80",
+                 "--json", str(json_path)]) == 0
+    text = capsys.readouterr().out
+    assert "never exceed the rest" in text and "sdpa" in text and "diagnosis" not in text
+    breakdown = json.loads(json_path.read_text())["breakdown"]
+    assert breakdown["crossover_seq_len"] is None and breakdown["diagnoses"] == []
+    assert "quadratic" not in {r["growth"] for r in breakdown["activations"]}
 
 
 def test_forecast_matches_training(demo, tmp_path, monkeypatch):
     """The forecast without training predicts the peak the demo measured while training (same model)."""
     out, _ = demo
     report = json.loads((out / "demo" / "version_0" / "seqmem_report.json").read_text())
-    measured = {p["seq_len"]: p["peak_bytes"] for p in report["points"]}
+    # the demo measures 128 tokens twice: with eager attention (as cpu_demo.yaml) and again after SDPA
+    measured = {p["seq_len"]: p["peak_bytes"] for p in report["points"] if not p.get("mitigations")}
     monkeypatch.chdir(tmp_path)
     json_path = tmp_path / "forecast.json"
     assert main(["forecast", "--config", str(CONFIGS / "cpu_demo.yaml"), "--lengths", "128",
-                 "--trace-lengths", "32", "48", "64", "--json", str(json_path)]) == 0
+                 "--trace-lengths", "32", "48", "64", "--no-breakdown", "--json", str(json_path)]) == 0
+    assert json.loads(json_path.read_text())["breakdown"] is None
     forecast = json.loads(json_path.read_text())["forecasts"][0]
     assert forecast["peak_bytes"] == pytest.approx(measured[128], rel=0.01)
 
