@@ -560,6 +560,8 @@ class SeqMemCallback(Callback):
         if trainer.world_size > 1:  # every rank takes rank zero's decision at the same step
             decision = trainer.strategy.broadcast(decision, src=0)
         action, value = decision
+        if trainer.is_global_zero and self.records:  # the figure as it stood at the end of the stage
+            self._safely("the memory figure", lambda: panels().log_figure(trainer, self))
         if action == "go":
             self._stage += 1
         elif action == "mitigate":

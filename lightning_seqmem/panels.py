@@ -307,10 +307,11 @@ def memory_figure(
 def log_figure(trainer: "pl.Trainer", callback: "SeqMemCallback", step: Optional[int] = None) -> Optional["Figure"]:
     """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger.
 
-    ``step`` defaults to ``trainer.global_step``. Only on global rank zero (returns None elsewhere);
+    ``step`` defaults to ``trainer.global_step``. Only on global rank zero and with a TensorBoard
+    logger (returns None otherwise);
     a step already logged to a logger is not logged to it again. Returns the figure.
     """
-    if not trainer.is_global_zero:
+    if not trainer.is_global_zero or not _tensorboard_loggers(trainer):
         return None
     step = trainer.global_step if step is None else int(step)
     figure = memory_figure(callback)

@@ -141,7 +141,8 @@ def test_figure_is_logged_once_per_step(run):
     log_figure(run["trainer"], run["callback"])  # same step: skipped
     events = EventAccumulator(run["logger"].log_dir, size_guidance={"images": 0})
     events.Reload()
-    assert len(events.Images(FIGURE_TAG)) == before == 1
+    # one figure as each stage ended (16 -> 32 at step 3, 32 -> 64 at step 6) and one at the end
+    assert [e.step for e in events.Images(FIGURE_TAG)] == [3, 6, 9] and len(events.Images(FIGURE_TAG)) == before
 
 
 def test_report_files(run):
