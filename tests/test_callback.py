@@ -268,3 +268,28 @@ def test_manual_optimization_drops_microbatching_at_setup():
         make_trainer([cb], max_steps=3).fit(Manual(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=16))
     assert cb.mitigations == ("attention", "checkpointing") and len(cb.records) == 3
     assert all(r.backward_peak_bytes for r in cb.records)  # manual_backward still marks the phase
+
+
+def test_batch_without_a_sequence_dimension_is_refused_before_the_first_step():
+    import lightning.pytorch as pl
+
+    class Regressor(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return (self.lin(batch["x"]) - batch["y"]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = [{"x": torch.randn(4, 8), "y": torch.randn(4, 1)} for _ in range(4)]
+    cb = SeqMemCallback()
+    with pytest.raises(ValueError, match="seq_len_fn"):
+        make_trainer([cb], max_steps=2).fit(Regressor(), DataLoader(data, batch_size=None))
+    assert cb.records == []
+    # with a seq_len_fn the same run is measured
+    cb = SeqMemCallback(warmup_steps=1, seq_len_fn=lambda batch: (batch["x"].shape[0], batch["x"].shape[1]))
+    make_trainer([cb], max_steps=3).fit(Regressor(), DataLoader(data, batch_size=None))
+    assert [r.seq_len for r in cb.records] == [8, 8, 8]

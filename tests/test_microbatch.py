@@ -15,6 +15,7 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -426,3 +427,44 @@ def test_ddp_equals_full_batch(tmp_path):
 
 if __name__ == "__main__":
     _ddp_worker(sys.argv[1])
+
+
+# --- a Hugging Face model -----------------------------------------------------------------------
+
+
+def test_hugging_face_model_same_gradients_and_less_memory():
+    """Micro-batching a Hugging Face causal LM (random tiny Llama config): same first-step
+    gradients as the full batch, and a lower measured step peak."""
+    pytest.importorskip("transformers")
+    from lightning_seqmem import SeqMemCallback
+    from lightning_seqmem.hf import HFCausalLM
+
+    class GradsAtFirstStep(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:
+                self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+    def run(micro):
+        torch.manual_seed(0)
+        module = HFCausalLM()
+        grads, seqmem = GradsAtFirstStep(), SeqMemCallback(warmup_steps=2, mitigations=())
+
+        class SwitchOn(pl.Callback):
+            def on_fit_start(self, trainer, pl_module):
+                if micro:
+                    assert MicroBatching(micro).apply(trainer, pl_module).applied
+
+        trainer = pl.Trainer(
+            max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[SwitchOn(), grads, seqmem], default_root_dir=tempfile.mkdtemp(),
+        )
+        data = SyntheticTokenDataModule(batch_size=4, seq_len=128, num_samples=16, vocab_size=module.model.config.vocab_size)
+        trainer.fit(module, data)
+        return grads.grads, seqmem.records[-1]
+
+    full_grads, full = run(None)
+    micro_grads, micro = run(1)
+    assert full_grads.keys() == micro_grads.keys() and full_grads
+    for name in full_grads:
+        torch.testing.assert_close(micro_grads[name], full_grads[name], atol=2e-6, rtol=1e-4)
+    assert micro.peak_bytes - micro.start_bytes < 0.6 * (full.peak_bytes - full.start_bytes)
