@@ -237,10 +237,11 @@ def _forecast(args: argparse.Namespace) -> int:
                   f"parameters), {trainer.precision} precision, on {device}, optimizer {optimizer_name}; tracing "
                   f"{len(trace)} steps at seq_len {trace} (batch {traced_batch})"
                   + (f", checking at {check}" if check else ""))
-    forecaster = trace_training_steps(
-        work, optimizer, batch, trace, lambda m, b: _loss_of(m.training_step(b, 0)), device=device,
-        context=precision.train_step_context, check_seq_lens=[L for L in check if L <= source_len],
-    )
+    with console.status(f"tracing training steps at seq_len {trace}..."):
+        forecaster = trace_training_steps(
+            work, optimizer, batch, trace, lambda m, b: _loss_of(m.training_step(b, 0)), device=device,
+            context=precision.train_step_context, check_seq_lens=[L for L in check if L <= source_len],
+        )
     del work, optimizer
     reserved = device.type == "cuda"
 
@@ -297,8 +298,9 @@ def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, tra
         raise SystemExit(f"seqmem forecast: no two lengths to trace the breakdown at (from {list(trace)})")
     console.print(f"[bold]where the memory goes[/bold]: tracing one step at seq_len {lengths} (batch {batch_size}) "
                   "on a fresh copy of the model")
-    breakdowns = trace_breakdowns(work, optimizer, batch, lengths, training_step_loss, device=device,
-                                  context=precision.train_step_context)
+    with console.status(f"tracing the breakdown at seq_len {lengths}..."):
+        breakdowns = trace_breakdowns(work, optimizer, batch, lengths, training_step_loss, device=device,
+                                      context=precision.train_step_context)
     forecast_peak = forecaster.forecast(longest, batch_size).peak_bytes if longest > lengths[-1] else None
     section = breakdown_section(breakdowns, work, extrapolate_to=longest, forecast_peak_bytes=forecast_peak, notes=notes)
     del work, optimizer, breakdowns
