@@ -137,6 +137,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._ids: dict[int, int] = {}  # StorageImpl address -> allocation index, while alive
         self._finalizers: list[weakref.ref] = []
         self._active = True
+        self.error: Optional[BaseException] = None  # a bookkeeping failure: the step ran, the count is void
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _add(self, st: torch.UntypedStorage, op: str) -> None:
@@ -189,6 +190,14 @@ class LiveTensorTracker(TorchDispatchMode):
     # -- dispatch --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.error is None:
+            try:
+                self._track_outputs(func, out, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - the op's result must reach the model regardless
+                self.error = exc
+        return out
+
+    def _track_outputs(self, func, out, args, kwargs) -> None:
         inputs: Optional[set[int]] = None
         for t in _flat_tensors(out):
             if t.device.type != self.device_type:
@@ -203,7 +212,6 @@ class LiveTensorTracker(TorchDispatchMode):
                 if key in inputs:  # a view or in-place result of an untracked input
                     continue
                 self._add(st, func.name() if self.events is not None else "")
-        return out
 
 
 class MemoryProbe:
@@ -274,6 +282,8 @@ class TrackerProbe(MemoryProbe):
         self._tracker = None
         tracker.__exit__(None, None, None)
         tracker.stop()
+        if tracker.error is not None:
+            raise RuntimeError(f"the live-tensor tracker failed during the step: {tracker.error!r}") from tracker.error
         return StepMemory(
             peak_bytes=tracker.peak_bytes,
             phase_peak_bytes=dict(tracker.phase_peak_bytes),
