@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--mitigations", default="", help="comma-separated ladder, default none")
+    parser.add_argument("--strategy", default="ddp", help="ddp or fsdp")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -47,7 +48,7 @@ def main() -> None:
 
         cb.forecaster.add_measurement = broken
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.max_steps, callbacks=[cb], default_root_dir=args.out,
+        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.max_steps, callbacks=[cb], default_root_dir=args.out,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=128))
@@ -58,6 +59,8 @@ def main() -> None:
         "capped_at": cb._capped_at,
         "disabled": cb._disabled,
         "global_step": trainer.global_step,
+        "mitigations": list(cb.mitigations),
+        "applied_mitigations": list(cb.applied_mitigations),
     }
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)
