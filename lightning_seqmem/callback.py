@@ -334,8 +334,49 @@ class SeqMemCallback(Callback):
         except Exception as exc:  # noqa: BLE001
             self._fail("on_train_batch_start", exc)
             return
+        if self.curriculum is None and self.usable_budget_bytes is not None:
+            self._guard_batch(trainer, pl_module, batch, shape)
         if shape is not None:
             self._start_measurement(trainer, pl_module, batch, int(shape[0]), int(shape[1]))
+
+    def _guard_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, shape: Optional[tuple[int, int]]) -> None:
+        """Without a curriculum (fixed length, dynamic padding): if this batch is forecast over the
+        budget, switch on the next rung of the ladder before it runs. Under DDP every rank enters
+        the one reduction here whenever a rung is left, so all take the decision at the same step."""
+        if not [m for m in self.mitigations if m not in self.applied_mitigations]:
+            return
+        need, fc = 0, None
+        # Until the setting now on has two measured lengths, judge by the last setting that has:
+        # a mitigation never adds memory, so that forecast is an upper bound.
+        forecaster = next(
+            (f for n in range(len(self.applied_mitigations), -1, -1)
+             if (f := self._forecasters.get(self.applied_mitigations[:n])) is not None and f.ready),
+            None,
+        )
+        if shape is not None and not self._disabled and forecaster is not None:
+            try:
+                fc = forecaster.forecast(int(shape[1]), int(shape[0]))
+                need = int((fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes) > self.usable_budget_bytes)
+            except Exception as exc:  # noqa: BLE001
+                self._fail("the forecast of this batch", exc)
+        if trainer.world_size > 1:
+            need = int(trainer.strategy.reduce(torch.tensor(need, device=pl_module.device), reduce_op="max").item())
+        if not need:
+            return
+        rung, skipped = ladder.next_rung(self.mitigations, self.applied_mitigations, trainer, pl_module, batch)
+        if rung is None:  # nothing applies here: say what would help
+            if fc is not None:
+                self._safely("the over-budget warning", lambda: self._warn_batch_over_budget(fc))
+            return
+        seq_len = int(shape[1]) if shape is not None else 0
+        self._warn_once(
+            f"oom-batch-{seq_len}-{'+'.join(self.applied_mitigations) or 'none'}",
+            f"seqmem: this batch (seq_len={seq_len}) is forecast over the usable budget "
+            f"{format_bytes(self.usable_budget_bytes)}; switching on the next mitigation, {rung!r}"
+            + (f" (skipped: {'; '.join(skipped)})" if skipped else "") + ", before it runs.",
+            PredictedOOMWarning,
+        )
+        self._switch_on(trainer, pl_module, batch, rung, seq_len)
 
     @_guarded
     def _start_measurement(self, trainer, pl_module, batch, batch_size: int, seq_len: int) -> None:
@@ -651,7 +692,9 @@ class SeqMemCallback(Callback):
             {"name": name, "step": self._step, "seq_len": seq_len, "detail": detail, "before_bytes": before, "after_bytes": None}
         )
         self._pending_events.append(f"mitigation:{name}")
-        assert self.curriculum is not None
+        if self.curriculum is None:  # the data sets the lengths: the next batches measure the new setting
+            rank_zero_info(f"seqmem: switched on {name} at step {self._step} ({detail}).")
+            return
         steps = max(1, self.warmup_steps_after_change) + 1  # warm-up, then one measured step per length
         multiple_of = self.curriculum.multiple_of
         lengths = sorted({self.curriculum.round_down(max(seq_len // d, multiple_of)) for d in (4, 2, 1)})
@@ -678,17 +721,25 @@ class SeqMemCallback(Callback):
         self._pending[(seq_len, batch_size)] = fc
         budget = self.usable_budget_bytes
         bound = fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes
-        if self.curriculum is None and budget is not None and bound > budget:
-            fit = self.forecaster.max_seq_len(budget, batch_size, reserved=self._on_cuda)
-            self._warn_once(
-                f"oom-batch-{seq_len}-{batch_size}",
-                f"seqmem: this batch (seq_len={seq_len}, batch {batch_size}) is predicted to peak at "
-                f"{format_bytes(fc.peak_bytes)} (upper bound {format_bytes(bound)}, {fc.method}), over "
-                f"the usable budget {format_bytes(budget)}; the largest length that fits is {fit}. "
-                "Cap the padded length of your collate function, or switch attention to SDPA or "
-                "flash-attn, enable activation checkpointing, or lower the batch size.",
-                PredictedOOMWarning,
-            )
+        left = [m for m in self.mitigations if m not in self.applied_mitigations]
+        if self.curriculum is None and budget is not None and bound > budget and not left:
+            self._warn_batch_over_budget(fc)
+
+    def _warn_batch_over_budget(self, fc: Forecast) -> None:
+        """No rung left to switch on for a batch forecast over the budget: say what would help."""
+        budget = self.usable_budget_bytes
+        assert budget is not None
+        bound = fc.reserved_upper_bytes if self._on_cuda else fc.upper_bytes
+        fit = self.forecaster.max_seq_len(budget, fc.batch_size, reserved=self._on_cuda)
+        self._warn_once(
+            f"oom-batch-{fc.seq_len}-{fc.batch_size}",
+            f"seqmem: this batch (seq_len={fc.seq_len}, batch {fc.batch_size}) is predicted to peak at "
+            f"{format_bytes(fc.peak_bytes)} (upper bound {format_bytes(bound)}, {fc.method}), over the "
+            f"usable budget {format_bytes(budget)}; the largest length that fits is {fit}. Cap the padded "
+            f"length of your collate function, lower the batch size, or "
+            f"{ladder.remaining_advice(self.mitigations, self.applied_mitigations)}.",
+            PredictedOOMWarning,
+        )
 
     def _verify(self, record: StepRecord, forecast: Forecast) -> None:
         v = self.forecaster.verify(forecast, record.peak_bytes)

@@ -100,3 +100,36 @@ def test_ladder_validation():
         SeqMemCallback(mitigations=("attention", "attention"))
     with pytest.raises(ValueError, match="`mitigations`"):
         SeqMemCallback(mitigations="attention")
+
+
+class _GrowingPadding(torch.utils.data.Dataset):
+    """Dynamic padding whose padded length grows: batch i has length lengths[i]."""
+
+    lengths = [32, 48, 64, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 640]
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, 64, (4, self.lengths[i] + 1), generator=g)
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def test_without_a_curriculum_an_over_budget_batch_switches_the_ladder_on_before_it_runs():
+    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, memory_budget=BUDGET, safety_margin=0.0)
+    torch.manual_seed(0)
+    module = LitGPT(**MODEL)
+    loader = torch.utils.data.DataLoader(_GrowingPadding(), batch_size=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], max_steps=len(_GrowingPadding.lengths)).fit(module, loader)
+    assert [r.seq_len for r in cb.records] == _GrowingPadding.lengths  # every batch ran, none cut
+    assert max(r.peak_bytes for r in cb.records) <= BUDGET
+    assert cb.applied_mitigations and cb.applied_mitigations[0] == "attention"
+    oom = [str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning)]
+    assert any("switching on the next mitigation, 'attention'" in m for m in oom)
+    # each mitigation was switched on at the start of the batch it protected
+    for event in cb.mitigation_events:
+        record = next(r for r in cb.records if f"mitigation:{event['name']}" in r.events)
+        assert record.seq_len == event["seq_len"] and record.mitigations[-1] == event["name"]
