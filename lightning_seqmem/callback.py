@@ -383,7 +383,12 @@ class SeqMemCallback(Callback):
         key = (seq_len, batch_size, self.applied_mitigations)
         count = self._key_counts.get(key, 0)
         self._key_counts[key] = count + 1
-        warmup = self._step < self.warmup_steps or count < self.warmup_steps_after_change or self._resume_warmup > 0
+        warmup = (
+            self._step < self.warmup_steps
+            or trainer.global_step < self.warmup_steps  # with accumulation: until the optimizer has stepped
+            or count < self.warmup_steps_after_change
+            or self._resume_warmup > 0
+        )
         self._resume_warmup = max(0, self._resume_warmup - 1)
         if count == 0:
             self._forecast_new_length(seq_len, batch_size)
@@ -402,7 +407,9 @@ class SeqMemCallback(Callback):
         self._pending_events = []
         if not measure:
             return
-        traced = not warmup and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
+        # only steps that end in an optimizer step are traced: with gradient accumulation the others
+        # run a different program (no optimizer phase), and never peak higher
+        traced = not warmup and _steps_optimizer(trainer) and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
         self._current["traced"] = traced
         assert self._probe is not None, "setup() was not called"
         self._probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=traced)
@@ -956,6 +963,16 @@ class SeqMemCallback(Callback):
         for key, fc in state_dict.get("pending", {}).items():
             L, B = (int(x) for x in key.split("x"))
             self._pending[(L, B)] = Forecast(**fc)
+
+
+def _steps_optimizer(trainer: pl.Trainer) -> bool:
+    """Whether the batch about to run ends with an optimizer step (not a gradient accumulation)."""
+    if trainer.accumulate_grad_batches == 1:
+        return True
+    try:
+        return not trainer.fit_loop.epoch_loop._should_accumulate()
+    except Exception:  # noqa: BLE001 - Lightning internals moved: assume it steps
+        return True
 
 
 def panels() -> Any:

@@ -145,11 +145,13 @@ class MemoryForecaster:
         self._quadratic = None
         if len(distinct) >= 2:
             model = QuadraticMemoryModel(min_relative_uncertainty=self.tolerance)
-            phases = sorted({p for point in self.points.values() for p in point if p != "step"})
-            if phases:
-                data = [(L, B, {p: point.get(p) for p in phases}) for (L, B), point in self.points.items()]
-            else:
-                data = [(L, B, point["step"]) for (L, B), point in self.points.items()]
+            # every phase seen at two or more distinct L·B, and always the whole step: with gradient
+            # accumulation the optimizer phase is seen less often, and the step's peak bounds it
+            all_phases = sorted({p for point in self.points.values() for p in point})
+            phases = [
+                p for p in all_phases if len({L * B for (L, B), point in self.points.items() if p in point}) >= 2
+            ]
+            data = [(L, B, {p: point.get(p) for p in phases}) for (L, B), point in self.points.items()]
             self._quadratic = model.fit(data)
 
     @property

@@ -113,7 +113,10 @@ def test_every_step_recorded_after_warmup_and_phase_peaks_present():
     trainer = make_trainer([cb], max_steps=7, accumulate_grad_batches=2)
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=32))
     assert [r.step for r in cb.records] == list(range(14))
-    assert [r.warmup for r in cb.records] == [True] * 3 + [False] * 11
+    # warm-up lasts until 3 optimizer steps were taken: 6 batches when accumulating 2
+    assert [r.warmup for r in cb.records] == [True] * 6 + [False] * 8
+    # only batches that end in an optimizer step are traced (the others run a different program)
+    assert all(r.optimizer_peak_bytes is not None for r in cb.records if r.traced)
     # accumulating batches skip the optimizer phase; boundary batches have it
     for r in cb.records:
         assert (r.optimizer_peak_bytes is not None) == (r.step % 2 == 1)
@@ -332,3 +335,21 @@ def test_sharding_strategies_keep_measurement_and_drop_the_rungs_they_cannot_tak
     with pytest.warns(UserWarning, match=r"\['checkpointing', 'microbatch'\] are off for this run: FSDPStrategy"):
         cb._check_strategy_and_module(SimpleNamespace(strategy=FSDPStrategy()), LitGPT(n_layer=1, d_model=32, n_head=2))
     assert cb.mitigations == ("attention",)
+
+
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [dict(accumulate_grad_batches=2, max_steps=8), dict(precision="bf16-mixed", max_steps=16)],  # 16 batches each
+    ids=["accumulate", "bf16"],
+)
+def test_replay_holds_with_gradient_accumulation_and_mixed_precision(trainer_kwargs):
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=32, target=256, steps_per_stage=4, multiple_of=16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], **trainer_kwargs).fit(
+            LitGPT(n_layer=2, d_model=64, n_head=4), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64)
+        )
+    assert not [w for w in caught if issubclass(w.category, SeqMemFailureWarning)]
+    assert cb.forecaster.timeline is not None, cb.forecaster.timeline_unavailable_reason
+    replayed = [r for r in cb.records if r.forecast_method == "replay"]
+    assert replayed and all(abs(r.forecast_error) <= 0.05 for r in replayed), [(r.seq_len, r.forecast_error) for r in replayed]
