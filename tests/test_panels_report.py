@@ -185,7 +185,7 @@ def test_report_facts_and_predictors(run):
     assert facts["curriculum"]["stages"] == [16, 32, 64] and facts["curriculum"]["stages_run"] == [16, 32, 64]
     pred = report["predictors"]
     assert pred["replay"]["available"] and pred["replay"]["seq_lens"] == [t.seq_len for t in cb.forecaster.traces] == [16, 32, 64]
-    assert pred["quadratic"]["available"] and set(pred["quadratic"]["phases"]) == set(PHASES)
+    assert pred["quadratic"]["available"] and set(pred["quadratic"]["phases"]) == {*PHASES, "step"}  # "step": the whole step
     assert [(v["seq_len"], v["method"]) for v in pred["verifications"]] == [
         (v.seq_len, v.method) for v in cb.forecaster.verifications]
     assert pred["accuracy"]["replay"]["max_abs_error"] == max(abs(v.relative_error) for v in cb.forecaster.verifications)
