@@ -843,7 +843,7 @@ class SeqMemCallback(Callback):
     # ------------------------------------------------------------------------------------------
     def _budget_view(self, batch_size: int) -> dict[str, float]:
         """Forecast for the next stage, largest length that fits, headroom (cached per fit)."""
-        key = (len(self.forecaster.points), len(self.forecaster.traces), len(self.forecaster.verifications), self._stage, batch_size)
+        key = (self.applied_mitigations, self.forecaster.version, self._stage, batch_size)
         if self._cache.get("key") == key:
             return self._cache["value"]
         out: dict[str, float] = {}

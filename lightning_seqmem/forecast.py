@@ -91,6 +91,7 @@ class MemoryForecaster:
         self._timeline: Optional[TimelineModel] = None
         self._timeline_reason = "no traced steps yet"
         self._dirty = True
+        self.version = 0  # bumped by every change of the inputs: a cache key for derived figures
 
     # -- inputs ----------------------------------------------------------------------------------
     def add_measurement(
@@ -102,6 +103,7 @@ class MemoryForecaster:
     ) -> None:
         """Add a non-warm-up step's peaks (per phase; key ``"step"`` for the whole step)."""
         point = self.points.setdefault((int(seq_len), int(batch_size)), {})
+        before = (dict(point), self.reserved_ratio)
         for phase, nbytes in phase_peak_bytes.items():
             if nbytes is not None:
                 point[phase] = max(point.get(phase, 0), int(nbytes))
@@ -109,7 +111,8 @@ class MemoryForecaster:
         point["step"] = max(point.get("step", 0), peak)
         if reserved_bytes is not None and peak > 0:
             self.reserved_ratio = max(self.reserved_ratio, reserved_bytes / peak)
-        self._dirty = True
+        if (point, self.reserved_ratio) != before:  # a repeated measurement changes no fit
+            self._changed()
 
     def add_trace(self, trace: Trace) -> None:
         """Add a traced step (one per (L, B)); beyond ``max_traces`` the longest other one is dropped."""
@@ -120,7 +123,7 @@ class MemoryForecaster:
             longest = max((t for t in self.traces if t is not trace), key=lambda t: (t.seq_len, t.batch_size))
             self.traces.remove(longest)
         self.traces.sort(key=lambda t: (t.seq_len, t.batch_size))
-        self._dirty = True
+        self._changed()
 
     def wants_trace(self, seq_len: int, batch_size: int, num_lengths: int) -> bool:
         """Whether a step at ``(seq_len, batch_size)`` should be traced.
@@ -136,6 +139,10 @@ class MemoryForecaster:
         return len(same_batch) < num_lengths or len(self.traces) < self.max_traces and not same_batch
 
     # -- fitting ---------------------------------------------------------------------------------
+    def _changed(self) -> None:
+        self._dirty = True
+        self.version += 1
+
     def _refit(self) -> None:
         if not self._dirty:
             return
@@ -242,7 +249,7 @@ class MemoryForecaster:
         """Record how ``forecast`` compared with the measured peak; later bounds widen on misses."""
         v = Verification(forecast.seq_len, forecast.batch_size, forecast.method, forecast.peak_bytes, int(measured_bytes))
         self.verifications.append(v)
-        self._dirty = True
+        self._changed()
         return v
 
     # -- checkpointing ---------------------------------------------------------------------------
@@ -278,4 +285,4 @@ class MemoryForecaster:
             for t in state.get("traces", [])
         ]
         self.verifications = [Verification(**v) for v in state.get("verifications", [])]
-        self._dirty = True
+        self._changed()
