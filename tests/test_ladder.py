@@ -133,3 +133,34 @@ def test_without_a_curriculum_an_over_budget_batch_switches_the_ladder_on_before
     for event in cb.mitigation_events:
         record = next(r for r in cb.records if f"mitigation:{event['name']}" in r.events)
         assert record.seq_len == event["seq_len"] and record.mitigations[-1] == event["name"]
+
+
+def test_the_readme_attention_protocol_is_enough_for_the_switch():
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_seqmem.mitigations import AttentionSwitch, current_attention_backend
+
+    class MyAttention(nn.Module):
+        attention_backend = "eager"
+
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def set_attention_backend(self, backend: str) -> None:
+            self.attention_backend = backend
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            if self.attention_backend == "sdpa":
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+            return ((q @ k.transpose(-1, -2)) / 4).masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+    model = nn.Sequential(MyAttention(), MyAttention())
+    x = torch.randn(2, 8, 16)
+    before = model(x)
+    result = AttentionSwitch("auto").apply(model)
+    assert result.applied and current_attention_backend(model) == "sdpa"
+    torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)
