@@ -175,7 +175,8 @@ class SeqMemCallback(Callback):
             raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}")
         if not isinstance(breakdown, bool):
             raise ValueError(f"`breakdown` must be a bool, got {breakdown!r}")
-        self.mitigations = ladder.check_mitigations(mitigations)
+        self.mitigations = ladder.check_mitigations(mitigations)  # the rungs left to this run
+        self._mitigations_arg = self.mitigations  # as given (the state key must not change)
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.warmup_steps = warmup_steps
         self.tolerance = float(tolerance)
@@ -226,7 +227,10 @@ class SeqMemCallback(Callback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(
-            probe=self.probe_name, curriculum=None if self.curriculum is None else self.curriculum.stages
+            probe=self.probe_name,
+            curriculum=None if self.curriculum is None else self.curriculum.stages,
+            memory_budget=self.memory_budget_bytes,
+            mitigations=self._mitigations_arg,
         )
 
     @property
