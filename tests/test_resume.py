@@ -68,8 +68,10 @@ def test_resume_mid_curriculum_matches_an_uninterrupted_run(tmp_path):
 
 def test_two_callbacks_keep_separate_state(tmp_path):
     a, b = _callback(), SeqMemCallback(warmup_steps=1)
+    c = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16))
+    assert len({a.state_key, b.state_key, c.state_key}) == 3  # same curriculum as a, another budget
     torch.manual_seed(0)
-    trainer = make_trainer([a, b], max_steps=4, default_root_dir=tmp_path)
+    trainer = make_trainer([a, b, c], max_steps=4, default_root_dir=tmp_path)
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
     trainer.save_checkpoint(tmp_path / "two.ckpt")
     state = torch.load(tmp_path / "two.ckpt", weights_only=False)["callbacks"]
