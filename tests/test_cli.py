@@ -173,3 +173,9 @@ def test_every_config_parses_with_its_callback(tmp_path, monkeypatch):
         assert callback.memory_budget_bytes == budget, name
         assert callback.curriculum.stages == stages, name
         assert str(cli.trainer.precision) == precision, name
+
+
+@pytest.mark.parametrize("script", ["hf_causal_lm.py", "forecast_without_training.py"])
+def test_examples_run_as_the_readme_says(script, tmp_path):
+    text = _run([str(EXAMPLES / script)], cwd=tmp_path)
+    assert "largest length that fits" in text
