@@ -760,14 +760,27 @@ class SeqMemCallback(Callback):
         record.forecast_error = v.relative_error
         self._last_verification_error = v.relative_error
         if abs(v.relative_error) > self.tolerance:
+            if v.relative_error < 0:
+                why = (
+                    "Likely causes: dynamic padding or sequence packing (the batch's real length "
+                    "differs from its shape), a kernel whose choice depends on the length, or memory "
+                    "held outside the step. Later forecasts widen their bounds by this miss, and this "
+                    "length is traced again."
+                )
+            else:  # over-predicted: safe, but say why it is off
+                why = (
+                    "An over-prediction is safe. "
+                    + ("A quadratic fit of so few lengths puts all growth in the L² term; it tightens as "
+                       "more lengths are measured." if forecast.method == "quadratic" else
+                       "The traced program may differ at this length (a kernel choice that depends on "
+                       "the length); this length is traced again.")
+                )
             self._warn_once(
                 f"mismatch-{record.seq_len}-{record.batch_size}",
                 f"seqmem: the {forecast.method} forecast for seq_len={record.seq_len} (batch "
                 f"{record.batch_size}) was {format_bytes(forecast.peak_bytes)}, measured "
                 f"{format_bytes(record.peak_bytes)} ({v.relative_error:+.1%}, tolerance "
-                f"{self.tolerance:.0%}). Likely causes: dynamic padding or sequence packing (the "
-                "batch's real length differs from its shape), a kernel whose choice depends on the "
-                "length, or memory held outside the step. Later forecasts widen their bounds by this miss.",
+                f"{self.tolerance:.0%}). {why}",
                 ForecastMismatchWarning,
             )
 
