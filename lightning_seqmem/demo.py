@@ -29,6 +29,14 @@ from lightning_seqmem.nn import GPT, GPTConfig
 __all__ = ["LitGPT", "SyntheticTokenDataModule", "SyntheticTokens"]
 
 
+def check_optimizer_args(lr: float, weight_decay: float) -> None:
+    """ValueError unless ``lr > 0`` and ``weight_decay >= 0`` (AdamW's arguments)."""
+    if not lr > 0:
+        raise ValueError(f"`lr` must be positive, got {lr!r}.")
+    if not weight_decay >= 0:
+        raise ValueError(f"`weight_decay` must be non-negative, got {weight_decay!r}.")
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
@@ -189,10 +197,7 @@ class LitGPT(pl.LightningModule):
         attention_dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        if not lr > 0:
-            raise ValueError(f"`lr` must be positive, got {lr!r}.")
-        if not weight_decay >= 0:
-            raise ValueError(f"`weight_decay` must be non-negative, got {weight_decay!r}.")
+        check_optimizer_args(lr, weight_decay)
         self.save_hyperparameters()
         self.model = GPT(
             GPTConfig(

@@ -25,6 +25,8 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from .demo import check_optimizer_args
+
 __all__ = ["HFCausalLM", "TINY_LLAMA"]
 
 TINY_LLAMA: dict[str, Any] = {
@@ -72,10 +74,7 @@ class HFCausalLM(pl.LightningModule):
         weight_decay: float = 0.0,
     ) -> None:
         super().__init__()
-        if not lr > 0:
-            raise ValueError(f"`lr` must be positive, got {lr!r}.")
-        if not weight_decay >= 0:
-            raise ValueError(f"`weight_decay` must be non-negative, got {weight_decay!r}.")
+        check_optimizer_args(lr, weight_decay)
         if config is not None and not isinstance(config, dict):
             raise ValueError(f"`config` must be a dict of config fields or None, got {type(config).__name__}.")
         try:

@@ -41,12 +41,12 @@ from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 __all__ = ["ActivationCheckpointing", "find_repeated_blocks", "is_checkpointed"]
 
 
-def _find_hf_models(model: nn.Module) -> list[nn.Module]:
-    """Outermost Hugging Face ``PreTrainedModel``s inside ``model`` (``model`` included)."""
+def _outermost_matching(model: nn.Module, match) -> list[nn.Module]:
+    """Modules for which ``match(module)`` holds, top-down, not descending into a match; in order."""
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
-        if is_hf_pretrained_model(module):
+        if match(module):
             found.append(module)
             return
         for child in module.children():
@@ -56,20 +56,15 @@ def _find_hf_models(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _find_hf_models(model: nn.Module) -> list[nn.Module]:
+    """Outermost Hugging Face ``PreTrainedModel``s inside ``model`` (``model`` included)."""
+    return _outermost_matching(model, is_hf_pretrained_model)
+
+
 def _outermost(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """Drop blocks nested inside other blocks (wrapping both would recompute twice); keep order."""
     wanted = {id(b) for b in blocks}
-    kept: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in wanted:
-            kept.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(model)
-    return kept
+    return _outermost_matching(model, lambda module: id(module) in wanted)
 
 
 def _modules_named(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
