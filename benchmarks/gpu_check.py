@@ -126,7 +126,7 @@ def build(args: argparse.Namespace):
 
     def trainer(callbacks, max_steps: int, precision: str) -> pl.Trainer:
         return pl.Trainer(
-        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
+            default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
             accelerator="cuda",
             devices=1,
             precision=precision,

@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
 from .mitigations import current_attention_backend, find_repeated_blocks, is_checkpointed
+from .checks import check_int
 from .probes import LiveTensorTracker, _storages
 from .units import format_bytes
 
@@ -689,11 +690,6 @@ class Breakdown:
         }
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-
-
 def _alive(sequence: np.ndarray, n: int, upto: int) -> np.ndarray:
     part = sequence[:upto]
     alive = np.zeros(n, dtype=bool)
@@ -731,8 +727,8 @@ def trace_breakdown(
     """
     if not callable(step_fn):
         raise ValueError(f"`step_fn` must be callable with no arguments, got {step_fn!r}")
-    _check_positive_int("seq_len", seq_len)
-    _check_positive_int("batch_size", batch_size)
+    check_int("seq_len", seq_len)
+    check_int("batch_size", batch_size)
     params = list(dict.fromkeys(model.parameters()))
     if device_type is None:
         device_type = params[0].device.type if params else "cpu"

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from .batch import infer_batch_shape, set_batch_sequence_length
+from .checks import check_int
 from .curriculum import Curriculum
 from .mitigations import ladder
 from .oom import is_oom, write_oom_diagnosis
@@ -159,10 +160,10 @@ class SeqMemCallback(Callback):
         mitigations: Sequence[str] = ladder.MITIGATIONS,
         breakdown: bool = False,
     ) -> None:
-        _check_int("warmup_steps", warmup_steps, 1, "an int ≥ 1 (the first step has no optimizer state)")
-        _check_int("warmup_steps_after_change", warmup_steps_after_change, 0, "an int ≥ 0")
-        _check_int("trace_lengths", trace_lengths, 2, "an int in [2, 8]", maximum=8)
-        _check_int("measure_every_n_steps", measure_every_n_steps, 1, "an int ≥ 1")
+        check_int("warmup_steps", warmup_steps, 1, accepted="an int ≥ 1 (the first step has no optimizer state)")
+        check_int("warmup_steps_after_change", warmup_steps_after_change, 0, accepted="an int ≥ 0")
+        check_int("trace_lengths", trace_lengths, 2, 8)
+        check_int("measure_every_n_steps", measure_every_n_steps, 1, accepted="an int ≥ 1")
         if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 < tolerance < 1:
             raise ValueError(f"`tolerance` must be a float in (0, 1), got {tolerance!r}")
         if isinstance(safety_margin, bool) or not isinstance(safety_margin, numbers.Real) or not 0 <= safety_margin < 1:
@@ -256,7 +257,7 @@ class SeqMemCallback(Callback):
         ``batch_size`` defaults to the last measured batch's. Raises
         :class:`~lightning_seqmem.forecast.NotEnoughMeasurements` before two lengths are measured.
         """
-        _check_int("seq_len", seq_len, 1, "a positive int")
+        check_int("seq_len", seq_len)
         batch_size = self._default_batch_size(batch_size)
         return self.forecaster.forecast(seq_len, batch_size)
 
@@ -852,7 +853,7 @@ class SeqMemCallback(Callback):
             if self._last_batch_size is None:
                 raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
             return self._last_batch_size
-        _check_int("batch_size", batch_size, 1, "a positive int")
+        check_int("batch_size", batch_size)
         return batch_size
 
     # ------------------------------------------------------------------------------------------
@@ -1026,16 +1027,6 @@ def _length_setter(trainer: pl.Trainer) -> Optional[Callable[[int], None]]:
     if dataset is not None and callable(getattr(dataset, "set_seq_len", None)):
         return dataset.set_seq_len
     return None
-
-
-def _check_int(name: str, value: Any, minimum: int, accepted: str, maximum: Optional[int] = None) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
-        raise ValueError(f"`{name}` must be {accepted}, got {value!r}")
 
 
 __all__ = ["SeqMemCallback"]

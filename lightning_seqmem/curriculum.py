@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
+
+from .checks import check_int
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,10 +62,10 @@ class Curriculum:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalise the validated values once
-        set_(self, "start", _check_int("start", self.start, 1))
-        set_(self, "target", _check_int("target", self.target, 1))
-        set_(self, "steps_per_stage", _check_int("steps_per_stage", self.steps_per_stage, 1))
-        set_(self, "multiple_of", _check_int("multiple_of", self.multiple_of, 1))
+        set_(self, "start", check_int("start", self.start, 1, accepted="an int >= 1"))
+        set_(self, "target", check_int("target", self.target, 1, accepted="an int >= 1"))
+        set_(self, "steps_per_stage", check_int("steps_per_stage", self.steps_per_stage, 1, accepted="an int >= 1"))
+        set_(self, "multiple_of", check_int("multiple_of", self.multiple_of, 1, accepted="an int >= 1"))
         if self.start < self.multiple_of:
             raise ValueError(
                 f"`start` must be >= `multiple_of`={self.multiple_of}, got start={self.start}."
@@ -94,7 +96,7 @@ class Curriculum:
                     "`step_size` is required with schedule='linear': a positive multiple of"
                     f" `multiple_of`={self.multiple_of}, in tokens."
                 )
-            set_(self, "step_size", _check_int("step_size", self.step_size, self.multiple_of))
+            set_(self, "step_size", check_int("step_size", self.step_size, self.multiple_of, accepted=f"an int >= {self.multiple_of}"))
             if self.step_size % self.multiple_of:
                 raise ValueError(
                     f"`step_size` must be a positive multiple of `multiple_of`={self.multiple_of},"
@@ -121,7 +123,7 @@ class Curriculum:
         >>> Curriculum(start=64, target=1024).round_down(1010)
         1008
         """
-        seq_len = _check_int("seq_len", seq_len, self.multiple_of)
+        seq_len = check_int("seq_len", seq_len, self.multiple_of, accepted=f"an int >= {self.multiple_of}")
         return seq_len - seq_len % self.multiple_of
 
     def stage_index(self, seq_len: int) -> int:
@@ -133,12 +135,12 @@ class Curriculum:
         >>> Curriculum(start=64, target=1024).stage_index(300)
         2
         """
-        seq_len = _check_int("seq_len", seq_len, self._stages[0])
+        seq_len = check_int("seq_len", seq_len, self._stages[0], accepted=f"an int >= {self._stages[0]}")
         return sum(1 for length in self._stages if length <= seq_len) - 1
 
     def next_length(self, seq_len: int) -> int | None:
         """The first stage longer than ``seq_len``, or ``None`` at (or past) the target."""
-        seq_len = _check_int("seq_len", seq_len, 1)
+        seq_len = check_int("seq_len", seq_len, 1, accepted="an int >= 1")
         return next((length for length in self._stages if length > seq_len), None)
 
     def capped(self, max_seq_len: int) -> tuple[int, ...]:
@@ -148,7 +150,7 @@ class Curriculum:
         a budget that falls between stages is still reached; past the target, nothing is added.
         Raises ``ValueError`` when ``max_seq_len < start``.
         """
-        max_seq_len = _check_int("max_seq_len", max_seq_len, self.start)
+        max_seq_len = check_int("max_seq_len", max_seq_len, self.start, accepted=f"an int >= {self.start}")
         kept = tuple(length for length in self._stages if length <= max_seq_len)
         cap = self.round_down(max_seq_len)
         if len(kept) < len(self._stages) and cap > kept[-1]:
@@ -190,15 +192,8 @@ def stage_for_step(curriculum: Curriculum, step: int) -> int:
     >>> [stage_for_step(c, s) for s in (0, 9, 10, 25, 1000)]
     [0, 0, 1, 2, 2]
     """
-    step = _check_int("step", step, 0)
+    step = check_int("step", step, 0, accepted="an int >= 0")
     return min(step // curriculum.steps_per_stage, curriculum.num_stages - 1)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, or ``ValueError`` naming it (bools are refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
-    return int(value)
 
 
 def _geometric(start: int, target: int, growth: float, multiple_of: int) -> tuple[int, ...]:

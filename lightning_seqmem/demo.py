@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_seqmem.checks import check_int
 from lightning_seqmem.nn import GPT, GPTConfig
 
 __all__ = ["LitGPT", "SyntheticTokenDataModule", "SyntheticTokens"]
@@ -35,11 +36,6 @@ def check_optimizer_args(lr: float, weight_decay: float) -> None:
         raise ValueError(f"`lr` must be positive, got {lr!r}.")
     if not weight_decay >= 0:
         raise ValueError(f"`weight_decay` must be non-negative, got {weight_decay!r}.")
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
 
 
 class SyntheticTokens(Dataset):
@@ -67,9 +63,9 @@ class SyntheticTokens(Dataset):
     """
 
     def __init__(self, num_samples: int = 512, seq_len: int = 256, vocab_size: int = 256, seed: int = 0) -> None:
-        _check_positive_int("num_samples", num_samples)
-        _check_positive_int("seq_len", seq_len)
-        _check_positive_int("vocab_size", vocab_size)
+        check_int("num_samples", num_samples)
+        check_int("seq_len", seq_len)
+        check_int("vocab_size", vocab_size)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"`seed` must be a non-negative integer, got {seed!r}.")
         self.num_samples = num_samples
@@ -83,7 +79,7 @@ class SyntheticTokens(Dataset):
         With ``num_workers > 0`` worker processes hold their own copy of the dataset: the change
         reaches them only when the dataloader iterator is re-created (the next epoch).
         """
-        _check_positive_int("seq_len", seq_len)
+        check_int("seq_len", seq_len)
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -125,7 +121,7 @@ class SyntheticTokenDataModule(pl.LightningDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__()
-        _check_positive_int("batch_size", batch_size)
+        check_int("batch_size", batch_size)
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"`num_workers` must be a non-negative integer, got {num_workers!r}.")
         if batch_size > num_samples:

@@ -19,6 +19,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
+from .checks import check_int
+
 UNBOUNDED_SEQ_LEN = 2**31 - 1
 """Returned by :meth:`QuadraticMemoryModel.max_seq_len` when no length exceeds the budget."""
 
@@ -129,8 +131,8 @@ class QuadraticMemoryModel:
         phase_names: Optional[tuple[str, ...]] = None
         for point in points:
             seq_len, batch_size, peak = point
-            _check_positive_int("seq_len", seq_len)
-            _check_positive_int("batch_size", batch_size)
+            check_int("seq_len", seq_len)
+            check_int("batch_size", batch_size)
             peaks = peak if isinstance(peak, Mapping) else {DEFAULT_PHASE: peak}
             names = tuple(peaks)
             if phase_names is None:
@@ -161,8 +163,8 @@ class QuadraticMemoryModel:
         """Point and upper-bound peak at ``(seq_len, batch_size)``, maximised over phases."""
         if not self.is_fitted:
             raise RuntimeError("QuadraticMemoryModel is not fitted: call `fit(points)` first")
-        _check_positive_int("seq_len", seq_len)
-        _check_positive_int("batch_size", batch_size)
+        check_int("seq_len", seq_len)
+        check_int("batch_size", batch_size)
         phase_peak_bytes, peak_phase, peak, upper = {}, "", -math.inf, 0.0
         for name, coef in self._coefficients.items():
             point = max(0.0, coef.predict_bytes(seq_len, batch_size))
@@ -192,8 +194,8 @@ class QuadraticMemoryModel:
         :meth:`predict` rounds them. Returns :data:`UNBOUNDED_SEQ_LEN` when no length up to it exceeds
         the budget (no phase depends on ``L``).
         """
-        _check_positive_int("budget_bytes", budget_bytes)
-        _check_positive_int("batch_size", batch_size)
+        check_int("budget_bytes", budget_bytes)
+        check_int("batch_size", batch_size)
         if not self.is_fitted:
             raise RuntimeError("QuadraticMemoryModel is not fitted: call `fit(points)` first")
 
@@ -311,12 +313,6 @@ def _largest_len_below(coef: QuadraticCoefficients, budget_bytes: int, batch_siz
     a, b = coef.linear_bytes_per_token, coef.quadratic_bytes_per_token2
     denominator = a + math.sqrt(a * a + 4.0 * b * room)
     return 2.0 * room / denominator if denominator > 0 else math.inf
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-    return int(value)
 
 
 def _check_non_negative(name: str, value: Any) -> float:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .batch import infer_batch_shape, set_batch_sequence_length
+from .checks import check_int
 from .forecast import MemoryForecaster
 from .probes import PHASES, StepMemory, existing_tensors, make_probe
 from .timeline import Trace
@@ -120,8 +121,7 @@ def trace_training_steps(
     lengths = sorted({int(L) for L in seq_lens})
     if len(lengths) < 2 or lengths[0] < 1:
         raise ValueError(f"`seq_lens` must hold 2 or more distinct positive lengths, got {list(seq_lens)!r}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-        raise ValueError(f"`warmup_steps` must be an int >= 1, got {warmup_steps!r}")
+    check_int("warmup_steps", warmup_steps, accepted="an int >= 1")
     _, source_len = infer_batch_shape(batch)
     too_long = [L for L in [*lengths, *check_seq_lens] if L > source_len]
     if too_long:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from .forecast import NotEnoughMeasurements
+from .units import display_unit
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -138,11 +139,6 @@ def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
 # ----------------------------------------------------------------------------------------------
 # The figure
 # ----------------------------------------------------------------------------------------------
-def _unit(max_bytes: float) -> tuple[str, float]:
-    """GiB for runs that reach 1 GiB, MiB below (a CPU demo peaks at a few hundred MiB)."""
-    return ("GiB", 2.0**30) if max_bytes >= 2**30 else ("MiB", 2.0**20)
-
-
 def _curve_lengths(max_len: int, num: int = 80) -> list[int]:
     step = max(1, max_len // num)
     return sorted(set(range(step, max_len + 1, step)) | {max_len})
@@ -239,7 +235,7 @@ def memory_figure(
                 candidates.append(other.forecast(right, batch_size).peak_bytes)
             except Exception:  # noqa: BLE001
                 pass
-    unit, scale = _unit(min(max(candidates, default=0), 2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
+    unit, scale = display_unit(min(max(candidates, default=0), 2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
                         if budget else max(candidates, default=0))
 
     fig = Figure(figsize=(8.0, 5.0), dpi=100)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .forecast import NotEnoughMeasurements
 from .probes import PHASES
-from .units import format_bytes
+from .units import display_unit, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -418,16 +418,12 @@ def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _unit(max_bytes: float) -> tuple[str, float]:
-    return ("GiB", 2.0**30) if max_bytes >= 2**30 else ("MiB", 2.0**20)
-
-
 def _points_table(report: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
     """Unit, headers and rows of the measured points; CUDA-only and mitigation columns only when used."""
     verified = {(v["seq_len"], v["batch_size"], tuple(v.get("mitigations", []))): v
                 for v in report["predictors"]["verifications"]}
     points = report["points"]
-    unit, scale = _unit(max(max(p["peak_bytes"], p["reserved_bytes"] or 0) for p in points))
+    unit, scale = display_unit(max(max(p["peak_bytes"], p["reserved_bytes"] or 0) for p in points))
     with_reserved = any(p["reserved_bytes"] is not None for p in points)
     with_mitigations = any(p["mitigations"] for p in points)
     headers = ["seq_len", "batch", "peak", *PHASES, *(["reserved"] if with_reserved else []),

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .checks import check_int
 from .model import UNBOUNDED_SEQ_LEN
 from .probes import TrackedEvents
 
@@ -167,9 +168,9 @@ class TimelineModel:
 
     def predict(self, seq_len: int, batch_size: Optional[int] = None) -> TimelineForecast:
         """Replay the step at ``(seq_len, batch_size)`` and return its peaks."""
-        _check_positive_int("seq_len", seq_len)
+        check_int("seq_len", seq_len)
         batch_size = self.batch_size if batch_size is None else batch_size
-        _check_positive_int("batch_size", batch_size)
+        check_int("batch_size", batch_size)
         sizes = self.allocation_bytes(seq_len, batch_size)
         seq = self.sequence
         deltas = np.where(seq >= 0, sizes[np.where(seq >= 0, seq, 0)], -sizes[np.where(seq < 0, ~seq, 0)])
@@ -255,11 +256,6 @@ def _first_difference(a: Trace, b: Trace) -> str:
     if len(ops_a) != len(ops_b):
         return f"{len(ops_a)} vs {len(ops_b)} allocations"
     return "same allocations, different free order or phases"
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
 
 
 __all__ = ["Trace", "TimelineForecast", "TimelineModel"]

@@ -72,3 +72,13 @@ def format_bytes(nbytes: float | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def display_unit(max_bytes: float) -> tuple[str, float]:
+    """The unit to show sizes up to ``max_bytes`` in: GiB from 1 GiB up, MiB below (display only).
+
+    Example:
+        >>> display_unit(3 * 2**30), display_unit(300 * 2**20)
+        (('GiB', 1073741824.0), ('MiB', 1048576.0))
+    """
+    return ("GiB", 2.0**30) if max_bytes >= 2**30 else ("MiB", 2.0**20)

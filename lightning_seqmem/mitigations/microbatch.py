@@ -78,15 +78,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_seqmem.batch import infer_batch_shape
+from lightning_seqmem.checks import check_int
 from lightning_seqmem.mitigations import MitigationResult
 
 __all__ = ["MicroBatching", "is_micro_batching", "split_batch"]
-
-
-def _check_micro_batch_size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`micro_batch_size` must be an int >= 1, got {value!r}.")
-    return value
 
 
 def _micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
@@ -144,7 +139,7 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
         >>> [t.tolist() for t, _ in split_batch((ids, torch.tensor(1.0)), 3)]
         [[[0, 1], [2, 3], [4, 5]], [[6, 7]]]
     """
-    micro_batch_size = _check_micro_batch_size(micro_batch_size)
+    micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
     batch_size, _ = infer_batch_shape(batch)
     parts, start = [], 0
     for length in _micro_batch_sizes(batch_size, micro_batch_size):
@@ -323,13 +318,13 @@ class MicroBatching:
         >>> MicroBatching(0)
         Traceback (most recent call last):
         ...
-        ValueError: `micro_batch_size` must be an int >= 1, got 0.
+        ValueError: `micro_batch_size` must be an int >= 1, got 0
     """
 
     name = "micro_batching"
 
     def __init__(self, micro_batch_size: int = 1) -> None:
-        self.micro_batch_size = _check_micro_batch_size(micro_batch_size)
+        self.micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
 
     def is_applicable(self, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
         """``(True, what would change)`` or ``(False, reason)``.
