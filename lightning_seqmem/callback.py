@@ -190,6 +190,13 @@ class SeqMemCallback(Callback):
         self.seq_len_fn = seq_len_fn
         self.breakdown = breakdown
 
+        self._probe: Optional[MemoryProbe] = None
+        self._device: Optional[torch.device] = None
+        self._budget_bytes: Optional[int] = self.memory_budget_bytes
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """Everything a run accumulates (what ``state_dict`` saves), as before the first step."""
         self.records: list[StepRecord] = []
         self.breakdowns: list[Any] = []  # breakdown.Breakdown per traced length, after fit (breakdown=True)
         self.breakdown_table: Optional[Any] = None  # breakdown.BreakdownTable of them
@@ -201,9 +208,6 @@ class SeqMemCallback(Callback):
         self._pending_events: list[str] = []
         self._refit_queue: list[int] = []
         self._decide_now = False
-        self._probe: Optional[MemoryProbe] = None
-        self._device: Optional[torch.device] = None
-        self._budget_bytes: Optional[int] = self.memory_budget_bytes
         self._step = 0
         self._key_counts: dict[tuple, int] = {}
         self._pending: dict[tuple[int, int], Forecast] = {}
@@ -214,7 +218,7 @@ class SeqMemCallback(Callback):
         self._last_verification_error: Optional[float] = None
         self._cache: dict[str, Any] = {}
         # curriculum state
-        self._stages: tuple[int, ...] = curriculum.stages if curriculum else ()
+        self._stages: tuple[int, ...] = self.curriculum.stages if self.curriculum else ()
         self._stage = 0
         self._stage_steps = 0
         self._capped_at: Optional[int] = None
@@ -368,7 +372,7 @@ class SeqMemCallback(Callback):
             need = int(trainer.strategy.reduce(torch.tensor(need, device=pl_module.device), reduce_op="max").item())
         if not need:
             return
-        rung, skipped = ladder.next_rung(self.mitigations, self.applied_mitigations, trainer, pl_module, batch)
+        rung, skipped = self._next_rung(trainer, pl_module, batch)
         if rung is None:  # nothing applies here: say what would help
             if fc is not None:
                 self._safely("the over-budget warning", lambda: self._warn_batch_over_budget(fc))
@@ -661,7 +665,7 @@ class SeqMemCallback(Callback):
             f", over the usable budget {format_bytes(budget)} (budget {format_bytes(self._budget_bytes)} "
             f"minus safety_margin={self.safety_margin})"
         )
-        rung, skipped = ladder.next_rung(self.mitigations, self.applied_mitigations, trainer, pl_module, batch)
+        rung, skipped = self._next_rung(trainer, pl_module, batch)
         skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
         if rung is not None:
             self._warn_once(
@@ -682,6 +686,21 @@ class SeqMemCallback(Callback):
             PredictedOOMWarning,
         )
         return ("cap", cap)
+
+    def _next_rung(self, trainer, pl_module, batch: Any) -> tuple[Optional[str], list[str]]:
+        """The next rung that applies; a rung whose check itself fails counts as not applicable."""
+        skipped: list[str] = []
+        for name in self.mitigations:
+            if name in self.applied_mitigations:
+                continue
+            try:
+                ok, reason = ladder.is_applicable(name, trainer, pl_module, batch)
+            except Exception as exc:  # noqa: BLE001 - an odd model must not end the run here
+                ok, reason = False, f"its check failed ({type(exc).__name__}: {exc})"
+            if ok:
+                return name, skipped
+            skipped.append(f"{name}: {reason}")
+        return None, skipped
 
     def _switch_on(self, trainer, pl_module, batch: Any, name: str, seq_len: int) -> None:
         """Apply one rung, start a fresh forecaster for the new settings and queue the re-fit."""
@@ -955,6 +974,19 @@ class SeqMemCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from a checkpoint; a state this version cannot read gives one warning and a fresh
+        start (measurement resumes from scratch), never a failed resume."""
+        try:
+            self._load_state(state_dict)
+        except Exception as exc:  # noqa: BLE001
+            self._reset_state()
+            rank_zero_warn(
+                f"seqmem: could not restore the callback state from the checkpoint ({type(exc).__name__}: "
+                f"{exc}); measuring and fitting start afresh.",
+                category=SeqMemFailureWarning,
+            )
+
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
         self._step = int(state_dict.get("step", 0))
         self.records = [StepRecord.from_dict(r) for r in state_dict.get("records", [])]
         self._forecasters = {}

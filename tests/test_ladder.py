@@ -164,3 +164,18 @@ def test_the_readme_attention_protocol_is_enough_for_the_switch():
     result = AttentionSwitch("auto").apply(model)
     assert result.applied and current_attention_backend(model) == "sdpa"
     torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)
+
+
+def test_a_rung_whose_check_fails_is_skipped_and_the_run_goes_on(monkeypatch):
+    original = ladder.is_applicable
+
+    def broken(name, *args, **kwargs):
+        if name == "attention":
+            raise RuntimeError("injected: odd model")
+        return original(name, *args, **kwargs)
+
+    monkeypatch.setattr(ladder, "is_applicable", broken)
+    cb, module, oom = _run(ladder.MITIGATIONS)
+    assert "attention" not in cb.applied_mitigations and cb.applied_mitigations[0] == "checkpointing"
+    assert any("attention: its check failed (RuntimeError: injected: odd model)" in str(w.message) for w in oom)
+    assert max(r.peak_bytes for r in cb.records) <= BUDGET

@@ -13,32 +13,20 @@ from lightning_seqmem import SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import ActivationCheckpointing
 from lightning_seqmem.nn import GPT, GPTConfig
+from lightning_seqmem.offline import training_step_memory
 from lightning_seqmem.probes import CudaAllocatorProbe, LiveTensorTracker, TrackerProbe, make_probe
 
 CPU = torch.device("cpu")
 VARIANTS = [("eager", False), ("eager", True), ("sdpa", False), ("sdpa", True)]
 
 
-def _existing(model, optimizer, *tensors):
-    out = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
-    out += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return out + list(tensors)
+def _loss(model, input_ids):
+    return F.cross_entropy(model(input_ids).flatten(0, 1), input_ids.flatten())
 
 
 def _step(model, optimizer, input_ids, probe=None):
-    if probe is not None:
-        probe.start_step(_existing(model, optimizer, input_ids), record_events=True)
-        probe.mark_phase("forward")
-    logits = model(input_ids)
-    loss = F.cross_entropy(logits.flatten(0, 1), input_ids.flatten())
-    optimizer.zero_grad()
-    if probe is not None:
-        probe.mark_phase("backward")
-    loss.backward()
-    if probe is not None:
-        probe.mark_phase("optimizer")
-    optimizer.step()
-    return probe.end_step() if probe is not None else None
+    """One training step in Lightning's order, measured by ``probe`` (events recorded) if given."""
+    return training_step_memory(model, optimizer, input_ids, _loss, probe, record_events=True)
 
 
 def _memtracker_peak(model, optimizer, input_ids) -> int:
@@ -185,12 +173,18 @@ def test_cuda_probe_matches_torch_cuda_counters():
     optimizer = torch.optim.AdamW(model.parameters())
     x = torch.randint(0, 256, (4, 512), device=device)
     for _ in range(2):
-        _step(model, optimizer, x)
+        training_step_memory(model, optimizer, x, _loss)
+    # independent reading of an identical step: one reset before, one read after
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    probe = CudaAllocatorProbe(device)
-    m = _step(model, optimizer, x, probe)
-    assert m.peak_bytes == torch.cuda.max_memory_allocated() or m.peak_bytes <= torch.cuda.max_memory_reserved()
-    assert m.reserved_bytes >= m.peak_bytes
-    # the tracker running alongside sees the same live tensors, rounded to the allocator's blocks
-    assert m.events is not None
+    training_step_memory(model, optimizer, x, _loss)
+    torch.cuda.synchronize()
+    reference = torch.cuda.max_memory_allocated()
+    m = _step(model, optimizer, x, CudaAllocatorProbe(device))  # phase peaks, tracer alongside
+    assert abs(m.peak_bytes - reference) <= 0.01 * reference, (m.peak_bytes, reference)
+    assert set(m.phase_peak_bytes) == {"forward", "backward", "optimizer"}
+    assert m.reserved_bytes >= m.peak_bytes and m.fragmentation_bytes == m.reserved_bytes - m.peak_bytes
+    # the tracer saw the same tensors: its live-byte peak cannot exceed what the allocator held
+    tracked = TrackerProbe("cuda")
+    traced = _step(model, optimizer, x, tracked)
+    assert 0.8 * m.peak_bytes <= traced.peak_bytes <= m.peak_bytes

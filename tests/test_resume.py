@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import make_trainer
-from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching
 
@@ -77,3 +78,15 @@ def test_two_callbacks_keep_separate_state(tmp_path):
     state = torch.load(tmp_path / "two.ckpt", weights_only=False)["callbacks"]
     assert a.state_key in state and b.state_key in state and a.state_key != b.state_key
     assert state[a.state_key]["stages"] != state[b.state_key]["stages"]
+
+
+def test_an_unreadable_callback_state_gives_a_warning_and_a_fresh_start():
+    cb = _callback()
+    _fit(cb, 6)
+    state = cb.state_dict()
+    state["records"] = [{"step": "not a record"}]  # e.g. written by an incompatible version
+    restored = _callback()
+    with pytest.warns(SeqMemFailureWarning, match="could not restore the callback state"):
+        restored.load_state_dict(state)
+    assert restored.records == [] and restored._step == 0 and restored.applied_mitigations == ()
+    assert restored.state_dict()["stages"] == list(restored.curriculum.stages)

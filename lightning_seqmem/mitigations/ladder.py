@@ -80,7 +80,10 @@ def next_rung(
     for name in order:
         if name in applied:
             continue
-        ok, reason = is_applicable(name, trainer, pl_module, batch)
+        try:
+            ok, reason = is_applicable(name, trainer, pl_module, batch)
+        except Exception as exc:  # noqa: BLE001 - an unusual model must not end the run here
+            ok, reason = False, f"its check failed ({type(exc).__name__}: {exc})"
         if ok:
             return name, skipped
         skipped.append(f"{name}: {reason}")
