@@ -52,7 +52,7 @@ from .breakdown import (
     fit_growth,
     trace_breakdown,
 )
-from .offline import _cut
+from .offline import _cut, training_step_memory
 
 __all__ = [
     "breakdown_section",
@@ -209,15 +209,10 @@ def safe_seq_lens(
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
           context: Optional[Callable[[], ContextManager]], micro_batch_size: Optional[int]) -> None:
     """One training step in Lightning's order (micro-batched like :mod:`.mitigations.microbatch`)."""
-    ctx = context if context is not None else contextlib.nullcontext
     if not micro_batch_size:
-        with ctx():
-            loss = loss_fn(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        del loss
-        optimizer.step()
+        training_step_memory(model, optimizer, batch, loss_fn, context=context)
         return
+    ctx = context if context is not None else contextlib.nullcontext
     from .mitigations import split_batch
 
     parts = split_batch(batch, micro_batch_size)
