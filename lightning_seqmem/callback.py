@@ -372,7 +372,7 @@ class SeqMemCallback(Callback):
             need = int(trainer.strategy.reduce(torch.tensor(need, device=pl_module.device), reduce_op="max").item())
         if not need:
             return
-        rung, skipped = self._next_rung(trainer, pl_module, batch)
+        rung, skipped = ladder.next_rung(self.mitigations, self.applied_mitigations, trainer, pl_module, batch)
         if rung is None:  # nothing applies here: say what would help
             if fc is not None:
                 self._safely("the over-budget warning", lambda: self._warn_batch_over_budget(fc))
@@ -665,7 +665,7 @@ class SeqMemCallback(Callback):
             f", over the usable budget {format_bytes(budget)} (budget {format_bytes(self._budget_bytes)} "
             f"minus safety_margin={self.safety_margin})"
         )
-        rung, skipped = self._next_rung(trainer, pl_module, batch)
+        rung, skipped = ladder.next_rung(self.mitigations, self.applied_mitigations, trainer, pl_module, batch)
         skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
         if rung is not None:
             self._warn_once(
@@ -686,21 +686,6 @@ class SeqMemCallback(Callback):
             PredictedOOMWarning,
         )
         return ("cap", cap)
-
-    def _next_rung(self, trainer, pl_module, batch: Any) -> tuple[Optional[str], list[str]]:
-        """The next rung that applies; a rung whose check itself fails counts as not applicable."""
-        skipped: list[str] = []
-        for name in self.mitigations:
-            if name in self.applied_mitigations:
-                continue
-            try:
-                ok, reason = ladder.is_applicable(name, trainer, pl_module, batch)
-            except Exception as exc:  # noqa: BLE001 - an odd model must not end the run here
-                ok, reason = False, f"its check failed ({type(exc).__name__}: {exc})"
-            if ok:
-                return name, skipped
-            skipped.append(f"{name}: {reason}")
-        return None, skipped
 
     def _switch_on(self, trainer, pl_module, batch: Any, name: str, seq_len: int) -> None:
         """Apply one rung, start a fresh forecaster for the new settings and queue the re-fit."""
