@@ -10,15 +10,37 @@ Quick start::
     print(cb.forecast(16384).upper_bytes, cb.max_seq_len())
 """
 
-from .batch import infer_batch_shape, set_batch_sequence_length
-from .callback import SeqMemCallback
+import importlib
+from typing import Any
+
+# Plain values and torch-free maths import eagerly; everything that needs torch or Lightning is
+# imported on first use, so ``import lightning_seqmem.planner`` loads neither.
 from .curriculum import Curriculum
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements, Verification
 from .model import QuadraticForecast, QuadraticMemoryModel
-from .probes import CudaAllocatorProbe, LiveTensorTracker, StepMemory, TrackerProbe
 from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
 from .timeline import TimelineModel, Trace
 from .units import parse_bytes
+
+_LAZY = {
+    "SeqMemCallback": ".callback",
+    "SeqMemPlanner": ".planner",
+    "CudaAllocatorProbe": ".probes",
+    "LiveTensorTracker": ".probes",
+    "StepMemory": ".probes",
+    "TrackerProbe": ".probes",
+    "infer_batch_shape": ".batch",
+    "set_batch_sequence_length": ".batch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
@@ -35,6 +57,7 @@ __all__ = [
     "QuadraticMemoryModel",
     "SeqMemCallback",
     "SeqMemFailureWarning",
+    "SeqMemPlanner",
     "StepMemory",
     "StepRecord",
     "TimelineModel",

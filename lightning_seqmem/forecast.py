@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 from .model import UNBOUNDED_SEQ_LEN, QuadraticMemoryModel
-from .probes import TrackedEvents
+from .records import TrackedEvents
 from .timeline import TimelineModel, Trace
 
 METHODS = ("replay", "quadratic")

@@ -28,7 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-PHASES = ("forward", "backward", "optimizer")
+from .records import PHASES, StepMemory, TrackedEvents
+
 """Phases of a training step, in order: batch start → before backward → before optimizer step → batch end."""
 
 PROBE_NAMES = ("auto", "cuda", "tracker")
@@ -37,43 +38,6 @@ PROBE_NAMES = ("auto", "cuda", "tracker")
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes
 
 
-@dataclass
-class StepMemory:
-    """What a probe measured over one training step (bytes).
-
-    ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
-    a phase the step skipped (no optimizer step while accumulating gradients) is absent. The
-    allocator fields are ``None`` for a probe without an allocator (the tracker).
-    """
-
-    peak_bytes: int
-    phase_peak_bytes: dict[str, int]
-    start_bytes: int
-    end_bytes: int
-    reserved_bytes: Optional[int] = None
-    fragmentation_bytes: Optional[int] = None
-    fragmentation_fraction: Optional[float] = None
-    inactive_split_bytes: Optional[int] = None
-    alloc_retries: Optional[int] = None
-    num_ooms: Optional[int] = None
-    events: Optional["TrackedEvents"] = None
-
-
-@dataclass
-class TrackedEvents:
-    """The ordered allocation/free sequence of one traced step.
-
-    ``sizes[i]`` and ``ops[i]`` describe allocation ``i`` (the first ``num_existing`` are the
-    storages alive before the step: parameters, gradients, optimizer state, batch). ``sequence``
-    holds ``i`` for "allocation i happened" and ``~i`` (negative) for "allocation i was freed", in
-    order. ``phase_starts`` maps a phase to the position in ``sequence`` where it began.
-    """
-
-    sizes: list[int] = field(default_factory=list)
-    ops: list[str] = field(default_factory=list)
-    sequence: list[int] = field(default_factory=list)
-    phase_starts: dict[str, int] = field(default_factory=dict)
-    num_existing: int = 0
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
+PHASES = ("forward", "backward", "optimizer")
+"""The phases of a training step, in order (the callback marks each boundary)."""
+
 
 class PredictedOOMWarning(UserWarning):
     """The forecast says the next stage (or batch) would not fit the memory budget."""
@@ -66,3 +69,42 @@ class StepRecord:
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["mitigations"] = tuple(kwargs.get("mitigations", ()))
         return cls(**kwargs)
+
+
+@dataclass
+class TrackedEvents:
+    """The ordered allocation/free sequence of one traced step.
+
+    ``sizes[i]`` and ``ops[i]`` describe allocation ``i`` (the first ``num_existing`` are the
+    storages alive before the step: parameters, gradients, optimizer state, batch). ``sequence``
+    holds ``i`` for "allocation i happened" and ``~i`` (negative) for "allocation i was freed", in
+    order. ``phase_starts`` maps a phase to the position in ``sequence`` where it began.
+    """
+
+    sizes: list[int] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    sequence: list[int] = field(default_factory=list)
+    phase_starts: dict[str, int] = field(default_factory=dict)
+    num_existing: int = 0
+
+
+@dataclass
+class StepMemory:
+    """What a probe measured over one training step (bytes).
+
+    ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
+    a phase the step skipped (no optimizer step while accumulating gradients) is absent. The
+    allocator fields are ``None`` for a probe without an allocator (the tracker).
+    """
+
+    peak_bytes: int
+    phase_peak_bytes: dict[str, int]
+    start_bytes: int
+    end_bytes: int
+    reserved_bytes: Optional[int] = None
+    fragmentation_bytes: Optional[int] = None
+    fragmentation_fraction: Optional[float] = None
+    inactive_split_bytes: Optional[int] = None
+    alloc_retries: Optional[int] = None
+    num_ooms: Optional[int] = None
+    events: Optional[TrackedEvents] = None

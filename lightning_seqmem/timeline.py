@@ -28,7 +28,7 @@ import numpy as np
 
 from .checks import check_int
 from .model import UNBOUNDED_SEQ_LEN
-from .probes import TrackedEvents
+from .records import TrackedEvents
 
 
 @dataclass

@@ -30,27 +30,7 @@ from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.attention import AttentionSwitch
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
 from lightning_seqmem.mitigations.microbatch import MicroBatching
-
-MITIGATIONS = ("attention", "checkpointing", "microbatch")
-"""Every rung of the ladder, cheapest first (the default order)."""
-
-ADVICE = {
-    "attention": "switch attention to SDPA or flash-attn",
-    "checkpointing": "enable activation checkpointing",
-    "microbatch": "train with batch size 1 and gradient accumulation",
-}
-
-
-def check_mitigations(value: Any) -> tuple[str, ...]:
-    """Validate ``SeqMemCallback(mitigations=...)``: distinct names from :data:`MITIGATIONS`."""
-    names = tuple(value) if isinstance(value, (list, tuple)) else None
-    if names is None or any(n not in MITIGATIONS for n in names) or len(set(names)) != len(names):
-        raise ValueError(
-            f"`mitigations` must be a sequence of distinct names from {MITIGATIONS} "
-            f"(an empty one warns only), got {value!r}"
-        )
-    return names
-
+from lightning_seqmem.rungs import ADVICE, MITIGATIONS, check_mitigations, remaining_advice
 
 def _policy(name: str) -> Any:
     return {"attention": AttentionSwitch, "checkpointing": ActivationCheckpointing, "microbatch": MicroBatching}[name]()
@@ -88,12 +68,6 @@ def next_rung(
             return name, skipped
         skipped.append(f"{name}: {reason}")
     return None, skipped
-
-
-def remaining_advice(order: Sequence[str], applied: Sequence[str]) -> str:
-    """What else would help, in words, for a warning."""
-    rest = [ADVICE[n] for n in MITIGATIONS if n not in applied]
-    return ", or ".join(rest) if rest else "use sequence/context parallelism or ZeRO-3/FSDP across GPUs"
 
 
 __all__ = ["ADVICE", "MITIGATIONS", "apply", "check_mitigations", "is_applicable", "next_rung", "remaining_advice"]
