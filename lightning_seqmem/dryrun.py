@@ -1,0 +1,613 @@
+"""Dry run: the peak memory of one training step at any length, without allocating it.
+
+:func:`dry_run_step` answers "what is the peak memory of one training step of this module at
+``(seq_len, batch_size, mitigations)``?" by running the module's own ``training_step``, its
+backward and its optimizer step on a *fake* copy of the module and optimizer under
+:class:`torch._subclasses.fake_tensor.FakeTensorMode`. Fake tensors carry shapes, dtypes, devices
+and storages but no data, so a step at 32k tokens costs about as much as one at 64 (well under a
+second on the tiny models of this package), and the program that runs is the real one at that
+length: kernels chosen by length, sliding windows, masks built in the model. Nothing is
+extrapolated. The storages are counted by the same
+:class:`~lightning_seqmem.probes.LiveTensorTracker` that measures real steps, through
+:func:`lightning_seqmem.offline.training_step_memory` (Lightning's order: forward, ``zero_grad``,
+backward, optimizer step).
+
+What is counted, as in a real Lightning run after the first step:
+
+* one un-measured fake step runs first, so the measured (second) step starts with the optimizer
+  state allocated and the previous step's gradients alive during the forward (they are released
+  by ``zero_grad(set_to_none=True)``, which Lightning calls after ``training_step``);
+* parameters, buffers, gradients, optimizer state and the batch are counted as existing; the peak
+  of each phase (``forward``, ``backward``, ``optimizer``) is the live bytes' maximum within it;
+* on CUDA every allocation is rounded up to the caching allocator's 512-byte block, as
+  ``torch.cuda.max_memory_allocated`` counts it (:func:`allocator_block_bytes`). Not modelled:
+  allocator fragmentation / reserved memory, cuBLAS/cuDNN workspaces, CUDA context.
+
+Candidate mitigations (names of :data:`lightning_seqmem.mitigations.ladder.MITIGATIONS`) are
+applied to the copy only: ``"attention"`` (:class:`~lightning_seqmem.mitigations.attention.AttentionSwitch`),
+``"checkpointing"`` (:class:`~lightning_seqmem.mitigations.checkpointing.ActivationCheckpointing`),
+``"microbatch"`` (each sample's loss weighted ``1/n`` and backpropagated on its own, one optimizer
+step, as :mod:`lightning_seqmem.mitigations.microbatch` runs it: the gradients are zeroed before
+the first micro-batch, every micro-batch but the last is backpropagated inside the ``forward``
+phase, the last one in ``backward``).
+
+The real module, its parameters, gradients and optimizer state, and the torch random number
+generators are left as they were. A step that cannot run on fake tensors raises
+:class:`DryRunUnsupported` with the reason: an op that reads tensor values (``.item()``, ``if
+tensor:``), an op whose output shape depends on values (``nonzero``, boolean masks), an op
+without a fake kernel, a compiled module, manual optimization.
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.demo import LitGPT
+    >>> lit = LitGPT(n_layer=1, d_model=32, n_head=2)
+    >>> optimizer = torch.optim.AdamW(lit.parameters(), lr=1e-3)
+    >>> batch = {"input_ids": torch.randint(0, 256, (2, 16)), "labels": torch.randint(0, 256, (2, 16))}
+    >>> long = dry_run_step(lit, optimizer, batch, seq_len=4096)
+    >>> short = dry_run_step(lit, optimizer, batch, seq_len=1024)
+    >>> long.peak_bytes > 8 * short.peak_bytes  # eager attention: the L x L scores dominate
+    True
+    >>> sdpa = dry_run_step(lit, optimizer, batch, seq_len=4096, mitigations=["attention"])
+    >>> sdpa.peak_bytes < long.peak_bytes / 8, sorted(sdpa.phase_peak_bytes)
+    (True, ['backward', 'forward', 'optimizer'])
+    >>> lit.model.attention_backend, all(p.grad is None for p in lit.parameters()), len(optimizer.state)
+    ('eager', True, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+import re
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from .batch import infer_batch_shape
+from .checks import check_int
+from .mitigations.attention import AttentionSwitch
+from .mitigations.checkpointing import ActivationCheckpointing
+from .mitigations.ladder import check_mitigations
+from .mitigations.microbatch import is_micro_batching, split_batch
+from .offline import training_step_memory
+from .probes import PHASES, TrackedEvents, make_probe, round_cuda_block_bytes
+
+__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "dry_run_step", "replay_peaks"]
+
+_MICRO_BATCH_SIZE = 1  # samples per micro-batch of the "microbatch" rung (as the ladder applies it)
+_QUIET = (  # warnings a fake copy without a Trainer raises by design
+    "You are trying to `self.log()`",
+    "Accessing the data pointer of FakeTensor",
+)
+
+
+@dataclass(frozen=True)
+class DryRunResult:
+    """The peak of one fake training step (bytes).
+
+    ``phase_peak_bytes`` maps ``forward``, ``backward`` and ``optimizer`` to the peak live bytes
+    within each phase (each starts from the bytes live when it begins); ``peak_bytes`` is their
+    maximum. ``seconds`` is the wall time of the whole dry run (copy, two fake steps).
+    ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
+    """
+
+    seq_len: int  # tokens per sample of the simulated step
+    batch_size: int  # samples in the simulated batch
+    mitigations: tuple[str, ...]  # mitigations applied to the copy, in the order given
+    peak_bytes: int  # peak live tensor bytes of the step (allocator blocks on CUDA)
+    phase_peak_bytes: dict[str, int]  # phase -> peak live bytes within it
+    seconds: float  # wall time of the dry run
+    detail: str  # what ran, for logs and reports
+
+
+class DryRunUnsupported(RuntimeError):
+    """The step cannot run on fake tensors; ``reason`` says why (and where, when known).
+
+    Example:
+        >>> err = DryRunUnsupported("the module is compiled")
+        >>> err.reason, str(err)
+        ('the module is compiled', 'dry run unsupported: the module is compiled')
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"dry run unsupported: {reason}")
+        self.reason = reason
+
+
+def allocator_block_bytes(device: torch.device | str) -> int:
+    """Granularity of what the device's allocator counts: 512 bytes on CUDA, 1 (exact storage bytes) elsewhere.
+
+    Example:
+        >>> allocator_block_bytes("cuda:0"), allocator_block_bytes("cpu")
+        (512, 1)
+    """
+    return round_cuda_block_bytes(1) if torch.device(device).type == "cuda" else 1
+
+
+def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict[str, int]]:
+    """``(peak, phase -> peak)`` of a traced step, every allocation rounded up to ``block_bytes``.
+
+    With ``block_bytes=1`` this is what the tracker itself counted; with 512 it is what the CUDA
+    caching allocator would report (each block rounded up: 1 byte -> 512, 513 -> 1024).
+
+    Example:
+        >>> ev = TrackedEvents(sizes=[1000, 1, 513], sequence=[0, 1, ~1, 2], phase_starts={"forward": 1, "backward": 3})
+        >>> replay_peaks(ev)
+        (1513, {'forward': 1001, 'backward': 1513})
+        >>> replay_peaks(ev, block_bytes=512)
+        (2048, {'forward': 1536, 'backward': 2048})
+    """
+    check_int("block_bytes", block_bytes)
+    sizes = [-(-n // block_bytes) * block_bytes for n in events.sizes]
+    starts: dict[int, list[str]] = {}
+    for name, position in sorted(events.phase_starts.items(), key=lambda kv: kv[1]):
+        starts.setdefault(position, []).append(name)  # phases with no event between them share one
+    live = peak = 0
+    phase: Optional[str] = None
+    phase_peaks: dict[str, int] = {}
+
+    def begin(position: int) -> Optional[str]:
+        current = phase
+        for name in starts.get(position, ()):
+            phase_peaks[name] = max(phase_peaks.get(name, 0), live)
+            current = name
+        return current
+
+    for position, entry in enumerate(events.sequence):
+        phase = begin(position)
+        live += sizes[entry] if entry >= 0 else -sizes[~entry]
+        peak = max(peak, live)
+        if phase is not None and live > phase_peaks[phase]:
+            phase_peaks[phase] = live
+    for position in starts:  # phases that began after the last event
+        if position >= len(events.sequence):
+            begin(position)
+    return peak, phase_peaks
+
+
+# -- up-front checks ---------------------------------------------------------------------------
+def _compiled_reason(module: nn.Module) -> Optional[str]:
+    """Why ``module`` counts as compiled (``torch.compile``), or None."""
+    for name, sub in module.named_modules():
+        where = f"submodule {name!r} ({type(sub).__name__})" if name else f"the module ({type(sub).__name__})"
+        if type(sub).__name__ == "OptimizedModule" and type(sub).__module__.startswith("torch._dynamo"):
+            return f"{where} is a torch.compile'd module (OptimizedModule)"
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            return f"{where} was compiled in place (module.compile())"
+        forward = sub.__dict__.get("forward")
+        if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
+            return f"the forward of {where} is a torch.compile'd function"
+    return None
+
+
+def _check_module(pl_module: Any) -> None:
+    if not isinstance(pl_module, nn.Module) or not callable(getattr(pl_module, "training_step", None)):
+        raise TypeError(
+            f"`pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method (a LightningModule), "
+            f"got {type(pl_module).__name__}"
+        )
+    reason = _compiled_reason(pl_module)
+    if reason is not None:
+        raise DryRunUnsupported(
+            f"{reason}: compiled code cannot be replayed on fake tensors, and its memory differs from the eager "
+            "program's (fused kernels); forecast from measured steps instead"
+        )
+    if getattr(pl_module, "automatic_optimization", True) is False:
+        raise DryRunUnsupported(
+            "manual optimization (automatic_optimization=False): the module runs its own backward and optimizer "
+            "steps through the Trainer"
+        )
+
+
+# -- copies --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _preserved_rng() -> Iterator[None]:
+    """Restore the CPU and (initialised) CUDA generators afterwards, whatever the step drew."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _fake_copy(pl_module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy`` under the active fake mode, without the Trainer (or Fabric) it is attached to."""
+    for name in ("_trainer", "_fabric"):
+        attached = pl_module.__dict__.get(name)
+        if attached is not None:
+            memo[id(attached)] = None  # every reference to it copies as None
+    try:
+        return copy.deepcopy(pl_module, memo)
+    except Exception as exc:  # noqa: BLE001 - reported as the reason
+        raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"`optimizer` must be a torch.optim.Optimizer (or Lightning's wrapper of one), got {type(optimizer).__name__}")
+    return inner
+
+
+def _default_foreach(params: list[torch.Tensor]) -> Optional[bool]:
+    """What ``foreach=None`` resolves to for the *real* parameters (fake ones would always give False)."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        return bool(_default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1])
+    except Exception:  # noqa: BLE001 - a private helper: keep the optimizer's own default
+        return None
+
+
+def _rebuild_optimizer(optimizer: Any, memo: dict[int, Any]) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class and param-group hyperparameters over the fake copy."""
+    real = _unwrap_optimizer(optimizer)
+    groups = []
+    for index, group in enumerate(real.param_groups):
+        params = []
+        for p in group["params"]:
+            fake = memo.get(id(p))
+            if fake is None:
+                raise DryRunUnsupported(
+                    f"param group {index} of the optimizer holds a {tuple(p.shape)} tensor that is not a parameter "
+                    "or buffer of the module, so the fake copy cannot step it"
+                )
+            params.append(fake)
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        if "foreach" in hyper and hyper["foreach"] is None and not hyper.get("fused"):
+            foreach = _default_foreach(list(group["params"]))
+            if foreach is not None:
+                hyper["foreach"] = foreach
+        groups.append({**hyper, "params": params})
+    accepted = inspect.signature(type(real).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        kwargs = dict(real.defaults)
+    else:
+        kwargs = {k: v for k, v in real.defaults.items() if k in accepted and k != "params"}
+    try:
+        return type(real)(groups, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise DryRunUnsupported(
+            f"cannot rebuild {type(real).__name__} over the fake copy from its defaults and param groups: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _configured_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The (first) optimizer of ``module.configure_optimizers()``, called on the fake copy."""
+    try:
+        out = module.configure_optimizers()
+    except Exception as exc:  # noqa: BLE001
+        raise DryRunUnsupported(f"configure_optimizers() failed on the fake copy: {type(exc).__name__}: {exc}") from exc
+    while not isinstance(out, torch.optim.Optimizer):
+        if isinstance(out, Mapping) and "optimizer" in out:
+            out = out["optimizer"]
+        elif isinstance(out, (list, tuple)) and out:
+            out = out[0]
+        else:
+            raise DryRunUnsupported(
+                f"configure_optimizers() returned {type(out).__name__}; pass the optimizer to dry_run_step"
+            )
+    return out
+
+
+# -- the batch -------------------------------------------------------------------------------------
+def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` cut, or tiled (repeated whole, then cut), to ``size`` along ``dim``."""
+    have = x.shape[dim]
+    if have == size:
+        return x
+    if have > size:
+        return x.narrow(dim, 0, size)
+    repeats = [1] * x.dim()
+    repeats[dim] = math.ceil(size / have)
+    return x.repeat(*repeats).narrow(dim, 0, size)
+
+
+def _shape_batch(batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode) -> tuple[Any, tuple[int, int]]:
+    """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
+
+    Rows (dim 0 of every tensor with the batch's number of rows) are cut or repeated; sequence
+    tensors (dim 1 equal to the batch's length, dim 0 the batch size or 1, e.g. ``position_ids``
+    of shape ``[1, L]``) are cut or tiled along dim 1, and ``position_ids`` become
+    ``0 .. seq_len - 1``; square masks ``[B, H, L, L]`` are cut or tiled along both last dims.
+    Changed tensors are contiguous copies, so each storage holds exactly its elements.
+    """
+    rows, length = infer_batch_shape(batch)
+
+    def convert(x: torch.Tensor, key: Any) -> torch.Tensor:
+        fake = x if isinstance(x, FakeTensor) else fake_mode.from_tensor(x)
+        out = fake
+        if out.dim() >= 1 and out.shape[0] == rows:
+            out = _resize(out, 0, batch_size)
+        if out.dim() >= 2 and out.shape[1] == length and fake.shape[0] in (rows, 1):
+            if key == "position_ids" and not out.dtype.is_floating_point:
+                view = [1] * out.dim()
+                view[1] = seq_len
+                out = torch.arange(seq_len, dtype=out.dtype, device=out.device).view(view).expand(
+                    *out.shape[:1], seq_len, *out.shape[2:]
+                )
+            else:
+                out = _resize(out, 1, seq_len)
+        elif out.dim() == 4 and out.shape[-1] == out.shape[-2] == length and fake.shape[0] in (rows, 1):
+            out = _resize(_resize(out, 2, seq_len), 3, seq_len)
+        return out if out is fake else out.contiguous().clone()
+
+    def visit(obj: Any, key: Any = None) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return convert(obj, key)
+        if isinstance(obj, Mapping):
+            items = {k: visit(v, k) for k, v in obj.items()}
+            if isinstance(obj, MutableMapping):
+                try:
+                    new = copy.copy(obj)  # keeps the mapping's type (dict, BatchEncoding, ...)
+                    for k, v in items.items():
+                        new[k] = v
+                    return new
+                except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict serves training_step
+                    return items
+            return items
+        if isinstance(obj, (list, tuple)):
+            parts = [visit(v) for v in obj]
+            if isinstance(obj, list):
+                return parts
+            return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
+        return obj
+
+    with fake_mode:
+        return visit(batch), (rows, length)
+
+
+# -- the step ----------------------------------------------------------------------------------------
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss in a ``training_step`` output, as Lightning reads it (a tensor or ``output["loss"]``)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise DryRunUnsupported(
+            f"training_step returned {type(output).__name__}{' without a loss tensor' if isinstance(output, Mapping) else ''}; "
+            "a step that returns None is skipped by Lightning and has no backward to forecast"
+        )
+    return loss
+
+
+def _autocast_off(device_type: str) -> ContextManager[Any]:
+    """Leave the forward's autocast for a micro-batch's backward (as the micro-batching wrapper does)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+class _ZeroGradBeforeFirstMicroBatch:
+    """The optimizer as the micro-batching wrapper drives it: zeroed before the first micro-batch.
+
+    :func:`~lightning_seqmem.offline.training_step_memory` calls ``zero_grad`` after the forward
+    (Lightning's place for it); under micro-batching that call is skipped, since the gradients of
+    the earlier micro-batches are already accumulated by then.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+def _micro_batched_loss(optimizer: torch.optim.Optimizer, micro_batch_size: int) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """``training_step`` per micro-batch, each loss weighted by its share of samples.
+
+    Mirrors :mod:`lightning_seqmem.mitigations.microbatch`: zero the gradients, backpropagate
+    micro-batches ``1 .. k-1`` (autocast off), return the last one's weighted loss (plus the
+    others', detached) for the caller's backward.
+    """
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        parts = split_batch(batch, micro_batch_size)
+        total = sum(infer_batch_shape(part)[0] for part in parts)
+        optimizer.zero_grad(set_to_none=True)
+        done: Optional[torch.Tensor] = None
+        for part in parts[:-1]:
+            scaled = _loss_of(model.training_step(part, 0)) * (infer_batch_shape(part)[0] / total)
+            with _autocast_off(scaled.device.type):
+                scaled.backward()
+            done = scaled.detach() if done is None else done + scaled.detach()
+            del scaled
+        scaled = _loss_of(model.training_step(parts[-1], 0)) * (infer_batch_shape(parts[-1])[0] / total)
+        return scaled if done is None else scaled + done
+
+    return loss_fn
+
+
+def _plain_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return _loss_of(model.training_step(batch, 0))
+
+
+def _user_frame(tb: Any) -> str:
+    """``file:line in function`` of the innermost frame outside torch and this package, or ''."""
+    skip = ("/torch/", "/lightning_seqmem/dryrun.py", "/lightning_seqmem/offline.py", "/lightning_seqmem/probes.py")
+    frames = [f for f in traceback.extract_tb(tb) if not any(s in f.filename.replace("\\", "/") for s in skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`)"
+
+
+def _reason(exc: BaseException) -> str:
+    where = _user_frame(exc.__traceback__)
+    if isinstance(exc, DataDependentOutputException):
+        return (
+            f"an op reads tensor values ({exc.func}; e.g. `.item()`, `.tolist()` or `if tensor:` on a value computed "
+            f"in the step), which fake tensors do not have{where}"
+        )
+    if isinstance(exc, DynamicOutputShapeException):
+        return (
+            f"an op's output shape depends on tensor values ({exc.func}; e.g. `nonzero`, boolean-mask indexing, "
+            f"`unique`), which fake tensors do not have{where}"
+        )
+    if isinstance(exc, UnsupportedOperatorException):
+        return f"op {exc.func} has no fake (meta) kernel{where}"
+    return f"the fake step failed: {type(exc).__name__}: {exc}{where}"
+
+
+def dry_run_step(
+    pl_module: nn.Module,
+    optimizer: Optional[Any],
+    batch: Any,
+    seq_len: int,
+    batch_size: Optional[int] = None,
+    mitigations: Sequence[str] = (),
+    autocast: Optional[Callable[[], ContextManager[Any]]] = None,
+    device: Optional[torch.device | str] = None,
+) -> DryRunResult:
+    """Peak memory of one training step of ``pl_module`` at ``(seq_len, batch_size)``, on fake tensors.
+
+    Args:
+        pl_module: a ``LightningModule`` (any ``nn.Module`` with ``training_step(batch, batch_idx)``
+            returning a loss tensor or a dict with ``"loss"``). Left untouched, with its optimizer
+            and the torch random number generators.
+        optimizer: the optimizer training it (a ``torch.optim.Optimizer`` or Lightning's wrapper);
+            a fresh one of the same class, defaults and param-group hyperparameters is built over
+            the copy. ``None``: the copy's own ``configure_optimizers()`` (its first optimizer).
+        batch: a training batch (a tensor of token ids, or a mapping / list / tuple holding one;
+            see :func:`~lightning_seqmem.batch.infer_batch_shape`). Its rows are cut or repeated
+            to ``batch_size``, its sequence tensors cut or tiled to ``seq_len`` (see
+            :func:`_shape_batch`); any length will do, values do not matter.
+        seq_len: tokens per sample of the step to simulate.
+        batch_size: samples in the step; ``None``: the batch's own.
+        mitigations: names from :data:`~lightning_seqmem.mitigations.ladder.MITIGATIONS`, applied
+            to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1).
+            A module already micro-batched by :class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`
+            is simulated with its micro-batch size.
+        autocast: a zero-argument factory of the context the forward runs in (the precision
+            plugin's ``forward_context``, e.g. ``lambda: torch.autocast("cpu", dtype=torch.bfloat16)``).
+        device: the device to simulate; default that of the module's first parameter. A device
+            other than the module's must be one this torch build supports.
+
+    Returns:
+        a :class:`DryRunResult` of the second of two fake steps (the first creates gradients
+        and optimizer state, as the warm-up steps of a real run do).
+
+    Raises:
+        DryRunUnsupported: the module cannot run on fake tensors (the reason names the op and the
+            line of user code when known), is compiled, or uses manual optimization.
+        ValueError, TypeError: bad arguments.
+    """
+    started = time.perf_counter()
+    seq_len = check_int("seq_len", seq_len)
+    names = check_mitigations(list(mitigations))
+    _check_module(pl_module)
+    source_rows, _ = infer_batch_shape(batch)
+    batch_size = source_rows if batch_size is None else check_int("batch_size", batch_size)
+    first = next(iter(pl_module.parameters()), None)
+    module_device = first.device if first is not None else torch.device("cpu")
+    device = module_device if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", module_device.index if module_device.type == "cuda" else 0)
+
+    notes: list[str] = []
+    with _preserved_rng(), warnings.catch_warnings():
+        for message in _QUIET:
+            warnings.filterwarnings("ignore", message=".*" + re.escape(message))
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        memo: dict[int, Any] = {}
+        try:
+            with fake_mode:
+                model = _fake_copy(pl_module, memo)
+                if device != module_device:
+                    model = model.to(device)
+                    notes.append(f"moved {module_device} -> {device}")
+                fake_optimizer = (
+                    _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, memo)
+                )
+                for name in names:
+                    if name == "attention":
+                        notes.append(f"attention: {AttentionSwitch().apply(model).detail}")
+                    elif name == "checkpointing":
+                        notes.append(f"checkpointing: {ActivationCheckpointing().apply(model).detail}")
+            micro_batch_size = _MICRO_BATCH_SIZE if "microbatch" in names else None
+            if micro_batch_size is None and is_micro_batching(pl_module):
+                micro_batch_size = int(getattr(pl_module.__dict__["training_step"], "micro_batch_size", 1))
+                notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
+            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode)
+            if device != module_device:
+                with fake_mode:
+                    step_batch = _to_device(step_batch, device)
+            if micro_batch_size is not None and batch_size > micro_batch_size:
+                loss_fn = _micro_batched_loss(fake_optimizer, micro_batch_size)
+                step_optimizer: Any = _ZeroGradBeforeFirstMicroBatch(fake_optimizer)
+                notes.append(f"microbatch: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
+            else:
+                loss_fn, step_optimizer = _plain_loss, fake_optimizer
+                if "microbatch" in names:
+                    notes.append(f"microbatch: batch size {batch_size} is already at most {_MICRO_BATCH_SIZE}")
+            probe = make_probe("tracker", device)
+            with fake_mode:
+                training_step_memory(model, step_optimizer, step_batch, loss_fn, context=autocast)
+                memory = training_step_memory(
+                    model, step_optimizer, step_batch, loss_fn, probe, record_events=True, context=autocast
+                )
+        except DryRunUnsupported:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
+            raise DryRunUnsupported(_reason(exc)) from exc
+    assert memory is not None and memory.events is not None
+    block = allocator_block_bytes(device)
+    peak, phase_peaks = replay_peaks(memory.events, block)
+    phase_peaks = {p: phase_peaks[p] for p in PHASES if p in phase_peaks}
+    detail = (
+        f"2 fake steps of {type(pl_module).__name__} on {device} with {type(fake_optimizer).__name__}, "
+        f"batch {source_shape} -> ({batch_size}, {seq_len})"
+        + (f"; {'; '.join(notes)}" if notes else "")
+        + f"; live storages counted by LiveTensorTracker{', 512-byte blocks' if block > 1 else ''}"
+    )
+    return DryRunResult(
+        seq_len=seq_len,
+        batch_size=batch_size,
+        mitigations=names,
+        peak_bytes=peak,
+        phase_peak_bytes=phase_peaks,
+        seconds=time.perf_counter() - started,
+        detail=detail,
+    )
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, MutableMapping):
+        for k in list(obj):
+            obj[k] = _to_device(obj[k], device)
+        return obj
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        parts = [_to_device(v, device) for v in obj]
+        return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
+    return obj
