@@ -44,7 +44,8 @@ class RecordingGPT(LitGPT):
         self.seen: list[list[int]] = []  # one entry per training_step call (per micro-batch)
 
     def training_step(self, batch, batch_idx):
-        self.seen.append(batch["index"].tolist())
+        if torch.is_grad_enabled():  # not the no-grad forwards of micro-batching's first-step check
+            self.seen.append(batch["index"].tolist())
         return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self):

@@ -8,20 +8,78 @@ full-batch ones up to rounding. It takes effect at the next ``training_step``, m
 neither ``trainer.accumulate_grad_batches`` nor the dataloader is touched (see DESIGN.md for why
 changing either mid-epoch is wrong).
 
+Weighting (what makes the split exact). ``training_step`` returns a *mean*; the split reproduces it
+by weighting micro-batch ``i``'s loss by its share ``c_i / C`` of what that mean is over
+(:func:`micro_batch_counts`, ``weighting="auto"``):
+
+* a mapping batch with an integer ``"labels"`` tensor (Hugging Face models: their loss is the mean
+  over label tokens ``!= -100``, the ``ignore_index``): ``c_i`` = its label tokens. Where the labels
+  equal ``input_ids`` at every counted position (or there are no ``input_ids``), the loss shifts
+  them: ``ForCausalLMLoss`` of transformers 5.x pads the labels with -100 and drops their first
+  position, so it averages over ``labels[..., 1:] != -100``, and that is what is counted
+  (``"shifted_label_tokens"``). Labels that differ from the inputs (already the next tokens, as
+  :class:`~lightning_seqmem.demo.SyntheticTokenDataModule` gives them; seq2seq targets) are counted
+  whole (``"label_tokens"``); 1-D labels (a class per sample) count one per sample not ignored.
+  Weighting samples ``1/N`` instead changed the gradient of a tiny Llama on a padded batch by 82%
+  (relative L2 norm; 1.5e-7 with label tokens).
+* any other batch: ``c_i`` = its samples ``n_i`` (``"samples"``, ``n_i / N`` as before): the loss
+  is assumed to be a mean over samples, or over equally many elements per sample.
+
+A micro-batch with ``c_i = 0`` (all its labels ignored; its Hugging Face loss would be 0/0 = NaN)
+is not run at all: it has nothing the loss counts, so no gradient changes (under DDP nothing changes
+either: only non-final micro-batches are ever left out, and the final one is the last with
+``c_i > 0``). A batch with ``C = 0`` is not split: the plain step runs, as without micro-batching.
+Passing ``num_items_in_batch=C`` to a Hugging Face model with weights 1 would be exact too, but
+only where the user's ``training_step`` passes such keyword arguments through to the model, which
+a wrapper cannot make it do; weights ask nothing of ``training_step``. ``weighting`` can be forced
+(``"samples"``, ``"label_tokens"``, ``"shifted_label_tokens"``).
+
+Verification (``verify=True``, the default). The weights are exact only for a loss that is such a
+mean, so the first batch split is checked before any gradient is touched: ``training_step`` runs
+without gradient on the first two micro-batches with ``c_i > 0`` and on the samples from the first
+to the second of them together (a sub-batch, so the check never needs the whole batch's memory:
+``4 * micro_batch_size`` samples of forward in all, once), and the loss of the pair must equal the
+``c_i``-weighted mean of theirs within ``rtol`` 1e-3 (2e-2 under a 16-bit autocast or with 16-bit
+parameters or loss). A sum (``reduction="sum"``) is off by a factor of about 2 and is refused, as is
+any loss normalised by something other than what is counted, or layers that mix samples (batch
+norm). A refusal puts the original ``training_step`` back and runs the batch unsplit (the plain
+step: the same gradient as a run without micro-batching), warns
+(:class:`MicroBatchingRefusedWarning`) and keeps the reason: :func:`micro_batching_refusal` returns
+it, the wrapper's ``refused_reason`` holds it, and :meth:`MicroBatching.is_applicable` answers it
+from then on (``verify=False`` skips the check and overrides an earlier refusal). A loss that is not
+finite, or fewer than two micro-batches with ``c_i > 0``, defers the check to the next batch split.
+
+The check's forwards run with dropout off (the ``torch.nn.functional`` and ``torch`` dropouts return
+their input and ``dropout_p`` of ``scaled_dot_product_attention`` and
+``multi_head_attention_forward`` is 0, through a ``TorchFunctionMode``; ``module.eval()`` is not
+used: it would change batch norm), inside ``torch.random.fork_rng`` (the step then draws the random
+numbers it would have drawn without the check), with ``self.log``/``self.log_dict`` silenced and the
+module's buffers (batch-norm statistics) restored afterwards; any other side effect of
+``training_step`` (a user's counters) happens three more times. When the losses disagree, the pair
+is run again: if its loss changed, the step is random in a way the check cannot turn off (noise
+drawn in ``training_step``, a dropout outside ``torch``, such as flash-attn's), the loss cannot be
+verified, and the rung is refused, saying so. The check's memory (a no-grad forward of ``2 *
+micro_batch_size`` samples) falls in that step's measured peak: :func:`micro_batching_check_pending`
+tells, before a step, whether it will run the check. Under DDP each rank checks its own batch and
+decides alone (a collective would hang when one rank's batch is not split); either way each rank's
+gradient is exact, and each runs one synced backward per batch, so ranks that decide differently
+still all-reduce correctly; only their memory differs.
+
 Mechanism (automatic optimization; Lightning's ``Closure.closure`` runs ``training_step``, then
 ``zero_grad`` on the first batch of an accumulation window, then ``backward`` of the returned loss):
 
 1. ``training_step`` of the module *instance* is replaced by a wrapper (the class is untouched;
    :meth:`MicroBatching.remove` restores the original). The wrapper splits the batch with
-   :func:`split_batch` into ``k`` micro-batches of ``n_1 .. n_k`` samples (``N`` in all).
+   :func:`split_batch` into ``k`` micro-batches of ``n_1 .. n_k`` samples (``N`` in all) and counts
+   ``c_1 .. c_k`` (``C`` in all).
 2. On the first batch of an accumulation window (``batch_idx % accumulate_grad_batches == 0``,
    Lightning's own test) it zeroes the gradients itself, through the module's
    ``optimizer_zero_grad`` hook, and replaces that hook on the instance with a one-shot no-op, so
    that Lightning's ``zero_grad``, which comes after ``training_step``, does not erase the
-   gradients of the first ``k - 1`` micro-batches. The ``on_before_zero_grad`` hooks still run
-   at Lightning's usual point.
-3. Micro-batches ``1 .. k-1``: the original ``training_step``, its loss scaled by
-   ``n_i / N / accumulate_grad_batches`` (Lightning divides the returned loss by
+   gradients of the first micro-batches. The ``on_before_zero_grad`` hooks still run at
+   Lightning's usual point.
+3. Each micro-batch with ``c_i > 0`` but the last: the original ``training_step``, its loss scaled
+   by ``c_i / C / accumulate_grad_batches`` (Lightning divides the returned loss by
    ``accumulate_grad_batches``; these losses never reach Lightning, so the wrapper divides them
    itself), and ``trainer.strategy.backward(scaled, optimizer)``: the precision plugin scales the
    loss (``GradScaler`` under ``16-mixed``) and the ``on_before_backward``/``on_after_backward``
@@ -30,23 +88,24 @@ Mechanism (automatic optimization; Lightning's ``Closure.closure`` runs ``traini
    are all-reduced once per optimizer step. (With torch 2.13 the reducer is armed only in DDP's
    ``_post_forward``, after ``training_step`` returns, so they would not all-reduce anyway;
    ``no_sync`` keeps that true whatever DDP does inside its forward.)
-4. The last micro-batch is not backpropagated by the wrapper: its scaled loss is returned, and
-   Lightning backpropagates it (with the DDP gradient sync).
+4. The last micro-batch with ``c_i > 0`` is not backpropagated by the wrapper: its scaled loss is
+   returned, and Lightning backpropagates it (with the DDP gradient sync).
 
 What ``training_step`` returns: the last micro-batch's output, its ``"loss"`` replaced by
-``scaled_last + sum(scaled_i for i < k).detach()``. Its gradient is that of the last micro-batch
-alone (the others are constants, already backpropagated), its value is the sample-weighted mean of
-the micro-batch losses, i.e. the full-batch loss: the ``outputs["loss"]`` seen by
-``on_train_batch_end`` and the progress bar are what they would be without micro-batching. Other
-keys of a dict output come from the last micro-batch.
+``scaled_last + sum(scaled_i for the others).detach()``. Its gradient is that of the last
+micro-batch alone (the others are constants, already backpropagated), its value is the
+``c_i``-weighted mean of the micro-batch losses, i.e. the full-batch loss: the ``outputs["loss"]``
+seen by ``on_train_batch_end`` and the progress bar are what they would be without micro-batching.
+Other keys of a dict output come from the last micro-batch.
 
 Caveats:
 
-* The loss returned by ``training_step`` must be a **mean over samples** (as cross entropy with
-  ``reduction="mean"`` over equally long samples is). A sum, or a mean over tokens where samples
-  have different numbers of valid tokens, is weighted wrongly by ``n_i / N``.
-* Batch norm (statistics of a smaller batch) and dropout (a different random stream) break the
-  equality with the full-batch run; the memory saving remains.
+* The loss must be a mean over what ``weighting`` counts (see above; a sum is refused by the check).
+  A loss that mixes the two (a token mean plus a per-batch auxiliary term) is exact only when the
+  auxiliary term is the same for every micro-batch.
+* Batch norm (statistics of a smaller batch) is refused by the check when it changes the loss
+  beyond the tolerance; with ``verify=False`` it breaks the equality with the full-batch run. So
+  does dropout (a different random stream); the memory saving remains.
 * ``self.log`` inside ``training_step`` runs once per micro-batch: a value logged ``on_step`` shows
   the last micro-batch's, one logged ``on_epoch`` is averaged over micro-batches weighted by the
   ``batch_size`` passed to ``self.log`` (pass ``batch_size=`` to weight by micro-batch size).
@@ -64,6 +123,9 @@ Example:
     >>> parts = split_batch(batch, 2)
     >>> [p["input_ids"].shape[0] for p in parts], [p["index"].tolist() for p in parts], parts[2]["tag"]
     ([2, 2, 1], [[0, 1], [2, 3], [4]], 'x')
+    >>> ids = torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0], [5, 0, 0, 0]])
+    >>> micro_batch_counts({"input_ids": ids, "labels": ids.masked_fill(ids == 0, -100)}, 1)
+    ('shifted_label_tokens', [2, 1, 0])
 """
 
 from __future__ import annotations
@@ -71,17 +133,44 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
+import warnings
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+from torch.overrides import TorchFunctionMode
 
 from lightning_seqmem.batch import infer_batch_shape
 from lightning_seqmem.checks import check_int
 from lightning_seqmem.mitigations import MitigationResult
 
-__all__ = ["MicroBatching", "is_micro_batching", "split_batch"]
+__all__ = [
+    "IGNORE_INDEX",
+    "WEIGHTINGS",
+    "MicroBatching",
+    "MicroBatchingRefusedWarning",
+    "is_micro_batching",
+    "micro_batch_counts",
+    "micro_batching_check_pending",
+    "micro_batching_refusal",
+    "split_batch",
+]
+
+IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
+WEIGHTINGS = ("auto", "samples", "label_tokens", "shifted_label_tokens")
+_RULE_TEXT = {
+    "samples": "samples",
+    "label_tokens": "label tokens (labels != ignore_index)",
+    "shifted_label_tokens": "label tokens after the causal shift (labels[..., 1:] != ignore_index)",
+}
+_REFUSED = "_seqmem_micro_batching_refused"  # instance attribute holding the refusal reason
+
+
+class MicroBatchingRefusedWarning(UserWarning):
+    """Micro-batching was switched off by its first-step check; the batch ran whole."""
 
 
 def _micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
@@ -148,6 +237,80 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     return parts
 
 
+def _is_label_tensor(labels: Any, batch_size: int) -> bool:
+    return (
+        isinstance(labels, torch.Tensor)
+        and labels.dim() >= 1
+        and labels.shape[0] == batch_size
+        and not labels.is_floating_point()
+        and not labels.is_complex()
+        and labels.dtype != torch.bool
+    )
+
+
+def _labels_are_inputs(batch: Mapping, labels: torch.Tensor, ignore_index: int) -> bool:
+    """Whether ``labels`` are ``input_ids`` (ignored positions aside): then the loss shifts them."""
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor):
+        return input_ids is None  # inputs_embeds: Hugging Face's convention, the loss shifts
+    if input_ids.shape != labels.shape:
+        return False  # seq2seq targets: not shifted
+    return bool(((labels == input_ids) | (labels == ignore_index)).all())
+
+
+def micro_batch_counts(
+    batch: Any, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX
+) -> tuple[str, list[int]]:
+    """What the loss of ``batch`` averages over, counted in each micro-batch of :func:`split_batch`.
+
+    Returns ``(rule, counts)``: ``rule`` is ``"samples"``, ``"label_tokens"`` or
+    ``"shifted_label_tokens"`` (see the module docstring for how ``"auto"`` picks it), ``counts[i]``
+    the samples or label tokens of micro-batch ``i``. Micro-batch ``i``'s loss weighs
+    ``counts[i] / sum(counts)`` in the batch's loss. This is the functional twin of the weighting
+    :class:`MicroBatching` applies; an offline micro-batched step should weight its losses with it.
+
+    Raises:
+        ValueError: bad ``micro_batch_size`` or ``weighting``, a batch :func:`split_batch` cannot
+            cut, or a token ``weighting`` asked for a batch without an integer ``"labels"`` tensor.
+
+    Example:
+        >>> import torch
+        >>> ids = torch.arange(1, 9).reshape(4, 2)
+        >>> next_tokens = torch.tensor([[2, 3], [4, -100], [-100, -100], [8, 9]])  # not the inputs: not shifted
+        >>> micro_batch_counts({"input_ids": ids, "labels": next_tokens}, 2)
+        ('label_tokens', [3, 2])
+        >>> micro_batch_counts({"input_ids": ids, "labels": ids.masked_fill(ids == 4, -100)}, 2)
+        ('shifted_label_tokens', [1, 2])
+        >>> micro_batch_counts((ids, ids), 3)
+        ('samples', [3, 1])
+    """
+    micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"`weighting` must be one of {WEIGHTINGS}, got {weighting!r}")
+    batch_size, _ = infer_batch_shape(batch)
+    sizes = _micro_batch_sizes(batch_size, micro_batch_size)
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if weighting == "samples" or (weighting == "auto" and not _is_label_tensor(labels, batch_size)):
+        return "samples", sizes
+    if not _is_label_tensor(labels, batch_size):
+        raise ValueError(
+            f"`weighting={weighting!r}` needs a mapping batch with an integer 'labels' tensor of "
+            f"{batch_size} rows; this batch has none (use 'auto' or 'samples')"
+        )
+    if labels.dim() == 1:  # one label per sample: never shifted
+        rule, valid = "label_tokens", labels != ignore_index
+    else:
+        shifted = _labels_are_inputs(batch, labels, ignore_index) if weighting == "auto" else weighting == "shifted_label_tokens"
+        rule = "shifted_label_tokens" if shifted else "label_tokens"
+        valid = (labels[..., 1:] if shifted else labels) != ignore_index
+    per_sample = valid.reshape(batch_size, -1).sum(dim=1).tolist()
+    counts, start = [], 0
+    for size in sizes:
+        counts.append(int(sum(per_sample[start : start + size])))
+        start += size
+    return rule, counts
+
+
 def _loss_of(output: Any) -> torch.Tensor | None:
     """The loss in a ``training_step`` output, as Lightning reads it (a tensor, ``output["loss"]``, or None)."""
     if isinstance(output, Mapping):
@@ -195,6 +358,90 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
+# --- the first-step check ------------------------------------------------------------------------
+
+_DROPOUTS = frozenset(
+    [getattr(F, name) for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                                    "feature_alpha_dropout") if hasattr(F, name)]
+    + [getattr(torch, name) for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+                                         "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_")
+       if hasattr(torch, name)]
+)
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+class _NoDropout(TorchFunctionMode):
+    """Dropout off without ``eval()``: dropouts return their input, attention gets ``dropout_p=0``."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is F.scaled_dot_product_attention:  # (query, key, value, attn_mask, dropout_p, ...)
+            if "dropout_p" in kwargs:
+                kwargs["dropout_p"] = 0.0
+            elif len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+        elif func is F.multi_head_attention_forward:
+            bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+            bound.arguments["dropout_p"] = 0.0
+            args, kwargs = bound.args, bound.kwargs
+        return func(*args, **kwargs)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _side_effects_contained(pl_module: Any):  # type: ignore[no-untyped-def]
+    """No gradient, no dropout, the RNG, buffers and ``self.log`` as they were: for the check's forwards."""
+    cuda = sorted({
+        p.device.index if p.device.index is not None else torch.cuda.current_device()
+        for p in pl_module.parameters() if p.device.type == "cuda"
+    })
+    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+    missing = object()
+    logs = {name: pl_module.__dict__.get(name, missing) for name in ("log", "log_dict")}
+    try:
+        for name in logs:
+            pl_module.__dict__[name] = _no_log
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _NoDropout():
+            yield
+    finally:
+        for name, value in logs.items():
+            if value is missing:
+                pl_module.__dict__.pop(name, None)
+            else:
+                pl_module.__dict__[name] = value
+        with torch.no_grad():
+            for buffer, value in buffers:
+                if buffer.shape == value.shape:
+                    buffer.copy_(value)
+
+
+def _low_precision(pl_module: Any, losses: list[torch.Tensor]) -> bool:
+    sixteen = (torch.float16, torch.bfloat16)
+    if any(loss.dtype in sixteen for loss in losses) or any(p.dtype in sixteen for p in pl_module.parameters()):
+        return True
+    try:
+        return torch.is_autocast_enabled(losses[0].device.type)
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+    return abs(a - b) <= atol + rtol * max(abs(a), abs(b))
+
+
+def _batch_norms(pl_module: Any) -> list[str]:
+    return [name or type(m).__name__ for name, m in pl_module.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+# --- the wrapper ---------------------------------------------------------------------------------
+
+
 class _SkipNextZeroGrad:
     """Instance-level ``optimizer_zero_grad`` that skips one call, then puts the original back."""
 
@@ -214,16 +461,32 @@ class _SkipNextZeroGrad:
 
 
 class _MicroBatchedTrainingStep:
-    """The wrapper put on ``pl_module.training_step`` (a picklable object, for ``ddp_spawn``)."""
+    """The wrapper put on ``pl_module.training_step`` (a picklable object, for ``ddp_spawn``).
+
+    Attributes: ``micro_batch_size``, ``weighting``, ``ignore_index``, ``verify`` (as given to
+    :class:`MicroBatching`); ``verified`` (the first-step check passed; False while pending or
+    when ``verify=False``); ``rule`` (the weighting rule of the last batch split, e.g.
+    ``"shifted_label_tokens"``; None before); ``refused_reason`` (why the check refused; the
+    wrapper is then no longer on the module).
+    """
 
     _seqmem_micro_batching = True
 
-    def __init__(self, pl_module: Any, micro_batch_size: int) -> None:
+    def __init__(
+        self, pl_module: Any, micro_batch_size: int, weighting: str = "auto", verify: bool = True,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
         self.pl_module = pl_module
         # A training_step set on the instance before us, else None: the class's method, looked up at
         # call time (a stored bound method would pickle as getattr(module, "training_step"): us).
         self.previous = pl_module.__dict__.get("training_step")
         self.micro_batch_size = micro_batch_size
+        self.weighting = weighting
+        self.verify = verify
+        self.ignore_index = ignore_index
+        self.verified = False
+        self.rule: Optional[str] = None
+        self.refused_reason: Optional[str] = None
         self.num_args = _positional_capacity(self.original)
 
     @property
@@ -236,6 +499,11 @@ class _MicroBatchedTrainingStep:
     def __wrapped__(self) -> Any:  # Lightning's is_overridden("training_step", module) follows it
         return self.original
 
+    @property
+    def check_pending(self) -> bool:
+        """Whether the next batch split runs the first-step check."""
+        return self.verify and not self.verified and self.refused_reason is None
+
     def __call__(self, batch: Any, *args: Any) -> Any:
         if self.num_args is not None:  # Lightning passes batch_idx only if the signature asks for it
             args = args[: max(self.num_args - 1, 0)]
@@ -245,10 +513,80 @@ class _MicroBatchedTrainingStep:
         parts = split_batch(batch, self.micro_batch_size)
         if len(parts) == 1:
             return self.original(batch, *args)
-        return self._run(trainer, parts, *args)
+        self.rule, counts = micro_batch_counts(batch, self.micro_batch_size, self.weighting, self.ignore_index)
+        if sum(counts) == 0:  # nothing the loss averages over: the plain step, as without micro-batching
+            return self.original(batch, *args)
+        if self.check_pending:
+            reason = self._check(batch, parts, counts, args)
+            if reason is not None:
+                self._refuse(reason)
+                return self.original(batch, *args)  # the plain step, for this batch and from now on
+        return self._run(trainer, parts, counts, *args)
 
-    def _run(self, trainer: Any, parts: list[Any], *args: Any) -> Any:
-        total = sum(infer_batch_shape(part)[0] for part in parts)
+    # -- the check --------------------------------------------------------------------------------
+
+    def _loss(self, batch: Any, args: tuple) -> Optional[torch.Tensor]:
+        loss = _loss_of(self.original(batch, *args))
+        return None if loss is None else loss.detach()
+
+    def _check(self, batch: Any, parts: list[Any], counts: list[int], args: tuple) -> Optional[str]:
+        """None when the loss passes (``verified`` set) or cannot be checked on this batch (deferred);
+        else the reason for refusing."""
+        used = [i for i, c in enumerate(counts) if c > 0][:2]
+        if len(used) < 2:
+            return None  # one micro-batch with something to count: its loss is the batch's; check later
+        sizes = [infer_batch_shape(part)[0] for part in parts]
+        start, length = sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1])
+        pair = _slice(batch, sum(sizes), start, length)
+        with _side_effects_contained(self.pl_module):
+            together = self._loss(pair, args)
+            apart = [self._loss(parts[i], args) for i in used]
+            if together is None or any(loss is None for loss in apart):
+                return None
+            losses = [together, *apart]
+            values = [float(loss.float()) for loss in losses]
+            weights = [counts[i] for i in used]
+            expected = sum(w * v for w, v in zip(weights, values[1:])) / sum(weights)
+            if not all(math.isfinite(v) for v in [*values, expected]):
+                return None
+            low = _low_precision(self.pl_module, losses)
+            rtol, atol = (2e-2, 1e-4) if low else (1e-3, 1e-6)
+            if _close(values[0], expected, rtol, atol):
+                self.verified = True
+                return None
+            again = self._loss(pair, args)
+        what = _RULE_TEXT[self.rule or "samples"]
+        samples = f"samples {start}..{start + length - 1}"
+        if again is not None and not _close(float(again.float()), values[0], rtol, atol):
+            return (
+                f"cannot verify that the loss is a mean over {what}: training_step gave {values[0]:.6g}, then "
+                f"{float(again.float()):.6g} on the same {samples} with torch's dropouts off; it draws random numbers "
+                "the check cannot turn off (noise drawn in training_step, a dropout outside torch such as "
+                "flash-attn's); pass verify=False if the loss is such a mean"
+            )
+        reason = (
+            f"the loss is not a mean over {what}: {samples} together gave {values[0]:.6g}, one micro-batch at a "
+            f"time {expected:.6g} weighted by {what} ({weights[0]} and {weights[1]}); split, it would be scaled "
+            "wrongly (a sum, reduction='sum', or a mean over something else)"
+        )
+        norms = _batch_norms(self.pl_module)
+        if norms:
+            reason += f", or the batch norm in {', '.join(norms[:3])}{' ...' if len(norms) > 3 else ''} normalises over fewer samples"
+        return reason
+
+    def _refuse(self, reason: str) -> None:
+        self.refused_reason = reason
+        _unwrap(self.pl_module, self)
+        self.pl_module.__dict__[_REFUSED] = reason
+        warnings.warn(
+            f"micro-batching refused, the batch runs whole: {reason}", MicroBatchingRefusedWarning, stacklevel=2
+        )
+
+    # -- the micro-batched step -------------------------------------------------------------------
+
+    def _run(self, trainer: Any, parts: list[Any], counts: list[int], *args: Any) -> Any:
+        total = sum(counts)
+        used = [i for i, c in enumerate(counts) if c > 0]  # c_i = 0: nothing counted, no gradient: not run
         accumulate = trainer.accumulate_grad_batches
         skip_backward = bool(getattr(trainer.fit_loop, "_skip_backward", False))
         optimizer = trainer.optimizers[0]
@@ -262,24 +600,39 @@ class _MicroBatchedTrainingStep:
         model = trainer.strategy.model
         no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
         done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached
-        for part in parts[:-1]:
-            output = self.original(part, *args)
+        for i in used[:-1]:
+            output = self.original(parts[i], *args)
             loss = _loss_of(output)
             del output
             if loss is None:  # this micro-batch is skipped, as Lightning skips a batch returning None
                 continue
-            scaled = loss * (infer_batch_shape(part)[0] / total)
+            scaled = loss * (counts[i] / total)
             if not skip_backward:
                 with no_sync(), _autocast_off(scaled.device.type):
                     trainer.strategy.backward(scaled / accumulate, optimizer)
             done = scaled.detach() if done is None else done + scaled.detach()
             del loss, scaled
-        output = self.original(parts[-1], *args)
+        output = self.original(parts[used[-1]], *args)
         loss = _loss_of(output)
         if loss is None:
             return output
-        scaled = loss * (infer_batch_shape(parts[-1])[0] / total)
+        scaled = loss * (counts[used[-1]] / total)
         return _with_loss(output, scaled if done is None else scaled + done)
+
+
+def _unwrap(pl_module: Any, wrapper: _MicroBatchedTrainingStep) -> None:
+    if wrapper.previous is not None:
+        pl_module.training_step = wrapper.previous
+    else:
+        del pl_module.training_step
+    skip = pl_module.__dict__.get("optimizer_zero_grad")
+    if isinstance(skip, _SkipNextZeroGrad):
+        skip.restore()
+
+
+def _wrapper_of(pl_module: Any) -> Optional[_MicroBatchedTrainingStep]:
+    wrapper = pl_module.__dict__.get("training_step")
+    return wrapper if isinstance(wrapper, _MicroBatchedTrainingStep) else None
 
 
 def is_micro_batching(pl_module: Any) -> bool:
@@ -290,12 +643,38 @@ def is_micro_batching(pl_module: Any) -> bool:
         >>> is_micro_batching(torch.nn.Linear(2, 2))
         False
     """
-    return isinstance(pl_module.__dict__.get("training_step"), _MicroBatchedTrainingStep)
+    return _wrapper_of(pl_module) is not None
+
+
+def micro_batching_refusal(pl_module: Any) -> Optional[str]:
+    """Why the first-step check of :class:`MicroBatching` switched micro-batching off for
+    ``pl_module`` (None: it never did). The reason stays until ``MicroBatching(verify=False)`` is
+    applied; while it is there, :meth:`MicroBatching.is_applicable` refuses with it.
+
+    Example:
+        >>> import torch
+        >>> micro_batching_refusal(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    return pl_module.__dict__.get(_REFUSED)
+
+
+def micro_batching_check_pending(pl_module: Any) -> bool:
+    """Whether the next split ``training_step`` of ``pl_module`` runs the first-step check (three
+    extra forwards without gradient, whose memory falls in that step's peak).
+
+    Example:
+        >>> import torch
+        >>> micro_batching_check_pending(torch.nn.Linear(2, 2))
+        False
+    """
+    wrapper = _wrapper_of(pl_module)
+    return wrapper is not None and wrapper.check_pending
 
 
 def _describe(pl_module: Any) -> str:
-    wrapper = pl_module.__dict__.get("training_step")
-    return f"micro_batch_size={wrapper.micro_batch_size}" if isinstance(wrapper, _MicroBatchedTrainingStep) else "off"
+    wrapper = _wrapper_of(pl_module)
+    return f"micro_batch_size={wrapper.micro_batch_size}" if wrapper is not None else "off"
 
 
 def _dataloader_batch_size(trainer: Any) -> int | None:
@@ -307,24 +686,47 @@ def _dataloader_batch_size(trainer: Any) -> int | None:
 class MicroBatching:
     """Policy: split every training batch into micro-batches of ``micro_batch_size`` samples.
 
-    See the module docstring for the mechanism and its caveats (the loss must be a mean over
-    samples; batch norm and dropout break the equality with the full-batch run).
+    See the module docstring for the mechanism, the weighting, the first-step check and the
+    caveats.
 
     Args:
         micro_batch_size: samples per micro-batch (the last one of a batch may be smaller).
             ``1`` gives the lowest peak, at the cost of the least parallel work per kernel.
+        weighting: what the loss is a mean over, so what each micro-batch's loss is weighted by:
+            ``"auto"`` (label tokens when the batch has integer ``"labels"``, shifted as Hugging
+            Face's causal-LM loss shifts them when they are the inputs; samples otherwise),
+            ``"samples"``, ``"label_tokens"`` or ``"shifted_label_tokens"``.
+        verify: check on the first batch split that the loss is such a mean; refuse (and run
+            the plain step) when it is not. ``False`` also overrides an earlier refusal.
+        ignore_index: the label value the loss skips.
 
     Example:
         >>> MicroBatching(0)
         Traceback (most recent call last):
         ...
         ValueError: `micro_batch_size` must be an int >= 1, got 0
+        >>> MicroBatching(weighting="tokens")
+        Traceback (most recent call last):
+        ...
+        ValueError: `weighting` must be one of ('auto', 'samples', 'label_tokens', 'shifted_label_tokens'), got 'tokens'
     """
 
     name = "micro_batching"
 
-    def __init__(self, micro_batch_size: int = 1) -> None:
+    def __init__(
+        self, micro_batch_size: int = 1, weighting: str = "auto", verify: bool = True, ignore_index: int = IGNORE_INDEX
+    ) -> None:
         self.micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"`weighting` must be one of {WEIGHTINGS}, got {weighting!r}")
+        if not isinstance(verify, bool):
+            raise ValueError(f"`verify` must be a bool, got {verify!r}")
+        self.weighting = weighting
+        self.verify = verify
+        self.ignore_index = check_int("ignore_index", ignore_index, minimum=-(2**63), accepted="an int")
+
+    def _settings(self) -> tuple[int, str, bool, int]:
+        return self.micro_batch_size, self.weighting, self.verify, self.ignore_index
 
     def is_applicable(self, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
         """``(True, what would change)`` or ``(False, reason)``.
@@ -337,6 +739,9 @@ class MicroBatching:
         """
         if not getattr(pl_module, "automatic_optimization", True):
             return False, "manual optimization (automatic_optimization=False): the module runs its own backward"
+        refusal = micro_batching_refusal(pl_module)
+        if refusal is not None and self.verify:
+            return False, f"refused by its first-step check: {refusal}"
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
@@ -347,12 +752,15 @@ class MicroBatching:
         model = strategy.model
         if model is not None and model is not pl_module and not isinstance(model, DistributedDataParallel):
             return False, f"the strategy wraps the module in {type(model).__name__} (not DistributedDataParallel)"
-        wrapper = pl_module.__dict__.get("training_step")
-        if isinstance(wrapper, _MicroBatchedTrainingStep) and wrapper.micro_batch_size == self.micro_batch_size:
+        wrapper = _wrapper_of(pl_module)
+        if wrapper is not None and (
+            wrapper.micro_batch_size, wrapper.weighting, wrapper.verify, wrapper.ignore_index
+        ) == self._settings():
             return False, f"already micro-batching with micro_batch_size={self.micro_batch_size}"
         if batch is not None:
             try:
                 batch_size: int | None = infer_batch_shape(batch)[0]
+                micro_batch_counts(batch, self.micro_batch_size, self.weighting, self.ignore_index)
             except ValueError as err:
                 return False, f"cannot split the batch: {err}"
         else:
@@ -366,17 +774,20 @@ class MicroBatching:
         """Wrap ``pl_module.training_step``; takes effect at the next training step.
 
         Call it outside ``training_step`` (e.g. from ``on_train_batch_start`` or before ``fit``).
-        A second call with the same size changes nothing; with another size it changes the size.
+        A second call with the same settings changes nothing; with others it changes them. The
+        first batch split is checked (``verify``): a refusal then shows in
+        :func:`micro_batching_refusal`, not in the result returned here.
         """
         before = _describe(pl_module)
         applicable, reason = self.is_applicable(trainer, pl_module, batch)
         if not applicable:
             return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
-        wrapper = pl_module.__dict__.get("training_step")
-        if isinstance(wrapper, _MicroBatchedTrainingStep):
-            wrapper.micro_batch_size = self.micro_batch_size
+        pl_module.__dict__.pop(_REFUSED, None)  # verify=False overrides an earlier refusal
+        wrapper = _wrapper_of(pl_module)
+        if wrapper is not None:
+            wrapper.micro_batch_size, wrapper.weighting, wrapper.verify, wrapper.ignore_index = self._settings()
         else:
-            pl_module.training_step = _MicroBatchedTrainingStep(pl_module, self.micro_batch_size)
+            pl_module.training_step = _MicroBatchedTrainingStep(pl_module, *self._settings())
         after = _describe(pl_module)
         detail = f"{reason} ({before} -> {after})"
         return MitigationResult(self.name, applied=True, detail=detail, before=before, after=after)
@@ -384,18 +795,17 @@ class MicroBatching:
     def remove(self, pl_module: Any) -> MitigationResult:
         """Restore the original ``training_step`` (call it between training steps)."""
         before = _describe(pl_module)
-        wrapper = pl_module.__dict__.get("training_step")
-        if not isinstance(wrapper, _MicroBatchedTrainingStep):
+        wrapper = _wrapper_of(pl_module)
+        if wrapper is None:
             return MitigationResult(self.name, applied=False, detail="not micro-batching", before=before, after=before)
-        if wrapper.previous is not None:
-            pl_module.training_step = wrapper.previous
-        else:
-            del pl_module.training_step
-        skip = pl_module.__dict__.get("optimizer_zero_grad")
-        if isinstance(skip, _SkipNextZeroGrad):
-            skip.restore()
+        _unwrap(pl_module, wrapper)
         detail = "restored the original training_step"
         return MitigationResult(self.name, applied=True, detail=detail, before=before, after="off")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(micro_batch_size={self.micro_batch_size})"
+        extra = "".join(
+            f", {name}={value!r}" for name, value, default in
+            (("weighting", self.weighting, "auto"), ("verify", self.verify, True), ("ignore_index", self.ignore_index, IGNORE_INDEX))
+            if value != default
+        )
+        return f"{type(self).__name__}(micro_batch_size={self.micro_batch_size}{extra})"
