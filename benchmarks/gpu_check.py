@@ -164,7 +164,7 @@ def train(classes, attention: str, precision: str, seq_len: int, max_steps: int,
     finally:
         del trainer, model, data
         _cleanup()
-    if seqmem._disabled:
+    if seqmem._failed:
         print("  WARNING: SeqMemCallback disabled itself after an internal failure (see warnings above)")
     return seqmem, reader
 

@@ -361,23 +361,30 @@ def breakdown_section(
     }
 
 
-def run_breakdown(callback: Any, trainer: Any, pl_module: Any) -> dict[str, Any]:
-    """The body of :meth:`SeqMemCallback.run_breakdown` (see there)."""
-    from .mitigations import is_micro_batching
-    from .panels import log_text
-    from .probes import existing_tensors
-    from .report import render_breakdown_markdown
+def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Callable[[Any], tuple[int, int]],
+                  device: Any, trainer: Any, pl_module: Any) -> tuple[dict[str, Any], list[Any], Any]:
+    """The memory breakdown at the end of fit (``SeqMemCallback(breakdown=True)``).
 
-    if callback._breakdown_batch is None:
+    One warm-up and one traced training step at each of up to 3 lengths (the longest measured
+    under the mitigations now on, none equal to a model width), on a copy of ``pl_module`` and of
+    the first optimizer, from ``kept`` = ``(seq_len, CPU copy of the longest batch)``, with the
+    precision plugin's autocast and the micro-batching now on. The RNG state is restored.
+    Returns ``(section, breakdowns, table)``: the report's section, a ``Breakdown`` per length
+    and their comparison.
+    """
+    from .mitigations import is_micro_batching
+    from .probes import existing_tensors
+
+    if kept is None:
         raise RuntimeError("no training batch was kept (SeqMemCallback(breakdown=True) keeps one per step)")
     if not trainer.optimizers:
         raise RuntimeError("the trainer has no optimizer to step")
-    batch_len, batch = callback._breakdown_batch
-    batch_size = int((callback.seq_len_fn(batch) if callback.seq_len_fn else infer_batch_shape(batch))[0])
-    device = callback._device or pl_module.device
+    batch_len, batch = kept
+    batch_size = int(shape_of(batch)[0])
+    device = device or pl_module.device
     optimizer = trainer.optimizers[0]
-    records = [r for r in callback.records if r.seq_len <= batch_len]
-    same = [r for r in records if not r.warmup and r.mitigations == callback.applied_mitigations and r.batch_size == batch_size]
+    records = [r for r in planner.records if r.seq_len <= batch_len]
+    same = [r for r in records if not r.warmup and r.mitigations == planner.applied_mitigations and r.batch_size == batch_size]
     candidates = sorted({r.seq_len for r in same})
     if len(candidates) < 2:  # e.g. one length since the last mitigation: any length the batch covers
         candidates = sorted({r.seq_len for r in records} | {batch_len})
@@ -394,7 +401,7 @@ def run_breakdown(callback: Any, trainer: Any, pl_module: Any) -> dict[str, Any]
                          "not fit beside the trained one on the GPU")
         candidates = fitting
         batch_len = max(candidates, default=0)
-    step = callback.curriculum.multiple_of if callback.curriculum is not None else 8
+    step = planner.curriculum.multiple_of if planner.curriculum is not None else 8
     lengths, replaced = safe_seq_lens(candidates, width_dims(pl_module, batch_size), batch_len, num=3, step=step)
     notes += replaced
     if len(lengths) < 2:
@@ -414,10 +421,10 @@ def run_breakdown(callback: Any, trainer: Any, pl_module: Any) -> dict[str, Any]
         finally:
             del model_optimizer
     longest = lengths[-1]
-    target = callback.curriculum.target if callback.curriculum is not None else 0
+    target = planner.curriculum.target if planner.curriculum is not None else 0
     extrapolate_to = target if target > longest else 4 * longest
     try:
-        forecast_peak = callback.forecaster.forecast(extrapolate_to, batch_size).peak_bytes
+        forecast_peak = planner.forecaster.forecast(extrapolate_to, batch_size).peak_bytes
     except Exception:  # noqa: BLE001 - the table stands without it
         forecast_peak = None
     measured = []
@@ -431,10 +438,4 @@ def run_breakdown(callback: Any, trainer: Any, pl_module: Any) -> dict[str, Any]
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    callback.breakdowns = breakdowns
-    callback.breakdown_table = compare_breakdowns(breakdowns)
-    callback.breakdown_report = section
-    for i, finding in enumerate(section["diagnoses"]):
-        callback._warn_once(f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning)
-    log_text(trainer, render_breakdown_markdown(section, "### seqmem: where the memory goes"))
-    return section
+    return section, breakdowns, compare_breakdowns(breakdowns)

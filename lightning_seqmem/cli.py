@@ -48,7 +48,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from . import Curriculum, SeqMemCallback
     from .demo import LitGPT, SyntheticTokenDataModule
-    from .report import load_report, render_console, write_report
+    from .report import load_report, render_console
 
     _quiet()
     console = Console(width=None if sys.stdout.isatty() else 120)
@@ -78,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"({curriculum.steps_per_stage} steps each), {max_steps} steps, budget {args.budget or 'none'}"
     )
     trainer.fit(model, datamodule=datamodule)  # the callback writes the panels, figure and report
-    paths = write_report(callback, trainer)  # again, to get the paths (same content)
+    paths = callback.write_report(trainer)  # again, to get the paths (same content)
     assert paths is not None  # a single process is rank zero
     render_console(load_report(paths[0]), console)
     console.print(f"TensorBoard logs: {logger.log_dir}   (view: [bold]tensorboard --logdir {args.out}[/bold], "

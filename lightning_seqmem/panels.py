@@ -1,26 +1,22 @@
 """TensorBoard panels: the custom-scalars layout of the ``seqmem/*`` scalars, and the memory figure.
 
-The only module of the package that talks to TensorBoard or matplotlib. matplotlib is imported
+What the panels show; :mod:`lightning_seqmem.outputs` writes them. matplotlib is imported
 lazily, inside the functions that draw, and figures are drawn with its object API on an Agg canvas
 (``Figure`` + ``FigureCanvasAgg``): no global backend is switched and pyplot's figure registry is
 never touched, so drawing works headless and leaves a notebook's backend alone.
 
-* :func:`custom_scalars_layout` / :func:`write_layout`: the "CUSTOM SCALARS" tab groups the
+* :func:`custom_scalars_layout` (written by :func:`lightning_seqmem.outputs.write_layout`): the "CUSTOM SCALARS" tab groups the
   scalars that :class:`~lightning_seqmem.SeqMemCallback` logs (see its docstring for the tags) into
   four categories: memory per step, forecast vs measured, headroom, and CUDA fragmentation.
-* :func:`memory_figure` / :func:`log_figure` / :func:`save_figure`: memory against sequence length:
+* :func:`memory_figure` (logged and saved by :mod:`lightning_seqmem.outputs`): memory against sequence length:
   the measured points, both predictors' curves, the budget, and where mitigations switched on.
-* :func:`log_text`: Markdown in the "TEXT" tab (the memory breakdown, :data:`BREAKDOWN_TAG`).
 
 Bytes everywhere else in the package; here, at the display edge, GiB (or MiB for small runs).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any, Optional, Sequence
-
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from .forecast import NotEnoughMeasurements
 from .units import display_unit
@@ -29,18 +25,14 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
     from matplotlib.figure import Figure
 
-    from .callback import SeqMemCallback
+    from .planner import SeqMemPlanner
 
 __all__ = [
     "BREAKDOWN_TAG",
     "FIGURE_TAG",
     "LAYOUT_CATEGORIES",
     "custom_scalars_layout",
-    "log_figure",
-    "log_text",
     "memory_figure",
-    "save_figure",
-    "write_layout",
 ]
 
 FIGURE_TAG = "seqmem/memory_vs_seq_len"
@@ -57,17 +49,13 @@ LAYOUT_CATEGORIES = (
 )
 """Category titles of :func:`custom_scalars_layout`, in display order."""
 
-# Loggers whose experiment already holds the layout (a second write would replace it: write once).
-_LAYOUT_WRITTEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
-# logger -> global steps whose figure was already logged (the callback and a script may both ask).
-_FIGURES_LOGGED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
 
 
 def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]:
-    """The TensorBoard custom-scalars layout of the callback's scalars.
+    """The TensorBoard custom-scalars layout of the planner's scalars.
 
     Returns ``{category: {chart title: ["Multiline", [tag, ...]]}}``, the format
-    ``SummaryWriter.add_custom_scalars`` takes. Tags are the callback's (``prefix`` + name, as in
+    ``SummaryWriter.add_custom_scalars`` takes. Tags are the planner's (``prefix`` + name, as in
     the :class:`~lightning_seqmem.SeqMemCallback` docstring); TensorBoard reads them as regular
     expressions, and none of them is a prefix of another. Units are in the chart titles.
 
@@ -107,35 +95,6 @@ def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]
     }
 
 
-def _tensorboard_loggers(trainer: "pl.Trainer") -> list[TensorBoardLogger]:
-    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
-
-
-def _logger_prefix(logger: TensorBoardLogger) -> str:
-    """What ``TensorBoardLogger(prefix=...)`` puts before every tag (``"<prefix>-"`` or nothing)."""
-    prefix = getattr(logger, "_prefix", "") or ""
-    return f"{prefix}{logger.LOGGER_JOIN_CHAR}" if prefix else ""
-
-
-def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
-    """Write :func:`custom_scalars_layout` to every ``TensorBoardLogger`` of ``trainer``, once each.
-
-    Only on global rank zero (the other ranks' experiments are dummies). A logger created with
-    ``prefix=`` gets the layout of its prefixed tags. Calling again is a no-op for loggers already
-    written (TensorBoard keeps only the last layout written). Returns how many loggers were written.
-    """
-    if not trainer.is_global_zero:
-        return 0
-    written = 0
-    for logger in _tensorboard_loggers(trainer):
-        if logger in _LAYOUT_WRITTEN:
-            continue
-        logger.experiment.add_custom_scalars(custom_scalars_layout(_logger_prefix(logger) + prefix))
-        _LAYOUT_WRITTEN.add(logger)
-        written += 1
-    return written
-
-
 # ----------------------------------------------------------------------------------------------
 # The figure
 # ----------------------------------------------------------------------------------------------
@@ -155,24 +114,24 @@ def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, m
     return list(lengths), [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
 
 
-def _reference_batch_size(callback: "SeqMemCallback") -> Optional[int]:
-    measured = [r.batch_size for r in callback.records if not r.warmup]
-    if callback._last_batch_size is not None:
-        return callback._last_batch_size
-    return measured[-1] if measured else (callback.records[-1].batch_size if callback.records else None)
+def _reference_batch_size(planner: "SeqMemPlanner") -> Optional[int]:
+    measured = [r.batch_size for r in planner.records if not r.warmup]
+    if planner.last_batch_size is not None:
+        return planner.last_batch_size
+    return measured[-1] if measured else (planner.records[-1].batch_size if planner.records else None)
 
 
-def _mitigation_marks(callback: "SeqMemCallback") -> list[tuple[int, str]]:
+def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
     """``(seq_len, what was switched on)`` for each mitigation switched on.
 
-    From the callback's ``mitigation_events`` (the length at which it was decided), else from the
+    From the planner's ``mitigation_events`` (the length at which it was decided), else from the
     records: the first record whose ``mitigations`` differ from the previous record's.
     """
-    events = getattr(callback, "mitigation_events", None)
+    events = planner.mitigation_events
     if events:
         return [(int(e["seq_len"]), str(e["name"])) for e in events]
     marks, previous = [], ()
-    for record in callback.records:
+    for record in planner.records:
         current = tuple(record.mitigations)
         if current != previous:
             added = [m for m in current if m not in previous]
@@ -181,15 +140,15 @@ def _mitigation_marks(callback: "SeqMemCallback") -> list[tuple[int, str]]:
     return marks
 
 
-def _other_settings(callback: "SeqMemCallback") -> list[tuple[tuple[str, ...], Any]]:
+def _other_settings(planner: "SeqMemPlanner") -> list[tuple[tuple[str, ...], Any]]:
     """Forecasters of the mitigation settings other than the current one (fitted before a switch)."""
-    forecasters = getattr(callback, "_forecasters", None) or {}
-    current = tuple(getattr(callback, "applied_mitigations", ()))
+    forecasters = planner.forecasters
+    current = tuple(planner.applied_mitigations)
     return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
 
 
 def memory_figure(
-    callback: "SeqMemCallback",
+    planner: "SeqMemPlanner",
     max_seq_len: Optional[int] = None,
     batch_size: Optional[int] = None,
     title: Optional[str] = None,
@@ -197,7 +156,7 @@ def memory_figure(
     """Memory against sequence length: measured points, both predictors, budget, mitigations.
 
     Args:
-        callback: a fitted (or resumed) :class:`~lightning_seqmem.SeqMemCallback`.
+        planner: a fitted (or resumed) :class:`~lightning_seqmem.SeqMemCallback`.
         max_seq_len: right end of the curves, in tokens; default twice the largest of the
             curriculum target and the longest measured length.
         batch_size: batch size of the curves; default the last measured batch's. Measured points
@@ -212,11 +171,11 @@ def memory_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    forecaster = callback.forecaster
-    measured = [r for r in callback.records if not r.warmup]
-    batch_size = batch_size or _reference_batch_size(callback)
-    target = callback.curriculum.target if callback.curriculum is not None else 0
-    longest = max([r.seq_len for r in callback.records], default=0)
+    forecaster = planner.forecaster
+    measured = [r for r in planner.records if not r.warmup]
+    batch_size = batch_size or _reference_batch_size(planner)
+    target = planner.curriculum.target if planner.curriculum is not None else 0
+    longest = max([r.seq_len for r in planner.records], default=0)
     right = max_seq_len or max(2 * max(target, longest), 16)
     lengths = _curve_lengths(right)
 
@@ -226,11 +185,11 @@ def memory_figure(
             curve = _predictor_curve(forecaster, lengths, batch_size, method)
             if curve is not None:
                 curves[method] = curve
-    budget, usable = callback._budget_bytes, callback.usable_budget_bytes
+    budget, usable = planner.budget_bytes, planner.usable_budget_bytes
     candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
     candidates += [max(c[2]) for c in curves.values()]
     if batch_size is not None:
-        for _, other in _other_settings(callback):
+        for _, other in _other_settings(planner):
             try:
                 candidates.append(other.forecast(right, batch_size).peak_bytes)
             except Exception:  # noqa: BLE001
@@ -242,14 +201,14 @@ def memory_figure(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     styles = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay")}
-    current = tuple(getattr(callback, "applied_mitigations", ()))
+    current = tuple(planner.applied_mitigations)
     setting = f", with {'+'.join(current)}" if current else ""
     for method, (xs, peaks, uppers) in curves.items():
         color, label = styles[method]
         ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size}{setting})")
         ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
                         label=f"{method} upper bound")
-    for key, other in _other_settings(callback) if batch_size is not None else ():
+    for key, other in _other_settings(planner) if batch_size is not None else ():
         try:
             ys = [other.forecast(L, batch_size).peak_bytes / scale for L in lengths]
         except Exception:  # noqa: BLE001 - a figure never fails on a forecast
@@ -259,7 +218,7 @@ def memory_figure(
     groups: dict[tuple, list] = {}  # (batch size, mitigations on) -> records
     for r in measured:
         groups.setdefault((r.batch_size, tuple(r.mitigations)), []).append(r)
-    current = tuple(getattr(callback, "applied_mitigations", ()))
+    current = tuple(planner.applied_mitigations)
     markers = iter("os^Dv<>phX")
     for (b, mitigations), records in sorted(groups.items(), key=lambda kv: (kv[0][0], len(kv[0][1]))):
         mine = b == batch_size and mitigations == current
@@ -272,12 +231,12 @@ def memory_figure(
         ax.axhline(budget / scale, color="tab:red", linestyle=":", alpha=0.6, label=f"budget {budget / scale:.2f} {unit}")
     if usable and batch_size is not None and forecaster.ready:
         try:
-            fit = callback.max_seq_len(batch_size=batch_size)
+            fit = planner.max_seq_len(usable, batch_size)
         except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
             fit = None
         if fit and fit < right:
             ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
-    for i, (seq_len, what) in enumerate(_mitigation_marks(callback)):
+    for i, (seq_len, what) in enumerate(_mitigation_marks(planner)):
         ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
                    label=f"switched on at L={seq_len}: {what}" if i < 4 else None)
     if target:
@@ -298,50 +257,6 @@ def memory_figure(
         ax.legend(loc="upper left", fontsize="small", framealpha=0.85)
     fig.tight_layout()
     return fig
-
-
-def log_figure(trainer: "pl.Trainer", callback: "SeqMemCallback", step: Optional[int] = None) -> Optional["Figure"]:
-    """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger.
-
-    ``step`` defaults to ``trainer.global_step``. Only on global rank zero and with a TensorBoard
-    logger (returns None otherwise);
-    a step already logged to a logger is not logged to it again. Returns the figure.
-    """
-    if not trainer.is_global_zero or not _tensorboard_loggers(trainer):
-        return None
-    step = trainer.global_step if step is None else int(step)
-    figure = memory_figure(callback)
-    for logger in _tensorboard_loggers(trainer):
-        steps = _FIGURES_LOGGED.setdefault(logger, set())
-        if step in steps:
-            continue
-        logger.experiment.add_figure(FIGURE_TAG, figure, global_step=step, close=False)
-        logger.experiment.flush()
-        steps.add(step)
-    return figure
-
-
-def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None, tag: Optional[str] = None) -> int:
-    """Log Markdown ``text`` under ``tag`` (default :data:`BREAKDOWN_TAG`) to every TensorBoard logger.
-
-    TensorBoard shows it in the *TEXT* tab, tables rendered. ``step`` defaults to
-    ``trainer.global_step``. Only on global rank zero. Returns how many loggers got it.
-    """
-    if not trainer.is_global_zero:
-        return 0
-    step = trainer.global_step if step is None else int(step)
-    loggers = _tensorboard_loggers(trainer)
-    for logger in loggers:
-        logger.experiment.add_text(tag or BREAKDOWN_TAG, text, global_step=step)
-        logger.experiment.flush()
-    return len(loggers)
-
-
-def save_figure(callback: "SeqMemCallback", path: Any, **kwargs: Any) -> "Figure":
-    """Draw :func:`memory_figure` (``kwargs`` go to it) and save it to ``path`` (PNG, SVG or PDF)."""
-    figure = memory_figure(callback, **kwargs)
-    figure.savefig(str(path))
-    return figure
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class StepRecord:
     forecast_method: Optional[str] = None
     forecast_error: Optional[float] = None
     events: list[str] = field(default_factory=list)
+    rank: Optional[int] = None  # under DDP: the rank whose peak (the highest) this is, with its own shape
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -1,9 +1,9 @@
 """The run report: what was measured, what both predictors say, what fits, what was done about it.
 
-:func:`build_report` turns a fitted :class:`~lightning_seqmem.SeqMemCallback` into a plain,
-JSON-able dict (bytes everywhere); :func:`write_report` writes it as ``seqmem_report.json``, a
-Markdown summary ``seqmem_report.md`` and the figure ``seqmem_memory.png`` (see
-:mod:`lightning_seqmem.panels`); :func:`render_console` prints it as ``rich`` tables;
+:func:`build_report` turns a :class:`~lightning_seqmem.planner.SeqMemPlanner` (what the callback
+knows) into a plain, JSON-able dict (bytes everywhere); :func:`lightning_seqmem.outputs.write_report`
+writes it as ``seqmem_report.json``, a Markdown summary ``seqmem_report.md`` and the figure
+``seqmem_memory.png``; :func:`render_console` prints it as ``rich`` tables;
 :func:`load_report` reads the JSON back. GiB/MiB appear only in the Markdown and console output.
 """
 
@@ -17,14 +17,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from .advice import KINDS
 from .forecast import NotEnoughMeasurements
-from .probes import PHASES
+from .records import PHASES
 from .units import display_unit, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-    from .callback import SeqMemCallback
+    from .planner import SeqMemPlanner
 
 __all__ = [
     "JSON_NAME",
@@ -44,43 +45,28 @@ __all__ = [
 REPORT_FORMAT = "lightning-seqmem-report/1"
 JSON_NAME, MARKDOWN_NAME, PNG_NAME = "seqmem_report.json", "seqmem_report.md", "seqmem_memory.png"
 
-_WARNING_KINDS = {  # prefix of a SeqMemCallback._warned key -> what it means
-    "oom-batch-": "a batch was predicted not to fit the budget",
-    "oom-": "a curriculum stage was predicted not to fit: a mitigation was switched on or the curriculum capped",
-    "mismatch-": "a forecast missed the measurement by more than the tolerance",
-    "budget-first-step": "the first step already exceeded the usable budget",
-    "budget-view": "a forecast for logging failed",
-    "mitigation-failed-": "a mitigation could not be switched on and was skipped",
-    "attention-still-quadratic": "after the attention switch, memory still grew quadratically",
-    "precision": "32-bit precision: bf16-mixed recommended",
-    "diagnosis-": "the memory breakdown found a problem (see the breakdown's diagnoses)",
-    "failure": "internal failure: the callback stopped measuring",
-    "failed-": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
-}
 
 
 # ----------------------------------------------------------------------------------------------
 # Building
 # ----------------------------------------------------------------------------------------------
-def _run_facts(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"]) -> dict[str, Any]:
+def _run_facts(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], device: Any = None,
+               probe: Optional[str] = None) -> dict[str, Any]:
     import lightning
     import torch
-
     from . import __version__
 
-    device = callback._device
-    probe = callback._probe.name if callback._probe is not None else callback.probe_name
     facts: dict[str, Any] = {
         "device": None if device is None else str(device),
         "device_name": None,
         "probe": probe,
-        "budget_bytes": callback._budget_bytes,
-        "usable_budget_bytes": callback.usable_budget_bytes,
-        "safety_margin": callback.safety_margin,
-        "tolerance": callback.tolerance,
-        "warmup_steps": callback.warmup_steps,
-        "warmup_steps_after_change": callback.warmup_steps_after_change,
-        "mitigations_allowed": list(getattr(callback, "mitigations", ())),
+        "budget_bytes": planner.budget_bytes,
+        "usable_budget_bytes": planner.usable_budget_bytes,
+        "safety_margin": planner.safety_margin,
+        "tolerance": planner.tolerance,
+        "warmup_steps": planner.warmup_steps,
+        "warmup_steps_after_change": planner.warmup_steps_after_change,
+        "mitigations_allowed": list(planner.mitigations),
         "model_class": None,
         "num_parameters": None,
         "precision": None,
@@ -101,21 +87,21 @@ def _run_facts(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"]) -> d
         facts["strategy"] = type(trainer.strategy).__name__
         facts["world_size"] = trainer.world_size
         facts["global_step"] = trainer.global_step
-    if callback.curriculum is not None:
+    if planner.curriculum is not None:
         facts["curriculum"] = {
-            **callback.curriculum.to_dict(),
-            "stages": list(callback.curriculum.stages),
-            "stages_run": list(callback._stages),
-            "capped_at": callback._capped_at,
-            "final_stage": callback._stage,
+            **planner.curriculum.to_dict(),
+            "stages": list(planner.curriculum.stages),
+            "stages_run": list(planner.stages),
+            "capped_at": planner.capped_at,
+            "final_stage": planner.stage,
         }
     return facts
 
 
-def _points(callback: "SeqMemCallback") -> list[dict[str, Any]]:
+def _points(planner: "SeqMemPlanner") -> list[dict[str, Any]]:
     """Per (seq_len, batch_size, mitigations): max over non-warm-up records of each peak."""
     out: dict[tuple, dict[str, Any]] = {}
-    for r in callback.records:
+    for r in planner.records:
         if r.warmup:
             continue
         key = (r.seq_len, r.batch_size, tuple(r.mitigations))
@@ -133,8 +119,8 @@ def _points(callback: "SeqMemCallback") -> list[dict[str, Any]]:
     return [out[k] for k in sorted(out, key=lambda k: (k[1] * k[0], k[0], k[2]))]
 
 
-def _predictors(callback: "SeqMemCallback") -> dict[str, Any]:
-    forecaster = callback.forecaster
+def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
+    forecaster = planner.forecaster
     quadratic, timeline = forecaster.quadratic, forecaster.timeline
     q: dict[str, Any] = {"available": quadratic is not None}
     if quadratic is not None:
@@ -155,11 +141,11 @@ def _predictors(callback: "SeqMemCallback") -> dict[str, Any]:
         r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size, notes=list(timeline.notes),
                  num_allocations=int(timeline.coefficients.shape[1]),
                  max_fit_residual_bytes=timeline.max_fit_residual_bytes)
-    settings = getattr(callback, "_forecasters", None) or {_applied(callback): forecaster}
+    settings = planner.forecasters
     verifications = [
         {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method, "forecast_bytes": v.forecast_bytes,
          "measured_bytes": v.measured_bytes, "relative_error": v.relative_error,
-         "within_tolerance": abs(v.relative_error) <= callback.tolerance, "mitigations": list(key)}
+         "within_tolerance": abs(v.relative_error) <= planner.tolerance, "mitigations": list(key)}
         for key, f in settings.items() for v in f.verifications
     ]
     accuracy = {}
@@ -169,82 +155,77 @@ def _predictors(callback: "SeqMemCallback") -> dict[str, Any]:
             accuracy[method] = {"num_verifications": len(errors), "max_abs_error": max(abs(e) for e in errors),
                                 "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
                                 "worst_under_prediction": min(min(errors), 0.0)}
-    return {"mitigations": list(_applied(callback)), "quadratic": q, "replay": r, "verifications": verifications,
+    return {"mitigations": list(_applied(planner)), "quadratic": q, "replay": r, "verifications": verifications,
             "accuracy": accuracy, "reserved_ratio": forecaster.reserved_ratio,
             "settings": [{"mitigations": list(key), "num_points": len(f.points), "num_traces": len(f.traces),
                           "ready": f.ready} for key, f in settings.items()]}
 
 
-def _forecast_row(callback: "SeqMemCallback", seq_len: int, batch_size: int) -> dict[str, Any]:
-    fc = callback.forecaster.forecast(seq_len, batch_size)
-    on_cuda = callback._device is not None and callback._device.type == "cuda"
-    bound = fc.reserved_upper_bytes if on_cuda else fc.upper_bytes
+def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> dict[str, Any]:
+    fc = planner.forecaster.forecast(seq_len, batch_size)
+    bound = planner.bound_of(fc)
     row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
            "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,
            "phase_peak_bytes": dict(fc.phase_peak_bytes), "fits": None}
     for method in ("quadratic", "replay"):
         try:
-            other = callback.forecaster.forecast(seq_len, batch_size, method=method)
+            other = planner.forecaster.forecast(seq_len, batch_size, method=method)
             row[f"{method}_peak_bytes"] = other.peak_bytes if other.method == method else None
         except NotEnoughMeasurements:
             row[f"{method}_peak_bytes"] = None
-    if callback.usable_budget_bytes is not None:
-        row["fits"] = bound <= callback.usable_budget_bytes
+    if planner.usable_budget_bytes is not None:
+        row["fits"] = bound <= planner.usable_budget_bytes
     return row
 
 
-def _forecasts(callback: "SeqMemCallback", batch_size: Optional[int]) -> dict[str, Any]:
+def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
-    if batch_size is None or not callback.forecaster.ready:
+    if batch_size is None or not planner.forecaster.ready:
         out["error"] = "not enough measurements to forecast (two measured lengths are needed)"
         return out
-    lengths = {r.seq_len for r in callback.records}
-    if callback.curriculum is not None:
-        lengths |= set(callback.curriculum.stages)
-        target = callback.curriculum.target
+    lengths = {r.seq_len for r in planner.records}
+    if planner.curriculum is not None:
+        lengths |= set(planner.curriculum.stages)
+        target = planner.curriculum.target
         out["target"] = target
         lengths |= {2 * target, 4 * target}
     else:
         longest = max(lengths, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
     try:
-        out["at"] = [_forecast_row(callback, L, batch_size) for L in sorted(lengths)]
-        if callback.usable_budget_bytes is not None:
-            out["max_seq_len"] = callback.max_seq_len(batch_size=batch_size)
+        out["at"] = [_forecast_row(planner, L, batch_size) for L in sorted(lengths)]
+        if planner.usable_budget_bytes is not None:
+            out["max_seq_len"] = planner.max_seq_len(planner.usable_budget_bytes, batch_size)
     except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
-def _applied(callback: "SeqMemCallback") -> tuple[str, ...]:
-    return tuple(getattr(callback, "applied_mitigations", ()))
+def _applied(planner: "SeqMemPlanner") -> tuple[str, ...]:
+    return tuple(planner.applied_mitigations)
 
 
-def _mitigations(callback: "SeqMemCallback") -> dict[str, Any]:
-    """Allowed rungs, the ones on now, each switch (from the callback's events) and the record changes."""
+def _mitigations(planner: "SeqMemPlanner") -> dict[str, Any]:
+    """Allowed rungs, the ones on now, each switch (from the planner's events) and the record changes."""
     changes, previous = [], ()
-    for r in callback.records:
+    for r in planner.records:
         current = tuple(r.mitigations)
         if current != previous:
             changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
                             "before": list(previous), "after": list(current)})
         previous = current
     events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "detail", "before_bytes", "after_bytes")}
-              for e in getattr(callback, "mitigation_events", [])]
-    return {"allowed": list(getattr(callback, "mitigations", ())), "active": list(_applied(callback)),
+              for e in planner.mitigation_events]
+    return {"allowed": list(planner.mitigations), "active": list(_applied(planner)),
             "events": events, "changes": changes}
 
 
-def _warnings(callback: "SeqMemCallback") -> list[dict[str, str]]:
-    out = []
-    for key in sorted(callback._warned):
-        kind = next((v for k, v in _WARNING_KINDS.items() if key.startswith(k)), "other")
-        out.append({"key": key, "meaning": kind})
-    return out
+def _warnings(planner: "SeqMemPlanner") -> list[dict[str, str]]:
+    return [{"key": key, "kind": kind, "meaning": KINDS.get(kind, "other")} for key, kind in sorted(planner.warned.items())]
 
 
-def _records_summary(callback: "SeqMemCallback") -> dict[str, Any]:
-    records = callback.records
+def _records_summary(planner: "SeqMemPlanner") -> dict[str, Any]:
+    records = planner.records
     if not records:
         return {"num_records": 0}
     top = max(records, key=lambda r: r.peak_bytes)
@@ -267,9 +248,10 @@ def _records_summary(callback: "SeqMemCallback") -> dict[str, Any]:
     }
 
 
-def build_report(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"] = None,
-                 include_records: bool = True) -> dict[str, Any]:
-    """Everything the callback knows, as plain JSON-able values (bytes, tokens, fractions).
+def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = None, include_records: bool = True,
+                 device: Any = None, probe: Optional[str] = None,
+                 breakdown: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Everything the planner knows, as plain JSON-able values (bytes, tokens, fractions).
 
     Keys: ``format``, ``created``, ``run`` (device, probe, budget, safety margin, model class,
     parameter count, precision, curriculum stages planned and run), ``points`` (per measured
@@ -277,30 +259,29 @@ def build_report(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"] = N
     ``predictors`` (quadratic coefficients per phase, replay lengths and notes, verifications and
     accuracy per method), ``forecasts`` (at every measured and curriculum length, the target × 2 and
     × 4, and the largest length that fits the usable budget), ``mitigations``, ``warnings`` (keys of
-    the warnings the callback gave), ``records_summary``, ``breakdown`` (with
+    the warnings the planner gave), ``records_summary``, ``breakdown`` (with
     ``SeqMemCallback(breakdown=True)``, after fit: see
     :func:`~lightning_seqmem.breakdown_steps.breakdown_section`) and, with ``include_records``,
     ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
     """
-    batch_size = callback._last_batch_size
-    if batch_size is None and callback.records:
-        batch_size = callback.records[-1].batch_size
+    batch_size = planner.last_batch_size
+    if batch_size is None and planner.records:
+        batch_size = planner.records[-1].batch_size
     report = {
         "format": REPORT_FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "run": _run_facts(callback, trainer),
-        "points": _points(callback),
-        "predictors": _predictors(callback),
-        "forecasts": _forecasts(callback, batch_size),
-        "mitigations": _mitigations(callback),
-        "warnings": _warnings(callback),
-        "records_summary": _records_summary(callback),
+        "run": _run_facts(planner, trainer, device, probe),
+        "points": _points(planner),
+        "predictors": _predictors(planner),
+        "forecasts": _forecasts(planner, batch_size),
+        "mitigations": _mitigations(planner),
+        "warnings": _warnings(planner),
+        "records_summary": _records_summary(planner),
     }
-    section = getattr(callback, "breakdown_report", None)
-    if section is not None:
-        report["breakdown"] = section
+    if breakdown is not None:
+        report["breakdown"] = breakdown
     if include_records:
-        report["records"] = [r.to_dict() for r in callback.records]
+        report["records"] = [r.to_dict() for r in planner.records]
     return _plain(report)
 
 
@@ -317,50 +298,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     return value
-
-
-# ----------------------------------------------------------------------------------------------
-# Files
-# ----------------------------------------------------------------------------------------------
-def report_dir(trainer: "pl.Trainer") -> str:
-    """Where the report goes: the first logger's ``log_dir`` (else its ``save_dir``), else
-    ``trainer.default_root_dir``.
-
-    Unlike ``trainer.log_dir`` this does not broadcast, so rank zero may call it alone.
-    """
-    for logger in trainer.loggers:
-        for attribute in ("log_dir", "save_dir"):
-            directory = getattr(logger, attribute, None)
-            if directory:
-                return str(directory)
-    return str(trainer.default_root_dir)
-
-
-def write_report(callback: "SeqMemCallback", trainer: Optional["pl.Trainer"] = None,
-                 directory: Optional[str | os.PathLike] = None) -> Optional[tuple[Path, Path, Path]]:
-    """Write ``seqmem_report.json``, ``seqmem_report.md`` and ``seqmem_memory.png`` to ``directory``.
-
-    ``directory`` defaults to :func:`report_dir` of ``trainer``. Returns the three paths; on ranks
-    other than global zero nothing is written and None is returned.
-    """
-    if trainer is not None and not trainer.is_global_zero:
-        return None
-    if directory is None:
-        if trainer is None:
-            raise ValueError("`write_report` needs a `trainer` or a `directory`")
-        directory = report_dir(trainer)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    report = build_report(callback, trainer)
-    png_path = out / PNG_NAME
-    from .panels import save_figure
-
-    save_figure(callback, png_path)
-    report["files"] = {"json": JSON_NAME, "markdown": MARKDOWN_NAME, "figure": PNG_NAME}
-    json_path, md_path = out / JSON_NAME, out / MARKDOWN_NAME
-    json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    md_path.write_text(render_markdown(report), encoding="utf-8")
-    return json_path, md_path, png_path
 
 
 def load_report(path: str | os.PathLike) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""DDP with 2 CPU processes (gloo): every rank measures the same maxima and takes the same decisions."""
+"""DDP with 2 CPU processes (gloo): every rank takes the same decision at the same step, records a
+peak with the length and batch size of the rank it came from, and nothing hangs."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ def _run(tmp_path, *args, timeout=240):
 
 
 def _decisions(rank):
-    return [(r["step"], r["seq_len"], r["stage"], r["peak_bytes"], r["warmup"]) for r in rank["records"]]
+    return [(r["step"], r["seq_len"], r["batch_size"], r["stage"], r["peak_bytes"], r["warmup"]) for r in rank["records"]]
 
 
 def test_ranks_agree_on_peaks_lengths_and_the_cap(tmp_path):
     # a budget that forces a cap between 64 and 256 tokens for this tiny model
     rank0, rank1 = _run(tmp_path, "--budget", str(1_300_000), "--max-steps", "12")
     assert _decisions(rank0) == _decisions(rank1) and len(rank0["records"]) == 12
+    assert rank0["decisions"] == rank1["decisions"]
     assert rank0["stages"] == rank1["stages"] and rank0["capped_at"] == rank1["capped_at"]
     assert rank0["capped_at"] is not None
     assert max(r["peak_bytes"] for r in rank0["records"]) <= 1_300_000
@@ -38,8 +40,37 @@ def test_a_rank0_only_fault_does_not_deadlock_and_all_ranks_stop_together(tmp_pa
     rank0, rank1 = _run(tmp_path, "--fail-rank0-at", "3", "--max-steps", "8", timeout=180)
     assert rank0["disabled"] and rank1["disabled"]
     assert rank0["global_step"] == rank1["global_step"] == 8
-    # rank 0 failed while recording a step, after that step's collective: rank 1 hears of it at the
-    # next batch end, so it stops at most one batch later; what both recorded is identical
+    # rank 0 failed while recording a step, after that step's collective: rank 1 recorded that step,
+    # then both stop at the next batch start; what both recorded before is identical
     n0, n1 = len(rank0["records"]), len(rank1["records"])
-    assert 0 < n0 < 8 and n1 in (n0, n0 + 1)
+    assert 0 < n0 < 8 and n1 == n0 + 1
     assert _decisions(rank0) == _decisions(rank1)[:n0]
+
+
+@pytest.mark.parametrize("curriculum", [True, False], ids=["curriculum", "no-curriculum"])
+def test_uneven_batch_sizes_and_lengths_take_the_same_decisions(tmp_path, curriculum):
+    # rank 0: 4 samples of 64 tokens; rank 1: 1 sample of 128 tokens. Micro-batching cannot apply on
+    # rank 1 (one sample): under the old per-rank choice the ranks took different collective paths.
+    args = ["--batch-sizes", "4,1", "--seq-lens", "64,128", "--mitigations", "microbatch,checkpointing",
+            "--budget", str(900_000), "--max-steps", "10"]
+    rank0, rank1 = _run(tmp_path, *args, *([] if curriculum else ["--no-curriculum"]), timeout=240)
+    assert rank0["decisions"] == rank1["decisions"] and len(rank0["decisions"]) == 10
+    assert rank0["applied_mitigations"] == rank1["applied_mitigations"]
+    assert "microbatch" not in rank0["applied_mitigations"]  # refused on every rank: it cannot apply on rank 1
+    assert _decisions(rank0) == _decisions(rank1)
+    assert rank0["global_step"] == rank1["global_step"] == 10
+    # each record's peak comes with the length and batch size of the rank that had it
+    for r in rank0["records"]:
+        assert r["rank"] in (0, 1)
+        assert (r["batch_size"], r["seq_len"] <= 128) == ((4, True) if r["rank"] == 0 else (1, True))
+    if not curriculum:
+        assert {(r["rank"], r["seq_len"]) for r in rank0["records"]} <= {(0, 64), (1, 128)}
+
+
+def test_a_rank_that_cannot_read_its_batch_stops_every_rank_without_a_hang(tmp_path):
+    rank0, rank1 = _run(tmp_path, "--unreadable-rank1-at", "4", "--max-steps", "8", "--budget", str(2_000_000),
+                        timeout=180)
+    assert rank0["disabled"] and rank1["disabled"]
+    assert rank0["global_step"] == rank1["global_step"] == 8
+    assert rank0["decisions"] == rank1["decisions"] and len(rank0["decisions"]) == 4
+    assert rank0["seconds"] < 120 and rank1["seconds"] < 120

@@ -56,7 +56,7 @@ def test_unmitigated_model_fits_an_eighth_of_the_target():
 def test_ladder_reaches_the_target_within_budget():
     cb, module, oom = _run(ladder.MITIGATIONS)
     lengths = [r.seq_len for r in cb.records]
-    assert lengths[-1] == TARGET and cb._capped_at is None
+    assert lengths[-1] == TARGET and cb.planner.capped_at is None
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget
     names = [e["name"] for e in cb.mitigation_events]
     assert names == list(cb.applied_mitigations) and names[0] == "attention" and len(names) >= 2
@@ -90,7 +90,7 @@ def test_attention_switch_to_a_fused_kernel_is_not_reported():
 def test_empty_ladder_warns_and_caps():
     cb, module, oom = _run((), max_steps=14)
     assert cb.applied_mitigations == () and module.attention_backend == "eager"
-    assert cb._capped_at is not None and cb._capped_at < 96
+    assert cb.planner.capped_at is not None and cb.planner.capped_at < 96
     assert max(r.peak_bytes for r in cb.records) <= BUDGET
     assert len(oom) == 1 and "switch attention to SDPA" in str(oom[0].message)
 

@@ -12,24 +12,12 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_seqmem import Curriculum, SeqMemCallback, StepRecord
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.panels import (
-    FIGURE_TAG,
-    LAYOUT_CATEGORIES,
-    custom_scalars_layout,
-    log_figure,
-    memory_figure,
-    write_layout,
-)
+from lightning_seqmem.advice import KINDS
+from lightning_seqmem.outputs import log_figure, report_dir, write_layout, write_report
+from lightning_seqmem.panels import FIGURE_TAG, LAYOUT_CATEGORIES, custom_scalars_layout, memory_figure
+from lightning_seqmem.planner import SeqMemPlanner
 from lightning_seqmem.probes import PHASES
-from lightning_seqmem.report import (
-    JSON_NAME,
-    build_report,
-    load_report,
-    render_console,
-    render_markdown,
-    report_dir,
-    write_report,
-)
+from lightning_seqmem.report import JSON_NAME, build_report, load_report, render_console, render_markdown
 
 from conftest import make_trainer
 
@@ -46,8 +34,8 @@ def run(tmp_path_factory):
     assert write_layout(trainer) == 1
     assert write_layout(trainer) == 0  # once per logger
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
-    figure = log_figure(trainer, callback)
-    paths = write_report(callback, trainer)
+    figure = log_figure(trainer, callback.planner)
+    paths = callback.write_report(trainer)
     accumulator = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     accumulator.Reload()
     return {"callback": callback, "trainer": trainer, "logger": logger, "figure": figure, "paths": paths,
@@ -138,7 +126,7 @@ def test_figure_logged_as_image(run):
 
 def test_figure_is_logged_once_per_step(run):
     before = len(run["events"].Images(FIGURE_TAG))
-    log_figure(run["trainer"], run["callback"])  # same step: skipped
+    log_figure(run["trainer"], run["callback"].planner)  # same step: skipped
     events = EventAccumulator(run["logger"].log_dir, size_guidance={"images": 0})
     events.Reload()
     # one figure as each stage ended (16 -> 32 at step 3, 32 -> 64 at step 6) and one at the end
@@ -197,7 +185,8 @@ def test_report_facts_and_predictors(run):
     assert at[64]["fits"] is True
     assert report["mitigations"]["active"] == [] and report["mitigations"]["changes"] == []
     assert report["mitigations"]["allowed"] == list(cb.mitigations)
-    assert report["warnings"] == [{"key": k, "meaning": report["warnings"][i]["meaning"]} for i, k in enumerate(sorted(cb._warned))]
+    warned = cb.planner.warned
+    assert report["warnings"] == [{"key": k, "kind": warned[k], "meaning": KINDS[warned[k]]} for k in sorted(warned)]
 
 
 def test_render_console_and_markdown(run):
@@ -214,13 +203,13 @@ def test_render_console_and_markdown(run):
 
 def test_report_before_any_measurement(tmp_path):
     cb = SeqMemCallback()
-    report = build_report(cb)
+    report = build_report(cb.planner)
     assert report["points"] == [] and report["forecasts"]["error"]
     from rich.console import Console
 
     render_console(report, Console(record=True))
     render_markdown(report)
-    json_path, _, png_path = write_report(cb, directory=tmp_path)
+    json_path, _, png_path = write_report(cb.planner, directory=tmp_path)
     assert json_path.name == JSON_NAME and png_path.exists()
 
 
@@ -236,12 +225,12 @@ def _record(step, seq_len, peak, mitigations=()):
 
 
 def _callback_with_mitigations():
-    cb = SeqMemCallback(memory_budget="1GiB")
+    cb = SeqMemPlanner(memory_budget_bytes=2**30)
     cb.records = [_record(0, 128, 20 * 2**20), _record(1, 256, 60 * 2**20),
                   _record(2, 512, 90 * 2**20, ["attention"]), _record(3, 1024, 200 * 2**20, ["attention", "checkpointing"])]
     for r in cb.records:
         cb.forecaster.add_measurement(r.seq_len, r.batch_size, {"forward": r.forward_peak_bytes})
-    cb._last_batch_size = 2
+    cb.last_batch_size = 2
     return cb
 
 

@@ -52,7 +52,7 @@ def test_resume_mid_curriculum_matches_an_uninterrupted_run(tmp_path):
 
     assert [r.seq_len for r in resumed.records] == [r.seq_len for r in straight.records]
     assert [r.mitigations for r in resumed.records] == [r.mitigations for r in straight.records]
-    assert resumed._stages == straight._stages and resumed.applied_mitigations == straight.applied_mitigations
+    assert resumed.planner.stages == straight.planner.stages and resumed.applied_mitigations == straight.applied_mitigations
     # the mitigations on at the checkpoint were switched on again before the first resumed step
     module = trainer.lightning_module
     assert module.attention_backend == "sdpa" and is_checkpointed(module) and is_micro_batching(module)

@@ -52,6 +52,13 @@ def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> Mitigat
     return policy.apply(pl_module)
 
 
+def remove(name: str, trainer: Any, pl_module: Any) -> Optional[MitigationResult]:
+    """Switch rung ``name`` off again where its policy can (micro-batching); None where it cannot
+    (attention and checkpointing change numerics by float rounding only, so they may stay)."""
+    policy = _policy(name)
+    return policy.remove(pl_module) if callable(getattr(policy, "remove", None)) else None
+
+
 def next_rung(
     order: Sequence[str], applied: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None
 ) -> tuple[Optional[str], list[str]]:
@@ -70,4 +77,4 @@ def next_rung(
     return None, skipped
 
 
-__all__ = ["ADVICE", "MITIGATIONS", "apply", "check_mitigations", "is_applicable", "next_rung", "remaining_advice"]
+__all__ = ["ADVICE", "MITIGATIONS", "apply", "check_mitigations", "is_applicable", "next_rung", "remaining_advice", "remove"]

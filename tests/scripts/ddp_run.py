@@ -1,6 +1,7 @@
 """Run by tests/test_ddp.py: 2 CPU processes (gloo) train with SeqMemCallback; each rank writes JSON.
 
-    python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES]
+    python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES] [--batch-sizes 4,1]
+        [--seq-lens 64,128] [--no-curriculum] [--unreadable-rank1-at STEP] [--mitigations a,b]
 """
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import warnings
 
 import torch
 
 import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.batch import infer_batch_shape
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 
 
@@ -25,39 +28,59 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=12)
     parser.add_argument("--mitigations", default="", help="comma-separated ladder, default none")
     parser.add_argument("--strategy", default="ddp", help="ddp or fsdp")
+    parser.add_argument("--batch-sizes", default="2,2", help="per-rank batch size")
+    parser.add_argument("--seq-lens", default="256,256", help="per-rank data length")
+    parser.add_argument("--no-curriculum", action="store_true")
+    parser.add_argument("--unreadable-rank1-at", type=int, default=None, help="rank 1 cannot read this batch")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    calls = {"shape": 0, "fault": 0}
+
+    def seq_len_fn(batch):
+        calls["shape"] += 1
+        if rank == 1 and args.unreadable_rank1_at is not None and calls["shape"] > args.unreadable_rank1_at:
+            raise ValueError("injected: rank 1 cannot read this batch")
+        return infer_batch_shape(batch)
+
     cb = SeqMemCallback(
         warmup_steps=1,
         memory_budget=args.budget,
         safety_margin=0.0,
-        curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16),
+        curriculum=None if args.no_curriculum else Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16),
         mitigations=tuple(args.mitigations.split(",")) if args.mitigations else (),
+        seq_len_fn=seq_len_fn,
     )
-    rank = int(os.environ.get("LOCAL_RANK", 0))
+    decisions: list = []
+    commit = cb.planner.commit
+    cb.planner.commit = lambda d: (decisions.append([d.action, d.seq_len, d.rung, list(d.stages)]), commit(d))[1]
     if args.fail_rank0_at is not None and rank == 0:
-        original = cb.forecaster.add_measurement
-        calls = {"n": 0}
+        original = cb.planner.observe
 
         def broken(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == args.fail_rank0_at:
+            calls["fault"] += 1
+            if calls["fault"] == args.fail_rank0_at:
                 raise RuntimeError("injected rank-0-only fault")
             return original(*a, **k)
 
-        cb.forecaster.add_measurement = broken
+        cb.planner.observe = broken
+    batch_size = int(args.batch_sizes.split(",")[rank])
+    seq_len = int(args.seq_lens.split(",")[rank])
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.max_steps, callbacks=[cb], default_root_dir=args.out,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=128))
+    start = time.perf_counter()
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256))
     out = {
         "rank": trainer.global_rank,
+        "seconds": time.perf_counter() - start,
         "records": [r.to_dict() for r in cb.records],
-        "stages": list(cb._stages),
-        "capped_at": cb._capped_at,
-        "disabled": cb._disabled,
+        "decisions": decisions,
+        "stages": list(cb.planner.stages),
+        "capped_at": cb.planner.capped_at,
+        "disabled": cb._failed,
         "global_step": trainer.global_step,
         "mitigations": list(cb.mitigations),
         "applied_mitigations": list(cb.applied_mitigations),

@@ -1,0 +1,160 @@
+"""Every warning the planner gives, as values: what kind it is, a key it is given once under, and
+its words. Plain Python (no torch, no Lightning); the callback turns each into ``rank_zero_warn``.
+
+Example:
+    >>> a = over_budget_stage(512, 9_000_000, 10_000_000, "replay", 8_000_000, 10_000_000, 0.2, fit=384,
+    ...                       action="cap at seq_len=384", skipped=[])
+    >>> a.kind, a.key
+    ('stage_over_budget', 'oom-512')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning
+from .rungs import remaining_advice
+from .units import format_bytes
+
+KINDS = {
+    "stage_over_budget": "a curriculum stage (or the current one) did not fit: a mitigation was switched on or the curriculum capped",
+    "batch_over_budget": "a batch was predicted or measured over the budget",
+    "first_step_over_budget": "the first step already exceeded the usable budget",
+    "forecast_mismatch": "a forecast missed the measurement by more than the tolerance",
+    "mitigation_failed": "a mitigation could not be switched on and was skipped",
+    "mitigation_dropped": "a mitigation is not available to this run",
+    "attention_still_quadratic": "after the attention switch, memory still grew quadratically",
+    "precision": "32-bit precision: bf16-mixed recommended",
+    "diagnosis": "the memory breakdown found a problem (see the breakdown's diagnoses)",
+    "failure": "internal failure: the callback stopped measuring",
+    "output_failed": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
+    "curriculum_not_applied": "the batch could not be cut to the curriculum's length",
+}
+"""Every kind of advice, with what it means (the report groups warnings by kind)."""
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One warning: ``kind`` (a key of :data:`KINDS`), ``key`` (given once per run), ``text``."""
+
+    kind: str
+    key: str
+    text: str
+    category: type = UserWarning
+
+
+def _usable(budget: int, usable: int, margin: float) -> str:
+    return f"the usable budget {format_bytes(usable)} (budget {format_bytes(budget)} minus safety_margin={margin})"
+
+
+def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: int, budget: int, margin: float,
+                      fit: int, action: str, skipped: Sequence[str], measured: bool = False) -> Advice:
+    """A stage (the next, or the one running) does not fit: what was seen and what is done."""
+    if measured:
+        why = f"seq_len={seq_len} already peaked at {format_bytes(peak)}"
+    else:
+        why = (f"seq_len={seq_len} is predicted to peak at {format_bytes(peak)} (upper bound "
+               f"{format_bytes(bound)}, {method})")
+    fits = f"The largest length forecast to fit is {fit}. " if fit > 0 else "No length is forecast to fit. "
+    skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+    return Advice("stage_over_budget", f"oom-{seq_len}",
+                  f"seqmem: {why}, over {_usable(budget, usable, margin)}. {fits}{action}{skipped_text}.",
+                  PredictedOOMWarning)
+
+
+def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, method: str, usable: int, budget: int,
+                      margin: float, fit: int, applied: Sequence[str], rung: Optional[str] = None,
+                      measured: bool = False) -> Advice:
+    """Without a curriculum: a batch of the data's own length does not fit."""
+    what = (f"already peaked at {format_bytes(peak)}" if measured else
+            f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
+    head = f"seqmem: a batch of seq_len={seq_len}, batch {batch_size} {what}, over {_usable(budget, usable, margin)}"
+    if rung is not None:
+        return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}-{'+'.join(applied) or 'none'}",
+                      f"{head}; switching on the next mitigation, {rung!r}, before the next batch runs.",
+                      PredictedOOMWarning)
+    fits = f"the largest length forecast to fit is {fit}" if fit > 0 else "no length is forecast to fit"
+    return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}",
+                  f"{head}; {fits}, and no mitigation is left to switch on. Cap the padded length of your "
+                  f"collate function, lower the batch size, or {remaining_advice(applied)}.", PredictedOOMWarning)
+
+
+def first_step_over_budget(start: int, peak: int, usable: int, budget: int, margin: float) -> Advice:
+    return Advice("first_step_over_budget", "budget-first-step",
+                  f"seqmem: the first step already used {format_bytes(peak)} at its peak ({format_bytes(start)} "
+                  f"before it began), more than the usable budget {format_bytes(usable)}. The next batch switches "
+                  f"a mitigation on or runs shorter; to avoid it, raise `memory_budget` (now {format_bytes(budget)}), "
+                  f"lower `safety_margin` (now {margin}), or start the curriculum shorter.", PredictedOOMWarning)
+
+
+def forecast_mismatch(seq_len: int, batch_size: int, method: str, forecast: int, measured: int, error: float,
+                      tolerance: float) -> Advice:
+    if error < 0:
+        why = ("Likely causes: dynamic padding or sequence packing (the batch's real length differs from its "
+               "shape), a kernel whose choice depends on the length, or memory held outside the step. Later "
+               "forecasts widen their bounds by this miss, and this length is traced again.")
+    elif method == "quadratic":
+        why = ("An over-prediction is safe. A quadratic fit of so few lengths puts all growth in the L² term; it "
+               "tightens as more lengths are measured.")
+    else:
+        why = ("An over-prediction is safe. The traced program may differ at this length (a kernel choice that "
+               "depends on the length); this length is traced again.")
+    return Advice("forecast_mismatch", f"mismatch-{seq_len}-{batch_size}",
+                  f"seqmem: the {method} forecast for seq_len={seq_len} (batch {batch_size}) was "
+                  f"{format_bytes(forecast)}, measured {format_bytes(measured)} ({error:+.1%}, tolerance "
+                  f"{tolerance:.0%}). {why}", ForecastMismatchWarning)
+
+
+def mitigation_failed(name: str, detail: str) -> Advice:
+    return Advice("mitigation_failed", f"mitigation-failed-{name}",
+                  f"seqmem: could not switch on {name!r} ({detail}); skipping it on every rank.", SeqMemFailureWarning)
+
+
+def mitigations_dropped(names: Sequence[str], why: str) -> Advice:
+    return Advice("mitigation_dropped", "mitigations-dropped",
+                  f"seqmem: mitigations {list(names)} are off for this run: {why}.", UserWarning)
+
+
+def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice:
+    return Advice("attention_still_quadratic", "attention-still-quadratic",
+                  f"seqmem: after switching attention ({detail}), memory still grows quadratically with the length "
+                  f"({new_b:.0f} B/token², was {old_b:.0f}): the kernel likely fell back to a path that materialises "
+                  "the scores — an explicit attention mask, attention dropout, or a dtype the fused kernel does "
+                  "not support.", PredictedOOMWarning)
+
+
+def precision(target: int, share: float, peak: int, saved: float) -> Advice:
+    return Advice("precision", "precision",
+                  f"seqmem: this run is in 32-bit precision and at the target length {target} the attention scores "
+                  f"are forecast to be {share:.0%} of the {format_bytes(peak)} peak. Precision cannot change "
+                  f"mid-run: restart with Trainer(precision='bf16-mixed') to roughly halve activations (about "
+                  f"{format_bytes(saved)} saved on the scores alone).", UserWarning)
+
+
+def failure(where: str, error: str) -> Advice:
+    return Advice("failure", "failure",
+                  f"seqmem: internal failure in {where} ({error}); the callback stops measuring and predicting for "
+                  "the rest of this run, and the curriculum stays at its current length. Training goes on.",
+                  SeqMemFailureWarning)
+
+
+def output_failed(what: str, error: str) -> Advice:
+    return Advice("output_failed", f"failed-{what}", f"seqmem: could not write {what} ({error})", SeqMemFailureWarning)
+
+
+def kind_of_key(key: str) -> str:
+    """The kind of a warning key in a checkpoint written before warnings had kinds.
+
+    >>> kind_of_key("oom-batch-512-4"), kind_of_key("mismatch-64-2"), kind_of_key("zzz")
+    ('batch_over_budget', 'forecast_mismatch', 'other')
+    """
+    prefixes = (("oom-batch-", "batch_over_budget"), ("oom-", "stage_over_budget"), ("mismatch-", "forecast_mismatch"),
+                ("budget-first-step", "first_step_over_budget"), ("mitigation-failed-", "mitigation_failed"),
+                ("mitigations-dropped", "mitigation_dropped"), ("attention-still-quadratic", "attention_still_quadratic"),
+                ("precision", "precision"), ("diagnosis-", "diagnosis"), ("failure", "failure"),
+                ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"))
+    return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
+
+
+__all__ = ["KINDS", "Advice", "kind_of_key"]

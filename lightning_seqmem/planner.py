@@ -1,0 +1,688 @@
+"""``SeqMemPlanner``: every decision of the callback, on plain values (no torch, no Lightning).
+
+The callback measures, applies and agrees across ranks; the planner decides. It owns
+
+* the measurement schedule (:meth:`begin_step`): warm-up steps, warm-up after a change of shape or
+  mitigations, ``measure_every_n_steps``, which steps are traced for the replay;
+* one :class:`~lightning_seqmem.forecast.MemoryForecaster` per set of mitigations, fed by
+  :meth:`observe`, and the verification of every forecast when its length runs;
+* the curriculum's state (stage, cap, the queue of shorter lengths measured before growing);
+* the budget decision before every batch (:meth:`decide` → :class:`Decision`, applied on every
+  rank with :meth:`commit`), the advice it gives (:class:`~lightning_seqmem.advice.Advice`), the
+  logged metrics and the checkpoint state.
+
+The budget holds at every step, on every path. Before a batch runs at ``(L, B)`` under the
+mitigations now on, :meth:`judge` says whether it fits the usable budget:
+
+1. measured already at ``(L, B)`` with these mitigations: over if any step (warm-up included)
+   went over, fits if a fitted step did not;
+2. otherwise the smallest of the upper bounds available: this setting's forecast, the forecast of
+   the setting before the last rung (a mitigation never adds memory), and a one-point bound from
+   this setting's nearest shorter measurement (``static + dynamic·(L/L₀)²·B/B₀``: activations grow
+   at most quadratically in the length and linearly in the batch);
+3. nothing measured yet: unknown (the first steps), and the batch runs.
+
+A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
+only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
+real fit. Over the budget, the next applicable rung is switched on (and shorter lengths are
+re-measured with it before growing), else the curriculum is capped at the longest length
+forecast to fit — below the current stage if the current stage itself is over. Without a
+curriculum the data sets the length: a batch judged over switches the next rung on before it
+runs, or, with no rung left, warns once.
+
+Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 MB budget):
+    >>> from lightning_seqmem.records import StepMemory
+    >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=256, steps_per_stage=3, multiple_of=16),
+    ...                   memory_budget_bytes=3_500_000, safety_margin=0.0, warmup_steps=1)
+    >>> no_rung = {name: (False, "not in this example") for name in MITIGATIONS}
+    >>> lengths = []
+    >>> for step in range(9):
+    ...     d = p.decide((4, 256), no_rung)
+    ...     p.commit(d)
+    ...     s = p.begin_step(d.seq_len, 4, optimizer_steps=True, global_step=step)
+    ...     peak = 1_000_000 + 4 * (3000 * s.seq_len + s.seq_len ** 2)
+    ...     _ = p.observe(s, StepMemory(peak, {"forward": peak}, 1_000_000, 1_000_000))
+    ...     p.end_batch()
+    ...     lengths.append((d.action, s.seq_len))
+    >>> lengths[2:6]   # 128 judged from one length only is over: probe 32; then 128 is forecast over too: cap
+    [('run', 64), ('probe', 32), ('run', 32), ('cap', 112)]
+    >>> max(r.peak_bytes for r in p.records) <= p.usable_budget_bytes, [a.kind for a in p.take_advice()][:1]
+    (True, ['stage_over_budget'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping, Optional, Sequence
+
+from . import advice as A
+from .curriculum import Curriculum
+from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
+from .model import UNBOUNDED_SEQ_LEN
+from .records import PHASES, StepMemory, StepRecord
+from .rungs import MITIGATIONS, check_mitigations
+from .timeline import Trace
+from .units import to_gib
+
+Applicability = Mapping[str, "tuple[bool, str]"]
+_ONE_POINT_MARGIN = 0.02  # on top of the one-point bound, as the replay's margin
+
+
+@dataclass
+class PendingStep:
+    """What :meth:`SeqMemPlanner.begin_step` decided for the batch about to run."""
+
+    step: int
+    global_step: int
+    epoch: int
+    seq_len: int
+    batch_size: int
+    warmup: bool
+    measure: bool
+    traced: bool
+    stage: Optional[int]
+    mitigations: tuple[str, ...]
+    events: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether ``(seq_len, batch_size)`` fits the usable budget under the mitigations now on."""
+
+    kind: str  # "fits", "over" or "unknown"
+    bound_bytes: Optional[int] = None  # what was compared with the budget
+    peak_bytes: Optional[int] = None  # the measured or forecast peak behind it
+    method: str = ""  # "measured", "replay", "quadratic", "one-point bound", "previous setting"
+    measured: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens before a batch runs: taken once (rank zero), applied on every rank.
+
+    ``action`` is ``"run"`` (stay), ``"advance"`` (enter the next stage), ``"probe"`` (measure a
+    shorter cut first, to fit the next stage), ``"mitigate"`` (switch ``rung`` on first),
+    ``"cap"`` (stop the curriculum at ``stages[-1]``) or ``"over"`` (no curriculum and nothing left
+    to switch on: the batch runs over the forecast budget, with a warning). ``seq_len`` is the
+    length to cut the batch to (``None``: the batch's own). The curriculum fields are its state
+    after the decision.
+    """
+
+    action: str
+    seq_len: Optional[int]
+    rung: Optional[str] = None
+    stages: tuple[int, ...] = ()
+    stage: int = 0
+    refit_queue: tuple[int, ...] = ()
+    decide_now: bool = False
+    reset_stage_steps: bool = False
+    advice: tuple[A.Advice, ...] = ()
+
+
+class SeqMemPlanner:
+    """The callback's decisions on plain values. Arguments as :class:`~lightning_seqmem.SeqMemCallback`'s.
+
+    Args:
+        memory_budget_bytes: the budget in bytes, or None (forecasts are then informational).
+        compare_reserved: judge against reserved memory (the CUDA caching allocator: an OOM happens
+            at the reserved level); the tracker has no reserved memory.
+        block_bytes: allocation granularity of traced steps (512 for CUDA, 1 for the tracker).
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 2,
+        tolerance: float = 0.15,
+        memory_budget_bytes: Optional[int] = None,
+        safety_margin: float = 0.1,
+        curriculum: Optional[Curriculum] = None,
+        warmup_steps_after_change: int = 1,
+        trace_lengths: int = 3,
+        measure_every_n_steps: int = 1,
+        mitigations: Sequence[str] = MITIGATIONS,
+        compare_reserved: bool = False,
+        block_bytes: int = 1,
+        precision: str = "32-true",
+    ) -> None:
+        self.warmup_steps = warmup_steps
+        self.tolerance = float(tolerance)
+        self.budget_bytes = memory_budget_bytes
+        self.safety_margin = float(safety_margin)
+        self.curriculum = curriculum
+        self.warmup_steps_after_change = warmup_steps_after_change
+        self.trace_lengths = trace_lengths
+        self.measure_every_n_steps = measure_every_n_steps
+        self.mitigations = check_mitigations(mitigations)  # the rungs left to this run
+        self.compare_reserved = compare_reserved
+        self.block_bytes = block_bytes
+        self.precision = precision
+        self.reset()
+
+    def reset(self) -> None:
+        """Everything a run accumulates (what :meth:`state_dict` saves), as before the first step."""
+        self.records: list[StepRecord] = []
+        self.applied_mitigations: tuple[str, ...] = ()
+        self.mitigation_events: list[dict[str, Any]] = []
+        self.forecasters: dict[tuple[str, ...], MemoryForecaster] = {(): MemoryForecaster(tolerance=self.tolerance)}
+        self.warned: dict[str, str] = {}  # advice key -> kind
+        self.step = 0
+        self.last_batch_size: Optional[int] = None
+        self.last_verification_error: Optional[float] = None
+        self.stages: tuple[int, ...] = self.curriculum.stages if self.curriculum else ()
+        self.stage = 0
+        self.stage_steps = 0
+        self.capped_at: Optional[int] = None
+        self.refit_queue: list[int] = []
+        self.decide_now = False
+        self.resume_warmup = 0  # steps after a resume that are not fitted (gradients were not saved)
+        self._key_counts: dict[tuple, int] = {}
+        self._pending: dict[tuple, Forecast] = {}
+        self._pending_events: list[str] = []
+        self._advice: list[A.Advice] = []
+        self._cache: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------------
+    # Budget and forecasts
+    # ------------------------------------------------------------------------------------------
+    @property
+    def usable_budget_bytes(self) -> Optional[int]:
+        """``budget × (1 − safety_margin)``, or None without a budget."""
+        return None if self.budget_bytes is None else int(self.budget_bytes * (1 - self.safety_margin))
+
+    @property
+    def forecaster(self) -> MemoryForecaster:
+        """The forecaster of the mitigations on now (each setting has its own fit)."""
+        return self.forecasters.setdefault(self.applied_mitigations, MemoryForecaster(tolerance=self.tolerance))
+
+    @property
+    def seq_len(self) -> Optional[int]:
+        """The curriculum's current stage length (None without a curriculum)."""
+        return self.stages[self.stage] if self.stages else None
+
+    def bound_of(self, fc: Forecast) -> int:
+        """What to compare with the budget: the reserved bound on CUDA, the upper bound elsewhere."""
+        return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
+
+    def forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Forecast:
+        """The forecast of ``mitigations`` (default: those on now) at ``(seq_len, batch_size)``."""
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        forecaster = self.forecasters.get(key)
+        if forecaster is None:
+            raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
+                                        f"{[list(k) for k in self.forecasters]}")
+        return forecaster.forecast(seq_len, batch_size)
+
+    def max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
+        """Largest length whose forecast bound fits ``budget_bytes`` with the mitigations on now."""
+        return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+
+    def _measured_bound(self, r: StepRecord) -> int:
+        return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
+
+    def _one_point_bound(self, seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:
+        """(bound, peak) from this setting's fitted step nearest below ``seq_len`` (any length
+        if none is shorter), assuming activations at most quadratic in L and linear in B."""
+        same = [r for r in self.records if not r.warmup and r.mitigations == self.applied_mitigations]
+        if not same:
+            return None
+        shorter = [r for r in same if r.seq_len <= seq_len] or same
+        r = max(shorter, key=lambda r: (r.seq_len, r.peak_bytes))
+        dynamic = max(r.peak_bytes - r.start_bytes, 0)
+        scale = max(1.0, (seq_len / r.seq_len) ** 2) * max(1.0, batch_size / r.batch_size)
+        peak = int(r.start_bytes + dynamic * scale)
+        ratio = self.forecaster.reserved_ratio if self.compare_reserved else 1.0
+        return int(peak * (1 + _ONE_POINT_MARGIN) * ratio), peak
+
+    def judge(self, seq_len: int, batch_size: int) -> Verdict:
+        """Whether a batch at ``(seq_len, batch_size)`` fits the usable budget now (see the module doc)."""
+        budget = self.usable_budget_bytes
+        if budget is None:
+            return Verdict("fits")
+        here = [r for r in self.records if (r.seq_len, r.batch_size, r.mitigations) ==
+                (seq_len, batch_size, self.applied_mitigations)]
+        if here:
+            worst = max(here, key=self._measured_bound)
+            if self._measured_bound(worst) > budget:
+                return Verdict("over", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
+            if any(not r.warmup for r in here):
+                return Verdict("fits", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
+        bounds: list[tuple[int, int, str]] = []
+        if self.forecaster.ready:
+            fc = self.forecaster.forecast(seq_len, batch_size)
+            bounds.append((self.bound_of(fc), fc.peak_bytes, fc.method))
+        for n in range(len(self.applied_mitigations) - 1, -1, -1):  # a mitigation never adds memory
+            earlier = self.forecasters.get(self.applied_mitigations[:n])
+            if earlier is not None and earlier.ready:
+                fc = earlier.forecast(seq_len, batch_size)
+                bounds.append((self.bound_of(fc), fc.peak_bytes, "previous setting"))
+                break
+        one_point = self._one_point_bound(seq_len, batch_size)
+        if one_point is not None:
+            bounds.append((*one_point, "one-point bound"))
+        if not bounds:
+            return Verdict("unknown")
+        bound, peak, method = min(bounds)
+        return Verdict("fits" if bound <= budget else "over", bound, peak, method)
+
+    def _fit_now(self, batch_size: int) -> int:
+        """Largest length forecast to fit the usable budget (0 if none, or no forecast yet)."""
+        budget = self.usable_budget_bytes
+        if budget is None:
+            return UNBOUNDED_SEQ_LEN
+        for n in range(len(self.applied_mitigations), -1, -1):
+            forecaster = self.forecasters.get(self.applied_mitigations[:n])
+            if forecaster is not None and forecaster.ready:
+                return forecaster.max_seq_len(budget, batch_size, reserved=self.compare_reserved)
+        return 0
+
+    # ------------------------------------------------------------------------------------------
+    # Decisions
+    # ------------------------------------------------------------------------------------------
+    def decide(self, shape: tuple[int, int], applicable: Applicability) -> Decision:
+        """What to do before a batch whose full shape is ``(batch_size, seq_len)``.
+
+        ``applicable`` maps each rung not on yet to ``(applies, reason)`` for this model and batch
+        (under DDP: applies on every rank). Pure: the state changes only in :meth:`commit`.
+        """
+        batch_size, seq_len = int(shape[0]), int(shape[1])
+        if self.curriculum is None:
+            return self._decide_free(seq_len, batch_size, applicable)
+        return self._decide_curriculum(seq_len, batch_size, applicable)
+
+    def _state(self, **changes: Any) -> Decision:
+        base = Decision("run", None, stages=self.stages, stage=self.stage, refit_queue=tuple(self.refit_queue),
+                        decide_now=self.decide_now)
+        return replace(base, **changes)
+
+    def _next_rung(self, applicable: Applicability) -> tuple[Optional[str], list[str]]:
+        skipped = []
+        for name in self.mitigations:
+            if name in self.applied_mitigations:
+                continue
+            ok, reason = applicable.get(name, (False, "its applicability was not checked"))
+            if ok:
+                return name, skipped
+            skipped.append(f"{name}: {reason}")
+        return None, skipped
+
+    def _decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
+        verdict = self.judge(seq_len, batch_size)
+        if verdict.kind != "over":
+            return self._state()
+        budget, usable = self.budget_bytes, self.usable_budget_bytes
+        assert budget is not None and usable is not None
+        rung, _ = self._next_rung(applicable)
+        words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
+                                    verdict.method, usable, budget, self.safety_margin, self._safe_fit(batch_size),
+                                    self.applied_mitigations, rung, verdict.measured)
+        if rung is not None:
+            return self._state(action="mitigate", rung=rung, advice=(words,))
+        return self._state(action="over", advice=(words,))
+
+    def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
+        """Samples per batch at ``seq_len``: ``truncate=False`` reshapes rows, keeping the tokens."""
+        assert self.curriculum is not None
+        if not self.curriculum.truncate and source_len > 0:
+            return max(1, batch_size * source_len // seq_len)
+        return batch_size
+
+    def _decide_curriculum(self, source_len: int, source_batch: int, applicable: Applicability) -> Decision:
+        assert self.curriculum is not None
+        queue, advance = list(self.refit_queue), False
+        if queue:
+            seq_len = queue.pop(0)
+        elif (self.decide_now or self.stage_steps >= self.curriculum.steps_per_stage) and self.stage + 1 < len(self.stages):
+            seq_len, advance = self.stages[self.stage + 1], True
+        else:
+            seq_len = self.stages[self.stage]
+        after_queue = bool(self.refit_queue) and not queue  # the last re-measurement: decide right after
+        batch_size = self.batch_at(source_batch, source_len, seq_len)
+        verdict = self.judge(seq_len, batch_size)
+        go = self._state(action="advance" if advance else "run", seq_len=seq_len, refit_queue=tuple(queue),
+                         stage=self.stage + advance, decide_now=after_queue, reset_stage_steps=advance)
+        if verdict.kind == "fits":
+            return go
+        if verdict.kind == "unknown":  # nothing fitted yet with these mitigations: hold the stage
+            return go if not advance else self._state(seq_len=self.stages[self.stage], decide_now=True)
+        if advance and not verdict.measured and not self.forecaster.ready:
+            probe = self._probe_length(batch_size)
+            if probe is not None:  # a real fit of this setting before judging the stage over
+                steps = [probe] * (max(1, self.warmup_steps_after_change) + 1)
+                return self._state(action="probe", seq_len=probe, refit_queue=tuple(steps[1:]), decide_now=False)
+        return self._over_in_curriculum(seq_len, batch_size, verdict, applicable)
+
+    def _probe_length(self, batch_size: int) -> Optional[int]:
+        """A length shorter than the current stage not yet fitted with these mitigations, or None."""
+        assert self.curriculum is not None
+        m = self.curriculum.multiple_of
+        fitted = {r.seq_len for r in self.records if not r.warmup and r.mitigations == self.applied_mitigations
+                  and r.batch_size == batch_size}
+        length = self.stages[self.stage] // 2
+        while length >= m:
+            candidate = self.curriculum.round_down(length)
+            if candidate not in fitted and candidate < self.stages[self.stage]:
+                return candidate
+            length //= 2
+        return None
+
+    def _safe_fit(self, batch_size: int) -> int:
+        try:
+            return self._fit_now(batch_size)
+        except Exception:  # noqa: BLE001 - only words depend on it
+            return 0
+
+    def _over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability) -> Decision:
+        assert self.curriculum is not None and self.budget_bytes is not None and self.usable_budget_bytes is not None
+        m, current = self.curriculum.multiple_of, self.stages[self.stage]
+        fit = self._safe_fit(batch_size)
+        rung, skipped = self._next_rung(applicable)
+        words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
+                     method=verdict.method, usable=self.usable_budget_bytes, budget=self.budget_bytes,
+                     margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured)
+        if rung is not None:
+            base = min(current, seq_len)
+            lengths = sorted({self.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})
+            steps = max(1, self.warmup_steps_after_change) + 1  # warm-up, then one fitted step per length
+            queue = [L for L in lengths for _ in range(steps)]
+            action = (f"Switching on the next mitigation, {rung!r}, then re-measuring at seq_len {lengths} "
+                      "before growing")
+            return self._state(action="mitigate", rung=rung, seq_len=queue[0], refit_queue=tuple(queue[1:]),
+                               decide_now=False, advice=(A.over_budget_stage(action=action, **words),))
+        if seq_len > current:  # the next stage does not fit: stay between the two
+            cap = self.curriculum.round_down(fit) if fit >= m else current
+            cap = max(min(cap, seq_len - 1), current)
+        else:  # the stage running now is over: go back to what is forecast to fit
+            cap = self.curriculum.round_down(fit) if fit >= m else m
+            cap = min(cap, max(seq_len - m, m))
+        stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
+        action = f"The curriculum stays at seq_len={cap}. To go further: {A.remaining_advice(self.applied_mitigations)}"
+        return self._state(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
+                           decide_now=False, reset_stage_steps=cap != current,
+                           advice=(A.over_budget_stage(action=action, **words),))
+
+    def commit(self, decision: Decision) -> None:
+        """Take ``decision`` (every rank, the same one). A rung is recorded in :meth:`rung_applied`."""
+        self.stages, self.stage = tuple(decision.stages), decision.stage
+        self.refit_queue, self.decide_now = list(decision.refit_queue), decision.decide_now
+        if decision.reset_stage_steps:
+            self.stage_steps = 0
+        if decision.action == "cap":
+            self.capped_at = self.stages[-1]
+        for item in decision.advice:
+            self.advise(item)
+
+    def rung_applied(self, name: str, ok: bool, detail: str, seq_len: Optional[int]) -> None:
+        """A rung ``decide`` asked for was switched on (``ok``) on every rank, or on none."""
+        if not ok:
+            self.mitigations = tuple(m for m in self.mitigations if m != name)
+            self.refit_queue, self.decide_now = [], True
+            self.advise(A.mitigation_failed(name, detail))
+            return
+        before = max((r.peak_bytes for r in self.records if r.seq_len == seq_len and r.mitigations == self.applied_mitigations),
+                     default=None)
+        self.applied_mitigations = self.applied_mitigations + (name,)
+        self.forecaster  # noqa: B018 - a fresh fit for the new setting
+        self.mitigation_events.append({"name": name, "step": self.step, "seq_len": seq_len, "detail": detail,
+                                       "before_bytes": before, "after_bytes": None})
+        self._pending_events.append(f"mitigation:{name}")
+
+    def drop_mitigations(self, names: Sequence[str], why: str) -> None:
+        """Rungs this run cannot take (set-up): off for the run, said once."""
+        if names:
+            self.mitigations = tuple(m for m in self.mitigations if m not in names)
+            self.advise(A.mitigations_dropped(names, why))
+
+    # ------------------------------------------------------------------------------------------
+    # Measurement
+    # ------------------------------------------------------------------------------------------
+    def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True, global_step: int = 0,
+                   epoch: int = 0) -> PendingStep:
+        """The schedule for a batch about to run at ``(seq_len, batch_size)``: warm-up, measured, traced."""
+        key = (seq_len, batch_size, self.applied_mitigations)
+        count = self._key_counts.get(key, 0)
+        self._key_counts[key] = count + 1
+        warmup = (self.step < self.warmup_steps or global_step < self.warmup_steps  # accumulation: until a step
+                  or count < self.warmup_steps_after_change or self.resume_warmup > 0)
+        self.resume_warmup = max(0, self.resume_warmup - 1)
+        if count == 0 and self.forecaster.ready:  # kept to verify against the measurement
+            self._pending[key] = self.forecaster.forecast(seq_len, batch_size)
+        measure = warmup or count == self.warmup_steps_after_change or self.step % self.measure_every_n_steps == 0
+        # only steps ending in an optimizer step are traced: with accumulation the others run another program
+        traced = measure and not warmup and optimizer_steps and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
+        events, self._pending_events = self._pending_events, []
+        return PendingStep(self.step, global_step, epoch, seq_len, batch_size, warmup, measure, traced,
+                           self.stage if self.stages else None, self.applied_mitigations, events)
+
+    def end_batch(self) -> None:
+        """A batch finished (measured or not)."""
+        self.step += 1
+        self.stage_steps += 1
+
+    def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
+                batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
+                rank: Optional[int] = None) -> StepRecord:
+        """Record a measured step, fit, verify; returns the record.
+
+        ``memory`` is the step's measurement; under DDP, that of the rank with the highest peak,
+        whose own ``(seq_len, batch_size)`` are given. ``trace`` is the ``(seq_len, batch_size,
+        memory)`` whose events are traced (default: the same).
+        """
+        L = pending.seq_len if seq_len is None else int(seq_len)
+        B = pending.batch_size if batch_size is None else int(batch_size)
+        phases = {p: memory.phase_peak_bytes.get(p) for p in PHASES}
+        record = StepRecord(
+            step=pending.step, global_step=pending.global_step, epoch=pending.epoch, seq_len=L, batch_size=B,
+            warmup=pending.warmup, traced=pending.traced, peak_bytes=memory.peak_bytes,
+            forward_peak_bytes=phases["forward"], backward_peak_bytes=phases["backward"],
+            optimizer_peak_bytes=phases["optimizer"], start_bytes=memory.start_bytes,
+            reserved_bytes=memory.reserved_bytes, fragmentation_bytes=memory.fragmentation_bytes,
+            fragmentation_fraction=memory.fragmentation_fraction, inactive_split_bytes=memory.inactive_split_bytes,
+            alloc_retries=memory.alloc_retries, num_ooms=memory.num_ooms, stage=pending.stage,
+            mitigations=pending.mitigations, events=list(pending.events), rank=rank,
+        )
+        usable = self.usable_budget_bytes
+        if record.step == 0 and usable is not None and self._measured_bound(record) > usable:
+            assert self.budget_bytes is not None
+            self.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes, usable, self.budget_bytes,
+                                                 self.safety_margin))
+        forecaster = self.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=self.tolerance))
+        if not record.warmup:
+            self.last_batch_size = B
+            forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
+            tL, tB, tm = trace if trace is not None else (L, B, memory)
+            if pending.traced and tm.events is not None:
+                forecaster.add_trace(Trace(tL, tB, tm.events, block_bytes=self.block_bytes,
+                                           measured_peak_bytes=tm.peak_bytes))
+            fc = self._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
+            if fc is not None:
+                self._verify(record, fc, forecaster)
+            self._after_mitigation(record)
+            self._precision_advice(B)
+        self.records.append(record)
+        return record
+
+    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster) -> None:
+        v = forecaster.verify(fc, record.peak_bytes)
+        record.forecast_peak_bytes, record.forecast_upper_bytes = fc.peak_bytes, fc.upper_bytes
+        record.forecast_method, record.forecast_error = fc.method, v.relative_error
+        self.last_verification_error = v.relative_error
+        if abs(v.relative_error) > self.tolerance:
+            self.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
+                                            record.peak_bytes, v.relative_error, self.tolerance))
+
+    def _after_mitigation(self, record: StepRecord) -> None:
+        """Fill the measured effect of the last mitigation; warn if attention stayed quadratic."""
+        if not self.mitigation_events:
+            return
+        event = self.mitigation_events[-1]
+        if event["after_bytes"] is None and record.seq_len == event["seq_len"] and record.mitigations == self.applied_mitigations:
+            event["after_bytes"] = record.peak_bytes
+        if event["name"] != "attention" or event.get("checked") or not self.forecaster.ready:
+            return
+        terms = quadratic_terms(self.forecasters.get(self.applied_mitigations[:-1]), self.forecaster)
+        if terms is None:
+            return
+        old_b, new_b = terms
+        event["checked"] = True
+        if new_b > 0.5 * old_b:
+            self.advise(A.attention_still_quadratic(event["detail"], new_b, old_b))
+
+    def _precision_advice(self, batch_size: int) -> None:
+        """In 32-bit, if the L² term dominates at the target length, recommend bf16-mixed once."""
+        if "precision" in self.warned or not str(self.precision).startswith("32"):
+            return
+        model = self.forecaster.quadratic
+        if model is None or len({L for L, _ in self.forecaster.points}) < 3:
+            return  # a two-length fit is C + b·L² by construction: it says nothing about the L² share
+        target = self.curriculum.target if self.curriculum else max((r.seq_len for r in self.records), default=1)
+        fc = model.predict(target, batch_size)
+        quadratic = max(batch_size * c.quadratic_bytes_per_token2 * target**2 for c in model.coefficients.values())
+        if quadratic > 0.5 * fc.peak_bytes:
+            self.advise(A.precision(target, quadratic / fc.peak_bytes, fc.peak_bytes, quadratic / 2))
+
+    # ------------------------------------------------------------------------------------------
+    # Advice and metrics
+    # ------------------------------------------------------------------------------------------
+    def advise(self, item: A.Advice) -> None:
+        """Queue ``item`` unless its key was given already."""
+        if item.key not in self.warned:
+            self.warned[item.key] = item.kind
+            self._advice.append(item)
+
+    def take_advice(self) -> list[A.Advice]:
+        """The advice given since the last call (the callback warns each once)."""
+        out, self._advice = self._advice, []
+        return out
+
+    def budget_view(self, batch_size: int) -> dict[str, float]:
+        """Forecast for the next stage (or this length), largest length that fits, headroom (cached)."""
+        key = (self.applied_mitigations, self.forecaster.version, self.stage, batch_size, len(self.stages))
+        if self._cache.get("key") == key:
+            return self._cache["value"]
+        out: dict[str, float] = {}
+        if self.forecaster.ready:
+            target = self.stages[self.stage + 1] if self.stage + 1 < len(self.stages) else None
+            target = target or (self.records[-1].seq_len if self.records else None)
+            if target:
+                bound = self.bound_of(self.forecaster.forecast(target, batch_size))
+                out["forecast_next_gib"] = to_gib(bound)
+                budget = self.usable_budget_bytes
+                if budget is not None:
+                    out["budget_gib"] = to_gib(budget)
+                    out["max_seq_len"] = float(self.max_seq_len(budget, batch_size))
+                    out["headroom_gib"] = to_gib(budget - bound)
+                    out["headroom_fraction"] = (budget - bound) / budget
+        self._cache = {"key": key, "value": out}
+        return out
+
+    def metrics(self, record: StepRecord) -> dict[str, float]:
+        """The logged scalars of ``record`` (tags without the ``seqmem/`` prefix; GiB = 2³⁰ bytes)."""
+        out: dict[str, float] = {"seq_len": record.seq_len, "batch_size": record.batch_size,
+                                 "warmup": float(record.warmup), "peak_allocated_gib": to_gib(record.peak_bytes)}
+        for phase in PHASES:
+            value = getattr(record, f"{phase}_peak_bytes")
+            if value is not None:
+                out[f"peak_{phase}_gib"] = to_gib(value)
+        if record.reserved_bytes is not None:
+            out["reserved_gib"] = to_gib(record.reserved_bytes)
+            out["fragmentation_gib"] = to_gib(record.fragmentation_bytes or 0)
+            out["fragmentation_fraction"] = record.fragmentation_fraction or 0.0
+            out["inactive_split_gib"] = to_gib(record.inactive_split_bytes or 0)
+            out["alloc_retries"] = record.alloc_retries or 0
+            out["num_ooms"] = record.num_ooms or 0
+        if self.last_verification_error is not None:
+            out["verification_error"] = self.last_verification_error
+        if record.stage is not None:
+            out["stage"] = record.stage
+        out["mitigations_applied"] = len(record.mitigations)
+        out.update(self.budget_view(record.batch_size))
+        return {k: float(v) for k, v in out.items()}
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpointing
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Flat plain values (the keys of earlier versions kept, so their checkpoints load)."""
+        return {
+            "step": self.step,
+            "records": [r.to_dict() for r in self.records],
+            "forecasters": {"|".join(k): f.state_dict() for k, f in self.forecasters.items()},
+            "key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self._key_counts.items()],
+            "warned": sorted(self.warned),
+            "warned_kinds": dict(self.warned),
+            "applied_mitigations": list(self.applied_mitigations),
+            "mitigations_left": list(self.mitigations),
+            "mitigation_events": [dict(e) for e in self.mitigation_events],
+            "refit_queue": list(self.refit_queue),
+            "decide_now": self.decide_now,
+            "stages": list(self.stages),
+            "stage": self.stage,
+            "stage_steps": self.stage_steps,
+            "capped_at": self.capped_at,
+            "last_batch_size": self.last_batch_size,
+            "last_verification_error": self.last_verification_error,
+            "pending": {"x".join(map(str, k[:2])) + "".join(f"|{m}" for m in k[2]): asdict(v)
+                        for k, v in self._pending.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (raises on a state this version cannot read; nothing is half-set)."""
+        fresh = SeqMemPlanner.__new__(SeqMemPlanner)
+        fresh.__dict__.update(self.__dict__)
+        fresh.reset()
+        fresh._load(state)
+        self.__dict__.update(fresh.__dict__)
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
+        self.records = [StepRecord.from_dict(r) for r in state.get("records", [])]
+        self.forecasters = {}
+        for key, value in state.get("forecasters", {"": state.get("forecaster", {})}).items():
+            forecaster = MemoryForecaster(tolerance=self.tolerance)
+            forecaster.load_state_dict(value)
+            self.forecasters[tuple(key.split("|")) if key else ()] = forecaster
+        self._key_counts = {(int(k0), int(k1), tuple(k2)): int(v) for k0, k1, k2, v in state.get("key_counts", [])}
+        kinds = state.get("warned_kinds") or {}
+        self.warned = {str(k): str(kinds.get(k, A.kind_of_key(k))) for k in state.get("warned", [])}
+        self.applied_mitigations = check_mitigations(list(state.get("applied_mitigations", ())))
+        if "mitigations_left" in state:
+            left = set(check_mitigations(list(state["mitigations_left"])))
+            self.mitigations = tuple(m for m in self.mitigations if m in left or m in self.applied_mitigations)
+        self.forecaster  # noqa: B018
+        self.mitigation_events = [dict(e) for e in state.get("mitigation_events", [])]
+        self.refit_queue = [int(L) for L in state.get("refit_queue", [])]
+        self.decide_now = bool(state.get("decide_now", False))
+        self.stages = tuple(int(s) for s in state.get("stages", self.stages))
+        self.stage = int(state.get("stage", 0))
+        if self.stages and not 0 <= self.stage < len(self.stages):
+            raise ValueError(f"stage {self.stage} is outside the {len(self.stages)} stages {list(self.stages)}")
+        self.stage_steps = int(state.get("stage_steps", 0))
+        self.capped_at = state.get("capped_at")
+        self.last_batch_size = state.get("last_batch_size")
+        self.last_verification_error = state.get("last_verification_error")
+        self.resume_warmup = max(1, self.warmup_steps_after_change)
+        self._pending = {}
+        for key, fc in state.get("pending", {}).items():
+            shape, *mitigations = key.split("|")
+            L, B = (int(x) for x in shape.split("x"))
+            self._pending[(L, B, tuple(mitigations))] = Forecast(**fc)
+
+
+def quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:
+    """Bytes per token² (per sample) before and after a change, measured the same way, or None.
+
+    From the timeline replay when both settings have one (the L² coefficients of every allocation,
+    exact from two traced lengths); else from quadratic fits of three or more lengths (a two-point
+    fit is C + b·L² by construction and says nothing about the shape).
+    """
+    if old is None:
+        return None
+    if old.timeline is not None and new.timeline is not None:
+        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum()) for f in (old, new))  # type: ignore[return-value]
+    fits = [f.quadratic for f in (old, new)]
+    if any(q is None for q in fits) or any(len({L for L, _ in f.points}) < 3 for f in (old, new)):
+        return None
+    return tuple(max(c.quadratic_bytes_per_token2 for c in q.coefficients.values()) for q in fits)  # type: ignore[union-attr,return-value]
+
+
+__all__ = ["Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]
