@@ -1202,21 +1202,19 @@ def diagnose(breakdown: Breakdown, model: nn.Module, autocast: Optional[bool] = 
 # Attention ablation
 # ---------------------------------------------------------------------------------------------
 def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Outermost attention modules: :class:`~lightning_seqmem.nn.CausalSelfAttention` or a class
-    named ``...Attention`` (Hugging Face ``LlamaAttention``, ``GPT2Attention``, ...).
+    """Outermost attention modules: those of a class named ``...Attention`` (the reference GPT's
+    ``CausalSelfAttention``, Hugging Face ``LlamaAttention``, ``GPT2Attention``, ...).
 
     Example:
         >>> from lightning_seqmem.nn import GPT, GPTConfig
         >>> [n for n, _ in find_attention_modules(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2)))]
         ['blocks.0.attn', 'blocks.1.attn']
     """
-    from .nn import CausalSelfAttention
-
     infos = _module_infos(model)
     found: list[tuple[str, nn.Module]] = []
 
     def visit(module: nn.Module) -> None:
-        if isinstance(module, CausalSelfAttention) or type(module).__name__.endswith("Attention"):
+        if type(module).__name__.endswith("Attention"):
             found.append((infos[id(module)][0], module))
             return
         for child in module.children():
