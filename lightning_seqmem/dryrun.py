@@ -65,6 +65,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
@@ -79,6 +80,9 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+
 from .batch import infer_batch_shape
 from .checks import check_int
 from .mitigations.attention import AttentionSwitch
@@ -91,6 +95,7 @@ from .probes import PHASES, TrackedEvents, make_probe, round_cuda_block_bytes
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "dry_run_step", "replay_peaks"]
 
 _MICRO_BATCH_SIZE = 1  # samples per micro-batch of the "microbatch" rung (as the ladder applies it)
+_VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
 _QUIET = (  # warnings a fake copy without a Trainer raises by design
     "You are trying to `self.log()`",
     "Accessing the data pointer of FakeTensor",
@@ -229,13 +234,23 @@ def _preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _fake_copy(pl_module: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """``copy.deepcopy`` under the active fake mode, without the Trainer (or Fabric) it is attached to."""
+def _fake_copy(pl_module: nn.Module, memo: dict[int, Any], fake_mode: FakeTensorMode) -> nn.Module:
+    """``copy.deepcopy`` with fake parameters and buffers, without the Trainer (or Fabric) it is attached to.
+
+    Parameters and buffers are faked first and put in the copy's memo, so the deep copy takes the
+    fake ones and never copies a real one (nor a gradient); ``memo[id(real)]`` is then its fake
+    twin. Other tensors held by the module (small attributes such as a rotary embedding's
+    ``original_inv_freq``) are copied as they are; the fake mode converts them when an op uses them.
+    """
     for name in ("_trainer", "_fabric"):
         attached = pl_module.__dict__.get(name)
         if attached is not None:
             memo[id(attached)] = None  # every reference to it copies as None
     try:
+        for p in pl_module.parameters():
+            memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+        for b in pl_module.buffers():
+            memo[id(b)] = fake_mode.from_tensor(b)
         return copy.deepcopy(pl_module, memo)
     except Exception as exc:  # noqa: BLE001 - reported as the reason
         raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
@@ -258,14 +273,17 @@ def _default_foreach(params: list[torch.Tensor]) -> Optional[bool]:
         return None
 
 
-def _rebuild_optimizer(optimizer: Any, memo: dict[int, Any]) -> torch.optim.Optimizer:
-    """A fresh optimizer of the same class and param-group hyperparameters over the fake copy."""
+def _rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class and param-group hyperparameters over the fake copy.
+
+    ``twins`` maps ``id`` of each real parameter to its fake twin.
+    """
     real = _unwrap_optimizer(optimizer)
     groups = []
     for index, group in enumerate(real.param_groups):
         params = []
         for p in group["params"]:
-            fake = memo.get(id(p))
+            fake = twins.get(id(p))
             if fake is None:
                 raise DryRunUnsupported(
                     f"param group {index} of the optimizer holds a {tuple(p.shape)} tensor that is not a parameter "
@@ -310,6 +328,125 @@ def _configured_optimizer(module: Any) -> torch.optim.Optimizer:
     return out
 
 
+# -- values a step reads from its batch -------------------------------------------------------------
+def _tensors_in(*objs: Any) -> list[torch.Tensor]:
+    """The tensors among an op's arguments or outputs (aten nests at most one list deep)."""
+    out: list[torch.Tensor] = []
+    for obj in objs:
+        for x in obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (obj,):
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                out.extend(t for t in x if isinstance(t, torch.Tensor))
+    return out
+
+
+_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
+
+
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments an op writes to (``self`` of an in-place op, ``out=``)."""
+    where = _WRITTEN_ARGS.get(func)
+    if where is None:
+        where = tuple(
+            (-1 if a.kwarg_only else i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITTEN_ARGS[func] = where
+    written: list[torch.Tensor] = []
+    for i, name in where:
+        written += _tensors_in(args[i] if 0 <= i < len(args) else kwargs.get(name))
+    return written
+
+
+def _small(out: Any) -> bool:
+    return all(t.numel() * t.element_size() <= _VALUE_MAX_BYTES for t in _tensors_in(out))
+
+
+class _BatchValues(TorchDispatchMode):
+    """Real values of the small tensors a step computes from its batch and constants alone.
+
+    Fake tensors have no values, yet models read some: is the batch padded (``mask.all()``), are
+    sequences packed (``position_ids`` diffs), where are the labels (``(labels != -100).sum().item()``).
+    Those values come from the batch, not from the parameters, and are cheap to compute for real.
+    This mode (above the fake mode) keeps a real twin of every fake tensor that was computed only
+    from the batch, from constants or from other such tensors, when no larger than
+    ``_VALUE_MAX_BYTES``, running each such op once more on the twins with every mode off (so
+    nothing is counted, and the real tensors die with their fake ones). An op that reads the values of a tensor without a twin (an activation, anything
+    computed from parameters) still fails, as it must. A real tensor held by the module is its own
+    twin, but never written to.
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (ref to it, its twin)
+
+    def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
+        if value.numel() * value.element_size() <= _VALUE_MAX_BYTES:
+            key = id(fake)
+            self._values[key] = (weakref.ref(fake, lambda _, k=key: self._values.pop(k, None)), value)
+
+    def forget(self, fake: torch.Tensor) -> None:
+        self._values.pop(id(fake), None)
+
+    def _value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        if not isinstance(t, FakeTensor):
+            return t
+        entry = self._values.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        known = all(self._value(t) is not None for t in _tensors_in(args, kwargs))
+        written = _written_tensors(func, args, kwargs)
+        if any(not isinstance(t, FakeTensor) for t in written):
+            known = False  # never write to a real tensor
+        try:
+            out = func(*args, **kwargs)
+            computed = True
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            if not known:
+                raise
+            out, computed = None, False
+        if not known or (computed and not _small(out)):
+            for t in written:
+                self.forget(t)  # its values are unknown from now on
+            return out
+        real_args, real_kwargs = tree_map_only(torch.Tensor, self._value, (args, kwargs))
+        with _disable_current_modes():
+            real = func(*real_args, **real_kwargs)
+        if not computed:  # the output's shape (or the result itself) depends on the values
+            out = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real)
+        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+            if isinstance(fake, FakeTensor) and isinstance(value, torch.Tensor):
+                self.give(fake, value)
+        return out
+
+
+@contextlib.contextmanager
+def _transformers_without_fake_detection() -> Iterator[None]:
+    """Let Hugging Face transformers take a real step's shortcuts on fake tensors.
+
+    ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as a graph being traced,
+    and then skips the shortcuts that read values: SDPA gets an explicit ``[B, 1, L, L]`` causal
+    mask instead of ``is_causal=True`` (measured: +28% on a small Llama at 512 tokens, and a
+    quadratic term that a real step does not have). A real step takes them, so during the dry run
+    ``is_fake_tensor`` answers False; the values the shortcuts read come from :class:`_BatchValues`.
+    """
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    module.is_fake_tensor = lambda x: False
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original
+
+
 # -- the batch -------------------------------------------------------------------------------------
 def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``x`` cut, or tiled (repeated whole, then cut), to ``size`` along ``dim``."""
@@ -323,19 +460,27 @@ def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return x.repeat(*repeats).narrow(dim, 0, size)
 
 
-def _shape_batch(batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode) -> tuple[Any, tuple[int, int]]:
+def _shape_batch(
+    batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: _BatchValues
+) -> tuple[Any, tuple[int, int]]:
     """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
 
     Rows (dim 0 of every tensor with the batch's number of rows) are cut or repeated; sequence
     tensors (dim 1 equal to the batch's length, dim 0 the batch size or 1, e.g. ``position_ids``
     of shape ``[1, L]``) are cut or tiled along dim 1, and ``position_ids`` become
     ``0 .. seq_len - 1``; square masks ``[B, H, L, L]`` are cut or tiled along both last dims.
-    Changed tensors are contiguous copies, so each storage holds exactly its elements.
+    Changed tensors are contiguous copies, so each storage holds exactly its elements. Every
+    tensor's values are given to ``values`` (copied: the step may change its batch in place).
     """
     rows, length = infer_batch_shape(batch)
 
     def convert(x: torch.Tensor, key: Any) -> torch.Tensor:
-        fake = x if isinstance(x, FakeTensor) else fake_mode.from_tensor(x)
+        if isinstance(x, FakeTensor):
+            fake = x
+        else:
+            fake = fake_mode.from_tensor(x)
+            with _disable_current_modes():
+                values.give(fake, x.detach().clone())
         out = fake
         if out.dim() >= 1 and out.shape[0] == rows:
             out = _resize(out, 0, batch_size)
@@ -373,7 +518,7 @@ def _shape_batch(batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTenso
             return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
         return obj
 
-    with fake_mode:
+    with fake_mode, values:
         return visit(batch), (rows, length)
 
 
@@ -536,15 +681,17 @@ def dry_run_step(
         for message in _QUIET:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        values = _BatchValues(fake_mode)
         memo: dict[int, Any] = {}
         try:
+            model = _fake_copy(pl_module, memo, fake_mode)
             with fake_mode:
-                model = _fake_copy(pl_module, memo)
                 if device != module_device:
                     model = model.to(device)
                     notes.append(f"moved {module_device} -> {device}")
+                twins = {id(real): fake for real, fake in zip(pl_module.parameters(), model.parameters())}
                 fake_optimizer = (
-                    _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, memo)
+                    _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, twins)
                 )
                 for name in names:
                     if name == "attention":
@@ -555,9 +702,9 @@ def dry_run_step(
             if micro_batch_size is None and is_micro_batching(pl_module):
                 micro_batch_size = int(getattr(pl_module.__dict__["training_step"], "micro_batch_size", 1))
                 notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
-            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode)
+            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             if device != module_device:
-                with fake_mode:
+                with fake_mode, values:
                     step_batch = _to_device(step_batch, device)
             if micro_batch_size is not None and batch_size > micro_batch_size:
                 loss_fn = _micro_batched_loss(fake_optimizer, micro_batch_size)
@@ -568,7 +715,7 @@ def dry_run_step(
                 if "microbatch" in names:
                     notes.append(f"microbatch: batch size {batch_size} is already at most {_MICRO_BATCH_SIZE}")
             probe = make_probe("tracker", device)
-            with fake_mode:
+            with fake_mode, values, _transformers_without_fake_detection():
                 training_step_memory(model, step_optimizer, step_batch, loss_fn, context=autocast)
                 memory = training_step_memory(
                     model, step_optimizer, step_batch, loss_fn, probe, record_events=True, context=autocast

@@ -1,0 +1,418 @@
+"""Dry runs against real measured steps.
+
+Every expected figure is a real training step measured with the live-tensor tracker
+(:func:`lightning_seqmem.offline.training_step_memory` under ``make_probe("tracker", cpu)``, one
+warm-up step first, then the measured one) on a separate copy of the module carrying the same
+settings; nothing is hard-coded. Tolerance 1% of the measured step peak.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_seqmem.demo import LitGPT
+from lightning_seqmem.dryrun import DryRunUnsupported, allocator_block_bytes, dry_run_step, replay_peaks
+from lightning_seqmem.mitigations.attention import AttentionSwitch, current_attention_backend
+from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
+from lightning_seqmem.mitigations.microbatch import MicroBatching
+from lightning_seqmem.offline import training_step_memory
+from lightning_seqmem.probes import existing_tensors, make_probe, round_cuda_block_bytes
+
+from conftest import make_trainer
+
+TOLERANCE = 0.01  # of the measured step peak
+VOCAB = 256
+L0 = 16  # the shortest length: dry runs start from a batch this long
+CPU = torch.device("cpu")
+BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731 - a context factory, as Lightning's forward_context
+
+
+def _batch(batch_size: int, seq_len: int, seed: int = 0, **extra: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    batch = {
+        "input_ids": torch.randint(0, VOCAB, (batch_size, seq_len), generator=g),
+        "labels": torch.randint(0, VOCAB, (batch_size, seq_len), generator=g),
+    }
+    if extra.get("attention_mask"):
+        batch["attention_mask"] = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if extra.get("position_ids"):
+        batch["position_ids"] = torch.arange(seq_len).unsqueeze(0)
+    return batch
+
+
+def _loss(model, batch):
+    out = model.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def _apply(module: nn.Module, mitigations) -> nn.Module:
+    for name in mitigations:
+        policy = {"attention": AttentionSwitch, "checkpointing": ActivationCheckpointing}[name]()
+        assert policy.apply(module).applied
+    return module
+
+
+def _measured(module: nn.Module, batch: dict, mitigations=(), autocast=None, optimizer_fn=None):
+    """The real step: a separate copy with ``mitigations``, a warm-up step, then a measured one."""
+    real = _apply(copy.deepcopy(module), mitigations)
+    real.train()
+    optimizer = (optimizer_fn or (lambda p: torch.optim.AdamW(p, lr=1e-3)))(real.parameters())
+    training_step_memory(real, optimizer, batch, _loss, context=autocast)
+    return training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU), context=autocast)
+
+
+def _check(dry, measured, phases=True):
+    error = (dry.peak_bytes - measured.peak_bytes) / measured.peak_bytes
+    assert abs(error) <= TOLERANCE, (error, dry.phase_peak_bytes, measured.phase_peak_bytes, dry.detail)
+    if phases:
+        for phase, peak in measured.phase_peak_bytes.items():
+            assert abs(dry.phase_peak_bytes[phase] - peak) <= TOLERANCE * measured.peak_bytes, (phase, dry, measured)
+
+
+def _gpt(**kwargs) -> LitGPT:
+    torch.manual_seed(0)
+    return LitGPT(**{"n_layer": 2, "d_model": 64, "n_head": 4, **kwargs})
+
+
+def _snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {
+        "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "grads": {n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()},
+        "state": {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
+        "attention": current_attention_backend(module),
+        "checkpointed": is_checkpointed(module),
+        "modules": [type(m) for m in module.modules()],
+        "training_step": module.__dict__.get("training_step"),
+    }
+
+
+def _assert_unchanged(module: nn.Module, optimizer: torch.optim.Optimizer, before: dict) -> None:
+    after = _snapshot(module, optimizer)
+    assert after["attention"] == before["attention"] and after["checkpointed"] == before["checkpointed"]
+    assert after["modules"] == before["modules"] and after["training_step"] is before["training_step"]
+    for name, p in before["params"].items():
+        assert torch.equal(after["params"][name], p), name
+    for name, (grad, value) in before["grads"].items():
+        now = dict(module.named_parameters())[name].grad
+        assert now is grad and (grad is None or torch.equal(now, value)), name
+    assert after["state"].keys() == before["state"].keys()
+    for key, state in before["state"].items():
+        assert all(torch.equal(after["state"][key][k], v) for k, v in state.items())
+
+
+# -- the reference GPT and a Hugging Face LM at 16x the shortest length ------------------------------
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpt_matches_measured_step_at_16x(attention, checkpointing):
+    """One real step (a copy with this attention and checkpointing) against three ways to ask for it."""
+    measured = _measured(_gpt(attention=attention), _batch(2, 16 * L0), ["checkpointing"] if checkpointing else [])
+    configured = _gpt(attention=attention)  # 1. a module already set up this way
+    if checkpointing:
+        _apply(configured, ["checkpointing"])
+    dry = dry_run_step(configured, torch.optim.AdamW(configured.parameters(), lr=1e-3), _batch(2, L0), 16 * L0)
+    assert (dry.seq_len, dry.batch_size, dry.mitigations) == (16 * L0, 2, ())
+    _check(dry, measured)
+    # 2. the plain eager module with the same setting asked as mitigations: applied to the copy only
+    wanted = tuple(name for name, on in (("attention", attention == "sdpa"), ("checkpointing", checkpointing)) if on)
+    if wanted:
+        module = _gpt(attention="eager")
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        before = _snapshot(module, optimizer)
+        dry = dry_run_step(module, optimizer, _batch(2, L0), 16 * L0, mitigations=wanted)
+        _assert_unchanged(module, optimizer, before)
+        assert before["attention"] == "eager" and not before["checkpointed"] and not optimizer.state
+        assert all(p.grad is None for p in module.parameters()) and dry.mitigations == wanted
+        _check(dry, measured)
+
+
+class _HFWithPositions(pl.LightningModule):
+    """A Hugging Face causal LM fed ``attention_mask`` and ``position_ids`` ([1, L]) from the batch."""
+
+    def __init__(self, model_type: str, attn_implementation: str, **config) -> None:
+        super().__init__()
+        import transformers
+
+        torch.manual_seed(0)
+        fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      intermediate_size=128, vocab_size=VOCAB, **config)  # fmt: skip
+        hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+        self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            use_cache=False,
+        )
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_hf_llama_matches_measured_step_at_16x(attention):
+    module = _HFWithPositions("llama", attention)
+    extra = {"attention_mask": True, "position_ids": True}
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    dry = dry_run_step(module, optimizer, _batch(2, L0, **extra), seq_len=16 * L0)
+    _check(dry, _measured(module, _batch(2, 16 * L0, **extra)))
+
+
+# -- programs that change with the length -------------------------------------------------------------
+class _SwitchingAttentionLM(nn.Module):
+    """One attention layer: eager (an L x L score matrix) below ``switch_len`` tokens, SDPA from there."""
+
+    def __init__(self, switch_len: int = 128, d_model: int = 32, n_head: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.switch_len, self.n_head = switch_len, n_head
+        self.emb = nn.Embedding(VOCAB, d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        x = self.emb(batch["input_ids"])
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.n_head, D // self.n_head).permute(2, 0, 3, 1, 4)
+        if L < self.switch_len:
+            scores = (q @ k.transpose(-2, -1)) / (D // self.n_head) ** 0.5
+            scores = scores.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+            y = scores.softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.head(x + y.transpose(1, 2).reshape(B, L, D))
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def test_model_switching_kernel_by_length_matches_on_both_sides():
+    module = _SwitchingAttentionLM(switch_len=128)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    peaks = {}
+    for seq_len in (127, 128):
+        dry = dry_run_step(module, optimizer, _batch(2, L0), seq_len=seq_len)
+        _check(dry, _measured(module, _batch(2, seq_len)))
+        peaks[seq_len] = dry.peak_bytes
+    assert peaks[128] < peaks[127]  # the switch is seen: longer, yet smaller
+
+
+def test_hf_mistral_sliding_window_sdpa_matches_inside_and_beyond_the_window():
+    module = _HFWithPositions("mistral", "sdpa", sliding_window=32)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for seq_len in (16, 128):  # inside the window and 4x beyond it
+        dry = dry_run_step(module, optimizer, _batch(2, 8), seq_len=seq_len)
+        _check(dry, _measured(module, _batch(2, seq_len)))
+
+
+# -- micro-batching: against a real Lightning step ----------------------------------------------------
+class _MeasureStep(pl.Callback):
+    """The tracker around one real Lightning training step (peak only: micro-batches interleave phases)."""
+
+    def __init__(self, batch_idx: int) -> None:
+        self.batch_idx, self.probe, self.memory = batch_idx, make_probe("tracker", CPU), None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            self.probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch))
+            self.probe.mark_phase("forward")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.probe.running:
+            self.memory = self.probe.end_step()
+
+
+def test_microbatch_matches_a_real_lightning_step_with_micro_batching():
+    module = _gpt(attention="sdpa")
+    batch = _batch(4, 8 * L0)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    before = _snapshot(module, optimizer)
+    dry = dry_run_step(module, optimizer, _batch(4, L0), seq_len=8 * L0, mitigations=["microbatch"])
+    _assert_unchanged(module, optimizer, before)
+    assert "4 micro-batches of 1" in dry.detail
+
+    real = copy.deepcopy(module)  # the real thing: Lightning, with MicroBatching on a separate copy
+    measure = _MeasureStep(batch_idx=1)
+    trainer = make_trainer([measure], max_steps=2)
+    assert MicroBatching(1).apply(trainer, real, batch).applied
+    trainer.fit(real, DataLoader([batch] * 2, batch_size=None))
+    _check(dry, measure.memory, phases=False)
+    whole = dry_run_step(module, optimizer, _batch(4, L0), seq_len=8 * L0)
+    assert dry.peak_bytes < whole.peak_bytes
+    # a module already micro-batched is dry-run as it trains
+    assert dry_run_step(real, trainer.optimizers[0], _batch(4, L0), seq_len=8 * L0).peak_bytes == dry.peak_bytes
+
+
+# -- precision -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_bf16_autocast_matches_measured_step(attention):
+    module = _gpt(attention=attention)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    dry = dry_run_step(module, optimizer, _batch(2, L0), seq_len=16 * L0, autocast=BF16)
+    fp32 = dry_run_step(module, optimizer, _batch(2, L0), seq_len=16 * L0)
+    assert dry.peak_bytes < fp32.peak_bytes
+    _check(dry, _measured(module, _batch(2, 16 * L0), autocast=BF16))
+
+
+# -- values read from the batch; what cannot run -------------------------------------------------------
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+
+class _ReadsBatchValues(_Tiny):
+    """Reads values computed from the batch alone: a token count (.item()), positions (nonzero), a random mask."""
+
+    def training_step(self, batch, batch_idx):
+        labels = batch["labels"].masked_fill(torch.rand(batch["labels"].shape) < 0.1, -100)
+        count = (labels != -100).sum().item()
+        last = batch["input_ids"].nonzero()[-1]  # a data-dependent shape, from the batch only
+        logits = self.head(self.emb(batch["input_ids"]) + self.emb(last).sum())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / max(count, 1)
+
+
+class _ReadsActivations(_Tiny):
+    def training_step(self, batch, batch_idx):
+        h = self.emb(batch["input_ids"])
+        if h.abs().max().item() > 100.0:  # a value of an activation: unknown without real weights
+            h = h / 100.0
+        return F.cross_entropy(self.head(h).flatten(0, 1), batch["labels"].flatten())
+
+
+class _NonzeroOfActivations(_Tiny):
+    def training_step(self, batch, batch_idx):
+        h = self.emb(batch["input_ids"])
+        return F.cross_entropy(self.head(h[h.sum(-1) > 0]), batch["labels"][h.sum(-1) > 0])
+
+
+def test_values_computed_from_the_batch_are_real_and_the_rng_is_restored():
+    module = _ReadsBatchValues()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    dry = dry_run_step(module, optimizer, _batch(2, L0), seq_len=64)
+    assert torch.equal(torch.get_rng_state(), rng)  # torch.rand ran for real (on the batch's values)
+    _check(dry, _measured(module, _batch(2, 64), optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)))
+
+
+def test_reading_an_activation_value_is_unsupported_with_the_line():
+    module = _ReadsActivations()
+    with pytest.raises(DryRunUnsupported, match=r"reads tensor values.*h\.abs\(\)\.max\(\)\.item\(\)") as info:
+        dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
+    assert "test_dryrun.py" in info.value.reason
+    with pytest.raises(DryRunUnsupported, match="output shape depends on tensor values"):
+        module = _NonzeroOfActivations()
+        dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
+
+
+def test_compiled_submodule_is_unsupported():
+    module = _gpt()
+    module.model.blocks[1] = torch.compile(module.model.blocks[1])  # lazy: nothing is compiled here
+    with pytest.raises(DryRunUnsupported, match=r"submodule 'model\.blocks\.1' .* torch\.compile'd"):
+        dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
+
+
+# -- the real module, its optimizer and the RNG are left alone ----------------------------------------
+def test_real_module_optimizer_state_and_rng_are_unchanged():
+    module = _gpt(dropout=0.1, attention_dropout=0.1)
+    groups = [
+        {"params": [p for n, p in module.named_parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for n, p in module.named_parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    training_step_memory(module, optimizer, _batch(2, L0), _loss)  # real grads and optimizer state exist
+    before = _snapshot(module, optimizer)
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    dry = dry_run_step(module, optimizer, _batch(2, L0), seq_len=128, mitigations=["attention", "checkpointing"])
+    assert torch.equal(torch.get_rng_state(), rng)
+    _assert_unchanged(module, optimizer, before)
+    assert all(p.grad is not None for p in module.parameters()) and dry.peak_bytes > 0
+
+
+def test_optimizer_param_groups_and_class_are_rebuilt():
+    module = _gpt(attention="sdpa")
+
+    def sgd(params):
+        params = list(params)
+        return torch.optim.SGD(
+            [{"params": params[::2], "momentum": 0.9}, {"params": params[1::2], "lr": 0.01}], lr=0.1
+        )
+
+    dry = dry_run_step(module, sgd(module.parameters()), _batch(2, L0), seq_len=128)
+    _check(dry, _measured(module, _batch(2, 128), optimizer_fn=sgd))
+    assert "with SGD" in dry.detail
+    adamw = dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=128)
+    assert adamw.phase_peak_bytes["optimizer"] > dry.phase_peak_bytes["optimizer"]  # two states vs half a momentum
+    configured = dry_run_step(module, None, _batch(2, L0), seq_len=128)  # LitGPT.configure_optimizers: AdamW
+    assert configured.peak_bytes == adamw.peak_bytes
+
+
+# -- the batch -----------------------------------------------------------------------------------------
+SEEN: list = []
+
+
+class _Recorder(_Tiny):
+    def training_step(self, batch, batch_idx):
+        SEEN.append({k: (tuple(v.shape), v.tolist() if k in ("input_ids", "position_ids") else None)
+                     for k, v in batch.items() if isinstance(v, torch.Tensor)})  # fmt: skip
+        assert batch["tag"] == "keep"
+        logits = self.head(self.emb(batch["input_ids"]) * batch["attention_mask"].unsqueeze(-1))
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+@pytest.mark.parametrize("batch_size, seq_len", [(5, 37), (2, 4)])
+def test_batch_is_cut_or_tiled_consistently(batch_size, seq_len):
+    rows, length = 3, 10
+    batch = _batch(rows, length, attention_mask=True, position_ids=True)
+    batch.update(index=torch.arange(rows), tag="keep", mask4d=torch.ones(rows, 1, length, length, dtype=torch.bool))
+    SEEN.clear()
+    module = _Recorder()
+    dry_run_step(module, torch.optim.SGD(module.parameters(), lr=0.1), batch, seq_len=seq_len, batch_size=batch_size)
+    seen = SEEN[-1]
+    for key in ("input_ids", "labels", "attention_mask"):
+        assert seen[key][0] == (batch_size, seq_len), key
+    assert seen["position_ids"] == ((1, seq_len), [list(range(seq_len))])
+    assert seen["index"][0] == (batch_size,) and seen["mask4d"][0] == (batch_size, 1, seq_len, seq_len)
+    ids, source = seen["input_ids"][1], batch["input_ids"].tolist()
+    for row in range(batch_size):  # rows repeated, tokens tiled (or cut)
+        assert ids[row] == (source[row % rows] * 4)[:seq_len]
+
+
+# -- allocator rounding ---------------------------------------------------------------------------------
+def test_replay_peaks_is_the_tracker_on_cpu_and_rounds_to_cuda_blocks():
+    module = _gpt(attention="sdpa")
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    batch = _batch(2, 37)  # odd sizes: many storages are not multiples of 512 bytes
+    training_step_memory(module, optimizer, batch, _loss)
+    m = training_step_memory(module, optimizer, batch, _loss, make_probe("tracker", CPU), record_events=True)
+    assert replay_peaks(m.events) == (m.peak_bytes, m.phase_peak_bytes)
+    peak, phases = replay_peaks(m.events, allocator_block_bytes("cuda"))
+    live = best = 0
+    for entry in m.events.sequence:  # brute force: each allocation rounded on its own
+        size = round_cuda_block_bytes(m.events.sizes[entry if entry >= 0 else ~entry])
+        live += size if entry >= 0 else -size
+        best = max(best, live)
+    assert peak == best > m.peak_bytes and max(phases.values()) == peak
+    assert allocator_block_bytes(CPU) == 1 and allocator_block_bytes(torch.device("cuda", 1)) == 512
+
+
+def test_bad_arguments():
+    module = _gpt()
+    optimizer = torch.optim.AdamW(module.parameters())
+    with pytest.raises(ValueError, match="seq_len"):
+        dry_run_step(module, optimizer, _batch(2, L0), seq_len=0)
+    with pytest.raises(ValueError, match="mitigations"):
+        dry_run_step(module, optimizer, _batch(2, L0), seq_len=32, mitigations=["fp8"])
+    with pytest.raises(TypeError, match="training_step"):
+        dry_run_step(nn.Linear(2, 2), optimizer, _batch(2, L0), seq_len=32)
+    other = torch.optim.AdamW(_gpt().parameters())
+    with pytest.raises(DryRunUnsupported, match="not a parameter"):
+        dry_run_step(module, other, _batch(2, L0), seq_len=32)
