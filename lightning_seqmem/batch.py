@@ -1,38 +1,112 @@
 """Read and set the sequence length of a training batch.
 
-Two pure functions, no Lightning: :func:`infer_batch_shape` finds ``(batch_size, seq_len)`` in a
-batch, and :func:`set_batch_sequence_length` shortens a batch to a new length, the functional twin
-of the curriculum (after Composer's ``set_batch_sequence_length``).
+Pure functions, no Lightning (after Composer's ``set_batch_sequence_length``):
 
-A batch is a tensor, or a mapping / list / tuple of tensors and other values, nested to any depth.
-The *reference* tensor, the one whose shape is the batch shape, is a 2-D integer tensor of token
-ids: ``input_ids`` in a mapping when it is one, otherwise the first 2-D integer tensor met in
-order (float and bool tensors are never the reference).
+- :func:`infer_batch_shape` finds ``(batch_size, seq_len)`` in a batch; :func:`read_batch_shape`
+  does the same through a user's ``seq_len_fn`` when one is given, and checks what it returns;
+- :func:`cut_batch` returns a batch shortened to a new length, with what the cut really did
+  (:class:`BatchCut`), leaving its argument untouched unless asked to cut in place;
+  :func:`set_batch_sequence_length` is its in-place form, for Lightning's ``on_train_batch_start``;
+- :func:`can_cut_in_place` says whether a batch can be cut in place at all;
+- :func:`padding_side` tells a left-padded batch from a right-padded one.
+
+**Batch formats.** A batch is a tensor, or a mapping (``dict``, Hugging Face ``BatchEncoding`` or
+another ``Mapping``), list, tuple (``namedtuple`` too) or dataclass instance of tensors and other
+values, nested to any depth.
+
+**Cutting in place.** In Lightning's ``on_train_batch_start`` only a change made *inside* the batch
+object reaches ``training_step``. A ``dict``, a ``BatchEncoding`` (any ``MutableMapping``), a
+``list`` and a non-frozen dataclass can be cut in place: their entries are replaced, nested
+immutable containers rebuilt inside them. A tuple, a ``namedtuple``, a read-only mapping, a frozen
+dataclass and a bare tensor cannot: :func:`cut_batch` returns a new one, which only helps where the
+caller can hand it on (a ``collate_fn``, ``on_after_batch_transfer``, a training loop).
+
+**The reference tensor**, whose shape is the batch shape, is a 2-D integer (not bool, not float)
+tensor of token ids, chosen in this order:
+
+1. in a mapping, ``input_ids`` when it is one (whatever its shape, even ``[1, L]``);
+2. otherwise the first such tensor met depth first (mapping values in insertion order, list and
+   tuple items in order, dataclass fields in declaration order);
+3. except that when this first tensor has one row, as a ``[1, L]`` ``position_ids`` broadcast over
+   the batch does, the tensor with the most rows among those of the same length ``L`` is taken
+   instead (the first of equals).
+
+**Sequence tensors**, cut with the tokens, are those (other than in ``keys`` mode) whose first
+dimension is the batch size ``B`` or 1 (broadcast) and that have the reference length ``L``
+either at ``seq_dim`` (``input_ids``, ``labels``, ``attention_mask``, ``position_ids`` ``[1, L]``,
+embeddings ``[B, L, D]``) or at both of their last two dimensions (attention masks and biases ``[B, 1, L, L]``, and
+``[B, L, L]`` when not float: a float ``[B, L, D]`` with ``D == L`` is taken for embeddings),
+which are cut on both.
+
+**Padding.** With ``truncate=True`` the kept positions are the first ``seq_len`` of every row,
+except for a left-padded batch, where they are the last ``seq_len`` (the real tokens, ending at the
+same place as before); see :func:`padding_side` for how padding is read from ``attention_mask``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from typing import Any, TypeVar
+import copy
+import dataclasses
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any, Optional, TypeVar
 
+import numpy as np
 import torch
 
-__all__ = ["infer_batch_shape", "set_batch_sequence_length"]
+__all__ = [
+    "BatchCut",
+    "can_cut_in_place",
+    "cut_batch",
+    "infer_batch_shape",
+    "padding_side",
+    "read_batch_shape",
+    "set_batch_sequence_length",
+]
 
 BatchT = TypeVar("BatchT")
 
 _MAX_DESCRIBED = 20  # leaves listed in the "no token ids found" error, at most
+_KEEP = ("auto", "first", "last")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchCut:
+    """What :func:`cut_batch` did: the batch it returns and the shape the batch really has.
+
+    ``seq_len`` is the length after the cut, read from the data: when the data are shorter than
+    asked (``source_seq_len <= asked_seq_len``) nothing is cut and ``seq_len`` is the data's length,
+    not the one asked for.
+    """
+
+    batch: Any  # the cut batch: the argument itself when cut in place or when nothing was cut
+    batch_size: int  # rows after the cut: B, or B * L // seq_len with truncate=False
+    seq_len: int  # length after the cut (tokens per row)
+    source_seq_len: int  # length before the cut
+    asked_seq_len: int  # the length asked for
+    in_place: bool  # True when the argument's own containers were changed
+    kept: Optional[str]  # "first" or "last" positions kept (truncate=True); None if not truncated
+    padding_side: Optional[str]  # "left", "right" or None, from `attention_mask` (see padding_side)
+    empty_rows: Optional[int]  # rows holding only padding after the cut; None without a mask
+
+    @property
+    def cut(self) -> bool:
+        """True when the batch was shortened (or split into shorter rows)."""
+        return self.asked_seq_len < self.source_seq_len
+
+    @property
+    def shorter_than_asked(self) -> bool:
+        """True when the data were shorter than the asked length (then nothing is cut)."""
+        return self.source_seq_len < self.asked_seq_len
 
 
 def infer_batch_shape(batch: Any) -> tuple[int, int]:
-    """Return ``(batch_size, seq_len)`` of a batch of token ids.
+    """Return ``(batch_size, seq_len)`` of a batch of token ids: the shape of its reference tensor.
 
-    The shape is that of the reference tensor, a 2-D integer (not bool, not float) tensor:
-
-    - a bare tensor: the tensor itself;
-    - a mapping: ``input_ids`` if present and a 2-D integer tensor, else the first one found in
-      insertion order (searching nested values depth first);
-    - a list or tuple: the first one found, depth first through nested mappings and sequences.
+    The reference tensor is a 2-D integer (not bool, not float) tensor: ``input_ids`` in a mapping,
+    else the first one met depth first, unless that one has a single row (a broadcast
+    ``position_ids [1, L]``) and another of the same length has more (see the module docstring).
 
     Raises:
         ValueError: no 2-D integer tensor in the batch. The message lists what was found; pass
@@ -46,6 +120,9 @@ def infer_batch_shape(batch: Any) -> tuple[int, int]:
     (3, 7)
     >>> infer_batch_shape([torch.zeros(3), {"input_ids": torch.zeros(4, 9, dtype=torch.int32)}])
     (4, 9)
+    >>> positions, tokens = torch.arange(9).view(1, 9), torch.zeros(4, 9, dtype=torch.long)
+    >>> infer_batch_shape([positions, tokens])  # not (1, 9): [1, L] is broadcast over the batch
+    (4, 9)
     """
     reference = _find_reference(batch)
     if reference is None:
@@ -58,75 +135,178 @@ def infer_batch_shape(batch: Any) -> tuple[int, int]:
     return int(reference.shape[0]), int(reference.shape[1])
 
 
-def set_batch_sequence_length(
-    batch: BatchT,
+def read_batch_shape(
+    batch: Any, seq_len_fn: Optional[Callable[[Any], Any]] = None
+) -> tuple[int, int]:
+    """``(batch_size, seq_len)`` of a batch: ``seq_len_fn(batch)`` checked, else :func:`infer_batch_shape`.
+
+    What ``seq_len_fn`` returns must be a pair (tuple, list or ``torch.Size``) of two ints >= 1:
+    Python ints, NumPy integer scalars or 0-d integer tensors (converted to ``int``); bools,
+    floats, ``None`` and anything else raise ``ValueError`` naming ``seq_len_fn``, the value and
+    what is accepted. Errors raised by ``seq_len_fn`` itself propagate unchanged.
+
+    >>> import numpy as np, torch
+    >>> read_batch_shape({"x": torch.zeros(2, 3)}, lambda b: (np.int64(2), torch.tensor(3)))
+    (2, 3)
+    >>> read_batch_shape({"x": torch.zeros(2, 3)}, lambda b: None)
+    Traceback (most recent call last):
+    ...
+    ValueError: `seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or NumPy ints, or 0-d integer tensors; not bools), got None (did it forget to `return`?)
+    """
+    if seq_len_fn is None:
+        return infer_batch_shape(batch)
+    if not callable(seq_len_fn):
+        raise ValueError(
+            f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}"
+        )
+    value = seq_len_fn(batch)
+    accepted = (
+        "`seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or NumPy ints,"
+        " or 0-d integer tensors; not bools)"
+    )
+    if value is None:
+        raise ValueError(f"{accepted}, got None (did it forget to `return`?)")
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{accepted}, got {value!r}")
+    shape = tuple(_positive_int(item) for item in value)
+    if None in shape:
+        raise ValueError(f"{accepted}, got {value!r}")
+    return shape  # type: ignore[return-value]
+
+
+def can_cut_in_place(batch: Any) -> bool:
+    """True if :func:`set_batch_sequence_length` can cut this batch in place.
+
+    True for a mutable mapping (``dict``, ``BatchEncoding``), a ``list`` and a non-frozen dataclass
+    instance; False for a tensor, a tuple (``namedtuple`` too), a read-only mapping, a frozen
+    dataclass and anything else. Only the outermost container matters: immutable containers
+    nested in a mutable one are rebuilt and put back in it.
+
+    >>> import torch
+    >>> ids = torch.zeros(2, 4, dtype=torch.long)
+    >>> can_cut_in_place({"input_ids": ids}), can_cut_in_place([ids]), can_cut_in_place((ids,))
+    (True, True, False)
+    >>> can_cut_in_place(ids)
+    False
+    """
+    if isinstance(batch, (MutableMapping, list)):
+        return True
+    if _is_dataclass_instance(batch):
+        return not type(batch).__dataclass_params__.frozen  # type: ignore[attr-defined]
+    return False
+
+
+def padding_side(batch: Any) -> Optional[str]:
+    """``"left"``, ``"right"`` or ``None``: where the padding of a batch is, read from its mask.
+
+    The mask is the first 2-D tensor under an ``attention_mask`` key (or dataclass field) met
+    depth first; a position is padding where the mask is 0. The batch is left-padded when some row
+    starts with padding and ends with a token and no row does the opposite; right-padded in the
+    mirror case. ``None`` when there is no such mask, no row is padded at one end only, rows are
+    padded on both sides, or the mask cannot be read (a fake or meta tensor). Reading the mask
+    synchronises with its device once.
+
+    >>> import torch
+    >>> padding_side({"input_ids": torch.ones(2, 4).long(), "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])})
+    'left'
+    >>> padding_side({"attention_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])})
+    'right'
+    >>> padding_side({"attention_mask": torch.ones(2, 4)}) is None
+    True
+    """
+    mask = _find_attention_mask(batch)
+    if mask is None or mask.shape[1] == 0:
+        return None
+    flags = _read_mask(mask, lambda m: _side_flags(m))
+    if flags is None:
+        return None
+    left, right = flags
+    return "left" if left and not right else "right" if right and not left else None
+
+
+def cut_batch(
+    batch: Any,
     seq_len: int,
     *,
     truncate: bool = True,
+    keep: str = "auto",
     seq_dim: int = 1,
-    keys: Iterable[str] | None = None,
-) -> BatchT:
-    """Set the sequence length of a batch to ``seq_len``; return the batch.
+    keys: Optional[Iterable[str]] = None,
+    in_place: bool = False,
+) -> BatchCut:
+    """Shorten a batch to ``seq_len`` tokens per row; return the result and its real shape.
 
-    Sequence tensors are, by default, every tensor with a dimension ``seq_dim`` whose size there
-    equals the reference length (see :func:`infer_batch_shape`) and whose size at dim 0 equals the
-    batch size: ``input_ids``, ``labels``, ``attention_mask``, ``position_ids``, loss masks. With
-    ``keys`` (mapping batches only) they are exactly ``batch[key]`` for each key, which may then be
-    float tensors such as ``inputs_embeds``; the reference length is read from them. Only
-    ``seq_dim`` is cut, so a ``[B, 1, L, L]`` mask is left alone: build such masks in the model.
-    Other values (a per-sample ``index``, 1-D tensors, strings) are left alone, except as
-    below for ``truncate=False``.
+    Sequence tensors (see the module docstring; with ``keys``, exactly ``batch[key]`` for each key)
+    are cut; other values (a per-sample ``index``, 1-D tensors, strings) are left alone, except as
+    below for ``truncate=False``. If ``seq_len`` is not below the current length nothing is cut
+    (a batch is never padded), the batch itself is returned and ``BatchCut.seq_len`` is the
+    data's own length.
 
     Args:
-        batch: a mutable mapping or a list (changed in place and returned, so that a batch changed
-            in Lightning's ``on_train_batch_start`` is what ``training_step`` sees), or a tensor (a
-            new tensor is returned). Nested tuples are rebuilt; a top-level tuple is refused.
+        batch: any batch format of the module docstring.
         seq_len: the new length, an int >= 1.
-        truncate: ``True`` keeps the first ``seq_len`` positions of every row (copied, so the
-            full-length storage is freed and memory is measured at the new length). ``False`` keeps every token: rows ``[B, L]`` become
-            ``[B * L // seq_len, seq_len]`` (trailing dims kept, chunk ``j`` of sample ``b`` is row
-            ``b * L // seq_len + j``), so ``seq_len`` must divide ``L``; per-sample tensors with
-            dim 0 equal to ``B`` (such as ``index``) are repeated ``L // seq_len`` times along dim 0
-            to stay aligned, and a ``position_ids`` key is recomputed as ``arange(seq_len)`` in
-            every row. A chunk may then hold only padding.
+        truncate: ``True`` keeps ``seq_len`` positions of every row (copied, so the full-length
+            storage is freed and memory is measured at the new length); a tensor with the length
+            at both of its last two dims keeps the same block ``[kept, kept]``. ``False`` keeps
+            every token: rows ``[B, L]`` become ``[B * L // seq_len, seq_len]`` (trailing dims
+            kept, chunk ``j`` of sample ``b`` is row ``b * L // seq_len + j``), so ``seq_len`` must
+            divide ``L``; per-sample tensors with dim 0 equal to ``B`` (such as ``index``) are
+            repeated ``L // seq_len`` times along dim 0 to stay aligned, broadcast ``[1, L]``
+            tensors are split and tiled to every sample (a ``position_ids`` key is instead
+            recomputed as ``arange(seq_len)``, ``[1, seq_len]`` if it was broadcast), and
+            ``[..., L, L]`` masks keep their diagonal blocks (a chunk attends within itself). A
+            chunk may then hold only padding (counted in ``empty_rows``).
+        keep: which positions ``truncate=True`` keeps: ``"first"``, ``"last"``, or ``"auto"``:
+            the last for a left-padded batch (:func:`padding_side`), else the first.
         seq_dim: the dimension of the sequence in sequence tensors (>= 1; dim 0 is the batch).
-        keys: names of the sequence tensors in a mapping batch, instead of detecting them.
+        keys: names of the sequence tensors in a mapping batch, instead of detecting them (then
+            they may be float tensors such as ``inputs_embeds``; they are cut at ``seq_dim`` only).
+        in_place: change the batch's own containers (see :func:`can_cut_in_place`) rather than
+            return new ones. Without it the argument is left untouched (new containers, new cut
+            tensors, other values shared).
 
-    If ``seq_len`` is not below the current length the batch is returned unchanged: it is never
-    padded.
+    Returns:
+        A :class:`BatchCut`: the batch, ``batch_size`` and ``seq_len`` after the cut, and
+        ``kept``, ``padding_side`` and ``empty_rows`` read from ``attention_mask`` (reading it
+        synchronises with its device once per cut).
 
     Raises:
-        ValueError: bad ``seq_len``/``seq_dim``/``keys``, no sequence tensor found, or (with
-            ``truncate=False``) ``seq_len`` does not divide the current length.
-        TypeError: the batch is a tuple (or another immutable container).
+        ValueError: bad ``seq_len``/``keep``/``seq_dim``/``keys``, no sequence tensor found, or
+            (with ``truncate=False``) ``seq_len`` does not divide the current length.
+        TypeError: ``in_place=True`` for a container that cannot change in place.
 
     >>> import torch
-    >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "index": torch.tensor([0, 1])}
-    >>> out = set_batch_sequence_length(batch, 2)
-    >>> out is batch, out["input_ids"].tolist(), out["index"].tolist()
-    (True, [[0, 1], [4, 5]], [0, 1])
-    >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "index": torch.tensor([0, 1])}
-    >>> out = set_batch_sequence_length(batch, 2, truncate=False)
-    >>> out["input_ids"].tolist(), out["index"].tolist()
-    ([[0, 1], [2, 3], [4, 5], [6, 7]], [0, 0, 1, 1])
+    >>> batch = (torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    >>> out = cut_batch(batch, 2)  # a tuple: a new tuple comes back
+    >>> out.batch[0].tolist(), out.batch_size, out.seq_len, out.in_place, batch[0].shape[1]
+    ([[0, 5], [1, 2]], 2, 2, False, 4)
+    >>> batch = {"input_ids": torch.tensor([[0, 5, 6, 7], [1, 2, 3, 4]]), "attention_mask": batch[1]}
+    >>> out = cut_batch(batch, 2)  # left padding: the last tokens are kept
+    >>> out.batch["input_ids"].tolist(), out.kept, out.padding_side
+    ([[6, 7], [3, 4]], 'last', 'left')
+    >>> out = cut_batch(batch, 16)  # the data are shorter than asked: nothing is cut
+    >>> out.seq_len, out.cut, out.shorter_than_asked, out.batch is batch
+    (4, False, True, True)
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
         raise ValueError(f"`seq_len` must be an int >= 1, got {seq_len!r}.")
+    seq_len = int(seq_len)
     if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
         raise ValueError(
             f"`seq_dim` must be an int >= 1 (dim 0 is the batch dimension), got {seq_dim!r}."
         )
-    if isinstance(batch, tuple) or (
-        isinstance(batch, Mapping) and not isinstance(batch, MutableMapping)
-    ):
+    if keep not in _KEEP:
+        raise ValueError(f"`keep` must be one of {list(_KEEP)}, got {keep!r}.")
+    if in_place and not isinstance(batch, torch.Tensor) and _is_immutable_container(batch):
         raise TypeError(
-            f"Cannot set the sequence length of a {type(batch).__name__} batch: it cannot be"
-            " changed in place, and in Lightning's `on_train_batch_start` only an in-place change"
+            f"Cannot set the sequence length of a {type(batch).__name__} batch in place: it cannot"
+            " be changed in place, and in Lightning's `on_train_batch_start` only an in-place change"
             " reaches `training_step`. Return a dict or a list from the dataloader (or its"
-            " `collate_fn`), or let the datamodule set the length (`set_seq_len`)."
+            " `collate_fn`), or let the datamodule set the length (`set_seq_len`); `cut_batch`"
+            " returns a cut copy where the caller can hand it on."
         )
 
-    key_set: frozenset[str] | None = None
+    key_set: Optional[frozenset[str]] = None
     if keys is not None:
         key_set, batch_size, length = _keyed_shape(batch, keys, seq_dim)
     elif isinstance(batch, torch.Tensor):
@@ -143,7 +323,7 @@ def set_batch_sequence_length(
             raise ValueError(f"{err} Or pass `keys` to name the sequence tensors.") from None
 
     if seq_len >= length:
-        return batch
+        return BatchCut(batch, batch_size, length, length, seq_len, False, None, None, None)
     if not truncate and length % seq_len:
         divisors = [d for d in range(1, length) if length % d == 0]
         raise ValueError(
@@ -151,31 +331,93 @@ def set_batch_sequence_length(
             f" `seq_len`, which must divide {length}; got seq_len={seq_len}. Lengths that divide"
             f" {length}: {divisors}."
         )
-    rows_per_sample = length // seq_len
+    chunks = length // seq_len
 
-    def is_sequence(x: torch.Tensor, top_key: Any) -> bool:
-        if key_set is not None:
-            return top_key in key_set  # keyed values are tensors, so this is batch[top_key]
-        if isinstance(batch, torch.Tensor):
-            return True
-        return x.dim() > seq_dim and x.shape[0] == batch_size and x.shape[seq_dim] == length
+    mask = _find_attention_mask(batch)
+    if mask is not None and tuple(mask.shape) != (batch_size, length):
+        mask = None  # a mask of another shape says nothing about these rows
+    stats = None if mask is None else _read_mask(mask, lambda m: _mask_stats(m, seq_len, truncate))
+    side: Optional[str] = None
+    empty_rows: Optional[int] = None
+    if stats is not None:
+        left, right, empty_first, empty_last, empty_chunks = stats
+        side = "left" if left and not right else "right" if right and not left else None
+    kept: Optional[str] = None
+    if truncate:
+        kept = keep if keep != "auto" else ("last" if side == "left" else "first")
+        if stats is not None:
+            empty_rows = empty_last if kept == "last" else empty_first
+    elif stats is not None:
+        empty_rows = empty_chunks
+    start = length - seq_len if kept == "last" else 0
 
     def convert(x: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
-        if is_sequence(x, top_key):
+        if key_set is None and not isinstance(batch, torch.Tensor) and _is_square(x, batch_size, length):
+            if truncate:
+                return x.narrow(-1, start, seq_len).narrow(-2, start, seq_len).clone(
+                    memory_format=torch.contiguous_format
+                )
+            return _broadcast_rows(_diagonal_blocks(x, seq_len), x, batch_size, chunks)
+        if _is_sequence(x, key_set, top_key, batch, batch_size, length, seq_dim):
             if truncate:  # a copy, not a view: a view would keep the full-length storage alive
-                return x.narrow(seq_dim, 0, seq_len).contiguous()
-            rows = _split_rows(x, seq_len, seq_dim)
+                return x.narrow(seq_dim, start, seq_len).clone(memory_format=torch.contiguous_format)
             if key == "position_ids":
-                shape = [1] * rows.dim()
-                shape[seq_dim] = seq_len
-                positions = torch.arange(seq_len, dtype=rows.dtype, device=rows.device)
-                rows = positions.view(shape).expand(rows.shape).contiguous()
-            return rows
+                return _positions(x, seq_len, seq_dim, batch_size, chunks)
+            return _broadcast_rows(_split_rows(x, seq_len, seq_dim), x, batch_size, chunks)
         if not truncate and x.dim() >= 1 and x.shape[0] == batch_size:
-            return x.repeat_interleave(rows_per_sample, dim=0)
+            return x.repeat_interleave(chunks, dim=0)
         return x
 
-    return _map_tensors(batch, convert)
+    new_batch = _map_tensors(batch, convert, in_place)
+    return BatchCut(
+        batch=new_batch,
+        batch_size=batch_size if truncate else batch_size * chunks,
+        seq_len=seq_len,
+        source_seq_len=length,
+        asked_seq_len=seq_len,
+        in_place=in_place and new_batch is batch and not isinstance(batch, torch.Tensor),
+        kept=kept,
+        padding_side=side,
+        empty_rows=empty_rows,
+    )
+
+
+def set_batch_sequence_length(
+    batch: BatchT,
+    seq_len: int,
+    *,
+    truncate: bool = True,
+    seq_dim: int = 1,
+    keys: Iterable[str] | None = None,
+    keep: str = "auto",
+) -> BatchT:
+    """Set the sequence length of a batch to ``seq_len`` in place; return the batch.
+
+    :func:`cut_batch` with ``in_place=True``, returning only the batch: a mutable mapping, a list
+    or a non-frozen dataclass is changed in place and returned (so that a batch changed in
+    Lightning's ``on_train_batch_start`` is what ``training_step`` sees); a tensor comes back as a
+    new tensor; a tuple, ``namedtuple``, read-only mapping or frozen dataclass raises
+    ``TypeError`` (:func:`can_cut_in_place` tells in advance; :func:`cut_batch` returns a cut copy).
+    See :func:`cut_batch` for ``truncate``, ``keep`` (left-padded batches keep their last tokens),
+    ``seq_dim`` and ``keys``. If ``seq_len`` is not below the current length the batch is
+    returned unchanged: it is never padded.
+
+    >>> import torch
+    >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "index": torch.tensor([0, 1])}
+    >>> out = set_batch_sequence_length(batch, 2)
+    >>> out is batch, out["input_ids"].tolist(), out["index"].tolist()
+    (True, [[0, 1], [4, 5]], [0, 1])
+    >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "index": torch.tensor([0, 1])}
+    >>> out = set_batch_sequence_length(batch, 2, truncate=False)
+    >>> out["input_ids"].tolist(), out["index"].tolist()
+    ([[0, 1], [2, 3], [4, 5], [6, 7]], [0, 0, 1, 1])
+    """
+    return cut_batch(
+        batch, seq_len, truncate=truncate, keep=keep, seq_dim=seq_dim, keys=keys, in_place=True
+    ).batch
+
+
+# Reading the batch --------------------------------------------------------------------------------
 
 
 def _is_token_tensor(x: Any) -> bool:
@@ -189,23 +431,115 @@ def _is_token_tensor(x: Any) -> bool:
     )
 
 
-def _find_reference(obj: Any) -> torch.Tensor | None:
-    """The tensor whose shape is the batch shape, or None (rules in :func:`infer_batch_shape`)."""
-    if isinstance(obj, torch.Tensor):
-        return obj if _is_token_tensor(obj) else None
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _is_immutable_container(obj: Any) -> bool:
+    """A container whose entries cannot be replaced: tuple, read-only mapping, frozen dataclass."""
+    if isinstance(obj, tuple) or (isinstance(obj, Mapping) and not isinstance(obj, MutableMapping)):
+        return True
+    return _is_dataclass_instance(obj) and not isinstance(obj, Mapping) and not can_cut_in_place(obj)
+
+
+def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
+    """``(key, value)`` of a container's entries (key None in a sequence); nothing for a leaf."""
     if isinstance(obj, Mapping):
-        if _is_token_tensor(obj.get("input_ids")):
-            return obj["input_ids"]
-        children: Iterable[Any] = obj.values()
+        yield from obj.items()
     elif isinstance(obj, (list, tuple)):
-        children = obj
-    else:
+        for value in obj:
+            yield None, value
+    elif _is_dataclass_instance(obj):
+        for f in dataclasses.fields(obj):
+            yield f.name, getattr(obj, f.name)
+
+
+def _token_tensors(obj: Any) -> Iterator[tuple[torch.Tensor, bool]]:
+    """Every 2-D integer tensor depth first, a mapping's ``input_ids`` first; ``(tensor, named)``."""
+    if isinstance(obj, torch.Tensor):
+        if _is_token_tensor(obj):
+            yield obj, False
+        return
+    named = obj.get("input_ids") if isinstance(obj, Mapping) else None
+    if not _is_token_tensor(named):
+        named = None
+    if named is not None:
+        yield named, True
+    for _, value in _children(obj):
+        if value is not named:
+            yield from _token_tensors(value)
+
+
+def _find_reference(obj: Any) -> torch.Tensor | None:
+    """The tensor whose shape is the batch shape, or None (rules in the module docstring)."""
+    candidates = _token_tensors(obj)
+    first = next(candidates, None)
+    if first is None:
         return None
-    for child in children:
-        found = _find_reference(child)
+    reference, named = first
+    if named or reference.shape[0] != 1:
+        return reference
+    length = reference.shape[1]
+    for tensor, _ in candidates:  # a [1, L] first tensor: broadcast, unless nothing has more rows
+        if tensor.shape[1] == length and tensor.shape[0] > reference.shape[0]:
+            reference = tensor
+    return reference
+
+
+def _find_attention_mask(obj: Any) -> Optional[torch.Tensor]:
+    """The first 2-D tensor under an ``attention_mask`` key or field, depth first; else None."""
+    for key, value in _children(obj):
+        if key == "attention_mask" and isinstance(value, torch.Tensor) and value.dim() == 2:
+            return value
+    for _, value in _children(obj):
+        found = _find_attention_mask(value)
         if found is not None:
             return found
     return None
+
+
+def _side_flags(mask: torch.Tensor) -> torch.Tensor:
+    """``[any row padded at its start only, any row padded at its end only]``."""
+    first, last = mask[:, 0] != 0, mask[:, -1] != 0
+    return torch.stack([(~first & last).any(), (first & ~last).any()])
+
+
+def _mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tensor:
+    """Side flags, then rows all padding if the first / last ``seq_len`` are kept, then chunks all
+    padding if rows are split into chunks of ``seq_len`` (0 where it does not apply)."""
+    real = mask != 0
+    zero = torch.zeros((), dtype=torch.long, device=mask.device)
+    empty_first = (~real[:, :seq_len].any(dim=1)).sum()
+    empty_last = (~real[:, -seq_len:].any(dim=1)).sum()
+    empty_chunks = zero if truncate else (~real.reshape(-1, seq_len).any(dim=1)).sum()
+    return torch.cat([_side_flags(mask).long(), torch.stack([empty_first, empty_last, empty_chunks])])
+
+
+def _read_mask(mask: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[list]:
+    """``fn(mask).tolist()`` (one device sync), or None when the mask has no values to read."""
+    if mask.is_meta:
+        return None
+    try:
+        return [int(v) for v in fn(mask).tolist()]
+    except (RuntimeError, NotImplementedError):  # fake tensors (dry runs) have no data
+        return None
+
+
+def _positive_int(value: Any) -> Optional[int]:
+    """``value`` as an int >= 1 (Python, NumPy, 0-d integer tensor; not bool), else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+            return None
+        value = value.item()
+    elif isinstance(value, np.ndarray) and value.dtype == np.bool_:
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number >= 1 else None
 
 
 def _describe_batch(batch: Any) -> str:
@@ -222,6 +556,9 @@ def _describe_batch(batch: Any) -> str:
         elif isinstance(obj, (list, tuple)) and obj:
             for index, value in enumerate(obj):
                 visit(value, f"{path}[{index}]")
+        elif _is_dataclass_instance(obj) and dataclasses.fields(obj):
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name), f"{path}.{f.name}")
         else:
             leaves.append(f"{path}: {type(obj).__name__}")
 
@@ -233,7 +570,11 @@ def _describe_batch(batch: Any) -> str:
 
 
 def _keyed_shape(batch: Any, keys: Iterable[str], seq_dim: int) -> tuple[frozenset[str], int, int]:
-    """Check ``keys`` against a mapping batch; return them with (batch_size, seq_len)."""
+    """Check ``keys`` against a mapping batch; return them with (batch_size, seq_len).
+
+    The named tensors must agree on the length at ``seq_dim`` and on the batch size, except that
+    a tensor with one row is broadcast (the batch size is then the largest).
+    """
     if isinstance(keys, str):
         keys = [keys]
     key_list = list(keys)
@@ -254,13 +595,42 @@ def _keyed_shape(batch: Any, keys: Iterable[str], seq_dim: int) -> tuple[frozens
                 f" batch[{key!r}] is {found}."
             )
         shapes[key] = (int(value.shape[0]), int(value.shape[seq_dim]))
-    if len(set(shapes.values())) > 1:
+    lengths = {length for _, length in shapes.values()}
+    sizes = {size for size, _ in shapes.values() if size != 1}
+    if len(lengths) > 1 or len(sizes) > 1:
         raise ValueError(
             "The tensors named in `keys` disagree on (batch_size, length at `seq_dim`): "
-            f"{shapes}."
+            f"{shapes} (a batch size of 1 is broadcast)."
         )
-    batch_size, length = next(iter(shapes.values()))
-    return frozenset(key_list), batch_size, length
+    return frozenset(key_list), max(sizes, default=1), lengths.pop()
+
+
+# Cutting ------------------------------------------------------------------------------------------
+
+
+def _is_sequence(
+    x: torch.Tensor,
+    key_set: Optional[frozenset[str]],
+    top_key: Any,
+    batch: Any,
+    batch_size: int,
+    length: int,
+    seq_dim: int,
+) -> bool:
+    """True for a tensor cut at ``seq_dim`` (rules in the module docstring)."""
+    if key_set is not None:
+        return top_key in key_set  # keyed values are tensors, so this is batch[top_key]
+    if isinstance(batch, torch.Tensor):
+        return True
+    return x.dim() > seq_dim and x.shape[0] in (batch_size, 1) and x.shape[seq_dim] == length
+
+
+def _is_square(x: torch.Tensor, batch_size: int, length: int) -> bool:
+    """True for a ``[B or 1, ..., L, L]`` attention mask or bias, cut on both last dims: 4-D or more,
+    or 3-D and not float (a float ``[B, L, D]`` with ``D == L`` is embeddings, cut at ``seq_dim``)."""
+    if x.dim() < 3 or x.shape[0] not in (batch_size, 1) or not x.shape[-1] == x.shape[-2] == length:
+        return False
+    return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
 
 
 def _split_rows(x: torch.Tensor, seq_len: int, seq_dim: int) -> torch.Tensor:
@@ -272,40 +642,119 @@ def _split_rows(x: torch.Tensor, seq_len: int, seq_dim: int) -> torch.Tensor:
     return x.reshape(shape[0] * chunks, *shape[1:seq_dim], seq_len, *shape[seq_dim + 1 :])
 
 
+def _diagonal_blocks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[R, ..., L, L]`` -> ``[R * chunks, ..., seq_len, seq_len]``: block ``j`` of row ``r`` is the
+    ``j``-th diagonal block ``x[r, ..., j*s:(j+1)*s, j*s:(j+1)*s]``, at row ``r * chunks + j``."""
+    *lead, length, _ = x.shape
+    chunks = length // seq_len
+    blocks = x.reshape(*lead, chunks, seq_len, chunks, seq_len)
+    blocks = torch.diagonal(blocks, dim1=-4, dim2=-2)  # [*lead, s, s, chunks]
+    blocks = blocks.movedim(-1, 1)  # [R, chunks, *middle, s, s]
+    return blocks.reshape(lead[0] * chunks, *lead[1:], seq_len, seq_len)
+
+
+def _broadcast_rows(rows: torch.Tensor, x: torch.Tensor, batch_size: int, chunks: int) -> torch.Tensor:
+    """Split rows of a broadcast ``[1, ...]`` tensor (``chunks`` rows) tiled to every sample."""
+    if x.shape[0] != 1 or batch_size == 1:
+        return rows.contiguous()
+    return rows.unsqueeze(0).expand(batch_size, *rows.shape).reshape(batch_size * chunks, *rows.shape[1:])
+
+
+def _positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int, chunks: int) -> torch.Tensor:
+    """``arange(seq_len)`` at ``seq_dim`` in the shape of the split rows (``[1, ...]`` if broadcast)."""
+    rows = _split_rows(x, seq_len, seq_dim)
+    if x.shape[0] == 1 and batch_size > 1:
+        rows = rows[:1]
+    shape = [1] * rows.dim()
+    shape[seq_dim] = seq_len
+    positions = torch.arange(seq_len, dtype=rows.dtype, device=rows.device)
+    return positions.view(shape).expand(rows.shape).contiguous()
+
+
 def _map_tensors(
     obj: Any,
     fn: Callable[[torch.Tensor, Any, Any], torch.Tensor],
+    in_place: bool,
     key: Any = None,
     top_key: Any = None,
     depth: int = 0,
 ) -> Any:
-    """Apply ``fn(tensor, key, top_key)`` to every tensor; mutable containers change in place.
+    """Apply ``fn(tensor, key, top_key)`` to every tensor.
 
-    ``key`` is the tensor's key in its parent mapping (None in a sequence), ``top_key`` the key or
+    With ``in_place`` mutable containers change in place (and are returned) and immutable ones are
+    rebuilt; without it every container is rebuilt and ``obj`` is left untouched. ``key`` is the
+    tensor's key in its parent mapping or dataclass (None in a sequence), ``top_key`` the key or
     index of the batch's top-level entry that holds it.
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj, key, top_key)
+
+    def visit(k: Any, v: Any, index: Any) -> Any:
+        return _map_tensors(v, fn, in_place, k, index if depth == 0 else top_key, depth + 1)
+
     if isinstance(obj, Mapping):
-        new = {
-            k: _map_tensors(v, fn, k, k if depth == 0 else top_key, depth + 1)
-            for k, v in obj.items()
-        }
-        if isinstance(obj, MutableMapping):
+        new = {k: visit(k, v, k) for k, v in obj.items()}
+        if in_place and isinstance(obj, MutableMapping):
             for k, v in new.items():
                 if v is not obj[k]:
                     obj[k] = v
             return obj
-        return new
+        return _rebuild_mapping(obj, new)
     if isinstance(obj, (list, tuple)):
-        new_items = [
-            _map_tensors(v, fn, None, i if depth == 0 else top_key, depth + 1)
-            for i, v in enumerate(obj)
-        ]
+        items = [visit(None, v, i) for i, v in enumerate(obj)]
         if isinstance(obj, list):
-            obj[:] = new_items
-            return obj
+            if in_place:
+                obj[:] = items
+                return obj
+            return items if type(obj) is list else _rebuild(obj, items)
         if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*new_items)
-        return type(obj)(new_items)
+            return type(obj)(*items)
+        return _rebuild(obj, items)
+    if _is_dataclass_instance(obj):
+        new = {f.name: visit(f.name, getattr(obj, f.name), f.name) for f in dataclasses.fields(obj)}
+        changed = {name: v for name, v in new.items() if v is not getattr(obj, name)}
+        if in_place and can_cut_in_place(obj):
+            for name, v in changed.items():
+                setattr(obj, name, v)
+            return obj
+        return _rebuild_dataclass(obj, changed)
     return obj
+
+
+def _rebuild(obj: Any, items: list) -> Any:
+    """A new sequence of ``obj``'s type holding ``items`` (a plain list or tuple if it cannot)."""
+    try:
+        return type(obj)(items)
+    except TypeError:
+        return list(items) if isinstance(obj, list) else tuple(items)
+
+
+def _rebuild_mapping(obj: Mapping, new: dict) -> Mapping:
+    """A new mapping like ``obj`` (its type and attributes, for a ``BatchEncoding``) holding ``new``."""
+    if isinstance(obj, MutableMapping):
+        try:
+            out = copy.copy(obj)  # a BatchEncoding keeps its tokenizer encodings (full-length offsets)
+            for k, v in new.items():
+                out[k] = v
+            return out
+        except (TypeError, AttributeError, copy.Error):
+            return dict(new)
+    try:
+        return type(obj)(new)  # a read-only mapping such as MappingProxyType
+    except TypeError:
+        return dict(new)
+
+
+def _rebuild_dataclass(obj: Any, changed: dict) -> Any:
+    """A copy of dataclass ``obj`` with ``changed`` fields (frozen ones too)."""
+    if not changed:
+        return copy.copy(obj)
+    init_fields = {f.name for f in dataclasses.fields(obj) if f.init}
+    rest = {name: v for name, v in changed.items() if name not in init_fields}
+    try:
+        out = dataclasses.replace(obj, **{n: v for n, v in changed.items() if n in init_fields})
+    except (TypeError, ValueError):
+        out, rest = copy.copy(obj), changed
+    for name, v in rest.items():
+        object.__setattr__(out, name, v)  # a fresh copy: setting a frozen field here is safe
+    return out
