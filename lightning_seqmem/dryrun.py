@@ -37,20 +37,32 @@ generators are left as they were. A step that cannot run on fake tensors raises
 tensor:``), an op whose output shape depends on values (``nonzero``, boolean masks), an op
 without a fake kernel, a compiled module, manual optimization.
 
+The copy keeps the train/eval mode of every submodule, as Lightning's ``fit`` does. While the
+step runs, transformers' fake-tensor check is switched off process-wide (see
+:func:`_transformers_without_fake_detection`): do not run a dry run beside another thread that
+traces a Hugging Face model.
+
 Example:
     >>> import torch
-    >>> from lightning_seqmem.demo import LitGPT
-    >>> lit = LitGPT(n_layer=1, d_model=32, n_head=2)
-    >>> optimizer = torch.optim.AdamW(lit.parameters(), lr=1e-3)
+    >>> import torch.nn.functional as F
+    >>> from lightning_seqmem.nn import GPT, GPTConfig
+    >>> class LM(torch.nn.Module):  # a LightningModule in practice; training_step is what runs
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gpt = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2, attention="eager"))
+    ...     def training_step(self, batch, batch_idx):
+    ...         logits = self.gpt(batch["input_ids"])
+    ...         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+    >>> model = LM()
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     >>> batch = {"input_ids": torch.randint(0, 256, (2, 16)), "labels": torch.randint(0, 256, (2, 16))}
-    >>> long = dry_run_step(lit, optimizer, batch, seq_len=4096)
-    >>> short = dry_run_step(lit, optimizer, batch, seq_len=1024)
-    >>> long.peak_bytes > 8 * short.peak_bytes  # eager attention: the L x L scores dominate
+    >>> eager = dry_run_step(model, optimizer, batch, seq_len=4096)  # 16 tokens tiled to 4096
+    >>> sdpa = dry_run_step(model, optimizer, batch, seq_len=4096, mitigations=["attention"])
+    >>> eager.peak_bytes > 8 * sdpa.peak_bytes  # the 4096 x 4096 attention scores
     True
-    >>> sdpa = dry_run_step(lit, optimizer, batch, seq_len=4096, mitigations=["attention"])
-    >>> sdpa.peak_bytes < long.peak_bytes / 8, sorted(sdpa.phase_peak_bytes)
-    (True, ['backward', 'forward', 'optimizer'])
-    >>> lit.model.attention_backend, all(p.grad is None for p in lit.parameters()), len(optimizer.state)
+    >>> [p for p in eager.phase_peak_bytes], eager.peak_bytes == max(eager.phase_peak_bytes.values())
+    (['forward', 'backward', 'optimizer'], True)
+    >>> model.gpt.attention_backend, all(p.grad is None for p in model.parameters()), len(optimizer.state)
     ('eager', True, 0)
 """
 
@@ -246,6 +258,9 @@ def _fake_copy(pl_module: nn.Module, memo: dict[int, Any], fake_mode: FakeTensor
         attached = pl_module.__dict__.get(name)
         if attached is not None:
             memo[id(attached)] = None  # every reference to it copies as None
+    mesh = pl_module.__dict__.get("_device_mesh")
+    if mesh is not None:
+        memo[id(mesh)] = mesh  # shared, not copied (it holds process groups)
     try:
         for p in pl_module.parameters():
             memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
@@ -407,7 +422,7 @@ class _BatchValues(TorchDispatchMode):
             out = func(*args, **kwargs)
             computed = True
         except (DataDependentOutputException, DynamicOutputShapeException):
-            if not known:
+            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > _VALUE_MAX_BYTES:
                 raise
             out, computed = None, False
         if not known or (computed and not _small(out)):
@@ -703,9 +718,8 @@ def dry_run_step(
                 micro_batch_size = int(getattr(pl_module.__dict__["training_step"], "micro_batch_size", 1))
                 notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
-            if device != module_device:
-                with fake_mode, values:
-                    step_batch = _to_device(step_batch, device)
+            with fake_mode, values:  # as Lightning moves the batch to the module's device
+                step_batch = _to_device(step_batch, device)
             if micro_batch_size is not None and batch_size > micro_batch_size:
                 loss_fn = _micro_batched_loss(fake_optimizer, micro_batch_size)
                 step_optimizer: Any = _ZeroGradBeforeFirstMicroBatch(fake_optimizer)
