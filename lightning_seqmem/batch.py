@@ -199,8 +199,9 @@ def can_cut_in_place(batch: Any) -> bool:
 def padding_side(batch: Any) -> Optional[str]:
     """``"left"``, ``"right"`` or ``None``: where the padding of a batch is, read from its mask.
 
-    The mask is the first 2-D tensor under an ``attention_mask`` key (or dataclass field) met
-    depth first; a position is padding where the mask is 0. The batch is left-padded when some row
+    The mask is a 2-D tensor under an ``attention_mask`` key (or dataclass field), a container's
+    own before any nested in its values (only names are read: a tuple of tensors has no mask); a
+    position is padding where the mask is 0. The batch is left-padded when some row
     starts with padding and ends with a token and no row does the opposite; right-padded in the
     mirror case. ``None`` when there is no such mask, no row is padded at one end only, rows are
     padded on both sides, or the mask cannot be read (a fake or meta tensor). Reading the mask
@@ -271,7 +272,8 @@ def cut_batch(
         synchronises with its device once per cut).
 
     Raises:
-        ValueError: bad ``seq_len``/``keep``/``seq_dim``/``keys``, no sequence tensor found, or
+        ValueError: bad ``seq_len``/``truncate``/``keep``/``seq_dim``/``keys``/``in_place``, no
+            sequence tensor found, or
             (with ``truncate=False``) ``seq_len`` does not divide the current length.
         TypeError: ``in_place=True`` for a container that cannot change in place.
 
@@ -297,6 +299,10 @@ def cut_batch(
         )
     if keep not in _KEEP:
         raise ValueError(f"`keep` must be one of {list(_KEEP)}, got {keep!r}.")
+    for name, flag in (("truncate", truncate), ("in_place", in_place)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
+    truncate, in_place = bool(truncate), bool(in_place)
     if in_place and not isinstance(batch, torch.Tensor) and _is_immutable_container(batch):
         raise TypeError(
             f"Cannot set the sequence length of a {type(batch).__name__} batch in place: it cannot"
@@ -487,7 +493,7 @@ def _find_reference(obj: Any) -> torch.Tensor | None:
 
 
 def _find_attention_mask(obj: Any) -> Optional[torch.Tensor]:
-    """The first 2-D tensor under an ``attention_mask`` key or field, depth first; else None."""
+    """A 2-D tensor under an ``attention_mask`` key or field, a container's own first; else None."""
     for key, value in _children(obj):
         if key == "attention_mask" and isinstance(value, torch.Tensor) and value.dim() == 2:
             return value

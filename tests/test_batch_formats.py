@@ -516,3 +516,9 @@ def test_read_batch_shape_errors_of_the_fn_propagate():
         read_batch_shape({}, broken)
     with pytest.raises(ValueError, match="`seq_len_fn` must be a callable"):
         read_batch_shape({}, "tokens")
+
+
+@pytest.mark.parametrize("name, value", [("truncate", "no"), ("truncate", 1), ("truncate", None), ("in_place", "yes")])
+def test_bad_flags(name, value):
+    with pytest.raises(ValueError, match=rf"^`{name}` must be True or False, got {value!r}\.$"):
+        cut_batch(ids(), S, **{name: value})
