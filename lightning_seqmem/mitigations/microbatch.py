@@ -20,8 +20,8 @@ by weighting micro-batch ``i``'s loss by its share ``c_i / C`` of what that mean
   (``"shifted_label_tokens"``). Labels that differ from the inputs (already the next tokens, as
   :class:`~lightning_seqmem.demo.SyntheticTokenDataModule` gives them; seq2seq targets) are counted
   whole (``"label_tokens"``); 1-D labels (a class per sample) count one per sample not ignored.
-  Weighting samples ``1/N`` instead changed the gradient of a tiny Llama on a padded batch by 82%
-  (relative L2 norm; 1.5e-7 with label tokens).
+  Weighting samples ``1/N`` instead changed the first step's gradient of a tiny Llama on a padded
+  batch by 95% (relative L2 norm; 1.2e-7 with label tokens: tests/test_microbatch_weighting.py).
 * any other batch: ``c_i`` = its samples ``n_i`` (``"samples"``, ``n_i / N`` as before): the loss
   is assumed to be a mean over samples, or over equally many elements per sample.
 
@@ -100,9 +100,13 @@ Other keys of a dict output come from the last micro-batch.
 
 Caveats:
 
-* The loss must be a mean over what ``weighting`` counts (see above; a sum is refused by the check).
-  A loss that mixes the two (a token mean plus a per-batch auxiliary term) is exact only when the
-  auxiliary term is the same for every micro-batch.
+* The loss must be a mean over what ``weighting`` counts (see above). The check catches a wrong
+  scale (a sum) surely, but a wrong choice of weights only as far as the two micro-batch losses
+  differ: at initialisation every token's loss is about ``ln(vocab)``, so a per-sample mean of
+  per-sample token means (whose exact weights are samples) passes a check weighted by tokens. For
+  such a loss over labelled tokens, pass ``weighting="samples"``. A loss plus a term that is not a
+  mean over the same items (a per-batch auxiliary loss) is exact only when that term is the same
+  for every micro-batch.
 * Batch norm (statistics of a smaller batch) is refused by the check when it changes the loss
   beyond the tolerance; with ``verify=False`` it breaks the equality with the full-batch run. So
   does dropout (a different random stream); the memory saving remains.
@@ -785,6 +789,8 @@ class MicroBatching:
         pl_module.__dict__.pop(_REFUSED, None)  # verify=False overrides an earlier refusal
         wrapper = _wrapper_of(pl_module)
         if wrapper is not None:
+            if (wrapper.weighting, wrapper.ignore_index) != (self.weighting, self.ignore_index):
+                wrapper.verified = False  # other weights: check them again
             wrapper.micro_batch_size, wrapper.weighting, wrapper.verify, wrapper.ignore_index = self._settings()
         else:
             pl_module.training_step = _MicroBatchedTrainingStep(pl_module, *self._settings())
