@@ -246,14 +246,15 @@ def _preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _fake_copy(pl_module: nn.Module, memo: dict[int, Any], fake_mode: FakeTensorMode) -> nn.Module:
+def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
     """``copy.deepcopy`` with fake parameters and buffers, without the Trainer (or Fabric) it is attached to.
 
     Parameters and buffers are faked first and put in the copy's memo, so the deep copy takes the
-    fake ones and never copies a real one (nor a gradient); ``memo[id(real)]`` is then its fake
-    twin. Other tensors held by the module (small attributes such as a rotary embedding's
-    ``original_inv_freq``) are copied as they are; the fake mode converts them when an op uses them.
+    fake ones and never copies a real one (nor a gradient). Other tensors held by the module (small
+    attributes such as a rotary embedding's ``original_inv_freq``) are copied as they are; the fake
+    mode converts them when an op uses them.
     """
+    memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric"):
         attached = pl_module.__dict__.get(name)
         if attached is not None:
@@ -388,15 +389,18 @@ class _BatchValues(TorchDispatchMode):
     This mode (above the fake mode) keeps a real twin of every fake tensor that was computed only
     from the batch, from constants or from other such tensors, when no larger than
     ``_VALUE_MAX_BYTES``, running each such op once more on the twins with every mode off (so
-    nothing is counted, and the real tensors die with their fake ones). An op that reads the values of a tensor without a twin (an activation, anything
-    computed from parameters) still fails, as it must. A real tensor held by the module is its own
-    twin, but never written to.
+    nothing is counted, and the real tensors die with their fake ones). An op that reads the
+    values of a tensor without a twin (an activation, anything computed from parameters) still
+    fails, as it must. A real tensor held by the module is its own twin, but never written to. A
+    tensor with a twin written from one without (``ids[:, 0] = activation.argmax()``) loses the
+    twins of its whole storage (every view of it).
     """
 
     def __init__(self, fake_mode: FakeTensorMode) -> None:
         super().__init__()
         self.fake_mode = fake_mode
         self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (ref to it, its twin)
+        self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
 
     def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
         if value.numel() * value.element_size() <= _VALUE_MAX_BYTES:
@@ -404,13 +408,23 @@ class _BatchValues(TorchDispatchMode):
             self._values[key] = (weakref.ref(fake, lambda _, k=key: self._values.pop(k, None)), value)
 
     def forget(self, fake: torch.Tensor) -> None:
+        """``fake`` was written from values we do not know: no view of its storage has known values now."""
+        if self._value(fake) is None:
+            return  # nothing known there (parameters, gradients, activations): nothing to forget
         self._values.pop(id(fake), None)
+        storage = fake.untyped_storage()
+        key = storage._cdata
+        self._unknown_storages[key] = weakref.ref(storage, lambda _, k=key: self._unknown_storages.pop(k, None))
 
     def _value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         if not isinstance(t, FakeTensor):
             return t
         entry = self._values.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else None
+        if entry is None or entry[0]() is not t:
+            return None
+        if self._unknown_storages and t.untyped_storage()._cdata in self._unknown_storages:
+            return None
+        return entry[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -494,8 +508,9 @@ def _shape_batch(
             fake = x
         else:
             fake = fake_mode.from_tensor(x)
-            with _disable_current_modes():
-                values.give(fake, x.detach().clone())
+            if x.numel() * x.element_size() <= _VALUE_MAX_BYTES:
+                with _disable_current_modes():
+                    values.give(fake, x.detach().clone())
         out = fake
         if out.dim() >= 1 and out.shape[0] == rows:
             out = _resize(out, 0, batch_size)
@@ -636,6 +651,48 @@ def _reason(exc: BaseException) -> str:
     return f"the fake step failed: {type(exc).__name__}: {exc}{where}"
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    first = next(iter(module.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _fake_module_and_optimizer(
+    pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device, fake_mode: FakeTensorMode
+) -> tuple[nn.Module, torch.optim.Optimizer, list[str]]:
+    """The fake copy on ``device`` with the asked mitigations, its optimizer, and notes on what was done."""
+    notes: list[str] = []
+    model = _fake_copy(pl_module, fake_mode)
+    with fake_mode:
+        if device != _device_of(pl_module):
+            notes.append(f"moved {_device_of(pl_module)} -> {device}")
+            model = model.to(device)
+        twins = {id(real): fake for real, fake in zip(pl_module.parameters(), model.parameters())}
+        fake_optimizer = _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, twins)
+        for name in names:  # after the optimizer: the mitigations keep parameter identity
+            if name == "attention":
+                notes.append(f"attention: {AttentionSwitch().apply(model).detail}")
+            elif name == "checkpointing":
+                notes.append(f"checkpointing: {ActivationCheckpointing().apply(model).detail}")
+    return model, fake_optimizer, notes
+
+
+def _step_functions(
+    pl_module: nn.Module, optimizer: torch.optim.Optimizer, names: tuple[str, ...], batch_size: int, notes: list[str]
+) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
+    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.offline.training_step_memory`: plain or micro-batched."""
+    micro_batch_size = _MICRO_BATCH_SIZE if "microbatch" in names else None
+    if micro_batch_size is None and is_micro_batching(pl_module):
+        micro_batch_size = int(getattr(pl_module.__dict__["training_step"], "micro_batch_size", 1))
+        notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
+    if micro_batch_size is None:
+        return _plain_loss, optimizer
+    if batch_size <= micro_batch_size:
+        notes.append(f"microbatch: batch size {batch_size} is already at most {micro_batch_size}")
+        return _plain_loss, optimizer
+    notes.append(f"microbatch: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
+    return _micro_batched_loss(optimizer, micro_batch_size), _ZeroGradBeforeFirstMicroBatch(optimizer)
+
+
 def dry_run_step(
     pl_module: nn.Module,
     optimizer: Optional[Any],
@@ -685,49 +742,22 @@ def dry_run_step(
     _check_module(pl_module)
     source_rows, _ = infer_batch_shape(batch)
     batch_size = source_rows if batch_size is None else check_int("batch_size", batch_size)
-    first = next(iter(pl_module.parameters()), None)
-    module_device = first.device if first is not None else torch.device("cpu")
+    module_device = _device_of(pl_module)
     device = module_device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", module_device.index if module_device.type == "cuda" else 0)
 
-    notes: list[str] = []
     with _preserved_rng(), warnings.catch_warnings():
         for message in _QUIET:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         values = _BatchValues(fake_mode)
-        memo: dict[int, Any] = {}
         try:
-            model = _fake_copy(pl_module, memo, fake_mode)
-            with fake_mode:
-                if device != module_device:
-                    model = model.to(device)
-                    notes.append(f"moved {module_device} -> {device}")
-                twins = {id(real): fake for real, fake in zip(pl_module.parameters(), model.parameters())}
-                fake_optimizer = (
-                    _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, twins)
-                )
-                for name in names:
-                    if name == "attention":
-                        notes.append(f"attention: {AttentionSwitch().apply(model).detail}")
-                    elif name == "checkpointing":
-                        notes.append(f"checkpointing: {ActivationCheckpointing().apply(model).detail}")
-            micro_batch_size = _MICRO_BATCH_SIZE if "microbatch" in names else None
-            if micro_batch_size is None and is_micro_batching(pl_module):
-                micro_batch_size = int(getattr(pl_module.__dict__["training_step"], "micro_batch_size", 1))
-                notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
+            model, fake_optimizer, notes = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode)
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             with fake_mode, values:  # as Lightning moves the batch to the module's device
                 step_batch = _to_device(step_batch, device)
-            if micro_batch_size is not None and batch_size > micro_batch_size:
-                loss_fn = _micro_batched_loss(fake_optimizer, micro_batch_size)
-                step_optimizer: Any = _ZeroGradBeforeFirstMicroBatch(fake_optimizer)
-                notes.append(f"microbatch: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
-            else:
-                loss_fn, step_optimizer = _plain_loss, fake_optimizer
-                if "microbatch" in names:
-                    notes.append(f"microbatch: batch size {batch_size} is already at most {_MICRO_BATCH_SIZE}")
+            loss_fn, step_optimizer = _step_functions(pl_module, fake_optimizer, names, batch_size, notes)
             probe = make_probe("tracker", device)
             with fake_mode, values, _transformers_without_fake_detection():
                 training_step_memory(model, step_optimizer, step_batch, loss_fn, context=autocast)

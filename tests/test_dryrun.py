@@ -27,6 +27,8 @@ from lightning_seqmem.probes import existing_tensors, make_probe, round_cuda_blo
 
 from conftest import make_trainer
 
+pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+
 TOLERANCE = 0.01  # of the measured step peak
 VOCAB = 256
 L0 = 16  # the shortest length: dry runs start from a batch this long
@@ -286,6 +288,16 @@ class _ReadsActivations(_Tiny):
         return F.cross_entropy(self.head(h).flatten(0, 1), batch["labels"].flatten())
 
 
+class _OverwritesBatchValues(_Tiny):
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"].clone()
+        h = self.emb(ids)
+        ids[:, 0] = h.sum(-1).argmax(-1)  # the batch-derived ids now hold an activation's values
+        if (ids == 0).any():  # so this read cannot be answered from the batch
+            h = h * 2
+        return F.cross_entropy(self.head(h).flatten(0, 1), batch["labels"].flatten())
+
+
 class _NonzeroOfActivations(_Tiny):
     def training_step(self, batch, batch_idx):
         h = self.emb(batch["input_ids"])
@@ -307,6 +319,9 @@ def test_reading_an_activation_value_is_unsupported_with_the_line():
     with pytest.raises(DryRunUnsupported, match=r"reads tensor values.*h\.abs\(\)\.max\(\)\.item\(\)") as info:
         dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
     assert "test_dryrun.py" in info.value.reason
+    with pytest.raises(DryRunUnsupported, match=r"reads tensor values.*if \(ids == 0\)\.any\(\)"):
+        module = _OverwritesBatchValues()
+        dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
     with pytest.raises(DryRunUnsupported, match="output shape depends on tensor values"):
         module = _NonzeroOfActivations()
         dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
