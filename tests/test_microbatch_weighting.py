@@ -94,10 +94,13 @@ class HFLossLM(pl.LightningModule):
         self.model = transformers.LlamaForCausalLM(_llama_config())
         self.model.set_attn_implementation("eager")
         self.no_grad_calls = 0
+        self.sizes: list[int] = []  # samples of each training_step call with gradient
 
     def training_step(self, batch, batch_idx):
         if not torch.is_grad_enabled():
             self.no_grad_calls += 1
+        else:
+            self.sizes.append(batch["input_ids"].shape[0])
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
                          use_cache=False)
         self.log("train/loss", out.loss, batch_size=batch["input_ids"].shape[0])
@@ -162,10 +165,10 @@ class LossRecorder(pl.Callback):
 
 @functools.lru_cache(maxsize=None)
 def _fit_hf(module: str, micro: int | None, weighting: str = "auto", verify: bool = True, accumulate: int = 1,
-            precision: str = "32-true") -> Run:
+            precision: str = "32-true", lengths: tuple[int, ...] = tuple(LENGTHS)) -> Run:
     torch.manual_seed(0)
     pl_module = HFLossLM() if module == "hf_loss" else _project_hf_module()
-    data = PaddedTokens("inputs" if module == "hf_loss" else "next")
+    data = PaddedTokens("inputs" if module == "hf_loss" else "next", lengths)
     policy = MicroBatching(micro, weighting=weighting, verify=verify) if micro else None
     grads, losses = Grads(policy), LossRecorder()
     trainer = make_trainer([grads, losses], max_steps=-1, max_epochs=1, accumulate_grad_batches=accumulate,
@@ -264,6 +267,21 @@ def test_padded_hugging_face_with_accumulation_and_the_check_runs_once():
     _assert_close(micro.params, full.params, rtol=1e-4, atol=1e-6)
     assert micro.module.no_grad_calls == 3  # the pair and its two micro-batches, on the first batch only
     assert micro.callback.pending_before == [True, False, False]
+
+
+def test_no_label_tokens_runs_whole_and_one_counted_micro_batch_defers_the_check():
+    # batch 0: no label token at all (the plain step runs; its loss is 0/0 but no gradient is NaN);
+    # batch 1: one row with labels (its loss is the batch's; nothing to compare: the check waits);
+    # batch 2: three rows with labels, one without: checked, micro-batched
+    lengths = (1, 1, 1, 1, 1, 1, 6, 1, 3, 5, 1, 9)
+    full = _fit_hf("hf_loss", None, lengths=lengths)
+    micro = _fit_hf("hf_loss", 1, lengths=lengths)
+    assert full.module.sizes == [4, 4, 4]
+    assert micro.module.sizes == [4, 1, 1, 1, 1]  # rows without labels are not run
+    assert micro.callback.pending_before == [True, True, True] and micro.callback.wrapper.verified
+    assert micro.module.no_grad_calls == 3
+    _assert_close(micro.params, full.params, rtol=1e-4, atol=1e-6)
+    assert all(torch.isfinite(p).all() for p in micro.params.values())
 
 
 def test_bf16_autocast_passes_the_check():
