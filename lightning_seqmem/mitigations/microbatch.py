@@ -37,10 +37,12 @@ a wrapper cannot make it do; weights ask nothing of ``training_step``. ``weighti
 Verification (``verify=True``, the default). The weights are exact only for a loss that is such a
 mean, so the first batch split is checked before any gradient is touched: ``training_step`` runs
 without gradient on the first two micro-batches with ``c_i > 0`` and on the samples from the first
-to the second of them together (a sub-batch, so the check never needs the whole batch's memory:
-``4 * micro_batch_size`` samples of forward in all, once), and the loss of the pair must equal the
+to the second of them together (a sub-batch, usually ``2 * micro_batch_size`` samples, so the check
+never needs the whole batch's memory; no backward; once per :meth:`MicroBatching.apply`), and the
+loss of the pair must equal the
 ``c_i``-weighted mean of theirs within ``rtol`` 1e-3 (2e-2 under a 16-bit autocast or with 16-bit
-parameters or loss). A sum (``reduction="sum"``) is off by a factor of about 2 and is refused, as is
+parameters or loss). A sum (``reduction="sum"``) is off by a factor of about 2 and is refused (no rescaling is
+attempted: a sum's right weights are 1, but what else the loss is cannot be told from its values), as is
 any loss normalised by something other than what is counted, or layers that mix samples (batch
 norm). A refusal puts the original ``training_step`` back and runs the batch unsplit (the plain
 step: the same gradient as a run without micro-batching), warns
@@ -58,8 +60,8 @@ module's buffers (batch-norm statistics) restored afterwards; any other side eff
 ``training_step`` (a user's counters) happens three more times. When the losses disagree, the pair
 is run again: if its loss changed, the step is random in a way the check cannot turn off (noise
 drawn in ``training_step``, a dropout outside ``torch``, such as flash-attn's), the loss cannot be
-verified, and the rung is refused, saying so. The check's memory (a no-grad forward of ``2 *
-micro_batch_size`` samples) falls in that step's measured peak: :func:`micro_batching_check_pending`
+verified, and the rung is refused, saying so. The check's memory (a no-grad forward of the pair)
+falls in that step's measured peak: :func:`micro_batching_check_pending`
 tells, before a step, whether it will run the check. Under DDP each rank checks its own batch and
 decides alone (a collective would hang when one rank's batch is not split); either way each rank's
 gradient is exact, and each runs one synced backward per batch, so ranks that decide differently
