@@ -10,10 +10,12 @@ optimizer state and the batch counted). Error is ``(dry - measured) / measured``
 under-prediction (an OOM risk). Target: within 1% everywhere.
 
 Cost: the dry run alone at 1k, 8k and 32k tokens (real steps there would be too slow, or too big:
-eager attention at 32k tokens needs tens of GiB). Each row runs in a fresh process, so that its
-peak resident memory is its own: ``peak RSS +MiB`` is the rise of ``resource.getrusage(RUSAGE_SELF)
-.ru_maxrss`` (the process's resident high-water mark) over the mark reached after imports, model
-construction and one warm-up dry run at 64 tokens. ``seconds`` is the measured call's own time.
+eager attention at 32k tokens needs hundreds of GiB). Each row runs in a fresh process after
+imports, model construction and one warm-up dry run at 64 tokens: ``peak RSS +MiB`` is the
+process's resident high-water mark during the call (``VmHWM`` of ``/proc/self/status``, reset to
+the current RSS through ``/proc/self/clear_refs`` just before it) minus its RSS just before it.
+(``resource.getrusage().ru_maxrss`` is not used: Linux carries it over ``exec`` from the forking
+parent.) ``seconds`` is the measured call's own time.
 
     python benchmarks/dry_run.py            # L0=32, real steps up to 2048 tokens, 3 cost models
     python benchmarks/dry_run.py --quick    # small models, real steps at 16·L0 = 256 tokens, 1 cost model
@@ -26,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -184,19 +185,45 @@ COST_MODELS = {
 COST_BATCH_SIZE = 4
 
 
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` figure in KiB (``VmRSS``: resident now; ``VmHWM``: its high-water mark)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def cost_worker(model: str, seq_len: int) -> dict:
-    """Run in a fresh process: one warm-up dry run at 64 tokens, then the measured one."""
+    """Run in a fresh process: one warm-up dry run at 64 tokens, then the measured one.
+
+    Peak memory: the rise of the process's resident high-water mark (``VmHWM``, reset to the
+    current RSS just before the call) over its RSS just before the call. ``ru_maxrss`` is not used:
+    Linux carries it over ``exec`` from the forking parent, whose RSS it would report.
+    """
     warnings.filterwarnings("ignore")
     module = COST_MODELS[model]()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     batch = _batch(COST_BATCH_SIZE, 32)
     dry_run_step(module, optimizer, batch, 64)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    rss_before = _status_kib("VmRSS")
+    reset = _reset_peak_rss()
+    hwm_before = _status_kib("VmHWM")
     result = dry_run_step(module, optimizer, batch, seq_len)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status_kib("VmHWM") - (rss_before if reset else hwm_before)
     return dict(model=model, seq_len=seq_len, batch_size=COST_BATCH_SIZE, predicted_bytes=result.peak_bytes,
-                seconds=result.seconds, peak_rss_increase_bytes=(after - before) * 1024,
-                baseline_rss_bytes=before * 1024)  # fmt: skip
+                seconds=result.seconds, peak_rss_increase_bytes=max(peak, 0) * 1024,
+                rss_before_bytes=rss_before * 1024, peak_reset=reset)  # fmt: skip
 
 
 def cost(quick: bool, show: bool) -> list[dict]:
@@ -204,8 +231,9 @@ def cost(quick: bool, show: bool) -> list[dict]:
     rows = []
     if show:
         print()
-        print(f"cost of a dry run alone (batch {COST_BATCH_SIZE}; a fresh process per row; peak RSS +MiB = rise of")
-        print("ru_maxrss over its mark after imports, model and a warm-up dry run at 64 tokens, which is 'process RSS')")
+        print(f"cost of a dry run alone (batch {COST_BATCH_SIZE}; a fresh process per row, after imports, the model and a")
+        print("warm-up dry run at 64 tokens; peak RSS +MiB = the call's resident high-water mark (VmHWM, reset by")
+        print("/proc/self/clear_refs before it) minus the process's RSS just before it, 'process RSS MiB')")
         header = f"{'model':<20} {'seq_len':>7} {'predicted peak GiB':>18} {'seconds':>8} {'peak RSS +MiB':>13} {'process RSS MiB':>15}"
         print(header)
         print("-" * len(header))
@@ -220,7 +248,7 @@ def cost(quick: bool, show: bool) -> list[dict]:
             if show:
                 print(
                     f"{model:<20} {seq_len:>7} {row['predicted_bytes'] / 2**30:18.2f} {row['seconds']:8.2f} "
-                    f"{row['peak_rss_increase_bytes'] / MIB:13.1f} {row['baseline_rss_bytes'] / MIB:15.0f}"
+                    f"{row['peak_rss_increase_bytes'] / MIB:13.1f} {row['rss_before_bytes'] / MIB:15.0f}"
                 )
     return rows
 
