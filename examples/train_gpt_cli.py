@@ -16,16 +16,16 @@ from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 
 def report(trainer) -> None:
     """Write and print the report of the first SeqMemCallback (rank zero only)."""
-    from lightning_seqmem.panels import log_figure, write_layout
-    from lightning_seqmem.report import build_report, render_console, write_report
+    from lightning_seqmem.outputs import log_figure, write_layout
+    from lightning_seqmem.report import build_report, render_console
 
     callback = next((c for c in trainer.callbacks if isinstance(c, SeqMemCallback)), None)
     if callback is None or not trainer.is_global_zero:
         return
     write_layout(trainer)
-    log_figure(trainer, callback)
-    paths = write_report(callback, trainer)
-    render_console(build_report(callback, trainer, include_records=False))
+    log_figure(trainer, callback.planner)
+    paths = callback.write_report(trainer)
+    render_console(build_report(callback.planner, trainer, include_records=False))
     print(f"seqmem report: {paths[0]}")
 
 

@@ -5,7 +5,7 @@ Example:
     >>> a = over_budget_stage(512, 9_000_000, 10_000_000, "replay", 8_000_000, 10_000_000, 0.2, fit=384,
     ...                       action="cap at seq_len=384", skipped=[])
     >>> a.kind, a.key
-    ('stage_over_budget', 'oom-512')
+    ('stage_over_budget', 'oom-512-none')
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _usable(budget: int, usable: int, margin: float) -> str:
 
 
 def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: int, budget: int, margin: float,
-                      fit: int, action: str, skipped: Sequence[str], measured: bool = False) -> Advice:
+                      fit: int, action: str, skipped: Sequence[str], measured: bool = False,
+                      applied: Sequence[str] = ()) -> Advice:
     """A stage (the next, or the one running) does not fit: what was seen and what is done."""
     if measured:
         why = f"seq_len={seq_len} already peaked at {format_bytes(peak)}"
@@ -58,7 +59,7 @@ def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: 
                f"{format_bytes(bound)}, {method})")
     fits = f"The largest length forecast to fit is {fit}. " if fit > 0 else "No length is forecast to fit. "
     skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
-    return Advice("stage_over_budget", f"oom-{seq_len}",
+    return Advice("stage_over_budget", f"oom-{seq_len}-{'+'.join(applied) or 'none'}",
                   f"seqmem: {why}, over {_usable(budget, usable, margin)}. {fits}{action}{skipped_text}.",
                   PredictedOOMWarning)
 

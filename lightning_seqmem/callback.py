@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from . import advice as A
-from . import distributed, outputs
-from .batch import infer_batch_shape, set_batch_sequence_length
+from . import distributed, edge, outputs
+from .batch import infer_batch_shape
 from .checks import check_int
 from .curriculum import Curriculum
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
@@ -267,16 +267,8 @@ class SeqMemCallback(Callback):
 
     def _check_strategy_and_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the rungs this run cannot take, saying why, before training starts."""
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            self.planner.drop_mitigations(
-                [m for m in self.planner.mitigations if m in ("checkpointing", "microbatch")],
-                f"{type(trainer.strategy).__name__} shards or wraps the model itself; only single-device and DDP "
-                "runs are supported for these (measurement and forecasts still work; for FSDP use its own "
-                "activation checkpointing, for DeepSpeed its config)")
-        elif not pl_module.automatic_optimization and "microbatch" in self.planner.mitigations:
-            self.planner.drop_mitigations(["microbatch"], "manual optimization runs its own backward, which cannot be split")
+        self.planner.drop_mitigations(*edge.unsupported_rungs(trainer, pl_module, self.planner.mitigations))
+        self._warn_advice()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the TensorBoard panel layout; after a resume, switch the mitigations on again."""
@@ -327,8 +319,15 @@ class SeqMemCallback(Callback):
             return
         self.planner.commit(decision)
         if decision.rung is not None:
-            self._switch_on(trainer, pl_module, batch, decision)
-        self._cut(trainer, batch, decision.seq_len)
+            self._switch_on(trainer, pl_module, batch, decision, shape)
+        if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
+            self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
+        try:
+            self._cut(trainer, batch, decision.seq_len)
+        except (TypeError, ValueError):
+            if self.planner.step == 0 and trainer.world_size == 1:
+                raise  # a batch format the curriculum cannot cut, found before any step ran: say so
+            self._fail("cutting the batch to the curriculum's length", RuntimeError("the batch could not be cut"))
         self._start_measurement(trainer, pl_module, batch, decision, shape)
         self._warn_advice()
 
@@ -362,7 +361,7 @@ class SeqMemCallback(Callback):
         except Exception as exc:  # noqa: BLE001 - a failed mitigation must not kill the run
             return False, f"{type(exc).__name__}: {exc}"
 
-    def _switch_on(self, trainer, pl_module, batch: Any, decision: Decision) -> None:
+    def _switch_on(self, trainer, pl_module, batch: Any, decision: Decision, shape: tuple[int, int]) -> None:
         """Apply the rung on every rank; if it failed on any, it is off on all and skipped."""
         name = decision.rung
         assert name is not None
@@ -371,24 +370,14 @@ class SeqMemCallback(Callback):
         if ok and not everywhere:
             detail = "it failed on another rank"
             self._safely("undoing a rung", lambda: ladder.remove(name, trainer, pl_module))
-        seq_len = decision.seq_len or (self._shape[1] if self._shape else None)
-        self.planner.rung_applied(name, everywhere, detail, seq_len)
+        self.planner.rung_applied(name, everywhere, detail, self.planner.seq_len or shape[1])  # where it was decided
         if everywhere:
             rank_zero_info(f"seqmem: switched on {name} at step {self.planner.step} ({detail}).")
 
     def _cut(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
-        """Cut (or, with ``truncate=False``, reshape) the batch to ``seq_len``; tuples through the
-        datamodule's or dataset's ``set_seq_len``."""
-        if self.curriculum is None or seq_len is None:
-            return
-        if isinstance(batch, tuple) or self._uses_datamodule_length:
-            setter = _length_setter(trainer)
-            if setter is None:  # let set_batch_sequence_length raise its message about tuples
-                set_batch_sequence_length(batch, seq_len, truncate=self.curriculum.truncate)
-            self._uses_datamodule_length = True
-            setter(seq_len)
-            return
-        set_batch_sequence_length(batch, seq_len, truncate=self.curriculum.truncate)
+        if self.curriculum is not None and seq_len is not None:
+            self._uses_datamodule_length = edge.cut_batch(trainer, batch, seq_len, self.curriculum.truncate,
+                                                          self._uses_datamodule_length)
 
     @_guarded
     def _start_measurement(self, trainer, pl_module, batch: Any, decision: Decision, shape: tuple[int, int]) -> None:
@@ -397,7 +386,7 @@ class SeqMemCallback(Callback):
             planned = shape
         else:
             planned = (self.planner.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
-        self._pending = self.planner.begin_step(planned[1], planned[0], _steps_optimizer(trainer),
+        self._pending = self.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
                                                 trainer.global_step, trainer.current_epoch)
         if self._pending.measure:
             assert self._probe is not None, "setup() was not called"
@@ -434,7 +423,8 @@ class SeqMemCallback(Callback):
             return
         self._record(trainer, pending, row, memory)
         if self.breakdown and not self._failed and trainer.is_global_zero:
-            self._safely("the memory breakdown", lambda: self._keep_batch(batch))
+            self._safely("the memory breakdown", lambda: setattr(
+                self, "_breakdown_batch", edge.longest_batch(self._breakdown_batch, batch, self._read_shape(batch)[1])))
         self._warn_advice()
 
     @_guarded
@@ -464,15 +454,6 @@ class SeqMemCallback(Callback):
                                      SeqMemFailureWarning))
             metrics = {}
         outputs.log_metrics(trainer, metrics, step=record.global_step)
-
-    def _keep_batch(self, batch: Any) -> None:
-        """A CPU copy of the longest batch so far (the latest of equals), for the breakdown at the end."""
-        from torch.utils._pytree import tree_map
-
-        _, seq_len = self._read_shape(batch)
-        if self._breakdown_batch is None or seq_len >= self._breakdown_batch[0]:
-            copy = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
-            self._breakdown_batch = (int(seq_len), copy)
 
     # ------------------------------------------------------------------------------------------
     # End of fit, reports, failures
@@ -568,28 +549,6 @@ class SeqMemCallback(Callback):
             return
         self._uses_datamodule_length = bool(state_dict.get("uses_datamodule_length", False))
         self._reapply_on_fit_start = bool(self.planner.applied_mitigations)
-
-
-def _steps_optimizer(trainer: pl.Trainer) -> bool:
-    """Whether the batch about to run ends with an optimizer step (not a gradient accumulation)."""
-    if trainer.accumulate_grad_batches == 1:
-        return True
-    try:
-        return not trainer.fit_loop.epoch_loop._should_accumulate()
-    except Exception:  # noqa: BLE001 - Lightning internals moved: assume it steps
-        return True
-
-
-def _length_setter(trainer: pl.Trainer) -> Optional[Callable[[int], None]]:
-    """A datamodule's or train dataset's ``set_seq_len`` method, if it has one."""
-    datamodule = getattr(trainer, "datamodule", None)
-    if datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
-        return datamodule.set_seq_len
-    loader = getattr(trainer, "train_dataloader", None)
-    dataset = getattr(loader, "dataset", None)
-    if dataset is not None and callable(getattr(dataset, "set_seq_len", None)):
-        return dataset.set_seq_len
-    return None
 
 
 __all__ = ["SeqMemCallback", "StepRecord"]

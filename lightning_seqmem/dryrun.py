@@ -222,8 +222,8 @@ def _check_module(pl_module: Any) -> None:
     reason = _compiled_reason(pl_module)
     if reason is not None:
         raise DryRunUnsupported(
-            f"{reason}: compiled code cannot be replayed on fake tensors, and its memory differs from the eager "
-            "program's (fused kernels); forecast from measured steps instead"
+            f"{reason}: its memory is that of the kernels torch.compile generates (fused, with their own "
+            "buffers), which a fake eager step does not reproduce; forecast from measured steps instead"
         )
     if getattr(pl_module, "automatic_optimization", True) is False:
         raise DryRunUnsupported(
@@ -275,7 +275,10 @@ def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
     if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(f"`optimizer` must be a torch.optim.Optimizer (or Lightning's wrapper of one), got {type(optimizer).__name__}")
+        raise TypeError(
+            "`optimizer` must be a torch.optim.Optimizer (or Lightning's wrapper of one), "
+            f"got {type(optimizer).__name__}"
+        )
     return inner
 
 
@@ -303,7 +306,7 @@ def _rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.
             if fake is None:
                 raise DryRunUnsupported(
                     f"param group {index} of the optimizer holds a {tuple(p.shape)} tensor that is not a parameter "
-                    "or buffer of the module, so the fake copy cannot step it"
+                    "of the module, so the fake copy cannot step it (pass the module's own optimizer)"
                 )
             params.append(fake)
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -525,7 +528,7 @@ def _shape_batch(
                 out = _resize(out, 1, seq_len)
         elif out.dim() == 4 and out.shape[-1] == out.shape[-2] == length and fake.shape[0] in (rows, 1):
             out = _resize(_resize(out, 2, seq_len), 3, seq_len)
-        return out if out is fake else out.contiguous().clone()
+        return out if out is fake else out.clone(memory_format=torch.contiguous_format)
 
     def visit(obj: Any, key: Any = None) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -558,7 +561,8 @@ def _loss_of(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, torch.Tensor):
         raise DryRunUnsupported(
-            f"training_step returned {type(output).__name__}{' without a loss tensor' if isinstance(output, Mapping) else ''}; "
+            f"training_step returned {type(output).__name__}"
+            f"{' without a loss tensor' if isinstance(output, Mapping) else ''}; "
             "a step that returns None is skipped by Lightning and has no backward to forecast"
         )
     return loss
@@ -595,7 +599,9 @@ class _ZeroGradBeforeFirstMicroBatch:
         self.optimizer.step()
 
 
-def _micro_batched_loss(optimizer: torch.optim.Optimizer, micro_batch_size: int) -> Callable[[nn.Module, Any], torch.Tensor]:
+def _micro_batched_loss(
+    optimizer: torch.optim.Optimizer, micro_batch_size: int
+) -> Callable[[nn.Module, Any], torch.Tensor]:
     """``training_step`` per micro-batch, each loss weighted by its share of samples.
 
     Mirrors :mod:`lightning_seqmem.mitigations.microbatch`: zero the gradients, backpropagate

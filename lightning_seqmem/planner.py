@@ -378,7 +378,8 @@ class SeqMemPlanner:
         rung, skipped = self._next_rung(applicable)
         words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
                      method=verdict.method, usable=self.usable_budget_bytes, budget=self.budget_bytes,
-                     margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured)
+                     margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured,
+                     applied=self.applied_mitigations)
         if rung is not None:
             base = min(current, seq_len)
             lengths = sorted({self.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})

@@ -522,3 +522,14 @@ def test_read_batch_shape_errors_of_the_fn_propagate():
 def test_bad_flags(name, value):
     with pytest.raises(ValueError, match=rf"^`{name}` must be True or False, got {value!r}\.$"):
         cut_batch(ids(), S, **{name: value})
+
+
+@pytest.mark.gpu
+def test_cut_on_cuda_reads_the_mask_on_the_device():
+    batch = {k: v.cuda() for k, v in left_padded().items()}
+    batch["position_ids"] = torch.arange(L, device="cuda").view(1, L)
+    out = cut_batch(batch, S)
+    assert out.kept == "last" and out.padding_side == "left" and out.empty_rows == 0
+    assert all(v.is_cuda for v in out.batch.values())
+    assert out.batch["position_ids"].tolist() == [list(range(L - S, L))]
+    assert infer_batch_shape(out.batch) == (B, S)

@@ -63,7 +63,7 @@ def test_eager_curriculum_stops_at_a_length_that_fits(eager_budget, eager_run):
     # one warning, issued before the 512 stage would have started (at the end of the 256 stage)
     assert len(oom) == 1
     message = str(oom[0].message)
-    assert "seq_len=512" in message and "largest length that fits" in message and "SDPA" in message
+    assert "seq_len=512" in message and "largest length forecast to fit" in message and "SDPA" in message
     first_capped_step = lengths.index(cap) if cap != 256 else lengths.index(256) + 3
     assert first_capped_step == 12  # stages 32, 64, 128, 256 took 3 steps each
     # after the cap, training goes on at the cap

@@ -88,5 +88,5 @@ def test_an_unreadable_callback_state_gives_a_warning_and_a_fresh_start():
     restored = _callback()
     with pytest.warns(SeqMemFailureWarning, match="could not restore the callback state"):
         restored.load_state_dict(state)
-    assert restored.records == [] and restored._step == 0 and restored.applied_mitigations == ()
+    assert restored.records == [] and restored.planner.step == 0 and restored.applied_mitigations == ()
     assert restored.state_dict()["stages"] == list(restored.curriculum.stages)

@@ -1,0 +1,71 @@
+"""Small Lightning-edge helpers of the callback: what it reads from the trainer (each Lightning
+internal in one guarded place), how it cuts a batch, which rungs a strategy refuses."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .batch import set_batch_sequence_length
+
+
+def steps_optimizer(trainer: Any) -> bool:
+    """Whether the batch about to run ends with an optimizer step (not a gradient accumulation)."""
+    if trainer.accumulate_grad_batches == 1:
+        return True
+    try:
+        return not trainer.fit_loop.epoch_loop._should_accumulate()
+    except Exception:  # noqa: BLE001 - Lightning internals moved: assume it steps
+        return True
+
+
+def length_setter(trainer: Any) -> Optional[Callable[[int], None]]:
+    """A datamodule's or train dataset's ``set_seq_len`` method, if it has one."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
+        return datamodule.set_seq_len
+    loader = getattr(trainer, "train_dataloader", None)
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and callable(getattr(dataset, "set_seq_len", None)):
+        return dataset.set_seq_len
+    return None
+
+
+def cut_batch(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
+    """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a tuple goes
+    through the datamodule's or dataset's ``set_seq_len`` instead. Returns whether the setter was used."""
+    if isinstance(batch, tuple) or through_setter:
+        setter = length_setter(trainer)
+        if setter is None:  # let set_batch_sequence_length raise its message about tuples
+            set_batch_sequence_length(batch, seq_len, truncate=truncate)
+        setter(seq_len)
+        return True
+    set_batch_sequence_length(batch, seq_len, truncate=truncate)
+    return False
+
+
+def unsupported_rungs(trainer: Any, pl_module: Any, rungs: tuple[str, ...]) -> tuple[list[str], str]:
+    """The rungs this strategy or module cannot take, and why (before training starts)."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return [m for m in rungs if m in ("checkpointing", "microbatch")], (
+            f"{type(trainer.strategy).__name__} shards or wraps the model itself; only single-device and DDP runs "
+            "are supported for these (measurement and forecasts still work; for FSDP use its own activation "
+            "checkpointing, for DeepSpeed its config)")
+    if not pl_module.automatic_optimization and "microbatch" in rungs:
+        return ["microbatch"], "manual optimization runs its own backward, which cannot be split"
+    return [], ""
+
+
+def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
+    """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the breakdown at the end)."""
+    from torch.utils._pytree import tree_map
+
+    if kept is not None and seq_len < kept[0]:
+        return kept
+    return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
+
+
+__all__ = ["cut_batch", "length_setter", "longest_batch", "steps_optimizer", "unsupported_rungs"]
