@@ -26,10 +26,11 @@ What is counted, as in a real Lightning run after the first step:
 Candidate mitigations (names of :data:`lightning_seqmem.mitigations.ladder.MITIGATIONS`) are
 applied to the copy only: ``"attention"`` (:class:`~lightning_seqmem.mitigations.attention.AttentionSwitch`),
 ``"checkpointing"`` (:class:`~lightning_seqmem.mitigations.checkpointing.ActivationCheckpointing`),
-``"microbatch"`` (each sample's loss weighted ``1/n`` and backpropagated on its own, one optimizer
-step, as :mod:`lightning_seqmem.mitigations.microbatch` runs it: the gradients are zeroed before
-the first micro-batch, every micro-batch but the last is backpropagated inside the ``forward``
-phase, the last one in ``backward``).
+``"microbatch"`` (micro-batches of one sample, each loss weighted by its share of what the loss
+averages over and backpropagated on its own, one optimizer step, as
+:mod:`lightning_seqmem.mitigations.microbatch` runs it: the gradients are zeroed before the first
+micro-batch, every micro-batch but the last is backpropagated inside the ``forward`` phase, the
+last one in ``backward``; the wrapper's one-time check of its first split batch is not included).
 
 The real module, its parameters, gradients and optimizer state, and the torch random number
 generators are left as they were. A step that cannot run on fake tensors raises
@@ -100,7 +101,7 @@ from .checks import check_int
 from .mitigations.attention import AttentionSwitch
 from .mitigations.checkpointing import ActivationCheckpointing
 from .mitigations.ladder import check_mitigations
-from .mitigations.microbatch import is_micro_batching, split_batch
+from .mitigations.microbatch import IGNORE_INDEX, MicroBatching, is_micro_batching, micro_batch_counts, split_batch
 from .offline import training_step_memory
 from .probes import PHASES, TrackedEvents, make_probe, round_cuda_block_bytes
 
@@ -599,28 +600,49 @@ class _ZeroGradBeforeFirstMicroBatch:
         self.optimizer.step()
 
 
-def _micro_batched_loss(
-    optimizer: torch.optim.Optimizer, micro_batch_size: int
-) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """``training_step`` per micro-batch, each loss weighted by its share of samples.
+def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignore_index: int) -> list[int]:
+    """What each micro-batch's loss weighs (see :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts`).
 
-    Mirrors :mod:`lightning_seqmem.mitigations.microbatch`: zero the gradients, backpropagate
-    micro-batches ``1 .. k-1`` (autocast off), return the last one's weighted loss (plus the
-    others', detached) for the caller's backward.
+    Label tokens are counted from the batch's values (:class:`_BatchValues`); a batch whose labels
+    have none (too large to keep) is weighted by samples: the weights are scalars, the memory is the same.
+    """
+    try:
+        return micro_batch_counts(batch, micro_batch_size, weighting, ignore_index)[1]
+    except DataDependentOutputException:
+        return [infer_batch_shape(part)[0] for part in split_batch(batch, micro_batch_size)]
+
+
+def _micro_batched_loss(
+    optimizer: torch.optim.Optimizer, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX
+) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """``training_step`` per micro-batch, each loss weighted by its share ``c_i / C`` of what the loss averages over.
+
+    Mirrors the wrapper of :mod:`lightning_seqmem.mitigations.microbatch` (its steady state; not
+    the one-time check of the first split batch): count ``c_i`` (label tokens or samples), zero
+    the gradients, backpropagate each micro-batch with ``c_i > 0`` but the last (autocast off),
+    and return the last one's weighted loss (plus the others', detached) for the caller's
+    backward. A batch with one micro-batch, or nothing counted, runs whole, zeroed after its
+    forward as Lightning does.
     """
 
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
         parts = split_batch(batch, micro_batch_size)
-        total = sum(infer_batch_shape(part)[0] for part in parts)
+        counts = _micro_batch_counts(batch, micro_batch_size, weighting, ignore_index) if len(parts) > 1 else [1]
+        used = [i for i, c in enumerate(counts) if c > 0]
+        if len(parts) == 1 or not used:
+            loss = _plain_loss(model, batch)
+            optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad, after the forward
+            return loss
+        total = sum(counts)
         optimizer.zero_grad(set_to_none=True)
         done: Optional[torch.Tensor] = None
-        for part in parts[:-1]:
-            scaled = _loss_of(model.training_step(part, 0)) * (infer_batch_shape(part)[0] / total)
+        for i in used[:-1]:
+            scaled = _plain_loss(model, parts[i]) * (counts[i] / total)
             with _autocast_off(scaled.device.type):
                 scaled.backward()
             done = scaled.detach() if done is None else done + scaled.detach()
             del scaled
-        scaled = _loss_of(model.training_step(parts[-1], 0)) * (infer_batch_shape(parts[-1])[0] / total)
+        scaled = _plain_loss(model, parts[used[-1]]) * (counts[used[-1]] / total)
         return scaled if done is None else scaled + done
 
     return loss_fn
@@ -687,8 +709,10 @@ def _step_functions(
 ) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
     """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.offline.training_step_memory`: plain or micro-batched."""
     micro_batch_size = _MICRO_BATCH_SIZE if "microbatch" in names else None
+    policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
     if micro_batch_size is None and is_micro_batching(pl_module):
-        micro_batch_size = int(getattr(pl_module.__dict__["training_step"], "micro_batch_size", 1))
+        policy = pl_module.__dict__["training_step"]  # the wrapper: its size and weighting
+        micro_batch_size = int(policy.micro_batch_size)
         notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
     if micro_batch_size is None:
         return _plain_loss, optimizer
@@ -696,7 +720,9 @@ def _step_functions(
         notes.append(f"microbatch: batch size {batch_size} is already at most {micro_batch_size}")
         return _plain_loss, optimizer
     notes.append(f"microbatch: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
-    return _micro_batched_loss(optimizer, micro_batch_size), _ZeroGradBeforeFirstMicroBatch(optimizer)
+    weighting, ignore_index = getattr(policy, "weighting", "auto"), getattr(policy, "ignore_index", IGNORE_INDEX)
+    loss_fn = _micro_batched_loss(optimizer, micro_batch_size, weighting, ignore_index)
+    return loss_fn, _ZeroGradBeforeFirstMicroBatch(optimizer)
 
 
 def dry_run_step(
