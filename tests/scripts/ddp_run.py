@@ -36,11 +36,14 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    calls = {"shape": 0, "fault": 0}
+    calls = {"batch": 0, "fault": 0}
+
+    class BatchIndex(pl.Callback):  # runs before SeqMemCallback: the index of the batch about to run
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            calls["batch"] = batch_idx
 
     def seq_len_fn(batch):
-        calls["shape"] += 1
-        if rank == 1 and args.unreadable_rank1_at is not None and calls["shape"] > args.unreadable_rank1_at:
+        if rank == 1 and args.unreadable_rank1_at is not None and calls["batch"] >= args.unreadable_rank1_at:
             raise ValueError("injected: rank 1 cannot read this batch")
         return infer_batch_shape(batch)
 
@@ -68,7 +71,7 @@ def main() -> None:
     batch_size = int(args.batch_sizes.split(",")[rank])
     seq_len = int(args.seq_lens.split(",")[rank])
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.max_steps, callbacks=[cb], default_root_dir=args.out,
+        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.max_steps, callbacks=[BatchIndex(), cb], default_root_dir=args.out,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
