@@ -23,6 +23,7 @@ from .checks import check_int
 from .curriculum import Curriculum
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from .mitigations import ladder
+from .mitigations.microbatch import micro_batching_check_pending, micro_batching_refusal
 from .oom import is_oom
 from .planner import Decision, PendingStep, SeqMemPlanner
 from .probes import PROBE_NAMES, MemoryProbe, existing_tensors, make_probe
@@ -388,6 +389,8 @@ class SeqMemCallback(Callback):
             planned = (self.planner.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
         self._pending = self.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
                                                 trainer.global_step, trainer.current_epoch)
+        if "microbatch" in self.planner.applied_mitigations and micro_batching_check_pending(pl_module):
+            self._pending.warmup, self._pending.traced = True, False  # the loss check's forwards add to this peak
         if self._pending.measure:
             assert self._probe is not None, "setup() was not called"
             self._probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=self._pending.traced)
@@ -411,8 +414,9 @@ class SeqMemCallback(Callback):
             return
         pending, self._pending = self._pending, None
         memory = self._stop_probe(pending)
+        refused = "microbatch" in self.planner.applied_mitigations and micro_batching_refusal(pl_module) is not None
         try:
-            any_failed, row = distributed.gather_measurement(trainer, self._failed, memory, self._shape)
+            any_failed, any_refused, row = distributed.gather_measurement(trainer, self._failed, memory, self._shape, refused)
         except Exception as exc:  # noqa: BLE001
             self._fail("the gathering of peaks across ranks", exc)
             self._stopped = True
@@ -421,6 +425,12 @@ class SeqMemCallback(Callback):
             self._fail("another rank", RuntimeError("a rank stopped measuring, so every rank does"))
             self._stopped = True
             return
+        if any_refused:  # the loss is not a mean: micro-batching is off on every rank, and this step ran whole
+            self._safely("undoing micro-batching", lambda: ladder.remove("microbatch", trainer, pl_module))
+            reason = micro_batching_refusal(pl_module) or "another rank refused it"
+            if pending is not None:
+                pending.mitigations = tuple(m for m in pending.mitigations if m != "microbatch")
+            self.planner.rung_removed("microbatch", f"its first-step check refused it: {reason}")
         self._record(trainer, pending, row, memory)
         if self.breakdown and not self._failed and trainer.is_global_zero:
             self._safely("the memory breakdown", lambda: setattr(

@@ -59,31 +59,34 @@ def broadcast(trainer: Any, obj: Any) -> Any:
     return obj if trainer.world_size <= 1 else trainer.strategy.broadcast(obj, src=0)
 
 
-def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory], shape: Optional[tuple[int, int]]
-                       ) -> tuple[bool, Optional[tuple[int, StepMemory, int, int]]]:
-    """(any rank failed, (rank, measurement, seq_len, batch_size) of the highest peak, or None)."""
+def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory], shape: Optional[tuple[int, int]],
+                       flag: bool = False) -> tuple[bool, bool, Optional[tuple[int, StepMemory, int, int]]]:
+    """(any rank failed, ``flag`` on any rank, (rank, measurement, seq_len, batch_size) of the
+    highest peak, or None). ``flag`` carries one more yes/no every rank must hear (a refused rung)."""
     if trainer.world_size <= 1:
         if memory is None or shape is None:
-            return failed, None
-        return failed, (0, memory, shape[1], shape[0])
-    row = [int(failed)] + [-1] * (2 + len(_INT_FIELDS) + len(PHASES))
+            return failed, flag, None
+        return failed, flag, (0, memory, shape[1], shape[0])
+    width = 4 + len(_INT_FIELDS) + len(PHASES)
+    row = [int(failed), int(flag)] + [-1] * (width - 2)
     if memory is not None and shape is not None and not failed:
         values = [-1 if getattr(memory, f) is None else int(getattr(memory, f)) for f in _INT_FIELDS]
-        row = [0, shape[1], shape[0], *values, *(memory.phase_peak_bytes.get(p, -1) for p in PHASES)]
+        row = [0, int(flag), shape[1], shape[0], *values, *(memory.phase_peak_bytes.get(p, -1) for p in PHASES)]
     rows = _collective(trainer, row, "gather")
+    any_flag = any(r[1] for r in rows)
     if any(r[0] for r in rows):
-        return True, None
-    measured = [(rank, r) for rank, r in enumerate(rows) if r[3] >= 0]  # r[3]: peak_bytes
+        return True, any_flag, None
+    measured = [(rank, r) for rank, r in enumerate(rows) if r[4] >= 0]  # r[4]: peak_bytes
     if not measured:
-        return False, None
-    rank, r = max(measured, key=lambda item: item[1][3])
-    ints = {f: (None if v < 0 else int(v)) for f, v in zip(_INT_FIELDS, r[3 : 3 + len(_INT_FIELDS)])}
-    phases = {p: int(v) for p, v in zip(PHASES, r[3 + len(_INT_FIELDS) :]) if v >= 0}
+        return False, any_flag, None
+    rank, r = max(measured, key=lambda item: item[1][4])
+    ints = {f: (None if v < 0 else int(v)) for f, v in zip(_INT_FIELDS, r[4 : 4 + len(_INT_FIELDS)])}
+    phases = {p: int(v) for p, v in zip(PHASES, r[4 + len(_INT_FIELDS) :]) if v >= 0}
     reserved, fragmentation = ints.get("reserved_bytes"), ints.get("fragmentation_bytes")
     fraction = fragmentation / reserved if reserved and fragmentation is not None else None
     events = memory.events if memory is not None and rank == trainer.global_rank else None
     chosen = StepMemory(phase_peak_bytes=phases, fragmentation_fraction=fraction, events=events, **ints)
-    return False, (rank, chosen, int(r[1]), int(r[2]))
+    return False, any_flag, (rank, chosen, int(r[2]), int(r[3]))
 
 
 __all__ = ["agree_inputs", "all_ok", "broadcast", "gather_measurement"]

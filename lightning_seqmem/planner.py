@@ -427,6 +427,16 @@ class SeqMemPlanner:
                                        "before_bytes": before, "after_bytes": None})
         self._pending_events.append(f"mitigation:{name}")
 
+    def rung_removed(self, name: str, why: str) -> None:
+        """A rung that was on is off again (every rank): it is not tried again this run."""
+        self.applied_mitigations = tuple(m for m in self.applied_mitigations if m != name)
+        self.mitigations = tuple(m for m in self.mitigations if m != name)
+        self.refit_queue, self.decide_now = [], True
+        for event in self.mitigation_events:
+            if event["name"] == name and "removed" not in event:
+                event["removed"] = why
+        self.advise(A.mitigation_failed(name, why))
+
     def drop_mitigations(self, names: Sequence[str], why: str) -> None:
         """Rungs this run cannot take (set-up): off for the run, said once."""
         if names:
