@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 import re
@@ -493,17 +494,28 @@ def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return x.repeat(*repeats).narrow(dim, 0, size)
 
 
+def _is_square(x: torch.Tensor, rows: int, length: int) -> bool:
+    """A ``[B or 1, ..., L, L]`` attention mask or bias (4-D or more, or 3-D and not float), as in :mod:`.batch`."""
+    if x.dim() < 3 or x.shape[0] not in (rows, 1) or not x.shape[-1] == x.shape[-2] == length:
+        return False
+    return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
+
+
 def _shape_batch(
     batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: _BatchValues
 ) -> tuple[Any, tuple[int, int]]:
     """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
 
-    Rows (dim 0 of every tensor with the batch's number of rows) are cut or repeated; sequence
-    tensors (dim 1 equal to the batch's length, dim 0 the batch size or 1, e.g. ``position_ids``
-    of shape ``[1, L]``) are cut or tiled along dim 1, and ``position_ids`` become
-    ``0 .. seq_len - 1``; square masks ``[B, H, L, L]`` are cut or tiled along both last dims.
-    Changed tensors are contiguous copies, so each storage holds exactly its elements. Every
-    tensor's values are given to ``values`` (copied: the step may change its batch in place).
+    The batch shape ``(B, L)`` is read as :func:`~lightning_seqmem.batch.infer_batch_shape` reads
+    it, and sequence tensors are those :mod:`lightning_seqmem.batch` cuts: first dimension ``B`` or
+    1 (broadcast, e.g. ``position_ids`` of shape ``[1, L]``) and ``L`` at dim 1 (``input_ids``,
+    ``labels``, ``attention_mask``, embeddings ``[B, L, D]``), or at both last dims (masks and
+    biases ``[B, 1, L, L]``). Rows (dim 0 of every tensor with ``B`` rows) are cut or repeated;
+    sequence dims are cut or tiled (the tokens repeated from the start), and ``position_ids`` become
+    ``0 .. seq_len - 1``. Changed tensors are contiguous copies, so each storage holds exactly its
+    elements. Every tensor's values are given to ``values`` (copied: the step may change its batch
+    in place). Mappings, lists, tuples, namedtuples and dataclasses are rebuilt with their type;
+    the batch itself is left untouched.
     """
     rows, length = infer_batch_shape(batch)
 
@@ -516,19 +528,19 @@ def _shape_batch(
                 with _disable_current_modes():
                     values.give(fake, x.detach().clone())
         out = fake
-        if out.dim() >= 1 and out.shape[0] == rows:
+        square = _is_square(fake, rows, length)
+        sequence = not square and fake.dim() >= 2 and fake.shape[0] in (rows, 1) and fake.shape[1] == length
+        if fake.dim() >= 1 and fake.shape[0] == rows and not (rows == 1 and key == "position_ids"):
             out = _resize(out, 0, batch_size)
-        if out.dim() >= 2 and out.shape[1] == length and fake.shape[0] in (rows, 1):
-            if key == "position_ids" and not out.dtype.is_floating_point:
-                view = [1] * out.dim()
-                view[1] = seq_len
-                out = torch.arange(seq_len, dtype=out.dtype, device=out.device).view(view).expand(
-                    *out.shape[:1], seq_len, *out.shape[2:]
-                )
-            else:
-                out = _resize(out, 1, seq_len)
-        elif out.dim() == 4 and out.shape[-1] == out.shape[-2] == length and fake.shape[0] in (rows, 1):
-            out = _resize(_resize(out, 2, seq_len), 3, seq_len)
+        if square:
+            out = _resize(_resize(out, -2, seq_len), -1, seq_len)
+        elif sequence and key == "position_ids" and not out.dtype.is_floating_point:
+            view = [1] * out.dim()
+            view[1] = seq_len
+            positions = torch.arange(seq_len, dtype=out.dtype, device=out.device).view(view)
+            out = positions.expand(out.shape[0], seq_len, *out.shape[2:])
+        elif sequence:
+            out = _resize(out, 1, seq_len)
         return out if out is fake else out.clone(memory_format=torch.contiguous_format)
 
     def visit(obj: Any, key: Any = None) -> Any:
@@ -550,6 +562,11 @@ def _shape_batch(
             if isinstance(obj, list):
                 return parts
             return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            new = copy.copy(obj)
+            for f in dataclasses.fields(obj):
+                object.__setattr__(new, f.name, visit(getattr(obj, f.name), f.name))  # frozen ones too
+            return new
         return obj
 
     with fake_mode, values:

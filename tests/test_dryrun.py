@@ -9,12 +9,14 @@ settings; nothing is hard-coded. Tolerance 1% of the measured step peak.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
 from lightning_seqmem.demo import LitGPT
@@ -399,6 +401,30 @@ def test_batch_is_cut_or_tiled_consistently(batch_size, seq_len):
     ids, source = seen["input_ids"][1], batch["input_ids"].tolist()
     for row in range(batch_size):  # rows repeated, tokens tiled (or cut)
         assert ids[row] == (source[row % rows] * 4)[:seq_len]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    bias: torch.Tensor  # [B, 1, L, L], cut or tiled on both last dims
+    name: str = "x"
+
+
+class _DataclassRecorder(_Tiny):
+    def training_step(self, batch, batch_idx):
+        SEEN.append((type(batch), batch.name, tuple(batch.input_ids.shape), tuple(batch.bias.shape)))
+        return F.cross_entropy(self.head(self.emb(batch.input_ids)).flatten(0, 1), batch.labels.flatten())
+
+
+def test_dataclass_batch_is_rebuilt_at_the_new_shape():
+    b = _batch(3, 10)
+    batch = _Batch(b["input_ids"], b["labels"], torch.zeros(3, 1, 10, 10))
+    SEEN.clear()
+    module = _DataclassRecorder()
+    dry_run_step(module, torch.optim.SGD(module.parameters(), lr=0.1), batch, seq_len=24, batch_size=2)
+    assert SEEN[-1] == (_Batch, "x", (2, 24), (2, 1, 24, 24))
+    assert batch.input_ids.shape == (3, 10) and not isinstance(batch.input_ids, FakeTensor)
 
 
 # -- allocator rounding ---------------------------------------------------------------------------------
