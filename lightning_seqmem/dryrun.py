@@ -710,7 +710,13 @@ def _fake_module_and_optimizer(
     with fake_mode:
         if device != _device_of(pl_module):
             notes.append(f"moved {_device_of(pl_module)} -> {device}")
-            model = model.to(device)
+            try:
+                model = model.to(device)
+            except Exception as exc:  # noqa: BLE001 - e.g. a CPU-only build asked for CUDA
+                raise DryRunUnsupported(
+                    f"cannot simulate {device} for a module on {_device_of(pl_module)} with this torch build "
+                    f"({type(exc).__name__}: {exc}); run the dry run where the module lives"
+                ) from exc
         twins = {id(real): fake for real, fake in zip(pl_module.parameters(), model.parameters())}
         fake_optimizer = _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, twins)
         for name in names:  # after the optimizer: the mitigations keep parameter identity

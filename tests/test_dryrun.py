@@ -445,6 +445,13 @@ def test_replay_peaks_is_the_tracker_on_cpu_and_rounds_to_cuda_blocks():
     assert allocator_block_bytes(CPU) == 1 and allocator_block_bytes(torch.device("cuda", 1)) == 512
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only torch build cannot fake CUDA tensors")
+def test_simulating_cuda_on_a_cpu_only_build_is_unsupported_with_the_reason():
+    module = _gpt()
+    with pytest.raises(DryRunUnsupported, match="cannot simulate cuda:0 for a module on cpu"):
+        dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=32, device="cuda")
+
+
 def test_bad_arguments():
     module = _gpt()
     optimizer = torch.optim.AdamW(module.parameters())
