@@ -32,11 +32,15 @@ averages over and backpropagated on its own, one optimizer step, as
 micro-batch, every micro-batch but the last is backpropagated inside the ``forward`` phase, the
 last one in ``backward``; the wrapper's one-time check of its first split batch is not included).
 
-The real module, its parameters, gradients and optimizer state, and the torch random number
-generators are left as they were. A step that cannot run on fake tensors raises
-:class:`DryRunUnsupported` with the reason: an op that reads tensor values (``.item()``, ``if
-tensor:``), an op whose output shape depends on values (``nonzero``, boolean masks), an op
-without a fake kernel, a compiled module, manual optimization.
+Fake tensors have no values, but the values a step reads from its batch alone are known: small
+tensors computed only from the batch and constants (padding masks, label counts, positions,
+``nonzero`` of token ids) carry real twins (:class:`_BatchValues`), so ``.item()`` and
+data-dependent shapes on them work. A step that cannot run on fake tensors raises
+:class:`DryRunUnsupported` with the reason and the line of user code: an op that reads values of
+an activation (``loss.item()``, ``if hidden.abs().max() > 1:``), an output shape that depends on
+them (``hidden[hidden > 0]``), an op without a fake kernel, a compiled module, manual
+optimization. The real module, its parameters, gradients and optimizer state, and the torch random
+number generators are left as they were.
 
 The copy keeps the train/eval mode of every submodule, as Lightning's ``fit`` does. While the
 step runs, transformers' fake-tensor check is switched off process-wide (see
