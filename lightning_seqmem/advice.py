@@ -144,6 +144,12 @@ def output_failed(what: str, error: str) -> Advice:
     return Advice("output_failed", f"failed-{what}", f"seqmem: could not write {what} ({error})", SeqMemFailureWarning)
 
 
+def curriculum_not_applied(asked: int, ran: int) -> Advice:
+    return Advice("curriculum_not_applied", f"curriculum-{asked}",
+                  f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
+                  f"tokens; the record says {ran}, the length that ran.", UserWarning)
+
+
 def kind_of_key(key: str) -> str:
     """The kind of a warning key in a checkpoint written before warnings had kinds.
 

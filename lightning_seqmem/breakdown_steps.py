@@ -370,7 +370,7 @@ def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Calla
     the first optimizer, from ``kept`` = ``(seq_len, CPU copy of the longest batch)``, with the
     precision plugin's autocast and the micro-batching now on. The RNG state is restored.
     Returns ``(section, breakdowns, table)``: the report's section, a ``Breakdown`` per length
-    and their comparison.
+    and their comparison; each diagnosis is given to ``planner`` as advice.
     """
     from .mitigations import is_micro_batching
     from .probes import existing_tensors
@@ -438,4 +438,8 @@ def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Calla
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    from .advice import Advice
+
+    for i, finding in enumerate(section["diagnoses"]):
+        planner.advise(Advice("diagnosis", f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning))
     return section, breakdowns, compare_breakdowns(breakdowns)

@@ -8,7 +8,6 @@ torch-free :class:`~lightning_seqmem.planner.SeqMemPlanner`'s; everything writte
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -18,16 +17,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from . import advice as A
 from . import distributed, edge, outputs
-from .batch import infer_batch_shape
-from .checks import check_int
+from .batch import read_batch_shape
+from .checks import check_fraction, check_int
 from .curriculum import Curriculum
-from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
+from .forecast import Forecast, MemoryForecaster
 from .mitigations import ladder
 from .mitigations.microbatch import micro_batching_check_pending, micro_batching_refusal
 from .oom import is_oom
 from .planner import Decision, PendingStep, SeqMemPlanner
 from .probes import PROBE_NAMES, MemoryProbe, existing_tensors, make_probe
-from .records import PredictedOOMWarning, SeqMemFailureWarning, StepRecord
+from .records import SeqMemFailureWarning, StepRecord
 from .units import parse_bytes
 
 SeqLenFn = Callable[[Any], "tuple[int, int]"]
@@ -63,32 +62,27 @@ class SeqMemCallback(Callback):
     taken once, on rank zero, from every rank's shape, and applied on all ranks at the same step.
 
     Args:
-        warmup_steps: batches at the start of training that are measured but not fitted (≥ 1:
-            the first step has no optimizer state and the previous step's grads are alive).
-        tolerance: accepted relative error of a forecast against the measurement, in (0, 1);
-            a larger miss gives one :class:`ForecastMismatchWarning`. The article uses 15%.
-        probe: ``"auto"`` (CUDA allocator counters on CUDA, the live-tensor tracker elsewhere),
+        warmup_steps: batches measured but not fitted at the start (≥ 1: the first step has no
+            optimizer state and the previous step's grads are alive).
+        tolerance: accepted relative forecast error in (0, 1); a larger miss warns once and widens
+            later bounds (the article uses 15%).
+        probe: ``"auto"`` (CUDA allocator counters on CUDA, else the live-tensor tracker),
             ``"cuda"`` or ``"tracker"``.
-        memory_budget: bytes (int) or a string with a unit (``"12GiB"``, ``"900MB"``). Default:
-            the CUDA device's total memory; none on CPU (forecasts are then informational).
+        memory_budget: bytes or a string with a unit (``"12GiB"``); default the CUDA device's
+            memory, none on CPU (forecasts are then informational).
         safety_margin: fraction of the budget kept free, in [0, 1).
-        curriculum: a :class:`~lightning_seqmem.Curriculum`; the callback cuts (or, with
-            ``truncate=False``, reshapes) each batch to the stage's length. ``None`` measures the
-            lengths the data has (fixed, or dynamic padding).
-        warmup_steps_after_change: occurrences of a new (sequence length, batch size,
-            mitigations) that are measured but not fitted (≥ 0).
-        trace_lengths: distinct lengths whose allocation timeline is traced for the replay (2–8).
-        measure_every_n_steps: measure one batch in ``n`` once a length has been measured (≥ 1).
+        curriculum: a :class:`~lightning_seqmem.Curriculum` (batches are cut, or with
+            ``truncate=False`` reshaped, to the stage's length); ``None`` measures the data's lengths.
+        warmup_steps_after_change: occurrences of a new (length, batch size, mitigations) not fitted.
+        trace_lengths: lengths traced for the replay (2–8).
+        measure_every_n_steps: measure one batch in ``n`` once a length has been measured.
         seq_len_fn: ``batch -> (batch_size, seq_len)``; default reads the first 2-D integer tensor
             (``input_ids`` first in a mapping).
-        mitigations: the ladder, tried in this order when a batch is judged over the budget:
-            ``"attention"`` (eager → SDPA → flash-attn), ``"checkpointing"`` (activation
-            checkpointing of the repeated blocks), ``"microbatch"`` (micro-batches of one sample
-            inside the step). ``()`` warns and caps the curriculum instead.
-        breakdown: after fit, on rank zero, attribute the memory to modules and kinds
-            (:mod:`.breakdown`) by tracing a copy of the model at up to 3 measured lengths; sets
-            :attr:`breakdowns`, :attr:`breakdown_table`, :attr:`breakdown_report`, the report's
-            ``breakdown`` section and the TensorBoard text seqmem/breakdown.
+        mitigations: the ladder, in the order tried: ``"attention"`` (eager → SDPA → flash-attn),
+            ``"checkpointing"`` (activation checkpointing of the repeated blocks), ``"microbatch"``
+            (micro-batches of one sample inside the step); ``()`` warns and caps instead.
+        breakdown: after fit, attribute the memory to modules and kinds (:mod:`.breakdown`) on a
+            copy of the model: :attr:`breakdown_report`, the report's section, TensorBoard text.
 
     Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes):
 
@@ -151,10 +145,8 @@ class SeqMemCallback(Callback):
         check_int("warmup_steps_after_change", warmup_steps_after_change, 0, accepted="an int ≥ 0")
         check_int("trace_lengths", trace_lengths, 2, 8)
         check_int("measure_every_n_steps", measure_every_n_steps, 1, accepted="an int ≥ 1")
-        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 < tolerance < 1:
-            raise ValueError(f"`tolerance` must be a float in (0, 1), got {tolerance!r}")
-        if isinstance(safety_margin, bool) or not isinstance(safety_margin, numbers.Real) or not 0 <= safety_margin < 1:
-            raise ValueError(f"`safety_margin` must be a float in [0, 1), got {safety_margin!r}")
+        tolerance = check_fraction("tolerance", tolerance, 0, 1)
+        safety_margin = check_fraction("safety_margin", safety_margin, 0, 1, closed_low=True)
         if probe not in PROBE_NAMES:
             raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {probe!r}")
         if curriculum is not None and not isinstance(curriculum, Curriculum):
@@ -196,9 +188,7 @@ class SeqMemCallback(Callback):
         self.breakdown_report: Optional[dict[str, Any]] = None
         self._breakdown_batch: Optional[tuple[int, Any]] = None
 
-    # ------------------------------------------------------------------------------------------
-    # Public API (the planner's state, read-only)
-    # ------------------------------------------------------------------------------------------
+    # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
     def state_key(self) -> str:
         return self._generate_state_key(probe=self.probe_name,
@@ -218,37 +208,18 @@ class SeqMemCallback(Callback):
         return self.planner.forecaster
 
     def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None) -> Forecast:
-        """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``.
-
-        ``batch_size`` defaults to the last measured batch's, ``mitigations`` to those on now.
-        Raises :class:`~lightning_seqmem.forecast.NotEnoughMeasurements` before two lengths are measured.
-        """
-        check_int("seq_len", seq_len)
-        if mitigations is not None:
-            mitigations = ladder.check_mitigations(mitigations)
-        return self.planner.forecast(seq_len, self._default_batch_size(batch_size), mitigations)
+        """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``
+        (defaults: the last measured batch size, the mitigations on now); see
+        :meth:`SeqMemPlanner.forecast <lightning_seqmem.planner.SeqMemPlanner.forecast>`."""
+        return self.planner.forecast(seq_len, batch_size, mitigations)
 
     def max_seq_len(self, budget_bytes: Optional[int | str] = None, batch_size: Optional[int] = None) -> int:
         """Largest sequence length whose forecast bound fits ``budget_bytes`` (default: the usable
         budget); on CUDA the bound includes the fragmentation measured so far."""
-        if budget_bytes is None:
-            budget = self.usable_budget_bytes
-            if budget is None:
-                raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
-        else:
-            budget = parse_bytes(budget_bytes, "budget_bytes")
-        return self.planner.max_seq_len(budget, self._default_batch_size(batch_size))
+        budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
+        return self.planner.max_seq_len(budget, batch_size)
 
-    def _default_batch_size(self, batch_size: Optional[int]) -> int:
-        if batch_size is None:
-            if self.planner.last_batch_size is None:
-                raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
-            return self.planner.last_batch_size
-        return check_int("batch_size", batch_size)
-
-    # ------------------------------------------------------------------------------------------
-    # Set-up
-    # ------------------------------------------------------------------------------------------
+    # -- Set-up --------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -278,14 +249,12 @@ class SeqMemCallback(Callback):
         if self._reapply_on_fit_start:
             self._reapply_on_fit_start = False
             for name in self.planner.applied_mitigations:
-                ok, detail = self._apply_rung(name, trainer, pl_module, None)
+                ok, detail = ladder.try_apply(name, trainer, pl_module)
                 rank_zero_info(f"seqmem: resumed with {name} on ({detail})")
 
-    # ------------------------------------------------------------------------------------------
-    # Before a batch: agree, decide, apply, cut, start measuring
-    # ------------------------------------------------------------------------------------------
+    # -- Before a batch: agree, decide, apply, cut, start measuring ----------------------------------
     def _read_shape(self, batch: Any) -> tuple[int, int]:
-        return self.seq_len_fn(batch) if self.seq_len_fn else infer_batch_shape(batch)
+        return read_batch_shape(batch, self.seq_len_fn)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
@@ -340,33 +309,20 @@ class SeqMemCallback(Callback):
             return None
 
     def _applicability(self, trainer, pl_module, batch: Any, shape: tuple[int, int]) -> dict[str, tuple[bool, str]]:
-        """Whether each rung left applies here (checked only with a budget; cached per setting and batch size)."""
-        left = [m for m in self.planner.mitigations if m not in self.planner.applied_mitigations]
+        """Whether each rung left applies here (only with a budget; cached per setting and batch size)."""
+        left = tuple(m for m in self.planner.mitigations if m not in self.planner.applied_mitigations)
         if self.planner.usable_budget_bytes is None or not left:
             return {}
-        key = (self.planner.applied_mitigations, tuple(left), shape[0])
+        key = (self.planner.applied_mitigations, left, shape[0])
         if key not in self._applicable_cache:
-            out = {}
-            for name in left:
-                try:
-                    out[name] = ladder.is_applicable(name, trainer, pl_module, batch)
-                except Exception as exc:  # noqa: BLE001 - an unusual model must not end the run here
-                    out[name] = (False, f"its check failed ({type(exc).__name__}: {exc})")
-            self._applicable_cache = {key: out}
+            self._applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
         return self._applicable_cache[key]
-
-    def _apply_rung(self, name: str, trainer, pl_module, batch: Any) -> tuple[bool, str]:
-        try:
-            result = ladder.apply(name, trainer, pl_module, batch)
-            return bool(result.applied), result.detail
-        except Exception as exc:  # noqa: BLE001 - a failed mitigation must not kill the run
-            return False, f"{type(exc).__name__}: {exc}"
 
     def _switch_on(self, trainer, pl_module, batch: Any, decision: Decision, shape: tuple[int, int]) -> None:
         """Apply the rung on every rank; if it failed on any, it is off on all and skipped."""
         name = decision.rung
         assert name is not None
-        ok, detail = self._apply_rung(name, trainer, pl_module, batch)
+        ok, detail = ladder.try_apply(name, trainer, pl_module, batch)
         everywhere = distributed.all_ok(trainer, ok)
         if ok and not everywhere:
             detail = "it failed on another rank"
@@ -377,7 +333,7 @@ class SeqMemCallback(Callback):
 
     def _cut(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
         if self.curriculum is not None and seq_len is not None:
-            self._uses_datamodule_length = edge.cut_batch(trainer, batch, seq_len, self.curriculum.truncate,
+            self._uses_datamodule_length = edge.cut_to_length(trainer, batch, seq_len, self.curriculum.truncate,
                                                           self._uses_datamodule_length)
 
     @_guarded
@@ -406,9 +362,7 @@ class SeqMemCallback(Callback):
         if self._probe is not None and self._probe.running:
             self._probe.mark_phase("optimizer")
 
-    # ------------------------------------------------------------------------------------------
-    # After a batch: gather, record, log
-    # ------------------------------------------------------------------------------------------
+    # -- After a batch: gather, record, log ----------------------------------------------------------
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any, batch: Any, batch_idx: int) -> None:
         if self._stopped:
             return
@@ -428,9 +382,7 @@ class SeqMemCallback(Callback):
         if any_refused:  # the loss is not a mean: micro-batching is off on every rank, and this step ran whole
             self._safely("undoing micro-batching", lambda: ladder.remove("microbatch", trainer, pl_module))
             reason = micro_batching_refusal(pl_module) or "another rank refused it"
-            if pending is not None:
-                pending.mitigations = tuple(m for m in pending.mitigations if m != "microbatch")
-            self.planner.rung_removed("microbatch", f"its first-step check refused it: {reason}")
+            self.planner.rung_removed("microbatch", f"its first-step check refused it: {reason}", pending)
         self._record(trainer, pending, row, memory)
         if self.breakdown and not self._failed and trainer.is_global_zero:
             self._safely("the memory breakdown", lambda: setattr(
@@ -453,21 +405,15 @@ class SeqMemCallback(Callback):
         record = self.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
                                       rank=rank if trainer.world_size > 1 else None)
         if self.curriculum is not None and record.seq_len != pending.seq_len:
-            self.planner.advise(A.Advice(
-                "curriculum_not_applied", f"curriculum-{pending.seq_len}",
-                f"seqmem: the curriculum asked for seq_len={pending.seq_len} but the batch the model received has "
-                f"{record.seq_len} tokens; the record says {record.seq_len}, the length that ran.", UserWarning))
+            self.planner.advise(A.curriculum_not_applied(pending.seq_len, record.seq_len))
         try:
             metrics = self.planner.metrics(record)
         except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
-            self._warn_once(A.Advice("failure", "budget-view", f"seqmem: forecast for logging failed ({exc!r}); skipping it.",
-                                     SeqMemFailureWarning))
+            self._warn_once(A.output_failed("the forecast for logging", repr(exc)))
             metrics = {}
         outputs.log_metrics(trainer, metrics, step=record.global_step)
 
-    # ------------------------------------------------------------------------------------------
-    # End of fit, reports, failures
-    # ------------------------------------------------------------------------------------------
+    # -- End of fit, reports, failures ---------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The memory breakdown (``breakdown=True``), the memory figure to TensorBoard, and the
         JSON / Markdown report next to the logs."""
@@ -482,17 +428,13 @@ class SeqMemCallback(Callback):
         """Trace the memory breakdown now (see :func:`lightning_seqmem.breakdown_steps.run_breakdown`);
         sets :attr:`breakdowns`, :attr:`breakdown_table`, :attr:`breakdown_report`, warns each
         diagnosis once, logs the tables as TensorBoard text and returns the section."""
-        from .breakdown import MemoryDiagnosisWarning
         from .breakdown_steps import run_breakdown
-        from .report import render_breakdown_markdown
 
         section, self.breakdowns, self.breakdown_table = run_breakdown(
             self.planner, self._breakdown_batch, self._read_shape, self._device, trainer, pl_module)
         self.breakdown_report = section
-        for i, finding in enumerate(section["diagnoses"]):
-            self.planner.advise(A.Advice("diagnosis", f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning))
-        self._warn_advice()
-        outputs.log_text(trainer, render_breakdown_markdown(section, "### seqmem: where the memory goes"))
+        self._warn_advice()  # one warning per diagnosis
+        outputs.log_breakdown(trainer, section)
         return section
 
     def write_report(self, trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
@@ -515,13 +457,8 @@ class SeqMemCallback(Callback):
         re-raises the error unchanged."""
         if self._probe is not None:
             self._probe.abort()
-        if not is_oom(exception) or trainer.global_rank != 0:
-            return
-        try:
-            path = outputs.write_oom_diagnosis(self.planner, trainer, exception, self._pending)
-            rank_zero_warn(f"seqmem: out of memory; diagnosis written to {path}", category=PredictedOOMWarning)
-        except Exception as exc:  # noqa: BLE001 - never mask the real error
-            rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
+        if is_oom(exception) and trainer.global_rank == 0:
+            outputs.report_oom(self.planner, trainer, exception, self._pending)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._probe is not None:
@@ -541,9 +478,7 @@ class SeqMemCallback(Callback):
             self._probe.abort()
         self._warn_once(A.failure(where, f"{type(exc).__name__}: {exc}"))
 
-    # ------------------------------------------------------------------------------------------
-    # Checkpointing
-    # ------------------------------------------------------------------------------------------
+    # -- Checkpointing -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {**self.planner.state_dict(), "uses_datamodule_length": self._uses_datamodule_length}
 

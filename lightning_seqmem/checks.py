@@ -35,3 +35,20 @@ def check_int(name: str, value: Any, minimum: int = 1, maximum: Optional[int] = 
                 accepted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"`{name}` must be {accepted}, got {value!r}")
     return int(value)
+
+
+def check_fraction(name: str, value: Any, low: float, high: float, closed_low: bool = False) -> float:
+    """``value`` as a float in ``(low, high)`` (``[low, high)`` with ``closed_low``), else ``ValueError``.
+
+    Example:
+        >>> check_fraction("safety_margin", 0.1, 0, 1, closed_low=True)
+        0.1
+        >>> check_fraction("tolerance", 1.5, 0, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: `tolerance` must be a float in (0, 1), got 1.5
+    """
+    ok_low = (lambda v: v >= low) if closed_low else (lambda v: v > low)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (ok_low(value) and value < high):
+        raise ValueError(f"`{name}` must be a float in {'[' if closed_low else '('}{low:g}, {high:g}), got {value!r}")
+    return float(value)

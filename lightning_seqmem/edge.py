@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .batch import set_batch_sequence_length
+from .batch import can_cut_in_place, set_batch_sequence_length
 
 
 def steps_optimizer(trainer: Any) -> bool:
@@ -32,10 +32,14 @@ def length_setter(trainer: Any) -> Optional[Callable[[int], None]]:
     return None
 
 
-def cut_batch(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
-    """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a tuple goes
-    through the datamodule's or dataset's ``set_seq_len`` instead. Returns whether the setter was used."""
-    if isinstance(batch, tuple) or through_setter:
+def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
+    """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a batch that
+    cannot be cut in place (a tuple, a bare tensor) goes through the datamodule's or dataset's
+    ``set_seq_len`` instead. Returns whether the setter was used. A bare tensor with no setter is
+    left as it is: the callback records the length that ran and says so."""
+    if not can_cut_in_place(batch) or through_setter:
+        if isinstance(batch, torch.Tensor) and length_setter(trainer) is None:
+            return False
         setter = length_setter(trainer)
         if setter is None:  # let set_batch_sequence_length raise its message about tuples
             set_batch_sequence_length(batch, seq_len, truncate=truncate)
@@ -68,4 +72,4 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
     return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
-__all__ = ["cut_batch", "length_setter", "longest_batch", "steps_optimizer", "unsupported_rungs"]
+__all__ = ["cut_to_length", "length_setter", "longest_batch", "steps_optimizer", "unsupported_rungs"]

@@ -1,8 +1,7 @@
 """Turn a real out-of-memory error into a diagnosis written next to the logs.
 
-:func:`is_oom` recognises ``torch.cuda.OutOfMemoryError`` (and the plain ``RuntimeError`` that older
-or other backends raise with "out of memory" in the message). :func:`lightning_seqmem.outputs.write_oom_diagnosis` writes
-``seqmem_oom_diagnosis.json``: the last records, the forecast the callback had for the failing
+:func:`is_oom` recognises a real allocator out-of-memory error (see its docstring);
+:func:`lightning_seqmem.outputs.write_oom_diagnosis` writes ``seqmem_oom_diagnosis.json``: the last records, the forecast the callback had for the failing
 length, what it would have done next, and — when the user turned on CUDA memory history with
 ``torch.cuda.memory._record_memory_history()`` — the allocator snapshot beside it as
 ``seqmem_oom_snapshot.pickle`` (open it at https://pytorch.org/memory_viz).

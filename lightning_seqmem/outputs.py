@@ -33,10 +33,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "OOM_NAME",
     "atomic_write",
+    "log_breakdown",
     "log_figure",
     "log_metrics",
     "log_text",
     "report_dir",
+    "report_oom",
     "save_figure",
     "write_layout",
     "write_oom_diagnosis",
@@ -182,6 +184,21 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     return path
 
 
+def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
+               pending: Optional["PendingStep"] = None) -> None:
+    """Write the OOM diagnosis and say where, in one warning; never raises (the real error must
+    reach the user unchanged)."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from .records import PredictedOOMWarning, SeqMemFailureWarning
+
+    try:
+        path = write_oom_diagnosis(planner, trainer, exception, pending)
+        rank_zero_warn(f"seqmem: out of memory; diagnosis written to {path}", category=PredictedOOMWarning)
+    except Exception as exc:  # noqa: BLE001 - never mask the real error
+        rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
+
+
 def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str:
     if planner.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
@@ -255,6 +272,13 @@ def log_figure(trainer: "pl.Trainer", planner: "SeqMemPlanner", step: Optional[i
         logger.experiment.flush()
         steps.add(step)
     return figure
+
+
+def log_breakdown(trainer: "pl.Trainer", section: dict[str, Any]) -> int:
+    """The memory breakdown's tables as TensorBoard text (:data:`~lightning_seqmem.panels.BREAKDOWN_TAG`)."""
+    from .report import render_breakdown_markdown
+
+    return log_text(trainer, render_breakdown_markdown(section, "### seqmem: where the memory goes"))
 
 
 def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None, tag: Optional[str] = None) -> int:

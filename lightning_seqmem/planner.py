@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from . import advice as A
+from .checks import check_int
 from .curriculum import Curriculum
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from .model import UNBOUNDED_SEQ_LEN
@@ -203,18 +204,33 @@ class SeqMemPlanner:
         """What to compare with the budget: the reserved bound on CUDA, the upper bound elsewhere."""
         return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
 
-    def forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Forecast:
-        """The forecast of ``mitigations`` (default: those on now) at ``(seq_len, batch_size)``."""
-        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+    def _batch_size(self, batch_size: Optional[int]) -> int:
+        if batch_size is None:
+            if self.last_batch_size is None:
+                raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
+            return self.last_batch_size
+        return check_int("batch_size", batch_size)
+
+    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None) -> Forecast:
+        """The forecast at ``(seq_len, batch_size)`` with ``mitigations`` (defaults: the last measured
+        batch size, the mitigations on now). Raises :class:`NotEnoughMeasurements` before that
+        setting has two measured lengths."""
+        check_int("seq_len", seq_len)
+        key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
         forecaster = self.forecasters.get(key)
         if forecaster is None:
             raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
                                         f"{[list(k) for k in self.forecasters]}")
-        return forecaster.forecast(seq_len, batch_size)
+        return forecaster.forecast(seq_len, self._batch_size(batch_size))
 
-    def max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
-        """Largest length whose forecast bound fits ``budget_bytes`` with the mitigations on now."""
-        return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+    def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
+        """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
+        with the mitigations on now."""
+        if budget_bytes is None:
+            budget_bytes = self.usable_budget_bytes
+            if budget_bytes is None:
+                raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
+        return self.forecaster.max_seq_len(budget_bytes, self._batch_size(batch_size), reserved=self.compare_reserved)
 
     def _measured_bound(self, r: StepRecord) -> int:
         return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
@@ -427,8 +443,11 @@ class SeqMemPlanner:
                                        "before_bytes": before, "after_bytes": None})
         self._pending_events.append(f"mitigation:{name}")
 
-    def rung_removed(self, name: str, why: str) -> None:
-        """A rung that was on is off again (every rank): it is not tried again this run."""
+    def rung_removed(self, name: str, why: str, pending: Optional[PendingStep] = None) -> None:
+        """A rung that was on is off again (every rank): it is not tried again this run; ``pending``,
+        the step that found out, ran without it."""
+        if pending is not None:
+            pending.mitigations = tuple(m for m in pending.mitigations if m != name)
         self.applied_mitigations = tuple(m for m in self.applied_mitigations if m != name)
         self.mitigations = tuple(m for m in self.mitigations if m != name)
         self.refit_queue, self.decide_now = [], True

@@ -59,22 +59,24 @@ def remove(name: str, trainer: Any, pl_module: Any) -> Optional[MitigationResult
     return policy.remove(pl_module) if callable(getattr(policy, "remove", None)) else None
 
 
-def next_rung(
-    order: Sequence[str], applied: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None
-) -> tuple[Optional[str], list[str]]:
-    """The first rung of ``order`` not yet applied that applies here, and why others were skipped."""
-    skipped = []
-    for name in order:
-        if name in applied:
-            continue
+def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None) -> dict[str, tuple[bool, str]]:
+    """``name -> (applies, reason)`` for each rung in ``names``; a check that raises says so (never raises)."""
+    out = {}
+    for name in names:
         try:
-            ok, reason = is_applicable(name, trainer, pl_module, batch)
+            out[name] = is_applicable(name, trainer, pl_module, batch)
         except Exception as exc:  # noqa: BLE001 - an unusual model must not end the run here
-            ok, reason = False, f"its check failed ({type(exc).__name__}: {exc})"
-        if ok:
-            return name, skipped
-        skipped.append(f"{name}: {reason}")
-    return None, skipped
+            out[name] = (False, f"its check failed ({type(exc).__name__}: {exc})")
+    return out
 
 
-__all__ = ["ADVICE", "MITIGATIONS", "apply", "check_mitigations", "is_applicable", "next_rung", "remaining_advice", "remove"]
+def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
+    """Switch rung ``name`` on: ``(applied, what was done or why not)``; a failure is returned, never raised."""
+    try:
+        result = apply(name, trainer, pl_module, batch)
+        return bool(result.applied), result.detail
+    except Exception as exc:  # noqa: BLE001 - a failed mitigation must not kill the run
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+__all__ = ["ADVICE", "MITIGATIONS", "apply", "check_mitigations", "is_applicable", "applicability", "remaining_advice", "remove", "try_apply"]
