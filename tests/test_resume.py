@@ -90,3 +90,26 @@ def test_an_unreadable_callback_state_gives_a_warning_and_a_fresh_start():
         restored.load_state_dict(state)
     assert restored.records == [] and restored.planner.step == 0 and restored.applied_mitigations == ()
     assert restored.state_dict()["stages"] == list(restored.curriculum.stages)
+
+
+def test_a_state_written_by_the_previous_version_loads():
+    """``data_old_state.json``: the state of a 14-step run of the callback before the planner
+    (commit 311870e), same configuration as here but a 1.5 MB budget."""
+    import json
+    import warnings
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data_old_state.json").read_text())
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=1_500_000, safety_margin=0.0,
+                        curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16))
+    assert cb.state_key == data["state_key"]  # Lightning finds it under the same key
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SeqMemFailureWarning)
+        cb.load_state_dict(data["state"])
+    old = data["state"]
+    assert [r.to_dict() for r in cb.records] == [{**r, "rank": None} for r in old["records"]]
+    assert cb.applied_mitigations == tuple(old["applied_mitigations"]) == ("attention", "checkpointing")
+    assert list(cb.planner.stages) == old["stages"] and cb.planner.stage == old["stage"]
+    assert cb.planner.refit_queue == old["refit_queue"] and cb.planner.stage_steps == old["stage_steps"]
+    assert cb.forecast(128, 2, mitigations=()).peak_bytes > 0  # the fits came back too
+    assert cb._reapply_on_fit_start
