@@ -20,6 +20,7 @@ from .units import format_bytes
 KINDS = {
     "stage_over_budget": "a curriculum stage (or the current one) did not fit: a mitigation was switched on or the curriculum capped",
     "batch_over_budget": "a batch was predicted or measured over the budget",
+    "dry_run_unavailable": "the dry run could not simulate this model: the replay and quadratic fit answer",
     "first_step_over_budget": "the first step already exceeded the usable budget",
     "forecast_mismatch": "a forecast missed the measurement by more than the tolerance",
     "mitigation_failed": "a mitigation could not be switched on and was skipped",
@@ -65,16 +66,19 @@ def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: 
 
 
 def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, method: str, usable: int, budget: int,
-                      margin: float, fit: int, applied: Sequence[str], rung: Optional[str] = None,
-                      measured: bool = False) -> Advice:
+                      margin: float, fit: int, applied: Sequence[str], rungs: Sequence[str] = (),
+                      measured: bool = False, still_over: bool = False) -> Advice:
     """Without a curriculum: a batch of the data's own length does not fit."""
     what = (f"already peaked at {format_bytes(peak)}" if measured else
             f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
     head = f"seqmem: a batch of seq_len={seq_len}, batch {batch_size} {what}, over {_usable(budget, usable, margin)}"
-    if rung is not None:
+    if rungs:
+        names = ", ".join(map(repr, rungs))
+        tail = (f"; switching on {names} before it runs, but it is forecast over the budget even then: cap the "
+                "padded length of your collate function or lower the batch size." if still_over else
+                f"; switching on the next mitigation{'s' if len(rungs) > 1 else ''}, {names}, before it runs.")
         return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}-{'+'.join(applied) or 'none'}",
-                      f"{head}; switching on the next mitigation, {rung!r}, before the next batch runs.",
-                      PredictedOOMWarning)
+                      head + tail, PredictedOOMWarning)
     fits = f"the largest length forecast to fit is {fit}" if fit > 0 else "no length is forecast to fit"
     return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}",
                   f"{head}; {fits}, and no mitigation is left to switch on. Cap the padded length of your "
@@ -148,6 +152,12 @@ def curriculum_not_applied(asked: int, ran: int) -> Advice:
     return Advice("curriculum_not_applied", f"curriculum-{asked}",
                   f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
                   f"tokens; the record says {ran}, the length that ran.", UserWarning)
+
+
+def dry_run_unavailable(reason: str) -> Advice:
+    return Advice("dry_run_unavailable", "dry-run-unavailable",
+                  f"seqmem: the dry run cannot simulate this training step ({reason}); forecasts come from the "
+                  "timeline replay and the quadratic fit of measured steps instead.", UserWarning)
 
 
 def kind_of_key(key: str) -> str:

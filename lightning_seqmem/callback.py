@@ -83,6 +83,9 @@ class SeqMemCallback(Callback):
             (micro-batches of one sample inside the step); ``()`` warns and caps instead.
         breakdown: after fit, attribute the memory to modules and kinds (:mod:`.breakdown`) on a
             copy of the model: :attr:`breakdown_report`, the report's section, TensorBoard text.
+        dry_run: judge every new length, batch size and set of rungs by a dry run of the training
+            step on a fake copy of the module (:mod:`.dryrun`; rank zero, about a second each)
+            before extrapolating from measured steps; ``False`` uses the replay and quadratic fit only.
 
     Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes):
 
@@ -140,6 +143,7 @@ class SeqMemCallback(Callback):
         seq_len_fn: Optional[SeqLenFn] = None,
         mitigations: Sequence[str] = ladder.MITIGATIONS,
         breakdown: bool = False,
+        dry_run: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 1, accepted="an int ≥ 1 (the first step has no optimizer state)")
         check_int("warmup_steps_after_change", warmup_steps_after_change, 0, accepted="an int ≥ 0")
@@ -153,8 +157,9 @@ class SeqMemCallback(Callback):
             raise ValueError(f"`curriculum` must be a lightning_seqmem.Curriculum or None, got {type(curriculum).__name__}")
         if seq_len_fn is not None and not callable(seq_len_fn):
             raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}")
-        if not isinstance(breakdown, bool):
-            raise ValueError(f"`breakdown` must be a bool, got {breakdown!r}")
+        for name, value in (("breakdown", breakdown), ("dry_run", dry_run)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be a bool, got {value!r}")
         self._mitigations_arg = ladder.check_mitigations(mitigations)
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.warmup_steps, self.tolerance, self.safety_margin = warmup_steps, float(tolerance), float(safety_margin)
@@ -163,7 +168,7 @@ class SeqMemCallback(Callback):
         self.probe_name = probe
         self.curriculum = curriculum
         self.seq_len_fn = seq_len_fn
-        self.breakdown = breakdown
+        self.breakdown, self.dry_run = breakdown, dry_run
         self.planner = SeqMemPlanner(
             warmup_steps=warmup_steps, tolerance=float(tolerance), memory_budget_bytes=self.memory_budget_bytes,
             safety_margin=float(safety_margin), curriculum=curriculum,
@@ -187,6 +192,8 @@ class SeqMemCallback(Callback):
         self.breakdown_table: Optional[Any] = None
         self.breakdown_report: Optional[dict[str, Any]] = None
         self._breakdown_batch: Optional[tuple[int, Any]] = None
+        self._dry_batch: Any = None  # a CPU copy of the first batch, shaped by each dry run
+        self._dry_off: Optional[str] = None  # why the dry run cannot simulate this model
 
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
@@ -246,6 +253,8 @@ class SeqMemCallback(Callback):
         """Write the TensorBoard panel layout; after a resume, switch the mitigations on again."""
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
+            if self.dry_run:
+                self.planner.dry_run = functools.partial(self._dry_run, trainer, pl_module)
         if self._reapply_on_fit_start:
             self._reapply_on_fit_start = False
             for name in self.planner.applied_mitigations:
@@ -273,23 +282,27 @@ class SeqMemCallback(Callback):
             except Exception as exc:  # noqa: BLE001
                 self._fail("on_train_batch_start", exc)
                 failed = True
-        try:
-            any_failed, shape, applicable = distributed.agree_inputs(trainer, failed, shape, applicable)
-            decision = self._decide(shape, applicable) if trainer.is_global_zero and not any_failed else None
-            decision = distributed.broadcast(trainer, decision)
-        except Exception as exc:  # noqa: BLE001 - a broken collective: stop on this rank
-            self._fail("the agreement across ranks", exc)
-            self._stopped = True
-            return
-        if any_failed or decision is None or shape is None:
-            self._fail("another rank" if not failed else "on_train_batch_start",
-                       RuntimeError("a rank stopped measuring, so every rank does"))
-            self._stopped = True
-            self._safely("the curriculum", lambda: self._cut(trainer, batch, self.planner.seq_len))
-            return
-        self.planner.commit(decision)
-        if decision.rung is not None:
-            self._switch_on(trainer, pl_module, batch, decision, shape)
+        if self.dry_run and trainer.is_global_zero and self._dry_batch is None and not failed:
+            self._safely("the dry run's batch", lambda: setattr(self, "_dry_batch", edge.longest_batch(None, batch, 0)[1]))
+        for _ in range(len(ladder.MITIGATIONS) + 1):  # again only after a rung failed to apply
+            try:
+                any_failed, shape, applicable = distributed.agree_inputs(trainer, failed, shape, applicable)
+                decision = self._decide(shape, applicable) if trainer.is_global_zero and not any_failed else None
+                decision = distributed.broadcast(trainer, decision)
+            except Exception as exc:  # noqa: BLE001 - a broken collective: stop on this rank
+                self._fail("the agreement across ranks", exc)
+                self._stopped = True
+                return
+            if any_failed or decision is None or shape is None:
+                self._fail("another rank" if not failed else "on_train_batch_start",
+                           RuntimeError("a rank stopped measuring, so every rank does"))
+                self._stopped = True
+                self._safely("the curriculum", lambda: self._cut(trainer, batch, self.planner.seq_len))
+                return
+            self.planner.commit(decision)
+            if all(self._switch_on(trainer, pl_module, batch, name, shape) for name in decision.rungs):
+                break
+            applicable = {k: v for k, v in applicable.items() if k in self.planner.mitigations}
         if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
             self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
         try:
@@ -318,18 +331,38 @@ class SeqMemCallback(Callback):
             self._applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
         return self._applicable_cache[key]
 
-    def _switch_on(self, trainer, pl_module, batch: Any, decision: Decision, shape: tuple[int, int]) -> None:
-        """Apply the rung on every rank; if it failed on any, it is off on all and skipped."""
-        name = decision.rung
-        assert name is not None
+    def _switch_on(self, trainer, pl_module, batch: Any, name: str, shape: tuple[int, int]) -> bool:
+        """Apply rung ``name`` on every rank; if it failed on any, it is off on all and skipped."""
         ok, detail = ladder.try_apply(name, trainer, pl_module, batch)
         everywhere = distributed.all_ok(trainer, ok)
         if ok and not everywhere:
             detail = "it failed on another rank"
             self._safely("undoing a rung", lambda: ladder.remove(name, trainer, pl_module))
-        self.planner.rung_applied(name, everywhere, detail, self.planner.seq_len or shape[1])  # where it was decided
+        seq_len = self.planner.seq_len or shape[1]  # where it was decided
+        batch_size = self.planner.batch_at(shape[0], shape[1], seq_len) if self.curriculum else shape[0]
+        self.planner.rung_applied(name, everywhere, detail, seq_len, batch_size)
         if everywhere:
             rank_zero_info(f"seqmem: switched on {name} at step {self.planner.step} ({detail}).")
+        return everywhere
+
+    def _dry_run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seq_len: int, batch_size: int,
+                 mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
+        """The planner's dry run (rank zero): the step of this module at ``(seq_len, batch_size)``
+        with ``mitigations`` on a fake copy; unsupported models are said once and not asked again."""
+        from .dryrun import dry_run_step
+
+        applied = self.planner.applied_mitigations
+        if self._dry_off or self._dry_batch is None or any(m not in mitigations for m in applied):
+            raise RuntimeError(self._dry_off or "no batch kept, or a rung on now cannot be undone on the copy")
+        try:
+            result = dry_run_step(pl_module, trainer.optimizers[0] if trainer.optimizers else None, self._dry_batch,
+                                  seq_len, batch_size, tuple(m for m in mitigations if m not in applied),
+                                  autocast=trainer.precision_plugin.train_step_context, device=trainer.strategy.root_device)
+        except Exception as exc:  # noqa: BLE001 - DryRunUnsupported and anything else: said once, then the replay
+            self._dry_off = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            self.planner.advise(A.dry_run_unavailable(self._dry_off))
+            raise
+        return result.peak_bytes, result.phase_peak_bytes
 
     def _cut(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
         if self.curriculum is not None and seq_len is not None:

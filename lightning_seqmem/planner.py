@@ -53,7 +53,7 @@ Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from . import advice as A
 from .checks import check_int
@@ -66,6 +66,7 @@ from .timeline import Trace
 from .units import to_gib
 
 Applicability = Mapping[str, "tuple[bool, str]"]
+DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
 _ONE_POINT_MARGIN = 0.02  # on top of the one-point bound, as the replay's margin
 
 
@@ -102,8 +103,8 @@ class Decision:
     """What happens before a batch runs: taken once (rank zero), applied on every rank.
 
     ``action`` is ``"run"`` (stay), ``"advance"`` (enter the next stage), ``"probe"`` (measure a
-    shorter cut first, to fit the next stage), ``"mitigate"`` (switch ``rung`` on first),
-    ``"cap"`` (stop the curriculum at ``stages[-1]``) or ``"over"`` (no curriculum and nothing left
+    shorter cut first, to fit the next stage), ``"mitigate"`` (switch ``rungs`` on first),
+    ``"cap"`` (stop the curriculum at ``stages[-1]``; ``rungs`` may go on with it) or ``"over"`` (no curriculum and nothing left
     to switch on: the batch runs over the forecast budget, with a warning). ``seq_len`` is the
     length to cut the batch to (``None``: the batch's own). The curriculum fields are its state
     after the decision.
@@ -111,13 +112,18 @@ class Decision:
 
     action: str
     seq_len: Optional[int]
-    rung: Optional[str] = None
+    rungs: tuple[str, ...] = ()  # switched on, in this order, before the batch
     stages: tuple[int, ...] = ()
     stage: int = 0
     refit_queue: tuple[int, ...] = ()
     decide_now: bool = False
     reset_stage_steps: bool = False
     advice: tuple[A.Advice, ...] = ()
+
+    @property
+    def rung(self) -> Optional[str]:
+        """The first rung to switch on, or None."""
+        return self.rungs[0] if self.rungs else None
 
 
 class SeqMemPlanner:
@@ -144,6 +150,7 @@ class SeqMemPlanner:
         compare_reserved: bool = False,
         block_bytes: int = 1,
         precision: str = "32-true",
+        dry_run: Optional[DryRun] = None,
     ) -> None:
         self.warmup_steps = warmup_steps
         self.tolerance = float(tolerance)
@@ -157,6 +164,7 @@ class SeqMemPlanner:
         self.compare_reserved = compare_reserved
         self.block_bytes = block_bytes
         self.precision = precision
+        self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
         self.reset()
 
     def reset(self) -> None:
@@ -181,6 +189,7 @@ class SeqMemPlanner:
         self._pending_events: list[str] = []
         self._advice: list[A.Advice] = []
         self._cache: dict[str, Any] = {}
+        self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
 
     # ------------------------------------------------------------------------------------------
     # Budget and forecasts
@@ -217,6 +226,9 @@ class SeqMemPlanner:
         setting has two measured lengths."""
         check_int("seq_len", seq_len)
         key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
+        dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
+        if dry is not None:
+            return dry
         forecaster = self.forecasters.get(key)
         if forecaster is None:
             raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
@@ -230,7 +242,30 @@ class SeqMemPlanner:
             budget_bytes = self.usable_budget_bytes
             if budget_bytes is None:
                 raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
-        return self.forecaster.max_seq_len(budget_bytes, self._batch_size(batch_size), reserved=self.compare_reserved)
+        batch_size = self._batch_size(batch_size)
+        if not self.forecaster.ready and self.dry_peak(1, batch_size) is not None:
+            return self._dry_max_seq_len(budget_bytes, batch_size)
+        return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+
+    def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
+        """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known
+        (about a dozen dry runs); that limit itself when it fits."""
+        known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
+        hi = 4 * max(known + [256])
+
+        def fits(L: int) -> bool:
+            fc = self._dry_forecast(L, batch_size)
+            return fc is not None and self.bound_of(fc) <= budget_bytes
+
+        if not fits(1):
+            return 0
+        lo = 1
+        if fits(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def _measured_bound(self, r: StepRecord) -> int:
         return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
@@ -249,11 +284,49 @@ class SeqMemPlanner:
         ratio = self.forecaster.reserved_ratio if self.compare_reserved else 1.0
         return int(peak * (1 + _ONE_POINT_MARGIN) * ratio), peak
 
-    def judge(self, seq_len: int, batch_size: int) -> Verdict:
-        """Whether a batch at ``(seq_len, batch_size)`` fits the usable budget now (see the module doc)."""
+    def dry_peak(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
+                 ) -> Optional[tuple[int, dict[str, int]]]:
+        """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
+        now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        if self.dry_run is None:
+            return None
+        if key not in self._dry:
+            try:
+                peak, phases = self.dry_run(*key)
+                self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
+            except Exception:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+                self._dry[key] = None
+        return self._dry[key]
+
+    def _dry_margin(self) -> float:
+        """The dry run's margin: 2%, widened by its largest measured under-prediction."""
+        misses = [v.measured_bytes / max(v.forecast_bytes, 1) - 1 for f in self.forecasters.values()
+                  for v in f.verifications if v.method == "dry_run"]
+        return max([0.02] + misses)
+
+    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
+        answer = self.dry_peak(seq_len, batch_size, mitigations)
+        if answer is None:
+            return None
+        peak, phases = answer
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        upper = int(peak * (1 + self._dry_margin()))
+        ratio = self.forecasters[key].reserved_ratio if key in self.forecasters else self.forecaster.reserved_ratio
+        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases,
+                        f"dry run of the training step with mitigations {list(key)} on fake tensors")
+
+    def judge(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Verdict:
+        """Whether a batch at ``(seq_len, batch_size)`` fits the usable budget now (see the module doc);
+        ``mitigations`` asks the dry run about another set of rungs."""
         budget = self.usable_budget_bytes
         if budget is None:
             return Verdict("fits")
+        if mitigations is not None and tuple(mitigations) != self.applied_mitigations:
+            fc = self._dry_forecast(seq_len, batch_size, mitigations)
+            if fc is None:
+                return Verdict("unknown")
+            return Verdict("fits" if self.bound_of(fc) <= budget else "over", self.bound_of(fc), fc.peak_bytes, "dry_run")
         here = [r for r in self.records if (r.seq_len, r.batch_size, r.mitigations) ==
                 (seq_len, batch_size, self.applied_mitigations)]
         if here:
@@ -262,6 +335,9 @@ class SeqMemPlanner:
                 return Verdict("over", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
             if any(not r.warmup for r in here):
                 return Verdict("fits", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
+        dry = self._dry_forecast(seq_len, batch_size)
+        if dry is not None:  # the exact program at this length: trusted before any extrapolation
+            return Verdict("fits" if self.bound_of(dry) <= budget else "over", self.bound_of(dry), dry.peak_bytes, "dry_run")
         bounds: list[tuple[int, int, str]] = []
         if self.forecaster.ready:
             fc = self.forecaster.forecast(seq_len, batch_size)
@@ -321,19 +397,49 @@ class SeqMemPlanner:
             skipped.append(f"{name}: {reason}")
         return None, skipped
 
+    def _plan(self, seq_len: int, batch_size: int, applicable: Applicability) -> Optional[tuple[tuple[str, ...], bool]]:
+        """The cheapest prefix of the rungs left (in ladder order, those that apply) whose dry run
+        fits, and True; all of them and False when none fits; None where the dry run cannot answer."""
+        candidates = [m for m in self.mitigations if m not in self.applied_mitigations and applicable.get(m, (False, ""))[0]]
+        if self.dry_peak(seq_len, batch_size) is None or not candidates:
+            return None
+        for k in range(1, len(candidates) + 1):
+            verdict = self.judge(seq_len, batch_size, self.applied_mitigations + tuple(candidates[:k]))
+            if verdict.kind == "unknown":
+                return None
+            if verdict.kind == "fits":
+                return tuple(candidates[:k]), True
+        return tuple(candidates), False
+
+    def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...]) -> Optional[int]:
+        """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` whose dry run fits
+        with ``setting``, or None (bisection: a handful of dry runs)."""
+        assert self.curriculum is not None
+        m = self.curriculum.multiple_of
+        lo, hi = max(low // m, 1), (high - 1) // m  # in units of m
+        if hi < lo or self.judge(lo * m, batch_size, setting).kind != "fits":
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.judge(mid * m, batch_size, setting).kind == "fits" else (lo, mid - 1)
+        return lo * m
+
     def _decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
         verdict = self.judge(seq_len, batch_size)
         if verdict.kind != "over":
             return self._state()
         budget, usable = self.budget_bytes, self.usable_budget_bytes
         assert budget is not None and usable is not None
-        rung, _ = self._next_rung(applicable)
+        plan = self._plan(seq_len, batch_size, applicable)
+        if plan is not None:
+            rungs, fits = plan
+        else:
+            rung, _ = self._next_rung(applicable)
+            rungs, fits = ((rung,) if rung else ()), True
         words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
                                     verdict.method, usable, budget, self.safety_margin, self._safe_fit(batch_size),
-                                    self.applied_mitigations, rung, verdict.measured)
-        if rung is not None:
-            return self._state(action="mitigate", rung=rung, advice=(words,))
-        return self._state(action="over", advice=(words,))
+                                    self.applied_mitigations, rungs, verdict.measured, still_over=not fits)
+        return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(words,))
 
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
         """Samples per batch at ``seq_len``: ``truncate=False`` reshapes rows, keeping the tokens."""
@@ -392,10 +498,29 @@ class SeqMemPlanner:
         m, current = self.curriculum.multiple_of, self.stages[self.stage]
         fit = self._safe_fit(batch_size)
         rung, skipped = self._next_rung(applicable)
+        plan = self._plan(seq_len, batch_size, applicable)
         words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
                      method=verdict.method, usable=self.usable_budget_bytes, budget=self.budget_bytes,
                      margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured,
                      applied=self.applied_mitigations)
+        advance = seq_len > current and seq_len in self.stages
+        if plan is not None and plan[1]:  # the dry run says which rungs make it fit: on before the stage
+            action = f"Switching on {', '.join(map(repr, plan[0]))} before it runs (dry run: it then fits)"
+            return self._state(action="mitigate", rungs=plan[0], seq_len=seq_len, refit_queue=(), decide_now=False,
+                               stage=self.stages.index(seq_len) if advance else self.stage, reset_stage_steps=advance,
+                               advice=(A.over_budget_stage(action=action, **words),))
+        if plan is not None:  # nothing fits at this length even with every rung: all on, and the longest that fits
+            setting = self.applied_mitigations + plan[0]
+            low = current if seq_len > current else m
+            cap = self._dry_fit(low, seq_len, batch_size, setting)
+            cap = cap if cap is not None else (current if seq_len > current else m)
+            stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
+            words["fit"] = cap
+            action = (f"Switching on {', '.join(map(repr, plan[0]))}; the curriculum stays at seq_len={cap}. "
+                      f"To go further: {A.remaining_advice(setting)}")
+            return self._state(action="cap", rungs=plan[0], seq_len=cap, stages=stages, stage=len(stages) - 1,
+                               refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
+                               advice=(A.over_budget_stage(action=action, **words),))
         if rung is not None:
             base = min(current, seq_len)
             lengths = sorted({self.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})
@@ -403,7 +528,7 @@ class SeqMemPlanner:
             queue = [L for L in lengths for _ in range(steps)]
             action = (f"Switching on the next mitigation, {rung!r}, then re-measuring at seq_len {lengths} "
                       "before growing")
-            return self._state(action="mitigate", rung=rung, seq_len=queue[0], refit_queue=tuple(queue[1:]),
+            return self._state(action="mitigate", rungs=(rung,), seq_len=queue[0], refit_queue=tuple(queue[1:]),
                                decide_now=False, advice=(A.over_budget_stage(action=action, **words),))
         if seq_len > current:  # the next stage does not fit: stay between the two
             cap = self.curriculum.round_down(fit) if fit >= m else current
@@ -428,19 +553,26 @@ class SeqMemPlanner:
         for item in decision.advice:
             self.advise(item)
 
-    def rung_applied(self, name: str, ok: bool, detail: str, seq_len: Optional[int]) -> None:
-        """A rung ``decide`` asked for was switched on (``ok``) on every rank, or on none."""
+    def rung_applied(self, name: str, ok: bool, detail: str, seq_len: Optional[int], batch_size: Optional[int] = None) -> None:
+        """A rung ``decide`` asked for was switched on (``ok``) on every rank, or on none; ``seq_len``
+        and ``batch_size``: where it was decided (the peak before is the measured one there, else
+        the dry run's)."""
         if not ok:
             self.mitigations = tuple(m for m in self.mitigations if m != name)
             self.refit_queue, self.decide_now = [], True
             self.advise(A.mitigation_failed(name, detail))
             return
-        before = max((r.peak_bytes for r in self.records if r.seq_len == seq_len and r.mitigations == self.applied_mitigations),
-                     default=None)
+        before = max((r.peak_bytes for r in self.records if r.seq_len == seq_len and r.mitigations == self.applied_mitigations
+                      and (batch_size is None or r.batch_size == batch_size)), default=None)
+        method = "measured" if before is not None else None
+        if before is None and seq_len and batch_size and self._dry.get((seq_len, batch_size, self.applied_mitigations)):
+            before, method = self._dry[(seq_len, batch_size, self.applied_mitigations)][0], "dry_run"  # type: ignore[index]
+        setting_before = self.applied_mitigations
         self.applied_mitigations = self.applied_mitigations + (name,)
         self.forecaster  # noqa: B018 - a fresh fit for the new setting
-        self.mitigation_events.append({"name": name, "step": self.step, "seq_len": seq_len, "detail": detail,
-                                       "before_bytes": before, "after_bytes": None})
+        self.mitigation_events.append({"name": name, "step": self.step, "seq_len": seq_len, "batch_size": batch_size,
+                                       "detail": detail, "before_bytes": before, "before_method": method,
+                                       "after_bytes": None, "mitigations_before": list(setting_before)})
         self._pending_events.append(f"mitigation:{name}")
 
     def rung_removed(self, name: str, why: str, pending: Optional[PendingStep] = None) -> None:
@@ -474,8 +606,12 @@ class SeqMemPlanner:
         warmup = (self.step < self.warmup_steps or global_step < self.warmup_steps  # accumulation: until a step
                   or count < self.warmup_steps_after_change or self.resume_warmup > 0)
         self.resume_warmup = max(0, self.resume_warmup - 1)
-        if count == 0 and self.forecaster.ready:  # kept to verify against the measurement
-            self._pending[key] = self.forecaster.forecast(seq_len, batch_size)
+        if count == 0:  # kept to verify against the measurement
+            fc = self._dry_forecast(seq_len, batch_size) if (seq_len, batch_size, key[2]) in self._dry else None
+            if fc is None and self.forecaster.ready:
+                fc = self.forecaster.forecast(seq_len, batch_size)
+            if fc is not None:
+                self._pending[key] = fc
         measure = warmup or count == self.warmup_steps_after_change or self.step % self.measure_every_n_steps == 0
         # only steps ending in an optimizer step are traced: with accumulation the others run another program
         traced = measure and not warmup and optimizer_steps and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
@@ -547,15 +683,34 @@ class SeqMemPlanner:
         event = self.mitigation_events[-1]
         if event["after_bytes"] is None and record.seq_len == event["seq_len"] and record.mitigations == self.applied_mitigations:
             event["after_bytes"] = record.peak_bytes
-        if event["name"] != "attention" or event.get("checked") or not self.forecaster.ready:
+        if event["name"] != "attention" or event.get("checked"):
             return
-        terms = quadratic_terms(self.forecasters.get(self.applied_mitigations[:-1]), self.forecaster)
+        terms = self._dry_quadratic_terms(event, record.batch_size)
+        if terms is None and self.forecaster.ready:
+            terms = quadratic_terms(self.forecasters.get(self.applied_mitigations[:-1]), self.forecaster)
         if terms is None:
             return
         old_b, new_b = terms
         event["checked"] = True
         if new_b > 0.5 * old_b:
             self.advise(A.attention_still_quadratic(event["detail"], new_b, old_b))
+
+    def _dry_quadratic_terms(self, event: Mapping[str, Any], batch_size: int) -> Optional[tuple[float, float]]:
+        """Bytes per token² per sample before and after the rung of ``event``, from dry runs at
+        L, 2L, 3L (``p(3L) − 2p(2L) + p(L) = 2bL²`` for ``p = c + aL + bL²``), or None."""
+        before = tuple(event.get("mitigations_before", ()))
+        after = before + (event["name"],)
+        if after != self.applied_mitigations[: len(after)]:
+            return None
+        x = max(int(event.get("seq_len") or 0), 16)
+        out = []
+        for setting in (before, after):
+            peaks = [self.dry_peak(k * x, batch_size, setting) for k in (1, 2, 3)]
+            if any(p is None for p in peaks):
+                return None
+            p1, p2, p3 = (p[0] for p in peaks)  # type: ignore[index]
+            out.append(max(p3 - 2 * p2 + p1, 0) / (2 * x * x * batch_size))
+        return out[0], out[1]
 
     def _precision_advice(self, batch_size: int) -> None:
         """In 32-bit, if the L² term dominates at the target length, recommend bf16-mixed once."""

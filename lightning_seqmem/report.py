@@ -162,7 +162,7 @@ def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
 
 
 def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> dict[str, Any]:
-    fc = planner.forecaster.forecast(seq_len, batch_size)
+    fc = planner.forecast(seq_len, batch_size)
     bound = planner.bound_of(fc)
     row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
            "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,
@@ -171,7 +171,7 @@ def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> di
         try:
             other = planner.forecaster.forecast(seq_len, batch_size, method=method)
             row[f"{method}_peak_bytes"] = other.peak_bytes if other.method == method else None
-        except NotEnoughMeasurements:
+        except (NotEnoughMeasurements, ValueError):
             row[f"{method}_peak_bytes"] = None
     if planner.usable_budget_bytes is not None:
         row["fits"] = bound <= planner.usable_budget_bytes
@@ -180,8 +180,8 @@ def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> di
 
 def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
-    if batch_size is None or not planner.forecaster.ready:
-        out["error"] = "not enough measurements to forecast (two measured lengths are needed)"
+    if batch_size is None or not (planner.forecaster.ready or planner.dry_peak(1, batch_size) is not None):
+        out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
         return out
     lengths = {r.seq_len for r in planner.records}
     if planner.curriculum is not None:

@@ -86,9 +86,9 @@ def test_without_budget_problems_the_curriculum_reaches_the_target(tmp_path):
     )
     assert [r.seq_len for r in cb.records] == [L for L in (32, 64, 128, 256, 512) for _ in range(3)]
     assert [r.stage for r in cb.records] == [i for i in range(5) for _ in range(3)]
-    verified = {r.seq_len: r.forecast_error for r in cb.records if r.forecast_error is not None}
-    assert set(verified) == {128, 256, 512}  # every stage after two measured lengths was forecast first
-    assert all(abs(e) <= cb.tolerance for e in verified.values())
+    verified = {r.seq_len: (r.forecast_method, r.forecast_error) for r in cb.records if r.forecast_error is not None}
+    assert set(verified) == {32, 64, 128, 256, 512}  # every stage was forecast first, by the dry run
+    assert all(method == "dry_run" and abs(e) <= 0.01 for method, e in verified.values())
     text = open(f"{logger.log_dir}/metrics.csv").read()
     for tag in ("seqmem/stage", "seqmem/forecast_next_gib", "seqmem/verification_error", "seqmem/headroom_fraction"):
         assert tag in text
@@ -108,7 +108,7 @@ def test_budget_below_first_step_memory_warns_and_training_goes_on():
         make_trainer([cb], max_steps=6).fit(
             LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32)
         )
-    assert len(cb.records) == 6 and max(r.seq_len for r in cb.records) == 16  # held at the start
+    assert len(cb.records) == 6 and max(r.seq_len for r in cb.records) <= 16  # never past the start
 
 
 class _TupleTokens(SyntheticTokens):

