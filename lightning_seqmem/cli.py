@@ -9,6 +9,10 @@
   (``--no-breakdown`` to skip) where the memory goes: by kind and by module at the traced
   lengths and extrapolated to the longest asked, the attention share, the crossover length and
   any diagnosis (:mod:`lightning_seqmem.breakdown`).
+* ``seqmem plan --config CONFIG.yaml --lengths 4096 16384 65536``: dry-run one training step of the
+  config's model per length and mitigation set on fake tensors (:mod:`lightning_seqmem.dryrun`;
+  nothing is trained or allocated) and print the predicted peaks, which fit the budget, and the
+  cheapest set that fits (``--json`` for a JSON document).
 
 Run ``seqmem COMMAND --help`` for the options.
 """
@@ -20,6 +24,7 @@ import copy
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -112,33 +117,34 @@ def _report(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------
 # seqmem forecast
 # ----------------------------------------------------------------------------------------------
-def _read_yaml(path: str) -> dict[str, Any]:
+def _read_yaml(path: str, command: str = "seqmem forecast") -> dict[str, Any]:
     import yaml
 
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
-        raise SystemExit(f"seqmem forecast: {path} is not a LightningCLI config (a YAML mapping)")
+        raise SystemExit(f"{command}: {path} is not a LightningCLI config (a YAML mapping)")
     return data
 
 
 def build_from_config(config: str, model_class: str = _DEFAULT_MODEL, data_class: str = _DEFAULT_DATA,
-                      overrides: Sequence[str] = ()) -> Any:
+                      overrides: Sequence[str] = (), command: str = "seqmem forecast") -> Any:
     """A ``LightningCLI`` (not run) of ``config``: ``.model``, ``.datamodule`` and ``.trainer``.
 
     The config's ``model``/``data`` sections may name their class (``class_path``); without one
     they configure ``model_class`` / ``data_class``. The trainer is forced to one device without a
     logger (a forecast is per device); a CUDA config is built on the CPU when no GPU is present.
+    ``command`` names the command in the messages printed or raised.
     """
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.cli import LightningCLI
 
-    trainer_cfg = _read_yaml(config).get("trainer") or {}
+    trainer_cfg = _read_yaml(config, command).get("trainer") or {}
     forced = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.strategy=auto"]
     if str(trainer_cfg.get("accelerator", "auto")) in ("cuda", "gpu") and not torch.cuda.is_available():
-        print("seqmem forecast: the config asks for CUDA but none is available: tracing on the CPU "
+        print(f"{command}: the config asks for CUDA but none is available: tracing on the CPU "
               "(kernel choice, workspace and fragmentation on a GPU differ)", file=sys.stderr)
         forced.append("--trainer.accelerator=cpu")
     args = ["--model", model_class, "--data", data_class, "--config", config, *forced, *overrides]
@@ -148,6 +154,40 @@ def build_from_config(config: str, model_class: str = _DEFAULT_MODEL, data_class
                             subclass_mode_data=True, run=False, args=args, save_config_callback=None)
     finally:
         sys.argv = argv
+
+
+def _seqmem_callback(trainer: Any) -> Any:
+    """The config's :class:`~lightning_seqmem.SeqMemCallback`, or None."""
+    from . import SeqMemCallback
+
+    return next((c for c in trainer.callbacks if isinstance(c, SeqMemCallback)), None)
+
+
+def _usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem: Any,
+                   device: Any) -> tuple[Optional[int], float, Optional[int]]:
+    """``(budget, margin, usable)``: ``budget`` (bytes) if given, else the config's SeqMemCallback
+    ``memory_budget``, else the CUDA device's total, else None; ``margin`` likewise (default 0.1);
+    ``usable = budget × (1 − margin)``."""
+    import torch
+
+    if budget is None and seqmem is not None:
+        budget = seqmem.memory_budget_bytes
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory
+    margin = safety_margin if safety_margin is not None else (seqmem.safety_margin if seqmem else 0.1)
+    return budget, margin, None if budget is None else int(budget * (1 - margin))
+
+
+def _first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> Any:
+    """The first training batch of the config's data (its datamodule set to ``seq_len`` tokens
+    first where it has ``set_seq_len``), else of the model's own ``train_dataloader``."""
+    if seq_len is not None and datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
+        datamodule.set_seq_len(seq_len)
+    source = datamodule if datamodule is not None else model
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+    return next(iter(source.train_dataloader()))
 
 
 def _first_optimizer(module: Any) -> tuple[Any, str]:
@@ -184,11 +224,9 @@ def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]
 
 
 def _forecast(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
     from rich.table import Table
 
-    from . import SeqMemCallback
     from .batch import infer_batch_shape
     from .offline import trace_training_steps
     from .units import format_bytes, parse_bytes
@@ -208,24 +246,12 @@ def _forecast(args: argparse.Namespace) -> int:
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     if not model.automatic_optimization:
         raise SystemExit("seqmem forecast: the model uses manual optimisation; trace it with lightning_seqmem.offline")
-    seqmem = next((c for c in trainer.callbacks if isinstance(c, SeqMemCallback)), None)
+    seqmem = _seqmem_callback(trainer)
     device = trainer.strategy.root_device
     budget = parse_bytes(args.budget, "--budget") if args.budget else None
-    if budget is None and seqmem is not None:
-        budget = seqmem.memory_budget_bytes
-    if budget is None and device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory
-    margin = args.safety_margin if args.safety_margin is not None else (seqmem.safety_margin if seqmem else 0.1)
-    usable = None if budget is None else int(budget * (1 - margin))
+    budget, margin, usable = _usable_budget(budget, args.safety_margin, seqmem, device)
 
-    needed = max(trace + check)
-    if datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
-        datamodule.set_seq_len(needed)
-    source = datamodule if datamodule is not None else model
-    if datamodule is not None:
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-    batch = next(iter(source.train_dataloader()))
+    batch = _first_batch(model, datamodule, max(trace + check))
     traced_batch, source_len = infer_batch_shape(batch)
     batch_size = args.batch_size or traced_batch
 
@@ -309,6 +335,249 @@ def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, tra
 
 
 # ----------------------------------------------------------------------------------------------
+# seqmem plan
+# ----------------------------------------------------------------------------------------------
+_PLAN_RUNGS = ("attention", "checkpointing", "microbatch")  # cost order: each set adds the next rung
+_SEARCH_MULTIPLE = 8  # "nothing fits": the largest fitting length is searched among multiples of this
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number (≥ 1), got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1) (e.g. 0.1 keeps 10% free), got {text!r}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    from .units import parse_bytes
+
+    try:
+        return parse_bytes(text, "--budget")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("`--budget` must", "must", 1)) from None
+
+
+def _config_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r} (a LightningCLI YAML config, e.g. configs/cpu_demo.yaml)")
+    return text
+
+
+def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any,
+                     batch_size: int) -> tuple[list[tuple[str, ...]], dict[str, str]]:
+    """The mitigation sets to dry-run, cheapest first, and ``rung -> why skipped``.
+
+    The rungs are those the config's SeqMemCallback may switch on (``mitigations``, in its order),
+    or all three without one; a rung that would not change this model (already on SDPA, no
+    repeated blocks, batch size 1, ...) is skipped. Each set adds the next rung to the previous one.
+    """
+    from .batch import infer_batch_shape
+    from .mitigations.ladder import applicability
+
+    rungs = _PLAN_RUNGS
+    if seqmem is not None:  # as configured; before fit the planner holds the same rungs
+        configured = getattr(seqmem, "_mitigations_arg", None)
+        if configured is None:
+            configured = getattr(getattr(seqmem, "planner", None), "mitigations", _PLAN_RUNGS)
+        rungs = tuple(configured)
+    # the micro-batching check reads the batch size from the batch: give it only a batch that has the
+    # rows asked for (else None: it reads the unconnected trainer's loader, unknown), the size is checked below
+    rows = infer_batch_shape(batch)[0]
+    checks = applicability(rungs, trainer, model, batch if rows > 1 or batch_size <= 1 else None)
+    skipped: dict[str, str] = {}
+    sets: list[tuple[str, ...]] = [()]
+    for name in rungs:
+        applies, reason = checks[name]
+        if name == "microbatch" and batch_size <= 1:
+            applies, reason = False, f"batch size {batch_size}: nothing to split"
+        if applies:
+            sets.append((*sets[-1], name))
+        else:
+            skipped[name] = reason
+    return sets, skipped
+
+
+def _plan_rows(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size: int, sets: Sequence[tuple[str, ...]],
+               usable: Optional[int], context: Any, device: Any) -> list[dict[str, Any]]:
+    """One dry run per mitigation set at ``(seq_len, batch_size)``: a JSON row each."""
+    from .dryrun import DryRunUnsupported, dry_run_step
+
+    rows = []
+    for names in sets:
+        peak = error = None
+        started = time.perf_counter()
+        try:
+            peak = dry_run_step(model, optimizer, batch, seq_len, batch_size, names, context, device).peak_bytes
+        except DryRunUnsupported as exc:
+            error = f"unsupported: {exc.reason}"
+        except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
+            error = f"failed: {type(exc).__name__}: {exc}"
+        rows.append({"mitigations": list(names), "peak_bytes": peak,
+                     "fits": None if usable is None or peak is None else peak <= usable,
+                     "seconds": time.perf_counter() - started, "error": error})
+    return rows
+
+
+def _largest_fitting(model: Any, optimizer: Any, batch: Any, batch_size: int, names: tuple[str, ...], usable: int,
+                     lo: int, hi: int, context: Any, device: Any) -> tuple[Optional[int], int]:
+    """``(largest multiple of 8 below hi whose dry-run peak with names fits usable or None, dry runs)``,
+    by bisection; ``lo`` is known to fit (0: nothing known)."""
+    from .dryrun import dry_run_step
+
+    lo, hi, runs = lo // _SEARCH_MULTIPLE, -(-hi // _SEARCH_MULTIPLE), 0  # in units of 8 tokens: lo fits, hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        runs += 1
+        if dry_run_step(model, optimizer, batch, mid * _SEARCH_MULTIPLE, batch_size, names, context,
+                        device).peak_bytes <= usable:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * _SEARCH_MULTIPLE or None), runs
+
+
+def _names(names: Sequence[str]) -> str:
+    return " + ".join(names) if names else "none"
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .batch import infer_batch_shape
+    from .units import format_bytes
+
+    _quiet()
+    started = time.perf_counter()
+    console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)  # --json: the document alone
+    lengths = sorted(set(args.lengths))
+    cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan")
+    trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
+    seqmem = _seqmem_callback(trainer)
+    device = trainer.strategy.root_device
+    budget, margin, usable = _usable_budget(args.budget, args.safety_margin, seqmem, device)
+    batch = _first_batch(model, datamodule)  # any length: the dry run cuts or tiles it to each length asked
+    batch_size = args.batch_size or infer_batch_shape(batch)[0]
+    precision = trainer.precision_plugin
+    model = precision.convert_module(model)  # as fit does (bf16-true: bf16 weights); the model stays where it is
+    optimizer, optimizer_name = _first_optimizer(model)
+    sets, skipped = _mitigation_sets(seqmem, trainer, model, batch, batch_size)
+    context = precision.train_step_context  # autocast under mixed precision, as in training_step
+    console.print(f"[bold]seqmem plan[/bold]: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
+                  f"parameters), {trainer.precision} precision, on {device}, optimizer {optimizer_name}, batch "
+                  f"{batch_size}; one fake training step per length and mitigation set (nothing is allocated)")
+    for name, reason in skipped.items():
+        console.print(f"rung {name} skipped: {reason}")
+
+    results = []
+    with console.status(f"dry-running {len(sets)} mitigation sets at seq_len {lengths}..."):
+        for L in lengths:
+            rows = _plan_rows(model, optimizer, batch, L, batch_size, sets, usable, context, device)
+            plan = next((r["mitigations"] for r in rows if r["fits"]), None)
+            results.append({"seq_len": L, "rows": rows, "plan": plan})
+    # nothing fits at some length: the largest length the last (lowest) set fits, searched once
+    # between the longest asked length it fits and the shortest it does not
+    largest, searched, search_runs, search_seconds = None, False, 0, 0.0
+    over = [res["seq_len"] for res in results if res["rows"][-1]["fits"] is False]
+    if over:
+        hi = min(over)
+        lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi), default=0)
+        t0 = time.perf_counter()
+        with console.status(f"searching the largest length that fits with {_names(sets[-1])}..."):
+            try:
+                largest, search_runs = _largest_fitting(model, optimizer, batch, batch_size, sets[-1], usable,
+                                                        lo, hi, context, device)
+                searched = True
+            except Exception as exc:  # noqa: BLE001 - the table stands without the search
+                console.print(f"[yellow]search for the largest length that fits failed:[/yellow] {exc}")
+        search_seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - started
+
+    if usable is not None:
+        title = (f"seqmem plan: predicted peak of one training step (dry run), batch {batch_size}; fits = peak within "
+                 f"the usable budget {format_bytes(usable)} ({format_bytes(budget)} − {margin:.0%} safety margin)")
+    else:
+        title = f"seqmem plan: predicted peak of one training step (dry run), batch {batch_size}"
+    table = Table(title=title, title_justify="left")
+    headers = ["seq_len", "batch", "mitigations", "peak", *(["fits"] if usable is not None else []), "time"]
+    for header in headers:
+        table.add_column(header, justify="left" if header == "mitigations" else "right")
+    errors: dict[str, int] = {}  # each distinct reason a dry run did not run -> its note number, below the table
+    for res in results:
+        for row in res["rows"]:
+            fits = [] if usable is None else ["-" if row["fits"] is None else ("yes" if row["fits"] else "NO")]
+            chosen = res["plan"] is not None and row["mitigations"] == res["plan"]
+            if row["error"] is None:
+                peak = format_bytes(row["peak_bytes"])
+            else:
+                number = errors.setdefault(row["error"], len(errors) + 1)
+                peak = f"{row['error'].split(':')[0]} [{number}]"
+            table.add_row(str(res["seq_len"]), str(batch_size), _names(row["mitigations"]), peak, *fits,
+                          f"{row['seconds']:.1f}s",
+                          style="bold green" if chosen else ("red" if row["fits"] is False else None))
+        table.add_section()
+    console.print(table)
+    for error, number in errors.items():
+        console.print(f"[yellow][{number}][/yellow] {error}", highlight=False)
+    if errors:
+        console.print(f"(`seqmem forecast --config {args.config} --lengths ...` predicts from short real steps "
+                      "where the dry run does not run)")
+    for res in results:
+        rows = res["rows"]
+        if usable is None:
+            continue
+        if res["plan"] is not None:
+            peak = next(r["peak_bytes"] for r in rows if r["mitigations"] == res["plan"])
+            what = _names(res["plan"]) if res["plan"] else "no mitigation needed"
+            console.print(f"seq_len {res['seq_len']}: cheapest plan: [bold]{what}[/bold] "
+                          f"({format_bytes(peak)} of {format_bytes(usable)} usable)")
+        elif all(r["peak_bytes"] is None for r in rows):
+            console.print(f"seq_len {res['seq_len']}: no plan: the dry run failed for every set (see the table)")
+        else:
+            lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
+            if largest is not None:
+                longest = f"the largest length that fits with {_names(sets[-1])} is [bold]{largest}[/bold] tokens"
+            elif searched:
+                longest = f"not even {_SEARCH_MULTIPLE} tokens fit with {_names(sets[-1])}"
+            else:
+                longest = "no length that fits was searched for"
+            console.print(f"seq_len {res['seq_len']}: [red]nothing fits[/red]: the lowest peak is "
+                          f"{format_bytes(lowest['peak_bytes'])} ({_names(lowest['mitigations'])}) over "
+                          f"{format_bytes(usable)} usable; {longest}")
+    if usable is None:
+        console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
+                      "device's total): no fits column and no plan")
+    dry_seconds = sum(r["seconds"] for res in results for r in res["rows"]) + search_seconds
+    console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) for res in results) + search_runs} dry runs in "
+                  f"{dry_seconds:.1f}s"
+                  + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
+                  + "; peaks are live tensor bytes (on CUDA allocator blocks, as max_memory_allocated; not "
+                  "reserved memory, workspaces or the CUDA context: that is what the safety margin is for)")
+    if args.json:
+        sys.stdout.write(json.dumps({
+            "config": os.fspath(args.config), "device": str(device), "precision": str(trainer.precision),
+            "batch_size": batch_size, "budget_bytes": budget, "safety_margin": margin, "usable_budget_bytes": usable,
+            "mitigation_sets": [list(s) for s in sets], "skipped": skipped, "lengths": results,
+            "largest_fitting_seq_len": largest, "seconds": seconds, "method": "dry_run",
+        }, indent=2) + "\n")
+    failed = any(r["error"] and not r["error"].startswith("unsupported:") for res in results for r in res["rows"])
+    return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------------------------
 # Parser
 # ----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
@@ -316,7 +585,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="seqmem",
         description="Measure, predict and tame the memory of long-sequence transformer training.",
         epilog="seqmem demo: train a small GPT and report its memory; seqmem report PATH: print a saved "
-        "report; seqmem forecast --config CONFIG.yaml --lengths ...: predict peaks without training.",
+        "report; seqmem forecast --config CONFIG.yaml --lengths ...: predict peaks without training; "
+        "seqmem plan --config CONFIG.yaml --lengths ...: the cheapest mitigations that fit, without training.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -379,6 +649,29 @@ def _parser() -> argparse.ArgumentParser:
                           "attention share, the crossover length and diagnoses (default on; --no-breakdown skips it)")
     forecast.add_argument("--json", default=None, help="also write the forecasts (and the breakdown) to this JSON file")
     forecast.set_defaults(func=_forecast)
+
+    plan = sub.add_parser("plan", help="predict each mitigation set's peak at given lengths from a LightningCLI config "
+                          "and pick the cheapest that fits, without training",
+                          description="Build the model and data of a LightningCLI config and dry-run one training "
+                          "step per length and mitigation set on fake tensors (nothing is trained or allocated): "
+                          "print each predicted peak, which fit the usable budget, and the cheapest set that fits. "
+                          "The sets, in cost order: none; attention; attention + checkpointing; attention + "
+                          "checkpointing + microbatch, restricted to the config's SeqMemCallback mitigations (in "
+                          "their order), without the rungs that do not apply to the model.")
+    plan.add_argument("--config", required=True, type=_config_file,
+                      help="LightningCLI YAML (model, data, trainer sections)")
+    plan.add_argument("--lengths", type=_positive_int, nargs="+", required=True,
+                      help="sequence lengths to plan for (tokens, ≥ 1)")
+    plan.add_argument("--batch-size", type=_positive_int, default=None, help="samples per step (default: the data's)")
+    plan.add_argument("--budget", type=_bytes, default=None,
+                      help="memory budget, e.g. 80GiB (default: the config's SeqMemCallback memory_budget, else "
+                      "the GPU's total memory, else none: no fits column)")
+    plan.add_argument("--safety-margin", type=_fraction, default=None,
+                      help="fraction of the budget kept free, in [0, 1) (default: the config's SeqMemCallback, else 0.1)")
+    plan.add_argument("--model-class", default=_DEFAULT_MODEL, help="model class when the config names none")
+    plan.add_argument("--data-class", default=_DEFAULT_DATA, help="datamodule class when the config names none")
+    plan.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
+    plan.set_defaults(func=_plan)
     return parser
 
 

@@ -1,0 +1,200 @@
+"""``seqmem plan``: the dry-run planner of a LightningCLI config, run as a user runs it."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_seqmem.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_DEMO = ROOT / "configs" / "cpu_demo.yaml"
+LENGTHS = [1024, 8192, 32768]
+
+
+def _seqmem(args, cwd, timeout=120):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "140"}
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.perf_counter() - started
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    """``seqmem plan --config configs/cpu_demo.yaml --lengths 1024 8192 32768 --json``: (document, wall seconds)."""
+    cwd = tmp_path_factory.mktemp("plan")
+    proc, seconds = _seqmem(["plan", "--config", str(CPU_DEMO), "--lengths", *map(str, LENGTHS), "--json"], cwd)
+    assert proc.returncode == 0, f"seqmem plan failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert not list(cwd.iterdir()), "plan must not create the config's logger or any file"
+    return json.loads(proc.stdout), seconds  # stdout holds the JSON document alone
+
+
+def test_plan_json_on_cpu_demo(plan):
+    doc, seconds = plan
+    assert seconds < 60 and doc["seconds"] < seconds, "a dry run per length and set: seconds, not minutes"
+    assert doc["method"] == "dry_run" and doc["config"] == str(CPU_DEMO)
+    assert "attention: eager" in CPU_DEMO.read_text()  # the demo model materialises L x L scores
+    # the config's SeqMemCallback: 1 GiB, 10% margin, the whole ladder (all three rungs apply to LitGPT, batch 4)
+    assert doc["budget_bytes"] == 2**30 and doc["usable_budget_bytes"] == int(2**30 * 0.9)
+    assert doc["batch_size"] == 4 and doc["skipped"] == {}
+    sets = [[], ["attention"], ["attention", "checkpointing"], ["attention", "checkpointing", "microbatch"]]
+    assert doc["mitigation_sets"] == sets
+    assert [entry["seq_len"] for entry in doc["lengths"]] == LENGTHS
+    usable = doc["usable_budget_bytes"]
+    for entry in doc["lengths"]:
+        rows = entry["rows"]
+        assert [r["mitigations"] for r in rows] == sets
+        for r in rows:
+            assert r["error"] is None and isinstance(r["peak_bytes"], int) and r["peak_bytes"] > 0, r
+            assert r["fits"] is (r["peak_bytes"] <= usable), r
+            assert r["seconds"] > 0
+        assert entry["plan"] == next((r["mitigations"] for r in rows if r["fits"]), None)
+    for i in range(len(sets)):  # each set's peak grows with the length
+        peaks = [entry["rows"][i]["peak_bytes"] for entry in doc["lengths"]]
+        assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks), (sets[i], peaks)
+    at_8k = {tuple(r["mitigations"]): r["peak_bytes"] for r in doc["lengths"][1]["rows"]}
+    assert at_8k[("attention",)] < at_8k[()] / 10  # SDPA: no [4, 4, 8192, 8192] scores
+    # the plan changes with the length on this budget: something fits everywhere, and not always without help
+    assert all(entry["plan"] is not None for entry in doc["lengths"])
+    assert len({tuple(entry["plan"]) for entry in doc["lengths"]}) > 1
+    assert doc["largest_fitting_seq_len"] is None  # no search when something fits at every length
+
+
+@pytest.mark.parametrize("mitigations", [(), ("attention",)])
+def test_plan_matches_a_real_training_step(plan, mitigations):
+    """The dry-run peak at 1024 tokens is the peak of a real training step of the config's model there."""
+    from lightning_seqmem.batch import set_batch_sequence_length
+    from lightning_seqmem.cli import build_from_config
+    from lightning_seqmem.mitigations.ladder import apply
+    from lightning_seqmem.offline import training_step_memory
+    from lightning_seqmem.probes import make_probe
+
+    doc, _ = plan
+    predicted = next(r["peak_bytes"] for r in doc["lengths"][0]["rows"] if tuple(r["mitigations"]) == mitigations)
+    cli = build_from_config(str(CPU_DEMO))
+    cli.datamodule.prepare_data()
+    cli.datamodule.setup("fit")
+    batch = set_batch_sequence_length(next(iter(cli.datamodule.train_dataloader())), LENGTHS[0])
+    model = copy.deepcopy(cli.model).train()
+    for name in mitigations:
+        assert apply(name, cli.trainer, model, batch).applied
+    optimizer = model.configure_optimizers()
+
+    def loss_fn(m, b):
+        return m.training_step(b, 0)
+
+    training_step_memory(model, optimizer, batch, loss_fn)  # warm-up: gradients and AdamW state exist afterwards
+    measured = training_step_memory(model, optimizer, batch, loss_fn, make_probe("tracker", torch.device("cpu")))
+    assert predicted == pytest.approx(measured.peak_bytes, rel=0.01), (mitigations, predicted, measured.peak_bytes)
+
+
+def test_plan_rejects_bad_lengths_before_any_work(tmp_path):
+    proc, seconds = _seqmem(["plan", "--config", str(CPU_DEMO), "--lengths", "1024", "0"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "argument --lengths: must be a positive whole number (≥ 1), got '0'" in proc.stderr
+    assert "Seed set" not in proc.stderr  # refused before the config is built
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "no/such.yaml", "--lengths", "64"], "argument --config: no such file: 'no/such.yaml'"),
+    (["--config", str(CPU_DEMO), "--lengths", "64", "x"], "argument --lengths: must be a positive whole number"),
+    (["--config", str(CPU_DEMO), "--lengths", "64", "--batch-size", "-2"], "argument --batch-size: must be a positive"),
+    (["--config", str(CPU_DEMO), "--lengths", "64", "--budget", "80 parsecs"], "argument --budget: must be a positive"),
+    (["--config", str(CPU_DEMO), "--lengths", "64", "--safety-margin", "1.5"], "argument --safety-margin: must be a "
+                                                                                "fraction in [0, 1)"),
+])
+def test_plan_bad_input_names_the_argument(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, capsys):
+    """Over a tiny budget nothing fits; the largest length that fits with the whole ladder is searched."""
+    from lightning_seqmem.cli import _first_optimizer, build_from_config
+    from lightning_seqmem.dryrun import dry_run_step
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", str(CPU_DEMO), "--lengths", "1024", "--budget", "16MiB"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    ladder = ("attention", "checkpointing", "microbatch")
+    assert "NO" in text and "yes" not in text and "seq_len 1024: nothing fits: the lowest peak is" in text
+    found = re.search(r"the largest length that fits with attention \+ checkpointing \+ microbatch is (\d+) tokens", text)
+    assert found, text
+    largest = int(found.group(1))
+    assert largest % 8 == 0 and 0 < largest < 1024
+    # the search's answer, checked by two more dry runs: it fits, 8 tokens more do not
+    cli = build_from_config(str(CPU_DEMO))
+    cli.datamodule.prepare_data()
+    cli.datamodule.setup("fit")
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    optimizer, _ = _first_optimizer(cli.model)
+    usable = int(16 * 2**20 * 0.9)
+    assert dry_run_step(cli.model, optimizer, batch, largest, mitigations=ladder).peak_bytes <= usable
+    assert dry_run_step(cli.model, optimizer, batch, largest + 8, mitigations=ladder).peak_bytes > usable
+
+
+def test_plan_skips_rungs_that_do_not_apply_and_runs_without_budget(tmp_path, monkeypatch, capsys):
+    """An SDPA model at batch 1 without a budget: no attention or micro-batching rung, no fits column, no plan."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "sdpa.yaml"
+    text = CPU_DEMO.read_text().replace("attention: eager", "attention: sdpa")
+    config.write_text(text.replace('memory_budget: "1GiB"', "memory_budget: null"))
+    assert main(["plan", "--config", str(config), "--lengths", "512", "2048", "--batch-size", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["budget_bytes"] is None and doc["usable_budget_bytes"] is None and doc["batch_size"] == 1
+    assert doc["mitigation_sets"] == [[], ["checkpointing"]]
+    assert set(doc["skipped"]) == {"attention", "microbatch"} and "sdpa" in doc["skipped"]["attention"]
+    for entry in doc["lengths"]:
+        assert entry["plan"] is None and all(r["fits"] is None and r["peak_bytes"] > 0 for r in entry["rows"])
+        assert entry["rows"][1]["peak_bytes"] < entry["rows"][0]["peak_bytes"]  # checkpointing saves memory
+
+    assert main(["plan", "--config", str(config), "--lengths", "512", "--batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "no budget" in out and "fits" not in out.split("no budget")[0]
+    assert "rung attention skipped: already on sdpa" in out
+
+
+def test_plan_says_where_the_dry_run_is_unsupported(tmp_path, monkeypatch, capsys):
+    """A training_step that reads an activation's value cannot run on fake tensors: each row says why, exit 0."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan_item_model.py").write_text(
+        "from lightning_seqmem.demo import LitGPT\n\n\n"
+        "class ItemGPT(LitGPT):\n"
+        "    def training_step(self, batch, batch_idx):\n"
+        "        loss = super().training_step(batch, batch_idx)\n"
+        "        assert loss.item() < 1e9  # reads the loss's value\n"
+        "        return loss\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "item.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  max_steps: 1\n"
+        "model:\n  class_path: plan_item_model.ItemGPT\n  init_args:\n    n_layer: 1\n    d_model: 32\n    n_head: 2\n"
+        "data:\n  class_path: lightning_seqmem.demo.SyntheticTokenDataModule\n"
+        "  init_args:\n    batch_size: 2\n    seq_len: 64\n    num_samples: 8\n"
+    )
+    assert main(["plan", "--config", str(config), "--lengths", "128", "--budget", "1GiB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["lengths"][0]["rows"]
+    assert [r["mitigations"] for r in rows] == doc["mitigation_sets"] and len(rows) == 4  # no callback: whole ladder
+    for r in rows:
+        assert r["peak_bytes"] is None and r["fits"] is None
+        assert r["error"].startswith("unsupported: an op reads tensor values") and "plan_item_model.py" in r["error"]
+    assert doc["lengths"][0]["plan"] is None
+
+    assert main(["plan", "--config", str(config), "--lengths", "128", "--budget", "1GiB"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("unsupported [1]") == 4 and "[1] unsupported: an op reads tensor values" in text
+    assert "seqmem forecast" in text and "no plan: the dry run failed for every set" in text
