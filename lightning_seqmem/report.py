@@ -214,7 +214,7 @@ def _mitigations(planner: "SeqMemPlanner") -> dict[str, Any]:
             changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
                             "before": list(previous), "after": list(current)})
         previous = current
-    events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "detail", "before_bytes", "after_bytes")}
+    events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "batch_size", "detail", "before_bytes", "before_method", "after_bytes", "removed")}
               for e in planner.mitigation_events]
     return {"allowed": list(planner.mitigations), "active": list(_applied(planner)),
             "events": events, "changes": changes}
