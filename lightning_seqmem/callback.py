@@ -333,13 +333,15 @@ class SeqMemCallback(Callback):
 
     def _switch_on(self, trainer, pl_module, batch: Any, name: str, shape: tuple[int, int]) -> bool:
         """Apply rung ``name`` on every rank; if it failed on any, it is off on all and skipped."""
+        seq_len = self.planner.seq_len or shape[1]  # where it was decided
+        batch_size = self.planner.batch_at(shape[0], shape[1], seq_len) if self.curriculum else shape[0]
+        if trainer.is_global_zero:
+            self._safely("the dry runs before a rung", lambda: self.planner.before_rung(name, seq_len, batch_size))
         ok, detail = ladder.try_apply(name, trainer, pl_module, batch)
         everywhere = distributed.all_ok(trainer, ok)
         if ok and not everywhere:
             detail = "it failed on another rank"
             self._safely("undoing a rung", lambda: ladder.remove(name, trainer, pl_module))
-        seq_len = self.planner.seq_len or shape[1]  # where it was decided
-        batch_size = self.planner.batch_at(shape[0], shape[1], seq_len) if self.curriculum else shape[0]
         self.planner.rung_applied(name, everywhere, detail, seq_len, batch_size)
         if everywhere:
             rank_zero_info(f"seqmem: switched on {name} at step {self.planner.step} ({detail}).")

@@ -466,7 +466,7 @@ class SeqMemPlanner:
             return go
         if verdict.kind == "unknown":  # nothing fitted yet with these mitigations: hold the stage
             return go if not advance else self._state(seq_len=self.stages[self.stage], decide_now=True)
-        if advance and not verdict.measured and not self.forecaster.ready:
+        if advance and verdict.method in ("one-point bound", "previous setting") and not self.forecaster.ready:
             probe = self._probe_length(batch_size)
             if probe is not None:  # a real fit of this setting before judging the stage over
                 steps = [probe] * (max(1, self.warmup_steps_after_change) + 1)
@@ -552,6 +552,14 @@ class SeqMemPlanner:
             self.capped_at = self.stages[-1]
         for item in decision.advice:
             self.advise(item)
+
+    def before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
+        """Called just before ``name`` is switched on: dry runs of the setting now on that only
+        this moment allows (a copy cannot undo a rung), for the check after the attention switch."""
+        if name == "attention" and self.dry_run is not None:
+            x = max(int(seq_len), 16)
+            for k in (1, 2, 3):
+                self.dry_peak(k * x, batch_size)
 
     def rung_applied(self, name: str, ok: bool, detail: str, seq_len: Optional[int], batch_size: Optional[int] = None) -> None:
         """A rung ``decide`` asked for was switched on (``ok``) on every rank, or on none; ``seq_len``

@@ -149,7 +149,7 @@ def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
         for key, f in settings.items() for v in f.verifications
     ]
     accuracy = {}
-    for method in ("replay", "quadratic"):
+    for method in ("dry_run", "replay", "quadratic"):
         errors = [v["relative_error"] for v in verifications if v["method"] == method]
         if errors:
             accuracy[method] = {"num_verifications": len(errors), "max_abs_error": max(abs(e) for e in errors),

@@ -73,8 +73,10 @@ def test_ladder_reaches_the_target_within_budget():
     assert module.attention_backend == "sdpa"
     assert is_checkpointed(module) == ("checkpointing" in names)
     assert is_micro_batching(module) == ("microbatch" in names)
-    assert len(oom) == len(names)  # one warning per step taken, each naming the mitigation
-    assert all("Switching on the next mitigation" in str(w.message) for w in oom)
+    # one warning per decision, naming the rungs it switched on
+    said = " ".join(str(w.message) for w in oom)
+    assert all(repr(name) in said for name in names) and len(oom) <= len(names), said
+    assert all("Switching on " in str(w.message) for w in oom)
 
 
 def test_attention_switch_that_stays_quadratic_is_reported():
