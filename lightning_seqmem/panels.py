@@ -114,6 +114,18 @@ def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, m
     return list(lengths), [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
 
 
+def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: int = 8):
+    """(lengths, peaks, uppers) of the dry run at ``num`` lengths up to ``right`` (cached by the
+    planner), or None where there is no dry run."""
+    lengths = sorted({max(1, right * k // num) for k in range(1, num + 1)})
+    if planner.dry_peak(lengths[0], batch_size) is None:
+        return None
+    forecasts = [planner.forecast(L, batch_size) for L in lengths]
+    if any(f.method != "dry_run" for f in forecasts):
+        return None
+    return lengths, [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
+
+
 def _reference_batch_size(planner: "SeqMemPlanner") -> Optional[int]:
     measured = [r.batch_size for r in planner.records if not r.warmup]
     if planner.last_batch_size is not None:
@@ -185,6 +197,10 @@ def memory_figure(
             curve = _predictor_curve(forecaster, lengths, batch_size, method)
             if curve is not None:
                 curves[method] = curve
+    if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
+        curve = _dry_run_curve(planner, right, batch_size)
+        if curve is not None:
+            curves["dry_run"] = curve
     budget, usable = planner.budget_bytes, planner.usable_budget_bytes
     candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
     candidates += [max(c[2]) for c in curves.values()]
@@ -200,7 +216,8 @@ def memory_figure(
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    styles = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay")}
+    styles = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay"),
+              "dry_run": ("tab:purple", "dry run")}
     current = tuple(planner.applied_mitigations)
     setting = f", with {'+'.join(current)}" if current else ""
     for method, (xs, peaks, uppers) in curves.items():
