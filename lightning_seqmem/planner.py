@@ -753,11 +753,11 @@ class SeqMemPlanner:
         if self._cache.get("key") == key:
             return self._cache["value"]
         out: dict[str, float] = {}
-        if self.forecaster.ready:
+        if self.forecaster.ready or self.dry_peak(1, batch_size) is not None:
             target = self.stages[self.stage + 1] if self.stage + 1 < len(self.stages) else None
             target = target or (self.records[-1].seq_len if self.records else None)
             if target:
-                bound = self.bound_of(self.forecaster.forecast(target, batch_size))
+                bound = self.bound_of(self.forecast(target, batch_size))
                 out["forecast_next_gib"] = to_gib(bound)
                 budget = self.usable_budget_bytes
                 if budget is not None:
