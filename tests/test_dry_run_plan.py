@@ -5,32 +5,16 @@ from __future__ import annotations
 
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations import ladder
 
-MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=64, attention="eager")
+from test_ladder import MODEL, _peak  # the same 4-layer eager GPT, its peak measured with rungs switched on first
+
 TARGET = 256
-
-
-def _peak(seq_len, names=()):
-    """Measured peak of a step at ``seq_len`` with ``names`` switched on before training."""
-    cb = SeqMemCallback(warmup_steps=2, mitigations=(), dry_run=False)
-
-    class SwitchOn(pl.Callback):
-        def on_fit_start(self, trainer, pl_module):
-            for name in names:
-                assert ladder.apply(name, trainer, pl_module).applied
-
-    torch.manual_seed(0)
-    make_trainer([SwitchOn(), cb], max_steps=3).fit(
-        LitGPT(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=seq_len, num_samples=16, vocab_size=64))
-    return cb.records[-1].peak_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The mitigation ladder: which mitigation to switch on next, cheapest first.
+"""The mitigation ladder: the rungs' policies behind one name each, cheapest first.
 
 Rungs, in the default order (``SeqMemCallback(mitigations=...)`` may reorder or drop them):
 
@@ -13,13 +13,13 @@ name                      what it does                                          
                           inside the step: :class:`MicroBatching`                kernels)
 ========================  =====================================================  =====================
 
+The names and :func:`check_mitigations` live in :mod:`lightning_seqmem.rungs` (plain values, for the
+torch-free planner); this module applies them.
+
 Example:
-    >>> check_mitigations(["attention", "microbatch"])
-    ('attention', 'microbatch')
-    >>> check_mitigations(["attention", "fp8"])
-    Traceback (most recent call last):
-    ...
-    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch') (an empty one warns only), got ['attention', 'fp8']
+    >>> from lightning_seqmem.nn import GPT, GPTConfig
+    >>> applicability(["attention", "checkpointing"], None, GPT(GPTConfig(n_layer=2, d_model=32, n_head=2)))["checkpointing"][0]
+    True
 """
 
 from __future__ import annotations
