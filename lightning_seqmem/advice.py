@@ -20,6 +20,7 @@ from .units import format_bytes
 KINDS = {
     "stage_over_budget": "a curriculum stage (or the current one) did not fit: a mitigation was switched on or the curriculum capped",
     "batch_over_budget": "a batch was predicted or measured over the budget",
+    "replay_disagrees": "the replay of short traces disagreed with the dry run at the target length",
     "dry_run_unavailable": "the dry run could not simulate this model: the replay and quadratic fit answer",
     "first_step_over_budget": "the first step already exceeded the usable budget",
     "forecast_mismatch": "a forecast missed the measurement by more than the tolerance",
@@ -158,6 +159,15 @@ def dry_run_unavailable(reason: str) -> Advice:
     return Advice("dry_run_unavailable", "dry-run-unavailable",
                   f"seqmem: the dry run cannot simulate this training step ({reason}); forecasts come from the "
                   "timeline replay and the quadratic fit of measured steps instead.", UserWarning)
+
+
+def replay_disagrees(seq_len: int, batch_size: int, replay: int, dry: int, error: float, traced: Sequence[int]) -> Advice:
+    return Advice("replay_disagrees", f"replay-{seq_len}-{batch_size}",
+                  f"seqmem: the timeline replay of steps traced at seq_len {list(traced)} predicts "
+                  f"{format_bytes(replay)} at seq_len={seq_len} (batch {batch_size}), the dry run of that step "
+                  f"{format_bytes(dry)} ({error:+.1%}): the program changes with the length (a sliding window, a "
+                  "kernel chosen by length). The replay is not trusted there; decisions use the dry run.",
+                  ForecastMismatchWarning)
 
 
 def kind_of_key(key: str) -> str:

@@ -190,6 +190,7 @@ class SeqMemPlanner:
         self._advice: list[A.Advice] = []
         self._cache: dict[str, Any] = {}
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
+        self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
 
     # ------------------------------------------------------------------------------------------
     # Budget and forecasts
@@ -667,6 +668,7 @@ class SeqMemPlanner:
             if pending.traced and tm.events is not None:
                 forecaster.add_trace(Trace(tL, tB, tm.events, block_bytes=self.block_bytes,
                                            measured_peak_bytes=tm.peak_bytes))
+                self._compare_replay(forecaster, record.mitigations, B)
             fc = self._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
             if fc is not None:
                 self._verify(record, fc, forecaster)
@@ -674,6 +676,22 @@ class SeqMemPlanner:
             self._precision_advice(B)
         self.records.append(record)
         return record
+
+    def _compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
+        """The replay against the dry run at the target length (the curriculum's, else 4× the longest
+        traced): a replay off by more than the tolerance is not trusted, and that is said once."""
+        if forecaster.timeline is None or self.dry_run is None:
+            return
+        target = self.curriculum.target if self.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
+        dry = self.dry_peak(target, batch_size, setting)
+        if dry is None:
+            return
+        replay = forecaster.forecast(target, batch_size, method="replay").peak_bytes
+        error = (replay - dry[0]) / max(dry[0], 1)
+        self.replay_checks[setting] = {"seq_len": target, "batch_size": batch_size, "replay_bytes": replay,
+                                       "dry_run_bytes": dry[0], "relative_error": error}
+        if abs(error) > self.tolerance:
+            self.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
 
     def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster) -> None:
         v = forecaster.verify(fc, record.peak_bytes)
