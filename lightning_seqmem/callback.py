@@ -125,8 +125,8 @@ class SeqMemCallback(Callback):
         >>> trainer.fit(LitGPT(n_layer=1, d_model=32), SyntheticTokenDataModule(batch_size=2, seq_len=64))
         >>> [r.seq_len for r in cb.records]
         [16, 16, 16, 32, 32, 32, 64, 64, 64]
-        >>> cb.forecast(256).method
-        'replay'
+        >>> cb.forecast(256).method  # a dry run of this model's step at 256 tokens
+        'dry_run'
     """
 
     def __init__(
@@ -192,8 +192,7 @@ class SeqMemCallback(Callback):
         self.breakdown_table: Optional[Any] = None
         self.breakdown_report: Optional[dict[str, Any]] = None
         self._breakdown_batch: Optional[tuple[int, Any]] = None
-        self._dry_batch: Any = None  # a CPU copy of the first batch, shaped by each dry run
-        self._dry_off: Optional[str] = None  # why the dry run cannot simulate this model
+        self._dry: Any = None  # dryrun.TrainingRunDryRun on rank zero, with dry_run=True
 
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
@@ -254,7 +253,11 @@ class SeqMemCallback(Callback):
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
-                self.planner.dry_run = functools.partial(self._dry_run, trainer, pl_module)
+                from .dryrun import TrainingRunDryRun
+
+                self._dry = TrainingRunDryRun(trainer, pl_module, lambda: self.planner.applied_mitigations,
+                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)))
+                self.planner.dry_run = self._dry
         if self._reapply_on_fit_start:
             self._reapply_on_fit_start = False
             for name in self.planner.applied_mitigations:
@@ -282,8 +285,8 @@ class SeqMemCallback(Callback):
             except Exception as exc:  # noqa: BLE001
                 self._fail("on_train_batch_start", exc)
                 failed = True
-        if self.dry_run and trainer.is_global_zero and self._dry_batch is None and not failed:
-            self._safely("the dry run's batch", lambda: setattr(self, "_dry_batch", edge.longest_batch(None, batch, 0)[1]))
+        if self._dry is not None and not failed:
+            self._safely("the dry run's batch", lambda: self._dry.keep(batch))
         for _ in range(len(ladder.MITIGATIONS) + 1):  # again only after a rung failed to apply
             try:
                 any_failed, shape, applicable = distributed.agree_inputs(trainer, failed, shape, applicable)
@@ -346,25 +349,6 @@ class SeqMemCallback(Callback):
         if everywhere:
             rank_zero_info(f"seqmem: switched on {name} at step {self.planner.step} ({detail}).")
         return everywhere
-
-    def _dry_run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, seq_len: int, batch_size: int,
-                 mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
-        """The planner's dry run (rank zero): the step of this module at ``(seq_len, batch_size)``
-        with ``mitigations`` on a fake copy; unsupported models are said once and not asked again."""
-        from .dryrun import dry_run_step
-
-        applied = self.planner.applied_mitigations
-        if self._dry_off or self._dry_batch is None or any(m not in mitigations for m in applied):
-            raise RuntimeError(self._dry_off or "no batch kept, or a rung on now cannot be undone on the copy")
-        try:
-            result = dry_run_step(pl_module, trainer.optimizers[0] if trainer.optimizers else None, self._dry_batch,
-                                  seq_len, batch_size, tuple(m for m in mitigations if m not in applied),
-                                  autocast=trainer.precision_plugin.train_step_context, device=trainer.strategy.root_device)
-        except Exception as exc:  # noqa: BLE001 - DryRunUnsupported and anything else: said once, then the replay
-            self._dry_off = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-            self.planner.advise(A.dry_run_unavailable(self._dry_off))
-            raise
-        return result.peak_bytes, result.phase_peak_bytes
 
     def _cut(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
         if self.curriculum is not None and seq_len is not None:
