@@ -771,18 +771,20 @@ class SeqMemPlanner:
         if self._cache.get("key") == key:
             return self._cache["value"]
         out: dict[str, float] = {}
-        if self.forecaster.ready or self.dry_peak(1, batch_size) is not None:
-            target = self.stages[self.stage + 1] if self.stage + 1 < len(self.stages) else None
-            target = target or (self.records[-1].seq_len if self.records else None)
-            if target:
-                bound = self.bound_of(self.forecast(target, batch_size))
-                out["forecast_next_gib"] = to_gib(bound)
-                budget = self.usable_budget_bytes
-                if budget is not None:
-                    out["budget_gib"] = to_gib(budget)
-                    out["max_seq_len"] = float(self.max_seq_len(budget, batch_size))
-                    out["headroom_gib"] = to_gib(budget - bound)
-                    out["headroom_fraction"] = (budget - bound) / budget
+        target = self.stages[self.stage + 1] if self.stage + 1 < len(self.stages) else None
+        target = target or (self.records[-1].seq_len if self.records else None)
+        # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
+        fc = None if not target else (self.forecaster.forecast(target, batch_size) if self.forecaster.ready
+                                       else self._dry_forecast(target, batch_size))
+        if fc is not None:
+            bound = self.bound_of(fc)
+            out["forecast_next_gib"] = to_gib(bound)
+            budget = self.usable_budget_bytes
+            if budget is not None:
+                out["budget_gib"] = to_gib(budget)
+                out["max_seq_len"] = float(self.max_seq_len(budget, batch_size))
+                out["headroom_gib"] = to_gib(budget - bound)
+                out["headroom_fraction"] = (budget - bound) / budget
         self._cache = {"key": key, "value": out}
         return out
 

@@ -81,7 +81,7 @@ def _padded_loader(lengths, num_batches):
 
 def test_dynamic_padding_measured_at_real_lengths_and_forecast_verified():
     lengths = [32, 48, 64, 96, 128, 160]
-    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0)
+    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, dry_run=False)  # the replay's own path
     trainer = make_trainer([cb], max_steps=12)
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), _padded_loader(lengths, 12))
     assert [r.seq_len for r in cb.records] == [lengths[i % 6] for i in range(12)]
@@ -136,7 +136,8 @@ class _GrowsAfter64(LitGPT):
 
 
 def test_forecast_miss_beyond_tolerance_warns_once():
-    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
+    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, dry_run=False,  # the replay's own path
+                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
     trainer = make_trainer([cb], max_steps=8)
     with pytest.warns(ForecastMismatchWarning, match="seq_len=128") as caught:
         trainer.fit(_GrowsAfter64(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=128, num_samples=32))
@@ -210,11 +211,12 @@ def test_logged_scalars_match_records(tmp_path):
 
 
 def test_state_dict_round_trip_keeps_forecasts():
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
+    # the fits are what a checkpoint holds (a dry run needs the live module: it is not state)
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
     trainer = make_trainer([cb], max_steps=6)
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
     state = cb.state_dict()
-    restored = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
+    restored = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
     restored.load_state_dict(state)
     assert restored.records == cb.records
     assert restored.forecast(256) == cb.forecast(256)
@@ -343,7 +345,8 @@ def test_sharding_strategies_keep_measurement_and_drop_the_rungs_they_cannot_tak
     ids=["accumulate", "bf16"],
 )
 def test_replay_holds_with_gradient_accumulation_and_mixed_precision(trainer_kwargs):
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=32, target=256, steps_per_stage=4, multiple_of=16))
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False,  # the replay's own path
+                        curriculum=Curriculum(start=32, target=256, steps_per_stage=4, multiple_of=16))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer([cb], **trainer_kwargs).fit(
