@@ -65,13 +65,14 @@ def _fit(model_kwargs, names, seq_len, batch_size, callbacks, max_steps):
 
 
 def measured_peak(model_kwargs, names, seq_len, batch_size) -> int:
-    cb = SeqMemCallback(warmup_steps=2, mitigations=())
+    cb = SeqMemCallback(warmup_steps=2, mitigations=(), dry_run=False)  # measured, not planned
     _fit(model_kwargs, names, seq_len, batch_size, [cb], 3)
     return cb.records[-1].peak_bytes
 
 
 def largest_that_fits(model_kwargs, names, budget, batch_size, start, multiple_of) -> int:
-    cb = SeqMemCallback(warmup_steps=1, mitigations=(), curriculum=Curriculum(start=start, target=4 * start, steps_per_stage=3, multiple_of=multiple_of))
+    cb = SeqMemCallback(warmup_steps=1, mitigations=(), dry_run=False,  # measured, not planned
+                        curriculum=Curriculum(start=start, target=4 * start, steps_per_stage=3, multiple_of=multiple_of))
     _fit(model_kwargs, names, 4 * start, batch_size, [cb], 9)
     return cb.curriculum.round_down(cb.max_seq_len(budget, batch_size))
 

@@ -162,7 +162,9 @@ def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
 
 
 def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> dict[str, Any]:
-    fc = planner.forecast(seq_len, batch_size)
+    # the fit of the setting on now where it has one (checked against the dry run at the target
+    # length while training); the dry run where it has not: a report costs no dry run it need not
+    fc = planner.forecaster.forecast(seq_len, batch_size) if planner.forecaster.ready else planner.forecast(seq_len, batch_size)
     bound = planner.bound_of(fc)
     row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
            "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,

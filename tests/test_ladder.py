@@ -34,7 +34,7 @@ def _peak(seq_len, names=()):
     return cb.records[-1].peak_bytes
 
 
-def _run(mitigations, max_steps=44, **model):
+def _run(mitigations, max_steps=20, **model):
     cb = SeqMemCallback(
         warmup_steps=1, memory_budget=BUDGET, safety_margin=0.0, mitigations=mitigations,
         curriculum=Curriculum(start=32, target=TARGET, steps_per_stage=2, multiple_of=16),

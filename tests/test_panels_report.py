@@ -184,7 +184,9 @@ def test_report_facts_and_predictors(run):
     assert fc["max_seq_len"] == cb.max_seq_len()
     at = {f["seq_len"]: f for f in fc["at"]}
     assert {16, 32, 64, 128, 256} <= set(at)
-    assert at[128]["peak_bytes"] == cb.forecast(128).peak_bytes
+    assert at[128]["peak_bytes"] == cb.forecaster.forecast(128, 2).peak_bytes  # the fit of the setting on now
+    dry = cb.forecast(128)  # the callback's own forecast asks the dry run: it agrees with the fit here
+    assert dry.method == "dry_run" and abs(dry.peak_bytes - at[128]["peak_bytes"]) <= 0.01 * dry.peak_bytes
     assert at[64]["fits"] is True
     assert report["mitigations"]["active"] == [] and report["mitigations"]["changes"] == []
     assert report["mitigations"]["allowed"] == list(cb.mitigations)
