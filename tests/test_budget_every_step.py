@@ -4,6 +4,7 @@ budget changes what the next step runs."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 
 
+@functools.lru_cache(maxsize=None)  # one measured run per (length, setting) for the whole module
 def _peak(seq_len: int, batch_size: int = 4, **model) -> int:
     """The fitted peak of a step at ``seq_len``, measured by a separate run."""
     cb = SeqMemCallback(warmup_steps=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ BUDGET = 10_700_000  # bytes; the unmitigated eager model fits 80 tokens at batc
 TARGET = 640  # 8 × 80
 
 
+@functools.lru_cache(maxsize=None)  # one measured run per (length, setting) for the whole module
 def _peak(seq_len, names=()):
     """Measured peak of a step at ``seq_len`` with ``names`` switched on before training."""
     cb = SeqMemCallback(warmup_steps=2, mitigations=())
