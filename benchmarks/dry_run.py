@@ -20,6 +20,13 @@ parent.) ``seconds`` is the measured call's own time.
     python benchmarks/dry_run.py            # L0=32, real steps up to 2048 tokens, 3 cost models
     python benchmarks/dry_run.py --quick    # small models, real steps at 16·L0 = 256 tokens, 1 cost model
     python benchmarks/dry_run.py --json     # the figures as one JSON dict instead of tables
+    python benchmarks/dry_run.py --device cuda --quick   # on a GPU: the dry run against the CUDA
+                                            # allocator's counters (max_memory_allocated per phase)
+
+On CUDA the measured step is read by the CUDA allocator probe (``torch.cuda.max_memory_allocated``
+reset at each phase boundary, 512-byte blocks), the dry run simulates ``cuda`` with the same
+rounding, and bf16 cases run under ``torch.autocast("cuda", dtype=torch.bfloat16)``. The cost rows
+stay on the CPU (a dry run allocates no device memory).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ TOLERANCE = 0.01  # target |error| of a dry run against the measured step
 COST_LENGTHS = (1024, 8192, 32768)  # tokens per sample of the dry-run-only rows
 MIB = 2**20
 CPU = torch.device("cpu")
+DEVICE = CPU  # where the measured steps run (--device)
 
 
 class HFLM(pl.LightningModule):
@@ -109,10 +117,10 @@ def accuracy_cases(quick: bool) -> tuple[list[Case], tuple[int, ...], tuple[int,
     return cases, (128, 512, 2048), (128, 512, 2048), 32
 
 
-def _batch(batch_size: int, seq_len: int, seed: int = 0) -> dict:
+def _batch(batch_size: int, seq_len: int, seed: int = 0, device: torch.device = CPU) -> dict:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB_SIZE, (batch_size, seq_len + 1), generator=g)
-    return {"input_ids": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone()}
+    return {"input_ids": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device)}
 
 
 def _loss(model, batch):
@@ -120,18 +128,22 @@ def _loss(model, batch):
 
 
 def _autocast(bf16: bool) -> Optional[Callable]:
-    return (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
+    return (lambda: torch.autocast(DEVICE.type, dtype=torch.bfloat16)) if bf16 else None
 
 
 def measure_real(module: torch.nn.Module, case: Case, seq_len: int) -> int:
     """Peak bytes of a real step (warm-up step first) on a copy of ``module`` with the case's settings."""
-    real = copy.deepcopy(module)
+    real = copy.deepcopy(module).to(DEVICE)
     if case.checkpointing:
         ActivationCheckpointing().apply(real)
     optimizer = torch.optim.AdamW(real.parameters(), lr=1e-4)
-    batch = _batch(case.batch_size, seq_len, seed=1)
+    batch = _batch(case.batch_size, seq_len, seed=1, device=DEVICE)
     training_step_memory(real, optimizer, batch, _loss, context=_autocast(case.bf16))
-    m = training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU), context=_autocast(case.bf16))
+    probe = make_probe("cuda" if DEVICE.type == "cuda" else "tracker", DEVICE)
+    m = training_step_memory(real, optimizer, batch, _loss, probe, context=_autocast(case.bf16))
+    del real, optimizer, batch
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
     return m.peak_bytes
 
 
@@ -140,23 +152,26 @@ def accuracy(quick: bool, show: bool) -> list[dict]:
     rows = []
     if show:
         print(f"accuracy: dry run from a batch of L0={l0} tokens vs a real measured step (AdamW, warm-up step first)")
-        print("error = (dry - measured) / measured step peak (CPU TrackerProbe, exact live bytes)")
+        probe = "CUDA allocator counters" if DEVICE.type == "cuda" else "CPU TrackerProbe, exact live bytes"
+        print(f"error = (dry - measured) / measured step peak ({probe}, on {DEVICE})")
         header = f"{'model':<16} {'attention':<9} {'ckpt':<4} {'precision':<9} {'seq_len':>7} {'measured MiB':>12} {'dry MiB':>10} {'error':>8} {'dry s':>6}"
         print(header)
         print("-" * len(header))
     for case in cases:
         torch.manual_seed(0)
-        module = case.build()
+        module = case.build().to(DEVICE)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
         mitigations = ["checkpointing"] if case.checkpointing else []
         for seq_len in gpt_lengths if case.name.startswith("gpt") else hf_lengths:
             try:
-                dry = dry_run_step(module, optimizer, _batch(case.batch_size, l0), seq_len, mitigations=mitigations,
+                dry = dry_run_step(module, optimizer, _batch(case.batch_size, l0, device=DEVICE), seq_len, mitigations=mitigations,
                                    autocast=_autocast(case.bf16))  # fmt: skip
             except DryRunUnsupported as err:
                 print(f"  {case.name} {seq_len}: {err}")
                 continue
+            module.to(CPU)  # only the measured copy on the device: its peak is the step's alone
             measured = measure_real(module, case, seq_len)
+            module.to(DEVICE)
             error = (dry.peak_bytes - measured) / measured
             row = dict(model=case.name, attention=case.attention, checkpointing=case.checkpointing,
                        precision="bf16" if case.bf16 else "fp32", seq_len=seq_len, batch_size=case.batch_size,
@@ -257,17 +272,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models, real steps up to 256 tokens, one cost model")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON dict instead of tables")
+    parser.add_argument("--device", default="cpu", help="where the measured steps run: cpu (default) or cuda")
     parser.add_argument("--cost-worker", nargs=2, metavar=("MODEL", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.cost_worker:
         print(json.dumps(cost_worker(args.cost_worker[0], int(args.cost_worker[1]))))
         return 0
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: dry_run --device cuda skipped")
+        return 0
     start = time.perf_counter()
     show = not args.json
     if show:
-        print(f"dry_run: torch {torch.__version__}, {torch.get_num_threads()} threads{' (quick)' if args.quick else ''}")
-    figures = {"accuracy": accuracy(args.quick, show), "cost": cost(args.quick, show)}
+        where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} threads"
+        print(f"dry_run: torch {torch.__version__}, {where}{' (quick)' if args.quick else ''}")
+    figures = {"accuracy": accuracy(args.quick, show)}
+    figures["cost"] = cost(args.quick, show) if DEVICE.type == "cpu" else []  # a CPU figure
     figures["worst_relative_error"] = max(abs(r["relative_error"]) for r in figures["accuracy"])
     figures["total_seconds"] = time.perf_counter() - start
     if show:

@@ -50,12 +50,19 @@ def _usable(budget: int, usable: int, margin: float) -> str:
     return f"the usable budget {format_bytes(usable)} (budget {format_bytes(budget)} minus safety_margin={margin})"
 
 
+def _measured(peak: int, bound: int) -> str:
+    """A measured peak, with the reserved memory it was judged by where that is larger (CUDA)."""
+    if bound > peak:
+        return f"{format_bytes(peak)} allocated, {format_bytes(bound)} reserved by the allocator"
+    return format_bytes(peak)
+
+
 def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: int, budget: int, margin: float,
                       fit: int, action: str, skipped: Sequence[str], measured: bool = False,
                       applied: Sequence[str] = ()) -> Advice:
     """A stage (the next, or the one running) does not fit: what was seen and what is done."""
     if measured:
-        why = f"seq_len={seq_len} already peaked at {format_bytes(peak)}"
+        why = f"seq_len={seq_len} already peaked at {_measured(peak, bound)}"
     else:
         why = (f"seq_len={seq_len} is predicted to peak at {format_bytes(peak)} (upper bound "
                f"{format_bytes(bound)}, {method})")
@@ -70,7 +77,7 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
                       margin: float, fit: int, applied: Sequence[str], rungs: Sequence[str] = (),
                       measured: bool = False, still_over: bool = False) -> Advice:
     """Without a curriculum: a batch of the data's own length does not fit."""
-    what = (f"already peaked at {format_bytes(peak)}" if measured else
+    what = (f"already peaked at {_measured(peak, bound)}" if measured else
             f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
     head = f"seqmem: a batch of seq_len={seq_len}, batch {batch_size} {what}, over {_usable(budget, usable, margin)}"
     if rungs:

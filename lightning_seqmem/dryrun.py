@@ -108,7 +108,7 @@ from .mitigations.checkpointing import ActivationCheckpointing
 from .mitigations.ladder import check_mitigations
 from .mitigations.microbatch import IGNORE_INDEX, MicroBatching, is_micro_batching, micro_batch_counts, split_batch
 from .offline import training_step_memory
-from .probes import PHASES, TrackedEvents, make_probe, round_cuda_block_bytes
+from .probes import PHASES, TrackedEvents, existing_tensors, make_probe, round_cuda_block_bytes
 
 __all__ = ["DryRunResult", "DryRunUnsupported", "TrainingRunDryRun", "allocator_block_bytes", "dry_run_step", "replay_peaks"]
 
@@ -137,6 +137,7 @@ class DryRunResult:
     phase_peak_bytes: dict[str, int]  # phase -> peak live bytes within it
     seconds: float  # wall time of the dry run
     detail: str  # what ran, for logs and reports
+    resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
 
 
 class DryRunUnsupported(RuntimeError):
@@ -161,6 +162,44 @@ def allocator_block_bytes(device: torch.device | str) -> int:
         (512, 1)
     """
     return round_cuda_block_bytes(1) if torch.device(device).type == "cuda" else 1
+
+
+def warm_cuda_workspaces(device: torch.device) -> None:
+    """Make cuBLAS and cuBLASLt allocate their workspaces on ``device`` now, as a first training step does.
+
+    The workspaces come from PyTorch's caching allocator and stay allocated, so
+    ``torch.cuda.max_memory_allocated`` counts them in every step (tens of MiB on recent GPUs);
+    a tiny real matrix product with and without a bias (the two libraries), forward and
+    backward, in fp32 and bf16, allocates them before :func:`resident_bytes` reads the device.
+    """
+    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    for dtype in dtypes:
+        x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(8, device=device, dtype=dtype, requires_grad=True)
+        (torch.nn.functional.linear(x, w, b).sum() + (x @ w).sum()).backward()
+    torch.cuda.synchronize(device)
+
+
+def resident_bytes(device: torch.device, tensors: Any) -> int:
+    """Bytes the CUDA allocator holds on ``device`` outside ``tensors`` (what a step starts with).
+
+    ``torch.cuda.memory_allocated`` minus the 512-byte blocks of the distinct storages among
+    ``tensors`` on that device: cuBLAS/cuBLASLt workspaces, and anything else the process keeps
+    there (a second model, an EMA copy). A dry run counts only the step's own tensors; this is
+    added to its peak so it compares with what the allocator reports. 0 off CUDA.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    seen: set[int] = set()
+    known = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device == device:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                known += round_cuda_block_bytes(storage.nbytes())
+    return max(0, torch.cuda.memory_allocated(device) - known)
 
 
 def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict[str, int]]:
@@ -840,12 +879,19 @@ def dry_run_step(
     assert memory is not None and memory.events is not None
     block = allocator_block_bytes(device)
     peak, phase_peaks = replay_peaks(memory.events, block)
-    phase_peaks = {p: phase_peaks[p] for p in PHASES if p in phase_peaks}
+    resident = 0
+    if device.type == "cuda" and module_device == device and torch.cuda.is_available():
+        warm_cuda_workspaces(device)
+        real_optimizer = None if optimizer is None else _unwrap_optimizer(optimizer)
+        resident = resident_bytes(device, existing_tensors(pl_module, [real_optimizer] if real_optimizer else [], batch))
+    peak += resident
+    phase_peaks = {p: phase_peaks[p] + resident for p in PHASES if p in phase_peaks}
     detail = (
         f"a fake step of {type(pl_module).__name__} on {device} (after a zero-gradient optimizer step) with {type(fake_optimizer).__name__}, "
         f"batch {source_shape} -> ({batch_size}, {seq_len})"
         + (f"; {'; '.join(notes)}" if notes else "")
         + f"; live storages counted by LiveTensorTracker{', 512-byte blocks' if block > 1 else ''}"
+        + (f"; plus {resident} bytes the allocator holds outside the step's tensors" if resident else "")
     )
     return DryRunResult(
         seq_len=seq_len,
@@ -855,6 +901,7 @@ def dry_run_step(
         phase_peak_bytes=phase_peaks,
         seconds=time.perf_counter() - started,
         detail=detail,
+        resident_bytes=resident,
     )
 
 

@@ -63,6 +63,18 @@ def unsupported_rungs(trainer: Any, pl_module: Any, rungs: tuple[str, ...]) -> t
     return [], ""
 
 
+def release_cached_memory(pl_module: Any) -> None:
+    """Give the CUDA caching allocator's unused blocks back after a rung or a shorter length.
+
+    Reserved memory is what the budget is judged by on CUDA; blocks cached by the longer or
+    unmitigated steps before would otherwise be counted against the new setting (they are never
+    needed again by it). A no-op off CUDA.
+    """
+    first = next(iter(pl_module.parameters()), None)
+    if first is not None and first.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
     """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the breakdown at the end)."""
     from torch.utils._pytree import tree_map
@@ -72,4 +84,5 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
     return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
-__all__ = ["cut_to_length", "length_setter", "longest_batch", "steps_optimizer", "unsupported_rungs"]
+__all__ = ["cut_to_length", "length_setter", "longest_batch", "release_cached_memory", "steps_optimizer",
+           "unsupported_rungs"]

@@ -306,12 +306,54 @@ class SeqMemPlanner:
                   for v in f.verifications if v.method == "dry_run"]
         return max([0.02] + misses)
 
+    def scratch_bytes(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> int:
+        """What the allocator counted beyond the dry run, grown to ``(seq_len, batch_size)``.
+
+        Only with allocator counters (``compare_reserved``): a dry run counts tensors, and the
+        tracker probe counts the same tensors (0 by construction), but CUDA kernels also take
+        scratch buffers of their own (eager attention's backward: one more ``[B, H, L, L]`` block
+        on CUDA than on the CPU). From this setting's fitted steps whose shape the dry run has
+        answered, the longest not longer than ``seq_len`` gives ``measured - dry``, scaled by
+        ``(L / L0)^2 * max(1, B / B0)`` (at most quadratic in L, linear in B); without one, the
+        shortest such step's, unscaled.
+
+        Example:
+            >>> from lightning_seqmem.records import StepMemory
+            >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, compare_reserved=True,
+            ...                   dry_run=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
+            >>> p.dry_peak(64, 2)[0]
+            409600
+            >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
+            >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
+            >>> p.end_batch()
+            >>> p.scratch_bytes(128, 2, ()), p.scratch_bytes(128, 4, ())   # 4096 B at 64 tokens, batch 2
+            (16384, 32768)
+        """
+        if not self.compare_reserved:
+            return 0
+        key = tuple(mitigations)
+        points = []
+        for r in self.records:
+            dry = self._dry.get((r.seq_len, r.batch_size, key))
+            if r.mitigations == key and not r.warmup and dry is not None:
+                points.append((r.seq_len, r.batch_size, max(0, r.peak_bytes - dry[0])))
+        if not points:
+            return 0
+        below = [p for p in points if p[0] <= seq_len]
+        if not below:
+            return max(p[2] for p in points if p[0] == min(q[0] for q in points))
+        length, rows, residual = max(below, key=lambda p: (p[0], p[2]))
+        return int(residual * (seq_len / length) ** 2 * max(1.0, batch_size / rows))
+
     def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
         answer = self.dry_peak(seq_len, batch_size, mitigations)
         if answer is None:
             return None
         peak, phases = answer
         key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        scratch = self.scratch_bytes(seq_len, batch_size, key)
+        if scratch:
+            peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
         upper = int(peak * (1 + self._dry_margin()))
         ratio = self.forecasters[key].reserved_ratio if key in self.forecasters else self.forecaster.reserved_ratio
         return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases,

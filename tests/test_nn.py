@@ -33,7 +33,7 @@ def _logits_and_grads(model: GPT, input_ids: torch.Tensor) -> tuple[torch.Tensor
     model.zero_grad(set_to_none=True)
     logits = model(input_ids)
     # A loss that touches every logit with distinct weights, so every gradient path is exercised.
-    weights = torch.linspace(-1.0, 1.0, logits.numel()).view_as(logits)
+    weights = torch.linspace(-1.0, 1.0, logits.numel(), device=logits.device).view_as(logits)
     (logits * weights).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return logits.detach(), grads

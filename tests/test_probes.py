@@ -14,7 +14,8 @@ from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import ActivationCheckpointing
 from lightning_seqmem.nn import GPT, GPTConfig
 from lightning_seqmem.offline import training_step_memory
-from lightning_seqmem.probes import CudaAllocatorProbe, LiveTensorTracker, TrackerProbe, make_probe
+from lightning_seqmem.dryrun import resident_bytes
+from lightning_seqmem.probes import CudaAllocatorProbe, LiveTensorTracker, TrackerProbe, existing_tensors, make_probe
 
 CPU = torch.device("cpu")
 VARIANTS = [("eager", False), ("eager", True), ("sdpa", False), ("sdpa", True)]
@@ -184,7 +185,11 @@ def test_cuda_probe_matches_torch_cuda_counters():
     assert abs(m.peak_bytes - reference) <= 0.01 * reference, (m.peak_bytes, reference)
     assert set(m.phase_peak_bytes) == {"forward", "backward", "optimizer"}
     assert m.reserved_bytes >= m.peak_bytes and m.fragmentation_bytes == m.reserved_bytes - m.peak_bytes
-    # the tracer saw the same tensors: its live-byte peak cannot exceed what the allocator held
+    # the tracer saw the same tensors: its live-byte peak cannot exceed what the allocator held,
+    # and what it misses is what the allocator holds outside them (cuBLAS workspaces) plus the
+    # kernels' own scratch buffers (SDPA here: none of size)
+    outside = resident_bytes(device, existing_tensors(model, [optimizer], x))
     tracked = TrackerProbe("cuda")
     traced = _step(model, optimizer, x, tracked)
-    assert 0.8 * m.peak_bytes <= traced.peak_bytes <= m.peak_bytes
+    assert traced.peak_bytes <= m.peak_bytes
+    assert m.peak_bytes - outside - traced.peak_bytes <= 0.05 * m.peak_bytes, (m.peak_bytes, outside, traced.peak_bytes)
