@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -70,6 +70,10 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
+class _Transient:
+    """A placeholder for a scratch allocation's slot (dead at once: nothing to watch)."""
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Exact live tensor bytes on one device type, by watching every storage an op creates.
 
@@ -102,6 +106,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self._finalizers: list[weakref.ref] = []
         self._active = True
         self.error: Optional[BaseException] = None  # a bookkeeping failure: the step ran, the count is void
+        # (op, args, out) -> bytes a kernel takes for itself while it runs (a dry run of CUDA, see
+        # dryrun.cuda_kernel_scratch_bytes); counted as allocated and freed right after the output
+        self.scratch: Optional[Callable[[Any, Any, Any], int]] = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _add(self, st: torch.UntypedStorage, op: str) -> None:
@@ -157,9 +164,27 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.error is None:
             try:
                 self._track_outputs(func, out, args, kwargs)
+                if self.scratch is not None:
+                    self._transient(self.scratch(func, args, out), func.name())
             except Exception as exc:  # noqa: BLE001 - the op's result must reach the model regardless
                 self.error = exc
         return out
+
+    def _transient(self, nbytes: int, op: str) -> None:
+        """An allocation of ``nbytes`` freed at once (a kernel's own scratch, beside its output)."""
+        if nbytes <= 0:
+            return
+        index = len(self._finalizers)
+        self._finalizers.append(weakref.ref(_Transient()))  # keeps indices aligned with events
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.phase is not None:
+            self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes[self.phase], self.live_bytes)
+        self.live_bytes -= nbytes
+        if self.events is not None:
+            self.events.sizes.append(nbytes)
+            self.events.ops.append(f"{op} (scratch)")
+            self.events.sequence.extend((index, ~index))
 
     def _track_outputs(self, func, out, args, kwargs) -> None:
         inputs: Optional[set[int]] = None
@@ -222,6 +247,7 @@ class TrackerProbe(MemoryProbe):
     def __init__(self, device_type: str = "cpu") -> None:
         self.device_type = device_type
         self._tracker: Optional[LiveTensorTracker] = None
+        self.scratch: Optional[Callable[[Any, Any, Any], int]] = None  # see LiveTensorTracker.scratch
 
     @property
     def running(self) -> bool:
@@ -230,6 +256,7 @@ class TrackerProbe(MemoryProbe):
     def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
         self.abort()
         tracker = LiveTensorTracker(self.device_type, record_events=record_events)
+        tracker.scratch = self.scratch
         tracker.track_existing(existing)
         self._start_bytes = tracker.live_bytes
         tracker.__enter__()
