@@ -187,6 +187,26 @@ class MemoryForecaster:
         """Largest measured / forecast − 1 over this method's under-predictions (0 if none)."""
         return max([0.0] + [v.measured_bytes / max(v.forecast_bytes, 1) - 1 for v in self.verifications if v.method == method])
 
+    def _allocator_residual(self, timeline: TimelineModel, seq_len: int, batch_size: int) -> int:
+        """Allocator counters only (traces in 512-byte blocks): what the allocator's peak held beyond
+        the replayed tensors, ``a + c·L²·max(1, B/B0)`` through the shortest trace and the longest
+        one not longer than ``seq_len`` (workspaces are the constant, kernel scratch the growing
+        part; a residual growing slower than L² is over-predicted, never under). 0 for the tracker
+        probe, whose replay is exact.
+        """
+        if timeline.block_bytes <= 1:
+            return 0
+        points = sorted((t.seq_len, t.batch_size, max(0, t.measured_peak_bytes - timeline.predict(t.seq_len, t.batch_size).peak_bytes))
+                        for t in self.traces if t.measured_peak_bytes is not None)  # fmt: skip
+        if not points:
+            return 0
+        (l1, _, r1), (l2, b2, r2) = points[0], max([p for p in points if p[0] <= seq_len] or points[:1])
+        c = (r2 - r1) / (l2 * l2 - l1 * l1) if l2 > l1 else 0.0
+        a = r1 - c * l1 * l1
+        if a < 0 or c < 0:  # not of that shape: the larger residual, as a constant or grown from where it was seen
+            a, c = (max(r1, r2), 0.0) if c < 0 else (0.0, r2 / (l2 * l2))
+        return int(a + c * seq_len * seq_len * max(1.0, batch_size / b2))
+
     def forecast(self, seq_len: int, batch_size: int, method: Optional[str] = None) -> Forecast:
         """Predict the step peak; replay when it applies, else the quadratic fit (or ``method``)."""
         if method is not None and method not in METHODS:
@@ -194,9 +214,13 @@ class MemoryForecaster:
         timeline, quadratic = self.timeline, self.quadratic
         if timeline is not None and method in (None, "replay"):
             fc = timeline.predict(seq_len, batch_size)
-            upper = int(fc.peak_bytes * (1 + max(self.replay_margin, self._miss_ratio("replay"))))
+            extra = self._allocator_residual(timeline, seq_len, batch_size)
+            peak, phases = fc.peak_bytes + extra, {p: v + extra for p, v in fc.phase_peak_bytes.items()}
+            upper = int(peak * (1 + max(self.replay_margin, self._miss_ratio("replay"))))
             detail = f"replay of steps traced at seq_len {list(timeline.seq_lens)}; " + "; ".join(timeline.notes)
-            return self._make(seq_len, batch_size, fc.peak_bytes, upper, "replay", fc.phase_peak_bytes, detail)
+            if extra:
+                detail += f"; plus {extra} bytes the allocator counted beyond the traced tensors"
+            return self._make(seq_len, batch_size, peak, upper, "replay", phases, detail)
         if quadratic is not None and method in (None, "quadratic"):
             fc = quadratic.predict(seq_len, batch_size)
             detail = "quadratic fit of measured peaks"

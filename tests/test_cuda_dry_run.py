@@ -98,3 +98,41 @@ def test_dry_run_matches_the_allocator(attention):
     training_step_memory(real, opt, batch, _loss)
     measured = training_step_memory(real, opt, batch, _loss, make_probe("cuda", torch.device("cuda")))
     assert abs(dry.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (dry.peak_bytes, measured.peak_bytes)
+
+
+def test_replay_adds_what_the_allocator_counted_beyond_the_traced_tensors():
+    """Traces made on the CPU and labelled as allocator traces (512-byte blocks) with a measured peak
+    above the replay by ``a + c·L²``, as workspaces plus a kernel's scratch make it on CUDA."""
+    from lightning_seqmem.forecast import MemoryForecaster
+    from lightning_seqmem.probes import TrackerProbe
+    from lightning_seqmem.timeline import Trace
+
+    w = torch.randn(16, 16, requires_grad=True)
+    workspaces, scratch_per_token2 = 65 * 2**20, 64  # bytes; bytes per L²
+
+    def traced(seq_len, block):
+        probe = TrackerProbe("cpu")
+        x = torch.randn(2, seq_len, 16)
+        probe.start_step([w, x], record_events=True)
+        probe.mark_phase("forward")
+        loss = ((x @ w) @ x.transpose(1, 2)).softmax(-1).sum()
+        probe.mark_phase("backward")
+        loss.backward()
+        w.grad = None
+        m = probe.end_step()
+        return Trace(seq_len, 2, m.events, block_bytes=block)
+
+    exact = lambda L: workspaces + scratch_per_token2 * L * L  # noqa: E731
+    cuda_like = MemoryForecaster()
+    cpu = MemoryForecaster()
+    for L in (32, 64, 128):
+        cpu.add_trace(traced(L, 1))
+        cuda_like.add_trace(traced(L, 512))
+    for t in cuda_like.traces:  # measured = replayed tensors + what the allocator adds
+        t.measured_peak_bytes = cuda_like.timeline.predict(t.seq_len, 2).peak_bytes + exact(t.seq_len)
+    for t in cpu.traces:
+        t.measured_peak_bytes = cpu.timeline.predict(t.seq_len, 2).peak_bytes
+    base = cuda_like.timeline.predict(512, 2).peak_bytes
+    got = cuda_like.forecast(512, 2).peak_bytes - base
+    assert abs(got - exact(512)) <= 2, (got, exact(512))  # a + c·L² is recovered at 4x the longest trace
+    assert cpu.forecast(512, 2).peak_bytes == cpu.timeline.predict(512, 2).peak_bytes  # the tracker: nothing added
