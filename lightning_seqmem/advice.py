@@ -150,9 +150,18 @@ def output_failed(what: str, error: str) -> Advice:
 
 
 def curriculum_not_applied(asked: int, ran: int) -> Advice:
+    """A batch ran at another length than the curriculum's: said once per asked length; the stage holds.
+
+    >>> curriculum_not_applied(128, 96).text.split("; ")[1]
+    'the record says 96, the length that ran'
+    """
+    why = ("the data is shorter than the stage" if ran < asked else
+           "the batch could not be cut (a bare tensor or a tuple without a `set_seq_len` on the dataset)")
     return Advice("curriculum_not_applied", f"curriculum-{asked}",
                   f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
-                  f"tokens; the record says {ran}, the length that ran.", UserWarning)
+                  f"tokens ({why}); the record says {ran}, the length that ran; the curriculum holds: a stage "
+                  "counts only steps that ran at its length, so it does not advance while batches do not reach "
+                  "it.", UserWarning)
 
 
 def dry_run_unavailable(reason: str) -> Advice:

@@ -416,15 +416,17 @@ class SeqMemCallback(Callback):
 
     @_guarded
     def _record(self, trainer: pl.Trainer, pending: Optional[PendingStep], row: Any, memory: Any) -> None:
-        self.planner.end_batch()
+        ran = self._shape[1] if self._shape else None  # this rank's batch as it ran
+        held = self.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
+        self.planner.end_batch(at_stage_length=not held)
+        if held:
+            self.planner.advise(A.curriculum_not_applied(pending.seq_len, ran))
         if pending is None or row is None:
             return
         rank, reduced, seq_len, batch_size = row
         trace = (self._shape[1], self._shape[0], memory) if memory is not None and self._shape else None
         record = self.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
                                       rank=rank if trainer.world_size > 1 else None)
-        if self.curriculum is not None and record.seq_len != pending.seq_len:
-            self.planner.advise(A.curriculum_not_applied(pending.seq_len, record.seq_len))
         try:
             metrics = self.planner.metrics(record)
         except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging

@@ -628,10 +628,12 @@ class SeqMemPlanner:
         return PendingStep(self.step, global_step, epoch, seq_len, batch_size, warmup, measure, traced,
                            self.stage if self.stages else None, self.applied_mitigations, events)
 
-    def end_batch(self) -> None:
-        """A batch finished (measured or not)."""
+    def end_batch(self, at_stage_length: bool = True) -> None:
+        """A batch finished (measured or not). Only a batch that ran at the length it was cut to
+        (``at_stage_length``) counts towards the stage's ``steps_per_stage``: where the data is
+        shorter than the stage, or the batch could not be cut, the curriculum holds."""
         self.step += 1
-        self.stage_steps += 1
+        self.stage_steps += 1 if at_stage_length else 0
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
