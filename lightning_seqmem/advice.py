@@ -32,6 +32,7 @@ KINDS = {
     "failure": "internal failure: the callback stopped measuring",
     "output_failed": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
     "curriculum_not_applied": "the batch could not be cut to the curriculum's length",
+    "compiled_module": "the module is torch.compile'd: which steps are measured and which program forecasts describe",
 }
 """Every kind of advice, with what it means (the report groups warnings by kind)."""
 
@@ -164,6 +165,42 @@ def curriculum_not_applied(asked: int, ran: int) -> Advice:
                   "it.", UserWarning)
 
 
+def program_note(compiled: Optional[str], probe: str) -> str:
+    """Which program the measurements and forecasts describe; empty for a module not compiled.
+
+    >>> program_note(None, "tracker"), program_note("the module is compiled", "cuda")
+    ('', 'of the compiled program (allocator counters; the module is compiled)')
+    >>> program_note("the module is compiled", "tracker")
+    'of the eager program, not the compiled one (the tracker runs its steps eager; the module is compiled)'
+    """
+    if not compiled:
+        return ""
+    if probe == "cuda":
+        return f"of the compiled program (allocator counters; {compiled})"
+    return f"of the eager program, not the compiled one (the tracker runs its steps eager; {compiled})"
+
+
+def compiled_module(reason: str, probe: str, every_n_steps: int) -> Advice:
+    """Said once at the start of a run whose module is compiled: what is measured, and of which program.
+
+    >>> compiled_module("x", "tracker", 10).text.split(". ")[1][:60]
+    'The live-tensor tracker is a TorchDispatchMode, and torch.co'
+    """
+    if probe == "cuda":
+        text = (f"seqmem: {reason}. Steps are measured by the CUDA allocator's counters, which leave compilation "
+                "alone, so measurements and forecasts are of the compiled program; no step is traced for the "
+                "timeline replay (its dispatch mode would run that step eager), so forecasts come from the quadratic "
+                "fit of the measured steps.")
+    else:
+        text = (f"seqmem: {reason}. The live-tensor tracker is a TorchDispatchMode, and torch.compile runs a step "
+                "eager while one is active, so the tracker is on only for warm-up steps, the first steps at each "
+                f"new length, batch size or setting, and one step in {every_n_steps} (measure_every_n_steps raised "
+                f"to {every_n_steps}): those steps run eager, every other step runs compiled. Measurements and "
+                "forecasts are of the eager program, not the compiled one; to measure the compiled program, "
+                "train on CUDA (allocator counters).")
+    return Advice("compiled_module", "compiled-module", text, UserWarning)
+
+
 def dry_run_unavailable(reason: str) -> Advice:
     return Advice("dry_run_unavailable", "dry-run-unavailable",
                   f"seqmem: the dry run cannot simulate this training step ({reason}); forecasts come from the "
@@ -189,7 +226,8 @@ def kind_of_key(key: str) -> str:
                 ("budget-first-step", "first_step_over_budget"), ("mitigation-failed-", "mitigation_failed"),
                 ("mitigations-dropped", "mitigation_dropped"), ("attention-still-quadratic", "attention_still_quadratic"),
                 ("precision", "precision"), ("diagnosis-", "diagnosis"), ("failure", "failure"),
-                ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"))
+                ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"),
+                ("compiled-module", "compiled_module"))
     return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
 
 

@@ -91,3 +91,32 @@ def test_dataset_length_setter_without_workers_still_drives_the_curriculum():
     _fit(cb, TupleGPT(n_layer=1, d_model=32, n_head=2), DataLoader(TupleTokens(), batch_size=4, collate_fn=tuple_collate),
          max_steps=8)
     assert 32 in [r.seq_len for r in cb.records]  # the setter reached the data (a batch or two late)
+
+
+# -- 1. torch.compile inside the module ------------------------------------------------------------
+class CompiledGPT(LitGPT):
+    """``self.model = torch.compile(self.model)`` in ``configure_model`` (the "eager" backend: dynamo's
+    graph capture, the part a dispatch mode turns off, without a C++ build)."""
+
+    def configure_model(self):
+        if not hasattr(self.model, "_orig_mod"):
+            self.model = torch.compile(self.model, backend="eager")
+
+
+def test_a_compiled_module_still_compiles_on_cpu_with_the_tracker_and_forecasts_say_eager():
+    """The old code kept the tracker's dispatch mode on at every step: torch.compile fell back to eager
+    on all of them (0 graphs), silently. Now most steps run compiled, one warning says which run eager,
+    and forecasts say they are of the eager program."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=32, steps_per_stage=4))
+    said = _fit(cb, CompiledGPT(n_layer=1, d_model=32, n_head=2),
+                SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=64), max_steps=8)
+    assert counters["stats"]["unique_graphs"] >= 1  # compiled steps ran
+    assert len(cb.records) < 8  # measured (eager) steps only: warm-ups and the first steps at each length
+    assert sorted({r.seq_len for r in cb.records if not r.warmup}) == [16, 32]
+    compiled = [m for m in said if "torch.compile" in m and "tracker is on only for" in m]
+    assert len(compiled) == 1 and "'model'" in compiled[0]
+    assert "eager program" in cb.forecast(64, 2).detail
