@@ -69,7 +69,7 @@ def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: 
 
 def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, method: str, usable: int, budget: int,
                       margin: float, fit: int, applied: Sequence[str], rungs: Sequence[str] = (),
-                      measured: bool = False, still_over: bool = False) -> Advice:
+                      measured: bool = False, still_over: bool = False, inapplicable: Sequence[str] = ()) -> Advice:
     """Without a curriculum: a batch of the data's own length does not fit."""
     what = (f"already peaked at {format_bytes(peak)}" if measured else
             f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
@@ -84,7 +84,8 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
     fits = f"the largest length forecast to fit is {fit}" if fit > 0 else "no length is forecast to fit"
     return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}",
                   f"{head}; {fits}, and no mitigation is left to switch on. Cap the padded length of your "
-                  f"collate function, lower the batch size, or {remaining_advice(applied)}.", PredictedOOMWarning)
+                  f"collate function, lower the batch size, or {remaining_advice(applied, inapplicable)}.",
+                  PredictedOOMWarning)
 
 
 def first_step_over_budget(start: int, peak: int, usable: int, budget: int, margin: float) -> Advice:
@@ -131,12 +132,28 @@ def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice
                   "not support.", PredictedOOMWarning)
 
 
-def precision(target: int, share: float, peak: int, saved: float) -> Advice:
+def precision(target: int, batch_size: int, fp32_peak: int, bf16_peak: int) -> Advice:
+    """bf16-mixed advice, given only where a dry run of this step with bf16 autocast lowers the peak.
+
+    >>> precision(512, 2, 6_000_000, 5_000_000).text[:60]
+    'seqmem: this run is in 32-bit precision; a dry run of its st'
+    """
     return Advice("precision", "precision",
-                  f"seqmem: this run is in 32-bit precision and at the target length {target} the attention scores "
-                  f"are forecast to be {share:.0%} of the {format_bytes(peak)} peak. Precision cannot change "
-                  f"mid-run: restart with Trainer(precision='bf16-mixed') to roughly halve activations (about "
-                  f"{format_bytes(saved)} saved on the scores alone).", UserWarning)
+                  f"seqmem: this run is in 32-bit precision; a dry run of its step at seq_len={target} (batch "
+                  f"{batch_size}) with bf16 autocast peaks at {format_bytes(bf16_peak)} instead of "
+                  f"{format_bytes(fp32_peak)} ({bf16_peak / max(fp32_peak, 1) - 1:+.0%}). Precision cannot change "
+                  "mid-run: restart with Trainer(precision='bf16-mixed') to lower the peak.", UserWarning)
+
+
+def nothing_fits(applied: Sequence[str], batch_size: int, inapplicable: Sequence[str] = ()) -> str:
+    """Words for a largest fitting length of 0: nothing fits, and what would.
+
+    >>> nothing_fits(("attention",), 4)[:74]
+    "nothing fits at any length with the current setting (mitigations ['attenti"
+    """
+    return (f"nothing fits at any length with the current setting (mitigations {list(applied)}, batch "
+            f"{batch_size}); what would: a larger `memory_budget`, a smaller batch, or "
+            f"{remaining_advice(applied, inapplicable)}")
 
 
 def failure(where: str, error: str) -> Advice:

@@ -371,6 +371,7 @@ class SeqMemCallback(Callback):
         key = (self.planner.applied_mitigations, left, shape[0])
         if key not in self._applicable_cache:
             self._applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
+            self.planner.not_applicable = {k: why for k, (ok, why) in self._applicable_cache[key].items() if not ok}
         return self._applicable_cache[key]
 
     def _switch_on(self, trainer, pl_module, batch: Any, name: str, shape: tuple[int, int]) -> bool:
@@ -481,10 +482,22 @@ class SeqMemCallback(Callback):
         JSON / Markdown report next to the logs."""
         if not trainer.is_global_zero or not self.records:
             return
+        if not self._failed:
+            self._safely("the precision advice", lambda: self._advice_at_end(trainer))
         if self.breakdown and not self._failed:
             self._safely("the memory breakdown", lambda: self.run_breakdown(trainer, pl_module))
         self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))
         self._safely("the report", lambda: self.write_report(trainer))
+
+    def _advice_at_end(self, trainer: pl.Trainer) -> None:
+        """Advice from the forecast as it stands now (:mod:`.advice_now`): bf16 only where a dry run
+        says it lowers the peak."""
+        from .advice_now import precision_advice
+
+        item = precision_advice(self._dry, self.planner, str(trainer.precision), self._device)
+        if item is not None:
+            self.planner.advise(item)
+        self._warn_advice()
 
     def run_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Trace the memory breakdown now (see :func:`lightning_seqmem.breakdown_steps.run_breakdown`);

@@ -120,3 +120,36 @@ def test_a_compiled_module_still_compiles_on_cpu_with_the_tracker_and_forecasts_
     compiled = [m for m in said if "torch.compile" in m and "tracker is on only for" in m]
     assert len(compiled) == 1 and "'model'" in compiled[0]
     assert "eager program" in cb.forecast(64, 2).detail
+
+
+# -- 2. advice that applies ------------------------------------------------------------------------
+def test_bf16_is_not_advised_where_a_bf16_dry_run_raises_the_peak():
+    """Eager attention, d=64, 2 layers, fp32, target 512: bf16 autocast raises this step's peak (the
+    dry run says +5%). The old code advised bf16 from the first quadratic fit's L² share."""
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=128, target=512, steps_per_stage=2))
+    said = _fit(cb, _gpt(n_layer=2, d_model=64, n_head=4, attention="eager"),
+                SyntheticTokenDataModule(batch_size=2, seq_len=512, num_samples=64), max_steps=6)
+    assert [r.seq_len for r in cb.records][-1] == 512
+    assert not [m for m in said if "bf16" in m] and "precision" not in cb.planner.warned
+
+
+def test_bf16_is_advised_with_the_dry_run_numbers_where_it_lowers_the_peak():
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
+    said = _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64),
+                max_steps=6)
+    bf16 = [m for m in said if "bf16" in m]
+    assert len(bf16) == 1 and "seq_len=256" in bf16[0] and "dry run" in bf16[0] and "-" in bf16[0].split("(")[-1]
+
+
+def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_of_zero():
+    """An SDPA model with a budget nothing fits in: the old code advised "switch attention to SDPA"
+    and its report said the largest length that fits is 0 tokens."""
+    cb = SeqMemCallback(warmup_steps=1, memory_budget="64KiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    said = _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=64),
+                max_steps=4)
+    assert said and not [m for m in said if "SDPA" in m or "sdpa" in m.lower().replace("already on sdpa", "")]
+    from lightning_seqmem.report import build_report, render_markdown
+
+    markdown = render_markdown(build_report(cb.planner))
+    row = next(line for line in markdown.splitlines() if line.startswith("| largest length that fits"))
+    assert "nothing fits at any length" in row and "0 tokens" not in row and "SDPA" not in row
