@@ -146,7 +146,7 @@ def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_
     and its report said the largest length that fits is 0 tokens."""
     cb = SeqMemCallback(warmup_steps=1, memory_budget="64KiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
     said = _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=64),
-                max_steps=4)
+                max_steps=2)
     assert said and not [m for m in said if "SDPA" in m or "sdpa" in m.lower().replace("already on sdpa", "")]
     from lightning_seqmem.report import build_report, render_markdown
 
