@@ -32,6 +32,7 @@ KINDS = {
     "failure": "internal failure: the callback stopped measuring",
     "output_failed": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
     "curriculum_not_applied": "the batch could not be cut to the curriculum's length",
+    "compiled_module": "the module is torch.compile'd: which steps are measured and which program forecasts describe",
 }
 """Every kind of advice, with what it means (the report groups warnings by kind)."""
 
@@ -75,7 +76,7 @@ def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: 
 
 def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, method: str, usable: int, budget: int,
                       margin: float, fit: int, applied: Sequence[str], rungs: Sequence[str] = (),
-                      measured: bool = False, still_over: bool = False) -> Advice:
+                      measured: bool = False, still_over: bool = False, inapplicable: Sequence[str] = ()) -> Advice:
     """Without a curriculum: a batch of the data's own length does not fit."""
     what = (f"already peaked at {_measured(peak, bound)}" if measured else
             f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
@@ -90,7 +91,8 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
     fits = f"the largest length forecast to fit is {fit}" if fit > 0 else "no length is forecast to fit"
     return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}",
                   f"{head}; {fits}, and no mitigation is left to switch on. Cap the padded length of your "
-                  f"collate function, lower the batch size, or {remaining_advice(applied)}.", PredictedOOMWarning)
+                  f"collate function, lower the batch size, or {remaining_advice(applied, inapplicable)}.",
+                  PredictedOOMWarning)
 
 
 def first_step_over_budget(start: int, peak: int, usable: int, budget: int, margin: float) -> Advice:
@@ -137,12 +139,28 @@ def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice
                   "not support.", PredictedOOMWarning)
 
 
-def precision(target: int, share: float, peak: int, saved: float) -> Advice:
+def precision(target: int, batch_size: int, fp32_peak: int, bf16_peak: int) -> Advice:
+    """bf16-mixed advice, given only where a dry run of this step with bf16 autocast lowers the peak.
+
+    >>> precision(512, 2, 6_000_000, 5_000_000).text[:60]
+    'seqmem: this run is in 32-bit precision; a dry run of its st'
+    """
     return Advice("precision", "precision",
-                  f"seqmem: this run is in 32-bit precision and at the target length {target} the attention scores "
-                  f"are forecast to be {share:.0%} of the {format_bytes(peak)} peak. Precision cannot change "
-                  f"mid-run: restart with Trainer(precision='bf16-mixed') to roughly halve activations (about "
-                  f"{format_bytes(saved)} saved on the scores alone).", UserWarning)
+                  f"seqmem: this run is in 32-bit precision; a dry run of its step at seq_len={target} (batch "
+                  f"{batch_size}) with bf16 autocast peaks at {format_bytes(bf16_peak)} instead of "
+                  f"{format_bytes(fp32_peak)} ({bf16_peak / max(fp32_peak, 1) - 1:+.0%}). Precision cannot change "
+                  "mid-run: restart with Trainer(precision='bf16-mixed') to lower the peak.", UserWarning)
+
+
+def nothing_fits(applied: Sequence[str], batch_size: int, inapplicable: Sequence[str] = ()) -> str:
+    """Words for a largest fitting length of 0: nothing fits, and what would.
+
+    >>> nothing_fits(("attention",), 4)[:74]
+    "nothing fits at any length with the current setting (mitigations ['attenti"
+    """
+    return (f"nothing fits at any length with the current setting (mitigations {list(applied)}, batch "
+            f"{batch_size}); what would: a larger `memory_budget`, a smaller batch, or "
+            f"{remaining_advice(applied, inapplicable)}")
 
 
 def failure(where: str, error: str) -> Advice:
@@ -157,9 +175,54 @@ def output_failed(what: str, error: str) -> Advice:
 
 
 def curriculum_not_applied(asked: int, ran: int) -> Advice:
+    """A batch ran at another length than the curriculum's: said once per asked length; the stage holds.
+
+    >>> curriculum_not_applied(128, 96).text.split("; ")[1]
+    'the record says 96, the length that ran'
+    """
+    why = ("the data is shorter than the stage" if ran < asked else
+           "the batch could not be cut (a bare tensor or a tuple without a `set_seq_len` on the dataset)")
     return Advice("curriculum_not_applied", f"curriculum-{asked}",
                   f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
-                  f"tokens; the record says {ran}, the length that ran.", UserWarning)
+                  f"tokens ({why}); the record says {ran}, the length that ran; the curriculum holds: a stage "
+                  "counts only steps that ran at its length, so it does not advance while batches do not reach "
+                  "it.", UserWarning)
+
+
+def program_note(compiled: Optional[str], probe: str) -> str:
+    """Which program the measurements and forecasts describe; empty for a module not compiled.
+
+    >>> program_note(None, "tracker"), program_note("the module is compiled", "cuda")
+    ('', 'of the compiled program (allocator counters; the module is compiled)')
+    >>> program_note("the module is compiled", "tracker")
+    'of the eager program, not the compiled one (the tracker runs its steps eager; the module is compiled)'
+    """
+    if not compiled:
+        return ""
+    if probe == "cuda":
+        return f"of the compiled program (allocator counters; {compiled})"
+    return f"of the eager program, not the compiled one (the tracker runs its steps eager; {compiled})"
+
+
+def compiled_module(reason: str, probe: str, every_n_steps: int) -> Advice:
+    """Said once at the start of a run whose module is compiled: what is measured, and of which program.
+
+    >>> compiled_module("x", "tracker", 10).text.split(". ")[1][:60]
+    'The live-tensor tracker is a TorchDispatchMode, and torch.co'
+    """
+    if probe == "cuda":
+        text = (f"seqmem: {reason}. Steps are measured by the CUDA allocator's counters, which leave compilation "
+                "alone, so measurements and forecasts are of the compiled program; no step is traced for the "
+                "timeline replay (its dispatch mode would run that step eager), so forecasts come from the quadratic "
+                "fit of the measured steps.")
+    else:
+        text = (f"seqmem: {reason}. The live-tensor tracker is a TorchDispatchMode, and torch.compile runs a step "
+                "eager while one is active, so the tracker is on only for warm-up steps, the first steps at each "
+                f"new length, batch size or setting, and one step in {every_n_steps} (measure_every_n_steps raised "
+                f"to {every_n_steps}): those steps run eager, every other step runs compiled. Measurements and "
+                "forecasts are of the eager program, not the compiled one; to measure the compiled program, "
+                "train on CUDA (allocator counters).")
+    return Advice("compiled_module", "compiled-module", text, UserWarning)
 
 
 def dry_run_unavailable(reason: str) -> Advice:
@@ -187,7 +250,8 @@ def kind_of_key(key: str) -> str:
                 ("budget-first-step", "first_step_over_budget"), ("mitigation-failed-", "mitigation_failed"),
                 ("mitigations-dropped", "mitigation_dropped"), ("attention-still-quadratic", "attention_still_quadratic"),
                 ("precision", "precision"), ("diagnosis-", "diagnosis"), ("failure", "failure"),
-                ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"))
+                ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"),
+                ("compiled-module", "compiled_module"))
     return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
 
 

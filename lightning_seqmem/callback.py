@@ -7,6 +7,7 @@ torch-free :class:`~lightning_seqmem.planner.SeqMemPlanner`'s; everything writte
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,6 +31,9 @@ from .records import SeqMemFailureWarning, StepRecord
 from .units import parse_bytes
 
 SeqLenFn = Callable[[Any], "tuple[int, int]"]
+COMPILED_MEASURE_EVERY_N_STEPS = 10
+"""With a ``torch.compile``'d module and the tracker, at most one step in this many (besides warm-ups
+and the first steps at a new shape) is measured: a measured step runs eager."""
 
 
 def _guarded(hook: Callable) -> Callable:
@@ -60,6 +64,23 @@ class SeqMemCallback(Callback):
     a batch judged over switches the next mitigation on first, and with nothing left to switch on
     the curriculum is capped with one :class:`PredictedOOMWarning`. Under DDP the decision is
     taken once, on rank zero, from every rank's shape, and applied on all ranks at the same step.
+
+    A ``torch.compile``'d module (compiled in ``__init__`` or ``configure_model``) keeps compiling,
+    and one warning says what is measured. On CUDA the allocator counters leave compilation alone:
+    measurements and forecasts are of the compiled program, and no step is traced for the replay (a
+    traced step would run eager). The live-tensor tracker (CPU) is a ``TorchDispatchMode``, under
+    which ``torch.compile`` cannot run: a tracked step runs eager (``torch.compiler.set_stance(
+    "force_eager")``, so dynamo does not give up on the code), and with a compiled module only
+    warm-ups, the first steps at a new shape and one step in ``max(measure_every_n_steps, 10)`` are
+    tracked; every other step runs compiled. Those measurements and forecasts are of the eager
+    program, and say so (:meth:`forecast`'s ``detail``, the report's probe line). The dry run
+    refuses compiled modules (one warning); the fit of measured steps answers instead.
+
+    A curriculum stage counts only the steps that ran at its length: where the data is shorter
+    than the stage, or a batch cannot be cut, the record says the length that ran, one warning says
+    so, and the curriculum holds instead of advancing. A batch that only the dataset can shorten
+    (a tuple or a bare tensor, through ``set_seq_len``) with ``DataLoader(num_workers > 0)`` is
+    refused before the first step: the workers' copies of the dataset would never see the length.
 
     Args:
         warmup_steps: batches measured but not fitted at the start (≥ 1: the first step has no
@@ -193,6 +214,7 @@ class SeqMemCallback(Callback):
         self.breakdown_report: Optional[dict[str, Any]] = None
         self._breakdown_batch: Optional[tuple[int, Any]] = None
         self._dry: Any = None  # dryrun.TrainingRunDryRun on rank zero, with dry_run=True
+        self._compiled: Optional[str] = None  # why the module counts as torch.compile'd, or None
 
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
@@ -217,7 +239,9 @@ class SeqMemCallback(Callback):
         """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``
         (defaults: the last measured batch size, the mitigations on now); see
         :meth:`SeqMemPlanner.forecast <lightning_seqmem.planner.SeqMemPlanner.forecast>`."""
-        return self.planner.forecast(seq_len, batch_size, mitigations)
+        fc = self.planner.forecast(seq_len, batch_size, mitigations)
+        note = A.program_note(self._compiled, self._probe.name if self._probe is not None else self.probe_name)
+        return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
     def max_seq_len(self, budget_bytes: Optional[int | str] = None, batch_size: Optional[int] = None) -> int:
         """Largest sequence length whose forecast bound fits ``budget_bytes`` (default: the usable
@@ -248,8 +272,23 @@ class SeqMemCallback(Callback):
         self.planner.drop_mitigations(*edge.unsupported_rungs(trainer, pl_module, self.planner.mitigations))
         self._warn_advice()
 
+    def _check_compiled(self, pl_module: pl.LightningModule) -> None:
+        """A ``torch.compile``'d module: measure without preventing compilation, and say so once
+        (see the class docstring). Runs after ``configure_model``, where modules are often compiled."""
+        from .dryrun import _compiled_reason
+
+        self.planner.measure_every_n_steps = self.measure_every_n_steps
+        self._compiled = _compiled_reason(pl_module)
+        if self._compiled is None or self._probe is None:
+            return
+        if self._probe.name == "tracker":
+            self.planner.measure_every_n_steps = max(self.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS)
+        self.planner.advise(A.compiled_module(self._compiled, self._probe.name, self.planner.measure_every_n_steps))
+        self._warn_advice()
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the TensorBoard panel layout; after a resume, switch the mitigations on again."""
+        self._check_compiled(pl_module)
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
@@ -334,6 +373,7 @@ class SeqMemCallback(Callback):
         key = (self.planner.applied_mitigations, left, shape[0])
         if key not in self._applicable_cache:
             self._applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
+            self.planner.not_applicable = {k: why for k, (ok, why) in self._applicable_cache[key].items() if not ok}
         return self._applicable_cache[key]
 
     def _switch_on(self, trainer, pl_module, batch: Any, name: str, shape: tuple[int, int]) -> bool:
@@ -368,6 +408,8 @@ class SeqMemCallback(Callback):
                                                 trainer.global_step, trainer.current_epoch)
         if "microbatch" in self.planner.applied_mitigations and micro_batching_check_pending(pl_module):
             self._pending.warmup, self._pending.traced = True, False  # the loss check's forwards add to this peak
+        if self._compiled is not None and self._probe is not None and self._probe.name == "cuda":
+            self._pending.traced = False  # a traced step runs a dispatch mode, hence eager: keep it compiled
         if self._pending.measure:
             assert self._probe is not None, "setup() was not called"
             self._probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=self._pending.traced)
@@ -418,15 +460,17 @@ class SeqMemCallback(Callback):
 
     @_guarded
     def _record(self, trainer: pl.Trainer, pending: Optional[PendingStep], row: Any, memory: Any) -> None:
-        self.planner.end_batch()
+        ran = self._shape[1] if self._shape else None  # this rank's batch as it ran
+        held = self.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
+        self.planner.end_batch(at_stage_length=not held)
+        if held:
+            self.planner.advise(A.curriculum_not_applied(pending.seq_len, ran))
         if pending is None or row is None:
             return
         rank, reduced, seq_len, batch_size = row
         trace = (self._shape[1], self._shape[0], memory) if memory is not None and self._shape else None
         record = self.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
                                       rank=rank if trainer.world_size > 1 else None)
-        if self.curriculum is not None and record.seq_len != pending.seq_len:
-            self.planner.advise(A.curriculum_not_applied(pending.seq_len, record.seq_len))
         try:
             metrics = self.planner.metrics(record)
         except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
@@ -440,10 +484,22 @@ class SeqMemCallback(Callback):
         JSON / Markdown report next to the logs."""
         if not trainer.is_global_zero or not self.records:
             return
+        if not self._failed:
+            self._safely("the precision advice", lambda: self._advice_at_end(trainer))
         if self.breakdown and not self._failed:
             self._safely("the memory breakdown", lambda: self.run_breakdown(trainer, pl_module))
         self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))
         self._safely("the report", lambda: self.write_report(trainer))
+
+    def _advice_at_end(self, trainer: pl.Trainer) -> None:
+        """Advice from the forecast as it stands now (:mod:`.advice_now`): bf16 only where a dry run
+        says it lowers the peak."""
+        from .advice_now import precision_advice
+
+        item = precision_advice(self._dry, self.planner, str(trainer.precision), self._device)
+        if item is not None:
+            self.planner.advise(item)
+        self._warn_advice()
 
     def run_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Trace the memory breakdown now (see :func:`lightning_seqmem.breakdown_steps.run_breakdown`);
@@ -464,6 +520,8 @@ class SeqMemCallback(Callback):
         ``directory`` defaults to the logger's ``log_dir`` (``default_root_dir`` without a logger).
         """
         probe = self._probe.name if self._probe is not None else self.probe_name
+        note = A.program_note(self._compiled, probe)
+        probe = f"{probe}: measurements and forecasts {note}" if note else probe
         return outputs.write_report(self.planner, trainer, directory, device=self._device, probe=probe,
                                     breakdown=self.breakdown_report)
 

@@ -32,10 +32,44 @@ def length_setter(trainer: Any) -> Optional[Callable[[int], None]]:
     return None
 
 
+def train_loader_workers(trainer: Any) -> int:
+    """The most worker processes of the trainer's train dataloader(s) (0: loaded in this process).
+
+    >>> from types import SimpleNamespace as NS
+    >>> train_loader_workers(NS(train_dataloader=NS(num_workers=2))), train_loader_workers(NS(train_dataloader=None))
+    (2, 0)
+    """
+    loader = getattr(trainer, "train_dataloader", None)
+    loaders = list(loader.values()) if isinstance(loader, dict) else list(loader) if isinstance(loader, (list, tuple)) else [loader]
+    return max([int(getattr(x, "num_workers", 0) or 0) for x in loaders] + [0])
+
+
+def check_setter_reaches_data(trainer: Any) -> None:
+    """ValueError where a length set through ``set_seq_len`` in this process would never reach the
+    batches: the train dataloader's worker processes each hold their own copy of the dataset.
+
+    >>> from types import SimpleNamespace as NS
+    >>> check_setter_reaches_data(NS(train_dataloader=NS(num_workers=0)))
+    >>> check_setter_reaches_data(NS(train_dataloader=NS(num_workers=2)))
+    Traceback (most recent call last):
+    ...
+    ValueError: the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers=2: each worker process holds its own copy of the dataset, so a length set in the main process never reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a dataclass) that the callback cuts itself, or drop the `curriculum`.
+    """
+    workers = train_loader_workers(trainer)
+    if workers > 0:
+        raise ValueError(
+            "the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a "
+            f"tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers={workers}: "
+            "each worker process holds its own copy of the dataset, so a length set in the main process never "
+            "reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a "
+            "dataclass) that the callback cuts itself, or drop the `curriculum`.")
+
+
 def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
     """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a batch that
     cannot be cut in place (a tuple, a bare tensor) goes through the datamodule's or dataset's
-    ``set_seq_len`` instead. Returns whether the setter was used. A bare tensor with no setter is
+    ``set_seq_len`` instead (refused with a ValueError where dataloader workers would never see
+    it: :func:`check_setter_reaches_data`). Returns whether the setter was used. A bare tensor with no setter is
     left as it is: the callback records the length that ran and says so."""
     if not can_cut_in_place(batch) or through_setter:
         if isinstance(batch, torch.Tensor) and length_setter(trainer) is None:
@@ -43,6 +77,7 @@ def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, throug
         setter = length_setter(trainer)
         if setter is None:  # let set_batch_sequence_length raise its message about tuples
             set_batch_sequence_length(batch, seq_len, truncate=truncate)
+        check_setter_reaches_data(trainer)
         setter(seq_len)
         return True
     set_batch_sequence_length(batch, seq_len, truncate=truncate)
@@ -84,5 +119,5 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
     return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
-__all__ = ["cut_to_length", "length_setter", "longest_batch", "release_cached_memory", "steps_optimizer",
-           "unsupported_rungs"]
+__all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
+           "steps_optimizer", "train_loader_workers", "unsupported_rungs"]

@@ -207,7 +207,12 @@ def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str
     left = [m for m in planner.mitigations if m not in planner.applied_mitigations]
     if left:
         return f"switch on {left[0]!r} before growing past the largest length that fits"
-    fit = planner.max_seq_len(planner.usable_budget_bytes, batch_size or planner.last_batch_size or 1)
+    batch_size = batch_size or planner.last_batch_size or 1
+    fit = planner.max_seq_len(planner.usable_budget_bytes, batch_size)
+    if fit <= 0:
+        from .advice import nothing_fits
+
+        return f"stop: {nothing_fits(planner.applied_mitigations, batch_size)}"
     return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget)"
 
 

@@ -191,6 +191,7 @@ class SeqMemPlanner:
         self._cache: dict[str, Any] = {}
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
+        self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
 
     # ------------------------------------------------------------------------------------------
     # Budget and forecasts
@@ -481,7 +482,8 @@ class SeqMemPlanner:
             rungs, fits = ((rung,) if rung else ()), True
         words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
                                     verdict.method, usable, budget, self.safety_margin, self._safe_fit(batch_size),
-                                    self.applied_mitigations, rungs, verdict.measured, still_over=not fits)
+                                    self.applied_mitigations, rungs, verdict.measured, still_over=not fits,
+                                    inapplicable=_inapplicable(applicable))
         return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(words,))
 
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
@@ -560,7 +562,7 @@ class SeqMemPlanner:
             stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
             words["fit"] = cap
             action = (f"Switching on {', '.join(map(repr, plan[0]))}; the curriculum stays at seq_len={cap}. "
-                      f"To go further: {A.remaining_advice(setting)}")
+                      f"To go further: {A.remaining_advice(setting, _inapplicable(applicable))}")
             return self._state(action="cap", rungs=plan[0], seq_len=cap, stages=stages, stage=len(stages) - 1,
                                refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
                                advice=(A.over_budget_stage(action=action, **words),))
@@ -580,7 +582,8 @@ class SeqMemPlanner:
             cap = self.curriculum.round_down(fit) if fit >= m else m
             cap = min(cap, max(seq_len - m, m))
         stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
-        action = f"The curriculum stays at seq_len={cap}. To go further: {A.remaining_advice(self.applied_mitigations)}"
+        action = (f"The curriculum stays at seq_len={cap}. To go further: "
+                  f"{A.remaining_advice(self.applied_mitigations, _inapplicable(applicable))}")
         return self._state(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
                            decide_now=False, reset_stage_steps=cap != current,
                            advice=(A.over_budget_stage(action=action, **words),))
@@ -670,10 +673,12 @@ class SeqMemPlanner:
         return PendingStep(self.step, global_step, epoch, seq_len, batch_size, warmup, measure, traced,
                            self.stage if self.stages else None, self.applied_mitigations, events)
 
-    def end_batch(self) -> None:
-        """A batch finished (measured or not)."""
+    def end_batch(self, at_stage_length: bool = True) -> None:
+        """A batch finished (measured or not). Only a batch that ran at the length it was cut to
+        (``at_stage_length``) counts towards the stage's ``steps_per_stage``: where the data is
+        shorter than the stage, or the batch could not be cut, the curriculum holds."""
         self.step += 1
-        self.stage_steps += 1
+        self.stage_steps += 1 if at_stage_length else 0
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
@@ -715,7 +720,6 @@ class SeqMemPlanner:
             if fc is not None:
                 self._verify(record, fc, forecaster)
             self._after_mitigation(record)
-            self._precision_advice(B)
         self.records.append(record)
         return record
 
@@ -779,19 +783,6 @@ class SeqMemPlanner:
             p1, p2, p3 = (p[0] for p in peaks)  # type: ignore[index]
             out.append(max(p3 - 2 * p2 + p1, 0) / (2 * x * x * batch_size))
         return out[0], out[1]
-
-    def _precision_advice(self, batch_size: int) -> None:
-        """In 32-bit, if the L² term dominates at the target length, recommend bf16-mixed once."""
-        if "precision" in self.warned or not str(self.precision).startswith("32"):
-            return
-        model = self.forecaster.quadratic
-        if model is None or len({L for L, _ in self.forecaster.points}) < 3:
-            return  # a two-length fit is C + b·L² by construction: it says nothing about the L² share
-        target = self.curriculum.target if self.curriculum else max((r.seq_len for r in self.records), default=1)
-        fc = model.predict(target, batch_size)
-        quadratic = max(batch_size * c.quadratic_bytes_per_token2 * target**2 for c in model.coefficients.values())
-        if quadratic > 0.5 * fc.peak_bytes:
-            self.advise(A.precision(target, quadratic / fc.peak_bytes, fc.peak_bytes, quadratic / 2))
 
     # ------------------------------------------------------------------------------------------
     # Advice and metrics
@@ -921,6 +912,11 @@ class SeqMemPlanner:
             shape, *mitigations = key.split("|")
             L, B = (int(x) for x in shape.split("x"))
             self._pending[(L, B, tuple(mitigations))] = Forecast(**fc)
+
+
+def _inapplicable(applicable: Applicability) -> tuple[str, ...]:
+    """The rungs checked and found not to apply (never advised: attention already on SDPA)."""
+    return tuple(name for name, (ok, _) in applicable.items() if not ok)
 
 
 def quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:

@@ -225,6 +225,28 @@ class MemoryProbe:
         return False
 
 
+def _force_eager() -> Any:
+    """Run ``torch.compile``'d code eager until :func:`_restore_stance` (``torch.compiler.set_stance``).
+
+    Under a ``TorchDispatchMode`` dynamo does not compile, and marks the code it was asked to
+    compile to be skipped from then on: one tracked step would leave a compiled module eager for the
+    rest of the run. With the ``"force_eager"`` stance dynamo is not asked, so the steps the tracker
+    does not watch run compiled. Returns the stance to restore (None where it cannot be set).
+    """
+    try:
+        return torch.compiler.set_stance("force_eager")
+    except Exception:  # noqa: BLE001 - an older torch, or inside a compiled region: nothing to protect
+        return None
+
+
+def _restore_stance(stance: Any) -> None:
+    if stance is not None:
+        try:
+            stance.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - never raises
+            pass
+
+
 class TrackerProbe(MemoryProbe):
     """Per-step peaks from a :class:`LiveTensorTracker`; works on any device.
 
@@ -248,6 +270,7 @@ class TrackerProbe(MemoryProbe):
         self.device_type = device_type
         self._tracker: Optional[LiveTensorTracker] = None
         self.scratch: Optional[Callable[[Any, Any, Any], int]] = None  # see LiveTensorTracker.scratch
+        self._stance: Any = None
 
     @property
     def running(self) -> bool:
@@ -259,6 +282,7 @@ class TrackerProbe(MemoryProbe):
         tracker.scratch = self.scratch
         tracker.track_existing(existing)
         self._start_bytes = tracker.live_bytes
+        self._stance = _force_eager()  # a tracked step runs eager; the others stay compiled
         tracker.__enter__()
         self._tracker = tracker
 
@@ -273,6 +297,8 @@ class TrackerProbe(MemoryProbe):
         self._tracker = None
         tracker.__exit__(None, None, None)
         tracker.stop()
+        self._stance, stance = None, self._stance
+        _restore_stance(stance)
         if tracker.error is not None:
             raise RuntimeError(f"the live-tensor tracker failed during the step: {tracker.error!r}") from tracker.error
         return StepMemory(
@@ -291,6 +317,8 @@ class TrackerProbe(MemoryProbe):
             except Exception:  # the mode stack was already unwound by someone else
                 pass
             tracker.stop()
+        self._stance, stance = None, self._stance
+        _restore_stance(stance)
 
 
 class CudaAllocatorProbe(MemoryProbe):

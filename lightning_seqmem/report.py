@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .advice import KINDS
+from .advice import KINDS, nothing_fits
 from .forecast import NotEnoughMeasurements
 from .records import PHASES
 from .units import display_unit, format_bytes
@@ -219,7 +219,7 @@ def _mitigations(planner: "SeqMemPlanner") -> dict[str, Any]:
     events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "batch_size", "detail", "before_bytes", "before_method", "after_bytes", "removed")}
               for e in planner.mitigation_events]
     return {"allowed": list(planner.mitigations), "active": list(_applied(planner)),
-            "events": events, "changes": changes}
+            "not_applicable": dict(getattr(planner, "not_applicable", {})), "events": events, "changes": changes}
 
 
 def _warnings(planner: "SeqMemPlanner") -> list[dict[str, str]]:
@@ -347,7 +347,9 @@ def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("curriculum", text))
     fc = report["forecasts"]
     if fc.get("max_seq_len") is not None:
-        rows.append(("largest length that fits", f"{fc['max_seq_len']} tokens at batch {fc['batch_size']}"))
+        rows.append(("largest length that fits", f"{fc['max_seq_len']} tokens at batch {fc['batch_size']}"
+                     if fc["max_seq_len"] > 0 else nothing_fits(report["mitigations"]["active"], fc["batch_size"],
+                                               list(report["mitigations"].get("not_applicable", {})))))
     acc = report["predictors"]["accuracy"]
     for method, a in acc.items():
         rows.append((f"{method} accuracy", f"max |error| {a['max_abs_error']:.1%} over {a['num_verifications']} verification(s)"))

@@ -39,9 +39,14 @@ def check_mitigations(value: Any) -> tuple[str, ...]:
     return names
 
 
-def remaining_advice(applied: Sequence[str]) -> str:
-    """What else would help, in words, for a warning: every rung not on yet, cheapest first."""
-    rest = [ADVICE[n] for n in MITIGATIONS if n not in applied]
+def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = ()) -> str:
+    """What else would help, in words, for a warning: every rung not on yet that applies to this
+    model (not ``inapplicable``: attention already on SDPA is never advised), cheapest first.
+
+    >>> remaining_advice((), inapplicable=("attention",))
+    'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
+    """
+    rest = [ADVICE[n] for n in MITIGATIONS if n not in applied and n not in inapplicable]
     return ", or ".join(rest) if rest else "use sequence/context parallelism or ZeRO-3/FSDP across GPUs"
 
 

@@ -1,0 +1,155 @@
+"""Issue #13: what the user trains on is what the callback says.
+
+A curriculum that cannot reach its length holds instead of advancing on paper; a dataset-side length
+that worker processes would never see is refused before training; a compiled module still compiles
+with the tracker on CPU, and its forecasts say which program they describe; advice is recomputed
+from the current forecast and only given where it applies. Tiny real models, real measurement.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+
+
+def _fit(cb, model, data, max_steps, **trainer_kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], max_steps=max_steps, **trainer_kwargs).fit(model, data)
+    return [str(w.message) for w in caught if str(w.message).startswith("seqmem")]
+
+
+def _gpt(**kwargs):
+    torch.manual_seed(0)
+    return LitGPT(**{"n_layer": 1, "d_model": 32, "n_head": 2, **kwargs})
+
+
+# -- 3. curriculum vs data ------------------------------------------------------------------------
+def test_curriculum_holds_when_the_data_is_shorter_than_the_stage():
+    """40-token data under stages 16, 32, 64, 128: the old code advanced to 128 on paper while every
+    batch ran at 40; now the curriculum holds at 64 (the first stage the data does not reach)."""
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False,
+                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
+    said = _fit(cb, _gpt(), SyntheticTokenDataModule(batch_size=2, seq_len=40, num_samples=64), max_steps=10)
+    assert [r.seq_len for r in cb.records] == [16, 16, 32, 32] + [40] * 6  # what ran
+    assert cb.seq_len == 64 and cb.planner.stage == 2  # held, not advanced to 128
+    held = [m for m in said if "asked for seq_len=64" in m]
+    assert len(held) == 1 and "40 tokens" in held[0] and "holds" in held[0]
+
+
+# -- 4. dataset-side length with worker processes --------------------------------------------------
+class TupleTokens(Dataset):
+    """(input_ids, labels) tuples, whose length only the dataset can change (``set_seq_len``)."""
+
+    def __init__(self, num_samples=64, seq_len=64):
+        self.num_samples, self.seq_len = num_samples, seq_len
+
+    def set_seq_len(self, seq_len):
+        self.seq_len = seq_len
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, 256, (self.seq_len + 1,), generator=g)
+        return tokens[:-1], tokens[1:]
+
+
+def tuple_collate(samples):
+    """Tuple batches (the default collate makes lists, which the callback cuts itself)."""
+    return tuple(torch.utils.data.default_collate(samples))
+
+
+class TupleGPT(LitGPT):
+    def training_step(self, batch, batch_idx):
+        return super().training_step({"input_ids": batch[0], "labels": batch[1]}, batch_idx)
+
+
+def test_dataset_length_setter_with_worker_processes_is_refused_before_training():
+    """The old code set the length in the main process only: with num_workers=2 every batch kept 64
+    tokens and the curriculum never took effect. Now the run is refused at its first batch, saying
+    what to do."""
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    loader = DataLoader(TupleTokens(), batch_size=4, num_workers=2, collate_fn=tuple_collate)
+    with pytest.raises(ValueError) as info:
+        _fit(cb, TupleGPT(n_layer=1, d_model=32, n_head=2), loader, max_steps=4)
+    message = str(info.value)
+    assert "num_workers=2" in message and "set_seq_len" in message and "num_workers=0" in message
+    assert cb.records == []  # nothing ran under a length the workers never saw
+
+
+def test_dataset_length_setter_without_workers_still_drives_the_curriculum():
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=32, steps_per_stage=2))
+    _fit(cb, TupleGPT(n_layer=1, d_model=32, n_head=2), DataLoader(TupleTokens(), batch_size=4, collate_fn=tuple_collate),
+         max_steps=8)
+    assert 32 in [r.seq_len for r in cb.records]  # the setter reached the data (a batch or two late)
+
+
+# -- 1. torch.compile inside the module ------------------------------------------------------------
+class CompiledGPT(LitGPT):
+    """``self.model = torch.compile(self.model)`` in ``configure_model`` (the "eager" backend: dynamo's
+    graph capture, the part a dispatch mode turns off, without a C++ build)."""
+
+    def configure_model(self):
+        if not hasattr(self.model, "_orig_mod"):
+            self.model = torch.compile(self.model, backend="eager")
+
+
+def test_a_compiled_module_still_compiles_on_cpu_with_the_tracker_and_forecasts_say_eager():
+    """The old code kept the tracker's dispatch mode on at every step: torch.compile fell back to eager
+    on all of them (0 graphs), silently. Now most steps run compiled, one warning says which run eager,
+    and forecasts say they are of the eager program."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=32, steps_per_stage=4))
+    said = _fit(cb, CompiledGPT(n_layer=1, d_model=32, n_head=2),
+                SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=64), max_steps=8)
+    assert counters["stats"]["unique_graphs"] >= 1  # compiled steps ran
+    assert len(cb.records) < 8  # measured (eager) steps only: warm-ups and the first steps at each length
+    assert sorted({r.seq_len for r in cb.records if not r.warmup}) == [16, 32]
+    compiled = [m for m in said if "torch.compile" in m and "tracker is on only for" in m]
+    assert len(compiled) == 1 and "'model'" in compiled[0]
+    assert "eager program" in cb.forecast(64, 2).detail
+
+
+# -- 2. advice that applies ------------------------------------------------------------------------
+def test_bf16_is_not_advised_where_a_bf16_dry_run_raises_the_peak():
+    """Eager attention, d=64, 2 layers, fp32, target 512: bf16 autocast raises this step's peak (the
+    dry run says +5%). The old code advised bf16 from the first quadratic fit's L² share."""
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=128, target=512, steps_per_stage=2))
+    said = _fit(cb, _gpt(n_layer=2, d_model=64, n_head=4, attention="eager"),
+                SyntheticTokenDataModule(batch_size=2, seq_len=512, num_samples=64), max_steps=6)
+    assert [r.seq_len for r in cb.records][-1] == 512
+    assert not [m for m in said if "bf16" in m] and "precision" not in cb.planner.warned
+
+
+def test_bf16_is_advised_with_the_dry_run_numbers_where_it_lowers_the_peak():
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
+    said = _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64),
+                max_steps=6)
+    bf16 = [m for m in said if "bf16" in m]
+    assert len(bf16) == 1 and "seq_len=256" in bf16[0] and "dry run" in bf16[0] and "-" in bf16[0].split("(")[-1]
+
+
+def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_of_zero():
+    """An SDPA model with a budget nothing fits in: the old code advised "switch attention to SDPA"
+    and its report said the largest length that fits is 0 tokens."""
+    cb = SeqMemCallback(warmup_steps=1, memory_budget="64KiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    said = _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=64),
+                max_steps=2)
+    assert said and not [m for m in said if "SDPA" in m or "sdpa" in m.lower().replace("already on sdpa", "")]
+    from lightning_seqmem.report import build_report, render_markdown
+
+    markdown = render_markdown(build_report(cb.planner))
+    row = next(line for line in markdown.splitlines() if line.startswith("| largest length that fits"))
+    assert "nothing fits at any length" in row and "0 tokens" not in row and "SDPA" not in row
