@@ -62,6 +62,7 @@ from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from .model import UNBOUNDED_SEQ_LEN
 from .records import PHASES, StepMemory, StepRecord
 from .rungs import MITIGATIONS, check_mitigations
+from .state import CHECKPOINT_LAST_RECORDS, compact_records
 from .timeline import Trace
 from .units import to_gib
 
@@ -165,6 +166,7 @@ class SeqMemPlanner:
         self.block_bytes = block_bytes
         self.precision = precision
         self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
+        self.checkpoint_records = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see state.compact_records)
         self.reset()
 
     def reset(self) -> None:
@@ -815,10 +817,11 @@ class SeqMemPlanner:
     # Checkpointing
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Flat plain values (the keys of earlier versions kept, so their checkpoints load)."""
+        """Flat plain values (the keys of earlier versions kept, so their checkpoints load); the records
+        are bounded (:func:`~lightning_seqmem.state.compact_records`, ``checkpoint_records``)."""
         return {
             "step": self.step,
-            "records": [r.to_dict() for r in self.records],
+            "records": [r.to_dict() for r in compact_records(self.records, self.checkpoint_records, self._measured_bound)],
             "forecasters": {"|".join(k): f.state_dict() for k, f in self.forecasters.items()},
             "key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self._key_counts.items()],
             "warned": sorted(self.warned),
