@@ -62,7 +62,7 @@ from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from .model import UNBOUNDED_SEQ_LEN
 from .records import PHASES, StepMemory, StepRecord
 from .rungs import MITIGATIONS, check_mitigations
-from .state import CHECKPOINT_LAST_RECORDS, compact_records
+from .state import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from .timeline import Trace
 from .units import to_gib
 
@@ -167,6 +167,7 @@ class SeqMemPlanner:
         self.precision = precision
         self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
         self.checkpoint_records = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see state.compact_records)
+        self.memory_records = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
         self.reset()
 
     def reset(self) -> None:
@@ -677,6 +678,8 @@ class SeqMemPlanner:
             self._after_mitigation(record)
             self._precision_advice(B)
         self.records.append(record)
+        if len(self.records) > self.memory_records:  # a very long run: bounded in memory too
+            self.records = compact_records(self.records, self.memory_records // 2, self._measured_bound)
         return record
 
     def _compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:

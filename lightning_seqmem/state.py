@@ -38,7 +38,12 @@ from .units import format_bytes
 
 CHECKPOINT_LAST_RECORDS = 256
 """Records kept in a checkpoint besides the per-(length, batch size, mitigations) summary
-(~0.12 KiB each); the in-memory :attr:`SeqMemPlanner.records` keeps every measured step."""
+(~0.12 KiB each); in memory, :attr:`SeqMemPlanner.records` keeps every measured step up to
+:data:`MEMORY_RECORDS`."""
+
+MEMORY_RECORDS = 100_000
+"""Records :attr:`SeqMemPlanner.records` holds before it is compacted like a checkpoint's, keeping
+the last half (a very long run; the report then counts the records kept)."""
 
 _PHASE_NAMES = PHASES + ("step",)
 _METHODS = ("replay", "quadratic", "dry_run")
@@ -265,7 +270,7 @@ def validate_state(state: Any) -> None:
     if forecasters is None and "forecaster" in state:
         _forecaster("forecaster", state["forecaster"])
     for key, f in _dict("forecasters", forecasters or {}).items():
-        _setting(f"forecasters key", key)
+        _setting("forecasters key", key)
         _forecaster(f"forecasters[{key!r}]", f)
     for i, row in enumerate(_list("key_counts", state.get("key_counts", []))):
         if not isinstance(row, (list, tuple)) or len(row) != 4:
@@ -476,5 +481,5 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
     return phrases, removed
 
 
-__all__ = ["CHECKPOINT_LAST_RECORDS", "InvalidState", "compact_records", "find_legacy_state", "legacy_key_config",
+__all__ = ["CHECKPOINT_LAST_RECORDS", "MEMORY_RECORDS", "InvalidState", "compact_records", "find_legacy_state", "legacy_key_config",
            "reconcile", "run_config", "validate_state"]

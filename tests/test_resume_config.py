@@ -226,3 +226,13 @@ def test_a_checkpoint_of_an_earlier_version_resumes(run, tmp_path):
     assert [r.to_dict() for r in cb.records[: len(old)]] == [{**r, "rank": None} for r in old]
     module = trainer.lightning_module
     assert module.attention_backend == "sdpa" and is_checkpointed(module)
+
+
+def test_a_long_run_keeps_its_records_bounded_in_memory(tmp_path):
+    cb = _callback(memory_budget=10 * BUDGET, curriculum=Curriculum(start=16, target=32, steps_per_stage=3, multiple_of=16))
+    cb.planner.memory_records = 6  # MEMORY_RECORDS (100 000) in a real run
+    sizes = _StateSizes(cb)
+    _fit([cb, sizes], 12, tmp_path)
+    assert max(sizes.num_records) <= 7 and len(cb.records) < 12
+    assert cb.records[-1].step == 11 and {r.seq_len for r in cb.records} == {16, 32}  # the last ones, every length
+    assert cb.planner.judge(32, 2).method == "measured"  # the records the decisions read are kept
