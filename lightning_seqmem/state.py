@@ -393,7 +393,8 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
     """Fit a just-loaded ``planner`` (a :class:`~lightning_seqmem.planner.SeqMemPlanner`) to the
     configuration ``new`` it resumes under, from the ``old`` one its state was written under.
     Returns ``(phrases, removed_rungs)``: what changed and what was done, one phrase each, and the
-    rungs that were on but are no longer allowed.
+    rungs that were on but are no longer allowed (the caller takes them off the module where it can
+    and says so).
 
     ``allowed`` is the new ladder less the rungs this run cannot take; ``left`` the saved
     ``mitigations_left`` (rungs not given up on). Semantics:
@@ -476,8 +477,6 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
                 planner.decide_now = True
                 why = "the budget was raised" if raised else f"{', '.join(map(repr, newly_allowed))} may now be switched on"
                 phrases.append(f"the cap at seq_len={here} is lifted ({why}): the next stage is judged at the next batch")
-    if removed:
-        phrases.append("; ".join(f"rung {m!r} no longer allowed: taken off" for m in removed))
     return phrases, removed
 
 
