@@ -15,8 +15,8 @@ a changed configuration, and how big it may grow. Plain Python (no torch, no Lig
 * :func:`legacy_key_config` reads the configuration out of the key earlier versions saved under.
 
 Example:
-    >>> from lightning_seqmem.curriculum import Curriculum
-    >>> old = run_config(1_000_000, 0.0, ("attention", "microbatch"), Curriculum(start=16, target=64, multiple_of=16))
+    >>> run_config(1_000_000, 0.0, ("attention", "microbatch"), None)
+    {'memory_budget_bytes': 1000000, 'safety_margin': 0.0, 'mitigations': ['attention', 'microbatch'], 'curriculum': None}
     >>> validate_state({"step": 3, "applied_mitigations": "attention"})
     Traceback (most recent call last):
     ...
@@ -28,7 +28,6 @@ from __future__ import annotations
 import ast
 import math
 import numbers
-from dataclasses import fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .curriculum import Curriculum
@@ -480,5 +479,5 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
     return phrases, removed
 
 
-__all__ = ["CHECKPOINT_LAST_RECORDS", "MEMORY_RECORDS", "InvalidState", "compact_records", "find_legacy_state", "legacy_key_config",
-           "reconcile", "run_config", "validate_state"]
+__all__ = ["CHECKPOINT_LAST_RECORDS", "MEMORY_RECORDS", "InvalidState", "compact_records", "find_legacy_state",
+           "legacy_key_config", "reconcile", "run_config", "validate_state"]
