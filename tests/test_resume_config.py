@@ -88,6 +88,8 @@ def test_the_state_key_ignores_budget_ladder_and_curriculum():
     assert _callback(name="encoder").state_key != _callback(name="decoder").state_key
     with pytest.raises(ValueError, match="`name` must be a non-empty string or None, got 3"):
         SeqMemCallback(name=3)
+    with pytest.raises(RuntimeError, match="state_key` must be unique"):  # two in one Trainer: give them names
+        make_trainer([_callback(), _callback(memory_budget="1GiB")], max_steps=1)
 
 
 def test_raising_the_budget_and_the_target_on_resume_lifts_the_cap(run, tmp_path):
@@ -237,3 +239,5 @@ def test_a_long_run_keeps_its_records_bounded_in_memory(tmp_path):
     assert max(sizes.num_records) <= 7 and len(cb.records) < 12
     assert cb.records[-1].step == 11 and {r.seq_len for r in cb.records} == {16, 32}  # the last ones, every length
     assert cb.planner.judge(32, 2).method == "measured"  # the records the decisions read are kept
+    _fit([cb], 3, tmp_path)  # the same instance in a new fit starts fresh
+    assert [r.step for r in cb.records] == [0, 1, 2] and cb.planner.stage == 0
