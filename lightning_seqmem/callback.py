@@ -212,7 +212,7 @@ class SeqMemCallback(Callback):
         ladder or curriculum, so a resume that changes them finds the state and reconciles it."""
         return type(self).__qualname__ if self.name is None else self._generate_state_key(name=self.name)
 
-    records = property(lambda self: self.planner.records, doc="Every measured batch, as :class:`StepRecord`.")
+    records = property(lambda self: self.planner.records, doc="Every measured batch, as :class:`StepRecord` (past ``state.MEMORY_RECORDS``, a summary and the latest).")
     applied_mitigations = property(lambda self: self.planner.applied_mitigations, doc="Rungs switched on, in order.")
     mitigation_events = property(lambda self: self.planner.mitigation_events, doc="Each switch, with peaks before/after.")
     mitigations = property(lambda self: self.planner.mitigations, doc="The rungs this run may still use.")
