@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from . import advice as A
 from . import distributed, edge, outputs
+from . import state as S
 from .batch import read_batch_shape
 from .checks import check_fraction, check_int
 from .curriculum import Curriculum
@@ -107,6 +108,10 @@ class SeqMemCallback(Callback):
         dry_run: judge every new length, batch size and set of rungs by a dry run of the training
             step on a fake copy of the module (:mod:`.dryrun`; rank zero, about a second each)
             before extrapolating from measured steps; ``False`` uses the replay and quadratic fit only.
+        name: tells this callback's checkpoint state apart from another ``SeqMemCallback``'s in the
+            same Trainer (each needs its own name there). The state is found by this name only, so
+            a resume may change ``memory_budget``, ``mitigations`` or ``curriculum``: the change is
+            reconciled and said in one warning (:func:`lightning_seqmem.state.reconcile`).
 
     Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes):
 
@@ -165,6 +170,7 @@ class SeqMemCallback(Callback):
         mitigations: Sequence[str] = ladder.MITIGATIONS,
         breakdown: bool = False,
         dry_run: bool = True,
+        name: Optional[str] = None,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 1, accepted="an int ≥ 1 (the first step has no optimizer state)")
         check_int("warmup_steps_after_change", warmup_steps_after_change, 0, accepted="an int ≥ 0")
@@ -178,6 +184,9 @@ class SeqMemCallback(Callback):
             raise ValueError(f"`curriculum` must be a lightning_seqmem.Curriculum or None, got {type(curriculum).__name__}")
         if seq_len_fn is not None and not callable(seq_len_fn):
             raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"`name` must be a non-empty string or None, got {name!r}")
+        self.name = name  # (before the loop below reuses `name`)
         for name, value in (("breakdown", breakdown), ("dry_run", dry_run)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be a bool, got {value!r}")
@@ -208,6 +217,8 @@ class SeqMemCallback(Callback):
         self._shape: Optional[tuple[int, int]] = None  # the batch as cut, on this rank
         self._applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = {}
         self._reapply_on_fit_start = False
+        self._resume_phrases: list[str] = []  # what a resume under a changed configuration changed
+        self._resume_removed: tuple[str, ...] = ()  # rungs that were on and are no longer allowed
         self._uses_datamodule_length = False
         self.breakdowns: list[Any] = []
         self.breakdown_table: Optional[Any] = None
@@ -219,11 +230,11 @@ class SeqMemCallback(Callback):
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(probe=self.probe_name,
-                                        curriculum=None if self.curriculum is None else self.curriculum.stages,
-                                        memory_budget=self.memory_budget_bytes, mitigations=self._mitigations_arg)
+        """``"SeqMemCallback"`` (``"SeqMemCallback{'name': ...}"`` with a ``name``): not the budget,
+        ladder or curriculum, so a resume that changes them finds the state and reconciles it."""
+        return type(self).__qualname__ if self.name is None else self._generate_state_key(name=self.name)
 
-    records = property(lambda self: self.planner.records, doc="Every measured batch, as :class:`StepRecord`.")
+    records = property(lambda self: self.planner.records, doc="Every measured batch, as :class:`StepRecord` (past ``state.MEMORY_RECORDS``, a summary and the latest).")
     applied_mitigations = property(lambda self: self.planner.applied_mitigations, doc="Rungs switched on, in order.")
     mitigation_events = property(lambda self: self.planner.mitigation_events, doc="Each switch, with peaks before/after.")
     mitigations = property(lambda self: self.planner.mitigations, doc="The rungs this run may still use.")
@@ -302,6 +313,22 @@ class SeqMemCallback(Callback):
             for name in self.planner.applied_mitigations:
                 ok, detail = ladder.try_apply(name, trainer, pl_module)
                 rank_zero_info(f"seqmem: resumed with {name} on ({detail})")
+        self._say_resume(trainer, pl_module)
+
+    def _say_resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a resume under a changed configuration: take the rungs no longer allowed off the
+        module where they are on and can be, and say everything in one warning."""
+        phrases, removed = self._resume_phrases, self._resume_removed
+        self._resume_phrases, self._resume_removed = [], ()
+        for name in removed:
+            outcome = "off"
+            if ladder.is_on(name, pl_module):
+                result = ladder.remove(name, trainer, pl_module)
+                outcome = ("taken off this module" if result is not None and result.applied else
+                           "it stays on this module (it cannot be undone; a freshly built module trains without it)")
+            phrases.append(f"rung {name!r} no longer allowed: {outcome}")
+        if phrases:
+            rank_zero_warn(f"seqmem: resumed with {'; '.join(phrases)}.")
 
     # -- Before a batch: agree, decide, apply, cut, start measuring ----------------------------------
     def _read_shape(self, batch: Any) -> tuple[int, int]:
@@ -558,18 +585,41 @@ class SeqMemCallback(Callback):
         self._warn_once(A.failure(where, f"{type(exc).__name__}: {exc}"))
 
     # -- Checkpointing -------------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return S.run_config(self.memory_budget_bytes, self.safety_margin, self._mitigations_arg, self.curriculum)
+
     def state_dict(self) -> dict[str, Any]:
-        return {**self.planner.state_dict(), "uses_datamodule_length": self._uses_datamodule_length}
+        return {**self.planner.state_dict(), "uses_datamodule_length": self._uses_datamodule_length,
+                "config": self._config()}
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of an earlier version keyed the state by the configuration: found under that
+        key (when it is the only such state), with the configuration it names, for reconciliation."""
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict) or self.state_key in states:
+            return
+        found = S.find_legacy_state(states)
+        if found is not None and isinstance(states[found[0]], dict):
+            states[self.state_key] = {"config": found[1], **states[found[0]]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from a checkpoint; a state this version cannot read gives one warning and a fresh
+        """Restore from a checkpoint, checked field by field (:func:`~lightning_seqmem.state.validate_state`)
+        and reconciled with this callback's configuration (:func:`~lightning_seqmem.state.reconcile`).
+        A state this version cannot read or trust gives one warning naming the field and a fresh
         start (measurement resumes from scratch), never a failed resume."""
+        allowed = self.planner.mitigations  # the ladder less the rungs this run cannot take (setup)
         try:
+            S.validate_state(state_dict)
             self.planner.load_state_dict(state_dict)
+            self._resume_phrases, self._resume_removed = S.reconcile(
+                self.planner, state_dict.get("config"), self._config(), allowed, state_dict.get("mitigations_left"))
         except Exception as exc:  # noqa: BLE001
             self.planner.reset()
-            rank_zero_warn(f"seqmem: could not restore the callback state from the checkpoint ({type(exc).__name__}: "
-                           f"{exc}); measuring and fitting start afresh.", category=SeqMemFailureWarning)
+            self.planner.mitigations = allowed
+            self._resume_phrases, self._resume_removed = [], ()
+            what = str(exc) if isinstance(exc, S.InvalidState) else f"{type(exc).__name__}: {exc}"
+            rank_zero_warn(f"seqmem: could not restore the callback state from the checkpoint ({what}); measuring "
+                           "and fitting start afresh.", category=SeqMemFailureWarning)
             return
         self._uses_datamodule_length = bool(state_dict.get("uses_datamodule_length", False))
         self._reapply_on_fit_start = bool(self.planner.applied_mitigations)

@@ -62,6 +62,7 @@ from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from .model import UNBOUNDED_SEQ_LEN
 from .records import PHASES, StepMemory, StepRecord
 from .rungs import MITIGATIONS, check_mitigations
+from .state import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from .timeline import Trace
 from .units import to_gib
 
@@ -165,6 +166,8 @@ class SeqMemPlanner:
         self.block_bytes = block_bytes
         self.precision = precision
         self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
+        self.checkpoint_records = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see state.compact_records)
+        self.memory_records = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
         self.reset()
 
     def reset(self) -> None:
@@ -721,6 +724,8 @@ class SeqMemPlanner:
                 self._verify(record, fc, forecaster)
             self._after_mitigation(record)
         self.records.append(record)
+        if len(self.records) > self.memory_records:  # a very long run: bounded in memory too
+            self.records = compact_records(self.records, self.memory_records // 2, self._measured_bound)
         return record
 
     def _compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
@@ -848,10 +853,11 @@ class SeqMemPlanner:
     # Checkpointing
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Flat plain values (the keys of earlier versions kept, so their checkpoints load)."""
+        """Flat plain values (the keys of earlier versions kept, so their checkpoints load); the records
+        are bounded (:func:`~lightning_seqmem.state.compact_records`, ``checkpoint_records``)."""
         return {
             "step": self.step,
-            "records": [r.to_dict() for r in self.records],
+            "records": [r.to_dict() for r in compact_records(self.records, self.checkpoint_records, self._measured_bound)],
             "forecasters": {"|".join(k): f.state_dict() for k, f in self.forecasters.items()},
             "key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self._key_counts.items()],
             "warned": sorted(self.warned),

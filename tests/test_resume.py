@@ -68,8 +68,9 @@ def test_resume_mid_curriculum_matches_an_uninterrupted_run(tmp_path):
 
 
 def test_two_callbacks_keep_separate_state(tmp_path):
-    a, b = _callback(), SeqMemCallback(warmup_steps=1)
-    c = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16))
+    a, b = _callback(), SeqMemCallback(warmup_steps=1, name="second")  # in one Trainer each needs its own name
+    c = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", name="third",
+                       curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16))
     assert len({a.state_key, b.state_key, c.state_key}) == 3  # same curriculum as a, another budget
     torch.manual_seed(0)
     trainer = make_trainer([a, b, c], max_steps=4, default_root_dir=tmp_path)
@@ -102,10 +103,12 @@ def test_a_state_written_by_the_previous_version_loads():
     data = json.loads((Path(__file__).parent / "data_old_state.json").read_text())
     cb = SeqMemCallback(warmup_steps=1, memory_budget=1_500_000, safety_margin=0.0,
                         curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16))
-    assert cb.state_key == data["state_key"]  # Lightning finds it under the same key
+    checkpoint = {"callbacks": {data["state_key"]: data["state"]}}  # the key of that time names the configuration
+    cb.on_load_checkpoint(None, None, checkpoint)  # found there, under this callback's key
     with warnings.catch_warnings():
         warnings.simplefilter("error", SeqMemFailureWarning)
-        cb.load_state_dict(data["state"])
+        cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
+    assert cb._resume_phrases == []  # the same configuration
     old = data["state"]
     assert [r.to_dict() for r in cb.records] == [{**r, "rank": None} for r in old["records"]]
     assert cb.applied_mitigations == tuple(old["applied_mitigations"]) == ("attention", "checkpointing")

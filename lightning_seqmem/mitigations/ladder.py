@@ -59,6 +59,15 @@ def remove(name: str, trainer: Any, pl_module: Any) -> Optional[MitigationResult
     return policy.remove(pl_module) if callable(getattr(policy, "remove", None)) else None
 
 
+def is_on(name: str, pl_module: Any) -> bool:
+    """Whether rung ``name`` is on in ``pl_module`` now (attention: any backend but eager)."""
+    from lightning_seqmem.mitigations import current_attention_backend, is_checkpointed, is_micro_batching
+
+    if name == "attention":
+        return current_attention_backend(pl_module) not in (None, "eager")
+    return is_checkpointed(pl_module) if name == "checkpointing" else is_micro_batching(pl_module)
+
+
 def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None) -> dict[str, tuple[bool, str]]:
     """``name -> (applies, reason)`` for each rung in ``names``; a check that raises says so (never raises)."""
     out = {}
