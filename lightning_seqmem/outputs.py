@@ -97,7 +97,8 @@ def report_dir(trainer: "pl.Trainer") -> str:
 
 
 def save_figure(planner: "SeqMemPlanner", path: Any, **kwargs: Any) -> "Figure":
-    """Draw :func:`~lightning_seqmem.panels.memory_figure` (``kwargs`` go to it) and save it to ``path``."""
+    """Draw :func:`~lightning_seqmem.panels.memory_figure` (``kwargs`` go to it) and save it to
+    ``path`` (PNG, SVG or PDF, by its suffix), whole or not at all (:func:`atomic_write`)."""
     figure = memory_figure(planner, **kwargs)
     suffix = Path(path).suffix.lstrip(".") or "png"
     with atomic_write(path, "wb") as f:
@@ -302,8 +303,3 @@ def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None, tag: 
     return len(loggers)
 
 
-def save_figure(planner: "SeqMemPlanner", path: Any, **kwargs: Any) -> "Figure":
-    """Draw :func:`memory_figure` (``kwargs`` go to it) and save it to ``path`` (PNG, SVG or PDF)."""
-    figure = memory_figure(planner, **kwargs)
-    figure.savefig(str(path))
-    return figure

@@ -1,0 +1,38 @@
+"""Report files are written whole or not at all: a write that fails (a full disk, a file-size
+limit) leaves the previous file as it was and no partial or temporary file behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def test_a_write_that_fails_half_way_leaves_the_previous_png_whole(tmp_path):
+    """A real short write: the process's file-size limit (RLIMIT_FSIZE) makes the kernel refuse the
+    PNG's bytes past 2 KiB (EFBIG), as a full disk refuses them (ENOSPC)."""
+    script = textwrap.dedent(
+        f"""
+        import os, resource, signal, pathlib, warnings
+        warnings.filterwarnings("ignore")
+        import matplotlib
+        matplotlib.use("Agg")
+        from lightning_seqmem.outputs import save_figure
+        from lightning_seqmem.planner import SeqMemPlanner
+        target = pathlib.Path({str(tmp_path)!r}) / "seqmem_memory.png"
+        target.write_bytes(b"previous figure")
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+        try:
+            save_figure(SeqMemPlanner(), target)
+        except OSError as exc:
+            print("refused", exc.errno)
+        else:
+            print("written")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "refused", out.stdout  # the figure is larger than 2 KiB: the write failed
+    assert (tmp_path / "seqmem_memory.png").read_bytes() == b"previous figure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["seqmem_memory.png"]  # no temporary file left
