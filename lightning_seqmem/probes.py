@@ -225,26 +225,41 @@ class MemoryProbe:
         return False
 
 
-def _force_eager() -> Any:
-    """Run ``torch.compile``'d code eager until :func:`_restore_stance` (``torch.compiler.set_stance``).
+class _EagerStance:
+    """``torch.compiler.set_stance("force_eager")`` while any tracked step holds it.
 
     Under a ``TorchDispatchMode`` dynamo does not compile, and marks the code it was asked to
     compile to be skipped from then on: one tracked step would leave a compiled module eager for the
     rest of the run. With the ``"force_eager"`` stance dynamo is not asked, so the steps the tracker
-    does not watch run compiled. Returns the stance to restore (None where it cannot be set).
+    does not watch run compiled. Holders are counted (probes may overlap and end in any order: a
+    dry run's fake step, the CUDA probe's tracer); the stance before the first holder comes back
+    when the last one lets go, or when an abandoned probe is collected.
     """
-    try:
-        return torch.compiler.set_stance("force_eager")
-    except Exception:  # noqa: BLE001 - an older torch, or inside a compiled region: nothing to protect
-        return None
 
+    holders = 0
+    saved: Any = None
 
-def _restore_stance(stance: Any) -> None:
-    if stance is not None:
-        try:
-            stance.__exit__(None, None, None)
-        except Exception:  # noqa: BLE001 - never raises
-            pass
+    @classmethod
+    def hold(cls) -> bool:
+        if cls.holders == 0:
+            try:
+                cls.saved = torch.compiler.set_stance("force_eager")
+            except Exception:  # noqa: BLE001 - an older torch, or inside a compiled region: nothing to protect
+                return False
+        cls.holders += 1
+        return True
+
+    @classmethod
+    def release(cls) -> None:
+        if cls.holders <= 0:
+            return
+        cls.holders -= 1
+        if cls.holders == 0:
+            saved, cls.saved = cls.saved, None
+            try:
+                saved.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - never raises
+                pass
 
 
 class TrackerProbe(MemoryProbe):
@@ -282,7 +297,8 @@ class TrackerProbe(MemoryProbe):
         tracker.scratch = self.scratch
         tracker.track_existing(existing)
         self._start_bytes = tracker.live_bytes
-        self._stance = _force_eager()  # a tracked step runs eager; the others stay compiled
+        if _EagerStance.hold():  # a tracked step runs eager; the others stay compiled
+            self._stance = weakref.finalize(self, _EagerStance.release)  # released once, by end, abort or GC
         tracker.__enter__()
         self._tracker = tracker
 
@@ -298,7 +314,8 @@ class TrackerProbe(MemoryProbe):
         tracker.__exit__(None, None, None)
         tracker.stop()
         self._stance, stance = None, self._stance
-        _restore_stance(stance)
+        if stance is not None:
+            stance()
         if tracker.error is not None:
             raise RuntimeError(f"the live-tensor tracker failed during the step: {tracker.error!r}") from tracker.error
         return StepMemory(
@@ -318,7 +335,8 @@ class TrackerProbe(MemoryProbe):
                 pass
             tracker.stop()
         self._stance, stance = None, self._stance
-        _restore_stance(stance)
+        if stance is not None:
+            stance()
 
 
 class CudaAllocatorProbe(MemoryProbe):
