@@ -193,6 +193,7 @@ class SeqMemCallback(Callback):
         self.breakdown_report: Optional[dict[str, Any]] = None
         self._breakdown_batch: Optional[tuple[int, Any]] = None
         self._dry: Any = None  # dryrun.TrainingRunDryRun on rank zero, with dry_run=True
+        self._template: Any = None  # unsharded copy on meta for FSDP2 runs (sharded.template_for)
 
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
@@ -213,10 +214,18 @@ class SeqMemCallback(Callback):
         """The forecaster of the mitigations applied now (each setting has its own fit)."""
         return self.planner.forecaster
 
-    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None) -> Forecast:
+    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None,
+                 world_size: Optional[int] = None) -> Forecast:
         """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``
         (defaults: the last measured batch size, the mitigations on now); see
-        :meth:`SeqMemPlanner.forecast <lightning_seqmem.planner.SeqMemPlanner.forecast>`."""
+        :meth:`SeqMemPlanner.forecast <lightning_seqmem.planner.SeqMemPlanner.forecast>`. With
+        ``world_size``: the per-rank peak at that many ranks (FSDP2 for a sharded run, else DDP), by a
+        dry run in a fake process group (:func:`lightning_seqmem.sharded.world_forecast`; rank zero)."""
+        if world_size is not None:
+            from .sharded import world_forecast
+
+            key = self.planner.applied_mitigations if mitigations is None else ladder.check_mitigations(mitigations)
+            return world_forecast(self._dry, seq_len, self.planner._batch_size(batch_size), key, world_size)
         return self.planner.forecast(seq_len, batch_size, mitigations)
 
     def max_seq_len(self, budget_bytes: Optional[int | str] = None, batch_size: Optional[int] = None) -> int:
@@ -240,6 +249,7 @@ class SeqMemCallback(Callback):
             self.planner.budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
         self.planner.compare_reserved, self.planner.block_bytes = on_cuda, 512 if on_cuda else 1
         self.planner.precision = str(trainer.precision)
+        self._template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
         self._check_strategy_and_module(trainer, pl_module)
         self._warn_advice()
 
@@ -256,7 +266,8 @@ class SeqMemCallback(Callback):
                 from .dryrun import TrainingRunDryRun
 
                 self._dry = TrainingRunDryRun(trainer, pl_module, lambda: self.planner.applied_mitigations,
-                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)))
+                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)),
+                                              template=self._template)
                 self.planner.dry_run = self._dry
         if self._reapply_on_fit_start:
             self._reapply_on_fit_start = False

@@ -106,7 +106,14 @@ from .checks import check_int
 from .mitigations.attention import AttentionSwitch
 from .mitigations.checkpointing import ActivationCheckpointing
 from .mitigations.ladder import check_mitigations
-from .mitigations.microbatch import IGNORE_INDEX, MicroBatching, is_micro_batching, micro_batch_counts, split_batch
+from .mitigations.microbatch import (
+    IGNORE_INDEX,
+    MicroBatching,
+    deferred_gradient_reduction,
+    is_micro_batching,
+    micro_batch_counts,
+    split_batch,
+)
 from .offline import training_step_memory
 from .probes import PHASES, TrackedEvents, make_probe, round_cuda_block_bytes
 
@@ -659,7 +666,7 @@ def _micro_batched_loss(
         done: Optional[torch.Tensor] = None
         for i in used[:-1]:
             scaled = _plain_loss(model, parts[i]) * (counts[i] / total)
-            with _autocast_off(scaled.device.type):
+            with _autocast_off(scaled.device.type), deferred_gradient_reduction(model):
                 scaled.backward()
             done = scaled.detach() if done is None else done + scaled.detach()
             del scaled
@@ -885,8 +892,9 @@ class TrainingRunDryRun:
     """
 
     def __init__(self, trainer: Any, pl_module: nn.Module, applied: Callable[[], tuple[str, ...]],
-                 on_unsupported: Callable[[str], None]) -> None:
+                 on_unsupported: Callable[[str], None], template: Optional[nn.Module] = None) -> None:
         self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
+        self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs; :mod:`.sharded`)
         self.batch: Any = None
         self.unsupported: Optional[str] = None
 
@@ -901,6 +909,20 @@ class TrainingRunDryRun:
             raise DryRunUnsupported(self.unsupported or "no batch kept yet, or a rung on now cannot be undone on a copy")
         optimizers = getattr(self.trainer, "optimizers", None) or [None]
         try:
+            from . import sharded
+
+            refusal = sharded.dry_run_refusal(self.trainer)
+            if refusal is not None:
+                raise DryRunUnsupported(refusal)
+            if sharded.is_fsdp2(self.pl_module):  # an FSDP2 module cannot be copied: shard a copy of the template
+                if self.template is None:
+                    raise DryRunUnsupported("the module was sharded with fully_shard before SeqMemCallback.setup "
+                                            "could keep an unsharded template")
+                result = sharded.sharded_dry_run_step(
+                    self.template, self.batch, seq_len, sharded.data_parallel_size(self.trainer, self.pl_module),
+                    batch_size, mitigations, autocast=self.trainer.precision_plugin.train_step_context,
+                    device=self.trainer.strategy.root_device)
+                return result.peak_bytes, result.phase_peak_bytes
             result = dry_run_step(self.pl_module, optimizers[0], self.batch, seq_len, batch_size,
                                   tuple(m for m in mitigations if m not in applied),
                                   autocast=self.trainer.precision_plugin.train_step_context,
