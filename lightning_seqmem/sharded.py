@@ -26,14 +26,14 @@ the backend keeps (NCCL's, gloo's) are not counted; neither are CUDA allocator f
 workspaces (see :mod:`lightning_seqmem.dryrun`).
 
 Example:
-    >>> import sys; sys.path.insert(0, "examples")
-    >>> from fsdp2_cpu import ShardedLitGPT
-    >>> from lightning_seqmem.demo import SyntheticTokenDataModule
-    >>> template = unsharded_template(ShardedLitGPT(n_layer=2, d_model=64, n_head=2))
+    >>> from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+    >>> template = unsharded_template(LitGPT(n_layer=2, d_model=64, n_head=2))
     >>> batch = next(iter(SyntheticTokenDataModule(batch_size=2, seq_len=32).train_dataloader()))
     >>> two, eight = (sharded_dry_run_step(template, batch, 64, world_size=n) for n in (2, 8))
     >>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
     True
+    >>> two.detail.split("; ")[-1]  # LitGPT's configure_model() shards nothing: the default layout
+    'configure_model() shards nothing: fully_shard on 2 blocks and the root'
 """
 
 from __future__ import annotations
@@ -372,3 +372,62 @@ def world_forecast(dry: Any, seq_len: int, batch_size: int, mitigations: Sequenc
     upper = int(result.peak_bytes * 1.02)
     return Forecast(int(seq_len), int(batch_size), result.peak_bytes, upper, upper, "dry_run",
                     dict(result.phase_peak_bytes), f"per rank at world size {world_size}: {result.detail}")
+
+
+# -- plans at N ranks (seqmem plan --world-size) -----------------------------------------------------
+def world_sizes_up_to(world_size: int) -> list[int]:
+    """The world sizes a plan tries: powers of two below ``world_size``, then ``world_size``.
+
+    Example:
+        >>> world_sizes_up_to(8), world_sizes_up_to(6), world_sizes_up_to(1)
+        ([1, 2, 4, 8], [1, 2, 4, 6], [1])
+    """
+    world_size = check_int("world_size", world_size)
+    sizes = [1 << k for k in range(world_size.bit_length()) if 1 << k < world_size]
+    return sizes + [world_size]
+
+
+def smallest_fitting_world_size(peak_at: Callable[[int], int], usable_bytes: int, world_size: int,
+                                known: Optional[dict[int, int]] = None) -> tuple[Optional[int], dict[int, int]]:
+    """The smallest world size in :func:`world_sizes_up_to` whose per-rank peak fits ``usable_bytes``
+    (None where even ``world_size`` does not), by bisection (the per-rank peak does not grow with the
+    world size); returns it and every ``world size -> peak`` computed.
+
+    Example:
+        >>> smallest_fitting_world_size(lambda n: 100 + 800 // n, 350, 8)
+        (4, {8: 200, 2: 500, 4: 300})
+    """
+    sizes = world_sizes_up_to(world_size)
+    peaks: dict[int, int] = dict(known or {})
+
+    def peak(n: int) -> int:
+        if n not in peaks:
+            peaks[n] = int(peak_at(n))
+        return peaks[n]
+
+    if peak(sizes[-1]) > usable_bytes:
+        return None, peaks
+    lo, hi = -1, len(sizes) - 1  # sizes[hi] fits; sizes[lo] does not (-1: unknown)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak(sizes[mid]) <= usable_bytes:
+            hi = mid
+        else:
+            lo = mid
+    return sizes[hi], peaks
+
+
+def context_parallel_note(device: torch.device | str) -> str:
+    """What a plan says about context (sequence) parallelism on ``device``.
+
+    Example:
+        >>> context_parallel_note("cpu").startswith("context parallelism: not planned on cpu")
+        True
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"context parallelism: not planned on {device.type}: PyTorch's context_parallel "
+                "(torch.distributed.tensor.experimental) shards the sequence across ranks for CUDA SDPA kernels "
+                "(flash, memory-efficient, cuDNN) and cannot run here")
+    return ("context parallelism: not planned: context_parallel can run on CUDA, but this version does not "
+            "model it (its ring attention buffers are not simulated); each rank holds the whole sequence here")
