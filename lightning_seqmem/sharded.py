@@ -342,8 +342,18 @@ def template_for(trainer: Any, pl_module: nn.Module) -> Optional[nn.Module]:
 
 
 def dry_run_refusal(trainer: Any) -> Optional[str]:
-    """Why no dry run can answer for this run's strategy (DeepSpeed), or None."""
+    """Why no dry run of the run's own step can answer for this strategy (FSDP1, DeepSpeed), or None.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> dry_run_refusal(SimpleNamespace(strategy=None)) is None
+        True
+    """
     name = type(getattr(trainer, "strategy", None)).__name__
+    if name == "FSDPStrategy":
+        return ("FSDPStrategy (FSDP1) flattens and shards the parameters inside FullyShardedDataParallel, which a "
+                "fake copy of the module does not reproduce; forecasts come from measured steps (timeline replay, "
+                "quadratic fit); forecast(world_size=N) plans it as FSDP2 from the template taken in setup")
     if "DeepSpeed" in name:
         return (f"{name}: DeepSpeed partitions parameters, gradients and optimizer state inside its own engine, "
                 "which a fake copy of the module does not reproduce; forecasts come from measured steps "
