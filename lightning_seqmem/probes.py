@@ -128,6 +128,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.events = TrackedEvents() if record_events else None
         self._ids: dict[int, int] = {}  # StorageImpl address -> allocation index, while alive
         self._sizes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it now
+        self._resized_to_zero: set[int] = set()  # tracked storages resized to 0 bytes, still alive
         self._finalizers: list[weakref.ref] = []
         self._active = True
         self.error: Optional[BaseException] = None  # a bookkeeping failure: the step ran, the count is void
@@ -151,6 +152,7 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.sequence.append(index)
 
     def _free(self, index: int, key: int) -> None:
+        self._resized_to_zero.discard(key)  # the storage died: its address may be reused
         if self._ids.get(key) != index:
             return  # resized since (that entry was already freed) or untracked
         del self._ids[key]  # the address may be reused by a later storage
@@ -179,9 +181,12 @@ class LiveTensorTracker(TorchDispatchMode):
             self.live_bytes -= self._sizes.pop(key)
             if self.events is not None:
                 self.events.sequence.append(~index)
-        elif getattr(st, "device", None) is not None and st.device.type != self.device_type:
-            return
+            if nbytes == 0:
+                self._resized_to_zero.add(key)
+        elif key not in self._resized_to_zero and st.device.type != self.device_type:
+            return  # another device's storage (a fake tensor's storage is on "meta": known by its key above)
         if nbytes > 0:
+            self._resized_to_zero.discard(key)
             self._add(st, "<resize_>", nbytes)
 
     def track_existing(self, tensors: Iterable[Any], kind: str = "existing") -> None:
