@@ -60,6 +60,11 @@ def test_rungs_switched_on_mid_run_under_fsdp2_keep_the_gradients_and_the_budget
     assert max(r["peak_bytes"] for r in rank0["budget_records"]) <= rank0["usable_budget"]
     # the same steps as the reference run (same lengths), so without rungs step 4 would be over
     assert max(r["peak_bytes"] for r in rank0["reference_records"]) > rank0["usable_budget"]
+    # decided by the dry run of the sharded step, which then matched the measured steady step
+    assert all("'before_method': 'dry_run'" in e for e in rank0["budget_events"])
+    last = rank0["budget_records"][-1]
+    assert last["forecast_method"] == "dry_run" and not last["warmup"]
+    assert abs(last["forecast_peak_bytes"] - last["peak_bytes"]) / last["peak_bytes"] < 0.01
     assert len(rank0["grad_rel_diff"]) == 6
     assert max(rank0["grad_rel_diff"]) < 1e-5  # float summation order only
     assert rank0["param_rel_diff"] < 1e-5
