@@ -27,7 +27,7 @@ def precision_advice(dry: Any, planner: Any, precision: str, device: torch.devic
     autocast (``torch.autocast(device.type, dtype=torch.bfloat16)``) peaks lower than without; None
     otherwise, and where no dry run can answer (a compiled module, a model fake tensors cannot run).
 
-    ``dry`` is the callback's :class:`~lightning_seqmem.dryrun.TrainingRunDryRun` (or None).
+    ``dry`` is the callback's :class:`~lightning_seqmem.training_dry_run.TrainingRunDryRun` (or None).
     """
     from .dryrun import dry_run_step
 

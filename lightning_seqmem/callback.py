@@ -224,8 +224,9 @@ class SeqMemCallback(Callback):
         self.breakdown_table: Optional[Any] = None
         self.breakdown_report: Optional[dict[str, Any]] = None
         self._breakdown_batch: Optional[tuple[int, Any]] = None
-        self._dry: Any = None  # dryrun.TrainingRunDryRun on rank zero, with dry_run=True
+        self._dry: Any = None  # training_dry_run.TrainingRunDryRun on rank zero, with dry_run=True
         self._compiled: Optional[str] = None  # why the module counts as torch.compile'd, or None
+        self._template: Any = None  # unsharded copy on meta for FSDP2 runs (sharded.template_for)
 
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
@@ -246,11 +247,20 @@ class SeqMemCallback(Callback):
         """The forecaster of the mitigations applied now (each setting has its own fit)."""
         return self.planner.forecaster
 
-    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None) -> Forecast:
+    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None,
+                 world_size: Optional[int] = None) -> Forecast:
         """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``
         (defaults: the last measured batch size, the mitigations on now); see
-        :meth:`SeqMemPlanner.forecast <lightning_seqmem.planner.SeqMemPlanner.forecast>`."""
-        fc = self.planner.forecast(seq_len, batch_size, mitigations)
+        :meth:`SeqMemPlanner.forecast <lightning_seqmem.planner.SeqMemPlanner.forecast>`. With
+        ``world_size``: the per-rank peak at that many ranks (FSDP2 for a sharded run, else DDP), by a
+        dry run in a fake process group (:func:`lightning_seqmem.sharded.world_forecast`; rank zero)."""
+        if world_size is not None:
+            from .sharded import world_forecast
+
+            key = self.planner.applied_mitigations if mitigations is None else ladder.check_mitigations(mitigations)
+            fc = world_forecast(self._dry, seq_len, self.planner._batch_size(batch_size), key, world_size)
+        else:
+            fc = self.planner.forecast(seq_len, batch_size, mitigations)
         note = A.program_note(self._compiled, self._probe.name if self._probe is not None else self.probe_name)
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
@@ -275,6 +285,7 @@ class SeqMemCallback(Callback):
             self.planner.budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
         self.planner.compare_reserved, self.planner.block_bytes = on_cuda, 512 if on_cuda else 1
         self.planner.precision = str(trainer.precision)
+        self._template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
         self._check_strategy_and_module(trainer, pl_module)
         self._warn_advice()
 
@@ -303,10 +314,11 @@ class SeqMemCallback(Callback):
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
-                from .dryrun import TrainingRunDryRun
+                from .training_dry_run import TrainingRunDryRun
 
                 self._dry = TrainingRunDryRun(trainer, pl_module, lambda: self.planner.applied_mitigations,
-                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)))
+                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)),
+                                              template=self._template)
                 self.planner.dry_run = self._dry
         if self._reapply_on_fit_start:
             self._reapply_on_fit_start = False

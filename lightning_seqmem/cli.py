@@ -410,24 +410,50 @@ def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any,
     return sets, skipped
 
 
+def _step_peak(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size: int, names: tuple[str, ...],
+               context: Any, device: Any, world: Optional[tuple[int, str]] = None) -> int:
+    """The dry-run peak of one step; with ``world = (N, strategy)`` the per-rank peak at N ranks."""
+    if world is None:
+        from .dryrun import dry_run_step
+
+        return dry_run_step(model, optimizer, batch, seq_len, batch_size, names, context, device).peak_bytes
+    from .sharded import sharded_dry_run_step
+
+    return sharded_dry_run_step(model, batch, seq_len, world[0], batch_size, names, world[1], context, device).peak_bytes
+
+
 def _plan_rows(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size: int, sets: Sequence[tuple[str, ...]],
-               usable: Optional[int], context: Any, device: Any) -> list[dict[str, Any]]:
-    """One dry run per mitigation set at ``(seq_len, batch_size)``: a JSON row each."""
-    from .dryrun import DryRunUnsupported, dry_run_step
+               usable: Optional[int], context: Any, device: Any,
+               world: Optional[tuple[int, str]] = None) -> list[dict[str, Any]]:
+    """One dry run per mitigation set at ``(seq_len, batch_size)``: a JSON row each. With ``world``
+    (``(N, strategy)``), the per-rank peak at N ranks and, with a budget, the smallest world size
+    up to N at which the set fits (``smallest_world_size``; None where N does not suffice)."""
+    from .dryrun import DryRunUnsupported
 
     rows = []
     for names in sets:
-        peak = error = None
+        peak = error = smallest = None
+        peaks: dict[int, int] = {}
         started = time.perf_counter()
         try:
-            peak = dry_run_step(model, optimizer, batch, seq_len, batch_size, names, context, device).peak_bytes
+            peak = _step_peak(model, optimizer, batch, seq_len, batch_size, names, context, device, world)
+            if world is not None and usable is not None:
+                from .sharded import smallest_fitting_world_size
+
+                smallest, peaks = smallest_fitting_world_size(
+                    lambda n: _step_peak(model, optimizer, batch, seq_len, batch_size, names, context, device,
+                                         (n, world[1])), usable, world[0], {world[0]: peak})
         except DryRunUnsupported as exc:
             error = f"unsupported: {exc.reason}"
         except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
             error = f"failed: {type(exc).__name__}: {exc}"
-        rows.append({"mitigations": list(names), "peak_bytes": peak,
-                     "fits": None if usable is None or peak is None else peak <= usable,
-                     "seconds": time.perf_counter() - started, "error": error})
+        row = {"mitigations": list(names), "peak_bytes": peak,
+               "fits": None if usable is None or peak is None else peak <= usable,
+               "seconds": time.perf_counter() - started, "error": error}
+        if world is not None:
+            row.update(world_size=world[0], smallest_world_size=smallest,
+                       peak_bytes_by_world_size={str(n): v for n, v in sorted(peaks.items())})
+        rows.append(row)
     return rows
 
 
@@ -482,17 +508,27 @@ def _plan(args: argparse.Namespace) -> int:
     for name, reason in skipped.items():
         console.print(f"rung {name} skipped: {reason}")
 
+    world = None if args.world_size is None else (args.world_size, args.strategy)
+    if world is not None:
+        from .sharded import context_parallel_note
+
+        console.print(f"per rank at world size {world[0]} ({world[1]}: "
+                      + ("parameters, gradients and optimizer state sharded with fully_shard on each block and the "
+                         "root, or as the model's configure_model() shards them" if world[1] == "fsdp2" else
+                         "every rank holds the whole model, plus DDP's gradient buckets")
+                      + "), by a dry run in a fake process group; batch is per rank")
+        console.print(context_parallel_note(device))
     results = []
     with console.status(f"dry-running {len(sets)} mitigation sets at seq_len {lengths}..."):
         for L in lengths:
-            rows = _plan_rows(model, optimizer, batch, L, batch_size, sets, usable, context, device)
+            rows = _plan_rows(model, optimizer, batch, L, batch_size, sets, usable, context, device, world)
             plan = next((r["mitigations"] for r in rows if r["fits"]), None)
             results.append({"seq_len": L, "rows": rows, "plan": plan})
     # nothing fits at some length: the largest length the last (lowest) set fits, searched once
     # between the longest asked length it fits and the shortest it does not
     largest, searched, search_runs, search_seconds = None, False, 0, 0.0
     over = [res["seq_len"] for res in results if res["rows"][-1]["fits"] is False]
-    if over:
+    if over and world is None:  # at N ranks the table's "fits from N" column answers instead
         hi = min(over)
         lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi), default=0)
         t0 = time.perf_counter()
@@ -511,8 +547,13 @@ def _plan(args: argparse.Namespace) -> int:
                  f"the usable budget {format_bytes(usable)} ({format_bytes(budget)} − {margin:.0%} safety margin)")
     else:
         title = f"seqmem plan: predicted peak of one training step (dry run), batch {batch_size}"
+    if world is not None:
+        title = title.replace("predicted peak of one training step", f"predicted per-rank peak at {world[0]} ranks "
+                              f"({world[1]})")
     table = Table(title=title, title_justify="left")
-    headers = ["seq_len", "batch", "mitigations", "peak", *(["fits"] if usable is not None else []), "time"]
+    smallest_column = world is not None and usable is not None
+    headers = ["seq_len", "batch", "mitigations", "peak", *(["fits"] if usable is not None else []),
+               *([f"fits from N (≤ {world[0]})"] if smallest_column else []), "time"]
     for header in headers:
         table.add_column(header, justify="left" if header == "mitigations" else "right")
     errors: dict[str, int] = {}  # each distinct reason a dry run did not run -> its note number, below the table
@@ -525,7 +566,11 @@ def _plan(args: argparse.Namespace) -> int:
             else:
                 number = errors.setdefault(row["error"], len(errors) + 1)
                 peak = f"{row['error'].split(':')[0]} [{number}]"
-            table.add_row(str(res["seq_len"]), str(batch_size), _names(row["mitigations"]), peak, *fits,
+            smallest = []
+            if smallest_column:
+                smallest = ["-" if row["error"] else (str(row["smallest_world_size"]) if row["smallest_world_size"]
+                                                      else f"> {world[0]}")]
+            table.add_row(str(res["seq_len"]), str(batch_size), _names(row["mitigations"]), peak, *fits, *smallest,
                           f"{row['seconds']:.1f}s",
                           style="bold green" if chosen else ("red" if row["fits"] is False else None))
         table.add_section()
@@ -572,6 +617,7 @@ def _plan(args: argparse.Namespace) -> int:
             "batch_size": batch_size, "budget_bytes": budget, "safety_margin": margin, "usable_budget_bytes": usable,
             "mitigation_sets": [list(s) for s in sets], "skipped": skipped, "lengths": results,
             "largest_fitting_seq_len": largest, "seconds": seconds, "method": "dry_run",
+            "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
         }, indent=2) + "\n")
     failed = any(r["error"] and not r["error"].startswith("unsupported:") for res in results for r in res["rows"])
     return 1 if failed else 0
@@ -670,6 +716,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="fraction of the budget kept free, in [0, 1) (default: the config's SeqMemCallback, else 0.1)")
     plan.add_argument("--model-class", default=_DEFAULT_MODEL, help="model class when the config names none")
     plan.add_argument("--data-class", default=_DEFAULT_DATA, help="datamodule class when the config names none")
+    plan.add_argument("--world-size", type=_positive_int, default=None,
+                      help="plan the per-rank peak at this many ranks (a dry run in a fake process group on this "
+                      "machine), and with a budget the smallest world size (powers of two up to it) at which each "
+                      "length fits with each mitigation set")
+    plan.add_argument("--strategy", choices=("fsdp2", "ddp"), default="fsdp2",
+                      help="with --world-size: fsdp2 (fully_shard: the model's configure_model(), else each repeated "
+                      "block and the root) or ddp (replicas); default fsdp2")
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     plan.set_defaults(func=_plan)
     return parser

@@ -99,18 +99,26 @@ from torch._subclasses.fake_tensor import (
 )
 
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .batch import infer_batch_shape
 from .checks import check_int
 from .mitigations.attention import AttentionSwitch
 from .mitigations.checkpointing import ActivationCheckpointing
 from .mitigations.ladder import check_mitigations
-from .mitigations.microbatch import IGNORE_INDEX, MicroBatching, is_micro_batching, micro_batch_counts, split_batch
+from .mitigations.microbatch import (
+    IGNORE_INDEX,
+    MicroBatching,
+    deferred_gradient_reduction,
+    is_micro_batching,
+    micro_batch_counts,
+    split_batch,
+)
 from .offline import training_step_memory
 from .probes import PHASES, TrackedEvents, existing_tensors, make_probe, round_cuda_block_bytes
 
-__all__ = ["DryRunResult", "DryRunUnsupported", "TrainingRunDryRun", "allocator_block_bytes", "dry_run_step", "replay_peaks"]
+__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_kernel_scratch_bytes", "dry_run_step",
+           "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
 
 _MICRO_BATCH_SIZE = 1  # samples per micro-batch of the "microbatch" rung (as the ladder applies it)
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
@@ -720,7 +728,7 @@ def _micro_batched_loss(
         done: Optional[torch.Tensor] = None
         for i in used[:-1]:
             scaled = _plain_loss(model, parts[i]) * (counts[i] / total)
-            with _autocast_off(scaled.device.type):
+            with _autocast_off(scaled.device.type), deferred_gradient_reduction(model):
                 scaled.backward()
             done = scaled.detach() if done is None else done + scaled.detach()
             del scaled
@@ -942,42 +950,3 @@ def _to_device(obj: Any, device: torch.device) -> Any:
         parts = [_to_device(v, device) for v in obj]
         return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
     return obj
-
-
-class TrainingRunDryRun:
-    """The dry run of a training run's own step, as the planner asks it: ``(seq_len, batch_size,
-    mitigations) -> (peak_bytes, phase_peak_bytes)``.
-
-    Holds the module, its first optimizer, the precision plugin's context and a CPU copy of one
-    batch (:meth:`keep`, the first one given). ``applied()`` says which rungs are on the real
-    module now: the copy starts from them and adds the others (a copy cannot undo a rung, so a set
-    without one of them raises). The first failure (:class:`DryRunUnsupported` or any other) is
-    handed to ``on_unsupported(reason)`` once and every later call raises at once.
-    """
-
-    def __init__(self, trainer: Any, pl_module: nn.Module, applied: Callable[[], tuple[str, ...]],
-                 on_unsupported: Callable[[str], None]) -> None:
-        self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
-        self.batch: Any = None
-        self.unsupported: Optional[str] = None
-
-    def keep(self, batch: Any) -> None:
-        """Keep a CPU copy of ``batch`` (the first one only): each dry run reshapes it."""
-        if self.batch is None:
-            self.batch = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
-
-    def __call__(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
-        applied = tuple(self.applied())
-        if self.unsupported or self.batch is None or any(m not in mitigations for m in applied):
-            raise DryRunUnsupported(self.unsupported or "no batch kept yet, or a rung on now cannot be undone on a copy")
-        optimizers = getattr(self.trainer, "optimizers", None) or [None]
-        try:
-            result = dry_run_step(self.pl_module, optimizers[0], self.batch, seq_len, batch_size,
-                                  tuple(m for m in mitigations if m not in applied),
-                                  autocast=self.trainer.precision_plugin.train_step_context,
-                                  device=self.trainer.strategy.root_device)
-        except Exception as exc:  # noqa: BLE001 - said once; the replay and quadratic fit answer from now on
-            self.unsupported = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-            self.on_unsupported(self.unsupported)
-            raise
-        return result.peak_bytes, result.phase_peak_bytes

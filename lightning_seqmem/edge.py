@@ -86,13 +86,18 @@ def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, throug
 
 def unsupported_rungs(trainer: Any, pl_module: Any, rungs: tuple[str, ...]) -> tuple[list[str], str]:
     """The rungs this strategy or module cannot take, and why (before training starts)."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-        return [m for m in rungs if m in ("checkpointing", "microbatch")], (
-            f"{type(trainer.strategy).__name__} shards or wraps the model itself; only single-device and DDP runs "
-            "are supported for these (measurement and forecasts still work; for FSDP use its own activation "
-            "checkpointing, for DeepSpeed its config)")
+    if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP2 in configure_model(): every rung works
+        pass
+    elif not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+        name = type(trainer.strategy).__name__
+        how = ("for DeepSpeed use its config (activation checkpointing, gradient accumulation); measurement and "
+               "forecasts from measured steps still work, the dry run does not" if "DeepSpeed" in name else
+               "FSDPStrategy (FSDP1) wraps the model in FullyShardedDataParallel: use its activation_checkpointing_policy, "
+               "or ModelParallelStrategy with fully_shard (FSDP2) in configure_model(), where every rung works; "
+               "measurement and forecasts still work")
+        return [m for m in rungs if m in ("checkpointing", "microbatch")], f"{name} shards or wraps the model itself: {how}"
     if not pl_module.automatic_optimization and "microbatch" in rungs:
         return ["microbatch"], "manual optimization runs its own backward, which cannot be split"
     return [], ""
@@ -110,6 +115,18 @@ def release_cached_memory(pl_module: Any) -> None:
         torch.cuda.empty_cache()
 
 
+def sharding_template(trainer: Any, pl_module: Any) -> Optional[Any]:
+    """An unsharded copy of the module on ``meta`` where the strategy will shard it in
+    ``configure_model()`` (see :func:`lightning_seqmem.sharded.template_for`); None elsewhere or
+    where it cannot be copied (the dry run then says why)."""
+    from .sharded import template_for
+
+    try:
+        return template_for(trainer, pl_module)
+    except Exception:  # noqa: BLE001 - the dry run reports the missing template when asked
+        return None
+
+
 def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
     """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the breakdown at the end)."""
     from torch.utils._pytree import tree_map
@@ -120,4 +137,4 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
 
 
 __all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
-           "steps_optimizer", "train_loader_workers", "unsupported_rungs"]
+           "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]

@@ -74,6 +74,34 @@ class _Transient:
     """A placeholder for a scratch allocation's slot (dead at once: nothing to watch)."""
 
 
+_RESIZE_WATCHERS: list["LiveTensorTracker"] = []  # trackers entered now, told of every storage resize
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
+    out = _ORIGINAL_RESIZE(storage, size)
+    for tracker in list(_RESIZE_WATCHERS):
+        try:
+            tracker._resized(storage, int(storage.nbytes()))
+        except Exception as exc:  # noqa: BLE001 - the resize itself must succeed regardless
+            tracker.error = exc
+    return out
+
+
+def _watch_resizes(tracker: "LiveTensorTracker", on: bool) -> None:
+    """``torch.UntypedStorage.resize_`` is not a tensor op (no dispatch mode sees it), so while a
+    tracker is entered it is wrapped to tell the tracker (as ``torch.distributed._tools.MemTracker``
+    does); the original comes back when the last tracker leaves."""
+    if on:
+        _RESIZE_WATCHERS.append(tracker)
+        torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
+    else:
+        if tracker in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.remove(tracker)
+        if not _RESIZE_WATCHERS:
+            torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Exact live tensor bytes on one device type, by watching every storage an op creates.
 
@@ -103,6 +131,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.phase: Optional[str] = None
         self.events = TrackedEvents() if record_events else None
         self._ids: dict[int, int] = {}  # StorageImpl address -> allocation index, while alive
+        self._sizes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it now
+        self._resized_to_zero: set[int] = set()  # tracked storages resized to 0 bytes, still alive
         self._finalizers: list[weakref.ref] = []
         self._active = True
         self.error: Optional[BaseException] = None  # a bookkeeping failure: the step ran, the count is void
@@ -111,12 +141,13 @@ class LiveTensorTracker(TorchDispatchMode):
         self.scratch: Optional[Callable[[Any, Any, Any], int]] = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _add(self, st: torch.UntypedStorage, op: str) -> None:
-        nbytes = st.nbytes()
+    def _add(self, st: torch.UntypedStorage, op: str, nbytes: Optional[int] = None) -> None:
+        nbytes = st.nbytes() if nbytes is None else nbytes
         index = len(self._finalizers)
         key = st._cdata
         self._ids[key] = index
-        self._finalizers.append(weakref.ref(st, lambda _ref, i=index, n=nbytes, k=key: self._free(i, n, k)))
+        self._sizes[key] = nbytes
+        self._finalizers.append(weakref.ref(st, lambda _ref, i=index, k=key: self._free(i, k)))
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
@@ -127,14 +158,43 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.ops.append(op)
             self.events.sequence.append(index)
 
-    def _free(self, index: int, nbytes: int, key: int) -> None:
-        if self._ids.get(key) == index:
-            del self._ids[key]  # the address may be reused by a later storage
+    def _free(self, index: int, key: int) -> None:
+        self._resized_to_zero.discard(key)  # the storage died: its address may be reused
+        if self._ids.get(key) != index:
+            return  # resized since (that entry was already freed) or untracked
+        del self._ids[key]  # the address may be reused by a later storage
+        nbytes = self._sizes.pop(key)
         if not self._active:
             return
         self.live_bytes -= nbytes
         if self.events is not None:
             self.events.sequence.append(~index)
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """``st.resize_(nbytes)`` ran: free its entry and count it again at its new size.
+
+        FSDP2 keeps each block's unsharded parameters in storages it resizes to 0 after the block
+        ran and back before it runs again (``free_storage`` / ``alloc_storage``), which no dispatch
+        mode sees; storages it grows from 0 are counted from then on, whenever they were created.
+        """
+        if not self._active or self.error is not None:
+            return
+        key = st._cdata
+        index = self._ids.get(key)
+        if index is not None:
+            if self._sizes[key] == nbytes:
+                return
+            del self._ids[key]
+            self.live_bytes -= self._sizes.pop(key)
+            if self.events is not None:
+                self.events.sequence.append(~index)
+            if nbytes == 0:
+                self._resized_to_zero.add(key)
+        elif key not in self._resized_to_zero and st.device.type != self.device_type:
+            return  # another device's storage (a fake tensor's storage is on "meta": known by its key above)
+        if nbytes > 0:
+            self._resized_to_zero.discard(key)
+            self._add(st, "<resize_>", nbytes)
 
     def track_existing(self, tensors: Iterable[Any], kind: str = "existing") -> None:
         """Count storages that were alive before tracking (each storage once)."""
@@ -159,6 +219,14 @@ class LiveTensorTracker(TorchDispatchMode):
         self._active = False
 
     # -- dispatch --------------------------------------------------------------------------------
+    def __enter__(self):
+        _watch_resizes(self, True)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        _watch_resizes(self, False)
+        return super().__exit__(*exc_info)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.error is None:

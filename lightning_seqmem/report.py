@@ -38,9 +38,7 @@ __all__ = [
     "render_breakdown_markdown",
     "render_console",
     "render_markdown",
-    "report_dir",
-    "write_report",
-]
+]  # writing the files: lightning_seqmem.outputs.write_report
 
 REPORT_FORMAT = "lightning-seqmem-report/1"
 JSON_NAME, MARKDOWN_NAME, PNG_NAME = "seqmem_report.json", "seqmem_report.md", "seqmem_memory.png"

@@ -12,6 +12,11 @@ grow with the number of blocks times ``L`` instead of with everything each block
   built before keeps working, its state untouched) and strip their ``_checkpoint_wrapped_module.``
   prefix from ``state_dict`` keys (and add it back on load), so checkpoints stay interchangeable
   with an unwrapped model. ``named_parameters()`` of the root *does* show the prefix.
+* Blocks sharded with FSDP2 (``fully_shard``, e.g. in ``configure_model()``): PyTorch's composable
+  ``torch.distributed._composable.checkpoint`` is applied to each block in place instead (no
+  wrapper module: parameter names, ``state_dict`` keys and sharded checkpoints are unchanged). It
+  composes with ``fully_shard`` applied before or after it (FSDP2's hooks run outside the
+  checkpointed region either way), so it can be switched on mid-run.
 
 Example:
     >>> from lightning_seqmem.nn import GPT, GPTConfig
@@ -139,9 +144,22 @@ def is_checkpointed(model: nn.Module) -> bool:
         >>> is_checkpointed(nn.Sequential(nn.Linear(2, 2)))
         False
     """
-    if any(isinstance(m, ActivationWrapper) for m in model.modules()):
+    if any(isinstance(m, ActivationWrapper) or _composably_checkpointed(m) for m in model.modules()):
         return True
     return any(_hf_is_checkpointing(m) for m in _find_hf_models(model))
+
+
+def _composably_checkpointed(module: nn.Module) -> bool:
+    """Whether ``torch.distributed._composable.checkpoint`` was applied to ``module``."""
+    from torch.distributed._composable import _get_registry
+
+    return "checkpoint" in (_get_registry(module) or {})
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def _hf_enable(hf_model: nn.Module) -> None:
@@ -216,6 +234,13 @@ class ActivationCheckpointing:
         else:
             blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
             wanted = {id(b) for b in blocks}
+            if any(_is_fsdp2(m) for m in model.modules()):  # FSDP2: in place, composable with fully_shard
+                from torch.distributed._composable import checkpoint
+
+                for block in blocks:
+                    checkpoint(block)
+                detail = f"checkpointed {len(blocks)} x {type(blocks[0]).__name__} in place (composable, under FSDP2)"
+                return MitigationResult(self.name, applied=True, detail=detail, before="off", after="on")
             apply_activation_checkpointing(
                 model,
                 checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),

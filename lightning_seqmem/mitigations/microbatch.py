@@ -89,7 +89,11 @@ Mechanism (automatic optimization; Lightning's ``Closure.closure`` runs ``traini
    Under DDP these backward calls run inside ``DistributedDataParallel.no_sync()``, so gradients
    are all-reduced once per optimizer step. (With torch 2.13 the reducer is armed only in DDP's
    ``_post_forward``, after ``training_step`` returns, so they would not all-reduce anyway;
-   ``no_sync`` keeps that true whatever DDP does inside its forward.)
+   ``no_sync`` keeps that true whatever DDP does inside its forward.) Under FSDP2 (``fully_shard``
+   through Lightning's ``ModelParallelStrategy``) they run with
+   ``FSDPModule.set_requires_gradient_sync(False)`` on every sharded module instead: each rank
+   accumulates its unsharded gradients locally (one more unsharded copy of each block's gradients
+   held until the last micro-batch) and the reduce-scatter runs once, in the last backward.
 4. The last micro-batch with ``c_i > 0`` is not backpropagated by the wrapper: its scaled loss is
    returned, and Lightning backpropagates it (with the DDP gradient sync).
 
@@ -603,8 +607,8 @@ class _MicroBatchedTrainingStep:
                 pending.restore()
             self.pl_module.optimizer_zero_grad(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, optimizer)
             self.pl_module.optimizer_zero_grad = _SkipNextZeroGrad(self.pl_module)
-        model = trainer.strategy.model
-        no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
+        model = trainer.strategy.model if trainer.strategy.model is not None else self.pl_module
+        no_sync = lambda: deferred_gradient_reduction(model)  # noqa: E731
         done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached
         for i in used[:-1]:
             output = self.original(parts[i], *args)
@@ -624,6 +628,33 @@ class _MicroBatchedTrainingStep:
             return output
         scaled = loss * (counts[used[-1]] / total)
         return _with_loss(output, scaled if done is None else scaled + done)
+
+
+@contextlib.contextmanager
+def deferred_gradient_reduction(model: Any) -> Any:
+    """Backward passes inside accumulate gradients locally, without reducing them across ranks:
+    ``DistributedDataParallel.no_sync()``, or ``set_requires_gradient_sync(False)`` on every FSDP2
+    module (``fully_shard``) of ``model``, switched back on afterwards; nothing for anything else.
+
+    Example:
+        >>> with deferred_gradient_reduction(torch.nn.Linear(2, 2)):
+        ...     pass
+    """
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules()] if isinstance(model, torch.nn.Module) else []
+    sharded = [m for m in sharded if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.set_requires_gradient_sync(True, recurse=False)
 
 
 def _unwrap(pl_module: Any, wrapper: _MicroBatchedTrainingStep) -> None:
@@ -681,6 +712,12 @@ def micro_batching_check_pending(pl_module: Any) -> bool:
 def _describe(pl_module: Any) -> str:
     wrapper = _wrapper_of(pl_module)
     return f"micro_batch_size={wrapper.micro_batch_size}" if wrapper is not None else "off"
+
+
+def _has_fsdp2(module: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def _dataloader_batch_size(trainer: Any) -> int | None:
@@ -748,13 +785,15 @@ class MicroBatching:
         refusal = micro_batching_refusal(pl_module)
         if refusal is not None and self.verify:
             return False, f"refused by its first-step check: {refusal}"
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
         if getattr(strategy, "handles_gradient_accumulation", False):
             return False, f"{type(strategy).__name__} accumulates gradients itself"
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
-            return False, f"strategy {type(strategy).__name__} not supported (single device and DDP are)"
+        fsdp2 = isinstance(strategy, ModelParallelStrategy) and _has_fsdp2(pl_module)
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not fsdp2:
+            return False, (f"strategy {type(strategy).__name__} not supported (single device, DDP, and "
+                           "ModelParallelStrategy with fully_shard (FSDP2) modules are)")
         model = strategy.model
         if model is not None and model is not pl_module and not isinstance(model, DistributedDataParallel):
             return False, f"the strategy wraps the module in {type(model).__name__} (not DistributedDataParallel)"
