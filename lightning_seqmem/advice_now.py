@@ -22,9 +22,13 @@ def target_length(planner: Any) -> Optional[int]:
     return max((r.seq_len for r in planner.records), default=None)
 
 
+BF16_MIN_GAIN = 0.05  # fraction of the 32-bit peak bf16 must save to be worth a restart
+
+
 def precision_advice(dry: Any, planner: Any, precision: str, device: torch.device) -> Optional[A.Advice]:
     """bf16-mixed advice for a 32-bit run, only where a dry run at the target length with bf16
-    autocast (``torch.autocast(device.type, dtype=torch.bfloat16)``) peaks lower than without; None
+    autocast (``torch.autocast(device.type, dtype=torch.bfloat16)``) peaks at least
+    :data:`BF16_MIN_GAIN` (5%) lower than without (a restart for less is not worth saying); None
     otherwise, and where no dry run can answer (a compiled module, a model fake tensors cannot run).
 
     ``dry`` is the callback's :class:`~lightning_seqmem.training_dry_run.TrainingRunDryRun` (or None).
@@ -42,9 +46,9 @@ def precision_advice(dry: Any, planner: Any, precision: str, device: torch.devic
     optimizers = getattr(dry.trainer, "optimizers", None) or [None]
     bf16 = dry_run_step(dry.pl_module, optimizers[0], dry.batch, seq_len, batch_size,
                         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16), device=device)
-    if bf16.peak_bytes >= fp32[0]:
+    if bf16.peak_bytes > fp32[0] * (1 - BF16_MIN_GAIN):
         return None
     return A.precision(seq_len, batch_size, fp32[0], bf16.peak_bytes)
 
 
-__all__ = ["precision_advice", "target_length"]
+__all__ = ["BF16_MIN_GAIN", "precision_advice", "target_length"]
