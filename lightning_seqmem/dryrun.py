@@ -110,8 +110,10 @@ from .mitigations.microbatch import (
     IGNORE_INDEX,
     MicroBatching,
     deferred_gradient_reduction,
+    _slice,
     is_micro_batching,
     micro_batch_counts,
+    micro_batching_check_pending,
     split_batch,
 )
 from .offline import training_step_memory
@@ -702,13 +704,31 @@ def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignor
         return [infer_batch_shape(part)[0] for part in split_batch(batch, micro_batch_size)]
 
 
+def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: list[int]) -> None:
+    """The memory of the wrapper's one-time check of its first split batch (see
+    :mod:`lightning_seqmem.mitigations.microbatch`): a copy of every buffer, then no-grad forwards
+    of the first two counted micro-batches together and apart, while the previous step's gradients
+    are still alive. Nothing is kept."""
+    used = [i for i, c in enumerate(counts) if c > 0][:2]
+    if len(used) < 2:
+        return
+    sizes = [infer_batch_shape(part)[0] for part in parts]
+    pair = _slice(batch, sum(sizes), sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1]))
+    copies = [b.detach().clone() for b in model.buffers()]
+    with torch.no_grad():
+        losses = [_plain_loss(model, part).detach() for part in (pair, *(parts[i] for i in used))]
+    del copies, losses
+
+
 def _micro_batched_loss(
-    optimizer: torch.optim.Optimizer, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX
+    optimizer: torch.optim.Optimizer, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX,
+    check: bool = False,
 ) -> Callable[[nn.Module, Any], torch.Tensor]:
     """``training_step`` per micro-batch, each loss weighted by its share ``c_i / C`` of what the loss averages over.
 
     Mirrors the wrapper of :mod:`lightning_seqmem.mitigations.microbatch` (its steady state; not
-    the one-time check of the first split batch): count ``c_i`` (label tokens or samples), zero
+    with ``check``, also the memory of its one-time check of the first split batch, before any
+    gradient is touched): count ``c_i`` (label tokens or samples), zero
     the gradients, backpropagate each micro-batch with ``c_i > 0`` but the last (autocast off),
     and return the last one's weighted loss (plus the others', detached) for the caller's
     backward. A batch with one micro-batch, or nothing counted, runs whole, zeroed after its
@@ -723,6 +743,8 @@ def _micro_batched_loss(
             loss = _plain_loss(model, batch)
             optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad, after the forward
             return loss
+        if check:
+            _first_step_check(model, batch, parts, counts)
         total = sum(counts)
         optimizer.zero_grad(set_to_none=True)
         done: Optional[torch.Tensor] = None
@@ -806,7 +828,9 @@ def _step_functions(
     """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.offline.training_step_memory`: plain or micro-batched."""
     micro_batch_size = _MICRO_BATCH_SIZE if "microbatch" in names else None
     policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
+    check = micro_batch_size is not None and policy.verify  # switched on now: its first split batch is checked
     if micro_batch_size is None and is_micro_batching(pl_module):
+        check = micro_batching_check_pending(pl_module)
         policy = pl_module.__dict__["training_step"]  # the wrapper: its size and weighting
         micro_batch_size = int(policy.micro_batch_size)
         notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
@@ -817,7 +841,9 @@ def _step_functions(
         return _plain_loss, optimizer
     notes.append(f"microbatch: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
     weighting, ignore_index = getattr(policy, "weighting", "auto"), getattr(policy, "ignore_index", IGNORE_INDEX)
-    loss_fn = _micro_batched_loss(optimizer, micro_batch_size, weighting, ignore_index)
+    loss_fn = _micro_batched_loss(optimizer, micro_batch_size, weighting, ignore_index, check)
+    if check:
+        notes.append("microbatch: with the one-time check of the first split batch")
     return loss_fn, _ZeroGradBeforeFirstMicroBatch(optimizer)
 
 

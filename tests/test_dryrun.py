@@ -464,3 +464,29 @@ def test_bad_arguments():
     other = torch.optim.AdamW(_gpt().parameters())
     with pytest.raises(DryRunUnsupported, match="not a parameter"):
         dry_run_step(module, other, _batch(2, L0), seq_len=32)
+
+
+def test_microbatch_switch_step_includes_the_first_split_check():
+    """The step that switches micro-batching on also runs its one-time loss check (no-grad forwards of
+    two micro-batches together and apart, while the last step's gradients are alive): the dry run of
+    that step counts it, so the switch step is judged at what it will really peak. A large vocabulary
+    over a narrow model makes the check's logits the peak (16% above the steady micro-batched step)."""
+    module = _gpt(attention="sdpa", n_layer=1, d_model=32, n_head=2, vocab_size=4096)
+    batch = _batch(4, 8 * L0)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    dry = dry_run_step(module, optimizer, _batch(4, L0), seq_len=8 * L0, mitigations=["microbatch"])
+    assert "one-time check" in dry.detail
+
+    real = copy.deepcopy(module)
+    measure = _MeasureStep(batch_idx=1)
+    trainer = make_trainer([measure], max_steps=2)
+
+    class SwitchOnAtStep1(pl.Callback):  # as the callback does: after a plain step, before the next
+        def on_train_batch_start(self, trainer, pl_module, batch_, batch_idx):
+            if batch_idx == 1:
+                assert MicroBatching(1).apply(trainer, pl_module, batch_).applied
+
+    trainer.callbacks.insert(0, SwitchOnAtStep1())
+    trainer.fit(real, DataLoader([batch] * 2, batch_size=None))
+    assert measure.memory is not None
+    _check(dry, measure.memory, phases=False)  # the switch step, its check included
