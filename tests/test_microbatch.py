@@ -32,6 +32,8 @@ from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
 from lightning_seqmem.probes import TrackerProbe
 
+pytestmark = pytest.mark.xdist_group("test_microbatch")  # its shared (cached) runs: one worker makes them once
+
 SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)  # no dropout: equality is exact up to rounding
 
 
@@ -408,7 +410,7 @@ def _ddp_worker(out: str) -> None:
 @pytest.mark.ddp
 def test_ddp_equals_full_batch(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):  # MASTER_PORT: this test's own (conftest)
         env.pop(name, None)
     out = tmp_path / "ddp.pt"
     proc = subprocess.run(

@@ -40,6 +40,8 @@ from lightning_seqmem.mitigations.microbatch import (
     micro_batching_refusal,
 )
 
+pytestmark = pytest.mark.xdist_group("test_microbatch_weighting")  # its shared (cached) runs: one worker makes them once
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
@@ -442,7 +444,7 @@ def _ddp_worker(out: str) -> None:
 @pytest.mark.ddp
 def test_ddp_padded_hugging_face_equals_full_batch(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):  # MASTER_PORT: this test's own (conftest)
         env.pop(name, None)
     out = tmp_path / "ddp.pt"
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], cwd=tmp_path, env=env,
