@@ -13,8 +13,6 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
 
-pytestmark = pytest.mark.xdist_group("test_budget_curriculum")  # its shared (cached) runs: one worker makes them once
-
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 STAGES = dict(start=32, target=512, steps_per_stage=3, multiple_of=16)
 

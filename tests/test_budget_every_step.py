@@ -14,8 +14,6 @@ from conftest import make_trainer
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 
-pytestmark = pytest.mark.xdist_group("test_budget_every_step")  # its shared (cached) runs: one worker makes them once
-
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 
 

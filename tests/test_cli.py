@@ -12,8 +12,6 @@ import pytest
 
 from lightning_seqmem.cli import main
 
-pytestmark = pytest.mark.xdist_group("test_cli")  # its shared (cached) runs: one worker makes them once
-
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 EXAMPLES = ROOT / "examples"

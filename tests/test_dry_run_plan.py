@@ -14,8 +14,6 @@ from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 
 from test_ladder import MODEL, _peak  # the same 4-layer eager GPT, its peak measured with rungs switched on first
 
-pytestmark = pytest.mark.xdist_group("test_dry_run_plan")  # its shared (cached) runs: one worker makes them once
-
 TARGET = 256
 
 

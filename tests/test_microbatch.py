@@ -32,8 +32,6 @@ from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
 from lightning_seqmem.probes import TrackerProbe
 
-pytestmark = pytest.mark.xdist_group("test_microbatch")  # its shared (cached) runs: one worker makes them once
-
 SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)  # no dropout: equality is exact up to rounding
 
 

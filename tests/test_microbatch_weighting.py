@@ -40,8 +40,6 @@ from lightning_seqmem.mitigations.microbatch import (
     micro_batching_refusal,
 )
 
-pytestmark = pytest.mark.xdist_group("test_microbatch_weighting")  # its shared (cached) runs: one worker makes them once
-
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256

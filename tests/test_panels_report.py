@@ -21,8 +21,6 @@ from lightning_seqmem.report import JSON_NAME, build_report, load_report, render
 
 from conftest import make_trainer
 
-pytestmark = pytest.mark.xdist_group("test_panels_report")  # its shared (cached) runs: one worker makes them once
-
 GIB = 2**30
 
 

@@ -16,8 +16,6 @@ import torch
 
 from lightning_seqmem.cli import main
 
-pytestmark = pytest.mark.xdist_group("test_plan_cli")  # its shared (cached) runs: one worker makes them once
-
 ROOT = Path(__file__).resolve().parents[1]
 CPU_DEMO = ROOT / "configs" / "cpu_demo.yaml"
 LENGTHS = [1024, 8192, 32768]
