@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
+import socket
 import tempfile
 import warnings
 
@@ -15,6 +18,22 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*litlogger.*")
 
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    # pytest-xdist: one share of the cores per worker (torch would take all of them in each worker),
+    # inherited by the processes a test starts (DDP ranks, benchmark and example scripts)
+    _threads = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per core on CPU; none with a GPU, whose tests
+    measure the device's memory and must not share it with another test."""
+    if torch.cuda.is_available():
+        return 0
+    return max(1, len(os.sched_getaffinity(0)))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -23,6 +42,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports the OS never hands out by itself (below the ephemeral range), split between xdist workers.
+
+    Each pytest-xdist worker takes its own slice, so two workers can never pick the same MASTER_PORT;
+    being below the ephemeral range, no process's ``bind(0)``/``connect`` (gloo's pair sockets, the
+    other worker's store clients) can take it between the choice and the bind either.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = 10000
+    if ephemeral_low - low < 2000:  # an unusual range: take the ports above it instead
+        low, ephemeral_low = 61000, 65535
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    size = (ephemeral_low - low) // count
+    return low + index * size, low + (index + 1) * size
+
+
+def _ports():
+    start, stop = _port_range()
+    first = random.Random(os.getpid()).randrange(start, stop)  # another session on the machine starts elsewhere
+    for port in itertools.chain(range(first, stop), itertools.cycle(range(start, stop))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue  # in use: the next one
+        yield port
+
+
+_PORTS = _ports()
+
+
+@pytest.fixture(autouse=True)
+def _master_port(monkeypatch):
+    """A fresh MASTER_PORT for every test, inherited by the DDP processes it starts (Lightning uses it
+    instead of asking the OS for a free port), from this xdist worker's own slice of ports."""
+    monkeypatch.setenv("MASTER_PORT", str(next(_PORTS)))
 
 
 def make_trainer(callbacks, max_steps, **kwargs) -> pl.Trainer:

@@ -83,7 +83,8 @@ def test_ladder_reaches_the_target_within_budget():
 
 def test_attention_switch_that_stays_quadratic_is_reported():
     """With attention dropout, SDPA on CPU takes its math path: the L² term stays, and we say so."""
-    cb, module, oom = _run(("attention",), max_steps=14, attention_dropout=0.1)
+    # switched on at step 2 (48 tokens), checked at step 3, capped at 48 from then on
+    cb, module, oom = _run(("attention",), max_steps=8, attention_dropout=0.1)
     assert cb.applied_mitigations == ("attention",) and module.attention_backend == "sdpa"
     still = [w for w in oom if "still grows quadratically" in str(w.message)]
     assert len(still) == 1 and "attention dropout" in str(still[0].message)
@@ -91,13 +92,13 @@ def test_attention_switch_that_stays_quadratic_is_reported():
 
 
 def test_attention_switch_to_a_fused_kernel_is_not_reported():
-    cb, _, oom = _run(("attention",), max_steps=14)
+    cb, _, oom = _run(("attention",), max_steps=8)  # switched on at step 4 (96 tokens), checked at step 5
     assert cb.mitigation_events[0].get("checked")
     assert not [w for w in oom if "still grows quadratically" in str(w.message)]
 
 
 def test_empty_ladder_warns_and_caps():
-    cb, module, oom = _run((), max_steps=14)
+    cb, module, oom = _run((), max_steps=8)  # capped at 64 tokens from step 2 on
     assert cb.applied_mitigations == () and module.attention_backend == "eager"
     assert cb.planner.capped_at is not None and cb.planner.capped_at < 96
     assert max(r.peak_bytes for r in cb.records) <= BUDGET

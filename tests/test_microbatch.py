@@ -408,7 +408,7 @@ def _ddp_worker(out: str) -> None:
 @pytest.mark.ddp
 def test_ddp_equals_full_batch(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):  # MASTER_PORT: this test's own (conftest)
         env.pop(name, None)
     out = tmp_path / "ddp.pt"
     proc = subprocess.run(

@@ -442,7 +442,7 @@ def _ddp_worker(out: str) -> None:
 @pytest.mark.ddp
 def test_ddp_padded_hugging_face_equals_full_batch(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):  # MASTER_PORT: this test's own (conftest)
         env.pop(name, None)
     out = tmp_path / "ddp.pt"
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], cwd=tmp_path, env=env,
