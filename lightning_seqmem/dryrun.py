@@ -823,9 +823,13 @@ def _fake_module_and_optimizer(
 
 
 def _step_functions(
-    pl_module: nn.Module, optimizer: torch.optim.Optimizer, names: tuple[str, ...], batch_size: int, notes: list[str]
+    pl_module: nn.Module, optimizer: torch.optim.Optimizer, names: tuple[str, ...], batch_size: int, notes: list[str],
+    first_split_check: Optional[bool] = None,
 ) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
-    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.offline.training_step_memory`: plain or micro-batched."""
+    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.offline.training_step_memory`: plain or micro-batched.
+
+    ``first_split_check``: whether the step includes micro-batching's one-time loss check; None:
+    when the rung is switched on by this dry run, or the module's wrapper has not run it yet."""
     micro_batch_size = _MICRO_BATCH_SIZE if "microbatch" in names else None
     policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
     check = micro_batch_size is not None and policy.verify  # switched on now: its first split batch is checked
@@ -833,6 +837,8 @@ def _step_functions(
         check = micro_batching_check_pending(pl_module)
         policy = pl_module.__dict__["training_step"]  # the wrapper: its size and weighting
         micro_batch_size = int(policy.micro_batch_size)
+    if first_split_check is not None:
+        check = first_split_check
         notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
     if micro_batch_size is None:
         return _plain_loss, optimizer

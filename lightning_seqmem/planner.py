@@ -316,8 +316,8 @@ class SeqMemPlanner:
         Only with allocator counters (``compare_reserved``): a dry run counts tensors, and the
         tracker probe counts the same tensors (0 by construction), but CUDA kernels also take
         scratch buffers of their own (eager attention's backward: one more ``[B, H, L, L]`` block
-        on CUDA than on the CPU). From this setting's fitted steps whose shape the dry run has
-        answered, the longest not longer than ``seq_len`` gives ``measured - dry``, scaled by
+        on CUDA than on the CPU). From this setting's fitted steps (each shape dry-run once, cached),
+        the longest not longer than ``seq_len`` gives ``measured - dry``, scaled by
         ``(L / L0)^2 * max(1, B / B0)`` (at most quadratic in L, linear in B); without one, the
         shortest such step's, unscaled.
 
@@ -330,24 +330,27 @@ class SeqMemPlanner:
             >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
             >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
             >>> p.end_batch()
+            >>> p.records[0].peak_bytes - p.dry_peak(64, 2)[0]   # what the allocator counted beyond the dry run
+            4096
             >>> p.scratch_bytes(128, 2, ()), p.scratch_bytes(128, 4, ())   # 4096 B at 64 tokens, batch 2
             (16384, 32768)
         """
         if not self.compare_reserved:
             return 0
         key = tuple(mitigations)
-        points = []
-        for r in self.records:
-            dry = self._dry.get((r.seq_len, r.batch_size, key))
-            if r.mitigations == key and not r.warmup and dry is not None:
-                points.append((r.seq_len, r.batch_size, max(0, r.peak_bytes - dry[0])))
-        if not points:
+        measured = [r for r in self.records if r.mitigations == key and not r.warmup]
+        below = [r for r in measured if r.seq_len <= seq_len]
+        if not measured:
             return 0
-        below = [p for p in points if p[0] <= seq_len]
-        if not below:
-            return max(p[2] for p in points if p[0] == min(q[0] for q in points))
-        length, rows, residual = max(below, key=lambda p: (p[0], p[2]))
-        return int(residual * (seq_len / length) ** 2 * max(1.0, batch_size / rows))
+        grown = bool(below)
+        r = max(below, key=lambda r: (r.seq_len, r.peak_bytes)) if below else min(measured, key=lambda r: r.seq_len)
+        dry = self.dry_peak(r.seq_len, r.batch_size, key)  # cached, or one dry run of that measured shape
+        if dry is None:
+            return 0
+        residual = max(0, max(q.peak_bytes for q in measured if (q.seq_len, q.batch_size) == (r.seq_len, r.batch_size)) - dry[0])
+        if not grown:
+            return residual
+        return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
     def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
         answer = self.dry_peak(seq_len, batch_size, mitigations)
@@ -723,6 +726,15 @@ class SeqMemPlanner:
             if fc is not None:
                 self._verify(record, fc, forecaster)
             self._after_mitigation(record)
+        if "microbatch" in record.mitigations and not any(r.mitigations == record.mitigations for r in self.records):
+            # the step that switched micro-batching on ran its one-time loss check, which the dry runs
+            # of this setting so far counted: later steps are dry-run afresh, without it
+            self._dry = {k: v for k, v in self._dry.items() if k[2] != record.mitigations}
+            key = (record.seq_len, record.batch_size, record.mitigations)
+            if key in self._pending:  # verified against the next (steady) step: forecast it as such
+                fresh = self._dry_forecast(*key)
+                if fresh is not None:
+                    self._pending[key] = fresh
         self.records.append(record)
         if len(self.records) > self.memory_records:  # a very long run: bounded in memory too
             self.records = compact_records(self.records, self.memory_records // 2, self._measured_bound)

@@ -241,6 +241,7 @@ def sharded_dry_run_step(
     strategy: str = "fsdp2",
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
     device: Optional[torch.device | str] = None,
+    first_split_check: Optional[bool] = None,
 ) -> DryRunResult:
     """Per-rank peak of one training step at ``world_size`` ranks (rank 0's; bytes), on fake tensors.
 
@@ -256,6 +257,8 @@ def sharded_dry_run_step(
         strategy: ``"fsdp2"`` or ``"ddp"`` (see the module docstring).
         autocast: a zero-argument factory of the forward's context (the precision plugin's).
         device: the device simulated (default ``cpu``); CUDA needs a CUDA build of torch.
+        first_split_check: whether the step includes micro-batching's one-time loss check (the step
+            that switches it on); None: whenever ``"microbatch"`` is among ``mitigations``.
 
     Raises:
         DryRunUnsupported: the step cannot run on fake tensors, or the module cannot be sharded.
@@ -295,7 +298,7 @@ def sharded_dry_run_step(
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             with fake_mode, values:
                 step_batch = _to_device(step_batch, device)
-            loss_fn, step_optimizer = _step_functions(model, optimizer, names, batch_size, notes)
+            loss_fn, step_optimizer = _step_functions(model, optimizer, names, batch_size, notes, first_split_check)
             probe = make_probe("tracker", device)
             with fake_mode, values, _transformers_without_fake_detection():
                 _state_after_a_step(model, optimizer)

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 
 from . import sharded
 from .dryrun import DryRunUnsupported, dry_run_step
+from .mitigations.microbatch import micro_batching_check_pending
 
 
 class TrainingRunDryRun:
@@ -53,10 +54,11 @@ class TrainingRunDryRun:
                 if self.template is None:
                     raise DryRunUnsupported("the module was sharded with fully_shard before SeqMemCallback.setup "
                                             "could keep an unsharded template")
+                check = "microbatch" not in applied or micro_batching_check_pending(self.pl_module)
                 result = sharded.sharded_dry_run_step(
                     self.template, self.batch, seq_len, sharded.data_parallel_size(self.trainer, self.pl_module),
                     batch_size, mitigations, autocast=self.trainer.precision_plugin.train_step_context,
-                    device=self.trainer.strategy.root_device)
+                    device=self.trainer.strategy.root_device, first_split_check=check)
                 return result.peak_bytes, result.phase_peak_bytes
             result = dry_run_step(self.pl_module, optimizers[0], self.batch, seq_len, batch_size,
                                   tuple(m for m in mitigations if m not in applied),

@@ -164,6 +164,7 @@ def test_every_config_parses_with_its_callback(tmp_path, monkeypatch):
     expected = {
         "cpu_demo.yaml": (2**30, (64, 128, 256, 512, 1024), "32-true", []),
         "ddp_cpu.yaml": (512 * 2**20, (64, 128, 256), "32-true", []),
+        "fsdp2_cpu.yaml": (64 * 2**20, (256, 512, 1024), "32-true", []),
         "gpt2_small_8k_80gb.yaml": (76 * 2**30, (512, 1024, 2048, 4096, 8192), "bf16-mixed", small),
         "hf_causal_lm.yaml": (900 * 10**6, (64, 128, 256, 512), "32-true", []),
     }
