@@ -253,20 +253,32 @@ class SeqMemPlanner:
         return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
 
     def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
-        """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known
-        (about a dozen dry runs); that limit itself when it fits."""
+        """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
+        that limit itself when it fits. With a curriculum, to its ``multiple_of`` (the lengths it can
+        run; about 7 dry runs instead of a dozen, each cached); else to the token."""
         known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
+        step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
         hi = 4 * max(known + [256])
+        hi -= hi % step
 
         def fits(L: int) -> bool:
             fc = self._dry_forecast(L, batch_size)
             return fc is not None and self.bound_of(fc) <= budget_bytes
 
-        if not fits(1):
-            return 0
-        lo = 1
+        lo = step
+        if not fits(lo):
+            return 0 if step == 1 or not fits(1) else self._dry_max_below(1, lo, fits)
         if fits(hi):
             return hi
+        while hi - lo > step:
+            mid = (lo + hi) // 2
+            mid -= mid % step
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    @staticmethod
+    def _dry_max_below(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+        """Largest ``L`` in ``[lo, hi)`` that ``fits``, given ``fits(lo)`` and not ``fits(hi)``."""
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
