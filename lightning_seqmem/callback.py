@@ -384,7 +384,7 @@ class SeqMemCallback(Callback):
             if all(self._switch_on(trainer, pl_module, batch, name, shape) for name in decision.rungs):
                 break
             applicable = {k: v for k, v in applicable.items() if k in self.planner.mitigations}
-        if decision.action not in ("run", "advance"):
+        if decision.rungs or decision.action in ("cap", "probe"):  # a lighter setting or a shorter batch
             self._safely("releasing cached memory", lambda: edge.release_cached_memory(pl_module))
         if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
             self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
