@@ -33,7 +33,7 @@ def precision_advice(dry: Any, planner: Any, precision: str, device: torch.devic
 
     ``dry`` is the callback's :class:`~lightning_seqmem.training_dry_run.TrainingRunDryRun` (or None).
     """
-    from .dryrun import dry_run_step
+    from .dryrun import DryRunUnsupported, dry_run_step
 
     if not str(precision).startswith("32") or dry is None or dry.unsupported or dry.batch is None:
         return None
@@ -44,8 +44,11 @@ def precision_advice(dry: Any, planner: Any, precision: str, device: torch.devic
     if fp32 is None:
         return None
     optimizers = getattr(dry.trainer, "optimizers", None) or [None]
-    bf16 = dry_run_step(dry.pl_module, optimizers[0], dry.batch, seq_len, batch_size,
-                        autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16), device=device)
+    try:
+        bf16 = dry_run_step(dry.pl_module, optimizers[0], dry.batch, seq_len, batch_size,
+                            autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16), device=device)
+    except DryRunUnsupported:  # a sharded (FSDP2) module cannot be copied: no advice rather than a failure
+        return None
     if bf16.peak_bytes > fp32[0] * (1 - BF16_MIN_GAIN):
         return None
     return A.precision(seq_len, batch_size, fp32[0], bf16.peak_bytes)

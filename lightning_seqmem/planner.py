@@ -419,7 +419,8 @@ class SeqMemPlanner:
         return Verdict("fits" if bound <= budget else "over", bound, peak, method)
 
     def _fit_now(self, batch_size: int) -> int:
-        """Largest length forecast to fit the usable budget (0 if none, or no forecast yet)."""
+        """Largest length forecast to fit the usable budget; before any fit, the longest one measured
+        within it with these mitigations at this batch size or larger (0 if none)."""
         budget = self.usable_budget_bytes
         if budget is None:
             return UNBOUNDED_SEQ_LEN
@@ -427,7 +428,8 @@ class SeqMemPlanner:
             forecaster = self.forecasters.get(self.applied_mitigations[:n])
             if forecaster is not None and forecaster.ready:
                 return forecaster.max_seq_len(budget, batch_size, reserved=self.compare_reserved)
-        return 0
+        return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations
+                    and r.batch_size >= batch_size and self._measured_bound(r) <= budget), default=0)
 
     # ------------------------------------------------------------------------------------------
     # Decisions

@@ -193,3 +193,24 @@ def test_planner_runs_in_milliseconds():
     p = planner(peak(256, 4) - 1, Curriculum(**CURR), mitigations=MITIGATIONS)
     run(p, (4, 512), 40, applicable=ALL)
     assert time.perf_counter() - start < 5.0  # generous: a shared 2-core machine
+
+
+def test_over_budget_words_name_the_length_measured_to_fit_before_any_fit():
+    """With one length measured (no fit yet) the next stage's dry run is over: the words name the
+    measured length that fits, not "no length is forecast to fit" (seen under FSDP2 at 512 tokens
+    after 256 had run within the budget)."""
+    from lightning_seqmem.curriculum import Curriculum
+    from lightning_seqmem.records import StepMemory
+
+    p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, memory_budget_bytes=10_000, safety_margin=0.0,
+                      curriculum=Curriculum(start=64, target=128, steps_per_stage=1, multiple_of=64),
+                      dry_run=lambda L, B, m: (100 * L, {"forward": 100 * L}))
+    for step in range(2):
+        d = p.decide((2, 128), {})
+        p.commit(d)
+        s = p.begin_step(d.seq_len, 2, optimizer_steps=True, global_step=step)
+        p.observe(s, StepMemory(100 * s.seq_len, {"forward": 100 * s.seq_len}, 0, 0))
+        p.end_batch()
+    said = " ".join(a.text for a in p.take_advice())
+    assert "seq_len=128 is predicted" in said and "The largest length forecast to fit is 64." in said, said
+    assert "No length is forecast to fit" not in said
