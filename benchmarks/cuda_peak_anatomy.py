@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     from dry_run import _batch, _gpt, _loss
 
-    from lightning_seqmem.dryrun import dry_run_step
-    from lightning_seqmem.offline import existing_tensors, training_step_memory
-    from lightning_seqmem.probes import make_probe, round_cuda_block_bytes
+    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.measure.steps import existing_tensors, training_step_memory
+    from lightning_seqmem.measure.probes import make_probe, round_cuda_block_bytes
 
-    from lightning_seqmem.dryrun import resident_bytes, warm_cuda_workspaces
+    from lightning_seqmem.dryrun.step import resident_bytes, warm_cuda_workspaces
 
     device = torch.device("cuda")
     probe_model = _gpt(128, "sdpa")().to(device)

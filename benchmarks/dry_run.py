@@ -2,10 +2,10 @@
 
 Accuracy: for each case (the reference GPT with eager / SDPA attention, activation checkpointing
 off / on, fp32 / bf16 autocast; Hugging Face Llama and a Mistral with a sliding window, SDPA),
-:func:`~lightning_seqmem.dryrun.dry_run_step` forecasts one training step at each length from a
+:func:`~lightning_seqmem.dryrun.step.dry_run_step` forecasts one training step at each length from a
 batch of ``L0`` tokens, and a real step is measured at that length on a separate copy of the
 module: AdamW, one warm-up step, then the measured step under the CPU
-:class:`~lightning_seqmem.probes.TrackerProbe` (exact live tensor bytes; parameters, gradients,
+:class:`~lightning_seqmem.measure.probes.TrackerProbe` (exact live tensor bytes; parameters, gradients,
 optimizer state and the batch counted). Error is ``(dry - measured) / measured``; negative is an
 under-prediction (an OOM risk). Target: within 1% everywhere.
 
@@ -47,10 +47,10 @@ import torch.nn.functional as F
 
 import lightning.pytorch as pl
 from lightning_seqmem.demo import LitGPT
-from lightning_seqmem.dryrun import DryRunUnsupported, dry_run_step
+from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
-from lightning_seqmem.offline import training_step_memory
-from lightning_seqmem.probes import make_probe
+from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.probes import make_probe
 
 VOCAB_SIZE = 256  # token ids
 TOLERANCE = 0.01  # target |error| of a dry run against the measured step

@@ -1,6 +1,6 @@
 """What fits on N ranks with FSDP2, planned on one process; and how close the plan is to a real run. (CPU)
 
-Plan figures: :func:`~lightning_seqmem.sharded.sharded_dry_run_step` gives the per-rank peak of one
+Plan figures: :func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` gives the per-rank peak of one
 training step of a GPT sharded with ``fully_shard`` (each block, then the root) at N ranks, by a
 dry run in a fake process group of N ranks (this process plays rank 0); printed against N at one
 length, and against the length at one N, with the seconds each plan took. DDP (replicas) for
@@ -42,7 +42,7 @@ def _mib(n: int) -> str:
 
 def plan_figures(quick: bool, show: bool) -> dict:
     from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-    from lightning_seqmem.sharded import sharded_dry_run_step, unsharded_template
+    from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 
     shape = dict(vocab_size=8192, n_layer=2, d_model=128, n_head=4) if quick else \
         dict(vocab_size=32768, n_layer=4, d_model=256, n_head=4)
@@ -111,7 +111,7 @@ def measure_worker(out: str) -> None:
 def accuracy(show: bool) -> dict:
     from fsdp2_cpu import ShardedLitGPT
     from lightning_seqmem.demo import SyntheticTokenDataModule
-    from lightning_seqmem.sharded import sharded_dry_run_step, unsharded_template
+    from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 
     m = MEASURE
     with tempfile.TemporaryDirectory(prefix="seqmem-fsdp-") as out:

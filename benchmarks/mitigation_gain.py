@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback, parse_bytes
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.units import format_bytes
+from lightning_seqmem.core.units import format_bytes
 
 SETTINGS = [(), ("attention",), ("checkpointing",), ("microbatch",), ("attention", "checkpointing", "microbatch")]
 

@@ -2,12 +2,12 @@
 
 For every variant (attention eager / sdpa x activation checkpointing off / on) and model shape, a
 fresh GPT is trained for 2 warm-up steps (so gradients and AdamW state exist), then one step per
-sequence length is measured with the CPU :class:`~lightning_seqmem.probes.TrackerProbe`
+sequence length is measured with the CPU :class:`~lightning_seqmem.measure.probes.TrackerProbe`
 (exact live tensor bytes; parameters, gradients, optimizer state and the batch are counted as
 existing; phases forward / backward / optimizer). From the steps at L0, 2·L0 and 4·L0:
 
-* ``replay``      :class:`~lightning_seqmem.timeline.TimelineModel` fitted on the three traces;
-* ``quad``        :class:`~lightning_seqmem.model.QuadraticMemoryModel` on the per-phase peaks;
+* ``replay``      :class:`~lightning_seqmem.core.timeline.TimelineModel` fitted on the three traces;
+* ``quad``        :class:`~lightning_seqmem.core.quadratic.QuadraticMemoryModel` on the per-phase peaks;
 * ``quad>=T/4``   the quadratic fitted on lengths ≥ 1/4 of the target (8·L0: 2, 4, 6·L0;
                   16·L0: 4, 8, 12·L0), the article's "fit close enough to the target" regime;
 
@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
-from lightning_seqmem.model import QuadraticMemoryModel
+from lightning_seqmem.core.quadratic import QuadraticMemoryModel
 from lightning_seqmem.nn import GPT, GPTConfig
-from lightning_seqmem.offline import training_step_memory
-from lightning_seqmem.probes import TrackerProbe
-from lightning_seqmem.timeline import TimelineModel, Trace
+from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.probes import TrackerProbe
+from lightning_seqmem.core.timeline import TimelineModel, Trace
 
 BATCH_SIZE = 4  # samples per step
 VOCAB_SIZE = 256  # token ids

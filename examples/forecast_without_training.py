@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_seqmem.nn import GPT, GPTConfig
-from lightning_seqmem.offline import trace_training_steps
+from lightning_seqmem.measure.steps import trace_training_steps
 
 
 def loss_fn(model, batch):

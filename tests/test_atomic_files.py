@@ -17,8 +17,8 @@ def test_a_write_that_fails_half_way_leaves_the_previous_png_whole(tmp_path):
         warnings.filterwarnings("ignore")
         import matplotlib
         matplotlib.use("Agg")
-        from lightning_seqmem.outputs import save_figure
-        from lightning_seqmem.planner import SeqMemPlanner
+        from lightning_seqmem.trainer.outputs import save_figure
+        from lightning_seqmem.plan.planner import SeqMemPlanner
         target = pathlib.Path({str(tmp_path)!r}) / "seqmem_memory.png"
         target.write_bytes(b"previous figure")
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed

@@ -1,11 +1,11 @@
-"""Tests for lightning_seqmem.batch: reading and setting a batch's sequence length."""
+"""Tests for lightning_seqmem.measure.batch: reading and setting a batch's sequence length."""
 
 from collections import namedtuple
 
 import pytest
 import torch
 
-from lightning_seqmem.batch import infer_batch_shape, set_batch_sequence_length
+from lightning_seqmem.measure.batch import infer_batch_shape, set_batch_sequence_length
 
 B, L = 3, 8
 

@@ -1,4 +1,4 @@
-"""Every batch format users give, read and cut: lightning_seqmem.batch beyond the dict of test_batch.
+"""Every batch format users give, read and cut: lightning_seqmem.measure.batch beyond the dict of test_batch.
 
 Formats: a bare 2-D tensor, dict, list, tuple, namedtuple, Hugging Face ``BatchEncoding``, read-only
 mapping, dataclasses (mutable and frozen); tensors with a broadcast ``[1, L]`` first dimension and
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_seqmem.batch import (
+from lightning_seqmem.measure.batch import (
     BatchCut,
     can_cut_in_place,
     cut_batch,
@@ -82,7 +82,7 @@ def test_infer_broadcast_rule_takes_most_rows_among_same_length_first_of_equals(
 
 
 def _reference(batch):
-    from lightning_seqmem.batch import _find_reference
+    from lightning_seqmem.measure.batch import _find_reference
 
     return _find_reference(batch)
 

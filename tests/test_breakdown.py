@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from lightning_seqmem.breakdown import (
+from lightning_seqmem.diagnostics.breakdown import (
     ATTENTION_CATEGORIES,
     Breakdown,
     MemoryDiagnosisWarning,
@@ -29,7 +29,7 @@ from lightning_seqmem.breakdown import (
 )
 from lightning_seqmem.mitigations import ActivationCheckpointing
 from lightning_seqmem.nn import GPT, GPTConfig
-from lightning_seqmem.probes import TrackerProbe
+from lightning_seqmem.measure.probes import TrackerProbe
 
 # Lengths and widths chosen so that no model width, head count or batch size equals a length.
 LENGTHS = (48, 96)

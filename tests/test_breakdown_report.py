@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
-from lightning_seqmem.breakdown_steps import copy_for_tracing, safe_seq_lens, trace_breakdowns, training_step_loss, width_dims
+from lightning_seqmem.diagnostics.section import copy_for_tracing, safe_seq_lens, trace_breakdowns, training_step_loss, width_dims
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.report import load_report, render_console
+from lightning_seqmem.present.report import load_report, render_console
 from conftest import make_trainer
 
 # d_model 64, 4 heads (head size 16), d_ff 256, vocab 256, batch 2: no length below equals a width
@@ -97,7 +97,7 @@ def test_breakdown_failure_is_one_warning_and_the_report_is_still_written(tmp_pa
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("lightning_seqmem.breakdown_steps.trace_breakdowns", broken)
+    monkeypatch.setattr("lightning_seqmem.diagnostics.section.trace_breakdowns", broken)
     torch.manual_seed(0)
     callback = SeqMemCallback(curriculum=Curriculum(**STAGES), breakdown=True)
     trainer = make_trainer([callback], max_steps=6, default_root_dir=str(tmp_path))

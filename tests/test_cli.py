@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_seqmem.cli import main
+from lightning_seqmem.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -27,7 +27,7 @@ def _run(args, cwd, timeout=240):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "runs"
-    text = _run(["-m", "lightning_seqmem.cli", "demo", "--out", str(out)], cwd=out.parent)  # the README's main job
+    text = _run(["-m", "lightning_seqmem.cli.main", "demo", "--out", str(out)], cwd=out.parent)  # the README's main job
     return out, text
 
 
@@ -155,7 +155,7 @@ def test_every_config_parses_with_its_callback(tmp_path, monkeypatch):
     """All configs (the CUDA one built on CPU with a small model) give the documented callback values."""
     pytest.importorskip("transformers")
     from lightning_seqmem import SeqMemCallback
-    from lightning_seqmem.cli import build_from_config
+    from lightning_seqmem.cli.main import build_from_config
 
     monkeypatch.chdir(tmp_path)
     small = ["--model.init_args.n_layer=1", "--model.init_args.d_model=32", "--model.init_args.n_head=2",

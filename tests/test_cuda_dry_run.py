@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from lightning_seqmem.demo import LitGPT
-from lightning_seqmem.dryrun import (
+from lightning_seqmem.dryrun.step import (
     cuda_kernel_scratch_bytes,
     dry_run_step,
     replay_peaks,
     resident_bytes,
     warm_cuda_workspaces,
 )
-from lightning_seqmem.offline import training_step_memory
-from lightning_seqmem.probes import LiveTensorTracker, make_probe
+from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.probes import LiveTensorTracker, make_probe
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -103,9 +103,9 @@ def test_dry_run_matches_the_allocator(attention):
 def test_replay_adds_what_the_allocator_counted_beyond_the_traced_tensors():
     """Traces made on the CPU and labelled as allocator traces (512-byte blocks) with a measured peak
     above the replay by ``a + c·L²``, as workspaces plus a kernel's scratch make it on CUDA."""
-    from lightning_seqmem.forecast import MemoryForecaster
-    from lightning_seqmem.probes import TrackerProbe
-    from lightning_seqmem.timeline import Trace
+    from lightning_seqmem.core.forecast import MemoryForecaster
+    from lightning_seqmem.measure.probes import TrackerProbe
+    from lightning_seqmem.core.timeline import Trace
 
     w = torch.randn(16, 16, requires_grad=True)
     workspaces, scratch_per_token2 = 65 * 2**20, 64  # bytes; bytes per L²

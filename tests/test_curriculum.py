@@ -1,8 +1,8 @@
-"""Tests for lightning_seqmem.curriculum: the sequence-length schedule."""
+"""Tests for lightning_seqmem.core.curriculum: the sequence-length schedule."""
 
 import pytest
 
-from lightning_seqmem.curriculum import Curriculum, stage_for_step
+from lightning_seqmem.core.curriculum import Curriculum, stage_for_step
 
 
 def test_geometric_stages():

@@ -1,7 +1,7 @@
 """Dry runs against real measured steps.
 
 Every expected figure is a real training step measured with the live-tensor tracker
-(:func:`lightning_seqmem.offline.training_step_memory` under ``make_probe("tracker", cpu)``, one
+(:func:`lightning_seqmem.measure.steps.training_step_memory` under ``make_probe("tracker", cpu)``, one
 warm-up step first, then the measured one) on a separate copy of the module carrying the same
 settings; nothing is hard-coded. Tolerance 1% of the measured step peak.
 """
@@ -20,12 +20,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
 from lightning_seqmem.demo import LitGPT
-from lightning_seqmem.dryrun import DryRunUnsupported, allocator_block_bytes, dry_run_step, replay_peaks
+from lightning_seqmem.dryrun.step import DryRunUnsupported, allocator_block_bytes, dry_run_step, replay_peaks
 from lightning_seqmem.mitigations.attention import AttentionSwitch, current_attention_backend
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
 from lightning_seqmem.mitigations.microbatch import MicroBatching
-from lightning_seqmem.offline import training_step_memory
-from lightning_seqmem.probes import existing_tensors, make_probe, round_cuda_block_bytes
+from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.probes import existing_tensors, make_probe, round_cuda_block_bytes
 
 from conftest import make_trainer
 

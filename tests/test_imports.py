@@ -1,5 +1,16 @@
-"""Import hygiene: the planner loads neither torch nor Lightning, the package has no import cycle,
-and the library never imports the reference models (``nn``, ``demo``, ``hf``)."""
+"""Import hygiene: the wings of the package and their one-way doors, no import cycle, and the library
+never imports the reference models.
+
+The doors (``A <- B``: B may import A, never the reverse)::
+
+    core <- plan <- present <- trainer, cli
+    core <- measure <- mitigations <- dryrun <- diagnostics <- trainer, cli
+
+``core`` and ``plan`` import neither torch nor Lightning; only ``trainer``, ``cli`` and the reference
+models import Lightning; ``reference`` (nn, demo, hf) is imported by no wing but ``cli`` (``seqmem demo``
+trains the reference GPT). Imports anywhere in a module count (function bodies included), except under
+``TYPE_CHECKING``; doctests are documentation, not imports.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +19,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_seqmem"
-REFERENCE_MODELS = {"lightning_seqmem.nn", "lightning_seqmem.demo", "lightning_seqmem.hf"}
+ROOT = "lightning_seqmem"
 
-
-def test_planner_imports_without_torch_or_lightning():
-    code = ("import sys, lightning_seqmem.planner, lightning_seqmem.advice;"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.strip() == "[]", out.stdout
+# wing -> the wings it may import (itself included)
+DOORS = {
+    "core": {"core"},
+    "plan": {"core", "plan"},
+    "present": {"core", "plan", "present"},
+    "measure": {"core", "measure"},
+    "mitigations": {"core", "measure", "mitigations"},
+    "dryrun": {"core", "measure", "mitigations", "dryrun"},
+    "diagnostics": {"core", "measure", "mitigations", "dryrun", "diagnostics"},
+    "trainer": {"core", "plan", "present", "measure", "mitigations", "dryrun", "diagnostics", "trainer"},
+    "cli": {"core", "plan", "present", "measure", "mitigations", "dryrun", "diagnostics", "trainer", "cli",
+            "reference"},
+    "reference": {"core", "reference"},
+}
+NO_TORCH = {"core", "plan", "present"}
+LIGHTNING_ALLOWED = {"trainer", "cli", "reference"}
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 
 def _module_name(path: Path) -> str:
@@ -24,14 +48,20 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Package modules ``path`` imports anywhere (function bodies included), except under TYPE_CHECKING."""
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""  # "" is the package's own __init__
+
+
+def _imports(path: Path) -> tuple[set[str], set[str]]:
+    """(package modules, top-level external packages) that ``path`` imports, except under TYPE_CHECKING."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     tree = ast.parse(path.read_text())
     skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for n in ast.walk(node)}
     found: set[str] = set()
+    external: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
@@ -46,9 +76,10 @@ def _imports(path: Path) -> set[str]:
             candidates = [a.name for a in node.names]
         else:
             continue
-        found |= {c for c in candidates if c.startswith("lightning_seqmem") and _exists(c)}
+        external |= {c.split(".")[0] for c in candidates[:1] if not c.startswith(ROOT)}
+        found |= {c for c in candidates if c.startswith(ROOT) and _exists(c)}
     found.discard(name)
-    return found
+    return found, external
 
 
 def _exists(module: str) -> bool:
@@ -56,16 +87,48 @@ def _exists(module: str) -> bool:
     return (PACKAGE / rel).with_suffix(".py").exists() or (PACKAGE / rel / "__init__.py").exists()
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph() -> dict[str, tuple[set[str], set[str]]]:
     return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
 
 
+def test_every_module_sits_in_a_wing():
+    flat = sorted(m for m in _graph() if m != ROOT and _wing(m) not in DOORS)
+    assert flat == [], f"modules outside the wings {sorted(DOORS)}: {flat}"
+
+
+def test_the_doors_open_one_way():
+    broken = []
+    for module, (deps, _) in sorted(_graph().items()):
+        wing = _wing(module)
+        if not wing:
+            continue
+        for dep in sorted(deps):
+            if dep != ROOT and _wing(dep) not in DOORS.get(wing, set()):
+                broken.append(f"{module} imports {dep}")
+    assert broken == [], "\n".join(broken)
+
+
+def test_torch_stays_out_of_core_plan_and_present_and_lightning_out_of_the_library():
+    broken = []
+    for module, (_, external) in sorted(_graph().items()):
+        wing = _wing(module)
+        if wing in NO_TORCH and "torch" in external:
+            broken.append(f"{module} imports torch")
+        if wing not in LIGHTNING_ALLOWED and external & set(LIGHTNING):
+            broken.append(f"{module} imports Lightning")
+    assert broken == [], "\n".join(broken)
+
+
 def test_no_import_cycle():
-    graph = _graph()
-    # the package's __init__ only re-exports: an edge into it is an edge into what it exports
-    graph = {m: {d for d in deps if d not in ("lightning_seqmem", "lightning_seqmem.mitigations")} | (
-        graph["lightning_seqmem.mitigations"] if "lightning_seqmem.mitigations" in deps and m != "lightning_seqmem.mitigations" and not m.startswith("lightning_seqmem.mitigations.") else set())
-        for m, deps in graph.items()}
+    graph = {m: deps for m, (deps, _) in _graph().items()}
+    # a package's __init__ that only re-exports: an edge into it is an edge into what it exports
+    for pkg in [m for m in graph if (PACKAGE / Path(*m.split(".")[1:]) / "__init__.py").exists()]:
+        for m, deps in graph.items():
+            if pkg in deps and not m.startswith(pkg + ".") and m != pkg:
+                deps.discard(pkg)
+                deps |= graph[pkg]
+            elif pkg in deps:
+                deps.discard(pkg)
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -85,8 +148,23 @@ def test_no_import_cycle():
             visit(module)
 
 
-def test_the_library_does_not_import_the_reference_models():
-    graph = _graph()
-    users = {m: deps & REFERENCE_MODELS for m, deps in graph.items()
-             if m not in REFERENCE_MODELS | {"lightning_seqmem.cli"} and deps & REFERENCE_MODELS}
-    assert users == {}, users
+@pytest.mark.parametrize("modules", [
+    "lightning_seqmem.plan.planner, lightning_seqmem.core.advice, lightning_seqmem.plan.checkpoint",
+    "lightning_seqmem.present.report, lightning_seqmem.present.panels",
+])
+def test_torch_free_wings_import_without_torch_or_lightning(modules):
+    code = (f"import sys; import {modules};"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_old_flat_names_are_the_moved_modules():
+    import importlib
+
+    import lightning_seqmem
+    from lightning_seqmem.reference import demo
+
+    assert importlib.import_module("lightning_seqmem.demo") is demo
+    for old, new in lightning_seqmem._OLD_NAMES.items():
+        assert (PACKAGE / Path(*new.split("."))).with_suffix(".py").exists(), (old, new)

@@ -1,9 +1,9 @@
-"""Tests for lightning_seqmem.oom.is_oom: only a real allocator out-of-memory error counts."""
+"""Tests for lightning_seqmem.trainer.oom.is_oom: only a real allocator out-of-memory error counts."""
 
 import pytest
 import torch
 
-from lightning_seqmem.oom import is_oom
+from lightning_seqmem.trainer.oom import is_oom
 
 
 class _MyOOM(torch.OutOfMemoryError):

@@ -30,7 +30,7 @@ from conftest import make_trainer
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
 from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
-from lightning_seqmem.probes import TrackerProbe
+from lightning_seqmem.measure.probes import TrackerProbe
 
 SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)  # no dropout: equality is exact up to rounding
 

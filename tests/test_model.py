@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_seqmem.model import (
+from lightning_seqmem.core.quadratic import (
     UNBOUNDED_SEQ_LEN,
     QuadraticCoefficients,
     QuadraticForecast,

@@ -12,12 +12,12 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_seqmem import Curriculum, SeqMemCallback, StepRecord
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.advice import KINDS
-from lightning_seqmem.outputs import log_figure, report_dir, write_layout, write_report
-from lightning_seqmem.panels import FIGURE_TAG, LAYOUT_CATEGORIES, custom_scalars_layout, memory_figure
-from lightning_seqmem.planner import SeqMemPlanner
-from lightning_seqmem.probes import PHASES
-from lightning_seqmem.report import JSON_NAME, build_report, load_report, render_console, render_markdown
+from lightning_seqmem.core.advice import KINDS
+from lightning_seqmem.trainer.outputs import log_figure, report_dir, write_layout, write_report
+from lightning_seqmem.present.panels import FIGURE_TAG, LAYOUT_CATEGORIES, custom_scalars_layout, memory_figure
+from lightning_seqmem.plan.planner import SeqMemPlanner
+from lightning_seqmem.measure.probes import PHASES
+from lightning_seqmem.present.report import JSON_NAME, build_report, load_report, render_console, render_markdown
 
 from conftest import make_trainer
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_seqmem.cli import main
+from lightning_seqmem.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_DEMO = ROOT / "configs" / "cpu_demo.yaml"
@@ -24,7 +24,7 @@ LENGTHS = [1024, 8192, 32768]
 def _seqmem(args, cwd, timeout=120):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "140"}
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.cli", *args], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.cli.main", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.perf_counter() - started
 
@@ -73,11 +73,11 @@ def test_plan_json_on_cpu_demo(plan):
 @pytest.mark.parametrize("mitigations", [(), ("attention",)])
 def test_plan_matches_a_real_training_step(plan, mitigations):
     """The dry-run peak at 1024 tokens is the peak of a real training step of the config's model there."""
-    from lightning_seqmem.batch import set_batch_sequence_length
-    from lightning_seqmem.cli import build_from_config
+    from lightning_seqmem.measure.batch import set_batch_sequence_length
+    from lightning_seqmem.cli.main import build_from_config
     from lightning_seqmem.mitigations.ladder import apply
-    from lightning_seqmem.offline import training_step_memory
-    from lightning_seqmem.probes import make_probe
+    from lightning_seqmem.measure.steps import training_step_memory
+    from lightning_seqmem.measure.probes import make_probe
 
     doc, _ = plan
     predicted = next(r["peak_bytes"] for r in doc["lengths"][0]["rows"] if tuple(r["mitigations"]) == mitigations)
@@ -122,8 +122,8 @@ def test_plan_bad_input_names_the_argument(args, message, capsys):
 
 def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, capsys):
     """Over a tiny budget nothing fits; the largest length that fits with the whole ladder is searched."""
-    from lightning_seqmem.cli import _first_optimizer, build_from_config
-    from lightning_seqmem.dryrun import dry_run_step
+    from lightning_seqmem.cli.main import _first_optimizer, build_from_config
+    from lightning_seqmem.dryrun.step import dry_run_step
 
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--config", str(CPU_DEMO), "--lengths", "1024", "--budget", "16MiB"]) == 0

@@ -10,10 +10,10 @@ import dataclasses
 
 import pytest
 
-from lightning_seqmem.curriculum import Curriculum
-from lightning_seqmem.planner import SeqMemPlanner
-from lightning_seqmem.records import StepMemory
-from lightning_seqmem.rungs import MITIGATIONS
+from lightning_seqmem.core.curriculum import Curriculum
+from lightning_seqmem.plan.planner import SeqMemPlanner
+from lightning_seqmem.core.records import StepMemory
+from lightning_seqmem.core.rungs import MITIGATIONS
 
 STATIC = 1_000_000
 # bytes per sample: (per token, per token²) under each setting (a rung never adds memory)
@@ -199,8 +199,8 @@ def test_over_budget_words_name_the_length_measured_to_fit_before_any_fit():
     """With one length measured (no fit yet) the next stage's dry run is over: the words name the
     measured length that fits, not "no length is forecast to fit" (seen under FSDP2 at 512 tokens
     after 256 had run within the budget)."""
-    from lightning_seqmem.curriculum import Curriculum
-    from lightning_seqmem.records import StepMemory
+    from lightning_seqmem.core.curriculum import Curriculum
+    from lightning_seqmem.core.records import StepMemory
 
     p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, memory_budget_bytes=10_000, safety_margin=0.0,
                       curriculum=Curriculum(start=64, target=128, steps_per_stage=1, multiple_of=64),

@@ -13,9 +13,9 @@ from lightning_seqmem import SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import ActivationCheckpointing
 from lightning_seqmem.nn import GPT, GPTConfig
-from lightning_seqmem.offline import training_step_memory
-from lightning_seqmem.dryrun import resident_bytes
-from lightning_seqmem.probes import CudaAllocatorProbe, LiveTensorTracker, TrackerProbe, existing_tensors, make_probe
+from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.dryrun.step import resident_bytes
+from lightning_seqmem.measure.probes import CudaAllocatorProbe, LiveTensorTracker, TrackerProbe, existing_tensors, make_probe
 
 CPU = torch.device("cpu")
 VARIANTS = [("eager", False), ("eager", True), ("sdpa", False), ("sdpa", True)]

@@ -23,7 +23,7 @@ from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching
-from lightning_seqmem.state import legacy_key_config
+from lightning_seqmem.plan.checkpoint import legacy_key_config
 
 BUDGET = 1_300_000  # bytes: 'attention' then 'microbatch' go on, and the curriculum is capped at 144 tokens
 LADDER = ("attention", "microbatch")

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_seqmem import edge
-from lightning_seqmem.cli import main
+from lightning_seqmem.cli.main import main
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.dryrun import DryRunUnsupported
+from lightning_seqmem.dryrun.step import DryRunUnsupported
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
-from lightning_seqmem.rungs import MITIGATIONS
-from lightning_seqmem.sharded import _shard, fake_world, sharded_dry_run_step, unsharded_template
+from lightning_seqmem.core.rungs import MITIGATIONS
+from lightning_seqmem.dryrun.sharded import _shard, fake_world, sharded_dry_run_step, unsharded_template
 
 CONFIG = """
 trainer:
@@ -110,8 +110,8 @@ def test_dry_run_equals_the_same_sharded_step_on_real_tensors(mitigations):
     after two warm-up steps vs the dry run. FSDP2 frees and regrows gathered parameters by resizing
     storages; a fake storage is on "meta", so its regrowth was once missed (here -10% with
     checkpointing; -3% without it at d_model 128, batch 4, 256 tokens)."""
-    from lightning_seqmem.offline import training_step_memory
-    from lightning_seqmem.probes import make_probe
+    from lightning_seqmem.measure.steps import training_step_memory
+    from lightning_seqmem.measure.probes import make_probe
 
     torch.manual_seed(0)
     batch = next(iter(SyntheticTokenDataModule(batch_size=2, seq_len=128, num_samples=2).train_dataloader()))

@@ -1,9 +1,9 @@
-"""Tests for lightning_seqmem.units: parsing what users write, refusing what is not a memory size."""
+"""Tests for lightning_seqmem.core.units: parsing what users write, refusing what is not a memory size."""
 
 import numpy as np
 import pytest
 
-from lightning_seqmem.units import MAX_BYTES, parse_bytes
+from lightning_seqmem.core.units import MAX_BYTES, parse_bytes
 
 ACCEPTED = "must be a positive number of bytes up to 2\\*\\*63 - 1 \\(an int\\) or a string like '12GiB'"
 

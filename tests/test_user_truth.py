@@ -148,7 +148,7 @@ def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_
     said = _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=64),
                 max_steps=2)
     assert said and not [m for m in said if "SDPA" in m or "sdpa" in m.lower().replace("already on sdpa", "")]
-    from lightning_seqmem.report import build_report, render_markdown
+    from lightning_seqmem.present.report import build_report, render_markdown
 
     markdown = render_markdown(build_report(cb.planner))
     row = next(line for line in markdown.splitlines() if line.startswith("| largest length that fits"))

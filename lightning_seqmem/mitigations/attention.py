@@ -10,10 +10,10 @@ Two kinds of model can be switched, found top-down (a module taken is not search
 * Hugging Face ``PreTrainedModel`` (duck-typed: a ``set_attn_implementation`` method and a
   ``config``), through ``set_attn_implementation("sdpa" | "flash_attention_2" | "eager")``;
 * any module with a callable ``set_attention_backend(backend, sdpa_backends=None)``, such as
-  :class:`lightning_seqmem.nn.GPT`. Its current backend is read from ``attention_backend``.
+  :class:`lightning_seqmem.reference.nn.GPT`. Its current backend is read from ``attention_backend``.
 
 Example:
-    >>> from lightning_seqmem.nn import GPT, GPTConfig
+    >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
     >>> model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))
     >>> AttentionSwitch("sdpa").apply(model).after
     'sdpa'
@@ -75,7 +75,7 @@ def find_attention_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     Hugging Face models are preferred over the protocol when a module is both.
 
     Example:
-        >>> from lightning_seqmem.nn import GPT, GPTConfig
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> wrapper = nn.ModuleDict({"net": GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))})
         >>> [name for name, _ in find_attention_targets(wrapper)]
         ['net']
@@ -115,7 +115,7 @@ def current_attention_backend(model: nn.Module) -> str | None:
     the modules disagree. Hugging Face ``"flash_attention_*"`` implementations read as ``"flash"``.
 
     Example:
-        >>> from lightning_seqmem.nn import GPT, GPTConfig
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> current_attention_backend(GPT(GPTConfig(n_layer=1, d_model=32, n_head=2)))
         'eager'
         >>> current_attention_backend(nn.Linear(2, 2)) is None

@@ -19,7 +19,7 @@ grow with the number of blocks times ``L`` instead of with everything each block
   checkpointed region either way), so it can be switched on mid-run.
 
 Example:
-    >>> from lightning_seqmem.nn import GPT, GPTConfig
+    >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
     >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
     >>> ActivationCheckpointing().apply(model).applied
     True
@@ -93,7 +93,7 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
         ValueError: ``block_class_names`` given but no module has one of these class names.
 
     Example:
-        >>> from lightning_seqmem.nn import GPT, GPTConfig
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> model = GPT(GPTConfig(n_layer=3, d_model=32, n_head=2))
         >>> [type(b).__name__ for b in find_repeated_blocks(model)]
         ['Block', 'Block', 'Block']

@@ -13,11 +13,11 @@ name                      what it does                                          
                           inside the step: :class:`MicroBatching`                kernels)
 ========================  =====================================================  =====================
 
-The names and :func:`check_mitigations` live in :mod:`lightning_seqmem.rungs` (plain values, for the
+The names and :func:`check_mitigations` live in :mod:`lightning_seqmem.core.rungs` (plain values, for the
 torch-free planner); this module applies them.
 
 Example:
-    >>> from lightning_seqmem.nn import GPT, GPTConfig
+    >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
     >>> applicability(["attention", "checkpointing"], None, GPT(GPTConfig(n_layer=2, d_model=32, n_head=2)))["checkpointing"][0]
     True
 """
@@ -30,7 +30,7 @@ from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.attention import AttentionSwitch
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
 from lightning_seqmem.mitigations.microbatch import MicroBatching
-from lightning_seqmem.rungs import ADVICE, MITIGATIONS, check_mitigations, remaining_advice
+from lightning_seqmem.core.rungs import ADVICE, MITIGATIONS, check_mitigations, remaining_advice
 
 def _policy(name: str) -> Any:
     return {"attention": AttentionSwitch, "checkpointing": ActivationCheckpointing, "microbatch": MicroBatching}[name]()

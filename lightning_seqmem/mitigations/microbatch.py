@@ -18,7 +18,7 @@ by weighting micro-batch ``i``'s loss by its share ``c_i / C`` of what that mean
   them: ``ForCausalLMLoss`` of transformers 5.x pads the labels with -100 and drops their first
   position, so it averages over ``labels[..., 1:] != -100``, and that is what is counted
   (``"shifted_label_tokens"``). Labels that differ from the inputs (already the next tokens, as
-  :class:`~lightning_seqmem.demo.SyntheticTokenDataModule` gives them; seq2seq targets) are counted
+  :class:`~lightning_seqmem.reference.demo.SyntheticTokenDataModule` gives them; seq2seq targets) are counted
   whole (``"label_tokens"``); 1-D labels (a class per sample) count one per sample not ignored.
   Weighting samples ``1/N`` instead changed the first step's gradient of a tiny Llama on a padded
   batch by 95% (relative L2 norm; 1.2e-7 with label tokens: tests/test_microbatch_weighting.py).
@@ -153,8 +153,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
-from lightning_seqmem.batch import infer_batch_shape
-from lightning_seqmem.checks import check_int
+from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.mitigations import MitigationResult
 
 __all__ = [
@@ -221,7 +221,7 @@ def _slice(obj: Any, batch_size: int, start: int, length: int) -> Any:
 def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     """Split a batch into consecutive micro-batches of at most ``micro_batch_size`` samples.
 
-    The batch size ``N`` is read with :func:`lightning_seqmem.batch.infer_batch_shape` (the first
+    The batch size ``N`` is read with :func:`lightning_seqmem.measure.batch.infer_batch_shape` (the first
     dimension of its 2-D integer token tensor). Every tensor whose dim 0 equals ``N`` is cut along
     dim 0 (as views, nothing is copied); other values (scalars, strings, tensors of another first
     dimension) are passed unchanged to every micro-batch. Mappings, lists, tuples and namedtuples
@@ -785,13 +785,11 @@ class MicroBatching:
         refusal = micro_batching_refusal(pl_module)
         if refusal is not None and self.verify:
             return False, f"refused by its first-step check: {refusal}"
-        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-
         strategy = trainer.strategy
         if getattr(strategy, "handles_gradient_accumulation", False):
             return False, f"{type(strategy).__name__} accumulates gradients itself"
-        fsdp2 = isinstance(strategy, ModelParallelStrategy) and _has_fsdp2(pl_module)
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not fsdp2:
+        fsdp2 = is_a(strategy, "ModelParallelStrategy") and _has_fsdp2(pl_module)
+        if not is_a(strategy, "SingleDeviceStrategy", "DDPStrategy") and not fsdp2:
             return False, (f"strategy {type(strategy).__name__} not supported (single device, DDP, and "
                            "ModelParallelStrategy with fully_shard (FSDP2) modules are)")
         model = strategy.model

@@ -16,7 +16,7 @@ import torch
 
 import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.batch import infer_batch_shape
+from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 
 

@@ -1,0 +1,5 @@
+"""The ``seqmem`` command."""
+
+from lightning_seqmem.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,258 @@
+"""Every warning the planner gives, as values: what kind it is, a key it is given once under, and
+its words. Plain Python (no torch, no Lightning); the callback turns each into ``rank_zero_warn``.
+
+Example:
+    >>> a = over_budget_stage(512, 9_000_000, 10_000_000, "replay", 8_000_000, 10_000_000, 0.2, fit=384,
+    ...                       action="cap at seq_len=384", skipped=[])
+    >>> a.kind, a.key
+    ('stage_over_budget', 'oom-512-none')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from lightning_seqmem.core.records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning
+from lightning_seqmem.core.rungs import remaining_advice
+from lightning_seqmem.core.units import format_bytes
+
+KINDS = {
+    "stage_over_budget": "a curriculum stage (or the current one) did not fit: a mitigation was switched on or the curriculum capped",
+    "batch_over_budget": "a batch was predicted or measured over the budget",
+    "replay_disagrees": "the replay of short traces disagreed with the dry run at the target length",
+    "dry_run_unavailable": "the dry run could not simulate this model: the replay and quadratic fit answer",
+    "first_step_over_budget": "the first step already exceeded the usable budget",
+    "forecast_mismatch": "a forecast missed the measurement by more than the tolerance",
+    "mitigation_failed": "a mitigation could not be switched on and was skipped",
+    "mitigation_dropped": "a mitigation is not available to this run",
+    "attention_still_quadratic": "after the attention switch, memory still grew quadratically",
+    "precision": "32-bit precision: bf16-mixed recommended",
+    "diagnosis": "the memory breakdown found a problem (see the breakdown's diagnoses)",
+    "failure": "internal failure: the callback stopped measuring",
+    "output_failed": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
+    "curriculum_not_applied": "the batch could not be cut to the curriculum's length",
+    "compiled_module": "the module is torch.compile'd: which steps are measured and which program forecasts describe",
+}
+"""Every kind of advice, with what it means (the report groups warnings by kind)."""
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One warning: ``kind`` (a key of :data:`KINDS`), ``key`` (given once per run), ``text``."""
+
+    kind: str
+    key: str
+    text: str
+    category: type = UserWarning
+
+
+def _usable(budget: int, usable: int, margin: float) -> str:
+    return f"the usable budget {format_bytes(usable)} (budget {format_bytes(budget)} minus safety_margin={margin})"
+
+
+def _measured(peak: int, bound: int) -> str:
+    """A measured peak, with the reserved memory it was judged by where that is larger (CUDA)."""
+    if bound > peak:
+        return f"{format_bytes(peak)} allocated, {format_bytes(bound)} reserved by the allocator"
+    return format_bytes(peak)
+
+
+def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: int, budget: int, margin: float,
+                      fit: int, action: str, skipped: Sequence[str], measured: bool = False,
+                      applied: Sequence[str] = ()) -> Advice:
+    """A stage (the next, or the one running) does not fit: what was seen and what is done."""
+    if measured:
+        why = f"seq_len={seq_len} already peaked at {_measured(peak, bound)}"
+    else:
+        why = (f"seq_len={seq_len} is predicted to peak at {format_bytes(peak)} (upper bound "
+               f"{format_bytes(bound)}, {method})")
+    fits = f"The largest length forecast to fit is {fit}. " if fit > 0 else "No length is forecast to fit. "
+    skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+    return Advice("stage_over_budget", f"oom-{seq_len}-{'+'.join(applied) or 'none'}",
+                  f"seqmem: {why}, over {_usable(budget, usable, margin)}. {fits}{action}{skipped_text}.",
+                  PredictedOOMWarning)
+
+
+def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, method: str, usable: int, budget: int,
+                      margin: float, fit: int, applied: Sequence[str], rungs: Sequence[str] = (),
+                      measured: bool = False, still_over: bool = False, inapplicable: Sequence[str] = ()) -> Advice:
+    """Without a curriculum: a batch of the data's own length does not fit."""
+    what = (f"already peaked at {_measured(peak, bound)}" if measured else
+            f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
+    head = f"seqmem: a batch of seq_len={seq_len}, batch {batch_size} {what}, over {_usable(budget, usable, margin)}"
+    if rungs:
+        names = ", ".join(map(repr, rungs))
+        tail = (f"; switching on {names} before it runs, but it is forecast over the budget even then: cap the "
+                "padded length of your collate function or lower the batch size." if still_over else
+                f"; switching on the next mitigation{'s' if len(rungs) > 1 else ''}, {names}, before it runs.")
+        return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}-{'+'.join(applied) or 'none'}",
+                      head + tail, PredictedOOMWarning)
+    fits = f"the largest length forecast to fit is {fit}" if fit > 0 else "no length is forecast to fit"
+    return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}",
+                  f"{head}; {fits}, and no mitigation is left to switch on. Cap the padded length of your "
+                  f"collate function, lower the batch size, or {remaining_advice(applied, inapplicable)}.",
+                  PredictedOOMWarning)
+
+
+def first_step_over_budget(start: int, peak: int, usable: int, budget: int, margin: float) -> Advice:
+    return Advice("first_step_over_budget", "budget-first-step",
+                  f"seqmem: the first step already used {format_bytes(peak)} at its peak ({format_bytes(start)} "
+                  f"before it began), more than the usable budget {format_bytes(usable)}. The next batch switches "
+                  f"a mitigation on or runs shorter; to avoid it, raise `memory_budget` (now {format_bytes(budget)}), "
+                  f"lower `safety_margin` (now {margin}), or start the curriculum shorter.", PredictedOOMWarning)
+
+
+def forecast_mismatch(seq_len: int, batch_size: int, method: str, forecast: int, measured: int, error: float,
+                      tolerance: float) -> Advice:
+    if error < 0:
+        why = ("Likely causes: dynamic padding or sequence packing (the batch's real length differs from its "
+               "shape), a kernel whose choice depends on the length, or memory held outside the step. Later "
+               "forecasts widen their bounds by this miss, and this length is traced again.")
+    elif method == "quadratic":
+        why = ("An over-prediction is safe. A quadratic fit of so few lengths puts all growth in the L² term; it "
+               "tightens as more lengths are measured.")
+    else:
+        why = ("An over-prediction is safe. The traced program may differ at this length (a kernel choice that "
+               "depends on the length); this length is traced again.")
+    return Advice("forecast_mismatch", f"mismatch-{seq_len}-{batch_size}",
+                  f"seqmem: the {method} forecast for seq_len={seq_len} (batch {batch_size}) was "
+                  f"{format_bytes(forecast)}, measured {format_bytes(measured)} ({error:+.1%}, tolerance "
+                  f"{tolerance:.0%}). {why}", ForecastMismatchWarning)
+
+
+def mitigation_failed(name: str, detail: str) -> Advice:
+    return Advice("mitigation_failed", f"mitigation-failed-{name}",
+                  f"seqmem: could not switch on {name!r} ({detail}); skipping it on every rank.", SeqMemFailureWarning)
+
+
+def mitigations_dropped(names: Sequence[str], why: str) -> Advice:
+    return Advice("mitigation_dropped", "mitigations-dropped",
+                  f"seqmem: mitigations {list(names)} are off for this run: {why}.", UserWarning)
+
+
+def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice:
+    return Advice("attention_still_quadratic", "attention-still-quadratic",
+                  f"seqmem: after switching attention ({detail}), memory still grows quadratically with the length "
+                  f"({new_b:.0f} B/token², was {old_b:.0f}): the kernel likely fell back to a path that materialises "
+                  "the scores — an explicit attention mask, attention dropout, or a dtype the fused kernel does "
+                  "not support.", PredictedOOMWarning)
+
+
+def precision(target: int, batch_size: int, fp32_peak: int, bf16_peak: int) -> Advice:
+    """bf16-mixed advice, given only where a dry run of this step with bf16 autocast lowers the peak.
+
+    >>> precision(512, 2, 6_000_000, 5_000_000).text[:60]
+    'seqmem: this run is in 32-bit precision; a dry run of its st'
+    """
+    return Advice("precision", "precision",
+                  f"seqmem: this run is in 32-bit precision; a dry run of its step at seq_len={target} (batch "
+                  f"{batch_size}) with bf16 autocast peaks at {format_bytes(bf16_peak)} instead of "
+                  f"{format_bytes(fp32_peak)} ({bf16_peak / max(fp32_peak, 1) - 1:+.0%}). Precision cannot change "
+                  "mid-run: restart with Trainer(precision='bf16-mixed') to lower the peak.", UserWarning)
+
+
+def nothing_fits(applied: Sequence[str], batch_size: int, inapplicable: Sequence[str] = ()) -> str:
+    """Words for a largest fitting length of 0: nothing fits, and what would.
+
+    >>> nothing_fits(("attention",), 4)[:74]
+    "nothing fits at any length with the current setting (mitigations ['attenti"
+    """
+    return (f"nothing fits at any length with the current setting (mitigations {list(applied)}, batch "
+            f"{batch_size}); what would: a larger `memory_budget`, a smaller batch, or "
+            f"{remaining_advice(applied, inapplicable)}")
+
+
+def failure(where: str, error: str) -> Advice:
+    return Advice("failure", "failure",
+                  f"seqmem: internal failure in {where} ({error}); the callback stops measuring and predicting for "
+                  "the rest of this run, and the curriculum stays at its current length. Training goes on.",
+                  SeqMemFailureWarning)
+
+
+def output_failed(what: str, error: str) -> Advice:
+    return Advice("output_failed", f"failed-{what}", f"seqmem: could not write {what} ({error})", SeqMemFailureWarning)
+
+
+def curriculum_not_applied(asked: int, ran: int) -> Advice:
+    """A batch ran at another length than the curriculum's: said once per asked length; the stage holds.
+
+    >>> curriculum_not_applied(128, 96).text.split("; ")[1]
+    'the record says 96, the length that ran'
+    """
+    why = ("the data is shorter than the stage" if ran < asked else
+           "the batch could not be cut (a bare tensor or a tuple without a `set_seq_len` on the dataset)")
+    return Advice("curriculum_not_applied", f"curriculum-{asked}",
+                  f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
+                  f"tokens ({why}); the record says {ran}, the length that ran; the curriculum holds: a stage "
+                  "counts only steps that ran at its length, so it does not advance while batches do not reach "
+                  "it.", UserWarning)
+
+
+def program_note(compiled: Optional[str], probe: str) -> str:
+    """Which program the measurements and forecasts describe; empty for a module not compiled.
+
+    >>> program_note(None, "tracker"), program_note("the module is compiled", "cuda")
+    ('', 'of the compiled program (allocator counters; the module is compiled)')
+    >>> program_note("the module is compiled", "tracker")
+    'of the eager program, not the compiled one (the tracker runs its steps eager; the module is compiled)'
+    """
+    if not compiled:
+        return ""
+    if probe == "cuda":
+        return f"of the compiled program (allocator counters; {compiled})"
+    return f"of the eager program, not the compiled one (the tracker runs its steps eager; {compiled})"
+
+
+def compiled_module(reason: str, probe: str, every_n_steps: int) -> Advice:
+    """Said once at the start of a run whose module is compiled: what is measured, and of which program.
+
+    >>> compiled_module("x", "tracker", 10).text.split(". ")[1][:60]
+    'The live-tensor tracker is a TorchDispatchMode, and torch.co'
+    """
+    if probe == "cuda":
+        text = (f"seqmem: {reason}. Steps are measured by the CUDA allocator's counters, which leave compilation "
+                "alone, so measurements and forecasts are of the compiled program; no step is traced for the "
+                "timeline replay (its dispatch mode would run that step eager), so forecasts come from the quadratic "
+                "fit of the measured steps.")
+    else:
+        text = (f"seqmem: {reason}. The live-tensor tracker is a TorchDispatchMode, and torch.compile runs a step "
+                "eager while one is active, so the tracker is on only for warm-up steps, the first steps at each "
+                f"new length, batch size or setting, and one step in {every_n_steps} (measure_every_n_steps raised "
+                f"to {every_n_steps}): those steps run eager, every other step runs compiled. Measurements and "
+                "forecasts are of the eager program, not the compiled one; to measure the compiled program, "
+                "train on CUDA (allocator counters).")
+    return Advice("compiled_module", "compiled-module", text, UserWarning)
+
+
+def dry_run_unavailable(reason: str) -> Advice:
+    return Advice("dry_run_unavailable", "dry-run-unavailable",
+                  f"seqmem: the dry run cannot simulate this training step ({reason}); forecasts come from the "
+                  "timeline replay and the quadratic fit of measured steps instead.", UserWarning)
+
+
+def replay_disagrees(seq_len: int, batch_size: int, replay: int, dry: int, error: float, traced: Sequence[int]) -> Advice:
+    return Advice("replay_disagrees", f"replay-{seq_len}-{batch_size}",
+                  f"seqmem: the timeline replay of steps traced at seq_len {list(traced)} predicts "
+                  f"{format_bytes(replay)} at seq_len={seq_len} (batch {batch_size}), the dry run of that step "
+                  f"{format_bytes(dry)} ({error:+.1%}): the program changes with the length (a sliding window, a "
+                  "kernel chosen by length). The replay is not trusted there; decisions use the dry run.",
+                  ForecastMismatchWarning)
+
+
+def kind_of_key(key: str) -> str:
+    """The kind of a warning key in a checkpoint written before warnings had kinds.
+
+    >>> kind_of_key("oom-batch-512-4"), kind_of_key("mismatch-64-2"), kind_of_key("zzz")
+    ('batch_over_budget', 'forecast_mismatch', 'other')
+    """
+    prefixes = (("oom-batch-", "batch_over_budget"), ("oom-", "stage_over_budget"), ("mismatch-", "forecast_mismatch"),
+                ("budget-first-step", "first_step_over_budget"), ("mitigation-failed-", "mitigation_failed"),
+                ("mitigations-dropped", "mitigation_dropped"), ("attention-still-quadratic", "attention_still_quadratic"),
+                ("precision", "precision"), ("diagnosis-", "diagnosis"), ("failure", "failure"),
+                ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"),
+                ("compiled-module", "compiled_module"))
+    return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
+
+
+__all__ = ["KINDS", "Advice", "kind_of_key"]

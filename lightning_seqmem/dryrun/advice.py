@@ -1,0 +1,57 @@
+"""Advice recomputed from the current best forecast when it is shown (end of fit), not from the
+first fit: each item is given only where it applies to this model and run.
+
+Torch layer: the bf16 advice asks the dry run (:mod:`lightning_seqmem.dryrun.step`) for this step's
+peak with and without bf16 autocast at the target length, and is given only if bf16 lowers it —
+with eager attention it can raise it (bf16 copies of the weights, fp32 softmax).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from lightning_seqmem.core import advice as A
+
+
+def target_length(planner: Any) -> Optional[int]:
+    """The length advice speaks of: the curriculum's target, else the longest length measured."""
+    if planner.curriculum is not None:
+        return int(planner.curriculum.target)
+    return max((r.seq_len for r in planner.records), default=None)
+
+
+BF16_MIN_GAIN = 0.05  # fraction of the 32-bit peak bf16 must save to be worth a restart
+
+
+def precision_advice(dry: Any, planner: Any, precision: str, device: torch.device) -> Optional[A.Advice]:
+    """bf16-mixed advice for a 32-bit run, only where a dry run at the target length with bf16
+    autocast (``torch.autocast(device.type, dtype=torch.bfloat16)``) peaks at least
+    :data:`BF16_MIN_GAIN` (5%) lower than without (a restart for less is not worth saying); None
+    otherwise, and where no dry run can answer (a compiled module, a model fake tensors cannot run).
+
+    ``dry`` is the callback's :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun` (or None).
+    """
+    from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+
+    if not str(precision).startswith("32") or dry is None or dry.unsupported or dry.batch is None:
+        return None
+    seq_len, batch_size = target_length(planner), planner.last_batch_size
+    if seq_len is None or batch_size is None:
+        return None
+    fp32 = planner.dry_peak(seq_len, batch_size)
+    if fp32 is None:
+        return None
+    optimizers = getattr(dry.trainer, "optimizers", None) or [None]
+    try:
+        bf16 = dry_run_step(dry.pl_module, optimizers[0], dry.batch, seq_len, batch_size,
+                            autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16), device=device)
+    except DryRunUnsupported:  # a sharded (FSDP2) module cannot be copied: no advice rather than a failure
+        return None
+    if bf16.peak_bytes > fp32[0] * (1 - BF16_MIN_GAIN):
+        return None
+    return A.precision(seq_len, batch_size, fp32[0], bf16.peak_bytes)
+
+
+__all__ = ["BF16_MIN_GAIN", "precision_advice", "target_length"]

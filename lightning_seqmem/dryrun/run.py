@@ -1,0 +1,71 @@
+"""The dry run of a training run's own step, wired to its trainer (what the callback hands the planner).
+
+:class:`TrainingRunDryRun` picks :func:`~lightning_seqmem.dryrun.step.dry_run_step` for a module on one
+device (or under DDP) and :func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` for an FSDP2
+module; it lives apart from both so that neither imports the other's caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_seqmem.dryrun import sharded
+from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+from lightning_seqmem.mitigations.microbatch import micro_batching_check_pending
+
+
+class TrainingRunDryRun:
+    """The dry run of a training run's own step, as the planner asks it: ``(seq_len, batch_size,
+    mitigations) -> (peak_bytes, phase_peak_bytes)``.
+
+    Holds the module, its first optimizer, the precision plugin's context and a CPU copy of one
+    batch (:meth:`keep`, the first one given). ``applied()`` says which rungs are on the real
+    module now: the copy starts from them and adds the others (a copy cannot undo a rung, so a set
+    without one of them raises). The first failure (:class:`DryRunUnsupported` or any other) is
+    handed to ``on_unsupported(reason)`` once and every later call raises at once.
+    """
+
+    def __init__(self, trainer: Any, pl_module: nn.Module, applied: Callable[[], tuple[str, ...]],
+                 on_unsupported: Callable[[str], None], template: Optional[nn.Module] = None) -> None:
+        self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
+        self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs; :mod:`.sharded`)
+        self.batch: Any = None
+        self.unsupported: Optional[str] = None
+
+    def keep(self, batch: Any) -> None:
+        """Keep a CPU copy of ``batch`` (the first one only): each dry run reshapes it."""
+        if self.batch is None:
+            self.batch = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
+
+    def __call__(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
+        applied = tuple(self.applied())
+        if self.unsupported or self.batch is None or any(m not in mitigations for m in applied):
+            raise DryRunUnsupported(self.unsupported or "no batch kept yet, or a rung on now cannot be undone on a copy")
+        optimizers = getattr(self.trainer, "optimizers", None) or [None]
+        try:
+            refusal = sharded.dry_run_refusal(self.trainer)
+            if refusal is not None:
+                raise DryRunUnsupported(refusal)
+            if sharded.is_fsdp2(self.pl_module):  # an FSDP2 module cannot be copied: shard a copy of the template
+                if self.template is None:
+                    raise DryRunUnsupported("the module was sharded with fully_shard before SeqMemCallback.setup "
+                                            "could keep an unsharded template")
+                check = "microbatch" not in applied or micro_batching_check_pending(self.pl_module)
+                result = sharded.sharded_dry_run_step(
+                    self.template, self.batch, seq_len, sharded.data_parallel_size(self.trainer, self.pl_module),
+                    batch_size, mitigations, autocast=self.trainer.precision_plugin.train_step_context,
+                    device=self.trainer.strategy.root_device, first_split_check=check)
+                return result.peak_bytes, result.phase_peak_bytes
+            result = dry_run_step(self.pl_module, optimizers[0], self.batch, seq_len, batch_size,
+                                  tuple(m for m in mitigations if m not in applied),
+                                  autocast=self.trainer.precision_plugin.train_step_context,
+                                  device=self.trainer.strategy.root_device)
+        except Exception as exc:  # noqa: BLE001 - said once; the replay and quadratic fit answer from now on
+            self.unsupported = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            self.on_unsupported(self.unsupported)
+            raise
+        return result.peak_bytes, result.phase_peak_bytes

@@ -1,0 +1,444 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): the per-rank peak at any world size, on one process.
+
+:func:`sharded_dry_run_step` answers "what does one rank hold at the peak of a training step at
+``(seq_len, batch_size, mitigations)`` when ``world_size`` ranks shard this module with FSDP2?"
+by running the module's own step on fake tensors (as :func:`~lightning_seqmem.dryrun.step.dry_run_step`
+does) inside a *fake process group* of ``world_size`` ranks: this process plays rank 0, every
+collective is a no-op that allocates what the real one would (the all-gather output of a block's
+parameters, the reduce-scatter input of its gradients), and the live storages are counted by the
+same :class:`~lightning_seqmem.measure.probes.LiveTensorTracker` that measures real steps (storage resizes
+included: FSDP2 frees a block's gathered parameters by resizing their storage to 0).
+
+What is sharded is what the module's own ``configure_model()`` shards, called on a fake copy with
+``self.device_mesh`` a ``(world_size, 1)`` mesh named ``("data_parallel", "tensor_parallel")``, as
+Lightning's ``ModelParallelStrategy`` builds it. A module whose ``configure_model()`` shards
+nothing is planned with ``fully_shard`` on each repeated block and then the root (torchtitan's
+layout). The copy is made from an *unsharded template* (:func:`unsharded_template`: a copy of
+the module on the ``meta`` device, taken before ``configure_model()`` ran), because an FSDP2
+module cannot be copied. Rank 0 holds the largest shard when a dimension does not divide evenly.
+
+``strategy="ddp"`` is the unsharded step plus DDP's gradient buckets (one more copy of the
+trainable parameters' gradients, ``gradient_as_bucket_view=False`` as Lightning leaves it); the
+world size changes nothing per rank.
+
+Modelled, not measured: the fake process group does no communication, so communication buffers
+the backend keeps (NCCL's, gloo's) are not counted; neither are CUDA allocator fragmentation and
+workspaces (see :mod:`lightning_seqmem.dryrun.step`).
+
+Example:
+    >>> from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+    >>> template = unsharded_template(LitGPT(n_layer=2, d_model=64, n_head=2))
+    >>> batch = next(iter(SyntheticTokenDataModule(batch_size=2, seq_len=32).train_dataloader()))
+    >>> two, eight = (sharded_dry_run_step(template, batch, 64, world_size=n) for n in (2, 8))
+    >>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
+    True
+    >>> two.detail.split("; ")[-1]  # LitGPT's configure_model() shards nothing: the default layout
+    'configure_model() shards nothing: fully_shard on 2 blocks and the root'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import time
+import warnings
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_seqmem.core.checks import check_int, is_a
+from lightning_seqmem.dryrun.step import (
+    _QUIET,
+    DryRunResult,
+    DryRunUnsupported,
+    _BatchValues,
+    _check_module,
+    _configured_optimizer,
+    _preserved_rng,
+    _reason,
+    _shape_batch,
+    _state_after_a_step,
+    _step_functions,
+    _to_device,
+    _transformers_without_fake_detection,
+    allocator_block_bytes,
+    replay_peaks,
+)
+from lightning_seqmem.mitigations.attention import AttentionSwitch
+from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, find_repeated_blocks
+from lightning_seqmem.mitigations.ladder import check_mitigations
+from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.probes import PHASES, make_probe
+
+__all__ = ["STRATEGIES", "check_strategy", "data_parallel_size", "dry_run_refusal", "fake_world", "fsdp2_modules", "is_fsdp2",
+           "sharded_dry_run_step", "template_for", "unsharded_template", "world_forecast"]
+
+STRATEGIES = ("fsdp2", "ddp")
+"""Strategies an N-rank plan models: FSDP2 sharding, or DDP replicas."""
+
+MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")  # as lightning's ModelParallelStrategy names them
+_C10D_MAPS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+
+
+def fsdp2_modules(module: nn.Module) -> list[nn.Module]:
+    """The submodules of ``module`` (itself included) that ``fully_shard`` was applied to.
+
+    Example:
+        >>> fsdp2_modules(nn.Linear(2, 2))
+        []
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fsdp2(module: Any) -> bool:
+    """Whether ``module`` is (or holds) an FSDP2 module.
+
+    Example:
+        >>> is_fsdp2(nn.Linear(2, 2)), is_fsdp2(None)
+        (False, False)
+    """
+    return isinstance(module, nn.Module) and bool(fsdp2_modules(module))
+
+
+def check_strategy(strategy: Any) -> str:
+    """Validate a plan's ``strategy`` argument.
+
+    Example:
+        >>> check_strategy("fsdp2")
+        'fsdp2'
+        >>> check_strategy("zero3")
+        Traceback (most recent call last):
+        ...
+        ValueError: `strategy` must be one of ('fsdp2', 'ddp'), got 'zero3'
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
+
+
+def unsharded_template(pl_module: nn.Module) -> nn.Module:
+    """A copy of ``pl_module`` on the ``meta`` device (no memory, no trainer), to shard later.
+
+    Take it before ``configure_model()`` shards the module (an FSDP2 module cannot be copied).
+
+    Raises:
+        DryRunUnsupported: ``pl_module`` is already sharded, or cannot be copied.
+    """
+    if is_fsdp2(pl_module):
+        raise DryRunUnsupported(
+            "the module is already sharded with fully_shard (an FSDP2 module cannot be copied); the template "
+            "must be taken before configure_model() runs (SeqMemCallback does so in setup)"
+        )
+    memo: dict[int, Any] = {}
+    for name in ("_trainer", "_fabric", "_device_mesh"):
+        attached = pl_module.__dict__.get(name)
+        if attached is not None:
+            memo[id(attached)] = None
+    try:
+        for p in pl_module.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for b in pl_module.buffers():
+            memo[id(b)] = torch.empty_like(b, device="meta")
+        return copy.deepcopy(pl_module, memo)
+    except Exception as exc:  # noqa: BLE001
+        raise DryRunUnsupported(f"copying the module onto the meta device failed: {type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
+    """A fake process group of ``world_size`` ranks (this process is rank 0) and its device mesh.
+
+    Collectives do nothing (their outputs are allocated, not filled). A real process group this
+    process belongs to (a training run's) is set aside for the duration and put back afterwards
+    (with the registry of group names); do not run a collective of the real run inside.
+
+    Example:
+        >>> with fake_world(8) as mesh:
+        ...     mesh.shape, mesh.mesh_dim_names
+        ((8, 1), ('data_parallel', 'tensor_parallel'))
+        >>> import torch.distributed as dist
+        >>> dist.is_initialized()
+        False
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size = check_int("world_size", world_size)
+    # c10d's state: the ``_world`` object (default group) and module-level maps behind its properties
+    saved_world, saved_count = c10d._world, c10d._group_count
+    saved = {name: dict(getattr(c10d, name)) for name in _C10D_MAPS}
+    saved["_tags_to_pg"] = {tag: list(groups) for tag, groups in saved["_tags_to_pg"].items()}
+    for name in _C10D_MAPS:
+        getattr(c10d, name).clear()
+    c10d._world, c10d._group_count = c10d._World(), 0
+    c10d._unregister_all_process_groups()
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        try:
+            yield init_device_mesh(device_type, (world_size, 1), mesh_dim_names=MESH_DIM_NAMES)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        c10d._world, c10d._group_count = saved_world, saved_count
+        for name in _C10D_MAPS:
+            getattr(c10d, name).clear()
+            getattr(c10d, name).update(saved[name])
+        # groups are also registered by name in a C++ registry, which the fake world's groups
+        # ("0", "1", ...) use too: empty it of them and put the real ones back
+        c10d._unregister_all_process_groups()
+        for pg, name in saved["_pg_names"].items():
+            c10d._register_process_group(name, pg)
+
+
+def _fake_from_template(template: nn.Module, fake_mode: Any, device: torch.device) -> nn.Module:
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        for p in template.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        for b in template.buffers():
+            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    try:
+        return copy.deepcopy(template, memo)
+    except Exception as exc:  # noqa: BLE001
+        raise DryRunUnsupported(f"copying the template onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _shard(model: nn.Module, mesh: Any, notes: list[str]) -> None:
+    """The module's own ``configure_model()`` over ``mesh``; the default layout if it shards nothing."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.__dict__["_device_mesh"] = mesh
+    configure = getattr(model, "configure_model", None)
+    if callable(configure):
+        try:
+            configure()
+        except Exception as exc:  # noqa: BLE001
+            raise DryRunUnsupported(f"configure_model() failed on the fake copy: {type(exc).__name__}: {exc}") from exc
+    if is_fsdp2(model):
+        notes.append(f"configure_model() sharded {len(fsdp2_modules(model))} modules")
+        return
+    blocks = [b for b in find_repeated_blocks(model) if b is not model]
+    dp_mesh = mesh[MESH_DIM_NAMES[0]]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    notes.append(f"configure_model() shards nothing: fully_shard on {len(blocks)} blocks and the root")
+
+
+def sharded_dry_run_step(
+    template: nn.Module,
+    batch: Any,
+    seq_len: int,
+    world_size: int,
+    batch_size: Optional[int] = None,
+    mitigations: Sequence[str] = (),
+    strategy: str = "fsdp2",
+    autocast: Optional[Callable[[], ContextManager[Any]]] = None,
+    device: Optional[torch.device | str] = None,
+    first_split_check: Optional[bool] = None,
+) -> DryRunResult:
+    """Per-rank peak of one training step at ``world_size`` ranks (rank 0's; bytes), on fake tensors.
+
+    Args:
+        template: the unsharded module (:func:`unsharded_template`, or any unsharded
+            ``LightningModule``; its parameters may be on ``meta``). Never modified.
+        batch: one rank's training batch (cut or tiled to ``(batch_size, seq_len)``).
+        seq_len, batch_size: the step to simulate (``batch_size`` per rank; default the batch's).
+        world_size: ranks sharing the model (the data-parallel degree).
+        mitigations: rungs applied to the copy: ``"attention"`` before sharding,
+            ``"checkpointing"`` after it (composed with ``fully_shard``, as the ladder applies it
+            mid-run), ``"microbatch"`` (gradient reduction deferred to the last micro-batch).
+        strategy: ``"fsdp2"`` or ``"ddp"`` (see the module docstring).
+        autocast: a zero-argument factory of the forward's context (the precision plugin's).
+        device: the device simulated (default ``cpu``); CUDA needs a CUDA build of torch.
+        first_split_check: whether the step includes micro-batching's one-time loss check (the step
+            that switches it on); None: whenever ``"microbatch"`` is among ``mitigations``.
+
+    Raises:
+        DryRunUnsupported: the step cannot run on fake tensors, or the module cannot be sharded.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = time.perf_counter()
+    seq_len = check_int("seq_len", seq_len)
+    world_size = check_int("world_size", world_size)
+    strategy = check_strategy(strategy)
+    names = check_mitigations(list(mitigations))
+    _check_module(template)
+    if is_fsdp2(template):
+        raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")
+    from lightning_seqmem.measure.batch import infer_batch_shape
+
+    batch_size = infer_batch_shape(batch)[0] if batch_size is None else check_int("batch_size", batch_size)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    notes: list[str] = []
+    with _preserved_rng(), warnings.catch_warnings(), fake_world(world_size, device.type) as mesh:
+        for message in _QUIET:
+            warnings.filterwarnings("ignore", message=".*" + re.escape(message))
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        values = _BatchValues(fake_mode)
+        try:
+            model = _fake_from_template(template, fake_mode, device)
+            with fake_mode:
+                if "attention" in names:
+                    notes.append(f"attention: {AttentionSwitch().apply(model).detail}")
+                if strategy == "fsdp2":
+                    _shard(model, mesh, notes)
+                if "checkpointing" in names:
+                    notes.append(f"checkpointing: {ActivationCheckpointing().apply(model).detail}")
+                optimizer = _configured_optimizer(model)
+            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
+            with fake_mode, values:
+                step_batch = _to_device(step_batch, device)
+            loss_fn, step_optimizer = _step_functions(model, optimizer, names, batch_size, notes, first_split_check)
+            probe = make_probe("tracker", device)
+            with fake_mode, values, _transformers_without_fake_detection():
+                _state_after_a_step(model, optimizer)
+                memory = training_step_memory(model, step_optimizer, step_batch, loss_fn, probe,
+                                              record_events=True, context=autocast)
+        except DryRunUnsupported:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
+            raise DryRunUnsupported(_reason(exc)) from exc
+    assert memory is not None and memory.events is not None
+    peak, phase_peaks = replay_peaks(memory.events, allocator_block_bytes(device))
+    phase_peaks = {p: phase_peaks[p] for p in PHASES if p in phase_peaks}
+    if strategy == "ddp":
+        buckets = sum(p.numel() * p.element_size() for p in template.parameters() if p.requires_grad)
+        peak, phase_peaks = peak + buckets, {p: v + buckets for p, v in phase_peaks.items()}
+        notes.append(f"DDP gradient buckets: {buckets} bytes")
+    detail = (
+        f"a fake step of {type(template).__name__} as rank 0 of {world_size} ({strategy}) on {device}, "
+        f"batch {source_shape} -> ({batch_size}, {seq_len}) per rank"
+        + (f"; {'; '.join(notes)}" if notes else "")
+    )
+    return DryRunResult(seq_len=seq_len, batch_size=batch_size, mitigations=names, peak_bytes=peak,
+                        phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail)
+
+
+# -- the training run's side (used by SeqMemCallback through TrainingRunDryRun) ---------------------
+def data_parallel_size(trainer: Any, pl_module: Any) -> int:
+    """Ranks sharing the model's data-parallel dimension: the device mesh's ``data_parallel`` size
+    under ``ModelParallelStrategy``, else the trainer's world size."""
+    mesh = getattr(pl_module, "__dict__", {}).get("_device_mesh")
+    if mesh is not None and mesh.mesh_dim_names and MESH_DIM_NAMES[0] in mesh.mesh_dim_names:
+        return int(mesh[MESH_DIM_NAMES[0]].size())
+    return int(getattr(trainer, "world_size", 1) or 1)
+
+
+def template_for(trainer: Any, pl_module: nn.Module) -> Optional[nn.Module]:
+    """The unsharded template of a run whose strategy shards the module in ``configure_model()``
+    (``ModelParallelStrategy``, ``FSDPStrategy``), taken in ``setup`` before it does; else None."""
+    if not is_a(trainer.strategy, "ModelParallelStrategy", "FSDPStrategy") or is_fsdp2(pl_module):
+        return None
+    return unsharded_template(pl_module)
+
+
+def dry_run_refusal(trainer: Any) -> Optional[str]:
+    """Why no dry run of the run's own step can answer for this strategy (FSDP1, DeepSpeed), or None.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> dry_run_refusal(SimpleNamespace(strategy=None)) is None
+        True
+    """
+    name = type(getattr(trainer, "strategy", None)).__name__
+    if name == "FSDPStrategy":
+        return ("FSDPStrategy (FSDP1) flattens and shards the parameters inside FullyShardedDataParallel, which a "
+                "fake copy of the module does not reproduce; forecasts come from measured steps (timeline replay, "
+                "quadratic fit); forecast(world_size=N) plans it as FSDP2 from the template taken in setup")
+    if "DeepSpeed" in name:
+        return (f"{name}: DeepSpeed partitions parameters, gradients and optimizer state inside its own engine, "
+                "which a fake copy of the module does not reproduce; forecasts come from measured steps "
+                "(timeline replay, quadratic fit)")
+    return None
+
+
+def world_forecast(dry: Any, seq_len: int, batch_size: int, mitigations: Sequence[str], world_size: int,
+                   strategy: Optional[str] = None) -> Any:
+    """A :class:`~lightning_seqmem.core.forecast.Forecast` of the per-rank peak at ``world_size`` ranks,
+    by :func:`sharded_dry_run_step` on a run's :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`
+    (its template or module, kept batch and precision). ``strategy`` defaults to ``"fsdp2"`` for a
+    sharded run and ``"ddp"`` otherwise. The bound adds the dry run's 2% margin."""
+    from lightning_seqmem.core.forecast import Forecast
+
+    if dry is None or dry.batch is None:
+        raise ValueError("`world_size` forecasts need the dry run's kept batch: SeqMemCallback(dry_run=True), "
+                         "on rank zero, after the first training batch")
+    template = dry.template if dry.template is not None else dry.pl_module
+    strategy = check_strategy(strategy or ("fsdp2" if dry.template is not None else "ddp"))
+    if is_fsdp2(template):
+        raise DryRunUnsupported("the module is sharded and no unsharded template was taken in setup")
+    result = sharded_dry_run_step(template, dry.batch, seq_len, world_size, batch_size, mitigations, strategy,
+                                  autocast=dry.trainer.precision_plugin.train_step_context,
+                                  device=dry.trainer.strategy.root_device)
+    upper = int(result.peak_bytes * 1.02)
+    return Forecast(int(seq_len), int(batch_size), result.peak_bytes, upper, upper, "dry_run",
+                    dict(result.phase_peak_bytes), f"per rank at world size {world_size}: {result.detail}")
+
+
+# -- plans at N ranks (seqmem plan --world-size) -----------------------------------------------------
+def world_sizes_up_to(world_size: int) -> list[int]:
+    """The world sizes a plan tries: powers of two below ``world_size``, then ``world_size``.
+
+    Example:
+        >>> world_sizes_up_to(8), world_sizes_up_to(6), world_sizes_up_to(1)
+        ([1, 2, 4, 8], [1, 2, 4, 6], [1])
+    """
+    world_size = check_int("world_size", world_size)
+    sizes = [1 << k for k in range(world_size.bit_length()) if 1 << k < world_size]
+    return sizes + [world_size]
+
+
+def smallest_fitting_world_size(peak_at: Callable[[int], int], usable_bytes: int, world_size: int,
+                                known: Optional[dict[int, int]] = None) -> tuple[Optional[int], dict[int, int]]:
+    """The smallest world size in :func:`world_sizes_up_to` whose per-rank peak fits ``usable_bytes``
+    (None where even ``world_size`` does not), by bisection (the per-rank peak does not grow with the
+    world size); returns it and every ``world size -> peak`` computed.
+
+    Example:
+        >>> smallest_fitting_world_size(lambda n: 100 + 800 // n, 350, 8)
+        (4, {8: 200, 2: 500, 4: 300})
+    """
+    sizes = world_sizes_up_to(world_size)
+    peaks: dict[int, int] = dict(known or {})
+
+    def peak(n: int) -> int:
+        if n not in peaks:
+            peaks[n] = int(peak_at(n))
+        return peaks[n]
+
+    if peak(sizes[-1]) > usable_bytes:
+        return None, peaks
+    lo, hi = -1, len(sizes) - 1  # sizes[hi] fits; sizes[lo] does not (-1: unknown)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak(sizes[mid]) <= usable_bytes:
+            hi = mid
+        else:
+            lo = mid
+    return sizes[hi], peaks
+
+
+def context_parallel_note(device: torch.device | str) -> str:
+    """What a plan says about context (sequence) parallelism on ``device``.
+
+    Example:
+        >>> context_parallel_note("cpu").startswith("context parallelism: not planned on cpu")
+        True
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"context parallelism: not planned on {device.type}: PyTorch's context_parallel "
+                "(torch.distributed.tensor.experimental) shards the sequence across ranks for CUDA SDPA kernels "
+                "(flash, memory-efficient, cuDNN) and cannot run here")
+    return ("context parallelism: not planned: context_parallel can run on CUDA, but this version does not "
+            "model it (its ring attention buffers are not simulated); each rank holds the whole sequence here")

@@ -1,0 +1,165 @@
+"""Forecast without training: trace a few short training steps of a model and fit both predictors.
+
+:func:`trace_training_steps` runs real training steps (forward, backward, optimizer step) at a few
+short sequence lengths under a memory probe, exactly as :class:`~lightning_seqmem.SeqMemCallback`
+measures them during training, and returns a fitted
+:class:`~lightning_seqmem.MemoryForecaster`. The steps change the weights and the optimizer state
+of what they are given: pass copies (``copy.deepcopy(model)`` and a fresh optimizer) to leave the
+real ones untouched. No Lightning here; :mod:`lightning_seqmem.cli.main` adapts a ``LightningModule``.
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))
+    >>> optimizer = torch.optim.AdamW(model.parameters())
+    >>> batch = {"input_ids": torch.randint(0, 256, (2, 128))}
+    >>> def loss_fn(model, batch):
+    ...     return model(batch["input_ids"]).float().logsumexp(-1).mean()
+    >>> forecaster = trace_training_steps(model, optimizer, batch, [16, 32, 64], loss_fn, check_seq_lens=[128])
+    >>> forecaster.forecast(1024, 2).method, round(forecaster.verifications[0].relative_error, 3)
+    ('replay', 0.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_seqmem.measure.batch import infer_batch_shape, set_batch_sequence_length
+from lightning_seqmem.core.checks import check_int
+from lightning_seqmem.core.forecast import MemoryForecaster
+from lightning_seqmem.measure.probes import PHASES, StepMemory, existing_tensors, make_probe
+from lightning_seqmem.core.timeline import Trace
+
+__all__ = ["trace_training_steps", "training_step_memory"]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def _cut(batch: Any, seq_len: int, device: torch.device) -> Any:
+    """A copy of ``batch`` (new containers, tensors cut and copied) at ``seq_len``, on ``device``."""
+    copy = tree_map(lambda x: x, batch)  # new containers; set_batch_sequence_length changes them in place
+    copy = set_batch_sequence_length(copy, seq_len) if not isinstance(copy, tuple) else copy
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, copy)
+
+
+def training_step_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    loss_fn: LossFn,
+    probe: Any = None,
+    record_events: bool = False,
+    context: Optional[Callable[[], ContextManager]] = None,
+) -> Optional[StepMemory]:
+    """Run one training step (Lightning's order) and return what ``probe`` measured (None without one).
+
+    The order is Lightning's automatic optimisation: forward (``loss_fn`` under ``context``, e.g.
+    autocast), ``zero_grad(set_to_none=True)``, backward, optimizer step; the previous step's
+    gradients are alive during the forward, as in a Lightning run.
+    """
+    if probe is not None:
+        probe.start_step(existing_tensors(model, [optimizer], batch), record_events=record_events)
+        probe.mark_phase("forward")
+    try:
+        with (context() if context is not None else contextlib.nullcontext()):
+            loss = loss_fn(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        if probe is not None:
+            probe.mark_phase("backward")
+        loss.backward()
+        del loss
+        if probe is not None:
+            probe.mark_phase("optimizer")
+        optimizer.step()
+    except BaseException:
+        if probe is not None:
+            probe.abort()
+        raise
+    return probe.end_step() if probe is not None else None
+
+
+def trace_training_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    seq_lens: Sequence[int],
+    loss_fn: LossFn,
+    *,
+    device: Optional[torch.device | str] = None,
+    probe: str = "auto",
+    warmup_steps: int = 1,
+    context: Optional[Callable[[], ContextManager]] = None,
+    check_seq_lens: Iterable[int] = (),
+    forecaster: Optional[MemoryForecaster] = None,
+) -> MemoryForecaster:
+    """Trace one training step at each of ``seq_lens`` (after ``warmup_steps`` unmeasured ones).
+
+    Args:
+        model, optimizer: what to step (changed: pass copies to keep the originals).
+        batch: a batch at least as long as every length asked for (a tensor, mapping or list of
+            token tensors); each length is cut from a copy of it (never padded).
+        seq_lens: 2 or more short lengths to trace (tokens), e.g. ``[64, 128, 256]``.
+        loss_fn: ``(model, batch) -> scalar loss``.
+        device: where to run; default the model's parameters' device.
+        probe: ``"auto"`` (CUDA allocator counters on CUDA, else the live-tensor tracker),
+            ``"cuda"`` or ``"tracker"``.
+        warmup_steps: unmeasured steps before each measured one (≥ 1 before the first: the
+            first step has no optimizer state; on CUDA a new length may autotune kernels).
+        context: a factory of the context the forward runs under (autocast for mixed precision).
+        check_seq_lens: longer lengths measured after fitting, each verifying the forecast made
+            for it beforehand (``forecaster.verifications``).
+        forecaster: add to this forecaster instead of a new one.
+
+    Returns:
+        the forecaster, with one measured point and one trace per length.
+    """
+    lengths = sorted({int(L) for L in seq_lens})
+    if len(lengths) < 2 or lengths[0] < 1:
+        raise ValueError(f"`seq_lens` must hold 2 or more distinct positive lengths, got {list(seq_lens)!r}")
+    check_int("warmup_steps", warmup_steps, accepted="an int >= 1")
+    _, source_len = infer_batch_shape(batch)
+    too_long = [L for L in [*lengths, *check_seq_lens] if L > source_len]
+    if too_long:
+        raise ValueError(
+            f"the batch has {source_len} tokens per row; cannot trace or check at {too_long} "
+            "(lengths are cut from the batch, never padded): give a longer batch or shorter lengths"
+        )
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    memory_probe = make_probe(probe, device)
+    block = 512 if memory_probe.name == "cuda" else 1
+    forecaster = forecaster if forecaster is not None else MemoryForecaster()
+
+    def measure(seq_len: int, record_events: bool) -> tuple[int, StepMemory]:
+        step_batch = _cut(batch, seq_len, device)
+        batch_size, _ = infer_batch_shape(step_batch)
+        for _ in range(warmup_steps):
+            training_step_memory(model, optimizer, step_batch, loss_fn, context=context)
+        m = training_step_memory(model, optimizer, step_batch, loss_fn, memory_probe, record_events, context)
+        assert m is not None
+        return batch_size, m
+
+    def add(seq_len: int, batch_size: int, m: StepMemory) -> None:
+        phases = {p: m.phase_peak_bytes[p] for p in PHASES if p in m.phase_peak_bytes}
+        forecaster.add_measurement(seq_len, batch_size, phases, m.reserved_bytes)
+
+    model.train()
+    for seq_len in lengths:
+        batch_size, m = measure(seq_len, record_events=True)
+        add(seq_len, batch_size, m)
+        if m.events is not None:
+            forecaster.add_trace(Trace(seq_len, batch_size, m.events, block_bytes=block, measured_peak_bytes=m.peak_bytes))
+    for seq_len in sorted(set(int(L) for L in check_seq_lens) - set(lengths)):
+        batch_size = infer_batch_shape(batch)[0]
+        predicted = forecaster.forecast(seq_len, batch_size)
+        batch_size, m = measure(seq_len, record_events=False)
+        forecaster.verify(predicted, m.peak_bytes)
+        add(seq_len, batch_size, m)
+    return forecaster

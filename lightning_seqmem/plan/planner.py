@@ -1,0 +1,971 @@
+"""``SeqMemPlanner``: every decision of the callback, on plain values (no torch, no Lightning).
+
+The callback measures, applies and agrees across ranks; the planner decides. It owns
+
+* the measurement schedule (:meth:`begin_step`): warm-up steps, warm-up after a change of shape or
+  mitigations, ``measure_every_n_steps``, which steps are traced for the replay;
+* one :class:`~lightning_seqmem.core.forecast.MemoryForecaster` per set of mitigations, fed by
+  :meth:`observe`, and the verification of every forecast when its length runs;
+* the curriculum's state (stage, cap, the queue of shorter lengths measured before growing);
+* the budget decision before every batch (:meth:`decide` → :class:`Decision`, applied on every
+  rank with :meth:`commit`), the advice it gives (:class:`~lightning_seqmem.core.advice.Advice`), the
+  logged metrics and the checkpoint state.
+
+The budget holds at every step, on every path. Before a batch runs at ``(L, B)`` under the
+mitigations now on, :meth:`judge` says whether it fits the usable budget:
+
+1. measured already at ``(L, B)`` with these mitigations: over if any step (warm-up included)
+   went over, fits if a fitted step did not;
+2. otherwise the smallest of the upper bounds available: this setting's forecast, the forecast of
+   the setting before the last rung (a mitigation never adds memory), and a one-point bound from
+   this setting's nearest shorter measurement (``static + dynamic·(L/L₀)²·B/B₀``: activations grow
+   at most quadratically in the length and linearly in the batch);
+3. nothing measured yet: unknown (the first steps), and the batch runs.
+
+A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
+only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
+real fit. Over the budget, the next applicable rung is switched on (and shorter lengths are
+re-measured with it before growing), else the curriculum is capped at the longest length
+forecast to fit — below the current stage if the current stage itself is over. Without a
+curriculum the data sets the length: a batch judged over switches the next rung on before it
+runs, or, with no rung left, warns once.
+
+Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 MB budget):
+    >>> from lightning_seqmem.core.records import StepMemory
+    >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=256, steps_per_stage=3, multiple_of=16),
+    ...                   memory_budget_bytes=3_500_000, safety_margin=0.0, warmup_steps=1)
+    >>> no_rung = {name: (False, "not in this example") for name in MITIGATIONS}
+    >>> lengths = []
+    >>> for step in range(9):
+    ...     d = p.decide((4, 256), no_rung)
+    ...     p.commit(d)
+    ...     s = p.begin_step(d.seq_len, 4, optimizer_steps=True, global_step=step)
+    ...     peak = 1_000_000 + 4 * (3000 * s.seq_len + s.seq_len ** 2)
+    ...     _ = p.observe(s, StepMemory(peak, {"forward": peak}, 1_000_000, 1_000_000))
+    ...     p.end_batch()
+    ...     lengths.append((d.action, s.seq_len))
+    >>> lengths[2:6]   # 128 judged from one length only is over: probe 32; then 128 is forecast over too: cap
+    [('run', 64), ('probe', 32), ('run', 32), ('cap', 112)]
+    >>> max(r.peak_bytes for r in p.records) <= p.usable_budget_bytes, [a.kind for a in p.take_advice()][:1]
+    (True, ['stage_over_budget'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from lightning_seqmem.core import advice as A
+from lightning_seqmem.core.checks import check_int
+from lightning_seqmem.core.curriculum import Curriculum
+from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
+from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
+from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
+from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
+from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
+from lightning_seqmem.core.timeline import Trace
+from lightning_seqmem.core.units import to_gib
+
+Applicability = Mapping[str, "tuple[bool, str]"]
+DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
+_ONE_POINT_MARGIN = 0.02  # on top of the one-point bound, as the replay's margin
+
+
+@dataclass
+class PendingStep:
+    """What :meth:`SeqMemPlanner.begin_step` decided for the batch about to run."""
+
+    step: int
+    global_step: int
+    epoch: int
+    seq_len: int
+    batch_size: int
+    warmup: bool
+    measure: bool
+    traced: bool
+    stage: Optional[int]
+    mitigations: tuple[str, ...]
+    events: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether ``(seq_len, batch_size)`` fits the usable budget under the mitigations now on."""
+
+    kind: str  # "fits", "over" or "unknown"
+    bound_bytes: Optional[int] = None  # what was compared with the budget
+    peak_bytes: Optional[int] = None  # the measured or forecast peak behind it
+    method: str = ""  # "measured", "replay", "quadratic", "one-point bound", "previous setting"
+    measured: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens before a batch runs: taken once (rank zero), applied on every rank.
+
+    ``action`` is ``"run"`` (stay), ``"advance"`` (enter the next stage), ``"probe"`` (measure a
+    shorter cut first, to fit the next stage), ``"mitigate"`` (switch ``rungs`` on first),
+    ``"cap"`` (stop the curriculum at ``stages[-1]``; ``rungs`` may go on with it) or ``"over"`` (no curriculum and nothing left
+    to switch on: the batch runs over the forecast budget, with a warning). ``seq_len`` is the
+    length to cut the batch to (``None``: the batch's own). The curriculum fields are its state
+    after the decision.
+    """
+
+    action: str
+    seq_len: Optional[int]
+    rungs: tuple[str, ...] = ()  # switched on, in this order, before the batch
+    stages: tuple[int, ...] = ()
+    stage: int = 0
+    refit_queue: tuple[int, ...] = ()
+    decide_now: bool = False
+    reset_stage_steps: bool = False
+    advice: tuple[A.Advice, ...] = ()
+
+    @property
+    def rung(self) -> Optional[str]:
+        """The first rung to switch on, or None."""
+        return self.rungs[0] if self.rungs else None
+
+
+class SeqMemPlanner:
+    """The callback's decisions on plain values. Arguments as :class:`~lightning_seqmem.SeqMemCallback`'s.
+
+    Args:
+        memory_budget_bytes: the budget in bytes, or None (forecasts are then informational).
+        compare_reserved: judge against reserved memory (the CUDA caching allocator: an OOM happens
+            at the reserved level); the tracker has no reserved memory.
+        block_bytes: allocation granularity of traced steps (512 for CUDA, 1 for the tracker).
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 2,
+        tolerance: float = 0.15,
+        memory_budget_bytes: Optional[int] = None,
+        safety_margin: float = 0.1,
+        curriculum: Optional[Curriculum] = None,
+        warmup_steps_after_change: int = 1,
+        trace_lengths: int = 3,
+        measure_every_n_steps: int = 1,
+        mitigations: Sequence[str] = MITIGATIONS,
+        compare_reserved: bool = False,
+        block_bytes: int = 1,
+        precision: str = "32-true",
+        dry_run: Optional[DryRun] = None,
+    ) -> None:
+        self.warmup_steps = warmup_steps
+        self.tolerance = float(tolerance)
+        self.budget_bytes = memory_budget_bytes
+        self.safety_margin = float(safety_margin)
+        self.curriculum = curriculum
+        self.warmup_steps_after_change = warmup_steps_after_change
+        self.trace_lengths = trace_lengths
+        self.measure_every_n_steps = measure_every_n_steps
+        self.mitigations = check_mitigations(mitigations)  # the rungs left to this run
+        self.compare_reserved = compare_reserved
+        self.block_bytes = block_bytes
+        self.precision = precision
+        self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
+        self.checkpoint_records = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see state.compact_records)
+        self.memory_records = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
+        self.reset()
+
+    def reset(self) -> None:
+        """Everything a run accumulates (what :meth:`state_dict` saves), as before the first step."""
+        self.records: list[StepRecord] = []
+        self.applied_mitigations: tuple[str, ...] = ()
+        self.mitigation_events: list[dict[str, Any]] = []
+        self.forecasters: dict[tuple[str, ...], MemoryForecaster] = {(): MemoryForecaster(tolerance=self.tolerance)}
+        self.warned: dict[str, str] = {}  # advice key -> kind
+        self.step = 0
+        self.last_batch_size: Optional[int] = None
+        self.last_verification_error: Optional[float] = None
+        self.stages: tuple[int, ...] = self.curriculum.stages if self.curriculum else ()
+        self.stage = 0
+        self.stage_steps = 0
+        self.capped_at: Optional[int] = None
+        self.refit_queue: list[int] = []
+        self.decide_now = False
+        self.resume_warmup = 0  # steps after a resume that are not fitted (gradients were not saved)
+        self._key_counts: dict[tuple, int] = {}
+        self._pending: dict[tuple, Forecast] = {}
+        self._pending_events: list[str] = []
+        self._advice: list[A.Advice] = []
+        self._cache: dict[str, Any] = {}
+        self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
+        self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
+        self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
+
+    # ------------------------------------------------------------------------------------------
+    # Budget and forecasts
+    # ------------------------------------------------------------------------------------------
+    @property
+    def usable_budget_bytes(self) -> Optional[int]:
+        """``budget × (1 − safety_margin)``, or None without a budget."""
+        return None if self.budget_bytes is None else int(self.budget_bytes * (1 - self.safety_margin))
+
+    @property
+    def forecaster(self) -> MemoryForecaster:
+        """The forecaster of the mitigations on now (each setting has its own fit)."""
+        return self.forecasters.setdefault(self.applied_mitigations, MemoryForecaster(tolerance=self.tolerance))
+
+    @property
+    def seq_len(self) -> Optional[int]:
+        """The curriculum's current stage length (None without a curriculum)."""
+        return self.stages[self.stage] if self.stages else None
+
+    def bound_of(self, fc: Forecast) -> int:
+        """What to compare with the budget: the reserved bound on CUDA, the upper bound elsewhere."""
+        return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
+
+    def _batch_size(self, batch_size: Optional[int]) -> int:
+        if batch_size is None:
+            if self.last_batch_size is None:
+                raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
+            return self.last_batch_size
+        return check_int("batch_size", batch_size)
+
+    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None) -> Forecast:
+        """The forecast at ``(seq_len, batch_size)`` with ``mitigations`` (defaults: the last measured
+        batch size, the mitigations on now). Raises :class:`NotEnoughMeasurements` before that
+        setting has two measured lengths."""
+        check_int("seq_len", seq_len)
+        key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
+        dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
+        if dry is not None:
+            return dry
+        forecaster = self.forecasters.get(key)
+        if forecaster is None:
+            raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
+                                        f"{[list(k) for k in self.forecasters]}")
+        return forecaster.forecast(seq_len, self._batch_size(batch_size))
+
+    def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
+        """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
+        with the mitigations on now."""
+        if budget_bytes is None:
+            budget_bytes = self.usable_budget_bytes
+            if budget_bytes is None:
+                raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
+        batch_size = self._batch_size(batch_size)
+        if not self.forecaster.ready and self.dry_peak(1, batch_size) is not None:
+            return self._dry_max_seq_len(budget_bytes, batch_size)
+        return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+
+    def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
+        """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
+        that limit itself when it fits. With a curriculum, to its ``multiple_of`` (the lengths it can
+        run; about 7 dry runs instead of a dozen, each cached); else to the token."""
+        known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
+        step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
+        hi = 4 * max(known + [256])
+        hi -= hi % step
+
+        def fits(L: int) -> bool:
+            fc = self._dry_forecast(L, batch_size)
+            return fc is not None and self.bound_of(fc) <= budget_bytes
+
+        lo = step
+        if not fits(lo):
+            return 0 if step == 1 or not fits(1) else self._dry_max_below(1, lo, fits)
+        if fits(hi):
+            return hi
+        while hi - lo > step:
+            mid = (lo + hi) // 2
+            mid -= mid % step
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    @staticmethod
+    def _dry_max_below(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+        """Largest ``L`` in ``[lo, hi)`` that ``fits``, given ``fits(lo)`` and not ``fits(hi)``."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _measured_bound(self, r: StepRecord) -> int:
+        return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
+
+    def _one_point_bound(self, seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:
+        """(bound, peak) from this setting's fitted step nearest below ``seq_len`` (any length
+        if none is shorter), assuming activations at most quadratic in L and linear in B."""
+        same = [r for r in self.records if not r.warmup and r.mitigations == self.applied_mitigations]
+        if not same:
+            return None
+        shorter = [r for r in same if r.seq_len <= seq_len] or same
+        r = max(shorter, key=lambda r: (r.seq_len, r.peak_bytes))
+        dynamic = max(r.peak_bytes - r.start_bytes, 0)
+        scale = max(1.0, (seq_len / r.seq_len) ** 2) * max(1.0, batch_size / r.batch_size)
+        peak = int(r.start_bytes + dynamic * scale)
+        ratio = self.forecaster.reserved_ratio if self.compare_reserved else 1.0
+        return int(peak * (1 + _ONE_POINT_MARGIN) * ratio), peak
+
+    def dry_peak(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
+                 ) -> Optional[tuple[int, dict[str, int]]]:
+        """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
+        now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        if self.dry_run is None:
+            return None
+        if key not in self._dry:
+            try:
+                peak, phases = self.dry_run(*key)
+                self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
+            except Exception:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+                self._dry[key] = None
+        return self._dry[key]
+
+    def _dry_margin(self) -> float:
+        """The dry run's margin: 2%, widened by its largest measured under-prediction."""
+        misses = [v.measured_bytes / max(v.forecast_bytes, 1) - 1 for f in self.forecasters.values()
+                  for v in f.verifications if v.method == "dry_run"]
+        return max([0.02] + misses)
+
+    def scratch_bytes(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> int:
+        """What the allocator counted beyond the dry run, grown to ``(seq_len, batch_size)``.
+
+        Only with allocator counters (``compare_reserved``): a dry run counts tensors, and the
+        tracker probe counts the same tensors (0 by construction), but CUDA kernels also take
+        scratch buffers of their own (eager attention's backward: one more ``[B, H, L, L]`` block
+        on CUDA than on the CPU). From this setting's fitted steps (each shape dry-run once, cached),
+        the longest not longer than ``seq_len`` gives ``measured - dry``, scaled by
+        ``(L / L0)^2 * max(1, B / B0)`` (at most quadratic in L, linear in B); without one, the
+        shortest such step's, unscaled.
+
+        Example:
+            >>> from lightning_seqmem.core.records import StepMemory
+            >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, compare_reserved=True,
+            ...                   dry_run=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
+            >>> p.dry_peak(64, 2)[0]
+            409600
+            >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
+            >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
+            >>> p.end_batch()
+            >>> p.records[0].peak_bytes - p.dry_peak(64, 2)[0]   # what the allocator counted beyond the dry run
+            4096
+            >>> p.scratch_bytes(128, 2, ()), p.scratch_bytes(128, 4, ())   # 4096 B at 64 tokens, batch 2
+            (16384, 32768)
+        """
+        if not self.compare_reserved:
+            return 0
+        key = tuple(mitigations)
+        measured = [r for r in self.records if r.mitigations == key and not r.warmup]
+        below = [r for r in measured if r.seq_len <= seq_len]
+        if not measured:
+            return 0
+        grown = bool(below)
+        r = max(below, key=lambda r: (r.seq_len, r.peak_bytes)) if below else min(measured, key=lambda r: r.seq_len)
+        dry = self.dry_peak(r.seq_len, r.batch_size, key)  # cached, or one dry run of that measured shape
+        if dry is None:
+            return 0
+        residual = max(0, max(q.peak_bytes for q in measured if (q.seq_len, q.batch_size) == (r.seq_len, r.batch_size)) - dry[0])
+        if not grown:
+            return residual
+        return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
+
+    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
+        answer = self.dry_peak(seq_len, batch_size, mitigations)
+        if answer is None:
+            return None
+        peak, phases = answer
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        scratch = self.scratch_bytes(seq_len, batch_size, key)
+        if scratch:
+            peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
+        upper = int(peak * (1 + self._dry_margin()))
+        ratio = self.forecasters[key].reserved_ratio if key in self.forecasters else self.forecaster.reserved_ratio
+        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases,
+                        f"dry run of the training step with mitigations {list(key)} on fake tensors")
+
+    def judge(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Verdict:
+        """Whether a batch at ``(seq_len, batch_size)`` fits the usable budget now (see the module doc);
+        ``mitigations`` asks the dry run about another set of rungs."""
+        budget = self.usable_budget_bytes
+        if budget is None:
+            return Verdict("fits")
+        if mitigations is not None and tuple(mitigations) != self.applied_mitigations:
+            fc = self._dry_forecast(seq_len, batch_size, mitigations)
+            if fc is None:
+                return Verdict("unknown")
+            return Verdict("fits" if self.bound_of(fc) <= budget else "over", self.bound_of(fc), fc.peak_bytes, "dry_run")
+        here = [r for r in self.records if (r.seq_len, r.batch_size, r.mitigations) ==
+                (seq_len, batch_size, self.applied_mitigations)]
+        if here:
+            worst = max(here, key=self._measured_bound)
+            if self._measured_bound(worst) > budget:
+                return Verdict("over", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
+            if any(not r.warmup for r in here):
+                return Verdict("fits", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
+        dry = self._dry_forecast(seq_len, batch_size)
+        if dry is not None:  # the exact program at this length: trusted before any extrapolation
+            return Verdict("fits" if self.bound_of(dry) <= budget else "over", self.bound_of(dry), dry.peak_bytes, "dry_run")
+        bounds: list[tuple[int, int, str]] = []
+        if self.forecaster.ready:
+            fc = self.forecaster.forecast(seq_len, batch_size)
+            bounds.append((self.bound_of(fc), fc.peak_bytes, fc.method))
+        for n in range(len(self.applied_mitigations) - 1, -1, -1):  # a mitigation never adds memory
+            earlier = self.forecasters.get(self.applied_mitigations[:n])
+            if earlier is not None and earlier.ready:
+                fc = earlier.forecast(seq_len, batch_size)
+                bounds.append((self.bound_of(fc), fc.peak_bytes, "previous setting"))
+                break
+        one_point = self._one_point_bound(seq_len, batch_size)
+        if one_point is not None:
+            bounds.append((*one_point, "one-point bound"))
+        if not bounds:
+            return Verdict("unknown")
+        bound, peak, method = min(bounds)
+        return Verdict("fits" if bound <= budget else "over", bound, peak, method)
+
+    def _fit_now(self, batch_size: int) -> int:
+        """Largest length forecast to fit the usable budget; before any fit, the longest one measured
+        within it with these mitigations at this batch size or larger (0 if none)."""
+        budget = self.usable_budget_bytes
+        if budget is None:
+            return UNBOUNDED_SEQ_LEN
+        for n in range(len(self.applied_mitigations), -1, -1):
+            forecaster = self.forecasters.get(self.applied_mitigations[:n])
+            if forecaster is not None and forecaster.ready:
+                return forecaster.max_seq_len(budget, batch_size, reserved=self.compare_reserved)
+        return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations
+                    and r.batch_size >= batch_size and self._measured_bound(r) <= budget), default=0)
+
+    # ------------------------------------------------------------------------------------------
+    # Decisions
+    # ------------------------------------------------------------------------------------------
+    def decide(self, shape: tuple[int, int], applicable: Applicability) -> Decision:
+        """What to do before a batch whose full shape is ``(batch_size, seq_len)``.
+
+        ``applicable`` maps each rung not on yet to ``(applies, reason)`` for this model and batch
+        (under DDP: applies on every rank). Pure: the state changes only in :meth:`commit`.
+        """
+        batch_size, seq_len = int(shape[0]), int(shape[1])
+        if self.curriculum is None:
+            return self._decide_free(seq_len, batch_size, applicable)
+        return self._decide_curriculum(seq_len, batch_size, applicable)
+
+    def _state(self, **changes: Any) -> Decision:
+        base = Decision("run", None, stages=self.stages, stage=self.stage, refit_queue=tuple(self.refit_queue),
+                        decide_now=self.decide_now)
+        return replace(base, **changes)
+
+    def _next_rung(self, applicable: Applicability) -> tuple[Optional[str], list[str]]:
+        skipped = []
+        for name in self.mitigations:
+            if name in self.applied_mitigations:
+                continue
+            ok, reason = applicable.get(name, (False, "its applicability was not checked"))
+            if ok:
+                return name, skipped
+            skipped.append(f"{name}: {reason}")
+        return None, skipped
+
+    def _plan(self, seq_len: int, batch_size: int, applicable: Applicability) -> Optional[tuple[tuple[str, ...], bool]]:
+        """The cheapest prefix of the rungs left (in ladder order, those that apply) whose dry run
+        fits, and True; all of them and False when none fits; None where the dry run cannot answer."""
+        candidates = [m for m in self.mitigations if m not in self.applied_mitigations and applicable.get(m, (False, ""))[0]]
+        if self.dry_peak(seq_len, batch_size) is None or not candidates:
+            return None
+        for k in range(1, len(candidates) + 1):
+            verdict = self.judge(seq_len, batch_size, self.applied_mitigations + tuple(candidates[:k]))
+            if verdict.kind == "unknown":
+                return None
+            if verdict.kind == "fits":
+                return tuple(candidates[:k]), True
+        return tuple(candidates), False
+
+    def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...]) -> Optional[int]:
+        """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` whose dry run fits
+        with ``setting``, or None (bisection: a handful of dry runs)."""
+        assert self.curriculum is not None
+        m = self.curriculum.multiple_of
+        lo, hi = max(low // m, 1), (high - 1) // m  # in units of m
+        if hi < lo or self.judge(lo * m, batch_size, setting).kind != "fits":
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.judge(mid * m, batch_size, setting).kind == "fits" else (lo, mid - 1)
+        return lo * m
+
+    def _decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
+        verdict = self.judge(seq_len, batch_size)
+        if verdict.kind != "over":
+            return self._state()
+        budget, usable = self.budget_bytes, self.usable_budget_bytes
+        assert budget is not None and usable is not None
+        plan = self._plan(seq_len, batch_size, applicable)
+        if plan is not None:
+            rungs, fits = plan
+        else:
+            rung, _ = self._next_rung(applicable)
+            rungs, fits = ((rung,) if rung else ()), True
+        words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
+                                    verdict.method, usable, budget, self.safety_margin, self._safe_fit(batch_size),
+                                    self.applied_mitigations, rungs, verdict.measured, still_over=not fits,
+                                    inapplicable=_inapplicable(applicable))
+        return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(words,))
+
+    def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
+        """Samples per batch at ``seq_len``: ``truncate=False`` reshapes rows, keeping the tokens."""
+        assert self.curriculum is not None
+        if not self.curriculum.truncate and source_len > 0:
+            return max(1, batch_size * source_len // seq_len)
+        return batch_size
+
+    def _decide_curriculum(self, source_len: int, source_batch: int, applicable: Applicability) -> Decision:
+        assert self.curriculum is not None
+        queue, advance = list(self.refit_queue), False
+        if queue:
+            seq_len = queue.pop(0)
+        elif (self.decide_now or self.stage_steps >= self.curriculum.steps_per_stage) and self.stage + 1 < len(self.stages):
+            seq_len, advance = self.stages[self.stage + 1], True
+        else:
+            seq_len = self.stages[self.stage]
+        after_queue = bool(self.refit_queue) and not queue  # the last re-measurement: decide right after
+        batch_size = self.batch_at(source_batch, source_len, seq_len)
+        verdict = self.judge(seq_len, batch_size)
+        go = self._state(action="advance" if advance else "run", seq_len=seq_len, refit_queue=tuple(queue),
+                         stage=self.stage + advance, decide_now=after_queue, reset_stage_steps=advance)
+        if verdict.kind == "fits":
+            return go
+        if verdict.kind == "unknown":  # nothing fitted yet with these mitigations: hold the stage
+            return go if not advance else self._state(seq_len=self.stages[self.stage], decide_now=True)
+        if advance and verdict.method in ("one-point bound", "previous setting") and not self.forecaster.ready:
+            probe = self._probe_length(batch_size)
+            if probe is not None:  # a real fit of this setting before judging the stage over
+                steps = [probe] * (max(1, self.warmup_steps_after_change) + 1)
+                return self._state(action="probe", seq_len=probe, refit_queue=tuple(steps[1:]), decide_now=False)
+        return self._over_in_curriculum(seq_len, batch_size, verdict, applicable)
+
+    def _probe_length(self, batch_size: int) -> Optional[int]:
+        """A length shorter than the current stage not yet fitted with these mitigations, or None."""
+        assert self.curriculum is not None
+        m = self.curriculum.multiple_of
+        fitted = {r.seq_len for r in self.records if not r.warmup and r.mitigations == self.applied_mitigations
+                  and r.batch_size == batch_size}
+        length = self.stages[self.stage] // 2
+        while length >= m:
+            candidate = self.curriculum.round_down(length)
+            if candidate not in fitted and candidate < self.stages[self.stage]:
+                return candidate
+            length //= 2
+        return None
+
+    def _safe_fit(self, batch_size: int) -> int:
+        try:
+            return self._fit_now(batch_size)
+        except Exception:  # noqa: BLE001 - only words depend on it
+            return 0
+
+    def _over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability) -> Decision:
+        assert self.curriculum is not None and self.budget_bytes is not None and self.usable_budget_bytes is not None
+        m, current = self.curriculum.multiple_of, self.stages[self.stage]
+        fit = self._safe_fit(batch_size)
+        rung, skipped = self._next_rung(applicable)
+        plan = self._plan(seq_len, batch_size, applicable)
+        words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
+                     method=verdict.method, usable=self.usable_budget_bytes, budget=self.budget_bytes,
+                     margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured,
+                     applied=self.applied_mitigations)
+        advance = seq_len > current and seq_len in self.stages
+        if plan is not None and plan[1]:  # the dry run says which rungs make it fit: on before the stage
+            action = f"Switching on {', '.join(map(repr, plan[0]))} before it runs (dry run: it then fits)"
+            return self._state(action="mitigate", rungs=plan[0], seq_len=seq_len, refit_queue=(), decide_now=False,
+                               stage=self.stages.index(seq_len) if advance else self.stage, reset_stage_steps=advance,
+                               advice=(A.over_budget_stage(action=action, **words),))
+        if plan is not None:  # nothing fits at this length even with every rung: all on, and the longest that fits
+            setting = self.applied_mitigations + plan[0]
+            low = current if seq_len > current else m
+            cap = self._dry_fit(low, seq_len, batch_size, setting)
+            cap = cap if cap is not None else (current if seq_len > current else m)
+            stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
+            words["fit"] = cap
+            action = (f"Switching on {', '.join(map(repr, plan[0]))}; the curriculum stays at seq_len={cap}. "
+                      f"To go further: {A.remaining_advice(setting, _inapplicable(applicable))}")
+            return self._state(action="cap", rungs=plan[0], seq_len=cap, stages=stages, stage=len(stages) - 1,
+                               refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
+                               advice=(A.over_budget_stage(action=action, **words),))
+        if rung is not None:
+            base = min(current, seq_len)
+            lengths = sorted({self.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})
+            steps = max(1, self.warmup_steps_after_change) + 1  # warm-up, then one fitted step per length
+            queue = [L for L in lengths for _ in range(steps)]
+            action = (f"Switching on the next mitigation, {rung!r}, then re-measuring at seq_len {lengths} "
+                      "before growing")
+            return self._state(action="mitigate", rungs=(rung,), seq_len=queue[0], refit_queue=tuple(queue[1:]),
+                               decide_now=False, advice=(A.over_budget_stage(action=action, **words),))
+        if seq_len > current:  # the next stage does not fit: stay between the two
+            cap = self.curriculum.round_down(fit) if fit >= m else current
+            cap = max(min(cap, seq_len - 1), current)
+        else:  # the stage running now is over: go back to what is forecast to fit
+            cap = self.curriculum.round_down(fit) if fit >= m else m
+            cap = min(cap, max(seq_len - m, m))
+        stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
+        action = (f"The curriculum stays at seq_len={cap}. To go further: "
+                  f"{A.remaining_advice(self.applied_mitigations, _inapplicable(applicable))}")
+        return self._state(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
+                           decide_now=False, reset_stage_steps=cap != current,
+                           advice=(A.over_budget_stage(action=action, **words),))
+
+    def commit(self, decision: Decision) -> None:
+        """Take ``decision`` (every rank, the same one). A rung is recorded in :meth:`rung_applied`."""
+        self.stages, self.stage = tuple(decision.stages), decision.stage
+        self.refit_queue, self.decide_now = list(decision.refit_queue), decision.decide_now
+        if decision.reset_stage_steps:
+            self.stage_steps = 0
+        if decision.action == "cap":
+            self.capped_at = self.stages[-1]
+        for item in decision.advice:
+            self.advise(item)
+
+    def before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
+        """Called just before ``name`` is switched on: dry runs of the setting now on that only
+        this moment allows (a copy cannot undo a rung), for the check after the attention switch."""
+        if name == "attention" and self.dry_run is not None:
+            x = max(int(seq_len), 16)
+            for k in (1, 2, 3):
+                self.dry_peak(k * x, batch_size)
+
+    def rung_applied(self, name: str, ok: bool, detail: str, seq_len: Optional[int], batch_size: Optional[int] = None) -> None:
+        """A rung ``decide`` asked for was switched on (``ok``) on every rank, or on none; ``seq_len``
+        and ``batch_size``: where it was decided (the peak before is the measured one there, else
+        the dry run's)."""
+        if not ok:
+            self.mitigations = tuple(m for m in self.mitigations if m != name)
+            self.refit_queue, self.decide_now = [], True
+            self.advise(A.mitigation_failed(name, detail))
+            return
+        before = max((r.peak_bytes for r in self.records if r.seq_len == seq_len and r.mitigations == self.applied_mitigations
+                      and (batch_size is None or r.batch_size == batch_size)), default=None)
+        method = "measured" if before is not None else None
+        if before is None and seq_len and batch_size and self._dry.get((seq_len, batch_size, self.applied_mitigations)):
+            before, method = self._dry[(seq_len, batch_size, self.applied_mitigations)][0], "dry_run"  # type: ignore[index]
+        setting_before = self.applied_mitigations
+        self.applied_mitigations = self.applied_mitigations + (name,)
+        self.forecaster  # noqa: B018 - a fresh fit for the new setting
+        self.mitigation_events.append({"name": name, "step": self.step, "seq_len": seq_len, "batch_size": batch_size,
+                                       "detail": detail, "before_bytes": before, "before_method": method,
+                                       "after_bytes": None, "mitigations_before": list(setting_before)})
+        self._pending_events.append(f"mitigation:{name}")
+
+    def rung_removed(self, name: str, why: str, pending: Optional[PendingStep] = None) -> None:
+        """A rung that was on is off again (every rank): it is not tried again this run; ``pending``,
+        the step that found out, ran without it."""
+        if pending is not None:
+            pending.mitigations = tuple(m for m in pending.mitigations if m != name)
+        self.applied_mitigations = tuple(m for m in self.applied_mitigations if m != name)
+        self.mitigations = tuple(m for m in self.mitigations if m != name)
+        self.refit_queue, self.decide_now = [], True
+        for event in self.mitigation_events:
+            if event["name"] == name and "removed" not in event:
+                event["removed"] = why
+        self.advise(A.mitigation_failed(name, why))
+
+    def drop_mitigations(self, names: Sequence[str], why: str) -> None:
+        """Rungs this run cannot take (set-up): off for the run, said once."""
+        if names:
+            self.mitigations = tuple(m for m in self.mitigations if m not in names)
+            self.advise(A.mitigations_dropped(names, why))
+
+    # ------------------------------------------------------------------------------------------
+    # Measurement
+    # ------------------------------------------------------------------------------------------
+    def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True, global_step: int = 0,
+                   epoch: int = 0) -> PendingStep:
+        """The schedule for a batch about to run at ``(seq_len, batch_size)``: warm-up, measured, traced."""
+        key = (seq_len, batch_size, self.applied_mitigations)
+        count = self._key_counts.get(key, 0)
+        self._key_counts[key] = count + 1
+        warmup = (self.step < self.warmup_steps or global_step < self.warmup_steps  # accumulation: until a step
+                  or count < self.warmup_steps_after_change or self.resume_warmup > 0)
+        self.resume_warmup = max(0, self.resume_warmup - 1)
+        if count == 0:  # kept to verify against the measurement
+            fc = self._dry_forecast(seq_len, batch_size) if (seq_len, batch_size, key[2]) in self._dry else None
+            if fc is None and self.forecaster.ready:
+                fc = self.forecaster.forecast(seq_len, batch_size)
+            if fc is not None:
+                self._pending[key] = fc
+        measure = warmup or count == self.warmup_steps_after_change or self.step % self.measure_every_n_steps == 0
+        # only steps ending in an optimizer step are traced: with accumulation the others run another program
+        traced = measure and not warmup and optimizer_steps and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
+        events, self._pending_events = self._pending_events, []
+        return PendingStep(self.step, global_step, epoch, seq_len, batch_size, warmup, measure, traced,
+                           self.stage if self.stages else None, self.applied_mitigations, events)
+
+    def end_batch(self, at_stage_length: bool = True) -> None:
+        """A batch finished (measured or not). Only a batch that ran at the length it was cut to
+        (``at_stage_length``) counts towards the stage's ``steps_per_stage``: where the data is
+        shorter than the stage, or the batch could not be cut, the curriculum holds."""
+        self.step += 1
+        self.stage_steps += 1 if at_stage_length else 0
+
+    def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
+                batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
+                rank: Optional[int] = None) -> StepRecord:
+        """Record a measured step, fit, verify; returns the record.
+
+        ``memory`` is the step's measurement; under DDP, that of the rank with the highest peak,
+        whose own ``(seq_len, batch_size)`` are given. ``trace`` is the ``(seq_len, batch_size,
+        memory)`` whose events are traced (default: the same).
+        """
+        L = pending.seq_len if seq_len is None else int(seq_len)
+        B = pending.batch_size if batch_size is None else int(batch_size)
+        phases = {p: memory.phase_peak_bytes.get(p) for p in PHASES}
+        record = StepRecord(
+            step=pending.step, global_step=pending.global_step, epoch=pending.epoch, seq_len=L, batch_size=B,
+            warmup=pending.warmup, traced=pending.traced, peak_bytes=memory.peak_bytes,
+            forward_peak_bytes=phases["forward"], backward_peak_bytes=phases["backward"],
+            optimizer_peak_bytes=phases["optimizer"], start_bytes=memory.start_bytes,
+            reserved_bytes=memory.reserved_bytes, fragmentation_bytes=memory.fragmentation_bytes,
+            fragmentation_fraction=memory.fragmentation_fraction, inactive_split_bytes=memory.inactive_split_bytes,
+            alloc_retries=memory.alloc_retries, num_ooms=memory.num_ooms, stage=pending.stage,
+            mitigations=pending.mitigations, events=list(pending.events), rank=rank,
+        )
+        usable = self.usable_budget_bytes
+        if record.step == 0 and usable is not None and self._measured_bound(record) > usable:
+            assert self.budget_bytes is not None
+            self.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes, usable, self.budget_bytes,
+                                                 self.safety_margin))
+        forecaster = self.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=self.tolerance))
+        if not record.warmup:
+            self.last_batch_size = B
+            forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
+            tL, tB, tm = trace if trace is not None else (L, B, memory)
+            if pending.traced and tm.events is not None:
+                forecaster.add_trace(Trace(tL, tB, tm.events, block_bytes=self.block_bytes,
+                                           measured_peak_bytes=tm.peak_bytes))
+                self._compare_replay(forecaster, record.mitigations, B)
+            fc = self._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
+            if fc is not None:
+                self._verify(record, fc, forecaster)
+            self._after_mitigation(record)
+        if "microbatch" in record.mitigations and not any(r.mitigations == record.mitigations for r in self.records):
+            # the step that switched micro-batching on ran its one-time loss check, which the dry runs
+            # of this setting so far counted: later steps are dry-run afresh, without it
+            self._dry = {k: v for k, v in self._dry.items() if k[2] != record.mitigations}
+            key = (record.seq_len, record.batch_size, record.mitigations)
+            if key in self._pending:  # verified against the next (steady) step: forecast it as such
+                fresh = self._dry_forecast(*key)
+                if fresh is not None:
+                    self._pending[key] = fresh
+        self.records.append(record)
+        if len(self.records) > self.memory_records:  # a very long run: bounded in memory too
+            self.records = compact_records(self.records, self.memory_records // 2, self._measured_bound)
+        return record
+
+    def _compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
+        """The replay against the dry run at the target length (the curriculum's, else 4× the longest
+        traced): a replay off by more than the tolerance is not trusted, and that is said once."""
+        if forecaster.timeline is None or self.dry_run is None:
+            return
+        target = self.curriculum.target if self.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
+        dry = self.dry_peak(target, batch_size, setting)
+        if dry is None:
+            return
+        replay = forecaster.forecast(target, batch_size, method="replay").peak_bytes
+        error = (replay - dry[0]) / max(dry[0], 1)
+        self.replay_checks[setting] = {"seq_len": target, "batch_size": batch_size, "replay_bytes": replay,
+                                       "dry_run_bytes": dry[0], "relative_error": error}
+        if abs(error) > self.tolerance:
+            self.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
+
+    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster) -> None:
+        v = forecaster.verify(fc, record.peak_bytes)
+        record.forecast_peak_bytes, record.forecast_upper_bytes = fc.peak_bytes, fc.upper_bytes
+        record.forecast_method, record.forecast_error = fc.method, v.relative_error
+        self.last_verification_error = v.relative_error
+        if abs(v.relative_error) > self.tolerance:
+            self.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
+                                            record.peak_bytes, v.relative_error, self.tolerance))
+
+    def _after_mitigation(self, record: StepRecord) -> None:
+        """Fill the measured effect of the last mitigation; warn if attention stayed quadratic."""
+        if not self.mitigation_events:
+            return
+        event = self.mitigation_events[-1]
+        if event["after_bytes"] is None and record.seq_len == event["seq_len"] and record.mitigations == self.applied_mitigations:
+            event["after_bytes"] = record.peak_bytes
+        if event["name"] != "attention" or event.get("checked"):
+            return
+        terms = self._dry_quadratic_terms(event, record.batch_size)
+        if terms is None and self.forecaster.ready:
+            terms = quadratic_terms(self.forecasters.get(self.applied_mitigations[:-1]), self.forecaster)
+        if terms is None:
+            return
+        old_b, new_b = terms
+        event["checked"] = True
+        if new_b > 0.5 * old_b:
+            self.advise(A.attention_still_quadratic(event["detail"], new_b, old_b))
+
+    def _dry_quadratic_terms(self, event: Mapping[str, Any], batch_size: int) -> Optional[tuple[float, float]]:
+        """Bytes per token² per sample before and after the rung of ``event``, from dry runs at
+        L, 2L, 3L (``p(3L) − 2p(2L) + p(L) = 2bL²`` for ``p = c + aL + bL²``), or None."""
+        before = tuple(event.get("mitigations_before", ()))
+        after = before + (event["name"],)
+        if after != self.applied_mitigations[: len(after)]:
+            return None
+        x = max(int(event.get("seq_len") or 0), 16)
+        out = []
+        for setting in (before, after):
+            peaks = [self.dry_peak(k * x, batch_size, setting) for k in (1, 2, 3)]
+            if any(p is None for p in peaks):
+                return None
+            p1, p2, p3 = (p[0] for p in peaks)  # type: ignore[index]
+            out.append(max(p3 - 2 * p2 + p1, 0) / (2 * x * x * batch_size))
+        return out[0], out[1]
+
+    # ------------------------------------------------------------------------------------------
+    # Advice and metrics
+    # ------------------------------------------------------------------------------------------
+    def advise(self, item: A.Advice) -> None:
+        """Queue ``item`` unless its key was given already."""
+        if item.key not in self.warned:
+            self.warned[item.key] = item.kind
+            self._advice.append(item)
+
+    def take_advice(self) -> list[A.Advice]:
+        """The advice given since the last call (the callback warns each once)."""
+        out, self._advice = self._advice, []
+        return out
+
+    def budget_view(self, batch_size: int) -> dict[str, float]:
+        """Forecast for the next stage (or this length), largest length that fits, headroom (cached)."""
+        key = (self.applied_mitigations, self.forecaster.version, self.stage, batch_size, len(self.stages))
+        if self._cache.get("key") == key:
+            return self._cache["value"]
+        out: dict[str, float] = {}
+        target = self.stages[self.stage + 1] if self.stage + 1 < len(self.stages) else None
+        target = target or (self.records[-1].seq_len if self.records else None)
+        # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
+        fc = None if not target else (self.forecaster.forecast(target, batch_size) if self.forecaster.ready
+                                       else self._dry_forecast(target, batch_size))
+        if fc is not None:
+            bound = self.bound_of(fc)
+            out["forecast_next_gib"] = to_gib(bound)
+            budget = self.usable_budget_bytes
+            if budget is not None:
+                out["budget_gib"] = to_gib(budget)
+                out["max_seq_len"] = float(self.max_seq_len(budget, batch_size))
+                out["headroom_gib"] = to_gib(budget - bound)
+                out["headroom_fraction"] = (budget - bound) / budget
+        self._cache = {"key": key, "value": out}
+        return out
+
+    def metrics(self, record: StepRecord) -> dict[str, float]:
+        """The logged scalars of ``record`` (tags without the ``seqmem/`` prefix; GiB = 2³⁰ bytes)."""
+        out: dict[str, float] = {"seq_len": record.seq_len, "batch_size": record.batch_size,
+                                 "warmup": float(record.warmup), "peak_allocated_gib": to_gib(record.peak_bytes)}
+        for phase in PHASES:
+            value = getattr(record, f"{phase}_peak_bytes")
+            if value is not None:
+                out[f"peak_{phase}_gib"] = to_gib(value)
+        if record.reserved_bytes is not None:
+            out["reserved_gib"] = to_gib(record.reserved_bytes)
+            out["fragmentation_gib"] = to_gib(record.fragmentation_bytes or 0)
+            out["fragmentation_fraction"] = record.fragmentation_fraction or 0.0
+            out["inactive_split_gib"] = to_gib(record.inactive_split_bytes or 0)
+            out["alloc_retries"] = record.alloc_retries or 0
+            out["num_ooms"] = record.num_ooms or 0
+        if self.last_verification_error is not None:
+            out["verification_error"] = self.last_verification_error
+        if record.stage is not None:
+            out["stage"] = record.stage
+        out["mitigations_applied"] = len(record.mitigations)
+        out.update(self.budget_view(record.batch_size))
+        return {k: float(v) for k, v in out.items()}
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpointing
+    # ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Flat plain values (the keys of earlier versions kept, so their checkpoints load); the records
+        are bounded (:func:`~lightning_seqmem.plan.checkpoint.compact_records`, ``checkpoint_records``)."""
+        return {
+            "step": self.step,
+            "records": [r.to_dict() for r in compact_records(self.records, self.checkpoint_records, self._measured_bound)],
+            "forecasters": {"|".join(k): f.state_dict() for k, f in self.forecasters.items()},
+            "key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self._key_counts.items()],
+            "warned": sorted(self.warned),
+            "warned_kinds": dict(self.warned),
+            "applied_mitigations": list(self.applied_mitigations),
+            "mitigations_left": list(self.mitigations),
+            "mitigation_events": [dict(e) for e in self.mitigation_events],
+            "refit_queue": list(self.refit_queue),
+            "decide_now": self.decide_now,
+            "stages": list(self.stages),
+            "stage": self.stage,
+            "stage_steps": self.stage_steps,
+            "capped_at": self.capped_at,
+            "last_batch_size": self.last_batch_size,
+            "last_verification_error": self.last_verification_error,
+            "pending": {"x".join(map(str, k[:2])) + "".join(f"|{m}" for m in k[2]): asdict(v)
+                        for k, v in self._pending.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (raises on a state this version cannot read; nothing is half-set)."""
+        fresh = SeqMemPlanner.__new__(SeqMemPlanner)
+        fresh.__dict__.update(self.__dict__)
+        fresh.reset()
+        fresh._load(state)
+        self.__dict__.update(fresh.__dict__)
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
+        self.records = [StepRecord.from_dict(r) for r in state.get("records", [])]
+        self.forecasters = {}
+        for key, value in state.get("forecasters", {"": state.get("forecaster", {})}).items():
+            forecaster = MemoryForecaster(tolerance=self.tolerance)
+            forecaster.load_state_dict(value)
+            self.forecasters[tuple(key.split("|")) if key else ()] = forecaster
+        self._key_counts = {(int(k0), int(k1), tuple(k2)): int(v) for k0, k1, k2, v in state.get("key_counts", [])}
+        kinds = state.get("warned_kinds") or {}
+        self.warned = {str(k): str(kinds.get(k, A.kind_of_key(k))) for k in state.get("warned", [])}
+        self.applied_mitigations = check_mitigations(list(state.get("applied_mitigations", ())))
+        if "mitigations_left" in state:
+            left = set(check_mitigations(list(state["mitigations_left"])))
+            self.mitigations = tuple(m for m in self.mitigations if m in left or m in self.applied_mitigations)
+        self.forecaster  # noqa: B018
+        self.mitigation_events = [dict(e) for e in state.get("mitigation_events", [])]
+        self.refit_queue = [int(L) for L in state.get("refit_queue", [])]
+        self.decide_now = bool(state.get("decide_now", False))
+        self.stages = tuple(int(s) for s in state.get("stages", self.stages))
+        self.stage = int(state.get("stage", 0))
+        if self.stages and not 0 <= self.stage < len(self.stages):
+            raise ValueError(f"stage {self.stage} is outside the {len(self.stages)} stages {list(self.stages)}")
+        self.stage_steps = int(state.get("stage_steps", 0))
+        self.capped_at = state.get("capped_at")
+        self.last_batch_size = state.get("last_batch_size")
+        self.last_verification_error = state.get("last_verification_error")
+        self.resume_warmup = max(1, self.warmup_steps_after_change)
+        self._pending = {}
+        for key, fc in state.get("pending", {}).items():
+            shape, *mitigations = key.split("|")
+            L, B = (int(x) for x in shape.split("x"))
+            self._pending[(L, B, tuple(mitigations))] = Forecast(**fc)
+
+
+def _inapplicable(applicable: Applicability) -> tuple[str, ...]:
+    """The rungs checked and found not to apply (never advised: attention already on SDPA)."""
+    return tuple(name for name, (ok, _) in applicable.items() if not ok)
+
+
+def quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:
+    """Bytes per token² (per sample) before and after a change, measured the same way, or None.
+
+    From the timeline replay when both settings have one (the L² coefficients of every allocation,
+    exact from two traced lengths); else from quadratic fits of three or more lengths (a two-point
+    fit is C + b·L² by construction and says nothing about the shape).
+    """
+    if old is None:
+        return None
+    if old.timeline is not None and new.timeline is not None:
+        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum()) for f in (old, new))  # type: ignore[return-value]
+    fits = [f.quadratic for f in (old, new)]
+    if any(q is None for q in fits) or any(len({L for L, _ in f.points}) < 3 for f in (old, new)):
+        return None
+    return tuple(max(c.quadratic_bytes_per_token2 for c in q.coefficients.values()) for q in fits)  # type: ignore[union-attr,return-value]
+
+
+__all__ = ["Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]

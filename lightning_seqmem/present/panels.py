@@ -1,0 +1,320 @@
+"""TensorBoard panels: the custom-scalars layout of the ``seqmem/*`` scalars, and the memory figure.
+
+What the panels show; :mod:`lightning_seqmem.trainer.outputs` writes them. matplotlib is imported
+lazily, inside the functions that draw, and figures are drawn with its object API on an Agg canvas
+(``Figure`` + ``FigureCanvasAgg``): no global backend is switched and pyplot's figure registry is
+never touched, so drawing works headless and leaves a notebook's backend alone.
+
+* :func:`custom_scalars_layout` (written by :func:`lightning_seqmem.trainer.outputs.write_layout`): the "CUSTOM SCALARS" tab groups the
+  scalars that :class:`~lightning_seqmem.SeqMemCallback` logs (see its docstring for the tags) into
+  four categories: memory per step, forecast vs measured, headroom, and CUDA fragmentation.
+* :func:`memory_figure` (logged and saved by :mod:`lightning_seqmem.trainer.outputs`): memory against sequence length:
+  the measured points, both predictors' curves, the budget, and where mitigations switched on.
+
+Bytes everywhere else in the package; here, at the display edge, GiB (or MiB for small runs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from lightning_seqmem.core.forecast import NotEnoughMeasurements
+from lightning_seqmem.core.units import display_unit
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+    from matplotlib.figure import Figure
+
+    from lightning_seqmem.plan.planner import SeqMemPlanner
+
+__all__ = [
+    "BREAKDOWN_TAG",
+    "FIGURE_TAG",
+    "LAYOUT_CATEGORIES",
+    "custom_scalars_layout",
+    "memory_figure",
+]
+
+FIGURE_TAG = "seqmem/memory_vs_seq_len"
+"""Image tag of :func:`log_figure` in TensorBoard's "IMAGES" tab."""
+
+BREAKDOWN_TAG = "seqmem/breakdown"
+"""Text tag of the memory breakdown (``SeqMemCallback(breakdown=True)``) in TensorBoard's "TEXT" tab."""
+
+LAYOUT_CATEGORIES = (
+    "seqmem: memory per step (GiB)",
+    "seqmem: forecast vs measured",
+    "seqmem: headroom",
+    "seqmem: fragmentation (CUDA)",
+)
+"""Category titles of :func:`custom_scalars_layout`, in display order."""
+
+
+
+def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]:
+    """The TensorBoard custom-scalars layout of the planner's scalars.
+
+    Returns ``{category: {chart title: ["Multiline", [tag, ...]]}}``, the format
+    ``SummaryWriter.add_custom_scalars`` takes. Tags are the planner's (``prefix`` + name, as in
+    the :class:`~lightning_seqmem.SeqMemCallback` docstring); TensorBoard reads them as regular
+    expressions, and none of them is a prefix of another. Units are in the chart titles.
+
+    Example:
+        >>> layout = custom_scalars_layout()
+        >>> list(layout) == list(LAYOUT_CATEGORIES)
+        True
+        >>> layout["seqmem: headroom"]["largest length that fits vs current (tokens)"]
+        ['Multiline', ['seqmem/max_seq_len', 'seqmem/seq_len']]
+    """
+    def tags(*names: str) -> list:
+        return ["Multiline", [prefix + name for name in names]]
+
+    memory, forecast, headroom, fragmentation = LAYOUT_CATEGORIES
+    return {
+        memory: {
+            "peak per phase (GiB)": tags("peak_allocated_gib", "peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib"),
+            "peak allocated vs reserved vs usable budget (GiB)": tags("peak_allocated_gib", "reserved_gib", "budget_gib"),
+            "sequence length (tokens)": tags("seq_len"),
+            "batch size (samples), curriculum stage (index), mitigations on (count)": tags("batch_size", "stage", "mitigations_applied"),
+        },
+        forecast: {
+            "forecast for the next stage vs measured peak (GiB)": tags("forecast_next_gib", "peak_allocated_gib"),
+            "verification error ((forecast - measured) / measured)": tags("verification_error"),
+            "warm-up step (1 = measured, not fitted)": tags("warmup"),
+        },
+        headroom: {
+            "headroom: usable budget - forecast (GiB)": tags("headroom_gib"),
+            "headroom fraction (of the usable budget)": tags("headroom_fraction"),
+            "largest length that fits vs current (tokens)": tags("max_seq_len", "seq_len"),
+        },
+        fragmentation: {
+            "reserved - allocated at the peak, inactive split blocks (GiB)": tags("fragmentation_gib", "inactive_split_gib"),
+            "fragmentation fraction (of reserved)": tags("fragmentation_fraction"),
+            "allocator retries and OOMs (count, cumulative)": tags("alloc_retries", "num_ooms"),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The figure
+# ----------------------------------------------------------------------------------------------
+def _curve_lengths(max_len: int, num: int = 80) -> list[int]:
+    step = max(1, max_len // num)
+    return sorted(set(range(step, max_len + 1, step)) | {max_len})
+
+
+def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, method: str):
+    """(lengths, peaks, uppers) in bytes, or None when that predictor is unavailable."""
+    try:
+        forecasts = [forecaster.forecast(L, batch_size, method=method) for L in lengths]
+    except (NotEnoughMeasurements, ValueError, RuntimeError):
+        return None
+    if not forecasts or forecasts[0].method != method:
+        return None
+    return list(lengths), [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
+
+
+def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: int = 8):
+    """(lengths, peaks, uppers) of the dry run at ``num`` lengths up to ``right`` (cached by the
+    planner), or None where there is no dry run."""
+    lengths = sorted({max(1, right * k // num) for k in range(1, num + 1)})
+    if planner.dry_peak(lengths[0], batch_size) is None:
+        return None
+    forecasts = [planner.forecast(L, batch_size) for L in lengths]
+    if any(f.method != "dry_run" for f in forecasts):
+        return None
+    return lengths, [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
+
+
+def _reference_batch_size(planner: "SeqMemPlanner") -> Optional[int]:
+    measured = [r.batch_size for r in planner.records if not r.warmup]
+    if planner.last_batch_size is not None:
+        return planner.last_batch_size
+    return measured[-1] if measured else (planner.records[-1].batch_size if planner.records else None)
+
+
+def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
+    """``(seq_len, what was switched on)`` for each mitigation switched on.
+
+    From the planner's ``mitigation_events`` (the length at which it was decided), else from the
+    records: the first record whose ``mitigations`` differ from the previous record's.
+    """
+    events = planner.mitigation_events
+    if events:
+        return [(int(e["seq_len"]), str(e["name"])) for e in events]
+    marks, previous = [], ()
+    for record in planner.records:
+        current = tuple(record.mitigations)
+        if current != previous:
+            added = [m for m in current if m not in previous]
+            marks.append((record.seq_len, ", ".join(added) if added else "off: " + ", ".join(previous)))
+        previous = current
+    return marks
+
+
+def _other_settings(planner: "SeqMemPlanner") -> list[tuple[tuple[str, ...], Any]]:
+    """Forecasters of the mitigation settings other than the current one (fitted before a switch)."""
+    forecasters = planner.forecasters
+    current = tuple(planner.applied_mitigations)
+    return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
+
+
+def memory_figure(
+    planner: "SeqMemPlanner",
+    max_seq_len: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    title: Optional[str] = None,
+) -> "Figure":
+    """Memory against sequence length: measured points, both predictors, budget, mitigations.
+
+    Args:
+        planner: a fitted (or resumed) :class:`~lightning_seqmem.SeqMemCallback`.
+        max_seq_len: right end of the curves, in tokens; default twice the largest of the
+            curriculum target and the longest measured length.
+        batch_size: batch size of the curves; default the last measured batch's. Measured points
+            of other batch sizes are drawn with their own marker.
+        title: figure title; default names the batch size.
+
+    The quadratic fit and the timeline replay (of the mitigations on now: each setting has its own
+    fit) are drawn with their conservative upper bound as a band; measured points are grouped by
+    batch size and mitigations; the usable budget (and the whole budget) as horizontal lines; a vertical line marks each
+    length where the set of mitigations changed, and a dotted one the largest length that fits.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    forecaster = planner.forecaster
+    measured = [r for r in planner.records if not r.warmup]
+    batch_size = batch_size or _reference_batch_size(planner)
+    target = planner.curriculum.target if planner.curriculum is not None else 0
+    longest = max([r.seq_len for r in planner.records], default=0)
+    right = max_seq_len or max(2 * max(target, longest), 16)
+    lengths = _curve_lengths(right)
+
+    curves = {}
+    if batch_size is not None and forecaster.ready:
+        for method in ("quadratic", "replay"):
+            curve = _predictor_curve(forecaster, lengths, batch_size, method)
+            if curve is not None:
+                curves[method] = curve
+    if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
+        curve = _dry_run_curve(planner, right, batch_size)
+        if curve is not None:
+            curves["dry_run"] = curve
+    budget, usable = planner.budget_bytes, planner.usable_budget_bytes
+    candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
+    candidates += [max(c[2]) for c in curves.values()]
+    if batch_size is not None:
+        for _, other in _other_settings(planner):
+            try:
+                candidates.append(other.forecast(right, batch_size).peak_bytes)
+            except Exception:  # noqa: BLE001
+                pass
+    unit, scale = display_unit(min(max(candidates, default=0), 2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
+                        if budget else max(candidates, default=0))
+
+    fig = Figure(figsize=(8.0, 5.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    styles = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay"),
+              "dry_run": ("tab:purple", "dry run")}
+    current = tuple(planner.applied_mitigations)
+    setting = f", with {'+'.join(current)}" if current else ""
+    for method, (xs, peaks, uppers) in curves.items():
+        color, label = styles[method]
+        ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size}{setting})")
+        ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
+                        label=f"{method} upper bound")
+    for key, other in _other_settings(planner) if batch_size is not None else ():
+        try:
+            ys = [other.forecast(L, batch_size).peak_bytes / scale for L in lengths]
+        except Exception:  # noqa: BLE001 - a figure never fails on a forecast
+            continue
+        ax.plot(lengths, ys, color="gray", linestyle="--", linewidth=1,
+                label=f"forecast {'with ' + '+'.join(key) if key else 'before mitigations'}")
+    groups: dict[tuple, list] = {}  # (batch size, mitigations on) -> records
+    for r in measured:
+        groups.setdefault((r.batch_size, tuple(r.mitigations)), []).append(r)
+    current = tuple(planner.applied_mitigations)
+    markers = iter("os^Dv<>phX")
+    for (b, mitigations), records in sorted(groups.items(), key=lambda kv: (kv[0][0], len(kv[0][1]))):
+        mine = b == batch_size and mitigations == current
+        suffix = f", with {'+'.join(mitigations)}" if mitigations else ""
+        ax.scatter([r.seq_len for r in records], [r.peak_bytes / scale for r in records], marker=next(markers, "o"),
+                   color="black" if mine else None, zorder=3, label=f"measured peak (batch {b}{suffix})")
+    if usable:
+        ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
+    if budget and budget != usable:
+        ax.axhline(budget / scale, color="tab:red", linestyle=":", alpha=0.6, label=f"budget {budget / scale:.2f} {unit}")
+    if usable and batch_size is not None and forecaster.ready:
+        try:
+            fit = planner.max_seq_len(usable, batch_size)
+        except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
+            fit = None
+        if fit and fit < right:
+            ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
+    for i, (seq_len, what) in enumerate(_mitigation_marks(planner)):
+        ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
+                   label=f"switched on at L={seq_len}: {what}" if i < 4 else None)
+    if target:
+        ax.axvline(target, color="gray", linestyle=":", alpha=0.6, label=f"curriculum target {target}")
+    ax.set_xlim(0, right)
+    top = max(candidates, default=0)
+    if budget:  # keep the budget in view: curves may climb far above it at the right end
+        top = min(top, 2.5 * max([budget] + [r.peak_bytes for r in measured]))
+    if top > 0:
+        ax.set_ylim(0, 1.05 * top / scale)
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel(f"peak memory of a training step ({unit})")
+    ax.set_title(title or f"seqmem: memory vs sequence length (batch {batch_size})")
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize="small", framealpha=0.85)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# A picture of the panels, from a run's event files
+# ----------------------------------------------------------------------------------------------
+def render_panels(log_dir: Any, path: Any, prefix: str = "seqmem/") -> "Figure":
+    """Draw the custom-scalars panels of a finished run, as TensorBoard lays them out, to a PNG.
+
+    Reads the scalars back from the event files in ``log_dir`` (``EventAccumulator``), one subplot
+    per chart of :func:`custom_scalars_layout`, charts without data left out. Handy for a design
+    review or a README, where TensorBoard itself is not at hand.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    available = set(events.Tags().get("scalars", []))
+    charts = [
+        (category, title, [t for t in tags if t in available])
+        for category, charts_ in custom_scalars_layout(prefix).items()
+        for title, (_, tags) in charts_.items()
+    ]
+    charts = [c for c in charts if c[2]]
+    if not charts:
+        raise ValueError(f"no {prefix}* scalars in the event files under {log_dir}")
+    columns = 3
+    rows = -(-len(charts) // columns)
+    fig = Figure(figsize=(5.2 * columns, 3.0 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (category, title, tags) in enumerate(charts):
+        ax = fig.add_subplot(rows, columns, i + 1)
+        for tag in tags:
+            scalars = events.Scalars(tag)
+            ax.plot([s.step for s in scalars], [s.value for s in scalars], marker=".", label=tag[len(prefix):])
+        ax.set_title(f"{category.removeprefix('seqmem: ')}\n{title}", fontsize=8)
+        ax.set_xlabel("step", fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"seqmem panels: {log_dir}", fontsize=10)
+    fig.savefig(str(path), dpi=90)
+    return fig

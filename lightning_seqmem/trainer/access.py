@@ -1,0 +1,140 @@
+"""Small Lightning-edge helpers of the callback: what it reads from the trainer (each Lightning
+internal in one guarded place), how it cuts a batch, which rungs a strategy refuses."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_seqmem.measure.batch import can_cut_in_place, set_batch_sequence_length
+
+
+def steps_optimizer(trainer: Any) -> bool:
+    """Whether the batch about to run ends with an optimizer step (not a gradient accumulation)."""
+    if trainer.accumulate_grad_batches == 1:
+        return True
+    try:
+        return not trainer.fit_loop.epoch_loop._should_accumulate()
+    except Exception:  # noqa: BLE001 - Lightning internals moved: assume it steps
+        return True
+
+
+def length_setter(trainer: Any) -> Optional[Callable[[int], None]]:
+    """A datamodule's or train dataset's ``set_seq_len`` method, if it has one."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
+        return datamodule.set_seq_len
+    loader = getattr(trainer, "train_dataloader", None)
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and callable(getattr(dataset, "set_seq_len", None)):
+        return dataset.set_seq_len
+    return None
+
+
+def train_loader_workers(trainer: Any) -> int:
+    """The most worker processes of the trainer's train dataloader(s) (0: loaded in this process).
+
+    >>> from types import SimpleNamespace as NS
+    >>> train_loader_workers(NS(train_dataloader=NS(num_workers=2))), train_loader_workers(NS(train_dataloader=None))
+    (2, 0)
+    """
+    loader = getattr(trainer, "train_dataloader", None)
+    loaders = list(loader.values()) if isinstance(loader, dict) else list(loader) if isinstance(loader, (list, tuple)) else [loader]
+    return max([int(getattr(x, "num_workers", 0) or 0) for x in loaders] + [0])
+
+
+def check_setter_reaches_data(trainer: Any) -> None:
+    """ValueError where a length set through ``set_seq_len`` in this process would never reach the
+    batches: the train dataloader's worker processes each hold their own copy of the dataset.
+
+    >>> from types import SimpleNamespace as NS
+    >>> check_setter_reaches_data(NS(train_dataloader=NS(num_workers=0)))
+    >>> check_setter_reaches_data(NS(train_dataloader=NS(num_workers=2)))
+    Traceback (most recent call last):
+    ...
+    ValueError: the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers=2: each worker process holds its own copy of the dataset, so a length set in the main process never reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a dataclass) that the callback cuts itself, or drop the `curriculum`.
+    """
+    workers = train_loader_workers(trainer)
+    if workers > 0:
+        raise ValueError(
+            "the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a "
+            f"tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers={workers}: "
+            "each worker process holds its own copy of the dataset, so a length set in the main process never "
+            "reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a "
+            "dataclass) that the callback cuts itself, or drop the `curriculum`.")
+
+
+def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
+    """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a batch that
+    cannot be cut in place (a tuple, a bare tensor) goes through the datamodule's or dataset's
+    ``set_seq_len`` instead (refused with a ValueError where dataloader workers would never see
+    it: :func:`check_setter_reaches_data`). Returns whether the setter was used. A bare tensor with no setter is
+    left as it is: the callback records the length that ran and says so."""
+    if not can_cut_in_place(batch) or through_setter:
+        if isinstance(batch, torch.Tensor) and length_setter(trainer) is None:
+            return False
+        setter = length_setter(trainer)
+        if setter is None:  # let set_batch_sequence_length raise its message about tuples
+            set_batch_sequence_length(batch, seq_len, truncate=truncate)
+        check_setter_reaches_data(trainer)
+        setter(seq_len)
+        return True
+    set_batch_sequence_length(batch, seq_len, truncate=truncate)
+    return False
+
+
+def unsupported_rungs(trainer: Any, pl_module: Any, rungs: tuple[str, ...]) -> tuple[list[str], str]:
+    """The rungs this strategy or module cannot take, and why (before training starts)."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP2 in configure_model(): every rung works
+        pass
+    elif not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+        name = type(trainer.strategy).__name__
+        how = ("for DeepSpeed use its config (activation checkpointing, gradient accumulation); measurement and "
+               "forecasts from measured steps still work, the dry run does not" if "DeepSpeed" in name else
+               "FSDPStrategy (FSDP1) wraps the model in FullyShardedDataParallel: use its activation_checkpointing_policy, "
+               "or ModelParallelStrategy with fully_shard (FSDP2) in configure_model(), where every rung works; "
+               "measurement and forecasts still work")
+        return [m for m in rungs if m in ("checkpointing", "microbatch")], f"{name} shards or wraps the model itself: {how}"
+    if not pl_module.automatic_optimization and "microbatch" in rungs:
+        return ["microbatch"], "manual optimization runs its own backward, which cannot be split"
+    return [], ""
+
+
+def release_cached_memory(pl_module: Any) -> None:
+    """Give the CUDA caching allocator's unused blocks back after a rung or a shorter length.
+
+    Reserved memory is what the budget is judged by on CUDA; blocks cached by the longer or
+    unmitigated steps before would otherwise be counted against the new setting (they are never
+    needed again by it). A no-op off CUDA.
+    """
+    first = next(iter(pl_module.parameters()), None)
+    if first is not None and first.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sharding_template(trainer: Any, pl_module: Any) -> Optional[Any]:
+    """An unsharded copy of the module on ``meta`` where the strategy will shard it in
+    ``configure_model()`` (see :func:`lightning_seqmem.dryrun.sharded.template_for`); None elsewhere or
+    where it cannot be copied (the dry run then says why)."""
+    from lightning_seqmem.dryrun.sharded import template_for
+
+    try:
+        return template_for(trainer, pl_module)
+    except Exception:  # noqa: BLE001 - the dry run reports the missing template when asked
+        return None
+
+
+def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
+    """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the breakdown at the end)."""
+    from torch.utils._pytree import tree_map
+
+    if kept is not None and seq_len < kept[0]:
+        return kept
+    return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
+
+
+__all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
+           "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]

@@ -1,0 +1,305 @@
+"""Everything the callback writes: logged scalars, the TensorBoard layout, figure and text, the
+report files and the OOM diagnosis. The one module of the package that touches
+``trainer.loggers`` or the filesystem; what it writes is built elsewhere (:mod:`.planner`,
+:mod:`.panels`, :mod:`.report`).
+
+Files are written atomically: to a temporary file in the same directory, then renamed over the
+target, so a full disk or a crash never leaves a truncated report or picture behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_seqmem.present.panels import BREAKDOWN_TAG, FIGURE_TAG, custom_scalars_layout, memory_figure
+from lightning_seqmem.present.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, build_report, render_markdown
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+    from matplotlib.figure import Figure
+
+    from lightning_seqmem.plan.planner import PendingStep, SeqMemPlanner
+
+__all__ = [
+    "OOM_NAME",
+    "atomic_write",
+    "log_breakdown",
+    "log_figure",
+    "log_metrics",
+    "log_text",
+    "report_dir",
+    "report_oom",
+    "save_figure",
+    "write_layout",
+    "write_oom_diagnosis",
+    "write_report",
+]
+
+OOM_NAME = "seqmem_oom_diagnosis.json"
+
+# Loggers whose experiment already holds the layout (a second write would replace it: write once).
+_LAYOUT_WRITTEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# logger -> global steps whose figure was already logged (the callback and a script may both ask).
+_FIGURES_LOGGED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
+    """Open a temporary file beside ``path``; on success rename it to ``path``, else remove it.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> target = pathlib.Path(tempfile.mkdtemp()) / "a.txt"
+        >>> with atomic_write(target) as f:
+        ...     _ = f.write("done")
+        >>> target.read_text()
+        'done'
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def report_dir(trainer: "pl.Trainer") -> str:
+    """Where the report goes: the first logger's ``log_dir`` (else its ``save_dir``), else
+    ``trainer.default_root_dir``.
+
+    Unlike ``trainer.log_dir`` this does not broadcast, so rank zero may call it alone.
+    """
+    for logger in trainer.loggers:
+        for attribute in ("log_dir", "save_dir"):
+            directory = getattr(logger, attribute, None)
+            if directory:
+                return str(directory)
+    return str(trainer.default_root_dir)
+
+
+def save_figure(planner: "SeqMemPlanner", path: Any, **kwargs: Any) -> "Figure":
+    """Draw :func:`~lightning_seqmem.present.panels.memory_figure` (``kwargs`` go to it) and save it to
+    ``path`` (PNG, SVG or PDF, by its suffix), whole or not at all (:func:`atomic_write`)."""
+    figure = memory_figure(planner, **kwargs)
+    suffix = Path(path).suffix.lstrip(".") or "png"
+    with atomic_write(path, "wb") as f:
+        figure.savefig(f, format=suffix)
+    return figure
+
+
+def write_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = None,
+                 directory: Optional[str | os.PathLike] = None, **facts: Any) -> Optional[tuple[Path, Path, Path]]:
+    """Write ``seqmem_report.json``, ``seqmem_report.md`` and ``seqmem_memory.png`` to ``directory``.
+
+    ``directory`` defaults to :func:`report_dir` of ``trainer``; ``facts`` go to
+    :func:`~lightning_seqmem.present.report.build_report` (``device``, ``probe``, ``breakdown``). Returns
+    the three paths; on ranks other than global zero nothing is written and None is returned.
+    """
+    if trainer is not None and not trainer.is_global_zero:
+        return None
+    if directory is None:
+        if trainer is None:
+            raise ValueError("`write_report` needs a `trainer` or a `directory`")
+        directory = report_dir(trainer)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(planner, trainer, **facts)
+    png_path = out / PNG_NAME
+    save_figure(planner, png_path)
+    report["files"] = {"json": JSON_NAME, "markdown": MARKDOWN_NAME, "figure": PNG_NAME}
+    json_path, md_path = out / JSON_NAME, out / MARKDOWN_NAME
+    with atomic_write(json_path) as f:
+        f.write(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    with atomic_write(md_path) as f:
+        f.write(render_markdown(report))
+    return json_path, md_path, png_path
+
+
+def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
+                        pending: Optional["PendingStep"] = None, last_records: int = 10) -> str:
+    """Write ``seqmem_oom_diagnosis.json`` (and the CUDA snapshot if history was on); return its path.
+
+    The diagnosis holds the last records, the forecast for the failing batch, what the planner
+    would have done next, and — with ``torch.cuda.memory._record_memory_history()`` on — the
+    allocator snapshot beside it as ``seqmem_oom_snapshot.pickle`` (open it at
+    https://pytorch.org/memory_viz).
+    """
+    import torch
+
+    directory = report_dir(trainer)
+    os.makedirs(directory, exist_ok=True)
+    seq_len, batch_size = (pending.seq_len, pending.batch_size) if pending is not None else (None, None)
+    forecast: Any = None
+    if seq_len and batch_size and planner.forecaster.ready:
+        try:
+            forecast = vars(planner.forecaster.forecast(seq_len, batch_size))
+        except Exception as exc:  # noqa: BLE001
+            forecast = f"forecast failed: {exc!r}"
+    diagnosis: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "error": f"{type(exception).__name__}: {exception}",
+        "step": planner.step,
+        "global_step": getattr(trainer, "global_step", None),
+        "failing_batch": {"seq_len": seq_len, "batch_size": batch_size},
+        "forecast_for_failing_batch": forecast,
+        "usable_budget_bytes": planner.usable_budget_bytes,
+        "mitigations_applied": list(planner.applied_mitigations),
+        "mitigations_left": [m for m in planner.mitigations if m not in planner.applied_mitigations],
+        "would_have_done": _would_have_done(planner, batch_size),
+        "last_records": [r.to_dict() for r in planner.records[-last_records:]],
+        "cuda_snapshot": None,
+    }
+    if torch.cuda.is_available():
+        diagnosis["cuda_memory_summary"] = torch.cuda.memory_summary()
+        try:
+            snapshot = torch.cuda.memory._snapshot()
+            if snapshot.get("device_traces") and any(snapshot["device_traces"]):
+                snapshot_path = os.path.join(directory, "seqmem_oom_snapshot.pickle")
+                with atomic_write(snapshot_path, "wb") as f:
+                    pickle.dump(snapshot, f)
+                diagnosis["cuda_snapshot"] = snapshot_path
+        except Exception:  # noqa: BLE001 - history was off, or the allocator cannot snapshot
+            pass
+    path = os.path.join(directory, OOM_NAME)
+    with atomic_write(path) as f:
+        json.dump(diagnosis, f, indent=2, default=str)
+    return path
+
+
+def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
+               pending: Optional["PendingStep"] = None) -> None:
+    """Write the OOM diagnosis and say where, in one warning; never raises (the real error must
+    reach the user unchanged)."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lightning_seqmem.core.records import PredictedOOMWarning, SeqMemFailureWarning
+
+    try:
+        path = write_oom_diagnosis(planner, trainer, exception, pending)
+        rank_zero_warn(f"seqmem: out of memory; diagnosis written to {path}", category=PredictedOOMWarning)
+    except Exception as exc:  # noqa: BLE001 - never mask the real error
+        rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
+
+
+def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str:
+    if planner.usable_budget_bytes is None:
+        return "nothing: no memory budget was set, so forecasts were informational"
+    if not planner.forecaster.ready:
+        return "nothing yet: fewer than two lengths were measured, so no forecast existed"
+    left = [m for m in planner.mitigations if m not in planner.applied_mitigations]
+    if left:
+        return f"switch on {left[0]!r} before growing past the largest length that fits"
+    batch_size = batch_size or planner.last_batch_size or 1
+    fit = planner.max_seq_len(planner.usable_budget_bytes, batch_size)
+    if fit <= 0:
+        from lightning_seqmem.core.advice import nothing_fits
+
+        return f"stop: {nothing_fits(planner.applied_mitigations, batch_size)}"
+    return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Loggers
+# ----------------------------------------------------------------------------------------------
+def log_metrics(trainer: "pl.Trainer", metrics: dict[str, float], step: int, prefix: str = "seqmem/") -> None:
+    """Log ``metrics`` (tags without ``prefix``) to every logger of ``trainer``."""
+    if trainer.loggers:
+        tagged = {f"{prefix}{k}": float(v) for k, v in metrics.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(tagged, step=step)
+
+
+def _tensorboard_loggers(trainer: "pl.Trainer") -> list[TensorBoardLogger]:
+    return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def _logger_prefix(logger: TensorBoardLogger) -> str:
+    """What ``TensorBoardLogger(prefix=...)`` puts before every tag (``"<prefix>-"`` or nothing)."""
+    prefix = getattr(logger, "_prefix", "") or ""
+    return f"{prefix}{logger.LOGGER_JOIN_CHAR}" if prefix else ""
+
+
+def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
+    """Write :func:`custom_scalars_layout` to every ``TensorBoardLogger`` of ``trainer``, once each.
+
+    Only on global rank zero (the other ranks' experiments are dummies). A logger created with
+    ``prefix=`` gets the layout of its prefixed tags. Calling again is a no-op for loggers already
+    written (TensorBoard keeps only the last layout written). Returns how many loggers were written.
+    """
+    if not trainer.is_global_zero:
+        return 0
+    written = 0
+    for logger in _tensorboard_loggers(trainer):
+        if logger in _LAYOUT_WRITTEN:
+            continue
+        logger.experiment.add_custom_scalars(custom_scalars_layout(_logger_prefix(logger) + prefix))
+        _LAYOUT_WRITTEN.add(logger)
+        written += 1
+    return written
+
+
+
+
+def log_figure(trainer: "pl.Trainer", planner: "SeqMemPlanner", step: Optional[int] = None) -> Optional["Figure"]:
+    """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger.
+
+    ``step`` defaults to ``trainer.global_step``. Only on global rank zero and with a TensorBoard
+    logger (returns None otherwise);
+    a step already logged to a logger is not logged to it again. Returns the figure.
+    """
+    if not trainer.is_global_zero or not _tensorboard_loggers(trainer):
+        return None
+    step = trainer.global_step if step is None else int(step)
+    figure = memory_figure(planner)
+    for logger in _tensorboard_loggers(trainer):
+        steps = _FIGURES_LOGGED.setdefault(logger, set())
+        if step in steps:
+            continue
+        logger.experiment.add_figure(FIGURE_TAG, figure, global_step=step, close=False)
+        logger.experiment.flush()
+        steps.add(step)
+    return figure
+
+
+def log_breakdown(trainer: "pl.Trainer", section: dict[str, Any]) -> int:
+    """The memory breakdown's tables as TensorBoard text (:data:`~lightning_seqmem.present.panels.BREAKDOWN_TAG`)."""
+    from lightning_seqmem.present.report import render_breakdown_markdown
+
+    return log_text(trainer, render_breakdown_markdown(section, "### seqmem: where the memory goes"))
+
+
+def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None, tag: Optional[str] = None) -> int:
+    """Log Markdown ``text`` under ``tag`` (default :data:`BREAKDOWN_TAG`) to every TensorBoard logger.
+
+    TensorBoard shows it in the *TEXT* tab, tables rendered. ``step`` defaults to
+    ``trainer.global_step``. Only on global rank zero. Returns how many loggers got it.
+    """
+    if not trainer.is_global_zero:
+        return 0
+    step = trainer.global_step if step is None else int(step)
+    loggers = _tensorboard_loggers(trainer)
+    for logger in loggers:
+        logger.experiment.add_text(tag or BREAKDOWN_TAG, text, global_step=step)
+        logger.experiment.flush()
+    return len(loggers)
+
+

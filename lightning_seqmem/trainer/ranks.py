@@ -1,0 +1,92 @@
+"""Rank agreement for the callback: what every rank sends before and after each batch.
+
+Every rank calls each function here at the same point of every batch, whatever happened locally
+(a rank that failed sends a flag instead of data), so no rank ever enters a collective alone. With
+one process they return their input.
+
+* before a batch, :func:`agree_inputs`: the max over ranks of (failure, batch size, length) and,
+  per rung, of "does not apply here" — a rung applies only where it applies on every rank;
+* the decision is taken on rank zero and :func:`broadcast` to all;
+* after a batch, :func:`gather_measurement`: every rank's measurement with its own length and batch
+  size; the row with the highest peak is kept whole (never a peak with another rank's length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lightning_seqmem.core.records import PHASES, StepMemory
+from lightning_seqmem.core.rungs import MITIGATIONS
+
+_INT_FIELDS = tuple(f.name for f in fields(StepMemory) if f.name not in ("phase_peak_bytes", "fragmentation_fraction", "events"))
+
+
+def _collective(trainer: Any, values: Sequence[int], op: str) -> list[Any]:
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=trainer.strategy.root_device)
+    if op == "max":
+        return trainer.strategy.reduce(tensor, reduce_op="max").tolist()
+    return trainer.strategy.all_gather(tensor).reshape(trainer.world_size, -1).tolist()
+
+
+def agree_inputs(trainer: Any, failed: bool, shape: Optional[tuple[int, int]],
+                 applicable: dict[str, tuple[bool, str]]) -> tuple[bool, Optional[tuple[int, int]], dict[str, tuple[bool, str]]]:
+    """(any rank failed, max shape, applicability on every rank)."""
+    if trainer.world_size <= 1:
+        return failed, shape, applicable
+    b, L = shape if shape is not None else (-1, -1)
+    refused = [int(not applicable.get(m, (True, ""))[0]) for m in MITIGATIONS]
+    out = _collective(trainer, [int(failed), b, L, *refused], "max")
+    agreed = {}
+    for m, no in zip(MITIGATIONS, out[3:]):
+        if m in applicable:
+            ok, reason = applicable[m]
+            agreed[m] = (ok and not no, reason if not ok else ("it does not apply on another rank" if no else reason))
+    return bool(out[0]), (None if out[1] < 0 else (int(out[1]), int(out[2]))), agreed
+
+
+def all_ok(trainer: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank."""
+    if trainer.world_size <= 1:
+        return ok
+    return not _collective(trainer, [int(not ok)], "max")[0]
+
+
+def broadcast(trainer: Any, obj: Any) -> Any:
+    """Rank zero's ``obj`` on every rank."""
+    return obj if trainer.world_size <= 1 else trainer.strategy.broadcast(obj, src=0)
+
+
+def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory], shape: Optional[tuple[int, int]],
+                       flag: bool = False) -> tuple[bool, bool, Optional[tuple[int, StepMemory, int, int]]]:
+    """(any rank failed, ``flag`` on any rank, (rank, measurement, seq_len, batch_size) of the
+    highest peak, or None). ``flag`` carries one more yes/no every rank must hear (a refused rung)."""
+    if trainer.world_size <= 1:
+        if memory is None or shape is None:
+            return failed, flag, None
+        return failed, flag, (0, memory, shape[1], shape[0])
+    width = 4 + len(_INT_FIELDS) + len(PHASES)
+    row = [int(failed), int(flag)] + [-1] * (width - 2)
+    if memory is not None and shape is not None and not failed:
+        values = [-1 if getattr(memory, f) is None else int(getattr(memory, f)) for f in _INT_FIELDS]
+        row = [0, int(flag), shape[1], shape[0], *values, *(memory.phase_peak_bytes.get(p, -1) for p in PHASES)]
+    rows = _collective(trainer, row, "gather")
+    any_flag = any(r[1] for r in rows)
+    if any(r[0] for r in rows):
+        return True, any_flag, None
+    measured = [(rank, r) for rank, r in enumerate(rows) if r[4] >= 0]  # r[4]: peak_bytes
+    if not measured:
+        return False, any_flag, None
+    rank, r = max(measured, key=lambda item: item[1][4])
+    ints = {f: (None if v < 0 else int(v)) for f, v in zip(_INT_FIELDS, r[4 : 4 + len(_INT_FIELDS)])}
+    phases = {p: int(v) for p, v in zip(PHASES, r[4 + len(_INT_FIELDS) :]) if v >= 0}
+    reserved, fragmentation = ints.get("reserved_bytes"), ints.get("fragmentation_bytes")
+    fraction = fragmentation / reserved if reserved and fragmentation is not None else None
+    events = memory.events if memory is not None and rank == trainer.global_rank else None
+    chosen = StepMemory(phase_peak_bytes=phases, fragmentation_fraction=fraction, events=events, **ints)
+    return False, any_flag, (rank, chosen, int(r[2]), int(r[3]))
+
+
+__all__ = ["agree_inputs", "all_ok", "broadcast", "gather_measurement"]
