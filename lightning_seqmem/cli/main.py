@@ -337,7 +337,6 @@ def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, tra
 # ----------------------------------------------------------------------------------------------
 # seqmem plan
 # ----------------------------------------------------------------------------------------------
-_PLAN_RUNGS = ("attention", "checkpointing", "microbatch")  # cost order: each set adds the next rung
 _SEARCH_MULTIPLE = 8  # "nothing fits": the largest fitting length is searched among multiples of this
 
 
@@ -381,28 +380,22 @@ def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any,
     """The mitigation sets to dry-run, cheapest first, and ``rung -> why skipped``.
 
     The rungs are those the config's SeqMemCallback may switch on (``mitigations``, in its order),
-    or all three without one; a rung that would not change this model (already on SDPA, no
+    or the default ladder without one; a rung that would not change this model (already on SDPA, no
     repeated blocks, batch size 1, ...) is skipped. Each set adds the next rung to the previous one.
     """
+    from lightning_seqmem.core.rungs import MITIGATIONS
     from lightning_seqmem.measure.batch import infer_batch_shape
     from lightning_seqmem.mitigations.ladder import applicability
 
-    rungs = _PLAN_RUNGS
-    if seqmem is not None:  # as configured; before fit the planner holds the same rungs
-        configured = getattr(seqmem, "_mitigations_arg", None)
-        if configured is None:
-            configured = getattr(getattr(seqmem, "planner", None), "mitigations", _PLAN_RUNGS)
-        rungs = tuple(configured)
-    # the micro-batching check reads the batch size from the batch: give it only a batch that has the
-    # rows asked for (else None: it reads the unconnected trainer's loader, unknown), the size is checked below
+    rungs = MITIGATIONS if seqmem is None else tuple(seqmem.mitigations)  # as configured, in its order
+    # a rung's check may read the batch size from the batch: give it only a batch that has the rows
+    # asked for (else None: it reads the unconnected trainer's loader, unknown); the size asked goes too
     rows = infer_batch_shape(batch)[0]
-    checks = applicability(rungs, trainer, model, batch if rows > 1 or batch_size <= 1 else None)
+    checks = applicability(rungs, trainer, model, batch if rows > 1 or batch_size <= 1 else None, batch_size)
     skipped: dict[str, str] = {}
     sets: list[tuple[str, ...]] = [()]
     for name in rungs:
         applies, reason = checks[name]
-        if name == "microbatch" and batch_size <= 1:
-            applies, reason = False, f"batch size {batch_size}: nothing to split"
         if applies:
             sets.append((*sets[-1], name))
         else:
@@ -627,6 +620,8 @@ def _plan(args: argparse.Namespace) -> int:
 # Parser
 # ----------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
+    from lightning_seqmem.core.rungs import MITIGATIONS
+
     parser = argparse.ArgumentParser(
         prog="seqmem",
         description="Measure, predict and tame the memory of long-sequence transformer training.",
@@ -645,7 +640,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", default="200MiB",
                       help="memory budget, e.g. 1GiB or 900MB (default 200MiB: eager attention at 1024 tokens "
                       "would not fit, so the callback switches on SDPA before that stage)")
-    demo.add_argument("--mitigations", nargs="*", default=["attention", "checkpointing", "microbatch"],
+    demo.add_argument("--mitigations", nargs="*", default=list(MITIGATIONS),
                       help="the ladder, in order (none: warn and cap the curriculum instead)")
     demo.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
                       help="eager materialises the L×L scores (quadratic memory); sdpa does not on CPU")

@@ -1,7 +1,11 @@
-"""The names of the mitigation ladder's rungs and what each costs, as plain values (no torch).
+"""The rungs of the mitigation ladder as plain values (no torch): what the torch-free planner knows of
+each, and the registry of their names.
 
-The policies that switch a rung on live in :mod:`lightning_seqmem.mitigations`; this module is what
-the torch-free planner needs to talk about them.
+A rung is two halves. This module holds its :class:`RungSpec` (name, advice words, step-time prior,
+and the few facts the planner acts on); :mod:`lightning_seqmem.mitigations` holds the torch half
+that switches it on (the ``Rung`` protocol of :mod:`lightning_seqmem.mitigations.base`), which
+registers its spec here through :func:`lightning_seqmem.mitigations.ladder.register`. The planner
+never compares a rung's name: it reads the rung's spec.
 
 Example:
     >>> check_mitigations(["attention", "microbatch"])
@@ -12,28 +16,77 @@ Example:
     ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch') (an empty one warns only), got ['attention', 'fp8']
     >>> remaining_advice(("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
+    >>> spec("checkpointing").step_time_prior
+    0.33
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-MITIGATIONS = ("attention", "checkpointing", "microbatch")
-"""Every rung of the ladder, cheapest first (the default order)."""
 
-ADVICE = {
-    "attention": "switch attention to SDPA or flash-attn",
-    "checkpointing": "enable activation checkpointing",
-    "microbatch": "train with batch size 1 and gradient accumulation",
-}
+@dataclass(frozen=True)
+class RungSpec:
+    """What the planner knows of one rung (plain values).
+
+    Example:
+        >>> RungSpec("fused_loss", advice="use a fused cross-entropy", step_time_prior=0.02).linearises_attention
+        False
+    """
+
+    name: str  # the rung's name in ``SeqMemCallback(mitigations=[...])``, the policy's ``.name`` too
+    advice: str  # what to do, in words, for a warning ("enable activation checkpointing")
+    step_time_prior: float = 0.0  # extra step time as a fraction of the plain step, until measured
+    linearises_attention: bool = False  # after the switch the L² term should fall: checked, warned if not
+    first_step_check: bool = False  # the step that switches it on runs a one-time check (dry-run apart)
+
+
+_BUILTIN = (
+    # eager -> SDPA/flash-attn: no L^2 matrix, no extra compute
+    RungSpec("attention", "switch attention to SDPA or flash-attn", 0.0, linearises_attention=True),
+    # recompute every block in backward: about one more forward, ~1/3 of a step (Chen et al. 2016)
+    RungSpec("checkpointing", "enable activation checkpointing", 0.33),
+    # micro-batches of one sample: the same FLOPs in smaller kernels; the first split step checks the loss
+    RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True),
+)
+_SPECS: dict[str, RungSpec] = {s.name: s for s in _BUILTIN}
+
+MITIGATIONS = tuple(s.name for s in _BUILTIN)
+"""The built-in rungs of the ladder, cheapest first (the default order)."""
+
+ADVICE = {s.name: s.advice for s in _BUILTIN}  # kept for 0.1 callers: prefer spec(name).advice
+
+
+def register_spec(rung_spec: RungSpec) -> None:
+    """Make ``rung_spec`` known (a rung registered by :func:`lightning_seqmem.mitigations.ladder.register`)."""
+    if not isinstance(rung_spec, RungSpec) or not rung_spec.name or not isinstance(rung_spec.name, str):
+        raise ValueError(f"`rung_spec` must be a RungSpec with a non-empty name, got {rung_spec!r}")
+    _SPECS[rung_spec.name] = rung_spec
+
+
+def unregister_spec(name: str) -> None:
+    """Forget a registered rung (built-ins stay)."""
+    if name not in MITIGATIONS:
+        _SPECS.pop(name, None)
+
+
+def rung_names() -> tuple[str, ...]:
+    """Every known rung: the built-ins in their default order, then the registered ones."""
+    return tuple(_SPECS)
+
+
+def spec(name: str) -> RungSpec:
+    """The spec of rung ``name``; an unknown name gets a spec with no special facts (never raises)."""
+    return _SPECS.get(name) or RungSpec(name, f"switch {name} on")
 
 
 def check_mitigations(value: Any) -> tuple[str, ...]:
-    """Validate ``SeqMemCallback(mitigations=...)``: distinct names from :data:`MITIGATIONS`."""
+    """Validate ``SeqMemCallback(mitigations=...)``: distinct names of known rungs."""
     names = tuple(value) if isinstance(value, (list, tuple)) else None
-    if names is None or any(n not in MITIGATIONS for n in names) or len(set(names)) != len(names):
+    if names is None or any(n not in _SPECS for n in names) or len(set(names)) != len(names):
         raise ValueError(
-            f"`mitigations` must be a sequence of distinct names from {MITIGATIONS} "
+            f"`mitigations` must be a sequence of distinct names from {rung_names()} "
             f"(an empty one warns only), got {value!r}"
         )
     return names
@@ -46,8 +99,9 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = ()) -
     >>> remaining_advice((), inapplicable=("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     """
-    rest = [ADVICE[n] for n in MITIGATIONS if n not in applied and n not in inapplicable]
+    rest = [s.advice for n, s in _SPECS.items() if n not in applied and n not in inapplicable]
     return ", or ".join(rest) if rest else "use sequence/context parallelism or ZeRO-3/FSDP across GPUs"
 
 
-__all__ = ["ADVICE", "MITIGATIONS", "check_mitigations", "remaining_advice"]
+__all__ = ["ADVICE", "MITIGATIONS", "RungSpec", "check_mitigations", "register_spec", "remaining_advice",
+           "rung_names", "spec", "unregister_spec"]

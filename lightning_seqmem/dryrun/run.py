@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_seqmem.dryrun import sharded
 from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
-from lightning_seqmem.mitigations.microbatch import micro_batching_check_pending
+from lightning_seqmem.mitigations import ladder
 
 
 class TrainingRunDryRun:
@@ -54,7 +54,9 @@ class TrainingRunDryRun:
                 if self.template is None:
                     raise DryRunUnsupported("the module was sharded with fully_shard before SeqMemCallback.setup "
                                             "could keep an unsharded template")
-                check = "microbatch" not in applied or micro_batching_check_pending(self.pl_module)
+                # a rung switched on by this dry run, or on with its one-time check still to run
+                check = ladder.check_pending(applied, self.pl_module) or any(
+                    ladder.rung(m).spec.first_step_check for m in mitigations if m not in applied)
                 result = sharded.sharded_dry_run_step(
                     self.template, self.batch, seq_len, sharded.data_parallel_size(self.trainer, self.pl_module),
                     batch_size, mitigations, autocast=self.trainer.precision_plugin.train_step_context,

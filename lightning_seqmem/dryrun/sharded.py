@@ -66,8 +66,8 @@ from lightning_seqmem.dryrun.step import (
     allocator_block_bytes,
     replay_peaks,
 )
-from lightning_seqmem.mitigations.attention import AttentionSwitch
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, find_repeated_blocks
+from lightning_seqmem.mitigations import ladder
+from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
 from lightning_seqmem.mitigations.ladder import check_mitigations
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, make_probe
@@ -288,17 +288,18 @@ def sharded_dry_run_step(
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:
-                if "attention" in names:
-                    notes.append(f"attention: {AttentionSwitch().apply(model).detail}")
+                plan = ladder.apply_to_copy(names, model, after_sharding=False)
                 if strategy == "fsdp2":
-                    _shard(model, mesh, notes)
-                if "checkpointing" in names:
-                    notes.append(f"checkpointing: {ActivationCheckpointing().apply(model).detail}")
+                    _shard(model, mesh, plan.notes)
+                after = ladder.apply_to_copy(names, model, after_sharding=True)  # composed with fully_shard
+                plan.notes += after.notes
+                plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
                 optimizer = _configured_optimizer(model)
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             with fake_mode, values:
                 step_batch = _to_device(step_batch, device)
-            loss_fn, step_optimizer = _step_functions(model, optimizer, names, batch_size, notes, first_split_check)
+            loss_fn, step_optimizer = _step_functions(model, optimizer, plan, batch_size, first_split_check)
+            notes = plan.notes
             probe = make_probe("tracker", device)
             with fake_mode, values, _transformers_without_fake_detection():
                 _state_after_a_step(model, optimizer)

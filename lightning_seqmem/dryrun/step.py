@@ -23,10 +23,10 @@ What is counted, as in a real Lightning run after the first step:
   ``torch.cuda.max_memory_allocated`` counts it (:func:`allocator_block_bytes`). Not modelled:
   allocator fragmentation / reserved memory, cuBLAS/cuDNN workspaces, CUDA context.
 
-Candidate mitigations (names of :data:`lightning_seqmem.mitigations.ladder.MITIGATIONS`) are
-applied to the copy only: ``"attention"`` (:class:`~lightning_seqmem.mitigations.attention.AttentionSwitch`),
-``"checkpointing"`` (:class:`~lightning_seqmem.mitigations.checkpointing.ActivationCheckpointing`),
-``"microbatch"`` (micro-batches of one sample, each loss weighted by its share of what the loss
+Candidate mitigations (rung names, :func:`lightning_seqmem.mitigations.ladder.rung_names`) are
+applied to the copy only, each by its rung's ``apply_to_copy``
+(:class:`~lightning_seqmem.mitigations.base.Rung`): the attention switch and activation
+checkpointing change the copy; micro-batching changes the step (micro-batches of one sample, each loss weighted by its share of what the loss
 averages over and backpropagated on its own, one optimizer step, as
 :mod:`lightning_seqmem.mitigations.microbatch` runs it: the gradients are zeroed before the first
 micro-batch, every micro-batch but the last is backpropagated inside the ``forward`` phase, the
@@ -103,8 +103,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.core.checks import check_int
-from lightning_seqmem.mitigations.attention import AttentionSwitch
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
+from lightning_seqmem.mitigations import ladder
+from lightning_seqmem.mitigations.base import CopyPlan
 from lightning_seqmem.mitigations.ladder import check_mitigations
 from lightning_seqmem.mitigations.microbatch import (
     IGNORE_INDEX,
@@ -122,7 +122,6 @@ from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tens
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_kernel_scratch_bytes", "dry_run_step",
            "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
 
-_MICRO_BATCH_SIZE = 1  # samples per micro-batch of the "microbatch" rung (as the ladder applies it)
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
 _QUIET = (  # warnings a fake copy without a Trainer raises by design
     "You are trying to `self.log()`",
@@ -798,8 +797,8 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _fake_module_and_optimizer(
     pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device, fake_mode: FakeTensorMode
-) -> tuple[nn.Module, torch.optim.Optimizer, list[str]]:
-    """The fake copy on ``device`` with the asked mitigations, its optimizer, and notes on what was done."""
+) -> tuple[nn.Module, torch.optim.Optimizer, CopyPlan]:
+    """The fake copy on ``device`` with the asked rungs, its optimizer, and what its step becomes."""
     notes: list[str] = []
     model = _fake_copy(pl_module, fake_mode)
     with fake_mode:
@@ -814,23 +813,20 @@ def _fake_module_and_optimizer(
                 ) from exc
         twins = {id(real): fake for real, fake in zip(pl_module.parameters(), model.parameters())}
         fake_optimizer = _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, twins)
-        for name in names:  # after the optimizer: the mitigations keep parameter identity
-            if name == "attention":
-                notes.append(f"attention: {AttentionSwitch().apply(model).detail}")
-            elif name == "checkpointing":
-                notes.append(f"checkpointing: {ActivationCheckpointing().apply(model).detail}")
-    return model, fake_optimizer, notes
+        plan = ladder.apply_to_copy(names, model)  # after the optimizer: the rungs keep parameter identity
+    plan.notes[:0] = notes
+    return model, fake_optimizer, plan
 
 
 def _step_functions(
-    pl_module: nn.Module, optimizer: torch.optim.Optimizer, names: tuple[str, ...], batch_size: int, notes: list[str],
+    pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan, batch_size: int,
     first_split_check: Optional[bool] = None,
 ) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
     """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.measure.steps.training_step_memory`: plain or micro-batched.
 
     ``first_split_check``: whether the step includes micro-batching's one-time loss check; None:
     when the rung is switched on by this dry run, or the module's wrapper has not run it yet."""
-    micro_batch_size = _MICRO_BATCH_SIZE if "microbatch" in names else None
+    notes, micro_batch_size = plan.notes, plan.micro_batch_size
     policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
     check = micro_batch_size is not None and policy.verify  # switched on now: its first split batch is checked
     if micro_batch_size is None and is_micro_batching(pl_module):
@@ -923,11 +919,12 @@ def dry_run_step(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         values = _BatchValues(fake_mode)
         try:
-            model, fake_optimizer, notes = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode)
+            model, fake_optimizer, plan = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode)
+            notes = plan.notes
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             with fake_mode, values:  # as Lightning moves the batch to the module's device
                 step_batch = _to_device(step_batch, device)
-            loss_fn, step_optimizer = _step_functions(pl_module, fake_optimizer, names, batch_size, notes)
+            loss_fn, step_optimizer = _step_functions(pl_module, fake_optimizer, plan, batch_size)
             probe = make_probe("tracker", device)
             if device.type == "cuda":
                 probe.scratch = cuda_kernel_scratch_bytes

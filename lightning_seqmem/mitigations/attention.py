@@ -31,10 +31,12 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_seqmem.mitigations import MitigationResult
+from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext
 
 __all__ = [
     "ATTENTION_SWITCH_BACKENDS",
+    "AttentionRung",
     "AttentionSwitch",
     "current_attention_backend",
     "find_attention_targets",
@@ -277,3 +279,30 @@ class AttentionSwitch:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(backend={self.backend!r}, sdpa_backends={self.sdpa_backends!r})"
+
+
+class AttentionRung(Rung):
+    """The ladder's ``"attention"`` rung: :class:`AttentionSwitch` (``"auto"``: flash-attn where it can
+    run, else SDPA) behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol.
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))
+        >>> rung = AttentionRung()
+        >>> rung.apply(RungContext(model)).detail, rung.is_on(model)
+        ('attention eager -> sdpa on <root>', True)
+    """
+
+    spec = spec("attention")
+
+    def __init__(self, policy: AttentionSwitch | None = None) -> None:
+        self.policy = policy or AttentionSwitch()
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        return self.policy.is_applicable(ctx.pl_module)
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        return self.policy.apply(ctx.pl_module)
+
+    def is_on(self, module: nn.Module) -> bool:
+        return current_attention_backend(module) not in (None, "eager")

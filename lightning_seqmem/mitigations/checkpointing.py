@@ -40,10 +40,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from lightning_seqmem.mitigations import MitigationResult
+from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext, wrapping_strategy_refusal
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 
-__all__ = ["ActivationCheckpointing", "find_repeated_blocks", "is_checkpointed"]
+__all__ = ["ActivationCheckpointing", "CheckpointingRung", "find_repeated_blocks", "is_checkpointed"]
 
 
 def _outermost_matching(model: nn.Module, match) -> list[nn.Module]:
@@ -183,7 +184,7 @@ class ActivationCheckpointing:
         'no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); pass block_class_names'
     """
 
-    name = "activation_checkpointing"
+    name = "checkpointing"
 
     def __init__(self, block_class_names: Sequence[str] | None = None) -> None:
         if block_class_names is not None:
@@ -252,3 +253,35 @@ class ActivationCheckpointing:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_class_names={self.block_class_names!r})"
+
+
+class CheckpointingRung(Rung):
+    """The ladder's ``"checkpointing"`` rung: :class:`ActivationCheckpointing` of every repeated block
+    behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol. Under FSDP2 it goes on after
+    ``fully_shard`` (composable ``checkpoint``), in a sharded dry run too; FSDP1 and DeepSpeed wrap
+    the model themselves and refuse it at set-up.
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+        >>> CheckpointingRung().apply(RungContext(model)).applied, CheckpointingRung().is_on(model)
+        (True, True)
+    """
+
+    spec = spec("checkpointing")
+    after_sharding = True
+
+    def __init__(self, policy: ActivationCheckpointing | None = None) -> None:
+        self.policy = policy or ActivationCheckpointing()
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        return self.policy.is_applicable(ctx.pl_module)
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        return self.policy.apply(ctx.pl_module)
+
+    def is_on(self, module: nn.Module) -> bool:
+        return is_checkpointed(module)
+
+    def strategy_refusal(self, trainer) -> str | None:  # type: ignore[no-untyped-def]
+        return wrapping_strategy_refusal(trainer)

@@ -1,20 +1,23 @@
-"""The mitigation ladder: the rungs' policies behind one name each, cheapest first.
+"""The mitigation ladder: every rung behind one name, cheapest first, and the registry that a new
+rung joins.
 
-Rungs, in the default order (``SeqMemCallback(mitigations=...)`` may reorder or drop them):
+Built-in rungs, in the default order (``SeqMemCallback(mitigations=...)`` may reorder or drop them):
 
 ========================  =====================================================  =====================
-name                      what it does                                           cost
+name                      what it does                                           cost (prior)
 ========================  =====================================================  =====================
 ``"attention"``           eager → SDPA (→ flash-attn where installed, on CUDA,   none: no L² matrix,
-                          fp16/bf16): :class:`AttentionSwitch`                    no extra compute
-``"checkpointing"``       recompute each transformer block in backward:          ~25-30% more compute
-                          :class:`ActivationCheckpointing`
+                          fp16/bf16): :class:`AttentionRung`                      no extra compute
+``"checkpointing"``       recompute each transformer block in backward:          ~25-35% more compute
+                          :class:`CheckpointingRung`
 ``"microbatch"``          split each batch into micro-batches of one sample      throughput (smaller
-                          inside the step: :class:`MicroBatching`                kernels)
+                          inside the step: :class:`MicroBatchRung`               kernels)
 ========================  =====================================================  =====================
 
-The names and :func:`check_mitigations` live in :mod:`lightning_seqmem.core.rungs` (plain values, for the
-torch-free planner); this module applies them.
+Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
+(:class:`~lightning_seqmem.core.rungs.RungSpec`) is what the planner reads. A new rung is one file
+with a ``Rung`` subclass and one :func:`register` call; the callback, the dry run and ``seqmem plan``
+take it by name from then on. The functions below never raise for a rung's failure: they return it.
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -26,54 +29,87 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from lightning_seqmem.mitigations import MitigationResult
-from lightning_seqmem.mitigations.attention import AttentionSwitch
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
-from lightning_seqmem.mitigations.microbatch import MicroBatching
-from lightning_seqmem.core.rungs import ADVICE, MITIGATIONS, check_mitigations, remaining_advice
+from lightning_seqmem.core.rungs import (
+    ADVICE,
+    MITIGATIONS,
+    check_mitigations,
+    register_spec,
+    remaining_advice,
+    rung_names,
+    unregister_spec,
+)
+from lightning_seqmem.mitigations.attention import AttentionRung
+from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext
+from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
+from lightning_seqmem.mitigations.microbatch import MicroBatchRung
 
-def _policy(name: str) -> Any:
-    return {"attention": AttentionSwitch, "checkpointing": ActivationCheckpointing, "microbatch": MicroBatching}[name]()
+_RUNGS: dict[str, Rung] = {r.name: r for r in (AttentionRung(), CheckpointingRung(), MicroBatchRung())}
 
 
-def is_applicable(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
+def register(rung: Rung) -> Rung:
+    """Add ``rung`` to the ladder (or replace the rung of that name); its spec goes to the planner.
+
+    Raises:
+        ValueError: ``rung`` is not a :class:`~lightning_seqmem.mitigations.base.Rung` with a spec.
+    """
+    if not isinstance(rung, Rung) or getattr(rung, "spec", None) is None:
+        raise ValueError(f"`rung` must be a Rung (lightning_seqmem.mitigations.base) with a `spec`, got {rung!r}")
+    register_spec(rung.spec)
+    _RUNGS[rung.name] = rung
+    return rung
+
+
+def unregister(name: str) -> None:
+    """Take a registered rung off the ladder (the built-ins stay)."""
+    if name not in MITIGATIONS:
+        _RUNGS.pop(name, None)
+        unregister_spec(name)
+
+
+def rung(name: str) -> Rung:
+    """The rung registered as ``name``.
+
+    Raises:
+        ValueError: no rung of that name (names :func:`rung_names`).
+    """
+    if name not in _RUNGS:
+        raise ValueError(f"no rung named {name!r}; known rungs: {rung_names()}")
+    return _RUNGS[name]
+
+
+def _ctx(trainer: Any, pl_module: Any, batch: Any = None, batch_size: Optional[int] = None) -> RungContext:
+    return RungContext(pl_module, trainer, batch, batch_size)
+
+
+def is_applicable(name: str, trainer: Any, pl_module: Any, batch: Any = None,
+                  batch_size: Optional[int] = None) -> tuple[bool, str]:
     """Whether rung ``name`` would change this model and run, with the reason."""
-    policy = _policy(name)
-    if name == "microbatch":
-        return policy.is_applicable(trainer, pl_module, batch)
-    return policy.is_applicable(pl_module)
+    return rung(name).is_applicable(_ctx(trainer, pl_module, batch, batch_size))
 
 
 def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> MitigationResult:
     """Switch rung ``name`` on (in place, between training steps)."""
-    policy = _policy(name)
-    if name == "microbatch":
-        return policy.apply(trainer, pl_module, batch)
-    return policy.apply(pl_module)
+    return rung(name).apply(_ctx(trainer, pl_module, batch))
 
 
 def remove(name: str, trainer: Any, pl_module: Any) -> Optional[MitigationResult]:
-    """Switch rung ``name`` off again where its policy can (micro-batching); None where it cannot
-    (attention and checkpointing change numerics by float rounding only, so they may stay)."""
-    policy = _policy(name)
-    return policy.remove(pl_module) if callable(getattr(policy, "remove", None)) else None
+    """Switch rung ``name`` off again where it can; None where it cannot (attention and
+    checkpointing change numerics by float rounding only, so they may stay)."""
+    return rung(name).remove(_ctx(trainer, pl_module))
 
 
 def is_on(name: str, pl_module: Any) -> bool:
     """Whether rung ``name`` is on in ``pl_module`` now (attention: any backend but eager)."""
-    from lightning_seqmem.mitigations import current_attention_backend, is_checkpointed, is_micro_batching
-
-    if name == "attention":
-        return current_attention_backend(pl_module) not in (None, "eager")
-    return is_checkpointed(pl_module) if name == "checkpointing" else is_micro_batching(pl_module)
+    return rung(name).is_on(pl_module)
 
 
-def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None) -> dict[str, tuple[bool, str]]:
+def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None,
+                  batch_size: Optional[int] = None) -> dict[str, tuple[bool, str]]:
     """``name -> (applies, reason)`` for each rung in ``names``; a check that raises says so (never raises)."""
     out = {}
     for name in names:
         try:
-            out[name] = is_applicable(name, trainer, pl_module, batch)
+            out[name] = is_applicable(name, trainer, pl_module, batch, batch_size)
         except Exception as exc:  # noqa: BLE001 - an unusual model must not end the run here
             out[name] = (False, f"its check failed ({type(exc).__name__}: {exc})")
     return out
@@ -88,4 +124,41 @@ def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> tup
         return False, f"{type(exc).__name__}: {exc}"
 
 
-__all__ = ["ADVICE", "MITIGATIONS", "apply", "check_mitigations", "is_applicable", "applicability", "remaining_advice", "remove", "try_apply"]
+def setup_refusals(trainer: Any, pl_module: Any, names: Sequence[str]) -> dict[str, str]:
+    """``name -> why`` for the rungs of ``names`` this strategy or module cannot take at all."""
+    out = {}
+    for name in names:
+        why = rung(name).setup_refusal(trainer, pl_module)
+        if why:
+            out[name] = why
+    return out
+
+
+def apply_to_copy(names: Sequence[str], copy: Any, *, after_sharding: Optional[bool] = None) -> CopyPlan:
+    """Put the rungs ``names`` on a dry run's fake copy, in order; ``after_sharding``: only those that
+    go on before (False) or after (True) ``fully_shard`` (None: all). Returns what the step becomes."""
+    plan = CopyPlan()
+    for name in names:
+        r = rung(name)
+        if after_sharding is None or r.after_sharding == after_sharding:
+            r.apply_to_copy(copy, plan)
+    return plan
+
+
+def check_pending(names: Sequence[str], pl_module: Any) -> bool:
+    """Whether a rung of ``names`` (those on) runs its one-time check at the next step."""
+    return any(rung(n).check_pending(pl_module) for n in names if n in _RUNGS)
+
+
+def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
+    """``(name, why)`` of the first rung of ``names`` (those on) whose own check refused it, or None."""
+    for name in names:
+        why = rung(name).refusal(pl_module) if name in _RUNGS else None
+        if why is not None:
+            return name, why
+    return None
+
+
+__all__ = ["ADVICE", "MITIGATIONS", "apply", "apply_to_copy", "applicability", "check_mitigations", "check_pending",
+           "is_applicable", "is_on", "refused", "register", "remaining_advice", "remove", "rung", "rung_names",
+           "setup_refusals", "try_apply", "unregister"]

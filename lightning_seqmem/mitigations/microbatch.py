@@ -155,11 +155,13 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.core.checks import check_int, is_a
-from lightning_seqmem.mitigations import MitigationResult
+from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, wrapping_strategy_refusal
 
 __all__ = [
     "IGNORE_INDEX",
     "WEIGHTINGS",
+    "MicroBatchRung",
     "MicroBatching",
     "MicroBatchingRefusedWarning",
     "is_micro_batching",
@@ -754,7 +756,7 @@ class MicroBatching:
         ValueError: `weighting` must be one of ('auto', 'samples', 'label_tokens', 'shifted_label_tokens'), got 'tokens'
     """
 
-    name = "micro_batching"
+    name = "microbatch"
 
     def __init__(
         self, micro_batch_size: int = 1, weighting: str = "auto", verify: bool = True, ignore_index: int = IGNORE_INDEX
@@ -854,3 +856,55 @@ class MicroBatching:
             if value != default
         )
         return f"{type(self).__name__}(micro_batch_size={self.micro_batch_size}{extra})"
+
+
+class MicroBatchRung(Rung):
+    """The ladder's ``"microbatch"`` rung: :class:`MicroBatching` into micro-batches of one sample
+    behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol. It can be removed (the
+    original ``training_step`` comes back), its first split step checks that the loss is a mean
+    (:func:`micro_batching_check_pending`, :func:`micro_batching_refusal`), and in a dry run it
+    changes the step, not the copy: micro-batches of ``micro_batch_size``.
+
+    Example:
+        >>> rung = MicroBatchRung()
+        >>> plan = CopyPlan()
+        >>> rung.apply_to_copy(torch.nn.Linear(2, 2), plan)
+        >>> plan.micro_batch_size, rung.is_on(torch.nn.Linear(2, 2))
+        (1, False)
+    """
+
+    spec = spec("microbatch")
+
+    def __init__(self, policy: MicroBatching | None = None) -> None:
+        self.policy = policy or MicroBatching(1)
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        if ctx.batch_size is not None and ctx.batch_size <= self.policy.micro_batch_size:
+            return False, f"batch size {ctx.batch_size}: nothing to split"
+        return self.policy.is_applicable(ctx.trainer, ctx.pl_module, ctx.batch)
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        return self.policy.apply(ctx.trainer, ctx.pl_module, ctx.batch)
+
+    def remove(self, ctx: RungContext) -> MitigationResult:
+        return self.policy.remove(ctx.pl_module)
+
+    def is_on(self, module: Any) -> bool:
+        return is_micro_batching(module)
+
+    def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
+        plan.micro_batch_size = self.policy.micro_batch_size
+
+    def strategy_refusal(self, trainer: Any) -> str | None:
+        return wrapping_strategy_refusal(trainer)
+
+    def setup_refusal(self, trainer: Any, pl_module: Any) -> str | None:
+        if not getattr(pl_module, "automatic_optimization", True):
+            return "manual optimization runs its own backward, which cannot be split"
+        return self.strategy_refusal(trainer)
+
+    def check_pending(self, module: Any) -> bool:
+        return micro_batching_check_pending(module)
+
+    def refusal(self, module: Any) -> str | None:
+        return micro_batching_refusal(module)

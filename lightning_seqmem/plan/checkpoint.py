@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import PHASES, StepRecord
-from lightning_seqmem.core.rungs import MITIGATIONS
+from lightning_seqmem.core.rungs import rung_names
 from lightning_seqmem.core.units import format_bytes
 
 CHECKPOINT_LAST_RECORDS = 256
@@ -137,9 +137,9 @@ def _dict(field: str, value: Any) -> Mapping:
 
 
 def _rungs(field: str, value: Any) -> None:
-    if (not isinstance(value, (list, tuple)) or any(v not in MITIGATIONS for v in value)
+    if (not isinstance(value, (list, tuple)) or any(v not in rung_names() for v in value)
             or len(set(value)) != len(value)):
-        raise InvalidState(field, value, f"a list of distinct rung names from {MITIGATIONS}")
+        raise InvalidState(field, value, f"a list of distinct rung names from {rung_names()}")
 
 
 def _phases(field: str, value: Any, allowed: Sequence[str] = _PHASE_NAMES) -> Mapping:
@@ -287,8 +287,8 @@ def validate_state(state: Any) -> None:
     _rungs("mitigations_left", state.get("mitigations_left", []))
     for i, event in enumerate(_list("mitigation_events", state.get("mitigation_events", []))):
         event = _dict(f"mitigation_events[{i}]", event)
-        if event.get("name") not in MITIGATIONS:
-            raise InvalidState(f"mitigation_events[{i}].name", event.get("name"), f"a rung name from {MITIGATIONS}")
+        if event.get("name") not in rung_names():
+            raise InvalidState(f"mitigation_events[{i}].name", event.get("name"), f"a rung name from {rung_names()}")
         _int(f"mitigation_events[{i}].step", event.get("step", 0))
         for name in ("before_bytes", "after_bytes"):
             _int(f"mitigation_events[{i}].{name}", event.get(name), optional=True)

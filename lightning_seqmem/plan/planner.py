@@ -61,7 +61,7 @@ from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
-from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
+from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations, spec
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from lightning_seqmem.core.timeline import Trace
 from lightning_seqmem.core.units import to_gib
@@ -622,7 +622,7 @@ class SeqMemPlanner:
     def before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
         """Called just before ``name`` is switched on: dry runs of the setting now on that only
         this moment allows (a copy cannot undo a rung), for the check after the attention switch."""
-        if name == "attention" and self.dry_run is not None:
+        if spec(name).linearises_attention and self.dry_run is not None:
             x = max(int(seq_len), 16)
             for k in (1, 2, 3):
                 self.dry_peak(k * x, batch_size)
@@ -740,9 +740,10 @@ class SeqMemPlanner:
             if fc is not None:
                 self._verify(record, fc, forecaster)
             self._after_mitigation(record)
-        if "microbatch" in record.mitigations and not any(r.mitigations == record.mitigations for r in self.records):
-            # the step that switched micro-batching on ran its one-time loss check, which the dry runs
-            # of this setting so far counted: later steps are dry-run afresh, without it
+        if any(spec(m).first_step_check for m in record.mitigations) and not any(
+                r.mitigations == record.mitigations for r in self.records):
+            # the step that switched such a rung on (micro-batching) ran its one-time check, which the dry
+            # runs of this setting so far counted: later steps are dry-run afresh, without it
             self._dry = {k: v for k, v in self._dry.items() if k[2] != record.mitigations}
             key = (record.seq_len, record.batch_size, record.mitigations)
             if key in self._pending:  # verified against the next (steady) step: forecast it as such
@@ -786,7 +787,7 @@ class SeqMemPlanner:
         event = self.mitigation_events[-1]
         if event["after_bytes"] is None and record.seq_len == event["seq_len"] and record.mitigations == self.applied_mitigations:
             event["after_bytes"] = record.peak_bytes
-        if event["name"] != "attention" or event.get("checked"):
+        if not spec(event["name"]).linearises_attention or event.get("checked"):
             return
         terms = self._dry_quadratic_terms(event, record.batch_size)
         if terms is None and self.forecaster.ready:

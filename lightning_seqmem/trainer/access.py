@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_seqmem.measure.batch import can_cut_in_place, set_batch_sequence_length
+from lightning_seqmem.mitigations import ladder
 
 
 def steps_optimizer(trainer: Any) -> bool:
@@ -86,21 +87,8 @@ def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, throug
 
 def unsupported_rungs(trainer: Any, pl_module: Any, rungs: tuple[str, ...]) -> tuple[list[str], str]:
     """The rungs this strategy or module cannot take, and why (before training starts)."""
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
-
-    if isinstance(trainer.strategy, ModelParallelStrategy):  # FSDP2 in configure_model(): every rung works
-        pass
-    elif not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-        name = type(trainer.strategy).__name__
-        how = ("for DeepSpeed use its config (activation checkpointing, gradient accumulation); measurement and "
-               "forecasts from measured steps still work, the dry run does not" if "DeepSpeed" in name else
-               "FSDPStrategy (FSDP1) wraps the model in FullyShardedDataParallel: use its activation_checkpointing_policy, "
-               "or ModelParallelStrategy with fully_shard (FSDP2) in configure_model(), where every rung works; "
-               "measurement and forecasts still work")
-        return [m for m in rungs if m in ("checkpointing", "microbatch")], f"{name} shards or wraps the model itself: {how}"
-    if not pl_module.automatic_optimization and "microbatch" in rungs:
-        return ["microbatch"], "manual optimization runs its own backward, which cannot be split"
-    return [], ""
+    refusals = ladder.setup_refusals(trainer, pl_module, rungs)
+    return list(refusals), "; ".join(dict.fromkeys(refusals.values()))
 
 
 def release_cached_memory(pl_module: Any) -> None:

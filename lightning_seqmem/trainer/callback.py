@@ -26,11 +26,11 @@ from lightning_seqmem.core.checks import check_fraction, check_int
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.mitigations.microbatch import micro_batching_check_pending, micro_batching_refusal
 from lightning_seqmem.trainer.oom import is_oom
 from lightning_seqmem.plan.planner import Decision, PendingStep, SeqMemPlanner
 from lightning_seqmem.measure.probes import PROBE_NAMES, MemoryProbe, existing_tensors, make_probe
 from lightning_seqmem.core.records import SeqMemFailureWarning, StepRecord
+from lightning_seqmem.core.rungs import rung_names, spec
 from lightning_seqmem.core.units import parse_bytes
 
 SeqLenFn = Callable[[Any], "tuple[int, int]"]
@@ -249,6 +249,11 @@ class SeqMemCallback(Callback):
         """The forecaster of the mitigations applied now (each setting has its own fit)."""
         return self.planner.forecaster
 
+    @property
+    def mitigations(self) -> tuple[str, ...]:
+        """The ladder this callback was configured with (``mitigations=``), in the order tried."""
+        return self._mitigations_arg
+
     def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None,
                  world_size: Optional[int] = None) -> Forecast:
         """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``
@@ -367,7 +372,7 @@ class SeqMemCallback(Callback):
                 failed = True
         if self._dry is not None and not failed:
             self._safely("the dry run's batch", lambda: self._dry.keep(batch))
-        for _ in range(len(ladder.MITIGATIONS) + 1):  # again only after a rung failed to apply
+        for _ in range(len(rung_names()) + 1):  # again only after a rung failed to apply
             try:
                 any_failed, shape, applicable = distributed.agree_inputs(trainer, failed, shape, applicable)
                 decision = self._decide(shape, applicable) if trainer.is_global_zero and not any_failed else None
@@ -447,8 +452,8 @@ class SeqMemCallback(Callback):
             planned = (self.planner.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
         self._pending = self.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
                                                 trainer.global_step, trainer.current_epoch)
-        if "microbatch" in self.planner.applied_mitigations and micro_batching_check_pending(pl_module):
-            self._pending.warmup, self._pending.traced = True, False  # the loss check's forwards add to this peak
+        if ladder.check_pending(self.planner.applied_mitigations, pl_module):
+            self._pending.warmup, self._pending.traced = True, False  # a rung's one-time check adds to this peak
         if self._compiled is not None and self._probe is not None and self._probe.name == "cuda":
             self._pending.traced = False  # a traced step runs a dispatch mode, hence eager: keep it compiled
         if self._pending.measure:
@@ -472,9 +477,10 @@ class SeqMemCallback(Callback):
             return
         pending, self._pending = self._pending, None
         memory = self._stop_probe(pending)
-        refused = "microbatch" in self.planner.applied_mitigations and micro_batching_refusal(pl_module) is not None
+        refusal = self._refusal(pl_module)
         try:
-            any_failed, any_refused, row = distributed.gather_measurement(trainer, self._failed, memory, self._shape, refused)
+            any_failed, any_refused, row = distributed.gather_measurement(trainer, self._failed, memory, self._shape,
+                                                                         refusal is not None)
         except Exception as exc:  # noqa: BLE001
             self._fail("the gathering of peaks across ranks", exc)
             self._stopped = True
@@ -483,15 +489,35 @@ class SeqMemCallback(Callback):
             self._fail("another rank", RuntimeError("a rank stopped measuring, so every rank does"))
             self._stopped = True
             return
-        if any_refused:  # the loss is not a mean: micro-batching is off on every rank, and this step ran whole
-            self._safely("undoing micro-batching", lambda: ladder.remove("microbatch", trainer, pl_module))
-            reason = micro_batching_refusal(pl_module) or "another rank refused it"
-            self.planner.rung_removed("microbatch", f"its first-step check refused it: {reason}", pending)
+        if any_refused:  # e.g. the loss is not a mean: micro-batching is off on every rank, and this step ran whole
+            self._undo_refused(trainer, pl_module, refusal, pending)
         self._record(trainer, pending, row, memory)
         if self.breakdown and not self._failed and trainer.is_global_zero:
             self._safely("the memory breakdown", lambda: setattr(
                 self, "_breakdown_batch", edge.longest_batch(self._breakdown_batch, batch, self._read_shape(batch)[1])))
         self._warn_advice()
+
+    def _refusal(self, pl_module: pl.LightningModule) -> Optional[tuple[str, str]]:
+        """``(rung, why)`` where a rung on this rank was refused by its own one-time check, else None."""
+        try:
+            return ladder.refused(self.planner.applied_mitigations, pl_module)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("a rung's own check", exc)
+            return None
+
+    def _undo_refused(self, trainer: pl.Trainer, pl_module: pl.LightningModule, refusal: Optional[tuple[str, str]],
+                      pending: Optional[PendingStep]) -> None:
+        """A rung's one-time check refused it on some rank: off on every rank (this step ran without
+        it). Only a rung switched on at the step before runs such a check, so a rank that did not
+        see the refusal itself takes the last rung switched on that has one."""
+        if refusal is None:
+            checked = [m for m in self.planner.applied_mitigations if spec(m).first_step_check]
+            if not checked:
+                return
+            refusal = (checked[-1], "another rank refused it")
+        name, reason = refusal
+        self._safely(f"undoing {name}", lambda: ladder.remove(name, trainer, pl_module))
+        self.planner.rung_removed(name, f"its first-step check refused it: {reason}", pending)
 
     @_guarded
     def _stop_probe(self, pending: Optional[PendingStep]) -> Any:

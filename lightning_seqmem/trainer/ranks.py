@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_seqmem.core.records import PHASES, StepMemory
-from lightning_seqmem.core.rungs import MITIGATIONS
+from lightning_seqmem.core.rungs import rung_names
 
 _INT_FIELDS = tuple(f.name for f in fields(StepMemory) if f.name not in ("phase_peak_bytes", "fragmentation_fraction", "events"))
 
@@ -37,10 +37,10 @@ def agree_inputs(trainer: Any, failed: bool, shape: Optional[tuple[int, int]],
     if trainer.world_size <= 1:
         return failed, shape, applicable
     b, L = shape if shape is not None else (-1, -1)
-    refused = [int(not applicable.get(m, (True, ""))[0]) for m in MITIGATIONS]
+    refused = [int(not applicable.get(m, (True, ""))[0]) for m in rung_names()]
     out = _collective(trainer, [int(failed), b, L, *refused], "max")
     agreed = {}
-    for m, no in zip(MITIGATIONS, out[3:]):
+    for m, no in zip(rung_names(), out[3:]):
         if m in applicable:
             ok, reason = applicable[m]
             agreed[m] = (ok and not no, reason if not ok else ("it does not apply on another rank" if no else reason))

@@ -1,0 +1,160 @@
+"""The one protocol every rung of the ladder follows, and the values it passes.
+
+A rung is a small class with one signature for everything the callback, the dry run and
+``seqmem plan`` ask of it (torchtitan's policy classes, Composer's ``Algorithm.match/apply``):
+
+=========================================  ===============================================================
+method                                     asked by
+=========================================  ===============================================================
+``is_applicable(ctx) -> (bool, reason)``   the planner's applicability table, ``seqmem plan``
+``apply(ctx) -> MitigationResult``         the callback, between steps (in place; parameters, optimizer
+                                           state and ``state_dict`` keys unchanged)
+``remove(ctx) -> MitigationResult|None``   the callback, when the rung's own check refuses it
+``is_on(module) -> bool``                  resume, a second fit, the report
+``apply_to_copy(copy, plan)``              the dry run: put the rung on a fake copy (or change the step
+                                           it runs: ``plan.micro_batch_size``)
+``setup_refusal(trainer, module)``         set-up: a strategy (or module) this rung cannot work under
+``check_pending(module)``, ``refusal``     the callback: a one-time check after the switch
+=========================================  ===============================================================
+
+Its torch-free half, :class:`~lightning_seqmem.core.rungs.RungSpec` (``spec``), is what the planner
+reads. A new rung is one file with a ``Rung`` subclass, registered with
+:func:`lightning_seqmem.mitigations.ladder.register`.
+
+Example:
+    >>> from torch import nn
+    >>> from lightning_seqmem.core.rungs import RungSpec
+    >>> class NoDropout(Rung):
+    ...     spec = RungSpec("no_dropout", advice="drop dropout")
+    ...     def is_on(self, module):
+    ...         return all(m.p == 0 for m in module.modules() if isinstance(m, nn.Dropout))
+    ...     def is_applicable(self, ctx):
+    ...         return (False, "no dropout") if self.is_on(ctx.pl_module) else (True, "dropout p -> 0")
+    ...     def apply(self, ctx):
+    ...         for m in ctx.pl_module.modules():
+    ...             if isinstance(m, nn.Dropout):
+    ...                 m.p = 0.0
+    ...         return MitigationResult(self.name, True, "dropout p -> 0", "on", "off")
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+    >>> NoDropout().apply(RungContext(model)).applied, NoDropout().is_on(model)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_seqmem.core.checks import is_a
+from lightning_seqmem.core.rungs import RungSpec
+
+
+@dataclass(frozen=True)
+class MitigationResult:
+    """What one ``apply`` did.
+
+    Example:
+        >>> MitigationResult("attention", applied=True, detail="attention eager -> sdpa", before="eager", after="sdpa")
+        MitigationResult(name='attention', applied=True, detail='attention eager -> sdpa', before='eager', after='sdpa')
+    """
+
+    name: str  # the rung, e.g. "attention", "checkpointing"
+    applied: bool  # whether the model was changed
+    detail: str  # what was done, or why nothing was
+    before: str  # the policy's state before, e.g. "eager" or "off"
+    after: str  # the policy's state after, e.g. "sdpa" or "on"
+
+
+@dataclass(frozen=True)
+class RungContext:
+    """What a rung may look at: the module, the trainer (None for a dry run or ``seqmem plan``), a
+    batch and the batch size asked for (None: the batch's own)."""
+
+    pl_module: Any
+    trainer: Any = None
+    batch: Any = None
+    batch_size: Optional[int] = None
+
+
+@dataclass
+class CopyPlan:
+    """What the dry run's step becomes once rungs are on its copy: micro-batches of
+    ``micro_batch_size`` samples (None: the whole batch), and notes for its detail line."""
+
+    micro_batch_size: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+
+
+class Rung:
+    """Base of every rung: override ``spec``, ``is_applicable``, ``apply`` and ``is_on``; the rest
+    has defaults (a rung that cannot be removed, applies to a copy as to the module, has no
+    one-time check and works under every strategy)."""
+
+    spec: RungSpec
+    after_sharding = False  # the sharded dry run puts it on the copy after fully_shard (else before)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        raise NotImplementedError
+
+    def is_on(self, module: Any) -> bool:
+        raise NotImplementedError
+
+    def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
+        """Switch it off again; None where it cannot (numerics change by float rounding only)."""
+        return None
+
+    def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
+        """Put the rung on a dry run's fake copy (which has no trainer)."""
+        plan.notes.append(f"{self.name}: {self.apply(RungContext(copy)).detail}")
+
+    def strategy_refusal(self, trainer: Any) -> Optional[str]:
+        """Why this rung cannot work under ``trainer``'s strategy (said at set-up), or None."""
+        return None
+
+    def setup_refusal(self, trainer: Any, pl_module: Any) -> Optional[str]:
+        """Why this rung cannot work in this run at all (strategy, manual optimization), or None."""
+        return self.strategy_refusal(trainer)
+
+    def check_pending(self, module: Any) -> bool:
+        """Whether the next step runs the rung's one-time check (its memory falls in that step)."""
+        return False
+
+    def refusal(self, module: Any) -> Optional[str]:
+        """Why the rung's own check refused it after it was switched on, or None."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
+    """Why a rung that rewrites the module (checkpointing, micro-batching) cannot work under
+    ``trainer``'s strategy, or None: FSDP1 and DeepSpeed wrap or shard the model themselves;
+    single device, DDP and ``ModelParallelStrategy`` (FSDP2 in ``configure_model()``) take every rung.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> class DeepSpeedStrategy: ...
+        >>> wrapping_strategy_refusal(SimpleNamespace(strategy=DeepSpeedStrategy()))[:50]
+        'DeepSpeedStrategy shards or wraps the model itself'
+    """
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or is_a(strategy, "ModelParallelStrategy", "SingleDeviceStrategy", "DDPStrategy"):
+        return None
+    name = type(strategy).__name__
+    how = ("for DeepSpeed use its config (activation checkpointing, gradient accumulation); measurement and "
+           "forecasts from measured steps still work, the dry run does not" if "DeepSpeed" in name else
+           "FSDPStrategy (FSDP1) wraps the model in FullyShardedDataParallel: use its activation_checkpointing_policy, "
+           "or ModelParallelStrategy with fully_shard (FSDP2) in configure_model(), where every rung works; "
+           "measurement and forecasts still work")
+    return f"{name} shards or wraps the model itself: {how}"
+
+
+__all__ = ["CopyPlan", "MitigationResult", "Rung", "RungContext", "wrapping_strategy_refusal"]
