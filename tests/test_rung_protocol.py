@@ -1,0 +1,136 @@
+"""A fifth rung, written here as a test fixture, plugs into the ladder, the dry run, the callback and
+``seqmem plan`` through the Rung protocol alone: no other file knows its name.
+
+The toy rung sets every ``nn.Dropout`` to ``p = 0``: its masks are no longer saved for backward, a
+real, measurable saving (about 10% on the dropout GPT below).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.core.rungs import RungSpec, check_mitigations, spec
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.mitigations import ladder
+from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext
+
+MODEL = dict(n_layer=2, d_model=64, n_head=2, vocab_size=64, attention="sdpa")
+
+
+class NoDropout(Rung):
+    spec = RungSpec("no_dropout", advice="set dropout to 0", step_time_prior=0.0)
+
+    @staticmethod
+    def _dropouts(module):
+        return [m for m in module.modules() if isinstance(m, nn.Dropout)]
+
+    def is_on(self, module):
+        dropouts = self._dropouts(module)
+        return bool(dropouts) and all(m.p == 0 for m in dropouts)
+
+    def is_applicable(self, ctx: RungContext):
+        if not self._dropouts(ctx.pl_module):
+            return False, "no nn.Dropout"
+        return (False, "dropout already 0") if self.is_on(ctx.pl_module) else (True, "dropout p -> 0")
+
+    def apply(self, ctx: RungContext):
+        applies, why = self.is_applicable(ctx)
+        if applies:
+            for m in self._dropouts(ctx.pl_module):
+                m.p = 0.0
+        return MitigationResult(self.name, applies, why, "on" if applies else "off", "off")
+
+
+@pytest.fixture
+def no_dropout():
+    rung = ladder.register(NoDropout())
+    yield rung
+    ladder.unregister(rung.name)
+    assert "no_dropout" not in ladder.rung_names()
+
+
+def _batch(seq_len, rows=4):
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, 64, (rows, seq_len), generator=g),
+            "labels": torch.randint(0, 64, (rows, seq_len), generator=g)}
+
+
+def test_a_registered_rung_is_a_name_the_callback_and_the_planner_accept(no_dropout):
+    assert check_mitigations(["attention", "no_dropout"]) == ("attention", "no_dropout")
+    assert spec("no_dropout").advice == "set dropout to 0"
+    SeqMemCallback(mitigations=["no_dropout"])  # validated against the registry
+    with pytest.raises(ValueError, match="no_dropout"):
+        ladder.unregister("no_dropout")
+        check_mitigations(["no_dropout"])
+
+
+def test_the_dry_run_puts_the_rung_on_its_copy_only(no_dropout):
+    module = LitGPT(**MODEL, dropout=0.1)
+    with_rung = dry_run_step(module, module.configure_optimizers(), _batch(64), 256, mitigations=["no_dropout"])
+    plain = dry_run_step(module, module.configure_optimizers(), _batch(64), 256)
+    assert not no_dropout.is_on(module)  # the real module is untouched
+    by_hand = LitGPT(**MODEL, dropout=0.0)
+    expected = dry_run_step(by_hand, by_hand.configure_optimizers(), _batch(64), 256)
+    assert with_rung.peak_bytes == expected.peak_bytes < plain.peak_bytes
+    assert "no_dropout: dropout p -> 0" in with_rung.detail
+
+
+def test_the_callback_switches_the_rung_on_before_the_stage_that_needs_it(no_dropout):
+    def dry(dropout):
+        module = LitGPT(**MODEL, dropout=dropout)
+        return dry_run_step(module, module.configure_optimizers(), _batch(64), 512).peak_bytes
+
+    with_rung, without = dry(0.0), dry(0.1)
+    budget = (with_rung + without) // 2  # the last stage fits with the rung only
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=["no_dropout"],
+                        curriculum=Curriculum(start=128, target=512, steps_per_stage=2, multiple_of=64))
+    torch.manual_seed(0)
+    module = LitGPT(**MODEL, dropout=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([cb], max_steps=8).fit(
+            module, SyntheticTokenDataModule(batch_size=4, seq_len=512, num_samples=32, vocab_size=64))
+    assert cb.applied_mitigations == ("no_dropout",) and no_dropout.is_on(module)
+    event = cb.mitigation_events[0]
+    assert event["name"] == "no_dropout" and event["seq_len"] == 512
+    at_target = [r for r in cb.records if r.seq_len == 512]
+    assert at_target and all(r.mitigations == ("no_dropout",) for r in at_target)
+    assert max(r.peak_bytes for r in cb.records) <= budget  # measured by the tracker, every step
+    lengths = [r.seq_len for r in cb.records]
+    assert lengths == sorted(lengths)
+
+
+def test_seqmem_plan_dry_runs_the_registered_rung(no_dropout, tmp_path, capsys):
+    from lightning_seqmem.cli.main import main
+
+    config = tmp_path / "no_dropout.yaml"
+    config.write_text(f"""
+trainer:
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  callbacks:
+    - class_path: lightning_seqmem.SeqMemCallback
+      init_args:
+        memory_budget: 1GiB
+        mitigations: [no_dropout]
+model:
+  class_path: lightning_seqmem.demo.LitGPT
+  init_args: {json.dumps({**MODEL, "dropout": 0.1})}
+data:
+  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
+  init_args: {{batch_size: 4, seq_len: 64, num_samples: 8, vocab_size: 64}}
+""")
+    assert main(["plan", "--config", str(config), "--lengths", "256", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mitigation_sets"] == [[], ["no_dropout"]]
+    plain, with_rung = doc["lengths"][0]["rows"]
+    assert with_rung["mitigations"] == ["no_dropout"] and with_rung["peak_bytes"] < plain["peak_bytes"]
