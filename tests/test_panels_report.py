@@ -167,7 +167,7 @@ def test_report_facts_and_predictors(run):
     facts = report["run"]
     assert facts["device"] == "cpu" and facts["probe"] == "tracker"
     assert facts["budget_bytes"] == 64 * 2**20 and facts["usable_budget_bytes"] == cb.usable_budget_bytes
-    assert facts["model_class"] == "lightning_seqmem.demo.LitGPT"
+    assert facts["model_class"] == "lightning_seqmem.reference.demo.LitGPT"  # the class's own module
     assert facts["num_parameters"] == sum(p.numel() for p in trainer.lightning_module.parameters())
     assert facts["precision"] == "32-true"
     assert facts["curriculum"]["stages"] == [16, 32, 64] and facts["curriculum"]["stages_run"] == [16, 32, 64]
@@ -190,8 +190,10 @@ def test_report_facts_and_predictors(run):
     assert at[64]["fits"] is True
     assert report["mitigations"]["active"] == [] and report["mitigations"]["changes"] == []
     assert report["mitigations"]["allowed"] == list(cb.mitigations)
-    warned = cb.planner.warned
-    assert report["warnings"] == [{"key": k, "kind": warned[k], "meaning": KINDS[warned[k]]} for k in sorted(warned)]
+    keys = [w["key"] for w in report["warnings"]]
+    assert keys == sorted(set(keys)) and set(keys) == set(cb.planner.warned)  # each warning said once, all of them
+    for w in report["warnings"]:
+        assert w["kind"] == cb.planner.warned[w["key"]] and w["kind"] in KINDS and w["meaning"]
 
 
 def test_render_console_and_markdown(run):
@@ -212,8 +214,11 @@ def test_report_before_any_measurement(tmp_path):
     assert report["points"] == [] and report["forecasts"]["error"]
     from rich.console import Console
 
-    render_console(report, Console(record=True))
-    render_markdown(report)
+    console = Console(record=True, width=140)
+    render_console(report, console)
+    text, markdown = console.export_text(), render_markdown(report)
+    assert "seqmem: run" in text and report["forecasts"]["error"].split(":")[0] in text
+    assert markdown.startswith("# lightning-seqmem report") and "largest length that fits" not in text
     json_path, _, png_path = write_report(cb.planner, directory=tmp_path)
     assert json_path.name == JSON_NAME and png_path.exists()
 

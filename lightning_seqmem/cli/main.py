@@ -387,7 +387,7 @@ def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any,
     from lightning_seqmem.measure.batch import infer_batch_shape
     from lightning_seqmem.mitigations.ladder import applicability
 
-    rungs = MITIGATIONS if seqmem is None else tuple(seqmem.mitigations)  # as configured, in its order
+    rungs = MITIGATIONS if seqmem is None else tuple(seqmem.configured_mitigations)  # in its order
     # a rung's check may read the batch size from the batch: give it only a batch that has the rows
     # asked for (else None: it reads the unconnected trainer's loader, unknown); the size asked goes too
     rows = infer_batch_shape(batch)[0]

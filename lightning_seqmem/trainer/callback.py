@@ -250,8 +250,9 @@ class SeqMemCallback(Callback):
         return self.planner.forecaster
 
     @property
-    def mitigations(self) -> tuple[str, ...]:
-        """The ladder this callback was configured with (``mitigations=``), in the order tried."""
+    def configured_mitigations(self) -> tuple[str, ...]:
+        """The ladder this callback was configured with (``mitigations=``), in the order tried
+        (:attr:`mitigations` less what this run cannot take or lost on the way)."""
         return self._mitigations_arg
 
     def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None,
