@@ -456,15 +456,18 @@ def _largest_fitting(model: Any, optimizer: Any, batch: Any, batch_size: int, na
     by bisection; ``lo`` is known to fit (0: nothing known)."""
     from lightning_seqmem.dryrun.step import dry_run_step
 
-    lo, hi, runs = lo // _SEARCH_MULTIPLE, -(-hi // _SEARCH_MULTIPLE), 0  # in units of 8 tokens: lo fits, hi does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    from lightning_seqmem.core.search import bisect_last
+
+    runs = 0
+
+    def fits(units: int) -> bool:
+        nonlocal runs
         runs += 1
-        if dry_run_step(model, optimizer, batch, mid * _SEARCH_MULTIPLE, batch_size, names, context,
-                        device).peak_bytes <= usable:
-            lo = mid
-        else:
-            hi = mid
+        return dry_run_step(model, optimizer, batch, units * _SEARCH_MULTIPLE, batch_size, names, context,
+                            device).peak_bytes <= usable
+
+    # in units of 8 tokens: lo fits (or is 0), hi does not; neither is dry-run again
+    lo = bisect_last(fits, lo // _SEARCH_MULTIPLE, -(-hi // _SEARCH_MULTIPLE))
     return (lo * _SEARCH_MULTIPLE or None), runs
 
 

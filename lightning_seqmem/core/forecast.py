@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN, QuadraticMemoryModel
+from lightning_seqmem.core.search import largest_fitting
 from lightning_seqmem.core.records import TrackedEvents
 from lightning_seqmem.core.timeline import TimelineModel, Trace
 
@@ -257,17 +258,7 @@ class MemoryForecaster:
             fc = self.forecast(L, batch_size)
             return (fc.reserved_upper_bytes if reserved else fc.upper_bytes) <= budget_bytes
 
-        if not fits(1):
-            return 0
-        lo, hi = 1, 2
-        while fits(hi):
-            lo, hi = hi, hi * 2
-            if hi >= UNBOUNDED_SEQ_LEN:
-                return UNBOUNDED_SEQ_LEN
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return largest_fitting(fits)
 
     def verify(self, forecast: Forecast, measured_bytes: int) -> Verification:
         """Record how ``forecast`` compared with the measured peak; later bounds widen on misses."""

@@ -20,9 +20,7 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 
 from lightning_seqmem.core.checks import check_int
-
-UNBOUNDED_SEQ_LEN = 2**31 - 1
-"""Returned by :meth:`QuadraticMemoryModel.max_seq_len` when no length exceeds the budget."""
+from lightning_seqmem.core.search import UNBOUNDED_SEQ_LEN, largest_fitting
 
 DEFAULT_PHASE = "step"
 """Phase name used when points carry a single peak (an int) instead of a phase mapping."""
@@ -203,20 +201,9 @@ class QuadraticMemoryModel:
             forecast = self.predict(seq_len, batch_size)
             return (forecast.upper_bytes if conservative else forecast.peak_bytes) <= budget_bytes
 
-        if not fits(1):
-            return 0
         # Closed form for the point prediction (a lower bound of the upper bound) brackets the answer.
         estimate = min(_largest_len_below(c, budget_bytes, batch_size) for c in self._coefficients.values())
-        hi = int(min(estimate + 2.0, UNBOUNDED_SEQ_LEN))
-        while fits(hi):  # the estimate is never too small by more than rounding; loop is a safeguard
-            if hi == UNBOUNDED_SEQ_LEN:
-                return UNBOUNDED_SEQ_LEN
-            hi = min(2 * hi, UNBOUNDED_SEQ_LEN)
-        lo = 1  # invariant: fits(lo) and not fits(hi), so the answer satisfies fits(L) and not fits(L+1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return largest_fitting(fits, hint=int(min(estimate + 2.0, UNBOUNDED_SEQ_LEN)))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able state (for checkpoints and reports)."""

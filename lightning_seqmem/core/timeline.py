@@ -28,6 +28,7 @@ import numpy as np
 
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
+from lightning_seqmem.core.search import largest_fitting
 from lightning_seqmem.core.records import TrackedEvents
 
 
@@ -194,22 +195,12 @@ class TimelineModel:
 
     def max_seq_len(self, budget_bytes: int, batch_size: Optional[int] = None) -> int:
         """Largest L whose replayed peak is ≤ ``budget_bytes`` (0 if none; see UNBOUNDED_SEQ_LEN)."""
-        if self.predict(1, batch_size).peak_bytes > budget_bytes:
-            return 0
-        if not np.any(self.coefficients[1:] > 0):
+        def fits(L: int) -> bool:
+            return self.predict(L, batch_size).peak_bytes <= budget_bytes
+
+        if fits(1) and not np.any(self.coefficients[1:] > 0):
             return UNBOUNDED_SEQ_LEN
-        lo, hi = 1, 2
-        while self.predict(hi, batch_size).peak_bytes <= budget_bytes:
-            lo, hi = hi, hi * 2
-            if hi >= UNBOUNDED_SEQ_LEN:
-                return UNBOUNDED_SEQ_LEN
-        while hi - lo > 1:  # predict(lo) fits, predict(hi) does not
-            mid = (lo + hi) // 2
-            if self.predict(mid, batch_size).peak_bytes <= budget_bytes:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return largest_fitting(fits)
 
 
 def _fit_size_polynomials(seq_lens: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, float]:

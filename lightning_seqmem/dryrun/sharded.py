@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from lightning_seqmem.core.checks import check_int, is_a
+from lightning_seqmem.core.search import smallest_fitting
 from lightning_seqmem.dryrun.step import (
     _QUIET,
     DryRunResult,
@@ -417,16 +418,7 @@ def smallest_fitting_world_size(peak_at: Callable[[int], int], usable_bytes: int
             peaks[n] = int(peak_at(n))
         return peaks[n]
 
-    if peak(sizes[-1]) > usable_bytes:
-        return None, peaks
-    lo, hi = -1, len(sizes) - 1  # sizes[hi] fits; sizes[lo] does not (-1: unknown)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if peak(sizes[mid]) <= usable_bytes:
-            hi = mid
-        else:
-            lo = mid
-    return sizes[hi], peaks
+    return smallest_fitting(lambda n: peak(n) <= usable_bytes, sizes), peaks
 
 
 def context_parallel_note(device: torch.device | str) -> str:

@@ -60,6 +60,7 @@ from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
+from lightning_seqmem.core.search import largest_fitting
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
 from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations, spec
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
@@ -265,24 +266,8 @@ class SeqMemPlanner:
             fc = self._dry_forecast(L, batch_size)
             return fc is not None and self.bound_of(fc) <= budget_bytes
 
-        lo = step
-        if not fits(lo):
-            return 0 if step == 1 or not fits(1) else self._dry_max_below(1, lo, fits)
-        if fits(hi):
-            return hi
-        while hi - lo > step:
-            mid = (lo + hi) // 2
-            mid -= mid % step
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
-
-    @staticmethod
-    def _dry_max_below(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
-        """Largest ``L`` in ``[lo, hi)`` that ``fits``, given ``fits(lo)`` and not ``fits(hi)``."""
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        found = largest_fitting(fits, low=step, high=hi + 1, step=step)
+        return found if found or step == 1 else largest_fitting(fits, high=step)  # below one multiple: to the token
 
     def _measured_bound(self, r: StepRecord) -> int:
         return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
@@ -480,13 +465,11 @@ class SeqMemPlanner:
         with ``setting``, or None (bisection: a handful of dry runs)."""
         assert self.curriculum is not None
         m = self.curriculum.multiple_of
-        lo, hi = max(low // m, 1), (high - 1) // m  # in units of m
-        if hi < lo or self.judge(lo * m, batch_size, setting).kind != "fits":
+        low = max(low // m, 1) * m
+        if high - 1 < low:
             return None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.judge(mid * m, batch_size, setting).kind == "fits" else (lo, mid - 1)
-        return lo * m
+        return largest_fitting(lambda L: self.judge(L, batch_size, setting).kind == "fits", low=low, high=high,
+                               step=m) or None
 
     def _decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
         verdict = self.judge(seq_len, batch_size)

@@ -1,0 +1,93 @@
+"""The one search every "largest length that fits" and "smallest world size that fits" uses.
+
+Every predicate here is monotone: a length that fits has every shorter length fit too (a peak never
+falls as L grows), and a world size that fits has every larger one fit (a per-rank peak never grows
+with the ranks). Each function asks the predicate as few times as a bisection must; callers cache
+expensive answers (dry runs) themselves.
+
+Example:
+    >>> largest_fitting(lambda L: 3 * L * L <= 10_000)  # 57² · 3 = 9747, 58² · 3 = 10092
+    57
+    >>> largest_fitting(lambda L: L <= 1000, step=64, high=4096)
+    960
+    >>> smallest_fitting(lambda n: 800 // n <= 250, [1, 2, 4, 8])
+    4
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+UNBOUNDED_SEQ_LEN = 2**31 - 1
+"""Answer of :func:`largest_fitting` (and every ``max_seq_len``) when nothing up to it exceeds the budget."""
+
+
+def bisect_last(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Largest ``x`` in ``[lo, hi)`` with ``fits(x)``, given ``fits(lo)`` and not ``fits(hi)`` (neither
+    is asked: either may be a sentinel).
+
+    Example:
+        >>> bisect_last(lambda x: x * x <= 50, 0, 100)
+        7
+    """
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional[int] = None, step: int = 1,
+                    hint: Optional[int] = None, limit: int = UNBOUNDED_SEQ_LEN) -> int:
+    """Largest multiple of ``step`` in ``[low, high)`` that ``fits``; 0 when ``low`` (rounded up to a
+    multiple of ``step``) does not fit.
+
+    Without ``high`` the search doubles from ``hint`` (a guess, e.g. a closed-form estimate; default
+    ``2·low``) until a length does not fit, and returns ``limit`` when every length up to it fits.
+    With ``high`` the largest candidate is asked first: when it fits it is the answer.
+
+    Example:
+        >>> largest_fitting(lambda L: L <= 5, hint=4)
+        5
+        >>> largest_fitting(lambda L: True, high=100, step=8)
+        96
+        >>> largest_fitting(lambda L: L < 10, low=16, step=16)
+        0
+    """
+    if step < 1 or low < 1:
+        raise ValueError(f"`step` and `low` must be positive, got step={step!r}, low={low!r}")
+    u_lo = -(-low // step)
+    if not fits(u_lo * step):
+        return 0
+    if high is not None:
+        u_hi = (high - 1) // step  # the largest candidate
+        if u_hi <= u_lo:
+            return u_lo * step
+        if fits(u_hi * step):
+            return u_hi * step
+        return bisect_last(lambda u: fits(u * step), u_lo, u_hi) * step
+    u_limit = limit // step
+    u_hi = max(u_lo + 1, -(-hint // step) if hint else 2 * u_lo)
+    while u_hi < u_limit and fits(u_hi * step):
+        u_lo, u_hi = u_hi, 2 * u_hi
+    if u_hi >= u_limit:
+        if fits(u_limit * step):
+            return limit
+        u_hi = u_limit
+    return bisect_last(lambda u: fits(u * step), u_lo, u_hi) * step
+
+
+def smallest_fitting(fits: Callable[[int], bool], candidates: Sequence[int]) -> Optional[int]:
+    """The smallest of ``candidates`` (ascending) that ``fits``, or None; the last is asked first.
+
+    Example:
+        >>> asked = []
+        >>> smallest_fitting(lambda n: asked.append(n) or n >= 3, [1, 2, 4, 8]), asked
+        (4, [8, 2, 4])
+    """
+    if not candidates or not fits(candidates[-1]):
+        return None
+    first = bisect_last(lambda i: not fits(candidates[i]), -1, len(candidates) - 1) + 1
+    return candidates[first]
+
+
+__all__ = ["UNBOUNDED_SEQ_LEN", "bisect_last", "largest_fitting", "smallest_fitting"]
