@@ -176,3 +176,19 @@ def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
     by_samples = gradients(micro_batch_size=1, weighting="samples")
     assert torch.allclose(micro, whole, rtol=1e-4, atol=1e-7)
     assert (by_samples - whole).norm() > 0.1 * whole.norm()  # the sample weighting the step used to apply
+
+
+def test_breakdown_after_fit_runs_the_micro_batching_now_on(tmp_path):
+    from lightning_seqmem.mitigations import MicroBatching
+
+    callback, trainer, model, _ = _fit(tmp_path, attention="sdpa")
+    whole = callback.run_breakdown(trainer, model)
+    assert MicroBatching(micro_batch_size=1).apply(trainer, model, batch=callback._breakdown_batch[1]).applied
+    micro = callback.run_breakdown(trainer, model)
+    assert micro["seq_lens"] == whole["seq_lens"] and not any("micro-batches" in n for n in whole["notes"])
+    assert any("micro-batches of 1 sample(s)" in n for n in micro["notes"])
+
+    def activations(section):
+        return sum(r["bytes"][-1] for r in section["activations"])
+
+    assert activations(micro) < 0.6 * activations(whole)  # one sample of the batch of 2 at a time
