@@ -183,7 +183,7 @@ def test_breakdown_after_fit_runs_the_micro_batching_now_on(tmp_path):
 
     callback, trainer, model, _ = _fit(tmp_path, attention="sdpa")
     whole = callback.run_breakdown(trainer, model)
-    assert MicroBatching(micro_batch_size=1).apply(trainer, model, batch=callback._breakdown_batch[1]).applied
+    assert MicroBatching(micro_batch_size=1).apply(trainer, model).applied
     micro = callback.run_breakdown(trainer, model)
     assert micro["seq_lens"] == whole["seq_lens"] and not any("micro-batches" in n for n in whole["notes"])
     assert any("micro-batches of 1 sample(s)" in n for n in micro["notes"])
