@@ -137,3 +137,58 @@ def test_copies_lengths_and_micro_batches():
     assert width_dims(lit, batch_size=4) == {4, 16, 64, 192, 256}
     lengths, notes = safe_seq_lens([64, 192, 200], width_dims(lit, batch_size=4), max_seq_len=200)
     assert lengths == [56, 184, 200] and len(notes) == 2 and "192" in notes[0]
+
+
+def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
+    """The breakdown's micro-batched step is the policy's: a padded Hugging Face-style batch (loss = mean
+    over label tokens) gives the full batch's gradient, where weighting samples would not."""
+    import torch.nn.functional as F
+
+    from lightning_seqmem.diagnostics.step import run_training_step
+    from lightning_seqmem.reference.nn import GPT, GPTConfig
+
+    class TokenMeanLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))
+
+        def training_step(self, batch, batch_idx):
+            logits = self.model(batch["input_ids"])
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (4, 24))
+    labels = torch.randint(0, 256, (4, 24))  # the next tokens: not the inputs, counted whole
+    labels[0, 4:] = -100  # padded rows: 4 and 10 label tokens against 24 and 24
+    labels[2, 10:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+
+    def gradients(**micro):
+        lm = TokenMeanLM()
+        lm.load_state_dict(reference.state_dict())
+        optimizer = torch.optim.SGD(lm.parameters(), lr=0.0)  # the step leaves its gradients, changes nothing
+        run_training_step(lm, optimizer, batch, training_step_loss, **micro)
+        return torch.cat([p.grad.flatten() for p in lm.parameters()])
+
+    reference = TokenMeanLM()
+    whole = gradients()
+    micro = gradients(micro_batch_size=1)
+    by_samples = gradients(micro_batch_size=1, weighting="samples")
+    assert torch.allclose(micro, whole, rtol=1e-4, atol=1e-7)
+    assert (by_samples - whole).norm() > 0.1 * whole.norm()  # the sample weighting the step used to apply
+
+
+def test_breakdown_after_fit_runs_the_micro_batching_now_on(tmp_path):
+    from lightning_seqmem.mitigations import MicroBatching
+
+    callback, trainer, model, _ = _fit(tmp_path, attention="sdpa")
+    whole = callback.run_breakdown(trainer, model)
+    assert MicroBatching(micro_batch_size=1).apply(trainer, model).applied
+    micro = callback.run_breakdown(trainer, model)
+    assert micro["seq_lens"] == whole["seq_lens"] and not any("micro-batches" in n for n in whole["notes"])
+    assert any("micro-batches of 1 sample(s)" in n for n in micro["notes"])
+
+    def activations(section):
+        return sum(r["bytes"][-1] for r in section["activations"])
+
+    assert activations(micro) < 0.6 * activations(whole)  # one sample of the batch of 2 at a time

@@ -1,23 +1,22 @@
-"""Breakdowns of real training steps, on copies, at safe lengths: what ``seqmem forecast`` and
-``SeqMemCallback(breakdown=True)`` show.
+"""The report's breakdown section: breakdowns of real training steps, on copies, at safe lengths.
 
-:mod:`lightning_seqmem.diagnostics.breakdown` attributes one traced step to modules and kinds. This module runs
-those steps the way :mod:`lightning_seqmem.measure.steps` runs forecast steps (Lightning's order: forward,
-``zero_grad``, backward, optimizer step; micro-batches when the model's ``training_step`` is
-micro-batched) and turns several of them into one plain, JSON-able *section* for the CLI, the report
-and TensorBoard:
+What ``seqmem forecast`` and ``SeqMemCallback(breakdown=True)`` show. Steps run the way
+:mod:`lightning_seqmem.measure.steps` runs forecast steps (:mod:`lightning_seqmem.diagnostics.step`:
+Lightning's order, micro-batched as the ``microbatch`` mitigation runs it) and several of them
+become one plain, JSON-able *section* for the CLI, the report and TensorBoard:
 
-* :func:`copy_for_tracing`: a deep copy of a model and its optimizer (a new optimizer of the same
-  class over the copy's parameters, loaded with a deep copy of the original's state), so that the
-  traced steps train nothing the user holds;
 * :func:`width_dims` / :func:`safe_seq_lens`: a tensor is counted as attention scores when two of
   its dimensions equal L, so L must differ from every model width (``d_model``, ``d_ff``, the
   vocabulary, heads, head size, batch size); a colliding length is replaced by the nearest safe one;
-* :func:`trace_breakdowns`: one warm-up step then one traced step at each length;
-* :func:`breakdown_section`: :func:`~lightning_seqmem.diagnostics.breakdown.compare_breakdowns` as per-kind,
+* :func:`trace_breakdowns`: one warm-up step then one traced step at each length, each with its
+  Korthikanti et al. 2022 calibration (:func:`~lightning_seqmem.diagnostics.korthikanti.calibrate`);
+* :func:`breakdown_section`: :func:`~lightning_seqmem.diagnostics.compare.compare_breakdowns` as per-kind,
   per-category and per-activation tables, each part extrapolated to a longer length with its own
-  polynomial, the attention share, the crossover length, :func:`~lightning_seqmem.diagnostics.breakdown.diagnose`
-  findings and the Korthikanti et al. 2022 calibration.
+  polynomial, the attention share, the crossover length, :func:`~lightning_seqmem.diagnostics.findings.diagnose`
+  findings and the calibration;
+* :func:`end_of_fit_plan` / :func:`end_of_fit_section`: the breakdown at the end of a fit, from
+  what training measured and a copy of the trained model (the callback's reading of the trainer is
+  :func:`lightning_seqmem.trainer.breakdown.run_breakdown`).
 
 Bytes everywhere; :mod:`lightning_seqmem.present.report` renders the section.
 
@@ -32,90 +31,35 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_seqmem.diagnostics.compare import compare_breakdowns
+from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning, diagnose
+from lightning_seqmem.diagnostics.growth import classify_growth, fit_growth
+from lightning_seqmem.diagnostics.korthikanti import calibrate, model_dims
+from lightning_seqmem.diagnostics.step import LossFn, copy_for_tracing, run_training_step, training_step_loss
+from lightning_seqmem.diagnostics.tracer import Breakdown, trace_breakdown
 from lightning_seqmem.measure.batch import infer_batch_shape
-from lightning_seqmem.diagnostics.breakdown import (
-    Breakdown,
-    MemoryDiagnosisWarning,
-    _model_dims,
-    classify_growth,
-    compare_breakdowns,
-    diagnose,
-    fit_growth,
-    trace_breakdown,
-)
-from lightning_seqmem.measure.steps import _cut, training_step_memory
+from lightning_seqmem.measure.steps import batch_copy_at
+from lightning_seqmem.mitigations.microbatch import IGNORE_INDEX
 
 __all__ = [
+    "EndOfFitPlan",
     "breakdown_section",
     "copy_for_tracing",
+    "end_of_fit_plan",
+    "end_of_fit_section",
     "safe_seq_lens",
     "trace_breakdowns",
     "training_step_loss",
     "width_dims",
 ]
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-def training_step_loss(module: nn.Module, batch: Any) -> torch.Tensor:
-    """``module.training_step(batch, 0)``'s loss, read as Lightning reads it (a tensor or ``["loss"]``)."""
-    output = module.training_step(batch, 0)  # type: ignore[operator]
-    if isinstance(output, dict):
-        output = output.get("loss")
-    if not isinstance(output, torch.Tensor):
-        raise ValueError("training_step returned no loss tensor (manual optimisation is not supported)")
-    return output
-
-
-# ----------------------------------------------------------------------------------------------
-# Copies
-# ----------------------------------------------------------------------------------------------
-def copy_for_tracing(
-    model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
-) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-    """A deep copy of ``model`` and an optimizer of the same class over the copy's parameters.
-
-    The new optimizer gets the original's hyper-parameters (``param_groups``, the learning rate a
-    scheduler set included) and a deep copy of its state (step counts, moments), so a step of the
-    copy allocates what a step of the original would, and changes nothing of the original. An
-    optimizer whose constructor does not take its ``defaults`` back is deep-copied instead, its
-    parameters mapped to the copy's. A ``LightningModule`` copy is detached from its trainer.
-
-    Example:
-        >>> lin = nn.Linear(4, 4)
-        >>> opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
-        >>> lin(torch.ones(2, 4)).sum().backward(); opt.step()
-        >>> lin2, opt2 = copy_for_tracing(lin, opt)
-        >>> type(opt2).__name__, opt2.param_groups[0]["lr"], opt2.state[lin2.weight]["step"].item()
-        ('AdamW', 0.1, 1.0)
-        >>> opt2.state[lin2.weight]["exp_avg"] is opt.state[lin.weight]["exp_avg"]
-        False
-    """
-    memo: dict[int, Any] = {}
-    model_copy = copy.deepcopy(model, memo)
-    if optimizer is None:
-        return model_copy, None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    missing = [i for i, p in enumerate(params) if id(p) not in memo]
-    if missing:
-        raise ValueError(f"the optimizer holds {len(missing)} parameter(s) that are not the model's; cannot copy it")
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [memo[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    try:
-        optimizer_copy = type(optimizer)(groups, **optimizer.defaults)
-        optimizer_copy.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # deep: load_state_dict keeps tensors
-    except Exception:  # noqa: BLE001 - an optimizer with its own constructor: copy it, parameters mapped
-        optimizer_copy = copy.deepcopy(optimizer, {**memo})
-    return model_copy, optimizer_copy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +87,7 @@ def width_dims(model: nn.Module, batch_size: Optional[int] = None) -> set[int]:
             dims.update(int(d) for d in shape)
     if batch_size:
         dims.add(int(batch_size))
-    found = _model_dims(model)
+    found = model_dims(model)
     if found is not None:
         hidden, heads, ffn = found
         dims.update({hidden, heads, ffn})
@@ -206,26 +150,6 @@ def safe_seq_lens(
 # ----------------------------------------------------------------------------------------------
 # Steps
 # ----------------------------------------------------------------------------------------------
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss_fn: LossFn,
-          context: Optional[Callable[[], ContextManager]], micro_batch_size: Optional[int]) -> None:
-    """One training step in Lightning's order (micro-batched like :mod:`.mitigations.microbatch`)."""
-    if not micro_batch_size:
-        training_step_memory(model, optimizer, batch, loss_fn, context=context)
-        return
-    ctx = context if context is not None else contextlib.nullcontext
-    from lightning_seqmem.mitigations import split_batch
-
-    parts = split_batch(batch, micro_batch_size)
-    total = sum(infer_batch_shape(p)[0] for p in parts)
-    optimizer.zero_grad(set_to_none=True)  # the micro-batching wrapper zeroes before the first part
-    for part in parts:
-        with ctx():
-            loss = loss_fn(model, part) * (infer_batch_shape(part)[0] / total)
-        loss.backward()
-        del loss
-    optimizer.step()
-
-
 def trace_breakdowns(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -237,13 +161,17 @@ def trace_breakdowns(
     context: Optional[Callable[[], ContextManager]] = None,
     warmup_steps: int = 1,
     micro_batch_size: Optional[int] = None,
+    weighting: str = "auto",
+    ignore_index: int = IGNORE_INDEX,
 ) -> list[Breakdown]:
-    """One :func:`~lightning_seqmem.diagnostics.breakdown.trace_breakdown` per length, after warm-up steps.
+    """One :func:`~lightning_seqmem.diagnostics.tracer.trace_breakdown` per length, after warm-up steps,
+    each with its :func:`~lightning_seqmem.diagnostics.korthikanti.calibrate` calibration.
 
     Each length is cut from a copy of ``batch`` (never padded). The steps train ``model`` and
     ``optimizer``: pass copies (:func:`copy_for_tracing`). Buffers of the model count as inputs
     (they are alive before the step, as the callback's probe counts them). ``micro_batch_size``:
-    run each step as micro-batches of that many samples, as the ``microbatch`` mitigation does.
+    run each step as micro-batches of that many samples, weighted as the ``microbatch`` mitigation
+    weighs them (``weighting``, ``ignore_index``: :func:`~lightning_seqmem.diagnostics.step.run_training_step`).
     """
     if device is None:
         first = next(model.parameters(), None)
@@ -255,17 +183,19 @@ def trace_breakdowns(
     for seq_len in sorted({int(L) for L in seq_lens}):
         if seq_len > source_len:
             raise ValueError(f"the batch has {source_len} tokens per row; cannot trace a breakdown at {seq_len}")
-        step_batch = _cut(batch, seq_len, device)
+        step_batch = batch_copy_at(batch, seq_len, device)
         batch_size, _ = infer_batch_shape(step_batch)
 
         def step() -> None:
-            _step(model, optimizer, step_batch, loss_fn, context, micro_batch_size)
+            run_training_step(model, optimizer, step_batch, loss_fn, context, micro_batch_size, weighting, ignore_index)
 
         for _ in range(warmup_steps):
             step()
         existing = list(model.buffers()) + [t for t in tree_flatten(step_batch)[0] if isinstance(t, torch.Tensor)]
-        out.append(trace_breakdown(step, model, optimizer, existing, seq_len=seq_len, batch_size=batch_size,
-                                   device_type=device.type))
+        breakdown = trace_breakdown(step, model, optimizer, existing, seq_len=seq_len, batch_size=batch_size,
+                                    device_type=device.type)
+        breakdown.calibration = calibrate(breakdown, model)
+        out.append(breakdown)
     return out
 
 
@@ -307,8 +237,8 @@ def breakdown_section(
     traced peak moment, which can move at longer lengths) beside ``forecast_peak_bytes`` (the
     forecaster's, when given); ``attention_share`` per length and extrapolated,
     ``crossover_seq_len`` (``None``: attention activations never outgrow the rest), ``diagnoses``
-    (the :func:`~lightning_seqmem.diagnostics.breakdown.diagnose` findings at the longest length; not warned
-    here), ``calibration`` (longest length), ``notes`` and ``breakdowns`` (each ``to_dict()``).
+    (the :func:`~lightning_seqmem.diagnostics.findings.diagnose` findings at the longest length; not warned
+    here), ``calibration`` (longest length: its own, else :func:`~lightning_seqmem.diagnostics.korthikanti.calibrate` now), ``notes`` and ``breakdowns`` (each ``to_dict()``).
     """
     table = compare_breakdowns(breakdowns)
     lens = list(table.seq_lens)
@@ -332,6 +262,7 @@ def breakdown_section(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemoryDiagnosisWarning)
         found = diagnose(longest, model)
+    calibration = longest.calibration if longest.calibration is not None else calibrate(longest, model)
     measured = list(measured_peak_bytes) if measured_peak_bytes is not None else [None] * len(lens)
     return {
         "seq_lens": lens,
@@ -355,91 +286,114 @@ def breakdown_section(
         "autocast_dtype": longest.autocast_dtype,
         "checkpointed": longest.checkpointed,
         "diagnoses": list(found),
-        "calibration": longest.calibration.to_dict() if longest.calibration is not None else None,
+        "calibration": calibration.to_dict() if calibration is not None else None,
         "notes": list(notes),
         "breakdowns": [by_len[L].to_dict() for L in lens],
     }
 
 
-def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Callable[[Any], tuple[int, int]],
-                  device: Any, trainer: Any, pl_module: Any) -> tuple[dict[str, Any], list[Any], Any]:
-    """The memory breakdown at the end of fit (``SeqMemCallback(breakdown=True)``).
+# ----------------------------------------------------------------------------------------------
+# At the end of a fit
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EndOfFitPlan:
+    """What the end-of-fit breakdown traces (:func:`end_of_fit_plan`)."""
 
-    One warm-up and one traced training step at each of up to 3 lengths (the longest measured
-    under the mitigations now on, none equal to a model width), on a copy of ``pl_module`` and of
-    the first optimizer, from ``kept`` = ``(seq_len, CPU copy of the longest batch)``, with the
-    precision plugin's autocast and the micro-batching now on. The RNG state is restored.
-    Returns ``(section, breakdowns, table)``: the report's section, a ``Breakdown`` per length
-    and their comparison; each diagnosis is given to ``planner`` as advice.
+    seq_lens: list[int]  # ascending, none equal to a model width
+    measured_peak_bytes: list[Optional[int]]  # what training measured at each length (None: not run so)
+    extrapolate_to: int  # the curriculum's target when longer, else 4x the longest traced length
+    notes: list[str]
+
+
+def end_of_fit_plan(
+    records: Sequence[Any],
+    mitigations: Any,
+    batch_len: int,
+    batch_size: int,
+    forbidden: set[int],
+    *,
+    multiple_of: int = 8,
+    target: int = 0,
+    room_bytes: Optional[float] = None,
+) -> EndOfFitPlan:
+    """Up to 3 lengths to trace at the end of a fit, from what training measured (plain values).
+
+    ``records``: the run's :class:`~lightning_seqmem.core.records.StepRecord` values; candidates are the
+    lengths measured (not warm-ups) under ``mitigations`` (the rungs on now) at ``batch_size``, up to
+    ``batch_len`` (the kept batch's length); with fewer than two, any length measured up to
+    ``batch_len`` and ``batch_len`` itself. ``room_bytes`` (on a GPU: what a copy may take beside the
+    trained model) leaves out, with a note, lengths whose measured growth in a step
+    (``peak_bytes - start_bytes``) exceeds it. Lengths equal to a ``forbidden`` width are replaced
+    (:func:`safe_seq_lens`, in steps of ``multiple_of``).
+
+    Raises:
+        RuntimeError: fewer than two lengths to trace.
+
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> runs = [R(seq_len=L, warmup=False, mitigations=(), batch_size=2, peak_bytes=L, start_bytes=0) for L in (32, 64)]
+        >>> plan = end_of_fit_plan(runs, (), 64, 2, {32}, target=1024)
+        >>> plan.seq_lens, plan.measured_peak_bytes, plan.extrapolate_to, len(plan.notes)
+        ([24, 64], [None, 64], 1024, 1)
     """
-    from lightning_seqmem.mitigations import is_micro_batching
-    from lightning_seqmem.measure.probes import existing_tensors
-
-    if kept is None:
-        raise RuntimeError("no training batch was kept (SeqMemCallback(breakdown=True) keeps one per step)")
-    if not trainer.optimizers:
-        raise RuntimeError("the trainer has no optimizer to step")
-    batch_len, batch = kept
-    batch_size = int(shape_of(batch)[0])
-    device = device or pl_module.device
-    optimizer = trainer.optimizers[0]
-    records = [r for r in planner.records if r.seq_len <= batch_len]
-    same = [r for r in records if not r.warmup and r.mitigations == planner.applied_mitigations and r.batch_size == batch_size]
+    records = [r for r in records if r.seq_len <= batch_len]
+    same = [r for r in records if not r.warmup and r.mitigations == mitigations and r.batch_size == batch_size]
     candidates = sorted({r.seq_len for r in same})
     if len(candidates) < 2:  # e.g. one length since the last mitigation: any length the batch covers
         candidates = sorted({r.seq_len for r in records} | {batch_len})
     notes: list[str] = []
-    if device.type == "cuda":  # the copy sits beside the trained model: trace only what fits next to it
-        state = sum(t.numel() * t.element_size() for t in existing_tensors(pl_module, [optimizer], None))
-        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        room = 0.9 * (free - state)
-        dynamic = {L: max(r.peak_bytes - r.start_bytes for r in records if r.seq_len == L) for L in candidates if
-                   any(r.seq_len == L for r in records)}
-        fitting = [L for L in candidates if dynamic.get(L, 0) <= room]
+    if room_bytes is not None:  # the copy sits beside the trained model: trace only what fits next to it
+        growth = {L: max(r.peak_bytes - r.start_bytes for r in records if r.seq_len == L)
+                  for L in candidates if any(r.seq_len == L for r in records)}
+        fitting = [L for L in candidates if growth.get(L, 0) <= room_bytes]
         if len(fitting) < len(candidates):
             notes.append(f"lengths {sorted(set(candidates) - set(fitting))} not traced: a copy of the model would "
                          "not fit beside the trained one on the GPU")
         candidates = fitting
         batch_len = max(candidates, default=0)
-    step = planner.curriculum.multiple_of if planner.curriculum is not None else 8
-    lengths, replaced = safe_seq_lens(candidates, width_dims(pl_module, batch_size), batch_len, num=3, step=step)
-    notes += replaced
+    lengths, replaced = safe_seq_lens(candidates, forbidden, batch_len, num=3, step=multiple_of)
     if len(lengths) < 2:
         raise RuntimeError(f"fewer than two lengths to trace (candidates {candidates}, kept batch of {batch_len} tokens)")
-    wrapper = pl_module.__dict__.get("training_step")
-    micro = wrapper.micro_batch_size if is_micro_batching(pl_module) else None
+    measured = [max((r.peak_bytes for r in same if r.seq_len == L), default=None) for L in lengths]
+    longest = lengths[-1]
+    return EndOfFitPlan(lengths, measured, target if target > longest else 4 * longest, notes + replaced)
+
+
+def end_of_fit_section(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    plan: EndOfFitPlan,
+    *,
+    device: torch.device | str,
+    context: Optional[Callable[[], ContextManager]] = None,
+    micro_batch_size: Optional[int] = None,
+    weighting: str = "auto",
+    ignore_index: int = IGNORE_INDEX,
+    forecast_peak_bytes: Optional[int] = None,
+) -> tuple[dict[str, Any], list[Breakdown]]:
+    """``(section, breakdowns)`` of a trained ``model``: one warm-up and one traced step at each of
+    ``plan.seq_lens``, on a copy of it and of ``optimizer`` (:func:`copy_for_tracing`), under
+    ``context`` (autocast) and micro-batched as the run is; the RNG state is restored."""
+    device = torch.device(device)
     rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*`callback.log\\(\\)`.*")
-        model, model_optimizer = copy_for_tracing(pl_module, optimizer)
-        assert model_optimizer is not None
+        copy, copy_optimizer = copy_for_tracing(model, optimizer)
         try:
             breakdowns = trace_breakdowns(
-                model, model_optimizer, batch, lengths, training_step_loss, device=device,
-                context=trainer.precision_plugin.train_step_context, micro_batch_size=micro,
+                copy, copy_optimizer, batch, plan.seq_lens, training_step_loss, device=device, context=context,
+                micro_batch_size=micro_batch_size, weighting=weighting, ignore_index=ignore_index,
             )
         finally:
-            del model_optimizer
-    longest = lengths[-1]
-    target = planner.curriculum.target if planner.curriculum is not None else 0
-    extrapolate_to = target if target > longest else 4 * longest
-    try:
-        forecast_peak = planner.forecaster.forecast(extrapolate_to, batch_size).peak_bytes
-    except Exception:  # noqa: BLE001 - the table stands without it
-        forecast_peak = None
-    measured = []
-    for L in lengths:
-        peaks = [r.peak_bytes for r in same if r.seq_len == L]
-        measured.append(max(peaks) if peaks else None)
-    if micro:
-        notes.append(f"traced with micro-batches of {micro} sample(s), as the microbatch mitigation runs")
-    section = breakdown_section(breakdowns, model, extrapolate_to=extrapolate_to, measured_peak_bytes=measured,
-                                forecast_peak_bytes=forecast_peak, notes=notes)
-    del model
+            del copy_optimizer
+    notes = list(plan.notes)
+    if micro_batch_size:
+        notes.append(f"traced with micro-batches of {micro_batch_size} sample(s), as the microbatch mitigation runs")
+    section = breakdown_section(breakdowns, copy, extrapolate_to=plan.extrapolate_to,
+                                measured_peak_bytes=plan.measured_peak_bytes, forecast_peak_bytes=forecast_peak_bytes,
+                                notes=notes)
+    del copy
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    from lightning_seqmem.core.advice import Advice
-
-    for i, finding in enumerate(section["diagnoses"]):
-        planner.advise(Advice("diagnosis", f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning))
-    return section, breakdowns, compare_breakdowns(breakdowns)
+    return section, breakdowns

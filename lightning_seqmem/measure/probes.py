@@ -52,7 +52,8 @@ def _flat_tensors(obj: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
 
 
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``t``'s data (a wrapper subclass's inner tensors' too; none for meta or sparse)."""
     if type(t) in _PLAIN_TENSORS:
         if t.layout != torch.strided or t.device.type == "meta":
             return []
@@ -63,7 +64,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         for name in inner_names:
             inner = getattr(t, name)
             if isinstance(inner, torch.Tensor):
-                out.extend(_storages(inner))
+                out.extend(tensor_storages(inner))
         return out
     if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
         return []
@@ -201,7 +202,7 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
-            for st in _storages(t):
+            for st in tensor_storages(t):
                 if st._cdata not in self._ids:
                     self._add(st, f"<{kind}>")
         if self.events is not None:
@@ -259,13 +260,13 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in _flat_tensors(out):
             if t.device.type != self.device_type:
                 continue
-            for st in _storages(t):
+            for st in tensor_storages(t):
                 key = st._cdata
                 if key in self._ids:
                     continue
                 if inputs is None:  # only built when an output storage is new to us
                     tensors = _flat_tensors(args) + (_flat_tensors(kwargs) if kwargs else [])
-                    inputs = {s._cdata for x in tensors for s in _storages(x)}
+                    inputs = {s._cdata for x in tensors for s in tensor_storages(x)}
                 if key in inputs:  # a view or in-place result of an untracked input
                     continue
                 self._add(st, func.name() if self.events is not None else "")

@@ -35,13 +35,18 @@ from lightning_seqmem.core.forecast import MemoryForecaster
 from lightning_seqmem.measure.probes import PHASES, StepMemory, existing_tensors, make_probe
 from lightning_seqmem.core.timeline import Trace
 
-__all__ = ["trace_training_steps", "training_step_memory"]
+__all__ = ["batch_copy_at", "trace_training_steps", "training_step_memory"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
-def _cut(batch: Any, seq_len: int, device: torch.device) -> Any:
-    """A copy of ``batch`` (new containers, tensors cut and copied) at ``seq_len``, on ``device``."""
+def batch_copy_at(batch: Any, seq_len: int, device: torch.device) -> Any:
+    """A copy of ``batch`` (new containers, tensors cut and copied) at ``seq_len``, on ``device``.
+
+    Example:
+        >>> batch_copy_at({"input_ids": torch.ones(2, 8, dtype=torch.long)}, 4, torch.device("cpu"))["input_ids"].shape
+        torch.Size([2, 4])
+    """
     copy = tree_map(lambda x: x, batch)  # new containers; set_batch_sequence_length changes them in place
     copy = set_batch_sequence_length(copy, seq_len) if not isinstance(copy, tuple) else copy
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, copy)
@@ -138,7 +143,7 @@ def trace_training_steps(
     forecaster = forecaster if forecaster is not None else MemoryForecaster()
 
     def measure(seq_len: int, record_events: bool) -> tuple[int, StepMemory]:
-        step_batch = _cut(batch, seq_len, device)
+        step_batch = batch_copy_at(batch, seq_len, device)
         batch_size, _ = infer_batch_shape(step_batch)
         for _ in range(warmup_steps):
             training_step_memory(model, optimizer, step_batch, loss_fn, context=context)

@@ -570,10 +570,10 @@ class SeqMemCallback(Callback):
         self._warn_advice()
 
     def run_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Trace the memory breakdown now (see :func:`lightning_seqmem.diagnostics.section.run_breakdown`);
+        """Trace the memory breakdown now (see :func:`lightning_seqmem.trainer.breakdown.run_breakdown`);
         sets :attr:`breakdowns`, :attr:`breakdown_table`, :attr:`breakdown_report`, warns each
         diagnosis once, logs the tables as TensorBoard text and returns the section."""
-        from lightning_seqmem.diagnostics.section import run_breakdown
+        from lightning_seqmem.trainer.breakdown import run_breakdown
 
         section, self.breakdowns, self.breakdown_table = run_breakdown(
             self.planner, self._breakdown_batch, self._read_shape, self._device, trainer, pl_module)
