@@ -115,7 +115,8 @@ class SeqMemCallback(Callback):
             a resume may change ``memory_budget``, ``mitigations`` or ``curriculum``: the change is
             reconciled and said in one warning (:func:`lightning_seqmem.plan.checkpoint.reconcile`).
 
-    Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes):
+    Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes;
+    the table is :data:`lightning_seqmem.core.tags.TAGS`):
 
     ==================================  ================================================================
     tag                                 meaning
@@ -130,7 +131,7 @@ class SeqMemCallback(Callback):
     ``seqmem/fragmentation_gib``        reserved minus allocated at the peak (CUDA only)
     ``seqmem/fragmentation_fraction``   fragmentation over reserved (CUDA only)
     ``seqmem/inactive_split_gib``       inactive split blocks (CUDA only)
-    ``seqmem/alloc_retries``            allocator retries after a failed cudaMalloc, cumulative (CUDA)
+    ``seqmem/alloc_retries``            allocator retries after a failed cudaMalloc, cumulative (CUDA only)
     ``seqmem/num_ooms``                 allocator OOMs, cumulative (CUDA only)
     ``seqmem/warmup``                   1 for a warm-up batch (measured, not fitted)
     ``seqmem/verification_error``       latest (forecast − measured) / measured at a new length
@@ -140,7 +141,7 @@ class SeqMemCallback(Callback):
     ``seqmem/max_seq_len``              largest length that fits the usable budget (with a budget)
     ``seqmem/budget_gib``               usable budget: budget × (1 − safety_margin)
     ``seqmem/headroom_gib``             usable budget − forecast_next
-    ``seqmem/headroom_fraction``        headroom over usable budget
+    ``seqmem/headroom_fraction``        headroom over the usable budget
     ==================================  ================================================================
 
     Example:
