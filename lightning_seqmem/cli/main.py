@@ -207,11 +207,12 @@ def _first_optimizer(module: Any) -> tuple[Any, str]:
 
 
 def _loss_of(output: Any) -> Any:
-    if isinstance(output, dict):
-        output = output.get("loss")
-    if output is None:
-        raise SystemExit("seqmem forecast: training_step returned no loss (manual optimisation is not supported)")
-    return output
+    from lightning_seqmem.measure.steps import loss_of
+
+    try:
+        return loss_of(output)
+    except TypeError as exc:
+        raise SystemExit(f"seqmem forecast: {exc} (manual optimisation is not supported)") from None
 
 
 def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]]:

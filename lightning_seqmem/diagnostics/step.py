@@ -31,7 +31,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.steps import loss_of, training_step_memory
 from lightning_seqmem.mitigations.microbatch import IGNORE_INDEX, micro_batch_counts, split_batch
 
 __all__ = ["LossFn", "copy_for_tracing", "run_training_step", "training_step_loss"]
@@ -44,12 +44,7 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 def training_step_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     """``module.training_step(batch, 0)``'s loss, read as Lightning reads it (a tensor or ``["loss"]``)."""
-    output = module.training_step(batch, 0)  # type: ignore[operator]
-    if isinstance(output, dict):
-        output = output.get("loss")
-    if not isinstance(output, torch.Tensor):
-        raise ValueError("training_step returned no loss tensor (manual optimisation is not supported)")
-    return output
+    return loss_of(module.training_step(batch, 0))  # type: ignore[operator,return-value]
 
 
 def copy_for_tracing(

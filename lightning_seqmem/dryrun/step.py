@@ -116,7 +116,7 @@ from lightning_seqmem.mitigations.microbatch import (
     micro_batching_check_pending,
     split_batch,
 )
-from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.steps import loss_of, training_step_memory
 from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe, round_cuda_block_bytes
 
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_kernel_scratch_bytes", "dry_run_step",
@@ -649,15 +649,11 @@ def _shape_batch(
 
 # -- the step ----------------------------------------------------------------------------------------
 def _loss_of(output: Any) -> torch.Tensor:
-    """The loss in a ``training_step`` output, as Lightning reads it (a tensor or ``output["loss"]``)."""
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    if not isinstance(loss, torch.Tensor):
-        raise DryRunUnsupported(
-            f"training_step returned {type(output).__name__}"
-            f"{' without a loss tensor' if isinstance(output, Mapping) else ''}; "
-            "a step that returns None is skipped by Lightning and has no backward to forecast"
-        )
-    return loss
+    """:func:`~lightning_seqmem.measure.steps.loss_of`, its refusal a dry-run reason."""
+    try:
+        return loss_of(output)
+    except TypeError as exc:
+        raise DryRunUnsupported(str(exc)) from None
 
 
 def _autocast_off(device_type: str) -> ContextManager[Any]:

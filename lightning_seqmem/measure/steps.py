@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
@@ -35,9 +36,44 @@ from lightning_seqmem.core.forecast import MemoryForecaster
 from lightning_seqmem.measure.probes import PHASES, StepMemory, existing_tensors, make_probe
 from lightning_seqmem.core.timeline import Trace
 
-__all__ = ["batch_copy_at", "trace_training_steps", "training_step_memory"]
+__all__ = ["batch_copy_at", "loss_of", "trace_training_steps", "training_step_memory"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def loss_of(output: Any, required: bool = True) -> Optional[torch.Tensor]:
+    """The loss in a ``training_step`` output, as Lightning reads it: the tensor itself, a mapping's
+    ``"loss"``, or None (Lightning skips such a batch; ``required``: that is an error here). The one
+    reader of the package: the micro-batching wrapper, the dry run, the breakdown and ``seqmem``.
+
+    Raises:
+        TypeError: no loss tensor where one is needed (the message says what was returned).
+
+    Example:
+        >>> loss_of({"loss": torch.tensor(1.0), "log": 2})
+        tensor(1.)
+        >>> loss_of(None, required=False) is None
+        True
+        >>> loss_of({"logits": 1})
+        Traceback (most recent call last):
+        ...
+        TypeError: training_step returned a dict without a 'loss' key; in automatic optimization it needs one
+    """
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"training_step returned a {type(output).__name__} without a 'loss' key; in automatic "
+                            "optimization it needs one")
+        return loss
+    if output is None and not required:
+        return None
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(
+            f"training_step returned {type(output).__name__}, not a loss tensor"
+            + ("; a step that returns None is skipped by Lightning and has no backward to forecast" if output is None
+               else "; return a Tensor, a dict with a 'loss' key, or None")
+        )
+    return output
 
 
 def batch_copy_at(batch: Any, seq_len: int, device: torch.device) -> Any:

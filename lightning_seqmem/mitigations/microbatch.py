@@ -154,6 +154,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
 from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, wrapping_strategy_refusal
@@ -324,17 +325,8 @@ def micro_batch_counts(
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
-    """The loss in a ``training_step`` output, as Lightning reads it (a tensor, ``output["loss"]``, or None)."""
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-        if loss is None:
-            raise ValueError("In automatic optimization, when `training_step` returns a dict, it needs a 'loss' key.")
-        return loss
-    if output is None or isinstance(output, torch.Tensor):
-        return output
-    raise ValueError(
-        f"`training_step` must return a Tensor, a dict with a 'loss' key, or None; got {type(output).__name__}."
-    )
+    """The loss in a ``training_step`` output, or None where Lightning would skip the batch."""
+    return loss_of(output, required=False)
 
 
 def _with_loss(output: Any, loss: torch.Tensor) -> Any:
