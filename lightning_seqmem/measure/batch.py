@@ -61,6 +61,7 @@ __all__ = [
     "cut_batch",
     "infer_batch_shape",
     "padding_side",
+    "map_tensors",
     "read_batch_shape",
     "set_batch_sequence_length",
 ]
@@ -374,7 +375,7 @@ def cut_batch(
             return x.repeat_interleave(chunks, dim=0)
         return x
 
-    new_batch = _map_tensors(batch, convert, in_place)
+    new_batch = map_tensors(batch, convert, in_place)
     return BatchCut(
         batch=new_batch,
         batch_size=batch_size if truncate else batch_size * chunks,
@@ -677,7 +678,7 @@ def _positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int, chu
     return positions.view(shape).expand(rows.shape).contiguous()
 
 
-def _map_tensors(
+def map_tensors(
     obj: Any,
     fn: Callable[[torch.Tensor, Any, Any], torch.Tensor],
     in_place: bool,
@@ -685,7 +686,8 @@ def _map_tensors(
     top_key: Any = None,
     depth: int = 0,
 ) -> Any:
-    """Apply ``fn(tensor, key, top_key)`` to every tensor.
+    """Apply ``fn(tensor, key, top_key)`` to every tensor: the package's one walk of a batch tree
+    (mappings, ``BatchEncoding``, lists, tuples, namedtuples, dataclasses).
 
     With ``in_place`` mutable containers change in place (and are returned) and immutable ones are
     rebuilt; without it every container is rebuilt and ``obj`` is left untouched. ``key`` is the
@@ -696,7 +698,7 @@ def _map_tensors(
         return fn(obj, key, top_key)
 
     def visit(k: Any, v: Any, index: Any) -> Any:
-        return _map_tensors(v, fn, in_place, k, index if depth == 0 else top_key, depth + 1)
+        return map_tensors(v, fn, in_place, k, index if depth == 0 else top_key, depth + 1)
 
     if isinstance(obj, Mapping):
         new = {k: visit(k, v, k) for k, v in obj.items()}

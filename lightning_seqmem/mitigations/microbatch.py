@@ -141,11 +141,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import math
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -153,7 +152,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch import infer_batch_shape, map_tensors
 from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.core.rungs import spec
@@ -192,33 +191,12 @@ def _micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
 
 
 def _slice(obj: Any, batch_size: int, start: int, length: int) -> Any:
-    """``obj`` with every tensor whose dim 0 is ``batch_size`` narrowed to ``[start, start+length)``."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() >= 1 and obj.shape[0] == batch_size:
-            return obj.narrow(0, start, length)  # a view: no copy of the batch
-        return obj
-    if isinstance(obj, Mapping):
-        items = {key: _slice(value, batch_size, start, length) for key, value in obj.items()}
-        if isinstance(obj, MutableMapping):
-            try:
-                new = copy.copy(obj)  # keeps the mapping's type (dict, OrderedDict, BatchEncoding, ...)
-                for key, value in items.items():
-                    new[key] = value
-                return new
-            except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict still works in training_step
-                return items
-        try:
-            return type(obj)(items)
-        except Exception:  # noqa: BLE001
-            return items
-    if isinstance(obj, (list, tuple)):
-        parts = [_slice(value, batch_size, start, length) for value in obj]
-        if isinstance(obj, list):
-            return parts
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*parts)
-        return type(obj)(parts)
-    return obj
+    """``obj`` with every tensor whose dim 0 is ``batch_size`` narrowed to ``[start, start+length)``
+    (views: no copy of the batch), in new containers of the same types (dataclasses included)."""
+    def narrow(tensor: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
+        return tensor.narrow(0, start, length) if tensor.dim() >= 1 and tensor.shape[0] == batch_size else tensor
+
+    return map_tensors(obj, narrow, in_place=False)
 
 
 def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
