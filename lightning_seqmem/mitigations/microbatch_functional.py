@@ -1,0 +1,197 @@
+"""The functional twin of micro-batching: split a batch, weigh each micro-batch by what the loss
+averages over, read and re-weight losses. Plain functions on batches and tensors, used alike by the
+training-step wrapper (:mod:`lightning_seqmem.mitigations.microbatch_step`), the dry run and the
+memory breakdown, so all three split and weigh the same way (the method card:
+:mod:`lightning_seqmem.mitigations.microbatch`).
+
+Example:
+    >>> import torch
+    >>> parts = split_batch({"input_ids": torch.zeros(3, 4, dtype=torch.long)}, 2)
+    >>> [p["input_ids"].shape[0] for p in parts]
+    [2, 1]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_seqmem.core.checks import check_int
+from lightning_seqmem.measure.batch import infer_batch_shape, map_tensors
+from lightning_seqmem.measure.steps import loss_of
+
+__all__ = ["IGNORE_INDEX", "WEIGHTINGS", "deferred_gradient_reduction", "micro_batch_counts", "split_batch"]
+
+IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
+WEIGHTINGS = ("auto", "samples", "label_tokens", "shifted_label_tokens")
+_RULE_TEXT = {
+    "samples": "samples",
+    "label_tokens": "label tokens (labels != ignore_index)",
+    "shifted_label_tokens": "label tokens after the causal shift (labels[..., 1:] != ignore_index)",
+}
+def _micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
+    full, rest = divmod(batch_size, micro_batch_size)
+    return [micro_batch_size] * full + ([rest] if rest else [])
+
+
+def _slice(obj: Any, batch_size: int, start: int, length: int) -> Any:
+    """``obj`` with every tensor whose dim 0 is ``batch_size`` narrowed to ``[start, start+length)``
+    (views: no copy of the batch), in new containers of the same types (dataclasses included)."""
+    def narrow(tensor: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
+        return tensor.narrow(0, start, length) if tensor.dim() >= 1 and tensor.shape[0] == batch_size else tensor
+
+    return map_tensors(obj, narrow, in_place=False)
+
+
+def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
+    """Split a batch into consecutive micro-batches of at most ``micro_batch_size`` samples.
+
+    The batch size ``N`` is read with :func:`lightning_seqmem.measure.batch.infer_batch_shape` (the first
+    dimension of its 2-D integer token tensor). Every tensor whose dim 0 equals ``N`` is cut along
+    dim 0 (as views, nothing is copied); other values (scalars, strings, tensors of another first
+    dimension) are passed unchanged to every micro-batch. Mappings, lists, tuples and namedtuples
+    are rebuilt with their type; the input is never mutated. A list of ``N`` strings is a list, not
+    a tensor: it is *not* cut. The last micro-batch is smaller when ``micro_batch_size`` does not
+    divide ``N``.
+
+    Raises:
+        ValueError: bad ``micro_batch_size``, or no 2-D integer tensor in the batch.
+
+    Example:
+        >>> import torch
+        >>> ids = torch.arange(8).reshape(4, 2)
+        >>> [t.tolist() for t, _ in split_batch((ids, torch.tensor(1.0)), 3)]
+        [[[0, 1], [2, 3], [4, 5]], [[6, 7]]]
+    """
+    micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
+    batch_size, _ = infer_batch_shape(batch)
+    parts, start = [], 0
+    for length in _micro_batch_sizes(batch_size, micro_batch_size):
+        parts.append(_slice(batch, batch_size, start, length))
+        start += length
+    return parts
+
+
+def _is_label_tensor(labels: Any, batch_size: int) -> bool:
+    return (
+        isinstance(labels, torch.Tensor)
+        and labels.dim() >= 1
+        and labels.shape[0] == batch_size
+        and not labels.is_floating_point()
+        and not labels.is_complex()
+        and labels.dtype != torch.bool
+    )
+
+
+def _labels_are_inputs(batch: Mapping, labels: torch.Tensor, ignore_index: int) -> bool:
+    """Whether ``labels`` are ``input_ids`` (ignored positions aside): then the loss shifts them."""
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor):
+        return input_ids is None  # inputs_embeds: Hugging Face's convention, the loss shifts
+    if input_ids.shape != labels.shape:
+        return False  # seq2seq targets: not shifted
+    return bool(((labels == input_ids) | (labels == ignore_index)).all())
+
+
+def micro_batch_counts(
+    batch: Any, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX
+) -> tuple[str, list[int]]:
+    """What the loss of ``batch`` averages over, counted in each micro-batch of :func:`split_batch`.
+
+    Returns ``(rule, counts)``: ``rule`` is ``"samples"``, ``"label_tokens"`` or
+    ``"shifted_label_tokens"`` (see the module docstring for how ``"auto"`` picks it), ``counts[i]``
+    the samples or label tokens of micro-batch ``i``. Micro-batch ``i``'s loss weighs
+    ``counts[i] / sum(counts)`` in the batch's loss. This is the functional twin of the weighting
+    :class:`MicroBatching` applies; an offline micro-batched step should weight its losses with it.
+
+    Raises:
+        ValueError: bad ``micro_batch_size`` or ``weighting``, a batch :func:`split_batch` cannot
+            cut, or a token ``weighting`` asked for a batch without an integer ``"labels"`` tensor.
+
+    Example:
+        >>> import torch
+        >>> ids = torch.arange(1, 9).reshape(4, 2)
+        >>> next_tokens = torch.tensor([[2, 3], [4, -100], [-100, -100], [8, 9]])  # not the inputs: not shifted
+        >>> micro_batch_counts({"input_ids": ids, "labels": next_tokens}, 2)
+        ('label_tokens', [3, 2])
+        >>> micro_batch_counts({"input_ids": ids, "labels": ids.masked_fill(ids == 4, -100)}, 2)
+        ('shifted_label_tokens', [1, 2])
+        >>> micro_batch_counts((ids, ids), 3)
+        ('samples', [3, 1])
+    """
+    micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"`weighting` must be one of {WEIGHTINGS}, got {weighting!r}")
+    batch_size, _ = infer_batch_shape(batch)
+    sizes = _micro_batch_sizes(batch_size, micro_batch_size)
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if weighting == "samples" or (weighting == "auto" and not _is_label_tensor(labels, batch_size)):
+        return "samples", sizes
+    if not _is_label_tensor(labels, batch_size):
+        raise ValueError(
+            f"`weighting={weighting!r}` needs a mapping batch with an integer 'labels' tensor of "
+            f"{batch_size} rows; this batch has none (use 'auto' or 'samples')"
+        )
+    if labels.dim() == 1:  # one label per sample: never shifted
+        rule, valid = "label_tokens", labels != ignore_index
+    else:
+        shifted = _labels_are_inputs(batch, labels, ignore_index) if weighting == "auto" else weighting == "shifted_label_tokens"
+        rule = "shifted_label_tokens" if shifted else "label_tokens"
+        valid = (labels[..., 1:] if shifted else labels) != ignore_index
+    per_sample = valid.reshape(batch_size, -1).sum(dim=1).tolist()
+    counts, start = [], 0
+    for size in sizes:
+        counts.append(int(sum(per_sample[start : start + size])))
+        start += size
+    return rule, counts
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """The loss in a ``training_step`` output, or None where Lightning would skip the batch."""
+    return loss_of(output, required=False)
+
+
+def _with_loss(output: Any, loss: torch.Tensor) -> Any:
+    if isinstance(output, Mapping):
+        return {**output, "loss": loss}
+    return loss
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Leave the precision plugin's autocast (``training_step`` runs inside it) for a backward."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def deferred_gradient_reduction(model: Any) -> Any:
+    """Backward passes inside accumulate gradients locally, without reducing them across ranks:
+    ``DistributedDataParallel.no_sync()``, or ``set_requires_gradient_sync(False)`` on every FSDP2
+    module (``fully_shard``) of ``model``, switched back on afterwards; nothing for anything else.
+
+    Example:
+        >>> with deferred_gradient_reduction(torch.nn.Linear(2, 2)):
+        ...     pass
+    """
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules()] if isinstance(model, torch.nn.Module) else []
+    sharded = [m for m in sharded if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.set_requires_gradient_sync(True, recurse=False)
