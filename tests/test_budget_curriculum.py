@@ -1,4 +1,8 @@
-"""The curriculum under a memory budget: forecast each stage, never enter one that won't fit."""
+"""The curriculum under a memory budget: forecast each stage, never enter one that won't fit.
+
+The integration test on a real model with real measurement; the decisions' unit tests are their
+millisecond twins in tests/test_planner_twins.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The mitigation ladder on a real run: reach a target 8× beyond what fits, never exceed the budget."""
+"""The mitigation ladder on a real run: reach a target 8× beyond what fits, never exceed the budget.
+
+The integration test on a real model with real measurement; the decisions' unit tests are their
+millisecond twins in tests/test_planner_twins.py.
+"""
 
 from __future__ import annotations
 
