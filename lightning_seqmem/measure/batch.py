@@ -45,15 +45,23 @@ same place as before); see :func:`padding_side` for how padding is read from ``a
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional, TypeVar
 
 import numpy as np
 import torch
+
+from lightning_seqmem.measure.batch_tree import (  # the tree walk; map_tensors re-exported
+    _find_attention_mask,
+    _find_reference,
+    _is_dataclass_instance,
+    _is_immutable_container,
+    can_cut_in_place,
+    map_tensors,
+)
 
 __all__ = [
     "BatchCut",
@@ -61,7 +69,7 @@ __all__ = [
     "cut_batch",
     "infer_batch_shape",
     "padding_side",
-    "map_tensors",
+    "map_tensors",  # from batch_tree
     "read_batch_shape",
     "set_batch_sequence_length",
 ]
@@ -173,28 +181,6 @@ def read_batch_shape(
     if None in shape:
         raise ValueError(f"{accepted}, got {value!r}")
     return shape  # type: ignore[return-value]
-
-
-def can_cut_in_place(batch: Any) -> bool:
-    """True if :func:`set_batch_sequence_length` can cut this batch in place.
-
-    True for a mutable mapping (``dict``, ``BatchEncoding``), a ``list`` and a non-frozen dataclass
-    instance; False for a tensor, a tuple (``namedtuple`` too), a read-only mapping, a frozen
-    dataclass and anything else. Only the outermost container matters: immutable containers
-    nested in a mutable one are rebuilt and put back in it.
-
-    >>> import torch
-    >>> ids = torch.zeros(2, 4, dtype=torch.long)
-    >>> can_cut_in_place({"input_ids": ids}), can_cut_in_place([ids]), can_cut_in_place((ids,))
-    (True, True, False)
-    >>> can_cut_in_place(ids)
-    False
-    """
-    if isinstance(batch, (MutableMapping, list)):
-        return True
-    if _is_dataclass_instance(batch):
-        return not type(batch).__dataclass_params__.frozen  # type: ignore[attr-defined]
-    return False
 
 
 def padding_side(batch: Any) -> Optional[str]:
@@ -427,84 +413,6 @@ def set_batch_sequence_length(
 # Reading the batch --------------------------------------------------------------------------------
 
 
-def _is_token_tensor(x: Any) -> bool:
-    """True for a 2-D integer tensor (not bool, not float, not complex)."""
-    return (
-        isinstance(x, torch.Tensor)
-        and x.dim() == 2
-        and x.dtype != torch.bool
-        and not x.dtype.is_floating_point
-        and not x.dtype.is_complex
-    )
-
-
-def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
-def _is_immutable_container(obj: Any) -> bool:
-    """A container whose entries cannot be replaced: tuple, read-only mapping, frozen dataclass."""
-    if isinstance(obj, tuple) or (isinstance(obj, Mapping) and not isinstance(obj, MutableMapping)):
-        return True
-    return _is_dataclass_instance(obj) and not isinstance(obj, Mapping) and not can_cut_in_place(obj)
-
-
-def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
-    """``(key, value)`` of a container's entries (key None in a sequence); nothing for a leaf."""
-    if isinstance(obj, Mapping):
-        yield from obj.items()
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield None, value
-    elif _is_dataclass_instance(obj):
-        for f in dataclasses.fields(obj):
-            yield f.name, getattr(obj, f.name)
-
-
-def _token_tensors(obj: Any) -> Iterator[tuple[torch.Tensor, bool]]:
-    """Every 2-D integer tensor depth first, a mapping's ``input_ids`` first; ``(tensor, named)``."""
-    if isinstance(obj, torch.Tensor):
-        if _is_token_tensor(obj):
-            yield obj, False
-        return
-    named = obj.get("input_ids") if isinstance(obj, Mapping) else None
-    if not _is_token_tensor(named):
-        named = None
-    if named is not None:
-        yield named, True
-    for _, value in _children(obj):
-        if value is not named:
-            yield from _token_tensors(value)
-
-
-def _find_reference(obj: Any) -> torch.Tensor | None:
-    """The tensor whose shape is the batch shape, or None (rules in the module docstring)."""
-    candidates = _token_tensors(obj)
-    first = next(candidates, None)
-    if first is None:
-        return None
-    reference, named = first
-    if named or reference.shape[0] != 1:
-        return reference
-    length = reference.shape[1]
-    for tensor, _ in candidates:  # a [1, L] first tensor: broadcast, unless nothing has more rows
-        if tensor.shape[1] == length and tensor.shape[0] > reference.shape[0]:
-            reference = tensor
-    return reference
-
-
-def _find_attention_mask(obj: Any) -> Optional[torch.Tensor]:
-    """A 2-D tensor under an ``attention_mask`` key or field, a container's own first; else None."""
-    for key, value in _children(obj):
-        if key == "attention_mask" and isinstance(value, torch.Tensor) and value.dim() == 2:
-            return value
-    for _, value in _children(obj):
-        found = _find_attention_mask(value)
-        if found is not None:
-            return found
-    return None
-
-
 def _side_flags(mask: torch.Tensor) -> torch.Tensor:
     """``[any row padded at its start only, any row padded at its end only]``."""
     first, last = mask[:, 0] != 0, mask[:, -1] != 0
@@ -676,93 +584,3 @@ def _positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int, chu
     shape[seq_dim] = seq_len
     positions = torch.arange(seq_len, dtype=rows.dtype, device=rows.device)
     return positions.view(shape).expand(rows.shape).contiguous()
-
-
-def map_tensors(
-    obj: Any,
-    fn: Callable[[torch.Tensor, Any, Any], torch.Tensor],
-    in_place: bool,
-    key: Any = None,
-    top_key: Any = None,
-    depth: int = 0,
-) -> Any:
-    """Apply ``fn(tensor, key, top_key)`` to every tensor: the package's one walk of a batch tree
-    (mappings, ``BatchEncoding``, lists, tuples, namedtuples, dataclasses).
-
-    With ``in_place`` mutable containers change in place (and are returned) and immutable ones are
-    rebuilt; without it every container is rebuilt and ``obj`` is left untouched. ``key`` is the
-    tensor's key in its parent mapping or dataclass (None in a sequence), ``top_key`` the key or
-    index of the batch's top-level entry that holds it.
-    """
-    if isinstance(obj, torch.Tensor):
-        return fn(obj, key, top_key)
-
-    def visit(k: Any, v: Any, index: Any) -> Any:
-        return map_tensors(v, fn, in_place, k, index if depth == 0 else top_key, depth + 1)
-
-    if isinstance(obj, Mapping):
-        new = {k: visit(k, v, k) for k, v in obj.items()}
-        if in_place and isinstance(obj, MutableMapping):
-            for k, v in new.items():
-                if v is not obj[k]:
-                    obj[k] = v
-            return obj
-        return _rebuild_mapping(obj, new)
-    if isinstance(obj, (list, tuple)):
-        items = [visit(None, v, i) for i, v in enumerate(obj)]
-        if isinstance(obj, list):
-            if in_place:
-                obj[:] = items
-                return obj
-            return items if type(obj) is list else _rebuild(obj, items)
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return _rebuild(obj, items)
-    if _is_dataclass_instance(obj):
-        new = {f.name: visit(f.name, getattr(obj, f.name), f.name) for f in dataclasses.fields(obj)}
-        changed = {name: v for name, v in new.items() if v is not getattr(obj, name)}
-        if in_place and can_cut_in_place(obj):
-            for name, v in changed.items():
-                setattr(obj, name, v)
-            return obj
-        return _rebuild_dataclass(obj, changed)
-    return obj
-
-
-def _rebuild(obj: Any, items: list) -> Any:
-    """A new sequence of ``obj``'s type holding ``items`` (a plain list or tuple if it cannot)."""
-    try:
-        return type(obj)(items)
-    except TypeError:
-        return list(items) if isinstance(obj, list) else tuple(items)
-
-
-def _rebuild_mapping(obj: Mapping, new: dict) -> Mapping:
-    """A new mapping like ``obj`` (its type and attributes, for a ``BatchEncoding``) holding ``new``."""
-    if isinstance(obj, MutableMapping):
-        try:
-            out = copy.copy(obj)  # a BatchEncoding keeps its tokenizer encodings (full-length offsets)
-            for k, v in new.items():
-                out[k] = v
-            return out
-        except (TypeError, AttributeError, copy.Error):
-            return dict(new)
-    try:
-        return type(obj)(new)  # a read-only mapping such as MappingProxyType
-    except TypeError:
-        return dict(new)
-
-
-def _rebuild_dataclass(obj: Any, changed: dict) -> Any:
-    """A copy of dataclass ``obj`` with ``changed`` fields (frozen ones too)."""
-    if not changed:
-        return copy.copy(obj)
-    init_fields = {f.name for f in dataclasses.fields(obj) if f.init}
-    rest = {name: v for name, v in changed.items() if name not in init_fields}
-    try:
-        out = dataclasses.replace(obj, **{n: v for n, v in changed.items() if n in init_fields})
-    except (TypeError, ValueError):
-        out, rest = copy.copy(obj), changed
-    for name, v in rest.items():
-        object.__setattr__(out, name, v)  # a fresh copy: setting a frozen field here is safe
-    return out
