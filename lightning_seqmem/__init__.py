@@ -18,7 +18,7 @@ from typing import Any
 from .curriculum import Curriculum
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements, Verification
 from .model import QuadraticForecast, QuadraticMemoryModel
-from .records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
+from .records import ForecastMismatchWarning, MemoryBudgetError, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
 from .timeline import TimelineModel, Trace
 from .units import parse_bytes
 
@@ -50,6 +50,7 @@ __all__ = [
     "Forecast",
     "ForecastMismatchWarning",
     "LiveTensorTracker",
+    "MemoryBudgetError",
     "MemoryForecaster",
     "NotEnoughMeasurements",
     "PredictedOOMWarning",

@@ -31,6 +31,7 @@ KINDS = {
     "diagnosis": "the memory breakdown found a problem (see the breakdown's diagnoses)",
     "failure": "internal failure: the callback stopped measuring",
     "output_failed": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
+    "budget_unreachable": "no setting can meet the memory budget: the run stopped before training over it",
     "curriculum_not_applied": "the batch could not be cut to the curriculum's length",
     "compiled_module": "the module is torch.compile'd: which steps are measured and which program forecasts describe",
 }
@@ -76,7 +77,8 @@ def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: 
 
 def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, method: str, usable: int, budget: int,
                       margin: float, fit: int, applied: Sequence[str], rungs: Sequence[str] = (),
-                      measured: bool = False, still_over: bool = False, inapplicable: Sequence[str] = ()) -> Advice:
+                      measured: bool = False, still_over: bool = False, inapplicable: Sequence[str] = (),
+                      device: str = "cuda") -> Advice:
     """Without a curriculum: a batch of the data's own length does not fit."""
     what = (f"already peaked at {_measured(peak, bound)}" if measured else
             f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
@@ -91,8 +93,43 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
     fits = f"the largest length forecast to fit is {fit}" if fit > 0 else "no length is forecast to fit"
     return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}",
                   f"{head}; {fits}, and no mitigation is left to switch on. Cap the padded length of your "
-                  f"collate function, lower the batch size, or {remaining_advice(applied, inapplicable)}.",
+                  f"collate function, lower the batch size, or {remaining_advice(applied, inapplicable, device)}.",
                   PredictedOOMWarning)
+
+
+def budget_unreachable(seq_len: int, batch_size: int, bound: int, method: str, usable: int, budget: int,
+                       margin: float, applied: Sequence[str], shortest: int, device: str = "cuda") -> Advice:
+    """Nothing can meet the budget: ``seq_len`` does not fit with every rung this run can take
+    (``applied``), and no length from ``shortest`` tokens up is forecast to fit. Training stops
+    (:class:`~lightning_seqmem.records.MemoryBudgetError`) instead of running over the budget.
+
+    >>> budget_unreachable(64, 4, 12_900_000, "dry_run", 943_718, 1_048_576, 0.1, ("attention",), 8, "cpu").text[:72]
+    'seqmem: memory_budget=1.0 MiB cannot be met: seq_len=64 (batch 4) is for'
+    """
+    how = "measured at" if method == "measured" else f"forecast ({method}) at"
+    setting = f"with {', '.join(map(repr, applied))} on" if applied else "with no mitigation on"
+    needed = format_bytes(int(bound / (1 - margin)) + 1) if margin < 1 else format_bytes(bound)
+    return Advice("budget_unreachable", f"unreachable-{seq_len}-{batch_size}",
+                  f"seqmem: memory_budget={format_bytes(budget)} cannot be met: seq_len={seq_len} (batch "
+                  f"{batch_size}) is {how} {format_bytes(bound)} {setting}, over {_usable(budget, usable, margin)}, "
+                  f"and no length from {shortest} tokens up is forecast to fit. Training stops here instead of "
+                  f"running over the budget. To run: raise `memory_budget` to at least {needed} for this length, "
+                  f"lower the batch size{', shard the model across GPUs (FSDP)' if device == 'cuda' else ''}, "
+                  "or train a smaller model.",
+                  PredictedOOMWarning)
+
+
+def parameters_over_budget(param_bytes: int, usable: int, budget: int, margin: float) -> str:
+    """Words for a budget below the model's own parameters and buffers (known before any step).
+
+    >>> parameters_over_budget(1_900_000, 943_718, 1_048_576, 0.1)[:75]
+    'seqmem: memory_budget=1.0 MiB cannot be met: the parameters and buffers alo'
+    """
+    needed = format_bytes(int(param_bytes / (1 - margin)) + 1)
+    return (f"seqmem: memory_budget={format_bytes(budget)} cannot be met: the parameters and buffers alone take "
+            f"{format_bytes(param_bytes)}, over {_usable(budget, usable, margin)}, before any activation, gradient "
+            f"or optimizer state. Raise `memory_budget` well above {needed} (training also holds gradients and "
+            "optimizer state), or train a smaller model.")
 
 
 def first_step_over_budget(start: int, peak: int, usable: int, budget: int, margin: float) -> Advice:

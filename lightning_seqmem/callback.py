@@ -28,7 +28,7 @@ from .mitigations.microbatch import micro_batching_check_pending, micro_batching
 from .oom import is_oom
 from .planner import Decision, PendingStep, SeqMemPlanner
 from .probes import PROBE_NAMES, MemoryProbe, existing_tensors, make_probe
-from .records import SeqMemFailureWarning, StepRecord
+from .records import MemoryBudgetError, SeqMemFailureWarning, StepRecord
 from .units import parse_bytes
 
 SeqLenFn = Callable[[Any], "tuple[int, int]"]
@@ -63,7 +63,10 @@ class SeqMemCallback(Callback):
     length. Before every batch the planner judges whether it fits the usable budget (see
     :mod:`lightning_seqmem.planner`): a curriculum stage is entered only on a forecast that fits,
     a batch judged over switches the next mitigation on first, and with nothing left to switch on
-    the curriculum is capped with one :class:`PredictedOOMWarning`. Under DDP the decision is
+    the curriculum is capped with one :class:`PredictedOOMWarning`. A budget nothing can meet (the
+    parameters alone, or the shortest length with every rung) raises
+    :class:`~lightning_seqmem.MemoryBudgetError` before training, or before the batch where it is
+    first known, rather than training over it. Under DDP the decision is
     taken once, on rank zero, from every rank's shape, and applied on all ranks at the same step.
 
     A ``torch.compile``'d module (compiled in ``__init__`` or ``configure_model``) keeps compiling,
@@ -108,6 +111,9 @@ class SeqMemCallback(Callback):
         dry_run: judge every new length, batch size and set of rungs by a dry run of the training
             step on a fake copy of the module (:mod:`.dryrun`; rank zero, about a second each)
             before extrapolating from measured steps; ``False`` uses the replay and quadratic fit only.
+        summary: at the end of fit, print a few lines on rank zero (longest length, peak against
+            the budget, rungs on, warnings, and the folder holding the report, figure and
+            TensorBoard panels: the logger's ``version_N/``); ``False`` prints nothing.
         name: tells this callback's checkpoint state apart from another ``SeqMemCallback``'s in the
             same Trainer (each needs its own name there). The state is found by this name only, so
             a resume may change ``memory_budget``, ``mitigations`` or ``curriculum``: the change is
@@ -171,6 +177,7 @@ class SeqMemCallback(Callback):
         breakdown: bool = False,
         dry_run: bool = True,
         name: Optional[str] = None,
+        summary: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 1, accepted="an int ≥ 1 (the first step has no optimizer state)")
         check_int("warmup_steps_after_change", warmup_steps_after_change, 0, accepted="an int ≥ 0")
@@ -187,7 +194,7 @@ class SeqMemCallback(Callback):
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"`name` must be a non-empty string or None, got {name!r}")
         self.name = name  # (before the loop below reuses `name`)
-        for name, value in (("breakdown", breakdown), ("dry_run", dry_run)):
+        for name, value in (("breakdown", breakdown), ("dry_run", dry_run), ("summary", summary)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be a bool, got {value!r}")
         self._mitigations_arg = ladder.check_mitigations(mitigations)
@@ -198,7 +205,7 @@ class SeqMemCallback(Callback):
         self.probe_name = probe
         self.curriculum = curriculum
         self.seq_len_fn = seq_len_fn
-        self.breakdown, self.dry_run = breakdown, dry_run
+        self.breakdown, self.dry_run, self.summary = breakdown, dry_run, summary
         self.planner = SeqMemPlanner(
             warmup_steps=warmup_steps, tolerance=float(tolerance), memory_budget_bytes=self.memory_budget_bytes,
             safety_margin=float(safety_margin), curriculum=curriculum,
@@ -285,6 +292,7 @@ class SeqMemCallback(Callback):
             self.planner.budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
         self.planner.compare_reserved, self.planner.block_bytes = on_cuda, 512 if on_cuda else 1
         self.planner.precision = str(trainer.precision)
+        self.planner.device_type = self._device.type
         self._template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
         self._check_strategy_and_module(trainer, pl_module)
         self._warn_advice()
@@ -309,7 +317,9 @@ class SeqMemCallback(Callback):
         self._warn_advice()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the TensorBoard panel layout; after a resume, switch the mitigations on again."""
+        """Refuse a budget below the parameters; write the TensorBoard panel layout; after a resume,
+        switch the mitigations on again."""
+        self._check_parameters_fit(pl_module)
         self._check_compiled(pl_module)
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
@@ -326,6 +336,22 @@ class SeqMemCallback(Callback):
                 ok, detail = ladder.try_apply(name, trainer, pl_module)
                 rank_zero_info(f"seqmem: resumed with {name} on ({detail})")
         self._say_resume(trainer, pl_module)
+
+    def _check_parameters_fit(self, pl_module: pl.LightningModule) -> None:
+        """:class:`MemoryBudgetError` where this rank's parameters and buffers on the training device
+        (local shards under FSDP2) alone exceed the usable budget: no step could fit."""
+        usable = self.planner.usable_budget_bytes
+        if usable is None or self._device is None:
+            return
+        held = 0
+        for tensor in (*pl_module.parameters(), *pl_module.buffers()):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+            if local.device.type == self._device.type:
+                held += local.nbytes
+        if held > usable:
+            assert self.planner.budget_bytes is not None
+            raise MemoryBudgetError(A.parameters_over_budget(held, usable, self.planner.budget_bytes,
+                                                             self.planner.safety_margin))
 
     def _say_resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a resume under a changed configuration: take the rungs no longer allowed off the
@@ -380,6 +406,8 @@ class SeqMemCallback(Callback):
                 self._stopped = True
                 self._safely("the curriculum", lambda: self._cut(trainer, batch, self.planner.seq_len))
                 return
+            if decision.action == "stop":  # every rank: nothing can meet the budget, so no step runs over it
+                raise MemoryBudgetError(decision.advice[0].text)
             self.planner.commit(decision)
             if all(self._switch_on(trainer, pl_module, batch, name, shape) for name in decision.rungs):
                 break
@@ -528,7 +556,10 @@ class SeqMemCallback(Callback):
         if self.breakdown and not self._failed:
             self._safely("the memory breakdown", lambda: self.run_breakdown(trainer, pl_module))
         self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))
-        self._safely("the report", lambda: self.write_report(trainer))
+        paths: list[Any] = []
+        self._safely("the report", lambda: paths.extend(self.write_report(trainer) or ()))
+        if self.summary:
+            self._safely("the summary", lambda: print(outputs.fit_summary(self.planner, trainer, paths), flush=True))
 
     def _advice_at_end(self, trainer: pl.Trainer) -> None:
         """Advice from the forecast as it stands now (:mod:`.advice_now`): bf16 only where a dry run

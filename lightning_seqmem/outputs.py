@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "OOM_NAME",
     "atomic_write",
+    "fit_summary",
     "log_breakdown",
     "log_figure",
     "log_metrics",
@@ -183,6 +184,48 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     with atomic_write(path) as f:
         json.dump(diagnosis, f, indent=2, default=str)
     return path
+
+
+def fit_summary(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], paths: Any = ()) -> str:
+    """The few lines printed at the end of fit (``SeqMemCallback(summary=True)``): what ran (the
+    longest length, the measured peak against the usable budget, the rungs on, how many warnings)
+    and where to look (the folder of the report files, the TensorBoard panels).
+
+    Example:
+        >>> from lightning_seqmem.planner import SeqMemPlanner
+        >>> print(fit_summary(SeqMemPlanner(memory_budget_bytes=2**20), None, ("runs/version_0/seqmem_report.json",)))
+        seqmem: no training step was measured; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings.
+        seqmem: report in runs/version_0 (seqmem_report.md, seqmem_report.json, seqmem_memory.png); no TensorBoard logger: no panels.
+    """
+    from .units import format_bytes
+
+    records = planner.records
+    if records:
+        longest = max(records, key=lambda r: (r.seq_len, r.batch_size))
+        peak = max(r.reserved_bytes if planner.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
+                   for r in records)
+        ran = f"longest length {longest.seq_len} tokens (batch {longest.batch_size}); peak {format_bytes(peak)}"
+    else:
+        ran, peak = "no training step was measured", None
+    usable = planner.usable_budget_bytes
+    if usable is None:
+        budget = "no memory budget"
+    else:
+        over = " — OVER it" if peak is not None and peak > usable else ""
+        budget = f"usable budget {format_bytes(usable)} (budget {format_bytes(planner.budget_bytes)}){over}"
+    capped = f"; curriculum capped at {planner.capped_at}" if planner.capped_at is not None else ""
+    rungs = ", ".join(planner.applied_mitigations) or "none"
+    warned = len(planner.warned)
+    first = (f"seqmem: {ran}; {budget}; rungs on: {rungs}{capped}; "
+             f"{warned} warning{'' if warned == 1 else 's'}{' (above)' if warned else ''}.")
+    paths = [Path(p) for p in paths or ()]
+    folder = str(paths[0].parent) if paths else (report_dir(trainer) if trainer is not None else None)
+    where = (f"report in {folder} ({MARKDOWN_NAME}, {JSON_NAME}, {PNG_NAME})" if paths else
+             f"no report written (see the warnings){f'; logs in {folder}' if folder else ''}")
+    loggers = _tensorboard_loggers(trainer) if trainer is not None else []
+    panels = (f"panels: tensorboard --logdir {loggers[0].log_dir} (tabs CUSTOM SCALARS, IMAGES), "
+              f"or seqmem panels {loggers[0].log_dir}" if loggers else "no TensorBoard logger: no panels")
+    return f"{first}\nseqmem: {where}; {panels}."
 
 
 def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,

@@ -105,8 +105,9 @@ class Decision:
 
     ``action`` is ``"run"`` (stay), ``"advance"`` (enter the next stage), ``"probe"`` (measure a
     shorter cut first, to fit the next stage), ``"mitigate"`` (switch ``rungs`` on first),
-    ``"cap"`` (stop the curriculum at ``stages[-1]``; ``rungs`` may go on with it) or ``"over"`` (no curriculum and nothing left
-    to switch on: the batch runs over the forecast budget, with a warning). ``seq_len`` is the
+    ``"cap"`` (stop the curriculum at ``stages[-1]``; ``rungs`` may go on with it), ``"over"`` (no curriculum and nothing left
+    to switch on: the batch runs over the forecast budget, with a warning) or ``"stop"`` (nothing can
+    meet the budget: training stops before the batch, ``advice[0]`` says why; never committed). ``seq_len`` is the
     length to cut the batch to (``None``: the batch's own). The curriculum fields are its state
     after the decision.
     """
@@ -164,6 +165,7 @@ class SeqMemPlanner:
         self.mitigations = check_mitigations(mitigations)  # the rungs left to this run
         self.compare_reserved = compare_reserved
         self.block_bytes = block_bytes
+        self.device_type = "cpu"  # the run's device type, for advice that fits the machine (set by the callback)
         self.precision = precision
         self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
         self.checkpoint_records = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see state.compact_records)
@@ -503,7 +505,7 @@ class SeqMemPlanner:
         words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
                                     verdict.method, usable, budget, self.safety_margin, self._safe_fit(batch_size),
                                     self.applied_mitigations, rungs, verdict.measured, still_over=not fits,
-                                    inapplicable=_inapplicable(applicable))
+                                    inapplicable=_inapplicable(applicable), device=self.device_type)
         return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(words,))
 
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
@@ -578,11 +580,14 @@ class SeqMemPlanner:
             setting = self.applied_mitigations + plan[0]
             low = current if seq_len > current else m
             cap = self._dry_fit(low, seq_len, batch_size, setting)
-            cap = cap if cap is not None else (current if seq_len > current else m)
+            if cap is None and seq_len <= current:  # not even the shortest length fits with every rung
+                every = self.judge(seq_len, batch_size, setting)
+                return self._stop(seq_len, batch_size, every if every.bound_bytes else verdict, setting)
+            cap = cap if cap is not None else current
             stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
             words["fit"] = cap
             action = (f"Switching on {', '.join(map(repr, plan[0]))}; the curriculum stays at seq_len={cap}. "
-                      f"To go further: {A.remaining_advice(setting, _inapplicable(applicable))}")
+                      f"To go further: {A.remaining_advice(setting, _inapplicable(applicable), self.device_type)}")
             return self._state(action="cap", rungs=plan[0], seq_len=cap, stages=stages, stage=len(stages) - 1,
                                refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
                                advice=(A.over_budget_stage(action=action, **words),))
@@ -599,14 +604,24 @@ class SeqMemPlanner:
             cap = self.curriculum.round_down(fit) if fit >= m else current
             cap = max(min(cap, seq_len - 1), current)
         else:  # the stage running now is over: go back to what is forecast to fit
-            cap = self.curriculum.round_down(fit) if fit >= m else m
+            if fit < m:  # no length is forecast to fit, and no rung is left: stop rather than run over
+                return self._stop(seq_len, batch_size, verdict, self.applied_mitigations)
+            cap = self.curriculum.round_down(fit)
             cap = min(cap, max(seq_len - m, m))
         stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
         action = (f"The curriculum stays at seq_len={cap}. To go further: "
-                  f"{A.remaining_advice(self.applied_mitigations, _inapplicable(applicable))}")
+                  f"{A.remaining_advice(self.applied_mitigations, _inapplicable(applicable), self.device_type)}")
         return self._state(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
                            decide_now=False, reset_stage_steps=cap != current,
                            advice=(A.over_budget_stage(action=action, **words),))
+
+    def _stop(self, seq_len: int, batch_size: int, verdict: Verdict, setting: tuple[str, ...]) -> Decision:
+        """Nothing can meet the budget at ``seq_len`` with ``setting`` (every rung this run can take)."""
+        assert self.curriculum is not None and self.budget_bytes is not None and self.usable_budget_bytes is not None
+        words = A.budget_unreachable(seq_len, batch_size, verdict.bound_bytes or 0, verdict.method,
+                                     self.usable_budget_bytes, self.budget_bytes, self.safety_margin, setting,
+                                     self.curriculum.multiple_of, self.device_type)
+        return self._state(action="stop", seq_len=None, advice=(words,))
 
     def commit(self, decision: Decision) -> None:
         """Take ``decision`` (every rank, the same one). A rung is recorded in :meth:`rung_applied`."""
