@@ -119,6 +119,23 @@ def budget_unreachable(seq_len: int, batch_size: int, bound: int, method: str, u
                   PredictedOOMWarning)
 
 
+def held_over_budget(held: int, usable: int, budget: int, margin: float, device: str = "cuda") -> Advice:
+    """Nothing can meet the budget: the memory a measured step began with (parameters, gradients,
+    optimizer state, the batch), which no rung lowers, is over it. Training stops.
+
+    >>> held_over_budget(5_700_000, 4_718_592, 5_242_880, 0.1, "cpu").text[:70]
+    'seqmem: memory_budget=5.0 MiB cannot be met: a measured step began wit'
+    """
+    needed = format_bytes(int(held / (1 - margin)) + 1)
+    return Advice("budget_unreachable", "unreachable-held",
+                  f"seqmem: memory_budget={format_bytes(budget)} cannot be met: a measured step began with "
+                  f"{format_bytes(held)} already held (parameters, gradients, optimizer state, the batch), over "
+                  f"{_usable(budget, usable, margin)}, and no mitigation lowers that. Training stops here instead of "
+                  f"running over the budget. To run: raise `memory_budget` well above {needed}"
+                  f"{', shard the model across GPUs (FSDP)' if device == 'cuda' else ''}, use an optimizer with "
+                  "less state, or train a smaller model.", PredictedOOMWarning)
+
+
 def parameters_over_budget(param_bytes: int, usable: int, budget: int, margin: float) -> str:
     """Words for a budget below the model's own parameters and buffers (known before any step).
 

@@ -571,6 +571,10 @@ class SeqMemPlanner:
                      margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured,
                      applied=self.applied_mitigations)
         advance = seq_len > current and seq_len in self.stages
+        held = self._held_bytes()
+        if held > self.usable_budget_bytes:  # no rung lowers what a step begins with: stop rather than run over
+            return self._state(action="stop", seq_len=None, advice=(A.held_over_budget(
+                held, self.usable_budget_bytes, self.budget_bytes, self.safety_margin, self.device_type),))
         if plan is not None and plan[1]:  # the dry run says which rungs make it fit: on before the stage
             action = f"Switching on {', '.join(map(repr, plan[0]))} before it runs (dry run: it then fits)"
             return self._state(action="mitigate", rungs=plan[0], seq_len=seq_len, refit_queue=(), decide_now=False,
@@ -614,6 +618,14 @@ class SeqMemPlanner:
         return self._state(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
                            decide_now=False, reset_stage_steps=cap != current,
                            advice=(A.over_budget_stage(action=action, **words),))
+
+    def _held_bytes(self) -> int:
+        """What the latest measured step after the first began with (parameters, gradients, optimizer
+        state, the batch): a floor of every later step's peak that no rung lowers (0 if unknown)."""
+        for r in reversed(self.records):
+            if r.step > 0 and r.start_bytes:
+                return int(r.start_bytes)
+        return 0
 
     def _stop(self, seq_len: int, batch_size: int, verdict: Verdict, setting: tuple[str, ...]) -> Decision:
         """Nothing can meet the budget at ``seq_len`` with ``setting`` (every rung this run can take)."""
