@@ -7,6 +7,7 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from limits import limit_s
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_seqmem"
 REFERENCE_MODELS = {"lightning_seqmem.nn", "lightning_seqmem.demo", "lightning_seqmem.hf"}
@@ -15,7 +16,7 @@ REFERENCE_MODELS = {"lightning_seqmem.nn", "lightning_seqmem.demo", "lightning_s
 def test_planner_imports_without_torch_or_lightning():
     code = ("import sys, lightning_seqmem.planner, lightning_seqmem.advice;"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lightning', 'pytorch_lightning')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=limit_s(120))
     assert out.stdout.strip() == "[]", out.stdout
 
 
