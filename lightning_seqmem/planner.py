@@ -608,9 +608,9 @@ class SeqMemPlanner:
             cap = self.curriculum.round_down(fit) if fit >= m else current
             cap = max(min(cap, seq_len - 1), current)
         else:  # the stage running now is over: go back to what is forecast to fit
-            if fit < m:  # no length is forecast to fit, and no rung is left: stop rather than run over
-                return self._stop(seq_len, batch_size, verdict, self.applied_mitigations)
-            cap = self.curriculum.round_down(fit)
+            if fit < m and (self.forecaster.ready or seq_len <= m):  # nothing fits (a fit says so, or the
+                return self._stop(seq_len, batch_size, verdict, self.applied_mitigations)  # shortest ran over)
+            cap = self.curriculum.round_down(fit) if fit >= m else m  # else measure the shortest first
             cap = min(cap, max(seq_len - m, m))
         stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
         action = (f"The curriculum stays at seq_len={cap}. To go further: "

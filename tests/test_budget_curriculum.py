@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from conftest import make_trainer
 from lightning.pytorch.loggers import CSVLogger
-from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
+from lightning_seqmem import Curriculum, MemoryBudgetError, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
 
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
@@ -102,13 +102,15 @@ def test_token_preserving_curriculum_keeps_every_token():
     assert [(r.seq_len, r.batch_size) for r in cb.records] == [(16, 8)] * 2 + [(32, 4)] * 2 + [(64, 2)] * 2
 
 
-def test_budget_below_first_step_memory_warns_and_training_goes_on():
+def test_budget_below_the_parameters_stops_before_the_first_step():
+    # (it used to warn and train every step over the budget, below the start: issue 23)
     cb = SeqMemCallback(memory_budget=1000, curriculum=Curriculum(start=16, target=64, steps_per_stage=2), mitigations=())
-    with pytest.warns(PredictedOOMWarning, match="first step already used"):
-        make_trainer([cb], max_steps=6).fit(
+    trainer = make_trainer([cb], max_steps=6)
+    with pytest.raises(MemoryBudgetError, match="parameters and buffers alone take"):
+        trainer.fit(
             LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32)
         )
-    assert len(cb.records) == 6 and max(r.seq_len for r in cb.records) <= 16  # never past the start
+    assert not cb.records and trainer.global_step == 0
 
 
 class _TupleTokens(SyntheticTokens):
