@@ -135,8 +135,8 @@ def mitigations_dropped(names: Sequence[str], why: str) -> Advice:
 def length_limit(limit: int, reason: str, dropped: Sequence[int], stop: int) -> Advice:
     """The curriculum's stages past the model's own limit (its positions) are never run or dry-run.
 
-    >>> length_limit(256, "config.max_position_embeddings=256", [512], 256).text
-    'seqmem: the curriculum stage(s) [512] are past this model\'s limit of 256 tokens (config.max_position_embeddings=256): the curriculum stops at seq_len=256 and no length past 256 is dry-run or proposed.'
+    >>> print(length_limit(256, "config.max_position_embeddings=256", [512], 256).text)
+    seqmem: the curriculum stage(s) [512] are past this model's limit of 256 tokens (config.max_position_embeddings=256): the curriculum stops at seq_len=256 and no length past 256 is dry-run or proposed.
     """
     return Advice("length_limit", "length-limit",
                   f"seqmem: the curriculum stage(s) {list(dropped)} are past this model's limit of {limit} tokens "
