@@ -73,7 +73,7 @@ def test_nothing_fits_with_only_micro_batching_on_sdpa_is_said_so():
         assert "attention" not in words.split("To go further:")[1], words
 
 
-def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on():
+def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(tmp_path):
     pytest.importorskip("transformers")
     from lightning_seqmem.hf import HFCausalLM
 
@@ -82,7 +82,8 @@ def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(
             "num_attention_heads": 2, "max_position_embeddings": limit, "is_decoder": True}
     cb = SeqMemCallback(warmup_steps=1, memory_budget=5_000_000, mitigations=(),
                         curriculum=Curriculum(start=64, target=1024, steps_per_stage=2, multiple_of=64))
-    messages = _fit(cb, HFCausalLM(model_type="bert", config=bert, attn_implementation="sdpa"), 7, limit)
+    messages = _fit(cb, HFCausalLM(model_type="bert", config=bert, attn_implementation="sdpa"), 7, limit,
+                    default_root_dir=tmp_path)
     dry = cb.planner.dry_run
     assert dry is not None and dry.unsupported is None  # before: a dry run at 4096 turned it off for the run
     assert not [w for w in messages if "cannot simulate" in w]
@@ -93,6 +94,9 @@ def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(
     assert any("over the usable budget" in w for w in messages)  # the budget bound: a cap within the limit
     assert cb.forecast(limit).method == "dry_run"
     assert cb.max_seq_len() <= limit
+    forecasts = json.loads((tmp_path / "seqmem_report.json").read_text())["forecasts"]
+    assert forecasts["error"] is None and max(row["seq_len"] for row in forecasts["at"]) <= limit
+    assert not [w for w in messages if "could not write" in w or "failed" in w]  # the report and figure too
     with pytest.raises(ValueError, match=r"`seq_len`=512 is past this model's limit of 256 tokens"):
         cb.forecast(512)
 
