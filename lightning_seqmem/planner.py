@@ -25,8 +25,11 @@ mitigations now on, :meth:`judge` says whether it fits the usable budget:
 A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
 only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
 real fit. Over the budget, the next applicable rung is switched on (and shorter lengths are
-re-measured with it before growing), else the curriculum is capped at the longest length
-forecast to fit — below the current stage if the current stage itself is over. Without a
+re-measured with it before growing), else the curriculum is capped at the longest multiple of
+``multiple_of`` that :meth:`judge` (the dry run where it answers: the predictor that judged the
+stage) says fits — below the current stage if the current stage itself is over — and the warning
+names that length. No length past the model's own limit (``length_limit``, its positions) is
+dry-run, forecast or proposed. Without a
 curriculum the data sets the length: a batch judged over switches the next rung on before it
 runs, or, with no rung left, warns once.
 
