@@ -122,3 +122,33 @@ def test_the_oom_diagnosis_names_the_dry_run_it_used(tmp_path):
     assert diagnosis["failing_batch"] == {"seq_len": 32, "batch_size": 2}
     assert diagnosis["forecast_used"] == "dry run" and diagnosis["forecast_for_failing_batch"]["method"] == "dry_run"
     assert "no forecast existed" not in diagnosis["would_have_done"], diagnosis["would_have_done"]
+
+
+def test_planner_caps_at_what_its_dry_run_says_fits_past_a_window():
+    """The unit twin of the sliding-window run (milliseconds): a synthetic step whose memory jumps past
+    a 512-token window, the dry run exact, no rung; every step within the usable budget."""
+    from lightning_seqmem.planner import SeqMemPlanner
+    from lightning_seqmem.records import StepMemory
+    from lightning_seqmem.rungs import MITIGATIONS
+
+    def peak(L, B):  # a mask materialised past the window: the short lengths cannot show it
+        return 1_000_000 + B * (3000 * L + (40 * L * L if L > 512 else 0))
+
+    p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, growth=4, steps_per_stage=2, multiple_of=64),
+                      memory_budget_bytes=11_000_000, warmup_steps=1, mitigations=(),
+                      dry_run=lambda L, B, m: (peak(L, B), {"forward": peak(L, B)}))
+    p.set_length_limit(900, "config.n_positions=900")
+    no_rung = {name: (False, "not allowed") for name in MITIGATIONS}
+    for step in range(10):
+        d = p.decide((2, 1024), no_rung)
+        p.commit(d)
+        s = p.begin_step(d.seq_len, 2, optimizer_steps=True, global_step=step)
+        _ = p.observe(s, StepMemory(peak(s.seq_len, 2), {"forward": peak(s.seq_len, 2)}, 1_000_000, 1_000_000))
+        p.end_batch()
+    assert max(r.peak_bytes for r in p.records) <= p.usable_budget_bytes
+    assert all(r.seq_len % 64 == 0 and r.seq_len <= 900 for r in p.records)
+    assert all(key[0] <= 900 for key in p._dry)  # never dry-run past the limit
+    (words,) = [a.text for a in p.take_advice() if a.kind == "stage_over_budget"]
+    cap = p.capped_at
+    assert f"The largest length forecast to fit is {cap}." in words and f"stays at seq_len={cap}" in words
+    assert p.judge(cap, 2).kind == "fits" and p.judge(cap + 64, 2).kind == "over"
