@@ -34,6 +34,7 @@ KINDS = {
     "budget_unreachable": "no setting can meet the memory budget: the run stopped before training over it",
     "curriculum_not_applied": "the batch could not be cut to the curriculum's length",
     "compiled_module": "the module is torch.compile'd: which steps are measured and which program forecasts describe",
+    "length_limit": "the curriculum reaches past the model's own position limit: it stops at that limit",
 }
 """Every kind of advice, with what it means (the report groups warnings by kind)."""
 
@@ -185,6 +186,18 @@ def mitigations_dropped(names: Sequence[str], why: str) -> Advice:
                   f"seqmem: mitigations {list(names)} are off for this run: {why}.", UserWarning)
 
 
+def length_limit(limit: int, reason: str, dropped: Sequence[int], stop: int) -> Advice:
+    """The curriculum's stages past the model's own limit (its positions) are never run or dry-run.
+
+    >>> print(length_limit(256, "config.max_position_embeddings=256", [512], 256).text)
+    seqmem: the curriculum stage(s) [512] are past this model's limit of 256 tokens (config.max_position_embeddings=256): the curriculum stops at seq_len=256 and no length past 256 is dry-run or proposed.
+    """
+    return Advice("length_limit", "length-limit",
+                  f"seqmem: the curriculum stage(s) {list(dropped)} are past this model's limit of {limit} tokens "
+                  f"({reason}): the curriculum stops at seq_len={stop} and no length past {limit} is dry-run or proposed.",
+                  UserWarning)
+
+
 def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice:
     return Advice("attention_still_quadratic", "attention-still-quadratic",
                   f"seqmem: after switching attention ({detail}), memory still grows quadratically with the length "
@@ -305,7 +318,7 @@ def kind_of_key(key: str) -> str:
                 ("mitigations-dropped", "mitigation_dropped"), ("attention-still-quadratic", "attention_still_quadratic"),
                 ("precision", "precision"), ("diagnosis-", "diagnosis"), ("failure", "failure"),
                 ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"),
-                ("compiled-module", "compiled_module"))
+                ("compiled-module", "compiled_module"), ("length-limit", "length_limit"))
     return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -281,10 +282,9 @@ class SeqMemCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.planner.records or self.planner.step:  # a callback reused in a new fit starts fresh
-            self.planner.reset()
-            self.planner.mitigations = self._mitigations_arg
-            self._reset_edge()
+        if self.planner.records or self.planner.step:
+            self._next_fit(trainer, pl_module)
+        self._last_fit = (weakref.ref(trainer), weakref.ref(pl_module))
         self._device = trainer.strategy.root_device
         self._probe = make_probe(self.probe_name, self._device)
         on_cuda = self._device.type == "cuda"
@@ -296,6 +296,33 @@ class SeqMemCallback(Callback):
         self._template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
         self._check_strategy_and_module(trainer, pl_module)
         self._warn_advice()
+
+    def _next_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit after another one with this callback. On the same Trainer and module it continues the
+        state (rungs on, records, fits, curriculum position); otherwise it starts afresh, said in one
+        line, and reports the rungs of the last fit still on this module as on (they are)."""
+        last = getattr(self, "_last_fit", None)
+        same_trainer = last is not None and last[0]() is trainer
+        same_module = last is not None and last[1]() is pl_module
+        breakdowns = (self.breakdowns, self.breakdown_table, self.breakdown_report)
+        self._reset_edge()
+        if same_trainer and same_module:
+            self.breakdowns, self.breakdown_table, self.breakdown_report = breakdowns
+            on = ", ".join(self.planner.applied_mitigations) or "none"
+            rank_zero_info(f"seqmem: a new fit on the same Trainer and module continues from step {self.planner.step} "
+                           f"(rungs on: {on}; {len(self.planner.records)} records; curriculum stage "
+                           f"{self.planner.seq_len}).")
+            return
+        still_on = tuple(n for n in self.planner.applied_mitigations if ladder.is_on(n, pl_module))
+        self.planner.reset()
+        self.planner.mitigations = self._mitigations_arg
+        self.planner.applied_mitigations = still_on  # what the module runs with: never reported as off
+        self.planner.forecaster  # noqa: B018 - that setting's own (empty) fit
+        if getattr(trainer, "ckpt_path", None):
+            return  # the checkpoint's state replaces this one (load_state_dict says how it resumed)
+        why = "a new Trainer" if not same_trainer else "a new module"
+        rungs = f"; still on this module: {', '.join(still_on)}" if still_on else ""
+        rank_zero_warn(f"seqmem: this fit starts afresh ({why}): records, fits and the curriculum restart{rungs}.")
 
     def _check_strategy_and_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the rungs this run cannot take, saying why, before training starts."""
@@ -321,6 +348,7 @@ class SeqMemCallback(Callback):
         switch the mitigations on again."""
         self._check_parameters_fit(pl_module)
         self._check_compiled(pl_module)
+        self._safely("the model's length limit", lambda: self.planner.set_length_limit(*(edge.model_length_limit(pl_module) or (None, ""))))
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
@@ -434,7 +462,9 @@ class SeqMemCallback(Callback):
 
     def _applicability(self, trainer, pl_module, batch: Any, shape: tuple[int, int]) -> dict[str, tuple[bool, str]]:
         """Whether each rung left applies here (only with a budget; cached per setting and batch size)."""
-        left = tuple(m for m in self.planner.mitigations if m not in self.planner.applied_mitigations)
+        # every rung not on: those this run may not take are checked too, for the words only (a
+        # warning never advises attention already on SDPA, even where the ladder leaves it out)
+        left = tuple(m for m in ladder.MITIGATIONS if m not in self.planner.applied_mitigations)
         if self.planner.usable_budget_bytes is None or not left:
             return {}
         key = (self.planner.applied_mitigations, left, shape[0])

@@ -127,6 +127,29 @@ def sharding_template(trainer: Any, pl_module: Any) -> Optional[Any]:
         return None
 
 
+LENGTH_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "block_size", "max_seq_len")
+"""Config fields that give a model's longest sequence in tokens (Hugging Face, GPT-2, nanoGPT-style)."""
+
+
+def model_length_limit(module: Any) -> Optional[tuple[int, str]]:
+    """The longest sequence ``module`` can take, from its own configuration (its position embeddings):
+    ``(tokens, where it comes from)``, the smallest over its sub-modules' ``config``, or None.
+
+    >>> from types import SimpleNamespace as NS
+    >>> m = torch.nn.Module(); m.config = NS(max_position_embeddings=2048)
+    >>> model_length_limit(m), model_length_limit(torch.nn.Linear(2, 2))
+    ((2048, 'config.max_position_embeddings=2048'), None)
+    """
+    found: list[tuple[int, str]] = []
+    for sub in module.modules() if isinstance(module, torch.nn.Module) else ():
+        config = getattr(sub, "config", None)
+        for name in LENGTH_LIMIT_FIELDS:
+            value = getattr(config, name, None) if config is not None and not isinstance(config, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append((value, f"config.{name}={value}"))
+    return min(found) if found else None
+
+
 def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
     """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the breakdown at the end)."""
     from torch.utils._pytree import tree_map
@@ -136,5 +159,5 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
     return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
-__all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
+__all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "model_length_limit", "release_cached_memory",
            "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]

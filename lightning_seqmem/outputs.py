@@ -150,11 +150,16 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     os.makedirs(directory, exist_ok=True)
     seq_len, batch_size = (pending.seq_len, pending.batch_size) if pending is not None else (None, None)
     forecast: Any = None
-    if seq_len and batch_size and planner.forecaster.ready:
+    forecast_used = "none: no forecast existed for this batch (nothing measured at two lengths, no dry run)"
+    if seq_len and batch_size:
         try:
-            forecast = vars(planner.forecaster.forecast(seq_len, batch_size))
+            fc = _forecast_used(planner, seq_len, batch_size, pending)
+            if fc is not None:
+                forecast = vars(fc)
+                forecast_used = FORECAST_NAMES.get(fc.method, fc.method)
         except Exception as exc:  # noqa: BLE001
             forecast = f"forecast failed: {exc!r}"
+            forecast_used = f"none: the forecast failed ({exc!r})"
     diagnosis: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "error": f"{type(exception).__name__}: {exception}",
@@ -162,6 +167,7 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
         "global_step": getattr(trainer, "global_step", None),
         "failing_batch": {"seq_len": seq_len, "batch_size": batch_size},
         "forecast_for_failing_batch": forecast,
+        "forecast_used": forecast_used,
         "usable_budget_bytes": planner.usable_budget_bytes,
         "mitigations_applied": list(planner.applied_mitigations),
         "mitigations_left": [m for m in planner.mitigations if m not in planner.applied_mitigations],
@@ -243,11 +249,29 @@ def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
         rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
 
 
+FORECAST_NAMES = {"dry_run": "dry run", "replay": "timeline replay", "quadratic": "quadratic fit"}
+"""The predictor behind a forecast, in words (``Forecast.method`` -> name)."""
+
+
+def _forecast_used(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
+                   pending: Optional["PendingStep"]) -> Any:
+    """The forecast the planner had for the failing batch: the one kept to verify it (the dry run's,
+    the replay's or the fit's), else the dry run's or the fit's now; None where none exists."""
+    kept = planner._pending.get((seq_len, batch_size, pending.mitigations)) if pending is not None else None
+    if kept is not None:
+        return kept
+    try:
+        return planner.forecast(seq_len, batch_size, pending.mitigations if pending is not None else None)
+    except Exception:  # noqa: BLE001 - NotEnoughMeasurements, a length past the model's limit
+        return None
+
+
 def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str:
     if planner.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
-    if not planner.forecaster.ready:
-        return "nothing yet: fewer than two lengths were measured, so no forecast existed"
+    dry_runs_answered = any(answer is not None for answer in planner._dry.values())
+    if not planner.forecaster.ready and not dry_runs_answered:
+        return "nothing yet: fewer than two lengths were measured and no dry run answered, so no forecast existed"
     left = [m for m in planner.mitigations if m not in planner.applied_mitigations]
     if left:
         return f"switch on {left[0]!r} before growing past the largest length that fits"
@@ -257,7 +281,9 @@ def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str
         from .advice import nothing_fits
 
         return f"stop: {nothing_fits(planner.applied_mitigations, batch_size)}"
-    return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget)"
+    by = ("dry run" if not planner.forecaster.ready else
+          FORECAST_NAMES["replay" if planner.forecaster.timeline is not None else "quadratic"])
+    return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget, by the {by})"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,8 +25,11 @@ mitigations now on, :meth:`judge` says whether it fits the usable budget:
 A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
 only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
 real fit. Over the budget, the next applicable rung is switched on (and shorter lengths are
-re-measured with it before growing), else the curriculum is capped at the longest length
-forecast to fit — below the current stage if the current stage itself is over. Without a
+re-measured with it before growing), else the curriculum is capped at the longest multiple of
+``multiple_of`` that :meth:`judge` (the dry run where it answers: the predictor that judged the
+stage) says fits — below the current stage if the current stage itself is over — and the warning
+names that length. No length past the model's own limit (``length_limit``, its positions) is
+dry-run, forecast or proposed. Without a
 curriculum the data sets the length: a batch judged over switches the next rung on before it
 runs, or, with no rung left, warns once.
 
@@ -170,6 +173,8 @@ class SeqMemPlanner:
         self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
         self.checkpoint_records = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see state.compact_records)
         self.memory_records = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
+        self.length_limit: Optional[int] = None  # the model's longest sequence (positions), tokens; None: no limit
+        self.length_limit_reason = ""  # where it comes from, e.g. "config.max_position_embeddings=2048"
         self.reset()
 
     def reset(self) -> None:
@@ -232,6 +237,9 @@ class SeqMemPlanner:
         batch size, the mitigations on now). Raises :class:`NotEnoughMeasurements` before that
         setting has two measured lengths."""
         check_int("seq_len", seq_len)
+        if not self.within_limit(seq_len):
+            raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.length_limit} tokens "
+                             f"({self.length_limit_reason}): pass a length up to {self.length_limit}")
         key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
         dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
         if dry is not None:
@@ -252,7 +260,8 @@ class SeqMemPlanner:
         batch_size = self._batch_size(batch_size)
         if not self.forecaster.ready and self.dry_peak(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
-        return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+        fit = self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+        return fit if self.length_limit is None else min(fit, self.length_limit)
 
     def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
         """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
@@ -261,6 +270,7 @@ class SeqMemPlanner:
         known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
         step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
         hi = 4 * max(known + [256])
+        hi = hi if self.length_limit is None else min(hi, self.length_limit)  # never past the model's positions
         hi -= hi % step
 
         def fits(L: int) -> bool:
@@ -308,7 +318,7 @@ class SeqMemPlanner:
         """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
         now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
         key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
-        if self.dry_run is None:
+        if self.dry_run is None or not self.within_limit(seq_len):  # past the model's positions: never asked
             return None
         if key not in self._dry:
             try:
@@ -317,6 +327,34 @@ class SeqMemPlanner:
             except Exception:  # noqa: BLE001 - the edge says why, once; the other predictors answer
                 self._dry[key] = None
         return self._dry[key]
+
+    def set_length_limit(self, limit: Optional[int], reason: str = "") -> None:
+        """The model's longest sequence (``limit`` tokens, from ``reason``): no length past it is
+        dry-run, forecast or proposed; curriculum stages past it are dropped (the last stage becomes
+        the limit rounded down to ``multiple_of``), said once.
+
+        Example:
+            >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, multiple_of=64))
+            >>> p.set_length_limit(300, "config.max_position_embeddings=300")
+            >>> p.stages, p.within_limit(300), p.within_limit(301), p.take_advice()[0].kind
+            ((64, 128, 256), True, False, 'length_limit')
+        """
+        self.length_limit = None if limit is None else int(limit)
+        self.length_limit_reason = reason
+        if self.length_limit is None or not self.stages or self.stages[-1] <= self.length_limit:
+            return
+        assert self.curriculum is not None
+        stop = max(self.curriculum.round_down(self.length_limit), self.curriculum.multiple_of)
+        dropped = [s for s in self.stages if s > self.length_limit]
+        kept = tuple(s for s in self.stages if s <= stop)
+        self.stages = kept + ((stop,) if not kept or kept[-1] < stop else ())
+        self.stage = min(self.stage, len(self.stages) - 1)
+        self.refit_queue = [L for L in self.refit_queue if L <= self.length_limit]
+        self.advise(A.length_limit(self.length_limit, reason, dropped, self.stages[-1]))
+
+    def within_limit(self, seq_len: int) -> bool:
+        """Whether the model can take ``seq_len`` tokens at all (``length_limit``: its positions)."""
+        return self.length_limit is None or int(seq_len) <= self.length_limit
 
     def _dry_margin(self) -> float:
         """The dry run's margin: 2%, widened by its largest measured under-prediction."""
@@ -477,18 +515,42 @@ class SeqMemPlanner:
                 return tuple(candidates[:k]), True
         return tuple(candidates), False
 
-    def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...]) -> Optional[int]:
-        """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` whose dry run fits
-        with ``setting``, or None (bisection: a handful of dry runs)."""
+    def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...],
+                 batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
+        """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` (and within the
+        model's ``length_limit``) that :meth:`judge` says fits with ``setting``, or None (bisection: a
+        handful of judgements, each the dry run where it answers, cached). ``batch_of(L)``: the batch
+        size at ``L`` (``truncate=False`` reshapes rows), else ``batch_size`` at every length."""
         assert self.curriculum is not None
         m = self.curriculum.multiple_of
-        lo, hi = max(low // m, 1), (high - 1) // m  # in units of m
-        if hi < lo or self.judge(lo * m, batch_size, setting).kind != "fits":
+        if self.length_limit is not None:
+            high = min(high, self.length_limit + 1)
+        lo, hi = max(-(-low // m), 1), (high - 1) // m  # in units of m: multiples in [low, high)
+
+        def fits(k: int) -> bool:
+            L = k * m
+            return self.judge(L, batch_of(L) if batch_of else batch_size, setting).kind == "fits"
+
+        if hi < lo or not fits(lo):
             return None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.judge(mid * m, batch_size, setting).kind == "fits" else (lo, mid - 1)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo * m
+
+    def _checked_fit(self, high: int, batch_size: int) -> int:
+        """Largest length below ``high`` that :meth:`judge` says fits with the rungs on now (what a
+        warning names as "the largest length forecast to fit"): a multiple of the curriculum's
+        ``multiple_of``; without one, the forecast's largest length, checked by the same judgement
+        (bisected below it when that is over); 0 if none."""
+        if self.curriculum is not None:
+            return self._dry_fit(1, high, batch_size, self.applied_mitigations) or 0
+        high = high if self.length_limit is None else min(high, self.length_limit + 1)
+        guess = min(self._safe_fit(batch_size), high - 1)
+        fits = lambda L: self.judge(L, batch_size).kind == "fits"  # noqa: E731
+        if guess < 1 or fits(guess):
+            return max(guess, 0)
+        return 0 if not fits(1) else self._dry_max_below(1, guess, fits)
 
     def _decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
         verdict = self.judge(seq_len, batch_size)
@@ -503,7 +565,7 @@ class SeqMemPlanner:
             rung, _ = self._next_rung(applicable)
             rungs, fits = ((rung,) if rung else ()), True
         words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
-                                    verdict.method, usable, budget, self.safety_margin, self._safe_fit(batch_size),
+                                    verdict.method, usable, budget, self.safety_margin, self._checked_fit(seq_len, batch_size),
                                     self.applied_mitigations, rungs, verdict.measured, still_over=not fits,
                                     inapplicable=_inapplicable(applicable), device=self.device_type)
         return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(words,))
@@ -538,7 +600,8 @@ class SeqMemPlanner:
             if probe is not None:  # a real fit of this setting before judging the stage over
                 steps = [probe] * (max(1, self.warmup_steps_after_change) + 1)
                 return self._state(action="probe", seq_len=probe, refit_queue=tuple(steps[1:]), decide_now=False)
-        return self._over_in_curriculum(seq_len, batch_size, verdict, applicable)
+        return self._over_in_curriculum(seq_len, batch_size, verdict, applicable,
+                                        lambda L: self.batch_at(source_batch, source_len, L))
 
     def _probe_length(self, batch_size: int) -> Optional[int]:
         """A length shorter than the current stage not yet fitted with these mitigations, or None."""
@@ -560,42 +623,51 @@ class SeqMemPlanner:
         except Exception:  # noqa: BLE001 - only words depend on it
             return 0
 
-    def _over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability) -> Decision:
+    def _over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability,
+                            batch_of: Optional[Callable[[int], int]] = None) -> Decision:
+        """Over the budget at ``seq_len`` (the next stage, or the one running): rungs, or a cap. Every
+        cap is the largest multiple of ``multiple_of`` that :meth:`judge` (the dry run where it
+        answers: the predictor that judged the stage) says fits, and the words name that length."""
         assert self.curriculum is not None and self.budget_bytes is not None and self.usable_budget_bytes is not None
         m, current = self.curriculum.multiple_of, self.stages[self.stage]
-        fit = self._safe_fit(batch_size)
         rung, skipped = self._next_rung(applicable)
         plan = self._plan(seq_len, batch_size, applicable)
         words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
                      method=verdict.method, usable=self.usable_budget_bytes, budget=self.budget_bytes,
-                     margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured,
+                     margin=self.safety_margin, fit=0, skipped=skipped, measured=verdict.measured,
                      applied=self.applied_mitigations)
         advance = seq_len > current and seq_len in self.stages
         held = self._held_bytes()
         if held > self.usable_budget_bytes:  # no rung lowers what a step begins with: stop rather than run over
             return self._state(action="stop", seq_len=None, advice=(A.held_over_budget(
                 held, self.usable_budget_bytes, self.budget_bytes, self.safety_margin, self.device_type),))
+        low = current if seq_len > current else 1  # the next stage over: stay between the two
+
+        def capped(cap: Optional[int]) -> int:
+            words["fit"] = cap or 0  # the length that was checked; 0: "no length is forecast to fit"
+            return cap if cap is not None else (current if seq_len > current else m)
+
         if plan is not None and plan[1]:  # the dry run says which rungs make it fit: on before the stage
+            words["fit"] = self._dry_fit(1, seq_len, batch_size, self.applied_mitigations, batch_of) or 0
             action = f"Switching on {', '.join(map(repr, plan[0]))} before it runs (dry run: it then fits)"
             return self._state(action="mitigate", rungs=plan[0], seq_len=seq_len, refit_queue=(), decide_now=False,
                                stage=self.stages.index(seq_len) if advance else self.stage, reset_stage_steps=advance,
                                advice=(A.over_budget_stage(action=action, **words),))
         if plan is not None:  # nothing fits at this length even with every rung: all on, and the longest that fits
             setting = self.applied_mitigations + plan[0]
-            low = current if seq_len > current else m
-            cap = self._dry_fit(low, seq_len, batch_size, setting)
+            cap = self._dry_fit(low, seq_len, batch_size, setting, batch_of)
             if cap is None and seq_len <= current:  # not even the shortest length fits with every rung
                 every = self.judge(seq_len, batch_size, setting)
                 return self._stop(seq_len, batch_size, every if every.bound_bytes else verdict, setting)
-            cap = cap if cap is not None else current
+            cap = capped(cap)
             stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
-            words["fit"] = cap
             action = (f"Switching on {', '.join(map(repr, plan[0]))}; the curriculum stays at seq_len={cap}. "
                       f"To go further: {A.remaining_advice(setting, _inapplicable(applicable), self.device_type)}")
             return self._state(action="cap", rungs=plan[0], seq_len=cap, stages=stages, stage=len(stages) - 1,
                                refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
                                advice=(A.over_budget_stage(action=action, **words),))
         if rung is not None:
+            words["fit"] = self._dry_fit(1, seq_len, batch_size, self.applied_mitigations, batch_of) or 0
             base = min(current, seq_len)
             lengths = sorted({self.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})
             steps = max(1, self.warmup_steps_after_change) + 1  # warm-up, then one fitted step per length
@@ -604,14 +676,12 @@ class SeqMemPlanner:
                       "before growing")
             return self._state(action="mitigate", rungs=(rung,), seq_len=queue[0], refit_queue=tuple(queue[1:]),
                                decide_now=False, advice=(A.over_budget_stage(action=action, **words),))
-        if seq_len > current:  # the next stage does not fit: stay between the two
-            cap = self.curriculum.round_down(fit) if fit >= m else current
-            cap = max(min(cap, seq_len - 1), current)
-        else:  # the stage running now is over: go back to what is forecast to fit
-            if fit < m and (self.forecaster.ready or seq_len <= m):  # nothing fits (a fit says so, or the
-                return self._stop(seq_len, batch_size, verdict, self.applied_mitigations)  # shortest ran over)
-            cap = self.curriculum.round_down(fit) if fit >= m else m  # else measure the shortest first
-            cap = min(cap, max(seq_len - m, m))
+        # no rung left: the longest length judged to fit (the next stage over: between the two; the
+        # stage running now over: below it)
+        found = self._dry_fit(low, seq_len, batch_size, self.applied_mitigations, batch_of)
+        if found is None and seq_len <= current and (self.forecaster.ready or seq_len <= m):
+            return self._stop(seq_len, batch_size, verdict, self.applied_mitigations)  # nothing fits: a fit says so,
+        cap = capped(found)  # or the shortest ran over; else the shortest is measured first
         stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
         action = (f"The curriculum stays at seq_len={cap}. To go further: "
                   f"{A.remaining_advice(self.applied_mitigations, _inapplicable(applicable), self.device_type)}")
@@ -787,6 +857,7 @@ class SeqMemPlanner:
         if forecaster.timeline is None or self.dry_run is None:
             return
         target = self.curriculum.target if self.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
+        target = target if self.length_limit is None else min(target, self.length_limit)
         dry = self.dry_peak(target, batch_size, setting)
         if dry is None:
             return

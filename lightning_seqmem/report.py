@@ -192,6 +192,7 @@ def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str,
     else:
         longest = max(lengths, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
+    lengths = {L for L in lengths if planner.within_limit(L)}  # none past the model's own positions
     try:
         out["at"] = [_forecast_row(planner, L, batch_size) for L in sorted(lengths)]
         if planner.usable_budget_bytes is not None:
