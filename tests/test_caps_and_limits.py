@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import make_trainer
-from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem import Curriculum, MemoryBudgetError, SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 
 FITS = re.compile(r"The largest length forecast to fit is (\d+)\.")
@@ -61,16 +61,17 @@ def test_a_sliding_window_cap_is_the_dry_runs_and_every_step_stays_in_budget():
 
 def test_nothing_fits_with_only_micro_batching_on_sdpa_is_said_so():
     # every length is over the budget, even micro-batched: before, the words said "the largest length
-    # forecast to fit is 64" and advised switching attention to SDPA, on an SDPA model
+    # forecast to fit is 64" and advised switching attention to SDPA, on an SDPA model; a budget that
+    # nothing meets now stops the run with one clear error (issue 23) whose words must be as true
     cb = SeqMemCallback(warmup_steps=1, memory_budget=600_000, safety_margin=0.0, mitigations=("microbatch",),
                         curriculum=Curriculum(start=64, target=256, steps_per_stage=2, multiple_of=64))
-    messages = _fit(cb, LitGPT(n_layer=1, d_model=32, n_head=2, attention="sdpa"), 5, 256, batch_size=4)
-    said = [w for w in messages if "over the usable budget" in w]
-    assert said and min(r.peak_bytes for r in cb.records if not r.warmup) > cb.usable_budget_bytes  # the scenario
-    assert cb.planner.judge(64, 4).kind == "over"
-    for words in said:
-        assert "No length is forecast to fit" in words and not FITS.search(words), words
-        assert "attention" not in words.split("To go further:")[1], words
+    with pytest.raises(MemoryBudgetError) as err:
+        _fit(cb, LitGPT(n_layer=1, d_model=32, n_head=2, attention="sdpa"), 5, 256, batch_size=4)
+    words = str(err.value)
+    assert cb.planner.judge(64, 4).kind == "over"  # the scenario: 64 tokens do not fit, micro-batched
+    assert "no length from 64 tokens up is forecast to fit" in words and not FITS.search(words), words
+    assert "'microbatch' on" in words and "attention" not in words, words
+    assert all(r.peak_bytes <= cb.usable_budget_bytes for r in cb.records if not r.warmup)
 
 
 def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(tmp_path):
