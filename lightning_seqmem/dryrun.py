@@ -124,6 +124,21 @@ __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_k
 
 _MICRO_BATCH_SIZE = 1  # samples per micro-batch of the "microbatch" rung (as the ladder applies it)
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
+_VALUE_CEILING_BYTES = 2**30  # ... or up to a fp32 [L, L] mask of the simulated length, but never above this
+
+
+def value_max_bytes(seq_len: int) -> int:
+    """Largest tensor computed from the batch alone whose real value a dry run at ``seq_len`` keeps.
+
+    A fp32 ``[L, L]`` causal mask is what every ``nn.Transformer`` builds, and
+    ``nn.TransformerDecoder`` reads its values (``bool((mask == causal).all())``), so the limit is
+    at least that (at least 8 MiB, at most 1 GiB of host memory per tensor: 16K tokens).
+
+    Example:
+        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**30
+        (True, True, True)
+    """
+    return min(max(_VALUE_MAX_BYTES, 4 * int(seq_len) ** 2), _VALUE_CEILING_BYTES)
 _QUIET = (  # warnings a fake copy without a Trainer raises by design
     "You are trying to `self.log()`",
     "Accessing the data pointer of FakeTensor",
@@ -456,8 +471,8 @@ def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]
     return written
 
 
-def _small(out: Any) -> bool:
-    return all(t.numel() * t.element_size() <= _VALUE_MAX_BYTES for t in _tensors_in(out))
+def _small(out: Any, max_bytes: int = _VALUE_MAX_BYTES) -> bool:
+    return all(t.numel() * t.element_size() <= max_bytes for t in _tensors_in(out))
 
 
 class _BatchValues(TorchDispatchMode):
@@ -467,8 +482,8 @@ class _BatchValues(TorchDispatchMode):
     sequences packed (``position_ids`` diffs), where are the labels (``(labels != -100).sum().item()``).
     Those values come from the batch, not from the parameters, and are cheap to compute for real.
     This mode (above the fake mode) keeps a real twin of every fake tensor that was computed only
-    from the batch, from constants or from other such tensors, when no larger than
-    ``_VALUE_MAX_BYTES``, running each such op once more on the twins with every mode off (so
+    from the batch, from constants or from other such tensors, when no larger than ``max_bytes``
+    (:func:`value_max_bytes` of the simulated length: a ``[L, L]`` mask fits), running each such op once more on the twins with every mode off (so
     nothing is counted, and the real tensors die with their fake ones). An op that reads the
     values of a tensor without a twin (an activation, anything computed from parameters) still
     fails, as it must. A real tensor held by the module is its own twin, but never written to. A
@@ -476,14 +491,15 @@ class _BatchValues(TorchDispatchMode):
     twins of its whole storage (every view of it).
     """
 
-    def __init__(self, fake_mode: FakeTensorMode) -> None:
+    def __init__(self, fake_mode: FakeTensorMode, max_bytes: int = _VALUE_MAX_BYTES) -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        self.max_bytes = int(max_bytes)  # largest tensor whose real value is kept
         self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (ref to it, its twin)
         self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
 
     def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
-        if value.numel() * value.element_size() <= _VALUE_MAX_BYTES:
+        if value.numel() * value.element_size() <= self.max_bytes:
             key = id(fake)
             self._values[key] = (weakref.ref(fake, lambda _, k=key: self._values.pop(k, None)), value)
 
@@ -516,10 +532,10 @@ class _BatchValues(TorchDispatchMode):
             out = func(*args, **kwargs)
             computed = True
         except (DataDependentOutputException, DynamicOutputShapeException):
-            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > _VALUE_MAX_BYTES:
+            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > self.max_bytes:
                 raise
             out, computed = None, False
-        if not known or (computed and not _small(out)):
+        if not known or (computed and not _small(out, self.max_bytes)):
             for t in written:
                 self.forget(t)  # its values are unknown from now on
             return out
@@ -599,7 +615,7 @@ def _shape_batch(
             fake = x
         else:
             fake = fake_mode.from_tensor(x)
-            if x.numel() * x.element_size() <= _VALUE_MAX_BYTES:
+            if x.numel() * x.element_size() <= values.max_bytes:
                 with _disable_current_modes():
                     values.give(fake, x.detach().clone())
         out = fake
@@ -921,7 +937,7 @@ def dry_run_step(
         for message in _QUIET:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode)
+        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
         try:
             model, fake_optimizer, notes = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode)
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
