@@ -117,7 +117,7 @@ from .mitigations.microbatch import (
     split_batch,
 )
 from .offline import training_step_memory
-from .probes import PHASES, TrackedEvents, existing_tensors, make_probe, round_cuda_block_bytes
+from .probes import PHASES, TrackedEvents, attribute_tensors, existing_tensors, make_probe, round_cuda_block_bytes
 
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_kernel_scratch_bytes", "dry_run_step",
            "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
@@ -338,13 +338,16 @@ def _preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
-    """``copy.deepcopy`` with fake parameters and buffers, without the Trainer (or Fabric) it is attached to.
+def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["_BatchValues"] = None) -> nn.Module:
+    """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
+    (or Fabric) it is attached to.
 
-    Parameters and buffers are faked first and put in the copy's memo, so the deep copy takes the
-    fake ones and never copies a real one (nor a gradient). Other tensors held by the module (small
-    attributes such as a rotary embedding's ``original_inv_freq``) are copied as they are; the fake
-    mode converts them when an op uses them.
+    Parameters, buffers and tensors held as plain attributes (:func:`~lightning_seqmem.probes.attribute_tensors`:
+    caches such as a positional table or a causal mask, a rotary embedding's ``original_inv_freq``)
+    are faked first and put in the copy's memo, so the deep copy takes the fake ones and never
+    copies a real one (nor a gradient); the attribute tensors count as existing memory of the step,
+    as in a real one. ``values`` gets a copy of each attribute tensor's values (within its limit):
+    a step may read them.
     """
     memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric"):
@@ -359,6 +362,13 @@ def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
             memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
         for b in pl_module.buffers():
             memo[id(b)] = fake_mode.from_tensor(b)
+        for t in attribute_tensors(pl_module):
+            if id(t) in memo or isinstance(t, FakeTensor) or t.device.type == "meta":
+                continue
+            memo[id(t)] = fake = fake_mode.from_tensor(t)
+            if values is not None and t.numel() * t.element_size() <= values.max_bytes:
+                with _disable_current_modes():
+                    values.give(fake, t.detach().clone())
         return copy.deepcopy(pl_module, memo)
     except Exception as exc:  # noqa: BLE001 - reported as the reason
         raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
@@ -813,11 +823,12 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 def _fake_module_and_optimizer(
-    pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device, fake_mode: FakeTensorMode
+    pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device, fake_mode: FakeTensorMode,
+    values: Optional["_BatchValues"] = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, list[str]]:
     """The fake copy on ``device`` with the asked mitigations, its optimizer, and notes on what was done."""
     notes: list[str] = []
-    model = _fake_copy(pl_module, fake_mode)
+    model = _fake_copy(pl_module, fake_mode, values)
     with fake_mode:
         if device != _device_of(pl_module):
             notes.append(f"moved {_device_of(pl_module)} -> {device}")
@@ -939,7 +950,8 @@ def dry_run_step(
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         values = _BatchValues(fake_mode, value_max_bytes(seq_len))
         try:
-            model, fake_optimizer, notes = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode)
+            model, fake_optimizer, notes = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode,
+                                                                       values)
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             with fake_mode, values:  # as Lightning moves the batch to the module's device
                 step_batch = _to_device(step_batch, device)

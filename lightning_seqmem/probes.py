@@ -486,15 +486,44 @@ class CudaAllocatorProbe(MemoryProbe):
         self._tracker_probe.abort()
 
 
+_NOT_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})  # walked elsewhere, or not the module's
+
+
+def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Tensors held as plain attributes of ``model`` or of its submodules (neither parameters nor
+    buffers): caches such as Lightning's demo ``PositionalEncoding.pe`` or ``Transformer.src_mask``,
+    directly or in a list, tuple or dict attribute (one level deep). Device memory all the same.
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> lin.cache, lin.pair = torch.ones(3), (torch.zeros(2), None)
+        >>> [tuple(t.shape) for t in attribute_tensors(torch.nn.Sequential(lin))]
+        [(3,), (2,)]
+    """
+    out: list[torch.Tensor] = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in _NOT_ATTRIBUTES:
+                continue
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out += [v for v in value if isinstance(v, torch.Tensor)]
+            elif isinstance(value, dict) and not name.endswith("hooks"):
+                out += [v for v in value.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
 def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any], batch: Any) -> list[torch.Tensor]:
-    """Tensors alive before a training step: parameters, buffers, gradients, optimizer state, batch.
+    """Tensors alive before a training step: parameters, buffers, tensors held as module attributes
+    (:func:`attribute_tensors`), gradients, optimizer state, batch.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
         >>> len(existing_tensors(lin, [torch.optim.SGD(lin.parameters(), lr=0.1)], {"x": torch.ones(2, 4)}))
         3
     """
-    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
+    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers()) + attribute_tensors(model)
     out += [p.grad for p in model.parameters() if p.grad is not None]
     for optimizer in optimizers:
         for state in optimizer.state.values():
