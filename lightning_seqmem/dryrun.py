@@ -124,7 +124,7 @@ __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_k
 
 _MICRO_BATCH_SIZE = 1  # samples per micro-batch of the "microbatch" rung (as the ladder applies it)
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
-_VALUE_CEILING_BYTES = 2**30  # ... or up to a fp32 [L, L] mask of the simulated length, but never above this
+_VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
 
 
 def value_max_bytes(seq_len: int) -> int:
@@ -132,10 +132,12 @@ def value_max_bytes(seq_len: int) -> int:
 
     A fp32 ``[L, L]`` causal mask is what every ``nn.Transformer`` builds, and
     ``nn.TransformerDecoder`` reads its values (``bool((mask == causal).all())``), so the limit is
-    at least that (at least 8 MiB, at most 1 GiB of host memory per tensor: 16K tokens).
+    at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors on the
+    simulated device (a few of that size at once, while the dry run lasts): beyond 8192 tokens such
+    a check refuses the dry run, and the fit of measured steps answers.
 
     Example:
-        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**30
+        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**28
         (True, True, True)
     """
     return min(max(_VALUE_MAX_BYTES, 4 * int(seq_len) ** 2), _VALUE_CEILING_BYTES)

@@ -55,6 +55,15 @@ def check_setter_reaches_data(trainer: Any) -> None:
     ...
     ValueError: the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers=2: each worker process holds its own copy of the dataset, so a length set in the main process never reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a dataclass) that the callback cuts itself, or drop the `curriculum`.
     """
+    fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
+    if getattr(fetcher, "prefetch_batches", 0) > 0 and getattr(fetcher, "length", 0) is None:
+        raise ValueError(
+            "the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a "
+            "tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has no length, so "
+            "Lightning fetches each batch one ahead of the step: every stage's first batch would arrive at the "
+            "previous stage's length, the first at the data's own. Give the dataset a `__len__` (Lightning then "
+            "fetches each batch just before its step), or return batches as a dict (or a list, or a dataclass) that "
+            "the callback cuts itself, or drop the `curriculum`.")
     workers = train_loader_workers(trainer)
     if workers > 0:
         raise ValueError(
@@ -63,6 +72,24 @@ def check_setter_reaches_data(trainer: Any) -> None:
             "each worker process holds its own copy of the dataset, so a length set in the main process never "
             "reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a "
             "dataclass) that the callback cuts itself, or drop the `curriculum`.")
+
+
+def set_length_ahead(trainer: Any, seq_len: int) -> bool:
+    """Give the datamodule's or train dataset's ``set_seq_len`` the length of the batch that will be
+    fetched next (Lightning fetches a batch of a sized loader just before its step, after
+    ``on_train_epoch_start`` and the previous ``on_train_batch_end``): a batch that only the dataset
+    can shorten then arrives at its stage's length. Returns whether there was a setter.
+
+    >>> from types import SimpleNamespace as NS
+    >>> seen = []
+    >>> set_length_ahead(NS(datamodule=NS(set_seq_len=seen.append)), 128), seen
+    (True, [128])
+    """
+    setter = length_setter(trainer)
+    if setter is None:
+        return False
+    setter(int(seq_len))
+    return True
 
 
 def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
@@ -137,4 +164,4 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
 
 
 __all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
-           "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]
+           "set_length_ahead", "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]
