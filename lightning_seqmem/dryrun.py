@@ -76,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import inspect
 import math
 import re
@@ -969,7 +970,12 @@ def dry_run_step(
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
-            raise DryRunUnsupported(_reason(exc)) from exc
+            failure = _reason(exc)
+            traceback.clear_frames(exc.__traceback__)  # the step's frames held the half-built fake world
+            del exc
+            model = fake_optimizer = step_batch = loss_fn = step_optimizer = probe = values = fake_mode = None
+            gc.collect()  # its cycles (fake tensors, their mode, the tracker) freed now, not in a later collection
+            raise DryRunUnsupported(failure) from None
     assert memory is not None and memory.events is not None
     block = allocator_block_bytes(device)
     peak, phase_peaks = replay_peaks(memory.events, block)

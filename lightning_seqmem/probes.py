@@ -70,6 +70,20 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _fake_mode_active() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
 class _Transient:
     """A placeholder for a scratch allocation's slot (dead at once: nothing to watch)."""
 
@@ -197,9 +211,13 @@ class LiveTensorTracker(TorchDispatchMode):
             self._add(st, "<resize_>", nbytes)
 
     def track_existing(self, tensors: Iterable[Any], kind: str = "existing") -> None:
-        """Count storages that were alive before tracking (each storage once)."""
+        """Count storages that were alive before tracking (each storage once). Fake tensors count
+        only where a ``FakeTensorMode`` is active (a dry run): elsewhere they hold no memory."""
+        fakes = _fake_mode_active()
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            if not fakes and _is_fake(t):
                 continue
             for st in _storages(t):
                 if st._cdata not in self._ids:
@@ -215,8 +233,17 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.phase_starts[phase] = len(self.events.sequence)
 
     def stop(self) -> None:
-        """Ignore frees from now on (storages of this step die later, during the next one)."""
+        """Ignore frees from now on (storages of this step die later, during the next one).
+
+        The weak references (and their callbacks, which hold this tracker) are dropped at once,
+        not left to the garbage collector: a stopped tracker reaches no storage, neither the
+        training's real ones nor a dry run's fake (meta) ones, whenever it is collected.
+        """
         self._active = False
+        self._finalizers.clear()
+        self._ids.clear()
+        self._sizes.clear()
+        self._resized_to_zero.clear()
 
     # -- dispatch --------------------------------------------------------------------------------
     def __enter__(self):
