@@ -125,23 +125,20 @@ def test_module_attribute_tensors_are_existing_memory():
 
 def test_demo_is_dry_run_at_long_lengths():
     # nn.TransformerDecoder reads its [L, L] mask's values (is it causal?): 16 MiB at 2048 tokens,
-    # 256 MiB at 8192, once over the fixed 8 MiB the dry run refused the demo from 2048 tokens on
+    # 256 MiB at 8192; with a fixed 8 MiB limit the dry run refused the demo from 2048 tokens on
     measured = _measured(DemoTransformer(), _batch(2048))
-    dry = dry_run_step(DemoTransformer(), None, _batch(64), 2048).peak_bytes
-    assert abs(dry / measured - 1) < 0.01, (dry, measured)
-
     cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=128, steps_per_stage=2, multiple_of=64))
-    model = DemoTransformer()
-    _fit(cb, Tokens(num_samples=8, seq_len=128), 4, model)
-    fc = cb.forecast(8192, 1)
-    assert fc.method == "dry_run", fc.detail
-    assert fc.peak_bytes == dry_run_step(model, None, _batch(64), 8192).peak_bytes
+    _fit(cb, Tokens(num_samples=8, seq_len=128), 4, DemoTransformer())
+    at_2048, at_8192 = cb.forecast(2048, 1), cb.forecast(8192, 1)
+    assert at_2048.method == at_8192.method == "dry_run", (at_2048.detail, at_8192.detail)
+    assert abs(at_2048.peak_bytes / measured - 1) < 0.01, (at_2048.peak_bytes, measured)
+    assert at_8192.peak_bytes > 12 * at_2048.peak_bytes  # the [L, L] masks: ~quadratic
 
 
-@pytest.mark.slow  # one real step at 8192 tokens (1.1 GiB, 5-15 s on 2 cores)
-def test_demo_dry_run_at_8192_is_the_measured_step():
-    measured = _measured(DemoTransformer(), _batch(8192))
-    dry = dry_run_step(DemoTransformer(), None, _batch(64), 8192).peak_bytes
+@pytest.mark.slow  # real steps at 4096 tokens (290 MiB); 8192 (1.1 GiB): benchmarks/demo_transformer.py
+def test_demo_dry_run_at_4096_is_the_measured_step():
+    measured = _measured(DemoTransformer(), _batch(4096))
+    dry = dry_run_step(DemoTransformer(), None, _batch(64), 4096).peak_bytes
     assert abs(dry / measured - 1) < 0.01, (dry, measured)
 
 
