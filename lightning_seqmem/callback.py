@@ -346,10 +346,13 @@ class SeqMemCallback(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With a curriculum and a ``set_seq_len`` on the datamodule or train dataset, set the length of
         the epoch's first batch before Lightning fetches it (a tuple batch is not cut in place: its
-        length is the dataset's): the stage's length, or the decision for it where a batch ran."""
-        if self.curriculum is None or self._stopped or self._failed or self._uses_datamodule_length:
+        length is the dataset's): the stage's length, or the next re-measurement's (the planner's
+        state, the same on every rank: no collective)."""
+        if self.curriculum is None or self._stopped or self._uses_datamodule_length:
             return  # (once a batch went through the setter, each batch end sets the next one's length)
-        self._safely("setting the next batch's length", lambda: self._set_next_length(trainer, pl_module, None))
+        length = self.planner.refit_queue[0] if self.planner.refit_queue else self.planner.seq_len  # same on every rank
+        if length is not None:
+            self._safely("setting the next batch's length", lambda: edge.set_length_ahead(trainer, length))
 
     def _set_next_length(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """One batch ahead: the planner's decision for the next batch (pure; taken again at its
@@ -357,8 +360,8 @@ class SeqMemCallback(Callback):
         length, error = None, None
         if trainer.is_global_zero:
             try:
-                length = self.planner.seq_len if not self.planner.refit_queue else self.planner.refit_queue[0]
-                if batch is not None and self._shape is not None:
+                length = self.planner.refit_queue[0] if self.planner.refit_queue else self.planner.seq_len
+                if not self._failed and self._shape is not None:
                     applicable = self._applicability(trainer, pl_module, batch, self._shape)
                     length = self.planner.decide(self._shape, applicable).seq_len
             except Exception as exc:  # noqa: BLE001 - said below, after every rank heard
@@ -513,7 +516,7 @@ class SeqMemCallback(Callback):
             reason = micro_batching_refusal(pl_module) or "another rank refused it"
             self.planner.rung_removed("microbatch", f"its first-step check refused it: {reason}", pending)
         self._record(trainer, pending, row, memory)
-        if self._uses_datamodule_length and not self._failed:  # the next batch is fetched before its batch start
+        if self._uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
             self._safely("setting the next batch's length", lambda: self._set_next_length(trainer, pl_module, batch))
         if self.breakdown and not self._failed and trainer.is_global_zero:
             self._safely("the memory breakdown", lambda: setattr(
