@@ -220,7 +220,6 @@ class SeqMemCallback(Callback):
         self._resume_phrases: list[str] = []  # what a resume under a changed configuration changed
         self._resume_removed: tuple[str, ...] = ()  # rungs that were on and are no longer allowed
         self._uses_datamodule_length = False
-        self._length_ahead = False  # the datamodule's or dataset's set_seq_len is given each next batch's length
         self.breakdowns: list[Any] = []
         self.breakdown_table: Optional[Any] = None
         self.breakdown_report: Optional[dict[str, Any]] = None
@@ -345,17 +344,16 @@ class SeqMemCallback(Callback):
 
     # -- Lengths set ahead through the dataset's ``set_seq_len`` -----------------------------------------
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """With a curriculum (that truncates) and a ``set_seq_len`` on the datamodule or train
-        dataset, set the length of the fit's first batch before Lightning fetches it (a tuple batch is
-        not cut in place: its length is the dataset's): the stage's length, or the next
-        re-measurement's (the planner's state, the same on every rank: no collective). From then on
-        each batch end sets the next one's (a dict batch then arrives at its length too)."""
-        if self.curriculum is None or not self.curriculum.truncate or self._stopped or self._length_ahead:
-            return  # (from the first batch on, each batch end sets the next one's length)
+        """With a curriculum, batches that cannot be cut in place (a tuple, a bare tensor: their
+        length is the dataset's; :func:`~lightning_seqmem.edge.batches_need_setter`) and a
+        ``set_seq_len`` on the datamodule or train dataset, set the length of the first batch before
+        Lightning fetches it: the stage's length, or the next re-measurement's (the planner's state,
+        the same on every rank: no collective). From then on each batch end sets the next one's."""
+        if self.curriculum is None or self._stopped or self._uses_datamodule_length:
+            return  # (once a batch went through the setter, each batch end sets the next one's length)
         length = self.planner.refit_queue[0] if self.planner.refit_queue else self.planner.seq_len  # same on every rank
-        if length is not None:
-            self._safely("setting the next batch's length",
-                         lambda: setattr(self, "_length_ahead", edge.set_length_ahead(trainer, length)))
+        if length is not None and edge.length_setter(trainer) is not None and edge.batches_need_setter(trainer):
+            self._safely("setting the next batch's length", lambda: edge.set_length_ahead(trainer, length))
 
     def _set_next_length(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """One batch ahead: the planner's decision for the next batch (pure; taken again at its
@@ -519,7 +517,7 @@ class SeqMemCallback(Callback):
             reason = micro_batching_refusal(pl_module) or "another rank refused it"
             self.planner.rung_removed("microbatch", f"its first-step check refused it: {reason}", pending)
         self._record(trainer, pending, row, memory)
-        if self._uses_datamodule_length or self._length_ahead:  # the next batch is fetched before its batch start (every rank: a collective)
+        if self._uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
             self._safely("setting the next batch's length", lambda: self._set_next_length(trainer, pl_module, batch))
         if self.breakdown and not self._failed and trainer.is_global_zero:
             self._safely("the memory breakdown", lambda: setattr(

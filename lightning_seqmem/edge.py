@@ -74,6 +74,36 @@ def check_setter_reaches_data(trainer: Any) -> None:
             "dataclass) that the callback cuts itself, or drop the `curriculum`.")
 
 
+def batches_need_setter(trainer: Any) -> bool:
+    """Whether the train loader's batches cannot be cut in place (a tuple, a bare tensor), so their
+    length is the dataset's: one sample collated by the loader's own ``collate_fn`` tells, before
+    Lightning fetches the first batch (random generators restored). False where it cannot tell (an
+    iterable dataset, several loaders): the first batch then says.
+
+    >>> from types import SimpleNamespace as NS
+    >>> from torch.utils.data import DataLoader
+    >>> rows = [(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))]
+    >>> batches_need_setter(NS(train_dataloader=DataLoader(rows, collate_fn=lambda b: tuple(b[0])))), \
+    ...     batches_need_setter(NS(train_dataloader=DataLoader(rows)))
+    (True, False)
+    """
+    import random
+
+    loader = getattr(trainer, "train_dataloader", None)
+    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
+    if dataset is None or collate is None or not hasattr(type(dataset), "__getitem__") or not hasattr(dataset, "__len__"):
+        return False
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            batch = collate([dataset[0]])
+    except Exception:  # noqa: BLE001 - cannot tell: the first batch says
+        return False
+    finally:
+        random.setstate(state)
+    return not can_cut_in_place(batch)
+
+
 def set_length_ahead(trainer: Any, seq_len: int) -> bool:
     """Give the datamodule's or train dataset's ``set_seq_len`` the length of the batch that will be
     fetched next (Lightning fetches a batch of a sized loader just before its step, after
@@ -163,5 +193,5 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
     return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
-__all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
+__all__ = ["batches_need_setter", "check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
            "set_length_ahead", "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]
