@@ -83,8 +83,8 @@ def batches_need_setter(trainer: Any) -> bool:
     >>> from types import SimpleNamespace as NS
     >>> from torch.utils.data import DataLoader
     >>> rows = [(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))]
-    >>> batches_need_setter(NS(train_dataloader=DataLoader(rows, collate_fn=lambda b: tuple(b[0])))), \
-    ...     batches_need_setter(NS(train_dataloader=DataLoader(rows)))
+    >>> tuples, lists = DataLoader(rows, collate_fn=lambda b: tuple(b[0])), DataLoader(rows)
+    >>> batches_need_setter(NS(train_dataloader=tuples)), batches_need_setter(NS(train_dataloader=lists))
     (True, False)
     """
     import random
