@@ -396,6 +396,37 @@ class SeqMemCallback(Callback):
         if phrases:
             rank_zero_warn(f"seqmem: resumed with {'; '.join(phrases)}.")
 
+    # -- Lengths set ahead through the dataset's ``set_seq_len`` -----------------------------------------
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With a curriculum, batches that cannot be cut in place (a tuple, a bare tensor: their
+        length is the dataset's; :func:`~lightning_seqmem.edge.batches_need_setter`) and a
+        ``set_seq_len`` on the datamodule or train dataset, set the length of the first batch before
+        Lightning fetches it: the stage's length, or the next re-measurement's (the planner's state,
+        the same on every rank: no collective). From then on each batch end sets the next one's."""
+        if self.curriculum is None or self._stopped or self._uses_datamodule_length:
+            return  # (once a batch went through the setter, each batch end sets the next one's length)
+        length = self.planner.refit_queue[0] if self.planner.refit_queue else self.planner.seq_len  # same on every rank
+        if length is not None and edge.length_setter(trainer) is not None and edge.batches_need_setter(trainer):
+            self._safely("setting the next batch's length", lambda: edge.set_length_ahead(trainer, length))
+
+    def _set_next_length(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """One batch ahead: the planner's decision for the next batch (pure; taken again at its
+        ``on_train_batch_start``) gives the length the dataset must produce, on every rank."""
+        length, error = None, None
+        if trainer.is_global_zero:
+            try:
+                length = self.planner.refit_queue[0] if self.planner.refit_queue else self.planner.seq_len
+                if not self._failed and self._shape is not None:
+                    applicable = self._applicability(trainer, pl_module, batch, self._shape)
+                    length = self.planner.decide(self._shape, applicable).seq_len
+            except Exception as exc:  # noqa: BLE001 - said below, after every rank heard
+                length, error = None, exc
+        length = distributed.broadcast(trainer, length)
+        if error is not None:
+            raise error
+        if length is not None:
+            edge.set_length_ahead(trainer, length)
+
     # -- Before a batch: agree, decide, apply, cut, start measuring ----------------------------------
     def _read_shape(self, batch: Any) -> tuple[int, int]:
         return read_batch_shape(batch, self.seq_len_fn)
@@ -544,6 +575,8 @@ class SeqMemCallback(Callback):
             reason = micro_batching_refusal(pl_module) or "another rank refused it"
             self.planner.rung_removed("microbatch", f"its first-step check refused it: {reason}", pending)
         self._record(trainer, pending, row, memory)
+        if self._uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
+            self._safely("setting the next batch's length", lambda: self._set_next_length(trainer, pl_module, batch))
         if self.breakdown and not self._failed and trainer.is_global_zero:
             self._safely("the memory breakdown", lambda: setattr(
                 self, "_breakdown_batch", edge.longest_batch(self._breakdown_batch, batch, self._read_shape(batch)[1])))

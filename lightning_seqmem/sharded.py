@@ -65,6 +65,7 @@ from .dryrun import (
     _transformers_without_fake_detection,
     allocator_block_bytes,
     replay_peaks,
+    value_max_bytes,
 )
 from .mitigations.attention import AttentionSwitch
 from .mitigations.checkpointing import ActivationCheckpointing, find_repeated_blocks
@@ -284,7 +285,7 @@ def sharded_dry_run_step(
         for message in _QUIET:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode)
+        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:

@@ -140,8 +140,8 @@ def test_tuple_batch_uses_the_dataset_length_setter():
     loader = DataLoader(dataset, batch_size=2, collate_fn=lambda items: tuple(default_collate(items)))
     cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=64, steps_per_stage=3))
     make_trainer([cb], max_steps=9).fit(_TupleLitGPT(n_layer=1, d_model=32, n_head=2), loader)
-    # the dataset changes length when asked; Lightning prefetches one batch, so each change lands a
-    # batch late — every batch is measured at its real length, and a stage counts only the steps
-    # that ran at its length (three at 16, then 32)
-    assert [r.seq_len for r in cb.records] == [64, 16, 16, 16, 16, 32, 32, 32, 32]
+    # the dataset changes length when asked, one batch ahead (before Lightning fetches the batch):
+    # every batch, the first included, comes at its stage's length (it came a batch late before:
+    # [64, 16, 16, 16, 16, 32, 32, 32, 32])
+    assert [r.seq_len for r in cb.records] == [16, 16, 16, 32, 32, 32, 64, 64, 64]
     assert dataset.seq_len == 64
