@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Optional
 
-__all__ = ["bucket_up", "dominating", "largest_fitting"]
+__all__ = ["bucket_up", "crossing", "dominating", "largest_fitting"]
 
 
 def bucket_up(seq_len: int, per_octave: int = 8) -> int:
@@ -58,6 +58,26 @@ def dominating(answers: Mapping[tuple[int, int], int], seq_len: int, batch_size:
     """
     above = [(peak, key) for key, peak in answers.items() if key[0] >= seq_len and key[1] >= batch_size]
     return min(above)[1] if above else None
+
+
+def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
+    """Where ``bounds`` (length -> bound bytes) are guessed to reach ``budget``: between the longest
+    length that fits and the shortest longer one that does not (see :func:`largest_fitting`); None
+    without both.
+
+    >>> crossing({100: 10_000, 200: 40_000, 400: 160_000}, 90_000)   # 1·L² bytes: 300 tokens
+    300
+    >>> crossing({100: 10_000, 200: 40_000}, 90_000) is None   # nothing known over
+    True
+    """
+    fit = [x for x, v in bounds.items() if v <= budget]
+    if not fit:
+        return None
+    lo = max(fit)
+    over = [x for x, v in bounds.items() if v > budget and x > lo]
+    if not over:
+        return None
+    return _crossing(bounds, lo, min(over), budget)
 
 
 def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,

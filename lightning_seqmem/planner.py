@@ -397,8 +397,9 @@ class SeqMemPlanner:
 
         1. this shape's own dry run, when it ran already (or without a budget to judge against);
         2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
-        3. one dry run at the length rounded up onto a grid of 8 lengths per doubling (never past
-           the longest length known: the data's, the curriculum's target), when its bound fits;
+        3. one dry run ahead, at a longer length (:meth:`_bucket`: the longest length known, the
+           data's or the curriculum's target, or short of where the cached dry runs cross the
+           budget), when its bound fits: it then answers for every length below it;
         4. else this shape's own dry run: "over" is only ever said from the exact shape.
         """
         key = self.applied_mitigations if mitigations is None else tuple(mitigations)
@@ -412,13 +413,29 @@ class SeqMemPlanner:
             fc = self._dry_forecast(L, B, key, source=source)
             if fc is not None and self.bound_of(fc) <= budget:
                 return fc
-        bucket = min(dry_evidence.bucket_up(L), max(self._longest_known, L))
+        bucket = self._bucket(L, B, key, budget)
         known_over = any(L <= k[0] <= bucket and k[1] == B and self._over(k[0], B, key, budget) for k in answers)
         if bucket > L and not known_over:
             fc = self._dry_forecast(L, B, key, source=(bucket, B))
             if fc is not None and self.bound_of(fc) <= budget:
                 return fc
         return self._dry_forecast(L, B, key)
+
+    def _bucket(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> int:
+        """The length to dry-run for ``seq_len`` (not shorter): the longest length known (a dry run
+        there that fits answers for every shorter one), or, where the dry runs cached say the budget
+        is crossed before it, 95% of that crossing; at least ``seq_len`` rounded up onto the grid
+        of :func:`~lightning_seqmem.dry_evidence.bucket_up`, never past the longest length known."""
+        longest = max(self._longest_known, seq_len)
+        bounds = {}
+        for (L, B, m), answer in self._dry.items():
+            if answer is not None and B == batch_size and m == key:
+                fc = self._dry_forecast(L, B, key)
+                if fc is not None:
+                    bounds[L] = self.bound_of(fc)
+        cross = dry_evidence.crossing(bounds, budget)
+        ahead = longest if cross is None else int(0.95 * cross)
+        return min(longest, max(ahead, dry_evidence.bucket_up(seq_len), seq_len))
 
     def _over(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> bool:
         fc = self._dry_forecast(seq_len, batch_size, key)
