@@ -395,7 +395,9 @@ class SeqMemPlanner:
         """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as possible
         (:mod:`.dry_evidence`: a step's peak does not fall as the length or the batch grows):
 
-        1. this shape's own dry run, when it ran already (or without a budget to judge against);
+        1. this shape's own dry run, when it ran already, without a budget to judge against, or with
+           a curriculum (a few lengths, each dry-run and verified when it runs); without one (the
+           data sets the length: dynamic padding, a new length every batch):
         2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
         3. one dry run ahead, at a longer length (:meth:`_bucket`: the longest length known, the
            data's or the curriculum's target, or short of where the cached dry runs cross the
@@ -405,8 +407,8 @@ class SeqMemPlanner:
         key = self.applied_mitigations if mitigations is None else tuple(mitigations)
         budget = self.usable_budget_bytes
         L, B = int(seq_len), int(batch_size)
-        if (L, B, key) in self._dry or budget is None or self.dry_run is None:
-            return self._dry_forecast(L, B, key)
+        if (L, B, key) in self._dry or budget is None or self.dry_run is None or self.curriculum is not None:
+            return self._dry_forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
         answers = {(k[0], k[1]): v[0] for k, v in self._dry.items() if v is not None and k[2] == key}
         source = dry_evidence.dominating(answers, L, B)
         if source is not None:

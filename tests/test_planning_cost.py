@@ -139,8 +139,8 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
     assert [r.seq_len for r in cb.records] == lengths
     assert all(r.peak_bytes <= cb.usable_budget_bytes for r in cb.records), [(r.seq_len, r.peak_bytes) for r in cb.records]
     assert any(r.mitigations for r in cb.records)  # the budget did bite: a rung went on
-    print(len(calls), calls)
-    assert len(calls) < len(lengths) // 2 + 6, calls
+    judged = [key for key in calls if key[0] in lengths]  # (others: the logged max_seq_len's search, checks)
+    assert len(judged) <= len(lengths) // 2, calls  # one per new length before
 
 
 def pl_callback():
