@@ -185,7 +185,7 @@ def _spread(lengths: set[int], n: int) -> set[int]:
     """At most ``n`` of ``lengths``, evenly spread, the shortest and the longest kept.
 
     >>> sorted(_spread(set(range(10, 210)), 5)), _spread({3, 1}, 5) == {1, 3}
-    ([10, 59, 109, 159, 209], True)
+    ([10, 60, 110, 159, 209], True)
     """
     ordered = sorted(lengths)
     if len(ordered) <= n:
