@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["decision"] = stage_decision(layers, args.batch_size, stage, nxt)
         row["run"] = dynamic_padding_run(layers, args)
         rows[str(layers)] = row
+        print(f"({layers} layers done after {time.perf_counter() - t_start:.0f} s)", flush=True)
     total = time.perf_counter() - t_start
     out = {
         "overhead_fraction": {k: v["run"]["overhead"] for k, v in rows.items()},
