@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from . import advice as A
+from . import dry_evidence
 from .checks import check_int
 from .curriculum import Curriculum
 from .forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
@@ -200,6 +201,7 @@ class SeqMemPlanner:
         self._advice: list[A.Advice] = []
         self._cache: dict[str, Any] = {}
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
+        self._longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
         self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
 
@@ -280,13 +282,22 @@ class SeqMemPlanner:
         lo = step
         if not fits(lo):
             return 0 if step == 1 or not fits(1) else self._dry_max_below(1, lo, fits)
-        if fits(hi):
-            return hi
-        while hi - lo > step:
-            mid = (lo + hi) // 2
-            mid -= mid % step
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return step * self._dry_search(lo // step, hi // step, step, batch_size, self.applied_mitigations, budget_bytes)
+
+    def _dry_search(self, lo: int, hi: int, unit: int, batch_size: int, setting: tuple[str, ...], budget: int,
+                    bound: Optional[Callable[[int], Optional[int]]] = None) -> int:
+        """Largest ``x`` in ``[lo, hi]`` whose bound at ``x·unit`` tokens (the dry run's, or ``bound``'s)
+        fits ``budget``, given that ``lo`` fits: the dry runs cached narrow it, then guesses from their
+        bounds are checked (:func:`~lightning_seqmem.dry_evidence.largest_fitting`)."""
+        def dry_bound(x: int) -> Optional[int]:
+            fc = self._dry_forecast(x * unit, batch_size, setting)
+            return None if fc is None else self.bound_of(fc)
+
+        bound = bound or dry_bound
+
+        known = [L // unit for (L, B, m), v in self._dry.items()
+                 if v is not None and B == batch_size and m == setting and L % unit == 0]
+        return dry_evidence.largest_fitting(lo, hi, bound, budget, known)
 
     @staticmethod
     def _dry_max_below(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
@@ -404,8 +415,11 @@ class SeqMemPlanner:
             return residual
         return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
-    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
-        answer = self.dry_peak(seq_len, batch_size, mitigations)
+    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
+                      source: Optional[tuple[int, int]] = None) -> Optional[Forecast]:
+        """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from the
+        dry run of that larger shape (see :mod:`.dry_evidence`), scratch counted at ``seq_len``."""
+        answer = self.dry_peak(*(source or (seq_len, batch_size)), mitigations)
         if answer is None:
             return None
         peak, phases = answer
@@ -415,8 +429,68 @@ class SeqMemPlanner:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
         upper = int(peak * (1 + self._dry_margin()))
         ratio = self.forecasters[key].reserved_ratio if key in self.forecasters else self.forecaster.reserved_ratio
-        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases,
-                        f"dry run of the training step with mitigations {list(key)} on fake tensors")
+        detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
+        if source is not None and tuple(source) != (seq_len, batch_size):
+            detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
+        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
+
+    def _dry_judged(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
+        """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as possible
+        (:mod:`.dry_evidence`: a step's peak does not fall as the length or the batch grows):
+
+        1. this shape's own dry run, when it ran already, without a budget to judge against, or with
+           a curriculum (a few lengths, each dry-run and verified when it runs); without one (the
+           data sets the length: dynamic padding, a new length every batch):
+        2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
+        3. one dry run ahead, at a longer length (:meth:`_bucket`: the longest length known, the
+           data's or the curriculum's target, or short of where the cached dry runs cross the
+           budget), when its bound fits: it then answers for every length below it;
+        4. else this shape's own dry run: "over" is only ever said from the exact shape.
+        """
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        budget = self.usable_budget_bytes
+        L, B = int(seq_len), int(batch_size)
+        if (L, B, key) in self._dry or budget is None or self.dry_run is None or self.curriculum is not None:
+            return self._dry_forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
+        answers = {(k[0], k[1]): v[0] for k, v in self._dry.items() if v is not None and k[2] == key}
+        source = dry_evidence.dominating(answers, L, B)
+        if source is not None:
+            fc = self._dry_forecast(L, B, key, source=source)
+            if fc is not None and self.bound_of(fc) <= budget:
+                return fc
+        bucket = self._bucket(L, B, key, budget)
+        known_over = any(L <= k[0] <= bucket and k[1] == B and self._over(k[0], B, key, budget) for k in answers)
+        if bucket > L and not known_over:
+            fc = self._dry_forecast(L, B, key, source=(bucket, B))
+            if fc is not None and self.bound_of(fc) <= budget:
+                return fc
+        return self._dry_forecast(L, B, key)
+
+    def _bucket(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> int:
+        """The length to dry-run for ``seq_len`` (not shorter): the longest length known (a dry run
+        there that fits answers for every shorter one), or, where the dry runs cached say the budget
+        is crossed before it, 95% of that crossing; at least ``seq_len`` rounded up onto the grid
+        of :func:`~lightning_seqmem.dry_evidence.bucket_up`, never past the longest length known."""
+        longest = max(self._longest_known, seq_len)
+        bounds = {}
+        for (L, B, m), answer in self._dry.items():
+            if answer is not None and B == batch_size and m == key:
+                fc = self._dry_forecast(L, B, key)
+                if fc is not None:
+                    bounds[L] = self.bound_of(fc)
+        cross = dry_evidence.crossing(bounds, budget)
+        ahead = longest if cross is None else int(0.95 * cross)
+        return min(longest, max(ahead, dry_evidence.bucket_up(seq_len), seq_len))
+
+    def _over(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> bool:
+        fc = self._dry_forecast(seq_len, batch_size, key)
+        return fc is not None and self.bound_of(fc) > budget
+
+    @property
+    def _longest_known(self) -> int:
+        """The longest length known to be one the model runs: measured, asked about, the target."""
+        return max([r.seq_len for r in self.records] + [self._longest_seen] +
+                   ([self.curriculum.target] if self.curriculum else []))
 
     def judge(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Verdict:
         """Whether a batch at ``(seq_len, batch_size)`` fits the usable budget now (see the module doc);
@@ -425,7 +499,7 @@ class SeqMemPlanner:
         if budget is None:
             return Verdict("fits")
         if mitigations is not None and tuple(mitigations) != self.applied_mitigations:
-            fc = self._dry_forecast(seq_len, batch_size, mitigations)
+            fc = self._dry_judged(seq_len, batch_size, mitigations)
             if fc is None:
                 return Verdict("unknown")
             return Verdict("fits" if self.bound_of(fc) <= budget else "over", self.bound_of(fc), fc.peak_bytes, "dry_run")
@@ -437,8 +511,8 @@ class SeqMemPlanner:
                 return Verdict("over", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
             if any(not r.warmup for r in here):
                 return Verdict("fits", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
-        dry = self._dry_forecast(seq_len, batch_size)
-        if dry is not None:  # the exact program at this length: trusted before any extrapolation
+        dry = self._dry_judged(seq_len, batch_size)
+        if dry is not None:  # the exact program at this length (or a bound from a larger one): before any extrapolation
             return Verdict("fits" if self.bound_of(dry) <= budget else "over", self.bound_of(dry), dry.peak_bytes, "dry_run")
         bounds: list[tuple[int, int, str]] = []
         if self.forecaster.ready:
@@ -481,6 +555,7 @@ class SeqMemPlanner:
         (under DDP: applies on every rank). Pure: the state changes only in :meth:`commit`.
         """
         batch_size, seq_len = int(shape[0]), int(shape[1])
+        self._longest_seen = max(self._longest_seen, seq_len)  # (a cache: a length the data has)
         if self.curriculum is None:
             return self._decide_free(seq_len, batch_size, applicable)
         return self._decide_curriculum(seq_len, batch_size, applicable)
@@ -533,10 +608,17 @@ class SeqMemPlanner:
 
         if hi < lo or not fits(lo):
             return None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo * m
+        budget = self.usable_budget_bytes
+        assert budget is not None
+
+        def judged_bound(k: int) -> Optional[int]:  # the judgement's bound, so the search agrees with fits()
+            L = k * m
+            verdict = self.judge(L, batch_of(L) if batch_of else batch_size, setting)
+            if verdict.kind == "unknown":
+                return None
+            return verdict.bound_bytes if verdict.bound_bytes is not None else (0 if verdict.kind == "fits" else budget + 1)
+
+        return m * self._dry_search(lo, hi, m, batch_size, tuple(setting), budget, judged_bound)
 
     def _checked_fit(self, high: int, batch_size: int) -> int:
         """Largest length below ``high`` that :meth:`judge` says fits with the rungs on now (what a
@@ -937,7 +1019,7 @@ class SeqMemPlanner:
         target = target or (self.records[-1].seq_len if self.records else None)
         # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
         fc = None if not target else (self.forecaster.forecast(target, batch_size) if self.forecaster.ready
-                                       else self._dry_forecast(target, batch_size))
+                                       else self._dry_judged(target, batch_size))
         if fc is not None:
             bound = self.bound_of(fc)
             out["forecast_next_gib"] = to_gib(bound)
