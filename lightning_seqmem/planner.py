@@ -64,6 +64,7 @@ from .records import PHASES, StepMemory, StepRecord
 from .rungs import MITIGATIONS, check_mitigations
 from .state import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from .timeline import Trace
+from .trust import Check, PredictorChecks
 from .units import to_gib
 
 Applicability = Mapping[str, "tuple[bool, str]"]
@@ -194,6 +195,8 @@ class SeqMemPlanner:
         self._cache: dict[str, Any] = {}
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
+        self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
+        self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
         self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
 
     # ------------------------------------------------------------------------------------------
@@ -234,11 +237,24 @@ class SeqMemPlanner:
         dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
         if dry is not None:
             return dry
+        why = self.dry_run_why(seq_len, self._batch_size(batch_size), key)
         forecaster = self.forecasters.get(key)
         if forecaster is None:
             raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
-                                        f"{[list(k) for k in self.forecasters]}")
-        return forecaster.forecast(seq_len, self._batch_size(batch_size))
+                                        f"{[list(k) for k in self.forecasters]}; {why}")
+        fc = forecaster.forecast(seq_len, self._batch_size(batch_size))
+        return replace(fc, detail=f"{fc.detail}; {why}")
+
+    def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
+        """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        if self.dry_run is None:
+            return "no dry run (dry_run=False, or not rank zero, or before fit)"
+        wrong = self.checks.wrong(key[2], "dry_run")
+        if wrong is not None:
+            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step measured at "
+                    f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        return f"dry run refused: {self._dry_why.get(key, 'no answer')}"
 
     def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
         """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
@@ -312,8 +328,9 @@ class SeqMemPlanner:
             try:
                 peak, phases = self.dry_run(*key)
                 self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
-            except Exception:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+            except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
                 self._dry[key] = None
+                self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         return self._dry[key]
 
     def _dry_margin(self) -> float:
@@ -364,12 +381,17 @@ class SeqMemPlanner:
             return residual
         return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
-    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
+    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
+                      trusted_only: bool = True) -> Optional[Forecast]:
+        """The dry run's forecast; None where it cannot answer, or (``trusted_only``) where it missed
+        measured steps of this setting beyond the tolerance (:mod:`.trust`)."""
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        if trusted_only and self.checks.wrong(key, "dry_run") is not None:
+            return None
         answer = self.dry_peak(seq_len, batch_size, mitigations)
         if answer is None:
             return None
         peak, phases = answer
-        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
         scratch = self.scratch_bytes(seq_len, batch_size, key)
         if scratch:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
@@ -730,6 +752,7 @@ class SeqMemPlanner:
         forecaster = self.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=self.tolerance))
         if not record.warmup:
             self.last_batch_size = B
+            wrong_now = self._check_predictors(record, forecaster)
             forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
             tL, tB, tm = trace if trace is not None else (L, B, memory)
             if pending.traced and tm.events is not None:
@@ -737,8 +760,8 @@ class SeqMemPlanner:
                                            measured_peak_bytes=tm.peak_bytes))
                 self._compare_replay(forecaster, record.mitigations, B)
             fc = self._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
-            if fc is not None:
-                self._verify(record, fc, forecaster)
+            if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # the forecast for the shape that ran
+                self._verify(record, fc, forecaster, quiet=fc.method in wrong_now)
             self._after_mitigation(record)
         if "microbatch" in record.mitigations and not any(r.mitigations == record.mitigations for r in self.records):
             # the step that switched micro-batching on ran its one-time loss check, which the dry runs
@@ -770,12 +793,54 @@ class SeqMemPlanner:
         if abs(error) > self.tolerance:
             self.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
 
-    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster) -> None:
+    def _check_predictors(self, record: StepRecord, forecaster: MemoryForecaster) -> set[str]:
+        """Check each predictor that can answer for the shape that ran against its measured peak,
+        before this step is added to any fit; one that misses beyond the tolerance is not trusted
+        until it is right again, said once per predictor and setting (:mod:`.trust`). Returns the
+        predictors this step found wrong where they were right before."""
+        L, B, setting = record.seq_len, record.batch_size, record.mitigations
+        predictions: dict[str, int] = {}
+        dry_key = (L, B, setting)
+        if self.dry_run is not None and (dry_key in self._dry or self.checks.count(setting, "dry_run") < 3):
+            dry = self._dry_forecast(L, B, setting, trusted_only=False)  # each shape dry-run once, cached
+            if dry is not None:
+                predictions["dry_run"] = dry.peak_bytes
+        for method in ("replay", "quadratic"):
+            try:
+                predictions[method] = forecaster.forecast(L, B, method=method).peak_bytes
+            except NotEnoughMeasurements:
+                pass
+        newly: set[str] = set()
+        for method, predicted in predictions.items():
+            if self.checks.add(setting, Check(method, L, B, predicted, record.peak_bytes)):
+                newly.add(method)
+        forecaster.distrusted = {}
+        for method in ("replay", "quadratic"):
+            wrong = self.checks.wrong(setting, method)
+            if wrong is not None:
+                forecaster.distrusted[method] = (f"it predicted {wrong.relative_error:+.1%} for the step measured at "
+                                                 f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        # a predictor ranked after one that decides and is right steps aside silently (see Forecast.detail)
+        said = [m for m in ("dry_run", "replay", "quadratic") if m in newly and not self._deciding_before(m, setting, forecaster)]
+        if said:
+            misses = [(m, predictions[m], self.checks.latest[(setting, m, L, B)].relative_error) for m in said]
+            self.advise(A.predictor_wrong(L, B, record.peak_bytes, misses, self.tolerance, self.checks.right(setting)))
+        return newly
+
+    def _deciding_before(self, method: str, setting: tuple[str, ...], forecaster: MemoryForecaster) -> bool:
+        """Whether a predictor ranked before ``method`` (dry run, replay, quadratic fit) answers and
+        is trusted with ``setting``: then ``method`` was not what decisions used."""
+        order = ("dry_run", "replay", "quadratic")
+        answers = {"dry_run": self.dry_run is not None and any(k[2] == setting and v is not None for k, v in self._dry.items()),
+                   "replay": forecaster.timeline is not None, "quadratic": forecaster.quadratic is not None}
+        return any(answers[m] and self.checks.wrong(setting, m) is None for m in order[:order.index(method)])
+
+    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster, quiet: bool = False) -> None:
         v = forecaster.verify(fc, record.peak_bytes)
         record.forecast_peak_bytes, record.forecast_upper_bytes = fc.peak_bytes, fc.upper_bytes
         record.forecast_method, record.forecast_error = fc.method, v.relative_error
         self.last_verification_error = v.relative_error
-        if abs(v.relative_error) > self.tolerance:
+        if abs(v.relative_error) > self.tolerance and not quiet:  # quiet: said by the predictor check
             self.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
                                             record.peak_bytes, v.relative_error, self.tolerance))
 
