@@ -780,8 +780,8 @@ class SeqMemPlanner:
     def _compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
         """The replay against the dry run at the target length (the curriculum's, else 4× the longest
         traced): a replay off by more than the tolerance is not trusted, and that is said once."""
-        if forecaster.timeline is None or self.dry_run is None:
-            return
+        if forecaster.timeline is None or self.dry_run is None or self.checks.wrong(setting, "dry_run") is not None:
+            return  # (a dry run that missed measured steps is not the judge of the replay)
         target = self.curriculum.target if self.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
         dry = self.dry_peak(target, batch_size, setting)
         if dry is None:
