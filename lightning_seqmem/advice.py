@@ -226,10 +226,16 @@ def compiled_module(reason: str, probe: str, every_n_steps: int) -> Advice:
     return Advice("compiled_module", "compiled-module", text, UserWarning)
 
 
-def dry_run_unavailable(reason: str) -> Advice:
-    return Advice("dry_run_unavailable", "dry-run-unavailable",
-                  f"seqmem: the dry run cannot simulate this training step ({reason}); forecasts come from the "
-                  "timeline replay and the quadratic fit of measured steps instead.", UserWarning)
+def dry_run_unavailable(reason: str, seq_len: Optional[int] = None, batch_size: Optional[int] = None) -> Advice:
+    """The dry run refused: said once per reason (the key holds the reason without its numbers)."""
+    import re
+
+    where = "" if seq_len is None else f" at seq_len={seq_len} (batch {batch_size})"
+    scope = ("" if seq_len is None else
+             " there and at larger shapes; shorter lengths keep their dry runs")
+    return Advice("dry_run_unavailable", "dry-run-unavailable-" + re.sub(r"\d+", "#", reason)[:120],
+                  f"seqmem: the dry run cannot simulate this training step{where} ({reason}); forecasts come from the "
+                  f"timeline replay and the quadratic fit of measured steps instead{scope}.", UserWarning)
 
 
 def replay_disagrees(seq_len: int, batch_size: int, replay: int, dry: int, error: float, traced: Sequence[int]) -> Advice:

@@ -317,7 +317,7 @@ class SeqMemCallback(Callback):
                 from .training_dry_run import TrainingRunDryRun
 
                 self._dry = TrainingRunDryRun(trainer, pl_module, lambda: self.planner.applied_mitigations,
-                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)),
+                                              lambda why, *shape: self.planner.advise(A.dry_run_unavailable(why, *shape)),
                                               template=self._template)
                 self.planner.dry_run = self._dry
         if self._reapply_on_fit_start:
