@@ -182,7 +182,8 @@ def curriculum_not_applied(asked: int, ran: int) -> Advice:
     'the record says 96, the length that ran'
     """
     why = ("the data is shorter than the stage" if ran < asked else
-           "the batch could not be cut (a bare tensor or a tuple without a `set_seq_len` on the dataset)")
+           "the batch could not be cut: a bare tensor or a tuple cannot change in place; return dicts or lists "
+           "from the dataloader, or give the datamodule or dataset a `set_seq_len(n)` method")
     return Advice("curriculum_not_applied", f"curriculum-{asked}",
                   f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
                   f"tokens ({why}); the record says {ran}, the length that ran; the curriculum holds: a stage "

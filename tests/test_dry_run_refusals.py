@@ -43,3 +43,23 @@ def test_a_refusal_at_a_long_length_keeps_the_shorter_dry_runs():
     fc = cb.forecast(256, 2)  # the replay answers, and says why the dry run did not
     assert fc.method == "replay" and "dry run refused" in fc.detail and ".item()" in fc.detail
     assert len([m for m in (str(w.message) for w in caught) if "the dry run cannot simulate" in m]) == 1
+
+
+def test_a_tuple_batch_under_a_curriculum_warns_once_and_the_curriculum_holds():
+    """README's rule for a batch that cannot be cut (a tuple, no `set_seq_len`): one warning, the record
+    has the length that ran, the curriculum holds. It raised TypeError from on_train_batch_start."""
+    from torch.utils.data import DataLoader
+
+    from test_user_truth import TupleGPT, TupleTokens, tuple_collate
+
+    class NoSetter(TupleTokens):
+        set_seq_len = None
+
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([cb], max_steps=4).fit(TupleGPT(n_layer=1, d_model=32, n_head=2),
+                                            DataLoader(NoSetter(), batch_size=4, collate_fn=tuple_collate))
+    said = [str(w.message) for w in caught if "could not be cut" in str(w.message)]
+    assert len(said) == 1 and "set_seq_len" in said[0] and "dicts or lists" in said[0], said
+    assert [r.seq_len for r in cb.records] == [64] * 4 and cb.seq_len == 16  # what ran; held at the first stage
