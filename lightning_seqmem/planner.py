@@ -258,15 +258,26 @@ class SeqMemPlanner:
 
     def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
         """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
-        with the mitigations on now."""
+        with the mitigations on now. Before this setting has a fit: by dry run; without one, from
+        what is known (the forecast of the setting before the last rung, else the longest length
+        measured within the budget; 0 if none): it does not raise after a fit."""
         if budget_bytes is None:
             budget_bytes = self.usable_budget_bytes
             if budget_bytes is None:
                 raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
         batch_size = self._batch_size(batch_size)
-        if not self.forecaster.ready and self.dry_peak(1, batch_size) is not None:
+        if self.forecaster.ready:
+            return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+        if self._dry_forecast(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
-        return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+        # what is known otherwise (a rung went on at the last steps): the setting before it, whose
+        # forecast bounds this one (a mitigation never adds memory), else the longest length measured within it
+        for n in range(len(self.applied_mitigations) - 1, -1, -1):
+            earlier = self.forecasters.get(self.applied_mitigations[:n])
+            if earlier is not None and earlier.ready:
+                return earlier.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+        return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations and not r.warmup
+                    and r.batch_size >= batch_size and self._measured_bound(r) <= budget_bytes), default=0)
 
     def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
         """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
