@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from .mode_stack import enter_below_user_modes, exit_own_mode, modes_below
 from .records import PHASES, StepMemory, TrackedEvents
 
 """Phases of a training step, in order: batch start → before backward → before optimizer step → batch end."""
@@ -221,11 +222,14 @@ class LiveTensorTracker(TorchDispatchMode):
     # -- dispatch --------------------------------------------------------------------------------
     def __enter__(self):
         _watch_resizes(self, True)
-        return super().__enter__()
+        self._below = modes_below()
+        return enter_below_user_modes(self, lambda: super(LiveTensorTracker, self).__enter__())
 
     def __exit__(self, *exc_info):
+        """Leave this mode only, wherever it is on the stack: another callback's mode entered after
+        it (or before it, and left first) is never popped in its place (:mod:`.mode_stack`)."""
         _watch_resizes(self, False)
-        return super().__exit__(*exc_info)
+        exit_own_mode(self, lambda: super(LiveTensorTracker, self).__exit__(*exc_info), getattr(self, "_below", []))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
