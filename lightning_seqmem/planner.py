@@ -234,6 +234,7 @@ class SeqMemPlanner:
         setting has two measured lengths."""
         check_int("seq_len", seq_len)
         key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
+        self._check_dry_once(key)
         dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
         if dry is not None:
             return dry
@@ -244,6 +245,21 @@ class SeqMemPlanner:
                                         f"{[list(k) for k in self.forecasters]}; {why}")
         fc = forecaster.forecast(seq_len, self._batch_size(batch_size))
         return replace(fc, detail=f"{fc.detail}; {why}")
+
+    def _check_dry_once(self, setting: tuple[str, ...]) -> None:
+        """Before a dry run answers a query with ``setting`` where it never met a measured step (a run
+        without a budget asks it nothing), check it once at the latest measured shape."""
+        if self.dry_run is None or self.checks.count(setting, "dry_run"):
+            return
+        measured = [r for r in self.records if r.mitigations == setting and not r.warmup]
+        if not measured:
+            return
+        r = measured[-1]
+        dry = self._dry_forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
+        if dry is not None and self.checks.add(setting, Check("dry_run", r.seq_len, r.batch_size, dry.peak_bytes, r.peak_bytes)):
+            c = self.checks.latest[(setting, "dry_run", r.seq_len, r.batch_size)]
+            self.advise(A.predictor_wrong(r.seq_len, r.batch_size, r.peak_bytes, [("dry_run", dry.peak_bytes, c.relative_error)],
+                                          self.tolerance, self.checks.right(setting)))
 
     def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
         """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
@@ -812,8 +828,8 @@ class SeqMemPlanner:
         L, B, setting = record.seq_len, record.batch_size, record.mitigations
         predictions: dict[str, int] = {}
         dry_key = (L, B, setting)
-        if self.dry_run is not None and (dry_key in self._dry or self.checks.count(setting, "dry_run") < 3):
-            dry = self._dry_forecast(L, B, setting, trusted_only=False)  # each shape dry-run once, cached
+        if self.dry_run is not None and dry_key in self._dry:  # asked already: no dry run only to check it
+            dry = self._dry_forecast(L, B, setting, trusted_only=False)
             if dry is not None:
                 predictions["dry_run"] = dry.peak_bytes
         for method in ("replay", "quadratic"):
