@@ -197,6 +197,7 @@ class SeqMemPlanner:
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
         self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
         self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
+        self._checked: set[tuple] = set()  # steps whose predictors were checked, with the fits' version
         self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
 
     # ------------------------------------------------------------------------------------------
@@ -826,6 +827,10 @@ class SeqMemPlanner:
         until it is right again, said once per predictor and setting (:mod:`.trust`). Returns the
         predictors this step found wrong where they were right before."""
         L, B, setting = record.seq_len, record.batch_size, record.mitigations
+        seen = (L, B, setting, forecaster.version, (L, B, setting) in self._dry, record.peak_bytes)
+        if seen in self._checked:  # the same step again, the same fits: the same checks
+            return set()
+        self._checked.add(seen)
         predictions: dict[str, int] = {}
         dry_key = (L, B, setting)
         if self.dry_run is not None and dry_key in self._dry:  # asked already: no dry run only to check it
