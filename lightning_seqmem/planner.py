@@ -253,7 +253,7 @@ class SeqMemPlanner:
         if self.dry_run is None or self.checks.count(setting, "dry_run"):
             return
         measured = [r for r in self.records if r.mitigations == setting and not r.warmup]
-        if not measured:
+        if len(measured) < (2 if self.compare_reserved else 1):
             return
         r = measured[-1]
         dry = self._dry_forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
@@ -833,7 +833,10 @@ class SeqMemPlanner:
         self._checked.add(seen)
         predictions: dict[str, int] = {}
         dry_key = (L, B, setting)
-        if self.dry_run is not None and dry_key in self._dry:  # asked already: no dry run only to check it
+        # asked already (no dry run only to check it); with allocator counters, once this setting has a
+        # measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
+        residual_known = not self.compare_reserved or any(r.mitigations == setting and not r.warmup for r in self.records)
+        if self.dry_run is not None and dry_key in self._dry and residual_known:
             dry = self._dry_forecast(L, B, setting, trusted_only=False)
             if dry is not None:
                 predictions["dry_run"] = dry.peak_bytes
