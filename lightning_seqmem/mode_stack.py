@@ -80,13 +80,14 @@ def _is_infra(mode: Any) -> bool:
     return bool(getattr(mode, "is_infra_mode", lambda: False)())
 
 
-def enter_below_user_modes(mode: Any, enter_fn: Callable[[], Any]) -> Any:
+def enter_below_user_modes(mode: Any, enter_fn: Callable[[], Any], stop_at: Callable[[Any], bool] = lambda m: False) -> Any:
     """Enter ``mode`` under the user modes already entered (above infra modes such as
     FakeTensorMode, which always dispatch last): each of those still sees every op first and passes
     it down to ``mode``, and leaving one of them (in any order relative to ``mode``) pops itself,
-    not ``mode``. ``enter_fn`` is the mode's ordinary ``__enter__``; returns what it returns."""
+    not ``mode``. ``enter_fn`` is the mode's ordinary ``__enter__``; returns what it returns. The
+    modes lifted stop at the first (from the top) for which ``stop_at`` holds: ``mode`` enters above it."""
     above = []
-    while torch._C._len_torch_dispatch_stack() and not _is_infra(stack()[-1]):
+    while torch._C._len_torch_dispatch_stack() and not _is_infra(stack()[-1]) and not stop_at(stack()[-1]):
         above.append(torch._C._pop_torch_dispatch_stack(None))
     try:
         return enter_fn()
