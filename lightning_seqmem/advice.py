@@ -24,6 +24,7 @@ KINDS = {
     "dry_run_unavailable": "the dry run could not simulate this model: the replay and quadratic fit answer",
     "first_step_over_budget": "the first step already exceeded the usable budget",
     "forecast_mismatch": "a forecast missed the measurement by more than the tolerance",
+    "predictor_wrong": "a predictor (dry run, replay or quadratic fit) missed a measured step beyond the tolerance: not trusted until right again",
     "mitigation_failed": "a mitigation could not be switched on and was skipped",
     "mitigation_dropped": "a mitigation is not available to this run",
     "attention_still_quadratic": "after the attention switch, memory still grew quadratically",
@@ -248,7 +249,8 @@ def curriculum_not_applied(asked: int, ran: int) -> Advice:
     'the record says 96, the length that ran'
     """
     why = ("the data is shorter than the stage" if ran < asked else
-           "the batch could not be cut (a bare tensor or a tuple without a `set_seq_len` on the dataset)")
+           "the batch could not be cut: a bare tensor or a tuple cannot change in place; return dicts or lists "
+           "from the dataloader, or give the datamodule or dataset a `set_seq_len(n)` method")
     return Advice("curriculum_not_applied", f"curriculum-{asked}",
                   f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
                   f"tokens ({why}); the record says {ran}, the length that ran; the curriculum holds: a stage "
@@ -292,19 +294,40 @@ def compiled_module(reason: str, probe: str, every_n_steps: int) -> Advice:
     return Advice("compiled_module", "compiled-module", text, UserWarning)
 
 
-def dry_run_unavailable(reason: str) -> Advice:
-    return Advice("dry_run_unavailable", "dry-run-unavailable",
-                  f"seqmem: the dry run cannot simulate this training step ({reason}); forecasts come from the "
-                  "timeline replay and the quadratic fit of measured steps instead.", UserWarning)
+def dry_run_unavailable(reason: str, seq_len: Optional[int] = None, batch_size: Optional[int] = None) -> Advice:
+    """The dry run refused: said once per reason (the key holds the reason without its numbers)."""
+    import re
+
+    where = "" if seq_len is None else f" at seq_len={seq_len} (batch {batch_size})"
+    scope = ("" if seq_len is None else
+             " there and at larger shapes; shorter lengths keep their dry runs")
+    return Advice("dry_run_unavailable", "dry-run-unavailable-" + re.sub(r"\d+", "#", reason)[:120],
+                  f"seqmem: the dry run cannot simulate this training step{where} ({reason}); forecasts come from the "
+                  f"timeline replay and the quadratic fit of measured steps instead{scope}.", UserWarning)
 
 
 def replay_disagrees(seq_len: int, batch_size: int, replay: int, dry: int, error: float, traced: Sequence[int]) -> Advice:
     return Advice("replay_disagrees", f"replay-{seq_len}-{batch_size}",
                   f"seqmem: the timeline replay of steps traced at seq_len {list(traced)} predicts "
                   f"{format_bytes(replay)} at seq_len={seq_len} (batch {batch_size}), the dry run of that step "
-                  f"{format_bytes(dry)} ({error:+.1%}): the program changes with the length (a sliding window, a "
-                  "kernel chosen by length). The replay is not trusted there; decisions use the dry run.",
+                  f"{format_bytes(dry)} ({error:+.1%}). The measured steps tell which one is right: each predictor "
+                  "is checked against every measured step, and one that misses them is not trusted for decisions.",
                   ForecastMismatchWarning)
+
+
+def predictor_wrong(seq_len: int, batch_size: int, measured: int, misses: Sequence[tuple[str, int, float]],
+                    tolerance: float, trusted: Sequence[str]) -> Advice:
+    """Predictors that missed a measured step beyond the tolerance (``misses``: ``(method,
+    predicted bytes, relative error)``): not trusted for decisions until right again."""
+    from .trust import NAMES
+
+    who = "; ".join(f"{NAMES.get(m, m)} predicted {format_bytes(p)} ({e:+.1%})" for m, p, e in misses)
+    now = (" and ".join(NAMES.get(m, m) for m in trusted) + ", within the tolerance on the measured steps"
+           if trusted else "the other forecasts and the measured steps")
+    return Advice("predictor_wrong", "predictor-wrong-" + "-".join(m for m, _, _ in misses),
+                  f"seqmem: the step at seq_len={seq_len} (batch {batch_size}) measured {format_bytes(measured)}: "
+                  f"{who}, beyond the {tolerance:.0%} tolerance. {'They are' if len(misses) > 1 else 'It is'} not "
+                  f"trusted for decisions until right again; decisions use {now}.", ForecastMismatchWarning)
 
 
 def kind_of_key(key: str) -> str:
@@ -318,7 +341,8 @@ def kind_of_key(key: str) -> str:
                 ("mitigations-dropped", "mitigation_dropped"), ("attention-still-quadratic", "attention_still_quadratic"),
                 ("precision", "precision"), ("diagnosis-", "diagnosis"), ("failure", "failure"),
                 ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"),
-                ("compiled-module", "compiled_module"), ("length-limit", "length_limit"))
+                ("compiled-module", "compiled_module"), ("length-limit", "length_limit"),
+                ("predictor-wrong-", "predictor_wrong"))
     return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
 
 

@@ -269,6 +269,7 @@ class SeqMemCallback(Callback):
             fc = world_forecast(self._dry, seq_len, self.planner._batch_size(batch_size), key, world_size)
         else:
             fc = self.planner.forecast(seq_len, batch_size, mitigations)
+            self._warn_advice()  # a dry run found wrong at its first check, or refused, is said here too
         note = A.program_note(self._compiled, self._probe.name if self._probe is not None else self.probe_name)
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
@@ -355,7 +356,7 @@ class SeqMemCallback(Callback):
                 from .training_dry_run import TrainingRunDryRun
 
                 self._dry = TrainingRunDryRun(trainer, pl_module, lambda: self.planner.applied_mitigations,
-                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)),
+                                              lambda why, *shape: self.planner.advise(A.dry_run_unavailable(why, *shape)),
                                               template=self._template)
                 self.planner.dry_run = self._dry
         if self._reapply_on_fit_start:

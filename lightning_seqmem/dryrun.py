@@ -102,7 +102,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .batch import infer_batch_shape
+from .batch import infer_batch_shape, scaled_length
 from .checks import check_int
 from .mitigations.attention import AttentionSwitch
 from .mitigations.checkpointing import ActivationCheckpointing
@@ -616,7 +616,8 @@ def _shape_batch(
     ``labels``, ``attention_mask``, embeddings ``[B, L, D]``), or at both last dims (masks and
     biases ``[B, 1, L, L]``). Rows (dim 0 of every tensor with ``B`` rows) are cut or repeated;
     sequence dims are cut or tiled (the tokens repeated from the start), and ``position_ids`` become
-    ``0 .. seq_len - 1``. Changed tensors are contiguous copies, so each storage holds exactly its
+    ``0 .. seq_len - 1``; sequences of another length (an encoder-decoder's ``labels [B, L/2]``)
+    keep their ratio to ``L`` (:func:`~lightning_seqmem.batch.scaled_length`). Changed tensors are contiguous copies, so each storage holds exactly its
     elements. Every tensor's values are given to ``values`` (copied: the step may change its batch
     in place). Mappings, lists, tuples, namedtuples and dataclasses are rebuilt with their type;
     the batch itself is left untouched.
@@ -645,6 +646,8 @@ def _shape_batch(
             out = positions.expand(out.shape[0], seq_len, *out.shape[2:])
         elif sequence:
             out = _resize(out, 1, seq_len)
+        elif not square and (size := scaled_length(fake, rows, length, seq_len)) is not None:
+            out = _resize(out, 1, size)  # another length (an encoder-decoder's labels): its ratio kept
         return out if out is fake else out.clone(memory_format=torch.contiguous_format)
 
     def visit(obj: Any, key: Any = None) -> Any:

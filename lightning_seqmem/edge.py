@@ -126,14 +126,14 @@ def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, throug
     """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a batch that
     cannot be cut in place (a tuple, a bare tensor) goes through the datamodule's or dataset's
     ``set_seq_len`` instead (refused with a ValueError where dataloader workers would never see
-    it: :func:`check_setter_reaches_data`). Returns whether the setter was used. A bare tensor with no setter is
-    left as it is: the callback records the length that ran and says so."""
+    it: :func:`check_setter_reaches_data`). Returns whether the setter was used. A batch that cannot
+    be cut in place (a tuple, a bare tensor) with no setter is left as it is, as README says: the
+    callback records the length that ran, one warning says so (naming both ways out: dict or list
+    batches, or a ``set_seq_len``), and the curriculum holds."""
     if not can_cut_in_place(batch) or through_setter:
-        if isinstance(batch, torch.Tensor) and length_setter(trainer) is None:
-            return False
         setter = length_setter(trainer)
-        if setter is None:  # let set_batch_sequence_length raise its message about tuples
-            set_batch_sequence_length(batch, seq_len, truncate=truncate)
+        if setter is None:
+            return False
         check_setter_reaches_data(trainer)
         setter(seq_len)
         return True

@@ -68,6 +68,7 @@ from .records import PHASES, StepMemory, StepRecord
 from .rungs import MITIGATIONS, check_mitigations
 from .state import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from .timeline import Trace
+from .trust import Check, PredictorChecks
 from .units import to_gib
 
 Applicability = Mapping[str, "tuple[bool, str]"]
@@ -203,6 +204,9 @@ class SeqMemPlanner:
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
         self._longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
+        self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
+        self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
+        self._checked: set[tuple] = set()  # steps whose predictors were checked, with the fits' version
         self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
 
     # ------------------------------------------------------------------------------------------
@@ -243,27 +247,67 @@ class SeqMemPlanner:
             raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.length_limit} tokens "
                              f"({self.length_limit_reason}): pass a length up to {self.length_limit}")
         key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
+        self._check_dry_once(key)
         dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
         if dry is not None:
             return dry
+        why = self.dry_run_why(seq_len, self._batch_size(batch_size), key)
         forecaster = self.forecasters.get(key)
         if forecaster is None:
             raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
-                                        f"{[list(k) for k in self.forecasters]}")
-        return forecaster.forecast(seq_len, self._batch_size(batch_size))
+                                        f"{[list(k) for k in self.forecasters]}; {why}")
+        fc = forecaster.forecast(seq_len, self._batch_size(batch_size))
+        return replace(fc, detail=f"{fc.detail}; {why}")
+
+    def _check_dry_once(self, setting: tuple[str, ...]) -> None:
+        """Before a dry run answers a query with ``setting`` where it never met a measured step (a run
+        without a budget asks it nothing), check it once at the latest measured shape."""
+        if self.dry_run is None or self.checks.count(setting, "dry_run"):
+            return
+        measured = [r for r in self.records if r.mitigations == setting and not r.warmup]
+        if len(measured) < (2 if self.compare_reserved else 1):
+            return
+        r = measured[-1]
+        dry = self._dry_forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
+        if dry is not None and self.checks.add(setting, Check("dry_run", r.seq_len, r.batch_size, dry.peak_bytes, r.peak_bytes)):
+            c = self.checks.latest[(setting, "dry_run", r.seq_len, r.batch_size)]
+            self.advise(A.predictor_wrong(r.seq_len, r.batch_size, r.peak_bytes, [("dry_run", dry.peak_bytes, c.relative_error)],
+                                          self.tolerance, self.checks.right(setting)))
+
+    def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
+        """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        if self.dry_run is None:
+            return "no dry run (dry_run=False, or not rank zero, or before fit)"
+        wrong = self.checks.wrong(key[2], "dry_run")
+        if wrong is not None:
+            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step measured at "
+                    f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        return f"dry run refused: {self._dry_why.get(key, 'no answer')}"
 
     def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
         """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
-        with the mitigations on now."""
+        with the mitigations on now. Before this setting has a fit: by dry run; without one, from
+        what is known (the forecast of the setting before the last rung, else the longest length
+        measured within the budget; 0 if none): it does not raise after a fit."""
         if budget_bytes is None:
             budget_bytes = self.usable_budget_bytes
             if budget_bytes is None:
                 raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
         batch_size = self._batch_size(batch_size)
-        if not self.forecaster.ready and self.dry_peak(1, batch_size) is not None:
+        limit = (lambda fit: fit) if self.length_limit is None else (lambda fit: min(fit, self.length_limit))
+        if self.forecaster.ready:
+            return limit(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+        if self._dry_forecast(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
-        fit = self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
-        return fit if self.length_limit is None else min(fit, self.length_limit)
+        # what is known otherwise (a rung went on at the last steps): the setting before it, whose
+        # forecast bounds this one (a mitigation never adds memory), else the longest length measured within it
+        for n in range(len(self.applied_mitigations) - 1, -1, -1):
+            earlier = self.forecasters.get(self.applied_mitigations[:n])
+            if earlier is not None and earlier.ready:
+                return limit(earlier.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+        return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations and not r.warmup
+                    and r.batch_size >= batch_size and self._measured_bound(r) <= budget_bytes), default=0)
 
     def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
         """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
@@ -335,8 +379,9 @@ class SeqMemPlanner:
             try:
                 peak, phases = self.dry_run(*key)
                 self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
-            except Exception:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+            except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
                 self._dry[key] = None
+                self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         return self._dry[key]
 
     def set_length_limit(self, limit: Optional[int], reason: str = "") -> None:
@@ -416,14 +461,18 @@ class SeqMemPlanner:
         return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
     def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
-                      source: Optional[tuple[int, int]] = None) -> Optional[Forecast]:
+                      source: Optional[tuple[int, int]] = None, trusted_only: bool = True) -> Optional[Forecast]:
         """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from the
-        dry run of that larger shape (see :mod:`.dry_evidence`), scratch counted at ``seq_len``."""
+        dry run of that larger shape (see :mod:`.dry_evidence`), scratch counted at ``seq_len``. None
+        where it cannot answer, or (``trusted_only``) where it missed measured steps of this setting
+        beyond the tolerance (:mod:`.trust`)."""
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        if trusted_only and self.checks.wrong(key, "dry_run") is not None:
+            return None
         answer = self.dry_peak(*(source or (seq_len, batch_size)), mitigations)
         if answer is None:
             return None
         peak, phases = answer
-        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
         scratch = self.scratch_bytes(seq_len, batch_size, key)
         if scratch:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
@@ -909,6 +958,7 @@ class SeqMemPlanner:
         forecaster = self.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=self.tolerance))
         if not record.warmup:
             self.last_batch_size = B
+            wrong_now = self._check_predictors(record, forecaster)
             forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
             tL, tB, tm = trace if trace is not None else (L, B, memory)
             if pending.traced and tm.events is not None:
@@ -916,8 +966,8 @@ class SeqMemPlanner:
                                            measured_peak_bytes=tm.peak_bytes))
                 self._compare_replay(forecaster, record.mitigations, B)
             fc = self._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
-            if fc is not None:
-                self._verify(record, fc, forecaster)
+            if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # the forecast for the shape that ran
+                self._verify(record, fc, forecaster, quiet=fc.method in wrong_now)
             self._after_mitigation(record)
         if "microbatch" in record.mitigations and not any(r.mitigations == record.mitigations for r in self.records):
             # the step that switched micro-batching on ran its one-time loss check, which the dry runs
@@ -936,8 +986,8 @@ class SeqMemPlanner:
     def _compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
         """The replay against the dry run at the target length (the curriculum's, else 4× the longest
         traced): a replay off by more than the tolerance is not trusted, and that is said once."""
-        if forecaster.timeline is None or self.dry_run is None:
-            return
+        if forecaster.timeline is None or self.dry_run is None or self.checks.wrong(setting, "dry_run") is not None:
+            return  # (a dry run that missed measured steps is not the judge of the replay)
         target = self.curriculum.target if self.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
         target = target if self.length_limit is None else min(target, self.length_limit)
         dry = self.dry_peak(target, batch_size, setting)
@@ -950,12 +1000,61 @@ class SeqMemPlanner:
         if abs(error) > self.tolerance:
             self.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
 
-    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster) -> None:
+    def _check_predictors(self, record: StepRecord, forecaster: MemoryForecaster) -> set[str]:
+        """Check each predictor that can answer for the shape that ran against its measured peak,
+        before this step is added to any fit; one that misses beyond the tolerance is not trusted
+        until it is right again, said once per predictor and setting (:mod:`.trust`). Returns the
+        predictors this step found wrong where they were right before."""
+        L, B, setting = record.seq_len, record.batch_size, record.mitigations
+        seen = (L, B, setting, forecaster.version, (L, B, setting) in self._dry, record.peak_bytes)
+        if seen in self._checked:  # the same step again, the same fits: the same checks
+            return set()
+        self._checked.add(seen)
+        predictions: dict[str, int] = {}
+        dry_key = (L, B, setting)
+        # asked already (no dry run only to check it); with allocator counters, once this setting has a
+        # measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
+        residual_known = not self.compare_reserved or any(r.mitigations == setting and not r.warmup for r in self.records)
+        if self.dry_run is not None and dry_key in self._dry and residual_known:
+            dry = self._dry_forecast(L, B, setting, trusted_only=False)
+            if dry is not None:
+                predictions["dry_run"] = dry.peak_bytes
+        for method in ("replay", "quadratic"):
+            try:
+                predictions[method] = forecaster.forecast(L, B, method=method).peak_bytes
+            except NotEnoughMeasurements:
+                pass
+        newly: set[str] = set()
+        for method, predicted in predictions.items():
+            if self.checks.add(setting, Check(method, L, B, predicted, record.peak_bytes)):
+                newly.add(method)
+        forecaster.distrusted = {}
+        for method in ("replay", "quadratic"):
+            wrong = self.checks.wrong(setting, method)
+            if wrong is not None:
+                forecaster.distrusted[method] = (f"it predicted {wrong.relative_error:+.1%} for the step measured at "
+                                                 f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        # a predictor ranked after one that decides and is right steps aside silently (see Forecast.detail)
+        said = [m for m in ("dry_run", "replay", "quadratic") if m in newly and not self._deciding_before(m, setting, forecaster)]
+        if said:
+            misses = [(m, predictions[m], self.checks.latest[(setting, m, L, B)].relative_error) for m in said]
+            self.advise(A.predictor_wrong(L, B, record.peak_bytes, misses, self.tolerance, self.checks.right(setting)))
+        return newly
+
+    def _deciding_before(self, method: str, setting: tuple[str, ...], forecaster: MemoryForecaster) -> bool:
+        """Whether a predictor ranked before ``method`` (dry run, replay, quadratic fit) answers and
+        is trusted with ``setting``: then ``method`` was not what decisions used."""
+        order = ("dry_run", "replay", "quadratic")
+        answers = {"dry_run": self.dry_run is not None and any(k[2] == setting and v is not None for k, v in self._dry.items()),
+                   "replay": forecaster.timeline is not None, "quadratic": forecaster.quadratic is not None}
+        return any(answers[m] and self.checks.wrong(setting, m) is None for m in order[:order.index(method)])
+
+    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster, quiet: bool = False) -> None:
         v = forecaster.verify(fc, record.peak_bytes)
         record.forecast_peak_bytes, record.forecast_upper_bytes = fc.peak_bytes, fc.upper_bytes
         record.forecast_method, record.forecast_error = fc.method, v.relative_error
         self.last_verification_error = v.relative_error
-        if abs(v.relative_error) > self.tolerance:
+        if abs(v.relative_error) > self.tolerance and not quiet:  # quiet: said by the predictor check
             self.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
                                             record.peak_bytes, v.relative_error, self.tolerance))
 

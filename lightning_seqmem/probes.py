@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from .mode_stack import enter_below_user_modes, exit_own_mode, modes_below
 from .records import PHASES, StepMemory, TrackedEvents
 
 """Phases of a training step, in order: batch start → before backward → before optimizer step → batch end."""
@@ -141,6 +143,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.record_events = record_events
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._counts_fakes = True  # set on entering (see __enter__)
         self.phase_peak_bytes: dict[str, int] = {}
         self.phase: Optional[str] = None
         self.events = TrackedEvents() if record_events else None
@@ -248,11 +251,19 @@ class LiveTensorTracker(TorchDispatchMode):
     # -- dispatch --------------------------------------------------------------------------------
     def __enter__(self):
         _watch_resizes(self, True)
-        return super().__enter__()
+        self._below = modes_below()
+        # a tracker entered under a FakeTensorMode counts fake storages (a dry run's); others skip them
+        self._counts_fakes = any(isinstance(m, FakeTensorMode) for m, _ in self._below)
+        # under other tools' modes held now (so that they leave first without popping this one),
+        # above another tracker (a second SeqMemCallback's)
+        return enter_below_user_modes(self, lambda: super(LiveTensorTracker, self).__enter__(),
+                                      stop_at=lambda m: isinstance(m, LiveTensorTracker))
 
     def __exit__(self, *exc_info):
+        """Leave this mode only, wherever it is on the stack: another callback's mode entered after
+        it (or before it, and left first) is never popped in its place (:mod:`.mode_stack`)."""
         _watch_resizes(self, False)
-        return super().__exit__(*exc_info)
+        exit_own_mode(self, lambda: super(LiveTensorTracker, self).__exit__(*exc_info), getattr(self, "_below", []))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -286,6 +297,8 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in _flat_tensors(out):
             if t.device.type != self.device_type:
                 continue
+            if not self._counts_fakes and isinstance(t, FakeTensor):
+                continue  # another callback's dry run inside this step's window: not this step's memory
             for st in _storages(t):
                 key = st._cdata
                 if key in self._ids:

@@ -125,14 +125,17 @@ class _TupleLitGPT(LitGPT):
         return super().training_step({"input_ids": input_ids, "labels": labels}, batch_idx)
 
 
-def test_tuple_batch_with_a_curriculum_is_refused_before_the_first_step():
+def test_tuple_batch_with_a_curriculum_warns_once_and_the_curriculum_holds():
+    # README's rule for a batch that cannot be cut (issue 21): one warning, the length that ran, the
+    # curriculum holds (this raised TypeError from on_train_batch_start and fit() died)
     cb = SeqMemCallback(curriculum=Curriculum(start=16, target=64))
     tokens = torch.randint(0, 256, (8, 65))
     dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])  # no set_seq_len
     loader = DataLoader(dataset, batch_size=2, collate_fn=lambda items: tuple(default_collate(items)))
-    with pytest.raises(TypeError, match="tuple"):
+    with pytest.warns(UserWarning, match="tuple cannot change in place") as caught:
         make_trainer([cb], max_steps=2).fit(_TupleLitGPT(n_layer=1, d_model=32, n_head=2), loader)
-    assert cb.records == []
+    assert len([w for w in caught if "could not be cut" in str(w.message)]) == 1
+    assert [r.seq_len for r in cb.records] == [64, 64] and cb.seq_len == 16
 
 
 def test_tuple_batch_uses_the_dataset_length_setter():
