@@ -155,7 +155,9 @@ class SeqMemCallback(Callback):
         >>> trainer = pl.Trainer(max_steps=9, accelerator="cpu", callbacks=[cb], logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False)
-        >>> trainer.fit(LitGPT(n_layer=1, d_model=32), SyntheticTokenDataModule(batch_size=2, seq_len=64))
+        >>> trainer.fit(LitGPT(n_layer=1, d_model=32), SyntheticTokenDataModule(batch_size=2, seq_len=64))  # doctest: +ELLIPSIS
+        seqmem: longest length 64 tokens (batch 2); peak ...; no memory budget; rungs on: none; 0 warnings.
+        seqmem: report in ...
         >>> [r.seq_len for r in cb.records]
         [16, 16, 16, 32, 32, 32, 64, 64, 64]
         >>> cb.forecast(256).method  # a dry run of this model's step at 256 tokens
