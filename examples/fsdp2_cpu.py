@@ -1,7 +1,7 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on CPU through Lightning's ``ModelParallelStrategy``.
 
     python examples/fsdp2_cpu.py fit --config configs/fsdp2_cpu.yaml
-    seqmem plan --config configs/fsdp2_cpu.yaml --lengths 1024,4096 --world-size 8 --strategy fsdp2
+    seqmem plan --config configs/fsdp2_cpu.yaml --lengths 1024 4096 --world-size 8 --strategy fsdp2
 
 ``ShardedLitGPT`` is the reference :class:`~lightning_seqmem.demo.LitGPT` whose ``configure_model()``
 shards every transformer block and then the root with ``fully_shard`` over the strategy's device

@@ -1,4 +1,5 @@
 """A Hugging Face causal LM (a tiny random Llama: nothing downloaded) under SeqMemCallback.
+Needs transformers: ``pip install -e ".[hf]"`` (or ``.[dev]``).
 
     python examples/hf_causal_lm.py                 # a few steps, 64 -> 256 tokens, on CPU (< 1 min)
     python examples/hf_causal_lm.py fit --config configs/hf_causal_lm.yaml   # the same through LightningCLI
@@ -8,6 +9,7 @@ The LightningModule is lightning_seqmem.hf.HFCausalLM: ``AutoModelForCausalLM.fr
 ``attn_implementation`` and enable gradient checkpointing mid-run.
 """
 
+import importlib.util
 import sys
 import warnings
 
@@ -16,6 +18,9 @@ import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.demo import SyntheticTokenDataModule
 from lightning_seqmem.hf import HFCausalLM
+
+if importlib.util.find_spec("transformers") is None:  # an extra: say which, in one line
+    raise SystemExit(f'{sys.argv[0]}: error: this example needs transformers: pip install -e ".[hf]"')
 
 
 def run_plain(max_steps: int = 12) -> SeqMemCallback:

@@ -8,6 +8,9 @@
 At the end the seqmem report (JSON, Markdown, figure) is written to the logger's log_dir and printed.
 """
 
+import sys
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_seqmem import SeqMemCallback
@@ -30,7 +33,11 @@ def report(trainer) -> None:
 
 
 def main() -> None:
-    cli = LightningCLI(LitGPT, SyntheticTokenDataModule, save_config_kwargs={"overwrite": True})
+    try:
+        cli = LightningCLI(LitGPT, SyntheticTokenDataModule, save_config_kwargs={"overwrite": True})
+    except MisconfigurationException as exc:  # e.g. a GPU config on a machine without one: one line
+        hint = " (a GPU config: on CPU try configs/cpu_demo.yaml)" if "CUDAAccelerator" in str(exc) else ""
+        raise SystemExit(f"{sys.argv[0]}: error: {' '.join(str(exc).split())}{hint}") from None
     if cli.subcommand == "fit":
         report(cli.trainer)
 

@@ -21,7 +21,13 @@ from typing import Any
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements, Verification
 from lightning_seqmem.core.quadratic import QuadraticForecast, QuadraticMemoryModel
-from lightning_seqmem.core.records import ForecastMismatchWarning, PredictedOOMWarning, SeqMemFailureWarning, StepRecord
+from lightning_seqmem.core.records import (
+    ForecastMismatchWarning,
+    MemoryBudgetError,
+    PredictedOOMWarning,
+    SeqMemFailureWarning,
+    StepRecord,
+)
 from lightning_seqmem.core.timeline import TimelineModel, Trace
 from lightning_seqmem.core.units import parse_bytes
 
@@ -88,6 +94,7 @@ __all__ = [
     "Forecast",
     "ForecastMismatchWarning",
     "LiveTensorTracker",
+    "MemoryBudgetError",
     "MemoryForecaster",
     "NotEnoughMeasurements",
     "PredictedOOMWarning",

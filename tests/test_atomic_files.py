@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from limits import limit_s
 
 
 def test_a_write_that_fails_half_way_leaves_the_previous_png_whole(tmp_path):
@@ -31,7 +32,7 @@ def test_a_write_that_fails_half_way_leaves_the_previous_png_whole(tmp_path):
             print("written")
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=limit_s(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "refused", out.stdout  # the figure is larger than 2 KiB: the write failed
     assert (tmp_path / "seqmem_memory.png").read_bytes() == b"previous figure"

@@ -137,10 +137,14 @@ def test_other_dimensions_not_matching_are_left_alone():
         "input_ids": torch.zeros(B, L, dtype=torch.long),
         "other_batch": torch.zeros(B + 1, L, dtype=torch.long),
         "other_len": torch.zeros(B, L + 1, dtype=torch.long),
+        "features": torch.zeros(B, L + 1),  # float: not a sequence
     }
     set_batch_sequence_length(batch, 4)
     assert batch["other_batch"].shape == (B + 1, L)
-    assert batch["other_len"].shape == (B, L + 1)
+    # a 2-D integer tensor of another length is a sequence of its own (an encoder-decoder's labels):
+    # it keeps its ratio to the leading length (issue 21)
+    assert batch["other_len"].shape == (B, round((L + 1) * 4 / L))
+    assert batch["features"].shape == (B, L + 1)
 
 
 def test_seq_dim():

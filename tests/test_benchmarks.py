@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from limits import limit_s
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -17,7 +18,7 @@ def _run(script: str, *args: str, timeout: float = 300) -> str:
         [sys.executable, str(BENCHMARKS / script), *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=limit_s(timeout),
         cwd=BENCHMARKS.parent,
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

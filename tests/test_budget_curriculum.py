@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from conftest import make_trainer
 from lightning.pytorch.loggers import CSVLogger
-from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
+from lightning_seqmem import Curriculum, MemoryBudgetError, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
 
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
@@ -106,13 +106,15 @@ def test_token_preserving_curriculum_keeps_every_token():
     assert [(r.seq_len, r.batch_size) for r in cb.records] == [(16, 8)] * 2 + [(32, 4)] * 2 + [(64, 2)] * 2
 
 
-def test_budget_below_first_step_memory_warns_and_training_goes_on():
+def test_budget_below_the_parameters_stops_before_the_first_step():
+    # (it used to warn and train every step over the budget, below the start: issue 23)
     cb = SeqMemCallback(memory_budget=1000, curriculum=Curriculum(start=16, target=64, steps_per_stage=2), mitigations=())
-    with pytest.warns(PredictedOOMWarning, match="first step already used"):
-        make_trainer([cb], max_steps=6).fit(
+    trainer = make_trainer([cb], max_steps=6)
+    with pytest.raises(MemoryBudgetError, match="parameters and buffers alone take"):
+        trainer.fit(
             LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32)
         )
-    assert len(cb.records) == 6 and max(r.seq_len for r in cb.records) <= 16  # never past the start
+    assert not cb.records and trainer.global_step == 0
 
 
 class _TupleTokens(SyntheticTokens):
@@ -127,14 +129,17 @@ class _TupleLitGPT(LitGPT):
         return super().training_step({"input_ids": input_ids, "labels": labels}, batch_idx)
 
 
-def test_tuple_batch_with_a_curriculum_is_refused_before_the_first_step():
+def test_tuple_batch_with_a_curriculum_warns_once_and_the_curriculum_holds():
+    # README's rule for a batch that cannot be cut (issue 21): one warning, the length that ran, the
+    # curriculum holds (this raised TypeError from on_train_batch_start and fit() died)
     cb = SeqMemCallback(curriculum=Curriculum(start=16, target=64))
     tokens = torch.randint(0, 256, (8, 65))
     dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])  # no set_seq_len
     loader = DataLoader(dataset, batch_size=2, collate_fn=lambda items: tuple(default_collate(items)))
-    with pytest.raises(TypeError, match="tuple"):
+    with pytest.warns(UserWarning, match="tuple cannot change in place") as caught:
         make_trainer([cb], max_steps=2).fit(_TupleLitGPT(n_layer=1, d_model=32, n_head=2), loader)
-    assert cb.records == []
+    assert len([w for w in caught if "could not be cut" in str(w.message)]) == 1
+    assert [r.seq_len for r in cb.records] == [64, 64] and cb.seq_len == 16
 
 
 def test_tuple_batch_uses_the_dataset_length_setter():
@@ -142,8 +147,8 @@ def test_tuple_batch_uses_the_dataset_length_setter():
     loader = DataLoader(dataset, batch_size=2, collate_fn=lambda items: tuple(default_collate(items)))
     cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=64, steps_per_stage=3))
     make_trainer([cb], max_steps=9).fit(_TupleLitGPT(n_layer=1, d_model=32, n_head=2), loader)
-    # the dataset changes length when asked; Lightning prefetches one batch, so each change lands a
-    # batch late — every batch is measured at its real length, and a stage counts only the steps
-    # that ran at its length (three at 16, then 32)
-    assert [r.seq_len for r in cb.records] == [64, 16, 16, 16, 16, 32, 32, 32, 32]
+    # the dataset changes length when asked, one batch ahead (before Lightning fetches the batch):
+    # every batch, the first included, comes at its stage's length (it came a batch late before:
+    # [64, 16, 16, 16, 16, 32, 32, 32, 32])
+    assert [r.seq_len for r in cb.records] == [16, 16, 16, 32, 32, 32, 64, 64, 64]
     assert dataset.seq_len == 64

@@ -251,7 +251,8 @@ def test_real_oom_is_diagnosed_and_reraised_unchanged(tmp_path):
     diagnosis = json.loads((tmp_path / "seqmem_oom_diagnosis.json").read_text())
     assert "injected" in diagnosis["error"] and diagnosis["failing_batch"] == {"seq_len": 64, "batch_size": 2}
     assert [r["step"] for r in diagnosis["last_records"]] == [0, 1, 2, 3, 4]
-    assert diagnosis["forecast_for_failing_batch"]["method"] in ("replay", "quadratic")
+    # the forecast the batch was judged by: the dry run (issue 22: the diagnosis names the one used)
+    assert diagnosis["forecast_for_failing_batch"]["method"] == "dry_run" and diagnosis["forecast_used"] == "dry run"
     assert "switch on 'attention'" in diagnosis["would_have_done"]
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 

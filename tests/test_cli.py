@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_seqmem.cli.main import main
+from limits import limit_s, shared_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -19,12 +20,13 @@ EXAMPLES = ROOT / "examples"
 
 def _run(args, cwd, timeout=240):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "140"}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=limit_s(timeout))
     assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout + proc.stderr
 
 
-@pytest.fixture(scope="module")
+@shared_fixture  # once per module; a failure fails one test, the others skip
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "runs"
     text = _run(["-m", "lightning_seqmem.cli.main", "demo", "--out", str(out)], cwd=out.parent)  # the README's main job

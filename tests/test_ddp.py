@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from limits import limit_s
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_run.py"
 pytestmark = pytest.mark.ddp
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.ddp
 
 def _run(tmp_path, *args, timeout=240):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True, timeout=limit_s(timeout)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

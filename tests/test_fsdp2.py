@@ -12,15 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from limits import limit_s, shared_fixture
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp2_run.py"
 pytestmark = [pytest.mark.ddp, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
+@shared_fixture  # once per module; a failure fails one test, the others skip
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True, timeout=480)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True,
+                          timeout=limit_s(480))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -31,6 +31,7 @@ from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTok
 from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
 from lightning_seqmem.measure.probes import TrackerProbe
+from limits import limit_s
 
 SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)  # no dropout: equality is exact up to rounding
 
@@ -413,7 +414,7 @@ def test_ddp_equals_full_batch(tmp_path):
     out = tmp_path / "ddp.pt"
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=limit_s(240),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(out)

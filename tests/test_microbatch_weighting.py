@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import make_trainer
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from limits import limit_s
 from lightning_seqmem.mitigations.microbatch import (
     MicroBatching,
     MicroBatchingRefusedWarning,
@@ -446,7 +447,7 @@ def test_ddp_padded_hugging_face_equals_full_batch(tmp_path):
         env.pop(name, None)
     out = tmp_path / "ddp.pt"
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=limit_s(300))
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(out)
     full, micro = results["full"], results["micro"]

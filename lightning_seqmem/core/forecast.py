@@ -91,6 +91,7 @@ class MemoryForecaster:
         self._quadratic: Optional[QuadraticMemoryModel] = None
         self._timeline: Optional[TimelineModel] = None
         self._timeline_reason = "no traced steps yet"
+        self.distrusted: dict[str, str] = {}  # method -> why it is not trusted (set by the planner's checks)
         self._dirty = True
         self.version = 0  # bumped by every change of the inputs: a cache key for derived figures
 
@@ -209,11 +210,13 @@ class MemoryForecaster:
         return int(a + c * seq_len * seq_len * max(1.0, batch_size / b2))
 
     def forecast(self, seq_len: int, batch_size: int, method: Optional[str] = None) -> Forecast:
-        """Predict the step peak; replay when it applies, else the quadratic fit (or ``method``)."""
+        """Predict the step peak; replay when it applies (and is not in :attr:`distrusted` while a
+        quadratic fit exists), else the quadratic fit (or ``method``)."""
         if method is not None and method not in METHODS:
             raise ValueError(f"`method` must be one of {METHODS} or None, got {method!r}")
         timeline, quadratic = self.timeline, self.quadratic
-        if timeline is not None and method in (None, "replay"):
+        skip_replay = method is None and "replay" in self.distrusted and quadratic is not None
+        if timeline is not None and method in (None, "replay") and not skip_replay:
             fc = timeline.predict(seq_len, batch_size)
             extra = self._allocator_residual(timeline, seq_len, batch_size)
             peak, phases = fc.peak_bytes + extra, {p: v + extra for p, v in fc.phase_peak_bytes.items()}
@@ -225,7 +228,9 @@ class MemoryForecaster:
         if quadratic is not None and method in (None, "quadratic"):
             fc = quadratic.predict(seq_len, batch_size)
             detail = "quadratic fit of measured peaks"
-            if method is None:
+            if skip_replay:
+                detail += f" (replay not trusted: {self.distrusted['replay']})"
+            elif method is None:
                 detail += f" (replay unavailable: {self._timeline_reason})"
             upper = max(fc.upper_bytes, int(fc.peak_bytes * (1 + self._miss_ratio("quadratic"))))
             return self._make(seq_len, batch_size, fc.peak_bytes, upper, "quadratic", fc.phase_peak_bytes, detail)

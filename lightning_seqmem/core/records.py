@@ -21,6 +21,11 @@ class SeqMemFailureWarning(UserWarning):
     """The callback hit an internal failure and stopped measuring; training goes on."""
 
 
+class MemoryBudgetError(ValueError):
+    """No setting can meet ``memory_budget``: raised before the first step, or before a batch
+    (every rank), rather than training over the budget. The message says what would fit."""
+
+
 @dataclass
 class StepRecord:
     """One measured training batch (bytes; ``None`` where the probe has no such counter).

@@ -92,15 +92,23 @@ def check_mitigations(value: Any) -> tuple[str, ...]:
     return names
 
 
-def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = ()) -> str:
+def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), device: str = "cuda") -> str:
     """What else would help, in words, for a warning: every rung not on yet that applies to this
-    model (not ``inapplicable``: attention already on SDPA is never advised), cheapest first.
+    model (not ``inapplicable``: attention already on SDPA is never advised), cheapest first; with
+    none left, what fits the machine (``device``: the run's device type): sharding across GPUs on
+    CUDA, a larger budget or a smaller step elsewhere.
 
     >>> remaining_advice((), inapplicable=("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
+    >>> remaining_advice(MITIGATIONS, device="cpu")
+    'raise `memory_budget`, lower the batch size, or train a smaller model'
     """
     rest = [s.advice for n, s in _SPECS.items() if n not in applied and n not in inapplicable]
-    return ", or ".join(rest) if rest else "use sequence/context parallelism or ZeRO-3/FSDP across GPUs"
+    if rest:
+        return ", or ".join(rest)
+    if device == "cuda":
+        return "use sequence/context parallelism or ZeRO-3/FSDP across GPUs"
+    return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
 __all__ = ["ADVICE", "MITIGATIONS", "RungSpec", "check_mitigations", "register_spec", "remaining_advice",

@@ -16,9 +16,11 @@ from lightning_seqmem.core import advice as A
 
 
 def target_length(planner: Any) -> Optional[int]:
-    """The length advice speaks of: the curriculum's target, else the longest length measured."""
+    """The length advice speaks of: the curriculum's target (within the model's own length limit),
+    else the longest length measured."""
     if planner.curriculum is not None:
-        return int(planner.curriculum.target)
+        limit = getattr(planner, "length_limit", None)
+        return int(planner.curriculum.target) if limit is None else min(int(planner.curriculum.target), int(limit))
     return max((r.seq_len for r in planner.records), default=None)
 
 

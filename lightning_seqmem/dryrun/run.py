@@ -7,6 +7,7 @@ module; it lives apart from both so that neither imports the other's caller.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,8 +26,14 @@ class TrainingRunDryRun:
     Holds the module, its first optimizer, the precision plugin's context and a CPU copy of one
     batch (:meth:`keep`, the first one given). ``applied()`` says which rungs are on the real
     module now: the copy starts from them and adds the others (a copy cannot undo a rung, so a set
-    without one of them raises). The first failure (:class:`DryRunUnsupported` or any other) is
-    handed to ``on_unsupported(reason)`` once and every later call raises at once.
+    without one of them raises).
+
+    A refusal (:class:`DryRunUnsupported` or any other failure) is per shape and reason: it is kept
+    with its ``(seq_len, batch_size, mitigations)``, a later call at a shape at least as large with
+    the same mitigations raises it at once, and shorter or smaller shapes keep their dry runs (a
+    tensor-size limit, a length-dependent branch refuses only past some length). Each reason is
+    handed to ``on_unsupported(reason, seq_len, batch_size)`` once (reasons that differ only in their
+    numbers are one reason).
     """
 
     def __init__(self, trainer: Any, pl_module: nn.Module, applied: Callable[[], tuple[str, ...]],
@@ -34,7 +41,9 @@ class TrainingRunDryRun:
         self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
         self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs; :mod:`.sharded`)
         self.batch: Any = None
-        self.unsupported: Optional[str] = None
+        self.unsupported: Optional[str] = None  # the first refusal's reason (any shape)
+        self.refusals: list[tuple[int, int, tuple[str, ...], str]] = []  # (seq_len, batch_size, mitigations, reason)
+        self._said: set[str] = set()
 
     def keep(self, batch: Any) -> None:
         """Keep a CPU copy of ``batch`` (the first one only): each dry run reshapes it."""
@@ -43,8 +52,11 @@ class TrainingRunDryRun:
 
     def __call__(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
         applied = tuple(self.applied())
-        if self.unsupported or self.batch is None or any(m not in mitigations for m in applied):
-            raise DryRunUnsupported(self.unsupported or "no batch kept yet, or a rung on now cannot be undone on a copy")
+        if self.batch is None or any(m not in mitigations for m in applied):
+            raise DryRunUnsupported("no batch kept yet, or a rung on now cannot be undone on a copy")
+        for L, B, names, reason in self.refusals:
+            if names == tuple(mitigations) and seq_len >= L and batch_size >= B:
+                raise DryRunUnsupported(f"{reason} (refused at seq_len={L}, batch {B}; so at this larger shape too)")
         optimizers = getattr(self.trainer, "optimizers", None) or [None]
         try:
             refusal = sharded.dry_run_refusal(self.trainer)
@@ -66,8 +78,13 @@ class TrainingRunDryRun:
                                   tuple(m for m in mitigations if m not in applied),
                                   autocast=self.trainer.precision_plugin.train_step_context,
                                   device=self.trainer.strategy.root_device)
-        except Exception as exc:  # noqa: BLE001 - said once; the replay and quadratic fit answer from now on
-            self.unsupported = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-            self.on_unsupported(self.unsupported)
+        except Exception as exc:  # noqa: BLE001 - said once per reason; the replay and quadratic fit answer here
+            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+            self.unsupported = self.unsupported or reason
+            self.refusals.append((int(seq_len), int(batch_size), tuple(mitigations), reason))
+            gist = re.sub(r"\d+", "#", reason)
+            if gist not in self._said:
+                self._said.add(gist)
+                self.on_unsupported(reason, int(seq_len), int(batch_size))
             raise
         return result.peak_bytes, result.phase_peak_bytes

@@ -66,6 +66,7 @@ from lightning_seqmem.dryrun.step import (
     _transformers_without_fake_detection,
     allocator_block_bytes,
     replay_peaks,
+    value_max_bytes,
 )
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
@@ -285,7 +286,7 @@ def sharded_dry_run_step(
         for message in _QUIET:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode)
+        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:

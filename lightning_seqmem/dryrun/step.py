@@ -76,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import inspect
 import math
 import re
@@ -101,7 +102,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import CopyPlan
@@ -117,12 +118,36 @@ from lightning_seqmem.mitigations.microbatch import (
     split_batch,
 )
 from lightning_seqmem.measure.steps import loss_of, training_step_memory
-from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe, round_cuda_block_bytes
+from lightning_seqmem.measure.probes import (
+    PHASES,
+    TrackedEvents,
+    attribute_tensors,
+    existing_tensors,
+    make_probe,
+    round_cuda_block_bytes,
+)
 
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_kernel_scratch_bytes", "dry_run_step",
            "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
 
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
+_VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
+
+
+def value_max_bytes(seq_len: int) -> int:
+    """Largest tensor computed from the batch alone whose real value a dry run at ``seq_len`` keeps.
+
+    A fp32 ``[L, L]`` causal mask is what every ``nn.Transformer`` builds, and
+    ``nn.TransformerDecoder`` reads its values (``bool((mask == causal).all())``), so the limit is
+    at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors on the
+    simulated device (a few of that size at once, while the dry run lasts): beyond 8192 tokens such
+    a check refuses the dry run, and the fit of measured steps answers.
+
+    Example:
+        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**28
+        (True, True, True)
+    """
+    return min(max(_VALUE_MAX_BYTES, 4 * int(seq_len) ** 2), _VALUE_CEILING_BYTES)
 _QUIET = (  # warnings a fake copy without a Trainer raises by design
     "You are trying to `self.log()`",
     "Accessing the data pointer of FakeTensor",
@@ -322,13 +347,16 @@ def _preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
-    """``copy.deepcopy`` with fake parameters and buffers, without the Trainer (or Fabric) it is attached to.
+def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["_BatchValues"] = None) -> nn.Module:
+    """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
+    (or Fabric) it is attached to.
 
-    Parameters and buffers are faked first and put in the copy's memo, so the deep copy takes the
-    fake ones and never copies a real one (nor a gradient). Other tensors held by the module (small
-    attributes such as a rotary embedding's ``original_inv_freq``) are copied as they are; the fake
-    mode converts them when an op uses them.
+    Parameters, buffers and tensors held as plain attributes (:func:`~lightning_seqmem.measure.probes.attribute_tensors`:
+    caches such as a positional table or a causal mask, a rotary embedding's ``original_inv_freq``)
+    are faked first and put in the copy's memo, so the deep copy takes the fake ones and never
+    copies a real one (nor a gradient); the attribute tensors count as existing memory of the step,
+    as in a real one. ``values`` gets a copy of each attribute tensor's values (within its limit):
+    a step may read them.
     """
     memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric"):
@@ -343,6 +371,13 @@ def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
             memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
         for b in pl_module.buffers():
             memo[id(b)] = fake_mode.from_tensor(b)
+        for t in attribute_tensors(pl_module):
+            if id(t) in memo or isinstance(t, FakeTensor) or t.device.type == "meta":
+                continue
+            memo[id(t)] = fake = fake_mode.from_tensor(t)
+            if values is not None and t.numel() * t.element_size() <= values.max_bytes:
+                with _disable_current_modes():
+                    values.give(fake, t.detach().clone())
         return copy.deepcopy(pl_module, memo)
     except Exception as exc:  # noqa: BLE001 - reported as the reason
         raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
@@ -455,8 +490,8 @@ def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]
     return written
 
 
-def _small(out: Any) -> bool:
-    return all(t.numel() * t.element_size() <= _VALUE_MAX_BYTES for t in _tensors_in(out))
+def _small(out: Any, max_bytes: int = _VALUE_MAX_BYTES) -> bool:
+    return all(t.numel() * t.element_size() <= max_bytes for t in _tensors_in(out))
 
 
 class _BatchValues(TorchDispatchMode):
@@ -466,8 +501,8 @@ class _BatchValues(TorchDispatchMode):
     sequences packed (``position_ids`` diffs), where are the labels (``(labels != -100).sum().item()``).
     Those values come from the batch, not from the parameters, and are cheap to compute for real.
     This mode (above the fake mode) keeps a real twin of every fake tensor that was computed only
-    from the batch, from constants or from other such tensors, when no larger than
-    ``_VALUE_MAX_BYTES``, running each such op once more on the twins with every mode off (so
+    from the batch, from constants or from other such tensors, when no larger than ``max_bytes``
+    (:func:`value_max_bytes` of the simulated length: a ``[L, L]`` mask fits), running each such op once more on the twins with every mode off (so
     nothing is counted, and the real tensors die with their fake ones). An op that reads the
     values of a tensor without a twin (an activation, anything computed from parameters) still
     fails, as it must. A real tensor held by the module is its own twin, but never written to. A
@@ -475,14 +510,15 @@ class _BatchValues(TorchDispatchMode):
     twins of its whole storage (every view of it).
     """
 
-    def __init__(self, fake_mode: FakeTensorMode) -> None:
+    def __init__(self, fake_mode: FakeTensorMode, max_bytes: int = _VALUE_MAX_BYTES) -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        self.max_bytes = int(max_bytes)  # largest tensor whose real value is kept
         self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (ref to it, its twin)
         self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
 
     def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
-        if value.numel() * value.element_size() <= _VALUE_MAX_BYTES:
+        if value.numel() * value.element_size() <= self.max_bytes:
             key = id(fake)
             self._values[key] = (weakref.ref(fake, lambda _, k=key: self._values.pop(k, None)), value)
 
@@ -515,10 +551,10 @@ class _BatchValues(TorchDispatchMode):
             out = func(*args, **kwargs)
             computed = True
         except (DataDependentOutputException, DynamicOutputShapeException):
-            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > _VALUE_MAX_BYTES:
+            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > self.max_bytes:
                 raise
             out, computed = None, False
-        if not known or (computed and not _small(out)):
+        if not known or (computed and not _small(out, self.max_bytes)):
             for t in written:
                 self.forget(t)  # its values are unknown from now on
             return out
@@ -586,7 +622,8 @@ def _shape_batch(
     ``labels``, ``attention_mask``, embeddings ``[B, L, D]``), or at both last dims (masks and
     biases ``[B, 1, L, L]``). Rows (dim 0 of every tensor with ``B`` rows) are cut or repeated;
     sequence dims are cut or tiled (the tokens repeated from the start), and ``position_ids`` become
-    ``0 .. seq_len - 1``. Changed tensors are contiguous copies, so each storage holds exactly its
+    ``0 .. seq_len - 1``; sequences of another length (an encoder-decoder's ``labels [B, L/2]``)
+    keep their ratio to ``L`` (:func:`~lightning_seqmem.measure.batch.scaled_length`). Changed tensors are contiguous copies, so each storage holds exactly its
     elements. Every tensor's values are given to ``values`` (copied: the step may change its batch
     in place). Mappings, lists, tuples, namedtuples and dataclasses are rebuilt with their type;
     the batch itself is left untouched.
@@ -598,7 +635,7 @@ def _shape_batch(
             fake = x
         else:
             fake = fake_mode.from_tensor(x)
-            if x.numel() * x.element_size() <= _VALUE_MAX_BYTES:
+            if x.numel() * x.element_size() <= values.max_bytes:
                 with _disable_current_modes():
                     values.give(fake, x.detach().clone())
         out = fake
@@ -615,6 +652,8 @@ def _shape_batch(
             out = positions.expand(out.shape[0], seq_len, *out.shape[2:])
         elif sequence:
             out = _resize(out, 1, seq_len)
+        elif not square and (size := scaled_length(fake, rows, length, seq_len)) is not None:
+            out = _resize(out, 1, size)  # another length (an encoder-decoder's labels): its ratio kept
         return out if out is fake else out.clone(memory_format=torch.contiguous_format)
 
     def visit(obj: Any, key: Any = None) -> Any:
@@ -792,11 +831,12 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 def _fake_module_and_optimizer(
-    pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device, fake_mode: FakeTensorMode
+    pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device, fake_mode: FakeTensorMode,
+    values: Optional["_BatchValues"] = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, CopyPlan]:
     """The fake copy on ``device`` with the asked rungs, its optimizer, and what its step becomes."""
     notes: list[str] = []
-    model = _fake_copy(pl_module, fake_mode)
+    model = _fake_copy(pl_module, fake_mode, values)
     with fake_mode:
         if device != _device_of(pl_module):
             notes.append(f"moved {_device_of(pl_module)} -> {device}")
@@ -913,9 +953,10 @@ def dry_run_step(
         for message in _QUIET:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode)
+        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
         try:
-            model, fake_optimizer, plan = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode)
+            model, fake_optimizer, plan = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode,
+                                                                      values)
             notes = plan.notes
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             with fake_mode, values:  # as Lightning moves the batch to the module's device
@@ -932,7 +973,12 @@ def dry_run_step(
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
-            raise DryRunUnsupported(_reason(exc)) from exc
+            failure = _reason(exc)
+            traceback.clear_frames(exc.__traceback__)  # the step's frames held the half-built fake world
+            del exc
+            model = fake_optimizer = step_batch = loss_fn = step_optimizer = probe = values = fake_mode = None
+            gc.collect()  # its cycles (fake tensors, their mode, the tracker) freed now, not in a later collection
+            raise DryRunUnsupported(failure) from None
     assert memory is not None and memory.events is not None
     block = allocator_block_bytes(device)
     peak, phase_peaks = replay_peaks(memory.events, block)

@@ -36,7 +36,9 @@ dimension is the batch size ``B`` or 1 (broadcast) and that have the reference l
 either at ``seq_dim`` (``input_ids``, ``labels``, ``attention_mask``, ``position_ids`` ``[1, L]``,
 embeddings ``[B, L, D]``) or at both of their last two dimensions (attention masks and biases ``[B, 1, L, L]``, and
 ``[B, L, L]`` when not float: a float ``[B, L, D]`` with ``D == L`` is taken for embeddings),
-which are cut on both.
+which are cut on both. **Sequences of another length** (2-D integer or bool tensors with ``B``
+rows, or 1, whose length is not ``L``: the decoder ``labels [B, L/2]`` of an encoder-decoder) keep
+their ratio to ``L`` when truncated (see :func:`scaled_length`); ``truncate=False`` leaves them.
 
 **Padding.** With ``truncate=True`` the kept positions are the first ``seq_len`` of every row,
 except for a left-padded batch, where they are the last ``seq_len`` (the real tokens, ending at the
@@ -71,6 +73,7 @@ __all__ = [
     "padding_side",
     "map_tensors",  # from batch_tree
     "read_batch_shape",
+    "scaled_length",
     "set_batch_sequence_length",
 ]
 
@@ -357,6 +360,11 @@ def cut_batch(
             if key == "position_ids":
                 return _positions(x, seq_len, seq_dim, batch_size, chunks)
             return _broadcast_rows(_split_rows(x, seq_len, seq_dim), x, batch_size, chunks)
+        if truncate and key_set is None and not isinstance(batch, torch.Tensor):
+            size = scaled_length(x, batch_size, length, seq_len, seq_dim)
+            if size is not None and size < x.shape[seq_dim]:  # labels of an encoder-decoder, [B, r·L]
+                begin = x.shape[seq_dim] - size if kept == "last" else 0
+                return x.narrow(seq_dim, begin, size).clone(memory_format=torch.contiguous_format)
         if not truncate and x.dim() >= 1 and x.shape[0] == batch_size:
             return x.repeat_interleave(chunks, dim=0)
         return x
@@ -538,6 +546,31 @@ def _is_sequence(
     if isinstance(batch, torch.Tensor):
         return True
     return x.dim() > seq_dim and x.shape[0] in (batch_size, 1) and x.shape[seq_dim] == length
+
+
+def scaled_length(x: torch.Tensor, batch_size: int, length: int, seq_len: int, seq_dim: int = 1) -> Optional[int]:
+    """The length at ``seq_dim`` of a sequence of *another* length when the batch goes from ``length``
+    to ``seq_len`` tokens: its ratio to the leading length kept, at least 1; None for other tensors.
+
+    Such a tensor is a 2-D integer or bool tensor (token ids, labels, masks) with ``B`` rows (or 1)
+    whose length is not the reference length ``L``: the decoder's ``labels`` or
+    ``decoder_input_ids`` ``[B, L/2]`` of an encoder-decoder (T5, BART), a second segment's ids.
+    The curriculum cuts it and the dry run tiles it as the data grows: ``[B, r·L] -> [B, r·seq_len]``.
+
+    >>> import torch
+    >>> labels = torch.zeros(2, 128, dtype=torch.long)
+    >>> scaled_length(labels, 2, 256, 64), scaled_length(labels, 2, 256, 1024)
+    (32, 512)
+    >>> scaled_length(torch.zeros(2, 256, dtype=torch.long), 2, 256, 64) is None  # the reference length
+    True
+    >>> scaled_length(torch.zeros(2, 128), 2, 256, 64) is None  # float: features, not a sequence
+    True
+    """
+    if x.dim() != 2 or seq_dim != 1 or x.shape[0] not in (batch_size, 1) or x.shape[1] in (length, 0):
+        return None
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        return None
+    return max(1, round(int(x.shape[1]) * seq_len / length))
 
 
 def _is_square(x: torch.Tensor, batch_size: int, length: int) -> bool:

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from lightning_seqmem.core.records import PHASES, StepMemory, TrackedEvents
+from lightning_seqmem.measure.mode_stack import enter_below_user_modes, exit_own_mode, modes_below
 
 """Phases of a training step, in order: batch start → before backward → before optimizer step → batch end."""
 
@@ -69,6 +71,20 @@ def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
         return []
     return [t.untyped_storage()]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _fake_mode_active() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 class _Transient:
@@ -128,6 +144,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.record_events = record_events
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._counts_fakes = True  # set on entering (see __enter__)
         self.phase_peak_bytes: dict[str, int] = {}
         self.phase: Optional[str] = None
         self.events = TrackedEvents() if record_events else None
@@ -198,9 +215,13 @@ class LiveTensorTracker(TorchDispatchMode):
             self._add(st, "<resize_>", nbytes)
 
     def track_existing(self, tensors: Iterable[Any], kind: str = "existing") -> None:
-        """Count storages that were alive before tracking (each storage once)."""
+        """Count storages that were alive before tracking (each storage once). Fake tensors count
+        only where a ``FakeTensorMode`` is active (a dry run): elsewhere they hold no memory."""
+        fakes = _fake_mode_active()
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            if not fakes and _is_fake(t):
                 continue
             for st in tensor_storages(t):
                 if st._cdata not in self._ids:
@@ -216,17 +237,34 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.phase_starts[phase] = len(self.events.sequence)
 
     def stop(self) -> None:
-        """Ignore frees from now on (storages of this step die later, during the next one)."""
+        """Ignore frees from now on (storages of this step die later, during the next one).
+
+        The weak references (and their callbacks, which hold this tracker) are dropped at once,
+        not left to the garbage collector: a stopped tracker reaches no storage, neither the
+        training's real ones nor a dry run's fake (meta) ones, whenever it is collected.
+        """
         self._active = False
+        self._finalizers.clear()
+        self._ids.clear()
+        self._sizes.clear()
+        self._resized_to_zero.clear()
 
     # -- dispatch --------------------------------------------------------------------------------
     def __enter__(self):
         _watch_resizes(self, True)
-        return super().__enter__()
+        self._below = modes_below()
+        # a tracker entered under a FakeTensorMode counts fake storages (a dry run's); others skip them
+        self._counts_fakes = any(isinstance(m, FakeTensorMode) for m, _ in self._below)
+        # under other tools' modes held now (so that they leave first without popping this one),
+        # above another tracker (a second SeqMemCallback's)
+        return enter_below_user_modes(self, lambda: super(LiveTensorTracker, self).__enter__(),
+                                      stop_at=lambda m: isinstance(m, LiveTensorTracker))
 
     def __exit__(self, *exc_info):
+        """Leave this mode only, wherever it is on the stack: another callback's mode entered after
+        it (or before it, and left first) is never popped in its place (:mod:`.mode_stack`)."""
         _watch_resizes(self, False)
-        return super().__exit__(*exc_info)
+        exit_own_mode(self, lambda: super(LiveTensorTracker, self).__exit__(*exc_info), getattr(self, "_below", []))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -260,6 +298,8 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in _flat_tensors(out):
             if t.device.type != self.device_type:
                 continue
+            if not self._counts_fakes and isinstance(t, FakeTensor):
+                continue  # another callback's dry run inside this step's window: not this step's memory
             for st in tensor_storages(t):
                 key = st._cdata
                 if key in self._ids:
@@ -487,15 +527,44 @@ class CudaAllocatorProbe(MemoryProbe):
         self._tracker_probe.abort()
 
 
+_NOT_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})  # walked elsewhere, or not the module's
+
+
+def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Tensors held as plain attributes of ``model`` or of its submodules (neither parameters nor
+    buffers): caches such as Lightning's demo ``PositionalEncoding.pe`` or ``Transformer.src_mask``,
+    directly or in a list, tuple or dict attribute (one level deep). Device memory all the same.
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> lin.cache, lin.pair = torch.ones(3), (torch.zeros(2), None)
+        >>> [tuple(t.shape) for t in attribute_tensors(torch.nn.Sequential(lin))]
+        [(3,), (2,)]
+    """
+    out: list[torch.Tensor] = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in _NOT_ATTRIBUTES:
+                continue
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out += [v for v in value if isinstance(v, torch.Tensor)]
+            elif isinstance(value, dict) and not name.endswith("hooks"):
+                out += [v for v in value.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
 def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any], batch: Any) -> list[torch.Tensor]:
-    """Tensors alive before a training step: parameters, buffers, gradients, optimizer state, batch.
+    """Tensors alive before a training step: parameters, buffers, tensors held as module attributes
+    (:func:`attribute_tensors`), gradients, optimizer state, batch.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
         >>> len(existing_tensors(lin, [torch.optim.SGD(lin.parameters(), lr=0.1)], {"x": torch.ones(2, 4)}))
         3
     """
-    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers())
+    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers()) + attribute_tensors(model)
     out += [p.grad for p in model.parameters() if p.grad is not None]
     for optimizer in optimizers:
         for state in optimizer.state.values():

@@ -84,7 +84,9 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
         model: any module (a ``LightningModule`` is searched like any other).
         block_class_names: class names of the blocks. ``None`` means: the classes in
             ``_no_split_modules`` of a Hugging Face model inside ``model``; failing that, the children
-            of the largest ``nn.ModuleList`` whose children all have one class (the first on a tie).
+            of every ``nn.ModuleList`` whose children all have one class and hold modules of their
+            own (every stack of blocks: an encoder's and a decoder's), outermost; failing that, the
+            largest such list of single layers.
 
     Returns:
         The matching modules; nested matches are dropped in favour of the outer one. Empty when
@@ -98,6 +100,10 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
         >>> model = GPT(GPTConfig(n_layer=3, d_model=32, n_head=2))
         >>> [type(b).__name__ for b in find_repeated_blocks(model)]
         ['Block', 'Block', 'Block']
+        >>> from torch import nn
+        >>> seq2seq = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16)
+        >>> [type(b).__name__ for b in find_repeated_blocks(seq2seq)]  # both stacks, not the first found
+        ['TransformerEncoderLayer', 'TransformerEncoderLayer', 'TransformerDecoderLayer', 'TransformerDecoderLayer']
         >>> find_repeated_blocks(model, ["DecoderLayer"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -121,13 +127,20 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
         blocks = _modules_named(model, no_split)
         if blocks:
             return blocks
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            children = list(module)
-            if len({type(c) for c in children}) == 1:
-                best = children
-    return best
+    stacks = [list(m) for m in model.modules()
+              if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+    blocks = [c for children in stacks for c in children if next(c.children(), None) is not None]
+    if blocks:  # every stack of composite blocks (an encoder's and a decoder's), outermost
+        return _outermost(model, blocks)
+    return max(stacks, key=len, default=[])  # only stacks of single layers: the largest (the first on a tie)
+
+
+def _counted(blocks: list[nn.Module]) -> str:
+    """``"2 x TransformerEncoderLayer + 2 x TransformerDecoderLayer"``: the blocks by class, in order."""
+    counts: dict[str, int] = {}
+    for b in blocks:
+        counts[type(b).__name__] = counts.get(type(b).__name__, 0) + 1
+    return " + ".join(f"{n} x {name}" for name, n in counts.items())
 
 
 def _hf_is_checkpointing(hf_model: nn.Module) -> bool:
@@ -219,7 +232,7 @@ class ActivationCheckpointing:
                 "no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); "
                 "pass block_class_names"
             )
-        return True, f"wrap {len(blocks)} x {type(blocks[0]).__name__}"
+        return True, f"wrap {_counted(blocks)}"
 
     def apply(self, model: nn.Module) -> MitigationResult:
         """Enable checkpointing in place; a second call changes nothing."""
@@ -240,14 +253,14 @@ class ActivationCheckpointing:
 
                 for block in blocks:
                     checkpoint(block)
-                detail = f"checkpointed {len(blocks)} x {type(blocks[0]).__name__} in place (composable, under FSDP2)"
+                detail = f"checkpointed {_counted(blocks)} in place (composable, under FSDP2)"
                 return MitigationResult(self.name, applied=True, detail=detail, before="off", after="on")
             apply_activation_checkpointing(
                 model,
                 checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
                 check_fn=lambda m: id(m) in wanted,
             )
-            detail = f"wrapped {len(blocks)} x {type(blocks[0]).__name__} with checkpoint_wrapper (non-reentrant)"
+            detail = f"wrapped {_counted(blocks)} with checkpoint_wrapper (non-reentrant)"
         after = "on" if is_checkpointed(model) else "off"
         return MitigationResult(self.name, applied=after == "on", detail=detail, before="off", after=after)
 

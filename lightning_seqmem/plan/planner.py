@@ -25,8 +25,11 @@ mitigations now on, :meth:`judge` says whether it fits the usable budget:
 A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
 only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
 real fit. Over the budget, the next applicable rung is switched on (and shorter lengths are
-re-measured with it before growing), else the curriculum is capped at the longest length
-forecast to fit — below the current stage if the current stage itself is over. Without a
+re-measured with it before growing), else the curriculum is capped at the longest multiple of
+``multiple_of`` that :meth:`judge` (the dry run where it answers: the predictor that judged the
+stage) says fits — below the current stage if the current stage itself is over — and the warning
+names that length. No length past the model's own limit (``length_limit``, its positions) is
+dry-run, forecast or proposed. Without a
 curriculum the data sets the length: a batch judged over switches the next rung on before it
 runs, or, with no rung left, warns once.
 
@@ -60,12 +63,14 @@ from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
-from lightning_seqmem.core.search import largest_fitting
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
 from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations, spec
-from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
+from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.timeline import Trace
+from lightning_seqmem.core.trust import Check, PredictorChecks
 from lightning_seqmem.core.units import to_gib
+from lightning_seqmem.plan import dry_evidence
+from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
@@ -106,8 +111,9 @@ class Decision:
 
     ``action`` is ``"run"`` (stay), ``"advance"`` (enter the next stage), ``"probe"`` (measure a
     shorter cut first, to fit the next stage), ``"mitigate"`` (switch ``rungs`` on first),
-    ``"cap"`` (stop the curriculum at ``stages[-1]``; ``rungs`` may go on with it) or ``"over"`` (no curriculum and nothing left
-    to switch on: the batch runs over the forecast budget, with a warning). ``seq_len`` is the
+    ``"cap"`` (stop the curriculum at ``stages[-1]``; ``rungs`` may go on with it), ``"over"`` (no curriculum and nothing left
+    to switch on: the batch runs over the forecast budget, with a warning) or ``"stop"`` (nothing can
+    meet the budget: training stops before the batch, ``advice[0]`` says why; never committed). ``seq_len`` is the
     length to cut the batch to (``None``: the batch's own). The curriculum fields are its state
     after the decision.
     """
@@ -165,10 +171,13 @@ class SeqMemPlanner:
         self.mitigations = check_mitigations(mitigations)  # the rungs left to this run
         self.compare_reserved = compare_reserved
         self.block_bytes = block_bytes
+        self.device_type = "cpu"  # the run's device type, for advice that fits the machine (set by the callback)
         self.precision = precision
         self.dry_run = dry_run  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
         self.checkpoint_records = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see state.compact_records)
         self.memory_records = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
+        self.length_limit: Optional[int] = None  # the model's longest sequence (positions), tokens; None: no limit
+        self.length_limit_reason = ""  # where it comes from, e.g. "config.max_position_embeddings=2048"
         self.reset()
 
     def reset(self) -> None:
@@ -194,7 +203,11 @@ class SeqMemPlanner:
         self._advice: list[A.Advice] = []
         self._cache: dict[str, Any] = {}
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
+        self._longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
+        self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
+        self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
+        self._checked: set[tuple] = set()  # steps whose predictors were checked, with the fits' version
         self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
 
     # ------------------------------------------------------------------------------------------
@@ -231,27 +244,71 @@ class SeqMemPlanner:
         batch size, the mitigations on now). Raises :class:`NotEnoughMeasurements` before that
         setting has two measured lengths."""
         check_int("seq_len", seq_len)
+        if not self.within_limit(seq_len):
+            raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.length_limit} tokens "
+                             f"({self.length_limit_reason}): pass a length up to {self.length_limit}")
         key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
+        self._check_dry_once(key)
         dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
         if dry is not None:
             return dry
+        why = self.dry_run_why(seq_len, self._batch_size(batch_size), key)
         forecaster = self.forecasters.get(key)
         if forecaster is None:
             raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
-                                        f"{[list(k) for k in self.forecasters]}")
-        return forecaster.forecast(seq_len, self._batch_size(batch_size))
+                                        f"{[list(k) for k in self.forecasters]}; {why}")
+        fc = forecaster.forecast(seq_len, self._batch_size(batch_size))
+        return replace(fc, detail=f"{fc.detail}; {why}")
+
+    def _check_dry_once(self, setting: tuple[str, ...]) -> None:
+        """Before a dry run answers a query with ``setting`` where it never met a measured step (a run
+        without a budget asks it nothing), check it once at the latest measured shape."""
+        if self.dry_run is None or self.checks.count(setting, "dry_run"):
+            return
+        measured = [r for r in self.records if r.mitigations == setting and not r.warmup]
+        if len(measured) < (2 if self.compare_reserved else 1):
+            return
+        r = measured[-1]
+        dry = self._dry_forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
+        if dry is not None and self.checks.add(setting, Check("dry_run", r.seq_len, r.batch_size, dry.peak_bytes, r.peak_bytes)):
+            c = self.checks.latest[(setting, "dry_run", r.seq_len, r.batch_size)]
+            self.advise(A.predictor_wrong(r.seq_len, r.batch_size, r.peak_bytes, [("dry_run", dry.peak_bytes, c.relative_error)],
+                                          self.tolerance, self.checks.right(setting)))
+
+    def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
+        """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        if self.dry_run is None:
+            return "no dry run (dry_run=False, or not rank zero, or before fit)"
+        wrong = self.checks.wrong(key[2], "dry_run")
+        if wrong is not None:
+            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step measured at "
+                    f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        return f"dry run refused: {self._dry_why.get(key, 'no answer')}"
 
     def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
         """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
-        with the mitigations on now."""
+        with the mitigations on now. Before this setting has a fit: by dry run; without one, from
+        what is known (the forecast of the setting before the last rung, else the longest length
+        measured within the budget; 0 if none): it does not raise after a fit."""
         if budget_bytes is None:
             budget_bytes = self.usable_budget_bytes
             if budget_bytes is None:
                 raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
         batch_size = self._batch_size(batch_size)
-        if not self.forecaster.ready and self.dry_peak(1, batch_size) is not None:
+        limit = (lambda fit: fit) if self.length_limit is None else (lambda fit: min(fit, self.length_limit))
+        if self.forecaster.ready:
+            return limit(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+        if self._dry_forecast(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
-        return self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved)
+        # what is known otherwise (a rung went on at the last steps): the setting before it, whose
+        # forecast bounds this one (a mitigation never adds memory), else the longest length measured within it
+        for n in range(len(self.applied_mitigations) - 1, -1, -1):
+            earlier = self.forecasters.get(self.applied_mitigations[:n])
+            if earlier is not None and earlier.ready:
+                return limit(earlier.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+        return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations and not r.warmup
+                    and r.batch_size >= batch_size and self._measured_bound(r) <= budget_bytes), default=0)
 
     def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
         """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
@@ -260,14 +317,37 @@ class SeqMemPlanner:
         known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
         step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
         hi = 4 * max(known + [256])
+        hi = hi if self.length_limit is None else min(hi, self.length_limit)  # never past the model's positions
         hi -= hi % step
 
         def fits(L: int) -> bool:
             fc = self._dry_forecast(L, batch_size)
             return fc is not None and self.bound_of(fc) <= budget_bytes
 
-        found = largest_fitting(fits, low=step, high=hi + 1, step=step)
-        return found if found or step == 1 else largest_fitting(fits, high=step)  # below one multiple: to the token
+        lo = step
+        if not fits(lo):
+            return 0 if step == 1 or not fits(1) else self._dry_max_below(1, lo, fits)
+        return step * self._dry_search(lo // step, hi // step, step, batch_size, self.applied_mitigations, budget_bytes)
+
+    def _dry_search(self, lo: int, hi: int, unit: int, batch_size: int, setting: tuple[str, ...], budget: int,
+                    bound: Optional[Callable[[int], Optional[int]]] = None) -> int:
+        """Largest ``x`` in ``[lo, hi]`` whose bound at ``x·unit`` tokens (the dry run's, or ``bound``'s)
+        fits ``budget``, given that ``lo`` fits: the dry runs cached narrow it, then guesses from their
+        bounds are checked (:func:`~lightning_seqmem.plan.dry_evidence.largest_fitting`)."""
+        def dry_bound(x: int) -> Optional[int]:
+            fc = self._dry_forecast(x * unit, batch_size, setting)
+            return None if fc is None else self.bound_of(fc)
+
+        bound = bound or dry_bound
+
+        known = [L // unit for (L, B, m), v in self._dry.items()
+                 if v is not None and B == batch_size and m == setting and L % unit == 0]
+        return dry_evidence.largest_fitting(lo, hi, bound, budget, known)
+
+    @staticmethod
+    def _dry_max_below(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+        """Largest ``L`` in ``[lo, hi)`` that ``fits``, given ``fits(lo)`` and not ``fits(hi)``."""
+        return bisect_last(fits, lo, hi)
 
     def _measured_bound(self, r: StepRecord) -> int:
         return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
@@ -291,15 +371,44 @@ class SeqMemPlanner:
         """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
         now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
         key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
-        if self.dry_run is None:
+        if self.dry_run is None or not self.within_limit(seq_len):  # past the model's positions: never asked
             return None
         if key not in self._dry:
             try:
                 peak, phases = self.dry_run(*key)
                 self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
-            except Exception:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+            except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
                 self._dry[key] = None
+                self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         return self._dry[key]
+
+    def set_length_limit(self, limit: Optional[int], reason: str = "") -> None:
+        """The model's longest sequence (``limit`` tokens, from ``reason``): no length past it is
+        dry-run, forecast or proposed; curriculum stages past it are dropped (the last stage becomes
+        the limit rounded down to ``multiple_of``), said once.
+
+        Example:
+            >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, multiple_of=64))
+            >>> p.set_length_limit(300, "config.max_position_embeddings=300")
+            >>> p.stages, p.within_limit(300), p.within_limit(301), p.take_advice()[0].kind
+            ((64, 128, 256), True, False, 'length_limit')
+        """
+        self.length_limit = None if limit is None else int(limit)
+        self.length_limit_reason = reason
+        if self.length_limit is None or not self.stages or self.stages[-1] <= self.length_limit:
+            return
+        assert self.curriculum is not None
+        stop = max(self.curriculum.round_down(self.length_limit), self.curriculum.multiple_of)
+        dropped = [s for s in self.stages if s > self.length_limit]
+        kept = tuple(s for s in self.stages if s <= stop)
+        self.stages = kept + ((stop,) if not kept or kept[-1] < stop else ())
+        self.stage = min(self.stage, len(self.stages) - 1)
+        self.refit_queue = [L for L in self.refit_queue if L <= self.length_limit]
+        self.advise(A.length_limit(self.length_limit, reason, dropped, self.stages[-1]))
+
+    def within_limit(self, seq_len: int) -> bool:
+        """Whether the model can take ``seq_len`` tokens at all (``length_limit``: its positions)."""
+        return self.length_limit is None or int(seq_len) <= self.length_limit
 
     def _dry_margin(self) -> float:
         """The dry run's margin: 2%, widened by its largest measured under-prediction."""
@@ -349,19 +458,86 @@ class SeqMemPlanner:
             return residual
         return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
-    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
-        answer = self.dry_peak(seq_len, batch_size, mitigations)
+    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
+                      source: Optional[tuple[int, int]] = None, trusted_only: bool = True) -> Optional[Forecast]:
+        """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from the
+        dry run of that larger shape (see :mod:`.dry_evidence`), scratch counted at ``seq_len``. None
+        where it cannot answer, or (``trusted_only``) where it missed measured steps of this setting
+        beyond the tolerance (:mod:`.trust`)."""
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        if trusted_only and self.checks.wrong(key, "dry_run") is not None:
+            return None
+        answer = self.dry_peak(*(source or (seq_len, batch_size)), mitigations)
         if answer is None:
             return None
         peak, phases = answer
-        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
         scratch = self.scratch_bytes(seq_len, batch_size, key)
         if scratch:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
         upper = int(peak * (1 + self._dry_margin()))
         ratio = self.forecasters[key].reserved_ratio if key in self.forecasters else self.forecaster.reserved_ratio
-        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases,
-                        f"dry run of the training step with mitigations {list(key)} on fake tensors")
+        detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
+        if source is not None and tuple(source) != (seq_len, batch_size):
+            detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
+        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
+
+    def _dry_judged(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
+        """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as possible
+        (:mod:`.dry_evidence`: a step's peak does not fall as the length or the batch grows):
+
+        1. this shape's own dry run, when it ran already, without a budget to judge against, or with
+           a curriculum (a few lengths, each dry-run and verified when it runs); without one (the
+           data sets the length: dynamic padding, a new length every batch):
+        2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
+        3. one dry run ahead, at a longer length (:meth:`_bucket`: the longest length known, the
+           data's or the curriculum's target, or short of where the cached dry runs cross the
+           budget), when its bound fits: it then answers for every length below it;
+        4. else this shape's own dry run: "over" is only ever said from the exact shape.
+        """
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        budget = self.usable_budget_bytes
+        L, B = int(seq_len), int(batch_size)
+        if (L, B, key) in self._dry or budget is None or self.dry_run is None or self.curriculum is not None:
+            return self._dry_forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
+        answers = {(k[0], k[1]): v[0] for k, v in self._dry.items() if v is not None and k[2] == key}
+        source = dry_evidence.dominating(answers, L, B)
+        if source is not None:
+            fc = self._dry_forecast(L, B, key, source=source)
+            if fc is not None and self.bound_of(fc) <= budget:
+                return fc
+        bucket = self._bucket(L, B, key, budget)
+        known_over = any(L <= k[0] <= bucket and k[1] == B and self._over(k[0], B, key, budget) for k in answers)
+        if bucket > L and not known_over:
+            fc = self._dry_forecast(L, B, key, source=(bucket, B))
+            if fc is not None and self.bound_of(fc) <= budget:
+                return fc
+        return self._dry_forecast(L, B, key)
+
+    def _bucket(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> int:
+        """The length to dry-run for ``seq_len`` (not shorter): the longest length known (a dry run
+        there that fits answers for every shorter one), or, where the dry runs cached say the budget
+        is crossed before it, 95% of that crossing; at least ``seq_len`` rounded up onto the grid
+        of :func:`~lightning_seqmem.plan.dry_evidence.bucket_up`, never past the longest length known."""
+        longest = max(self._longest_known, seq_len)
+        bounds = {}
+        for (L, B, m), answer in self._dry.items():
+            if answer is not None and B == batch_size and m == key:
+                fc = self._dry_forecast(L, B, key)
+                if fc is not None:
+                    bounds[L] = self.bound_of(fc)
+        cross = dry_evidence.crossing(bounds, budget)
+        ahead = longest if cross is None else int(0.95 * cross)
+        return min(longest, max(ahead, dry_evidence.bucket_up(seq_len), seq_len))
+
+    def _over(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> bool:
+        fc = self._dry_forecast(seq_len, batch_size, key)
+        return fc is not None and self.bound_of(fc) > budget
+
+    @property
+    def _longest_known(self) -> int:
+        """The longest length known to be one the model runs: measured, asked about, the target."""
+        return max([r.seq_len for r in self.records] + [self._longest_seen] +
+                   ([self.curriculum.target] if self.curriculum else []))
 
     def judge(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Verdict:
         """Whether a batch at ``(seq_len, batch_size)`` fits the usable budget now (see the module doc);
@@ -370,7 +546,7 @@ class SeqMemPlanner:
         if budget is None:
             return Verdict("fits")
         if mitigations is not None and tuple(mitigations) != self.applied_mitigations:
-            fc = self._dry_forecast(seq_len, batch_size, mitigations)
+            fc = self._dry_judged(seq_len, batch_size, mitigations)
             if fc is None:
                 return Verdict("unknown")
             return Verdict("fits" if self.bound_of(fc) <= budget else "over", self.bound_of(fc), fc.peak_bytes, "dry_run")
@@ -382,8 +558,8 @@ class SeqMemPlanner:
                 return Verdict("over", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
             if any(not r.warmup for r in here):
                 return Verdict("fits", self._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
-        dry = self._dry_forecast(seq_len, batch_size)
-        if dry is not None:  # the exact program at this length: trusted before any extrapolation
+        dry = self._dry_judged(seq_len, batch_size)
+        if dry is not None:  # the exact program at this length (or a bound from a larger one): before any extrapolation
             return Verdict("fits" if self.bound_of(dry) <= budget else "over", self.bound_of(dry), dry.peak_bytes, "dry_run")
         bounds: list[tuple[int, int, str]] = []
         if self.forecaster.ready:
@@ -426,6 +602,7 @@ class SeqMemPlanner:
         (under DDP: applies on every rank). Pure: the state changes only in :meth:`commit`.
         """
         batch_size, seq_len = int(shape[0]), int(shape[1])
+        self._longest_seen = max(self._longest_seen, seq_len)  # (a cache: a length the data has)
         if self.curriculum is None:
             return self._decide_free(seq_len, batch_size, applicable)
         return self._decide_curriculum(seq_len, batch_size, applicable)
@@ -460,16 +637,49 @@ class SeqMemPlanner:
                 return tuple(candidates[:k]), True
         return tuple(candidates), False
 
-    def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...]) -> Optional[int]:
-        """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` whose dry run fits
-        with ``setting``, or None (bisection: a handful of dry runs)."""
+    def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...],
+                 batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
+        """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` (and within the
+        model's ``length_limit``) that :meth:`judge` says fits with ``setting``, or None (bisection: a
+        handful of judgements, each the dry run where it answers, cached). ``batch_of(L)``: the batch
+        size at ``L`` (``truncate=False`` reshapes rows), else ``batch_size`` at every length."""
         assert self.curriculum is not None
         m = self.curriculum.multiple_of
-        low = max(low // m, 1) * m
-        if high - 1 < low:
+        if self.length_limit is not None:
+            high = min(high, self.length_limit + 1)
+        lo, hi = max(-(-low // m), 1), (high - 1) // m  # in units of m: multiples in [low, high)
+
+        def fits(k: int) -> bool:
+            L = k * m
+            return self.judge(L, batch_of(L) if batch_of else batch_size, setting).kind == "fits"
+
+        if hi < lo or not fits(lo):
             return None
-        return largest_fitting(lambda L: self.judge(L, batch_size, setting).kind == "fits", low=low, high=high,
-                               step=m) or None
+        budget = self.usable_budget_bytes
+        assert budget is not None
+
+        def judged_bound(k: int) -> Optional[int]:  # the judgement's bound, so the search agrees with fits()
+            L = k * m
+            verdict = self.judge(L, batch_of(L) if batch_of else batch_size, setting)
+            if verdict.kind == "unknown":
+                return None
+            return verdict.bound_bytes if verdict.bound_bytes is not None else (0 if verdict.kind == "fits" else budget + 1)
+
+        return m * self._dry_search(lo, hi, m, batch_size, tuple(setting), budget, judged_bound)
+
+    def _checked_fit(self, high: int, batch_size: int) -> int:
+        """Largest length below ``high`` that :meth:`judge` says fits with the rungs on now (what a
+        warning names as "the largest length forecast to fit"): a multiple of the curriculum's
+        ``multiple_of``; without one, the forecast's largest length, checked by the same judgement
+        (bisected below it when that is over); 0 if none."""
+        if self.curriculum is not None:
+            return self._dry_fit(1, high, batch_size, self.applied_mitigations) or 0
+        high = high if self.length_limit is None else min(high, self.length_limit + 1)
+        guess = min(self._safe_fit(batch_size), high - 1)
+        fits = lambda L: self.judge(L, batch_size).kind == "fits"  # noqa: E731
+        if guess < 1 or fits(guess):
+            return max(guess, 0)
+        return 0 if not fits(1) else self._dry_max_below(1, guess, fits)
 
     def _decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
         verdict = self.judge(seq_len, batch_size)
@@ -484,9 +694,9 @@ class SeqMemPlanner:
             rung, _ = self._next_rung(applicable)
             rungs, fits = ((rung,) if rung else ()), True
         words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
-                                    verdict.method, usable, budget, self.safety_margin, self._safe_fit(batch_size),
+                                    verdict.method, usable, budget, self.safety_margin, self._checked_fit(seq_len, batch_size),
                                     self.applied_mitigations, rungs, verdict.measured, still_over=not fits,
-                                    inapplicable=_inapplicable(applicable))
+                                    inapplicable=_inapplicable(applicable), device=self.device_type)
         return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(words,))
 
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
@@ -519,7 +729,8 @@ class SeqMemPlanner:
             if probe is not None:  # a real fit of this setting before judging the stage over
                 steps = [probe] * (max(1, self.warmup_steps_after_change) + 1)
                 return self._state(action="probe", seq_len=probe, refit_queue=tuple(steps[1:]), decide_now=False)
-        return self._over_in_curriculum(seq_len, batch_size, verdict, applicable)
+        return self._over_in_curriculum(seq_len, batch_size, verdict, applicable,
+                                        lambda L: self.batch_at(source_batch, source_len, L))
 
     def _probe_length(self, batch_size: int) -> Optional[int]:
         """A length shorter than the current stage not yet fitted with these mitigations, or None."""
@@ -541,35 +752,51 @@ class SeqMemPlanner:
         except Exception:  # noqa: BLE001 - only words depend on it
             return 0
 
-    def _over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability) -> Decision:
+    def _over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability,
+                            batch_of: Optional[Callable[[int], int]] = None) -> Decision:
+        """Over the budget at ``seq_len`` (the next stage, or the one running): rungs, or a cap. Every
+        cap is the largest multiple of ``multiple_of`` that :meth:`judge` (the dry run where it
+        answers: the predictor that judged the stage) says fits, and the words name that length."""
         assert self.curriculum is not None and self.budget_bytes is not None and self.usable_budget_bytes is not None
         m, current = self.curriculum.multiple_of, self.stages[self.stage]
-        fit = self._safe_fit(batch_size)
         rung, skipped = self._next_rung(applicable)
         plan = self._plan(seq_len, batch_size, applicable)
         words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
                      method=verdict.method, usable=self.usable_budget_bytes, budget=self.budget_bytes,
-                     margin=self.safety_margin, fit=fit, skipped=skipped, measured=verdict.measured,
+                     margin=self.safety_margin, fit=0, skipped=skipped, measured=verdict.measured,
                      applied=self.applied_mitigations)
         advance = seq_len > current and seq_len in self.stages
+        held = self._held_bytes()
+        if held > self.usable_budget_bytes:  # no rung lowers what a step begins with: stop rather than run over
+            return self._state(action="stop", seq_len=None, advice=(A.held_over_budget(
+                held, self.usable_budget_bytes, self.budget_bytes, self.safety_margin, self.device_type),))
+        low = current if seq_len > current else 1  # the next stage over: stay between the two
+
+        def capped(cap: Optional[int]) -> int:
+            words["fit"] = cap or 0  # the length that was checked; 0: "no length is forecast to fit"
+            return cap if cap is not None else (current if seq_len > current else m)
+
         if plan is not None and plan[1]:  # the dry run says which rungs make it fit: on before the stage
+            words["fit"] = self._dry_fit(1, seq_len, batch_size, self.applied_mitigations, batch_of) or 0
             action = f"Switching on {', '.join(map(repr, plan[0]))} before it runs (dry run: it then fits)"
             return self._state(action="mitigate", rungs=plan[0], seq_len=seq_len, refit_queue=(), decide_now=False,
                                stage=self.stages.index(seq_len) if advance else self.stage, reset_stage_steps=advance,
                                advice=(A.over_budget_stage(action=action, **words),))
         if plan is not None:  # nothing fits at this length even with every rung: all on, and the longest that fits
             setting = self.applied_mitigations + plan[0]
-            low = current if seq_len > current else m
-            cap = self._dry_fit(low, seq_len, batch_size, setting)
-            cap = cap if cap is not None else (current if seq_len > current else m)
+            cap = self._dry_fit(low, seq_len, batch_size, setting, batch_of)
+            if cap is None and seq_len <= current:  # not even the shortest length fits with every rung
+                every = self.judge(seq_len, batch_size, setting)
+                return self._stop(seq_len, batch_size, every if every.bound_bytes else verdict, setting)
+            cap = capped(cap)
             stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
-            words["fit"] = cap
             action = (f"Switching on {', '.join(map(repr, plan[0]))}; the curriculum stays at seq_len={cap}. "
-                      f"To go further: {A.remaining_advice(setting, _inapplicable(applicable))}")
+                      f"To go further: {A.remaining_advice(setting, _inapplicable(applicable), self.device_type)}")
             return self._state(action="cap", rungs=plan[0], seq_len=cap, stages=stages, stage=len(stages) - 1,
                                refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
                                advice=(A.over_budget_stage(action=action, **words),))
         if rung is not None:
+            words["fit"] = self._dry_fit(1, seq_len, batch_size, self.applied_mitigations, batch_of) or 0
             base = min(current, seq_len)
             lengths = sorted({self.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})
             steps = max(1, self.warmup_steps_after_change) + 1  # warm-up, then one fitted step per length
@@ -578,18 +805,34 @@ class SeqMemPlanner:
                       "before growing")
             return self._state(action="mitigate", rungs=(rung,), seq_len=queue[0], refit_queue=tuple(queue[1:]),
                                decide_now=False, advice=(A.over_budget_stage(action=action, **words),))
-        if seq_len > current:  # the next stage does not fit: stay between the two
-            cap = self.curriculum.round_down(fit) if fit >= m else current
-            cap = max(min(cap, seq_len - 1), current)
-        else:  # the stage running now is over: go back to what is forecast to fit
-            cap = self.curriculum.round_down(fit) if fit >= m else m
-            cap = min(cap, max(seq_len - m, m))
+        # no rung left: the longest length judged to fit (the next stage over: between the two; the
+        # stage running now over: below it)
+        found = self._dry_fit(low, seq_len, batch_size, self.applied_mitigations, batch_of)
+        if found is None and seq_len <= current and (self.forecaster.ready or seq_len <= m):
+            return self._stop(seq_len, batch_size, verdict, self.applied_mitigations)  # nothing fits: a fit says so,
+        cap = capped(found)  # or the shortest ran over; else the shortest is measured first
         stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
         action = (f"The curriculum stays at seq_len={cap}. To go further: "
-                  f"{A.remaining_advice(self.applied_mitigations, _inapplicable(applicable))}")
+                  f"{A.remaining_advice(self.applied_mitigations, _inapplicable(applicable), self.device_type)}")
         return self._state(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
                            decide_now=False, reset_stage_steps=cap != current,
                            advice=(A.over_budget_stage(action=action, **words),))
+
+    def _held_bytes(self) -> int:
+        """What the latest measured step after the first began with (parameters, gradients, optimizer
+        state, the batch): a floor of every later step's peak that no rung lowers (0 if unknown)."""
+        for r in reversed(self.records):
+            if r.step > 0 and r.start_bytes:
+                return int(r.start_bytes)
+        return 0
+
+    def _stop(self, seq_len: int, batch_size: int, verdict: Verdict, setting: tuple[str, ...]) -> Decision:
+        """Nothing can meet the budget at ``seq_len`` with ``setting`` (every rung this run can take)."""
+        assert self.curriculum is not None and self.budget_bytes is not None and self.usable_budget_bytes is not None
+        words = A.budget_unreachable(seq_len, batch_size, verdict.bound_bytes or 0, verdict.method,
+                                     self.usable_budget_bytes, self.budget_bytes, self.safety_margin, setting,
+                                     self.curriculum.multiple_of, self.device_type)
+        return self._state(action="stop", seq_len=None, advice=(words,))
 
     def commit(self, decision: Decision) -> None:
         """Take ``decision`` (every rank, the same one). A rung is recorded in :meth:`rung_applied`."""
@@ -713,6 +956,7 @@ class SeqMemPlanner:
         forecaster = self.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=self.tolerance))
         if not record.warmup:
             self.last_batch_size = B
+            wrong_now = self._check_predictors(record, forecaster)
             forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
             tL, tB, tm = trace if trace is not None else (L, B, memory)
             if pending.traced and tm.events is not None:
@@ -720,8 +964,8 @@ class SeqMemPlanner:
                                            measured_peak_bytes=tm.peak_bytes))
                 self._compare_replay(forecaster, record.mitigations, B)
             fc = self._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
-            if fc is not None:
-                self._verify(record, fc, forecaster)
+            if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # the forecast for the shape that ran
+                self._verify(record, fc, forecaster, quiet=fc.method in wrong_now)
             self._after_mitigation(record)
         if any(spec(m).first_step_check for m in record.mitigations) and not any(
                 r.mitigations == record.mitigations for r in self.records):
@@ -741,9 +985,10 @@ class SeqMemPlanner:
     def _compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
         """The replay against the dry run at the target length (the curriculum's, else 4× the longest
         traced): a replay off by more than the tolerance is not trusted, and that is said once."""
-        if forecaster.timeline is None or self.dry_run is None:
-            return
+        if forecaster.timeline is None or self.dry_run is None or self.checks.wrong(setting, "dry_run") is not None:
+            return  # (a dry run that missed measured steps is not the judge of the replay)
         target = self.curriculum.target if self.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
+        target = target if self.length_limit is None else min(target, self.length_limit)
         dry = self.dry_peak(target, batch_size, setting)
         if dry is None:
             return
@@ -754,12 +999,61 @@ class SeqMemPlanner:
         if abs(error) > self.tolerance:
             self.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
 
-    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster) -> None:
+    def _check_predictors(self, record: StepRecord, forecaster: MemoryForecaster) -> set[str]:
+        """Check each predictor that can answer for the shape that ran against its measured peak,
+        before this step is added to any fit; one that misses beyond the tolerance is not trusted
+        until it is right again, said once per predictor and setting (:mod:`.trust`). Returns the
+        predictors this step found wrong where they were right before."""
+        L, B, setting = record.seq_len, record.batch_size, record.mitigations
+        seen = (L, B, setting, forecaster.version, (L, B, setting) in self._dry, record.peak_bytes)
+        if seen in self._checked:  # the same step again, the same fits: the same checks
+            return set()
+        self._checked.add(seen)
+        predictions: dict[str, int] = {}
+        dry_key = (L, B, setting)
+        # asked already (no dry run only to check it); with allocator counters, once this setting has a
+        # measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
+        residual_known = not self.compare_reserved or any(r.mitigations == setting and not r.warmup for r in self.records)
+        if self.dry_run is not None and dry_key in self._dry and residual_known:
+            dry = self._dry_forecast(L, B, setting, trusted_only=False)
+            if dry is not None:
+                predictions["dry_run"] = dry.peak_bytes
+        for method in ("replay", "quadratic"):
+            try:
+                predictions[method] = forecaster.forecast(L, B, method=method).peak_bytes
+            except NotEnoughMeasurements:
+                pass
+        newly: set[str] = set()
+        for method, predicted in predictions.items():
+            if self.checks.add(setting, Check(method, L, B, predicted, record.peak_bytes)):
+                newly.add(method)
+        forecaster.distrusted = {}
+        for method in ("replay", "quadratic"):
+            wrong = self.checks.wrong(setting, method)
+            if wrong is not None:
+                forecaster.distrusted[method] = (f"it predicted {wrong.relative_error:+.1%} for the step measured at "
+                                                 f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        # a predictor ranked after one that decides and is right steps aside silently (see Forecast.detail)
+        said = [m for m in ("dry_run", "replay", "quadratic") if m in newly and not self._deciding_before(m, setting, forecaster)]
+        if said:
+            misses = [(m, predictions[m], self.checks.latest[(setting, m, L, B)].relative_error) for m in said]
+            self.advise(A.predictor_wrong(L, B, record.peak_bytes, misses, self.tolerance, self.checks.right(setting)))
+        return newly
+
+    def _deciding_before(self, method: str, setting: tuple[str, ...], forecaster: MemoryForecaster) -> bool:
+        """Whether a predictor ranked before ``method`` (dry run, replay, quadratic fit) answers and
+        is trusted with ``setting``: then ``method`` was not what decisions used."""
+        order = ("dry_run", "replay", "quadratic")
+        answers = {"dry_run": self.dry_run is not None and any(k[2] == setting and v is not None for k, v in self._dry.items()),
+                   "replay": forecaster.timeline is not None, "quadratic": forecaster.quadratic is not None}
+        return any(answers[m] and self.checks.wrong(setting, m) is None for m in order[:order.index(method)])
+
+    def _verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster, quiet: bool = False) -> None:
         v = forecaster.verify(fc, record.peak_bytes)
         record.forecast_peak_bytes, record.forecast_upper_bytes = fc.peak_bytes, fc.upper_bytes
         record.forecast_method, record.forecast_error = fc.method, v.relative_error
         self.last_verification_error = v.relative_error
-        if abs(v.relative_error) > self.tolerance:
+        if abs(v.relative_error) > self.tolerance and not quiet:  # quiet: said by the predictor check
             self.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
                                             record.peak_bytes, v.relative_error, self.tolerance))
 
@@ -823,7 +1117,7 @@ class SeqMemPlanner:
         target = target or (self.records[-1].seq_len if self.records else None)
         # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
         fc = None if not target else (self.forecaster.forecast(target, batch_size) if self.forecaster.ready
-                                       else self._dry_forecast(target, batch_size))
+                                       else self._dry_judged(target, batch_size))
         if fc is not None:
             bound = self.bound_of(fc)
             out["forecast_next_gib"] = to_gib(bound)

@@ -191,12 +191,27 @@ def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> di
     return row
 
 
+REPORT_MEASURED_LENGTHS = 8  # measured lengths with a forecast row (dynamic padding: hundreds; one dry run each)
+
+
+def _spread(lengths: set[int], n: int) -> set[int]:
+    """At most ``n`` of ``lengths``, evenly spread, the shortest and the longest kept.
+
+    >>> sorted(_spread(set(range(10, 210)), 5)), _spread({3, 1}, 5) == {1, 3}
+    ([10, 60, 110, 159, 209], True)
+    """
+    ordered = sorted(lengths)
+    if len(ordered) <= n:
+        return set(ordered)
+    return {ordered[round(i * (len(ordered) - 1) / (n - 1))] for i in range(n)}
+
+
 def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
     if batch_size is None or not (planner.forecaster.ready or planner.dry_peak(1, batch_size) is not None):
         out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
         return out
-    lengths = {r.seq_len for r in planner.records}
+    lengths = _spread({r.seq_len for r in planner.records}, REPORT_MEASURED_LENGTHS)
     if planner.curriculum is not None:
         lengths |= set(planner.curriculum.stages)
         target = planner.curriculum.target
@@ -205,6 +220,7 @@ def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str,
     else:
         longest = max(lengths, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
+    lengths = {L for L in lengths if planner.within_limit(L)}  # none past the model's own positions
     try:
         out["at"] = [_forecast_row(planner, L, batch_size) for L in sorted(lengths)]
         if planner.usable_budget_bytes is not None:

@@ -56,6 +56,15 @@ def check_setter_reaches_data(trainer: Any) -> None:
     ...
     ValueError: the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers=2: each worker process holds its own copy of the dataset, so a length set in the main process never reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a dataclass) that the callback cuts itself, or drop the `curriculum`.
     """
+    fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
+    if getattr(fetcher, "prefetch_batches", 0) > 0 and getattr(fetcher, "length", 0) is None:
+        raise ValueError(
+            "the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a "
+            "tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has no length, so "
+            "Lightning fetches each batch one ahead of the step: every stage's first batch would arrive at the "
+            "previous stage's length, the first at the data's own. Give the dataset a `__len__` (Lightning then "
+            "fetches each batch just before its step), or return batches as a dict (or a list, or a dataclass) that "
+            "the callback cuts itself, or drop the `curriculum`.")
     workers = train_loader_workers(trainer)
     if workers > 0:
         raise ValueError(
@@ -66,18 +75,66 @@ def check_setter_reaches_data(trainer: Any) -> None:
             "dataclass) that the callback cuts itself, or drop the `curriculum`.")
 
 
+def batches_need_setter(trainer: Any) -> bool:
+    """Whether the train loader's batches cannot be cut in place (a tuple, a bare tensor), so their
+    length is the dataset's: one sample collated by the loader's own ``collate_fn`` tells, before
+    Lightning fetches the first batch (random generators restored). False where it cannot tell (an
+    iterable dataset, several loaders): the first batch then says.
+
+    >>> from types import SimpleNamespace as NS
+    >>> from torch.utils.data import DataLoader
+    >>> rows = [(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))]
+    >>> tuples, lists = DataLoader(rows, collate_fn=lambda b: tuple(b[0])), DataLoader(rows)
+    >>> batches_need_setter(NS(train_dataloader=tuples)), batches_need_setter(NS(train_dataloader=lists))
+    (True, False)
+    """
+    import random
+
+    loader = getattr(trainer, "train_dataloader", None)
+    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
+    if dataset is None or collate is None or not hasattr(type(dataset), "__getitem__") or not hasattr(dataset, "__len__"):
+        return False
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            batch = collate([dataset[0]])
+    except Exception:  # noqa: BLE001 - cannot tell: the first batch says
+        return False
+    finally:
+        random.setstate(state)
+    return not can_cut_in_place(batch)
+
+
+def set_length_ahead(trainer: Any, seq_len: int) -> bool:
+    """Give the datamodule's or train dataset's ``set_seq_len`` the length of the batch that will be
+    fetched next (Lightning fetches a batch of a sized loader just before its step, after
+    ``on_train_epoch_start`` and the previous ``on_train_batch_end``): a batch that only the dataset
+    can shorten then arrives at its stage's length. Returns whether there was a setter.
+
+    >>> from types import SimpleNamespace as NS
+    >>> seen = []
+    >>> set_length_ahead(NS(datamodule=NS(set_seq_len=seen.append)), 128), seen
+    (True, [128])
+    """
+    setter = length_setter(trainer)
+    if setter is None:
+        return False
+    setter(int(seq_len))
+    return True
+
+
 def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
     """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a batch that
     cannot be cut in place (a tuple, a bare tensor) goes through the datamodule's or dataset's
     ``set_seq_len`` instead (refused with a ValueError where dataloader workers would never see
-    it: :func:`check_setter_reaches_data`). Returns whether the setter was used. A bare tensor with no setter is
-    left as it is: the callback records the length that ran and says so."""
+    it: :func:`check_setter_reaches_data`). Returns whether the setter was used. A batch that cannot
+    be cut in place (a tuple, a bare tensor) with no setter is left as it is, as README says: the
+    callback records the length that ran, one warning says so (naming both ways out: dict or list
+    batches, or a ``set_seq_len``), and the curriculum holds."""
     if not can_cut_in_place(batch) or through_setter:
-        if isinstance(batch, torch.Tensor) and length_setter(trainer) is None:
-            return False
         setter = length_setter(trainer)
-        if setter is None:  # let set_batch_sequence_length raise its message about tuples
-            set_batch_sequence_length(batch, seq_len, truncate=truncate)
+        if setter is None:
+            return False
         check_setter_reaches_data(trainer)
         setter(seq_len)
         return True
@@ -115,6 +172,29 @@ def sharding_template(trainer: Any, pl_module: Any) -> Optional[Any]:
         return None
 
 
+LENGTH_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "block_size", "max_seq_len")
+"""Config fields that give a model's longest sequence in tokens (Hugging Face, GPT-2, nanoGPT-style)."""
+
+
+def model_length_limit(module: Any) -> Optional[tuple[int, str]]:
+    """The longest sequence ``module`` can take, from its own configuration (its position embeddings):
+    ``(tokens, where it comes from)``, the smallest over its sub-modules' ``config``, or None.
+
+    >>> from types import SimpleNamespace as NS
+    >>> m = torch.nn.Module(); m.config = NS(max_position_embeddings=2048)
+    >>> model_length_limit(m), model_length_limit(torch.nn.Linear(2, 2))
+    ((2048, 'config.max_position_embeddings=2048'), None)
+    """
+    found: list[tuple[int, str]] = []
+    for sub in module.modules() if isinstance(module, torch.nn.Module) else ():
+        config = getattr(sub, "config", None)
+        for name in LENGTH_LIMIT_FIELDS:
+            value = getattr(config, name, None) if config is not None and not isinstance(config, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append((value, f"config.{name}={value}"))
+    return min(found) if found else None
+
+
 def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
     """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the breakdown at the end)."""
     from torch.utils._pytree import tree_map
@@ -124,5 +204,6 @@ def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> 
     return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
-__all__ = ["check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch", "release_cached_memory",
-           "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]
+__all__ = ["batches_need_setter", "check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch",
+           "model_length_limit", "release_cached_memory", "set_length_ahead", "sharding_template", "steps_optimizer",
+           "train_loader_workers", "unsupported_rungs"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -29,7 +30,7 @@ from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.trainer.oom import is_oom
 from lightning_seqmem.plan.planner import Decision, PendingStep, SeqMemPlanner
 from lightning_seqmem.measure.probes import PROBE_NAMES, MemoryProbe, existing_tensors, make_probe
-from lightning_seqmem.core.records import SeqMemFailureWarning, StepRecord
+from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord
 from lightning_seqmem.core.rungs import rung_names, spec
 from lightning_seqmem.core.units import parse_bytes
 
@@ -65,7 +66,10 @@ class SeqMemCallback(Callback):
     length. Before every batch the planner judges whether it fits the usable budget (see
     :mod:`lightning_seqmem.plan.planner`): a curriculum stage is entered only on a forecast that fits,
     a batch judged over switches the next mitigation on first, and with nothing left to switch on
-    the curriculum is capped with one :class:`PredictedOOMWarning`. Under DDP the decision is
+    the curriculum is capped with one :class:`PredictedOOMWarning`. A budget nothing can meet (the
+    parameters alone, or the shortest length with every rung) raises
+    :class:`~lightning_seqmem.MemoryBudgetError` before training, or before the batch where it is
+    first known, rather than training over it. Under DDP the decision is
     taken once, on rank zero, from every rank's shape, and applied on all ranks at the same step.
 
     A ``torch.compile``'d module (compiled in ``__init__`` or ``configure_model``) keeps compiling,
@@ -110,6 +114,9 @@ class SeqMemCallback(Callback):
         dry_run: judge every new length, batch size and set of rungs by a dry run of the training
             step on a fake copy of the module (:mod:`.dryrun`; rank zero, about a second each)
             before extrapolating from measured steps; ``False`` uses the replay and quadratic fit only.
+        summary: at the end of fit, print a few lines on rank zero (longest length, peak against
+            the budget, rungs on, warnings, and the folder holding the report, figure and
+            TensorBoard panels: the logger's ``version_N/``); ``False`` prints nothing.
         name: tells this callback's checkpoint state apart from another ``SeqMemCallback``'s in the
             same Trainer (each needs its own name there). The state is found by this name only, so
             a resume may change ``memory_budget``, ``mitigations`` or ``curriculum``: the change is
@@ -151,7 +158,9 @@ class SeqMemCallback(Callback):
         >>> trainer = pl.Trainer(max_steps=9, accelerator="cpu", callbacks=[cb], logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False)
-        >>> trainer.fit(LitGPT(n_layer=1, d_model=32), SyntheticTokenDataModule(batch_size=2, seq_len=64))
+        >>> trainer.fit(LitGPT(n_layer=1, d_model=32), SyntheticTokenDataModule(batch_size=2, seq_len=64))  # doctest: +ELLIPSIS
+        seqmem: longest length 64 tokens (batch 2); peak ...; no memory budget; rungs on: none; 0 warnings.
+        seqmem: report in ...
         >>> [r.seq_len for r in cb.records]
         [16, 16, 16, 32, 32, 32, 64, 64, 64]
         >>> cb.forecast(256).method  # a dry run of this model's step at 256 tokens
@@ -174,6 +183,7 @@ class SeqMemCallback(Callback):
         breakdown: bool = False,
         dry_run: bool = True,
         name: Optional[str] = None,
+        summary: bool = True,
     ) -> None:
         check_int("warmup_steps", warmup_steps, 1, accepted="an int ≥ 1 (the first step has no optimizer state)")
         check_int("warmup_steps_after_change", warmup_steps_after_change, 0, accepted="an int ≥ 0")
@@ -190,7 +200,7 @@ class SeqMemCallback(Callback):
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"`name` must be a non-empty string or None, got {name!r}")
         self.name = name  # (before the loop below reuses `name`)
-        for name, value in (("breakdown", breakdown), ("dry_run", dry_run)):
+        for name, value in (("breakdown", breakdown), ("dry_run", dry_run), ("summary", summary)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be a bool, got {value!r}")
         self._mitigations_arg = ladder.check_mitigations(mitigations)
@@ -201,7 +211,7 @@ class SeqMemCallback(Callback):
         self.probe_name = probe
         self.curriculum = curriculum
         self.seq_len_fn = seq_len_fn
-        self.breakdown, self.dry_run = breakdown, dry_run
+        self.breakdown, self.dry_run, self.summary = breakdown, dry_run, summary
         self.planner = SeqMemPlanner(
             warmup_steps=warmup_steps, tolerance=float(tolerance), memory_budget_bytes=self.memory_budget_bytes,
             safety_margin=float(safety_margin), curriculum=curriculum,
@@ -270,6 +280,7 @@ class SeqMemCallback(Callback):
             fc = world_forecast(self._dry, seq_len, self.planner._batch_size(batch_size), key, world_size)
         else:
             fc = self.planner.forecast(seq_len, batch_size, mitigations)
+            self._warn_advice()  # a dry run found wrong at its first check, or refused, is said here too
         note = A.program_note(self._compiled, self._probe.name if self._probe is not None else self.probe_name)
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
@@ -283,10 +294,9 @@ class SeqMemCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.planner.records or self.planner.step:  # a callback reused in a new fit starts fresh
-            self.planner.reset()
-            self.planner.mitigations = self._mitigations_arg
-            self._reset_edge()
+        if self.planner.records or self.planner.step:
+            self._next_fit(trainer, pl_module)
+        self._last_fit = (weakref.ref(trainer), weakref.ref(pl_module))
         self._device = trainer.strategy.root_device
         self._probe = make_probe(self.probe_name, self._device)
         on_cuda = self._device.type == "cuda"
@@ -294,9 +304,37 @@ class SeqMemCallback(Callback):
             self.planner.budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
         self.planner.compare_reserved, self.planner.block_bytes = on_cuda, 512 if on_cuda else 1
         self.planner.precision = str(trainer.precision)
+        self.planner.device_type = self._device.type
         self._template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
         self._check_strategy_and_module(trainer, pl_module)
         self._warn_advice()
+
+    def _next_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit after another one with this callback. On the same Trainer and module it continues the
+        state (rungs on, records, fits, curriculum position); otherwise it starts afresh, said in one
+        line, and reports the rungs of the last fit still on this module as on (they are)."""
+        last = getattr(self, "_last_fit", None)
+        same_trainer = last is not None and last[0]() is trainer
+        same_module = last is not None and last[1]() is pl_module
+        breakdowns = (self.breakdowns, self.breakdown_table, self.breakdown_report)
+        self._reset_edge()
+        if same_trainer and same_module:
+            self.breakdowns, self.breakdown_table, self.breakdown_report = breakdowns
+            on = ", ".join(self.planner.applied_mitigations) or "none"
+            rank_zero_info(f"seqmem: a new fit on the same Trainer and module continues from step {self.planner.step} "
+                           f"(rungs on: {on}; {len(self.planner.records)} records; curriculum stage "
+                           f"{self.planner.seq_len}).")
+            return
+        still_on = tuple(n for n in self.planner.applied_mitigations if ladder.is_on(n, pl_module))
+        self.planner.reset()
+        self.planner.mitigations = self._mitigations_arg
+        self.planner.applied_mitigations = still_on  # what the module runs with: never reported as off
+        self.planner.forecaster  # noqa: B018 - that setting's own (empty) fit
+        if getattr(trainer, "ckpt_path", None):
+            return  # the checkpoint's state replaces this one (load_state_dict says how it resumed)
+        why = "a new Trainer" if not same_trainer else "a new module"
+        rungs = f"; still on this module: {', '.join(still_on)}" if still_on else ""
+        rank_zero_warn(f"seqmem: this fit starts afresh ({why}): records, fits and the curriculum restart{rungs}.")
 
     def _check_strategy_and_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the rungs this run cannot take, saying why, before training starts."""
@@ -318,15 +356,18 @@ class SeqMemCallback(Callback):
         self._warn_advice()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the TensorBoard panel layout; after a resume, switch the mitigations on again."""
+        """Refuse a budget below the parameters; write the TensorBoard panel layout; after a resume,
+        switch the mitigations on again."""
+        self._check_parameters_fit(pl_module)
         self._check_compiled(pl_module)
+        self._safely("the model's length limit", lambda: self.planner.set_length_limit(*(edge.model_length_limit(pl_module) or (None, ""))))
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
                 from lightning_seqmem.dryrun.run import TrainingRunDryRun
 
                 self._dry = TrainingRunDryRun(trainer, pl_module, lambda: self.planner.applied_mitigations,
-                                              lambda why: self.planner.advise(A.dry_run_unavailable(why)),
+                                              lambda why, *shape: self.planner.advise(A.dry_run_unavailable(why, *shape)),
                                               template=self._template)
                 self.planner.dry_run = self._dry
         if self._reapply_on_fit_start:
@@ -335,6 +376,22 @@ class SeqMemCallback(Callback):
                 ok, detail = ladder.try_apply(name, trainer, pl_module)
                 rank_zero_info(f"seqmem: resumed with {name} on ({detail})")
         self._say_resume(trainer, pl_module)
+
+    def _check_parameters_fit(self, pl_module: pl.LightningModule) -> None:
+        """:class:`MemoryBudgetError` where this rank's parameters and buffers on the training device
+        (local shards under FSDP2) alone exceed the usable budget: no step could fit."""
+        usable = self.planner.usable_budget_bytes
+        if usable is None or self._device is None:
+            return
+        held = 0
+        for tensor in (*pl_module.parameters(), *pl_module.buffers()):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+            if local.device.type == self._device.type:
+                held += local.nbytes
+        if held > usable:
+            assert self.planner.budget_bytes is not None
+            raise MemoryBudgetError(A.parameters_over_budget(held, usable, self.planner.budget_bytes,
+                                                             self.planner.safety_margin))
 
     def _say_resume(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a resume under a changed configuration: take the rungs no longer allowed off the
@@ -350,6 +407,37 @@ class SeqMemCallback(Callback):
             phrases.append(f"rung {name!r} no longer allowed: {outcome}")
         if phrases:
             rank_zero_warn(f"seqmem: resumed with {'; '.join(phrases)}.")
+
+    # -- Lengths set ahead through the dataset's ``set_seq_len`` -----------------------------------------
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With a curriculum, batches that cannot be cut in place (a tuple, a bare tensor: their
+        length is the dataset's; :func:`~lightning_seqmem.trainer.access.batches_need_setter`) and a
+        ``set_seq_len`` on the datamodule or train dataset, set the length of the first batch before
+        Lightning fetches it: the stage's length, or the next re-measurement's (the planner's state,
+        the same on every rank: no collective). From then on each batch end sets the next one's."""
+        if self.curriculum is None or self._stopped or self._uses_datamodule_length:
+            return  # (once a batch went through the setter, each batch end sets the next one's length)
+        length = self.planner.refit_queue[0] if self.planner.refit_queue else self.planner.seq_len  # same on every rank
+        if length is not None and edge.length_setter(trainer) is not None and edge.batches_need_setter(trainer):
+            self._safely("setting the next batch's length", lambda: edge.set_length_ahead(trainer, length))
+
+    def _set_next_length(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """One batch ahead: the planner's decision for the next batch (pure; taken again at its
+        ``on_train_batch_start``) gives the length the dataset must produce, on every rank."""
+        length, error = None, None
+        if trainer.is_global_zero:
+            try:
+                length = self.planner.refit_queue[0] if self.planner.refit_queue else self.planner.seq_len
+                if not self._failed and self._shape is not None:
+                    applicable = self._applicability(trainer, pl_module, batch, self._shape)
+                    length = self.planner.decide(self._shape, applicable).seq_len
+            except Exception as exc:  # noqa: BLE001 - said below, after every rank heard
+                length, error = None, exc
+        length = distributed.broadcast(trainer, length)
+        if error is not None:
+            raise error
+        if length is not None:
+            edge.set_length_ahead(trainer, length)
 
     # -- Before a batch: agree, decide, apply, cut, start measuring ----------------------------------
     def _read_shape(self, batch: Any) -> tuple[int, int]:
@@ -389,6 +477,8 @@ class SeqMemCallback(Callback):
                 self._stopped = True
                 self._safely("the curriculum", lambda: self._cut(trainer, batch, self.planner.seq_len))
                 return
+            if decision.action == "stop":  # every rank: nothing can meet the budget, so no step runs over it
+                raise MemoryBudgetError(decision.advice[0].text)
             self.planner.commit(decision)
             if all(self._switch_on(trainer, pl_module, batch, name, shape) for name in decision.rungs):
                 break
@@ -415,7 +505,9 @@ class SeqMemCallback(Callback):
 
     def _applicability(self, trainer, pl_module, batch: Any, shape: tuple[int, int]) -> dict[str, tuple[bool, str]]:
         """Whether each rung left applies here (only with a budget; cached per setting and batch size)."""
-        left = tuple(m for m in self.planner.mitigations if m not in self.planner.applied_mitigations)
+        # every rung not on: those this run may not take are checked too, for the words only (a
+        # warning never advises attention already on SDPA, even where the ladder leaves it out)
+        left = tuple(m for m in rung_names() if m not in self.planner.applied_mitigations)
         if self.planner.usable_budget_bytes is None or not left:
             return {}
         key = (self.planner.applied_mitigations, left, shape[0])
@@ -494,6 +586,8 @@ class SeqMemCallback(Callback):
         if any_refused:  # e.g. the loss is not a mean: micro-batching is off on every rank, and this step ran whole
             self._undo_refused(trainer, pl_module, refusal, pending)
         self._record(trainer, pending, row, memory)
+        if self._uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
+            self._safely("setting the next batch's length", lambda: self._set_next_length(trainer, pl_module, batch))
         if self.breakdown and not self._failed and trainer.is_global_zero:
             self._safely("the memory breakdown", lambda: setattr(
                 self, "_breakdown_batch", edge.longest_batch(self._breakdown_batch, batch, self._read_shape(batch)[1])))
@@ -558,7 +652,10 @@ class SeqMemCallback(Callback):
         if self.breakdown and not self._failed:
             self._safely("the memory breakdown", lambda: self.run_breakdown(trainer, pl_module))
         self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))
-        self._safely("the report", lambda: self.write_report(trainer))
+        paths: list[Any] = []
+        self._safely("the report", lambda: paths.extend(self.write_report(trainer) or ()))
+        if self.summary:
+            self._safely("the summary", lambda: print(outputs.fit_summary(self.planner, trainer, paths), flush=True))
 
     def _advice_at_end(self, trainer: pl.Trainer) -> None:
         """Advice from the forecast as it stands now (:mod:`.advice_now`): bf16 only where a dry run

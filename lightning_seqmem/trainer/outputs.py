@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "OOM_NAME",
     "atomic_write",
+    "fit_summary",
     "log_breakdown",
     "log_figure",
     "log_metrics",
@@ -149,11 +150,16 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     os.makedirs(directory, exist_ok=True)
     seq_len, batch_size = (pending.seq_len, pending.batch_size) if pending is not None else (None, None)
     forecast: Any = None
-    if seq_len and batch_size and planner.forecaster.ready:
+    forecast_used = "none: no forecast existed for this batch (nothing measured at two lengths, no dry run)"
+    if seq_len and batch_size:
         try:
-            forecast = vars(planner.forecaster.forecast(seq_len, batch_size))
+            fc = _forecast_used(planner, seq_len, batch_size, pending)
+            if fc is not None:
+                forecast = vars(fc)
+                forecast_used = FORECAST_NAMES.get(fc.method, fc.method)
         except Exception as exc:  # noqa: BLE001
             forecast = f"forecast failed: {exc!r}"
+            forecast_used = f"none: the forecast failed ({exc!r})"
     diagnosis: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "error": f"{type(exception).__name__}: {exception}",
@@ -161,6 +167,7 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
         "global_step": getattr(trainer, "global_step", None),
         "failing_batch": {"seq_len": seq_len, "batch_size": batch_size},
         "forecast_for_failing_batch": forecast,
+        "forecast_used": forecast_used,
         "usable_budget_bytes": planner.usable_budget_bytes,
         "mitigations_applied": list(planner.applied_mitigations),
         "mitigations_left": [m for m in planner.mitigations if m not in planner.applied_mitigations],
@@ -185,6 +192,48 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     return path
 
 
+def fit_summary(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], paths: Any = ()) -> str:
+    """The few lines printed at the end of fit (``SeqMemCallback(summary=True)``): what ran (the
+    longest length, the measured peak against the usable budget, the rungs on, how many warnings)
+    and where to look (the folder of the report files, the TensorBoard panels).
+
+    Example:
+        >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+        >>> print(fit_summary(SeqMemPlanner(memory_budget_bytes=2**20), None, ("runs/version_0/seqmem_report.json",)))
+        seqmem: no training step was measured; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings.
+        seqmem: report in runs/version_0 (seqmem_report.md, seqmem_report.json, seqmem_memory.png); no TensorBoard logger: no panels.
+    """
+    from lightning_seqmem.core.units import format_bytes
+
+    records = planner.records
+    if records:
+        longest = max(records, key=lambda r: (r.seq_len, r.batch_size))
+        peak = max(r.reserved_bytes if planner.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
+                   for r in records)
+        ran = f"longest length {longest.seq_len} tokens (batch {longest.batch_size}); peak {format_bytes(peak)}"
+    else:
+        ran, peak = "no training step was measured", None
+    usable = planner.usable_budget_bytes
+    if usable is None:
+        budget = "no memory budget"
+    else:
+        over = " — OVER it" if peak is not None and peak > usable else ""
+        budget = f"usable budget {format_bytes(usable)} (budget {format_bytes(planner.budget_bytes)}){over}"
+    capped = f"; curriculum capped at {planner.capped_at}" if planner.capped_at is not None else ""
+    rungs = ", ".join(planner.applied_mitigations) or "none"
+    warned = len(planner.warned)
+    first = (f"seqmem: {ran}; {budget}; rungs on: {rungs}{capped}; "
+             f"{warned} warning{'' if warned == 1 else 's'}{' (above)' if warned else ''}.")
+    paths = [Path(p) for p in paths or ()]
+    folder = str(paths[0].parent) if paths else (report_dir(trainer) if trainer is not None else None)
+    where = (f"report in {folder} ({MARKDOWN_NAME}, {JSON_NAME}, {PNG_NAME})" if paths else
+             f"no report written (see the warnings){f'; logs in {folder}' if folder else ''}")
+    loggers = _tensorboard_loggers(trainer) if trainer is not None else []
+    panels = (f"panels: tensorboard --logdir {loggers[0].log_dir} (tabs CUSTOM SCALARS, IMAGES), "
+              f"or seqmem panels {loggers[0].log_dir}" if loggers else "no TensorBoard logger: no panels")
+    return f"{first}\nseqmem: {where}; {panels}."
+
+
 def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
                pending: Optional["PendingStep"] = None) -> None:
     """Write the OOM diagnosis and say where, in one warning; never raises (the real error must
@@ -200,11 +249,29 @@ def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
         rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
 
 
+FORECAST_NAMES = {"dry_run": "dry run", "replay": "timeline replay", "quadratic": "quadratic fit"}
+"""The predictor behind a forecast, in words (``Forecast.method`` -> name)."""
+
+
+def _forecast_used(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
+                   pending: Optional["PendingStep"]) -> Any:
+    """The forecast the planner had for the failing batch: the one kept to verify it (the dry run's,
+    the replay's or the fit's), else the dry run's or the fit's now; None where none exists."""
+    kept = planner._pending.get((seq_len, batch_size, pending.mitigations)) if pending is not None else None
+    if kept is not None:
+        return kept
+    try:
+        return planner.forecast(seq_len, batch_size, pending.mitigations if pending is not None else None)
+    except Exception:  # noqa: BLE001 - NotEnoughMeasurements, a length past the model's limit
+        return None
+
+
 def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str:
     if planner.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
-    if not planner.forecaster.ready:
-        return "nothing yet: fewer than two lengths were measured, so no forecast existed"
+    dry_runs_answered = any(answer is not None for answer in planner._dry.values())
+    if not planner.forecaster.ready and not dry_runs_answered:
+        return "nothing yet: fewer than two lengths were measured and no dry run answered, so no forecast existed"
     left = [m for m in planner.mitigations if m not in planner.applied_mitigations]
     if left:
         return f"switch on {left[0]!r} before growing past the largest length that fits"
@@ -214,7 +281,9 @@ def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str
         from lightning_seqmem.core.advice import nothing_fits
 
         return f"stop: {nothing_fits(planner.applied_mitigations, batch_size)}"
-    return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget)"
+    by = ("dry run" if not planner.forecaster.ready else
+          FORECAST_NAMES["replay" if planner.forecaster.timeline is not None else "quadratic"])
+    return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget, by the {by})"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,263 @@
+"""What does planning cost? Dry runs, stage decisions and a dynamic-padding run, at 2/8/32 layers (CPU)
+
+For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded; d=256, MLP 512,
+4 heads, SDPA attention, AdamW) of 2, 8 and 32 decoder layers:
+
+* ``dry run s``: one :func:`~lightning_seqmem.dryrun.step.dry_run_step` at ``--length`` tokens (after
+  one warm-up dry run; the median of ``--repeats``);
+* ``decision s`` / ``dry runs``: one cold stage decision of :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`
+  (no dry run cached) in the worst case: the next stage is over the budget with every rung, so the
+  planner tries each set of rungs and then finds the longest length that fits. The budget is the
+  dry run's peak at 5/8 of the way between the two stages, with checkpointing and micro-batching;
+  ``cap`` is the length it settles on. Under DDP the other ranks wait in a collective for exactly
+  this long (the decision is taken on rank zero only);
+* ``run s`` / ``base s`` / ``overhead``: a ``Trainer.fit`` of ``--steps`` steps with dynamic padding
+  (every batch has a new length, drawn without repeats from ``--min-length`` to ``--max-length``)
+  with ``SeqMemCallback(memory_budget=...)`` (a budget of twice the dry-run peak at the longest
+  length: nothing has to be switched on) against the same fit without the callback;
+  ``overhead = run / base - 1``, wall time of ``fit`` (interleaved, best of ``--fit-repeats``);
+* ``wait s``: of that run, the seconds rank zero spent in the planner's decisions (what other ranks
+  would wait in the collective before each batch), ``dry s`` / ``dry n``: seconds and number of dry
+  runs in the run.
+
+    python benchmarks/planning_cost.py            # 200 steps, lengths 64..512
+    python benchmarks/planning_cost.py --quick    # 16 steps, short lengths (a few minutes on 2 cores)
+    python benchmarks/planning_cost.py --quick --json   # last line: one JSON object
+
+The ``--json`` line has ``overhead_fraction`` (layer count as a string -> the callback's wall-time
+overhead as a fraction) and the other figures under the same keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.hf import HFCausalLM
+from lightning_seqmem.plan.planner import SeqMemPlanner
+from lightning_seqmem.dryrun.run import TrainingRunDryRun
+
+warnings.filterwarnings("ignore")
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+
+VOCAB_SIZE = 256  # token ids
+MIB = 2**20
+
+
+def llama(layers: int) -> HFCausalLM:
+    """A random Llama-like causal LM: d=256, MLP 512, 4 heads, ``layers`` blocks, SDPA."""
+    torch.manual_seed(0)
+    return HFCausalLM(config={"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": layers,
+                              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": VOCAB_SIZE},
+                      attn_implementation="sdpa")
+
+
+def token_batch(batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB_SIZE, (batch_size, seq_len + 1), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+class DynamicPadding(Dataset):
+    """Whole batches, each padded to a new length (no length repeats): ``DataLoader(batch_size=None)``."""
+
+    def __init__(self, num_batches: int, batch_size: int, min_length: int, max_length: int, seed: int = 0) -> None:
+        lengths = list(range(min_length, max_length + 1))
+        random.Random(seed).shuffle(lengths)
+        if len(lengths) < num_batches:
+            raise ValueError(f"{num_batches} batches need {num_batches} lengths, got {min_length}..{max_length}")
+        self.lengths, self.batch_size = lengths[:num_batches], batch_size
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return token_batch(self.batch_size, self.lengths[i], seed=i)
+
+
+def dry_run_seconds(layers: int, seq_len: int, batch_size: int, repeats: int) -> tuple[float, int]:
+    module = llama(layers)
+    optimizer = module.configure_optimizers()
+    batch = token_batch(batch_size, 64)
+    dry_run_step(module, optimizer, batch, 64, batch_size)  # warm-up (imports, caches)
+    times, peak = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        peak = dry_run_step(module, optimizer, batch, seq_len, batch_size).peak_bytes
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), peak
+
+
+def stage_decision(layers: int, batch_size: int, stage_len: int, next_len: int) -> dict[str, Any]:
+    """One cold worst-case stage decision (see the module doc): seconds, dry runs, the cap."""
+    module = llama(layers)
+    optimizer = module.configure_optimizers()
+    batch = token_batch(batch_size, 64)
+    calls: list[tuple[int, int, tuple[str, ...]]] = []
+
+    def dry(seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
+        calls.append((seq_len, batch_size, tuple(mitigations)))
+        r = dry_run_step(module, optimizer, batch, seq_len, batch_size, mitigations)
+        return r.peak_bytes, r.phase_peak_bytes
+
+    every = ("checkpointing", "microbatch")
+    between = stage_len + (next_len - stage_len) * 5 // 8
+    budget = dry(between, batch_size, every)[0]
+    calls.clear()
+    curriculum = Curriculum(start=stage_len, target=next_len, growth=next_len / stage_len, steps_per_stage=1)
+    planner = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, curriculum=curriculum,
+                            mitigations=("attention",) + every, dry_run=dry)
+    planner.last_batch_size, planner.stage_steps = batch_size, 1
+    applicable = {"attention": (False, "already SDPA"), "checkpointing": (True, ""), "microbatch": (True, "")}
+    t0 = time.perf_counter()
+    decision = planner.decide((batch_size, next_len), applicable)
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "dry_runs": len(calls), "action": decision.action, "cap": decision.seq_len,
+            "budget_mib": budget / MIB}
+
+
+class _Instrument:
+    """Times the planner's decisions and the dry runs of a fit (patched in, restored after)."""
+
+    def __init__(self) -> None:
+        self.decide_s = 0.0
+        self.dry_s = 0.0
+        self.dry_n = 0
+
+    def __enter__(self) -> "_Instrument":
+        self._decide, self._dry = SeqMemPlanner.decide, TrainingRunDryRun.__call__
+        inst = self
+
+        def decide(planner, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inst._decide(planner, *args, **kwargs)
+            finally:
+                inst.decide_s += time.perf_counter() - t0
+
+        def dry(runner, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inst._dry(runner, *args, **kwargs)
+            finally:
+                inst.dry_s += time.perf_counter() - t0
+                inst.dry_n += 1
+
+        SeqMemPlanner.decide, TrainingRunDryRun.__call__ = decide, dry
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        SeqMemPlanner.decide, TrainingRunDryRun.__call__ = self._decide, self._dry
+
+
+def fit_seconds(layers: int, data: DynamicPadding, callbacks: Callable[[], list]) -> tuple[float, list]:
+    module = llama(layers)
+    cbs = callbacks()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=len(data), max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, callbacks=cbs)
+    loader = DataLoader(data, batch_size=None, shuffle=False)
+    gc.collect()
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    return time.perf_counter() - t0, cbs
+
+
+def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]:
+    data = DynamicPadding(args.steps, args.batch_size, args.min_length, args.max_length)
+    _, peak = dry_run_seconds(layers, args.max_length, args.batch_size, 1)
+    budget = 2 * peak
+    base, run, inst, records, over = [], [], None, 0, 0
+    for i in range(args.fit_repeats):
+        order = ("base", "run") if i % 2 == 0 else ("run", "base")
+        for which in order:
+            if which == "base":
+                base.append(fit_seconds(layers, data, list)[0])
+                continue
+            with _Instrument() as inst:
+                seconds, (cb,) = fit_seconds(layers, data, lambda: [SeqMemCallback(memory_budget=budget)])
+            run.append(seconds)
+            records = len(cb.records)
+            over = sum(r.peak_bytes > cb.planner.usable_budget_bytes for r in cb.records)
+    assert inst is not None
+    b, r = min(base), min(run)
+    return {"base_s": b, "run_s": r, "overhead": r / b - 1, "wait_s": inst.decide_s, "dry_s": inst.dry_s,
+            "dry_n": inst.dry_n, "records": records, "over_budget_steps": over}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 steps, lengths 32..160, 1 repeat")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--steps", type=int, default=None, help="steps of the dynamic-padding run (200)")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--min-length", type=int, default=None)
+    parser.add_argument("--max-length", type=int, default=None)
+    parser.add_argument("--length", type=int, default=1024, help="tokens of the timed dry run")
+    parser.add_argument("--repeats", type=int, default=None, help="timed dry runs (median)")
+    parser.add_argument("--fit-repeats", type=int, default=None, help="fits with and without the callback (best)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.steps = args.steps or (16 if quick else 200)
+    args.min_length = args.min_length or (32 if quick else 64)
+    args.max_length = args.max_length or (160 if quick else 512)
+    args.repeats = args.repeats or (1 if quick else 3)
+    args.fit_repeats = args.fit_repeats or 1
+    t_start = time.perf_counter()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows: dict[str, dict[str, Any]] = {}
+    for layers in args.layers:
+        row: dict[str, Any] = {}
+        row["dry_run_s"], _ = dry_run_seconds(layers, args.length, args.batch_size, args.repeats)
+        stage, nxt = (64, 128) if quick else (256, 512)
+        row["decision"] = stage_decision(layers, args.batch_size, stage, nxt)
+        row["run"] = dynamic_padding_run(layers, args)
+        rows[str(layers)] = row
+        print(f"({layers} layers done after {time.perf_counter() - t_start:.0f} s)", flush=True)
+    total = time.perf_counter() - t_start
+    out = {
+        "overhead_fraction": {k: v["run"]["overhead"] for k, v in rows.items()},
+        "dry_run_s": {k: v["dry_run_s"] for k, v in rows.items()},
+        "decision_s": {k: v["decision"]["seconds"] for k, v in rows.items()},
+        "decision_dry_runs": {k: v["decision"]["dry_runs"] for k, v in rows.items()},
+        "run_s": {k: v["run"]["run_s"] for k, v in rows.items()},
+        "base_s": {k: v["run"]["base_s"] for k, v in rows.items()},
+        "wait_s": {k: v["run"]["wait_s"] for k, v in rows.items()},
+        "run_dry_runs": {k: v["run"]["dry_n"] for k, v in rows.items()},
+        "run_dry_s": {k: v["run"]["dry_s"] for k, v in rows.items()},
+        "over_budget_steps": {k: v["run"]["over_budget_steps"] for k, v in rows.items()},
+        "steps": args.steps, "lengths": [args.min_length, args.max_length], "batch_size": args.batch_size,
+        "total_s": total,
+    }
+    print(f"planning_cost: Llama d=256, batch {args.batch_size}, SDPA, CPU; dry run at {args.length} tokens; "
+          f"{args.steps}-step dynamic padding {args.min_length}..{args.max_length} tokens")
+    print(f"{'layers':>6} {'dry run s':>9} {'decision s':>10} {'dry runs':>8} {'cap':>5} | "
+          f"{'run s':>7} {'base s':>7} {'overhead':>8} {'wait s':>7} {'dry s':>7} {'dry n':>5} {'over':>4}")
+    for k, v in rows.items():
+        d, r = v["decision"], v["run"]
+        print(f"{k:>6} {v['dry_run_s']:>9.2f} {d['seconds']:>10.2f} {d['dry_runs']:>8} {d['cap'] or 0:>5} | "
+              f"{r['run_s']:>7.1f} {r['base_s']:>7.1f} {r['overhead']:>8.1%} {r['wait_s']:>7.1f} {r['dry_s']:>7.1f} "
+              f"{r['dry_n']:>5} {r['over_budget_steps']:>4}")
+    print(f"total runtime: {total:.1f} s")
+    if args.json:
+        print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Fewer dry runs for the same decisions: buckets, bounds from dry runs already made, guided searches.
+
+Pure maths on plain values (no torch): the planner (:mod:`lightning_seqmem.plan.planner`) asks its dry
+run only where these cannot answer. Everything here rests on one assumption, the one the
+planner's one-point bound makes already: the peak of a training step does not fall when the
+length or the batch grows (more tokens, never fewer bytes). So
+
+* a dry run at ``(L', B')`` with ``L' >= L`` and ``B' >= B`` (same mitigations) bounds ``(L, B)``
+  from above (:func:`dominating`): a batch it says fits does fit;
+* a length rounded *up* onto a coarse grid (:func:`bucket_up`) bounds every length below it, so
+  one dry run there answers "fits" for all of them;
+* "over" is never answered from another shape: the planner then runs the exact shape;
+* the largest length that fits (:func:`largest_fitting`) starts from the answers known already
+  and guesses by interpolating the bound between the lengths known to fit and to be over, then
+  checks the guess and its neighbour: two dry runs where a bisection takes about seven. Every
+  answer it returns is backed by a dry run at that very length (and one at the next that is over).
+
+Example:
+    >>> bucket_up(300), bucket_up(256), bucket_up(1000), bucket_up(12)
+    (320, 256, 1024, 12)
+    >>> dominating({(512, 4): 9_000, (1024, 4): 30_000, (384, 4): 5_000}, 400, 4)
+    (512, 4)
+    >>> peak = lambda L: 1_000 + 3 * L * L   # bytes at length L
+    >>> calls = []
+    >>> def bound(L):
+    ...     calls.append(L)
+    ...     return peak(L)
+    >>> largest_fitting(1, 4096, bound, budget=3_000_000), len(calls)   # hi, lo, the guess and its neighbour (a bisection: 13)
+    (999, 4)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping, Optional
+
+__all__ = ["bucket_up", "crossing", "dominating", "largest_fitting"]
+
+
+def bucket_up(seq_len: int, per_octave: int = 8) -> int:
+    """``seq_len`` rounded up onto a geometric grid of ``per_octave`` lengths per doubling (at most
+    ``1/per_octave`` longer; lengths up to ``2·per_octave`` are their own bucket).
+
+    >>> [bucket_up(L) for L in (16, 17, 33, 100, 129, 4097)]
+    [16, 18, 36, 104, 144, 4608]
+    """
+    if seq_len <= 2 * per_octave:
+        return int(seq_len)
+    unit = (1 << (int(seq_len).bit_length() - 1)) // per_octave
+    return -(-int(seq_len) // unit) * unit
+
+
+def dominating(answers: Mapping[tuple[int, int], int], seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:
+    """Of the ``(seq_len', batch_size') -> peak_bytes`` answers with ``seq_len' >= seq_len`` and
+    ``batch_size' >= batch_size``, the one with the smallest peak (the tightest upper bound), or None.
+
+    >>> dominating({(64, 2): 10, (128, 1): 20}, 100, 2) is None
+    True
+    """
+    above = [(peak, key) for key, peak in answers.items() if key[0] >= seq_len and key[1] >= batch_size]
+    return min(above)[1] if above else None
+
+
+def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
+    """Where ``bounds`` (length -> bound bytes) are guessed to reach ``budget``: between the longest
+    length that fits and the shortest longer one that does not (see :func:`largest_fitting`); None
+    without both.
+
+    >>> crossing({100: 10_000, 200: 40_000, 400: 160_000}, 90_000)   # 1·L² bytes: 300 tokens
+    300
+    >>> crossing({100: 10_000, 200: 40_000}, 90_000) is None   # nothing known over
+    True
+    """
+    fit = [x for x, v in bounds.items() if v <= budget]
+    if not fit:
+        return None
+    lo = max(fit)
+    over = [x for x, v in bounds.items() if v > budget and x > lo]
+    if not over:
+        return None
+    return _crossing(bounds, lo, min(over), budget)
+
+
+def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
+                    known: Iterable[int] = ()) -> int:
+    """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget``, given that ``lo`` fits and that the
+    bound grows with ``x`` (``None``: no answer, taken as over).
+
+    ``known`` are points whose bound costs nothing (cached): they narrow the interval first. Then
+    each round guesses where the bound crosses the budget (the parabola through the three points
+    known nearest the interval; with only its two ends, ``p + q·x²`` through them: a step's peak
+    is a quadratic in the length) and checks the guess's neighbour on the far side too, so a good
+    guess ends the search; a round that does not halve the interval is followed by a bisection
+    step.
+
+    >>> largest_fitting(1, 10, lambda x: x, budget=100)   # hi fits: one call
+    10
+    >>> largest_fitting(1, 64, lambda x: 2 ** x, budget=1000)   # far from linear: still exact
+    9
+    """
+    values: dict[int, Optional[int]] = {}
+
+    def value(x: int) -> Optional[int]:
+        if x not in values:
+            values[x] = bound(x)
+        return values[x]
+
+    def fits(x: int) -> bool:
+        v = value(x)
+        return v is not None and v <= budget
+
+    if hi <= lo or fits(hi):
+        return max(lo, hi)
+    value(lo)  # (the caller's, cached)
+    for x in sorted(k for k in set(known) if lo < k < hi):  # cached points: free
+        if fits(x):
+            lo = x
+        else:
+            hi = x
+            break
+    bisect = False
+    while hi - lo > 1:
+        width = hi - lo
+        guess = None if bisect else _crossing(values, lo, hi, budget)
+        secant = guess is not None
+        x = min(max(guess, lo + 1), hi - 1) if guess is not None else (lo + hi) // 2
+        if fits(x):
+            lo = x
+            if secant and x + 1 < hi:
+                lo, hi = (x + 1, hi) if fits(x + 1) else (lo, x + 1)
+        else:
+            hi = x
+            if secant and x - 1 > lo:
+                lo, hi = (x - 1, hi) if fits(x - 1) else (lo, x - 1)
+        bisect = 2 * (hi - lo) > width
+    return lo
+
+
+def _crossing(values: Mapping[int, Optional[int]], lo: int, hi: int, budget: int) -> Optional[int]:
+    """Where the bound is guessed to reach ``budget`` in ``(lo, hi)``, from the points known, or None."""
+    if values.get(lo) is None or values.get(hi) is None:
+        return None
+    middle = [x for x, v in values.items() if v is not None and x not in (lo, hi)]
+    if middle:  # the parabola through lo, hi and the known point nearest the interval
+        m = min(middle, key=lambda x: 0 if lo < x < hi else min(abs(x - lo), abs(x - hi)))
+        xs = (float(lo), float(m), float(hi))
+        ys = tuple(float(values[int(x)]) for x in xs)  # type: ignore[arg-type]
+        d = (xs[0] - xs[1]) * (xs[0] - xs[2]) * (xs[1] - xs[2])
+        a = (xs[2] * (ys[1] - ys[0]) + xs[1] * (ys[0] - ys[2]) + xs[0] * (ys[2] - ys[1])) / d
+        b = (xs[2] ** 2 * (ys[0] - ys[1]) + xs[1] ** 2 * (ys[2] - ys[0]) + xs[0] ** 2 * (ys[1] - ys[2])) / d
+        c = ys[0] - a * xs[0] ** 2 - b * xs[0]
+    else:  # p + q·x² through the two ends
+        q = (float(values[hi]) - float(values[lo])) / (float(hi) ** 2 - float(lo) ** 2)  # type: ignore[arg-type]
+        a, b, c = q, 0.0, float(values[lo]) - q * float(lo) ** 2  # type: ignore[arg-type]
+    c -= budget
+    if abs(a) < 1e-12:
+        roots = [-c / b] if abs(b) > 1e-12 else []
+    else:
+        disc = b * b - 4 * a * c
+        roots = [] if disc < 0 else [(-b + s * disc ** 0.5) / (2 * a) for s in (1, -1)]
+    inside = [r for r in roots if lo <= r <= hi]
+    return int(inside[0]) if inside else None

@@ -1,0 +1,47 @@
+"""At the end of every fit (rank zero), a few lines say what ran and where the report, figure and
+panels are (the logger's ``version_N/``); ``summary=False`` silences them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.core.units import format_bytes
+
+
+def _fit(tmp_path, **kwargs):
+    cb = SeqMemCallback(memory_budget="200MiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=3), **kwargs)
+    logger = TensorBoardLogger(save_dir=str(tmp_path / "runs"), name="mine")
+    trainer = make_trainer([cb], max_steps=9, logger=logger)
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), datamodule=SyntheticTokenDataModule(batch_size=2, seq_len=64))
+    return cb, logger
+
+
+def test_the_end_of_fit_summary_says_what_ran_and_where_to_look(tmp_path, capsys):
+    cb, logger = _fit(tmp_path)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("seqmem: ")]
+    assert len(lines) == 2, lines
+    folder = Path(logger.log_dir)
+    assert folder.name == "version_0"
+    longest = max(r.seq_len for r in cb.records)
+    peak = max(r.peak_bytes for r in cb.records)
+    assert longest == 64
+    assert f"longest length {longest} tokens (batch 2); peak {format_bytes(peak)}" in lines[0]
+    assert "usable budget 180.0 MiB (budget 200.0 MiB)" in lines[0] and "OVER" not in lines[0]
+    assert f"rungs on: {', '.join(cb.applied_mitigations) or 'none'}" in lines[0]
+    assert re.search(rf"; {len(cb.planner.warned)} warnings?", lines[0])
+    assert f"report in {folder} (seqmem_report.md, seqmem_report.json, seqmem_memory.png)" in lines[1]
+    assert f"tensorboard --logdir {folder}" in lines[1] and f"seqmem panels {folder}" in lines[1]
+    for name in ("seqmem_report.md", "seqmem_report.json", "seqmem_memory.png"):
+        assert (folder / name).is_file(), name  # the files it names are there
+    assert any(p.name.startswith("events.out.tfevents") for p in folder.iterdir())
+
+
+def test_summary_false_prints_nothing(tmp_path, capsys):
+    _fit(tmp_path, summary=False)
+    assert "seqmem: " not in capsys.readouterr().out

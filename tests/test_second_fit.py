@@ -1,0 +1,70 @@
+"""A second ``trainer.fit()`` with the same callback: on the same Trainer and module it continues the
+first fit's state (rungs on, records, fits, curriculum position); on a new Trainer it starts afresh,
+says so in one line, and still reports the rungs that are on the module as on.
+
+Real runs of a tiny eager GPT on the CPU tracker, whose first fit switches 'attention' and
+'checkpointing' on before the 128-token stage (the dry run says it then fits).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, SeqMemCallback
+from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.mitigations import is_checkpointed
+
+BUDGET = 3_000_000  # bytes: the eager 128-token step (3.7 MB) is over, with SDPA and checkpointing it fits
+RUNGS = ("attention", "checkpointing")
+
+
+def _callback():
+    return SeqMemCallback(warmup_steps=1, memory_budget=BUDGET, safety_margin=0.0, mitigations=RUNGS,
+                          curriculum=Curriculum(start=32, target=256, steps_per_stage=2, multiple_of=16))
+
+
+def _fit(trainer, module, dm):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, dm)
+    return [str(w.message) for w in caught if str(w.message).startswith("seqmem:")]
+
+
+def _first_fit():
+    torch.manual_seed(0)
+    cb, module = _callback(), LitGPT(n_layer=1, d_model=32, n_head=2)
+    dm = SyntheticTokenDataModule(batch_size=4, seq_len=256, num_samples=64)
+    trainer = make_trainer([cb], max_steps=6)
+    _fit(trainer, module, dm)
+    assert cb.applied_mitigations == RUNGS and module.attention_backend == "sdpa" and is_checkpointed(module)
+    return cb, module, dm, trainer
+
+
+def test_a_second_fit_on_the_same_trainer_continues_with_the_rungs_and_records():
+    cb, module, dm, trainer = _first_fit()
+    first = [r.to_dict() for r in cb.records]
+    stage_len, events = cb.planner.seq_len, [dict(e) for e in cb.mitigation_events]
+    trainer.fit_loop.epoch_loop.max_steps = 10  # four more steps
+    messages = _fit(trainer, module, dm)
+    assert not [m for m in messages if "afresh" in m]
+    assert [r.to_dict() for r in cb.records[: len(first)]] == first  # the first fit's records are kept
+    after = cb.records[len(first):]
+    assert [r.step for r in after] == [6, 7, 8, 9]
+    assert all(r.mitigations == RUNGS for r in after) and cb.applied_mitigations == RUNGS
+    assert module.attention_backend == "sdpa" and is_checkpointed(module)  # what is reported is what is on
+    assert min(r.seq_len for r in after) >= stage_len  # the curriculum did not go back to its start
+    assert cb.mitigation_events[: len(events)] == events
+    assert max(r.peak_bytes for r in cb.records) <= BUDGET
+
+
+def test_a_new_trainer_starts_afresh_says_so_and_reports_the_rungs_still_on():
+    cb, module, dm, _ = _first_fit()
+    messages = _fit(make_trainer([cb], max_steps=2), module, dm)
+    (line,) = [m for m in messages if "afresh" in m]
+    assert "a new Trainer" in line and "still on this module: attention, checkpointing" in line
+    assert [r.step for r in cb.records] == [0, 1] and cb.records[0].seq_len == 32  # records and curriculum restart
+    assert cb.applied_mitigations == RUNGS  # never reported as off while they are on
+    assert all(r.mitigations == RUNGS for r in cb.records)
