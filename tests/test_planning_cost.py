@@ -128,24 +128,21 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
     batch = _Shuffled([8], 2)[0]
     budget = dry_run_step(module, module.configure_optimizers(), batch, 72, 2).peak_bytes
     cb = SeqMemCallback(memory_budget=budget, safety_margin=0.0, warmup_steps=1)
-    calls = []
+    calls, during = [], []
 
     class Count(pl_callback()):
-        during = 0  # dry runs while training (the end-of-fit report's forecast rows come after)
-
         def on_fit_start(self, trainer, pl_module):  # after SeqMemCallback's, which wires the dry run
             inner = cb.planner.dry_run
             cb.planner.dry_run = lambda *key: calls.append(key) or inner(*key)
 
-        def on_train_batch_end(self, *args):
-            Count.during = len(calls)
+        def on_train_batch_end(self, *args):  # the dry runs while training (the report's come after)
+            during[:] = calls
 
     make_trainer([cb, Count()], max_steps=len(lengths)).fit(module, DataLoader(_Shuffled(lengths), batch_size=None))
-    calls = calls[:Count.during]
     assert [r.seq_len for r in cb.records] == lengths
     assert all(r.peak_bytes <= cb.usable_budget_bytes for r in cb.records), [(r.seq_len, r.peak_bytes) for r in cb.records]
     assert any(r.mitigations for r in cb.records)  # the budget did bite: a rung went on
-    judged = [key for key in calls if key[0] in lengths]  # (others: the logged max_seq_len's search, checks)
+    judged = [key for key in during if key[0] in lengths]  # (others: the logged max_seq_len's search, checks)
     assert len(judged) <= len(lengths) // 2, calls  # one per new length before
 
 
