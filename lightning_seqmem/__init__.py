@@ -42,8 +42,8 @@ _LAZY = {
     "set_batch_sequence_length": ".measure.batch",
 }
 
-# The flat modules of 0.1 under their old names (configs name ``lightning_seqmem.reference.demo.LitGPT``):
-# ``import lightning_seqmem.reference.demo`` gives the very module ``lightning_seqmem.reference.demo``.
+# The flat modules of 0.1 under their old names (configs name ``lightning_seqmem.demo.LitGPT``):
+# ``import lightning_seqmem.demo`` gives the very module ``lightning_seqmem.reference.demo``.
 _OLD_NAMES = {
     "advice": "core.advice", "advice_now": "dryrun.advice", "batch": "measure.batch",
     "breakdown": "diagnostics.breakdown", "breakdown_steps": "diagnostics.section",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_seqmem.dryrun.step import sharded
+from lightning_seqmem.dryrun import sharded
 from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
 from lightning_seqmem.mitigations import ladder
 
