@@ -74,35 +74,25 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import gc
-import inspect
 import math
 import re
-import sys
 import time
 import traceback
 import warnings
-import weakref
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
 )
 
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map_only
 
-from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
+from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import CopyPlan
@@ -118,144 +108,35 @@ from lightning_seqmem.mitigations.microbatch import (
     split_batch,
 )
 from lightning_seqmem.measure.steps import loss_of, training_step_memory
-from lightning_seqmem.measure.probes import (
-    PHASES,
-    TrackedEvents,
-    attribute_tensors,
-    existing_tensors,
-    make_probe,
-    round_cuda_block_bytes,
-)
+from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe
 
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_kernel_scratch_bytes", "dry_run_step",
            "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
 
-_VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
-_VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
-
-
-def value_max_bytes(seq_len: int) -> int:
-    """Largest tensor computed from the batch alone whose real value a dry run at ``seq_len`` keeps.
-
-    A fp32 ``[L, L]`` causal mask is what every ``nn.Transformer`` builds, and
-    ``nn.TransformerDecoder`` reads its values (``bool((mask == causal).all())``), so the limit is
-    at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors on the
-    simulated device (a few of that size at once, while the dry run lasts): beyond 8192 tokens such
-    a check refuses the dry run, and the fit of measured steps answers.
-
-    Example:
-        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**28
-        (True, True, True)
-    """
-    return min(max(_VALUE_MAX_BYTES, 4 * int(seq_len) ** 2), _VALUE_CEILING_BYTES)
-_QUIET = (  # warnings a fake copy without a Trainer raises by design
-    "You are trying to `self.log()`",
-    "Accessing the data pointer of FakeTensor",
+from lightning_seqmem.dryrun.cuda import (  # re-exported
+    allocator_block_bytes,
+    cuda_kernel_scratch_bytes,
+    resident_bytes,
+    warm_cuda_workspaces,
 )
-
-
-@dataclass(frozen=True)
-class DryRunResult:
-    """The peak of one fake training step (bytes).
-
-    ``phase_peak_bytes`` maps ``forward``, ``backward`` and ``optimizer`` to the peak live bytes
-    within each phase (each starts from the bytes live when it begins); ``peak_bytes`` is their
-    maximum. ``seconds`` is the wall time of the whole dry run (copy, two fake steps).
-    ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
-    """
-
-    seq_len: int  # tokens per sample of the simulated step
-    batch_size: int  # samples in the simulated batch
-    mitigations: tuple[str, ...]  # mitigations applied to the copy, in the order given
-    peak_bytes: int  # peak live tensor bytes of the step (allocator blocks on CUDA)
-    phase_peak_bytes: dict[str, int]  # phase -> peak live bytes within it
-    seconds: float  # wall time of the dry run
-    detail: str  # what ran, for logs and reports
-    resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
-
-
-class DryRunUnsupported(RuntimeError):
-    """The step cannot run on fake tensors; ``reason`` says why (and where, when known).
-
-    Example:
-        >>> err = DryRunUnsupported("the module is compiled")
-        >>> err.reason, str(err)
-        ('the module is compiled', 'dry run unsupported: the module is compiled')
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"dry run unsupported: {reason}")
-        self.reason = reason
-
-
-def allocator_block_bytes(device: torch.device | str) -> int:
-    """Granularity of what the device's allocator counts: 512 bytes on CUDA, 1 (exact storage bytes) elsewhere.
-
-    Example:
-        >>> allocator_block_bytes("cuda:0"), allocator_block_bytes("cpu")
-        (512, 1)
-    """
-    return round_cuda_block_bytes(1) if torch.device(device).type == "cuda" else 1
-
-
-def cuda_kernel_scratch_bytes(func: Any, args: Any, out: Any) -> int:
-    """Bytes a CUDA kernel allocates for itself beside its output, where measured (else 0).
-
-    Fake tensors see outputs only. On an H200 (torch 2.11, ``benchmarks/cuda_peak_anatomy.py``)
-    the softmax backward kernel (``structured_softmax_backward_cuda_out``) held one more buffer
-    the size of its output while it ran: eager attention's backward peaked one ``[B, H, L, L]``
-    block above what the tensors account for (9% at 512 tokens, 18% at 2048 for a 2-layer GPT).
-    Other kernels showed no such buffer above the allocator's rounding (SDPA in fp32, Llama and
-    Mistral with SDPA: within 0.05%).
-
-    Example:
-        >>> out = torch.empty(2, 4, 8, 8)
-        >>> cuda_kernel_scratch_bytes(torch.ops.aten._softmax_backward_data.default, (), out)
-        2048
-        >>> cuda_kernel_scratch_bytes(torch.ops.aten.mm.default, (), out)
-        0
-    """
-    if func is torch.ops.aten._softmax_backward_data.default and isinstance(out, torch.Tensor):
-        return round_cuda_block_bytes(out.numel() * out.element_size())
-    return 0
-
-
-def warm_cuda_workspaces(device: torch.device) -> None:
-    """Make cuBLAS and cuBLASLt allocate their workspaces on ``device`` now, as a first training step does.
-
-    The workspaces come from PyTorch's caching allocator and stay allocated, so
-    ``torch.cuda.max_memory_allocated`` counts them in every step (tens of MiB on recent GPUs);
-    a tiny real matrix product with and without a bias (the two libraries), forward and
-    backward, in fp32 and bf16, allocates them before :func:`resident_bytes` reads the device.
-    """
-    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
-    for dtype in dtypes:
-        x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
-        b = torch.ones(8, device=device, dtype=dtype, requires_grad=True)
-        (torch.nn.functional.linear(x, w, b).sum() + (x @ w).sum()).backward()
-    torch.cuda.synchronize(device)
-
-
-def resident_bytes(device: torch.device, tensors: Any) -> int:
-    """Bytes the CUDA allocator holds on ``device`` outside ``tensors`` (what a step starts with).
-
-    ``torch.cuda.memory_allocated`` minus the 512-byte blocks of the distinct storages among
-    ``tensors`` on that device: cuBLAS/cuBLASLt workspaces, and anything else the process keeps
-    there (a second model, an EMA copy). A dry run counts only the step's own tensors; this is
-    added to its peak so it compares with what the allocator reports. 0 off CUDA.
-    """
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 0
-    seen: set[int] = set()
-    known = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device == device:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                known += round_cuda_block_bytes(storage.nbytes())
-    return max(0, torch.cuda.memory_allocated(device) - known)
+from lightning_seqmem.dryrun.fake import (  # noqa: F401 - privates the sharded dry run and the callback use
+    _QUIET,
+    _check_module,
+    _compiled_reason,
+    _configured_optimizer,
+    _fake_copy,
+    _preserved_rng,
+    _rebuild_optimizer,
+    _unwrap_optimizer,
+)
+from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
+from lightning_seqmem.dryrun.values import (  # noqa: F401 - privates the sharded dry run uses
+    _BatchValues,
+    _shape_batch,
+    _to_device,
+    _transformers_without_fake_detection,
+    value_max_bytes,
+)
 
 
 def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict[str, int]]:
@@ -297,393 +178,6 @@ def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict
         if position >= len(events.sequence):
             begin(position)
     return peak, phase_peaks
-
-
-# -- up-front checks ---------------------------------------------------------------------------
-def _compiled_reason(module: nn.Module) -> Optional[str]:
-    """Why ``module`` counts as compiled (``torch.compile``), or None."""
-    for name, sub in module.named_modules():
-        where = f"submodule {name!r} ({type(sub).__name__})" if name else f"the module ({type(sub).__name__})"
-        if type(sub).__name__ == "OptimizedModule" and type(sub).__module__.startswith("torch._dynamo"):
-            return f"{where} is a torch.compile'd module (OptimizedModule)"
-        if getattr(sub, "_compiled_call_impl", None) is not None:
-            return f"{where} was compiled in place (module.compile())"
-        forward = sub.__dict__.get("forward")
-        if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
-            return f"the forward of {where} is a torch.compile'd function"
-    return None
-
-
-def _check_module(pl_module: Any) -> None:
-    if not isinstance(pl_module, nn.Module) or not callable(getattr(pl_module, "training_step", None)):
-        raise TypeError(
-            f"`pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method (a LightningModule), "
-            f"got {type(pl_module).__name__}"
-        )
-    reason = _compiled_reason(pl_module)
-    if reason is not None:
-        raise DryRunUnsupported(
-            f"{reason}: its memory is that of the kernels torch.compile generates (fused, with their own "
-            "buffers), which a fake eager step does not reproduce; forecast from measured steps instead"
-        )
-    if getattr(pl_module, "automatic_optimization", True) is False:
-        raise DryRunUnsupported(
-            "manual optimization (automatic_optimization=False): the module runs its own backward and optimizer "
-            "steps through the Trainer"
-        )
-
-
-# -- copies --------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _preserved_rng() -> Iterator[None]:
-    """Restore the CPU and (initialised) CUDA generators afterwards, whatever the step drew."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["_BatchValues"] = None) -> nn.Module:
-    """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
-    (or Fabric) it is attached to.
-
-    Parameters, buffers and tensors held as plain attributes (:func:`~lightning_seqmem.measure.probes.attribute_tensors`:
-    caches such as a positional table or a causal mask, a rotary embedding's ``original_inv_freq``)
-    are faked first and put in the copy's memo, so the deep copy takes the fake ones and never
-    copies a real one (nor a gradient); the attribute tensors count as existing memory of the step,
-    as in a real one. ``values`` gets a copy of each attribute tensor's values (within its limit):
-    a step may read them.
-    """
-    memo: dict[int, Any] = {}
-    for name in ("_trainer", "_fabric"):
-        attached = pl_module.__dict__.get(name)
-        if attached is not None:
-            memo[id(attached)] = None  # every reference to it copies as None
-    mesh = pl_module.__dict__.get("_device_mesh")
-    if mesh is not None:
-        memo[id(mesh)] = mesh  # shared, not copied (it holds process groups)
-    try:
-        for p in pl_module.parameters():
-            memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
-        for b in pl_module.buffers():
-            memo[id(b)] = fake_mode.from_tensor(b)
-        for t in attribute_tensors(pl_module):
-            if id(t) in memo or isinstance(t, FakeTensor) or t.device.type == "meta":
-                continue
-            memo[id(t)] = fake = fake_mode.from_tensor(t)
-            if values is not None and t.numel() * t.element_size() <= values.max_bytes:
-                with _disable_current_modes():
-                    values.give(fake, t.detach().clone())
-        return copy.deepcopy(pl_module, memo)
-    except Exception as exc:  # noqa: BLE001 - reported as the reason
-        raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise TypeError(
-            "`optimizer` must be a torch.optim.Optimizer (or Lightning's wrapper of one), "
-            f"got {type(optimizer).__name__}"
-        )
-    return inner
-
-
-def _default_foreach(params: list[torch.Tensor]) -> Optional[bool]:
-    """What ``foreach=None`` resolves to for the *real* parameters (fake ones would always give False)."""
-    try:
-        from torch.optim.optimizer import _default_to_fused_or_foreach
-
-        return bool(_default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1])
-    except Exception:  # noqa: BLE001 - a private helper: keep the optimizer's own default
-        return None
-
-
-def _rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
-    """A fresh optimizer of the same class and param-group hyperparameters over the fake copy.
-
-    ``twins`` maps ``id`` of each real parameter to its fake twin.
-    """
-    real = _unwrap_optimizer(optimizer)
-    groups = []
-    for index, group in enumerate(real.param_groups):
-        params = []
-        for p in group["params"]:
-            fake = twins.get(id(p))
-            if fake is None:
-                raise DryRunUnsupported(
-                    f"param group {index} of the optimizer holds a {tuple(p.shape)} tensor that is not a parameter "
-                    "of the module, so the fake copy cannot step it (pass the module's own optimizer)"
-                )
-            params.append(fake)
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        if "foreach" in hyper and hyper["foreach"] is None and not hyper.get("fused"):
-            foreach = _default_foreach(list(group["params"]))
-            if foreach is not None:
-                hyper["foreach"] = foreach
-        groups.append({**hyper, "params": params})
-    accepted = inspect.signature(type(real).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        kwargs = dict(real.defaults)
-    else:
-        kwargs = {k: v for k, v in real.defaults.items() if k in accepted and k != "params"}
-    try:
-        return type(real)(groups, **kwargs)
-    except Exception as exc:  # noqa: BLE001
-        raise DryRunUnsupported(
-            f"cannot rebuild {type(real).__name__} over the fake copy from its defaults and param groups: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _configured_optimizer(module: Any) -> torch.optim.Optimizer:
-    """The (first) optimizer of ``module.configure_optimizers()``, called on the fake copy."""
-    try:
-        out = module.configure_optimizers()
-    except Exception as exc:  # noqa: BLE001
-        raise DryRunUnsupported(f"configure_optimizers() failed on the fake copy: {type(exc).__name__}: {exc}") from exc
-    while not isinstance(out, torch.optim.Optimizer):
-        if isinstance(out, Mapping) and "optimizer" in out:
-            out = out["optimizer"]
-        elif isinstance(out, (list, tuple)) and out:
-            out = out[0]
-        else:
-            raise DryRunUnsupported(
-                f"configure_optimizers() returned {type(out).__name__}; pass the optimizer to dry_run_step"
-            )
-    return out
-
-
-# -- values a step reads from its batch -------------------------------------------------------------
-def _tensors_in(*objs: Any) -> list[torch.Tensor]:
-    """The tensors among an op's arguments or outputs (aten nests at most one list deep)."""
-    out: list[torch.Tensor] = []
-    for obj in objs:
-        for x in obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (obj,):
-            if isinstance(x, torch.Tensor):
-                out.append(x)
-            elif isinstance(x, (list, tuple)):
-                out.extend(t for t in x if isinstance(t, torch.Tensor))
-    return out
-
-
-_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
-
-
-def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments an op writes to (``self`` of an in-place op, ``out=``)."""
-    where = _WRITTEN_ARGS.get(func)
-    if where is None:
-        where = tuple(
-            (-1 if a.kwarg_only else i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-        _WRITTEN_ARGS[func] = where
-    written: list[torch.Tensor] = []
-    for i, name in where:
-        written += _tensors_in(args[i] if 0 <= i < len(args) else kwargs.get(name))
-    return written
-
-
-def _small(out: Any, max_bytes: int = _VALUE_MAX_BYTES) -> bool:
-    return all(t.numel() * t.element_size() <= max_bytes for t in _tensors_in(out))
-
-
-class _BatchValues(TorchDispatchMode):
-    """Real values of the small tensors a step computes from its batch and constants alone.
-
-    Fake tensors have no values, yet models read some: is the batch padded (``mask.all()``), are
-    sequences packed (``position_ids`` diffs), where are the labels (``(labels != -100).sum().item()``).
-    Those values come from the batch, not from the parameters, and are cheap to compute for real.
-    This mode (above the fake mode) keeps a real twin of every fake tensor that was computed only
-    from the batch, from constants or from other such tensors, when no larger than ``max_bytes``
-    (:func:`value_max_bytes` of the simulated length: a ``[L, L]`` mask fits), running each such op once more on the twins with every mode off (so
-    nothing is counted, and the real tensors die with their fake ones). An op that reads the
-    values of a tensor without a twin (an activation, anything computed from parameters) still
-    fails, as it must. A real tensor held by the module is its own twin, but never written to. A
-    tensor with a twin written from one without (``ids[:, 0] = activation.argmax()``) loses the
-    twins of its whole storage (every view of it).
-    """
-
-    def __init__(self, fake_mode: FakeTensorMode, max_bytes: int = _VALUE_MAX_BYTES) -> None:
-        super().__init__()
-        self.fake_mode = fake_mode
-        self.max_bytes = int(max_bytes)  # largest tensor whose real value is kept
-        self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (ref to it, its twin)
-        self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
-
-    def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
-        if value.numel() * value.element_size() <= self.max_bytes:
-            key = id(fake)
-            self._values[key] = (weakref.ref(fake, lambda _, k=key: self._values.pop(k, None)), value)
-
-    def forget(self, fake: torch.Tensor) -> None:
-        """``fake`` was written from values we do not know: no view of its storage has known values now."""
-        if self._value(fake) is None:
-            return  # nothing known there (parameters, gradients, activations): nothing to forget
-        self._values.pop(id(fake), None)
-        storage = fake.untyped_storage()
-        key = storage._cdata
-        self._unknown_storages[key] = weakref.ref(storage, lambda _, k=key: self._unknown_storages.pop(k, None))
-
-    def _value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
-        if not isinstance(t, FakeTensor):
-            return t
-        entry = self._values.get(id(t))
-        if entry is None or entry[0]() is not t:
-            return None
-        if self._unknown_storages and t.untyped_storage()._cdata in self._unknown_storages:
-            return None
-        return entry[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        known = all(self._value(t) is not None for t in _tensors_in(args, kwargs))
-        written = _written_tensors(func, args, kwargs)
-        if any(not isinstance(t, FakeTensor) for t in written):
-            known = False  # never write to a real tensor
-        try:
-            out = func(*args, **kwargs)
-            computed = True
-        except (DataDependentOutputException, DynamicOutputShapeException):
-            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > self.max_bytes:
-                raise
-            out, computed = None, False
-        if not known or (computed and not _small(out, self.max_bytes)):
-            for t in written:
-                self.forget(t)  # its values are unknown from now on
-            return out
-        real_args, real_kwargs = tree_map_only(torch.Tensor, self._value, (args, kwargs))
-        with _disable_current_modes():
-            real = func(*real_args, **real_kwargs)
-        if not computed:  # the output's shape (or the result itself) depends on the values
-            out = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real)
-        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
-            if isinstance(fake, FakeTensor) and isinstance(value, torch.Tensor):
-                self.give(fake, value)
-        return out
-
-
-@contextlib.contextmanager
-def _transformers_without_fake_detection() -> Iterator[None]:
-    """Let Hugging Face transformers take a real step's shortcuts on fake tensors.
-
-    ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as a graph being traced,
-    and then skips the shortcuts that read values: SDPA gets an explicit ``[B, 1, L, L]`` causal
-    mask instead of ``is_causal=True`` (measured: +28% on a small Llama at 512 tokens, and a
-    quadratic term that a real step does not have). A real step takes them, so during the dry run
-    ``is_fake_tensor`` answers False; the values the shortcuts read come from :class:`_BatchValues`.
-    """
-    module = sys.modules.get("transformers.utils.import_utils")
-    original = getattr(module, "is_fake_tensor", None)
-    if original is None:
-        yield
-        return
-    module.is_fake_tensor = lambda x: False
-    try:
-        yield
-    finally:
-        module.is_fake_tensor = original
-
-
-# -- the batch -------------------------------------------------------------------------------------
-def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``x`` cut, or tiled (repeated whole, then cut), to ``size`` along ``dim``."""
-    have = x.shape[dim]
-    if have == size:
-        return x
-    if have > size:
-        return x.narrow(dim, 0, size)
-    repeats = [1] * x.dim()
-    repeats[dim] = math.ceil(size / have)
-    return x.repeat(*repeats).narrow(dim, 0, size)
-
-
-def _is_square(x: torch.Tensor, rows: int, length: int) -> bool:
-    """A ``[B or 1, ..., L, L]`` attention mask or bias (4-D or more, or 3-D and not float), as in :mod:`.batch`."""
-    if x.dim() < 3 or x.shape[0] not in (rows, 1) or not x.shape[-1] == x.shape[-2] == length:
-        return False
-    return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
-
-
-def _shape_batch(
-    batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: _BatchValues
-) -> tuple[Any, tuple[int, int]]:
-    """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
-
-    The batch shape ``(B, L)`` is read as :func:`~lightning_seqmem.measure.batch.infer_batch_shape` reads
-    it, and sequence tensors are those :mod:`lightning_seqmem.measure.batch` cuts: first dimension ``B`` or
-    1 (broadcast, e.g. ``position_ids`` of shape ``[1, L]``) and ``L`` at dim 1 (``input_ids``,
-    ``labels``, ``attention_mask``, embeddings ``[B, L, D]``), or at both last dims (masks and
-    biases ``[B, 1, L, L]``). Rows (dim 0 of every tensor with ``B`` rows) are cut or repeated;
-    sequence dims are cut or tiled (the tokens repeated from the start), and ``position_ids`` become
-    ``0 .. seq_len - 1``; sequences of another length (an encoder-decoder's ``labels [B, L/2]``)
-    keep their ratio to ``L`` (:func:`~lightning_seqmem.measure.batch.scaled_length`). Changed tensors are contiguous copies, so each storage holds exactly its
-    elements. Every tensor's values are given to ``values`` (copied: the step may change its batch
-    in place). Mappings, lists, tuples, namedtuples and dataclasses are rebuilt with their type;
-    the batch itself is left untouched.
-    """
-    rows, length = infer_batch_shape(batch)
-
-    def convert(x: torch.Tensor, key: Any) -> torch.Tensor:
-        if isinstance(x, FakeTensor):
-            fake = x
-        else:
-            fake = fake_mode.from_tensor(x)
-            if x.numel() * x.element_size() <= values.max_bytes:
-                with _disable_current_modes():
-                    values.give(fake, x.detach().clone())
-        out = fake
-        square = _is_square(fake, rows, length)
-        sequence = not square and fake.dim() >= 2 and fake.shape[0] in (rows, 1) and fake.shape[1] == length
-        if fake.dim() >= 1 and fake.shape[0] == rows and not (rows == 1 and key == "position_ids"):
-            out = _resize(out, 0, batch_size)
-        if square:
-            out = _resize(_resize(out, -2, seq_len), -1, seq_len)
-        elif sequence and key == "position_ids" and not out.dtype.is_floating_point:
-            view = [1] * out.dim()
-            view[1] = seq_len
-            positions = torch.arange(seq_len, dtype=out.dtype, device=out.device).view(view)
-            out = positions.expand(out.shape[0], seq_len, *out.shape[2:])
-        elif sequence:
-            out = _resize(out, 1, seq_len)
-        elif not square and (size := scaled_length(fake, rows, length, seq_len)) is not None:
-            out = _resize(out, 1, size)  # another length (an encoder-decoder's labels): its ratio kept
-        return out if out is fake else out.clone(memory_format=torch.contiguous_format)
-
-    def visit(obj: Any, key: Any = None) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return convert(obj, key)
-        if isinstance(obj, Mapping):
-            items = {k: visit(v, k) for k, v in obj.items()}
-            if isinstance(obj, MutableMapping):
-                try:
-                    new = copy.copy(obj)  # keeps the mapping's type (dict, BatchEncoding, ...)
-                    for k, v in items.items():
-                        new[k] = v
-                    return new
-                except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict serves training_step
-                    return items
-            return items
-        if isinstance(obj, (list, tuple)):
-            parts = [visit(v) for v in obj]
-            if isinstance(obj, list):
-                return parts
-            return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            new = copy.copy(obj)
-            for f in dataclasses.fields(obj):
-                object.__setattr__(new, f.name, visit(getattr(obj, f.name), f.name))  # frozen ones too
-            return new
-        return obj
-
-    with fake_mode, values:
-        return visit(batch), (rows, length)
 
 
 # -- the step ----------------------------------------------------------------------------------------
@@ -800,7 +294,7 @@ def _plain_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def _user_frame(tb: Any) -> str:
     """``file:line in function`` of the innermost frame outside torch and this package, or ''."""
-    skip = ("/torch/", "/lightning_seqmem/dryrun/step.py", "/lightning_seqmem/measure/steps.py", "/lightning_seqmem/measure/probes.py")
+    skip = ("/torch/", "/lightning_seqmem/dryrun/", "/lightning_seqmem/measure/", "/lightning_seqmem/mitigations/")
     frames = [f for f in traceback.extract_tb(tb) if not any(s in f.filename.replace("\\", "/") for s in skip)]
     if not frames:
         return ""
@@ -1006,18 +500,3 @@ def dry_run_step(
         detail=detail,
         resident_bytes=resident,
     )
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, MutableMapping):
-        for k in list(obj):
-            obj[k] = _to_device(obj[k], device)
-        return obj
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        parts = [_to_device(v, device) for v in obj]
-        return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
-    return obj

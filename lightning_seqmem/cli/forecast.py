@@ -1,0 +1,142 @@
+"""``seqmem forecast``: trace a few short training steps of a config's model on a copy, print the
+predicted peaks and where the memory goes."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from lightning_seqmem.cli.common import (
+    _first_batch,
+    _first_optimizer,
+    _loss_of,
+    _quiet,
+    _seqmem_callback,
+    _usable_budget,
+    build_from_config,
+)
+
+
+def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Three short lengths to trace and one to check: 64/128/256 (+512) below lengths ≥ 512."""
+    shortest = min(lengths)
+    base = 256 if shortest >= 512 else max(8, shortest // 2 // 8 * 8)
+    trace = sorted({max(1, base // 4), max(2, base // 2), base})
+    check = [2 * base] if 2 * base <= max(lengths) else []
+    return trace, check
+
+
+def _forecast(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.measure.steps import trace_training_steps
+    from lightning_seqmem.core.units import format_bytes, parse_bytes
+
+    _quiet()
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    lengths = sorted(set(args.lengths))
+    if min(lengths) < 1:
+        raise SystemExit(f"seqmem forecast: --lengths must be positive, got {args.lengths}")
+    trace, check = (sorted(set(args.trace_lengths)), []) if args.trace_lengths else _default_trace_lengths(lengths)
+    if len(trace) < 2:
+        raise SystemExit(f"seqmem forecast: --trace-lengths needs 2 or more distinct lengths, got {args.trace_lengths}")
+    if args.no_check:
+        check = []
+
+    cli = build_from_config(args.config, args.model_class, args.data_class)
+    trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
+    if not model.automatic_optimization:
+        raise SystemExit("seqmem forecast: the model uses manual optimisation; trace it with lightning_seqmem.measure.steps")
+    seqmem = _seqmem_callback(trainer)
+    device = trainer.strategy.root_device
+    budget = parse_bytes(args.budget, "--budget") if args.budget else None
+    budget, margin, usable = _usable_budget(budget, args.safety_margin, seqmem, device)
+
+    batch = _first_batch(model, datamodule, max(trace + check))
+    traced_batch, source_len = infer_batch_shape(batch)
+    batch_size = args.batch_size or traced_batch
+
+    work = copy.deepcopy(model)  # the steps below train the copy; the configured model is untouched
+    precision = trainer.precision_plugin
+    work = precision.convert_module(work).to(device)
+    optimizer, optimizer_name = _first_optimizer(work)
+    console.print(f"[bold]seqmem forecast[/bold]: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
+                  f"parameters), {trainer.precision} precision, on {device}, optimizer {optimizer_name}; tracing "
+                  f"{len(trace)} steps at seq_len {trace} (batch {traced_batch})"
+                  + (f", checking at {check}" if check else ""))
+    with console.status(f"tracing training steps at seq_len {trace}..."):
+        forecaster = trace_training_steps(
+            work, optimizer, batch, trace, lambda m, b: _loss_of(m.training_step(b, 0)), device=device,
+            context=precision.train_step_context, check_seq_lens=[L for L in check if L <= source_len],
+        )
+    del work, optimizer
+    reserved = device.type == "cuda"
+
+    table = Table(title=f"seqmem forecast (batch {batch_size}); fits = upper bound within the usable budget "
+                        f"{format_bytes(usable)}", title_justify="left")
+    for header in ("seq_len", "method", "peak", "upper bound", "fits"):
+        table.add_column(header, justify="left" if header == "method" else "right")
+    rows = []
+    for L in lengths:
+        fc = forecaster.forecast(L, batch_size)
+        bound = fc.reserved_upper_bytes if reserved else fc.upper_bytes
+        fits = None if usable is None else bound <= usable
+        rows.append({"seq_len": L, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
+                     "upper_bytes": bound, "fits": fits})
+        table.add_row(str(L), fc.method, format_bytes(fc.peak_bytes), format_bytes(bound),
+                      "-" if fits is None else ("yes" if fits else "NO"), style=None if fits is not False else "red")
+    console.print(table)
+    for v in forecaster.verifications:
+        console.print(f"check at seq_len {v.seq_len}: forecast {format_bytes(v.forecast_bytes)} ({v.method}), "
+                      f"measured {format_bytes(v.measured_bytes)}, error {v.relative_error:+.1%}")
+    max_len = None
+    if usable is not None:
+        max_len = forecaster.max_seq_len(usable, batch_size, reserved=reserved)
+        console.print(f"largest length that fits {format_bytes(usable)} (budget {format_bytes(budget)} minus "
+                      f"safety margin {margin:.0%}) at batch {batch_size}: [bold]{max_len}[/bold] tokens")
+    else:
+        console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback)")
+    section = None
+    if args.breakdown:
+        section = _forecast_breakdown(model, precision, device, batch, trace, max(lengths), forecaster, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "config": os.fspath(args.config), "device": str(device), "precision": str(trainer.precision),
+            "trace_lengths": trace, "budget_bytes": budget, "usable_budget_bytes": usable,
+            "forecasts": rows, "max_seq_len": max_len,
+            "verifications": [{**vars(v), "relative_error": v.relative_error} for v in forecaster.verifications],
+            "breakdown": section,
+        }, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, trace: Sequence[int], longest: int,
+                        forecaster: Any, console: Any) -> dict[str, Any]:
+    """Breakdowns at the traced lengths (made safe: none equal to a model width) on a fresh copy, printed."""
+    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.diagnostics.section import breakdown_section, safe_seq_lens, trace_breakdowns, training_step_loss, width_dims
+    from lightning_seqmem.present.report import render_breakdown_console
+
+    work = precision.convert_module(copy.deepcopy(model)).to(device)
+    optimizer, _ = _first_optimizer(work)
+    batch_size, source_len = infer_batch_shape(batch)
+    lengths, notes = safe_seq_lens(trace, width_dims(work, batch_size), source_len, num=3)
+    if len(lengths) < 2:
+        raise SystemExit(f"seqmem forecast: no two lengths to trace the breakdown at (from {list(trace)})")
+    console.print(f"[bold]where the memory goes[/bold]: tracing one step at seq_len {lengths} (batch {batch_size}) "
+                  "on a fresh copy of the model")
+    with console.status(f"tracing the breakdown at seq_len {lengths}..."):
+        breakdowns = trace_breakdowns(work, optimizer, batch, lengths, training_step_loss, device=device,
+                                      context=precision.train_step_context)
+    forecast_peak = forecaster.forecast(longest, batch_size).peak_bytes if longest > lengths[-1] else None
+    section = breakdown_section(breakdowns, work, extrapolate_to=longest, forecast_peak_bytes=forecast_peak, notes=notes)
+    del work, optimizer, breakdowns
+    render_breakdown_console(section, console)
+    return section

@@ -1,0 +1,189 @@
+"""The fake copy a dry run steps: up-front checks, a copy of the module on fake tensors (the real one
+is never touched), its optimizer rebuilt over the copy's parameters, the random state preserved."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from torch.utils._python_dispatch import _disable_current_modes
+
+from lightning_seqmem.measure.probes import attribute_tensors
+
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_seqmem.dryrun.values import _BatchValues
+
+__all__: list[str] = []
+
+_QUIET = (  # warnings a fake copy without a Trainer raises by design
+    "You are trying to `self.log()`",
+    "Accessing the data pointer of FakeTensor",
+)
+
+
+# -- up-front checks ---------------------------------------------------------------------------
+def _compiled_reason(module: nn.Module) -> Optional[str]:
+    """Why ``module`` counts as compiled (``torch.compile``), or None."""
+    for name, sub in module.named_modules():
+        where = f"submodule {name!r} ({type(sub).__name__})" if name else f"the module ({type(sub).__name__})"
+        if type(sub).__name__ == "OptimizedModule" and type(sub).__module__.startswith("torch._dynamo"):
+            return f"{where} is a torch.compile'd module (OptimizedModule)"
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            return f"{where} was compiled in place (module.compile())"
+        forward = sub.__dict__.get("forward")
+        if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
+            return f"the forward of {where} is a torch.compile'd function"
+    return None
+
+
+def _check_module(pl_module: Any) -> None:
+    if not isinstance(pl_module, nn.Module) or not callable(getattr(pl_module, "training_step", None)):
+        raise TypeError(
+            f"`pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method (a LightningModule), "
+            f"got {type(pl_module).__name__}"
+        )
+    reason = _compiled_reason(pl_module)
+    if reason is not None:
+        raise DryRunUnsupported(
+            f"{reason}: its memory is that of the kernels torch.compile generates (fused, with their own "
+            "buffers), which a fake eager step does not reproduce; forecast from measured steps instead"
+        )
+    if getattr(pl_module, "automatic_optimization", True) is False:
+        raise DryRunUnsupported(
+            "manual optimization (automatic_optimization=False): the module runs its own backward and optimizer "
+            "steps through the Trainer"
+        )
+
+
+# -- copies --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _preserved_rng() -> Iterator[None]:
+    """Restore the CPU and (initialised) CUDA generators afterwards, whatever the step drew."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["_BatchValues"] = None) -> nn.Module:
+    """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
+    (or Fabric) it is attached to.
+
+    Parameters, buffers and tensors held as plain attributes (:func:`~lightning_seqmem.measure.probes.attribute_tensors`:
+    caches such as a positional table or a causal mask, a rotary embedding's ``original_inv_freq``)
+    are faked first and put in the copy's memo, so the deep copy takes the fake ones and never
+    copies a real one (nor a gradient); the attribute tensors count as existing memory of the step,
+    as in a real one. ``values`` gets a copy of each attribute tensor's values (within its limit):
+    a step may read them.
+    """
+    memo: dict[int, Any] = {}
+    for name in ("_trainer", "_fabric"):
+        attached = pl_module.__dict__.get(name)
+        if attached is not None:
+            memo[id(attached)] = None  # every reference to it copies as None
+    mesh = pl_module.__dict__.get("_device_mesh")
+    if mesh is not None:
+        memo[id(mesh)] = mesh  # shared, not copied (it holds process groups)
+    try:
+        for p in pl_module.parameters():
+            memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+        for b in pl_module.buffers():
+            memo[id(b)] = fake_mode.from_tensor(b)
+        for t in attribute_tensors(pl_module):
+            if id(t) in memo or isinstance(t, FakeTensor) or t.device.type == "meta":
+                continue
+            memo[id(t)] = fake = fake_mode.from_tensor(t)
+            if values is not None and t.numel() * t.element_size() <= values.max_bytes:
+                with _disable_current_modes():
+                    values.give(fake, t.detach().clone())
+        return copy.deepcopy(pl_module, memo)
+    except Exception as exc:  # noqa: BLE001 - reported as the reason
+        raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a torch.optim.Optimizer (or Lightning's wrapper of one), "
+            f"got {type(optimizer).__name__}"
+        )
+    return inner
+
+
+def _default_foreach(params: list[torch.Tensor]) -> Optional[bool]:
+    """What ``foreach=None`` resolves to for the *real* parameters (fake ones would always give False)."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        return bool(_default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1])
+    except Exception:  # noqa: BLE001 - a private helper: keep the optimizer's own default
+        return None
+
+
+def _rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class and param-group hyperparameters over the fake copy.
+
+    ``twins`` maps ``id`` of each real parameter to its fake twin.
+    """
+    real = _unwrap_optimizer(optimizer)
+    groups = []
+    for index, group in enumerate(real.param_groups):
+        params = []
+        for p in group["params"]:
+            fake = twins.get(id(p))
+            if fake is None:
+                raise DryRunUnsupported(
+                    f"param group {index} of the optimizer holds a {tuple(p.shape)} tensor that is not a parameter "
+                    "of the module, so the fake copy cannot step it (pass the module's own optimizer)"
+                )
+            params.append(fake)
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        if "foreach" in hyper and hyper["foreach"] is None and not hyper.get("fused"):
+            foreach = _default_foreach(list(group["params"]))
+            if foreach is not None:
+                hyper["foreach"] = foreach
+        groups.append({**hyper, "params": params})
+    accepted = inspect.signature(type(real).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        kwargs = dict(real.defaults)
+    else:
+        kwargs = {k: v for k, v in real.defaults.items() if k in accepted and k != "params"}
+    try:
+        return type(real)(groups, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise DryRunUnsupported(
+            f"cannot rebuild {type(real).__name__} over the fake copy from its defaults and param groups: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _configured_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The (first) optimizer of ``module.configure_optimizers()``, called on the fake copy."""
+    try:
+        out = module.configure_optimizers()
+    except Exception as exc:  # noqa: BLE001
+        raise DryRunUnsupported(f"configure_optimizers() failed on the fake copy: {type(exc).__name__}: {exc}") from exc
+    while not isinstance(out, torch.optim.Optimizer):
+        if isinstance(out, Mapping) and "optimizer" in out:
+            out = out["optimizer"]
+        elif isinstance(out, (list, tuple)) and out:
+            out = out[0]
+        else:
+            raise DryRunUnsupported(
+                f"configure_optimizers() returned {type(out).__name__}; pass the optimizer to dry_run_step"
+            )
+    return out

@@ -1,0 +1,43 @@
+"""What a dry run returns, and why it could not answer (plain values, shared by the dry-run wing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+
+
+__all__ = ['DryRunResult', 'DryRunUnsupported']
+
+@dataclass(frozen=True)
+class DryRunResult:
+    """The peak of one fake training step (bytes).
+
+    ``phase_peak_bytes`` maps ``forward``, ``backward`` and ``optimizer`` to the peak live bytes
+    within each phase (each starts from the bytes live when it begins); ``peak_bytes`` is their
+    maximum. ``seconds`` is the wall time of the whole dry run (copy, two fake steps).
+    ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
+    """
+
+    seq_len: int  # tokens per sample of the simulated step
+    batch_size: int  # samples in the simulated batch
+    mitigations: tuple[str, ...]  # mitigations applied to the copy, in the order given
+    peak_bytes: int  # peak live tensor bytes of the step (allocator blocks on CUDA)
+    phase_peak_bytes: dict[str, int]  # phase -> peak live bytes within it
+    seconds: float  # wall time of the dry run
+    detail: str  # what ran, for logs and reports
+    resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
+
+
+class DryRunUnsupported(RuntimeError):
+    """The step cannot run on fake tensors; ``reason`` says why (and where, when known).
+
+    Example:
+        >>> err = DryRunUnsupported("the module is compiled")
+        >>> err.reason, str(err)
+        ('the module is compiled', 'dry run unsupported: the module is compiled')
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"dry run unsupported: {reason}")
+        self.reason = reason

@@ -1,0 +1,288 @@
+"""The values a dry run keeps real: tensors computed from the batch alone (masks, positions), up to a
+size that grows with the length, and the batch itself shaped to the asked ``(batch_size, seq_len)``."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import sys
+import weakref
+from collections.abc import Mapping, MutableMapping
+from typing import Any, Iterator, Optional
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
+
+__all__ = ['value_max_bytes']
+
+_VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
+_VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
+
+
+def value_max_bytes(seq_len: int) -> int:
+    """Largest tensor computed from the batch alone whose real value a dry run at ``seq_len`` keeps.
+
+    A fp32 ``[L, L]`` causal mask is what every ``nn.Transformer`` builds, and
+    ``nn.TransformerDecoder`` reads its values (``bool((mask == causal).all())``), so the limit is
+    at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors on the
+    simulated device (a few of that size at once, while the dry run lasts): beyond 8192 tokens such
+    a check refuses the dry run, and the fit of measured steps answers.
+
+    Example:
+        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**28
+        (True, True, True)
+    """
+    return min(max(_VALUE_MAX_BYTES, 4 * int(seq_len) ** 2), _VALUE_CEILING_BYTES)
+# -- values a step reads from its batch -------------------------------------------------------------
+def _tensors_in(*objs: Any) -> list[torch.Tensor]:
+    """The tensors among an op's arguments or outputs (aten nests at most one list deep)."""
+    out: list[torch.Tensor] = []
+    for obj in objs:
+        for x in obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (obj,):
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                out.extend(t for t in x if isinstance(t, torch.Tensor))
+    return out
+
+
+_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
+
+
+def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments an op writes to (``self`` of an in-place op, ``out=``)."""
+    where = _WRITTEN_ARGS.get(func)
+    if where is None:
+        where = tuple(
+            (-1 if a.kwarg_only else i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITTEN_ARGS[func] = where
+    written: list[torch.Tensor] = []
+    for i, name in where:
+        written += _tensors_in(args[i] if 0 <= i < len(args) else kwargs.get(name))
+    return written
+
+
+def _small(out: Any, max_bytes: int = _VALUE_MAX_BYTES) -> bool:
+    return all(t.numel() * t.element_size() <= max_bytes for t in _tensors_in(out))
+
+
+class _BatchValues(TorchDispatchMode):
+    """Real values of the small tensors a step computes from its batch and constants alone.
+
+    Fake tensors have no values, yet models read some: is the batch padded (``mask.all()``), are
+    sequences packed (``position_ids`` diffs), where are the labels (``(labels != -100).sum().item()``).
+    Those values come from the batch, not from the parameters, and are cheap to compute for real.
+    This mode (above the fake mode) keeps a real twin of every fake tensor that was computed only
+    from the batch, from constants or from other such tensors, when no larger than ``max_bytes``
+    (:func:`value_max_bytes` of the simulated length: a ``[L, L]`` mask fits), running each such op once more on the twins with every mode off (so
+    nothing is counted, and the real tensors die with their fake ones). An op that reads the
+    values of a tensor without a twin (an activation, anything computed from parameters) still
+    fails, as it must. A real tensor held by the module is its own twin, but never written to. A
+    tensor with a twin written from one without (``ids[:, 0] = activation.argmax()``) loses the
+    twins of its whole storage (every view of it).
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode, max_bytes: int = _VALUE_MAX_BYTES) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.max_bytes = int(max_bytes)  # largest tensor whose real value is kept
+        self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (ref to it, its twin)
+        self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
+
+    def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
+        if value.numel() * value.element_size() <= self.max_bytes:
+            key = id(fake)
+            self._values[key] = (weakref.ref(fake, lambda _, k=key: self._values.pop(k, None)), value)
+
+    def forget(self, fake: torch.Tensor) -> None:
+        """``fake`` was written from values we do not know: no view of its storage has known values now."""
+        if self._value(fake) is None:
+            return  # nothing known there (parameters, gradients, activations): nothing to forget
+        self._values.pop(id(fake), None)
+        storage = fake.untyped_storage()
+        key = storage._cdata
+        self._unknown_storages[key] = weakref.ref(storage, lambda _, k=key: self._unknown_storages.pop(k, None))
+
+    def _value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        if not isinstance(t, FakeTensor):
+            return t
+        entry = self._values.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        if self._unknown_storages and t.untyped_storage()._cdata in self._unknown_storages:
+            return None
+        return entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        known = all(self._value(t) is not None for t in _tensors_in(args, kwargs))
+        written = _written_tensors(func, args, kwargs)
+        if any(not isinstance(t, FakeTensor) for t in written):
+            known = False  # never write to a real tensor
+        try:
+            out = func(*args, **kwargs)
+            computed = True
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > self.max_bytes:
+                raise
+            out, computed = None, False
+        if not known or (computed and not _small(out, self.max_bytes)):
+            for t in written:
+                self.forget(t)  # its values are unknown from now on
+            return out
+        real_args, real_kwargs = tree_map_only(torch.Tensor, self._value, (args, kwargs))
+        with _disable_current_modes():
+            real = func(*real_args, **real_kwargs)
+        if not computed:  # the output's shape (or the result itself) depends on the values
+            out = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real)
+        for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+            if isinstance(fake, FakeTensor) and isinstance(value, torch.Tensor):
+                self.give(fake, value)
+        return out
+
+
+@contextlib.contextmanager
+def _transformers_without_fake_detection() -> Iterator[None]:
+    """Let Hugging Face transformers take a real step's shortcuts on fake tensors.
+
+    ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as a graph being traced,
+    and then skips the shortcuts that read values: SDPA gets an explicit ``[B, 1, L, L]`` causal
+    mask instead of ``is_causal=True`` (measured: +28% on a small Llama at 512 tokens, and a
+    quadratic term that a real step does not have). A real step takes them, so during the dry run
+    ``is_fake_tensor`` answers False; the values the shortcuts read come from :class:`_BatchValues`.
+    """
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+    module.is_fake_tensor = lambda x: False
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original
+
+
+# -- the batch -------------------------------------------------------------------------------------
+def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` cut, or tiled (repeated whole, then cut), to ``size`` along ``dim``."""
+    have = x.shape[dim]
+    if have == size:
+        return x
+    if have > size:
+        return x.narrow(dim, 0, size)
+    repeats = [1] * x.dim()
+    repeats[dim] = math.ceil(size / have)
+    return x.repeat(*repeats).narrow(dim, 0, size)
+
+
+def _is_square(x: torch.Tensor, rows: int, length: int) -> bool:
+    """A ``[B or 1, ..., L, L]`` attention mask or bias (4-D or more, or 3-D and not float), as in :mod:`.batch`."""
+    if x.dim() < 3 or x.shape[0] not in (rows, 1) or not x.shape[-1] == x.shape[-2] == length:
+        return False
+    return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
+
+
+def _shape_batch(
+    batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: _BatchValues
+) -> tuple[Any, tuple[int, int]]:
+    """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
+
+    The batch shape ``(B, L)`` is read as :func:`~lightning_seqmem.measure.batch.infer_batch_shape` reads
+    it, and sequence tensors are those :mod:`lightning_seqmem.measure.batch` cuts: first dimension ``B`` or
+    1 (broadcast, e.g. ``position_ids`` of shape ``[1, L]``) and ``L`` at dim 1 (``input_ids``,
+    ``labels``, ``attention_mask``, embeddings ``[B, L, D]``), or at both last dims (masks and
+    biases ``[B, 1, L, L]``). Rows (dim 0 of every tensor with ``B`` rows) are cut or repeated;
+    sequence dims are cut or tiled (the tokens repeated from the start), and ``position_ids`` become
+    ``0 .. seq_len - 1``; sequences of another length (an encoder-decoder's ``labels [B, L/2]``)
+    keep their ratio to ``L`` (:func:`~lightning_seqmem.measure.batch.scaled_length`). Changed tensors are contiguous copies, so each storage holds exactly its
+    elements. Every tensor's values are given to ``values`` (copied: the step may change its batch
+    in place). Mappings, lists, tuples, namedtuples and dataclasses are rebuilt with their type;
+    the batch itself is left untouched.
+    """
+    rows, length = infer_batch_shape(batch)
+
+    def convert(x: torch.Tensor, key: Any) -> torch.Tensor:
+        if isinstance(x, FakeTensor):
+            fake = x
+        else:
+            fake = fake_mode.from_tensor(x)
+            if x.numel() * x.element_size() <= values.max_bytes:
+                with _disable_current_modes():
+                    values.give(fake, x.detach().clone())
+        out = fake
+        square = _is_square(fake, rows, length)
+        sequence = not square and fake.dim() >= 2 and fake.shape[0] in (rows, 1) and fake.shape[1] == length
+        if fake.dim() >= 1 and fake.shape[0] == rows and not (rows == 1 and key == "position_ids"):
+            out = _resize(out, 0, batch_size)
+        if square:
+            out = _resize(_resize(out, -2, seq_len), -1, seq_len)
+        elif sequence and key == "position_ids" and not out.dtype.is_floating_point:
+            view = [1] * out.dim()
+            view[1] = seq_len
+            positions = torch.arange(seq_len, dtype=out.dtype, device=out.device).view(view)
+            out = positions.expand(out.shape[0], seq_len, *out.shape[2:])
+        elif sequence:
+            out = _resize(out, 1, seq_len)
+        elif not square and (size := scaled_length(fake, rows, length, seq_len)) is not None:
+            out = _resize(out, 1, size)  # another length (an encoder-decoder's labels): its ratio kept
+        return out if out is fake else out.clone(memory_format=torch.contiguous_format)
+
+    def visit(obj: Any, key: Any = None) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return convert(obj, key)
+        if isinstance(obj, Mapping):
+            items = {k: visit(v, k) for k, v in obj.items()}
+            if isinstance(obj, MutableMapping):
+                try:
+                    new = copy.copy(obj)  # keeps the mapping's type (dict, BatchEncoding, ...)
+                    for k, v in items.items():
+                        new[k] = v
+                    return new
+                except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict serves training_step
+                    return items
+            return items
+        if isinstance(obj, (list, tuple)):
+            parts = [visit(v) for v in obj]
+            if isinstance(obj, list):
+                return parts
+            return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            new = copy.copy(obj)
+            for f in dataclasses.fields(obj):
+                object.__setattr__(new, f.name, visit(getattr(obj, f.name), f.name))  # frozen ones too
+            return new
+        return obj
+
+    with fake_mode, values:
+        return visit(batch), (rows, length)
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, MutableMapping):
+        for k in list(obj):
+            obj[k] = _to_device(obj[k], device)
+        return obj
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        parts = [_to_device(v, device) for v in obj]
+        return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
+    return obj
