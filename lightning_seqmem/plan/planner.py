@@ -55,7 +55,7 @@ Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core import advice as A
@@ -68,9 +68,10 @@ from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations, spec
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.timeline import Trace
 from lightning_seqmem.core.trust import Check, PredictorChecks
-from lightning_seqmem.core.units import to_gib
 from lightning_seqmem.plan import dry_evidence
+from lightning_seqmem.plan import metrics as plan_metrics
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
+from lightning_seqmem.plan.planner_state import load_planner_state, planner_state
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
@@ -1108,120 +1109,24 @@ class SeqMemPlanner:
         return out
 
     def budget_view(self, batch_size: int) -> dict[str, float]:
-        """Forecast for the next stage (or this length), largest length that fits, headroom (cached)."""
-        key = (self.applied_mitigations, self.forecaster.version, self.stage, batch_size, len(self.stages))
-        if self._cache.get("key") == key:
-            return self._cache["value"]
-        out: dict[str, float] = {}
-        target = self.stages[self.stage + 1] if self.stage + 1 < len(self.stages) else None
-        target = target or (self.records[-1].seq_len if self.records else None)
-        # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
-        fc = None if not target else (self.forecaster.forecast(target, batch_size) if self.forecaster.ready
-                                       else self._dry_judged(target, batch_size))
-        if fc is not None:
-            bound = self.bound_of(fc)
-            out["forecast_next_gib"] = to_gib(bound)
-            budget = self.usable_budget_bytes
-            if budget is not None:
-                out["budget_gib"] = to_gib(budget)
-                out["max_seq_len"] = float(self.max_seq_len(budget, batch_size))
-                out["headroom_gib"] = to_gib(budget - bound)
-                out["headroom_fraction"] = (budget - bound) / budget
-        self._cache = {"key": key, "value": out}
-        return out
+        """Forecast for the next stage (or this length), largest length that fits, headroom (cached;
+        :func:`lightning_seqmem.plan.metrics.budget_view`)."""
+        return plan_metrics.budget_view(self, batch_size)
 
     def metrics(self, record: StepRecord) -> dict[str, float]:
-        """The logged scalars of ``record`` (tags without the ``seqmem/`` prefix; GiB = 2³⁰ bytes)."""
-        out: dict[str, float] = {"seq_len": record.seq_len, "batch_size": record.batch_size,
-                                 "warmup": float(record.warmup), "peak_allocated_gib": to_gib(record.peak_bytes)}
-        for phase in PHASES:
-            value = getattr(record, f"{phase}_peak_bytes")
-            if value is not None:
-                out[f"peak_{phase}_gib"] = to_gib(value)
-        if record.reserved_bytes is not None:
-            out["reserved_gib"] = to_gib(record.reserved_bytes)
-            out["fragmentation_gib"] = to_gib(record.fragmentation_bytes or 0)
-            out["fragmentation_fraction"] = record.fragmentation_fraction or 0.0
-            out["inactive_split_gib"] = to_gib(record.inactive_split_bytes or 0)
-            out["alloc_retries"] = record.alloc_retries or 0
-            out["num_ooms"] = record.num_ooms or 0
-        if self.last_verification_error is not None:
-            out["verification_error"] = self.last_verification_error
-        if record.stage is not None:
-            out["stage"] = record.stage
-        out["mitigations_applied"] = len(record.mitigations)
-        out.update(self.budget_view(record.batch_size))
-        return {k: float(v) for k, v in out.items()}
+        """The logged scalars of ``record`` (:func:`lightning_seqmem.plan.metrics.metrics`)."""
+        return plan_metrics.metrics(self, record)
 
     # ------------------------------------------------------------------------------------------
-    # Checkpointing
+    # Checkpointing (lightning_seqmem.plan.planner_state)
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Flat plain values (the keys of earlier versions kept, so their checkpoints load); the records
-        are bounded (:func:`~lightning_seqmem.plan.checkpoint.compact_records`, ``checkpoint_records``)."""
-        return {
-            "step": self.step,
-            "records": [r.to_dict() for r in compact_records(self.records, self.checkpoint_records, self._measured_bound)],
-            "forecasters": {"|".join(k): f.state_dict() for k, f in self.forecasters.items()},
-            "key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self._key_counts.items()],
-            "warned": sorted(self.warned),
-            "warned_kinds": dict(self.warned),
-            "applied_mitigations": list(self.applied_mitigations),
-            "mitigations_left": list(self.mitigations),
-            "mitigation_events": [dict(e) for e in self.mitigation_events],
-            "refit_queue": list(self.refit_queue),
-            "decide_now": self.decide_now,
-            "stages": list(self.stages),
-            "stage": self.stage,
-            "stage_steps": self.stage_steps,
-            "capped_at": self.capped_at,
-            "last_batch_size": self.last_batch_size,
-            "last_verification_error": self.last_verification_error,
-            "pending": {"x".join(map(str, k[:2])) + "".join(f"|{m}" for m in k[2]): asdict(v)
-                        for k, v in self._pending.items()},
-        }
+        """Flat plain values (:func:`lightning_seqmem.plan.planner_state.planner_state`)."""
+        return planner_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (raises on a state this version cannot read; nothing is half-set)."""
-        fresh = SeqMemPlanner.__new__(SeqMemPlanner)
-        fresh.__dict__.update(self.__dict__)
-        fresh.reset()
-        fresh._load(state)
-        self.__dict__.update(fresh.__dict__)
-
-    def _load(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state.get("step", 0))
-        self.records = [StepRecord.from_dict(r) for r in state.get("records", [])]
-        self.forecasters = {}
-        for key, value in state.get("forecasters", {"": state.get("forecaster", {})}).items():
-            forecaster = MemoryForecaster(tolerance=self.tolerance)
-            forecaster.load_state_dict(value)
-            self.forecasters[tuple(key.split("|")) if key else ()] = forecaster
-        self._key_counts = {(int(k0), int(k1), tuple(k2)): int(v) for k0, k1, k2, v in state.get("key_counts", [])}
-        kinds = state.get("warned_kinds") or {}
-        self.warned = {str(k): str(kinds.get(k, A.kind_of_key(k))) for k in state.get("warned", [])}
-        self.applied_mitigations = check_mitigations(list(state.get("applied_mitigations", ())))
-        if "mitigations_left" in state:
-            left = set(check_mitigations(list(state["mitigations_left"])))
-            self.mitigations = tuple(m for m in self.mitigations if m in left or m in self.applied_mitigations)
-        self.forecaster  # noqa: B018
-        self.mitigation_events = [dict(e) for e in state.get("mitigation_events", [])]
-        self.refit_queue = [int(L) for L in state.get("refit_queue", [])]
-        self.decide_now = bool(state.get("decide_now", False))
-        self.stages = tuple(int(s) for s in state.get("stages", self.stages))
-        self.stage = int(state.get("stage", 0))
-        if self.stages and not 0 <= self.stage < len(self.stages):
-            raise ValueError(f"stage {self.stage} is outside the {len(self.stages)} stages {list(self.stages)}")
-        self.stage_steps = int(state.get("stage_steps", 0))
-        self.capped_at = state.get("capped_at")
-        self.last_batch_size = state.get("last_batch_size")
-        self.last_verification_error = state.get("last_verification_error")
-        self.resume_warmup = max(1, self.warmup_steps_after_change)
-        self._pending = {}
-        for key, fc in state.get("pending", {}).items():
-            shape, *mitigations = key.split("|")
-            L, B = (int(x) for x in shape.split("x"))
-            self._pending[(L, B, tuple(mitigations))] = Forecast(**fc)
+        """Restore :meth:`state_dict`, all or nothing (raises on a state this version cannot read)."""
+        load_planner_state(self, state)
 
 
 def _inapplicable(applicable: Applicability) -> tuple[str, ...]:
