@@ -1,0 +1,290 @@
+"""The live-tensor tracker: a ``TorchDispatchMode`` that sees every storage an op creates, registers a
+weakref finaliser on it and so knows the live bytes at every moment (exact on any device); it also
+sees storage resizes (FSDP2) and, with ``record_events``, keeps the ordered allocation/free
+sequence the timeline replays. The probes that wrap it: :mod:`lightning_seqmem.measure.probes`."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+from lightning_seqmem.core.records import TrackedEvents
+from lightning_seqmem.measure.mode_stack import enter_below_user_modes, exit_own_mode, modes_below
+
+
+__all__ = ["LiveTensorTracker", "tensor_storages"]
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's output or arguments (fast path for the usual shapes)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)) and all(isinstance(x, torch.Tensor) or x is None for x in obj):
+        return [x for x in obj if x is not None]
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``t``'s data (a wrapper subclass's inner tensors' too; none for meta or sparse)."""
+    if type(t) in _PLAIN_TENSORS:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return []
+        return [t.untyped_storage()]
+    if is_traceable_wrapper_subclass(t):
+        inner_names, _ = t.__tensor_flatten__()
+        out: list[torch.UntypedStorage] = []
+        for name in inner_names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                out.extend(tensor_storages(inner))
+        return out
+    if t.is_sparse or t.layout != torch.strided or t.device.type == "meta":
+        return []
+    return [t.untyped_storage()]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _fake_mode_active() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+class _Transient:
+    """A placeholder for a scratch allocation's slot (dead at once: nothing to watch)."""
+
+
+_RESIZE_WATCHERS: list["LiveTensorTracker"] = []  # trackers entered now, told of every storage resize
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
+    out = _ORIGINAL_RESIZE(storage, size)
+    for tracker in list(_RESIZE_WATCHERS):
+        try:
+            tracker._resized(storage, int(storage.nbytes()))
+        except Exception as exc:  # noqa: BLE001 - the resize itself must succeed regardless
+            tracker.error = exc
+    return out
+
+
+def _watch_resizes(tracker: "LiveTensorTracker", on: bool) -> None:
+    """``torch.UntypedStorage.resize_`` is not a tensor op (no dispatch mode sees it), so while a
+    tracker is entered it is wrapped to tell the tracker (as ``torch.distributed._tools.MemTracker``
+    does); the original comes back when the last tracker leaves."""
+    if on:
+        _RESIZE_WATCHERS.append(tracker)
+        torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
+    else:
+        if tracker in _RESIZE_WATCHERS:
+            _RESIZE_WATCHERS.remove(tracker)
+        if not _RESIZE_WATCHERS:
+            torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Exact live tensor bytes on one device type, by watching every storage an op creates.
+
+    Storages that existed before tracking began are counted only if passed to
+    :meth:`track_existing` (parameters, gradients, optimizer state, the batch). A storage shared
+    with an op's input (a view, an in-place op) is not a new allocation.
+
+    Example:
+        >>> import torch
+        >>> w = torch.randn(64, 64, requires_grad=True)
+        >>> tracker = LiveTensorTracker("cpu")
+        >>> tracker.track_existing([w])
+        >>> with tracker:
+        ...     y = (w @ w).relu().sum()
+        ...     y.backward()
+        >>> tracker.peak_bytes >= 3 * 64 * 64 * 4   # w, w @ w and w.grad at least
+        True
+    """
+
+    def __init__(self, device_type: str, record_events: bool = False) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.record_events = record_events
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._counts_fakes = True  # set on entering (see __enter__)
+        self.phase_peak_bytes: dict[str, int] = {}
+        self.phase: Optional[str] = None
+        self.events = TrackedEvents() if record_events else None
+        self._ids: dict[int, int] = {}  # StorageImpl address -> allocation index, while alive
+        self._sizes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it now
+        self._resized_to_zero: set[int] = set()  # tracked storages resized to 0 bytes, still alive
+        self._finalizers: list[weakref.ref] = []
+        self._active = True
+        self.error: Optional[BaseException] = None  # a bookkeeping failure: the step ran, the count is void
+        # (op, args, out) -> bytes a kernel takes for itself while it runs (a dry run of CUDA, see
+        # dryrun.cuda_kernel_scratch_bytes); counted as allocated and freed right after the output
+        self.scratch: Optional[Callable[[Any, Any, Any], int]] = None
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _add(self, st: torch.UntypedStorage, op: str, nbytes: Optional[int] = None) -> None:
+        nbytes = st.nbytes() if nbytes is None else nbytes
+        index = len(self._finalizers)
+        key = st._cdata
+        self._ids[key] = index
+        self._sizes[key] = nbytes
+        self._finalizers.append(weakref.ref(st, lambda _ref, i=index, k=key: self._free(i, k)))
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        if self.phase is not None and self.live_bytes > self.phase_peak_bytes[self.phase]:
+            self.phase_peak_bytes[self.phase] = self.live_bytes
+        if self.events is not None:
+            self.events.sizes.append(nbytes)
+            self.events.ops.append(op)
+            self.events.sequence.append(index)
+
+    def _free(self, index: int, key: int) -> None:
+        self._resized_to_zero.discard(key)  # the storage died: its address may be reused
+        if self._ids.get(key) != index:
+            return  # resized since (that entry was already freed) or untracked
+        del self._ids[key]  # the address may be reused by a later storage
+        nbytes = self._sizes.pop(key)
+        if not self._active:
+            return
+        self.live_bytes -= nbytes
+        if self.events is not None:
+            self.events.sequence.append(~index)
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """``st.resize_(nbytes)`` ran: free its entry and count it again at its new size.
+
+        FSDP2 keeps each block's unsharded parameters in storages it resizes to 0 after the block
+        ran and back before it runs again (``free_storage`` / ``alloc_storage``), which no dispatch
+        mode sees; storages it grows from 0 are counted from then on, whenever they were created.
+        """
+        if not self._active or self.error is not None:
+            return
+        key = st._cdata
+        index = self._ids.get(key)
+        if index is not None:
+            if self._sizes[key] == nbytes:
+                return
+            del self._ids[key]
+            self.live_bytes -= self._sizes.pop(key)
+            if self.events is not None:
+                self.events.sequence.append(~index)
+            if nbytes == 0:
+                self._resized_to_zero.add(key)
+        elif key not in self._resized_to_zero and st.device.type != self.device_type:
+            return  # another device's storage (a fake tensor's storage is on "meta": known by its key above)
+        if nbytes > 0:
+            self._resized_to_zero.discard(key)
+            self._add(st, "<resize_>", nbytes)
+
+    def track_existing(self, tensors: Iterable[Any], kind: str = "existing") -> None:
+        """Count storages that were alive before tracking (each storage once). Fake tensors count
+        only where a ``FakeTensorMode`` is active (a dry run): elsewhere they hold no memory."""
+        fakes = _fake_mode_active()
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            if not fakes and _is_fake(t):
+                continue
+            for st in tensor_storages(t):
+                if st._cdata not in self._ids:
+                    self._add(st, f"<{kind}>")
+        if self.events is not None:
+            self.events.num_existing = len(self.events.sizes)
+
+    def mark_phase(self, phase: str) -> None:
+        """Start a new phase: its peak starts from the bytes live now."""
+        self.phase = phase
+        self.phase_peak_bytes[phase] = max(self.phase_peak_bytes.get(phase, 0), self.live_bytes)
+        if self.events is not None:
+            self.events.phase_starts[phase] = len(self.events.sequence)
+
+    def stop(self) -> None:
+        """Ignore frees from now on (storages of this step die later, during the next one).
+
+        The weak references (and their callbacks, which hold this tracker) are dropped at once,
+        not left to the garbage collector: a stopped tracker reaches no storage, neither the
+        training's real ones nor a dry run's fake (meta) ones, whenever it is collected.
+        """
+        self._active = False
+        self._finalizers.clear()
+        self._ids.clear()
+        self._sizes.clear()
+        self._resized_to_zero.clear()
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def __enter__(self):
+        _watch_resizes(self, True)
+        self._below = modes_below()
+        # a tracker entered under a FakeTensorMode counts fake storages (a dry run's); others skip them
+        self._counts_fakes = any(isinstance(m, FakeTensorMode) for m, _ in self._below)
+        # under other tools' modes held now (so that they leave first without popping this one),
+        # above another tracker (a second SeqMemCallback's)
+        return enter_below_user_modes(self, lambda: super(LiveTensorTracker, self).__enter__(),
+                                      stop_at=lambda m: isinstance(m, LiveTensorTracker))
+
+    def __exit__(self, *exc_info):
+        """Leave this mode only, wherever it is on the stack: another callback's mode entered after
+        it (or before it, and left first) is never popped in its place (:mod:`.mode_stack`)."""
+        _watch_resizes(self, False)
+        exit_own_mode(self, lambda: super(LiveTensorTracker, self).__exit__(*exc_info), getattr(self, "_below", []))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.error is None:
+            try:
+                self._track_outputs(func, out, args, kwargs)
+                if self.scratch is not None:
+                    self._transient(self.scratch(func, args, out), func.name())
+            except Exception as exc:  # noqa: BLE001 - the op's result must reach the model regardless
+                self.error = exc
+        return out
+
+    def _transient(self, nbytes: int, op: str) -> None:
+        """An allocation of ``nbytes`` freed at once (a kernel's own scratch, beside its output)."""
+        if nbytes <= 0:
+            return
+        index = len(self._finalizers)
+        self._finalizers.append(weakref.ref(_Transient()))  # keeps indices aligned with events
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.phase is not None:
+            self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes[self.phase], self.live_bytes)
+        self.live_bytes -= nbytes
+        if self.events is not None:
+            self.events.sizes.append(nbytes)
+            self.events.ops.append(f"{op} (scratch)")
+            self.events.sequence.extend((index, ~index))
+
+    def _track_outputs(self, func, out, args, kwargs) -> None:
+        inputs: Optional[set[int]] = None
+        for t in _flat_tensors(out):
+            if t.device.type != self.device_type:
+                continue
+            if not self._counts_fakes and isinstance(t, FakeTensor):
+                continue  # another callback's dry run inside this step's window: not this step's memory
+            for st in tensor_storages(t):
+                key = st._cdata
+                if key in self._ids:
+                    continue
+                if inputs is None:  # only built when an output storage is new to us
+                    tensors = _flat_tensors(args) + (_flat_tensors(kwargs) if kwargs else [])
+                    inputs = {s._cdata for x in tensors for s in tensor_storages(x)}
+                if key in inputs:  # a view or in-place result of an untracked input
+                    continue
+                self._add(st, func.name() if self.events is not None else "")
