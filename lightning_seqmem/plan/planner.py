@@ -72,6 +72,7 @@ from lightning_seqmem.plan import dry_evidence
 from lightning_seqmem.plan import metrics as plan_metrics
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from lightning_seqmem.plan.planner_state import load_planner_state, planner_state
+from lightning_seqmem.plan.schedule import MeasurementSchedule
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
@@ -197,8 +198,7 @@ class SeqMemPlanner:
         self.capped_at: Optional[int] = None
         self.refit_queue: list[int] = []
         self.decide_now = False
-        self.resume_warmup = 0  # steps after a resume that are not fitted (gradients were not saved)
-        self._key_counts: dict[tuple, int] = {}
+        self.schedule = MeasurementSchedule()  # which batches are warm-ups, measured, traced
         self._pending: dict[tuple, Forecast] = {}
         self._pending_events: list[str] = []
         self._advice: list[A.Advice] = []
@@ -214,6 +214,22 @@ class SeqMemPlanner:
     # ------------------------------------------------------------------------------------------
     # Budget and forecasts
     # ------------------------------------------------------------------------------------------
+    @property
+    def _key_counts(self) -> dict[tuple, int]:  # the schedule's occurrences per shape (checkpointed)
+        return self.schedule.counts
+
+    @_key_counts.setter
+    def _key_counts(self, counts: dict[tuple, int]) -> None:
+        self.schedule.counts = counts
+
+    @property
+    def resume_warmup(self) -> int:
+        return self.schedule.resume_warmup
+
+    @resume_warmup.setter
+    def resume_warmup(self, steps: int) -> None:
+        self.schedule.resume_warmup = steps
+
     @property
     def usable_budget_bytes(self) -> Optional[int]:
         """``budget × (1 − safety_margin)``, or None without a budget."""
@@ -902,18 +918,14 @@ class SeqMemPlanner:
                    epoch: int = 0) -> PendingStep:
         """The schedule for a batch about to run at ``(seq_len, batch_size)``: warm-up, measured, traced."""
         key = (seq_len, batch_size, self.applied_mitigations)
-        count = self._key_counts.get(key, 0)
-        self._key_counts[key] = count + 1
-        warmup = (self.step < self.warmup_steps or global_step < self.warmup_steps  # accumulation: until a step
-                  or count < self.warmup_steps_after_change or self.resume_warmup > 0)
-        self.resume_warmup = max(0, self.resume_warmup - 1)
+        warmup, measure, count = self.schedule.next(key, self.step, self.warmup_steps, self.warmup_steps_after_change,
+                                                    self.measure_every_n_steps, global_step)
         if count == 0:  # kept to verify against the measurement
             fc = self._dry_forecast(seq_len, batch_size) if (seq_len, batch_size, key[2]) in self._dry else None
             if fc is None and self.forecaster.ready:
                 fc = self.forecaster.forecast(seq_len, batch_size)
             if fc is not None:
                 self._pending[key] = fc
-        measure = warmup or count == self.warmup_steps_after_change or self.step % self.measure_every_n_steps == 0
         # only steps ending in an optimizer step are traced: with accumulation the others run another program
         traced = measure and not warmup and optimizer_steps and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
         events, self._pending_events = self._pending_events, []
