@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_seqmem.core.rungs import spec
-from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext
+from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung
 
 __all__ = [
     "ATTENTION_SWITCH_BACKENDS",
@@ -281,11 +281,12 @@ class AttentionSwitch:
         return f"{type(self).__name__}(backend={self.backend!r}, sdpa_backends={self.sdpa_backends!r})"
 
 
-class AttentionRung(Rung):
+class AttentionRung(ModulePolicyRung):
     """The ladder's ``"attention"`` rung: :class:`AttentionSwitch` (``"auto"``: flash-attn where it can
     run, else SDPA) behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol.
 
     Example:
+        >>> from lightning_seqmem.mitigations.base import RungContext
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> model = GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))
         >>> rung = AttentionRung()
@@ -297,12 +298,6 @@ class AttentionRung(Rung):
 
     def __init__(self, policy: AttentionSwitch | None = None) -> None:
         self.policy = policy or AttentionSwitch()
-
-    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
-        return self.policy.is_applicable(ctx.pl_module)
-
-    def apply(self, ctx: RungContext) -> MitigationResult:
-        return self.policy.apply(ctx.pl_module)
 
     def is_on(self, module: nn.Module) -> bool:
         return current_attention_backend(module) not in (None, "eager")

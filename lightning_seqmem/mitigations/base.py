@@ -134,6 +134,19 @@ class Rung:
         return f"{type(self).__name__}()"
 
 
+class ModulePolicyRung(Rung):
+    """A rung whose policy acts on the module alone (``policy.is_applicable(module)``,
+    ``policy.apply(module)``): the attention switch, activation checkpointing."""
+
+    policy: Any
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        return self.policy.is_applicable(ctx.pl_module)
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        return self.policy.apply(ctx.pl_module)
+
+
 def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
     """Why a rung that rewrites the module (checkpointing, micro-batching) cannot work under
     ``trainer``'s strategy, or None: FSDP1 and DeepSpeed wrap or shard the model themselves;
@@ -157,4 +170,4 @@ def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
     return f"{name} shards or wraps the model itself: {how}"
 
 
-__all__ = ["CopyPlan", "MitigationResult", "Rung", "RungContext", "wrapping_strategy_refusal"]
+__all__ = ["CopyPlan", "MitigationResult", "ModulePolicyRung", "Rung", "RungContext", "wrapping_strategy_refusal"]

@@ -41,7 +41,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from lightning_seqmem.core.rungs import spec
-from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext, wrapping_strategy_refusal
+from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, wrapping_strategy_refusal
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 
 __all__ = ["ActivationCheckpointing", "CheckpointingRung", "find_repeated_blocks", "is_checkpointed"]
@@ -268,13 +268,14 @@ class ActivationCheckpointing:
         return f"{type(self).__name__}(block_class_names={self.block_class_names!r})"
 
 
-class CheckpointingRung(Rung):
+class CheckpointingRung(ModulePolicyRung):
     """The ladder's ``"checkpointing"`` rung: :class:`ActivationCheckpointing` of every repeated block
     behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol. Under FSDP2 it goes on after
     ``fully_shard`` (composable ``checkpoint``), in a sharded dry run too; FSDP1 and DeepSpeed wrap
     the model themselves and refuse it at set-up.
 
     Example:
+        >>> from lightning_seqmem.mitigations.base import RungContext
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
         >>> CheckpointingRung().apply(RungContext(model)).applied, CheckpointingRung().is_on(model)
@@ -286,12 +287,6 @@ class CheckpointingRung(Rung):
 
     def __init__(self, policy: ActivationCheckpointing | None = None) -> None:
         self.policy = policy or ActivationCheckpointing()
-
-    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
-        return self.policy.is_applicable(ctx.pl_module)
-
-    def apply(self, ctx: RungContext) -> MitigationResult:
-        return self.policy.apply(ctx.pl_module)
 
     def is_on(self, module: nn.Module) -> bool:
         return is_checkpointed(module)

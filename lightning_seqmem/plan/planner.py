@@ -343,7 +343,7 @@ class SeqMemPlanner:
 
         lo = step
         if not fits(lo):
-            return 0 if step == 1 or not fits(1) else self._dry_max_below(1, lo, fits)
+            return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
         return step * self._dry_search(lo // step, hi // step, step, batch_size, self.applied_mitigations, budget_bytes)
 
     def _dry_search(self, lo: int, hi: int, unit: int, batch_size: int, setting: tuple[str, ...], budget: int,
@@ -360,11 +360,6 @@ class SeqMemPlanner:
         known = [L // unit for (L, B, m), v in self._dry.items()
                  if v is not None and B == batch_size and m == setting and L % unit == 0]
         return dry_evidence.largest_fitting(lo, hi, bound, budget, known)
-
-    @staticmethod
-    def _dry_max_below(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
-        """Largest ``L`` in ``[lo, hi)`` that ``fits``, given ``fits(lo)`` and not ``fits(hi)``."""
-        return bisect_last(fits, lo, hi)
 
     def _measured_bound(self, r: StepRecord) -> int:
         return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
@@ -696,7 +691,7 @@ class SeqMemPlanner:
         fits = lambda L: self.judge(L, batch_size).kind == "fits"  # noqa: E731
         if guess < 1 or fits(guess):
             return max(guess, 0)
-        return 0 if not fits(1) else self._dry_max_below(1, guess, fits)
+        return 0 if not fits(1) else bisect_last(fits, 1, guess)
 
     def _decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
         verdict = self.judge(seq_len, batch_size)
