@@ -18,11 +18,20 @@ Example:
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> spec("checkpointing").step_time_prior
     0.33
+
+A rung may come in levels (checkpointing k of N blocks, a selective policy): a *variant* is named
+``"<rung>:<level>"`` (``"checkpointing:3/8"``); the bare name is the rung's full level. A setting
+holds at most one variant of each rung. The user names rungs; the planner chooses their levels.
+
+    >>> base_name("checkpointing:3/8"), level_of("checkpointing:3/8"), level_of("checkpointing")
+    ('checkpointing', '3/8', None)
+    >>> round(spec("checkpointing:3/8").step_time_prior, 4), spec("checkpointing:3/8").name
+    (0.1237, 'checkpointing:3/8')
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 
@@ -40,6 +49,22 @@ class RungSpec:
     step_time_prior: float = 0.0  # extra step time as a fraction of the plain step, until measured
     linearises_attention: bool = False  # after the switch the L² term should fall: checked, warned if not
     first_step_check: bool = False  # the step that switches it on runs a one-time check (dry-run apart)
+    # priors of named levels (``(("selective", 0.08),)``); a level "k/N" scales ``step_time_prior`` by k/N
+    level_priors: tuple[tuple[str, float], ...] = ()
+
+    def at(self, level: "str | None") -> "RungSpec":
+        """This spec for variant ``level`` (None: the full rung): its name and step-time prior.
+
+        >>> RungSpec("checkpointing", "x", 0.3, level_priors=(("selective", 0.1),)).at("selective").step_time_prior
+        0.1
+        """
+        if level is None:
+            return self
+        prior = dict(self.level_priors).get(level)
+        if prior is None:
+            k, _, n = level.partition("/")
+            prior = self.step_time_prior * int(k) / int(n) if k.isdigit() and n.isdigit() and int(n) > 0 else self.step_time_prior
+        return replace(self, name=f"{self.name}{LEVEL_SEP}{level}", step_time_prior=prior)
 
 
 _BUILTIN = (
@@ -56,6 +81,19 @@ MITIGATIONS = tuple(s.name for s in _BUILTIN)
 """The built-in rungs of the ladder, cheapest first (the default order)."""
 
 ADVICE = {s.name: s.advice for s in _BUILTIN}  # kept for 0.1 callers: prefer spec(name).advice
+
+
+LEVEL_SEP = ":"
+
+
+def base_name(name: str) -> str:
+    """The rung of variant ``name`` (``"checkpointing:3/8"`` -> ``"checkpointing"``)."""
+    return name.split(LEVEL_SEP, 1)[0]
+
+
+def level_of(name: str) -> "str | None":
+    """The level of variant ``name`` (``"3/8"``), None for a bare rung name (its full level)."""
+    return name.split(LEVEL_SEP, 1)[1] if LEVEL_SEP in name else None
 
 
 def register_spec(rung_spec: RungSpec) -> None:
@@ -77,8 +115,9 @@ def rung_names() -> tuple[str, ...]:
 
 
 def spec(name: str) -> RungSpec:
-    """The spec of rung ``name``; an unknown name gets a spec with no special facts (never raises)."""
-    return _SPECS.get(name) or RungSpec(name, f"switch {name} on")
+    """The spec of rung (or variant) ``name``; an unknown name gets a spec with no special facts (never raises)."""
+    base = _SPECS.get(base_name(name)) or RungSpec(base_name(name), f"switch {base_name(name)} on")
+    return base.at(level_of(name))
 
 
 def check_mitigations(value: Any) -> tuple[str, ...]:
@@ -111,5 +150,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "MITIGATIONS", "RungSpec", "check_mitigations", "register_spec", "remaining_advice",
+__all__ = ["ADVICE", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]

@@ -106,6 +106,19 @@ class Rung:
     def is_on(self, module: Any) -> bool:
         raise NotImplementedError
 
+    def at(self, level: Optional[str]) -> "Rung":
+        """This rung at variant ``level`` (``"3/8"``; None: its full level). A rung with levels
+        returns a configured instance whose ``spec`` is ``self.spec.at(level)``; one without refuses."""
+        if level is None:
+            return self
+        raise ValueError(f"rung {self.name!r} has no levels, got level {level!r}")
+
+    def variants(self, ctx: RungContext) -> tuple[str, ...]:
+        """The names of this rung's variants that apply to ``ctx``'s model, cheapest (least step time)
+        first, ending with the full rung (default: the rung alone). A variant may replace one of the
+        same rung that is on when it comes later in this order (an upgrade)."""
+        return (self.name,)
+
     def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
         """Switch it off again; None where it cannot (numerics change by float rounding only)."""
         return None

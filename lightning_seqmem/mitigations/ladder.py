@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 from lightning_seqmem.core.rungs import (
     ADVICE,
     MITIGATIONS,
+    base_name,
     check_mitigations,
     register_spec,
     remaining_advice,
@@ -67,14 +68,15 @@ def unregister(name: str) -> None:
 
 
 def rung(name: str) -> Rung:
-    """The rung registered as ``name``.
+    """The rung registered as ``name``, or its variant (``"checkpointing:3/8"``: the rung at that level).
 
     Raises:
-        ValueError: no rung of that name (names :func:`rung_names`).
+        ValueError: no rung of that name (names :func:`rung_names`), or a level the rung does not have.
     """
-    if name not in _RUNGS:
-        raise ValueError(f"no rung named {name!r}; known rungs: {rung_names()}")
-    return _RUNGS[name]
+    base = base_name(name)
+    if base not in _RUNGS:
+        raise ValueError(f"no rung named {base!r}; known rungs: {rung_names()}")
+    return _RUNGS[base] if base == name else _RUNGS[base].at(name[len(base) + 1:])
 
 
 def _ctx(trainer: Any, pl_module: Any, batch: Any = None, batch_size: Optional[int] = None) -> RungContext:
@@ -105,11 +107,16 @@ def is_on(name: str, pl_module: Any) -> bool:
 
 def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None,
                   batch_size: Optional[int] = None) -> dict[str, tuple[bool, str]]:
-    """``name -> (applies, reason)`` for each rung in ``names``; a check that raises says so (never raises)."""
+    """``name -> (applies, reason)`` for each rung in ``names``, and for each variant of a rung with
+    levels (``"checkpointing:3/8"``) where the rung applies; a check that raises says so (never raises)."""
     out = {}
     for name in names:
         try:
             out[name] = is_applicable(name, trainer, pl_module, batch, batch_size)
+            if out[name][0]:
+                for variant in rung(name).variants(_ctx(trainer, pl_module, batch, batch_size)):
+                    if variant != name:
+                        out[variant] = is_applicable(variant, trainer, pl_module, batch, batch_size)
         except Exception as exc:  # noqa: BLE001 - an unusual model must not end the run here
             out[name] = (False, f"its check failed ({type(exc).__name__}: {exc})")
     return out
@@ -147,13 +154,13 @@ def apply_to_copy(names: Sequence[str], copy: Any, *, after_sharding: Optional[b
 
 def check_pending(names: Sequence[str], pl_module: Any) -> bool:
     """Whether a rung of ``names`` (those on) runs its one-time check at the next step."""
-    return any(rung(n).check_pending(pl_module) for n in names if n in _RUNGS)
+    return any(rung(n).check_pending(pl_module) for n in names if base_name(n) in _RUNGS)
 
 
 def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
     """``(name, why)`` of the first rung of ``names`` (those on) whose own check refused it, or None."""
     for name in names:
-        why = rung(name).refusal(pl_module) if name in _RUNGS else None
+        why = rung(name).refusal(pl_module) if base_name(name) in _RUNGS else None
         if why is not None:
             return name, why
     return None
