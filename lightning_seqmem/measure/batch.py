@@ -224,6 +224,72 @@ def padding_side(batch: Any) -> Optional[str]:
     return "left" if left and not right else "right" if right and not left else None
 
 
+def _checked_cut_args(batch: Any, seq_len: Any, truncate: Any, keep: Any, seq_dim: Any,
+                      in_place: Any) -> tuple[int, bool, bool]:
+    """:func:`cut_batch`'s arguments checked: ``(seq_len, truncate, in_place)`` as plain values."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
+        raise ValueError(f"`seq_len` must be an int >= 1, got {seq_len!r}.")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
+        raise ValueError(
+            f"`seq_dim` must be an int >= 1 (dim 0 is the batch dimension), got {seq_dim!r}."
+        )
+    if keep not in _KEEP:
+        raise ValueError(f"`keep` must be one of {list(_KEEP)}, got {keep!r}.")
+    for name, flag in (("truncate", truncate), ("in_place", in_place)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
+    if in_place and not isinstance(batch, torch.Tensor) and _is_immutable_container(batch):
+        raise TypeError(
+            f"Cannot set the sequence length of a {type(batch).__name__} batch in place: it cannot"
+            " be changed in place, and in Lightning's `on_train_batch_start` only an in-place change"
+            " reaches `training_step`. Return a dict or a list from the dataloader (or its"
+            " `collate_fn`), or let the datamodule set the length (`set_seq_len`); `cut_batch`"
+            " returns a cut copy where the caller can hand it on."
+        )
+    return int(seq_len), bool(truncate), bool(in_place)
+
+
+def _cut_extent(batch: Any, keys: Optional[Iterable[str]], seq_dim: int) -> tuple[Optional[frozenset[str]], int, int]:
+    """``(the named sequence keys or None, batch size, length)`` of a batch :func:`cut_batch` cuts."""
+    if keys is not None:
+        return _keyed_shape(batch, keys, seq_dim)
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() <= seq_dim:
+            raise ValueError(
+                f"A tensor batch needs a dimension `seq_dim`={seq_dim},"
+                f" got shape {list(batch.shape)}."
+            )
+        return None, int(batch.shape[0]), int(batch.shape[seq_dim])
+    try:
+        batch_size, length = infer_batch_shape(batch)
+    except ValueError as err:
+        raise ValueError(f"{err} Or pass `keys` to name the sequence tensors.") from None
+    return None, batch_size, length
+
+
+def _mask_plan(batch: Any, batch_size: int, length: int, seq_len: int, truncate: bool,
+               keep: str) -> tuple[Optional[str], Optional[str], Optional[int]]:
+    """``(kept, padding side, empty rows)`` of a cut, read from the batch's ``attention_mask``
+    (``kept``: which positions ``truncate=True`` keeps; None without truncation)."""
+    mask = _find_attention_mask(batch)
+    if mask is not None and tuple(mask.shape) != (batch_size, length):
+        mask = None  # a mask of another shape says nothing about these rows
+    stats = None if mask is None else _read_mask(mask, lambda m: _mask_stats(m, seq_len, truncate))
+    side: Optional[str] = None
+    empty_rows: Optional[int] = None
+    if stats is not None:
+        left, right, empty_first, empty_last, empty_chunks = stats
+        side = "left" if left and not right else "right" if right and not left else None
+    kept: Optional[str] = None
+    if truncate:
+        kept = keep if keep != "auto" else ("last" if side == "left" else "first")
+        if stats is not None:
+            empty_rows = empty_last if kept == "last" else empty_first
+    elif stats is not None:
+        empty_rows = empty_chunks
+    return kept, side, empty_rows
+
+
 def cut_batch(
     batch: Any,
     seq_len: int,
@@ -289,44 +355,8 @@ def cut_batch(
     >>> out.seq_len, out.cut, out.shorter_than_asked, out.batch is batch
     (4, False, True, True)
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
-        raise ValueError(f"`seq_len` must be an int >= 1, got {seq_len!r}.")
-    seq_len = int(seq_len)
-    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
-        raise ValueError(
-            f"`seq_dim` must be an int >= 1 (dim 0 is the batch dimension), got {seq_dim!r}."
-        )
-    if keep not in _KEEP:
-        raise ValueError(f"`keep` must be one of {list(_KEEP)}, got {keep!r}.")
-    for name, flag in (("truncate", truncate), ("in_place", in_place)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
-    truncate, in_place = bool(truncate), bool(in_place)
-    if in_place and not isinstance(batch, torch.Tensor) and _is_immutable_container(batch):
-        raise TypeError(
-            f"Cannot set the sequence length of a {type(batch).__name__} batch in place: it cannot"
-            " be changed in place, and in Lightning's `on_train_batch_start` only an in-place change"
-            " reaches `training_step`. Return a dict or a list from the dataloader (or its"
-            " `collate_fn`), or let the datamodule set the length (`set_seq_len`); `cut_batch`"
-            " returns a cut copy where the caller can hand it on."
-        )
-
-    key_set: Optional[frozenset[str]] = None
-    if keys is not None:
-        key_set, batch_size, length = _keyed_shape(batch, keys, seq_dim)
-    elif isinstance(batch, torch.Tensor):
-        if batch.dim() <= seq_dim:
-            raise ValueError(
-                f"A tensor batch needs a dimension `seq_dim`={seq_dim},"
-                f" got shape {list(batch.shape)}."
-            )
-        batch_size, length = int(batch.shape[0]), int(batch.shape[seq_dim])
-    else:
-        try:
-            batch_size, length = infer_batch_shape(batch)
-        except ValueError as err:
-            raise ValueError(f"{err} Or pass `keys` to name the sequence tensors.") from None
-
+    seq_len, truncate, in_place = _checked_cut_args(batch, seq_len, truncate, keep, seq_dim, in_place)
+    key_set, batch_size, length = _cut_extent(batch, keys, seq_dim)
     if seq_len >= length:
         return BatchCut(batch, batch_size, length, length, seq_len, False, None, None, None)
     if not truncate and length % seq_len:
@@ -337,23 +367,7 @@ def cut_batch(
             f" {length}: {divisors}."
         )
     chunks = length // seq_len
-
-    mask = _find_attention_mask(batch)
-    if mask is not None and tuple(mask.shape) != (batch_size, length):
-        mask = None  # a mask of another shape says nothing about these rows
-    stats = None if mask is None else _read_mask(mask, lambda m: _mask_stats(m, seq_len, truncate))
-    side: Optional[str] = None
-    empty_rows: Optional[int] = None
-    if stats is not None:
-        left, right, empty_first, empty_last, empty_chunks = stats
-        side = "left" if left and not right else "right" if right and not left else None
-    kept: Optional[str] = None
-    if truncate:
-        kept = keep if keep != "auto" else ("last" if side == "left" else "first")
-        if stats is not None:
-            empty_rows = empty_last if kept == "last" else empty_first
-    elif stats is not None:
-        empty_rows = empty_chunks
+    kept, side, empty_rows = _mask_plan(batch, batch_size, length, seq_len, truncate, keep)
     start = length - seq_len if kept == "last" else 0
 
     def convert(x: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
