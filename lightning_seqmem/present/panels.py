@@ -160,6 +160,52 @@ def _other_settings(planner: "SeqMemPlanner") -> list[tuple[tuple[str, ...], Any
     return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
 
 
+def _curves(planner: "SeqMemPlanner", lengths: list[int], right: int, batch_size: Optional[int]) -> dict[str, Any]:
+    """``method -> (lengths, peaks, uppers)`` of the predictors of the setting on now (the dry run's
+    where the setting has too few lengths for a fit)."""
+    curves = {}
+    if batch_size is not None and planner.forecaster.ready:
+        for method in ("quadratic", "replay"):
+            curve = _predictor_curve(planner.forecaster, lengths, batch_size, method)
+            if curve is not None:
+                curves[method] = curve
+    if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
+        curve = _dry_run_curve(planner, right, batch_size)
+        if curve is not None:
+            curves["dry_run"] = curve
+    return curves
+
+
+def _scale(planner: "SeqMemPlanner", measured: list, curves: dict[str, Any], right: int,
+           batch_size: Optional[int]) -> tuple[list[int], tuple[str, float]]:
+    """The heights the figure may show, and its unit: the budget kept in view."""
+    budget, usable = planner.budget_bytes, planner.usable_budget_bytes
+    candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
+    candidates += [max(c[2]) for c in curves.values()]
+    if batch_size is not None:
+        for _, other in _other_settings(planner):
+            try:
+                candidates.append(other.forecast(right, batch_size).peak_bytes)
+            except Exception:  # noqa: BLE001
+                pass
+    top = (min(max(candidates, default=0), 2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
+           if budget else max(candidates, default=0))
+    return candidates, display_unit(top)
+
+
+def _scatter_measured(ax: Any, measured: list, current: tuple, batch_size: Optional[int], scale: float) -> None:
+    """Measured peaks, one marker per (batch size, mitigations on); the setting drawn in black."""
+    groups: dict[tuple, list] = {}  # (batch size, mitigations on) -> records
+    for r in measured:
+        groups.setdefault((r.batch_size, tuple(r.mitigations)), []).append(r)
+    markers = iter("os^Dv<>phX")
+    for (b, mitigations), records in sorted(groups.items(), key=lambda kv: (kv[0][0], len(kv[0][1]))):
+        mine = b == batch_size and mitigations == current
+        suffix = f", with {'+'.join(mitigations)}" if mitigations else ""
+        ax.scatter([r.seq_len for r in records], [r.peak_bytes / scale for r in records], marker=next(markers, "o"),
+                   color="black" if mine else None, zorder=3, label=f"measured peak (batch {b}{suffix})")
+
+
 def memory_figure(
     planner: "SeqMemPlanner",
     max_seq_len: Optional[int] = None,
@@ -192,27 +238,9 @@ def memory_figure(
     right = max_seq_len or max(2 * max(target, longest), 16)
     lengths = _curve_lengths(right)
 
-    curves = {}
-    if batch_size is not None and forecaster.ready:
-        for method in ("quadratic", "replay"):
-            curve = _predictor_curve(forecaster, lengths, batch_size, method)
-            if curve is not None:
-                curves[method] = curve
-    if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
-        curve = _dry_run_curve(planner, right, batch_size)
-        if curve is not None:
-            curves["dry_run"] = curve
+    curves = _curves(planner, lengths, right, batch_size)
     budget, usable = planner.budget_bytes, planner.usable_budget_bytes
-    candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
-    candidates += [max(c[2]) for c in curves.values()]
-    if batch_size is not None:
-        for _, other in _other_settings(planner):
-            try:
-                candidates.append(other.forecast(right, batch_size).peak_bytes)
-            except Exception:  # noqa: BLE001
-                pass
-    unit, scale = display_unit(min(max(candidates, default=0), 2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
-                        if budget else max(candidates, default=0))
+    candidates, (unit, scale) = _scale(planner, measured, curves, right, batch_size)
 
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
@@ -233,16 +261,7 @@ def memory_figure(
             continue
         ax.plot(lengths, ys, color="gray", linestyle="--", linewidth=1,
                 label=f"forecast {'with ' + '+'.join(key) if key else 'before mitigations'}")
-    groups: dict[tuple, list] = {}  # (batch size, mitigations on) -> records
-    for r in measured:
-        groups.setdefault((r.batch_size, tuple(r.mitigations)), []).append(r)
-    current = tuple(planner.applied_mitigations)
-    markers = iter("os^Dv<>phX")
-    for (b, mitigations), records in sorted(groups.items(), key=lambda kv: (kv[0][0], len(kv[0][1]))):
-        mine = b == batch_size and mitigations == current
-        suffix = f", with {'+'.join(mitigations)}" if mitigations else ""
-        ax.scatter([r.seq_len for r in records], [r.peak_bytes / scale for r in records], marker=next(markers, "o"),
-                   color="black" if mine else None, zorder=3, label=f"measured peak (batch {b}{suffix})")
+    _scatter_measured(ax, measured, tuple(planner.applied_mitigations), batch_size, scale)
     if usable:
         ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
     if budget and budget != usable:
