@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.common import (
     _first_batch,
@@ -33,7 +33,6 @@ def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]
 
 def _forecast(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from lightning_seqmem.measure.batch import infer_batch_shape
     from lightning_seqmem.measure.steps import trace_training_steps
@@ -79,20 +78,7 @@ def _forecast(args: argparse.Namespace) -> int:
     del work, optimizer
     reserved = device.type == "cuda"
 
-    table = Table(title=f"seqmem forecast (batch {batch_size}); fits = upper bound within the usable budget "
-                        f"{format_bytes(usable)}", title_justify="left")
-    for header in ("seq_len", "method", "peak", "upper bound", "fits"):
-        table.add_column(header, justify="left" if header == "method" else "right")
-    rows = []
-    for L in lengths:
-        fc = forecaster.forecast(L, batch_size)
-        bound = fc.reserved_upper_bytes if reserved else fc.upper_bytes
-        fits = None if usable is None else bound <= usable
-        rows.append({"seq_len": L, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
-                     "upper_bytes": bound, "fits": fits})
-        table.add_row(str(L), fc.method, format_bytes(fc.peak_bytes), format_bytes(bound),
-                      "-" if fits is None else ("yes" if fits else "NO"), style=None if fits is not False else "red")
-    console.print(table)
+    rows = _forecast_table(forecaster, lengths, batch_size, usable, reserved, console)
     for v in forecaster.verifications:
         console.print(f"check at seq_len {v.seq_len}: forecast {format_bytes(v.forecast_bytes)} ({v.method}), "
                       f"measured {format_bytes(v.measured_bytes)}, error {v.relative_error:+.1%}")
@@ -115,6 +101,30 @@ def _forecast(args: argparse.Namespace) -> int:
             "breakdown": section,
         }, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _forecast_table(forecaster: Any, lengths: Sequence[int], batch_size: int, usable: Optional[int],
+                    reserved: bool, console: Any) -> list[dict[str, Any]]:
+    """Print the forecast per length (peak, upper bound, whether it fits); return the rows for ``--json``."""
+    from rich.table import Table
+
+    from lightning_seqmem.core.units import format_bytes
+
+    table = Table(title=f"seqmem forecast (batch {batch_size}); fits = upper bound within the usable budget "
+                        f"{format_bytes(usable)}", title_justify="left")
+    for header in ("seq_len", "method", "peak", "upper bound", "fits"):
+        table.add_column(header, justify="left" if header == "method" else "right")
+    rows = []
+    for L in lengths:
+        fc = forecaster.forecast(L, batch_size)
+        bound = fc.reserved_upper_bytes if reserved else fc.upper_bytes
+        fits = None if usable is None else bound <= usable
+        rows.append({"seq_len": L, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
+                     "upper_bytes": bound, "fits": fits})
+        table.add_row(str(L), fc.method, format_bytes(fc.peak_bytes), format_bytes(bound),
+                      "-" if fits is None else ("yes" if fits else "NO"), style=None if fits is not False else "red")
+    console.print(table)
+    return rows
 
 
 def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, trace: Sequence[int], longest: int,
