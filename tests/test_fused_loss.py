@@ -201,3 +201,30 @@ def test_the_callback_switches_it_on_before_the_stage_that_needs_it():
     assert event["seq_len"] == 256 and event["step"] == 2  # switched on before the first 256 step
     assert all("fused_loss" in r.mitigations for r in cb.records if r.seq_len == 256)
     assert max(r.peak_bytes for r in cb.records) <= budget  # measured by the tracker, every step
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+def test_two_gloo_ranks_take_the_same_decision(tmp_path):
+    """DDP, 2 CPU processes: rank 0 has 1 sample of 256 tokens, rank 1 2 samples of 128; both switch
+    the fused loss on at the same step, and their parameters stay equal (its gradients reach DDP)."""
+    from test_ddp import _decisions, _run
+
+    def dry(batch_size, seq_len, mitigations=()):
+        module = LitGPT(n_layer=1, d_model=32, n_head=2, vocab_size=VOCAB)
+        return dry_run_step(module, module.configure_optimizers(), _batch(64, rows=batch_size), seq_len,
+                            mitigations=list(mitigations)).peak_bytes
+
+    plain, fused = dry(2, 128), dry(2, 128, ["fused_loss"])
+    assert dry(2, 64) < (plain + fused) // 2 < plain
+    budget = (plain + fused) // 2  # the 64 stage fits as it is, the 128 one with the fused loss only
+    rank0, rank1 = _run(tmp_path, "--budget", str(budget), "--max-steps", "6", "--mitigations", "fused_loss",
+                        "--vocab-size", str(VOCAB), "--curriculum", "64,256", "--batch-sizes", "1,2",
+                        "--seq-lens", "256,128", timeout=300)
+    assert rank0["applied_mitigations"] == rank1["applied_mitigations"] == ["fused_loss"]
+    assert rank0["mitigation_events"] == rank1["mitigation_events"]
+    assert rank0["mitigation_events"][0]["seq_len"] == 128  # before the stage that needs it
+    assert rank0["decisions"] == rank1["decisions"] and _decisions(rank0) == _decisions(rank1)
+    assert rank0["parameters_sum"] == pytest.approx(rank1["parameters_sum"], rel=1e-9)
+    assert {(r["rank"], r["seq_len"]) for r in rank0["records"] if r["seq_len"] > 128} <= {(0, 256)}
+    assert max(r["peak_bytes"] for r in rank0["records"]) <= budget

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext
 
 __all__ = [
@@ -286,6 +287,9 @@ class FusedLinearCrossEntropy:
                              f"weight {tuple(weight.shape)}.")
         h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
         backend = self.resolve(weight.device.type)
+        if backend != "tiled" and torch.is_autocast_enabled(h.device.type):  # triton kernels: one dtype, cast
+            dtype = torch.get_autocast_dtype(h.device.type)  # as F.linear under autocast would
+            h, weight = h.to(dtype), weight.to(dtype)
         if backend == "cce":
             from cut_cross_entropy import linear_cross_entropy
 
@@ -309,10 +313,6 @@ class FusedLinearCrossEntropy:
 
 
 # --- where it applies ---------------------------------------------------------------------------------
-
-def _is_hf_model(module: nn.Module) -> bool:
-    return callable(getattr(module, "set_attn_implementation", None)) and hasattr(module, "config")
-
 
 def _hf_refusal(module: nn.Module) -> Optional[str]:
     """Why a Hugging Face model cannot take the patched forward, or None."""
@@ -355,7 +355,7 @@ def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if id(module) in seen:
             return
         seen.add(id(module))
-        if _is_hf_model(module):
+        if is_hf_pretrained_model(module):
             if _hf_refusal(module) is None:
                 targets.append((name, module))
             return
@@ -370,12 +370,12 @@ def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _hf_refusals(model: nn.Module) -> list[str]:
-    return [why for m in model.modules() if _is_hf_model(m) and (why := _hf_refusal(m)) is not None]
+    return [why for m in model.modules() if is_hf_pretrained_model(m) and (why := _hf_refusal(m)) is not None]
 
 
 def _fn_of(target: nn.Module) -> Any:
     """The fused loss a target runs, or None (the plain loss)."""
-    fn = target.__dict__.get(_PATCH_MARK) if _is_hf_model(target) else getattr(target, "fused_loss", None)
+    fn = target.__dict__.get(_PATCH_MARK) if is_hf_pretrained_model(target) else getattr(target, "fused_loss", None)
     return fn
 
 
@@ -431,7 +431,7 @@ def _hf_fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _switch_on(target: nn.Module, fn: FusedLinearCrossEntropy) -> None:
-    if _is_hf_model(target):
+    if is_hf_pretrained_model(target):
         target.__dict__[_PATCH_MARK] = fn
         target.forward = types.MethodType(_hf_fused_forward, target)  # the instance's, not the class's
     else:
@@ -439,7 +439,7 @@ def _switch_on(target: nn.Module, fn: FusedLinearCrossEntropy) -> None:
 
 
 def _switch_off(target: nn.Module) -> None:
-    if _is_hf_model(target):
+    if is_hf_pretrained_model(target):
         target.__dict__.pop(_PATCH_MARK, None)
         if getattr(target.__dict__.get("forward"), "__func__", None) is _hf_fused_forward:
             del target.forward
