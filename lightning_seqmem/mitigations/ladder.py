@@ -14,6 +14,14 @@ name                      what it does                                          
                           inside the step: :class:`MicroBatchRung`               kernels)
 ========================  =====================================================  =====================
 
+Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`, not in the default order; name it in
+``mitigations`` to allow it):
+
+========================  =====================================================  =====================
+``"fused_loss"``          a causal LM's loss by a fused linear cross-entropy,    a Python loop over
+                          no ``[tokens, vocab]`` logits: :class:`FusedLossRung`  token shards (~5%)
+========================  =====================================================  =====================
+
 Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
 (:class:`~lightning_seqmem.core.rungs.RungSpec`) is what the planner reads. A new rung is one file
 with a ``Rung`` subclass and one :func:`register` call; the callback, the dry run and ``seqmem plan``
@@ -31,6 +39,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_seqmem.core.rungs import (
     ADVICE,
+    BUILTIN_RUNGS,
     MITIGATIONS,
     base_name,
     check_mitigations,
@@ -42,9 +51,11 @@ from lightning_seqmem.core.rungs import (
 from lightning_seqmem.mitigations.attention import AttentionRung
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext
 from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
+from lightning_seqmem.mitigations.fused_loss import FusedLossRung
 from lightning_seqmem.mitigations.microbatch import MicroBatchRung
 
-_RUNGS: dict[str, Rung] = {r.name: r for r in (AttentionRung(), CheckpointingRung(), MicroBatchRung())}
+_RUNGS: dict[str, Rung] = {r.name: r for r in (AttentionRung(), CheckpointingRung(), MicroBatchRung(),
+                                          FusedLossRung())}
 
 
 def register(rung: Rung) -> Rung:
@@ -62,7 +73,7 @@ def register(rung: Rung) -> Rung:
 
 def unregister(name: str) -> None:
     """Take a registered rung off the ladder (the built-ins stay)."""
-    if name not in MITIGATIONS:
+    if name not in BUILTIN_RUNGS:
         _RUNGS.pop(name, None)
         unregister_spec(name)
 

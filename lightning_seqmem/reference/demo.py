@@ -21,7 +21,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_seqmem.core.checks import check_int
@@ -213,8 +212,7 @@ class LitGPT(pl.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         input_ids, labels = batch["input_ids"], batch["labels"]
-        logits = self(input_ids)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss = self.model.loss(input_ids, labels)  # cross entropy of the logits, or the fused loss (GPT.loss)
         self.log("train/loss", loss, batch_size=input_ids.shape[0])
         return loss
 

@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 
 from lightning_seqmem.reference.demo import check_optimizer_args
 
@@ -92,12 +91,15 @@ class HFCausalLM(pl.LightningModule):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # the model's own loss (Hugging Face's ForCausalLMLoss: float32 cross entropy, ignore_index -100,
+        # the mean over counted tokens), so a patched forward (the "fused_loss" rung) computes it instead
         input_ids = batch["input_ids"]
-        logits = self(input_ids, batch.get("attention_mask"))
         labels = batch.get("labels", input_ids)
-        if self.hparams.shift_labels or "labels" not in batch:
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+        shift = self.hparams.shift_labels or "labels" not in batch
+        # shift_labels: the targets as given (already aligned); labels must be given for a loss at all
+        targets = {"labels": labels} if shift else {"labels": labels, "shift_labels": labels}
+        loss = self.model(input_ids=input_ids, attention_mask=batch.get("attention_mask"), use_cache=False,
+                          **targets).loss
         self.log("train/loss", loss, batch_size=input_ids.shape[0])
         return loss
 

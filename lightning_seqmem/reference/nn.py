@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -306,6 +307,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.fused_loss: Any = None  # set by the "fused_loss" rung (see :meth:`set_fused_loss`)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -316,8 +318,8 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids``: LongTensor ``[B, L]`` → logits ``[B, L, vocab_size]``."""
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids``: LongTensor ``[B, L]`` → the final hidden states ``[B, L, d_model]`` (after ``ln_f``)."""
         if input_ids.dim() != 2:
             raise ValueError(f"`input_ids` must have shape [batch, length], got {tuple(input_ids.shape)}.")
         x = self.tok_emb(input_ids)
@@ -325,7 +327,25 @@ class GPT(nn.Module):
         x = self.drop(x)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids``: LongTensor ``[B, L]`` → logits ``[B, L, vocab_size]``."""
+        return self.lm_head(self.hidden_states(input_ids))
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross entropy over the labels that are not ``ignore_index`` (``labels`` are
+        the targets aligned with ``input_ids``). With :attr:`fused_loss` set (the fused-loss protocol of
+        :mod:`lightning_seqmem.mitigations.fused_loss`), computed from the hidden states and
+        ``lm_head.weight`` by it, without the ``[B, L, vocab]`` logits."""
+        if self.fused_loss is not None:
+            return self.fused_loss(self.hidden_states(input_ids), self.lm_head.weight, labels, ignore_index=ignore_index)
+        logits = self(input_ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)
+
+    def set_fused_loss(self, fn: Any) -> None:
+        """Compute :meth:`loss` by ``fn(hidden, weight, labels, ignore_index=...)`` (None: the plain loss)."""
+        self.fused_loss = fn
 
     def set_attention_backend(
         self, backend: str, sdpa_backends: SDPBackend | Sequence[SDPBackend] | None = None

@@ -2,6 +2,7 @@
 
     python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES] [--batch-sizes 4,1]
         [--seq-lens 64,128] [--no-curriculum] [--unreadable-rank1-at STEP] [--mitigations a,b]
+        [--vocab-size 256] [--curriculum 16,256]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="256,256", help="per-rank data length")
     parser.add_argument("--no-curriculum", action="store_true")
     parser.add_argument("--unreadable-rank1-at", type=int, default=None, help="rank 1 cannot read this batch")
+    parser.add_argument("--vocab-size", type=int, default=256, help="of the model and the data")
+    parser.add_argument("--curriculum", default="16,256", help="start,target of the curriculum")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -51,7 +54,8 @@ def main() -> None:
         warmup_steps=1,
         memory_budget=args.budget,
         safety_margin=0.0,
-        curriculum=None if args.no_curriculum else Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16),
+        curriculum=None if args.no_curriculum else Curriculum(
+            *map(int, args.curriculum.split(",")), steps_per_stage=2, multiple_of=16),
         mitigations=tuple(args.mitigations.split(",")) if args.mitigations else (),
         seq_len_fn=seq_len_fn,
     )
@@ -75,7 +79,9 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
-    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256))
+    module = LitGPT(n_layer=1, d_model=32, n_head=2, vocab_size=args.vocab_size)
+    trainer.fit(module, SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256,
+                                                 vocab_size=args.vocab_size))
     out = {
         "rank": trainer.global_rank,
         "seconds": time.perf_counter() - start,
@@ -87,6 +93,8 @@ def main() -> None:
         "global_step": trainer.global_step,
         "mitigations": list(cb.mitigations),
         "applied_mitigations": list(cb.applied_mitigations),
+        "mitigation_events": [{k: e[k] for k in ("name", "step", "seq_len")} for e in cb.mitigation_events],
+        "parameters_sum": float(sum(p.detach().double().sum() for p in module.parameters())),
     }
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)

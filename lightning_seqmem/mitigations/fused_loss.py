@@ -1,0 +1,550 @@
+"""The ``"fused_loss"`` rung: a causal LM's loss without its logits ever materialised whole.
+
+A language model's loss is ``cross_entropy(hidden @ lm_head.weight.T, labels)``: a ``[tokens, vocab]``
+logits tensor in float32, its log-softmax saved for backward and its gradient, each of them larger
+than everything else of a step once attention is linear (16K tokens x 248K vocabulary is 16 GB per
+copy). A fused linear cross-entropy computes the same loss and gradients from ``hidden`` and the
+weight, a block of tokens at a time, and keeps only the gradients ``[tokens, d_model]`` and
+``[vocab, d_model]``. Backends, picked per device when the rung is switched on:
+
+=========  ============================================================  =======================
+backend    library                                                       where
+=========  ============================================================  =======================
+``cce``    Apple's Cut Cross-Entropy, ``linear_cross_entropy(...,        CUDA with triton
+           impl="cce")`` (``pip install 'lightning-seqmem[fused]'``)
+``liger``  Liger-Kernel's ``liger_fused_linear_cross_entropy``           CUDA, where installed
+``tiled``  DeepSpeed's eager ``TiledFusedLogitsLoss`` (shards of tokens  every device; the dry run
+           whose logits are the size of ``hidden``; gradients computed   on every device
+           in the forward and kept for backward)
+           (``pip install 'lightning-seqmem[tiled]'``)
+=========  ============================================================  =======================
+
+The dry run always runs ``tiled`` (eager, so it runs on fake tensors): on CPU it is what really
+runs; on CUDA it stands in for ``cce``/``liger``, whose triton kernels cannot run on fake tensors
+and whose memory is at most ``tiled``'s (no logits block at all).
+
+Two kinds of model take it, found top-down (a module taken is not searched further):
+
+* Hugging Face causal LMs (``*ForCausalLM`` with an ``lm_head`` without bias and a base model): the
+  instance's ``forward`` is patched (the class is untouched, ``state_dict`` keys unchanged) so that
+  a call with ``labels`` runs the base model, then the fused loss on ``lm_head.weight`` with Hugging
+  Face's semantics (labels shifted, or ``shift_labels`` as given; ``ignore_index`` -100; the mean
+  over counted tokens, or the sum over ``num_items_in_batch`` where given). Its output's ``.loss`` is
+  that loss and its ``.logits`` is None. A call without labels runs the class's forward.
+  Models that scale or cap their logits (Gemma's soft-capping, Cohere, Granite) are refused.
+* the *fused-loss protocol*: a module with a callable ``set_fused_loss(fn)`` and a ``fused_loss``
+  attribute (None: the plain loss), whose loss, when ``fused_loss`` is set, is
+  ``fused_loss(hidden, lm_head_weight, labels, ignore_index=-100)`` instead of ``cross_entropy`` of
+  its logits. :class:`lightning_seqmem.reference.nn.GPT` implements it (``GPT.loss``)::
+
+      class MyLM(nn.Module):
+          fused_loss = None                      # set by the rung
+
+          def set_fused_loss(self, fn):
+              self.fused_loss = fn
+
+          def loss(self, input_ids, labels):
+              hidden = self.body(input_ids)      # [batch, length, d_model]
+              if self.fused_loss is not None:
+                  return self.fused_loss(hidden, self.lm_head.weight, labels)
+              logits = self.lm_head(hidden)
+              return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+The loss is the mean over the tokens counted (labels not ``ignore_index``), as ``cross_entropy``'s,
+so micro-batching's weighting by label tokens is unchanged.
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(vocab_size=512, n_layer=1, d_model=32, n_head=2))
+    >>> ids, labels = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    >>> plain = model.loss(ids, labels)
+    >>> result = FusedLossRung().apply(RungContext(model))
+    >>> result.applied, result.after, FusedLossRung().is_on(model)
+    (True, 'tiled', True)
+    >>> bool(torch.allclose(model.loss(ids, labels), plain, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import os
+import sys
+import types
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
+from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext
+
+__all__ = [
+    "FUSED_LOSS_BACKENDS",
+    "FusedLinearCrossEntropy",
+    "FusedLossRung",
+    "backend_unavailable_reason",
+    "find_fused_loss_targets",
+    "fused_loss_backend",
+    "resolve_backend",
+    "tiled_shards",
+]
+
+FUSED_LOSS_BACKENDS = ("auto", "cce", "liger", "tiled")
+"""Values of ``FusedLinearCrossEntropy(backend=...)``; ``"auto"``: cce, then liger on CUDA, else tiled."""
+
+IGNORE_INDEX = -100
+_INSTALL = {"cce": "pip install 'lightning-seqmem[fused]' (cut-cross-entropy)",
+            "liger": "pip install liger-kernel",
+            "tiled": "pip install 'lightning-seqmem[tiled]' (deepspeed)"}
+_MODULE = {"cce": "cut_cross_entropy", "liger": "liger_kernel", "tiled": "deepspeed"}
+_PATCH_MARK = "_seqmem_fused_loss"  # instance attribute of a patched Hugging Face model: the callable
+# config fields of Hugging Face models whose logits are not plain ``hidden @ weight.T``
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # pragma: no cover - a broken install
+        return False
+
+
+def backend_unavailable_reason(backend: str, device_type: str) -> Optional[str]:
+    """Why ``backend`` cannot run on ``device_type`` here (with what to install), or None.
+
+    Example:
+        >>> backend_unavailable_reason("cce", "cpu")
+        'cce needs CUDA (its kernels are triton), the model is on cpu'
+        >>> backend_unavailable_reason("tiled", "cpu") is None  # deepspeed is installed here
+        True
+    """
+    if backend not in FUSED_LOSS_BACKENDS[1:]:
+        raise ValueError(f"`backend` must be one of {FUSED_LOSS_BACKENDS[1:]}, got {backend!r}.")
+    if backend in ("cce", "liger"):
+        if device_type != "cuda":
+            return f"{backend} needs CUDA (its kernels are triton), the model is on {device_type}"
+        if not _installed("triton"):
+            return f"{backend} needs triton: pip install triton"
+    if not _installed(_MODULE[backend]):
+        return f"{backend} is not installed: {_INSTALL[backend]}"
+    return None
+
+
+def resolve_backend(device_type: str) -> Optional[str]:
+    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA; tiled elsewhere (and
+    on CUDA without either); None when none is installed.
+
+    Example:
+        >>> resolve_backend("cpu")
+        'tiled'
+    """
+    order = ("cce", "liger", "tiled") if device_type == "cuda" else ("tiled",)
+    return next((b for b in order if backend_unavailable_reason(b, device_type) is None), None)
+
+
+def _none_installed_reason(device_type: str) -> str:
+    if device_type == "cuda":
+        return f"no fused cross-entropy library is installed: {_INSTALL['cce']}, or {_INSTALL['tiled']}"
+    return f"no fused cross-entropy library for {device_type} is installed: {_INSTALL['tiled']}"
+
+
+MIN_SHARD_LOGITS = 1 << 20
+"""A ``tiled`` shard's logits have at least this many elements (4 MiB in float32): fewer shards, so
+fewer Python iterations, where the hidden states are tiny."""
+
+
+def tiled_shards(tokens: int, d_model: int, vocab_size: int) -> int:
+    """How many shards ``tiled`` cuts ``tokens`` into: Liger's rule, a shard's logits about the size of
+    the hidden states (``ceil(vocab / d_model)`` shards, a power-of-two shard length), with shards of
+    at least :data:`MIN_SHARD_LOGITS` logits. The same on every rank for the same shape.
+
+    Example:
+        >>> tiled_shards(16384, 4096, 131072)  # Llama-3-8B at 16K tokens: 32 shards of 512 tokens
+        32
+        >>> tiled_shards(512, 64, 8192), tiled_shards(100, 64, 8192)
+        (4, 1)
+    """
+    factor = max(1, math.ceil(vocab_size / max(1, d_model)))
+    shard_tokens = max(math.ceil(tokens / factor), math.ceil(MIN_SHARD_LOGITS / max(1, vocab_size)))
+    shard_tokens = 1 << max(0, math.ceil(math.log2(shard_tokens)))
+    return max(1, math.ceil(tokens / shard_tokens))
+
+
+def _tiled_fused_logits_loss() -> Any:
+    """DeepSpeed's ``TiledFusedLogitsLoss``, imported without its accelerator-detection warning on
+    stdout: ``DS_ACCELERATOR`` is set, for the import only, to what DeepSpeed would detect."""
+    if "deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ:
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator()  # cached from now on
+        finally:
+            del os.environ["DS_ACCELERATOR"]
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    return TiledFusedLogitsLoss
+
+
+class _SavedTensors:
+    """A stand-in for an autograd ``ctx``: DeepSpeed's forward saves its input gradient here."""
+
+    saved: tuple = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved = tensors
+
+
+class _TiledLinearCrossEntropy(torch.autograd.Function):
+    """``sum`` of the cross-entropy of ``hidden @ weight.T`` by DeepSpeed's ``TiledFusedLogitsLoss``.
+
+    DeepSpeed's function runs each shard's backward inside its forward and accumulates the weight's
+    gradient into ``param.grad`` at once, which Lightning's ``zero_grad`` (called after
+    ``training_step``) would erase and a scaled loss (micro-batch weights) would not scale. Here the
+    weight it sees is a detached leaf: both gradients are kept and returned in backward, scaled by
+    the incoming gradient, as any autograd function's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                shards: int) -> torch.Tensor:
+        TiledFusedLogitsLoss = _tiled_fused_logits_loss()
+        x = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
+        w = weight.detach().requires_grad_(ctx.needs_input_grad[1])
+
+        def shard_loss(_: Any, x_shard: torch.Tensor, y_shard: torch.Tensor) -> torch.Tensor:
+            logits = F.linear(x_shard, w).float()
+            return F.cross_entropy(logits, y_shard, ignore_index=ignore_index, reduction="sum")
+
+        saved = _SavedTensors()
+        # its forward alone (its backward reads the incoming gradient's value: not on fake tensors)
+        loss = TiledFusedLogitsLoss.forward(saved, shard_loss, None, x.unsqueeze(0), labels.unsqueeze(0), None,
+                                            shards, [w], "sum")
+        x_grad = saved.saved[0].squeeze(0) if saved.saved else None
+        ctx.save_for_backward(x_grad, w.grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x_grad, w_grad = ctx.saved_tensors
+        return (None if x_grad is None else x_grad * grad.to(x_grad.dtype),
+                None if w_grad is None else w_grad * grad.to(w_grad.dtype), None, None, None)
+
+
+class FusedLinearCrossEntropy:
+    """``cross_entropy(hidden @ weight.T, labels)`` without the logits, by one backend.
+
+    Args:
+        backend: one of :data:`FUSED_LOSS_BACKENDS` (``"auto"``: :func:`resolve_backend` of the
+            weight's device at each call).
+
+    Call it as ``fn(hidden [..., d], weight [vocab, d], labels [...], ignore_index=-100,
+    reduction="mean", num_items_in_batch=None)``: ``"mean"`` over the tokens counted (labels not
+    ``ignore_index``), ``"sum"``, or the sum divided by ``num_items_in_batch`` where given.
+
+    Example:
+        >>> import torch
+        >>> hidden, weight = torch.randn(2, 8, 16, requires_grad=True), torch.randn(300, 16)
+        >>> labels = torch.randint(0, 300, (2, 8)); labels[0, :3] = -100
+        >>> fused = FusedLinearCrossEntropy("tiled")(hidden, weight, labels)
+        >>> plain = torch.nn.functional.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten())
+        >>> bool(torch.allclose(fused, plain, atol=1e-5))
+        True
+        >>> FusedLinearCrossEntropy("xla")
+        Traceback (most recent call last):
+        ...
+        ValueError: `backend` must be one of ('auto', 'cce', 'liger', 'tiled'), got 'xla'.
+    """
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in FUSED_LOSS_BACKENDS:
+            raise ValueError(f"`backend` must be one of {FUSED_LOSS_BACKENDS}, got {backend!r}.")
+        self.backend = backend
+
+    def resolve(self, device_type: str) -> str:
+        """The backend a call on ``device_type`` runs (raises with what to install when none can)."""
+        backend = self.backend if self.backend != "auto" else resolve_backend(device_type)
+        if backend is None:
+            raise RuntimeError(_none_installed_reason(device_type))
+        why = backend_unavailable_reason(backend, device_type)
+        if why is not None:
+            raise RuntimeError(why)
+        return backend
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                 reduction: str = "mean", num_items_in_batch: Any = None) -> torch.Tensor:
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}.")
+        if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[-1]:
+            raise ValueError(f"`hidden` [..., d] and `labels` [...] must share their leading shape and `weight` be "
+                             f"[vocab, d], got hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}, "
+                             f"weight {tuple(weight.shape)}.")
+        h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
+        backend = self.resolve(weight.device.type)
+        if backend != "tiled" and torch.is_autocast_enabled(h.device.type):  # triton kernels: one dtype, cast
+            dtype = torch.get_autocast_dtype(h.device.type)  # as F.linear under autocast would
+            h, weight = h.to(dtype), weight.to(dtype)
+        if backend == "cce":
+            from cut_cross_entropy import linear_cross_entropy
+
+            total = linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction="sum", impl="cce")
+        elif backend == "liger":
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+            total = liger_fused_linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction="sum")
+        else:
+            total = _TiledLinearCrossEntropy.apply(h, weight, y, ignore_index,
+                                                   tiled_shards(h.shape[0], h.shape[1], weight.shape[0]))
+        total = total.float()
+        if num_items_in_batch is not None:
+            return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+        if reduction == "sum":
+            return total
+        return total / (y != ignore_index).sum()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self.backend!r})"
+
+
+# --- where it applies ---------------------------------------------------------------------------------
+
+def _hf_refusal(module: nn.Module) -> Optional[str]:
+    """Why a Hugging Face model cannot take the patched forward, or None."""
+    name = type(module).__name__
+    if not name.endswith("ForCausalLM"):
+        return f"{name} is not a *ForCausalLM model"
+    head = getattr(module, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        return f"{name} has no nn.Linear lm_head"
+    if head.bias is not None:
+        return f"{name}'s lm_head has a bias, which the fused loss does not take"
+    base = getattr(module, getattr(module, "base_model_prefix", "") or "", None)
+    if not isinstance(base, nn.Module) or base is module:
+        return f"{name} has no base model (its `base_model_prefix` attribute)"
+    for field in _LOGIT_TRANSFORMS:
+        value = getattr(module.config, field, None)
+        if value not in (None, 1, 1.0):
+            return f"{name} transforms its logits ({field}={value}): the fused loss would change the loss"
+    return None
+
+
+def _implements_protocol(module: nn.Module) -> bool:
+    return callable(getattr(module, "set_fused_loss", None))
+
+
+def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules the rung acts on, as ``(qualified name, module)``: Hugging Face ``*ForCausalLM`` models
+    and modules implementing the fused-loss protocol, searched top-down (a module taken, or a Hugging
+    Face model refused, is not searched further).
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> [n for n, _ in find_fused_loss_targets(nn.ModuleDict({"net": GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))}))]
+        ['net']
+    """
+    targets: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, name: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if is_hf_pretrained_model(module):
+            if _hf_refusal(module) is None:
+                targets.append((name, module))
+            return
+        if _implements_protocol(module):
+            targets.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(model, "")
+    return targets
+
+
+def _hf_refusals(model: nn.Module) -> list[str]:
+    return [why for m in model.modules() if is_hf_pretrained_model(m) and (why := _hf_refusal(m)) is not None]
+
+
+def _fn_of(target: nn.Module) -> Any:
+    """The fused loss a target runs, or None (the plain loss)."""
+    fn = target.__dict__.get(_PATCH_MARK) if is_hf_pretrained_model(target) else getattr(target, "fused_loss", None)
+    return fn
+
+
+def fused_loss_backend(model: nn.Module) -> Optional[str]:
+    """The backend the fused loss of ``model`` runs (``"tiled"``, ...), ``"mixed"``, or None when off.
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> fused_loss_backend(GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))) is None
+        True
+    """
+    found = {getattr(fn, "backend", "custom") for _, t in find_fused_loss_targets(model)
+             if (fn := _fn_of(t)) is not None}
+    if not found:
+        return None
+    return found.pop() if len(found) == 1 else "mixed"
+
+
+# --- the Hugging Face patch ------------------------------------------------------------------------------
+
+_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+def _hf_fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The patched ``forward`` of a Hugging Face causal LM: with labels, the base model, then the fused
+    loss on ``lm_head.weight``; the logits are not computed (``.logits`` is None)."""
+    cls_forward = type(self).forward
+    arguments = dict(inspect.signature(cls_forward).bind(self, *args, **kwargs).arguments)
+    arguments.pop("self", None)
+    for name, p in inspect.signature(cls_forward).parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    labels = arguments.pop("labels", None)
+    shift_labels = arguments.pop("shift_labels", None)
+    if labels is None and shift_labels is None:
+        return cls_forward(self, *args, **kwargs)
+    num_items = arguments.pop("num_items_in_batch", None)
+    ignore_index = arguments.pop("ignore_index", IGNORE_INDEX)
+    arguments.pop("logits_to_keep", None)  # every position's loss is needed
+    return_dict = arguments.pop("return_dict", None)
+    outputs = getattr(self, self.base_model_prefix)(**arguments)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    if shift_labels is None:  # as Hugging Face's ForCausalLMLoss: tokens < n predict n
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = self.__dict__[_PATCH_MARK](hidden, self.lm_head.weight, shift_labels, ignore_index=ignore_index,
+                                      num_items_in_batch=num_items)
+    from transformers.modeling_outputs import CausalLMOutputWithPast  # a Hugging Face model: installed
+
+    fields = set(CausalLMOutputWithPast.__dataclass_fields__)
+    rest = {k: v for k, v in outputs.items() if k in fields and k not in ("loss", "logits")}
+    out = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    return out.to_tuple() if return_dict is False else out
+
+
+def _switch_on(target: nn.Module, fn: FusedLinearCrossEntropy) -> None:
+    if is_hf_pretrained_model(target):
+        target.__dict__[_PATCH_MARK] = fn
+        target.forward = types.MethodType(_hf_fused_forward, target)  # the instance's, not the class's
+    else:
+        target.set_fused_loss(fn)
+
+
+def _switch_off(target: nn.Module) -> None:
+    if is_hf_pretrained_model(target):
+        target.__dict__.pop(_PATCH_MARK, None)
+        if getattr(target.__dict__.get("forward"), "__func__", None) is _hf_fused_forward:
+            del target.forward
+    else:
+        target.set_fused_loss(None)
+
+
+def _device_type(model: nn.Module) -> str:
+    param = next(iter(model.parameters()), None)
+    return param.device.type if param is not None else "cpu"
+
+
+class FusedLossRung(Rung):
+    """The ladder's ``"fused_loss"`` rung: the causal-LM loss by :class:`FusedLinearCrossEntropy`.
+
+    Args:
+        backend: one of :data:`FUSED_LOSS_BACKENDS`; ``"auto"`` resolves by the model's device when
+            switched on (the detail says which).
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(vocab_size=512, n_layer=1, d_model=32, n_head=2))
+        >>> rung = FusedLossRung()
+        >>> rung.is_applicable(RungContext(model))
+        (True, 'plain -> fused linear cross-entropy (tiled, DeepSpeed TiledFusedLogitsLoss) on <root>')
+        >>> rung.apply(RungContext(model)).detail
+        'loss plain -> fused linear cross-entropy (tiled, DeepSpeed TiledFusedLogitsLoss) on <root>'
+        >>> rung.remove(RungContext(model)).after, rung.is_on(model)
+        ('plain', False)
+    """
+
+    spec = spec("fused_loss")
+    _LIBRARY = {"cce": "Apple Cut Cross-Entropy", "liger": "Liger-Kernel",
+                "tiled": "DeepSpeed TiledFusedLogitsLoss"}
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in FUSED_LOSS_BACKENDS:
+            raise ValueError(f"`backend` must be one of {FUSED_LOSS_BACKENDS}, got {backend!r}.")
+        self.backend = backend
+
+    def _backend(self, model: nn.Module) -> tuple[Optional[str], str]:
+        device = _device_type(model)
+        if self.backend == "auto":
+            chosen = resolve_backend(device)
+            return chosen, ("" if chosen else _none_installed_reason(device))
+        why = backend_unavailable_reason(self.backend, device)
+        return (None, why) if why else (self.backend, "")
+
+    def is_on(self, module: nn.Module) -> bool:
+        return fused_loss_backend(module) is not None
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        model = ctx.pl_module
+        targets = find_fused_loss_targets(model)
+        if not targets:
+            refused = _hf_refusals(model)
+            return False, (refused[0] if refused else
+                           "no causal LM found: neither a Hugging Face *ForCausalLM model nor a module with "
+                           "set_fused_loss(fn) (the fused-loss protocol of lightning_seqmem.mitigations.fused_loss)")
+        if all(_fn_of(t) is not None for _, t in targets):
+            return False, f"already on {fused_loss_backend(model)}"
+        backend, why = self._backend(model)
+        if backend is None:
+            return False, why
+        names = ", ".join(n or "<root>" for n, _ in targets)
+        return True, f"plain -> fused linear cross-entropy ({backend}, {self._LIBRARY[backend]}) on {names}"
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        applies, why = self.is_applicable(ctx)
+        if not applies:
+            state = fused_loss_backend(ctx.pl_module) or "plain"
+            return MitigationResult(self.name, False, why, state, state)
+        backend, _ = self._backend(ctx.pl_module)
+        self._put_on(ctx.pl_module, backend)
+        return MitigationResult(self.name, True, f"loss {why}", "plain", backend)
+
+    @staticmethod
+    def _put_on(model: nn.Module, backend: str) -> None:
+        fn = FusedLinearCrossEntropy(backend)
+        for _, target in find_fused_loss_targets(model):
+            if _fn_of(target) is None:
+                _switch_on(target, fn)
+
+    def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
+        before = fused_loss_backend(ctx.pl_module) or "plain"
+        for _, target in find_fused_loss_targets(ctx.pl_module):
+            if _fn_of(target) is not None:
+                _switch_off(target)
+        return MitigationResult(self.name, before != "plain", f"loss {before} -> plain", before, "plain")
+
+    def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
+        """The dry run runs ``tiled`` (eager: it runs on fake tensors) whatever the device: on CPU what
+        really runs; on CUDA a stand-in for cce/liger, whose memory is at most tiled's."""
+        applies, why = self.is_applicable(RungContext(copy))
+        if not applies:
+            plan.notes.append(f"{self.name}: {why}")
+            return
+        backend, _ = self._backend(copy)
+        if backend_unavailable_reason("tiled", _device_type(copy)) is not None:
+            plan.notes.append(f"{self.name}: {backend} on the model; the dry run needs tiled: {_INSTALL['tiled']}")
+            return
+        self._put_on(copy, "tiled")
+        stand_in = "" if backend == "tiled" else f" (standing in for {backend}, whose memory is at most tiled's)"
+        plan.notes.append(f"{self.name}: loss plain -> tiled{stand_in}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self.backend!r})"
+
