@@ -81,9 +81,14 @@ class Layout:
         return seq_len // self.degree
 
     def name(self) -> str:
-        """``"ulysses 2 + fsdp 4"``, ``"fsdp 8 + offload"``."""
-        parts = ([] if self.kind == "none" else [f"{self.kind} {self.degree}"]) + [f"fsdp {self.fsdp_degree}"]
-        return " + ".join(parts + (["offload"] if self.offload else []))
+        """``"ulysses 2 x dp_shard 4"``, ``"dp_shard 8 + offload"`` (FSDP2 shards over all ranks in each).
+
+        Example:
+            >>> Layout("ulysses", 2, 8).name(), Layout("none", 1, 8, offload=True).name()
+            ('ulysses 2 x dp_shard 4', 'dp_shard 8 + offload')
+        """
+        name = ("" if self.kind == "none" else f"{self.kind} {self.degree} x ") + f"dp_shard {self.fsdp_degree}"
+        return name + (" + offload" if self.offload else "")
 
     def to_json(self) -> dict[str, Any]:
         """The JSON keys of a plan: the degrees by their engines' names."""
