@@ -9,13 +9,13 @@ Example:
     >>> plan = {"sequence_parallel": "ring", "sequence_parallel_degree": 1, "context_parallel_degree": 4,
     ...         "fsdp_degree": 2, "world_size": 8, "offload": False, "mitigations": ["checkpointing"],
     ...         "seq_len": 131072, "batch_size": 1}
-    >>> print(emit("torchtitan", plan))  # doctest: +ELLIPSIS
-    # seqmem plan: 131072 tokens on 8 ranks ...
+    >>> for line in emit("torchtitan", plan).splitlines()[:5]:
+    ...     print(line)
+    # seqmem plan: 131072 tokens on 8 ranks, ring 4 x dp_shard 2, rungs checkpointing
     [parallelism]
     data_parallel_replicate_degree = 1
     data_parallel_shard_degree = 2
     context_parallel_degree = 4
-    ...
     >>> "ParallelismConfig(dp_shard_size=2, cp_size=4)" in emit("accelerate", plan)
     True
 """
@@ -47,8 +47,12 @@ def check_engine(engine: Any) -> str:
 
 
 def _header(plan: dict[str, Any]) -> str:
+    from lightning_seqmem.plan.parallel import Layout
+
     peak = plan.get("peak_bytes")
-    return (f"# seqmem plan: {plan['seq_len']} tokens on {plan['world_size']} ranks, {plan.get('layout', '')}, rungs "
+    degree = max(plan["sequence_parallel_degree"], plan["context_parallel_degree"])
+    layout = plan.get("layout") or Layout(plan["sequence_parallel"], degree, plan["world_size"], plan["offload"]).name()
+    return (f"# seqmem plan: {plan['seq_len']} tokens on {plan['world_size']} ranks, {layout}, rungs "
             f"{' + '.join(plan['mitigations']) or 'none'}"
             + (f", per-rank peak {peak / 2**30:.2f} GiB ({plan.get('peak_source', 'dry run')})" if peak else ""))
 

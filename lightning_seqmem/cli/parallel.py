@@ -32,7 +32,10 @@ def optimizer_states_per_parameter(optimizer: Any) -> Optional[int]:
 
     try:
         p = torch.nn.Parameter(torch.zeros(4))
-        copy = type(optimizer)([p], **{k: v for k, v in optimizer.defaults.items() if k != "params"})
+        import inspect
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        copy = type(optimizer)([p], **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
         p.grad = torch.ones(4)
         copy.step()
         return sum(1 for t in copy.state[p].values() if isinstance(t, torch.Tensor) and t.numel() == 4)
