@@ -95,6 +95,12 @@ def test_json_names_each_plans_degrees_and_skips(tmp_path, capsys, peaks):
     assert plan["offload"] is False and plan["mitigations"] == [] and plan["peak_source"] == "dry run"
     assert plan["peak_bytes"] == peaks[("ulysses", 2)] <= budget < by_len[512]["rows"][0]["peak_bytes"]
     assert plan["tokens_per_rank"] == 256
+    # offload is modelled from each rank's share of the state: AdamW's 2 states counted from a real step
+    from lightning_seqmem.dryrun.sequence_parallel import state_bytes
+    from lightning_seqmem.reference.demo import LitGPT
+
+    assert by_len[512]["optimizer_states_per_parameter"] == 2
+    assert by_len[512]["state_bytes_per_rank"] == state_bytes(LitGPT(**MODEL), WORLD, 2)
     skips = {(s["kind"], s["degree"]): s["reason"] for s in by_len[508]["skipped_degrees"]}
     assert skips[("ulysses", 4)] == "heads 2 not divisible by degree 4"
     assert skips[("ring", 4)] == "length 508 not divisible by 2*degree = 8 (load-balanced ring)"

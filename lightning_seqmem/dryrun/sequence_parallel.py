@@ -198,12 +198,12 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1, group: Any 
             key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
         return ring_attention(query, key, value, the_group(), is_causal, scale)
 
+    previous = F.scaled_dot_product_attention  # an outer patch, if any, comes back afterwards
     F.scaled_dot_product_attention = sdpa
-    torch.nn.functional.scaled_dot_product_attention = sdpa
     try:
         yield calls
     finally:
-        F.scaled_dot_product_attention = _SDPA
+        F.scaled_dot_product_attention = previous
 
 
 def attention_calls(template: Any, batch: Any, seq_len: int = 64, batch_size: int = 1,
