@@ -24,6 +24,10 @@ printed and the next one runs. Exit status is 0 unless the script itself is brok
 
     python benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --budget-s 200 --targets 2048 4096
+    python benchmarks/gpu_check.py --ring   # ring attention (context_parallel) vs the plan, 2 ranks
+
+Ring attention's step cannot run on CPU (``context_parallel`` dispatches CUDA SDPA kernels only):
+``--ring`` is where the plan's ring figures meet a measured step (benchmarks/ring_check.py).
 """
 
 from __future__ import annotations
@@ -269,10 +273,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-s", type=float, default=270.0, help="stop starting new runs after this many seconds")
     parser.add_argument("--targets", type=int, nargs="+", default=[2048, 4096, 8192], help="lengths to forecast and measure")
+    parser.add_argument("--ring", action="store_true", help="only the ring attention (context_parallel) check: "
+                        "2 ranks, measured per-rank peak against the plan's dry run (benchmarks/ring_check.py)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if not torch.cuda.is_available():
         print("no CUDA device: gpu_check skipped")
+        return 0
+    if args.ring:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from ring_check import check_ring
+
+        try:
+            check_ring()
+        except Exception:  # noqa: BLE001 - the script reports, it does not fail
+            traceback.print_exc()
         return 0
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     from lightning_seqmem.nn import flash_attn_available, flash_attn_unavailable_reason

@@ -169,6 +169,7 @@ def test_every_config_parses_with_its_callback(tmp_path, monkeypatch):
         "fsdp2_cpu.yaml": (64 * 2**20, (256, 512, 1024), "32-true", []),
         "gpt2_small_8k_80gb.yaml": (76 * 2**30, (512, 1024, 2048, 4096, 8192), "bf16-mixed", small),
         "hf_causal_lm.yaml": (900 * 10**6, (64, 128, 256, 512), "32-true", []),
+        "sequence_parallel_8gpu.yaml": (512 * 2**20, (32768, 65536, 131072), "32-true", []),
     }
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(expected)
     for name, (budget, stages, precision, overrides) in expected.items():

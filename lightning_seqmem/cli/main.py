@@ -288,6 +288,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", choices=("fsdp2", "ddp"), default="fsdp2",
                       help="with --world-size: fsdp2 (fully_shard: the model's configure_model(), else each repeated "
                       "block and the root) or ddp (replicas); default fsdp2")
+    plan.add_argument("--sequence-parallel", choices=("auto", "ulysses", "ring", "none"), default="auto",
+                      help="with --world-size and fsdp2: the sequence-parallel kinds searched beside the rungs: "
+                      "ulysses (all-to-all, DeepSpeed/ALST), ring (PyTorch context_parallel), auto (both, "
+                      "default) or none")
+    plan.add_argument("--emit", choices=("torchtitan", "accelerate", "deepspeed", "lightning"), default=None,
+                      help="with --world-size: print each length's plan as that engine's launch config (searching "
+                      "only the sequence-parallel kind the engine runs)")
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     plan.set_defaults(func=_plan)
     return parser

@@ -118,6 +118,15 @@ def _largest_fitting(model: Any, optimizer: Any, batch: Any, batch_size: int, na
     return (lo * _SEARCH_MULTIPLE or None), runs
 
 
+def _sequence_parallel_kinds(args: argparse.Namespace, world: Optional[tuple[int, str]]) -> tuple[str, ...]:
+    """The sequence-parallel kinds searched (``--sequence-parallel``): with ``--world-size`` under fsdp2 only."""
+    from lightning_seqmem.plan.parallel import check_kinds
+
+    if world is None or world[1] != "fsdp2" or world[0] < 2:
+        return ()
+    return check_kinds(getattr(args, "sequence_parallel", "auto"))
+
+
 def _names(names: Sequence[str]) -> str:
     return " + ".join(names) if names else "none"
 
@@ -129,6 +138,11 @@ def _plan(args: argparse.Namespace) -> int:
     from lightning_seqmem.measure.batch import infer_batch_shape
     from lightning_seqmem.core.units import format_bytes
 
+    if getattr(args, "emit", None) and args.world_size is None:
+        raise SystemExit(f"seqmem plan: --emit {args.emit} needs --world-size N (the ranks the launch config is for)")
+    if getattr(args, "emit", None) and args.strategy != "fsdp2":
+        raise SystemExit(f"seqmem plan: --emit {args.emit} plans FSDP2 layouts, got --strategy {args.strategy}: "
+                         "use --strategy fsdp2")
     _quiet()
     started = time.perf_counter()
     console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)  # --json: the document alone
@@ -160,7 +174,8 @@ def _plan(args: argparse.Namespace) -> int:
                          "root, or as the model's configure_model() shards them" if world[1] == "fsdp2" else
                          "every rank holds the whole model, plus DDP's gradient buckets")
                       + "), by a dry run in a fake process group; batch is per rank")
-        console.print(context_parallel_note(device))
+        if not _sequence_parallel_kinds(args, world):
+            console.print(context_parallel_note(device))
     results = []
     with console.status(f"dry-running {len(sets)} mitigation sets at seq_len {lengths}..."):
         for L in lengths:
@@ -254,8 +269,15 @@ def _plan(args: argparse.Namespace) -> int:
                   + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
                   + "; peaks are live tensor bytes (on CUDA allocator blocks, as max_memory_allocated; not "
                   "reserved memory, workspaces or the CUDA context: that is what the safety margin is for)")
+    parallel = None
+    if _sequence_parallel_kinds(args, world) or getattr(args, "emit", None):
+        from lightning_seqmem.cli.parallel import parallel_plans
+
+        parallel = parallel_plans(console, model, optimizer, batch, batch_size, sets, usable, context, device, world[0],
+                                  results, _sequence_parallel_kinds(args, world), getattr(args, "emit", None))
     if args.json:
         sys.stdout.write(json.dumps({
+            "parallel_plans": parallel,
             "config": os.fspath(args.config), "device": str(device), "precision": str(trainer.precision),
             "batch_size": batch_size, "budget_bytes": budget, "safety_margin": margin, "usable_budget_bytes": usable,
             "mitigation_sets": [list(s) for s in sets], "skipped": skipped, "lengths": results,

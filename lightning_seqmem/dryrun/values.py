@@ -64,6 +64,12 @@ _WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, n
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments an op writes to (``self`` of an in-place op, ``out=``)."""
     where = _WRITTEN_ARGS.get(func)
+    if where is None and getattr(func, "namespace", None) == "c10d":
+        # a collective writes its output tensors in place, but c10d's schemas carry no alias
+        # information: every tensor argument counts as written (a fake process group fills none of
+        # them, so an all-gather's output, FSDP2's gathered parameters, holds no known values)
+        where = tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if "Tensor" in str(a.type))
+        _WRITTEN_ARGS[func] = where
     if where is None:
         where = tuple(
             (-1 if a.kwarg_only else i, a.name)

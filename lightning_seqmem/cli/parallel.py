@@ -1,0 +1,175 @@
+"""``seqmem plan --world-size N``: the sequence/context-parallel degrees and offload beside the rungs.
+
+For each length, layouts (:mod:`lightning_seqmem.plan.parallel`) are dry-run in search order: the
+mitigation sets cheapest first; within a set, the sequence-parallel degree ascending (Ulysses before
+ring at a degree); the first that fits the usable budget per rank is the plan. Only where nothing
+fits, FSDP2 ``CPUOffloadPolicy`` is tried on the rows already run (a formula: no dry run). The
+degree-1 rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+__all__ = ["optimizer_states_per_parameter", "parallel_plans"]
+
+RING_NOTE = ("ring rows: PyTorch's own ring attention code (context_parallel's _templated_ring_attention, allgather "
+             "rotation, float32 merge, and its backward) run on the CPU flash kernel in the fake process group; a real "
+             "ring step (forward and backward) runs only on CUDA, where context_parallel dispatches the flash/efficient/"
+             "cuDNN kernels: not measured on CPU (benchmarks/gpu_check.py --ring on a GPU)")
+
+
+def optimizer_states_per_parameter(optimizer: Any) -> Optional[int]:
+    """How many parameter-sized state tensors ``optimizer``'s class keeps (AdamW: 2), from one real
+    step of a copy on a 4-element parameter; None when it cannot be told.
+
+    Example:
+        >>> import torch
+        >>> optimizer_states_per_parameter(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
+        2
+    """
+    import torch
+
+    try:
+        p = torch.nn.Parameter(torch.zeros(4))
+        import inspect
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        copy = type(optimizer)([p], **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
+        p.grad = torch.ones(4)
+        copy.step()
+        return sum(1 for t in copy.state[p].values() if isinstance(t, torch.Tensor) and t.numel() == 4)
+    except Exception:  # noqa: BLE001 - an unknown optimizer: the offload model says so
+        return None
+
+
+def _peak_row(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> Optional[dict[str, Any]]:
+    return next((r for r in rows if tuple(r["mitigations"]) == tuple(names)), None)
+
+
+def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_size: int,
+                   sets: Sequence[tuple[str, ...]], usable: Optional[int], context: Any, device: Any, world_size: int,
+                   results: Sequence[dict[str, Any]], kinds: tuple[str, ...], engine: Optional[str]) -> list[dict[str, Any]]:
+    """Search, print and return (JSON) the N-rank layouts of every length of ``results`` (the N-rank
+    table's rows, reused at degree 1)."""
+    import time
+
+    from rich.table import Table
+
+    from lightning_seqmem.cli.emit import ENGINE_KINDS, emit
+    from lightning_seqmem.core.units import format_bytes
+    from lightning_seqmem.dryrun.sequence_parallel import (
+        AttentionCalls,
+        attention_calls,
+        sequence_parallel_dry_run_step,
+        state_bytes,
+    )
+    from lightning_seqmem.dryrun.step import DryRunUnsupported
+    from lightning_seqmem.plan.parallel import layouts, offload_model
+
+    if engine is not None:
+        kinds = tuple(k for k in kinds if k in ENGINE_KINDS[engine])
+    try:
+        calls = attention_calls(model, batch, 64, batch_size, sets[-1])
+    except Exception as exc:  # noqa: BLE001 - the degrees are skipped with the reason
+        console.print(f"[yellow]reading the model's attention calls failed[/yellow]: {exc}")
+        calls = AttentionCalls()
+    per_parameter = optimizer_states_per_parameter(optimizer)
+    state = state_bytes(model, world_size, per_parameter)
+    console.print(f"sequence parallelism at {world_size} ranks: the group lies within the world (dp_shard x degree = "
+                  f"{world_size}; FSDP2 shards the parameters over all {world_size}, as torchtitan's dp_shard_cp mesh "
+                  "and DeepSpeed's ZeRO-3 do); search order: the rung sets cheapest first, within each the degree "
+                  "ascending (Ulysses before ring), offload last; kinds searched: "
+                  f"{', '.join(kinds) or 'none'}" + (f" (what {engine} runs)" if engine else "")
+                  + f"; the model's attention: {calls.calls} SDPA calls, {calls.n_heads} heads, {calls.n_kv_heads} KV "
+                  f"heads, {'an explicit attn_mask' if calls.masked else 'no explicit mask'}")
+    plans = []
+    for res in results:
+        L = res["seq_len"]
+        ok, skipped = layouts(world_size, L, calls.n_heads, calls.n_kv_heads, calls.masked, kinds)
+        rows: list[dict[str, Any]] = []
+        plan = None
+        no_sdpa: dict[tuple[str, ...], str] = {}  # a set whose model makes no SDPA call: no degree > 1 runs
+        for names in (sets if usable is not None else sets[-1:]):
+            for layout in ok:
+                row = {**layout.to_json(), "layout": layout.name(), "mitigations": list(names), "seq_len": L,
+                       "batch_size": batch_size, "tokens_per_rank": layout.local_seq_len(L), "peak_source": "dry run",
+                       "host_bytes": None, "peak_bytes": None, "error": None, "seconds": 0.0}
+                started = time.perf_counter()
+                if layout.degree == 1:
+                    own = _peak_row(res["rows"], names) or {}
+                    row.update(peak_bytes=own.get("peak_bytes"), error=own.get("error"), seconds=own.get("seconds", 0.0))
+                elif names in no_sdpa:
+                    row["error"] = no_sdpa[names]
+                else:
+                    try:
+                        row["peak_bytes"] = sequence_parallel_dry_run_step(
+                            model, batch, L, world_size, layout.degree, layout.kind, batch_size, names, context,
+                            device).peak_bytes
+                    except DryRunUnsupported as exc:
+                        row["error"] = f"unsupported: {exc.reason}"
+                        if "no scaled_dot_product_attention call" in exc.reason:
+                            no_sdpa[names] = row["error"]
+                    except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
+                        row["error"] = f"failed: {type(exc).__name__}: {exc}"
+                    row["seconds"] = time.perf_counter() - started
+                row["fits"] = None if usable is None or row["peak_bytes"] is None else row["peak_bytes"] <= usable
+                rows.append(row)
+                if row["fits"]:
+                    plan = row
+                    break
+            if plan is not None:
+                break
+        if plan is None and usable is not None:  # offload, modelled on the rows run
+            for row in [r for r in rows if r["peak_bytes"] is not None]:
+                model_bytes = offload_model(row["peak_bytes"], state["parameter_shard_bytes"],
+                                            state["gradient_shard_bytes"], state["optimizer_state_bytes"])
+                off = {**row, "offload": True, "layout": row["layout"] + " + offload", "peak_source": "formula",
+                       "peak_bytes": model_bytes["device_peak_bytes"], "host_bytes": model_bytes["host_bytes"],
+                       "seconds": 0.0}
+                off["fits"] = off["peak_bytes"] <= usable
+                rows.append(off)
+                if off["fits"]:
+                    plan = off
+                    break
+        plans.append({"seq_len": L, "rows": rows, "plan": plan,
+                      "skipped_degrees": [{"kind": k, "degree": d, "reason": why} for k, d, why in skipped],
+                      "attention": {"calls": calls.calls, "heads": calls.n_heads, "kv_heads": calls.n_kv_heads,
+                                    "explicit_mask": calls.masked},
+                      "state_bytes_per_rank": state, "optimizer_states_per_parameter": per_parameter})
+
+    table = Table(title=f"seqmem plan: per-rank peak at {world_size} ranks with the sequence split (dry run of one "
+                        "rank's shard: its tokens, the all-to-all or K/V buffers, the collectives' outputs; formula: "
+                        "modelled)", title_justify="left")
+    for header in ("seq_len", "layout", "mitigations", "tokens/rank", "peak/rank", "figure", "host/rank",
+                   *(["fits"] if usable is not None else []), "time"):
+        table.add_column(header, justify="left" if header in ("layout", "mitigations", "figure") else "right")
+    for entry in plans:
+        for row in entry["rows"]:
+            peak = format_bytes(row["peak_bytes"]) if row["peak_bytes"] is not None else (row["error"] or "-")[:60]
+            fits = [] if usable is None else ["-" if row["fits"] is None else ("yes" if row["fits"] else "NO")]
+            table.add_row(str(row["seq_len"]), row["layout"], " + ".join(row["mitigations"]) or "none",
+                          str(row["tokens_per_rank"]), peak, row["peak_source"],
+                          "-" if row["host_bytes"] is None else format_bytes(row["host_bytes"]), *fits,
+                          f"{row['seconds']:.1f}s", style="bold green" if row is entry["plan"] else None)
+        table.add_section()
+    console.print(table)
+    if "ring" in kinds:
+        console.print(RING_NOTE)
+    for entry in plans:
+        L = entry["seq_len"]
+        for skip in entry["skipped_degrees"]:
+            console.print(f"seq_len {L}: {skip['kind']} {skip['degree']} skipped: {skip['reason']}")
+        plan = entry["plan"]
+        if plan is not None:
+            console.print(f"seq_len {L}: cheapest layout at {world_size} ranks: [bold]{plan['layout']}[/bold], rungs "
+                          f"{' + '.join(plan['mitigations']) or 'none'} ({format_bytes(plan['peak_bytes'])} per rank"
+                          f" of {format_bytes(usable)} usable, {plan['peak_source']}"
+                          + (f"; host {format_bytes(plan['host_bytes'])} per rank" if plan["host_bytes"] else "") + ")")
+            if engine is not None:
+                plan["launch_config"] = emit(engine, plan)
+                console.print(f"--emit {engine} (seq_len {L}):", highlight=False)
+                console.print(plan["launch_config"], highlight=False, markup=False)
+        elif usable is not None:
+            console.print(f"seq_len {L}: [red]no layout fits[/red] at {world_size} ranks (with offload, modelled)")
+    return plans
