@@ -13,7 +13,7 @@ Example:
     >>> check_mitigations(["attention", "fp8"])
     Traceback (most recent call last):
     ...
-    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch') (an empty one warns only), got ['attention', 'fp8']
+    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch', 'tiled_mlp') (an empty one warns only), got ['attention', 'fp8']
     >>> remaining_advice(("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> spec("checkpointing").step_time_prior
@@ -74,11 +74,21 @@ _BUILTIN = (
     RungSpec("checkpointing", "enable activation checkpointing", 0.33),
     # micro-batches of one sample: the same FLOPs in smaller kernels; the first split step checks the loss
     RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True),
+    # DeepSpeed's TiledMLP: the MLPs run again in backward, tile by tile: about one more forward of the
+    # MLPs (~2/3 of a block's matmuls) on top of a step of ~3 forwards: ~0.2 (ALST, arXiv 2506.13996)
+    RungSpec("tiled_mlp", "tile the MLPs along the sequence (allow \"tiled_mlp\"; the `tiled` extra)", 0.2),
 )
 _SPECS: dict[str, RungSpec] = {s.name: s for s in _BUILTIN}
 
-MITIGATIONS = tuple(s.name for s in _BUILTIN)
-"""The built-in rungs of the ladder, cheapest first (the default order)."""
+EXTRA_RUNGS = ("tiled_mlp",)
+"""Built-in rungs a user opts in to (``SeqMemCallback(mitigations=[..., "tiled_mlp"])``): not in the
+default ladder, not in the advice of a warning."""
+
+MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
+"""The built-in rungs of the default ladder, cheapest first (the default order)."""
+
+BUILTIN_RUNGS = tuple(s.name for s in _BUILTIN)
+"""Every built-in rung: the default ladder's and the opt-in :data:`EXTRA_RUNGS` (never unregistered)."""
 
 ADVICE = {s.name: s.advice for s in _BUILTIN}  # kept for 0.1 callers: prefer spec(name).advice
 
@@ -105,7 +115,7 @@ def register_spec(rung_spec: RungSpec) -> None:
 
 def unregister_spec(name: str) -> None:
     """Forget a registered rung (built-ins stay)."""
-    if name not in MITIGATIONS:
+    if name not in BUILTIN_RUNGS:
         _SPECS.pop(name, None)
 
 
@@ -142,7 +152,7 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     >>> remaining_advice(MITIGATIONS, device="cpu")
     'raise `memory_budget`, lower the batch size, or train a smaller model'
     """
-    rest = [s.advice for n, s in _SPECS.items() if n not in applied and n not in inapplicable]
+    rest = [s.advice for n, s in _SPECS.items() if n not in applied and n not in inapplicable and n not in EXTRA_RUNGS]
     if rest:
         return ", or ".join(rest)
     if device == "cuda":
@@ -150,5 +160,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "register_spec", "remaining_advice",
+__all__ = ["ADVICE", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]
