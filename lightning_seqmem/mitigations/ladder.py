@@ -14,6 +14,15 @@ name                      what it does                                          
                           inside the step: :class:`MicroBatchRung`               kernels)
 ========================  =====================================================  =====================
 
+Opt-in built-in rungs (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`: allowed by naming them in
+``mitigations``, never in the default order):
+
+========================  =====================================================  =====================
+``"tiled_mlp"``           each block's MLP on sequence tiles, recomputed in      one more MLP forward
+                          backward (DeepSpeed's ``TiledMLP``, the ``tiled``      (~20%)
+                          extra): :class:`~.tiled_mlp.TiledMLPRung`
+========================  =====================================================  =====================
+
 Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
 (:class:`~lightning_seqmem.core.rungs.RungSpec`) is what the planner reads. A new rung is one file
 with a ``Rung`` subclass and one :func:`register` call; the callback, the dry run and ``seqmem plan``
