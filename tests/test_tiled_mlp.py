@@ -189,3 +189,23 @@ def test_it_is_opt_in_and_says_why_it_does_not_apply(monkeypatch):
     assert not applies and "pip install 'lightning-seqmem[tiled]'" in why
     with pytest.raises(ValueError, match="`tiles` must be None"):
         TiledMLP(tiles=0)
+
+
+@pytest.mark.ddp
+def test_ddp_ranks_with_different_lengths_take_the_same_decision_and_tile_count(tmp_path):
+    """2 gloo ranks, rank 0 at 64 tokens and rank 1 at 128: only rank 1's step needs the rung under
+    this budget; both switch it on at the same step with the same tile count, DDP reduces every
+    gradient (no "marked ready twice"), the parameters stay equal, no step exceeds the budget."""
+    budget = 2_500_000  # between the dry-run peaks of rank 1's step tiled and untiled, above rank 0's untiled
+    script = Path(__file__).parent / "scripts" / "ddp_run.py"
+    args = ["--batch-sizes", "2,2", "--seq-lens", "64,128", "--mitigations", "tiled_mlp", "--d-ff", "512",
+            "--budget", str(budget), "--max-steps", "4", "--no-curriculum"]
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=limit_s(240))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["decisions"] == rank1["decisions"] and rank0["global_step"] == rank1["global_step"] == 4
+    assert rank0["applied_mitigations"] == rank1["applied_mitigations"] == ["tiled_mlp"]
+    assert rank0["tiled_mlp_tiles"] == rank1["tiled_mlp_tiles"] == 16  # d_ff 512 / d_model 32, whatever the length
+    assert rank0["parameters"] == rank1["parameters"]
+    assert max(r["peak_bytes"] for r in rank0["records"] + rank1["records"]) <= budget

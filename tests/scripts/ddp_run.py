@@ -1,7 +1,7 @@
 """Run by tests/test_ddp.py: 2 CPU processes (gloo) train with SeqMemCallback; each rank writes JSON.
 
     python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES] [--batch-sizes 4,1]
-        [--seq-lens 64,128] [--no-curriculum] [--unreadable-rank1-at STEP] [--mitigations a,b]
+        [--seq-lens 64,128] [--no-curriculum] [--unreadable-rank1-at STEP] [--mitigations a,b] [--d-ff N]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.mitigations.tiled_mlp import tiled_mlp_tiles
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="256,256", help="per-rank data length")
     parser.add_argument("--no-curriculum", action="store_true")
     parser.add_argument("--unreadable-rank1-at", type=int, default=None, help="rank 1 cannot read this batch")
+    parser.add_argument("--d-ff", type=int, default=None, help="the GPT's MLP width (default 4 * d_model)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -75,7 +77,8 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
-    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256))
+    module = LitGPT(n_layer=1, d_model=32, n_head=2, d_ff=args.d_ff)
+    trainer.fit(module, SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256))
     out = {
         "rank": trainer.global_rank,
         "seconds": time.perf_counter() - start,
@@ -87,6 +90,8 @@ def main() -> None:
         "global_step": trainer.global_step,
         "mitigations": list(cb.mitigations),
         "applied_mitigations": list(cb.applied_mitigations),
+        "tiled_mlp_tiles": tiled_mlp_tiles(module),
+        "parameters": [p.detach().double().sum().item() for p in module.parameters()],  # equal on every rank under DDP
     }
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)
