@@ -209,3 +209,18 @@ def test_ddp_ranks_with_different_lengths_take_the_same_decision_and_tile_count(
     assert rank0["tiled_mlp_tiles"] == rank1["tiled_mlp_tiles"] == 16  # d_ff 512 / d_model 32, whatever the length
     assert rank0["parameters"] == rank1["parameters"]
     assert max(r["peak_bytes"] for r in rank0["records"] + rank1["records"]) <= budget
+
+
+def test_strategies_that_shard_or_wrap_the_model_refuse_it_at_set_up():
+    from types import SimpleNamespace
+
+    class DeepSpeedStrategy: ...
+
+    class FSDPStrategy: ...
+
+    rung = ladder.rung("tiled_mlp")
+    assert "DeepSpeed's own TiledMLP" in rung.setup_refusal(SimpleNamespace(strategy=DeepSpeedStrategy()), _gpt())
+    assert "FSDPStrategy" in rung.setup_refusal(SimpleNamespace(strategy=FSDPStrategy()), _gpt())
+    assert rung.setup_refusal(None, _gpt()) is None
+    only_dropouts = nn.ModuleList([nn.ModuleDict({"mlp": nn.Sequential(nn.Dropout(0.1))}) for _ in range(2)])
+    assert "nothing to tile" in ladder.is_applicable("tiled_mlp", None, only_dropouts)[1]

@@ -154,6 +154,8 @@ def _split(mlp: nn.Module) -> tuple[int, Optional[str]]:
         count = len(layers)
         while count and isinstance(layers[count - 1], nn.modules.dropout._DropoutNd):
             count -= 1
+        if not count:
+            return 0, f"{type(mlp).__name__} holds dropouts only: nothing to tile"
         tiled = layers[:count]
     for part in tiled:
         for sub in part.modules():
@@ -393,4 +395,9 @@ class TiledMLPRung(Rung):
         return tiled_mlp_tiles(module) is not None
 
     def strategy_refusal(self, trainer: Any) -> Optional[str]:
-        return wrapping_strategy_refusal(trainer)
+        why = wrapping_strategy_refusal(trainer)
+        name = type(getattr(trainer, "strategy", None)).__name__
+        if why is not None and "DeepSpeed" in name:
+            return (f"{name} partitions the parameters in its engine: patch the MLPs with DeepSpeed's own TiledMLP "
+                    "(deepspeed.runtime.sequence_parallel.ulysses_sp, with compute_params for ZeRO) instead")
+        return why
