@@ -224,3 +224,31 @@ def test_strategies_that_shard_or_wrap_the_model_refuse_it_at_set_up():
     assert rung.setup_refusal(None, _gpt()) is None
     only_dropouts = nn.ModuleList([nn.ModuleDict({"mlp": nn.Sequential(nn.Dropout(0.1))}) for _ in range(2)])
     assert "nothing to tile" in ladder.is_applicable("tiled_mlp", None, only_dropouts)[1]
+
+
+def test_seqmem_plan_forecasts_the_rung(tmp_path, capsys):
+    from lightning_seqmem.cli.main import main
+
+    config = tmp_path / "tiled.yaml"
+    config.write_text(f"""
+trainer:
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  callbacks:
+    - class_path: lightning_seqmem.SeqMemCallback
+      init_args:
+        memory_budget: 1GiB
+        mitigations: [tiled_mlp]
+model:
+  class_path: lightning_seqmem.demo.LitGPT
+  init_args: {{n_layer: 2, d_model: 64, n_head: 2, vocab_size: {VOCAB}, attention: sdpa, d_ff: 512}}
+data:
+  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
+  init_args: {{batch_size: 2, seq_len: 64, num_samples: 4, vocab_size: {VOCAB}}}
+""")
+    assert main(["plan", "--config", str(config), "--lengths", "256", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mitigation_sets"] == [[], ["tiled_mlp"]]
+    plain, tiled = doc["lengths"][0]["rows"]
+    assert tiled["mitigations"] == ["tiled_mlp"] and tiled["peak_bytes"] < plain["peak_bytes"]
