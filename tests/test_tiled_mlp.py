@@ -252,3 +252,14 @@ data:
     assert doc["mitigation_sets"] == [[], ["tiled_mlp"]]
     plain, tiled = doc["lengths"][0]["rows"]
     assert tiled["mitigations"] == ["tiled_mlp"] and tiled["peak_bytes"] < plain["peak_bytes"]
+
+
+def test_outside_training_the_mlp_runs_untiled_with_the_same_output():
+    module = _gpt(dropout=0.1)
+    module.eval()
+    ids = _batch(2, 32)["input_ids"]
+    with torch.no_grad():
+        expected = module(ids)
+        TiledMLP(tiles=3).apply(module)
+        assert tiled_mlp_tiles(module) == 3
+        torch.testing.assert_close(module(ids), expected, rtol=0, atol=0)  # no_grad: the MLP's own forward

@@ -243,17 +243,13 @@ def _compute(module: nn.Module, state: _TiledState) -> Callable[[torch.Tensor], 
 def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     """The patched ``forward`` of a tiled MLP (bound to the MLP instance)."""
     state: _TiledState = self.__dict__[_MARK]
-    compute = _compute(self, state)
     params = dict(self.named_parameters())
     wants_grad = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and (
         x.requires_grad or any(p.requires_grad for p in params.values()))
     if args or kwargs or not wants_grad or x.dim() < 2:  # no graph to save (eval, no_grad) or an unusual call
-        if state.layers:
-            out = compute(x, *args, **kwargs)
-            for layer in list(self)[state.layers:]:
-                out = layer(out)
-            return out
-        return compute(x, *args, **kwargs)
+        own = state.previous_forward or types.MethodType(type(self).forward, self)
+        return own(x, *args, **kwargs)
+    compute = _compute(self, state)
     aliases = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
     x = _HandGradsToParameters.apply(x, list(aliases.values()), *params.values())
     device_type = x.device.type
