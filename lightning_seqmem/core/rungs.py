@@ -13,7 +13,7 @@ Example:
     >>> check_mitigations(["attention", "fp8"])
     Traceback (most recent call last):
     ...
-    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch', 'fused_loss') (an empty one warns only), got ['attention', 'fp8']
+    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp') (an empty one warns only), got ['attention', 'fp8']
     >>> remaining_advice(("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> spec("checkpointing").step_time_prior
@@ -77,10 +77,13 @@ _BUILTIN = (
     # the causal-LM loss from hidden states and lm_head.weight in token shards: no [tokens, vocab] logits;
     # the same matmuls (logits once, both gradients in the forward), a Python loop over the shards
     RungSpec("fused_loss", "compute the loss with a fused linear cross-entropy (allow the fused_loss rung)", 0.05),
+    # DeepSpeed's TiledMLP: the MLPs run again in backward, tile by tile: about one more forward of the
+    # MLPs (~2/3 of a block's matmuls) on top of a step of ~3 forwards: ~0.2 (ALST, arXiv 2506.13996)
+    RungSpec("tiled_mlp", "tile the MLPs along the sequence (allow \"tiled_mlp\"; the `tiled` extra)", 0.2),
 )
 _SPECS: dict[str, RungSpec] = {s.name: s for s in _BUILTIN}
 
-EXTRA_RUNGS = ("fused_loss",)
+EXTRA_RUNGS = ("fused_loss", "tiled_mlp")
 """Built-in rungs a user opts in to (``SeqMemCallback(mitigations=[..., "fused_loss"])``): not in the
 default ladder, not advised unless allowed."""
 

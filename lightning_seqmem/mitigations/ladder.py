@@ -17,9 +17,9 @@ name                      what it does                                          
 Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`, not in the default order; name it in
 ``mitigations`` to allow it):
 
-========================  =====================================================  =====================
-``"fused_loss"``          a causal LM's loss by a fused linear cross-entropy,    a Python loop over
-                          no ``[tokens, vocab]`` logits: :class:`FusedLossRung`  token shards (~5%)
+========================  =====================================================  ==============``"tiled_mlp"``           each block's MLP on sequence tiles, recomputed in      one more MLP forward
+                          backward (DeepSpeed's ``TiledMLP``, the ``tiled``      (~20%)
+                          extra): :class:`~.tiled_mlp.TiledMLPRung`
 ========================  =====================================================  =====================
 
 Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
@@ -53,9 +53,10 @@ from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, 
 from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
 from lightning_seqmem.mitigations.fused_loss import FusedLossRung
 from lightning_seqmem.mitigations.microbatch import MicroBatchRung
+from lightning_seqmem.mitigations.tiled_mlp import TiledMLPRung
 
 _RUNGS: dict[str, Rung] = {r.name: r for r in (AttentionRung(), CheckpointingRung(), MicroBatchRung(),
-                                          FusedLossRung())}
+                                          FusedLossRung(), TiledMLPRung())}
 
 
 def register(rung: Rung) -> Rung:

@@ -2,7 +2,7 @@
 
     python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES] [--batch-sizes 4,1]
         [--seq-lens 64,128] [--no-curriculum] [--unreadable-rank1-at STEP] [--mitigations a,b]
-        [--vocab-size 256] [--curriculum 16,256]
+        [--vocab-size 256] [--curriculum 16,256] [--d-ff N]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.mitigations.tiled_mlp import tiled_mlp_tiles
 
 
 def main() -> None:
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--unreadable-rank1-at", type=int, default=None, help="rank 1 cannot read this batch")
     parser.add_argument("--vocab-size", type=int, default=256, help="of the model and the data")
     parser.add_argument("--curriculum", default="16,256", help="start,target of the curriculum")
+    parser.add_argument("--d-ff", type=int, default=None, help="the GPT's MLP width (default 4 * d_model)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -79,7 +81,7 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
-    module = LitGPT(n_layer=1, d_model=32, n_head=2, vocab_size=args.vocab_size)
+    module = LitGPT(n_layer=1, d_model=32, n_head=2, vocab_size=args.vocab_size, d_ff=args.d_ff)
     trainer.fit(module, SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256,
                                                  vocab_size=args.vocab_size))
     out = {
@@ -95,6 +97,8 @@ def main() -> None:
         "applied_mitigations": list(cb.applied_mitigations),
         "mitigation_events": [{k: e[k] for k in ("name", "step", "seq_len")} for e in cb.mitigation_events],
         "parameters_sum": float(sum(p.detach().double().sum() for p in module.parameters())),
+        "tiled_mlp_tiles": tiled_mlp_tiles(module),
+        "parameters": [p.detach().double().sum().item() for p in module.parameters()],  # equal on every rank under DDP
     }
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)

@@ -1,0 +1,399 @@
+"""Sequence-tiled feed-forward with recompute: DeepSpeed's ``TiledMLP`` on every block's MLP.
+
+An MLP keeps its wide intermediate activations (``[B, L, intermediate]``: a Llama MLP saves four
+of them, the reference GPT's two) for backward, in every block: with SDPA and a fused loss they
+are what holds the peak at long lengths. DeepSpeed's
+``deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`` (ALST, arXiv 2506.13996) runs the MLP
+on sequence tiles without saving anything but its input, and recomputes it tile by tile in
+backward: the saved intermediates are gone and the transient ones are ``1/tiles`` as wide. Costs
+one more forward of the MLPs (about 20% of a step); the loss and gradients are unchanged up to
+float rounding.
+
+What is tiled (found structurally, never by class name): the ``mlp`` (or ``feed_forward``,
+``ffn``) child of each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.find_repeated_blocks`):
+Hugging Face ``LlamaMLP``, ``Qwen2MLP``, ``MistralMLP``, ..., and the reference GPT's
+``nn.Sequential`` MLP (its trailing ``nn.Dropout`` runs after the tiles, untiled). Refused: MoE
+blocks (an ``experts`` child), an active dropout inside the tiled part (the recompute would draw
+new masks), FSDP2-sharded blocks (not tested), FSDP1 and DeepSpeed strategies (use DeepSpeed's own
+``TiledMLP`` with ``compute_params`` there).
+
+How it is switched on: the MLP instance's ``forward`` is patched in place (an instance attribute;
+``remove`` deletes it): parameters, optimizer state and ``state_dict`` keys are unchanged. Two
+additions around the library's function make it safe in a Lightning run:
+
+* gradients reach the parameters once per step: ``TiledMLP``'s backward calls
+  ``torch.autograd.backward`` once per tile, which under DDP fires the reducer's hook of each
+  parameter once per tile ("Expected to mark a variable ready only once"). Each tile here runs on
+  detached aliases of the parameters (``_reparametrize_module``), whose gradients are handed to the
+  real parameters by one autograd node (:class:`_HandGradsToParameters`);
+* the recompute in backward runs under the autocast state of the forward (as ``torch.utils.checkpoint``).
+
+**The tile count** is fixed when the rung is switched on, from the model alone:
+``tiles = max(2, ceil(intermediate / hidden))`` over the tiled MLPs, read from their 2-D weights
+(largest / smallest dimension; reference GPT: ``d_ff / d_model`` = 4; Llama-3.1-8B: 14336 / 4096 ->
+4): one tile's intermediate ``[B, L/tiles, intermediate]`` is then no larger than the block's
+hidden state ``[B, L, hidden]``, at every length. It does not depend on the batch, its length or
+the rank, so every rank runs the same number of tiles (unequal counts deadlock sharded training,
+where each tile gathers parameters); ``TiledMLPRung(tiles=n)`` fixes it by hand.
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+    >>> ids = torch.randint(0, 256, (2, 16))
+    >>> plain = model(ids)
+    >>> policy = TiledMLP()
+    >>> policy.apply(model).detail
+    'tiled 2 x Sequential into 4 sequence tiles (DeepSpeed TiledMLP)'
+    >>> tiled_mlp_tiles(model), torch.allclose(plain, model(ids), atol=1e-6)
+    (4, True)
+    >>> policy.remove(model).after, tiled_mlp_tiles(model)
+    ('off', None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext, wrapping_strategy_refusal
+from lightning_seqmem.mitigations.checkpointing import _counted, find_repeated_blocks
+
+__all__ = ["MLP_CHILD_NAMES", "TiledMLP", "TiledMLPRung", "find_mlps", "tile_count_rule", "tiled_mlp_tiles",
+           "tiled_mlp_unavailable_reason"]
+
+MLP_CHILD_NAMES = ("mlp", "feed_forward", "ffn")
+"""Names of a block's feed-forward child, tried in this order."""
+
+_MARK = "_seqmem_tiled_mlp"  # the instance attribute holding a tiled MLP's _TiledState
+_INSTALL = "install the `tiled` extra: pip install 'lightning-seqmem[tiled]' (DeepSpeed >= 0.17; it runs on CPU too)"
+
+
+def tiled_mlp_unavailable_reason() -> Optional[str]:
+    """Why DeepSpeed's ``TiledMLP`` cannot be used here (with what to install), or None.
+
+    Example:
+        >>> reason = tiled_mlp_unavailable_reason()
+        >>> reason is None or "lightning-seqmem[tiled]" in reason
+        True
+    """
+    if importlib.util.find_spec("deepspeed") is None:
+        return f"DeepSpeed is not installed: {_INSTALL}"
+    return None
+
+
+def _library_tiled_mlp() -> Any:
+    """DeepSpeed's ``TiledMLP`` autograd function (imported lazily: ~2 s, optional extra). Without
+    CUDA, DeepSpeed is told its accelerator is the CPU during the import (what it would detect, after
+    a warning on stdout); a ``DS_ACCELERATOR`` the user set is left alone."""
+    told = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
+    if told:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DeepSpeedTiledMLP
+    finally:
+        if told:
+            os.environ.pop("DS_ACCELERATOR", None)
+    return DeepSpeedTiledMLP
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):  # a checkpoint_wrapper
+        module = module._checkpoint_wrapped_module
+    return module
+
+
+def find_mlps(model: nn.Module) -> list[nn.Module]:
+    """The feed-forward modules to tile: the first child named in :data:`MLP_CHILD_NAMES` of each
+    repeated block of ``model`` (a checkpoint-wrapped block is looked through), in block order.
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> [type(m).__name__ for m in find_mlps(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2)))]
+        ['Sequential', 'Sequential']
+        >>> find_mlps(nn.Linear(2, 2))
+        []
+    """
+    found: list[nn.Module] = []
+    for block in find_repeated_blocks(model):
+        block = _unwrapped(block)
+        if block is model:
+            continue
+        for name in MLP_CHILD_NAMES:
+            child = getattr(block, name, None)
+            if isinstance(child, nn.Module):
+                found.append(child)
+                break
+    return found
+
+
+def _is_active_dropout(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+
+
+def _split(mlp: nn.Module) -> tuple[int, Optional[str]]:
+    """``(layers tiled, why not)``: of an ``nn.Sequential``, every layer before its trailing
+    dropouts (those run after the tiles); of any other MLP, all of it (0). The reason names an
+    active dropout inside the tiled part, or an MoE block."""
+    if isinstance(getattr(mlp, "experts", None), nn.Module):
+        return 0, f"{type(mlp).__name__} is a mixture of experts (an `experts` child): its routing is not tiled"
+    tiled: list[nn.Module] = [mlp]
+    count = 0
+    if isinstance(mlp, nn.Sequential):
+        layers = list(mlp)
+        count = len(layers)
+        while count and isinstance(layers[count - 1], nn.modules.dropout._DropoutNd):
+            count -= 1
+        if not count:
+            return 0, f"{type(mlp).__name__} holds dropouts only: nothing to tile"
+        tiled = layers[:count]
+    for part in tiled:
+        for sub in part.modules():
+            if _is_active_dropout(sub):
+                return count, (f"{type(mlp).__name__} has an active {type(sub).__name__}(p={sub.p}) inside: "
+                               "the recompute in backward would draw new masks (set its p to 0)")
+    return count, None
+
+
+def tile_count_rule(mlps: list[nn.Module]) -> int:
+    """The tile count: ``max(2, ceil(intermediate / hidden))`` over ``mlps``, read from each MLP's
+    2-D weights (largest / smallest dimension). The model alone decides it: the same on every rank.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(64, 176), nn.GELU(), nn.Linear(176, 64))
+        >>> tile_count_rule([mlp]), tile_count_rule([nn.Sequential(nn.Linear(8, 8))])
+        (3, 2)
+    """
+    tiles = 2
+    for mlp in mlps:
+        shapes = [p.shape for p in mlp.parameters() if p.dim() == 2]
+        if shapes:
+            wide, narrow = max(max(s) for s in shapes), min(min(s) for s in shapes)
+            tiles = max(tiles, math.ceil(wide / max(narrow, 1)))
+    return tiles
+
+
+@dataclass
+class _TiledState:
+    tiles: int
+    layers: int  # nn.Sequential: layers tiled (the rest run after); other MLPs: 0 (all of forward)
+    previous_forward: Any  # the instance's own ``forward`` before the patch (None: the class's)
+
+
+def tiled_mlp_tiles(model: nn.Module) -> Optional[int]:
+    """The tile count of the tiled MLPs in ``model``, None when none is tiled.
+
+    Example:
+        >>> tiled_mlp_tiles(nn.Linear(2, 2)) is None
+        True
+    """
+    for m in model.modules():
+        state = m.__dict__.get(_MARK)
+        if state is not None:
+            return state.tiles
+    return None
+
+
+class _HandGradsToParameters(torch.autograd.Function):
+    """Identity on ``x``; in backward hands the gradients accumulated on the detached parameter
+    aliases (by the tiles' recompute, which runs before this node's backward) to the parameters,
+    once: DDP's reducer sees one gradient per parameter per step."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aliases: list[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:
+        ctx.aliases = aliases
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        grads = []
+        for alias in ctx.aliases:
+            grads.append(alias.grad)
+            alias.grad = None
+        ctx.aliases = None
+        return (grad, None, *grads)
+
+
+def _compute(module: nn.Module, state: _TiledState) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The part of ``module``'s forward that is tiled, as a function of its input."""
+    if state.layers:
+        layers = list(module)[: state.layers]
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for layer in layers:
+                x = layer(x)
+            return x
+
+        return run
+    if state.previous_forward is not None:
+        return state.previous_forward
+    return types.MethodType(type(module).forward, module)
+
+
+def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """The patched ``forward`` of a tiled MLP (bound to the MLP instance)."""
+    state: _TiledState = self.__dict__[_MARK]
+    params = dict(self.named_parameters())
+    wants_grad = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and (
+        x.requires_grad or any(p.requires_grad for p in params.values()))
+    if args or kwargs or not wants_grad or x.dim() < 2:  # no graph to save (eval, no_grad) or an unusual call
+        own = state.previous_forward or types.MethodType(type(self).forward, self)
+        return own(x, *args, **kwargs)
+    compute = _compute(self, state)
+    aliases = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+    x = _HandGradsToParameters.apply(x, list(aliases.values()), *params.values())
+    device_type = x.device.type
+    autocast_on = torch.is_autocast_enabled(device_type)
+    autocast_dtype = torch.get_autocast_dtype(device_type)
+
+    def tile(module: nn.Module, part: torch.Tensor) -> torch.Tensor:
+        autocast = torch.autocast(device_type, dtype=autocast_dtype) if autocast_on else contextlib.nullcontext()
+        with autocast, _reparametrize_module(module, aliases):
+            return compute(part)
+
+    out = _library_tiled_mlp().apply(tile, self, x, state.tiles, [])
+    for layer in (list(self)[state.layers:] if state.layers else ()):
+        out = layer(out)
+    return out
+
+
+class TiledMLP:
+    """Policy: tile the MLP of every repeated block along the sequence with DeepSpeed's ``TiledMLP``.
+
+    Args:
+        tiles: tiles per MLP call; None: :func:`tile_count_rule` at switch-on (the same on every rank).
+
+    Example:
+        >>> TiledMLP().is_applicable(nn.Linear(2, 2))
+        (False, 'no MLP found: no repeated block has an `mlp`, `feed_forward` or `ffn` child')
+        >>> TiledMLP(tiles=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `tiles` must be None (the rule: max(2, ceil(intermediate / hidden))) or an integer >= 1, got 0
+    """
+
+    name = "tiled_mlp"
+
+    def __init__(self, tiles: Optional[int] = None) -> None:
+        if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
+            raise ValueError("`tiles` must be None (the rule: max(2, ceil(intermediate / hidden))) "
+                             f"or an integer >= 1, got {tiles!r}")
+        self.tiles = tiles
+
+    def _plan(self, model: nn.Module) -> tuple[list[tuple[nn.Module, int]], Optional[str]]:
+        mlps = find_mlps(model)
+        if not mlps:
+            return [], f"no MLP found: no repeated block has an {', '.join(f'`{n}`' for n in MLP_CHILD_NAMES[:-1])} or `{MLP_CHILD_NAMES[-1]}` child"
+        planned = []
+        for mlp in mlps:
+            layers, why = _split(mlp)
+            if why is not None:
+                return [], why
+            planned.append((mlp, layers))
+        return planned, None
+
+    def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
+        """``(True, what would be tiled)`` or ``(False, why not, with what to do)``."""
+        if tiled_mlp_tiles(model) is not None:
+            return False, "already tiled"
+        planned, why = self._plan(model)
+        if why is not None:
+            return False, why
+        if any(_is_fsdp2(m) for m in model.modules()):
+            return False, "the blocks are sharded with FSDP2 (fully_shard): the tiled MLP is not tested there"
+        reason = tiled_mlp_unavailable_reason()
+        if reason is not None:
+            return False, reason
+        tiles = self.tiles or tile_count_rule([m for m, _ in planned])
+        return True, f"tile {_counted([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
+
+    def apply(self, model: nn.Module) -> MitigationResult:
+        """Tile the MLPs in place; a second call changes nothing."""
+        applicable, reason = self.is_applicable(model)
+        if not applicable:
+            state = "on" if tiled_mlp_tiles(model) is not None else "off"
+            return MitigationResult(self.name, applied=False, detail=reason, before=state, after=state)
+        _library_tiled_mlp()  # import now (between steps), not inside the first tiled forward
+        planned, _ = self._plan(model)
+        tiles = self.tiles or tile_count_rule([m for m, _ in planned])
+        for mlp, layers in planned:
+            mlp.__dict__[_MARK] = _TiledState(tiles, layers, mlp.__dict__.get("forward"))
+            mlp.forward = types.MethodType(_tiled_forward, mlp)
+        detail = f"tiled {_counted([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
+        return MitigationResult(self.name, applied=True, detail=detail, before="off", after="on")
+
+    def remove(self, model: nn.Module) -> MitigationResult:
+        """Restore every tiled MLP's own ``forward``."""
+        count = 0
+        for m in model.modules():
+            state = m.__dict__.pop(_MARK, None)
+            if state is None:
+                continue
+            count += 1
+            if state.previous_forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = state.previous_forward
+        return MitigationResult(self.name, applied=count > 0, detail=f"untiled {count} MLPs",
+                                before="on" if count else "off", after="off")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(tiles={self.tiles!r})"
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+class TiledMLPRung(Rung):
+    """The ladder's ``"tiled_mlp"`` rung (opt-in: ``SeqMemCallback(mitigations=[..., "tiled_mlp"])``):
+    :class:`TiledMLP` behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol. The dry
+    run tiles its fake copy the same way (``TiledMLP`` runs on fake tensors), so forecasts are of the
+    real tiled step. FSDP1 and DeepSpeed strategies refuse it at set-up.
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+        >>> rung = TiledMLPRung()
+        >>> rung.apply(RungContext(model)).applied, rung.is_on(model)
+        (True, True)
+        >>> rung.remove(RungContext(model)).applied, rung.is_on(model)
+        (True, False)
+    """
+
+    spec = spec("tiled_mlp")
+
+    def __init__(self, tiles: Optional[int] = None) -> None:
+        self.policy = TiledMLP(tiles)
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        return self.policy.is_applicable(ctx.pl_module)
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        return self.policy.apply(ctx.pl_module)
+
+    def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
+        return self.policy.remove(ctx.pl_module)
+
+    def is_on(self, module: nn.Module) -> bool:
+        return tiled_mlp_tiles(module) is not None
+
+    def strategy_refusal(self, trainer: Any) -> Optional[str]:
+        why = wrapping_strategy_refusal(trainer)
+        name = type(getattr(trainer, "strategy", None)).__name__
+        if why is not None and "DeepSpeed" in name:
+            return (f"{name} partitions the parameters in its engine: patch the MLPs with DeepSpeed's own TiledMLP "
+                    "(deepspeed.runtime.sequence_parallel.ulysses_sp, with compute_params for ZeRO) instead")
+        return why
