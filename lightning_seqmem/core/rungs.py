@@ -13,7 +13,7 @@ Example:
     >>> check_mitigations(["attention", "fp8"])
     Traceback (most recent call last):
     ...
-    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch') (an empty one warns only), got ['attention', 'fp8']
+    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch', 'activation_offload') (an empty one warns only), got ['attention', 'fp8']
     >>> remaining_advice(("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> spec("checkpointing").step_time_prior
@@ -74,13 +74,19 @@ _BUILTIN = (
     RungSpec("checkpointing", "enable activation checkpointing", 0.33),
     # micro-batches of one sample: the same FLOPs in smaller kernels; the first split step checks the loss
     RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True),
+    # saved activations to pinned host memory and back (CUDA only): two copies of them over the host link, on
+    # the compute stream; a guess until measured (ALST reports a few % at 650K tokens, more at short lengths)
+    RungSpec("activation_offload", "offload saved activations to pinned host memory (CUDA)", 0.15),
 )
 _SPECS: dict[str, RungSpec] = {s.name: s for s in _BUILTIN}
 
-MITIGATIONS = tuple(s.name for s in _BUILTIN)
-"""The built-in rungs of the ladder, cheapest first (the default order)."""
+EXTRA_RUNGS = ("activation_offload",)
+"""Built-in rungs outside the default ladder: a user opts in (``SeqMemCallback(mitigations=[..., name])``)."""
 
-ADVICE = {s.name: s.advice for s in _BUILTIN}  # kept for 0.1 callers: prefer spec(name).advice
+MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
+"""The built-in rungs of the default ladder, cheapest first (the default order)."""
+
+ADVICE = {s.name: s.advice for s in _BUILTIN if s.name in MITIGATIONS}  # kept for 0.1 callers: prefer spec(name).advice
 
 
 LEVEL_SEP = ":"
@@ -105,7 +111,7 @@ def register_spec(rung_spec: RungSpec) -> None:
 
 def unregister_spec(name: str) -> None:
     """Forget a registered rung (built-ins stay)."""
-    if name not in MITIGATIONS:
+    if name not in MITIGATIONS and name not in EXTRA_RUNGS:
         _SPECS.pop(name, None)
 
 
@@ -142,7 +148,7 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     >>> remaining_advice(MITIGATIONS, device="cpu")
     'raise `memory_budget`, lower the batch size, or train a smaller model'
     """
-    rest = [s.advice for n, s in _SPECS.items() if n not in applied and n not in inapplicable]
+    rest = [s.advice for n, s in _SPECS.items() if n not in applied and n not in inapplicable and n not in EXTRA_RUNGS]
     if rest:
         return ", or ".join(rest)
     if device == "cuda":
@@ -150,5 +156,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "register_spec", "remaining_advice",
+__all__ = ["ADVICE", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]

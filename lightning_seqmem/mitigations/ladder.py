@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_seqmem.core.rungs import (
     ADVICE,
+    EXTRA_RUNGS,
     MITIGATIONS,
     base_name,
     check_mitigations,
@@ -43,8 +44,10 @@ from lightning_seqmem.mitigations.attention import AttentionRung
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext
 from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
 from lightning_seqmem.mitigations.microbatch import MicroBatchRung
+from lightning_seqmem.mitigations.offload import ActivationOffloadRung
 
 _RUNGS: dict[str, Rung] = {r.name: r for r in (AttentionRung(), CheckpointingRung(), MicroBatchRung())}
+_RUNGS.update({r.name: r for r in (ActivationOffloadRung(),)})  # opt-in rungs (EXTRA_RUNGS), not in the default ladder
 
 
 def register(rung: Rung) -> Rung:
@@ -62,7 +65,7 @@ def register(rung: Rung) -> Rung:
 
 def unregister(name: str) -> None:
     """Take a registered rung off the ladder (the built-ins stay)."""
-    if name not in MITIGATIONS:
+    if name not in MITIGATIONS and name not in EXTRA_RUNGS:
         _RUNGS.pop(name, None)
         unregister_spec(name)
 
