@@ -302,9 +302,8 @@ def _plan(args: argparse.Namespace) -> int:
     dry_seconds = sum(r["seconds"] for res in results for r in res["rows"]) + search_seconds
     console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) for res in results) + search_runs} dry runs in "
                   f"{dry_seconds:.1f}s"
-                  + (f" (and {len(modelled)} modelling refused rungs)" if modelled else "")
-                  + ""
                   + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
+                  + (f", and {len(modelled)} modelling refused rungs" if modelled else "")
                   + "; peaks are live tensor bytes (on CUDA allocator blocks, as max_memory_allocated; not "
                   "reserved memory, workspaces or the CUDA context: that is what the safety margin is for)")
     if args.json:
