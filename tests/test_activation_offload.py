@@ -105,6 +105,33 @@ def test_save_on_cpu_around_each_block_keeps_loss_grads_and_state_dict_keys(orde
     assert torch.equal(loss0, loss2)
 
 
+@pytest.mark.parametrize("order", ["checkpointing+offload", "offload+checkpointing"])
+def test_with_hugging_face_checkpointing_the_checkpoint_inputs_go_to_the_host_in_either_order(order):
+    """Hugging Face checkpoints inside the layer's class ``forward``, below the instance ``forward``
+    the offload puts on each ``LlamaDecoderLayer``: its hooks are outside the checkpoint either way."""
+    pytest.importorskip("transformers")
+    from lightning_seqmem.reference.hf import HFCausalLM
+
+    hidden, seq_len = 32, 64
+    config = {"num_hidden_layers": 2, "hidden_size": hidden, "intermediate_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 64}
+
+    def model():
+        torch.manual_seed(0)
+        return HFCausalLM(config=config, attn_implementation="sdpa").train()
+
+    plain, offloaded = model(), model()
+    ActivationCheckpointing().apply(plain)
+    for step in order.split("+"):
+        assert (ActivationOffload() if step == "offload" else ActivationCheckpointing()).apply(offloaded).applied
+    batch = _batch(seq_len)
+    loss0, grads0 = _loss_and_grads(plain, batch)
+    loss1, grads1 = _loss_and_grads(offloaded, batch)
+    assert torch.equal(loss0, loss1) and all(torch.allclose(grads0[n], grads1[n], atol=1e-6) for n in grads0)
+    assert offloaded_bytes(offloaded) == config["num_hidden_layers"] * ROWS * seq_len * hidden * 4  # the inputs
+    assert list(plain.state_dict()) == list(offloaded.state_dict())
+
+
 def test_parameters_and_buffers_stay_on_the_device():
     module = _module()
     ActivationOffload().apply(module)

@@ -23,8 +23,10 @@ Which tensors go to the host (:meth:`ActivationOffload.keeps` says which stay):
   (a ``checkpoint_wrapper`` is the block then; Hugging Face checkpoints inside the layer's
   ``forward``, below the hooks), so the checkpoint's own hooks stay innermost and nothing inside it
   is saved (ALST's "checkpoint offload", and what ``activation_checkpointing_enable(offload=True)``
-  does in transformers 5). If checkpointing wraps a block *after* offload was switched on, the
-  hooks sit inside the checkpoint: there they stand aside (checkpoint's hooks are on top), so
+  does in transformers 5; that one is not used: enabling it again would reset which layers are
+  checkpointed, and it covers checkpointed layers only). Hugging Face models: in either order. A
+  ``checkpoint_wrapper`` (or composable ``checkpoint``) put on a block *after* offload was
+  switched on encloses the hooks: there they stand aside (checkpoint's hooks are on top), so
   checkpointing works and that block's checkpoint inputs stay on the device. Switch offload on
   after checkpointing (list it after ``"checkpointing"``) to offload them.
 
