@@ -12,6 +12,7 @@ workspaces) is the GPU test's to check (``pytest -m gpu``).
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -139,6 +140,10 @@ def test_parameters_and_buffers_stay_on_the_device():
     wrappers = [m.__dict__["forward"] for m in module.modules() if "forward" in m.__dict__]
     assert len(wrappers) == MODEL["n_layer"] and all(isinstance(w, OffloadedForward) for w in wrappers)
     assert all(w.kept_bytes > 0 and w.host_bytes > 0 for w in wrappers)  # the Linear weights, saved by mm: kept
+    clone = pickle.loads(pickle.dumps(module))  # torch.save of the whole module works, and still offloads
+    reset_offloaded_bytes(clone)
+    _loss_and_grads(clone, _batch(64))
+    assert offloaded_bytes(clone) == sum(w.host_bytes for w in wrappers)
     with pytest.raises(ValueError, match="block_class_names"):
         ActivationOffload(block_class_names=[""])
 

@@ -416,7 +416,8 @@ def dry_run_step(
         seq_len: tokens per sample of the step to simulate.
         batch_size: samples in the step; ``None``: the batch's own.
         mitigations: names from :data:`~lightning_seqmem.mitigations.ladder.MITIGATIONS`, applied
-            to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1).
+            to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1),
+            ``"activation_offload"`` (modelled on any device: ``host_bytes`` of the result).
             A module already micro-batched by :class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`
             is simulated with its micro-batch size.
         autocast: a zero-argument factory of the context the forward runs in (the precision

@@ -14,6 +14,11 @@ name                      what it does                                          
                           inside the step: :class:`MicroBatchRung`               kernels)
 ========================  =====================================================  =====================
 
+Opt-in rungs (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`; name them in ``mitigations``):
+``"activation_offload"`` (CUDA only) copies what each block saves for backward to pinned host
+memory and back (:class:`~lightning_seqmem.mitigations.offload.ActivationOffloadRung`; cost: the
+host-device copies).
+
 Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
 (:class:`~lightning_seqmem.core.rungs.RungSpec`) is what the planner reads. A new rung is one file
 with a ``Rung`` subclass and one :func:`register` call; the callback, the dry run and ``seqmem plan``

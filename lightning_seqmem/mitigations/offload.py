@@ -109,8 +109,6 @@ class OffloadedForward:
     def __init__(self, block: nn.Module, pin_memory: bool = True) -> None:
         self.block = block
         self.pin_memory = pin_memory
-        hooks = save_on_cpu(pin_memory=pin_memory)  # PyTorch's own copies to (pinned) host memory and back
-        self._to_host, self._from_host = hooks.pack_hook, hooks.unpack_hook
         self.host_bytes = 0
         self.host_tensors = 0
         self.kept_bytes = 0
@@ -134,6 +132,24 @@ class OffloadedForward:
         if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter) or tensor.layout != torch.strided:
             return True
         return any(st._cdata in self._own for st in _storages(tensor))
+
+    def _save_on_cpu(self) -> save_on_cpu:
+        """PyTorch's own copies to (pinned) host memory and back (made once, not pickled)."""
+        hooks = self.__dict__.get("_hooks")
+        if hooks is None:
+            hooks = self._hooks = save_on_cpu(pin_memory=self.pin_memory)
+        return hooks
+
+    def _to_host(self, tensor: torch.Tensor) -> Any:
+        return self._save_on_cpu().pack_hook(tensor)
+
+    def _from_host(self, packed: Any) -> torch.Tensor:
+        return self._save_on_cpu().unpack_hook(packed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hooks", None)  # closures: made again on first use
+        return state
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         nbytes = tensor.numel() * tensor.element_size()
