@@ -19,6 +19,11 @@ run), as time allows:
    times the reserved/allocated ratio measured so far; and whether ``reserved_upper_bytes``
    covered the measured reserved memory).
 
+3. The ``activation_offload`` rung (also alone: ``--offload-only``): at 2048 and 4096 tokens, in fp32 and
+   bf16-mixed, without it, with it, with checkpointing and with both: the dry run's peak against the
+   allocator's, the bytes the dry run says go to host against those ``save_on_cpu`` copied, and the
+   step time.
+
 Every variant and every target length is wrapped: one failure (an OOM, a kernel missing) is
 printed and the next one runs. Exit status is 0 unless the script itself is broken.
 
@@ -28,6 +33,7 @@ printed and the next one runs. Exit status is 0 unless the script itself is brok
 
 Ring attention's step cannot run on CPU (``context_parallel`` dispatches CUDA SDPA kernels only):
 ``--ring`` is where the plan's ring figures meet a measured step (benchmarks/ring_check.py).
+    python benchmarks/gpu_check.py --offload-only
 """
 
 from __future__ import annotations
@@ -269,12 +275,82 @@ def check_variant(classes, attention: str, precision: str, targets: list[int], d
     return rows
 
 
+OFFLOAD_LENGTHS = (2048, 4096)  # tokens per sample of the activation offload check
+OFFLOAD_SETTINGS = ((), ("activation_offload",), ("checkpointing",), ("checkpointing", "activation_offload"))
+
+
+def check_offload(deadline: float, lengths=OFFLOAD_LENGTHS) -> list[dict]:
+    """The ``activation_offload`` rung on CUDA: for each setting and length, the dry run's peak (fake CUDA
+    step, 512-byte blocks, resident workspaces) against the allocator's measured peak of a real step
+    (``training_step_memory`` with the CUDA probe, after a warm-up step), the bytes the dry run says go
+    to host against those ``save_on_cpu`` copied, and the step time (the transfers' cost)."""
+    from lightning_seqmem.demo import LitGPT
+    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.measure.probes import make_probe
+    from lightning_seqmem.measure.steps import training_step_memory
+    from lightning_seqmem.mitigations import ladder
+    from lightning_seqmem.mitigations.offload import offloaded_bytes, reset_offloaded_bytes
+
+    cuda = torch.device("cuda")
+    loss = lambda model, batch: model.training_step(batch, 0)  # noqa: E731
+    precisions = [("32-true", None)]
+    if torch.cuda.is_bf16_supported():
+        precisions.append(("bf16-mixed", lambda: torch.autocast("cuda", dtype=torch.bfloat16)))
+    print(f"\n=== activation_offload: LitGPT d={D_MODEL} {N_LAYER} layers, batch {BATCH_SIZE}, sdpa ===")
+    print(f"  {'precision':<10} {'L':>5} {'setting':<34} {'dry MiB':>8} {'meas MiB':>8} {'err':>7} "
+          f"{'host dry':>8} {'host real':>9} {'step ms':>8}")
+    rows = []
+    for precision, autocast in precisions:
+        for L in lengths:
+            for setting in OFFLOAD_SETTINGS:
+                if time.perf_counter() > deadline:
+                    print(f"  {precision} L={L} {setting}: skipped (time budget spent)")
+                    continue
+                try:
+                    torch.manual_seed(0)
+                    module = LitGPT(n_layer=N_LAYER, d_model=D_MODEL, n_head=N_HEAD, vocab_size=VOCAB_SIZE,
+                                    attention="sdpa").to(cuda)
+                    optimizer = module.configure_optimizers()
+                    tokens = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, L + 1), device=cuda)
+                    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+                    _cleanup()
+                    dry = dry_run_step(module, optimizer, batch, L, BATCH_SIZE, setting, autocast)
+                    for name in setting:
+                        applied, detail = ladder.try_apply(name, None, module)
+                        if not applied:
+                            raise RuntimeError(f"{name} did not go on: {detail}")
+                    training_step_memory(module, optimizer, batch, loss, context=autocast)  # warm-up
+                    reset_offloaded_bytes(module)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    measured = training_step_memory(module, optimizer, batch, loss, make_probe("cuda", cuda),
+                                                    context=autocast)
+                    torch.cuda.synchronize()
+                    step_s = time.perf_counter() - t0
+                    row = {"precision": precision, "L": L, "setting": " + ".join(setting) or "none",
+                           "dry": dry.peak_bytes, "measured": measured.peak_bytes,
+                           "err": _err(dry.peak_bytes, measured.peak_bytes), "host_dry": dry.host_bytes,
+                           "host_real": offloaded_bytes(module), "step_s": step_s}
+                    rows.append(row)
+                    print(f"  {precision:<10} {L:>5} {row['setting']:<34} {_mib(row['dry'])} {_mib(row['measured'])} "
+                          f"{_pct(row['err'])} {_mib(row['host_dry'])} {_mib(row['host_real'])} {step_s * 1e3:8.1f}")
+                    del module, optimizer, batch, tokens
+                except torch.cuda.OutOfMemoryError as exc:
+                    print(f"  {precision} L={L} {setting}: CUDA OOM ({str(exc).splitlines()[0]})")
+                except Exception:  # noqa: BLE001 - one failure must not stop the check
+                    print(f"  {precision} L={L} {setting}: FAILED")
+                    traceback.print_exc()
+                _cleanup()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-s", type=float, default=270.0, help="stop starting new runs after this many seconds")
     parser.add_argument("--targets", type=int, nargs="+", default=[2048, 4096, 8192], help="lengths to forecast and measure")
     parser.add_argument("--ring", action="store_true", help="only the ring attention (context_parallel) check: "
                         "2 ranks, measured per-rank peak against the plan's dry run (benchmarks/ring_check.py)")
+    parser.add_argument("--offload-only", action="store_true", help="run only the activation_offload check")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if not torch.cuda.is_available():
@@ -293,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         return 0
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*self.trainer.*")
+    if args.offload_only:
+        check_offload(start + args.budget_s)
+        print(f"total runtime: {time.perf_counter() - start:.1f} s")
+        return 0
     from lightning_seqmem.nn import flash_attn_available, flash_attn_unavailable_reason
 
     print(
@@ -324,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"variant {attention}/{precision} FAILED:")
             traceback.print_exc()
             _cleanup()
+    try:  # the activation_offload rung, last (as time allows; --offload-only runs it alone)
+        check_offload(deadline)
+    except Exception:  # noqa: BLE001 - the summary still prints
+        print("activation_offload check FAILED:")
+        traceback.print_exc()
+        _cleanup()
     print("\nSUMMARY forecast error = (forecast - measured) / measured, fresh run at each length")
     print(
         f"  {'variant':<18} {'L':>5} {'method':<9} {'alloc err':>9} {'quad err':>9} {'upper>=meas':>11} "

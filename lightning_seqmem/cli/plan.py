@@ -127,6 +127,53 @@ def _sequence_parallel_kinds(args: argparse.Namespace, world: Optional[tuple[int
     return check_kinds(getattr(args, "sequence_parallel", "auto"))
 
 
+def _modelled_rows(model: Any, optimizer: Any, batch: Any, batch_size: int, base: tuple[str, ...],
+                   skipped: dict[str, str], results: list[dict[str, Any]], usable: Optional[int], context: Any,
+                   device: Any) -> list[dict[str, Any]]:
+    """For each rung skipped here that a dry run still models (``Rung.modelled_where_refused``: activation
+    offload on CPU), per length: the device peak with the last set and with it added, and the bytes it
+    moves to host memory. Modelled, not measured (``"measured": false``); a failure is the row's error."""
+    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.mitigations.ladder import rung
+
+    rows = []
+    for name, why in skipped.items():
+        if not getattr(rung(name), "modelled_where_refused", False):
+            continue
+        for res in results:
+            without = next(r for r in res["rows"] if tuple(r["mitigations"]) == base)
+            row = {"rung": name, "refused": why, "seq_len": res["seq_len"], "mitigations": [*base, name],
+                   "peak_bytes_without": without["peak_bytes"], "peak_bytes": None, "host_bytes": None,
+                   "saved_bytes": None, "fits": None, "measured": False, "error": without["error"]}
+            if without["peak_bytes"] is not None:
+                try:
+                    dry = dry_run_step(model, optimizer, batch, res["seq_len"], batch_size, (*base, name), context,
+                                       device)
+                    row.update(peak_bytes=dry.peak_bytes, host_bytes=dry.host_bytes,
+                               saved_bytes=without["peak_bytes"] - dry.peak_bytes,
+                               fits=None if usable is None else dry.peak_bytes <= usable)
+                except Exception as exc:  # noqa: BLE001 - a modelled row must not hide the table
+                    row["error"] = f"failed: {type(exc).__name__}: {exc}"
+            rows.append(row)
+    return rows
+
+
+def _modelled_line(row: dict[str, Any]) -> str:
+    """One modelled row in words (``seqmem plan``'s text output)."""
+    from lightning_seqmem.core.units import format_bytes
+
+    head = (f"seq_len {row['seq_len']}: {row['rung']} is refused here ({row['refused']}); modelled by a dry run, "
+            f"not measured")
+    if row["peak_bytes"] is None:
+        return f"{head}: {row['error'] or 'no figure'}"
+    base = [n for n in row["mitigations"] if n != row["rung"]]
+    saved, without = row["saved_bytes"], row["peak_bytes_without"]
+    change = f"−{format_bytes(saved)}" if saved >= 0 else f"+{format_bytes(-saved)}"
+    return (f"{head}: where it applies the device peak would be {format_bytes(row['peak_bytes'])} instead of "
+            f"{format_bytes(without)} with {_names(base)} ({change}, {-saved / without:+.0%}), "
+            f"{format_bytes(row['host_bytes'])} of saved activations moved to host memory per step")
+
+
 def _names(names: Sequence[str]) -> str:
     return " + ".join(names) if names else "none"
 
@@ -198,6 +245,8 @@ def _plan(args: argparse.Namespace) -> int:
             except Exception as exc:  # noqa: BLE001 - the table stands without the search
                 console.print(f"[yellow]search for the largest length that fits failed:[/yellow] {exc}")
         search_seconds = time.perf_counter() - t0
+    modelled = _modelled_rows(model, optimizer, batch, batch_size, sets[-1], skipped, results, usable, context,
+                              device) if world is None else []
     seconds = time.perf_counter() - started
 
     if usable is not None:
@@ -260,6 +309,8 @@ def _plan(args: argparse.Namespace) -> int:
             console.print(f"seq_len {res['seq_len']}: [red]nothing fits[/red]: the lowest peak is "
                           f"{format_bytes(lowest['peak_bytes'])} ({_names(lowest['mitigations'])}) over "
                           f"{format_bytes(usable)} usable; {longest}")
+    for row in modelled:
+        console.print(_modelled_line(row), highlight=False)
     if usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
                       "device's total): no fits column and no plan")
@@ -267,6 +318,7 @@ def _plan(args: argparse.Namespace) -> int:
     console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) for res in results) + search_runs} dry runs in "
                   f"{dry_seconds:.1f}s"
                   + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
+                  + (f", and {len(modelled)} modelling refused rungs" if modelled else "")
                   + "; peaks are live tensor bytes (on CUDA allocator blocks, as max_memory_allocated; not "
                   "reserved memory, workspaces or the CUDA context: that is what the safety margin is for)")
     parallel = None
@@ -281,7 +333,7 @@ def _plan(args: argparse.Namespace) -> int:
             "config": os.fspath(args.config), "device": str(device), "precision": str(trainer.precision),
             "batch_size": batch_size, "budget_bytes": budget, "safety_margin": margin, "usable_budget_bytes": usable,
             "mitigation_sets": [list(s) for s in sets], "skipped": skipped, "lengths": results,
-            "largest_fitting_seq_len": largest, "seconds": seconds, "method": "dry_run",
+            "largest_fitting_seq_len": largest, "modelled": modelled, "seconds": seconds, "method": "dry_run",
             "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
         }, indent=2) + "\n")
     failed = any(r["error"] and not r["error"].startswith("unsupported:") for res in results for r in res["rows"])

@@ -13,7 +13,7 @@ Example:
     >>> check_mitigations(["attention", "fp8"])
     Traceback (most recent call last):
     ...
-    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp') (an empty one warns only), got ['attention', 'fp8']
+    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload') (an empty one warns only), got ['attention', 'fp8']
     >>> remaining_advice(("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> spec("checkpointing").step_time_prior
@@ -80,10 +80,13 @@ _BUILTIN = (
     # DeepSpeed's TiledMLP: the MLPs run again in backward, tile by tile: about one more forward of the
     # MLPs (~2/3 of a block's matmuls) on top of a step of ~3 forwards: ~0.2 (ALST, arXiv 2506.13996)
     RungSpec("tiled_mlp", "tile the MLPs along the sequence (allow \"tiled_mlp\"; the `tiled` extra)", 0.2),
+    # saved activations to pinned host memory and back (CUDA only): two copies of them over the host link, on
+    # the compute stream; a guess until measured (ALST reports a few % at 650K tokens, more at short lengths)
+    RungSpec("activation_offload", "offload saved activations to pinned host memory (CUDA)", 0.15),
 )
 _SPECS: dict[str, RungSpec] = {s.name: s for s in _BUILTIN}
 
-EXTRA_RUNGS = ("fused_loss", "tiled_mlp")
+EXTRA_RUNGS = ("fused_loss", "tiled_mlp", "activation_offload")
 """Built-in rungs a user opts in to (``SeqMemCallback(mitigations=[..., "fused_loss"])``): not in the
 default ladder, not advised unless allowed."""
 
@@ -93,7 +96,10 @@ BUILTIN_RUNGS = tuple(s.name for s in _BUILTIN)
 MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
 """The rungs of the default ladder, cheapest first (the default order)."""
 
-ADVICE = {s.name: s.advice for s in _BUILTIN}  # kept for 0.1 callers: prefer spec(name).advice
+MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
+"""The built-in rungs of the default ladder, cheapest first (the default order)."""
+
+ADVICE = {s.name: s.advice for s in _BUILTIN if s.name in MITIGATIONS}  # kept for 0.1 callers: prefer spec(name).advice
 
 
 LEVEL_SEP = ":"

@@ -27,6 +27,7 @@ class DryRunResult:
     seconds: float  # wall time of the dry run
     detail: str  # what ran, for logs and reports
     resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
+    host_bytes: int = 0  # saved activations the step copies to host memory (activation offload; modelled)
 
 
 class DryRunUnsupported(RuntimeError):

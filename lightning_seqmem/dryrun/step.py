@@ -96,6 +96,7 @@ from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import CopyPlan
+from lightning_seqmem.mitigations.offload import offloaded_bytes, reset_offloaded_bytes
 from lightning_seqmem.mitigations.ladder import check_mitigations
 from lightning_seqmem.mitigations.microbatch import (
     IGNORE_INDEX,
@@ -415,7 +416,8 @@ def dry_run_step(
         seq_len: tokens per sample of the step to simulate.
         batch_size: samples in the step; ``None``: the batch's own.
         mitigations: names from :data:`~lightning_seqmem.mitigations.ladder.MITIGATIONS`, applied
-            to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1).
+            to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1),
+            ``"activation_offload"`` (modelled on any device: ``host_bytes`` of the result).
             A module already micro-batched by :class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`
             is simulated with its micro-batch size.
         autocast: a zero-argument factory of the context the forward runs in (the precision
@@ -461,9 +463,11 @@ def dry_run_step(
                 probe.scratch = cuda_kernel_scratch_bytes
             with fake_mode, values, _transformers_without_fake_detection():
                 _state_after_a_step(model, fake_optimizer)
+                reset_offloaded_bytes(model)
                 memory = training_step_memory(
                     model, step_optimizer, step_batch, loss_fn, probe, record_events=True, context=autocast
                 )
+            host = offloaded_bytes(model)
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
@@ -489,6 +493,7 @@ def dry_run_step(
         + (f"; {'; '.join(notes)}" if notes else "")
         + f"; live storages counted by LiveTensorTracker{', 512-byte blocks' if block > 1 else ''}"
         + (f"; plus {resident} bytes the allocator holds outside the step's tensors" if resident else "")
+        + (f"; {host} bytes of saved activations moved to host memory (modelled)" if host else "")
     )
     return DryRunResult(
         seq_len=seq_len,
@@ -499,4 +504,5 @@ def dry_run_step(
         seconds=time.perf_counter() - started,
         detail=detail,
         resident_bytes=resident,
+        host_bytes=host,
     )

@@ -1,5 +1,6 @@
 """Mitigations for long-sequence memory, cheapest first: attention kernel, activation checkpointing,
-micro-batching (see :mod:`.ladder` for the order the callback tries them in).
+micro-batching (see :mod:`.ladder` for the order the callback tries them in); opt in: activation
+offload to host memory (CUDA).
 
 Each policy is a small class with ``is_applicable(model) -> (bool, reason)`` and
 ``apply(model) -> MitigationResult``, working on any ``nn.Module`` (a ``LightningModule``
@@ -26,10 +27,12 @@ from lightning_seqmem.mitigations.checkpointing import (
     is_checkpointed,
 )
 from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
+from lightning_seqmem.mitigations.offload import ActivationOffload, is_offloading, offloaded_bytes
 
 __all__ = [
     "ATTENTION_SWITCH_BACKENDS",
     "ActivationCheckpointing",
+    "ActivationOffload",
     "AttentionSwitch",
     "CopyPlan",
     "MicroBatching",
@@ -43,6 +46,8 @@ __all__ = [
     "is_checkpointed",
     "is_hf_pretrained_model",
     "is_micro_batching",
+    "is_offloading",
+    "offloaded_bytes",
     "sdpa_kernel_context",
     "split_batch",
 ]

@@ -92,6 +92,9 @@ class Rung:
 
     spec: RungSpec
     after_sharding = False  # the sharded dry run puts it on the copy after fully_shard (else before)
+    # a dry run models it where ``is_applicable`` refuses it (activation offload on CPU): ``seqmem plan``
+    # then says what it would do on a device where it applies, as a modelled figure
+    modelled_where_refused = False
 
     @property
     def name(self) -> str:

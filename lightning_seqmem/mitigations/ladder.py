@@ -17,10 +17,16 @@ name                      what it does                                          
 Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`, not in the default order; name it in
 ``mitigations`` to allow it):
 
-========================  =====================================================  ==============``"tiled_mlp"``           each block's MLP on sequence tiles, recomputed in      one more MLP forward
-                          backward (DeepSpeed's ``TiledMLP``, the ``tiled``      (~20%)
-                          extra): :class:`~.tiled_mlp.TiledMLPRung`
-========================  =====================================================  =====================
+==========================  ===================================================  =====================
+``"fused_loss"``            a causal LM's loss by a fused linear cross-entropy,  a Python loop over
+                            no ``[tokens, vocab]`` logits: :class:`FusedLossRung`  token shards (~5%)
+``"tiled_mlp"``             each block's MLP on sequence tiles, recomputed in    one more MLP forward
+                            backward (DeepSpeed's ``TiledMLP``, the ``tiled``    (~20%)
+                            extra): :class:`~.tiled_mlp.TiledMLPRung`
+``"activation_offload"``    (CUDA only) what each block saves for backward to    the host-device copies
+                            pinned host memory and back:                         (~15%, a guess)
+                            :class:`~.offload.ActivationOffloadRung`
+==========================  ===================================================  =====================
 
 Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
 (:class:`~lightning_seqmem.core.rungs.RungSpec`) is what the planner reads. A new rung is one file
@@ -53,10 +59,11 @@ from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, 
 from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
 from lightning_seqmem.mitigations.fused_loss import FusedLossRung
 from lightning_seqmem.mitigations.microbatch import MicroBatchRung
+from lightning_seqmem.mitigations.offload import ActivationOffloadRung
 from lightning_seqmem.mitigations.tiled_mlp import TiledMLPRung
 
 _RUNGS: dict[str, Rung] = {r.name: r for r in (AttentionRung(), CheckpointingRung(), MicroBatchRung(),
-                                          FusedLossRung(), TiledMLPRung())}
+                                          FusedLossRung(), TiledMLPRung(), ActivationOffloadRung())}
 
 
 def register(rung: Rung) -> Rung:

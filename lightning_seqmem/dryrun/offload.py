@@ -1,0 +1,87 @@
+"""What activation offload would save: two dry runs of one step, without and with the rung.
+
+Activation offload (:mod:`lightning_seqmem.mitigations.offload`) is CUDA only, but its effect on the
+device's live bytes is modelled on any device: on the dry run's fake copy each saved activation is
+forgotten by the device as ``save_on_cpu`` would copy it out, and allocated again in the backward
+where it would be copied back. :func:`offload_forecast` runs the step without and with it and
+reports the device peak of each and the bytes moved to host memory, so ``seqmem plan`` can say
+what it would save on a GPU from a CPU machine. The figures are *modelled*, not measured: on a CPU
+module they are live tensor bytes as the CPU tracker counts them (the allocator's 512-byte blocks,
+workspaces and the copies' own timing on a GPU are not in them).
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.demo import LitGPT
+    >>> module = LitGPT(n_layer=2, d_model=32, n_head=2, vocab_size=64, attention="sdpa")
+    >>> batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)}
+    >>> f = offload_forecast(module, None, batch, seq_len=256)
+    >>> f.peak_bytes_with < f.peak_bytes_without, f.host_bytes > 0, f.measured
+    (True, True, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import torch
+
+from lightning_seqmem.dryrun.step import dry_run_step
+
+__all__ = ["OffloadForecast", "offload_forecast"]
+
+RUNG = "activation_offload"
+
+
+@dataclass(frozen=True)
+class OffloadForecast:
+    """Device peaks of one step without and with activation offload (on top of ``mitigations``), and
+    the bytes it moves to host memory; modelled by dry runs (``measured`` is False)."""
+
+    seq_len: int
+    batch_size: int
+    mitigations: tuple[str, ...]  # the rungs on in both runs (offload added last in the second)
+    device: str  # the device the dry runs simulated
+    peak_bytes_without: int
+    peak_bytes_with: int
+    host_bytes: int  # saved activations copied to host per step (each save once)
+    phase_peak_bytes_without: dict[str, int]
+    phase_peak_bytes_with: dict[str, int]
+    measured: bool = False
+
+    @property
+    def saved_bytes(self) -> int:
+        """Device peak bytes offload takes off (negative: it would add)."""
+        return self.peak_bytes_without - self.peak_bytes_with
+
+
+def offload_forecast(
+    pl_module: torch.nn.Module,
+    optimizer: Optional[Any],
+    batch: Any,
+    seq_len: int,
+    batch_size: Optional[int] = None,
+    mitigations: Sequence[str] = (),
+    autocast: Optional[Callable[[], ContextManager[Any]]] = None,
+    device: Optional[torch.device | str] = None,
+    without: Optional[Any] = None,
+) -> OffloadForecast:
+    """Dry-run one step with ``mitigations`` and with ``mitigations`` + activation offload (see
+    :func:`~lightning_seqmem.dryrun.step.dry_run_step` for the arguments; ``without``: a dry-run
+    result already at hand for the first run, reused).
+
+    Raises:
+        ValueError: ``mitigations`` already holds the offload rung.
+        DryRunUnsupported: the step cannot run on fake tensors.
+    """
+    names = tuple(mitigations)
+    if RUNG in names:
+        raise ValueError(f"`mitigations` must not hold {RUNG!r} (it is added for the second run), got {names!r}")
+    plain = without or dry_run_step(pl_module, optimizer, batch, seq_len, batch_size, names, autocast, device)
+    offloaded = dry_run_step(pl_module, optimizer, batch, seq_len, batch_size, (*names, RUNG), autocast, device)
+    where = device if device is not None else next((str(p.device) for p in pl_module.parameters()), "cpu")
+    return OffloadForecast(
+        seq_len=offloaded.seq_len, batch_size=offloaded.batch_size, mitigations=names, device=str(where),
+        peak_bytes_without=plain.peak_bytes, peak_bytes_with=offloaded.peak_bytes, host_bytes=offloaded.host_bytes,
+        phase_peak_bytes_without=dict(plain.phase_peak_bytes), phase_peak_bytes_with=dict(offloaded.phase_peak_bytes),
+    )

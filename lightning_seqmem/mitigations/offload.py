@@ -1,0 +1,340 @@
+"""Activation offload: what each transformer block saves for backward waits in pinned host memory.
+
+Each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.find_repeated_blocks`)
+runs its forward under PyTorch's ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` hooks: every
+tensor autograd saves inside the block (its input, the normalised activations, the attention
+output, the MLP's hidden activations...) is copied to pinned host memory as it is saved, and its
+device copy is freed as soon as the forward no longer needs it; the backward copies each one back
+when its node runs, and frees it after. The device then holds the saved activations of no block
+between the forward and the backward, only the one being back-propagated: the peak falls where
+saved activations make it (the end of the forward), not where a backward's own temporaries do
+(huggingface/accelerate#4175: unchanged at short lengths, −25% at 1M tokens).
+
+Which tensors go to the host (:meth:`ActivationOffload.keeps` says which stay):
+
+* offloaded: every tensor saved for backward inside a block's forward that is not a parameter or a
+  buffer: activations, the block's input, masks the block builds;
+* kept on the device: the block's parameters and buffers (and views of them, e.g. a transposed
+  weight a matmul saves) and any ``nn.Parameter`` (FSDP2's unsharded ones): they stay on the device
+  anyway, so a host copy would free nothing and the way back would allocate a second device copy.
+  ``save_on_cpu`` alone copies them too;
+* with activation checkpointing on a block, only the checkpoint's inputs (what the non-reentrant
+  checkpoint keeps for its recompute, saved outside its region): the hooks go around the checkpoint
+  (a ``checkpoint_wrapper`` is the block then; Hugging Face checkpoints inside the layer's
+  ``forward``, below the hooks), so the checkpoint's own hooks stay innermost and nothing inside it
+  is saved (ALST's "checkpoint offload", and what ``activation_checkpointing_enable(offload=True)``
+  does in transformers 5; that one is not used: enabling it again would reset which layers are
+  checkpointed, and it covers checkpointed layers only). Hugging Face models: in either order. A
+  ``checkpoint_wrapper`` (or composable ``checkpoint``) put on a block *after* offload was
+  switched on encloses the hooks: there they stand aside (checkpoint's hooks are on top), so
+  checkpointing works and that block's checkpoint inputs stay on the device. Switch offload on
+  after checkpointing (list it after ``"checkpointing"``) to offload them.
+
+A tensor saved twice is copied twice (each save is its own host copy, as with ``save_on_cpu``).
+
+It is switched on in place, between steps: each block's ``forward`` becomes an instance attribute
+(:class:`OffloadedForward`) that runs the class's ``forward`` under the hooks; no module is wrapped,
+so parameters, optimizer state and ``state_dict`` keys are unchanged; :meth:`ActivationOffload.remove`
+deletes the attribute. CUDA only (:class:`ActivationOffloadRung`): on CPU the activations already
+live in host memory and a copy would only add one.
+
+Cost: a device-to-host copy of the saved activations in the forward and a host-to-device copy in
+the backward (on the compute stream: the step waits for them), and that much pinned host memory.
+
+On fake tensors (a dry run) the hooks *model* the offload: nothing is kept for a saved tensor but
+its shape, so the device's live bytes lose it at once, and the backward allocates it again on the
+device where ``save_on_cpu`` would copy it back. :attr:`OffloadedForward.host_bytes` counts the
+bytes that would be copied to the host (:func:`offloaded_bytes`).
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+    >>> policy = ActivationOffload()
+    >>> policy.apply(model).detail
+    'offload the tensors 2 Block blocks save for backward to pinned host memory (save_on_cpu)'
+    >>> loss = model(torch.randint(0, 256, (1, 8))).sum()
+    >>> offloaded_bytes(model) > 0, is_offloading(model)
+    (True, True)
+    >>> policy.remove(model).after, is_offloading(model)
+    ('off', False)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+
+from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.measure.tracker import tensor_storages
+from lightning_seqmem.mitigations.base import (
+    CopyPlan,
+    MitigationResult,
+    Rung,
+    RungContext,
+    wrapping_strategy_refusal,
+)
+from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
+
+__all__ = ["ActivationOffload", "ActivationOffloadRung", "OffloadedForward", "is_offloading", "offloaded_bytes",
+           "reset_offloaded_bytes"]
+
+CPU_REFUSAL = "CUDA only: on CPU activations already live in host memory"
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _inside_checkpoint() -> bool:
+    """Whether the saved-tensor hooks on top now are a non-reentrant checkpoint's (its forward or
+    its recompute): the tensors saved there are recomputed, not kept, so there is nothing to offload."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
+
+
+class OffloadedForward:
+    """A block's ``forward`` under the offload hooks (the block's instance attribute ``forward``).
+
+    ``host_bytes``/``host_tensors``: bytes and tensors copied to host since the last
+    :func:`reset_offloaded_bytes` (on fake tensors: that would be); ``kept_bytes``: bytes of saved
+    parameters and buffers left on the device.
+    """
+
+    def __init__(self, block: nn.Module, pin_memory: bool = True) -> None:
+        self.block = block
+        self.pin_memory = pin_memory
+        self.host_bytes = 0
+        self.host_tensors = 0
+        self.kept_bytes = 0
+        self._own: set[int] = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self.block
+        if not torch.is_grad_enabled() or _inside_checkpoint():
+            return type(block).forward(block, *args, **kwargs)
+        self._own = {st._cdata for t in (*block.parameters(), *block.buffers()) for st in _storages(t)}
+        try:
+            with saved_tensors_hooks(self._pack, self._unpack):
+                return type(block).forward(block, *args, **kwargs)
+        finally:
+            self._own = set()
+
+    def keeps(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor saved inside the block stays on the device: a parameter or buffer of the
+        block (or a view of one), any ``nn.Parameter``, or a tensor that is not strided."""
+        base = tensor._base if tensor._base is not None else tensor
+        if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter) or tensor.layout != torch.strided:
+            return True
+        return any(st._cdata in self._own for st in _storages(tensor))
+
+    def _save_on_cpu(self) -> save_on_cpu:
+        """PyTorch's own copies to (pinned) host memory and back (made once, not pickled)."""
+        hooks = self.__dict__.get("_hooks")
+        if hooks is None:
+            hooks = self._hooks = save_on_cpu(pin_memory=self.pin_memory)
+        return hooks
+
+    def _to_host(self, tensor: torch.Tensor) -> Any:
+        return self._save_on_cpu().pack_hook(tensor)
+
+    def _from_host(self, packed: Any) -> torch.Tensor:
+        return self._save_on_cpu().unpack_hook(packed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hooks", None)  # closures: made again on first use
+        return state
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.keeps(tensor):
+            self.kept_bytes += nbytes
+            return ("kept", tensor)
+        self.host_bytes += nbytes
+        self.host_tensors += 1
+        if _is_fake(tensor):  # a dry run: the shape alone (the device forgets it), back as a new device tensor
+            return ("modelled", (tensor.size(), tensor.dtype, tensor.device))
+        return ("host", self._to_host(tensor))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        how, what = packed
+        if how == "kept":
+            return what
+        if how == "modelled":
+            size, dtype, device = what
+            return torch.empty(size, dtype=dtype, device=device)
+        return self._from_host(what)
+
+    def __repr__(self) -> str:
+        return f"OffloadedForward({type(self.block).__name__}, pin_memory={self.pin_memory})"
+
+
+def _storages(t: torch.Tensor) -> list:
+    try:
+        return tensor_storages(t)
+    except Exception:  # noqa: BLE001 - a tensor subclass without plain storages: not one of ours
+        return []
+
+
+def _wrappers(module: nn.Module) -> list[OffloadedForward]:
+    return [m.__dict__["forward"] for m in module.modules() if isinstance(m.__dict__.get("forward"), OffloadedForward)]
+
+
+def is_offloading(module: nn.Module) -> bool:
+    """Whether any block of ``module`` offloads its saved activations.
+
+    >>> is_offloading(nn.Linear(2, 2))
+    False
+    """
+    return bool(_wrappers(module))
+
+
+def offloaded_bytes(module: nn.Module) -> int:
+    """Bytes the offloading blocks of ``module`` copied (or, on fake tensors, would copy) to host
+    memory since the last :func:`reset_offloaded_bytes` (each saved tensor at each save)."""
+    return sum(w.host_bytes for w in _wrappers(module))
+
+
+def reset_offloaded_bytes(module: nn.Module) -> None:
+    """Start counting :func:`offloaded_bytes` (and the kept bytes) from zero."""
+    for w in _wrappers(module):
+        w.host_bytes = w.host_tensors = w.kept_bytes = 0
+
+
+def _counted(blocks: list[nn.Module]) -> str:
+    names = sorted({type(b).__name__ for b in blocks})
+    return f"{len(blocks)} {'/'.join(names)} blocks"
+
+
+class ActivationOffload:
+    """Policy: offload the tensors every repeated block saves for backward, in place and idempotently.
+
+    Args:
+        block_class_names: class names of the blocks; ``None`` finds them as activation
+            checkpointing does (:func:`find_repeated_blocks`; checkpoint wrappers are the blocks
+            where checkpointing is on, so their inputs are what goes to the host).
+        pin_memory: copy into pinned (page-locked) host memory, as ``save_on_cpu(pin_memory=True)``.
+
+    Example:
+        >>> ActivationOffload().is_applicable(nn.Linear(2, 2))[1]
+        'no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); pass block_class_names'
+        >>> ActivationOffload(block_class_names=[])
+        Traceback (most recent call last):
+        ...
+        ValueError: `block_class_names` must be None or a non-empty sequence of class names, got [].
+    """
+
+    name = "activation_offload"
+
+    def __init__(self, block_class_names: Sequence[str] | None = None, pin_memory: bool = True) -> None:
+        if block_class_names is not None:
+            names = [block_class_names] if isinstance(block_class_names, str) else list(block_class_names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"`block_class_names` must be None or a non-empty sequence of class names, "
+                                 f"got {block_class_names!r}.")
+            block_class_names = names
+        if not isinstance(pin_memory, bool):
+            raise ValueError(f"`pin_memory` must be True or False, got {pin_memory!r}.")
+        self.block_class_names = block_class_names
+        self.pin_memory = pin_memory
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The blocks whose forward goes under the hooks (the checkpoint wrapper where there is one)."""
+        return [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
+
+    def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
+        """``(True, what would be offloaded)`` or ``(False, reason)`` (any device: the rung checks CUDA)."""
+        if is_offloading(model):
+            return False, "saved activations already offloaded"
+        blocks = self.blocks(model)
+        if not blocks:
+            return False, ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); "
+                           "pass block_class_names")
+        where = "pinned host memory" if self.pin_memory else "host memory"
+        return True, f"offload the tensors {_counted(blocks)} save for backward to {where} (save_on_cpu)"
+
+    def apply(self, model: nn.Module) -> MitigationResult:
+        """Put every block's forward under the hooks; a second call changes nothing."""
+        applies, reason = self.is_applicable(model)
+        if not applies:
+            state = "on" if is_offloading(model) else "off"
+            return MitigationResult(self.name, False, reason, state, state)
+        for block in self.blocks(model):
+            if "forward" in block.__dict__:  # someone else's instance forward: do not hide it
+                raise ValueError(f"{type(block).__name__} already has an instance attribute `forward` "
+                                 f"({block.__dict__['forward']!r}); activation offload cannot wrap it")
+        for block in self.blocks(model):
+            block.forward = OffloadedForward(block, self.pin_memory)  # type: ignore[method-assign]
+        return MitigationResult(self.name, True, reason, "off", "on")
+
+    def remove(self, model: nn.Module) -> MitigationResult:
+        """Give every block its class's forward back."""
+        found = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), OffloadedForward)]
+        for m in found:
+            del m.forward
+        detail = f"{len(found)} blocks save for backward on the device again" if found else "not offloading"
+        return MitigationResult(self.name, bool(found), detail, "on" if found else "off", "off")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_class_names={self.block_class_names!r}, pin_memory={self.pin_memory})"
+
+
+def _device_type(module: nn.Module) -> str:
+    first = next(iter(module.parameters()), None)
+    return first.device.type if first is not None else "cpu"
+
+
+class ActivationOffloadRung(Rung):
+    """The ladder's ``"activation_offload"`` rung (opt in: ``SeqMemCallback(mitigations=[...,
+    "activation_offload"])``): :class:`ActivationOffload` on CUDA. Elsewhere it is refused with its
+    reason; a dry run still models it (``modelled_where_refused``: ``seqmem plan`` says what it
+    would save on a GPU). Removable. FSDP1 and DeepSpeed wrap the model themselves and refuse it
+    at set-up.
+
+    Example:
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> ActivationOffloadRung().is_applicable(RungContext(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))))
+        (False, 'CUDA only: on CPU activations already live in host memory')
+    """
+
+    spec = spec("activation_offload")
+    modelled_where_refused = True
+
+    def __init__(self, policy: Optional[ActivationOffload] = None) -> None:
+        self.policy = policy or ActivationOffload()
+
+    def is_on(self, module: nn.Module) -> bool:
+        return is_offloading(module)
+
+    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
+        device = _device_type(ctx.pl_module)
+        if device == "cpu":
+            return False, CPU_REFUSAL
+        if device != "cuda":
+            return False, f"CUDA only: on {device} there is no pinned host memory to copy to"
+        return self.policy.is_applicable(ctx.pl_module)
+
+    def apply(self, ctx: RungContext) -> MitigationResult:
+        applies, reason = self.is_applicable(ctx)
+        if not applies:
+            state = "on" if is_offloading(ctx.pl_module) else "off"
+            return MitigationResult(self.name, False, reason, state, state)
+        return self.policy.apply(ctx.pl_module)
+
+    def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
+        return self.policy.remove(ctx.pl_module)
+
+    def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
+        """Model it on the dry run's fake copy on any device (the hooks see fake tensors: see the module)."""
+        result = self.policy.apply(copy)
+        plan.notes.append(f"{self.name}: {result.detail}" + (" (modelled)" if result.applied else ""))
+
+    def strategy_refusal(self, trainer: Any) -> Optional[str]:
+        return wrapping_strategy_refusal(trainer)
+
