@@ -23,7 +23,7 @@ Example (two rungs: ``checkpointing`` and a toy ``fused_loss``, both applicable;
     >>> c.setting, c.rungs, c.fits, c.judged   # fused loss (+2%) first: judged once, it fits
     (('fused_loss',), ('fused_loss',), True, 1)
     >>> c.why
-    'fused loss: fits, +2% step time; checkpointing + fused loss would cost +35%'
+    'fused loss: fits, +2% step time; checkpointing would cost +33%'
     >>> fits = lambda s: "fits" if s == ("checkpointing", "fused_loss") else "over"
     >>> c = choose((), ("checkpointing", "fused_loss"), {"checkpointing": (True, ""), "fused_loss": (True, "")},
     ...            fits, lambda s: prior_factor(s))
@@ -248,10 +248,12 @@ def choose(on: Sequence[str], allowed: Sequence[str], applicable: Applicability,
     if fuller != chosen:
         full_names = [f"full {base_name(n).replace('_', ' ')}" for n in switched_on(on, chosen) if level_of(n)]
         why += f"; {' + '.join(full_names)} would cost {_pct(price(fuller), base_cost)}"
-    elif len(ranked) > 1:
-        priciest = max(ranked, key=lambda s: costs[s])
-        if costs[priciest] > costs[chosen]:
-            why += f"; {describe(switched_on(on, priciest))} would cost {_pct(costs[priciest], base_cost)}"
+    else:  # the next cheapest setting that is not judged over nor one the chosen one makes fit anyway
+        judged_over = {o for o, _ in overs}
+        rest = [s for s in ranked[ranked.index(chosen) + 1:] if s not in judged_over and not dominated(s, chosen)
+                and not dominated(chosen, s)]
+        if rest:
+            why += f"; {describe(switched_on(on, rest[0]))} would cost {_pct(costs[rest[0]], base_cost)}"
     if fell_back:
         why += f" (after {max_judgements} settings judged by cost, the ladder order chose)"
     return Choice(chosen, switched_on(on, chosen), True, why, judged, fell_back, verdict)
