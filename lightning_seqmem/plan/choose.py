@@ -35,18 +35,18 @@ Example (two rungs: ``checkpointing`` and a toy ``fused_loss``, both applicable;
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.rungs import base_name, level_of
-from lightning_seqmem.plan.pricing import prior_factor
+from lightning_seqmem.plan.pricing import prior_factor  # noqa: F401 - the examples price by it
 
 Setting = tuple[str, ...]
 Applicability = Mapping[str, "tuple[bool, str]"]
 MAX_JUDGEMENTS = 12  # judgements (dry runs) one decision may spend on the search before the ladder order
 
 __all__ = ["Choice", "MAX_JUDGEMENTS", "at_most", "candidates", "choose", "combine", "describe", "dominated",
-           "switched_on"]
+           "switched_on", "with_why"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,14 @@ def describe(setting: Sequence[str]) -> str:
         words.append(base if level is None else f"{base} {k} of {n} blocks" if k.isdigit() and n.isdigit()
                      else f"{base} ({level})")
     return " + ".join(words) or "nothing"
+
+
+def with_why(words: Any, choice: Optional[Choice]) -> Any:
+    """An over-budget warning (an :class:`~lightning_seqmem.core.advice.Advice`) with the one line that
+    says why the setting was chosen (unchanged when nothing fits or nothing was chosen)."""
+    if choice is None or not choice.fits:
+        return words
+    return replace(words, text=f"{words.text} Chosen as the fastest setting that fits: {choice.why}.")
 
 
 def _pct(cost: float, base: float) -> str:

@@ -73,6 +73,7 @@ from lightning_seqmem.plan import choose, dry_evidence, pricing
 from lightning_seqmem.plan import metrics as plan_metrics
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from lightning_seqmem.plan.planner_state import load_planner_state, planner_state
+from lightning_seqmem.plan.quadratic_check import quadratic_terms
 from lightning_seqmem.plan.schedule import MeasurementSchedule
 
 Applicability = Mapping[str, "tuple[bool, str]"]
@@ -715,7 +716,7 @@ class SeqMemPlanner:
                                     verdict.method, usable, budget, self.safety_margin, self._checked_fit(seq_len, batch_size),
                                     self.applied_mitigations, rungs, verdict.measured, still_over=not fits,
                                     inapplicable=_inapplicable(applicable), device=self.device_type)
-        return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(_with_why(words, plan),))
+        return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(choose.with_why(words, plan),))
 
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
         """Samples per batch at ``seq_len``: ``truncate=False`` reshapes rows, keeping the tokens."""
@@ -1145,32 +1146,9 @@ class SeqMemPlanner:
         load_planner_state(self, state)
 
 
-def _with_why(words: A.Advice, plan: Optional[choose.Choice]) -> A.Advice:
-    """The over-budget warning, with the one line that says why the setting was chosen."""
-    return words if plan is None or not plan.fits else replace(words, text=f"{words.text} Chosen as the fastest "
-                                                                           f"setting that fits: {plan.why}.")
-
-
 def _inapplicable(applicable: Applicability) -> tuple[str, ...]:
     """The rungs checked and found not to apply (never advised: attention already on SDPA)."""
     return tuple(name for name, (ok, _) in applicable.items() if not ok)
-
-
-def quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:
-    """Bytes per token² (per sample) before and after a change, measured the same way, or None.
-
-    From the timeline replay when both settings have one (the L² coefficients of every allocation,
-    exact from two traced lengths); else from quadratic fits of three or more lengths (a two-point
-    fit is C + b·L² by construction and says nothing about the shape).
-    """
-    if old is None:
-        return None
-    if old.timeline is not None and new.timeline is not None:
-        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum()) for f in (old, new))  # type: ignore[return-value]
-    fits = [f.quadratic for f in (old, new)]
-    if any(q is None for q in fits) or any(len({L for L, _ in f.points}) < 3 for f in (old, new)):
-        return None
-    return tuple(max(c.quadratic_bytes_per_token2 for c in q.coefficients.values()) for q in fits)  # type: ignore[union-attr,return-value]
 
 
 __all__ = ["Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]
