@@ -71,6 +71,28 @@ def test_plan_json_on_cpu_demo(plan):
     assert doc["largest_fitting_seq_len"] is None  # no search when something fits at every length
 
 
+def test_plan_lists_the_fastest_fitting_setting_per_length(plan):
+    """Per length, the fastest setting that fits (by the rungs' priors) among every setting dry-run,
+    and per setting the longest of the dry-run lengths it fits."""
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    doc, _ = plan
+    usable = doc["usable_budget_bytes"]
+    for entry in doc["lengths"]:
+        fast = entry["fastest"]
+        every = entry["rows"] + entry["searched_rows"]
+        assert fast is not None and fast["peak_bytes"] <= usable and fast["why"]
+        assert fast["step_time_factor"] == pytest.approx(prior_factor(fast["mitigations"]))
+        fitting = [r for r in every if r["peak_bytes"] is not None and r["peak_bytes"] <= usable]
+        assert fast["step_time_factor"] == pytest.approx(min(prior_factor(r["mitigations"]) for r in fitting))
+        prefixes = [r["mitigations"] for r in entry["rows"]]
+        assert all(r["mitigations"] not in prefixes for r in entry["searched_rows"])  # each set dry-run once
+    for item in doc["longest_fitting_by_set"]:
+        fits = [e["seq_len"] for e in doc["lengths"] for r in e["rows"] + e["searched_rows"]
+                if r["mitigations"] == item["mitigations"] and r["peak_bytes"] <= usable]
+        assert item["seq_len"] == (max(fits) if fits else None)
+
+
 @pytest.mark.parametrize("mitigations", [(), ("attention",)])
 def test_plan_matches_a_real_training_step(plan, mitigations):
     """The dry-run peak at 1024 tokens is the peak of a real training step of the config's model there."""

@@ -233,7 +233,7 @@ def test_candidates_hold_one_entry_per_rung_and_only_upgrades():
 
 
 # -- one Trainer run on the reference GPT: the cheaper rung is chosen over a dearer one that also fits --
-GPT = dict(n_layer=2, d_model=64, n_head=4, vocab_size=64, attention="sdpa")
+GPT = dict(n_layer=2, d_model=64, n_head=4, vocab_size=64, attention="eager")
 LENGTH, BATCH = 256, 4
 
 
@@ -261,33 +261,34 @@ def _measured(names):
 
 
 def test_a_real_run_switches_on_the_cheaper_of_two_rungs_that_fit():
-    """Checkpointing (prior +33%) comes first in the ladder, micro-batching (+10%) second; at a budget
-    both fit under (each measured), the old prefix order took checkpointing; the fastest that fits is
-    micro-batching, switched on before the first step, no measured step over the budget."""
+    """Checkpointing (prior +33%) comes first in the ladder, the attention switch (eager -> SDPA, +0%)
+    second; at a budget both fit under (each measured), the old prefix order took checkpointing; the
+    fastest that fits is the attention switch, on before the first step, no measured step over budget."""
     import torch
 
     from conftest import make_trainer
     from lightning_seqmem import PredictedOOMWarning, SeqMemCallback
     from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-    from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching
+    from lightning_seqmem.mitigations import is_checkpointed
 
     plain, _ = _measured(())
     ckpt, _ = _measured(("checkpointing",))
-    micro, _ = _measured(("microbatch",))
-    budget = int(max(ckpt, micro) * 1.06)  # both fit with the dry run's margin; the plain step does not
-    assert budget < plain, (plain, ckpt, micro)
+    sdpa, _ = _measured(("attention",))
+    budget = int(max(ckpt, sdpa) * 1.06)  # both fit with the dry run's margin; the plain step does not
+    assert budget < plain, (plain, ckpt, sdpa)
     cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, summary=False,
-                        mitigations=("checkpointing", "microbatch"))
+                        mitigations=("checkpointing", "attention"))
     torch.manual_seed(0)
     module = LitGPT(**GPT)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer([cb], max_steps=4).fit(
             module, SyntheticTokenDataModule(batch_size=BATCH, seq_len=LENGTH, num_samples=16, vocab_size=64))
-    assert cb.applied_mitigations == ("microbatch",) and is_micro_batching(module) and not is_checkpointed(module)
-    assert all(r.mitigations == ("microbatch",) for r in cb.records)  # on before the first step
+    assert cb.applied_mitigations == ("attention",) and module.attention_backend == "sdpa"
+    assert not is_checkpointed(module)
+    assert all(r.mitigations == ("attention",) for r in cb.records)  # on before the first step
     assert max(r.peak_bytes for r in cb.records) <= budget
     assert all(r.step_seconds and r.step_seconds > 0 for r in cb.records if not r.warmup)
     words = " ".join(str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning))
-    assert "Chosen as the fastest setting that fits: microbatch: fits" in words and "+10% step time" in words
+    assert "Chosen as the fastest setting that fits: attention: fits" in words and "+0% step time" in words
     assert "checkpointing would cost +33%" in words

@@ -169,12 +169,15 @@ def _longest_by_set(results: list[dict[str, Any]], usable: Optional[int]) -> lis
     if usable is None:
         return []
     best: dict[tuple[str, ...], Optional[int]] = {}
+    ran: dict[tuple[str, ...], list[int]] = {}
     for res in results:
         for row in res["rows"] + res.get("searched_rows", []):
             names = tuple(row["mitigations"])
             fits = row["peak_bytes"] is not None and row["peak_bytes"] <= usable
             best[names] = max(best.get(names) or 0, res["seq_len"] if fits else 0) or None
-    return [{"mitigations": list(k), "seq_len": v, "step_time_factor": prior_factor(k)} for k, v in best.items()]
+            ran.setdefault(names, []).append(res["seq_len"])
+    return [{"mitigations": list(k), "seq_len": v, "step_time_factor": prior_factor(k), "dry_run_lengths": ran[k]}
+            for k, v in best.items()]
 
 
 def _names(names: Sequence[str]) -> str:
@@ -317,13 +320,14 @@ def _plan(args: argparse.Namespace) -> int:
                           f"{format_bytes(usable)} usable; {longest}")
     longest = _longest_by_set(results, usable)
     for entry in longest:
-        console.print(f"longest asked length that fits with {_names(entry['mitigations'])}: "
+        console.print(f"{_names(entry['mitigations'])} (step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
+                      f"priors): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
                       + (f"{entry['seq_len']}" if entry["seq_len"] else "none"), highlight=False)
     if usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
                       "device's total): no fits column and no plan")
-    dry_seconds = sum(r["seconds"] for res in results for r in res["rows"]) + search_seconds
-    console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) for res in results) + search_runs} dry runs in "
+    dry_seconds = sum(r["seconds"] for res in results for r in res["rows"] + res["searched_rows"]) + search_seconds
+    console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) + len(res['searched_rows']) for res in results) + search_runs} dry runs in "
                   f"{dry_seconds:.1f}s"
                   + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
                   + "; peaks are live tensor bytes (on CUDA allocator blocks, as max_memory_allocated; not "
