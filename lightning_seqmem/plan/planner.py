@@ -24,7 +24,8 @@ mitigations now on, :meth:`judge` says whether it fits the usable budget:
 
 A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
 only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
-real fit. Over the budget, the next applicable rung is switched on (and shorter lengths are
+real fit. Over the budget, the fastest setting the dry run says fits is switched on (:mod:`.choose`,
+priced by :mod:`.pricing`; without a dry run the next applicable rung, and shorter lengths are
 re-measured with it before growing), else the curriculum is capped at the longest multiple of
 ``multiple_of`` that :meth:`judge` (the dry run where it answers: the predictor that judged the
 stage) says fits — below the current stage if the current stage itself is over — and the warning
@@ -645,9 +646,10 @@ class SeqMemPlanner:
         ``fits=False`` when none fits; None where the dry run cannot answer."""
         if self.dry_peak(seq_len, batch_size) is None:
             return None
+        timed = pricing.timed_records(self.records)  # filtered once: every candidate is priced
         return choose.choose(self.applied_mitigations, self.mitigations, applicable,
                              lambda s: self.judge(seq_len, batch_size, s),
-                             lambda s: self.price(s, seq_len, batch_size).key,
+                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size).key,
                              fmt=format_bytes, usable=self.usable_budget_bytes)
 
     def price(self, setting: Optional[Sequence[str]], seq_len: int, batch_size: int) -> pricing.Price:

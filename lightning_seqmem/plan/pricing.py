@@ -42,7 +42,8 @@ from lightning_seqmem.core.rungs import base_name, spec
 
 Setting = tuple[str, ...]
 
-__all__ = ["Price", "predict_step", "prior_factor", "relative_cost", "setting_distance", "timed_settings"]
+__all__ = ["Price", "predict_step", "prior_factor", "relative_cost", "setting_distance", "timed_records",
+           "timed_settings"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ def setting_distance(a: Sequence[str], b: Sequence[str]) -> float:
     return float(len(ra.keys() ^ rb.keys())) + 0.5 * sum(ra[k] != rb[k] for k in ra.keys() & rb.keys())
 
 
-def _timed(records: Sequence[StepRecord]) -> list[StepRecord]:
+def timed_records(records: Sequence[StepRecord]) -> list[StepRecord]:
+    """The records a price is made from: fitted, untraced steps that carry ``step_seconds``."""
     return [r for r in records if not r.warmup and not r.traced and r.step_seconds is not None
             and r.step_seconds > 0 and r.seq_len > 0 and r.batch_size > 0]
 
@@ -92,7 +94,7 @@ def _timed(records: Sequence[StepRecord]) -> list[StepRecord]:
 def timed_settings(records: Sequence[StepRecord]) -> dict[Setting, int]:
     """``setting -> number of timed steps`` (fitted, untraced steps that carry ``step_seconds``)."""
     out: dict[Setting, int] = {}
-    for r in _timed(records):
+    for r in timed_records(records):
         out[tuple(r.mitigations)] = out.get(tuple(r.mitigations), 0) + 1
     return out
 
@@ -111,7 +113,7 @@ def predict_step(records: Sequence[StepRecord], setting: Sequence[str], seq_len:
     """The predicted cost of one step with ``setting`` at ``(seq_len, batch_size)`` (see the module doc)."""
     setting = tuple(setting)
     factor = prior_factor(setting)
-    timed = _timed(records)
+    timed = timed_records(records)
     own = _measured_seconds(timed, setting, seq_len, batch_size)
     if own is not None:
         return Price(own, factor, "measured", setting)
