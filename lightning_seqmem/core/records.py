@@ -71,6 +71,8 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["mitigations"] = list(self.mitigations)
+        if out["step_seconds"] is None:  # not timed (a record of an older version): absent, as it was saved
+            del out["step_seconds"]
         return out
 
     @classmethod
