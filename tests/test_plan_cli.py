@@ -168,6 +168,30 @@ def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, ca
     assert dry_run_step(cli.model, optimizer, batch, largest + 8, mitigations=ladder).peak_bytes > usable
 
 
+def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, monkeypatch, capsys):
+    """``--longest``: per setting dry-run, the longest multiple of 8 it fits, checked by two dry runs."""
+    from lightning_seqmem.cli.main import _first_optimizer, build_from_config
+    from lightning_seqmem.dryrun.step import dry_run_step
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", str(CPU_DEMO), "--lengths", "64", "256", "--budget", "16MiB", "--longest",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    usable = doc["usable_budget_bytes"]
+    searched = {tuple(e["mitigations"]): e["searched_seq_len"] for e in doc["longest_fitting_by_set"]}
+    assert searched[("attention",)] is not None and 64 <= searched[("attention",)] < 256
+    cli = build_from_config(str(CPU_DEMO))
+    cli.datamodule.prepare_data()
+    cli.datamodule.setup("fit")
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    optimizer, _ = _first_optimizer(cli.model)
+    found = searched[("attention",)]
+    assert dry_run_step(cli.model, optimizer, batch, found, mitigations=("attention",)).peak_bytes <= usable
+    assert dry_run_step(cli.model, optimizer, batch, found + 8, mitigations=("attention",)).peak_bytes > usable
+    fastest = {e["seq_len"]: e["fastest"] for e in doc["lengths"]}
+    assert fastest[64]["mitigations"] == [] and fastest[256]["peak_bytes"] <= usable
+
+
 def test_plan_skips_rungs_that_do_not_apply_and_runs_without_budget(tmp_path, monkeypatch, capsys):
     """An SDPA model at batch 1 without a budget: no attention or micro-batching rung, no fits column, no plan."""
     monkeypatch.chdir(tmp_path)

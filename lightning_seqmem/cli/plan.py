@@ -180,6 +180,20 @@ def _longest_by_set(results: list[dict[str, Any]], usable: Optional[int]) -> lis
             for k, v in best.items()]
 
 
+def _search_longest(model: Any, optimizer: Any, batch: Any, batch_size: int, entry: dict[str, Any],
+                    results: list[dict[str, Any]], usable: int, context: Any, device: Any) -> tuple[Optional[int], int]:
+    """(the longest multiple of 8 that ``entry``'s setting fits, dry runs): searched between the longest
+    dry-run length it fits and the shortest it does not; without one over, the longest it fits."""
+    names = tuple(entry["mitigations"])
+    over = [res["seq_len"] for res in results for r in res["rows"] + res["searched_rows"]
+            if tuple(r["mitigations"]) == names and r["peak_bytes"] is not None and r["peak_bytes"] > usable]
+    if not over:
+        return entry["seq_len"], 0
+    hi = min(over)
+    lo = max((L for L in [entry["seq_len"] or 0] if L < hi), default=0)
+    return _largest_fitting(model, optimizer, batch, batch_size, names, usable, lo, hi, context, device)
+
+
 def _names(names: Sequence[str]) -> str:
     return " + ".join(names) if names else "none"
 
@@ -319,10 +333,20 @@ def _plan(args: argparse.Namespace) -> int:
                           f"{format_bytes(lowest['peak_bytes'])} ({_names(lowest['mitigations'])}) over "
                           f"{format_bytes(usable)} usable; {longest}")
     longest = _longest_by_set(results, usable)
+    if getattr(args, "longest", False) and usable is not None and world is None:
+        t0 = time.perf_counter()
+        with console.status("searching the longest length each setting fits..."):
+            for entry in longest:
+                entry["searched_seq_len"], runs = _search_longest(model, optimizer, batch, batch_size, entry, results,
+                                                                  usable, context, device)
+                search_runs += runs
+        search_seconds += time.perf_counter() - t0
     for entry in longest:
         console.print(f"{_names(entry['mitigations'])} (step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
                       f"priors): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
-                      + (f"{entry['seq_len']}" if entry["seq_len"] else "none"), highlight=False)
+                      + (f"{entry['seq_len']}" if entry["seq_len"] else "none")
+                      + (f"; longest that fits (searched): {entry['searched_seq_len'] or 'none'}"
+                         if "searched_seq_len" in entry else ""), highlight=False)
     if usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
                       "device's total): no fits column and no plan")
