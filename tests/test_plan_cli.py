@@ -71,6 +71,28 @@ def test_plan_json_on_cpu_demo(plan):
     assert doc["largest_fitting_seq_len"] is None  # no search when something fits at every length
 
 
+def test_plan_lists_the_fastest_fitting_setting_per_length(plan):
+    """Per length, the fastest setting that fits (by the rungs' priors) among every setting dry-run,
+    and per setting the longest of the dry-run lengths it fits."""
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    doc, _ = plan
+    usable = doc["usable_budget_bytes"]
+    for entry in doc["lengths"]:
+        fast = entry["fastest"]
+        every = entry["rows"] + entry["searched_rows"]
+        assert fast is not None and fast["peak_bytes"] <= usable and fast["why"]
+        assert fast["step_time_factor"] == pytest.approx(prior_factor(fast["mitigations"]))
+        fitting = [r for r in every if r["peak_bytes"] is not None and r["peak_bytes"] <= usable]
+        assert fast["step_time_factor"] == pytest.approx(min(prior_factor(r["mitigations"]) for r in fitting))
+        prefixes = [r["mitigations"] for r in entry["rows"]]
+        assert all(r["mitigations"] not in prefixes for r in entry["searched_rows"])  # each set dry-run once
+    for item in doc["longest_fitting_by_set"]:
+        fits = [e["seq_len"] for e in doc["lengths"] for r in e["rows"] + e["searched_rows"]
+                if r["mitigations"] == item["mitigations"] and r["peak_bytes"] <= usable]
+        assert item["seq_len"] == (max(fits) if fits else None)
+
+
 @pytest.mark.parametrize("mitigations", [(), ("attention",)])
 def test_plan_matches_a_real_training_step(plan, mitigations):
     """The dry-run peak at 1024 tokens is the peak of a real training step of the config's model there."""
@@ -144,6 +166,30 @@ def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, ca
     usable = int(16 * 2**20 * 0.9)
     assert dry_run_step(cli.model, optimizer, batch, largest, mitigations=ladder).peak_bytes <= usable
     assert dry_run_step(cli.model, optimizer, batch, largest + 8, mitigations=ladder).peak_bytes > usable
+
+
+def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, monkeypatch, capsys):
+    """``--longest``: per setting dry-run, the longest multiple of 8 it fits, checked by two dry runs."""
+    from lightning_seqmem.cli.main import _first_optimizer, build_from_config
+    from lightning_seqmem.dryrun.step import dry_run_step
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--config", str(CPU_DEMO), "--lengths", "64", "256", "--budget", "16MiB", "--longest",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    usable = doc["usable_budget_bytes"]
+    searched = {tuple(e["mitigations"]): e["searched_seq_len"] for e in doc["longest_fitting_by_set"]}
+    assert searched[("attention",)] is not None and 64 <= searched[("attention",)] < 256
+    cli = build_from_config(str(CPU_DEMO))
+    cli.datamodule.prepare_data()
+    cli.datamodule.setup("fit")
+    batch = next(iter(cli.datamodule.train_dataloader()))
+    optimizer, _ = _first_optimizer(cli.model)
+    found = searched[("attention",)]
+    assert dry_run_step(cli.model, optimizer, batch, found, mitigations=("attention",)).peak_bytes <= usable
+    assert dry_run_step(cli.model, optimizer, batch, found + 8, mitigations=("attention",)).peak_bytes > usable
+    fastest = {e["seq_len"]: e["fastest"] for e in doc["lengths"]}
+    assert fastest[64]["mitigations"] == [] and fastest[256]["peak_bytes"] <= usable
 
 
 def test_plan_skips_rungs_that_do_not_apply_and_runs_without_budget(tmp_path, monkeypatch, capsys):

@@ -41,7 +41,9 @@ def _comparable(records, skip_steps=()):
 def test_resume_mid_curriculum_matches_an_uninterrupted_run(tmp_path):
     straight = _callback()
     _fit(straight, 24)
-    assert straight.applied_mitigations == ("attention", "checkpointing", "microbatch")  # decisions exercised
+    # decisions exercised: the fastest setting that fits at 128 is SDPA + micro-batching (+10%), before
+    # checkpointing (+33%; the ladder's old prefix order took attention + checkpointing there)
+    assert straight.applied_mitigations == ("attention", "microbatch", "checkpointing")
 
     first = _callback()
     trainer = _fit(first, STOP, root=tmp_path)

@@ -281,6 +281,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="fraction of the budget kept free, in [0, 1) (default: the config's SeqMemCallback, else 0.1)")
     plan.add_argument("--model-class", default=_DEFAULT_MODEL, help="model class when the config names none")
     plan.add_argument("--data-class", default=_DEFAULT_DATA, help="datamodule class when the config names none")
+    plan.add_argument("--longest", action="store_true",
+                      help="with a budget: search, per setting dry-run, the longest length it fits (multiples of 8, "
+                      "between the longest asked length it fits and the shortest it does not; a few dry runs each)")
     plan.add_argument("--world-size", type=_positive_int, default=None,
                       help="plan the per-rank peak at this many ranks (a dry run in a fake process group on this "
                       "machine), and with a budget the smallest world size (powers of two up to it) at which each "

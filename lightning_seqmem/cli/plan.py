@@ -22,9 +22,10 @@ from lightning_seqmem.cli.common import (
 _SEARCH_MULTIPLE = 8  # "nothing fits": the largest fitting length is searched among multiples of this
 
 
-def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any,
-                     batch_size: int) -> tuple[list[tuple[str, ...]], dict[str, str]]:
-    """The mitigation sets to dry-run, cheapest first, and ``rung -> why skipped``.
+def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_size: int,
+                     checks_out: Optional[dict] = None) -> tuple[list[tuple[str, ...]], dict[str, str]]:
+    """The mitigation sets to dry-run, cheapest first, and ``rung -> why skipped`` (``checks_out``
+    receives every rung's and variant's applicability, for the search of the fastest setting).
 
     The rungs are those the config's SeqMemCallback may switch on (``mitigations``, in its order),
     or the default ladder without one; a rung that would not change this model (already on SDPA, no
@@ -39,6 +40,8 @@ def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any,
     # asked for (else None: it reads the unconnected trainer's loader, unknown); the size asked goes too
     rows = infer_batch_shape(batch)[0]
     checks = applicability(rungs, trainer, model, batch if rows > 1 or batch_size <= 1 else None, batch_size)
+    if checks_out is not None:
+        checks_out.update(checks)
     skipped: dict[str, str] = {}
     sets: list[tuple[str, ...]] = [()]
     for name in rungs:
@@ -174,6 +177,79 @@ def _modelled_line(row: dict[str, Any]) -> str:
             f"{format_bytes(row['host_bytes'])} of saved activations moved to host memory per step")
 
 
+def _fastest(rows: list[dict[str, Any]], rungs: Sequence[str], checks: dict, usable: Optional[int],
+             dry: Any) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+    """The fastest setting that fits at one length (:func:`~lightning_seqmem.plan.choose.choose`,
+    priced by the rungs' step-time priors: nothing is timed here), and the rows of the settings it
+    dry-ran beyond ``rows`` (the ladder's prefixes, already dry-run). ``dry(names)`` -> a row."""
+    from types import SimpleNamespace
+
+    from lightning_seqmem.core.units import format_bytes
+    from lightning_seqmem.plan.choose import choose
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    if usable is None:
+        return None, []
+    known = {tuple(r["mitigations"]): r for r in rows}
+    extra: list[dict[str, Any]] = []
+
+    def row(names: tuple[str, ...]) -> dict[str, Any]:
+        if names not in known:
+            known[names] = dry(names)
+            extra.append(known[names])
+        return known[names]
+
+    def judge(names: tuple[str, ...]) -> Any:
+        r = row(names)
+        kind = "unknown" if r["peak_bytes"] is None else ("fits" if r["peak_bytes"] <= usable else "over")
+        return SimpleNamespace(kind=kind, bound_bytes=r["peak_bytes"])
+
+    plain = known.get(())
+    if plain is not None and plain["fits"]:
+        choice_setting, why = (), "no mitigation needed"
+    else:
+        choice = choose((), rungs, checks, judge, prior_factor, fmt=format_bytes, usable=usable)
+        if choice is None or not choice.fits:
+            return None, extra
+        choice_setting, why = choice.setting, choice.why
+    r = known[choice_setting]
+    return {"mitigations": list(choice_setting), "peak_bytes": r["peak_bytes"],
+            "step_time_factor": prior_factor(choice_setting), "why": why}, extra
+
+
+def _longest_by_set(results: list[dict[str, Any]], usable: Optional[int]) -> list[dict[str, Any]]:
+    """Per setting dry-run (the ladder's prefixes and those the search of the fastest setting ran), the
+    longest asked length at which it fits, with its prior step-time factor (empty without a budget)."""
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    if usable is None:
+        return []
+    best: dict[tuple[str, ...], Optional[int]] = {}
+    ran: dict[tuple[str, ...], list[int]] = {}
+    for res in results:
+        for row in res["rows"] + res.get("searched_rows", []):
+            names = tuple(row["mitigations"])
+            fits = row["peak_bytes"] is not None and row["peak_bytes"] <= usable
+            best[names] = max(best.get(names) or 0, res["seq_len"] if fits else 0) or None
+            ran.setdefault(names, []).append(res["seq_len"])
+    return [{"mitigations": list(k), "seq_len": v, "step_time_factor": prior_factor(k), "dry_run_lengths": ran[k]}
+            for k, v in best.items()]
+
+
+def _search_longest(model: Any, optimizer: Any, batch: Any, batch_size: int, entry: dict[str, Any],
+                    results: list[dict[str, Any]], usable: int, context: Any, device: Any) -> tuple[Optional[int], int]:
+    """(the longest multiple of 8 that ``entry``'s setting fits, dry runs): searched between the longest
+    dry-run length it fits and the shortest it does not; without one over, the longest it fits."""
+    names = tuple(entry["mitigations"])
+    over = [res["seq_len"] for res in results for r in res["rows"] + res["searched_rows"]
+            if tuple(r["mitigations"]) == names and r["peak_bytes"] is not None and r["peak_bytes"] > usable]
+    if not over:
+        return entry["seq_len"], 0
+    hi = min(over)
+    lo = max((L for L in [entry["seq_len"] or 0] if L < hi), default=0)
+    return _largest_fitting(model, optimizer, batch, batch_size, names, usable, lo, hi, context, device)
+
+
 def _names(names: Sequence[str]) -> str:
     return " + ".join(names) if names else "none"
 
@@ -204,7 +280,9 @@ def _plan(args: argparse.Namespace) -> int:
     precision = trainer.precision_plugin
     model = precision.convert_module(model)  # as fit does (bf16-true: bf16 weights); the model stays where it is
     optimizer, optimizer_name = _first_optimizer(model)
-    sets, skipped = _mitigation_sets(seqmem, trainer, model, batch, batch_size)
+    checks: dict[str, Any] = {}
+    sets, skipped = _mitigation_sets(seqmem, trainer, model, batch, batch_size, checks)
+    ladder_rungs = [n for n in checks if ":" not in n]  # the rungs this run may take, in its order
     context = precision.train_step_context  # autocast under mixed precision, as in training_step
     console.print(f"[bold]seqmem plan[/bold]: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
                   f"parameters), {trainer.precision} precision, on {device}, optimizer {optimizer_name}, batch "
@@ -228,7 +306,10 @@ def _plan(args: argparse.Namespace) -> int:
         for L in lengths:
             rows = _plan_rows(model, optimizer, batch, L, batch_size, sets, usable, context, device, world)
             plan = next((r["mitigations"] for r in rows if r["fits"]), None)
-            results.append({"seq_len": L, "rows": rows, "plan": plan})
+            fastest, searched_rows = _fastest(rows, ladder_rungs, checks, usable, lambda names, L=L: _plan_rows(
+                model, optimizer, batch, L, batch_size, [names], usable, context, device, world)[0])
+            results.append({"seq_len": L, "rows": rows, "plan": plan, "fastest": fastest,
+                            "searched_rows": searched_rows})
     # nothing fits at some length: the largest length the last (lowest) set fits, searched once
     # between the longest asked length it fits and the shortest it does not
     largest, searched, search_runs, search_seconds = None, False, 0, 0.0
@@ -296,6 +377,12 @@ def _plan(args: argparse.Namespace) -> int:
             what = _names(res["plan"]) if res["plan"] else "no mitigation needed"
             console.print(f"seq_len {res['seq_len']}: cheapest plan: [bold]{what}[/bold] "
                           f"({format_bytes(peak)} of {format_bytes(usable)} usable)")
+            fast = res["fastest"]
+            if fast is not None:
+                console.print(f"seq_len {res['seq_len']}: fastest that fits: [bold]{_names(fast['mitigations'])}"
+                              f"[/bold], peak {format_bytes(fast['peak_bytes'])}, step time "
+                              f"{(fast['step_time_factor'] - 1) * 100:+.0f}% by the rungs' priors ({fast['why']})",
+                              highlight=False)
         elif all(r["peak_bytes"] is None for r in rows):
             console.print(f"seq_len {res['seq_len']}: no plan: the dry run failed for every set (see the table)")
         else:
@@ -311,11 +398,27 @@ def _plan(args: argparse.Namespace) -> int:
                           f"{format_bytes(usable)} usable; {longest}")
     for row in modelled:
         console.print(_modelled_line(row), highlight=False)
+
+    longest = _longest_by_set(results, usable)
+    if getattr(args, "longest", False) and usable is not None and world is None:
+        t0 = time.perf_counter()
+        with console.status("searching the longest length each setting fits..."):
+            for entry in longest:
+                entry["searched_seq_len"], runs = _search_longest(model, optimizer, batch, batch_size, entry, results,
+                                                                  usable, context, device)
+                search_runs += runs
+        search_seconds += time.perf_counter() - t0
+    for entry in longest:
+        console.print(f"{_names(entry['mitigations'])} (step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
+                      f"priors): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
+                      + (f"{entry['seq_len']}" if entry["seq_len"] else "none")
+                      + (f"; longest that fits (searched): {entry['searched_seq_len'] or 'none'}"
+                         if "searched_seq_len" in entry else ""), highlight=False)
     if usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
                       "device's total): no fits column and no plan")
-    dry_seconds = sum(r["seconds"] for res in results for r in res["rows"]) + search_seconds
-    console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) for res in results) + search_runs} dry runs in "
+    dry_seconds = sum(r["seconds"] for res in results for r in res["rows"] + res["searched_rows"]) + search_seconds
+    console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) + len(res['searched_rows']) for res in results) + search_runs} dry runs in "
                   f"{dry_seconds:.1f}s"
                   + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
                   + (f", and {len(modelled)} modelling refused rungs" if modelled else "")
@@ -334,6 +437,7 @@ def _plan(args: argparse.Namespace) -> int:
             "batch_size": batch_size, "budget_bytes": budget, "safety_margin": margin, "usable_budget_bytes": usable,
             "mitigation_sets": [list(s) for s in sets], "skipped": skipped, "lengths": results,
             "largest_fitting_seq_len": largest, "modelled": modelled, "seconds": seconds, "method": "dry_run",
+            "longest_fitting_by_set": longest,
             "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
         }, indent=2) + "\n")
     failed = any(r["error"] and not r["error"].startswith("unsupported:") for res in results for r in res["rows"])

@@ -34,7 +34,8 @@ class StepRecord:
     trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded but not fitted.
     ``forecast_*`` hold the forecast made for this ``(seq_len, batch_size)`` before it was first
     measured, and ``forecast_error`` = (forecast − measured) / measured, filled on the first
-    non-warm-up measurement of a new length.
+    non-warm-up measurement of a new length. ``step_seconds`` is the step's own wall time
+    (:mod:`lightning_seqmem.plan.pricing` prices settings from it).
     """
 
     step: int
@@ -63,10 +64,15 @@ class StepRecord:
     forecast_error: Optional[float] = None
     events: list[str] = field(default_factory=list)
     rank: Optional[int] = None  # under DDP: the rank whose peak (the highest) this is, with its own shape
+    # wall seconds of the step itself (batch start after the decision -> batch end: forward, backward,
+    # optimizer), not the callback's own dry runs or decisions; None where not timed (older checkpoints)
+    step_seconds: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["mitigations"] = list(self.mitigations)
+        if out["step_seconds"] is None:  # not timed (a record of an older version): absent, as it was saved
+            del out["step_seconds"]
         return out
 
     @classmethod

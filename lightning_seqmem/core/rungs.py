@@ -150,6 +150,24 @@ def check_mitigations(value: Any) -> tuple[str, ...]:
     return names
 
 
+def check_setting(value: Any, name: str = "mitigations") -> tuple[str, ...]:
+    """Validate a setting (the rungs on, variants included): distinct known rungs, one entry per rung.
+
+    >>> check_setting(["attention", "checkpointing:3/8"])
+    ('attention', 'checkpointing:3/8')
+    >>> check_setting(["checkpointing:3/8", "checkpointing"])
+    Traceback (most recent call last):
+    ...
+    ValueError: `mitigations` (a setting) must be a sequence of names of known rungs (variants '<rung>:<level>' allowed), at most one entry per rung, from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload'), got ['checkpointing:3/8', 'checkpointing']
+    """
+    names = tuple(value) if isinstance(value, (list, tuple)) else None
+    if (names is None or any(not isinstance(n, str) or base_name(n) not in _SPECS for n in names)
+            or len({base_name(n) for n in names}) != len(names)):
+        raise ValueError(f"`{name}` (a setting) must be a sequence of names of known rungs (variants '<rung>{LEVEL_SEP}<level>' "
+                         f"allowed), at most one entry per rung, from {rung_names()}, got {value!r}")
+    return names
+
+
 def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), device: str = "cuda") -> str:
     """What else would help, in words, for a warning: every rung not on yet that applies to this
     model (not ``inapplicable``: attention already on SDPA is never advised; nor the opt-in
@@ -170,5 +188,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "register_spec", "remaining_advice",
+__all__ = ["ADVICE", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import PHASES, StepRecord
-from lightning_seqmem.core.rungs import rung_names
+from lightning_seqmem.core.rungs import base_name, rung_names
 from lightning_seqmem.core.units import format_bytes
 
 CHECKPOINT_LAST_RECORDS = 256
@@ -137,8 +137,8 @@ def _dict(field: str, value: Any) -> Mapping:
 
 
 def _rungs(field: str, value: Any) -> None:
-    if (not isinstance(value, (list, tuple)) or any(v not in rung_names() for v in value)
-            or len(set(value)) != len(value)):
+    if (not isinstance(value, (list, tuple)) or any(not isinstance(v, str) or base_name(v) not in rung_names() for v in value)
+            or len({base_name(v) for v in value}) != len(value)):
         raise InvalidState(field, value, f"a list of distinct rung names from {rung_names()}")
 
 
@@ -171,6 +171,7 @@ def _record(field: str, r: Any) -> None:
         _int(f"{field}.{name}", r.get(name), optional=True)
     for name in ("fragmentation_fraction", "forecast_error"):
         _float(f"{field}.{name}", r.get(name), optional=True)
+    _float(f"{field}.step_seconds", r.get("step_seconds"), optional=True, minimum=0.0)
     _rungs(f"{field}.mitigations", r.get("mitigations", []))
     _str(f"{field}.forecast_method", r.get("forecast_method"), optional=True)
     for i, event in enumerate(_list(f"{field}.events", r.get("events", []))):

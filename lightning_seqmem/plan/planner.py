@@ -24,7 +24,8 @@ mitigations now on, :meth:`judge` says whether it fits the usable budget:
 
 A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
 only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
-real fit. Over the budget, the next applicable rung is switched on (and shorter lengths are
+real fit. Over the budget, the fastest setting the dry run says fits is switched on (:mod:`.choose`,
+priced by :mod:`.pricing`; without a dry run the next applicable rung, and shorter lengths are
 re-measured with it before growing), else the curriculum is capped at the longest multiple of
 ``multiple_of`` that :meth:`judge` (the dry run where it answers: the predictor that judged the
 stage) says fits — below the current stage if the current stage itself is over — and the warning
@@ -64,14 +65,16 @@ from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
-from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations, spec
+from lightning_seqmem.core.rungs import MITIGATIONS, base_name, check_mitigations, check_setting, spec
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.timeline import Trace
 from lightning_seqmem.core.trust import Check, PredictorChecks
-from lightning_seqmem.plan import dry_evidence
+from lightning_seqmem.core.units import format_bytes
+from lightning_seqmem.plan import choose, dry_evidence, pricing
 from lightning_seqmem.plan import metrics as plan_metrics
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS, compact_records
 from lightning_seqmem.plan.planner_state import load_planner_state, planner_state
+from lightning_seqmem.plan.quadratic_check import quadratic_terms
 from lightning_seqmem.plan.schedule import MeasurementSchedule
 
 Applicability = Mapping[str, "tuple[bool, str]"]
@@ -264,7 +267,7 @@ class SeqMemPlanner:
         if not self.within_limit(seq_len):
             raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.length_limit} tokens "
                              f"({self.length_limit_reason}): pass a length up to {self.length_limit}")
-        key = self.applied_mitigations if mitigations is None else check_mitigations(mitigations)
+        key = self.applied_mitigations if mitigations is None else check_setting(mitigations)
         self._check_dry_once(key)
         dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
         if dry is not None:
@@ -626,8 +629,9 @@ class SeqMemPlanner:
 
     def _next_rung(self, applicable: Applicability) -> tuple[Optional[str], list[str]]:
         skipped = []
+        on = {base_name(n) for n in self.applied_mitigations}
         for name in self.mitigations:
-            if name in self.applied_mitigations:
+            if name in on:
                 continue
             ok, reason = applicable.get(name, (False, "its applicability was not checked"))
             if ok:
@@ -635,19 +639,24 @@ class SeqMemPlanner:
             skipped.append(f"{name}: {reason}")
         return None, skipped
 
-    def _plan(self, seq_len: int, batch_size: int, applicable: Applicability) -> Optional[tuple[tuple[str, ...], bool]]:
-        """The cheapest prefix of the rungs left (in ladder order, those that apply) whose dry run
-        fits, and True; all of them and False when none fits; None where the dry run cannot answer."""
-        candidates = [m for m in self.mitigations if m not in self.applied_mitigations and applicable.get(m, (False, ""))[0]]
-        if self.dry_peak(seq_len, batch_size) is None or not candidates:
+    def _plan(self, seq_len: int, batch_size: int, applicable: Applicability) -> Optional[choose.Choice]:
+        """The setting that fits at ``(seq_len, batch_size)`` with the least predicted step time
+        (:func:`~lightning_seqmem.plan.choose.choose`: what is on plus at most one applicable variant
+        per rung left or an upgrade, judged by dry run, priced by :meth:`price`); every rung on and
+        ``fits=False`` when none fits; None where the dry run cannot answer."""
+        if self.dry_peak(seq_len, batch_size) is None:
             return None
-        for k in range(1, len(candidates) + 1):
-            verdict = self.judge(seq_len, batch_size, self.applied_mitigations + tuple(candidates[:k]))
-            if verdict.kind == "unknown":
-                return None
-            if verdict.kind == "fits":
-                return tuple(candidates[:k]), True
-        return tuple(candidates), False
+        timed = pricing.timed_records(self.records)  # filtered once: every candidate is priced
+        return choose.choose(self.applied_mitigations, self.mitigations, applicable,
+                             lambda s: self.judge(seq_len, batch_size, s),
+                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size).key,
+                             fmt=format_bytes, usable=self.usable_budget_bytes)
+
+    def price(self, setting: Optional[Sequence[str]], seq_len: int, batch_size: int) -> pricing.Price:
+        """The predicted cost of one step with ``setting`` (default: the one on) at ``(seq_len,
+        batch_size)``, from the measured step times (:func:`~lightning_seqmem.plan.pricing.predict_step`)."""
+        key = self.applied_mitigations if setting is None else tuple(setting)
+        return pricing.predict_step(self.records, key, int(seq_len), int(batch_size))
 
     def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...],
                  batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
@@ -701,7 +710,7 @@ class SeqMemPlanner:
         assert budget is not None and usable is not None
         plan = self._plan(seq_len, batch_size, applicable)
         if plan is not None:
-            rungs, fits = plan
+            rungs, fits = plan.rungs, plan.fits
         else:
             rung, _ = self._next_rung(applicable)
             rungs, fits = ((rung,) if rung else ()), True
@@ -709,7 +718,7 @@ class SeqMemPlanner:
                                     verdict.method, usable, budget, self.safety_margin, self._checked_fit(seq_len, batch_size),
                                     self.applied_mitigations, rungs, verdict.measured, still_over=not fits,
                                     inapplicable=_inapplicable(applicable), device=self.device_type)
-        return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(words,))
+        return self._state(action="mitigate" if rungs else "over", rungs=rungs, advice=(choose.with_why(words, plan),))
 
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
         """Samples per batch at ``seq_len``: ``truncate=False`` reshapes rows, keeping the tokens."""
@@ -788,23 +797,24 @@ class SeqMemPlanner:
             words["fit"] = cap or 0  # the length that was checked; 0: "no length is forecast to fit"
             return cap if cap is not None else (current if seq_len > current else m)
 
-        if plan is not None and plan[1]:  # the dry run says which rungs make it fit: on before the stage
+        if plan is not None and plan.fits:  # the dry run says which rungs make it fit: on before the stage
             words["fit"] = self._dry_fit(1, seq_len, batch_size, self.applied_mitigations, batch_of) or 0
-            action = f"Switching on {', '.join(map(repr, plan[0]))} before it runs (dry run: it then fits)"
-            return self._state(action="mitigate", rungs=plan[0], seq_len=seq_len, refit_queue=(), decide_now=False,
+            action = (f"Switching on {', '.join(map(repr, plan.rungs))} before it runs (dry run: it then fits; "
+                      f"chosen as the fastest setting that fits: {plan.why})")
+            return self._state(action="mitigate", rungs=plan.rungs, seq_len=seq_len, refit_queue=(), decide_now=False,
                                stage=self.stages.index(seq_len) if advance else self.stage, reset_stage_steps=advance,
                                advice=(A.over_budget_stage(action=action, **words),))
         if plan is not None:  # nothing fits at this length even with every rung: all on, and the longest that fits
-            setting = self.applied_mitigations + plan[0]
+            setting = plan.setting
             cap = self._dry_fit(low, seq_len, batch_size, setting, batch_of)
             if cap is None and seq_len <= current:  # not even the shortest length fits with every rung
                 every = self.judge(seq_len, batch_size, setting)
                 return self._stop(seq_len, batch_size, every if every.bound_bytes else verdict, setting)
             cap = capped(cap)
             stages = tuple(s for s in self.stages[: self.stage + 1] if s < cap) + (cap,)
-            action = (f"Switching on {', '.join(map(repr, plan[0]))}; the curriculum stays at seq_len={cap}. "
+            action = (f"Switching on {', '.join(map(repr, plan.rungs))}; the curriculum stays at seq_len={cap}. "
                       f"To go further: {A.remaining_advice(setting, _inapplicable(applicable), self.device_type)}")
-            return self._state(action="cap", rungs=plan[0], seq_len=cap, stages=stages, stage=len(stages) - 1,
+            return self._state(action="cap", rungs=plan.rungs, seq_len=cap, stages=stages, stage=len(stages) - 1,
                                refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
                                advice=(A.over_budget_stage(action=action, **words),))
         if rung is not None:
@@ -870,7 +880,7 @@ class SeqMemPlanner:
         and ``batch_size``: where it was decided (the peak before is the measured one there, else
         the dry run's)."""
         if not ok:
-            self.mitigations = tuple(m for m in self.mitigations if m != name)
+            self.mitigations = tuple(m for m in self.mitigations if m != base_name(name))
             self.refit_queue, self.decide_now = [], True
             self.advise(A.mitigation_failed(name, detail))
             return
@@ -880,7 +890,7 @@ class SeqMemPlanner:
         if before is None and seq_len and batch_size and self._dry.get((seq_len, batch_size, self.applied_mitigations)):
             before, method = self._dry[(seq_len, batch_size, self.applied_mitigations)][0], "dry_run"  # type: ignore[index]
         setting_before = self.applied_mitigations
-        self.applied_mitigations = self.applied_mitigations + (name,)
+        self.applied_mitigations = choose.combine(self.applied_mitigations, (name,))  # an upgrade replaces its entry
         self.forecaster  # noqa: B018 - a fresh fit for the new setting
         self.mitigation_events.append({"name": name, "step": self.step, "seq_len": seq_len, "batch_size": batch_size,
                                        "detail": detail, "before_bytes": before, "before_method": method,
@@ -936,12 +946,13 @@ class SeqMemPlanner:
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
-                rank: Optional[int] = None) -> StepRecord:
+                rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord:
         """Record a measured step, fit, verify; returns the record.
 
         ``memory`` is the step's measurement; under DDP, that of the rank with the highest peak,
         whose own ``(seq_len, batch_size)`` are given. ``trace`` is the ``(seq_len, batch_size,
-        memory)`` whose events are traced (default: the same).
+        memory)`` whose events are traced (default: the same); ``step_seconds``: the step's own wall
+        time (what :meth:`price` predicts from).
         """
         L = pending.seq_len if seq_len is None else int(seq_len)
         B = pending.batch_size if batch_size is None else int(batch_size)
@@ -955,6 +966,7 @@ class SeqMemPlanner:
             fragmentation_fraction=memory.fragmentation_fraction, inactive_split_bytes=memory.inactive_split_bytes,
             alloc_retries=memory.alloc_retries, num_ooms=memory.num_ooms, stage=pending.stage,
             mitigations=pending.mitigations, events=list(pending.events), rank=rank,
+            step_seconds=None if step_seconds is None else float(step_seconds),
         )
         usable = self.usable_budget_bytes
         if record.step == 0 and usable is not None and self._measured_bound(record) > usable:
@@ -1088,7 +1100,7 @@ class SeqMemPlanner:
         """Bytes per token² per sample before and after the rung of ``event``, from dry runs at
         L, 2L, 3L (``p(3L) − 2p(2L) + p(L) = 2bL²`` for ``p = c + aL + bL²``), or None."""
         before = tuple(event.get("mitigations_before", ()))
-        after = before + (event["name"],)
+        after = choose.combine(before, (event["name"],))
         if after != self.applied_mitigations[: len(after)]:
             return None
         x = max(int(event.get("seq_len") or 0), 16)
@@ -1139,23 +1151,6 @@ class SeqMemPlanner:
 def _inapplicable(applicable: Applicability) -> tuple[str, ...]:
     """The rungs checked and found not to apply (never advised: attention already on SDPA)."""
     return tuple(name for name, (ok, _) in applicable.items() if not ok)
-
-
-def quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:
-    """Bytes per token² (per sample) before and after a change, measured the same way, or None.
-
-    From the timeline replay when both settings have one (the L² coefficients of every allocation,
-    exact from two traced lengths); else from quadratic fits of three or more lengths (a two-point
-    fit is C + b·L² by construction and says nothing about the shape).
-    """
-    if old is None:
-        return None
-    if old.timeline is not None and new.timeline is not None:
-        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum()) for f in (old, new))  # type: ignore[return-value]
-    fits = [f.quadratic for f in (old, new)]
-    if any(q is None for q in fits) or any(len({L for L, _ in f.points}) < 3 for f in (old, new)):
-        return None
-    return tuple(max(c.quadratic_bytes_per_token2 for c in q.coefficients.values()) for q in fits)  # type: ignore[union-attr,return-value]
 
 
 __all__ = ["Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]

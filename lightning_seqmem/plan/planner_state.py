@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.core.records import StepRecord
-from lightning_seqmem.core.rungs import check_mitigations
+from lightning_seqmem.core.rungs import check_mitigations, check_setting
 from lightning_seqmem.plan.checkpoint import compact_records
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,7 +65,7 @@ def _load(planner: "SeqMemPlanner", state: Mapping[str, Any]) -> None:
     planner._key_counts = {(int(k0), int(k1), tuple(k2)): int(v) for k0, k1, k2, v in state.get("key_counts", [])}
     kinds = state.get("warned_kinds") or {}
     planner.warned = {str(k): str(kinds.get(k, A.kind_of_key(k))) for k in state.get("warned", [])}
-    planner.applied_mitigations = check_mitigations(list(state.get("applied_mitigations", ())))
+    planner.applied_mitigations = check_setting(list(state.get("applied_mitigations", ())), "applied_mitigations")
     if "mitigations_left" in state:
         left = set(check_mitigations(list(state["mitigations_left"])))
         planner.mitigations = tuple(m for m in planner.mitigations if m in left or m in planner.applied_mitigations)

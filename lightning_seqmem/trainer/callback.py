@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -227,6 +228,7 @@ class SeqMemCallback(Callback):
         self._failed = False  # this rank stopped measuring
         self._stopped = False  # every rank agreed to stop: no more collectives
         self._pending: Optional[PendingStep] = None
+        self._step_started: Optional[float] = None  # perf_counter when the step itself began (after the decision)
         self._shape: Optional[tuple[int, int]] = None  # the batch as cut, on this rank
         self._applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = {}
         self._reapply_on_fit_start = False
@@ -495,6 +497,7 @@ class SeqMemCallback(Callback):
             self._fail("cutting the batch to the curriculum's length", RuntimeError("the batch could not be cut"))
         self._start_measurement(trainer, pl_module, batch, decision, shape)
         self._warn_advice()
+        self._step_started = time.perf_counter()  # the step itself from here: the decision and its dry runs are done
 
     def _decide(self, shape: Optional[tuple[int, int]], applicable: dict) -> Optional[Decision]:
         try:
@@ -570,6 +573,7 @@ class SeqMemCallback(Callback):
         if self._stopped:
             return
         pending, self._pending = self._pending, None
+        seconds = self._step_seconds(pending, pl_module)
         memory = self._stop_probe(pending)
         refusal = self._refusal(pl_module)
         try:
@@ -585,7 +589,7 @@ class SeqMemCallback(Callback):
             return
         if any_refused:  # e.g. the loss is not a mean: micro-batching is off on every rank, and this step ran whole
             self._undo_refused(trainer, pl_module, refusal, pending)
-        self._record(trainer, pending, row, memory)
+        self._record(trainer, pending, row, memory, seconds)
         if self._uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
             self._safely("setting the next batch's length", lambda: self._set_next_length(trainer, pl_module, batch))
         if self.breakdown and not self._failed and trainer.is_global_zero:
@@ -615,6 +619,20 @@ class SeqMemCallback(Callback):
         self._safely(f"undoing {name}", lambda: ladder.remove(name, trainer, pl_module))
         self.planner.rung_removed(name, f"its first-step check refused it: {reason}", pending)
 
+    def _step_seconds(self, pending: Optional[PendingStep], pl_module: pl.LightningModule) -> Optional[float]:
+        """Wall seconds of the measured step that just ran (forward, backward, optimizer: from the
+        end of this callback's batch start to its batch end; on CUDA after a synchronize), or None."""
+        started, self._step_started = self._step_started, None
+        if started is None or pending is None or not pending.measure:
+            return None
+        try:
+            device = getattr(pl_module, "device", None)
+            if device is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - an untimed step is priced by the others
+            return None
+        return time.perf_counter() - started
+
     @_guarded
     def _stop_probe(self, pending: Optional[PendingStep]) -> Any:
         if pending is None or not pending.measure or self._probe is None or not self._probe.running:
@@ -622,7 +640,8 @@ class SeqMemCallback(Callback):
         return self._probe.end_step()
 
     @_guarded
-    def _record(self, trainer: pl.Trainer, pending: Optional[PendingStep], row: Any, memory: Any) -> None:
+    def _record(self, trainer: pl.Trainer, pending: Optional[PendingStep], row: Any, memory: Any,
+                seconds: Optional[float] = None) -> None:
         ran = self._shape[1] if self._shape else None  # this rank's batch as it ran
         held = self.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
         self.planner.end_batch(at_stage_length=not held)
@@ -633,7 +652,7 @@ class SeqMemCallback(Callback):
         rank, reduced, seq_len, batch_size = row
         trace = (self._shape[1], self._shape[0], memory) if memory is not None and self._shape else None
         record = self.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
-                                      rank=rank if trainer.world_size > 1 else None)
+                                      rank=rank if trainer.world_size > 1 else None, step_seconds=seconds)
         try:
             metrics = self.planner.metrics(record)
         except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
