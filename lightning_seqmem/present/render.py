@@ -57,7 +57,22 @@ def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     mit = report["mitigations"]
     rows.append(("mitigations on", ", ".join(mit["active"]) or "none"))
     rows.append(("warnings", ", ".join(w["key"] for w in report["warnings"]) or "none"))
+    if report.get("peak_site"):
+        rows.append(("peak at (longest length)", peak_site_text(report["peak_site"])))
     return rows
+
+
+def peak_site_text(site: dict[str, Any]) -> str:
+    """A report's ``peak_site`` in one line: length, phase and kinds, and what said so.
+
+    Example:
+        >>> peak_site_text({"source": "dry_run", "seq_len": 512, "batch_size": 2, "mitigations": [],
+        ...                 "describe": "backward: attention scores 82%, saved activations 13%"})
+        'seq_len 512, batch 2, no mitigation: backward: attention scores 82%, saved activations 13% (dry run of that step)'
+    """
+    source = {"breakdown": "a traced step at the end of fit", "dry_run": "dry run of that step"}.get(site.get("source"), "-")
+    mitigations = " + ".join(site.get("mitigations") or []) or "no mitigation"
+    return f"seq_len {site['seq_len']}, batch {site['batch_size']}, {mitigations}: {site['describe']} ({source})"
 
 
 def _points_table(report: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
