@@ -68,6 +68,7 @@ def test_breakdown_in_report_markdown_and_tensorboard(tmp_path, capsys):
     assert "| attention_scores |" in md and "| attention share |" in md and "crossover length" in md
     assert "Korthikanti" in md and "peak measured in training" in md
     assert f"| peak at (longest length) | seq_len 96, batch 2, no mitigation: {site['describe']} (a traced step" in md
+    assert f"Peak at L=96: {site['describe']}" in md
 
     render_console(report)
     text = capsys.readouterr().out

@@ -173,6 +173,14 @@ def _calibration_text(section: dict[str, Any]) -> Optional[str]:
             f"{'; full recomputation (checkpointing on)' if c.get('recompute') else ''}.")
 
 
+def _breakdown_peak_text(section: dict[str, Any]) -> Optional[str]:
+    """Where the longest traced step's peak sits (the section's ``peak_site``), in one sentence."""
+    site = section.get("peak_site")
+    if not site:
+        return None
+    return f"Peak at L={section['seq_lens'][-1]}: {site['describe']} (phase, then the kinds of tensor alive there)."
+
+
 def _breakdown_intro(section: dict[str, Any]) -> str:
     parts = [f"One training step traced at seq_len {section['seq_lens']} (batch {section['batch_size']}) on a copy "
              "of the model and optimizer; what is alive at each step's peak, by kind and by module, and how each "
@@ -197,6 +205,8 @@ def render_breakdown_markdown(section: dict[str, Any], heading: str = "") -> str
     for title, headers, rows in _breakdown_tables(section):
         parts += [f"**{title}**", "", _md_table(headers, rows), ""]
     parts += [_crossover_text(section), ""]
+    if _breakdown_peak_text(section):
+        parts += [_breakdown_peak_text(section), ""]
     if section.get("diagnoses"):
         parts += ["Diagnoses:", ""] + [f"- {d}" for d in section["diagnoses"]] + [""]
     else:
@@ -224,6 +234,8 @@ def render_breakdown_console(section: dict[str, Any], console: Any = None) -> No
             table.add_row(*row, style="bold" if row[0].startswith("peak") or row[0] == "attention share" else None)
         console.print(table)
     console.print(_crossover_text(section))
+    if _breakdown_peak_text(section):
+        console.print(_breakdown_peak_text(section), highlight=False)
     for d in section.get("diagnoses", []):
         console.print(f"[yellow]diagnosis:[/yellow] {d}")
     calibration = _calibration_text(section)
