@@ -187,6 +187,7 @@ def test_report_facts_and_predictors(run):
     assert at[128]["peak_bytes"] == cb.forecaster.forecast(128, 2).peak_bytes  # the fit of the setting on now
     dry = cb.forecast(128)  # the callback's own forecast asks the dry run: it agrees with the fit here
     assert dry.method == "dry_run" and abs(dry.peak_bytes - at[128]["peak_bytes"]) <= 0.01 * dry.peak_bytes
+    assert dry.detail.endswith(f"; peak at {cb.planner.dry_peak_site(128, 2, ()).describe()}")  # where it sits, traced
     assert at[64]["fits"] is True
     assert report["mitigations"]["active"] == [] and report["mitigations"]["changes"] == []
     # where the peak sits at the longest length run (64 tokens, no breakdown traced): the dry run of that step
