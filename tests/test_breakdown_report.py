@@ -55,12 +55,20 @@ def test_breakdown_in_report_markdown_and_tensorboard(tmp_path, capsys):
     assert section["calibration"]["ratio"] == pytest.approx(1.0, abs=0.1)
     assert len(callback.breakdowns) == 3 and callback.breakdown_table.seq_lens == [24, 48, 96]
     assert any(w["key"].startswith("diagnosis-") for w in report["warnings"])
+    # where the peak sits at the longest length run: the traced step's own kinds, adding up to its peak
+    site = report["peak_site"]
+    assert site["source"] == "breakdown" and site["seq_len"] == 96 and site == {**site, **section["peak_site"]}
+    assert site["peak_bytes"] == section["peak_bytes"][-1] == sum(b for _, b in site["top_kinds"])
+    # the traced step's peak falls in the forward, in the cross-entropy over the logits: the site says "loss"
+    assert section["peak_phase"][-1] == "forward" and site["phase"] == "loss" and "logits" in dict(site["top_kinds"])
 
     md = (tmp_path / "run" / "version_0" / "seqmem_report.md").read_text()
     assert "## Where the memory goes (breakdown)" in md
     assert "| kind | L=24 | L=48 | L=96 | L=384 (extrapolated) | growth |" in md
     assert "| attention_scores |" in md and "| attention share |" in md and "crossover length" in md
     assert "Korthikanti" in md and "peak measured in training" in md
+    assert f"| peak at (longest length) | seq_len 96, batch 2, no mitigation: {site['describe']} (a traced step" in md
+    assert f"Peak at L=96: {site['describe']}" in md
 
     render_console(report)
     text = capsys.readouterr().out

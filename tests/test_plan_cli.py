@@ -93,6 +93,19 @@ def test_plan_lists_the_fastest_fitting_setting_per_length(plan):
         assert item["seq_len"] == (max(fits) if fits else None)
 
 
+def test_plan_says_where_the_peak_sits_per_length(plan):
+    """The "peak at" field: the chosen plan's step, its phase and kinds traced on the fake step."""
+    doc, _ = plan
+    for entry in doc["lengths"]:
+        site = entry["peak_at"]
+        assert site["mitigations"] == entry["plan"], entry
+        chosen = next(r for r in entry["rows"] if r["mitigations"] == entry["plan"])
+        assert site["peak_bytes"] == pytest.approx(chosen["peak_bytes"], rel=0.01)  # the kinds add up to its peak
+    first, last = doc["lengths"][0]["peak_at"], doc["lengths"][-1]["peak_at"]
+    assert first["mitigations"] == [] and first["top_kinds"][0][0] == "attention_scores"  # eager at 1024 tokens
+    assert "checkpointing" in last["mitigations"] and last["phase"] == "recompute"
+
+
 @pytest.mark.parametrize("mitigations", [(), ("attention",)])
 def test_plan_matches_a_real_training_step(plan, mitigations):
     """The dry-run peak at 1024 tokens is the peak of a real training step of the config's model there."""

@@ -250,8 +250,39 @@ def _search_longest(model: Any, optimizer: Any, batch: Any, batch_size: int, ent
     return _largest_fitting(model, optimizer, batch, batch_size, names, usable, lo, hi, context, device)
 
 
+def _peak_at(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size: int, rows: Sequence[dict[str, Any]],
+             plan: Optional[Sequence[str]], context: Any, device: Any) -> Optional[dict[str, Any]]:
+    """Where the peak sits at ``seq_len`` (the ``"peak at"`` field): phase and kinds of tensor of the
+    chosen plan's step, or, where none was chosen (nothing fits, or no budget), of the set with the
+    lowest peak; one more dry run, its fake step traced by
+    :func:`~lightning_seqmem.diagnostics.peak.trace_peak_site`. None where no dry run ran or it could
+    not say. ``mitigations`` (the set) then :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
+    from lightning_seqmem.diagnostics.peak import trace_peak_site
+    from lightning_seqmem.dryrun.step import dry_run_step
+
+    ran = [r for r in rows if r["peak_bytes"] is not None]
+    if not ran:
+        return None
+    names = tuple(plan) if plan is not None else tuple(min(ran, key=lambda r: r["peak_bytes"])["mitigations"])
+    try:
+        site = dry_run_step(model, optimizer, batch, seq_len, batch_size, names, context, device,
+                            site=trace_peak_site).peak_site
+    except Exception:  # noqa: BLE001 - the table stands without it
+        return None
+    return None if site is None else {"mitigations": list(names), **site.to_dict()}
+
+
 def _names(names: Sequence[str]) -> str:
     return " + ".join(names) if names else "none"
+
+
+def _print_peak_at(console: Any, results: Sequence[dict[str, Any]]) -> None:
+    """One ``peak at`` line per length: the phase and the kinds of tensor holding the peak."""
+    for res in results:
+        site = res.get("peak_at")
+        if site is not None:
+            console.print(f"seq_len {res['seq_len']}: peak at {site['describe']} (with {_names(site['mitigations'])})",
+                          highlight=False)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -310,6 +341,8 @@ def _plan(args: argparse.Namespace) -> int:
                 model, optimizer, batch, L, batch_size, [names], usable, context, device, world)[0])
             results.append({"seq_len": L, "rows": rows, "plan": plan, "fastest": fastest,
                             "searched_rows": searched_rows})
+            results[-1]["peak_at"] = (None if world is not None else  # the sharded dry run does not say
+                                      _peak_at(model, optimizer, batch, L, batch_size, rows, plan, context, device))
     # nothing fits at some length: the largest length the last (lowest) set fits, searched once
     # between the longest asked length it fits and the shortest it does not
     largest, searched, search_runs, search_seconds = None, False, 0, 0.0
@@ -414,6 +447,9 @@ def _plan(args: argparse.Namespace) -> int:
                       + (f"{entry['seq_len']}" if entry["seq_len"] else "none")
                       + (f"; longest that fits (searched): {entry['searched_seq_len'] or 'none'}"
                          if "searched_seq_len" in entry else ""), highlight=False)
+
+
+    _print_peak_at(console, results)
     if usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
                       "device's total): no fits column and no plan")

@@ -90,7 +90,9 @@ class ModuleScope:
                 boundary = self.stack[i][1]
                 del self.stack[i:]
                 break
-        if module is self.root:
+        if module is self.root or (not self.stack and id(module) in self.infos):
+            # the model's forward returned: the root's, or (a LightningModule whose training_step calls
+            # its model, not itself) an outermost module of the model's
             self.root_forward_ran = True
         label = self.info(module)
         todo = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]

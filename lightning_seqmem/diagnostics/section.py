@@ -43,6 +43,7 @@ from lightning_seqmem.diagnostics.compare import compare_breakdowns
 from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning, diagnose
 from lightning_seqmem.diagnostics.growth import classify_growth, fit_growth
 from lightning_seqmem.diagnostics.korthikanti import calibrate, model_dims
+from lightning_seqmem.diagnostics.peak import peak_site
 from lightning_seqmem.diagnostics.step import LossFn, copy_for_tracing, run_training_step, training_step_loss
 from lightning_seqmem.diagnostics.tracer import Breakdown, trace_breakdown
 from lightning_seqmem.measure.batch import infer_batch_shape
@@ -233,6 +234,7 @@ def breakdown_section(
     ``by_kind`` / ``by_category`` / ``by_part`` (what is alive at the peak) and ``activations``
     (alive when backward starts, by category), each row with ``bytes`` per length, ``growth``
     (constant / linear / quadratic), the polynomial ``coefficients`` and ``extrapolated_bytes``;
+    ``peak_site`` (where the longest length's peak sits: :func:`~lightning_seqmem.diagnostics.peak.peak_site`);
     ``extrapolated_peak_bytes`` (sum of the extrapolated kinds: where the parts are at the
     traced peak moment, which can move at longer lengths) beside ``forecast_peak_bytes`` (the
     forecaster's, when given); ``attention_share`` per length and extrapolated,
@@ -286,6 +288,7 @@ def breakdown_section(
         "autocast_dtype": longest.autocast_dtype,
         "checkpointed": longest.checkpointed,
         "diagnoses": list(found),
+        "peak_site": peak_site(longest).to_dict(),
         "calibration": calibration.to_dict() if calibration is not None else None,
         "notes": list(notes),
         "breakdowns": [by_len[L].to_dict() for L in lens],

@@ -80,6 +80,7 @@ class AllocationRecord:
     kind: str = "temporaries"
     saved_for_backward: bool = False
     quadratic: bool = False
+    recompute: bool = False  # made in the backward while a module's forward ran again (activation checkpointing)
 
 
 class _BreakdownTracker(LiveTensorTracker):
@@ -134,6 +135,8 @@ class _BreakdownTracker(LiveTensorTracker):
             path = "<global>"
             late = scope.root_forward_ran or self.phase == "backward"
             category = "loss_logits" if late and self.phase != "optimizer" else "other"
+        # a module's forward running inside the autograd engine: a checkpointed forward recomputed
+        recompute = self.phase == "backward" and current is not None and bool(scope.stack) and in_backward()
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -146,6 +149,7 @@ class _BreakdownTracker(LiveTensorTracker):
                 self.records[i] = AllocationRecord(
                     i, self.events.sizes[i], op, shape, str(t.dtype).replace("torch.", ""), path,
                     "attention_scores" if quadratic else category, self.phase or "forward", quadratic=quadratic,
+                    recompute=recompute,
                 )
         for i in range(before, len(self.records)):
             if self.records[i] is None:  # an output we could not match (should not happen)
@@ -176,6 +180,7 @@ class Breakdown:
     tensors: list[AllocationRecord] = field(repr=False)  # every allocation, by index
     alive_at_peak: list[int] = field(repr=False)  # indices into tensors
     calibration: Optional[Calibration] = None
+    peak_index: int = -1  # index into tensors of the allocation that reached the peak (-1: none)
 
     @property
     def autocast(self) -> bool:
@@ -467,4 +472,5 @@ def trace_breakdown(
         checkpointed=is_checkpointed(model),
         tensors=records,
         alive_at_peak=alive_at_peak,
+        peak_index=peak_index if records else -1,
     )

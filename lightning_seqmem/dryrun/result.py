@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-
-
+from lightning_seqmem.core.peak import PeakSite
 
 __all__ = ['DryRunResult', 'DryRunUnsupported']
 
@@ -17,6 +17,8 @@ class DryRunResult:
     within each phase (each starts from the bytes live when it begins); ``peak_bytes`` is their
     maximum. ``seconds`` is the wall time of the whole dry run (copy, two fake steps).
     ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
+    ``peak_site`` says where the peak sits (phase, kinds of tensor), when the dry run was asked
+    (``dry_run_step(..., site=trace_peak_site)``).
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -28,6 +30,7 @@ class DryRunResult:
     detail: str  # what ran, for logs and reports
     resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
     host_bytes: int = 0  # saved activations the step copies to host memory (activation offload; modelled)
+    peak_site: Optional[PeakSite] = None  # where the peak sits (phase, kinds), when asked
 
 
 class DryRunUnsupported(RuntimeError):

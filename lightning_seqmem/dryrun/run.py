@@ -21,7 +21,9 @@ from lightning_seqmem.mitigations import ladder
 
 class TrainingRunDryRun:
     """The dry run of a training run's own step, as the planner asks it: ``(seq_len, batch_size,
-    mitigations) -> (peak_bytes, phase_peak_bytes)``.
+    mitigations) -> (peak_bytes, phase_peak_bytes, peak_site)`` (``peak_site``: where the peak sits, a
+    :class:`~lightning_seqmem.core.peak.PeakSite`, when ``site`` is given, else None; the planner's
+    forecasts say it).
 
     Holds the module, its first optimizer, the precision plugin's context and a CPU copy of one
     batch (:meth:`keep`, the first one given). ``applied()`` says which rungs are on the real
@@ -37,8 +39,10 @@ class TrainingRunDryRun:
     """
 
     def __init__(self, trainer: Any, pl_module: nn.Module, applied: Callable[[], tuple[str, ...]],
-                 on_unsupported: Callable[[str], None], template: Optional[nn.Module] = None) -> None:
+                 on_unsupported: Callable[[str], None], template: Optional[nn.Module] = None,
+                 site: Optional[Callable[..., Any]] = None) -> None:
         self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
+        self.site = site  # dry_run_step's site tracer (diagnostics.peak.trace_peak_site): answers say where the peak sits
         self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs; :mod:`.sharded`)
         self.batch: Any = None
         self.unsupported: Optional[str] = None  # the first refusal's reason (any shape)
@@ -50,7 +54,7 @@ class TrainingRunDryRun:
         if self.batch is None:
             self.batch = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
-    def __call__(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
+    def __call__(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[Any, ...]:
         applied = tuple(self.applied())
         if self.batch is None or any(m not in mitigations for m in applied):
             raise DryRunUnsupported("no batch kept yet, or a rung on now cannot be undone on a copy")
@@ -73,11 +77,11 @@ class TrainingRunDryRun:
                     self.template, self.batch, seq_len, sharded.data_parallel_size(self.trainer, self.pl_module),
                     batch_size, mitigations, autocast=self.trainer.precision_plugin.train_step_context,
                     device=self.trainer.strategy.root_device, first_split_check=check)
-                return result.peak_bytes, result.phase_peak_bytes
+                return result.peak_bytes, result.phase_peak_bytes, None
             result = dry_run_step(self.pl_module, optimizers[0], self.batch, seq_len, batch_size,
                                   tuple(m for m in mitigations if m not in applied),
                                   autocast=self.trainer.precision_plugin.train_step_context,
-                                  device=self.trainer.strategy.root_device)
+                                  device=self.trainer.strategy.root_device, site=self.site)
         except Exception as exc:  # noqa: BLE001 - said once per reason; the replay and quadratic fit answer here
             reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
             self.unsupported = self.unsupported or reason
@@ -87,4 +91,4 @@ class TrainingRunDryRun:
                 self._said.add(gist)
                 self.on_unsupported(reason, int(seq_len), int(batch_size))
             raise
-        return result.peak_bytes, result.phase_peak_bytes
+        return result.peak_bytes, result.phase_peak_bytes, result.peak_site

@@ -84,6 +84,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -390,6 +391,33 @@ def _state_after_a_step(model: nn.Module, optimizer: Any) -> None:
     optimizer.step()
 
 
+SiteTracer = Callable[..., Any]
+"""``(step_fn, model, optimizer, existing, *, seq_len, batch_size, device_type) -> PeakSite``: traces the
+step ``step_fn`` runs (:func:`lightning_seqmem.diagnostics.peak.trace_peak_site`)."""
+
+
+def _measured_step(model: nn.Module, optimizer: Any, step_optimizer: Any, batch: Any, loss_fn: Any, probe: Any,
+                   autocast: Any, site: Optional[SiteTracer], seq_len: int, batch_size: int,
+                   device: torch.device) -> tuple[Any, Any]:
+    """``(StepMemory, PeakSite or None)`` of the measured fake step; with ``site``, traced by it as well
+    (the probe inside counts the same storages as without it: the peak does not change)."""
+    def step() -> Any:
+        return training_step_memory(model, step_optimizer, batch, loss_fn, probe, record_events=True, context=autocast)
+
+    if site is None:
+        return step(), None
+    box: list[Any] = []
+    existing = list(model.buffers()) + [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    try:
+        found = site(lambda: box.append(step()), model, optimizer, existing, seq_len=seq_len, batch_size=batch_size,
+                     device_type=device.type)
+    except Exception:  # noqa: BLE001 - the site is an extra: the step's peak stands without it
+        if not box:
+            raise
+        found = None
+    return box[0], found
+
+
 def dry_run_step(
     pl_module: nn.Module,
     optimizer: Optional[Any],
@@ -399,6 +427,7 @@ def dry_run_step(
     mitigations: Sequence[str] = (),
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
     device: Optional[torch.device | str] = None,
+    site: Optional[SiteTracer] = None,
 ) -> DryRunResult:
     """Peak memory of one training step of ``pl_module`` at ``(seq_len, batch_size)``, on fake tensors.
 
@@ -424,6 +453,10 @@ def dry_run_step(
             plugin's ``forward_context``, e.g. ``lambda: torch.autocast("cpu", dtype=torch.bfloat16)``).
         device: the device to simulate; default that of the module's first parameter. A device
             other than the module's must be one this torch build supports.
+        site: where the peak sits, asked of a tracer that watches the same fake step
+            (:func:`lightning_seqmem.diagnostics.peak.trace_peak_site`; the diagnostics wing sits above
+            this one, so the caller hands it in): the result's ``peak_site``. None: not asked. A
+            tracer that fails leaves ``peak_site`` None, the peak unchanged.
 
     Returns:
         a :class:`DryRunResult` of the second of two fake steps (the first creates gradients
@@ -464,9 +497,8 @@ def dry_run_step(
             with fake_mode, values, _transformers_without_fake_detection():
                 _state_after_a_step(model, fake_optimizer)
                 reset_offloaded_bytes(model)
-                memory = training_step_memory(
-                    model, step_optimizer, step_batch, loss_fn, probe, record_events=True, context=autocast
-                )
+                memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer, step_batch, loss_fn, probe,
+                                                   autocast, site, seq_len, batch_size, device)
             host = offloaded_bytes(model)
         except DryRunUnsupported:
             raise
@@ -505,4 +537,5 @@ def dry_run_step(
         detail=detail,
         resident_bytes=resident,
         host_bytes=host,
+        peak_site=peak_site,
     )

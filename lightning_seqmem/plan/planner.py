@@ -68,6 +68,7 @@ from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
 from lightning_seqmem.core.rungs import MITIGATIONS, base_name, check_mitigations, check_setting, spec
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.timeline import Trace
+from lightning_seqmem.core.peak import PeakSite
 from lightning_seqmem.core.trust import Check, PredictorChecks
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.plan import choose, dry_evidence, pricing
@@ -79,6 +80,8 @@ from lightning_seqmem.plan.schedule import MeasurementSchedule
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
+"""``(seq_len, batch_size, mitigations) -> (peak_bytes, phase_peak_bytes)``, or with a third value, the
+:class:`~lightning_seqmem.core.peak.PeakSite` of that step (None: not known): said in the forecast's detail."""
 _ONE_POINT_MARGIN = 0.02  # on top of the one-point bound, as the replay's margin
 
 
@@ -211,6 +214,7 @@ class SeqMemPlanner:
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
         self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
         self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
+        self._dry_sites: dict[tuple, PeakSite] = {}  # dry-run key -> where that step's peak sits, when told
         self._checked: set[tuple] = set()  # steps whose predictors were checked, with the fits' version
         self.not_applicable: dict[str, str] = {}  # rung -> why it does not apply here (last checked; never advised)
 
@@ -390,8 +394,11 @@ class SeqMemPlanner:
             return None
         if key not in self._dry:
             try:
-                peak, phases = self.dry_run(*key)
+                answer = self.dry_run(*key)
+                peak, phases = answer[0], answer[1]
                 self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
+                if len(answer) > 2 and isinstance(answer[2], PeakSite):
+                    self._dry_sites[key] = answer[2]
             except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
                 self._dry[key] = None
                 self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
@@ -494,7 +501,29 @@ class SeqMemPlanner:
         detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
         if source is not None and tuple(source) != (seq_len, batch_size):
             detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
+        detail += self._peak_site_note((*(source or (seq_len, batch_size)), key))
         return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
+
+    def dry_peak_site(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
+                      ) -> Optional[PeakSite]:
+        """Where the dry-run step's peak sits at ``(seq_len, batch_size, mitigations)`` (phase, kinds of
+        tensor), when its dry run ran and said so; None otherwise (never runs one).
+
+        Example:
+            >>> from lightning_seqmem.core.peak import PeakSite
+            >>> site = PeakSite("backward", (("attention_scores", 90 * 64 * 64), ("parameters", 10 * 64 * 64)))
+            >>> p = SeqMemPlanner(dry_run=lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site))
+            >>> p.dry_peak(64, 2, ())[0], p.dry_peak_site(64, 2, ()).top_kind
+            (409600, 'attention_scores')
+            >>> p.forecast(64, 2, ()).detail.endswith("; peak at backward: attention scores 90%, parameters 10%")
+            True
+        """
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        return self._dry_sites.get(key)
+
+    def _peak_site_note(self, key: tuple) -> str:
+        site = self._dry_sites.get(key)
+        return f"; peak at {site.describe()}" if site is not None else ""
 
     def _dry_judged(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
         """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as possible
@@ -992,6 +1021,7 @@ class SeqMemPlanner:
             # the step that switched such a rung on (micro-batching) ran its one-time check, which the dry
             # runs of this setting so far counted: later steps are dry-run afresh, without it
             self._dry = {k: v for k, v in self._dry.items() if k[2] != record.mitigations}
+            self._dry_sites = {k: v for k, v in self._dry_sites.items() if k[2] != record.mitigations}
             key = (record.seq_len, record.batch_size, record.mitigations)
             if key in self._pending:  # verified against the next (steady) step: forecast it as such
                 fresh = self._dry_forecast(*key)

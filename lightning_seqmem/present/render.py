@@ -57,7 +57,22 @@ def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     mit = report["mitigations"]
     rows.append(("mitigations on", ", ".join(mit["active"]) or "none"))
     rows.append(("warnings", ", ".join(w["key"] for w in report["warnings"]) or "none"))
+    if report.get("peak_site"):
+        rows.append(("peak at (longest length)", peak_site_text(report["peak_site"])))
     return rows
+
+
+def peak_site_text(site: dict[str, Any]) -> str:
+    """A report's ``peak_site`` in one line: length, phase and kinds, and what said so.
+
+    Example:
+        >>> peak_site_text({"source": "dry_run", "seq_len": 512, "batch_size": 2, "mitigations": [],
+        ...                 "describe": "backward: attention scores 82%, saved activations 13%"})
+        'seq_len 512, batch 2, no mitigation: backward: attention scores 82%, saved activations 13% (dry run of that step)'
+    """
+    source = {"breakdown": "a traced step at the end of fit", "dry_run": "dry run of that step"}.get(site.get("source"), "-")
+    mitigations = " + ".join(site.get("mitigations") or []) or "no mitigation"
+    return f"seq_len {site['seq_len']}, batch {site['batch_size']}, {mitigations}: {site['describe']} ({source})"
 
 
 def _points_table(report: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
@@ -158,6 +173,14 @@ def _calibration_text(section: dict[str, Any]) -> Optional[str]:
             f"{'; full recomputation (checkpointing on)' if c.get('recompute') else ''}.")
 
 
+def _breakdown_peak_text(section: dict[str, Any]) -> Optional[str]:
+    """Where the longest traced step's peak sits (the section's ``peak_site``), in one sentence."""
+    site = section.get("peak_site")
+    if not site:
+        return None
+    return f"Peak at L={section['seq_lens'][-1]}: {site['describe']} (phase, then the kinds of tensor alive there)."
+
+
 def _breakdown_intro(section: dict[str, Any]) -> str:
     parts = [f"One training step traced at seq_len {section['seq_lens']} (batch {section['batch_size']}) on a copy "
              "of the model and optimizer; what is alive at each step's peak, by kind and by module, and how each "
@@ -182,6 +205,8 @@ def render_breakdown_markdown(section: dict[str, Any], heading: str = "") -> str
     for title, headers, rows in _breakdown_tables(section):
         parts += [f"**{title}**", "", _md_table(headers, rows), ""]
     parts += [_crossover_text(section), ""]
+    if _breakdown_peak_text(section):
+        parts += [_breakdown_peak_text(section), ""]
     if section.get("diagnoses"):
         parts += ["Diagnoses:", ""] + [f"- {d}" for d in section["diagnoses"]] + [""]
     else:
@@ -209,6 +234,8 @@ def render_breakdown_console(section: dict[str, Any], console: Any = None) -> No
             table.add_row(*row, style="bold" if row[0].startswith("peak") or row[0] == "attention share" else None)
         console.print(table)
     console.print(_crossover_text(section))
+    if _breakdown_peak_text(section):
+        console.print(_breakdown_peak_text(section), highlight=False)
     for d in section.get("diagnoses", []):
         console.print(f"[yellow]diagnosis:[/yellow] {d}")
     calibration = _calibration_text(section)

@@ -277,6 +277,30 @@ def _records_summary(planner: "SeqMemPlanner") -> dict[str, Any]:
     }
 
 
+def _peak_site(planner: "SeqMemPlanner", breakdown: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Where the peak sits at the longest length the run measured: the end-of-fit breakdown's (a real
+    step traced on a copy, ``source`` ``"breakdown"``) when it traced that length or a longer one, else
+    the dry run of that step's shape and mitigations (``"dry_run"``; cached, or one fake step now);
+    None when neither answers. ``seq_len``, ``batch_size``, ``mitigations``, then
+    :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
+    measured = [r for r in planner.records if not r.warmup]
+    longest = max(measured, key=lambda r: (r.seq_len, r.batch_size, r.peak_bytes), default=None)
+    site = (breakdown or {}).get("peak_site")
+    if site is not None and (longest is None or breakdown["seq_lens"][-1] >= longest.seq_len):
+        return {"source": "breakdown", "seq_len": breakdown["seq_lens"][-1], "batch_size": breakdown["batch_size"],
+                "mitigations": list(planner.applied_mitigations), **site}  # it traces with the rungs on at the end
+    if longest is None:
+        return None
+    key = (longest.seq_len, longest.batch_size, tuple(longest.mitigations))
+    if planner.dry_peak(*key) is None:
+        return None
+    found = planner.dry_peak_site(*key)
+    if found is None:
+        return None
+    return {"source": "dry_run", "seq_len": key[0], "batch_size": key[1], "mitigations": list(key[2]),
+            **found.to_dict()}
+
+
 def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = None, include_records: bool = True,
                  device: Any = None, probe: Optional[str] = None,
                  breakdown: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -290,7 +314,8 @@ def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
     × 4, and the largest length that fits the usable budget), ``mitigations``, ``warnings`` (keys of
     the warnings the planner gave), ``records_summary``, ``breakdown`` (with
     ``SeqMemCallback(breakdown=True)``, after fit: see
-    :func:`~lightning_seqmem.diagnostics.section.breakdown_section`) and, with ``include_records``,
+    :func:`~lightning_seqmem.diagnostics.section.breakdown_section`), ``peak_site`` (where the peak
+    sits at the longest length run: phase and kinds of tensor, see :func:`_peak_site`) and, with ``include_records``,
     ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
     """
     batch_size = planner.last_batch_size
@@ -309,6 +334,7 @@ def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
     }
     if breakdown is not None:
         report["breakdown"] = breakdown
+    report["peak_site"] = _peak_site(planner, breakdown)
     if include_records:
         report["records"] = [r.to_dict() for r in planner.records]
     return _plain(report)

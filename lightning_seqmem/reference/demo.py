@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -207,12 +207,13 @@ class LitGPT(pl.LightningModule):
             )
         )
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[B, L, vocab]``; with ``labels``, the loss (:meth:`GPT.loss`: plain or fused)."""
+        return self.model(input_ids, labels)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         input_ids, labels = batch["input_ids"], batch["labels"]
-        loss = self.model.loss(input_ids, labels)  # cross entropy of the logits, or the fused loss (GPT.loss)
+        loss = self(input_ids, labels)  # through forward (FSDP2 hooks on the root run); plain or fused loss
         self.log("train/loss", loss, batch_size=input_ids.shape[0])
         return loss
 

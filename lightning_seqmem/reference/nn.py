@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 from dataclasses import dataclass
 
 import torch
@@ -329,19 +329,24 @@ class GPT(nn.Module):
             x = block(x)
         return self.ln_f(x)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids``: LongTensor ``[B, L]`` → logits ``[B, L, vocab_size]``."""
-        return self.lm_head(self.hidden_states(input_ids))
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                ignore_index: int = -100) -> torch.Tensor:
+        """``input_ids``: LongTensor ``[B, L]`` → logits ``[B, L, vocab_size]``; with ``labels`` (the
+        targets aligned with ``input_ids``), the loss instead (see :meth:`loss`). The loss goes through
+        ``forward`` so that hooks on the module (FSDP2's ``fully_shard`` all-gathers) run for it too."""
+        if labels is None:
+            return self.lm_head(self.hidden_states(input_ids))
+        if self.fused_loss is not None:
+            return self.fused_loss(self.hidden_states(input_ids), self.lm_head.weight, labels, ignore_index=ignore_index)
+        logits = self.lm_head(self.hidden_states(input_ids))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross entropy over the labels that are not ``ignore_index`` (``labels`` are
         the targets aligned with ``input_ids``). With :attr:`fused_loss` set (the fused-loss protocol of
         :mod:`lightning_seqmem.mitigations.fused_loss`), computed from the hidden states and
-        ``lm_head.weight`` by it, without the ``[B, L, vocab]`` logits."""
-        if self.fused_loss is not None:
-            return self.fused_loss(self.hidden_states(input_ids), self.lm_head.weight, labels, ignore_index=ignore_index)
-        logits = self(input_ids)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)
+        ``lm_head.weight`` by it, without the ``[B, L, vocab]`` logits. Calls the module (``self(...)``)."""
+        return self(input_ids, labels, ignore_index)
 
     def set_fused_loss(self, fn: Any) -> None:
         """Compute :meth:`loss` by ``fn(hidden, weight, labels, ignore_index=...)`` (None: the plain loss)."""

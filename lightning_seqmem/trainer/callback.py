@@ -366,11 +366,12 @@ class SeqMemCallback(Callback):
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
+                from lightning_seqmem.diagnostics.peak import trace_peak_site
                 from lightning_seqmem.dryrun.run import TrainingRunDryRun
 
                 self._dry = TrainingRunDryRun(trainer, pl_module, lambda: self.planner.applied_mitigations,
                                               lambda why, *shape: self.planner.advise(A.dry_run_unavailable(why, *shape)),
-                                              template=self._template)
+                                              template=self._template, site=trace_peak_site)
                 self.planner.dry_run = self._dry
         if self._reapply_on_fit_start:
             self._reapply_on_fit_start = False

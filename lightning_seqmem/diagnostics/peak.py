@@ -1,0 +1,102 @@
+"""Where a step's peak sits, from a traced step: :func:`peak_site` of a :class:`~lightning_seqmem.diagnostics.tracer.Breakdown`.
+
+The breakdown tracer (:mod:`lightning_seqmem.diagnostics.tracer`) describes every allocation of a step
+(module category, kind, phase, quadratic shape, made while recomputing); :func:`peak_kind` maps that
+one description onto the :data:`~lightning_seqmem.core.peak.PEAK_KINDS` a user reasons with, and
+:func:`peak_site` sums the tensors alive at the peak moment by it. :func:`trace_peak_site` traces a
+step and answers in one go: the dry run (:func:`~lightning_seqmem.dryrun.step.dry_run_step`'s
+``site``) hands it its fake step, the end-of-fit report a real one.
+
+Example:
+    >>> import torch
+    >>> lin = torch.nn.Linear(64, 64)
+    >>> opt = torch.optim.AdamW(lin.parameters())
+    >>> x = torch.ones(2, 64)
+    >>> def step():
+    ...     opt.zero_grad(); lin(x).square().sum().backward(); opt.step()
+    >>> step()   # the optimizer state exists from now on
+    >>> site = trace_peak_site(step, lin, opt, [x], seq_len=3, batch_size=2)
+    >>> site.phase, site.top_kind   # AdamW's two moments are twice the parameters
+    ('optimizer', 'optimizer_state')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from lightning_seqmem.core.peak import PeakSite
+from lightning_seqmem.diagnostics.tracer import AllocationRecord, Breakdown, trace_breakdown
+
+__all__ = ["peak_kind", "peak_site", "trace_peak_site"]
+
+_STATE_KINDS = ("parameters", "gradients", "optimizer_state")
+
+
+def peak_kind(record: AllocationRecord) -> str:
+    """The :data:`~lightning_seqmem.core.peak.PEAK_KINDS` kind of one traced allocation.
+
+    In this order: parameters, gradients and optimizer state as the tracer found them; a tensor with
+    two dimensions equal to the length is ``attention_scores`` (its category says so); one made by
+    the output layer or the loss (or their backward) is ``logits``; one made while a checkpointed
+    forward is recomputed is ``recompute``; an activation (made in the forward, alive when the
+    backward starts) is ``saved_activations``; the rest (batch, activation gradients, temporaries)
+    is ``other``.
+
+    Example:
+        >>> r = AllocationRecord(0, 64, "aten::bmm", (2, 8, 8), "float32", "blocks.0.attn", "attention_scores", "forward", "activations")
+        >>> peak_kind(r)
+        'attention_scores'
+    """
+    if record.kind in _STATE_KINDS:
+        return record.kind
+    if record.category == "attention_scores":
+        return "attention_scores"
+    if record.category == "loss_logits":
+        return "logits"
+    if record.recompute:
+        return "recompute"
+    if record.kind == "activations":
+        return "saved_activations"
+    return "other"
+
+
+def peak_site(breakdown: Breakdown) -> PeakSite:
+    """The phase of ``breakdown``'s peak and the kinds alive there (:class:`~lightning_seqmem.core.peak.PeakSite`).
+
+    The phase is the tracer's (``forward``, ``backward``, ``optimizer``), made precise: a forward
+    peak reached by an allocation of the output layer or the loss is ``loss``; a backward peak with
+    recomputed tensors alive is ``recompute``.
+    """
+    by_kind: dict[str, int] = {}
+    for i in breakdown.alive_at_peak:
+        r = breakdown.tensors[i]
+        kind = peak_kind(r)
+        by_kind[kind] = by_kind.get(kind, 0) + r.nbytes
+    phase = breakdown.peak_phase
+    top = breakdown.tensors[breakdown.peak_index] if 0 <= breakdown.peak_index < len(breakdown.tensors) else None
+    if phase == "forward" and top is not None and top.category == "loss_logits":
+        phase = "loss"
+    elif phase == "backward" and by_kind.get("recompute", 0) > 0:
+        phase = "recompute"
+    return PeakSite.of(phase if phase in ("forward", "loss", "backward", "recompute", "optimizer") else "existing",
+                       by_kind, breakdown.peak_op)
+
+
+def trace_peak_site(
+    step_fn: Callable[[], Any],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    existing: Iterable[torch.Tensor] = (),
+    *,
+    seq_len: int,
+    batch_size: int,
+    device_type: Optional[str] = None,
+) -> PeakSite:
+    """Trace one training step (:func:`~lightning_seqmem.diagnostics.tracer.trace_breakdown`, same
+    arguments) and say where its peak sits. The step may run its own probe inside (the dry run's
+    tracker): both see every op."""
+    return peak_site(trace_breakdown(step_fn, model, optimizer, existing, seq_len=seq_len, batch_size=batch_size,
+                                     device_type=device_type))
