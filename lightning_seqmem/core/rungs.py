@@ -120,9 +120,27 @@ def spec(name: str) -> RungSpec:
     return base.at(level_of(name))
 
 
-def check_mitigations(value: Any) -> tuple[str, ...]:
-    """Validate ``SeqMemCallback(mitigations=...)``: distinct names of known rungs."""
+def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
+    """Validate ``SeqMemCallback(mitigations=...)``: distinct names of known rungs. ``variants``: a
+    setting (a dry run's), where a rung may be named at a level (``"checkpointing:3/8"``), at most
+    one variant per rung; whether the rung has that level is the rung's to say (``ladder.rung``).
+
+    >>> check_mitigations(["attention", "checkpointing:3/8"], variants=True)
+    ('attention', 'checkpointing:3/8')
+    >>> check_mitigations(["checkpointing", "checkpointing:3/8"], variants=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: `mitigations` must be a sequence of distinct names from (...), each rung at most once (at one level, e.g. 'checkpointing:3/8'), got ['checkpointing', 'checkpointing:3/8']
+    """
     names = tuple(value) if isinstance(value, (list, tuple)) else None
+    if variants and names is not None and all(isinstance(n, str) for n in names):
+        bases = [base_name(n) for n in names]
+        if all(b in _SPECS for b in bases) and len(set(bases)) == len(bases):
+            return names
+        raise ValueError(
+            f"`mitigations` must be a sequence of distinct names from {rung_names()}, each rung at most once "
+            f"(at one level, e.g. 'checkpointing:3/8'), got {value!r}"
+        )
     if names is None or any(n not in _SPECS for n in names) or len(set(names)) != len(names):
         raise ValueError(
             f"`mitigations` must be a sequence of distinct names from {rung_names()} "
