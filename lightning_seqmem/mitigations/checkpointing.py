@@ -30,7 +30,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
@@ -45,17 +44,22 @@ from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, RungContext, wrapping_strategy_refusal
 from lightning_seqmem.mitigations.checkpointing_levels import (
-    FULL,
     NONE,
     SELECTIVE,
+    Slot,
     checkpoint_function,
-    checkpoint_kwargs,
-    level_of_function,
+    composably_checkpointed,
+    hf_is_checkpointing,
+    is_hf_layer,
     level_words,
     parse_level,
     partial_counts,
+    raise_hf_levels,
     selective_checkpoint_context,
+    slot_level,
+    state_words,
     target_levels,
+    wrappers_by_block,
 )
 
 __all__ = ["ActivationCheckpointing", "CheckpointingRung", "find_repeated_blocks", "is_checkpointed"]
@@ -163,14 +167,6 @@ def _counted(blocks: list[nn.Module]) -> str:
     return " + ".join(f"{n} x {name}" for name, n in counts.items())
 
 
-def _hf_is_checkpointing(hf_model: nn.Module) -> bool:
-    # `is_activation_checkpointing` (transformers 5.x) avoids the FutureWarning of the old name.
-    name = "is_activation_checkpointing" if hasattr(type(hf_model), "is_activation_checkpointing") else None
-    if name is None and hasattr(type(hf_model), "is_gradient_checkpointing"):
-        name = "is_gradient_checkpointing"
-    return bool(getattr(hf_model, name)) if name is not None else False
-
-
 def is_checkpointed(model: nn.Module) -> bool:
     """Whether any block of ``model`` is activation-checkpointed (by a wrapper or by Hugging Face).
 
@@ -178,80 +174,15 @@ def is_checkpointed(model: nn.Module) -> bool:
         >>> is_checkpointed(nn.Sequential(nn.Linear(2, 2)))
         False
     """
-    if any(isinstance(m, ActivationWrapper) or _composably_checkpointed(m) for m in model.modules()):
+    if any(isinstance(m, ActivationWrapper) or composably_checkpointed(m) for m in model.modules()):
         return True
-    return any(_hf_is_checkpointing(m) for m in _find_hf_models(model))
-
-
-def _composably_checkpointed(module: nn.Module) -> bool:
-    """Whether ``torch.distributed._composable.checkpoint`` was applied to ``module``."""
-    from torch.distributed._composable import _get_registry
-
-    return "checkpoint" in (_get_registry(module) or {})
+    return any(hf_is_checkpointing(m) for m in _find_hf_models(model))
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
-
-
-def _hf_enable(hf_model: nn.Module, kwargs: dict | None = None) -> None:
-    """Hugging Face's own switch, with ``kwargs`` for ``torch.utils.checkpoint.checkpoint``."""
-    kwargs = dict(kwargs or checkpoint_kwargs(FULL))  # non-reentrant: the reentrant one warns, needs inputs with grad
-    if callable(getattr(hf_model, "activation_checkpointing_enable", None)):  # transformers >= 5.x
-        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _is_hf_layer(module: nn.Module) -> bool:
-    """A transformers ``GradientCheckpointingLayer`` (its own ``gradient_checkpointing`` flag: transformers >= 4.52)."""
-    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One checkpointable block and how its level is read and set: ``"hf_layer"`` (a Hugging Face
-    layer's flag and function), ``"hf_model"`` (a Hugging Face model without per-layer flags, all at
-    once), ``"wrap"`` (``checkpoint_wrapper``), ``"composable"`` (under FSDP2)."""
-
-    kind: str
-    block: nn.Module
-    owner: Optional[nn.Module] = None  # the Hugging Face model of a layer
-
-
-def _wrappers_by_block(model: nn.Module) -> dict[int, ActivationWrapper]:
-    return {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, ActivationWrapper)}
-
-
-def _slot_level(slot: _Slot, wrappers: dict[int, ActivationWrapper]) -> int:
-    block = slot.block
-    if slot.kind == "hf_layer":
-        on = getattr(block, "gradient_checkpointing", False)
-        return level_of_function(getattr(block, "_gradient_checkpointing_func", None)) if on else NONE
-    if slot.kind == "hf_model":
-        if not _hf_is_checkpointing(block):
-            return NONE
-        fns = [m._gradient_checkpointing_func for m in block.modules()
-               if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
-        return min((level_of_function(fn) for fn in fns), default=FULL)
-    if slot.kind == "composable":
-        return FULL if _composably_checkpointed(block) else NONE
-    wrapper = wrappers.get(id(block))
-    return NONE if wrapper is None else level_of_function(getattr(wrapper, "checkpoint_fn", None))
-
-
-def _state_words(levels: list[int]) -> str:
-    """``"off"``, ``"on"`` (every block full), ``"selective"``, ``"2/4"``, ``"2/4+selective"``."""
-    n, full, selective = len(levels), levels.count(FULL), levels.count(SELECTIVE)
-    if full == n and n:
-        return "on"
-    if not full and not selective:
-        return "off"
-    if selective == n:
-        return "selective"
-    return f"{full}/{n}" + ("+selective" if selective else "")
 
 
 class ActivationCheckpointing:
@@ -298,23 +229,23 @@ class ActivationCheckpointing:
             return []
         return [m for m in _find_hf_models(model) if getattr(m, "supports_gradient_checkpointing", False)]
 
-    def _slots(self, model: nn.Module) -> list[_Slot]:
+    def _slots(self, model: nn.Module) -> list[Slot]:
         """The checkpointable blocks of ``model``, in order (the order ``"k/N"`` counts in)."""
         hf_models = self._hf_models(model)
         if hf_models:
-            slots: list[_Slot] = []
+            slots: list[Slot] = []
             for hf_model in hf_models:
-                layers = [m for m in _outermost_matching(hf_model, _is_hf_layer) if m is not hf_model]
-                slots += [_Slot("hf_layer", layer, hf_model) for layer in layers] or [_Slot("hf_model", hf_model, hf_model)]
+                layers = [m for m in _outermost_matching(hf_model, is_hf_layer) if m is not hf_model]
+                slots += [Slot("hf_layer", layer, hf_model) for layer in layers] or [Slot("hf_model", hf_model, hf_model)]
             return slots
         blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
         kind = "composable" if any(_is_fsdp2(m) for m in model.modules()) else "wrap"
-        return [_Slot(kind, b) for b in blocks]
+        return [Slot(kind, b) for b in blocks]
 
     def block_levels(self, model: nn.Module) -> list[int]:
         """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each checkpointable block of ``model``."""
-        wrappers = _wrappers_by_block(model)
-        return [_slot_level(s, wrappers) for s in self._slots(model)]
+        wrappers = wrappers_by_block(model)
+        return [slot_level(s, wrappers) for s in self._slots(model)]
 
     def levels_available(self, model: nn.Module) -> tuple[int, bool, bool]:
         """``(N, k/N possible, selective possible)`` for ``model``: N checkpointable blocks; partial
@@ -324,7 +255,7 @@ class ActivationCheckpointing:
         partial_ok = len(slots) > 1 and not any(s.kind == "hf_model" for s in slots)
         return len(slots), partial_ok, bool(slots) and slots[0].kind != "composable"
 
-    def _targets(self, model: nn.Module, slots: list[_Slot]) -> tuple[Optional[list[int]], str]:
+    def _targets(self, model: nn.Module, slots: list[Slot]) -> tuple[Optional[list[int]], str]:
         """The level each block needs, or ``(None, why this level cannot apply)``."""
         parsed = parse_level(self.level)
         if isinstance(parsed, tuple):
@@ -358,7 +289,7 @@ class ActivationCheckpointing:
             ValueError: ``block_class_names`` matches no module of ``model``.
         """
         slots = self._slots(model)
-        levels = [_slot_level(s, _wrappers_by_block(model)) for s in slots]
+        levels = [slot_level(s, wrappers_by_block(model)) for s in slots]
         if not any(levels) and is_checkpointed(model):
             return False, "already checkpointed"
         if not slots:
@@ -378,16 +309,16 @@ class ActivationCheckpointing:
                 return True, "Hugging Face activation checkpointing on " + ", ".join(type(m).__name__ for m in self._hf_models(model))
             return True, f"wrap {_counted(raised)}"
         how = "Hugging Face activation checkpointing of" if hf else "wrap"
-        now = f"; now {_state_words(levels)}" if any(levels) else ""
+        now = f"; now {state_words(levels)}" if any(levels) else ""
         return True, f"{how} {_counted(raised)} ({level_words(self.level)}{now})"
 
     def apply(self, model: nn.Module) -> MitigationResult:
         """Switch this level on in place (raising blocks already lower); a second call changes nothing."""
         applicable, reason = self.is_applicable(model)
         slots = self._slots(model)
-        wrappers = _wrappers_by_block(model)
-        levels = [_slot_level(s, wrappers) for s in slots]
-        before = _state_words(levels) if any(levels) or not is_checkpointed(model) else "on"
+        wrappers = wrappers_by_block(model)
+        levels = [slot_level(s, wrappers) for s in slots]
+        before = state_words(levels) if any(levels) or not is_checkpointed(model) else "on"
         if not applicable:
             return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
         targets, _ = self._targets(model, slots)
@@ -396,7 +327,7 @@ class ActivationCheckpointing:
         words = "" if self.level is None else f"; {level_words(self.level)}"
         kind = slots[0].kind
         if kind.startswith("hf"):
-            self._raise_hf(slots, levels, finals)
+            raise_hf_levels(slots, levels, finals)
             detail = reason + " (takes effect in train mode)"
         elif kind == "composable":  # FSDP2: in place, composable with fully_shard
             from torch.distributed._composable import checkpoint as composable_checkpoint
@@ -420,30 +351,9 @@ class ActivationCheckpointing:
             detail = f"wrapped {_counted([s.block for s, _, _ in raised])} with checkpoint_wrapper (non-reentrant{words})"
             if any(c != NONE for _, c, _ in raised):
                 detail = f"raised {_counted([s.block for s, _, _ in raised])} to {level_words(self.level)} in place"
-        after = _state_words(self.block_levels(model))
+        after = state_words(self.block_levels(model))
         return MitigationResult(self.name, applied=self.is_on(model), detail=detail, before=before, after=after)
 
-    @staticmethod
-    def _raise_hf(slots: list[_Slot], levels: list[int], finals: list[int]) -> None:
-        """Hugging Face's own switch, then each layer's flag and function set to its final level."""
-        owners = list({id(s.owner): s.owner for s in slots}.values())
-        for owner in owners:
-            mine = [(s, c, f) for s, c, f in zip(slots, levels, finals) if s.owner is owner]
-            if not any(f > c for _, c, f in mine):
-                continue
-            if mine[0][0].kind == "hf_model":  # all at once: HF's switch again with the new function
-                _hf_enable(owner, checkpoint_kwargs(mine[0][2]))
-                continue
-            if not _hf_is_checkpointing(owner):  # its input-grad hook and every layer's function
-                _hf_enable(owner, checkpoint_kwargs(FULL if FULL in [f for _, _, f in mine] else SELECTIVE))
-            for slot, _, final in mine:
-                layer = slot.block
-                layer.gradient_checkpointing = final > NONE
-                function = getattr(layer, "_gradient_checkpointing_func", None)
-                if final > NONE and (function is None or level_of_function(function) != final):
-                    layer._gradient_checkpointing_func = checkpoint_function(final)
-
-    def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level!r}"
         return f"{type(self).__name__}(block_class_names={self.block_class_names!r}{level})"
 

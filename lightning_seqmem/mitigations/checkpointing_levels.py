@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 NONE, SELECTIVE, FULL = 0, 1, 2
@@ -129,6 +132,106 @@ def level_words(level: Optional[str]) -> str:
     return f"{parsed[0]} of {parsed[1]} blocks"
 
 
-__all__ = ["FULL", "LEVEL_NAMES", "NONE", "SAVED_OPS", "SELECTIVE", "checkpoint_function", "checkpoint_kwargs",
+
+# --- each block's level, read and set (the policy in checkpointing.py walks the blocks) ---
+
+
+def hf_is_checkpointing(hf_model: nn.Module) -> bool:
+    # `is_activation_checkpointing` (transformers 5.x) avoids the FutureWarning of the old name.
+    name = "is_activation_checkpointing" if hasattr(type(hf_model), "is_activation_checkpointing") else None
+    if name is None and hasattr(type(hf_model), "is_gradient_checkpointing"):
+        name = "is_gradient_checkpointing"
+    return bool(getattr(hf_model, name)) if name is not None else False
+
+
+def composably_checkpointed(module: nn.Module) -> bool:
+    """Whether ``torch.distributed._composable.checkpoint`` was applied to ``module``."""
+    from torch.distributed._composable import _get_registry
+
+    return "checkpoint" in (_get_registry(module) or {})
+
+
+def _hf_enable(hf_model: nn.Module, kwargs: dict | None = None) -> None:
+    """Hugging Face's own switch, with ``kwargs`` for ``torch.utils.checkpoint.checkpoint``."""
+    kwargs = dict(kwargs or checkpoint_kwargs(FULL))  # non-reentrant: the reentrant one warns, needs inputs with grad
+    if callable(getattr(hf_model, "activation_checkpointing_enable", None)):  # transformers >= 5.x
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def is_hf_layer(module: nn.Module) -> bool:
+    """A transformers ``GradientCheckpointingLayer`` (its own ``gradient_checkpointing`` flag: transformers >= 4.52)."""
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One checkpointable block and how its level is read and set: ``"hf_layer"`` (a Hugging Face
+    layer's flag and function), ``"hf_model"`` (a Hugging Face model without per-layer flags, all at
+    once), ``"wrap"`` (``checkpoint_wrapper``), ``"composable"`` (under FSDP2)."""
+
+    kind: str
+    block: nn.Module
+    owner: Optional[nn.Module] = None  # the Hugging Face model of a layer
+
+
+def wrappers_by_block(model: nn.Module) -> dict[int, ActivationWrapper]:
+    return {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, ActivationWrapper)}
+
+
+def slot_level(slot: Slot, wrappers: dict[int, ActivationWrapper]) -> int:
+    block = slot.block
+    if slot.kind == "hf_layer":
+        on = getattr(block, "gradient_checkpointing", False)
+        return level_of_function(getattr(block, "_gradient_checkpointing_func", None)) if on else NONE
+    if slot.kind == "hf_model":
+        if not hf_is_checkpointing(block):
+            return NONE
+        fns = [m._gradient_checkpointing_func for m in block.modules()
+               if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+        return min((level_of_function(fn) for fn in fns), default=FULL)
+    if slot.kind == "composable":
+        return FULL if composably_checkpointed(block) else NONE
+    wrapper = wrappers.get(id(block))
+    return NONE if wrapper is None else level_of_function(getattr(wrapper, "checkpoint_fn", None))
+
+
+def state_words(levels: list[int]) -> str:
+    """``"off"``, ``"on"`` (every block full), ``"selective"``, ``"2/4"``, ``"2/4+selective"``."""
+    n, full, selective = len(levels), levels.count(FULL), levels.count(SELECTIVE)
+    if full == n and n:
+        return "on"
+    if not full and not selective:
+        return "off"
+    if selective == n:
+        return "selective"
+    return f"{full}/{n}" + ("+selective" if selective else "")
+
+
+
+def raise_hf_levels(slots: list[Slot], levels: list[int], finals: list[int]) -> None:
+    """Hugging Face's own switch, then each layer's flag and function set to its final level."""
+    owners = list({id(s.owner): s.owner for s in slots}.values())
+    for owner in owners:
+        mine = [(s, c, f) for s, c, f in zip(slots, levels, finals) if s.owner is owner]
+        if not any(f > c for _, c, f in mine):
+            continue
+        if mine[0][0].kind == "hf_model":  # all at once: HF's switch again with the new function
+            _hf_enable(owner, checkpoint_kwargs(mine[0][2]))
+            continue
+        if not hf_is_checkpointing(owner):  # its input-grad hook and every layer's function
+            _hf_enable(owner, checkpoint_kwargs(FULL if FULL in [f for _, _, f in mine] else SELECTIVE))
+        for slot, _, final in mine:
+            layer = slot.block
+            layer.gradient_checkpointing = final > NONE
+            function = getattr(layer, "_gradient_checkpointing_func", None)
+            if final > NONE and (function is None or level_of_function(function) != final):
+                layer._gradient_checkpointing_func = checkpoint_function(final)
+
+
+__all__ = ["FULL", "LEVEL_NAMES", "NONE", "SAVED_OPS", "SELECTIVE", "Slot", "checkpoint_function", "checkpoint_kwargs",
+           "composably_checkpointed", "hf_is_checkpointing", "is_hf_layer", "raise_hf_levels", "slot_level", "state_words",
+           "wrappers_by_block",
            "level_of_function", "level_words", "parse_level", "partial_counts", "save_matmuls_policy",
            "selective_checkpoint_context", "target_levels"]
