@@ -7,14 +7,19 @@ step, upgrades in place, and the callback's full rung as before.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
-import pytorch_lightning as pl
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
 from conftest import make_trainer
+from limits import limit_s
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import check_mitigations, spec
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
@@ -23,7 +28,7 @@ from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import RungContext
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, CheckpointingRung
+from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
 from lightning_seqmem.mitigations.checkpointing_levels import FULL, NONE, SELECTIVE
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
@@ -242,3 +247,23 @@ def test_the_callback_full_rung_does_what_it_did():
     assert max(r.peak_bytes for r in cb.records) <= budget
     lengths = [r.seq_len for r in cb.records]
     assert lengths == sorted(lengths) and lengths[-1] == 256
+
+
+@pytest.mark.ddp
+def test_ddp_two_ranks_take_the_same_variant_with_different_lengths(tmp_path):
+    """2 gloo ranks (lengths 32 and 48) switch the variant on inside DDP between steps: the same
+    decision and levels on both, gradients (all-reduced) equal to a plain DDP twin's, parameters
+    equal across ranks after the step."""
+    variant = "checkpointing:2/4"
+    script = Path(__file__).parent / "scripts" / "ckpt_ddp_run.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), variant, "--seq-lens", "32,48"],
+                          capture_output=True, text=True, timeout=limit_s(60))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for key in ("variants", "applied", "levels"):
+        assert rank0[key] == rank1[key], key
+    assert rank0["applied"][0] and variant in rank0["variants"]
+    assert rank0["levels"] == [FULL, FULL, NONE, NONE]
+    for rank in (rank0, rank1):
+        assert rank["grads"]["variant"] == pytest.approx(rank["grads"]["plain"], rel=1e-5, abs=1e-8)
+    assert rank0["param_sums"] == rank1["param_sums"]

@@ -273,8 +273,9 @@ class ActivationCheckpointing:
         return target_levels(self.level, len(slots)), ""
 
     def is_on(self, model: nn.Module) -> bool:
-        """Whether every block is at least at this level (checkpointing by other means counts as on
-        for the full rung only where none of the blocks is checkpointed, as before levels)."""
+        """Whether every block is at least at this level. Checkpointing that none of the blocks shows
+        (the user's own wrappers elsewhere) counts as on, at every level, as before levels: the
+        rung never wraps a model twice."""
         slots = self._slots(model)
         levels = self.block_levels(model) if slots else []
         if not any(levels):
@@ -289,7 +290,8 @@ class ActivationCheckpointing:
             ValueError: ``block_class_names`` matches no module of ``model``.
         """
         slots = self._slots(model)
-        levels = [slot_level(s, wrappers_by_block(model)) for s in slots]
+        wrappers = wrappers_by_block(model)
+        levels = [slot_level(s, wrappers) for s in slots]
         if not any(levels) and is_checkpointed(model):
             return False, "already checkpointed"
         if not slots:
