@@ -267,3 +267,39 @@ def test_ddp_two_ranks_take_the_same_variant_with_different_lengths(tmp_path):
     for rank in (rank0, rank1):
         assert rank["grads"]["variant"] == pytest.approx(rank["grads"]["plain"], rel=1e-5, abs=1e-8)
     assert rank0["param_sums"] == rank1["param_sums"]
+
+
+def test_fsdp2_partial_level_composes_with_fully_shard_and_its_sharded_dry_run_is_exact():
+    """Under FSDP2 (a fake 2-rank process group) ``k/N`` goes on with the composable checkpoint,
+    names and keys unchanged, and upgrades to every block; selective is not offered there. The
+    sharded dry run of ``"checkpointing:1/2"`` equals the same sharded step on real tensors."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_seqmem.dryrun.sharded import _shard, fake_world, sharded_dry_run_step
+
+    rung = CheckpointingRung()
+    lit = _gpt(4)
+    with fake_world(2) as mesh:
+        for block in lit.model.blocks:
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(lit, mesh=mesh["data_parallel"])
+        names, keys = [n for n, _ in lit.named_parameters()], list(lit.state_dict())
+        assert "checkpointing:selective" not in rung.variants(RungContext(lit))
+        assert not rung.at("selective").is_applicable(RungContext(lit))[0]
+        assert "composable" in _apply(lit, "2/4").detail and rung.policy.block_levels(lit) == [FULL, FULL, NONE, NONE]
+        _apply(lit, None)
+        assert rung.policy.block_levels(lit) == [FULL] * 4
+        assert [n for n, _ in lit.named_parameters()] == names and list(lit.state_dict()) == keys
+
+    batch = _batch(128)
+    dry = sharded_dry_run_step(_gpt(2), batch, 128, 2, mitigations=("checkpointing:1/2",))
+    with fake_world(2) as mesh:
+        lit = _gpt(2)
+        lit.__dict__["_device_mesh"] = mesh
+        _shard(lit, mesh, [])
+        _apply(lit, "1/2")
+        optimizer = lit.configure_optimizers()
+        for i in range(3):
+            probe = make_probe("tracker", CPU) if i == 2 else None
+            real = training_step_memory(lit, optimizer, batch, _loss, probe)
+    assert dry.peak_bytes == real.peak_bytes
