@@ -239,7 +239,7 @@ def test_the_callback_full_rung_does_what_it_did():
     module = _gpt(2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer([cb], max_steps=5).fit(
+        make_trainer([cb], max_steps=4).fit(
             module, SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=16, vocab_size=VOCAB))
     assert cb.applied_mitigations == ("checkpointing",)
     assert CheckpointingRung().policy.block_levels(module) == [FULL, FULL]  # every block, as before levels
