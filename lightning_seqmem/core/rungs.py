@@ -72,10 +72,12 @@ _BUILTIN = (
     RungSpec("attention", "switch attention to SDPA or flash-attn", 0.0, linearises_attention=True),
     # recompute every block in backward: about one more forward, ~1/3 of a step (Chen et al. 2016)
     # levels: "k/N" blocks cost k/N of it; "selective" recomputes the pointwise ops only (norms, activations,
-    # residual adds), not the matmuls nor attention: measured on CPU (reference GPT, 4 layers, d_model 256,
-    # L=512, batch 2, AdamW, median of 6 interleaved steps): plain 934.5 ms, selective 1017.9 ms (x1.089),
-    # 2/4 1054.2 ms (x1.128), full 1187.7 ms (x1.271); so selective ~ 0.09
-    RungSpec("checkpointing", "enable activation checkpointing", 0.33, level_priors=(("selective", 0.09),)),
+    # residual adds), not the matmuls nor attention. Measured on CPU by benchmarks/checkpointing_levels.py
+    # (reference GPT, 4 layers, d_model 256, L=512, batch 2, AdamW, interleaved steps, a shared machine),
+    # step time over plain: selective x1.089 / x1.213, 2/4 x1.128 / x1.259, all blocks x1.271 / x1.373 (two
+    # runs): selective's extra time is 0.33-0.57 of full's, so 0.45 x 0.33 ~ 0.15. Its dispatch mode costs
+    # per op: on small models it can cost as much as full (x1.42 vs x1.44 at d_model 128, L=256).
+    RungSpec("checkpointing", "enable activation checkpointing", 0.33, level_priors=(("selective", 0.15),)),
     # micro-batches of one sample: the same FLOPs in smaller kernels; the first split step checks the loss
     RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True),
 )

@@ -10,7 +10,7 @@ name                      what it does                                          
                           fp16/bf16): :class:`AttentionRung`                      no extra compute
 ``"checkpointing"``       recompute each transformer block in backward:          ~25-35% more compute
                           :class:`CheckpointingRung`; at a level:                k/N of that for
-                          ``"checkpointing:k/N"`` (first k of N blocks),         ``k/N``; ~9% for
+                          ``"checkpointing:k/N"`` (first k of N blocks),         ``k/N``; ~15% for
                           ``"checkpointing:selective"`` (pointwise ops only)     ``selective``
 ``"microbatch"``          split each batch into micro-batches of one sample      throughput (smaller
                           inside the step: :class:`MicroBatchRung`               kernels)
