@@ -356,6 +356,7 @@ class ActivationCheckpointing:
         after = state_words(self.block_levels(model))
         return MitigationResult(self.name, applied=self.is_on(model), detail=detail, before=before, after=after)
 
+    def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level!r}"
         return f"{type(self).__name__}(block_class_names={self.block_class_names!r}{level})"
 
