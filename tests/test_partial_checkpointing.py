@@ -127,12 +127,12 @@ def test_variants_names_levels_and_priors():
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_switched_on_mid_run_same_loss_grads_params_state_and_keys(kind):
     plain = MODELS[kind]()
-    batch, later = _batch(64, seed=1), _batch(64, seed=2)
+    batch, later = _batch(32, seed=1), _batch(32, seed=2)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     _loss(plain, batch).backward()
     optimizer.step()  # one real step: the optimizer has state when the level is switched on
     plain_loss, plain_grads = _grads(plain, later)
-    for level in LEVELS:
+    for level in ("selective", "2/4", None):  # the others are the same code with another k
         module = copy.deepcopy(plain)
         params, keys = list(module.parameters()), list(module.state_dict())
         _apply(module, level)
