@@ -15,6 +15,7 @@ import torch
 import lightning.pytorch as pl
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
+from lightning_seqmem.core.rungs import base_name
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching, ladder
 
@@ -65,7 +66,9 @@ def test_ladder_reaches_the_target_within_budget():
     assert lengths[-1] == TARGET and cb.planner.capped_at is None
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget
     names = [e["name"] for e in cb.mitigation_events]
-    assert names == list(cb.applied_mitigations) and names[0] == "attention" and len(names) >= 2
+    # an upgrade (checkpointing 1 of 4 blocks -> 2 of 4) replaces its rung's entry: one entry per rung
+    assert list(dict.fromkeys(map(base_name, names))) == list(map(base_name, cb.applied_mitigations))
+    assert names[0] == "attention" and len(names) >= 2 and names[-1] in cb.applied_mitigations
     # each mitigation: when (a record carries the event), and its measured effect at that length
     for event in cb.mitigation_events:
         record = next(r for r in cb.records if f"mitigation:{event['name']}" in r.events)
@@ -77,7 +80,7 @@ def test_ladder_reaches_the_target_within_budget():
     lengths_seen = [r.seq_len for r in cb.records]
     assert lengths_seen == sorted(lengths_seen)  # the dry run plans the rungs: the curriculum never goes back
     assert module.attention_backend == "sdpa"
-    assert is_checkpointed(module) == ("checkpointing" in names)
+    assert is_checkpointed(module) == any(base_name(n) == "checkpointing" for n in names)
     assert is_micro_batching(module) == ("microbatch" in names)
     # one warning per decision, naming the rungs it switched on
     said = " ".join(str(w.message) for w in oom)

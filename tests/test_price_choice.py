@@ -9,6 +9,7 @@ cheaper rung is chosen over a dearer one that also fits, with real measurement.
 from __future__ import annotations
 
 import itertools
+import re
 import warnings
 
 import pytest
@@ -290,4 +291,4 @@ def test_a_real_run_switches_on_the_cheaper_of_two_rungs_that_fit():
     assert all(r.step_seconds and r.step_seconds > 0 for r in cb.records if not r.warmup)
     words = " ".join(str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning))
     assert "Chosen as the fastest setting that fits: attention: fits" in words and "+0% step time" in words
-    assert "checkpointing would cost +33%" in words
+    assert re.search(r"checkpointing[^;]* would cost \+\d+%", words), words  # the dearer rung that also fits

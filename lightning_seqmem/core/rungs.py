@@ -71,7 +71,13 @@ _BUILTIN = (
     # eager -> SDPA/flash-attn: no L^2 matrix, no extra compute
     RungSpec("attention", "switch attention to SDPA or flash-attn", 0.0, linearises_attention=True),
     # recompute every block in backward: about one more forward, ~1/3 of a step (Chen et al. 2016)
-    RungSpec("checkpointing", "enable activation checkpointing", 0.33),
+    # levels: "k/N" blocks cost k/N of it; "selective" recomputes the pointwise ops only (norms, activations,
+    # residual adds), not the matmuls nor attention. Measured on CPU by benchmarks/checkpointing_levels.py
+    # (reference GPT, 4 layers, d_model 256, L=512, batch 2, AdamW, interleaved steps, a shared machine),
+    # step time over plain: selective x1.089 / x1.213, 2/4 x1.128 / x1.259, all blocks x1.271 / x1.373 (two
+    # runs): selective's extra time is 0.33-0.57 of full's, so 0.45 x 0.33 ~ 0.15. Its dispatch mode costs
+    # per op: on small models it can cost as much as full (x1.42 vs x1.44 at d_model 128, L=256).
+    RungSpec("checkpointing", "enable activation checkpointing", 0.33, level_priors=(("selective", 0.15),)),
     # micro-batches of one sample: the same FLOPs in smaller kernels; the first split step checks the loss
     RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True),
     # the causal-LM loss from hidden states and lm_head.weight in token shards: no [tokens, vocab] logits;
@@ -115,6 +121,28 @@ def level_of(name: str) -> "str | None":
     return name.split(LEVEL_SEP, 1)[1] if LEVEL_SEP in name else None
 
 
+def at_most(a: str, b: str) -> bool:
+    """Whether variant ``a`` saves no more memory than ``b`` by construction: the same rung, and ``a``
+    equal to ``b``, or ``b`` its full level (the bare name), or both ``k/N`` of the same N with
+    ``a``'s k not larger. Other levels are not compared (a selective policy vs k of N blocks).
+
+    >>> at_most("checkpointing:3/8", "checkpointing"), at_most("checkpointing:3/8", "checkpointing:5/8")
+    (True, True)
+    >>> at_most("checkpointing", "checkpointing:5/8"), at_most("checkpointing:selective", "checkpointing:5/8")
+    (False, False)
+    """
+    if base_name(a) != base_name(b):
+        return False
+    la, lb = level_of(a), level_of(b)
+    if la == lb or lb is None:
+        return True
+    if la is None:
+        return False
+    ka, _, na = la.partition("/")
+    kb, _, nb = lb.partition("/")
+    return all(x.isdigit() for x in (ka, na, kb, nb)) and na == nb and int(ka) <= int(kb)
+
+
 def register_spec(rung_spec: RungSpec) -> None:
     """Make ``rung_spec`` known (a rung registered by :func:`lightning_seqmem.mitigations.ladder.register`)."""
     if not isinstance(rung_spec, RungSpec) or not rung_spec.name or not isinstance(rung_spec.name, str):
@@ -139,9 +167,27 @@ def spec(name: str) -> RungSpec:
     return base.at(level_of(name))
 
 
-def check_mitigations(value: Any) -> tuple[str, ...]:
-    """Validate ``SeqMemCallback(mitigations=...)``: distinct names of known rungs."""
+def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
+    """Validate ``SeqMemCallback(mitigations=...)``: distinct names of known rungs. ``variants``: a
+    setting (a dry run's), where a rung may be named at a level (``"checkpointing:3/8"``), at most
+    one variant per rung; whether the rung has that level is the rung's to say (``ladder.rung``).
+
+    >>> check_mitigations(["attention", "checkpointing:3/8"], variants=True)
+    ('attention', 'checkpointing:3/8')
+    >>> check_mitigations(["checkpointing", "checkpointing:3/8"], variants=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: `mitigations` must be a sequence of distinct names from (...), each rung at most once (at one level, e.g. 'checkpointing:3/8'), got ['checkpointing', 'checkpointing:3/8']
+    """
     names = tuple(value) if isinstance(value, (list, tuple)) else None
+    if variants and names is not None and all(isinstance(n, str) for n in names):
+        bases = [base_name(n) for n in names]
+        if all(b in _SPECS for b in bases) and len(set(bases)) == len(bases):
+            return names
+        raise ValueError(
+            f"`mitigations` must be a sequence of distinct names from {rung_names()}, each rung at most once "
+            f"(at one level, e.g. 'checkpointing:3/8'), got {value!r}"
+        )
     if names is None or any(n not in _SPECS for n in names) or len(set(names)) != len(names):
         raise ValueError(
             f"`mitigations` must be a sequence of distinct names from {rung_names()} "
@@ -188,5 +234,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "register_spec", "remaining_advice",
+__all__ = ["ADVICE", "at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]

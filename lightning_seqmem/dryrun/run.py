@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_seqmem.dryrun import sharded
 from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+from lightning_seqmem.core.rungs import at_most
 from lightning_seqmem.mitigations import ladder
 
 
@@ -56,7 +57,7 @@ class TrainingRunDryRun:
 
     def __call__(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[Any, ...]:
         applied = tuple(self.applied())
-        if self.batch is None or any(m not in mitigations for m in applied):
+        if self.batch is None or not all(any(at_most(m, n) for n in mitigations) for m in applied):
             raise DryRunUnsupported("no batch kept yet, or a rung on now cannot be undone on a copy")
         for L, B, names, reason in self.refusals:
             if names == tuple(mitigations) and seq_len >= L and batch_size >= B:

@@ -271,7 +271,9 @@ def sharded_dry_run_step(
     seq_len = check_int("seq_len", seq_len)
     world_size = check_int("world_size", world_size)
     strategy = check_strategy(strategy)
-    names = check_mitigations(list(mitigations))
+    names = check_mitigations(list(mitigations), variants=True)
+    for name in names:
+        ladder.rung(name)  # a level the rung does not have: its ValueError
     _check_module(template)
     if is_fsdp2(template):
         raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")

@@ -447,6 +447,7 @@ def dry_run_step(
         mitigations: names from :data:`~lightning_seqmem.mitigations.ladder.MITIGATIONS`, applied
             to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1),
             ``"activation_offload"`` (modelled on any device: ``host_bytes`` of the result).
+            Or a rung's variant (``"checkpointing:3/8"``, ``"checkpointing:selective"``).
             A module already micro-batched by :class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`
             is simulated with its micro-batch size.
         autocast: a zero-argument factory of the context the forward runs in (the precision
@@ -469,7 +470,9 @@ def dry_run_step(
     """
     started = time.perf_counter()
     seq_len = check_int("seq_len", seq_len)
-    names = check_mitigations(list(mitigations))
+    names = check_mitigations(list(mitigations), variants=True)
+    for name in names:
+        ladder.rung(name)  # a level the rung does not have: its ValueError, before any work
     _check_module(pl_module)
     source_rows, _ = infer_batch_shape(batch)
     batch_size = source_rows if batch_size is None else check_int("batch_size", batch_size)

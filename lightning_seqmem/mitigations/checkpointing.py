@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
+from typing import Optional
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -41,8 +41,26 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from lightning_seqmem.core.rungs import spec
-from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, wrapping_strategy_refusal
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
+from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, RungContext, wrapping_strategy_refusal
+from lightning_seqmem.mitigations.checkpointing_levels import (
+    NONE,
+    SELECTIVE,
+    Slot,
+    checkpoint_function,
+    composably_checkpointed,
+    hf_is_checkpointing,
+    is_hf_layer,
+    level_words,
+    parse_level,
+    partial_counts,
+    raise_hf_levels,
+    selective_checkpoint_context,
+    slot_level,
+    state_words,
+    target_levels,
+    wrappers_by_block,
+)
 
 __all__ = ["ActivationCheckpointing", "CheckpointingRung", "find_repeated_blocks", "is_checkpointed"]
 
@@ -127,12 +145,18 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
         blocks = _modules_named(model, no_split)
         if blocks:
             return blocks
-    stacks = [list(m) for m in model.modules()
-              if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+    # a block already wrapped (all of them, or the first k of a partial level) counts as the block inside
+    stacks = [[_unwrapped(c) for c in m] for m in model.modules()
+              if isinstance(m, nn.ModuleList) and len(m) and len({type(_unwrapped(c)) for c in m}) == 1]
     blocks = [c for children in stacks for c in children if next(c.children(), None) is not None]
     if blocks:  # every stack of composite blocks (an encoder's and a decoder's), outermost
         return _outermost(model, blocks)
     return max(stacks, key=len, default=[])  # only stacks of single layers: the largest (the first on a tie)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The block inside a ``checkpoint_wrapper`` (the module itself when not wrapped)."""
+    return module._checkpoint_wrapped_module if isinstance(module, ActivationWrapper) else module
 
 
 def _counted(blocks: list[nn.Module]) -> str:
@@ -143,14 +167,6 @@ def _counted(blocks: list[nn.Module]) -> str:
     return " + ".join(f"{n} x {name}" for name, n in counts.items())
 
 
-def _hf_is_checkpointing(hf_model: nn.Module) -> bool:
-    # `is_activation_checkpointing` (transformers 5.x) avoids the FutureWarning of the old name.
-    name = "is_activation_checkpointing" if hasattr(type(hf_model), "is_activation_checkpointing") else None
-    if name is None and hasattr(type(hf_model), "is_gradient_checkpointing"):
-        name = "is_gradient_checkpointing"
-    return bool(getattr(hf_model, name)) if name is not None else False
-
-
 def is_checkpointed(model: nn.Module) -> bool:
     """Whether any block of ``model`` is activation-checkpointed (by a wrapper or by Hugging Face).
 
@@ -158,16 +174,9 @@ def is_checkpointed(model: nn.Module) -> bool:
         >>> is_checkpointed(nn.Sequential(nn.Linear(2, 2)))
         False
     """
-    if any(isinstance(m, ActivationWrapper) or _composably_checkpointed(m) for m in model.modules()):
+    if any(isinstance(m, ActivationWrapper) or composably_checkpointed(m) for m in model.modules()):
         return True
-    return any(_hf_is_checkpointing(m) for m in _find_hf_models(model))
-
-
-def _composably_checkpointed(module: nn.Module) -> bool:
-    """Whether ``torch.distributed._composable.checkpoint`` was applied to ``module``."""
-    from torch.distributed._composable import _get_registry
-
-    return "checkpoint" in (_get_registry(module) or {})
+    return any(hf_is_checkpointing(m) for m in _find_hf_models(model))
 
 
 def _is_fsdp2(module: nn.Module) -> bool:
@@ -176,30 +185,32 @@ def _is_fsdp2(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _hf_enable(hf_model: nn.Module) -> None:
-    kwargs = {"use_reentrant": False}  # the reentrant variant warns and needs inputs that require grad
-    if callable(getattr(hf_model, "activation_checkpointing_enable", None)):  # transformers >= 5.x
-        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 class ActivationCheckpointing:
-    """Policy: checkpoint every repeated block of a model, in place and idempotently.
+    """Policy: checkpoint the repeated blocks of a model at ``level``, in place and idempotently.
 
     Args:
         block_class_names: class names of the blocks to wrap; ``None`` finds them (see
             :func:`find_repeated_blocks`). Given names always use the wrapper path, also for
             Hugging Face models.
+        level: ``None`` (every block, recomputed whole), ``"selective"`` (every block, matmul outputs
+            kept) or ``"k/N"`` (the first ``k`` of the model's ``N`` blocks); see
+            :mod:`~lightning_seqmem.mitigations.checkpointing_levels`. A level on top of a lower one
+            raises the blocks it needs (an upgrade); it never lowers one.
 
     Example:
         >>> ActivationCheckpointing().is_applicable(nn.Linear(2, 2))[1]
         'no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); pass block_class_names'
+        >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(n_layer=4, d_model=32, n_head=2))
+        >>> ActivationCheckpointing(level="2/4").apply(model).detail
+        'wrapped 2 x Block with checkpoint_wrapper (non-reentrant; 2 of 4 blocks)'
+        >>> ActivationCheckpointing(level="1/4").is_applicable(model), ActivationCheckpointing().is_applicable(model)
+        ((False, 'already checkpointed at 1/4 or more'), (True, 'wrap 2 x Block (all blocks; now 2/4)'))
+        >>> ActivationCheckpointing(level="3/8").is_applicable(model)[1]
+        "level '3/8' is for a model of 8 blocks; this one has 4 (4 x Block): use 'k/4'"
     """
 
-    name = "checkpointing"
-
-    def __init__(self, block_class_names: Sequence[str] | None = None) -> None:
+    def __init__(self, block_class_names: Sequence[str] | None = None, level: Optional[str] = None) -> None:
         if block_class_names is not None:
             names = [block_class_names] if isinstance(block_class_names, str) else list(block_class_names)
             if not names or not all(isinstance(n, str) and n for n in names):
@@ -208,76 +219,164 @@ class ActivationCheckpointing:
                     f"got {block_class_names!r}."
                 )
             block_class_names = names
+        parse_level(level)  # raises for a bad level
         self.block_class_names = block_class_names
+        self.level = level
+        self.name = "checkpointing" if level is None else f"checkpointing:{level}"
 
     def _hf_models(self, model: nn.Module) -> list[nn.Module]:
         if self.block_class_names is not None:
             return []
         return [m for m in _find_hf_models(model) if getattr(m, "supports_gradient_checkpointing", False)]
 
+    def _slots(self, model: nn.Module) -> list[Slot]:
+        """The checkpointable blocks of ``model``, in order (the order ``"k/N"`` counts in)."""
+        hf_models = self._hf_models(model)
+        if hf_models:
+            slots: list[Slot] = []
+            for hf_model in hf_models:
+                layers = [m for m in _outermost_matching(hf_model, is_hf_layer) if m is not hf_model]
+                slots += [Slot("hf_layer", layer, hf_model) for layer in layers] or [Slot("hf_model", hf_model, hf_model)]
+            return slots
+        blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
+        kind = "composable" if any(_is_fsdp2(m) for m in model.modules()) else "wrap"
+        return [Slot(kind, b) for b in blocks]
+
+    def block_levels(self, model: nn.Module) -> list[int]:
+        """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each checkpointable block of ``model``."""
+        wrappers = wrappers_by_block(model)
+        return [slot_level(s, wrappers) for s in self._slots(model)]
+
+    def levels_available(self, model: nn.Module) -> tuple[int, bool, bool]:
+        """``(N, k/N possible, selective possible)`` for ``model``: N checkpointable blocks; partial
+        levels need per-block control (not a Hugging Face model without per-layer flags), the
+        selective one a path that can raise it to full in place (not FSDP2's composable checkpoint)."""
+        slots = self._slots(model)
+        partial_ok = len(slots) > 1 and not any(s.kind == "hf_model" for s in slots)
+        return len(slots), partial_ok, bool(slots) and slots[0].kind != "composable"
+
+    def _targets(self, model: nn.Module, slots: list[Slot]) -> tuple[Optional[list[int]], str]:
+        """The level each block needs, or ``(None, why this level cannot apply)``."""
+        parsed = parse_level(self.level)
+        if isinstance(parsed, tuple):
+            k, n = parsed
+            if any(s.kind == "hf_model" for s in slots):
+                names = ", ".join(type(s.block).__name__ for s in slots if s.kind == "hf_model")
+                return None, (f"{names} has no per-layer checkpointing flag (no GradientCheckpointingLayer): only "
+                              "'checkpointing' (all layers) or 'checkpointing:selective' apply")
+            if n != len(slots):
+                return None, (f"level {self.level!r} is for a model of {n} blocks; this one has {len(slots)} "
+                              f"({_counted([s.block for s in slots])}): use 'k/{len(slots)}'")
+        if parsed == "selective" and slots[0].kind == "composable":
+            return None, ("selective checkpointing is not offered under FSDP2 (its composable checkpoint cannot be "
+                          "raised to full in place): use 'checkpointing:k/N' or 'checkpointing'")
+        return target_levels(self.level, len(slots)), ""
+
+    def is_on(self, model: nn.Module) -> bool:
+        """Whether every block is at least at this level. Checkpointing that none of the blocks shows
+        (the user's own wrappers elsewhere) counts as on, at every level, as before levels: the
+        rung never wraps a model twice."""
+        slots = self._slots(model)
+        levels = self.block_levels(model) if slots else []
+        if not any(levels):
+            return is_checkpointed(model)
+        targets, _ = self._targets(model, slots)
+        return targets is not None and all(c >= t for c, t in zip(levels, targets))
+
     def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
-        """``(True, what would be wrapped)`` or ``(False, reason)``.
+        """``(True, what would be done)`` or ``(False, reason)``.
 
         Raises:
             ValueError: ``block_class_names`` matches no module of ``model``.
         """
-        if is_checkpointed(model):
+        slots = self._slots(model)
+        wrappers = wrappers_by_block(model)
+        levels = [slot_level(s, wrappers) for s in slots]
+        if not any(levels) and is_checkpointed(model):
             return False, "already checkpointed"
-        hf_models = self._hf_models(model)
-        if hf_models:
-            return True, "Hugging Face activation checkpointing on " + ", ".join(type(m).__name__ for m in hf_models)
-        blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
-        if not blocks:
+        if not slots:
             return False, (
                 "no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); "
                 "pass block_class_names"
             )
-        return True, f"wrap {_counted(blocks)}"
+        targets, why = self._targets(model, slots)
+        if targets is None:
+            return False, why
+        raised = [s.block for s, c, t in zip(slots, levels, targets) if t > c]
+        if not raised:
+            return False, "already checkpointed" if self.level is None else f"already checkpointed at {self.level} or more"
+        hf = slots[0].kind.startswith("hf")
+        if self.level is None and not any(levels):  # the full rung from nothing: its words before levels
+            if hf:
+                return True, "Hugging Face activation checkpointing on " + ", ".join(type(m).__name__ for m in self._hf_models(model))
+            return True, f"wrap {_counted(raised)}"
+        how = "Hugging Face activation checkpointing of" if hf else "wrap"
+        now = f"; now {state_words(levels)}" if any(levels) else ""
+        return True, f"{how} {_counted(raised)} ({level_words(self.level)}{now})"
 
     def apply(self, model: nn.Module) -> MitigationResult:
-        """Enable checkpointing in place; a second call changes nothing."""
+        """Switch this level on in place (raising blocks already lower); a second call changes nothing."""
         applicable, reason = self.is_applicable(model)
+        slots = self._slots(model)
+        wrappers = wrappers_by_block(model)
+        levels = [slot_level(s, wrappers) for s in slots]
+        before = state_words(levels) if any(levels) or not is_checkpointed(model) else "on"
         if not applicable:
-            state = "on" if is_checkpointed(model) else "off"
-            return MitigationResult(self.name, applied=False, detail=reason, before=state, after=state)
-        hf_models = self._hf_models(model)
-        if hf_models:
-            for hf_model in hf_models:
-                _hf_enable(hf_model)
+            return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
+        targets, _ = self._targets(model, slots)
+        finals = [max(c, t) for c, t in zip(levels, targets)]
+        raised = [(s, c, f) for s, c, f in zip(slots, levels, finals) if f > c]
+        words = "" if self.level is None else f"; {level_words(self.level)}"
+        kind = slots[0].kind
+        if kind.startswith("hf"):
+            raise_hf_levels(slots, levels, finals)
             detail = reason + " (takes effect in train mode)"
-        else:
-            blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
-            wanted = {id(b) for b in blocks}
-            if any(_is_fsdp2(m) for m in model.modules()):  # FSDP2: in place, composable with fully_shard
-                from torch.distributed._composable import checkpoint
+        elif kind == "composable":  # FSDP2: in place, composable with fully_shard
+            from torch.distributed._composable import checkpoint as composable_checkpoint
 
-                for block in blocks:
-                    checkpoint(block)
-                detail = f"checkpointed {_counted(blocks)} in place (composable, under FSDP2)"
-                return MitigationResult(self.name, applied=True, detail=detail, before="off", after="on")
-            apply_activation_checkpointing(
-                model,
-                checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-                check_fn=lambda m: id(m) in wanted,
-            )
-            detail = f"wrapped {_counted(blocks)} with checkpoint_wrapper (non-reentrant)"
-        after = "on" if is_checkpointed(model) else "off"
-        return MitigationResult(self.name, applied=after == "on", detail=detail, before="off", after=after)
+            for slot, _, _ in raised:
+                composable_checkpoint(slot.block)
+            detail = f"checkpointed {_counted([s.block for s, _, _ in raised])} in place (composable, under FSDP2{words})"
+        else:
+            fresh = {id(s.block): f for s, c, f in raised if c == NONE}
+            if fresh:
+                apply_activation_checkpointing(
+                    model,
+                    checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(
+                        m, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                        **({"context_fn": selective_checkpoint_context} if fresh[id(m)] == SELECTIVE else {})),
+                    check_fn=lambda m: id(m) in fresh,
+                )
+            for slot, current, final in raised:
+                if current != NONE:  # a selective wrapper raised to full: the same wrapper, another function
+                    wrappers[id(slot.block)].checkpoint_fn = checkpoint_function(final)
+            detail = f"wrapped {_counted([s.block for s, _, _ in raised])} with checkpoint_wrapper (non-reentrant{words})"
+            if any(c != NONE for _, c, _ in raised):
+                detail = f"raised {_counted([s.block for s, _, _ in raised])} to {level_words(self.level)} in place"
+        after = state_words(self.block_levels(model))
+        return MitigationResult(self.name, applied=self.is_on(model), detail=detail, before=before, after=after)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(block_class_names={self.block_class_names!r})"
+        level = "" if self.level is None else f", level={self.level!r}"
+        return f"{type(self).__name__}(block_class_names={self.block_class_names!r}{level})"
 
 
 class CheckpointingRung(ModulePolicyRung):
-    """The ladder's ``"checkpointing"`` rung: :class:`ActivationCheckpointing` of every repeated block
-    behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol. Under FSDP2 it goes on after
-    ``fully_shard`` (composable ``checkpoint``), in a sharded dry run too; FSDP1 and DeepSpeed wrap
-    the model themselves and refuse it at set-up.
+    """The ladder's ``"checkpointing"`` rung: :class:`ActivationCheckpointing` of the repeated blocks
+    behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol, at its levels:
+    ``"checkpointing:selective"``, ``"checkpointing:k/N"`` and ``"checkpointing"`` (every block). Under
+    FSDP2 it goes on after ``fully_shard`` (composable ``checkpoint``), in a sharded dry run too; FSDP1
+    and DeepSpeed wrap the model themselves and refuse it at set-up.
 
     Example:
         >>> from lightning_seqmem.mitigations.base import RungContext
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+        >>> CheckpointingRung().variants(RungContext(model))
+        ('checkpointing:selective', 'checkpointing:1/2', 'checkpointing')
+        >>> half = CheckpointingRung().at("1/2")
+        >>> half.name, half.apply(RungContext(model)).applied, half.is_on(model), CheckpointingRung().is_on(model)
+        ('checkpointing:1/2', True, True, False)
         >>> CheckpointingRung().apply(RungContext(model)).applied, CheckpointingRung().is_on(model)
         (True, True)
     """
@@ -289,7 +388,29 @@ class CheckpointingRung(ModulePolicyRung):
         self.policy = policy or ActivationCheckpointing()
 
     def is_on(self, module: nn.Module) -> bool:
-        return is_checkpointed(module)
+        return self.policy.is_on(module)
+
+    def at(self, level: Optional[str]) -> "CheckpointingRung":
+        """This rung at ``level`` (``"selective"``, ``"k/N"``; None: every block).
+
+        Raises:
+            ValueError: any other level.
+        """
+        if level is None:
+            return self
+        rung = CheckpointingRung(ActivationCheckpointing(self.policy.block_class_names, level=level))
+        rung.spec = type(self).spec.at(level)
+        return rung
+
+    def variants(self, ctx: RungContext) -> tuple[str, ...]:
+        """``"checkpointing:selective"``, ``"checkpointing:k/N"`` for up to seven ``k``
+        (:func:`~lightning_seqmem.mitigations.checkpointing_levels.partial_counts`), ``"checkpointing"``:
+        those this model can take, cheapest first."""
+        base = type(self).spec.name
+        n_blocks, partial_ok, selective_ok = self.policy.levels_available(ctx.pl_module)
+        names = [f"{base}:selective"] if selective_ok else []
+        names += [f"{base}:{k}/{n_blocks}" for k in partial_counts(n_blocks)] if partial_ok else []
+        return (*names, base)
 
     def strategy_refusal(self, trainer) -> str | None:  # type: ignore[no-untyped-def]
         return wrapping_strategy_refusal(trainer)

@@ -9,7 +9,9 @@ name                      what it does                                          
 ``"attention"``           eager → SDPA (→ flash-attn where installed, on CUDA,   none: no L² matrix,
                           fp16/bf16): :class:`AttentionRung`                      no extra compute
 ``"checkpointing"``       recompute each transformer block in backward:          ~25-35% more compute
-                          :class:`CheckpointingRung`
+                          :class:`CheckpointingRung`; at a level:                k/N of that for
+                          ``"checkpointing:k/N"`` (first k of N blocks),         ``k/N``; ~15% for
+                          ``"checkpointing:selective"`` (pointwise ops only)     ``selective``
 ``"microbatch"``          split each batch into micro-batches of one sample      throughput (smaller
                           inside the step: :class:`MicroBatchRung`               kernels)
 ========================  =====================================================  =====================

@@ -38,7 +38,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from lightning_seqmem.core.rungs import base_name, level_of
+from lightning_seqmem.core.rungs import at_most, base_name, level_of
 from lightning_seqmem.plan.pricing import prior_factor  # noqa: F401 - the examples price by it
 
 Setting = tuple[str, ...]
@@ -89,28 +89,6 @@ def switched_on(on: Sequence[str], setting: Sequence[str]) -> Setting:
     ('checkpointing', 'fused_loss')
     """
     return tuple(n for n in setting if n not in on)
-
-
-def at_most(a: str, b: str) -> bool:
-    """Whether variant ``a`` saves no more memory than ``b`` by construction: the same rung, and ``a``
-    equal to ``b``, or ``b`` its full level (the bare name), or both ``k/N`` of the same N with
-    ``a``'s k not larger. Other levels are not compared (a selective policy vs k of N blocks).
-
-    >>> at_most("checkpointing:3/8", "checkpointing"), at_most("checkpointing:3/8", "checkpointing:5/8")
-    (True, True)
-    >>> at_most("checkpointing", "checkpointing:5/8"), at_most("checkpointing:selective", "checkpointing:5/8")
-    (False, False)
-    """
-    if base_name(a) != base_name(b):
-        return False
-    la, lb = level_of(a), level_of(b)
-    if la == lb or lb is None:
-        return True
-    if la is None:
-        return False
-    ka, _, na = la.partition("/")
-    kb, _, nb = lb.partition("/")
-    return all(x.isdigit() for x in (ka, na, kb, nb)) and na == nb and int(ka) <= int(kb)
 
 
 def dominated(setting: Sequence[str], over: Sequence[str]) -> bool:
