@@ -212,18 +212,18 @@ def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str,
     if batch_size is None or not (planner.forecaster.ready or planner.dry_answers(batch_size)):
         out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
         return out
+    measured = {r.seq_len for r in planner.records}
     if planner.forecaster.ready:  # the fit answers: any length, for free
-        lengths = _spread({r.seq_len for r in planner.records}, REPORT_MEASURED_LENGTHS)
+        lengths = _spread(measured, REPORT_MEASURED_LENGTHS)
     else:  # the dry run answers (one each): the lengths it ran already, and the longest measured
-        lengths = _spread(set(planner.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS)
-        lengths |= {max(r.seq_len for r in planner.records)} if planner.records else set()
+        lengths = _spread(set(planner.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
     if planner.curriculum is not None:
         lengths |= set(planner.curriculum.stages)
         target = planner.curriculum.target
         out["target"] = target
         lengths |= {2 * target, 4 * target}
     else:
-        longest = max(lengths, default=0)
+        longest = max(measured, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
     lengths = {L for L in lengths if planner.within_limit(L)}  # none past the model's own positions
     try:
