@@ -18,7 +18,11 @@ For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded
   ``overhead = run / base - 1``, wall time of ``fit`` (interleaved, best of ``--fit-repeats``);
 * ``wait s``: of that run, the seconds rank zero spent in the planner's decisions (what other ranks
   would wait in the collective before each batch), ``dry s`` / ``dry n``: seconds and number of dry
-  runs in the run.
+  runs in the run (the end-of-fit report's included), ``meas``: steps the callback measured (the
+  others ran below a measured longer step: :mod:`lightning_seqmem.plan.schedule`);
+* ``over``: steps over the usable budget by an independent count: every step that ran, against a
+  real step measured apart (the live-tensor tracker, after a warm-up step) at the longest length
+  that ran, and every measured record against the budget (the larger of the two counts).
 
     python benchmarks/planning_cost.py            # 200 steps, lengths 64..512
     python benchmarks/planning_cost.py --quick    # 16 steps, short lengths (a few minutes on 2 cores)
@@ -164,6 +168,33 @@ class _Instrument:
         SeqMemPlanner.decide, TrainingRunDryRun.__call__ = self._decide, self._dry
 
 
+class _Ran(pl.Callback):
+    """Every batch's ``(seq_len, batch_size, rungs on)`` as it runs (after SeqMemCallback's cut)."""
+
+    def __init__(self, cb: SeqMemCallback) -> None:
+        self.cb, self.shapes = cb, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        B, L = batch["input_ids"].shape
+        self.shapes.append((int(L), int(B), tuple(self.cb.applied_mitigations)))
+
+
+def independent_peak(layers: int, seq_len: int, batch_size: int) -> int:
+    """The live-tensor peak of one real training step at ``(seq_len, batch_size)``, after a warm-up
+    step (gradients and optimizer state alive, as in a run), measured apart from the callback."""
+    from lightning_seqmem.measure.probes import make_probe
+    from lightning_seqmem.measure.steps import training_step_memory
+
+    module = llama(layers)
+    optimizer = module.configure_optimizers()
+    batch = token_batch(batch_size, seq_len, seed=1)
+    loss_fn = lambda m, b: m.training_step(b, 0)  # noqa: E731
+    training_step_memory(module, optimizer, batch, loss_fn)
+    memory = training_step_memory(module, optimizer, batch, loss_fn, make_probe("tracker", torch.device("cpu")))
+    assert memory is not None
+    return memory.peak_bytes
+
+
 def fit_seconds(layers: int, data: DynamicPadding, callbacks: Callable[[], list]) -> tuple[float, list]:
     module = llama(layers)
     cbs = callbacks()
@@ -188,15 +219,29 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
             if which == "base":
                 base.append(fit_seconds(layers, data, list)[0])
                 continue
+            cb = SeqMemCallback(memory_budget=budget)
+            ran = _Ran(cb)
             with _Instrument() as inst:
-                seconds, (cb,) = fit_seconds(layers, data, lambda: [SeqMemCallback(memory_budget=budget)])
+                seconds, _ = fit_seconds(layers, data, lambda: [cb, ran])
             run.append(seconds)
             records = len(cb.records)
-            over = sum(r.peak_bytes > cb.planner.usable_budget_bytes for r in cb.records)
+            usable = cb.planner.usable_budget_bytes
+            over = sum(r.peak_bytes > usable for r in cb.records)  # the measured steps, by the callback's tracker
     assert inst is not None
+    # the independent count: every step that ran, against a real step measured apart at the longest
+    # shape that ran with the same rungs (a step's peak does not fall as the length grows): the
+    # steps the callback left unmeasured are counted too
+    longest: dict[tuple, tuple[int, int]] = {}
+    for L, B, rungs in ran.shapes:
+        longest[rungs] = max(longest.get(rungs, (0, 0)), (L, B))
+    independent = {rungs: independent_peak(layers, L, B) for rungs, (L, B) in longest.items() if not rungs}
+    unchecked = sum(bool(s[2]) for s in ran.shapes)  # with a rung on: not measured apart, counted as over (none here)
+    over_independent = sum(independent[s[2]] > usable for s in ran.shapes if s[2] in independent) + unchecked
     b, r = min(base), min(run)
     return {"base_s": b, "run_s": r, "overhead": r / b - 1, "wait_s": inst.decide_s, "dry_s": inst.dry_s,
-            "dry_n": inst.dry_n, "records": records, "over_budget_steps": over}
+            "dry_n": inst.dry_n, "records": records, "steps": len(ran.shapes), "over_budget_records": over,
+            "over_budget_steps": max(over, over_independent),
+            "independent_peak_mib": max(independent.values(), default=0) / MIB, "usable_mib": usable / MIB}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -241,18 +286,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "run_dry_runs": {k: v["run"]["dry_n"] for k, v in rows.items()},
         "run_dry_s": {k: v["run"]["dry_s"] for k, v in rows.items()},
         "over_budget_steps": {k: v["run"]["over_budget_steps"] for k, v in rows.items()},
+        "measured_steps": {k: v["run"]["records"] for k, v in rows.items()},
+        "independent_peak_mib": {k: v["run"]["independent_peak_mib"] for k, v in rows.items()},
+        "usable_budget_mib": {k: v["run"]["usable_mib"] for k, v in rows.items()},
         "steps": args.steps, "lengths": [args.min_length, args.max_length], "batch_size": args.batch_size,
         "total_s": total,
     }
     print(f"planning_cost: Llama d=256, batch {args.batch_size}, SDPA, CPU; dry run at {args.length} tokens; "
           f"{args.steps}-step dynamic padding {args.min_length}..{args.max_length} tokens")
     print(f"{'layers':>6} {'dry run s':>9} {'decision s':>10} {'dry runs':>8} {'cap':>5} | "
-          f"{'run s':>7} {'base s':>7} {'overhead':>8} {'wait s':>7} {'dry s':>7} {'dry n':>5} {'over':>4}")
+          f"{'run s':>7} {'base s':>7} {'overhead':>8} {'wait s':>7} {'dry s':>7} {'dry n':>5} {'meas':>4} {'over':>4}")
     for k, v in rows.items():
         d, r = v["decision"], v["run"]
         print(f"{k:>6} {v['dry_run_s']:>9.2f} {d['seconds']:>10.2f} {d['dry_runs']:>8} {d['cap'] or 0:>5} | "
               f"{r['run_s']:>7.1f} {r['base_s']:>7.1f} {r['overhead']:>8.1%} {r['wait_s']:>7.1f} {r['dry_s']:>7.1f} "
-              f"{r['dry_n']:>5} {r['over_budget_steps']:>4}")
+              f"{r['dry_n']:>5} {r['records']:>4} {r['over_budget_steps']:>4}")
     print(f"total runtime: {total:.1f} s")
     if args.json:
         print(json.dumps(out))

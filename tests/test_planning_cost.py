@@ -122,7 +122,9 @@ class _Shuffled(Dataset):
 @pytest.mark.slow  # 10 steps and a few dry runs of a tiny model (~20 s; minutes on a loaded machine)
 def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
     """Lightning, a real model, a new length every batch, a budget the longest lengths exceed: every
-    measured step (the tracker) is within the usable budget, and far fewer dry runs than lengths ran."""
+    measured step (the tracker) is within the usable budget, every step left unmeasured ran below a
+    measured one with the same rungs (never recorded as measured), and far fewer dry runs than
+    lengths ran."""
     lengths = random.Random(1).sample(range(16, 97), 10)
     module = LitGPT(n_layer=1, d_model=32, n_head=2, attention="eager")
     batch = _Shuffled([8], 2)[0]
@@ -135,11 +137,22 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
             inner = cb.planner.dry_run
             cb.planner.dry_run = lambda *key: calls.append(key) or inner(*key)
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after SeqMemCallback's decision
+            ran.append((batch["input_ids"].shape[1], cb.applied_mitigations))
+
         def on_train_batch_end(self, *args):  # the dry runs while training (the report's come after)
             during[:] = calls
 
+    ran = []
     make_trainer([cb, Count()], max_steps=len(lengths)).fit(module, DataLoader(_Shuffled(lengths), batch_size=None))
-    assert [r.seq_len for r in cb.records] == lengths
+    assert [L for L, _ in ran] == lengths
+    measured = [(r.seq_len, r.mitigations) for r in cb.records]
+    it = iter(ran)
+    assert all(m in it for m in measured), (measured, ran)  # the records: the steps that ran measured, in order
+    assert len(measured) + cb.planner.schedule.unmeasured == len(lengths)
+    for i, (L, setting) in enumerate(ran):  # each step left unmeasured: below a measured earlier one, in budget
+        if (L, setting) not in measured:
+            assert any(r.seq_len >= L and r.mitigations == setting and r.step < i for r in cb.records), (L, setting)
     assert all(r.peak_bytes <= cb.usable_budget_bytes for r in cb.records), [(r.seq_len, r.peak_bytes) for r in cb.records]
     assert any(r.mitigations for r in cb.records)  # the budget did bite: a rung went on
     judged = [key for key in during if key[0] in lengths]  # (others: the logged max_seq_len's search, checks)

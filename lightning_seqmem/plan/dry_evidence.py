@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Optional
 
-__all__ = ["bucket_up", "crossing", "dominating", "largest_fitting"]
+__all__ = ["AHEAD_REACH", "ahead_length", "bucket_up", "crossing", "dominating", "largest_fitting"]
 
 
 def bucket_up(seq_len: int, per_octave: int = 8) -> int:
@@ -47,6 +47,44 @@ def bucket_up(seq_len: int, per_octave: int = 8) -> int:
         return int(seq_len)
     unit = (1 << (int(seq_len).bit_length() - 1)) // per_octave
     return -(-int(seq_len) // unit) * unit
+
+
+AHEAD_REACH = 2
+"""Without a curriculum, how far past the longest length known a dry run looks ahead (a factor):
+a dry run costs about the same at any length (its tensors are fake), and one that fits there
+answers for every shorter length, so dynamic padding (a new length every batch) needs a dry run
+only when the data first goes past the reach."""
+
+
+def ahead_length(seq_len: int, longest: int, bounds: Mapping[int, int], budget: int,
+                 limit: Optional[int] = None, reach: int = AHEAD_REACH) -> int:
+    """The length to dry-run to judge ``seq_len`` (not shorter): ``reach`` times the longest length
+    known, onto the grid of :func:`bucket_up`, while nothing known is over the ``budget``; short of
+    where the ``bounds`` known (length -> bound bytes) are guessed to cross it (95% of
+    :func:`crossing`) once they are; ``seq_len``'s own bucket when something is over and the
+    crossing cannot be guessed. Never past ``limit`` (the model's positions), never below ``seq_len``.
+
+    >>> ahead_length(300, 300, {}, 10_000)   # nothing known: twice as far, on the grid
+    640
+    >>> ahead_length(300, 500, {640: 9_000}, 10_000, limit=800)
+    800
+    >>> ahead_length(300, 500, {200: 4_000, 1000: 100_000}, 10_000)   # p + q·L² through both: crosses at 316
+    320
+    >>> ahead_length(300, 500, {1000: 100_000}, 10_000)   # over, no crossing: its own bucket
+    320
+    """
+    seq_len = int(seq_len)
+    cross = crossing(bounds, budget)
+    if cross is not None:
+        target = int(0.95 * cross)
+    elif any(v > budget for v in bounds.values()):
+        target = seq_len
+    else:
+        target = bucket_up(reach * max(int(longest), seq_len))
+    target = max(target, bucket_up(seq_len))
+    if limit is not None:
+        target = min(target, int(limit))
+    return max(target, seq_len)
 
 
 def dominating(answers: Mapping[tuple[int, int], int], seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:

@@ -323,7 +323,7 @@ class SeqMemPlanner:
         limit = (lambda fit: fit) if self.length_limit is None else (lambda fit: min(fit, self.length_limit))
         if self.forecaster.ready:
             return limit(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
-        if self._dry_forecast(1, batch_size) is not None:
+        if self.dry_answers(batch_size) or self._dry_forecast(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
         # what is known otherwise (a rung went on at the last steps): the setting before it, whose
         # forecast bounds this one (a mitigation never adds memory), else the longest length measured within it
@@ -348,7 +348,8 @@ class SeqMemPlanner:
             fc = self._dry_forecast(L, batch_size)
             return fc is not None and self.bound_of(fc) <= budget_bytes
 
-        lo = step
+        fitting = [L for L in self.dry_answers(batch_size) if L % step == 0 and L <= hi and fits(L)]  # cached: free
+        lo = max(fitting, default=step)
         if not fits(lo):
             return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
         return step * self._dry_search(lo // step, hi // step, step, batch_size, self.applied_mitigations, budget_bytes)
@@ -403,6 +404,13 @@ class SeqMemPlanner:
                 self._dry[key] = None
                 self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         return self._dry[key]
+
+    def dry_answers(self, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> list[int]:
+        """The lengths the dry run answered already at ``batch_size`` with ``mitigations`` (default:
+        those on now), sorted: what a report can show without another dry run."""
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        return sorted(L for (L, B, m), v in self._dry.items() if v is not None and B == int(batch_size) and m == key
+                      and self.checks.wrong(key, "dry_run") is None)
 
     def set_length_limit(self, limit: Optional[int], reason: str = "") -> None:
         """The model's longest sequence (``limit`` tokens, from ``reason``): no length past it is
@@ -533,9 +541,9 @@ class SeqMemPlanner:
            a curriculum (a few lengths, each dry-run and verified when it runs); without one (the
            data sets the length: dynamic padding, a new length every batch):
         2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
-        3. one dry run ahead, at a longer length (:meth:`_bucket`: the longest length known, the
-           data's or the curriculum's target, or short of where the cached dry runs cross the
-           budget), when its bound fits: it then answers for every length below it;
+        3. one dry run ahead, at a longer length (:meth:`_bucket`: twice the longest length known,
+           or short of where the cached dry runs cross the budget), when its bound fits: it then
+           answers for every length below it;
         4. else this shape's own dry run: "over" is only ever said from the exact shape.
         """
         key = self.applied_mitigations if mitigations is None else tuple(mitigations)
@@ -558,10 +566,10 @@ class SeqMemPlanner:
         return self._dry_forecast(L, B, key)
 
     def _bucket(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> int:
-        """The length to dry-run for ``seq_len`` (not shorter): the longest length known (a dry run
-        there that fits answers for every shorter one), or, where the dry runs cached say the budget
-        is crossed before it, 95% of that crossing; at least ``seq_len`` rounded up onto the grid
-        of :func:`~lightning_seqmem.plan.dry_evidence.bucket_up`, never past the longest length known."""
+        """The length to dry-run for ``seq_len`` (not shorter; a dry run there that fits answers for
+        every shorter one): :func:`~lightning_seqmem.plan.dry_evidence.ahead_length` of the longest
+        length known and the bounds of the dry runs cached (twice the longest while none is over;
+        short of where they cross the budget once one is), never past the model's positions."""
         longest = max(self._longest_known, seq_len)
         bounds = {}
         for (L, B, m), answer in self._dry.items():
@@ -569,9 +577,7 @@ class SeqMemPlanner:
                 fc = self._dry_forecast(L, B, key)
                 if fc is not None:
                     bounds[L] = self.bound_of(fc)
-        cross = dry_evidence.crossing(bounds, budget)
-        ahead = longest if cross is None else int(0.95 * cross)
-        return min(longest, max(ahead, dry_evidence.bucket_up(seq_len), seq_len))
+        return dry_evidence.ahead_length(seq_len, longest, bounds, budget, self.length_limit)
 
     def _over(self, seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> bool:
         fc = self._dry_forecast(seq_len, batch_size, key)
@@ -953,7 +959,7 @@ class SeqMemPlanner:
         """The schedule for a batch about to run at ``(seq_len, batch_size)``: warm-up, measured, traced."""
         key = (seq_len, batch_size, self.applied_mitigations)
         warmup, measure, count = self.schedule.next(key, self.step, self.warmup_steps, self.warmup_steps_after_change,
-                                                    self.measure_every_n_steps, global_step)
+                                                    self.measure_every_n_steps, global_step, self._covered(*key))
         if count == 0:  # kept to verify against the measurement
             fc = self._dry_forecast(seq_len, batch_size) if (seq_len, batch_size, key[2]) in self._dry else None
             if fc is None and self.forecaster.ready:
@@ -965,6 +971,17 @@ class SeqMemPlanner:
         events, self._pending_events = self._pending_events, []
         return PendingStep(self.step, global_step, epoch, seq_len, batch_size, warmup, measure, traced,
                            self.stage if self.stages else None, self.applied_mitigations, events)
+
+    def _covered(self, seq_len: int, batch_size: int, setting: tuple[str, ...]) -> bool:
+        """Whether a measured step at a shape not shorter and not smaller, with ``setting``, stayed
+        within the usable budget: it bounds a step at ``(seq_len, batch_size)`` (see
+        :mod:`lightning_seqmem.plan.schedule`). Only without a curriculum: a curriculum's shorter
+        lengths (probes, re-measurements) are run to be measured."""
+        if self.curriculum is not None:
+            return False
+        usable = self.usable_budget_bytes
+        return any(r.seq_len >= seq_len and r.batch_size >= batch_size and r.mitigations == setting
+                   and (usable is None or self._measured_bound(r) <= usable) for r in self.records)
 
     def end_batch(self, at_stage_length: bool = True) -> None:
         """A batch finished (measured or not). Only a batch that ran at the length it was cut to

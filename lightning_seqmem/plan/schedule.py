@@ -1,5 +1,17 @@
 """Which batches are warm-ups, which are measured and which are traced: the measurement schedule, one
-state of the planner (occurrences per shape and setting, warm-ups left after a resume), torch-free.
+state of the planner (occurrences per shape and setting, warm-ups left after a resume, steps left
+unmeasured), torch-free.
+
+A step is measured for the evidence it gives. The first ``warmup_steps`` batches, a batch after a
+resume, the first fitted occurrence of a shape and one batch in ``every_n_steps`` after it are.
+The warm-up occurrences of a new shape (measured, never fitted) are too, unless the planner says the
+shape is *covered*: a step at a shape not shorter and not smaller, with the same rungs, was measured
+within the budget already (a step's peak does not fall as the length or the batch grows, the
+assumption of :mod:`lightning_seqmem.plan.dry_evidence`), so that measured step bounds this one and
+its measurement would be neither fitted nor needed. That is what dynamic padding is (a new length
+every batch): only the steps that set a new longest shape are measured. An unmeasured step is still
+judged before it runs; it leaves no record (records are measured steps) and is counted in
+``unmeasured``.
 
 Example:
     >>> s = MeasurementSchedule()
@@ -7,6 +19,12 @@ Example:
     [(True, True), (False, True), (False, True), (False, False), (False, True)]
     >>> s.counts
     {(64, 2, ()): 5}
+    >>> s.next((32, 2, ()), 5, 1, after_change=1, every_n_steps=1, global_step=5, covered=True)   # a new shape below 64
+    (True, False, 0)
+    >>> s.next((32, 2, ()), 6, 1, after_change=1, every_n_steps=1, global_step=6, covered=True)   # its first fitted one
+    (False, True, 1)
+    >>> s.unmeasured
+    1
 """
 
 from __future__ import annotations
@@ -19,24 +37,32 @@ __all__ = ["MeasurementSchedule"]
 @dataclass
 class MeasurementSchedule:
     """The schedule's state: how often each ``(seq_len, batch_size, mitigations)`` ran (``counts``,
-    checkpointed), and how many steps after a resume are warm-ups (``resume_warmup``: the gradients
-    and optimizer state were not saved with the records)."""
+    checkpointed), how many steps after a resume are warm-ups (``resume_warmup``: the gradients
+    and optimizer state were not saved with the records) and how many steps ran unmeasured
+    because a measured step covered them (``unmeasured``)."""
 
     counts: dict[tuple, int] = field(default_factory=dict)
     resume_warmup: int = 0
+    unmeasured: int = 0
 
     def next(self, key: tuple, step: int, warmup_steps: int, after_change: int, every_n_steps: int,
-             global_step: int = 0) -> tuple[bool, bool, int]:
+             global_step: int = 0, covered: bool = False) -> tuple[bool, bool, int]:
         """``(warmup, measure, occurrences before)`` for the batch about to run at ``key``.
 
         A warm-up is one of the first ``warmup_steps`` batches (or optimizer steps: with gradient
         accumulation, until one has happened), one of the first ``after_change`` occurrences of a new
-        shape or setting, or a step right after a resume; it is measured, never fitted. Afterwards
-        the first fitted occurrence is measured, then one batch in ``every_n_steps``.
+        shape or setting, or a step right after a resume; it is measured, never fitted, except a
+        warm-up of a new shape only (not one of the first batches, not after a resume) that is
+        ``covered`` (see the module doc): it runs unmeasured. Afterwards the first fitted
+        occurrence is measured, then one batch in ``every_n_steps``.
         """
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
-        warmup = step < warmup_steps or global_step < warmup_steps or count < after_change or self.resume_warmup > 0
+        early = step < warmup_steps or global_step < warmup_steps or self.resume_warmup > 0
+        warmup = early or count < after_change
         self.resume_warmup = max(0, self.resume_warmup - 1)
         measure = warmup or count == after_change or step % every_n_steps == 0
+        if warmup and not early and covered:  # never fitted, and a measured longer step bounds it
+            measure = False
+            self.unmeasured += 1
         return warmup, measure, count

@@ -116,9 +116,15 @@ def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, m
 
 def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: int = 8):
     """(lengths, peaks, uppers) of the dry run at ``num`` lengths up to ``right`` (cached by the
-    planner), or None where there is no dry run."""
+    planner: where it dry-ran two or more shorter lengths already, those and ``right``), or None
+    where there is no dry run."""
     right = right if planner.length_limit is None else min(right, planner.length_limit)  # the model's positions
-    lengths = sorted({max(1, right * k // num) for k in range(1, num + 1)})
+    cached = [L for L in planner.dry_answers(batch_size) if L < right]
+    if len(cached) >= 2:  # the lengths dry-run already (free) and the right end
+        step = max(1, len(cached) // (num - 1))
+        lengths = sorted(set(cached[::step][: num - 1]) | {right})
+    else:
+        lengths = sorted({max(1, right * k // num) for k in range(1, num + 1)})
     if planner.dry_peak(lengths[0], batch_size) is None:
         return None
     forecasts = [planner.forecast(L, batch_size) for L in lengths]

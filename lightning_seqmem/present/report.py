@@ -191,7 +191,8 @@ def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> di
     return row
 
 
-REPORT_MEASURED_LENGTHS = 8  # measured lengths with a forecast row (dynamic padding: hundreds; one dry run each)
+REPORT_MEASURED_LENGTHS = 8  # measured lengths with a forecast row (dynamic padding: hundreds; one dry run each
+# where no fit answers: then the lengths already dry-run, and the longest measured)
 
 
 def _spread(lengths: set[int], n: int) -> set[int]:
@@ -208,17 +209,21 @@ def _spread(lengths: set[int], n: int) -> set[int]:
 
 def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
-    if batch_size is None or not (planner.forecaster.ready or planner.dry_peak(1, batch_size) is not None):
+    if batch_size is None or not (planner.forecaster.ready or planner.dry_answers(batch_size)):
         out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
         return out
-    lengths = _spread({r.seq_len for r in planner.records}, REPORT_MEASURED_LENGTHS)
+    measured = {r.seq_len for r in planner.records}
+    if planner.forecaster.ready:  # the fit answers: any length, for free
+        lengths = _spread(measured, REPORT_MEASURED_LENGTHS)
+    else:  # the dry run answers (one each): the lengths it ran already, and the longest measured
+        lengths = _spread(set(planner.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
     if planner.curriculum is not None:
         lengths |= set(planner.curriculum.stages)
         target = planner.curriculum.target
         out["target"] = target
         lengths |= {2 * target, 4 * target}
     else:
-        longest = max(lengths, default=0)
+        longest = max(measured, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
     lengths = {L for L in lengths if planner.within_limit(L)}  # none past the model's own positions
     try:
