@@ -35,9 +35,11 @@ def test_needed_rungs_are_on_before_the_stage_and_lengths_never_decrease(two_run
     lengths = [r.seq_len for r in cb.records]
     assert lengths == sorted(lengths) and lengths[-1] == TARGET  # never back to re-measure
     assert max(r.peak_bytes for r in cb.records) <= two_rung_budget
-    assert cb.applied_mitigations[:2] == ("attention", "checkpointing") and "microbatch" not in cb.applied_mitigations
+    # attention, then one more rung: the cheapest that the dry run says fits (by its step-time prior:
+    # micro-batching, +10%, before checkpointing, +33%; plan.choose), not every rung
+    assert cb.applied_mitigations[0] == "attention" and len(cb.applied_mitigations) == 2
     first_at_target = next(r for r in cb.records if r.seq_len == TARGET)
-    assert set(first_at_target.mitigations) >= {"attention", "checkpointing"}
+    assert first_at_target.mitigations == cb.applied_mitigations
     assert all(e["step"] <= first_at_target.step for e in cb.mitigation_events)
     # every forecast made before a length ran was the dry run's, and it was exact on the tracker
     verified = [r for r in cb.records if r.forecast_method is not None]

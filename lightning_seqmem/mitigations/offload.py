@@ -77,6 +77,8 @@ from lightning_seqmem.mitigations.base import (
     RungContext,
     wrapping_strategy_refusal,
 )
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
 from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
 
 __all__ = ["ActivationOffload", "ActivationOffloadRung", "OffloadedForward", "is_offloading", "offloaded_bytes",
@@ -246,7 +248,11 @@ class ActivationOffload:
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The blocks whose forward goes under the hooks (the checkpoint wrapper where there is one)."""
-        return [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
+        found = {id(b) for b in find_repeated_blocks(model, self.block_class_names) if b is not model}
+        # find_repeated_blocks sees through checkpoint wrappers: the wrapper of a found block goes under the
+        # hooks instead, so that the checkpoint's input is what leaves the device (not nothing, inside it)
+        wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, ActivationWrapper)}
+        return [wrappers.get(i, b) for b in model.modules() if (i := id(b)) in found]
 
     def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
         """``(True, what would be offloaded)`` or ``(False, reason)`` (any device: the rung checks CUDA)."""

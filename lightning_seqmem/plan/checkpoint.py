@@ -20,7 +20,7 @@ Example:
     >>> validate_state({"step": 3, "applied_mitigations": "attention"})
     Traceback (most recent call last):
     ...
-    lightning_seqmem.plan.checkpoint.InvalidState: `applied_mitigations` is 'attention', expected a list of distinct rung names from ('attention', 'checkpointing', 'microbatch')
+    lightning_seqmem.plan.checkpoint.InvalidState: `applied_mitigations` is 'attention', expected a list of distinct rung names from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload')
 """
 
 from __future__ import annotations

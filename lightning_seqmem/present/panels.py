@@ -127,7 +127,10 @@ def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: i
         lengths = sorted({max(1, right * k // num) for k in range(1, num + 1)})
     if planner.dry_peak(lengths[0], batch_size) is None:
         return None
-    forecasts = [planner.forecast(L, batch_size) for L in lengths]
+    try:
+        forecasts = [planner.forecast(L, batch_size) for L in lengths]
+    except (NotEnoughMeasurements, ValueError, RuntimeError):  # a longer length refused: no curve, a figure
+        return None
     if any(f.method != "dry_run" for f in forecasts):
         return None
     return lengths, [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]

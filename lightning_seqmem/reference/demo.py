@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_seqmem.core.checks import check_int
@@ -213,7 +214,11 @@ class LitGPT(pl.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         input_ids, labels = batch["input_ids"], batch["labels"]
-        loss = self(input_ids, labels)  # through forward (FSDP2 hooks on the root run); plain or fused loss
+        if self.model.fused_loss is not None:  # the fused loss needs lm_head.weight: inside forward (FSDP2's root
+            loss = self(input_ids, labels)    # hooks gather it there), no [B, L, vocab] logits
+        else:  # the logits from forward, the loss after it (the breakdown tells the two phases apart)
+            logits = self(input_ids)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         self.log("train/loss", loss, batch_size=input_ids.shape[0])
         return loss
 
