@@ -292,3 +292,21 @@ def test_a_real_run_switches_on_the_cheaper_of_two_rungs_that_fit():
     words = " ".join(str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning))
     assert "Chosen as the fastest setting that fits: attention: fits" in words and "+0% step time" in words
     assert re.search(r"checkpointing[^;]* would cost \+\d+%", words), words  # the dearer rung that also fits
+
+
+def test_a_rung_priced_per_device_type_is_chosen_where_it_is_cheap():
+    """The fused loss runs an eager tiled fallback on CPU (+60% measured, benchmarks/longest_length.py)
+    but a fused kernel on CUDA (+5%): with both it and checkpointing fitting, the choice on CPU is
+    checkpointing, on CUDA the fused loss."""
+    from lightning_seqmem.plan.pricing import predict_step
+
+    import lightning_seqmem.mitigations.ladder  # noqa: F401 - registers the built-in rungs' specs
+
+    fits = lambda s: "fits" if s else "over"  # noqa: E731 - either rung alone fits
+    applicable = {"checkpointing": (True, ""), "fused_loss": (True, "")}
+    chosen = {}
+    for device_type in ("cpu", "cuda"):
+        c = C.choose((), ("checkpointing", "fused_loss"), applicable, fits,
+                     lambda s, d=device_type: predict_step([], s, 256, 2, d).key)
+        chosen[device_type] = c.setting
+    assert chosen == {"cpu": ("checkpointing",), "cuda": ("fused_loss",)}

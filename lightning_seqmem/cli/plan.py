@@ -178,7 +178,7 @@ def _modelled_line(row: dict[str, Any]) -> str:
 
 
 def _fastest(rows: list[dict[str, Any]], rungs: Sequence[str], checks: dict, usable: Optional[int],
-             dry: Any) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+             dry: Any, device_type: Optional[str] = None) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
     """The fastest setting that fits at one length (:func:`~lightning_seqmem.plan.choose.choose`,
     priced by the rungs' step-time priors: nothing is timed here), and the rows of the settings it
     dry-ran beyond ``rows`` (the ladder's prefixes, already dry-run). ``dry(names)`` -> a row."""
@@ -208,16 +208,18 @@ def _fastest(rows: list[dict[str, Any]], rungs: Sequence[str], checks: dict, usa
     if plain is not None and plain["fits"]:
         choice_setting, why = (), "no mitigation needed"
     else:
-        choice = choose((), rungs, checks, judge, prior_factor, fmt=format_bytes, usable=usable)
+        choice = choose((), rungs, checks, judge, lambda s: prior_factor(s, device_type), fmt=format_bytes,
+                        usable=usable)
         if choice is None or not choice.fits:
             return None, extra
         choice_setting, why = choice.setting, choice.why
     r = known[choice_setting]
     return {"mitigations": list(choice_setting), "peak_bytes": r["peak_bytes"],
-            "step_time_factor": prior_factor(choice_setting), "why": why}, extra
+            "step_time_factor": prior_factor(choice_setting, device_type), "why": why}, extra
 
 
-def _longest_by_set(results: list[dict[str, Any]], usable: Optional[int]) -> list[dict[str, Any]]:
+def _longest_by_set(results: list[dict[str, Any]], usable: Optional[int],
+                    device_type: Optional[str] = None) -> list[dict[str, Any]]:
     """Per setting dry-run (the ladder's prefixes and those the search of the fastest setting ran), the
     longest asked length at which it fits, with its prior step-time factor (empty without a budget)."""
     from lightning_seqmem.plan.pricing import prior_factor
@@ -232,7 +234,8 @@ def _longest_by_set(results: list[dict[str, Any]], usable: Optional[int]) -> lis
             fits = row["peak_bytes"] is not None and row["peak_bytes"] <= usable
             best[names] = max(best.get(names) or 0, res["seq_len"] if fits else 0) or None
             ran.setdefault(names, []).append(res["seq_len"])
-    return [{"mitigations": list(k), "seq_len": v, "step_time_factor": prior_factor(k), "dry_run_lengths": ran[k]}
+    return [{"mitigations": list(k), "seq_len": v, "step_time_factor": prior_factor(k, device_type),
+             "dry_run_lengths": ran[k]}
             for k, v in best.items()]
 
 
@@ -338,7 +341,7 @@ def _plan(args: argparse.Namespace) -> int:
             rows = _plan_rows(model, optimizer, batch, L, batch_size, sets, usable, context, device, world)
             plan = next((r["mitigations"] for r in rows if r["fits"]), None)
             fastest, searched_rows = _fastest(rows, ladder_rungs, checks, usable, lambda names, L=L: _plan_rows(
-                model, optimizer, batch, L, batch_size, [names], usable, context, device, world)[0])
+                model, optimizer, batch, L, batch_size, [names], usable, context, device, world)[0], device.type)
             results.append({"seq_len": L, "rows": rows, "plan": plan, "fastest": fastest,
                             "searched_rows": searched_rows})
             results[-1]["peak_at"] = (None if world is not None else  # the sharded dry run does not say
@@ -432,7 +435,7 @@ def _plan(args: argparse.Namespace) -> int:
     for row in modelled:
         console.print(_modelled_line(row), highlight=False)
 
-    longest = _longest_by_set(results, usable)
+    longest = _longest_by_set(results, usable, device.type)
     if getattr(args, "longest", False) and usable is not None and world is None:
         t0 = time.perf_counter()
         with console.status("searching the longest length each setting fits..."):

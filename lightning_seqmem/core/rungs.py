@@ -51,6 +51,16 @@ class RungSpec:
     first_step_check: bool = False  # the step that switches it on runs a one-time check (dry-run apart)
     # priors of named levels (``(("selective", 0.08),)``); a level "k/N" scales ``step_time_prior`` by k/N
     level_priors: tuple[tuple[str, float], ...] = ()
+    # priors on one device type where it differs (``(("cpu", 0.6),)``: an eager fallback kernel there)
+    device_priors: tuple[tuple[str, float], ...] = ()
+
+    def prior_on(self, device_type: "str | None") -> float:
+        """The step-time prior on ``device_type`` (``"cpu"``, ``"cuda"``; None: the general one).
+
+        >>> RungSpec("fused_loss", "x", 0.05, device_priors=(("cpu", 0.6),)).prior_on("cpu")
+        0.6
+        """
+        return dict(self.device_priors).get(device_type, self.step_time_prior) if device_type else self.step_time_prior
 
     def at(self, level: "str | None") -> "RungSpec":
         """This spec for variant ``level`` (None: the full rung): its name and step-time prior.
@@ -64,7 +74,7 @@ class RungSpec:
         if prior is None:
             k, _, n = level.partition("/")
             prior = self.step_time_prior * int(k) / int(n) if k.isdigit() and n.isdigit() and int(n) > 0 else self.step_time_prior
-        return replace(self, name=f"{self.name}{LEVEL_SEP}{level}", step_time_prior=prior)
+        return replace(self, name=f"{self.name}{LEVEL_SEP}{level}", step_time_prior=prior, device_priors=())
 
 
 _BUILTIN = (
@@ -82,7 +92,10 @@ _BUILTIN = (
     RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True),
     # the causal-LM loss from hidden states and lm_head.weight in token shards: no [tokens, vocab] logits;
     # the same matmuls (logits once, both gradients in the forward), a Python loop over the shards
-    RungSpec("fused_loss", "compute the loss with a fused linear cross-entropy (allow the fused_loss rung)", 0.05),
+    # on CPU it runs DeepSpeed's eager tiled loss: measured by benchmarks/longest_length.py (32K vocabulary,
+    # hidden 256, 512 tokens x 2) at 0.515 s against 0.426 s for SDPA + full checkpointing (+33%): ~+60%
+    RungSpec("fused_loss", "compute the loss with a fused linear cross-entropy (allow the fused_loss rung)", 0.05,
+             device_priors=(("cpu", 0.6),)),
     # DeepSpeed's TiledMLP: the MLPs run again in backward, tile by tile: about one more forward of the
     # MLPs (~2/3 of a block's matmuls) on top of a step of ~3 forwards: ~0.2 (ALST, arXiv 2506.13996)
     RungSpec("tiled_mlp", "tile the MLPs along the sequence (allow \"tiled_mlp\"; the `tiled` extra)", 0.2),

@@ -684,14 +684,14 @@ class SeqMemPlanner:
         timed = pricing.timed_records(self.records)  # filtered once: every candidate is priced
         return choose.choose(self.applied_mitigations, self.mitigations, applicable,
                              lambda s: self.judge(seq_len, batch_size, s),
-                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size).key,
+                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size, self.device_type).key,
                              fmt=format_bytes, usable=self.usable_budget_bytes)
 
     def price(self, setting: Optional[Sequence[str]], seq_len: int, batch_size: int) -> pricing.Price:
         """The predicted cost of one step with ``setting`` (default: the one on) at ``(seq_len,
         batch_size)``, from the measured step times (:func:`~lightning_seqmem.plan.pricing.predict_step`)."""
         key = self.applied_mitigations if setting is None else tuple(setting)
-        return pricing.predict_step(self.records, key, int(seq_len), int(batch_size))
+        return pricing.predict_step(self.records, key, int(seq_len), int(batch_size), self.device_type)
 
     def _dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...],
                  batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
