@@ -238,8 +238,12 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> remaining_advice(MITIGATIONS, device="cpu")
     'raise `memory_budget`, lower the batch size, or train a smaller model'
+    >>> remaining_advice(("attention", "checkpointing:1/4", "microbatch"))  # a rung on at a lower level
+    'enable activation checkpointing (on now at level 1/4)'
     """
-    rest = [s.advice for n, s in _SPECS.items() if n not in applied and n not in inapplicable and n not in EXTRA_RUNGS]
+    levels = {base_name(n): level_of(n) for n in applied}
+    rest = [s.advice + (f" (on now at level {levels[n]})" if levels.get(n) else "") for n, s in _SPECS.items()
+            if (n not in levels or levels[n] is not None) and n not in inapplicable and n not in EXTRA_RUNGS]
     if rest:
         return ", or ".join(rest)
     if device == "cuda":
