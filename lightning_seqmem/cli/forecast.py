@@ -31,15 +31,9 @@ def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]
     return trace, check
 
 
-def _forecast(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from lightning_seqmem.measure.batch import infer_batch_shape
-    from lightning_seqmem.measure.steps import trace_training_steps
-    from lightning_seqmem.core.units import format_bytes, parse_bytes
-
-    _quiet()
-    console = Console(width=None if sys.stdout.isatty() else 120)
+def _lengths(args: argparse.Namespace) -> tuple[list[int], list[int], list[int]]:
+    """(the lengths asked, the lengths to trace, those to check at): ``--lengths``, ``--trace-lengths``
+    (default :func:`_default_trace_lengths`) and ``--no-check``, checked."""
     lengths = sorted(set(args.lengths))
     if min(lengths) < 1:
         raise SystemExit(f"seqmem forecast: --lengths must be positive, got {args.lengths}")
@@ -48,7 +42,36 @@ def _forecast(args: argparse.Namespace) -> int:
         raise SystemExit(f"seqmem forecast: --trace-lengths needs 2 or more distinct lengths, got {args.trace_lengths}")
     if args.no_check:
         check = []
+    return lengths, trace, check
 
+
+def _print_fit(console: Any, forecaster: Any, budget: Optional[int], margin: float, usable: Optional[int],
+               batch_size: int, reserved: bool) -> Optional[int]:
+    """The checks at a longer length, then the largest length that fits (returned; None without a budget)."""
+    from lightning_seqmem.core.units import format_bytes
+
+    for v in forecaster.verifications:
+        console.print(f"check at seq_len {v.seq_len}: forecast {format_bytes(v.forecast_bytes)} ({v.method}), "
+                      f"measured {format_bytes(v.measured_bytes)}, error {v.relative_error:+.1%}")
+    if usable is None:
+        console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback)")
+        return None
+    max_len = forecaster.max_seq_len(usable, batch_size, reserved=reserved)
+    console.print(f"largest length that fits {format_bytes(usable)} (budget {format_bytes(budget)} minus "
+                  f"safety margin {margin:.0%}) at batch {batch_size}: [bold]{max_len}[/bold] tokens")
+    return max_len
+
+
+def _forecast(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.measure.steps import trace_training_steps
+    from lightning_seqmem.core.units import parse_bytes
+
+    _quiet()
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    lengths, trace, check = _lengths(args)
     cli = build_from_config(args.config, args.model_class, args.data_class)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     if not model.automatic_optimization:
@@ -79,16 +102,7 @@ def _forecast(args: argparse.Namespace) -> int:
     reserved = device.type == "cuda"
 
     rows = _forecast_table(forecaster, lengths, batch_size, usable, reserved, console)
-    for v in forecaster.verifications:
-        console.print(f"check at seq_len {v.seq_len}: forecast {format_bytes(v.forecast_bytes)} ({v.method}), "
-                      f"measured {format_bytes(v.measured_bytes)}, error {v.relative_error:+.1%}")
-    max_len = None
-    if usable is not None:
-        max_len = forecaster.max_seq_len(usable, batch_size, reserved=reserved)
-        console.print(f"largest length that fits {format_bytes(usable)} (budget {format_bytes(budget)} minus "
-                      f"safety margin {margin:.0%}) at batch {batch_size}: [bold]{max_len}[/bold] tokens")
-    else:
-        console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback)")
+    max_len = _print_fit(console, forecaster, budget, margin, usable, batch_size, reserved)
     section = None
     if args.breakdown:
         section = _forecast_breakdown(model, precision, device, batch, trace, max(lengths), forecaster, console)

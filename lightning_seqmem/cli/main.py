@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 __all__ = ["main"]
 
@@ -188,17 +188,9 @@ def _config_file(text: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Parser
 # ----------------------------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
+def _add_demo(sub: Any) -> None:
+    """``seqmem demo``: its options, checked by argparse (the rest by :func:`_check_demo`)."""
     from lightning_seqmem.core.rungs import MITIGATIONS
-
-    parser = _Parser(
-        prog="seqmem",
-        description="Measure, predict and tame the memory of long-sequence transformer training.",
-        epilog="seqmem demo: train a small GPT and report its memory; seqmem report PATH: print a saved "
-        "report; seqmem forecast --config CONFIG.yaml --lengths ...: predict peaks without training; "
-        "seqmem plan --config CONFIG.yaml --lengths ...: the cheapest mitigations that fit, without training.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="train a small GPT with a sequence-length curriculum and report its memory",
                           description="Train the reference GPT on random tokens (CPU by default) with a growing "
@@ -225,6 +217,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed")
     demo.set_defaults(func=_demo)
 
+
+def _add_panels_and_report(sub: Any) -> None:
+    """``seqmem panels LOG_DIR`` and ``seqmem report PATH``."""
     panels = sub.add_parser("panels", help="draw a run's TensorBoard panels to a PNG",
                             description="Read a run's event files and draw the seqmem custom-scalars panels to a PNG.")
     panels.add_argument("log_dir", help="the run's log directory (holding events.out.tfevents.*)")
@@ -236,6 +231,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--markdown", action="store_true", help="print the Markdown summary instead of tables")
     report.set_defaults(func=_report)
 
+
+def _add_forecast(sub: Any) -> None:
+    """``seqmem forecast``: its options."""
     forecast = sub.add_parser("forecast", help="predict peak memory at given lengths from a LightningCLI config, without training",
                               description="Build the model and data of a LightningCLI config, trace a few short "
                               "training steps on a copy of the model (nothing is trained), and print the forecast "
@@ -260,6 +258,12 @@ def _parser() -> argparse.ArgumentParser:
                           "attention share, the crossover length and diagnoses (default on; --no-breakdown skips it)")
     forecast.add_argument("--json", default=None, help="also write the forecasts (and the breakdown) to this JSON file")
     forecast.set_defaults(func=_forecast)
+
+
+def _add_plan(sub: Any) -> None:
+    """``seqmem plan``: its options (``--world-size``, ``--emit``: the N-rank plan, :mod:`.parallel`)."""
+    from lightning_seqmem.cli.emit import ENGINES
+    from lightning_seqmem.plan.parallel import KINDS
 
     plan = sub.add_parser("plan", help="predict each mitigation set's peak at given lengths from a LightningCLI config "
                           "and pick the cheapest that fits, without training",
@@ -291,15 +295,28 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--strategy", choices=("fsdp2", "ddp"), default="fsdp2",
                       help="with --world-size: fsdp2 (fully_shard: the model's configure_model(), else each repeated "
                       "block and the root) or ddp (replicas); default fsdp2")
-    plan.add_argument("--sequence-parallel", choices=("auto", "ulysses", "ring", "none"), default="auto",
+    plan.add_argument("--sequence-parallel", choices=("auto", *KINDS, "none"), default="auto",
                       help="with --world-size and fsdp2: the sequence-parallel kinds searched beside the rungs: "
                       "ulysses (all-to-all, DeepSpeed/ALST), ring (PyTorch context_parallel), auto (both, "
                       "default) or none")
-    plan.add_argument("--emit", choices=("torchtitan", "accelerate", "deepspeed", "lightning"), default=None,
+    plan.add_argument("--emit", choices=ENGINES, default=None,
                       help="with --world-size: print each length's plan as that engine's launch config (searching "
                       "only the sequence-parallel kind the engine runs)")
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     plan.set_defaults(func=_plan)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="seqmem",
+        description="Measure, predict and tame the memory of long-sequence transformer training.",
+        epilog="seqmem demo: train a small GPT and report its memory; seqmem report PATH: print a saved "
+        "report; seqmem forecast --config CONFIG.yaml --lengths ...: predict peaks without training; "
+        "seqmem plan --config CONFIG.yaml --lengths ...: the cheapest mitigations that fit, without training.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_panels_and_report, _add_forecast, _add_plan):
+        add(sub)
     return parser
 
 

@@ -9,6 +9,8 @@ degree-1 rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run 
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 __all__ = ["optimizer_states_per_parameter", "parallel_plans"]
@@ -47,35 +49,31 @@ def _peak_row(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> Optiona
     return next((r for r in rows if tuple(r["mitigations"]) == tuple(names)), None)
 
 
-def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_size: int,
-                   sets: Sequence[tuple[str, ...]], usable: Optional[int], context: Any, device: Any, world_size: int,
-                   results: Sequence[dict[str, Any]], kinds: tuple[str, ...], engine: Optional[str]) -> list[dict[str, Any]]:
-    """Search, print and return (JSON) the N-rank layouts of every length of ``results`` (the N-rank
-    table's rows, reused at degree 1)."""
-    import time
+@dataclass(frozen=True)
+class _Shard:
+    """What every sequence-parallel dry run of one ``seqmem plan --world-size N`` shares."""
 
-    from rich.table import Table
+    model: Any
+    batch: Any
+    batch_size: int
+    context: Any
+    device: Any
+    world_size: int
+    usable: Optional[int]
 
-    from lightning_seqmem.cli.emit import ENGINE_KINDS, emit
-    from lightning_seqmem.core.units import format_bytes
-    from lightning_seqmem.dryrun.sequence_parallel import (
-        AttentionCalls,
-        attention_calls,
-        sequence_parallel_dry_run_step,
-        state_bytes,
-    )
-    from lightning_seqmem.dryrun.step import DryRunUnsupported
-    from lightning_seqmem.plan.parallel import layouts, offload_model
 
-    if engine is not None:
-        kinds = tuple(k for k in kinds if k in ENGINE_KINDS[engine])
+def _attention_calls(console: Any, model: Any, batch: Any, batch_size: int, names: tuple[str, ...]) -> Any:
+    """The model's SDPA calls, heads and mask with ``names`` on (none known where they cannot be read)."""
+    from lightning_seqmem.dryrun.sequence_parallel import AttentionCalls, attention_calls
+
     try:
-        calls = attention_calls(model, batch, 64, batch_size, sets[-1])
+        return attention_calls(model, batch, 64, batch_size, names)
     except Exception as exc:  # noqa: BLE001 - the degrees are skipped with the reason
         console.print(f"[yellow]reading the model's attention calls failed[/yellow]: {exc}")
-        calls = AttentionCalls()
-    per_parameter = optimizer_states_per_parameter(optimizer)
-    state = state_bytes(model, world_size, per_parameter)
+        return AttentionCalls()
+
+
+def _print_search(console: Any, world_size: int, kinds: tuple[str, ...], engine: Optional[str], calls: Any) -> None:
     console.print(f"sequence parallelism at {world_size} ranks: the group lies within the world (dp_shard x degree = "
                   f"{world_size}; FSDP2 shards the parameters over all {world_size}, as torchtitan's dp_shard_cp mesh "
                   "and DeepSpeed's ZeRO-3 do); search order: the rung sets cheapest first, within each the degree "
@@ -83,60 +81,93 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
                   f"{', '.join(kinds) or 'none'}" + (f" (what {engine} runs)" if engine else "")
                   + f"; the model's attention: {calls.calls} SDPA calls, {calls.n_heads} heads, {calls.n_kv_heads} KV "
                   f"heads, {'an explicit attn_mask' if calls.masked else 'no explicit mask'}")
-    plans = []
-    for res in results:
-        L = res["seq_len"]
-        ok, skipped = layouts(world_size, L, calls.n_heads, calls.n_kv_heads, calls.masked, kinds)
-        rows: list[dict[str, Any]] = []
-        plan = None
-        no_sdpa: dict[tuple[str, ...], str] = {}  # a set whose model makes no SDPA call: no degree > 1 runs
-        for names in (sets if usable is not None else sets[-1:]):
-            for layout in ok:
-                row = {**layout.to_json(), "layout": layout.name(), "mitigations": list(names), "seq_len": L,
-                       "batch_size": batch_size, "tokens_per_rank": layout.local_seq_len(L), "peak_source": "dry run",
-                       "host_bytes": None, "peak_bytes": None, "error": None, "seconds": 0.0}
-                started = time.perf_counter()
-                if layout.degree == 1:
-                    own = _peak_row(res["rows"], names) or {}
-                    row.update(peak_bytes=own.get("peak_bytes"), error=own.get("error"), seconds=own.get("seconds", 0.0))
-                elif names in no_sdpa:
-                    row["error"] = no_sdpa[names]
-                else:
-                    try:
-                        row["peak_bytes"] = sequence_parallel_dry_run_step(
-                            model, batch, L, world_size, layout.degree, layout.kind, batch_size, names, context,
-                            device).peak_bytes
-                    except DryRunUnsupported as exc:
-                        row["error"] = f"unsupported: {exc.reason}"
-                        if "no scaled_dot_product_attention call" in exc.reason:
-                            no_sdpa[names] = row["error"]
-                    except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
-                        row["error"] = f"failed: {type(exc).__name__}: {exc}"
-                    row["seconds"] = time.perf_counter() - started
-                row["fits"] = None if usable is None or row["peak_bytes"] is None else row["peak_bytes"] <= usable
-                rows.append(row)
-                if row["fits"]:
-                    plan = row
-                    break
-            if plan is not None:
-                break
-        if plan is None and usable is not None:  # offload, modelled on the rows run
-            for row in [r for r in rows if r["peak_bytes"] is not None]:
-                model_bytes = offload_model(row["peak_bytes"], state["parameter_shard_bytes"],
-                                            state["gradient_shard_bytes"], state["optimizer_state_bytes"])
-                off = {**row, "offload": True, "layout": row["layout"] + " + offload", "peak_source": "formula",
-                       "peak_bytes": model_bytes["device_peak_bytes"], "host_bytes": model_bytes["host_bytes"],
-                       "seconds": 0.0}
-                off["fits"] = off["peak_bytes"] <= usable
-                rows.append(off)
-                if off["fits"]:
-                    plan = off
-                    break
-        plans.append({"seq_len": L, "rows": rows, "plan": plan,
-                      "skipped_degrees": [{"kind": k, "degree": d, "reason": why} for k, d, why in skipped],
-                      "attention": {"calls": calls.calls, "heads": calls.n_heads, "kv_heads": calls.n_kv_heads,
-                                    "explicit_mask": calls.masked},
-                      "state_bytes_per_rank": state, "optimizer_states_per_parameter": per_parameter})
+
+
+def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layout: Any,
+                no_sdpa: dict[tuple[str, ...], str]) -> dict[str, Any]:
+    """One layout with ``names`` at ``res``'s length: degree 1 is the N-rank table's own row; a set whose
+    model makes no SDPA call (``no_sdpa``, filled here) runs no degree above 1."""
+    from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
+    from lightning_seqmem.dryrun.step import DryRunUnsupported
+
+    L = res["seq_len"]
+    row = {**layout.to_json(), "layout": layout.name(), "mitigations": list(names), "seq_len": L,
+           "batch_size": shard.batch_size, "tokens_per_rank": layout.local_seq_len(L), "peak_source": "dry run",
+           "host_bytes": None, "peak_bytes": None, "error": None, "seconds": 0.0}
+    started = time.perf_counter()
+    if layout.degree == 1:
+        own = _peak_row(res["rows"], names) or {}
+        row.update(peak_bytes=own.get("peak_bytes"), error=own.get("error"), seconds=own.get("seconds", 0.0))
+    elif names in no_sdpa:
+        row["error"] = no_sdpa[names]
+    else:
+        try:
+            row["peak_bytes"] = sequence_parallel_dry_run_step(
+                shard.model, shard.batch, L, shard.world_size, layout.degree, layout.kind, shard.batch_size, names,
+                shard.context, shard.device).peak_bytes
+        except DryRunUnsupported as exc:
+            row["error"] = f"unsupported: {exc.reason}"
+            if "no scaled_dot_product_attention call" in exc.reason:
+                no_sdpa[names] = row["error"]
+        except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
+            row["error"] = f"failed: {type(exc).__name__}: {exc}"
+        row["seconds"] = time.perf_counter() - started
+    row["fits"] = None if shard.usable is None or row["peak_bytes"] is None else row["peak_bytes"] <= shard.usable
+    return row
+
+
+def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
+                    ok: Sequence[Any]) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]]]:
+    """(the rows run, the first that fits or None): the sets in order, the layouts ``ok`` within each."""
+    rows: list[dict[str, Any]] = []
+    no_sdpa: dict[tuple[str, ...], str] = {}  # a set whose model makes no SDPA call: no degree > 1 runs
+    for names in sets:
+        for layout in ok:
+            rows.append(_layout_row(shard, res, names, layout, no_sdpa))
+            if rows[-1]["fits"]:
+                return rows, rows[-1]
+    return rows, None
+
+
+def _offload_rows(rows: list[dict[str, Any]], state: dict[str, int], usable: int) -> Optional[dict[str, Any]]:
+    """Nothing fits: FSDP2 CPU offload on each row run, modelled (a formula), appended to ``rows`` up
+    to the first that fits (returned; None when none does)."""
+    from lightning_seqmem.plan.parallel import offload_model
+
+    for row in [r for r in rows if r["peak_bytes"] is not None]:
+        model_bytes = offload_model(row["peak_bytes"], state["parameter_shard_bytes"], state["gradient_shard_bytes"],
+                                    state["optimizer_state_bytes"])
+        off = {**row, "offload": True, "layout": row["layout"] + " + offload", "peak_source": "formula",
+               "peak_bytes": model_bytes["device_peak_bytes"], "host_bytes": model_bytes["host_bytes"], "seconds": 0.0}
+        off["fits"] = off["peak_bytes"] <= usable
+        rows.append(off)
+        if off["fits"]:
+            return off
+    return None
+
+
+def _length_plan(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]], kinds: tuple[str, ...],
+                 calls: Any, state: dict[str, int], per_parameter: Optional[int]) -> dict[str, Any]:
+    """The layouts of one length, searched (offload last, with a budget), as its JSON entry."""
+    from lightning_seqmem.plan.parallel import layouts
+
+    ok, skipped = layouts(shard.world_size, res["seq_len"], calls.n_heads, calls.n_kv_heads, calls.masked, kinds)
+    rows, plan = _search_layouts(shard, res, sets if shard.usable is not None else sets[-1:], ok)
+    if plan is None and shard.usable is not None:  # offload, modelled on the rows run
+        plan = _offload_rows(rows, state, shard.usable)
+    return {"seq_len": res["seq_len"], "rows": rows, "plan": plan,
+            "skipped_degrees": [{"kind": k, "degree": d, "reason": why} for k, d, why in skipped],
+            "attention": {"calls": calls.calls, "heads": calls.n_heads, "kv_heads": calls.n_kv_heads,
+                          "explicit_mask": calls.masked},
+            "state_bytes_per_rank": state, "optimizer_states_per_parameter": per_parameter}
+
+
+def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Optional[int]) -> Any:
+    """The rows of every length's search (the plan in bold green)."""
+    from rich.table import Table
+
+    from lightning_seqmem.cli.plan_text import _fits_cell
+    from lightning_seqmem.core.units import format_bytes
 
     table = Table(title=f"seqmem plan: per-rank peak at {world_size} ranks with the sequence split (dry run of one "
                         "rank's shard: its tokens, the all-to-all or K/V buffers, the collectives' outputs; formula: "
@@ -147,15 +178,21 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     for entry in plans:
         for row in entry["rows"]:
             peak = format_bytes(row["peak_bytes"]) if row["peak_bytes"] is not None else (row["error"] or "-")[:60]
-            fits = [] if usable is None else ["-" if row["fits"] is None else ("yes" if row["fits"] else "NO")]
             table.add_row(str(row["seq_len"]), row["layout"], " + ".join(row["mitigations"]) or "none",
                           str(row["tokens_per_rank"]), peak, row["peak_source"],
-                          "-" if row["host_bytes"] is None else format_bytes(row["host_bytes"]), *fits,
-                          f"{row['seconds']:.1f}s", style="bold green" if row is entry["plan"] else None)
+                          "-" if row["host_bytes"] is None else format_bytes(row["host_bytes"]),
+                          *_fits_cell(row, usable), f"{row['seconds']:.1f}s",
+                          style="bold green" if row is entry["plan"] else None)
         table.add_section()
-    console.print(table)
-    if "ring" in kinds:
-        console.print(RING_NOTE)
+    return table
+
+
+def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_size: int, usable: Optional[int],
+                        engine: Optional[str]) -> None:
+    """Per length: the degrees skipped, the cheapest layout (and its launch config with ``--emit``), or none."""
+    from lightning_seqmem.cli.emit import emit
+    from lightning_seqmem.core.units import format_bytes
+
     for entry in plans:
         L = entry["seq_len"]
         for skip in entry["skipped_degrees"]:
@@ -172,4 +209,26 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
                 console.print(plan["launch_config"], highlight=False, markup=False)
         elif usable is not None:
             console.print(f"seq_len {L}: [red]no layout fits[/red] at {world_size} ranks (with offload, modelled)")
+
+
+def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_size: int,
+                   sets: Sequence[tuple[str, ...]], usable: Optional[int], context: Any, device: Any, world_size: int,
+                   results: Sequence[dict[str, Any]], kinds: tuple[str, ...], engine: Optional[str]) -> list[dict[str, Any]]:
+    """Search, print and return (JSON) the N-rank layouts of every length of ``results`` (the N-rank
+    table's rows, reused at degree 1)."""
+    from lightning_seqmem.cli.emit import ENGINE_KINDS
+    from lightning_seqmem.dryrun.sequence_parallel import state_bytes
+
+    if engine is not None:
+        kinds = tuple(k for k in kinds if k in ENGINE_KINDS[engine])
+    calls = _attention_calls(console, model, batch, batch_size, sets[-1])
+    per_parameter = optimizer_states_per_parameter(optimizer)
+    state = state_bytes(model, world_size, per_parameter)
+    _print_search(console, world_size, kinds, engine, calls)
+    shard = _Shard(model, batch, batch_size, context, device, world_size, usable)
+    plans = [_length_plan(shard, res, sets, kinds, calls, state, per_parameter) for res in results]
+    console.print(_layout_table(plans, world_size, usable))
+    if "ring" in kinds:
+        console.print(RING_NOTE)
+    _print_layout_plans(console, plans, world_size, usable, engine)
     return plans

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.common import (
@@ -18,8 +19,19 @@ from lightning_seqmem.cli.common import (
     _usable_budget,
     build_from_config,
 )
+from lightning_seqmem.cli.plan_text import (  # noqa: F401 - _modelled_line, _names, _print_peak_at: moved there
+    SEARCH_MULTIPLE,
+    _modelled_line,
+    _names,
+    _print_peak_at,
+    print_header,
+    print_longest,
+    print_plans,
+    print_table,
+    print_totals,
+)
 
-_SEARCH_MULTIPLE = 8  # "nothing fits": the largest fitting length is searched among multiples of this
+_SEARCH_MULTIPLE = SEARCH_MULTIPLE  # "nothing fits": the largest fitting length is searched among multiples of this
 
 
 def _mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_size: int,
@@ -161,22 +173,6 @@ def _modelled_rows(model: Any, optimizer: Any, batch: Any, batch_size: int, base
     return rows
 
 
-def _modelled_line(row: dict[str, Any]) -> str:
-    """One modelled row in words (``seqmem plan``'s text output)."""
-    from lightning_seqmem.core.units import format_bytes
-
-    head = (f"seq_len {row['seq_len']}: {row['rung']} is refused here ({row['refused']}); modelled by a dry run, "
-            f"not measured")
-    if row["peak_bytes"] is None:
-        return f"{head}: {row['error'] or 'no figure'}"
-    base = [n for n in row["mitigations"] if n != row["rung"]]
-    saved, without = row["saved_bytes"], row["peak_bytes_without"]
-    change = f"−{format_bytes(saved)}" if saved >= 0 else f"+{format_bytes(-saved)}"
-    return (f"{head}: where it applies the device peak would be {format_bytes(row['peak_bytes'])} instead of "
-            f"{format_bytes(without)} with {_names(base)} ({change}, {-saved / without:+.0%}), "
-            f"{format_bytes(row['host_bytes'])} of saved activations moved to host memory per step")
-
-
 def _fastest(rows: list[dict[str, Any]], rungs: Sequence[str], checks: dict, usable: Optional[int],
              dry: Any, device_type: Optional[str] = None) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
     """The fastest setting that fits at one length (:func:`~lightning_seqmem.plan.choose.choose`,
@@ -275,35 +271,65 @@ def _peak_at(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size: i
     return None if site is None else {"mitigations": list(names), **site.to_dict()}
 
 
-def _names(names: Sequence[str]) -> str:
-    return " + ".join(names) if names else "none"
+@dataclass
+class PlanRun:
+    """What every dry run of one ``seqmem plan`` shares: the config's model (converted as fit converts
+    it), optimizer, first batch, step context and device, the mitigation sets and the budget.
+    ``world``: ``(N, strategy)`` with ``--world-size``, else None."""
+
+    trainer: Any
+    model: Any
+    optimizer: Any
+    optimizer_name: str
+    batch: Any
+    batch_size: int
+    context: Any
+    device: Any
+    sets: list[tuple[str, ...]]
+    skipped: dict[str, str]
+    checks: dict[str, Any]
+    budget: Optional[int]
+    margin: float
+    usable: Optional[int]
+    world: Optional[tuple[int, str]]
+
+    @property
+    def ladder_rungs(self) -> list[str]:
+        """The rungs this run may take, in its order (their variants apart)."""
+        from lightning_seqmem.core.rungs import level_of
+
+        return [n for n in self.checks if level_of(n) is None]
+
+    def rows(self, seq_len: int, sets: Sequence[tuple[str, ...]]) -> list[dict[str, Any]]:
+        """:func:`_plan_rows` of ``sets`` at ``seq_len``."""
+        return _plan_rows(self.model, self.optimizer, self.batch, seq_len, self.batch_size, sets, self.usable,
+                          self.context, self.device, self.world)
 
 
-def _print_peak_at(console: Any, results: Sequence[dict[str, Any]]) -> None:
-    """One ``peak at`` line per length: the phase and the kinds of tensor holding the peak."""
-    for res in results:
-        site = res.get("peak_at")
-        if site is not None:
-            console.print(f"seq_len {res['seq_len']}: peak at {site['describe']} (with {_names(site['mitigations'])})",
-                          highlight=False)
+@dataclass
+class _Search:
+    """The searches beyond the asked lengths: the largest length the last set fits (where nothing
+    fits somewhere), and their dry runs and seconds (``--longest`` adds its own)."""
+
+    largest: Optional[int] = None
+    searched: bool = False
+    runs: int = 0
+    seconds: float = 0.0
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from lightning_seqmem.measure.batch import infer_batch_shape
-    from lightning_seqmem.core.units import format_bytes
-
+def _check_emit(args: argparse.Namespace) -> None:
+    """``--emit`` plans an FSDP2 layout at ``--world-size`` ranks: refused without them."""
     if getattr(args, "emit", None) and args.world_size is None:
         raise SystemExit(f"seqmem plan: --emit {args.emit} needs --world-size N (the ranks the launch config is for)")
     if getattr(args, "emit", None) and args.strategy != "fsdp2":
         raise SystemExit(f"seqmem plan: --emit {args.emit} plans FSDP2 layouts, got --strategy {args.strategy}: "
                          "use --strategy fsdp2")
-    _quiet()
-    started = time.perf_counter()
-    console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)  # --json: the document alone
-    lengths = sorted(set(args.lengths))
+
+
+def _set_up(args: argparse.Namespace) -> PlanRun:
+    """Build the config's model, data and optimizer (nothing is trained) and the sets to dry-run."""
+    from lightning_seqmem.measure.batch import infer_batch_shape
+
     cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan")
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     seqmem = _seqmem_callback(trainer)
@@ -316,168 +342,120 @@ def _plan(args: argparse.Namespace) -> int:
     optimizer, optimizer_name = _first_optimizer(model)
     checks: dict[str, Any] = {}
     sets, skipped = _mitigation_sets(seqmem, trainer, model, batch, batch_size, checks)
-    ladder_rungs = [n for n in checks if ":" not in n]  # the rungs this run may take, in its order
-    context = precision.train_step_context  # autocast under mixed precision, as in training_step
-    console.print(f"[bold]seqmem plan[/bold]: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
-                  f"parameters), {trainer.precision} precision, on {device}, optimizer {optimizer_name}, batch "
-                  f"{batch_size}; one fake training step per length and mitigation set (nothing is allocated)")
-    for name, reason in skipped.items():
-        console.print(f"rung {name} skipped: {reason}")
-
     world = None if args.world_size is None else (args.world_size, args.strategy)
-    if world is not None:
-        from lightning_seqmem.dryrun.sharded import context_parallel_note
+    # autocast under mixed precision, as in training_step
+    return PlanRun(trainer, model, optimizer, optimizer_name, batch, batch_size, precision.train_step_context, device,
+                   sets, skipped, checks, budget, margin, usable, world)
 
-        console.print(f"per rank at world size {world[0]} ({world[1]}: "
-                      + ("parameters, gradients and optimizer state sharded with fully_shard on each block and the "
-                         "root, or as the model's configure_model() shards them" if world[1] == "fsdp2" else
-                         "every rank holds the whole model, plus DDP's gradient buckets")
-                      + "), by a dry run in a fake process group; batch is per rank")
-        if not _sequence_parallel_kinds(args, world):
-            console.print(context_parallel_note(device))
-    results = []
-    with console.status(f"dry-running {len(sets)} mitigation sets at seq_len {lengths}..."):
-        for L in lengths:
-            rows = _plan_rows(model, optimizer, batch, L, batch_size, sets, usable, context, device, world)
-            plan = next((r["mitigations"] for r in rows if r["fits"]), None)
-            fastest, searched_rows = _fastest(rows, ladder_rungs, checks, usable, lambda names, L=L: _plan_rows(
-                model, optimizer, batch, L, batch_size, [names], usable, context, device, world)[0], device.type)
-            results.append({"seq_len": L, "rows": rows, "plan": plan, "fastest": fastest,
-                            "searched_rows": searched_rows})
-            results[-1]["peak_at"] = (None if world is not None else  # the sharded dry run does not say
-                                      _peak_at(model, optimizer, batch, L, batch_size, rows, plan, context, device))
-    # nothing fits at some length: the largest length the last (lowest) set fits, searched once
-    # between the longest asked length it fits and the shortest it does not
-    largest, searched, search_runs, search_seconds = None, False, 0, 0.0
+
+def _length_result(run: PlanRun, seq_len: int) -> dict[str, Any]:
+    """The dry runs of one length: the sets' rows, the cheapest plan, the fastest setting that fits
+    (and the rows it ran beyond the sets), where the peak sits."""
+    rows = run.rows(seq_len, run.sets)
+    plan = next((r["mitigations"] for r in rows if r["fits"]), None)
+    fastest, searched_rows = _fastest(rows, run.ladder_rungs, run.checks, run.usable,
+                                      lambda names: run.rows(seq_len, [names])[0], run.device.type)
+    result = {"seq_len": seq_len, "rows": rows, "plan": plan, "fastest": fastest, "searched_rows": searched_rows}
+    result["peak_at"] = (None if run.world is not None else  # the sharded dry run does not say
+                         _peak_at(run.model, run.optimizer, run.batch, seq_len, run.batch_size, rows, plan, run.context,
+                                  run.device))
+    return result
+
+
+def _search_largest(console: Any, run: PlanRun, results: list[dict[str, Any]]) -> _Search:
+    """Nothing fits at some length: the largest length the last (lowest) set fits, searched once
+    between the longest asked length it fits and the shortest it does not."""
+    search = _Search()
     over = [res["seq_len"] for res in results if res["rows"][-1]["fits"] is False]
-    if over and world is None:  # at N ranks the table's "fits from N" column answers instead
-        hi = min(over)
-        lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi), default=0)
-        t0 = time.perf_counter()
-        with console.status(f"searching the largest length that fits with {_names(sets[-1])}..."):
-            try:
-                largest, search_runs = _largest_fitting(model, optimizer, batch, batch_size, sets[-1], usable,
-                                                        lo, hi, context, device)
-                searched = True
-            except Exception as exc:  # noqa: BLE001 - the table stands without the search
-                console.print(f"[yellow]search for the largest length that fits failed:[/yellow] {exc}")
-        search_seconds = time.perf_counter() - t0
-    modelled = _modelled_rows(model, optimizer, batch, batch_size, sets[-1], skipped, results, usable, context,
-                              device) if world is None else []
+    if not over or run.world is not None:  # at N ranks the table's "fits from N" column answers instead
+        return search
+    hi = min(over)
+    lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi), default=0)
+    t0 = time.perf_counter()
+    with console.status(f"searching the largest length that fits with {_names(run.sets[-1])}..."):
+        try:
+            search.largest, search.runs = _largest_fitting(run.model, run.optimizer, run.batch, run.batch_size,
+                                                           run.sets[-1], run.usable, lo, hi, run.context, run.device)
+            search.searched = True
+        except Exception as exc:  # noqa: BLE001 - the table stands without the search
+            console.print(f"[yellow]search for the largest length that fits failed:[/yellow] {exc}")
+    search.seconds = time.perf_counter() - t0
+    return search
+
+
+def _search_longest_each(console: Any, run: PlanRun, longest: list[dict[str, Any]], results: list[dict[str, Any]],
+                         search: _Search) -> None:
+    """``--longest``: per setting dry-run, the longest length it fits (``searched_seq_len``)."""
+    t0 = time.perf_counter()
+    with console.status("searching the longest length each setting fits..."):
+        for entry in longest:
+            entry["searched_seq_len"], runs = _search_longest(run.model, run.optimizer, run.batch, run.batch_size,
+                                                              entry, results, run.usable, run.context, run.device)
+            search.runs += runs
+    search.seconds += time.perf_counter() - t0
+
+
+def _json_document(args: argparse.Namespace, run: PlanRun, results: list[dict[str, Any]], search: _Search,
+                   modelled: list[dict[str, Any]], seconds: float, longest: list[dict[str, Any]],
+                   parallel: Optional[list[dict[str, Any]]]) -> dict[str, Any]:
+    """``--json``: the whole plan as one document (README: *Plan before training*)."""
+    world = run.world
+    return {
+        "parallel_plans": parallel,
+        "config": os.fspath(args.config), "device": str(run.device), "precision": str(run.trainer.precision),
+        "batch_size": run.batch_size, "budget_bytes": run.budget, "safety_margin": run.margin,
+        "usable_budget_bytes": run.usable, "mitigation_sets": [list(s) for s in run.sets], "skipped": run.skipped,
+        "lengths": results, "largest_fitting_seq_len": search.largest, "modelled": modelled, "seconds": seconds,
+        "method": "dry_run", "longest_fitting_by_set": longest,
+        "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
+    }
+
+
+def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
+              args: argparse.Namespace) -> Optional[list[dict[str, Any]]]:
+    """With ``--world-size`` under fsdp2 (or ``--emit``): the sequence-parallel layouts beside the rungs."""
+    kinds = _sequence_parallel_kinds(args, run.world)
+    if not kinds and not getattr(args, "emit", None):
+        return None
+    from lightning_seqmem.cli.parallel import parallel_plans
+
+    return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets, run.usable,
+                          run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    _check_emit(args)
+    _quiet()
+    started = time.perf_counter()
+    console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)  # --json: the document alone
+    lengths = sorted(set(args.lengths))
+    run = _set_up(args)
+    print_header(console, run, bool(_sequence_parallel_kinds(args, run.world)))
+    with console.status(f"dry-running {len(run.sets)} mitigation sets at seq_len {lengths}..."):
+        results = [_length_result(run, L) for L in lengths]
+    search = _search_largest(console, run, results)
+    modelled = _modelled_rows(run.model, run.optimizer, run.batch, run.batch_size, run.sets[-1], run.skipped, results,
+                              run.usable, run.context, run.device) if run.world is None else []
     seconds = time.perf_counter() - started
 
-    if usable is not None:
-        title = (f"seqmem plan: predicted peak of one training step (dry run), batch {batch_size}; fits = peak within "
-                 f"the usable budget {format_bytes(usable)} ({format_bytes(budget)} − {margin:.0%} safety margin)")
-    else:
-        title = f"seqmem plan: predicted peak of one training step (dry run), batch {batch_size}"
-    if world is not None:
-        title = title.replace("predicted peak of one training step", f"predicted per-rank peak at {world[0]} ranks "
-                              f"({world[1]})")
-    table = Table(title=title, title_justify="left")
-    smallest_column = world is not None and usable is not None
-    headers = ["seq_len", "batch", "mitigations", "peak", *(["fits"] if usable is not None else []),
-               *([f"fits from N (≤ {world[0]})"] if smallest_column else []), "time"]
-    for header in headers:
-        table.add_column(header, justify="left" if header == "mitigations" else "right")
-    errors: dict[str, int] = {}  # each distinct reason a dry run did not run -> its note number, below the table
-    for res in results:
-        for row in res["rows"]:
-            fits = [] if usable is None else ["-" if row["fits"] is None else ("yes" if row["fits"] else "NO")]
-            chosen = res["plan"] is not None and row["mitigations"] == res["plan"]
-            if row["error"] is None:
-                peak = format_bytes(row["peak_bytes"])
-            else:
-                number = errors.setdefault(row["error"], len(errors) + 1)
-                peak = f"{row['error'].split(':')[0]} [{number}]"
-            smallest = []
-            if smallest_column:
-                smallest = ["-" if row["error"] else (str(row["smallest_world_size"]) if row["smallest_world_size"]
-                                                      else f"> {world[0]}")]
-            table.add_row(str(res["seq_len"]), str(batch_size), _names(row["mitigations"]), peak, *fits, *smallest,
-                          f"{row['seconds']:.1f}s",
-                          style="bold green" if chosen else ("red" if row["fits"] is False else None))
-        table.add_section()
-    console.print(table)
-    for error, number in errors.items():
-        console.print(f"[yellow][{number}][/yellow] {error}", highlight=False)
-    if errors:
-        console.print(f"(`seqmem forecast --config {args.config} --lengths ...` predicts from short real steps "
-                      "where the dry run does not run)")
-    for res in results:
-        rows = res["rows"]
-        if usable is None:
-            continue
-        if res["plan"] is not None:
-            peak = next(r["peak_bytes"] for r in rows if r["mitigations"] == res["plan"])
-            what = _names(res["plan"]) if res["plan"] else "no mitigation needed"
-            console.print(f"seq_len {res['seq_len']}: cheapest plan: [bold]{what}[/bold] "
-                          f"({format_bytes(peak)} of {format_bytes(usable)} usable)")
-            fast = res["fastest"]
-            if fast is not None:
-                console.print(f"seq_len {res['seq_len']}: fastest that fits: [bold]{_names(fast['mitigations'])}"
-                              f"[/bold], peak {format_bytes(fast['peak_bytes'])}, step time "
-                              f"{(fast['step_time_factor'] - 1) * 100:+.0f}% by the rungs' priors ({fast['why']})",
-                              highlight=False)
-        elif all(r["peak_bytes"] is None for r in rows):
-            console.print(f"seq_len {res['seq_len']}: no plan: the dry run failed for every set (see the table)")
-        else:
-            lowest = min((r for r in rows if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
-            if largest is not None:
-                longest = f"the largest length that fits with {_names(sets[-1])} is [bold]{largest}[/bold] tokens"
-            elif searched:
-                longest = f"not even {_SEARCH_MULTIPLE} tokens fit with {_names(sets[-1])}"
-            else:
-                longest = "no length that fits was searched for"
-            console.print(f"seq_len {res['seq_len']}: [red]nothing fits[/red]: the lowest peak is "
-                          f"{format_bytes(lowest['peak_bytes'])} ({_names(lowest['mitigations'])}) over "
-                          f"{format_bytes(usable)} usable; {longest}")
+    print_table(console, run, results, args.config)
+    print_plans(console, results, run.usable, run.sets[-1], search.largest, search.searched)
     for row in modelled:
         console.print(_modelled_line(row), highlight=False)
-
-    longest = _longest_by_set(results, usable, device.type)
-    if getattr(args, "longest", False) and usable is not None and world is None:
-        t0 = time.perf_counter()
-        with console.status("searching the longest length each setting fits..."):
-            for entry in longest:
-                entry["searched_seq_len"], runs = _search_longest(model, optimizer, batch, batch_size, entry, results,
-                                                                  usable, context, device)
-                search_runs += runs
-        search_seconds += time.perf_counter() - t0
-    for entry in longest:
-        console.print(f"{_names(entry['mitigations'])} (step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
-                      f"priors): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
-                      + (f"{entry['seq_len']}" if entry["seq_len"] else "none")
-                      + (f"; longest that fits (searched): {entry['searched_seq_len'] or 'none'}"
-                         if "searched_seq_len" in entry else ""), highlight=False)
-
-
+    longest = _longest_by_set(results, run.usable, run.device.type)
+    if getattr(args, "longest", False) and run.usable is not None and run.world is None:
+        _search_longest_each(console, run, longest, results, search)
+    print_longest(console, longest)
     _print_peak_at(console, results)
-    if usable is None:
+    if run.usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
                       "device's total): no fits column and no plan")
-    dry_seconds = sum(r["seconds"] for res in results for r in res["rows"] + res["searched_rows"]) + search_seconds
-    console.print(f"total {seconds:.1f}s: {sum(len(res['rows']) + len(res['searched_rows']) for res in results) + search_runs} dry runs in "
-                  f"{dry_seconds:.1f}s"
-                  + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
-                  + (f", and {len(modelled)} modelling refused rungs" if modelled else "")
-                  + "; peaks are live tensor bytes (on CUDA allocator blocks, as max_memory_allocated; not "
-                  "reserved memory, workspaces or the CUDA context: that is what the safety margin is for)")
-    parallel = None
-    if _sequence_parallel_kinds(args, world) or getattr(args, "emit", None):
-        from lightning_seqmem.cli.parallel import parallel_plans
-
-        parallel = parallel_plans(console, model, optimizer, batch, batch_size, sets, usable, context, device, world[0],
-                                  results, _sequence_parallel_kinds(args, world), getattr(args, "emit", None))
+    print_totals(console, results, search.runs, search.seconds, modelled, seconds)
+    parallel = _parallel(console, run, results, args)
     if args.json:
-        sys.stdout.write(json.dumps({
-            "parallel_plans": parallel,
-            "config": os.fspath(args.config), "device": str(device), "precision": str(trainer.precision),
-            "batch_size": batch_size, "budget_bytes": budget, "safety_margin": margin, "usable_budget_bytes": usable,
-            "mitigation_sets": [list(s) for s in sets], "skipped": skipped, "lengths": results,
-            "largest_fitting_seq_len": largest, "modelled": modelled, "seconds": seconds, "method": "dry_run",
-            "longest_fitting_by_set": longest,
-            "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
-        }, indent=2) + "\n")
+        sys.stdout.write(json.dumps(_json_document(args, run, results, search, modelled, seconds, longest, parallel),
+                                    indent=2) + "\n")
     failed = any(r["error"] and not r["error"].startswith("unsupported:") for res in results for r in res["rows"])
     return 1 if failed else 0
