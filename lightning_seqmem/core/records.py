@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import KW_ONLY, asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 PHASES = ("forward", "backward", "optimizer")
@@ -26,8 +26,31 @@ class MemoryBudgetError(ValueError):
     (every rank), rather than training over the budget. The message says what would fit."""
 
 
+@dataclass(kw_only=True)
+class AllocatorCounters:
+    """What a caching allocator counts over a step, declared once for :class:`StepMemory` (which
+    measures them) and :class:`StepRecord` (which keeps them): bytes, ``None`` for a probe without an
+    allocator (the live-tensor tracker). Keyword-only; in ``fields()`` they come first.
+
+    ``fragmentation_bytes`` is the peak reserved minus the peak allocated, ``fragmentation_fraction``
+    that over the peak reserved; ``alloc_retries`` and ``num_ooms`` count the allocator's retries
+    after a failed allocation and its out-of-memory errors.
+
+    >>> memory = StepMemory(100, {"forward": 100}, 10, 10, reserved_bytes=128, num_ooms=0)
+    >>> memory.reserved_bytes, memory.fragmentation_bytes, memory.num_ooms
+    (128, None, 0)
+    """
+
+    reserved_bytes: Optional[int] = None
+    fragmentation_bytes: Optional[int] = None
+    fragmentation_fraction: Optional[float] = None
+    inactive_split_bytes: Optional[int] = None
+    alloc_retries: Optional[int] = None
+    num_ooms: Optional[int] = None
+
+
 @dataclass
-class StepRecord:
+class StepRecord(AllocatorCounters):
     """One measured training batch (bytes; ``None`` where the probe has no such counter).
 
     ``step`` counts the training batches the callback has seen (from 0), ``global_step`` is the
@@ -50,12 +73,7 @@ class StepRecord:
     backward_peak_bytes: Optional[int]
     optimizer_peak_bytes: Optional[int]
     start_bytes: int
-    reserved_bytes: Optional[int] = None
-    fragmentation_bytes: Optional[int] = None
-    fragmentation_fraction: Optional[float] = None
-    inactive_split_bytes: Optional[int] = None
-    alloc_retries: Optional[int] = None
-    num_ooms: Optional[int] = None
+    _: KW_ONLY  # the allocator counters (AllocatorCounters) and what follows: by keyword only
     stage: Optional[int] = None
     mitigations: tuple[str, ...] = ()
     forecast_peak_bytes: Optional[int] = None
@@ -101,7 +119,7 @@ class TrackedEvents:
 
 
 @dataclass
-class StepMemory:
+class StepMemory(AllocatorCounters):
     """What a probe measured over one training step (bytes).
 
     ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
@@ -113,10 +131,5 @@ class StepMemory:
     phase_peak_bytes: dict[str, int]
     start_bytes: int
     end_bytes: int
-    reserved_bytes: Optional[int] = None
-    fragmentation_bytes: Optional[int] = None
-    fragmentation_fraction: Optional[float] = None
-    inactive_split_bytes: Optional[int] = None
-    alloc_retries: Optional[int] = None
-    num_ooms: Optional[int] = None
+    _: KW_ONLY
     events: Optional[TrackedEvents] = None
