@@ -22,9 +22,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from lightning_seqmem.core.peak import PeakSite
@@ -85,18 +84,9 @@ def peak_site(breakdown: Breakdown) -> PeakSite:
                        by_kind, breakdown.peak_op)
 
 
-def trace_peak_site(
-    step_fn: Callable[[], Any],
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    existing: Iterable[torch.Tensor] = (),
-    *,
-    seq_len: int,
-    batch_size: int,
-    device_type: Optional[str] = None,
-) -> PeakSite:
+def trace_peak_site(step_fn: Callable[[], Any], model: nn.Module, *args: Any, **kwargs: Any) -> PeakSite:
     """Trace one training step (:func:`~lightning_seqmem.diagnostics.tracer.trace_breakdown`, same
-    arguments) and say where its peak sits. The step may run its own probe inside (the dry run's
-    tracker): both see every op."""
-    return peak_site(trace_breakdown(step_fn, model, optimizer, existing, seq_len=seq_len, batch_size=batch_size,
-                                     device_type=device_type))
+    arguments: ``optimizer``, ``existing``, ``seq_len=``, ``batch_size=``, ``device_type=``) and say
+    where its peak sits. The step may run its own probe inside (the dry run's tracker): both see
+    every op."""
+    return peak_site(trace_breakdown(step_fn, model, *args, **kwargs))
