@@ -102,3 +102,53 @@ def make_trainer(callbacks, max_steps, **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(max_steps=max_steps, callbacks=callbacks, **defaults)
+
+
+def measured_step(model, optimizer, batch, loss_fn, probe=None, *, record_events=False, after_warmup=None):
+    """One real training step after one unmeasured warm-up step (the first step has no optimizer state),
+    measured by ``probe`` (default: the live-tensor tracker on CPU): its ``StepMemory``.
+    ``after_warmup()``, when given, runs between the two steps (to reset a counter)."""
+    from lightning_seqmem.measure.probes import make_probe
+    from lightning_seqmem.measure.steps import training_step_memory
+
+    training_step_memory(model, optimizer, batch, loss_fn)
+    if after_warmup is not None:
+        after_warmup()
+    probe = probe if probe is not None else make_probe("tracker", torch.device("cpu"))
+    return training_step_memory(model, optimizer, batch, loss_fn, probe, record_events=record_events)
+
+
+def plan_config(tmp_path, mitigations, model, data):
+    """A ``seqmem plan`` config file on CPU: the demo ``LitGPT`` (``model``: its init_args) on its synthetic
+    data (``data``: the data module's init_args), under a callback with a 1GiB budget and ``mitigations``."""
+    import json
+
+    config = tmp_path / "plan.yaml"
+    config.write_text(f"""
+trainer:
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  callbacks:
+    - class_path: lightning_seqmem.SeqMemCallback
+      init_args:
+        memory_budget: 1GiB
+        mitigations: {json.dumps(list(mitigations))}
+model:
+  class_path: lightning_seqmem.demo.LitGPT
+  init_args: {json.dumps(model)}
+data:
+  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
+  init_args: {json.dumps(data)}
+""")
+    return config
+
+
+def plan_json(config, capsys, lengths):
+    """What ``seqmem plan --config CONFIG --lengths ... --json`` prints, read as JSON (it must exit 0)."""
+    import json
+
+    from lightning_seqmem.cli.main import main
+
+    assert main(["plan", "--config", str(config), "--lengths", *map(str, lengths), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 PHASES = ("forward", "backward", "optimizer")
@@ -26,19 +26,21 @@ class MemoryBudgetError(ValueError):
     (every rank), rather than training over the budget. The message says what would fit."""
 
 
-@dataclass(kw_only=True)
+@dataclass
 class AllocatorCounters:
     """What a caching allocator counts over a step, declared once for :class:`StepMemory` (which
     measures them) and :class:`StepRecord` (which keeps them): bytes, ``None`` for a probe without an
-    allocator (the live-tensor tracker). Keyword-only; in ``fields()`` they come first.
+    allocator (the live-tensor tracker).
 
     ``fragmentation_bytes`` is the peak reserved minus the peak allocated, ``fragmentation_fraction``
     that over the peak reserved; ``alloc_retries`` and ``num_ooms`` count the allocator's retries
-    after a failed allocation and its out-of-memory errors.
+    after a failed allocation and its out-of-memory errors. Each record puts them after its own
+    leading fields (a base listed first comes later in ``fields()``, dataclasses reading bases in
+    reverse MRO), so field order, ``to_dict`` and positional arguments are what they were.
 
-    >>> memory = StepMemory(100, {"forward": 100}, 10, 10, reserved_bytes=128, num_ooms=0)
-    >>> memory.reserved_bytes, memory.fragmentation_bytes, memory.num_ooms
-    (128, None, 0)
+    >>> memory = StepMemory(100, {"forward": 100}, 10, 10, 128)
+    >>> memory.reserved_bytes, memory.fragmentation_bytes, [f.name for f in fields(memory)][3:5]
+    (128, None, ['end_bytes', 'reserved_bytes'])
     """
 
     reserved_bytes: Optional[int] = None
@@ -50,16 +52,8 @@ class AllocatorCounters:
 
 
 @dataclass
-class StepRecord(AllocatorCounters):
-    """One measured training batch (bytes; ``None`` where the probe has no such counter).
-
-    ``step`` counts the training batches the callback has seen (from 0), ``global_step`` is the
-    trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded but not fitted.
-    ``forecast_*`` hold the forecast made for this ``(seq_len, batch_size)`` before it was first
-    measured, and ``forecast_error`` = (forecast − measured) / measured, filled on the first
-    non-warm-up measurement of a new length. ``step_seconds`` is the step's own wall time
-    (:mod:`lightning_seqmem.plan.pricing` prices settings from it).
-    """
+class _StepRecordHead:
+    """:class:`StepRecord`'s fields before the allocator counters."""
 
     step: int
     global_step: int
@@ -73,7 +67,20 @@ class StepRecord(AllocatorCounters):
     backward_peak_bytes: Optional[int]
     optimizer_peak_bytes: Optional[int]
     start_bytes: int
-    _: KW_ONLY  # the allocator counters (AllocatorCounters) and what follows: by keyword only
+
+
+@dataclass
+class StepRecord(AllocatorCounters, _StepRecordHead):
+    """One measured training batch (bytes; ``None`` where the probe has no such counter).
+
+    ``step`` counts the training batches the callback has seen (from 0), ``global_step`` is the
+    trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded but not fitted.
+    ``forecast_*`` hold the forecast made for this ``(seq_len, batch_size)`` before it was first
+    measured, and ``forecast_error`` = (forecast − measured) / measured, filled on the first
+    non-warm-up measurement of a new length. ``step_seconds`` is the step's own wall time
+    (:mod:`lightning_seqmem.plan.pricing` prices settings from it).
+    """
+
     stage: Optional[int] = None
     mitigations: tuple[str, ...] = ()
     forecast_peak_bytes: Optional[int] = None
@@ -119,7 +126,17 @@ class TrackedEvents:
 
 
 @dataclass
-class StepMemory(AllocatorCounters):
+class _StepMemoryHead:
+    """:class:`StepMemory`'s fields before the allocator counters."""
+
+    peak_bytes: int
+    phase_peak_bytes: dict[str, int]
+    start_bytes: int
+    end_bytes: int
+
+
+@dataclass
+class StepMemory(AllocatorCounters, _StepMemoryHead):
     """What a probe measured over one training step (bytes).
 
     ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
@@ -127,9 +144,4 @@ class StepMemory(AllocatorCounters):
     allocator fields are ``None`` for a probe without an allocator (the tracker).
     """
 
-    peak_bytes: int
-    phase_peak_bytes: dict[str, int]
-    start_bytes: int
-    end_bytes: int
-    _: KW_ONLY
     events: Optional[TrackedEvents] = None
