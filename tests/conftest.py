@@ -6,6 +6,7 @@ import itertools
 import os
 import random
 import socket
+import sys
 import tempfile
 import warnings
 
@@ -152,3 +153,27 @@ def plan_json(config, capsys, lengths):
 
     assert main(["plan", "--config", str(config), "--lengths", *map(str, lengths), "--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def ddp_full_and_micro(fit, out) -> None:
+    """A test module's ``__main__`` under DDP: ``fit(None)`` (the full batch) then ``fit(1)`` (micro-batches
+    of one sample) in one launch (the launcher re-runs the script for rank 1, which runs both too);
+    rank 0 saves ``{"full": ..., "micro": ...}`` to ``out``."""
+    results = {"full": fit(None), "micro": fit(1)}
+    if results["full"]["rank"] == 0:
+        torch.save(results, out)
+
+
+def launch_ddp_script(script, tmp_path, base_s):
+    """Run a test module as a script (its ``__main__``: :func:`ddp_full_and_micro`) in ``tmp_path``, without
+    the rank variables of this process (MASTER_PORT: this test's own, see ``_master_port``), under the
+    hang guard of ``base_s`` seconds; it must exit 0. What rank 0 saved."""
+    from limits import run
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(name, None)
+    out = tmp_path / "ddp.pt"
+    proc = run([sys.executable, str(script), str(out)], base_s, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
