@@ -105,6 +105,15 @@ def make_trainer(callbacks, max_steps, **kwargs) -> pl.Trainer:
     return pl.Trainer(max_steps=max_steps, callbacks=callbacks, **defaults)
 
 
+
+def fit_messages(callbacks, model, data, max_steps, **kwargs) -> list[str]:
+    """``make_trainer(callbacks, max_steps, **kwargs).fit(model, data)`` with every warning recorded
+    (none filtered, repeats too): their messages, in the order they came."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(callbacks, max_steps, **kwargs).fit(model, data)
+    return [str(w.message) for w in caught]
+
 def measured_step(model, optimizer, batch, loss_fn, probe=None, *, record_events=False, after_warmup=None):
     """One real training step after one unmeasured warm-up step (the first step has no optimizer state),
     measured by ``probe`` (default: the live-tensor tracker on CPU): its ``StepMemory``.
