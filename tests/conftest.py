@@ -186,3 +186,27 @@ def launch_ddp_script(script, tmp_path, base_s):
     proc = run([sys.executable, str(script), str(out)], base_s, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
+
+
+def planner_batches(p, shape, n, applicable, peak_fn, static_bytes, switch_on, seconds_fn=None):
+    """``n`` batches of ``shape`` (batch size, length) as the callback runs them through planner ``p``:
+    decide, commit, ``switch_on(p, decision, L, B)`` (the rungs the decision names), begin the step,
+    measure ``peak_fn(L, B, rungs on)`` (a step starting and ending at ``static_bytes``), observe it
+    (with ``seconds_fn(L, B, rungs on)`` as its wall time, if given), end the batch.
+    ``[(decision, record)]`` in order."""
+    from lightning_seqmem.core.records import StepMemory
+
+    out = []
+    for _ in range(n):
+        d = p.decide(shape, applicable)
+        p.commit(d)
+        L = d.seq_len or shape[1]
+        B = p.batch_at(shape[0], shape[1], L) if p.curriculum else shape[0]
+        switch_on(p, d, L, B)
+        s = p.begin_step(L, B, True, global_step=p.step)
+        value = peak_fn(L, B, p.applied_mitigations)
+        seconds = None if seconds_fn is None else seconds_fn(L, B, p.applied_mitigations)
+        out.append((d, p.observe(s, StepMemory(value, {"forward": value}, static_bytes, static_bytes),
+                                 step_seconds=seconds)))
+        p.end_batch()
+    return out
