@@ -26,12 +26,13 @@ from typing import Any, Callable
 
 from torch import nn
 
-from lightning_seqmem.core.peak import PeakSite
+from lightning_seqmem.core.peak import PEAK_KINDS, PEAK_PHASES, PeakSite
+from lightning_seqmem.diagnostics.categories import KINDS
 from lightning_seqmem.diagnostics.tracer import AllocationRecord, Breakdown, trace_breakdown
 
 __all__ = ["peak_kind", "peak_site", "trace_peak_site"]
 
-_STATE_KINDS = ("parameters", "gradients", "optimizer_state")
+_STATE_KINDS = tuple(k for k in KINDS if k in PEAK_KINDS)  # the tracer's kinds kept as they are: the state
 
 
 def peak_kind(record: AllocationRecord) -> str:
@@ -80,8 +81,7 @@ def peak_site(breakdown: Breakdown) -> PeakSite:
         phase = "loss"
     elif phase == "backward" and by_kind.get("recompute", 0) > 0:
         phase = "recompute"
-    return PeakSite.of(phase if phase in ("forward", "loss", "backward", "recompute", "optimizer") else "existing",
-                       by_kind, breakdown.peak_op)
+    return PeakSite.of(phase if phase in PEAK_PHASES else "existing", by_kind, breakdown.peak_op)
 
 
 def trace_peak_site(step_fn: Callable[[], Any], model: nn.Module, *args: Any, **kwargs: Any) -> PeakSite:
