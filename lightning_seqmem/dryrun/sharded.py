@@ -61,16 +61,16 @@ from lightning_seqmem.dryrun.step import (
     _reason,
     _shape_batch,
     _state_after_a_step,
-    _step_functions,
     _to_device,
     _transformers_without_fake_detection,
     allocator_block_bytes,
+    checked_rungs,
     replay_peaks,
     value_max_bytes,
 )
+from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
-from lightning_seqmem.mitigations.ladder import check_mitigations
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, make_probe
 
@@ -271,9 +271,7 @@ def sharded_dry_run_step(
     seq_len = check_int("seq_len", seq_len)
     world_size = check_int("world_size", world_size)
     strategy = check_strategy(strategy)
-    names = check_mitigations(list(mitigations), variants=True)
-    for name in names:
-        ladder.rung(name)  # a level the rung does not have: its ValueError
+    names = checked_rungs(mitigations)
     _check_module(template)
     if is_fsdp2(template):
         raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")
@@ -302,7 +300,7 @@ def sharded_dry_run_step(
             step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
             with fake_mode, values:
                 step_batch = _to_device(step_batch, device)
-            loss_fn, step_optimizer = _step_functions(model, optimizer, plan, batch_size, first_split_check)
+            loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size, first_split_check)
             notes = plan.notes
             probe = make_probe("tracker", device)
             with fake_mode, values, _transformers_without_fake_detection():
