@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import time
-import warnings
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
@@ -50,23 +48,18 @@ from torch import nn
 
 from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.core.search import smallest_fitting
+from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step import (
-    _QUIET,
     DryRunResult,
     DryRunUnsupported,
-    _BatchValues,
     _check_module,
     _configured_optimizer,
-    _preserved_rng,
     _reason,
-    _shape_batch,
     _state_after_a_step,
-    _to_device,
     _transformers_without_fake_detection,
     allocator_block_bytes,
     checked_rungs,
     replay_peaks,
-    value_max_bytes,
 )
 from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
@@ -265,8 +258,6 @@ def sharded_dry_run_step(
     Raises:
         DryRunUnsupported: the step cannot run on fake tensors, or the module cannot be sharded.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     started = time.perf_counter()
     seq_len = check_int("seq_len", seq_len)
     world_size = check_int("world_size", world_size)
@@ -282,11 +273,7 @@ def sharded_dry_run_step(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     notes: list[str] = []
-    with _preserved_rng(), warnings.catch_warnings(), fake_world(world_size, device.type) as mesh:
-        for message in _QUIET:
-            warnings.filterwarnings("ignore", message=".*" + re.escape(message))
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
+    with fake_session(seq_len) as (fake_mode, values), fake_world(world_size, device.type) as mesh:
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:
@@ -297,9 +284,7 @@ def sharded_dry_run_step(
                 plan.notes += after.notes
                 plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
                 optimizer = _configured_optimizer(model)
-            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
-            with fake_mode, values:
-                step_batch = _to_device(step_batch, device)
+            step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
             loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size, first_split_check)
             notes = plan.notes
             probe = make_probe("tracker", device)

@@ -74,10 +74,8 @@ Example:
 from __future__ import annotations
 
 import gc
-import re
 import time
 import traceback
-import warnings
 from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
@@ -110,23 +108,19 @@ from lightning_seqmem.dryrun.cuda import (  # re-exported
     warm_cuda_workspaces,
 )
 from lightning_seqmem.dryrun.fake import (  # noqa: F401 - privates the sharded dry run and the callback use
-    _QUIET,
     _check_module,
     _compiled_reason,
     _configured_optimizer,
     _fake_copy,
-    _preserved_rng,
     _rebuild_optimizer,
     _unwrap_optimizer,
 )
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.values import (  # noqa: F401 - privates the sharded dry run uses
     _BatchValues,
-    _shape_batch,
-    _to_device,
     _transformers_without_fake_detection,
-    value_max_bytes,
 )
+from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step_functions import (  # noqa: F401 - _plain_loss: the name tests/scripts/sp_run.py uses
     plain_loss as _plain_loss,
     step_functions,
@@ -398,18 +392,12 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                site: Optional[SiteTracer]) -> _FakeStep:
     """The measured fake step of :func:`dry_run_step` (its arguments checked); every failure of it
     raised as :class:`DryRunUnsupported` with the reason, the fake world freed first."""
-    with _preserved_rng(), warnings.catch_warnings():
-        for message in _QUIET:
-            warnings.filterwarnings("ignore", message=".*" + re.escape(message))
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
+    with fake_session(seq_len) as (fake_mode, values):
         try:
             model, fake_optimizer, plan = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode,
                                                                       values)
             notes = plan.notes
-            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
-            with fake_mode, values:  # as Lightning moves the batch to the module's device
-                step_batch = _to_device(step_batch, device)
+            step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
             loss_fn, step_optimizer = step_functions(pl_module, fake_optimizer, plan, batch_size)
             probe = make_probe("tracker", device)
             if device.type == "cuda":
