@@ -75,7 +75,8 @@ def offload_forecast(
         TypeError: arguments :func:`~lightning_seqmem.dryrun.step.dry_run_step` does not take.
         DryRunUnsupported: the step cannot run on fake tensors.
     """
-    arguments = inspect.signature(dry_run_step).bind(pl_module, optimizer, batch, seq_len, *step, **step_keywords).arguments
+    bound = inspect.signature(dry_run_step).bind(pl_module, optimizer, batch, seq_len, *step, **step_keywords)
+    arguments = bound.arguments  # as given, dry_run_step's defaults for the rest
     names = tuple(arguments.pop("mitigations", ()))
     if RUNG in names:
         raise ValueError(f"`mitigations` must not hold {RUNG!r} (it is added for the second run), got {names!r}")
