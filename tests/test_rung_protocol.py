@@ -1,5 +1,5 @@
-"""A fifth rung, written here as a test fixture, plugs into the ladder, the dry run, the callback and
-``seqmem plan`` through the Rung protocol alone: no other file knows its name.
+"""A fifth rung, written here as a test fixture, plugs into the ladder, the dry run (one rank and
+sharded), the callback and ``seqmem plan`` through the Rung protocol alone: no other file knows its name.
 
 The toy rung sets every ``nn.Dropout`` to ``p = 0``: its masks are no longer saved for backward, a
 real, measurable saving (about 10% on the dropout GPT below).
@@ -79,6 +79,18 @@ def test_the_dry_run_puts_the_rung_on_its_copy_only(no_dropout):
     by_hand = LitGPT(**MODEL, dropout=0.0)
     expected = dry_run_step(by_hand, by_hand.configure_optimizers(), _batch(64), 256)
     assert with_rung.peak_bytes == expected.peak_bytes < plain.peak_bytes
+    assert "no_dropout: dropout p -> 0" in with_rung.detail
+
+
+def test_the_sharded_dry_run_puts_the_rung_on_its_copy_too(no_dropout):
+    from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
+
+    def dry(dropout, mitigations=()):
+        return sharded_dry_run_step(LitGPT(**MODEL, dropout=dropout), _batch(64), 256, world_size=2,
+                                    mitigations=mitigations)
+
+    with_rung = dry(0.1, ["no_dropout"])
+    assert with_rung.peak_bytes == dry(0.0).peak_bytes < dry(0.1).peak_bytes
     assert "no_dropout: dropout p -> 0" in with_rung.detail
 
 
