@@ -35,7 +35,7 @@ from lightning_seqmem.trainer.guard import guarded as _guarded
 from lightning_seqmem.trainer.oom import is_oom
 from lightning_seqmem.plan.planner import PendingStep, SeqMemPlanner
 from lightning_seqmem.measure.probes import PROBE_NAMES, MemoryProbe, make_probe
-from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - importable here too
+from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - as before
 from lightning_seqmem.core.units import parse_bytes
 
 SeqLenFn = Callable[[Any], "tuple[int, int]"]
@@ -313,7 +313,8 @@ class SeqMemCallback(Callback):
         resume.resume_rungs(self, trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Lengths set ahead through the dataset's ``set_seq_len``: the first batch's (:func:`.lengths.set_first_length`)."""
+        """With a curriculum and batches only the dataset can shorten: the first batch's length,
+        set ahead through its ``set_seq_len`` (:func:`.lengths.set_first_length`)."""
         lengths.set_first_length(self, trainer)
 
     # -- Before a batch: agree, decide, apply, cut, start measuring ----------------------------------
