@@ -309,7 +309,8 @@ class SeqMemCallback(Callback):
         if trainer.is_global_zero:
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
-                self._dry = self.planner.dry_run = fit_setup.start_dry_run(self, trainer, pl_module)
+                self._dry = fit_setup.start_dry_run(self, trainer, pl_module)
+                self.planner.dry_run = self._dry
         resume.resume_rungs(self, trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
