@@ -71,7 +71,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory, StepRecord
-from lightning_seqmem.core.rungs import MITIGATIONS, base_name, check_mitigations
+from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
 from lightning_seqmem.plan import decisions, pricing
 from lightning_seqmem.plan import metrics as plan_metrics
 from lightning_seqmem.plan.advice_queue import AdviceQueue
@@ -363,7 +363,5 @@ class SeqMemPlanner:
         """Restore :meth:`state_dict`, all or nothing (raises on a state this version cannot read)."""
         load_planner_state(self, state)
 
-
-_inapplicable = decisions.inapplicable  # (its old name)
 
 __all__ = ["Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]
