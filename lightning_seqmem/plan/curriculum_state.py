@@ -139,7 +139,7 @@ def decide_curriculum(p: "SeqMemPlanner", source_len: int, source_batch: int, ap
 def over_in_curriculum(p: "SeqMemPlanner", seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability,
                        batch_of: Optional[Callable[[int], int]] = None) -> Decision:
     """Over the budget at ``seq_len`` (the next stage, or the one running): rungs, or a cap. Every
-    cap is the largest multiple of ``multiple_of`` that :meth:`judge` (the dry run where it
+    cap is the largest multiple of ``multiple_of`` that :func:`~lightning_seqmem.plan.judging.judge` (the dry run where it
     answers: the predictor that judged the stage) says fits, and the words name that length."""
     assert p.curriculum is not None and p.budget_bytes is not None and p.usable_budget_bytes is not None
     m, current = p.curriculum.multiple_of, p.stages[p.stage]

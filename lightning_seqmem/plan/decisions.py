@@ -76,7 +76,7 @@ def decision(p: "SeqMemPlanner", **changes: Any) -> Decision:
 def choose_setting(p: "SeqMemPlanner", seq_len: int, batch_size: int, applicable: Applicability) -> Optional[choose.Choice]:
     """The setting that fits at ``(seq_len, batch_size)`` with the least predicted step time
     (:func:`~lightning_seqmem.plan.choose.choose`: what is on plus at most one applicable variant
-    per rung left or an upgrade, judged by dry run, priced by :meth:`price`); every rung on and
+    per rung left or an upgrade, judged by dry run, priced by :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.price`); every rung on and
     ``fits=False`` when none fits; None where the dry run cannot answer."""
     if p.dry_peak(seq_len, batch_size) is None:
         return None
@@ -90,7 +90,7 @@ def choose_setting(p: "SeqMemPlanner", seq_len: int, batch_size: int, applicable
 def dry_fit(p: "SeqMemPlanner", low: int, high: int, batch_size: int, setting: tuple[str, ...],
             batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
     """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` (and within the
-    model's ``length_limit``) that :meth:`judge` says fits with ``setting``, or None (bisection: a
+    model's ``length_limit``) that :func:`~lightning_seqmem.plan.judging.judge` says fits with ``setting``, or None (bisection: a
     handful of judgements, each the dry run where it answers, cached). ``batch_of(L)``: the batch
     size at ``L`` (``truncate=False`` reshapes rows), else ``batch_size`` at every length."""
     assert p.curriculum is not None
@@ -119,7 +119,7 @@ def dry_fit(p: "SeqMemPlanner", low: int, high: int, batch_size: int, setting: t
 
 
 def checked_fit(p: "SeqMemPlanner", high: int, batch_size: int) -> int:
-    """Largest length below ``high`` that :meth:`judge` says fits with the rungs on now (what a
+    """Largest length below ``high`` that :func:`~lightning_seqmem.plan.judging.judge` says fits with the rungs on now (what a
     warning names as "the largest length forecast to fit"): a multiple of the curriculum's
     ``multiple_of``; without one, the forecast's largest length, checked by the same judgement
     (bisected below it when that is over); 0 if none."""

@@ -95,7 +95,7 @@ def dry_judged(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optio
        a curriculum (a few lengths, each dry-run and verified when it runs); without one (the
        data sets the length: dynamic padding, a new length every batch):
     2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
-    3. one dry run ahead, at a longer length (:meth:`_bucket`: twice the longest length known,
+    3. one dry run ahead, at a longer length (:func:`bucket`: twice the longest length known,
        or short of where the cached dry runs cross the budget), when its bound fits: it then
        answers for every length below it;
     4. else this shape's own dry run: "over" is only ever said from the exact shape.

@@ -82,7 +82,7 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
     ``memory`` is the step's measurement; under DDP, that of the rank with the highest peak,
     whose own ``(seq_len, batch_size)`` are given. ``trace`` is the ``(seq_len, batch_size,
     memory)`` whose events are traced (default: the same); ``step_seconds``: the step's own wall
-    time (what :meth:`price` predicts from).
+    time (what :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.price` predicts from).
     """
     L = pending.seq_len if seq_len is None else int(seq_len)
     B = pending.batch_size if batch_size is None else int(batch_size)
