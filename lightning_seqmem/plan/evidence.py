@@ -46,6 +46,7 @@ class Evidence:
 
     # what it reads, owned by others: the settings, the rungs on, the advice queue
     tolerance = Forward("settings")
+    warmup_steps = Forward("settings")
     budget_bytes = Forward("settings")
     safety_margin = Forward("settings")
     usable_budget_bytes = Forward("settings")
