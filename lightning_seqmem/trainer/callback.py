@@ -287,10 +287,9 @@ class SeqMemCallback(Callback):
         self._probe = make_probe(self.probe_name, self._device)
         on_cuda = self._device.type == "cuda"
         if self.memory_budget_bytes is None and on_cuda:
-            self.planner.budget_bytes = torch.cuda.get_device_properties(self._device).total_memory
-        self.planner.compare_reserved, self.planner.block_bytes = on_cuda, 512 if on_cuda else 1
-        self.planner.precision = str(trainer.precision)
-        self.planner.device_type = self._device.type
+            self.planner.bind_run(budget_bytes=torch.cuda.get_device_properties(self._device).total_memory)
+        self.planner.bind_run(compare_reserved=on_cuda, block_bytes=512 if on_cuda else 1,
+                              precision=str(trainer.precision), device_type=self._device.type)
         self._template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
         self._check_strategy_and_module(trainer, pl_module)
         self._warn_advice()
@@ -310,7 +309,7 @@ class SeqMemCallback(Callback):
             self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
                 self._dry = fit_setup.start_dry_run(self, trainer, pl_module)
-                self.planner.dry_run = self._dry
+                self.planner.bind_run(dry_run=self._dry)
         resume.resume_rungs(self, trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
