@@ -6,6 +6,7 @@ import itertools
 import os
 import random
 import socket
+import sys
 import tempfile
 import warnings
 
@@ -102,3 +103,110 @@ def make_trainer(callbacks, max_steps, **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(max_steps=max_steps, callbacks=callbacks, **defaults)
+
+
+
+def fit_messages(callbacks, model, data, max_steps, **kwargs) -> list[str]:
+    """``make_trainer(callbacks, max_steps, **kwargs).fit(model, data)`` with every warning recorded
+    (none filtered, repeats too): their messages, in the order they came."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(callbacks, max_steps, **kwargs).fit(model, data)
+    return [str(w.message) for w in caught]
+
+def measured_step(model, optimizer, batch, loss_fn, probe=None, *, record_events=False, after_warmup=None):
+    """One real training step after one unmeasured warm-up step (the first step has no optimizer state),
+    measured by ``probe`` (default: the live-tensor tracker on CPU): its ``StepMemory``.
+    ``after_warmup()``, when given, runs between the two steps (to reset a counter)."""
+    from lightning_seqmem.measure.probes import make_probe
+    from lightning_seqmem.measure.steps import training_step_memory
+
+    training_step_memory(model, optimizer, batch, loss_fn)
+    if after_warmup is not None:
+        after_warmup()
+    probe = probe if probe is not None else make_probe("tracker", torch.device("cpu"))
+    return training_step_memory(model, optimizer, batch, loss_fn, probe, record_events=record_events)
+
+
+def plan_config(tmp_path, mitigations, model, data):
+    """A ``seqmem plan`` config file on CPU: the demo ``LitGPT`` (``model``: its init_args) on its synthetic
+    data (``data``: the data module's init_args), under a callback with a 1GiB budget and ``mitigations``."""
+    import json
+
+    config = tmp_path / "plan.yaml"
+    config.write_text(f"""
+trainer:
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  callbacks:
+    - class_path: lightning_seqmem.SeqMemCallback
+      init_args:
+        memory_budget: 1GiB
+        mitigations: {json.dumps(list(mitigations))}
+model:
+  class_path: lightning_seqmem.demo.LitGPT
+  init_args: {json.dumps(model)}
+data:
+  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
+  init_args: {json.dumps(data)}
+""")
+    return config
+
+
+def plan_json(config, capsys, lengths):
+    """What ``seqmem plan --config CONFIG --lengths ... --json`` prints, read as JSON (it must exit 0)."""
+    import json
+
+    from lightning_seqmem.cli.main import main
+
+    assert main(["plan", "--config", str(config), "--lengths", *map(str, lengths), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def ddp_full_and_micro(fit, out) -> None:
+    """A test module's ``__main__`` under DDP: ``fit(None)`` (the full batch) then ``fit(1)`` (micro-batches
+    of one sample) in one launch (the launcher re-runs the script for rank 1, which runs both too);
+    rank 0 saves ``{"full": ..., "micro": ...}`` to ``out``."""
+    results = {"full": fit(None), "micro": fit(1)}
+    if results["full"]["rank"] == 0:
+        torch.save(results, out)
+
+
+def launch_ddp_script(script, tmp_path, base_s):
+    """Run a test module as a script (its ``__main__``: :func:`ddp_full_and_micro`) in ``tmp_path``, without
+    the rank variables of this process (MASTER_PORT: this test's own, see ``_master_port``), under the
+    hang guard of ``base_s`` seconds; it must exit 0. What rank 0 saved."""
+    from limits import run
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        env.pop(name, None)
+    out = tmp_path / "ddp.pt"
+    proc = run([sys.executable, str(script), str(out)], base_s, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def planner_batches(p, shape, n, applicable, peak_fn, static_bytes, switch_on, seconds_fn=None):
+    """``n`` batches of ``shape`` (batch size, length) as the callback runs them through planner ``p``:
+    decide, commit, ``switch_on(p, decision, L, B)`` (the rungs the decision names), begin the step,
+    measure ``peak_fn(L, B, rungs on)`` (a step starting and ending at ``static_bytes``), observe it
+    (with ``seconds_fn(L, B, rungs on)`` as its wall time, if given), end the batch.
+    ``[(decision, record)]`` in order."""
+    from lightning_seqmem.core.records import StepMemory
+
+    out = []
+    for _ in range(n):
+        d = p.decide(shape, applicable)
+        p.commit(d)
+        L = d.seq_len or shape[1]
+        B = p.batch_at(shape[0], shape[1], L) if p.curriculum else shape[0]
+        switch_on(p, d, L, B)
+        s = p.begin_step(L, B, True, global_step=p.step)
+        value = peak_fn(L, B, p.applied_mitigations)
+        seconds = None if seconds_fn is None else seconds_fn(L, B, p.applied_mitigations)
+        out.append((d, p.observe(s, StepMemory(value, {"forward": value}, static_bytes, static_bytes),
+                                 step_seconds=seconds)))
+        p.end_batch()
+    return out

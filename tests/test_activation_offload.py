@@ -11,18 +11,17 @@ workspaces) is the GPU test's to check (``pytest -m gpu``).
 
 from __future__ import annotations
 
-import json
 import pickle
 
 import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from conftest import measured_step, plan_config, plan_json
 from lightning_seqmem.demo import LitGPT
 from lightning_seqmem.dryrun.offload import offload_forecast
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import make_probe
-from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
 from lightning_seqmem.mitigations.offload import (
@@ -174,9 +173,8 @@ def _measured(module, host="pinned"):
                     packed.extend(range(before, len(tracker._finalizers)))
                 return out
             w._to_host = to_host
-    training_step_memory(module, optimizer, batch, _loss)
-    reset_offloaded_bytes(module)
-    memory = training_step_memory(module, optimizer, batch, _loss, probe, record_events=True)
+    memory = measured_step(module, optimizer, batch, _loss, probe, record_events=True,
+                           after_warmup=lambda: reset_offloaded_bytes(module))
     return memory, sum(memory.events.sizes[i] for i in packed), offloaded_bytes(module)
 
 
@@ -194,9 +192,7 @@ def test_the_modelled_device_peak_is_the_measured_one_within_1_percent():
     forecast = offload_forecast(module, module.configure_optimizers(), _batch(64), L, ROWS)
     memory, _, counted = _measured(_module(), host="hidden")
     plain = _module()
-    optimizer = plain.configure_optimizers()
-    training_step_memory(plain, optimizer, _batch(), _loss)
-    measured_plain = training_step_memory(plain, optimizer, _batch(), _loss, make_probe("tracker", torch.device("cpu")))
+    measured_plain = measured_step(plain, plain.configure_optimizers(), _batch(), _loss)
     assert abs(forecast.peak_bytes_with - memory.peak_bytes) <= 0.01 * memory.peak_bytes
     assert abs(forecast.peak_bytes_without - measured_plain.peak_bytes) <= 0.01 * measured_plain.peak_bytes
     assert memory.peak_bytes < measured_plain.peak_bytes and forecast.saved_bytes > 0
@@ -209,26 +205,9 @@ def test_the_modelled_device_peak_is_the_measured_one_within_1_percent():
 def test_seqmem_plan_shows_the_modelled_saving_where_the_rung_is_refused(tmp_path, capsys):
     from lightning_seqmem.cli.main import main
 
-    config = tmp_path / "offload.yaml"
-    config.write_text(f"""
-trainer:
-  accelerator: cpu
-  logger: false
-  enable_checkpointing: false
-  callbacks:
-    - class_path: lightning_seqmem.SeqMemCallback
-      init_args:
-        memory_budget: 1GiB
-        mitigations: [activation_offload]
-model:
-  class_path: lightning_seqmem.demo.LitGPT
-  init_args: {json.dumps(MODEL)}
-data:
-  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
-  init_args: {{batch_size: {ROWS}, seq_len: 64, num_samples: 4, vocab_size: 64}}
-""")
-    assert main(["plan", "--config", str(config), "--lengths", str(L), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    config = plan_config(tmp_path, ["activation_offload"], MODEL,
+                         {"batch_size": ROWS, "seq_len": 64, "num_samples": 4, "vocab_size": 64})
+    doc = plan_json(config, capsys, [L])
     assert doc["skipped"] == {"activation_offload": CPU_REFUSAL} and doc["mitigation_sets"] == [[]]
     (row,) = doc["modelled"]
     plain = doc["lengths"][0]["rows"][0]
@@ -261,9 +240,8 @@ def test_on_cuda_the_measured_peak_falls_as_the_dry_run_says():
         dry = dry_run_step(module, optimizer, batch, seq_len, rows, ["activation_offload"] if on else [])
         if on:
             assert ActivationOffloadRung().apply(RungContext(module)).applied
-        training_step_memory(module, optimizer, batch, _loss)
-        reset_offloaded_bytes(module)
-        measured = training_step_memory(module, optimizer, batch, _loss, make_probe("cuda", cuda))
+        measured = measured_step(module, optimizer, batch, _loss, make_probe("cuda", cuda),
+                                 after_warmup=lambda: reset_offloaded_bytes(module))
         peaks[on] = (dry.peak_bytes, measured.peak_bytes, dry.host_bytes, offloaded_bytes(module))
         del module, optimizer, batch
         torch.cuda.empty_cache()

@@ -116,7 +116,8 @@ def test_every_step_recorded_after_warmup_and_phase_peaks_present():
     # warm-up lasts until 3 optimizer steps were taken: 6 batches when accumulating 2
     assert [r.warmup for r in cb.records] == [True] * 6 + [False] * 8
     # only batches that end in an optimizer step are traced (the others run a different program)
-    assert all(r.optimizer_peak_bytes is not None for r in cb.records if r.traced)
+    traced = [r for r in cb.records if r.traced]
+    assert traced and all(r.optimizer_peak_bytes is not None for r in traced), [r.step for r in traced]
     # accumulating batches skip the optimizer phase; boundary batches have it
     for r in cb.records:
         assert (r.optimizer_peak_bytes is not None) == (r.step % 2 == 1)

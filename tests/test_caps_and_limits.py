@@ -71,7 +71,7 @@ def test_nothing_fits_with_only_micro_batching_on_sdpa_is_said_so():
     assert cb.planner.judge(64, 4).kind == "over"  # the scenario: 64 tokens do not fit, micro-batched
     assert "no length from 64 tokens up is forecast to fit" in words and not FITS.search(words), words
     assert "'microbatch' on" in words and "attention" not in words, words
-    assert all(r.peak_bytes <= cb.usable_budget_bytes for r in cb.records if not r.warmup)
+    assert not cb.records  # stopped before the first step: no step ran, none over the budget
 
 
 def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(tmp_path):

@@ -12,8 +12,6 @@ Run as a script (``python tests/test_microbatch.py OUT``) this file is the DDP w
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -26,12 +24,11 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
-from conftest import make_trainer
+from conftest import ddp_full_and_micro, launch_ddp_script, make_trainer
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
 from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
 from lightning_seqmem.measure.probes import TrackerProbe
-from limits import limit_s
 
 SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)  # no dropout: equality is exact up to rounding
 
@@ -399,25 +396,9 @@ def _ddp_fit(micro_batch_size: int | None) -> dict:
     }
 
 
-def _ddp_worker(out: str) -> None:
-    """Both fits in one launch: the launcher re-runs this script once for rank 1, which runs both too."""
-    results = {"full": _ddp_fit(None), "micro": _ddp_fit(1)}
-    if results["full"]["rank"] == 0:
-        torch.save(results, out)
-
-
 @pytest.mark.ddp
 def test_ddp_equals_full_batch(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):  # MASTER_PORT: this test's own (conftest)
-        env.pop(name, None)
-    out = tmp_path / "ddp.pt"
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=limit_s(240),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(out)
+    results = launch_ddp_script(Path(__file__).resolve(), tmp_path, 240)
     full, micro = results["full"], results["micro"]
     assert micro["global_step"] == full["global_step"] == 4  # 32 samples / (2 ranks x 4)
     assert micro["optimizer_steps"] == full["optimizer_steps"] == 4
@@ -428,7 +409,7 @@ def test_ddp_equals_full_batch(tmp_path):
 
 
 if __name__ == "__main__":
-    _ddp_worker(sys.argv[1])
+    ddp_full_and_micro(_ddp_fit, sys.argv[1])
 
 
 # --- a Hugging Face model -----------------------------------------------------------------------

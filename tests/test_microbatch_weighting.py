@@ -15,9 +15,7 @@ Run as a script (``python tests/test_microbatch_weighting.py OUT``) this file is
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -29,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import make_trainer
+from conftest import ddp_full_and_micro, launch_ddp_script, make_trainer
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
-from limits import limit_s
 from lightning_seqmem.mitigations.microbatch import (
     MicroBatching,
     MicroBatchingRefusedWarning,
@@ -434,26 +431,13 @@ def _ddp_fit(micro: int | None) -> dict:
     }
 
 
-def _ddp_worker(out: str) -> None:
-    results = {"full": _ddp_fit(None), "micro": _ddp_fit(1)}
-    if results["full"]["rank"] == 0:
-        torch.save(results, out)
-
-
 @pytest.mark.ddp
 def test_ddp_padded_hugging_face_equals_full_batch(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR"):  # MASTER_PORT: this test's own (conftest)
-        env.pop(name, None)
-    out = tmp_path / "ddp.pt"
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=limit_s(300))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(out)
+    results = launch_ddp_script(Path(__file__).resolve(), tmp_path, 300)
     full, micro = results["full"], results["micro"]
     assert micro["global_step"] == full["global_step"] == 2 and micro["verified"]
     _assert_close(micro["params"], full["params"], rtol=1e-4, atol=1e-6)
 
 
 if __name__ == "__main__":
-    _ddp_worker(sys.argv[1])
+    ddp_full_and_micro(_ddp_fit, sys.argv[1])

@@ -7,10 +7,10 @@ scenario as the integration test on a real model with real measurement.
 
 from __future__ import annotations
 
+from conftest import planner_batches
 from test_planner import ALL, STATIC, planner
 
 from lightning_seqmem.core.curriculum import Curriculum
-from lightning_seqmem.core.records import StepMemory
 
 # bytes per sample (per token, per token²): attention removes the L² term, checkpointing most of
 # the linear one, micro-batching (batch 4 -> 1) divides the dynamic part by the batch size
@@ -35,20 +35,12 @@ def dry(coeffs=COEFFS):
 def run(p, shape, n, applicable=ALL, peak_fn=peak):
     """``n`` batches as the callback runs them (decide, commit, apply a rung where it was decided,
     measure, observe), each rung reported with the length and batch size it was decided at."""
-    out = []
-    for _ in range(n):
-        d = p.decide(shape, applicable)
-        p.commit(d)
-        L = d.seq_len or shape[1]
-        B = p.batch_at(shape[0], shape[1], L) if p.curriculum else shape[0]
+    def switch_on(p, d, L, B):
         if d.rung is not None:
             p.before_rung(d.rung, L, B)
             p.rung_applied(d.rung, True, "applied", L, B)
-        s = p.begin_step(L, B, True, global_step=p.step)
-        value = peak_fn(L, B, p.applied_mitigations)
-        out.append((d, p.observe(s, StepMemory(value, {"forward": value}, STATIC, STATIC))))
-        p.end_batch()
-    return out
+
+    return planner_batches(p, shape, n, applicable, peak_fn, STATIC, switch_on)
 
 
 def _fits_unmitigated(budget, B=4):

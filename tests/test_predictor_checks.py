@@ -3,12 +3,10 @@ not trusted for decisions, whichever predictor it is, and that is said once, nam
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from conftest import make_trainer
+from conftest import fit_messages
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 
@@ -31,11 +29,9 @@ def test_a_dry_run_wrong_at_measured_shapes_is_not_trusted():
     cb = SeqMemCallback(warmup_steps=1, memory_budget="12MiB", safety_margin=0.0, mitigations=(),
                         curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16))
     torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        make_trainer([cb], max_steps=12).fit(FakeBlindGPT(n_layer=1, d_model=32, n_head=2),
-                                             SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64))
-    messages = [str(w.message) for w in caught if "seqmem" in str(w.message)]
+    caught = fit_messages([cb], FakeBlindGPT(n_layer=1, d_model=32, n_head=2),
+                          SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64), max_steps=12)
+    messages = [m for m in caught if "seqmem" in m]
     # the budget held: decisions followed the replay (exact on the measured steps), not the dry run
     assert max(r.peak_bytes for r in cb.records) <= cb.usable_budget_bytes
     assert max(r.seq_len for r in cb.records) == 128

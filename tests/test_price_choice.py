@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 
+from conftest import planner_batches
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory, StepRecord
 from lightning_seqmem.core.rungs import RungSpec, base_name, level_of, register_spec, unregister_spec
@@ -51,20 +52,11 @@ def twin(budget, mitigations, peak_fn, curriculum=None):
 
 def run(p, shape, n, applicable, peak_fn, seconds_fn=lambda L, B, s: None):
     """``n`` batches as the callback runs them: decide, commit, switch on every rung of the decision."""
-    out = []
-    for _ in range(n):
-        d = p.decide(shape, applicable)
-        p.commit(d)
-        L = d.seq_len or shape[1]
-        B = p.batch_at(shape[0], shape[1], L) if p.curriculum else shape[0]
+    def switch_on(p, d, L, B):
         for name in d.rungs:
             p.rung_applied(name, True, "applied", L, B)
-        s = p.begin_step(L, B, True, global_step=p.step)
-        value = peak_fn(L, B, p.applied_mitigations)
-        out.append((d, p.observe(s, StepMemory(value, {"forward": value}, STATIC, STATIC),
-                                 step_seconds=seconds_fn(L, B, p.applied_mitigations))))
-        p.end_batch()
-    return out
+
+    return planner_batches(p, shape, n, applicable, peak_fn, STATIC, switch_on, seconds_fn)
 
 
 def test_the_cheaper_rung_that_fits_is_chosen_not_the_first_in_ladder_order(toy_rungs):

@@ -1,5 +1,5 @@
-"""A fifth rung, written here as a test fixture, plugs into the ladder, the dry run, the callback and
-``seqmem plan`` through the Rung protocol alone: no other file knows its name.
+"""A fifth rung, written here as a test fixture, plugs into the ladder, the dry run (one rank and
+sharded), the callback and ``seqmem plan`` through the Rung protocol alone: no other file knows its name.
 
 The toy rung sets every ``nn.Dropout`` to ``p = 0``: its masks are no longer saved for backward, a
 real, measurable saving (about 10% on the dropout GPT below).
@@ -7,14 +7,13 @@ real, measurable saving (about 10% on the dropout GPT below).
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import make_trainer
+from conftest import make_trainer, plan_config, plan_json
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import RungSpec, check_mitigations, spec
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
@@ -83,6 +82,18 @@ def test_the_dry_run_puts_the_rung_on_its_copy_only(no_dropout):
     assert "no_dropout: dropout p -> 0" in with_rung.detail
 
 
+def test_the_sharded_dry_run_puts_the_rung_on_its_copy_too(no_dropout):
+    from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
+
+    def dry(dropout, mitigations=()):
+        return sharded_dry_run_step(LitGPT(**MODEL, dropout=dropout), _batch(64), 256, world_size=2,
+                                    mitigations=mitigations)
+
+    with_rung = dry(0.1, ["no_dropout"])
+    assert with_rung.peak_bytes == dry(0.0).peak_bytes < dry(0.1).peak_bytes
+    assert "no_dropout: dropout p -> 0" in with_rung.detail
+
+
 def test_the_callback_switches_the_rung_on_before_the_stage_that_needs_it(no_dropout):
     def dry(dropout):
         module = LitGPT(**MODEL, dropout=dropout)
@@ -109,28 +120,9 @@ def test_the_callback_switches_the_rung_on_before_the_stage_that_needs_it(no_dro
 
 
 def test_seqmem_plan_dry_runs_the_registered_rung(no_dropout, tmp_path, capsys):
-    from lightning_seqmem.cli.main import main
-
-    config = tmp_path / "no_dropout.yaml"
-    config.write_text(f"""
-trainer:
-  accelerator: cpu
-  logger: false
-  enable_checkpointing: false
-  callbacks:
-    - class_path: lightning_seqmem.SeqMemCallback
-      init_args:
-        memory_budget: 1GiB
-        mitigations: [no_dropout]
-model:
-  class_path: lightning_seqmem.demo.LitGPT
-  init_args: {json.dumps({**MODEL, "dropout": 0.1})}
-data:
-  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
-  init_args: {{batch_size: 4, seq_len: 64, num_samples: 8, vocab_size: 64}}
-""")
-    assert main(["plan", "--config", str(config), "--lengths", "256", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    config = plan_config(tmp_path, ["no_dropout"], {**MODEL, "dropout": 0.1},
+                         {"batch_size": 4, "seq_len": 64, "num_samples": 8, "vocab_size": 64})
+    doc = plan_json(config, capsys, [256])
     assert doc["mitigation_sets"] == [[], ["no_dropout"]]
     plain, with_rung = doc["lengths"][0]["rows"]
     assert with_rung["mitigations"] == ["no_dropout"] and with_rung["peak_bytes"] < plain["peak_bytes"]

@@ -18,20 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import make_trainer
+from conftest import make_trainer, measured_step, plan_config, plan_json
 from limits import limit_s
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import EXTRA_RUNGS, MITIGATIONS, check_mitigations
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
-from lightning_seqmem.measure.probes import make_probe
-from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.tiled_mlp import TiledMLP, find_mlps, tile_count_rule, tiled_mlp_tiles
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
 
-CPU = torch.device("cpu")
 VOCAB = 64
 TOLERANCE = 0.01  # of the measured step peak
 
@@ -73,9 +70,7 @@ MODELS = {"gpt": lambda: _gpt(dropout=0.1), "llama": _HFLlama}
 
 
 def _measured(module: nn.Module, batch: dict):
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    training_step_memory(module, optimizer, batch, _loss)
-    return training_step_memory(module, optimizer, batch, _loss, make_probe("tracker", CPU))
+    return measured_step(module, torch.optim.AdamW(module.parameters(), lr=1e-3), batch, _loss)
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -227,28 +222,10 @@ def test_strategies_that_shard_or_wrap_the_model_refuse_it_at_set_up():
 
 
 def test_seqmem_plan_forecasts_the_rung(tmp_path, capsys):
-    from lightning_seqmem.cli.main import main
-
-    config = tmp_path / "tiled.yaml"
-    config.write_text(f"""
-trainer:
-  accelerator: cpu
-  logger: false
-  enable_checkpointing: false
-  callbacks:
-    - class_path: lightning_seqmem.SeqMemCallback
-      init_args:
-        memory_budget: 1GiB
-        mitigations: [tiled_mlp]
-model:
-  class_path: lightning_seqmem.demo.LitGPT
-  init_args: {{n_layer: 2, d_model: 64, n_head: 2, vocab_size: {VOCAB}, attention: sdpa, d_ff: 512}}
-data:
-  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
-  init_args: {{batch_size: 2, seq_len: 64, num_samples: 4, vocab_size: {VOCAB}}}
-""")
-    assert main(["plan", "--config", str(config), "--lengths", "256", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    config = plan_config(tmp_path, ["tiled_mlp"],
+                         {"n_layer": 2, "d_model": 64, "n_head": 2, "vocab_size": VOCAB, "attention": "sdpa", "d_ff": 512},
+                         {"batch_size": 2, "seq_len": 64, "num_samples": 4, "vocab_size": VOCAB})
+    doc = plan_json(config, capsys, [256])
     assert doc["mitigation_sets"] == [[], ["tiled_mlp"]]
     plain, tiled = doc["lengths"][0]["rows"]
     assert tiled["mitigations"] == ["tiled_mlp"] and tiled["peak_bytes"] < plain["peak_bytes"]

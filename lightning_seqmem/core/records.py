@@ -27,16 +27,33 @@ class MemoryBudgetError(ValueError):
 
 
 @dataclass
-class StepRecord:
-    """One measured training batch (bytes; ``None`` where the probe has no such counter).
+class AllocatorCounters:
+    """What a caching allocator counts over a step, declared once for :class:`StepMemory` (which
+    measures them) and :class:`StepRecord` (which keeps them): bytes, ``None`` for a probe without an
+    allocator (the live-tensor tracker).
 
-    ``step`` counts the training batches the callback has seen (from 0), ``global_step`` is the
-    trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded but not fitted.
-    ``forecast_*`` hold the forecast made for this ``(seq_len, batch_size)`` before it was first
-    measured, and ``forecast_error`` = (forecast − measured) / measured, filled on the first
-    non-warm-up measurement of a new length. ``step_seconds`` is the step's own wall time
-    (:mod:`lightning_seqmem.plan.pricing` prices settings from it).
+    ``fragmentation_bytes`` is the peak reserved minus the peak allocated, ``fragmentation_fraction``
+    that over the peak reserved; ``alloc_retries`` and ``num_ooms`` count the allocator's retries
+    after a failed allocation and its out-of-memory errors. Each record puts them after its own
+    leading fields (a base listed first comes later in ``fields()``, dataclasses reading bases in
+    reverse MRO), so field order, ``to_dict`` and positional arguments are what they were.
+
+    >>> memory = StepMemory(100, {"forward": 100}, 10, 10, 128)
+    >>> memory.reserved_bytes, memory.fragmentation_bytes, [f.name for f in fields(memory)][3:5]
+    (128, None, ['end_bytes', 'reserved_bytes'])
     """
+
+    reserved_bytes: Optional[int] = None
+    fragmentation_bytes: Optional[int] = None
+    fragmentation_fraction: Optional[float] = None
+    inactive_split_bytes: Optional[int] = None
+    alloc_retries: Optional[int] = None
+    num_ooms: Optional[int] = None
+
+
+@dataclass
+class _StepRecordHead:
+    """:class:`StepRecord`'s fields before the allocator counters."""
 
     step: int
     global_step: int
@@ -50,12 +67,20 @@ class StepRecord:
     backward_peak_bytes: Optional[int]
     optimizer_peak_bytes: Optional[int]
     start_bytes: int
-    reserved_bytes: Optional[int] = None
-    fragmentation_bytes: Optional[int] = None
-    fragmentation_fraction: Optional[float] = None
-    inactive_split_bytes: Optional[int] = None
-    alloc_retries: Optional[int] = None
-    num_ooms: Optional[int] = None
+
+
+@dataclass
+class StepRecord(AllocatorCounters, _StepRecordHead):
+    """One measured training batch (bytes; ``None`` where the probe has no such counter).
+
+    ``step`` counts the training batches the callback has seen (from 0), ``global_step`` is the
+    trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded but not fitted.
+    ``forecast_*`` hold the forecast made for this ``(seq_len, batch_size)`` before it was first
+    measured, and ``forecast_error`` = (forecast − measured) / measured, filled on the first
+    non-warm-up measurement of a new length. ``step_seconds`` is the step's own wall time
+    (:mod:`lightning_seqmem.plan.pricing` prices settings from it).
+    """
+
     stage: Optional[int] = None
     mitigations: tuple[str, ...] = ()
     forecast_peak_bytes: Optional[int] = None
@@ -101,7 +126,17 @@ class TrackedEvents:
 
 
 @dataclass
-class StepMemory:
+class _StepMemoryHead:
+    """:class:`StepMemory`'s fields before the allocator counters."""
+
+    peak_bytes: int
+    phase_peak_bytes: dict[str, int]
+    start_bytes: int
+    end_bytes: int
+
+
+@dataclass
+class StepMemory(AllocatorCounters, _StepMemoryHead):
     """What a probe measured over one training step (bytes).
 
     ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
@@ -109,14 +144,4 @@ class StepMemory:
     allocator fields are ``None`` for a probe without an allocator (the tracker).
     """
 
-    peak_bytes: int
-    phase_peak_bytes: dict[str, int]
-    start_bytes: int
-    end_bytes: int
-    reserved_bytes: Optional[int] = None
-    fragmentation_bytes: Optional[int] = None
-    fragmentation_fraction: Optional[float] = None
-    inactive_split_bytes: Optional[int] = None
-    alloc_retries: Optional[int] = None
-    num_ooms: Optional[int] = None
     events: Optional[TrackedEvents] = None

@@ -53,6 +53,9 @@ class RungSpec:
     level_priors: tuple[tuple[str, float], ...] = ()
     # priors on one device type where it differs (``(("cpu", 0.6),)``: an eager fallback kernel there)
     device_priors: tuple[tuple[str, float], ...] = ()
+    # the same mechanism as other training engines' configs switch it (``seqmem plan --emit``):
+    # "activation_checkpointing", "gradient_accumulation"; "" for none (see :func:`engine_features`)
+    engine_feature: str = ""
 
     def prior_on(self, device_type: "str | None") -> float:
         """The step-time prior on ``device_type`` (``"cpu"``, ``"cuda"``; None: the general one).
@@ -87,9 +90,11 @@ _BUILTIN = (
     # step time over plain: selective x1.089 / x1.213, 2/4 x1.128 / x1.259, all blocks x1.271 / x1.373 (two
     # runs): selective's extra time is 0.33-0.57 of full's, so 0.45 x 0.33 ~ 0.15. Its dispatch mode costs
     # per op: on small models it can cost as much as full (x1.42 vs x1.44 at d_model 128, L=256).
-    RungSpec("checkpointing", "enable activation checkpointing", 0.33, level_priors=(("selective", 0.15),)),
+    RungSpec("checkpointing", "enable activation checkpointing", 0.33, level_priors=(("selective", 0.15),),
+             engine_feature="activation_checkpointing"),
     # micro-batches of one sample: the same FLOPs in smaller kernels; the first split step checks the loss
-    RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True),
+    RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True,
+             engine_feature="gradient_accumulation"),
     # the causal-LM loss from hidden states and lm_head.weight in token shards: no [tokens, vocab] logits;
     # the same matmuls (logits once, both gradients in the forward), a Python loop over the shards
     # on CPU it runs DeepSpeed's eager tiled loss: measured by benchmarks/longest_length.py (32K vocabulary,
@@ -111,9 +116,6 @@ default ladder, not advised unless allowed."""
 
 BUILTIN_RUNGS = tuple(s.name for s in _BUILTIN)
 """Every built-in rung (the default ladder and the opt-in ones): never unregistered."""
-
-MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
-"""The rungs of the default ladder, cheapest first (the default order)."""
 
 MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
 """The built-in rungs of the default ladder, cheapest first (the default order)."""
@@ -178,6 +180,19 @@ def spec(name: str) -> RungSpec:
     """The spec of rung (or variant) ``name``; an unknown name gets a spec with no special facts (never raises)."""
     base = _SPECS.get(base_name(name)) or RungSpec(base_name(name), f"switch {base_name(name)} on")
     return base.at(level_of(name))
+
+
+def engine_features(setting: Sequence[str]) -> frozenset[str]:
+    """What the rungs of ``setting`` are in other training engines' own configs (each rung's
+    ``spec(name).engine_feature``): ``"activation_checkpointing"``, ``"gradient_accumulation"``. A rung
+    at a lower level (``"checkpointing:3/8"``) stands for none: those switches are all or nothing.
+
+    >>> sorted(engine_features(["attention", "checkpointing", "microbatch"]))
+    ['activation_checkpointing', 'gradient_accumulation']
+    >>> engine_features(["checkpointing:3/8", "fused_loss"])
+    frozenset()
+    """
+    return frozenset(f for n in setting if level_of(n) is None and (f := spec(n).engine_feature))
 
 
 def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
@@ -251,5 +266,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "register_spec", "remaining_advice",
+__all__ = ["ADVICE", "at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "engine_features", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]

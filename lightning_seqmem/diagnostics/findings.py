@@ -9,11 +9,11 @@ module replaced by identity and sets it beside the real step (:class:`AttentionA
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import nn
 
 from lightning_seqmem.core.units import format_bytes
@@ -124,23 +124,24 @@ class AttentionAblation:
 def attention_ablation(
     step_fn: Callable[[], Any],
     model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    existing: Iterable[torch.Tensor] = (),
-    *,
-    seq_len: int,
-    batch_size: int,
+    *args: Any,
     attention_modules: Optional[Sequence[nn.Module]] = None,
     baseline: Optional[Breakdown] = None,
+    **kwargs: Any,
 ) -> AttentionAblation:
     """Trace a step with attention (unless ``baseline`` is given), then one with attention as identity.
 
+    ``step_fn``, ``model``, ``args`` and ``kwargs`` are :func:`~lightning_seqmem.diagnostics.tracer.trace_breakdown`'s
+    arguments (``optimizer``, ``existing``, ``seq_len=``, ``batch_size=``, ``device_type=``); both
+    steps are traced with them (``existing`` read once, so an iterator serves both).
     Each attention module's ``forward`` is replaced on the instance for that one step (Hugging Face
     attention returns ``(hidden_states, None)``) and restored in ``finally``. The ablated step is a
     real training step: the optimizer updates the other parameters, and the attention parameters get
     no gradient in it. The difference in peaks is what attention costs, its parameters' gradients
     and optimizer scratch included.
     """
-    existing = list(existing)
+    trace = inspect.signature(trace_breakdown).bind(step_fn, model, *args, **kwargs)
+    trace.arguments["existing"] = list(trace.arguments.get("existing", ()))
     if attention_modules is None:
         named = find_attention_modules(model)
     else:
@@ -149,13 +150,13 @@ def attention_ablation(
     if not named:
         raise ValueError("`model` has no attention module to ablate; pass `attention_modules`")
     if baseline is None:
-        baseline = trace_breakdown(step_fn, model, optimizer, existing, seq_len=seq_len, batch_size=batch_size)
+        baseline = trace_breakdown(*trace.args, **trace.kwargs)
     saved: list[tuple[nn.Module, Any]] = []
     try:
         for _, module in named:
             saved.append((module, module.__dict__.get("forward", _MISSING)))
             module.forward = _identity_forward(module)
-        ablated = trace_breakdown(step_fn, model, optimizer, existing, seq_len=seq_len, batch_size=batch_size)
+        ablated = trace_breakdown(*trace.args, **trace.kwargs)
     finally:
         for module, previous in saved:
             if previous is _MISSING:

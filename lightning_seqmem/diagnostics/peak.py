@@ -22,17 +22,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable
 
-import torch
 from torch import nn
 
-from lightning_seqmem.core.peak import PeakSite
+from lightning_seqmem.core.peak import PEAK_KINDS, PEAK_PHASES, PeakSite
+from lightning_seqmem.diagnostics.categories import KINDS
 from lightning_seqmem.diagnostics.tracer import AllocationRecord, Breakdown, trace_breakdown
 
 __all__ = ["peak_kind", "peak_site", "trace_peak_site"]
 
-_STATE_KINDS = ("parameters", "gradients", "optimizer_state")
+_STATE_KINDS = tuple(k for k in KINDS if k in PEAK_KINDS)  # the tracer's kinds kept as they are: the state
 
 
 def peak_kind(record: AllocationRecord) -> str:
@@ -81,22 +81,12 @@ def peak_site(breakdown: Breakdown) -> PeakSite:
         phase = "loss"
     elif phase == "backward" and by_kind.get("recompute", 0) > 0:
         phase = "recompute"
-    return PeakSite.of(phase if phase in ("forward", "loss", "backward", "recompute", "optimizer") else "existing",
-                       by_kind, breakdown.peak_op)
+    return PeakSite.of(phase if phase in PEAK_PHASES else "existing", by_kind, breakdown.peak_op)
 
 
-def trace_peak_site(
-    step_fn: Callable[[], Any],
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    existing: Iterable[torch.Tensor] = (),
-    *,
-    seq_len: int,
-    batch_size: int,
-    device_type: Optional[str] = None,
-) -> PeakSite:
+def trace_peak_site(step_fn: Callable[[], Any], model: nn.Module, *args: Any, **kwargs: Any) -> PeakSite:
     """Trace one training step (:func:`~lightning_seqmem.diagnostics.tracer.trace_breakdown`, same
-    arguments) and say where its peak sits. The step may run its own probe inside (the dry run's
-    tracker): both see every op."""
-    return peak_site(trace_breakdown(step_fn, model, optimizer, existing, seq_len=seq_len, batch_size=batch_size,
-                                     device_type=device_type))
+    arguments: ``optimizer``, ``existing``, ``seq_len=``, ``batch_size=``, ``device_type=``) and say
+    where its peak sits. The step may run its own probe inside (the dry run's tracker): both see
+    every op."""
+    return peak_site(trace_breakdown(step_fn, model, *args, **kwargs))

@@ -47,7 +47,7 @@ from lightning_seqmem.diagnostics.peak import peak_site
 from lightning_seqmem.diagnostics.step import LossFn, copy_for_tracing, run_training_step, training_step_loss
 from lightning_seqmem.diagnostics.tracer import Breakdown, trace_breakdown
 from lightning_seqmem.measure.batch import infer_batch_shape
-from lightning_seqmem.measure.steps import batch_copy_at
+from lightning_seqmem.measure.steps import batch_copy_at, step_device
 from lightning_seqmem.mitigations.microbatch import IGNORE_INDEX
 
 __all__ = [
@@ -174,10 +174,7 @@ def trace_breakdowns(
     run each step as micro-batches of that many samples, weighted as the ``microbatch`` mitigation
     weighs them (``weighting``, ``ignore_index``: :func:`~lightning_seqmem.diagnostics.step.run_training_step`).
     """
-    if device is None:
-        first = next(model.parameters(), None)
-        device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = step_device(model, device)
     _, source_len = infer_batch_shape(batch)
     model.train()
     out: list[Breakdown] = []

@@ -21,16 +21,19 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.mitigations.offload import ActivationOffloadRung
 
 __all__ = ["OffloadForecast", "offload_forecast"]
 
-RUNG = "activation_offload"
+RUNG = ActivationOffloadRung.spec.name
+"""The rung the second dry run adds (the rung's own name)."""
 
 
 @dataclass(frozen=True)
@@ -56,29 +59,30 @@ class OffloadForecast:
 
 
 def offload_forecast(
-    pl_module: torch.nn.Module,
-    optimizer: Optional[Any],
-    batch: Any,
-    seq_len: int,
-    batch_size: Optional[int] = None,
-    mitigations: Sequence[str] = (),
-    autocast: Optional[Callable[[], ContextManager[Any]]] = None,
-    device: Optional[torch.device | str] = None,
-    without: Optional[Any] = None,
+    pl_module: torch.nn.Module, optimizer: Optional[Any], batch: Any, seq_len: int, *step: Any,
+    without: Optional[Any] = None, **step_keywords: Any,
 ) -> OffloadForecast:
-    """Dry-run one step with ``mitigations`` and with ``mitigations`` + activation offload (see
-    :func:`~lightning_seqmem.dryrun.step.dry_run_step` for the arguments; ``without``: a dry-run
-    result already at hand for the first run, reused).
+    """Dry-run one step with ``mitigations`` and with ``mitigations`` + activation offload.
+
+    Args:
+        pl_module, optimizer, batch, seq_len, step, step_keywords: the arguments of
+            :func:`~lightning_seqmem.dryrun.step.dry_run_step` (``batch_size``, ``mitigations``,
+            ``autocast``, ``device``, in its order or by name), checked by it.
+        without: a dry-run result already at hand for the first run, reused.
 
     Raises:
         ValueError: ``mitigations`` already holds the offload rung.
+        TypeError: arguments :func:`~lightning_seqmem.dryrun.step.dry_run_step` does not take.
         DryRunUnsupported: the step cannot run on fake tensors.
     """
-    names = tuple(mitigations)
+    bound = inspect.signature(dry_run_step).bind(pl_module, optimizer, batch, seq_len, *step, **step_keywords)
+    arguments = bound.arguments  # as given, dry_run_step's defaults for the rest
+    names = tuple(arguments.pop("mitigations", ()))
     if RUNG in names:
         raise ValueError(f"`mitigations` must not hold {RUNG!r} (it is added for the second run), got {names!r}")
-    plain = without or dry_run_step(pl_module, optimizer, batch, seq_len, batch_size, names, autocast, device)
-    offloaded = dry_run_step(pl_module, optimizer, batch, seq_len, batch_size, (*names, RUNG), autocast, device)
+    plain = without or dry_run_step(**arguments, mitigations=names)
+    offloaded = dry_run_step(**arguments, mitigations=(*names, RUNG))
+    device = arguments.get("device")
     where = device if device is not None else next((str(p.device) for p in pl_module.parameters()), "cpu")
     return OffloadForecast(
         seq_len=offloaded.seq_len, batch_size=offloaded.batch_size, mitigations=names, device=str(where),

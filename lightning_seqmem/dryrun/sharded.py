@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import time
-import warnings
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
@@ -50,27 +48,22 @@ from torch import nn
 
 from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.core.search import smallest_fitting
+from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step import (
-    _QUIET,
     DryRunResult,
     DryRunUnsupported,
-    _BatchValues,
     _check_module,
     _configured_optimizer,
-    _preserved_rng,
     _reason,
-    _shape_batch,
     _state_after_a_step,
-    _step_functions,
-    _to_device,
     _transformers_without_fake_detection,
     allocator_block_bytes,
+    checked_rungs,
     replay_peaks,
-    value_max_bytes,
 )
+from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
-from lightning_seqmem.mitigations.ladder import check_mitigations
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, make_probe
 
@@ -265,15 +258,11 @@ def sharded_dry_run_step(
     Raises:
         DryRunUnsupported: the step cannot run on fake tensors, or the module cannot be sharded.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     started = time.perf_counter()
     seq_len = check_int("seq_len", seq_len)
     world_size = check_int("world_size", world_size)
     strategy = check_strategy(strategy)
-    names = check_mitigations(list(mitigations), variants=True)
-    for name in names:
-        ladder.rung(name)  # a level the rung does not have: its ValueError
+    names = checked_rungs(mitigations)
     _check_module(template)
     if is_fsdp2(template):
         raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")
@@ -284,11 +273,7 @@ def sharded_dry_run_step(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     notes: list[str] = []
-    with _preserved_rng(), warnings.catch_warnings(), fake_world(world_size, device.type) as mesh:
-        for message in _QUIET:
-            warnings.filterwarnings("ignore", message=".*" + re.escape(message))
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
+    with fake_session(seq_len) as (fake_mode, values), fake_world(world_size, device.type) as mesh:
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:
@@ -299,10 +284,8 @@ def sharded_dry_run_step(
                 plan.notes += after.notes
                 plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
                 optimizer = _configured_optimizer(model)
-            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
-            with fake_mode, values:
-                step_batch = _to_device(step_batch, device)
-            loss_fn, step_optimizer = _step_functions(model, optimizer, plan, batch_size, first_split_check)
+            step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
+            loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size, first_split_check)
             notes = plan.notes
             probe = make_probe("tracker", device)
             with fake_mode, values, _transformers_without_fake_detection():

@@ -73,14 +73,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import math
-import re
 import time
 import traceback
-import warnings
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -99,21 +95,11 @@ from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import CopyPlan
 from lightning_seqmem.mitigations.offload import offloaded_bytes, reset_offloaded_bytes
 from lightning_seqmem.mitigations.ladder import check_mitigations
-from lightning_seqmem.mitigations.microbatch import (
-    IGNORE_INDEX,
-    MicroBatching,
-    deferred_gradient_reduction,
-    _slice,
-    is_micro_batching,
-    micro_batch_counts,
-    micro_batching_check_pending,
-    split_batch,
-)
-from lightning_seqmem.measure.steps import loss_of, training_step_memory
+from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe
 
-__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "cuda_kernel_scratch_bytes", "dry_run_step",
-           "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
+__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "checked_rungs", "cuda_kernel_scratch_bytes",
+           "dry_run_step", "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
 
 from lightning_seqmem.dryrun.cuda import (  # re-exported
     allocator_block_bytes,
@@ -122,22 +108,22 @@ from lightning_seqmem.dryrun.cuda import (  # re-exported
     warm_cuda_workspaces,
 )
 from lightning_seqmem.dryrun.fake import (  # noqa: F401 - privates the sharded dry run and the callback use
-    _QUIET,
     _check_module,
     _compiled_reason,
     _configured_optimizer,
     _fake_copy,
-    _preserved_rng,
     _rebuild_optimizer,
     _unwrap_optimizer,
 )
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.values import (  # noqa: F401 - privates the sharded dry run uses
     _BatchValues,
-    _shape_batch,
-    _to_device,
     _transformers_without_fake_detection,
-    value_max_bytes,
+)
+from lightning_seqmem.dryrun.session import fake_batch, fake_session
+from lightning_seqmem.dryrun.step_functions import (  # noqa: F401 - _plain_loss: the name tests/scripts/sp_run.py uses
+    plain_loss as _plain_loss,
+    step_functions,
 )
 
 
@@ -183,117 +169,6 @@ def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict
 
 
 # -- the step ----------------------------------------------------------------------------------------
-def _loss_of(output: Any) -> torch.Tensor:
-    """:func:`~lightning_seqmem.measure.steps.loss_of`, its refusal a dry-run reason."""
-    try:
-        return loss_of(output)
-    except TypeError as exc:
-        raise DryRunUnsupported(str(exc)) from None
-
-
-def _autocast_off(device_type: str) -> ContextManager[Any]:
-    """Leave the forward's autocast for a micro-batch's backward (as the micro-batching wrapper does)."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except (RuntimeError, TypeError):
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
-
-
-class _ZeroGradBeforeFirstMicroBatch:
-    """The optimizer as the micro-batching wrapper drives it: zeroed before the first micro-batch.
-
-    :func:`~lightning_seqmem.measure.steps.training_step_memory` calls ``zero_grad`` after the forward
-    (Lightning's place for it); under micro-batching that call is skipped, since the gradients of
-    the earlier micro-batches are already accumulated by then.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-
-def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignore_index: int) -> list[int]:
-    """What each micro-batch's loss weighs (see :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts`).
-
-    Label tokens are counted from the batch's values (:class:`_BatchValues`); a batch whose labels
-    have none (too large to keep) is weighted by samples: the weights are scalars, the memory is the same.
-    """
-    try:
-        return micro_batch_counts(batch, micro_batch_size, weighting, ignore_index)[1]
-    except DataDependentOutputException:
-        return [infer_batch_shape(part)[0] for part in split_batch(batch, micro_batch_size)]
-
-
-def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: list[int]) -> None:
-    """The memory of the wrapper's one-time check of its first split batch (see
-    :mod:`lightning_seqmem.mitigations.microbatch`): a copy of every buffer, then no-grad forwards
-    of the first two counted micro-batches together and apart, while the previous step's gradients
-    are still alive. Nothing is kept."""
-    used = [i for i, c in enumerate(counts) if c > 0][:2]
-    if len(used) < 2:
-        return
-    sizes = [infer_batch_shape(part)[0] for part in parts]
-    pair = _slice(batch, sum(sizes), sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1]))
-    copies = [b.detach().clone() for b in model.buffers()]
-    with torch.no_grad():
-        losses = [_plain_loss(model, part).detach() for part in (pair, *(parts[i] for i in used))]
-    del copies, losses
-
-
-def _micro_batched_loss(
-    optimizer: torch.optim.Optimizer, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX,
-    check: bool = False,
-) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """``training_step`` per micro-batch, each loss weighted by its share ``c_i / C`` of what the loss averages over.
-
-    Mirrors the wrapper of :mod:`lightning_seqmem.mitigations.microbatch` (its steady state; not
-    with ``check``, also the memory of its one-time check of the first split batch, before any
-    gradient is touched): count ``c_i`` (label tokens or samples), zero
-    the gradients, backpropagate each micro-batch with ``c_i > 0`` but the last (autocast off),
-    and return the last one's weighted loss (plus the others', detached) for the caller's
-    backward. A batch with one micro-batch, or nothing counted, runs whole, zeroed after its
-    forward as Lightning does.
-    """
-
-    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-        parts = split_batch(batch, micro_batch_size)
-        counts = _micro_batch_counts(batch, micro_batch_size, weighting, ignore_index) if len(parts) > 1 else [1]
-        used = [i for i, c in enumerate(counts) if c > 0]
-        if len(parts) == 1 or not used:
-            loss = _plain_loss(model, batch)
-            optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad, after the forward
-            return loss
-        if check:
-            _first_step_check(model, batch, parts, counts)
-        total = sum(counts)
-        optimizer.zero_grad(set_to_none=True)
-        done: Optional[torch.Tensor] = None
-        for i in used[:-1]:
-            scaled = _plain_loss(model, parts[i]) * (counts[i] / total)
-            with _autocast_off(scaled.device.type), deferred_gradient_reduction(model):
-                scaled.backward()
-            done = scaled.detach() if done is None else done + scaled.detach()
-            del scaled
-        scaled = _plain_loss(model, parts[used[-1]]) * (counts[used[-1]] / total)
-        return scaled if done is None else scaled + done
-
-    return loss_fn
-
-
-def _plain_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    return _loss_of(model.training_step(batch, 0))
-
-
 def _user_frame(tb: Any) -> str:
     """``file:line in function`` of the innermost frame outside torch and this package, or ''."""
     skip = ("/torch/", "/lightning_seqmem/dryrun/", "/lightning_seqmem/measure/", "/lightning_seqmem/mitigations/")
@@ -348,37 +223,6 @@ def _fake_module_and_optimizer(
         plan = ladder.apply_to_copy(names, model)  # after the optimizer: the rungs keep parameter identity
     plan.notes[:0] = notes
     return model, fake_optimizer, plan
-
-
-def _step_functions(
-    pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan, batch_size: int,
-    first_split_check: Optional[bool] = None,
-) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
-    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.measure.steps.training_step_memory`: plain or micro-batched.
-
-    ``first_split_check``: whether the step includes micro-batching's one-time loss check; None:
-    when the rung is switched on by this dry run, or the module's wrapper has not run it yet."""
-    notes, micro_batch_size = plan.notes, plan.micro_batch_size
-    policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
-    check = micro_batch_size is not None and policy.verify  # switched on now: its first split batch is checked
-    if micro_batch_size is None and is_micro_batching(pl_module):
-        check = micro_batching_check_pending(pl_module)
-        policy = pl_module.__dict__["training_step"]  # the wrapper: its size and weighting
-        micro_batch_size = int(policy.micro_batch_size)
-    if first_split_check is not None:
-        check = first_split_check
-        notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
-    if micro_batch_size is None:
-        return _plain_loss, optimizer
-    if batch_size <= micro_batch_size:
-        notes.append(f"microbatch: batch size {batch_size} is already at most {micro_batch_size}")
-        return _plain_loss, optimizer
-    notes.append(f"microbatch: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
-    weighting, ignore_index = getattr(policy, "weighting", "auto"), getattr(policy, "ignore_index", IGNORE_INDEX)
-    loss_fn = _micro_batched_loss(optimizer, micro_batch_size, weighting, ignore_index, check)
-    if check:
-        notes.append("microbatch: with the one-time check of the first split batch")
-    return loss_fn, _ZeroGradBeforeFirstMicroBatch(optimizer)
 
 
 def _state_after_a_step(model: nn.Module, optimizer: Any) -> None:
@@ -470,30 +314,91 @@ def dry_run_step(
     """
     started = time.perf_counter()
     seq_len = check_int("seq_len", seq_len)
-    names = check_mitigations(list(mitigations), variants=True)
-    for name in names:
-        ladder.rung(name)  # a level the rung does not have: its ValueError, before any work
+    names = checked_rungs(mitigations)
     _check_module(pl_module)
     source_rows, _ = infer_batch_shape(batch)
     batch_size = source_rows if batch_size is None else check_int("batch_size", batch_size)
     module_device = _device_of(pl_module)
+    device = _simulated_device(device, module_device)
+    step = _fake_step(pl_module, optimizer, batch, seq_len, batch_size, names, autocast, device, site)
+    block = allocator_block_bytes(device)
+    peak, phase_peaks = replay_peaks(step.memory.events, block)
+    resident = _resident_bytes(pl_module, optimizer, batch, device, module_device)
+    peak += resident
+    phase_peaks = {p: phase_peaks[p] + resident for p in PHASES if p in phase_peaks}
+    host, notes = step.host_bytes, step.notes
+    detail = (
+        f"a fake step of {type(pl_module).__name__} on {device} (after a zero-gradient optimizer step) with {step.optimizer_name}, "
+        f"batch {step.source_shape} -> ({batch_size}, {seq_len})"
+        + (f"; {'; '.join(notes)}" if notes else "")
+        + f"; live storages counted by LiveTensorTracker{', 512-byte blocks' if block > 1 else ''}"
+        + (f"; plus {resident} bytes the allocator holds outside the step's tensors" if resident else "")
+        + (f"; {host} bytes of saved activations moved to host memory (modelled)" if host else "")
+    )
+    return DryRunResult(
+        seq_len=seq_len,
+        batch_size=batch_size,
+        mitigations=names,
+        peak_bytes=peak,
+        phase_peak_bytes=phase_peaks,
+        seconds=time.perf_counter() - started,
+        detail=detail,
+        resident_bytes=resident,
+        host_bytes=host,
+        peak_site=step.peak_site,
+    )
+
+
+def checked_rungs(mitigations: Sequence[str]) -> tuple[str, ...]:
+    """``mitigations`` checked as a dry run takes them: distinct rung names or variants, each one a level
+    its rung has (the rung's ValueError, before any work).
+
+    Example:
+        >>> checked_rungs(["attention", "checkpointing:1/2"])
+        ('attention', 'checkpointing:1/2')
+        >>> checked_rungs(["attention:2"])
+        Traceback (most recent call last):
+        ...
+        ValueError: rung 'attention' has no levels, got level '2'
+    """
+    names = check_mitigations(list(mitigations), variants=True)
+    for name in names:
+        ladder.rung(name)  # a level the rung does not have: its ValueError, before any work
+    return names
+
+
+def _simulated_device(device: Optional[torch.device | str], module_device: torch.device) -> torch.device:
+    """The device a dry run simulates: ``device``, default the module's; a bare ``cuda`` is the module's
+    CUDA device (else ``cuda:0``)."""
     device = module_device if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", module_device.index if module_device.type == "cuda" else 0)
+    return device
 
-    with _preserved_rng(), warnings.catch_warnings():
-        for message in _QUIET:
-            warnings.filterwarnings("ignore", message=".*" + re.escape(message))
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        values = _BatchValues(fake_mode, value_max_bytes(seq_len))
+
+class _FakeStep(NamedTuple):
+    """What :func:`_fake_step` measured, for :func:`dry_run_step`'s result."""
+
+    memory: Any  # the measured step's StepMemory, its events recorded
+    peak_site: Any  # PeakSite, or None (not asked, or the tracer failed)
+    host_bytes: int  # saved activations the step moved to host memory (modelled)
+    notes: list[str]  # what the rungs did to the copy and the step
+    optimizer_name: str  # the fake optimizer's class name
+    source_shape: Any  # the batch's own (batch_size, seq_len)
+
+
+def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_len: int, batch_size: int,
+               names: tuple[str, ...], autocast: Optional[Callable[[], ContextManager[Any]]], device: torch.device,
+               site: Optional[SiteTracer]) -> _FakeStep:
+    """The measured fake step of :func:`dry_run_step` (its arguments checked); every failure of it
+    raised as :class:`DryRunUnsupported` with the reason, the fake world freed first."""
+    with fake_session(seq_len) as (fake_mode, values):
         try:
             model, fake_optimizer, plan = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode,
                                                                       values)
             notes = plan.notes
-            step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
-            with fake_mode, values:  # as Lightning moves the batch to the module's device
-                step_batch = _to_device(step_batch, device)
-            loss_fn, step_optimizer = _step_functions(pl_module, fake_optimizer, plan, batch_size)
+            step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
+            loss_fn, step_optimizer = step_functions(pl_module, fake_optimizer, plan, batch_size)
             probe = make_probe("tracker", device)
             if device.type == "cuda":
                 probe.scratch = cuda_kernel_scratch_bytes
@@ -513,32 +418,15 @@ def dry_run_step(
             gc.collect()  # its cycles (fake tensors, their mode, the tracker) freed now, not in a later collection
             raise DryRunUnsupported(failure) from None
     assert memory is not None and memory.events is not None
-    block = allocator_block_bytes(device)
-    peak, phase_peaks = replay_peaks(memory.events, block)
-    resident = 0
-    if device.type == "cuda" and module_device == device and torch.cuda.is_available():
-        warm_cuda_workspaces(device)
-        real_optimizer = None if optimizer is None else _unwrap_optimizer(optimizer)
-        resident = resident_bytes(device, existing_tensors(pl_module, [real_optimizer] if real_optimizer else [], batch))
-    peak += resident
-    phase_peaks = {p: phase_peaks[p] + resident for p in PHASES if p in phase_peaks}
-    detail = (
-        f"a fake step of {type(pl_module).__name__} on {device} (after a zero-gradient optimizer step) with {type(fake_optimizer).__name__}, "
-        f"batch {source_shape} -> ({batch_size}, {seq_len})"
-        + (f"; {'; '.join(notes)}" if notes else "")
-        + f"; live storages counted by LiveTensorTracker{', 512-byte blocks' if block > 1 else ''}"
-        + (f"; plus {resident} bytes the allocator holds outside the step's tensors" if resident else "")
-        + (f"; {host} bytes of saved activations moved to host memory (modelled)" if host else "")
-    )
-    return DryRunResult(
-        seq_len=seq_len,
-        batch_size=batch_size,
-        mitigations=names,
-        peak_bytes=peak,
-        phase_peak_bytes=phase_peaks,
-        seconds=time.perf_counter() - started,
-        detail=detail,
-        resident_bytes=resident,
-        host_bytes=host,
-        peak_site=peak_site,
-    )
+    return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape)
+
+
+def _resident_bytes(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, device: torch.device,
+                    module_device: torch.device) -> int:
+    """Bytes the CUDA allocator holds outside the step's tensors (its workspaces warmed first), where the
+    dry run simulates the CUDA device the module lives on; 0 elsewhere."""
+    if not (device.type == "cuda" and module_device == device and torch.cuda.is_available()):
+        return 0
+    warm_cuda_workspaces(device)
+    real_optimizer = None if optimizer is None else _unwrap_optimizer(optimizer)
+    return resident_bytes(device, existing_tensors(pl_module, [real_optimizer] if real_optimizer else [], batch))

@@ -36,7 +36,7 @@ from lightning_seqmem.core.forecast import MemoryForecaster
 from lightning_seqmem.measure.probes import PHASES, StepMemory, existing_tensors, make_probe
 from lightning_seqmem.core.timeline import Trace
 
-__all__ = ["batch_copy_at", "loss_of", "trace_training_steps", "training_step_memory"]
+__all__ = ["batch_copy_at", "loss_of", "step_device", "trace_training_steps", "training_step_memory"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -74,6 +74,20 @@ def loss_of(output: Any, required: bool = True) -> Optional[torch.Tensor]:
                else "; return a Tensor, a dict with a 'loss' key, or None")
         )
     return output
+
+
+def step_device(model: nn.Module, device: Optional[torch.device | str] = None) -> torch.device:
+    """Where traced steps run: ``device``, else the device of ``model``'s first parameter (CPU
+    for a model without parameters).
+
+    Example:
+        >>> step_device(torch.nn.Linear(2, 2)), step_device(torch.nn.Identity()), step_device(torch.nn.Identity(), "meta")
+        (device(type='cpu'), device(type='cpu'), device(type='meta'))
+    """
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    return torch.device(device)
 
 
 def batch_copy_at(batch: Any, seq_len: int, device: torch.device) -> Any:
@@ -170,10 +184,7 @@ def trace_training_steps(
             f"the batch has {source_len} tokens per row; cannot trace or check at {too_long} "
             "(lengths are cut from the batch, never padded): give a longer batch or shorter lengths"
         )
-    if device is None:
-        first = next(model.parameters(), None)
-        device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = step_device(model, device)
     memory_probe = make_probe(probe, device)
     block = 512 if memory_probe.name == "cuda" else 1
     forecaster = forecaster if forecaster is not None else MemoryForecaster()

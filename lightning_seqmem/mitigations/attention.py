@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_seqmem.core.rungs import spec
-from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung
+from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, find_top_down
 
 __all__ = [
     "ATTENTION_SWITCH_BACKENDS",
@@ -82,21 +82,7 @@ def find_attention_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
         >>> [name for name, _ in find_attention_targets(wrapper)]
         ['net']
     """
-    targets: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module, name: str) -> None:
-        if id(module) in seen:  # shared submodules are visited once, as in named_modules()
-            return
-        seen.add(id(module))
-        if is_hf_pretrained_model(module) or _implements_protocol(module):
-            targets.append((name, module))
-            return
-        for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name)
-
-    visit(model, "")
-    return targets
+    return find_top_down(model, lambda m: True if is_hf_pretrained_model(m) or _implements_protocol(m) else None)
 
 
 def _backend_of(target: nn.Module) -> str | None:

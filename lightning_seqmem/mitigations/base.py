@@ -43,7 +43,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning_seqmem.core.checks import is_a
 from lightning_seqmem.core.rungs import RungSpec
@@ -186,4 +186,38 @@ def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
     return f"{name} shards or wraps the model itself: {how}"
 
 
-__all__ = ["CopyPlan", "MitigationResult", "ModulePolicyRung", "Rung", "RungContext", "wrapping_strategy_refusal"]
+def find_top_down(model: Any, take: Callable[[Any], Optional[bool]]) -> list[tuple[str, Any]]:
+    """The modules of ``model`` a rung acts on, as ``(qualified name, module)`` (the root's name ``""``),
+    searched top-down: ``take(module)`` True takes it, False stops there (a model the rung refuses), None
+    searches its children. A module taken or stopped at is not searched further; a shared submodule is
+    visited once, as in ``named_modules()``.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+        >>> [name for name, _ in find_top_down(model, lambda m: True if isinstance(m, nn.Linear) else None)]
+        ['0', '1.1']
+        >>> find_top_down(model, lambda m: False if isinstance(m, nn.Sequential) else None)
+        []
+    """
+    targets: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(module: Any, name: str) -> None:
+        if id(module) in seen:  # shared submodules are visited once, as in named_modules()
+            return
+        seen.add(id(module))
+        taken = take(module)
+        if taken is not None:
+            if taken:
+                targets.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(model, "")
+    return targets
+
+
+__all__ = ["CopyPlan", "MitigationResult", "ModulePolicyRung", "Rung", "RungContext", "find_top_down",
+           "wrapping_strategy_refusal"]

@@ -69,11 +69,9 @@ Example:
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import math
 import os
 import sys
-import types
 from typing import Any, Optional
 
 import torch
@@ -82,7 +80,9 @@ from torch import nn
 
 from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
-from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext
+from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, find_top_down
+from lightning_seqmem.mitigations.fused_loss_hf import _hf_refusal, _hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on
+from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
 
 __all__ = [
     "FUSED_LOSS_BACKENDS",
@@ -98,14 +98,10 @@ __all__ = [
 FUSED_LOSS_BACKENDS = ("auto", "cce", "liger", "tiled")
 """Values of ``FusedLinearCrossEntropy(backend=...)``; ``"auto"``: cce, then liger on CUDA, else tiled."""
 
-IGNORE_INDEX = -100
 _INSTALL = {"cce": "pip install 'lightning-seqmem[fused]' (cut-cross-entropy)",
             "liger": "pip install liger-kernel",
             "tiled": "pip install 'lightning-seqmem[tiled]' (deepspeed)"}
 _MODULE = {"cce": "cut_cross_entropy", "liger": "liger_kernel", "tiled": "deepspeed"}
-_PATCH_MARK = "_seqmem_fused_loss"  # instance attribute of a patched Hugging Face model: the callable
-# config fields of Hugging Face models whose logits are not plain ``hidden @ weight.T``
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def _installed(module: str) -> bool:
@@ -314,26 +310,6 @@ class FusedLinearCrossEntropy:
 
 # --- where it applies ---------------------------------------------------------------------------------
 
-def _hf_refusal(module: nn.Module) -> Optional[str]:
-    """Why a Hugging Face model cannot take the patched forward, or None."""
-    name = type(module).__name__
-    if not name.endswith("ForCausalLM"):
-        return f"{name} is not a *ForCausalLM model"
-    head = getattr(module, "lm_head", None)
-    if not isinstance(head, nn.Linear):
-        return f"{name} has no nn.Linear lm_head"
-    if head.bias is not None:
-        return f"{name}'s lm_head has a bias, which the fused loss does not take"
-    base = getattr(module, getattr(module, "base_model_prefix", "") or "", None)
-    if not isinstance(base, nn.Module) or base is module:
-        return f"{name} has no base model (its `base_model_prefix` attribute)"
-    for field in _LOGIT_TRANSFORMS:
-        value = getattr(module.config, field, None)
-        if value not in (None, 1, 1.0):
-            return f"{name} transforms its logits ({field}={value}): the fused loss would change the loss"
-    return None
-
-
 def _implements_protocol(module: nn.Module) -> bool:
     return callable(getattr(module, "set_fused_loss", None))
 
@@ -348,34 +324,17 @@ def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
         >>> [n for n, _ in find_fused_loss_targets(nn.ModuleDict({"net": GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))}))]
         ['net']
     """
-    targets: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module, name: str) -> None:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
+    def take(module: nn.Module) -> Optional[bool]:
         if is_hf_pretrained_model(module):
-            if _hf_refusal(module) is None:
-                targets.append((name, module))
-            return
-        if _implements_protocol(module):
-            targets.append((name, module))
-            return
-        for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name)
+            return _hf_refusal(module) is None
+        return True if _implements_protocol(module) else None
 
-    visit(model, "")
-    return targets
-
-
-def _hf_refusals(model: nn.Module) -> list[str]:
-    return [why for m in model.modules() if is_hf_pretrained_model(m) and (why := _hf_refusal(m)) is not None]
+    return find_top_down(model, take)
 
 
 def _fn_of(target: nn.Module) -> Any:
     """The fused loss a target runs, or None (the plain loss)."""
-    fn = target.__dict__.get(_PATCH_MARK) if is_hf_pretrained_model(target) else getattr(target, "fused_loss", None)
+    fn = hf_fused_loss_of(target) if is_hf_pretrained_model(target) else getattr(target, "fused_loss", None)
     return fn
 
 
@@ -394,55 +353,16 @@ def fused_loss_backend(model: nn.Module) -> Optional[str]:
     return found.pop() if len(found) == 1 else "mixed"
 
 
-# --- the Hugging Face patch ------------------------------------------------------------------------------
-
-_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
-
-
-def _hf_fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The patched ``forward`` of a Hugging Face causal LM: with labels, the base model, then the fused
-    loss on ``lm_head.weight``; the logits are not computed (``.logits`` is None)."""
-    cls_forward = type(self).forward
-    arguments = dict(inspect.signature(cls_forward).bind(self, *args, **kwargs).arguments)
-    arguments.pop("self", None)
-    for name, p in inspect.signature(cls_forward).parameters.items():
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(arguments.pop(name, {}))
-    labels = arguments.pop("labels", None)
-    shift_labels = arguments.pop("shift_labels", None)
-    if labels is None and shift_labels is None:
-        return cls_forward(self, *args, **kwargs)
-    num_items = arguments.pop("num_items_in_batch", None)
-    ignore_index = arguments.pop("ignore_index", IGNORE_INDEX)
-    arguments.pop("logits_to_keep", None)  # every position's loss is needed
-    return_dict = arguments.pop("return_dict", None)
-    outputs = getattr(self, self.base_model_prefix)(**arguments)
-    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    if shift_labels is None:  # as Hugging Face's ForCausalLMLoss: tokens < n predict n
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    loss = self.__dict__[_PATCH_MARK](hidden, self.lm_head.weight, shift_labels, ignore_index=ignore_index,
-                                      num_items_in_batch=num_items)
-    from transformers.modeling_outputs import CausalLMOutputWithPast  # a Hugging Face model: installed
-
-    fields = set(CausalLMOutputWithPast.__dataclass_fields__)
-    rest = {k: v for k, v in outputs.items() if k in fields and k not in ("loss", "logits")}
-    out = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
-    return out.to_tuple() if return_dict is False else out
-
-
 def _switch_on(target: nn.Module, fn: FusedLinearCrossEntropy) -> None:
     if is_hf_pretrained_model(target):
-        target.__dict__[_PATCH_MARK] = fn
-        target.forward = types.MethodType(_hf_fused_forward, target)  # the instance's, not the class's
+        hf_switch_on(target, fn)
     else:
         target.set_fused_loss(fn)
 
 
 def _switch_off(target: nn.Module) -> None:
     if is_hf_pretrained_model(target):
-        target.__dict__.pop(_PATCH_MARK, None)
-        if getattr(target.__dict__.get("forward"), "__func__", None) is _hf_fused_forward:
-            del target.forward
+        hf_switch_off(target)
     else:
         target.set_fused_loss(None)
 

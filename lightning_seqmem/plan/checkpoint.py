@@ -388,6 +388,28 @@ def _curriculum_change(old: Mapping[str, Any], old_stages: Sequence[int], new: C
     return ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in after if before.get(k) != after[k])
 
 
+def _reconcile_ladder(planner: Any, old: Mapping[str, Any], new: Mapping[str, Any], allowed: Sequence[str],
+                      left: Optional[Sequence[str]]) -> tuple[list[str], tuple[str, ...], list[str]]:
+    """The ladder's part of :func:`reconcile`: ``(phrases, removed_rungs, newly_allowed_rungs)``."""
+    phrases: list[str] = []
+    old_ladder = old.get("mitigations")
+    applied = tuple(planner.applied_mitigations)
+    kept = tuple(m for m in applied if m in allowed)
+    removed = tuple(m for m in applied if m not in allowed)
+    failed = set() if old_ladder is None or left is None else set(old_ladder) - set(left) - set(applied)
+    newly_allowed = [m for m in allowed if old_ladder is not None and m not in old_ladder and m not in failed]
+    if old_ladder is not None and list(old_ladder) != list(new["mitigations"]):
+        phrases.append(f"mitigations {list(old_ladder)} -> {list(new['mitigations'])}")
+    if old_ladder is not None:
+        planner.mitigations = tuple(m for m in allowed if m not in failed)
+    if removed:
+        planner.applied_mitigations = kept
+        planner.forecaster  # noqa: B018 - the fit of the setting now on
+        planner.ladder.mark_removed(removed, "no longer allowed by `mitigations` on resume")
+        planner.refit_queue = []
+    return phrases, removed, newly_allowed
+
+
 def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed: Sequence[str],
               left: Optional[Sequence[str]] = None) -> tuple[list[str], tuple[str, ...]]:
     """Fit a just-loaded ``planner`` (a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`) to the
@@ -412,25 +434,7 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
       only when the length is unchanged.
     """
     old = dict(old or {})
-    phrases: list[str] = []
-    # -- the ladder
-    old_ladder = old.get("mitigations")
-    applied = tuple(planner.applied_mitigations)
-    kept = tuple(m for m in applied if m in allowed)
-    removed = tuple(m for m in applied if m not in allowed)
-    failed = set() if old_ladder is None or left is None else set(old_ladder) - set(left) - set(applied)
-    newly_allowed = [m for m in allowed if old_ladder is not None and m not in old_ladder and m not in failed]
-    if old_ladder is not None and list(old_ladder) != list(new["mitigations"]):
-        phrases.append(f"mitigations {list(old_ladder)} -> {list(new['mitigations'])}")
-    if old_ladder is not None:
-        planner.mitigations = tuple(m for m in allowed if m not in failed)
-    if removed:
-        planner.applied_mitigations = kept
-        planner.forecaster  # noqa: B018 - the fit of the setting now on
-        for event in planner.mitigation_events:
-            if event.get("name") in removed and "removed" not in event:
-                event["removed"] = "no longer allowed by `mitigations` on resume"
-        planner.refit_queue = []
+    phrases, removed, newly_allowed = _reconcile_ladder(planner, old, new, allowed, left)
     # -- the budget
     old_usable, new_usable = _usable(old, planner.safety_margin), _usable(new, planner.safety_margin)
     old_margin = new["safety_margin"] if old.get("safety_margin") is None else old["safety_margin"]

@@ -157,6 +157,35 @@ def _pct(cost: float, base: float) -> str:
     return f"{(cost / base - 1) * 100 if base > 0 else 0.0:+.0f}%"
 
 
+def _why_chosen(on: Setting, chosen: Setting, verdict: object, overs: Sequence[tuple[Setting, object]],
+                ranked: Sequence[Setting], costs: Mapping[Setting, float], base_cost: float,
+                price: Callable[[Setting], float], fmt: Callable[[int], str], usable: Optional[int]) -> str:
+    """Why :func:`choose` chose ``chosen``: what it fits and costs, the cheaper setting judged over,
+    and what the full levels (or the next cheapest setting) would cost."""
+    bound = getattr(verdict, "bound_bytes", None)
+    why = f"{describe(switched_on(on, chosen))}: fits"
+    if bound is not None:
+        why += f" {fmt(bound)}" + (f" of {fmt(usable)}" if usable is not None else "")
+    why += f", {_pct(costs[chosen], base_cost)} step time"
+    cheaper = [(s, v) for s, v in overs if costs[s] <= costs[chosen]]
+    if cheaper:
+        s, v = cheaper[0]
+        b = getattr(v, "bound_bytes", None)
+        why += f"; {describe(switched_on(on, s))} ({_pct(costs[s], base_cost)}) would not fit" + (
+            f" ({fmt(b)})" if b is not None else "")
+    fuller = combine(chosen, [base_name(n) for n in switched_on(on, chosen) if level_of(n) is not None])
+    if fuller != chosen:
+        full_names = [f"full {base_name(n).replace('_', ' ')}" for n in switched_on(on, chosen) if level_of(n)]
+        why += f"; {' + '.join(full_names)} would cost {_pct(price(fuller), base_cost)}"
+    else:  # the next cheapest setting that is not judged over nor one the chosen one makes fit anyway
+        judged_over = {o for o, _ in overs}
+        rest = [s for s in ranked[ranked.index(chosen) + 1:] if s not in judged_over and not dominated(s, chosen)
+                and not dominated(chosen, s)]
+        if rest:
+            why += f"; {describe(switched_on(on, rest[0]))} would cost {_pct(costs[rest[0]], base_cost)}"
+    return why
+
+
 def choose(on: Sequence[str], allowed: Sequence[str], applicable: Applicability,
            judge: Callable[[Setting], object], price: Callable[[Setting], float],
            max_judgements: int = MAX_JUDGEMENTS, fmt: Callable[[int], str] = lambda b: f"{b} B",
@@ -219,27 +248,7 @@ def choose(on: Sequence[str], allowed: Sequence[str], applicable: Applicability,
                       f"nothing fits: {describe(most)} is on, {_pct(costs[most], base_cost)} step time",
                       judged, fell_back, verdicts.get(most))
     verdict = verdicts[chosen]
-    bound = getattr(verdict, "bound_bytes", None)
-    why = f"{describe(switched_on(on, chosen))}: fits"
-    if bound is not None:
-        why += f" {fmt(bound)}" + (f" of {fmt(usable)}" if usable is not None else "")
-    why += f", {_pct(costs[chosen], base_cost)} step time"
-    cheaper = [(s, v) for s, v in overs if costs[s] <= costs[chosen]]
-    if cheaper:
-        s, v = cheaper[0]
-        b = getattr(v, "bound_bytes", None)
-        why += f"; {describe(switched_on(on, s))} ({_pct(costs[s], base_cost)}) would not fit" + (
-            f" ({fmt(b)})" if b is not None else "")
-    fuller = combine(chosen, [base_name(n) for n in switched_on(on, chosen) if level_of(n) is not None])
-    if fuller != chosen:
-        full_names = [f"full {base_name(n).replace('_', ' ')}" for n in switched_on(on, chosen) if level_of(n)]
-        why += f"; {' + '.join(full_names)} would cost {_pct(price(fuller), base_cost)}"
-    else:  # the next cheapest setting that is not judged over nor one the chosen one makes fit anyway
-        judged_over = {o for o, _ in overs}
-        rest = [s for s in ranked[ranked.index(chosen) + 1:] if s not in judged_over and not dominated(s, chosen)
-                and not dominated(chosen, s)]
-        if rest:
-            why += f"; {describe(switched_on(on, rest[0]))} would cost {_pct(costs[rest[0]], base_cost)}"
+    why = _why_chosen(on, chosen, verdict, overs, ranked, costs, base_cost, price, fmt, usable)
     if fell_back:
         why += f" (after {max_judgements} settings judged by cost, the ladder order chose)"
     return Choice(chosen, switched_on(on, chosen), True, why, judged, fell_back, verdict)

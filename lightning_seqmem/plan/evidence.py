@@ -1,0 +1,340 @@
+"""``Evidence``: what the planner knows about memory, and how it answers for a shape.
+
+It owns the measured records, one :class:`~lightning_seqmem.core.forecast.MemoryForecaster` per set of
+mitigations, the dry-run cache (answers, why one refused, where each peak sits), the forecasts kept
+to verify and the trust in each predictor (:class:`~lightning_seqmem.core.trust.PredictorChecks`).
+It answers with forecasts (:meth:`Evidence.forecast`, :meth:`Evidence.max_seq_len`, the dry run's
+:meth:`Evidence.dry_peak`), judges a shape against the usable budget (:mod:`.judging`) and takes
+measured steps in, verifying every forecast (:mod:`.verification`). It reads the rungs on from the
+:class:`~lightning_seqmem.plan.ladder_state.LadderState` and the budget, the dry run and the model's
+length limit from the :class:`~lightning_seqmem.plan.settings.PlannerSettings`; what it has to say
+goes to the :class:`~lightning_seqmem.plan.advice_queue.AdviceQueue`.
+
+Example:
+    >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
+    >>> from lightning_seqmem.plan.ladder_state import LadderState
+    >>> from lightning_seqmem.plan.settings import PlannerSettings
+    >>> ev = Evidence(PlannerSettings(budget_bytes=10**6, dry_run=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B})),
+    ...               LadderState(()), AdviceQueue())
+    >>> ev.dry_peak(256, 4)[0], ev.forecast(256, 4).method, ev.judge(256, 4).kind, ev.judge(4096, 4).kind
+    (102400, 'dry_run', 'fits', 'over')
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Optional, Sequence
+
+from lightning_seqmem.core.checks import check_int
+from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
+from lightning_seqmem.core.peak import PeakSite
+from lightning_seqmem.core.records import StepRecord
+from lightning_seqmem.core.rungs import check_setting
+from lightning_seqmem.core.search import bisect_last
+from lightning_seqmem.core.trust import PredictorChecks
+from lightning_seqmem.plan import dry_evidence, judging, verification
+from lightning_seqmem.plan.advice_queue import AdviceQueue
+from lightning_seqmem.plan.forward import Forward
+from lightning_seqmem.plan.ladder_state import LadderState
+from lightning_seqmem.plan.settings import PlannerSettings
+
+__all__ = ["Evidence"]
+
+
+class Evidence:
+    """Records, fits, dry-run answers and the checks of each predictor (see the module doc)."""
+
+    # what it reads, owned by others: the settings, the rungs on, the advice queue
+    tolerance = Forward("settings")
+    warmup_steps = Forward("settings")
+    budget_bytes = Forward("settings")
+    safety_margin = Forward("settings")
+    usable_budget_bytes = Forward("settings")
+    compare_reserved = Forward("settings")
+    block_bytes = Forward("settings")
+    dry_run = Forward("settings")
+    curriculum = Forward("settings")
+    length_limit = Forward("settings")
+    length_limit_reason = Forward("settings")
+    memory_records = Forward("settings")
+    within_limit = Forward("settings", method=True)
+    applied_mitigations = Forward("ladder", "applied")
+    mitigation_events = Forward("ladder", "events")
+    advise = Forward("advice", method=True)
+
+    def __init__(self, settings: PlannerSettings, ladder: LadderState, advice: AdviceQueue) -> None:
+        self.settings, self.ladder, self.advice = settings, ladder, advice
+        self.records: list[StepRecord] = []
+        self.forecasters: dict[tuple[str, ...], MemoryForecaster] = {(): MemoryForecaster(tolerance=self.tolerance)}
+        self.last_batch_size: Optional[int] = None
+        self.last_verification_error: Optional[float] = None
+        self._pending: dict[tuple, Forecast] = {}  # forecasts kept to verify against the step at that shape
+        self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
+        self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
+        self._dry_sites: dict[tuple, PeakSite] = {}  # dry-run key -> where that step's peak sits, when told
+        self._longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
+        self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
+        self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
+        self._checked: set[tuple] = set()  # steps whose predictors were checked, with the fits' version
+
+    # judging the budget (lightning_seqmem.plan.judging)
+    judge = judging.judge
+    _dry_judged = judging.dry_judged
+    _bucket = judging.bucket
+    _over = judging.over
+    _one_point_bound = judging.one_point_bound
+    fit_now = judging.fit_now
+    covered = judging.covered
+    held_bytes = judging.held_bytes
+
+    # measured steps and verification (lightning_seqmem.plan.verification)
+    observe = verification.observe
+    keep_forecast = verification.keep_forecast
+    peak_before = verification.peak_before
+    dry_before_rung = verification.dry_before_rung
+    _check_dry_once = verification.check_dry_once
+    _compare_replay = verification.compare_replay
+    _check_predictors = verification.check_predictors
+    _deciding_before = verification.deciding_before
+    _verify = verification.verify
+    _after_mitigation = verification.after_mitigation
+    _dry_quadratic_terms = verification.dry_quadratic_terms
+
+    # forecasts and the dry run
+    @property
+    def forecaster(self) -> MemoryForecaster:
+        """The forecaster of the mitigations on now (each setting has its own fit)."""
+        return self.forecasters.setdefault(self.applied_mitigations, MemoryForecaster(tolerance=self.tolerance))
+
+    def bound_of(self, fc: Forecast) -> int:
+        """What to compare with the budget: the reserved bound on CUDA, the upper bound elsewhere."""
+        return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
+
+    def _batch_size(self, batch_size: Optional[int]) -> int:
+        if batch_size is None:
+            if self.last_batch_size is None:
+                raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
+            return self.last_batch_size
+        return check_int("batch_size", batch_size)
+
+    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None) -> Forecast:
+        """The forecast at ``(seq_len, batch_size)`` with ``mitigations`` (defaults: the last measured
+        batch size, the mitigations on now). Raises :class:`NotEnoughMeasurements` before that
+        setting has two measured lengths."""
+        check_int("seq_len", seq_len)
+        if not self.within_limit(seq_len):
+            raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.length_limit} tokens "
+                             f"({self.length_limit_reason}): pass a length up to {self.length_limit}")
+        key = self.applied_mitigations if mitigations is None else check_setting(mitigations)
+        self._check_dry_once(key)
+        dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
+        if dry is not None:
+            return dry
+        why = self.dry_run_why(seq_len, self._batch_size(batch_size), key)
+        forecaster = self.forecasters.get(key)
+        if forecaster is None:
+            raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
+                                        f"{[list(k) for k in self.forecasters]}; {why}")
+        fc = forecaster.forecast(seq_len, self._batch_size(batch_size))
+        return replace(fc, detail=f"{fc.detail}; {why}")
+
+    def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
+        """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        if self.dry_run is None:
+            return "no dry run (dry_run=False, or not rank zero, or before fit)"
+        wrong = self.checks.wrong(key[2], "dry_run")
+        if wrong is not None:
+            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step measured at "
+                    f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        return f"dry run refused: {self._dry_why.get(key, 'no answer')}"
+
+    def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
+        """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
+        with the mitigations on now. Before this setting has a fit: by dry run; without one, from
+        what is known (the forecast of the setting before the last rung, else the longest length
+        measured within the budget; 0 if none): it does not raise after a fit."""
+        if budget_bytes is None:
+            budget_bytes = self.usable_budget_bytes
+            if budget_bytes is None:
+                raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
+        batch_size = self._batch_size(batch_size)
+        limit = (lambda fit: fit) if self.length_limit is None else (lambda fit: min(fit, self.length_limit))
+        if self.forecaster.ready:
+            return limit(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+        if self.dry_answers(batch_size) or self._dry_forecast(1, batch_size) is not None:
+            return self._dry_max_seq_len(budget_bytes, batch_size)
+        # what is known otherwise (a rung went on at the last steps): the setting before it, whose
+        # forecast bounds this one (a mitigation never adds memory), else the longest length measured within it
+        for n in range(len(self.applied_mitigations) - 1, -1, -1):
+            earlier = self.forecasters.get(self.applied_mitigations[:n])
+            if earlier is not None and earlier.ready:
+                return limit(earlier.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+        return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations and not r.warmup
+                    and r.batch_size >= batch_size and self._measured_bound(r) <= budget_bytes), default=0)
+
+    def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
+        """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
+        that limit itself when it fits. With a curriculum, to its ``multiple_of`` (the lengths it can
+        run; about 7 dry runs instead of a dozen, each cached); else to the token."""
+        known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
+        step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
+        hi = 4 * max(known + [256])
+        hi = hi if self.length_limit is None else min(hi, self.length_limit)  # never past the model's positions
+        hi -= hi % step
+
+        def fits(L: int) -> bool:
+            fc = self._dry_forecast(L, batch_size)
+            return fc is not None and self.bound_of(fc) <= budget_bytes
+
+        fitting = [L for L in self.dry_answers(batch_size) if L % step == 0 and L <= hi and fits(L)]  # cached: free
+        lo = max(fitting, default=step)
+        if not fits(lo):
+            return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
+        return step * self._dry_search(lo // step, hi // step, step, batch_size, self.applied_mitigations, budget_bytes)
+
+    def _dry_search(self, lo: int, hi: int, unit: int, batch_size: int, setting: tuple[str, ...], budget: int,
+                    bound: Optional[Callable[[int], Optional[int]]] = None) -> int:
+        """Largest ``x`` in ``[lo, hi]`` whose bound at ``x·unit`` tokens (the dry run's, or ``bound``'s)
+        fits ``budget``, given that ``lo`` fits: the dry runs cached narrow it, then guesses from their
+        bounds are checked (:func:`~lightning_seqmem.plan.dry_evidence.largest_fitting`)."""
+        def dry_bound(x: int) -> Optional[int]:
+            fc = self._dry_forecast(x * unit, batch_size, setting)
+            return None if fc is None else self.bound_of(fc)
+
+        bound = bound or dry_bound
+
+        known = [L // unit for (L, B, m), v in self._dry.items()
+                 if v is not None and B == batch_size and m == setting and L % unit == 0]
+        return dry_evidence.largest_fitting(lo, hi, bound, budget, known)
+
+    def _measured_bound(self, r: StepRecord) -> int:
+        return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
+
+    def dry_peak(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
+                 ) -> Optional[tuple[int, dict[str, int]]]:
+        """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
+        now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        if self.dry_run is None or not self.within_limit(seq_len):  # past the model's positions: never asked
+            return None
+        if key not in self._dry:
+            try:
+                answer = self.dry_run(*key)
+                peak, phases = answer[0], answer[1]
+                self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
+                if len(answer) > 2 and isinstance(answer[2], PeakSite):
+                    self._dry_sites[key] = answer[2]
+            except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+                self._dry[key] = None
+                self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        return self._dry[key]
+
+    def dry_answers(self, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> list[int]:
+        """The lengths the dry run answered already at ``batch_size`` with ``mitigations`` (default:
+        those on now), sorted: what a report can show without another dry run."""
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        return sorted(L for (L, B, m), v in self._dry.items() if v is not None and B == int(batch_size) and m == key
+                      and self.checks.wrong(key, "dry_run") is None)
+
+    def _dry_margin(self) -> float:
+        """The dry run's margin: 2%, widened by its largest measured under-prediction."""
+        misses = [v.measured_bytes / max(v.forecast_bytes, 1) - 1 for f in self.forecasters.values()
+                  for v in f.verifications if v.method == "dry_run"]
+        return max([0.02] + misses)
+
+    def scratch_bytes(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> int:
+        """What the allocator counted beyond the dry run, grown to ``(seq_len, batch_size)``.
+
+        Only with allocator counters (``compare_reserved``): a dry run counts tensors, and the
+        tracker probe counts the same tensors (0 by construction), but CUDA kernels also take
+        scratch buffers of their own (eager attention's backward: one more ``[B, H, L, L]`` block
+        on CUDA than on the CPU). From this setting's fitted steps (each shape dry-run once, cached),
+        the longest not longer than ``seq_len`` gives ``measured - dry``, scaled by
+        ``(L / L0)^2 * max(1, B / B0)`` (at most quadratic in L, linear in B); without one, the
+        shortest such step's, unscaled.
+
+        Example:
+            >>> from lightning_seqmem.core.records import StepMemory
+            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+            >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, compare_reserved=True,
+            ...                   dry_run=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
+            >>> p.dry_peak(64, 2)[0]
+            409600
+            >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
+            >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
+            >>> p.end_batch()
+            >>> p.records[0].peak_bytes - p.dry_peak(64, 2)[0]   # what the allocator counted beyond the dry run
+            4096
+            >>> p.scratch_bytes(128, 2, ()), p.scratch_bytes(128, 4, ())   # 4096 B at 64 tokens, batch 2
+            (16384, 32768)
+        """
+        if not self.compare_reserved:
+            return 0
+        key = tuple(mitigations)
+        measured = [r for r in self.records if r.mitigations == key and not r.warmup]
+        below = [r for r in measured if r.seq_len <= seq_len]
+        if not measured:
+            return 0
+        grown = bool(below)
+        r = max(below, key=lambda r: (r.seq_len, r.peak_bytes)) if below else min(measured, key=lambda r: r.seq_len)
+        dry = self.dry_peak(r.seq_len, r.batch_size, key)  # cached, or one dry run of that measured shape
+        if dry is None:
+            return 0
+        residual = max(0, max(q.peak_bytes for q in measured if (q.seq_len, q.batch_size) == (r.seq_len, r.batch_size)) - dry[0])
+        if not grown:
+            return residual
+        return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
+
+    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
+                      source: Optional[tuple[int, int]] = None, trusted_only: bool = True) -> Optional[Forecast]:
+        """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from the
+        dry run of that larger shape (see :mod:`.dry_evidence`), scratch counted at ``seq_len``. None
+        where it cannot answer, or (``trusted_only``) where it missed measured steps of this setting
+        beyond the tolerance (:mod:`.trust`)."""
+        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        if trusted_only and self.checks.wrong(key, "dry_run") is not None:
+            return None
+        answer = self.dry_peak(*(source or (seq_len, batch_size)), mitigations)
+        if answer is None:
+            return None
+        peak, phases = answer
+        scratch = self.scratch_bytes(seq_len, batch_size, key)
+        if scratch:
+            peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
+        upper = int(peak * (1 + self._dry_margin()))
+        ratio = self.forecasters[key].reserved_ratio if key in self.forecasters else self.forecaster.reserved_ratio
+        detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
+        if source is not None and tuple(source) != (seq_len, batch_size):
+            detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
+        detail += self._peak_site_note((*(source or (seq_len, batch_size)), key))
+        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
+
+    def dry_peak_site(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
+                      ) -> Optional[PeakSite]:
+        """Where the dry-run step's peak sits at ``(seq_len, batch_size, mitigations)`` (phase, kinds of
+        tensor), when its dry run ran and said so; None otherwise (never runs one).
+
+        Example:
+            >>> from lightning_seqmem.core.peak import PeakSite
+            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+            >>> site = PeakSite("backward", (("attention_scores", 90 * 64 * 64), ("parameters", 10 * 64 * 64)))
+            >>> p = SeqMemPlanner(dry_run=lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site))
+            >>> p.dry_peak(64, 2, ())[0], p.dry_peak_site(64, 2, ()).top_kind
+            (409600, 'attention_scores')
+            >>> p.forecast(64, 2, ()).detail.endswith("; peak at backward: attention scores 90%, parameters 10%")
+            True
+        """
+        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        return self._dry_sites.get(key)
+
+    def _peak_site_note(self, key: tuple) -> str:
+        site = self._dry_sites.get(key)
+        return f"; peak at {site.describe()}" if site is not None else ""
+
+    @property
+    def _longest_known(self) -> int:
+        """The longest length known to be one the model runs: measured, asked about, the target."""
+        return max([r.seq_len for r in self.records] + [self._longest_seen] +
+                   ([self.curriculum.target] if self.curriculum else []))
+

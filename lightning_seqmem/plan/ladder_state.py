@@ -1,0 +1,91 @@
+"""``LadderState``: which rungs are on, which may still go on, which do not apply here, and what
+happened to each (the rung events a report and a checkpoint read).
+
+It is bookkeeping only: what the planner decides to switch on is in :mod:`.decisions`; the planner
+says so (advice) and replans the curriculum around it.
+
+Example:
+    >>> ladder = LadderState(("attention", "checkpointing"))
+    >>> ladder.next_rung({"attention": (False, "already SDPA"), "checkpointing": (True, "")})
+    ('checkpointing', ['attention: already SDPA'])
+    >>> ladder.switched_on("checkpointing", step=3, seq_len=512, batch_size=4, detail="4 blocks",
+    ...                    before_bytes=10_000, before_method="measured")
+    >>> ladder.applied, ladder.events[-1]["mitigations_before"], ladder.take_pending_events()
+    (('checkpointing',), [], ['mitigation:checkpointing'])
+    >>> ladder.removed("checkpointing", "it broke the step")
+    >>> ladder.applied, ladder.allowed, ladder.events[-1]["removed"]
+    ((), ('attention',), 'it broke the step')
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+from lightning_seqmem.core.rungs import base_name
+from lightning_seqmem.plan import choose
+
+__all__ = ["LadderState"]
+
+Applicability = Mapping[str, "tuple[bool, str]"]
+
+
+class LadderState:
+    """``allowed`` (the rungs left to this run, in ladder order), ``applied`` (on now, in the order
+    switched on), ``not_applicable`` (rung -> why it does not apply here, last checked; never
+    advised), ``events`` (one dict per rung switched on: ``name, step, seq_len, batch_size, detail,
+    before_bytes, before_method, after_bytes, mitigations_before``, later ``removed``, ``checked``)."""
+
+    def __init__(self, allowed: Sequence[str]) -> None:
+        self.allowed: tuple[str, ...] = tuple(allowed)
+        self.applied: tuple[str, ...] = ()
+        self.events: list[dict[str, Any]] = []
+        self.not_applicable: dict[str, str] = {}
+        self.pending_events: list[str] = []  # said in the next step's record
+
+    def next_rung(self, applicable: Applicability) -> tuple[Optional[str], list[str]]:
+        """The first allowed rung not on that applies, and why each one before it does not."""
+        skipped = []
+        on = {base_name(n) for n in self.applied}
+        for name in self.allowed:
+            if name in on:
+                continue
+            ok, reason = applicable.get(name, (False, "its applicability was not checked"))
+            if ok:
+                return name, skipped
+            skipped.append(f"{name}: {reason}")
+        return None, skipped
+
+    def switched_on(self, name: str, step: int, seq_len: Optional[int], batch_size: Optional[int], detail: str,
+                    before_bytes: Optional[int], before_method: Optional[str]) -> None:
+        """``name`` went on (an upgrade replaces its entry), recorded as an event."""
+        setting_before = self.applied
+        self.applied = choose.combine(self.applied, (name,))
+        self.events.append({"name": name, "step": step, "seq_len": seq_len, "batch_size": batch_size,
+                            "detail": detail, "before_bytes": before_bytes, "before_method": before_method,
+                            "after_bytes": None, "mitigations_before": list(setting_before)})
+        self.pending_events.append(f"mitigation:{name}")
+
+    def failed(self, name: str) -> None:
+        """``name`` could not go on: not tried again this run."""
+        self.allowed = tuple(m for m in self.allowed if m != base_name(name))
+
+    def removed(self, name: str, why: str) -> None:
+        """``name`` was on and is off again: not tried again this run; its events say ``why``."""
+        self.applied = tuple(m for m in self.applied if m != name)
+        self.allowed = tuple(m for m in self.allowed if m != name)
+        self.mark_removed((name,), why)
+
+    def mark_removed(self, names: Sequence[str], why: str) -> None:
+        """The events of ``names`` not marked yet say they were taken off, and ``why``."""
+        for event in self.events:
+            if event.get("name") in names and "removed" not in event:
+                event["removed"] = why
+
+    def drop(self, names: Sequence[str]) -> None:
+        """Rungs this run cannot take (set-up)."""
+        self.allowed = tuple(m for m in self.allowed if m not in names)
+
+    def take_pending_events(self) -> list[str]:
+        """The events since the last step (``mitigation:<name>``), for the next step's record."""
+        events, self.pending_events = self.pending_events, []
+        return events

@@ -1,0 +1,83 @@
+"""Before the first step: the checks of the module the callback runs on, and the dry run it judges by.
+
+``SeqMemCallback.on_fit_start`` (after ``configure_model``, where modules are sharded and often
+compiled) calls, in this order:
+
+* :func:`check_parameters_fit`: a budget below this rank's parameters and buffers raises
+  :class:`~lightning_seqmem.MemoryBudgetError` before any step;
+* :func:`check_compiled`: a ``torch.compile``'d module keeps compiling, measured one step in
+  :data:`COMPILED_MEASURE_EVERY_N_STEPS` under the tracker, said in one warning;
+* :func:`start_dry_run` (rank zero, ``dry_run=True``): the dry run of the training step on a fake
+  copy of the module that the planner judges new settings by.
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+    >>> planner = SeqMemPlanner(memory_budget_bytes=10_000, safety_margin=0.1)  # 9,000 bytes usable
+    >>> check_parameters_fit(planner, torch.nn.Linear(10, 10), torch.device("cpu"))  # 440 bytes
+    >>> check_parameters_fit(planner, torch.nn.Linear(100, 100), torch.device("cpu"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    lightning_seqmem.core.records.MemoryBudgetError: seqmem: memory_budget=9.8 KiB cannot be met: the parameters and buffers alone take 39.5 KiB, ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_seqmem.core import advice as A
+from lightning_seqmem.core.records import MemoryBudgetError
+
+if TYPE_CHECKING:
+    from lightning_seqmem.plan.planner import SeqMemPlanner
+    from lightning_seqmem.trainer.callback import SeqMemCallback
+
+COMPILED_MEASURE_EVERY_N_STEPS = 10
+"""With a ``torch.compile``'d module and the tracker, at most one step in this many (besides warm-ups
+and the first steps at a new shape) is measured: a measured step runs eager."""
+
+
+def check_parameters_fit(planner: "SeqMemPlanner", pl_module: torch.nn.Module, device: Optional[torch.device]) -> None:
+    """:class:`MemoryBudgetError` where this rank's parameters and buffers on the training device
+    (local shards under FSDP2) alone exceed the usable budget: no step could fit."""
+    usable = planner.usable_budget_bytes
+    if usable is None or device is None:
+        return
+    held = 0
+    for tensor in (*pl_module.parameters(), *pl_module.buffers()):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+        if local.device.type == device.type:
+            held += local.nbytes
+    if held > usable:
+        assert planner.budget_bytes is not None
+        raise MemoryBudgetError(A.parameters_over_budget(held, usable, planner.budget_bytes,
+                                                         planner.safety_margin))
+
+
+def check_compiled(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> None:
+    """A ``torch.compile``'d module: measure without preventing compilation, and say so once
+    (see the class docstring). Runs after ``configure_model``, where modules are often compiled."""
+    from lightning_seqmem.dryrun.step import _compiled_reason
+
+    cb.planner.measure_every_n_steps = cb.measure_every_n_steps
+    cb._compiled = _compiled_reason(pl_module)
+    if cb._compiled is None or cb._probe is None:
+        return
+    if cb._probe.name == "tracker":
+        cb.planner.measure_every_n_steps = max(cb.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS)
+    cb.planner.advise(A.compiled_module(cb._compiled, cb._probe.name, cb.planner.measure_every_n_steps))
+    cb._warn_advice()
+
+
+def start_dry_run(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The dry run of this module's training step (:class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`,
+    on rank zero) that the planner judges each new setting by, with the rungs on now."""
+    from lightning_seqmem.diagnostics.peak import trace_peak_site
+    from lightning_seqmem.dryrun.run import TrainingRunDryRun
+
+    return TrainingRunDryRun(trainer, pl_module, lambda: cb.planner.applied_mitigations,
+                             lambda why, *shape: cb.planner.advise(A.dry_run_unavailable(why, *shape)),
+                             template=cb._template, site=trace_peak_site)
