@@ -23,9 +23,11 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any
 
-__all__ = ["ENGINES", "ENGINE_KINDS", "accumulates_gradients", "check_engine", "emit", "recomputes_blocks"]
+from lightning_seqmem.core.rungs import engine_features
+
+__all__ = ["ENGINES", "ENGINE_KINDS", "check_engine", "emit"]
 
 ENGINES = ("torchtitan", "accelerate", "deepspeed", "lightning")
 ENGINE_KINDS = {"torchtitan": ("ring",), "accelerate": ("ring",), "deepspeed": ("ulysses",), "lightning": ()}
@@ -46,35 +48,6 @@ def check_engine(engine: Any) -> str:
     return engine
 
 
-def recomputes_blocks(mitigations: Sequence[str]) -> bool:
-    """Whether ``mitigations`` recompute every block in backward (torchtitan's ``mode = "full"``,
-    accelerate's ``activation_checkpointing``, Hugging Face's ``gradient_checkpointing_enable()``).
-
-    Told by the rungs' specs, not their names: the full level (a bare name) of the rung whose levels
-    recompute fewer blocks or fewer ops (a spec with named level priors, ``RungSpec.level_priors``).
-
-    Example:
-        >>> recomputes_blocks(["attention", "checkpointing"]), recomputes_blocks(["checkpointing:2/4"])
-        (True, False)
-    """
-    from lightning_seqmem.core.rungs import level_of, spec
-
-    return any(level_of(n) is None and bool(spec(n).level_priors) for n in mitigations)
-
-
-def accumulates_gradients(mitigations: Sequence[str]) -> bool:
-    """Whether ``mitigations`` split each batch into micro-batches (gradient accumulation in the
-    engines' keys): the rung whose first split step checks the loss (``RungSpec.first_step_check``).
-
-    Example:
-        >>> accumulates_gradients(["attention", "microbatch"]), accumulates_gradients(["checkpointing"])
-        (True, False)
-    """
-    from lightning_seqmem.core.rungs import spec
-
-    return any(spec(n).first_step_check for n in mitigations)
-
-
 def _header(plan: dict[str, Any]) -> str:
     from lightning_seqmem.plan.parallel import Layout
 
@@ -89,7 +62,8 @@ def _header(plan: dict[str, Any]) -> str:
 def emit(engine: str, plan: dict[str, Any]) -> str:
     """The launch config of ``plan`` (a JSON plan of ``seqmem plan``) for ``engine``."""
     engine = check_engine(engine)
-    ckpt, micro = recomputes_blocks(plan["mitigations"]), accumulates_gradients(plan["mitigations"])
+    features = engine_features(plan["mitigations"])  # what the rungs are in the engines' own keys, from their specs
+    ckpt, micro = "activation_checkpointing" in features, "gradient_accumulation" in features
     cp, sp, fsdp, offload = (plan["context_parallel_degree"], plan["sequence_parallel_degree"], plan["fsdp_degree"],
                              plan["offload"])
     if plan["sequence_parallel"] != "none" and plan["sequence_parallel"] not in ENGINE_KINDS[engine]:
