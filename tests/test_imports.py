@@ -170,3 +170,39 @@ def test_old_flat_names_are_the_moved_modules():
     assert importlib.import_module("lightning_seqmem.demo") is demo
     for old, new in lightning_seqmem._OLD_NAMES.items():
         assert (PACKAGE / Path(*new.split("."))).with_suffix(".py").exists(), (old, new)
+
+
+# Words that are rung names but mean something else where they stand (not a rung compared or dispatched on)
+_NOT_A_RUNG = {
+    ("cli/parallel.py", "attention"),  # the JSON key of the attention-call counts of `seqmem plan --world-size`
+    ("diagnostics/categories.py", "attention"),  # module names matched as attention in the breakdown
+    ("present/render.py", "attention: "),  # prose: the attention backend a traced step ran
+}
+
+
+def _code_strings(path: Path) -> list[tuple[int, str]]:
+    """The string constants of ``path`` that are code, not docstrings or bare string statements."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_rung_names_appear_in_code_only_in_their_rung_file_and_the_registry():
+    """issue 17: a rung is one file; no other module compares or dispatches on its name (docs and
+    doctests may name it). The registry is core/rungs.py (specs) and mitigations/ladder.py."""
+    from lightning_seqmem.core.rungs import BUILTIN_RUNGS, LEVEL_SEP
+
+    owners = {"attention": ("mitigations/attention.py",), "checkpointing": ("mitigations/checkpointing",),
+              "microbatch": ("mitigations/microbatch",), "fused_loss": ("mitigations/fused_loss",),
+              "tiled_mlp": ("mitigations/tiled_mlp.py",), "activation_offload": ("mitigations/offload.py",)}
+    assert set(owners) == set(BUILTIN_RUNGS), "a new built-in rung: name its file here"
+    registry = ("core/rungs.py", "mitigations/ladder.py")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for line, text in _code_strings(path):
+            name = text.split(LEVEL_SEP)[0]
+            if name in owners and not rel.startswith(owners[name] + registry) and (rel, text) not in _NOT_A_RUNG:
+                found.append(f"{rel}:{line}: {text!r}")
+    assert found == [], "rung names compared outside their rung file:\n" + "\n".join(found)
