@@ -14,8 +14,9 @@ live-tensor tracker. For one fixed budget (by default the measured peak of the p
 
 Each longest length is searched with dry runs (bisection on ``--multiple-of``), then checked by a
 real training step at that length, measured (tracker), which must be within the budget. Step
-times are medians of real steps without the callback (interleaved where repeated; this machine is
-shared and noisy, compare ratios within one run).
+times are medians of real steps without the callback; the second part's are timed round-robin over
+all its settings, ``--rounds`` passes, the best pass of each (this machine is shared and noisy:
+compare ratios within one run).
 
 Second part, ``--second-len``: a budget where full checkpointing is not needed (half-way between
 the plain peak and the full-checkpointing peak at that length). Every setting that the dry run says
@@ -137,6 +138,16 @@ def step_seconds(layers: int, setting: Sequence[str], seq_len: int, steps: int =
     return statistics.median(timer.seconds[1:])
 
 
+def interleaved_seconds(layers: int, settings: Sequence[Sequence[str]], seq_len: int, rounds: int) -> dict:
+    """Each setting's step seconds, timed in ``rounds`` round-robin passes over all of them (so a change
+    of the machine's load falls on every setting alike), the best pass of each: ``{setting: seconds}``."""
+    seen: dict[tuple[str, ...], list[float]] = {tuple(s): [] for s in settings}
+    for _ in range(max(1, rounds)):
+        for s in seen:
+            seen[s].append(step_seconds(layers, s, seq_len))
+    return {s: min(v) for s, v in seen.items()}
+
+
 class DryPeaks:
     """Dry-run peaks of one model, cached by (length, setting)."""
 
@@ -191,6 +202,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--base-len", type=int, default=None, help="tokens (default 512; --quick 256)")
     parser.add_argument("--max-len", type=int, default=None, help="longest length searched (default 32768; --quick 8192)")
     parser.add_argument("--second-len", type=int, default=None, help="length of the second part (default: 2 x base)")
+    parser.add_argument("--second-only", action="store_true", help="run the second part only")
+    parser.add_argument("--rounds", type=int, default=3, help="round-robin timing passes of the second part (best of)")
     args = parser.parse_args(argv)
     base = args.base_len or (256 if args.quick else 512)
     max_len = args.max_len or (8192 if args.quick else 32768)
@@ -204,6 +217,19 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(f"Llama-like: {args.layers} layers, hidden 256, vocabulary {VOCAB_SIZE}, batch {BATCH_SIZE}; "
           f"budget {format_bytes(budget)}" + (f"; rungs not installed: {missing}" if missing else ""))
 
+    summary: dict[str, Any] = {}
+    if not args.second_only:
+        summary = first_part(args, dry, budget, base, max_len, multiple_of, every)
+    summary.update(second_part(args, dry, second, multiple_of, every))
+    summary["total_s"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(summary))
+    return summary
+
+
+def first_part(args: argparse.Namespace, dry: "DryPeaks", budget: int, base: int, max_len: int, multiple_of: int,
+               every: tuple) -> dict[str, Any]:
+    """(a)-(d): the longest length of each way under ``budget``, each checked by a measured step."""
     rows: dict[str, dict[str, Any]] = {}
     for label, setting in (("none", ()), ("old_rungs", known(OLD_RUNGS)), ("all_by_hand", known(ALL_BY_HAND))):
         L = dry.longest(setting, budget, multiple_of, max_len)
@@ -229,39 +255,38 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print(f"\nheadline: auto reaches {headline:.1f}x the plain model's length, {100 * reach:.0f}% of everything by hand"
           f"; steps over the budget in the auto run: {over}")
 
-    # second part: a budget where full checkpointing is not needed
+    return {"longest_length": {k: rows[k]["longest"] for k in ("none", "old_rungs", "auto", "all_by_hand")},
+            "headline_auto_vs_none": headline, "auto_reach_of_all_by_hand": reach,
+            "steps_over_budget": over, "budget_bytes": budget, "auto_setting": list(rows["auto"]["setting"])}
+
+
+def second_part(args: argparse.Namespace, dry: "DryPeaks", second: int, multiple_of: int, every: tuple) -> dict[str, Any]:
+    """A budget where full checkpointing is not needed: the callback's choice against every fitting
+    setting timed (exhaustive search) and against SDPA + full checkpointing."""
+    t0 = time.perf_counter()
     plain, full = dry.peak(second, ()), dry.peak(second, known(FULL_CHECKPOINTING))
     budget2 = (plain + full) // 2
     fitting = [s for s in settings_over(every, args.layers) if dry.peak(second, s) <= budget2]
     if args.quick:
         fitting = sorted(fitting, key=lambda s: dry.peak(second, s), reverse=True)[:8]  # the lightest-touch ones
-    times = {s: step_seconds(args.layers, s, second) for s in fitting}
     cb2 = auto_run(args.layers, budget2, second, second, multiple_of, every, curriculum=False)
     chosen = tuple(cb2.records[-1].mitigations) if cb2.records else ()
-    if chosen not in times:
-        times[chosen] = step_seconds(args.layers, chosen, second)
     full_setting = known(FULL_CHECKPOINTING)
-    if full_setting not in times:
-        times[full_setting] = step_seconds(args.layers, full_setting, second)
-    fastest = min((s for s in fitting), key=times.__getitem__, default=chosen)
+    times = interleaved_seconds(args.layers, list(dict.fromkeys(fitting + [chosen, full_setting])), second,
+                                args.rounds)
+    fastest = min(times, key=times.__getitem__)  # every setting timed fits: the search's, the choice, full checkpointing
     vs_fastest = times[chosen] / times[fastest]
     vs_full = times[chosen] / times[full_setting]
     print(f"\nsecond part: {second} tokens, budget {format_bytes(budget2)} (plain {format_bytes(plain)}, "
-          f"SDPA + full checkpointing {format_bytes(full)}); {len(fitting)} fitting settings timed")
+          f"SDPA + full checkpointing {format_bytes(full)}); {len(fitting)} fitting settings timed, "
+          f"best of {args.rounds} round-robin passes")
     for s in sorted(times, key=times.__getitem__):
         mark = " <- auto" if s == chosen else (" <- fastest" if s == fastest else "")
         print(f"  {times[s]:8.3f} s  {format_bytes(dry.peak(second, s)):>10}  {' + '.join(s) or 'none'}{mark}")
-    print(f"auto / fastest {vs_fastest:.3f}, auto / full checkpointing {vs_full:.3f}; total {time.perf_counter() - t0:.0f} s")
-
-    summary = {"longest_length": {k: rows[k]["longest"] for k in ("none", "old_rungs", "auto", "all_by_hand")},
-               "headline_auto_vs_none": headline, "auto_reach_of_all_by_hand": reach,
-               "steps_over_budget": over, "budget_bytes": budget,
-               "step_time_ratio_auto_vs_fastest": vs_fastest,
-               "step_time_ratio_auto_vs_full_checkpointing": vs_full,
-               "auto_setting": list(rows["auto"]["setting"]), "second_part_auto_setting": list(chosen)}
-    if args.json:
-        print(json.dumps(summary))
-    return summary
+    print(f"auto / fastest {vs_fastest:.3f}, auto / full checkpointing {vs_full:.3f}; {time.perf_counter() - t0:.0f} s")
+    return {"step_time_ratio_auto_vs_fastest": vs_fastest, "step_time_ratio_auto_vs_full_checkpointing": vs_full,
+            "second_part_auto_setting": list(chosen), "second_part_budget_bytes": budget2,
+            "second_part_seconds": {" + ".join(s) or "none": t for s, t in times.items()}}
 
 
 if __name__ == "__main__":
