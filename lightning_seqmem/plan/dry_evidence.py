@@ -207,9 +207,11 @@ def _crossing(values: Mapping[int, Optional[int]], lo: int, hi: int, budget: int
     return int(inside[0]) if inside else None
 
 
-CONFIRM_SLACK = 0.005
-"""How far below the budget :func:`confirmed_largest` aims its guess (a fraction of the budget), so
-that the one dry run confirming it fits (the fit is a guess; a peak is quadratic only piecewise)."""
+CONFIRM_SLACK = 0.01
+"""How far below the budget :func:`confirmed_largest` aims its guess (a fraction of what the bytes
+grow by from the shortest length known to the budget: about half that fraction of the length), so
+that the one dry run confirming it fits (the fit is a guess; a peak is quadratic only piecewise);
+and how much longer a refit must say fits to be tried (twice that fraction of the length)."""
 
 
 def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
@@ -280,18 +282,19 @@ def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], b
     """A large length in ``[lo, hi]`` (a multiple of ``step``) whose ``bound`` fits ``budget``,
     given that ``lo`` fits, with one call of ``bound`` where the guess is right: the guess of
     :func:`fitted_largest` from the bounds ``known`` (length -> bytes, cached: free) aimed
-    ``slack`` below the budget (``hi`` itself where the fit says it fits), confirmed by
-    ``bound``; a guess that is over is refitted with it, up to ``tries`` guesses; ``lo`` when none
-    fits (or fewer than two bounds are known). Every answer is a length whose own ``bound`` fits
-    (a lower bound of the largest; not the exact token).
+    just below the budget (:data:`CONFIRM_SLACK`; ``hi`` itself where the fit says it fits), confirmed by
+    ``bound``; the fit is redone with each answer, and guesses again (up to ``tries`` in all) where
+    it then says more than ``2 · slack`` longer fits (a guess that fits) or less (a guess that is
+    over); ``lo`` when none fits (or fewer than two bounds are known). Every answer is a length
+    whose own ``bound`` fits (a lower bound of the largest; not the exact token).
 
-    >>> peak = lambda L: 1_000 + 3 * L * L   # the largest that fits 3 MB: 999
+    >>> peak = lambda L: 1_000 + 3 * L * L   # the largest that fits 3 MB: 999; aimed 1% of the growth below
     >>> calls = []
     >>> def bound(L):
     ...     calls.append(L)
     ...     return peak(L)
     >>> confirmed_largest(512, 4096, bound, 3_000_000, {L: peak(L) for L in (256, 512)}), calls
-    (997, [997])
+    (995, [995])
     """
     anchors = {int(L): int(v) for L, v in known.items() if v is not None}  # for the guesses only
 
@@ -305,12 +308,15 @@ def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], b
         return max(lo, hi)
     best = lo
     for _ in range(tries):
-        guess = fitted_largest(_spread_out(anchors), int(budget * (1 - slack)), best, hi, step)
-        if guess <= best:
+        floor = min(anchors.values(), default=budget)  # what does not grow with the length, about
+        aim = int(budget - slack * max(0, budget - floor))
+        guess = fitted_largest(_spread_out(anchors), aim, best, hi, step)
+        if guess <= best or (best > lo and guess <= best * (1 + 2 * slack)):  # the refit agrees with the answer
             break
         if fits(guess):
-            return guess
-        hi = guess - 1
+            best = guess
+        else:
+            hi = guess - 1
     return best
 
 
