@@ -17,7 +17,7 @@ length or the batch grows (more tokens, never fewer bytes). So
 * where the exact token is not needed (the largest length that fits, as logged and reported),
   :func:`confirmed_largest` guesses it from the answers known (:func:`fitted_largest`: a step's
   peak is piecewise quadratic in the length) and confirms the guess by one dry run: a lower bound
-  backed by a dry run at that very length, within a fraction of a percent of the exact largest;
+  backed by a dry run at that very length (within about 2% of the exact largest on a quadratic);
 * between and past the lengths dry-run, :func:`fitted_bytes` interpolates them (the parabola
   through the three nearest, kept between its neighbours): what a report or figure shows there
   is that fit, named as such, never a dry run.

@@ -339,9 +339,10 @@ class SeqMemPlanner:
         multiple of its ``multiple_of``): the largest the fit through the dry runs cached (and the
         measured steps, where fewer than two lengths were dry-run) guesses to fit, aimed just below
         the budget and confirmed by one dry run at that length
-        (:func:`~lightning_seqmem.plan.dry_evidence.confirmed_largest`): a lower bound of the largest,
-        within a fraction of a percent of it, that a dry run says fits, where a search to the token
-        took four or more. The same answer until a longer length is dry-run and fits."""
+        (:func:`~lightning_seqmem.plan.dry_evidence.confirmed_largest`; a second where the fit redone
+        with it says 2% more fits): a lower bound of the largest that a dry run says fits (within
+        about 2% of it where the peak is quadratic in the length), where a search to the token took
+        four or more. The same answer until a longer length is dry-run and fits."""
         known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
         step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
         hi = 4 * max(known + [256])
