@@ -322,13 +322,15 @@ def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], b
 
 def _spread_out(points: Mapping[int, int], ratio: float = 1.25) -> dict[int, int]:
     """``points`` from the longest down, each kept ``ratio`` shorter than the last kept (close points
-    make a parabola's extrapolation noisy).
+    make a parabola's extrapolation noisy); the shortest too where no other was kept.
 
-    >>> sorted(_spread_out({100: 1, 110: 2, 200: 3, 240: 4, 250: 5}))
-    [110, 200, 250]
+    >>> sorted(_spread_out({100: 1, 110: 2, 200: 3, 240: 4, 250: 5})), sorted(_spread_out({500: 1, 505: 2, 512: 3}))
+    ([110, 200, 250], [500, 512])
     """
     kept: dict[int, int] = {}
     for L in sorted(points, reverse=True):
         if not kept or L * ratio <= min(kept):
             kept[L] = points[L]
+    if len(kept) < 2 <= len(points):  # all of them close: the widest pair
+        kept[min(points)] = points[min(points)]
     return kept

@@ -370,9 +370,9 @@ class SeqMemPlanner:
         known = dict(dried)
         if len(dried) < 2:  # the measured steps too (real peaks, the dry run's margin on them): anchors for the guess
             margin = 1 + self._dry_margin()
-            for r in self.records:
+            for r in self.records:  # (not the first step: no optimizer state yet)
                 if (r.mitigations == self.applied_mitigations and r.batch_size == batch_size
-                        and r.step >= self.warmup_steps and r.seq_len not in dried):
+                        and r.step >= 1 and r.seq_len not in dried):
                     known[r.seq_len] = max(known.get(r.seq_len, 0), int(self._measured_bound(r) * margin))
         memo[key] = dry_evidence.confirmed_largest(lo, hi, bound, budget_bytes, known, step)
         return memo[key]

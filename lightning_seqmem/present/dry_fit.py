@@ -42,8 +42,7 @@ DRY_RUN_FIT = "dry_run_fit"
 def dry_fit_anchors(planner: "SeqMemPlanner", batch_size: int) -> dict[int, Forecast]:
     """``seq_len -> Forecast`` of the dry runs cached at ``batch_size`` with the rungs on now (none
     runs), and, where fewer than two lengths were dry-run, of the measured steps of that setting
-    after the first ``warmup_steps`` (the real peak, the dry run's margin on it; method
-    ``"measured"``)."""
+    after the first (the real peak, the dry run's margin on it; method ``"measured"``)."""
     out: dict[int, Forecast] = {}
     for L in planner.dry_answers(batch_size):
         fc = planner._dry_forecast(L, batch_size)  # cached: no dry run
@@ -55,7 +54,7 @@ def dry_fit_anchors(planner: "SeqMemPlanner", batch_size: int) -> dict[int, Fore
     dried = set(out)
     for r in planner.records:
         if (r.mitigations != planner.applied_mitigations or r.batch_size != batch_size or r.seq_len in dried
-                or r.step < planner.warmup_steps):
+                or r.step < 1):  # (the first step has no optimizer state yet)
             continue
         if r.seq_len in out and out[r.seq_len].peak_bytes >= r.peak_bytes:
             continue
