@@ -238,9 +238,12 @@ def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str,
     try:
         if planner.usable_budget_bytes is not None:  # first: its dry run (before a fit) anchors the rows
             out["max_seq_len"] = planner.max_seq_len(planner.usable_budget_bytes, batch_size)
+    except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    try:
         anchors = None if planner.forecaster.ready else dry_fit_anchors(planner, batch_size)
         out["at"] = [_forecast_row(planner, L, batch_size, anchors) for L in sorted(lengths)]
-    except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
+    except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
