@@ -13,7 +13,14 @@ length or the batch grows (more tokens, never fewer bytes). So
 * the largest length that fits (:func:`largest_fitting`) starts from the answers known already
   and guesses by interpolating the bound between the lengths known to fit and to be over, then
   checks the guess and its neighbour: two dry runs where a bisection takes about seven. Every
-  answer it returns is backed by a dry run at that very length (and one at the next that is over).
+  answer it returns is backed by a dry run at that very length (and one at the next that is over);
+* where the exact token is not needed (the largest length that fits, as logged and reported),
+  :func:`confirmed_largest` guesses it from the answers known (:func:`fitted_largest`: a step's
+  peak is piecewise quadratic in the length) and confirms the guess by one dry run: a lower bound
+  backed by a dry run at that very length (within about 2% of the exact largest on a quadratic);
+* between and past the lengths dry-run, :func:`fitted_bytes` interpolates them (the parabola
+  through the three nearest, kept between its neighbours): what a report or figure shows there
+  is that fit, named as such, never a dry run.
 
 Example:
     >>> bucket_up(300), bucket_up(256), bucket_up(1000), bucket_up(12)
@@ -33,7 +40,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Optional
 
-__all__ = ["AHEAD_REACH", "ahead_length", "bucket_up", "crossing", "dominating", "largest_fitting"]
+__all__ = ["AHEAD_REACH", "CONFIRM_SLACK", "ahead_length", "bucket_up", "confirmed_largest", "crossing", "dominating",
+           "fitted_bytes", "fitted_largest", "largest_fitting"]
 
 
 def bucket_up(seq_len: int, per_octave: int = 8) -> int:
@@ -197,3 +205,132 @@ def _crossing(values: Mapping[int, Optional[int]], lo: int, hi: int, budget: int
         roots = [] if disc < 0 else [(-b + s * disc ** 0.5) / (2 * a) for s in (1, -1)]
     inside = [r for r in roots if lo <= r <= hi]
     return int(inside[0]) if inside else None
+
+
+CONFIRM_SLACK = 0.01
+"""How far below the budget :func:`confirmed_largest` aims its guess (a fraction of what the bytes
+grow by from the shortest length known to the budget: about half that fraction of the length), so
+that the one dry run confirming it fits (the fit is a guess; a peak is quadratic only piecewise);
+and how much longer a refit must say fits to be tried (twice that fraction of the length)."""
+
+
+def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
+    """The bytes at length ``x`` of the parabola through the three ``points`` (length -> bytes)
+    nearest ``x`` (``p + q·L²`` through two; None with fewer), kept between the values known on
+    either side (a step's peak does not fall as the length grows): exact at the points.
+
+    >>> peak = {L: 1_000 + 3 * L * L for L in (100, 200, 400)}
+    >>> fitted_bytes(peak, 300), 1_000 + 3 * 300 * 300   # a quadratic: exact between the points
+    (271000.0, 271000)
+    >>> fitted_bytes(peak, 800) == 1_000 + 3 * 800 * 800, fitted_bytes({64: 5}, 128) is None
+    (True, True)
+    """
+    known = sorted((int(L), float(v)) for L, v in points.items() if v is not None)
+    if len(known) < 2:
+        return None
+    x = int(x)
+    exact = dict(known)
+    if x in exact:
+        return exact[x]
+    near = sorted(sorted(known, key=lambda p: (abs(p[0] - x), p[0]))[:3])
+    if len(near) == 3:
+        (x0, y0), (x1, y1), (x2, y2) = near
+        value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+                 + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+    else:
+        (x0, y0), (x1, y1) = near
+        q = (y1 - y0) / (x1 * x1 - x0 * x0)
+        value = y0 + q * (x * x - x0 * x0)
+    below = [v for L, v in known if L < x]
+    above = [v for L, v in known if L > x]
+    if below:
+        value = max(value, max(below))
+    if above:
+        value = min(value, min(above))
+    return value
+
+
+def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int, step: int = 1) -> int:
+    """The largest multiple of ``step`` in ``[lo, hi]`` whose :func:`fitted_bytes` fits ``budget``
+    (``lo`` when none does; pure arithmetic, no dry run).
+
+    >>> fitted_largest({L: 1_000 + 3 * L * L for L in (256, 512)}, 3_000_000, 512, 4096)   # 999.8 tokens
+    999
+    >>> fitted_largest({256: 10, 512: 20}, 10_000, 512, 4096, step=64), fitted_largest({256: 10, 512: 20}, 15, 512, 4096)
+    (4096, 512)
+    """
+    def fits(x: int) -> bool:
+        v = fitted_bytes(points, x)
+        return v is not None and v <= budget
+
+    lo_k, hi_k = max(1, -(-int(lo) // step)), int(hi) // step
+    if hi_k < lo_k:
+        return int(lo)
+    if fits(hi_k * step):
+        return hi_k * step
+    if not fits(lo_k * step):
+        return int(lo)
+    while hi_k - lo_k > 1:  # fits(lo_k), not fits(hi_k)
+        mid = (lo_k + hi_k) // 2
+        lo_k, hi_k = (mid, hi_k) if fits(mid * step) else (lo_k, mid)
+    return max(int(lo), lo_k * step)
+
+
+def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
+                      known: Mapping[int, int], step: int = 1, tries: int = 2,
+                      slack: float = CONFIRM_SLACK) -> int:
+    """A large length in ``[lo, hi]`` (a multiple of ``step``) whose ``bound`` fits ``budget``,
+    given that ``lo`` fits, with one call of ``bound`` where the guess is right: the guess of
+    :func:`fitted_largest` from the bounds ``known`` (length -> bytes, cached: free) aimed
+    just below the budget (:data:`CONFIRM_SLACK`; ``hi`` itself where the fit says it fits), confirmed by
+    ``bound``; the fit is redone with each answer, and guesses again (up to ``tries`` in all) where
+    it then says more than ``2 · slack`` longer fits (a guess that fits) or less (a guess that is
+    over); ``lo`` when none fits (or fewer than two bounds are known). Every answer is a length
+    whose own ``bound`` fits (a lower bound of the largest; not the exact token).
+
+    >>> peak = lambda L: 1_000 + 3 * L * L   # the largest that fits 3 MB: 999; aimed 1% of the growth below
+    >>> calls = []
+    >>> def bound(L):
+    ...     calls.append(L)
+    ...     return peak(L)
+    >>> confirmed_largest(512, 4096, bound, 3_000_000, {L: peak(L) for L in (256, 512)}), calls
+    (995, [995])
+    """
+    anchors = {int(L): int(v) for L, v in known.items() if v is not None}  # for the guesses only
+
+    def fits(x: int) -> bool:  # the answer's own bound, always (cached by the caller where it ran)
+        v = bound(x)
+        if v is not None:
+            anchors[x] = int(v)
+        return v is not None and v <= budget
+
+    if hi <= lo:
+        return max(lo, hi)
+    best = lo
+    for _ in range(tries):
+        floor = min(anchors.values(), default=budget)  # what does not grow with the length, about
+        aim = int(budget - slack * max(0, budget - floor))
+        guess = fitted_largest(_spread_out(anchors), aim, best, hi, step)
+        if guess <= best or (best > lo and guess <= best * (1 + 2 * slack)):  # the refit agrees with the answer
+            break
+        if fits(guess):
+            best = guess
+        else:
+            hi = guess - 1
+    return best
+
+
+def _spread_out(points: Mapping[int, int], ratio: float = 1.25) -> dict[int, int]:
+    """``points`` from the longest down, each kept ``ratio`` shorter than the last kept (close points
+    make a parabola's extrapolation noisy); the shortest too where no other was kept.
+
+    >>> sorted(_spread_out({100: 1, 110: 2, 200: 3, 240: 4, 250: 5})), sorted(_spread_out({500: 1, 505: 2, 512: 3}))
+    ([110, 200, 250], [500, 512])
+    """
+    kept: dict[int, int] = {}
+    for L in sorted(points, reverse=True):
+        if not kept or L * ratio <= min(kept):
+            kept[L] = points[L]
+    if len(kept) < 2 <= len(points):  # all of them close: the widest pair
+        kept[min(points)] = points[min(points)]
+    return kept

@@ -174,9 +174,14 @@ class Evidence:
                     and r.batch_size >= batch_size and self._measured_bound(r) <= budget_bytes), default=0)
 
     def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
-        """Largest length whose dry-run bound fits, by bisection up to 4× the longest length known;
-        that limit itself when it fits. With a curriculum, to its ``multiple_of`` (the lengths it can
-        run; about 7 dry runs instead of a dozen, each cached); else to the token."""
+        """A length whose dry-run bound fits, up to 4× the longest length known (with a curriculum, a
+        multiple of its ``multiple_of``): the largest the fit through the dry runs cached (and the
+        measured steps, where fewer than two lengths were dry-run) guesses to fit, aimed just below
+        the budget and confirmed by one dry run at that length
+        (:func:`~lightning_seqmem.plan.dry_evidence.confirmed_largest`; a second where the fit redone
+        with it says 2% more fits): a lower bound of the largest that a dry run says fits (within
+        about 2% of it where the peak is quadratic in the length), where a search to the token took
+        four or more. The same answer until a longer length is dry-run and fits."""
         known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
         step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
         hi = 4 * max(known + [256])
@@ -191,7 +196,25 @@ class Evidence:
         lo = max(fitting, default=step)
         if not fits(lo):
             return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
-        return step * self._dry_search(lo // step, hi // step, step, batch_size, self.applied_mitigations, budget_bytes)
+        memo = self.__dict__.setdefault("_max_seq_len_memo", {})  # the answers confirmed (dry run at each)
+        key = (budget_bytes, batch_size, self.applied_mitigations, step, hi)
+        if memo.get(key) == lo:  # confirmed before, and no longer length dry-run to fit since
+            return lo
+
+        def bound(L: int) -> Optional[int]:
+            fc = self._dry_forecast(L, batch_size)
+            return None if fc is None else self.bound_of(fc)
+
+        dried = {L: bound(L) for L in self.dry_answers(batch_size)}  # cached: free
+        known = dict(dried)
+        if len(dried) < 2:  # the measured steps too (real peaks, the dry run's margin on them): anchors for the guess
+            margin = 1 + self._dry_margin()
+            for r in self.records:  # (not the first step: no optimizer state yet)
+                if (r.mitigations == self.applied_mitigations and r.batch_size == batch_size
+                        and r.step >= 1 and r.seq_len not in dried):
+                    known[r.seq_len] = max(known.get(r.seq_len, 0), int(self._measured_bound(r) * margin))
+        memo[key] = dry_evidence.confirmed_largest(lo, hi, bound, budget_bytes, known, step)
+        return memo[key]
 
     def _dry_search(self, lo: int, hi: int, unit: int, batch_size: int, setting: tuple[str, ...], budget: int,
                     bound: Optional[Callable[[int], Optional[int]]] = None) -> int:

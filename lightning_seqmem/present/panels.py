@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from lightning_seqmem.core.forecast import NotEnoughMeasurements
 from lightning_seqmem.core.units import display_unit
+from lightning_seqmem.present.dry_fit import DRY_RUN_FIT, dry_fit_anchors, dry_fit_forecast
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -115,25 +116,30 @@ def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, m
 
 
 def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: int = 8):
-    """(lengths, peaks, uppers) of the dry run at ``num`` lengths up to ``right`` (cached by the
-    planner: where it dry-ran two or more shorter lengths already, those and ``right``), or None
-    where there is no dry run."""
+    """``(method, (lengths, peaks, uppers))`` of the dry run at ``num`` lengths up to ``right`` and the
+    lengths dry-run already, or None where there is no dry run. Where two lengths or more are
+    known (dry runs cached, else measured steps: :func:`~lightning_seqmem.present.dry_fit.dry_fit_anchors`)
+    no dry run runs: the lengths between and past them come from the fit through them (method
+    ``"dry_run_fit"``, :mod:`.dry_fit`); else each length is dry-run."""
     right = right if planner.length_limit is None else min(right, planner.length_limit)  # the model's positions
-    cached = [L for L in planner.dry_answers(batch_size) if L < right]
-    if len(cached) >= 2:  # the lengths dry-run already (free) and the right end
-        step = max(1, len(cached) // (num - 1))
-        lengths = sorted(set(cached[::step][: num - 1]) | {right})
+    anchors = dry_fit_anchors(planner, batch_size)
+    evenly = {max(1, right * k // num) for k in range(1, num + 1)}
+    if len(anchors) >= 2:  # no dry run: the dry runs cached and the fit through them
+        dried = {L for L, fc in anchors.items() if fc.method == "dry_run" and L <= right}
+        lengths = sorted(evenly | dried)
+        forecasts = [dry_fit_forecast(planner, L, batch_size, anchors) for L in lengths]
     else:
-        lengths = sorted({max(1, right * k // num) for k in range(1, num + 1)})
-    if planner.dry_peak(lengths[0], batch_size) is None:
+        lengths = sorted(evenly)
+        if planner.dry_peak(lengths[0], batch_size) is None:
+            return None
+        try:
+            forecasts = [planner.forecast(L, batch_size) for L in lengths]
+        except (NotEnoughMeasurements, ValueError, RuntimeError):  # a longer length refused: no curve, a figure
+            return None
+    if any(f is None or f.method not in ("dry_run", DRY_RUN_FIT) for f in forecasts):
         return None
-    try:
-        forecasts = [planner.forecast(L, batch_size) for L in lengths]
-    except (NotEnoughMeasurements, ValueError, RuntimeError):  # a longer length refused: no curve, a figure
-        return None
-    if any(f.method != "dry_run" for f in forecasts):
-        return None
-    return lengths, [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
+    method = DRY_RUN_FIT if any(f.method == DRY_RUN_FIT for f in forecasts) else "dry_run"
+    return method, (lengths, [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts])
 
 
 def _reference_batch_size(planner: "SeqMemPlanner") -> Optional[int]:
@@ -179,9 +185,9 @@ def _curves(planner: "SeqMemPlanner", lengths: list[int], right: int, batch_size
             if curve is not None:
                 curves[method] = curve
     if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
-        curve = _dry_run_curve(planner, right, batch_size)
-        if curve is not None:
-            curves["dry_run"] = curve
+        dry = _dry_run_curve(planner, right, batch_size)
+        if dry is not None:
+            curves[dry[0]] = dry[1]
     return curves
 
 
@@ -215,6 +221,52 @@ def _scatter_measured(ax: Any, measured: list, current: tuple, batch_size: Optio
                    color="black" if mine else None, zorder=3, label=f"measured peak (batch {b}{suffix})")
 
 
+_STYLES = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay"),
+           "dry_run": ("tab:purple", "dry run"), DRY_RUN_FIT: ("tab:purple", "quadratic through the dry runs")}
+"""Colour and legend label of each predictor's curve in :func:`memory_figure`."""
+
+
+def _draw_curves(ax: Any, planner: "SeqMemPlanner", curves: dict[str, Any], lengths: list[int], right: int,
+                 batch_size: Optional[int], scale: float) -> None:
+    """The predictors' curves with their upper-bound bands, the lengths dry-run under a fit through
+    them (markers: the only dry-run points), and the fits of the other settings (dashed)."""
+    current = tuple(planner.applied_mitigations)
+    setting = f", with {'+'.join(current)}" if current else ""
+    for method, (xs, peaks, uppers) in curves.items():
+        color, label = _STYLES[method]
+        ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size}{setting})")
+        ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
+                        label=f"{method} upper bound")
+    if DRY_RUN_FIT in curves and batch_size is not None:
+        dried = [L for L in planner.dry_answers(batch_size) if L <= right]
+        ax.scatter(dried, [planner.dry_peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
+                   color="tab:purple", zorder=3, label=f"dry run (batch {batch_size}{setting})")
+    for key, other in _other_settings(planner) if batch_size is not None else ():
+        try:
+            ys = [other.forecast(L, batch_size).peak_bytes / scale for L in lengths]
+        except Exception:  # noqa: BLE001 - a figure never fails on a forecast
+            continue
+        ax.plot(lengths, ys, color="gray", linestyle="--", linewidth=1,
+                label=f"forecast {'with ' + '+'.join(key) if key else 'before mitigations'}")
+
+
+def _draw_lengths(ax: Any, planner: "SeqMemPlanner", right: int, batch_size: Optional[int], target: int) -> None:
+    """Vertical lines: the largest length that fits (by the fit), each switch of rungs, the target."""
+    usable = planner.usable_budget_bytes
+    if usable and batch_size is not None and planner.forecaster.ready:
+        try:
+            fit = planner.max_seq_len(usable, batch_size)
+        except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
+            fit = None
+        if fit and fit < right:
+            ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
+    for i, (seq_len, what) in enumerate(_mitigation_marks(planner)):
+        ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
+                   label=f"switched on at L={seq_len}: {what}" if i < 4 else None)
+    if target:
+        ax.axvline(target, color="gray", linestyle=":", alpha=0.6, label=f"curriculum target {target}")
+
+
 def memory_figure(
     planner: "SeqMemPlanner",
     max_seq_len: Optional[int] = None,
@@ -239,7 +291,6 @@ def memory_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    forecaster = planner.forecaster
     measured = [r for r in planner.records if not r.warmup]
     batch_size = batch_size or _reference_batch_size(planner)
     target = planner.curriculum.target if planner.curriculum is not None else 0
@@ -254,39 +305,13 @@ def memory_figure(
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    styles = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay"),
-              "dry_run": ("tab:purple", "dry run")}
-    current = tuple(planner.applied_mitigations)
-    setting = f", with {'+'.join(current)}" if current else ""
-    for method, (xs, peaks, uppers) in curves.items():
-        color, label = styles[method]
-        ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size}{setting})")
-        ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
-                        label=f"{method} upper bound")
-    for key, other in _other_settings(planner) if batch_size is not None else ():
-        try:
-            ys = [other.forecast(L, batch_size).peak_bytes / scale for L in lengths]
-        except Exception:  # noqa: BLE001 - a figure never fails on a forecast
-            continue
-        ax.plot(lengths, ys, color="gray", linestyle="--", linewidth=1,
-                label=f"forecast {'with ' + '+'.join(key) if key else 'before mitigations'}")
+    _draw_curves(ax, planner, curves, lengths, right, batch_size, scale)
     _scatter_measured(ax, measured, tuple(planner.applied_mitigations), batch_size, scale)
     if usable:
         ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
     if budget and budget != usable:
         ax.axhline(budget / scale, color="tab:red", linestyle=":", alpha=0.6, label=f"budget {budget / scale:.2f} {unit}")
-    if usable and batch_size is not None and forecaster.ready:
-        try:
-            fit = planner.max_seq_len(usable, batch_size)
-        except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
-            fit = None
-        if fit and fit < right:
-            ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
-    for i, (seq_len, what) in enumerate(_mitigation_marks(planner)):
-        ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
-                   label=f"switched on at L={seq_len}: {what}" if i < 4 else None)
-    if target:
-        ax.axvline(target, color="gray", linestyle=":", alpha=0.6, label=f"curriculum target {target}")
+    _draw_lengths(ax, planner, right, batch_size, target)
     ax.set_xlim(0, right)
     top = max(candidates, default=0)
     if budget:  # keep the budget in view: curves may climb far above it at the right end

@@ -245,27 +245,24 @@ def render_breakdown_console(section: dict[str, Any], console: Any = None) -> No
         console.print(f"note: {n}")
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    """The report as Markdown: run facts, measured points, forecasts, predictors, mitigations, the
-    memory breakdown (when traced) and warnings."""
-    parts = ["# lightning-seqmem report", "", f"Created {report['created']}.", "", "## Run", "",
-             _md_table(["", ""], [list(r) for r in _facts_rows(report)]), "",
-             "## Measured peaks (max over non-warm-up steps)", ""]
-    if report["points"]:
-        unit, headers, rows = _points_table(report)
-        parts += [f"Peaks in {unit}; forecast error = (forecast − measured) / measured at the first measurement of "
-                  "the length.", "", _md_table(headers, rows), ""]
-    else:
-        parts += ["No step was measured.", ""]
-    fc = report["forecasts"]
-    parts += ["## Forecasts", ""]
+def _md_forecasts(fc: dict[str, Any]) -> list[str]:
+    """The report's forecasts section (Markdown lines)."""
+    parts = ["## Forecasts", ""]
     if fc["at"]:
         parts += [f"Batch size {fc['batch_size']}; \"fits\" compares the upper bound with the usable budget.", "",
-                  _md_table(_FORECAST_HEADERS, _forecast_rows(report)), ""]
+                  _md_table(_FORECAST_HEADERS, _forecast_rows({"forecasts": fc})), ""]
+        fitted = [f["seq_len"] for f in fc["at"] if f["method"] == "dry_run_fit"]
+        if fitted:
+            parts += [f"At seq_len {fitted}, method `dry_run_fit`: a quadratic through the lengths dry-run "
+                      "(no dry run at that length).", ""]
     if fc.get("error"):
         parts += [f"Forecast unavailable: {fc['error']}", ""]
-    pred = report["predictors"]
-    parts += ["## Predictors", ""]
+    return parts
+
+
+def _md_predictors(pred: dict[str, Any]) -> list[str]:
+    """The report's predictors section: the quadratic fit, the replay, the verifications."""
+    parts = ["## Predictors", ""]
     q = pred["quadratic"]
     if pred.get("mitigations"):
         parts += [f"Fitted with {', '.join(pred['mitigations'])} on (each setting of mitigations has its own fit).", ""]
@@ -288,6 +285,22 @@ def render_markdown(report: dict[str, Any]) -> str:
                               v["method"], format_bytes(v["forecast_bytes"]), format_bytes(v["measured_bytes"]),
                               _pct(v["relative_error"]), "yes" if v["within_tolerance"] else "NO"]
                              for v in pred["verifications"]]), ""]
+    return parts
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: run facts, measured points, forecasts, predictors, mitigations, the
+    memory breakdown (when traced) and warnings."""
+    parts = ["# lightning-seqmem report", "", f"Created {report['created']}.", "", "## Run", "",
+             _md_table(["", ""], [list(r) for r in _facts_rows(report)]), "",
+             "## Measured peaks (max over non-warm-up steps)", ""]
+    if report["points"]:
+        unit, headers, rows = _points_table(report)
+        parts += [f"Peaks in {unit}; forecast error = (forecast − measured) / measured at the first measurement of "
+                  "the length.", "", _md_table(headers, rows), ""]
+    else:
+        parts += ["No step was measured.", ""]
+    parts += _md_forecasts(report["forecasts"]) + _md_predictors(report["predictors"])
     mit = report["mitigations"]
     parts += ["## Mitigations", "", f"Allowed, in order: {', '.join(mit.get('allowed', [])) or 'none'}.", ""]
     if mit.get("events"):

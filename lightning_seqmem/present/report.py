@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning_seqmem.core.advice import KINDS
 from lightning_seqmem.core.forecast import NotEnoughMeasurements
 from lightning_seqmem.core.records import PHASES
+from lightning_seqmem.present.dry_fit import DRY_RUN_FIT, dry_fit_anchors, dry_fit_forecast
 from lightning_seqmem.present.render import (  # re-exported: the rendering lives in present/render.py
     render_breakdown_console,
     render_breakdown_markdown,
@@ -172,14 +173,22 @@ def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
                           "ready": f.ready} for key, f in settings.items()]}
 
 
-def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int) -> dict[str, Any]:
+def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
+                  anchors: Optional[dict[int, Any]] = None) -> dict[str, Any]:
     # the fit of the setting on now where it has one (checked against the dry run at the target
-    # length while training); the dry run where it has not: a report costs no dry run it need not
-    fc = planner.forecaster.forecast(seq_len, batch_size) if planner.forecaster.ready else planner.forecast(seq_len, batch_size)
+    # length while training); where it has not, the dry run cached at that length, else the fit
+    # through the dry runs cached (method "dry_run_fit", :mod:`.dry_fit`), else a dry run: a report
+    # costs no dry run it need not
+    fc = planner.forecaster.forecast(seq_len, batch_size) if planner.forecaster.ready else None
+    if fc is None and anchors is not None:
+        fc = dry_fit_forecast(planner, seq_len, batch_size, anchors)
+    fc = fc or planner.forecast(seq_len, batch_size)
     bound = planner.bound_of(fc)
     row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
            "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,
            "phase_peak_bytes": dict(fc.phase_peak_bytes), "fits": None}
+    if fc.method == DRY_RUN_FIT:
+        row["detail"] = fc.detail
     for method in ("quadratic", "replay"):
         try:
             other = planner.forecaster.forecast(seq_len, batch_size, method=method)
@@ -227,10 +236,14 @@ def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str,
         lengths |= {2 * longest, 4 * longest} - {0}
     lengths = {L for L in lengths if planner.within_limit(L)}  # none past the model's own positions
     try:
-        out["at"] = [_forecast_row(planner, L, batch_size) for L in sorted(lengths)]
-        if planner.usable_budget_bytes is not None:
+        if planner.usable_budget_bytes is not None:  # first: its dry run (before a fit) anchors the rows
             out["max_seq_len"] = planner.max_seq_len(planner.usable_budget_bytes, batch_size)
     except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        anchors = None if planner.forecaster.ready else dry_fit_anchors(planner, batch_size)
+        out["at"] = [_forecast_row(planner, L, batch_size, anchors) for L in sorted(lengths)]
+    except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
