@@ -172,6 +172,7 @@ class SeqMemPlanner:
     _dry_judged = Forward("evidence", method=True)
     _dry_forecast = Forward("evidence", method=True)
     _measured_bound = Forward("evidence", method=True)
+    _dry_margin = Forward("evidence", method=True)
     # the ladder: rungs on, allowed, not applicable, their events
     applied_mitigations = Forward("ladder", "applied")
     mitigations = Forward("ladder", "allowed")
