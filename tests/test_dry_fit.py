@@ -7,6 +7,7 @@ as a step's peak is), so every answer can be checked against the truth."""
 from __future__ import annotations
 
 import random
+import pytest
 
 from lightning_seqmem.core.records import StepRecord
 from lightning_seqmem.plan.dry_evidence import confirmed_largest, fitted_bytes
@@ -101,3 +102,29 @@ def test_report_and_figure_before_a_fit_run_no_dry_run_and_say_the_fit():
     assert calls == []
     assert any(label.startswith("quadratic through the dry runs") for label in labels)
     assert any(label.startswith("dry run (batch 2") for label in labels)
+
+
+@pytest.mark.parametrize("offset, linear, quadratic, most_dry_runs",
+                         [(0, 90_000, 2, 1), (0, 300, 40, 1), (2_000_000, 90_000, 2, 2)])
+def test_after_a_dynamic_padding_run_what_a_step_begins_with_anchors_the_guess(offset, linear, quadratic, most_dry_runs):
+    """One length dry-run (the first decision's) and measured steps just below it (dynamic padding):
+    what a step begins with is the peak's floor at length 0, a third point for the guess. Where the
+    peak starts from it (near-linear growth, SDPA, or quadratic, eager attention): one confirming dry
+    run, within 1% of the largest. Where the peak at length 0 sits above it (``offset``), the guess
+    runs long and one more dry run answers: a lower bound within 2%."""
+    from dataclasses import replace
+
+    held = 20_000_000
+    peak = lambda L: held + offset + linear * L + quadratic * L * L  # noqa: E731
+    budget = int(peak(1118) * 1.02)
+    calls = []
+    p = _planner(peak, budget, calls)
+    p.dry_peak(512, 2)
+    p.records = [replace(_record(s, L, peak(L)), start_bytes=held) for s, L in ((1, 401), (2, 498), (3, 509), (4, 512))]
+    calls.clear()
+    got = p.max_seq_len()
+    truth = max(L for L in range(512, 2049) if int(peak(L) * 1.02) <= budget)
+    assert got in calls and int(peak(got) * 1.02) <= budget  # confirmed by its own dry run: a lower bound
+    assert 0.98 * truth <= got <= truth and len(calls) <= most_dry_runs
+    if most_dry_runs == 1:
+        assert got >= 0.99 * truth

@@ -213,6 +213,9 @@ class Evidence:
                 if (r.mitigations == self.applied_mitigations and r.batch_size == batch_size
                         and r.step >= 1 and r.seq_len not in dried):
                     known[r.seq_len] = max(known.get(r.seq_len, 0), int(self._measured_bound(r) * margin))
+            held = self.held_bytes()  # what a step begins with: the peak's floor as the length goes to 0
+            if held and int(held * margin) < min((v for v in known.values() if v is not None), default=0):
+                known[0] = int(held * margin)  # a third point for the guess (through two, the parabola is p + q·L²: guesses short)
         memo[key] = dry_evidence.confirmed_largest(lo, hi, bound, budget_bytes, known, step)
         return memo[key]
 
