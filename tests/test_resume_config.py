@@ -242,3 +242,26 @@ def test_a_long_run_keeps_its_records_bounded_in_memory(tmp_path):
     assert cb.planner.judge(32, 2).method == "measured"  # the records the decisions read are kept
     _fit([cb], 3, tmp_path)  # the same instance in a new fit starts fresh
     assert [r.step for r in cb.records] == [0, 1, 2] and cb.planner.stage == 0
+
+
+@pytest.mark.parametrize("rung", ["tiled_mlp", "fused_loss"])
+def test_an_opt_in_rung_added_on_resume_lifts_the_cap_and_is_taken_within_the_budget(run, tmp_path, rung):
+    """A ladder that gains an opt-in rung on resume: the cap is lifted for it, the rungs on at the
+    checkpoint are on again, the new one goes on only when a length needs it, and every measured step
+    (the tracker) stays within the same budget."""
+    cb = _callback(mitigations=(*LADDER, rung))
+    trainer, messages = _fit([cb], STEPS + 12, tmp_path, ckpt_path=run.ckpt)
+    (line,) = _resumed_lines(messages)
+    assert f"mitigations ['attention', 'microbatch'] -> ['attention', 'microbatch', '{rung}']" in line, line
+    assert f"the cap at seq_len={CAP} is lifted ('{rung}' may now be switched on)" in line, line
+    module = trainer.lightning_module
+    assert module.attention_backend == "sdpa" and is_micro_batching(module)
+    after = [r for r in cb.records if r.step >= STEPS]
+    assert after and max(r.peak_bytes for r in after) <= BUDGET, [(r.seq_len, r.peak_bytes) for r in after]
+    assert all(r.mitigations[:2] == LADDER for r in after)
+    (event,) = [e for e in cb.mitigation_events if e["name"] == rung]  # tried for the stage the cap held back
+    assert event["seq_len"] >= CAP and event["step"] >= STEPS
+    assert all(rung in r.mitigations for r in after if r.step >= event["step"])
+    assert all(r.step >= event["step"] for r in after if r.seq_len > CAP)  # nothing past the old cap without it
+    # it got further (tiled_mlp here), or the curriculum is capped again, no shorter than before (fused_loss)
+    assert max(r.seq_len for r in after) > CAP or cb.planner.capped_at == CAP
