@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -120,6 +121,56 @@ def test_a_compiled_module_still_compiles_on_cpu_with_the_tracker_and_forecasts_
     compiled = [m for m in said if "torch.compile" in m and "tracker is on only for" in m]
     assert len(compiled) == 1 and "'model'" in compiled[0]
     assert "eager program" in cb.forecast(64, 2).detail
+
+
+class _GraphCounts(pl.Callback):
+    """Dynamo's count of compiled graphs after every batch, by global step."""
+
+    def __init__(self):
+        self.after_step = {}
+
+    def on_train_batch_end(self, trainer, *args):
+        from torch._dynamo.utils import counters
+
+        self.after_step[trainer.global_step - 1] = counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("rung", ["checkpointing", "tiled_mlp", "microbatch"])
+def test_a_rung_switched_on_in_a_compiled_module_runs_compiled_and_within_the_budget(rung):
+    """``torch.compile`` and a rung switched on mid-run: the rung finds its targets through the
+    compiled wrapper, later unmeasured steps compile again with it (dynamo recompiles on the changed
+    modules), and every measured step (the tracker, eager) is within a budget only the rung meets."""
+    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.mitigations import ladder
+    from torch._dynamo.utils import counters
+
+    model = dict(n_layer=2, d_ff=512) if rung == "tiled_mlp" else dict(n_layer=2)
+    rows, target = 2, 256
+
+    def dry(mitigations):
+        module = _gpt(**model)
+        ids = torch.randint(0, 100, (rows, 64), generator=torch.Generator().manual_seed(0))
+        return dry_run_step(module, module.configure_optimizers(), {"input_ids": ids, "labels": ids}, target,
+                            mitigations=mitigations).peak_bytes
+
+    budget = (dry([rung]) + dry([])) // 2  # the target length fits with the rung only
+    torch._dynamo.reset()
+    counters.clear()
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=[rung],
+                        curriculum=Curriculum(start=64, target=target, steps_per_stage=2, multiple_of=64))
+    graphs = _GraphCounts()
+    torch.manual_seed(0)
+    module = CompiledGPT(**{"n_layer": 1, "d_model": 32, "n_head": 2, **model})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([cb, graphs], max_steps=16).fit(module, SyntheticTokenDataModule(batch_size=rows, seq_len=target,
+                                                                                       num_samples=64))
+    assert cb.applied_mitigations == (rung,) and ladder.is_on(rung, module)
+    (event,) = cb.mitigation_events
+    assert graphs.after_step[15] > graphs.after_step[event["step"]]  # compiled steps ran with the rung on
+    assert max(r.seq_len for r in cb.records) == target
+    assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.peak_bytes) for r in cb.records]
+    assert all(r.mitigations == (rung,) for r in cb.records if r.seq_len == target)
 
 
 # -- 2. advice that applies ------------------------------------------------------------------------
