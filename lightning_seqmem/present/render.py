@@ -12,6 +12,7 @@ from typing import Any, Optional
 from lightning_seqmem.core.advice import nothing_fits
 from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.core.units import display_unit, format_bytes
+from lightning_seqmem.present.summary import RunSummary
 
 __all__ = ["render_breakdown_console", "render_breakdown_markdown", "render_console", "render_markdown"]
 
@@ -37,6 +38,8 @@ def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
                   + (f", {run['num_parameters']:,} parameters" if run.get("num_parameters") else "")),
         ("precision", str(run["precision"] or "-")),
     ]
+    if report.get("summary"):  # older reports have none
+        rows.append(("what ran", RunSummary.from_dict(report["summary"]).sentence()))
     if run.get("world_size") and run["world_size"] > 1:
         rows.append(("strategy", f"{run['strategy']} × {run['world_size']}"))
     cur = run.get("curriculum")

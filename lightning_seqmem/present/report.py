@@ -28,6 +28,7 @@ from lightning_seqmem.present.render import (  # re-exported: the rendering live
     render_console,
     render_markdown,
 )
+from lightning_seqmem.present.summary import run_summary
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -330,7 +331,7 @@ def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
     ``predictors`` (quadratic coefficients per phase, replay lengths and notes, verifications and
     accuracy per method), ``forecasts`` (at every measured and curriculum length, the target × 2 and
     × 4, and the largest length that fits the usable budget), ``mitigations``, ``warnings`` (keys of
-    the warnings the planner gave), ``records_summary``, ``breakdown`` (with
+    the warnings the planner gave), ``records_summary``, ``summary`` (what ran: :class:`~lightning_seqmem.present.summary.RunSummary`), ``breakdown`` (with
     ``SeqMemCallback(breakdown=True)``, after fit: see
     :func:`~lightning_seqmem.diagnostics.section.breakdown_section`), ``peak_site`` (where the peak
     sits at the longest length run: phase and kinds of tensor, see :func:`_peak_site`) and, with ``include_records``,
@@ -349,6 +350,7 @@ def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
         "mitigations": _mitigations(planner),
         "warnings": _warnings(planner),
         "records_summary": _records_summary(planner),
+        "summary": run_summary(planner).to_dict(),
     }
     if breakdown is not None:
         report["breakdown"] = breakdown

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_seqmem.present.panels import BREAKDOWN_TAG, FIGURE_TAG, custom_scalars_layout, memory_figure
 from lightning_seqmem.present.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, build_report, render_markdown
+from lightning_seqmem.present.summary import run_summary
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -160,6 +161,7 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
         except Exception as exc:  # noqa: BLE001
             forecast = f"forecast failed: {exc!r}"
             forecast_used = f"none: the forecast failed ({exc!r})"
+    summary = run_summary(planner)
     diagnosis: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "error": f"{type(exception).__name__}: {exception}",
@@ -168,9 +170,10 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
         "failing_batch": {"seq_len": seq_len, "batch_size": batch_size},
         "forecast_for_failing_batch": forecast,
         "forecast_used": forecast_used,
-        "usable_budget_bytes": planner.usable_budget_bytes,
-        "mitigations_applied": list(planner.applied_mitigations),
-        "mitigations_left": [m for m in planner.mitigations if m not in planner.applied_mitigations],
+        "usable_budget_bytes": summary.usable_budget_bytes,
+        "mitigations_applied": list(summary.rungs_on),
+        "mitigations_left": list(summary.rungs_left),
+        "summary": summary.to_dict(),  # what ran until the failing batch (lightning_seqmem.present.summary)
         "would_have_done": _would_have_done(planner, batch_size),
         "last_records": [r.to_dict() for r in planner.records[-last_records:]],
         "cuda_snapshot": None,
@@ -203,27 +206,7 @@ def fit_summary(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], paths
         seqmem: no training step was measured; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings.
         seqmem: report in runs/version_0 (seqmem_report.md, seqmem_report.json, seqmem_memory.png); no TensorBoard logger: no panels.
     """
-    from lightning_seqmem.core.units import format_bytes
-
-    records = planner.records
-    if records:
-        longest = max(records, key=lambda r: (r.seq_len, r.batch_size))
-        peak = max(r.reserved_bytes if planner.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
-                   for r in records)
-        ran = f"longest length {longest.seq_len} tokens (batch {longest.batch_size}); peak {format_bytes(peak)}"
-    else:
-        ran, peak = "no training step was measured", None
-    usable = planner.usable_budget_bytes
-    if usable is None:
-        budget = "no memory budget"
-    else:
-        over = " — OVER it" if peak is not None and peak > usable else ""
-        budget = f"usable budget {format_bytes(usable)} (budget {format_bytes(planner.budget_bytes)}){over}"
-    capped = f"; curriculum capped at {planner.capped_at}" if planner.capped_at is not None else ""
-    rungs = ", ".join(planner.applied_mitigations) or "none"
-    warned = len(planner.warned)
-    first = (f"seqmem: {ran}; {budget}; rungs on: {rungs}{capped}; "
-             f"{warned} warning{'' if warned == 1 else 's'}{' (above)' if warned else ''}.")
+    first = f"seqmem: {run_summary(planner).sentence()}{' (above)' if planner.warned else ''}."
     paths = [Path(p) for p in paths or ()]
     folder = str(paths[0].parent) if paths else (report_dir(trainer) if trainer is not None else None)
     where = (f"report in {folder} ({MARKDOWN_NAME}, {JSON_NAME}, {PNG_NAME})" if paths else

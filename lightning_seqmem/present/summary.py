@@ -1,0 +1,104 @@
+"""``RunSummary``: what ran, in one value, read by everything that says so.
+
+The lines printed at the end of fit (:func:`lightning_seqmem.trainer.outputs.fit_summary`), the
+report's ``summary`` (hence its Markdown, the console table of ``seqmem report`` and the CLI that
+reads the JSON back) and the OOM diagnosis all take their "what ran" from :func:`run_summary`, so
+they cannot disagree on the longest length, the peak, the budget, the rungs on or the cap.
+
+The peak is what the budget is judged on: the reserved bytes where the run compares reserved memory
+(the CUDA caching allocator) and the step recorded them, else the allocated (or tracked) peak.
+
+Example:
+    >>> from lightning_seqmem.core.records import StepMemory
+    >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+    >>> p = SeqMemPlanner(memory_budget_bytes=2**20, mitigations=("attention", "checkpointing"))
+    >>> s = p.begin_step(128, 2)
+    >>> _ = p.observe(s, StepMemory(600_000, {"forward": 600_000}, 100_000, 100_000))
+    >>> summary = run_summary(p)
+    >>> summary.longest_seq_len, summary.peak_bytes, summary.over_budget, summary.rungs_left
+    (128, 600000, False, ('attention', 'checkpointing'))
+    >>> summary.sentence()
+    'longest length 128 tokens (batch 2); peak 585.9 KiB; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings'
+    >>> RunSummary.from_dict(summary.to_dict()) == summary
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from lightning_seqmem.core.units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_seqmem.plan.planner import SeqMemPlanner
+
+__all__ = ["RunSummary", "run_summary"]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What ran: bytes and tokens (``None`` where nothing was measured or no budget was given)."""
+
+    num_measured: int  # measured steps (warm-ups included)
+    longest_seq_len: Optional[int]  # the longest measured length, tokens
+    longest_batch_size: Optional[int]  # its batch size (the largest at that length)
+    peak_bytes: Optional[int]  # the largest measured peak, on the level the budget is judged on
+    peak_level: str  # "reserved" (judged on reserved memory) or "allocated"
+    budget_bytes: Optional[int]
+    usable_budget_bytes: Optional[int]  # budget × (1 − safety_margin)
+    over_budget: bool  # a measured peak above the usable budget
+    rungs_on: tuple[str, ...]  # the rungs on at the end, in the order switched on
+    rungs_left: tuple[str, ...]  # the rungs this run may still switch on
+    capped_at: Optional[int]  # the curriculum's cap, tokens (None: not capped)
+    num_warnings: int
+
+    def sentence(self) -> str:
+        """The summary in one line (the first line printed at the end of fit, without ``seqmem:``)."""
+        if self.num_measured and self.longest_seq_len is not None:
+            ran = (f"longest length {self.longest_seq_len} tokens (batch {self.longest_batch_size}); "
+                   f"peak {format_bytes(self.peak_bytes)}")
+        else:
+            ran = "no training step was measured"
+        if self.usable_budget_bytes is None:
+            budget = "no memory budget"
+        else:
+            budget = (f"usable budget {format_bytes(self.usable_budget_bytes)} (budget {format_bytes(self.budget_bytes)})"
+                      f"{' — OVER it' if self.over_budget else ''}")
+        capped = f"; curriculum capped at {self.capped_at}" if self.capped_at is not None else ""
+        warned = f"{self.num_warnings} warning{'' if self.num_warnings == 1 else 's'}"
+        return f"{ran}; {budget}; rungs on: {', '.join(self.rungs_on) or 'none'}{capped}; {warned}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (tuples as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RunSummary":
+        """The inverse of :meth:`to_dict` (a report read back)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if k in ("rungs_on", "rungs_left") else v for k, v in values.items() if k in names})
+
+
+def run_summary(planner: "SeqMemPlanner") -> RunSummary:
+    """The :class:`RunSummary` of ``planner``'s run so far."""
+    records = planner.records
+    reserved = bool(planner.compare_reserved)
+    longest = max(records, key=lambda r: (r.seq_len, r.batch_size), default=None)
+    peak = max((r.reserved_bytes if reserved and r.reserved_bytes is not None else r.peak_bytes for r in records),
+               default=None)
+    usable = planner.usable_budget_bytes
+    return RunSummary(
+        num_measured=len(records),
+        longest_seq_len=None if longest is None else longest.seq_len,
+        longest_batch_size=None if longest is None else longest.batch_size,
+        peak_bytes=peak,
+        peak_level="reserved" if reserved else "allocated",
+        budget_bytes=planner.budget_bytes,
+        usable_budget_bytes=usable,
+        over_budget=peak is not None and usable is not None and peak > usable,
+        rungs_on=tuple(planner.applied_mitigations),
+        rungs_left=tuple(m for m in planner.mitigations if m not in planner.applied_mitigations),
+        capped_at=planner.capped_at,
+        num_warnings=len(planner.warned),
+    )
