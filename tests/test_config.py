@@ -117,3 +117,19 @@ def test_a_planner_takes_a_config_or_its_keywords_not_both():
     s = PlannerSettings(budget_bytes=1000, dry_run=None, trace_lengths=4)
     assert (s.config.memory_budget_bytes, s.budget_bytes, s.trace_lengths) == (1000, 1000, 4)
     assert s.run_facts == RunFacts.of(s.config)
+
+
+def test_a_compiled_module_under_the_tracker_binds_a_slower_measurement_rate_not_a_new_config():
+    import torch
+
+    from lightning_seqmem.measure.probes import make_probe
+    from lightning_seqmem.trainer.fit_setup import COMPILED_MEASURE_EVERY_N_STEPS, check_compiled
+
+    cb = SeqMemCallback(measure_every_n_steps=3)
+    config, cb._probe = cb.config, make_probe("tracker", torch.device("cpu"))
+    with pytest.warns(UserWarning, match="torch.compile"):
+        check_compiled(cb, torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2))))
+    assert cb.planner.measure_every_n_steps == cb.planner.run_facts.measure_every_n_steps == COMPILED_MEASURE_EVERY_N_STEPS
+    assert cb.config is config and cb.measure_every_n_steps == 3  # the argument stays what was given
+    check_compiled(cb, torch.nn.Linear(2, 2))  # the next fit, of an eager module: the rate given
+    assert cb.planner.measure_every_n_steps == 3
