@@ -64,7 +64,7 @@ class _StateSizes(Callback):
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("seqmem-resume")
     cb = _callback()
-    cb.planner.checkpoint_records = KEEP_LAST
+    cb.planner.bind_run(checkpoint_records=KEEP_LAST)
     sizes = _StateSizes(cb)
     trainer, _ = _fit([cb, sizes], STEPS, root)
     assert cb.applied_mitigations == LADDER and cb.planner.capped_at == CAP  # the scenario holds

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from lightning_seqmem.core.config import PROBE_NAMES  # (checked with the other arguments, in core)
 from lightning_seqmem.core.records import PHASES, StepMemory, TrackedEvents  # noqa: F401 - re-exported
 from lightning_seqmem.measure.tracker import (  # noqa: F401 - re-exported: the tracker lives in measure/tracker.py
     LiveTensorTracker,
@@ -37,8 +38,6 @@ __all__ = ["PHASES", "PROBE_NAMES", "CudaAllocatorProbe", "LiveTensorTracker", "
            "TrackedEvents", "TrackerProbe", "attribute_tensors", "existing_tensors", "make_probe",
            "round_cuda_block_bytes", "tensor_storages"]
 
-PROBE_NAMES = ("auto", "cuda", "tracker")
-"""Accepted values of ``SeqMemCallback(probe=...)``."""
 
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes
 

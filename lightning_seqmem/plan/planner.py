@@ -71,7 +71,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory, StepRecord
-from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
+from lightning_seqmem.core.config import SeqMemConfig
+from lightning_seqmem.core.rungs import MITIGATIONS
 from lightning_seqmem.plan import decisions, pricing
 from lightning_seqmem.plan import metrics as plan_metrics
 from lightning_seqmem.plan.advice_queue import AdviceQueue
@@ -84,7 +85,7 @@ from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.planner_state import load_planner_state, planner_state
 from lightning_seqmem.plan.quadratic_check import quadratic_terms
 from lightning_seqmem.plan.schedule import MeasurementSchedule
-from lightning_seqmem.plan.settings import PlannerSettings
+from lightning_seqmem.plan.settings import BoundForward, PlannerSettings, RunFacts, planner_config
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
@@ -117,29 +118,36 @@ class SeqMemPlanner:
         compare_reserved: judge against reserved memory (the CUDA caching allocator: an OOM happens
             at the reserved level); the tracker has no reserved memory.
         block_bytes: allocation granularity of traced steps (512 for CUDA, 1 for the tracker).
+        config: a :class:`~lightning_seqmem.core.config.SeqMemConfig` (the callback's) instead of
+            the keywords it holds; without one, they make one (unchecked, as they always were).
 
     Its state is in its parts (``settings``, ``schedule``, ``evidence``, ``ladder``, ``course``,
-    ``advice``); the names below read and write theirs.
+    ``advice``); the names below read and write theirs. The settings are read-only: a write of
+    a configured one raises, a write of a run fact is a :meth:`bind_run` (``p.dry_run = fn``).
     """
 
-    # the settings (PlannerSettings): the arguments, and what the run binds at set-up
+    # the settings (PlannerSettings): the arguments (a frozen SeqMemConfig: writes raise), and what the
+    # run binds at set-up (RunFacts: a write is a bind_run)
+    config = Forward("settings")
+    run_facts = Forward("settings")
     warmup_steps = Forward("settings")
     tolerance = Forward("settings")
-    budget_bytes = Forward("settings")
+    budget_bytes = BoundForward("settings")
     safety_margin = Forward("settings")
     curriculum = Forward("settings")
     warmup_steps_after_change = Forward("settings")
     trace_lengths = Forward("settings")
-    measure_every_n_steps = Forward("settings")
-    compare_reserved = Forward("settings")
-    block_bytes = Forward("settings")
-    precision = Forward("settings")
-    dry_run = Forward("settings")
-    device_type = Forward("settings")
-    checkpoint_records = Forward("settings")
-    memory_records = Forward("settings")
-    length_limit = Forward("settings")
-    length_limit_reason = Forward("settings")
+    measure_every_n_steps = BoundForward("settings")
+    compare_reserved = BoundForward("settings")
+    block_bytes = BoundForward("settings")
+    precision = BoundForward("settings")
+    dry_run = BoundForward("settings")
+    device_type = BoundForward("settings")
+    checkpoint_records = BoundForward("settings")
+    memory_records = BoundForward("settings")
+    length_limit = BoundForward("settings")
+    length_limit_reason = BoundForward("settings")
+    budget = Forward("settings")
     usable_budget_bytes = Forward("settings")
     within_limit = Forward("settings", method=True)
     bind_run = Forward("settings", method=True)
@@ -207,13 +215,15 @@ class SeqMemPlanner:
         block_bytes: int = 1,
         precision: str = "32-true",
         dry_run: Optional[DryRun] = None,
+        config: Optional[SeqMemConfig] = None,
     ) -> None:
-        self.settings = PlannerSettings(
-            warmup_steps=warmup_steps, tolerance=float(tolerance), budget_bytes=memory_budget_bytes,
-            safety_margin=float(safety_margin), curriculum=curriculum, warmup_steps_after_change=warmup_steps_after_change,
-            trace_lengths=trace_lengths, measure_every_n_steps=measure_every_n_steps, compare_reserved=compare_reserved,
-            block_bytes=block_bytes, precision=precision, dry_run=dry_run)
-        self.ladder = LadderState(check_mitigations(mitigations))  # the rungs left to this run
+        config = planner_config(
+            config, warmup_steps=warmup_steps, tolerance=tolerance, memory_budget=memory_budget_bytes,
+            safety_margin=safety_margin, curriculum=curriculum, warmup_steps_after_change=warmup_steps_after_change,
+            trace_lengths=trace_lengths, measure_every_n_steps=measure_every_n_steps, mitigations=mitigations)
+        self.settings = PlannerSettings(config, RunFacts.of(config, compare_reserved=compare_reserved, block_bytes=block_bytes,
+                                                            precision=precision, dry_run=dry_run))
+        self.ladder = LadderState(config.mitigations)  # the rungs left to this run
         self.reset()
 
     def reset(self) -> None:
@@ -238,8 +248,7 @@ class SeqMemPlanner:
             >>> p.stages, p.within_limit(300), p.within_limit(301), p.take_advice()[0].kind
             ((64, 128, 256), True, False, 'length_limit')
         """
-        self.length_limit = None if limit is None else int(limit)
-        self.length_limit_reason = reason
+        self.bind_run(length_limit=None if limit is None else int(limit), length_limit_reason=reason)
         if self.length_limit is None:
             return
         dropped = self.course.drop_past(self.length_limit)

@@ -1,70 +1,187 @@
-"""``PlannerSettings``: what a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner` is configured with
-(its constructor's keywords) and what the run binds at set-up (the device, the allocator's
-granularity, the dry run, the model's length limit). One object, shared by reference by the planner's
-parts, so a value bound once is read by all of them.
+"""``PlannerSettings``: what a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner` reads of its
+configuration, a read-only view over two frozen values:
+
+* :class:`~lightning_seqmem.core.config.SeqMemConfig`: the arguments, checked once, never written;
+* :class:`RunFacts`: what the run binds at set-up (the device's budget when none was given, the
+  allocator's granularity, the precision, the dry run, the model's length limit, the measurement
+  rate under ``torch.compile``), replaced as a whole by :meth:`PlannerSettings.bind_run`.
+
+One view, shared by reference by the planner's parts, so a fact bound once is read by all of them.
+Any write to the view raises ``AttributeError`` naming ``bind_run``.
 
 Example:
     >>> s = PlannerSettings(budget_bytes=1000, safety_margin=0.1)
-    >>> s.usable_budget_bytes, s.within_limit(10**9)
-    (900, True)
+    >>> s.usable_budget_bytes, s.within_limit(10**9), s.budget
+    (900, True, Budget(total_bytes=1000, safety_margin=0.1, compare_reserved=False, block_bytes=1))
     >>> s.bind_run(compare_reserved=True, block_bytes=512, device_type="cuda")
     >>> s.compare_reserved, s.block_bytes, s.device_type
     (True, 512, 'cuda')
     >>> s.bind_run(blocks=1)
     Traceback (most recent call last):
     ...
-    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes, precision, device_type, dry_run
+    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes, precision, device_type, dry_run, measure_every_n_steps, length_limit, length_limit_reason, checkpoint_records, memory_records
+    >>> s.block_bytes = 1
+    Traceback (most recent call last):
+    ...
+    AttributeError: `PlannerSettings.block_bytes` is read-only: bind what the run decides with `bind_run(block_bytes=...)`
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional
 
-from lightning_seqmem.core.curriculum import Curriculum
+from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS
+from lightning_seqmem.plan.forward import Forward
 
-__all__ = ["PlannerSettings"]
-
-_RUN_FIELDS = ("budget_bytes", "compare_reserved", "block_bytes", "precision", "device_type", "dry_run")
+__all__ = ["BoundForward", "Budget", "PlannerSettings", "RunFacts", "planner_config"]
 
 
-@dataclass
-class PlannerSettings:
-    """The planner's settings (see :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s arguments)."""
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run binds at set-up (:meth:`PlannerSettings.bind_run`); the defaults are a CPU run's."""
 
-    warmup_steps: int = 2
-    tolerance: float = 0.15
-    budget_bytes: Optional[int] = None
-    safety_margin: float = 0.1
-    curriculum: Optional[Curriculum] = None
-    warmup_steps_after_change: int = 1
-    trace_lengths: int = 3
-    measure_every_n_steps: int = 1
-    compare_reserved: bool = False
-    block_bytes: int = 1
+    budget_bytes: Optional[int] = None  # the budget given, else the device's memory (CUDA); None: none
+    compare_reserved: bool = False  # judge against reserved memory (the CUDA caching allocator)
+    block_bytes: int = 1  # allocation granularity of traced steps (512 for CUDA)
     precision: str = "32-true"
+    device_type: str = "cpu"  # the run's device type, for advice that fits the machine
     dry_run: Optional[Callable[..., Any]] = None  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
-    device_type: str = "cpu"  # the run's device type, for advice that fits the machine (set by the callback)
-    checkpoint_records: int = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see checkpoint.compact_records)
-    memory_records: int = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
+    measure_every_n_steps: int = 1  # the configured one, raised for a compiled module under the tracker
     length_limit: Optional[int] = None  # the model's longest sequence (positions), tokens; None: no limit
     length_limit_reason: str = ""  # where it comes from, e.g. "config.max_position_embeddings=2048"
+    checkpoint_records: int = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see checkpoint.compact_records)
+    memory_records: int = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
+
+    @classmethod
+    def of(cls, config: SeqMemConfig, **facts: Any) -> "RunFacts":
+        """The facts before set-up binds any: the configured budget and measurement rate, and ``facts``."""
+        return cls(**{"budget_bytes": config.memory_budget_bytes, "measure_every_n_steps": config.measure_every_n_steps,
+                      **facts})
+
+
+_RUN_FIELDS = tuple(f.name for f in fields(RunFacts))
+_CONFIG_FIELDS = tuple(f.name for f in fields(SeqMemConfig) if f.init)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The budget a step is judged against: ``total_bytes`` (None: no budget), the fraction kept free,
+    and how memory is counted (reserved memory, in blocks of ``block_bytes``, on CUDA).
+
+    >>> Budget(10_000, 0.1).usable_bytes, Budget(None, 0.1).usable_bytes
+    (9000, None)
+    """
+
+    total_bytes: Optional[int]
+    safety_margin: float
+    compare_reserved: bool = False
+    block_bytes: int = 1
+
+    @property
+    def usable_bytes(self) -> Optional[int]:
+        """``total × (1 − safety_margin)``, or None without a budget."""
+        return None if self.total_bytes is None else int(self.total_bytes * (1 - self.safety_margin))
+
+
+class BoundForward(Forward):
+    """A :class:`~lightning_seqmem.plan.forward.Forward` to a run fact of a part's settings, where a
+    write is that part's ``bind_run(name=value)`` (the façade's ``planner.dry_run = fn``)."""
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        getattr(obj, self.part).bind_run(**{self.attr: value})
+
+
+class PlannerSettings:
+    """The planner's settings: its :class:`SeqMemConfig` (``config``) and :class:`RunFacts`
+    (``run_facts``), read by name. Built from both, or from any of their fields by keyword (the
+    config's then unchecked, as the planner's keywords are): ``PlannerSettings(budget_bytes=1000)``."""
+
+    # the arguments (SeqMemConfig)
+    warmup_steps = Forward("config")
+    tolerance = Forward("config")
+    safety_margin = Forward("config")
+    curriculum = Forward("config")
+    warmup_steps_after_change = Forward("config")
+    trace_lengths = Forward("config")
+    # what the run binds (RunFacts)
+    budget_bytes = Forward("run_facts")
+    compare_reserved = Forward("run_facts")
+    block_bytes = Forward("run_facts")
+    precision = Forward("run_facts")
+    device_type = Forward("run_facts")
+    dry_run = Forward("run_facts")  # the dry run itself (the config's `dry_run` says whether to start one)
+    measure_every_n_steps = Forward("run_facts")
+    length_limit = Forward("run_facts")
+    length_limit_reason = Forward("run_facts")
+    checkpoint_records = Forward("run_facts")
+    memory_records = Forward("run_facts")
+
+    def __init__(self, config: Optional[SeqMemConfig] = None, run_facts: Optional[RunFacts] = None, **values: Any) -> None:
+        unknown = sorted(set(values) - set(_RUN_FIELDS) - set(_CONFIG_FIELDS))
+        if unknown or (values and (config is not None or run_facts is not None)):
+            raise TypeError(f"`PlannerSettings` got {', '.join(unknown) or 'fields besides config/run_facts'}: pass "
+                            "a SeqMemConfig and RunFacts, or fields of theirs by keyword")
+        if config is None:  # `budget_bytes` is the budget given; `dry_run` the dry run itself (a run fact)
+            given = {k: v for k, v in values.items() if k in _CONFIG_FIELDS and k != "dry_run"}
+            config = SeqMemConfig(**given, **({"memory_budget": values["budget_bytes"]} if "budget_bytes" in values else {}),
+                                  checked=False)
+        if run_facts is None:
+            bound = {k: v for k, v in values.items() if k in _RUN_FIELDS and k != "measure_every_n_steps"}
+            run_facts = RunFacts.of(config, **bound)
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "run_facts", run_facts)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"`PlannerSettings.{name}` is read-only: bind what the run decides with `bind_run({name}=...)`"
+                             if name in _RUN_FIELDS else
+                             f"`PlannerSettings.{name}` is read-only: the arguments are a frozen SeqMemConfig, and "
+                             f"what the run decides goes through `bind_run` ({', '.join(_RUN_FIELDS)})")
+
+    def __repr__(self) -> str:
+        return f"PlannerSettings({self.config!r}, {self.run_facts!r})"
+
+    @property
+    def budget(self) -> Budget:
+        """The budget this run judges by (the one given, else the device's) and how it counts."""
+        return Budget(self.budget_bytes, self.safety_margin, self.compare_reserved, self.block_bytes)
 
     @property
     def usable_budget_bytes(self) -> Optional[int]:
         """``budget × (1 − safety_margin)``, or None without a budget."""
-        return None if self.budget_bytes is None else int(self.budget_bytes * (1 - self.safety_margin))
+        return self.budget.usable_bytes
 
     def within_limit(self, seq_len: int) -> bool:
         """Whether the model can take ``seq_len`` tokens at all (``length_limit``: its positions)."""
         return self.length_limit is None or int(seq_len) <= self.length_limit
 
-    def bind_run(self, **values: Any) -> None:
-        """Set what the run decides at set-up: any of ``budget_bytes`` (the device's memory when no
-        budget was given), ``compare_reserved``, ``block_bytes``, ``precision``, ``device_type``,
-        ``dry_run``."""
-        for name, value in values.items():
+    def bind_run(self, **changes: Any) -> None:
+        """Bind what the run decides at set-up: any field of :class:`RunFacts` (``budget_bytes``, the
+        device's memory when no budget was given, ``compare_reserved``, ``block_bytes``, ``precision``,
+        ``device_type``, ``dry_run``, ...); the facts are replaced as a whole, and every part sees them."""
+        for name in changes:
             if name not in _RUN_FIELDS:
                 raise TypeError(f"`bind_run` got `{name}`: pass only {', '.join(_RUN_FIELDS)}")
-            setattr(self, name, value)
+        object.__setattr__(self, "run_facts", replace(self.run_facts, **changes))
+
+
+def planner_config(config: Optional[SeqMemConfig], **keywords: Any) -> SeqMemConfig:
+    """``config``, else one of the planner's ``keywords`` (unchecked, as they always were); a keyword
+    away from its default next to a ``config`` is a ``TypeError`` (the config holds it).
+
+    >>> planner_config(None, warmup_steps=0, memory_budget=4096).warmup_steps
+    0
+    >>> planner_config(SeqMemConfig(), warmup_steps=3)
+    Traceback (most recent call last):
+    ...
+    TypeError: `SeqMemPlanner` got `config` and `warmup_steps=3`: set it in the SeqMemConfig
+    """
+    if config is None:
+        return SeqMemConfig(**keywords, checked=False)
+    defaults = SeqMemConfig.defaults()
+    for name, value in keywords.items():
+        if value != defaults[name]:
+            shown = "memory_budget_bytes" if name == "memory_budget" else name
+            raise TypeError(f"`SeqMemPlanner` got `config` and `{shown}={value!r}`: set it in the SeqMemConfig")
+    return config

@@ -26,15 +26,16 @@ from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import decisions, fit_end, fit_setup, lengths, measured_step, outputs, resume
 from lightning_seqmem.plan import checkpoint as S
 from lightning_seqmem.measure.batch import read_batch_shape
-from lightning_seqmem.core.checks import check_fraction, check_int
+from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.trainer.fit_setup import COMPILED_MEASURE_EVERY_N_STEPS  # noqa: F401 - importable here too
 from lightning_seqmem.trainer.guard import guarded as _guarded
 from lightning_seqmem.trainer.oom import is_oom
+from lightning_seqmem.plan.forward import Forward
 from lightning_seqmem.plan.planner import PendingStep, SeqMemPlanner
-from lightning_seqmem.measure.probes import PROBE_NAMES, MemoryProbe, make_probe
+from lightning_seqmem.measure.probes import MemoryProbe, make_probe
 from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - as before
 from lightning_seqmem.core.units import parse_bytes
 
@@ -170,39 +171,12 @@ class SeqMemCallback(Callback):
         name: Optional[str] = None,
         summary: bool = True,
     ) -> None:
-        check_int("warmup_steps", warmup_steps, 1, accepted="an int ≥ 1 (the first step has no optimizer state)")
-        check_int("warmup_steps_after_change", warmup_steps_after_change, 0, accepted="an int ≥ 0")
-        check_int("trace_lengths", trace_lengths, 2, 8)
-        check_int("measure_every_n_steps", measure_every_n_steps, 1, accepted="an int ≥ 1")
-        tolerance = check_fraction("tolerance", tolerance, 0, 1)
-        safety_margin = check_fraction("safety_margin", safety_margin, 0, 1, closed_low=True)
-        if probe not in PROBE_NAMES:
-            raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {probe!r}")
-        if curriculum is not None and not isinstance(curriculum, Curriculum):
-            raise ValueError(f"`curriculum` must be a lightning_seqmem.Curriculum or None, got {type(curriculum).__name__}")
-        if seq_len_fn is not None and not callable(seq_len_fn):
-            raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"`name` must be a non-empty string or None, got {name!r}")
-        self.name = name  # (before the loop below reuses `name`)
-        for name, value in (("breakdown", breakdown), ("dry_run", dry_run), ("summary", summary)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be a bool, got {value!r}")
-        self._mitigations_arg = ladder.check_mitigations(mitigations)
-        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-        self.warmup_steps, self.tolerance, self.safety_margin = warmup_steps, float(tolerance), float(safety_margin)
-        self.warmup_steps_after_change, self.trace_lengths = warmup_steps_after_change, trace_lengths
-        self.measure_every_n_steps = measure_every_n_steps
-        self.probe_name = probe
-        self.curriculum = curriculum
-        self.seq_len_fn = seq_len_fn
-        self.breakdown, self.dry_run, self.summary = breakdown, dry_run, summary
-        self.planner = SeqMemPlanner(
-            warmup_steps=warmup_steps, tolerance=float(tolerance), memory_budget_bytes=self.memory_budget_bytes,
-            safety_margin=float(safety_margin), curriculum=curriculum,
-            warmup_steps_after_change=warmup_steps_after_change, trace_lengths=trace_lengths,
-            measure_every_n_steps=measure_every_n_steps, mitigations=self._mitigations_arg,
-        )
+        self.config = SeqMemConfig(
+            warmup_steps=warmup_steps, tolerance=tolerance, probe=probe, memory_budget=memory_budget,
+            safety_margin=safety_margin, curriculum=curriculum, warmup_steps_after_change=warmup_steps_after_change,
+            trace_lengths=trace_lengths, measure_every_n_steps=measure_every_n_steps, seq_len_fn=seq_len_fn,
+            mitigations=mitigations, breakdown=breakdown, dry_run=dry_run, name=name, summary=summary)
+        self.planner = SeqMemPlanner(config=self.config)
         self._probe: Optional[MemoryProbe] = None
         self._device: Optional[torch.device] = None
         self._reset_edge()
@@ -226,6 +200,23 @@ class SeqMemCallback(Callback):
         self._dry: Any = None  # training_dry_run.TrainingRunDryRun on rank zero, with dry_run=True
         self._compiled: Optional[str] = None  # why the module counts as torch.compile'd, or None
         self._template: Any = None  # unsharded copy on meta for FSDP2 runs (sharded.template_for)
+
+    # -- The arguments (read-only: cb.config, a frozen SeqMemConfig) --------------------------------
+    warmup_steps = Forward("config")
+    tolerance = Forward("config")
+    probe_name = Forward("config", "probe")
+    memory_budget_bytes = Forward("config")
+    safety_margin = Forward("config")
+    curriculum = Forward("config")
+    warmup_steps_after_change = Forward("config")
+    trace_lengths = Forward("config")
+    measure_every_n_steps = Forward("config")
+    seq_len_fn = Forward("config")
+    _mitigations_arg = Forward("config", "mitigations")
+    breakdown = Forward("config")
+    dry_run = Forward("config")
+    name = Forward("config")
+    summary = Forward("config")
 
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property

@@ -62,12 +62,12 @@ def check_compiled(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> None:
     (see the class docstring). Runs after ``configure_model``, where modules are often compiled."""
     from lightning_seqmem.dryrun.step import _compiled_reason
 
-    cb.planner.measure_every_n_steps = cb.measure_every_n_steps
     cb._compiled = _compiled_reason(pl_module)
+    tracked_compiled = cb._compiled is not None and cb._probe is not None and cb._probe.name == "tracker"
+    every = max(cb.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS) if tracked_compiled else cb.measure_every_n_steps
+    cb.planner.bind_run(measure_every_n_steps=every)
     if cb._compiled is None or cb._probe is None:
         return
-    if cb._probe.name == "tracker":
-        cb.planner.measure_every_n_steps = max(cb.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS)
     cb.planner.advise(A.compiled_module(cb._compiled, cb._probe.name, cb.planner.measure_every_n_steps))
     cb._warn_advice()
 
