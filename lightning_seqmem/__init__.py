@@ -18,6 +18,7 @@ from typing import Any
 
 # Plain values and torch-free maths import eagerly; everything that needs torch or Lightning is
 # imported on first use, so ``import lightning_seqmem.plan.planner`` loads neither.
+from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements, Verification
 from lightning_seqmem.core.quadratic import QuadraticForecast, QuadraticMemoryModel
@@ -101,6 +102,7 @@ __all__ = [
     "QuadraticForecast",
     "QuadraticMemoryModel",
     "SeqMemCallback",
+    "SeqMemConfig",
     "SeqMemFailureWarning",
     "SeqMemPlanner",
     "StepMemory",
