@@ -113,6 +113,7 @@ class Evidence:
         return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
 
     def batch_size_or_last(self, batch_size: Optional[int]) -> int:
+        """``batch_size`` checked, or, where None, the last measured one (raises before any)."""
         if batch_size is None:
             if self.last_batch_size is None:
                 raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
