@@ -76,6 +76,8 @@ class Evidence:
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
         self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
         self._checked: set[tuple] = set()  # steps whose predictors were checked, with the fits' version
+        # (budget, batch size, rungs on, multiple_of, longest) -> the largest length a dry run confirmed to fit
+        self._max_seq_len_memo: dict[tuple, int] = {}
 
     # judging the budget (lightning_seqmem.plan.judging)
     judge = judging.judge
@@ -110,7 +112,8 @@ class Evidence:
         """What to compare with the budget: the reserved bound on CUDA, the upper bound elsewhere."""
         return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
 
-    def _batch_size(self, batch_size: Optional[int]) -> int:
+    def batch_size_or_last(self, batch_size: Optional[int]) -> int:
+        """``batch_size`` checked, or, where None, the last measured one (raises before any)."""
         if batch_size is None:
             if self.last_batch_size is None:
                 raise NotEnoughMeasurements("no batch measured yet: pass `batch_size`")
@@ -127,15 +130,15 @@ class Evidence:
                              f"({self.length_limit_reason}): pass a length up to {self.length_limit}")
         key = self.applied_mitigations if mitigations is None else check_setting(mitigations)
         self._check_dry_once(key)
-        dry = self._dry_forecast(seq_len, self._batch_size(batch_size), key)
+        dry = self.dry_forecast(seq_len, self.batch_size_or_last(batch_size), key)
         if dry is not None:
             return dry
-        why = self.dry_run_why(seq_len, self._batch_size(batch_size), key)
+        why = self.dry_run_why(seq_len, self.batch_size_or_last(batch_size), key)
         forecaster = self.forecasters.get(key)
         if forecaster is None:
             raise NotEnoughMeasurements(f"nothing measured with mitigations {list(key)}; measured: "
                                         f"{[list(k) for k in self.forecasters]}; {why}")
-        fc = forecaster.forecast(seq_len, self._batch_size(batch_size))
+        fc = forecaster.forecast(seq_len, self.batch_size_or_last(batch_size))
         return replace(fc, detail=f"{fc.detail}; {why}")
 
     def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
@@ -158,11 +161,11 @@ class Evidence:
             budget_bytes = self.usable_budget_bytes
             if budget_bytes is None:
                 raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
-        batch_size = self._batch_size(batch_size)
+        batch_size = self.batch_size_or_last(batch_size)
         limit = (lambda fit: fit) if self.length_limit is None else (lambda fit: min(fit, self.length_limit))
         if self.forecaster.ready:
             return limit(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
-        if self.dry_answers(batch_size) or self._dry_forecast(1, batch_size) is not None:
+        if self.dry_answers(batch_size) or self.dry_forecast(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
         # what is known otherwise (a rung went on at the last steps): the setting before it, whose
         # forecast bounds this one (a mitigation never adds memory), else the longest length measured within it
@@ -189,26 +192,26 @@ class Evidence:
         hi -= hi % step
 
         def fits(L: int) -> bool:
-            fc = self._dry_forecast(L, batch_size)
+            fc = self.dry_forecast(L, batch_size)
             return fc is not None and self.bound_of(fc) <= budget_bytes
 
         fitting = [L for L in self.dry_answers(batch_size) if L % step == 0 and L <= hi and fits(L)]  # cached: free
         lo = max(fitting, default=step)
         if not fits(lo):
             return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
-        memo = self.__dict__.setdefault("_max_seq_len_memo", {})  # the answers confirmed (dry run at each)
+        memo = self._max_seq_len_memo  # the answers confirmed (dry run at each)
         key = (budget_bytes, batch_size, self.applied_mitigations, step, hi)
         if memo.get(key) == lo:  # confirmed before, and no longer length dry-run to fit since
             return lo
 
         def bound(L: int) -> Optional[int]:
-            fc = self._dry_forecast(L, batch_size)
+            fc = self.dry_forecast(L, batch_size)
             return None if fc is None else self.bound_of(fc)
 
         dried = {L: bound(L) for L in self.dry_answers(batch_size)}  # cached: free
         known = dict(dried)
         if len(dried) < 2:  # the measured steps too (real peaks, the dry run's margin on them): anchors for the guess
-            margin = 1 + self._dry_margin()
+            margin = 1 + self.dry_margin()
             for r in self.records:  # (not the first step: no optimizer state yet)
                 if (r.mitigations == self.applied_mitigations and r.batch_size == batch_size
                         and r.step >= 1 and r.seq_len not in dried):
@@ -225,7 +228,7 @@ class Evidence:
         fits ``budget``, given that ``lo`` fits: the dry runs cached narrow it, then guesses from their
         bounds are checked (:func:`~lightning_seqmem.plan.dry_evidence.largest_fitting`)."""
         def dry_bound(x: int) -> Optional[int]:
-            fc = self._dry_forecast(x * unit, batch_size, setting)
+            fc = self.dry_forecast(x * unit, batch_size, setting)
             return None if fc is None else self.bound_of(fc)
 
         bound = bound or dry_bound
@@ -263,7 +266,27 @@ class Evidence:
         return sorted(L for (L, B, m), v in self._dry.items() if v is not None and B == int(batch_size) and m == key
                       and self.checks.wrong(key, "dry_run") is None)
 
-    def _dry_margin(self) -> float:
+    def any_dry_run_answered(self) -> bool:
+        """Whether any dry run answered this run (at any shape, with any rungs), trusted or not."""
+        return any(answer is not None for answer in self._dry.values())
+
+    def kept_forecast(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> Optional[Forecast]:
+        """The forecast kept at the first step of ``(seq_len, batch_size, mitigations)`` to verify it
+        against its measurement (:func:`~lightning_seqmem.plan.verification.keep_forecast`), while
+        that step has not been verified yet; else None.
+
+        Example:
+            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+            >>> p = SeqMemPlanner(dry_run=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B}))
+            >>> p.any_dry_run_answered(), p.dry_peak(64, 2)[0], p.any_dry_run_answered()
+            (False, 12800, True)
+            >>> s = p.begin_step(64, 2)   # the first step at this shape: the dry run's forecast is kept
+            >>> p.kept_forecast(64, 2, ()).method, p.kept_forecast(128, 2, ())
+            ('dry_run', None)
+        """
+        return self._pending.get((int(seq_len), int(batch_size), tuple(mitigations)))
+
+    def dry_margin(self) -> float:
         """The dry run's margin: 2%, widened by its largest measured under-prediction."""
         misses = [v.measured_bytes / max(v.forecast_bytes, 1) - 1 for f in self.forecasters.values()
                   for v in f.verifications if v.method == "dry_run"]
@@ -312,7 +335,7 @@ class Evidence:
             return residual
         return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
-    def _dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
+    def dry_forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
                       source: Optional[tuple[int, int]] = None, trusted_only: bool = True) -> Optional[Forecast]:
         """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from the
         dry run of that larger shape (see :mod:`.dry_evidence`), scratch counted at ``seq_len``. None
@@ -328,13 +351,15 @@ class Evidence:
         scratch = self.scratch_bytes(seq_len, batch_size, key)
         if scratch:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
-        upper = int(peak * (1 + self._dry_margin()))
+        upper = int(peak * (1 + self.dry_margin()))
         ratio = self.forecasters[key].reserved_ratio if key in self.forecasters else self.forecaster.reserved_ratio
         detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
         if source is not None and tuple(source) != (seq_len, batch_size):
             detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
         detail += self._peak_site_note((*(source or (seq_len, batch_size)), key))
         return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
+
+    _dry_forecast = dry_forecast  # (the name judging reads)
 
     def dry_peak_site(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
                       ) -> Optional[PeakSite]:

@@ -1,5 +1,6 @@
 """``LadderState``: which rungs are on, which may still go on, which do not apply here, and what
-happened to each (the rung events a report and a checkpoint read).
+happened to each: one :class:`~lightning_seqmem.core.events.MitigationEvent` per rung switched on
+(what a report and a checkpoint read), changed only here, each change a new value.
 
 It is bookkeeping only: what the planner decides to switch on is in :mod:`.decisions`; the planner
 says so (advice) and replans the curriculum around it.
@@ -12,15 +13,17 @@ Example:
     ...                    before_bytes=10_000, before_method="measured")
     >>> ladder.applied, ladder.events[-1]["mitigations_before"], ladder.take_pending_events()
     (('checkpointing',), [], ['mitigation:checkpointing'])
+    >>> ladder.measured_after(-1, 6_000)
     >>> ladder.removed("checkpointing", "it broke the step")
-    >>> ladder.applied, ladder.allowed, ladder.events[-1]["removed"]
-    ((), ('attention',), 'it broke the step')
+    >>> ladder.applied, ladder.allowed, ladder.events[-1].after_bytes, ladder.events[-1]["removed"]
+    ((), ('attention',), 6000, 'it broke the step')
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from lightning_seqmem.core.events import MitigationEvent
 from lightning_seqmem.core.rungs import base_name
 from lightning_seqmem.plan import choose
 
@@ -32,15 +35,28 @@ Applicability = Mapping[str, "tuple[bool, str]"]
 class LadderState:
     """``allowed`` (the rungs left to this run, in ladder order), ``applied`` (on now, in the order
     switched on), ``not_applicable`` (rung -> why it does not apply here, last checked; never
-    advised), ``events`` (one dict per rung switched on: ``name, step, seq_len, batch_size, detail,
-    before_bytes, before_method, after_bytes, mitigations_before``, later ``removed``, ``checked``)."""
+    advised), ``events`` (one :class:`~lightning_seqmem.core.events.MitigationEvent` per rung switched
+    on, in order: ``name, step, seq_len, batch_size, detail, before_bytes, before_method, after_bytes,
+    mitigations_before``, later ``removed``, ``checked``; a frozen value that reads as the dict of
+    earlier versions). ``events`` reads a copy of the list; assigning a list of events or of their
+    dicts (a checkpoint's) replaces them; the methods below change one (:meth:`measured_after`,
+    :meth:`mark_checked`, :meth:`mark_removed`)."""
 
     def __init__(self, allowed: Sequence[str]) -> None:
         self.allowed: tuple[str, ...] = tuple(allowed)
         self.applied: tuple[str, ...] = ()
-        self.events: list[dict[str, Any]] = []
+        self._events: list[MitigationEvent] = []
         self.not_applicable: dict[str, str] = {}
         self.pending_events: list[str] = []  # said in the next step's record
+
+    @property
+    def events(self) -> list[MitigationEvent]:
+        """The events, in the order the rungs went on (a copy: change them through the methods)."""
+        return list(self._events)
+
+    @events.setter
+    def events(self, events: Iterable[Mapping[str, Any]]) -> None:
+        self._events = [MitigationEvent.from_dict(e) for e in events]
 
     def next_rung(self, applicable: Applicability) -> tuple[Optional[str], list[str]]:
         """The first allowed rung not on that applies, and why each one before it does not."""
@@ -60,10 +76,17 @@ class LadderState:
         """``name`` went on (an upgrade replaces its entry), recorded as an event."""
         setting_before = self.applied
         self.applied = choose.combine(self.applied, (name,))
-        self.events.append({"name": name, "step": step, "seq_len": seq_len, "batch_size": batch_size,
-                            "detail": detail, "before_bytes": before_bytes, "before_method": before_method,
-                            "after_bytes": None, "mitigations_before": list(setting_before)})
+        self._events.append(MitigationEvent(name, step, seq_len, batch_size, detail, before_bytes, before_method,
+                                            mitigations_before=setting_before))
         self.pending_events.append(f"mitigation:{name}")
+
+    def measured_after(self, index: int, after_bytes: int) -> None:
+        """Event ``index`` (-1: the last) with the peak measured after its rung went on."""
+        self._events[index] = self._events[index].with_after(after_bytes)
+
+    def mark_checked(self, index: int) -> None:
+        """Event ``index`` (-1: the last) with the attention check after it done."""
+        self._events[index] = self._events[index].with_checked()
 
     def failed(self, name: str) -> None:
         """``name`` could not go on: not tried again this run."""
@@ -77,9 +100,7 @@ class LadderState:
 
     def mark_removed(self, names: Sequence[str], why: str) -> None:
         """The events of ``names`` not marked yet say they were taken off, and ``why``."""
-        for event in self.events:
-            if event.get("name") in names and "removed" not in event:
-                event["removed"] = why
+        self._events = [e.with_removed(why) if e.name in names and "removed" not in e else e for e in self._events]
 
     def drop(self, names: Sequence[str]) -> None:
         """Rungs this run cannot take (set-up)."""

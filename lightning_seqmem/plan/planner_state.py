@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Mapping
 
 from lightning_seqmem.core import advice as A
+from lightning_seqmem.core.events import MitigationEvent
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.core.records import StepRecord
 from lightning_seqmem.core.rungs import check_mitigations, check_setting
@@ -31,7 +32,7 @@ def planner_state(planner: "SeqMemPlanner") -> dict[str, Any]:
         "warned_kinds": dict(planner.warned),
         "applied_mitigations": list(planner.applied_mitigations),
         "mitigations_left": list(planner.mitigations),
-        "mitigation_events": [dict(e) for e in planner.mitigation_events],
+        "mitigation_events": [e.to_dict() for e in planner.mitigation_events],
         "refit_queue": list(planner.refit_queue),
         "decide_now": planner.decide_now,
         "stages": list(planner.stages),
@@ -70,7 +71,7 @@ def _load(planner: "SeqMemPlanner", state: Mapping[str, Any]) -> None:
         left = set(check_mitigations(list(state["mitigations_left"])))
         planner.mitigations = tuple(m for m in planner.mitigations if m in left or m in planner.applied_mitigations)
     planner.forecaster  # noqa: B018
-    planner.mitigation_events = [dict(e) for e in state.get("mitigation_events", [])]
+    planner.mitigation_events = [MitigationEvent.from_dict(e) for e in state.get("mitigation_events", [])]
     planner.refit_queue = [int(L) for L in state.get("refit_queue", [])]
     planner.decide_now = bool(state.get("decide_now", False))
     planner.stages = tuple(int(s) for s in state.get("stages", planner.stages))

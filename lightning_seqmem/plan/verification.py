@@ -23,9 +23,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Optional
 
 from lightning_seqmem.core import advice as A
+from lightning_seqmem.core.events import MitigationEvent
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
 from lightning_seqmem.core.rungs import spec
@@ -47,7 +48,7 @@ def keep_forecast(ev: "Evidence", seq_len: int, batch_size: int) -> None:
     """Keep the forecast at ``(seq_len, batch_size)`` with the rungs on now (the dry run's where it
     answered, else the fit's) to verify against the step that runs there."""
     key = (seq_len, batch_size, ev.applied_mitigations)
-    fc = ev._dry_forecast(seq_len, batch_size) if (seq_len, batch_size, key[2]) in ev._dry else None
+    fc = ev.dry_forecast(seq_len, batch_size) if (seq_len, batch_size, key[2]) in ev._dry else None
     if fc is None and ev.forecaster.ready:
         fc = ev.forecaster.forecast(seq_len, batch_size)
     if fc is not None:
@@ -125,7 +126,7 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
         ev._dry_sites = {k: v for k, v in ev._dry_sites.items() if k[2] != record.mitigations}
         key = (record.seq_len, record.batch_size, record.mitigations)
         if key in ev._pending:  # verified against the next (steady) step: forecast it as such
-            fresh = ev._dry_forecast(*key)
+            fresh = ev.dry_forecast(*key)
             if fresh is not None:
                 ev._pending[key] = fresh
     ev.records.append(record)
@@ -143,7 +144,7 @@ def check_dry_once(ev: "Evidence", setting: tuple[str, ...]) -> None:
     if len(measured) < (2 if ev.compare_reserved else 1):
         return
     r = measured[-1]
-    dry = ev._dry_forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
+    dry = ev.dry_forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
     if dry is not None and ev.checks.add(setting, Check("dry_run", r.seq_len, r.batch_size, dry.peak_bytes, r.peak_bytes)):
         c = ev.checks.latest[(setting, "dry_run", r.seq_len, r.batch_size)]
         ev.advise(A.predictor_wrong(r.seq_len, r.batch_size, r.peak_bytes, [("dry_run", dry.peak_bytes, c.relative_error)],
@@ -184,7 +185,7 @@ def check_predictors(ev: "Evidence", record: StepRecord, forecaster: MemoryForec
     # measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
     residual_known = not ev.compare_reserved or any(r.mitigations == setting and not r.warmup for r in ev.records)
     if ev.dry_run is not None and dry_key in ev._dry and residual_known:
-        dry = ev._dry_forecast(L, B, setting, trusted_only=False)
+        dry = ev.dry_forecast(L, B, setting, trusted_only=False)
         if dry is not None:
             predictions["dry_run"] = dry.peak_bytes
     for method in ("replay", "quadratic"):
@@ -234,9 +235,9 @@ def after_mitigation(ev: "Evidence", record: StepRecord) -> None:
     if not ev.mitigation_events:
         return
     event = ev.mitigation_events[-1]
-    if event["after_bytes"] is None and record.seq_len == event["seq_len"] and record.mitigations == ev.applied_mitigations:
-        event["after_bytes"] = record.peak_bytes
-    if not spec(event["name"]).linearises_attention or event.get("checked"):
+    if event.after_bytes is None and record.seq_len == event.seq_len and record.mitigations == ev.applied_mitigations:
+        ev.ladder.measured_after(-1, record.peak_bytes)
+    if not spec(event.name).linearises_attention or event.checked:
         return
     terms = ev._dry_quadratic_terms(event, record.batch_size)
     if terms is None and ev.forecaster.ready:
@@ -244,19 +245,19 @@ def after_mitigation(ev: "Evidence", record: StepRecord) -> None:
     if terms is None:
         return
     old_b, new_b = terms
-    event["checked"] = True
+    ev.ladder.mark_checked(-1)
     if new_b > 0.5 * old_b:
-        ev.advise(A.attention_still_quadratic(event["detail"], new_b, old_b))
+        ev.advise(A.attention_still_quadratic(event.detail, new_b, old_b))
 
 
-def dry_quadratic_terms(ev: "Evidence", event: Mapping[str, Any], batch_size: int) -> Optional[tuple[float, float]]:
+def dry_quadratic_terms(ev: "Evidence", event: MitigationEvent, batch_size: int) -> Optional[tuple[float, float]]:
     """Bytes per token² per sample before and after the rung of ``event``, from dry runs at
     L, 2L, 3L (``p(3L) − 2p(2L) + p(L) = 2bL²`` for ``p = c + aL + bL²``), or None."""
-    before = tuple(event.get("mitigations_before", ()))
-    after = choose.combine(before, (event["name"],))
+    before = event.mitigations_before
+    after = choose.combine(before, (event.name,))
     if after != ev.applied_mitigations[: len(after)]:
         return None
-    x = max(int(event.get("seq_len") or 0), 16)
+    x = max(int(event.seq_len or 0), 16)
     out = []
     for setting in (before, after):
         peaks = [ev.dry_peak(k * x, batch_size, setting) for k in (1, 2, 3)]

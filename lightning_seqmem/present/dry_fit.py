@@ -45,12 +45,12 @@ def dry_fit_anchors(planner: "SeqMemPlanner", batch_size: int) -> dict[int, Fore
     after the first (the real peak, the dry run's margin on it; method ``"measured"``)."""
     out: dict[int, Forecast] = {}
     for L in planner.dry_answers(batch_size):
-        fc = planner._dry_forecast(L, batch_size)  # cached: no dry run
+        fc = planner.dry_forecast(L, batch_size)  # cached: no dry run
         if fc is not None:
             out[L] = fc
     if len(out) >= 2:
         return out
-    margin = 1 + planner._dry_margin()
+    margin = 1 + planner.dry_margin()
     dried = set(out)
     for r in planner.records:
         if (r.mitigations != planner.applied_mitigations or r.batch_size != batch_size or r.seq_len in dried

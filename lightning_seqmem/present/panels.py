@@ -157,7 +157,7 @@ def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
     """
     events = planner.mitigation_events
     if events:
-        return [(int(e["seq_len"]), str(e["name"])) for e in events]
+        return [(int(e.seq_len), e.name) for e in events]
     marks, previous = [], ()
     for record in planner.records:
         current = tuple(record.mitigations)

@@ -254,7 +254,7 @@ class SeqMemCallback(Callback):
             from lightning_seqmem.dryrun.sharded import world_forecast
 
             key = self.planner.applied_mitigations if mitigations is None else ladder.check_mitigations(mitigations)
-            fc = world_forecast(self._dry, seq_len, self.planner._batch_size(batch_size), key, world_size)
+            fc = world_forecast(self._dry, seq_len, self.planner.batch_size_or_last(batch_size), key, world_size)
         else:
             fc = self.planner.forecast(seq_len, batch_size, mitigations)
             self._warn_advice()  # a dry run found wrong at its first check, or refused, is said here too

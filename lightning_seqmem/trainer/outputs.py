@@ -240,7 +240,7 @@ def _forecast_used(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
                    pending: Optional["PendingStep"]) -> Any:
     """The forecast the planner had for the failing batch: the one kept to verify it (the dry run's,
     the replay's or the fit's), else the dry run's or the fit's now; None where none exists."""
-    kept = planner._pending.get((seq_len, batch_size, pending.mitigations)) if pending is not None else None
+    kept = planner.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
     if kept is not None:
         return kept
     try:
@@ -252,8 +252,7 @@ def _forecast_used(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
 def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str:
     if planner.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
-    dry_runs_answered = any(answer is not None for answer in planner._dry.values())
-    if not planner.forecaster.ready and not dry_runs_answered:
+    if not planner.forecaster.ready and not planner.any_dry_run_answered():
         return "nothing yet: fewer than two lengths were measured and no dry run answered, so no forecast existed"
     left = [m for m in planner.mitigations if m not in planner.applied_mitigations]
     if left:

@@ -14,7 +14,7 @@ one process they return their input.
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,56 @@ def broadcast(trainer: Any, obj: Any) -> Any:
     return obj if trainer.world_size <= 1 else trainer.strategy.broadcast(obj, src=0)
 
 
+class MeasuredRow(NamedTuple):
+    """One rank's row in :func:`gather_measurement`, read by name (it travels as a flat list of
+    ints, -1 for none: :meth:`to_list`, :meth:`from_list`).
+
+    Example:
+        >>> memory = StepMemory(900, {"forward": 900, "backward": 700}, 100, 120)
+        >>> row = MeasuredRow.of(False, True, memory, (2, 64))
+        >>> back = MeasuredRow.from_list(row.to_list())
+        >>> back == row, back.peak_bytes, back.seq_len, back.batch_size, back.memory(None).phase_peak_bytes
+        (True, 900, 64, 2, {'forward': 900, 'backward': 700})
+        >>> MeasuredRow.of(True, False, None, None).peak_bytes   # a rank that failed: no measurement
+        -1
+    """
+
+    failed: int
+    flag: int
+    seq_len: int
+    batch_size: int
+    counters: tuple[int, ...]  # StepMemory's int fields (_INT_FIELDS), -1 for None
+    phases: tuple[int, ...]  # the phase peaks (PHASES), -1 where a phase has none
+
+    @classmethod
+    def of(cls, failed: bool, flag: bool, memory: Optional[StepMemory], shape: Optional[tuple[int, int]]) -> "MeasuredRow":
+        """This rank's row: its measurement at ``shape = (batch_size, seq_len)``, or -1s."""
+        if memory is None or shape is None or failed:
+            return cls(int(failed), int(flag), -1, -1, (-1,) * len(_INT_FIELDS), (-1,) * len(PHASES))
+        counters = tuple(-1 if getattr(memory, f) is None else int(getattr(memory, f)) for f in _INT_FIELDS)
+        return cls(0, int(flag), shape[1], shape[0], counters, tuple(memory.phase_peak_bytes.get(p, -1) for p in PHASES))
+
+    def to_list(self) -> list[int]:
+        return [self.failed, self.flag, self.seq_len, self.batch_size, *self.counters, *self.phases]
+
+    @classmethod
+    def from_list(cls, values: Sequence[int]) -> "MeasuredRow":
+        n = 4 + len(_INT_FIELDS)
+        return cls(*(int(v) for v in values[:4]), tuple(int(v) for v in values[4:n]), tuple(int(v) for v in values[n:]))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.counters[_INT_FIELDS.index("peak_bytes")]
+
+    def memory(self, events: Any) -> StepMemory:
+        """The measurement of this row (``events``: the trace, kept only by the rank that measured it)."""
+        ints = {f: (None if v < 0 else int(v)) for f, v in zip(_INT_FIELDS, self.counters)}
+        phases = {p: int(v) for p, v in zip(PHASES, self.phases) if v >= 0}
+        reserved, fragmentation = ints.get("reserved_bytes"), ints.get("fragmentation_bytes")
+        fraction = fragmentation / reserved if reserved and fragmentation is not None else None
+        return StepMemory(phase_peak_bytes=phases, fragmentation_fraction=fraction, events=events, **ints)
+
+
 def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory], shape: Optional[tuple[int, int]],
                        flag: bool = False) -> tuple[bool, bool, Optional[tuple[int, StepMemory, int, int]]]:
     """(any rank failed, ``flag`` on any rank, (rank, measurement, seq_len, batch_size) of the
@@ -67,26 +117,16 @@ def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory],
         if memory is None or shape is None:
             return failed, flag, None
         return failed, flag, (0, memory, shape[1], shape[0])
-    width = 4 + len(_INT_FIELDS) + len(PHASES)
-    row = [int(failed), int(flag)] + [-1] * (width - 2)
-    if memory is not None and shape is not None and not failed:
-        values = [-1 if getattr(memory, f) is None else int(getattr(memory, f)) for f in _INT_FIELDS]
-        row = [0, int(flag), shape[1], shape[0], *values, *(memory.phase_peak_bytes.get(p, -1) for p in PHASES)]
-    rows = _collective(trainer, row, "gather")
-    any_flag = any(r[1] for r in rows)
-    if any(r[0] for r in rows):
+    rows = [MeasuredRow.from_list(r) for r in _collective(trainer, MeasuredRow.of(failed, flag, memory, shape).to_list(), "gather")]
+    any_flag = any(r.flag for r in rows)
+    if any(r.failed for r in rows):
         return True, any_flag, None
-    measured = [(rank, r) for rank, r in enumerate(rows) if r[4] >= 0]  # r[4]: peak_bytes
+    measured = [(rank, r) for rank, r in enumerate(rows) if r.peak_bytes >= 0]
     if not measured:
         return False, any_flag, None
-    rank, r = max(measured, key=lambda item: item[1][4])
-    ints = {f: (None if v < 0 else int(v)) for f, v in zip(_INT_FIELDS, r[4 : 4 + len(_INT_FIELDS)])}
-    phases = {p: int(v) for p, v in zip(PHASES, r[4 + len(_INT_FIELDS) :]) if v >= 0}
-    reserved, fragmentation = ints.get("reserved_bytes"), ints.get("fragmentation_bytes")
-    fraction = fragmentation / reserved if reserved and fragmentation is not None else None
+    rank, r = max(measured, key=lambda item: item[1].peak_bytes)
     events = memory.events if memory is not None and rank == trainer.global_rank else None
-    chosen = StepMemory(phase_peak_bytes=phases, fragmentation_fraction=fraction, events=events, **ints)
-    return False, any_flag, (rank, chosen, int(r[2]), int(r[3]))
+    return False, any_flag, (rank, r.memory(events), r.seq_len, r.batch_size)
 
 
-__all__ = ["agree_inputs", "all_ok", "broadcast", "gather_measurement"]
+__all__ = ["MeasuredRow", "agree_inputs", "all_ok", "broadcast", "gather_measurement"]
