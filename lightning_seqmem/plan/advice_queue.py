@@ -28,6 +28,10 @@ class AdviceQueue:
             self.warned[item.key] = item.kind
             self._advice.append(item)
 
+    def forget(self, kinds: "set[str] | frozenset[str]") -> None:
+        """Advice of ``kinds`` may be given again (a resume under a changed budget)."""
+        self.warned = {key: kind for key, kind in self.warned.items() if kind not in kinds}
+
     def take_advice(self) -> list[A.Advice]:
         """The advice given since the last call (the callback warns each once)."""
         out, self._advice = self._advice, []

@@ -361,7 +361,7 @@ def compact_records(records: Sequence[StepRecord], keep_last: int, bound: Callab
 
 
 # -- reconciliation --------------------------------------------------------------------------------
-_BUDGET_ADVICE = ("stage_over_budget", "batch_over_budget", "first_step_over_budget")
+_BUDGET_ADVICE = frozenset(("stage_over_budget", "batch_over_budget", "first_step_over_budget"))
 
 
 def _usable(config: Mapping[str, Any], default_margin: float) -> Optional[float]:
@@ -401,12 +401,12 @@ def _reconcile_ladder(planner: Any, old: Mapping[str, Any], new: Mapping[str, An
     if old_ladder is not None and list(old_ladder) != list(new["mitigations"]):
         phrases.append(f"mitigations {list(old_ladder)} -> {list(new['mitigations'])}")
     if old_ladder is not None:
-        planner.mitigations = tuple(m for m in allowed if m not in failed)
+        planner.ladder.allow(tuple(m for m in allowed if m not in failed))
     if removed:
-        planner.applied_mitigations = kept
+        planner.ladder.keep_on(kept)
         planner.forecaster  # noqa: B018 - the fit of the setting now on
         planner.ladder.mark_removed(removed, "no longer allowed by `mitigations` on resume")
-        planner.refit_queue = []
+        planner.course.replan()
     return phrases, removed, newly_allowed
 
 
@@ -444,7 +444,7 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
     if budget_changed:
         margin = "" if old_margin == new["safety_margin"] else f", safety_margin {old_margin} -> {new['safety_margin']}"
         phrases.append(f"memory_budget {_bytes(old.get('memory_budget_bytes'))} -> {_bytes(new['memory_budget_bytes'])}{margin}")
-        planner.warned = {k: v for k, v in planner.warned.items() if v not in _BUDGET_ADVICE}
+        planner.advice.forget(_BUDGET_ADVICE)
     # -- the curriculum
     curriculum: Optional[Curriculum] = planner.curriculum
     old_stages = _old_stages(old)
@@ -454,12 +454,12 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
     if curriculum is None:
         if planner.stages:
             phrases.append("curriculum removed: the data's own lengths run")
-        planner.stages, planner.stage, planner.capped_at, planner.refit_queue = (), 0, None, []
+        planner.course.without_curriculum()
     else:
         changed = old_stages is not None and (tuple(old_stages) != curriculum.stages or (
             old.get("curriculum") is not None and old["curriculum"] != curriculum.to_dict()))
         if not planner.stages:  # no curriculum before: it starts at its first stage
-            planner.stages, planner.stage, planner.stage_steps = curriculum.stages, 0, 0
+            planner.course.resume_at(curriculum.stages, 0, planner.capped_at, restart_stage=True)
             if old_stages is None and "curriculum" in old:
                 phrases.append(f"curriculum added: starts at seq_len={curriculum.stages[0]}")
         elif changed or lift:
@@ -471,14 +471,12 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
             if position not in stages:  # a length between two stages: kept, on the new multiple_of
                 position = max(position - position % curriculum.multiple_of, stages[0])
                 stages = sorted(set(stages) | {position})
-            planner.stages, planner.stage, planner.capped_at = tuple(stages), stages.index(position), cap
-            if position != here:
-                planner.stage_steps, planner.refit_queue = 0, []
+            planner.course.resume_at(tuple(stages), stages.index(position), cap, restart_stage=position != here,
+                                     decide_now=lift)
             if changed:
                 phrases.append(f"curriculum {_curriculum_change(old, old_stages, curriculum)}: resumes at "
                                f"seq_len={position} (stage {planner.stage + 1} of {len(stages)})")
             if lift:
-                planner.decide_now = True
                 why = "the budget was raised" if raised else f"{', '.join(map(repr, newly_allowed))} may now be switched on"
                 phrases.append(f"the cap at seq_len={here} is lifted ({why}): the next stage is judged at the next batch")
     return phrases, removed

@@ -72,6 +72,21 @@ class CurriculumState:
         if decision.action == "cap":
             self.capped_at = self.stages[-1]
 
+    def resume_at(self, stages: tuple[int, ...], stage: int, capped_at: Optional[int], *, restart_stage: bool = False,
+                  decide_now: bool = False) -> None:
+        """Resume under a changed configuration (:func:`~lightning_seqmem.plan.checkpoint.reconcile`):
+        ``stages`` with ``stage`` running and the cap ``capped_at``; ``restart_stage``: the length
+        changed, so its step count and re-measurement queue start again; ``decide_now``: judge the
+        next stage at the next batch (a cap lifted)."""
+        self.stages, self.stage, self.capped_at = tuple(stages), int(stage), capped_at
+        if restart_stage:
+            self.stage_steps, self.refit_queue = 0, []
+        self.decide_now = self.decide_now or decide_now
+
+    def without_curriculum(self) -> None:
+        """The curriculum was removed on resume: the data's own lengths run."""
+        self.stages, self.stage, self.capped_at, self.refit_queue = (), 0, None, []
+
     def replan(self) -> None:
         """The rungs changed: no queued re-measurement, and the next batch decides."""
         self.refit_queue, self.decide_now = [], True

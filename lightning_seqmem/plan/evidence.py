@@ -359,7 +359,6 @@ class Evidence:
         detail += self._peak_site_note((*(source or (seq_len, batch_size)), key))
         return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
 
-    _dry_forecast = dry_forecast  # (the name judging reads)
 
     def dry_peak_site(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
                       ) -> Optional[PeakSite]:

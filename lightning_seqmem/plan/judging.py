@@ -104,20 +104,20 @@ def dry_judged(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optio
     budget = ev.usable_budget_bytes
     L, B = int(seq_len), int(batch_size)
     if (L, B, key) in ev._dry or budget is None or ev.dry_run is None or ev.curriculum is not None:
-        return ev._dry_forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
+        return ev.dry_forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
     answers = {(k[0], k[1]): v[0] for k, v in ev._dry.items() if v is not None and k[2] == key}
     source = dry_evidence.dominating(answers, L, B)
     if source is not None:
-        fc = ev._dry_forecast(L, B, key, source=source)
+        fc = ev.dry_forecast(L, B, key, source=source)
         if fc is not None and ev.bound_of(fc) <= budget:
             return fc
     bucket = ev._bucket(L, B, key, budget)
     known_over = any(L <= k[0] <= bucket and k[1] == B and ev._over(k[0], B, key, budget) for k in answers)
     if bucket > L and not known_over:
-        fc = ev._dry_forecast(L, B, key, source=(bucket, B))
+        fc = ev.dry_forecast(L, B, key, source=(bucket, B))
         if fc is not None and ev.bound_of(fc) <= budget:
             return fc
-    return ev._dry_forecast(L, B, key)
+    return ev.dry_forecast(L, B, key)
 
 
 def bucket(ev: "Evidence", seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> int:
@@ -129,14 +129,14 @@ def bucket(ev: "Evidence", seq_len: int, batch_size: int, key: tuple[str, ...], 
     bounds = {}
     for (L, B, m), answer in ev._dry.items():
         if answer is not None and B == batch_size and m == key:
-            fc = ev._dry_forecast(L, B, key)
+            fc = ev.dry_forecast(L, B, key)
             if fc is not None:
                 bounds[L] = ev.bound_of(fc)
     return dry_evidence.ahead_length(seq_len, longest, bounds, budget, ev.length_limit)
 
 
 def over(ev: "Evidence", seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> bool:
-    fc = ev._dry_forecast(seq_len, batch_size, key)
+    fc = ev.dry_forecast(seq_len, batch_size, key)
     return fc is not None and ev.bound_of(fc) > budget
 
 

@@ -106,6 +106,18 @@ class LadderState:
         """Rungs this run cannot take (set-up)."""
         self.allowed = tuple(m for m in self.allowed if m not in names)
 
+    def allow(self, names: Sequence[str]) -> None:
+        """The rungs this run may use from now on, in ladder order (a new fit, a resume)."""
+        self.allowed = tuple(names)
+
+    def keep_on(self, names: Sequence[str]) -> None:
+        """The rungs on now, as found on the module (a new fit) or kept on resume; no event."""
+        self.applied = tuple(names)
+
+    def note_not_applicable(self, applicability: Applicability) -> None:
+        """Why each rung that does not apply here does not (the last check; never advised)."""
+        self.not_applicable = {name: why for name, (ok, why) in applicability.items() if not ok}
+
     def take_pending_events(self) -> list[str]:
         """The events since the last step (``mitigation:<name>``), for the next step's record."""
         events, self.pending_events = self.pending_events, []

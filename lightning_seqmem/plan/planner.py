@@ -318,6 +318,19 @@ class SeqMemPlanner:
         self.course.replan()
         self.advise(A.mitigation_failed(name, why))
 
+    def restart(self, allowed: Sequence[str], still_on: Sequence[str] = ()) -> None:
+        """A fresh run (:meth:`reset`) that may use the rungs ``allowed``, with ``still_on`` on already
+        (found on the module: never reported as off), fitted as a setting of its own."""
+        self.reset()
+        self.ladder.allow(allowed)
+        self.ladder.keep_on(still_on)
+        self.forecaster  # noqa: B018 - that setting's own (empty) fit
+
+    def note_not_applicable(self, applicability: Applicability) -> None:
+        """The last check of the rungs not on (``rung -> (applies, why)``): why those that do not apply
+        here do not (reported, never advised)."""
+        self.ladder.note_not_applicable(applicability)
+
     def drop_mitigations(self, names: Sequence[str], why: str) -> None:
         """Rungs this run cannot take (set-up): off for the run, said once."""
         if names:

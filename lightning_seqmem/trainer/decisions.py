@@ -107,7 +107,7 @@ def applicability(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     key = (cb.planner.applied_mitigations, left, shape[0])
     if key not in cb._applicable_cache:
         cb._applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
-        cb.planner.not_applicable = {k: why for k, (ok, why) in cb._applicable_cache[key].items() if not ok}
+        cb.planner.note_not_applicable(cb._applicable_cache[key])
     return cb._applicable_cache[key]
 
 

@@ -50,10 +50,7 @@ def next_fit(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningM
                        f"{cb.planner.seq_len}).")
         return
     still_on = tuple(n for n in cb.planner.applied_mitigations if ladder.is_on(n, pl_module))
-    cb.planner.reset()
-    cb.planner.mitigations = cb._mitigations_arg
-    cb.planner.applied_mitigations = still_on  # what the module runs with: never reported as off
-    cb.planner.forecaster  # noqa: B018 - that setting's own (empty) fit
+    cb.planner.restart(cb._mitigations_arg, still_on)  # what the module runs with: never reported as off
     if getattr(trainer, "ckpt_path", None):
         return  # the checkpoint's state replaces this one (load_state_dict says how it resumed)
     why = "a new Trainer" if not same_trainer else "a new module"
@@ -84,8 +81,7 @@ def load_state(cb: "SeqMemCallback", state_dict: dict[str, Any]) -> None:
         cb._resume_phrases, cb._resume_removed = S.reconcile(
             cb.planner, state_dict.get("config"), cb._config(), allowed, state_dict.get("mitigations_left"))
     except Exception as exc:  # noqa: BLE001
-        cb.planner.reset()
-        cb.planner.mitigations = allowed
+        cb.planner.restart(allowed)
         cb._resume_phrases, cb._resume_removed = [], ()
         what = str(exc) if isinstance(exc, S.InvalidState) else f"{type(exc).__name__}: {exc}"
         rank_zero_warn(f"seqmem: could not restore the callback state from the checkpoint ({what}); measuring "
