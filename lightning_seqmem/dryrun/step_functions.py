@@ -43,17 +43,15 @@ from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.mitigations.base import CopyPlan
-from lightning_seqmem.mitigations.microbatch_functional import _autocast_off  # the wrapper's own
 from lightning_seqmem.mitigations.microbatch import (
     IGNORE_INDEX,
     MicroBatching,
-    _slice,
-    deferred_gradient_reduction,
     is_micro_batching,
     micro_batch_counts,
     micro_batching_check_pending,
     split_batch,
 )
+from lightning_seqmem.mitigations.microbatch_functional import check_pair, run_micro_batches  # the wrapper's own
 
 __all__ = ["plain_loss", "step_functions"]
 
@@ -105,14 +103,12 @@ def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: li
     :mod:`lightning_seqmem.mitigations.microbatch`): a copy of every buffer, then no-grad forwards
     of the first two counted micro-batches together and apart, while the previous step's gradients
     are still alive. Nothing is kept."""
-    used = [i for i, c in enumerate(counts) if c > 0][:2]
-    if len(used) < 2:
+    found = check_pair(batch, parts, counts)
+    if found is None:
         return
-    sizes = [infer_batch_shape(part)[0] for part in parts]
-    pair = _slice(batch, sum(sizes), sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1]))
     copies = [b.detach().clone() for b in model.buffers()]
     with torch.no_grad():
-        losses = [plain_loss(model, part).detach() for part in (pair, *(parts[i] for i in used))]
+        losses = [plain_loss(model, part).detach() for part in (found.batch, *(parts[i] for i in found.used))]
     del copies, losses
 
 
@@ -141,17 +137,10 @@ def _micro_batched_loss(
             return loss
         if check:
             _first_step_check(model, batch, parts, counts)
-        total = sum(counts)
-        optimizer.zero_grad(set_to_none=True)
-        done: Optional[torch.Tensor] = None
-        for i in used[:-1]:
-            scaled = plain_loss(model, parts[i]) * (counts[i] / total)
-            with _autocast_off(scaled.device.type), deferred_gradient_reduction(model):
-                scaled.backward()
-            done = scaled.detach() if done is None else done + scaled.detach()
-            del scaled
-        scaled = plain_loss(model, parts[used[-1]]) * (counts[used[-1]] / total)
-        return scaled if done is None else scaled + done
+        return run_micro_batches(  # the wrapper's loop, each output and loss dropped once read or scaled
+            parts, counts, lambda part: model.training_step(part, 0), lambda scaled: scaled.backward(), model,
+            zero_grad=lambda: optimizer.zero_grad(set_to_none=True), read_loss=_loss_of, hold=False,
+        )
 
     return loss_fn
 

@@ -152,7 +152,6 @@ from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, 
 from lightning_seqmem.mitigations.microbatch_functional import (  # the functional twin, re-exported
     IGNORE_INDEX,
     WEIGHTINGS,
-    _slice,  # noqa: F401 - the dry run splits with it
     deferred_gradient_reduction,
     micro_batch_counts,
     split_batch,
