@@ -89,7 +89,7 @@ class _ZeroGradBeforeFirstMicroBatch:
 def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignore_index: int) -> list[int]:
     """What each micro-batch's loss weighs (see :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts`).
 
-    Label tokens are counted from the batch's values (:class:`_BatchValues`); a batch whose labels
+    Label tokens are counted from the batch's values (:class:`BatchValues`); a batch whose labels
     have none (too large to keep) is weighted by samples: the weights are scalars, the memory is the same.
     """
     try:

@@ -25,10 +25,11 @@ from lightning_seqmem.mitigations.microbatch_functional import (
     split_batch,
 )
 
-__all__ = ["MicroBatchingRefusedWarning", "is_micro_batching", "micro_batching_check_pending", "micro_batching_refusal"]
+__all__ = ["REFUSED_ATTRIBUTE", "MicroBatchedTrainingStep", "MicroBatchingRefusedWarning", "is_micro_batching",
+           "micro_batching_check_pending", "micro_batching_refusal", "unwrap_training_step", "wrapper_of"]
 
 
-_REFUSED = "_seqmem_micro_batching_refused"  # instance attribute holding the refusal reason
+REFUSED_ATTRIBUTE = "_seqmem_micro_batching_refused"  # instance attribute holding the refusal reason
 
 
 
@@ -157,7 +158,7 @@ class _SkipNextZeroGrad:
         self.restore()  # the gradients were zeroed before the first micro-batch: keep them
 
 
-class _MicroBatchedTrainingStep:
+class MicroBatchedTrainingStep:
     """The wrapper put on ``pl_module.training_step`` (a picklable object, for ``ddp_spawn``).
 
     Attributes: ``micro_batch_size``, ``weighting``, ``ignore_index``, ``verify`` (as given to
@@ -271,8 +272,8 @@ class _MicroBatchedTrainingStep:
 
     def _refuse(self, reason: str) -> None:
         self.refused_reason = reason
-        _unwrap(self.pl_module, self)
-        self.pl_module.__dict__[_REFUSED] = reason
+        unwrap_training_step(self.pl_module, self)
+        self.pl_module.__dict__[REFUSED_ATTRIBUTE] = reason
         warnings.warn(
             f"micro-batching refused, the batch runs whole: {reason}", MicroBatchingRefusedWarning, stacklevel=2
         )
@@ -306,7 +307,8 @@ class _MicroBatchedTrainingStep:
             self.pl_module.optimizer_zero_grad = _SkipNextZeroGrad(self.pl_module)
 
 
-def _unwrap(pl_module: Any, wrapper: _MicroBatchedTrainingStep) -> None:
+def unwrap_training_step(pl_module: Any, wrapper: MicroBatchedTrainingStep) -> None:
+    """Take ``wrapper`` off ``pl_module``: the ``training_step`` it wrapped back, a pending zero-grad skip undone."""
     if wrapper.previous is not None:
         pl_module.training_step = wrapper.previous
     else:
@@ -316,9 +318,16 @@ def _unwrap(pl_module: Any, wrapper: _MicroBatchedTrainingStep) -> None:
         skip.restore()
 
 
-def _wrapper_of(pl_module: Any) -> Optional[_MicroBatchedTrainingStep]:
+def wrapper_of(pl_module: Any) -> Optional[MicroBatchedTrainingStep]:
+    """The micro-batching wrapper on ``pl_module``'s ``training_step``, or None.
+
+    Example:
+        >>> import torch
+        >>> wrapper_of(torch.nn.Linear(2, 2)) is None
+        True
+    """
     wrapper = pl_module.__dict__.get("training_step")
-    return wrapper if isinstance(wrapper, _MicroBatchedTrainingStep) else None
+    return wrapper if isinstance(wrapper, MicroBatchedTrainingStep) else None
 
 
 def is_micro_batching(pl_module: Any) -> bool:
@@ -329,7 +338,7 @@ def is_micro_batching(pl_module: Any) -> bool:
         >>> is_micro_batching(torch.nn.Linear(2, 2))
         False
     """
-    return _wrapper_of(pl_module) is not None
+    return wrapper_of(pl_module) is not None
 
 
 def micro_batching_refusal(pl_module: Any) -> Optional[str]:
@@ -342,7 +351,7 @@ def micro_batching_refusal(pl_module: Any) -> Optional[str]:
         >>> micro_batching_refusal(torch.nn.Linear(2, 2)) is None
         True
     """
-    return pl_module.__dict__.get(_REFUSED)
+    return pl_module.__dict__.get(REFUSED_ATTRIBUTE)
 
 
 def micro_batching_check_pending(pl_module: Any) -> bool:
@@ -354,5 +363,5 @@ def micro_batching_check_pending(pl_module: Any) -> bool:
         >>> micro_batching_check_pending(torch.nn.Linear(2, 2))
         False
     """
-    wrapper = _wrapper_of(pl_module)
+    wrapper = wrapper_of(pl_module)
     return wrapper is not None and wrapper.check_pending
