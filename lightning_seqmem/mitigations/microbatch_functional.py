@@ -1,8 +1,8 @@
 """The functional twin of micro-batching: split a batch, weigh each micro-batch by what the loss
-averages over, read and re-weight losses. Plain functions on batches and tensors, used alike by the
-training-step wrapper (:mod:`lightning_seqmem.mitigations.microbatch_step`), the dry run and the
-memory breakdown, so all three split and weigh the same way (the method card:
-:mod:`lightning_seqmem.mitigations.microbatch`).
+averages over. Plain functions on batches and tensors, used alike by the training-step wrapper
+(:mod:`lightning_seqmem.mitigations.microbatch_step`), the dry run and the memory breakdown, so all
+three split and weigh the same way; the step they all run is :mod:`lightning_seqmem.mitigations.microbatch_twin`
+(the method card: :mod:`lightning_seqmem.mitigations.microbatch`).
 
 Example:
     >>> import torch
@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from functools import partial
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.measure.batch import infer_batch_shape, map_tensors
-from lightning_seqmem.measure.steps import loss_of
 
-__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "CheckPair", "check_pair", "deferred_gradient_reduction",
-           "micro_batch_counts", "run_micro_batches", "split_batch"]
+__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "micro_batch_counts", "slice_batch",
+           "split_batch"]
 
 IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
 WEIGHTINGS = ("auto", "samples", "label_tokens", "shifted_label_tokens")
@@ -40,7 +38,7 @@ def _micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     return [micro_batch_size] * full + ([rest] if rest else [])
 
 
-def _slice(obj: Any, batch_size: int, start: int, length: int) -> Any:
+def slice_batch(obj: Any, batch_size: int, start: int, length: int) -> Any:
     """``obj`` with every tensor whose dim 0 is ``batch_size`` narrowed to ``[start, start+length)``
     (views: no copy of the batch), in new containers of the same types (dataclasses included)."""
     def narrow(tensor: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
@@ -73,7 +71,7 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     batch_size, _ = infer_batch_shape(batch)
     parts, start = [], 0
     for length in _micro_batch_sizes(batch_size, micro_batch_size):
-        parts.append(_slice(batch, batch_size, start, length))
+        parts.append(slice_batch(batch, batch_size, start, length))
         start += length
     return parts
 
@@ -152,21 +150,6 @@ def micro_batch_counts(
     return rule, counts
 
 
-def _with_loss(output: Any, loss: torch.Tensor) -> Any:
-    if isinstance(output, Mapping):
-        return {**output, "loss": loss}
-    return loss
-
-
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """Leave the precision plugin's autocast (``training_step`` runs inside it) for a backward."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def deferred_gradient_reduction(model: Any) -> Any:
     """Backward passes inside accumulate gradients locally, without reducing them across ranks:
@@ -192,102 +175,3 @@ def deferred_gradient_reduction(model: Any) -> Any:
     finally:
         for m in sharded:
             m.set_requires_gradient_sync(True, recurse=False)
-
-
-# -- the micro-batched step itself: one loop for the wrapper and the dry run ----------------------
-
-
-class CheckPair(NamedTuple):
-    """The sub-batch the first-step check runs: the first two micro-batches that count something."""
-
-    batch: Any  # samples start .. start + length - 1 of the batch (views)
-    used: list[int]  # the indices of the two micro-batches
-    start: int  # the pair's first sample in the batch
-    length: int  # its samples, from the first micro-batch to the end of the second
-
-
-def check_pair(batch: Any, parts: list[Any], counts: list[int]) -> Optional[CheckPair]:
-    """What the first-step check of micro-batching compares: the first two micro-batches with
-    ``counts[i] > 0`` apart, and the samples from the first to the second of them together (the
-    wrapper checks their losses, the dry run counts their memory). None: fewer than two count something.
-
-    Example:
-        >>> import torch
-        >>> batch = torch.arange(10).reshape(5, 2)
-        >>> found = check_pair(batch, split_batch(batch, 1), [1, 0, 2, 1, 1])
-        >>> found.used, found.start, found.length, found.batch.tolist()
-        ([0, 2], 0, 3, [[0, 1], [2, 3], [4, 5]])
-        >>> check_pair(batch, split_batch(batch, 1), [0, 0, 0, 3, 0]) is None
-        True
-    """
-    used = [i for i, c in enumerate(counts) if c > 0][:2]
-    if len(used) < 2:
-        return None
-    sizes = [infer_batch_shape(part)[0] for part in parts]
-    start, length = sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1])
-    return CheckPair(_slice(batch, sum(sizes), start, length), used, start, length)
-
-
-def run_micro_batches(
-    parts: list[Any],
-    counts: list[int],
-    forward: Callable[[Any], Any],
-    backward: Optional[Callable[[torch.Tensor], Any]],
-    model: Any,
-    zero_grad: Callable[[], Any],
-    read_loss: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
-    hold: bool = True,
-) -> Any:
-    """One micro-batched ``training_step``: what the wrapper of :class:`MicroBatching` runs, and what
-    the dry run runs on its fake copy (one loop for both, so the forecast is the step's own order).
-
-    ``zero_grad()`` first; then every micro-batch with ``counts[i] > 0`` but the last: ``forward(part)``
-    (``training_step``), its loss (``read_loss``, default :func:`~lightning_seqmem.measure.steps.loss_of`
-    with ``required=False``; a None loss: skipped, as Lightning skips such a batch) scaled
-    by ``counts[i] / sum(counts)``, and ``backward(scaled)`` with autocast off and the gradient reduction
-    across ranks deferred (:func:`deferred_gradient_reduction` of ``model``; ``backward`` None: no
-    backward, as under Lightning's ``_skip_backward``). The last one is not backpropagated: returned
-    is its output with its ``"loss"`` (or itself) replaced by its scaled loss plus the others',
-    detached (the batch's loss; the caller backpropagates it), or its output as it came when its loss
-    is None. ``hold``: the outputs and unscaled losses stay alive until their micro-batch is done
-    (the wrapper's order); False: each is dropped as soon as it was read or scaled (the dry run's).
-
-    Example:
-        >>> import torch
-        >>> w = torch.ones(2, requires_grad=True)
-        >>> parts = split_batch(torch.tensor([[1, 1], [2, 2], [3, 3]]), 1)
-        >>> loss = run_micro_batches(parts, [1, 1, 1], lambda part: (w * part).sum(), lambda s: s.backward(),
-        ...                          w, zero_grad=lambda: None)
-        >>> round(float(loss.detach()), 4), w.grad.tolist()  # the mean of 2, 4, 6; the first two backpropagated
-        (4.0, [1.0, 1.0])
-    """
-    if read_loss is None:
-        read_loss = partial(loss_of, required=False)
-    total = sum(counts)
-    used = [i for i, c in enumerate(counts) if c > 0]  # c_i = 0: nothing counted, no gradient: not run
-    zero_grad()
-    done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached
-    for i in used[:-1]:
-        output = forward(parts[i])
-        loss = read_loss(output)
-        del output
-        if loss is None:  # this micro-batch is skipped, as Lightning skips a batch returning None
-            continue
-        scaled = loss * (counts[i] / total)
-        if not hold:
-            loss = None
-        if backward is not None:
-            with deferred_gradient_reduction(model), _autocast_off(scaled.device.type):
-                backward(scaled)
-        done = scaled.detach() if done is None else done + scaled.detach()
-        del loss, scaled
-    output = forward(parts[used[-1]])
-    loss = read_loss(output)
-    if loss is None:
-        return output
-    if not hold:
-        output = None
-    scaled = loss * (counts[used[-1]] / total)
-    if not hold:
-        loss = None
-    return _with_loss(output, scaled if done is None else scaled + done)

@@ -16,14 +16,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_seqmem.measure.steps import loss_of
-from lightning_seqmem.mitigations.microbatch_functional import (
-    IGNORE_INDEX,
-    RULE_TEXT,
-    check_pair,
-    micro_batch_counts,
-    run_micro_batches,
-    split_batch,
-)
+from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX, RULE_TEXT, micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.microbatch_twin import check_pair, run_micro_batches
 
 __all__ = ["REFUSED_ATTRIBUTE", "MicroBatchedTrainingStep", "MicroBatchingRefusedWarning", "is_micro_batching",
            "micro_batching_check_pending", "micro_batching_refusal", "unwrap_training_step", "wrapper_of"]
@@ -281,7 +275,7 @@ class MicroBatchedTrainingStep:
     # -- the micro-batched step -------------------------------------------------------------------
 
     def _run(self, trainer: Any, parts: list[Any], counts: list[int], *args: Any) -> Any:
-        """The split step (:func:`~lightning_seqmem.mitigations.microbatch_functional.run_micro_batches`):
+        """The split step (:func:`~lightning_seqmem.mitigations.microbatch_twin.run_micro_batches`):
         each micro-batch but the last backpropagated through the strategy, the last one's loss returned."""
         accumulate = trainer.accumulate_grad_batches
         skip_backward = bool(getattr(trainer.fit_loop, "_skip_backward", False))
