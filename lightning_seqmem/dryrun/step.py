@@ -105,9 +105,10 @@ from lightning_seqmem.mitigations.ladder import check_mitigations
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe
 
-__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "check_module", "checked_rungs", "compiled_reason",
-           "configured_optimizer", "cuda_kernel_scratch_bytes", "dry_run_step", "replay_peaks", "resident_bytes",
-           "state_after_a_step", "transformers_without_fake_detection", "unsupported_reason", "warm_cuda_workspaces"]
+__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "check_module", "checked_rungs",
+           "compiled_reason", "configured_optimizer", "cuda_kernel_scratch_bytes", "dry_run_step", "replay_peaks",
+           "resident_bytes", "state_after_a_step", "transformers_without_fake_detection", "unsupported_reason",
+           "warm_cuda_workspaces"]
 
 from lightning_seqmem.dryrun.cuda import (  # re-exported
     allocator_block_bytes,

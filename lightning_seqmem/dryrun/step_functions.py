@@ -3,10 +3,11 @@
 :func:`step_functions` turns a dry run's :class:`~lightning_seqmem.mitigations.base.CopyPlan` (what the
 rungs made of the copy) into the ``(loss_fn, optimizer)`` pair that
 :func:`~lightning_seqmem.measure.steps.training_step_memory` steps: :func:`plain_loss` and the optimizer,
-or the micro-batched loss of :mod:`lightning_seqmem.mitigations.microbatch_twin` (the wrapper's own loop:
-micro-batches backpropagated one by one, each loss weighted by its share of what the loss averages
-over) and an optimizer zeroed before the first micro-batch. Both the one-rank dry run (:mod:`lightning_seqmem.dryrun.step`) and the
-sharded one (:mod:`lightning_seqmem.dryrun.sharded`) step through these.
+or the micro-batched loss of :mod:`lightning_seqmem.mitigations.microbatch_twin` (the wrapper's own
+loop: micro-batches backpropagated one by one, each loss weighted by its share of what the loss
+averages over) and an optimizer zeroed before the first micro-batch. Both the one-rank dry run
+(:mod:`lightning_seqmem.dryrun.step`) and the sharded one (:mod:`lightning_seqmem.dryrun.sharded`)
+step through these.
 
 Example:
     >>> import torch

@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.measure.batch import infer_batch_shape, map_tensors
 
-__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "micro_batch_counts", "slice_batch",
-           "split_batch"]
+__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "micro_batch_counts",
+           "slice_batch", "split_batch"]
 
 IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
 WEIGHTINGS = ("auto", "samples", "label_tokens", "shifted_label_tokens")

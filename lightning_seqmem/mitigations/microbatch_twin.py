@@ -1,6 +1,7 @@
-"""The one micro-batched training step: what the wrapper of :class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`
-runs inside ``training_step``, what the dry run runs on its fake copy and what the memory breakdown traces,
-so a forecast or a breakdown of a micro-batched step is the step's own order of allocations.
+"""The one micro-batched training step: what the wrapper of
+:class:`~lightning_seqmem.mitigations.microbatch.MicroBatching` runs inside ``training_step``, what the
+dry run runs on its fake copy and what the memory breakdown traces, so a forecast or a breakdown of a
+micro-batched step is the step's own order of allocations.
 
 * :func:`run_micro_batches`: zero the gradients, backpropagate every counted micro-batch but the
   last (its loss weighted by ``c_i / C``), return the last one's weighted loss plus the others';
