@@ -4,11 +4,13 @@
   class over the copy's parameters, loaded with a deep copy of the original's state), so that the
   traced steps train nothing the user holds;
 * :func:`training_step_loss`: ``training_step``'s loss, as Lightning reads it;
-* :func:`run_training_step`: one step in Lightning's order (forward, ``zero_grad``, backward,
-  optimizer step), micro-batched as the ``microbatch`` mitigation runs it when asked: the batch is
-  cut by the policy's own :func:`~lightning_seqmem.mitigations.microbatch.split_batch` and each
-  micro-batch's loss weighted by :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts`
-  (label tokens for a batch with integer ``labels``, else samples).
+* :func:`run_training_step`: one step in Lightning's order
+  (:func:`~lightning_seqmem.measure.steps.training_step_memory`: forward, ``zero_grad``, backward,
+  optimizer step), micro-batched as the ``microbatch`` mitigation runs it when asked
+  (:mod:`lightning_seqmem.mitigations.microbatch_twin`): the batch is cut by the policy's own
+  :func:`~lightning_seqmem.mitigations.microbatch.split_batch` and each micro-batch's loss weighted
+  by :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts` (label tokens for a batch
+  with integer ``labels``, else samples).
 
 Example:
     >>> import torch
@@ -24,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any, Callable, ContextManager, Optional
 
@@ -32,12 +33,10 @@ import torch
 from torch import nn
 
 from lightning_seqmem.measure.steps import loss_of, training_step_memory
-from lightning_seqmem.mitigations.microbatch import IGNORE_INDEX, micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.microbatch import IGNORE_INDEX
+from lightning_seqmem.mitigations.microbatch_twin import ZeroGradBeforeFirstMicroBatch, micro_batched_loss
 
 __all__ = ["LossFn", "copy_for_tracing", "run_training_step", "training_step_loss"]
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -98,26 +97,17 @@ def run_training_step(
 ) -> None:
     """One training step in Lightning's order, micro-batched like :class:`~lightning_seqmem.mitigations.MicroBatching`.
 
-    With ``micro_batch_size``, gradients are zeroed once, then each micro-batch of
-    :func:`~lightning_seqmem.mitigations.microbatch.split_batch` runs forward (under ``context``) and
-    backward with its loss weighted by its share ``c_i / C`` of
+    With ``micro_batch_size``, the wrapper's own step
+    (:func:`~lightning_seqmem.mitigations.microbatch_twin.micro_batched_loss`, under ``context``):
+    gradients zeroed once, each micro-batch of :func:`~lightning_seqmem.mitigations.microbatch.split_batch`
+    but the last backpropagated with its loss weighted by its share ``c_i / C`` of
     :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts` (``weighting``,
-    ``ignore_index`` as the policy's); a micro-batch that counts nothing is not run, and a batch
-    that is one micro-batch or counts nothing at all runs whole, as under the policy.
+    ``ignore_index`` as the policy's), the last one's in the step's backward; a micro-batch that
+    counts nothing is not run, and a batch that is one micro-batch or counts nothing at all runs
+    whole, as under the policy.
     """
-    parts = split_batch(batch, micro_batch_size) if micro_batch_size else [batch]
-    counts = micro_batch_counts(batch, micro_batch_size, weighting, ignore_index)[1] if len(parts) > 1 else []
-    if sum(counts) == 0:
+    if not micro_batch_size:
         training_step_memory(model, optimizer, batch, loss_fn, context=context)
         return
-    ctx = context if context is not None else contextlib.nullcontext
-    total = sum(counts)
-    optimizer.zero_grad(set_to_none=True)  # the micro-batching wrapper zeroes before the first part
-    for part, count in zip(parts, counts):
-        if count == 0:
-            continue
-        with ctx():
-            loss = loss_fn(model, part) * (count / total)
-        loss.backward()
-        del loss
-    optimizer.step()
+    step_loss = micro_batched_loss(optimizer, micro_batch_size, loss_fn, weighting, ignore_index)
+    training_step_memory(model, ZeroGradBeforeFirstMicroBatch(optimizer), batch, step_loss, context=context)

@@ -20,19 +20,25 @@ from lightning_seqmem.measure.probes import attribute_tensors
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_seqmem.dryrun.values import _BatchValues
+    from lightning_seqmem.dryrun.values import BatchValues
 
-__all__: list[str] = []
+__all__ = ["QUIET_WARNINGS", "check_module", "compiled_reason", "configured_optimizer", "fake_copy", "preserved_rng",
+           "rebuild_optimizer", "unwrap_optimizer"]
 
-_QUIET = (  # warnings a fake copy without a Trainer raises by design
+QUIET_WARNINGS = (  # warnings a fake copy without a Trainer raises by design
     "You are trying to `self.log()`",
     "Accessing the data pointer of FakeTensor",
 )
 
 
 # -- up-front checks ---------------------------------------------------------------------------
-def _compiled_reason(module: nn.Module) -> Optional[str]:
-    """Why ``module`` counts as compiled (``torch.compile``), or None."""
+def compiled_reason(module: nn.Module) -> Optional[str]:
+    """Why ``module`` counts as compiled (``torch.compile``), or None.
+
+    Example:
+        >>> compiled_reason(nn.Linear(2, 2)) is None
+        True
+    """
     for name, sub in module.named_modules():
         where = f"submodule {name!r} ({type(sub).__name__})" if name else f"the module ({type(sub).__name__})"
         if type(sub).__name__ == "OptimizedModule" and type(sub).__module__.startswith("torch._dynamo"):
@@ -45,13 +51,22 @@ def _compiled_reason(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _check_module(pl_module: Any) -> None:
+def check_module(pl_module: Any) -> None:
+    """Refuse, before any work, a module no dry run can step: not an ``nn.Module`` with a
+    ``training_step`` (TypeError), compiled, or under manual optimization (:class:`DryRunUnsupported`).
+
+    Example:
+        >>> check_module(nn.Linear(2, 2))
+        Traceback (most recent call last):
+        ...
+        TypeError: `pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method (a LightningModule), got Linear
+    """
     if not isinstance(pl_module, nn.Module) or not callable(getattr(pl_module, "training_step", None)):
         raise TypeError(
             f"`pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method (a LightningModule), "
             f"got {type(pl_module).__name__}"
         )
-    reason = _compiled_reason(pl_module)
+    reason = compiled_reason(pl_module)
     if reason is not None:
         raise DryRunUnsupported(
             f"{reason}: its memory is that of the kernels torch.compile generates (fused, with their own "
@@ -66,7 +81,7 @@ def _check_module(pl_module: Any) -> None:
 
 # -- copies --------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _preserved_rng() -> Iterator[None]:
+def preserved_rng() -> Iterator[None]:
     """Restore the CPU and (initialised) CUDA generators afterwards, whatever the step drew."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -78,7 +93,7 @@ def _preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["_BatchValues"] = None) -> nn.Module:
+def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["BatchValues"] = None) -> nn.Module:
     """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
     (or Fabric) it is attached to.
 
@@ -114,7 +129,7 @@ def _fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional
         raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the real one
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(
@@ -134,12 +149,12 @@ def _default_foreach(params: list[torch.Tensor]) -> Optional[bool]:
         return None
 
 
-def _rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
+def rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
     """A fresh optimizer of the same class and param-group hyperparameters over the fake copy.
 
     ``twins`` maps ``id`` of each real parameter to its fake twin.
     """
-    real = _unwrap_optimizer(optimizer)
+    real = unwrap_optimizer(optimizer)
     groups = []
     for index, group in enumerate(real.param_groups):
         params = []
@@ -171,8 +186,17 @@ def _rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.
         ) from exc
 
 
-def _configured_optimizer(module: Any) -> torch.optim.Optimizer:
-    """The (first) optimizer of ``module.configure_optimizers()``, called on the fake copy."""
+def configured_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The (first) optimizer of ``module.configure_optimizers()``, called on the fake copy (an
+    optimizer, a list or tuple of them, or a dict with ``"optimizer"``, nested as Lightning takes them).
+
+    Example:
+        >>> class M(nn.Linear):
+        ...     def configure_optimizers(self):
+        ...         return [{"optimizer": torch.optim.SGD(self.parameters(), lr=0.1)}]
+        >>> type(configured_optimizer(M(2, 2))).__name__
+        'SGD'
+    """
     try:
         out = module.configure_optimizers()
     except Exception as exc:  # noqa: BLE001

@@ -1,9 +1,9 @@
 """The world one fake step runs in, shared by the one-rank and the sharded dry run.
 
 :func:`fake_session` holds what every dry run sets up around its fake step: the torch random number
-generators saved and restored (:func:`~lightning_seqmem.dryrun.fake._preserved_rng`), the warnings a
+generators saved and restored (:func:`~lightning_seqmem.dryrun.fake.preserved_rng`), the warnings a
 fake copy without a Trainer raises by design silenced, a fresh ``FakeTensorMode`` and the batch's
-value twins (:class:`~lightning_seqmem.dryrun.values._BatchValues`, sized for the length).
+value twins (:class:`~lightning_seqmem.dryrun.values.BatchValues`, sized for the length).
 :func:`fake_batch` is the batch as the step takes it: cut or tiled to ``(batch_size, seq_len)`` on
 fake tensors, then moved to the device as Lightning moves it.
 
@@ -27,35 +27,35 @@ from typing import Any, Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_seqmem.dryrun.fake import _QUIET, _preserved_rng
-from lightning_seqmem.dryrun.values import _BatchValues, _shape_batch, _to_device, value_max_bytes
+from lightning_seqmem.dryrun.fake import QUIET_WARNINGS, preserved_rng
+from lightning_seqmem.dryrun.values import BatchValues, shape_batch, batch_to_device, value_max_bytes
 
 __all__ = ["fake_batch", "fake_session"]
 
 
-def _fresh(seq_len: int) -> tuple[FakeTensorMode, _BatchValues]:
+def _fresh(seq_len: int) -> tuple[FakeTensorMode, BatchValues]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    return fake_mode, _BatchValues(fake_mode, value_max_bytes(seq_len))
+    return fake_mode, BatchValues(fake_mode, value_max_bytes(seq_len))
 
 
 @contextlib.contextmanager
-def fake_session(seq_len: int) -> Iterator[tuple[FakeTensorMode, _BatchValues]]:
+def fake_session(seq_len: int) -> Iterator[tuple[FakeTensorMode, BatchValues]]:
     """``(fake_mode, values)`` of a fake step at ``seq_len``, the random state and warnings restored after.
 
     The session keeps no reference to the mode or the twins: a caller that drops them frees the fake
     world (the dry run does, on failure) while the session is still open.
     """
-    with _preserved_rng(), warnings.catch_warnings():
-        for message in _QUIET:
+    with preserved_rng(), warnings.catch_warnings():
+        for message in QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         yield _fresh(seq_len)
 
 
 def fake_batch(batch: Any, seq_len: int, batch_size: int, device: torch.device, fake_mode: FakeTensorMode,
-               values: _BatchValues) -> tuple[Any, Any]:
+               values: BatchValues) -> tuple[Any, Any]:
     """``(step batch, the batch's own shape)``: ``batch`` shaped to ``(batch_size, seq_len)`` on fake
-    tensors (see :func:`~lightning_seqmem.dryrun.values._shape_batch`), on ``device``."""
-    step_batch, source_shape = _shape_batch(batch, seq_len, batch_size, fake_mode, values)
+    tensors (see :func:`~lightning_seqmem.dryrun.values.shape_batch`), on ``device``."""
+    step_batch, source_shape = shape_batch(batch, seq_len, batch_size, fake_mode, values)
     with fake_mode, values:  # as Lightning moves the batch to the module's device
-        step_batch = _to_device(step_batch, device)
+        step_batch = batch_to_device(step_batch, device)
     return step_batch, source_shape

@@ -52,11 +52,11 @@ from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step import (
     DryRunResult,
     DryRunUnsupported,
-    _check_module,
-    _configured_optimizer,
-    _reason,
-    _state_after_a_step,
-    _transformers_without_fake_detection,
+    check_module,
+    configured_optimizer,
+    unsupported_reason,
+    state_after_a_step,
+    transformers_without_fake_detection,
     allocator_block_bytes,
     checked_rungs,
     replay_peaks,
@@ -263,7 +263,7 @@ def sharded_dry_run_step(
     world_size = check_int("world_size", world_size)
     strategy = check_strategy(strategy)
     names = checked_rungs(mitigations)
-    _check_module(template)
+    check_module(template)
     if is_fsdp2(template):
         raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")
     from lightning_seqmem.measure.batch import infer_batch_shape
@@ -283,19 +283,19 @@ def sharded_dry_run_step(
                 after = ladder.apply_to_copy(names, model, after_sharding=True)  # composed with fully_shard
                 plan.notes += after.notes
                 plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
-                optimizer = _configured_optimizer(model)
+                optimizer = configured_optimizer(model)
             step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
             loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size, first_split_check)
             notes = plan.notes
             probe = make_probe("tracker", device)
-            with fake_mode, values, _transformers_without_fake_detection():
-                _state_after_a_step(model, optimizer)
+            with fake_mode, values, transformers_without_fake_detection():
+                state_after_a_step(model, optimizer)
                 memory = training_step_memory(model, step_optimizer, step_batch, loss_fn, probe,
                                               record_events=True, context=autocast)
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
-            raise DryRunUnsupported(_reason(exc)) from exc
+            raise DryRunUnsupported(unsupported_reason(exc)) from exc
     assert memory is not None and memory.events is not None
     peak, phase_peaks = replay_peaks(memory.events, allocator_block_bytes(device))
     phase_peaks = {p: phase_peaks[p] for p in PHASES if p in phase_peaks}

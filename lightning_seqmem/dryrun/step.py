@@ -34,7 +34,7 @@ last one in ``backward``; the wrapper's one-time check of its first split batch 
 
 Fake tensors have no values, but the values a step reads from its batch alone are known: small
 tensors computed only from the batch and constants (padding masks, label counts, positions,
-``nonzero`` of token ids) carry real twins (:class:`_BatchValues`), so ``.item()`` and
+``nonzero`` of token ids) carry real twins (:class:`BatchValues`), so ``.item()`` and
 data-dependent shapes on them work. A step that cannot run on fake tensors raises
 :class:`DryRunUnsupported` with the reason and the line of user code: an op that reads values of
 an activation (``loss.item()``, ``if hidden.abs().max() > 1:``), an output shape that depends on
@@ -44,8 +44,15 @@ number generators are left as they were.
 
 The copy keeps the train/eval mode of every submodule, as Lightning's ``fit`` does. While the
 step runs, transformers' fake-tensor check is switched off process-wide (see
-:func:`_transformers_without_fake_detection`): do not run a dry run beside another thread that
+:func:`transformers_without_fake_detection`): do not run a dry run beside another thread that
 traces a Hugging Face model.
+
+The step API, what every dry run builds its fake step from (the sharded one,
+:mod:`lightning_seqmem.dryrun.sharded`, included): :func:`check_module` (refuse before any work),
+:func:`configured_optimizer` (the copy's own optimizer), :func:`state_after_a_step` (gradients and
+optimizer state as a first step leaves them), :func:`transformers_without_fake_detection` (around the
+step), :func:`~lightning_seqmem.dryrun.step_functions.step_functions` (what the step runs, micro-batched
+or not) and :func:`unsupported_reason` (a failure in words).
 
 Example:
     >>> import torch
@@ -98,8 +105,10 @@ from lightning_seqmem.mitigations.ladder import check_mitigations
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe
 
-__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "checked_rungs", "cuda_kernel_scratch_bytes",
-           "dry_run_step", "replay_peaks", "resident_bytes", "warm_cuda_workspaces"]
+__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "check_module", "checked_rungs",
+           "compiled_reason", "configured_optimizer", "cuda_kernel_scratch_bytes", "dry_run_step", "replay_peaks",
+           "resident_bytes", "state_after_a_step", "transformers_without_fake_detection", "unsupported_reason",
+           "warm_cuda_workspaces"]
 
 from lightning_seqmem.dryrun.cuda import (  # re-exported
     allocator_block_bytes,
@@ -107,19 +116,17 @@ from lightning_seqmem.dryrun.cuda import (  # re-exported
     resident_bytes,
     warm_cuda_workspaces,
 )
-from lightning_seqmem.dryrun.fake import (  # noqa: F401 - privates the sharded dry run and the callback use
-    _check_module,
-    _compiled_reason,
-    _configured_optimizer,
-    _fake_copy,
-    _rebuild_optimizer,
-    _unwrap_optimizer,
+from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, configured_optimizer: re-exported
+    check_module,
+    compiled_reason,
+    configured_optimizer,
+    fake_copy,
+    rebuild_optimizer,
+    unwrap_optimizer,
 )
+from lightning_seqmem.dryrun.fake import compiled_reason as _compiled_reason  # noqa: F401 - trainer/fit_setup.py's name
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
-from lightning_seqmem.dryrun.values import (  # noqa: F401 - privates the sharded dry run uses
-    _BatchValues,
-    _transformers_without_fake_detection,
-)
+from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step_functions import (  # noqa: F401 - _plain_loss: the name tests/scripts/sp_run.py uses
     plain_loss as _plain_loss,
@@ -179,7 +186,14 @@ def _user_frame(tb: Any) -> str:
     return f" (at {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`)"
 
 
-def _reason(exc: BaseException) -> str:
+def unsupported_reason(exc: BaseException) -> str:
+    """Why a fake step failed, in words, with the line of user code where it did (when known): the
+    reason of the :class:`DryRunUnsupported` it becomes.
+
+    Example:
+        >>> unsupported_reason(ValueError("no such head"))
+        'the fake step failed: ValueError: no such head'
+    """
     where = _user_frame(exc.__traceback__)
     if isinstance(exc, DataDependentOutputException):
         return (
@@ -203,11 +217,11 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _fake_module_and_optimizer(
     pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device, fake_mode: FakeTensorMode,
-    values: Optional["_BatchValues"] = None,
+    values: Optional["BatchValues"] = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, CopyPlan]:
     """The fake copy on ``device`` with the asked rungs, its optimizer, and what its step becomes."""
     notes: list[str] = []
-    model = _fake_copy(pl_module, fake_mode, values)
+    model = fake_copy(pl_module, fake_mode, values)
     with fake_mode:
         if device != _device_of(pl_module):
             notes.append(f"moved {_device_of(pl_module)} -> {device}")
@@ -219,16 +233,24 @@ def _fake_module_and_optimizer(
                     f"({type(exc).__name__}: {exc}); run the dry run where the module lives"
                 ) from exc
         twins = {id(real): fake for real, fake in zip(pl_module.parameters(), model.parameters())}
-        fake_optimizer = _configured_optimizer(model) if optimizer is None else _rebuild_optimizer(optimizer, twins)
+        fake_optimizer = configured_optimizer(model) if optimizer is None else rebuild_optimizer(optimizer, twins)
         plan = ladder.apply_to_copy(names, model)  # after the optimizer: the rungs keep parameter identity
     plan.notes[:0] = notes
     return model, fake_optimizer, plan
 
 
-def _state_after_a_step(model: nn.Module, optimizer: Any) -> None:
+def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
     """Gradients and optimizer state as a first real step leaves them, without running it: a zero
     gradient for every trainable parameter, then one optimizer step (creating its state). Half the
-    cost of a warm-up forward and backward, and the same storages alive when the measured step starts."""
+    cost of a warm-up forward and backward, and the same storages alive when the measured step starts.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> optimizer = torch.optim.AdamW(lin.parameters())
+        >>> state_after_a_step(lin, optimizer)
+        >>> lin.weight.grad.abs().sum().item(), sorted(optimizer.state[lin.weight])
+        (0.0, ['exp_avg', 'exp_avg_sq', 'step'])
+    """
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -285,7 +307,7 @@ def dry_run_step(
         batch: a training batch (a tensor of token ids, or a mapping / list / tuple holding one;
             see :func:`~lightning_seqmem.measure.batch.infer_batch_shape`). Its rows are cut or repeated
             to ``batch_size``, its sequence tensors cut or tiled to ``seq_len`` (see
-            :func:`_shape_batch`); any length will do, values do not matter.
+            :func:`shape_batch`); any length will do, values do not matter.
         seq_len: tokens per sample of the step to simulate.
         batch_size: samples in the step; ``None``: the batch's own.
         mitigations: names from :data:`~lightning_seqmem.mitigations.ladder.MITIGATIONS`, applied
@@ -315,7 +337,7 @@ def dry_run_step(
     started = time.perf_counter()
     seq_len = check_int("seq_len", seq_len)
     names = checked_rungs(mitigations)
-    _check_module(pl_module)
+    check_module(pl_module)
     source_rows, _ = infer_batch_shape(batch)
     batch_size = source_rows if batch_size is None else check_int("batch_size", batch_size)
     module_device = _device_of(pl_module)
@@ -402,8 +424,8 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             probe = make_probe("tracker", device)
             if device.type == "cuda":
                 probe.scratch = cuda_kernel_scratch_bytes
-            with fake_mode, values, _transformers_without_fake_detection():
-                _state_after_a_step(model, fake_optimizer)
+            with fake_mode, values, transformers_without_fake_detection():
+                state_after_a_step(model, fake_optimizer)
                 reset_offloaded_bytes(model)
                 memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer, step_batch, loss_fn, probe,
                                                    autocast, site, seq_len, batch_size, device)
@@ -411,7 +433,7 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
-            failure = _reason(exc)
+            failure = unsupported_reason(exc)
             traceback.clear_frames(exc.__traceback__)  # the step's frames held the half-built fake world
             del exc
             model = fake_optimizer = step_batch = loss_fn = step_optimizer = probe = values = fake_mode = None
@@ -428,5 +450,5 @@ def _resident_bytes(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, 
     if not (device.type == "cuda" and module_device == device and torch.cuda.is_available()):
         return 0
     warm_cuda_workspaces(device)
-    real_optimizer = None if optimizer is None else _unwrap_optimizer(optimizer)
+    real_optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
     return resident_bytes(device, existing_tensors(pl_module, [real_optimizer] if real_optimizer else [], batch))

@@ -3,10 +3,11 @@
 :func:`step_functions` turns a dry run's :class:`~lightning_seqmem.mitigations.base.CopyPlan` (what the
 rungs made of the copy) into the ``(loss_fn, optimizer)`` pair that
 :func:`~lightning_seqmem.measure.steps.training_step_memory` steps: :func:`plain_loss` and the optimizer,
-or the micro-batched loss of :mod:`lightning_seqmem.mitigations.microbatch` (micro-batches backpropagated
-one by one, each loss weighted by its share of what the loss averages over) and an optimizer zeroed
-before the first micro-batch. Both the one-rank dry run (:mod:`lightning_seqmem.dryrun.step`) and the
-sharded one (:mod:`lightning_seqmem.dryrun.sharded`) step through these.
+or the micro-batched loss of :mod:`lightning_seqmem.mitigations.microbatch_twin` (the wrapper's own
+loop: micro-batches backpropagated one by one, each loss weighted by its share of what the loss
+averages over) and an optimizer zeroed before the first micro-batch. Both the one-rank dry run
+(:mod:`lightning_seqmem.dryrun.step`) and the sharded one (:mod:`lightning_seqmem.dryrun.sharded`)
+step through these.
 
 Example:
     >>> import torch
@@ -43,17 +44,15 @@ from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.mitigations.base import CopyPlan
-from lightning_seqmem.mitigations.microbatch_functional import _autocast_off  # the wrapper's own
 from lightning_seqmem.mitigations.microbatch import (
     IGNORE_INDEX,
     MicroBatching,
-    _slice,
-    deferred_gradient_reduction,
     is_micro_batching,
     micro_batch_counts,
     micro_batching_check_pending,
     split_batch,
 )
+from lightning_seqmem.mitigations.microbatch_twin import ZeroGradBeforeFirstMicroBatch, check_pair, micro_batched_loss
 
 __all__ = ["plain_loss", "step_functions"]
 
@@ -66,32 +65,10 @@ def _loss_of(output: Any) -> torch.Tensor:
         raise DryRunUnsupported(str(exc)) from None
 
 
-class _ZeroGradBeforeFirstMicroBatch:
-    """The optimizer as the micro-batching wrapper drives it: zeroed before the first micro-batch.
-
-    :func:`~lightning_seqmem.measure.steps.training_step_memory` calls ``zero_grad`` after the forward
-    (Lightning's place for it); under micro-batching that call is skipped, since the gradients of
-    the earlier micro-batches are already accumulated by then.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-
 def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignore_index: int) -> list[int]:
     """What each micro-batch's loss weighs (see :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts`).
 
-    Label tokens are counted from the batch's values (:class:`_BatchValues`); a batch whose labels
+    Label tokens are counted from the batch's values (:class:`BatchValues`); a batch whose labels
     have none (too large to keep) is weighted by samples: the weights are scalars, the memory is the same.
     """
     try:
@@ -105,55 +82,13 @@ def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: li
     :mod:`lightning_seqmem.mitigations.microbatch`): a copy of every buffer, then no-grad forwards
     of the first two counted micro-batches together and apart, while the previous step's gradients
     are still alive. Nothing is kept."""
-    used = [i for i, c in enumerate(counts) if c > 0][:2]
-    if len(used) < 2:
+    found = check_pair(batch, parts, counts)
+    if found is None:
         return
-    sizes = [infer_batch_shape(part)[0] for part in parts]
-    pair = _slice(batch, sum(sizes), sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1]))
     copies = [b.detach().clone() for b in model.buffers()]
     with torch.no_grad():
-        losses = [plain_loss(model, part).detach() for part in (pair, *(parts[i] for i in used))]
+        losses = [plain_loss(model, part).detach() for part in (found.batch, *(parts[i] for i in found.used))]
     del copies, losses
-
-
-def _micro_batched_loss(
-    optimizer: torch.optim.Optimizer, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX,
-    check: bool = False,
-) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """``training_step`` per micro-batch, each loss weighted by its share ``c_i / C`` of what the loss averages over.
-
-    Mirrors the wrapper of :mod:`lightning_seqmem.mitigations.microbatch` (its steady state; not
-    with ``check``, also the memory of its one-time check of the first split batch, before any
-    gradient is touched): count ``c_i`` (label tokens or samples), zero
-    the gradients, backpropagate each micro-batch with ``c_i > 0`` but the last (autocast off),
-    and return the last one's weighted loss (plus the others', detached) for the caller's
-    backward. A batch with one micro-batch, or nothing counted, runs whole, zeroed after its
-    forward as Lightning does.
-    """
-
-    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
-        parts = split_batch(batch, micro_batch_size)
-        counts = _micro_batch_counts(batch, micro_batch_size, weighting, ignore_index) if len(parts) > 1 else [1]
-        used = [i for i, c in enumerate(counts) if c > 0]
-        if len(parts) == 1 or not used:
-            loss = plain_loss(model, batch)
-            optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad, after the forward
-            return loss
-        if check:
-            _first_step_check(model, batch, parts, counts)
-        total = sum(counts)
-        optimizer.zero_grad(set_to_none=True)
-        done: Optional[torch.Tensor] = None
-        for i in used[:-1]:
-            scaled = plain_loss(model, parts[i]) * (counts[i] / total)
-            with _autocast_off(scaled.device.type), deferred_gradient_reduction(model):
-                scaled.backward()
-            done = scaled.detach() if done is None else done + scaled.detach()
-            del scaled
-        scaled = plain_loss(model, parts[used[-1]]) * (counts[used[-1]] / total)
-        return scaled if done is None else scaled + done
-
-    return loss_fn
 
 
 def plain_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -185,7 +120,8 @@ def step_functions(
         return plain_loss, optimizer
     notes.append(f"{MicroBatching.name}: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
     weighting, ignore_index = getattr(policy, "weighting", "auto"), getattr(policy, "ignore_index", IGNORE_INDEX)
-    loss_fn = _micro_batched_loss(optimizer, micro_batch_size, weighting, ignore_index, check)
+    loss_fn = micro_batched_loss(optimizer, micro_batch_size, plain_loss, weighting, ignore_index,
+                                 counts_of=_micro_batch_counts, before=_first_step_check if check else None)
     if check:
         notes.append(f"{MicroBatching.name}: with the one-time check of the first split batch")
-    return loss_fn, _ZeroGradBeforeFirstMicroBatch(optimizer)
+    return loss_fn, ZeroGradBeforeFirstMicroBatch(optimizer)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
 
-__all__ = ['value_max_bytes']
+__all__ = ["BatchValues", "batch_to_device", "shape_batch", "transformers_without_fake_detection", "value_max_bytes"]
 
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
 _VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
@@ -87,7 +87,7 @@ def _small(out: Any, max_bytes: int = _VALUE_MAX_BYTES) -> bool:
     return all(t.numel() * t.element_size() <= max_bytes for t in _tensors_in(out))
 
 
-class _BatchValues(TorchDispatchMode):
+class BatchValues(TorchDispatchMode):
     """Real values of the small tensors a step computes from its batch and constants alone.
 
     Fake tensors have no values, yet models read some: is the batch padded (``mask.all()``), are
@@ -163,14 +163,14 @@ class _BatchValues(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _transformers_without_fake_detection() -> Iterator[None]:
+def transformers_without_fake_detection() -> Iterator[None]:
     """Let Hugging Face transformers take a real step's shortcuts on fake tensors.
 
     ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as a graph being traced,
     and then skips the shortcuts that read values: SDPA gets an explicit ``[B, 1, L, L]`` causal
     mask instead of ``is_causal=True`` (measured: +28% on a small Llama at 512 tokens, and a
     quadratic term that a real step does not have). A real step takes them, so during the dry run
-    ``is_fake_tensor`` answers False; the values the shortcuts read come from :class:`_BatchValues`.
+    ``is_fake_tensor`` answers False; the values the shortcuts read come from :class:`BatchValues`.
     """
     module = sys.modules.get("transformers.utils.import_utils")
     original = getattr(module, "is_fake_tensor", None)
@@ -204,8 +204,8 @@ def _is_square(x: torch.Tensor, rows: int, length: int) -> bool:
     return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
 
 
-def _shape_batch(
-    batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: _BatchValues
+def shape_batch(
+    batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: BatchValues
 ) -> tuple[Any, tuple[int, int]]:
     """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
 
@@ -279,16 +279,17 @@ def _shape_batch(
         return visit(batch), (rows, length)
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def batch_to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor moved to ``device``: mutable containers changed in place, others rebuilt."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, MutableMapping):
         for k in list(obj):
-            obj[k] = _to_device(obj[k], device)
+            obj[k] = batch_to_device(obj[k], device)
         return obj
     if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
+        return [batch_to_device(v, device) for v in obj]
     if isinstance(obj, tuple):
-        parts = [_to_device(v, device) for v in obj]
+        parts = [batch_to_device(v, device) for v in obj]
         return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
     return obj

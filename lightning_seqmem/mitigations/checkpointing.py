@@ -62,7 +62,7 @@ from lightning_seqmem.mitigations.checkpointing_levels import (
     wrappers_by_block,
 )
 
-__all__ = ["ActivationCheckpointing", "CheckpointingRung", "find_repeated_blocks", "is_checkpointed"]
+__all__ = ["ActivationCheckpointing", "CheckpointingRung", "counted_blocks", "find_repeated_blocks", "is_checkpointed"]
 
 
 def _outermost_matching(model: nn.Module, match) -> list[nn.Module]:
@@ -159,7 +159,7 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return module._checkpoint_wrapped_module if isinstance(module, ActivationWrapper) else module
 
 
-def _counted(blocks: list[nn.Module]) -> str:
+def counted_blocks(blocks: list[nn.Module]) -> str:
     """``"2 x TransformerEncoderLayer + 2 x TransformerDecoderLayer"``: the blocks by class, in order."""
     counts: dict[str, int] = {}
     for b in blocks:
@@ -266,7 +266,7 @@ class ActivationCheckpointing:
                               "'checkpointing' (all layers) or 'checkpointing:selective' apply")
             if n != len(slots):
                 return None, (f"level {self.level!r} is for a model of {n} blocks; this one has {len(slots)} "
-                              f"({_counted([s.block for s in slots])}): use 'k/{len(slots)}'")
+                              f"({counted_blocks([s.block for s in slots])}): use 'k/{len(slots)}'")
         if parsed == "selective" and slots[0].kind == "composable":
             return None, ("selective checkpointing is not offered under FSDP2 (its composable checkpoint cannot be "
                           "raised to full in place): use 'checkpointing:k/N' or 'checkpointing'")
@@ -309,10 +309,10 @@ class ActivationCheckpointing:
         if self.level is None and not any(levels):  # the full rung from nothing: its words before levels
             if hf:
                 return True, "Hugging Face activation checkpointing on " + ", ".join(type(m).__name__ for m in self._hf_models(model))
-            return True, f"wrap {_counted(raised)}"
+            return True, f"wrap {counted_blocks(raised)}"
         how = "Hugging Face activation checkpointing of" if hf else "wrap"
         now = f"; now {state_words(levels)}" if any(levels) else ""
-        return True, f"{how} {_counted(raised)} ({level_words(self.level)}{now})"
+        return True, f"{how} {counted_blocks(raised)} ({level_words(self.level)}{now})"
 
     def apply(self, model: nn.Module) -> MitigationResult:
         """Switch this level on in place (raising blocks already lower); a second call changes nothing."""
@@ -336,7 +336,7 @@ class ActivationCheckpointing:
 
             for slot, _, _ in raised:
                 composable_checkpoint(slot.block)
-            detail = f"checkpointed {_counted([s.block for s, _, _ in raised])} in place (composable, under FSDP2{words})"
+            detail = f"checkpointed {counted_blocks([s.block for s, _, _ in raised])} in place (composable, under FSDP2{words})"
         else:
             fresh = {id(s.block): f for s, c, f in raised if c == NONE}
             if fresh:
@@ -350,9 +350,9 @@ class ActivationCheckpointing:
             for slot, current, final in raised:
                 if current != NONE:  # a selective wrapper raised to full: the same wrapper, another function
                     wrappers[id(slot.block)].checkpoint_fn = checkpoint_function(final)
-            detail = f"wrapped {_counted([s.block for s, _, _ in raised])} with checkpoint_wrapper (non-reentrant{words})"
+            detail = f"wrapped {counted_blocks([s.block for s, _, _ in raised])} with checkpoint_wrapper (non-reentrant{words})"
             if any(c != NONE for _, c, _ in raised):
-                detail = f"raised {_counted([s.block for s, _, _ in raised])} to {level_words(self.level)} in place"
+                detail = f"raised {counted_blocks([s.block for s, _, _ in raised])} to {level_words(self.level)} in place"
         after = state_words(self.block_levels(model))
         return MitigationResult(self.name, applied=self.is_on(model), detail=detail, before=before, after=after)
 

@@ -81,7 +81,7 @@ from torch import nn
 from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, find_top_down
-from lightning_seqmem.mitigations.fused_loss_hf import _hf_refusal, _hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on
+from lightning_seqmem.mitigations.fused_loss_hf import hf_refusal, hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on
 from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
 
 __all__ = [
@@ -326,7 +326,7 @@ def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     def take(module: nn.Module) -> Optional[bool]:
         if is_hf_pretrained_model(module):
-            return _hf_refusal(module) is None
+            return hf_refusal(module) is None
         return True if _implements_protocol(module) else None
 
     return find_top_down(model, take)
@@ -415,7 +415,7 @@ class FusedLossRung(Rung):
         model = ctx.pl_module
         targets = find_fused_loss_targets(model)
         if not targets:
-            refused = _hf_refusals(model)
+            refused = hf_refusals(model)
             return False, (refused[0] if refused else
                            "no causal LM found: neither a Hugging Face *ForCausalLM model nor a module with "
                            "set_fused_loss(fn) (the fused-loss protocol of lightning_seqmem.mitigations.fused_loss)")

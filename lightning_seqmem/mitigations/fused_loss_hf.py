@@ -6,7 +6,7 @@ fused loss on ``lm_head.weight`` with Hugging Face's semantics (labels shifted, 
 as given; ``ignore_index`` -100; the mean over counted tokens, or the sum over
 ``num_items_in_batch`` where given); its output's ``.loss`` is that loss and its ``.logits`` None.
 The class is untouched and ``state_dict`` keys are unchanged. Models that scale or cap their logits
-are refused (:func:`_hf_refusal`). The rung itself, and the models of the fused-loss protocol, are in
+are refused (:func:`hf_refusal`). The rung itself, and the models of the fused-loss protocol, are in
 :mod:`lightning_seqmem.mitigations.fused_loss`.
 
 Example:
@@ -18,7 +18,7 @@ Example:
     >>> plain = model(input_ids=ids, labels=ids).loss
     >>> fused = lambda hidden, weight, labels, ignore_index, num_items_in_batch: torch.nn.functional.cross_entropy(
     ...     (hidden @ weight.T).flatten(0, 1), labels.flatten(), ignore_index=ignore_index)
-    >>> _hf_refusal(model) is None
+    >>> hf_refusal(model) is None
     True
     >>> hf_switch_on(model, fused)
     >>> out = model(input_ids=ids, labels=ids)
@@ -40,14 +40,14 @@ from torch import nn
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
 
-__all__ = ["hf_fused_loss_of", "hf_switch_off", "hf_switch_on"]
+__all__ = ["hf_fused_loss_of", "hf_refusal", "hf_refusals", "hf_switch_off", "hf_switch_on"]
 
 _PATCH_MARK = "_seqmem_fused_loss"  # instance attribute of a patched Hugging Face model: the callable
 # config fields of Hugging Face models whose logits are not plain ``hidden @ weight.T``
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _hf_refusal(module: nn.Module) -> Optional[str]:
+def hf_refusal(module: nn.Module) -> Optional[str]:
     """Why a Hugging Face model cannot take the patched forward, or None."""
     name = type(module).__name__
     if not name.endswith("ForCausalLM"):
@@ -67,8 +67,9 @@ def _hf_refusal(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _hf_refusals(model: nn.Module) -> list[str]:
-    return [why for m in model.modules() if is_hf_pretrained_model(m) and (why := _hf_refusal(m)) is not None]
+def hf_refusals(model: nn.Module) -> list[str]:
+    """:func:`hf_refusal` of every Hugging Face model in ``model``, those that refuse (empty: none does)."""
+    return [why for m in model.modules() if is_hf_pretrained_model(m) and (why := hf_refusal(m)) is not None]
 
 
 def _hf_fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

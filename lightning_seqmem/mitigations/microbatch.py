@@ -152,17 +152,16 @@ from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, 
 from lightning_seqmem.mitigations.microbatch_functional import (  # the functional twin, re-exported
     IGNORE_INDEX,
     WEIGHTINGS,
-    _slice,  # noqa: F401 - the dry run splits with it
     deferred_gradient_reduction,
     micro_batch_counts,
     split_batch,
 )
 from lightning_seqmem.mitigations.microbatch_step import (  # the wrapper, re-exported
-    _REFUSED,
+    REFUSED_ATTRIBUTE,
     MicroBatchingRefusedWarning,
-    _MicroBatchedTrainingStep,
-    _unwrap,
-    _wrapper_of,
+    MicroBatchedTrainingStep,
+    unwrap_training_step,
+    wrapper_of,
     is_micro_batching,
     micro_batching_check_pending,
     micro_batching_refusal,
@@ -183,7 +182,7 @@ __all__ = [
 ]
 
 def _describe(pl_module: Any) -> str:
-    wrapper = _wrapper_of(pl_module)
+    wrapper = wrapper_of(pl_module)
     return f"micro_batch_size={wrapper.micro_batch_size}" if wrapper is not None else "off"
 
 
@@ -268,7 +267,7 @@ class MicroBatching:
         model = strategy.model
         if model is not None and model is not pl_module and not isinstance(model, DistributedDataParallel):
             return False, f"the strategy wraps the module in {type(model).__name__} (not DistributedDataParallel)"
-        wrapper = _wrapper_of(pl_module)
+        wrapper = wrapper_of(pl_module)
         if wrapper is not None and (
             wrapper.micro_batch_size, wrapper.weighting, wrapper.verify, wrapper.ignore_index
         ) == self._settings():
@@ -298,14 +297,14 @@ class MicroBatching:
         applicable, reason = self.is_applicable(trainer, pl_module, batch)
         if not applicable:
             return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
-        pl_module.__dict__.pop(_REFUSED, None)  # verify=False overrides an earlier refusal
-        wrapper = _wrapper_of(pl_module)
+        pl_module.__dict__.pop(REFUSED_ATTRIBUTE, None)  # verify=False overrides an earlier refusal
+        wrapper = wrapper_of(pl_module)
         if wrapper is not None:
             if (wrapper.weighting, wrapper.ignore_index) != (self.weighting, self.ignore_index):
                 wrapper.verified = False  # other weights: check them again
             wrapper.micro_batch_size, wrapper.weighting, wrapper.verify, wrapper.ignore_index = self._settings()
         else:
-            pl_module.training_step = _MicroBatchedTrainingStep(pl_module, *self._settings())
+            pl_module.training_step = MicroBatchedTrainingStep(pl_module, *self._settings())
         after = _describe(pl_module)
         detail = f"{reason} ({before} -> {after})"
         return MitigationResult(self.name, applied=True, detail=detail, before=before, after=after)
@@ -313,10 +312,10 @@ class MicroBatching:
     def remove(self, pl_module: Any) -> MitigationResult:
         """Restore the original ``training_step`` (call it between training steps)."""
         before = _describe(pl_module)
-        wrapper = _wrapper_of(pl_module)
+        wrapper = wrapper_of(pl_module)
         if wrapper is None:
             return MitigationResult(self.name, applied=False, detail="not micro-batching", before=before, after=before)
-        _unwrap(pl_module, wrapper)
+        unwrap_training_step(pl_module, wrapper)
         detail = "restored the original training_step"
         return MitigationResult(self.name, applied=True, detail=detail, before=before, after="off")
 

@@ -1,8 +1,8 @@
 """The functional twin of micro-batching: split a batch, weigh each micro-batch by what the loss
-averages over, read and re-weight losses. Plain functions on batches and tensors, used alike by the
-training-step wrapper (:mod:`lightning_seqmem.mitigations.microbatch_step`), the dry run and the
-memory breakdown, so all three split and weigh the same way (the method card:
-:mod:`lightning_seqmem.mitigations.microbatch`).
+averages over. Plain functions on batches and tensors, used alike by the training-step wrapper
+(:mod:`lightning_seqmem.mitigations.microbatch_step`), the dry run and the memory breakdown, so all
+three split and weigh the same way; the step they all run is :mod:`lightning_seqmem.mitigations.microbatch_twin`
+(the method card: :mod:`lightning_seqmem.mitigations.microbatch`).
 
 Example:
     >>> import torch
@@ -22,13 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.measure.batch import infer_batch_shape, map_tensors
-from lightning_seqmem.measure.steps import loss_of
 
-__all__ = ["IGNORE_INDEX", "WEIGHTINGS", "deferred_gradient_reduction", "micro_batch_counts", "split_batch"]
+__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "micro_batch_counts",
+           "slice_batch", "split_batch"]
 
 IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
 WEIGHTINGS = ("auto", "samples", "label_tokens", "shifted_label_tokens")
-_RULE_TEXT = {
+RULE_TEXT = {  # what each weighting rule counts, in words
     "samples": "samples",
     "label_tokens": "label tokens (labels != ignore_index)",
     "shifted_label_tokens": "label tokens after the causal shift (labels[..., 1:] != ignore_index)",
@@ -38,7 +38,7 @@ def _micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     return [micro_batch_size] * full + ([rest] if rest else [])
 
 
-def _slice(obj: Any, batch_size: int, start: int, length: int) -> Any:
+def slice_batch(obj: Any, batch_size: int, start: int, length: int) -> Any:
     """``obj`` with every tensor whose dim 0 is ``batch_size`` narrowed to ``[start, start+length)``
     (views: no copy of the batch), in new containers of the same types (dataclasses included)."""
     def narrow(tensor: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
@@ -71,7 +71,7 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     batch_size, _ = infer_batch_shape(batch)
     parts, start = [], 0
     for length in _micro_batch_sizes(batch_size, micro_batch_size):
-        parts.append(_slice(batch, batch_size, start, length))
+        parts.append(slice_batch(batch, batch_size, start, length))
         start += length
     return parts
 
@@ -148,26 +148,6 @@ def micro_batch_counts(
         counts.append(int(sum(per_sample[start : start + size])))
         start += size
     return rule, counts
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    """The loss in a ``training_step`` output, or None where Lightning would skip the batch."""
-    return loss_of(output, required=False)
-
-
-def _with_loss(output: Any, loss: torch.Tensor) -> Any:
-    if isinstance(output, Mapping):
-        return {**output, "loss": loss}
-    return loss
-
-
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """Leave the precision plugin's autocast (``training_step`` runs inside it) for a backward."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -15,23 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_seqmem.measure.batch import infer_batch_shape
-from lightning_seqmem.mitigations.microbatch_functional import (
-    _RULE_TEXT,
-    IGNORE_INDEX,
-    _autocast_off,
-    _loss_of,
-    _slice,
-    _with_loss,
-    deferred_gradient_reduction,
-    micro_batch_counts,
-    split_batch,
-)
+from lightning_seqmem.measure.steps import loss_of
+from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX, RULE_TEXT, micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.microbatch_twin import check_pair, run_micro_batches
 
-__all__ = ["MicroBatchingRefusedWarning", "is_micro_batching", "micro_batching_check_pending", "micro_batching_refusal"]
+__all__ = ["REFUSED_ATTRIBUTE", "MicroBatchedTrainingStep", "MicroBatchingRefusedWarning", "is_micro_batching",
+           "micro_batching_check_pending", "micro_batching_refusal", "unwrap_training_step", "wrapper_of"]
 
 
-_REFUSED = "_seqmem_micro_batching_refused"  # instance attribute holding the refusal reason
+REFUSED_ATTRIBUTE = "_seqmem_micro_batching_refused"  # instance attribute holding the refusal reason
 
 
 
@@ -160,7 +152,7 @@ class _SkipNextZeroGrad:
         self.restore()  # the gradients were zeroed before the first micro-batch: keep them
 
 
-class _MicroBatchedTrainingStep:
+class MicroBatchedTrainingStep:
     """The wrapper put on ``pl_module.training_step`` (a picklable object, for ``ddp_spawn``).
 
     Attributes: ``micro_batch_size``, ``weighting``, ``ignore_index``, ``verify`` (as given to
@@ -226,18 +218,16 @@ class _MicroBatchedTrainingStep:
     # -- the check --------------------------------------------------------------------------------
 
     def _loss(self, batch: Any, args: tuple) -> Optional[torch.Tensor]:
-        loss = _loss_of(self.original(batch, *args))
+        loss = loss_of(self.original(batch, *args), required=False)
         return None if loss is None else loss.detach()
 
     def _check(self, batch: Any, parts: list[Any], counts: list[int], args: tuple) -> Optional[str]:
         """None when the loss passes (``verified`` set) or cannot be checked on this batch (deferred);
         else the reason for refusing."""
-        used = [i for i, c in enumerate(counts) if c > 0][:2]
-        if len(used) < 2:
+        found = check_pair(batch, parts, counts)
+        if found is None:
             return None  # one micro-batch with something to count: its loss is the batch's; check later
-        sizes = [infer_batch_shape(part)[0] for part in parts]
-        start, length = sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1])
-        pair = _slice(batch, sum(sizes), start, length)
+        pair, used, start, length = found
         with _side_effects_contained(self.pl_module):
             together = self._loss(pair, args)
             apart = [self._loss(parts[i], args) for i in used]
@@ -255,7 +245,7 @@ class _MicroBatchedTrainingStep:
                 self.verified = True
                 return None
             again = self._loss(pair, args)
-        what = _RULE_TEXT[self.rule or "samples"]
+        what = RULE_TEXT[self.rule or "samples"]
         samples = f"samples {start}..{start + length - 1}"
         if again is not None and not _close(float(again.float()), values[0], rtol, atol):
             return (
@@ -276,8 +266,8 @@ class _MicroBatchedTrainingStep:
 
     def _refuse(self, reason: str) -> None:
         self.refused_reason = reason
-        _unwrap(self.pl_module, self)
-        self.pl_module.__dict__[_REFUSED] = reason
+        unwrap_training_step(self.pl_module, self)
+        self.pl_module.__dict__[REFUSED_ATTRIBUTE] = reason
         warnings.warn(
             f"micro-batching refused, the batch runs whole: {reason}", MicroBatchingRefusedWarning, stacklevel=2
         )
@@ -285,42 +275,34 @@ class _MicroBatchedTrainingStep:
     # -- the micro-batched step -------------------------------------------------------------------
 
     def _run(self, trainer: Any, parts: list[Any], counts: list[int], *args: Any) -> Any:
-        total = sum(counts)
-        used = [i for i, c in enumerate(counts) if c > 0]  # c_i = 0: nothing counted, no gradient: not run
+        """The split step (:func:`~lightning_seqmem.mitigations.microbatch_twin.run_micro_batches`):
+        each micro-batch but the last backpropagated through the strategy, the last one's loss returned."""
         accumulate = trainer.accumulate_grad_batches
         skip_backward = bool(getattr(trainer.fit_loop, "_skip_backward", False))
         optimizer = trainer.optimizers[0]
-        if not skip_backward and trainer.fit_loop.epoch_loop.batch_idx % accumulate == 0:
-            # Lightning zeroes after training_step (Closure.closure): zero now, and skip its call.
+
+        def backward(scaled: torch.Tensor) -> None:
+            trainer.strategy.backward(scaled / accumulate, optimizer)
+
+        return run_micro_batches(
+            parts, counts, lambda part: self.original(part, *args), None if skip_backward else backward,
+            trainer.strategy.model if trainer.strategy.model is not None else self.pl_module,
+            zero_grad=lambda: self._zero_grad_first(trainer, optimizer, skip_backward),
+        )
+
+    def _zero_grad_first(self, trainer: Any, optimizer: Any, skip_backward: bool) -> None:
+        """Zero the gradients before the first micro-batch of an accumulation window (Lightning zeroes
+        after ``training_step``, in ``Closure.closure``: its call is skipped once)."""
+        if not skip_backward and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
             pending = self.pl_module.__dict__.get("optimizer_zero_grad")
             if isinstance(pending, _SkipNextZeroGrad):  # armed by a step whose zero_grad never came
                 pending.restore()
             self.pl_module.optimizer_zero_grad(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, optimizer)
             self.pl_module.optimizer_zero_grad = _SkipNextZeroGrad(self.pl_module)
-        model = trainer.strategy.model if trainer.strategy.model is not None else self.pl_module
-        no_sync = lambda: deferred_gradient_reduction(model)  # noqa: E731
-        done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached
-        for i in used[:-1]:
-            output = self.original(parts[i], *args)
-            loss = _loss_of(output)
-            del output
-            if loss is None:  # this micro-batch is skipped, as Lightning skips a batch returning None
-                continue
-            scaled = loss * (counts[i] / total)
-            if not skip_backward:
-                with no_sync(), _autocast_off(scaled.device.type):
-                    trainer.strategy.backward(scaled / accumulate, optimizer)
-            done = scaled.detach() if done is None else done + scaled.detach()
-            del loss, scaled
-        output = self.original(parts[used[-1]], *args)
-        loss = _loss_of(output)
-        if loss is None:
-            return output
-        scaled = loss * (counts[used[-1]] / total)
-        return _with_loss(output, scaled if done is None else scaled + done)
 
 
-def _unwrap(pl_module: Any, wrapper: _MicroBatchedTrainingStep) -> None:
+def unwrap_training_step(pl_module: Any, wrapper: MicroBatchedTrainingStep) -> None:
+    """Take ``wrapper`` off ``pl_module``: the ``training_step`` it wrapped back, a pending zero-grad skip undone."""
     if wrapper.previous is not None:
         pl_module.training_step = wrapper.previous
     else:
@@ -330,9 +312,16 @@ def _unwrap(pl_module: Any, wrapper: _MicroBatchedTrainingStep) -> None:
         skip.restore()
 
 
-def _wrapper_of(pl_module: Any) -> Optional[_MicroBatchedTrainingStep]:
+def wrapper_of(pl_module: Any) -> Optional[MicroBatchedTrainingStep]:
+    """The micro-batching wrapper on ``pl_module``'s ``training_step``, or None.
+
+    Example:
+        >>> import torch
+        >>> wrapper_of(torch.nn.Linear(2, 2)) is None
+        True
+    """
     wrapper = pl_module.__dict__.get("training_step")
-    return wrapper if isinstance(wrapper, _MicroBatchedTrainingStep) else None
+    return wrapper if isinstance(wrapper, MicroBatchedTrainingStep) else None
 
 
 def is_micro_batching(pl_module: Any) -> bool:
@@ -343,7 +332,7 @@ def is_micro_batching(pl_module: Any) -> bool:
         >>> is_micro_batching(torch.nn.Linear(2, 2))
         False
     """
-    return _wrapper_of(pl_module) is not None
+    return wrapper_of(pl_module) is not None
 
 
 def micro_batching_refusal(pl_module: Any) -> Optional[str]:
@@ -356,7 +345,7 @@ def micro_batching_refusal(pl_module: Any) -> Optional[str]:
         >>> micro_batching_refusal(torch.nn.Linear(2, 2)) is None
         True
     """
-    return pl_module.__dict__.get(_REFUSED)
+    return pl_module.__dict__.get(REFUSED_ATTRIBUTE)
 
 
 def micro_batching_check_pending(pl_module: Any) -> bool:
@@ -368,5 +357,5 @@ def micro_batching_check_pending(pl_module: Any) -> bool:
         >>> micro_batching_check_pending(torch.nn.Linear(2, 2))
         False
     """
-    wrapper = _wrapper_of(pl_module)
+    wrapper = wrapper_of(pl_module)
     return wrapper is not None and wrapper.check_pending

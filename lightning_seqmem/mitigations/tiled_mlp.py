@@ -67,7 +67,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext, wrapping_strategy_refusal
-from lightning_seqmem.mitigations.checkpointing import _counted, find_repeated_blocks
+from lightning_seqmem.mitigations.checkpointing import counted_blocks, find_repeated_blocks
 
 __all__ = ["MLP_CHILD_NAMES", "TiledMLP", "TiledMLPRung", "find_mlps", "tile_count_rule", "tiled_mlp_tiles",
            "tiled_mlp_unavailable_reason"]
@@ -315,7 +315,7 @@ class TiledMLP:
         if reason is not None:
             return False, reason
         tiles = self.tiles or tile_count_rule([m for m, _ in planned])
-        return True, f"tile {_counted([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
+        return True, f"tile {counted_blocks([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
 
     def apply(self, model: nn.Module) -> MitigationResult:
         """Tile the MLPs in place; a second call changes nothing."""
@@ -329,7 +329,7 @@ class TiledMLP:
         for mlp, layers in planned:
             mlp.__dict__[_MARK] = _TiledState(tiles, layers, mlp.__dict__.get("forward"))
             mlp.forward = types.MethodType(_tiled_forward, mlp)
-        detail = f"tiled {_counted([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
+        detail = f"tiled {counted_blocks([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
         return MitigationResult(self.name, applied=True, detail=detail, before="off", after="on")
 
     def remove(self, model: nn.Module) -> MitigationResult:

@@ -1,0 +1,221 @@
+"""The one micro-batched training step: what the wrapper of
+:class:`~lightning_seqmem.mitigations.microbatch.MicroBatching` runs inside ``training_step``, what the
+dry run runs on its fake copy and what the memory breakdown traces, so a forecast or a breakdown of a
+micro-batched step is the step's own order of allocations.
+
+* :func:`run_micro_batches`: zero the gradients, backpropagate every counted micro-batch but the
+  last (its loss weighted by ``c_i / C``), return the last one's weighted loss plus the others';
+* :func:`check_pair`: the sub-batch the wrapper's first-step check compares (the dry run counts its memory);
+* :func:`micro_batched_loss` and :class:`ZeroGradBeforeFirstMicroBatch`: the same step as a
+  ``(loss_fn, optimizer)`` pair for :func:`~lightning_seqmem.measure.steps.training_step_memory`
+  (Lightning's order: forward, ``zero_grad``, backward, optimizer step).
+
+Example:
+    >>> import torch
+    >>> from lightning_seqmem.measure.steps import training_step_memory
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> optimizer = torch.optim.SGD(lin.parameters(), lr=0.0)
+    >>> batch = {"input_ids": torch.ones(3, 2, dtype=torch.long), "x": torch.tensor([[1.0, 0], [0, 1], [1, 1]])}
+    >>> loss_fn = lambda model, b: model(b["x"]).mean()
+    >>> step_loss = micro_batched_loss(optimizer, 1, loss_fn)  # three micro-batches of one sample
+    >>> training_step_memory(lin, ZeroGradBeforeFirstMicroBatch(optimizer), batch, step_loss)
+    >>> [round(g, 4) for g in lin.weight.grad.flatten().tolist()]  # the whole batch's mean gradient
+    [0.6667, 0.6667]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.steps import loss_of
+from lightning_seqmem.mitigations.microbatch_functional import (
+    IGNORE_INDEX,
+    deferred_gradient_reduction,
+    micro_batch_counts,
+    slice_batch,
+    split_batch,
+)
+
+__all__ = ["CheckPair", "ZeroGradBeforeFirstMicroBatch", "check_pair", "micro_batched_loss", "run_micro_batches"]
+
+
+def _with_loss(output: Any, loss: torch.Tensor) -> Any:
+    if isinstance(output, Mapping):
+        return {**output, "loss": loss}
+    return loss
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Leave the precision plugin's autocast (``training_step`` runs inside it) for a backward."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+class CheckPair(NamedTuple):
+    """The sub-batch the first-step check runs: the first two micro-batches that count something."""
+
+    batch: Any  # samples start .. start + length - 1 of the batch (views)
+    used: list[int]  # the indices of the two micro-batches
+    start: int  # the pair's first sample in the batch
+    length: int  # its samples, from the first micro-batch to the end of the second
+
+
+def check_pair(batch: Any, parts: list[Any], counts: list[int]) -> Optional[CheckPair]:
+    """What the first-step check of micro-batching compares: the first two micro-batches with
+    ``counts[i] > 0`` apart, and the samples from the first to the second of them together (the
+    wrapper checks their losses, the dry run counts their memory). None: fewer than two count something.
+
+    Example:
+        >>> import torch
+        >>> batch = torch.arange(10).reshape(5, 2)
+        >>> found = check_pair(batch, split_batch(batch, 1), [1, 0, 2, 1, 1])
+        >>> found.used, found.start, found.length, found.batch.tolist()
+        ([0, 2], 0, 3, [[0, 1], [2, 3], [4, 5]])
+        >>> check_pair(batch, split_batch(batch, 1), [0, 0, 0, 3, 0]) is None
+        True
+    """
+    used = [i for i, c in enumerate(counts) if c > 0][:2]
+    if len(used) < 2:
+        return None
+    sizes = [infer_batch_shape(part)[0] for part in parts]
+    start, length = sum(sizes[: used[0]]), sum(sizes[used[0] : used[1] + 1])
+    return CheckPair(slice_batch(batch, sum(sizes), start, length), used, start, length)
+
+
+def run_micro_batches(
+    parts: list[Any],
+    counts: list[int],
+    forward: Callable[[Any], Any],
+    backward: Optional[Callable[[torch.Tensor], Any]],
+    model: Any,
+    zero_grad: Callable[[], Any],
+    read_loss: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
+    hold: bool = True,
+) -> Any:
+    """One micro-batched ``training_step``: what the wrapper of :class:`MicroBatching` runs, and what
+    the dry run runs on its fake copy (one loop for both, so the forecast is the step's own order).
+
+    ``zero_grad()`` first; then every micro-batch with ``counts[i] > 0`` but the last: ``forward(part)``
+    (``training_step``), its loss (``read_loss``, default :func:`~lightning_seqmem.measure.steps.loss_of`
+    with ``required=False``; a None loss: skipped, as Lightning skips such a batch) scaled
+    by ``counts[i] / sum(counts)``, and ``backward(scaled)`` with autocast off and the gradient reduction
+    across ranks deferred (:func:`deferred_gradient_reduction` of ``model``; ``backward`` None: no
+    backward, as under Lightning's ``_skip_backward``). The last one is not backpropagated: returned
+    is its output with its ``"loss"`` (or itself) replaced by its scaled loss plus the others',
+    detached (the batch's loss; the caller backpropagates it), or its output as it came when its loss
+    is None. ``hold``: the outputs and unscaled losses stay alive until their micro-batch is done
+    (the wrapper's order); False: each is dropped as soon as it was read or scaled (the dry run's).
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> parts = split_batch(torch.tensor([[1, 1], [2, 2], [3, 3]]), 1)
+        >>> loss = run_micro_batches(parts, [1, 1, 1], lambda part: (w * part).sum(), lambda s: s.backward(),
+        ...                          w, zero_grad=lambda: None)
+        >>> round(float(loss.detach()), 4), w.grad.tolist()  # the mean of 2, 4, 6; the first two backpropagated
+        (4.0, [1.0, 1.0])
+    """
+    if read_loss is None:
+        read_loss = partial(loss_of, required=False)
+    total = sum(counts)
+    used = [i for i, c in enumerate(counts) if c > 0]  # c_i = 0: nothing counted, no gradient: not run
+    zero_grad()
+    done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached
+    for i in used[:-1]:
+        output = forward(parts[i])
+        loss = read_loss(output)
+        del output
+        if loss is None:  # this micro-batch is skipped, as Lightning skips a batch returning None
+            continue
+        scaled = loss * (counts[i] / total)
+        if not hold:
+            loss = None
+        if backward is not None:
+            with deferred_gradient_reduction(model), _autocast_off(scaled.device.type):
+                backward(scaled)
+        done = scaled.detach() if done is None else done + scaled.detach()
+        del loss, scaled
+    output = forward(parts[used[-1]])
+    loss = read_loss(output)
+    if loss is None:
+        return output
+    if not hold:
+        output = None
+    scaled = loss * (counts[used[-1]] / total)
+    if not hold:
+        loss = None
+    return _with_loss(output, scaled if done is None else scaled + done)
+
+
+class ZeroGradBeforeFirstMicroBatch:
+    """The optimizer as the micro-batching wrapper drives it: zeroed before the first micro-batch.
+
+    :func:`~lightning_seqmem.measure.steps.training_step_memory` calls ``zero_grad`` after the forward
+    (Lightning's place for it); under micro-batching that call is skipped, since the gradients of
+    the earlier micro-batches are already accumulated by then (:func:`micro_batched_loss` zeroes
+    the real optimizer itself).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+def micro_batched_loss(
+    optimizer: torch.optim.Optimizer,
+    micro_batch_size: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    weighting: str = "auto",
+    ignore_index: int = IGNORE_INDEX,
+    counts_of: Optional[Callable[[Any, int, str, int], list[int]]] = None,
+    before: Optional[Callable[[Any, Any, list[Any], list[int]], Any]] = None,
+) -> Callable[[Any, Any], torch.Tensor]:
+    """``(model, batch) -> loss``: ``loss_fn`` per micro-batch, as :func:`run_micro_batches` runs it, for
+    :func:`~lightning_seqmem.measure.steps.training_step_memory` with :class:`ZeroGradBeforeFirstMicroBatch`.
+
+    Counts ``c_i`` with ``counts_of(batch, micro_batch_size, weighting, ignore_index)`` (default: those of
+    :func:`~lightning_seqmem.mitigations.microbatch_functional.micro_batch_counts`), runs
+    ``before(model, batch, parts, counts)`` (the dry run: the memory of the wrapper's first-step check),
+    zeroes ``optimizer``, backpropagates each micro-batch with ``c_i > 0`` but the last (autocast
+    off), and returns the last one's weighted loss (plus the others', detached) for the caller's
+    backward; each loss is dropped as soon as it is scaled. A batch with one micro-batch, or nothing
+    counted, runs whole, zeroed after its forward as Lightning does.
+    """
+
+    def step_loss(model: Any, batch: Any) -> torch.Tensor:
+        parts = split_batch(batch, micro_batch_size)
+        if len(parts) > 1:
+            counts = (counts_of(batch, micro_batch_size, weighting, ignore_index) if counts_of is not None
+                      else micro_batch_counts(batch, micro_batch_size, weighting, ignore_index)[1])
+        else:
+            counts = [1]
+        if len(parts) == 1 or not any(c > 0 for c in counts):
+            loss = loss_fn(model, batch)
+            optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad, after the forward
+            return loss
+        if before is not None:
+            before(model, batch, parts, counts)
+        return run_micro_batches(
+            parts, counts, lambda part: loss_fn(model, part), lambda scaled: scaled.backward(), model,
+            zero_grad=lambda: optimizer.zero_grad(set_to_none=True), read_loss=lambda loss: loss, hold=False,
+        )
+
+    return step_loss
