@@ -124,14 +124,10 @@ from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, con
     rebuild_optimizer,
     unwrap_optimizer,
 )
-from lightning_seqmem.dryrun.fake import compiled_reason as _compiled_reason  # noqa: F401 - trainer/fit_setup.py's name
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
-from lightning_seqmem.dryrun.step_functions import (  # noqa: F401 - _plain_loss: the name tests/scripts/sp_run.py uses
-    plain_loss as _plain_loss,
-    step_functions,
-)
+from lightning_seqmem.dryrun.step_functions import step_functions
 
 
 def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict[str, int]]:

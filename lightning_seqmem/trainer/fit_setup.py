@@ -60,9 +60,9 @@ def check_parameters_fit(planner: "SeqMemPlanner", pl_module: torch.nn.Module, d
 def check_compiled(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> None:
     """A ``torch.compile``'d module: measure without preventing compilation, and say so once
     (see the class docstring). Runs after ``configure_model``, where modules are often compiled."""
-    from lightning_seqmem.dryrun.step import _compiled_reason
+    from lightning_seqmem.dryrun.step import compiled_reason
 
-    cb._compiled = _compiled_reason(pl_module)
+    cb._compiled = compiled_reason(pl_module)
     tracked_compiled = cb._compiled is not None and cb._probe is not None and cb._probe.name == "tracker"
     every = max(cb.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS) if tracked_compiled else cb.measure_every_n_steps
     cb.planner.bind_run(measure_every_n_steps=every)

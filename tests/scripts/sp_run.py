@@ -33,7 +33,7 @@ def work(rank: int, out_dir: str, seq_len: int, batch_size: int, port: int) -> N
 
     from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_attention, sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.sharded import unsharded_template
-    from lightning_seqmem.dryrun.step import _plain_loss
+    from lightning_seqmem.dryrun.step_functions import plain_loss as _plain_loss
     from lightning_seqmem.measure.probes import make_probe
     from lightning_seqmem.measure.steps import training_step_memory
     from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
