@@ -206,3 +206,55 @@ def test_rung_names_appear_in_code_only_in_their_rung_file_and_the_registry():
             if name in owners and not rel.startswith(owners[name] + registry) and (rel, text) not in _NOT_A_RUNG:
                 found.append(f"{rel}:{line}: {text!r}")
     assert found == [], "rung names compared outside their rung file:\n" + "\n".join(found)
+
+
+
+# Imports of another module's `_private` name still allowed, each with its reason (remove the entry with the import):
+# {(file under lightning_seqmem/, module imported from, name): reason}
+_PRIVATE_IMPORT_EXCEPTIONS: dict[tuple[str, str, str], str] = {}
+
+
+def _private_imports(source: str, module_name: str, is_package: bool = False) -> list[tuple[str, str, int]]:
+    """``(module imported from, _name, line)`` of each ``from lightning_seqmem... import _name`` in the
+    module ``module_name`` (relative imports too; dunders such as ``__version__`` are not private)."""
+    package = module_name if is_package else module_name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        if module != ROOT and not module.startswith(ROOT + "."):
+            continue
+        found += [(module, a.name, node.lineno) for a in node.names
+                  if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """issue 17: a `_private` name another module uses is that module's API: public there (in its
+    ``__all__``, with a docstring), or moved into its one user."""
+    found, used = [], set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for module, name, line in _private_imports(path.read_text(), _module_name(path), path.name == "__init__.py"):
+            if (rel, module, name) in _PRIVATE_IMPORT_EXCEPTIONS:
+                used.add((rel, module, name))
+            else:
+                found.append(f"{rel}:{line}: from {module} import {name}")
+    assert found == [], "private names imported from another module:\n" + "\n".join(found)
+    assert used == set(_PRIVATE_IMPORT_EXCEPTIONS), f"stale exceptions: {set(_PRIVATE_IMPORT_EXCEPTIONS) - used}"
+
+
+def test_the_private_import_check_sees_a_planted_one():
+    """The check above finds a private import, absolute, relative and in a function body, and passes a
+    public name (even imported ``as _alias``), a dunder and another package's private name."""
+    source = ("from lightning_seqmem.measure.tracker import _PLAIN_TENSORS, tensor_storages\n"
+              "def f():\n    from .tracker import _flat\n"
+              "from ..trainer.guard import guarded as _guarded\n"
+              "from lightning_seqmem import __version__\nfrom os import _exit\n")
+    assert _private_imports(source, "lightning_seqmem.measure.planted") == [
+        ("lightning_seqmem.measure.tracker", "_PLAIN_TENSORS", 1), ("lightning_seqmem.measure.tracker", "_flat", 3)]

@@ -1,5 +1,14 @@
 """What the ``seqmem`` commands share: building a LightningCLI config's model and data without
-training, the first batch and optimizer, the usable budget, one-line user errors."""
+training, the first batch and optimizer, the usable budget, one-line user errors.
+
+Used by :mod:`.main` (``seqmem`` and its options), :mod:`.forecast` and :mod:`.plan`.
+
+Example:
+    >>> DEFAULT_MODEL
+    'lightning_seqmem.reference.demo.LitGPT'
+    >>> str(UserError("--start 0: a length is at least 1"))
+    '--start 0: a length is at least 1'
+"""
 
 from __future__ import annotations
 
@@ -7,22 +16,27 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-__all__ = ["build_from_config"]
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "build_from_config", "find_seqmem_callback", "first_batch",
+           "first_optimizer", "quiet_warnings", "usable_budget"]
 
-_DEFAULT_MODEL = "lightning_seqmem.reference.demo.LitGPT"
-_DEFAULT_DATA = "lightning_seqmem.reference.demo.SyntheticTokenDataModule"
+DEFAULT_MODEL = "lightning_seqmem.reference.demo.LitGPT"
+"""The model class of ``seqmem forecast/plan --model-class`` when the config names none."""
+DEFAULT_DATA = "lightning_seqmem.reference.demo.SyntheticTokenDataModule"
+"""The datamodule class of ``seqmem forecast/plan --data-class`` when the config names none."""
 
 
-def _quiet() -> None:
-    """Silence warnings that say nothing to a user of the command (they stay visible elsewhere)."""
+def quiet_warnings() -> None:
+    """Silence warnings that say nothing to a user of the command (they stay visible elsewhere): each
+    command calls it first."""
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*`self.log\\(\\)` but the `self.trainer` reference.*")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-class _UserError(Exception):
-    """A mistake in what the user asked for: :func:`main` prints its message on one line, exit 2."""
+class UserError(Exception):
+    """A mistake in what the user asked for: :func:`~lightning_seqmem.cli.main.main` prints its message
+    on one line and exits with status 2 (no traceback)."""
 
 
 
@@ -36,7 +50,7 @@ def _read_yaml(path: str, command: str = "seqmem forecast") -> dict[str, Any]:
     return data
 
 
-def build_from_config(config: str, model_class: str = _DEFAULT_MODEL, data_class: str = _DEFAULT_DATA,
+def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA,
                       overrides: Sequence[str] = (), command: str = "seqmem forecast") -> Any:
     """A ``LightningCLI`` (not run) of ``config``: ``.model``, ``.datamodule`` and ``.trainer``.
 
@@ -65,14 +79,14 @@ def build_from_config(config: str, model_class: str = _DEFAULT_MODEL, data_class
         sys.argv = argv
 
 
-def _seqmem_callback(trainer: Any) -> Any:
+def find_seqmem_callback(trainer: Any) -> Any:
     """The config's :class:`~lightning_seqmem.SeqMemCallback`, or None."""
     from lightning_seqmem import SeqMemCallback
 
     return next((c for c in trainer.callbacks if isinstance(c, SeqMemCallback)), None)
 
 
-def _usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem: Any,
+def usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem: Any,
                    device: Any) -> tuple[Optional[int], float, Optional[int]]:
     """``(budget, margin, usable)``: ``budget`` (bytes) if given, else the config's SeqMemCallback
     ``memory_budget``, else the CUDA device's total, else None; ``margin`` likewise (default 0.1);
@@ -87,7 +101,7 @@ def _usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem
     return budget, margin, None if budget is None else int(budget * (1 - margin))
 
 
-def _first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> Any:
+def first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> Any:
     """The first training batch of the config's data (its datamodule set to ``seq_len`` tokens
     first where it has ``set_seq_len``), else of the model's own ``train_dataloader``."""
     if seq_len is not None and datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
@@ -99,7 +113,20 @@ def _first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> 
     return next(iter(source.train_dataloader()))
 
 
-def _first_optimizer(module: Any) -> tuple[Any, str]:
+def first_optimizer(module: Any) -> tuple[Any, str]:
+    """``(optimizer, what)``: the first optimizer ``module.configure_optimizers()`` returns (a list,
+    tuple or Lightning's ``{"optimizer": ...}`` dict unwrapped) and its class name; else an ``AdamW``
+    over the module's parameters and why (the forecast and the dry run trace a step with it).
+
+    >>> import torch
+    >>> class Tiny(torch.nn.Linear):
+    ...     def configure_optimizers(self):
+    ...         return [torch.optim.SGD(self.parameters(), lr=0.1)], []
+    >>> first_optimizer(Tiny(2, 2))[1]
+    'SGD'
+    >>> first_optimizer(torch.nn.Linear(2, 2))[1].endswith("; traced with AdamW")  # no configure_optimizers
+    True
+    """
     import torch
 
     try:
@@ -113,12 +140,3 @@ def _first_optimizer(module: Any) -> tuple[Any, str]:
     if isinstance(conf, torch.optim.Optimizer):
         return conf, type(conf).__name__
     return torch.optim.AdamW(module.parameters()), "configure_optimizers() returned no optimizer; traced with AdamW"
-
-
-def _loss_of(output: Any) -> Any:
-    from lightning_seqmem.measure.steps import loss_of
-
-    try:
-        return loss_of(output)
-    except TypeError as exc:
-        raise SystemExit(f"seqmem forecast: {exc} (manual optimisation is not supported)") from None

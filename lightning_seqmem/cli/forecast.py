@@ -12,14 +12,26 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.common import (
-    _first_batch,
-    _first_optimizer,
-    _loss_of,
-    _quiet,
-    _seqmem_callback,
-    _usable_budget,
     build_from_config,
+    find_seqmem_callback,
+    first_batch,
+    first_optimizer,
+    quiet_warnings,
+    usable_budget,
 )
+
+__all__ = ["run_forecast"]
+
+
+def _loss_of(output: Any) -> Any:
+    """The loss of a ``training_step`` output (moved from :mod:`.common`, its only user is here); a
+    step without one (manual optimisation) ends the command with a one-line message."""
+    from lightning_seqmem.measure.steps import loss_of
+
+    try:
+        return loss_of(output)
+    except TypeError as exc:
+        raise SystemExit(f"seqmem forecast: {exc} (manual optimisation is not supported)") from None
 
 
 def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -62,33 +74,35 @@ def _print_fit(console: Any, forecaster: Any, budget: Optional[int], margin: flo
     return max_len
 
 
-def _forecast(args: argparse.Namespace) -> int:
+def run_forecast(args: argparse.Namespace) -> int:
+    """``seqmem forecast ARGS``: trace the config's model on a copy, print (or ``--json``) the forecast
+    and where the memory goes; the exit status (``seqmem`` is :func:`.main.main`)."""
     from rich.console import Console
 
     from lightning_seqmem.measure.batch import infer_batch_shape
     from lightning_seqmem.measure.steps import trace_training_steps
     from lightning_seqmem.core.units import parse_bytes
 
-    _quiet()
+    quiet_warnings()
     console = Console(width=None if sys.stdout.isatty() else 120)
     lengths, trace, check = _lengths(args)
     cli = build_from_config(args.config, args.model_class, args.data_class)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     if not model.automatic_optimization:
         raise SystemExit("seqmem forecast: the model uses manual optimisation; trace it with lightning_seqmem.measure.steps")
-    seqmem = _seqmem_callback(trainer)
+    seqmem = find_seqmem_callback(trainer)
     device = trainer.strategy.root_device
     budget = parse_bytes(args.budget, "--budget") if args.budget else None
-    budget, margin, usable = _usable_budget(budget, args.safety_margin, seqmem, device)
+    budget, margin, usable = usable_budget(budget, args.safety_margin, seqmem, device)
 
-    batch = _first_batch(model, datamodule, max(trace + check))
+    batch = first_batch(model, datamodule, max(trace + check))
     traced_batch, source_len = infer_batch_shape(batch)
     batch_size = args.batch_size or traced_batch
 
     work = copy.deepcopy(model)  # the steps below train the copy; the configured model is untouched
     precision = trainer.precision_plugin
     work = precision.convert_module(work).to(device)
-    optimizer, optimizer_name = _first_optimizer(work)
+    optimizer, optimizer_name = first_optimizer(work)
     console.print(f"[bold]seqmem forecast[/bold]: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
                   f"parameters), {trainer.precision} precision, on {device}, optimizer {optimizer_name}; tracing "
                   f"{len(trace)} steps at seq_len {trace} (batch {traced_batch})"
@@ -149,7 +163,7 @@ def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, tra
     from lightning_seqmem.present.report import render_breakdown_console
 
     work = precision.convert_module(copy.deepcopy(model)).to(device)
-    optimizer, _ = _first_optimizer(work)
+    optimizer, _ = first_optimizer(work)
     batch_size, source_len = infer_batch_shape(batch)
     lengths, notes = safe_seq_lens(trace, width_dims(work, batch_size), source_len, num=3)
     if len(lengths) < 2:

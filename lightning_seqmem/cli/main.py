@@ -27,16 +27,18 @@ from typing import Any, NoReturn, Optional, Sequence
 
 __all__ = ["main"]
 
-from lightning_seqmem.cli.common import (  # noqa: F401 - build_from_config and _first_optimizer: 0.1 names
-    _DEFAULT_DATA,
-    _DEFAULT_MODEL,
-    _UserError,
-    _first_optimizer,
-    _quiet,
+from lightning_seqmem.cli.common import (  # noqa: F401 - build_from_config: a 0.1 name here
+    DEFAULT_DATA,
+    DEFAULT_MODEL,
+    UserError,
     build_from_config,
+    first_optimizer,
+    quiet_warnings,
 )
-from lightning_seqmem.cli.forecast import _forecast
-from lightning_seqmem.cli.plan import _plan
+from lightning_seqmem.cli.forecast import run_forecast
+from lightning_seqmem.cli.plan import run_plan
+
+_first_optimizer = first_optimizer  # 0.1 name (tests import it from here)
 
 # ----------------------------------------------------------------------------------------------
 # seqmem demo
@@ -45,7 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
 
     if args.accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
-        raise _UserError(f"--accelerator {args.accelerator}: this machine has no CUDA device "
+        raise UserError(f"--accelerator {args.accelerator}: this machine has no CUDA device "
                          "(torch.cuda.is_available() is False); use --accelerator cpu")
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -55,7 +57,7 @@ def _demo(args: argparse.Namespace) -> int:
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     from lightning_seqmem.present.report import load_report, render_console
 
-    _quiet()
+    quiet_warnings()
     console = Console(width=None if sys.stdout.isatty() else 120)
     pl.seed_everything(args.seed, verbose=False)
     curriculum = Curriculum(start=args.start, target=args.target, steps_per_stage=args.steps_per_stage)
@@ -97,11 +99,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _panels(args: argparse.Namespace) -> int:
     folder = Path(args.log_dir)
     if not folder.is_dir():
-        raise _UserError(f"no such folder: {args.log_dir!r} (a run's log folder holding events.out.tfevents.* files, "
+        raise UserError(f"no such folder: {args.log_dir!r} (a run's log folder holding events.out.tfevents.* files, "
                          "e.g. seqmem_runs/demo/version_0)")
     if not any(folder.glob("events.out.tfevents.*")):
         found = sorted({str(p.parent) for p in folder.rglob("events.out.tfevents.*")})[:3]
-        raise _UserError(f"{args.log_dir!r} holds no TensorBoard event files (events.out.tfevents.*)"
+        raise UserError(f"{args.log_dir!r} holds no TensorBoard event files (events.out.tfevents.*)"
                          + (f"; these folders below it do: {', '.join(found)}" if found else ""))
     from lightning_seqmem.present.panels import render_panels
 
@@ -118,11 +120,11 @@ def _report(args: argparse.Namespace) -> int:
 
     path = Path(args.path)
     if not path.exists():
-        raise _UserError(f"no such file or folder: {args.path!r} (a {JSON_NAME}, or the run folder holding it: "
+        raise UserError(f"no such file or folder: {args.path!r} (a {JSON_NAME}, or the run folder holding it: "
                          "the logger's version_N/, e.g. seqmem_runs/demo/version_0)")
     if path.is_dir() and not (path / JSON_NAME).is_file():
         found = sorted(str(p.parent) for p in path.rglob(JSON_NAME))[:3]
-        raise _UserError(f"{args.path!r} holds no {JSON_NAME} (written at the end of fit to the logger's version_N/)"
+        raise UserError(f"{args.path!r} holds no {JSON_NAME} (written at the end of fit to the logger's version_N/)"
                          + (f"; these folders below it do: {', '.join(found)}" if found else ""))
 
     report = load_report(args.path)
@@ -250,14 +252,14 @@ def _add_forecast(sub: Any) -> None:
     forecast.add_argument("--trace-lengths", type=int, nargs="+", default=None,
                           help="short lengths to trace (default 64 128 256, then a check at 512)")
     forecast.add_argument("--no-check", action="store_true", help="skip the check step at a longer length")
-    forecast.add_argument("--model-class", default=_DEFAULT_MODEL, help="model class when the config names none")
-    forecast.add_argument("--data-class", default=_DEFAULT_DATA, help="datamodule class when the config names none")
+    forecast.add_argument("--model-class", default=DEFAULT_MODEL, help="model class when the config names none")
+    forecast.add_argument("--data-class", default=DEFAULT_DATA, help="datamodule class when the config names none")
     forecast.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                           help="after the forecast, trace one step per traced length on a fresh copy and show where "
                           "the memory goes: by kind and module, extrapolated to the longest length asked, the "
                           "attention share, the crossover length and diagnoses (default on; --no-breakdown skips it)")
     forecast.add_argument("--json", default=None, help="also write the forecasts (and the breakdown) to this JSON file")
-    forecast.set_defaults(func=_forecast)
+    forecast.set_defaults(func=run_forecast)
 
 
 def _add_plan(sub: Any) -> None:
@@ -283,8 +285,8 @@ def _add_plan(sub: Any) -> None:
                       "the GPU's total memory, else none: no fits column)")
     plan.add_argument("--safety-margin", type=_fraction, default=None,
                       help="fraction of the budget kept free, in [0, 1) (default: the config's SeqMemCallback, else 0.1)")
-    plan.add_argument("--model-class", default=_DEFAULT_MODEL, help="model class when the config names none")
-    plan.add_argument("--data-class", default=_DEFAULT_DATA, help="datamodule class when the config names none")
+    plan.add_argument("--model-class", default=DEFAULT_MODEL, help="model class when the config names none")
+    plan.add_argument("--data-class", default=DEFAULT_DATA, help="datamodule class when the config names none")
     plan.add_argument("--longest", action="store_true",
                       help="with a budget: search, per setting dry-run, the longest length it fits (multiples of 8, "
                       "between the longest asked length it fits and the shortest it does not; a few dry runs each)")
@@ -303,7 +305,7 @@ def _add_plan(sub: Any) -> None:
                       help="with --world-size: print each length's plan as that engine's launch config (searching "
                       "only the sequence-parallel kind the engine runs)")
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
-    plan.set_defaults(func=_plan)
+    plan.set_defaults(func=run_plan)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -326,18 +328,18 @@ def _check_demo(args: argparse.Namespace) -> None:
     from lightning_seqmem.core.rungs import check_mitigations
 
     if args.target < args.start:
-        raise _UserError(f"--target {args.target} is shorter than --start {args.start}: the curriculum grows from "
+        raise UserError(f"--target {args.target} is shorter than --start {args.start}: the curriculum grows from "
                          "--start to --target (tokens), e.g. --start 64 --target 1024")
     try:
         Curriculum(start=args.start, target=args.target, steps_per_stage=args.steps_per_stage)
     except ValueError as err:
-        raise _UserError(f"--start {args.start} --target {args.target}: {err}") from None
+        raise UserError(f"--start {args.start} --target {args.target}: {err}") from None
     try:
         check_mitigations(args.mitigations)
     except ValueError as err:
-        raise _UserError(f"--mitigations: {err}") from None
+        raise UserError(f"--mitigations: {err}") from None
     if args.d_model % args.n_head:
-        raise _UserError(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
+        raise UserError(f"--d-model {args.d_model} must be a multiple of --n-head {args.n_head}")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -359,7 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "demo":
             _check_demo(args)
         return int(args.func(args) or 0)
-    except _UserError as exc:
+    except UserError as exc:
         sys.stderr.write(f"{prog}: error: {_one_line(exc)}\n")
         return 2
     except Exception as exc:  # bad input found later: a config, a budget, a file, the accelerator

@@ -166,7 +166,7 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
     """The rows of every length's search (the plan in bold green)."""
     from rich.table import Table
 
-    from lightning_seqmem.cli.plan_text import _fits_cell
+    from lightning_seqmem.cli.plan_text import fits_cell
     from lightning_seqmem.core.units import format_bytes
 
     table = Table(title=f"seqmem plan: per-rank peak at {world_size} ranks with the sequence split (dry run of one "
@@ -181,7 +181,7 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
             table.add_row(str(row["seq_len"]), row["layout"], " + ".join(row["mitigations"]) or "none",
                           str(row["tokens_per_rank"]), peak, row["peak_source"],
                           "-" if row["host_bytes"] is None else format_bytes(row["host_bytes"]),
-                          *_fits_cell(row, usable), f"{row['seconds']:.1f}s",
+                          *fits_cell(row, usable), f"{row['seconds']:.1f}s",
                           style="bold green" if row is entry["plan"] else None)
         table.add_section()
     return table

@@ -12,24 +12,26 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.common import (
-    _first_batch,
-    _first_optimizer,
-    _quiet,
-    _seqmem_callback,
-    _usable_budget,
     build_from_config,
+    find_seqmem_callback,
+    first_batch,
+    first_optimizer,
+    quiet_warnings,
+    usable_budget,
 )
-from lightning_seqmem.cli.plan_text import (  # noqa: F401 - _modelled_line, _names, _print_peak_at: moved there
+from lightning_seqmem.cli.plan_text import (
     SEARCH_MULTIPLE,
-    _modelled_line,
-    _names,
-    _print_peak_at,
+    joined_names,
+    modelled_line,
+    print_peak_at,
     print_header,
     print_longest,
     print_plans,
     print_table,
     print_totals,
 )
+
+__all__ = ["PlanRun", "run_plan"]
 
 _SEARCH_MULTIPLE = SEARCH_MULTIPLE  # "nothing fits": the largest fitting length is searched among multiples of this
 
@@ -332,14 +334,14 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
 
     cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan")
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
-    seqmem = _seqmem_callback(trainer)
+    seqmem = find_seqmem_callback(trainer)
     device = trainer.strategy.root_device
-    budget, margin, usable = _usable_budget(args.budget, args.safety_margin, seqmem, device)
-    batch = _first_batch(model, datamodule)  # any length: the dry run cuts or tiles it to each length asked
+    budget, margin, usable = usable_budget(args.budget, args.safety_margin, seqmem, device)
+    batch = first_batch(model, datamodule)  # any length: the dry run cuts or tiles it to each length asked
     batch_size = args.batch_size or infer_batch_shape(batch)[0]
     precision = trainer.precision_plugin
     model = precision.convert_module(model)  # as fit does (bf16-true: bf16 weights); the model stays where it is
-    optimizer, optimizer_name = _first_optimizer(model)
+    optimizer, optimizer_name = first_optimizer(model)
     checks: dict[str, Any] = {}
     sets, skipped = _mitigation_sets(seqmem, trainer, model, batch, batch_size, checks)
     world = None if args.world_size is None else (args.world_size, args.strategy)
@@ -372,7 +374,7 @@ def _search_largest(console: Any, run: PlanRun, results: list[dict[str, Any]]) -
     hi = min(over)
     lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi), default=0)
     t0 = time.perf_counter()
-    with console.status(f"searching the largest length that fits with {_names(run.sets[-1])}..."):
+    with console.status(f"searching the largest length that fits with {joined_names(run.sets[-1])}..."):
         try:
             search.largest, search.runs = _largest_fitting(run.model, run.optimizer, run.batch, run.batch_size,
                                                            run.sets[-1], run.usable, lo, hi, run.context, run.device)
@@ -423,11 +425,13 @@ def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
                           run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None))
 
 
-def _plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace) -> int:
+    """``seqmem plan ARGS``: set up, dry-run every length and mitigation set, print the text output
+    (or, with ``--json``, the document alone); the exit status (``seqmem`` is :func:`.main.main`)."""
     from rich.console import Console
 
     _check_emit(args)
-    _quiet()
+    quiet_warnings()
     started = time.perf_counter()
     console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)  # --json: the document alone
     lengths = sorted(set(args.lengths))
@@ -443,12 +447,12 @@ def _plan(args: argparse.Namespace) -> int:
     print_table(console, run, results, args.config)
     print_plans(console, results, run.usable, run.sets[-1], search.largest, search.searched)
     for row in modelled:
-        console.print(_modelled_line(row), highlight=False)
+        console.print(modelled_line(row), highlight=False)
     longest = _longest_by_set(results, run.usable, run.device.type)
     if getattr(args, "longest", False) and run.usable is not None and run.world is None:
         _search_longest_each(console, run, longest, results, search)
     print_longest(console, longest)
-    _print_peak_at(console, results)
+    print_peak_at(console, results)
     if run.usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
                       "device's total): no fits column and no plan")

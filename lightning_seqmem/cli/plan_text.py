@@ -4,9 +4,9 @@ each setting fits, where the peak sits and the totals (the JSON document is :mod
 Every function here prints what it is given: the dry runs are done (:mod:`.plan`).
 
 Example:
-    >>> _names(("attention", "checkpointing")), _names(())
+    >>> joined_names(("attention", "checkpointing")), joined_names(())
     ('attention + checkpointing', 'none')
-    >>> _fits_cell({"fits": False}, 1), _fits_cell({"fits": None}, 1), _fits_cell({"fits": True}, None)
+    >>> fits_cell({"fits": False}, 1), fits_cell({"fits": None}, 1), fits_cell({"fits": True}, None)
     (['NO'], ['-'], [])
 """
 
@@ -17,16 +17,19 @@ from typing import Any, Optional, Sequence
 SEARCH_MULTIPLE = 8  # "nothing fits": the largest fitting length is searched among multiples of this
 
 
-def _names(names: Sequence[str]) -> str:
+def joined_names(names: Sequence[str]) -> str:
+    """A mitigation set in words, ``"a + b"`` (``"none"`` for the empty set): every line of
+    ``seqmem plan`` that names a set, :mod:`.plan`'s progress line too (example above)."""
     return " + ".join(names) if names else "none"
 
 
-def _fits_cell(row: dict[str, Any], usable: Optional[int]) -> list[str]:
-    """The ``fits`` cell of a table row (none without a budget: the column is not there)."""
+def fits_cell(row: dict[str, Any], usable: Optional[int]) -> list[str]:
+    """The ``fits`` cell of a table row (none without a budget: the column is not there); the
+    ``--world-size`` table of :mod:`.parallel` shares it (example above)."""
     return [] if usable is None else ["-" if row["fits"] is None else ("yes" if row["fits"] else "NO")]
 
 
-def _modelled_line(row: dict[str, Any]) -> str:
+def modelled_line(row: dict[str, Any]) -> str:
     """One modelled row in words (``seqmem plan``'s text output)."""
     from lightning_seqmem.core.units import format_bytes
 
@@ -38,17 +41,17 @@ def _modelled_line(row: dict[str, Any]) -> str:
     saved, without = row["saved_bytes"], row["peak_bytes_without"]
     change = f"−{format_bytes(saved)}" if saved >= 0 else f"+{format_bytes(-saved)}"
     return (f"{head}: where it applies the device peak would be {format_bytes(row['peak_bytes'])} instead of "
-            f"{format_bytes(without)} with {_names(base)} ({change}, {-saved / without:+.0%}), "
+            f"{format_bytes(without)} with {joined_names(base)} ({change}, {-saved / without:+.0%}), "
             f"{format_bytes(row['host_bytes'])} of saved activations moved to host memory per step")
 
 
-def _print_peak_at(console: Any, results: Sequence[dict[str, Any]]) -> None:
+def print_peak_at(console: Any, results: Sequence[dict[str, Any]]) -> None:
     """One ``peak at`` line per length: the phase and the kinds of tensor holding the peak."""
     for res in results:
         site = res.get("peak_at")
         if site is not None:
-            console.print(f"seq_len {res['seq_len']}: peak at {site['describe']} (with {_names(site['mitigations'])})",
-                          highlight=False)
+            console.print(f"seq_len {res['seq_len']}: peak at {site['describe']} "
+                          f"(with {joined_names(site['mitigations'])})", highlight=False)
 
 
 def print_header(console: Any, run: Any, sequence_parallel: bool) -> None:
@@ -100,8 +103,8 @@ def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any], errors: dic
     if run.world is not None and run.usable is not None:
         smallest = ["-" if row["error"] else (str(row["smallest_world_size"]) if row["smallest_world_size"]
                                               else f"> {run.world[0]}")]
-    return [str(res["seq_len"]), str(run.batch_size), _names(row["mitigations"]), peak, *_fits_cell(row, run.usable),
-            *smallest, f"{row['seconds']:.1f}s"]
+    return [str(res["seq_len"]), str(run.batch_size), joined_names(row["mitigations"]), peak,
+            *fits_cell(row, run.usable), *smallest, f"{row['seconds']:.1f}s"]
 
 
 def print_table(console: Any, run: Any, results: Sequence[dict[str, Any]], config: Any) -> None:
@@ -137,13 +140,13 @@ def _nothing_fits_line(res: dict[str, Any], usable: int, last_set: Sequence[str]
 
     lowest = min((r for r in res["rows"] if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
     if largest is not None:
-        longest = f"the largest length that fits with {_names(last_set)} is [bold]{largest}[/bold] tokens"
+        longest = f"the largest length that fits with {joined_names(last_set)} is [bold]{largest}[/bold] tokens"
     elif searched:
-        longest = f"not even {SEARCH_MULTIPLE} tokens fit with {_names(last_set)}"
+        longest = f"not even {SEARCH_MULTIPLE} tokens fit with {joined_names(last_set)}"
     else:
         longest = "no length that fits was searched for"
     return (f"seq_len {res['seq_len']}: [red]nothing fits[/red]: the lowest peak is "
-            f"{format_bytes(lowest['peak_bytes'])} ({_names(lowest['mitigations'])}) over "
+            f"{format_bytes(lowest['peak_bytes'])} ({joined_names(lowest['mitigations'])}) over "
             f"{format_bytes(usable)} usable; {longest}")
 
 
@@ -152,12 +155,12 @@ def _print_plan_of(console: Any, res: dict[str, Any], usable: int) -> None:
     from lightning_seqmem.core.units import format_bytes
 
     peak = next(r["peak_bytes"] for r in res["rows"] if r["mitigations"] == res["plan"])
-    what = _names(res["plan"]) if res["plan"] else "no mitigation needed"
+    what = joined_names(res["plan"]) if res["plan"] else "no mitigation needed"
     console.print(f"seq_len {res['seq_len']}: cheapest plan: [bold]{what}[/bold] "
                   f"({format_bytes(peak)} of {format_bytes(usable)} usable)")
     fast = res["fastest"]
     if fast is not None:
-        console.print(f"seq_len {res['seq_len']}: fastest that fits: [bold]{_names(fast['mitigations'])}"
+        console.print(f"seq_len {res['seq_len']}: fastest that fits: [bold]{joined_names(fast['mitigations'])}"
                       f"[/bold], peak {format_bytes(fast['peak_bytes'])}, step time "
                       f"{(fast['step_time_factor'] - 1) * 100:+.0f}% by the rungs' priors ({fast['why']})",
                       highlight=False)
@@ -180,7 +183,8 @@ def print_plans(console: Any, results: Sequence[dict[str, Any]], usable: Optiona
 def print_longest(console: Any, longest: Sequence[dict[str, Any]]) -> None:
     """Per setting dry-run: its prior step-time cost and the longest length it fits (searched, with ``--longest``)."""
     for entry in longest:
-        console.print(f"{_names(entry['mitigations'])} (step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
+        console.print(f"{joined_names(entry['mitigations'])} "
+                      f"(step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
                       f"priors): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
                       + (f"{entry['seq_len']}" if entry["seq_len"] else "none")
                       + (f"; longest that fits (searched): {entry['searched_seq_len'] or 'none'}"
@@ -199,4 +203,5 @@ def print_totals(console: Any, results: Sequence[dict[str, Any]], search_runs: i
                   "reserved memory, workspaces or the CUDA context: that is what the safety margin is for)")
 
 
-__all__ = ["SEARCH_MULTIPLE", "print_header", "print_longest", "print_plans", "print_table", "print_totals"]
+__all__ = ["SEARCH_MULTIPLE", "fits_cell", "joined_names", "modelled_line", "print_header", "print_longest",
+           "print_peak_at", "print_plans", "print_table", "print_totals"]

@@ -56,25 +56,25 @@ import numpy as np
 import torch
 
 from lightning_seqmem.measure.batch_tensors import (  # scaled_length re-exported
-    _broadcast_rows,
-    _diagonal_blocks,
-    _is_sequence,
-    _is_square,
-    _positions,
-    _split_rows,
+    broadcast_rows,
+    diagonal_blocks,
+    is_sequence,
+    is_square,
+    split_positions,
+    split_rows,
     scaled_length,
 )
 from lightning_seqmem.measure.batch_shape import (  # reading a batch; its public names re-exported
-    _mask_stats,
-    _read_mask,
+    mask_stats,
+    read_mask,
     infer_batch_shape,
     padding_side,
     read_batch_shape,
 )
 from lightning_seqmem.measure.batch_tree import (  # the tree walk; map_tensors re-exported
-    _find_attention_mask,
-    _find_reference,  # noqa: F401 (named by tests as measure.batch._find_reference)
-    _is_immutable_container,
+    find_attention_mask,
+    find_reference,
+    is_immutable_container,
     can_cut_in_place,
     map_tensors,
 )
@@ -90,6 +90,8 @@ __all__ = [
     "scaled_length",
     "set_batch_sequence_length",
 ]
+
+_find_reference = find_reference  # 0.1 name (tests name it measure.batch._find_reference)
 
 BatchT = TypeVar("BatchT")
 
@@ -140,7 +142,7 @@ def _checked_cut_args(batch: Any, seq_len: Any, truncate: Any, keep: Any, seq_di
     for name, flag in (("truncate", truncate), ("in_place", in_place)):
         if not isinstance(flag, (bool, np.bool_)):
             raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
-    if in_place and not isinstance(batch, torch.Tensor) and _is_immutable_container(batch):
+    if in_place and not isinstance(batch, torch.Tensor) and is_immutable_container(batch):
         raise TypeError(
             f"Cannot set the sequence length of a {type(batch).__name__} batch in place: it cannot"
             " be changed in place, and in Lightning's `on_train_batch_start` only an in-place change"
@@ -173,10 +175,10 @@ def _mask_plan(batch: Any, batch_size: int, length: int, seq_len: int, truncate:
                keep: str) -> tuple[Optional[str], Optional[str], Optional[int]]:
     """``(kept, padding side, empty rows)`` of a cut, read from the batch's ``attention_mask``
     (``kept``: which positions ``truncate=True`` keeps; None without truncation)."""
-    mask = _find_attention_mask(batch)
+    mask = find_attention_mask(batch)
     if mask is not None and tuple(mask.shape) != (batch_size, length):
         mask = None  # a mask of another shape says nothing about these rows
-    stats = None if mask is None else _read_mask(mask, lambda m: _mask_stats(m, seq_len, truncate))
+    stats = None if mask is None else read_mask(mask, lambda m: mask_stats(m, seq_len, truncate))
     side: Optional[str] = None
     empty_rows: Optional[int] = None
     if stats is not None:
@@ -273,18 +275,18 @@ def cut_batch(
     start = length - seq_len if kept == "last" else 0
 
     def convert(x: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
-        if key_set is None and not isinstance(batch, torch.Tensor) and _is_square(x, batch_size, length):
+        if key_set is None and not isinstance(batch, torch.Tensor) and is_square(x, batch_size, length):
             if truncate:
                 return x.narrow(-1, start, seq_len).narrow(-2, start, seq_len).clone(
                     memory_format=torch.contiguous_format
                 )
-            return _broadcast_rows(_diagonal_blocks(x, seq_len), x, batch_size, chunks)
-        if _is_sequence(x, key_set, top_key, batch, batch_size, length, seq_dim):
+            return broadcast_rows(diagonal_blocks(x, seq_len), x, batch_size, chunks)
+        if is_sequence(x, key_set, top_key, batch, batch_size, length, seq_dim):
             if truncate:  # a copy, not a view: a view would keep the full-length storage alive
                 return x.narrow(seq_dim, start, seq_len).clone(memory_format=torch.contiguous_format)
             if key == "position_ids":
-                return _positions(x, seq_len, seq_dim, batch_size, chunks)
-            return _broadcast_rows(_split_rows(x, seq_len, seq_dim), x, batch_size, chunks)
+                return split_positions(x, seq_len, seq_dim, batch_size, chunks)
+            return broadcast_rows(split_rows(x, seq_len, seq_dim), x, batch_size, chunks)
         if truncate and key_set is None and not isinstance(batch, torch.Tensor):
             size = scaled_length(x, batch_size, length, seq_len, seq_dim)
             if size is not None and size < x.shape[seq_dim]:  # labels of an encoder-decoder, [B, r·L]

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from lightning_seqmem.measure.batch_tree import (
-    _find_attention_mask,
-    _find_reference,
-    _is_dataclass_instance,
+    find_attention_mask,
+    find_reference,
+    is_dataclass_instance,
 )
 
-__all__ = ["infer_batch_shape", "padding_side", "read_batch_shape"]
+__all__ = ["infer_batch_shape", "mask_stats", "padding_side", "read_batch_shape", "read_mask"]
 
 _MAX_DESCRIBED = 20  # leaves listed in the "no token ids found" error, at most
 
@@ -59,7 +59,7 @@ def infer_batch_shape(batch: Any) -> tuple[int, int]:
     >>> infer_batch_shape([positions, tokens])  # not (1, 9): [1, L] is broadcast over the batch
     (4, 9)
     """
-    reference = _find_reference(batch)
+    reference = find_reference(batch)
     if reference is None:
         raise ValueError(
             "Could not infer (batch_size, seq_len) from the batch: expected a 2-D integer tensor of"
@@ -128,10 +128,10 @@ def padding_side(batch: Any) -> Optional[str]:
     >>> padding_side({"attention_mask": torch.ones(2, 4)}) is None
     True
     """
-    mask = _find_attention_mask(batch)
+    mask = find_attention_mask(batch)
     if mask is None or mask.shape[1] == 0:
         return None
-    flags = _read_mask(mask, lambda m: _side_flags(m))
+    flags = read_mask(mask, lambda m: _side_flags(m))
     if flags is None:
         return None
     left, right = flags
@@ -145,9 +145,15 @@ def _side_flags(mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([(~first & last).any(), (first & ~last).any()])
 
 
-def _mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tensor:
+def mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tensor:
     """Side flags, then rows all padding if the first / last ``seq_len`` are kept, then chunks all
-    padding if rows are split into chunks of ``seq_len`` (0 where it does not apply)."""
+    padding if rows are split into chunks of ``seq_len`` (0 where it does not apply): what
+    :func:`~lightning_seqmem.measure.batch.cut_batch` reads (with :func:`read_mask`) before a cut.
+
+    >>> import torch
+    >>> mask_stats(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 2, truncate=True).tolist()
+    [1, 0, 1, 0, 0]
+    """
     real = mask != 0
     zero = torch.zeros((), dtype=torch.long, device=mask.device)
     empty_first = (~real[:, :seq_len].any(dim=1)).sum()
@@ -156,8 +162,14 @@ def _mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tenso
     return torch.cat([_side_flags(mask).long(), torch.stack([empty_first, empty_last, empty_chunks])])
 
 
-def _read_mask(mask: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[list]:
-    """``fn(mask).tolist()`` (one device sync), or None when the mask has no values to read."""
+def read_mask(mask: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[list]:
+    """``fn(mask).tolist()`` (one device sync), or None when the mask has no values to read (a meta or
+    fake tensor: a dry run); :func:`padding_side` and the cut read a mask through it.
+
+    >>> import torch
+    >>> read_mask(torch.ones(2, 4), lambda m: m.sum(dim=1)), read_mask(torch.ones(2, 4, device="meta"), len)
+    ([4, 4], None)
+    """
     if mask.is_meta:
         return None
     try:
@@ -197,7 +209,7 @@ def _describe_batch(batch: Any) -> str:
         elif isinstance(obj, (list, tuple)) and obj:
             for index, value in enumerate(obj):
                 visit(value, f"{path}[{index}]")
-        elif _is_dataclass_instance(obj) and dataclasses.fields(obj):
+        elif is_dataclass_instance(obj) and dataclasses.fields(obj):
             for f in dataclasses.fields(obj):
                 visit(getattr(obj, f.name), f"{path}.{f.name}")
         else:

@@ -1,6 +1,20 @@
 """Cutting one tensor of a batch: which tensors are sequences (at ``seq_dim``, square ``[L, L]`` masks,
 sequences of another length that keep their ratio), and the cuts themselves (rows, diagonal blocks,
-broadcast rows, restarting position ids). Used by :func:`lightning_seqmem.measure.batch.cut_batch`."""
+broadcast rows, restarting position ids). Used by :func:`lightning_seqmem.measure.batch.cut_batch`, whose
+module docstring states the rules.
+
+Example:
+    >>> import torch
+    >>> x = torch.arange(8).view(1, 8)
+    >>> split_rows(x, 4, 1).tolist(), split_positions(x, 4, 1, 2, 2).tolist()
+    ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 2, 3]])
+    >>> broadcast_rows(split_rows(x, 4, 1), x, batch_size=2, chunks=2).shape  # [1, L] tiled to 2 samples
+    torch.Size([4, 4])
+    >>> diagonal_blocks(torch.arange(16).view(1, 4, 4), 2).tolist()
+    [[[0, 1], [4, 5]], [[10, 11], [14, 15]]]
+    >>> is_square(torch.ones(2, 1, 8, 8), 2, 8), is_square(torch.ones(2, 8, 8), 2, 8)  # float [B, L, L]: embeddings
+    (True, False)
+"""
 
 from __future__ import annotations
 
@@ -9,10 +23,11 @@ from typing import Any, Optional
 import torch
 
 
-__all__ = ["scaled_length"]
+__all__ = ["broadcast_rows", "diagonal_blocks", "is_sequence", "is_square", "scaled_length", "split_positions",
+           "split_rows"]
 
 
-def _is_sequence(
+def is_sequence(
     x: torch.Tensor,
     key_set: Optional[frozenset[str]],
     top_key: Any,
@@ -54,7 +69,7 @@ def scaled_length(x: torch.Tensor, batch_size: int, length: int, seq_len: int, s
     return max(1, round(int(x.shape[1]) * seq_len / length))
 
 
-def _is_square(x: torch.Tensor, batch_size: int, length: int) -> bool:
+def is_square(x: torch.Tensor, batch_size: int, length: int) -> bool:
     """True for a ``[B or 1, ..., L, L]`` attention mask or bias, cut on both last dims: 4-D or more,
     or 3-D and not float (a float ``[B, L, D]`` with ``D == L`` is embeddings, cut at ``seq_dim``)."""
     if x.dim() < 3 or x.shape[0] not in (batch_size, 1) or not x.shape[-1] == x.shape[-2] == length:
@@ -62,7 +77,7 @@ def _is_square(x: torch.Tensor, batch_size: int, length: int) -> bool:
     return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
 
 
-def _split_rows(x: torch.Tensor, seq_len: int, seq_dim: int) -> torch.Tensor:
+def split_rows(x: torch.Tensor, seq_len: int, seq_dim: int) -> torch.Tensor:
     """Split dim ``seq_dim`` of ``x`` into chunks of ``seq_len`` and move the chunks into dim 0."""
     shape = list(x.shape)
     chunks = shape[seq_dim] // seq_len
@@ -71,7 +86,7 @@ def _split_rows(x: torch.Tensor, seq_len: int, seq_dim: int) -> torch.Tensor:
     return x.reshape(shape[0] * chunks, *shape[1:seq_dim], seq_len, *shape[seq_dim + 1 :])
 
 
-def _diagonal_blocks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+def diagonal_blocks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``[R, ..., L, L]`` -> ``[R * chunks, ..., seq_len, seq_len]``: block ``j`` of row ``r`` is the
     ``j``-th diagonal block ``x[r, ..., j*s:(j+1)*s, j*s:(j+1)*s]``, at row ``r * chunks + j``."""
     *lead, length, _ = x.shape
@@ -82,16 +97,16 @@ def _diagonal_blocks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return blocks.reshape(lead[0] * chunks, *lead[1:], seq_len, seq_len)
 
 
-def _broadcast_rows(rows: torch.Tensor, x: torch.Tensor, batch_size: int, chunks: int) -> torch.Tensor:
+def broadcast_rows(rows: torch.Tensor, x: torch.Tensor, batch_size: int, chunks: int) -> torch.Tensor:
     """Split rows of a broadcast ``[1, ...]`` tensor (``chunks`` rows) tiled to every sample."""
     if x.shape[0] != 1 or batch_size == 1:
         return rows.contiguous()
     return rows.unsqueeze(0).expand(batch_size, *rows.shape).reshape(batch_size * chunks, *rows.shape[1:])
 
 
-def _positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int, chunks: int) -> torch.Tensor:
+def split_positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int, chunks: int) -> torch.Tensor:
     """``arange(seq_len)`` at ``seq_dim`` in the shape of the split rows (``[1, ...]`` if broadcast)."""
-    rows = _split_rows(x, seq_len, seq_dim)
+    rows = split_rows(x, seq_len, seq_dim)
     if x.shape[0] == 1 and batch_size > 1:
         rows = rows[:1]
     shape = [1] * rows.dim()

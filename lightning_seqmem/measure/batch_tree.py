@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["can_cut_in_place", "map_tensors"]
+__all__ = ["can_cut_in_place", "find_attention_mask", "find_reference", "is_dataclass_instance", "is_immutable_container",
+           "map_tensors"]
 
 
 def can_cut_in_place(batch: Any) -> bool:
@@ -40,7 +41,7 @@ def can_cut_in_place(batch: Any) -> bool:
     """
     if isinstance(batch, (MutableMapping, list)):
         return True
-    if _is_dataclass_instance(batch):
+    if is_dataclass_instance(batch):
         return not type(batch).__dataclass_params__.frozen  # type: ignore[attr-defined]
     return False
 
@@ -56,15 +57,31 @@ def _is_token_tensor(x: Any) -> bool:
     )
 
 
-def _is_dataclass_instance(obj: Any) -> bool:
+def is_dataclass_instance(obj: Any) -> bool:
+    """True for an instance of a dataclass (not the class itself): a batch container whose fields are
+    walked here and by :mod:`.batch_shape`.
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass
+    ... class Batch:
+    ...     input_ids: object = None
+    >>> is_dataclass_instance(Batch()), is_dataclass_instance(Batch)
+    (True, False)
+    """
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _is_immutable_container(obj: Any) -> bool:
-    """A container whose entries cannot be replaced: tuple, read-only mapping, frozen dataclass."""
+def is_immutable_container(obj: Any) -> bool:
+    """A container whose entries cannot be replaced: tuple, read-only mapping, frozen dataclass
+    (:func:`~lightning_seqmem.measure.batch.cut_batch` cannot cut one in place).
+
+    >>> import types
+    >>> is_immutable_container((1,)), is_immutable_container(types.MappingProxyType({})), is_immutable_container([])
+    (True, True, False)
+    """
     if isinstance(obj, tuple) or (isinstance(obj, Mapping) and not isinstance(obj, MutableMapping)):
         return True
-    return _is_dataclass_instance(obj) and not isinstance(obj, Mapping) and not can_cut_in_place(obj)
+    return is_dataclass_instance(obj) and not isinstance(obj, Mapping) and not can_cut_in_place(obj)
 
 
 def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
@@ -74,7 +91,7 @@ def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield None, value
-    elif _is_dataclass_instance(obj):
+    elif is_dataclass_instance(obj):
         for f in dataclasses.fields(obj):
             yield f.name, getattr(obj, f.name)
 
@@ -95,8 +112,16 @@ def _token_tensors(obj: Any) -> Iterator[tuple[torch.Tensor, bool]]:
             yield from _token_tensors(value)
 
 
-def _find_reference(obj: Any) -> torch.Tensor | None:
-    """The tensor whose shape is the batch shape, or None (rules in the module docstring)."""
+def find_reference(obj: Any) -> torch.Tensor | None:
+    """The tensor whose shape is the batch shape, or None (rules in the docstring of
+    :mod:`lightning_seqmem.measure.batch`): :mod:`.batch_shape` reads the shape from it and
+    :mod:`.batch` cuts the batch by it.
+
+    >>> import torch
+    >>> find_reference({"position_ids": torch.zeros(1, 8, dtype=torch.long),
+    ...                 "input_ids": torch.zeros(2, 8, dtype=torch.long)}).shape
+    torch.Size([2, 8])
+    """
     candidates = _token_tensors(obj)
     first = next(candidates, None)
     if first is None:
@@ -111,13 +136,19 @@ def _find_reference(obj: Any) -> torch.Tensor | None:
     return reference
 
 
-def _find_attention_mask(obj: Any) -> Optional[torch.Tensor]:
-    """A 2-D tensor under an ``attention_mask`` key or field, a container's own first; else None."""
+def find_attention_mask(obj: Any) -> Optional[torch.Tensor]:
+    """A 2-D tensor under an ``attention_mask`` key or field, a container's own first; else None:
+    where :mod:`.batch_shape` and :mod:`.batch` read the padding.
+
+    >>> import torch
+    >>> find_attention_mask({"x": [{"attention_mask": torch.ones(2, 4)}]}).shape
+    torch.Size([2, 4])
+    """
     for key, value in _children(obj):
         if key == "attention_mask" and isinstance(value, torch.Tensor) and value.dim() == 2:
             return value
     for _, value in _children(obj):
-        found = _find_attention_mask(value)
+        found = find_attention_mask(value)
         if found is not None:
             return found
     return None
@@ -163,7 +194,7 @@ def map_tensors(
         if hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
         return _rebuild(obj, items)
-    if _is_dataclass_instance(obj):
+    if is_dataclass_instance(obj):
         new = {f.name: visit(f.name, getattr(obj, f.name), f.name) for f in dataclasses.fields(obj)}
         changed = {name: v for name, v in new.items() if v is not getattr(obj, name)}
         if in_place and can_cut_in_place(obj):

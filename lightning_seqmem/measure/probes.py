@@ -29,8 +29,7 @@ from lightning_seqmem.core.config import PROBE_NAMES  # (checked with the other 
 from lightning_seqmem.core.records import PHASES, StepMemory, TrackedEvents  # noqa: F401 - re-exported
 from lightning_seqmem.measure.tracker import (  # noqa: F401 - re-exported: the tracker lives in measure/tracker.py
     LiveTensorTracker,
-    _flat_tensors,
-    _is_fake,
+    flat_tensors,
     tensor_storages,
 )
 
@@ -299,7 +298,7 @@ def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any], batch: A
     for optimizer in optimizers:
         for state in optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    out += _flat_tensors(batch)
+    out += flat_tensors(batch)
     return out
 
 

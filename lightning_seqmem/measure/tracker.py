@@ -17,14 +17,19 @@ from lightning_seqmem.core.records import TrackedEvents
 from lightning_seqmem.measure.mode_stack import enter_below_user_modes, exit_own_mode, modes_below
 
 
-__all__ = ["LiveTensorTracker", "tensor_storages"]
+__all__ = ["LiveTensorTracker", "flat_tensors", "is_fake", "tensor_storages"]
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _flat_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in an op's output or arguments (fast path for the usual shapes)."""
+def flat_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's output or arguments (fast path for the usual shapes); the probes list a
+    batch's tensors with it too.
+
+    >>> [t.shape for t in flat_tensors((torch.zeros(2), None, {"x": torch.ones(3)}))]
+    [torch.Size([2]), torch.Size([3])]
+    """
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)) and all(isinstance(x, torch.Tensor) or x is None for x in obj):
@@ -51,11 +56,19 @@ def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports)."""
-    from torch._subclasses.fake_tensor import is_fake
+def is_fake(t: torch.Tensor) -> bool:
+    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports): the tracker and the
+    probes count no bytes for one (a dry run's tensors).
 
-    return is_fake(t)
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode():
+    ...     fake = torch.zeros(2)
+    >>> is_fake(fake), is_fake(torch.zeros(2))
+    (True, False)
+    """
+    from torch._subclasses.fake_tensor import is_fake as torch_is_fake
+
+    return torch_is_fake(t)
 
 
 def _fake_mode_active() -> bool:
@@ -199,7 +212,7 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in tensors:
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
-            if not fakes and _is_fake(t):
+            if not fakes and is_fake(t):
                 continue
             for st in tensor_storages(t):
                 if st._cdata not in self._ids:
@@ -273,7 +286,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _track_outputs(self, func, out, args, kwargs) -> None:
         inputs: Optional[set[int]] = None
-        for t in _flat_tensors(out):
+        for t in flat_tensors(out):
             if t.device.type != self.device_type:
                 continue
             if not self._counts_fakes and isinstance(t, FakeTensor):
@@ -283,7 +296,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 if key in self._ids:
                     continue
                 if inputs is None:  # only built when an output storage is new to us
-                    tensors = _flat_tensors(args) + (_flat_tensors(kwargs) if kwargs else [])
+                    tensors = flat_tensors(args) + (flat_tensors(kwargs) if kwargs else [])
                     inputs = {s._cdata for x in tensors for s in tensor_storages(x)}
                 if key in inputs:  # a view or in-place result of an untracked input
                     continue
