@@ -55,6 +55,14 @@ def _wing(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""  # "" is the package's own __init__
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a ``from ... import`` in ``package`` imports from."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(path: Path) -> tuple[set[str], set[str]]:
     """(package modules, top-level external packages) that ``path`` imports, except under TYPE_CHECKING."""
     name = _module_name(path)
@@ -68,11 +76,7 @@ def _imports(path: Path) -> tuple[set[str], set[str]]:
         if id(node) in skip:
             continue
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _from_module(node, package)
             candidates = [module] + [f"{module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
@@ -222,11 +226,7 @@ def _private_imports(source: str, module_name: str, is_package: bool = False) ->
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level:
-            base = package.split(".")[: len(package.split(".")) - node.level + 1]
-            module = ".".join(base + ([node.module] if node.module else []))
-        else:
-            module = node.module or ""
+        module = _from_module(node, package)
         if module != ROOT and not module.startswith(ROOT + "."):
             continue
         found += [(module, a.name, node.lineno) for a in node.names
