@@ -18,7 +18,6 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
-from limits import limit_s
 
 import pytest
 from limits import limit_s
