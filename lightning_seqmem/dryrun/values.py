@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
+from lightning_seqmem.measure.batch_tensors import is_square
 
 __all__ = ["BatchValues", "batch_to_device", "shape_batch", "transformers_without_fake_detection", "value_max_bytes"]
 
@@ -197,13 +198,6 @@ def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return x.repeat(*repeats).narrow(dim, 0, size)
 
 
-def _is_square(x: torch.Tensor, rows: int, length: int) -> bool:
-    """A ``[B or 1, ..., L, L]`` attention mask or bias (4-D or more, or 3-D and not float), as in :mod:`.batch`."""
-    if x.dim() < 3 or x.shape[0] not in (rows, 1) or not x.shape[-1] == x.shape[-2] == length:
-        return False
-    return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
-
-
 def shape_batch(
     batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: BatchValues
 ) -> tuple[Any, tuple[int, int]]:
@@ -232,7 +226,7 @@ def shape_batch(
                 with _disable_current_modes():
                     values.give(fake, x.detach().clone())
         out = fake
-        square = _is_square(fake, rows, length)
+        square = is_square(fake, rows, length)
         sequence = not square and fake.dim() >= 2 and fake.shape[0] in (rows, 1) and fake.shape[1] == length
         if fake.dim() >= 1 and fake.shape[0] == rows and not (rows == 1 and key == "position_ids"):
             out = _resize(out, 0, batch_size)

@@ -69,7 +69,7 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
 from lightning_seqmem.core.rungs import spec
-from lightning_seqmem.measure.tracker import tensor_storages
+from lightning_seqmem.measure.tracker import is_fake, tensor_storages
 from lightning_seqmem.mitigations.base import (
     CopyPlan,
     MitigationResult,
@@ -86,11 +86,6 @@ __all__ = ["ActivationOffload", "ActivationOffloadRung", "OffloadedForward", "is
 
 CPU_REFUSAL = "CUDA only: on CPU activations already live in host memory"
 
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
 
 
 def _inside_checkpoint() -> bool:
@@ -160,7 +155,7 @@ class OffloadedForward:
             return ("kept", tensor)
         self.host_bytes += nbytes
         self.host_tensors += 1
-        if _is_fake(tensor):  # a dry run: the shape alone (the device forgets it), back as a new device tensor
+        if is_fake(tensor):  # a dry run: the shape alone (the device forgets it), back as a new device tensor
             return ("modelled", (tensor.size(), tensor.dtype, tensor.device))
         return ("host", self._to_host(tensor))
 
