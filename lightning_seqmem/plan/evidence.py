@@ -168,11 +168,11 @@ class Evidence:
         if self.dry_answers(batch_size) or self.dry_forecast(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
         # what is known otherwise (a rung went on at the last steps): the setting before it, whose
-        # forecast bounds this one (a mitigation never adds memory), else the longest length measured within it
-        for n in range(len(self.applied_mitigations) - 1, -1, -1):
-            earlier = self.forecasters.get(self.applied_mitigations[:n])
-            if earlier is not None and earlier.ready:
-                return limit(earlier.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+        # forecast bounds this one (unless a step showed the rung adds memory here), else the
+        # longest length measured within it
+        earlier = judging.bounding_setting(self)
+        if earlier is not None:
+            return limit(self.forecasters[earlier].max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
         return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations and not r.warmup
                     and r.batch_size >= batch_size and self._measured_bound(r) <= budget_bytes), default=0)
 

@@ -7,7 +7,8 @@ Before a batch runs at ``(L, B)`` under the mitigations now on, :func:`judge` sa
    went over, fits if a fitted step did not;
 2. else the dry run (:func:`dry_judged`: this shape's, or a bound from a larger shape's);
 3. otherwise the smallest of the upper bounds available: this setting's forecast, the forecast of
-   the setting before the last rung (a mitigation never adds memory), and a one-point bound from
+   the setting before the last rung (a mitigation adds no memory, unless a shape measured under
+   both settings peaked higher with it: :func:`adds_memory`), and a one-point bound from
    this setting's nearest shorter measurement (``static + dynamic·(L/L₀)²·B/B₀``: activations grow
    at most quadratically in the length and linearly in the batch: :func:`one_point_bound`);
 4. nothing measured yet: unknown (the first steps), and the batch runs.
@@ -72,12 +73,10 @@ def judge(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[S
     if ev.forecaster.ready:
         fc = ev.forecaster.forecast(seq_len, batch_size)
         bounds.append((ev.bound_of(fc), fc.peak_bytes, fc.method))
-    for n in range(len(ev.applied_mitigations) - 1, -1, -1):  # a mitigation never adds memory
-        earlier = ev.forecasters.get(ev.applied_mitigations[:n])
-        if earlier is not None and earlier.ready:
-            fc = earlier.forecast(seq_len, batch_size)
-            bounds.append((ev.bound_of(fc), fc.peak_bytes, "previous setting"))
-            break
+    earlier = bounding_setting(ev)  # a mitigation adds no memory, unless a step here showed it did
+    if earlier is not None:
+        fc = ev.forecasters[earlier].forecast(seq_len, batch_size)
+        bounds.append((ev.bound_of(fc), fc.peak_bytes, "previous setting"))
     one_point = ev._one_point_bound(seq_len, batch_size)
     if one_point is not None:
         bounds.append((*one_point, "one-point bound"))
@@ -85,6 +84,37 @@ def judge(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[S
         return Verdict("unknown")
     bound, peak, method = min(bounds)
     return Verdict("fits" if bound <= budget else "over", bound, peak, method)
+
+
+def adds_memory(ev: "Evidence", before: tuple[str, ...], after: tuple[str, ...]) -> bool:
+    """Whether a fitted step measured under ``after`` peaked above a fitted step of the same shape
+    under ``before``: the rungs between them add memory here (a fused loss with a small vocabulary,
+    a tiled MLP at short lengths), so ``before``'s forecast is no bound for ``after``.
+
+    Example:
+        >>> from types import SimpleNamespace as S
+        >>> r = lambda m, peak: S(seq_len=64, batch_size=2, mitigations=m, warmup=False, peak_bytes=peak)
+        >>> ev = S(records=[r((), 100), r(("fused_loss",), 107)], _measured_bound=lambda rec: rec.peak_bytes)
+        >>> adds_memory(ev, (), ("fused_loss",)), adds_memory(ev, ("fused_loss",), ())
+        (True, False)
+    """
+    peaks: dict[tuple[int, int, tuple[str, ...]], int] = {}
+    for r in ev.records:
+        if not r.warmup and r.mitigations in (before, after):
+            key = (r.seq_len, r.batch_size, r.mitigations)
+            peaks[key] = max(peaks.get(key, 0), ev._measured_bound(r))
+    return any(peaks.get((L, B, after), -1) > peak for (L, B, m), peak in peaks.items() if m == before)
+
+
+def bounding_setting(ev: "Evidence") -> Optional[tuple[str, ...]]:
+    """The setting before the last rung whose forecast bounds the setting on now (its fit is ready,
+    and no shape measured under both peaked higher with the rungs since), or None."""
+    on = ev.applied_mitigations
+    for n in range(len(on) - 1, -1, -1):
+        earlier = ev.forecasters.get(on[:n])
+        if earlier is not None and earlier.ready:
+            return None if adds_memory(ev, on[:n], on) else on[:n]
+    return None
 
 
 def dry_judged(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:

@@ -26,7 +26,7 @@ mitigations now on, :meth:`judge` says whether it fits the usable budget:
 1. measured already at ``(L, B)`` with these mitigations: over if any step (warm-up included)
    went over, fits if a fitted step did not;
 2. otherwise the smallest of the upper bounds available: this setting's forecast, the forecast of
-   the setting before the last rung (a mitigation never adds memory), and a one-point bound from
+   the setting before the last rung (a mitigation adds no memory, unless a step showed it does), and a one-point bound from
    this setting's nearest shorter measurement (``static + dynamic·(L/L₀)²·B/B₀``: activations grow
    at most quadratically in the length and linearly in the batch);
 3. nothing measured yet: unknown (the first steps), and the batch runs.
