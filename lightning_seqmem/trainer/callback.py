@@ -351,8 +351,8 @@ class SeqMemCallback(Callback):
         if self.edge.uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
             safely(self, "setting the next batch's length", lambda: decisions.set_next_length(self, trainer, pl_module, batch))
         if self.breakdown and not self.edge.failed and trainer.is_global_zero:
-            safely(self, "the memory breakdown", lambda: setattr(
-                self.edge, "breakdown_batch", edge.longest_batch(self.edge.breakdown_batch, batch, self._read_shape(batch)[1])))
+            safely(self, "the memory breakdown", lambda: setattr(self.edge, "breakdown_batch", edge.longest_batch(
+                self.edge.breakdown_batch, batch, self._read_shape(batch)[1])))
         warn_advice(self)
 
     # -- End of fit, reports, failures ---------------------------------------------------------------
