@@ -6,7 +6,9 @@ before each batch and its rungs on every rank (:mod:`.decisions`), the curriculu
 batch (:mod:`.lengths`), the measured step around the probe (:mod:`.measured_step`) and the outputs
 at the end of fit (:mod:`.fit_end`). Every decision is the torch-free
 :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s; everything written goes through
-:mod:`~lightning_seqmem.trainer.outputs`.
+:mod:`~lightning_seqmem.trainer.outputs`. The callback's own run state for a fit is one
+:class:`~lightning_seqmem.trainer.run_state.EdgeState` (``cb.edge``, fresh for each fit), which the
+parts read and write; they warn and stop measuring through :mod:`.guard`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ from typing import Any, Callable, Optional, Sequence
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import decisions, fit_end, fit_setup, lengths, measured_step, outputs, resume
-from lightning_seqmem.plan import checkpoint as S
 from lightning_seqmem.measure.batch import read_batch_shape
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.curriculum import Curriculum
@@ -32,10 +32,12 @@ from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.trainer.fit_setup import COMPILED_MEASURE_EVERY_N_STEPS  # noqa: F401 - importable here too
 from lightning_seqmem.trainer.guard import guarded as _guarded
+from lightning_seqmem.trainer.guard import safely, warn_advice
+from lightning_seqmem.trainer.run_state import EdgeState
 from lightning_seqmem.trainer.oom import is_oom
 from lightning_seqmem.plan.forward import Forward
-from lightning_seqmem.plan.planner import PendingStep, SeqMemPlanner
-from lightning_seqmem.measure.probes import MemoryProbe, make_probe
+from lightning_seqmem.plan.planner import SeqMemPlanner
+from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - as before
 from lightning_seqmem.core.units import parse_bytes
 
@@ -177,29 +179,16 @@ class SeqMemCallback(Callback):
             trace_lengths=trace_lengths, measure_every_n_steps=measure_every_n_steps, seq_len_fn=seq_len_fn,
             mitigations=mitigations, breakdown=breakdown, dry_run=dry_run, name=name, summary=summary)
         self.planner = SeqMemPlanner(config=self.config)
-        self._probe: Optional[MemoryProbe] = None
-        self._device: Optional[torch.device] = None
-        self._reset_edge()
+        self.edge = EdgeState()  # the edge's own run state, fresh for each fit (the planner's is in self.planner)
 
-    def _reset_edge(self) -> None:
-        """The edge's own run state (the planner's is in ``self.planner``)."""
-        self._failed = False  # this rank stopped measuring
-        self._stopped = False  # every rank agreed to stop: no more collectives
-        self._pending: Optional[PendingStep] = None
-        self._step_started: Optional[float] = None  # perf_counter when the step itself began (after the decision)
-        self._shape: Optional[tuple[int, int]] = None  # the batch as cut, on this rank
-        self._applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = {}
-        self._reapply_on_fit_start = False
-        self._resume_phrases: list[str] = []  # what a resume under a changed configuration changed
-        self._resume_removed: tuple[str, ...] = ()  # rungs that were on and are no longer allowed
-        self._uses_datamodule_length = False
-        self.breakdowns: list[Any] = []
-        self.breakdown_table: Optional[Any] = None
-        self.breakdown_report: Optional[dict[str, Any]] = None
-        self._breakdown_batch: Optional[tuple[int, Any]] = None
-        self._dry: Any = None  # training_dry_run.TrainingRunDryRun on rank zero, with dry_run=True
-        self._compiled: Optional[str] = None  # why the module counts as torch.compile'd, or None
-        self._template: Any = None  # unsharded copy on meta for FSDP2 runs (sharded.template_for)
+    # -- The run state (cb.edge): the breakdown results users read, and names tests read ------------
+    breakdowns = Forward("edge")
+    breakdown_table = Forward("edge")
+    breakdown_report = Forward("edge")
+    _failed = Forward("edge", "failed")
+    _probe = Forward("edge", "probe")
+    _resume_phrases = Forward("edge", "resume_phrases")
+    _reapply_on_fit_start = Forward("edge", "reapply_on_fit_start")
 
     # -- The arguments (read-only: cb.config, a frozen SeqMemConfig) --------------------------------
     warmup_steps = Forward("config")
@@ -254,11 +243,12 @@ class SeqMemCallback(Callback):
             from lightning_seqmem.dryrun.sharded import world_forecast
 
             key = self.planner.applied_mitigations if mitigations is None else ladder.check_mitigations(mitigations)
-            fc = world_forecast(self._dry, seq_len, self.planner.batch_size_or_last(batch_size), key, world_size)
+            fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.batch_size_or_last(batch_size), key, world_size)
         else:
             fc = self.planner.forecast(seq_len, batch_size, mitigations)
-            self._warn_advice()  # a dry run found wrong at its first check, or refused, is said here too
-        note = A.program_note(self._compiled, self._probe.name if self._probe is not None else self.probe_name)
+            warn_advice(self)  # a dry run found wrong at its first check, or refused, is said here too
+        probe = self.edge.probe
+        note = A.program_note(self.edge.compiled_reason, probe.name if probe is not None else self.probe_name)
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
     def max_seq_len(self, budget_bytes: Optional[int | str] = None, batch_size: Optional[int] = None) -> int:
@@ -273,34 +263,34 @@ class SeqMemCallback(Callback):
             return
         if self.planner.records or self.planner.step:
             resume.next_fit(self, trainer, pl_module)
-        self._last_fit = (weakref.ref(trainer), weakref.ref(pl_module))
-        self._device = trainer.strategy.root_device
-        self._probe = make_probe(self.probe_name, self._device)
-        on_cuda = self._device.type == "cuda"
+        self.edge.fit_refs = (weakref.ref(trainer), weakref.ref(pl_module))
+        device = self.edge.device = trainer.strategy.root_device
+        self.edge.probe = make_probe(self.probe_name, device)
+        on_cuda = device.type == "cuda"
         if self.memory_budget_bytes is None and on_cuda:
-            self.planner.bind_run(budget_bytes=torch.cuda.get_device_properties(self._device).total_memory)
+            self.planner.bind_run(budget_bytes=torch.cuda.get_device_properties(device).total_memory)
         self.planner.bind_run(compare_reserved=on_cuda, block_bytes=512 if on_cuda else 1,
-                              precision=str(trainer.precision), device_type=self._device.type)
-        self._template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
+                              precision=str(trainer.precision), device_type=device.type)
+        self.edge.sharding_template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
         self._check_strategy_and_module(trainer, pl_module)
-        self._warn_advice()
+        warn_advice(self)
 
     def _check_strategy_and_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the rungs this run cannot take, saying why, before training starts."""
         self.planner.drop_mitigations(*edge.unsupported_rungs(trainer, pl_module, self.planner.mitigations))
-        self._warn_advice()
+        warn_advice(self)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse a budget below the parameters; write the TensorBoard panel layout; after a resume,
         switch the mitigations on again."""
-        fit_setup.check_parameters_fit(self.planner, pl_module, self._device)
+        fit_setup.check_parameters_fit(self.planner, pl_module, self.edge.device)
         fit_setup.check_compiled(self, pl_module)
-        self._safely("the model's length limit", lambda: self.planner.set_length_limit(*(edge.model_length_limit(pl_module) or (None, ""))))
+        safely(self, "the model's length limit", lambda: self.planner.set_length_limit(*(edge.model_length_limit(pl_module) or (None, ""))))
         if trainer.is_global_zero:
-            self._safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
+            safely(self, "the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.dry_run:
-                self._dry = fit_setup.start_dry_run(self, trainer, pl_module)
-                self.planner.bind_run(dry_run=self._dry)
+                self.edge.dry_runner = fit_setup.start_dry_run(self, trainer, pl_module)
+                self.planner.bind_run(dry_run=self.edge.dry_runner)
         resume.resume_rungs(self, trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -313,41 +303,41 @@ class SeqMemCallback(Callback):
         return read_batch_shape(batch, self.seq_len_fn)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
-            self._safely("the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.seq_len))
+        if self.edge.stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
+            safely(self, "the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.seq_len))
             return
         failed, shape, applicable = decisions.local_inputs(self, trainer, pl_module, batch)
-        if self._dry is not None and not failed:
-            self._safely("the dry run's batch", lambda: self._dry.keep(batch))
+        if self.edge.dry_runner is not None and not failed:
+            safely(self, "the dry run's batch", lambda: self.edge.dry_runner.keep(batch))
         agreed = decisions.agree_and_apply(self, trainer, pl_module, batch, failed, shape, applicable)
         if agreed is None:
             return  # a rank stopped measuring, so every rank did
         decision, shape = agreed
         if decision.rungs or decision.action in ("cap", "probe"):  # a lighter setting or a shorter batch
-            self._safely("releasing cached memory", lambda: edge.release_cached_memory(pl_module))
+            safely(self, "releasing cached memory", lambda: edge.release_cached_memory(pl_module))
         if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
-            self._safely("the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
+            safely(self, "the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
         lengths.cut_for_step(self, trainer, batch, decision.seq_len)
         measured_step.start_measurement(self, trainer, pl_module, batch, decision, shape)
-        self._warn_advice()
-        self._step_started = time.perf_counter()  # the step itself from here: the decision and its dry runs are done
+        warn_advice(self)
+        self.edge.step_started_s = time.perf_counter()  # the step itself from here: the decision and its dry runs are done
 
     @_guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._probe is not None and self._probe.running:
-            self._probe.mark_phase("backward")
+        if self.edge.probe is not None and self.edge.probe.running:
+            self.edge.probe.mark_phase("backward")
 
     @_guarded
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._probe is not None and self._probe.running:
-            self._probe.mark_phase("optimizer")
+        if self.edge.probe is not None and self.edge.probe.running:
+            self.edge.probe.mark_phase("optimizer")
 
     # -- After a batch: gather, record, log ----------------------------------------------------------
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any, batch: Any, batch_idx: int) -> None:
-        if self._stopped:
+        if self.edge.stopped:
             return
-        pending, self._pending = self._pending, None
-        started, self._step_started = self._step_started, None
+        pending, self.edge.pending = self.edge.pending, None
+        started, self.edge.step_started_s = self.edge.step_started_s, None
         seconds = measured_step.step_seconds(started, pending, pl_module)
         memory = measured_step.stop_probe(self, pending)
         refusal = decisions.refusal(self, pl_module)
@@ -358,12 +348,12 @@ class SeqMemCallback(Callback):
         if any_refused:  # e.g. the loss is not a mean: micro-batching is off on every rank, and this step ran whole
             decisions.undo_refused(self, trainer, pl_module, refusal, pending)
         measured_step.record_step(self, trainer, pending, row, memory, seconds)
-        if self._uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
-            self._safely("setting the next batch's length", lambda: decisions.set_next_length(self, trainer, pl_module, batch))
-        if self.breakdown and not self._failed and trainer.is_global_zero:
-            self._safely("the memory breakdown", lambda: setattr(
-                self, "_breakdown_batch", edge.longest_batch(self._breakdown_batch, batch, self._read_shape(batch)[1])))
-        self._warn_advice()
+        if self.edge.uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
+            safely(self, "setting the next batch's length", lambda: decisions.set_next_length(self, trainer, pl_module, batch))
+        if self.breakdown and not self.edge.failed and trainer.is_global_zero:
+            safely(self, "the memory breakdown", lambda: setattr(self.edge, "breakdown_batch", edge.longest_batch(
+                self.edge.breakdown_batch, batch, self._read_shape(batch)[1])))
+        warn_advice(self)
 
     # -- End of fit, reports, failures ---------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -384,45 +374,22 @@ class SeqMemCallback(Callback):
         """
         return fit_end.write_report(self, trainer, directory)
 
-    def _safely(self, what: str, fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reporting must never end a run
-            self._warn_once(A.output_failed(what, f"{type(exc).__name__}: {exc}"))
-
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Leave the dispatch mode; for a real out-of-memory error, write a diagnosis. Lightning then
         re-raises the error unchanged."""
-        if self._probe is not None:
-            self._probe.abort()
+        if self.edge.probe is not None:
+            self.edge.probe.abort()
         if is_oom(exception) and trainer.global_rank == 0:
-            outputs.report_oom(self.planner, trainer, exception, self._pending)
+            outputs.report_oom(self.planner, trainer, exception, self.edge.pending)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._probe is not None:
-            self._probe.abort()
-
-    def _warn_once(self, item: A.Advice) -> None:
-        self.planner.advise(item)
-        self._warn_advice()
-
-    def _warn_advice(self) -> None:
-        for item in self.planner.take_advice():
-            rank_zero_warn(item.text, category=item.category)
-
-    def _fail(self, where: str, exc: BaseException) -> None:
-        self._failed = True
-        if self._probe is not None:
-            self._probe.abort()
-        self._warn_once(A.failure(where, f"{type(exc).__name__}: {exc}"))
+        if self.edge.probe is not None:
+            self.edge.probe.abort()
 
     # -- Checkpointing -------------------------------------------------------------------------------
-    def _config(self) -> dict[str, Any]:
-        return S.run_config(self.memory_budget_bytes, self.safety_margin, self._mitigations_arg, self.curriculum)
-
     def state_dict(self) -> dict[str, Any]:
-        return {**self.planner.state_dict(), "uses_datamodule_length": self._uses_datamodule_length,
-                "config": self._config()}
+        return {**self.planner.state_dict(), "uses_datamodule_length": self.edge.uses_datamodule_length,
+                "config": resume.run_config(self)}
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of an earlier version keyed the state by the configuration: found under that

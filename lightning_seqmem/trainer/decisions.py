@@ -12,7 +12,8 @@ a rank that failed still joins each of them, so no rank waits alone.
 Example:
     >>> from types import SimpleNamespace as NS
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-    >>> cb = NS(planner=SeqMemPlanner(), _applicable_cache={})
+    >>> from lightning_seqmem.trainer.run_state import EdgeState
+    >>> cb = NS(planner=SeqMemPlanner(), edge=EdgeState())
     >>> applicability(cb, None, None, None, (2, 64))  # no budget: no rung is ever needed
     {}
 """
@@ -26,11 +27,13 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_seqmem.core.records import MemoryBudgetError
 from lightning_seqmem.core.rungs import rung_names, spec
+from lightning_seqmem.measure.batch import read_batch_shape
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.planner import Decision, PendingStep
 from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import lengths
 from lightning_seqmem.trainer import ranks as distributed
+from lightning_seqmem.trainer.guard import fail, safely
 
 if TYPE_CHECKING:
     from lightning_seqmem.trainer.callback import SeqMemCallback
@@ -43,18 +46,18 @@ def local_inputs(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightn
                  batch: Any) -> tuple[bool, Optional[Shape], Applicable]:
     """(this rank failed, its batch's shape, which rungs apply here) before the agreement. A batch
     that cannot be read raises before any step ran on one process, and later stops measuring."""
-    failed, shape, applicable = cb._failed, None, {}
+    failed, shape, applicable = cb.edge.failed, None, {}
     if not failed:
         try:
-            shape = tuple(int(x) for x in cb._read_shape(batch))
+            shape = tuple(int(x) for x in read_batch_shape(batch, cb.seq_len_fn))
             applicable = applicability(cb, trainer, pl_module, batch, shape)
         except (TypeError, ValueError):
             if cb.planner.step == 0 and trainer.world_size == 1:
                 raise  # a configuration problem, found before any step ran: say so
-            cb._fail("on_train_batch_start", RuntimeError("the batch could not be read"))
+            fail(cb, "on_train_batch_start", RuntimeError("the batch could not be read"))
             failed = True
         except Exception as exc:  # noqa: BLE001
-            cb._fail("on_train_batch_start", exc)
+            fail(cb, "on_train_batch_start", exc)
             failed = True
     return failed, shape, applicable
 
@@ -70,14 +73,14 @@ def agree_and_apply(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lig
             decision = _decide(cb, shape, applicable) if trainer.is_global_zero and not any_failed else None
             decision = distributed.broadcast(trainer, decision)
         except Exception as exc:  # noqa: BLE001 - a broken collective: stop on this rank
-            cb._fail("the agreement across ranks", exc)
-            cb._stopped = True
+            fail(cb, "the agreement across ranks", exc)
+            cb.edge.stopped = True
             return None
         if any_failed or decision is None or shape is None:
-            cb._fail("another rank" if not failed else "on_train_batch_start",
+            fail(cb, "another rank" if not failed else "on_train_batch_start",
                      RuntimeError("a rank stopped measuring, so every rank does"))
-            cb._stopped = True
-            cb._safely("the curriculum", lambda: lengths.cut(cb, trainer, batch, cb.planner.seq_len))
+            cb.edge.stopped = True
+            safely(cb, "the curriculum", lambda: lengths.cut(cb, trainer, batch, cb.planner.seq_len))
             return None
         if decision.action == "stop":  # every rank: nothing can meet the budget, so no step runs over it
             raise MemoryBudgetError(decision.advice[0].text)
@@ -92,7 +95,7 @@ def _decide(cb: "SeqMemCallback", shape: Optional[Shape], applicable: Applicable
     try:
         return None if shape is None else cb.planner.decide(shape, applicable)
     except Exception as exc:  # noqa: BLE001 - sent to every rank as "stop"
-        cb._fail("the decision before this batch", exc)
+        fail(cb, "the decision before this batch", exc)
         return None
 
 
@@ -105,10 +108,10 @@ def applicability(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     if cb.planner.usable_budget_bytes is None or not left:
         return {}
     key = (cb.planner.applied_mitigations, left, shape[0])
-    if key not in cb._applicable_cache:
-        cb._applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
-        cb.planner.note_not_applicable(cb._applicable_cache[key])
-    return cb._applicable_cache[key]
+    if key not in cb.edge.applicable_cache:
+        cb.edge.applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
+        cb.planner.note_not_applicable(cb.edge.applicable_cache[key])
+    return cb.edge.applicable_cache[key]
 
 
 def switch_on(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, name: str,
@@ -117,12 +120,12 @@ def switch_on(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightning
     seq_len = cb.planner.seq_len or shape[1]  # where it was decided
     batch_size = cb.planner.batch_at(shape[0], shape[1], seq_len) if cb.curriculum else shape[0]
     if trainer.is_global_zero:
-        cb._safely("the dry runs before a rung", lambda: cb.planner.before_rung(name, seq_len, batch_size))
+        safely(cb, "the dry runs before a rung", lambda: cb.planner.before_rung(name, seq_len, batch_size))
     ok, detail = ladder.try_apply(name, trainer, pl_module, batch)
     everywhere = distributed.all_ok(trainer, ok)
     if ok and not everywhere:
         detail = "it failed on another rank"
-        cb._safely("undoing a rung", lambda: ladder.remove(name, trainer, pl_module))
+        safely(cb, "undoing a rung", lambda: ladder.remove(name, trainer, pl_module))
     cb.planner.rung_applied(name, everywhere, detail, seq_len, batch_size)
     if everywhere:
         rank_zero_info(f"seqmem: switched on {name} at step {cb.planner.step} ({detail}).")
@@ -134,7 +137,7 @@ def refusal(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> Optional[tup
     try:
         return ladder.refused(cb.planner.applied_mitigations, pl_module)
     except Exception as exc:  # noqa: BLE001
-        cb._fail("a rung's own check", exc)
+        fail(cb, "a rung's own check", exc)
         return None
 
 
@@ -149,7 +152,7 @@ def undo_refused(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightn
             return
         refusal = (checked[-1], "another rank refused it")
     name, reason = refusal
-    cb._safely(f"undoing {name}", lambda: ladder.remove(name, trainer, pl_module))
+    safely(cb, f"undoing {name}", lambda: ladder.remove(name, trainer, pl_module))
     cb.planner.rung_removed(name, f"its first-step check refused it: {reason}", pending)
 
 
@@ -160,9 +163,9 @@ def set_next_length(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lig
     if trainer.is_global_zero:
         try:
             length = cb.planner.refit_queue[0] if cb.planner.refit_queue else cb.planner.seq_len
-            if not cb._failed and cb._shape is not None:
-                applicable = applicability(cb, trainer, pl_module, batch, cb._shape)
-                length = cb.planner.decide(cb._shape, applicable).seq_len
+            if not cb.edge.failed and cb.edge.shape is not None:
+                applicable = applicability(cb, trainer, pl_module, batch, cb.edge.shape)
+                length = cb.planner.decide(cb.edge.shape, applicable).seq_len
         except Exception as exc:  # noqa: BLE001 - said below, after every rank heard
             length, error = None, exc
     length = distributed.broadcast(trainer, length)

@@ -2,7 +2,7 @@
 
 ``SeqMemCallback.on_train_end`` calls :func:`train_end`; :func:`run_breakdown` and
 :func:`write_report` are the bodies of the callback's public methods of the same names. Each output
-goes through :mod:`~lightning_seqmem.trainer.outputs`, guarded on its own (``cb._safely``): one that
+goes through :mod:`~lightning_seqmem.trainer.outputs`, guarded on its own (:func:`.guard.safely`): one that
 fails is said in one warning and the others are still written.
 
 Example:
@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import lightning.pytorch as pl
 
 from lightning_seqmem.core import advice as A
+from lightning_seqmem.measure.batch import read_batch_shape
 from lightning_seqmem.trainer import outputs
+from lightning_seqmem.trainer.guard import safely, warn_advice
 
 if TYPE_CHECKING:
     from lightning_seqmem.trainer.callback import SeqMemCallback
@@ -28,15 +30,15 @@ def train_end(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightning
     TensorBoard, the JSON / Markdown report next to the logs and the summary (``summary=True``)."""
     if not trainer.is_global_zero or not cb.records:
         return
-    if not cb._failed:
-        cb._safely("the precision advice", lambda: advice_at_end(cb, trainer))
-    if cb.breakdown and not cb._failed:
-        cb._safely("the memory breakdown", lambda: cb.run_breakdown(trainer, pl_module))
-    cb._safely("the memory figure", lambda: outputs.log_figure(trainer, cb.planner))
+    if not cb.edge.failed:
+        safely(cb, "the precision advice", lambda: advice_at_end(cb, trainer))
+    if cb.breakdown and not cb.edge.failed:
+        safely(cb, "the memory breakdown", lambda: cb.run_breakdown(trainer, pl_module))
+    safely(cb, "the memory figure", lambda: outputs.log_figure(trainer, cb.planner))
     paths: list[Any] = []
-    cb._safely("the report", lambda: paths.extend(cb.write_report(trainer) or ()))
+    safely(cb, "the report", lambda: paths.extend(cb.write_report(trainer) or ()))
     if cb.summary:
-        cb._safely("the summary", lambda: print(outputs.fit_summary(cb.planner, trainer, paths), flush=True))
+        safely(cb, "the summary", lambda: print(outputs.fit_summary(cb.planner, trainer, paths), flush=True))
 
 
 def advice_at_end(cb: "SeqMemCallback", trainer: pl.Trainer) -> None:
@@ -44,10 +46,10 @@ def advice_at_end(cb: "SeqMemCallback", trainer: pl.Trainer) -> None:
     where a dry run says it lowers the peak."""
     from lightning_seqmem.dryrun.advice import precision_advice
 
-    item = precision_advice(cb._dry, cb.planner, str(trainer.precision), cb._device)
+    item = precision_advice(cb.edge.dry_runner, cb.planner, str(trainer.precision), cb.edge.device)
     if item is not None:
         cb.planner.advise(item)
-    cb._warn_advice()
+    warn_advice(cb)
 
 
 def run_breakdown(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -57,9 +59,10 @@ def run_breakdown(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     from lightning_seqmem.trainer.breakdown import run_breakdown as trace_breakdown
 
     section, cb.breakdowns, cb.breakdown_table = trace_breakdown(
-        cb.planner, cb._breakdown_batch, cb._read_shape, cb._device, trainer, pl_module)
+        cb.planner, cb.edge.breakdown_batch, lambda batch: read_batch_shape(batch, cb.seq_len_fn), cb.edge.device,
+        trainer, pl_module)
     cb.breakdown_report = section
-    cb._warn_advice()  # one warning per diagnosis
+    warn_advice(cb)  # one warning per diagnosis
     outputs.log_breakdown(trainer, section)
     return section
 
@@ -67,8 +70,8 @@ def run_breakdown(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
 def write_report(cb: "SeqMemCallback", trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
     """Write ``seqmem_report.json``, ``seqmem_report.md`` and the figure; return their paths
     (``directory`` defaults to the logger's ``log_dir``, ``default_root_dir`` without a logger)."""
-    probe = cb._probe.name if cb._probe is not None else cb.probe_name
-    note = A.program_note(cb._compiled, probe)
+    probe = cb.edge.probe.name if cb.edge.probe is not None else cb.probe_name
+    note = A.program_note(cb.edge.compiled_reason, probe)
     probe = f"{probe}: measurements and forecasts {note}" if note else probe
-    return outputs.write_report(cb.planner, trainer, directory, device=cb._device, probe=probe,
+    return outputs.write_report(cb.planner, trainer, directory, device=cb.edge.device, probe=probe,
                                 breakdown=cb.breakdown_report)

@@ -30,6 +30,7 @@ import torch
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.records import MemoryBudgetError
+from lightning_seqmem.trainer.guard import warn_advice
 
 if TYPE_CHECKING:
     from lightning_seqmem.plan.planner import SeqMemPlanner
@@ -62,14 +63,15 @@ def check_compiled(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> None:
     (see the class docstring). Runs after ``configure_model``, where modules are often compiled."""
     from lightning_seqmem.dryrun.step import compiled_reason
 
-    cb._compiled = compiled_reason(pl_module)
-    tracked_compiled = cb._compiled is not None and cb._probe is not None and cb._probe.name == "tracker"
+    compiled = cb.edge.compiled_reason = compiled_reason(pl_module)
+    probe = cb.edge.probe
+    tracked_compiled = compiled is not None and probe is not None and probe.name == "tracker"
     every = max(cb.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS) if tracked_compiled else cb.measure_every_n_steps
     cb.planner.bind_run(measure_every_n_steps=every)
-    if cb._compiled is None or cb._probe is None:
+    if compiled is None or probe is None:
         return
-    cb.planner.advise(A.compiled_module(cb._compiled, cb._probe.name, cb.planner.measure_every_n_steps))
-    cb._warn_advice()
+    cb.planner.advise(A.compiled_module(compiled, probe.name, cb.planner.measure_every_n_steps))
+    warn_advice(cb)
 
 
 def start_dry_run(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
@@ -80,4 +82,4 @@ def start_dry_run(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
 
     return TrainingRunDryRun(trainer, pl_module, lambda: cb.planner.applied_mitigations,
                              lambda why, *shape: cb.planner.advise(A.dry_run_unavailable(why, *shape)),
-                             template=cb._template, site=trace_peak_site)
+                             template=cb.edge.sharding_template, site=trace_peak_site)

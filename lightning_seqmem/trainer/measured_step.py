@@ -27,13 +27,14 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_seqmem.core import advice as A
+from lightning_seqmem.measure.batch import read_batch_shape
 from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.planner import Decision, PendingStep
 from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import outputs
 from lightning_seqmem.trainer import ranks as distributed
-from lightning_seqmem.trainer.guard import guarded
+from lightning_seqmem.trainer.guard import fail, guarded, warn_once
 
 if TYPE_CHECKING:
     from lightning_seqmem.trainer.callback import SeqMemCallback
@@ -44,21 +45,22 @@ def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.L
                       decision: Decision, shape: tuple[int, int]) -> None:
     """Begin the step the planner decided on (``shape``: the one agreed across ranks) and, for a
     measured one, start the probe in its forward phase."""
-    cb._shape = tuple(int(x) for x in cb._read_shape(batch))  # what this rank really runs
+    cb.edge.shape = tuple(int(x) for x in read_batch_shape(batch, cb.seq_len_fn))  # what this rank really runs
     if decision.seq_len is None:
         planned = shape
     else:
         planned = (cb.planner.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
-    cb._pending = cb.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
-                                        trainer.global_step, trainer.current_epoch)
+    pending = cb.edge.pending = cb.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
+                                                      trainer.global_step, trainer.current_epoch)
+    probe = cb.edge.probe
     if ladder.check_pending(cb.planner.applied_mitigations, pl_module):
-        cb._pending.warmup, cb._pending.traced = True, False  # a rung's one-time check adds to this peak
-    if cb._compiled is not None and cb._probe is not None and cb._probe.name == "cuda":
-        cb._pending.traced = False  # a traced step runs a dispatch mode, hence eager: keep it compiled
-    if cb._pending.measure:
-        assert cb._probe is not None, "setup() was not called"
-        cb._probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=cb._pending.traced)
-        cb._probe.mark_phase("forward")
+        pending.warmup, pending.traced = True, False  # a rung's one-time check adds to this peak
+    if cb.edge.compiled_reason is not None and probe is not None and probe.name == "cuda":
+        pending.traced = False  # a traced step runs a dispatch mode, hence eager: keep it compiled
+    if pending.measure:
+        assert probe is not None, "setup() was not called"
+        probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=pending.traced)
+        probe.mark_phase("forward")
 
 
 def step_seconds(started: Optional[float], pending: Optional[PendingStep], pl_module: Any) -> Optional[float]:
@@ -79,9 +81,10 @@ def step_seconds(started: Optional[float], pending: Optional[PendingStep], pl_mo
 @guarded
 def stop_probe(cb: "SeqMemCallback", pending: Optional[PendingStep]) -> Any:
     """This rank's measurement of the step that just ran, or None where it was not measured."""
-    if pending is None or not pending.measure or cb._probe is None or not cb._probe.running:
+    probe = cb.edge.probe
+    if pending is None or not pending.measure or probe is None or not probe.running:
         return None
-    return cb._probe.end_step()
+    return probe.end_step()
 
 
 def gather(cb: "SeqMemCallback", trainer: pl.Trainer, memory: Any, refused_here: bool) -> Optional[tuple[bool, Any]]:
@@ -89,15 +92,15 @@ def gather(cb: "SeqMemCallback", trainer: pl.Trainer, memory: Any, refused_here:
     (:func:`~lightning_seqmem.trainer.ranks.gather_measurement`); None where a rank stopped
     measuring, and then every rank stops (no more collectives)."""
     try:
-        any_failed, any_refused, row = distributed.gather_measurement(trainer, cb._failed, memory, cb._shape,
+        any_failed, any_refused, row = distributed.gather_measurement(trainer, cb.edge.failed, memory, cb.edge.shape,
                                                                       refused_here)
     except Exception as exc:  # noqa: BLE001
-        cb._fail("the gathering of peaks across ranks", exc)
-        cb._stopped = True
+        fail(cb, "the gathering of peaks across ranks", exc)
+        cb.edge.stopped = True
         return None
     if any_failed:
-        cb._fail("another rank", RuntimeError("a rank stopped measuring, so every rank does"))
-        cb._stopped = True
+        fail(cb, "another rank", RuntimeError("a rank stopped measuring, so every rank does"))
+        cb.edge.stopped = True
         return None
     return any_refused, row
 
@@ -107,7 +110,8 @@ def record_step(cb: "SeqMemCallback", trainer: pl.Trainer, pending: Optional[Pen
            seconds: Optional[float] = None) -> None:
     """End the batch in the planner (a curriculum stage counts it only at the stage's length), keep
     the gathered row as a :class:`~lightning_seqmem.core.records.StepRecord` and log its scalars."""
-    ran = cb._shape[1] if cb._shape else None  # this rank's batch as it ran
+    shape = cb.edge.shape
+    ran = shape[1] if shape else None  # this rank's batch as it ran
     held = cb.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
     cb.planner.end_batch(at_stage_length=not held)
     if held:
@@ -115,12 +119,12 @@ def record_step(cb: "SeqMemCallback", trainer: pl.Trainer, pending: Optional[Pen
     if pending is None or row is None:
         return
     rank, reduced, seq_len, batch_size = row
-    trace = (cb._shape[1], cb._shape[0], memory) if memory is not None and cb._shape else None
+    trace = (shape[1], shape[0], memory) if memory is not None and shape else None
     record = cb.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
                                 rank=rank if trainer.world_size > 1 else None, step_seconds=seconds)
     try:
         metrics = cb.planner.metrics(record)
     except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
-        cb._warn_once(A.output_failed("the forecast for logging", repr(exc)))
+        warn_once(cb, A.output_failed("the forecast for logging", repr(exc)))
         metrics = {}
     outputs.log_metrics(trainer, metrics, step=record.global_step)

@@ -2,8 +2,10 @@
 
 The callback's hooks call these:
 
-* ``setup``: :func:`next_fit`, whether a second fit continues the state or starts afresh;
+* ``setup``: :func:`next_fit`, whether a second fit continues the state or starts afresh (a fresh
+  :class:`~lightning_seqmem.trainer.run_state.EdgeState` either way);
 * ``on_load_checkpoint``: :func:`adopt_legacy_state`, an earlier version's state found under its key;
+* ``state_dict``: :func:`run_config`, the configuration saved beside the state;
 * ``load_state_dict``: :func:`load_state`, the state restored, checked and reconciled with this
   callback's configuration (a state that cannot be trusted: one warning and a fresh start);
 * ``on_fit_start``: :func:`resume_rungs`, the rungs switched on again and those no longer allowed
@@ -37,25 +39,29 @@ def next_fit(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningM
     """A fit after another one with this callback. On the same Trainer and module it continues the
     state (rungs on, records, fits, curriculum position); otherwise it starts afresh, said in one
     line, and reports the rungs of the last fit still on this module as on (they are)."""
-    last = getattr(cb, "_last_fit", None)
+    last = cb.edge.fit_refs
     same_trainer = last is not None and last[0]() is trainer
     same_module = last is not None and last[1]() is pl_module
-    breakdowns = (cb.breakdowns, cb.breakdown_table, cb.breakdown_report)
-    cb._reset_edge()
+    cb.edge = cb.edge.next_fit(continues=same_trainer and same_module)  # the breakdowns kept where it continues
     if same_trainer and same_module:
-        cb.breakdowns, cb.breakdown_table, cb.breakdown_report = breakdowns
         on = ", ".join(cb.planner.applied_mitigations) or "none"
         rank_zero_info(f"seqmem: a new fit on the same Trainer and module continues from step {cb.planner.step} "
                        f"(rungs on: {on}; {len(cb.planner.records)} records; curriculum stage "
                        f"{cb.planner.seq_len}).")
         return
     still_on = tuple(n for n in cb.planner.applied_mitigations if ladder.is_on(n, pl_module))
-    cb.planner.restart(cb._mitigations_arg, still_on)  # what the module runs with: never reported as off
+    cb.planner.restart(cb.configured_mitigations, still_on)  # what the module runs with: never reported as off
     if getattr(trainer, "ckpt_path", None):
         return  # the checkpoint's state replaces this one (load_state_dict says how it resumed)
     why = "a new Trainer" if not same_trainer else "a new module"
     rungs = f"; still on this module: {', '.join(still_on)}" if still_on else ""
     rank_zero_warn(f"seqmem: this fit starts afresh ({why}): records, fits and the curriculum restart{rungs}.")
+
+
+def run_config(cb: "SeqMemCallback") -> dict[str, Any]:
+    """The configuration a checkpoint saves beside the state, for :func:`load_state` to reconcile
+    (:func:`~lightning_seqmem.plan.checkpoint.run_config`)."""
+    return S.run_config(cb.memory_budget_bytes, cb.safety_margin, cb.configured_mitigations, cb.curriculum)
 
 
 def adopt_legacy_state(checkpoint: dict[str, Any], state_key: str) -> None:
@@ -78,24 +84,24 @@ def load_state(cb: "SeqMemCallback", state_dict: dict[str, Any]) -> None:
     try:
         S.validate_state(state_dict)
         cb.planner.load_state_dict(state_dict)
-        cb._resume_phrases, cb._resume_removed = S.reconcile(
-            cb.planner, state_dict.get("config"), cb._config(), allowed, state_dict.get("mitigations_left"))
+        cb.edge.resume_phrases, cb.edge.resume_removed = S.reconcile(
+            cb.planner, state_dict.get("config"), run_config(cb), allowed, state_dict.get("mitigations_left"))
     except Exception as exc:  # noqa: BLE001
         cb.planner.restart(allowed)
-        cb._resume_phrases, cb._resume_removed = [], ()
+        cb.edge.resume_phrases, cb.edge.resume_removed = [], ()
         what = str(exc) if isinstance(exc, S.InvalidState) else f"{type(exc).__name__}: {exc}"
         rank_zero_warn(f"seqmem: could not restore the callback state from the checkpoint ({what}); measuring "
                        "and fitting start afresh.", category=SeqMemFailureWarning)
         return
-    cb._uses_datamodule_length = bool(state_dict.get("uses_datamodule_length", False))
-    cb._reapply_on_fit_start = bool(cb.planner.applied_mitigations)
+    cb.edge.uses_datamodule_length = bool(state_dict.get("uses_datamodule_length", False))
+    cb.edge.reapply_on_fit_start = bool(cb.planner.applied_mitigations)
 
 
 def resume_rungs(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """After a resume: switch the rungs of the checkpoint on again, then (:func:`say_resume`) take
     off those no longer allowed and say what a changed configuration changed."""
-    if cb._reapply_on_fit_start:
-        cb._reapply_on_fit_start = False
+    if cb.edge.reapply_on_fit_start:
+        cb.edge.reapply_on_fit_start = False
         for name in cb.planner.applied_mitigations:
             ok, detail = ladder.try_apply(name, trainer, pl_module)
             rank_zero_info(f"seqmem: resumed with {name} on ({detail})")
@@ -105,8 +111,8 @@ def resume_rungs(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightn
 def say_resume(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """After a resume under a changed configuration: take the rungs no longer allowed off the
     module where they are on and can be, and say everything in one warning."""
-    phrases, removed = cb._resume_phrases, cb._resume_removed
-    cb._resume_phrases, cb._resume_removed = [], ()
+    phrases, removed = cb.edge.resume_phrases, cb.edge.resume_removed
+    cb.edge.resume_phrases, cb.edge.resume_removed = [], ()
     for name in removed:
         outcome = "off"
         if ladder.is_on(name, pl_module):

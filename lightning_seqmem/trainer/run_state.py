@@ -1,0 +1,111 @@
+"""``EdgeState``: the callback's own run state for one fit (the planner's is in ``cb.planner``).
+
+:class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the parts of the edge
+(:mod:`.guard`, :mod:`.fit_setup`, :mod:`.resume`, :mod:`.decisions`, :mod:`.lengths`,
+:mod:`.measured_step`, :mod:`.fit_end`) read and write its fields. A fresh one is built when the
+callback is made and when a fit follows one that measured (:func:`.resume.next_fit`): on the same
+Trainer and module the breakdown fields are carried over, the rest starts afresh.
+
+==========================  ================================================  ==============================================
+field                       what it holds                                     who writes it
+==========================  ================================================  ==============================================
+``failed``                  this rank stopped measuring (an internal          :func:`.guard.fail`
+                            failure, said in one warning)
+``stopped``                 every rank agreed to stop: no more collectives    :mod:`.decisions`, :func:`.measured_step.gather`
+``pending``                 the step begun at this batch's start              :func:`.measured_step.start_measurement`; the
+                            (:class:`~lightning_seqmem.plan.planner.          batch end takes it (None again)
+                            PendingStep`), None between batches
+``step_started_s``          ``time.perf_counter()`` seconds when the step     the batch start, after the decision; the batch
+                            itself began, None between batches                end takes it (None again)
+``shape``                   ``(batch size, length)`` of the last batch as     :func:`.measured_step.start_measurement`
+                            cut, on this rank
+``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     :func:`.decisions.applicability`
+                            (applies here, why not)}}``, one entry
+``reapply_on_fit_start``    a checkpoint's rungs are to be switched on        :func:`.resume.load_state`; cleared by
+                            again at ``on_fit_start``                         :func:`.resume.resume_rungs`
+``resume_phrases``          what a resume under a changed configuration       :func:`.resume.load_state`; emptied by
+                            changed (said in one warning)                     :func:`.resume.say_resume`
+``resume_removed``          rungs that were on and are no longer allowed      as ``resume_phrases``
+``uses_datamodule_length``  a batch got its length through the dataset's      :mod:`.lengths`, :func:`.resume.load_state`
+                            ``set_seq_len`` (saved in the checkpoint)
+``breakdowns``              the traced breakdowns (``breakdown=True``)        :func:`.fit_end.run_breakdown`
+``breakdown_table``         their table                                       :func:`.fit_end.run_breakdown`
+``breakdown_report``        the report's breakdown section                    :func:`.fit_end.run_breakdown`
+``breakdown_batch``         ``(length, batch)``: the longest batch seen       the batch end (``breakdown=True``, rank zero)
+``dry_runner``              the :class:`~lightning_seqmem.dryrun.run.         ``on_fit_start`` (rank zero, ``dry_run=True``)
+                            TrainingRunDryRun`, or None
+``compiled_reason``         why the module counts as ``torch.compile``'d,     :func:`.fit_setup.check_compiled`
+                            or None
+``sharding_template``       an unsharded copy on meta for FSDP2 runs, or      ``setup`` (:func:`.access.sharding_template`)
+                            None
+``probe``                   the :class:`~lightning_seqmem.measure.probes.     ``setup`` (:func:`~lightning_seqmem.measure.
+                            MemoryProbe` of this fit                          probes.make_probe`)
+``device``                  the strategy's root device                        ``setup``
+``fit_refs``                weak references to this fit's (Trainer, module)   ``setup``; read by :func:`.resume.next_fit`
+==========================  ================================================  ==============================================
+
+Every field is reset (to the defaults below) with the state, except that a fit continuing on the
+same Trainer and module keeps the three ``breakdown*`` results; ``probe``, ``device`` and
+``fit_refs`` are set again by the ``setup`` that reset it.
+
+Example:
+    >>> state = EdgeState()
+    >>> state.failed, state.pending, state.shape, state.applicable_cache
+    (False, None, None, {})
+    >>> EdgeState().resume_phrases is state.resume_phrases  # each state its own list
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_seqmem.measure.probes import MemoryProbe
+    from lightning_seqmem.plan.planner import PendingStep
+
+__all__ = ["EdgeState"]
+
+
+@dataclasses.dataclass
+class EdgeState:
+    """The callback's per-fit run state (the table in the module docstring)."""
+
+    failed: bool = False
+    stopped: bool = False
+    pending: Optional["PendingStep"] = None
+    step_started_s: Optional[float] = None
+    shape: Optional[tuple[int, int]] = None
+    applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(default_factory=dict)
+    reapply_on_fit_start: bool = False
+    resume_phrases: list[str] = dataclasses.field(default_factory=list)
+    resume_removed: tuple[str, ...] = ()
+    uses_datamodule_length: bool = False
+    breakdowns: list[Any] = dataclasses.field(default_factory=list)
+    breakdown_table: Optional[Any] = None
+    breakdown_report: Optional[dict[str, Any]] = None
+    breakdown_batch: Optional[tuple[int, Any]] = None
+    dry_runner: Any = None
+    compiled_reason: Optional[str] = None
+    sharding_template: Any = None
+    probe: Optional["MemoryProbe"] = None
+    device: Optional["torch.device"] = None
+    fit_refs: Optional[tuple[Any, Any]] = None
+
+    def next_fit(self, continues: bool) -> "EdgeState":
+        """A fresh state for the next fit; ``continues`` (the same Trainer and module) keeps the
+        breakdown results.
+
+        >>> done = EdgeState(failed=True, breakdown_report={"peak": 1})
+        >>> done.next_fit(continues=True).breakdown_report, done.next_fit(continues=True).failed
+        ({'peak': 1}, False)
+        >>> done.next_fit(continues=False).breakdown_report is None
+        True
+        """
+        if not continues:
+            return EdgeState()
+        return EdgeState(breakdowns=self.breakdowns, breakdown_table=self.breakdown_table,
+                         breakdown_report=self.breakdown_report)
