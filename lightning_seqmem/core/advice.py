@@ -28,6 +28,7 @@ KINDS = {
     "mitigation_failed": "a mitigation could not be switched on and was skipped",
     "mitigation_dropped": "a mitigation is not available to this run",
     "attention_still_quadratic": "after the attention switch, memory still grew quadratically",
+    "rung_added_memory": "a rung switched on raised the measured peak at the length it was decided for",
     "precision": "32-bit precision: bf16-mixed recommended",
     "diagnosis": "the memory breakdown found a problem (see the breakdown's diagnoses)",
     "failure": "internal failure: the callback stopped measuring",
@@ -205,6 +206,21 @@ def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice
                   f"({new_b:.0f} B/token², was {old_b:.0f}): the kernel likely fell back to a path that materialises "
                   "the scores — an explicit attention mask, attention dropout, or a dtype the fused kernel does "
                   "not support.", PredictedOOMWarning)
+
+
+def rung_added_memory(name: str, seq_len: int, batch_size: int, before_bytes: int, after_bytes: int) -> Advice:
+    """A rung that raised the measured peak where it was switched on: later judgements stop taking
+    the setting before it as a bound (:func:`lightning_seqmem.plan.judging.adds_memory`).
+
+    >>> rung_added_memory("fused_loss", 128, 2, 2_000_000, 2_150_000).text[:73]
+    'seqmem: switching on fused_loss raised the measured peak at seq_len=128 ('
+    """
+    return Advice("rung_added_memory", f"rung-added-memory-{name}",
+                  f"seqmem: switching on {name} raised the measured peak at seq_len={seq_len} (batch {batch_size}) "
+                  f"from {format_bytes(before_bytes)} to {format_bytes(after_bytes)} "
+                  f"({(after_bytes - before_bytes) / max(before_bytes, 1):+.1%}): it costs memory here (a fused loss on a "
+                  "small vocabulary, a tiled MLP at short lengths). Forecasts no longer count on it saving any; "
+                  f"remove {name!r} from `mitigations` if longer lengths do not need it.")
 
 
 def precision(target: int, batch_size: int, fp32_peak: int, bf16_peak: int) -> Advice:

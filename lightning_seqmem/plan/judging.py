@@ -22,7 +22,7 @@ Example (no budget: everything fits):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from lightning_seqmem.core.forecast import Forecast
 from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
@@ -86,24 +86,36 @@ def judge(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[S
     return Verdict("fits" if bound <= budget else "over", bound, peak, method)
 
 
-def adds_memory(ev: "Evidence", before: tuple[str, ...], after: tuple[str, ...]) -> bool:
-    """Whether a fitted step measured under ``after`` peaked above a fitted step of the same shape
-    under ``before``: the rungs between them add memory here (a fused loss with a small vocabulary,
-    a tiled MLP at short lengths), so ``before``'s forecast is no bound for ``after``.
+def memory_added(ev: "Evidence", before: tuple[str, ...], after: tuple[str, ...],
+                 at: Optional[tuple[int, int]] = None, records: Optional[Iterable[Any]] = None,
+                 ) -> Optional[tuple[int, int, int, int]]:
+    """Where a fitted step measured under ``after`` peaked above fitted steps of the same shape under
+    ``before`` (the rungs between them add memory there: a fused loss on a small vocabulary, a tiled
+    MLP at short lengths), as ``(seq_len, batch_size, before_bytes, after_bytes)`` at the largest
+    such rise; None where no shape measured under both shows one. ``at``: only that ``(seq_len,
+    batch_size)``; ``records``: these (default: the evidence's).
 
     Example:
         >>> from types import SimpleNamespace as S
         >>> r = lambda m, peak: S(seq_len=64, batch_size=2, mitigations=m, warmup=False, peak_bytes=peak)
         >>> ev = S(records=[r((), 100), r(("fused_loss",), 107)], _measured_bound=lambda rec: rec.peak_bytes)
-        >>> adds_memory(ev, (), ("fused_loss",)), adds_memory(ev, ("fused_loss",), ())
-        (True, False)
+        >>> memory_added(ev, (), ("fused_loss",)), memory_added(ev, ("fused_loss",), ())
+        ((64, 2, 100, 107), None)
     """
     peaks: dict[tuple[int, int, tuple[str, ...]], int] = {}
-    for r in ev.records:
-        if not r.warmup and r.mitigations in (before, after):
+    for r in ev.records if records is None else records:
+        if not r.warmup and r.mitigations in (before, after) and (at is None or (r.seq_len, r.batch_size) == at):
             key = (r.seq_len, r.batch_size, r.mitigations)
             peaks[key] = max(peaks.get(key, 0), ev._measured_bound(r))
-    return any(peaks.get((L, B, after), -1) > peak for (L, B, m), peak in peaks.items() if m == before)
+    rises = [(peaks[(L, B, after)] / max(peak, 1), (L, B, peak, peaks[(L, B, after)]))
+             for (L, B, m), peak in peaks.items() if m == before and peaks.get((L, B, after), -1) > peak]
+    return max(rises)[1] if rises else None
+
+
+def adds_memory(ev: "Evidence", before: tuple[str, ...], after: tuple[str, ...]) -> bool:
+    """Whether :func:`memory_added` found a shape where ``after`` peaks above ``before``: then
+    ``before``'s forecast is no bound for ``after``."""
+    return memory_added(ev, before, after) is not None
 
 
 def bounding_setting(ev: "Evidence") -> Optional[tuple[str, ...]]:

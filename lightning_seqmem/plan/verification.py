@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Optional
 
 from lightning_seqmem.core import advice as A
@@ -32,7 +33,7 @@ from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
 from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.core.timeline import Trace
 from lightning_seqmem.core.trust import Check
-from lightning_seqmem.plan import choose
+from lightning_seqmem.plan import choose, judging
 from lightning_seqmem.plan.checkpoint import compact_records
 from lightning_seqmem.plan.quadratic_check import quadratic_terms
 
@@ -237,6 +238,12 @@ def after_mitigation(ev: "Evidence", record: StepRecord) -> None:
     event = ev.mitigation_events[-1]
     if event.after_bytes is None and record.seq_len == event.seq_len and record.mitigations == ev.applied_mitigations:
         ev.ladder.measured_after(-1, record.peak_bytes)
+    if not record.warmup and record.mitigations == ev.applied_mitigations:
+        before = tuple(event.mitigations_before) if "mitigations_before" in event else ev.applied_mitigations[:-1]
+        rise = judging.memory_added(ev, before, ev.applied_mitigations, at=(record.seq_len, record.batch_size),
+                                    records=itertools.chain(ev.records, (record,)))  # (before it is recorded)
+        if rise is not None:
+            ev.advise(A.rung_added_memory(event.name, *rise))  # (once per rung: the advice's key)
     if not spec(event.name).linearises_attention or event.checked:
         return
     terms = ev._dry_quadratic_terms(event, record.batch_size)
