@@ -174,7 +174,7 @@ def _measured(module, host="pinned"):
                 return out
             w._to_host = to_host
     memory = measured_step(module, optimizer, batch, _loss, probe, record_events=True,
-                           after_warmup=lambda: reset_offloaded_bytes(module))
+                           after_warmup=lambda m=module: reset_offloaded_bytes(m))
     return memory, sum(memory.events.sizes[i] for i in packed), offloaded_bytes(module)
 
 
@@ -241,7 +241,7 @@ def test_on_cuda_the_measured_peak_falls_as_the_dry_run_says():
         if on:
             assert ActivationOffloadRung().apply(RungContext(module)).applied
         measured = measured_step(module, optimizer, batch, _loss, make_probe("cuda", cuda),
-                                 after_warmup=lambda: reset_offloaded_bytes(module))
+                                 after_warmup=lambda m=module: reset_offloaded_bytes(m))
         peaks[on] = (dry.peak_bytes, measured.peak_bytes, dry.host_bytes, offloaded_bytes(module))
         del module, optimizer, batch
         torch.cuda.empty_cache()

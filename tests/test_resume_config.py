@@ -263,5 +263,7 @@ def test_an_opt_in_rung_added_on_resume_lifts_the_cap_and_is_taken_within_the_bu
     assert event["seq_len"] >= CAP and event["step"] >= STEPS
     assert all(rung in r.mitigations for r in after if r.step >= event["step"])
     assert all(r.step >= event["step"] for r in after if r.seq_len > CAP)  # nothing past the old cap without it
-    # it got further (tiled_mlp here), or the curriculum is capped again, no shorter than before (fused_loss)
-    assert max(r.seq_len for r in after) > CAP or cb.planner.capped_at == CAP
+    if rung == "tiled_mlp":  # measured: its tiles free enough here to grow past the old cap (176 tokens)
+        assert max(r.seq_len for r in after) > CAP and cb.planner.capped_at > CAP
+    else:  # the fused loss saves nothing on this 256-token vocabulary: capped again where it was
+        assert max(r.seq_len for r in after) == CAP and cb.planner.capped_at == CAP

@@ -41,6 +41,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.plan.evidence import Evidence
     from lightning_seqmem.plan.planner import PendingStep
 
+ADDED_MEMORY_FRACTION = 0.005
+"""A rung is said to add memory (``rung_added_memory``) past this rise of the peak at one shape: the
+reserved memory of CUDA steps of one shape differs by a block or two. The judge stops taking the
+setting before it as a bound at any rise (:func:`~lightning_seqmem.plan.judging.bounding_setting`)."""
+
 __all__ = ["after_mitigation", "check_dry_once", "check_predictors", "compare_replay", "deciding_before",
            "dry_before_rung", "dry_quadratic_terms", "keep_forecast", "observe", "peak_before", "verify"]
 
@@ -242,7 +247,7 @@ def after_mitigation(ev: "Evidence", record: StepRecord) -> None:
         before = tuple(event.mitigations_before) if "mitigations_before" in event else ev.applied_mitigations[:-1]
         rise = judging.memory_added(ev, before, ev.applied_mitigations, at=(record.seq_len, record.batch_size),
                                     records=itertools.chain(ev.records, (record,)))  # (before it is recorded)
-        if rise is not None:
+        if rise is not None and rise[3] > rise[2] * (1 + ADDED_MEMORY_FRACTION):  # (the bound goes at any rise)
             ev.advise(A.rung_added_memory(event.name, *rise))  # (once per rung: the advice's key)
     if not spec(event.name).linearises_attention or event.checked:
         return

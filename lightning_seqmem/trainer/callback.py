@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -27,6 +27,7 @@ from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import decisions, fit_end, fit_setup, lengths, measured_step, outputs, resume
 from lightning_seqmem.measure.batch import read_batch_shape
 from lightning_seqmem.core.config import SeqMemConfig
+from lightning_seqmem.core.config import SeqLenFn
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.mitigations import ladder
@@ -41,7 +42,6 @@ from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - as before
 from lightning_seqmem.core.units import parse_bytes
 
-SeqLenFn = Callable[[Any], "tuple[int, int]"]
 
 
 class SeqMemCallback(Callback):
