@@ -446,10 +446,27 @@ def test_replay_peaks_is_the_tracker_on_cpu_and_rounds_to_cuda_blocks():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only torch build cannot fake CUDA tensors")
-def test_simulating_cuda_on_a_cpu_only_build_is_unsupported_with_the_reason():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a build with CUDA dry-runs CUDA itself")
+def test_cuda_on_a_cpu_only_build_is_the_real_program_in_512_byte_blocks():
+    """``device="cuda"`` on a CPU-only build runs the fake step on the simulated accelerator: the same
+    program as a real CPU step here (eager attention in fp32: no kernel chosen by device), every storage
+    rounded up to the CUDA allocator's 512-byte blocks: equal to the byte to the measured CPU step's
+    events replayed in those blocks, phase by phase, less AdamW's ``step`` counters, which live in host
+    memory on an accelerator (a CPU scalar each, alive through the whole step)."""
     module = _gpt()
-    with pytest.raises(DryRunUnsupported, match="cannot simulate cuda:0 for a module on cpu"):
-        dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=32, device="cuda")
+    batch = _batch(2, 4 * L0)
+    real = copy.deepcopy(module)
+    optimizer = torch.optim.AdamW(real.parameters(), lr=1e-3)
+    training_step_memory(real, optimizer, batch, _loss)
+    measured = training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU), record_events=True)
+    peak, phases = replay_peaks(measured.events, round_cuda_block_bytes(1))
+    dry = dry_run_step(module, torch.optim.AdamW(module.parameters(), lr=1e-3), _batch(2, L0), 4 * L0, device="cuda")
+    assert "on seqmem:0" in dry.detail and "512-byte blocks" in dry.detail, dry.detail
+    block = round_cuda_block_bytes(1)
+    counters = sum(block for state in optimizer.state.values() for k, v in state.items() if k == "step")
+    assert counters == block * len(list(real.parameters()))
+    assert dry.peak_bytes == peak - counters > measured.peak_bytes
+    assert dry.phase_peak_bytes == {p: phases[p] - counters for p in dry.phase_peak_bytes}
 
 
 def test_bad_arguments():

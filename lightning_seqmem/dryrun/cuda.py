@@ -9,17 +9,19 @@ import torch
 
 
 from lightning_seqmem.measure.probes import round_cuda_block_bytes
+from lightning_seqmem.dryrun.accelerator import stands_for
 
 __all__ = ['allocator_block_bytes', 'cuda_kernel_scratch_bytes', 'resident_bytes', 'warm_cuda_workspaces']
 
 def allocator_block_bytes(device: torch.device | str) -> int:
-    """Granularity of what the device's allocator counts: 512 bytes on CUDA, 1 (exact storage bytes) elsewhere.
+    """Granularity of what the device's allocator counts: 512 bytes on CUDA (and the simulated device that
+    stands for it, :mod:`.accelerator`), 1 (exact storage bytes) elsewhere.
 
     Example:
         >>> allocator_block_bytes("cuda:0"), allocator_block_bytes("cpu")
         (512, 1)
     """
-    return round_cuda_block_bytes(1) if torch.device(device).type == "cuda" else 1
+    return round_cuda_block_bytes(1) if stands_for(device) == "cuda" else 1
 
 
 def cuda_kernel_scratch_bytes(func: Any, args: Any, out: Any) -> int:

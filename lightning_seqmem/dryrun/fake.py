@@ -93,7 +93,8 @@ def preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["BatchValues"] = None) -> nn.Module:
+def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["BatchValues"] = None,
+              device: Optional[torch.device] = None) -> nn.Module:
     """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
     (or Fabric) it is attached to.
 
@@ -103,6 +104,12 @@ def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional[
     copies a real one (nor a gradient); the attribute tensors count as existing memory of the step,
     as in a real one. ``values`` gets a copy of each attribute tensor's values (within its limit):
     a step may read them.
+
+    ``device``: where the copy's tensors are made (default: where each real one is). A tensor on
+    the ``meta`` device (a module built with ``torch.device("meta")`` or Lightning's
+    ``init_module(empty_init=True)``: any size, nothing allocated) or on another device becomes a
+    fake one of the same shape, strides and dtype there, with no values; a tensor already there is
+    faked from itself (its values known to ``values``).
     """
     memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric"):
@@ -112,18 +119,24 @@ def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional[
     mesh = pl_module.__dict__.get("_device_mesh")
     if mesh is not None:
         memo[id(mesh)] = mesh  # shared, not copied (it holds process groups)
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if device is None or (t.device == device and t.device.type != "meta"):
+            return fake_mode.from_tensor(t.detach())
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
     try:
         for p in pl_module.parameters():
-            memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+            memo[id(p)] = nn.Parameter(fake(p), requires_grad=p.requires_grad)
         for b in pl_module.buffers():
-            memo[id(b)] = fake_mode.from_tensor(b)
+            memo[id(b)] = fake(b)
         for t in attribute_tensors(pl_module):
-            if id(t) in memo or isinstance(t, FakeTensor) or t.device.type == "meta":
+            if id(t) in memo or isinstance(t, FakeTensor) or (t.device.type == "meta" and device is None):
                 continue
-            memo[id(t)] = fake = fake_mode.from_tensor(t)
-            if values is not None and t.numel() * t.element_size() <= values.max_bytes:
+            memo[id(t)] = faked = fake(t)
+            if values is not None and t.device.type != "meta" and t.numel() * t.element_size() <= values.max_bytes:
                 with _disable_current_modes():
-                    values.give(fake, t.detach().clone())
+                    values.give(faked, t.detach().clone().cpu())
         return copy.deepcopy(pl_module, memo)
     except Exception as exc:  # noqa: BLE001 - reported as the reason
         raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc

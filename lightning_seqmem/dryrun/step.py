@@ -107,7 +107,7 @@ from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tens
 
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "check_module", "checked_rungs",
            "compiled_reason", "configured_optimizer", "cuda_kernel_scratch_bytes", "dry_run_step", "replay_peaks",
-           "resident_bytes", "state_after_a_step", "transformers_without_fake_detection", "unsupported_reason",
+           "resident_bytes", "simulated_device_for", "state_after_a_step", "transformers_without_fake_detection", "unsupported_reason",
            "warm_cuda_workspaces"]
 
 from lightning_seqmem.dryrun.cuda import (  # re-exported
@@ -125,6 +125,7 @@ from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, con
     unwrap_optimizer,
 )
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
+from lightning_seqmem.dryrun.accelerator import simulated_device
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step_functions import step_functions
@@ -217,17 +218,10 @@ def _fake_module_and_optimizer(
 ) -> tuple[nn.Module, torch.optim.Optimizer, CopyPlan]:
     """The fake copy on ``device`` with the asked rungs, its optimizer, and what its step becomes."""
     notes: list[str] = []
-    model = fake_copy(pl_module, fake_mode, values)
+    model = fake_copy(pl_module, fake_mode, values, device)  # every tensor made on the device simulated
+    if device != _device_of(pl_module) and _device_of(pl_module).type != "meta":
+        notes.append(f"moved {_device_of(pl_module)} -> {device}")
     with fake_mode:
-        if device != _device_of(pl_module):
-            notes.append(f"moved {_device_of(pl_module)} -> {device}")
-            try:
-                model = model.to(device)
-            except Exception as exc:  # noqa: BLE001 - e.g. a CPU-only build asked for CUDA
-                raise DryRunUnsupported(
-                    f"cannot simulate {device} for a module on {_device_of(pl_module)} with this torch build "
-                    f"({type(exc).__name__}: {exc}); run the dry run where the module lives"
-                ) from exc
         twins = {id(real): fake for real, fake in zip(pl_module.parameters(), model.parameters())}
         fake_optimizer = configured_optimizer(model) if optimizer is None else rebuild_optimizer(optimizer, twins)
         plan = ladder.apply_to_copy(names, model)  # after the optimizer: the rungs keep parameter identity
@@ -337,7 +331,7 @@ def dry_run_step(
     source_rows, _ = infer_batch_shape(batch)
     batch_size = source_rows if batch_size is None else check_int("batch_size", batch_size)
     module_device = _device_of(pl_module)
-    device = _simulated_device(device, module_device)
+    device = simulated_device_for(device, module_device)
     step = _fake_step(pl_module, optimizer, batch, seq_len, batch_size, names, autocast, device, site)
     block = allocator_block_bytes(device)
     peak, phase_peaks = replay_peaks(step.memory.events, block)
@@ -385,10 +379,23 @@ def checked_rungs(mitigations: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def _simulated_device(device: Optional[torch.device | str], module_device: torch.device) -> torch.device:
-    """The device a dry run simulates: ``device``, default the module's; a bare ``cuda`` is the module's
-    CUDA device (else ``cuda:0``)."""
+def simulated_device_for(device: Optional[torch.device | str], module_device: torch.device) -> torch.device:
+    """The device a dry run's fake step runs on: ``device``, default the module's (the CPU for a module on
+    ``meta``); a bare ``cuda`` is the module's CUDA device (else ``cuda:0``); CUDA on a build of torch
+    without it is the simulated accelerator (:mod:`lightning_seqmem.dryrun.accelerator`).
+
+    Example:
+        >>> simulated_device_for(None, torch.device("meta")), simulated_device_for("cpu", torch.device("cpu"))
+        (device(type='cpu'), device(type='cpu'))
+    """
     device = module_device if device is None else torch.device(device)
+    if device.type == "meta":
+        device = torch.device("cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        try:
+            return simulated_device()
+        except RuntimeError as exc:
+            raise DryRunUnsupported(f"cannot simulate CUDA on this torch build without it: {exc}") from None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", module_device.index if module_device.type == "cuda" else 0)
     return device

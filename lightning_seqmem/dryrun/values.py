@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
 from lightning_seqmem.measure.batch_tensors import is_square
+from lightning_seqmem.dryrun.accelerator import to_host_device
 
 __all__ = ["BatchValues", "batch_to_device", "shape_batch", "transformers_without_fake_detection", "value_max_bytes"]
 
@@ -152,9 +153,9 @@ class BatchValues(TorchDispatchMode):
             for t in written:
                 self.forget(t)  # its values are unknown from now on
             return out
-        real_args, real_kwargs = tree_map_only(torch.Tensor, self._value, (args, kwargs))
+        real_args, real_kwargs = to_host_device(tree_map_only(torch.Tensor, self._value, (args, kwargs)))
         with _disable_current_modes():
-            real = func(*real_args, **real_kwargs)
+            real = func(*real_args, **real_kwargs)  # in host memory: the device's is the step's alone
         if not computed:  # the output's shape (or the result itself) depends on the values
             out = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real)
         for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):

@@ -1,0 +1,327 @@
+"""A simulated accelerator: fake tensors on a device this torch build does not have.
+
+A dry run on a laptop must answer for the GPU the run will train on, and keep apart what lives on
+that device from what lives in host memory (FSDP2 ``CPUOffloadPolicy``, activation offload). Fake
+CUDA tensors cannot run a backward on a CPU build of torch (the autograd engine asks the CUDA
+runtime for a device guard), and fake CPU tensors cannot tell the device from the host. So a dry
+run of ``device="cuda"`` on a build without CUDA runs its fake step on a *simulated device*: torch's
+``PrivateUse1`` key registered as a Python backend (``torch.utils.backend_registration``) under the
+name :data:`SIMULATED`, whose tensors exist only as fake tensors (no allocator: nothing is ever
+allocated on it). Autograd, optimizers and FSDP2 run on it as on any accelerator; ``cpu`` stays the
+host. On it:
+
+* allocations are rounded to the CUDA caching allocator's 512-byte blocks
+  (:func:`~lightning_seqmem.dryrun.cuda.allocator_block_bytes`), as ``max_memory_allocated`` counts;
+* autocast follows CUDA's op lists (``ATen/autocast_mode.h``: matmuls and attention in the lower
+  precision; reductions, norms, losses, ``softmax``/``log_softmax``, ``exp``, ``pow`` in float32;
+  ``addcmul``, ``index_put``, ... promoted), registered here as Python autocast kernels, with CUDA's
+  cache of weight casts;
+* attention kernels are those :mod:`lightning_seqmem.dryrun.kernels` models (CUDA's SDPA backends,
+  flash-attn), since no GPU kernel can run here.
+
+The registration is process-wide and made once, the first time a simulated device is asked for; a
+process whose ``PrivateUse1`` key already belongs to a real backend (Ascend's ``npu``) has none,
+and :func:`simulated_device` says why.
+
+Example:
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> device = simulated_device()
+    >>> device.type == SIMULATED, stands_for(device), stands_for(torch.device("cpu"))
+    (True, 'cuda', 'cpu')
+    >>> with FakeTensorMode():
+    ...     w = torch.nn.Parameter(torch.empty(8, 8, device=device))
+    ...     with autocast(device, torch.bfloat16):
+    ...         y = torch.empty(4, 8, device=device) @ w
+    ...     y.float().sum().backward()
+    >>> y.dtype, w.grad.dtype, w.grad.device.type == SIMULATED
+    (torch.bfloat16, torch.float32, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+__all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "register_early", "simulated_device",
+           "simulation_refusal", "stands_for", "to_host_device"]
+
+SIMULATED = "seqmem"
+"""The device type of the simulated accelerator (``torch.device("seqmem", 0)``): a CUDA device modelled."""
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"registered": False, "refusal": None, "library": None}
+
+
+class _Backend:
+    """What torch asks a device module for (``torch.seqmem``): one device, always there, bf16 able."""
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        return None
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        return True
+
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+
+def simulation_refusal() -> Optional[str]:
+    """Why no simulated device can be used in this process (None: it can be, or is)."""
+    if _STATE["registered"]:
+        return _STATE["refusal"]
+    name = torch._C._get_privateuse1_backend_name()
+    if name not in ("privateuseone", SIMULATED):
+        return (f"the PrivateUse1 device key already belongs to the {name!r} backend, so no simulated device can be "
+                "registered in this process; dry-run on the device itself")
+    return None
+
+
+def _register() -> None:
+    from torch.utils import backend_registration
+
+    reason = simulation_refusal()
+    if reason is not None:
+        raise RuntimeError(reason)
+    if torch._C._get_privateuse1_backend_name() != SIMULATED:
+        backend_registration._setup_privateuseone_for_python_backend(rename=SIMULATED, backend_module=_Backend())
+    _STATE["library"] = _register_autocast()
+    _STATE["registered"] = True
+    _STATE["refusal"] = _backward_refusal()
+
+
+def _backward_refusal() -> Optional[str]:
+    """Why a backward cannot run on the simulated device (None: it can): the autograd engine sizes its
+    per-device queues once, at the process's first backward, so a device registered after it has none."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode():
+            x = torch.empty(2, device=torch.device(SIMULATED, 0), requires_grad=True)
+            (x * 2).sum().backward()
+    except RuntimeError as exc:
+        if "device_ready_queues_" not in str(exc):
+            raise
+        return ("the simulated CUDA device was registered after this process ran its first backward (the "
+                "autograd engine sizes its device queues then); import lightning_seqmem.dryrun before training, "
+                "or plan with `seqmem plan`")
+    return None
+
+
+def register_early() -> None:
+    """Register the simulated device now where this build has no CUDA and ``PrivateUse1`` is free (the
+    package's ``dryrun`` wing does so on import: it must precede the process's first backward); never raises."""
+    if torch.cuda.is_available() or simulation_refusal() is not None:
+        return
+    try:
+        simulated_device()
+    except Exception:  # noqa: BLE001 - a dry run that asks for it says why
+        pass
+
+
+def simulated_device() -> torch.device:
+    """The simulated accelerator (registered on first use).
+
+    Raises:
+        RuntimeError: this process cannot have one (:func:`simulation_refusal` says why).
+    """
+    with _LOCK:
+        if not _STATE["registered"]:
+            _register()
+    if _STATE["refusal"] is not None:
+        raise RuntimeError(_STATE["refusal"])
+    return torch.device(SIMULATED, 0)
+
+
+def is_simulated(device: Any) -> bool:
+    """Whether ``device`` (a device, a string, or None) is the simulated accelerator.
+
+    >>> is_simulated("cpu"), is_simulated(None)
+    (False, False)
+    """
+    return device is not None and torch.device(device).type == SIMULATED
+
+
+def stands_for(device: Any) -> str:
+    """The device type a dry run on ``device`` answers for: ``"cuda"`` for the simulated device, else its own.
+
+    >>> stands_for("cpu"), stands_for("meta")
+    ('cpu', 'meta')
+    """
+    return "cuda" if is_simulated(device) else torch.device(device).type
+
+
+def host_of(device: Any) -> Optional[str]:
+    """The device type of host memory apart from ``device`` (``"cpu"`` for an accelerator, None for the CPU).
+
+    >>> host_of("cpu") is None, host_of("cuda:0")
+    (True, 'cpu')
+    """
+    return None if torch.device(device).type in ("cpu", "meta") else "cpu"
+
+
+def to_host_device(obj: Any) -> Any:
+    """``obj`` with every accelerator device (a ``torch.device``, or a string naming a CUDA or simulated
+    one) replaced by ``cpu``: how an op is run again for real on the values a dry run keeps, which live
+    in host memory (so a dry run never allocates on the device a run trains on).
+
+    >>> to_host_device({"device": torch.device("cuda", 1), "n": 3, "to": "cuda:0", "mode": "floor"})
+    {'device': device(type='cpu'), 'n': 3, 'to': 'cpu', 'mode': 'floor'}
+    """
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.device) and x.type not in ("cpu", "meta"):
+            return torch.device("cpu")
+        if isinstance(x, str) and x.split(":")[0] in ("cuda", SIMULATED):
+            return "cpu"
+        return x
+
+    return tree_map(swap, obj)
+
+
+# -- autocast on the simulated device: CUDA's op lists ------------------------------------------------
+# From ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
+# AT_FORALL_PROMOTE), the lists AutocastCUDA registers; every overload of each op name.
+_LOWER = (
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
+    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "lstm_cell",
+    "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
+    "scaled_dot_product_attention",
+)
+_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+)
+_FP32_SET_DTYPE = ("prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm",
+                   "sum")
+_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
+            "tensordot", "scatter_add")
+_CAST_CACHE: dict[int, tuple[Any, torch.Tensor]] = {}  # id(fp32 leaf) -> (weakref to it, its lower-precision cast)
+
+
+def _eligible(x: Any) -> bool:
+    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+            and x.device.type == SIMULATED)
+
+
+def _cast(dtype: torch.dtype, cache: bool) -> Callable[[Any], Any]:
+    import weakref
+
+    def cast(x: Any) -> Any:
+        if not _eligible(x) or x.dtype == dtype:
+            return x
+        if cache and dtype != torch.float32 and x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled():
+            entry = _CAST_CACHE.get(id(x))
+            if entry is not None and entry[0]() is x:
+                return entry[1]
+            out = x.to(dtype)
+            _CAST_CACHE[id(x)] = (weakref.ref(x), out)
+            return out
+        return x.to(dtype)
+
+    return cast
+
+
+def _without_autocast() -> Any:
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+    return torch._C._ExcludeDispatchKeyGuard(keys)
+
+
+def _lower_kernel(op: Any) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        dtype = torch.get_autocast_dtype(SIMULATED)
+        with _without_autocast():
+            args, kwargs = tree_map(_cast(dtype, True), (args, kwargs))
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _fp32_kernel(op: Any) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with _without_autocast():
+            args, kwargs = tree_map(_cast(torch.float32, False), (args, kwargs))
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _set_dtype_kernel(op: Any) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with _without_autocast():
+            lower = any(_eligible(x) and x.dtype in (torch.float16, torch.bfloat16)
+                        for x in torch.utils._pytree.tree_flatten((args, kwargs))[0])
+            if lower and kwargs.get("dtype") is None and "dtype" in {a.name for a in op._schema.arguments}:
+                kwargs = {**kwargs, "dtype": torch.float32}
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _promote_kernel(op: Any) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with _without_autocast():
+            floats = [x.dtype for x in torch.utils._pytree.tree_flatten((args, kwargs))[0] if _eligible(x)]
+            widest = floats[0] if floats else None
+            for d in floats[1:]:
+                widest = torch.promote_types(widest, d)
+            if widest is not None:
+                args, kwargs = tree_map(_cast(widest, False), (args, kwargs))
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _register_autocast() -> Any:
+    lib = torch.library.Library("aten", "IMPL")
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    for names, make in ((_LOWER, _lower_kernel), (_FP32, _fp32_kernel), (_FP32_SET_DTYPE, _set_dtype_kernel),
+                        (_PROMOTE, _promote_kernel)):
+        for name in names:
+            packet = getattr(torch.ops.aten, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                if not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+                    lib.impl(op, make(op), "AutocastPrivateUse1")  # out= and in-place overloads run as they are
+    return (lib, fallback)
+
+
+@contextlib.contextmanager
+def autocast(device: Any, dtype: torch.dtype, enabled: bool = True, cache_enabled: bool = True) -> Iterator[None]:
+    """``torch.autocast`` on ``device``; on the simulated device with CUDA's op lists and its cache of weight
+    casts (each fp32 leaf cast once while the outermost region lasts, as CUDA's cache does)."""
+    device = torch.device(device)
+    try:
+        with torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
+            yield
+    finally:
+        if device.type == SIMULATED and not torch.is_autocast_enabled(SIMULATED):
+            _CAST_CACHE.clear()
