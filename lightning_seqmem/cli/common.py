@@ -16,7 +16,7 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "build_from_config", "find_seqmem_callback", "first_batch",
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "asks_for_cuda", "build_from_config", "find_seqmem_callback", "first_batch",
            "first_optimizer", "quiet_warnings", "usable_budget"]
 
 DEFAULT_MODEL = "lightning_seqmem.reference.demo.LitGPT"
@@ -50,31 +50,91 @@ def _read_yaml(path: str, command: str = "seqmem forecast") -> dict[str, Any]:
     return data
 
 
+def asks_for_cuda(config: str, command: str = "seqmem plan") -> bool:
+    """Whether ``config``'s trainer names a CUDA accelerator (``cuda`` or ``gpu``)."""
+    trainer_cfg = _read_yaml(config, command).get("trainer") or {}
+    return str(trainer_cfg.get("accelerator", "auto")) in ("cuda", "gpu")
+
+
+def _cli_class(meta: bool, model_context: Any) -> Any:
+    """LightningCLI, or (``meta``) a subclass that builds the model without allocating it: on the ``meta``
+    device under ``model_context()`` (e.g. the modelled GPU kernels), then its ``configure_model()`` likewise
+    (Lightning's way of building large models; the trainer would call it in ``fit``)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    if not meta:
+        return LightningCLI
+
+    class _MetaBuildCLI(LightningCLI):
+        def _add_instantiators(self) -> None:
+            super()._add_instantiators()
+            from lightning.pytorch.cli import _InstantiatorFn, _get_module_type
+
+            lightning_fn = _InstantiatorFn(cli=self, key="model")
+
+            def on_meta(class_type: Any, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+                import torch
+
+                with torch.device("meta"), model_context():
+                    return lightning_fn(class_type, *args, applied_instantiation_links=applied_instantiation_links,
+                                        **kwargs)
+
+            self.parser.add_instantiator(on_meta, _get_module_type(self._model_class),
+                                         subclasses=self.subclass_mode_model, prepend=True)
+
+        def instantiate_classes(self) -> None:
+            super().instantiate_classes()
+            configure = getattr(self.model, "configure_model", None)
+            if callable(configure):
+                import torch
+
+                with torch.device("meta"), model_context(), self.trainer.precision_plugin.module_init_context():
+                    configure()
+
+    return _MetaBuildCLI
+
+
 def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA,
-                      overrides: Sequence[str] = (), command: str = "seqmem forecast") -> Any:
+                      overrides: Sequence[str] = (), command: str = "seqmem forecast", meta: bool = False,
+                      model_context: Any = None) -> Any:
     """A ``LightningCLI`` (not run) of ``config``: ``.model``, ``.datamodule`` and ``.trainer``.
 
     The config's ``model``/``data`` sections may name their class (``class_path``); without one
     they configure ``model_class`` / ``data_class``. The trainer is forced to one device without a
     logger (a forecast is per device); a CUDA config is built on the CPU when no GPU is present.
     ``command`` names the command in the messages printed or raised.
+
+    ``meta``: build the model on the ``meta`` device (shapes and dtypes, no memory: an 8B model costs
+    nothing), its ``configure_model()`` too, each under ``model_context()`` (default: nothing); what a
+    dry run needs (:func:`lightning_seqmem.dryrun.fake.fake_copy` fakes each tensor on the device it
+    simulates). A model whose construction fails on ``meta`` (its ``__init__`` reads tensor values)
+    raises :class:`UserError` saying so.
     """
+    import contextlib
+
     import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.cli import LightningCLI
 
     trainer_cfg = _read_yaml(config, command).get("trainer") or {}
     forced = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.devices=1",
               "--trainer.num_nodes=1", "--trainer.strategy=auto"]
     if str(trainer_cfg.get("accelerator", "auto")) in ("cuda", "gpu") and not torch.cuda.is_available():
-        print(f"{command}: the config asks for CUDA but none is available: tracing on the CPU "
-              "(kernel choice, workspace and fragmentation on a GPU differ)", file=sys.stderr)
+        if not meta:
+            print(f"{command}: the config asks for CUDA but none is available: tracing on the CPU "
+                  "(kernel choice, workspace and fragmentation on a GPU differ)", file=sys.stderr)
         forced.append("--trainer.accelerator=cpu")
     args = ["--model", model_class, "--data", data_class, "--config", config, *forced, *overrides]
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when both `args` and sys.argv are given
+    cli_class = _cli_class(meta, model_context or contextlib.nullcontext)
     try:
-        return LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
-                            subclass_mode_data=True, run=False, args=args, save_config_callback=None)
+        return cli_class(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
+                         subclass_mode_data=True, run=False, args=args, save_config_callback=None)
+    except (NotImplementedError, RuntimeError) as exc:
+        if meta and "meta" in str(exc):
+            raise UserError(f"{command}: the config's model cannot be built on the meta device (its __init__ or "
+                            f"configure_model() reads tensor values: {type(exc).__name__}: {exc}); make it build "
+                            "without reading values, or plan a smaller copy") from None
+        raise
     finally:
         sys.argv = argv
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.common import (
+    asks_for_cuda,
     build_from_config,
     find_seqmem_callback,
     first_batch,
@@ -30,6 +31,8 @@ from lightning_seqmem.cli.plan_text import (
     print_table,
     print_totals,
 )
+
+from lightning_seqmem.dryrun.accelerator import step_context
 
 __all__ = ["PlanRun", "run_plan"]
 
@@ -332,10 +335,10 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     """Build the config's model, data and optimizer (nothing is trained) and the sets to dry-run."""
     from lightning_seqmem.measure.batch import infer_batch_shape
 
-    cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan")
+    cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan", meta=True)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     seqmem = find_seqmem_callback(trainer)
-    device = trainer.strategy.root_device
+    device = _plan_device(args, trainer)
     budget, margin, usable = usable_budget(args.budget, args.safety_margin, seqmem, device)
     batch = first_batch(model, datamodule)  # any length: the dry run cuts or tiles it to each length asked
     batch_size = args.batch_size or infer_batch_shape(batch)[0]
@@ -345,9 +348,22 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     checks: dict[str, Any] = {}
     sets, skipped = _mitigation_sets(seqmem, trainer, model, batch, batch_size, checks)
     world = None if args.world_size is None else (args.world_size, args.strategy)
-    # autocast under mixed precision, as in training_step
-    return PlanRun(trainer, model, optimizer, optimizer_name, batch, batch_size, precision.train_step_context, device,
+    # autocast under mixed precision, as in training_step (CUDA's autocast on the simulated device)
+    return PlanRun(trainer, model, optimizer, optimizer_name, batch, batch_size, step_context(precision, device), device,
                    sets, skipped, checks, budget, margin, usable, world)
+
+
+def _plan_device(args: argparse.Namespace, trainer: Any) -> Any:
+    """The device the dry runs simulate: the trainer's; where the config asks for CUDA and this machine has
+    none, the simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`): CUDA's allocator blocks,
+    autocast and kernels, modelled, with host memory apart."""
+    import torch
+
+    from lightning_seqmem.dryrun.step import simulated_device_for
+
+    if asks_for_cuda(args.config) and not torch.cuda.is_available():
+        return simulated_device_for("cuda", torch.device("meta"))
+    return trainer.strategy.root_device
 
 
 def _length_result(run: PlanRun, seq_len: int) -> dict[str, Any]:

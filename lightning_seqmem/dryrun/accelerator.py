@@ -47,7 +47,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 __all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "register_early", "simulated_device",
-           "simulation_refusal", "stands_for", "to_host_device"]
+           "simulation_refusal", "stands_for", "step_context", "to_host_device"]
 
 SIMULATED = "seqmem"
 """The device type of the simulated accelerator (``torch.device("seqmem", 0)``): a CUDA device modelled."""
@@ -325,3 +325,22 @@ def autocast(device: Any, dtype: torch.dtype, enabled: bool = True, cache_enable
     finally:
         if device.type == SIMULATED and not torch.is_autocast_enabled(SIMULATED):
             _CAST_CACHE.clear()
+
+
+def step_context(precision_plugin: Any, device: Any) -> Callable[[], Any]:
+    """The zero-argument factory of a training step's context for a dry run on ``device``: the precision
+    plugin's own ``train_step_context``, except that a mixed-precision plugin's autocast (made for the
+    device the trainer has, e.g. ``cpu``) becomes CUDA's autocast on the simulated device, with the
+    plugin's dtype and cache setting (Lightning's ``MixedPrecision`` caches no casts).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> plain = SimpleNamespace(precision="32-true", train_step_context=contextlib.nullcontext)
+        >>> step_context(plain, simulated_device()) is contextlib.nullcontext
+        True
+    """
+    precision = str(getattr(precision_plugin, "precision", ""))
+    if not is_simulated(device) or precision not in ("bf16-mixed", "16-mixed"):
+        return precision_plugin.train_step_context
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+    return lambda: autocast(device, dtype, cache_enabled=False)
