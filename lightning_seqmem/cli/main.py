@@ -181,6 +181,14 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err).replace("`--budget` must", "must", 1) + hint) from None
 
 
+def _device_budget(text: str) -> Any:
+    from lightning_seqmem.cli.plan_devices import DEVICE_MEMORY
+
+    if text.strip().lower() in DEVICE_MEMORY:
+        return text.strip().lower()
+    return _bytes(text)
+
+
 def _config_file(text: str) -> str:
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"no such file: {text!r} (a LightningCLI YAML config, e.g. configs/cpu_demo.yaml)")
@@ -280,9 +288,14 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--lengths", type=_positive_int, nargs="+", required=True,
                       help="sequence lengths to plan for (tokens, ≥ 1)")
     plan.add_argument("--batch-size", type=_positive_int, default=None, help="samples per step (default: the data's)")
-    plan.add_argument("--budget", type=_bytes, default=None,
-                      help="memory budget, e.g. 80GiB (default: the config's SeqMemCallback memory_budget, else "
-                      "the GPU's total memory, else none: no fits column)")
+    plan.add_argument("--budget", type=_device_budget, nargs="+", default=None,
+                      help="one or more devices to plan for: a size (80GiB, 141GB) or a GPU (h100, a100-80gb, "
+                      "h200, b200); default: the config's SeqMemCallback memory_budget, else the GPU's total "
+                      "memory, else for a CUDA config planned without a GPU h100 and h200, else none (no fits "
+                      "column)")
+    plan.add_argument("--host-budget", type=_bytes, default=None,
+                      help="host memory of the training machine, e.g. 512GiB (default: this machine's RAM): "
+                      "what offload settings may hold on the host")
     plan.add_argument("--safety-margin", type=_fraction, default=None,
                       help="fraction of the budget kept free, in [0, 1) (default: the config's SeqMemCallback, else 0.1)")
     plan.add_argument("--model-class", default=DEFAULT_MODEL, help="model class when the config names none")

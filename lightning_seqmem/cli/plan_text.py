@@ -81,13 +81,24 @@ def _table_title(run: Any) -> str:
     from lightning_seqmem.core.units import format_bytes
 
     title = f"seqmem plan: predicted peak of one training step (dry run), batch {run.batch_size}"
-    if run.usable is not None:
+    if len(run.budgets) > 1:
+        title += (f"; fits on each device = peak within its usable budget (device memory − {run.margin:.0%} "
+                  f"safety margin: " + ", ".join(f"{b.name}: {format_bytes(b.usable_bytes)}" for b in run.budgets)
+                  + ")")
+    elif run.usable is not None:
         title += (f"; fits = peak within the usable budget {format_bytes(run.usable)} ({format_bytes(run.budget)} − "
                   f"{run.margin:.0%} safety margin)")
     if run.world is not None:
         title = title.replace("predicted peak of one training step", f"predicted per-rank peak at {run.world[0]} ranks "
                               f"({run.world[1]})")
     return title
+
+
+def _host_cell(row: dict[str, Any]) -> str:
+    from lightning_seqmem.core.units import format_bytes
+
+    host = row.get("host_peak_bytes")
+    return "-" if host is None else format_bytes(host)
 
 
 def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any], errors: dict[str, int]) -> list[str]:
@@ -103,8 +114,19 @@ def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any], errors: dic
     if run.world is not None and run.usable is not None:
         smallest = ["-" if row["error"] else (str(row["smallest_world_size"]) if row["smallest_world_size"]
                                               else f"> {run.world[0]}")]
-    return [str(res["seq_len"]), str(run.batch_size), joined_names(row["mitigations"]), peak,
-            *fits_cell(row, run.usable), *smallest, f"{row['seconds']:.1f}s"]
+    fits = fits_cell(row, run.usable)
+    for b in run.budgets[1:]:
+        fits.append("-" if row["peak_bytes"] is None else ("yes" if row["peak_bytes"] <= b.usable_bytes else "NO"))
+    host = [_host_cell(row)] if _shows_host(run) else []
+    return [str(res["seq_len"]), str(run.batch_size), joined_names(row["mitigations"]), peak, *host,
+            *fits, *smallest, f"{row['seconds']:.1f}s"]
+
+
+def _shows_host(run: Any) -> bool:
+    """Whether the dry runs keep host memory apart from the device's (an accelerator, or the simulated one)."""
+    from lightning_seqmem.dryrun.accelerator import host_of
+
+    return host_of(run.device) is not None
 
 
 def print_table(console: Any, run: Any, results: Sequence[dict[str, Any]], config: Any) -> None:
@@ -113,7 +135,9 @@ def print_table(console: Any, run: Any, results: Sequence[dict[str, Any]], confi
     from rich.table import Table
 
     table = Table(title=_table_title(run), title_justify="left")
-    headers = ["seq_len", "batch", "mitigations", "peak", *(["fits"] if run.usable is not None else []),
+    fits = ([f"fits {b.name.split(' ')[0]}" for b in run.budgets] if len(run.budgets) > 1 else
+            ["fits"] if run.usable is not None else [])
+    headers = ["seq_len", "batch", "mitigations", "peak", *(["host"] if _shows_host(run) else []), *fits,
                *([f"fits from N (≤ {run.world[0]})"] if run.world is not None and run.usable is not None else []),
                "time"]
     for header in headers:
@@ -182,26 +206,63 @@ def print_plans(console: Any, results: Sequence[dict[str, Any]], usable: Optiona
 
 def print_longest(console: Any, longest: Sequence[dict[str, Any]]) -> None:
     """Per setting dry-run: its prior step-time cost and the longest length it fits (searched, with ``--longest``)."""
+    from lightning_seqmem.core.units import format_bytes
+
     for entry in longest:
+        host = entry.get("host_peak_bytes")
         console.print(f"{joined_names(entry['mitigations'])} "
                       f"(step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
                       f"priors): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
                       + (f"{entry['seq_len']}" if entry["seq_len"] else "none")
                       + (f"; longest that fits (searched): {entry['searched_seq_len'] or 'none'}"
-                         if "searched_seq_len" in entry else ""), highlight=False)
+                         if "searched_seq_len" in entry else "")
+                      + (f"; host memory {format_bytes(host)}" if host is not None else ""), highlight=False)
 
 
-def print_totals(console: Any, results: Sequence[dict[str, Any]], search_runs: int, search_seconds: float,
-                 modelled: Sequence[dict[str, Any]], seconds: float) -> None:
+def _longest_cell(entry: Optional[dict[str, Any]]) -> str:
+    if entry is None:
+        return "-"
+    length = entry.get("searched_seq_len", entry["seq_len"])
+    if not length:
+        return "none"
+    return ("≥ " if entry.get("open_ended") else "") + str(length) + ("" if "searched_seq_len" in entry else "*")
+
+
+def print_devices_longest(console: Any, run: Any, devices: Sequence[dict[str, Any]]) -> None:
+    """Several devices: one table, a row per setting dry-run: its prior step-time cost, the longest length
+    it fits on each device (searched with ``--longest``, else of the lengths dry-run) and the host memory
+    it holds at the longest length it fits (its dry run's host peak)."""
+    from rich.table import Table
+
+    from lightning_seqmem.core.units import format_bytes
+
+    by_device = [{tuple(e["mitigations"]): e for e in d["longest"]} for d in devices]
+    settings = list(dict.fromkeys(k for d in by_device for k in d))
+    table = Table(title="longest length each setting fits, per device (tokens)", title_justify="left")
+    for header in ["setting", "step time (priors)", *(b.name for b in run.budgets), "host memory"]:
+        table.add_column(header, justify="left" if header == "setting" else "right")
+    for names in settings:
+        entries = [d.get(names) for d in by_device]
+        first = next(e for e in entries if e is not None)
+        hosts = [e.get("host_peak_bytes") for e in entries if e is not None and e.get("host_peak_bytes") is not None]
+        table.add_row(joined_names(names), f"{(first['step_time_factor'] - 1) * 100:+.0f}%",
+                      *(_longest_cell(e) for e in entries), format_bytes(max(hosts)) if hosts else "-")
+    console.print(table)
+    console.print("(≥ N: fits the longest length asked; N*: the longest of the lengths dry-run, not searched "
+                  "(--longest searches); -: not dry-run on that device)")
+
+
+def print_totals(console: Any, run: Any, modelled: Sequence[dict[str, Any]], seconds: float) -> None:
     """The last line: wall time, dry runs and their time, what a peak counts."""
-    dry_seconds = sum(r["seconds"] for res in results for r in res["rows"] + res["searched_rows"]) + search_seconds
-    runs = sum(len(res["rows"]) + len(res["searched_rows"]) for res in results) + search_runs
-    console.print(f"total {seconds:.1f}s: {runs} dry runs in {dry_seconds:.1f}s"
-                  + (f" ({search_runs} in the search for the largest length that fits)" if search_runs else "")
+    from lightning_seqmem.dryrun.accelerator import is_simulated
+
+    where = ("the simulated CUDA device: allocator blocks as max_memory_allocated, CUDA's autocast, modelled "
+             "kernels" if is_simulated(run.device) else "on CUDA allocator blocks, as max_memory_allocated")
+    console.print(f"total {seconds:.1f}s: {run.dry_runs} dry runs in {run.dry_seconds:.1f}s"
                   + (f", and {len(modelled)} modelling refused rungs" if modelled else "")
-                  + "; peaks are live tensor bytes (on CUDA allocator blocks, as max_memory_allocated; not "
-                  "reserved memory, workspaces or the CUDA context: that is what the safety margin is for)")
+                  + f"; peaks are live tensor bytes ({where}; not reserved memory, workspaces or the CUDA "
+                  "context: that is what the safety margin is for)")
 
 
-__all__ = ["SEARCH_MULTIPLE", "fits_cell", "joined_names", "modelled_line", "print_header", "print_longest",
-           "print_peak_at", "print_plans", "print_table", "print_totals"]
+__all__ = ["SEARCH_MULTIPLE", "fits_cell", "joined_names", "modelled_line", "print_devices_longest", "print_header",
+           "print_longest", "print_peak_at", "print_plans", "print_table", "print_totals"]

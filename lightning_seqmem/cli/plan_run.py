@@ -1,0 +1,321 @@
+"""What every dry run of one ``seqmem plan`` shares (:class:`PlanRun`), and the questions it answers from
+them: the rows of one length, the fastest setting that fits, the longest length a setting fits.
+
+Each dry run is made once per ``(seq_len, mitigations, world)`` and kept (:meth:`PlanRun.dry`): a plan
+that answers for several devices (``--budget 80GB h200``) judges the same dry runs against each, and
+dry-runs again only what a device's own search reaches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from lightning_seqmem.cli.plan_devices import DeviceBudget
+from lightning_seqmem.cli.plan_text import SEARCH_MULTIPLE
+
+__all__ = ["PlanRun", "fastest", "largest_fitting", "longest_by_set", "mitigation_sets", "modelled_rows", "peak_at",
+           "search_longest"]
+
+Setting = tuple[str, ...]
+
+
+@dataclass
+class PlanRun:
+    """The config's model (built on ``meta``, converted as fit converts it), optimizer, first batch, step
+    context and simulated device, the mitigation sets, the devices answered for (``budgets``, the first
+    one the single-budget output's) and every dry run made. ``world``: ``(N, strategy)`` with
+    ``--world-size``, else None."""
+
+    trainer: Any
+    model: Any
+    optimizer: Any
+    optimizer_name: str
+    batch: Any
+    batch_size: int
+    context: Any
+    device: Any
+    sets: list[Setting]
+    skipped: dict[str, str]
+    checks: dict[str, Any]
+    budgets: list[DeviceBudget]
+    margin: float
+    world: Optional[tuple[int, str]]
+    host_budget: Optional[int] = None
+    cache: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
+    dry_runs: int = 0  # dry runs made (cache misses)
+    dry_seconds: float = 0.0
+
+    @property
+    def budget(self) -> Optional[int]:
+        """The first device's budget (bytes), None without one."""
+        return self.budgets[0].budget_bytes if self.budgets else None
+
+    @property
+    def usable(self) -> Optional[int]:
+        """The first device's usable budget (bytes), None without one."""
+        return self.budgets[0].usable_bytes if self.budgets else None
+
+    @property
+    def ladder_rungs(self) -> list[str]:
+        """The rungs this run may take, in its order (their variants apart)."""
+        from lightning_seqmem.core.rungs import level_of
+
+        return [n for n in self.checks if level_of(n) is None]
+
+    @property
+    def device_type(self) -> str:
+        """The device type step-time priors are taken on (``cuda`` for the simulated device)."""
+        from lightning_seqmem.dryrun.accelerator import stands_for
+
+        return stands_for(self.device)
+
+    def dry(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]] = None) -> dict[str, Any]:
+        """The dry run of ``names`` at ``(seq_len, batch_size)`` (at ``world = (N, strategy)`` ranks): a row
+        ``{"mitigations", "peak_bytes", "host_peak_bytes", "seconds", "error"}``, made once and kept."""
+        key = (int(seq_len), tuple(names), world)
+        if key not in self.cache:
+            self.cache[key] = self._run(int(seq_len), tuple(names), world)
+        return dict(self.cache[key])
+
+    def _run(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]]) -> dict[str, Any]:
+        from lightning_seqmem.dryrun.step import DryRunUnsupported
+
+        started = time.perf_counter()
+        result = error = None
+        try:
+            if world is None:
+                from lightning_seqmem.dryrun.step import dry_run_step
+
+                result = dry_run_step(self.model, self.optimizer, self.batch, seq_len, self.batch_size, names,
+                                      self.context, self.device)
+            else:
+                from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
+
+                result = sharded_dry_run_step(self.model, self.batch, seq_len, world[0], self.batch_size, names,
+                                              world[1], self.context, self.device)
+        except DryRunUnsupported as exc:
+            error = f"unsupported: {exc.reason}"
+        except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
+            error = f"failed: {type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - started
+        self.dry_runs += 1
+        self.dry_seconds += seconds
+        return {"mitigations": list(names), "peak_bytes": None if result is None else result.peak_bytes,
+                "host_peak_bytes": None if result is None else getattr(result, "host_peak_bytes", None),
+                "seconds": seconds, "error": error}
+
+    def row(self, seq_len: int, names: Setting, usable: Optional[int],
+            world: Optional[tuple[int, str]] = None) -> dict[str, Any]:
+        """:meth:`dry` with ``fits`` against ``usable`` (None without a budget or a figure)."""
+        row = self.dry(seq_len, names, world)
+        row["fits"] = None if usable is None or row["peak_bytes"] is None else row["peak_bytes"] <= usable
+        return row
+
+    def rows(self, seq_len: int, sets: Sequence[Setting], usable: Optional[int]) -> list[dict[str, Any]]:
+        """One row per set at ``seq_len``; with ``world`` (``--world-size``), the per-rank peak at N ranks and,
+        with a budget, the smallest world size up to N at which the set fits (``smallest_world_size``)."""
+        rows = []
+        for names in sets:
+            row = self.row(seq_len, names, usable, self.world)
+            if self.world is not None:
+                smallest, peaks = None, {}
+                if usable is not None and row["peak_bytes"] is not None:
+                    from lightning_seqmem.dryrun.sharded import smallest_fitting_world_size
+
+                    def peak_at_world(n: int) -> int:
+                        peak = self.dry(seq_len, names, (n, self.world[1]))["peak_bytes"]
+                        if peak is None:
+                            raise RuntimeError(f"the dry run at world size {n} failed")
+                        return peak
+
+                    try:
+                        smallest, peaks = smallest_fitting_world_size(peak_at_world, usable, self.world[0],
+                                                                      {self.world[0]: row["peak_bytes"]})
+                    except RuntimeError as exc:
+                        row["error"] = f"failed: {exc}"
+                row.update(world_size=self.world[0], smallest_world_size=smallest,
+                           peak_bytes_by_world_size={str(n): v for n, v in sorted(peaks.items())})
+            rows.append(row)
+        return rows
+
+
+def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_size: int,
+                    checks_out: Optional[dict] = None) -> tuple[list[Setting], dict[str, str]]:
+    """The mitigation sets to dry-run, cheapest first, and ``rung -> why skipped`` (``checks_out``
+    receives every rung's and variant's applicability, for the search of the fastest setting).
+
+    The rungs are those the config's SeqMemCallback may switch on (``mitigations``, in its order),
+    or the default ladder without one; a rung that would not change this model (already on SDPA, no
+    repeated blocks, batch size 1, ...) is skipped. Each set adds the next rung to the previous one.
+    """
+    from lightning_seqmem.core.rungs import MITIGATIONS
+    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.mitigations.ladder import applicability
+
+    rungs = MITIGATIONS if seqmem is None else tuple(seqmem.configured_mitigations)  # in its order
+    # a rung's check may read the batch size from the batch: give it only a batch that has the rows
+    # asked for (else None: it reads the unconnected trainer's loader, unknown); the size asked goes too
+    rows = infer_batch_shape(batch)[0]
+    checks = applicability(rungs, trainer, model, batch if rows > 1 or batch_size <= 1 else None, batch_size)
+    if checks_out is not None:
+        checks_out.update(checks)
+    skipped: dict[str, str] = {}
+    sets: list[Setting] = [()]
+    for name in rungs:
+        applies, reason = checks[name]
+        if applies:
+            sets.append((*sets[-1], name))
+        else:
+            skipped[name] = reason
+    return sets, skipped
+
+
+def largest_fitting(run: PlanRun, names: Setting, usable: int, lo: int, hi: int) -> tuple[Optional[int], int]:
+    """``(largest multiple of 8 below hi whose dry-run peak with names fits usable or None, dry runs made)``,
+    by bisection; ``lo`` is known to fit (0: nothing known)."""
+    from lightning_seqmem.core.search import bisect_last
+
+    before = run.dry_runs
+
+    def fits(units: int) -> bool:
+        peak = run.dry(units * SEARCH_MULTIPLE, names)["peak_bytes"]
+        return peak is not None and peak <= usable
+
+    # in units of 8 tokens: lo fits (or is 0), hi does not; neither is dry-run again
+    lo = bisect_last(fits, lo // SEARCH_MULTIPLE, -(-hi // SEARCH_MULTIPLE))
+    return (lo * SEARCH_MULTIPLE or None), run.dry_runs - before
+
+
+def fastest(run: PlanRun, seq_len: int, rows: list[dict[str, Any]], usable: Optional[int]
+            ) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+    """The fastest setting that fits at one length (:func:`~lightning_seqmem.plan.choose.choose`, priced by
+    the rungs' step-time priors on the device simulated: nothing is timed here), and the rows of the settings
+    it dry-ran beyond ``rows`` (the ladder's prefixes, already dry-run)."""
+    from types import SimpleNamespace
+
+    from lightning_seqmem.core.units import format_bytes
+    from lightning_seqmem.plan.choose import choose
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    if usable is None:
+        return None, []
+    known = {tuple(r["mitigations"]): r for r in rows}
+    extra: list[dict[str, Any]] = []
+
+    def row(names: Setting) -> dict[str, Any]:
+        if names not in known:
+            known[names] = run.row(seq_len, names, usable, run.world)
+            extra.append(known[names])
+        return known[names]
+
+    def judge(names: Setting) -> Any:
+        r = row(names)
+        kind = "unknown" if r["peak_bytes"] is None else ("fits" if r["peak_bytes"] <= usable else "over")
+        return SimpleNamespace(kind=kind, bound_bytes=r["peak_bytes"])
+
+    device_type = run.device_type
+    plain = known.get(())
+    if plain is not None and plain["fits"]:
+        choice_setting, why = (), "no mitigation needed"
+    else:
+        choice = choose((), run.ladder_rungs, run.checks, judge, lambda s: prior_factor(s, device_type),
+                        fmt=format_bytes, usable=usable)
+        if choice is None or not choice.fits:
+            return None, extra
+        choice_setting, why = choice.setting, choice.why
+    r = known[choice_setting]
+    return {"mitigations": list(choice_setting), "peak_bytes": r["peak_bytes"],
+            "step_time_factor": prior_factor(choice_setting, device_type), "why": why}, extra
+
+
+def longest_by_set(results: list[dict[str, Any]], usable: Optional[int], device_type: Optional[str] = None
+                   ) -> list[dict[str, Any]]:
+    """Per setting dry-run (the ladder's prefixes and those the search of the fastest setting ran), the
+    longest asked length at which it fits, with its prior step-time factor (empty without a budget)."""
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    if usable is None:
+        return []
+    best: dict[Setting, Optional[int]] = {}
+    ran: dict[Setting, list[int]] = {}
+    host: dict[Setting, Optional[int]] = {}
+    for res in results:
+        for row in res["rows"] + res.get("searched_rows", []):
+            names = tuple(row["mitigations"])
+            fits = row["peak_bytes"] is not None and row["peak_bytes"] <= usable
+            best[names] = max(best.get(names) or 0, res["seq_len"] if fits else 0) or None
+            ran.setdefault(names, []).append(res["seq_len"])
+            if fits and row.get("host_peak_bytes") is not None:
+                host[names] = row["host_peak_bytes"]
+    # open_ended: it fits the longest length dry-run for it, so the longest it fits is at least that
+    return [{"mitigations": list(k), "seq_len": v, "step_time_factor": prior_factor(k, device_type),
+             "dry_run_lengths": ran[k], "host_peak_bytes": host.get(k), "open_ended": v is not None and v == max(ran[k])}
+            for k, v in best.items()]
+
+
+def search_longest(run: PlanRun, entry: dict[str, Any], results: list[dict[str, Any]], usable: int
+                   ) -> tuple[Optional[int], int]:
+    """(the longest multiple of 8 that ``entry``'s setting fits, dry runs): searched between the longest
+    dry-run length it fits and the shortest it does not; without one over, the longest it fits."""
+    names = tuple(entry["mitigations"])
+    over = [res["seq_len"] for res in results for r in res["rows"] + res["searched_rows"]
+            if tuple(r["mitigations"]) == names and r["peak_bytes"] is not None and r["peak_bytes"] > usable]
+    if not over:
+        return entry["seq_len"], 0
+    hi = min(over)
+    lo = max((L for L in [entry["seq_len"] or 0] if L < hi), default=0)
+    return largest_fitting(run, names, usable, lo, hi)
+
+
+def peak_at(run: PlanRun, seq_len: int, rows: Sequence[dict[str, Any]], plan: Optional[Sequence[str]]
+            ) -> Optional[dict[str, Any]]:
+    """Where the peak sits at ``seq_len`` (the ``"peak at"`` field): phase and kinds of tensor of the
+    chosen plan's step, or, where none was chosen (nothing fits, or no budget), of the set with the
+    lowest peak; one more dry run, its fake step traced by
+    :func:`~lightning_seqmem.diagnostics.peak.trace_peak_site`. None where no dry run ran or it could
+    not say. ``mitigations`` (the set) then :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
+    from lightning_seqmem.diagnostics.peak import trace_peak_site
+    from lightning_seqmem.dryrun.step import dry_run_step
+
+    ran = [r for r in rows if r["peak_bytes"] is not None]
+    if not ran:
+        return None
+    names = tuple(plan) if plan is not None else tuple(min(ran, key=lambda r: r["peak_bytes"])["mitigations"])
+    try:
+        site = dry_run_step(run.model, run.optimizer, run.batch, seq_len, run.batch_size, names, run.context,
+                            run.device, site=trace_peak_site).peak_site
+    except Exception:  # noqa: BLE001 - the table stands without it
+        return None
+    return None if site is None else {"mitigations": list(names), **site.to_dict()}
+
+
+def modelled_rows(run: PlanRun, base: Setting, results: list[dict[str, Any]], usable: Optional[int]
+                  ) -> list[dict[str, Any]]:
+    """For each rung skipped here that a dry run still models (``Rung.modelled_where_refused``: activation
+    offload on CPU), per length: the device peak with the last set and with it added, and the bytes it
+    moves to host memory. Modelled, not measured (``"measured": false``); a failure is the row's error."""
+    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.mitigations.ladder import rung
+
+    rows = []
+    for name, why in run.skipped.items():
+        if not getattr(rung(name), "modelled_where_refused", False):
+            continue
+        for res in results:
+            without = next(r for r in res["rows"] if tuple(r["mitigations"]) == base)
+            row = {"rung": name, "refused": why, "seq_len": res["seq_len"], "mitigations": [*base, name],
+                   "peak_bytes_without": without["peak_bytes"], "peak_bytes": None, "host_bytes": None,
+                   "saved_bytes": None, "fits": None, "measured": False, "error": without["error"]}
+            if without["peak_bytes"] is not None:
+                try:
+                    dry = dry_run_step(run.model, run.optimizer, run.batch, res["seq_len"], run.batch_size,
+                                       (*base, name), run.context, run.device)
+                    row.update(peak_bytes=dry.peak_bytes, host_bytes=dry.host_bytes,
+                               saved_bytes=without["peak_bytes"] - dry.peak_bytes,
+                               fits=None if usable is None else dry.peak_bytes <= usable)
+                except Exception as exc:  # noqa: BLE001 - a modelled row must not hide the table
+                    row["error"] = f"failed: {type(exc).__name__}: {exc}"
+            rows.append(row)
+    return rows
