@@ -168,7 +168,7 @@ def _device_plan(console: Any, run: PlanRun, lengths: list[int], budget: Optiona
     results = [_length_result(run, L, usable, first) for L in lengths]
     search = _search_largest(console, run, results, usable)
     longest = longest_by_set(results, usable, run.device_type)
-    if getattr(args, "longest", False) and usable is not None and run.world is None:
+    if getattr(args, "longest", False) and usable is not None:
         _search_longest_each(console, run, longest, results, search, usable)
     out = {"results": results, "search": search, "longest": longest}
     if budget is not None:

@@ -174,13 +174,14 @@ def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_siz
 
 def largest_fitting(run: PlanRun, names: Setting, usable: int, lo: int, hi: int) -> tuple[Optional[int], int]:
     """``(largest multiple of 8 below hi whose dry-run peak with names fits usable or None, dry runs made)``,
-    by bisection; ``lo`` is known to fit (0: nothing known)."""
+    by bisection (per rank at the run's world size, where it has one); ``lo`` is known to fit (0: nothing
+    known)."""
     from lightning_seqmem.core.search import bisect_last
 
     before = run.dry_runs
 
     def fits(units: int) -> bool:
-        peak = run.dry(units * SEARCH_MULTIPLE, names)["peak_bytes"]
+        peak = run.dry(units * SEARCH_MULTIPLE, names, run.world)["peak_bytes"]
         return peak is not None and peak <= usable
 
     # in units of 8 tokens: lo fits (or is 0), hi does not; neither is dry-run again
