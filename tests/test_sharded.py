@@ -127,3 +127,32 @@ def test_dry_run_equals_the_same_sharded_step_on_real_tensors(mitigations):
             probe = make_probe("tracker", torch.device("cpu")) if i == 2 else None
             real = training_step_memory(lit, optimizer, batch, lambda m, b: m.training_step(b, 0), probe)
     assert dry.peak_bytes == real.peak_bytes and dry.phase_peak_bytes == real.phase_peak_bytes
+
+
+def test_a_wrapped_hugging_face_model_is_sharded_where_the_training_step_calls_it():
+    """``HFCausalLM.training_step`` calls ``self.model``, never the LightningModule's ``forward``: the
+    default layout shards the wrapped ``LlamaForCausalLM`` last (its hooks gather the embeddings and the
+    output layer), so the dry run runs (it failed on the embedding: "mixed torch.Tensor and DTensor"),
+    and it equals the same sharded step on real tensors measured by the tracker, to the byte."""
+    from lightning_seqmem.dryrun.sharded import sharding_root
+    from lightning_seqmem.measure.probes import make_probe
+    from lightning_seqmem.measure.steps import training_step_memory
+    from lightning_seqmem.reference.hf import HFCausalLM
+
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+              "num_key_value_heads": 2}
+    torch.manual_seed(0)
+    batch = next(iter(SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=2).train_dataloader()))
+    module = HFCausalLM(config=config, attn_implementation="sdpa")
+    assert type(sharding_root(module)).__name__ == "LlamaForCausalLM"
+    dry = sharded_dry_run_step(unsharded_template(module), batch, 64, 2)
+    assert "blocks and the root's LlamaForCausalLM" in dry.detail, dry.detail
+    with fake_world(2) as mesh:
+        lit = HFCausalLM(config=config, attn_implementation="sdpa")
+        lit.__dict__["_device_mesh"] = mesh
+        _shard(lit, mesh, [])
+        optimizer = lit.configure_optimizers()
+        for i in range(3):
+            probe = make_probe("tracker", torch.device("cpu")) if i == 2 else None
+            real = training_step_memory(lit, optimizer, batch, lambda m, b: m.training_step(b, 0), probe)
+    assert dry.peak_bytes == real.peak_bytes and dry.phase_peak_bytes == real.phase_peak_bytes

@@ -47,7 +47,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 __all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "register_early", "simulated_device",
-           "simulation_refusal", "stands_for", "step_context", "to_host_device"]
+           "simulating", "simulation_refusal", "stands_for", "step_context", "to_host_device"]
 
 SIMULATED = "seqmem"
 """The device type of the simulated accelerator (``torch.device("seqmem", 0)``): a CUDA device modelled."""
@@ -56,20 +56,25 @@ _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"registered": False, "refusal": None, "library": None}
 
 
+_ACTIVE = [0]  # dry runs on the simulated device now running (see simulating)
+
+
 class _Backend:
-    """What torch asks a device module for (``torch.seqmem``): one device, always there, bf16 able."""
+    """What torch asks a device module for (``torch.seqmem``): one bf16-able device, *available only while a
+    dry run runs on it* (:func:`simulating`). Outside, ``torch.accelerator.is_available()``, the DataLoader's
+    ``pin_memory``, distributed checkpointing and ``fork_rng`` see no accelerator here, as before."""
 
     def is_initialized(self) -> bool:
         return True
 
     def is_available(self) -> bool:
-        return True
+        return _ACTIVE[0] > 0
 
     def current_device(self) -> int:
         return 0
 
     def device_count(self) -> int:
-        return 1
+        return 1 if _ACTIVE[0] > 0 else 0
 
     def _is_in_bad_fork(self) -> bool:
         return False
@@ -105,10 +110,38 @@ def _register() -> None:
     if reason is not None:
         raise RuntimeError(reason)
     if torch._C._get_privateuse1_backend_name() != SIMULATED:
-        backend_registration._setup_privateuseone_for_python_backend(rename=SIMULATED, backend_module=_Backend())
+        backend_registration._setup_privateuseone_for_python_backend(rename=SIMULATED, backend_module=_Backend(),
+                                                                     hook=_Hooks())
     _STATE["library"] = _register_autocast()
     _STATE["registered"] = True
     _STATE["refusal"] = _backward_refusal()
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    """The C++ side's view of the device (``torch.accelerator``): available while a dry run runs on it."""
+
+    def is_available(self) -> bool:
+        return _ACTIVE[0] > 0
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def simulating(device: Any = None) -> Iterator[None]:
+    """While it lasts the simulated device reports itself available (FSDP2's device mesh, the optimizers'
+    device checks ask); a no-op for any other ``device`` (None: the simulated one)."""
+    if device is not None and not is_simulated(device):
+        yield
+        return
+    _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        _ACTIVE[0] -= 1
 
 
 def _backward_refusal() -> Optional[str]:
@@ -117,7 +150,7 @@ def _backward_refusal() -> Optional[str]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
-        with FakeTensorMode():
+        with simulating(), FakeTensorMode():
             x = torch.empty(2, device=torch.device(SIMULATED, 0), requires_grad=True)
             (x * 2).sum().backward()
     except RuntimeError as exc:

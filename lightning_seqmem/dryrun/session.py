@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_seqmem.dryrun.accelerator import simulating
 from lightning_seqmem.dryrun.fake import QUIET_WARNINGS, preserved_rng
 from lightning_seqmem.dryrun.values import BatchValues, shape_batch, batch_to_device, value_max_bytes
 
@@ -39,13 +40,15 @@ def _fresh(seq_len: int) -> tuple[FakeTensorMode, BatchValues]:
 
 
 @contextlib.contextmanager
-def fake_session(seq_len: int) -> Iterator[tuple[FakeTensorMode, BatchValues]]:
-    """``(fake_mode, values)`` of a fake step at ``seq_len``, the random state and warnings restored after.
+def fake_session(seq_len: int, device: Any = "cpu") -> Iterator[tuple[FakeTensorMode, BatchValues]]:
+    """``(fake_mode, values)`` of a fake step at ``seq_len`` on ``device``, the random state and warnings
+    restored after; on the simulated CUDA device, the device available meanwhile
+    (:func:`~lightning_seqmem.dryrun.accelerator.simulating`).
 
     The session keeps no reference to the mode or the twins: a caller that drops them frees the fake
     world (the dry run does, on failure) while the session is still open.
     """
-    with preserved_rng(), warnings.catch_warnings():
+    with preserved_rng(), warnings.catch_warnings(), simulating(device):
         for message in QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         yield _fresh(seq_len)

@@ -33,7 +33,7 @@ Example:
     >>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
     True
     >>> two.detail.split("; ")[-1]  # LitGPT's configure_model() shards nothing: the default layout
-    'configure_model() shards nothing: fully_shard on 2 blocks and the root'
+    "configure_model() shards nothing: fully_shard on 2 blocks and the root's GPT"
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, make_probe
 
 __all__ = ["STRATEGIES", "check_strategy", "data_parallel_size", "dry_run_refusal", "fake_world", "fsdp2_modules", "is_fsdp2",
-           "sharded_dry_run_step", "template_for", "unsharded_template", "world_forecast"]
+           "sharded_dry_run_step", "sharding_root", "template_for", "unsharded_template", "world_forecast"]
 
 STRATEGIES = ("fsdp2", "ddp")
 """Strategies an N-rank plan models: FSDP2 sharding, or DDP replicas."""
@@ -222,8 +222,30 @@ def _shard(model: nn.Module, mesh: Any, notes: list[str]) -> None:
     dp_mesh = mesh[MESH_DIM_NAMES[0]]
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    notes.append(f"configure_model() shards nothing: fully_shard on {len(blocks)} blocks and the root")
+    root = sharding_root(model)
+    where = "the root" if root is model else f"the root's {type(root).__name__}"  # (fully_shard renames it)
+    fully_shard(root, mesh=dp_mesh)
+    notes.append(f"configure_model() shards nothing: fully_shard on {len(blocks)} blocks and {where}")
+
+
+def sharding_root(model: nn.Module) -> nn.Module:
+    """The module the default FSDP2 layout shards last: the root, or where the root holds no parameters of
+    its own and one child holds them all (a LightningModule wrapping a Hugging Face model), that child,
+    recursively. A ``training_step`` calls the wrapped model, not the root's ``forward``, so FSDP2's hooks
+    on the root would never gather the parameters outside the blocks (embeddings, the output layer).
+
+    Example:
+        >>> wrapper = nn.Module()
+        >>> wrapper.net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> sharding_root(wrapper) is wrapper.net
+        True
+    """
+    while not any(True for _ in model.parameters(recurse=False)):
+        holding = [c for c in model.children() if any(True for _ in c.parameters())]
+        if len(holding) != 1:
+            break
+        model = holding[0]
+    return model
 
 
 def sharded_dry_run_step(
@@ -273,7 +295,7 @@ def sharded_dry_run_step(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     notes: list[str] = []
-    with fake_session(seq_len) as (fake_mode, values), fake_world(world_size, device.type) as mesh:
+    with fake_session(seq_len, device) as (fake_mode, values), fake_world(world_size, device.type) as mesh:
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:

@@ -417,7 +417,7 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                site: Optional[SiteTracer]) -> _FakeStep:
     """The measured fake step of :func:`dry_run_step` (its arguments checked); every failure of it
     raised as :class:`DryRunUnsupported` with the reason, the fake world freed first."""
-    with fake_session(seq_len) as (fake_mode, values):
+    with fake_session(seq_len, device) as (fake_mode, values):
         try:
             model, fake_optimizer, plan = _fake_module_and_optimizer(pl_module, optimizer, names, device, fake_mode,
                                                                       values)
