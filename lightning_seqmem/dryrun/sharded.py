@@ -32,7 +32,8 @@ Example:
     >>> two, eight = (sharded_dry_run_step(template, batch, 64, world_size=n) for n in (2, 8))
     >>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
     True
-    >>> print(*two.detail.split("; ")[-2:], sep="\n")  # LitGPT's configure_model() shards nothing
+    >>> for part in two.detail.split("; ")[-2:]:  # LitGPT's configure_model() shards nothing
+    ...     print(part)
     configure_model() shards nothing: fully_shard on 2 blocks and the root (GPT, holding every parameter)
     no host memory apart from the cpu simulated (host peak 0)
 """
