@@ -421,8 +421,11 @@ def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
         return None
     from lightning_seqmem.cli.parallel import parallel_plans
 
+    from lightning_seqmem.cli.common import host_budget
+
     return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets, run.usable,
-                          run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None))
+                          run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None),
+                          host_budget(getattr(args, "host_budget", None), find_seqmem_callback(run.trainer)))
 
 
 def run_plan(args: argparse.Namespace) -> int:

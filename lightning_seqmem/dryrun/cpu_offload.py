@@ -14,7 +14,8 @@ by :func:`offloading_every_fully_shard` (PyTorch's internal ``_init_param_group`
 ``configure_model()`` runs); a ``configure_model()`` that offloads already is planned as it is.
 
 DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on ``cpu`` is planned by the same
-dry run (:data:`ZERO3_OFFLOAD_NOTE`): the same placement of parameters, gradients and optimizer state.
+dry run (:data:`lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE` says so, and what differs): the
+same placement of parameters, gradients and optimizer state.
 
 On the CPU itself (``device="cpu"``) offload moves nothing: FSDP2 copies the shards to the CPU they are
 on, pinning is off (there is no device to pin for); the dry run equals the one without offload.
@@ -37,22 +38,8 @@ from lightning_seqmem.dryrun.accelerator import host_of
 from lightning_seqmem.dryrun.host import register_fake_pin_memory
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 
-__all__ = ["ZERO3_OFFLOAD_NOTE", "cpu_offload_policy", "is_offloaded", "offloading_every_fully_shard",
+__all__ = ["cpu_offload_policy", "is_offloaded", "offloading_every_fully_shard",
            "settle_before_the_step"]
-
-ZERO3_OFFLOAD_NOTE = (
-    "DeepSpeed ZeRO-3 with offload_param and offload_optimizer on cpu: planned as FSDP2 CPUOffloadPolicy: same "
-    "placement of parameters, gradients, optimizer state (each rank's shards on the host, the optimizer step "
-    "there, each layer gathered on the device while it runs). Differences not in the figures (DeepSpeed's "
-    "runtime/zero/stage3.py): its optimizer keeps fp32 master weights on the host beside the parameter shards "
-    "(4 bytes per parameter more) and the gradient partitions in one fp32 flat buffer kept across steps; it pins "
-    "one flat buffer per parameter group where FSDP2 pins each parameter's shard (the power-of-two rounding "
-    "differs); on the device it keeps up to stage3_max_live_parameters gathered and reduce buckets of "
-    "reduce_bucket_size, where FSDP2 gathers one block at a time"
-)
-"""What a plan says of ZeRO-3 offload (DeepSpeed's docs: ``zero_optimization.offload_param``,
-``offload_optimizer``; ``deepspeed.ops.adam.DeepSpeedCPUAdam``)."""
-
 
 def cpu_offload_policy(device: torch.device) -> Any:
     """FSDP2's ``CPUOffloadPolicy`` for a dry run on ``device``: pinned host memory where the host is apart
