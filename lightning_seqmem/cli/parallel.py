@@ -65,7 +65,7 @@ class _Shard:
     device: Any
     world_size: int
     usable: Optional[int]
-    state: dict[str, int]  # one rank's parameter/gradient/optimizer-state shares (the formula's inputs)
+    state: dict[str, int]  # one rank's parameter/gradient/optimizer-state bytes (the formula's)
     host_budget: Optional[int] = None  # bytes of host memory per rank's process (None: not judged)
 
 
@@ -137,8 +137,8 @@ def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str
 
 
 def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
-    """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a dry run;
-    where it is refused, the formula on the row's own peak, marked so."""
+    """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a dry
+    run; where it is refused, the formula on the row's own peak, marked so."""
     from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.step import DryRunUnsupported
     from lightning_seqmem.plan.parallel import offload_model
@@ -146,27 +146,29 @@ def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
     degree = max(row["sequence_parallel_degree"], row["context_parallel_degree"])
     try:
         result = sequence_parallel_dry_run_step(
-            shard.model, shard.batch, row["seq_len"], shard.world_size, degree, row["sequence_parallel"],
-            shard.batch_size, tuple(row["mitigations"]), shard.context, shard.device, offload=True)
-        return {"peak_source": "dry run", "peak_bytes": result.peak_bytes, "host_bytes": result.host_peak_bytes,
-                "host_phase_peak_bytes": result.host_phase_peak_bytes}
+            shard.model, shard.batch, row["seq_len"], shard.world_size, degree,
+            row["sequence_parallel"], shard.batch_size, tuple(row["mitigations"]), shard.context,
+            shard.device, offload=True)
+        return {"peak_source": "dry run", "peak_bytes": result.peak_bytes,
+                "host_bytes": result.host_peak_bytes, "host_phase_peak_bytes": result.host_phase_peak_bytes}
     except DryRunUnsupported as exc:
         state = shard.state
-        model = offload_model(row["peak_bytes"], state["parameter_shard_bytes"], state["gradient_shard_bytes"],
-                              state["optimizer_state_bytes"])
+        model = offload_model(row["peak_bytes"], state["parameter_shard_bytes"],
+                              state["gradient_shard_bytes"], state["optimizer_state_bytes"])
         return {"peak_source": f"formula (the offload dry run was refused: {exc.reason})",
                 "peak_bytes": model["device_peak_bytes"], "host_bytes": model["host_bytes"]}
 
 
 def _offload_rows(shard: _Shard, rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """Nothing fits: each row run, again with FSDP2 CPU offload (:func:`_offload_peaks`), appended to
-    ``rows`` up to the first that fits both the device's usable budget and the host budget (returned;
-    None when none does)."""
+    """Nothing fits: each row run, again with FSDP2 CPU offload (:func:`_offload_peaks`), appended
+    to ``rows`` up to the first that fits both the device's usable budget and the host budget
+    (returned; None when none does)."""
     from lightning_seqmem.plan.budgets import fits_budgets
 
     for row in [r for r in rows if r["peak_bytes"] is not None]:
         started = time.perf_counter()
-        off = {**row, "offload": True, "layout": row["layout"] + " + offload", **_offload_peaks(shard, row)}
+        off = {**row, "offload": True, "layout": row["layout"] + " + offload",
+               **_offload_peaks(shard, row)}
         fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable, shard.host_budget)
         off.update(fits=fit.fits, fit=fit.reason, seconds=time.perf_counter() - started)
         rows.append(off)

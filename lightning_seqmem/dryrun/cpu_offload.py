@@ -1,4 +1,4 @@
-"""FSDP2 ``CPUOffloadPolicy`` in a sharded dry run: parameters, gradients and optimizer state on the host.
+"""FSDP2 ``CPUOffloadPolicy`` in a sharded dry run: parameters, gradients, optimizer state on host.
 
 ``sharded_dry_run_step(..., offload=True)`` (:mod:`lightning_seqmem.dryrun.sharded`) shards the fake
 copy with ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=...))`` and runs the step
@@ -9,20 +9,20 @@ pinned) and the optimizer steps on the host, its state there. Both sides are cou
 the same fake step (:mod:`lightning_seqmem.dryrun.host`): the device peak holds the gathered blocks,
 the activations and FSDP2's device copies; the host peak the shards, gradients and optimizer state.
 
-Where the module's own ``configure_model()`` shards, its ``fully_shard`` calls get the offload policy
-by :func:`offloading_every_fully_shard` (PyTorch's internal ``_init_param_group``, wrapped while
-``configure_model()`` runs); a ``configure_model()`` that offloads already is planned as it is.
+Where the module's own ``configure_model()`` shards, its ``fully_shard`` calls get the offload
+policy by :func:`offloading_every_fully_shard` (PyTorch's internal ``_init_param_group``, wrapped
+while ``configure_model()`` runs); a ``configure_model()`` that offloads already is planned as is.
 
 DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on ``cpu`` is planned by the same
 dry run (:data:`lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE` says so, and what differs): the
 same placement of parameters, gradients and optimizer state.
 
-On the CPU itself (``device="cpu"``) offload moves nothing: FSDP2 copies the shards to the CPU they are
-on, pinning is off (there is no device to pin for); the dry run equals the one without offload.
+On the CPU itself (``device="cpu"``) offload moves nothing: FSDP2 copies the shards to the CPU they
+are on, pinning is off (there is no device to pin for); the dry run equals the one without offload.
 
 Example:
-    >>> cpu_offload_policy(torch.device("cpu")).pin_memory, cpu_offload_policy(torch.device("cuda")).pin_memory
-    (False, True)
+    >>> [cpu_offload_policy(torch.device(d)).pin_memory for d in ("cpu", "cuda")]
+    [False, True]
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ __all__ = ["cpu_offload_policy", "is_offloaded", "offloading_every_fully_shard",
            "settle_before_the_step"]
 
 def cpu_offload_policy(device: torch.device) -> Any:
-    """FSDP2's ``CPUOffloadPolicy`` for a dry run on ``device``: pinned host memory where the host is apart
-    from ``device`` (FSDP2's default), pageable on the CPU itself (nothing to pin for)."""
+    """FSDP2's ``CPUOffloadPolicy`` for a dry run on ``device``: pinned host memory where the host
+    is apart from ``device`` (FSDP2's default), pageable on the CPU itself (nothing to pin for)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     pinned = host_of(device) is not None
@@ -53,7 +53,7 @@ def cpu_offload_policy(device: torch.device) -> Any:
 
 
 def is_offloaded(model: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to ``model`` (or its submodules) with ``CPUOffloadPolicy``.
+    """Whether ``fully_shard`` was applied to ``model`` (or a submodule) with ``CPUOffloadPolicy``.
 
     >>> is_offloaded(nn.Linear(2, 2))
     False
@@ -63,15 +63,16 @@ def is_offloaded(model: nn.Module) -> bool:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()
-            if any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in state._fsdp_param_groups):
+            groups = state._fsdp_param_groups
+            if any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups):
                 return True
     return False
 
 
 @contextlib.contextmanager
 def offloading_every_fully_shard(policy: Any) -> Iterator[None]:
-    """Every ``fully_shard`` call inside gets ``policy`` as its ``offload_policy`` (unless it gives a
-    ``CPUOffloadPolicy`` itself), however the caller imported ``fully_shard``: PyTorch's internal
+    """Every ``fully_shard`` call inside gets ``policy`` as its ``offload_policy`` (unless it gives
+    a ``CPUOffloadPolicy`` itself), however the caller imported ``fully_shard``: PyTorch's internal
     ``_init_param_group``, which receives the policy, is wrapped for the duration.
 
     Raises:
@@ -84,8 +85,9 @@ def offloading_every_fully_shard(policy: Any) -> Iterator[None]:
         original = home._init_param_group
     except (ImportError, AttributeError):
         raise DryRunUnsupported(
-            "this torch's fully_shard cannot be given CPUOffloadPolicy from outside configure_model(); pass "
-            "offload_policy=CPUOffloadPolicy() in configure_model() to plan offload") from None
+            "this torch's fully_shard cannot be given CPUOffloadPolicy from outside "
+            "configure_model(); pass offload_policy=CPUOffloadPolicy() in configure_model() to "
+            "plan offload") from None
 
     @functools.wraps(original)
     def with_policy(*args: Any, **kwargs: Any) -> Any:
@@ -109,13 +111,13 @@ def _parameter_names(fn: Any) -> Iterator[str]:
 
 
 def settle_before_the_step(model: nn.Module) -> None:
-    """Let FSDP2 set up each sharded module's parameter shards before the measured step, as a run's first
-    step does: its lazy initialisation copies a shard that ``is_pinned()`` calls unpinned into pinned
-    memory again, and a fake tensor always answers False, so the measured forward would otherwise hold
-    two copies of each shard for a moment (which a real step, long set up, does not). Each parameter
-    group's own ``lazy_init()`` (idempotent; FSDP2 calls it from the root's first forward) runs it now;
-    nothing is gathered. Where this torch's FSDP2 has no such groups, nothing is done (the figure is then
-    the higher one)."""
+    """Let FSDP2 set up each sharded module's parameter shards before the measured step, as a run's
+    first step does: its lazy initialisation copies a shard that ``is_pinned()`` calls unpinned into
+    pinned memory again, and a fake tensor always answers False, so the measured forward would
+    otherwise hold two copies of each shard for a moment (which a real step, long set up, does not).
+    Each parameter group's own ``lazy_init()`` (idempotent; FSDP2 calls it from the root's first
+    forward) runs it now; nothing is gathered. Where this torch's FSDP2 has no such groups, nothing
+    is done (the figure is then the higher one)."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in (m for m in model.modules() if isinstance(m, FSDPModule)):

@@ -259,10 +259,10 @@ def _class_name(module: nn.Module) -> str:
 
 
 def _holder_of_every_parameter(model: nn.Module) -> nn.Module:
-    """The innermost submodule of ``model`` holding all its parameters (``model`` itself where it holds
-    some directly, or they are spread over its children): the module whose forward a LightningModule's
-    ``training_step`` calls (``self.model(...)``), so that FSDP2's root hooks gather the parameters
-    outside the blocks (the embedding) before they are used.
+    """The innermost submodule of ``model`` holding all its parameters (``model`` itself where it
+    holds some directly, or they are spread over its children): the module whose forward a
+    LightningModule's ``training_step`` calls (``self.model(...)``), so that FSDP2's root hooks
+    gather the parameters outside the blocks (the embedding) before they are used.
 
     Example:
         >>> outer = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
@@ -387,8 +387,9 @@ def sharded_dry_run_step(
 
 
 def _pin_gradients_as_fsdp2_does(model: nn.Module) -> None:
-    """The gradients a first step leaves (zeros) pinned where their parameter shard is: FSDP2 copies each
-    reduce-scattered shard to the host non-blocking, into pinned memory, under ``pin_memory=True``."""
+    """The gradients a first step leaves (zeros) pinned where their parameter shard is: FSDP2 copies
+    each reduce-scattered shard to the host non-blocking, into pinned memory, under
+    ``pin_memory=True``."""
     from lightning_seqmem.measure.tracker import tensor_storages
 
     for p in model.parameters():
@@ -400,10 +401,11 @@ def _offload_note(device: torch.device, asked: bool) -> str:
     """What the detail says of FSDP2 CPU offload on ``device``."""
     how = "offload=True" if asked else "configure_model()"
     if device.type == "cpu":
-        return (f"FSDP2 CPUOffloadPolicy ({how}) on the CPU itself: the shards, gradients and optimizer state stay "
-                "where they are (one memory)")
-    return (f"FSDP2 CPUOffloadPolicy ({how}, pinned): parameter shards, gradients and optimizer state on the host, "
-            "the optimizer step there; the device holds the gathered blocks, activations and FSDP2's copies")
+        return (f"FSDP2 CPUOffloadPolicy ({how}) on the CPU itself: the shards, gradients and "
+                "optimizer state stay where they are (one memory)")
+    return (f"FSDP2 CPUOffloadPolicy ({how}, pinned): parameter shards, gradients and optimizer "
+            "state on the host, the optimizer step there; the device holds the gathered blocks, "
+            "activations and FSDP2's copies")
 
 
 # -- the training run's side (used by SeqMemCallback through TrainingRunDryRun) ---------------------

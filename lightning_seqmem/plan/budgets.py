@@ -6,8 +6,9 @@ budget *and* its host peak fits the host budget (``SeqMemCallback(host_memory_bu
 ``seqmem plan --host-budget``; default the machine's RAM, :func:`machine_memory_bytes`).
 
 Example:
-    >>> fit = fits_budgets(peak_bytes=70 * 2**30, host_peak_bytes=140 * 2**30, usable_bytes=72 * 2**30,
-    ...                    host_budget_bytes=128 * 2**30)
+    >>> GiB = 2**30
+    >>> fit = fits_budgets(peak_bytes=70 * GiB, host_peak_bytes=140 * GiB, usable_bytes=72 * GiB,
+    ...                    host_budget_bytes=128 * GiB)
     >>> fit.fits, fit.device_fits, fit.host_fits
     (False, True, False)
     >>> print(fit.reason)
@@ -26,8 +27,8 @@ __all__ = ["BudgetFit", "fits_budgets", "host_budget_bytes", "machine_memory_byt
 
 
 def machine_memory_bytes() -> Optional[int]:
-    """This machine's physical memory in bytes (``SC_PAGE_SIZE`` x ``SC_PHYS_PAGES``), None where the
-    system does not say (Windows).
+    """This machine's physical memory in bytes (``SC_PAGE_SIZE`` x ``SC_PHYS_PAGES``), None where
+    the system does not say (Windows).
 
     >>> machine_memory_bytes() is None or machine_memory_bytes() > 0
     True
@@ -39,8 +40,8 @@ def machine_memory_bytes() -> Optional[int]:
 
 
 def host_budget_bytes(host_memory_budget: Optional[int | str] = None) -> Optional[int]:
-    """The host budget in bytes: ``host_memory_budget`` (bytes or a string with a unit) parsed, or where
-    None the machine's RAM (:func:`machine_memory_bytes`; None where it cannot be read).
+    """The host budget in bytes: ``host_memory_budget`` (bytes or a string with a unit) parsed, or
+    where None the machine's RAM (:func:`machine_memory_bytes`; None where it cannot be read).
 
     Raises:
         ValueError: a budget that is not a positive number of bytes (the message names
@@ -56,8 +57,8 @@ def host_budget_bytes(host_memory_budget: Optional[int | str] = None) -> Optiona
 
 @dataclass(frozen=True)
 class BudgetFit:
-    """Whether one answer fits: the device side, the host side, both; ``reason`` says what does not fit
-    (or that both do). A side without a budget (None) fits."""
+    """Whether one answer fits: the device side, the host side, both; ``reason`` says what does not
+    fit (or that both do). A side without a budget (None) fits."""
 
     device_fits: bool
     host_fits: bool
@@ -70,8 +71,8 @@ class BudgetFit:
 
 def fits_budgets(peak_bytes: int, host_peak_bytes: int, usable_bytes: Optional[int],
                  host_budget_bytes: Optional[int]) -> BudgetFit:
-    """Whether a dry run's device peak fits ``usable_bytes`` (the device budget less its margin) and its
-    host peak fits ``host_budget_bytes`` (None: that side is not judged).
+    """Whether a dry run's device peak fits ``usable_bytes`` (the device budget less its margin) and
+    its host peak fits ``host_budget_bytes`` (None: that side is not judged).
 
     >>> fits_budgets(100, 0, 200, None).reason
     'fits: device peak 100 B of 200 B usable, host peak 0 B (no host budget)'
@@ -80,15 +81,16 @@ def fits_budgets(peak_bytes: int, host_peak_bytes: int, usable_bytes: Optional[i
     """
     device_fits = usable_bytes is None or peak_bytes <= usable_bytes
     host_fits = host_budget_bytes is None or host_peak_bytes <= host_budget_bytes
+    device, host = format_bytes(peak_bytes), format_bytes(host_peak_bytes)
     over = []
     if not device_fits:
-        over.append(f"device peak {format_bytes(peak_bytes)} over {format_bytes(usable_bytes)} usable")
+        over.append(f"device peak {device} over {format_bytes(usable_bytes)} usable")
     if not host_fits:
-        over.append(f"host peak {format_bytes(host_peak_bytes)} over the host budget {format_bytes(host_budget_bytes)}")
+        over.append(f"host peak {host} over the host budget {format_bytes(host_budget_bytes)}")
     if over:
         return BudgetFit(device_fits, host_fits, "; ".join(over))
-    device = (f"device peak {format_bytes(peak_bytes)}"
-              + (f" of {format_bytes(usable_bytes)} usable" if usable_bytes is not None else " (no device budget)"))
-    host = (f"host peak {format_bytes(host_peak_bytes)}"
-            + (f" of {format_bytes(host_budget_bytes)}" if host_budget_bytes is not None else " (no host budget)"))
-    return BudgetFit(True, True, f"fits: {device}, {host}")
+    device += (f" of {format_bytes(usable_bytes)} usable" if usable_bytes is not None
+               else " (no device budget)")
+    host += (f" of {format_bytes(host_budget_bytes)}" if host_budget_bytes is not None
+             else " (no host budget)")
+    return BudgetFit(True, True, f"fits: device peak {device}, host peak {host}")

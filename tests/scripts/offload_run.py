@@ -32,7 +32,8 @@ MODEL = dict(n_layer=2, d_model=64, n_head=2, vocab_size=512, attention="sdpa")
 
 
 class OffloadedLitGPT(ShardedLitGPT):
-    """``ShardedLitGPT`` whose ``fully_shard`` calls offload to the CPU (pageable: no device to pin for)."""
+    """``ShardedLitGPT`` whose ``fully_shard`` calls offload to the CPU (pageable: no device to pin
+    for)."""
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
@@ -48,7 +49,8 @@ class OffloadedLitGPT(ShardedLitGPT):
 
 
 class DryRuns(pl.Callback):
-    """On rank 0 at set-up (before configure_model shards): the dry runs of this setting on the CPU."""
+    """On rank 0 at set-up (before configure_model shards): the dry runs of this setting on the
+    CPU."""
 
     def __init__(self, result: dict) -> None:
         self.result = result
@@ -59,12 +61,13 @@ class DryRuns(pl.Callback):
         from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 
         template = unsharded_template(pl_module)
-        batch = next(iter(SyntheticTokenDataModule(batch_size=ROWS, seq_len=SEQ_LEN, num_samples=2,
-                                                   vocab_size=MODEL["vocab_size"]).train_dataloader()))
+        data = SyntheticTokenDataModule(batch_size=ROWS, seq_len=SEQ_LEN, num_samples=2,
+                                        vocab_size=MODEL["vocab_size"])
+        batch = next(iter(data.train_dataloader()))
         for name, offload in (("dry_offload", True), ("dry_plain", False)):
             dry = sharded_dry_run_step(template, batch, SEQ_LEN, 2, device="cpu", offload=offload)
-            self.result[name] = {"peak": dry.peak_bytes, "phases": dry.phase_peak_bytes, "host": dry.host_peak_bytes,
-                                 "detail": dry.detail}
+            self.result[name] = {"peak": dry.peak_bytes, "phases": dry.phase_peak_bytes,
+                                 "host": dry.host_peak_bytes, "detail": dry.detail}
 
 
 def main() -> None:
@@ -72,19 +75,25 @@ def main() -> None:
     warnings.simplefilter("ignore")
     result: dict = {}
     pl.seed_everything(0, verbose=False)
-    cb = SeqMemCallback(warmup_steps=1, probe="tracker", mitigations=(), dry_run=False, summary=False)
+    cb = SeqMemCallback(warmup_steps=1, probe="tracker", mitigations=(), dry_run=False,
+                        summary=False)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_steps=STEPS, callbacks=[DryRuns(result), cb], use_distributed_sampler=False, default_root_dir=out,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS,
+        callbacks=[DryRuns(result), cb], use_distributed_sampler=False, default_root_dir=out,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
     )
     data = SyntheticTokenDataModule(batch_size=ROWS, seq_len=SEQ_LEN, num_samples=STEPS * ROWS,
-                                    vocab_size=MODEL["vocab_size"], seed=1000 * int(os.environ.get("LOCAL_RANK", 0)))
+                                    vocab_size=MODEL["vocab_size"],
+                                    seed=1000 * int(os.environ.get("LOCAL_RANK", 0)))
     trainer.fit(OffloadedLitGPT(**MODEL), data)
-    result["records"] = [{"step": r.step, "seq_len": r.seq_len, "peak": r.peak_bytes, "rank": r.rank, "warmup": r.warmup,
-                          "phases": {"forward": r.forward_peak_bytes, "backward": r.backward_peak_bytes,
-                                     "optimizer": r.optimizer_peak_bytes}} for r in cb.records]
+    result["records"] = [
+        {"step": r.step, "seq_len": r.seq_len, "peak": r.peak_bytes, "rank": r.rank,
+         "warmup": r.warmup,
+         "phases": {"forward": r.forward_peak_bytes, "backward": r.backward_peak_bytes,
+                    "optimizer": r.optimizer_peak_bytes}}
+        for r in cb.records]
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(result, f)
 
