@@ -32,7 +32,7 @@ class DryRunResult:
     seconds: float  # wall time of the dry run
     detail: str  # what ran, for logs and reports
     resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
-    host_bytes: int = 0  # saved activations the step copies to host memory (activation offload; modelled)
+    host_bytes: int = 0  # saved activations copied to host memory (activation offload; its own count)
     peak_site: Optional[PeakSite] = None  # where the peak sits (phase, kinds), when asked
     host_peak_bytes: int = 0  # peak live host-memory bytes of the step (0: the device is the CPU)
     host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # phase -> host peak within it
