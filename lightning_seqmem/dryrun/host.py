@@ -100,7 +100,7 @@ def _fake_pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
     """``aten._pin_memory`` on a fake tensor: a copy in a new host storage, same strides (which
     storages are pinned is told by :class:`PinWatch` or the host tracker: the fake mode's cache of
     op results answers a second call of the same shape without calling this kernel)."""
-    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=HOST)
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
 
 
 class PinWatch(TorchDispatchMode):
