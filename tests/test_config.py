@@ -44,6 +44,7 @@ def test_the_config_is_frozen_and_so_are_the_callbacks_arguments():
         (dict(summary=None), "`summary` must be a bool, got None"),
         (dict(mitigations=["nap"]), "`mitigations` must be a sequence of distinct names from ("),
         (dict(memory_budget="12 parsecs"), "`memory_budget` must be a positive number of bytes"),
+        (dict(host_memory_budget="12 parsecs"), "`host_memory_budget` must be a positive number of bytes"),
     ],
 )
 def test_each_check_names_the_argument_the_value_and_what_is_accepted(kwargs, message):

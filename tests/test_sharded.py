@@ -146,7 +146,7 @@ def test_a_wrapped_hugging_face_model_is_sharded_where_the_training_step_calls_i
     module = HFCausalLM(config=config, attn_implementation="sdpa")
     assert type(sharding_root(module)).__name__ == "LlamaForCausalLM"
     dry = sharded_dry_run_step(unsharded_template(module), batch, 64, 2)
-    assert "blocks and the root's LlamaForCausalLM" in dry.detail, dry.detail
+    assert "blocks and the root (LlamaForCausalLM, holding every parameter)" in dry.detail, dry.detail
     with fake_world(2) as mesh:
         lit = HFCausalLM(config=config, attn_implementation="sdpa")
         lit.__dict__["_device_mesh"] = mesh

@@ -16,8 +16,8 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "asks_for_cuda", "build_from_config", "find_seqmem_callback", "first_batch",
-           "first_optimizer", "quiet_warnings", "usable_budget"]
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "asks_for_cuda", "build_from_config", "find_seqmem_callback",
+           "first_batch", "first_optimizer", "host_budget", "quiet_warnings", "usable_budget"]
 
 DEFAULT_MODEL = "lightning_seqmem.reference.demo.LitGPT"
 """The model class of ``seqmem forecast/plan --model-class`` when the config names none."""
@@ -159,6 +159,20 @@ def usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem:
         budget = torch.cuda.get_device_properties(device).total_memory
     margin = safety_margin if safety_margin is not None else (seqmem.safety_margin if seqmem else 0.1)
     return budget, margin, None if budget is None else int(budget * (1 - margin))
+
+
+def host_budget(host_budget_bytes: Optional[int], seqmem: Any) -> Optional[int]:
+    """The host budget of a plan (bytes): ``--host-budget`` if given, else the config's SeqMemCallback
+    ``host_memory_budget``, else this machine's RAM (None where it cannot be read).
+
+    >>> host_budget(2**30, None)
+    1073741824
+    """
+    from lightning_seqmem.plan.budgets import machine_memory_bytes
+
+    if host_budget_bytes is None and seqmem is not None:
+        host_budget_bytes = seqmem.host_memory_budget_bytes
+    return host_budget_bytes if host_budget_bytes is not None else machine_memory_bytes()
 
 
 def first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> Any:

@@ -98,6 +98,10 @@ def emit(engine: str, plan: dict[str, Any]) -> str:
                         offload_optimizer={"device": "cpu", "pin_memory": True})
         config = {"train_micro_batch_size_per_gpu": plan["batch_size"], "gradient_accumulation_steps": 2 if micro else 1,
                   "sequence_parallel_size": sp, "zero_optimization": zero}
+        if offload:
+            from lightning_seqmem.plan.parallel import ZERO3_OFFLOAD_NOTE
+
+            lines.append(f"# {ZERO3_OFFLOAD_NOTE}")
         lines += [json.dumps(config, indent=2),
                   "# ALST/Ulysses: UlyssesSPAttentionHF.register_with_transformers(..., sequence_parallel_size="
                   f"{sp}); data parallel degree {fsdp}"

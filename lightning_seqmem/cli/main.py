@@ -293,11 +293,11 @@ def _add_plan(sub: Any) -> None:
                       "h200, b200); default: the config's SeqMemCallback memory_budget, else the GPU's total "
                       "memory, else for a CUDA config planned without a GPU h100 and h200, else none (no fits "
                       "column)")
-    plan.add_argument("--host-budget", type=_bytes, default=None,
-                      help="host memory of the training machine, e.g. 512GiB (default: this machine's RAM): "
-                      "what offload settings may hold on the host")
     plan.add_argument("--safety-margin", type=_fraction, default=None,
                       help="fraction of the budget kept free, in [0, 1) (default: the config's SeqMemCallback, else 0.1)")
+    plan.add_argument("--host-budget", type=_bytes, default=None,
+                      help="host (CPU) memory an offload setting may use per rank's process, e.g. 256GiB (default: "
+                      "the config's SeqMemCallback host_memory_budget, else this machine's RAM)")
     plan.add_argument("--model-class", default=DEFAULT_MODEL, help="model class when the config names none")
     plan.add_argument("--data-class", default=DEFAULT_DATA, help="datamodule class when the config names none")
     plan.add_argument("--longest", action="store_true",

@@ -3,8 +3,13 @@
 For each length, layouts (:mod:`lightning_seqmem.plan.parallel`) are dry-run in search order: the
 mitigation sets cheapest first; within a set, the sequence-parallel degree ascending (Ulysses before
 ring at a degree); the first that fits the usable budget per rank is the plan. Only where nothing
-fits, FSDP2 ``CPUOffloadPolicy`` is tried on the rows already run (a formula: no dry run). The
-degree-1 rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run again.
+fits, FSDP2 ``CPUOffloadPolicy`` is tried on the rows already run, each by a dry run of the same
+layout with offload (:mod:`lightning_seqmem.dryrun.cpu_offload`: the device peak and, beside it, the
+host peak), which fits where both fit: the device's usable budget and the host budget
+(:func:`lightning_seqmem.plan.budgets.fits_budgets`). Only where that dry run is refused does a formula
+stand in (``peak_source`` says so: :func:`lightning_seqmem.plan.parallel.offload_model`). DeepSpeed
+ZeRO-3 offload is planned by the same rows (:data:`~lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE`).
+The degree-1 rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run again.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class _Shard:
     device: Any
     world_size: int
     usable: Optional[int]
+    state: dict[str, int]  # one rank's parameter/gradient/optimizer-state bytes (the formula's)
+    host_budget: Optional[int] = None  # bytes of host memory per rank's process (None: not judged)
 
 
 def _attention_calls(console: Any, model: Any, batch: Any, batch_size: int, names: tuple[str, ...]) -> Any:
@@ -129,17 +136,41 @@ def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str
     return rows, None
 
 
-def _offload_rows(rows: list[dict[str, Any]], state: dict[str, int], usable: int) -> Optional[dict[str, Any]]:
-    """Nothing fits: FSDP2 CPU offload on each row run, modelled (a formula), appended to ``rows`` up
-    to the first that fits (returned; None when none does)."""
+def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
+    """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a dry
+    run; where it is refused, the formula on the row's own peak, marked so."""
+    from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
+    from lightning_seqmem.dryrun.step import DryRunUnsupported
     from lightning_seqmem.plan.parallel import offload_model
 
+    degree = max(row["sequence_parallel_degree"], row["context_parallel_degree"])
+    try:
+        result = sequence_parallel_dry_run_step(
+            shard.model, shard.batch, row["seq_len"], shard.world_size, degree,
+            row["sequence_parallel"], shard.batch_size, tuple(row["mitigations"]), shard.context,
+            shard.device, offload=True)
+        return {"peak_source": "dry run", "peak_bytes": result.peak_bytes,
+                "host_bytes": result.host_peak_bytes, "host_phase_peak_bytes": result.host_phase_peak_bytes}
+    except DryRunUnsupported as exc:
+        state = shard.state
+        model = offload_model(row["peak_bytes"], state["parameter_shard_bytes"],
+                              state["gradient_shard_bytes"], state["optimizer_state_bytes"])
+        return {"peak_source": f"formula (the offload dry run was refused: {exc.reason})",
+                "peak_bytes": model["device_peak_bytes"], "host_bytes": model["host_bytes"]}
+
+
+def _offload_rows(shard: _Shard, rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Nothing fits: each row run, again with FSDP2 CPU offload (:func:`_offload_peaks`), appended
+    to ``rows`` up to the first that fits both the device's usable budget and the host budget
+    (returned; None when none does)."""
+    from lightning_seqmem.plan.budgets import fits_budgets
+
     for row in [r for r in rows if r["peak_bytes"] is not None]:
-        model_bytes = offload_model(row["peak_bytes"], state["parameter_shard_bytes"], state["gradient_shard_bytes"],
-                                    state["optimizer_state_bytes"])
-        off = {**row, "offload": True, "layout": row["layout"] + " + offload", "peak_source": "formula",
-               "peak_bytes": model_bytes["device_peak_bytes"], "host_bytes": model_bytes["host_bytes"], "seconds": 0.0}
-        off["fits"] = off["peak_bytes"] <= usable
+        started = time.perf_counter()
+        off = {**row, "offload": True, "layout": row["layout"] + " + offload",
+               **_offload_peaks(shard, row)}
+        fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable, shard.host_budget)
+        off.update(fits=fit.fits, fit=fit.reason, seconds=time.perf_counter() - started)
         rows.append(off)
         if off["fits"]:
             return off
@@ -153,13 +184,14 @@ def _length_plan(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, .
 
     ok, skipped = layouts(shard.world_size, res["seq_len"], calls.n_heads, calls.n_kv_heads, calls.masked, kinds)
     rows, plan = _search_layouts(shard, res, sets if shard.usable is not None else sets[-1:], ok)
-    if plan is None and shard.usable is not None:  # offload, modelled on the rows run
-        plan = _offload_rows(rows, state, shard.usable)
+    if plan is None and shard.usable is not None:  # offload, dry-run on the rows run
+        plan = _offload_rows(shard, rows)
     return {"seq_len": res["seq_len"], "rows": rows, "plan": plan,
             "skipped_degrees": [{"kind": k, "degree": d, "reason": why} for k, d, why in skipped],
             "attention": {"calls": calls.calls, "heads": calls.n_heads, "kv_heads": calls.n_kv_heads,
                           "explicit_mask": calls.masked},
-            "state_bytes_per_rank": state, "optimizer_states_per_parameter": per_parameter}
+            "state_bytes_per_rank": state, "optimizer_states_per_parameter": per_parameter,
+            "host_budget_bytes": shard.host_budget}
 
 
 def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Optional[int]) -> Any:
@@ -203,19 +235,26 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
                           f"{' + '.join(plan['mitigations']) or 'none'} ({format_bytes(plan['peak_bytes'])} per rank"
                           f" of {format_bytes(usable)} usable, {plan['peak_source']}"
                           + (f"; host {format_bytes(plan['host_bytes'])} per rank" if plan["host_bytes"] else "") + ")")
+            if plan.get("offload") and engine == "deepspeed":
+                from lightning_seqmem.plan.parallel import ZERO3_OFFLOAD_NOTE
+
+                console.print(ZERO3_OFFLOAD_NOTE, highlight=False)
             if engine is not None:
                 plan["launch_config"] = emit(engine, plan)
                 console.print(f"--emit {engine} (seq_len {L}):", highlight=False)
                 console.print(plan["launch_config"], highlight=False, markup=False)
         elif usable is not None:
-            console.print(f"seq_len {L}: [red]no layout fits[/red] at {world_size} ranks (with offload, modelled)")
+            console.print(f"seq_len {L}: [red]no layout fits[/red] at {world_size} ranks (with offload: device and "
+                          "host peaks dry-run)")
 
 
 def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_size: int,
                    sets: Sequence[tuple[str, ...]], usable: Optional[int], context: Any, device: Any, world_size: int,
-                   results: Sequence[dict[str, Any]], kinds: tuple[str, ...], engine: Optional[str]) -> list[dict[str, Any]]:
+                   results: Sequence[dict[str, Any]], kinds: tuple[str, ...], engine: Optional[str],
+                   host_budget: Optional[int] = None) -> list[dict[str, Any]]:
     """Search, print and return (JSON) the N-rank layouts of every length of ``results`` (the N-rank
-    table's rows, reused at degree 1)."""
+    table's rows, reused at degree 1); offload rows are held against ``host_budget`` too (bytes; None:
+    only the device's budget)."""
     from lightning_seqmem.cli.emit import ENGINE_KINDS
     from lightning_seqmem.dryrun.sequence_parallel import state_bytes
 
@@ -225,7 +264,7 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     per_parameter = optimizer_states_per_parameter(optimizer)
     state = state_bytes(model, world_size, per_parameter)
     _print_search(console, world_size, kinds, engine, calls)
-    shard = _Shard(model, batch, batch_size, context, device, world_size, usable)
+    shard = _Shard(model, batch, batch_size, context, device, world_size, usable, state, host_budget)
     plans = [_length_plan(shard, res, sets, kinds, calls, state, per_parameter) for res in results]
     console.print(_layout_table(plans, world_size, usable))
     if "ring" in kinds:

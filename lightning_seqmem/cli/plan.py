@@ -22,10 +22,11 @@ from lightning_seqmem.cli.common import (
     build_from_config,
     find_seqmem_callback,
     first_batch,
+    host_budget,
     first_optimizer,
     quiet_warnings,
 )
-from lightning_seqmem.cli.plan_devices import DeviceBudget, device_budgets, host_memory_bytes
+from lightning_seqmem.cli.plan_devices import DeviceBudget, device_budgets
 from lightning_seqmem.cli.plan_run import (
     PlanRun,
     fastest,
@@ -108,7 +109,7 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     checks: dict[str, Any] = {}
     sets, skipped = mitigation_sets(seqmem, trainer, model, batch, batch_size, checks)
     world = None if args.world_size is None else (args.world_size, args.strategy)
-    host = getattr(args, "host_budget", None) or host_memory_bytes()
+    host = host_budget(getattr(args, "host_budget", None), seqmem)
     # autocast under mixed precision, as in training_step (CUDA's autocast on the simulated device)
     return PlanRun(trainer, model, optimizer, optimizer_name, batch, batch_size, step_context(precision, device),
                    device, sets, skipped, checks, budgets, margin, world, host_budget=host)
@@ -212,7 +213,8 @@ def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
     from lightning_seqmem.cli.parallel import parallel_plans
 
     return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets, run.usable,
-                          run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None))
+                          run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None),
+                          run.host_budget)
 
 
 def run_plan(args: argparse.Namespace) -> int:

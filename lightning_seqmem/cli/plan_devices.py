@@ -1,5 +1,5 @@
 """The devices ``seqmem plan`` answers for: one budget or several (``--budget 80GB h200``), named GPUs among
-them, and the host memory beside them.
+them.
 
 A budget is bytes (``80GiB``, ``141GB``) or the name of a GPU (:data:`DEVICE_MEMORY`: its memory as
 ``nvidia-smi`` and ``torch.cuda.get_device_properties(...).total_memory`` report it). Without one, a CUDA
@@ -18,11 +18,10 @@ Example:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["DEFAULT_GPUS", "DEVICE_MEMORY", "DeviceBudget", "device_budgets", "host_memory_bytes", "parse_budget"]
+__all__ = ["DEFAULT_GPUS", "DEVICE_MEMORY", "DeviceBudget", "device_budgets", "parse_budget"]
 
 DEVICE_MEMORY: dict[str, int] = {
     "h100": 81559 * 2**20,  # H100 SXM/PCIe 80GB: 81559 MiB (79.6 GiB) as nvidia-smi reports it
@@ -93,15 +92,3 @@ def device_budgets(budgets: Optional[Sequence[Any]], margin: float, seqmem: Any,
         elif is_simulated(device):
             out.extend(parse_budget(name) for name in DEFAULT_GPUS)
     return [DeviceBudget(name, size, int(size * (1 - margin))) for name, size in out]
-
-
-def host_memory_bytes() -> Optional[int]:
-    """This machine's RAM (bytes), the host budget when none is given; None where the OS does not say.
-
-    >>> (host_memory_bytes() or 1) > 0
-    True
-    """
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None

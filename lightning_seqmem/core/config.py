@@ -12,8 +12,10 @@ arrives as bytes or as a string with a unit and is kept parsed as ``memory_budge
 
 Example:
     >>> c = SeqMemConfig(memory_budget="1GiB", safety_margin=0.25, mitigations=["checkpointing"])
-    >>> c.memory_budget_bytes, c.safety_margin, c.mitigations
-    (1073741824, 0.25, ('checkpointing',))
+    >>> c.memory_budget_bytes, c.safety_margin, c.mitigations, c.host_memory_budget_bytes
+    (1073741824, 0.25, ('checkpointing',), None)
+    >>> SeqMemConfig(host_memory_budget="64GiB").host_memory_budget_bytes
+    68719476736
     >>> c.warmup_steps = 5
     Traceback (most recent call last):
     ...
@@ -45,7 +47,9 @@ SeqLenFn = Callable[[Any], "tuple[int, int]"]
 @dataclass(frozen=True)
 class SeqMemConfig:
     """The callback's arguments (see :class:`~lightning_seqmem.SeqMemCallback` for each), checked in
-    ``__post_init__``; ``memory_budget_bytes`` is ``memory_budget`` parsed (None: no budget given).
+    ``__post_init__``; ``memory_budget_bytes`` is ``memory_budget`` parsed (None: no budget given),
+    ``host_memory_budget_bytes`` is ``host_memory_budget`` parsed (None: the machine's RAM,
+    :func:`lightning_seqmem.plan.budgets.host_budget_bytes`): what host memory offload may use.
 
     ``checked=False`` skips the callback's checks (the mitigations are still checked): the
     :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s own keywords are plain values a caller
@@ -75,17 +79,21 @@ class SeqMemConfig:
     dry_run: bool = True
     name: Optional[str] = None
     summary: bool = True
+    host_memory_budget: Optional[Union[int, str]] = None
     memory_budget_bytes: Optional[int] = field(init=False)
+    host_memory_budget_bytes: Optional[int] = field(init=False)  # None: the machine's RAM, read at set-up
     checked: InitVar[bool] = True
 
     def __post_init__(self, checked: bool) -> None:
         if checked:
             self._check()
-        mitigations, budget = check_mitigations(self.mitigations), self.memory_budget
+        mitigations, budget, host = check_mitigations(self.mitigations), self.memory_budget, self.host_memory_budget
         if checked and budget is not None:
             budget = parse_bytes(budget, "memory_budget")
-        self._set(mitigations=mitigations, memory_budget_bytes=budget, tolerance=float(self.tolerance),
-                  safety_margin=float(self.safety_margin))
+        if checked and host is not None:
+            host = parse_bytes(host, "host_memory_budget")
+        self._set(mitigations=mitigations, memory_budget_bytes=budget, host_memory_budget_bytes=host,
+                  tolerance=float(self.tolerance), safety_margin=float(self.safety_margin))
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():  # (frozen: only here, while it is built)
@@ -117,5 +125,7 @@ class SeqMemConfig:
 
         >>> SeqMemConfig.defaults()["warmup_steps"], "memory_budget_bytes" in SeqMemConfig.defaults()
         (2, False)
+        >>> list(SeqMemConfig.defaults())[-1]
+        'host_memory_budget'
         """
         return {f.name: f.default for f in fields(cls) if f.init}

@@ -91,6 +91,79 @@ class _Backend:
     def synchronize(self, device: Any = None) -> None:
         return None
 
+    # -- what FSDP2 and DeviceMesh ask of a device module: streams and events that order nothing (a fake
+    # step runs no kernel), the device set (one device); the tensors a step keeps alive across them are
+    # held by Python references, as on CUDA, so the tracker counts the same storages
+    def set_device(self, device: Any) -> None:
+        return None
+
+    def current_stream(self, device: Any = None) -> "_Stream":
+        return _DEFAULT_STREAM
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext(stream)
+
+    @property
+    def Stream(self) -> type:  # noqa: N802 - the name torch.cuda.Stream has
+        return _Stream
+
+    @property
+    def Event(self) -> type:  # noqa: N802 - the name torch.cuda.Event has
+        return _Event
+
+
+class _Event:
+    """An event of the simulated device: recorded, waited on and queried at once (``torch.cuda.Event``'s API).
+
+    >>> _Event().record(), _Event().query()
+    (None, True)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _Stream:
+    """A stream of the simulated device (``torch.cuda.Stream``'s API): ``record_event`` returns an event,
+    as FSDP2 expects of any device but the CPU, and every wait returns at once.
+
+    >>> isinstance(_Stream(priority=-1).record_event(), _Event)
+    True
+    """
+
+    def __init__(self, *args: Any, priority: int = 0, **kwargs: Any) -> None:
+        self.priority = priority
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Optional[_Event] = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DEFAULT_STREAM = _Stream()
+
 
 def simulation_refusal() -> Optional[str]:
     """Why no simulated device can be used in this process (None: it can be, or is)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_seqmem.core.peak import PeakSite
@@ -19,6 +19,9 @@ class DryRunResult:
     ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
     ``peak_site`` says where the peak sits (phase, kinds of tensor), when the dry run was asked
     (``dry_run_step(..., site=trace_peak_site)``).
+    ``host_peak_bytes``/``host_phase_peak_bytes``: the same of host memory, where the device simulated
+    is not the CPU (:mod:`lightning_seqmem.dryrun.host`: pinned blocks rounded up to powers of two);
+    0 and ``{}`` on the CPU, which has no host apart.
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -29,8 +32,10 @@ class DryRunResult:
     seconds: float  # wall time of the dry run
     detail: str  # what ran, for logs and reports
     resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
-    host_bytes: int = 0  # saved activations the step copies to host memory (activation offload; modelled)
+    host_bytes: int = 0  # saved activations copied to host memory (activation offload; its own count)
     peak_site: Optional[PeakSite] = None  # where the peak sits (phase, kinds), when asked
+    host_peak_bytes: int = 0  # peak live host-memory bytes of the step (0: the device is the CPU)
+    host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # phase -> host peak within it
 
 
 class DryRunUnsupported(RuntimeError):

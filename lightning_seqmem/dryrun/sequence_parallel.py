@@ -217,11 +217,12 @@ def attention_calls(template: Any, batch: Any, seq_len: int = 64, batch_size: in
 def sequence_parallel_dry_run_step(
     template: Any, batch: Any, seq_len: int, world_size: int, degree: int, kind: str,
     batch_size: Optional[int] = None, mitigations: Sequence[str] = (),
-    autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None,
+    autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None, offload: bool = False,
 ) -> DryRunResult:
     """Per-rank peak of one training step (rank 0's) with the sequence split over ``degree`` ranks
     (``kind``: ``"ulysses"``, ``"ring"``, or ``"none"`` with degree 1) and FSDP2 over ``world_size``
     ranks: a dry run of the rank's ``seq_len // degree`` tokens (see the module docstring).
+    ``offload``: FSDP2 ``CPUOffloadPolicy`` (:func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step`).
 
     Raises:
         ValueError: ``degree`` does not divide ``world_size`` or ``seq_len``, or an unknown ``kind``.
@@ -239,7 +240,7 @@ def sequence_parallel_dry_run_step(
     started = time.perf_counter()
     with sequence_parallel_attention(kind, degree) as calls:
         result = sharded_dry_run_step(template, batch, seq_len // degree, world_size, batch_size, mitigations,
-                                      "fsdp2", autocast, device)
+                                      "fsdp2", autocast, device, offload=offload)
     if degree > 1 and not calls.calls:
         raise DryRunUnsupported("the model made no scaled_dot_product_attention call (eager attention?): Ulysses and "
                                 "ring shard SDPA calls; plan it with the attention rung")

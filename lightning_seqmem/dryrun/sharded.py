@@ -32,8 +32,10 @@ Example:
     >>> two, eight = (sharded_dry_run_step(template, batch, 64, world_size=n) for n in (2, 8))
     >>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
     True
-    >>> two.detail.split("; ")[-1]  # LitGPT's configure_model() shards nothing: the default layout
-    "configure_model() shards nothing: fully_shard on 2 blocks and the root's GPT"
+    >>> for part in two.detail.split("; ")[-2:]:  # LitGPT's configure_model() shards nothing
+    ...     print(part)
+    configure_model() shards nothing: fully_shard on 2 blocks and the root (GPT, holding every parameter)
+    no host memory apart from the cpu simulated (host peak 0)
 """
 
 from __future__ import annotations
@@ -59,7 +61,22 @@ from lightning_seqmem.dryrun.step import (
     transformers_without_fake_detection,
     allocator_block_bytes,
     checked_rungs,
+    host_peaks,
     replay_peaks,
+    simulated_device_for,
+)
+from lightning_seqmem.dryrun.cpu_offload import (
+    cpu_offload_policy,
+    is_offloaded,
+    offloading_every_fully_shard,
+    settle_before_the_step,
+)
+from lightning_seqmem.dryrun.host import (
+    PinWatch,
+    host_detail,
+    is_pinned_storage,
+    mark_pinned,
+    with_host_probe,
 )
 from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
@@ -204,15 +221,21 @@ def _fake_from_template(template: nn.Module, fake_mode: Any, device: torch.devic
         raise DryRunUnsupported(f"copying the template onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _shard(model: nn.Module, mesh: Any, notes: list[str]) -> None:
-    """The module's own ``configure_model()`` over ``mesh``; the default layout if it shards nothing."""
+def _shard(model: nn.Module, mesh: Any, notes: list[str], offload_policy: Any = None) -> None:
+    """The module's own ``configure_model()`` over ``mesh``; the default layout if it shards nothing.
+    ``offload_policy`` (FSDP2's ``CPUOffloadPolicy``): given to every ``fully_shard``, the module's too."""
     from torch.distributed.fsdp import fully_shard
 
     model.__dict__["_device_mesh"] = mesh
     configure = getattr(model, "configure_model", None)
     if callable(configure):
+        offloading = (offloading_every_fully_shard(offload_policy) if offload_policy is not None
+                      else contextlib.nullcontext())
         try:
-            configure()
+            with offloading:
+                configure()
+        except DryRunUnsupported:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise DryRunUnsupported(f"configure_model() failed on the fake copy: {type(exc).__name__}: {exc}") from exc
     if is_fsdp2(model):
@@ -220,31 +243,38 @@ def _shard(model: nn.Module, mesh: Any, notes: list[str]) -> None:
         return
     blocks = [b for b in find_repeated_blocks(model) if b is not model]
     dp_mesh = mesh[MESH_DIM_NAMES[0]]
+    offload = {} if offload_policy is None else {"offload_policy": offload_policy}
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, **offload)
     root = sharding_root(model)
-    where = "the root" if root is model else f"the root's {type(root).__name__}"  # (fully_shard renames it)
-    fully_shard(root, mesh=dp_mesh)
-    notes.append(f"configure_model() shards nothing: fully_shard on {len(blocks)} blocks and {where}")
+    fully_shard(root, mesh=dp_mesh, **offload)
+    notes.append(f"configure_model() shards nothing: fully_shard on {len(blocks)} blocks and the root"
+                 + ("" if root is model else f" ({_class_name(root)}, holding every parameter)"))
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name (not FSDP2's ``FSDP<name>`` subclass)."""
+    name = type(module).__name__
+    return name[4:] if name.startswith("FSDP") and is_fsdp2(module) else name
 
 
 def sharding_root(model: nn.Module) -> nn.Module:
-    """The module the default FSDP2 layout shards last: the root, or where the root holds no parameters of
-    its own and one child holds them all (a LightningModule wrapping a Hugging Face model), that child,
-    recursively. A ``training_step`` calls the wrapped model, not the root's ``forward``, so FSDP2's hooks
-    on the root would never gather the parameters outside the blocks (embeddings, the output layer).
+    """The innermost submodule of ``model`` holding all its parameters (``model`` itself where it
+    holds some directly, or they are spread over its children): the module whose forward a
+    LightningModule's ``training_step`` calls (``self.model(...)``), so that FSDP2's root hooks
+    gather the parameters outside the blocks (the embedding) before they are used.
 
     Example:
-        >>> wrapper = nn.Module()
-        >>> wrapper.net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-        >>> sharding_root(wrapper) is wrapper.net
+        >>> outer = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+        >>> sharding_root(outer) is outer[0]
         True
     """
+    total = sum(1 for _ in model.parameters())
     while not any(True for _ in model.parameters(recurse=False)):
-        holding = [c for c in model.children() if any(True for _ in c.parameters())]
-        if len(holding) != 1:
+        holders = [c for c in model.children() if sum(1 for _ in c.parameters()) == total]
+        if len(holders) != 1:
             break
-        model = holding[0]
+        model = holders[0]
     return model
 
 
@@ -259,6 +289,7 @@ def sharded_dry_run_step(
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
     device: Optional[torch.device | str] = None,
     first_split_check: Optional[bool] = None,
+    offload: bool = False,
 ) -> DryRunResult:
     """Per-rank peak of one training step at ``world_size`` ranks (rank 0's; bytes), on fake tensors.
 
@@ -273,11 +304,18 @@ def sharded_dry_run_step(
             mid-run), ``"microbatch"`` (gradient reduction deferred to the last micro-batch).
         strategy: ``"fsdp2"`` or ``"ddp"`` (see the module docstring).
         autocast: a zero-argument factory of the forward's context (the precision plugin's).
-        device: the device simulated (default ``cpu``); CUDA needs a CUDA build of torch.
+        device: the device simulated (default ``cpu``); ``cuda`` on a build of torch without it is the
+            simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`), whose host memory is apart:
+            the result's ``host_peak_bytes`` (:mod:`lightning_seqmem.dryrun.host`).
         first_split_check: whether the step includes micro-batching's one-time loss check (the step
             that switches it on); None: whenever ``"microbatch"`` is among ``mitigations``.
+        offload: FSDP2 ``CPUOffloadPolicy`` on every ``fully_shard`` (the module's own
+            ``configure_model()``'s too): parameter shards, gradients and optimizer state on the host
+            (:mod:`lightning_seqmem.dryrun.cpu_offload`). A ``configure_model()`` that offloads is
+            planned as it is either way.
 
     Raises:
+        ValueError: ``offload`` with ``strategy="ddp"``, or not a bool.
         DryRunUnsupported: the step cannot run on fake tensors, or the module cannot be sharded.
     """
     started = time.perf_counter()
@@ -290,18 +328,26 @@ def sharded_dry_run_step(
         raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")
     from lightning_seqmem.measure.batch import infer_batch_shape
 
+    if not isinstance(offload, bool):
+        raise ValueError(f"`offload` must be a bool, got {offload!r}")
+    if offload and strategy != "fsdp2":
+        raise ValueError(f"`offload` (FSDP2 CPUOffloadPolicy) needs strategy='fsdp2', got {strategy!r}")
     batch_size = infer_batch_shape(batch)[0] if batch_size is None else check_int("batch_size", batch_size)
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
+    device = simulated_device_for(device, torch.device("cpu"))
+    policy = cpu_offload_policy(device) if offload else None
     notes: list[str] = []
     with fake_session(seq_len, device) as (fake_mode, values), fake_world(world_size, device.type) as mesh:
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:
                 plan = ladder.apply_to_copy(names, model, after_sharding=False)
-                if strategy == "fsdp2":
-                    _shard(model, mesh, plan.notes)
+                with PinWatch():  # the shards FSDP2 pins (CPUOffloadPolicy)
+                    if strategy == "fsdp2":
+                        _shard(model, mesh, plan.notes, policy)
+                    offloaded = strategy == "fsdp2" and is_offloaded(model)
+                    if offloaded:
+                        settle_before_the_step(model)
+                        plan.notes.append(_offload_note(device, policy is not None))
                 after = ladder.apply_to_copy(names, model, after_sharding=True)  # composed with fully_shard
                 plan.notes += after.notes
                 plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
@@ -309,11 +355,14 @@ def sharded_dry_run_step(
             step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
             loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size, first_split_check)
             notes = plan.notes
-            probe = make_probe("tracker", device)
+            probe = with_host_probe(make_probe("tracker", device), device)
             with fake_mode, values, transformers_without_fake_detection():
                 state_after_a_step(model, optimizer)
+                if offloaded:
+                    _pin_gradients_as_fsdp2_does(model)
                 memory = training_step_memory(model, step_optimizer, step_batch, loss_fn, probe,
                                               record_events=True, context=autocast)
+            host_memory = getattr(probe, "host_memory", None)
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason
@@ -325,13 +374,38 @@ def sharded_dry_run_step(
         buckets = sum(p.numel() * p.element_size() for p in template.parameters() if p.requires_grad)
         peak, phase_peaks = peak + buckets, {p: v + buckets for p, v in phase_peaks.items()}
         notes.append(f"DDP gradient buckets: {buckets} bytes")
+    host_peak, host_phase_peaks = host_peaks(host_memory)
     detail = (
         f"a fake step of {type(template).__name__} as rank 0 of {world_size} ({strategy}) on {device}, "
         f"batch {source_shape} -> ({batch_size}, {seq_len}) per rank"
         + (f"; {'; '.join(notes)}" if notes else "")
+        + f"; {host_detail(device, host_memory, host_peak)}"
     )
     return DryRunResult(seq_len=seq_len, batch_size=batch_size, mitigations=names, peak_bytes=peak,
-                        phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail)
+                        phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail,
+                        host_peak_bytes=host_peak, host_phase_peak_bytes=host_phase_peaks)
+
+
+def _pin_gradients_as_fsdp2_does(model: nn.Module) -> None:
+    """The gradients a first step leaves (zeros) pinned where their parameter shard is: FSDP2 copies
+    each reduce-scattered shard to the host non-blocking, into pinned memory, under
+    ``pin_memory=True``."""
+    from lightning_seqmem.measure.tracker import tensor_storages
+
+    for p in model.parameters():
+        if p.grad is not None and any(is_pinned_storage(st) for st in tensor_storages(p)):
+            mark_pinned(p.grad)
+
+
+def _offload_note(device: torch.device, asked: bool) -> str:
+    """What the detail says of FSDP2 CPU offload on ``device``."""
+    how = "offload=True" if asked else "configure_model()"
+    if device.type == "cpu":
+        return (f"FSDP2 CPUOffloadPolicy ({how}) on the CPU itself: the shards, gradients and "
+                "optimizer state stay where they are (one memory)")
+    return (f"FSDP2 CPUOffloadPolicy ({how}, pinned): parameter shards, gradients and optimizer "
+            "state on the host, the optimizer step there; the device holds the gathered blocks, "
+            "activations and FSDP2's copies")
 
 
 # -- the training run's side (used by SeqMemCallback through TrainingRunDryRun) ---------------------

@@ -106,7 +106,7 @@ from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe
 
 __all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "check_module", "checked_rungs",
-           "compiled_reason", "configured_optimizer", "cuda_kernel_scratch_bytes", "dry_run_step", "replay_peaks",
+           "compiled_reason", "configured_optimizer", "cuda_kernel_scratch_bytes", "dry_run_step", "host_peaks", "replay_peaks",
            "resident_bytes", "simulated_device_for", "state_after_a_step", "transformers_without_fake_detection", "unsupported_reason",
            "warm_cuda_workspaces"]
 
@@ -126,6 +126,7 @@ from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, con
 )
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.accelerator import simulated_device
+from lightning_seqmem.dryrun.host import host_detail, host_events, with_host_probe
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step_functions import step_functions
@@ -170,6 +171,22 @@ def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict
         if position >= len(events.sequence):
             begin(position)
     return peak, phase_peaks
+
+
+def host_peaks(memory: Any, pinned_blocks: bool = True) -> tuple[int, dict[str, int]]:
+    """``(peak, phase -> peak)`` of the host side of a dry run's step (its ``StepMemory``, events recorded;
+    :mod:`lightning_seqmem.dryrun.host`): each pinned block rounded up to a power of two (``pinned_blocks``),
+    as the host holds it; 0 and ``{}`` without a host side (a dry run of the CPU).
+
+    Example:
+        >>> host_peaks(None)
+        (0, {})
+    """
+    events = host_events(memory, pinned_blocks)
+    if events is None:
+        return 0, {}
+    peak, phases = replay_peaks(events)
+    return peak, {p: phases[p] for p in PHASES if p in phases}
 
 
 # -- the step ----------------------------------------------------------------------------------------
@@ -302,7 +319,8 @@ def dry_run_step(
         batch_size: samples in the step; ``None``: the batch's own.
         mitigations: names from :data:`~lightning_seqmem.mitigations.ladder.MITIGATIONS`, applied
             to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1),
-            ``"activation_offload"`` (modelled on any device: ``host_bytes`` of the result).
+            ``"activation_offload"`` (``host_bytes`` of the result: modelled on the CPU; on an
+            accelerator ``save_on_cpu`` runs and its host copies are in ``host_peak_bytes``).
             Or a rung's variant (``"checkpointing:3/8"``, ``"checkpointing:selective"``).
             A module already micro-batched by :class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`
             is simulated with its micro-batch size.
@@ -339,13 +357,17 @@ def dry_run_step(
     peak += resident
     phase_peaks = {p: phase_peaks[p] + resident for p in PHASES if p in phase_peaks}
     host, notes = step.host_bytes, step.notes
+    host_peak, host_phase_peaks = host_peaks(step.host_memory)
     detail = (
         f"a fake step of {type(pl_module).__name__} on {device} (after a zero-gradient optimizer step) with {step.optimizer_name}, "
         f"batch {step.source_shape} -> ({batch_size}, {seq_len})"
         + (f"; {'; '.join(notes)}" if notes else "")
         + f"; live storages counted by LiveTensorTracker{', 512-byte blocks' if block > 1 else ''}"
         + (f"; plus {resident} bytes the allocator holds outside the step's tensors" if resident else "")
-        + (f"; {host} bytes of saved activations moved to host memory (modelled)" if host else "")
+        + (f"; {host} bytes of saved activations moved to host memory "
+           f"({'modelled' if step.host_memory is None else 'save_on_cpu run, its host copies counted'})"
+           if host else "")
+        + f"; {host_detail(device, step.host_memory, host_peak)}"
     )
     return DryRunResult(
         seq_len=seq_len,
@@ -358,6 +380,8 @@ def dry_run_step(
         resident_bytes=resident,
         host_bytes=host,
         peak_site=step.peak_site,
+        host_peak_bytes=host_peak,
+        host_phase_peak_bytes=host_phase_peaks,
     )
 
 
@@ -410,6 +434,7 @@ class _FakeStep(NamedTuple):
     notes: list[str]  # what the rungs did to the copy and the step
     optimizer_name: str  # the fake optimizer's class name
     source_shape: Any  # the batch's own (batch_size, seq_len)
+    host_memory: Any = None  # the host side's StepMemory (events recorded), where the host is apart
 
 
 def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_len: int, batch_size: int,
@@ -424,9 +449,10 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             notes = plan.notes
             step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
             loss_fn, step_optimizer = step_functions(pl_module, fake_optimizer, plan, batch_size)
-            probe = make_probe("tracker", device)
+            device_probe = make_probe("tracker", device)
             if device.type == "cuda":
-                probe.scratch = cuda_kernel_scratch_bytes
+                device_probe.scratch = cuda_kernel_scratch_bytes
+            probe = with_host_probe(device_probe, device)
             with fake_mode, values, transformers_without_fake_detection():
                 state_after_a_step(model, fake_optimizer)
                 reset_offloaded_bytes(model)
@@ -439,11 +465,13 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             failure = unsupported_reason(exc)
             traceback.clear_frames(exc.__traceback__)  # the step's frames held the half-built fake world
             del exc
-            model = fake_optimizer = step_batch = loss_fn = step_optimizer = probe = values = fake_mode = None
+            model = fake_optimizer = step_batch = loss_fn = step_optimizer = probe = device_probe = None
+            values = fake_mode = None
             gc.collect()  # its cycles (fake tensors, their mode, the tracker) freed now, not in a later collection
             raise DryRunUnsupported(failure) from None
     assert memory is not None and memory.events is not None
-    return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape)
+    return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape,
+                     getattr(probe, "host_memory", None))
 
 
 def _resident_bytes(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, device: torch.device,

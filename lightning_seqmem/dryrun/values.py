@@ -154,6 +154,8 @@ class BatchValues(TorchDispatchMode):
                 self.forget(t)  # its values are unknown from now on
             return out
         real_args, real_kwargs = to_host_device(tree_map_only(torch.Tensor, self._value, (args, kwargs)))
+        if real_kwargs.get("pin_memory"):  # a twin's values are the same in pageable memory (pinning needs CUDA)
+            real_kwargs = {**real_kwargs, "pin_memory": False}
         with _disable_current_modes():
             real = func(*real_args, **real_kwargs)  # in host memory: the device's is the step's alone
         if not computed:  # the output's shape (or the result itself) depends on the values

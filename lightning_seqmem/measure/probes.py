@@ -33,7 +33,7 @@ from lightning_seqmem.measure.tracker import (  # noqa: F401 - re-exported: the 
     tensor_storages,
 )
 
-__all__ = ["PHASES", "PROBE_NAMES", "CudaAllocatorProbe", "LiveTensorTracker", "MemoryProbe", "StepMemory",
+__all__ = ["PHASES", "PROBE_NAMES", "CudaAllocatorProbe", "DeviceAndHostProbe", "LiveTensorTracker", "MemoryProbe", "StepMemory",
            "TrackedEvents", "TrackerProbe", "attribute_tensors", "existing_tensors", "make_probe",
            "round_cuda_block_bytes", "tensor_storages"]
 
@@ -123,6 +123,7 @@ class TrackerProbe(MemoryProbe):
         self.device_type = device_type
         self._tracker: Optional[LiveTensorTracker] = None
         self.scratch: Optional[Callable[[Any, Any, Any], int]] = None  # see LiveTensorTracker.scratch
+        self.pinned: Optional[Callable[..., bool]] = None  # see LiveTensorTracker.pinned
         self._stance: Any = None
 
     @property
@@ -132,7 +133,7 @@ class TrackerProbe(MemoryProbe):
     def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
         self.abort()
         tracker = LiveTensorTracker(self.device_type, record_events=record_events)
-        tracker.scratch = self.scratch
+        tracker.scratch, tracker.pinned = self.scratch, self.pinned
         tracker.track_existing(existing)
         self._start_bytes = tracker.live_bytes
         if _EagerStance.hold():  # a tracked step runs eager; the others stay compiled
@@ -175,6 +176,53 @@ class TrackerProbe(MemoryProbe):
         self._stance, stance = None, self._stance
         if stance is not None:
             stance()
+
+
+class DeviceAndHostProbe(MemoryProbe):
+    """Two probes over one step, their phases marked together: ``device`` (what :meth:`end_step`
+    returns) and ``host`` (its :class:`StepMemory` is :attr:`host_memory` once the step ended): the
+    device a dry run simulates and the host memory apart from it, each counting its own device type.
+
+    Example:
+        >>> probe = DeviceAndHostProbe(TrackerProbe("seqmem"), TrackerProbe("cpu"))
+        >>> w = torch.ones(4)  # 16 bytes, alive before the step
+        >>> probe.start_step([w], record_events=True)
+        >>> probe.mark_phase("forward")
+        >>> x = w.repeat(2)  # 32 bytes more
+        >>> probe.end_step().peak_bytes, probe.host_memory.peak_bytes, probe.host_memory.phase_peak_bytes
+        (0, 48, {'forward': 48})
+    """
+
+    def __init__(self, device: MemoryProbe, host: TrackerProbe) -> None:
+        self.device, self.host = device, host
+        self.name = device.name
+        self.host_memory: Optional[StepMemory] = None
+
+    @property
+    def running(self) -> bool:
+        return self.device.running
+
+    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
+        existing = list(existing)
+        self.host_memory = None
+        self.device.start_step(existing, record_events=record_events)
+        self.host.start_step(existing, record_events=record_events)
+
+    def mark_phase(self, phase: str) -> None:
+        self.device.mark_phase(phase)
+        self.host.mark_phase(phase)
+
+    def end_step(self) -> StepMemory:
+        try:
+            self.host_memory = self.host.end_step()
+        except BaseException:
+            self.device.abort()
+            raise
+        return self.device.end_step()
+
+    def abort(self) -> None:
+        self.host.abort()
+        self.device.abort()
 
 
 class CudaAllocatorProbe(MemoryProbe):

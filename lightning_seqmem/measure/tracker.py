@@ -17,7 +17,11 @@ from lightning_seqmem.core.records import TrackedEvents
 from lightning_seqmem.measure.mode_stack import enter_below_user_modes, exit_own_mode, modes_below
 
 
-__all__ = ["LiveTensorTracker", "flat_tensors", "is_fake", "tensor_storages"]
+__all__ = ["PINNED", "LiveTensorTracker", "flat_tensors", "is_fake", "tensor_storages"]
+
+PINNED = " (pinned)"
+"""Appended to the op name of an allocation the tracker's ``pinned`` hook calls page-locked host memory
+(``TrackedEvents.ops``): the event keeps the tensor's bytes, the reader rounds them as the host allocator does."""
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -148,6 +152,9 @@ class LiveTensorTracker(TorchDispatchMode):
         # (op, args, out) -> bytes a kernel takes for itself while it runs (a dry run of CUDA, see
         # dryrun.cuda_kernel_scratch_bytes); counted as allocated and freed right after the output
         self.scratch: Optional[Callable[[Any, Any, Any], int]] = None
+        # (storage, op or None, args, kwargs) -> whether a new storage is pinned host memory (op None:
+        # one alive before tracking); its event's op name then ends with PINNED (dryrun.host reads it)
+        self.pinned: Optional[Callable[[torch.UntypedStorage, Any, Any, Any], bool]] = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _add(self, st: torch.UntypedStorage, op: str, nbytes: Optional[int] = None) -> None:
@@ -216,7 +223,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 continue
             for st in tensor_storages(t):
                 if st._cdata not in self._ids:
-                    self._add(st, f"<{kind}>")
+                    self._add(st, f"<{kind}>" + (PINNED if self.pinned and self.pinned(st, None, (), {}) else ""))
         if self.events is not None:
             self.events.num_existing = len(self.events.sizes)
 
@@ -300,4 +307,7 @@ class LiveTensorTracker(TorchDispatchMode):
                     inputs = {s._cdata for x in tensors for s in tensor_storages(x)}
                 if key in inputs:  # a view or in-place result of an untracked input
                     continue
-                self._add(st, func.name() if self.events is not None else "")
+                name = func.name() if self.events is not None else ""
+                if self.pinned is not None and self.pinned(st, func, args, kwargs or {}):
+                    name += PINNED
+                self._add(st, name)

@@ -41,10 +41,14 @@ live in host memory and a copy would only add one.
 Cost: a device-to-host copy of the saved activations in the forward and a host-to-device copy in
 the backward (on the compute stream: the step waits for them), and that much pinned host memory.
 
-On fake tensors (a dry run) the hooks *model* the offload: nothing is kept for a saved tensor but
-its shape, so the device's live bytes lose it at once, and the backward allocates it again on the
-device where ``save_on_cpu`` would copy it back. :attr:`OffloadedForward.host_bytes` counts the
-bytes that would be copied to the host (:func:`offloaded_bytes`).
+On fake tensors of an accelerator (a dry run of the simulated CUDA device, or of CUDA) ``save_on_cpu``
+itself runs: its host copies are fake host tensors, which the dry run's host tracker counts
+(:mod:`lightning_seqmem.dryrun.host`), and the backward copies each back to the device. On fake CPU
+tensors (a dry run of the CPU, which has no host apart) the hooks *model* the offload: nothing is
+kept for a saved tensor but its shape, so the device's live bytes lose it at once, and the backward
+allocates it again on the device where ``save_on_cpu`` would copy it back.
+:attr:`OffloadedForward.host_bytes` counts the bytes that are (or would be) copied to the host
+(:func:`offloaded_bytes`), on any device.
 
 Example:
     >>> import torch
@@ -130,18 +134,22 @@ class OffloadedForward:
             return True
         return any(st._cdata in self._own for st in _storages(tensor))
 
-    def _save_on_cpu(self) -> save_on_cpu:
-        """PyTorch's own copies to (pinned) host memory and back (made once, not pickled)."""
-        hooks = self.__dict__.get("_hooks")
-        if hooks is None:
-            hooks = self._hooks = save_on_cpu(pin_memory=self.pin_memory)
-        return hooks
+    def _save_on_cpu(self, device_type: str = "cuda") -> save_on_cpu:
+        """PyTorch's own copies to (pinned) host memory and back, for tensors of ``device_type`` (made once
+        per device type, not pickled)."""
+        hooks = self.__dict__.setdefault("_hooks", {})
+        if device_type not in hooks:
+            hooks[device_type] = save_on_cpu(pin_memory=self.pin_memory, device_type=device_type)
+        return hooks[device_type]
 
     def _to_host(self, tensor: torch.Tensor) -> Any:
-        return self._save_on_cpu().pack_hook(tensor)
+        # the accelerator's own device module says whether pinning is possible (save_on_cpu's default: CUDA's)
+        device_type = "cuda" if tensor.device.type in ("cpu", "meta") else tensor.device.type
+        return (device_type, self._save_on_cpu(device_type).pack_hook(tensor))
 
     def _from_host(self, packed: Any) -> torch.Tensor:
-        return self._save_on_cpu().unpack_hook(packed)
+        device_type, what = packed
+        return self._save_on_cpu(device_type).unpack_hook(what)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -155,7 +163,9 @@ class OffloadedForward:
             return ("kept", tensor)
         self.host_bytes += nbytes
         self.host_tensors += 1
-        if is_fake(tensor):  # a dry run: the shape alone (the device forgets it), back as a new device tensor
+        if is_fake(tensor) and tensor.device.type in ("cpu", "meta"):
+            # a dry run of the CPU, which has no host apart: the shape alone (the device forgets it), back
+            # as a new device tensor; on an accelerator's fake tensors save_on_cpu itself runs (host copies)
             return ("modelled", (tensor.size(), tensor.dtype, tensor.device))
         return ("host", self._to_host(tensor))
 

@@ -29,10 +29,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["KINDS", "Layout", "check_kinds", "degrees", "layouts", "offload_model", "skip_reason"]
+__all__ = ["KINDS", "ZERO3_OFFLOAD_NOTE", "Layout", "check_kinds", "degrees", "layouts", "offload_model", "skip_reason"]
 
 KINDS = ("ulysses", "ring")
 """Sequence-parallel kinds a plan searches (see the module docstring)."""
+
+
+ZERO3_OFFLOAD_NOTE = (
+    "DeepSpeed ZeRO-3 with offload_param and offload_optimizer on cpu: planned as FSDP2 CPUOffloadPolicy: same "
+    "placement of parameters, gradients, optimizer state (each rank's shards on the host, the optimizer step "
+    "there, each layer gathered on the device while it runs). Differences not in the figures (DeepSpeed's "
+    "runtime/zero/stage3.py): its optimizer keeps fp32 master weights on the host beside the parameter shards "
+    "(4 bytes per parameter more) and the gradient partitions in one fp32 flat buffer kept across steps; it pins "
+    "one flat buffer per parameter group where FSDP2 pins each parameter's shard (the power-of-two rounding "
+    "differs); on the device it keeps up to stage3_max_live_parameters gathered and reduce buckets of "
+    "reduce_bucket_size, where FSDP2 gathers one block at a time"
+)
+"""What a plan says of ZeRO-3 offload (DeepSpeed's ``zero_optimization.offload_param`` and
+``offload_optimizer``; its ``runtime/zero/stage3.py``)."""
+
 
 
 def check_kinds(kinds: Any) -> tuple[str, ...]:
@@ -162,7 +177,8 @@ def layouts(world_size: int, seq_len: int, n_heads: Optional[int], n_kv_heads: O
 
 def offload_model(peak_bytes: int, parameter_shard_bytes: int, gradient_shard_bytes: int,
                   optimizer_state_bytes: int) -> dict[str, int]:
-    """Modelled (a formula, not a dry run) effect of FSDP2 ``CPUOffloadPolicy`` on one rank.
+    """Modelled (a formula, not a dry run) effect of FSDP2 ``CPUOffloadPolicy`` on one rank: what a plan
+    falls back to only where the offload dry run (``sharded_dry_run_step(..., offload=True)``) is refused.
 
     The sharded parameters and the optimizer state move to the host (the optimizer step runs there);
     gathered parameters and activations stay on the device, so the device peak drops by the

@@ -109,6 +109,10 @@ class SeqMemCallback(Callback):
             same Trainer (each needs its own name there). The state is found by this name only, so
             a resume may change ``memory_budget``, ``mitigations`` or ``curriculum``: the change is
             reconciled and said in one warning (:func:`lightning_seqmem.plan.checkpoint.reconcile`).
+        host_memory_budget: host (CPU) memory a setting may use, bytes or a string with a unit
+            (``"256GiB"``); default the machine's RAM. What offload (FSDP2 ``CPUOffloadPolicy``,
+            activation offload) keeps there is held against it by the planners
+            (:func:`lightning_seqmem.plan.budgets.fits_budgets`).
 
     Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes;
     the table is :data:`lightning_seqmem.core.tags.TAGS`):
@@ -172,12 +176,14 @@ class SeqMemCallback(Callback):
         dry_run: bool = True,
         name: Optional[str] = None,
         summary: bool = True,
+        host_memory_budget: Optional[int | str] = None,
     ) -> None:
         self.config = SeqMemConfig(
             warmup_steps=warmup_steps, tolerance=tolerance, probe=probe, memory_budget=memory_budget,
             safety_margin=safety_margin, curriculum=curriculum, warmup_steps_after_change=warmup_steps_after_change,
             trace_lengths=trace_lengths, measure_every_n_steps=measure_every_n_steps, seq_len_fn=seq_len_fn,
-            mitigations=mitigations, breakdown=breakdown, dry_run=dry_run, name=name, summary=summary)
+            mitigations=mitigations, breakdown=breakdown, dry_run=dry_run, name=name, summary=summary,
+            host_memory_budget=host_memory_budget)
         self.planner = SeqMemPlanner(config=self.config)
         self.edge = EdgeState()  # the edge's own run state, fresh for each fit (the planner's is in self.planner)
 
@@ -195,6 +201,7 @@ class SeqMemCallback(Callback):
     tolerance = Forward("config")
     probe_name = Forward("config", "probe")
     memory_budget_bytes = Forward("config")
+    host_memory_budget_bytes = Forward("config")
     safety_margin = Forward("config")
     curriculum = Forward("config")
     warmup_steps_after_change = Forward("config")

@@ -1,0 +1,213 @@
+"""Host memory beside a dry run's device: what one step keeps in host (CPU) memory.
+
+A dry run on an accelerator (the simulated CUDA device of :mod:`.accelerator`, or CUDA itself)
+keeps the host apart from the device: a second live-tensor tracker, counting device type ``"cpu"``,
+runs in the same fake step as the device's, its phases marked with them
+(:class:`~lightning_seqmem.measure.probes.DeviceAndHostProbe`). It counts the host-resident
+storages the step holds: the parameter shards, gradients and optimizer state FSDP2's
+``CPUOffloadPolicy`` keeps there, the saved activations ``save_on_cpu`` copies out, AdamW's
+``step`` scalars (on the host unless the optimizer is fused or capturable). Those alive before the
+step (parameters, gradients, optimizer state) are counted as existing, as on the device.
+
+Pinned (page-locked) host memory is counted as PyTorch's caching host allocator holds it: every
+block rounded up to a power of two (``ATen/core/CachingHostAllocator.h``: ``PowerOf2Ceil``).
+Pinned are: ``pin_memory()`` results (FSDP2's shards under ``CPUOffloadPolicy(pin_memory=True)``),
+tensors made with ``pin_memory=True`` (``save_on_cpu(pin_memory=True)``'s host copies), and
+non-blocking copies from the device to the host (``at::_to_copy`` pins their output: FSDP2's
+offloaded gradients). A fake tensor has no pinned state of its own (its storage is on ``meta``, and
+``aten._pin_memory`` has no fake kernel), so :func:`register_fake_pin_memory` gives it one that
+copies into a new fake host storage, and the storages pinned are remembered here (by
+:class:`PinWatch` while FSDP2 shards, by the host tracker during the step); ``is_pinned()`` still
+answers False on fake tensors. Not modelled: the host allocator's cache of freed pinned blocks
+(reused for the same power of two, as a step's gradients are in the next step), the allocator
+overheads of pageable memory, and host memory outside the step's tensors (the process itself, the
+CUDA context's host side, data loader workers).
+
+A dry run of the CPU itself (``device="cpu"``) has no host apart: the device's tracker counts
+every storage, and the host peaks are 0.
+
+Example:
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> register_fake_pin_memory()
+    >>> with FakeTensorMode(), PinWatch():
+    ...     shard = torch.empty(1000, dtype=torch.bfloat16).pin_memory()  # 2000 bytes, pinned
+    >>> is_pinned_storage(shard.untyped_storage()), power_of_two_bytes(2000)
+    (True, 2048)
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_seqmem.core.records import StepMemory, TrackedEvents
+from lightning_seqmem.dryrun.accelerator import host_of
+from lightning_seqmem.measure.probes import DeviceAndHostProbe, MemoryProbe, TrackerProbe
+from lightning_seqmem.measure.tracker import PINNED
+
+__all__ = ["HOST", "PinWatch", "host_detail", "host_events", "is_pinned_storage", "mark_pinned",
+           "pinned_storage", "power_of_two_bytes", "register_fake_pin_memory", "with_host_probe"]
+
+HOST = "cpu"
+"""The device type of host memory."""
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"library": None}
+_PINNED: dict[int, weakref.ref] = {}  # StorageImpl address -> weakref to the pinned host storage
+
+
+def power_of_two_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to a power of two, as PyTorch's caching host allocator allocates pinned
+    memory.
+
+    >>> [power_of_two_bytes(n) for n in (0, 1, 4096, 4097)]
+    [0, 1, 4096, 8192]
+    """
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def _remember(storage: torch.UntypedStorage) -> None:
+    key = storage._cdata
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _PINNED.get(key) is ref:  # the address may belong to a newer storage by now
+            del _PINNED[key]
+
+    _PINNED[key] = weakref.ref(storage, forget)
+
+
+def is_pinned_storage(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` is a fake host storage this module knows as pinned."""
+    ref = _PINNED.get(storage._cdata)
+    return ref is not None and ref() is not None
+
+
+def mark_pinned(tensor: torch.Tensor) -> None:
+    """Count the storages of fake host tensor ``tensor`` as pinned from now on (what a real step
+    leaves pinned where the dry run made the tensor otherwise: FSDP2's offloaded gradients of the
+    step before)."""
+    from lightning_seqmem.measure.tracker import tensor_storages
+
+    for storage in tensor_storages(tensor):
+        _remember(storage)
+
+
+def _fake_pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
+    """``aten._pin_memory`` on a fake tensor: a copy in a new host storage, same strides (which
+    storages are pinned is told by :class:`PinWatch` or the host tracker: the fake mode's cache of
+    op results answers a second call of the same shape without calling this kernel)."""
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+
+
+class PinWatch(TorchDispatchMode):
+    """Remembers as pinned the host storages ops allocate in pinned memory while it is entered
+    (above a ``FakeTensorMode``): what FSDP2 pins as ``fully_shard`` and its set-up run, before any
+    step is tracked.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> register_fake_pin_memory()
+        >>> with FakeTensorMode(), PinWatch():
+        ...     a, b = torch.empty(8).pin_memory(), torch.empty(8).pin_memory()
+        ...     c = torch.empty(8)
+        >>> [is_pinned_storage(t.untyped_storage()) for t in (a, b, c)]
+        [True, True, False]
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _pins(func, args, kwargs):
+            mark_pinned(out)
+        return out
+
+
+def register_fake_pin_memory() -> None:
+    """Give ``aten._pin_memory`` a fake kernel (process-wide, once; PyTorch has none), so that
+    ``tensor.pin_memory()`` runs on fake tensors, as FSDP2's ``CPUOffloadPolicy(pin_memory=True)``
+    asks."""
+    with _LOCK:
+        if _STATE["library"] is None:
+            library = torch.library.Library("aten", "FRAGMENT")
+            torch.library.register_fake("aten::_pin_memory", _fake_pin_memory, lib=library)
+            _STATE["library"] = library
+
+
+def _pins(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether op ``func`` allocates its output in pinned host memory (on a CUDA build)."""
+    if func is torch.ops.aten._pin_memory.default or kwargs.get("pin_memory") is True:
+        return True
+    if func is torch.ops.aten._to_copy.default and kwargs.get("non_blocking"):
+        source = args[0] if args else None
+        target = kwargs.get("device")
+        return (isinstance(source, torch.Tensor) and source.device.type not in (HOST, "meta")
+                and target is not None and torch.device(target).type == HOST)
+    return False
+
+
+def pinned_storage(storage: torch.UntypedStorage, func: Any, args: Any,
+                   kwargs: dict[str, Any]) -> bool:
+    """The host tracker's ``pinned`` hook: whether a host storage new to it (``func`` made it; None:
+    it existed before the step) is pinned memory; one ``func`` pins is remembered as such."""
+    if func is not None and _pins(func, args, kwargs):
+        _remember(storage)
+        return True
+    return is_pinned_storage(storage)
+
+
+def with_host_probe(probe: MemoryProbe, device: torch.device) -> MemoryProbe:
+    """``probe`` on ``device`` and a host tracker beside it (:class:`DeviceAndHostProbe`), where the
+    host is apart from ``device``; ``probe`` itself on the CPU."""
+    if host_of(device) is None:
+        return probe
+    register_fake_pin_memory()
+    host = TrackerProbe(HOST)
+    host.pinned = pinned_storage
+    return DeviceAndHostProbe(probe, host)
+
+
+def host_events(memory: Optional[StepMemory],
+                pinned_blocks: bool = True) -> Optional[TrackedEvents]:
+    """The allocation/free sequence of the host side of a step (None without one), each pinned
+    allocation rounded up to a power of two (what the host holds; ``pinned_blocks=False``: the
+    tensors' own bytes), for :func:`~lightning_seqmem.dryrun.step.replay_peaks`.
+
+    Example:
+        >>> ev = TrackedEvents(sizes=[100, 3000], ops=["<existing>", "empty" + PINNED],
+        ...                    sequence=[0, 1, ~1])
+        >>> memory = StepMemory(peak_bytes=3100, phase_peak_bytes={}, start_bytes=100,
+        ...                     end_bytes=100, events=ev)
+        >>> host_events(memory).sizes, host_events(memory, pinned_blocks=False).sizes
+        ([100, 4096], [100, 3000])
+    """
+    if memory is None or memory.events is None:
+        return None
+    events = memory.events
+    if not pinned_blocks:
+        return events
+    sizes = [power_of_two_bytes(n) if op.endswith(PINNED) else n
+             for n, op in zip(events.sizes, events.ops)]
+    return TrackedEvents(sizes=sizes, ops=list(events.ops), sequence=list(events.sequence),
+                         phase_starts=dict(events.phase_starts), num_existing=events.num_existing)
+
+
+def host_detail(device: torch.device, memory: Optional[StepMemory], peak_bytes: int = 0) -> str:
+    """What the detail of a dry run says of host memory (``peak_bytes``: the host peak found).
+
+    >>> host_detail(torch.device("cpu"), None)
+    'no host memory apart from the cpu simulated (host peak 0)'
+    """
+    from lightning_seqmem.core.units import format_bytes
+
+    if host_of(device) is None:
+        return f"no host memory apart from the {device.type} simulated (host peak 0)"
+    ops = [] if memory is None or memory.events is None else memory.events.ops
+    pinned = sum(op.endswith(PINNED) for op in ops)
+    blocks = (f" ({pinned} pinned blocks, each rounded up to a power of two as PyTorch's caching "
+              "host allocator does)") if pinned else ""
+    return (f"host memory ({HOST}) peak {format_bytes(peak_bytes)}, counted by a second "
+            f"LiveTensorTracker in the same step{blocks}")
