@@ -85,6 +85,21 @@ def _plan_device(args: argparse.Namespace, trainer: Any) -> Any:
     return trainer.strategy.root_device
 
 
+def _plan_host_budget(args: argparse.Namespace, seqmem: Any, device: Any) -> Optional[int]:
+    """The host memory offload settings are judged against: ``--host-budget``, else the config's
+    SeqMemCallback ``host_memory_budget``; planned on this machine's own device, else its RAM. For a device
+    simulated here this machine is not the one that trains: without a budget given, host peaks are shown,
+    not judged (None)."""
+    from lightning_seqmem.dryrun.accelerator import is_simulated
+
+    given = getattr(args, "host_budget", None)
+    if given is None and seqmem is not None:
+        given = seqmem.host_memory_budget_bytes
+    if given is None and is_simulated(device):
+        return None
+    return host_budget(given, seqmem)
+
+
 def _budget_args(args: argparse.Namespace) -> Optional[list[Any]]:
     budget = getattr(args, "budget", None)
     return None if budget is None else (list(budget) if isinstance(budget, (list, tuple)) else [budget])
@@ -109,7 +124,7 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     checks: dict[str, Any] = {}
     sets, skipped = mitigation_sets(seqmem, trainer, model, batch, batch_size, checks)
     world = None if args.world_size is None else (args.world_size, args.strategy)
-    host = host_budget(getattr(args, "host_budget", None), seqmem)
+    host = _plan_host_budget(args, seqmem, device)
     # autocast under mixed precision, as in training_step (CUDA's autocast on the simulated device)
     return PlanRun(trainer, model, optimizer, optimizer_name, batch, batch_size, step_context(precision, device),
                    device, sets, skipped, checks, budgets, margin, world, host_budget=host)
@@ -119,9 +134,11 @@ def _length_result(run: PlanRun, seq_len: int, usable: Optional[int], with_site:
     """The dry runs of one length judged against ``usable``: the sets' rows, the cheapest plan, the fastest
     setting that fits (and the rows it ran beyond the sets), where the peak sits (``with_site``)."""
     rows = run.rows(seq_len, run.sets, usable)
-    plan = next((r["mitigations"] for r in rows if r["fits"]), None)
+    chosen = next((r for r in rows if r["fits"]), None)  # the sets cheapest first, offload after every one
+    plan = None if chosen is None else chosen["mitigations"]
     fast, searched_rows = fastest(run, seq_len, rows, usable)
-    result = {"seq_len": seq_len, "rows": rows, "plan": plan, "fastest": fast, "searched_rows": searched_rows}
+    result = {"seq_len": seq_len, "rows": rows, "plan": plan, "plan_offload": bool(chosen and chosen["offload"]),
+              "fastest": fast, "searched_rows": searched_rows}
     if with_site:
         result["peak_at"] = None if run.world is not None else peak_at(run, seq_len, rows, plan)
     return result
@@ -156,8 +173,9 @@ def _search_longest_each(console: Any, run: PlanRun, longest: list[dict[str, Any
             entry["searched_seq_len"], runs = search_longest(run, entry, results, usable)
             search.runs += runs
             if entry["searched_seq_len"]:
+                entry["host_at_seq_len"] = entry["searched_seq_len"]
                 entry["host_peak_bytes"] = run.dry(entry["searched_seq_len"], tuple(entry["mitigations"]),
-                                                   run.world)["host_peak_bytes"]
+                                                   run.world, entry["offload"])["host_peak_bytes"]
     search.seconds += time.perf_counter() - t0
 
 
@@ -192,7 +210,8 @@ def _json_document(args: argparse.Namespace, run: PlanRun, devices: list[dict[st
         "largest_fitting_seq_len": first["search"].largest, "modelled": modelled, "seconds": seconds,
         "method": "dry_run", "longest_fitting_by_set": first["longest"],
         "devices": [{k: v for k, v in d.items() if k in ("name", "budget_bytes", "usable_budget_bytes")}
-                    | {"plans": [{"seq_len": r["seq_len"], "plan": r["plan"], "fastest": r["fastest"]}
+                    | {"plans": [{"seq_len": r["seq_len"], "plan": r["plan"], "plan_offload": r["plan_offload"],
+                                  "fastest": r["fastest"]}
                                  for r in d["results"]],
                        "largest_fitting_seq_len": d["search"].largest, "longest_fitting_by_set": d["longest"]}
                     for d in devices if "name" in d],

@@ -16,7 +16,7 @@ from lightning_seqmem.cli.plan_devices import DeviceBudget
 from lightning_seqmem.cli.plan_text import SEARCH_MULTIPLE
 
 __all__ = ["PlanRun", "fastest", "largest_fitting", "longest_by_set", "mitigation_sets", "modelled_rows", "peak_at",
-           "search_longest"]
+           "search_longest", "setting_key"]
 
 Setting = tuple[str, ...]
 
@@ -71,21 +71,37 @@ class PlanRun:
 
         return stands_for(self.device)
 
-    def dry(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]] = None) -> dict[str, Any]:
-        """The dry run of ``names`` at ``(seq_len, batch_size)`` (at ``world = (N, strategy)`` ranks): a row
-        ``{"mitigations", "peak_bytes", "host_peak_bytes", "seconds", "error"}``, made once and kept."""
-        key = (int(seq_len), tuple(names), world)
+    @property
+    def offloads(self) -> bool:
+        """Whether offload settings are planned: the dry runs keep a host apart (an accelerator, or the
+        simulated one) and the ranks shard with FSDP2 (one device counts as a world of one)."""
+        from lightning_seqmem.dryrun.accelerator import host_of
+
+        return host_of(self.device) is not None and (self.world is None or self.world[1] == "fsdp2")
+
+    def dry(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]] = None,
+            offload: bool = False) -> dict[str, Any]:
+        """The dry run of ``names`` at ``(seq_len, batch_size)`` (at ``world = (N, strategy)`` ranks; with
+        ``offload``, FSDP2 ``CPUOffloadPolicy`` at N ranks, one without ``world``): a row ``{"mitigations",
+        "offload", "peak_bytes", "host_peak_bytes", "seconds", "error"}``, made once and kept."""
+        key = (int(seq_len), tuple(names), world, bool(offload))
         if key not in self.cache:
-            self.cache[key] = self._run(int(seq_len), tuple(names), world)
+            self.cache[key] = self._run(int(seq_len), tuple(names), world, bool(offload))
         return dict(self.cache[key])
 
-    def _run(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]]) -> dict[str, Any]:
+    def _run(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]], offload: bool) -> dict[str, Any]:
         from lightning_seqmem.dryrun.step import DryRunUnsupported
 
         started = time.perf_counter()
         result = error = None
         try:
-            if world is None:
+            if offload:
+                from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
+
+                result = sharded_dry_run_step(self.model, self.batch, seq_len, 1 if world is None else world[0],
+                                              self.batch_size, names, "fsdp2", self.context, self.device,
+                                              offload=True)
+            elif world is None:
                 from lightning_seqmem.dryrun.step import dry_run_step
 
                 result = dry_run_step(self.model, self.optimizer, self.batch, seq_len, self.batch_size, names,
@@ -102,20 +118,30 @@ class PlanRun:
         seconds = time.perf_counter() - started
         self.dry_runs += 1
         self.dry_seconds += seconds
-        return {"mitigations": list(names), "peak_bytes": None if result is None else result.peak_bytes,
+        return {"mitigations": list(names), "offload": offload,
+                "peak_bytes": None if result is None else result.peak_bytes,
                 "host_peak_bytes": None if result is None else getattr(result, "host_peak_bytes", None),
                 "seconds": seconds, "error": error}
 
     def row(self, seq_len: int, names: Setting, usable: Optional[int],
-            world: Optional[tuple[int, str]] = None) -> dict[str, Any]:
-        """:meth:`dry` with ``fits`` against ``usable`` (None without a budget or a figure)."""
-        row = self.dry(seq_len, names, world)
-        row["fits"] = None if usable is None or row["peak_bytes"] is None else row["peak_bytes"] <= usable
+            world: Optional[tuple[int, str]] = None, offload: bool = False) -> dict[str, Any]:
+        """:meth:`dry` with ``fits``: the device peak within ``usable`` and the host peak within the host
+        budget (:func:`~lightning_seqmem.plan.budgets.fits_budgets`; None without a budget or a figure)."""
+        from lightning_seqmem.plan.budgets import fits_budgets
+
+        row = self.dry(seq_len, names, world, offload)
+        row["fits"] = None
+        if usable is not None and row["peak_bytes"] is not None:
+            fit = fits_budgets(row["peak_bytes"], row["host_peak_bytes"] or 0, usable, self.host_budget)
+            row["fits"] = fit.fits
+            if fit.device_fits and not fit.host_fits:
+                row["over_host"] = fit.reason
         return row
 
     def rows(self, seq_len: int, sets: Sequence[Setting], usable: Optional[int]) -> list[dict[str, Any]]:
-        """One row per set at ``seq_len``; with ``world`` (``--world-size``), the per-rank peak at N ranks and,
-        with a budget, the smallest world size up to N at which the set fits (``smallest_world_size``)."""
+        """One row per set at ``seq_len``, then (:attr:`offloads`) one per set with FSDP2 ``CPUOffloadPolicy``;
+        with ``world`` (``--world-size``), the per-rank peak at N ranks and, with a budget, the smallest world
+        size up to N at which the set fits (``smallest_world_size``; not searched with offload)."""
         rows = []
         for names in sets:
             row = self.row(seq_len, names, usable, self.world)
@@ -138,6 +164,12 @@ class PlanRun:
                 row.update(world_size=self.world[0], smallest_world_size=smallest,
                            peak_bytes_by_world_size={str(n): v for n, v in sorted(peaks.items())})
             rows.append(row)
+        if self.offloads:
+            for names in sets:
+                row = self.row(seq_len, names, usable, self.world, offload=True)
+                if self.world is not None:
+                    row.update(world_size=self.world[0], smallest_world_size=None, peak_bytes_by_world_size={})
+                rows.append(row)
         return rows
 
 
@@ -172,7 +204,8 @@ def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_siz
     return sets, skipped
 
 
-def largest_fitting(run: PlanRun, names: Setting, usable: int, lo: int, hi: int) -> tuple[Optional[int], int]:
+def largest_fitting(run: PlanRun, names: Setting, usable: int, lo: int, hi: int,
+                    offload: bool = False) -> tuple[Optional[int], int]:
     """``(largest multiple of 8 below hi whose dry-run peak with names fits usable or None, dry runs made)``,
     by bisection (per rank at the run's world size, where it has one); ``lo`` is known to fit (0: nothing
     known)."""
@@ -181,8 +214,7 @@ def largest_fitting(run: PlanRun, names: Setting, usable: int, lo: int, hi: int)
     before = run.dry_runs
 
     def fits(units: int) -> bool:
-        peak = run.dry(units * SEARCH_MULTIPLE, names, run.world)["peak_bytes"]
-        return peak is not None and peak <= usable
+        return bool(run.row(units * SEARCH_MULTIPLE, names, usable, run.world, offload)["fits"])
 
     # in units of 8 tokens: lo fits (or is 0), hi does not; neither is dry-run again
     lo = bisect_last(fits, lo // SEARCH_MULTIPLE, -(-hi // SEARCH_MULTIPLE))
@@ -202,7 +234,7 @@ def fastest(run: PlanRun, seq_len: int, rows: list[dict[str, Any]], usable: Opti
 
     if usable is None:
         return None, []
-    known = {tuple(r["mitigations"]): r for r in rows}
+    known = {tuple(r["mitigations"]): r for r in rows if not r.get("offload")}
     extra: list[dict[str, Any]] = []
 
     def row(names: Setting) -> dict[str, Any]:
@@ -231,28 +263,38 @@ def fastest(run: PlanRun, seq_len: int, rows: list[dict[str, Any]], usable: Opti
             "step_time_factor": prior_factor(choice_setting, device_type), "why": why}, extra
 
 
+def setting_key(row: dict[str, Any]) -> tuple[Setting, bool]:
+    """A row's setting: its rungs and whether it offloads."""
+    return tuple(row["mitigations"]), bool(row.get("offload"))
+
+
 def longest_by_set(results: list[dict[str, Any]], usable: Optional[int], device_type: Optional[str] = None
                    ) -> list[dict[str, Any]]:
-    """Per setting dry-run (the ladder's prefixes and those the search of the fastest setting ran), the
-    longest asked length at which it fits, with its prior step-time factor (empty without a budget)."""
+    """Per setting dry-run (the ladder's prefixes, with and without offload, and those the search of the
+    fastest setting ran), the longest asked length at which it fits (device and host), its prior
+    step-time factor (offload's host transfers are not priced) and its host peak there (empty without
+    a budget)."""
     from lightning_seqmem.plan.pricing import prior_factor
 
     if usable is None:
         return []
-    best: dict[Setting, Optional[int]] = {}
-    ran: dict[Setting, list[int]] = {}
-    host: dict[Setting, Optional[int]] = {}
+    best: dict[tuple[Setting, bool], Optional[int]] = {}
+    ran: dict[tuple[Setting, bool], list[int]] = {}
+    host: dict[tuple[Setting, bool], tuple[int, int]] = {}
     for res in results:
         for row in res["rows"] + res.get("searched_rows", []):
-            names = tuple(row["mitigations"])
-            fits = row["peak_bytes"] is not None and row["peak_bytes"] <= usable
-            best[names] = max(best.get(names) or 0, res["seq_len"] if fits else 0) or None
-            ran.setdefault(names, []).append(res["seq_len"])
-            if fits and row.get("host_peak_bytes") is not None:
-                host[names] = row["host_peak_bytes"]
+            key = setting_key(row)
+            fits = bool(row["fits"])
+            best[key] = max(best.get(key) or 0, res["seq_len"] if fits else 0) or None
+            ran.setdefault(key, []).append(res["seq_len"])
+            if row.get("host_peak_bytes") is not None and (fits or key not in host):
+                host[key] = (res["seq_len"], row["host_peak_bytes"])  # at the longest it fits, else the shortest
     # open_ended: it fits the longest length dry-run for it, so the longest it fits is at least that
-    return [{"mitigations": list(k), "seq_len": v, "step_time_factor": prior_factor(k, device_type),
-             "dry_run_lengths": ran[k], "host_peak_bytes": host.get(k), "open_ended": v is not None and v == max(ran[k])}
+    return [{"mitigations": list(k[0]), "offload": k[1], "seq_len": v,
+             "step_time_factor": prior_factor(k[0], device_type), "dry_run_lengths": ran[k],
+             "host_peak_bytes": host[k][1] if k in host else None,
+             "host_at_seq_len": host[k][0] if k in host else None,
+             "open_ended": v is not None and v == max(ran[k])}
             for k, v in best.items()]
 
 
@@ -260,14 +302,14 @@ def search_longest(run: PlanRun, entry: dict[str, Any], results: list[dict[str, 
                    ) -> tuple[Optional[int], int]:
     """(the longest multiple of 8 that ``entry``'s setting fits, dry runs): searched between the longest
     dry-run length it fits and the shortest it does not; without one over, the longest it fits."""
-    names = tuple(entry["mitigations"])
+    key = setting_key(entry)
     over = [res["seq_len"] for res in results for r in res["rows"] + res["searched_rows"]
-            if tuple(r["mitigations"]) == names and r["peak_bytes"] is not None and r["peak_bytes"] > usable]
+            if setting_key(r) == key and r["fits"] is False]
     if not over:
         return entry["seq_len"], 0
     hi = min(over)
     lo = max((L for L in [entry["seq_len"] or 0] if L < hi), default=0)
-    return largest_fitting(run, names, usable, lo, hi)
+    return largest_fitting(run, key[0], usable, lo, hi, key[1])
 
 
 def peak_at(run: PlanRun, seq_len: int, rows: Sequence[dict[str, Any]], plan: Optional[Sequence[str]]
@@ -280,7 +322,7 @@ def peak_at(run: PlanRun, seq_len: int, rows: Sequence[dict[str, Any]], plan: Op
     from lightning_seqmem.diagnostics.peak import trace_peak_site
     from lightning_seqmem.dryrun.step import dry_run_step
 
-    ran = [r for r in rows if r["peak_bytes"] is not None]
+    ran = [r for r in rows if r["peak_bytes"] is not None and not r.get("offload")]
     if not ran:
         return None
     names = tuple(plan) if plan is not None else tuple(min(ran, key=lambda r: r["peak_bytes"])["mitigations"])
@@ -305,7 +347,7 @@ def modelled_rows(run: PlanRun, base: Setting, results: list[dict[str, Any]], us
         if not getattr(rung(name), "modelled_where_refused", False):
             continue
         for res in results:
-            without = next(r for r in res["rows"] if tuple(r["mitigations"]) == base)
+            without = next(r for r in res["rows"] if setting_key(r) == (base, False))
             row = {"rung": name, "refused": why, "seq_len": res["seq_len"], "mitigations": [*base, name],
                    "peak_bytes_without": without["peak_bytes"], "peak_bytes": None, "host_bytes": None,
                    "saved_bytes": None, "fits": None, "measured": False, "error": without["error"]}

@@ -23,6 +23,17 @@ def joined_names(names: Sequence[str]) -> str:
     return " + ".join(names) if names else "none"
 
 
+def setting_name(row: dict[str, Any]) -> str:
+    """A row's setting in words: its rungs, and ``+ offload`` where parameters, gradients and optimizer
+    state live on the host (FSDP2 ``CPUOffloadPolicy``).
+
+    >>> setting_name({"mitigations": ["checkpointing"], "offload": True})
+    'checkpointing + offload'
+    """
+    names = list(row["mitigations"])
+    return joined_names(names) if not row.get("offload") else " + ".join([*names, "offload"])
+
+
 def fits_cell(row: dict[str, Any], usable: Optional[int]) -> list[str]:
     """The ``fits`` cell of a table row (none without a budget: the column is not there); the
     ``--world-size`` table of :mod:`.parallel` shares it (example above)."""
@@ -118,7 +129,7 @@ def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any], errors: dic
     for b in run.budgets[1:]:
         fits.append("-" if row["peak_bytes"] is None else ("yes" if row["peak_bytes"] <= b.usable_bytes else "NO"))
     host = [_host_cell(row)] if _shows_host(run) else []
-    return [str(res["seq_len"]), str(run.batch_size), joined_names(row["mitigations"]), peak, *host,
+    return [str(res["seq_len"]), str(run.batch_size), setting_name(row), peak, *host,
             *fits, *smallest, f"{row['seconds']:.1f}s"]
 
 
@@ -145,7 +156,8 @@ def print_table(console: Any, run: Any, results: Sequence[dict[str, Any]], confi
     errors: dict[str, int] = {}  # each distinct reason a dry run did not run -> its note number, below the table
     for res in results:
         for row in res["rows"]:
-            chosen = res["plan"] is not None and row["mitigations"] == res["plan"]
+            chosen = (res["plan"] is not None and row["mitigations"] == res["plan"]
+                      and bool(row.get("offload")) == res.get("plan_offload", False))
             table.add_row(*_table_cells(run, res, row, errors),
                           style="bold green" if chosen else ("red" if row["fits"] is False else None))
         table.add_section()
@@ -162,7 +174,8 @@ def _nothing_fits_line(res: dict[str, Any], usable: int, last_set: Sequence[str]
     """The line of a length nothing fits at: the lowest peak and the largest length the last set fits."""
     from lightning_seqmem.core.units import format_bytes
 
-    lowest = min((r for r in res["rows"] if r["peak_bytes"] is not None), key=lambda r: r["peak_bytes"])
+    lowest = min((r for r in res["rows"] if r["peak_bytes"] is not None and not r.get("offload")),
+                 key=lambda r: r["peak_bytes"])
     if largest is not None:
         longest = f"the largest length that fits with {joined_names(last_set)} is [bold]{largest}[/bold] tokens"
     elif searched:
@@ -170,7 +183,7 @@ def _nothing_fits_line(res: dict[str, Any], usable: int, last_set: Sequence[str]
     else:
         longest = "no length that fits was searched for"
     return (f"seq_len {res['seq_len']}: [red]nothing fits[/red]: the lowest peak is "
-            f"{format_bytes(lowest['peak_bytes'])} ({joined_names(lowest['mitigations'])}) over "
+            f"{format_bytes(lowest['peak_bytes'])} ({setting_name(lowest)}) over "
             f"{format_bytes(usable)} usable; {longest}")
 
 
@@ -178,10 +191,13 @@ def _print_plan_of(console: Any, res: dict[str, Any], usable: int) -> None:
     """The cheapest plan of one length that has one, and the fastest setting that fits there."""
     from lightning_seqmem.core.units import format_bytes
 
-    peak = next(r["peak_bytes"] for r in res["rows"] if r["mitigations"] == res["plan"])
-    what = joined_names(res["plan"]) if res["plan"] else "no mitigation needed"
+    offload = res.get("plan_offload", False)
+    row = next(r for r in res["rows"] if r["mitigations"] == res["plan"] and bool(r.get("offload")) == offload)
+    what = setting_name(row) if res["plan"] or offload else "no mitigation needed"
+    host = (f", {format_bytes(row['host_peak_bytes'] or 0)} on the host: FSDP2 CPUOffloadPolicy" if offload
+            else "")
     console.print(f"seq_len {res['seq_len']}: cheapest plan: [bold]{what}[/bold] "
-                  f"({format_bytes(peak)} of {format_bytes(usable)} usable)")
+                  f"({format_bytes(row['peak_bytes'])} of {format_bytes(usable)} usable{host})")
     fast = res["fastest"]
     if fast is not None:
         console.print(f"seq_len {res['seq_len']}: fastest that fits: [bold]{joined_names(fast['mitigations'])}"
@@ -210,13 +226,19 @@ def print_longest(console: Any, longest: Sequence[dict[str, Any]]) -> None:
 
     for entry in longest:
         host = entry.get("host_peak_bytes")
-        console.print(f"{joined_names(entry['mitigations'])} "
-                      f"(step time {(entry['step_time_factor'] - 1) * 100:+.0f}% by "
-                      f"priors): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
+        console.print(f"{setting_name(entry)} "
+                      f"(step time {_step_time(entry)}): longest length that fits of those dry-run ({', '.join(map(str, entry['dry_run_lengths']))}): "
                       + (f"{entry['seq_len']}" if entry["seq_len"] else "none")
                       + (f"; longest that fits (searched): {entry['searched_seq_len'] or 'none'}"
                          if "searched_seq_len" in entry else "")
                       + (f"; host memory {format_bytes(host)}" if host is not None else ""), highlight=False)
+
+
+def _step_time(entry: dict[str, Any]) -> str:
+    """A setting's step-time cost by the rungs' priors; offload's host transfers and host optimizer step
+    are not priced (they depend on the host link and CPU: time a step)."""
+    cost = f"{(entry['step_time_factor'] - 1) * 100:+.0f}% by priors"
+    return cost + " + host transfers" if entry.get("offload") else cost
 
 
 def _longest_cell(entry: Optional[dict[str, Any]]) -> str:
@@ -236,20 +258,26 @@ def print_devices_longest(console: Any, run: Any, devices: Sequence[dict[str, An
 
     from lightning_seqmem.core.units import format_bytes
 
-    by_device = [{tuple(e["mitigations"]): e for e in d["longest"]} for d in devices]
+    by_device = [{(tuple(e["mitigations"]), bool(e.get("offload"))): e for e in d["longest"]} for d in devices]
     settings = list(dict.fromkeys(k for d in by_device for k in d))
     table = Table(title="longest length each setting fits, per device (tokens)", title_justify="left")
-    for header in ["setting", "step time (priors)", *(b.name for b in run.budgets), "host memory"]:
+    for header in ["setting", "step time", *(b.name for b in run.budgets), "host memory"]:
         table.add_column(header, justify="left" if header == "setting" else "right")
     for names in settings:
         entries = [d.get(names) for d in by_device]
         first = next(e for e in entries if e is not None)
-        hosts = [e.get("host_peak_bytes") for e in entries if e is not None and e.get("host_peak_bytes") is not None]
-        table.add_row(joined_names(names), f"{(first['step_time_factor'] - 1) * 100:+.0f}%",
-                      *(_longest_cell(e) for e in entries), format_bytes(max(hosts)) if hosts else "-")
+        hosts = [(e["host_peak_bytes"], e.get("host_at_seq_len")) for e in entries
+                 if e is not None and e.get("host_peak_bytes") is not None]
+        host = max(hosts, key=lambda h: h[0]) if hosts else None
+        table.add_row(setting_name(first), _step_time(first), *(_longest_cell(e) for e in entries),
+                      "-" if host is None else f"{format_bytes(host[0])} at {host[1]}")
     console.print(table)
     console.print("(≥ N: fits the longest length asked; N*: the longest of the lengths dry-run, not searched "
-                  "(--longest searches); -: not dry-run on that device)")
+                  "(--longest searches); -: not dry-run on that device; host memory: the setting's host peak at "
+                  "the longest length it fits, else the shortest dry-run)")
+    if run.host_budget is None and any(e.get("offload") for d in devices for e in d["longest"]):
+        console.print("host memory not judged: pass --host-budget (the training machine's RAM) to hold offload "
+                      "settings to it", highlight=False)
 
 
 def print_totals(console: Any, run: Any, modelled: Sequence[dict[str, Any]], seconds: float) -> None:
@@ -264,5 +292,5 @@ def print_totals(console: Any, run: Any, modelled: Sequence[dict[str, Any]], sec
                   "context: that is what the safety margin is for)")
 
 
-__all__ = ["SEARCH_MULTIPLE", "fits_cell", "joined_names", "modelled_line", "print_devices_longest", "print_header",
+__all__ = ["SEARCH_MULTIPLE", "fits_cell", "setting_name", "joined_names", "modelled_line", "print_devices_longest", "print_header",
            "print_longest", "print_peak_at", "print_plans", "print_table", "print_totals"]
