@@ -125,7 +125,8 @@ from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, con
     unwrap_optimizer,
 )
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
-from lightning_seqmem.dryrun.accelerator import simulated_device
+from lightning_seqmem.dryrun.accelerator import simulated_device, stands_for
+from lightning_seqmem.dryrun.kernels import CUDA_TARGET, recording
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step_functions import step_functions
@@ -338,7 +339,7 @@ def dry_run_step(
     resident = _resident_bytes(pl_module, optimizer, batch, device, module_device)
     peak += resident
     phase_peaks = {p: phase_peaks[p] + resident for p in PHASES if p in phase_peaks}
-    host, notes = step.host_bytes, step.notes
+    host, notes, modelled = step.host_bytes, step.notes, step.modelled_kernels
     detail = (
         f"a fake step of {type(pl_module).__name__} on {device} (after a zero-gradient optimizer step) with {step.optimizer_name}, "
         f"batch {step.source_shape} -> ({batch_size}, {seq_len})"
@@ -346,6 +347,7 @@ def dry_run_step(
         + f"; live storages counted by LiveTensorTracker{', 512-byte blocks' if block > 1 else ''}"
         + (f"; plus {resident} bytes the allocator holds outside the step's tensors" if resident else "")
         + (f"; {host} bytes of saved activations moved to host memory (modelled)" if host else "")
+        + (f"; kernels modelled for {CUDA_TARGET.name}: {', '.join(modelled)}" if modelled else "")
     )
     return DryRunResult(
         seq_len=seq_len,
@@ -358,6 +360,7 @@ def dry_run_step(
         resident_bytes=resident,
         host_bytes=host,
         peak_site=step.peak_site,
+        modelled_kernels=tuple(modelled),
     )
 
 
@@ -410,6 +413,7 @@ class _FakeStep(NamedTuple):
     notes: list[str]  # what the rungs did to the copy and the step
     optimizer_name: str  # the fake optimizer's class name
     source_shape: Any  # the batch's own (batch_size, seq_len)
+    modelled_kernels: list[str]  # the CUDA kernels modelled in the measured step (dryrun.kernels)
 
 
 def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_len: int, batch_size: int,
@@ -425,13 +429,14 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
             loss_fn, step_optimizer = step_functions(pl_module, fake_optimizer, plan, batch_size)
             probe = make_probe("tracker", device)
-            if device.type == "cuda":
+            if stands_for(device) == "cuda":  # CUDA and the simulated device that stands for it
                 probe.scratch = cuda_kernel_scratch_bytes
             with fake_mode, values, transformers_without_fake_detection():
                 state_after_a_step(model, fake_optimizer)
                 reset_offloaded_bytes(model)
-                memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer, step_batch, loss_fn, probe,
-                                                   autocast, site, seq_len, batch_size, device)
+                with recording() as modelled:
+                    memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer, step_batch, loss_fn,
+                                                       probe, autocast, site, seq_len, batch_size, device)
             host = offloaded_bytes(model)
         except DryRunUnsupported:
             raise
@@ -443,7 +448,7 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             gc.collect()  # its cycles (fake tensors, their mode, the tracker) freed now, not in a later collection
             raise DryRunUnsupported(failure) from None
     assert memory is not None and memory.events is not None
-    return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape)
+    return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape, modelled)
 
 
 def _resident_bytes(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, device: torch.device,
