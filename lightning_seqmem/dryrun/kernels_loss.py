@@ -36,11 +36,6 @@ from lightning_seqmem.dryrun.kernels_sdpa import note_kernel
 __all__ = ["cce_loss", "liger_chunks", "liger_loss"]
 
 
-def _free(*tensors: torch.Tensor) -> None:
-    """A kernel's own buffers, allocated beside its outputs and freed when it returns."""
-    del tensors
-
-
 class _CCE(torch.autograd.Function):
     """``LinearCrossEntropyFunction`` of Cut Cross-Entropy (``reduction="sum"``), its allocations modelled."""
 
@@ -52,11 +47,11 @@ class _CCE(torch.autograd.Function):
         counted = torch.ones(n, dtype=torch.bool, device=e.device)
         wide = torch.empty(n, 1, dtype=torch.int64, device=e.device)
         valids = torch.empty(n, dtype=torch.int32, device=e.device)
-        _free(counted, wide)
+        del counted, wide
         lse = torch.empty(n, dtype=torch.float32, device=e.device)  # cce_lse_forward_kernel
         locks = torch.empty(-(-n // 128), dtype=torch.int32, device=e.device)
         logit_avg = torch.empty(v, dtype=torch.float32, device=e.device)  # filter_eps="auto", needs grad
-        _free(locks)
+        del locks
         nll = torch.empty(n, dtype=torch.float32, device=e.device)  # indexed_neg_dot, then += lse in place
         ctx.save_for_backward(e, c, lse, targets, valids, logit_avg)
         ctx.input_grads = ctx.needs_input_grad[:2]
@@ -67,13 +62,13 @@ class _CCE(torch.autograd.Function):
         e, c, lse, targets, valids, logit_avg = ctx.saved_tensors
         order = torch.empty(c.shape[0], dtype=torch.int64, device=c.device)  # argsort(logit_avg)
         ordering = torch.empty(c.shape[0], dtype=torch.int32, device=c.device)
-        _free(order)
+        del order
         de = torch.empty_like(e) if ctx.input_grads[0] else None
         dc = torch.empty_like(c) if ctx.input_grads[1] else None
         d_locks = -(-c.shape[1] // 64)
         de_locks = torch.empty(-(-e.shape[0] // 128), d_locks, dtype=torch.int32, device=e.device)
         dc_locks = torch.empty(-(-c.shape[0] // 128), d_locks, dtype=torch.int32, device=e.device)
-        _free(ordering, de_locks, dc_locks)
+        del ordering, de_locks, dc_locks
         return de, dc, None, None
 
 
@@ -106,8 +101,8 @@ class _Liger(torch.autograd.Function):
         grad_input = torch.zeros_like(x)
         grad_weight = torch.zeros_like(w) if w.requires_grad else None
         loss_1d = torch.zeros(n, dtype=torch.float32, device=x.device)
-        counted = (target != ignore_index)
-        _free(counted, counted.sum())
+        counted = target != ignore_index  # its sum read with .item() (a host value)
+        del counted
         for i in range(chunks):
             part = x[i * size:(i + 1) * size]
             logits = part @ w.t()  # the kernel writes the logits' gradient over them, in place

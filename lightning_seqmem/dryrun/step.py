@@ -20,8 +20,13 @@ What is counted, as in a real Lightning run after the first step:
 * parameters, buffers, gradients, optimizer state and the batch are counted as existing; the peak
   of each phase (``forward``, ``backward``, ``optimizer``) is the live bytes' maximum within it;
 * on CUDA every allocation is rounded up to the caching allocator's 512-byte block, as
-  ``torch.cuda.max_memory_allocated`` counts it (:func:`allocator_block_bytes`). Not modelled:
-  allocator fragmentation / reserved memory, cuBLAS/cuDNN workspaces, CUDA context.
+  ``torch.cuda.max_memory_allocated`` counts it (:func:`allocator_block_bytes`), and the buffers
+  kernels hold for themselves are counted through the tracker's ``scratch`` hook
+  (:func:`cuda_kernel_scratch_bytes`). Not modelled: allocator fragmentation / reserved memory,
+  cuBLAS/cuDNN workspaces, CUDA context;
+* on the simulated CUDA device of a CPU-only build, the CUDA kernels the run uses (SDPA's backends,
+  flash-attn, Cut Cross-Entropy, Liger) are modelled from their sources (:mod:`.kernels`); the
+  result's ``modelled_kernels`` and ``detail`` name those that ran.
 
 Candidate mitigations (rung names, :func:`lightning_seqmem.mitigations.ladder.rung_names`) are
 applied to the copy only, each by its rung's ``apply_to_copy``
