@@ -243,9 +243,10 @@ def test_outside_training_the_mlp_runs_untiled_with_the_same_output():
 
 
 def test_at_long_lengths_the_tile_count_follows_the_length_as_alst():
-    """Above ``floor * hidden`` tokens a call runs ALST's ``ceil(L / hidden)`` tiles (one tile per 32 tokens
-    here: d_model 32), at least the floor (d_ff 128 / d_model 32 = 4); counted by the calls of the MLP's
-    first linear layer in a real step: one per tile in forward, and again in backward's recompute."""
+    """Above ``floor * hidden`` tokens a call runs ALST's ``ceil(L / hidden)`` tiles (one tile per
+    32 tokens here: d_model 32), at least the floor (d_ff 128 / d_model 32 = 4); counted by the
+    calls of the MLP's first linear layer in a real step: one per tile in forward, again in
+    backward's recompute."""
     module = _gpt(d_model=32, d_ff=128)
     assert TiledMLP().apply(module).applied
     assert tiled_mlp_tiles(module) == 4

@@ -355,10 +355,11 @@ def _length_result(run: PlanRun, seq_len: int) -> dict[str, Any]:
     (and the rows it ran beyond the sets), where the peak sits."""
     rows = run.rows(seq_len, run.sets)
     plan = next((r["mitigations"] for r in rows if r["fits"]), None)
-    from lightning_seqmem.dryrun.accelerator import stands_for  # priced as the device a dry run stands for
+    from lightning_seqmem.dryrun.accelerator import stands_for  # priced as the device simulated
 
     fastest, searched_rows = _fastest(rows, run.ladder_rungs, run.checks, run.usable,
-                                      lambda names: run.rows(seq_len, [names])[0], stands_for(run.device))
+                                      lambda names: run.rows(seq_len, [names])[0],
+                                      stands_for(run.device))
     result = {"seq_len": seq_len, "rows": rows, "plan": plan, "fastest": fastest, "searched_rows": searched_rows}
     result["peak_at"] = (None if run.world is not None else  # the sharded dry run does not say
                          _peak_at(run.model, run.optimizer, run.batch, seq_len, run.batch_size, rows, plan, run.context,
@@ -450,7 +451,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print_plans(console, results, run.usable, run.sets[-1], search.largest, search.searched)
     for row in modelled:
         console.print(modelled_line(row), highlight=False)
-    from lightning_seqmem.dryrun.accelerator import stands_for  # priced as the device a dry run stands for
+    from lightning_seqmem.dryrun.accelerator import stands_for  # priced as the device simulated
 
     longest = _longest_by_set(results, run.usable, stands_for(run.device))
     if getattr(args, "longest", False) and run.usable is not None and run.world is None:

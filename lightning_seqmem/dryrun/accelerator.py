@@ -46,8 +46,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "on_registered", "register_early", "simulated_device",
-           "simulation_refusal", "stands_for", "to_host_device"]
+__all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "on_registered", "register_early",
+           "simulated_device", "simulation_refusal", "stands_for", "to_host_device"]
 
 SIMULATED = "seqmem"
 """The device type of the simulated accelerator (``torch.device("seqmem", 0)``): a CUDA device modelled."""
@@ -115,8 +115,8 @@ def _register() -> None:
 
 
 def on_registered(hook: Callable[[], None]) -> None:
-    """Run ``hook()`` when the simulated device is registered, before its first use (at once if it is
-    already): how :mod:`lightning_seqmem.dryrun.kernels` puts CUDA's kernels on it."""
+    """Run ``hook()`` when the simulated device is registered, before its first use (at once if it
+    is already): how :mod:`lightning_seqmem.dryrun.kernels` puts CUDA's kernels on it."""
     with _LOCK:
         if _STATE["registered"]:
             hook()

@@ -10,7 +10,7 @@ import torch
 
 from lightning_seqmem.measure.probes import round_cuda_block_bytes
 from lightning_seqmem.dryrun.accelerator import stands_for
-from lightning_seqmem.dryrun.kernels_sdpa import kernel_scratch_bytes
+from lightning_seqmem.dryrun.kernels_scratch import kernel_scratch_bytes
 
 __all__ = ['allocator_block_bytes', 'cuda_kernel_scratch_bytes', 'resident_bytes', 'warm_cuda_workspaces']
 
@@ -35,7 +35,7 @@ def cuda_kernel_scratch_bytes(func: Any, args: Any, out: Any) -> int:
     Other kernels showed no such buffer above the allocator's rounding (SDPA in fp32, Llama and
     Mistral with SDPA: within 0.05%). SDPA's fused kernels' own buffers (flash-attn 2's ``dq_accum``
     and ``softmax_d``, the memory-efficient backward's workspace), modelled from their sources:
-    :func:`~lightning_seqmem.dryrun.kernels_sdpa.kernel_scratch_bytes`.
+    :func:`~lightning_seqmem.dryrun.kernels_scratch.kernel_scratch_bytes`.
 
     Example:
         >>> out = torch.empty(2, 4, 8, 8)

@@ -18,8 +18,9 @@ class DryRunResult:
     maximum. ``seconds`` is the wall time of the whole dry run (copy, two fake steps).
     ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
     ``peak_site`` says where the peak sits (phase, kinds of tensor), when the dry run was asked
-    (``dry_run_step(..., site=trace_peak_site)``). ``modelled_kernels`` names the CUDA kernels whose
-    memory was modelled rather than run (:mod:`lightning_seqmem.dryrun.kernels`), in first-run order.
+    (``dry_run_step(..., site=trace_peak_site)``). ``modelled_kernels`` names the CUDA kernels
+    whose memory was modelled rather than run (:mod:`lightning_seqmem.dryrun.kernels`), in
+    first-run order.
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -32,7 +33,7 @@ class DryRunResult:
     resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
     host_bytes: int = 0  # saved activations the step copies to host memory (activation offload; modelled)
     peak_site: Optional[PeakSite] = None  # where the peak sits (phase, kinds), when asked
-    modelled_kernels: tuple[str, ...] = ()  # CUDA kernels whose memory was modelled (the simulated device)
+    modelled_kernels: tuple[str, ...] = ()  # CUDA kernels modelled (on the simulated device)
 
 
 class DryRunUnsupported(RuntimeError):

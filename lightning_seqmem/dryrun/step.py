@@ -440,8 +440,9 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                 state_after_a_step(model, fake_optimizer)
                 reset_offloaded_bytes(model)
                 with recording() as modelled:
-                    memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer, step_batch, loss_fn,
-                                                       probe, autocast, site, seq_len, batch_size, device)
+                    memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer,
+                                                       step_batch, loss_fn, probe, autocast, site,
+                                                       seq_len, batch_size, device)
             host = offloaded_bytes(model)
         except DryRunUnsupported:
             raise
@@ -453,7 +454,8 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             gc.collect()  # its cycles (fake tensors, their mode, the tracker) freed now, not in a later collection
             raise DryRunUnsupported(failure) from None
     assert memory is not None and memory.events is not None
-    return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape, modelled)
+    return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape,
+                     modelled)
 
 
 def _resident_bytes(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, device: torch.device,

@@ -54,13 +54,14 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NO_TARGET_REASON = (
     "no attention module implements set_attention_backend and the model is not a Hugging Face PreTrainedModel"
 )
-_MODELLED_FLASH: dict[str, Callable[[], str]] = {}  # device type -> its modelled flash-attn's HF implementation
+_MODELLED_FLASH: dict[str, Callable[[], str]] = {}  # device type -> HF name of its modelled flash
 
 
 def register_modelled_flash(device_type: str, implementation: Callable[[], str]) -> None:
-    """On ``device_type`` flash-attn runs modelled, as the Hugging Face attention implementation that
-    ``implementation()`` names (the dry-run wing's simulated CUDA device,
-    :mod:`lightning_seqmem.dryrun.kernels`): the ``"flash"`` switch works there for Hugging Face models.
+    """On ``device_type`` flash-attn runs modelled, as the Hugging Face attention implementation
+    that ``implementation()`` names (the dry-run wing's simulated CUDA device,
+    :mod:`lightning_seqmem.dryrun.kernels`): the ``"flash"`` switch works there for Hugging Face
+    models.
 
     Example:
         >>> register_modelled_flash("example", lambda: "flash_attention_2_modelled")
@@ -144,9 +145,11 @@ def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str 
     """
     param = _first_parameter(model)
     if param is not None and param.device.type in _MODELLED_FLASH:
-        others = [name or "<root>" for name, t in find_attention_targets(model) if not is_hf_pretrained_model(t)]
+        others = [name or "<root>" for name, t in find_attention_targets(model)
+                  if not is_hf_pretrained_model(t)]
         if others:
-            return f"flash-attn is modelled on {param.device.type} for Hugging Face models only, not {', '.join(others)}"
+            return (f"flash-attn is modelled on {param.device.type} for Hugging Face models only, "
+                    f"not {', '.join(others)}")
         if check_dtype and param.dtype not in _HALF_DTYPES:
             return f"model parameters are {param.dtype}, flash-attn needs float16 or bfloat16"
         return None
@@ -162,8 +165,8 @@ def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str 
 
 
 def _hf_implementation(backend: str, target: nn.Module) -> str:
-    """The Hugging Face attention implementation of ``backend`` for ``target`` (flash: the modelled one where
-    its device has it)."""
+    """The Hugging Face attention implementation of ``backend`` for ``target`` (flash: the modelled
+    one where its device has it)."""
     param = _first_parameter(target)
     if backend == "flash" and param is not None and param.device.type in _MODELLED_FLASH:
         return _MODELLED_FLASH[param.device.type]()

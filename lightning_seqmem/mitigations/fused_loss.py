@@ -108,13 +108,15 @@ _INSTALL = {"cce": "pip install 'lightning-seqmem[fused]' (cut-cross-entropy)",
 _MODULE = {"cce": "cut_cross_entropy", "liger": "liger_kernel", "tiled": "deepspeed"}
 
 
-_MODELLED: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}  # device type -> backend -> its model
+_MODELLED: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}  # device type -> backend -> model
 
 
-def register_modelled_backends(device_type: str, backends: dict[str, Callable[..., torch.Tensor]]) -> None:
-    """On ``device_type`` the backends named run modelled: ``fn(hidden [N, d], weight [V, d], labels [N],
-    ignore_index) -> summed loss`` with the library's allocations (the dry-run wing's simulated CUDA
-    device, :mod:`lightning_seqmem.dryrun.kernels`); ``"auto"`` picks there as on CUDA.
+def register_modelled_backends(device_type: str,
+                               backends: dict[str, Callable[..., torch.Tensor]]) -> None:
+    """On ``device_type`` the backends named run modelled: ``fn(hidden [N, d], weight [V, d],
+    labels [N], ignore_index) -> summed loss`` with the library's allocations (the dry-run wing's
+    simulated CUDA device, :mod:`lightning_seqmem.dryrun.kernels`); ``"auto"`` picks there as on
+    CUDA.
 
     Example:
         >>> register_modelled_backends("example", {"cce": lambda h, w, y, i: h.sum()})
@@ -156,14 +158,16 @@ def backend_unavailable_reason(backend: str, device_type: str) -> Optional[str]:
 
 
 def resolve_backend(device_type: str) -> Optional[str]:
-    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA (and on a device where they
-    run modelled: cce); tiled elsewhere (and on CUDA without either); None when none is installed.
+    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA (and on a device
+    where they run modelled: cce); tiled elsewhere (and on CUDA without either); None when none is
+    installed.
 
     Example:
         >>> resolve_backend("cpu")
         'tiled'
     """
-    order = ("cce", "liger", "tiled") if device_type == "cuda" or device_type in _MODELLED else ("tiled",)
+    cuda_like = device_type == "cuda" or device_type in _MODELLED
+    order = ("cce", "liger", "tiled") if cuda_like else ("tiled",)
     return next((b for b in order if backend_unavailable_reason(b, device_type) is None), None)
 
 
@@ -477,9 +481,10 @@ class FusedLossRung(Rung):
         return MitigationResult(self.name, before != "plain", f"loss {before} -> plain", before, "plain")
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """The dry run runs ``tiled`` (eager: it runs on fake tensors): on CPU what really runs; on CUDA a
-        stand-in for cce/liger, whose memory is at most tiled's. On a device where cce and liger run
-        modelled (the simulated CUDA device), the backend the run picks there, modelled."""
+        """The dry run runs ``tiled`` (eager: it runs on fake tensors): on CPU what really runs; on
+        CUDA a stand-in for cce/liger, whose memory is at most tiled's. On a device where cce and
+        liger run modelled (the simulated CUDA device), the backend the run picks there, as
+        modelled."""
         applies, why = self.is_applicable(RungContext(copy))
         if not applies:
             plan.notes.append(f"{self.name}: {why}")
@@ -488,8 +493,8 @@ class FusedLossRung(Rung):
         modelled = _MODELLED.get(_device_type(copy), {})
         if backend in modelled:
             self._put_on(copy, backend)
-            plan.notes.append(f"{self.name}: loss plain -> {backend} ({self._LIBRARY[backend]}, modelled: its "
-                              "allocations on the simulated CUDA device)")
+            plan.notes.append(f"{self.name}: loss plain -> {backend} ({self._LIBRARY[backend]}, "
+                              "modelled: its allocations on the simulated CUDA device)")
             return
         if backend_unavailable_reason("tiled", _device_type(copy)) is not None:
             plan.notes.append(f"{self.name}: {backend} on the model; the dry run needs tiled: {_INSTALL['tiled']}")
