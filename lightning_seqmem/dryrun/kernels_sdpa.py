@@ -217,6 +217,19 @@ def _efficient_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tor
     return mask
 
 
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: Optional[torch.Tensor]) -> None:
+    """``validate_sdpa_input``: what SDPA refuses on every device, with its messages."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise RuntimeError("Expected query, key, and value to have the same dtype, but got query."
+                           f"dtype: {q.dtype} key.dtype: {k.dtype} and value.dtype: {v.dtype}")
+    if min(q.dim(), k.dim(), v.dim()) < 2:
+        raise RuntimeError("Expected query, key, and value to all be  at least 2 dimensional")
+    if mask is not None and mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        raise RuntimeError("Expected attn_mask dtype to be bool or float or to match query dtype, "
+                           f"but got attn_mask.dtype: {mask.dtype}")
+
+
 def _sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -229,6 +242,7 @@ def _sdpa(
 ) -> torch.Tensor:
     """``aten::scaled_dot_product_attention`` on the simulated device (its autograd kernel): the
     backend of :func:`sdpa_backend`, run as ``attention.cpp`` runs it on CUDA."""
+    _validate(query, key, value, attn_mask)
     backend, _ = sdpa_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     note_kernel(f"SDPA {backend} (PyTorch CUDA dispatch on {CUDA_TARGET.name})")
     if backend == "flash":
