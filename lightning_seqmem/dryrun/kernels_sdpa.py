@@ -132,7 +132,9 @@ def _efficient_refusal(
     enable_gqa: bool,
 ) -> Optional[str]:
     """Why ``can_use_mem_efficient_attention`` refuses (None: it runs). Grouped-query attention
-    (``enable_gqa`` with fewer key heads) runs on flash and math only (PyTorch's documentation)."""
+    (``enable_gqa`` with fewer key heads) runs on flash and math only, as in PyTorch 2.13 (its
+    documentation; ``check_batch_size_and_num_heads_dense<false>``; later versions take it here):
+    a float32 grouped-query model with SDPA and no mask runs math on CUDA."""
     if not torch.backends.cuda.mem_efficient_sdp_enabled():
         return "disabled (sdpa_kernel)"
     if q.dim() != 4:

@@ -145,11 +145,14 @@ def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str 
     """
     param = _first_parameter(model)
     if param is not None and param.device.type in _MODELLED_FLASH:
-        others = [name or "<root>" for name, t in find_attention_targets(model)
-                  if not is_hf_pretrained_model(t)]
+        targets = find_attention_targets(model)
+        others = [name or "<root>" for name, t in targets if not is_hf_pretrained_model(t)]
         if others:
             return (f"flash-attn is modelled on {param.device.type} for Hugging Face models only, "
                     f"not {', '.join(others)}")
+        refusing = [type(t).__name__ for _, t in targets if not getattr(t, "_supports_flash_attn", True)]
+        if refusing:
+            return f"{', '.join(refusing)} does not support flash attention"
         if check_dtype and param.dtype not in _HALF_DTYPES:
             return f"model parameters are {param.dtype}, flash-attn needs float16 or bfloat16"
         return None
