@@ -85,3 +85,14 @@ def test_mitigation_gain_quick_every_forecast_length_fits_and_the_ladder_gains_m
 def test_curriculum_search_quick_zero_ooms():
     out = _run("curriculum_search.py", "--quick")
     assert "seqmem: 0 OOMs" in out and "PASS" in out, out
+
+
+def test_kernels_check_prints_the_simulated_dry_runs_and_their_kernels():
+    """benchmarks/kernels_check.py: the modelled CUDA kernels' dry runs beside a measured GPU step
+    (without CUDA: the simulated column alone), each row naming the kernel modelled."""
+    out = _run("kernels_check.py", "--lengths", "1024", timeout=300)
+    assert re.search(r"^variant\s+seq_len\s+simulated MiB\s+measured MiB\s+error\s+kernels$", out, re.M)
+    for variant, kernel in (("sdpa-bf16", "SDPA flash"), ("sdpa-fp32", "SDPA math"),
+                            ("sdpa-bf16-padded", "SDPA efficient")):
+        assert re.search(rf"^{re.escape(variant)}\s+1024\s+[\d.]+\s+\S+\s+\S+\s+{kernel}", out, re.M), out
+    assert re.search(r"^total runtime: [\d.]+ s$", out, re.M)

@@ -240,3 +240,24 @@ def test_outside_training_the_mlp_runs_untiled_with_the_same_output():
         TiledMLP(tiles=3).apply(module)
         assert tiled_mlp_tiles(module) == 3
         torch.testing.assert_close(module(ids), expected, rtol=0, atol=0)  # no_grad: the MLP's own forward
+
+
+def test_at_long_lengths_the_tile_count_follows_the_length_as_alst():
+    """Above ``floor * hidden`` tokens a call runs ALST's ``ceil(L / hidden)`` tiles (one tile per
+    32 tokens here: d_model 32), at least the floor (d_ff 128 / d_model 32 = 4); counted by the
+    calls of the MLP's first linear layer in a real step: one per tile in forward, again in
+    backward's recompute."""
+    module = _gpt(d_model=32, d_ff=128)
+    assert TiledMLP().apply(module).applied
+    assert tiled_mlp_tiles(module) == 4
+    calls = []
+    first_linear = find_mlps(module)[0][0]
+    first_linear.register_forward_hook(lambda *_: calls.append(1))
+    for seq_len, tiles in ((64, 4), (128, 4), (1024, 32)):
+        calls.clear()
+        _loss(module, _batch(2, seq_len)).backward()
+        assert tiled_mlp_tiles(module, seq_len=seq_len) == tiles
+        assert len(calls) == 2 * tiles, (seq_len, len(calls))
+    fixed = _gpt(d_model=32, d_ff=128)
+    TiledMLP(tiles=3).apply(fixed)
+    assert tiled_mlp_tiles(fixed, seq_len=1024) == 3  # set by hand: the same at every length

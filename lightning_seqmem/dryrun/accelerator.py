@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "register_early", "simulated_device",
+__all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "on_registered", "register_early", "simulated_device",
            "simulating", "simulation_refusal", "stands_for", "step_context", "to_host_device"]
 
 SIMULATED = "seqmem"
@@ -54,6 +54,7 @@ SIMULATED = "seqmem"
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"registered": False, "refusal": None, "library": None}
+_HOOKS: list[Callable[[], None]] = []  # run once the device is registered (on_registered)
 
 
 _ACTIVE = [0]  # dry runs on the simulated device now running (see simulating)
@@ -186,6 +187,8 @@ def _register() -> None:
         backend_registration._setup_privateuseone_for_python_backend(rename=SIMULATED, backend_module=_Backend(),
                                                                      hook=_Hooks())
     _STATE["library"] = _register_autocast()
+    for hook in _HOOKS:
+        hook()
     _STATE["registered"] = True
     _STATE["refusal"] = _backward_refusal()
 
@@ -215,6 +218,14 @@ def simulating(device: Any = None) -> Iterator[None]:
         yield
     finally:
         _ACTIVE[0] -= 1
+def on_registered(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` when the simulated device is registered, before its first use (at once if it
+    is already): how :mod:`lightning_seqmem.dryrun.kernels` puts CUDA's kernels on it."""
+    with _LOCK:
+        if _STATE["registered"]:
+            hook()
+        else:
+            _HOOKS.append(hook)
 
 
 def _backward_refusal() -> Optional[str]:

@@ -10,6 +10,7 @@ import torch
 
 from lightning_seqmem.measure.probes import round_cuda_block_bytes
 from lightning_seqmem.dryrun.accelerator import stands_for
+from lightning_seqmem.dryrun.kernels_scratch import kernel_scratch_bytes
 
 __all__ = ['allocator_block_bytes', 'cuda_kernel_scratch_bytes', 'resident_bytes', 'warm_cuda_workspaces']
 
@@ -32,7 +33,9 @@ def cuda_kernel_scratch_bytes(func: Any, args: Any, out: Any) -> int:
     the size of its output while it ran: eager attention's backward peaked one ``[B, H, L, L]``
     block above what the tensors account for (9% at 512 tokens, 18% at 2048 for a 2-layer GPT).
     Other kernels showed no such buffer above the allocator's rounding (SDPA in fp32, Llama and
-    Mistral with SDPA: within 0.05%).
+    Mistral with SDPA: within 0.05%). SDPA's fused kernels' own buffers (flash-attn 2's ``dq_accum``
+    and ``softmax_d``, the memory-efficient backward's workspace), modelled from their sources:
+    :func:`~lightning_seqmem.dryrun.kernels_scratch.kernel_scratch_bytes`.
 
     Example:
         >>> out = torch.empty(2, 4, 8, 8)
@@ -43,7 +46,7 @@ def cuda_kernel_scratch_bytes(func: Any, args: Any, out: Any) -> int:
     """
     if func is torch.ops.aten._softmax_backward_data.default and isinstance(out, torch.Tensor):
         return round_cuda_block_bytes(out.numel() * out.element_size())
-    return 0
+    return kernel_scratch_bytes(func, args, out)
 
 
 def warm_cuda_workspaces(device: torch.device) -> None:

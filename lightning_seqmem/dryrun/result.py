@@ -21,7 +21,9 @@ class DryRunResult:
     (``dry_run_step(..., site=trace_peak_site)``).
     ``host_peak_bytes``/``host_phase_peak_bytes``: the same of host memory, where the device simulated
     is not the CPU (:mod:`lightning_seqmem.dryrun.host`: pinned blocks rounded up to powers of two);
-    0 and ``{}`` on the CPU, which has no host apart.
+    0 and ``{}`` on the CPU, which has no host apart. ``modelled_kernels`` names the CUDA kernels
+    whose memory was modelled rather than run (:mod:`lightning_seqmem.dryrun.kernels`), in
+    first-run order.
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -36,6 +38,7 @@ class DryRunResult:
     peak_site: Optional[PeakSite] = None  # where the peak sits (phase, kinds), when asked
     host_peak_bytes: int = 0  # peak live host-memory bytes of the step (0: the device is the CPU)
     host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # phase -> host peak within it
+    modelled_kernels: tuple[str, ...] = ()  # CUDA kernels modelled (on the simulated device)
 
 
 class DryRunUnsupported(RuntimeError):

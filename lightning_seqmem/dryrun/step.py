@@ -20,8 +20,13 @@ What is counted, as in a real Lightning run after the first step:
 * parameters, buffers, gradients, optimizer state and the batch are counted as existing; the peak
   of each phase (``forward``, ``backward``, ``optimizer``) is the live bytes' maximum within it;
 * on CUDA every allocation is rounded up to the caching allocator's 512-byte block, as
-  ``torch.cuda.max_memory_allocated`` counts it (:func:`allocator_block_bytes`). Not modelled:
-  allocator fragmentation / reserved memory, cuBLAS/cuDNN workspaces, CUDA context.
+  ``torch.cuda.max_memory_allocated`` counts it (:func:`allocator_block_bytes`), and the buffers
+  kernels hold for themselves are counted through the tracker's ``scratch`` hook
+  (:func:`cuda_kernel_scratch_bytes`). Not modelled: allocator fragmentation / reserved memory,
+  cuBLAS/cuDNN workspaces, CUDA context;
+* on the simulated CUDA device of a CPU-only build, the CUDA kernels the run uses (SDPA's backends,
+  flash-attn, Cut Cross-Entropy, Liger) are modelled from their sources (:mod:`.kernels`); the
+  result's ``modelled_kernels`` and ``detail`` name those that ran.
 
 Candidate mitigations (rung names, :func:`lightning_seqmem.mitigations.ladder.rung_names`) are
 applied to the copy only, each by its rung's ``apply_to_copy``
@@ -125,8 +130,9 @@ from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, con
     unwrap_optimizer,
 )
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
-from lightning_seqmem.dryrun.accelerator import simulated_device
+from lightning_seqmem.dryrun.accelerator import simulated_device, stands_for
 from lightning_seqmem.dryrun.host import host_detail, host_events, with_host_probe
+from lightning_seqmem.dryrun.kernels import CUDA_TARGET, recording
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.step_functions import step_functions
@@ -356,7 +362,7 @@ def dry_run_step(
     resident = _resident_bytes(pl_module, optimizer, batch, device, module_device)
     peak += resident
     phase_peaks = {p: phase_peaks[p] + resident for p in PHASES if p in phase_peaks}
-    host, notes = step.host_bytes, step.notes
+    host, notes, modelled = step.host_bytes, step.notes, step.modelled_kernels
     host_peak, host_phase_peaks = host_peaks(step.host_memory)
     detail = (
         f"a fake step of {type(pl_module).__name__} on {device} (after a zero-gradient optimizer step) with {step.optimizer_name}, "
@@ -368,6 +374,7 @@ def dry_run_step(
            f"({'modelled' if step.host_memory is None else 'save_on_cpu run, its host copies counted'})"
            if host else "")
         + f"; {host_detail(device, step.host_memory, host_peak)}"
+        + (f"; kernels modelled for {CUDA_TARGET.name}: {', '.join(modelled)}" if modelled else "")
     )
     return DryRunResult(
         seq_len=seq_len,
@@ -382,6 +389,7 @@ def dry_run_step(
         peak_site=step.peak_site,
         host_peak_bytes=host_peak,
         host_phase_peak_bytes=host_phase_peaks,
+        modelled_kernels=tuple(modelled),
     )
 
 
@@ -434,6 +442,7 @@ class _FakeStep(NamedTuple):
     notes: list[str]  # what the rungs did to the copy and the step
     optimizer_name: str  # the fake optimizer's class name
     source_shape: Any  # the batch's own (batch_size, seq_len)
+    modelled_kernels: list[str]  # the CUDA kernels modelled in the measured step (dryrun.kernels)
     host_memory: Any = None  # the host side's StepMemory (events recorded), where the host is apart
 
 
@@ -450,14 +459,16 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
             loss_fn, step_optimizer = step_functions(pl_module, fake_optimizer, plan, batch_size)
             device_probe = make_probe("tracker", device)
-            if device.type == "cuda":
+            if stands_for(device) == "cuda":  # CUDA and the simulated device that stands for it
                 device_probe.scratch = cuda_kernel_scratch_bytes
             probe = with_host_probe(device_probe, device)
             with fake_mode, values, transformers_without_fake_detection():
                 state_after_a_step(model, fake_optimizer)
                 reset_offloaded_bytes(model)
-                memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer, step_batch, loss_fn, probe,
-                                                   autocast, site, seq_len, batch_size, device)
+                with recording() as modelled:
+                    memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer,
+                                                       step_batch, loss_fn, probe, autocast, site,
+                                                       seq_len, batch_size, device)
             host = offloaded_bytes(model)
         except DryRunUnsupported:
             raise
@@ -471,7 +482,7 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             raise DryRunUnsupported(failure) from None
     assert memory is not None and memory.events is not None
     return _FakeStep(memory, peak_site, host, notes, type(fake_optimizer).__name__, source_shape,
-                     getattr(probe, "host_memory", None))
+                     modelled, getattr(probe, "host_memory", None))
 
 
 def _resident_bytes(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, device: torch.device,

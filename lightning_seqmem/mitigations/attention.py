@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ __all__ = [
     "find_attention_targets",
     "flash_unavailable_reason",
     "is_hf_pretrained_model",
+    "register_modelled_flash",
     "sdpa_kernel_context",
 ]
 
@@ -53,6 +54,21 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NO_TARGET_REASON = (
     "no attention module implements set_attention_backend and the model is not a Hugging Face PreTrainedModel"
 )
+_MODELLED_FLASH: dict[str, Callable[[], str]] = {}  # device type -> HF name of its modelled flash
+
+
+def register_modelled_flash(device_type: str, implementation: Callable[[], str]) -> None:
+    """On ``device_type`` flash-attn runs modelled, as the Hugging Face attention implementation
+    that ``implementation()`` names (the dry-run wing's simulated CUDA device,
+    :mod:`lightning_seqmem.dryrun.kernels`): the ``"flash"`` switch works there for Hugging Face
+    models.
+
+    Example:
+        >>> register_modelled_flash("example", lambda: "flash_attention_2_modelled")
+        >>> _MODELLED_FLASH.pop("example")()
+        'flash_attention_2_modelled'
+    """
+    _MODELLED_FLASH[device_type] = implementation
 
 
 def is_hf_pretrained_model(module: nn.Module) -> bool:
@@ -127,16 +143,37 @@ def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str 
         check_dtype: also require fp16/bf16 parameters. Off for an explicit request, since fp32
             parameters under bf16 autocast (``precision="bf16-mixed"``) feed flash-attn half tensors.
     """
+    param = _first_parameter(model)
+    if param is not None and param.device.type in _MODELLED_FLASH:
+        targets = find_attention_targets(model)
+        others = [name or "<root>" for name, t in targets if not is_hf_pretrained_model(t)]
+        if others:
+            return (f"flash-attn is modelled on {param.device.type} for Hugging Face models only, "
+                    f"not {', '.join(others)}")
+        refusing = [type(t).__name__ for _, t in targets if not getattr(t, "_supports_flash_attn", True)]
+        if refusing:
+            return f"{', '.join(refusing)} does not support flash attention"
+        if check_dtype and param.dtype not in _HALF_DTYPES:
+            return f"model parameters are {param.dtype}, flash-attn needs float16 or bfloat16"
+        return None
     if importlib.util.find_spec("flash_attn") is None:
         return "flash-attn not installed"
     if not torch.cuda.is_available():
         return "CUDA not available"
-    param = _first_parameter(model)
     if param is not None and param.device.type != "cuda":
         return f"model parameters are on {param.device.type}, flash-attn needs CUDA"
     if check_dtype and param is not None and param.dtype not in _HALF_DTYPES:
         return f"model parameters are {param.dtype}, flash-attn needs float16 or bfloat16"
     return None
+
+
+def _hf_implementation(backend: str, target: nn.Module) -> str:
+    """The Hugging Face attention implementation of ``backend`` for ``target`` (flash: the modelled
+    one where its device has it)."""
+    param = _first_parameter(target)
+    if backend == "flash" and param is not None and param.device.type in _MODELLED_FLASH:
+        return _MODELLED_FLASH[param.device.type]()
+    return _HF_IMPLEMENTATION[backend]
 
 
 def _check_sdpa_backends(sdpa_backends: Sequence[SDPBackend] | SDPBackend | None) -> list[SDPBackend] | None:
@@ -246,7 +283,7 @@ class AttentionSwitch:
         try:
             for _, target in targets:
                 if is_hf_pretrained_model(target):
-                    target.set_attn_implementation(_HF_IMPLEMENTATION[backend])
+                    target.set_attn_implementation(_hf_implementation(backend, target))
                 elif backend == "sdpa" and self.sdpa_backends is not None:
                     target.set_attention_backend(backend, sdpa_backends=self.sdpa_backends)
                 else:

@@ -19,9 +19,12 @@ backend    library                                                       where
            (``pip install 'lightning-seqmem[tiled]'``)
 =========  ============================================================  =======================
 
-The dry run always runs ``tiled`` (eager, so it runs on fake tensors): on CPU it is what really
-runs; on CUDA it stands in for ``cce``/``liger``, whose triton kernels cannot run on fake tensors
-and whose memory is at most ``tiled``'s (no logits block at all).
+The dry run runs ``tiled`` (eager, so it runs on fake tensors): on CPU it is what really runs; on a
+CUDA device it stands in for ``cce``/``liger``, whose triton kernels cannot run on fake tensors and
+whose memory is at most ``tiled``'s (no logits block at all). On the simulated CUDA device of a plan
+made without a GPU, the backend the run picks on CUDA (``"auto"``: ``cce``) runs as a model of the
+library's own allocations (:mod:`lightning_seqmem.dryrun.kernels_loss`, registered with
+:func:`register_modelled_backends`), and the dry run says so.
 
 Two kinds of model take it, found top-down (a module taken is not searched further):
 
@@ -72,7 +75,7 @@ import importlib.util
 import math
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +94,7 @@ __all__ = [
     "backend_unavailable_reason",
     "find_fused_loss_targets",
     "fused_loss_backend",
+    "register_modelled_backends",
     "resolve_backend",
     "tiled_shards",
 ]
@@ -102,6 +106,25 @@ _INSTALL = {"cce": "pip install 'lightning-seqmem[fused]' (cut-cross-entropy)",
             "liger": "pip install liger-kernel",
             "tiled": "pip install 'lightning-seqmem[tiled]' (deepspeed)"}
 _MODULE = {"cce": "cut_cross_entropy", "liger": "liger_kernel", "tiled": "deepspeed"}
+
+
+_MODELLED: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}  # device type -> backend -> model
+
+
+def register_modelled_backends(device_type: str,
+                               backends: dict[str, Callable[..., torch.Tensor]]) -> None:
+    """On ``device_type`` the backends named run modelled: ``fn(hidden [N, d], weight [V, d],
+    labels [N], ignore_index) -> summed loss`` with the library's allocations (the dry-run wing's
+    simulated CUDA device, :mod:`lightning_seqmem.dryrun.kernels`); ``"auto"`` picks there as on
+    CUDA.
+
+    Example:
+        >>> register_modelled_backends("example", {"cce": lambda h, w, y, i: h.sum()})
+        >>> backend_unavailable_reason("cce", "example") is None, resolve_backend("example")
+        (True, 'cce')
+        >>> del _MODELLED["example"]
+    """
+    _MODELLED[device_type] = dict(backends)
 
 
 def _installed(module: str) -> bool:
@@ -122,6 +145,8 @@ def backend_unavailable_reason(backend: str, device_type: str) -> Optional[str]:
     """
     if backend not in FUSED_LOSS_BACKENDS[1:]:
         raise ValueError(f"`backend` must be one of {FUSED_LOSS_BACKENDS[1:]}, got {backend!r}.")
+    if backend in _MODELLED.get(device_type, {}):
+        return None
     if backend in ("cce", "liger"):
         if device_type != "cuda":
             return f"{backend} needs CUDA (its kernels are triton), the model is on {device_type}"
@@ -133,14 +158,16 @@ def backend_unavailable_reason(backend: str, device_type: str) -> Optional[str]:
 
 
 def resolve_backend(device_type: str) -> Optional[str]:
-    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA; tiled elsewhere (and
-    on CUDA without either); None when none is installed.
+    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA (and on a device
+    where they run modelled: cce); tiled elsewhere (and on CUDA without either); None when none is
+    installed.
 
     Example:
         >>> resolve_backend("cpu")
         'tiled'
     """
-    order = ("cce", "liger", "tiled") if device_type == "cuda" else ("tiled",)
+    cuda_like = device_type == "cuda" or device_type in _MODELLED
+    order = ("cce", "liger", "tiled") if cuda_like else ("tiled",)
     return next((b for b in order if backend_unavailable_reason(b, device_type) is None), None)
 
 
@@ -286,7 +313,10 @@ class FusedLinearCrossEntropy:
         if backend != "tiled" and torch.is_autocast_enabled(h.device.type):  # triton kernels: one dtype, cast
             dtype = torch.get_autocast_dtype(h.device.type)  # as F.linear under autocast would
             h, weight = h.to(dtype), weight.to(dtype)
-        if backend == "cce":
+        modelled = _MODELLED.get(weight.device.type, {}).get(backend)
+        if modelled is not None:
+            total = modelled(h, weight, y, ignore_index)
+        elif backend == "cce":
             from cut_cross_entropy import linear_cross_entropy
 
             total = linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction="sum", impl="cce")
@@ -451,13 +481,21 @@ class FusedLossRung(Rung):
         return MitigationResult(self.name, before != "plain", f"loss {before} -> plain", before, "plain")
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """The dry run runs ``tiled`` (eager: it runs on fake tensors) whatever the device: on CPU what
-        really runs; on CUDA a stand-in for cce/liger, whose memory is at most tiled's."""
+        """The dry run runs ``tiled`` (eager: it runs on fake tensors): on CPU what really runs; on
+        CUDA a stand-in for cce/liger, whose memory is at most tiled's. On a device where cce and
+        liger run modelled (the simulated CUDA device), the backend the run picks there, as
+        modelled."""
         applies, why = self.is_applicable(RungContext(copy))
         if not applies:
             plan.notes.append(f"{self.name}: {why}")
             return
         backend, _ = self._backend(copy)
+        modelled = _MODELLED.get(_device_type(copy), {})
+        if backend in modelled:
+            self._put_on(copy, backend)
+            plan.notes.append(f"{self.name}: loss plain -> {backend} ({self._LIBRARY[backend]}, "
+                              "modelled: its allocations on the simulated CUDA device)")
+            return
         if backend_unavailable_reason("tiled", _device_type(copy)) is not None:
             plan.notes.append(f"{self.name}: {backend} on the model; the dry run needs tiled: {_INSTALL['tiled']}")
             return

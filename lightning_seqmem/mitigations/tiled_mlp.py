@@ -28,13 +28,22 @@ additions around the library's function make it safe in a Lightning run:
   real parameters by one autograd node (:class:`_HandGradsToParameters`);
 * the recompute in backward runs under the autocast state of the forward (as ``torch.utils.checkpoint``).
 
-**The tile count** is fixed when the rung is switched on, from the model alone:
-``tiles = max(2, ceil(intermediate / hidden))`` over the tiled MLPs, read from their 2-D weights
-(largest / smallest dimension; reference GPT: ``d_ff / d_model`` = 4; Llama-3.1-8B: 14336 / 4096 ->
-4): one tile's intermediate ``[B, L/tiles, intermediate]`` is then no larger than the block's
-hidden state ``[B, L, hidden]``, at every length. It does not depend on the batch, its length or
-the rank, so every rank runs the same number of tiles (unequal counts deadlock sharded training,
-where each tile gathers parameters); ``TiledMLPRung(tiles=n)`` fixes it by hand.
+**The tile count** follows the length, at least a floor fixed when the rung is switched on:
+``tiles = max(floor, ceil(L / hidden))`` for a call on ``L`` tokens (:func:`tiles_for_length`). The
+length term is ALST's rule (ArcticTraining and DeepSpeed's ``TiledMLP`` example: ``num_shards =
+ceil(seqlen / hidden)``, one tile per 4,096 tokens for Llama-3.1-8B), so a tile's intermediate
+``[B, L/tiles, intermediate]`` stays the same size at any length. The floor is
+``max(2, ceil(intermediate / hidden))`` over the tiled MLPs, read from their 2-D weights (largest /
+smallest dimension; reference GPT: ``d_ff / d_model`` = 4; Llama-3.1-8B: 14336 / 4096 -> 4): at
+short lengths one tile's intermediate is then no larger than the block's hidden state ``[B, L,
+hidden]``. ``TiledMLPRung(tiles=n)`` fixes the count by hand, at every length.
+
+Every rank runs the same count where ranks run the same length: the count depends on the model and
+``L`` alone, and ranks under a curriculum share the stage's length. With uneven lengths across ranks
+(no curriculum, each rank padding its own batch), ranks may run different counts; that is harmless
+where this rung runs (one device, DDP: each parameter's gradient reaches the reducer once per step,
+whatever the count), while an engine that gathers parameters per tile (ZeRO-3, FSDP: refused here)
+would deadlock, which is why ALST all-reduces the maximum across ranks there.
 
 Example:
     >>> import torch
@@ -44,9 +53,11 @@ Example:
     >>> plain = model(ids)
     >>> policy = TiledMLP()
     >>> policy.apply(model).detail
-    'tiled 2 x Sequential into 4 sequence tiles (DeepSpeed TiledMLP)'
-    >>> tiled_mlp_tiles(model), torch.allclose(plain, model(ids), atol=1e-6)
-    (4, True)
+    'tiled 2 x Sequential into 4 sequence tiles, one per 32 tokens above 128 (DeepSpeed TiledMLP)'
+    >>> tiled_mlp_tiles(model), tiled_mlp_tiles(model, seq_len=4096)
+    (4, 128)
+    >>> torch.allclose(plain, model(ids), atol=1e-6)
+    True
     >>> policy.remove(model).after, tiled_mlp_tiles(model)
     ('off', None)
 """
@@ -70,7 +81,7 @@ from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContex
 from lightning_seqmem.mitigations.checkpointing import counted_blocks, find_repeated_blocks
 
 __all__ = ["MLP_CHILD_NAMES", "TiledMLP", "TiledMLPRung", "find_mlps", "tile_count_rule", "tiled_mlp_tiles",
-           "tiled_mlp_unavailable_reason"]
+           "tiled_mlp_unavailable_reason", "tiles_for_length"]
 
 MLP_CHILD_NAMES = ("mlp", "feed_forward", "ffn")
 """Names of a block's feed-forward child, tried in this order."""
@@ -165,9 +176,26 @@ def _split(mlp: nn.Module) -> tuple[int, Optional[str]]:
     return count, None
 
 
+def _hidden(mlps: list[nn.Module]) -> int:
+    """The narrowest dimension of the MLPs' 2-D weights (their hidden size), 1 without any."""
+    return min((min(p.shape) for m in mlps for p in m.parameters() if p.dim() == 2), default=1)
+
+
+def tiles_for_length(floor: int, seq_len: int, hidden: int) -> int:
+    """The tiles of a call on ``seq_len`` tokens of width ``hidden``: ``max(floor, ceil(seq_len /
+    hidden))`` (ALST's one tile per ``hidden`` tokens, at least ``floor``).
+
+    Example:
+        >>> tiles_for_length(4, 8192, 4096), tiles_for_length(4, 131072, 4096)
+        (4, 32)
+    """
+    return max(floor, -(-seq_len // max(hidden, 1)))
+
+
 def tile_count_rule(mlps: list[nn.Module]) -> int:
-    """The tile count: ``max(2, ceil(intermediate / hidden))`` over ``mlps``, read from each MLP's
-    2-D weights (largest / smallest dimension). The model alone decides it: the same on every rank.
+    """The floor of the tile count: ``max(2, ceil(intermediate / hidden))`` over ``mlps``, read from
+    each MLP's 2-D weights (largest / smallest dimension). The model alone decides it: the same on
+    every rank.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(64, 176), nn.GELU(), nn.Linear(176, 64))
@@ -185,13 +213,16 @@ def tile_count_rule(mlps: list[nn.Module]) -> int:
 
 @dataclass
 class _TiledState:
-    tiles: int
+    tiles: int  # the count, or its floor where the length decides (not fixed)
+    fixed: bool  # set by hand (TiledMLP(tiles=n)): the same at every length
+    hidden: int  # the MLPs' hidden size, for the length term
     layers: int  # nn.Sequential: layers tiled (the rest run after); other MLPs: 0 (all of forward)
     previous_forward: Any  # the instance's own ``forward`` before the patch (None: the class's)
 
 
-def tiled_mlp_tiles(model: nn.Module) -> Optional[int]:
-    """The tile count of the tiled MLPs in ``model``, None when none is tiled.
+def tiled_mlp_tiles(model: nn.Module, seq_len: Optional[int] = None) -> Optional[int]:
+    """The tile count of the tiled MLPs in ``model`` (its floor, or with ``seq_len`` the count a
+    call on that many tokens runs: :func:`tiles_for_length`), None when none is tiled.
 
     Example:
         >>> tiled_mlp_tiles(nn.Linear(2, 2)) is None
@@ -200,7 +231,9 @@ def tiled_mlp_tiles(model: nn.Module) -> Optional[int]:
     for m in model.modules():
         state = m.__dict__.get(_MARK)
         if state is not None:
-            return state.tiles
+            if seq_len is None or state.fixed:
+                return state.tiles
+            return tiles_for_length(state.tiles, seq_len, state.hidden)
     return None
 
 
@@ -261,7 +294,8 @@ def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
         with autocast, _reparametrize_module(module, aliases):
             return compute(part)
 
-    out = _library_tiled_mlp().apply(tile, self, x, state.tiles, [])
+    tiles = state.tiles if state.fixed else tiles_for_length(state.tiles, x.shape[-2], x.shape[-1])
+    out = _library_tiled_mlp().apply(tile, self, x, tiles, [])
     for layer in (list(self)[state.layers:] if state.layers else ()):
         out = layer(out)
     return out
@@ -271,7 +305,8 @@ class TiledMLP:
     """Policy: tile the MLP of every repeated block along the sequence with DeepSpeed's ``TiledMLP``.
 
     Args:
-        tiles: tiles per MLP call; None: :func:`tile_count_rule` at switch-on (the same on every rank).
+        tiles: tiles per MLP call at every length; None: by the length, at least
+            :func:`tile_count_rule` (fixed at switch-on; see the module docstring).
 
     Example:
         >>> TiledMLP().is_applicable(nn.Linear(2, 2))
@@ -279,15 +314,15 @@ class TiledMLP:
         >>> TiledMLP(tiles=0)
         Traceback (most recent call last):
         ...
-        ValueError: `tiles` must be None (the rule: max(2, ceil(intermediate / hidden))) or an integer >= 1, got 0
+        ValueError: `tiles` must be None (by the length: tiles_for_length) or an integer >= 1, got 0
     """
 
     name = "tiled_mlp"
 
     def __init__(self, tiles: Optional[int] = None) -> None:
         if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
-            raise ValueError("`tiles` must be None (the rule: max(2, ceil(intermediate / hidden))) "
-                             f"or an integer >= 1, got {tiles!r}")
+            raise ValueError("`tiles` must be None (by the length: tiles_for_length) or an integer "
+                             f">= 1, got {tiles!r}")
         self.tiles = tiles
 
     def _plan(self, model: nn.Module) -> tuple[list[tuple[nn.Module, int]], Optional[str]]:
@@ -314,8 +349,15 @@ class TiledMLP:
         reason = tiled_mlp_unavailable_reason()
         if reason is not None:
             return False, reason
-        tiles = self.tiles or tile_count_rule([m for m, _ in planned])
-        return True, f"tile {counted_blocks([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
+        mlps = [m for m, _ in planned]
+        return True, f"tile {counted_blocks(mlps)} into {self._tiles_said(mlps)}"
+
+    def _tiles_said(self, mlps: list[nn.Module]) -> str:
+        if self.tiles:
+            return f"{self.tiles} sequence tiles (DeepSpeed TiledMLP)"
+        floor, hidden = tile_count_rule(mlps), _hidden(mlps)
+        return (f"{floor} sequence tiles, one per {hidden} tokens above {floor * hidden} "
+                "(DeepSpeed TiledMLP)")
 
     def apply(self, model: nn.Module) -> MitigationResult:
         """Tile the MLPs in place; a second call changes nothing."""
@@ -325,11 +367,13 @@ class TiledMLP:
             return MitigationResult(self.name, applied=False, detail=reason, before=state, after=state)
         _library_tiled_mlp()  # import now (between steps), not inside the first tiled forward
         planned, _ = self._plan(model)
-        tiles = self.tiles or tile_count_rule([m for m, _ in planned])
+        mlps = [m for m, _ in planned]
+        tiles, hidden = self.tiles or tile_count_rule(mlps), _hidden(mlps)
         for mlp, layers in planned:
-            mlp.__dict__[_MARK] = _TiledState(tiles, layers, mlp.__dict__.get("forward"))
+            mlp.__dict__[_MARK] = _TiledState(tiles, self.tiles is not None, hidden, layers,
+                                              mlp.__dict__.get("forward"))
             mlp.forward = types.MethodType(_tiled_forward, mlp)
-        detail = f"tiled {counted_blocks([m for m, _ in planned])} into {tiles} sequence tiles (DeepSpeed TiledMLP)"
+        detail = f"tiled {counted_blocks(mlps)} into {self._tiles_said(mlps)}"
         return MitigationResult(self.name, applied=True, detail=detail, before="off", after="on")
 
     def remove(self, model: nn.Module) -> MitigationResult:

@@ -1,0 +1,106 @@
+"""The GPU's kernels on a CPU: a dry run for CUDA counts what the kernels the run will use allocate.
+
+A training config planned on a CPU-only machine is dry-run on the simulated CUDA device
+(:mod:`.accelerator`), where no GPU kernel exists and none is imported. The kernels it will run are
+modelled there from their sources, each counted as CUDA would count it (outputs, saved tensors, the
+buffers a kernel holds for itself while it runs, in 512-byte blocks):
+
+==================================  ===============================================================
+what the run calls                  modelled by
+==================================  ===============================================================
+``F.scaled_dot_product_attention``  :mod:`.kernels_sdpa`: the backend CUDA's dispatch picks on an
+                                    H100/H200 (flash, memory-efficient, math), its own aten op;
+                                    :mod:`.kernels_scratch`: its kernels' own buffers, through
+                                    the tracker's ``scratch`` hook
+flash-attn 2 / 3 (Hugging Face      :mod:`.kernels_flash`: ``flash_attn_func`` and the varlen one,
+``flash_attention_2``/``_3``)       registered with transformers; :func:`modelled_kernels` maps a
+                                    request for them where they cannot run
+Cut Cross-Entropy, Liger            :mod:`.kernels_loss`: the ``fused_loss`` rung's CUDA backends
+==================================  ===============================================================
+
+On import this module registers them: the SDPA dispatch on the simulated device (when it is
+registered), the modelled flash-attn as the attention rung's ``"flash"`` there
+(:func:`~lightning_seqmem.mitigations.attention.register_modelled_flash`), CCE and Liger as the
+``fused_loss`` rung's backends there
+(:func:`~lightning_seqmem.mitigations.fused_loss.register_modelled_backends`). A dry run records the
+modelled kernels that ran (:func:`recording`) and says which in its result (``modelled_kernels``,
+``detail``). On the CPU nothing changes: the models run on the simulated device only (and on fake
+CPU tensors of a model built for flash-attn under :func:`modelled_kernels`, which otherwise cannot
+run).
+
+Approximations, each small: cuDNN attention is not modelled (PyTorch prefers it on sm90 only with
+cuDNN >= 9.15.1; a priority order that asks for it first gets the next backend here); the
+memory-efficient kernel's seed and offset scalars are counted on the device (two 512-byte blocks a
+call; CUDA keeps them in host memory); Cut Cross-Entropy's indices of the counted tokens are
+bounded by every token (4 bytes a token); scheduler metadata under 1 KiB (flash-attn 3's tile
+semaphore) is left out; the memory-efficient backward's kernels are assumed to fit in an sm90's
+shared memory.
+
+Example:
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1,
+    ...                                   num_attention_heads=2, intermediate_size=64,
+    ...                                   vocab_size=64)
+    >>> with modelled_kernels():
+    ...     model = transformers.AutoModelForCausalLM.from_config(
+    ...         config, attn_implementation="flash_attention_2")
+    >>> model.config._attn_implementation
+    'flash_attention_2_modelled'
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from lightning_seqmem.dryrun.accelerator import SIMULATED
+from lightning_seqmem.dryrun.kernels_flash import (
+    HF_IMPLEMENTATIONS,
+    flash_attn_3_func,
+    flash_attn_3_varlen_func,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    hf_implementation,
+    mapped_flash_requests,
+)
+from lightning_seqmem.dryrun.kernels_loss import cce_loss, liger_loss
+from lightning_seqmem.dryrun.kernels_scratch import (
+    CUDA_TARGET,
+    CudaTarget,
+    kernel_scratch_bytes,
+    note_kernel,
+    recording,
+)
+from lightning_seqmem.dryrun.kernels_sdpa import sdpa_backend
+from lightning_seqmem.mitigations.attention import register_modelled_flash
+from lightning_seqmem.mitigations.fused_loss import register_modelled_backends
+
+__all__ = [
+    "CUDA_TARGET",
+    "CudaTarget",
+    "HF_IMPLEMENTATIONS",
+    "cce_loss",
+    "flash_attn_3_func",
+    "flash_attn_3_varlen_func",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "hf_implementation",
+    "kernel_scratch_bytes",
+    "liger_loss",
+    "modelled_kernels",
+    "note_kernel",
+    "recording",
+    "sdpa_backend",
+]
+
+
+def modelled_kernels() -> contextlib.AbstractContextManager[None]:
+    """A context under which a Hugging Face model asked for ``flash_attention_2``/``_3`` where
+    flash-attn cannot run (not installed, or no CUDA) gets the modelled kernel
+    (:func:`~lightning_seqmem.dryrun.kernels_flash.hf_implementation`), both while it is built and
+    in ``set_attn_implementation``: wrap the construction of a model that trains with flash-attn in
+    it to plan its run here. Re-entrant; a request that can run is left alone."""
+    return mapped_flash_requests()
+
+
+register_modelled_flash(SIMULATED, lambda: hf_implementation(2))
+register_modelled_backends(SIMULATED, {"cce": cce_loss, "liger": liger_loss})
