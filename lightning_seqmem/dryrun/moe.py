@@ -1,4 +1,4 @@
-"""Mixture-of-Experts steps in a dry run: a fake kernel for the grouped matmul, and the router's choices.
+"""Mixture-of-Experts steps in a dry run: a fake grouped matmul, and the routers' choices as values.
 
 Two things stop an MoE step on fake tensors, and this module answers both:
 
@@ -9,6 +9,7 @@ Two things stop an MoE step on fake tensors, and this module answers both:
   aligned to 16 bytes, int32 offsets, no bias, the output dtype that of ``mat_a``) and its output
   (``[S, N]``, ``[G, M, N]`` ..., the last dimension's stride padded to 16 bytes, as the real op
   allocates it). Its backward is two more grouped matmuls, so the kernel covers it too.
+  (transformers' ``"deepgemm"`` and ``"sonicmoe"`` experts are CUDA kernels: not modelled.)
 * **The routing is data-dependent.** A router picks each token's top-k experts from its
   activations, which fake tensors do not have; an "eager" experts loop then reads them
   (``nonzero``, ``torch.where``, ``if expert_idx == ...``) and sizes each expert's tensors by the
@@ -24,10 +25,10 @@ whatever the routing; what one expert holds at a time grows with its tokens, and
 take more than ``T`` (top-k picks distinct experts per token). An eager loop (transformers'
 ``experts_implementation="eager"``) runs its experts in ascending order, so the heavy experts run
 first in the forward and last in the backward: by then every other expert has allocated its
-full-size gradient buffers (a ``[T, H]`` gradient of the gathered tokens, the ``[E, ...]``
-gradients of the expert weights, accumulated two at a time) and freed the one token it saved,
-while the heavy experts' saved tensors are all still alive. Measured against routings of every
-shape (``tests/test_moe_dry_run.py``), none peaks higher. Hence:
+full-size gradient buffers (a ``[T, H]`` gradient of the tokens it gathered, an ``[E, ...]``
+gradient of each expert weight it sliced, summed into the others as they come) and freed the one
+token it saved, while the heavy experts' saved tensors are all still alive. Measured against
+routings of every shape (``tests/test_moe_dry_run.py``), none peaks higher. Hence:
 
 * where no size depends on the routing (grouped or batched matmuls: ``T·k`` rows whatever it is)
   the dry run is **exact**;
@@ -48,7 +49,7 @@ Example:
     ...     y = torch._grouped_mm(x, w, offs=torch.tensor([3, 5, 10], dtype=torch.int32))
     >>> tuple(y.shape), y.stride(), y.dtype  # the last dimension padded to 16 bytes, as the real op
     ((10, 6), (8, 1), torch.float32)
-    >>> routing_assignment(tokens=4, k=2, experts=4).tolist()  # experts 0, 1 heavy; 2, 3 one token each
+    >>> routing_assignment(tokens=4, k=2, experts=4).tolist()  # 0, 1 heavy; 2, 3 one token each
     [[0, 2], [0, 3], [0, 1], [0, 1]]
 """
 
@@ -68,8 +69,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_seqmem.dryrun.values import BatchValues
 
-__all__ = ["DryRunFakeMode", "RoutedValues", "RoutingScope", "grouped_mm_fake", "is_moe_block", "routing_assignment",
-           "routing_note", "routing_scope"]
+__all__ = ["FAKE_KERNELS", "DryRunFakeMode", "RoutedValues", "RoutingScope", "grouped_mm_fake",
+           "is_moe_block", "routing_assignment", "routing_note", "routing_scope"]
 
 aten = torch.ops.aten
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,7 +79,7 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # -- the grouped matmul ----------------------------------------------------------------------------
 def _check_strides(mat: torch.Tensor) -> None:
     """``check_valid_strides_and_return_transposed``: row- or column-major in the last two
-    dimensions, the leading stride a multiple of 16 bytes (and the data 16-byte aligned off the CPU)."""
+    dimensions, the leading stride a multiple of 16 bytes (the data 16-byte aligned off the CPU)."""
     stride, size, end = mat.stride(), mat.shape, mat.dim() - 1
     alignment = 16 // mat.element_size()
     if mat.device.type != "cpu" and (mat.storage_offset() * mat.element_size()) % 16:
@@ -88,12 +89,14 @@ def _check_strides(mat: torch.Tensor) -> None:
     elif stride[end] == 1 and stride[end - 1] >= max(1, size[end]):
         leading = stride[end - 1]
     else:
-        raise RuntimeError(f"Invalid strides/sizes, got {list(stride)} for strides and {list(size)} for sizes")
+        raise RuntimeError(f"Invalid strides/sizes, got {list(stride)} for strides and "
+                           f"{list(size)} for sizes")
     if leading % alignment:
         raise RuntimeError("strides should be multiple of 16 bytes")
 
 
-def _grouped_mm_out_shape(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Tensor]) -> list[int]:
+def _grouped_mm_out_shape(mat_a: torch.Tensor, mat_b: torch.Tensor,
+                          offs: Optional[torch.Tensor]) -> list[int]:
     """``create_grouped_gemm_output_tensor``'s sizes."""
     if mat_a.dim() == 2 and mat_b.dim() == 2:
         return [offs.shape[0], mat_a.shape[0], mat_b.shape[1]]
@@ -113,16 +116,17 @@ def _grouped_mm_out_shape(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Option
 def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tensor,
                     offs: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``aten._grouped_mm`` on fake tensors, as the real op checks its inputs and allocates its output
-    (``_grouped_mm_validate_inputs``, ``_resolve_grouped_mm_out_dtype`` and
-    ``create_grouped_gemm_output_tensor`` of ``ATen/native/GroupedMMUtils.h``): float32, bfloat16 or
-    float16 operands of one dtype, the output in that dtype, its last dimension's stride padded to
-    16 bytes (the real op's layout on CPU and CUDA; not on ROCm).
+    """``aten._grouped_mm`` on fake tensors, as the real op checks its inputs and allocates its
+    output (``_grouped_mm_validate_inputs``, ``_resolve_grouped_mm_out_dtype`` and
+    ``create_grouped_gemm_output_tensor`` of ``ATen/native/GroupedMMUtils.h``): float32, bfloat16
+    or float16 operands of one dtype, the output in that dtype, its last dimension's stride padded
+    to 16 bytes (the real op's layout on CPU and CUDA; not on ROCm).
 
     Example:
         >>> mode = DryRunFakeMode()
         >>> with mode:
-        ...     a, b = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(16, 8, dtype=torch.bfloat16)
+        ...     a = torch.empty(8, 16, dtype=torch.bfloat16)
+        ...     b = torch.empty(16, 8, dtype=torch.bfloat16)
         ...     offs = torch.tensor([4, 8], dtype=torch.int32)
         >>> out = grouped_mm_fake(mode, a.t(), b, offs)  # 2d x 2d: a weight gradient per group
         >>> tuple(out.shape), out.dtype
@@ -134,7 +138,8 @@ def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tens
     """
     for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
         if mat.dtype not in _GROUPED_MM_DTYPES:
-            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
+            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, "
+                               f"got {mat.dtype}")
         if mat.dim() not in (2, 3):
             raise RuntimeError(f"{name} has to be 2 or 3d")
     if (mat_a.dim() == 3 or mat_b.dim() == 3) and mat_a.shape[-1] != mat_b.shape[-2]:
@@ -142,7 +147,8 @@ def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tens
     _check_strides(mat_a)
     _check_strides(mat_b)
     if (offs is not None) != (mat_a.dim() == 2 or mat_b.dim() == 2):
-        raise RuntimeError("Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+        raise RuntimeError("Have to provide offsets if there is a 2d matrix, or no offset if both "
+                           "matrices are 3d")
     if offs is not None and (offs.dim() != 1 or offs.dtype != torch.int32):
         raise RuntimeError("offs has to be 1D" if offs.dim() != 1 else "Offsets have to be int32")
     if bias is not None:
@@ -151,7 +157,8 @@ def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tens
     if dtype != mat_a.dtype:
         raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype")
     if mat_b.dtype != mat_a.dtype:
-        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {mat_a.dtype} != {mat_b.dtype}")
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {mat_a.dtype} != "
+                           f"{mat_b.dtype}")
     size = _grouped_mm_out_shape(mat_a, mat_b, offs)
     alignment = 16 // dtype.itemsize
     padded = -(-size[-1] // alignment) * alignment
@@ -163,14 +170,14 @@ def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tens
 
 
 FAKE_KERNELS: dict[Any, Callable[..., Any]] = {aten._grouped_mm.default: grouped_mm_fake}
-"""op -> fake kernel ``(mode, *args, **kwargs)`` used in place of PyTorch's meta kernel in a dry run."""
+"""op -> fake kernel ``(mode, *args, **kwargs)``, in place of PyTorch's meta kernel in a dry run."""
 
 
 class DryRunFakeMode(FakeTensorMode):
     """The dry run's ``FakeTensorMode``: PyTorch's, with :data:`FAKE_KERNELS` in place of the meta
     kernels that do not match the real ops (only for this mode: other fake modes are untouched)."""
 
-    def dispatch(self, func, types, args=(), kwargs=None):  # noqa: D102 - FakeTensorMode's
+    def dispatch(self, func, types, args=(), kwargs=None):  # noqa: D102 - FakeTensorMode's own
         kernel = FAKE_KERNELS.get(func)
         if kernel is not None:
             return kernel(self, *args, **(kwargs or {}))
@@ -225,17 +232,18 @@ def _reads_values(func: Any, args: tuple) -> bool:
         return True
     if torch.Tag.dynamic_output_shape not in tags:
         return False
-    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):  # only a boolean mask does
-        indices = args[1] if len(args) > 1 else ()
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+        indices = (args[1] if len(args) > 1 else None) or ()  # integer indices: the shape is theirs
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                   for i in indices)
     return True
 
 
 class RoutedValues(BatchValues):
-    """:class:`~lightning_seqmem.dryrun.values.BatchValues` that also knows the routing: inside an MoE
-    block (while :func:`routing_scope` counts one running), the indices of a ``topk`` over an
+    """:class:`~lightning_seqmem.dryrun.values.BatchValues` that also knows the routing: inside an
+    MoE block (while :func:`routing_scope` counts one running), the indices of a ``topk`` over an
     activation get :func:`routing_assignment`'s values. It records what the routing decided:
-    ``routed_topk`` (calls given it), ``blocks`` (the MoE blocks run, ``class (experts
+    ``routed_topk`` (calls given it), ``blocks`` (the MoE blocks run, by ``class (experts
     implementation)``) and ``value_reads`` (ops whose output depends on values derived from the
     routing: sizes that depend on it).
     """
@@ -243,10 +251,10 @@ class RoutedValues(BatchValues):
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int) -> None:
         super().__init__(fake_mode, max_bytes)
         self.moe_depth = 0  # MoE blocks running now (nested)
-        self.routed_topk = 0
-        self.blocks: dict[str, set[int]] = {}  # "class (implementation)" -> ids of the blocks that ran
+        self.routed_topk = 0  # topk calls given the routing
+        self.blocks: dict[str, set[int]] = {}  # "class (implementation)" -> ids of the blocks run
         self.value_reads: set[str] = set()
-        self._routed: dict[int, weakref.ref] = {}  # id(fake) -> ref: values derived from the routing
+        self._routed: dict[int, weakref.ref] = {}  # id(fake) -> ref to it: derived from the routing
 
     def known(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s values are known (a real twin, or a real tensor)."""
@@ -262,8 +270,8 @@ class RoutedValues(BatchValues):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        routed = bool(self._routed) and any(self._is_routed(t) for t in inputs)
+        routed = bool(self._routed) and any(isinstance(t, torch.Tensor) and self._is_routed(t)
+                                            for t in tree_flatten((args, kwargs))[0])
         if routed and _reads_values(func, args):
             self.value_reads.add(str(func.overloadpacket.__name__))
         if routed and func is aten.histc.default and not args[0].is_floating_point():
@@ -277,11 +285,13 @@ class RoutedValues(BatchValues):
                     self._mark(t)
         return out
 
-    def _route(self, indices: torch.Tensor, scores: torch.Tensor, k: int, dim: int = -1, *_: Any) -> None:
+    def _route(self, indices: torch.Tensor, scores: torch.Tensor, k: int, dim: int = -1,
+               *_: Any) -> None:
         experts = scores.shape[dim]
         moved = indices.movedim(dim, -1)
         with _disable_current_modes():
-            value = routing_assignment(moved.numel() // max(k, 1), k, experts).view(moved.shape).movedim(-1, dim)
+            value = routing_assignment(moved.numel() // max(k, 1), k, experts)
+            value = value.view(moved.shape).movedim(-1, dim)
         self.give(indices, value.contiguous())
         if self._value(indices) is not None:
             self._mark(indices)
@@ -320,9 +330,9 @@ class RoutingScope:
 
 @contextlib.contextmanager
 def routing_scope() -> Iterator[RoutingScope]:
-    """While it is held, every MoE block (:func:`is_moe_block`) that runs on this thread counts in the
-    ``moe_depth`` of the values it watches, so that the top-k choices of its router are the routing
-    assumed. Process-wide module hooks, acting on the thread that holds the scope only.
+    """While it is held, every MoE block (:func:`is_moe_block`) that runs on this thread counts in
+    the ``moe_depth`` of the values it watches, so that the top-k choices of its router are the
+    routing assumed. Process-wide module hooks, acting on the thread that holds the scope only.
 
     Example:
         >>> mode = DryRunFakeMode()
@@ -366,7 +376,7 @@ def routing_scope() -> Iterator[RoutingScope]:
 
 
 def routing_note(values: Any) -> Optional[str]:
-    """What the dry run assumed of the routing, for the result's ``detail`` (None: no MoE block ran).
+    """What the dry run assumed of the routing, for the result's ``detail`` (None: no MoE ran).
 
     Example:
         >>> print(routing_note(None))
@@ -375,11 +385,15 @@ def routing_note(values: Any) -> Optional[str]:
     if not isinstance(values, RoutedValues) or not values.blocks:
         return None
     blocks = ", ".join(f"{len(ids)} {name}" for name, ids in values.blocks.items())
+    if values.routed_topk:
+        assumed = ("each router's top-k fixed to the heaviest routing (every expert runs; experts "
+                   f"0..k-1 take every token, each other expert one) in MoE blocks ({blocks})")
+    else:
+        assumed = f"MoE blocks ({blocks}) run without the routing's values (beyond the size kept)"
     if values.value_reads:
         reads = ", ".join(sorted(values.value_reads))
-        verdict = (f"sizes depended on it ({reads}): an upper bound for a loop over experts in ascending "
-                   "order (transformers' eager experts)")
+        verdict = (f"sizes depended on it ({reads}): an upper bound for a loop over experts in "
+                   "ascending order (transformers' eager experts)")
     else:
         verdict = "no size depended on it: exact for any routing"
-    return (f"routing modelled: each router's top-k fixed to the heaviest routing (every expert runs; experts "
-            f"0..k-1 take every token, each other expert one) in MoE blocks ({blocks}); {verdict}")
+    return f"routing modelled: {assumed}; {verdict}"
