@@ -251,6 +251,9 @@ def test_the_simulated_cuda_device_runs_moe_steps(model_type, experts):
         device = accelerator.simulated_device()
         autocast = lambda: accelerator.autocast(device, torch.bfloat16)  # noqa: E731
         assert "routing modelled" in _dry(module, device="cuda", autocast=autocast).detail
+        # checkpointing: the recomputation runs on the autograd engine's device thread, routed alike
+        checkpointed = _dry(module, device="cuda", mitigations=["checkpointing"])
+        assert "routing modelled" in checkpointed.detail and checkpointed.peak_bytes < cuda.peak_bytes
 
 
 # -- the real module is left as it was ------------------------------------------------------------

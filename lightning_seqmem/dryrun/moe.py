@@ -241,7 +241,7 @@ def _reads_values(func: Any, args: tuple) -> bool:
 
 class RoutedValues(BatchValues):
     """:class:`~lightning_seqmem.dryrun.values.BatchValues` that also knows the routing: inside an
-    MoE block (while :func:`routing_scope` counts one running), the indices of a ``topk`` over an
+    MoE block (while :func:`routing_scope` counts one running on the thread), the indices of a ``topk`` over an
     activation get :func:`routing_assignment`'s values. It records what the routing decided:
     ``routed_topk`` (calls given it), ``blocks`` (the MoE blocks run, by ``class (experts
     implementation)``) and ``value_reads`` (ops whose output depends on values derived from the
@@ -250,11 +250,32 @@ class RoutedValues(BatchValues):
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int) -> None:
         super().__init__(fake_mode, max_bytes)
-        self.moe_depth = 0  # MoE blocks running now (nested)
+        self._depth: dict[int, int] = {}  # thread id -> MoE blocks running on it now (nested)
         self.routed_topk = 0  # topk calls given the routing
         self.blocks: dict[str, set[int]] = {}  # "class (implementation)" -> ids of the blocks run
         self.value_reads: set[str] = set()
         self._routed: dict[int, weakref.ref] = {}  # id(fake) -> ref to it: derived from the routing
+
+    def enter_block(self, module: nn.Module) -> None:
+        """An MoE block starts on this thread (the autograd engine's own, for a recomputation)."""
+        thread = threading.get_ident()
+        self._depth[thread] = self._depth.get(thread, 0) + 1
+        experts = module._modules.get("experts")
+        impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+        name = type(module).__name__ + (f" ({impl} experts)" if impl else "")
+        self.blocks.setdefault(name, set()).add(id(module))
+
+    def leave_block(self) -> None:
+        thread = threading.get_ident()
+        depth = self._depth.get(thread, 0) - 1
+        if depth > 0:
+            self._depth[thread] = depth
+        else:
+            self._depth.pop(thread, None)
+
+    def in_block(self) -> bool:
+        """Whether an MoE block is running on this thread."""
+        return bool(self._depth) and threading.get_ident() in self._depth
 
     def known(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s values are known (a real twin, or a real tensor)."""
@@ -277,7 +298,7 @@ class RoutedValues(BatchValues):
         if routed and func is aten.histc.default and not args[0].is_floating_point():
             return self._histc_of_integers(func, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.moe_depth and func is aten.topk.default and self._value(args[0]) is None:
+        if func is aten.topk.default and self.in_block() and self._value(args[0]) is None:
             self._route(out[1], args[0], *args[1:])
         elif routed:
             for t in tree_flatten(out)[0]:
@@ -330,9 +351,10 @@ class RoutingScope:
 
 @contextlib.contextmanager
 def routing_scope() -> Iterator[RoutingScope]:
-    """While it is held, every MoE block (:func:`is_moe_block`) that runs on this thread counts in
-    the ``moe_depth`` of the values it watches, so that the top-k choices of its router are the
-    routing assumed. Process-wide module hooks, acting on the thread that holds the scope only.
+    """While it is held, every MoE block (:func:`is_moe_block`) that runs counts in the values it
+    watches (per thread: a recomputation runs on the autograd engine's thread), so that the top-k
+    choices of its router are the routing assumed. Process-wide module hooks; the values act only
+    on the threads that run the dry run's dispatch modes.
 
     Example:
         >>> mode = DryRunFakeMode()
@@ -349,22 +371,17 @@ def routing_scope() -> Iterator[RoutingScope]:
         >>> values.known(outside), values.known(inside), list(values.blocks)
         (False, True, ['Module'])
     """
-    owner = threading.get_ident()
     scope = RoutingScope()
 
     def enter(module: nn.Module, inputs: Any) -> None:
         values = scope.values()
-        if values is not None and threading.get_ident() == owner and is_moe_block(module):
-            values.moe_depth += 1
-            experts = module._modules.get("experts")
-            impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-            name = type(module).__name__ + (f" ({impl} experts)" if impl else "")
-            values.blocks.setdefault(name, set()).add(id(module))
+        if values is not None and is_moe_block(module):
+            values.enter_block(module)
 
     def leave(module: nn.Module, inputs: Any, output: Any) -> None:
         values = scope.values()
-        if values is not None and threading.get_ident() == owner and is_moe_block(module):
-            values.moe_depth -= 1
+        if values is not None and is_moe_block(module):
+            values.leave_block()
 
     pre = nn.modules.module.register_module_forward_pre_hook(enter)
     post = nn.modules.module.register_module_forward_hook(leave, always_call=True)
