@@ -29,14 +29,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_seqmem.dryrun.accelerator import simulating
 from lightning_seqmem.dryrun.fake import QUIET_WARNINGS, preserved_rng
+from lightning_seqmem.dryrun.moe import DryRunFakeMode, RoutedValues, routing_scope
 from lightning_seqmem.dryrun.values import BatchValues, shape_batch, batch_to_device, value_max_bytes
 
 __all__ = ["fake_batch", "fake_session"]
 
 
 def _fresh(seq_len: int) -> tuple[FakeTensorMode, BatchValues]:
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    return fake_mode, BatchValues(fake_mode, value_max_bytes(seq_len))
+    fake_mode = DryRunFakeMode(allow_non_fake_inputs=True)  # with the fake kernels of dryrun.moe
+    return fake_mode, RoutedValues(fake_mode, value_max_bytes(seq_len))  # and the routing of MoE blocks
 
 
 @contextlib.contextmanager
@@ -51,7 +52,8 @@ def fake_session(seq_len: int, device: Any = "cpu") -> Iterator[tuple[FakeTensor
     with preserved_rng(), warnings.catch_warnings(), simulating(device):
         for message in QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
-        yield _fresh(seq_len)
+        with routing_scope() as scope:  # the MoE blocks' routing (it holds the values weakly)
+            yield scope.watch(_fresh(seq_len))
 
 
 def fake_batch(batch: Any, seq_len: int, batch_size: int, device: torch.device, fake_mode: FakeTensorMode,

@@ -51,6 +51,7 @@ from torch import nn
 from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.core.search import smallest_fitting
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
+from lightning_seqmem.dryrun.moe import routing_note
 from lightning_seqmem.dryrun.step import (
     DryRunResult,
     DryRunUnsupported,
@@ -363,6 +364,7 @@ def sharded_dry_run_step(
                 memory = training_step_memory(model, step_optimizer, step_batch, loss_fn, probe,
                                               record_events=True, context=autocast)
             host_memory = getattr(probe, "host_memory", None)
+            notes += [note for note in [routing_note(values)] if note]  # what an MoE step assumed
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason

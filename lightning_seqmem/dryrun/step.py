@@ -135,6 +135,7 @@ from lightning_seqmem.dryrun.host import host_detail, host_events, with_host_pro
 from lightning_seqmem.dryrun.kernels import CUDA_TARGET, recording
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
+from lightning_seqmem.dryrun.moe import routing_note
 from lightning_seqmem.dryrun.step_functions import step_functions
 
 
@@ -470,6 +471,7 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                                                        step_batch, loss_fn, probe, autocast, site,
                                                        seq_len, batch_size, device)
             host = offloaded_bytes(model)
+            notes += [note for note in [routing_note(values)] if note]  # what an MoE step assumed
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure of the fake run is a reason

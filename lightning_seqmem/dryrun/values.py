@@ -158,8 +158,11 @@ class BatchValues(TorchDispatchMode):
             real_kwargs = {**real_kwargs, "pin_memory": False}
         with _disable_current_modes():
             real = func(*real_args, **real_kwargs)  # in host memory: the device's is the step's alone
-        if not computed:  # the output's shape (or the result itself) depends on the values
-            out = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real)
+        if not computed:  # the output's shape (or the result itself) depends on the values: made on the
+            # op's device through the modes below, so that the tracker counts it as the real op's output
+            device = next((t.device for t in _tensors_in(args, kwargs)), None)
+            out = tree_map_only(torch.Tensor, lambda r: torch.empty_strided(
+                r.shape, r.stride(), dtype=r.dtype, device=device or r.device), real)
         for fake, value in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
             if isinstance(fake, FakeTensor) and isinstance(value, torch.Tensor):
                 self.give(fake, value)
