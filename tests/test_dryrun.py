@@ -507,3 +507,41 @@ def test_microbatch_switch_step_includes_the_first_split_check():
     trainer.fit(real, DataLoader([batch] * 2, batch_size=None))
     assert measure.memory is not None
     _check(dry, measure.memory, phases=False)  # the switch step, its check included
+
+
+_FAILING_RECOMPUTE = '''
+import torch
+from torch.utils.checkpoint import checkpoint
+from lightning_seqmem.dryrun.step import dry_run_step, DryRunUnsupported
+calls = [0]
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+    def block(self, x):
+        calls[0] += 1
+        if calls[0] % 2 == 0:
+            raise RuntimeError("boom in recompute")
+        return self.lin(x).relu()
+    def training_step(self, batch, batch_idx):
+        x = batch["input_ids"].float().unsqueeze(-1).expand(-1, -1, 8)
+        return checkpoint(self.block, x, use_reentrant=False).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+try:
+    dry_run_step(M(), None, {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, 16, device="cuda")
+except DryRunUnsupported as exc:
+    print("refused:", exc.reason)
+'''
+
+
+def test_a_failing_recompute_on_the_simulated_device_is_a_refusal_not_an_abort():
+    """An exception in a checkpointed block's recompute (a saved-tensor unpack hook) on the simulated
+    device used to abort the whole process ("terminate called without an active exception": the engine's
+    device thread); now the dry run refuses with the reason, and the process lives on."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FAILING_RECOMPUTE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: the fake step failed: RuntimeError: boom in recompute" in proc.stdout, proc.stdout

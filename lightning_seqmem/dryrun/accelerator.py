@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["SIMULATED", "autocast", "host_of", "is_simulated", "on_registered", "register_early", "simulated_device",
+__all__ = ["SIMULATED", "autocast", "contained_unpack_failures", "host_of", "is_simulated", "on_registered", "register_early", "simulated_device",
            "simulating", "simulation_refusal", "stands_for", "step_context", "to_host_device"]
 
 SIMULATED = "seqmem"
@@ -393,8 +393,14 @@ def _set_dtype_kernel(op: Any) -> Callable[..., Any]:
         with _without_autocast():
             lower = any(_eligible(x) and x.dtype in (torch.float16, torch.bfloat16)
                         for x in torch.utils._pytree.tree_flatten((args, kwargs))[0])
-            if lower and kwargs.get("dtype") is None and "dtype" in {a.name for a in op._schema.arguments}:
-                kwargs = {**kwargs, "dtype": torch.float32}
+            names = [a.name for a in op._schema.arguments]
+            if lower and "dtype" in names:
+                at = names.index("dtype")
+                if at < len(args):  # given by position (softmax(x, -1, None))
+                    if args[at] is None:
+                        args = (*args[:at], torch.float32, *args[at + 1:])
+                elif kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
             return op(*args, **kwargs)
 
     return kernel
@@ -461,3 +467,53 @@ def step_context(precision_plugin: Any, device: Any) -> Callable[[], Any]:
         return precision_plugin.train_step_context
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     return lambda: autocast(device, dtype, cache_enabled=False)
+
+
+@contextlib.contextmanager
+def contained_unpack_failures(device: Any) -> Iterator[list[BaseException]]:
+    """On the simulated device, keep a failure inside a saved-tensor unpack hook (a checkpointed block's
+    recompute, ``save_on_cpu``'s copy back) from reaching the autograd engine: there it aborts the process
+    (the engine runs a device's backward on its own thread and, with a Python error pending, cannot call
+    the device's Python guard). The failure is kept in the yielded list and a fake tensor of the saved
+    one's shape stands in; the caller raises it after the backward. A no-op on any other device.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> def unpack(_):
+        ...     raise RuntimeError("boom")
+        >>> with contained_unpack_failures(simulated_device()) as failures, simulating(), FakeTensorMode():
+        ...     x = torch.empty(4, device=simulated_device(), requires_grad=True)
+        ...     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        ...         y = (x * x).sum()
+        ...     y.backward()
+        >>> [str(e) for e in failures]  # x * x saved x twice: two unpacks
+        ['boom', 'boom']
+    """
+    failures: list[BaseException] = []
+    if not is_simulated(device):
+        yield failures
+        return
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    original = hooks.__enter__
+
+    def enter(self: Any) -> None:
+        pack, unpack = self.pack_hook, self.unpack_hook
+
+        def safe_pack(t: torch.Tensor) -> Any:
+            return pack(t), (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+        def safe_unpack(packed: Any) -> torch.Tensor:
+            inner, (shape, stride, dtype, where) = packed
+            try:
+                return unpack(inner)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller, after the backward
+                failures.append(exc)
+                return torch.empty_strided(shape, stride, dtype=dtype, device=where)
+
+        torch._C._autograd._push_saved_tensors_default_hooks(safe_pack, safe_unpack)
+
+    hooks.__enter__ = enter  # type: ignore[method-assign]
+    try:
+        yield failures
+    finally:
+        hooks.__enter__ = original  # type: ignore[method-assign]

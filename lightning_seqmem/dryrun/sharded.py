@@ -50,6 +50,7 @@ from torch import nn
 
 from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.core.search import smallest_fitting
+from lightning_seqmem.dryrun.accelerator import contained_unpack_failures
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.moe import routing_note
 from lightning_seqmem.dryrun.step import (
@@ -361,8 +362,11 @@ def sharded_dry_run_step(
                 state_after_a_step(model, optimizer)
                 if offloaded:
                     _pin_gradients_as_fsdp2_does(model)
-                memory = training_step_memory(model, step_optimizer, step_batch, loss_fn, probe,
-                                              record_events=True, context=autocast)
+                with contained_unpack_failures(device) as failures:
+                    memory = training_step_memory(model, step_optimizer, step_batch, loss_fn, probe,
+                                                  record_events=True, context=autocast)
+                if failures:
+                    raise failures[0]
             host_memory = getattr(probe, "host_memory", None)
             notes += [note for note in [routing_note(values)] if note]  # what an MoE step assumed
         except DryRunUnsupported:

@@ -130,7 +130,7 @@ from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, con
     unwrap_optimizer,
 )
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
-from lightning_seqmem.dryrun.accelerator import simulated_device, stands_for
+from lightning_seqmem.dryrun.accelerator import contained_unpack_failures, simulated_device, stands_for
 from lightning_seqmem.dryrun.host import host_detail, host_events, with_host_probe
 from lightning_seqmem.dryrun.kernels import CUDA_TARGET, recording
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
@@ -466,10 +466,12 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
             with fake_mode, values, transformers_without_fake_detection():
                 state_after_a_step(model, fake_optimizer)
                 reset_offloaded_bytes(model)
-                with recording() as modelled:
+                with recording() as modelled, contained_unpack_failures(device) as failures:
                     memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer,
                                                        step_batch, loss_fn, probe, autocast, site,
                                                        seq_len, batch_size, device)
+                if failures:
+                    raise failures[0]
             host = offloaded_bytes(model)
             notes += [note for note in [routing_note(values)] if note]  # what an MoE step assumed
         except DryRunUnsupported:
