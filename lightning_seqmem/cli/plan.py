@@ -126,7 +126,7 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     model = precision.convert_module(model)  # as fit does (bf16-true: bf16 weights); on meta, free
     optimizer, optimizer_name = first_optimizer(model)
     checks: dict[str, Any] = {}
-    sets, skipped = mitigation_sets(seqmem, trainer, model, batch, batch_size, checks)
+    sets, skipped = mitigation_sets(seqmem, trainer, model, batch, batch_size, checks, device)
     world = None if args.world_size is None else (args.world_size, args.strategy)
     host = _plan_host_budget(args, seqmem, device)
     # autocast under mixed precision, as in training_step (CUDA's autocast on the simulated device)

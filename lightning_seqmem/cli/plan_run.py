@@ -174,14 +174,18 @@ class PlanRun:
 
 
 def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_size: int,
-                    checks_out: Optional[dict] = None) -> tuple[list[Setting], dict[str, str]]:
+                    checks_out: Optional[dict] = None, device: Any = None) -> tuple[list[Setting], dict[str, str]]:
     """The mitigation sets to dry-run, cheapest first, and ``rung -> why skipped`` (``checks_out``
     receives every rung's and variant's applicability, for the search of the fastest setting).
 
     The rungs are those the config's SeqMemCallback may switch on (``mitigations``, in its order),
     or the default ladder without one; a rung that would not change this model (already on SDPA, no
     repeated blocks, batch size 1, ...) is skipped. Each set adds the next rung to the previous one.
+    On the simulated CUDA device (``device``) a rung refused only because this machine is not that
+    device (``Rung.modelled_where_refused``: activation offload on a CPU) is taken: its dry run models it.
     """
+    from lightning_seqmem.dryrun.accelerator import is_simulated
+    from lightning_seqmem.mitigations.ladder import rung
     from lightning_seqmem.core.rungs import MITIGATIONS
     from lightning_seqmem.measure.batch import infer_batch_shape
     from lightning_seqmem.mitigations.ladder import applicability
@@ -191,6 +195,10 @@ def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_siz
     # asked for (else None: it reads the unconnected trainer's loader, unknown); the size asked goes too
     rows = infer_batch_shape(batch)[0]
     checks = applicability(rungs, trainer, model, batch if rows > 1 or batch_size <= 1 else None, batch_size)
+    if is_simulated(device):
+        for name in rungs:
+            if not checks[name][0] and getattr(rung(name), "modelled_where_refused", False):
+                checks[name] = (True, f"modelled for CUDA ({checks[name][1]} here)")
     if checks_out is not None:
         checks_out.update(checks)
     skipped: dict[str, str] = {}

@@ -263,11 +263,13 @@ class AttentionSwitch:
         if not find_attention_targets(model):
             return False, _NO_TARGET_REASON
         backend = self.resolve_backend(model)
+        before = current_attention_backend(model)
+        if before == "flash" and self.backend == "auto":
+            return False, "already on flash"  # auto never trades flash for sdpa, even where flash cannot be checked
         if backend == "flash":
             reason = flash_unavailable_reason(model, check_dtype=False)
             if reason is not None:
                 return False, reason
-        before = current_attention_backend(model)
         if before == backend:
             return False, f"already on {backend}"
         return True, f"{before} -> {backend}"
