@@ -325,7 +325,7 @@ class ActivationOffloadRung(Rung):
 
     def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
         device = _device_type(ctx.pl_module)
-        if device == "cpu":
+        if device in ("cpu", "meta"):  # a module built on meta is planned for the CPU unless a GPU is simulated
             return False, CPU_REFUSAL
         if device != "cuda":
             return False, f"CUDA only: on {device} there is no pinned host memory to copy to"
