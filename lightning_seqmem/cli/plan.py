@@ -71,10 +71,10 @@ def _step_peak(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size:
                context: Any, device: Any, world: Optional[tuple[int, str]] = None) -> int:
     """The dry-run peak of one step; with ``world = (N, strategy)`` the per-rank peak at N ranks."""
     if world is None:
-        from lightning_seqmem.dryrun.step import dry_run_step
+        from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step  # answered from shallow copies
 
         return dry_run_step(model, optimizer, batch, seq_len, batch_size, names, context, device).peak_bytes
-    from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_sharded_dry_run_step as sharded_dry_run_step
 
     return sharded_dry_run_step(model, batch, seq_len, world[0], batch_size, names, world[1], context, device).peak_bytes
 
@@ -118,7 +118,7 @@ def _largest_fitting(model: Any, optimizer: Any, batch: Any, batch_size: int, na
                      lo: int, hi: int, context: Any, device: Any) -> tuple[Optional[int], int]:
     """``(largest multiple of 8 below hi whose dry-run peak with names fits usable or None, dry runs)``,
     by bisection; ``lo`` is known to fit (0: nothing known)."""
-    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
 
     from lightning_seqmem.core.search import bisect_last
 
@@ -150,7 +150,7 @@ def _modelled_rows(model: Any, optimizer: Any, batch: Any, batch_size: int, base
     """For each rung skipped here that a dry run still models (``Rung.modelled_where_refused``: activation
     offload on CPU), per length: the device peak with the last set and with it added, and the bytes it
     moves to host memory. Modelled, not measured (``"measured": false``); a failure is the row's error."""
-    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
     from lightning_seqmem.mitigations.ladder import rung
 
     rows = []
@@ -259,7 +259,7 @@ def _peak_at(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size: i
     :func:`~lightning_seqmem.diagnostics.peak.trace_peak_site`. None where no dry run ran or it could
     not say. ``mitigations`` (the set) then :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
     from lightning_seqmem.diagnostics.peak import trace_peak_site
-    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
 
     ran = [r for r in rows if r["peak_bytes"] is not None]
     if not ran:

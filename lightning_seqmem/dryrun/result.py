@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_seqmem.core.peak import PeakSite
+from lightning_seqmem.core.records import TrackedEvents
 
 __all__ = ['DryRunResult', 'DryRunUnsupported']
 
@@ -18,7 +19,9 @@ class DryRunResult:
     maximum. ``seconds`` is the wall time of the whole dry run (copy, two fake steps).
     ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
     ``peak_site`` says where the peak sits (phase, kinds of tensor), when the dry run was asked
-    (``dry_run_step(..., site=trace_peak_site)``).
+    (``dry_run_step(..., site=trace_peak_site)``). ``events`` is the measured step's allocation
+    sequence the peaks were replayed from (None where the result was not replayed from one trace:
+    a depth-extrapolated one, :mod:`lightning_seqmem.dryrun.depth`).
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -31,6 +34,7 @@ class DryRunResult:
     resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
     host_bytes: int = 0  # saved activations the step copies to host memory (activation offload; modelled)
     peak_site: Optional[PeakSite] = None  # where the peak sits (phase, kinds), when asked
+    events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # the step's trace
 
 
 class DryRunUnsupported(RuntimeError):

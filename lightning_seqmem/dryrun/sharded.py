@@ -309,7 +309,8 @@ def sharded_dry_run_step(
         + (f"; {'; '.join(notes)}" if notes else "")
     )
     return DryRunResult(seq_len=seq_len, batch_size=batch_size, mitigations=names, peak_bytes=peak,
-                        phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail)
+                        phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail,
+                        events=memory.events)
 
 
 # -- the training run's side (used by SeqMemCallback through TrainingRunDryRun) ---------------------

@@ -358,6 +358,7 @@ def dry_run_step(
         resident_bytes=resident,
         host_bytes=host,
         peak_site=step.peak_site,
+        events=step.memory.events,
     )
 
 
