@@ -91,9 +91,10 @@ class Family:
         return self.names[:i] + entry + self.names[i + 1:]
 
     def bases(self) -> list[Vector]:
-        """The base copies a proof tries, cheapest first (the first block of a stack takes the
-        embedding's output, so it is a block of the base, never a repeated one)."""
-        return [(1,)] if self.partial is None else [(1, 0), (1, 1)]
+        """The base copies a proof tries, cheapest first: the first block of a stack takes the
+        embedding's output, so it is a block of the base, never a repeated one; under FSDP2 the
+        block before the last prefetches the last one's parameters, so the base holds two."""
+        return [(1,), (2,)] if self.partial is None else [(1, 0), (1, 1), (2, 0), (2, 1)]
 
 
 def _fields(result: DryRunResult, block_bytes: int) -> dict[str, int]:

@@ -1,0 +1,176 @@
+"""Depth extrapolation (lightning_seqmem.dryrun.depth): dry runs of a stack of identical blocks answered
+from dry runs of shallow copies give the full dry run's figures to the byte, on models small enough to
+dry-run whole; models whose blocks differ, or whose steps do not repeat per block, get the full dry run
+and say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_seqmem.dryrun.depth import clear_depth_cache, depth_dry_run_step, depth_sharded_dry_run_step
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
+from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.reference.demo import LitGPT
+from lightning_seqmem.reference.hf import HFCausalLM
+
+SETTINGS = [(), ("attention",), ("checkpointing",), ("checkpointing:3/8",), ("checkpointing:selective",),
+            ("microbatch",), ("fused_loss",), ("tiled_mlp",)]
+LENGTHS = (128, 200)  # the first proves each setting's repetition; the second is answered from one copy
+ON_CPU_TOO = [(("checkpointing:3/8",), 200), (("microbatch",), 200),
+              (("attention", "checkpointing:5/8", "microbatch"), 128)]
+TINY_LLAMA_8 = dict(num_hidden_layers=8, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                    num_key_value_heads=2, vocab_size=256)
+
+
+def _batch() -> dict:
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def _outcome(fn):
+    """The figures a dry run gives, or the reason it refuses (both ways must agree)."""
+    try:
+        r = fn()
+    except DryRunUnsupported as exc:
+        return "unsupported", exc.reason, None
+    return (r.peak_bytes, r.phase_peak_bytes, r.host_bytes, r.resident_bytes), r.detail, r
+
+
+MODELS = {
+    "gpt": lambda: LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager"),
+    "llama": lambda: HFCausalLM(config=TINY_LLAMA_8, attn_implementation="eager"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    clear_depth_cache()
+    return MODELS[request.param]()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: the simulated device (dryrun.accelerator)
+def test_depth_extrapolated_equals_the_full_dry_run_to_the_byte(model, device):
+    batch = _batch()
+    extrapolated = 0
+    asked = [(names, LENGTHS[0]) for names in SETTINGS] + (ON_CPU_TOO if device == "cpu" else [])
+    for names, seq_len in asked:  # a setting's second length: answered from one copy, the proof cached
+        deep, detail, result = _outcome(lambda: depth_dry_run_step(model, None, batch, seq_len, None, names,
+                                                                    device=device))
+        full, why, _ = _outcome(lambda: dry_run_step(model, None, batch, seq_len, None, names, device=device))
+        assert deep == full, (names, seq_len, detail)
+        if deep == "unsupported":  # the full dry run refuses it too, for the same reason
+            assert detail == why
+            continue
+        assert detail.startswith("depth-extrapolated: 8 blocks from a dry run of a copy of "), (names, detail)
+        assert result.events is None and result.mitigations == names
+        extrapolated += 1
+    assert extrapolated >= len(asked) - 1  # one setting may be refused by both (fused_loss on the simulated device)
+
+
+def test_partial_checkpointing_shares_its_copies_across_levels(model):
+    """Every k of 'checkpointing:k/8' is answered from the same copies (one proof, one copy per length)."""
+    batch = _batch()
+    first = depth_dry_run_step(model, None, batch, 160, None, ["checkpointing:2/8"])
+    copies = first.detail.split(" (each block")[0]
+    for k in (1, 7):
+        deep = depth_dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
+        full = dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
+        assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
+        assert deep.detail.split(" (each block")[0] == copies
+        assert deep.seconds < first.seconds  # the copy's dry run is cached: no new fake step
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_sharded_depth_extrapolated_equals_the_full_sharded_dry_run(strategy):
+    clear_depth_cache()
+    template = unsharded_template(MODELS["gpt"]())
+    batch = _batch()
+    asked = [((), 128), ((), 200), (("checkpointing:3/8",), 128)] + ([(("microbatch",), 128)] if strategy == "fsdp2" else [])
+    for names, seq_len in asked:
+        deep = depth_sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
+        full = sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
+        assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes), names
+        assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail
+
+
+def test_sharded_hugging_face_model_refused_alike():
+    """Whatever the full sharded dry run says of a model, the depth-extrapolated one says too."""
+    template = unsharded_template(MODELS["llama"]())
+    deep, detail, _ = _outcome(lambda: depth_sharded_dry_run_step(template, _batch(), 128, 4))
+    full, why, _ = _outcome(lambda: sharded_dry_run_step(template, _batch(), 128, 4))
+    assert deep == full and (deep[0] != "unsupported" or detail == why)
+
+
+def test_blocks_that_differ_get_the_full_dry_run_with_the_reason():
+    """Qwen2 with sliding-window attention on its layers past max_window_layers: the layers differ."""
+    config = dict(TINY_LLAMA_8, use_sliding_window=True, sliding_window=64, max_window_layers=4)
+    model = HFCausalLM(model_type="qwen2", config=config, attn_implementation="eager")
+    batch = _batch()
+    deep = depth_dry_run_step(model, None, batch, 128)
+    full = dry_run_step(model, None, batch, 128)
+    assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
+    assert "full depth: not depth-extrapolated: block 4 differs from block 0 at self_attn.layer_type" in deep.detail
+
+
+def test_a_block_of_another_width_is_seen():
+    model = LitGPT(n_layer=6, d_model=32, n_head=2, d_ff=64)
+    model.model.blocks[5] = LitGPT(n_layer=1, d_model=32, n_head=2, d_ff=96).model.blocks[0]
+    deep = depth_dry_run_step(model, None, _batch(), 128)
+    assert deep.peak_bytes == dry_run_step(model, None, _batch(), 128).peak_bytes
+    assert "block 5 differs from block 0 at mlp" in deep.detail, deep.detail
+
+
+class _IndexedStack(nn.Module):
+    """Identical blocks, but the model's own loop doubles the width at its third block: no block
+    attribute says so; only the step does."""
+
+    def __init__(self, blocks: int = 6, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks))
+        self.head = nn.Linear(width, 256)
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch["input_ids"])
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 2:
+                x = torch.cat([x, x], -1)[..., : x.shape[-1]] * 2
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_step_that_does_not_repeat_per_block_gets_the_full_dry_run():
+    model = _IndexedStack()
+    deep = depth_dry_run_step(model, None, _batch(), 128)
+    full = dry_run_step(model, None, _batch(), 128)
+    assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
+    assert "not depth-extrapolated: the allocations do not repeat per block" in deep.detail, deep.detail
+
+
+def test_the_model_and_its_optimizer_are_left_as_they_were():
+    model = MODELS["llama"]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    layers = list(model.model.model.layers)
+    deep = depth_dry_run_step(model, optimizer, _batch(), 128, None, ["checkpointing:3/8"])
+    assert deep.detail.startswith("depth-extrapolated")
+    assert list(model.model.model.layers) == layers and model.model.config.num_hidden_layers == 8
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert len(optimizer.state) == 0 and len(optimizer.param_groups[0]["params"]) == len(before)
+    assert not model.model.is_gradient_checkpointing
+
+
+def test_peak_site_is_extrapolated_or_none():
+    from lightning_seqmem.diagnostics.peak import trace_peak_site
+
+    model = MODELS["gpt"]()
+    deep = depth_dry_run_step(model, None, _batch(), 256, site=trace_peak_site)
+    full = dry_run_step(model, None, _batch(), 256, site=trace_peak_site)
+    assert deep.peak_bytes == full.peak_bytes
+    assert deep.peak_site is None or deep.peak_site == full.peak_site
