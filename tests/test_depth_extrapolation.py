@@ -1,7 +1,7 @@
-"""Depth extrapolation (lightning_seqmem.dryrun.depth): dry runs of a stack of identical blocks answered
-from dry runs of shallow copies give the full dry run's figures to the byte, on models small enough to
-dry-run whole; models whose blocks differ, or whose steps do not repeat per block, get the full dry run
-and say why."""
+"""Depth extrapolation (lightning_seqmem.dryrun.depth): dry runs of a stack of identical blocks
+answered from dry runs of shallow copies give the full dry run's figures to the byte, on models
+small enough to dry-run whole; models whose blocks differ, or whose steps do not repeat per block,
+get the full dry run and say why."""
 
 from __future__ import annotations
 
@@ -9,20 +9,30 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_seqmem.dryrun.depth import clear_depth_cache, depth_dry_run_step, depth_sharded_dry_run_step
+from lightning_seqmem.diagnostics.peak import trace_peak_site
+from lightning_seqmem.dryrun.depth import (
+    clear_depth_cache,
+    depth_dry_run_step,
+    depth_sharded_dry_run_step,
+)
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.mitigations.checkpointing import is_checkpointed
 from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.reference.hf import HFCausalLM
 
-SETTINGS = [(), ("attention",), ("checkpointing",), ("checkpointing:3/8",), ("checkpointing:selective",),
-            ("microbatch",), ("fused_loss",), ("tiled_mlp",)]
-LENGTHS = (128, 200)  # the first proves each setting's repetition; the second is answered from one copy
-ON_CPU_TOO = [(("checkpointing:3/8",), 200), (("microbatch",), 200),
+SETTINGS = [(), ("attention",), ("checkpointing",), ("checkpointing:3/8",),
+            ("checkpointing:selective",), ("microbatch",), ("fused_loss",), ("tiled_mlp",)]
+FIRST = 128  # each setting's repetition is proved at the first length it is asked
+ON_CPU_TOO = [(("checkpointing:3/8",), 200), (("microbatch",), 200),  # answered from one copy
               (("attention", "checkpointing:5/8", "microbatch"), 128)]
 TINY_LLAMA_8 = dict(num_hidden_layers=8, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                     num_key_value_heads=2, vocab_size=256)
+MODELS = {
+    "gpt": lambda: LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager"),
+    "llama": lambda: HFCausalLM(config=TINY_LLAMA_8, attn_implementation="eager"),
+}
 
 
 def _batch() -> dict:
@@ -30,19 +40,17 @@ def _batch() -> dict:
     return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def _outcome(fn):
-    """The figures a dry run gives, or the reason it refuses (both ways must agree)."""
+def _figures(result) -> tuple:
+    return result.peak_bytes, result.phase_peak_bytes, result.host_bytes, result.resident_bytes
+
+
+def _outcome(fn) -> tuple:
+    """``(figures, detail, result)`` of a dry run, or ``("unsupported", reason, None)``."""
     try:
-        r = fn()
+        result = fn()
     except DryRunUnsupported as exc:
         return "unsupported", exc.reason, None
-    return (r.peak_bytes, r.phase_peak_bytes, r.host_bytes, r.resident_bytes), r.detail, r
-
-
-MODELS = {
-    "gpt": lambda: LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager"),
-    "llama": lambda: HFCausalLM(config=TINY_LLAMA_8, attn_implementation="eager"),
-}
+    return _figures(result), result.detail, result
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -54,31 +62,31 @@ def model(request):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: the simulated device (dryrun.accelerator)
 def test_depth_extrapolated_equals_the_full_dry_run_to_the_byte(model, device):
     batch = _batch()
+    asked = [(names, FIRST) for names in SETTINGS] + (ON_CPU_TOO if device == "cpu" else [])
     extrapolated = 0
-    asked = [(names, LENGTHS[0]) for names in SETTINGS] + (ON_CPU_TOO if device == "cpu" else [])
-    for names, seq_len in asked:  # a setting's second length: answered from one copy, the proof cached
-        deep, detail, result = _outcome(lambda: depth_dry_run_step(model, None, batch, seq_len, None, names,
-                                                                    device=device))
+    for names, seq_len in asked:
+        deep, detail, result = _outcome(
+            lambda: depth_dry_run_step(model, None, batch, seq_len, None, names, device=device))
         full, why, _ = _outcome(lambda: dry_run_step(model, None, batch, seq_len, None, names, device=device))
         assert deep == full, (names, seq_len, detail)
         if deep == "unsupported":  # the full dry run refuses it too, for the same reason
             assert detail == why
             continue
-        assert detail.startswith("depth-extrapolated: 8 blocks from a dry run of a copy of "), (names, detail)
+        assert detail.startswith("depth-extrapolated: 8 blocks from a dry run of a copy of "), detail
         assert result.events is None and result.mitigations == names
         extrapolated += 1
-    assert extrapolated >= len(asked) - 1  # one setting may be refused by both (fused_loss on the simulated device)
+    assert extrapolated >= len(asked) - 1  # fused_loss on the simulated device: refused by both
 
 
 def test_partial_checkpointing_shares_its_copies_across_levels(model):
-    """Every k of 'checkpointing:k/8' is answered from the same copies (one proof, one copy per length)."""
+    """Every k of 'checkpointing:k/8' is answered from the same copies: one proof, one copy a length."""
     batch = _batch()
     first = depth_dry_run_step(model, None, batch, 160, None, ["checkpointing:2/8"])
     copies = first.detail.split(" (each block")[0]
     for k in (1, 7):
         deep = depth_dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
         full = dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
-        assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
+        assert _figures(deep) == _figures(full)
         assert deep.detail.split(" (each block")[0] == copies
         assert deep.seconds < first.seconds  # the copy's dry run is cached: no new fake step
 
@@ -88,7 +96,8 @@ def test_sharded_depth_extrapolated_equals_the_full_sharded_dry_run(strategy):
     clear_depth_cache()
     template = unsharded_template(MODELS["gpt"]())
     batch = _batch()
-    asked = [((), 128), ((), 200), (("checkpointing:3/8",), 128)] + ([(("microbatch",), 128)] if strategy == "fsdp2" else [])
+    asked = [((), 128), ((), 200), (("checkpointing:3/8",), 128)]
+    asked += [(("microbatch",), 128)] if strategy == "fsdp2" else []
     for names, seq_len in asked:
         deep = depth_sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
         full = sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
@@ -96,36 +105,35 @@ def test_sharded_depth_extrapolated_equals_the_full_sharded_dry_run(strategy):
         assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail
 
 
-def test_sharded_hugging_face_model_refused_alike():
-    """Whatever the full sharded dry run says of a model, the depth-extrapolated one says too."""
+def test_sharded_hugging_face_model_answered_or_refused_alike():
     template = unsharded_template(MODELS["llama"]())
     deep, detail, _ = _outcome(lambda: depth_sharded_dry_run_step(template, _batch(), 128, 4))
     full, why, _ = _outcome(lambda: sharded_dry_run_step(template, _batch(), 128, 4))
-    assert deep == full and (deep[0] != "unsupported" or detail == why)
+    assert deep == full
+    assert deep != "unsupported" or detail == why
 
 
-def test_blocks_that_differ_get_the_full_dry_run_with_the_reason():
-    """Qwen2 with sliding-window attention on its layers past max_window_layers: the layers differ."""
+def test_layers_that_differ_get_the_full_dry_run_with_the_reason():
+    """Qwen2 with sliding-window attention on the layers past max_window_layers."""
     config = dict(TINY_LLAMA_8, use_sliding_window=True, sliding_window=64, max_window_layers=4)
     model = HFCausalLM(model_type="qwen2", config=config, attn_implementation="eager")
-    batch = _batch()
-    deep = depth_dry_run_step(model, None, batch, 128)
-    full = dry_run_step(model, None, batch, 128)
-    assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
-    assert "full depth: not depth-extrapolated: block 4 differs from block 0 at self_attn.layer_type" in deep.detail
+    deep = depth_dry_run_step(model, None, _batch(), 128)
+    assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
+    assert ("full depth: not depth-extrapolated: block 4 differs from block 0 at self_attn.layer_type"
+            in deep.detail), deep.detail
 
 
 def test_a_block_of_another_width_is_seen():
     model = LitGPT(n_layer=6, d_model=32, n_head=2, d_ff=64)
     model.model.blocks[5] = LitGPT(n_layer=1, d_model=32, n_head=2, d_ff=96).model.blocks[0]
     deep = depth_dry_run_step(model, None, _batch(), 128)
-    assert deep.peak_bytes == dry_run_step(model, None, _batch(), 128).peak_bytes
+    assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
     assert "block 5 differs from block 0 at mlp" in deep.detail, deep.detail
 
 
 class _IndexedStack(nn.Module):
-    """Identical blocks, but the model's own loop doubles the width at its third block: no block
-    attribute says so; only the step does."""
+    """Identical blocks, but the model's own loop makes a wider tensor after its third block: no
+    block's attribute says so, only the step does."""
 
     def __init__(self, blocks: int = 6, width: int = 16) -> None:
         super().__init__()
@@ -148,8 +156,7 @@ class _IndexedStack(nn.Module):
 def test_a_step_that_does_not_repeat_per_block_gets_the_full_dry_run():
     model = _IndexedStack()
     deep = depth_dry_run_step(model, None, _batch(), 128)
-    full = dry_run_step(model, None, _batch(), 128)
-    assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
+    assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
     assert "not depth-extrapolated: the allocations do not repeat per block" in deep.detail, deep.detail
 
 
@@ -163,14 +170,17 @@ def test_the_model_and_its_optimizer_are_left_as_they_were():
     assert list(model.model.model.layers) == layers and model.model.config.num_hidden_layers == 8
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert len(optimizer.state) == 0 and len(optimizer.param_groups[0]["params"]) == len(before)
-    assert not model.model.is_gradient_checkpointing
+    assert not is_checkpointed(model)
 
 
-def test_peak_site_is_extrapolated_or_none():
-    from lightning_seqmem.diagnostics.peak import trace_peak_site
-
+@pytest.mark.parametrize("names", [(), ("checkpointing",)])
+def test_the_peak_site_is_extrapolated_where_it_stays_put(names):
     model = MODELS["gpt"]()
-    deep = depth_dry_run_step(model, None, _batch(), 256, site=trace_peak_site)
-    full = dry_run_step(model, None, _batch(), 256, site=trace_peak_site)
-    assert deep.peak_bytes == full.peak_bytes
-    assert deep.peak_site is None or deep.peak_site == full.peak_site
+    deep = depth_dry_run_step(model, None, _batch(), 256, None, names, site=trace_peak_site)
+    full = dry_run_step(model, None, _batch(), 256, None, names, site=trace_peak_site)
+    assert _figures(deep) == _figures(full)
+    assert deep.peak_site is not None and deep.peak_site == full.peak_site
+    assert "the peak site extrapolated from traced copies" in deep.detail
+    short = depth_dry_run_step(model, None, _batch(), 128, None, names, site=trace_peak_site)
+    assert short.peak_site is None or short.peak_site == dry_run_step(
+        model, None, _batch(), 128, None, names, site=trace_peak_site).peak_site

@@ -71,7 +71,7 @@ def _step_peak(model: Any, optimizer: Any, batch: Any, seq_len: int, batch_size:
                context: Any, device: Any, world: Optional[tuple[int, str]] = None) -> int:
     """The dry-run peak of one step; with ``world = (N, strategy)`` the per-rank peak at N ranks."""
     if world is None:
-        from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step  # answered from shallow copies
+        from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
 
         return dry_run_step(model, optimizer, batch, seq_len, batch_size, names, context, device).peak_bytes
     from lightning_seqmem.dryrun.depth import depth_sharded_dry_run_step as sharded_dry_run_step

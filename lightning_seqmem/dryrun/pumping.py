@@ -56,14 +56,17 @@ def tokens_of(events: TrackedEvents) -> list[Token]:
     out: list[Token] = []
     for position, entry in enumerate(events.sequence):
         out += [(0, name, 0) for name in starts.get(position, ())]
-        out.append((1, ops[entry], events.sizes[entry]) if entry >= 0 else (-1, "", events.sizes[~entry]))
+        if entry >= 0:
+            out.append((1, ops[entry], events.sizes[entry]))
+        else:
+            out.append((-1, "", events.sizes[~entry]))
     for position in sorted(p for p in starts if p >= len(events.sequence)):
         out += [(0, name, 0) for name in starts[position]]
     return out
 
 
 def events_of(tokens: Sequence[Token]) -> TrackedEvents:
-    """Events that replay as ``tokens`` do (each free its own entry: the replay reads only its bytes).
+    """Events that replay as ``tokens`` do (each free its own entry: the replay reads its bytes).
 
     Example:
         >>> events_of([(1, "mm", 3), (0, "backward", 0), (-1, "mm", 3)]).sequence
@@ -90,7 +93,8 @@ def shape(tokens: Sequence[Token]) -> list[tuple[int, str]]:
     return [(sign, op) for sign, op, _ in tokens]
 
 
-def _segment_insertions(a: Sequence[Token], b: Sequence[Token], offset: int) -> Optional[list[tuple[int, list]]]:
+def _segment_insertions(a: Sequence[Token], b: Sequence[Token],
+                        offset: int) -> Optional[list[tuple[int, list]]]:
     """Insertions turning ``a`` into ``b`` (positions in ``a``, plus ``offset``), or None."""
     n, m = len(a), len(b)
     head = 0
@@ -128,9 +132,9 @@ def _leftmost(base: Sequence[Token], found: list[tuple[int, list]]) -> list[tupl
 
 
 def insertions(base: Sequence[Token], longer: Sequence[Token]) -> Optional[list[tuple[int, list]]]:
-    """``[(position in base, inserted tokens)]`` turning ``base`` into ``longer`` by insertions alone
-    (within each phase; the phases must match), each as far left as it can go; None where ``longer``
-    is not ``base`` with tokens inserted.
+    """``[(position in base, inserted tokens)]`` turning ``base`` into ``longer`` by insertions
+    alone (within each phase; the phases must match), each as far left as it can go; None where
+    ``longer`` is not ``base`` with tokens inserted.
 
     Example:
         >>> insertions([(1, "a", 1), (1, "c", 1)], [(1, "a", 1), (1, "b", 2), (1, "c", 1)])

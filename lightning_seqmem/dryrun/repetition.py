@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from lightning_seqmem.core.rungs import LEVEL_SEP, base_name, level_of
 from lightning_seqmem.dryrun.pumping import cut, events_of, insertions, pumped, shape, tokens_of
@@ -78,7 +78,8 @@ class Family:
             return (blocks,)
         k, _, n = str(level_of(names[self.partial])).partition("/")
         if int(n) != blocks:
-            raise ValueError(f"level {names[self.partial]!r} is for {n} blocks; the model has {blocks}")
+            raise ValueError(f"level {names[self.partial]!r} is for {n} blocks; the model has "
+                             f"{blocks}")
         return int(k), blocks - int(k)
 
     def names_at(self, vector: Vector) -> tuple[str, ...]:
@@ -97,38 +98,49 @@ class Family:
         return [(1,), (2,)] if self.partial is None else [(1, 0), (1, 1), (2, 0), (2, 1)]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer_fields(result: DryRunResult) -> dict[str, Any]:
+    """The integer fields and integer dicts of ``result`` but its size and its replayed peaks."""
+    out = {}
+    for field in dataclasses.fields(result):
+        value = getattr(result, field.name)
+        if field.name in _NOT_FIELDS:
+            continue
+        if _is_int(value) or (isinstance(value, dict) and all(map(_is_int, value.values()))):
+            out[field.name] = value
+    return out
+
+
 def _fields(result: DryRunResult, block_bytes: int) -> dict[str, int]:
     """Every integer figure of ``result`` but the trace's own peaks: the bytes a runner adds to the
     replayed peaks (``peak_bytes``, ``phase_peak_bytes/<phase>``) and the other integer fields and
     integer dicts of the result (``host_bytes``, ...)."""
     peak, phases = replay_peaks(result.events, block_bytes)
     out = {"peak_bytes": result.peak_bytes - peak}
-    out.update({f"phase_peak_bytes/{p}": v - phases.get(p, 0) for p, v in result.phase_peak_bytes.items()})
-    for field in dataclasses.fields(result):
-        value = getattr(result, field.name)
-        if field.name in _NOT_FIELDS:
-            continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            out[field.name] = value
-        elif isinstance(value, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
-            out.update({f"{field.name}/{k}": v for k, v in value.items()})
+    out.update({f"phase_peak_bytes/{p}": v - phases.get(p, 0)
+                for p, v in result.phase_peak_bytes.items()})
+    for name, value in _integer_fields(result).items():
+        if isinstance(value, dict):
+            out.update({f"{name}/{k}": v for k, v in value.items()})
+        else:
+            out[name] = value
     return out
 
 
-def _with_fields(result: DryRunResult, values: dict[str, int], peak: int, phases: dict[str, int]) -> DryRunResult:
+def _with_fields(result: DryRunResult, values: dict[str, int], peak: int,
+                 phases: dict[str, int]) -> DryRunResult:
     """``result`` with the replayed peaks plus their offsets and every other integer figure set."""
-    changes = {"peak_bytes": peak + values["peak_bytes"],
-               "phase_peak_bytes": {p: phases.get(p, 0) + values[f"phase_peak_bytes/{p}"]
-                                    for p in result.phase_peak_bytes},
-               "events": None, "peak_site": None}
-    for field in dataclasses.fields(result):
-        value = getattr(result, field.name)
-        if field.name in _NOT_FIELDS:
-            continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            changes[field.name] = values[field.name]
-        elif isinstance(value, dict) and all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
-            changes[field.name] = {k: values[f"{field.name}/{k}"] for k in value}
+    changes: dict[str, Any] = {
+        "peak_bytes": peak + values["peak_bytes"],
+        "phase_peak_bytes": {p: phases.get(p, 0) + values[f"phase_peak_bytes/{p}"]
+                             for p in result.phase_peak_bytes},
+        "events": None, "peak_site": None}
+    for name, value in _integer_fields(result).items():
+        changes[name] = ({k: values[f"{name}/{k}"] for k in value} if isinstance(value, dict)
+                         else values[name])
     return dataclasses.replace(result, **changes)
 
 
@@ -140,16 +152,23 @@ def _affine(at: dict[Vector, dict[str, int]], base: Vector) -> Optional[dict[str
     units = [plus(base, k) for k in range(len(base))]
     slopes = {f: tuple(at[u][f] - at[base][f] for u in units) for f in at[base]}
     for vector, values in at.items():
-        if any(v != at[base][f] + sum((n - b) * s for n, b, s in zip(vector, base, slopes[f])) for f, v in values.items()):
+        if values != _along(at[base], slopes, vector, base):
             return None
     return slopes
 
 
+def _along(values: dict[str, int], slopes: dict[str, Vector], to: Vector,
+           at: Vector) -> dict[str, int]:
+    """Each figure moved from copy ``at`` to ``to`` along its slope per kind."""
+    return {f: v + sum((n - b) * s for n, b, s in zip(to, at, slopes[f]))
+            for f, v in values.items()}
+
+
 @dataclasses.dataclass
 class Proof:
-    """A family's repetition, checked at ``seq_len`` on copies of ``checked`` blocks: the base copy's
-    layout (:func:`~lightning_seqmem.dryrun.pumping.shape`), where each block's chunk goes (``inserts``:
-    position in the base, kind, chunk shape), and each other figure's slope per kind."""
+    """A family's repetition, checked at ``seq_len`` on copies of ``checked`` blocks: the base
+    copy's layout (:func:`~lightning_seqmem.dryrun.pumping.shape`), where each block's chunk goes
+    (``inserts``: position in the base, kind, chunk shape), each other figure's slope per kind."""
 
     base: Vector
     base_shape: list
@@ -159,16 +178,16 @@ class Proof:
     checked: list
 
     def runs(self) -> list[Vector]:
-        """The copies a question runs: one with a block of each kind beyond the base (its chunks read
-        out of it); the base and one copy per kind where a figure beside the trace grows with depth."""
+        """The copies a question runs: one with a block of each kind beyond the base (its chunks
+        read out of it); the base and one per kind where a figure beside the trace grows."""
         if not any(any(s) for s in self.slopes.values()):
             return [plus(self.base, *range(len(self.base)))]
         return [self.base, *(plus(self.base, k) for k in range(len(self.base)))]
 
 
 def _ordered(base: list, found: list, target: list) -> Optional[list]:
-    """The insertions of every kind merged in position order, their order where two meet chosen so that
-    one block of each kind gives ``target``; None where no order does."""
+    """The insertions of every kind merged in position order, their order where two meet chosen so
+    that one block of each kind gives ``target``; None where no order does."""
     merged = sorted((pos, k, chunk) for k, inserts in enumerate(found) for pos, chunk in inserts)
     positions = [pos for pos, _, _ in merged]
     meeting = sorted({pos for pos in positions if positions.count(pos) > 1})
@@ -191,7 +210,10 @@ def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union
         if not inserts:
             return f"one more block is not an insertion of allocations (at {words(unit)} blocks)"
         found.append(inserts)
-    checks = [plus(base, 0, 0)] if len(base) == 1 else [plus(base, 0, 1), plus(base, 0, 0, 1), plus(base, 0, 1, 1)]
+    if len(base) == 1:
+        checks = [plus(base, 0, 0)]
+    else:
+        checks = [plus(base, 0, 1), plus(base, 0, 0, 1), plus(base, 0, 1, 1)]
     tokens.update({v: tokens_of(run(v).events) for v in checks})
     order = [(pos, 0, chunk) for pos, chunk in found[0]] if len(base) == 1 else \
         _ordered(tokens[base], found, tokens[checks[0]])
@@ -203,8 +225,9 @@ def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union
     slopes = _affine({v: _fields(run(v), block_bytes) for v in tokens}, base)
     if slopes is None:
         return "a figure beside the traced step is not affine in the block count"
-    return Proof(base, shape(tokens[base]), [(p, k, shape(c)) for p, k, c in order], slopes, seq_len,
-                 sorted(tokens, key=lambda v: (sum(v), v)))
+    inserts = [(p, k, shape(c)) for p, k, c in order]
+    checked = sorted(tokens, key=lambda v: (sum(v), v))
+    return Proof(base, shape(tokens[base]), inserts, slopes, seq_len, checked)
 
 
 def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Proof, str]:
@@ -222,14 +245,15 @@ def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Pro
 
 
 def extrapolate(run: Run, proof: Proof, target: Vector, block_bytes: int) -> Optional[DryRunResult]:
-    """The result at ``target`` blocks of each kind from the copies ``proof.runs()`` names (run at the
-    length asked), or None where one of them has another layout than the proof's."""
+    """The result at ``target`` blocks of each kind from the copies ``proof.runs()`` names (run at
+    the length asked), or None where one of them has another layout than the proof's."""
     results = {v: run(v) for v in proof.runs()}
     kinds = range(len(proof.base))
     chunks: list = [None] * len(proof.inserts)
     base_tokens = None
     for v, result in results.items():
-        read = cut(tokens_of(result.events), proof.base_shape, proof.inserts, {k: v[k] - proof.base[k] for k in kinds})
+        counts = {k: v[k] - proof.base[k] for k in kinds}
+        read = cut(tokens_of(result.events), proof.base_shape, proof.inserts, counts)
         if read is None or (base_tokens is not None and read[0] != base_tokens):
             return None
         base_tokens = read[0]
@@ -243,7 +267,7 @@ def extrapolate(run: Run, proof: Proof, target: Vector, block_bytes: int) -> Opt
         slopes = {f: tuple(u[f] - values[f] for u in at) for f in values}
     else:
         slopes = proof.slopes
-    values = {f: v + sum((n - b) * s for n, b, s in zip(target, first, slopes[f])) for f, v in values.items()}
+    values = _along(values, slopes, target, first)
     inserts = [(p, k, chunk) for (p, k, _), chunk in zip(proof.inserts, chunks)]
     deep = pumped(base_tokens, inserts, {k: target[k] - proof.base[k] for k in kinds})
     peak, phases = replay_peaks(events_of(deep), block_bytes)

@@ -3,8 +3,8 @@
 :func:`find_stack` finds the ``nn.ModuleList`` holding the model's repeated blocks (those
 :func:`~lightning_seqmem.mitigations.checkpointing.find_repeated_blocks` finds: a Hugging Face
 model's decoder layers, the reference GPT's ``blocks``); :func:`blocks_differ` says why they are not
-alike where they are not (a parameter shape, a sliding window on some layers, a per-layer list of the
-config); :func:`shallow_copy` is the model with only the first ``k`` blocks, for a dry run: the
+alike where they are not (a parameter shape, a sliding window on some layers, a per-layer list of
+the config); :func:`shallow_copy` is the model with only the first ``k`` blocks, for a dry run: the
 module objects copied, every parameter, buffer and attribute tensor *shared* with the model (the
 dry run fakes them, as it fakes the model's), the model itself never changed. A Hugging Face config
 in the copy says ``num_hidden_layers = k`` (its per-layer lists cut to ``k``), as that of a model
@@ -18,8 +18,10 @@ Example:
     >>> len(stack), why, blocks_differ(stack)
     (4, '', None)
     >>> short = shallow_copy(model, stack, 2)
-    >>> len(short.blocks), len(model.blocks), short.blocks[0].ln1.weight is model.blocks[0].ln1.weight
-    (2, 4, True)
+    >>> len(short.blocks), len(model.blocks)
+    (2, 4)
+    >>> short.blocks[0].ln1.weight is model.blocks[0].ln1.weight
+    True
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from lightning_seqmem.dryrun.fake import unwrap_optimizer
 from lightning_seqmem.measure.probes import attribute_tensors
 from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
 
-__all__ = ["blocks_differ", "find_stack", "layer_configs", "shallow_copy", "shallow_optimizer", "state_key"]
+__all__ = ["blocks_differ", "find_stack", "layer_configs", "shallow_copy", "shallow_optimizer",
+           "state_key"]
 
-_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper holds the block under this name
+_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper holds the block as this
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
@@ -53,12 +56,14 @@ def find_stack(model: nn.Module) -> tuple[Optional[nn.ModuleList], str]:
     """
     blocks = [b for b in find_repeated_blocks(model) if b is not model]
     if not blocks:
-        return None, "no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class)"
+        return None, ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of one "
+                      "class)")
     wanted = {id(b) for b in blocks}
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)
              and any(id(_inner(c)) in wanted for c in m)]
     if len(lists) != 1:
-        return None, f"the {len(blocks)} repeated blocks sit in {len(lists)} stacks; depth extrapolation takes one"
+        return None, (f"the {len(blocks)} repeated blocks sit in {len(lists)} stacks; depth "
+                      "extrapolation takes one")
     stack = lists[0]
     if [id(_inner(c)) for c in stack] != [id(b) for b in blocks]:
         return None, "the stack of repeated blocks holds other modules too"
@@ -66,7 +71,7 @@ def find_stack(model: nn.Module) -> tuple[Optional[nn.ModuleList], str]:
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
-    """A comparable stand-in for an attribute's value: the value itself where plain, else its kind."""
+    """A comparable stand-in for an attribute's value: itself where plain, else its kind."""
     if isinstance(value, _PLAIN):
         return value if not isinstance(value, (torch.dtype, torch.device)) else str(value)
     if isinstance(value, torch.Tensor):
@@ -113,7 +118,9 @@ def blocks_differ(stack: nn.ModuleList, model: Optional[nn.Module] = None) -> Op
 
     Example:
         >>> blocks_differ(nn.ModuleList([nn.Linear(2, 2, bias=False), nn.Linear(2, 3, bias=False)]))
-        "block 1 differs from block 0 at _parameters.weight: ((3, 2), 'torch.float32', 'cpu', True) vs ((2, 2), 'torch.float32', 'cpu', True)"
+        ... # doctest: +NORMALIZE_WHITESPACE
+        "block 1 differs from block 0 at _parameters.weight: ((3, 2), 'torch.float32', 'cpu', True)
+        vs ((2, 2), 'torch.float32', 'cpu', True)"
     """
     signatures = [_signature(b) for b in stack]
     first = signatures[0]
@@ -129,9 +136,12 @@ def blocks_differ(stack: nn.ModuleList, model: Optional[nn.Module] = None) -> Op
             return f"block {i} differs from block 0 at {where}: {b!r} vs {a!r}"
     for config in layer_configs(model) if model is not None else []:
         for key, value in vars(config).items():
-            if isinstance(value, (list, tuple)) and len(value) == len(stack) and len(set(map(repr, value))) > 1:
-                kinds = sorted({repr(v) for v in value})
-                return f"the config's per-layer {key} holds {len(kinds)} kinds ({', '.join(kinds[:3])})"
+            if not isinstance(value, (list, tuple)) or len(value) != len(stack):
+                continue
+            kinds = sorted({repr(v) for v in value})
+            if len(kinds) > 1:
+                return (f"the config's per-layer {key} holds {len(kinds)} kinds "
+                        f"({', '.join(kinds[:3])})")
     return None
 
 
@@ -148,11 +158,13 @@ def layer_configs(model: nn.Module) -> list[Any]:
 
 def state_key(model: nn.Module, stack: nn.ModuleList) -> tuple:
     """What a shallow copy of ``model`` is made from, hashable: its modules and parameters (by
-    identity), their train/eval modes, a block's signature and the layer configs' values. Equal keys:
-    the same shallow copies."""
+    identity), their train/eval modes, a block's signature and the layer configs' values. Equal
+    keys: the same shallow copies."""
     return (tuple(id(m) for m in model.modules()), tuple(id(p) for p in model.parameters()),
-            tuple(m.training for m in model.modules()), tuple(sorted(map(repr, _signature(stack[0]).items()))),
-            tuple(repr(sorted(vars(c).items(), key=lambda kv: kv[0])) for c in layer_configs(model)))
+            tuple(m.training for m in model.modules()),
+            tuple(sorted(map(repr, _signature(stack[0]).items()))),
+            tuple(repr(sorted(vars(c).items(), key=lambda kv: kv[0]))
+                  for c in layer_configs(model)))
 
 
 def shallow_copy(model: nn.Module, stack: nn.ModuleList, depth: int) -> nn.Module:
@@ -177,7 +189,7 @@ def shallow_copy(model: nn.Module, stack: nn.ModuleList, depth: int) -> nn.Modul
         if config.num_hidden_layers != blocks:
             continue
         for key, value in list(vars(config).items()):
-            if isinstance(value, (list, tuple)) and len(value) == blocks and key != "num_hidden_layers":
+            if isinstance(value, (list, tuple)) and len(value) == blocks:
                 setattr(config, key, type(value)(value[:depth]))
         config.num_hidden_layers = depth
     return clone
