@@ -27,8 +27,8 @@ SETTINGS = [(), ("attention",), ("checkpointing",), ("checkpointing:3/8",),
 FIRST = 128  # each setting's repetition is proved at the first length it is asked
 ON_CPU_TOO = [(("checkpointing:3/8",), 200), (("microbatch",), 200),  # answered from one copy
               (("attention", "checkpointing:5/8", "microbatch"), 128)]
-TINY_LLAMA_8 = dict(num_hidden_layers=8, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                    num_key_value_heads=2, vocab_size=256)
+TINY_LLAMA_8 = dict(num_hidden_layers=8, hidden_size=32, intermediate_size=64,
+                    num_attention_heads=2, num_key_value_heads=2, vocab_size=256)
 MODELS = {
     "gpt": lambda: LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager"),
     "llama": lambda: HFCausalLM(config=TINY_LLAMA_8, attn_implementation="eager"),
@@ -59,7 +59,7 @@ def model(request):
     return MODELS[request.param]()
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: the simulated device (dryrun.accelerator)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: simulated (dryrun.accelerator)
 def test_depth_extrapolated_equals_the_full_dry_run_to_the_byte(model, device):
     batch = _batch()
     asked = [(names, FIRST) for names in SETTINGS] + (ON_CPU_TOO if device == "cpu" else [])
@@ -67,19 +67,20 @@ def test_depth_extrapolated_equals_the_full_dry_run_to_the_byte(model, device):
     for names, seq_len in asked:
         deep, detail, result = _outcome(
             lambda: depth_dry_run_step(model, None, batch, seq_len, None, names, device=device))
-        full, why, _ = _outcome(lambda: dry_run_step(model, None, batch, seq_len, None, names, device=device))
+        full, why, _ = _outcome(
+            lambda: dry_run_step(model, None, batch, seq_len, None, names, device=device))
         assert deep == full, (names, seq_len, detail)
         if deep == "unsupported":  # the full dry run refuses it too, for the same reason
             assert detail == why
             continue
-        assert detail.startswith("depth-extrapolated: 8 blocks from a dry run of a copy of "), detail
+        assert detail.startswith("depth-extrapolated: 8 blocks from a dry run of a copy of ")
         assert result.events is None and result.mitigations == names
         extrapolated += 1
     assert extrapolated >= len(asked) - 1  # fused_loss on the simulated device: refused by both
 
 
 def test_partial_checkpointing_shares_its_copies_across_levels(model):
-    """Every k of 'checkpointing:k/8' is answered from the same copies: one proof, one copy a length."""
+    """Every k of 'checkpointing:k/8' is answered from the same copies (one proof, one copy)."""
     batch = _batch()
     first = depth_dry_run_step(model, None, batch, 160, None, ["checkpointing:2/8"])
     copies = first.detail.split(" (each block")[0]
@@ -101,7 +102,7 @@ def test_sharded_depth_extrapolated_equals_the_full_sharded_dry_run(strategy):
     for names, seq_len in asked:
         deep = depth_sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
         full = sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
-        assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes), names
+        assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
         assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail
 
 
@@ -119,8 +120,8 @@ def test_layers_that_differ_get_the_full_dry_run_with_the_reason():
     model = HFCausalLM(model_type="qwen2", config=config, attn_implementation="eager")
     deep = depth_dry_run_step(model, None, _batch(), 128)
     assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
-    assert ("full depth: not depth-extrapolated: block 4 differs from block 0 at self_attn.layer_type"
-            in deep.detail), deep.detail
+    why = "full depth: not depth-extrapolated: block 4 differs from block 0 at self_attn.layer_type"
+    assert why in deep.detail, deep.detail
 
 
 def test_a_block_of_another_width_is_seen():
@@ -138,7 +139,8 @@ class _IndexedStack(nn.Module):
     def __init__(self, blocks: int = 6, width: int = 16) -> None:
         super().__init__()
         self.embed = nn.Embedding(256, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                    for _ in range(blocks))
         self.head = nn.Linear(width, 256)
 
     def training_step(self, batch, batch_idx):
@@ -157,7 +159,7 @@ def test_a_step_that_does_not_repeat_per_block_gets_the_full_dry_run():
     model = _IndexedStack()
     deep = depth_dry_run_step(model, None, _batch(), 128)
     assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
-    assert "not depth-extrapolated: the allocations do not repeat per block" in deep.detail, deep.detail
+    assert "not depth-extrapolated: the allocations do not repeat per block" in deep.detail
 
 
 def test_the_model_and_its_optimizer_are_left_as_they_were():
