@@ -186,3 +186,39 @@ def test_the_peak_site_is_extrapolated_where_it_stays_put(names):
     short = depth_dry_run_step(model, None, _batch(), 128, None, names, site=trace_peak_site)
     assert short.peak_site is None or short.peak_site == dry_run_step(
         model, None, _batch(), 128, None, names, site=trace_peak_site).peak_site
+
+
+PLAN_CONFIG = """\
+trainer: {accelerator: cpu, devices: 1}
+model: {n_layer: 8, d_model: 32, n_head: 2, attention: eager}
+data: {batch_size: 2, seq_len: 64, num_samples: 8}
+"""
+
+
+def test_seqmem_plan_figures_are_the_full_dry_runs(tmp_path, capsys):
+    """``seqmem plan`` asks through the depth-extrapolated dry run: every row's peak, and the
+    largest length it searched, are what full dry runs say."""
+    import json
+
+    from lightning_seqmem.cli.main import main
+    from lightning_seqmem.reference.demo import SyntheticTokenDataModule
+
+    config = tmp_path / "gpt8.yaml"
+    config.write_text(PLAN_CONFIG)
+    assert main(["plan", "--config", str(config), "--lengths", "256", "2048", "--budget", "8MiB",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    model = LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager")
+    data = SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=8)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    rows = [(entry["seq_len"], row) for entry in doc["lengths"] for row in entry["rows"]]
+    assert len(rows) == 8 and all(row["error"] is None for _, row in rows)
+    for seq_len, row in rows:
+        full = dry_run_step(model, None, batch, seq_len, None, row["mitigations"])
+        assert row["peak_bytes"] == full.peak_bytes, (seq_len, row)
+    largest, usable = doc["largest_fitting_seq_len"], doc["usable_budget_bytes"]
+    last = doc["mitigation_sets"][-1]
+    assert 256 < largest < 2048
+    assert dry_run_step(model, None, batch, largest, None, last).peak_bytes <= usable
+    assert dry_run_step(model, None, batch, largest + 8, None, last).peak_bytes > usable
