@@ -238,7 +238,11 @@ def _extrapolated(call: _Call, context: _Context, stack: nn.ModuleList, family: 
     run = context.run(call, stack, family, seq_len)
     for again in (False, True):
         if again or family.names not in context.proofs:
-            context.proofs[family.names] = prove(run, family, seq_len, block)
+            try:
+                context.proofs[family.names] = prove(run, family, seq_len, block)
+            except Exception as exc:  # noqa: BLE001 - kept: the family's questions go to the full run
+                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                context.proofs[family.names] = f"a shallow copy's dry run failed: {reason}"
         proof = context.proofs[family.names]
         if not isinstance(proof, Proof):
             return proof, None

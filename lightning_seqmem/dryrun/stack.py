@@ -36,7 +36,7 @@ from lightning_seqmem.dryrun.fake import unwrap_optimizer
 from lightning_seqmem.measure.probes import attribute_tensors
 from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
 
-__all__ = ["blocks_differ", "find_stack", "layer_configs", "shallow_copy", "shallow_optimizer",
+__all__ = ["blocks_differ", "find_stack", "shallow_copy", "shallow_optimizer", "stack_configs",
            "state_key"]
 
 _WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper holds the block as this
@@ -67,6 +67,10 @@ def find_stack(model: nn.Module) -> tuple[Optional[nn.ModuleList], str]:
     stack = lists[0]
     if [id(_inner(c)) for c in stack] != [id(b) for b in blocks]:
         return None, "the stack of repeated blocks holds other modules too"
+    runs = {c.num_hidden_layers for c in stack_configs(model, stack)} - {len(stack)}
+    if runs:
+        return None, (f"the config runs {min(runs)} of the stack's {len(stack)} layers "
+                      "(num_hidden_layers)")
     return stack, ""
 
 
@@ -113,7 +117,7 @@ def blocks_differ(stack: nn.ModuleList, model: Optional[nn.Module] = None) -> Op
 
     Attributes that count the blocks (named for an index, ``layer_idx``: the block's index plus a
     constant) may differ;
-    nothing else may, and a Hugging Face config of ``model`` (:func:`layer_configs`) may hold no
+    nothing else may, and the Hugging Face config of the stack (:func:`stack_configs`) may hold no
     per-layer list whose entries differ (``layer_types`` of local and global attention).
 
     Example:
@@ -134,7 +138,7 @@ def blocks_differ(stack: nn.ModuleList, model: Optional[nn.Module] = None) -> Op
                 continue  # the block's index: layer_idx
             where = ".".join(p for p in key if p)
             return f"block {i} differs from block 0 at {where}: {b!r} vs {a!r}"
-    for config in layer_configs(model) if model is not None else []:
+    for config in stack_configs(model, stack) if model is not None else []:
         for key, value in vars(config).items():
             if not isinstance(value, (list, tuple)) or len(value) != len(stack):
                 continue
@@ -145,13 +149,15 @@ def blocks_differ(stack: nn.ModuleList, model: Optional[nn.Module] = None) -> Op
     return None
 
 
-def layer_configs(model: nn.Module) -> list[Any]:
-    """The distinct configs held as ``config`` by modules of ``model`` that count layers
-    (``num_hidden_layers``: Hugging Face's)."""
+def stack_configs(model: nn.Module, stack: nn.ModuleList) -> list[Any]:
+    """The configs that count the layers of ``stack`` (``num_hidden_layers``: Hugging Face's), held
+    as ``config`` by the module holding it (a Hugging Face model's own: ``LlamaModel.config``, the
+    same object as its causal LM's); another model's config inside ``model`` is not among them."""
     found: dict[int, Any] = {}
     for module in model.modules():
         config = module.__dict__.get("config")
-        if isinstance(getattr(config, "num_hidden_layers", None), int):
+        holds = any(child is stack for child in module._modules.values())
+        if holds and isinstance(getattr(config, "num_hidden_layers", None), int):
             found.setdefault(id(config), config)
     return list(found.values())
 
@@ -164,12 +170,13 @@ def state_key(model: nn.Module, stack: nn.ModuleList) -> tuple:
             tuple(m.training for m in model.modules()),
             tuple(sorted(map(repr, _signature(stack[0]).items()))),
             tuple(repr(sorted(vars(c).items(), key=lambda kv: kv[0]))
-                  for c in layer_configs(model)))
+                  for c in stack_configs(model, stack)))
 
 
 def shallow_copy(model: nn.Module, stack: nn.ModuleList, depth: int) -> nn.Module:
     """``model`` with only the first ``depth`` blocks of ``stack``: module objects copied, tensors
-    shared, no trainer; ``model`` unchanged. Its layer configs say ``depth`` layers."""
+    shared, no trainer; ``model`` unchanged. The stack's configs in the copy say ``depth`` layers
+    (their per-layer lists cut to ``depth``)."""
     memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric"):
         attached = model.__dict__.get(name)
@@ -184,12 +191,9 @@ def shallow_copy(model: nn.Module, stack: nn.ModuleList, depth: int) -> nn.Modul
     short.__dict__["_modules"] = dict(list(stack._modules.items())[:depth])
     memo[id(stack)] = copy.deepcopy(short, memo)
     clone = copy.deepcopy(model, memo)
-    blocks = len(stack)
-    for config in layer_configs(clone):
-        if config.num_hidden_layers != blocks:
-            continue
+    for config in stack_configs(clone, memo[id(stack)]):
         for key, value in list(vars(config).items()):
-            if isinstance(value, (list, tuple)) and len(value) == blocks:
+            if isinstance(value, (list, tuple)) and len(value) == len(stack):
                 setattr(config, key, type(value)(value[:depth]))
         config.num_hidden_layers = depth
     return clone
