@@ -283,8 +283,9 @@ def _answer(call: _Call) -> DryRunResult:
         return call.full(f"not depth-extrapolated: a shallow copy's dry run failed: {reason}")
     runs = proof.runs()
     copy = context.run(call, stack, family, seq_len)(runs[-1])
-    detail = (f"depth-extrapolated: {len(stack)} blocks from a dry run of a copy of "
-              + ", ".join(words(v) for v in runs)
+    copies = (f"a dry run of a copy of {words(runs[0])}" if len(runs) == 1 else
+              f"dry runs of copies of {', '.join(words(v) for v in runs)}")
+    detail = (f"depth-extrapolated: {len(stack)} blocks from {copies}"
               + " (each block's allocations repeated, the repetition checked on copies of "
               + ", ".join(words(v) for v in proof.checked) + f" blocks at seq_len {proof.seq_len}"
               + ("; the peak site extrapolated from traced copies" if peak_site is not None else "")
