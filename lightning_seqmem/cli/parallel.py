@@ -94,7 +94,7 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
                 no_sdpa: dict[tuple[str, ...], str]) -> dict[str, Any]:
     """One layout with ``names`` at ``res``'s length: degree 1 is the N-rank table's own row; a set whose
     model makes no SDPA call (``no_sdpa``, filled here) runs no degree above 1."""
-    from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.step import DryRunUnsupported
 
     L = res["seq_len"]
@@ -109,7 +109,7 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
         row["error"] = no_sdpa[names]
     else:
         try:
-            row["peak_bytes"] = sequence_parallel_dry_run_step(
+            row["peak_bytes"] = depth_sequence_parallel_dry_run_step(
                 shard.model, shard.batch, L, shard.world_size, layout.degree, layout.kind, shard.batch_size, names,
                 shard.context, shard.device).peak_bytes
         except DryRunUnsupported as exc:

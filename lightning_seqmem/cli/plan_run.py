@@ -1,9 +1,11 @@
 """What every dry run of one ``seqmem plan`` shares (:class:`PlanRun`), and the questions it answers from
 them: the rows of one length, the fastest setting that fits, the longest length a setting fits.
 
-Each dry run is made once per ``(seq_len, mitigations, world)`` and kept (:meth:`PlanRun.dry`): a plan
-that answers for several devices (``--budget 80GB h200``) judges the same dry runs against each, and
-dry-runs again only what a device's own search reaches.
+Each dry run is made once per ``(seq_len, mitigations, world, offload)`` and kept (:meth:`PlanRun.dry`):
+a plan that answers for several devices (``--budget 80GB h200``) judges the same dry runs against each,
+and dry-runs again only what a device's own search reaches. A stack of identical blocks is dry-run on
+shallow copies and extrapolated to its depth (:mod:`lightning_seqmem.dryrun.depth`: proved on copies of
+1, 2 and 3 blocks, equal to the full dry run to the byte; the full one where the proof fails).
 """
 
 from __future__ import annotations
@@ -96,18 +98,18 @@ class PlanRun:
         result = error = None
         try:
             if offload:
-                from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
+                from lightning_seqmem.dryrun.depth import depth_sharded_dry_run_step as sharded_dry_run_step
 
                 result = sharded_dry_run_step(self.model, self.batch, seq_len, 1 if world is None else world[0],
                                               self.batch_size, names, "fsdp2", self.context, self.device,
                                               offload=True)
             elif world is None:
-                from lightning_seqmem.dryrun.step import dry_run_step
+                from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
 
                 result = dry_run_step(self.model, self.optimizer, self.batch, seq_len, self.batch_size, names,
                                       self.context, self.device)
             else:
-                from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
+                from lightning_seqmem.dryrun.depth import depth_sharded_dry_run_step as sharded_dry_run_step
 
                 result = sharded_dry_run_step(self.model, self.batch, seq_len, world[0], self.batch_size, names,
                                               world[1], self.context, self.device)
@@ -328,7 +330,7 @@ def peak_at(run: PlanRun, seq_len: int, rows: Sequence[dict[str, Any]], plan: Op
     :func:`~lightning_seqmem.diagnostics.peak.trace_peak_site`. None where no dry run ran or it could
     not say. ``mitigations`` (the set) then :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
     from lightning_seqmem.diagnostics.peak import trace_peak_site
-    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
 
     ran = [r for r in rows if r["peak_bytes"] is not None and not r.get("offload")]
     if not ran:
@@ -347,7 +349,7 @@ def modelled_rows(run: PlanRun, base: Setting, results: list[dict[str, Any]], us
     """For each rung skipped here that a dry run still models (``Rung.modelled_where_refused``: activation
     offload on CPU), per length: the device peak with the last set and with it added, and the bytes it
     moves to host memory. Modelled, not measured (``"measured": false``); a failure is the row's error."""
-    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
     from lightning_seqmem.mitigations.ladder import rung
 
     rows = []

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_seqmem.core.peak import PeakSite
+from lightning_seqmem.core.records import TrackedEvents
 
 __all__ = ['DryRunResult', 'DryRunUnsupported']
 
@@ -24,6 +25,9 @@ class DryRunResult:
     0 and ``{}`` on the CPU, which has no host apart. ``modelled_kernels`` names the CUDA kernels
     whose memory was modelled rather than run (:mod:`lightning_seqmem.dryrun.kernels`), in
     first-run order.
+    (``dry_run_step(..., site=trace_peak_site)``). ``events`` is the measured step's allocation
+    sequence the peaks were replayed from (None where the result was not replayed from one trace:
+    a depth-extrapolated one, :mod:`lightning_seqmem.dryrun.depth`).
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -39,6 +43,7 @@ class DryRunResult:
     host_peak_bytes: int = 0  # peak live host-memory bytes of the step (0: the device is the CPU)
     host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # phase -> host peak within it
     modelled_kernels: tuple[str, ...] = ()  # CUDA kernels modelled (on the simulated device)
+    events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # the step's trace
 
 
 class DryRunUnsupported(RuntimeError):

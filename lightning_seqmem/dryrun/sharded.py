@@ -389,7 +389,8 @@ def sharded_dry_run_step(
     )
     return DryRunResult(seq_len=seq_len, batch_size=batch_size, mitigations=names, peak_bytes=peak,
                         phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail,
-                        host_peak_bytes=host_peak, host_phase_peak_bytes=host_phase_peaks)
+                        host_peak_bytes=host_peak, host_phase_peak_bytes=host_phase_peaks,
+                        events=memory.events)
 
 
 def _pin_gradients_as_fsdp2_does(model: nn.Module) -> None:

@@ -391,6 +391,7 @@ def dry_run_step(
         host_peak_bytes=host_peak,
         host_phase_peak_bytes=host_phase_peaks,
         modelled_kernels=tuple(modelled),
+        events=step.memory.events,
     )
 
 

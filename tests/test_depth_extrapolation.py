@@ -1,0 +1,226 @@
+"""Depth extrapolation (lightning_seqmem.dryrun.depth): dry runs of a stack of identical blocks
+answered from dry runs of shallow copies give the full dry run's figures to the byte, on models
+small enough to dry-run whole; models whose blocks differ, or whose steps do not repeat per block,
+get the full dry run and say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_seqmem.diagnostics.peak import trace_peak_site
+from lightning_seqmem.dryrun.depth import (
+    clear_depth_cache,
+    depth_dry_run_step,
+    depth_sharded_dry_run_step,
+)
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
+from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.mitigations.checkpointing import is_checkpointed
+from lightning_seqmem.reference.demo import LitGPT
+from lightning_seqmem.reference.hf import HFCausalLM
+
+SETTINGS = [(), ("attention",), ("checkpointing",), ("checkpointing:3/8",),
+            ("checkpointing:selective",), ("microbatch",), ("fused_loss",), ("tiled_mlp",),
+            ("activation_offload",)]  # host bytes grow per block: a base and a unit copy a length
+FIRST = 128  # each setting's repetition is proved at the first length it is asked
+ON_CPU_TOO = [(("checkpointing:3/8",), 200), (("microbatch",), 200),  # answered from one copy
+              (("attention", "checkpointing:5/8", "microbatch"), 128)]
+TINY_LLAMA_8 = dict(num_hidden_layers=8, hidden_size=32, intermediate_size=64,
+                    num_attention_heads=2, num_key_value_heads=2, vocab_size=256)
+MODELS = {
+    "gpt": lambda: LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager"),
+    "llama": lambda: HFCausalLM(config=TINY_LLAMA_8, attn_implementation="eager"),
+}
+
+
+def _batch() -> dict:
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def _figures(result) -> tuple:
+    return result.peak_bytes, result.phase_peak_bytes, result.host_bytes, result.resident_bytes
+
+
+def _outcome(fn) -> tuple:
+    """``(figures, detail, result)`` of a dry run, or ``("unsupported", reason, None)``."""
+    try:
+        result = fn()
+    except DryRunUnsupported as exc:
+        return "unsupported", exc.reason, None
+    return _figures(result), result.detail, result
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    clear_depth_cache()
+    return MODELS[request.param]()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: simulated (dryrun.accelerator)
+def test_depth_extrapolated_equals_the_full_dry_run_to_the_byte(model, device):
+    batch = _batch()
+    asked = [(names, FIRST) for names in SETTINGS] + (ON_CPU_TOO if device == "cpu" else [])
+    extrapolated = 0
+    for names, seq_len in asked:
+        deep, detail, result = _outcome(
+            lambda: depth_dry_run_step(model, None, batch, seq_len, None, names, device=device))
+        full, why, _ = _outcome(
+            lambda: dry_run_step(model, None, batch, seq_len, None, names, device=device))
+        assert deep == full, (names, seq_len, detail)
+        if deep == "unsupported":  # the full dry run refuses it too, for the same reason
+            assert detail == why
+            continue
+        assert detail.startswith(("depth-extrapolated: 8 blocks from a dry run of a copy of ",
+                                  "depth-extrapolated: 8 blocks from dry runs of copies of "))
+        assert result.events is None and result.mitigations == names
+        extrapolated += 1
+    assert extrapolated >= len(asked) - 1  # fused_loss on the simulated device: refused by both
+
+
+def test_partial_checkpointing_shares_its_copies_across_levels(model):
+    """Every k of 'checkpointing:k/8' is answered from the same copies (one proof, one copy)."""
+    batch = _batch()
+    first = depth_dry_run_step(model, None, batch, 160, None, ["checkpointing:2/8"])
+    copies = first.detail.split(" (each block")[0]
+    for k in (1, 7):
+        deep = depth_dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
+        full = dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
+        assert _figures(deep) == _figures(full)
+        assert deep.detail.split(" (each block")[0] == copies
+        assert deep.seconds < first.seconds  # the copy's dry run is cached: no new fake step
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_sharded_depth_extrapolated_equals_the_full_sharded_dry_run(strategy):
+    clear_depth_cache()
+    template = unsharded_template(MODELS["gpt"]())
+    batch = _batch()
+    asked = [((), 128), ((), 200), (("checkpointing:3/8",), 128)]
+    asked += [(("microbatch",), 128)] if strategy == "fsdp2" else []
+    for names, seq_len in asked:
+        deep = depth_sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
+        full = sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
+        assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
+        assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail
+
+
+def test_sharded_hugging_face_model_answered_or_refused_alike():
+    template = unsharded_template(MODELS["llama"]())
+    deep, detail, _ = _outcome(lambda: depth_sharded_dry_run_step(template, _batch(), 128, 4))
+    full, why, _ = _outcome(lambda: sharded_dry_run_step(template, _batch(), 128, 4))
+    assert deep == full
+    assert deep != "unsupported" or detail == why
+
+
+def test_layers_that_differ_get_the_full_dry_run_with_the_reason():
+    """Qwen2 with sliding-window attention on the layers past max_window_layers."""
+    config = dict(TINY_LLAMA_8, use_sliding_window=True, sliding_window=64, max_window_layers=4)
+    model = HFCausalLM(model_type="qwen2", config=config, attn_implementation="eager")
+    deep = depth_dry_run_step(model, None, _batch(), 128)
+    assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
+    why = "full depth: not depth-extrapolated: block 4 differs from block 0 at self_attn.layer_type"
+    assert why in deep.detail, deep.detail
+
+
+def test_a_block_of_another_width_is_seen():
+    model = LitGPT(n_layer=6, d_model=32, n_head=2, d_ff=64)
+    model.model.blocks[5] = LitGPT(n_layer=1, d_model=32, n_head=2, d_ff=96).model.blocks[0]
+    deep = depth_dry_run_step(model, None, _batch(), 128)
+    assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
+    assert "block 5 differs from block 0 at mlp" in deep.detail, deep.detail
+
+
+class _IndexedStack(nn.Module):
+    """Identical blocks, but the model's own loop makes a wider tensor after its third block: no
+    block's attribute says so, only the step does."""
+
+    def __init__(self, blocks: int = 6, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                    for _ in range(blocks))
+        self.head = nn.Linear(width, 256)
+
+    def training_step(self, batch, batch_idx):
+        x = self.embed(batch["input_ids"])
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 2:
+                x = torch.cat([x, x], -1)[..., : x.shape[-1]] * 2
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_step_that_does_not_repeat_per_block_gets_the_full_dry_run():
+    model = _IndexedStack()
+    deep = depth_dry_run_step(model, None, _batch(), 128)
+    assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
+    assert "not depth-extrapolated: the allocations do not repeat per block" in deep.detail
+
+
+def test_the_model_and_its_optimizer_are_left_as_they_were():
+    model = MODELS["llama"]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    layers = list(model.model.model.layers)
+    deep = depth_dry_run_step(model, optimizer, _batch(), 128, None, ["checkpointing:3/8"])
+    assert deep.detail.startswith("depth-extrapolated")
+    assert list(model.model.model.layers) == layers and model.model.config.num_hidden_layers == 8
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert len(optimizer.state) == 0 and len(optimizer.param_groups[0]["params"]) == len(before)
+    assert not is_checkpointed(model)
+
+
+@pytest.mark.parametrize("names", [(), ("checkpointing",)])
+def test_the_peak_site_is_extrapolated_where_it_stays_put(names):
+    model = MODELS["gpt"]()
+    deep = depth_dry_run_step(model, None, _batch(), 256, None, names, site=trace_peak_site)
+    full = dry_run_step(model, None, _batch(), 256, None, names, site=trace_peak_site)
+    assert _figures(deep) == _figures(full)
+    assert deep.peak_site is not None and deep.peak_site == full.peak_site
+    assert "the peak site extrapolated from traced copies" in deep.detail
+    short = depth_dry_run_step(model, None, _batch(), 128, None, names, site=trace_peak_site)
+    assert short.peak_site is None or short.peak_site == dry_run_step(
+        model, None, _batch(), 128, None, names, site=trace_peak_site).peak_site
+
+
+PLAN_CONFIG = """\
+trainer: {accelerator: cpu, devices: 1}
+model: {n_layer: 8, d_model: 32, n_head: 2, attention: eager}
+data: {batch_size: 2, seq_len: 64, num_samples: 8}
+"""
+
+
+def test_seqmem_plan_figures_are_the_full_dry_runs(tmp_path, capsys):
+    """``seqmem plan`` asks through the depth-extrapolated dry run: every row's peak, and the
+    largest length it searched, are what full dry runs say."""
+    import json
+
+    from lightning_seqmem.cli.main import main
+    from lightning_seqmem.reference.demo import SyntheticTokenDataModule
+
+    config = tmp_path / "gpt8.yaml"
+    config.write_text(PLAN_CONFIG)
+    assert main(["plan", "--config", str(config), "--lengths", "256", "2048", "--budget", "8MiB",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    model = LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager")
+    data = SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=8)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    rows = [(entry["seq_len"], row) for entry in doc["lengths"] for row in entry["rows"]]
+    assert len(rows) == 8 and all(row["error"] is None for _, row in rows)
+    for seq_len, row in rows:
+        full = dry_run_step(model, None, batch, seq_len, None, row["mitigations"])
+        assert row["peak_bytes"] == full.peak_bytes, (seq_len, row)
+    largest, usable = doc["largest_fitting_seq_len"], doc["usable_budget_bytes"]
+    last = doc["mitigation_sets"][-1]
+    assert 256 < largest < 2048
+    assert dry_run_step(model, None, batch, largest, None, last).peak_bytes <= usable
+    assert dry_run_step(model, None, batch, largest + 8, None, last).peak_bytes > usable
