@@ -64,11 +64,12 @@ def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     settings: dict[str, dict[str, Any]] = {}
     for device in doc["devices"]:
         for entry in device["longest_fitting_by_set"]:
-            name = " + ".join(entry["mitigations"]) or "none"
+            name = " + ".join(entry["mitigations"] + (["offload"] if entry.get("offload") else [])) or "none"
             row = settings.setdefault(name, {"setting": name, "step_time_factor": entry["step_time_factor"],
                                              "longest": {}, "host_peak_bytes": None})
             longest = entry.get("searched_seq_len", entry["seq_len"])
-            row["longest"][device["name"]] = {"seq_len": longest, "at_least": bool(entry.get("open_ended"))}
+            row["longest"][device["name"]] = {"seq_len": longest, "at_least": bool(entry.get("open_ended")),
+                                              "searched": "searched_seq_len" in entry}
             if entry.get("host_peak_bytes") is not None:
                 row["host_peak_bytes"] = max(row["host_peak_bytes"] or 0, entry["host_peak_bytes"])
     return list(settings.values())
@@ -94,9 +95,11 @@ def _print(name: str, result: dict[str, Any]) -> None:
         for d in devices:
             cell = row["longest"].get(d)
             cells.append("-" if cell is None else ("none" if not cell["seq_len"] else
-                                                   ("≥" if cell["at_least"] else "") + str(cell["seq_len"])))
+                                                   ("≥" if cell["at_least"] else "") + str(cell["seq_len"])
+                                                   + ("" if cell["searched"] else "*")))
         host = "-" if row["host_peak_bytes"] is None else f"{row['host_peak_bytes'] / gib:.1f}"
         print("  " + f"{row['setting'][:58]:58s}" + "".join(f"{c:>20s}" for c in cells) + f"{host:>10s}")
+    print("  (≥N: fits the longest length asked; N*: the longest of the lengths dry-run, not searched)")
 
 
 def main(argv: Any = None) -> int:

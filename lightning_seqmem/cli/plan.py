@@ -36,6 +36,7 @@ from lightning_seqmem.cli.plan_run import (
     modelled_rows,
     peak_at,
     search_longest,
+    setting_key,
 )
 from lightning_seqmem.cli.plan_text import (
     joined_names,
@@ -170,10 +171,16 @@ def _search_largest(console: Any, run: PlanRun, results: list[dict[str, Any]], u
 
 def _search_longest_each(console: Any, run: PlanRun, longest: list[dict[str, Any]], results: list[dict[str, Any]],
                          search: _Search, usable: int) -> None:
-    """``--longest``: per setting dry-run, the longest length it fits (``searched_seq_len``)."""
+    """``--longest``: the longest length each setting fits (``searched_seq_len``), for the ladder's sets
+    (with and without offload) and each length's fastest; the other settings the fastest's search dry-ran
+    keep the longest of their dry-run lengths."""
+    wanted = {(tuple(s), off) for s in run.sets for off in (False, True)}
+    wanted |= {(tuple(r["fastest"]["mitigations"]), False) for r in results if r["fastest"] is not None}
     t0 = time.perf_counter()
     with console.status("searching the longest length each setting fits..."):
         for entry in longest:
+            if setting_key(entry) not in wanted:
+                continue
             entry["searched_seq_len"], runs = search_longest(run, entry, results, usable)
             search.runs += runs
             if entry["searched_seq_len"]:

@@ -216,18 +216,27 @@ def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_siz
 
 def largest_fitting(run: PlanRun, names: Setting, usable: int, lo: int, hi: int,
                     offload: bool = False) -> tuple[Optional[int], int]:
-    """``(largest multiple of 8 below hi whose dry-run peak with names fits usable or None, dry runs made)``,
-    by bisection (per rank at the run's world size, where it has one); ``lo`` is known to fit (0: nothing
-    known)."""
-    from lightning_seqmem.core.search import bisect_last
+    """``(largest multiple of 8 below hi at which names fits, or None; dry runs made)``, per rank at the run's
+    world size where it has one; ``lo`` is known to fit (0: nothing known). Searched by interpolation of
+    the dry runs already made for the setting (:func:`~lightning_seqmem.core.search.interpolated_last`: a
+    step's peak is close to a quadratic in the length, so a few dry runs find what a bisection needs a
+    dozen for), on the larger of the device peak over ``usable`` and the host peak over the host budget."""
+    from lightning_seqmem.core.search import interpolated_last
 
     before = run.dry_runs
 
-    def fits(units: int) -> bool:
-        return bool(run.row(units * SEARCH_MULTIPLE, names, usable, run.world, offload)["fits"])
+    def over(units: int) -> float:
+        row = run.dry(units * SEARCH_MULTIPLE, names, run.world, offload)
+        if row["peak_bytes"] is None:
+            return float("inf")
+        host = (row["host_peak_bytes"] or 0) / run.host_budget if run.host_budget else 0.0
+        return max(row["peak_bytes"] / usable, host)
 
-    # in units of 8 tokens: lo fits (or is 0), hi does not; neither is dry-run again
-    lo = bisect_last(fits, lo // SEARCH_MULTIPLE, -(-hi // SEARCH_MULTIPLE))
+    known = {L // SEARCH_MULTIPLE: over(L // SEARCH_MULTIPLE)
+             for (L, setting, world, off) in list(run.cache)
+             if setting == tuple(names) and world == run.world and off == offload and L % SEARCH_MULTIPLE == 0}
+    # in units of 8 tokens: lo fits (or is 0), hi does not
+    lo = interpolated_last(over, 1.0, lo // SEARCH_MULTIPLE, -(-hi // SEARCH_MULTIPLE), known)
     return (lo * SEARCH_MULTIPLE or None), run.dry_runs - before
 
 

@@ -76,6 +76,76 @@ def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional
     return bisect_last(lambda u: fits(u * step), u_lo, u_hi) * step
 
 
+def _crossing(points: Sequence[tuple[int, float]], limit: float) -> Optional[float]:
+    """Where the curve through ``points`` (``(x, value)``, 2 or 3 of them) reaches ``limit``: the root of the
+    interpolating line or parabola nearest the points, None where there is none (flat, or no real root)."""
+    if len(points) >= 3:
+        (x0, y0), (x1, y1), (x2, y2) = points[:3]
+        # Newton's form: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
+        d1 = (y1 - y0) / (x1 - x0)
+        d2 = ((y2 - y1) / (x2 - x1) - d1) / (x2 - x0)
+        a, b, c = d2, d1 - d2 * (x0 + x1), y0 - d1 * x0 + d2 * x0 * x1 - limit
+        if abs(a) > 1e-12 * max(1.0, abs(b)):
+            disc = b * b - 4 * a * c
+            if disc >= 0:
+                roots = [(-b + sign * disc ** 0.5) / (2 * a) for sign in (1, -1)]
+                centre = sum(x for x, _ in points[:3]) / 3
+                return min(roots, key=lambda r: abs(r - centre))
+        points = [points[0], points[-1]] if len(points) > 2 else points
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    if y1 == y0:
+        return None
+    return x0 + (limit - y0) * (x1 - x0) / (y1 - y0)
+
+
+def interpolated_last(value: Callable[[int], float], limit: float, lo: int, hi: int,
+                      known: Optional[dict[int, float]] = None) -> int:
+    """Largest ``x`` in ``[lo, hi)`` with ``value(x) <= limit``, given that ``lo`` fits (or is a sentinel
+    below every candidate) and ``hi`` does not, for a ``value`` that never falls as ``x`` grows: the
+    answer of :func:`bisect_last` with far fewer questions where ``value`` is smooth (a step's peak is
+    close to a quadratic in the length). Each guess interpolates the values known nearest the bracket
+    (``known``: ``x -> value`` already asked, extended with every answer) and is then closed in from
+    both sides; a guess that does not halve the bracket is replaced by its midpoint, so the count of
+    questions is never above about twice a bisection's.
+
+    Example:
+        >>> asked = []
+        >>> def peak(x):
+        ...     asked.append(x)
+        ...     return 100 + 3 * x + 0.01 * x * x
+        >>> known = {x: 100 + 3 * x + 0.01 * x * x for x in (1024, 2048, 4096)}  # three dry-run lengths, all over
+        >>> interpolated_last(peak, 10_000, 0, 4096, known), asked  # bisection: 10 questions
+        (856, [856, 857])
+    """
+    known = dict(known or {})
+
+    def ask(x: int) -> float:
+        if x not in known:
+            known[x] = float(value(x))
+        return known[x]
+
+    lo = max([lo] + [x for x, v in known.items() if lo < x < hi and v <= limit])
+    hi = min([hi] + [x for x, v in known.items() if lo < x < hi and v > limit])
+    while hi - lo > 1:
+        near = sorted(known, key=lambda x: (0 if lo <= x <= hi else 1, abs(x - (lo + hi) / 2)))[:3]
+        guess = _crossing(sorted((x, known[x]) for x in near), limit) if len(near) >= 2 else None
+        x = (lo + hi) // 2 if guess is None or guess != guess else int(guess)
+        x = min(max(x, lo + 1), hi - 1)
+        width = hi - lo
+        if ask(x) <= limit:
+            lo = x
+            if x + 1 < hi and ask(x + 1) > limit:
+                hi = x + 1
+        else:
+            hi = x
+            if x - 1 > lo and ask(x - 1) <= limit:
+                lo = x - 1
+        if hi - lo > 1 and hi - lo > width // 2:  # the guess was poor: halve the bracket once
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ask(mid) <= limit else (lo, mid)
+    return lo
+
+
 def smallest_fitting(fits: Callable[[int], bool], candidates: Sequence[int]) -> Optional[int]:
     """The smallest of ``candidates`` (ascending) that ``fits``, or None; the last is asked first.
 
@@ -90,4 +160,4 @@ def smallest_fitting(fits: Callable[[int], bool], candidates: Sequence[int]) -> 
     return candidates[first]
 
 
-__all__ = ["UNBOUNDED_SEQ_LEN", "bisect_last", "largest_fitting", "smallest_fitting"]
+__all__ = ["UNBOUNDED_SEQ_LEN", "bisect_last", "interpolated_last", "largest_fitting", "smallest_fitting"]

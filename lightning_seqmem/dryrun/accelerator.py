@@ -339,6 +339,10 @@ _FP32_SET_DTYPE = ("prod", "softmax", "log_softmax", "cumprod", "cumsum", "linal
 _PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
             "tensordot", "scatter_add")
 _CAST_CACHE: dict[int, tuple[Any, torch.Tensor]] = {}  # id(fp32 leaf) -> (weakref to it, its lower-precision cast)
+# regions of :func:`autocast` with its cache on, now open. Not torch.is_autocast_cache_enabled(): that flag is
+# per thread and on (its default) in the autograd engine's device thread, so a recompute in the backward (a
+# tiled MLP's, a checkpoint's) would cache casts that nothing clears, alive into the optimizer step
+_CACHING = [0]
 
 
 def _eligible(x: Any) -> bool:
@@ -352,7 +356,7 @@ def _cast(dtype: torch.dtype, cache: bool) -> Callable[[Any], Any]:
     def cast(x: Any) -> Any:
         if not _eligible(x) or x.dtype == dtype:
             return x
-        if cache and dtype != torch.float32 and x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled():
+        if cache and dtype != torch.float32 and x.is_leaf and x.requires_grad and _CACHING[0] > 0:
             entry = _CAST_CACHE.get(id(x))
             if entry is not None and entry[0]() is x:
                 return entry[1]
@@ -439,14 +443,18 @@ def _register_autocast() -> Any:
 
 @contextlib.contextmanager
 def autocast(device: Any, dtype: torch.dtype, enabled: bool = True, cache_enabled: bool = True) -> Iterator[None]:
-    """``torch.autocast`` on ``device``; on the simulated device with CUDA's op lists and its cache of weight
-    casts (each fp32 leaf cast once while the outermost region lasts, as CUDA's cache does)."""
+    """``torch.autocast`` on ``device``; on the simulated device with CUDA's op lists and, with
+    ``cache_enabled``, its cache of weight casts (each fp32 leaf cast once while the outermost such region
+    lasts, as CUDA's cache does; Lightning's ``MixedPrecision`` turns it off)."""
     device = torch.device(device)
+    caching = int(device.type == SIMULATED and enabled and cache_enabled)
+    _CACHING[0] += caching
     try:
         with torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
             yield
     finally:
-        if device.type == SIMULATED and not torch.is_autocast_enabled(SIMULATED):
+        _CACHING[0] -= caching
+        if device.type == SIMULATED and _CACHING[0] == 0:
             _CAST_CACHE.clear()
 
 
