@@ -60,6 +60,10 @@ def _tensors_in(*objs: Any) -> list[torch.Tensor]:
     return out
 
 
+_UNINITIALISED = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
+                  torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+"""Ops whose output holds no values (uninitialised memory): never given a real twin."""
+
 _WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
 
 
@@ -138,7 +142,10 @@ class BatchValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        known = all(self._value(t) is not None for t in _tensors_in(args, kwargs))
+        # an uninitialised tensor (torch.empty: FSDP2's all-gather buffers, a kernel's output) has no values
+        # to know: no twin (one of 256 MiB each took address space, untouched, 27 GB of it at 70B)
+        known = (getattr(func, "overloadpacket", None) not in _UNINITIALISED
+                 and all(self._value(t) is not None for t in _tensors_in(args, kwargs)))
         written = _written_tensors(func, args, kwargs)
         if any(not isinstance(t, FakeTensor) for t in written):
             known = False  # never write to a real tensor
