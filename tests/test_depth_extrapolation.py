@@ -42,7 +42,8 @@ def _batch() -> dict:
 
 
 def _figures(result) -> tuple:
-    return result.peak_bytes, result.phase_peak_bytes, result.host_bytes, result.resident_bytes
+    return (result.peak_bytes, result.phase_peak_bytes, result.host_bytes, result.resident_bytes,
+            result.host_peak_bytes, result.host_phase_peak_bytes)
 
 
 def _outcome(fn) -> tuple:
@@ -224,3 +225,18 @@ def test_seqmem_plan_figures_are_the_full_dry_runs(tmp_path, capsys):
     assert 256 < largest < 2048
     assert dry_run_step(model, None, batch, largest, None, last).peak_bytes <= usable
     assert dry_run_step(model, None, batch, largest + 8, None, last).peak_bytes > usable
+
+
+@pytest.mark.parametrize("names", [(), ("checkpointing",)])
+def test_offload_at_depth_equals_the_full_dry_run_on_device_and_host(names):
+    """FSDP2 CPUOffloadPolicy on the simulated CUDA device (parameters, gradients and AdamW state on the
+    host): the depth-extrapolated device and host peaks, phase by phase, equal the full dry run's."""
+    clear_depth_cache()
+    template = unsharded_template(MODELS["llama"]())
+    for world, seq_len in ((1, 128), (4, 128), (4, 200)):
+        deep = depth_sharded_dry_run_step(template, _batch(), seq_len, world, None, names, "fsdp2", None, "cuda",
+                                          offload=True)
+        full = sharded_dry_run_step(template, _batch(), seq_len, world, None, names, "fsdp2", None, "cuda",
+                                    offload=True)
+        assert _figures(deep) == _figures(full) and full.host_peak_bytes > 0
+        assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail

@@ -139,13 +139,13 @@ def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str
 def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
     """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a dry
     run; where it is refused, the formula on the row's own peak, marked so."""
-    from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
+    from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.step import DryRunUnsupported
     from lightning_seqmem.plan.parallel import offload_model
 
     degree = max(row["sequence_parallel_degree"], row["context_parallel_degree"])
     try:
-        result = sequence_parallel_dry_run_step(
+        result = depth_sequence_parallel_dry_run_step(
             shard.model, shard.batch, row["seq_len"], shard.world_size, degree,
             row["sequence_parallel"], shard.batch_size, tuple(row["mitigations"]), shard.context,
             shard.device, offload=True)
