@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -33,9 +34,11 @@ from lightning_seqmem.dryrun.values import BatchValues, shape_batch, batch_to_de
 __all__ = ["fake_batch", "fake_session"]
 
 
-def _fresh(seq_len: int) -> tuple[FakeTensorMode, BatchValues]:
+def _fresh(seq_len: int, kept: list[weakref.ref]) -> tuple[FakeTensorMode, BatchValues]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    return fake_mode, BatchValues(fake_mode, value_max_bytes(seq_len))
+    values = BatchValues(fake_mode, value_max_bytes(seq_len))
+    kept.append(weakref.ref(values))
+    return fake_mode, values
 
 
 @contextlib.contextmanager
@@ -43,12 +46,20 @@ def fake_session(seq_len: int) -> Iterator[tuple[FakeTensorMode, BatchValues]]:
     """``(fake_mode, values)`` of a fake step at ``seq_len``, the random state and warnings restored after.
 
     The session keeps no reference to the mode or the twins: a caller that drops them frees the fake
-    world (the dry run does, on failure) while the session is still open.
+    world (the dry run does, on failure) while the session is still open. When it closes, every twin
+    still held is dropped (:meth:`~lightning_seqmem.dryrun.values.BatchValues.clear`): their real
+    memory is freed then, not when the fake world's reference cycles are collected.
     """
     with preserved_rng(), warnings.catch_warnings():
         for message in QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
-        yield _fresh(seq_len)
+        kept: list[weakref.ref] = []
+        try:
+            yield _fresh(seq_len, kept)  # (not held in this frame: only a weak reference to the twins)
+        finally:
+            held = kept[0]() if kept else None
+            if held is not None:
+                held.clear()
 
 
 def fake_batch(batch: Any, seq_len: int, batch_size: int, device: torch.device, fake_mode: FakeTensorMode,

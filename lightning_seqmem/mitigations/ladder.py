@@ -143,6 +143,16 @@ def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any
     return out
 
 
+def copy_refusal(name: str, trainer: Any, pl_module: Any, batch_size: Optional[int] = None) -> Optional[str]:
+    """Why a dry run of ``pl_module`` with rung ``name`` would not be a step with it (the rung's
+    :meth:`~lightning_seqmem.mitigations.base.Rung.copy_refusal`, on the real module structure), or
+    None; a check that raises says so."""
+    try:
+        return rung(name).copy_refusal(_ctx(trainer, pl_module, None, batch_size))
+    except Exception as exc:  # noqa: BLE001 - an unusual model: said, never raised
+        return f"its check failed ({type(exc).__name__}: {exc})"
+
+
 def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
     """Switch rung ``name`` on: ``(applied, what was done or why not)``; a failure is returned, never raised."""
     try:
@@ -188,5 +198,6 @@ def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
 
 
 __all__ = ["ADVICE", "MITIGATIONS", "apply", "apply_to_copy", "applicability", "check_mitigations", "check_pending",
+           "copy_refusal",
            "is_applicable", "is_on", "refused", "register", "remaining_advice", "remove", "rung", "rung_names",
            "setup_refusals", "try_apply", "unregister"]

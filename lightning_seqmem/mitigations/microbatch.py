@@ -365,6 +365,15 @@ class MicroBatchRung(Rung):
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
         plan.micro_batch_size = self.policy.micro_batch_size
 
+    def copy_refusal(self, ctx: RungContext) -> str | None:
+        """A dry run changes the step, not the copy: it models micro-batching on any batch (one of at
+        most ``micro_batch_size`` samples runs whole, as the wrapper runs it); refused only where the
+        module itself refuses it (manual optimization, its first-step check)."""
+        if not getattr(ctx.pl_module, "automatic_optimization", True):
+            return "manual optimization runs its own backward, which cannot be split"
+        refusal = micro_batching_refusal(ctx.pl_module)
+        return f"refused by its first-step check: {refusal}" if refusal is not None and self.policy.verify else None
+
     def strategy_refusal(self, trainer: Any) -> str | None:
         return wrapping_strategy_refusal(trainer)
 

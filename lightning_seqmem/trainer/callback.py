@@ -303,6 +303,7 @@ class SeqMemCallback(Callback):
         return read_batch_shape(batch, self.seq_len_fn)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.edge.window_batch = batch  # the step window opens: a dry run inside leaves room beside it
         if self.edge.stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
             safely(self, "the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.seq_len))
             return
@@ -334,6 +335,12 @@ class SeqMemCallback(Callback):
 
     # -- After a batch: gather, record, log ----------------------------------------------------------
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any, batch: Any, batch_idx: int) -> None:
+        try:
+            self._batch_end(trainer, pl_module, batch)
+        finally:
+            self.edge.window_batch = None  # the step window closes
+
+    def _batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         if self.edge.stopped:
             return
         pending, self.edge.pending = self.edge.pending, None

@@ -2,7 +2,8 @@
 
 At the end of ``on_train_batch_start`` :func:`start_measurement` tells the planner the step begins
 (:meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.begin_step`: measured, traced, a warm-up?) and
-starts the probe on the tensors alive before the batch; the callback marks the backward and
+starts the probe on the tensors alive before the batch (the callback's own copies on the training
+device among them: :mod:`.own_memory`); the callback marks the backward and
 optimizer phases. At ``on_train_batch_end`` the step is timed (:func:`step_seconds`), the probe
 stopped (:func:`stop_probe`), every rank's measurement gathered (:func:`gather`: the row with the
 highest peak, whole) and the record kept and logged (:func:`record_step`). The guarded ones
@@ -33,6 +34,7 @@ from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.planner import Decision, PendingStep
 from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import outputs
+from lightning_seqmem.trainer.own_memory import own_tensors
 from lightning_seqmem.trainer import ranks as distributed
 from lightning_seqmem.trainer.guard import fail, guarded, warn_once
 
@@ -59,7 +61,8 @@ def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.L
         pending.traced = False  # a traced step runs a dispatch mode, hence eager: keep it compiled
     if pending.measure:
         assert probe is not None, "setup() was not called"
-        probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=pending.traced)
+        existing = [*existing_tensors(pl_module, trainer.optimizers, batch), *own_tensors(cb)]
+        probe.start_step(existing, record_events=pending.traced)
         probe.mark_phase("forward")
 
 

@@ -42,6 +42,10 @@ field                       what it holds                                     wh
                             MemoryProbe` of this fit                          probes.make_probe`)
 ``device``                  the strategy's root device                        ``setup``
 ``fit_refs``                weak references to this fit's (Trainer, module)   ``setup``; read by :func:`.resume.next_fit`
+``window_batch``            the batch of the step window open now (batch      the batch start; the batch end clears it
+                            start to batch end), None between: a dry run
+                            inside leaves room beside it
+                            (:func:`.own_memory.value_room_bytes`)
 ==========================  ================================================  ==============================================
 
 Every field is reset (to the defaults below) with the state, except that a fit continuing on the
@@ -94,6 +98,7 @@ class EdgeState:
     probe: Optional["MemoryProbe"] = None
     device: Optional["torch.device"] = None
     fit_refs: Optional[tuple[Any, Any]] = None
+    window_batch: Any = None
 
     def next_fit(self, continues: bool) -> "EdgeState":
         """A fresh state for the next fit; ``continues`` (the same Trainer and module) keeps the
