@@ -4,12 +4,14 @@ callback's ``on_train_batch_start`` to the last callback's ``on_train_batch_end`
 a dry run's real value twins computed with every mode off, a kept batch copy, a probe's own tensors).
 
 :func:`around` puts two callbacks around the ones given (``callbacks=around(cb)``): the first starts
-a profiler for the whole fit and opens each window, the last closes it. After the fit,
+a profiler for the whole fit (from its ``setup``) and opens each window, the last closes it. After the fit,
 :meth:`StepWindows.peaks` gives each window's peak: the bytes of what the step starts from (the
 module's parameters, buffers and attribute tensors, the gradients, the optimizer state and the
-batch: what the callback's own probe counts as existing) plus every allocation made inside any
-window so far and still alive, at its highest within the window. What the data pipeline allocates
-between windows (the next batch, fetched ahead) is not counted, as on a GPU it is host memory.
+batch: what the callback's own probe counts as existing) plus every allocation made since the
+profiler started (at ``setup``: a strategy's own buffers, DDP's gradient buckets, are made after it)
+before the first window or inside any window, still alive, at its highest within the window. What
+the data pipeline allocates between windows (the next batch, fetched ahead) is not counted, as on
+a GPU it is host memory.
 
 Example (in a test)::
 
@@ -102,10 +104,12 @@ class StepWindows:
             begin, end = ranges.get(index, (None, None))
             if begin is None:
                 break
-            while position < len(allocations) and allocations[position][0] < begin:  # between windows
+            while position < len(allocations) and allocations[position][0] < begin:  # before or between windows
                 _, ptr, size = allocations[position]
                 if size < 0:
                     inside.pop(ptr, None)
+                elif index == 0:  # the set-up's (a strategy's buffers)
+                    inside[ptr] = size
                 position += 1
             existing = dict(window["existing"])
             live = sum(existing.values()) + sum(v for k, v in inside.items() if k not in existing)
@@ -143,8 +147,9 @@ class _Opener(pl.Callback):
     def __init__(self, windows: StepWindows) -> None:
         self.windows = windows
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.windows.start()
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.windows.start()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.windows.open(trainer, pl_module, batch)

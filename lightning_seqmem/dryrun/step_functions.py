@@ -55,6 +55,7 @@ from lightning_seqmem.mitigations.microbatch import (
     micro_batching_check_pending,
     split_batch,
 )
+from lightning_seqmem.mitigations.microbatch_check import copied_tensors
 from lightning_seqmem.mitigations.microbatch_twin import ZeroGradBeforeFirstMicroBatch, check_pair, micro_batched_loss
 
 __all__ = ["TrainerLoop", "loop_of", "plain_loss", "step_functions", "trainer_loop"]
@@ -69,20 +70,30 @@ class TrainerLoop:
     are alive through its forward *and* its backward (Lightning zeroes them only after the forward
     of a window's first batch), its loss is divided by the window's batches, and it ends with the
     optimizer step. ``gradient_clip_val``: the gradients are clipped (by norm, or by value) before
-    the optimizer step, in its phase, as Lightning's precision plugin does.
+    the optimizer step, in its phase, as Lightning's precision plugin does. Under DDP with
+    ``gradient_as_bucket_view=True`` the buckets are the gradients: ``zero_grad`` frees none of their
+    memory, so it is alive through the backward as under accumulation.
 
     Example:
-        >>> TrainerLoop(), TrainerLoop(accumulate_grad_batches=4).accumulating
-        (TrainerLoop(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm='norm'), True)
+        >>> TrainerLoop().keeps_gradients, TrainerLoop(accumulate_grad_batches=4).accumulating
+        (False, True)
     """
 
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = None
     gradient_clip_algorithm: str = "norm"  # or "value"
+    # DDP's buckets are the gradients (``gradient_as_bucket_view=True``): ``zero_grad`` frees no
+    # gradient memory, the buckets hold it through the next backward
+    buckets_hold_gradients: bool = False
 
     @property
     def accumulating(self) -> bool:
         return self.accumulate_grad_batches > 1
+
+    @property
+    def keeps_gradients(self) -> bool:
+        """Whether the gradients' memory stays alive from one step into the next one's backward."""
+        return self.accumulating or self.buckets_hold_gradients
 
     def notes(self) -> list[str]:
         """What the modelled step is, for a dry run's detail."""
@@ -92,6 +103,8 @@ class TrainerLoop:
                        "gradients alive through its backward)")
         if self.gradient_clip_val:
             out.append(f"gradients clipped by {self.gradient_clip_algorithm} before the optimizer step")
+        if self.buckets_hold_gradients and not self.accumulating:
+            out.append("DDP's gradient buckets (the gradients as views) alive through the backward")
         return out
 
 
@@ -104,14 +117,18 @@ def loop_of(trainer: Any) -> TrainerLoop:
     Example:
         >>> from types import SimpleNamespace as NS
         >>> loop_of(NS(accumulate_grad_batches=2, gradient_clip_val=1.0, gradient_clip_algorithm="value"))
-        TrainerLoop(accumulate_grad_batches=2, gradient_clip_val=1.0, gradient_clip_algorithm='value')
-        >>> loop_of(None)
-        TrainerLoop(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm='norm')
+        TrainerLoop(accumulate_grad_batches=2, gradient_clip_val=1.0, gradient_clip_algorithm='value', buckets_hold_gradients=False)
+        >>> loop_of(None) == TrainerLoop()
+        True
     """
+    from torch.nn.parallel import DistributedDataParallel
+
     clip = getattr(trainer, "gradient_clip_val", None)
     algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    model = getattr(getattr(trainer, "strategy", None), "model", None)
+    views = isinstance(model, DistributedDataParallel) and bool(getattr(model, "gradient_as_bucket_view", False))
     return TrainerLoop(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), float(clip) if clip else None,
-                       str(getattr(algorithm, "value", algorithm) or "norm"))
+                       str(getattr(algorithm, "value", algorithm) or "norm"), views)
 
 
 @contextlib.contextmanager
@@ -173,13 +190,14 @@ def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignor
 
 def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: list[int]) -> None:
     """The memory of the wrapper's one-time check of its first split batch (see
-    :mod:`lightning_seqmem.mitigations.microbatch`): a copy of every buffer, then no-grad forwards
-    of the first two counted micro-batches together and apart, while the previous step's gradients
-    are still alive. Nothing is kept."""
+    :mod:`lightning_seqmem.mitigations.microbatch`): its copy of the module's buffers and attribute
+    tensors (:func:`~lightning_seqmem.mitigations.microbatch_check.copied_tensors`), then no-grad
+    forwards of the first two counted micro-batches together and apart, while the previous step's
+    gradients are still alive. Nothing is kept."""
     found = check_pair(batch, parts, counts)
     if found is None:
         return
-    copies = [b.detach().clone() for b in model.buffers()]
+    copies = [t.detach().clone() for t in copied_tensors(model)]
     with torch.no_grad():
         losses = [plain_loss(model, part).detach() for part in (found.batch, *(parts[i] for i in found.used))]
     del copies, losses
@@ -209,11 +227,11 @@ def step_functions(
     loop = _LOOP.get()
     plan.notes.extend(loop.notes())
     loss_fn, step_optimizer = _step_functions(pl_module, optimizer, plan, batch_size, first_split_check,
-                                              keep_gradients=loop.accumulating)
+                                              keep_gradients=loop.keeps_gradients)
     if loop.accumulating:
         loss_fn = _divided(loss_fn, loop.accumulate_grad_batches)
-    if loop.accumulating or loop.gradient_clip_val:
-        step_optimizer = _LoopOptimizer(step_optimizer, loop, keep_gradients=loop.accumulating)
+    if loop.keeps_gradients or loop.gradient_clip_val:
+        step_optimizer = _LoopOptimizer(step_optimizer, loop, keep_gradients=loop.keeps_gradients)
     return loss_fn, step_optimizer
 
 

@@ -68,12 +68,14 @@ class MitigationResult:
 @dataclass(frozen=True)
 class RungContext:
     """What a rung may look at: the module, the trainer (None for a dry run or ``seqmem plan``), a
-    batch and the batch size asked for (None: the batch's own)."""
+    batch and the batch size asked for (None: the batch's own); ``noop_ok``: switch it on even where
+    it changes nothing on this rank's batch (:meth:`Rung.noop`), as the other ranks take it."""
 
     pl_module: Any
     trainer: Any = None
     batch: Any = None
     batch_size: Optional[int] = None
+    noop_ok: bool = False
 
 
 @dataclass
@@ -135,6 +137,12 @@ class Rung:
             raise RungNotApplicable(self.name, result.detail)
         plan.notes.append(f"{self.name}: {result.detail}")
 
+    def noop(self, ctx: RungContext) -> Optional[str]:
+        """Why the rung would change nothing on this rank's batch (so it does not apply here alone),
+        where it may still go on when it applies on another rank of the run (``ctx.noop_ok``:
+        micro-batching a batch of one sample); None otherwise (default)."""
+        return None
+
     def copy_refusal(self, ctx: RungContext) -> Optional[str]:
         """Why a dry run of this model with the rung would not be a step with it (the rung cannot go
         on, and is not on already), decided on the real module structure; None where it would be.
@@ -153,8 +161,9 @@ class Rung:
         """Why this rung cannot work in this run at all (strategy, manual optimization), or None."""
         return self.strategy_refusal(trainer)
 
-    def check_pending(self, module: Any) -> bool:
-        """Whether the next step runs the rung's one-time check (its memory falls in that step)."""
+    def check_pending(self, module: Any, batch: Any = None) -> bool:
+        """Whether the next step runs the rung's one-time check (its memory falls in that step);
+        ``batch``: the step on that batch."""
         return False
 
     def refusal(self, module: Any) -> Optional[str]:

@@ -319,7 +319,8 @@ class SeqMemCallback(Callback):
         if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
             safely(self, "the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
         lengths.cut_for_step(self, trainer, batch, decision.seq_len)
-        measured_step.start_measurement(self, trainer, pl_module, batch, decision, shape)
+        check = decisions.check_pending(self, trainer, pl_module, batch)  # (every rank: a collective)
+        measured_step.start_measurement(self, trainer, pl_module, batch, decision, shape, check)
         warn_advice(self)
         self.edge.step_started_s = time.perf_counter()  # the step itself from here: the decision and its dry runs are done
 

@@ -7,7 +7,8 @@ Where the host is the device (a CPU run) the same tensors are the device's, so:
 
 * :func:`own_tensors`: the copies it keeps across steps on the training device; the probe counts
   them as memory a step begins with, and every dry-run answer adds their bytes
-  (:func:`resident_bytes`), so records, forecasts and the budget agree;
+  (:func:`resident_bytes`), so records, forecasts and the budget agree; so do DDP's gradient
+  buckets where they are a copy of the gradients (:func:`untracked_bytes`);
 * :func:`value_room_bytes`: inside a step window (batch start to batch end, where the decisions and
   their dry runs run) what the usable budget leaves beside the run's tensors now: the most a dry
   run's real values may hold at once (:func:`~lightning_seqmem.dryrun.values.value_room`); a dry
@@ -36,7 +37,8 @@ from lightning_seqmem.measure.probes import existing_tensors, flat_tensors, tens
 if TYPE_CHECKING:
     from lightning_seqmem.trainer.callback import SeqMemCallback
 
-__all__ = ["host_is_device", "own_tensors", "resident_bytes", "storage_bytes", "value_room_bytes"]
+__all__ = ["bucket_bytes", "host_is_device", "own_tensors", "resident_bytes", "storage_bytes", "untracked_bytes",
+           "value_room_bytes"]
 
 HOST_DEVICE_TYPES = ("cpu",)
 """Device types whose memory is the host's: what the callback keeps in host memory counts there."""
@@ -78,10 +80,38 @@ def storage_bytes(tensors: Iterable[Any], device_type: str) -> int:
     return sum(seen.values())
 
 
+def bucket_bytes(trainer: Any) -> int:
+    """Bytes of DDP's gradient buckets where they are a second copy of the gradients (Lightning's
+    default, ``gradient_as_bucket_view=False``): allocated by the reducer in C++, seen by no probe of
+    tensors; 0 elsewhere (no DDP, or buckets that are the gradients themselves).
+
+    >>> from types import SimpleNamespace as NS
+    >>> bucket_bytes(NS(strategy=NS(model=torch.nn.Linear(2, 2))))
+    0
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(getattr(trainer, "strategy", None), "model", None)
+    if not isinstance(model, DistributedDataParallel) or getattr(model, "gradient_as_bucket_view", False):
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def untracked_bytes(cb: "SeqMemCallback", trainer: Any) -> int:
+    """What a CPU run's device holds for the strategy outside any tensor the tracker sees (DDP's
+    bucket copies, :func:`bucket_bytes`): counted in each measured step and each dry-run answer. On
+    a GPU the allocator's counters and the dry run's resident bytes hold them already: 0."""
+    return bucket_bytes(trainer) if host_is_device(cb.edge.device) else 0
+
+
 def resident_bytes(cb: "SeqMemCallback") -> int:
-    """Bytes of :func:`own_tensors`: what every dry-run answer adds for the callback's own copies."""
+    """What every dry-run answer adds on a CPU run: the bytes of :func:`own_tensors` (the callback's
+    own copies) and :func:`untracked_bytes` (the strategy's)."""
     device = cb.edge.device
-    return storage_bytes(own_tensors(cb), device.type) if host_is_device(device) else 0
+    if not host_is_device(device):
+        return 0
+    trainer = cb.edge.fit_refs[0]() if cb.edge.fit_refs is not None else None
+    return storage_bytes(own_tensors(cb), device.type) + (untracked_bytes(cb, trainer) if trainer is not None else 0)
 
 
 def value_room_bytes(cb: "SeqMemCallback") -> Optional[int]:
@@ -97,4 +127,4 @@ def value_room_bytes(cb: "SeqMemCallback") -> Optional[int]:
     if trainer is None or pl_module is None:
         return None
     held = [*existing_tensors(pl_module, trainer.optimizers, cb.edge.window_batch), *own_tensors(cb)]
-    return max(0, int(usable) - storage_bytes(held, device.type))
+    return max(0, int(usable) - storage_bytes(held, device.type) - untracked_bytes(cb, trainer))

@@ -21,6 +21,8 @@ field                       what it holds                                     wh
                             cut, on this rank
 ``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     :func:`.decisions.applicability`
                             (applies here, why not)}}``, one entry
+``noop_rungs``              rungs that change nothing on this rank's batch    :func:`.decisions.applicability`
+                            (with several ranks: agreed, not refused)
 ``reapply_on_fit_start``    a checkpoint's rungs are to be switched on        :func:`.resume.load_state`; cleared by
                             again at ``on_fit_start``                         :func:`.resume.resume_rungs`
 ``resume_phrases``          what a resume under a changed configuration       :func:`.resume.load_state`; emptied by
@@ -84,6 +86,7 @@ class EdgeState:
     step_started_s: Optional[float] = None
     shape: Optional[tuple[int, int]] = None
     applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(default_factory=dict)
+    noop_rungs: tuple[str, ...] = ()
     reapply_on_fit_start: bool = False
     resume_phrases: list[str] = dataclasses.field(default_factory=list)
     resume_removed: tuple[str, ...] = ()
