@@ -1,10 +1,11 @@
 """An independent judge of the budget in tests: the memory of every step window, from the first
 callback's ``on_train_batch_start`` to the last callback's ``on_train_batch_end``, counted by
-``torch.profiler``'s allocator events (which see every CPU allocation, those a dispatch mode cannot:
-a dry run's real value twins computed with every mode off, a kept batch copy, a probe's own tensors).
+``torch.profiler``'s allocator events (which see every CPU allocation, those a dispatch mode
+cannot: a dry run's real value twins computed with every mode off, a kept batch copy, a probe's
+own tensors).
 
-:func:`around` puts two callbacks around the ones given (``callbacks=around(cb)``): the first starts
-a profiler for the whole fit (from its ``setup``) and opens each window, the last closes it. After the fit,
+:meth:`StepWindows.around` puts two callbacks around the ones given: the first starts a profiler for
+the whole fit (from its ``setup``) and opens each window, the last closes it. After the fit,
 :meth:`StepWindows.peaks` gives each window's peak: the bytes of what the step starts from (the
 module's parameters, buffers and attribute tensors, the gradients, the optimizer state and the
 batch: what the callback's own probe counts as existing) plus every allocation made since the
@@ -32,16 +33,17 @@ from lightning_seqmem.measure.probes import existing_tensors, tensor_storages
 
 
 class StepWindows:
-    """Every step window's peak bytes on the CPU, by the profiler's allocator events (see the module doc)."""
+    """Every step window's peak bytes on the CPU, by the profiler's allocator events."""
 
     def __init__(self) -> None:
         self.profiler: Optional[profile] = None
-        self.windows: list[dict[str, Any]] = []  # one per batch: start bytes, existing ptrs, the profiler range
+        self.windows: list[dict[str, Any]] = []  # per batch: the existing storages, its tokens
         self._range: Any = None
         self._peaks: Optional[list[int]] = None
 
     def around(self, *callbacks: pl.Callback) -> list[pl.Callback]:
-        """``[opener, *callbacks, closer]``: the window of every batch around every callback's hooks."""
+        """``[opener, *callbacks, closer]``: the window of every batch around every callback's hooks
+        (the profiler runs from the opener's ``setup`` to its ``on_train_end``)."""
         return [_Opener(self), *callbacks, _Closer(self)]
 
     # -- during the fit ----------------------------------------------------------------------------
@@ -69,7 +71,7 @@ class StepWindows:
         if self.profiler is not None:
             self.profiler.__exit__(None, None, None)
 
-    # -- after it ------------------------------------------------------------------------------------
+    # -- after it --------------------------------------------------------------------------------
     def peaks(self) -> list[int]:
         """Each window's peak bytes, in order."""
         if self._peaks is None:
@@ -78,7 +80,8 @@ class StepWindows:
 
     def over(self, usable_bytes: int) -> list[tuple[int, int, int]]:
         """``(window, tokens, peak bytes)`` of every window over ``usable_bytes``."""
-        return [(i, self.windows[i]["tokens"], p) for i, p in enumerate(self.peaks()) if p > usable_bytes]
+        peaks = enumerate(self.peaks())
+        return [(i, self.windows[i]["tokens"], p) for i, p in peaks if p > usable_bytes]
 
     def _count(self) -> list[int]:
         from torch._C._profiler import _EventType
@@ -93,7 +96,8 @@ class StepWindows:
             if event.tag == _EventType.Allocation:
                 fields = event.extra_fields
                 if fields.device.type == torch.device("cpu").type:
-                    allocations.append((event.start_time_ns, int(fields.ptr), int(fields.alloc_size)))
+                    allocations.append((event.start_time_ns, int(fields.ptr),
+                                        int(fields.alloc_size)))
             elif event.name.startswith("seqmem_window_"):
                 ranges[int(event.name.rsplit("_", 1)[1])] = (event.start_time_ns, event.end_time_ns)
         allocations.sort()
@@ -104,7 +108,8 @@ class StepWindows:
             begin, end = ranges.get(index, (None, None))
             if begin is None:
                 break
-            while position < len(allocations) and allocations[position][0] < begin:  # before or between windows
+            # before the first window, and between windows
+            while position < len(allocations) and allocations[position][0] < begin:
                 _, ptr, size = allocations[position]
                 if size < 0:
                     inside.pop(ptr, None)
@@ -151,13 +156,15 @@ class _Opener(pl.Callback):
         if stage == "fit":
             self.windows.start()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self.windows.open(trainer, pl_module, batch)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.windows.stop()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
         self.windows.stop()
 
 
@@ -165,6 +172,6 @@ class _Closer(pl.Callback):
     def __init__(self, windows: StepWindows) -> None:
         self.windows = windows
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
         self.windows.close()

@@ -23,7 +23,8 @@ Example:
     ...         return self(batch).mean()
     >>> model = Counting(2, 1)
     >>> twin, step = check_copy(model)
-    >>> twin.weight is model.weight, float(step(torch.ones(3, 2))) == float(model(torch.ones(3, 2)).mean())
+    >>> x = torch.ones(3, 2)
+    >>> twin.weight is model.weight, float(step(x)) == float(model(x).mean())
     (True, True)
     >>> twin.seen, model.seen   # the copy counted, the module did not
     (3, 0)
@@ -57,7 +58,8 @@ def copied_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def check_copy(pl_module: torch.nn.Module, wrapper: Optional[Any] = None) -> tuple[torch.nn.Module, Callable[..., Any]]:
+def check_copy(pl_module: torch.nn.Module, wrapper: Optional[Any] = None,
+               ) -> tuple[torch.nn.Module, Callable[..., Any]]:
     """``(copy, its training_step)``: ``pl_module`` deep-copied with its parameters shared and what
     it is attached to (Trainer, Fabric, device mesh) shared; ``wrapper`` (the micro-batching
     wrapper on its ``training_step``) is left out of the copy, whose ``training_step`` is the one
@@ -76,6 +78,6 @@ def check_copy(pl_module: torch.nn.Module, wrapper: Optional[Any] = None) -> tup
     twin = copy.deepcopy(pl_module, memo)
     previous = getattr(wrapper, "previous", None)
     twin.__dict__.pop("training_step", None)
-    if previous is not None:  # a training_step set on the instance before the wrapper: the copy's own
+    if previous is not None:  # an instance training_step under the wrapper: the copy's own
         twin.__dict__["training_step"] = copy.deepcopy(previous, memo)
     return twin, twin.training_step

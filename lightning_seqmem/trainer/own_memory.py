@@ -18,10 +18,11 @@ Example:
     >>> import torch
     >>> from types import SimpleNamespace as NS
     >>> from lightning_seqmem.trainer.run_state import EdgeState
-    >>> edge = EdgeState(device=torch.device("cpu"), dry_runner=NS(batch={"ids": torch.zeros(2, 8, dtype=torch.long)}))
+    >>> kept = {"ids": torch.zeros(2, 8, dtype=torch.long)}
+    >>> edge = EdgeState(device=torch.device("cpu"), dry_runner=NS(batch=kept))
     >>> resident_bytes(NS(edge=edge))  # the dry run's batch copy: 2 x 8 int64
     128
-    >>> edge.device = torch.device("cuda", 0)  # on a GPU the copy is host memory: none on the device
+    >>> edge.device = torch.device("cuda", 0)  # on a GPU the copy is host memory
     >>> resident_bytes(NS(edge=edge))
     0
 """
@@ -37,8 +38,8 @@ from lightning_seqmem.measure.probes import existing_tensors, flat_tensors, tens
 if TYPE_CHECKING:
     from lightning_seqmem.trainer.callback import SeqMemCallback
 
-__all__ = ["bucket_bytes", "host_is_device", "own_tensors", "resident_bytes", "storage_bytes", "untracked_bytes",
-           "value_room_bytes"]
+__all__ = ["bucket_bytes", "host_is_device", "own_tensors", "resident_bytes", "storage_bytes",
+           "untracked_bytes", "value_room_bytes"]
 
 HOST_DEVICE_TYPES = ("cpu",)
 """Device types whose memory is the host's: what the callback keeps in host memory counts there."""
@@ -47,8 +48,8 @@ HOST_DEVICE_TYPES = ("cpu",)
 def host_is_device(device: Optional[torch.device]) -> bool:
     """Whether ``device``'s memory is the host's (a CPU run).
 
-    >>> host_is_device(torch.device("cpu")), host_is_device(torch.device("cuda", 0)), host_is_device(None)
-    (True, False, False)
+    >>> [host_is_device(d) for d in (torch.device("cpu"), torch.device("cuda", 0), None)]
+    [True, False, False]
     """
     return device is not None and device.type in HOST_DEVICE_TYPES
 
@@ -82,8 +83,8 @@ def storage_bytes(tensors: Iterable[Any], device_type: str) -> int:
 
 def bucket_bytes(trainer: Any) -> int:
     """Bytes of DDP's gradient buckets where they are a second copy of the gradients (Lightning's
-    default, ``gradient_as_bucket_view=False``): allocated by the reducer in C++, seen by no probe of
-    tensors; 0 elsewhere (no DDP, or buckets that are the gradients themselves).
+    default, ``gradient_as_bucket_view=False``): allocated by the reducer in C++, seen by no probe
+    of tensors; 0 elsewhere (no DDP, or buckets that are the gradients themselves).
 
     >>> from types import SimpleNamespace as NS
     >>> bucket_bytes(NS(strategy=NS(model=torch.nn.Linear(2, 2))))
@@ -92,8 +93,10 @@ def bucket_bytes(trainer: Any) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     model = getattr(getattr(trainer, "strategy", None), "model", None)
-    if not isinstance(model, DistributedDataParallel) or getattr(model, "gradient_as_bucket_view", False):
+    if not isinstance(model, DistributedDataParallel):
         return 0
+    if getattr(model, "gradient_as_bucket_view", False):
+        return 0  # the buckets are the gradients, counted as such
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
@@ -111,7 +114,8 @@ def resident_bytes(cb: "SeqMemCallback") -> int:
     if not host_is_device(device):
         return 0
     trainer = cb.edge.fit_refs[0]() if cb.edge.fit_refs is not None else None
-    return storage_bytes(own_tensors(cb), device.type) + (untracked_bytes(cb, trainer) if trainer is not None else 0)
+    strategy = untracked_bytes(cb, trainer) if trainer is not None else 0
+    return storage_bytes(own_tensors(cb), device.type) + strategy
 
 
 def value_room_bytes(cb: "SeqMemCallback") -> Optional[int]:
@@ -126,5 +130,6 @@ def value_room_bytes(cb: "SeqMemCallback") -> Optional[int]:
     trainer, pl_module = refs[0](), refs[1]()
     if trainer is None or pl_module is None:
         return None
-    held = [*existing_tensors(pl_module, trainer.optimizers, cb.edge.window_batch), *own_tensors(cb)]
+    held = [*existing_tensors(pl_module, trainer.optimizers, cb.edge.window_batch),
+            *own_tensors(cb)]
     return max(0, int(usable) - storage_bytes(held, device.type) - untracked_bytes(cb, trainer))
