@@ -39,17 +39,20 @@ import torch
 
 from lightning_seqmem.measure.probes import attribute_tensors
 
-__all__ = ["check_copy", "copied_tensors"]
+__all__ = ["check_copy", "copied_tensors", "sharded_modules"]
 
 
 def copied_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """What :func:`check_copy` copies of ``module``'s tensors: its buffers and attribute tensors.
+    """What :func:`check_copy` copies of ``module``'s tensors: its buffers and attribute tensors
+    (outside what FSDP2 shards, which is shared).
 
     >>> lin = torch.nn.BatchNorm1d(4)
     >>> [tuple(t.shape) for t in copied_tensors(lin)]
     [(4,), (4,), ()]
     """
     params = {id(p) for p in module.parameters()}
+    shared = sharded_modules(module)
+    params |= {id(t) for m in shared for t in [*m.buffers(recurse=False), *attribute_tensors(m)]}
     out, seen = [], set()
     for t in [*module.buffers(), *attribute_tensors(module)]:
         if id(t) not in params and id(t) not in seen:
@@ -58,17 +61,41 @@ def copied_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def sharded_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules under an FSDP2 ``fully_shard`` (each sharded module and everything below it): FSDP2
+    gathers and frees their parameters by setting them on these objects, so a copy shares them.
+
+    >>> sharded_modules(torch.nn.Linear(2, 2))
+    []
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, torch.nn.Module] = {}
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            found.update({id(m): m for m in sub.modules()})
+    return list(found.values())
+
+
 def check_copy(pl_module: torch.nn.Module, wrapper: Optional[Any] = None,
                ) -> tuple[torch.nn.Module, Callable[..., Any]]:
     """``(copy, its training_step)``: ``pl_module`` deep-copied with its parameters shared and what
-    it is attached to (Trainer, Fabric, device mesh) shared; ``wrapper`` (the micro-batching
-    wrapper on its ``training_step``) is left out of the copy, whose ``training_step`` is the one
-    the wrapper wraps, bound to the copy.
+    it is attached to (Trainer, Fabric, device mesh) shared, and the submodules FSDP2 shards
+    (:func:`sharded_modules`) shared too: what ``training_step`` changes on the module itself and
+    its other submodules lands on the copy. ``wrapper`` (the micro-batching wrapper on its
+    ``training_step``) is left out of the copy, whose ``training_step`` is the one the wrapper
+    wraps, bound to the copy.
 
     Raises:
+        ValueError: the module itself is sharded with ``fully_shard``.
         Exception: whatever ``copy.deepcopy`` raises for an attribute that refuses a copy.
     """
     memo: dict[int, Any] = {id(p): p for p in pl_module.parameters()}
+    for sub in sharded_modules(pl_module):  # FSDP2 swaps parameters on these very modules: shared
+        if sub is pl_module:
+            raise ValueError("the module itself is sharded with fully_shard (FSDP2), which gathers its "
+                             "parameters onto it alone")
+        memo[id(sub)] = sub
     for name in ("_trainer", "_fabric", "_device_mesh"):
         attached = pl_module.__dict__.get(name)
         if attached is not None:
