@@ -20,8 +20,8 @@ For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded
 
   - ``fixed s``: what does not grow with the steps: the dry runs (the decisions' and the
     end-of-fit report's) and the callback's set-up and end-of-fit hooks (``setup``,
-    ``on_fit_start``, ``on_train_start``, ``on_train_end``: the report, the figure), timed inside the
-    run;
+    ``on_fit_start``, ``on_train_start``, ``on_train_end``: the report, the figure), timed inside
+    the run;
   - ``per step``: the per-step overhead, the median over steps (the first excepted) of one step's
     wall time in the run, less the dry runs made in it, over the same step's (same index, same
     length) in the fit without the callback, less one: the decisions, the probe, the measured
@@ -36,7 +36,7 @@ For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded
   real step measured apart (the live-tensor tracker, after a warm-up step) at the longest length
   that ran, and every measured record against the budget (the larger of the two counts).
 
-    python benchmarks/planning_cost.py --layers 8 --json   # the headline: 200 steps, lengths 64..512
+    python benchmarks/planning_cost.py --layers 8 --json   # the headline: 200 steps, 64..512
     python benchmarks/planning_cost.py --quick    # 16 steps, short lengths (a few minutes on 2 cores)
     python benchmarks/planning_cost.py --quick --json   # last line: one JSON object
 
@@ -239,7 +239,8 @@ def per_step_overhead(run: list[float], base: list[float], dry_by_batch: dict[in
     >>> round(per_step_overhead([3.0, 1.05, 1.2, 1.0], [2.0, 1.0, 1.0, 1.0], {0: 1.0, 2: 0.15}), 6)
     0.05
     """
-    ratios = [(r - dry_by_batch.get(i, 0.0)) / b for i, (r, b) in enumerate(zip(run, base)) if i >= 1 and b > 0]
+    ratios = [(r - dry_by_batch.get(i, 0.0)) / b for i, (r, b) in enumerate(zip(run, base))
+              if i >= 1 and b > 0]
     return statistics.median(ratios) - 1 if ratios else float("nan")
 
 
@@ -275,7 +276,8 @@ def fit_seconds(layers: int, data: DynamicPadding, callbacks: Callable[[], list]
     cbs = callbacks()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=len(data), max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=cbs, default_root_dir=tempfile.mkdtemp(prefix="seqmem-cost-"))
+                         num_sanity_val_steps=0, callbacks=cbs,
+                         default_root_dir=tempfile.mkdtemp(prefix="seqmem-cost-"))
     loader = DataLoader(data, batch_size=None, shuffle=False)
     gc.collect()
     t0 = time.perf_counter()
@@ -321,7 +323,8 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
     return {"base_s": b_s, "run_s": r_s, "fit_overhead": r_s / b_s - 1, "fixed_s": inst.fixed_s(),
             "overhead": per_step_overhead(r_steps, b_steps, inst.dry_by_batch),
             "wait_s": inst.decide_s, "dry_s": inst.dry_s, "dry_n": inst.dry_n, "records": records,
-            "steps": len(ran.shapes), "over_budget_records": over, "over_budget_steps": max(over, over_independent),
+            "steps": len(ran.shapes), "over_budget_records": over,
+            "over_budget_steps": max(over, over_independent),
             "independent_peak_mib": max(independent.values(), default=0) / MIB, "usable_mib": usable / MIB}
 
 
@@ -377,13 +380,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(f"planning_cost: Llama d=256, batch {args.batch_size}, SDPA, CPU; dry run at {args.length} tokens; "
           f"{args.steps}-step dynamic padding {args.min_length}..{args.max_length} tokens")
-    print(f"{'layers':>6} {'dry run s':>9} {'decision s':>10} {'dry runs':>8} {'cap':>5} | {'run s':>7} {'base s':>7} "
-          f"{'fixed s':>7} {'per step':>8} {'fit ovh':>8} {'wait s':>7} {'dry s':>7} {'dry n':>5} {'meas':>4} {'over':>4}")
+    print(f"{'layers':>6} {'dry run s':>9} {'decision s':>10} {'dry runs':>8} {'cap':>5} | "
+          f"{'run s':>7} {'base s':>7} {'fixed s':>7} {'per step':>8} {'fit ovh':>8} "
+          f"{'wait s':>7} {'dry s':>7} {'dry n':>5} {'meas':>4} {'over':>4}")
     for k, v in rows.items():
         d, r = v["decision"], v["run"]
         print(f"{k:>6} {v['dry_run_s']:>9.2f} {d['seconds']:>10.2f} {d['dry_runs']:>8} {d['cap'] or 0:>5} | "
-              f"{r['run_s']:>7.1f} {r['base_s']:>7.1f} {r['fixed_s']:>7.1f} {r['overhead']:>8.1%} {r['fit_overhead']:>8.1%} "
-              f"{r['wait_s']:>7.1f} {r['dry_s']:>7.1f} {r['dry_n']:>5} {r['records']:>4} {r['over_budget_steps']:>4}")
+              f"{r['run_s']:>7.1f} {r['base_s']:>7.1f} {r['fixed_s']:>7.1f} {r['overhead']:>8.1%} "
+              f"{r['fit_overhead']:>8.1%} {r['wait_s']:>7.1f} {r['dry_s']:>7.1f} {r['dry_n']:>5} "
+              f"{r['records']:>4} {r['over_budget_steps']:>4}")
     print(f"total runtime: {total:.1f} s")
     if args.json:
         print(json.dumps(out))

@@ -183,7 +183,7 @@ def test_demo_refused_at_a_longer_length_still_dry_runs_the_shorter_ones():
     forecast there says the model fails (issue 30: before, it gave the replay's figure)."""
     cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=128, steps_per_stage=2, multiple_of=64))
     _fit(cb, Tokens(num_samples=8, seq_len=128), 4, DemoTransformer(max_len=1100))
-    with pytest.raises(ValueError, match="IndexError: index 2048 is out of bounds"):  # says why, no figure
+    with pytest.raises(ValueError, match="IndexError: index 2048 is out of bounds"):  # no figure
         cb.forecast(2048, 1)
     after = [cb.forecast(L, 1) for L in (1024, 512)]
     assert [fc.method for fc in after] == ["dry_run", "dry_run"], [fc.detail for fc in after]

@@ -63,7 +63,7 @@ def print_header(console: Any, run: Any, sequence_parallel: bool) -> None:
                   f"batch {run.batch_size}; one fake training step per length and mitigation set (nothing is allocated)")
     from rich.markup import escape
 
-    for name, reason in run.skipped.items():  # (a reason's install hint holds `[tiled]`: not markup)
+    for name, reason in run.skipped.items():  # (an install hint holds `[tiled]`: not markup)
         console.print(f"rung {name} skipped: {escape(reason)}", highlight=False)
     world = run.world
     if world is None:

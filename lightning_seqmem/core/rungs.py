@@ -36,13 +36,13 @@ from typing import Any, Sequence
 
 
 class RungNotApplicable(ValueError):
-    """A setting asked about holds a rung this model cannot take (its own check says why): a dry run,
-    and so a forecast, of that setting would be the figure of another one.
+    """A setting asked about holds a rung this model cannot take (its own check says why): a dry
+    run, and so a forecast, of that setting would be the figure of another one.
 
     Example:
-        >>> err = RungNotApplicable("fused_loss", "PeftModel is not a *ForCausalLM model")
+        >>> err = RungNotApplicable("fused_loss", "no causal LM found")
         >>> err.rung, str(err)
-        ('fused_loss', 'fused_loss does not apply to this model: PeftModel is not a *ForCausalLM model')
+        ('fused_loss', 'fused_loss does not apply to this model: no causal LM found')
     """
 
     def __init__(self, rung: str, why: str) -> None:

@@ -55,7 +55,7 @@ def fake_session(seq_len: int) -> Iterator[tuple[FakeTensorMode, BatchValues]]:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
         kept: list[weakref.ref] = []
         try:
-            yield _fresh(seq_len, kept)  # (not held in this frame: only a weak reference to the twins)
+            yield _fresh(seq_len, kept)  # (not held in this frame: a weak reference to the twins)
         finally:
             held = kept[0]() if kept else None
             if held is not None:

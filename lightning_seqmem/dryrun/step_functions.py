@@ -71,8 +71,8 @@ class TrainerLoop:
     of a window's first batch), its loss is divided by the window's batches, and it ends with the
     optimizer step. ``gradient_clip_val``: the gradients are clipped (by norm, or by value) before
     the optimizer step, in its phase, as Lightning's precision plugin does. Under DDP with
-    ``gradient_as_bucket_view=True`` the buckets are the gradients: ``zero_grad`` frees none of their
-    memory, so it is alive through the backward as under accumulation.
+    ``gradient_as_bucket_view=True`` the buckets are the gradients: ``zero_grad`` frees none of
+    their memory, so it is alive through the backward as under accumulation.
 
     Example:
         >>> TrainerLoop().keeps_gradients, TrainerLoop(accumulate_grad_batches=4).accumulating
@@ -99,16 +99,18 @@ class TrainerLoop:
         """What the modelled step is, for a dry run's detail."""
         out = []
         if self.accumulating:
-            out.append(f"the last batch of {self.accumulate_grad_batches} accumulated (the earlier batches' "
-                       "gradients alive through its backward)")
+            out.append(f"the last batch of {self.accumulate_grad_batches} accumulated (the earlier "
+                       "batches' gradients alive through its backward)")
         if self.gradient_clip_val:
-            out.append(f"gradients clipped by {self.gradient_clip_algorithm} before the optimizer step")
+            out.append(f"gradients clipped by {self.gradient_clip_algorithm} before the optimizer "
+                       "step")
         if self.buckets_hold_gradients and not self.accumulating:
             out.append("DDP's gradient buckets (the gradients as views) alive through the backward")
         return out
 
 
-_LOOP: contextvars.ContextVar[TrainerLoop] = contextvars.ContextVar("seqmem_trainer_loop", default=TrainerLoop())
+_LOOP: contextvars.ContextVar[TrainerLoop] = contextvars.ContextVar("seqmem_trainer_loop",
+                                                                   default=TrainerLoop())
 
 
 def loop_of(trainer: Any) -> TrainerLoop:
@@ -116,8 +118,10 @@ def loop_of(trainer: Any) -> TrainerLoop:
 
     Example:
         >>> from types import SimpleNamespace as NS
-        >>> loop_of(NS(accumulate_grad_batches=2, gradient_clip_val=1.0, gradient_clip_algorithm="value"))
-        TrainerLoop(accumulate_grad_batches=2, gradient_clip_val=1.0, gradient_clip_algorithm='value', buckets_hold_gradients=False)
+        >>> loop = loop_of(NS(accumulate_grad_batches=2, gradient_clip_val=1.0,
+        ...                   gradient_clip_algorithm="value"))
+        >>> loop.accumulating, loop.gradient_clip_val, loop.gradient_clip_algorithm
+        (True, 1.0, 'value')
         >>> loop_of(None) == TrainerLoop()
         True
     """
@@ -126,9 +130,10 @@ def loop_of(trainer: Any) -> TrainerLoop:
     clip = getattr(trainer, "gradient_clip_val", None)
     algorithm = getattr(trainer, "gradient_clip_algorithm", None)
     model = getattr(getattr(trainer, "strategy", None), "model", None)
-    views = isinstance(model, DistributedDataParallel) and bool(getattr(model, "gradient_as_bucket_view", False))
-    return TrainerLoop(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), float(clip) if clip else None,
-                       str(getattr(algorithm, "value", algorithm) or "norm"), views)
+    views = isinstance(model, DistributedDataParallel) and bool(model.gradient_as_bucket_view)
+    algorithm = str(getattr(algorithm, "value", algorithm) or "norm")  # (an enum in Lightning)
+    return TrainerLoop(int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+                       float(clip) if clip else None, algorithm, views)
 
 
 @contextlib.contextmanager
@@ -142,8 +147,8 @@ def trainer_loop(loop: TrainerLoop) -> Iterator[None]:
 
 
 class _LoopOptimizer:
-    """The optimizer as the Trainer's loop drives it in the modelled step: ``zero_grad`` a no-op where
-    the step is a window's last batch (the earlier batches' gradients are kept), the gradients
+    """The optimizer as the Trainer's loop drives it in the modelled step: ``zero_grad`` a no-op
+    where the gradients' memory is kept (a window's last batch; DDP's bucket views), the gradients
     clipped before ``step`` where the Trainer clips them."""
 
     def __init__(self, optimizer: Any, loop: TrainerLoop, keep_gradients: bool) -> None:
@@ -159,7 +164,7 @@ class _LoopOptimizer:
 
     def step(self) -> None:
         if self.loop.gradient_clip_val:
-            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # under ZeroGradBeforeFirstMicroBatch
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # (a micro-batched step's)
             params = [p for group in inner.param_groups for p in group["params"]]
             if self.loop.gradient_clip_algorithm == "value":
                 torch.nn.utils.clip_grad_value_(params, clip_value=self.loop.gradient_clip_val)
@@ -207,8 +212,11 @@ def plain_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return _loss_of(model.training_step(batch, 0))
 
 
-def _divided(loss_fn: Callable[[nn.Module, Any], torch.Tensor], by: int) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """``loss_fn``'s loss divided by ``by``, as Lightning divides a window's losses (one more scalar)."""
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def _divided(loss_fn: LossFn, by: int) -> LossFn:
+    """``loss_fn``'s loss divided by ``by``, as Lightning divides a window's (a scalar more)."""
     def divided(model: nn.Module, batch: Any) -> torch.Tensor:
         return loss_fn(model, batch) / by
 
@@ -219,15 +227,16 @@ def step_functions(
     pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan, batch_size: int,
     first_split_check: Optional[bool] = None,
 ) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
-    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.measure.steps.training_step_memory`: plain or micro-batched,
-    in the Trainer's loop of :func:`trainer_loop` (:class:`TrainerLoop`; default: one batch per step).
+    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.measure.steps.training_step_memory`:
+    plain or micro-batched, in the Trainer's loop of :func:`trainer_loop` (:class:`TrainerLoop`;
+    default: one batch per step).
 
     ``first_split_check``: whether the step includes micro-batching's one-time loss check; None:
     when the rung is switched on by this dry run, or the module's wrapper has not run it yet."""
     loop = _LOOP.get()
     plan.notes.extend(loop.notes())
-    loss_fn, step_optimizer = _step_functions(pl_module, optimizer, plan, batch_size, first_split_check,
-                                              keep_gradients=loop.keeps_gradients)
+    loss_fn, step_optimizer = _step_functions(pl_module, optimizer, plan, batch_size,
+                                              first_split_check, loop.keeps_gradients)
     if loop.accumulating:
         loss_fn = _divided(loss_fn, loop.accumulate_grad_batches)
     if loop.keeps_gradients or loop.gradient_clip_val:
@@ -235,8 +244,9 @@ def step_functions(
     return loss_fn, step_optimizer
 
 
-def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan, batch_size: int,
-                    first_split_check: Optional[bool], keep_gradients: bool) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
+def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan,
+                    batch_size: int, first_split_check: Optional[bool],
+                    keep_gradients: bool) -> tuple[LossFn, Any]:
     notes, micro_batch_size = plan.notes, plan.micro_batch_size
     policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
     check = micro_batch_size is not None and policy.verify  # switched on now: its first split batch is checked
@@ -255,7 +265,8 @@ def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan
     notes.append(f"{MicroBatching.name}: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
     weighting, ignore_index = getattr(policy, "weighting", "auto"), getattr(policy, "ignore_index", IGNORE_INDEX)
     loss_fn = micro_batched_loss(optimizer, micro_batch_size, plain_loss, weighting, ignore_index,
-                                 counts_of=_micro_batch_counts, before=_first_step_check if check else None,
+                                 counts_of=_micro_batch_counts,
+                                 before=_first_step_check if check else None,
                                  zero_grad=not keep_gradients)
     if check:
         notes.append(f"{MicroBatching.name}: with the one-time check of the first split batch")

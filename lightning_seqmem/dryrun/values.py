@@ -28,8 +28,8 @@ from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
 from lightning_seqmem.measure.batch_tensors import is_square
 from lightning_seqmem.dryrun.accelerator import to_host_device
 
-__all__ = ["BatchValues", "ValueRoom", "batch_to_device", "shape_batch", "transformers_without_fake_detection",
-           "value_max_bytes", "value_room"]
+__all__ = ["BatchValues", "ValueRoom", "batch_to_device", "shape_batch",
+           "transformers_without_fake_detection", "value_max_bytes", "value_room"]
 
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
 _VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
@@ -93,7 +93,8 @@ class ValueRoom:
         self.held_bytes = max(0, self.held_bytes - int(nbytes))
 
 
-_ROOM: contextvars.ContextVar[Optional[ValueRoom]] = contextvars.ContextVar("seqmem_value_room", default=None)
+_ROOM: contextvars.ContextVar[Optional[ValueRoom]] = contextvars.ContextVar("seqmem_value_room",
+                                                                           default=None)
 
 
 @contextlib.contextmanager
@@ -160,7 +161,8 @@ def _small(out: Any, max_bytes: int = _VALUE_MAX_BYTES) -> bool:
 def _new_bytes(out: Any, args: tuple, kwargs: dict) -> int:
     """Bytes of the storages among an op's outputs that are not its inputs' (a view or an in-place
     op makes none): what running it again on the twins allocates."""
-    inputs = {t.untyped_storage()._cdata for t in _tensors_in(args, kwargs) if t.layout == torch.strided}
+    inputs = {t.untyped_storage()._cdata for t in _tensors_in(args, kwargs)
+              if t.layout == torch.strided}
     new = {}
     for t in _tensors_in(out):
         if t.layout == torch.strided and (storage := t.untyped_storage())._cdata not in inputs:
@@ -194,13 +196,14 @@ class BatchValues(TorchDispatchMode):
         super().__init__()
         self.fake_mode = fake_mode
         self.max_bytes = int(max_bytes)  # largest tensor whose real value is kept
-        self.room: Optional[ValueRoom] = _ROOM.get()  # the real bytes all twins may hold at once (None: any)
-        self._values: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}  # id(fake) -> (ref, twin, its storage)
+        self.room: Optional[ValueRoom] = _ROOM.get()  # what all twins may hold at once (None: any)
+        # id(fake) -> (a weak reference to it, its twin, the twin's storage key)
+        self._values: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
         self._held: dict[int, list[int]] = {}  # a twin storage's key -> [twins on it, its bytes]
         self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
 
     def can_keep(self, nbytes: int) -> bool:
-        """Whether a twin of ``nbytes`` new bytes may be made: within ``max_bytes`` and the room left."""
+        """Whether a twin of ``nbytes`` new bytes may be made: within ``max_bytes`` and the room."""
         return nbytes <= self.max_bytes and (self.room is None or self.room.fits(nbytes))
 
     def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
@@ -266,8 +269,9 @@ class BatchValues(TorchDispatchMode):
             if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > self.max_bytes:
                 raise
             out, computed = None, False
-        if known and not self.can_keep(_new_bytes(out, args, kwargs) if computed else _bound_bytes(args, kwargs)):
-            known = False  # no room for its values (the room is the device's when the host is the device)
+        new_bytes = _new_bytes(out, args, kwargs) if computed else _bound_bytes(args, kwargs)
+        if known and not self.can_keep(new_bytes):
+            known = False  # no room for its values (on a CPU run the room is the device's)
         if not known or (computed and not _small(out, self.max_bytes)):
             for t in written:
                 self.forget(t)  # its values are unknown from now on

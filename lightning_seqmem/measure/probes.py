@@ -129,7 +129,8 @@ class TrackerProbe(MemoryProbe):
     def running(self) -> bool:
         return self._tracker is not None
 
-    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False, resident_bytes: int = 0) -> None:
+    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False,
+                   resident_bytes: int = 0) -> None:
         """Start the step on the ``existing`` tensors, plus ``resident_bytes`` held by none of them
         (:meth:`LiveTensorTracker.track_bytes`)."""
         self.abort()

@@ -129,8 +129,8 @@ class Rung:
         return None
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """Put the rung on a dry run's fake copy (which has no trainer); one that cannot go on (and is
-        not on already) raises :class:`~lightning_seqmem.core.rungs.RungNotApplicable`: the step
+        """Put the rung on a dry run's fake copy (which has no trainer); one that cannot go on (and
+        is not on already) raises :class:`~lightning_seqmem.core.rungs.RungNotApplicable`: the step
         would be another setting's."""
         result = self.apply(RungContext(copy))
         if not result.applied and not self.is_on(copy):

@@ -461,7 +461,8 @@ class FusedLossRung(Rung):
             return
         backend, _ = self._backend(copy)
         if backend_unavailable_reason("tiled", _device_type(copy)) is not None:
-            raise RungNotApplicable(self.name, f"{backend} on the model; the dry run needs tiled: {_INSTALL['tiled']}")
+            raise RungNotApplicable(self.name, f"{backend} on the model; the dry run needs tiled: "
+                                               f"{_INSTALL['tiled']}")
         self._put_on(copy, "tiled")
         stand_in = "" if backend == "tiled" else f" (standing in for {backend}, whose memory is at most tiled's)"
         plan.notes.append(f"{self.name}: loss plain -> tiled{stand_in}")

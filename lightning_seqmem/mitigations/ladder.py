@@ -112,9 +112,10 @@ def is_applicable(name: str, trainer: Any, pl_module: Any, batch: Any = None,
     return rung(name).is_applicable(_ctx(trainer, pl_module, batch, batch_size))
 
 
-def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None, noop_ok: bool = False) -> MitigationResult:
-    """Switch rung ``name`` on (in place, between training steps); ``noop_ok``: even where it changes
-    nothing on this batch (:meth:`~lightning_seqmem.mitigations.base.Rung.noop`: another rank's needs it)."""
+def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
+          noop_ok: bool = False) -> MitigationResult:
+    """Switch rung ``name`` on (in place, between training steps); ``noop_ok``: even where it
+    changes nothing on this batch (:meth:`.base.Rung.noop`: another rank's batch needs it)."""
     return rung(name).apply(_ctx(trainer, pl_module, batch, noop_ok=noop_ok))
 
 
@@ -155,7 +156,8 @@ def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any
     return out
 
 
-def copy_refusal(name: str, trainer: Any, pl_module: Any, batch_size: Optional[int] = None) -> Optional[str]:
+def copy_refusal(name: str, trainer: Any, pl_module: Any,
+                 batch_size: Optional[int] = None) -> Optional[str]:
     """Why a dry run of ``pl_module`` with rung ``name`` would not be a step with it (the rung's
     :meth:`~lightning_seqmem.mitigations.base.Rung.copy_refusal`, on the real module structure), or
     None; a check that raises says so."""
@@ -165,7 +167,8 @@ def copy_refusal(name: str, trainer: Any, pl_module: Any, batch_size: Optional[i
         return f"its check failed ({type(exc).__name__}: {exc})"
 
 
-def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None, noop_ok: bool = False) -> tuple[bool, str]:
+def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
+              noop_ok: bool = False) -> tuple[bool, str]:
     """Switch rung ``name`` on: ``(applied, what was done or why not)``; a failure is returned, never raised."""
     try:
         result = apply(name, trainer, pl_module, batch, noop_ok)
@@ -196,8 +199,9 @@ def apply_to_copy(names: Sequence[str], copy: Any, *, after_sharding: Optional[b
 
 
 def check_pending(names: Sequence[str], pl_module: Any, batch: Any = None) -> bool:
-    """Whether a rung of ``names`` (those on) runs its one-time check at the next step (on ``batch``)."""
-    def pending(r: Rung) -> bool:  # (a rung registered before ``batch`` was asked takes the module alone)
+    """Whether a rung of ``names`` (those on) runs its one-time check at the next step (on
+    ``batch``)."""
+    def pending(r: Rung) -> bool:  # (a rung written before ``batch`` was asked takes the module)
         takes_batch = len(inspect.signature(r.check_pending).parameters) > 1
         return r.check_pending(pl_module, batch) if takes_batch else r.check_pending(pl_module)
 

@@ -62,7 +62,7 @@ def copied_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def sharded_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules under an FSDP2 ``fully_shard`` (each sharded module and everything below it): FSDP2
+    """The modules under an FSDP2 ``fully_shard`` (each sharded module and all below it): FSDP2
     gathers and frees their parameters by setting them on these objects, so a copy shares them.
 
     >>> sharded_modules(torch.nn.Linear(2, 2))
@@ -93,8 +93,8 @@ def check_copy(pl_module: torch.nn.Module, wrapper: Optional[Any] = None,
     memo: dict[int, Any] = {id(p): p for p in pl_module.parameters()}
     for sub in sharded_modules(pl_module):  # FSDP2 swaps parameters on these very modules: shared
         if sub is pl_module:
-            raise ValueError("the module itself is sharded with fully_shard (FSDP2), which gathers its "
-                             "parameters onto it alone")
+            raise ValueError("the module itself is sharded with fully_shard (FSDP2), which gathers "
+                             "its parameters onto it alone")
         memo[id(sub)] = sub
     for name in ("_trainer", "_fabric", "_device_mesh"):
         attached = pl_module.__dict__.get(name)

@@ -230,10 +230,11 @@ class MicroBatchedTrainingStep:
         pair, used, start, length = found
         try:
             twin, step = check_copy(self.pl_module, self)
-        except Exception as exc:  # noqa: BLE001 - a module that refuses a copy: not verified on the user's
-            return (f"its first-step check runs on a copy of the module (so that training_step runs once per "
-                    f"sample), which could not be made ({type(exc).__name__}: {exc}); pass verify=False if the "
-                    "loss is a mean over what the weights count")
+        except Exception as exc:  # noqa: BLE001 - a module that refuses a copy: never the user's
+            why = f"{type(exc).__name__}: {exc}"
+            return (f"its first-step check runs on a copy of the module (so that training_step "
+                    f"runs once per sample), which could not be made ({why}); pass verify=False if "
+                    "the loss is a mean over what the weights count")
         with _side_effects_contained(twin):
             together = self._loss(step, pair, args)
             apart = [self._loss(step, parts[i], args) for i in used]
@@ -356,8 +357,8 @@ def micro_batching_refusal(pl_module: Any) -> Optional[str]:
 
 def micro_batching_check_pending(pl_module: Any, batch: Any = None) -> bool:
     """Whether the next split ``training_step`` of ``pl_module`` runs the first-step check (three
-    extra forwards without gradient, whose memory falls in that step's peak); with ``batch``, whether
-    that batch's step does (a batch with fewer than two micro-batches to count runs whole, unchecked).
+    extra forwards without gradient, whose memory falls in that step's peak); with ``batch``,
+    whether that batch's step does (fewer than two micro-batches to count: whole, unchecked).
 
     Example:
         >>> import torch
@@ -373,7 +374,8 @@ def micro_batching_check_pending(pl_module: Any, batch: Any = None) -> bool:
         parts = split_batch(batch, wrapper.micro_batch_size)
         if len(parts) < 2:
             return False
-        _, counts = micro_batch_counts(batch, wrapper.micro_batch_size, wrapper.weighting, wrapper.ignore_index)
+        _, counts = micro_batch_counts(batch, wrapper.micro_batch_size, wrapper.weighting,
+                                       wrapper.ignore_index)
         return check_pair(batch, parts, counts) is not None
     except (TypeError, ValueError):
         return True  # as without the batch

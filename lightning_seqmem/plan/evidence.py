@@ -72,8 +72,8 @@ class Evidence:
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
         self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
         self._dry_sites: dict[tuple, PeakSite] = {}  # dry-run key -> where that step's peak sits, when told
-        # dry-run key -> why no figure may stand for it at all: a rung of it does not apply to the model
-        # (RungNotApplicable), or the model's own step fails at that shape (``fails_at_length``)
+        # dry-run key -> why no figure may stand for it at all: a rung of it does not apply to the
+        # model (RungNotApplicable), or the model's own step fails at that shape (fails_at_length)
         self._dry_fatal: dict[tuple, str] = {}
         self._longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
@@ -138,7 +138,8 @@ class Evidence:
             return dry
         fatal = self._dry_fatal.get((int(seq_len), self.batch_size_or_last(batch_size), key))
         if fatal is not None:  # no predictor's figure may stand for this setting, or this length
-            raise ValueError(f"no forecast at seq_len={seq_len} with mitigations {list(key)}: {fatal}")
+            raise ValueError(f"no forecast at seq_len={seq_len} with mitigations {list(key)}: "
+                             f"{fatal}")
         why = self.dry_run_why(seq_len, self.batch_size_or_last(batch_size), key)
         forecaster = self.forecasters.get(key)
         if forecaster is None:
@@ -263,7 +264,8 @@ class Evidence:
             except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
                 self._dry[key] = None
                 self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                if isinstance(exc, RungNotApplicable) or getattr(exc, "fails_at_length", False) is True:
+                fatal = isinstance(exc, RungNotApplicable) or getattr(exc, "fails_at_length", False)
+                if fatal is True:
                     self._dry_fatal[key] = self._dry_why[key]
         return self._dry[key]
 

@@ -115,8 +115,8 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
         ev.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes, usable, ev.budget_bytes,
                                              ev.safety_margin))
     forecaster = ev.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=ev.tolerance))
-    # a batch that does not end with an optimizer step (an accumulation window's earlier ones) is kept
-    # and judged by, but fitted and checked against only where it is the step the predictors model
+    # a batch that does not end with an optimizer step (an accumulation window's earlier ones) is
+    # kept and judged by, but fitted and checked against only as the step the predictors model
     if not record.warmup and pending.optimizer_steps:
         ev.last_batch_size = B
         wrong_now = ev._check_predictors(record, forecaster)

@@ -69,8 +69,8 @@ def agree_and_apply(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lig
     stop (nothing can meet the budget) raises :class:`MemoryBudgetError` on every rank."""
     for _ in range(len(rung_names()) + 1):  # again only after a rung failed to apply
         try:
-            any_failed, shape, applicable = distributed.agree_inputs(trainer, failed, shape, applicable,
-                                                                     cb.edge.noop_rungs)
+            any_failed, shape, applicable = distributed.agree_inputs(
+                trainer, failed, shape, applicable, cb.edge.noop_rungs)
             decision = _decide(cb, shape, applicable) if trainer.is_global_zero and not any_failed else None
             decision = distributed.broadcast(trainer, decision)
         except Exception as exc:  # noqa: BLE001 - a broken collective: stop on this rank
@@ -138,12 +138,14 @@ def switch_on(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightning
     return everywhere
 
 
-def check_pending(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> bool:
-    """Whether the step about to run runs a rung's one-time check on some rank (every rank calls it:
-    a collective): then every rank's step is a warm-up, so the ranks' records stay the same."""
+def check_pending(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule,
+                  batch: Any) -> bool:
+    """Whether the step about to run runs a rung's one-time check on some rank (every rank calls
+    it: a collective): then every rank's step is a warm-up, so the ranks' records stay the same."""
     try:
-        here = not cb.edge.failed and ladder.check_pending(cb.planner.applied_mitigations, pl_module, batch)
-    except Exception:  # noqa: BLE001 - a check that cannot tell: as if it runs (a warm-up costs a fit point)
+        on = cb.planner.applied_mitigations
+        here = not cb.edge.failed and ladder.check_pending(on, pl_module, batch)
+    except Exception:  # noqa: BLE001 - a check that cannot tell: as if it runs (one fit point less)
         here = True
     return distributed.any_rank(trainer, here)
 

@@ -46,7 +46,7 @@ def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.L
                       decision: Decision, shape: tuple[int, int], check: bool = False) -> None:
     """Begin the step the planner decided on (``shape``: the one agreed across ranks) and, for a
     measured one, start the probe in its forward phase; ``check``: a rung's one-time check runs in
-    this step on some rank (:func:`~lightning_seqmem.trainer.decisions.check_pending`): a warm-up."""
+    this step on some rank (:func:`.decisions.check_pending`): a warm-up."""
     cb.edge.shape = tuple(int(x) for x in read_batch_shape(batch, cb.seq_len_fn))  # what this rank really runs
     if decision.seq_len is None:
         planned = shape
@@ -63,7 +63,8 @@ def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.L
         assert probe is not None, "setup() was not called"
         existing = [*existing_tensors(pl_module, trainer.optimizers, batch), *own_tensors(cb)]
         if probe.name == "tracker":  # (the allocator's counters hold what no tensor shows)
-            probe.start_step(existing, record_events=pending.traced, resident_bytes=untracked_bytes(cb, trainer))
+            probe.start_step(existing, record_events=pending.traced,
+                             resident_bytes=untracked_bytes(cb, trainer))
         else:
             probe.start_step(existing, record_events=pending.traced)
         probe.mark_phase("forward")

@@ -59,11 +59,12 @@ def agree_inputs(trainer: Any, failed: bool, shape: Optional[tuple[int, int]],
         if m in applicable:
             ok, reason = applicable[m]
             if no:
-                agreed[m] = (False, reason if not ok and m not in noop else "it does not apply on another rank")
+                other = "it does not apply on another rank"
+                agreed[m] = (False, reason if not ok and m not in noop else other)
             elif not yes:
                 agreed[m] = (False, reason if m in noop else "it applies on no rank")
             else:
-                agreed[m] = (True, reason if ok else f"{reason} on this rank; another rank's batch needs it")
+                agreed[m] = (True, reason if ok else f"{reason} here; another rank needs it")
     return bool(out[0]), (None if out[1] < 0 else (int(out[1]), int(out[2]))), agreed
 
 
