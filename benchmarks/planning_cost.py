@@ -15,8 +15,9 @@ For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded
   has a new length, drawn without repeats from ``--min-length`` to ``--max-length``) with
   ``SeqMemCallback(memory_budget=...)`` (a budget of twice the dry-run peak at the longest length:
   nothing has to be switched on) against the same fit without the callback (wall time of ``fit``;
-  interleaved, best of ``--fit-repeats``). Their difference is two costs of different kinds, given
-  apart:
+  interleaved, best of ``--fit-repeats``, after an untimed fit of the same data: the first step at
+  a new shape sets its CPU kernels up, 3 to 15 times the later ones' time on 2 layers). Their
+  difference is two costs of different kinds, given apart:
 
   - ``fixed s``: what does not grow with the steps: the dry runs (the decisions' and the
     end-of-fit report's) and the callback's set-up and end-of-fit hooks (``setup``,
@@ -25,9 +26,11 @@ For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded
   - ``per step``: the per-step overhead, the median over steps (the first excepted) of one step's
     wall time in the run, less the dry runs made in it, over the same step's (same index, same
     length) in the fit without the callback, less one: the decisions, the probe, the measured
-    steps' tracker, the logging. A median of ratios, so that a shared machine's load in one fit or
-    the other does not make the figure; ``fit overhead`` is the whole fit's ratio, the fixed
-    seconds included (what a short run pays: on 16 steps it is nearly all fixed cost);
+    steps' tracker, the logging. Each step's time is its shortest over the ``--fit-repeats``
+    interleaved fits (3 by default, 1 with ``--quick``) and the figure a median of ratios, so that
+    a shared machine's load in one fit or the other does not make it; ``fit overhead`` is the whole
+    fit's ratio (the shortest fits), the fixed seconds included (what a short run pays: on 16 steps
+    it is nearly all fixed cost);
 * ``wait s``: of that run, the seconds rank zero spent in the planner's decisions (what other ranks
   would wait in the collective before each batch), ``dry s`` / ``dry n``: seconds and number of dry
   runs in the run (the end-of-fit report's included), ``meas``: steps the callback measured (the
@@ -292,6 +295,7 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
     base: list[tuple[float, list[float]]] = []
     run: list[tuple[float, list[float], _Instrument]] = []
     records, over = 0, 0
+    fit_seconds(layers, data, list)  # untimed: the first fit at each shape sets its CPU kernels up
     for i in range(args.fit_repeats):
         order = ("base", "run") if i % 2 == 0 else ("run", "base")
         for which in order:
@@ -318,10 +322,14 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
     independent = {rungs: independent_peak(layers, L, B) for rungs, (L, B) in longest.items() if not rungs}
     unchecked = sum(bool(s[2]) for s in ran.shapes)  # with a rung on: not measured apart, counted as over (none here)
     over_independent = sum(independent[s[2]] > usable for s in ran.shapes if s[2] in independent) + unchecked
-    b_s, b_steps = min(base)
-    r_s, r_steps, inst = min(run, key=lambda item: item[0])
-    return {"base_s": b_s, "run_s": r_s, "fit_overhead": r_s / b_s - 1, "fixed_s": inst.fixed_s(),
-            "overhead": per_step_overhead(r_steps, b_steps, inst.dry_by_batch),
+    b_s, r_s = min(s for s, _ in base), min(s for s, _, _ in run)
+    b_steps = [min(steps) for steps in zip(*(steps for _, steps in base))]  # each step's shortest
+    less_dry = ([t - i.dry_by_batch.get(k, 0.0) for k, t in enumerate(ts)] for _, ts, i in run)
+    r_steps = [min(steps) for steps in zip(*less_dry)]
+    inst = min(run, key=lambda item: item[0])[2]
+    return {"base_s": b_s, "run_s": r_s, "fit_overhead": r_s / b_s - 1,
+            "fixed_s": min(i.fixed_s() for _, _, i in run),
+            "overhead": per_step_overhead(r_steps, b_steps, {}),
             "wait_s": inst.decide_s, "dry_s": inst.dry_s, "dry_n": inst.dry_n, "records": records,
             "steps": len(ran.shapes), "over_budget_records": over,
             "over_budget_steps": max(over, over_independent),
@@ -339,14 +347,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-length", type=int, default=None)
     parser.add_argument("--length", type=int, default=1024, help="tokens of the timed dry run")
     parser.add_argument("--repeats", type=int, default=None, help="timed dry runs (median)")
-    parser.add_argument("--fit-repeats", type=int, default=None, help="fits with and without the callback (best)")
+    parser.add_argument("--fit-repeats", type=int, default=None,
+                        help="interleaved fits with and without the callback (3; --quick: 1)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.steps = args.steps or (16 if quick else 200)
     args.min_length = args.min_length or (32 if quick else 64)
     args.max_length = args.max_length or (160 if quick else 512)
     args.repeats = args.repeats or (1 if quick else 3)
-    args.fit_repeats = args.fit_repeats or 1
+    args.fit_repeats = args.fit_repeats or (1 if quick else 3)
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows: dict[str, dict[str, Any]] = {}
