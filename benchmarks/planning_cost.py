@@ -30,7 +30,8 @@ For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded
     interleaved fits (3 by default, 1 with ``--quick``) and the figure a median of ratios, so that
     a shared machine's load in one fit or the other does not make it; ``fit overhead`` is the whole
     fit's ratio (the shortest fits), the fixed seconds included (what a short run pays: on 16 steps
-    it is nearly all fixed cost);
+    it is nearly all fixed cost), and ``per_step_by_difference_fraction`` (JSON) that ratio less
+    the fixed seconds, a cross-check of the median;
 * ``wait s``: of that run, the seconds rank zero spent in the planner's decisions (what other ranks
   would wait in the collective before each batch), ``dry s`` / ``dry n``: seconds and number of dry
   runs in the run (the end-of-fit report's included), ``meas``: steps the callback measured (the
@@ -327,8 +328,9 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
     less_dry = ([t - i.dry_by_batch.get(k, 0.0) for k, t in enumerate(ts)] for _, ts, i in run)
     r_steps = [min(steps) for steps in zip(*less_dry)]
     inst = min(run, key=lambda item: item[0])[2]
-    return {"base_s": b_s, "run_s": r_s, "fit_overhead": r_s / b_s - 1,
-            "fixed_s": min(i.fixed_s() for _, _, i in run),
+    fixed = min(i.fixed_s() for _, _, i in run)
+    return {"base_s": b_s, "run_s": r_s, "fit_overhead": r_s / b_s - 1, "fixed_s": fixed,
+            "per_step_by_difference": (r_s - fixed) / b_s - 1,
             "overhead": per_step_overhead(r_steps, b_steps, {}),
             "wait_s": inst.decide_s, "dry_s": inst.dry_s, "dry_n": inst.dry_n, "records": records,
             "steps": len(ran.shapes), "over_budget_records": over,
@@ -372,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "overhead_fraction": {k: v["run"]["overhead"] for k, v in rows.items()},
         "fixed_s": {k: v["run"]["fixed_s"] for k, v in rows.items()},
         "fit_overhead_fraction": {k: v["run"]["fit_overhead"] for k, v in rows.items()},
+        "per_step_by_difference_fraction": {k: v["run"]["per_step_by_difference"]
+                                            for k, v in rows.items()},
         "dry_run_s": {k: v["dry_run_s"] for k, v in rows.items()},
         "decision_s": {k: v["decision"]["seconds"] for k, v in rows.items()},
         "decision_dry_runs": {k: v["decision"]["dry_runs"] for k, v in rows.items()},
