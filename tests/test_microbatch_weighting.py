@@ -84,6 +84,15 @@ def _llama_config():
     )
 
 
+class _Seen:
+    """A counter every copy of the module shares (a deep copy gives it back itself)."""
+
+    no_grad_calls = 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class HFLossLM(pl.LightningModule):
     """A Llama trained on the loss the Hugging Face model computes itself (``ForCausalLMLoss``)."""
 
@@ -91,12 +100,14 @@ class HFLossLM(pl.LightningModule):
         super().__init__()
         self.model = transformers.LlamaForCausalLM(_llama_config())
         self.model.set_attn_implementation("eager")
-        self.no_grad_calls = 0
+        self.no_grad_calls = 0  # on this module (the micro-batching check runs on its own copy)
+        self.seen = _Seen()  # on this module and its copies
         self.sizes: list[int] = []  # samples of each training_step call with gradient
 
     def training_step(self, batch, batch_idx):
         if not torch.is_grad_enabled():
             self.no_grad_calls += 1
+            self.seen.no_grad_calls += 1
         else:
             self.sizes.append(batch["input_ids"].shape[0])
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
@@ -263,7 +274,8 @@ def test_padded_hugging_face_with_accumulation_and_the_check_runs_once():
     assert micro.global_step == full.global_step == 1
     _assert_close(micro.first_grads, full.first_grads, rtol=1e-4, atol=1e-6)
     _assert_close(micro.params, full.params, rtol=1e-4, atol=1e-6)
-    assert micro.module.no_grad_calls == 3  # the pair and its two micro-batches, on the first batch only
+    # the pair and its two micro-batches, on the first batch only, on the check's copy of the module
+    assert micro.module.seen.no_grad_calls == 3 and micro.module.no_grad_calls == 0
     assert micro.callback.pending_before == [True, False, False]
 
 
@@ -277,7 +289,7 @@ def test_no_label_tokens_runs_whole_and_one_counted_micro_batch_defers_the_check
     assert full.module.sizes == [4, 4, 4]
     assert micro.module.sizes == [4, 1, 1, 1, 1]  # rows without labels are not run
     assert micro.callback.pending_before == [True, True, True] and micro.callback.wrapper.verified
-    assert micro.module.no_grad_calls == 3
+    assert micro.module.seen.no_grad_calls == 3 and micro.module.no_grad_calls == 0
     _assert_close(micro.params, full.params, rtol=1e-4, atol=1e-6)
     assert all(torch.isfinite(p).all() for p in micro.params.values())
 

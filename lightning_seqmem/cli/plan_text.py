@@ -72,8 +72,10 @@ def print_header(console: Any, run: Any, sequence_parallel: bool) -> None:
     console.print(f"[bold]seqmem plan[/bold]: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
                   f"parameters), {run.trainer.precision} precision, on {run.device}, optimizer {run.optimizer_name}, "
                   f"batch {run.batch_size}; one fake training step per length and mitigation set (nothing is allocated)")
-    for name, reason in run.skipped.items():
-        console.print(f"rung {name} skipped: {reason}")
+    from rich.markup import escape
+
+    for name, reason in run.skipped.items():  # (an install hint holds `[tiled]`: not markup)
+        console.print(f"rung {name} skipped: {escape(reason)}", highlight=False)
     world = run.world
     if world is None:
         return
@@ -114,13 +116,15 @@ def _host_cell(row: dict[str, Any]) -> str:
 
 def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any], errors: dict[str, int]) -> list[str]:
     """One row of the table; a row's error gets its note number in ``errors`` (first seen, first numbered)."""
+    from rich.markup import escape
+
     from lightning_seqmem.core.units import format_bytes
 
     if row["error"] is None:
         peak = format_bytes(row["peak_bytes"])
     else:
         number = errors.setdefault(row["error"], len(errors) + 1)
-        peak = f"{row['error'].split(':')[0]} [{number}]"
+        peak = f"{escape(row['error'].split(':')[0])} [{number}]"
     smallest = []
     if run.world is not None and run.usable is not None:
         smallest = ["-" if row["error"] else (str(row["smallest_world_size"]) if row["smallest_world_size"]
@@ -162,8 +166,10 @@ def print_table(console: Any, run: Any, results: Sequence[dict[str, Any]], confi
                           style="bold green" if chosen else ("red" if row["fits"] is False else None))
         table.add_section()
     console.print(table)
+    from rich.markup import escape
+
     for error, number in errors.items():
-        console.print(f"[yellow][{number}][/yellow] {error}", highlight=False)
+        console.print(f"[yellow][{number}][/yellow] {escape(error)}", highlight=False)
     if errors:
         console.print(f"(`seqmem forecast --config {config} --lengths ...` predicts from short real steps "
                       "where the dry run does not run)")

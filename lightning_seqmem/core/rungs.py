@@ -35,6 +35,22 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 
+class RungNotApplicable(ValueError):
+    """A setting asked about holds a rung this model cannot take (its own check says why): a dry
+    run, and so a forecast, of that setting would be the figure of another one.
+
+    Example:
+        >>> err = RungNotApplicable("fused_loss", "no causal LM found")
+        >>> err.rung, str(err)
+        ('fused_loss', 'fused_loss does not apply to this model: no causal LM found')
+    """
+
+    def __init__(self, rung: str, why: str) -> None:
+        self.rung, self.why = rung, why
+        self.reason = f"{rung} does not apply to this model: {why}"
+        super().__init__(self.reason)
+
+
 @dataclass(frozen=True)
 class RungSpec:
     """What the planner knows of one rung (plain values).
@@ -266,5 +282,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "engine_features", "register_spec", "remaining_advice",
+__all__ = ["ADVICE", "at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungNotApplicable", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "engine_features", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]

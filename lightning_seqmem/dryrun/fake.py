@@ -134,7 +134,8 @@ def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional[
             if id(t) in memo or isinstance(t, FakeTensor) or (t.device.type == "meta" and device is None):
                 continue
             memo[id(t)] = faked = fake(t)
-            if values is not None and t.device.type != "meta" and t.numel() * t.element_size() <= values.max_bytes:
+            nbytes = t.numel() * t.element_size()
+            if values is not None and t.device.type != "meta" and values.can_keep(nbytes):
                 with _disable_current_modes():
                     values.give(faked, t.detach().clone().cpu())
         return copy.deepcopy(pl_module, memo)

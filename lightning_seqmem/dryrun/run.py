@@ -14,9 +14,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_seqmem.core.rungs import RungNotApplicable, at_most
+from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.dryrun import sharded
 from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
-from lightning_seqmem.core.rungs import at_most
+from lightning_seqmem.dryrun.step_functions import loop_of, trainer_loop
+from lightning_seqmem.dryrun.values import ValueRoom, value_room
 from lightning_seqmem.mitigations import ladder
 
 
@@ -41,10 +44,17 @@ class TrainingRunDryRun:
 
     def __init__(self, trainer: Any, pl_module: nn.Module, applied: Callable[[], tuple[str, ...]],
                  on_unsupported: Callable[[str], None], template: Optional[nn.Module] = None,
-                 site: Optional[Callable[..., Any]] = None) -> None:
+                 site: Optional[Callable[..., Any]] = None,
+                 room: Optional[Callable[[], Optional[int]]] = None,
+                 resident: Optional[Callable[[], int]] = None) -> None:
         self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
         self.site = site  # dry_run_step's site tracer (diagnostics.peak.trace_peak_site): answers say where the peak sits
         self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs; :mod:`.sharded`)
+        # bytes the dry run's real values may take now (None: any; on a CPU run, what the usable
+        # budget leaves beside the run's tensors: :func:`.values.value_room`)
+        self.room = room
+        # bytes the caller keeps on the training device across steps (its copies): in every answer
+        self.resident = resident
         self.batch: Any = None
         self.unsupported: Optional[str] = None  # the first refusal's reason (any shape)
         self.refusals: list[tuple[int, int, tuple[str, ...], str]] = []  # (seq_len, batch_size, mitigations, reason)
@@ -59,37 +69,88 @@ class TrainingRunDryRun:
         applied = tuple(self.applied())
         if self.batch is None or not all(any(at_most(m, n) for n in mitigations) for m in applied):
             raise DryRunUnsupported("no batch kept yet, or a rung on now cannot be undone on a copy")
+        for name in mitigations:  # a setting this model cannot take is never dry-run as another one
+            if name in applied:
+                continue
+            why = ladder.copy_refusal(name, self.trainer, self.pl_module, batch_size)
+            if why is not None:
+                raise RungNotApplicable(name, why)
         for L, B, names, reason in self.refusals:
             if names == tuple(mitigations) and seq_len >= L and batch_size >= B:
-                raise DryRunUnsupported(f"{reason} (refused at seq_len={L}, batch {B}; so at this larger shape too)")
+                err = DryRunUnsupported(f"{reason} (refused at seq_len={L}, batch {B}; so at this "
+                                        "larger shape too)")
+                err.fails_at_length = fails_at_length(err)  # type: ignore[attr-defined]
+                raise err
+        limit = self.room() if self.room is not None else None
+        with value_room(limit) as room, trainer_loop(loop_of(self.trainer)):
+            try:
+                peak, phases, site = self._step(seq_len, batch_size, mitigations, applied)
+            except Exception as exc:  # noqa: BLE001 - said once per reason; others answer
+                self._refused(exc, seq_len, batch_size, mitigations, room)
+                raise
+        resident = int(self.resident()) if self.resident is not None else 0
+        return peak + resident, {p: v + resident for p, v in phases.items()}, site
+
+    def _step(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...],
+              applied: tuple[str, ...]) -> tuple[int, dict[str, int], Any]:
+        """``(peak, phase peaks, peak site)`` of the fake step: the sharded dry run for an FSDP2
+        module, else the one-rank one."""
         optimizers = getattr(self.trainer, "optimizers", None) or [None]
-        try:
-            refusal = sharded.dry_run_refusal(self.trainer)
-            if refusal is not None:
-                raise DryRunUnsupported(refusal)
-            if sharded.is_fsdp2(self.pl_module):  # an FSDP2 module cannot be copied: shard a copy of the template
-                if self.template is None:
-                    raise DryRunUnsupported("the module was sharded with fully_shard before SeqMemCallback.setup "
-                                            "could keep an unsharded template")
-                # a rung switched on by this dry run, or on with its one-time check still to run
-                check = ladder.check_pending(applied, self.pl_module) or any(
-                    ladder.rung(m).spec.first_step_check for m in mitigations if m not in applied)
-                result = sharded.sharded_dry_run_step(
-                    self.template, self.batch, seq_len, sharded.data_parallel_size(self.trainer, self.pl_module),
-                    batch_size, mitigations, autocast=self.trainer.precision_plugin.train_step_context,
-                    device=self.trainer.strategy.root_device, first_split_check=check)
-                return result.peak_bytes, result.phase_peak_bytes, None
-            result = dry_run_step(self.pl_module, optimizers[0], self.batch, seq_len, batch_size,
-                                  tuple(m for m in mitigations if m not in applied),
-                                  autocast=self.trainer.precision_plugin.train_step_context,
-                                  device=self.trainer.strategy.root_device, site=self.site)
-        except Exception as exc:  # noqa: BLE001 - said once per reason; the replay and quadratic fit answer here
-            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-            self.unsupported = self.unsupported or reason
-            self.refusals.append((int(seq_len), int(batch_size), tuple(mitigations), reason))
-            gist = re.sub(r"\d+", "#", reason)
-            if gist not in self._said:
-                self._said.add(gist)
-                self.on_unsupported(reason, int(seq_len), int(batch_size))
-            raise
-        return result.peak_bytes, result.phase_peak_bytes, result.peak_site
+        refusal = sharded.dry_run_refusal(self.trainer)
+        if refusal is not None:
+            raise DryRunUnsupported(refusal)
+        if sharded.is_fsdp2(self.pl_module):  # not copied: a copy of the template sharded
+            if self.template is None:
+                raise DryRunUnsupported("the module was sharded with fully_shard before "
+                                        "SeqMemCallback.setup could keep an unsharded template")
+            # a rung switched on by this dry run, or on with its one-time check still to run
+            check = ladder.check_pending(applied, self.pl_module) or any(
+                ladder.rung(m).spec.first_step_check for m in mitigations if m not in applied)
+            ranks = sharded.data_parallel_size(self.trainer, self.pl_module)
+            result = sharded.sharded_dry_run_step(
+                self.template, self.batch, seq_len, ranks, batch_size, mitigations,
+                autocast=self.trainer.precision_plugin.train_step_context,
+                device=self.trainer.strategy.root_device, first_split_check=check)
+            return result.peak_bytes, dict(result.phase_peak_bytes), None
+        result = dry_run_step(self.pl_module, optimizers[0], self.batch, seq_len, batch_size,
+                              tuple(m for m in mitigations if m not in applied),
+                              autocast=self.trainer.precision_plugin.train_step_context,
+                              device=self.trainer.strategy.root_device, site=self.site)
+        return result.peak_bytes, dict(result.phase_peak_bytes), result.peak_site
+
+    def _refused(self, exc: BaseException, seq_len: int, batch_size: int,
+                 mitigations: tuple[str, ...], room: Optional[ValueRoom]) -> None:
+        """Keep the refusal for this shape (and every larger one), and say its reason once."""
+        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        if room is not None and room.withheld_bytes:
+            withheld, room_bytes = format_bytes(room.withheld_bytes), format_bytes(room.limit_bytes)
+            reason += (f"; its real values (a {withheld} tensor computed from the batch) did not "
+                       f"fit the {room_bytes} the usable budget leaves beside the run's tensors, "
+                       "on a device whose memory is the host's")
+            if isinstance(exc, DryRunUnsupported):
+                exc.reason = reason
+        if fails_at_length(exc):
+            exc.fails_at_length = True  # type: ignore[attr-defined]
+        self.unsupported = self.unsupported or reason
+        self.refusals.append((int(seq_len), int(batch_size), tuple(mitigations), reason))
+        gist = re.sub(r"\d+", "#", reason)
+        if gist not in self._said:
+            self._said.add(gist)
+            self.on_unsupported(reason, int(seq_len), int(batch_size))
+
+
+def fails_at_length(exc: BaseException) -> bool:
+    """Whether a dry run's failure is the model's own at that shape, which its real step would raise
+    too: an index past a tensor's end (a positional table of fewer rows than the length: the
+    shape checks of a fake tensor are the real kernel's), or tensors whose sizes do not match.
+
+    Example:
+        >>> failed = "the fake step failed: IndexError: index 8192 is out of bounds for dimension 1"
+        >>> fails_at_length(DryRunUnsupported(failed))
+        True
+        >>> fails_at_length(DryRunUnsupported("an op reads tensor values (aten.item)"))
+        False
+    """
+    reason = getattr(exc, "reason", None) or str(exc)
+    model_errors = r"(IndexError|RuntimeError: The size of tensor a \(\d+\) must match)"
+    return bool(re.match(r"the fake step failed: " + model_errors, reason))

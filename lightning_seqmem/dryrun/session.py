@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -35,9 +36,11 @@ from lightning_seqmem.dryrun.values import BatchValues, shape_batch, batch_to_de
 __all__ = ["fake_batch", "fake_session"]
 
 
-def _fresh(seq_len: int) -> tuple[FakeTensorMode, BatchValues]:
+def _fresh(seq_len: int, kept: list[weakref.ref]) -> tuple[FakeTensorMode, BatchValues]:
     fake_mode = DryRunFakeMode(allow_non_fake_inputs=True)  # with the fake kernels of dryrun.moe
-    return fake_mode, RoutedValues(fake_mode, value_max_bytes(seq_len))  # and the routing of MoE blocks
+    values = RoutedValues(fake_mode, value_max_bytes(seq_len))  # and the routing of MoE blocks
+    kept.append(weakref.ref(values))
+    return fake_mode, values
 
 
 @contextlib.contextmanager
@@ -47,13 +50,21 @@ def fake_session(seq_len: int, device: Any = "cpu") -> Iterator[tuple[FakeTensor
     (:func:`~lightning_seqmem.dryrun.accelerator.simulating`).
 
     The session keeps no reference to the mode or the twins: a caller that drops them frees the fake
-    world (the dry run does, on failure) while the session is still open.
+    world (the dry run does, on failure) while the session is still open. When it closes, every twin
+    still held is dropped (:meth:`~lightning_seqmem.dryrun.values.BatchValues.clear`): their real
+    memory is freed then, not when the fake world's reference cycles are collected.
     """
     with preserved_rng(), warnings.catch_warnings(), simulating(device):
         for message in QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))
+        kept: list[weakref.ref] = []
         with routing_scope() as scope:  # the MoE blocks' routing (it holds the values weakly)
-            yield scope.watch(_fresh(seq_len))
+            try:
+                yield scope.watch(_fresh(seq_len, kept))  # (not held in this frame: a weak reference to the twins)
+            finally:
+                held = kept[0]() if kept else None
+                if held is not None:
+                    held.clear()
 
 
 def fake_batch(batch: Any, seq_len: int, batch_size: int, device: torch.device, fake_mode: FakeTensorMode,

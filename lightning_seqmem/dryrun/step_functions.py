@@ -33,8 +33,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -52,9 +55,122 @@ from lightning_seqmem.mitigations.microbatch import (
     micro_batching_check_pending,
     split_batch,
 )
+from lightning_seqmem.mitigations.microbatch_check import copied_tensors
 from lightning_seqmem.mitigations.microbatch_twin import ZeroGradBeforeFirstMicroBatch, check_pair, micro_batched_loss
 
-__all__ = ["plain_loss", "step_functions"]
+__all__ = ["TrainerLoop", "loop_of", "plain_loss", "step_functions", "trainer_loop"]
+
+
+@dataclass(frozen=True)
+class TrainerLoop:
+    """The Trainer's loop settings a step's memory depends on (:func:`loop_of` reads them).
+
+    With ``accumulate_grad_batches > 1`` the step a dry run models is the last batch of an
+    accumulation window, the one that peaks highest: the gradients of the window's earlier batches
+    are alive through its forward *and* its backward (Lightning zeroes them only after the forward
+    of a window's first batch), its loss is divided by the window's batches, and it ends with the
+    optimizer step. ``gradient_clip_val``: the gradients are clipped (by norm, or by value) before
+    the optimizer step, in its phase, as Lightning's precision plugin does. Under DDP with
+    ``gradient_as_bucket_view=True`` the buckets are the gradients: ``zero_grad`` frees none of
+    their memory, so it is alive through the backward as under accumulation.
+
+    Example:
+        >>> TrainerLoop().keeps_gradients, TrainerLoop(accumulate_grad_batches=4).accumulating
+        (False, True)
+    """
+
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    gradient_clip_algorithm: str = "norm"  # or "value"
+    # DDP's buckets are the gradients (``gradient_as_bucket_view=True``): ``zero_grad`` frees no
+    # gradient memory, the buckets hold it through the next backward
+    buckets_hold_gradients: bool = False
+
+    @property
+    def accumulating(self) -> bool:
+        return self.accumulate_grad_batches > 1
+
+    @property
+    def keeps_gradients(self) -> bool:
+        """Whether the gradients' memory stays alive from one step into the next one's backward."""
+        return self.accumulating or self.buckets_hold_gradients
+
+    def notes(self) -> list[str]:
+        """What the modelled step is, for a dry run's detail."""
+        out = []
+        if self.accumulating:
+            out.append(f"the last batch of {self.accumulate_grad_batches} accumulated (the earlier "
+                       "batches' gradients alive through its backward)")
+        if self.gradient_clip_val:
+            out.append(f"gradients clipped by {self.gradient_clip_algorithm} before the optimizer "
+                       "step")
+        if self.buckets_hold_gradients and not self.accumulating:
+            out.append("DDP's gradient buckets (the gradients as views) alive through the backward")
+        return out
+
+
+_LOOP: contextvars.ContextVar[TrainerLoop] = contextvars.ContextVar("seqmem_trainer_loop",
+                                                                   default=TrainerLoop())
+
+
+def loop_of(trainer: Any) -> TrainerLoop:
+    """The loop settings of a Lightning ``trainer`` (defaults for anything it does not have).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> loop = loop_of(NS(accumulate_grad_batches=2, gradient_clip_val=1.0,
+        ...                   gradient_clip_algorithm="value"))
+        >>> loop.accumulating, loop.gradient_clip_val, loop.gradient_clip_algorithm
+        (True, 1.0, 'value')
+        >>> loop_of(None) == TrainerLoop()
+        True
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    clip = getattr(trainer, "gradient_clip_val", None)
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    model = getattr(getattr(trainer, "strategy", None), "model", None)
+    views = isinstance(model, DistributedDataParallel) and bool(model.gradient_as_bucket_view)
+    algorithm = str(getattr(algorithm, "value", algorithm) or "norm")  # (an enum in Lightning)
+    return TrainerLoop(int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+                       float(clip) if clip else None, algorithm, views)
+
+
+@contextlib.contextmanager
+def trainer_loop(loop: TrainerLoop) -> Iterator[None]:
+    """The dry runs made inside model a step of ``loop`` (see :class:`TrainerLoop`)."""
+    token = _LOOP.set(loop)
+    try:
+        yield
+    finally:
+        _LOOP.reset(token)
+
+
+class _LoopOptimizer:
+    """The optimizer as the Trainer's loop drives it in the modelled step: ``zero_grad`` a no-op
+    where the gradients' memory is kept (a window's last batch; DDP's bucket views), the gradients
+    clipped before ``step`` where the Trainer clips them."""
+
+    def __init__(self, optimizer: Any, loop: TrainerLoop, keep_gradients: bool) -> None:
+        self.optimizer, self.loop, self.keep_gradients = optimizer, loop, keep_gradients
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self.keep_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        if self.loop.gradient_clip_val:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # (a micro-batched step's)
+            params = [p for group in inner.param_groups for p in group["params"]]
+            if self.loop.gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, clip_value=self.loop.gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, self.loop.gradient_clip_val)
+        self.optimizer.step()
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -79,13 +195,14 @@ def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignor
 
 def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: list[int]) -> None:
     """The memory of the wrapper's one-time check of its first split batch (see
-    :mod:`lightning_seqmem.mitigations.microbatch`): a copy of every buffer, then no-grad forwards
-    of the first two counted micro-batches together and apart, while the previous step's gradients
-    are still alive. Nothing is kept."""
+    :mod:`lightning_seqmem.mitigations.microbatch`): its copy of the module's buffers and attribute
+    tensors (:func:`~lightning_seqmem.mitigations.microbatch_check.copied_tensors`), then no-grad
+    forwards of the first two counted micro-batches together and apart, while the previous step's
+    gradients are still alive. Nothing is kept."""
     found = check_pair(batch, parts, counts)
     if found is None:
         return
-    copies = [b.detach().clone() for b in model.buffers()]
+    copies = [t.detach().clone() for t in copied_tensors(model)]
     with torch.no_grad():
         losses = [plain_loss(model, part).detach() for part in (found.batch, *(parts[i] for i in found.used))]
     del copies, losses
@@ -95,14 +212,41 @@ def plain_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return _loss_of(model.training_step(batch, 0))
 
 
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def _divided(loss_fn: LossFn, by: int) -> LossFn:
+    """``loss_fn``'s loss divided by ``by``, as Lightning divides a window's (a scalar more)."""
+    def divided(model: nn.Module, batch: Any) -> torch.Tensor:
+        return loss_fn(model, batch) / by
+
+    return divided
+
+
 def step_functions(
     pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan, batch_size: int,
     first_split_check: Optional[bool] = None,
 ) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
-    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.measure.steps.training_step_memory`: plain or micro-batched.
+    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.measure.steps.training_step_memory`:
+    plain or micro-batched, in the Trainer's loop of :func:`trainer_loop` (:class:`TrainerLoop`;
+    default: one batch per step).
 
     ``first_split_check``: whether the step includes micro-batching's one-time loss check; None:
     when the rung is switched on by this dry run, or the module's wrapper has not run it yet."""
+    loop = _LOOP.get()
+    plan.notes.extend(loop.notes())
+    loss_fn, step_optimizer = _step_functions(pl_module, optimizer, plan, batch_size,
+                                              first_split_check, loop.keeps_gradients)
+    if loop.accumulating:
+        loss_fn = _divided(loss_fn, loop.accumulate_grad_batches)
+    if loop.keeps_gradients or loop.gradient_clip_val:
+        step_optimizer = _LoopOptimizer(step_optimizer, loop, keep_gradients=loop.keeps_gradients)
+    return loss_fn, step_optimizer
+
+
+def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan,
+                    batch_size: int, first_split_check: Optional[bool],
+                    keep_gradients: bool) -> tuple[LossFn, Any]:
     notes, micro_batch_size = plan.notes, plan.micro_batch_size
     policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
     check = micro_batch_size is not None and policy.verify  # switched on now: its first split batch is checked
@@ -121,7 +265,9 @@ def step_functions(
     notes.append(f"{MicroBatching.name}: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
     weighting, ignore_index = getattr(policy, "weighting", "auto"), getattr(policy, "ignore_index", IGNORE_INDEX)
     loss_fn = micro_batched_loss(optimizer, micro_batch_size, plain_loss, weighting, ignore_index,
-                                 counts_of=_micro_batch_counts, before=_first_step_check if check else None)
+                                 counts_of=_micro_batch_counts,
+                                 before=_first_step_check if check else None,
+                                 zero_grad=not keep_gradients)
     if check:
         notes.append(f"{MicroBatching.name}: with the one-time check of the first split batch")
     return loss_fn, ZeroGradBeforeFirstMicroBatch(optimizer)

@@ -4,6 +4,7 @@ size that grows with the length, and the batch itself shaped to the asked ``(bat
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import math
@@ -27,7 +28,8 @@ from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
 from lightning_seqmem.measure.batch_tensors import is_square
 from lightning_seqmem.dryrun.accelerator import to_host_device
 
-__all__ = ["BatchValues", "batch_to_device", "shape_batch", "transformers_without_fake_detection", "value_max_bytes"]
+__all__ = ["BatchValues", "ValueRoom", "batch_to_device", "shape_batch",
+           "transformers_without_fake_detection", "value_max_bytes", "value_room"]
 
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
 _VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
@@ -38,15 +40,82 @@ def value_max_bytes(seq_len: int) -> int:
 
     A fp32 ``[L, L]`` causal mask is what every ``nn.Transformer`` builds, and
     ``nn.TransformerDecoder`` reads its values (``bool((mask == causal).all())``), so the limit is
-    at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors on the
-    simulated device (a few of that size at once, while the dry run lasts): beyond 8192 tokens such
-    a check refuses the dry run, and the fit of measured steps answers.
+    at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors in host
+    memory (a few of that size at once, while the dry run lasts; where the host is the training
+    device, within :func:`value_room`): beyond 8192 tokens such a check refuses the dry run, and the
+    fit of measured steps answers.
 
     Example:
         >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**28
         (True, True, True)
     """
     return min(max(_VALUE_MAX_BYTES, 4 * int(seq_len) ** 2), _VALUE_CEILING_BYTES)
+
+
+class ValueRoom:
+    """How many bytes the real twins of one dry run may hold at once, all together (see
+    :func:`value_room`): on a run whose host memory is the training device's (the CPU), what the
+    usable budget leaves beside the run's own tensors, so that a dry run inside a step window never
+    takes the device past its budget. A twin that does not fit is not kept (its fake tensor's
+    values are unknown; a step that reads them refuses the dry run, and :attr:`withheld_bytes` says
+    how large the largest one was).
+
+    Example:
+        >>> room = ValueRoom(1000)
+        >>> room.take(600), room.take(600), room.withheld_bytes, room.held_bytes
+        (True, False, 600, 600)
+        >>> room.release(600); room.take(900), room.peak_bytes
+        (True, 900)
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = max(0, int(limit_bytes))
+        self.held_bytes = 0  # what the twins hold now
+        self.peak_bytes = 0  # the most they held at once
+        self.withheld_bytes = 0  # the largest twin refused for want of room (0: none)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit (noting the largest that did not)."""
+        if self.held_bytes + int(nbytes) <= self.limit_bytes:
+            return True
+        self.withheld_bytes = max(self.withheld_bytes, int(nbytes))
+        return False
+
+    def take(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` more where they fit."""
+        if not self.fits(nbytes):
+            return False
+        self.held_bytes += int(nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.held_bytes = max(0, self.held_bytes - int(nbytes))
+
+
+_ROOM: contextvars.ContextVar[Optional[ValueRoom]] = contextvars.ContextVar("seqmem_value_room",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def value_room(limit_bytes: Optional[int]) -> Iterator[Optional[ValueRoom]]:
+    """The dry runs made inside keep real twins of at most ``limit_bytes`` bytes at once, all
+    together (None: no limit but each twin's :func:`value_max_bytes`); yields the
+    :class:`ValueRoom` (None without a limit), which says what was held and withheld.
+
+    Example:
+        >>> with value_room(4096) as room:
+        ...     room.limit_bytes
+        4096
+    """
+    room = None if limit_bytes is None else ValueRoom(limit_bytes)
+    token = _ROOM.set(room)
+    try:
+        yield room
+    finally:
+        _ROOM.reset(token)
+
+
 # -- values a step reads from its batch -------------------------------------------------------------
 def _tensors_in(*objs: Any) -> list[torch.Tensor]:
     """The tensors among an op's arguments or outputs (aten nests at most one list deep)."""
@@ -93,6 +162,24 @@ def _small(out: Any, max_bytes: int = _VALUE_MAX_BYTES) -> bool:
     return all(t.numel() * t.element_size() <= max_bytes for t in _tensors_in(out))
 
 
+def _new_bytes(out: Any, args: tuple, kwargs: dict) -> int:
+    """Bytes of the storages among an op's outputs that are not its inputs' (a view or an in-place
+    op makes none): what running it again on the twins allocates."""
+    inputs = {t.untyped_storage()._cdata for t in _tensors_in(args, kwargs)
+              if t.layout == torch.strided}
+    new = {}
+    for t in _tensors_in(out):
+        if t.layout == torch.strided and (storage := t.untyped_storage())._cdata not in inputs:
+            new[storage._cdata] = storage.nbytes()
+    return sum(new.values())
+
+
+def _bound_bytes(args: tuple, kwargs: dict) -> int:
+    """At most what an op whose output shape depends on values makes from its inputs (``nonzero``:
+    one int64 index per element and dimension)."""
+    return sum(8 * t.numel() * max(1, t.dim()) for t in _tensors_in(args, kwargs))
+
+
 class BatchValues(TorchDispatchMode):
     """Real values of the small tensors a step computes from its batch and constants alone.
 
@@ -113,19 +200,52 @@ class BatchValues(TorchDispatchMode):
         super().__init__()
         self.fake_mode = fake_mode
         self.max_bytes = int(max_bytes)  # largest tensor whose real value is kept
-        self._values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(fake) -> (ref to it, its twin)
+        self.room: Optional[ValueRoom] = _ROOM.get()  # what all twins may hold at once (None: any)
+        # id(fake) -> (a weak reference to it, its twin, the twin's storage key)
+        self._values: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
+        self._held: dict[int, list[int]] = {}  # a twin storage's key -> [twins on it, its bytes]
         self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
 
+    def can_keep(self, nbytes: int) -> bool:
+        """Whether a twin of ``nbytes`` new bytes may be made: within ``max_bytes`` and the room."""
+        return nbytes <= self.max_bytes and (self.room is None or self.room.fits(nbytes))
+
     def give(self, fake: torch.Tensor, value: torch.Tensor) -> None:
-        if value.numel() * value.element_size() <= self.max_bytes:
-            key = id(fake)
-            self._values[key] = (weakref.ref(fake, lambda _, k=key: self._values.pop(k, None)), value)
+        if value.numel() * value.element_size() > self.max_bytes:
+            return
+        storage = value.untyped_storage()
+        key, skey = id(fake), storage._cdata
+        self._drop(key)  # its earlier twin (an in-place op gives the same one back)
+        if skey not in self._held:
+            if self.room is not None and not self.room.take(storage.nbytes()):
+                return  # no room for its values: the fake tensor's are unknown
+            self._held[skey] = [0, storage.nbytes()]
+        self._held[skey][0] += 1
+        self._values[key] = (weakref.ref(fake, lambda _, k=key: self._drop(k)), value, skey)
+
+    def _drop(self, key: int) -> None:
+        entry = self._values.pop(key, None)
+        if entry is None:
+            return
+        held = self._held.get(entry[2])
+        if held is not None:
+            held[0] -= 1
+            if held[0] <= 0:
+                del self._held[entry[2]]
+                if self.room is not None:
+                    self.room.release(held[1])
+
+    def clear(self) -> None:
+        """Drop every twin now (the session ends): their memory is freed at once, not when the
+        garbage collector frees the fake tensors' cycles."""
+        for key in list(self._values):
+            self._drop(key)
 
     def forget(self, fake: torch.Tensor) -> None:
         """``fake`` was written from values we do not know: no view of its storage has known values now."""
         if self._value(fake) is None:
             return  # nothing known there (parameters, gradients, activations): nothing to forget
-        self._values.pop(id(fake), None)
+        self._drop(id(fake))
         storage = fake.untyped_storage()
         key = storage._cdata
         self._unknown_storages[key] = weakref.ref(storage, lambda _, k=key: self._unknown_storages.pop(k, None))
@@ -156,6 +276,9 @@ class BatchValues(TorchDispatchMode):
             if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > self.max_bytes:
                 raise
             out, computed = None, False
+        new_bytes = _new_bytes(out, args, kwargs) if computed else _bound_bytes(args, kwargs)
+        if known and not self.can_keep(new_bytes):
+            known = False  # no room for its values (on a CPU run the room is the device's)
         if not known or (computed and not _small(out, self.max_bytes)):
             for t in written:
                 self.forget(t)  # its values are unknown from now on
@@ -235,7 +358,7 @@ def shape_batch(
             fake = x
         else:
             fake = fake_mode.from_tensor(x)
-            if x.numel() * x.element_size() <= values.max_bytes:
+            if values.can_keep(x.numel() * x.element_size()):
                 with _disable_current_modes():
                     values.give(fake, x.detach().clone())
         out = fake

@@ -130,11 +130,15 @@ class TrackerProbe(MemoryProbe):
     def running(self) -> bool:
         return self._tracker is not None
 
-    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
+    def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False,
+                   resident_bytes: int = 0) -> None:
+        """Start the step on the ``existing`` tensors, plus ``resident_bytes`` held by none of them
+        (:meth:`LiveTensorTracker.track_bytes`)."""
         self.abort()
         tracker = LiveTensorTracker(self.device_type, record_events=record_events)
         tracker.scratch, tracker.pinned = self.scratch, self.pinned
         tracker.track_existing(existing)
+        tracker.track_bytes(resident_bytes)
         self._start_bytes = tracker.live_bytes
         if _EagerStance.hold():  # a tracked step runs eager; the others stay compiled
             self._stance = weakref.finalize(self, _EagerStance.release)  # released once, by end, abort or GC

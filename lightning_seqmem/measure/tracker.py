@@ -227,6 +227,27 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.events is not None:
             self.events.num_existing = len(self.events.sizes)
 
+    def track_bytes(self, nbytes: int, kind: str = "resident") -> None:
+        """Count ``nbytes`` held for the whole step by no tensor this tracker can see (a distributed
+        strategy's gradient buckets, allocated in C++ before the step): alive, never freed.
+
+        >>> tracker = LiveTensorTracker("cpu")
+        >>> tracker.track_bytes(4096)
+        >>> tracker.live_bytes, tracker.peak_bytes
+        (4096, 4096)
+        """
+        if nbytes <= 0:
+            return
+        index = len(self._finalizers)
+        self._finalizers.append(weakref.ref(_Transient()))  # keeps indices aligned with events
+        self.live_bytes += int(nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.events is not None:
+            self.events.sizes.append(int(nbytes))
+            self.events.ops.append(f"<{kind}>")
+            self.events.sequence.append(index)
+            self.events.num_existing = len(self.events.sizes)
+
     def mark_phase(self, phase: str) -> None:
         """Start a new phase: its peak starts from the bytes live now."""
         self.phase = phase

@@ -72,13 +72,16 @@ def register_modelled_flash(device_type: str, implementation: Callable[[], str])
 
 
 def is_hf_pretrained_model(module: nn.Module) -> bool:
-    """Whether ``module`` looks like a Hugging Face ``PreTrainedModel`` (no transformers import).
+    """Whether ``module`` looks like a Hugging Face ``PreTrainedModel`` (no transformers import):
+    its class has ``set_attn_implementation``. A wrapper that forwards unknown attributes to the
+    model it wraps (PEFT's ``PeftModel``, ``LoraModel``) is not one: the rungs look inside it.
 
     Example:
         >>> is_hf_pretrained_model(nn.Linear(2, 2))
         False
     """
-    return callable(getattr(module, "set_attn_implementation", None)) and hasattr(module, "config")
+    switch = getattr(type(module), "set_attn_implementation", None)  # the class's, not forwarded
+    return callable(switch) and hasattr(module, "config")
 
 
 def _implements_protocol(module: nn.Module) -> bool:

@@ -23,7 +23,7 @@ reads. A new rung is one file with a ``Rung`` subclass, registered with
 
 Example:
     >>> from torch import nn
-    >>> from lightning_seqmem.core.rungs import RungSpec
+    >>> from lightning_seqmem.core.rungs import RungNotApplicable, RungSpec
     >>> class NoDropout(Rung):
     ...     spec = RungSpec("no_dropout", advice="drop dropout")
     ...     def is_on(self, module):
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from lightning_seqmem.core.checks import is_a
-from lightning_seqmem.core.rungs import RungSpec
+from lightning_seqmem.core.rungs import RungNotApplicable, RungSpec
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,14 @@ class MitigationResult:
 @dataclass(frozen=True)
 class RungContext:
     """What a rung may look at: the module, the trainer (None for a dry run or ``seqmem plan``), a
-    batch and the batch size asked for (None: the batch's own)."""
+    batch and the batch size asked for (None: the batch's own); ``noop_ok``: switch it on even where
+    it changes nothing on this rank's batch (:meth:`Rung.noop`), as the other ranks take it."""
 
     pl_module: Any
     trainer: Any = None
     batch: Any = None
     batch_size: Optional[int] = None
+    noop_ok: bool = False
 
 
 @dataclass
@@ -127,8 +129,29 @@ class Rung:
         return None
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """Put the rung on a dry run's fake copy (which has no trainer)."""
-        plan.notes.append(f"{self.name}: {self.apply(RungContext(copy)).detail}")
+        """Put the rung on a dry run's fake copy (which has no trainer); one that cannot go on (and
+        is not on already) raises :class:`~lightning_seqmem.core.rungs.RungNotApplicable`: the step
+        would be another setting's."""
+        result = self.apply(RungContext(copy))
+        if not result.applied and not self.is_on(copy):
+            raise RungNotApplicable(self.name, result.detail)
+        plan.notes.append(f"{self.name}: {result.detail}")
+
+    def noop(self, ctx: RungContext) -> Optional[str]:
+        """Why the rung would change nothing on this rank's batch (so it does not apply here alone),
+        where it may still go on when it applies on another rank of the run (``ctx.noop_ok``:
+        micro-batching a batch of one sample); None otherwise (default)."""
+        return None
+
+    def copy_refusal(self, ctx: RungContext) -> Optional[str]:
+        """Why a dry run of this model with the rung would not be a step with it (the rung cannot go
+        on, and is not on already), decided on the real module structure; None where it would be.
+        Asked before a dry run of a setting that holds the rung (a forecast never claims a rung that
+        does not apply)."""
+        if self.modelled_where_refused:
+            return None  # modelled on any device: its apply_to_copy says what it does
+        applies, why = self.is_applicable(ctx)
+        return None if applies or self.is_on(ctx.pl_module) else why
 
     def strategy_refusal(self, trainer: Any) -> Optional[str]:
         """Why this rung cannot work under ``trainer``'s strategy (said at set-up), or None."""
@@ -138,8 +161,9 @@ class Rung:
         """Why this rung cannot work in this run at all (strategy, manual optimization), or None."""
         return self.strategy_refusal(trainer)
 
-    def check_pending(self, module: Any) -> bool:
-        """Whether the next step runs the rung's one-time check (its memory falls in that step)."""
+    def check_pending(self, module: Any, batch: Any = None) -> bool:
+        """Whether the next step runs the rung's one-time check (its memory falls in that step);
+        ``batch``: the step on that batch."""
         return False
 
     def refusal(self, module: Any) -> Optional[str]:

@@ -81,7 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_seqmem.core.rungs import spec
+from lightning_seqmem.core.rungs import RungNotApplicable, spec
 from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, find_top_down
 from lightning_seqmem.mitigations.fused_loss_hf import hf_refusal, hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on
@@ -487,6 +487,8 @@ class FusedLossRung(Rung):
         modelled."""
         applies, why = self.is_applicable(RungContext(copy))
         if not applies:
+            if not self.is_on(copy):  # the step would be the plain loss's: not this setting's
+                raise RungNotApplicable(self.name, why)
             plan.notes.append(f"{self.name}: {why}")
             return
         backend, _ = self._backend(copy)
@@ -497,8 +499,8 @@ class FusedLossRung(Rung):
                               "modelled: its allocations on the simulated CUDA device)")
             return
         if backend_unavailable_reason("tiled", _device_type(copy)) is not None:
-            plan.notes.append(f"{self.name}: {backend} on the model; the dry run needs tiled: {_INSTALL['tiled']}")
-            return
+            raise RungNotApplicable(self.name, f"{backend} on the model; the dry run needs tiled: "
+                                               f"{_INSTALL['tiled']}")
         self._put_on(copy, "tiled")
         stand_in = "" if backend == "tiled" else f" (standing in for {backend}, whose memory is at most tiled's)"
         plan.notes.append(f"{self.name}: loss plain -> tiled{stand_in}")

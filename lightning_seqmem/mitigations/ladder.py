@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.core.rungs import (
@@ -100,8 +101,9 @@ def rung(name: str) -> Rung:
     return _RUNGS[base] if base == name else _RUNGS[base].at(name[len(base) + 1:])
 
 
-def _ctx(trainer: Any, pl_module: Any, batch: Any = None, batch_size: Optional[int] = None) -> RungContext:
-    return RungContext(pl_module, trainer, batch, batch_size)
+def _ctx(trainer: Any, pl_module: Any, batch: Any = None, batch_size: Optional[int] = None,
+         noop_ok: bool = False) -> RungContext:
+    return RungContext(pl_module, trainer, batch, batch_size, noop_ok)
 
 
 def is_applicable(name: str, trainer: Any, pl_module: Any, batch: Any = None,
@@ -110,9 +112,20 @@ def is_applicable(name: str, trainer: Any, pl_module: Any, batch: Any = None,
     return rung(name).is_applicable(_ctx(trainer, pl_module, batch, batch_size))
 
 
-def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> MitigationResult:
-    """Switch rung ``name`` on (in place, between training steps)."""
-    return rung(name).apply(_ctx(trainer, pl_module, batch))
+def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
+          noop_ok: bool = False) -> MitigationResult:
+    """Switch rung ``name`` on (in place, between training steps); ``noop_ok``: even where it
+    changes nothing on this batch (:meth:`.base.Rung.noop`: another rank's batch needs it)."""
+    return rung(name).apply(_ctx(trainer, pl_module, batch, noop_ok=noop_ok))
+
+
+def noop(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> Optional[str]:
+    """Why rung ``name`` would change nothing on this batch (it may go on where another rank's batch
+    needs it), or None; a check that raises answers None."""
+    try:
+        return rung(name).noop(_ctx(trainer, pl_module, batch))
+    except Exception:  # noqa: BLE001 - an unusual model: as if it changed something
+        return None
 
 
 def remove(name: str, trainer: Any, pl_module: Any) -> Optional[MitigationResult]:
@@ -143,10 +156,22 @@ def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any
     return out
 
 
-def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
+def copy_refusal(name: str, trainer: Any, pl_module: Any,
+                 batch_size: Optional[int] = None) -> Optional[str]:
+    """Why a dry run of ``pl_module`` with rung ``name`` would not be a step with it (the rung's
+    :meth:`~lightning_seqmem.mitigations.base.Rung.copy_refusal`, on the real module structure), or
+    None; a check that raises says so."""
+    try:
+        return rung(name).copy_refusal(_ctx(trainer, pl_module, None, batch_size))
+    except Exception as exc:  # noqa: BLE001 - an unusual model: said, never raised
+        return f"its check failed ({type(exc).__name__}: {exc})"
+
+
+def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
+              noop_ok: bool = False) -> tuple[bool, str]:
     """Switch rung ``name`` on: ``(applied, what was done or why not)``; a failure is returned, never raised."""
     try:
-        result = apply(name, trainer, pl_module, batch)
+        result = apply(name, trainer, pl_module, batch, noop_ok)
         return bool(result.applied), result.detail
     except Exception as exc:  # noqa: BLE001 - a failed mitigation must not kill the run
         return False, f"{type(exc).__name__}: {exc}"
@@ -173,9 +198,14 @@ def apply_to_copy(names: Sequence[str], copy: Any, *, after_sharding: Optional[b
     return plan
 
 
-def check_pending(names: Sequence[str], pl_module: Any) -> bool:
-    """Whether a rung of ``names`` (those on) runs its one-time check at the next step."""
-    return any(rung(n).check_pending(pl_module) for n in names if base_name(n) in _RUNGS)
+def check_pending(names: Sequence[str], pl_module: Any, batch: Any = None) -> bool:
+    """Whether a rung of ``names`` (those on) runs its one-time check at the next step (on
+    ``batch``)."""
+    def pending(r: Rung) -> bool:  # (a rung written before ``batch`` was asked takes the module)
+        takes_batch = len(inspect.signature(r.check_pending).parameters) > 1
+        return r.check_pending(pl_module, batch) if takes_batch else r.check_pending(pl_module)
+
+    return any(pending(rung(n)) for n in names if base_name(n) in _RUNGS)
 
 
 def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
@@ -188,5 +218,6 @@ def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
 
 
 __all__ = ["ADVICE", "MITIGATIONS", "apply", "apply_to_copy", "applicability", "check_mitigations", "check_pending",
+           "copy_refusal", "noop",
            "is_applicable", "is_on", "refused", "register", "remaining_advice", "remove", "rung", "rung_names",
            "setup_refusals", "try_apply", "unregister"]

@@ -51,21 +51,25 @@ it, the wrapper's ``refused_reason`` holds it, and :meth:`MicroBatching.is_appli
 from then on (``verify=False`` skips the check and overrides an earlier refusal). A loss that is not
 finite, or fewer than two micro-batches with ``c_i > 0``, defers the check to the next batch split.
 
-The check's forwards run with dropout off (the ``torch.nn.functional`` and ``torch`` dropouts return
-their input and ``dropout_p`` of ``scaled_dot_product_attention`` and
-``multi_head_attention_forward`` is 0, through a ``TorchFunctionMode``; ``module.eval()`` is not
-used: it would change batch norm), inside ``torch.random.fork_rng`` (the step then draws the random
-numbers it would have drawn without the check), with ``self.log``/``self.log_dict`` silenced and the
-module's buffers (batch-norm statistics) restored afterwards; any other side effect of
-``training_step`` (a user's counters) happens three more times. When the losses disagree, the pair
+The check's forwards run on the check's own copy of the module
+(:func:`~lightning_seqmem.mitigations.microbatch_check.check_copy`: its parameters shared, its
+buffers, attribute tensors and every other attribute copied), so whatever ``training_step`` does
+besides its loss (a user's sample counter, a ``torchmetrics`` update, batch-norm statistics) lands
+on the copy and is dropped with it: the user's ``training_step`` runs exactly once per sample. They
+run with dropout off (the ``torch.nn.functional`` and ``torch`` dropouts return their input and
+``dropout_p`` of ``scaled_dot_product_attention`` and ``multi_head_attention_forward`` is 0, through
+a ``TorchFunctionMode``; ``module.eval()`` is not used: it would change batch norm), inside
+``torch.random.fork_rng`` (the step then draws the random numbers it would have drawn without the
+check), with ``self.log``/``self.log_dict`` silenced. A module that cannot be copied so is refused,
+saying why (``verify=False`` skips the check). When the losses disagree, the pair
 is run again: if its loss changed, the step is random in a way the check cannot turn off (noise
 drawn in ``training_step``, a dropout outside ``torch``, such as flash-attn's), the loss cannot be
-verified, and the rung is refused, saying so. The check's memory (a no-grad forward of the pair)
-falls in that step's measured peak: :func:`micro_batching_check_pending`
-tells, before a step, whether it will run the check. Under DDP each rank checks its own batch and
-decides alone (a collective would hang when one rank's batch is not split); either way each rank's
-gradient is exact, and each runs one synced backward per batch, so ranks that decide differently
-still all-reduce correctly; only their memory differs.
+verified, and the rung is refused, saying so. The check's memory (the copies of the buffers and
+attribute tensors, a no-grad forward of the pair) falls in that step's measured peak:
+:func:`micro_batching_check_pending` tells, before a step, whether it will run the check. Under
+DDP each rank checks its own batch and decides alone (a collective would hang when one rank's batch
+is not split); either way each rank's gradient is exact, and each runs one synced backward per
+batch, so ranks that decide differently still all-reduce correctly; only their memory differs.
 
 Mechanism (automatic optimization; Lightning's ``Closure.closure`` runs ``training_step``, then
 ``zero_grad`` on the first batch of an accumulation window, then ``backward`` of the returned loss):
@@ -281,21 +285,44 @@ class MicroBatching:
         else:
             batch_size = _dataloader_batch_size(trainer)
         if batch_size is not None and batch_size <= self.micro_batch_size:
-            return False, f"batch size {batch_size} is already at most micro_batch_size={self.micro_batch_size}"
+            return False, self._unsplit(batch_size)
         size = "?" if batch_size is None else str(batch_size)
         return True, f"split batches of {size} into micro-batches of {self.micro_batch_size}"
 
-    def apply(self, trainer: Any, pl_module: Any, batch: Any = None) -> MitigationResult:
+    def _unsplit(self, batch_size: int) -> str:
+        size = self.micro_batch_size
+        return f"batch size {batch_size} is already at most micro_batch_size={size}"
+
+    def unsplit_reason(self, trainer: Any, pl_module: Any, batch: Any = None) -> str | None:
+        """Why ``batch`` (else the dataloader's batch size) has nothing to split where nothing else
+        refuses micro-batching (its batches would run whole, as without it), else None."""
+        applicable, reason = self.is_applicable(trainer, pl_module, batch)
+        if applicable:
+            return None
+        try:
+            size = _dataloader_batch_size(trainer) if batch is None else infer_batch_shape(batch)[0]
+        except ValueError:
+            return None
+        return reason if size is not None and reason == self._unsplit(size) else None
+
+    def apply(self, trainer: Any, pl_module: Any, batch: Any = None,
+              unsplit_ok: bool = False) -> MitigationResult:
         """Wrap ``pl_module.training_step``; takes effect at the next training step.
 
         Call it outside ``training_step`` (e.g. from ``on_train_batch_start`` or before ``fit``).
         A second call with the same settings changes nothing; with others it changes them. The
         first batch split is checked (``verify``): a refusal then shows in
-        :func:`micro_batching_refusal`, not in the result returned here.
+        :func:`micro_batching_refusal`, not in the result returned here. ``unsplit_ok``: wrap it
+        even where this batch has nothing to split (a rank of a run whose other ranks' batches do:
+        its batches of at most ``micro_batch_size`` samples run whole, as without it).
         """
         before = _describe(pl_module)
         applicable, reason = self.is_applicable(trainer, pl_module, batch)
-        if not applicable:
+        unsplit = not applicable and unsplit_ok and self.unsplit_reason(trainer, pl_module, batch)
+        if unsplit:
+            reason = (f"{reason}: its batches run whole, larger ones are split into micro-batches "
+                      f"of {self.micro_batch_size}")
+        elif not applicable:
             return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
         pl_module.__dict__.pop(REFUSED_ATTRIBUTE, None)  # verify=False overrides an earlier refusal
         wrapper = wrapper_of(pl_module)
@@ -353,8 +380,13 @@ class MicroBatchRung(Rung):
             return False, f"batch size {ctx.batch_size}: nothing to split"
         return self.policy.is_applicable(ctx.trainer, ctx.pl_module, ctx.batch)
 
+    def noop(self, ctx: RungContext) -> str | None:
+        """Where this rank's batch has at most ``micro_batch_size`` samples and nothing else refuses
+        it: it would run whole, as without the rung (a rank may take it where others split)."""
+        return self.policy.unsplit_reason(ctx.trainer, ctx.pl_module, ctx.batch)
+
     def apply(self, ctx: RungContext) -> MitigationResult:
-        return self.policy.apply(ctx.trainer, ctx.pl_module, ctx.batch)
+        return self.policy.apply(ctx.trainer, ctx.pl_module, ctx.batch, unsplit_ok=ctx.noop_ok)
 
     def remove(self, ctx: RungContext) -> MitigationResult:
         return self.policy.remove(ctx.pl_module)
@@ -365,6 +397,17 @@ class MicroBatchRung(Rung):
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
         plan.micro_batch_size = self.policy.micro_batch_size
 
+    def copy_refusal(self, ctx: RungContext) -> str | None:
+        """A dry run changes the step, not the copy: it models micro-batching on any batch (one of
+        at most ``micro_batch_size`` samples runs whole, as the wrapper runs it); refused only where
+        the module itself refuses it (manual optimization, its first-step check)."""
+        if not getattr(ctx.pl_module, "automatic_optimization", True):
+            return "manual optimization runs its own backward, which cannot be split"
+        refusal = micro_batching_refusal(ctx.pl_module)
+        if refusal is None or not self.policy.verify:
+            return None
+        return f"refused by its first-step check: {refusal}"
+
     def strategy_refusal(self, trainer: Any) -> str | None:
         return wrapping_strategy_refusal(trainer)
 
@@ -373,8 +416,8 @@ class MicroBatchRung(Rung):
             return "manual optimization runs its own backward, which cannot be split"
         return self.strategy_refusal(trainer)
 
-    def check_pending(self, module: Any) -> bool:
-        return micro_batching_check_pending(module)
+    def check_pending(self, module: Any, batch: Any = None) -> bool:
+        return micro_batching_check_pending(module, batch)
 
     def refusal(self, module: Any) -> str | None:
         return micro_batching_refusal(module)

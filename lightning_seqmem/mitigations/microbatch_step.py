@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_seqmem.measure.steps import loss_of
+from lightning_seqmem.mitigations.microbatch_check import check_copy
 from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX, RULE_TEXT, micro_batch_counts, split_batch
 from lightning_seqmem.mitigations.microbatch_twin import check_pair, run_micro_batches
 
@@ -87,12 +88,12 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 @contextlib.contextmanager
 def _side_effects_contained(pl_module: Any):  # type: ignore[no-untyped-def]
-    """No gradient, no dropout, the RNG, buffers and ``self.log`` as they were: for the check's forwards."""
+    """No gradient, no dropout, the RNG and ``self.log`` as they were: for the check's forwards, on
+    its own copy of the module (whose buffers and attributes are its own: dropped with it)."""
     cuda = sorted({
         p.device.index if p.device.index is not None else torch.cuda.current_device()
         for p in pl_module.parameters() if p.device.type == "cuda"
     })
-    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
     missing = object()
     logs = {name: pl_module.__dict__.get(name, missing) for name in ("log", "log_dict")}
     try:
@@ -106,10 +107,6 @@ def _side_effects_contained(pl_module: Any):  # type: ignore[no-untyped-def]
                 pl_module.__dict__.pop(name, None)
             else:
                 pl_module.__dict__[name] = value
-        with torch.no_grad():
-            for buffer, value in buffers:
-                if buffer.shape == value.shape:
-                    buffer.copy_(value)
 
 
 def _low_precision(pl_module: Any, losses: list[torch.Tensor]) -> bool:
@@ -217,20 +214,30 @@ class MicroBatchedTrainingStep:
 
     # -- the check --------------------------------------------------------------------------------
 
-    def _loss(self, batch: Any, args: tuple) -> Optional[torch.Tensor]:
-        loss = loss_of(self.original(batch, *args), required=False)
+    @staticmethod
+    def _loss(step: Any, batch: Any, args: tuple) -> Optional[torch.Tensor]:
+        loss = loss_of(step(batch, *args), required=False)
         return None if loss is None else loss.detach()
 
     def _check(self, batch: Any, parts: list[Any], counts: list[int], args: tuple) -> Optional[str]:
         """None when the loss passes (``verified`` set) or cannot be checked on this batch (deferred);
-        else the reason for refusing."""
+        else the reason for refusing. The forwards run on the check's own copy of the module
+        (:func:`~lightning_seqmem.mitigations.microbatch_check.check_copy`: parameters shared, the
+        rest copied), so the user's ``training_step`` runs once per sample."""
         found = check_pair(batch, parts, counts)
         if found is None:
             return None  # one micro-batch with something to count: its loss is the batch's; check later
         pair, used, start, length = found
-        with _side_effects_contained(self.pl_module):
-            together = self._loss(pair, args)
-            apart = [self._loss(parts[i], args) for i in used]
+        try:
+            twin, step = check_copy(self.pl_module, self)
+        except Exception as exc:  # noqa: BLE001 - a module that refuses a copy: never the user's
+            why = f"{type(exc).__name__}: {exc}"
+            return (f"its first-step check runs on a copy of the module (so that training_step "
+                    f"runs once per sample), which could not be made ({why}); pass verify=False if "
+                    "the loss is a mean over what the weights count")
+        with _side_effects_contained(twin):
+            together = self._loss(step, pair, args)
+            apart = [self._loss(step, parts[i], args) for i in used]
             if together is None or any(loss is None for loss in apart):
                 return None
             losses = [together, *apart]
@@ -244,7 +251,7 @@ class MicroBatchedTrainingStep:
             if _close(values[0], expected, rtol, atol):
                 self.verified = True
                 return None
-            again = self._loss(pair, args)
+            again = self._loss(step, pair, args)
         what = RULE_TEXT[self.rule or "samples"]
         samples = f"samples {start}..{start + length - 1}"
         if again is not None and not _close(float(again.float()), values[0], rtol, atol):
@@ -348,9 +355,10 @@ def micro_batching_refusal(pl_module: Any) -> Optional[str]:
     return pl_module.__dict__.get(REFUSED_ATTRIBUTE)
 
 
-def micro_batching_check_pending(pl_module: Any) -> bool:
+def micro_batching_check_pending(pl_module: Any, batch: Any = None) -> bool:
     """Whether the next split ``training_step`` of ``pl_module`` runs the first-step check (three
-    extra forwards without gradient, whose memory falls in that step's peak).
+    extra forwards without gradient, whose memory falls in that step's peak); with ``batch``,
+    whether that batch's step does (fewer than two micro-batches to count: whole, unchecked).
 
     Example:
         >>> import torch
@@ -358,4 +366,16 @@ def micro_batching_check_pending(pl_module: Any) -> bool:
         False
     """
     wrapper = wrapper_of(pl_module)
-    return wrapper is not None and wrapper.check_pending
+    if wrapper is None or not wrapper.check_pending:
+        return False
+    if batch is None:
+        return True
+    try:
+        parts = split_batch(batch, wrapper.micro_batch_size)
+        if len(parts) < 2:
+            return False
+        _, counts = micro_batch_counts(batch, wrapper.micro_batch_size, wrapper.weighting,
+                                       wrapper.ignore_index)
+        return check_pair(batch, parts, counts) is not None
+    except (TypeError, ValueError):
+        return True  # as without the batch

@@ -179,6 +179,10 @@ class ZeroGradBeforeFirstMicroBatch:
         self.optimizer.step()
 
 
+def _no_zero_grad() -> None:
+    """A later batch of an accumulation window: its gradients add to the earlier batches'."""
+
+
 def micro_batched_loss(
     optimizer: torch.optim.Optimizer,
     micro_batch_size: int,
@@ -187,6 +191,7 @@ def micro_batched_loss(
     ignore_index: int = IGNORE_INDEX,
     counts_of: Optional[Callable[[Any, int, str, int], list[int]]] = None,
     before: Optional[Callable[[Any, Any, list[Any], list[int]], Any]] = None,
+    zero_grad: bool = True,
 ) -> Callable[[Any, Any], torch.Tensor]:
     """``(model, batch) -> loss``: ``loss_fn`` per micro-batch, as :func:`run_micro_batches` runs it, for
     :func:`~lightning_seqmem.measure.steps.training_step_memory` with :class:`ZeroGradBeforeFirstMicroBatch`.
@@ -197,7 +202,8 @@ def micro_batched_loss(
     zeroes ``optimizer``, backpropagates each micro-batch with ``c_i > 0`` but the last (autocast
     off), and returns the last one's weighted loss (plus the others', detached) for the caller's
     backward; each loss is dropped as soon as it is scaled. A batch with one micro-batch, or nothing
-    counted, runs whole, zeroed after its forward as Lightning does.
+    counted, runs whole, zeroed after its forward as Lightning does. ``zero_grad=False``: never
+    zeroed (a later batch of an accumulation window: the earlier batches' gradients are kept).
     """
 
     def step_loss(model: Any, batch: Any) -> torch.Tensor:
@@ -209,13 +215,16 @@ def micro_batched_loss(
             counts = [1]
         if len(parts) == 1 or not any(c > 0 for c in counts):
             loss = loss_fn(model, batch)
-            optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad, after the forward
+            if zero_grad:
+                optimizer.zero_grad(set_to_none=True)  # Lightning's zero_grad, after the forward
             return loss
         if before is not None:
             before(model, batch, parts, counts)
+        zero = partial(optimizer.zero_grad, set_to_none=True) if zero_grad else _no_zero_grad
         return run_micro_batches(
             parts, counts, lambda part: loss_fn(model, part), lambda scaled: scaled.backward(), model,
-            zero_grad=lambda: optimizer.zero_grad(set_to_none=True), read_loss=lambda loss: loss, hold=False,
+            zero_grad=zero,
+            read_loss=lambda loss: loss, hold=False,
         )
 
     return step_loss

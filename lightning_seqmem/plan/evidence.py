@@ -29,7 +29,7 @@ from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.peak import PeakSite
 from lightning_seqmem.core.records import StepRecord
-from lightning_seqmem.core.rungs import check_setting
+from lightning_seqmem.core.rungs import RungNotApplicable, check_setting
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.trust import PredictorChecks
 from lightning_seqmem.plan import dry_evidence, judging, verification
@@ -72,6 +72,9 @@ class Evidence:
         self._dry: dict[tuple, Optional[tuple[int, dict[str, int]]]] = {}  # dry-run answers (not saved)
         self._dry_why: dict[tuple, str] = {}  # dry-run key -> why it did not answer
         self._dry_sites: dict[tuple, PeakSite] = {}  # dry-run key -> where that step's peak sits, when told
+        # dry-run key -> why no figure may stand for it at all: a rung of it does not apply to the
+        # model (RungNotApplicable), or the model's own step fails at that shape (fails_at_length)
+        self._dry_fatal: dict[tuple, str] = {}
         self._longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
         self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
@@ -133,6 +136,10 @@ class Evidence:
         dry = self.dry_forecast(seq_len, self.batch_size_or_last(batch_size), key)
         if dry is not None:
             return dry
+        fatal = self._dry_fatal.get((int(seq_len), self.batch_size_or_last(batch_size), key))
+        if fatal is not None:  # no predictor's figure may stand for this setting, or this length
+            raise ValueError(f"no forecast at seq_len={seq_len} with mitigations {list(key)}: "
+                             f"{fatal}")
         why = self.dry_run_why(seq_len, self.batch_size_or_last(batch_size), key)
         forecaster = self.forecasters.get(key)
         if forecaster is None:
@@ -257,6 +264,9 @@ class Evidence:
             except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
                 self._dry[key] = None
                 self._dry_why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                fatal = isinstance(exc, RungNotApplicable) or getattr(exc, "fails_at_length", False)
+                if fatal is True:
+                    self._dry_fatal[key] = self._dry_why[key]
         return self._dry[key]
 
     def dry_answers(self, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> list[int]:

@@ -108,6 +108,9 @@ class PendingStep:
     stage: Optional[int]
     mitigations: tuple[str, ...]
     events: list[str] = field(default_factory=list)
+    # the batch ends with an optimizer step: under gradient accumulation the window's last, which
+    # the predictors model (the highest: the earlier batches' gradients alive through its backward)
+    optimizer_steps: bool = True
 
 
 class SeqMemPlanner:
@@ -352,7 +355,8 @@ class SeqMemPlanner:
         traced = measure and not warmup and optimizer_steps and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
         events = self.ladder.take_pending_events()
         return PendingStep(self.step, global_step, epoch, seq_len, batch_size, warmup, measure, traced,
-                           self.stage if self.stages else None, self.applied_mitigations, events)
+                           self.stage if self.stages else None, self.applied_mitigations, events,
+                           optimizer_steps=bool(optimizer_steps))
 
     def end_batch(self, at_stage_length: bool = True) -> None:
         """A batch finished (measured or not). Only a batch that ran at the length it was cut to

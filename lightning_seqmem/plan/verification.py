@@ -86,6 +86,10 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
             rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord:
     """Record a measured step, fit, verify; returns the record.
 
+    Under gradient accumulation only a window's last batch (``pending.optimizer_steps``) is fitted
+    and verifies the forecasts: the predictors model that batch, the highest of the window; the
+    others are recorded (and judge their shape) all the same.
+
     ``memory`` is the step's measurement; under DDP, that of the rank with the highest peak,
     whose own ``(seq_len, batch_size)`` are given. ``trace`` is the ``(seq_len, batch_size,
     memory)`` whose events are traced (default: the same); ``step_seconds``: the step's own wall
@@ -111,7 +115,9 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
         ev.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes, usable, ev.budget_bytes,
                                              ev.safety_margin))
     forecaster = ev.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=ev.tolerance))
-    if not record.warmup:
+    # a batch that does not end with an optimizer step (an accumulation window's earlier ones) is
+    # kept and judged by, but fitted and checked against only as the step the predictors model
+    if not record.warmup and pending.optimizer_steps:
         ev.last_batch_size = B
         wrong_now = ev._check_predictors(record, forecaster)
         forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)

@@ -224,6 +224,7 @@ def render_breakdown_markdown(section: dict[str, Any], heading: str = "") -> str
 def render_breakdown_console(section: dict[str, Any], console: Any = None) -> None:
     """A breakdown section as ``rich`` tables, then the crossover, diagnoses and calibration lines."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     if console is None:
@@ -240,12 +241,12 @@ def render_breakdown_console(section: dict[str, Any], console: Any = None) -> No
     if _breakdown_peak_text(section):
         console.print(_breakdown_peak_text(section), highlight=False)
     for d in section.get("diagnoses", []):
-        console.print(f"[yellow]diagnosis:[/yellow] {d}")
+        console.print(f"[yellow]diagnosis:[/yellow] {escape(str(d))}")
     calibration = _calibration_text(section)
     if calibration:
         console.print(calibration)
     for n in section.get("notes", []):
-        console.print(f"note: {n}")
+        console.print(f"note: {escape(str(n))}")
 
 
 def _md_forecasts(fc: dict[str, Any]) -> list[str]:
@@ -334,6 +335,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 def render_console(report: dict[str, Any], console: Any = None) -> None:
     """Print the report as ``rich`` tables (run facts, measured peaks, forecasts) on ``console``."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     if console is None:  # a pipe or a log file gets 120 columns rather than rich's default 80
@@ -363,6 +365,6 @@ def render_console(report: dict[str, Any], console: Any = None) -> None:
             table.add_row(*row, style=style)
         console.print(table)
     if fc.get("error"):
-        console.print(f"[yellow]forecast unavailable:[/yellow] {fc['error']}")
+        console.print(f"[yellow]forecast unavailable:[/yellow] {escape(str(fc['error']))}")
     if report.get("breakdown"):
         render_breakdown_console(report["breakdown"], console)

@@ -310,6 +310,7 @@ class SeqMemCallback(Callback):
         return read_batch_shape(batch, self.seq_len_fn)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.edge.window_batch = batch  # the step window opens: a dry run leaves room beside it
         if self.edge.stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
             safely(self, "the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.seq_len))
             return
@@ -325,7 +326,8 @@ class SeqMemCallback(Callback):
         if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
             safely(self, "the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
         lengths.cut_for_step(self, trainer, batch, decision.seq_len)
-        measured_step.start_measurement(self, trainer, pl_module, batch, decision, shape)
+        check = decisions.check_pending(self, trainer, pl_module, batch)  # (a collective)
+        measured_step.start_measurement(self, trainer, pl_module, batch, decision, shape, check)
         warn_advice(self)
         self.edge.step_started_s = time.perf_counter()  # the step itself from here: the decision and its dry runs are done
 
@@ -341,6 +343,12 @@ class SeqMemCallback(Callback):
 
     # -- After a batch: gather, record, log ----------------------------------------------------------
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any, batch: Any, batch_idx: int) -> None:
+        try:
+            self._batch_end(trainer, pl_module, batch)
+        finally:
+            self.edge.window_batch = None  # the step window closes
+
+    def _batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         if self.edge.stopped:
             return
         pending, self.edge.pending = self.edge.pending, None

@@ -69,7 +69,8 @@ def agree_and_apply(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lig
     stop (nothing can meet the budget) raises :class:`MemoryBudgetError` on every rank."""
     for _ in range(len(rung_names()) + 1):  # again only after a rung failed to apply
         try:
-            any_failed, shape, applicable = distributed.agree_inputs(trainer, failed, shape, applicable)
+            any_failed, shape, applicable = distributed.agree_inputs(
+                trainer, failed, shape, applicable, cb.edge.noop_rungs)
             decision = _decide(cb, shape, applicable) if trainer.is_global_zero and not any_failed else None
             decision = distributed.broadcast(trainer, decision)
         except Exception as exc:  # noqa: BLE001 - a broken collective: stop on this rank
@@ -109,8 +110,13 @@ def applicability(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
         return {}
     key = (cb.planner.applied_mitigations, left, shape[0])
     if key not in cb.edge.applicable_cache:
-        cb.edge.applicable_cache = {key: ladder.applicability(left, trainer, pl_module, batch)}
-        cb.planner.note_not_applicable(cb.edge.applicable_cache[key])
+        found = ladder.applicability(left, trainer, pl_module, batch)
+        # with several ranks, a rung that changes nothing on this rank's batch (micro-batching one
+        # sample) is neither refused nor taken here: the ranks agree on it (ranks.agree_inputs)
+        noop = tuple(m for m, (ok, _) in found.items() if not ok and trainer.world_size > 1
+                     and ladder.noop(m, trainer, pl_module, batch) is not None)
+        cb.edge.applicable_cache, cb.edge.noop_rungs = {key: found}, noop
+        cb.planner.note_not_applicable({m: v for m, v in found.items() if m not in noop})
     return cb.edge.applicable_cache[key]
 
 
@@ -121,7 +127,7 @@ def switch_on(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightning
     batch_size = cb.planner.batch_at(shape[0], shape[1], seq_len) if cb.curriculum else shape[0]
     if trainer.is_global_zero:
         safely(cb, "the dry runs before a rung", lambda: cb.planner.before_rung(name, seq_len, batch_size))
-    ok, detail = ladder.try_apply(name, trainer, pl_module, batch)
+    ok, detail = ladder.try_apply(name, trainer, pl_module, batch, noop_ok=trainer.world_size > 1)
     everywhere = distributed.all_ok(trainer, ok)
     if ok and not everywhere:
         detail = "it failed on another rank"
@@ -130,6 +136,18 @@ def switch_on(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightning
     if everywhere:
         rank_zero_info(f"seqmem: switched on {name} at step {cb.planner.step} ({detail}).")
     return everywhere
+
+
+def check_pending(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule,
+                  batch: Any) -> bool:
+    """Whether the step about to run runs a rung's one-time check on some rank (every rank calls
+    it: a collective): then every rank's step is a warm-up, so the ranks' records stay the same."""
+    try:
+        on = cb.planner.applied_mitigations
+        here = not cb.edge.failed and ladder.check_pending(on, pl_module, batch)
+    except Exception:  # noqa: BLE001 - a check that cannot tell: as if it runs (one fit point less)
+        here = True
+    return distributed.any_rank(trainer, here)
 
 
 def refusal(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> Optional[tuple[str, str]]:

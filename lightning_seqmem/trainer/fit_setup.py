@@ -8,7 +8,8 @@ compiled) calls, in this order:
 * :func:`check_compiled`: a ``torch.compile``'d module keeps compiling, measured one step in
   :data:`COMPILED_MEASURE_EVERY_N_STEPS` under the tracker, said in one warning;
 * :func:`start_dry_run` (rank zero, ``dry_run=True``): the dry run of the training step on a fake
-  copy of the module that the planner judges new settings by.
+  copy of the module that the planner judges new settings by (on a CPU run its real values kept
+  within what the budget leaves, and the callback's own copies in every answer: :mod:`.own_memory`).
 
 Example:
     >>> import torch
@@ -79,7 +80,9 @@ def start_dry_run(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     on rank zero) that the planner judges each new setting by, with the rungs on now."""
     from lightning_seqmem.diagnostics.peak import trace_peak_site
     from lightning_seqmem.dryrun.run import TrainingRunDryRun
+    from lightning_seqmem.trainer.own_memory import resident_bytes, value_room_bytes
 
     return TrainingRunDryRun(trainer, pl_module, lambda: cb.planner.applied_mitigations,
                              lambda why, *shape: cb.planner.advise(A.dry_run_unavailable(why, *shape)),
-                             template=cb.edge.sharding_template, site=trace_peak_site)
+                             template=cb.edge.sharding_template, site=trace_peak_site,
+                             room=lambda: value_room_bytes(cb), resident=lambda: resident_bytes(cb))

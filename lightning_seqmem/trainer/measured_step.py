@@ -2,7 +2,8 @@
 
 At the end of ``on_train_batch_start`` :func:`start_measurement` tells the planner the step begins
 (:meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.begin_step`: measured, traced, a warm-up?) and
-starts the probe on the tensors alive before the batch; the callback marks the backward and
+starts the probe on the tensors alive before the batch (the callback's own copies on the training
+device among them: :mod:`.own_memory`); the callback marks the backward and
 optimizer phases. At ``on_train_batch_end`` the step is timed (:func:`step_seconds`), the probe
 stopped (:func:`stop_probe`), every rank's measurement gathered (:func:`gather`: the row with the
 highest peak, whole) and the record kept and logged (:func:`record_step`). The guarded ones
@@ -29,10 +30,10 @@ import torch
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.measure.batch import read_batch_shape
 from lightning_seqmem.measure.probes import existing_tensors
-from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.planner import Decision, PendingStep
 from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import outputs
+from lightning_seqmem.trainer.own_memory import own_tensors, untracked_bytes
 from lightning_seqmem.trainer import ranks as distributed
 from lightning_seqmem.trainer.guard import fail, guarded, warn_once
 
@@ -42,9 +43,10 @@ if TYPE_CHECKING:
 
 @guarded
 def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                      decision: Decision, shape: tuple[int, int]) -> None:
+                      decision: Decision, shape: tuple[int, int], check: bool = False) -> None:
     """Begin the step the planner decided on (``shape``: the one agreed across ranks) and, for a
-    measured one, start the probe in its forward phase."""
+    measured one, start the probe in its forward phase; ``check``: a rung's one-time check runs in
+    this step on some rank (:func:`.decisions.check_pending`): a warm-up."""
     cb.edge.shape = tuple(int(x) for x in read_batch_shape(batch, cb.seq_len_fn))  # what this rank really runs
     if decision.seq_len is None:
         planned = shape
@@ -53,13 +55,18 @@ def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.L
     pending = cb.edge.pending = cb.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
                                                       trainer.global_step, trainer.current_epoch)
     probe = cb.edge.probe
-    if ladder.check_pending(cb.planner.applied_mitigations, pl_module):
+    if check:
         pending.warmup, pending.traced = True, False  # a rung's one-time check adds to this peak
     if cb.edge.compiled_reason is not None and probe is not None and probe.name == "cuda":
         pending.traced = False  # a traced step runs a dispatch mode, hence eager: keep it compiled
     if pending.measure:
         assert probe is not None, "setup() was not called"
-        probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch), record_events=pending.traced)
+        existing = [*existing_tensors(pl_module, trainer.optimizers, batch), *own_tensors(cb)]
+        if probe.name == "tracker":  # (the allocator's counters hold what no tensor shows)
+            probe.start_step(existing, record_events=pending.traced,
+                             resident_bytes=untracked_bytes(cb, trainer))
+        else:
+            probe.start_step(existing, record_events=pending.traced)
         probe.mark_phase("forward")
 
 

@@ -5,7 +5,10 @@ Every rank calls each function here at the same point of every batch, whatever h
 one process they return their input.
 
 * before a batch, :func:`agree_inputs`: the max over ranks of (failure, batch size, length) and,
-  per rung, of "does not apply here" — a rung applies only where it applies on every rank;
+  per rung, of "does not apply here" and "applies here" — a rung applies only where no rank refuses
+  it and one applies it (a rank where it changes nothing, micro-batching one sample, does neither);
+  then :func:`any_rank` of "this step runs a rung's one-time check" (every rank's step is then a
+  warm-up);
 * the decision is taken on rank zero and :func:`broadcast` to all;
 * after a batch, :func:`gather_measurement`: every rank's measurement with its own length and batch
   size; the row with the highest peak is kept whole (never a peak with another rank's length).
@@ -32,19 +35,44 @@ def _collective(trainer: Any, values: Sequence[int], op: str) -> list[Any]:
 
 
 def agree_inputs(trainer: Any, failed: bool, shape: Optional[tuple[int, int]],
-                 applicable: dict[str, tuple[bool, str]]) -> tuple[bool, Optional[tuple[int, int]], dict[str, tuple[bool, str]]]:
-    """(any rank failed, max shape, applicability on every rank)."""
+                 applicable: dict[str, tuple[bool, str]], noop: Sequence[str] = (),
+                 ) -> tuple[bool, Optional[tuple[int, int]], dict[str, tuple[bool, str]]]:
+    """(any rank failed, max shape, applicability on every rank). A rung in ``noop`` changes nothing
+    on this rank's batch (micro-batching a batch of one sample): it neither refuses nor applies
+    here, and the run takes it where it applies on another rank and no rank refuses it.
+
+    Example (one process: the inputs as they are):
+        >>> from types import SimpleNamespace as NS
+        >>> agree_inputs(NS(world_size=1), False, (4, 64), {"microbatch": (True, "split")})
+        (False, (4, 64), {'microbatch': (True, 'split')})
+    """
     if trainer.world_size <= 1:
         return failed, shape, applicable
     b, L = shape if shape is not None else (-1, -1)
-    refused = [int(not applicable.get(m, (True, ""))[0]) for m in rung_names()]
-    out = _collective(trainer, [int(failed), b, L, *refused], "max")
+    names = rung_names()
+    refused = [int(m not in noop and not applicable.get(m, (True, ""))[0]) for m in names]
+    applies = [int(m not in noop and applicable.get(m, (False, ""))[0]) for m in names]
+    out = _collective(trainer, [int(failed), b, L, *refused, *applies], "max")
+    n = len(names)
     agreed = {}
-    for m, no in zip(rung_names(), out[3:]):
+    for m, no, yes in zip(names, out[3:3 + n], out[3 + n:]):
         if m in applicable:
             ok, reason = applicable[m]
-            agreed[m] = (ok and not no, reason if not ok else ("it does not apply on another rank" if no else reason))
+            if no:
+                other = "it does not apply on another rank"
+                agreed[m] = (False, reason if not ok and m not in noop else other)
+            elif not yes:
+                agreed[m] = (False, reason if m in noop else "it applies on no rank")
+            else:
+                agreed[m] = (True, reason if ok else f"{reason} here; another rank needs it")
     return bool(out[0]), (None if out[1] < 0 else (int(out[1]), int(out[2]))), agreed
+
+
+def any_rank(trainer: Any, flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank."""
+    if trainer.world_size <= 1:
+        return flag
+    return bool(_collective(trainer, [int(flag)], "max")[0])
 
 
 def all_ok(trainer: Any, ok: bool) -> bool:
@@ -129,4 +157,4 @@ def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory],
     return False, any_flag, (rank, r.memory(events), r.seq_len, r.batch_size)
 
 
-__all__ = ["MeasuredRow", "agree_inputs", "all_ok", "broadcast", "gather_measurement"]
+__all__ = ["MeasuredRow", "agree_inputs", "all_ok", "any_rank", "broadcast", "gather_measurement"]

@@ -21,6 +21,8 @@ field                       what it holds                                     wh
                             cut, on this rank
 ``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     :func:`.decisions.applicability`
                             (applies here, why not)}}``, one entry
+``noop_rungs``              rungs that change nothing on this rank's batch    :func:`.decisions.applicability`
+                            (with several ranks: agreed, not refused)
 ``reapply_on_fit_start``    a checkpoint's rungs are to be switched on        :func:`.resume.load_state`; cleared by
                             again at ``on_fit_start``                         :func:`.resume.resume_rungs`
 ``resume_phrases``          what a resume under a changed configuration       :func:`.resume.load_state`; emptied by
@@ -42,6 +44,10 @@ field                       what it holds                                     wh
                             MemoryProbe` of this fit                          probes.make_probe`)
 ``device``                  the strategy's root device                        ``setup``
 ``fit_refs``                weak references to this fit's (Trainer, module)   ``setup``; read by :func:`.resume.next_fit`
+``window_batch``            the batch of the step window open now (batch      the batch start; the batch end clears it
+                            start to batch end), None between: a dry run
+                            inside leaves room beside it
+                            (:func:`.own_memory.value_room_bytes`)
 ==========================  ================================================  ==============================================
 
 Every field is reset (to the defaults below) with the state, except that a fit continuing on the
@@ -80,6 +86,7 @@ class EdgeState:
     step_started_s: Optional[float] = None
     shape: Optional[tuple[int, int]] = None
     applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(default_factory=dict)
+    noop_rungs: tuple[str, ...] = ()
     reapply_on_fit_start: bool = False
     resume_phrases: list[str] = dataclasses.field(default_factory=list)
     resume_removed: tuple[str, ...] = ()
@@ -94,6 +101,7 @@ class EdgeState:
     probe: Optional["MemoryProbe"] = None
     device: Optional["torch.device"] = None
     fit_refs: Optional[tuple[Any, Any]] = None
+    window_batch: Any = None
 
     def next_fit(self, continues: bool) -> "EdgeState":
         """A fresh state for the next fit; ``continues`` (the same Trainer and module) keeps the

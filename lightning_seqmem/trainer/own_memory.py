@@ -1,0 +1,135 @@
+"""What the callback itself holds in the training device's memory, so that it is counted and judged.
+
+On a GPU the callback's own tensors live in host memory: the batch copy its dry run reshapes
+(:meth:`~lightning_seqmem.dryrun.run.TrainingRunDryRun.keep`), the breakdown's longest batch, the
+dry run's real value twins (:class:`~lightning_seqmem.dryrun.values.BatchValues`, run on the CPU).
+Where the host is the device (a CPU run) the same tensors are the device's, so:
+
+* :func:`own_tensors`: the copies it keeps across steps on the training device; the probe counts
+  them as memory a step begins with, and every dry-run answer adds their bytes
+  (:func:`resident_bytes`), so records, forecasts and the budget agree; so do DDP's gradient
+  buckets where they are a copy of the gradients (:func:`untracked_bytes`);
+* :func:`value_room_bytes`: inside a step window (batch start to batch end, where the decisions and
+  their dry runs run) what the usable budget leaves beside the run's tensors now: the most a dry
+  run's real values may hold at once (:func:`~lightning_seqmem.dryrun.values.value_room`); a dry
+  run that would need more refuses, saying so, and the other predictors answer.
+
+Example:
+    >>> import torch
+    >>> from types import SimpleNamespace as NS
+    >>> from lightning_seqmem.trainer.run_state import EdgeState
+    >>> kept = {"ids": torch.zeros(2, 8, dtype=torch.long)}
+    >>> edge = EdgeState(device=torch.device("cpu"), dry_runner=NS(batch=kept))
+    >>> resident_bytes(NS(edge=edge))  # the dry run's batch copy: 2 x 8 int64
+    128
+    >>> edge.device = torch.device("cuda", 0)  # on a GPU the copy is host memory
+    >>> resident_bytes(NS(edge=edge))
+    0
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+
+from lightning_seqmem.measure.probes import existing_tensors, flat_tensors, tensor_storages
+
+if TYPE_CHECKING:
+    from lightning_seqmem.trainer.callback import SeqMemCallback
+
+__all__ = ["bucket_bytes", "host_is_device", "own_tensors", "resident_bytes", "storage_bytes",
+           "untracked_bytes", "value_room_bytes"]
+
+HOST_DEVICE_TYPES = ("cpu",)
+"""Device types whose memory is the host's: what the callback keeps in host memory counts there."""
+
+
+def host_is_device(device: Optional[torch.device]) -> bool:
+    """Whether ``device``'s memory is the host's (a CPU run).
+
+    >>> [host_is_device(d) for d in (torch.device("cpu"), torch.device("cuda", 0), None)]
+    [True, False, False]
+    """
+    return device is not None and device.type in HOST_DEVICE_TYPES
+
+
+def own_tensors(cb: "SeqMemCallback") -> list[torch.Tensor]:
+    """The tensors the callback keeps across steps on the training device (none off a CPU run)."""
+    device = cb.edge.device
+    if not host_is_device(device):
+        return []
+    runner = cb.edge.dry_runner
+    kept = flat_tensors(getattr(runner, "batch", None)) if runner is not None else []
+    if cb.edge.breakdown_batch is not None:
+        kept += flat_tensors(cb.edge.breakdown_batch[1])
+    return [t for t in kept if t.device.type == device.type]
+
+
+def storage_bytes(tensors: Iterable[Any], device_type: str) -> int:
+    """Bytes of the distinct storages of ``tensors`` on ``device_type`` (views counted once).
+
+    >>> x = torch.zeros(4, 4)
+    >>> storage_bytes([x, x[:2], torch.ones(2)], "cpu")
+    72
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == device_type:
+            for st in tensor_storages(t):
+                seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def bucket_bytes(trainer: Any) -> int:
+    """Bytes of DDP's gradient buckets where they are a second copy of the gradients (Lightning's
+    default, ``gradient_as_bucket_view=False``): allocated by the reducer in C++, seen by no probe
+    of tensors; 0 elsewhere (no DDP, or buckets that are the gradients themselves).
+
+    >>> from types import SimpleNamespace as NS
+    >>> bucket_bytes(NS(strategy=NS(model=torch.nn.Linear(2, 2))))
+    0
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(getattr(trainer, "strategy", None), "model", None)
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    if getattr(model, "gradient_as_bucket_view", False):
+        return 0  # the buckets are the gradients, counted as such
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def untracked_bytes(cb: "SeqMemCallback", trainer: Any) -> int:
+    """What a CPU run's device holds for the strategy outside any tensor the tracker sees (DDP's
+    bucket copies, :func:`bucket_bytes`): counted in each measured step and each dry-run answer. On
+    a GPU the allocator's counters and the dry run's resident bytes hold them already: 0."""
+    return bucket_bytes(trainer) if host_is_device(cb.edge.device) else 0
+
+
+def resident_bytes(cb: "SeqMemCallback") -> int:
+    """What every dry-run answer adds on a CPU run: the bytes of :func:`own_tensors` (the callback's
+    own copies) and :func:`untracked_bytes` (the strategy's)."""
+    device = cb.edge.device
+    if not host_is_device(device):
+        return 0
+    trainer = cb.edge.fit_refs[0]() if cb.edge.fit_refs is not None else None
+    strategy = untracked_bytes(cb, trainer) if trainer is not None else 0
+    return storage_bytes(own_tensors(cb), device.type) + strategy
+
+
+def value_room_bytes(cb: "SeqMemCallback") -> Optional[int]:
+    """The most a dry run's real values may hold now: inside a step window of a CPU run with a
+    budget, the usable budget less the run's tensors (the module's, the gradients, the optimizer
+    state, the batch, the callback's own copies); None elsewhere (on a GPU they are host memory;
+    outside a window no step runs)."""
+    device, usable = cb.edge.device, cb.planner.usable_budget_bytes
+    refs = cb.edge.fit_refs
+    if not host_is_device(device) or usable is None or cb.edge.window_batch is None or refs is None:
+        return None
+    trainer, pl_module = refs[0](), refs[1]()
+    if trainer is None or pl_module is None:
+        return None
+    held = [*existing_tensors(pl_module, trainer.optimizers, cb.edge.window_batch),
+            *own_tensors(cb)]
+    return max(0, int(usable) - storage_bytes(held, device.type) - untracked_bytes(cb, trainer))
