@@ -105,7 +105,9 @@ def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class:
     ``command`` names the command in the messages printed or raised.
 
     ``meta``: build the model on the ``meta`` device (shapes and dtypes, no memory: an 8B model costs
-    nothing), its ``configure_model()`` too, each under ``model_context()`` (default: nothing); what a
+    nothing), its ``configure_model()`` too, each under ``model_context()`` (default: the modelled GPU
+    kernels, :func:`lightning_seqmem.dryrun.kernels.modelled_kernels`: a model that trains with flash-attn
+    builds where it cannot run); what a
     dry run needs (:func:`lightning_seqmem.dryrun.fake.fake_copy` fakes each tensor on the device it
     simulates). A model whose construction fails on ``meta`` (its ``__init__`` reads tensor values)
     raises :class:`UserError` saying so.
@@ -125,6 +127,8 @@ def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class:
         forced.append("--trainer.accelerator=cpu")
     args = ["--model", model_class, "--data", data_class, "--config", config, *forced, *overrides]
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when both `args` and sys.argv are given
+    if model_context is None and meta:
+        from lightning_seqmem.dryrun.kernels import modelled_kernels as model_context  # flash-attn, modelled
     cli_class = _cli_class(meta, model_context or contextlib.nullcontext)
     try:
         return cli_class(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,

@@ -111,11 +111,8 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     and the devices to answer for."""
     from lightning_seqmem.measure.batch import infer_batch_shape
 
-    from lightning_seqmem.dryrun.kernels import modelled_kernels
-
-    # a model that trains with flash-attn is built with its modelled kernel where flash-attn cannot run here
-    cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan", meta=True,
-                            model_context=modelled_kernels)
+    # on meta, a model that trains with flash-attn built with its modelled kernel where flash-attn cannot run
+    cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan", meta=True)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     seqmem = find_seqmem_callback(trainer)
     device = _plan_device(args, trainer)

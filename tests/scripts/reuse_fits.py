@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from conftest import make_trainer  # noqa: E402
 from lightning_seqmem import Curriculum, SeqMemCallback  # noqa: E402
+from lightning_seqmem.trainer.own_memory import own_tensors, storage_bytes  # noqa: E402
 from test_demo_transformer import CountedDemo, Tokens, tuples  # noqa: E402
 
 MAX_STEPS = 6
@@ -50,6 +51,8 @@ def main() -> None:
             "fit": fit,
             "records": [[r.step, r.seq_len, r.peak_bytes] for r in cb.records],
             "independent": model.peaks,
+            # the callback's own copies (the dry run's kept batch), alive in every step it measures
+            "own": storage_bytes(own_tensors(cb), "cpu"),
             "refused": [str(m) for m in refused],
             "failures": failures,
         }), flush=True)
