@@ -33,7 +33,7 @@ from lightning_seqmem.measure.tracker import (  # noqa: F401 - re-exported: the 
     tensor_storages,
 )
 
-__all__ = ["PHASES", "PROBE_NAMES", "CudaAllocatorProbe", "DeviceAndHostProbe", "LiveTensorTracker", "MemoryProbe", "StepMemory",
+__all__ = ["PHASES", "PROBE_NAMES", "CudaAllocatorProbe", "DeviceAndHostProbe", "LiveTensorTracker", "MemoryProbe", "StepMemory", "optimizer_held_tensors",
            "TrackedEvents", "TrackerProbe", "attribute_tensors", "existing_tensors", "make_probe",
            "round_cuda_block_bytes", "tensor_storages"]
 
@@ -337,8 +337,9 @@ def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any], batch: Any) -> list[torch.Tensor]:
-    """Tensors alive before a training step: parameters, buffers, tensors held as module attributes
-    (:func:`attribute_tensors`), gradients, optimizer state, batch.
+    """Tensors alive before a training step, each once: parameters, buffers, tensors held as module
+    attributes (:func:`attribute_tensors`), gradients, optimizer state and the tensors an optimizer holds
+    besides (:func:`optimizer_held_tensors`), batch.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
@@ -350,7 +351,48 @@ def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any], batch: A
     for optimizer in optimizers:
         for state in optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        out += optimizer_held_tensors(optimizer)
     out += flat_tensors(batch)
+    return list({id(t): t for t in out}.values())  # each once (an optimizer's param_groups hold the parameters)
+
+
+def optimizer_held_tensors(optimizer: Any, depth: int = 4) -> list[torch.Tensor]:
+    """Tensors an optimizer holds as attributes, in lists, tuples and dicts of them, and in optimizers it
+    wraps: DeepSpeed's ZeRO optimizers keep flat fp32 partitions and gradient buffers so, allocated before
+    the first step (about 4 bytes per parameter at ZeRO-2), which its ``state`` does not show. Modules
+    are not entered (their tensors are the model's).
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        >>> opt.flat_buffer = [torch.zeros(8)]
+        >>> [tuple(t.shape) for t in optimizer_held_tensors(opt) if t.dim() == 1 and t.numel() == 8]
+        [(8,)]
+    """
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, left: int) -> None:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+            return
+        if left <= 0 or id(value) in seen or isinstance(value, (torch.nn.Module, str, bytes, int, float)):
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            for item in list(value.values()):
+                visit(item, left - 1)
+        elif isinstance(value, (list, tuple, set)):
+            for item in list(value):
+                visit(item, left - 1)
+        elif value is optimizer or hasattr(value, "param_groups"):
+            for item in list(vars(value).values()):
+                visit(item, left - 1)
+
+    try:
+        visit(optimizer, depth)
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be walked shows its state only
+        return []
     return out
 
 

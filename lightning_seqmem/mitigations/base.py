@@ -189,14 +189,16 @@ class ModulePolicyRung(Rung):
 
 def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
     """Why a rung that rewrites the module (checkpointing, micro-batching) cannot work under
-    ``trainer``'s strategy, or None: FSDP1 and DeepSpeed wrap or shard the model themselves;
-    single device, DDP and ``ModelParallelStrategy`` (FSDP2 in ``configure_model()``) take every rung.
+    ``trainer``'s strategy, or None: FSDP1 wraps the model in ``FullyShardedDataParallel``; single
+    device, DDP, ``ModelParallelStrategy`` (FSDP2 in ``configure_model()``) and Lightning's
+    ``DeepSpeedStrategy`` (a ``DDPStrategy``: the rungs act on the module inside its engine; each rung
+    says what DeepSpeed allows, e.g. micro-batching at ZeRO stages 0-2 only) take the rungs.
 
     Example:
         >>> from types import SimpleNamespace
-        >>> class DeepSpeedStrategy: ...
-        >>> wrapping_strategy_refusal(SimpleNamespace(strategy=DeepSpeedStrategy()))[:50]
-        'DeepSpeedStrategy shards or wraps the model itself'
+        >>> class FSDPStrategy: ...
+        >>> wrapping_strategy_refusal(SimpleNamespace(strategy=FSDPStrategy()))[:45]
+        'FSDPStrategy shards or wraps the model itself'
     """
     strategy = getattr(trainer, "strategy", None)
     if strategy is None or is_a(strategy, "ModelParallelStrategy", "SingleDeviceStrategy", "DDPStrategy"):

@@ -366,7 +366,8 @@ class CheckpointingRung(ModulePolicyRung):
     behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol, at its levels:
     ``"checkpointing:selective"``, ``"checkpointing:k/N"`` and ``"checkpointing"`` (every block). Under
     FSDP2 it goes on after ``fully_shard`` (composable ``checkpoint``), in a sharded dry run too; FSDP1
-    and DeepSpeed wrap the model themselves and refuse it at set-up.
+    wraps the model itself and refuses it at set-up; under DeepSpeed it goes on the blocks inside the
+    engine (ZeRO stages 0-3: the updates unchanged, tests/test_deepspeed.py).
 
     Example:
         >>> from lightning_seqmem.mitigations.base import RungContext

@@ -128,8 +128,14 @@ Caveats:
   micro-batch's graph: a parameter used by an earlier micro-batch only (data-dependent routing)
   would be treated as unused. Not tested with ``static_graph=True``.
 * Supported: automatic optimization on a single device or DDP (``ddp``, ``ddp_spawn``, ...).
-  Manual optimization, DeepSpeed (it accumulates itself), FSDP and other model-parallel
-  strategies are refused by :meth:`MicroBatching.is_applicable`.
+  Lightning's ``DeepSpeedStrategy`` at ZeRO stages 0-2 too: the earlier micro-batches' backwards run
+  with the engine's ``set_gradient_accumulation_boundary(False)`` (its documented way to run several
+  backwards per ``engine.step()``), so gradients are reduced once, in the last one; DeepSpeed's own
+  division of the loss by ``gradient_accumulation_steps`` applies to every micro-batch as to the
+  whole batch (the updates equal the whole batch's to 4e-6, tests/test_deepspeed.py). Manual
+  optimization, ZeRO stage 3 (its partitioning hooks drop the earlier micro-batches' gradients),
+  DeepSpeed's pipeline engine, FSDP1 and other model-parallel strategies are refused by
+  :meth:`MicroBatching.is_applicable`, saying why.
 
 Example:
     >>> import torch
@@ -144,7 +150,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -157,6 +163,7 @@ from lightning_seqmem.mitigations.microbatch_functional import (  # the function
     IGNORE_INDEX,
     WEIGHTINGS,
     deferred_gradient_reduction,
+    is_deepspeed_engine,
     micro_batch_counts,
     split_batch,
 )
@@ -200,6 +207,21 @@ def _dataloader_batch_size(trainer: Any) -> int | None:
     loader = getattr(trainer, "train_dataloader", None)
     size = getattr(loader, "batch_size", None)
     return size if isinstance(size, int) else None
+
+
+def _deepspeed_stage(strategy: Any) -> Optional[int]:
+    """The ZeRO stage of a ``DeepSpeedStrategy`` (its engine's, else its config's), None where unknown.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> _deepspeed_stage(SimpleNamespace(model=None, config={"zero_optimization": {"stage": 3}}))
+        3
+    """
+    engine = getattr(strategy, "model", None)
+    if engine is not None and hasattr(engine, "zero_optimization_stage"):
+        return int(engine.zero_optimization_stage())
+    stage = ((getattr(strategy, "config", None) or {}).get("zero_optimization") or {}).get("stage")
+    return None if stage is None else int(stage)
 
 
 class MicroBatching:
@@ -262,14 +284,24 @@ class MicroBatching:
         if refusal is not None and self.verify:
             return False, f"refused by its first-step check: {refusal}"
         strategy = trainer.strategy
-        if getattr(strategy, "handles_gradient_accumulation", False):
+        model = strategy.model
+        deepspeed = is_a(strategy, "DeepSpeedStrategy")
+        if getattr(strategy, "handles_gradient_accumulation", False) and not (
+                deepspeed and (model is None or is_deepspeed_engine(model))):
             return False, f"{type(strategy).__name__} accumulates gradients itself"
+        if deepspeed and model is not None and type(model).__name__ == "PipelineEngine":
+            return False, "DeepSpeed's pipeline engine splits batches into micro-batches itself"
+        if deepspeed and _deepspeed_stage(strategy) == 3:
+            return False, ("under DeepSpeed ZeRO stage 3 a split step's gradient is not the whole batch's (its "
+                           "partitioning hooks drop the earlier micro-batches' gradients: tests/test_deepspeed.py); "
+                           "lower the batch size and raise Trainer(accumulate_grad_batches=...), which DeepSpeed "
+                           "runs as its gradient_accumulation_steps, or use ZeRO stage 1 or 2")
         fsdp2 = is_a(strategy, "ModelParallelStrategy") and _has_fsdp2(pl_module)
         if not is_a(strategy, "SingleDeviceStrategy", "DDPStrategy") and not fsdp2:
-            return False, (f"strategy {type(strategy).__name__} not supported (single device, DDP, and "
+            return False, (f"strategy {type(strategy).__name__} not supported (single device, DDP, DeepSpeed and "
                            "ModelParallelStrategy with fully_shard (FSDP2) modules are)")
-        model = strategy.model
-        if model is not None and model is not pl_module and not isinstance(model, DistributedDataParallel):
+        if model is not None and model is not pl_module and not isinstance(model, DistributedDataParallel) and not (
+                deepspeed and is_deepspeed_engine(model)):
             return False, f"the strategy wraps the module in {type(model).__name__} (not DistributedDataParallel)"
         wrapper = wrapper_of(pl_module)
         if wrapper is not None and (

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.measure.batch import infer_batch_shape, map_tensors
 
-__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "micro_batch_counts",
+__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "is_deepspeed_engine", "micro_batch_counts",
            "slice_batch", "split_batch"]
 
 IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
@@ -150,11 +150,25 @@ def micro_batch_counts(
     return rule, counts
 
 
+def is_deepspeed_engine(model: Any) -> bool:
+    """Whether ``model`` is DeepSpeed's ``DeepSpeedEngine`` (what Lightning's ``DeepSpeedStrategy`` wraps
+    the module in), told without importing DeepSpeed.
+
+    Example:
+        >>> is_deepspeed_engine(torch.nn.Linear(2, 2))
+        False
+    """
+    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(model).__mro__) and hasattr(
+        model, "set_gradient_accumulation_boundary")
+
+
 @contextlib.contextmanager
 def deferred_gradient_reduction(model: Any) -> Any:
     """Backward passes inside accumulate gradients locally, without reducing them across ranks:
-    ``DistributedDataParallel.no_sync()``, or ``set_requires_gradient_sync(False)`` on every FSDP2
-    module (``fully_shard``) of ``model``, switched back on afterwards; nothing for anything else.
+    ``DistributedDataParallel.no_sync()``, ``set_requires_gradient_sync(False)`` on every FSDP2
+    module (``fully_shard``) of ``model``, or DeepSpeed's ``set_gradient_accumulation_boundary(False)``
+    (ZeRO stages 0-3 then keep each backward's gradients, partitioned, until the boundary's backward
+    reduces them), switched back afterwards; nothing for anything else.
 
     Example:
         >>> with deferred_gradient_reduction(torch.nn.Linear(2, 2)):
@@ -163,6 +177,16 @@ def deferred_gradient_reduction(model: Any) -> Any:
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
+        return
+    if is_deepspeed_engine(model):  # the engine's documented way to run several backwards per step
+        before = model._is_gradient_accumulation_boundary  # None: its micro-step count decides
+        model.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            model._is_gradient_accumulation_boundary = before
+            if hasattr(model.optimizer, "set_gradient_accumulation_boundary"):
+                model.optimizer.set_gradient_accumulation_boundary(model.is_gradient_accumulation_boundary())
         return
     from torch.distributed.fsdp import FSDPModule
 

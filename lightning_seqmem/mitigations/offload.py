@@ -305,8 +305,8 @@ class ActivationOffloadRung(Rung):
     """The ladder's ``"activation_offload"`` rung (opt in: ``SeqMemCallback(mitigations=[...,
     "activation_offload"])``): :class:`ActivationOffload` on CUDA. Elsewhere it is refused with its
     reason; a dry run still models it (``modelled_where_refused``: ``seqmem plan`` says what it
-    would save on a GPU). Removable. FSDP1 and DeepSpeed wrap the model themselves and refuse it
-    at set-up.
+    would save on a GPU). Removable. FSDP1 wraps the model itself and refuses it at set-up (under
+    DeepSpeed its saved-tensor hooks act inside the engine as anywhere).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
