@@ -153,6 +153,9 @@ def _search_largest(console: Any, run: PlanRun, results: list[dict[str, Any]], u
     over = [res["seq_len"] for res in results if res["rows"][-1]["fits"] is False]
     if not over or run.world is not None or usable is None:  # at N ranks the "fits from N" column answers
         return search
+    if run.beyond_any_rung(usable):  # the state alone is over: no length fits with any rung
+        search.searched = True
+        return search
     hi = min(over)
     lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi), default=0)
     t0 = time.perf_counter()

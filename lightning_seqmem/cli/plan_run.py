@@ -123,7 +123,22 @@ class PlanRun:
         return {"mitigations": list(names), "offload": offload,
                 "peak_bytes": None if result is None else result.peak_bytes,
                 "host_peak_bytes": None if result is None else getattr(result, "host_peak_bytes", None),
+                "optimizer_peak_bytes": None if result is None else result.phase_peak_bytes.get("optimizer"),
                 "seconds": seconds, "error": error}
+
+    def state_floor(self) -> Optional[int]:
+        """The least optimizer-step peak of the dry runs without offload made so far (bytes): parameters,
+        gradients and optimizer state, which no rung changes. Where it is over a device's usable budget, no
+        setting without offload fits there at any length, and none is searched (:func:`fastest`,
+        :func:`search_longest`)."""
+        floors = [row["optimizer_peak_bytes"] for (_, _, _, off), row in self.cache.items()
+                  if not off and row.get("optimizer_peak_bytes") is not None]
+        return min(floors, default=None)
+
+    def beyond_any_rung(self, usable: Optional[int]) -> bool:
+        """Whether the state alone (:meth:`state_floor`) is over ``usable``: only offload can fit."""
+        floor = self.state_floor()
+        return usable is not None and floor is not None and floor > usable
 
     def row(self, seq_len: int, names: Setting, usable: Optional[int],
             world: Optional[tuple[int, str]] = None, offload: bool = False) -> dict[str, Any]:
@@ -251,7 +266,7 @@ def fastest(run: PlanRun, seq_len: int, rows: list[dict[str, Any]], usable: Opti
     from lightning_seqmem.plan.choose import choose
     from lightning_seqmem.plan.pricing import prior_factor
 
-    if usable is None:
+    if usable is None or run.beyond_any_rung(usable):
         return None, []
     known = {tuple(r["mitigations"]): r for r in rows if not r.get("offload")}
     extra: list[dict[str, Any]] = []
@@ -326,6 +341,8 @@ def search_longest(run: PlanRun, entry: dict[str, Any], results: list[dict[str, 
             if setting_key(r) == key and r["fits"] is False]
     if not over:
         return entry["seq_len"], 0
+    if not key[1] and run.beyond_any_rung(usable):
+        return None, 0  # the parameters, gradients and optimizer state alone are over: no length fits
     hi = min(over)
     lo = max((L for L in [entry["seq_len"] or 0] if L < hi), default=0)
     return largest_fitting(run, key[0], usable, lo, hi, key[1])
