@@ -207,5 +207,7 @@ def test_an_8b_wide_model_plans_in_a_few_hundred_megabytes(tmp_path):
     doc = json.loads(proc.stdout)
     assert doc["device"] == "seqmem:0" and doc["simulates"] == "cuda"
     assert all(r["peak_bytes"] for r in doc["lengths"][0]["rows"]), doc["lengths"][0]["rows"]
+    assert any(r["offload"] and r["host_peak_bytes"] for r in doc["lengths"][0]["rows"])  # offload rows, host beside
+    assert "CPUOffloadPolicy" in doc["offload_assumed"] and "DeepSpeedStrategy(stage=3" in doc["offload_assumed"]
     rss_kib = int(proc.stderr.rsplit("maxrss_kib", 1)[1].split()[0])
     assert rss_kib * 1024 < 1.5 * 2**30, rss_kib

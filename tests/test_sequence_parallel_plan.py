@@ -120,6 +120,10 @@ def test_emit_prints_each_engines_own_keys(tmp_path, capsys, peaks):
     text = emit("deepspeed", ulysses)
     config = json.loads(text[text.index("{"):text.rindex("}") + 1])
     assert config["sequence_parallel_size"] == 2 and config["zero_optimization"]["stage"] == 3
+    assert "Trainer(strategy=DeepSpeedStrategy(stage=3), devices=8)" in text
+    offloaded = {**Layout("ulysses", 2, 8, offload=True).to_json(), "mitigations": [], "seq_len": 4096,
+                 "batch_size": 1}
+    assert "DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)" in emit("deepspeed", offloaded)
     ring = {**Layout("ring", 4, 8, offload=True).to_json(), "mitigations": [], "seq_len": 4096, "batch_size": 1}
     assert "ParallelismConfig(dp_shard_size=2, cp_size=4)" in emit("accelerate", ring)
     assert "cpu_offload=True" in emit("accelerate", ring)

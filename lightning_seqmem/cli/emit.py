@@ -102,10 +102,15 @@ def emit(engine: str, plan: dict[str, Any]) -> str:
             from lightning_seqmem.plan.parallel import ZERO3_OFFLOAD_NOTE
 
             lines.append(f"# {ZERO3_OFFLOAD_NOTE}")
+        lightning = ("DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)" if offload
+                     else "DeepSpeedStrategy(stage=3)")
         lines += [json.dumps(config, indent=2),
                   "# ALST/Ulysses: UlyssesSPAttentionHF.register_with_transformers(..., sequence_parallel_size="
                   f"{sp}); data parallel degree {fsdp}"
-                  + ("; activation checkpointing: model.gradient_checkpointing_enable()" if ckpt else "")]
+                  + ("; activation checkpointing: model.gradient_checkpointing_enable()" if ckpt else ""),
+                  f"# Lightning (sequence_parallel_size 1): Trainer(strategy={lightning}, devices={plan['world_size']}"
+                  + (", accumulate_grad_batches=2" if micro else "") + "); SeqMemCallback's micro-batching is "
+                  "refused under ZeRO-3 (use accumulate_grad_batches), its checkpointing works inside the engine"]
     else:
         lines += ["from lightning.pytorch import Trainer",
                   "from lightning.pytorch.strategies import ModelParallelStrategy", "",

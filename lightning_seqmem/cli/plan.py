@@ -39,6 +39,7 @@ from lightning_seqmem.cli.plan_run import (
     setting_key,
 )
 from lightning_seqmem.cli.plan_text import (
+    OFFLOAD_ASSUMED,
     joined_names,
     modelled_line,
     print_devices_longest,
@@ -227,6 +228,7 @@ def _json_document(args: argparse.Namespace, run: PlanRun, devices: list[dict[st
                        "largest_fitting_seq_len": d["search"].largest, "longest_fitting_by_set": d["longest"]}
                     for d in devices if "name" in d],
         "dry_runs": run.dry_runs, "dry_run_seconds": run.dry_seconds,
+        "offload_assumed": OFFLOAD_ASSUMED if run.offloads else None,
         "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
     }
 

@@ -296,7 +296,17 @@ def print_totals(console: Any, run: Any, modelled: Sequence[dict[str, Any]], sec
                   + (f", and {len(modelled)} modelling refused rungs" if modelled else "")
                   + f"; peaks are live tensor bytes ({where}; not reserved memory, workspaces or the CUDA "
                   "context: that is what the safety margin is for)")
+    if getattr(run, "offloads", False):
+        console.print(OFFLOAD_ASSUMED, highlight=False)
 
 
-__all__ = ["SEARCH_MULTIPLE", "fits_cell", "setting_name", "joined_names", "modelled_line", "print_devices_longest", "print_header",
+OFFLOAD_ASSUMED = (
+    "offload settings: parameters, gradients and optimizer state on the host as FSDP2 fully_shard(..., "
+    "offload_policy=CPUOffloadPolicy()) runs them (ModelParallelStrategy), dry-run on device and host; DeepSpeed's "
+    "equivalent: Trainer(strategy=DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)) "
+    "(its fp32 master copy on the host is 4 bytes per parameter more there; see --emit deepspeed)")
+"""What a plan with offload settings says it assumed (printed last; ``offload_assumed`` in ``--json``)."""
+
+
+__all__ = ["OFFLOAD_ASSUMED", "SEARCH_MULTIPLE", "fits_cell", "setting_name", "joined_names", "modelled_line", "print_devices_longest", "print_header",
            "print_longest", "print_peak_at", "print_plans", "print_table", "print_totals"]
