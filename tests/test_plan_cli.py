@@ -94,6 +94,30 @@ def test_plan_lists_the_fastest_fitting_setting_per_length(plan):
         assert item["seq_len"] == (max(fits) if fits else None)
 
 
+def test_a_setting_over_at_a_shorter_length_is_not_dry_run_again(tmp_path):
+    """The fastest-setting search takes a setting over the budget at a shorter length as over at a longer
+    one (a step's peak does not fall as the sequence grows) without dry-running it there; the answer is
+    the one a plan of that length alone gives, which dry-runs every setting it judges. (450 MiB: at 32768
+    tokens four settings beyond the ladder's prefixes are judged and over before one fits.)"""
+    def planned(*lengths):
+        proc, _ = _seqmem(["plan", "--config", str(CPU_DEMO), "--budget", "450MiB", "--lengths",
+                           *map(str, lengths), "--json"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
+    doc = planned(32768, 65536)
+    usable = doc["usable_budget_bytes"]
+    first, second = doc["lengths"]
+    over = {tuple(r["mitigations"]) for r in first["rows"] + first["searched_rows"]
+            if r["peak_bytes"] is not None and r["peak_bytes"] > usable}
+    judged_again = over - {tuple(r["mitigations"]) for r in second["rows"]}
+    assert {tuple(r["mitigations"]) for r in first["searched_rows"]} & judged_again  # something to skip
+    assert not {tuple(r["mitigations"]) for r in second["searched_rows"]} & over
+    alone = planned(65536)["lengths"][0]
+    assert alone["fastest"] == second["fastest"]
+    assert len(alone["searched_rows"]) > len(second["searched_rows"])  # the dry runs it saved
+
+
 def test_plan_says_where_the_peak_sits_per_length(plan):
     """The "peak at" field: the chosen plan's step, its phase and kinds traced on the fake step."""
     doc, _ = plan

@@ -135,6 +135,16 @@ class PlanRun:
                   if not off and row.get("optimizer_peak_bytes") is not None]
         return min(floors, default=None)
 
+    def over_at_shorter(self, seq_len: int, names: Setting, usable: int,
+                        world: Optional[tuple[int, str]] = None) -> Optional[int]:
+        """The device peak (bytes) of ``names`` dry-run at a length shorter than ``seq_len`` where it was
+        already over ``usable``, else None: a step's peak does not fall as its sequence grows (the same
+        rungs, the same batch), so the setting is over at ``seq_len`` too and need not be dry-run there."""
+        over = [row["peak_bytes"] for (L, n, w, off), row in self.cache.items()
+                if L < seq_len and n == tuple(names) and w == world and not off
+                and row.get("peak_bytes") is not None and row["peak_bytes"] > usable]
+        return max(over, default=None)
+
     def beyond_any_rung(self, usable: Optional[int]) -> bool:
         """Whether the state alone (:meth:`state_floor`) is over ``usable``: only offload can fit."""
         floor = self.state_floor()
@@ -278,6 +288,9 @@ def fastest(run: PlanRun, seq_len: int, rows: list[dict[str, Any]], usable: Opti
         return known[names]
 
     def judge(names: Setting) -> Any:
+        shorter = None if names in known else run.over_at_shorter(seq_len, names, usable, run.world)
+        if shorter is not None:  # over at a shorter length already: over here (its peak there a lower bound)
+            return SimpleNamespace(kind="over", bound_bytes=shorter)
         r = row(names)
         kind = "unknown" if r["peak_bytes"] is None else ("fits" if r["peak_bytes"] <= usable else "over")
         return SimpleNamespace(kind=kind, bound_bytes=r["peak_bytes"])
