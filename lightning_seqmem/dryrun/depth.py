@@ -17,8 +17,11 @@ the same figures, from dry runs of copies of the model holding only its first fe
   *insertions* alone: one more block adds its own allocations and frees at fixed places (its
   forward, its backward, its parameters, gradients and optimizer state) and changes nothing else,
   and the sequence of the deepest copy must be exactly the base's with those insertions twice.
-  Every other figure of the result (host bytes, what a runner adds beside the traced step) must be
-  affine in the block count: second difference 0 bytes. A rung at a level of ``k`` of ``N``
+  Where the runs trace the host side too (an accelerator: offloaded parameters, optimizer state,
+  saved activations), its sequence must pump the same way, and the host peaks are replayed from
+  it as the device's (a host peak is no more affine in the depth than a device peak). Every other
+  figure of the result (host bytes, what a runner adds beside the traced step) must be affine in
+  the block count: second difference 0 bytes. A rung at a level of ``k`` of ``N``
   blocks (``"<rung>:k/N"``: the first ``k`` blocks at its full level, the rest plain) is fitted in
   two counts, leveled and plain blocks, from copies of ``c + p`` blocks at ``"<rung>:c/(c+p)"``,
   checked the same way on copies with one and two more of either; every ``k`` shares them.
@@ -27,7 +30,10 @@ the same figures, from dry runs of copies of the model holding only its first fe
   layout (the same ops in the same order); each block's chunk is read out of it and repeated to
   the model's depth, and the peak and phase peaks are replayed from that sequence
   (:func:`~lightning_seqmem.dryrun.step.replay_peaks`: the same counting and 512-byte blocks as a
-  dry run's). The peak is not assumed affine in the depth: where it moves from one phase to
+  dry run's). Where a length lays the allocations out anew (a tiled MLP's tile count follows the
+  length), a family of one kind of block is proved again there from the base copy and one more
+  block (:func:`~lightning_seqmem.dryrun.repetition.reprove`: that a further block repeats the
+  chunk was checked at the first length; ``detail`` names both), other families in full. The peak is not assumed affine in the depth: where it moves from one phase to
   another as blocks are added (backward at 2 blocks, forward at 32), the replay follows it.
 
 What stays assumed: that the blocks past the deepest copy behave as the copied ones. A block's
@@ -79,7 +85,15 @@ from torch import nn
 
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.peak import PeakSite
-from lightning_seqmem.dryrun.repetition import Family, Proof, extrapolate, plus, prove, words
+from lightning_seqmem.dryrun.repetition import (
+    Family,
+    Proof,
+    extrapolate,
+    plus,
+    prove,
+    reprove,
+    words,
+)
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.stack import (
     blocks_differ,
@@ -233,16 +247,14 @@ def _site(run: Callable[[tuple], DryRunResult], proof: Proof, target: tuple,
 def _extrapolated(call: _Call, context: _Context, stack: nn.ModuleList, family: Family,
                   target: tuple) -> tuple[Any, Optional[DryRunResult]]:
     """``(the proof or why none holds, the result at depth or None)``; proved again at this length
-    where the proof's layout does not hold here."""
+    where the proof's layout does not hold here (:func:`reprove` from the base and one more block,
+    else in full)."""
     seq_len, block = call.args["seq_len"], call.block_bytes
     run = context.run(call, stack, family, seq_len)
     for again in (False, True):
         if again or family.names not in context.proofs:
-            try:
-                context.proofs[family.names] = prove(run, family, seq_len, block)
-            except Exception as exc:  # noqa: BLE001 - kept: the family's questions go to the full run
-                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                context.proofs[family.names] = f"a shallow copy's dry run failed: {reason}"
+            before = context.proofs.get(family.names) if again else None
+            context.proofs[family.names] = _proved(run, family, seq_len, block, before)
         proof = context.proofs[family.names]
         if not isinstance(proof, Proof):
             return proof, None
@@ -250,6 +262,21 @@ def _extrapolated(call: _Call, context: _Context, stack: nn.ModuleList, family: 
         if result is not None:
             return proof, result
     return "the layout of the allocations changed with the length", None
+
+
+def _proved(run: Callable[[tuple], DryRunResult], family: Family, seq_len: int, block: int,
+            before: Any) -> Any:
+    """The family's proof at ``seq_len`` (again from the base and one more block where ``before``
+    is a proof made at another length), or why none holds."""
+    try:
+        if isinstance(before, Proof) and before.seq_len != seq_len:
+            again = reprove(run, before, seq_len, block)
+            if isinstance(again, Proof):
+                return again
+        return prove(run, family, seq_len, block)
+    except Exception as exc:  # noqa: BLE001 - kept: the family's questions go to the full run
+        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        return f"a shallow copy's dry run failed: {reason}"
 
 
 def _answer(call: _Call) -> DryRunResult:
@@ -286,8 +313,7 @@ def _answer(call: _Call) -> DryRunResult:
     copies = (f"a dry run of a copy of {words(runs[0])}" if len(runs) == 1 else
               f"dry runs of copies of {', '.join(words(v) for v in runs)}")
     detail = (f"depth-extrapolated: {len(stack)} blocks from {copies}"
-              + " (each block's allocations repeated, the repetition checked on copies of "
-              + ", ".join(words(v) for v in proof.checked) + f" blocks at seq_len {proof.seq_len}"
+              + f" (each block's allocations repeated, the repetition checked on {proof.says()}"
               + ("; the peak site extrapolated from traced copies" if peak_site is not None else "")
               + f"); the copy of {words(runs[-1])}: {copy.detail}")
     return dataclasses.replace(result, mitigations=names, seconds=time.perf_counter() - started,

@@ -26,10 +26,11 @@ from lightning_seqmem.dryrun.pumping import cut, events_of, insertions, pumped, 
 from lightning_seqmem.dryrun.result import DryRunResult
 from lightning_seqmem.dryrun.step import replay_peaks
 
-__all__ = ["Family", "Proof", "extrapolate", "plus", "prove", "words"]
+__all__ = ["Family", "Proof", "extrapolate", "plus", "prove", "reprove", "words"]
 
 Vector = tuple  # blocks of each kind in a copy: (blocks,) or (leveled, plain)
 Run = Callable[[Vector], DryRunResult]  # the dry run of a shallow copy of that many blocks
+_HOST_PEAKS = ("host_peak_bytes", "host_phase_peak_bytes")  # replayed where the host is traced
 _NOT_FIELDS = ("seq_len", "batch_size", "seconds", "events", "mitigations", "detail", "peak_site",
                "peak_bytes", "phase_peak_bytes")
 
@@ -114,15 +115,23 @@ def _integer_fields(result: DryRunResult) -> dict[str, Any]:
     return out
 
 
-def _fields(result: DryRunResult, block_bytes: int) -> dict[str, int]:
+def _fields(result: DryRunResult, block_bytes: int, host_traced: bool = False) -> dict[str, int]:
     """Every integer figure of ``result`` but the trace's own peaks: the bytes a runner adds to the
-    replayed peaks (``peak_bytes``, ``phase_peak_bytes/<phase>``) and the other integer fields and
+    replayed peaks (``peak_bytes``, ``phase_peak_bytes/<phase>``; with ``host_traced``, the same of
+    the host peaks over the replay of ``result.host_events``) and the other integer fields and
     integer dicts of the result (``host_bytes``, ...)."""
     peak, phases = replay_peaks(result.events, block_bytes)
     out = {"peak_bytes": result.peak_bytes - peak}
     out.update({f"phase_peak_bytes/{p}": v - phases.get(p, 0)
                 for p, v in result.phase_peak_bytes.items()})
+    if host_traced:
+        host, host_phases = replay_peaks(result.host_events)
+        out["host_peak_bytes"] = result.host_peak_bytes - host
+        out.update({f"host_phase_peak_bytes/{p}": v - host_phases.get(p, 0)
+                    for p, v in result.host_phase_peak_bytes.items()})
     for name, value in _integer_fields(result).items():
+        if host_traced and name in _HOST_PEAKS:
+            continue
         if isinstance(value, dict):
             out.update({f"{name}/{k}": v for k, v in value.items()})
         else:
@@ -130,15 +139,24 @@ def _fields(result: DryRunResult, block_bytes: int) -> dict[str, int]:
     return out
 
 
-def _with_fields(result: DryRunResult, values: dict[str, int], peak: int,
-                 phases: dict[str, int]) -> DryRunResult:
-    """``result`` with the replayed peaks plus their offsets and every other integer figure set."""
+def _with_fields(result: DryRunResult, values: dict[str, int], peaks: tuple[int, dict[str, int]],
+                 host: Optional[tuple[int, dict[str, int]]] = None) -> DryRunResult:
+    """``result`` with the replayed peaks (device ``peaks``; ``host``: the host's, where traced)
+    plus their offsets and every other integer figure set."""
+    peak, phases = peaks
     changes: dict[str, Any] = {
         "peak_bytes": peak + values["peak_bytes"],
         "phase_peak_bytes": {p: phases.get(p, 0) + values[f"phase_peak_bytes/{p}"]
                              for p in result.phase_peak_bytes},
-        "events": None, "peak_site": None}
+        "events": None, "host_events": None, "peak_site": None}
+    if host is not None:
+        changes["host_peak_bytes"] = host[0] + values["host_peak_bytes"]
+        changes["host_phase_peak_bytes"] = {
+            p: host[1].get(p, 0) + values[f"host_phase_peak_bytes/{p}"]
+            for p in result.host_phase_peak_bytes}
     for name, value in _integer_fields(result).items():
+        if host is not None and name in _HOST_PEAKS:
+            continue
         changes[name] = ({k: values[f"{name}/{k}"] for k in value} if isinstance(value, dict)
                          else values[name])
     return dataclasses.replace(result, **changes)
@@ -168,7 +186,9 @@ def _along(values: dict[str, int], slopes: dict[str, Vector], to: Vector,
 class Proof:
     """A family's repetition, checked at ``seq_len`` on copies of ``checked`` blocks: the base
     copy's layout (:func:`~lightning_seqmem.dryrun.pumping.shape`), where each block's chunk goes
-    (``inserts``: position in the base, kind, chunk shape), each other figure's slope per kind."""
+    (``inserts``: position in the base, kind, chunk shape), each other figure's slope per kind;
+    ``host``: the same layout and inserts of the host side's trace, where the runs trace one (its
+    peaks are then replayed from the pumped host sequence, as the device's)."""
 
     base: Vector
     base_shape: list
@@ -176,6 +196,17 @@ class Proof:
     slopes: dict[str, Vector]
     seq_len: int
     checked: list
+    host: Optional[tuple[list, list]] = None
+    first: Optional[tuple[int, list]] = None  # a re-proof's (seq_len, checked) of the full proof
+
+    def says(self) -> str:
+        """Where the repetition was checked, in words: ``"copies of 1, 2, 3 blocks at seq_len
+        128"`` (a re-proof's: and of its copies at its own length)."""
+        def at(seq_len: int, checked: list) -> str:
+            return ", ".join(words(v) for v in checked) + f" blocks at seq_len {seq_len}"
+        if self.first is None:
+            return f"copies of {at(self.seq_len, self.checked)}"
+        return f"copies of {at(*self.first)}, and of {at(self.seq_len, self.checked)}"
 
     def runs(self) -> list[Vector]:
         """The copies a question runs: one with a block of each kind beyond the base (its chunks
@@ -200,34 +231,54 @@ def _ordered(base: list, found: list, target: list) -> Optional[list]:
     return None
 
 
-def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union[Proof, str]:
-    kinds = range(len(base))
-    units = [plus(base, k) for k in kinds]
-    tokens = {v: tokens_of(run(v).events) for v in [base, *units]}
+def _layout(tokens: dict[Vector, list], base: Vector, checks: list[Vector],
+            none_added: bool) -> Union[list, str]:
+    """The inserts (position, kind, chunk) that turn the base copy's tokens into every other copy's
+    in ``tokens``, or why none do; ``none_added``: a block may add nothing (a host side)."""
     found = []
-    for unit in units:
+    for unit in (plus(base, k) for k in range(len(base))):
         inserts = insertions(tokens[base], tokens[unit])
-        if not inserts:
+        if inserts is None or (not inserts and not none_added):
             return f"one more block is not an insertion of allocations (at {words(unit)} blocks)"
         found.append(inserts)
-    if len(base) == 1:
-        checks = [plus(base, 0, 0)]
-    else:
-        checks = [plus(base, 0, 1), plus(base, 0, 0, 1), plus(base, 0, 1, 1)]
-    tokens.update({v: tokens_of(run(v).events) for v in checks})
     order = [(pos, 0, chunk) for pos, chunk in found[0]] if len(base) == 1 else \
         _ordered(tokens[base], found, tokens[checks[0]])
     if order is None:
         return "the chunks of the two kinds of block do not combine"
     for v in checks:
-        if pumped(tokens[base], order, {k: v[k] - base[k] for k in kinds}) != tokens[v]:
+        if pumped(tokens[base], order, {k: v[k] - base[k] for k in range(len(base))}) != tokens[v]:
             return f"the allocations of {words(v)} blocks are not the chunks repeated"
-    slopes = _affine({v: _fields(run(v), block_bytes) for v in tokens}, base)
+    return order
+
+
+def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union[Proof, str]:
+    units = [plus(base, k) for k in range(len(base))]
+    if len(base) == 1:
+        checks = [plus(base, 0, 0)]
+    else:
+        checks = [plus(base, 0, 1), plus(base, 0, 0, 1), plus(base, 0, 1, 1)]
+    tokens = {v: tokens_of(run(v).events) for v in [base, *units]}  # fail before the checks run
+    for v in units:
+        if insertions(tokens[base], tokens[v]) is None:
+            return f"one more block is not an insertion of allocations (at {words(v)} blocks)"
+    tokens.update({v: tokens_of(run(v).events) for v in checks})
+    order = _layout(tokens, base, checks, none_added=False)
+    if isinstance(order, str):
+        return order
+    host = None
+    host_traced = all(run(v).host_events is not None for v in tokens)
+    if host_traced:
+        host_tokens = {v: tokens_of(run(v).host_events) for v in tokens}
+        host_order = _layout(host_tokens, base, checks, none_added=True)
+        if isinstance(host_order, str):
+            return f"host memory: {host_order}"
+        host = (shape(host_tokens[base]), [(p, k, shape(c)) for p, k, c in host_order])
+    slopes = _affine({v: _fields(run(v), block_bytes, host_traced) for v in tokens}, base)
     if slopes is None:
         return "a figure beside the traced step is not affine in the block count"
     inserts = [(p, k, shape(c)) for p, k, c in order]
     checked = sorted(tokens, key=lambda v: (sum(v), v))
-    return Proof(base, shape(tokens[base]), inserts, slopes, seq_len, checked)
+    return Proof(base, shape(tokens[base]), inserts, slopes, seq_len, checked, host)
 
 
 def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Proof, str]:
@@ -244,31 +295,83 @@ def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Pro
     return "the allocations do not repeat per block (" + "; ".join(reasons) + ")"
 
 
+def _pumped_at(results: dict[Vector, DryRunResult], trace: Callable[[DryRunResult], Any],
+               layout: tuple[list, list], base: Vector, target: Vector) -> Optional[list]:
+    """The tokens of one trace (``trace(result)``: the device's or the host's events) at ``target``
+    blocks, read out of the copies in ``results`` laid out as ``layout`` (base shape, inserts of
+    chunk shapes), or None where one of them has another layout."""
+    base_shape, inserts = layout
+    kinds = range(len(base))
+    chunks: list = [None] * len(inserts)
+    base_tokens = None
+    for v, result in results.items():
+        counts = {k: v[k] - base[k] for k in kinds}
+        read = cut(tokens_of(trace(result)), base_shape, inserts, counts)
+        if read is None or (base_tokens is not None and read[0] != base_tokens):
+            return None
+        base_tokens = read[0]
+        for i, (_, k, _) in enumerate(inserts):
+            if v[k] > base[k]:
+                chunks[i] = read[1][i]
+    filled = [(p, k, chunk) for (p, k, _), chunk in zip(inserts, chunks)]
+    return pumped(base_tokens, filled, {k: target[k] - base[k] for k in kinds})
+
+
+def reprove(run: Run, proof: Proof, seq_len: int, block_bytes: int) -> Union[Proof, str]:
+    """``proof`` (a family of one kind of block) made again at ``seq_len``, where the layout of its
+    copies changed with the length (a tiled MLP's tile count follows it): from the copies of its
+    base and one more block alone (that a further block repeats the chunk was checked where
+    ``proof`` was made). A family of two kinds, or a proof that fails, is proved in full
+    (:func:`prove`)."""
+    if len(proof.base) != 1:
+        return "two kinds of block are proved in full"
+    base, unit = proof.base, plus(proof.base, 0)
+    tokens = {v: tokens_of(run(v).events) for v in (base, unit)}
+    order = _layout(tokens, base, [], none_added=False)
+    if isinstance(order, str):
+        return order
+    host = None
+    host_traced = all(run(v).host_events is not None for v in tokens)
+    if (proof.host is not None) != host_traced:
+        return "the host side is traced at one length and not at the other"
+    if host_traced:
+        host_tokens = {v: tokens_of(run(v).host_events) for v in tokens}
+        host_order = _layout(host_tokens, base, [], none_added=True)
+        if isinstance(host_order, str):
+            return f"host memory: {host_order}"
+        host = (shape(host_tokens[base]), [(p, k, shape(c)) for p, k, c in host_order])
+    slopes = _affine({v: _fields(run(v), block_bytes, host_traced) for v in tokens}, base)
+    if slopes is None or {f for f, s in slopes.items() if any(s)} - \
+            {f for f, s in proof.slopes.items() if any(s)}:
+        return "a figure beside the traced step grows with the blocks here and not where proved"
+    first = proof.first or (proof.seq_len, proof.checked)
+    return Proof(base, shape(tokens[base]), [(p, k, shape(c)) for p, k, c in order], slopes,
+                 seq_len, [base, unit], host, first)
+
+
 def extrapolate(run: Run, proof: Proof, target: Vector, block_bytes: int) -> Optional[DryRunResult]:
     """The result at ``target`` blocks of each kind from the copies ``proof.runs()`` names (run at
     the length asked), or None where one of them has another layout than the proof's."""
     results = {v: run(v) for v in proof.runs()}
-    kinds = range(len(proof.base))
-    chunks: list = [None] * len(proof.inserts)
-    base_tokens = None
-    for v, result in results.items():
-        counts = {k: v[k] - proof.base[k] for k in kinds}
-        read = cut(tokens_of(result.events), proof.base_shape, proof.inserts, counts)
-        if read is None or (base_tokens is not None and read[0] != base_tokens):
+    deep = _pumped_at(results, lambda r: r.events, (proof.base_shape, proof.inserts), proof.base,
+                      target)
+    host_deep = None
+    if proof.host is not None:
+        if any(r.host_events is None for r in results.values()):
             return None
-        base_tokens = read[0]
-        for i, (_, k, _) in enumerate(proof.inserts):
-            if v[k] > proof.base[k]:
-                chunks[i] = read[1][i]
+        host_deep = _pumped_at(results, lambda r: r.host_events, proof.host, proof.base, target)
+        if host_deep is None:
+            return None
+    if deep is None:
+        return None
     first, *units = proof.runs()
-    values = _fields(results[first], block_bytes)
+    traced = proof.host is not None
+    values = _fields(results[first], block_bytes, traced)
     if units:  # each figure's slope at this length
-        at = [_fields(results[u], block_bytes) for u in units]
+        at = [_fields(results[u], block_bytes, traced) for u in units]
         slopes = {f: tuple(u[f] - values[f] for u in at) for f in values}
     else:
         slopes = proof.slopes
     values = _along(values, slopes, target, first)
-    inserts = [(p, k, chunk) for (p, k, _), chunk in zip(proof.inserts, chunks)]
-    deep = pumped(base_tokens, inserts, {k: target[k] - proof.base[k] for k in kinds})
-    peak, phases = replay_peaks(events_of(deep), block_bytes)
-    return _with_fields(results[first], values, peak, phases)
+    host = None if host_deep is None else replay_peaks(events_of(host_deep))
+    return _with_fields(results[first], values, replay_peaks(events_of(deep), block_bytes), host)

@@ -27,7 +27,9 @@ class DryRunResult:
     first-run order.
     (``dry_run_step(..., site=trace_peak_site)``). ``events`` is the measured step's allocation
     sequence the peaks were replayed from (None where the result was not replayed from one trace:
-    a depth-extrapolated one, :mod:`lightning_seqmem.dryrun.depth`).
+    a depth-extrapolated one, :mod:`lightning_seqmem.dryrun.depth`); ``host_events`` the same of
+    the host side, each pinned block rounded up to a power of two, the host peaks replayed from it
+    (None without a host side apart from the device).
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -44,6 +46,7 @@ class DryRunResult:
     host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # phase -> host peak within it
     modelled_kernels: tuple[str, ...] = ()  # CUDA kernels modelled (on the simulated device)
     events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # the step's trace
+    host_events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # its host's
 
 
 class DryRunUnsupported(RuntimeError):

@@ -76,6 +76,7 @@ from lightning_seqmem.dryrun.cpu_offload import (
 from lightning_seqmem.dryrun.host import (
     PinWatch,
     host_detail,
+    host_events,
     is_pinned_storage,
     mark_pinned,
     with_host_probe,
@@ -390,7 +391,7 @@ def sharded_dry_run_step(
     return DryRunResult(seq_len=seq_len, batch_size=batch_size, mitigations=names, peak_bytes=peak,
                         phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail,
                         host_peak_bytes=host_peak, host_phase_peak_bytes=host_phase_peaks,
-                        events=memory.events)
+                        events=memory.events, host_events=host_events(host_memory))
 
 
 def _pin_gradients_as_fsdp2_does(model: nn.Module) -> None:

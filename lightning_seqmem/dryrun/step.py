@@ -392,6 +392,7 @@ def dry_run_step(
         host_phase_peak_bytes=host_phase_peaks,
         modelled_kernels=tuple(modelled),
         events=step.memory.events,
+        host_events=host_events(step.host_memory),
     )
 
 
