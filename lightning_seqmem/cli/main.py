@@ -317,6 +317,9 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--emit", choices=ENGINES, default=None,
                       help="with --world-size: print each length's plan as that engine's launch config (searching "
                       "only the sequence-parallel kind the engine runs)")
+    plan.add_argument("--workers", type=_positive_int, default=None,
+                      help="processes that dry-run the table's rows at once (forked, on Linux; default: this "
+                      "machine's cores, at most 2; 1: this process alone)")
     plan.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     plan.set_defaults(func=run_plan)
 

@@ -27,6 +27,7 @@ from lightning_seqmem.cli.common import (
     quiet_warnings,
 )
 from lightning_seqmem.cli.plan_devices import DeviceBudget, device_budgets
+from lightning_seqmem.cli.plan_workers import collect_rows, default_workers, start_workers
 from lightning_seqmem.cli.plan_run import (
     PlanRun,
     fastest,
@@ -227,7 +228,7 @@ def _json_document(args: argparse.Namespace, run: PlanRun, devices: list[dict[st
                                  for r in d["results"]],
                        "largest_fitting_seq_len": d["search"].largest, "longest_fitting_by_set": d["longest"]}
                     for d in devices if "name" in d],
-        "dry_runs": run.dry_runs, "dry_run_seconds": run.dry_seconds,
+        "dry_runs": run.dry_runs, "dry_run_seconds": run.dry_seconds, "processes": run.processes,
         "offload_assumed": OFFLOAD_ASSUMED if run.offloads else None,
         "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
     }
@@ -259,9 +260,16 @@ def run_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)  # --json: the document alone
     lengths = sorted(set(args.lengths))
-    run = _set_up(args)
-    print_header(console, run, run.world is not None and run.world[1] == "fsdp2" and run.world[0] >= 2
-                 and getattr(args, "sequence_parallel", "auto") != "none")
+    # the workers set the plan up while this process does (cli.plan_workers)
+    workers = start_workers(args, getattr(args, "workers", None) or default_workers())
+    try:
+        run = _set_up(args)
+        print_header(console, run, run.world is not None and run.world[1] == "fsdp2" and run.world[0] >= 2
+                     and getattr(args, "sequence_parallel", "auto") != "none")
+        with console.status(f"dry-running {len(run.sets)} mitigation sets at seq_len {lengths}..."):
+            run.processes = collect_rows(run, lengths, workers)
+    finally:
+        workers.stop()  # those that did not answer (a failed set-up: all of them)
     with console.status(f"dry-running {len(run.sets)} mitigation sets at seq_len {lengths}..."):
         devices = [_device_plan(console, run, lengths, b, i == 0, args) for i, b in enumerate(run.budgets)] or [
             _device_plan(console, run, lengths, None, True, args)]

@@ -46,8 +46,9 @@ class PlanRun:
     world: Optional[tuple[int, str]]
     host_budget: Optional[int] = None
     cache: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
-    dry_runs: int = 0  # dry runs made (cache misses)
-    dry_seconds: float = 0.0
+    dry_runs: int = 0  # dry runs made (cache misses), in every process
+    dry_seconds: float = 0.0  # their time, summed over the processes that made them
+    processes: int = 1  # processes that dry-ran the table's rows (:mod:`.plan_workers`)
 
     @property
     def budget(self) -> Optional[int]:
@@ -125,6 +126,12 @@ class PlanRun:
                 "host_peak_bytes": None if result is None else getattr(result, "host_peak_bytes", None),
                 "optimizer_peak_bytes": None if result is None else result.phase_peak_bytes.get("optimizer"),
                 "seconds": seconds, "error": error}
+
+    def table_keys(self, lengths: Sequence[int]) -> list[tuple[Any, ...]]:
+        """The cache keys of the table's rows (:meth:`rows`) at ``lengths``: each set at each length, with
+        and (:attr:`offloads`) without offload, at the run's world."""
+        offloads = (False, True) if self.offloads else (False,)
+        return [(int(L), tuple(s), self.world, off) for L in lengths for s in self.sets for off in offloads]
 
     def state_floor(self) -> Optional[int]:
         """The least optimizer-step peak of the dry runs without offload made so far (bytes): parameters,

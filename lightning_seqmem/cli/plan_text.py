@@ -292,7 +292,9 @@ def print_totals(console: Any, run: Any, modelled: Sequence[dict[str, Any]], sec
 
     where = ("the simulated CUDA device: allocator blocks as max_memory_allocated, CUDA's autocast, modelled "
              "kernels" if is_simulated(run.device) else "on CUDA allocator blocks, as max_memory_allocated")
+    processes = getattr(run, "processes", 1)
     console.print(f"total {seconds:.1f}s: {run.dry_runs} dry runs in {run.dry_seconds:.1f}s"
+                  + (f" (summed over {processes} processes)" if processes > 1 else "")
                   + (f", and {len(modelled)} modelling refused rungs" if modelled else "")
                   + f"; peaks are live tensor bytes ({where}; not reserved memory, workspaces or the CUDA "
                   "context: that is what the safety margin is for)")

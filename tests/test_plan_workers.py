@@ -1,0 +1,60 @@
+"""``seqmem plan --workers N``: the table's rows dry-run in N processes are the rows one process dry-runs,
+and a worker that fails or hangs costs the plan nothing but its wait (lightning_seqmem.cli.plan_workers)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_seqmem.cli import plan_workers
+from lightning_seqmem.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_DEMO = ROOT / "configs" / "cpu_demo.yaml"
+ARGS = ["plan", "--config", str(CPU_DEMO), "--lengths", "1024", "4096", "--budget", "450MiB", "--longest", "--json"]
+
+
+def _plan(capsys, *extra: str) -> dict:
+    assert main([*ARGS, *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _answers(doc: dict) -> tuple:
+    """Everything a plan answers, its timings apart."""
+    rows = [[(r["mitigations"], r["offload"], r["peak_bytes"], r["host_peak_bytes"], r["fits"], r["error"])
+             for r in res["rows"] + res["searched_rows"]] for res in doc["lengths"]]
+    return (rows, [(res["plan"], res["fastest"]) for res in doc["lengths"]], doc["longest_fitting_by_set"],
+            doc["dry_runs"])
+
+
+def test_rows_dry_run_in_two_processes_are_the_rows_of_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    alone, split = _plan(capsys, "--workers", "1"), _plan(capsys, "--workers", "2")
+    assert (alone["processes"], split["processes"]) == (1, 2)
+    assert _answers(split) == _answers(alone)
+    assert alone["dry_runs"] >= 8  # 4 sets at 2 lengths at least, each a real fake step
+
+
+@pytest.mark.parametrize("command", [["python3", "-c", "import sys; sys.exit(3)"], ["sleep", "60"]],
+                         ids=["fails", "hangs"])
+def test_a_worker_that_fails_or_hangs_is_ignored(command, tmp_path, monkeypatch, capsys):
+    """A worker that exits at once, or never answers (stopped after the wait), leaves its rows to this process:
+    the same answers as a plan alone."""
+    monkeypatch.chdir(tmp_path)
+    alone = _plan(capsys, "--workers", "1")
+    monkeypatch.setattr(plan_workers, "worker_command", lambda: command)
+    monkeypatch.setattr(plan_workers, "WAIT_FLOOR_S", 1.0)
+    monkeypatch.setattr(plan_workers, "WAIT_FACTOR", 0.0)
+    started = time.perf_counter()
+    split = _plan(capsys, "--workers", "2")
+    assert split["processes"] == 1 and _answers(split) == _answers(alone)
+    assert time.perf_counter() - started < 50  # the hanging worker was not waited for
+
+
+def test_workers_is_checked_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        main([*ARGS, "--workers", "0"])
+    assert "--workers" in capsys.readouterr().err
