@@ -8,8 +8,9 @@ Runs ``seqmem plan --json`` as a user would, in a subprocess whose address space
 * ``configs/llama3_70b_node.yaml`` (70.6 B, 80 layers, hidden 8192): the same at ``--world-size 8``
   (``--lengths 16384 32768 65536``).
 
-It prints, per config, the wall time and the peak resident memory of the planning process
-(``getrusage(RUSAGE_CHILDREN)``), the goal (≤ 120 s and ≤ 180 s), and per setting the longest length
+It prints, per config, the wall time and the peak resident memory of the planning: of its largest process
+(``getrusage(RUSAGE_CHILDREN)``) and of all its processes together (the plan and its ``--workers``, sampled
+from ``/proc`` every 0.2 s), the goal (≤ 120 s and ≤ 180 s), and per setting the longest length
 that fits on each device with the host memory it holds there (offload settings hold parameters,
 gradients and optimizer state on the host). ``--json``: the last line is one JSON object with all of it.
 
@@ -22,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,25 +40,56 @@ CASES = {
 }
 
 
+def _tree_rss_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` and all its descendants now (Linux ``/proc``), 0 once gone."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 def _plan(case: dict[str, Any], limit_kib: int) -> dict[str, Any]:
-    """One ``seqmem plan --json`` under ``ulimit -v limit_kib``: its document, wall seconds, peak RSS."""
+    """One ``seqmem plan --json`` under ``ulimit -v limit_kib``: its document, wall seconds, peak RSS of its
+    largest process (``getrusage``) and of all its processes together (sampled every 0.2 s: the plan's workers)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     command = [sys.executable, "-m", "lightning_seqmem.cli.main", "plan", "--config", case["config"], *case["args"],
                "--json"]
     cap = f"ulimit -v {int(limit_kib)} && exec " + " ".join(command)
     started = time.perf_counter()
-    proc = subprocess.run(["bash", "-c", cap], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.Popen(["bash", "-c", cap], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    chunks: dict[str, list[str]] = {"out": [], "err": []}
+    readers = [threading.Thread(target=lambda s=s, k=k: chunks[k].append(s.read()), daemon=True)
+               for k, s in (("out", proc.stdout), ("err", proc.stderr))]
+    for reader in readers:
+        reader.start()
+    tree_peak = 0
+    while proc.poll() is None:
+        tree_peak = max(tree_peak, _tree_rss_bytes(proc.pid))
+        time.sleep(0.2)
+    for reader in readers:
+        reader.join()
     seconds = time.perf_counter() - started
+    stdout, stderr = "".join(chunks["out"]), "".join(chunks["err"])
     rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     out: dict[str, Any] = {"config": case["config"], "command": "seqmem plan --config " + case["config"] + " "
                            + " ".join(case["args"]), "exit_status": proc.returncode, "wall_seconds": seconds,
                            "goal_seconds": case["goal_s"], "peak_rss_bytes": max(rss_kib, before) * 1024,
+                           "peak_rss_all_processes_bytes": tree_peak,
                            "address_space_limit_bytes": int(limit_kib) * 1024}
     try:
-        out["plan"] = json.loads(proc.stdout)
+        out["plan"] = json.loads(stdout)
+        out["processes"] = out["plan"].get("processes", 1)
     except json.JSONDecodeError:
         out["plan"] = None
-        out["stderr"] = proc.stderr[-4000:]
+        out["stderr"] = stderr[-4000:]
     return out
 
 
@@ -80,8 +114,9 @@ def _print(name: str, result: dict[str, Any]) -> None:
     print(f"\n{name}: {result['command']}")
     print(f"  exit {result['exit_status']}, {result['wall_seconds']:.1f} s wall (goal ≤ {result['goal_seconds']:.0f} s: "
           f"{'PASS' if result['wall_seconds'] <= result['goal_seconds'] and result['exit_status'] == 0 else 'FAIL'}), "
-          f"peak RSS {result['peak_rss_bytes'] / gib:.2f} GiB under a {result['address_space_limit_bytes'] / gib:.1f} "
-          "GiB address-space limit")
+          f"peak RSS {result['peak_rss_bytes'] / gib:.2f} GiB per process under a "
+          f"{result['address_space_limit_bytes'] / gib:.1f} GiB address-space limit, "
+          f"{result['peak_rss_all_processes_bytes'] / gib:.2f} GiB in all {result.get('processes', 1)} processes")
     doc = result["plan"]
     if doc is None:
         print("  no plan:", result.get("stderr", "")[-800:])

@@ -26,16 +26,28 @@ def _answers(doc: dict) -> tuple:
     """Everything a plan answers, its timings apart."""
     rows = [[(r["mitigations"], r["offload"], r["peak_bytes"], r["host_peak_bytes"], r["fits"], r["error"])
              for r in res["rows"] + res["searched_rows"]] for res in doc["lengths"]]
-    return (rows, [(res["plan"], res["fastest"]) for res in doc["lengths"]], doc["longest_fitting_by_set"],
-            doc["dry_runs"])
+    devices = [{k: v for k, v in d.items() if k != "process"} for d in doc["devices"]]
+    return rows, [(res["plan"], res["fastest"]) for res in doc["lengths"]], doc["longest_fitting_by_set"], devices
 
 
 def test_rows_dry_run_in_two_processes_are_the_rows_of_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     alone, split = _plan(capsys, "--workers", "1"), _plan(capsys, "--workers", "2")
     assert (alone["processes"], split["processes"]) == (1, 2)
-    assert _answers(split) == _answers(alone)
+    assert _answers(split) == _answers(alone) and split["dry_runs"] == alone["dry_runs"]
     assert alone["dry_runs"] >= 8  # 4 sets at 2 lengths at least, each a real fake step
+
+
+def test_a_second_device_answered_by_a_worker_is_answered_as_here(tmp_path, monkeypatch, capsys):
+    """Two devices: the second one's plans and searches run in the worker, from this process's rows; every
+    device's answer equals a plan alone's (a length both devices' searches ask may be dry-run twice)."""
+    monkeypatch.chdir(tmp_path)
+    budgets = ["--budget", "450MiB", "600MiB"]
+    alone, split = _plan(capsys, *budgets, "--workers", "1"), _plan(capsys, *budgets, "--workers", "2")
+    assert split["processes"] == 2 and [d["process"] for d in split["devices"]] == [0, 1]
+    assert [d["process"] for d in alone["devices"]] == [0, 0]
+    assert _answers(split) == _answers(alone) and split["dry_runs"] >= alone["dry_runs"]
+    assert any(e["searched_seq_len"] for e in split["devices"][1]["longest_fitting_by_set"] if "searched_seq_len" in e)
 
 
 @pytest.mark.parametrize("command", [["python3", "-c", "import sys; sys.exit(3)"], ["sleep", "60"]],

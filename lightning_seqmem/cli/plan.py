@@ -27,7 +27,7 @@ from lightning_seqmem.cli.common import (
     quiet_warnings,
 )
 from lightning_seqmem.cli.plan_devices import DeviceBudget, device_budgets
-from lightning_seqmem.cli.plan_workers import collect_rows, default_workers, start_workers
+from lightning_seqmem.cli.plan_workers import collect_rows, default_workers, device_plans, start_workers
 from lightning_seqmem.cli.plan_run import (
     PlanRun,
     fastest,
@@ -223,7 +223,8 @@ def _json_document(args: argparse.Namespace, run: PlanRun, devices: list[dict[st
         "largest_fitting_seq_len": first["search"].largest, "modelled": modelled, "seconds": seconds,
         "method": "dry_run", "longest_fitting_by_set": first["longest"],
         "devices": [{k: v for k, v in d.items() if k in ("name", "budget_bytes", "usable_budget_bytes")}
-                    | {"plans": [{"seq_len": r["seq_len"], "plan": r["plan"], "plan_offload": r["plan_offload"],
+                    | {"process": d.get("process", 0),
+                       "plans": [{"seq_len": r["seq_len"], "plan": r["plan"], "plan_offload": r["plan_offload"],
                                   "fastest": r["fastest"]}
                                  for r in d["results"]],
                        "largest_fitting_seq_len": d["search"].largest, "longest_fitting_by_set": d["longest"]}
@@ -268,11 +269,11 @@ def run_plan(args: argparse.Namespace) -> int:
                      and getattr(args, "sequence_parallel", "auto") != "none")
         with console.status(f"dry-running {len(run.sets)} mitigation sets at seq_len {lengths}..."):
             run.processes = collect_rows(run, lengths, workers)
+            devices = device_plans(run, workers, run.budgets, lengths,
+                                   lambda b, i: _device_plan(console, run, lengths, b, i == 0, args)
+                                   ) if run.budgets else [_device_plan(console, run, lengths, None, True, args)]
     finally:
-        workers.stop()  # those that did not answer (a failed set-up: all of them)
-    with console.status(f"dry-running {len(run.sets)} mitigation sets at seq_len {lengths}..."):
-        devices = [_device_plan(console, run, lengths, b, i == 0, args) for i, b in enumerate(run.budgets)] or [
-            _device_plan(console, run, lengths, None, True, args)]
+        workers.stop()  # a failed set-up: all of them
     first = devices[0]
     modelled = modelled_rows(run, run.sets[-1], first["results"], run.usable) if run.world is None else []
     seconds = time.perf_counter() - started

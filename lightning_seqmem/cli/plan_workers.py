@@ -10,9 +10,13 @@ does the same. :func:`collect_rows` then splits the table's rows (:func:`split_f
 *families* (one setting, with or without offload, at every length: its depth proof is made once,
 in the process that asks it; :mod:`lightning_seqmem.dryrun.depth`), the costliest first, each to
 the least loaded process, sends each worker its share, dry-runs its own and puts the rows the
-workers send back (pickled over pipes) into the plan's cache, so that what follows (the plans, the
-fastest-setting and longest-length searches) reads them as its own. Same rows, same figures; only
-their ``seconds`` (each process's own) and the order in which they were made differ.
+workers send back (length-prefixed pickles over pipes) into the plan's cache, so that what follows
+reads them as its own. A plan that answers for several devices (``--budget 80GB h200``; a CUDA
+config planned without a GPU: an H100 and an H200) then answers the first here and the others in
+the workers (:func:`device_plans`: each device's plans, fastest-setting and longest-length
+searches, from the rows made so far). Same rows, same answers; only their ``seconds`` (each
+process's own), the order in which they were made and, where two devices' searches ask the same
+length, a few dry runs made twice differ.
 
 Nothing here may fail a plan: a worker that cannot start, fails, dies or answers late
 (:data:`WAIT_FACTOR` times this process's own share, at least :data:`WAIT_FLOOR_S`) is ignored
@@ -34,9 +38,9 @@ import select
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-__all__ = ["WAIT_FACTOR", "WAIT_FLOOR_S", "Workers", "collect_rows", "default_workers", "split_families",
+__all__ = ["WAIT_FACTOR", "WAIT_FLOOR_S", "Workers", "collect_rows", "default_workers", "device_plans", "split_families",
            "start_workers", "worker_command", "worker_main"]
 
 WAIT_FACTOR = 4.0
@@ -99,7 +103,7 @@ class Workers:
         self.children, self.count = children, count
 
     def stop(self) -> None:
-        """Kill every worker still running (a plan that failed before :func:`collect_rows`)."""
+        """Kill every worker still running (the plan's end, or a plan that failed)."""
         for child in self.children:
             _stop(child)
         self.children = []
@@ -135,7 +139,7 @@ def start_workers(args: Any, workers: int) -> Workers:
     if workers < 2 or os.name != "posix":  # the answers are read with select()
         return Workers([], 1)
     try:
-        message = pickle.dumps((list(sys.path), args))
+        pickle.dumps(args)
     except Exception:  # noqa: BLE001 - an argument that does not pickle: this process alone
         return Workers([], 1)
     children = []
@@ -143,89 +147,176 @@ def start_workers(args: Any, workers: int) -> Workers:
         try:
             child = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL)
-            child.stdin.write(message)
-            child.stdin.flush()
         except OSError:
             continue
-        children.append(child)
+        if _send(child, (list(sys.path), args)):
+            children.append(child)
+        else:
+            _stop(child)
     return Workers(children, len(children) + 1)
 
 
-def _read(fd: int, deadline: float) -> Optional[bytes]:
-    """Everything a worker writes to ``fd`` until it closes it, or None past ``deadline``."""
-    chunks = []
-    while True:
+def _send(child: subprocess.Popen, message: Any) -> bool:
+    """Write ``message`` to a worker (8 bytes of length, then the pickle); False where it is gone."""
+    try:
+        data = pickle.dumps(message)
+        child.stdin.write(len(data).to_bytes(8, "big") + data)
+        child.stdin.flush()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _read(fd: int, size: int, deadline: float) -> Optional[bytes]:
+    """``size`` bytes a worker writes to ``fd``, or None past ``deadline`` or where it closed it."""
+    chunks, got = [], 0
+    while got < size:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             return None
-        chunk = os.read(fd, 1 << 20)
+        chunk = os.read(fd, min(size - got, 1 << 20))
         if not chunk:
-            return b"".join(chunks)
+            return None
         chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(child: subprocess.Popen, deadline: float) -> Optional[tuple]:
+    """A worker's next answer, ``("ok", ...)``, or None: late, gone, garbled or ``("failed", why)``."""
+    fd = child.stdout.fileno()
+    head = _read(fd, 8, deadline)
+    data = None if head is None else _read(fd, int.from_bytes(head, "big"), deadline)
+    try:
+        answer = None if data is None else pickle.loads(data)
+    except Exception:  # noqa: BLE001 - garbled: as good as none
+        return None
+    return answer if isinstance(answer, tuple) and answer and answer[0] == "ok" else None
+
+
+def _merge(run: Any, rows: dict, runs: int, seconds: float) -> None:
+    for key, row in rows.items():
+        run.cache.setdefault(key, row)
+    run.dry_runs += runs
+    run.dry_seconds += seconds
+
+
+def _deadline(started: float) -> float:
+    """When a worker's answer is given up: :data:`WAIT_FACTOR` times this process's own share since
+    ``started``, at least :data:`WAIT_FLOOR_S` from now."""
+    return time.monotonic() + max(WAIT_FLOOR_S, WAIT_FACTOR * (time.monotonic() - started))
 
 
 def collect_rows(run: Any, lengths: list[int], workers: Workers) -> int:
     """Send each worker its share of the table's rows at ``lengths``, dry-run this process's, and
     put every worker's rows into ``run.cache`` (``run.dry_runs`` and ``run.dry_seconds`` count
     every process's); the processes that answered, this one included (1: it ran alone). A worker
-    that failed, died or is late is ignored and stopped: its rows are dry-run here when asked."""
-    keys = run.table_keys(lengths)
-    shares = split_families(keys, workers.count)
-    sent = []
-    for child, share in zip(workers.children, shares[1:]):
-        try:
-            child.stdin.write(pickle.dumps(share))
-            child.stdin.close()
-            sent.append(child)
-        except OSError:
-            _stop(child)
+    that failed, died or is late is stopped: its rows are dry-run here when asked."""
+    shares = split_families(run.table_keys(lengths), workers.count)
+    sent = [child for child, share in zip(workers.children, shares[1:]) if _send(child, ("rows", share))]
     started = time.monotonic()
     for key in shares[0]:
         run.dry(*key)
-    deadline = time.monotonic() + max(WAIT_FLOOR_S, WAIT_FACTOR * (time.monotonic() - started))
-    answered = 1
+    deadline = _deadline(started)
+    answered = []
     for child in sent:
-        try:
-            data = _read(child.stdout.fileno(), deadline)
-        finally:
+        answer = _receive(child, deadline)
+        if answer is None:
             _stop(child)
-        try:
-            answer = pickle.loads(data) if data else ("failed", "no answer")
-        except Exception:  # noqa: BLE001 - a garbled answer: dry-run here when asked
             continue
-        if answer[0] != "ok":
+        _merge(run, *answer[1:])
+        answered.append(child)
+    for child in workers.children:
+        if child not in answered:
+            _stop(child)
+    workers.children = answered
+    return len(answered) + 1
+
+
+def device_plans(run: Any, workers: Workers, budgets: list[Any], lengths: list[int],
+                 local: Callable[[Any, int], dict]) -> list[dict]:
+    """Each device's answer (``local(budget, index)``: its plans and searches), the first here and
+    the others by the workers that answered :func:`collect_rows` (given this process's rows so far;
+    the rows they dry-run join ``run.cache``), in ``budgets`` order, each with ``"process"``: 0
+    here, ``i`` the ``i``-th worker; a device whose worker fails or is late is answered here."""
+    jobs: dict[int, subprocess.Popen] = {}
+    if workers.children and len(budgets) > 1:
+        snapshot = dict(run.cache)
+        for n, i in enumerate(range(1, len(budgets))):
+            child = workers.children[n % len(workers.children)]
+            if _send(child, ("device", snapshot, budgets[i], lengths)):
+                jobs[i] = child
+    started = time.monotonic()
+    out = [{**local(budgets[0], 0), "process": 0}]
+    deadline = _deadline(started)
+    for i in range(1, len(budgets)):
+        child = jobs.get(i)
+        answer = None if child is None or child not in workers.children else _receive(child, deadline)
+        if answer is None:
+            if child is not None and child in workers.children:
+                _stop(child)
+                workers.children.remove(child)
+            out.append({**local(budgets[i], i), "process": 0})
             continue
-        _, rows, runs, seconds = answer
-        for key, row in rows.items():
-            run.cache.setdefault(key, row)
-        run.dry_runs += runs
-        run.dry_seconds += seconds
-        answered += 1
-    workers.children = []
-    return answered
+        _, result, rows, runs, seconds = answer
+        _merge(run, rows, runs, seconds)
+        out.append({**result, "process": 1 + workers.children.index(child)})
+    return out
+
+
+def _answer(out: Any, message: Any) -> None:
+    data = pickle.dumps(message)
+    out.write(len(data).to_bytes(8, "big") + data)
+    out.flush()
+
+
+def _job(run: Any, args: Any, job: tuple) -> tuple:
+    """One job's answer: ``("rows", keys)`` -> ``("ok", rows, dry runs, seconds)``; ``("device",
+    rows, budget, lengths)`` -> ``("ok", the device's answer, rows dry-run for it, dry runs,
+    seconds)``."""
+    before, seconds = run.dry_runs, run.dry_seconds
+    if job[0] == "rows":
+        rows = {tuple(key): run.dry(*key) for key in job[1]}
+        return ("ok", rows, run.dry_runs - before, run.dry_seconds - seconds)
+    from rich.console import Console
+
+    from lightning_seqmem.cli.plan import _device_plan
+
+    _, snapshot, budget, lengths = job
+    for key, row in snapshot.items():
+        run.cache.setdefault(key, row)
+    result = _device_plan(Console(quiet=True), run, lengths, budget, False, args)
+    rows = {k: v for k, v in run.cache.items() if k not in snapshot}
+    return ("ok", result, rows, run.dry_runs - before, run.dry_seconds - seconds)
 
 
 def worker_main() -> None:
     """A worker (``python -m lightning_seqmem.cli.plan_workers``): read ``(sys.path, args)`` from
-    stdin, set the plan up, read its share of the rows, dry-run them and write ``("ok", rows, dry
-    runs, seconds)`` (or ``("failed", why)``) to stdout, pickled."""
-    out = sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but the answer on stdout
-    try:
-        path, args = pickle.load(sys.stdin.buffer)
-        sys.path[:] = path
-        from lightning_seqmem.cli.common import quiet_warnings
-        from lightning_seqmem.cli.plan import _set_up
+    stdin and set the plan up, then answer each job read from stdin (:func:`_job`; length-prefixed
+    pickles both ways) until stdin closes; a job that fails answers ``("failed", why)``."""
+    out, stdin = sys.stdout.buffer, sys.stdin.buffer
+    sys.stdout = sys.stderr  # nothing but the answers on stdout
+    run = args = None
+    while True:
+        head = stdin.read(8)
+        if len(head) < 8:
+            return
+        message = pickle.loads(stdin.read(int.from_bytes(head, "big")))
+        try:
+            if run is None:
+                path, args = message
+                sys.path[:] = path
+                from lightning_seqmem.cli.common import quiet_warnings
+                from lightning_seqmem.cli.plan import _set_up
 
-        quiet_warnings()
-        run = _set_up(args)
-        share = pickle.load(sys.stdin.buffer)
-        rows = {tuple(key): run.dry(*key) for key in share}
-        data = pickle.dumps(("ok", rows, run.dry_runs, run.dry_seconds))
-    except BaseException as exc:  # noqa: BLE001 - the parent dry-runs the share itself
-        data = pickle.dumps(("failed", f"{type(exc).__name__}: {exc}"))
-    out.write(data)
-    out.flush()
+                quiet_warnings()
+                run = _set_up(args)
+                continue
+            _answer(out, _job(run, args, message))
+        except BaseException as exc:  # noqa: BLE001 - the parent does the job itself
+            _answer(out, ("failed", f"{type(exc).__name__}: {exc}"))
+            if run is None:
+                return
 
 
 if __name__ == "__main__":
