@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_trainer
-from lightning_seqmem import PredictedOOMWarning, SeqMemCallback
+from lightning_seqmem import SeqMemCallback
 from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_micro_batching
 

@@ -16,7 +16,6 @@ import textwrap
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import make_probe

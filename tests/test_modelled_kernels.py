@@ -183,7 +183,7 @@ def test_fp32_sdpa_goes_memory_efficient_with_its_logsumexp_delta_and_workspace(
         q, k, v, grad, existing = _qkv(b, length, heads, heads, head, torch.float32, layout="bhld")
         assert sdpa_backend(q, k, v)[0] == "efficient"
         traced = _Traced(list(existing))
-        out = traced.run(
+        traced.run(
             lambda: F.scaled_dot_product_attention(q, k, v),
             grad,
             lambda node: (type(node).__name__, node._saved_log_sumexp),

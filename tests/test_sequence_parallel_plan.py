@@ -70,7 +70,7 @@ def _plan(tmp_path, capsys, budget, *more):
 
 def test_constraint_violations_are_never_planned_and_say_why():
     ok, skipped = layouts(8, 4100, n_heads=12, n_kv_heads=4, masked=True)
-    assert [(l.kind, l.degree) for l in ok] == [("none", 1), ("ulysses", 2), ("ulysses", 4)]
+    assert [(layout.kind, layout.degree) for layout in ok] == [("none", 1), ("ulysses", 2), ("ulysses", 4)]
     reasons = {(k, d): why for k, d, why in skipped}
     assert reasons[("ulysses", 8)] == "heads 12 not divisible by degree 8"
     assert reasons[("ring", 2)].startswith("ring attention takes is_causal or no mask")

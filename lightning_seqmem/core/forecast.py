@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
-from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN, QuadraticMemoryModel
+from lightning_seqmem.core.quadratic import QuadraticMemoryModel
 from lightning_seqmem.core.search import largest_fitting
 from lightning_seqmem.core.records import TrackedEvents
 from lightning_seqmem.core.timeline import TimelineModel, Trace

@@ -23,7 +23,6 @@ from lightning_seqmem.core.units import display_unit
 from lightning_seqmem.present.dry_fit import DRY_RUN_FIT, dry_fit_anchors, dry_fit_forecast
 
 if TYPE_CHECKING:  # pragma: no cover
-    import lightning.pytorch as pl
     from matplotlib.figure import Figure
 
     from lightning_seqmem.plan.planner import SeqMemPlanner

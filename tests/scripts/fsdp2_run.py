@@ -23,7 +23,6 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
