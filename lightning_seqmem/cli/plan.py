@@ -27,7 +27,7 @@ from lightning_seqmem.cli.common import (
     quiet_warnings,
 )
 from lightning_seqmem.cli.plan_devices import DeviceBudget, device_budgets
-from lightning_seqmem.cli.plan_workers import collect_rows, default_workers, device_plans, start_workers
+from lightning_seqmem.cli.plan_workers import collect_rows, default_workers, device_plans, serve, start_workers
 from lightning_seqmem.cli.plan_run import (
     PlanRun,
     fastest,
@@ -53,7 +53,7 @@ from lightning_seqmem.cli.plan_text import (
 )
 from lightning_seqmem.dryrun.accelerator import step_context
 
-__all__ = ["PlanRun", "run_plan"]
+__all__ = ["PlanRun", "run_plan", "serve_worker"]
 
 
 @dataclass
@@ -249,6 +249,22 @@ def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
     return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets, run.usable,
                           run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None),
                           run.host_budget)
+
+
+def serve_worker() -> None:
+    """A ``seqmem plan --workers`` worker process (:func:`~lightning_seqmem.cli.plan_workers.serve`):
+    the plan set up as :func:`run_plan` sets it up, a device answered as :func:`run_plan` answers
+    one."""
+    from rich.console import Console
+
+    def set_up(args: argparse.Namespace) -> PlanRun:
+        quiet_warnings()
+        return _set_up(args)
+
+    def device_plan(run: PlanRun, lengths: list[int], budget: DeviceBudget, args: argparse.Namespace) -> dict:
+        return _device_plan(Console(quiet=True), run, lengths, budget, False, args)
+
+    serve(set_up, device_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:

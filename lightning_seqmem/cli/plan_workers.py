@@ -2,16 +2,16 @@
 
 Every row of the table (each length, mitigation set and offload choice) is one dry run, independent
 of the others, and most of a plan's time on a laptop (2 cores: one busy, one idle). At the start of
-the plan :func:`start_workers` starts ``workers - 1`` Python processes (``python -m
-lightning_seqmem.cli.plan_workers``; not forked: this package's ``dryrun`` wing runs a backward on
-import, and a process forked after one cannot run autograd), each of which imports the package and
-sets the plan up as this one does (the same command line, the same ``sys.path``), while this one
-does the same. :func:`collect_rows` then splits the table's rows (:func:`split_families`) in whole
-*families* (one setting, with or without offload, at every length: its depth proof is made once,
-in the process that asks it; :mod:`lightning_seqmem.dryrun.depth`), the costliest first, each to
-the least loaded process, sends each worker its share, dry-runs its own and puts the rows the
-workers send back (length-prefixed pickles over pipes) into the plan's cache, so that what follows
-reads them as its own. A plan that answers for several devices (``--budget 80GB h200``; a CUDA
+the plan :func:`start_workers` starts ``workers - 1`` Python processes (:func:`worker_command`: the
+:func:`serve` loop, with ``seqmem plan``'s own set-up; not forked: this package's ``dryrun`` wing
+runs a backward on import, and a process forked after one cannot run autograd), each of which
+imports the package and sets the plan up as this one does (the same command line, the same
+``sys.path``), while this one does the same. :func:`collect_rows` then hands the table's rows out in
+whole *families* (:func:`families`: one setting, with or without offload, at every length: its
+depth proof is made once, in the process that asks it; :mod:`lightning_seqmem.dryrun.depth`), the
+likely costliest first: each worker gets the next family whenever it answers, this process takes
+the one after, and the rows the workers send back (length-prefixed pickles over pipes) go into the
+plan's cache, so that what follows reads them as its own. A plan that answers for several devices (``--budget 80GB h200``; a CUDA
 config planned without a GPU: an H100 and an H200) then answers the first here and the others in
 the workers (:func:`device_plans`: each device's plans, fastest-setting and longest-length
 searches, from the rows made so far). Same rows, same answers; only their ``seconds`` (each
@@ -19,15 +19,14 @@ process's own), the order in which they were made and, where two devices' search
 length, a few dry runs made twice differ.
 
 Nothing here may fail a plan: a worker that cannot start, fails, dies or answers late
-(:data:`WAIT_FACTOR` times this process's own share, at least :data:`WAIT_FLOOR_S`) is ignored
-(killed where it still runs), and its rows are dry-run here when they are asked. One worker, one
+(:data:`WAIT_FACTOR` times this process's own part, at least :data:`WAIT_FLOOR_S`) is ignored
+(killed where it still runs), and its rows are dry-run here (or when they are asked). One worker, one
 core, or a system without ``select`` on pipes (not POSIX), dry-runs in this process alone.
 
 Example:
-    >>> shares = split_families([(64, ("a",), None, False), (128, ("a",), None, False),
-    ...                          (64, ("b", "tiled_mlp"), None, True)], 2)
-    >>> [sorted({k[1] for k in share}) for share in shares]
-    [[('b', 'tiled_mlp')], [('a',)]]
+    >>> [len(f) for f in families([(64, ("a",), None, False), (128, ("a",), None, False),
+    ...                            (64, ("a", "b"), None, True)])]
+    [1, 2]
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-__all__ = ["WAIT_FACTOR", "WAIT_FLOOR_S", "Workers", "collect_rows", "default_workers", "device_plans", "split_families",
-           "start_workers", "worker_command", "worker_main"]
+__all__ = ["WAIT_FACTOR", "WAIT_FLOOR_S", "Workers", "collect_rows", "default_workers", "device_plans", "families",
+           "serve", "start_workers", "worker_command"]
 
 WAIT_FACTOR = 4.0
 """A worker's answer is waited for up to this many times this process's own share of the rows."""
@@ -66,33 +65,20 @@ def default_workers() -> int:
     return max(1, min(2, cores))
 
 
-def _cost(key: Key) -> float:
-    """A family's relative cost per row, from the plan's own timings: a tiled MLP runs one set of
-    ops per tile (one per 4,096 tokens), offload adds a host tracker and FSDP2's copies."""
-    _, names, _, offload = key
-    tiled = any(str(n).startswith("tiled_mlp") for n in names)
-    return (4.0 if tiled else 1.0) * (1.6 if offload else 1.0)
-
-
-def split_families(keys: list[Key], workers: int) -> list[list[Key]]:
-    """``keys`` in ``workers`` shares of whole families (a setting with or without offload, at
-    every length, and world), the costliest family first, each to the least loaded share; the
-    first share is this process's.
+def families(keys: list[Key]) -> list[list[Key]]:
+    """``keys`` grouped in *families* (one setting, with or without offload, at one world: its rows at
+    every length), the likely costliest first: offload before none (a host tracker and FSDP2's
+    copies beside the device's), more rungs before fewer, each family's lengths in order.
 
     Example:
-        >>> split_families([(64, (), None, False)], 3)
-        [[(64, (), None, False)], [], []]
+        >>> [f[0][1:] for f in families([(64, (), None, False), (64, ("a", "b"), None, False),
+        ...                               (128, (), None, False), (64, ("a",), None, True)])]
+        [(('a',), None, True), (('a', 'b'), None, False), ((), None, False)]
     """
-    families: dict[tuple, list[Key]] = {}
+    grouped: dict[tuple, list[Key]] = {}
     for key in keys:
-        families.setdefault((key[1], key[2], key[3]), []).append(key)
-    shares: list[list[Key]] = [[] for _ in range(max(1, workers))]
-    loads = [0.0] * len(shares)
-    for family in sorted(families.values(), key=lambda f: -sum(map(_cost, f))):
-        i = loads.index(min(loads))
-        shares[i] += family
-        loads[i] += sum(map(_cost, family))
-    return shares
+        grouped.setdefault((key[1], key[2], key[3]), []).append(key)
+    return sorted(grouped.values(), key=lambda f: (not f[0][3], -len(f[0][1])))
 
 
 class Workers:
@@ -124,12 +110,13 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 def worker_command() -> list[str]:
-    """The command line of a worker process.
+    """The command line of a worker process: ``seqmem plan``'s :func:`serve` loop
+    (:func:`lightning_seqmem.cli.plan.serve_worker`).
 
     >>> worker_command()[1:]
-    ['-m', 'lightning_seqmem.cli.plan_workers']
+    ['-c', 'from lightning_seqmem.cli.plan import serve_worker; serve_worker()']
     """
-    return [sys.executable, "-m", "lightning_seqmem.cli.plan_workers"]
+    return [sys.executable, "-c", "from lightning_seqmem.cli.plan import serve_worker; serve_worker()"]
 
 
 def start_workers(args: Any, workers: int) -> Workers:
@@ -207,25 +194,51 @@ def _deadline(started: float) -> float:
     return time.monotonic() + max(WAIT_FLOOR_S, WAIT_FACTOR * (time.monotonic() - started))
 
 
+def _ready(child: subprocess.Popen) -> bool:
+    """Whether a worker has begun to answer (its pipe is readable now)."""
+    return bool(select.select([child.stdout.fileno()], [], [], 0)[0])
+
+
 def collect_rows(run: Any, lengths: list[int], workers: Workers) -> int:
-    """Send each worker its share of the table's rows at ``lengths``, dry-run this process's, and
-    put every worker's rows into ``run.cache`` (``run.dry_runs`` and ``run.dry_seconds`` count
-    every process's); the processes that answered, this one included (1: it ran alone). A worker
-    that failed, died or is late is stopped: its rows are dry-run here when asked."""
-    shares = split_families(run.table_keys(lengths), workers.count)
-    sent = [child for child, share in zip(workers.children, shares[1:]) if _send(child, ("rows", share))]
-    started = time.monotonic()
-    for key in shares[0]:
-        run.dry(*key)
-    deadline = _deadline(started)
-    answered = []
-    for child in sent:
+    """Dry-run the table's rows at ``lengths`` here and in the workers, a family at a time
+    (:func:`families`: each worker is given the next one whenever it answers, this process takes
+    the one after), every worker's rows into ``run.cache`` (``run.dry_runs`` and ``run.dry_seconds``
+    count every process's); the processes that answered, this one included (1: it ran alone). A
+    worker that failed, died or is late is stopped: its family is dry-run here (or when asked)."""
+    todo = families(run.table_keys(lengths))
+    busy: dict[subprocess.Popen, list[Key]] = {}
+    answered: list[subprocess.Popen] = []
+
+    def give(child: subprocess.Popen) -> None:
+        if todo and _send(child, ("rows", todo[0])):
+            busy[child] = todo.pop(0)
+
+    def take(child: subprocess.Popen, deadline: float) -> None:
+        family = busy.pop(child)
         answer = _receive(child, deadline)
         if answer is None:
             _stop(child)
-            continue
+            if child in answered:
+                answered.remove(child)
+            todo.append(family)  # dry-run here
+            return
         _merge(run, *answer[1:])
-        answered.append(child)
+        if child not in answered:
+            answered.append(child)
+
+    for child in workers.children:
+        give(child)
+    started = time.monotonic()
+    while todo:
+        for key in todo.pop(0):
+            run.dry(*key)
+        for child in [c for c in busy if _ready(c)]:
+            take(child, time.monotonic() + WAIT_FLOOR_S)
+            if child in answered:
+                give(child)
+    deadline = _deadline(started)
+    for child in list(busy):
+        take(child, deadline)
     for child in workers.children:
         if child not in answered:
             _stop(child)
@@ -240,12 +253,10 @@ def device_plans(run: Any, workers: Workers, budgets: list[Any], lengths: list[i
     the rows they dry-run join ``run.cache``), in ``budgets`` order, each with ``"process"``: 0
     here, ``i`` the ``i``-th worker; a device whose worker fails or is late is answered here."""
     jobs: dict[int, subprocess.Popen] = {}
-    if workers.children and len(budgets) > 1:
-        snapshot = dict(run.cache)
-        for n, i in enumerate(range(1, len(budgets))):
-            child = workers.children[n % len(workers.children)]
-            if _send(child, ("device", snapshot, budgets[i], lengths)):
-                jobs[i] = child
+    snapshot = dict(run.cache)
+    for i, child in zip(range(1, len(budgets)), workers.children):  # one job each: no second write
+        if _send(child, ("device", snapshot, budgets[i], lengths)):  # while a worker writes its answer
+            jobs[i] = child
     started = time.monotonic()
     out = [{**local(budgets[0], 0), "process": 0}]
     deadline = _deadline(started)
@@ -270,30 +281,27 @@ def _answer(out: Any, message: Any) -> None:
     out.flush()
 
 
-def _job(run: Any, args: Any, job: tuple) -> tuple:
+def _job(run: Any, args: Any, job: tuple, device_plan: Callable[..., dict]) -> tuple:
     """One job's answer: ``("rows", keys)`` -> ``("ok", rows, dry runs, seconds)``; ``("device",
-    rows, budget, lengths)`` -> ``("ok", the device's answer, rows dry-run for it, dry runs,
-    seconds)``."""
+    rows, budget, lengths)`` -> ``("ok", device_plan(run, lengths, budget, args), rows dry-run for
+    it, dry runs, seconds)``."""
     before, seconds = run.dry_runs, run.dry_seconds
     if job[0] == "rows":
         rows = {tuple(key): run.dry(*key) for key in job[1]}
         return ("ok", rows, run.dry_runs - before, run.dry_seconds - seconds)
-    from rich.console import Console
-
-    from lightning_seqmem.cli.plan import _device_plan
-
     _, snapshot, budget, lengths = job
     for key, row in snapshot.items():
         run.cache.setdefault(key, row)
-    result = _device_plan(Console(quiet=True), run, lengths, budget, False, args)
+    result = device_plan(run, lengths, budget, args)
     rows = {k: v for k, v in run.cache.items() if k not in snapshot}
     return ("ok", result, rows, run.dry_runs - before, run.dry_seconds - seconds)
 
 
-def worker_main() -> None:
-    """A worker (``python -m lightning_seqmem.cli.plan_workers``): read ``(sys.path, args)`` from
-    stdin and set the plan up, then answer each job read from stdin (:func:`_job`; length-prefixed
-    pickles both ways) until stdin closes; a job that fails answers ``("failed", why)``."""
+def serve(set_up: Callable[[Any], Any], device_plan: Callable[..., dict]) -> None:
+    """A worker's loop (:func:`worker_command` runs it): read ``(sys.path, args)`` from stdin and
+    ``set_up(args)`` the plan, then answer each job read from stdin (:func:`_job`; ``device_plan(run,
+    lengths, budget, args)`` answers a device; length-prefixed pickles both ways) until stdin closes;
+    a job that fails answers ``("failed", why)``."""
     out, stdin = sys.stdout.buffer, sys.stdin.buffer
     sys.stdout = sys.stderr  # nothing but the answers on stdout
     run = args = None
@@ -306,18 +314,10 @@ def worker_main() -> None:
             if run is None:
                 path, args = message
                 sys.path[:] = path
-                from lightning_seqmem.cli.common import quiet_warnings
-                from lightning_seqmem.cli.plan import _set_up
-
-                quiet_warnings()
-                run = _set_up(args)
+                run = set_up(args)
                 continue
-            _answer(out, _job(run, args, message))
+            _answer(out, _job(run, args, message, device_plan))
         except BaseException as exc:  # noqa: BLE001 - the parent does the job itself
             _answer(out, ("failed", f"{type(exc).__name__}: {exc}"))
             if run is None:
                 return
-
-
-if __name__ == "__main__":
-    worker_main()
