@@ -46,7 +46,7 @@ _LAZY = {
 # The flat modules of 0.1 under their old names (configs name ``lightning_seqmem.demo.LitGPT``):
 # ``import lightning_seqmem.demo`` gives the very module ``lightning_seqmem.reference.demo``.
 _OLD_NAMES = {
-    "advice": "core.advice", "advice_now": "dryrun.advice", "batch": "measure.batch",
+    "advice": "core.advice", "advice_now": "dryrun.advice_now", "batch": "measure.batch",
     "breakdown": "diagnostics.breakdown", "breakdown_steps": "diagnostics.section",
     "callback": "trainer.callback", "checks": "core.checks", "curriculum": "core.curriculum",
     "demo": "reference.demo", "distributed": "trainer.ranks", "dryrun": "dryrun.step",

@@ -152,7 +152,7 @@ def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
     over label tokens) gives the full batch's gradient, where weighting samples would not."""
     import torch.nn.functional as F
 
-    from lightning_seqmem.diagnostics.step import run_training_step
+    from lightning_seqmem.diagnostics.traced_step import run_training_step
     from lightning_seqmem.reference.nn import GPT, GPTConfig
 
     class TokenMeanLM(torch.nn.Module):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_seqmem.diagnostics.peak import trace_peak_site
+from lightning_seqmem.diagnostics.peak_trace import trace_peak_site
 from lightning_seqmem.dryrun.depth import (
     clear_depth_cache,
     depth_dry_run_step,

@@ -149,6 +149,6 @@ def test_the_private_name_finder_finds_each_form():
 
 def test_no_trainer_module_but_the_callback_reads_its_private_names():
     modules = sorted(p for p in TRAINER_DIR.glob("*.py") if p.name != "callback.py")
-    assert {"guard.py", "decisions.py", "measured_step.py", "resume.py"} <= {p.name for p in modules}
+    assert {"guard.py", "batch_decision.py", "measured_step.py", "resume.py"} <= {p.name for p in modules}
     found = {p.name: private_reads(p.read_text()) for p in modules}
     assert {name: reads for name, reads in found.items() if reads} == {}

@@ -177,7 +177,7 @@ def test_old_flat_names_are_the_moved_modules():
 
 # Words that are rung names but mean something else where they stand (not a rung compared or dispatched on)
 _NOT_A_RUNG = {
-    ("cli/parallel.py", "attention"),  # the JSON key of the attention-call counts of `seqmem plan --world-size`
+    ("cli/plan_parallel.py", "attention"),  # the JSON key of the attention-call counts of `seqmem plan --world-size`
     ("diagnostics/categories.py", "attention"),  # module names matched as attention in the breakdown
     ("present/render.py", "attention: "),  # prose: the attention backend a traced step ran
 }
@@ -257,3 +257,12 @@ def test_the_private_import_check_sees_a_planted_one():
               "from lightning_seqmem import __version__\nfrom os import _exit\n")
     assert _private_imports(source, "lightning_seqmem.measure.planted") == [
         ("lightning_seqmem.measure.tracker", "_PLAIN_TENSORS", 1), ("lightning_seqmem.measure.tracker", "_flat", 3)]
+
+
+def test_no_two_modules_share_a_basename():
+    """One path per name: a module's file name says which it is, in any wing (``__init__.py`` apart)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_seqmem.diagnostics.step import run_training_step, training_step_loss
+from lightning_seqmem.diagnostics.traced_step import run_training_step, training_step_loss
 from lightning_seqmem.dryrun.step import dry_run_step, state_after_a_step
 from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.measure.probes import make_probe

@@ -225,7 +225,7 @@ def test_the_n_rank_plan_dry_runs_offload_and_holds_it_against_both_budgets():
     the formula) and takes the first whose device and host peaks both fit."""
     from rich.console import Console
 
-    from lightning_seqmem.cli.parallel import parallel_plans
+    from lightning_seqmem.cli.plan_parallel import parallel_plans
 
     model = LitGPT(n_layer=2, d_model=64, n_head=2, vocab_size=VOCAB, attention="sdpa")
     optimizer = model.configure_optimizers()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_seqmem.core.peak import PEAK_KINDS, PeakSite
-from lightning_seqmem.diagnostics.peak import trace_peak_site
+from lightning_seqmem.diagnostics.peak_trace import trace_peak_site
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing

@@ -1,7 +1,7 @@
 """What the ``seqmem`` commands share: building a LightningCLI config's model and data without
 training, the first batch and optimizer, the usable budget, one-line user errors.
 
-Used by :mod:`.main` (``seqmem`` and its options), :mod:`.forecast` and :mod:`.plan`.
+Used by :mod:`.main` (``seqmem`` and its options), :mod:`.forecast_command` and :mod:`.plan`.
 
 Example:
     >>> DEFAULT_MODEL

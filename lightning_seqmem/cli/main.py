@@ -35,7 +35,7 @@ from lightning_seqmem.cli.common import (  # noqa: F401 - build_from_config: a 0
     first_optimizer,
     quiet_warnings,
 )
-from lightning_seqmem.cli.forecast import run_forecast
+from lightning_seqmem.cli.forecast_command import run_forecast
 from lightning_seqmem.cli.plan import run_plan
 
 _first_optimizer = first_optimizer  # 0.1 name (tests import it from here)
@@ -271,7 +271,7 @@ def _add_forecast(sub: Any) -> None:
 
 
 def _add_plan(sub: Any) -> None:
-    """``seqmem plan``: its options (``--world-size``, ``--emit``: the N-rank plan, :mod:`.parallel`)."""
+    """``seqmem plan``: its options (``--world-size``, ``--emit``: the N-rank plan, :mod:`.plan_parallel`)."""
     from lightning_seqmem.cli.emit import ENGINES
     from lightning_seqmem.plan.parallel import KINDS
 

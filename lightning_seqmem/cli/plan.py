@@ -244,7 +244,7 @@ def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
         getattr(args, "sequence_parallel", "auto"))
     if not kinds and not getattr(args, "emit", None):
         return None
-    from lightning_seqmem.cli.parallel import parallel_plans
+    from lightning_seqmem.cli.plan_parallel import parallel_plans
 
     return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets, run.usable,
                           run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None),

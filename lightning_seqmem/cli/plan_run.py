@@ -373,9 +373,9 @@ def peak_at(run: PlanRun, seq_len: int, rows: Sequence[dict[str, Any]], plan: Op
     """Where the peak sits at ``seq_len`` (the ``"peak at"`` field): phase and kinds of tensor of the
     chosen plan's step, or, where none was chosen (nothing fits, or no budget), of the set with the
     lowest peak; one more dry run, its fake step traced by
-    :func:`~lightning_seqmem.diagnostics.peak.trace_peak_site`. None where no dry run ran or it could
+    :func:`~lightning_seqmem.diagnostics.peak_trace.trace_peak_site`. None where no dry run ran or it could
     not say. ``mitigations`` (the set) then :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
-    from lightning_seqmem.diagnostics.peak import trace_peak_site
+    from lightning_seqmem.diagnostics.peak_trace import trace_peak_site
     from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
 
     ran = [r for r in rows if r["peak_bytes"] is not None and not r.get("offload")]

@@ -36,7 +36,7 @@ def setting_name(row: dict[str, Any]) -> str:
 
 def fits_cell(row: dict[str, Any], usable: Optional[int]) -> list[str]:
     """The ``fits`` cell of a table row (none without a budget: the column is not there); the
-    ``--world-size`` table of :mod:`.parallel` shares it (example above)."""
+    ``--world-size`` table of :mod:`.plan_parallel` shares it (example above)."""
     return [] if usable is None else ["-" if row["fits"] is None else ("yes" if row["fits"] else "NO")]
 
 

@@ -4,7 +4,7 @@ A :class:`PeakSite` says *why* a step peaks where it does, so that a user sees w
 not: checkpointing helps when saved activations make the peak, a fused loss when the logits do, a
 memory-efficient attention kernel when the attention scores do, and none of them when parameters,
 gradients and optimizer state fill the device. It is computed by the live-tensor tracker
-(:func:`lightning_seqmem.diagnostics.peak.peak_site` from a traced step, real or fake); here only the
+(:func:`lightning_seqmem.diagnostics.peak_trace.peak_site` from a traced step, real or fake); here only the
 value, torch-free, for the planner, ``seqmem plan`` and the report.
 
 Phases (:data:`PEAK_PHASES`): ``forward`` (the forward's end: saved activations), ``loss`` (the

@@ -1,7 +1,7 @@
 """The report's breakdown section: breakdowns of real training steps, on copies, at safe lengths.
 
 What ``seqmem forecast`` and ``SeqMemCallback(breakdown=True)`` show. Steps run the way
-:mod:`lightning_seqmem.measure.steps` runs forecast steps (:mod:`lightning_seqmem.diagnostics.step`:
+:mod:`lightning_seqmem.measure.steps` runs forecast steps (:mod:`lightning_seqmem.diagnostics.traced_step`:
 Lightning's order, micro-batched as the ``microbatch`` mitigation runs it) and several of them
 become one plain, JSON-able *section* for the CLI, the report and TensorBoard:
 
@@ -16,7 +16,7 @@ become one plain, JSON-able *section* for the CLI, the report and TensorBoard:
   findings and the calibration;
 * :func:`end_of_fit_plan` / :func:`end_of_fit_section`: the breakdown at the end of a fit, from
   what training measured and a copy of the trained model (the callback's reading of the trainer is
-  :func:`lightning_seqmem.trainer.breakdown.run_breakdown`).
+  :func:`lightning_seqmem.trainer.fit_breakdown.run_breakdown`).
 
 Bytes everywhere; :mod:`lightning_seqmem.present.report` renders the section.
 
@@ -43,8 +43,8 @@ from lightning_seqmem.diagnostics.compare import compare_breakdowns
 from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning, diagnose
 from lightning_seqmem.diagnostics.growth import classify_growth, fit_growth
 from lightning_seqmem.diagnostics.korthikanti import calibrate, model_dims
-from lightning_seqmem.diagnostics.peak import peak_site
-from lightning_seqmem.diagnostics.step import LossFn, copy_for_tracing, run_training_step, training_step_loss
+from lightning_seqmem.diagnostics.peak_trace import peak_site
+from lightning_seqmem.diagnostics.traced_step import LossFn, copy_for_tracing, run_training_step, training_step_loss
 from lightning_seqmem.diagnostics.tracer import Breakdown, trace_breakdown
 from lightning_seqmem.measure.batch import infer_batch_shape
 from lightning_seqmem.measure.steps import batch_copy_at, step_device
@@ -172,7 +172,7 @@ def trace_breakdowns(
     ``optimizer``: pass copies (:func:`copy_for_tracing`). Buffers of the model count as inputs
     (they are alive before the step, as the callback's probe counts them). ``micro_batch_size``:
     run each step as micro-batches of that many samples, weighted as the ``microbatch`` mitigation
-    weighs them (``weighting``, ``ignore_index``: :func:`~lightning_seqmem.diagnostics.step.run_training_step`).
+    weighs them (``weighting``, ``ignore_index``: :func:`~lightning_seqmem.diagnostics.traced_step.run_training_step`).
     """
     device = step_device(model, device)
     _, source_len = infer_batch_shape(batch)
@@ -231,7 +231,7 @@ def breakdown_section(
     ``by_kind`` / ``by_category`` / ``by_part`` (what is alive at the peak) and ``activations``
     (alive when backward starts, by category), each row with ``bytes`` per length, ``growth``
     (constant / linear / quadratic), the polynomial ``coefficients`` and ``extrapolated_bytes``;
-    ``peak_site`` (where the longest length's peak sits: :func:`~lightning_seqmem.diagnostics.peak.peak_site`);
+    ``peak_site`` (where the longest length's peak sits: :func:`~lightning_seqmem.diagnostics.peak_trace.peak_site`);
     ``extrapolated_peak_bytes`` (sum of the extrapolated kinds: where the parts are at the
     traced peak moment, which can move at longer lengths) beside ``forecast_peak_bytes`` (the
     forecaster's, when given); ``attention_share`` per length and extrapolated,

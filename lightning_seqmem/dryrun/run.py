@@ -48,7 +48,7 @@ class TrainingRunDryRun:
                  room: Optional[Callable[[], Optional[int]]] = None,
                  resident: Optional[Callable[[], int]] = None) -> None:
         self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
-        self.site = site  # dry_run_step's site tracer (diagnostics.peak.trace_peak_site): answers say where the peak sits
+        self.site = site  # dry_run_step's site tracer (diagnostics.peak_trace.trace_peak_site): answers say where the peak sits
         self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs; :mod:`.sharded`)
         # bytes the dry run's real values may take now (None: any; on a CPU run, what the usable
         # budget leaves beside the run's tensors: :func:`.values.value_room`)

@@ -273,7 +273,7 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
 
 SiteTracer = Callable[..., Any]
 """``(step_fn, model, optimizer, existing, *, seq_len, batch_size, device_type) -> PeakSite``: traces the
-step ``step_fn`` runs (:func:`lightning_seqmem.diagnostics.peak.trace_peak_site`)."""
+step ``step_fn`` runs (:func:`lightning_seqmem.diagnostics.peak_trace.trace_peak_site`)."""
 
 
 def _measured_step(model: nn.Module, optimizer: Any, step_optimizer: Any, batch: Any, loss_fn: Any, probe: Any,
@@ -336,7 +336,7 @@ def dry_run_step(
         device: the device to simulate; default that of the module's first parameter. A device
             other than the module's must be one this torch build supports.
         site: where the peak sits, asked of a tracer that watches the same fake step
-            (:func:`lightning_seqmem.diagnostics.peak.trace_peak_site`; the diagnostics wing sits above
+            (:func:`lightning_seqmem.diagnostics.peak_trace.trace_peak_site`; the diagnostics wing sits above
             this one, so the caller hands it in): the result's ``peak_site``. None: not asked. A
             tracer that fails leaves ``peak_site`` None, the peak unchanged.
 

@@ -2,7 +2,7 @@
 
 The hooks, in the order a fit runs them, each calling the part that does the work: the checks
 before the first step (:mod:`.fit_setup`), a resume or a second fit (:mod:`.resume`), the decision
-before each batch and its rungs on every rank (:mod:`.decisions`), the curriculum's length on the
+before each batch and its rungs on every rank (:mod:`.batch_decision`), the curriculum's length on the
 batch (:mod:`.lengths`), the measured step around the probe (:mod:`.measured_step`) and the outputs
 at the end of fit (:mod:`.fit_end`). Every decision is the torch-free
 :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s; everything written goes through
@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.trainer import access as edge
-from lightning_seqmem.trainer import decisions, fit_end, fit_setup, lengths, measured_step, outputs, resume
+from lightning_seqmem.trainer import batch_decision, fit_end, fit_setup, lengths, measured_step, outputs, resume
 from lightning_seqmem.measure.batch import read_batch_shape
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.config import SeqLenFn
@@ -97,7 +97,7 @@ class SeqMemCallback(Callback):
         mitigations: the ladder, in the order tried: ``"attention"`` (eager → SDPA → flash-attn),
             ``"checkpointing"`` (activation checkpointing of the repeated blocks), ``"microbatch"``
             (micro-batches of one sample inside the step); ``()`` warns and caps instead.
-        breakdown: after fit, attribute the memory to modules and kinds (:mod:`.breakdown`) on a
+        breakdown: after fit, attribute the memory to modules and kinds (:mod:`.fit_breakdown`) on a
             copy of the model: :attr:`breakdown_report`, the report's section, TensorBoard text.
         dry_run: judge every new length, batch size and set of rungs by a dry run of the training
             step on a fake copy of the module (:mod:`.dryrun`; rank zero, about a second each)
@@ -314,10 +314,10 @@ class SeqMemCallback(Callback):
         if self.edge.stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
             safely(self, "the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.seq_len))
             return
-        failed, shape, applicable = decisions.local_inputs(self, trainer, pl_module, batch)
+        failed, shape, applicable = batch_decision.local_inputs(self, trainer, pl_module, batch)
         if self.edge.dry_runner is not None and not failed:
             safely(self, "the dry run's batch", lambda: self.edge.dry_runner.keep(batch))
-        agreed = decisions.agree_and_apply(self, trainer, pl_module, batch, failed, shape, applicable)
+        agreed = batch_decision.agree_and_apply(self, trainer, pl_module, batch, failed, shape, applicable)
         if agreed is None:
             return  # a rank stopped measuring, so every rank did
         decision, shape = agreed
@@ -326,7 +326,7 @@ class SeqMemCallback(Callback):
         if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
             safely(self, "the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
         lengths.cut_for_step(self, trainer, batch, decision.seq_len)
-        check = decisions.check_pending(self, trainer, pl_module, batch)  # (a collective)
+        check = batch_decision.check_pending(self, trainer, pl_module, batch)  # (a collective)
         measured_step.start_measurement(self, trainer, pl_module, batch, decision, shape, check)
         warn_advice(self)
         self.edge.step_started_s = time.perf_counter()  # the step itself from here: the decision and its dry runs are done
@@ -355,16 +355,16 @@ class SeqMemCallback(Callback):
         started, self.edge.step_started_s = self.edge.step_started_s, None
         seconds = measured_step.step_seconds(started, pending, pl_module)
         memory = measured_step.stop_probe(self, pending)
-        refusal = decisions.refusal(self, pl_module)
+        refusal = batch_decision.refusal(self, pl_module)
         gathered = measured_step.gather(self, trainer, memory, refusal is not None)
         if gathered is None:
             return  # a rank stopped measuring, so every rank did
         any_refused, row = gathered
         if any_refused:  # e.g. the loss is not a mean: micro-batching is off on every rank, and this step ran whole
-            decisions.undo_refused(self, trainer, pl_module, refusal, pending)
+            batch_decision.undo_refused(self, trainer, pl_module, refusal, pending)
         measured_step.record_step(self, trainer, pending, row, memory, seconds)
         if self.edge.uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
-            safely(self, "setting the next batch's length", lambda: decisions.set_next_length(self, trainer, pl_module, batch))
+            safely(self, "setting the next batch's length", lambda: batch_decision.set_next_length(self, trainer, pl_module, batch))
         if self.breakdown and not self.edge.failed and trainer.is_global_zero:
             safely(self, "the memory breakdown", lambda: setattr(self.edge, "breakdown_batch", edge.longest_batch(
                 self.edge.breakdown_batch, batch, self._read_shape(batch)[1])))
@@ -377,7 +377,7 @@ class SeqMemCallback(Callback):
         fit_end.train_end(self, trainer, pl_module)
 
     def run_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Trace the memory breakdown now (see :func:`lightning_seqmem.trainer.breakdown.run_breakdown`);
+        """Trace the memory breakdown now (see :func:`lightning_seqmem.trainer.fit_breakdown.run_breakdown`);
         sets :attr:`breakdowns`, :attr:`breakdown_table`, :attr:`breakdown_report`, warns each
         diagnosis once, logs the tables as TensorBoard text and returns the section."""
         return fit_end.run_breakdown(self, trainer, pl_module)

@@ -42,9 +42,9 @@ def train_end(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightning
 
 
 def advice_at_end(cb: "SeqMemCallback", trainer: pl.Trainer) -> None:
-    """Advice from the forecast as it stands now (:mod:`lightning_seqmem.dryrun.advice`): bf16 only
+    """Advice from the forecast as it stands now (:mod:`lightning_seqmem.dryrun.advice_now`): bf16 only
     where a dry run says it lowers the peak."""
-    from lightning_seqmem.dryrun.advice import precision_advice
+    from lightning_seqmem.dryrun.advice_now import precision_advice
 
     item = precision_advice(cb.edge.dry_runner, cb.planner, str(trainer.precision), cb.edge.device)
     if item is not None:
@@ -53,10 +53,10 @@ def advice_at_end(cb: "SeqMemCallback", trainer: pl.Trainer) -> None:
 
 
 def run_breakdown(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-    """Trace the memory breakdown now (see :func:`lightning_seqmem.trainer.breakdown.run_breakdown`);
+    """Trace the memory breakdown now (see :func:`lightning_seqmem.trainer.fit_breakdown.run_breakdown`);
     sets the callback's ``breakdowns``, ``breakdown_table``, ``breakdown_report``, warns each
     diagnosis once, logs the tables as TensorBoard text and returns the section."""
-    from lightning_seqmem.trainer.breakdown import run_breakdown as trace_breakdown
+    from lightning_seqmem.trainer.fit_breakdown import run_breakdown as trace_breakdown
 
     section, cb.breakdowns, cb.breakdown_table = trace_breakdown(
         cb.planner, cb.edge.breakdown_batch, lambda batch: read_batch_shape(batch, cb.seq_len_fn), cb.edge.device,

@@ -78,7 +78,7 @@ def check_compiled(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> None:
 def start_dry_run(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """The dry run of this module's training step (:class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`,
     on rank zero) that the planner judges each new setting by, with the rungs on now."""
-    from lightning_seqmem.diagnostics.peak import trace_peak_site
+    from lightning_seqmem.diagnostics.peak_trace import trace_peak_site
     from lightning_seqmem.dryrun.run import TrainingRunDryRun
     from lightning_seqmem.trainer.own_memory import resident_bytes, value_room_bytes
 

@@ -4,7 +4,7 @@ A batch the callback can cut (a mapping, a list, a dataclass) is cut in place at
 (:func:`cut`, :func:`cut_for_step`); one only the dataset can shorten (a tuple, a bare tensor) gets
 its length through the datamodule's or train dataset's ``set_seq_len`` before Lightning fetches it:
 :func:`set_first_length` at the epoch start, then each batch end sets the next one's
-(:func:`lightning_seqmem.trainer.decisions.set_next_length`). Without a curriculum nothing is cut.
+(:func:`lightning_seqmem.trainer.batch_decision.set_next_length`). Without a curriculum nothing is cut.
 
 Example:
     >>> from types import SimpleNamespace as NS

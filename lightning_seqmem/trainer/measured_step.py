@@ -46,7 +46,7 @@ def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.L
                       decision: Decision, shape: tuple[int, int], check: bool = False) -> None:
     """Begin the step the planner decided on (``shape``: the one agreed across ranks) and, for a
     measured one, start the probe in its forward phase; ``check``: a rung's one-time check runs in
-    this step on some rank (:func:`.decisions.check_pending`): a warm-up."""
+    this step on some rank (:func:`.batch_decision.check_pending`): a warm-up."""
     cb.edge.shape = tuple(int(x) for x in read_batch_shape(batch, cb.seq_len_fn))  # what this rank really runs
     if decision.seq_len is None:
         planned = shape

@@ -1,7 +1,7 @@
 """``EdgeState``: the callback's own run state for one fit (the planner's is in ``cb.planner``).
 
 :class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the parts of the edge
-(:mod:`.guard`, :mod:`.fit_setup`, :mod:`.resume`, :mod:`.decisions`, :mod:`.lengths`,
+(:mod:`.guard`, :mod:`.fit_setup`, :mod:`.resume`, :mod:`.batch_decision`, :mod:`.lengths`,
 :mod:`.measured_step`, :mod:`.fit_end`) read and write its fields. A fresh one is built when the
 callback is made and when a fit follows one that measured (:func:`.resume.next_fit`): on the same
 Trainer and module the breakdown fields are carried over, the rest starts afresh.
@@ -11,7 +11,7 @@ field                       what it holds                                     wh
 ==========================  ================================================  ==============================================
 ``failed``                  this rank stopped measuring (an internal          :func:`.guard.fail`
                             failure, said in one warning)
-``stopped``                 every rank agreed to stop: no more collectives    :mod:`.decisions`, :func:`.measured_step.gather`
+``stopped``                 every rank agreed to stop: no more collectives    :mod:`.batch_decision`, :func:`.measured_step.gather`
 ``pending``                 the step begun at this batch's start              :func:`.measured_step.start_measurement`; the
                             (:class:`~lightning_seqmem.plan.planner.          batch end takes it (None again)
                             PendingStep`), None between batches
@@ -19,9 +19,9 @@ field                       what it holds                                     wh
                             itself began, None between batches                end takes it (None again)
 ``shape``                   ``(batch size, length)`` of the last batch as     :func:`.measured_step.start_measurement`
                             cut, on this rank
-``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     :func:`.decisions.applicability`
+``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     :func:`.batch_decision.applicability`
                             (applies here, why not)}}``, one entry
-``noop_rungs``              rungs that change nothing on this rank's batch    :func:`.decisions.applicability`
+``noop_rungs``              rungs that change nothing on this rank's batch    :func:`.batch_decision.applicability`
                             (with several ranks: agreed, not refused)
 ``reapply_on_fit_start``    a checkpoint's rungs are to be switched on        :func:`.resume.load_state`; cleared by
                             again at ``on_fit_start``                         :func:`.resume.resume_rungs`
