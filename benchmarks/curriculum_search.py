@@ -29,7 +29,7 @@ import torch
 
 import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback, parse_bytes
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.core.units import format_bytes
 
 STEPS_PER_PROBE = 3  # 2 warm-up steps + 1 measured step

@@ -56,7 +56,7 @@ model:
   class_path: depth_extrapolation.MetaLlama
   init_args: {num_hidden_layers: %d}
 data:
-  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
+  class_path: lightning_seqmem.reference.demo.SyntheticTokenDataModule
   init_args: {batch_size: 1, seq_len: 16, num_samples: 8, vocab_size: 128256}
 """
 GiB = 2**30

@@ -41,7 +41,7 @@ def _mib(n: int) -> str:
 
 
 def plan_figures(quick: bool, show: bool) -> dict:
-    from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 
     shape = dict(vocab_size=8192, n_layer=2, d_model=128, n_head=4) if quick else \
@@ -90,7 +90,7 @@ def measure_worker(out: str) -> None:
 
     from fsdp2_cpu import ShardedLitGPT
     from lightning_seqmem import SeqMemCallback
-    from lightning_seqmem.demo import SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import SyntheticTokenDataModule
 
     warnings.simplefilter("ignore")
     pl.seed_everything(0, verbose=False)
@@ -110,7 +110,7 @@ def measure_worker(out: str) -> None:
 
 def accuracy(show: bool) -> dict:
     from fsdp2_cpu import ShardedLitGPT
-    from lightning_seqmem.demo import SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import SyntheticTokenDataModule
     from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 
     m = MEASURE

@@ -51,7 +51,7 @@ def budget_run(classes, budget_bytes: int, target: int, precision: str, max_step
     import lightning.pytorch as pl  # noqa: F401 - imported by build() too
 
     from lightning_seqmem import Curriculum, SeqMemCallback
-    from lightning_seqmem.demo import SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import SyntheticTokenDataModule
 
     IndependentPeaks, CheckedLitGPT, make_trainer = classes
     torch.manual_seed(0)

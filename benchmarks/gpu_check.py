@@ -92,7 +92,7 @@ def build(args: argparse.Namespace):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_seqmem.demo import LitGPT
+    from lightning_seqmem.reference.demo import LitGPT
 
     class IndependentPeaks(Callback):
         """Reads the allocator's peak counters itself; place it before the SeqMemCallback."""
@@ -155,7 +155,7 @@ def build(args: argparse.Namespace):
 def train(classes, attention: str, precision: str, seq_len: int, max_steps: int, curriculum=None):
     """A fresh model trained ``max_steps``; returns (SeqMemCallback, IndependentPeaks)."""
     from lightning_seqmem import SeqMemCallback
-    from lightning_seqmem.demo import SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import SyntheticTokenDataModule
 
     IndependentPeaks, CheckedLitGPT, make_trainer = classes
     torch.manual_seed(0)
@@ -284,7 +284,7 @@ def check_offload(deadline: float, lengths=OFFLOAD_LENGTHS) -> list[dict]:
     step, 512-byte blocks, resident workspaces) against the allocator's measured peak of a real step
     (``training_step_memory`` with the CUDA probe, after a warm-up step), the bytes the dry run says go
     to host against those ``save_on_cpu`` copied, and the step time (the transfers' cost)."""
-    from lightning_seqmem.demo import LitGPT
+    from lightning_seqmem.reference.demo import LitGPT
     from lightning_seqmem.dryrun.step import dry_run_step
     from lightning_seqmem.measure.probes import make_probe
     from lightning_seqmem.measure.steps import training_step_memory
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         check_offload(start + args.budget_s)
         print(f"total runtime: {time.perf_counter() - start:.1f} s")
         return 0
-    from lightning_seqmem.nn import flash_attn_available, flash_attn_unavailable_reason
+    from lightning_seqmem.reference.nn import flash_attn_available, flash_attn_unavailable_reason
 
     print(
         f"gpu_check: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), "

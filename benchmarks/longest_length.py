@@ -50,7 +50,7 @@ from lightning_seqmem import Curriculum, SeqMemCallback, parse_bytes
 from lightning_seqmem.core.search import largest_fitting
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.dryrun.step import dry_run_step
-from lightning_seqmem.hf import HFCausalLM
+from lightning_seqmem.reference.hf import HFCausalLM
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import RungContext
 

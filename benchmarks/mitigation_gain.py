@@ -25,7 +25,7 @@ import torch
 
 import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback, parse_bytes
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.core.units import format_bytes
 

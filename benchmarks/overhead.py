@@ -1,6 +1,6 @@
 """Step-time overhead of ``SeqMemCallback`` in a real Lightning training loop.
 
-Trains :class:`~lightning_seqmem.demo.LitGPT` with ``lightning.pytorch.Trainer`` (no logger, no
+Trains :class:`~lightning_seqmem.reference.demo.LitGPT` with ``lightning.pytorch.Trainer`` (no logger, no
 checkpointing, no progress bar) for ``--steps`` steps in three configurations:
 
 * ``baseline``      no SeqMemCallback;
@@ -39,7 +39,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_seqmem import SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*litlogger.*")

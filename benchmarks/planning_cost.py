@@ -68,7 +68,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.dryrun.step import dry_run_step
-from lightning_seqmem.hf import HFCausalLM
+from lightning_seqmem.reference.hf import HFCausalLM
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.dryrun.run import TrainingRunDryRun
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
 from lightning_seqmem.core.quadratic import QuadraticMemoryModel
-from lightning_seqmem.nn import GPT, GPTConfig
+from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import TrackerProbe
 from lightning_seqmem.core.timeline import TimelineModel, Trace

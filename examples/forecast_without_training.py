@@ -11,7 +11,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from lightning_seqmem.nn import GPT, GPTConfig
+from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.steps import trace_training_steps
 
 

@@ -3,7 +3,7 @@
     python examples/fsdp2_cpu.py fit --config configs/fsdp2_cpu.yaml
     seqmem plan --config configs/fsdp2_cpu.yaml --lengths 1024 4096 --world-size 8 --strategy fsdp2
 
-``ShardedLitGPT`` is the reference :class:`~lightning_seqmem.demo.LitGPT` whose ``configure_model()``
+``ShardedLitGPT`` is the reference :class:`~lightning_seqmem.reference.demo.LitGPT` whose ``configure_model()``
 shards every transformer block and then the root with ``fully_shard`` over the strategy's device
 mesh (``self.device_mesh``, data-parallel dimension), as torchtitan does. Each rank then holds
 ``1/N`` of the parameters, gradients and AdamW state; a block's full parameters exist only while it
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 
 class ShardedLitGPT(LitGPT):
-    """:class:`~lightning_seqmem.demo.LitGPT` sharded with FSDP2 in ``configure_model()``.
+    """:class:`~lightning_seqmem.reference.demo.LitGPT` sharded with FSDP2 in ``configure_model()``.
 
-    Args: those of :class:`~lightning_seqmem.demo.LitGPT`, plus
+    Args: those of :class:`~lightning_seqmem.reference.demo.LitGPT`, plus
 
         reshard_after_forward: free each block's gathered parameters after its forward (ZeRO-3,
             the default) or keep them until backward (``False``: ZeRO-2-like, more memory, one

@@ -4,7 +4,7 @@ Needs transformers: ``pip install -e ".[hf]"`` (or ``.[dev]``).
     python examples/hf_causal_lm.py                 # a few steps, 64 -> 256 tokens, on CPU (< 1 min)
     python examples/hf_causal_lm.py fit --config configs/hf_causal_lm.yaml   # the same through LightningCLI
 
-The LightningModule is lightning_seqmem.hf.HFCausalLM: ``AutoModelForCausalLM.from_config`` of a
+The LightningModule is lightning_seqmem.reference.hf.HFCausalLM: ``AutoModelForCausalLM.from_config`` of a
 ``LlamaConfig``; SeqMemCallback sees a PreTrainedModel inside, so its mitigations can switch
 ``attn_implementation`` and enable gradient checkpointing mid-run.
 """
@@ -16,8 +16,8 @@ import warnings
 import lightning.pytorch as pl
 
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import SyntheticTokenDataModule
-from lightning_seqmem.hf import HFCausalLM
+from lightning_seqmem.reference.demo import SyntheticTokenDataModule
+from lightning_seqmem.reference.hf import HFCausalLM
 
 if importlib.util.find_spec("transformers") is None:  # an extra: say which, in one line
     raise SystemExit(f'{sys.argv[0]}: error: this example needs transformers: pip install -e ".[hf]"')

@@ -11,9 +11,6 @@ Quick start::
 """
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 from typing import Any
 
 # Plain values and torch-free maths import eagerly; everything that needs torch or Lightning is
@@ -42,42 +39,6 @@ _LAZY = {
     "infer_batch_shape": ".measure.batch",
     "set_batch_sequence_length": ".measure.batch",
 }
-
-# The flat modules of 0.1 under their old names (configs name ``lightning_seqmem.demo.LitGPT``):
-# ``import lightning_seqmem.demo`` gives the very module ``lightning_seqmem.reference.demo``.
-_OLD_NAMES = {
-    "advice": "core.advice", "advice_now": "dryrun.advice_now", "batch": "measure.batch",
-    "breakdown": "diagnostics.breakdown", "breakdown_steps": "diagnostics.section",
-    "callback": "trainer.callback", "checks": "core.checks", "curriculum": "core.curriculum",
-    "demo": "reference.demo", "distributed": "trainer.ranks", "dryrun": "dryrun.step",
-    "edge": "trainer.access", "forecast": "core.forecast", "hf": "reference.hf", "model": "core.quadratic",
-    "nn": "reference.nn", "offline": "measure.steps", "oom": "trainer.oom", "outputs": "trainer.outputs",
-    "panels": "present.panels", "planner": "plan.planner", "probes": "measure.probes",
-    "records": "core.records", "report": "present.report", "rungs": "core.rungs",
-    "sharded": "dryrun.sharded", "state": "plan.checkpoint", "timeline": "core.timeline",
-    "training_dry_run": "dryrun.run", "units": "core.units",
-}
-
-
-class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``lightning_seqmem.<old flat name>`` and answers with the module it moved to."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        prefix, _, old = fullname.partition(".")
-        if prefix != __name__ or old not in _OLD_NAMES:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(f"{__name__}.{_OLD_NAMES[spec.name.partition('.')[2]]}")
-
-    def exec_module(self, module: Any) -> None:
-        pass  # the module it moved to is already executed
-
-
-if not any(isinstance(f, _OldNames) for f in sys.meta_path):
-    sys.meta_path.append(_OldNames())
-
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:

@@ -145,10 +145,10 @@ trainer:
         memory_budget: 1GiB
         mitigations: {json.dumps(list(mitigations))}
 model:
-  class_path: lightning_seqmem.demo.LitGPT
+  class_path: lightning_seqmem.reference.demo.LitGPT
   init_args: {json.dumps(model)}
 data:
-  class_path: lightning_seqmem.demo.SyntheticTokenDataModule
+  class_path: lightning_seqmem.reference.demo.SyntheticTokenDataModule
   init_args: {json.dumps(data)}
 """)
     return config

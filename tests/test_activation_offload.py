@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from conftest import measured_step, plan_config, plan_json
-from lightning_seqmem.demo import LitGPT
+from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.dryrun.offload_saving import offload_forecast
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import make_probe

@@ -28,7 +28,7 @@ from lightning_seqmem.diagnostics.breakdown import (
     trace_breakdown,
 )
 from lightning_seqmem.mitigations import ActivationCheckpointing
-from lightning_seqmem.nn import GPT, GPTConfig
+from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.probes import TrackerProbe
 
 # Lengths and widths chosen so that no model width, head count or batch size equals a length.

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
 from lightning_seqmem.diagnostics.section import copy_for_tracing, safe_seq_lens, trace_breakdowns, training_step_loss, width_dims
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.present.report import load_report, render_console
 from conftest import make_trainer
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 from conftest import make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning_seqmem import Curriculum, MemoryBudgetError, PredictedOOMWarning, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
 
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 STAGES = dict(start=32, target=512, steps_per_stage=3, multiple_of=16)

@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 MODEL = dict(n_layer=2, d_model=64, n_head=4)
 

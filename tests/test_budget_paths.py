@@ -23,7 +23,7 @@ from conftest import make_trainer
 from step_window import StepWindows
 from test_demo_transformer import DemoTransformer, Tokens, tuples
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.trainer.own_memory import resident_bytes
 
 MIB = 2**20
@@ -169,7 +169,7 @@ def test_a_forecast_never_claims_a_rung_that_does_not_apply():
 
 # -- 4. gradient accumulation: the window's worst batch is judged ----------------------------------
 def _eager_llama():
-    from lightning_seqmem.hf import HFCausalLM
+    from lightning_seqmem.reference.hf import HFCausalLM
 
     torch.manual_seed(0)
     config = {"hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 2,

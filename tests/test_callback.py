@@ -18,7 +18,7 @@ from lightning_seqmem import (
     SeqMemCallback,
     SeqMemFailureWarning,
 )
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import make_trainer
 from lightning_seqmem import SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_micro_batching
 
 MODEL = dict(n_layer=1, d_model=32, n_head=2)

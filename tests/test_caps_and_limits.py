@@ -18,7 +18,7 @@ import torch
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, MemoryBudgetError, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 FITS = re.compile(r"The largest length forecast to fit is (\d+)\.")
 
@@ -34,7 +34,7 @@ def _fit(cb, module, max_steps, seq_len, batch_size=2, **trainer):
 
 def test_a_sliding_window_cap_is_the_dry_runs_and_every_step_stays_in_budget():
     pytest.importorskip("transformers")
-    from lightning_seqmem.hf import HFCausalLM
+    from lightning_seqmem.reference.hf import HFCausalLM
 
     # traced at 64 and 256, inside the 512-token window: the replay under-predicts past it (before:
     # the cap came from it, and steps ran at 704 and 640 tokens over the usable budget)
@@ -76,7 +76,7 @@ def test_nothing_fits_with_only_micro_batching_on_sdpa_is_said_so():
 
 def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(tmp_path):
     pytest.importorskip("transformers")
-    from lightning_seqmem.hf import HFCausalLM
+    from lightning_seqmem.reference.hf import HFCausalLM
 
     limit = 256
     bert = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,

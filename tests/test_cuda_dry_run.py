@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from lightning_seqmem.demo import LitGPT
+from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.dryrun.step import (
     cuda_kernel_scratch_bytes,
     dry_run_step,

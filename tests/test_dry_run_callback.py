@@ -11,10 +11,10 @@ import torch
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 pytest.importorskip("transformers")
-from lightning_seqmem.hf import HFCausalLM  # noqa: E402
+from lightning_seqmem.reference.hf import HFCausalLM  # noqa: E402
 
 MISTRAL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 4, "sliding_window": 64, "max_position_embeddings": 4096}

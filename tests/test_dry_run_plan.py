@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 from test_ladder import MODEL, _peak  # the same 4-layer eager GPT, its peak measured with rungs switched on first
 

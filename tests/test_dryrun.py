@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
-from lightning_seqmem.demo import LitGPT
+from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.dryrun.step import DryRunUnsupported, allocator_block_bytes, dry_run_step, replay_peaks
 from lightning_seqmem.mitigations.attention import AttentionSwitch, current_attention_backend
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.plan.planner import PendingStep
 from lightning_seqmem.trainer.run_state import EdgeState
 

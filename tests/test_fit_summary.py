@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.core.units import format_bytes
 
 

@@ -16,7 +16,7 @@ import torch
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import TrackerProbe
 from lightning_seqmem.measure.steps import training_step_memory
@@ -126,7 +126,7 @@ def test_the_measured_peak_falls_and_the_dry_run_forecasts_it():
 
 def test_hugging_face_llama_from_a_random_config():
     pytest.importorskip("transformers")
-    from lightning_seqmem.hf import HFCausalLM
+    from lightning_seqmem.reference.hf import HFCausalLM
 
     torch.manual_seed(0)
     module = _quiet(HFCausalLM(config=LLAMA, attn_implementation="sdpa", shift_labels=True))

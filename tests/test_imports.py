@@ -164,15 +164,16 @@ def test_torch_free_wings_import_without_torch_or_lightning(modules):
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_old_flat_names_are_the_moved_modules():
+def test_one_path_per_module_no_old_flat_names():
+    """A module has one import path: the flat names of 0.1 (never released) are not importable."""
     import importlib
 
     import lightning_seqmem
-    from lightning_seqmem.reference import demo
 
-    assert importlib.import_module("lightning_seqmem.demo") is demo
-    for old, new in lightning_seqmem._OLD_NAMES.items():
-        assert (PACKAGE / Path(*new.split("."))).with_suffix(".py").exists(), (old, new)
+    assert not hasattr(lightning_seqmem, "_OLD_NAMES")
+    for old in ("demo", "callback", "planner", "probes", "edge", "advice_now"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"lightning_seqmem.{old}")
 
 
 # Words that are rung names but mean something else where they stand (not a rung compared or dispatched on)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, MemoryBudgetError, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.core.units import parse_bytes
 
 

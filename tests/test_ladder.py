@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.core.rungs import base_name
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching, ladder
 
 MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=64, attention="eager")

@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 from conftest import ddp_full_and_micro, launch_ddp_script, make_trainer
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
 from lightning_seqmem.mitigations import MitigationResult
 from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
 from lightning_seqmem.measure.probes import TrackerProbe
@@ -420,7 +420,7 @@ def test_hugging_face_model_same_gradients_and_less_memory():
     gradients as the full batch, and a lower measured step peak."""
     pytest.importorskip("transformers")
     from lightning_seqmem import SeqMemCallback
-    from lightning_seqmem.hf import HFCausalLM
+    from lightning_seqmem.reference.hf import HFCausalLM
 
     class GradsAtFirstStep(pl.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):

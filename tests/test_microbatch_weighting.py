@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from conftest import ddp_full_and_micro, launch_ddp_script, make_trainer
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations.microbatch import (
     MicroBatching,
     MicroBatchingRefusedWarning,
@@ -121,7 +121,7 @@ class HFLossLM(pl.LightningModule):
 
 def _project_hf_module():
     """The project's :class:`HFCausalLM` (``shift_labels=False``: labels already the next tokens)."""
-    from lightning_seqmem.hf import HFCausalLM
+    from lightning_seqmem.reference.hf import HFCausalLM
 
     class SGDCausalLM(HFCausalLM):
         def configure_optimizers(self):

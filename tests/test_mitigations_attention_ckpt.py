@@ -26,7 +26,7 @@ from lightning_seqmem.mitigations import (
     is_checkpointed,
     sdpa_kernel_context,
 )
-from lightning_seqmem.nn import GPT, Block, CausalSelfAttention, GPTConfig
+from lightning_seqmem.reference.nn import GPT, Block, CausalSelfAttention, GPTConfig
 
 VOCAB = 64
 CPU = torch.device("cpu")

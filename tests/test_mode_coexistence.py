@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.measure.mode_stack import stack
 from lightning_seqmem.measure.probes import LiveTensorTracker
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import SyntheticTokenDataModule
 from lightning_seqmem.dryrun import accelerator
 from lightning_seqmem.dryrun import session as session_module
 from lightning_seqmem.dryrun.moe import DryRunFakeMode, is_moe_block, routing_assignment
@@ -31,7 +31,7 @@ from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
 
 transformers = pytest.importorskip("transformers")
-from lightning_seqmem.hf import HFCausalLM  # noqa: E402
+from lightning_seqmem.reference.hf import HFCausalLM  # noqa: E402
 
 CPU = torch.device("cpu")
 VOCAB = 256

@@ -1,4 +1,4 @@
-"""Tests for the reference GPT (lightning_seqmem.nn) and the Lightning demo (lightning_seqmem.demo)."""
+"""Tests for the reference GPT (lightning_seqmem.reference.nn) and the Lightning demo (lightning_seqmem.reference.demo)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
-from lightning_seqmem.nn import (
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
+from lightning_seqmem.reference.nn import (
     ATTENTION_BACKENDS,
     GPT,
     CausalSelfAttention,

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from lightning_seqmem import Curriculum, SeqMemCallback, StepRecord
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.core.advice import KINDS
 from lightning_seqmem.trainer.outputs import log_figure, report_dir, write_layout, write_report
 from lightning_seqmem.present.panels import FIGURE_TAG, LAYOUT_CATEGORIES, custom_scalars_layout, memory_figure

@@ -22,7 +22,7 @@ from conftest import make_trainer
 from limits import limit_s
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import check_mitigations, spec
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.measure.steps import training_step_memory

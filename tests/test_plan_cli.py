@@ -255,7 +255,7 @@ def test_plan_says_where_the_dry_run_is_unsupported(tmp_path, monkeypatch, capsy
     """A training_step that reads an activation's value cannot run on fake tensors: each row says why, exit 0."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plan_item_model.py").write_text(
-        "from lightning_seqmem.demo import LitGPT\n\n\n"
+        "from lightning_seqmem.reference.demo import LitGPT\n\n\n"
         "class ItemGPT(LitGPT):\n"
         "    def training_step(self, batch, batch_idx):\n"
         "        loss = super().training_step(batch, batch_idx)\n"
@@ -267,7 +267,7 @@ def test_plan_says_where_the_dry_run_is_unsupported(tmp_path, monkeypatch, capsy
     config.write_text(
         "trainer:\n  accelerator: cpu\n  max_steps: 1\n"
         "model:\n  class_path: plan_item_model.ItemGPT\n  init_args:\n    n_layer: 1\n    d_model: 32\n    n_head: 2\n"
-        "data:\n  class_path: lightning_seqmem.demo.SyntheticTokenDataModule\n"
+        "data:\n  class_path: lightning_seqmem.reference.demo.SyntheticTokenDataModule\n"
         "  init_args:\n    batch_size: 2\n    seq_len: 64\n    num_samples: 8\n"
     )
     assert main(["plan", "--config", str(config), "--lengths", "128", "--budget", "1GiB", "--json"]) == 0

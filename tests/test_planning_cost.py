@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT
+from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.plan.dry_evidence import bucket_up, dominating, largest_fitting
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.plan.planner import SeqMemPlanner

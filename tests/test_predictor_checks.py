@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from conftest import fit_messages
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 
 class FakeBlindGPT(LitGPT):

@@ -237,7 +237,7 @@ def _measured(names):
 
     from conftest import make_trainer
     from lightning_seqmem import SeqMemCallback
-    from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     from lightning_seqmem.mitigations import ladder
 
     class SwitchOn(pl.Callback):
@@ -261,7 +261,7 @@ def test_a_real_run_switches_on_the_cheaper_of_two_rungs_that_fit():
 
     from conftest import make_trainer
     from lightning_seqmem import PredictedOOMWarning, SeqMemCallback
-    from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     from lightning_seqmem.mitigations import is_checkpointed
 
     ckpt, _ = _measured(("checkpointing",))

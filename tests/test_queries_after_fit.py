@@ -28,7 +28,7 @@ def test_a_step_is_verified_against_the_forecast_for_the_shape_that_ran():
 
     from conftest import make_trainer
     from lightning_seqmem import Curriculum, SeqMemCallback
-    from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
     cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
     torch.manual_seed(0)

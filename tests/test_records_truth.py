@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.demo import LitGPT
+from lightning_seqmem.reference.demo import LitGPT
 
 
 class TensorBatchGPT(LitGPT):

@@ -7,7 +7,7 @@ import torch
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching
 
 BUDGET = 1_600_000  # bytes: caps this tiny model's curriculum between 64 and 256 tokens

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching
 from lightning_seqmem.plan.checkpoint import legacy_key_config
 

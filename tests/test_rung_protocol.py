@@ -16,7 +16,7 @@ from torch import nn
 from conftest import make_trainer, plan_config, plan_json
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import RungSpec, check_mitigations, spec
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext

@@ -57,7 +57,7 @@ def test_a_fused_loss_that_costs_memory_on_a_small_vocabulary_does_not_take_the_
 
     from conftest import make_trainer
     from lightning_seqmem import SeqMemCallback
-    from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+    from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     from lightning_seqmem.dryrun.step import dry_run_step
 
     model, rows = dict(n_layer=1, d_model=32, n_head=2), 2

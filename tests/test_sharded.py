@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_seqmem import edge
+from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.cli.main import main
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import DryRunUnsupported
 from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
 from lightning_seqmem.core.rungs import MITIGATIONS

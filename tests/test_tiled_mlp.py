@@ -22,7 +22,7 @@ from conftest import make_trainer, measured_step, plan_config, plan_json
 from limits import limit_s
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import EXTRA_RUNGS, MITIGATIONS, check_mitigations
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.tiled_mlp import TiledMLP, find_mlps, tile_count_rule, tiled_mlp_tiles

@@ -7,7 +7,7 @@ import torch
 
 from lightning_seqmem import MemoryForecaster, TimelineModel, Trace
 from lightning_seqmem.mitigations import ActivationCheckpointing
-from lightning_seqmem.nn import GPT, GPTConfig
+from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.probes import TrackerProbe
 from test_probes import VARIANTS, _step
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, MemoryBudgetError, SeqMemCallback
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 
 def _fit(cb, model, data, max_steps, **trainer_kwargs):

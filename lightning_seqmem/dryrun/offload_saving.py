@@ -11,7 +11,7 @@ workspaces and the copies' own timing on a GPU are not in them).
 
 Example:
     >>> import torch
-    >>> from lightning_seqmem.demo import LitGPT
+    >>> from lightning_seqmem.reference.demo import LitGPT
     >>> module = LitGPT(n_layer=2, d_model=32, n_head=2, vocab_size=64, attention="sdpa")
     >>> batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)}
     >>> f = offload_forecast(module, None, batch, seq_len=256)

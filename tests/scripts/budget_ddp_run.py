@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from step_window import StepWindows  # noqa: E402
 
 from lightning_seqmem import Curriculum, SeqMemCallback  # noqa: E402
-from lightning_seqmem.demo import LitGPT, SyntheticTokenDataModule  # noqa: E402
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule  # noqa: E402
 
 VOCAB = 8192  # a wide output layer: the logits of 4 samples are what micro-batching saves
 

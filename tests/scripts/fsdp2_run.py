@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from fsdp2_cpu import ShardedLitGPT  # noqa: E402
 from lightning_seqmem import Curriculum, SeqMemCallback  # noqa: E402
-from lightning_seqmem.demo import SyntheticTokenDataModule  # noqa: E402
+from lightning_seqmem.reference.demo import SyntheticTokenDataModule  # noqa: E402
 
 BUDGET = 5_000_000  # bytes per rank: 128 tokens fit plain, 256 need checkpointing and micro-batching
 STEPS = 6  # 3 stages x 2 steps; one batch per epoch

@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from fsdp2_cpu import ShardedLitGPT  # noqa: E402
 from lightning_seqmem import SeqMemCallback  # noqa: E402
-from lightning_seqmem.demo import SyntheticTokenDataModule  # noqa: E402
+from lightning_seqmem.reference.demo import SyntheticTokenDataModule  # noqa: E402
 
 SEQ_LEN, ROWS, STEPS = 128, 2, 4
 MODEL = dict(n_layer=2, d_model=64, n_head=2, vocab_size=512, attention="sdpa")
