@@ -15,6 +15,9 @@ import pytest
 import torch
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+# the test processes already fill the cores (xdist): a plan dry-runs in its own process alone unless a test
+# asks for workers (tests/test_plan_workers.py passes --workers)
+os.environ.setdefault("SEQMEM_PLAN_WORKERS", "1")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*litlogger.*")

@@ -70,3 +70,13 @@ def test_workers_is_checked_before_any_work(capsys):
     with pytest.raises(SystemExit):
         main([*ARGS, "--workers", "0"])
     assert "--workers" in capsys.readouterr().err
+
+
+def test_the_default_worker_count_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("SEQMEM_PLAN_WORKERS", "3")
+    assert plan_workers.default_workers() == 3
+    monkeypatch.setenv("SEQMEM_PLAN_WORKERS", "0")
+    with pytest.raises(ValueError, match="SEQMEM_PLAN_WORKERS must be a positive integer, got '0'"):
+        plan_workers.default_workers()
+    monkeypatch.delenv("SEQMEM_PLAN_WORKERS")
+    assert 1 <= plan_workers.default_workers() <= 2

@@ -51,13 +51,19 @@ Key = tuple  # a PlanRun cache key: (seq_len, mitigations, world, offload)
 
 
 def default_workers() -> int:
-    """The processes a plan uses by default: the cores this process may run on, at most 2 (a
-    laptop's plan gains little past that, and each process holds its own copy of the fake steps).
+    """The processes a plan uses by default: ``SEQMEM_PLAN_WORKERS`` where set (a positive integer),
+    else the cores this process may run on, at most 2 (a laptop's plan gains little past that, and
+    each process holds its own copy of the fake steps).
 
     Example:
         >>> 1 <= default_workers() <= 2
         True
     """
+    value = os.environ.get("SEQMEM_PLAN_WORKERS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"SEQMEM_PLAN_WORKERS must be a positive integer, got {value!r}")
+        return int(value)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
