@@ -88,11 +88,10 @@ def families(keys: list[Key]) -> list[list[Key]]:
 
 
 class Workers:
-    """The worker processes of one plan (:func:`start_workers`) and the count of processes its rows
-    are split between (this one included)."""
+    """The worker processes of one plan (:func:`start_workers`)."""
 
-    def __init__(self, children: list[subprocess.Popen], count: int) -> None:
-        self.children, self.count = children, count
+    def __init__(self, children: list[subprocess.Popen]) -> None:
+        self.children = children
 
     def stop(self) -> None:
         """Kill every worker still running (the plan's end, or a plan that failed)."""
@@ -130,11 +129,11 @@ def start_workers(args: Any, workers: int) -> Workers:
     pickled) and this process's ``sys.path``: they import and set the plan up while this process
     does; none with one worker, or where ``args`` cannot be pickled."""
     if workers < 2 or os.name != "posix":  # the answers are read with select()
-        return Workers([], 1)
+        return Workers([])
     try:
         pickle.dumps(args)
     except Exception:  # noqa: BLE001 - an argument that does not pickle: this process alone
-        return Workers([], 1)
+        return Workers([])
     children = []
     for _ in range(workers - 1):
         try:
@@ -146,7 +145,7 @@ def start_workers(args: Any, workers: int) -> Workers:
             children.append(child)
         else:
             _stop(child)
-    return Workers(children, len(children) + 1)
+    return Workers(children)
 
 
 def _send(child: subprocess.Popen, message: Any) -> bool:
