@@ -99,7 +99,7 @@ def seqmem(model_kwargs, batch_size, budget, start, target, multiple_of, steps_p
 
     class StopWhenSettled(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
-            if cb.planner.capped_at is not None or cb.seq_len == curriculum.stages[-1]:
+            if cb.planner.course.capped_at is not None or cb.seq_len == curriculum.stages[-1]:
                 trainer.should_stop = True
 
     max_steps = steps_per_stage * (curriculum.num_stages + 1)

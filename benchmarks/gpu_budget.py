@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in said:
         print(f"  warning {line}")
     last = seqmem.records[-1].seq_len if seqmem.records else 0
-    capped = seqmem.planner.capped_at
+    capped = seqmem.planner.course.capped_at
     reached = last == args.target or capped is not None
     print(
         f"steps {len(reader.steps)}, over the usable budget {over}; last length {last}, capped at {capped}; "

@@ -174,7 +174,7 @@ def train(classes, attention: str, precision: str, seq_len: int, max_steps: int,
     finally:
         del trainer, model, data
         _cleanup()
-    if seqmem._failed:
+    if seqmem.edge.failed:
         print("  WARNING: SeqMemCallback disabled itself after an internal failure (see warnings above)")
     return seqmem, reader
 

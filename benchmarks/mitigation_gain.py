@@ -74,7 +74,7 @@ def largest_that_fits(model_kwargs, names, budget, batch_size, start, multiple_o
     cb = SeqMemCallback(warmup_steps=1, mitigations=(), dry_run=False,  # measured, not planned
                         curriculum=Curriculum(start=start, target=4 * start, steps_per_stage=3, multiple_of=multiple_of))
     _fit(model_kwargs, names, 4 * start, batch_size, [cb], 9)
-    return cb.curriculum.round_down(cb.max_seq_len(budget, batch_size))
+    return cb.config.curriculum.round_down(cb.max_seq_len(budget, batch_size))
 
 
 def step_time(model_kwargs, names, seq_len, batch_size, steps) -> float:

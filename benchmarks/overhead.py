@@ -110,7 +110,7 @@ def run_once(config: str, accelerator: str, args: argparse.Namespace) -> list[fl
     )
     trainer.fit(model, datamodule=data)
     for cb in trainer.callbacks:
-        if isinstance(cb, SeqMemCallback) and cb._failed:
+        if isinstance(cb, SeqMemCallback) and cb.edge.failed:
             print(f"  warning: {config} disabled itself after an internal failure")
     durations = clock.durations_s[args.skip :]
     del trainer, model, data

@@ -143,7 +143,7 @@ def stage_decision(layers: int, batch_size: int, stage_len: int, next_len: int) 
     curriculum = Curriculum(start=stage_len, target=next_len, growth=next_len / stage_len, steps_per_stage=1)
     planner = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, curriculum=curriculum,
                             mitigations=("attention",) + every, dry_run=dry)
-    planner.last_batch_size, planner.stage_steps = batch_size, 1
+    planner.evidence.last_batch_size, planner.course.stage_steps = batch_size, 1
     applicable = {"attention": (False, "already SDPA"), "checkpointing": (True, ""), "microbatch": (True, "")}
     t0 = time.perf_counter()
     decision = planner.decide((batch_size, next_len), applicable)
@@ -312,7 +312,7 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
                 seconds, _ = fit_seconds(layers, data, lambda: [clock, cb, ran])
             run.append((seconds, clock.seconds(), inst))
             records = len(cb.records)
-            usable = cb.planner.usable_budget_bytes
+            usable = cb.planner.settings.usable_budget_bytes
             over = sum(r.peak_bytes > usable for r in cb.records)  # the measured steps, by the callback's tracker
     # the independent count: every step that ran, against a real step measured apart at the longest
     # shape that ran with the same rungs (a step's peak does not fall as the length grows): the

@@ -204,11 +204,11 @@ def planner_batches(p, shape, n, applicable, peak_fn, static_bytes, switch_on, s
         d = p.decide(shape, applicable)
         p.commit(d)
         L = d.seq_len or shape[1]
-        B = p.batch_at(shape[0], shape[1], L) if p.curriculum else shape[0]
+        B = p.course.batch_at(shape[0], shape[1], L) if p.settings.curriculum else shape[0]
         switch_on(p, d, L, B)
-        s = p.begin_step(L, B, True, global_step=p.step)
-        value = peak_fn(L, B, p.applied_mitigations)
-        seconds = None if seconds_fn is None else seconds_fn(L, B, p.applied_mitigations)
+        s = p.begin_step(L, B, True, global_step=p.course.step)
+        value = peak_fn(L, B, p.ladder.applied)
+        seconds = None if seconds_fn is None else seconds_fn(L, B, p.ladder.applied)
         out.append((d, p.observe(s, StepMemory(value, {"forward": value}, static_bytes, static_bytes),
                                  step_seconds=seconds)))
         p.end_batch()

@@ -53,7 +53,7 @@ def test_breakdown_in_report_markdown_and_tensorboard(tmp_path, capsys):
     assert section["attention_share"][0] < section["attention_share"][-1] < section["attention_share_extrapolated"]
     assert any("hand-written matmul" in d for d in section["diagnoses"])
     assert section["calibration"]["ratio"] == pytest.approx(1.0, abs=0.1)
-    assert len(callback.breakdowns) == 3 and callback.breakdown_table.seq_lens == [24, 48, 96]
+    assert len(callback.edge.breakdowns) == 3 and callback.edge.breakdown_table.seq_lens == [24, 48, 96]
     assert any(w["key"].startswith("diagnosis-") for w in report["warnings"])
     # where the peak sits at the longest length run: the traced step's own kinds, adding up to its peak
     site = report["peak_site"]
@@ -113,11 +113,11 @@ def test_breakdown_failure_is_one_warning_and_the_report_is_still_written(tmp_pa
         trainer.fit(LitGPT(n_layer=1, d_model=64, n_head=4), SyntheticTokenDataModule(batch_size=2, seq_len=96))
     report = json.loads((tmp_path / "seqmem_report.json").read_text())
     assert "breakdown" not in report and report["records_summary"]["num_records"] == 6
-    assert callback.breakdown_report is None and not callback._failed
+    assert callback.edge.breakdown_report is None and not callback.edge.failed
 
 
 def test_breakdown_argument_is_checked_and_off_by_default():
-    assert SeqMemCallback().breakdown is False
+    assert SeqMemCallback().config.breakdown is False
     with pytest.raises(ValueError, match="`breakdown` must be a bool, got 'yes'"):
         SeqMemCallback(breakdown="yes")
 

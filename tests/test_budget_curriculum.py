@@ -61,7 +61,7 @@ def test_eager_curriculum_stops_at_a_length_that_fits(eager_budget, eager_run):
     assert max(r.peak_bytes for r in cb.records) <= eager_budget  # never measured above the budget
     cap = lengths[-1]
     assert 256 <= cap < 512 and cap % 16 == 0 and 512 not in lengths
-    assert cb.planner.capped_at == cap and cb.seq_len == cap
+    assert cb.planner.course.capped_at == cap and cb.seq_len == cap
     # the next stage, measured separately, would not have fit
     assert _measured_peak("eager", 512) > eager_budget
     # one warning, issued before the 512 stage would have started (at the end of the 256 stage)

@@ -45,7 +45,7 @@ def test_first_stage_change_is_not_blind():
     oom = _fit(cb, 12, 512)
     assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.peak_bytes) for r in cb.records]
     assert 128 not in {r.seq_len for r in cb.records}
-    assert cb.planner.capped_at is not None and 64 <= cb.planner.capped_at < 128
+    assert cb.planner.course.capped_at is not None and 64 <= cb.planner.course.capped_at < 128
     assert len(oom) == 1
 
 

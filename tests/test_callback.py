@@ -54,7 +54,7 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
 
 def test_defaults_and_budget_strings():
     cb = SeqMemCallback()
-    assert cb.warmup_steps == 2 and cb.tolerance == 0.15 and cb.usable_budget_bytes is None
+    assert cb.config.warmup_steps == 2 and cb.config.tolerance == 0.15 and cb.usable_budget_bytes is None
     assert SeqMemCallback(memory_budget="1GiB", safety_margin=0.0).usable_budget_bytes == 2**30
     assert SeqMemCallback(memory_budget="900MB").usable_budget_bytes == int(900e6 * 0.9)
 
@@ -89,7 +89,7 @@ def test_dynamic_padding_measured_at_real_lengths_and_forecast_verified():
     verified = [r for r in cb.records if r.forecast_error is not None]
     assert {r.seq_len for r in verified} == {96, 128, 160}  # from the third length on
     for r in verified:
-        assert abs(r.forecast_error) <= cb.tolerance
+        assert abs(r.forecast_error) <= cb.config.tolerance
         assert r.forecast_method in ("replay", "quadratic")
     fc = cb.forecast(256)
     assert fc.method == "replay" and fc.upper_bytes >= fc.peak_bytes > cb.records[-1].peak_bytes
@@ -144,7 +144,7 @@ def test_forecast_miss_beyond_tolerance_warns_once():
         trainer.fit(_GrowsAfter64(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=128, num_samples=32))
     assert len([w for w in caught if issubclass(w.category, ForecastMismatchWarning)]) == 1
     miss = [r for r in cb.records if r.seq_len == 128 and r.forecast_error is not None][0]
-    assert miss.forecast_error < -cb.tolerance  # under-predicted
+    assert miss.forecast_error < -cb.config.tolerance  # under-predicted
     # the missed length was traced again: its program differs, so replay steps aside
     assert cb.records[-1].traced and "differs" in cb.forecaster.timeline_unavailable_reason
     fc = cb.forecast(128)
@@ -327,7 +327,7 @@ def test_a_tracker_failure_inside_an_op_does_not_reach_the_model(monkeypatch):
         weights = _final_weights([cb])
     failures = [w for w in caught if issubclass(w.category, SeqMemFailureWarning)]
     assert len(failures) == 1 and "injected tracker fault" in str(failures[0].message)
-    assert 0 < len(cb.records) < 6 and cb._failed
+    assert 0 < len(cb.records) < 6 and cb.edge.failed
     monkeypatch.setattr(LiveTensorTracker, "_add", original)
     reference = _final_weights([])
     assert all(torch.equal(weights[k], reference[k]) for k in reference)

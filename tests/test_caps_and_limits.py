@@ -44,7 +44,7 @@ def test_a_sliding_window_cap_is_the_dry_runs_and_every_step_stays_in_budget():
     cb = SeqMemCallback(warmup_steps=1, memory_budget=24_500_000, mitigations=(),
                         curriculum=Curriculum(start=64, target=1024, growth=4, steps_per_stage=2, multiple_of=m))
     messages = _fit(cb, HFCausalLM(model_type="mistral", config=config, attn_implementation="sdpa"), 9, 1024)
-    assert cb.planner.replay_checks[()]["relative_error"] < -cb.tolerance  # the scenario: the replay under-predicts
+    assert cb.planner.evidence.replay_checks[()]["relative_error"] < -cb.config.tolerance  # the scenario: the replay under-predicts
     usable = cb.usable_budget_bytes
     assert len(cb.records) == 9  # every step measured, warm-ups included
     over = [(r.step, r.seq_len, r.peak_bytes) for r in cb.records if r.peak_bytes > usable]
@@ -52,10 +52,10 @@ def test_a_sliding_window_cap_is_the_dry_runs_and_every_step_stays_in_budget():
     assert all(r.seq_len % m == 0 for r in cb.records), [r.seq_len for r in cb.records]
     (said,) = [w for w in messages if "over the usable budget" in w]
     cap = int(re.search(r"stays at seq_len=(\d+)", said).group(1))
-    assert FITS.search(said) and int(FITS.search(said).group(1)) == cap == cb.planner.capped_at
-    assert cap % m == 0 and cb.planner.judge(cap, 2).kind == "fits"  # the length named was checked...
-    assert cb.planner.judge(cap + m, 2).kind == "over"  # ...and is the largest that fits
-    assert cb.planner.forecast(cap + m, 2).method == "dry_run"  # by the predictor that judged the stage
+    assert FITS.search(said) and int(FITS.search(said).group(1)) == cap == cb.planner.course.capped_at
+    assert cap % m == 0 and cb.planner.evidence.judge(cap, 2).kind == "fits"  # the length named was checked...
+    assert cb.planner.evidence.judge(cap + m, 2).kind == "over"  # ...and is the largest that fits
+    assert cb.planner.evidence.forecast(cap + m, 2).method == "dry_run"  # by the predictor that judged the stage
     assert "switch attention" not in said  # attention is on SDPA already
 
 
@@ -68,7 +68,7 @@ def test_nothing_fits_with_only_micro_batching_on_sdpa_is_said_so():
     with pytest.raises(MemoryBudgetError) as err:
         _fit(cb, LitGPT(n_layer=1, d_model=32, n_head=2, attention="sdpa"), 5, 256, batch_size=4)
     words = str(err.value)
-    assert cb.planner.judge(64, 4).kind == "over"  # the scenario: 64 tokens do not fit, micro-batched
+    assert cb.planner.evidence.judge(64, 4).kind == "over"  # the scenario: 64 tokens do not fit, micro-batched
     assert "no length from 64 tokens up is forecast to fit" in words and not FITS.search(words), words
     assert "'microbatch' on" in words and "attention" not in words, words
     assert not cb.records  # stopped before the first step: no step ran, none over the budget
@@ -85,12 +85,12 @@ def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(
                         curriculum=Curriculum(start=64, target=1024, steps_per_stage=2, multiple_of=64))
     messages = _fit(cb, HFCausalLM(model_type="bert", config=bert, attn_implementation="sdpa"), 7, limit,
                     default_root_dir=tmp_path)
-    dry = cb.planner.dry_run
+    dry = cb.planner.settings.dry_run
     assert dry is not None and dry.unsupported is None  # before: a dry run at 4096 turned it off for the run
     assert not [w for w in messages if "cannot simulate" in w]
-    asked = sorted({key[0] for key in cb.planner._dry})
+    asked = sorted({key[0] for key in cb.planner.evidence._dry})
     assert asked and max(asked) <= limit, asked  # no length past the limit was dry-run
-    assert max(cb.planner.stages) <= limit and max(r.seq_len for r in cb.records) <= limit
+    assert max(cb.planner.course.stages) <= limit and max(r.seq_len for r in cb.records) <= limit
     assert [w for w in messages if "past this model's limit of 256 tokens (config.max_position_embeddings=256)" in w]
     assert any("over the usable budget" in w for w in messages)  # the budget bound: a cap within the limit
     assert cb.forecast(limit).method == "dry_run"
@@ -138,7 +138,7 @@ def test_planner_caps_at_what_its_dry_run_says_fits_past_a_window():
     p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, growth=4, steps_per_stage=2, multiple_of=64),
                       memory_budget_bytes=11_000_000, warmup_steps=1, mitigations=(),
                       dry_run=lambda L, B, m: (peak(L, B), {"forward": peak(L, B)}))
-    p.set_length_limit(900, "config.n_positions=900")
+    p.bind_run(length_limit=900, length_limit_reason="config.n_positions=900")
     no_rung = {name: (False, "not allowed") for name in MITIGATIONS}
     for step in range(10):
         d = p.decide((2, 1024), no_rung)
@@ -146,10 +146,10 @@ def test_planner_caps_at_what_its_dry_run_says_fits_past_a_window():
         s = p.begin_step(d.seq_len, 2, optimizer_steps=True, global_step=step)
         _ = p.observe(s, StepMemory(peak(s.seq_len, 2), {"forward": peak(s.seq_len, 2)}, 1_000_000, 1_000_000))
         p.end_batch()
-    assert max(r.peak_bytes for r in p.records) <= p.usable_budget_bytes
-    assert all(r.seq_len % 64 == 0 and r.seq_len <= 900 for r in p.records)
-    assert all(key[0] <= 900 for key in p._dry)  # never dry-run past the limit
+    assert max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes
+    assert all(r.seq_len % 64 == 0 and r.seq_len <= 900 for r in p.evidence.records)
+    assert all(key[0] <= 900 for key in p.evidence._dry)  # never dry-run past the limit
     (words,) = [a.text for a in p.take_advice() if a.kind == "stage_over_budget"]
-    cap = p.capped_at
+    cap = p.course.capped_at
     assert f"The largest length forecast to fit is {cap}." in words and f"stays at seq_len={cap}" in words
-    assert p.judge(cap, 2).kind == "fits" and p.judge(cap + 64, 2).kind == "over"
+    assert p.evidence.judge(cap, 2).kind == "fits" and p.evidence.judge(cap + 64, 2).kind == "over"

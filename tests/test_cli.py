@@ -178,8 +178,8 @@ def test_every_config_parses_with_its_callback(tmp_path, monkeypatch):
     for name, (budget, stages, precision, overrides) in expected.items():
         cli = build_from_config(str(CONFIGS / name), overrides=overrides, meta=name.startswith("llama3"))
         callback = next(c for c in cli.trainer.callbacks if isinstance(c, SeqMemCallback))
-        assert callback.memory_budget_bytes == budget, name
-        assert (callback.curriculum.stages if callback.curriculum else None) == stages, name
+        assert callback.config.memory_budget_bytes == budget, name
+        assert (callback.config.curriculum.stages if callback.config.curriculum else None) == stages, name
         assert str(cli.trainer.precision) == precision, name
 
 

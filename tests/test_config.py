@@ -23,7 +23,7 @@ def test_the_config_is_frozen_and_so_are_the_callbacks_arguments():
     for name in ("warmup_steps", "memory_budget_bytes", "curriculum", "dry_run", "probe_name", "name"):
         with pytest.raises(AttributeError):
             setattr(cb, name, None)
-    assert cb.config == config and cb.warmup_steps == 2 and cb.memory_budget_bytes == 2048
+    assert cb.config == config and cb.config.warmup_steps == 2 and cb.config.memory_budget_bytes == 2048
 
 
 @pytest.mark.parametrize(
@@ -68,51 +68,51 @@ def test_the_callbacks_attributes_and_its_planner_read_its_config():
                         curriculum=curriculum, trace_lengths=4, measure_every_n_steps=2, mitigations=["checkpointing"],
                         breakdown=True, dry_run=False, name="a", summary=False)
     c = cb.config
-    assert (cb.warmup_steps, cb.tolerance, cb.probe_name, cb.memory_budget_bytes, cb.safety_margin, cb.curriculum,
-            cb.trace_lengths, cb.measure_every_n_steps, cb.configured_mitigations, cb.breakdown, cb.dry_run, cb.name,
-            cb.summary) == (c.warmup_steps, c.tolerance, c.probe, c.memory_budget_bytes, c.safety_margin, c.curriculum,
+    assert (cb.config.warmup_steps, cb.config.tolerance, cb.config.probe, cb.config.memory_budget_bytes, cb.config.safety_margin, cb.config.curriculum,
+            cb.config.trace_lengths, cb.config.measure_every_n_steps, cb.configured_mitigations, cb.config.breakdown, cb.config.dry_run, cb.config.name,
+            cb.config.summary) == (c.warmup_steps, c.tolerance, c.probe, c.memory_budget_bytes, c.safety_margin, c.curriculum,
                             c.trace_lengths, c.measure_every_n_steps, c.mitigations, c.breakdown, c.dry_run, c.name,
                             c.summary)
     assert c.memory_budget_bytes == 2**20 and c.mitigations == ("checkpointing",)
     p = cb.planner
-    assert p.config is c and p.settings.config is c  # one copy
-    assert (p.warmup_steps, p.tolerance, p.budget_bytes, p.usable_budget_bytes, p.curriculum, p.mitigations) == (
+    assert p.settings.config is c and p.settings.config is c  # one copy
+    assert (p.settings.warmup_steps, p.settings.tolerance, p.settings.budget_bytes, p.settings.usable_budget_bytes, p.settings.curriculum, p.ladder.allowed) == (
         3, 0.2, 2**20, int(2**20 * 0.75), curriculum, ("checkpointing",))
-    assert p.dry_run is None and cb.state_key == "SeqMemCallback{'name': 'a'}"
+    assert p.settings.dry_run is None and cb.state_key == "SeqMemCallback{'name': 'a'}"
 
 
 def test_bind_run_replaces_the_facts_and_every_part_sees_them():
     p = SeqMemPlanner(safety_margin=0.1)
-    before = p.run_facts
-    assert p.evidence.usable_budget_bytes is None and p.budget == Budget(None, 0.1)
+    before = p.settings.run_facts
+    assert p.evidence.settings.usable_budget_bytes is None and p.settings.budget == Budget(None, 0.1)
     p.bind_run(budget_bytes=10_000, compare_reserved=True, block_bytes=512)
-    assert before.budget_bytes is None and p.run_facts is not before  # replaced, not patched
+    assert before.budget_bytes is None and p.settings.run_facts is not before  # replaced, not patched
     assert p.evidence.settings is p.settings  # shared by reference
-    assert p.evidence.usable_budget_bytes == p.usable_budget_bytes == 9000
-    assert p.evidence.compare_reserved and p.budget == Budget(10_000, 0.1, True, 512)
-    p.set_length_limit(300, "config.n_positions=300")
-    assert p.run_facts.length_limit == 300 and not p.evidence.within_limit(301)
+    assert p.evidence.settings.usable_budget_bytes == p.settings.usable_budget_bytes == 9000
+    assert p.evidence.settings.compare_reserved and p.settings.budget == Budget(10_000, 0.1, True, 512)
+    p.bind_run(length_limit=300, length_limit_reason="config.n_positions=300")
+    assert p.settings.run_facts.length_limit == 300 and not p.evidence.settings.within_limit(301)
     with pytest.raises(TypeError, match="`bind_run` got `safety_margin`: pass only budget_bytes, "):
         p.bind_run(safety_margin=0.5)
-    assert p.safety_margin == 0.1
+    assert p.settings.safety_margin == 0.1
 
 
 def test_writes_through_the_planner_raise_or_bind():
     p = SeqMemPlanner(warmup_steps=0, memory_budget_bytes=1000)  # the planner's keywords: unchecked, as before
-    for part in (p, p.settings, p.evidence):
+    for part in (p, p.evidence):
         with pytest.raises(AttributeError, match="bind_run"):
-            part.tolerance = 0.5
+            part.settings.tolerance = 0.5
     with pytest.raises(AttributeError, match=r"bind_run\(block_bytes=...\)"):
         p.settings.block_bytes = 512
-    assert p.tolerance == 0.15 and p.block_bytes == 1
-    p.dry_run = fake = lambda L, B, m: (L * B, {"forward": L * B})  # a run fact written through the façade: a bind
-    assert p.run_facts.dry_run is fake and p.evidence.dry_run is fake
+    assert p.settings.tolerance == 0.15 and p.settings.block_bytes == 1
+    p.bind_run(dry_run=(fake := lambda L, B, m: (L * B, {"forward": L * B})))  # a run fact: a bind
+    assert p.settings.run_facts.dry_run is fake and p.evidence.settings.dry_run is fake
 
 
 def test_a_planner_takes_a_config_or_its_keywords_not_both():
     config = SeqMemConfig(memory_budget=4096, warmup_steps=3)
     p = SeqMemPlanner(config=config, compare_reserved=True)
-    assert p.config is config and (p.budget_bytes, p.warmup_steps, p.compare_reserved) == (4096, 3, True)
+    assert p.settings.config is config and (p.settings.budget_bytes, p.settings.warmup_steps, p.settings.compare_reserved) == (4096, 3, True)
     with pytest.raises(TypeError, match="`SeqMemPlanner` got `config` and `memory_budget_bytes=10`"):
         SeqMemPlanner(config=config, memory_budget_bytes=10)
     s = PlannerSettings(budget_bytes=1000, dry_run=None, trace_lengths=4)
@@ -127,10 +127,10 @@ def test_a_compiled_module_under_the_tracker_binds_a_slower_measurement_rate_not
     from lightning_seqmem.trainer.fit_setup import COMPILED_MEASURE_EVERY_N_STEPS, check_compiled
 
     cb = SeqMemCallback(measure_every_n_steps=3)
-    config, cb._probe = cb.config, make_probe("tracker", torch.device("cpu"))
+    config, cb.edge.probe = cb.config, make_probe("tracker", torch.device("cpu"))
     with pytest.warns(UserWarning, match="torch.compile"):
         check_compiled(cb, torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2))))
-    assert cb.planner.measure_every_n_steps == cb.planner.run_facts.measure_every_n_steps == COMPILED_MEASURE_EVERY_N_STEPS
-    assert cb.config is config and cb.measure_every_n_steps == 3  # the argument stays what was given
+    assert cb.planner.settings.measure_every_n_steps == cb.planner.settings.run_facts.measure_every_n_steps == COMPILED_MEASURE_EVERY_N_STEPS
+    assert cb.config is config and cb.config.measure_every_n_steps == 3  # the argument stays what was given
     check_compiled(cb, torch.nn.Linear(2, 2))  # the next fit, of an eager module: the rate given
-    assert cb.planner.measure_every_n_steps == 3
+    assert cb.planner.settings.measure_every_n_steps == 3

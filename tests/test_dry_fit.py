@@ -55,7 +55,7 @@ def _planner(peak, budget, calls):
         return peak(L), {"forward": peak(L) // 2, "backward": peak(L)}
 
     p = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, dry_run=dry)
-    p.last_batch_size = 2
+    p.evidence.last_batch_size = 2
     return p
 
 
@@ -70,13 +70,13 @@ def test_max_seq_len_before_a_fit_is_one_dry_run_a_lower_bound_and_stable():
     budget = int(peak(1118) * 1.02)
     calls = []
     p = _planner(peak, budget, calls)
-    p.dry_peak(512, 2), p.dry_peak(1024, 2)  # what the run dry-ran (a stage, the look-ahead)
-    p.records = [_record(5, 500, peak(500))]
+    p.evidence.dry_peak(512, 2), p.evidence.dry_peak(1024, 2)  # what the run dry-ran (a stage, the look-ahead)
+    p.evidence.records = [_record(5, 500, peak(500))]
     calls.clear()
-    got = p.max_seq_len()
+    got = p.evidence.max_seq_len()
     truth = max(L for L in range(512, 2049) if int(peak(L) * 1.02) <= budget)
     assert calls == [got] and int(peak(got) * 1.02) <= budget and 0.99 * truth <= got <= truth
-    assert p.max_seq_len() == got and calls == [got]  # the same answer, no dry run
+    assert p.evidence.max_seq_len() == got and calls == [got]  # the same answer, no dry run
     assert build_report(p)["forecasts"]["max_seq_len"] == got and calls == [got]
 
 
@@ -85,9 +85,9 @@ def test_report_and_figure_before_a_fit_run_no_dry_run_and_say_the_fit():
     calls = []
     p = _planner(peak, int(peak(1118) * 1.02), calls)
     for L in (256, 512, 1024):
-        p.dry_peak(L, 2)
-    p.records = [_record(3, 400, peak(400)), _record(4, 500, peak(500))]
-    p.max_seq_len()  # (its one dry run: the report's first question)
+        p.evidence.dry_peak(L, 2)
+    p.evidence.records = [_record(3, 400, peak(400)), _record(4, 500, peak(500))]
+    p.evidence.max_seq_len()  # (its one dry run: the report's first question)
     calls.clear()
     report = build_report(p)
     rows = {r["seq_len"]: r for r in report["forecasts"]["at"]}
@@ -119,10 +119,10 @@ def test_after_a_dynamic_padding_run_what_a_step_begins_with_anchors_the_guess(o
     budget = int(peak(1118) * 1.02)
     calls = []
     p = _planner(peak, budget, calls)
-    p.dry_peak(512, 2)
-    p.records = [replace(_record(s, L, peak(L)), start_bytes=held) for s, L in ((1, 401), (2, 498), (3, 509), (4, 512))]
+    p.evidence.dry_peak(512, 2)
+    p.evidence.records = [replace(_record(s, L, peak(L)), start_bytes=held) for s, L in ((1, 401), (2, 498), (3, 509), (4, 512))]
     calls.clear()
-    got = p.max_seq_len()
+    got = p.evidence.max_seq_len()
     truth = max(L for L in range(512, 2049) if int(peak(L) * 1.02) <= budget)
     assert got in calls and int(peak(got) * 1.02) <= budget  # confirmed by its own dry run: a lower bound
     assert 0.98 * truth <= got <= truth and len(calls) <= most_dry_runs

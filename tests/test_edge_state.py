@@ -71,8 +71,8 @@ def test_after_a_short_fit_the_state_holds_what_its_table_says():
     assert state.dry_runner is None and state.compiled_reason is None and state.breakdown_batch is None
     assert state.resume_phrases == [] and state.resume_removed == () and not state.reapply_on_fit_start
     # the names users and tests read are the state's
-    assert cb._failed is state.failed and cb._probe is state.probe and cb.breakdowns is state.breakdowns
-    assert cb.breakdown_report is None and cb.breakdown_table is None
+    assert cb.edge.failed is state.failed and cb.edge.probe is state.probe and cb.edge.breakdowns is state.edge.breakdowns
+    assert cb.edge.breakdown_report is None and cb.edge.breakdown_table is None
 
 
 def _fresh_but_for(snapshot: dict, kept: set) -> list[str]:
@@ -91,7 +91,7 @@ def test_a_second_fit_with_a_new_trainer_starts_from_a_fresh_state():
     (state, snapshot), = spy.at_setup
     assert state is not first and state is cb.edge
     assert _fresh_but_for(snapshot, kept=set()) == []
-    assert cb.breakdown_report is None  # a new Trainer: not the first fit's
+    assert cb.edge.breakdown_report is None  # a new Trainer: not the first fit's
     assert cb.edge.fit_refs[0]() is trainer and len(spy.in_step) == 2
 
 
@@ -108,7 +108,7 @@ def test_a_second_fit_on_the_same_trainer_and_module_keeps_only_the_breakdown_re
     (state, snapshot), = spy.at_setup
     assert state is not first
     assert _fresh_but_for(snapshot, kept={"breakdowns", "breakdown_report"}) == []
-    assert state.breakdowns is first.breakdowns and cb.breakdown_report == {"from": "the first fit"}
+    assert state.breakdowns is first.breakdowns and cb.edge.breakdown_report == {"from": "the first fit"}
 
 
 # -- no trainer/ module but callback.py reads the callback's private names ------------------------

@@ -34,7 +34,7 @@ def test_the_end_of_fit_summary_says_what_ran_and_where_to_look(tmp_path, capsys
     assert f"longest length {longest} tokens (batch 2); peak {format_bytes(peak)}" in lines[0]
     assert "usable budget 180.0 MiB (budget 200.0 MiB)" in lines[0] and "OVER" not in lines[0]
     assert f"rungs on: {', '.join(cb.applied_mitigations) or 'none'}" in lines[0]
-    assert re.search(rf"; {len(cb.planner.warned)} warnings?", lines[0])
+    assert re.search(rf"; {len(cb.planner._advice.warned)} warnings?", lines[0])
     assert f"report in {folder} (seqmem_report.md, seqmem_report.json, seqmem_memory.png)" in lines[1]
     assert f"tensorboard --logdir {folder}" in lines[1] and f"seqmem panels {folder}" in lines[1]
     for name in ("seqmem_report.md", "seqmem_report.json", "seqmem_memory.png"):
@@ -70,7 +70,7 @@ def test_the_printed_lines_the_report_its_renderings_and_the_oom_file_say_the_sa
     # the truth, from the records themselves
     assert summary.peak_bytes == max(r.peak_bytes for r in cb.records) <= summary.usable_budget_bytes
     assert summary.longest_seq_len == max(r.seq_len for r in cb.records) and not summary.over_budget
-    assert summary.rungs_on == cb.applied_mitigations and summary.num_warnings == len(cb.planner.warned)
+    assert summary.rungs_on == cb.applied_mitigations and summary.num_warnings == len(cb.planner._advice.warned)
     assert first.startswith(f"seqmem: {summary.sentence()}")
     report = load_report(Path(logger.log_dir))
     assert RunSummary.from_dict(report["summary"]) == summary

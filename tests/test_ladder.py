@@ -63,7 +63,7 @@ def test_unmitigated_model_fits_an_eighth_of_the_target():
 def test_ladder_reaches_the_target_within_budget():
     cb, module, oom = _run(ladder.MITIGATIONS, max_steps=12)  # the plan reaches 640 by step 8
     lengths = [r.seq_len for r in cb.records]
-    assert lengths[-1] == TARGET and cb.planner.capped_at is None
+    assert lengths[-1] == TARGET and cb.planner.course.capped_at is None
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget
     names = [e["name"] for e in cb.mitigation_events]
     # an upgrade (checkpointing 1 of 4 blocks -> 2 of 4) replaces its rung's entry: one entry per rung
@@ -107,7 +107,7 @@ def test_attention_switch_to_a_fused_kernel_is_not_reported():
 def test_empty_ladder_warns_and_caps():
     cb, module, oom = _run((), max_steps=8)  # capped at 64 tokens from step 2 on
     assert cb.applied_mitigations == () and module.attention_backend == "eager"
-    assert cb.planner.capped_at is not None and cb.planner.capped_at < 96
+    assert cb.planner.course.capped_at is not None and cb.planner.course.capped_at < 96
     assert max(r.peak_bytes for r in cb.records) <= BUDGET
     assert len(oom) == 1 and "switch attention to SDPA" in str(oom[0].message)
 

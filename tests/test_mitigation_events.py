@@ -83,8 +83,8 @@ def test_the_ladder_replaces_events():
 
 def test_assigning_dicts_gives_values():
     p = planner(peak(300, 4), Curriculum(start=64, target=512, steps_per_stage=2, multiple_of=16))
-    p.mitigation_events = [_old_dict()]
-    assert isinstance(p.mitigation_events[0], MitigationEvent) and p.ladder.events == [_old_dict()]
+    p.ladder.events = [_old_dict()]
+    assert isinstance(p.ladder.events[0], MitigationEvent) and p.ladder.events == [_old_dict()]
 
 
 def test_a_planner_checkpoint_saves_plain_dicts_and_loads_values():
@@ -95,7 +95,7 @@ def test_a_planner_checkpoint_saves_plain_dicts_and_loads_values():
     assert state["mitigation_events"][0]["after_bytes"] is not None  # measured after the rung, by replacement
     q = planner(peak(300, 4), Curriculum(start=64, target=512, steps_per_stage=2, multiple_of=16))
     q.load_state_dict(json.loads(json.dumps(state)))
-    assert all(isinstance(e, MitigationEvent) for e in q.mitigation_events)
+    assert all(isinstance(e, MitigationEvent) for e in q.ladder.events)
     assert json.dumps(q.state_dict()["mitigation_events"]) == json.dumps(state["mitigation_events"])
 
 

@@ -187,19 +187,19 @@ def test_report_facts_and_predictors(run):
     assert at[128]["peak_bytes"] == cb.forecaster.forecast(128, 2).peak_bytes  # the fit of the setting on now
     dry = cb.forecast(128)  # the callback's own forecast asks the dry run: it agrees with the fit here
     assert dry.method == "dry_run" and abs(dry.peak_bytes - at[128]["peak_bytes"]) <= 0.01 * dry.peak_bytes
-    assert dry.detail.endswith(f"; peak at {cb.planner.dry_peak_site(128, 2, ()).describe()}")  # where it sits, traced
+    assert dry.detail.endswith(f"; peak at {cb.planner.evidence.dry_peak_site(128, 2, ()).describe()}")  # where it sits, traced
     assert at[64]["fits"] is True
     assert report["mitigations"]["active"] == [] and report["mitigations"]["changes"] == []
     # where the peak sits at the longest length run (64 tokens, no breakdown traced): the dry run of that step
     site = report["peak_site"]
     assert site["source"] == "dry_run" and (site["seq_len"], site["batch_size"], site["mitigations"]) == (64, 2, [])
-    assert site["describe"] == cb.planner.dry_peak_site(64, 2, ()).describe() and site["phase"] in ("backward", "loss")
-    assert site["peak_bytes"] == pytest.approx(cb.planner.dry_peak(64, 2, ())[0], rel=0.01)
+    assert site["describe"] == cb.planner.evidence.dry_peak_site(64, 2, ()).describe() and site["phase"] in ("backward", "loss")
+    assert site["peak_bytes"] == pytest.approx(cb.planner.evidence.dry_peak(64, 2, ())[0], rel=0.01)
     assert report["mitigations"]["allowed"] == list(cb.mitigations)
     keys = [w["key"] for w in report["warnings"]]
-    assert keys == sorted(set(keys)) and set(keys) == set(cb.planner.warned)  # each warning said once, all of them
+    assert keys == sorted(set(keys)) and set(keys) == set(cb.planner._advice.warned)  # each warning said once, all of them
     for w in report["warnings"]:
-        assert w["kind"] == cb.planner.warned[w["key"]] and w["kind"] in KINDS and w["meaning"]
+        assert w["kind"] == cb.planner._advice.warned[w["key"]] and w["kind"] in KINDS and w["meaning"]
 
 
 def test_render_console_and_markdown(run):
@@ -242,11 +242,11 @@ def _record(step, seq_len, peak, mitigations=()):
 
 def _callback_with_mitigations():
     cb = SeqMemPlanner(memory_budget_bytes=2**30)
-    cb.records = [_record(0, 128, 20 * 2**20), _record(1, 256, 60 * 2**20),
+    cb.evidence.records = [_record(0, 128, 20 * 2**20), _record(1, 256, 60 * 2**20),
                   _record(2, 512, 90 * 2**20, ["attention"]), _record(3, 1024, 200 * 2**20, ["attention", "checkpointing"])]
-    for r in cb.records:
-        cb.forecaster.add_measurement(r.seq_len, r.batch_size, {"forward": r.forward_peak_bytes})
-    cb.last_batch_size = 2
+    for r in cb.evidence.records:
+        cb.evidence.forecaster.add_measurement(r.seq_len, r.batch_size, {"forward": r.forward_peak_bytes})
+    cb.evidence.last_batch_size = 2
     return cb
 
 
@@ -265,11 +265,11 @@ def test_figure_marks_mitigations_from_records():
 
 def test_figure_and_report_use_the_mitigation_events():
     cb = _callback_with_mitigations()
-    cb.mitigation_events = [{"name": "attention", "step": 1, "seq_len": 256, "detail": "attention eager -> sdpa",
+    cb.ladder.events = [{"name": "attention", "step": 1, "seq_len": 256, "detail": "attention eager -> sdpa",
                              "before_bytes": 60 * 2**20, "after_bytes": 30 * 2**20}]
     labels = memory_figure(cb).axes[0].get_legend_handles_labels()[1]
     assert any("switched on at L=256: attention" in label for label in labels)  # where it was decided
     report = build_report(cb)
-    assert report["mitigations"]["events"] == cb.mitigation_events
+    assert report["mitigations"]["events"] == cb.ladder.events
     markdown = render_markdown(report)
     assert "attention eager -> sdpa" in markdown and "60.0 MiB" in markdown and "30.0 MiB" in markdown

@@ -38,11 +38,11 @@ def step(p, shape, applicable=NONE, peak_fn=peak, rung_ok=True):
     d = p.decide(shape, applicable)
     p.commit(d)
     if d.rung is not None:
-        p.rung_applied(d.rung, rung_ok, "applied" if rung_ok else "it raised", d.seq_len or shape[1])
+        p.on_rung("on" if rung_ok else "failed", d.rung, "applied" if rung_ok else "it raised", d.seq_len or shape[1])
     L = d.seq_len or shape[1]
-    B = p.batch_at(shape[0], shape[1], L) if p.curriculum else shape[0]
-    s = p.begin_step(L, B, True, global_step=p.step)
-    value = peak_fn(L, B, p.applied_mitigations)
+    B = p.course.batch_at(shape[0], shape[1], L) if p.settings.curriculum else shape[0]
+    s = p.begin_step(L, B, True, global_step=p.course.step)
+    value = peak_fn(L, B, p.ladder.applied)
     record = p.observe(s, StepMemory(value, {"forward": value}, STATIC, STATIC))
     p.end_batch()
     return d, record
@@ -63,8 +63,8 @@ def test_first_stage_change_is_forecast_not_blind():
     assert actions[:3] == ["run"] * 3
     # entering 128 needs a fit: a shorter cut (32) is measured first, or the bound already fits
     assert actions[3] in ("probe", "advance")
-    assert all(r.peak_bytes <= p.usable_budget_bytes for _, r in out)
-    assert p.capped_at is not None and 128 <= p.capped_at < 256
+    assert all(r.peak_bytes <= p.settings.usable_budget_bytes for _, r in out)
+    assert p.course.capped_at is not None and 128 <= p.course.capped_at < 256
 
 
 def test_every_stage_including_the_last_stays_in_budget():
@@ -73,7 +73,7 @@ def test_every_stage_including_the_last_stays_in_budget():
     p = planner(budget, Curriculum(**CURR))
     out = run(p, (4, 512), 30)
     assert all(r.peak_bytes <= budget for _, r in out)
-    assert max(r.seq_len for _, r in out) < 512 and p.capped_at is not None
+    assert max(r.seq_len for _, r in out) < 512 and p.course.capped_at is not None
     assert [a.kind for a in p.take_advice()].count("stage_over_budget") == 1
 
 
@@ -91,7 +91,7 @@ def test_the_last_stage_measured_over_budget_switches_a_rung_on():
     after = out[over[0] + 1][0]
     assert after.action == "mitigate" and after.rung == "attention" and after.seq_len < 512
     assert all(r.peak_bytes <= budget for _, r in out[over[0] + 1:])
-    assert p.applied_mitigations == ("attention",)
+    assert p.ladder.applied == ("attention",)
 
 
 def test_warmup_step_over_budget_stops_the_next_one():
@@ -119,10 +119,10 @@ def test_a_rung_that_raises_is_dropped_and_the_queue_cleared():
     out = run(p, (4, 512), 12, applicable=ALL, rung_ok=False)
     failed = [d for d, _ in out if d.action == "mitigate"]
     assert [d.rung for d in failed] == ["attention", "checkpointing"]
-    assert p.applied_mitigations == () and p.mitigations == ()
+    assert p.ladder.applied == () and p.ladder.allowed == ()
     kinds = [a.kind for a in p.take_advice()]
     assert kinds.count("mitigation_failed") == 2
-    assert p.capped_at is not None  # with nothing left, the curriculum is capped
+    assert p.course.capped_at is not None  # with nothing left, the curriculum is capped
     assert all(r.peak_bytes < peak(128, 4) for _, r in out[len(failed) + 4:])
 
 
@@ -154,14 +154,14 @@ def test_a_verification_miss_widens_later_bounds():
     before = None
     for i in range(9):
         if i == 6:
-            before = p.forecast(1024, 4).upper_bytes
+            before = p.evidence.forecast(1024, 4).upper_bytes
         step(p, (4, 256), peak_fn=bumpy)
-    miss = [r for r in p.records if r.forecast_error is not None and r.seq_len == 256]
-    assert miss and miss[0].forecast_error < -p.tolerance
+    miss = [r for r in p.evidence.records if r.forecast_error is not None and r.seq_len == 256]
+    assert miss and miss[0].forecast_error < -p.settings.tolerance
     # said once, by the predictor check, naming the predictor that missed (issue 21)
     kinds = [a.kind for a in p.take_advice()]
     assert "predictor_wrong" in kinds and "forecast_mismatch" not in kinds
-    assert p.forecast(1024, 4).upper_bytes > before
+    assert p.evidence.forecast(1024, 4).upper_bytes > before
 
 
 def test_decide_is_pure_and_state_round_trips():
@@ -173,9 +173,9 @@ def test_decide_is_pure_and_state_round_trips():
     q = planner(peak(256, 4) - 1, Curriculum(**CURR), mitigations=("attention",))
     q.load_state_dict(state)
     assert dataclasses.replace(q.decide((4, 512), ALL)) == d1
-    assert q.state_dict()["records"] == state["records"] and q.applied_mitigations == p.applied_mitigations
+    assert q.state_dict()["records"] == state["records"] and q.ladder.applied == p.ladder.applied
     # the rest of the run is the same from the restored state (the first step after a resume is warm-up)
-    q.resume_warmup = p.resume_warmup
+    q._schedule.resume_warmup = p._schedule.resume_warmup
     assert [d for d, _ in run(p, (4, 512), 6, applicable=ALL)] == [d for d, _ in run(q, (4, 512), 6, applicable=ALL)]
 
 
@@ -185,7 +185,7 @@ def test_a_state_with_an_unknown_rung_is_refused_whole():
     state["applied_mitigations"] = list("attention")
     with pytest.raises(ValueError, match="mitigations"):
         p.load_state_dict(state)
-    assert p.applied_mitigations == ()
+    assert p.ladder.applied == ()
 
 
 def test_planner_work_per_batch_is_bounded():

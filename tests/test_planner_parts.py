@@ -1,33 +1,40 @@
-"""The planner as a façade over its parts: the names on it read and write its parts' state, the parts
-read each other's (the rungs on, the settings), a checkpoint round trip rebuilds them bound to each
-other, and a state that cannot be read changes nothing. Milliseconds, no torch."""
+"""The planner over its parts: a handful of public names, the parts read each other's state (the rungs
+on, the settings) by reference, a checkpoint round trip rebuilds them bound to each other, and a
+state that cannot be read changes nothing. Milliseconds, no torch."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_seqmem.core.curriculum import Curriculum
-from lightning_seqmem.plan.planner import SeqMemPlanner
+from lightning_seqmem.plan.planner import RUNG_EVENTS, SeqMemPlanner
 from test_planner import ALL, peak, planner, run
 
 
 def _parts(p: SeqMemPlanner) -> tuple:
-    return p.settings, p.ladder, p.course, p.evidence, p.advice, p.schedule
+    return p.settings, p.ladder, p.course, p.evidence, p._advice, p._schedule
 
 
-def test_names_on_the_facade_are_the_parts_state():
+PROTOCOL = {"decide", "commit", "begin_step", "observe", "end_batch", "on_rung", "take_advice", "bind_run",
+            "restart", "state_dict", "load_state_dict"}
+
+
+def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
     p = planner(peak(300, 4), Curriculum(start=64, target=512, steps_per_stage=2, multiple_of=16))
     run(p, (4, 512), 8, applicable=ALL)
-    assert p.applied_mitigations and p.applied_mitigations == p.ladder.applied == p.evidence.applied_mitigations
-    assert p.records is p.evidence.records and len(p.records) == 8
-    assert (p.stages, p.stage, p.capped_at) == (p.course.stages, p.course.stage, p.course.capped_at)
-    assert p.mitigation_events[0]["name"] == p.applied_mitigations[0]
-    p.applied_mitigations = ()  # written through the façade: every part sees it
-    assert p.evidence.applied_mitigations == () and p.forecaster is p.forecasters[()]
+    public = {n for n in dir(p) if not n.startswith("_")}
+    print(f"SeqMemPlanner public names ({len(public)}): {sorted(public)}")
+    assert public == PROTOCOL | {"settings", "evidence", "ladder", "course"} and len(public) <= 15
+    assert p.ladder.applied and p.evidence.ladder is p.ladder and len(p.evidence.records) == 8
+    assert p.ladder.events[0]["name"] == p.ladder.applied[0]
+    p.ladder.applied = ()  # one owner: every part reads it
+    assert p.evidence.forecaster is p.evidence.forecasters[()]
     p.bind_run(compare_reserved=True, block_bytes=512)
-    assert p.evidence.compare_reserved and p.compare_reserved and p.block_bytes == 512
+    assert p.evidence.settings.compare_reserved and p.settings.block_bytes == 512
     with pytest.raises(TypeError, match="`bind_run` got `tolerance`"):
         p.bind_run(tolerance=0.5)
+    with pytest.raises(ValueError, match="`event` is 'up': pass one of " + ", ".join(RUNG_EVENTS)):
+        p.on_rung("up", "attention")
 
 
 def test_checkpoint_round_trip_rebuilds_bound_parts():
@@ -37,9 +44,9 @@ def test_checkpoint_round_trip_rebuilds_bound_parts():
     q = planner(peak(300, 4), Curriculum(start=64, target=512, steps_per_stage=2, multiple_of=16))
     q.load_state_dict(state)
     assert q.state_dict() == state
-    assert q.evidence.ladder is q.ladder and q.evidence.advice is q.advice and q.evidence.settings is q.settings
-    q.applied_mitigations = ()
-    assert q.evidence.applied_mitigations == ()  # the loaded parts read each other, not a copy's
+    assert q.evidence.ladder is q.ladder and q.evidence.advice is q._advice and q.evidence.settings is q.settings
+    q.ladder.applied = ()
+    assert q.evidence.forecaster is q.evidence.forecasters[()]  # the loaded parts read each other, not a copy's
 
 
 def test_unreadable_state_changes_nothing():

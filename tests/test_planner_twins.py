@@ -37,8 +37,8 @@ def run(p, shape, n, applicable=ALL, peak_fn=peak):
     measure, observe), each rung reported with the length and batch size it was decided at."""
     def switch_on(p, d, L, B):
         if d.rung is not None:
-            p.before_rung(d.rung, L, B)
-            p.rung_applied(d.rung, True, "applied", L, B)
+            p.on_rung("before", d.rung, seq_len=L, batch_size=B)
+            p.on_rung("on", d.rung, "applied", L, B)
 
     return planner_batches(p, shape, n, applicable, peak_fn, STATIC, switch_on)
 
@@ -64,12 +64,12 @@ def test_twin_the_ladder_reaches_the_target_within_budget_rungs_in_order():
     assert _fits_unmitigated(BUDGET) == 80
     p, out, advice = _ladder_run(("attention", "checkpointing", "microbatch"))
     lengths = [r.seq_len for _, r in out]
-    assert lengths[-1] == 640 and p.capped_at is None
+    assert lengths[-1] == 640 and p.course.capped_at is None
     assert lengths == sorted(lengths)  # the curriculum never goes back
     assert max(r.peak_bytes for _, r in out) <= BUDGET
-    names = [e["name"] for e in p.mitigation_events]
-    assert names == list(p.applied_mitigations) and names[0] == "attention" and len(names) >= 2
-    for event in p.mitigation_events:  # each switched on before the step it protected, its effect measured
+    names = [e["name"] for e in p.ladder.events]
+    assert names == list(p.ladder.applied) and names[0] == "attention" and len(names) >= 2
+    for event in p.ladder.events:  # each switched on before the step it protected, its effect measured
         record = next(r for _, r in out if f"mitigation:{event['name']}" in r.events)
         assert record.step == event["step"] and event["name"] in record.mitigations
         assert event["before_method"] in ("measured", "dry_run")
@@ -81,7 +81,7 @@ def test_twin_the_ladder_reaches_the_target_within_budget_rungs_in_order():
 
 def test_twin_an_empty_ladder_warns_once_and_caps():
     p, out, advice = _ladder_run((), steps=10)
-    assert p.applied_mitigations == () and p.capped_at is not None and p.capped_at <= 80
+    assert p.ladder.applied == () and p.course.capped_at is not None and p.course.capped_at <= 80
     assert max(r.peak_bytes for _, r in out) <= BUDGET
     over = [a for a in advice if a.kind == "stage_over_budget"]
     assert len(over) == 1 and "switch attention to SDPA" in over[0].text
@@ -89,14 +89,14 @@ def test_twin_an_empty_ladder_warns_once_and_caps():
 
 def test_twin_an_attention_switch_that_stays_quadratic_is_said_once():
     p, out, advice = _ladder_run(("attention",), coeffs=STILL_QUADRATIC, steps=12)
-    assert p.applied_mitigations == ("attention",) and p.mitigation_events[0].get("checked")
+    assert p.ladder.applied == ("attention",) and p.ladder.events[0].get("checked")
     assert [a.kind for a in advice].count("attention_still_quadratic") == 1
     assert max(r.peak_bytes for _, r in out) <= BUDGET
 
 
 def test_twin_a_fused_attention_switch_is_not_reported():
     p, _, advice = _ladder_run(("attention",), steps=12)
-    assert p.mitigation_events[0].get("checked")
+    assert p.ladder.events[0].get("checked")
     assert "attention_still_quadratic" not in [a.kind for a in advice]
 
 
@@ -110,7 +110,7 @@ def test_twin_the_curriculum_caps_between_stages_at_the_step_the_trainer_run_ass
     lengths = [r.seq_len for _, r in out]
     cap = lengths[-1]
     assert max(r.peak_bytes for _, r in out) <= budget and 512 not in lengths
-    assert 256 <= cap < 512 and cap % 16 == 0 and p.capped_at == cap
+    assert 256 <= cap < 512 and cap % 16 == 0 and p.course.capped_at == cap
     over = [a for a in p.take_advice() if a.kind == "stage_over_budget"]
     assert len(over) == 1 and "seq_len=512" in over[0].text and "SDPA" in over[0].text
     first_capped_step = lengths.index(cap) if cap != 256 else lengths.index(256) + 3

@@ -73,14 +73,14 @@ def test_dynamic_padding_is_judged_as_exactly_with_a_few_dry_runs():
     p = _planner(peak, budget, calls, mitigations=())
     lengths = random.Random(0).sample(range(64, 1025), 200)
     for L in lengths:
-        p._longest_seen = max(p._longest_seen, L)
+        p.evidence._longest_seen = max(p.evidence._longest_seen, L)
         n = len(calls)
-        v = p.judge(L, 4)
+        v = p.evidence.judge(L, 4)
         exact_bound = int(peak(L, 4, ()) * 1.02)  # the dry run of this shape, with its 2% margin
         assert v.kind == ("fits" if exact_bound <= budget else "over"), (L, v, exact_bound)
         assert v.bound_bytes >= exact_bound  # a bound from a larger shape, never a smaller one
         if v.kind == "over":  # from this very shape's dry run
-            assert v.bound_bytes == exact_bound and (L, 4, ()) in p._dry
+            assert v.bound_bytes == exact_bound and (L, 4, ()) in p.evidence._dry
         assert len(calls) - n <= 2  # a bucket and, where it is over, the shape itself
     over = sum(int(peak(L, 4, ()) * 1.02) > budget for L in lengths)
     assert len(calls) <= 2 * over + 12, (len(calls), over)  # one or two per length over, a handful for the rest
@@ -97,12 +97,12 @@ def test_a_capped_stage_finds_the_same_length_with_fewer_dry_runs():
     budget = peak(1500, 4, MITIGATIONS)
     calls = []
     p = _planner(peak, budget, calls, curriculum=Curriculum(start=512, target=2048, steps_per_stage=1, multiple_of=8))
-    p.last_batch_size, p.stage_steps = 4, 1
-    p.stage = 1  # 1024 ran; 2048 is next
+    p.evidence.last_batch_size, p.course.stage_steps = 4, 1
+    p.course.stage = 1  # 1024 ran; 2048 is next
     d = p.decide((4, 2048), {m: (True, "") for m in MITIGATIONS})
     assert d.action == "cap" and d.rungs == MITIGATIONS
     truth = max(L for L in range(8, 2048, 8) if int(peak(L, 4, MITIGATIONS) * 1.02) <= budget)
-    assert d.seq_len == truth and (truth, 4, MITIGATIONS) in p._dry and (truth + 8, 4, MITIGATIONS) in p._dry
+    assert d.seq_len == truth and (truth, 4, MITIGATIONS) in p.evidence._dry and (truth + 8, 4, MITIGATIONS) in p.evidence._dry
     capped = [c for c in calls if c[2] == MITIGATIONS]
     assert len(capped) <= 5, capped  # a bisection of (1024, 2048) in steps of 8: 1 + 7
 
@@ -134,8 +134,8 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
 
     class Count(pl_callback()):
         def on_fit_start(self, trainer, pl_module):  # after SeqMemCallback's, which wires the dry run
-            inner = cb.planner.dry_run
-            cb.planner.dry_run = lambda *key: calls.append(key) or inner(*key)
+            inner = cb.planner.settings.dry_run
+            cb.planner.bind_run(dry_run=lambda *key: calls.append(key) or inner(*key))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after SeqMemCallback's decision
             ran.append((batch["input_ids"].shape[1], cb.applied_mitigations))
@@ -149,7 +149,7 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
     measured = [(r.seq_len, r.mitigations) for r in cb.records]
     it = iter(ran)
     assert all(m in it for m in measured), (measured, ran)  # the records: the steps that ran measured, in order
-    assert len(measured) + cb.planner.schedule.unmeasured == len(lengths)
+    assert len(measured) + cb.planner._schedule.unmeasured == len(lengths)
     for i, (L, setting) in enumerate(ran):  # each step left unmeasured: below a measured earlier one, in budget
         if (L, setting) not in measured:
             assert any(r.seq_len >= L and r.mitigations == setting and r.step < i for r in cb.records), (L, setting)

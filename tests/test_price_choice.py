@@ -19,6 +19,7 @@ from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory, StepRecord
 from lightning_seqmem.core.rungs import RungSpec, base_name, level_of, register_spec, unregister_spec
 from lightning_seqmem.plan import choose as C
+from lightning_seqmem.plan.decisions import Decider
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.plan.pricing import predict_step, prior_factor
 
@@ -54,7 +55,7 @@ def run(p, shape, n, applicable, peak_fn, seconds_fn=lambda L, B, s: None):
     """``n`` batches as the callback runs them: decide, commit, switch on every rung of the decision."""
     def switch_on(p, d, L, B):
         for name in d.rungs:
-            p.rung_applied(name, True, "applied", L, B)
+            p.on_rung("on", name, "applied", L, B)
 
     return planner_batches(p, shape, n, applicable, peak_fn, STATIC, switch_on, seconds_fn)
 
@@ -66,7 +67,7 @@ def test_the_cheaper_rung_that_fits_is_chosen_not_the_first_in_ladder_order(toy_
     p = twin(budget, ("dear", "cheap"), toy_peak)  # the old prefix order would take "dear" first
     ok = {"dear": (True, ""), "cheap": (True, "")}
     out = run(p, (B, L), 4, ok, toy_peak)
-    assert p.applied_mitigations == ("cheap",) and out[0][0].rungs == ("cheap",)
+    assert p.ladder.applied == ("cheap",) and out[0][0].rungs == ("cheap",)
     assert max(r.peak_bytes for _, r in out) <= budget
     words = [a.text for a in p.take_advice() if a.kind == "batch_over_budget"]
     assert len(words) == 1 and "Chosen as the fastest setting that fits: cheap: fits" in words[0]
@@ -79,7 +80,7 @@ def test_without_a_cheap_fit_the_dear_rung_is_chosen(toy_rungs):
     assert toy_peak(L, B, ("cheap",)) > budget
     p = twin(budget, ("cheap", "dear"), toy_peak)
     out = run(p, (B, L), 3, {"dear": (True, ""), "cheap": (True, "")}, toy_peak)
-    assert p.applied_mitigations == ("dear",) and max(r.peak_bytes for _, r in out) <= budget
+    assert p.ladder.applied == ("dear",) and max(r.peak_bytes for _, r in out) <= budget
 
 
 def _brute_force(on, allowed, applicable, fits, price):
@@ -155,7 +156,7 @@ def test_an_upgrade_replaces_the_entry_of_its_rung():
     assert lengths[-1] == 512 and lengths == sorted(lengths)
     assert max(r.peak_bytes for _, r in out) <= budget
     assert len(switched) >= 2 and all(base_name(n) == "checkpointing" for n in switched)  # upgraded at least once
-    assert p.applied_mitigations == ("checkpointing:3/4",)  # one entry: the least level that fits the target
+    assert p.ladder.applied == ("checkpointing:3/4",)  # one entry: the least level that fits the target
     levels = [int(level_of(n).split("/")[0]) for n in switched]
     assert levels == sorted(levels) and len(set(levels)) == len(levels)  # upgrades only go up
 
@@ -181,10 +182,10 @@ def test_measured_step_times_change_the_choice(toy_rungs):
     budget = int(toy_peak(L, B, ("cheap",)) * 1.03)
     p = twin(budget, ("dear", "cheap"), toy_peak)
     for i, (setting, seconds) in enumerate([((), 0.1), ((), 0.1), (("cheap",), 0.3)]):
-        p.records.append(StepRecord(i, i, 0, 128, B, False, False, toy_peak(128, B, setting), None, None, None,
+        p.evidence.records.append(StepRecord(i, i, 0, 128, B, False, False, toy_peak(128, B, setting), None, None, None,
                                     STATIC, mitigations=setting, step_seconds=seconds))
-    assert p.price(("cheap",), L, B).seconds > p.price(("dear",), L, B).seconds  # 0.3 measured vs 0.1 × 1.4
-    choice = p._plan(L, B, {"dear": (True, ""), "cheap": (True, "")})
+    assert p.evidence.price(("cheap",), L, B).seconds > p.evidence.price(("dear",), L, B).seconds  # 0.3 measured vs 0.1 × 1.4
+    choice = Decider(p.settings, p.evidence, p.ladder, p.course).choose_setting(L, B, {"dear": (True, ""), "cheap": (True, "")})
     assert choice is not None and choice.setting == ("dear",) and choice.fits
 
 
@@ -195,23 +196,23 @@ def test_step_seconds_survive_a_checkpoint_and_old_records_load_without_them():
     p.end_batch()
     q = SeqMemPlanner(warmup_steps=0)
     q.load_state_dict(p.state_dict())
-    assert q.records[0].step_seconds == 0.25
+    assert q.evidence.records[0].step_seconds == 0.25
     old = p.state_dict()
     for r in old["records"]:
         r.pop("step_seconds")
     q.load_state_dict(old)
-    assert q.records[0].step_seconds is None
+    assert q.evidence.records[0].step_seconds is None
 
 
 def test_a_variant_setting_survives_a_checkpoint():
     p = SeqMemPlanner()
-    p.rung_applied("checkpointing:2/4", True, "applied", 64, 2)
-    p.rung_applied("checkpointing", True, "upgraded", 128, 2)
-    assert p.applied_mitigations == ("checkpointing",)
-    p.applied_mitigations = ("attention", "checkpointing:2/4")
+    p.on_rung("on", "checkpointing:2/4", "applied", 64, 2)
+    p.on_rung("on", "checkpointing", "upgraded", 128, 2)
+    assert p.ladder.applied == ("checkpointing",)
+    p.ladder.applied = ("attention", "checkpointing:2/4")
     q = SeqMemPlanner()
     q.load_state_dict(p.state_dict())
-    assert q.applied_mitigations == ("attention", "checkpointing:2/4")
+    assert q.ladder.applied == ("attention", "checkpointing:2/4")
 
 
 def test_candidates_hold_one_entry_per_rung_and_only_upgrades():

@@ -12,10 +12,10 @@ def test_max_seq_len_answers_after_a_rung_at_the_last_steps():
     for L in (64, 64, 128, 128, 192, 192):
         step(p, (4, L), ALL)
     d, r = step(p, (4, 512), ALL)  # forecast over: attention goes on, one length measured after it
-    assert r.mitigations == ("attention",) and not p.forecaster.ready
-    answer = p.max_seq_len()  # raised NotEnoughMeasurements
+    assert r.mitigations == ("attention",) and not p.evidence.forecaster.ready
+    answer = p.evidence.max_seq_len()  # raised NotEnoughMeasurements
     # the setting before the rung bounds this one (a mitigation never adds memory)
-    assert answer == p.forecasters[()].max_seq_len(p.usable_budget_bytes, 4) > 0
+    assert answer == p.evidence.forecasters[()].max_seq_len(p.settings.usable_budget_bytes, 4) > 0
     assert peak(answer, 4) <= budget
 
 
@@ -38,6 +38,6 @@ def test_a_step_is_verified_against_the_forecast_for_the_shape_that_ran():
                                             SyntheticTokenDataModule(batch_size=2, seq_len=40, num_samples=64))
     assert 40 in [r.seq_len for r in cb.records]
     verified = [r for r in cb.records if r.forecast_error is not None]
-    assert verified and all(abs(r.forecast_error) <= cb.tolerance for r in verified), \
+    assert verified and all(abs(r.forecast_error) <= cb.config.tolerance for r in verified), \
         [(r.seq_len, r.forecast_error) for r in verified]
     assert not [w for w in caught if "not trusted" in str(w.message) or "forecast for" in str(w.message)]

@@ -54,7 +54,7 @@ def test_resume_mid_curriculum_matches_an_uninterrupted_run(tmp_path):
 
     assert [r.seq_len for r in resumed.records] == [r.seq_len for r in straight.records]
     assert [r.mitigations for r in resumed.records] == [r.mitigations for r in straight.records]
-    assert resumed.planner.stages == straight.planner.stages and resumed.applied_mitigations == straight.applied_mitigations
+    assert resumed.planner.course.stages == straight.planner.course.stages and resumed.applied_mitigations == straight.applied_mitigations
     # the mitigations on at the checkpoint were switched on again before the first resumed step
     module = trainer.lightning_module
     assert module.attention_backend == "sdpa" and is_checkpointed(module) and is_micro_batching(module)
@@ -91,8 +91,8 @@ def test_an_unreadable_callback_state_gives_a_warning_and_a_fresh_start():
     restored = _callback()
     with pytest.warns(SeqMemFailureWarning, match="could not restore the callback state"):
         restored.load_state_dict(state)
-    assert restored.records == [] and restored.planner.step == 0 and restored.applied_mitigations == ()
-    assert restored.state_dict()["stages"] == list(restored.curriculum.stages)
+    assert restored.records == [] and restored.planner.course.step == 0 and restored.applied_mitigations == ()
+    assert restored.state_dict()["stages"] == list(restored.config.curriculum.stages)
 
 
 def test_a_state_written_by_the_previous_version_loads():
@@ -110,11 +110,11 @@ def test_a_state_written_by_the_previous_version_loads():
     with warnings.catch_warnings():
         warnings.simplefilter("error", SeqMemFailureWarning)
         cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
-    assert cb._resume_phrases == []  # the same configuration
+    assert cb.edge.resume_phrases == []  # the same configuration
     old = data["state"]
     assert [r.to_dict() for r in cb.records] == [{**r, "rank": None} for r in old["records"]]
     assert cb.applied_mitigations == tuple(old["applied_mitigations"]) == ("attention", "checkpointing")
-    assert list(cb.planner.stages) == old["stages"] and cb.planner.stage == old["stage"]
-    assert cb.planner.refit_queue == old["refit_queue"] and cb.planner.stage_steps == old["stage_steps"]
+    assert list(cb.planner.course.stages) == old["stages"] and cb.planner.course.stage == old["stage"]
+    assert cb.planner.course.refit_queue == old["refit_queue"] and cb.planner.course.stage_steps == old["stage_steps"]
     assert cb.forecast(128, 2, mitigations=()).peak_bytes > 0  # the fits came back too
-    assert cb._reapply_on_fit_start
+    assert cb.edge.reapply_on_fit_start

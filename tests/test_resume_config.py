@@ -67,7 +67,7 @@ def run(tmp_path_factory):
     cb.planner.bind_run(checkpoint_records=KEEP_LAST)
     sizes = _StateSizes(cb)
     trainer, _ = _fit([cb, sizes], STEPS, root)
-    assert cb.applied_mitigations == LADDER and cb.planner.capped_at == CAP  # the scenario holds
+    assert cb.applied_mitigations == LADDER and cb.planner.course.capped_at == CAP  # the scenario holds
     ckpt = root / "capped.ckpt"
     trainer.save_checkpoint(ckpt)
     return SimpleNamespace(cb=cb, ckpt=str(ckpt), sizes=sizes, module=trainer.lightning_module, root=root)
@@ -96,6 +96,7 @@ def test_raising_the_budget_and_the_target_on_resume_lifts_the_cap(run, tmp_path
     cb = _callback(memory_budget=2 * BUDGET, curriculum=Curriculum(start=16, target=512, steps_per_stage=2, multiple_of=16))
     trainer, messages = _fit([cb], STEPS + 3, tmp_path, ckpt_path=run.ckpt)
     assert not [m for m in messages if "callbacks used to create the checkpoint" in m]  # Lightning found the state
+    print("DBG", [m[:200] for m in messages if "seqmem" in m])
     (line,) = _resumed_lines(messages)
     assert "memory_budget 1.2 MiB -> 2.5 MiB" in line and "curriculum target 256 -> 512" in line
     assert f"the cap at seq_len={CAP} is lifted (the budget was raised)" in line
@@ -103,7 +104,7 @@ def test_raising_the_budget_and_the_target_on_resume_lifts_the_cap(run, tmp_path
     assert restored == _saved_state(run)["records"]  # the records came back
     module = trainer.lightning_module  # the rungs on at the checkpoint are on again
     assert module.attention_backend == "sdpa" and is_micro_batching(module)
-    assert cb.planner.stages[:6] == (16, 32, 64, 128, CAP, 256)  # 512 may be capped again, above 256
+    assert cb.planner.course.stages[:6] == (16, 32, 64, 128, CAP, 256)  # 512 may be capped again, above 256
     after = [r for r in cb.records if r.step >= STEPS]
     assert after[0].seq_len == 256 and after[0].mitigations == LADDER  # grows at once, within the new budget
     assert max(r.peak_bytes for r in after) <= 2 * BUDGET
@@ -113,9 +114,9 @@ def test_a_changed_curriculum_keeps_the_length_reached(run):
     cb = _callback(curriculum=Curriculum(start=32, target=512, steps_per_stage=3, multiple_of=32))
     cb.load_state_dict(_saved_state(run))
     # the cap still binds (same budget): kept, as the stage it was
-    assert cb.planner.stages == (32, 64, 128, CAP) and cb.planner.stage == 3 and cb.planner.capped_at == CAP
-    assert cb.planner.stage_steps == run.cb.planner.stage_steps
-    assert cb._resume_phrases == ["curriculum start 16 -> 32, target 256 -> 512, steps_per_stage 2 -> 3, multiple_of "
+    assert cb.planner.course.stages == (32, 64, 128, CAP) and cb.planner.course.stage == 3 and cb.planner.course.capped_at == CAP
+    assert cb.planner.course.stage_steps == run.cb.planner.course.stage_steps
+    assert cb.edge.resume_phrases == ["curriculum start 16 -> 32, target 256 -> 512, steps_per_stage 2 -> 3, multiple_of "
                                   f"16 -> 32: resumes at seq_len={CAP} (stage 4 of 4)"]
 
 
@@ -130,7 +131,7 @@ def test_a_reordered_ladder_keeps_rungs_on_and_takes_removed_ones_off(run, tmp_p
     assert module.attention_backend == "sdpa" and not is_micro_batching(module)
     after = [r for r in cb.records if r.step >= STEPS]
     assert after and all("microbatch" not in r.mitigations and r.mitigations[0] == "attention" for r in after)
-    assert set(cb.planner.mitigations) == {"checkpointing", "attention"}  # checkpointing, new to the ladder, may go on
+    assert set(cb.planner.ladder.allowed) == {"checkpointing", "attention"}  # checkpointing, new to the ladder, may go on
 
 
 def test_a_rung_removed_from_a_reused_module_or_said_to_stay(run, tmp_path):
@@ -173,8 +174,8 @@ def test_a_bad_field_is_rejected_by_name_and_the_callback_starts_fresh(run, chan
         cb.load_state_dict(state)
     assert len(caught) == 1
     assert re.search(named, str(caught[0].message)), str(caught[0].message)
-    assert cb.records == [] and cb.planner.step == 0 and cb.applied_mitigations == () and cb.planner.capped_at is None
-    assert cb.planner.stages == cb.curriculum.stages and cb.mitigations == LADDER and not cb._reapply_on_fit_start
+    assert cb.records == [] and cb.planner.course.step == 0 and cb.applied_mitigations == () and cb.planner.course.capped_at is None
+    assert cb.planner.course.stages == cb.config.curriculum.stages and cb.mitigations == LADDER and not cb.edge.reapply_on_fit_start
 
 
 def test_a_rejected_state_in_a_checkpoint_leaves_training_going(run, tmp_path):
@@ -202,15 +203,15 @@ def test_the_checkpoint_is_bounded_and_forecasts_come_back_the_same(run):
     restored = _callback()
     restored.load_state_dict(state)
     before, after = run.cb.planner, restored.planner
-    for setting in before.forecasters:
+    for setting in before.evidence.forecasters:
         for seq_len in (48, CAP, 256, 1024):
-            a, b = before.forecast(seq_len, 2, setting), after.forecast(seq_len, 2, setting)
+            a, b = before.evidence.forecast(seq_len, 2, setting), after.evidence.forecast(seq_len, 2, setting)
             assert (b.method, b.phase_peak_bytes.keys()) == (a.method, a.phase_peak_bytes.keys())
             assert b.peak_bytes == pytest.approx(a.peak_bytes, rel=1e-9)
             assert b.upper_bytes == pytest.approx(a.upper_bytes, rel=1e-9)
-    assert after.max_seq_len(BUDGET, 2) == before.max_seq_len(BUDGET, 2)
+    assert after.evidence.max_seq_len(BUDGET, 2) == before.evidence.max_seq_len(BUDGET, 2)
     for seq_len, batch_size, _ in keys | {(CAP + 16, 2, ()), (256, 2, ())}:  # judged the same, measured or not
-        assert after.judge(seq_len, batch_size) == before.judge(seq_len, batch_size)
+        assert after.evidence.judge(seq_len, batch_size) == before.evidence.judge(seq_len, batch_size)
     no_rung = {"checkpointing": (False, "not here")}
     assert after.decide((2, 256), no_rung) == before.decide((2, 256), no_rung)
 
@@ -234,14 +235,14 @@ def test_a_checkpoint_of_an_earlier_version_resumes(run, tmp_path):
 
 def test_a_long_run_keeps_its_records_bounded_in_memory(tmp_path):
     cb = _callback(memory_budget=10 * BUDGET, curriculum=Curriculum(start=16, target=32, steps_per_stage=3, multiple_of=16))
-    cb.planner.memory_records = 6  # MEMORY_RECORDS (100 000) in a real run
+    cb.planner.bind_run(memory_records=6)  # MEMORY_RECORDS (100 000) in a real run
     sizes = _StateSizes(cb)
     _fit([cb, sizes], 12, tmp_path)
     assert max(sizes.num_records) <= 7 and len(cb.records) < 12
     assert cb.records[-1].step == 11 and {r.seq_len for r in cb.records} == {16, 32}  # the last ones, every length
-    assert cb.planner.judge(32, 2).method == "measured"  # the records the decisions read are kept
+    assert cb.planner.evidence.judge(32, 2).method == "measured"  # the records the decisions read are kept
     _fit([cb], 3, tmp_path)  # the same instance in a new fit starts fresh
-    assert [r.step for r in cb.records] == [0, 1, 2] and cb.planner.stage == 0
+    assert [r.step for r in cb.records] == [0, 1, 2] and cb.planner.course.stage == 0
 
 
 @pytest.mark.parametrize("rung", ["tiled_mlp", "fused_loss"])
@@ -264,6 +265,6 @@ def test_an_opt_in_rung_added_on_resume_lifts_the_cap_and_is_taken_within_the_bu
     assert all(rung in r.mitigations for r in after if r.step >= event["step"])
     assert all(r.step >= event["step"] for r in after if r.seq_len > CAP)  # nothing past the old cap without it
     if rung == "tiled_mlp":  # measured: its tiles free enough here to grow past the old cap (176 tokens)
-        assert max(r.seq_len for r in after) > CAP and cb.planner.capped_at > CAP
+        assert max(r.seq_len for r in after) > CAP and cb.planner.course.capped_at > CAP
     else:  # the fused loss saves nothing on this 256-token vocabulary: capped again where it was
-        assert max(r.seq_len for r in after) == CAP and cb.planner.capped_at == CAP
+        assert max(r.seq_len for r in after) == CAP and cb.planner.course.capped_at == CAP

@@ -25,8 +25,8 @@ def _run(budget, worse, steps=40):
 
     def switch_on(p, d, L, B):
         if d.rung is not None:
-            p.before_rung(d.rung, L, B)
-            p.rung_applied(d.rung, True, "applied", L, B)
+            p.on_rung("before", d.rung, seq_len=L, batch_size=B)
+            p.on_rung("on", d.rung, "applied", L, B)
 
     out = planner_batches(p, (4, 512), steps, ALL, lambda L, B, s: peak(L, B, s, worse), STATIC, switch_on)
     return p, out
@@ -37,11 +37,11 @@ def _run(budget, worse, steps=40):
 def test_no_step_runs_over_the_budget_when_the_rung_made_the_step_larger(worse, fits_plain):
     budget = peak(fits_plain, 4, ()) + 1  # the plain step fits `fits_plain` tokens, the rung's step fewer
     p, out = _run(budget, worse)
-    assert p.applied_mitigations == ("fused_loss",)  # the scenario: the rung went on (it was the only one)
+    assert p.ladder.applied == ("fused_loss",)  # the scenario: the rung went on (it was the only one)
     over = [(r.seq_len, r.mitigations, r.peak_bytes) for _, r in out if r.peak_bytes > budget]
     assert not over, (budget, over)
     lengths = [r.seq_len for _, r in out]
-    assert max(lengths) >= 32 and p.capped_at is not None  # capped where the setting on fits
+    assert max(lengths) >= 32 and p.course.capped_at is not None  # capped where the setting on fits
     (said,) = [a for a in p.take_advice() if a.kind == "rung_added_memory"]  # said once, with the figures
     assert "switching on fused_loss raised the measured peak at seq_len=" in said.text
 
@@ -81,5 +81,5 @@ def test_a_fused_loss_that_costs_memory_on_a_small_vocabulary_does_not_take_the_
                                                                                          num_samples=64))
     assert cb.applied_mitigations == ("fused_loss",)  # it went on (the only rung), and cost memory
     assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.mitigations, r.peak_bytes) for r in cb.records]
-    assert cb.planner.capped_at is not None and cb.planner.capped_at < 256
-    assert "rung_added_memory" in cb.planner.warned.values()
+    assert cb.planner.course.capped_at is not None and cb.planner.course.capped_at < 256
+    assert "rung_added_memory" in cb.planner._advice.warned.values()

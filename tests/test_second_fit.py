@@ -49,7 +49,7 @@ def _first_fit():
 def test_a_second_fit_on_the_same_trainer_continues_with_the_rungs_and_records():
     cb, module, dm, trainer = _first_fit()
     first = [r.to_dict() for r in cb.records]
-    stage_len, events = cb.planner.seq_len, [dict(e) for e in cb.mitigation_events]
+    stage_len, events = cb.planner.course.seq_len, [dict(e) for e in cb.mitigation_events]
     trainer.fit_loop.epoch_loop.max_steps = 10  # four more steps
     messages = _fit(trainer, module, dm)
     assert not [m for m in messages if "afresh" in m]

@@ -11,6 +11,7 @@ from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory
 from lightning_seqmem.core.rungs import MITIGATIONS
 from lightning_seqmem.core.tags import PREFIX, TAGS
+from lightning_seqmem.plan.metrics import metrics as plan_metrics
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.present.panels import custom_scalars_layout
 
@@ -40,7 +41,7 @@ def test_the_planner_logs_every_tag_and_only_those():
     p, records = _measured_planner()
     logged = set()
     for r in records:
-        logged |= set(p.metrics(r))
+        logged |= set(plan_metrics(r, p.evidence, p.course))
     assert logged == set(TAGS)
 
 

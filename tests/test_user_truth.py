@@ -40,7 +40,7 @@ def test_curriculum_holds_when_the_data_is_shorter_than_the_stage():
                         curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
     said = _fit(cb, _gpt(), SyntheticTokenDataModule(batch_size=2, seq_len=40, num_samples=64), max_steps=10)
     assert [r.seq_len for r in cb.records] == [16, 16, 32, 32] + [40] * 6  # what ran
-    assert cb.seq_len == 64 and cb.planner.stage == 2  # held, not advanced to 128
+    assert cb.seq_len == 64 and cb.planner.course.stage == 2  # held, not advanced to 128
     held = [m for m in said if "asked for seq_len=64" in m]
     assert len(held) == 1 and "40 tokens" in held[0] and "holds" in held[0]
 
@@ -181,7 +181,7 @@ def test_bf16_is_not_advised_where_a_bf16_dry_run_raises_the_peak():
     said = _fit(cb, _gpt(n_layer=2, d_model=64, n_head=4, attention="eager"),
                 SyntheticTokenDataModule(batch_size=2, seq_len=512, num_samples=64), max_steps=6)
     assert [r.seq_len for r in cb.records][-1] == 512
-    assert not [m for m in said if "bf16" in m] and "precision" not in cb.planner.warned
+    assert not [m for m in said if "bf16" in m] and "precision" not in cb.planner._advice.warned
 
 
 def test_bf16_is_advised_with_the_dry_run_numbers_where_it_lowers_the_peak():

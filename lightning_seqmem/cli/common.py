@@ -158,10 +158,10 @@ def usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem:
     import torch
 
     if budget is None and seqmem is not None:
-        budget = seqmem.memory_budget_bytes
+        budget = seqmem.config.memory_budget_bytes
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
-    margin = safety_margin if safety_margin is not None else (seqmem.safety_margin if seqmem else 0.1)
+    margin = safety_margin if safety_margin is not None else (seqmem.config.safety_margin if seqmem else 0.1)
     return budget, margin, None if budget is None else int(budget * (1 - margin))
 
 
@@ -175,7 +175,7 @@ def host_budget(host_budget_bytes: Optional[int], seqmem: Any) -> Optional[int]:
     from lightning_seqmem.plan.budgets import machine_memory_bytes
 
     if host_budget_bytes is None and seqmem is not None:
-        host_budget_bytes = seqmem.host_memory_budget_bytes
+        host_budget_bytes = seqmem.config.host_memory_budget_bytes
     return host_budget_bytes if host_budget_bytes is not None else machine_memory_bytes()
 
 

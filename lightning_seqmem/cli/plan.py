@@ -97,7 +97,7 @@ def _plan_host_budget(args: argparse.Namespace, seqmem: Any, device: Any) -> Opt
 
     given = getattr(args, "host_budget", None)
     if given is None and seqmem is not None:
-        given = seqmem.host_memory_budget_bytes
+        given = seqmem.config.host_memory_budget_bytes
     if given is None and is_simulated(device):
         return None
     return host_budget(given, seqmem)
@@ -118,7 +118,7 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     seqmem = find_seqmem_callback(trainer)
     device = _plan_device(args, trainer)
-    margin = args.safety_margin if args.safety_margin is not None else (seqmem.safety_margin if seqmem else 0.1)
+    margin = args.safety_margin if args.safety_margin is not None else (seqmem.config.safety_margin if seqmem else 0.1)
     budgets = device_budgets(_budget_args(args), margin, seqmem, device)
     batch = first_batch(model, datamodule)  # any length: the dry run cuts or tiles it to each length asked
     batch_size = args.batch_size or infer_batch_shape(batch)[0]

@@ -79,8 +79,8 @@ def device_budgets(budgets: Optional[Sequence[Any]], margin: float, seqmem: Any,
     out: list[tuple[str, int]] = []
     for b in budgets or ():
         out.append((format_bytes(b), int(b)) if isinstance(b, int) else parse_budget(b))
-    if not out and seqmem is not None and seqmem.memory_budget_bytes is not None:
-        out.append((format_bytes(seqmem.memory_budget_bytes), int(seqmem.memory_budget_bytes)))
+    if not out and seqmem is not None and seqmem.config.memory_budget_bytes is not None:
+        out.append((format_bytes(seqmem.config.memory_budget_bytes), int(seqmem.config.memory_budget_bytes)))
     if not out and device is not None:
         import torch
 

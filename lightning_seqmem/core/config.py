@@ -1,8 +1,8 @@
 """``SeqMemConfig``: every argument of :class:`~lightning_seqmem.SeqMemCallback`, checked once, frozen.
 
 The callback builds one (``cb.config``) and hands it to its
-:class:`~lightning_seqmem.plan.planner.SeqMemPlanner`; its old attributes (``cb.warmup_steps``,
-``cb.memory_budget_bytes``, ``cb.probe_name``, ...) read it. Nothing writes it after construction:
+:class:`~lightning_seqmem.plan.planner.SeqMemPlanner`; its old attributes (``cb.config.warmup_steps``,
+``cb.config.memory_budget_bytes``, ``cb.config.probe``, ...) read it. Nothing writes it after construction:
 what the run decides at set-up (the device's budget, its allocator, the dry run, the model's length
 limit) is the planner's :class:`~lightning_seqmem.plan.settings.RunFacts`, bound with
 ``planner.bind_run``. Plain values (no torch, no Lightning).

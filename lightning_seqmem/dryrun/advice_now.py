@@ -18,10 +18,10 @@ from lightning_seqmem.core import advice as A
 def target_length(planner: Any) -> Optional[int]:
     """The length advice speaks of: the curriculum's target (within the model's own length limit),
     else the longest length measured."""
-    if planner.curriculum is not None:
+    if planner.settings.curriculum is not None:
         limit = getattr(planner, "length_limit", None)
-        return int(planner.curriculum.target) if limit is None else min(int(planner.curriculum.target), int(limit))
-    return max((r.seq_len for r in planner.records), default=None)
+        return int(planner.settings.curriculum.target) if limit is None else min(int(planner.settings.curriculum.target), int(limit))
+    return max((r.seq_len for r in planner.evidence.records), default=None)
 
 
 BF16_MIN_GAIN = 0.05  # fraction of the 32-bit peak bf16 must save to be worth a restart
@@ -39,10 +39,10 @@ def precision_advice(dry: Any, planner: Any, precision: str, device: torch.devic
 
     if not str(precision).startswith("32") or dry is None or dry.unsupported or dry.batch is None:
         return None
-    seq_len, batch_size = target_length(planner), planner.last_batch_size
+    seq_len, batch_size = target_length(planner), planner.evidence.last_batch_size
     if seq_len is None or batch_size is None:
         return None
-    fp32 = planner.dry_peak(seq_len, batch_size)
+    fp32 = planner.evidence.dry_peak(seq_len, batch_size)
     if fp32 is None:
         return None
     optimizers = getattr(dry.trainer, "optimizers", None) or [None]

@@ -1,7 +1,9 @@
 """``AdviceQueue``: the advice the planner gave, each key once per run (what the callback warns).
 
 Example:
-    >>> from lightning_seqmem.core import advice as A
+    >>> from typing import Any, Mapping
+
+from lightning_seqmem.core import advice as A
     >>> q = AdviceQueue()
     >>> q.advise(A.mitigation_failed("attention", "no SDPA")); q.advise(A.mitigation_failed("attention", "no SDPA"))
     >>> [a.kind for a in q.take_advice()], q.take_advice(), list(q.warned.values())
@@ -9,6 +11,8 @@ Example:
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 from lightning_seqmem.core import advice as A
 
@@ -36,3 +40,12 @@ class AdviceQueue:
         """The advice given since the last call (the callback warns each once)."""
         out, self._advice = self._advice, []
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """``warned`` (the keys given) and ``warned_kinds`` (key -> kind)."""
+        return {"warned": sorted(self.warned), "warned_kinds": dict(self.warned)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a key saved without its kind gets the kind its name says)."""
+        kinds = state.get("warned_kinds") or {}
+        self.warned = {str(k): str(kinds.get(k, A.kind_of_key(k))) for k in state.get("warned", [])}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 import math
 import numbers
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import PHASES, StepRecord
@@ -388,12 +388,22 @@ def _curriculum_change(old: Mapping[str, Any], old_stages: Sequence[int], new: C
     return ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in after if before.get(k) != after[k])
 
 
-def _reconcile_ladder(planner: Any, old: Mapping[str, Any], new: Mapping[str, Any], allowed: Sequence[str],
-                      left: Optional[Sequence[str]]) -> tuple[list[str], tuple[str, ...], list[str]]:
+class PlannerParts(NamedTuple):
+    """What :func:`reconcile` reads and changes: the parts of a planner being loaded."""
+
+    settings: Any
+    ladder: Any
+    course: Any
+    evidence: Any
+    advice: Any
+
+
+def _reconcile_ladder(old: Mapping[str, Any], new: Mapping[str, Any], allowed: Sequence[str],
+                      left: Optional[Sequence[str]], parts: "PlannerParts") -> tuple[list[str], tuple[str, ...], list[str]]:
     """The ladder's part of :func:`reconcile`: ``(phrases, removed_rungs, newly_allowed_rungs)``."""
     phrases: list[str] = []
     old_ladder = old.get("mitigations")
-    applied = tuple(planner.applied_mitigations)
+    applied = tuple(parts.ladder.applied)
     kept = tuple(m for m in applied if m in allowed)
     removed = tuple(m for m in applied if m not in allowed)
     failed = set() if old_ladder is None or left is None else set(old_ladder) - set(left) - set(applied)
@@ -401,19 +411,19 @@ def _reconcile_ladder(planner: Any, old: Mapping[str, Any], new: Mapping[str, An
     if old_ladder is not None and list(old_ladder) != list(new["mitigations"]):
         phrases.append(f"mitigations {list(old_ladder)} -> {list(new['mitigations'])}")
     if old_ladder is not None:
-        planner.ladder.allow(tuple(m for m in allowed if m not in failed))
+        parts.ladder.allow(tuple(m for m in allowed if m not in failed))
     if removed:
-        planner.ladder.keep_on(kept)
-        planner.forecaster  # noqa: B018 - the fit of the setting now on
-        planner.ladder.mark_removed(removed, "no longer allowed by `mitigations` on resume")
-        planner.course.replan()
+        parts.ladder.keep_on(kept)
+        parts.evidence.forecaster  # noqa: B018 - the fit of the setting now on
+        parts.ladder.mark_removed(removed, "no longer allowed by `mitigations` on resume")
+        parts.course.replan()
     return phrases, removed, newly_allowed
 
 
-def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed: Sequence[str],
-              left: Optional[Sequence[str]] = None) -> tuple[list[str], tuple[str, ...]]:
-    """Fit a just-loaded ``planner`` (a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`) to the
-    configuration ``new`` it resumes under, from the ``old`` one its state was written under.
+def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed: Sequence[str],
+              left: Optional[Sequence[str]], parts: "PlannerParts") -> tuple[list[str], tuple[str, ...]]:
+    """Fit the just-loaded ``parts`` of a planner (its ladder, course, evidence, advice and settings)
+    to the configuration ``new`` it resumes under, from the ``old`` one its state was written under.
     Returns ``(phrases, removed_rungs)``: what changed and what was done, one phrase each, and the
     rungs that were on but are no longer allowed (the caller takes them off the module where it can
     and says so).
@@ -434,9 +444,9 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
       only when the length is unchanged.
     """
     old = dict(old or {})
-    phrases, removed, newly_allowed = _reconcile_ladder(planner, old, new, allowed, left)
+    phrases, removed, newly_allowed = _reconcile_ladder(old, new, allowed, left, parts)
     # -- the budget
-    old_usable, new_usable = _usable(old, planner.safety_margin), _usable(new, planner.safety_margin)
+    old_usable, new_usable = _usable(old, parts.settings.safety_margin), _usable(new, parts.settings.safety_margin)
     old_margin = new["safety_margin"] if old.get("safety_margin") is None else old["safety_margin"]
     budget_changed = "memory_budget_bytes" in old and (old["memory_budget_bytes"], old_margin) != (
         new["memory_budget_bytes"], new["safety_margin"])
@@ -444,22 +454,22 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
     if budget_changed:
         margin = "" if old_margin == new["safety_margin"] else f", safety_margin {old_margin} -> {new['safety_margin']}"
         phrases.append(f"memory_budget {_bytes(old.get('memory_budget_bytes'))} -> {_bytes(new['memory_budget_bytes'])}{margin}")
-        planner.advice.forget(_BUDGET_ADVICE)
+        parts.advice.forget(_BUDGET_ADVICE)
     # -- the curriculum
-    curriculum: Optional[Curriculum] = planner.curriculum
+    curriculum: Optional[Curriculum] = parts.settings.curriculum
     old_stages = _old_stages(old)
-    here = planner.stages[planner.stage] if planner.stages else None
-    cap = planner.capped_at
+    here = parts.course.stages[parts.course.stage] if parts.course.stages else None
+    cap = parts.course.capped_at
     lift = cap is not None and (raised or bool(newly_allowed))
     if curriculum is None:
-        if planner.stages:
+        if parts.course.stages:
             phrases.append("curriculum removed: the data's own lengths run")
-        planner.course.without_curriculum()
+        parts.course.without_curriculum()
     else:
         changed = old_stages is not None and (tuple(old_stages) != curriculum.stages or (
             old.get("curriculum") is not None and old["curriculum"] != curriculum.to_dict()))
-        if not planner.stages:  # no curriculum before: it starts at its first stage
-            planner.course.resume_at(curriculum.stages, 0, planner.capped_at, restart_stage=True)
+        if not parts.course.stages:  # no curriculum before: it starts at its first stage
+            parts.course.resume_at(curriculum.stages, 0, parts.course.capped_at, restart_stage=True)
             if old_stages is None and "curriculum" in old:
                 phrases.append(f"curriculum added: starts at seq_len={curriculum.stages[0]}")
         elif changed or lift:
@@ -471,11 +481,11 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
             if position not in stages:  # a length between two stages: kept, on the new multiple_of
                 position = max(position - position % curriculum.multiple_of, stages[0])
                 stages = sorted(set(stages) | {position})
-            planner.course.resume_at(tuple(stages), stages.index(position), cap, restart_stage=position != here,
+            parts.course.resume_at(tuple(stages), stages.index(position), cap, restart_stage=position != here,
                                      decide_now=lift)
             if changed:
                 phrases.append(f"curriculum {_curriculum_change(old, old_stages, curriculum)}: resumes at "
-                               f"seq_len={position} (stage {planner.stage + 1} of {len(stages)})")
+                               f"seq_len={position} (stage {parts.course.stage + 1} of {len(stages)})")
             if lift:
                 why = "the budget was raised" if raised else f"{', '.join(map(repr, newly_allowed))} may now be switched on"
                 phrases.append(f"the cap at seq_len={here} is lifted ({why}): the next stage is judged at the next batch")
@@ -483,4 +493,4 @@ def reconcile(planner: Any, old: Optional[Mapping[str, Any]], new: Mapping[str, 
 
 
 __all__ = ["CHECKPOINT_LAST_RECORDS", "MEMORY_RECORDS", "InvalidState", "compact_records", "find_legacy_state",
-           "legacy_key_config", "reconcile", "run_config", "validate_state"]
+           "legacy_key_config", "PlannerParts", "reconcile", "run_config", "validate_state"]

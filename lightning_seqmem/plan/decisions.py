@@ -1,33 +1,40 @@
-"""The planner's decisions before a batch, as functions of the planner's state (read, never
-written: the state changes only in :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.commit`).
+"""The decisions before a batch: :class:`Decider` reads the planner's parts (its settings, its
+evidence and their judgement, its ladder, where the curriculum stands) and returns a
+:class:`Decision`; it writes nothing (the state changes only when the planner commits it).
 
-``p`` is the :class:`~lightning_seqmem.plan.planner.SeqMemPlanner` façade: its judgement
-(:meth:`~lightning_seqmem.plan.evidence.Evidence.judge`), its ladder, its curriculum state. Without a
-curriculum :func:`decide_free` decides; with one, :func:`~lightning_seqmem.plan.curriculum_state.decide_curriculum`.
-Over the budget, :func:`choose_setting` picks the fastest setting the dry run says fits
-(:mod:`.choose`, priced by :mod:`.pricing`), :func:`dry_fit` the longest length that fits.
+Without a curriculum the data sets the length (:meth:`Decider.free`); with one,
+:meth:`Decider.curriculum` (a stage is entered only on a forecast that fits: while the next stage
+can be judged only by the one-point bound, a shorter cut of the batch is measured first). Over the
+budget, :meth:`Decider.choose_setting` picks the fastest setting the dry run says fits
+(:mod:`.choose`, priced by :mod:`.pricing`), :meth:`Decider.dry_fit` the longest length that fits;
+without a dry run the next applicable rung goes on and shorter lengths are re-measured with it
+before growing; else the curriculum is capped at the longest multiple of ``multiple_of`` that the
+judgement says fits (below the current stage if the current stage itself is over).
 
 Example (no budget: every batch runs as it comes):
-    >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-    >>> decide_free(SeqMemPlanner(), 512, 4, {}).action
+    >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
+    >>> settings, ladder = PlannerSettings(), LadderState(())
+    >>> evidence = Evidence(settings, ladder, AdviceQueue())
+    >>> Decider(settings, evidence, ladder, CurriculumState(None)).decide(512, 4, {}).action
     'run'
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.plan import choose, pricing
+from lightning_seqmem.plan.curriculum_state import CurriculumState
+from lightning_seqmem.plan.evidence import Evidence
 from lightning_seqmem.plan.judging import Verdict
+from lightning_seqmem.plan.ladder_state import LadderState
+from lightning_seqmem.plan.settings import PlannerSettings
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_seqmem.plan.planner import SeqMemPlanner
-
-__all__ = ["Decision", "checked_fit", "choose_setting", "decide_free", "decision", "dry_fit", "inapplicable", "stop"]
+__all__ = ["Decider", "Decision", "inapplicable"]
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 
@@ -66,106 +73,232 @@ def inapplicable(applicable: Applicability) -> tuple[str, ...]:
     return tuple(name for name, (ok, _) in applicable.items() if not ok)
 
 
-def decision(p: "SeqMemPlanner", **changes: Any) -> Decision:
-    """The decision that keeps the curriculum state as it is, with ``changes``."""
-    base = Decision("run", None, stages=p.stages, stage=p.stage, refit_queue=tuple(p.refit_queue),
-                    decide_now=p.decide_now)
-    return replace(base, **changes)
 
+class Decider:
+    """The decision before each batch, from the parts it reads (and never writes).
 
-def choose_setting(p: "SeqMemPlanner", seq_len: int, batch_size: int, applicable: Applicability) -> Optional[choose.Choice]:
-    """The setting that fits at ``(seq_len, batch_size)`` with the least predicted step time
-    (:func:`~lightning_seqmem.plan.choose.choose`: what is on plus at most one applicable variant
-    per rung left or an upgrade, judged by dry run, priced by :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.price`); every rung on and
-    ``fits=False`` when none fits; None where the dry run cannot answer."""
-    if p.dry_peak(seq_len, batch_size) is None:
+    Args:
+        settings: the planner's arguments and run facts (budget, curriculum, length limit).
+        evidence: the records, fits and dry-run answers, and their judgement (:meth:`Evidence.judge`).
+        ladder: the rungs on and left.
+        course: where the curriculum stands (stages, stage, steps at it, the re-measurement queue).
+    """
+
+    def __init__(self, settings: PlannerSettings, evidence: Evidence, ladder: LadderState,
+                 course: CurriculumState) -> None:
+        self.settings, self.evidence, self.ladder, self.course = settings, evidence, ladder, course
+
+    def decide(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
+        """What to do before a batch of ``(batch_size, seq_len)``; ``applicable`` maps each rung not
+        on yet to ``(applies, reason)``."""
+        if self.settings.curriculum is None:
+            return self.decide_free(seq_len, batch_size, applicable)
+        return self.decide_curriculum(seq_len, batch_size, applicable)
+
+    def decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
+        """Without a curriculum (the data sets the length): a batch judged over switches the fastest
+        setting that fits on, else the next rung, else runs over with a warning."""
+        verdict = self.evidence.judge(seq_len, batch_size)
+        if verdict.kind != "over":
+            return self.decision()
+        budget, usable = self.settings.budget_bytes, self.settings.usable_budget_bytes
+        assert budget is not None and usable is not None
+        plan = self.choose_setting(seq_len, batch_size, applicable)
+        if plan is not None:
+            rungs, fits = plan.rungs, plan.fits
+        else:
+            rung, _ = self.ladder.next_rung(applicable)
+            rungs, fits = ((rung,) if rung else ()), True
+        words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
+                                    verdict.method, usable, budget, self.settings.safety_margin, self.checked_fit(seq_len, batch_size),
+                                    self.ladder.applied, rungs, verdict.measured, still_over=not fits,
+                                    inapplicable=inapplicable(applicable), device=self.settings.device_type)
+        return self.decision(action="mitigate" if rungs else "over", rungs=rungs, advice=(choose.with_why(words, plan),))
+
+    def decide_curriculum(self, source_len: int, source_batch: int, applicable: Applicability) -> Decision:
+        """What to do before a batch of ``(source_batch, source_len)`` under a curriculum: the queued
+        length, the next stage when due, else the current one; judged, and over the budget handed to
+        :func:`over_in_curriculum` (or, judged by a one-point bound only, a probe first)."""
+        assert self.settings.curriculum is not None
+        queue, advance = list(self.course.refit_queue), False
+        if queue:
+            seq_len = queue.pop(0)
+        elif (self.course.decide_now or self.course.stage_steps >= self.settings.curriculum.steps_per_stage) and self.course.stage + 1 < len(self.course.stages):
+            seq_len, advance = self.course.stages[self.course.stage + 1], True
+        else:
+            seq_len = self.course.stages[self.course.stage]
+        after_queue = bool(self.course.refit_queue) and not queue  # the last re-measurement: decide right after
+        batch_size = self.course.batch_at(source_batch, source_len, seq_len)
+        verdict = self.evidence.judge(seq_len, batch_size)
+        go = self.decision(action="advance" if advance else "run", seq_len=seq_len, refit_queue=tuple(queue),
+                        stage=self.course.stage + advance, decide_now=after_queue, reset_stage_steps=advance)
+        if verdict.kind == "fits":
+            return go
+        if verdict.kind == "unknown":  # nothing fitted yet with these mitigations: hold the stage
+            return go if not advance else self.decision(seq_len=self.course.stages[self.course.stage], decide_now=True)
+        if advance and verdict.method in ("one-point bound", "previous setting") and not self.evidence.forecaster.ready:
+            probe = self.probe_length(batch_size)
+            if probe is not None:  # a real fit of this setting before judging the stage over
+                steps = [probe] * (max(1, self.settings.warmup_steps_after_change) + 1)
+                return self.decision(action="probe", seq_len=probe, refit_queue=tuple(steps[1:]), decide_now=False)
+        return self.over_in_curriculum(seq_len, batch_size, verdict, applicable,
+                                  lambda L: self.course.batch_at(source_batch, source_len, L))
+
+    def over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability,
+                           batch_of: Optional[Callable[[int], int]] = None) -> Decision:
+        """Over the budget at ``seq_len`` (the next stage, or the one running): rungs, or a cap. Every
+        cap is the largest multiple of ``multiple_of`` that :func:`~lightning_seqmem.plan.judging.judge` (the dry run where it
+        answers: the predictor that judged the stage) says fits, and the words name that length."""
+        assert self.settings.curriculum is not None and self.settings.budget_bytes is not None and self.settings.usable_budget_bytes is not None
+        m, current = self.settings.curriculum.multiple_of, self.course.stages[self.course.stage]
+        rung, skipped = self.ladder.next_rung(applicable)
+        plan = self.choose_setting(seq_len, batch_size, applicable)
+        words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
+                     method=verdict.method, usable=self.settings.usable_budget_bytes, budget=self.settings.budget_bytes,
+                     margin=self.settings.safety_margin, fit=0, skipped=skipped, measured=verdict.measured,
+                     applied=self.ladder.applied)
+        advance = seq_len > current and seq_len in self.course.stages
+        held = self.evidence.held_bytes()
+        if held > self.settings.usable_budget_bytes:  # no rung lowers what a step begins with: stop rather than run over
+            return self.decision(action="stop", seq_len=None, advice=(A.held_over_budget(
+                held, self.settings.usable_budget_bytes, self.settings.budget_bytes, self.settings.safety_margin, self.settings.device_type),))
+        low = current if seq_len > current else 1  # the next stage over: stay between the two
+
+        def capped(cap: Optional[int]) -> int:
+            words["fit"] = cap or 0  # the length that was checked; 0: "no length is forecast to fit"
+            return cap if cap is not None else (current if seq_len > current else m)
+
+        if plan is not None and plan.fits:  # the dry run says which rungs make it fit: on before the stage
+            words["fit"] = self.dry_fit(1, seq_len, batch_size, self.ladder.applied, batch_of) or 0
+            action = (f"Switching on {', '.join(map(repr, plan.rungs))} before it runs (dry run: it then fits; "
+                      f"chosen as the fastest setting that fits: {plan.why})")
+            return self.decision(action="mitigate", rungs=plan.rungs, seq_len=seq_len, refit_queue=(), decide_now=False,
+                              stage=self.course.stages.index(seq_len) if advance else self.course.stage, reset_stage_steps=advance,
+                              advice=(A.over_budget_stage(action=action, **words),))
+        if plan is not None:  # nothing fits at this length even with every rung: all on, and the longest that fits
+            setting = plan.setting
+            cap = self.dry_fit(low, seq_len, batch_size, setting, batch_of)
+            if cap is None and seq_len <= current:  # not even the shortest length fits with every rung
+                every = self.evidence.judge(seq_len, batch_size, setting)
+                return self.stop(seq_len, batch_size, every if every.bound_bytes else verdict, setting)
+            cap = capped(cap)
+            stages = tuple(s for s in self.course.stages[: self.course.stage + 1] if s < cap) + (cap,)
+            action = (f"Switching on {', '.join(map(repr, plan.rungs))}; the curriculum stays at seq_len={cap}. "
+                      f"To go further: {A.remaining_advice(setting, inapplicable(applicable), self.settings.device_type)}")
+            return self.decision(action="cap", rungs=plan.rungs, seq_len=cap, stages=stages, stage=len(stages) - 1,
+                              refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
+                              advice=(A.over_budget_stage(action=action, **words),))
+        if rung is not None:
+            words["fit"] = self.dry_fit(1, seq_len, batch_size, self.ladder.applied, batch_of) or 0
+            base = min(current, seq_len)
+            lengths = sorted({self.settings.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})
+            steps = max(1, self.settings.warmup_steps_after_change) + 1  # warm-up, then one fitted step per length
+            queue = [L for L in lengths for _ in range(steps)]
+            action = (f"Switching on the next mitigation, {rung!r}, then re-measuring at seq_len {lengths} "
+                      "before growing")
+            return self.decision(action="mitigate", rungs=(rung,), seq_len=queue[0], refit_queue=tuple(queue[1:]),
+                              decide_now=False, advice=(A.over_budget_stage(action=action, **words),))
+        # no rung left: the longest length judged to fit (the next stage over: between the two; the
+        # stage running now over: below it)
+        found = self.dry_fit(low, seq_len, batch_size, self.ladder.applied, batch_of)
+        if found is None and seq_len <= current and (self.evidence.forecaster.ready or seq_len <= m):
+            return self.stop(seq_len, batch_size, verdict, self.ladder.applied)  # nothing fits: a fit says so,
+        cap = capped(found)  # or the shortest ran over; else the shortest is measured first
+        stages = tuple(s for s in self.course.stages[: self.course.stage + 1] if s < cap) + (cap,)
+        action = (f"The curriculum stays at seq_len={cap}. To go further: "
+                  f"{A.remaining_advice(self.ladder.applied, inapplicable(applicable), self.settings.device_type)}")
+        return self.decision(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
+                          decide_now=False, reset_stage_steps=cap != current,
+                          advice=(A.over_budget_stage(action=action, **words),))
+
+    def probe_length(self, batch_size: int) -> Optional[int]:
+        """A length shorter than the current stage not yet fitted with these mitigations, or None."""
+        assert self.settings.curriculum is not None
+        m = self.settings.curriculum.multiple_of
+        fitted = {r.seq_len for r in self.evidence.records if not r.warmup and r.mitigations == self.ladder.applied
+                  and r.batch_size == batch_size}
+        length = self.course.stages[self.course.stage] // 2
+        while length >= m:
+            candidate = self.settings.curriculum.round_down(length)
+            if candidate not in fitted and candidate < self.course.stages[self.course.stage]:
+                return candidate
+            length //= 2
         return None
-    timed = pricing.timed_records(p.records)  # filtered once: every candidate is priced
-    return choose.choose(p.applied_mitigations, p.mitigations, applicable,
-                         lambda s: p.judge(seq_len, batch_size, s),
-                         lambda s: pricing.predict_step(timed, s, seq_len, batch_size, p.device_type).key,
-                         fmt=format_bytes, usable=p.usable_budget_bytes)
 
-
-def dry_fit(p: "SeqMemPlanner", low: int, high: int, batch_size: int, setting: tuple[str, ...],
-            batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
-    """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` (and within the
-    model's ``length_limit``) that :func:`~lightning_seqmem.plan.judging.judge` says fits with ``setting``, or None (bisection: a
-    handful of judgements, each the dry run where it answers, cached). ``batch_of(L)``: the batch
-    size at ``L`` (``truncate=False`` reshapes rows), else ``batch_size`` at every length."""
-    assert p.curriculum is not None
-    m = p.curriculum.multiple_of
-    if p.length_limit is not None:
-        high = min(high, p.length_limit + 1)
-    lo, hi = max(-(-low // m), 1), (high - 1) // m  # in units of m: multiples in [low, high)
-
-    def fits(k: int) -> bool:
-        L = k * m
-        return p.judge(L, batch_of(L) if batch_of else batch_size, setting).kind == "fits"
-
-    if hi < lo or not fits(lo):
-        return None
-    budget = p.usable_budget_bytes
-    assert budget is not None
-
-    def judged_bound(k: int) -> Optional[int]:  # the judgement's bound, so the search agrees with fits()
-        L = k * m
-        verdict = p.judge(L, batch_of(L) if batch_of else batch_size, setting)
-        if verdict.kind == "unknown":
+    def choose_setting(self, seq_len: int, batch_size: int, applicable: Applicability) -> Optional[choose.Choice]:
+        """The setting that fits at ``(seq_len, batch_size)`` with the least predicted step time
+        (:func:`~lightning_seqmem.plan.choose.choose`: what is on plus at most one applicable variant
+        per rung left or an upgrade, judged by dry run, priced by :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.price`); every rung on and
+        ``fits=False`` when none fits; None where the dry run cannot answer."""
+        if self.evidence.dry_peak(seq_len, batch_size) is None:
             return None
-        return verdict.bound_bytes if verdict.bound_bytes is not None else (0 if verdict.kind == "fits" else budget + 1)
+        timed = pricing.timed_records(self.evidence.records)  # filtered once: every candidate is priced
+        return choose.choose(self.ladder.applied, self.ladder.allowed, applicable,
+                             lambda s: self.evidence.judge(seq_len, batch_size, s),
+                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size, self.settings.device_type).key,
+                             fmt=format_bytes, usable=self.settings.usable_budget_bytes)
 
-    return m * p.evidence._dry_search(lo, hi, m, batch_size, tuple(setting), budget, judged_bound)
+    def dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...],
+                batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
+        """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` (and within the
+        model's ``length_limit``) that :func:`~lightning_seqmem.plan.judging.judge` says fits with ``setting``, or None (bisection: a
+        handful of judgements, each the dry run where it answers, cached). ``batch_of(L)``: the batch
+        size at ``L`` (``truncate=False`` reshapes rows), else ``batch_size`` at every length."""
+        assert self.settings.curriculum is not None
+        m = self.settings.curriculum.multiple_of
+        if self.settings.length_limit is not None:
+            high = min(high, self.settings.length_limit + 1)
+        lo, hi = max(-(-low // m), 1), (high - 1) // m  # in units of m: multiples in [low, high)
 
+        def fits(k: int) -> bool:
+            L = k * m
+            return self.evidence.judge(L, batch_of(L) if batch_of else batch_size, setting).kind == "fits"
 
-def checked_fit(p: "SeqMemPlanner", high: int, batch_size: int) -> int:
-    """Largest length below ``high`` that :func:`~lightning_seqmem.plan.judging.judge` says fits with the rungs on now (what a
-    warning names as "the largest length forecast to fit"): a multiple of the curriculum's
-    ``multiple_of``; without one, the forecast's largest length, checked by the same judgement
-    (bisected below it when that is over); 0 if none."""
-    if p.curriculum is not None:
-        return dry_fit(p, 1, high, batch_size, p.applied_mitigations) or 0
-    high = high if p.length_limit is None else min(high, p.length_limit + 1)
-    guess = min(safe_fit(p, batch_size), high - 1)
-    fits = lambda L: p.judge(L, batch_size).kind == "fits"  # noqa: E731
-    if guess < 1 or fits(guess):
-        return max(guess, 0)
-    return 0 if not fits(1) else bisect_last(fits, 1, guess)
+        if hi < lo or not fits(lo):
+            return None
+        budget = self.settings.usable_budget_bytes
+        assert budget is not None
 
+        def judged_bound(k: int) -> Optional[int]:  # the judgement's bound, so the search agrees with fits()
+            L = k * m
+            verdict = self.evidence.judge(L, batch_of(L) if batch_of else batch_size, setting)
+            if verdict.kind == "unknown":
+                return None
+            return verdict.bound_bytes if verdict.bound_bytes is not None else (0 if verdict.kind == "fits" else budget + 1)
 
-def decide_free(p: "SeqMemPlanner", seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
-    """Without a curriculum (the data sets the length): a batch judged over switches the fastest
-    setting that fits on, else the next rung, else runs over with a warning."""
-    verdict = p.judge(seq_len, batch_size)
-    if verdict.kind != "over":
-        return decision(p)
-    budget, usable = p.budget_bytes, p.usable_budget_bytes
-    assert budget is not None and usable is not None
-    plan = choose_setting(p, seq_len, batch_size, applicable)
-    if plan is not None:
-        rungs, fits = plan.rungs, plan.fits
-    else:
-        rung, _ = p.ladder.next_rung(applicable)
-        rungs, fits = ((rung,) if rung else ()), True
-    words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
-                                verdict.method, usable, budget, p.safety_margin, checked_fit(p, seq_len, batch_size),
-                                p.applied_mitigations, rungs, verdict.measured, still_over=not fits,
-                                inapplicable=inapplicable(applicable), device=p.device_type)
-    return decision(p, action="mitigate" if rungs else "over", rungs=rungs, advice=(choose.with_why(words, plan),))
+        return m * self.evidence._dry_search(lo, hi, m, batch_size, tuple(setting), budget, judged_bound)
 
+    def checked_fit(self, high: int, batch_size: int) -> int:
+        """Largest length below ``high`` that :func:`~lightning_seqmem.plan.judging.judge` says fits with the rungs on now (what a
+        warning names as "the largest length forecast to fit"): a multiple of the curriculum's
+        ``multiple_of``; without one, the forecast's largest length, checked by the same judgement
+        (bisected below it when that is over); 0 if none."""
+        if self.settings.curriculum is not None:
+            return self.dry_fit(1, high, batch_size, self.ladder.applied) or 0
+        high = high if self.settings.length_limit is None else min(high, self.settings.length_limit + 1)
+        guess = min(self.safe_fit(batch_size), high - 1)
+        fits = lambda L: self.evidence.judge(L, batch_size).kind == "fits"  # noqa: E731
+        if guess < 1 or fits(guess):
+            return max(guess, 0)
+        return 0 if not fits(1) else bisect_last(fits, 1, guess)
 
-def safe_fit(p: "SeqMemPlanner", batch_size: int) -> int:
-    """:meth:`~lightning_seqmem.plan.evidence.Evidence.fit_now`, or 0 where it cannot say (only words depend on it)."""
-    try:
-        return p.evidence.fit_now(batch_size)
-    except Exception:  # noqa: BLE001 - only words depend on it
-        return 0
+    def safe_fit(self, batch_size: int) -> int:
+        """:meth:`~lightning_seqmem.plan.evidence.Evidence.fit_now`, or 0 where it cannot say (only words depend on it)."""
+        try:
+            return self.evidence.fit_now(batch_size)
+        except Exception:  # noqa: BLE001 - only words depend on it
+            return 0
 
+    def stop(self, seq_len: int, batch_size: int, verdict: Verdict, setting: tuple[str, ...]) -> Decision:
+        """Nothing can meet the budget at ``seq_len`` with ``setting`` (every rung this run can take)."""
+        assert self.settings.curriculum is not None and self.settings.budget_bytes is not None and self.settings.usable_budget_bytes is not None
+        words = A.budget_unreachable(seq_len, batch_size, verdict.bound_bytes or 0, verdict.method,
+                                     self.settings.usable_budget_bytes, self.settings.budget_bytes, self.settings.safety_margin, setting,
+                                     self.settings.curriculum.multiple_of, self.settings.device_type)
+        return self.decision(action="stop", seq_len=None, advice=(words,))
 
-def stop(p: "SeqMemPlanner", seq_len: int, batch_size: int, verdict: Verdict, setting: tuple[str, ...]) -> Decision:
-    """Nothing can meet the budget at ``seq_len`` with ``setting`` (every rung this run can take)."""
-    assert p.curriculum is not None and p.budget_bytes is not None and p.usable_budget_bytes is not None
-    words = A.budget_unreachable(seq_len, batch_size, verdict.bound_bytes or 0, verdict.method,
-                                 p.usable_budget_bytes, p.budget_bytes, p.safety_margin, setting,
-                                 p.curriculum.multiple_of, p.device_type)
-    return decision(p, action="stop", seq_len=None, advice=(words,))
+    def decision(self, **changes: Any) -> Decision:
+        """The decision that keeps the curriculum state as it is, with ``changes``."""
+        base = Decision("run", None, stages=self.course.stages, stage=self.course.stage, refit_queue=tuple(self.course.refit_queue),
+                        decide_now=self.course.decide_now)
+        return replace(base, **changes)

@@ -22,8 +22,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import asdict, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
@@ -32,9 +32,9 @@ from lightning_seqmem.core.records import StepRecord
 from lightning_seqmem.core.rungs import RungNotApplicable, check_setting
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.trust import PredictorChecks
-from lightning_seqmem.plan import dry_evidence, judging, verification
+from lightning_seqmem.plan import dry_evidence, judging, pricing, verification
+from lightning_seqmem.plan.checkpoint import compact_records
 from lightning_seqmem.plan.advice_queue import AdviceQueue
-from lightning_seqmem.plan.forward import Forward
 from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.settings import PlannerSettings
 
@@ -44,28 +44,10 @@ __all__ = ["Evidence"]
 class Evidence:
     """Records, fits, dry-run answers and the checks of each predictor (see the module doc)."""
 
-    # what it reads, owned by others: the settings, the rungs on, the advice queue
-    tolerance = Forward("settings")
-    warmup_steps = Forward("settings")
-    budget_bytes = Forward("settings")
-    safety_margin = Forward("settings")
-    usable_budget_bytes = Forward("settings")
-    compare_reserved = Forward("settings")
-    block_bytes = Forward("settings")
-    dry_run = Forward("settings")
-    curriculum = Forward("settings")
-    length_limit = Forward("settings")
-    length_limit_reason = Forward("settings")
-    memory_records = Forward("settings")
-    within_limit = Forward("settings", method=True)
-    applied_mitigations = Forward("ladder", "applied")
-    mitigation_events = Forward("ladder", "events")
-    advise = Forward("advice", method=True)
-
     def __init__(self, settings: PlannerSettings, ladder: LadderState, advice: AdviceQueue) -> None:
         self.settings, self.ladder, self.advice = settings, ladder, advice
         self.records: list[StepRecord] = []
-        self.forecasters: dict[tuple[str, ...], MemoryForecaster] = {(): MemoryForecaster(tolerance=self.tolerance)}
+        self.forecasters: dict[tuple[str, ...], MemoryForecaster] = {(): MemoryForecaster(tolerance=self.settings.tolerance)}
         self.last_batch_size: Optional[int] = None
         self.last_verification_error: Optional[float] = None
         self._pending: dict[tuple, Forecast] = {}  # forecasts kept to verify against the step at that shape
@@ -77,10 +59,11 @@ class Evidence:
         self._dry_fatal: dict[tuple, str] = {}
         self._longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
         self.replay_checks: dict[tuple[str, ...], dict[str, Any]] = {}  # replay vs dry run at the target
-        self.checks = PredictorChecks(self.tolerance)  # every predictor against the measured steps (not saved)
+        self.checks = PredictorChecks(self.settings.tolerance)  # every predictor against the measured steps (not saved)
         self._checked: set[tuple] = set()  # steps whose predictors were checked, with the fits' version
         # (budget, batch size, rungs on, multiple_of, longest) -> the largest length a dry run confirmed to fit
         self._max_seq_len_memo: dict[tuple, int] = {}
+        self.view_cache: dict[str, Any] = {}  # the budget view (lightning_seqmem.plan.metrics)
 
     # judging the budget (lightning_seqmem.plan.judging)
     judge = judging.judge
@@ -105,15 +88,55 @@ class Evidence:
     _after_mitigation = verification.after_mitigation
     _dry_quadratic_terms = verification.dry_quadratic_terms
 
+    def see_length(self, seq_len: int) -> None:
+        """A length the data has (bounds the dry runs' buckets)."""
+        self._longest_seen = max(self._longest_seen, int(seq_len))
+
+    def price(self, setting: Optional[Sequence[str]], seq_len: int, batch_size: int) -> pricing.Price:
+        """The predicted cost of one step with ``setting`` (default: the one on) at ``(seq_len,
+        batch_size)``, from the measured step times (:func:`~lightning_seqmem.plan.pricing.predict_step`)."""
+        key = self.ladder.applied if setting is None else tuple(setting)
+        return pricing.predict_step(self.records, key, int(seq_len), int(batch_size), self.settings.device_type)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The records (bounded: :func:`~lightning_seqmem.plan.checkpoint.compact_records`), the fits,
+        the forecasts kept to verify, the last batch size and verification error."""
+        kept = compact_records(self.records, self.settings.checkpoint_records, self._measured_bound)
+        return {
+            "records": [r.to_dict() for r in kept],
+            "forecasters": {"|".join(k): f.state_dict() for k, f in self.forecasters.items()},
+            "last_batch_size": self.last_batch_size,
+            "last_verification_error": self.last_verification_error,
+            "pending": {"x".join(map(str, k[:2])) + "".join(f"|{m}" for m in k[2]): asdict(v)
+                        for k, v in self._pending.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the ladder's rungs loaded first: the setting on gets its fit)."""
+        self.records = [StepRecord.from_dict(r) for r in state.get("records", [])]
+        self.forecasters = {}
+        for key, value in state.get("forecasters", {"": state.get("forecaster", {})}).items():
+            forecaster = MemoryForecaster(tolerance=self.settings.tolerance)
+            forecaster.load_state_dict(value)
+            self.forecasters[tuple(key.split("|")) if key else ()] = forecaster
+        self.forecaster  # noqa: B018
+        self.last_batch_size = state.get("last_batch_size")
+        self.last_verification_error = state.get("last_verification_error")
+        self._pending = {}
+        for key, fc in state.get("pending", {}).items():
+            shape, *mitigations = key.split("|")
+            L, B = (int(x) for x in shape.split("x"))
+            self._pending[(L, B, tuple(mitigations))] = Forecast(**fc)
+
     # forecasts and the dry run
     @property
     def forecaster(self) -> MemoryForecaster:
         """The forecaster of the mitigations on now (each setting has its own fit)."""
-        return self.forecasters.setdefault(self.applied_mitigations, MemoryForecaster(tolerance=self.tolerance))
+        return self.forecasters.setdefault(self.ladder.applied, MemoryForecaster(tolerance=self.settings.tolerance))
 
     def bound_of(self, fc: Forecast) -> int:
         """What to compare with the budget: the reserved bound on CUDA, the upper bound elsewhere."""
-        return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
+        return fc.reserved_upper_bytes if self.settings.compare_reserved else fc.upper_bytes
 
     def batch_size_or_last(self, batch_size: Optional[int]) -> int:
         """``batch_size`` checked, or, where None, the last measured one (raises before any)."""
@@ -128,10 +151,10 @@ class Evidence:
         batch size, the mitigations on now). Raises :class:`NotEnoughMeasurements` before that
         setting has two measured lengths."""
         check_int("seq_len", seq_len)
-        if not self.within_limit(seq_len):
-            raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.length_limit} tokens "
-                             f"({self.length_limit_reason}): pass a length up to {self.length_limit}")
-        key = self.applied_mitigations if mitigations is None else check_setting(mitigations)
+        if not self.settings.within_limit(seq_len):
+            raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.settings.length_limit} tokens "
+                             f"({self.settings.length_limit_reason}): pass a length up to {self.settings.length_limit}")
+        key = self.ladder.applied if mitigations is None else check_setting(mitigations)
         self._check_dry_once(key)
         dry = self.dry_forecast(seq_len, self.batch_size_or_last(batch_size), key)
         if dry is not None:
@@ -150,8 +173,8 @@ class Evidence:
 
     def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
         """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
-        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
-        if self.dry_run is None:
+        key = (int(seq_len), int(batch_size), self.ladder.applied if mitigations is None else tuple(mitigations))
+        if self.settings.dry_run is None:
             return "no dry run (dry_run=False, or not rank zero, or before fit)"
         wrong = self.checks.wrong(key[2], "dry_run")
         if wrong is not None:
@@ -165,13 +188,13 @@ class Evidence:
         what is known (the forecast of the setting before the last rung, else the longest length
         measured within the budget; 0 if none): it does not raise after a fit."""
         if budget_bytes is None:
-            budget_bytes = self.usable_budget_bytes
+            budget_bytes = self.settings.usable_budget_bytes
             if budget_bytes is None:
                 raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
         batch_size = self.batch_size_or_last(batch_size)
-        limit = (lambda fit: fit) if self.length_limit is None else (lambda fit: min(fit, self.length_limit))
+        limit = (lambda fit: fit) if self.settings.length_limit is None else (lambda fit: min(fit, self.settings.length_limit))
         if self.forecaster.ready:
-            return limit(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
+            return limit(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=self.settings.compare_reserved))
         if self.dry_answers(batch_size) or self.dry_forecast(1, batch_size) is not None:
             return self._dry_max_seq_len(budget_bytes, batch_size)
         # what is known otherwise (a rung went on at the last steps): the setting before it, whose
@@ -179,8 +202,8 @@ class Evidence:
         # longest length measured within it
         earlier = judging.bounding_setting(self)
         if earlier is not None:
-            return limit(self.forecasters[earlier].max_seq_len(budget_bytes, batch_size, reserved=self.compare_reserved))
-        return max((r.seq_len for r in self.records if r.mitigations == self.applied_mitigations and not r.warmup
+            return limit(self.forecasters[earlier].max_seq_len(budget_bytes, batch_size, reserved=self.settings.compare_reserved))
+        return max((r.seq_len for r in self.records if r.mitigations == self.ladder.applied and not r.warmup
                     and r.batch_size >= batch_size and self._measured_bound(r) <= budget_bytes), default=0)
 
     def _dry_max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
@@ -192,10 +215,10 @@ class Evidence:
         with it says 2% more fits): a lower bound of the largest that a dry run says fits (within
         about 2% of it where the peak is quadratic in the length), where a search to the token took
         four or more. The same answer until a longer length is dry-run and fits."""
-        known = [r.seq_len for r in self.records] + ([self.curriculum.target] if self.curriculum else [])
-        step = int(self.curriculum.multiple_of) if self.curriculum is not None else 1
+        known = [r.seq_len for r in self.records] + ([self.settings.curriculum.target] if self.settings.curriculum else [])
+        step = int(self.settings.curriculum.multiple_of) if self.settings.curriculum is not None else 1
         hi = 4 * max(known + [256])
-        hi = hi if self.length_limit is None else min(hi, self.length_limit)  # never past the model's positions
+        hi = hi if self.settings.length_limit is None else min(hi, self.settings.length_limit)  # never past the model's positions
         hi -= hi % step
 
         def fits(L: int) -> bool:
@@ -207,7 +230,7 @@ class Evidence:
         if not fits(lo):
             return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
         memo = self._max_seq_len_memo  # the answers confirmed (dry run at each)
-        key = (budget_bytes, batch_size, self.applied_mitigations, step, hi)
+        key = (budget_bytes, batch_size, self.ladder.applied, step, hi)
         if memo.get(key) == lo:  # confirmed before, and no longer length dry-run to fit since
             return lo
 
@@ -220,7 +243,7 @@ class Evidence:
         if len(dried) < 2:  # the measured steps too (real peaks, the dry run's margin on them): anchors for the guess
             margin = 1 + self.dry_margin()
             for r in self.records:  # (not the first step: no optimizer state yet)
-                if (r.mitigations == self.applied_mitigations and r.batch_size == batch_size
+                if (r.mitigations == self.ladder.applied and r.batch_size == batch_size
                         and r.step >= 1 and r.seq_len not in dried):
                     known[r.seq_len] = max(known.get(r.seq_len, 0), int(self._measured_bound(r) * margin))
             held = self.held_bytes()  # what a step begins with: the peak's floor as the length goes to 0
@@ -245,18 +268,18 @@ class Evidence:
         return dry_evidence.largest_fitting(lo, hi, bound, budget, known)
 
     def _measured_bound(self, r: StepRecord) -> int:
-        return r.reserved_bytes if self.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
+        return r.reserved_bytes if self.settings.compare_reserved and r.reserved_bytes is not None else r.peak_bytes
 
     def dry_peak(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None
                  ) -> Optional[tuple[int, dict[str, int]]]:
         """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
         now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
-        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
-        if self.dry_run is None or not self.within_limit(seq_len):  # past the model's positions: never asked
+        key = (int(seq_len), int(batch_size), self.ladder.applied if mitigations is None else tuple(mitigations))
+        if self.settings.dry_run is None or not self.settings.within_limit(seq_len):  # past the model's positions: never asked
             return None
         if key not in self._dry:
             try:
-                answer = self.dry_run(*key)
+                answer = self.settings.dry_run(*key)
                 peak, phases = answer[0], answer[1]
                 self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
                 if len(answer) > 2 and isinstance(answer[2], PeakSite):
@@ -272,7 +295,7 @@ class Evidence:
     def dry_answers(self, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> list[int]:
         """The lengths the dry run answered already at ``batch_size`` with ``mitigations`` (default:
         those on now), sorted: what a report can show without another dry run."""
-        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        key = self.ladder.applied if mitigations is None else tuple(mitigations)
         return sorted(L for (L, B, m), v in self._dry.items() if v is not None and B == int(batch_size) and m == key
                       and self.checks.wrong(key, "dry_run") is None)
 
@@ -288,10 +311,10 @@ class Evidence:
         Example:
             >>> from lightning_seqmem.plan.planner import SeqMemPlanner
             >>> p = SeqMemPlanner(dry_run=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B}))
-            >>> p.any_dry_run_answered(), p.dry_peak(64, 2)[0], p.any_dry_run_answered()
+            >>> p.evidence.any_dry_run_answered(), p.evidence.dry_peak(64, 2)[0], p.evidence.any_dry_run_answered()
             (False, 12800, True)
             >>> s = p.begin_step(64, 2)   # the first step at this shape: the dry run's forecast is kept
-            >>> p.kept_forecast(64, 2, ()).method, p.kept_forecast(128, 2, ())
+            >>> p.evidence.kept_forecast(64, 2, ()).method, p.evidence.kept_forecast(128, 2, ())
             ('dry_run', None)
         """
         return self._pending.get((int(seq_len), int(batch_size), tuple(mitigations)))
@@ -318,17 +341,17 @@ class Evidence:
             >>> from lightning_seqmem.plan.planner import SeqMemPlanner
             >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, compare_reserved=True,
             ...                   dry_run=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
-            >>> p.dry_peak(64, 2)[0]
+            >>> p.evidence.dry_peak(64, 2)[0]
             409600
             >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
             >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
             >>> p.end_batch()
-            >>> p.records[0].peak_bytes - p.dry_peak(64, 2)[0]   # what the allocator counted beyond the dry run
+            >>> p.evidence.records[0].peak_bytes - p.evidence.dry_peak(64, 2)[0]   # what the allocator counted beyond the dry run
             4096
-            >>> p.scratch_bytes(128, 2, ()), p.scratch_bytes(128, 4, ())   # 4096 B at 64 tokens, batch 2
+            >>> p.evidence.scratch_bytes(128, 2, ()), p.evidence.scratch_bytes(128, 4, ())   # 4096 B at 64 tokens, batch 2
             (16384, 32768)
         """
-        if not self.compare_reserved:
+        if not self.settings.compare_reserved:
             return 0
         key = tuple(mitigations)
         measured = [r for r in self.records if r.mitigations == key and not r.warmup]
@@ -351,7 +374,7 @@ class Evidence:
         dry run of that larger shape (see :mod:`.dry_evidence`), scratch counted at ``seq_len``. None
         where it cannot answer, or (``trusted_only``) where it missed measured steps of this setting
         beyond the tolerance (:mod:`.trust`)."""
-        key = self.applied_mitigations if mitigations is None else tuple(mitigations)
+        key = self.ladder.applied if mitigations is None else tuple(mitigations)
         if trusted_only and self.checks.wrong(key, "dry_run") is not None:
             return None
         answer = self.dry_peak(*(source or (seq_len, batch_size)), mitigations)
@@ -380,12 +403,12 @@ class Evidence:
             >>> from lightning_seqmem.plan.planner import SeqMemPlanner
             >>> site = PeakSite("backward", (("attention_scores", 90 * 64 * 64), ("parameters", 10 * 64 * 64)))
             >>> p = SeqMemPlanner(dry_run=lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site))
-            >>> p.dry_peak(64, 2, ())[0], p.dry_peak_site(64, 2, ()).top_kind
+            >>> p.evidence.dry_peak(64, 2, ())[0], p.evidence.dry_peak_site(64, 2, ()).top_kind
             (409600, 'attention_scores')
-            >>> p.forecast(64, 2, ()).detail.endswith("; peak at backward: attention scores 90%, parameters 10%")
+            >>> p.evidence.forecast(64, 2, ()).detail.endswith("; peak at backward: attention scores 90%, parameters 10%")
             True
         """
-        key = (int(seq_len), int(batch_size), self.applied_mitigations if mitigations is None else tuple(mitigations))
+        key = (int(seq_len), int(batch_size), self.ladder.applied if mitigations is None else tuple(mitigations))
         return self._dry_sites.get(key)
 
     def _peak_site_note(self, key: tuple) -> str:
@@ -396,5 +419,5 @@ class Evidence:
     def _longest_known(self) -> int:
         """The longest length known to be one the model runs: measured, asked about, the target."""
         return max([r.seq_len for r in self.records] + [self._longest_seen] +
-                   ([self.curriculum.target] if self.curriculum else []))
+                   ([self.settings.curriculum.target] if self.settings.curriculum else []))
 

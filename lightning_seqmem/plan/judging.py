@@ -15,7 +15,7 @@ Before a batch runs at ``(L, B)`` under the mitigations now on, :func:`judge` sa
 
 Example (no budget: everything fits):
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-    >>> SeqMemPlanner().judge(4096, 8)
+    >>> SeqMemPlanner().evidence.judge(4096, 8)
     Verdict(kind='fits', bound_bytes=None, peak_bytes=None, method='', measured=False)
 """
 
@@ -50,16 +50,16 @@ class Verdict:
 def judge(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Verdict:
     """Whether a batch at ``(seq_len, batch_size)`` fits the usable budget now (see the module doc);
     ``mitigations`` asks the dry run about another set of rungs."""
-    budget = ev.usable_budget_bytes
+    budget = ev.settings.usable_budget_bytes
     if budget is None:
         return Verdict("fits")
-    if mitigations is not None and tuple(mitigations) != ev.applied_mitigations:
+    if mitigations is not None and tuple(mitigations) != ev.ladder.applied:
         fc = ev._dry_judged(seq_len, batch_size, mitigations)
         if fc is None:
             return Verdict("unknown")
         return Verdict("fits" if ev.bound_of(fc) <= budget else "over", ev.bound_of(fc), fc.peak_bytes, "dry_run")
     here = [r for r in ev.records if (r.seq_len, r.batch_size, r.mitigations) ==
-            (seq_len, batch_size, ev.applied_mitigations)]
+            (seq_len, batch_size, ev.ladder.applied)]
     if here:
         worst = max(here, key=ev._measured_bound)
         if ev._measured_bound(worst) > budget:
@@ -121,7 +121,7 @@ def adds_memory(ev: "Evidence", before: tuple[str, ...], after: tuple[str, ...])
 def bounding_setting(ev: "Evidence") -> Optional[tuple[str, ...]]:
     """The setting before the last rung whose forecast bounds the setting on now (its fit is ready,
     and no shape measured under both peaked higher with the rungs since), or None."""
-    on = ev.applied_mitigations
+    on = ev.ladder.applied
     for n in range(len(on) - 1, -1, -1):
         earlier = ev.forecasters.get(on[:n])
         if earlier is not None and earlier.ready:
@@ -142,10 +142,10 @@ def dry_judged(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optio
        answers for every length below it;
     4. else this shape's own dry run: "over" is only ever said from the exact shape.
     """
-    key = ev.applied_mitigations if mitigations is None else tuple(mitigations)
-    budget = ev.usable_budget_bytes
+    key = ev.ladder.applied if mitigations is None else tuple(mitigations)
+    budget = ev.settings.usable_budget_bytes
     L, B = int(seq_len), int(batch_size)
-    if (L, B, key) in ev._dry or budget is None or ev.dry_run is None or ev.curriculum is not None:
+    if (L, B, key) in ev._dry or budget is None or ev.settings.dry_run is None or ev.settings.curriculum is not None:
         return ev.dry_forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
     answers = {(k[0], k[1]): v[0] for k, v in ev._dry.items() if v is not None and k[2] == key}
     source = dry_evidence.dominating(answers, L, B)
@@ -174,7 +174,7 @@ def bucket(ev: "Evidence", seq_len: int, batch_size: int, key: tuple[str, ...], 
             fc = ev.dry_forecast(L, B, key)
             if fc is not None:
                 bounds[L] = ev.bound_of(fc)
-    return dry_evidence.ahead_length(seq_len, longest, bounds, budget, ev.length_limit)
+    return dry_evidence.ahead_length(seq_len, longest, bounds, budget, ev.settings.length_limit)
 
 
 def over(ev: "Evidence", seq_len: int, batch_size: int, key: tuple[str, ...], budget: int) -> bool:
@@ -185,7 +185,7 @@ def over(ev: "Evidence", seq_len: int, batch_size: int, key: tuple[str, ...], bu
 def one_point_bound(ev: "Evidence", seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:
     """(bound, peak) from this setting's fitted step nearest below ``seq_len`` (any length
     if none is shorter), assuming activations at most quadratic in L and linear in B."""
-    same = [r for r in ev.records if not r.warmup and r.mitigations == ev.applied_mitigations]
+    same = [r for r in ev.records if not r.warmup and r.mitigations == ev.ladder.applied]
     if not same:
         return None
     shorter = [r for r in same if r.seq_len <= seq_len] or same
@@ -193,21 +193,21 @@ def one_point_bound(ev: "Evidence", seq_len: int, batch_size: int) -> Optional[t
     dynamic = max(r.peak_bytes - r.start_bytes, 0)
     scale = max(1.0, (seq_len / r.seq_len) ** 2) * max(1.0, batch_size / r.batch_size)
     peak = int(r.start_bytes + dynamic * scale)
-    ratio = ev.forecaster.reserved_ratio if ev.compare_reserved else 1.0
+    ratio = ev.forecaster.reserved_ratio if ev.settings.compare_reserved else 1.0
     return int(peak * (1 + _ONE_POINT_MARGIN) * ratio), peak
 
 
 def fit_now(ev: "Evidence", batch_size: int) -> int:
     """Largest length forecast to fit the usable budget; before any fit, the longest one measured
     within it with these mitigations at this batch size or larger (0 if none)."""
-    budget = ev.usable_budget_bytes
+    budget = ev.settings.usable_budget_bytes
     if budget is None:
         return UNBOUNDED_SEQ_LEN
-    for n in range(len(ev.applied_mitigations), -1, -1):
-        forecaster = ev.forecasters.get(ev.applied_mitigations[:n])
+    for n in range(len(ev.ladder.applied), -1, -1):
+        forecaster = ev.forecasters.get(ev.ladder.applied[:n])
         if forecaster is not None and forecaster.ready:
-            return forecaster.max_seq_len(budget, batch_size, reserved=ev.compare_reserved)
-    return max((r.seq_len for r in ev.records if r.mitigations == ev.applied_mitigations
+            return forecaster.max_seq_len(budget, batch_size, reserved=ev.settings.compare_reserved)
+    return max((r.seq_len for r in ev.records if r.mitigations == ev.ladder.applied
                 and r.batch_size >= batch_size and ev._measured_bound(r) <= budget), default=0)
 
 
@@ -216,9 +216,9 @@ def covered(ev: "Evidence", seq_len: int, batch_size: int, setting: tuple[str, .
     within the usable budget: it bounds a step at ``(seq_len, batch_size)`` (see
     :mod:`lightning_seqmem.plan.schedule`). Only without a curriculum: a curriculum's shorter
     lengths (probes, re-measurements) are run to be measured."""
-    if ev.curriculum is not None:
+    if ev.settings.curriculum is not None:
         return False
-    usable = ev.usable_budget_bytes
+    usable = ev.settings.usable_budget_bytes
     return any(r.seq_len >= seq_len and r.batch_size >= batch_size and r.mitigations == setting
                and (usable is None or ev._measured_bound(r) <= usable) for r in ev.records)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.events import MitigationEvent
-from lightning_seqmem.core.rungs import base_name
+from lightning_seqmem.core.rungs import base_name, check_mitigations, check_setting
 from lightning_seqmem.plan import choose
 
 __all__ = ["LadderState"]
@@ -122,3 +122,17 @@ class LadderState:
         """The events since the last step (``mitigation:<name>``), for the next step's record."""
         events, self.pending_events = self.pending_events, []
         return events
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rungs on, those left, and their events."""
+        return {"applied_mitigations": list(self.applied), "mitigations_left": list(self.allowed),
+                "mitigation_events": [e.to_dict() for e in self._events]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (raises on a rung name this version does not know); the rungs
+        left are those this run allows that were left then or are on."""
+        self.applied = check_setting(list(state.get("applied_mitigations", ())), "applied_mitigations")
+        if "mitigations_left" in state:
+            left = set(check_mitigations(list(state["mitigations_left"])))
+            self.allowed = tuple(m for m in self.allowed if m in left or m in self.applied)
+        self.events = state.get("mitigation_events", [])

@@ -1,7 +1,11 @@
 """``SeqMemPlanner``: every decision of the callback, on plain values (no torch, no Lightning).
 
-The callback measures, applies and agrees across ranks; the planner decides. It is a façade over
-parts that each own one state:
+The callback measures, applies and agrees across ranks; the planner decides. Its protocol is a
+handful of methods (:meth:`~SeqMemPlanner.decide`, :meth:`~SeqMemPlanner.commit`,
+:meth:`~SeqMemPlanner.begin_step`, :meth:`~SeqMemPlanner.observe`, :meth:`~SeqMemPlanner.end_batch`,
+:meth:`~SeqMemPlanner.on_rung`, :meth:`~SeqMemPlanner.take_advice`, :meth:`~SeqMemPlanner.bind_run`,
+:meth:`~SeqMemPlanner.restart`, the state dict) over parts that each own and checkpoint one state,
+read by name (``p.evidence.records``, ``p.ladder.applied``, ``p.course.stages``):
 
 * :class:`~lightning_seqmem.plan.settings.PlannerSettings`: its arguments and what the run binds at
   set-up (:meth:`SeqMemPlanner.bind_run`);
@@ -15,13 +19,12 @@ parts that each own one state:
   what happened to each;
 * :class:`~lightning_seqmem.plan.curriculum_state.CurriculumState`: stage, cap, the queue of shorter
   lengths measured before growing;
-* the decisions before every batch (:meth:`decide` → :class:`Decision`, functions of
-  :mod:`.decisions` and :mod:`.curriculum_state`, applied on every rank with :meth:`commit`), the
-  advice they give (:class:`~lightning_seqmem.plan.advice_queue.AdviceQueue`), the logged metrics
-  (:mod:`.metrics`) and the checkpoint state (:mod:`.planner_state`).
+* the decisions before every batch (:meth:`decide` → :class:`Decision`, by a
+  :class:`~lightning_seqmem.plan.decisions.Decider` over these parts, applied on every rank with
+  :meth:`commit`) and the advice they give (:class:`~lightning_seqmem.plan.advice_queue.AdviceQueue`).
 
 The budget holds at every step, on every path. Before a batch runs at ``(L, B)`` under the
-mitigations now on, :meth:`judge` says whether it fits the usable budget:
+mitigations now on, ``evidence.judge`` says whether it fits the usable budget:
 
 1. measured already at ``(L, B)`` with these mitigations: over if any step (warm-up included)
    went over, fits if a fitted step did not;
@@ -36,7 +39,7 @@ only by the one-point bound, a shorter cut of the batch is measured first, so th
 real fit. Over the budget, the fastest setting the dry run says fits is switched on (:mod:`.choose`,
 priced by :mod:`.pricing`; without a dry run the next applicable rung, and shorter lengths are
 re-measured with it before growing), else the curriculum is capped at the longest multiple of
-``multiple_of`` that :meth:`judge` (the dry run where it answers: the predictor that judged the
+``multiple_of`` that ``evidence.judge`` (the dry run where it answers: the predictor that judged the
 stage) says fits — below the current stage if the current stage itself is over — and the warning
 names that length. No length past the model's own limit (``length_limit``, its positions) is
 dry-run, forecast or proposed. Without a
@@ -59,58 +62,37 @@ Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 
     ...     lengths.append((d.action, s.seq_len))
     >>> lengths[2:6]   # 128 judged from one length only is over: probe 32; then 128 is forecast over too: cap
     [('run', 64), ('probe', 32), ('run', 32), ('cap', 112)]
-    >>> max(r.peak_bytes for r in p.records) <= p.usable_budget_bytes, [a.kind for a in p.take_advice()][:1]
+    >>> max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes, [a.kind for a in p.take_advice()][:1]
     (True, ['stage_over_budget'])
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core import advice as A
+from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory, StepRecord
-from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.rungs import MITIGATIONS
-from lightning_seqmem.plan import decisions, pricing
-from lightning_seqmem.plan import metrics as plan_metrics
 from lightning_seqmem.plan.advice_queue import AdviceQueue
-from lightning_seqmem.plan.curriculum_state import CurriculumState, decide_curriculum
-from lightning_seqmem.plan.decisions import Decision
+from lightning_seqmem.plan.checkpoint import PlannerParts, reconcile
+from lightning_seqmem.plan.curriculum_state import CurriculumState
+from lightning_seqmem.plan.decisions import Decider, Decision
 from lightning_seqmem.plan.evidence import Evidence
-from lightning_seqmem.plan.forward import Forward
 from lightning_seqmem.plan.judging import Verdict
 from lightning_seqmem.plan.ladder_state import LadderState
-from lightning_seqmem.plan.planner_state import load_planner_state, planner_state
 from lightning_seqmem.plan.quadratic_check import quadratic_terms
-from lightning_seqmem.plan.schedule import MeasurementSchedule
-from lightning_seqmem.plan.settings import BoundForward, PlannerSettings, RunFacts, planner_config
+from lightning_seqmem.plan.schedule import MeasurementSchedule, PendingStep
+from lightning_seqmem.plan.settings import PlannerSettings, RunFacts, planner_config
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
-"""``(seq_len, batch_size, mitigations) -> (peak_bytes, phase_peak_bytes)``, or with a third value, the
-:class:`~lightning_seqmem.core.peak.PeakSite` of that step (None: not known): said in the forecast's detail."""
+"""``(seq_len, batch_size, mitigations) -> (peak_bytes, phase_peak_bytes)``, or with a third value,
+the :class:`~lightning_seqmem.core.peak.PeakSite` of that step (None: not known)."""
 
-
-@dataclass
-class PendingStep:
-    """What :meth:`SeqMemPlanner.begin_step` decided for the batch about to run."""
-
-    step: int
-    global_step: int
-    epoch: int
-    seq_len: int
-    batch_size: int
-    warmup: bool
-    measure: bool
-    traced: bool
-    stage: Optional[int]
-    mitigations: tuple[str, ...]
-    events: list[str] = field(default_factory=list)
-    # the batch ends with an optimizer step: under gradient accumulation the window's last, which
-    # the predictors model (the highest: the earlier batches' gradients alive through its backward)
-    optimizer_steps: bool = True
+RUNG_EVENTS = ("before", "on", "failed", "off", "dropped")
+"""What :meth:`SeqMemPlanner.on_rung` is told happened to a rung."""
 
 
 class SeqMemPlanner:
@@ -122,88 +104,12 @@ class SeqMemPlanner:
             at the reserved level); the tracker has no reserved memory.
         block_bytes: allocation granularity of traced steps (512 for CUDA, 1 for the tracker).
         config: a :class:`~lightning_seqmem.core.config.SeqMemConfig` (the callback's) instead of
-            the keywords it holds; without one, they make one (unchecked, as they always were).
+            the keywords it holds; without one, they make one (unchecked).
 
-    Its state is in its parts (``settings``, ``schedule``, ``evidence``, ``ladder``, ``course``,
-    ``advice``); the names below read and write theirs. The settings are read-only: a write of
-    a configured one raises, a write of a run fact is a :meth:`bind_run` (``p.dry_run = fn``).
+    Its state is in its parts, each checkpointed by its own ``state_dict``: ``settings`` (read-only;
+    what the run decides goes through :meth:`bind_run`), ``evidence``, ``ladder`` and ``course``
+    (public, read by the callback and the report), the measurement schedule and the advice queue.
     """
-
-    # the settings (PlannerSettings): the arguments (a frozen SeqMemConfig: writes raise), and what the
-    # run binds at set-up (RunFacts: a write is a bind_run)
-    config = Forward("settings")
-    run_facts = Forward("settings")
-    warmup_steps = Forward("settings")
-    tolerance = Forward("settings")
-    budget_bytes = BoundForward("settings")
-    safety_margin = Forward("settings")
-    curriculum = Forward("settings")
-    warmup_steps_after_change = Forward("settings")
-    trace_lengths = Forward("settings")
-    measure_every_n_steps = BoundForward("settings")
-    compare_reserved = BoundForward("settings")
-    block_bytes = BoundForward("settings")
-    precision = BoundForward("settings")
-    dry_run = BoundForward("settings")
-    device_type = BoundForward("settings")
-    checkpoint_records = BoundForward("settings")
-    memory_records = BoundForward("settings")
-    length_limit = BoundForward("settings")
-    length_limit_reason = BoundForward("settings")
-    budget = Forward("settings")
-    usable_budget_bytes = Forward("settings")
-    within_limit = Forward("settings", method=True)
-    bind_run = Forward("settings", method=True)
-    # the measurement schedule (checkpointed: the occurrences per shape)
-    _key_counts = Forward("schedule", "counts")
-    resume_warmup = Forward("schedule")
-    # the evidence: records, fits, dry-run answers, forecasts, judgement, verification
-    records = Forward("evidence")
-    forecasters = Forward("evidence")
-    forecaster = Forward("evidence")
-    last_batch_size = Forward("evidence")
-    last_verification_error = Forward("evidence")
-    replay_checks = Forward("evidence")
-    checks = Forward("evidence")
-    _pending = Forward("evidence")
-    _dry = Forward("evidence")
-    _dry_why = Forward("evidence")
-    _dry_sites = Forward("evidence")
-    _longest_seen = Forward("evidence")
-    forecast = Forward("evidence", method=True)
-    max_seq_len = Forward("evidence", method=True)
-    dry_peak = Forward("evidence", method=True)
-    dry_answers = Forward("evidence", method=True)
-    dry_run_why = Forward("evidence", method=True)
-    dry_peak_site = Forward("evidence", method=True)
-    scratch_bytes = Forward("evidence", method=True)
-    judge = Forward("evidence", method=True)
-    bound_of = Forward("evidence", method=True)
-    batch_size_or_last = Forward("evidence", method=True)
-    dry_forecast = Forward("evidence", method=True)
-    dry_margin = Forward("evidence", method=True)
-    kept_forecast = Forward("evidence", method=True)
-    any_dry_run_answered = Forward("evidence", method=True)
-    _dry_judged = Forward("evidence", method=True)
-    _measured_bound = Forward("evidence", method=True)
-    # the ladder: rungs on, allowed, not applicable, their events
-    applied_mitigations = Forward("ladder", "applied")
-    mitigations = Forward("ladder", "allowed")
-    mitigation_events = Forward("ladder", "events")
-    not_applicable = Forward("ladder")
-    # the curriculum's state
-    stages = Forward("course")
-    stage = Forward("course")
-    stage_steps = Forward("course")
-    capped_at = Forward("course")
-    refit_queue = Forward("course")
-    decide_now = Forward("course")
-    seq_len = Forward("course")
-    batch_at = Forward("course", method=True)
-    # the advice given
-    warned = Forward("advice")
-    advise = Forward("advice", method=True)
-    take_advice = Forward("advice", method=True)
 
     def __init__(
         self,
@@ -224,45 +130,50 @@ class SeqMemPlanner:
     ) -> None:
         config = planner_config(
             config, warmup_steps=warmup_steps, tolerance=tolerance, memory_budget=memory_budget_bytes,
-            safety_margin=safety_margin, curriculum=curriculum, warmup_steps_after_change=warmup_steps_after_change,
-            trace_lengths=trace_lengths, measure_every_n_steps=measure_every_n_steps, mitigations=mitigations)
-        self.settings = PlannerSettings(config, RunFacts.of(config, compare_reserved=compare_reserved, block_bytes=block_bytes,
-                                                            precision=precision, dry_run=dry_run))
+            safety_margin=safety_margin, curriculum=curriculum,
+            warmup_steps_after_change=warmup_steps_after_change, trace_lengths=trace_lengths,
+            measure_every_n_steps=measure_every_n_steps, mitigations=mitigations)
+        facts = RunFacts.of(config, compare_reserved=compare_reserved, block_bytes=block_bytes,
+                            precision=precision, dry_run=dry_run)
+        self.settings = PlannerSettings(config, facts)
         self.ladder = LadderState(config.mitigations)  # the rungs left to this run
-        self.reset()
+        self._reset()
 
-    def reset(self) -> None:
-        """Everything a run accumulates (what :meth:`state_dict` saves), as before the first step: fresh
-        parts (the settings and the rungs left to the run stay)."""
-        self.advice = AdviceQueue()
+    def _reset(self) -> None:
+        """Everything a run accumulates (what :meth:`state_dict` saves), as before the first step:
+        fresh parts (the settings and the rungs left to the run stay)."""
+        self._advice = AdviceQueue()
         self.ladder = LadderState(self.ladder.allowed)
-        self.course = CurriculumState(self.curriculum)
-        self.evidence = Evidence(self.settings, self.ladder, self.advice)
-        self.schedule = MeasurementSchedule()  # which batches are warm-ups, measured, traced
-        self.step = 0
-        self._cache: dict[str, Any] = {}  # the budget view (lightning_seqmem.plan.metrics)
+        self.course = CurriculumState(self.settings.curriculum)
+        self.evidence = Evidence(self.settings, self.ladder, self._advice)
+        self._schedule = MeasurementSchedule()  # which batches are warm-ups, measured, traced
 
-    def set_length_limit(self, limit: Optional[int], reason: str = "") -> None:
-        """The model's longest sequence (``limit`` tokens, from ``reason``): no length past it is
-        dry-run, forecast or proposed; curriculum stages past it are dropped (the last stage becomes
-        the limit rounded down to ``multiple_of``), said once.
+    def bind_run(self, **facts: Any) -> None:
+        """Bind what the run decides at set-up (fields of
+        :class:`~lightning_seqmem.plan.settings.RunFacts`: ``budget_bytes``, ``dry_run``,
+        ``device_type``, ...). A ``length_limit`` (the model's longest sequence, from
+        ``length_limit_reason``) drops the curriculum stages past it (the last stage becomes the
+        limit rounded down to ``multiple_of``), said once; no length past it is dry-run, forecast
+        or proposed.
 
         Example:
             >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, multiple_of=64))
-            >>> p.set_length_limit(300, "config.max_position_embeddings=300")
-            >>> p.stages, p.within_limit(300), p.within_limit(301), p.take_advice()[0].kind
+            >>> p.bind_run(length_limit=300, length_limit_reason="config.max_position_embeddings=300")
+            >>> p.course.stages, p.settings.within_limit(300), p.settings.within_limit(301), p.take_advice()[0].kind
             ((64, 128, 256), True, False, 'length_limit')
         """
-        self.bind_run(length_limit=None if limit is None else int(limit), length_limit_reason=reason)
-        if self.length_limit is None:
+        if facts.get("length_limit") is not None:
+            facts["length_limit"] = int(facts["length_limit"])
+        self.settings.bind_run(**facts)
+        limit = self.settings.length_limit
+        if "length_limit" not in facts or limit is None:
             return
-        dropped = self.course.drop_past(self.length_limit)
+        dropped = self.course.drop_past(limit)
         if dropped:
-            self.advise(A.length_limit(self.length_limit, reason, dropped, self.stages[-1]))
+            reason = self.settings.length_limit_reason
+            self._advice.advise(A.length_limit(limit, reason, dropped, self.course.stages[-1]))
 
-    # ------------------------------------------------------------------------------------------
-    # Decisions (lightning_seqmem.plan.decisions, lightning_seqmem.plan.curriculum_state)
-    # ------------------------------------------------------------------------------------------
+    # -- decisions ------------------------------------------------------------------------------
     def decide(self, shape: tuple[int, int], applicable: Applicability) -> Decision:
         """What to do before a batch whose full shape is ``(batch_size, seq_len)``.
 
@@ -270,100 +181,97 @@ class SeqMemPlanner:
         (under DDP: applies on every rank). Pure: the state changes only in :meth:`commit`.
         """
         batch_size, seq_len = int(shape[0]), int(shape[1])
-        self._longest_seen = max(self._longest_seen, seq_len)  # (a cache: a length the data has)
-        if self.curriculum is None:
-            return decisions.decide_free(self, seq_len, batch_size, applicable)
-        return decide_curriculum(self, seq_len, batch_size, applicable)
-
-    def _plan(self, seq_len: int, batch_size: int, applicable: Applicability) -> Any:
-        """:func:`lightning_seqmem.plan.decisions.choose_setting` (the fastest setting that fits)."""
-        return decisions.choose_setting(self, seq_len, batch_size, applicable)
-
-    def price(self, setting: Optional[Sequence[str]], seq_len: int, batch_size: int) -> pricing.Price:
-        """The predicted cost of one step with ``setting`` (default: the one on) at ``(seq_len,
-        batch_size)``, from the measured step times (:func:`~lightning_seqmem.plan.pricing.predict_step`)."""
-        key = self.applied_mitigations if setting is None else tuple(setting)
-        return pricing.predict_step(self.records, key, int(seq_len), int(batch_size), self.device_type)
+        self.evidence.see_length(seq_len)  # (a cache: a length the data has)
+        return Decider(self.settings, self.evidence, self.ladder, self.course).decide(
+            seq_len, batch_size, applicable)
 
     def commit(self, decision: Decision) -> None:
-        """Take ``decision`` (every rank, the same one). A rung is recorded in :meth:`rung_applied`."""
+        """Take ``decision`` (every rank, the same one). A rung is recorded in :meth:`on_rung`."""
         self.course.commit(decision)
         for item in decision.advice:
-            self.advise(item)
+            self._advice.advise(item)
 
-    # ------------------------------------------------------------------------------------------
-    # Rungs (lightning_seqmem.plan.ladder_state)
-    # ------------------------------------------------------------------------------------------
-    def before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
-        """Called just before ``name`` is switched on: dry runs of the setting now on that only
-        this moment allows (a copy cannot undo a rung), for the check after the attention switch."""
-        self.evidence.dry_before_rung(name, seq_len, batch_size)
+    def take_advice(self) -> list[A.Advice]:
+        """The advice given since the last call (the callback warns each once)."""
+        return self._advice.take_advice()
 
-    def rung_applied(self, name: str, ok: bool, detail: str, seq_len: Optional[int], batch_size: Optional[int] = None) -> None:
-        """A rung ``decide`` asked for was switched on (``ok``) on every rank, or on none; ``seq_len``
-        and ``batch_size``: where it was decided (the peak before is the measured one there, else
-        the dry run's)."""
-        if not ok:
-            self.ladder.failed(name)
-            self.course.replan()
-            self.advise(A.mitigation_failed(name, detail))
+    # -- rungs ----------------------------------------------------------------------------------
+    def on_rung(self, event: str, name: "str | Sequence[str]", detail: str = "",
+                seq_len: Optional[int] = None, batch_size: Optional[int] = None,
+                pending: Optional[PendingStep] = None) -> None:
+        """What happened to rung ``name`` (every rank, the same), ``event`` one of
+        :data:`RUNG_EVENTS`:
+
+        * ``"before"``: it is about to be switched on at ``(seq_len, batch_size)``: dry runs of the
+          setting now on that only this moment allows (a copy cannot undo a rung);
+        * ``"on"``: a rung :meth:`decide` asked for is on (``detail``: how); ``seq_len`` and
+          ``batch_size``: where it was decided (the peak before is the measured one there, else
+          the dry run's);
+        * ``"failed"``: it could not be switched on (on no rank): not tried again, said once;
+        * ``"off"``: a rung that was on is off again: not tried again this run; ``pending``, the
+          step that found out, ran without it;
+        * ``"dropped"``: rungs (``name``: a sequence) this run cannot take at set-up: off for the
+          run, said once.
+        """
+        if event not in RUNG_EVENTS:
+            raise ValueError(f"`event` is {event!r}: pass one of {', '.join(RUNG_EVENTS)}")
+        if event == "dropped":
+            if name:
+                self.ladder.drop(name)
+                self._advice.advise(A.mitigations_dropped(name, detail))
             return
-        before, method = self.evidence.peak_before(seq_len, batch_size)
-        self.ladder.switched_on(name, self.step, seq_len, batch_size, detail, before, method)
-        self.forecaster  # noqa: B018 - a fresh fit for the new setting
-
-    def rung_removed(self, name: str, why: str, pending: Optional[PendingStep] = None) -> None:
-        """A rung that was on is off again (every rank): it is not tried again this run; ``pending``,
-        the step that found out, ran without it."""
-        if pending is not None:
-            pending.mitigations = tuple(m for m in pending.mitigations if m != name)
-        self.ladder.removed(name, why)
-        self.course.replan()
-        self.advise(A.mitigation_failed(name, why))
+        assert isinstance(name, str)
+        if event == "before":
+            assert seq_len is not None and batch_size is not None
+            self.evidence.dry_before_rung(name, seq_len, batch_size)
+        elif event == "on":
+            before, method = self.evidence.peak_before(seq_len, batch_size)
+            self.ladder.switched_on(name, self.course.step, seq_len, batch_size, detail, before, method)
+            self.evidence.forecaster  # noqa: B018 - a fresh fit for the new setting
+        else:
+            if event == "failed":
+                self.ladder.failed(name)
+            else:
+                if pending is not None:
+                    pending.mitigations = tuple(m for m in pending.mitigations if m != name)
+                self.ladder.removed(name, detail)
+            self.course.replan()
+            self._advice.advise(A.mitigation_failed(name, detail))
 
     def restart(self, allowed: Sequence[str], still_on: Sequence[str] = ()) -> None:
-        """A fresh run (:meth:`reset`) that may use the rungs ``allowed``, with ``still_on`` on already
-        (found on the module: never reported as off), fitted as a setting of its own."""
-        self.reset()
+        """A fresh run that may use the rungs ``allowed``, with ``still_on`` on already (found on
+        the module: never reported as off), fitted as a setting of its own."""
+        self._reset()
         self.ladder.allow(allowed)
         self.ladder.keep_on(still_on)
-        self.forecaster  # noqa: B018 - that setting's own (empty) fit
+        self.evidence.forecaster  # noqa: B018 - that setting's own (empty) fit
 
-    def note_not_applicable(self, applicability: Applicability) -> None:
-        """The last check of the rungs not on (``rung -> (applies, why)``): why those that do not apply
-        here do not (reported, never advised)."""
-        self.ladder.note_not_applicable(applicability)
-
-    def drop_mitigations(self, names: Sequence[str], why: str) -> None:
-        """Rungs this run cannot take (set-up): off for the run, said once."""
-        if names:
-            self.ladder.drop(names)
-            self.advise(A.mitigations_dropped(names, why))
-
-    # ------------------------------------------------------------------------------------------
-    # Measurement (lightning_seqmem.plan.schedule, lightning_seqmem.plan.verification)
-    # ------------------------------------------------------------------------------------------
-    def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True, global_step: int = 0,
-                   epoch: int = 0) -> PendingStep:
-        """The schedule for a batch about to run at ``(seq_len, batch_size)``: warm-up, measured, traced."""
-        key = (seq_len, batch_size, self.applied_mitigations)
-        warmup, measure, count = self.schedule.next(key, self.step, self.warmup_steps, self.warmup_steps_after_change,
-                                                    self.measure_every_n_steps, global_step, self.evidence.covered(*key))
+    # -- measurement ----------------------------------------------------------------------------
+    def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True,
+                   global_step: int = 0, epoch: int = 0) -> PendingStep:
+        """The schedule for a batch about to run at ``(seq_len, batch_size)``: warm-up, measured,
+        traced."""
+        s, on = self.settings, self.ladder.applied
+        key = (seq_len, batch_size, on)
+        warmup, measure, count = self._schedule.next(
+            key, self.course.step, s.warmup_steps, s.warmup_steps_after_change,
+            s.measure_every_n_steps, global_step, self.evidence.covered(*key))
         if count == 0:  # kept to verify against the measurement
             self.evidence.keep_forecast(seq_len, batch_size)
-        # only steps ending in an optimizer step are traced: with accumulation the others run another program
-        traced = measure and not warmup and optimizer_steps and self.forecaster.wants_trace(seq_len, batch_size, self.trace_lengths)
+        # only steps ending in an optimizer step are traced: with accumulation the others run
+        # another program
+        traced = (measure and not warmup and optimizer_steps
+                  and self.evidence.forecaster.wants_trace(seq_len, batch_size, s.trace_lengths))
         events = self.ladder.take_pending_events()
-        return PendingStep(self.step, global_step, epoch, seq_len, batch_size, warmup, measure, traced,
-                           self.stage if self.stages else None, self.applied_mitigations, events,
-                           optimizer_steps=bool(optimizer_steps))
+        stage = self.course.stage if self.course.stages else None
+        return PendingStep(self.course.step, global_step, epoch, seq_len, batch_size, warmup, measure,
+                           traced, stage, on, events, optimizer_steps=bool(optimizer_steps))
 
     def end_batch(self, at_stage_length: bool = True) -> None:
         """A batch finished (measured or not). Only a batch that ran at the length it was cut to
         (``at_stage_length``) counts towards the stage's ``steps_per_stage``: where the data is
         shorter than the stage, or the batch could not be cut, the curriculum holds."""
-        self.step += 1
-        self.stage_steps += 1 if at_stage_length else 0
+        self.course.end_batch(at_stage_length)
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
@@ -372,25 +280,37 @@ class SeqMemPlanner:
         (:func:`lightning_seqmem.plan.verification.observe`)."""
         return self.evidence.observe(pending, memory, seq_len, batch_size, trace, rank, step_seconds)
 
-    # ------------------------------------------------------------------------------------------
-    # Metrics (lightning_seqmem.plan.metrics) and checkpointing (lightning_seqmem.plan.planner_state)
-    # ------------------------------------------------------------------------------------------
-    def budget_view(self, batch_size: int) -> dict[str, float]:
-        """Forecast for the next stage (or this length), largest length that fits, headroom (cached;
-        :func:`lightning_seqmem.plan.metrics.budget_view`)."""
-        return plan_metrics.budget_view(self, batch_size)
-
-    def metrics(self, record: StepRecord) -> dict[str, float]:
-        """The logged scalars of ``record`` (:func:`lightning_seqmem.plan.metrics.metrics`)."""
-        return plan_metrics.metrics(self, record)
-
+    # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Flat plain values (:func:`lightning_seqmem.plan.planner_state.planner_state`)."""
-        return planner_state(self)
+        """Flat plain values, each part's own keys (the keys of earlier versions kept, so their
+        checkpoints load); the records are bounded
+        (:func:`~lightning_seqmem.plan.checkpoint.compact_records`, ``checkpoint_records``)."""
+        return {**self.course.state_dict(), **self.evidence.state_dict(), **self._schedule.state_dict(),
+                **self._advice.state_dict(), **self.ladder.state_dict()}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`, all or nothing (raises on a state this version cannot read)."""
-        load_planner_state(self, state)
+    def load_state_dict(self, state: Mapping[str, Any],
+                        run_config: Optional[Mapping[str, Any]] = None) -> tuple[list[str], tuple[str, ...]]:
+        """Restore :meth:`state_dict`, all or nothing (raises on a state this version cannot read:
+        the state is loaded into fresh parts, which then replace the planner's). With the
+        ``run_config`` this run resumes under (:func:`~lightning_seqmem.plan.checkpoint.run_config`),
+        the loaded state is reconciled with it from the one saved beside it
+        (:func:`~lightning_seqmem.plan.checkpoint.reconcile`); returns ``(phrases, removed_rungs)``:
+        what the change of configuration changed, and the rungs on that are no longer allowed."""
+        allowed = self.ladder.allowed  # the ladder less the rungs this run cannot take
+        fresh = type(self).__new__(type(self))
+        fresh.__dict__.update(self.__dict__)
+        fresh._reset()
+        fresh.course.load_state_dict(state)
+        fresh.ladder.load_state_dict(state)
+        fresh.evidence.load_state_dict(state)
+        fresh._advice.load_state_dict(state)
+        fresh._schedule.load_state_dict(state, resume_warmup=max(1, self.settings.warmup_steps_after_change))
+        changed: tuple[list[str], tuple[str, ...]] = ([], ())
+        if run_config is not None:
+            parts = PlannerParts(fresh.settings, fresh.ladder, fresh.course, fresh.evidence, fresh._advice)
+            changed = reconcile(state.get("config"), run_config, allowed, state.get("mitigations_left"), parts)
+        self.__dict__.update(fresh.__dict__)
+        return changed
 
 
-__all__ = ["Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]
+__all__ = ["RUNG_EVENTS", "Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]

@@ -30,8 +30,30 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
-__all__ = ["MeasurementSchedule"]
+__all__ = ["MeasurementSchedule", "PendingStep"]
+
+
+@dataclass
+class PendingStep:
+    """What :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.begin_step` decided for the batch
+    about to run."""
+
+    step: int
+    global_step: int
+    epoch: int
+    seq_len: int
+    batch_size: int
+    warmup: bool
+    measure: bool
+    traced: bool
+    stage: Optional[int]
+    mitigations: tuple[str, ...]
+    events: list[str] = field(default_factory=list)
+    # the batch ends with an optimizer step: under gradient accumulation the window's last, which
+    # the predictors model (the highest: the earlier batches' gradients alive through its backward)
+    optimizer_steps: bool = True
 
 
 @dataclass
@@ -66,3 +88,13 @@ class MeasurementSchedule:
             measure = False
             self.unmeasured += 1
         return warmup, measure, count
+
+    def state_dict(self) -> dict[str, Any]:
+        """``key_counts``: the occurrences per shape and setting."""
+        return {"key_counts": [[k[0], k[1], list(k[2]), v] for k, v in self.counts.items()]}
+
+    def load_state_dict(self, state: Mapping[str, Any], resume_warmup: int) -> None:
+        """Restore :meth:`state_dict`; the next ``resume_warmup`` steps are warm-ups (the gradients
+        and optimizer state were not saved with the records)."""
+        self.counts = {(int(k0), int(k1), tuple(k2)): int(v) for k0, k1, k2, v in state.get("key_counts", [])}
+        self.resume_warmup = resume_warmup

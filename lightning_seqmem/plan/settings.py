@@ -33,9 +33,8 @@ from typing import Any, Callable, Optional
 
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS
-from lightning_seqmem.plan.forward import Forward
 
-__all__ = ["BoundForward", "Budget", "PlannerSettings", "RunFacts", "planner_config"]
+__all__ = ["Budget", "PlannerSettings", "RunFacts", "planner_config"]
 
 
 @dataclass(frozen=True)
@@ -85,38 +84,29 @@ class Budget:
         return None if self.total_bytes is None else int(self.total_bytes * (1 - self.safety_margin))
 
 
-class BoundForward(Forward):
-    """A :class:`~lightning_seqmem.plan.forward.Forward` to a run fact of a part's settings, where a
-    write is that part's ``bind_run(name=value)`` (the façade's ``planner.dry_run = fn``)."""
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        getattr(obj, self.part).bind_run(**{self.attr: value})
-
-
 class PlannerSettings:
     """The planner's settings: its :class:`SeqMemConfig` (``config``) and :class:`RunFacts`
     (``run_facts``), read by name. Built from both, or from any of their fields by keyword (the
     config's then unchecked, as the planner's keywords are): ``PlannerSettings(budget_bytes=1000)``."""
 
-    # the arguments (SeqMemConfig)
-    warmup_steps = Forward("config")
-    tolerance = Forward("config")
-    safety_margin = Forward("config")
-    curriculum = Forward("config")
-    warmup_steps_after_change = Forward("config")
-    trace_lengths = Forward("config")
-    # what the run binds (RunFacts)
-    budget_bytes = Forward("run_facts")
-    compare_reserved = Forward("run_facts")
-    block_bytes = Forward("run_facts")
-    precision = Forward("run_facts")
-    device_type = Forward("run_facts")
-    dry_run = Forward("run_facts")  # the dry run itself (the config's `dry_run` says whether to start one)
-    measure_every_n_steps = Forward("run_facts")
-    length_limit = Forward("run_facts")
-    length_limit_reason = Forward("run_facts")
-    checkpoint_records = Forward("run_facts")
-    memory_records = Forward("run_facts")
+    # the arguments (SeqMemConfig), then what the run binds (RunFacts): read-only, by name
+    warmup_steps = property(lambda self: self.config.warmup_steps, doc="``config.warmup_steps``")
+    tolerance = property(lambda self: self.config.tolerance, doc="``config.tolerance``")
+    safety_margin = property(lambda self: self.config.safety_margin, doc="``config.safety_margin``")
+    curriculum = property(lambda self: self.config.curriculum, doc="``config.curriculum``")
+    warmup_steps_after_change = property(lambda self: self.config.warmup_steps_after_change, doc="``config.warmup_steps_after_change``")
+    trace_lengths = property(lambda self: self.config.trace_lengths, doc="``config.trace_lengths``")
+    budget_bytes = property(lambda self: self.run_facts.budget_bytes, doc="``run_facts.budget_bytes``")
+    compare_reserved = property(lambda self: self.run_facts.compare_reserved, doc="``run_facts.compare_reserved``")
+    block_bytes = property(lambda self: self.run_facts.block_bytes, doc="``run_facts.block_bytes``")
+    precision = property(lambda self: self.run_facts.precision, doc="``run_facts.precision``")
+    device_type = property(lambda self: self.run_facts.device_type, doc="``run_facts.device_type``")
+    dry_run = property(lambda self: self.run_facts.dry_run, doc="``run_facts.dry_run``")
+    measure_every_n_steps = property(lambda self: self.run_facts.measure_every_n_steps, doc="``run_facts.measure_every_n_steps``")
+    length_limit = property(lambda self: self.run_facts.length_limit, doc="``run_facts.length_limit``")
+    length_limit_reason = property(lambda self: self.run_facts.length_limit_reason, doc="``run_facts.length_limit_reason``")
+    checkpoint_records = property(lambda self: self.run_facts.checkpoint_records, doc="``run_facts.checkpoint_records``")
+    memory_records = property(lambda self: self.run_facts.memory_records, doc="``run_facts.memory_records``")
 
     def __init__(self, config: Optional[SeqMemConfig] = None, run_facts: Optional[RunFacts] = None, **values: Any) -> None:
         unknown = sorted(set(values) - set(_RUN_FIELDS) - set(_CONFIG_FIELDS))

@@ -13,7 +13,7 @@ Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
     >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0,
     ...                   dry_run=lambda L, B, m: (1000 * L, {"forward": 1000 * L}))
-    >>> p.dry_peak(64, 2)[0]
+    >>> p.evidence.dry_peak(64, 2)[0]
     64000
     >>> s = p.begin_step(64, 2, global_step=0)
     >>> r = p.observe(s, StepMemory(2000 * 64, {"forward": 2000 * 64}, 0, 2000 * 64))
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.events import MitigationEvent
+from lightning_seqmem.plan.schedule import PendingStep
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
 from lightning_seqmem.core.rungs import spec
@@ -39,7 +40,6 @@ from lightning_seqmem.plan.quadratic_check import quadratic_terms
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.plan.evidence import Evidence
-    from lightning_seqmem.plan.planner import PendingStep
 
 ADDED_MEMORY_FRACTION = 0.005
 """A rung is said to add memory (``rung_added_memory``) past this rise of the peak at one shape: the
@@ -53,7 +53,7 @@ __all__ = ["after_mitigation", "check_dry_once", "check_predictors", "compare_re
 def keep_forecast(ev: "Evidence", seq_len: int, batch_size: int) -> None:
     """Keep the forecast at ``(seq_len, batch_size)`` with the rungs on now (the dry run's where it
     answered, else the fit's) to verify against the step that runs there."""
-    key = (seq_len, batch_size, ev.applied_mitigations)
+    key = (seq_len, batch_size, ev.ladder.applied)
     fc = ev.dry_forecast(seq_len, batch_size) if (seq_len, batch_size, key[2]) in ev._dry else None
     if fc is None and ev.forecaster.ready:
         fc = ev.forecaster.forecast(seq_len, batch_size)
@@ -64,18 +64,18 @@ def keep_forecast(ev: "Evidence", seq_len: int, batch_size: int) -> None:
 def peak_before(ev: "Evidence", seq_len: Optional[int], batch_size: Optional[int]) -> tuple[Optional[int], Optional[str]]:
     """``(peak, how)`` with the rungs on now at ``(seq_len, batch_size)``, before a rung goes on:
     the measured peak there (``"measured"``), else the dry run's (``"dry_run"``), else ``(None, None)``."""
-    before = max((r.peak_bytes for r in ev.records if r.seq_len == seq_len and r.mitigations == ev.applied_mitigations
+    before = max((r.peak_bytes for r in ev.records if r.seq_len == seq_len and r.mitigations == ev.ladder.applied
                   and (batch_size is None or r.batch_size == batch_size)), default=None)
     method = "measured" if before is not None else None
-    if before is None and seq_len and batch_size and ev._dry.get((seq_len, batch_size, ev.applied_mitigations)):
-        before, method = ev._dry[(seq_len, batch_size, ev.applied_mitigations)][0], "dry_run"  # type: ignore[index]
+    if before is None and seq_len and batch_size and ev._dry.get((seq_len, batch_size, ev.ladder.applied)):
+        before, method = ev._dry[(seq_len, batch_size, ev.ladder.applied)][0], "dry_run"  # type: ignore[index]
     return before, method
 
 
 def dry_before_rung(ev: "Evidence", name: str, seq_len: int, batch_size: int) -> None:
     """Just before ``name`` goes on: dry runs of the setting now on that only this moment allows (a
     copy cannot undo a rung), for the check after the attention switch (:func:`dry_quadratic_terms`)."""
-    if spec(name).linearises_attention and ev.dry_run is not None:
+    if spec(name).linearises_attention and ev.settings.dry_run is not None:
         x = max(int(seq_len), 16)
         for k in (1, 2, 3):
             ev.dry_peak(k * x, batch_size)
@@ -109,12 +109,12 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
         mitigations=pending.mitigations, events=list(pending.events), rank=rank,
         step_seconds=None if step_seconds is None else float(step_seconds),
     )
-    usable = ev.usable_budget_bytes
+    usable = ev.settings.usable_budget_bytes
     if record.step == 0 and usable is not None and ev._measured_bound(record) > usable:
-        assert ev.budget_bytes is not None
-        ev.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes, usable, ev.budget_bytes,
-                                             ev.safety_margin))
-    forecaster = ev.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=ev.tolerance))
+        assert ev.settings.budget_bytes is not None
+        ev.advice.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes, usable, ev.settings.budget_bytes,
+                                             ev.settings.safety_margin))
+    forecaster = ev.forecasters.setdefault(record.mitigations, MemoryForecaster(tolerance=ev.settings.tolerance))
     # a batch that does not end with an optimizer step (an accumulation window's earlier ones) is
     # kept and judged by, but fitted and checked against only as the step the predictors model
     if not record.warmup and pending.optimizer_steps:
@@ -123,7 +123,7 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
         forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
         tL, tB, tm = trace if trace is not None else (L, B, memory)
         if pending.traced and tm.events is not None:
-            forecaster.add_trace(Trace(tL, tB, tm.events, block_bytes=ev.block_bytes,
+            forecaster.add_trace(Trace(tL, tB, tm.events, block_bytes=ev.settings.block_bytes,
                                        measured_peak_bytes=tm.peak_bytes))
             ev._compare_replay(forecaster, record.mitigations, B)
         fc = ev._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
@@ -142,34 +142,34 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
             if fresh is not None:
                 ev._pending[key] = fresh
     ev.records.append(record)
-    if len(ev.records) > ev.memory_records:  # a very long run: bounded in memory too
-        ev.records = compact_records(ev.records, ev.memory_records // 2, ev._measured_bound)
+    if len(ev.records) > ev.settings.memory_records:  # a very long run: bounded in memory too
+        ev.records = compact_records(ev.records, ev.settings.memory_records // 2, ev._measured_bound)
     return record
 
 
 def check_dry_once(ev: "Evidence", setting: tuple[str, ...]) -> None:
     """Before a dry run answers a query with ``setting`` where it never met a measured step (a run
     without a budget asks it nothing), check it once at the latest measured shape."""
-    if ev.dry_run is None or ev.checks.count(setting, "dry_run"):
+    if ev.settings.dry_run is None or ev.checks.count(setting, "dry_run"):
         return
     measured = [r for r in ev.records if r.mitigations == setting and not r.warmup]
-    if len(measured) < (2 if ev.compare_reserved else 1):
+    if len(measured) < (2 if ev.settings.compare_reserved else 1):
         return
     r = measured[-1]
     dry = ev.dry_forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
     if dry is not None and ev.checks.add(setting, Check("dry_run", r.seq_len, r.batch_size, dry.peak_bytes, r.peak_bytes)):
         c = ev.checks.latest[(setting, "dry_run", r.seq_len, r.batch_size)]
-        ev.advise(A.predictor_wrong(r.seq_len, r.batch_size, r.peak_bytes, [("dry_run", dry.peak_bytes, c.relative_error)],
-                                      ev.tolerance, ev.checks.right(setting)))
+        ev.advice.advise(A.predictor_wrong(r.seq_len, r.batch_size, r.peak_bytes, [("dry_run", dry.peak_bytes, c.relative_error)],
+                                      ev.settings.tolerance, ev.checks.right(setting)))
 
 
 def compare_replay(ev: "Evidence", forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
     """The replay against the dry run at the target length (the curriculum's, else 4× the longest
     traced): a replay off by more than the tolerance is not trusted, and that is said once."""
-    if forecaster.timeline is None or ev.dry_run is None or ev.checks.wrong(setting, "dry_run") is not None:
+    if forecaster.timeline is None or ev.settings.dry_run is None or ev.checks.wrong(setting, "dry_run") is not None:
         return  # (a dry run that missed measured steps is not the judge of the replay)
-    target = ev.curriculum.target if ev.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
-    target = target if ev.length_limit is None else min(target, ev.length_limit)
+    target = ev.settings.curriculum.target if ev.settings.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
+    target = target if ev.settings.length_limit is None else min(target, ev.settings.length_limit)
     dry = ev.dry_peak(target, batch_size, setting)
     if dry is None:
         return
@@ -177,8 +177,8 @@ def compare_replay(ev: "Evidence", forecaster: MemoryForecaster, setting: tuple[
     error = (replay - dry[0]) / max(dry[0], 1)
     ev.replay_checks[setting] = {"seq_len": target, "batch_size": batch_size, "replay_bytes": replay,
                                    "dry_run_bytes": dry[0], "relative_error": error}
-    if abs(error) > ev.tolerance:
-        ev.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
+    if abs(error) > ev.settings.tolerance:
+        ev.advice.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
 
 
 def check_predictors(ev: "Evidence", record: StepRecord, forecaster: MemoryForecaster) -> set[str]:
@@ -195,8 +195,8 @@ def check_predictors(ev: "Evidence", record: StepRecord, forecaster: MemoryForec
     dry_key = (L, B, setting)
     # asked already (no dry run only to check it); with allocator counters, once this setting has a
     # measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
-    residual_known = not ev.compare_reserved or any(r.mitigations == setting and not r.warmup for r in ev.records)
-    if ev.dry_run is not None and dry_key in ev._dry and residual_known:
+    residual_known = not ev.settings.compare_reserved or any(r.mitigations == setting and not r.warmup for r in ev.records)
+    if ev.settings.dry_run is not None and dry_key in ev._dry and residual_known:
         dry = ev.dry_forecast(L, B, setting, trusted_only=False)
         if dry is not None:
             predictions["dry_run"] = dry.peak_bytes
@@ -219,7 +219,7 @@ def check_predictors(ev: "Evidence", record: StepRecord, forecaster: MemoryForec
     said = [m for m in ("dry_run", "replay", "quadratic") if m in newly and not ev._deciding_before(m, setting, forecaster)]
     if said:
         misses = [(m, predictions[m], ev.checks.latest[(setting, m, L, B)].relative_error) for m in said]
-        ev.advise(A.predictor_wrong(L, B, record.peak_bytes, misses, ev.tolerance, ev.checks.right(setting)))
+        ev.advice.advise(A.predictor_wrong(L, B, record.peak_bytes, misses, ev.settings.tolerance, ev.checks.right(setting)))
     return newly
 
 
@@ -227,7 +227,7 @@ def deciding_before(ev: "Evidence", method: str, setting: tuple[str, ...], forec
     """Whether a predictor ranked before ``method`` (dry run, replay, quadratic fit) answers and
     is trusted with ``setting``: then ``method`` was not what decisions used."""
     order = ("dry_run", "replay", "quadratic")
-    answers = {"dry_run": ev.dry_run is not None and any(k[2] == setting and v is not None for k, v in ev._dry.items()),
+    answers = {"dry_run": ev.settings.dry_run is not None and any(k[2] == setting and v is not None for k, v in ev._dry.items()),
                "replay": forecaster.timeline is not None, "quadratic": forecaster.quadratic is not None}
     return any(answers[m] and ev.checks.wrong(setting, m) is None for m in order[:order.index(method)])
 
@@ -237,35 +237,35 @@ def verify(ev: "Evidence", record: StepRecord, fc: Forecast, forecaster: MemoryF
     record.forecast_peak_bytes, record.forecast_upper_bytes = fc.peak_bytes, fc.upper_bytes
     record.forecast_method, record.forecast_error = fc.method, v.relative_error
     ev.last_verification_error = v.relative_error
-    if abs(v.relative_error) > ev.tolerance and not quiet:  # quiet: said by the predictor check
-        ev.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
-                                        record.peak_bytes, v.relative_error, ev.tolerance))
+    if abs(v.relative_error) > ev.settings.tolerance and not quiet:  # quiet: said by the predictor check
+        ev.advice.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
+                                        record.peak_bytes, v.relative_error, ev.settings.tolerance))
 
 
 def after_mitigation(ev: "Evidence", record: StepRecord) -> None:
     """Fill the measured effect of the last mitigation; warn if attention stayed quadratic."""
-    if not ev.mitigation_events:
+    if not ev.ladder.events:
         return
-    event = ev.mitigation_events[-1]
-    if event.after_bytes is None and record.seq_len == event.seq_len and record.mitigations == ev.applied_mitigations:
+    event = ev.ladder.events[-1]
+    if event.after_bytes is None and record.seq_len == event.seq_len and record.mitigations == ev.ladder.applied:
         ev.ladder.measured_after(-1, record.peak_bytes)
-    if not record.warmup and record.mitigations == ev.applied_mitigations:
-        before = tuple(event.mitigations_before) if "mitigations_before" in event else ev.applied_mitigations[:-1]
-        rise = judging.memory_added(ev, before, ev.applied_mitigations, at=(record.seq_len, record.batch_size),
+    if not record.warmup and record.mitigations == ev.ladder.applied:
+        before = tuple(event.mitigations_before) if "mitigations_before" in event else ev.ladder.applied[:-1]
+        rise = judging.memory_added(ev, before, ev.ladder.applied, at=(record.seq_len, record.batch_size),
                                     records=itertools.chain(ev.records, (record,)))  # (before it is recorded)
         if rise is not None and rise[3] > rise[2] * (1 + ADDED_MEMORY_FRACTION):  # (the bound goes at any rise)
-            ev.advise(A.rung_added_memory(event.name, *rise))  # (once per rung: the advice's key)
+            ev.advice.advise(A.rung_added_memory(event.name, *rise))  # (once per rung: the advice's key)
     if not spec(event.name).linearises_attention or event.checked:
         return
     terms = ev._dry_quadratic_terms(event, record.batch_size)
     if terms is None and ev.forecaster.ready:
-        terms = quadratic_terms(ev.forecasters.get(ev.applied_mitigations[:-1]), ev.forecaster)
+        terms = quadratic_terms(ev.forecasters.get(ev.ladder.applied[:-1]), ev.forecaster)
     if terms is None:
         return
     old_b, new_b = terms
     ev.ladder.mark_checked(-1)
     if new_b > 0.5 * old_b:
-        ev.advise(A.attention_still_quadratic(event.detail, new_b, old_b))
+        ev.advice.advise(A.attention_still_quadratic(event.detail, new_b, old_b))
 
 
 def dry_quadratic_terms(ev: "Evidence", event: MitigationEvent, batch_size: int) -> Optional[tuple[float, float]]:
@@ -273,7 +273,7 @@ def dry_quadratic_terms(ev: "Evidence", event: MitigationEvent, batch_size: int)
     L, 2L, 3L (``p(3L) − 2p(2L) + p(L) = 2bL²`` for ``p = c + aL + bL²``), or None."""
     before = event.mitigations_before
     after = choose.combine(before, (event.name,))
-    if after != ev.applied_mitigations[: len(after)]:
+    if after != ev.ladder.applied[: len(after)]:
         return None
     x = max(int(event.seq_len or 0), 16)
     out = []

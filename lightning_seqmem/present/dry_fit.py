@@ -14,7 +14,7 @@ the dry run's own forecast answers (cached, free).
 Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
     >>> p = SeqMemPlanner(memory_budget_bytes=10**7, dry_run=lambda L, B, m: (1_000 + 3 * L * L, {"forward": 1_000 + 3 * L * L}))
-    >>> _ = p.dry_peak(256, 2), p.dry_peak(512, 2), p.dry_peak(1024, 2)
+    >>> _ = p.evidence.dry_peak(256, 2), p.evidence.dry_peak(512, 2), p.evidence.dry_peak(1024, 2)
     >>> fc = dry_fit_forecast(p, 768, 2)
     >>> fc.method, fc.peak_bytes == 1_000 + 3 * 768 * 768, fc.detail
     ('dry_run_fit', True, 'quadratic through the dry runs at seq_len [256, 512, 1024] (batch 2): a fit, not a dry run at 768')
@@ -44,16 +44,16 @@ def dry_fit_anchors(planner: "SeqMemPlanner", batch_size: int) -> dict[int, Fore
     runs), and, where fewer than two lengths were dry-run, of the measured steps of that setting
     after the first (the real peak, the dry run's margin on it; method ``"measured"``)."""
     out: dict[int, Forecast] = {}
-    for L in planner.dry_answers(batch_size):
-        fc = planner.dry_forecast(L, batch_size)  # cached: no dry run
+    for L in planner.evidence.dry_answers(batch_size):
+        fc = planner.evidence.dry_forecast(L, batch_size)  # cached: no dry run
         if fc is not None:
             out[L] = fc
     if len(out) >= 2:
         return out
-    margin = 1 + planner.dry_margin()
+    margin = 1 + planner.evidence.dry_margin()
     dried = set(out)
-    for r in planner.records:
-        if (r.mitigations != planner.applied_mitigations or r.batch_size != batch_size or r.seq_len in dried
+    for r in planner.evidence.records:
+        if (r.mitigations != planner.ladder.applied or r.batch_size != batch_size or r.seq_len in dried
                 or r.step < 1):  # (the first step has no optimizer state yet)
             continue
         if r.seq_len in out and out[r.seq_len].peak_bytes >= r.peak_bytes:

@@ -120,7 +120,7 @@ def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: i
     known (dry runs cached, else measured steps: :func:`~lightning_seqmem.present.dry_fit.dry_fit_anchors`)
     no dry run runs: the lengths between and past them come from the fit through them (method
     ``"dry_run_fit"``, :mod:`.dry_fit`); else each length is dry-run."""
-    right = right if planner.length_limit is None else min(right, planner.length_limit)  # the model's positions
+    right = right if planner.settings.length_limit is None else min(right, planner.settings.length_limit)  # the model's positions
     anchors = dry_fit_anchors(planner, batch_size)
     evenly = {max(1, right * k // num) for k in range(1, num + 1)}
     if len(anchors) >= 2:  # no dry run: the dry runs cached and the fit through them
@@ -129,10 +129,10 @@ def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: i
         forecasts = [dry_fit_forecast(planner, L, batch_size, anchors) for L in lengths]
     else:
         lengths = sorted(evenly)
-        if planner.dry_peak(lengths[0], batch_size) is None:
+        if planner.evidence.dry_peak(lengths[0], batch_size) is None:
             return None
         try:
-            forecasts = [planner.forecast(L, batch_size) for L in lengths]
+            forecasts = [planner.evidence.forecast(L, batch_size) for L in lengths]
         except (NotEnoughMeasurements, ValueError, RuntimeError):  # a longer length refused: no curve, a figure
             return None
     if any(f is None or f.method not in ("dry_run", DRY_RUN_FIT) for f in forecasts):
@@ -142,10 +142,10 @@ def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: i
 
 
 def _reference_batch_size(planner: "SeqMemPlanner") -> Optional[int]:
-    measured = [r.batch_size for r in planner.records if not r.warmup]
-    if planner.last_batch_size is not None:
-        return planner.last_batch_size
-    return measured[-1] if measured else (planner.records[-1].batch_size if planner.records else None)
+    measured = [r.batch_size for r in planner.evidence.records if not r.warmup]
+    if planner.evidence.last_batch_size is not None:
+        return planner.evidence.last_batch_size
+    return measured[-1] if measured else (planner.evidence.records[-1].batch_size if planner.evidence.records else None)
 
 
 def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
@@ -154,11 +154,11 @@ def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
     From the planner's ``mitigation_events`` (the length at which it was decided), else from the
     records: the first record whose ``mitigations`` differ from the previous record's.
     """
-    events = planner.mitigation_events
+    events = planner.ladder.events
     if events:
         return [(int(e.seq_len), e.name) for e in events]
     marks, previous = [], ()
-    for record in planner.records:
+    for record in planner.evidence.records:
         current = tuple(record.mitigations)
         if current != previous:
             added = [m for m in current if m not in previous]
@@ -169,8 +169,8 @@ def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
 
 def _other_settings(planner: "SeqMemPlanner") -> list[tuple[tuple[str, ...], Any]]:
     """Forecasters of the mitigation settings other than the current one (fitted before a switch)."""
-    forecasters = planner.forecasters
-    current = tuple(planner.applied_mitigations)
+    forecasters = planner.evidence.forecasters
+    current = tuple(planner.ladder.applied)
     return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
 
 
@@ -178,9 +178,9 @@ def _curves(planner: "SeqMemPlanner", lengths: list[int], right: int, batch_size
     """``method -> (lengths, peaks, uppers)`` of the predictors of the setting on now (the dry run's
     where the setting has too few lengths for a fit)."""
     curves = {}
-    if batch_size is not None and planner.forecaster.ready:
+    if batch_size is not None and planner.evidence.forecaster.ready:
         for method in ("quadratic", "replay"):
-            curve = _predictor_curve(planner.forecaster, lengths, batch_size, method)
+            curve = _predictor_curve(planner.evidence.forecaster, lengths, batch_size, method)
             if curve is not None:
                 curves[method] = curve
     if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
@@ -193,7 +193,7 @@ def _curves(planner: "SeqMemPlanner", lengths: list[int], right: int, batch_size
 def _scale(planner: "SeqMemPlanner", measured: list, curves: dict[str, Any], right: int,
            batch_size: Optional[int]) -> tuple[list[int], tuple[str, float]]:
     """The heights the figure may show, and its unit: the budget kept in view."""
-    budget, usable = planner.budget_bytes, planner.usable_budget_bytes
+    budget, usable = planner.settings.budget_bytes, planner.settings.usable_budget_bytes
     candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
     candidates += [max(c[2]) for c in curves.values()]
     if batch_size is not None:
@@ -229,7 +229,7 @@ def _draw_curves(ax: Any, planner: "SeqMemPlanner", curves: dict[str, Any], leng
                  batch_size: Optional[int], scale: float) -> None:
     """The predictors' curves with their upper-bound bands, the lengths dry-run under a fit through
     them (markers: the only dry-run points), and the fits of the other settings (dashed)."""
-    current = tuple(planner.applied_mitigations)
+    current = tuple(planner.ladder.applied)
     setting = f", with {'+'.join(current)}" if current else ""
     for method, (xs, peaks, uppers) in curves.items():
         color, label = _STYLES[method]
@@ -237,8 +237,8 @@ def _draw_curves(ax: Any, planner: "SeqMemPlanner", curves: dict[str, Any], leng
         ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
                         label=f"{method} upper bound")
     if DRY_RUN_FIT in curves and batch_size is not None:
-        dried = [L for L in planner.dry_answers(batch_size) if L <= right]
-        ax.scatter(dried, [planner.dry_peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
+        dried = [L for L in planner.evidence.dry_answers(batch_size) if L <= right]
+        ax.scatter(dried, [planner.evidence.dry_peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
                    color="tab:purple", zorder=3, label=f"dry run (batch {batch_size}{setting})")
     for key, other in _other_settings(planner) if batch_size is not None else ():
         try:
@@ -251,10 +251,10 @@ def _draw_curves(ax: Any, planner: "SeqMemPlanner", curves: dict[str, Any], leng
 
 def _draw_lengths(ax: Any, planner: "SeqMemPlanner", right: int, batch_size: Optional[int], target: int) -> None:
     """Vertical lines: the largest length that fits (by the fit), each switch of rungs, the target."""
-    usable = planner.usable_budget_bytes
-    if usable and batch_size is not None and planner.forecaster.ready:
+    usable = planner.settings.usable_budget_bytes
+    if usable and batch_size is not None and planner.evidence.forecaster.ready:
         try:
-            fit = planner.max_seq_len(usable, batch_size)
+            fit = planner.evidence.max_seq_len(usable, batch_size)
         except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
             fit = None
         if fit and fit < right:
@@ -290,22 +290,22 @@ def memory_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    measured = [r for r in planner.records if not r.warmup]
+    measured = [r for r in planner.evidence.records if not r.warmup]
     batch_size = batch_size or _reference_batch_size(planner)
-    target = planner.curriculum.target if planner.curriculum is not None else 0
-    longest = max([r.seq_len for r in planner.records], default=0)
+    target = planner.settings.curriculum.target if planner.settings.curriculum is not None else 0
+    longest = max([r.seq_len for r in planner.evidence.records], default=0)
     right = max_seq_len or max(2 * max(target, longest), 16)
     lengths = _curve_lengths(right)
 
     curves = _curves(planner, lengths, right, batch_size)
-    budget, usable = planner.budget_bytes, planner.usable_budget_bytes
+    budget, usable = planner.settings.budget_bytes, planner.settings.usable_budget_bytes
     candidates, (unit, scale) = _scale(planner, measured, curves, right, batch_size)
 
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     _draw_curves(ax, planner, curves, lengths, right, batch_size, scale)
-    _scatter_measured(ax, measured, tuple(planner.applied_mitigations), batch_size, scale)
+    _scatter_measured(ax, measured, tuple(planner.ladder.applied), batch_size, scale)
     if usable:
         ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
     if budget and budget != usable:

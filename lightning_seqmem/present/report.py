@@ -66,13 +66,13 @@ def _run_facts(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], device
         "device": None if device is None else str(device),
         "device_name": None,
         "probe": probe,
-        "budget_bytes": planner.budget_bytes,
-        "usable_budget_bytes": planner.usable_budget_bytes,
-        "safety_margin": planner.safety_margin,
-        "tolerance": planner.tolerance,
-        "warmup_steps": planner.warmup_steps,
-        "warmup_steps_after_change": planner.warmup_steps_after_change,
-        "mitigations_allowed": list(planner.mitigations),
+        "budget_bytes": planner.settings.budget_bytes,
+        "usable_budget_bytes": planner.settings.usable_budget_bytes,
+        "safety_margin": planner.settings.safety_margin,
+        "tolerance": planner.settings.tolerance,
+        "warmup_steps": planner.settings.warmup_steps,
+        "warmup_steps_after_change": planner.settings.warmup_steps_after_change,
+        "mitigations_allowed": list(planner.ladder.allowed),
         "model_class": None,
         "num_parameters": None,
         "precision": None,
@@ -93,13 +93,13 @@ def _run_facts(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], device
         facts["strategy"] = type(trainer.strategy).__name__
         facts["world_size"] = trainer.world_size
         facts["global_step"] = trainer.global_step
-    if planner.curriculum is not None:
+    if planner.settings.curriculum is not None:
         facts["curriculum"] = {
-            **planner.curriculum.to_dict(),
-            "stages": list(planner.curriculum.stages),
-            "stages_run": list(planner.stages),
-            "capped_at": planner.capped_at,
-            "final_stage": planner.stage,
+            **planner.settings.curriculum.to_dict(),
+            "stages": list(planner.settings.curriculum.stages),
+            "stages_run": list(planner.course.stages),
+            "capped_at": planner.course.capped_at,
+            "final_stage": planner.course.stage,
         }
     return facts
 
@@ -114,7 +114,7 @@ def _version(distribution: str) -> Optional[str]:
 def _points(planner: "SeqMemPlanner") -> list[dict[str, Any]]:
     """Per (seq_len, batch_size, mitigations): max over non-warm-up records of each peak."""
     out: dict[tuple, dict[str, Any]] = {}
-    for r in planner.records:
+    for r in planner.evidence.records:
         if r.warmup:
             continue
         key = (r.seq_len, r.batch_size, tuple(r.mitigations))
@@ -133,7 +133,7 @@ def _points(planner: "SeqMemPlanner") -> list[dict[str, Any]]:
 
 
 def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
-    forecaster = planner.forecaster
+    forecaster = planner.evidence.forecaster
     quadratic, timeline = forecaster.quadratic, forecaster.timeline
     q: dict[str, Any] = {"available": quadratic is not None}
     if quadratic is not None:
@@ -154,11 +154,11 @@ def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
         r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size, notes=list(timeline.notes),
                  num_allocations=int(timeline.coefficients.shape[1]),
                  max_fit_residual_bytes=timeline.max_fit_residual_bytes)
-    settings = planner.forecasters
+    settings = planner.evidence.forecasters
     verifications = [
         {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method, "forecast_bytes": v.forecast_bytes,
          "measured_bytes": v.measured_bytes, "relative_error": v.relative_error,
-         "within_tolerance": abs(v.relative_error) <= planner.tolerance, "mitigations": list(key)}
+         "within_tolerance": abs(v.relative_error) <= planner.settings.tolerance, "mitigations": list(key)}
         for key, f in settings.items() for v in f.verifications
     ]
     accuracy = {}
@@ -180,11 +180,11 @@ def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
     # length while training); where it has not, the dry run cached at that length, else the fit
     # through the dry runs cached (method "dry_run_fit", :mod:`.dry_fit`), else a dry run: a report
     # costs no dry run it need not
-    fc = planner.forecaster.forecast(seq_len, batch_size) if planner.forecaster.ready else None
+    fc = planner.evidence.forecaster.forecast(seq_len, batch_size) if planner.evidence.forecaster.ready else None
     if fc is None and anchors is not None:
         fc = dry_fit_forecast(planner, seq_len, batch_size, anchors)
-    fc = fc or planner.forecast(seq_len, batch_size)
-    bound = planner.bound_of(fc)
+    fc = fc or planner.evidence.forecast(seq_len, batch_size)
+    bound = planner.evidence.bound_of(fc)
     row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
            "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,
            "phase_peak_bytes": dict(fc.phase_peak_bytes), "fits": None}
@@ -192,12 +192,12 @@ def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
         row["detail"] = fc.detail
     for method in ("quadratic", "replay"):
         try:
-            other = planner.forecaster.forecast(seq_len, batch_size, method=method)
+            other = planner.evidence.forecaster.forecast(seq_len, batch_size, method=method)
             row[f"{method}_peak_bytes"] = other.peak_bytes if other.method == method else None
         except (NotEnoughMeasurements, ValueError):
             row[f"{method}_peak_bytes"] = None
-    if planner.usable_budget_bytes is not None:
-        row["fits"] = bound <= planner.usable_budget_bytes
+    if planner.settings.usable_budget_bytes is not None:
+        row["fits"] = bound <= planner.settings.usable_budget_bytes
     return row
 
 
@@ -219,30 +219,30 @@ def _spread(lengths: set[int], n: int) -> set[int]:
 
 def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
-    if batch_size is None or not (planner.forecaster.ready or planner.dry_answers(batch_size)):
+    if batch_size is None or not (planner.evidence.forecaster.ready or planner.evidence.dry_answers(batch_size)):
         out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
         return out
-    measured = {r.seq_len for r in planner.records}
-    if planner.forecaster.ready:  # the fit answers: any length, for free
+    measured = {r.seq_len for r in planner.evidence.records}
+    if planner.evidence.forecaster.ready:  # the fit answers: any length, for free
         lengths = _spread(measured, REPORT_MEASURED_LENGTHS)
     else:  # the dry run answers (one each): the lengths it ran already, and the longest measured
-        lengths = _spread(set(planner.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
-    if planner.curriculum is not None:
-        lengths |= set(planner.curriculum.stages)
-        target = planner.curriculum.target
+        lengths = _spread(set(planner.evidence.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
+    if planner.settings.curriculum is not None:
+        lengths |= set(planner.settings.curriculum.stages)
+        target = planner.settings.curriculum.target
         out["target"] = target
         lengths |= {2 * target, 4 * target}
     else:
         longest = max(measured, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
-    lengths = {L for L in lengths if planner.within_limit(L)}  # none past the model's own positions
+    lengths = {L for L in lengths if planner.settings.within_limit(L)}  # none past the model's own positions
     try:
-        if planner.usable_budget_bytes is not None:  # first: its dry run (before a fit) anchors the rows
-            out["max_seq_len"] = planner.max_seq_len(planner.usable_budget_bytes, batch_size)
+        if planner.settings.usable_budget_bytes is not None:  # first: its dry run (before a fit) anchors the rows
+            out["max_seq_len"] = planner.evidence.max_seq_len(planner.settings.usable_budget_bytes, batch_size)
     except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
         out["error"] = f"{type(exc).__name__}: {exc}"
     try:
-        anchors = None if planner.forecaster.ready else dry_fit_anchors(planner, batch_size)
+        anchors = None if planner.evidence.forecaster.ready else dry_fit_anchors(planner, batch_size)
         out["at"] = [_forecast_row(planner, L, batch_size, anchors) for L in sorted(lengths)]
     except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -250,30 +250,30 @@ def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str,
 
 
 def _applied(planner: "SeqMemPlanner") -> tuple[str, ...]:
-    return tuple(planner.applied_mitigations)
+    return tuple(planner.ladder.applied)
 
 
 def _mitigations(planner: "SeqMemPlanner") -> dict[str, Any]:
     """Allowed rungs, the ones on now, each switch (from the planner's events) and the record changes."""
     changes, previous = [], ()
-    for r in planner.records:
+    for r in planner.evidence.records:
         current = tuple(r.mitigations)
         if current != previous:
             changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
                             "before": list(previous), "after": list(current)})
         previous = current
     events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "batch_size", "detail", "before_bytes", "before_method", "after_bytes", "removed")}
-              for e in planner.mitigation_events]
-    return {"allowed": list(planner.mitigations), "active": list(_applied(planner)),
+              for e in planner.ladder.events]
+    return {"allowed": list(planner.ladder.allowed), "active": list(_applied(planner)),
             "not_applicable": dict(getattr(planner, "not_applicable", {})), "events": events, "changes": changes}
 
 
 def _warnings(planner: "SeqMemPlanner") -> list[dict[str, str]]:
-    return [{"key": key, "kind": kind, "meaning": KINDS.get(kind, "other")} for key, kind in sorted(planner.warned.items())]
+    return [{"key": key, "kind": kind, "meaning": KINDS.get(kind, "other")} for key, kind in sorted(planner._advice.warned.items())]
 
 
 def _records_summary(planner: "SeqMemPlanner") -> dict[str, Any]:
-    records = planner.records
+    records = planner.evidence.records
     if not records:
         return {"num_records": 0}
     top = max(records, key=lambda r: r.peak_bytes)
@@ -302,18 +302,18 @@ def _peak_site(planner: "SeqMemPlanner", breakdown: Optional[dict[str, Any]]) ->
     the dry run of that step's shape and mitigations (``"dry_run"``; cached, or one fake step now);
     None when neither answers. ``seq_len``, ``batch_size``, ``mitigations``, then
     :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
-    measured = [r for r in planner.records if not r.warmup]
+    measured = [r for r in planner.evidence.records if not r.warmup]
     longest = max(measured, key=lambda r: (r.seq_len, r.batch_size, r.peak_bytes), default=None)
     site = (breakdown or {}).get("peak_site")
     if site is not None and (longest is None or breakdown["seq_lens"][-1] >= longest.seq_len):
         return {"source": "breakdown", "seq_len": breakdown["seq_lens"][-1], "batch_size": breakdown["batch_size"],
-                "mitigations": list(planner.applied_mitigations), **site}  # it traces with the rungs on at the end
+                "mitigations": list(planner.ladder.applied), **site}  # it traces with the rungs on at the end
     if longest is None:
         return None
     key = (longest.seq_len, longest.batch_size, tuple(longest.mitigations))
-    if planner.dry_peak(*key) is None:
+    if planner.evidence.dry_peak(*key) is None:
         return None
-    found = planner.dry_peak_site(*key)
+    found = planner.evidence.dry_peak_site(*key)
     if found is None:
         return None
     return {"source": "dry_run", "seq_len": key[0], "batch_size": key[1], "mitigations": list(key[2]),
@@ -337,9 +337,9 @@ def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
     sits at the longest length run: phase and kinds of tensor, see :func:`_peak_site`) and, with ``include_records``,
     ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
     """
-    batch_size = planner.last_batch_size
-    if batch_size is None and planner.records:
-        batch_size = planner.records[-1].batch_size
+    batch_size = planner.evidence.last_batch_size
+    if batch_size is None and planner.evidence.records:
+        batch_size = planner.evidence.records[-1].batch_size
     report = {
         "format": REPORT_FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -356,7 +356,7 @@ def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
         report["breakdown"] = breakdown
     report["peak_site"] = _peak_site(planner, breakdown)
     if include_records:
-        report["records"] = [r.to_dict() for r in planner.records]
+        report["records"] = [r.to_dict() for r in planner.evidence.records]
     return _plain(report)
 
 

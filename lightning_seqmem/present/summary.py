@@ -82,23 +82,23 @@ class RunSummary:
 
 def run_summary(planner: "SeqMemPlanner") -> RunSummary:
     """The :class:`RunSummary` of ``planner``'s run so far."""
-    records = planner.records
-    reserved = bool(planner.compare_reserved)
+    records = planner.evidence.records
+    reserved = bool(planner.settings.compare_reserved)
     longest = max(records, key=lambda r: (r.seq_len, r.batch_size), default=None)
     peak = max((r.reserved_bytes if reserved and r.reserved_bytes is not None else r.peak_bytes for r in records),
                default=None)
-    usable = planner.usable_budget_bytes
+    usable = planner.settings.usable_budget_bytes
     return RunSummary(
         num_measured=len(records),
         longest_seq_len=None if longest is None else longest.seq_len,
         longest_batch_size=None if longest is None else longest.batch_size,
         peak_bytes=peak,
         peak_level="reserved" if reserved else "allocated",
-        budget_bytes=planner.budget_bytes,
+        budget_bytes=planner.settings.budget_bytes,
         usable_budget_bytes=usable,
         over_budget=peak is not None and usable is not None and peak > usable,
-        rungs_on=tuple(planner.applied_mitigations),
-        rungs_left=tuple(m for m in planner.mitigations if m not in planner.applied_mitigations),
-        capped_at=planner.capped_at,
-        num_warnings=len(planner.warned),
+        rungs_on=tuple(planner.ladder.applied),
+        rungs_left=tuple(m for m in planner.ladder.allowed if m not in planner.ladder.applied),
+        capped_at=planner.course.capped_at,
+        num_warnings=len(planner._advice.warned),
     )

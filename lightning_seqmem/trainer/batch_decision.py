@@ -49,10 +49,10 @@ def local_inputs(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightn
     failed, shape, applicable = cb.edge.failed, None, {}
     if not failed:
         try:
-            shape = tuple(int(x) for x in read_batch_shape(batch, cb.seq_len_fn))
+            shape = tuple(int(x) for x in read_batch_shape(batch, cb.config.seq_len_fn))
             applicable = applicability(cb, trainer, pl_module, batch, shape)
         except (TypeError, ValueError):
-            if cb.planner.step == 0 and trainer.world_size == 1:
+            if cb.planner.course.step == 0 and trainer.world_size == 1:
                 raise  # a configuration problem, found before any step ran: say so
             fail(cb, "on_train_batch_start", RuntimeError("the batch could not be read"))
             failed = True
@@ -81,14 +81,14 @@ def agree_and_apply(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lig
             fail(cb, "another rank" if not failed else "on_train_batch_start",
                      RuntimeError("a rank stopped measuring, so every rank does"))
             cb.edge.stopped = True
-            safely(cb, "the curriculum", lambda: lengths.cut(cb, trainer, batch, cb.planner.seq_len))
+            safely(cb, "the curriculum", lambda: lengths.cut(cb, trainer, batch, cb.planner.course.seq_len))
             return None
         if decision.action == "stop":  # every rank: nothing can meet the budget, so no step runs over it
             raise MemoryBudgetError(decision.advice[0].text)
         cb.planner.commit(decision)
         if all(switch_on(cb, trainer, pl_module, batch, name, shape) for name in decision.rungs):
             break
-        applicable = {k: v for k, v in applicable.items() if k in cb.planner.mitigations}
+        applicable = {k: v for k, v in applicable.items() if k in cb.planner.ladder.allowed}
     return decision, shape
 
 
@@ -105,10 +105,10 @@ def applicability(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     """Whether each rung left applies here (only with a budget; cached per setting and batch size)."""
     # every rung not on: those this run may not take are checked too, for the words only (a
     # warning never advises attention already on SDPA, even where the ladder leaves it out)
-    left = tuple(m for m in rung_names() if m not in cb.planner.applied_mitigations)
-    if cb.planner.usable_budget_bytes is None or not left:
+    left = tuple(m for m in rung_names() if m not in cb.planner.ladder.applied)
+    if cb.planner.settings.usable_budget_bytes is None or not left:
         return {}
-    key = (cb.planner.applied_mitigations, left, shape[0])
+    key = (cb.planner.ladder.applied, left, shape[0])
     if key not in cb.edge.applicable_cache:
         found = ladder.applicability(left, trainer, pl_module, batch)
         # with several ranks, a rung that changes nothing on this rank's batch (micro-batching one
@@ -116,25 +116,25 @@ def applicability(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
         noop = tuple(m for m, (ok, _) in found.items() if not ok and trainer.world_size > 1
                      and ladder.noop(m, trainer, pl_module, batch) is not None)
         cb.edge.applicable_cache, cb.edge.noop_rungs = {key: found}, noop
-        cb.planner.note_not_applicable({m: v for m, v in found.items() if m not in noop})
+        cb.planner.ladder.note_not_applicable({m: v for m, v in found.items() if m not in noop})
     return cb.edge.applicable_cache[key]
 
 
 def switch_on(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, name: str,
               shape: Shape) -> bool:
     """Apply rung ``name`` on every rank; if it failed on any, it is off on all and skipped."""
-    seq_len = cb.planner.seq_len or shape[1]  # where it was decided
-    batch_size = cb.planner.batch_at(shape[0], shape[1], seq_len) if cb.curriculum else shape[0]
+    seq_len = cb.planner.course.seq_len or shape[1]  # where it was decided
+    batch_size = cb.planner.course.batch_at(shape[0], shape[1], seq_len) if cb.config.curriculum else shape[0]
     if trainer.is_global_zero:
-        safely(cb, "the dry runs before a rung", lambda: cb.planner.before_rung(name, seq_len, batch_size))
+        safely(cb, "the dry runs before a rung", lambda: cb.planner.on_rung("before", name, seq_len=seq_len, batch_size=batch_size))
     ok, detail = ladder.try_apply(name, trainer, pl_module, batch, noop_ok=trainer.world_size > 1)
     everywhere = distributed.all_ok(trainer, ok)
     if ok and not everywhere:
         detail = "it failed on another rank"
         safely(cb, "undoing a rung", lambda: ladder.remove(name, trainer, pl_module))
-    cb.planner.rung_applied(name, everywhere, detail, seq_len, batch_size)
+    cb.planner.on_rung("on" if everywhere else "failed", name, detail, seq_len, batch_size)
     if everywhere:
-        rank_zero_info(f"seqmem: switched on {name} at step {cb.planner.step} ({detail}).")
+        rank_zero_info(f"seqmem: switched on {name} at step {cb.planner.course.step} ({detail}).")
     return everywhere
 
 
@@ -143,7 +143,7 @@ def check_pending(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     """Whether the step about to run runs a rung's one-time check on some rank (every rank calls
     it: a collective): then every rank's step is a warm-up, so the ranks' records stay the same."""
     try:
-        on = cb.planner.applied_mitigations
+        on = cb.planner.ladder.applied
         here = not cb.edge.failed and ladder.check_pending(on, pl_module, batch)
     except Exception:  # noqa: BLE001 - a check that cannot tell: as if it runs (one fit point less)
         here = True
@@ -153,7 +153,7 @@ def check_pending(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
 def refusal(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> Optional[tuple[str, str]]:
     """``(rung, why)`` where a rung on this rank was refused by its own one-time check, else None."""
     try:
-        return ladder.refused(cb.planner.applied_mitigations, pl_module)
+        return ladder.refused(cb.planner.ladder.applied, pl_module)
     except Exception as exc:  # noqa: BLE001
         fail(cb, "a rung's own check", exc)
         return None
@@ -165,13 +165,13 @@ def undo_refused(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightn
     it). Only a rung switched on at the step before runs such a check, so a rank that did not
     see the refusal itself takes the last rung switched on that has one."""
     if refusal is None:
-        checked = [m for m in cb.planner.applied_mitigations if spec(m).first_step_check]
+        checked = [m for m in cb.planner.ladder.applied if spec(m).first_step_check]
         if not checked:
             return
         refusal = (checked[-1], "another rank refused it")
     name, reason = refusal
     safely(cb, f"undoing {name}", lambda: ladder.remove(name, trainer, pl_module))
-    cb.planner.rung_removed(name, f"its first-step check refused it: {reason}", pending)
+    cb.planner.on_rung("off", name, f"its first-step check refused it: {reason}", pending=pending)
 
 
 def set_next_length(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -180,7 +180,7 @@ def set_next_length(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lig
     length, error = None, None
     if trainer.is_global_zero:
         try:
-            length = cb.planner.refit_queue[0] if cb.planner.refit_queue else cb.planner.seq_len
+            length = cb.planner.course.refit_queue[0] if cb.planner.course.refit_queue else cb.planner.course.seq_len
             if not cb.edge.failed and cb.edge.shape is not None:
                 applicable = applicability(cb, trainer, pl_module, batch, cb.edge.shape)
                 length = cb.planner.decide(cb.edge.shape, applicable).seq_len

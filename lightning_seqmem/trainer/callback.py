@@ -36,12 +36,14 @@ from lightning_seqmem.trainer.guard import guarded as _guarded
 from lightning_seqmem.trainer.guard import safely, warn_advice
 from lightning_seqmem.trainer.run_state import EdgeState
 from lightning_seqmem.trainer.oom import is_oom
-from lightning_seqmem.plan.forward import Forward
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - as before
 from lightning_seqmem.core.units import parse_bytes
 
+
+
+_ARGUMENTS = frozenset(f.name for f in dataclasses.fields(SeqMemConfig)) | {"probe_name"}
 
 
 class SeqMemCallback(Callback):
@@ -187,57 +189,36 @@ class SeqMemCallback(Callback):
         self.planner = SeqMemPlanner(config=self.config)
         self.edge = EdgeState()  # the edge's own run state, fresh for each fit (the planner's is in self.planner)
 
-    # -- The run state (cb.edge): the breakdown results users read, and names tests read ------------
-    breakdowns = Forward("edge")
-    breakdown_table = Forward("edge")
-    breakdown_report = Forward("edge")
-    _failed = Forward("edge", "failed")
-    _probe = Forward("edge", "probe")
-    _resume_phrases = Forward("edge", "resume_phrases")
-    _reapply_on_fit_start = Forward("edge", "reapply_on_fit_start")
-
-    # -- The arguments (read-only: cb.config, a frozen SeqMemConfig) --------------------------------
-    warmup_steps = Forward("config")
-    tolerance = Forward("config")
-    probe_name = Forward("config", "probe")
-    memory_budget_bytes = Forward("config")
-    host_memory_budget_bytes = Forward("config")
-    safety_margin = Forward("config")
-    curriculum = Forward("config")
-    warmup_steps_after_change = Forward("config")
-    trace_lengths = Forward("config")
-    measure_every_n_steps = Forward("config")
-    seq_len_fn = Forward("config")
-    _mitigations_arg = Forward("config", "mitigations")
-    breakdown = Forward("config")
-    dry_run = Forward("config")
-    name = Forward("config")
-    summary = Forward("config")
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _ARGUMENTS:  # the arguments are `config`, frozen: a change is a new callback
+            raise AttributeError(f"`SeqMemCallback.{name}` is an argument, read-only: read it as "
+                                 f"`cb.config.{name}`, or make a new SeqMemCallback to change it")
+        super().__setattr__(name, value)
 
     # -- Public API (the planner's state, read-only) -------------------------------------------------
     @property
     def state_key(self) -> str:
         """``"SeqMemCallback"`` (``"SeqMemCallback{'name': ...}"`` with a ``name``): not the budget,
         ladder or curriculum, so a resume that changes them finds the state and reconciles it."""
-        return type(self).__qualname__ if self.name is None else self._generate_state_key(name=self.name)
+        return type(self).__qualname__ if self.config.name is None else self._generate_state_key(name=self.config.name)
 
-    records = property(lambda self: self.planner.records, doc="Every measured batch, as :class:`StepRecord` (past ``state.MEMORY_RECORDS``, a summary and the latest).")
-    applied_mitigations = property(lambda self: self.planner.applied_mitigations, doc="Rungs switched on, in order.")
-    mitigation_events = property(lambda self: self.planner.mitigation_events, doc="Each switch, with peaks before/after.")
-    mitigations = property(lambda self: self.planner.mitigations, doc="The rungs this run may still use.")
-    usable_budget_bytes = property(lambda self: self.planner.usable_budget_bytes, doc="budget × (1 − safety_margin).")
-    seq_len = property(lambda self: self.planner.seq_len, doc="The curriculum's current length (None without one).")
+    records = property(lambda self: self.planner.evidence.records, doc="Every measured batch, as :class:`StepRecord` (past ``state.MEMORY_RECORDS``, a summary and the latest).")
+    applied_mitigations = property(lambda self: self.planner.ladder.applied, doc="Rungs switched on, in order.")
+    mitigation_events = property(lambda self: self.planner.ladder.events, doc="Each switch, with peaks before/after.")
+    mitigations = property(lambda self: self.planner.ladder.allowed, doc="The rungs this run may still use.")
+    usable_budget_bytes = property(lambda self: self.planner.settings.usable_budget_bytes, doc="budget × (1 − safety_margin).")
+    seq_len = property(lambda self: self.planner.course.seq_len, doc="The curriculum's current length (None without one).")
 
     @property
     def forecaster(self) -> MemoryForecaster:
         """The forecaster of the mitigations applied now (each setting has its own fit)."""
-        return self.planner.forecaster
+        return self.planner.evidence.forecaster
 
     @property
     def configured_mitigations(self) -> tuple[str, ...]:
         """The ladder this callback was configured with (``mitigations=``), in the order tried
         (:attr:`mitigations` less what this run cannot take or lost on the way)."""
-        return self._mitigations_arg
+        return self.config.mitigations
 
     def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None,
                  world_size: Optional[int] = None) -> Forecast:
@@ -249,32 +230,32 @@ class SeqMemCallback(Callback):
         if world_size is not None:
             from lightning_seqmem.dryrun.sharded import world_forecast
 
-            key = self.planner.applied_mitigations if mitigations is None else ladder.check_mitigations(mitigations)
-            fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.batch_size_or_last(batch_size), key, world_size)
+            key = self.planner.ladder.applied if mitigations is None else ladder.check_mitigations(mitigations)
+            fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.evidence.batch_size_or_last(batch_size), key, world_size)
         else:
-            fc = self.planner.forecast(seq_len, batch_size, mitigations)
+            fc = self.planner.evidence.forecast(seq_len, batch_size, mitigations)
             warn_advice(self)  # a dry run found wrong at its first check, or refused, is said here too
         probe = self.edge.probe
-        note = A.program_note(self.edge.compiled_reason, probe.name if probe is not None else self.probe_name)
+        note = A.program_note(self.edge.compiled_reason, probe.name if probe is not None else self.config.probe)
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
     def max_seq_len(self, budget_bytes: Optional[int | str] = None, batch_size: Optional[int] = None) -> int:
         """Largest sequence length whose forecast bound fits ``budget_bytes`` (default: the usable
         budget); on CUDA the bound includes the fragmentation measured so far."""
         budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
-        return self.planner.max_seq_len(budget, batch_size)
+        return self.planner.evidence.max_seq_len(budget, batch_size)
 
     # -- Set-up --------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.planner.records or self.planner.step:
+        if self.planner.evidence.records or self.planner.course.step:
             resume.next_fit(self, trainer, pl_module)
         self.edge.fit_refs = (weakref.ref(trainer), weakref.ref(pl_module))
         device = self.edge.device = trainer.strategy.root_device
-        self.edge.probe = make_probe(self.probe_name, device)
+        self.edge.probe = make_probe(self.config.probe, device)
         on_cuda = device.type == "cuda"
-        if self.memory_budget_bytes is None and on_cuda:
+        if self.config.memory_budget_bytes is None and on_cuda:
             self.planner.bind_run(budget_bytes=torch.cuda.get_device_properties(device).total_memory)
         self.planner.bind_run(compare_reserved=on_cuda, block_bytes=512 if on_cuda else 1,
                               precision=str(trainer.precision), device_type=device.type)
@@ -284,7 +265,7 @@ class SeqMemCallback(Callback):
 
     def _check_strategy_and_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Drop the rungs this run cannot take, saying why, before training starts."""
-        self.planner.drop_mitigations(*edge.unsupported_rungs(trainer, pl_module, self.planner.mitigations))
+        self.planner.on_rung("dropped", *edge.unsupported_rungs(trainer, pl_module, self.planner.ladder.allowed))
         warn_advice(self)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -292,10 +273,10 @@ class SeqMemCallback(Callback):
         switch the mitigations on again."""
         fit_setup.check_parameters_fit(self.planner, pl_module, self.edge.device)
         fit_setup.check_compiled(self, pl_module)
-        safely(self, "the model's length limit", lambda: self.planner.set_length_limit(*(edge.model_length_limit(pl_module) or (None, ""))))
+        safely(self, "the model's length limit", lambda: self.planner.bind_run(**dict(zip(("length_limit", "length_limit_reason"), edge.model_length_limit(pl_module) or (None, "")))))
         if trainer.is_global_zero:
             safely(self, "the TensorBoard layout", lambda: outputs.write_layout(trainer))
-            if self.dry_run:
+            if self.config.dry_run:
                 self.edge.dry_runner = fit_setup.start_dry_run(self, trainer, pl_module)
                 self.planner.bind_run(dry_run=self.edge.dry_runner)
         resume.resume_rungs(self, trainer, pl_module)
@@ -307,12 +288,12 @@ class SeqMemCallback(Callback):
 
     # -- Before a batch: agree, decide, apply, cut, start measuring ----------------------------------
     def _read_shape(self, batch: Any) -> tuple[int, int]:
-        return read_batch_shape(batch, self.seq_len_fn)
+        return read_batch_shape(batch, self.config.seq_len_fn)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self.edge.window_batch = batch  # the step window opens: a dry run leaves room beside it
         if self.edge.stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
-            safely(self, "the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.seq_len))
+            safely(self, "the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.course.seq_len))
             return
         failed, shape, applicable = batch_decision.local_inputs(self, trainer, pl_module, batch)
         if self.edge.dry_runner is not None and not failed:
@@ -323,7 +304,7 @@ class SeqMemCallback(Callback):
         decision, shape = agreed
         if decision.rungs or decision.action in ("cap", "probe"):  # a lighter setting or a shorter batch
             safely(self, "releasing cached memory", lambda: edge.release_cached_memory(pl_module))
-        if decision.action != "run" and self.curriculum is not None and trainer.is_global_zero and self.records:
+        if decision.action != "run" and self.config.curriculum is not None and trainer.is_global_zero and self.records:
             safely(self, "the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
         lengths.cut_for_step(self, trainer, batch, decision.seq_len)
         check = batch_decision.check_pending(self, trainer, pl_module, batch)  # (a collective)
@@ -365,7 +346,7 @@ class SeqMemCallback(Callback):
         measured_step.record_step(self, trainer, pending, row, memory, seconds)
         if self.edge.uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
             safely(self, "setting the next batch's length", lambda: batch_decision.set_next_length(self, trainer, pl_module, batch))
-        if self.breakdown and not self.edge.failed and trainer.is_global_zero:
+        if self.config.breakdown and not self.edge.failed and trainer.is_global_zero:
             safely(self, "the memory breakdown", lambda: setattr(self.edge, "breakdown_batch", edge.longest_batch(
                 self.edge.breakdown_batch, batch, self._read_shape(batch)[1])))
         warn_advice(self)

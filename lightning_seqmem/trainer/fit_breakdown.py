@@ -48,15 +48,15 @@ def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Calla
     batch_size = int(shape_of(batch)[0])
     device = device or pl_module.device
     optimizer = trainer.optimizers[0]
-    curriculum = planner.curriculum
+    curriculum = planner.settings.curriculum
     plan = end_of_fit_plan(
-        planner.records, planner.applied_mitigations, batch_len, batch_size, width_dims(pl_module, batch_size),
+        planner.evidence.records, planner.ladder.applied, batch_len, batch_size, width_dims(pl_module, batch_size),
         multiple_of=curriculum.multiple_of if curriculum is not None else 8,
         target=curriculum.target if curriculum is not None else 0,
         room_bytes=_room_beside(pl_module, optimizer, device) if device.type == "cuda" else None,
     )
     try:
-        forecast_peak = planner.forecaster.forecast(plan.extrapolate_to, batch_size).peak_bytes
+        forecast_peak = planner.evidence.forecaster.forecast(plan.extrapolate_to, batch_size).peak_bytes
     except Exception:  # noqa: BLE001 - the table stands without it
         forecast_peak = None
     micro: dict[str, Any] = {}
@@ -69,5 +69,5 @@ def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Calla
         forecast_peak_bytes=forecast_peak, **micro,
     )
     for i, finding in enumerate(section["diagnoses"]):
-        planner.advise(Advice("diagnosis", f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning))
+        planner._advice.advise(Advice("diagnosis", f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning))
     return section, breakdowns, compare_breakdowns(breakdowns)

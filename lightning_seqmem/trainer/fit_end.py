@@ -32,12 +32,12 @@ def train_end(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightning
         return
     if not cb.edge.failed:
         safely(cb, "the precision advice", lambda: advice_at_end(cb, trainer))
-    if cb.breakdown and not cb.edge.failed:
+    if cb.config.breakdown and not cb.edge.failed:
         safely(cb, "the memory breakdown", lambda: cb.run_breakdown(trainer, pl_module))
     safely(cb, "the memory figure", lambda: outputs.log_figure(trainer, cb.planner))
     paths: list[Any] = []
     safely(cb, "the report", lambda: paths.extend(cb.write_report(trainer) or ()))
-    if cb.summary:
+    if cb.config.summary:
         safely(cb, "the summary", lambda: print(outputs.fit_summary(cb.planner, trainer, paths), flush=True))
 
 
@@ -48,7 +48,7 @@ def advice_at_end(cb: "SeqMemCallback", trainer: pl.Trainer) -> None:
 
     item = precision_advice(cb.edge.dry_runner, cb.planner, str(trainer.precision), cb.edge.device)
     if item is not None:
-        cb.planner.advise(item)
+        cb.planner._advice.advise(item)
     warn_advice(cb)
 
 
@@ -58,10 +58,10 @@ def run_breakdown(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     diagnosis once, logs the tables as TensorBoard text and returns the section."""
     from lightning_seqmem.trainer.fit_breakdown import run_breakdown as trace_breakdown
 
-    section, cb.breakdowns, cb.breakdown_table = trace_breakdown(
-        cb.planner, cb.edge.breakdown_batch, lambda batch: read_batch_shape(batch, cb.seq_len_fn), cb.edge.device,
+    section, cb.edge.breakdowns, cb.edge.breakdown_table = trace_breakdown(
+        cb.planner, cb.edge.breakdown_batch, lambda batch: read_batch_shape(batch, cb.config.seq_len_fn), cb.edge.device,
         trainer, pl_module)
-    cb.breakdown_report = section
+    cb.edge.breakdown_report = section
     warn_advice(cb)  # one warning per diagnosis
     outputs.log_breakdown(trainer, section)
     return section
@@ -70,8 +70,8 @@ def run_breakdown(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
 def write_report(cb: "SeqMemCallback", trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
     """Write ``seqmem_report.json``, ``seqmem_report.md`` and the figure; return their paths
     (``directory`` defaults to the logger's ``log_dir``, ``default_root_dir`` without a logger)."""
-    probe = cb.edge.probe.name if cb.edge.probe is not None else cb.probe_name
+    probe = cb.edge.probe.name if cb.edge.probe is not None else cb.config.probe
     note = A.program_note(cb.edge.compiled_reason, probe)
     probe = f"{probe}: measurements and forecasts {note}" if note else probe
     return outputs.write_report(cb.planner, trainer, directory, device=cb.edge.device, probe=probe,
-                                breakdown=cb.breakdown_report)
+                                breakdown=cb.edge.breakdown_report)

@@ -45,7 +45,7 @@ and the first steps at a new shape) is measured: a measured step runs eager."""
 def check_parameters_fit(planner: "SeqMemPlanner", pl_module: torch.nn.Module, device: Optional[torch.device]) -> None:
     """:class:`MemoryBudgetError` where this rank's parameters and buffers on the training device
     (local shards under FSDP2) alone exceed the usable budget: no step could fit."""
-    usable = planner.usable_budget_bytes
+    usable = planner.settings.usable_budget_bytes
     if usable is None or device is None:
         return
     held = 0
@@ -54,9 +54,9 @@ def check_parameters_fit(planner: "SeqMemPlanner", pl_module: torch.nn.Module, d
         if local.device.type == device.type:
             held += local.nbytes
     if held > usable:
-        assert planner.budget_bytes is not None
-        raise MemoryBudgetError(A.parameters_over_budget(held, usable, planner.budget_bytes,
-                                                         planner.safety_margin))
+        assert planner.settings.budget_bytes is not None
+        raise MemoryBudgetError(A.parameters_over_budget(held, usable, planner.settings.budget_bytes,
+                                                         planner.settings.safety_margin))
 
 
 def check_compiled(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> None:
@@ -67,11 +67,11 @@ def check_compiled(cb: "SeqMemCallback", pl_module: pl.LightningModule) -> None:
     compiled = cb.edge.compiled_reason = compiled_reason(pl_module)
     probe = cb.edge.probe
     tracked_compiled = compiled is not None and probe is not None and probe.name == "tracker"
-    every = max(cb.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS) if tracked_compiled else cb.measure_every_n_steps
+    every = max(cb.config.measure_every_n_steps, COMPILED_MEASURE_EVERY_N_STEPS) if tracked_compiled else cb.config.measure_every_n_steps
     cb.planner.bind_run(measure_every_n_steps=every)
     if compiled is None or probe is None:
         return
-    cb.planner.advise(A.compiled_module(compiled, probe.name, cb.planner.measure_every_n_steps))
+    cb.planner._advice.advise(A.compiled_module(compiled, probe.name, cb.planner.settings.measure_every_n_steps))
     warn_advice(cb)
 
 
@@ -82,7 +82,7 @@ def start_dry_run(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Light
     from lightning_seqmem.dryrun.run import TrainingRunDryRun
     from lightning_seqmem.trainer.own_memory import resident_bytes, value_room_bytes
 
-    return TrainingRunDryRun(trainer, pl_module, lambda: cb.planner.applied_mitigations,
-                             lambda why, *shape: cb.planner.advise(A.dry_run_unavailable(why, *shape)),
+    return TrainingRunDryRun(trainer, pl_module, lambda: cb.planner.ladder.applied,
+                             lambda why, *shape: cb.planner._advice.advise(A.dry_run_unavailable(why, *shape)),
                              template=cb.edge.sharding_template, site=trace_peak_site,
                              room=lambda: value_room_bytes(cb), resident=lambda: resident_bytes(cb))

@@ -77,7 +77,7 @@ def fail(cb: Any, where: str, exc: BaseException) -> None:
 
 def warn_once(cb: Any, item: A.Advice) -> None:
     """Give the planner ``item`` (it keeps each once) and warn what is new."""
-    cb.planner.advise(item)
+    cb.planner._advice.advise(item)
     warn_advice(cb)
 
 

@@ -29,6 +29,7 @@ import torch
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.measure.batch import read_batch_shape
+from lightning_seqmem.plan.metrics import metrics as plan_metrics
 from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.plan.planner import Decision, PendingStep
 from lightning_seqmem.trainer import access as edge
@@ -47,11 +48,11 @@ def start_measurement(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.L
     """Begin the step the planner decided on (``shape``: the one agreed across ranks) and, for a
     measured one, start the probe in its forward phase; ``check``: a rung's one-time check runs in
     this step on some rank (:func:`.batch_decision.check_pending`): a warm-up."""
-    cb.edge.shape = tuple(int(x) for x in read_batch_shape(batch, cb.seq_len_fn))  # what this rank really runs
+    cb.edge.shape = tuple(int(x) for x in read_batch_shape(batch, cb.config.seq_len_fn))  # what this rank really runs
     if decision.seq_len is None:
         planned = shape
     else:
-        planned = (cb.planner.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
+        planned = (cb.planner.course.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
     pending = cb.edge.pending = cb.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
                                                       trainer.global_step, trainer.current_epoch)
     probe = cb.edge.probe
@@ -119,10 +120,10 @@ def record_step(cb: "SeqMemCallback", trainer: pl.Trainer, pending: Optional[Pen
     the gathered row as a :class:`~lightning_seqmem.core.records.StepRecord` and log its scalars."""
     shape = cb.edge.shape
     ran = shape[1] if shape else None  # this rank's batch as it ran
-    held = cb.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
+    held = cb.config.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
     cb.planner.end_batch(at_stage_length=not held)
     if held:
-        cb.planner.advise(A.curriculum_not_applied(pending.seq_len, ran))
+        cb.planner._advice.advise(A.curriculum_not_applied(pending.seq_len, ran))
     if pending is None or row is None:
         return
     rank, reduced, seq_len, batch_size = row
@@ -130,7 +131,7 @@ def record_step(cb: "SeqMemCallback", trainer: pl.Trainer, pending: Optional[Pen
     record = cb.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
                                 rank=rank if trainer.world_size > 1 else None, step_seconds=seconds)
     try:
-        metrics = cb.planner.metrics(record)
+        metrics = plan_metrics(record, cb.planner.evidence, cb.planner.course)
     except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
         warn_once(cb, A.output_failed("the forecast for logging", repr(exc)))
         metrics = {}

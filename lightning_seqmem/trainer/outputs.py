@@ -165,7 +165,7 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     diagnosis: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "error": f"{type(exception).__name__}: {exception}",
-        "step": planner.step,
+        "step": planner.course.step,
         "global_step": getattr(trainer, "global_step", None),
         "failing_batch": {"seq_len": seq_len, "batch_size": batch_size},
         "forecast_for_failing_batch": forecast,
@@ -175,7 +175,7 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
         "mitigations_left": list(summary.rungs_left),
         "summary": summary.to_dict(),  # what ran until the failing batch (lightning_seqmem.present.summary)
         "would_have_done": _would_have_done(planner, batch_size),
-        "last_records": [r.to_dict() for r in planner.records[-last_records:]],
+        "last_records": [r.to_dict() for r in planner.evidence.records[-last_records:]],
         "cuda_snapshot": None,
     }
     if torch.cuda.is_available():
@@ -206,7 +206,7 @@ def fit_summary(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], paths
         seqmem: no training step was measured; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings.
         seqmem: report in runs/version_0 (seqmem_report.md, seqmem_report.json, seqmem_memory.png); no TensorBoard logger: no panels.
     """
-    first = f"seqmem: {run_summary(planner).sentence()}{' (above)' if planner.warned else ''}."
+    first = f"seqmem: {run_summary(planner).sentence()}{' (above)' if planner._advice.warned else ''}."
     paths = [Path(p) for p in paths or ()]
     folder = str(paths[0].parent) if paths else (report_dir(trainer) if trainer is not None else None)
     where = (f"report in {folder} ({MARKDOWN_NAME}, {JSON_NAME}, {PNG_NAME})" if paths else
@@ -240,31 +240,31 @@ def _forecast_used(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
                    pending: Optional["PendingStep"]) -> Any:
     """The forecast the planner had for the failing batch: the one kept to verify it (the dry run's,
     the replay's or the fit's), else the dry run's or the fit's now; None where none exists."""
-    kept = planner.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
+    kept = planner.evidence.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
     if kept is not None:
         return kept
     try:
-        return planner.forecast(seq_len, batch_size, pending.mitigations if pending is not None else None)
+        return planner.evidence.forecast(seq_len, batch_size, pending.mitigations if pending is not None else None)
     except Exception:  # noqa: BLE001 - NotEnoughMeasurements, a length past the model's limit
         return None
 
 
 def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str:
-    if planner.usable_budget_bytes is None:
+    if planner.settings.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
-    if not planner.forecaster.ready and not planner.any_dry_run_answered():
+    if not planner.evidence.forecaster.ready and not planner.evidence.any_dry_run_answered():
         return "nothing yet: fewer than two lengths were measured and no dry run answered, so no forecast existed"
-    left = [m for m in planner.mitigations if m not in planner.applied_mitigations]
+    left = [m for m in planner.ladder.allowed if m not in planner.ladder.applied]
     if left:
         return f"switch on {left[0]!r} before growing past the largest length that fits"
-    batch_size = batch_size or planner.last_batch_size or 1
-    fit = planner.max_seq_len(planner.usable_budget_bytes, batch_size)
+    batch_size = batch_size or planner.evidence.last_batch_size or 1
+    fit = planner.evidence.max_seq_len(planner.settings.usable_budget_bytes, batch_size)
     if fit <= 0:
         from lightning_seqmem.core.advice import nothing_fits
 
-        return f"stop: {nothing_fits(planner.applied_mitigations, batch_size)}"
-    by = ("dry run" if not planner.forecaster.ready else
-          FORECAST_NAMES["replay" if planner.forecaster.timeline is not None else "quadratic"])
+        return f"stop: {nothing_fits(planner.ladder.applied, batch_size)}"
+    by = ("dry run" if not planner.evidence.forecaster.ready else
+          FORECAST_NAMES["replay" if planner.evidence.forecaster.timeline is not None else "quadratic"])
     return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget, by the {by})"
 
 

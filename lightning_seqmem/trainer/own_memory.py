@@ -123,7 +123,7 @@ def value_room_bytes(cb: "SeqMemCallback") -> Optional[int]:
     budget, the usable budget less the run's tensors (the module's, the gradients, the optimizer
     state, the batch, the callback's own copies); None elsewhere (on a GPU they are host memory;
     outside a window no step runs)."""
-    device, usable = cb.edge.device, cb.planner.usable_budget_bytes
+    device, usable = cb.edge.device, cb.planner.settings.usable_budget_bytes
     refs = cb.edge.fit_refs
     if not host_is_device(device) or usable is None or cb.edge.window_batch is None or refs is None:
         return None

@@ -44,12 +44,12 @@ def next_fit(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningM
     same_module = last is not None and last[1]() is pl_module
     cb.edge = cb.edge.next_fit(continues=same_trainer and same_module)  # the breakdowns kept where it continues
     if same_trainer and same_module:
-        on = ", ".join(cb.planner.applied_mitigations) or "none"
-        rank_zero_info(f"seqmem: a new fit on the same Trainer and module continues from step {cb.planner.step} "
-                       f"(rungs on: {on}; {len(cb.planner.records)} records; curriculum stage "
-                       f"{cb.planner.seq_len}).")
+        on = ", ".join(cb.planner.ladder.applied) or "none"
+        rank_zero_info(f"seqmem: a new fit on the same Trainer and module continues from step {cb.planner.course.step} "
+                       f"(rungs on: {on}; {len(cb.planner.evidence.records)} records; curriculum stage "
+                       f"{cb.planner.course.seq_len}).")
         return
-    still_on = tuple(n for n in cb.planner.applied_mitigations if ladder.is_on(n, pl_module))
+    still_on = tuple(n for n in cb.planner.ladder.applied if ladder.is_on(n, pl_module))
     cb.planner.restart(cb.configured_mitigations, still_on)  # what the module runs with: never reported as off
     if getattr(trainer, "ckpt_path", None):
         return  # the checkpoint's state replaces this one (load_state_dict says how it resumed)
@@ -61,7 +61,7 @@ def next_fit(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningM
 def run_config(cb: "SeqMemCallback") -> dict[str, Any]:
     """The configuration a checkpoint saves beside the state, for :func:`load_state` to reconcile
     (:func:`~lightning_seqmem.plan.checkpoint.run_config`)."""
-    return S.run_config(cb.memory_budget_bytes, cb.safety_margin, cb.configured_mitigations, cb.curriculum)
+    return S.run_config(cb.config.memory_budget_bytes, cb.config.safety_margin, cb.configured_mitigations, cb.config.curriculum)
 
 
 def adopt_legacy_state(checkpoint: dict[str, Any], state_key: str) -> None:
@@ -80,12 +80,10 @@ def load_state(cb: "SeqMemCallback", state_dict: dict[str, Any]) -> None:
     and reconciled with this callback's configuration (:func:`~lightning_seqmem.plan.checkpoint.reconcile`).
     A state this version cannot read or trust gives one warning naming the field and a fresh
     start (measurement resumes from scratch), never a failed resume."""
-    allowed = cb.planner.mitigations  # the ladder less the rungs this run cannot take (setup)
+    allowed = cb.planner.ladder.allowed  # the ladder less the rungs this run cannot take (setup)
     try:
         S.validate_state(state_dict)
-        cb.planner.load_state_dict(state_dict)
-        cb.edge.resume_phrases, cb.edge.resume_removed = S.reconcile(
-            cb.planner, state_dict.get("config"), run_config(cb), allowed, state_dict.get("mitigations_left"))
+        cb.edge.resume_phrases, cb.edge.resume_removed = cb.planner.load_state_dict(state_dict, run_config(cb))
     except Exception as exc:  # noqa: BLE001
         cb.planner.restart(allowed)
         cb.edge.resume_phrases, cb.edge.resume_removed = [], ()
@@ -94,7 +92,7 @@ def load_state(cb: "SeqMemCallback", state_dict: dict[str, Any]) -> None:
                        "and fitting start afresh.", category=SeqMemFailureWarning)
         return
     cb.edge.uses_datamodule_length = bool(state_dict.get("uses_datamodule_length", False))
-    cb.edge.reapply_on_fit_start = bool(cb.planner.applied_mitigations)
+    cb.edge.reapply_on_fit_start = bool(cb.planner.ladder.applied)
 
 
 def resume_rungs(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,7 +100,7 @@ def resume_rungs(cb: "SeqMemCallback", trainer: pl.Trainer, pl_module: pl.Lightn
     off those no longer allowed and say what a changed configuration changed."""
     if cb.edge.reapply_on_fit_start:
         cb.edge.reapply_on_fit_start = False
-        for name in cb.planner.applied_mitigations:
+        for name in cb.planner.ladder.applied:
             ok, detail = ladder.try_apply(name, trainer, pl_module)
             rank_zero_info(f"seqmem: resumed with {name} on ({detail})")
     say_resume(cb, trainer, pl_module)
