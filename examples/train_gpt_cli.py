@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_seqmem import SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.plan.view import PlanView
 
 
 def report(trainer) -> None:
@@ -26,9 +27,9 @@ def report(trainer) -> None:
     if callback is None or not trainer.is_global_zero:
         return
     write_layout(trainer)
-    log_figure(trainer, callback.planner)
+    log_figure(trainer, PlanView.of(callback.planner))
     paths = callback.write_report(trainer)
-    render_console(build_report(callback.planner, trainer, include_records=False))
+    render_console(build_report(PlanView.of(callback.planner), trainer, include_records=False))
     print(f"seqmem report: {paths[0]}")
 
 

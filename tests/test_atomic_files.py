@@ -20,12 +20,13 @@ def test_a_write_that_fails_half_way_leaves_the_previous_png_whole(tmp_path):
         matplotlib.use("Agg")
         from lightning_seqmem.trainer.outputs import save_figure
         from lightning_seqmem.plan.planner import SeqMemPlanner
+        from lightning_seqmem.plan.view import PlanView
         target = pathlib.Path({str(tmp_path)!r}) / "seqmem_memory.png"
         target.write_bytes(b"previous figure")
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
         try:
-            save_figure(SeqMemPlanner(), target)
+            save_figure(PlanView.of(SeqMemPlanner()), target)
         except OSError as exc:
             print("refused", exc.errno)
         else:

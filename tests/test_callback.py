@@ -342,7 +342,7 @@ def test_sharding_strategies_keep_measurement_and_drop_the_rungs_they_cannot_tak
 
     cb = SeqMemCallback()
     with pytest.warns(UserWarning, match=r"\['checkpointing', 'microbatch'\] are off for this run: FSDPStrategy"):
-        cb._check_strategy_and_module(SimpleNamespace(strategy=FSDPStrategy()), LitGPT(n_layer=1, d_model=32, n_head=2))
+        cb._fit.drop_unsupported(SimpleNamespace(strategy=FSDPStrategy()), LitGPT(n_layer=1, d_model=32, n_head=2))
     assert cb.mitigations == ("attention",)
 
 

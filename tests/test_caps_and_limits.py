@@ -149,7 +149,7 @@ def test_planner_caps_at_what_its_dry_run_says_fits_past_a_window():
     assert max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes
     assert all(r.seq_len % 64 == 0 and r.seq_len <= 900 for r in p.evidence.records)
     assert all(key[0] <= 900 for key in p.evidence._dry)  # never dry-run past the limit
-    (words,) = [a.text for a in p.take_advice() if a.kind == "stage_over_budget"]
+    (words,) = [a.text for a in p.advice.take_advice() if a.kind == "stage_over_budget"]
     cap = p.course.capped_at
     assert f"The largest length forecast to fit is {cap}." in words and f"stays at seq_len={cap}" in words
     assert p.evidence.judge(cap, 2).kind == "fits" and p.evidence.judge(cap + 64, 2).kind == "over"

@@ -124,13 +124,13 @@ def test_a_compiled_module_under_the_tracker_binds_a_slower_measurement_rate_not
     import torch
 
     from lightning_seqmem.measure.probes import make_probe
-    from lightning_seqmem.trainer.fit_setup import COMPILED_MEASURE_EVERY_N_STEPS, check_compiled
+    from lightning_seqmem.trainer.fit_cycle import COMPILED_MEASURE_EVERY_N_STEPS
 
     cb = SeqMemCallback(measure_every_n_steps=3)
     config, cb.edge.probe = cb.config, make_probe("tracker", torch.device("cpu"))
     with pytest.warns(UserWarning, match="torch.compile"):
-        check_compiled(cb, torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2))))
+        cb._fit.check_compiled(torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2))))
     assert cb.planner.settings.measure_every_n_steps == cb.planner.settings.run_facts.measure_every_n_steps == COMPILED_MEASURE_EVERY_N_STEPS
     assert cb.config is config and cb.config.measure_every_n_steps == 3  # the argument stays what was given
-    check_compiled(cb, torch.nn.Linear(2, 2))  # the next fit, of an eager module: the rate given
+    cb._fit.check_compiled(torch.nn.Linear(2, 2))  # the next fit, of an eager module: the rate given
     assert cb.planner.settings.measure_every_n_steps == 3

@@ -16,6 +16,7 @@ from lightning_seqmem.present.dry_fit import DRY_RUN_FIT
 from lightning_seqmem.present.panels import memory_figure
 from lightning_seqmem.present.report import build_report
 from lightning_seqmem.present.render import render_markdown
+from lightning_seqmem.plan.view import PlanView
 
 
 def test_confirmed_largest_fits_is_close_and_costs_one_call_on_a_quadratic():
@@ -77,7 +78,7 @@ def test_max_seq_len_before_a_fit_is_one_dry_run_a_lower_bound_and_stable():
     truth = max(L for L in range(512, 2049) if int(peak(L) * 1.02) <= budget)
     assert calls == [got] and int(peak(got) * 1.02) <= budget and 0.99 * truth <= got <= truth
     assert p.evidence.max_seq_len() == got and calls == [got]  # the same answer, no dry run
-    assert build_report(p)["forecasts"]["max_seq_len"] == got and calls == [got]
+    assert build_report(PlanView.of(p))["forecasts"]["max_seq_len"] == got and calls == [got]
 
 
 def test_report_and_figure_before_a_fit_run_no_dry_run_and_say_the_fit():
@@ -89,7 +90,7 @@ def test_report_and_figure_before_a_fit_run_no_dry_run_and_say_the_fit():
     p.evidence.records = [_record(3, 400, peak(400)), _record(4, 500, peak(500))]
     p.evidence.max_seq_len()  # (its one dry run: the report's first question)
     calls.clear()
-    report = build_report(p)
+    report = build_report(PlanView.of(p))
     rows = {r["seq_len"]: r for r in report["forecasts"]["at"]}
     assert calls == []  # every row from the dry runs cached or the fit through them
     assert {1000, 2000} <= set(rows) and rows[512]["method"] == "dry_run"
@@ -98,7 +99,7 @@ def test_report_and_figure_before_a_fit_run_no_dry_run_and_say_the_fit():
     assert abs(rows[500]["peak_bytes"] - peak(500)) <= 0.001 * peak(500)  # a quadratic: the fit is exact
     assert rows[2000]["fits"] is False and rows[512]["fits"] is True
     assert "method `dry_run_fit`: a quadratic through the lengths dry-run" in render_markdown(report)
-    labels = memory_figure(p).axes[0].get_legend_handles_labels()[1]
+    labels = memory_figure(PlanView.of(p)).axes[0].get_legend_handles_labels()[1]
     assert calls == []
     assert any(label.startswith("quadratic through the dry runs") for label in labels)
     assert any(label.startswith("dry run (batch 2") for label in labels)

@@ -71,7 +71,7 @@ def test_after_a_short_fit_the_state_holds_what_its_table_says():
     assert state.dry_runner is None and state.compiled_reason is None and state.breakdown_batch is None
     assert state.resume_phrases == [] and state.resume_removed == () and not state.reapply_on_fit_start
     # the names users and tests read are the state's
-    assert cb.edge.failed is state.failed and cb.edge.probe is state.probe and cb.edge.breakdowns is state.edge.breakdowns
+    assert cb.edge.failed is state.failed and cb.edge.probe is state.probe and cb.edge.breakdowns is state.breakdowns
     assert cb.edge.breakdown_report is None and cb.edge.breakdown_table is None
 
 
@@ -149,6 +149,6 @@ def test_the_private_name_finder_finds_each_form():
 
 def test_no_trainer_module_but_the_callback_reads_its_private_names():
     modules = sorted(p for p in TRAINER_DIR.glob("*.py") if p.name != "callback.py")
-    assert {"guard.py", "batch_decision.py", "measured_step.py", "resume.py"} <= {p.name for p in modules}
+    assert {"guard.py", "batch_cycle.py", "fit_cycle.py", "own_memory.py"} <= {p.name for p in modules}
     found = {p.name: private_reads(p.read_text()) for p in modules}
     assert {name: reads for name, reads in found.items() if reads} == {}

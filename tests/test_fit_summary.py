@@ -12,6 +12,7 @@ from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.core.units import format_bytes
+from lightning_seqmem.plan.view import PlanView
 
 
 def _fit(tmp_path, **kwargs):
@@ -34,7 +35,7 @@ def test_the_end_of_fit_summary_says_what_ran_and_where_to_look(tmp_path, capsys
     assert f"longest length {longest} tokens (batch 2); peak {format_bytes(peak)}" in lines[0]
     assert "usable budget 180.0 MiB (budget 200.0 MiB)" in lines[0] and "OVER" not in lines[0]
     assert f"rungs on: {', '.join(cb.applied_mitigations) or 'none'}" in lines[0]
-    assert re.search(rf"; {len(cb.planner._advice.warned)} warnings?", lines[0])
+    assert re.search(rf"; {len(cb.planner.advice.warned)} warnings?", lines[0])
     assert f"report in {folder} (seqmem_report.md, seqmem_report.json, seqmem_memory.png)" in lines[1]
     assert f"tensorboard --logdir {folder}" in lines[1] and f"seqmem panels {folder}" in lines[1]
     for name in ("seqmem_report.md", "seqmem_report.json", "seqmem_memory.png"):
@@ -65,12 +66,12 @@ def test_the_printed_lines_the_report_its_renderings_and_the_oom_file_say_the_sa
     trainer = make_trainer([cb], max_steps=24, logger=logger)
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), datamodule=SyntheticTokenDataModule(batch_size=2, seq_len=256))
     first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("seqmem: ")][0]
-    summary = run_summary(cb.planner)
+    summary = run_summary(PlanView.of(cb.planner))
     assert summary.rungs_on and summary.capped_at is not None  # the scenario: a rung on, a cap
     # the truth, from the records themselves
     assert summary.peak_bytes == max(r.peak_bytes for r in cb.records) <= summary.usable_budget_bytes
     assert summary.longest_seq_len == max(r.seq_len for r in cb.records) and not summary.over_budget
-    assert summary.rungs_on == cb.applied_mitigations and summary.num_warnings == len(cb.planner._advice.warned)
+    assert summary.rungs_on == cb.applied_mitigations and summary.num_warnings == len(cb.planner.advice.warned)
     assert first.startswith(f"seqmem: {summary.sentence()}")
     report = load_report(Path(logger.log_dir))
     assert RunSummary.from_dict(report["summary"]) == summary
@@ -81,7 +82,7 @@ def test_the_printed_lines_the_report_its_renderings_and_the_oom_file_say_the_sa
     console = Console(record=True, width=400)
     render_console(report, console)
     assert summary.sentence() in console.export_text()
-    path = write_oom_diagnosis(cb.planner, trainer, torch.cuda.OutOfMemoryError("injected"))
+    path = write_oom_diagnosis(PlanView.of(cb.planner), trainer, torch.cuda.OutOfMemoryError("injected"))
     diagnosis = json.loads(Path(path).read_text())
     assert RunSummary.from_dict(diagnosis["summary"]) == summary
     assert diagnosis["mitigations_applied"] == list(summary.rungs_on) and diagnosis["usable_budget_bytes"] == 1_300_000

@@ -18,6 +18,7 @@ from lightning_seqmem.present.panels import FIGURE_TAG, LAYOUT_CATEGORIES, custo
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.measure.probes import PHASES
 from lightning_seqmem.present.report import JSON_NAME, build_report, load_report, render_console, render_markdown
+from lightning_seqmem.plan.view import PlanView
 
 from conftest import make_trainer
 
@@ -34,7 +35,7 @@ def run(tmp_path_factory):
     assert write_layout(trainer) == 1
     assert write_layout(trainer) == 0  # once per logger
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
-    figure = log_figure(trainer, callback.planner)
+    figure = log_figure(trainer, PlanView.of(callback.planner))
     paths = callback.write_report(trainer)
     accumulator = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     accumulator.Reload()
@@ -126,7 +127,7 @@ def test_figure_logged_as_image(run):
 
 def test_figure_is_logged_once_per_step(run):
     before = len(run["events"].Images(FIGURE_TAG))
-    log_figure(run["trainer"], run["callback"].planner)  # same step: skipped
+    log_figure(run["trainer"], PlanView.of(run["callback"].planner))  # same step: skipped
     events = EventAccumulator(run["logger"].log_dir, size_guidance={"images": 0})
     events.Reload()
     # one figure as each stage ended (16 -> 32 at step 3, 32 -> 64 at step 6) and one at the end
@@ -197,9 +198,9 @@ def test_report_facts_and_predictors(run):
     assert site["peak_bytes"] == pytest.approx(cb.planner.evidence.dry_peak(64, 2, ())[0], rel=0.01)
     assert report["mitigations"]["allowed"] == list(cb.mitigations)
     keys = [w["key"] for w in report["warnings"]]
-    assert keys == sorted(set(keys)) and set(keys) == set(cb.planner._advice.warned)  # each warning said once, all of them
+    assert keys == sorted(set(keys)) and set(keys) == set(cb.planner.advice.warned)  # each warning said once, all of them
     for w in report["warnings"]:
-        assert w["kind"] == cb.planner._advice.warned[w["key"]] and w["kind"] in KINDS and w["meaning"]
+        assert w["kind"] == cb.planner.advice.warned[w["key"]] and w["kind"] in KINDS and w["meaning"]
 
 
 def test_render_console_and_markdown(run):
@@ -216,7 +217,7 @@ def test_render_console_and_markdown(run):
 
 def test_report_before_any_measurement(tmp_path):
     cb = SeqMemCallback()
-    report = build_report(cb.planner)
+    report = build_report(PlanView.of(cb.planner))
     assert report["points"] == [] and report["forecasts"]["error"]
     from rich.console import Console
 
@@ -225,7 +226,7 @@ def test_report_before_any_measurement(tmp_path):
     text, markdown = console.export_text(), render_markdown(report)
     assert "seqmem: run" in text and report["forecasts"]["error"].split(":")[0] in text
     assert markdown.startswith("# lightning-seqmem report") and "largest length that fits" not in text
-    json_path, _, png_path = write_report(cb.planner, directory=tmp_path)
+    json_path, _, png_path = write_report(PlanView.of(cb.planner), directory=tmp_path)
     assert json_path.name == JSON_NAME and png_path.exists()
 
 
@@ -252,12 +253,12 @@ def _callback_with_mitigations():
 
 def test_figure_marks_mitigations_from_records():
     cb = _callback_with_mitigations()
-    labels = memory_figure(cb).axes[0].get_legend_handles_labels()[1]
+    labels = memory_figure(PlanView.of(cb)).axes[0].get_legend_handles_labels()[1]
     assert any("switched on at L=512: attention" in label for label in labels)
     assert any("switched on at L=1024: checkpointing" in label for label in labels)
     assert any(label.startswith("quadratic fit") for label in labels)
     assert not any(label.startswith("timeline replay") for label in labels)  # nothing traced
-    report = build_report(cb)
+    report = build_report(PlanView.of(cb))
     assert [c["seq_len"] for c in report["mitigations"]["changes"]] == [512, 1024]
     assert [c["after"] for c in report["mitigations"]["changes"]] == [["attention"], ["attention", "checkpointing"]]
     assert report["predictors"]["replay"]["available"] is False
@@ -267,9 +268,9 @@ def test_figure_and_report_use_the_mitigation_events():
     cb = _callback_with_mitigations()
     cb.ladder.events = [{"name": "attention", "step": 1, "seq_len": 256, "detail": "attention eager -> sdpa",
                              "before_bytes": 60 * 2**20, "after_bytes": 30 * 2**20}]
-    labels = memory_figure(cb).axes[0].get_legend_handles_labels()[1]
+    labels = memory_figure(PlanView.of(cb)).axes[0].get_legend_handles_labels()[1]
     assert any("switched on at L=256: attention" in label for label in labels)  # where it was decided
-    report = build_report(cb)
+    report = build_report(PlanView.of(cb))
     assert report["mitigations"]["events"] == cb.ladder.events
     markdown = render_markdown(report)
     assert "attention eager -> sdpa" in markdown and "60.0 MiB" in markdown and "30.0 MiB" in markdown

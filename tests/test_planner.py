@@ -74,7 +74,7 @@ def test_every_stage_including_the_last_stays_in_budget():
     out = run(p, (4, 512), 30)
     assert all(r.peak_bytes <= budget for _, r in out)
     assert max(r.seq_len for _, r in out) < 512 and p.course.capped_at is not None
-    assert [a.kind for a in p.take_advice()].count("stage_over_budget") == 1
+    assert [a.kind for a in p.advice.take_advice()].count("stage_over_budget") == 1
 
 
 def test_the_last_stage_measured_over_budget_switches_a_rung_on():
@@ -102,7 +102,7 @@ def test_warmup_step_over_budget_stops_the_next_one():
     assert r0.warmup and r0.peak_bytes > budget and d0.action == "run"
     d1, r1 = step(p, (4, 256), ALL)
     assert d1.action == "mitigate" and d1.rung == "attention" and r1.peak_bytes <= budget
-    assert [a.kind for a in p.take_advice()][:2] == ["first_step_over_budget", "batch_over_budget"]
+    assert [a.kind for a in p.advice.take_advice()][:2] == ["first_step_over_budget", "batch_over_budget"]
 
 
 def test_a_rung_not_applicable_on_one_rank_is_skipped_for_the_next():
@@ -120,7 +120,7 @@ def test_a_rung_that_raises_is_dropped_and_the_queue_cleared():
     failed = [d for d, _ in out if d.action == "mitigate"]
     assert [d.rung for d in failed] == ["attention", "checkpointing"]
     assert p.ladder.applied == () and p.ladder.allowed == ()
-    kinds = [a.kind for a in p.take_advice()]
+    kinds = [a.kind for a in p.advice.take_advice()]
     assert kinds.count("mitigation_failed") == 2
     assert p.course.capped_at is not None  # with nothing left, the curriculum is capped
     assert all(r.peak_bytes < peak(128, 4) for _, r in out[len(failed) + 4:])
@@ -131,7 +131,7 @@ def test_nothing_left_without_a_curriculum_warns_once_and_runs():
     p = planner(budget, mitigations=())
     out = run(p, (4, 256), 5)
     assert [d.action for d, _ in out] == ["run"] + ["over"] * 4
-    assert [a.kind for a in p.take_advice()] == ["first_step_over_budget", "batch_over_budget"]
+    assert [a.kind for a in p.advice.take_advice()] == ["first_step_over_budget", "batch_over_budget"]
 
 
 def test_a_new_shape_is_judged_before_it_runs():
@@ -159,7 +159,7 @@ def test_a_verification_miss_widens_later_bounds():
     miss = [r for r in p.evidence.records if r.forecast_error is not None and r.seq_len == 256]
     assert miss and miss[0].forecast_error < -p.settings.tolerance
     # said once, by the predictor check, naming the predictor that missed (issue 21)
-    kinds = [a.kind for a in p.take_advice()]
+    kinds = [a.kind for a in p.advice.take_advice()]
     assert "predictor_wrong" in kinds and "forecast_mismatch" not in kinds
     assert p.evidence.forecast(1024, 4).upper_bytes > before
 
@@ -222,6 +222,6 @@ def test_over_budget_words_name_the_length_measured_to_fit_before_any_fit():
         s = p.begin_step(d.seq_len, 2, optimizer_steps=True, global_step=step)
         p.observe(s, StepMemory(100 * s.seq_len, {"forward": 100 * s.seq_len}, 0, 0))
         p.end_batch()
-    said = " ".join(a.text for a in p.take_advice())
+    said = " ".join(a.text for a in p.advice.take_advice())
     assert "seq_len=128 is predicted" in said and "The largest length forecast to fit is 64." in said, said
     assert "No length is forecast to fit" not in said

@@ -12,11 +12,11 @@ from test_planner import ALL, peak, planner, run
 
 
 def _parts(p: SeqMemPlanner) -> tuple:
-    return p.settings, p.ladder, p.course, p.evidence, p._advice, p._schedule
+    return p.settings, p.ladder, p.course, p.evidence, p.advice, p._schedule
 
 
-PROTOCOL = {"decide", "commit", "begin_step", "observe", "end_batch", "on_rung", "take_advice", "bind_run",
-            "restart", "state_dict", "load_state_dict"}
+PROTOCOL = {"decide", "commit", "begin_step", "observe", "end_batch", "on_rung", "bind_run", "restart",
+            "state_dict", "load_state_dict"}
 
 
 def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
@@ -24,7 +24,7 @@ def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
     run(p, (4, 512), 8, applicable=ALL)
     public = {n for n in dir(p) if not n.startswith("_")}
     print(f"SeqMemPlanner public names ({len(public)}): {sorted(public)}")
-    assert public == PROTOCOL | {"settings", "evidence", "ladder", "course"} and len(public) <= 15
+    assert public == PROTOCOL | {"settings", "evidence", "ladder", "course", "advice"} and len(public) <= 15
     assert p.ladder.applied and p.evidence.ladder is p.ladder and len(p.evidence.records) == 8
     assert p.ladder.events[0]["name"] == p.ladder.applied[0]
     p.ladder.applied = ()  # one owner: every part reads it
@@ -44,7 +44,7 @@ def test_checkpoint_round_trip_rebuilds_bound_parts():
     q = planner(peak(300, 4), Curriculum(start=64, target=512, steps_per_stage=2, multiple_of=16))
     q.load_state_dict(state)
     assert q.state_dict() == state
-    assert q.evidence.ladder is q.ladder and q.evidence.advice is q._advice and q.evidence.settings is q.settings
+    assert q.evidence.ladder is q.ladder and q.evidence.advice is q.advice and q.evidence.settings is q.settings
     q.ladder.applied = ()
     assert q.evidence.forecaster is q.evidence.forecasters[()]  # the loaded parts read each other, not a copy's
 

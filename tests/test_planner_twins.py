@@ -57,7 +57,7 @@ BUDGET = peak(80, 4) + 1  # like tests/test_ladder.py: the plain model fits 80 t
 def _ladder_run(mitigations, coeffs=COEFFS, steps=24):
     p = planner(BUDGET, Curriculum(**LADDER_CURR), mitigations=mitigations, dry_run=dry(coeffs))
     out = run(p, (4, 640), steps, applicable=ALL, peak_fn=lambda L, B, s: peak(L, B, s, coeffs))
-    return p, out, p.take_advice()
+    return p, out, p.advice.take_advice()
 
 
 def test_twin_the_ladder_reaches_the_target_within_budget_rungs_in_order():
@@ -111,7 +111,7 @@ def test_twin_the_curriculum_caps_between_stages_at_the_step_the_trainer_run_ass
     cap = lengths[-1]
     assert max(r.peak_bytes for _, r in out) <= budget and 512 not in lengths
     assert 256 <= cap < 512 and cap % 16 == 0 and p.course.capped_at == cap
-    over = [a for a in p.take_advice() if a.kind == "stage_over_budget"]
+    over = [a for a in p.advice.take_advice() if a.kind == "stage_over_budget"]
     assert len(over) == 1 and "seq_len=512" in over[0].text and "SDPA" in over[0].text
     first_capped_step = lengths.index(cap) if cap != 256 else lengths.index(256) + 3
     assert first_capped_step == 12 and lengths[12:] == [cap] * (len(lengths) - 12)

@@ -69,7 +69,7 @@ def test_the_cheaper_rung_that_fits_is_chosen_not_the_first_in_ladder_order(toy_
     out = run(p, (B, L), 4, ok, toy_peak)
     assert p.ladder.applied == ("cheap",) and out[0][0].rungs == ("cheap",)
     assert max(r.peak_bytes for _, r in out) <= budget
-    words = [a.text for a in p.take_advice() if a.kind == "batch_over_budget"]
+    words = [a.text for a in p.advice.take_advice() if a.kind == "batch_over_budget"]
     assert len(words) == 1 and "Chosen as the fastest setting that fits: cheap: fits" in words[0]
     assert "+5% step time" in words[0] and "dear would cost +40%" in words[0]
 

@@ -42,7 +42,7 @@ def test_no_step_runs_over_the_budget_when_the_rung_made_the_step_larger(worse, 
     assert not over, (budget, over)
     lengths = [r.seq_len for _, r in out]
     assert max(lengths) >= 32 and p.course.capped_at is not None  # capped where the setting on fits
-    (said,) = [a for a in p.take_advice() if a.kind == "rung_added_memory"]  # said once, with the figures
+    (said,) = [a for a in p.advice.take_advice() if a.kind == "rung_added_memory"]  # said once, with the figures
     assert "switching on fused_loss raised the measured peak at seq_len=" in said.text
 
 
@@ -82,4 +82,4 @@ def test_a_fused_loss_that_costs_memory_on_a_small_vocabulary_does_not_take_the_
     assert cb.applied_mitigations == ("fused_loss",)  # it went on (the only rung), and cost memory
     assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.mitigations, r.peak_bytes) for r in cb.records]
     assert cb.planner.course.capped_at is not None and cb.planner.course.capped_at < 256
-    assert "rung_added_memory" in cb.planner._advice.warned.values()
+    assert "rung_added_memory" in cb.planner.advice.warned.values()

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, MemoryBudgetError, SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.plan.view import PlanView
 
 
 def _fit(cb, model, data, max_steps, **trainer_kwargs):
@@ -181,7 +182,7 @@ def test_bf16_is_not_advised_where_a_bf16_dry_run_raises_the_peak():
     said = _fit(cb, _gpt(n_layer=2, d_model=64, n_head=4, attention="eager"),
                 SyntheticTokenDataModule(batch_size=2, seq_len=512, num_samples=64), max_steps=6)
     assert [r.seq_len for r in cb.records][-1] == 512
-    assert not [m for m in said if "bf16" in m] and "precision" not in cb.planner._advice.warned
+    assert not [m for m in said if "bf16" in m] and "precision" not in cb.planner.advice.warned
 
 
 def test_bf16_is_advised_with_the_dry_run_numbers_where_it_lowers_the_peak():
@@ -203,6 +204,6 @@ def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_
     assert "cannot be met" in said[0] and not [m for m in said if "SDPA" in m or "sdpa" in m.lower()]
     from lightning_seqmem.present.report import build_report, render_markdown
 
-    markdown = render_markdown(build_report(cb.planner))
+    markdown = render_markdown(build_report(PlanView.of(cb.planner)))
     # stopped before any step: the report forecasts nothing, and never "0 tokens" nor SDPA
     assert "not enough measurements to forecast" in markdown and "0 tokens" not in markdown and "SDPA" not in markdown

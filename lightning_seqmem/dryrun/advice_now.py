@@ -8,26 +8,29 @@ with eager attention it can raise it (bf16 copies of the weights, fp32 softmax).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from lightning_seqmem.core import advice as A
 
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_seqmem.plan.view import PlanView
 
-def target_length(planner: Any) -> Optional[int]:
+
+def target_length(view: "PlanView") -> Optional[int]:
     """The length advice speaks of: the curriculum's target (within the model's own length limit),
     else the longest length measured."""
-    if planner.settings.curriculum is not None:
-        limit = getattr(planner, "length_limit", None)
-        return int(planner.settings.curriculum.target) if limit is None else min(int(planner.settings.curriculum.target), int(limit))
-    return max((r.seq_len for r in planner.evidence.records), default=None)
+    if view.settings.curriculum is not None:
+        limit = getattr(view, "length_limit", None)
+        return int(view.settings.curriculum.target) if limit is None else min(int(view.settings.curriculum.target), int(limit))
+    return max((r.seq_len for r in view.evidence.records), default=None)
 
 
 BF16_MIN_GAIN = 0.05  # fraction of the 32-bit peak bf16 must save to be worth a restart
 
 
-def precision_advice(dry: Any, planner: Any, precision: str, device: torch.device) -> Optional[A.Advice]:
+def precision_advice(dry: Any, view: "PlanView", precision: str, device: torch.device) -> Optional[A.Advice]:
     """bf16-mixed advice for a 32-bit run, only where a dry run at the target length with bf16
     autocast (``torch.autocast(device.type, dtype=torch.bfloat16)``) peaks at least
     :data:`BF16_MIN_GAIN` (5%) lower than without (a restart for less is not worth saying); None
@@ -39,10 +42,10 @@ def precision_advice(dry: Any, planner: Any, precision: str, device: torch.devic
 
     if not str(precision).startswith("32") or dry is None or dry.unsupported or dry.batch is None:
         return None
-    seq_len, batch_size = target_length(planner), planner.evidence.last_batch_size
+    seq_len, batch_size = target_length(view), view.evidence.last_batch_size
     if seq_len is None or batch_size is None:
         return None
-    fp32 = planner.evidence.dry_peak(seq_len, batch_size)
+    fp32 = view.evidence.dry_peak(seq_len, batch_size)
     if fp32 is None:
         return None
     optimizers = getattr(dry.trainer, "optimizers", None) or [None]

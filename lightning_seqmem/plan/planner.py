@@ -3,9 +3,10 @@
 The callback measures, applies and agrees across ranks; the planner decides. Its protocol is a
 handful of methods (:meth:`~SeqMemPlanner.decide`, :meth:`~SeqMemPlanner.commit`,
 :meth:`~SeqMemPlanner.begin_step`, :meth:`~SeqMemPlanner.observe`, :meth:`~SeqMemPlanner.end_batch`,
-:meth:`~SeqMemPlanner.on_rung`, :meth:`~SeqMemPlanner.take_advice`, :meth:`~SeqMemPlanner.bind_run`,
+:meth:`~SeqMemPlanner.on_rung`, :meth:`~SeqMemPlanner.bind_run`,
 :meth:`~SeqMemPlanner.restart`, the state dict) over parts that each own and checkpoint one state,
-read by name (``p.evidence.records``, ``p.ladder.applied``, ``p.course.stages``):
+read by name (``p.evidence.records``, ``p.ladder.applied``, ``p.course.stages``, the advice to
+warn in ``p.advice.take_advice()``):
 
 * :class:`~lightning_seqmem.plan.settings.PlannerSettings`: its arguments and what the run binds at
   set-up (:meth:`SeqMemPlanner.bind_run`);
@@ -62,7 +63,7 @@ Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 
     ...     lengths.append((d.action, s.seq_len))
     >>> lengths[2:6]   # 128 judged from one length only is over: probe 32; then 128 is forecast over too: cap
     [('run', 64), ('probe', 32), ('run', 32), ('cap', 112)]
-    >>> max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes, [a.kind for a in p.take_advice()][:1]
+    >>> max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes, [a.kind for a in p.advice.take_advice()][:1]
     (True, ['stage_over_budget'])
 """
 
@@ -107,8 +108,8 @@ class SeqMemPlanner:
             the keywords it holds; without one, they make one (unchecked).
 
     Its state is in its parts, each checkpointed by its own ``state_dict``: ``settings`` (read-only;
-    what the run decides goes through :meth:`bind_run`), ``evidence``, ``ladder`` and ``course``
-    (public, read by the callback and the report), the measurement schedule and the advice queue.
+    what the run decides goes through :meth:`bind_run`), ``evidence``, ``ladder``, ``course`` and
+    ``advice`` (public, read by the callback and the report), and the measurement schedule.
     """
 
     def __init__(
@@ -142,10 +143,10 @@ class SeqMemPlanner:
     def _reset(self) -> None:
         """Everything a run accumulates (what :meth:`state_dict` saves), as before the first step:
         fresh parts (the settings and the rungs left to the run stay)."""
-        self._advice = AdviceQueue()
+        self.advice = AdviceQueue()
         self.ladder = LadderState(self.ladder.allowed)
         self.course = CurriculumState(self.settings.curriculum)
-        self.evidence = Evidence(self.settings, self.ladder, self._advice)
+        self.evidence = Evidence(self.settings, self.ladder, self.advice)
         self._schedule = MeasurementSchedule()  # which batches are warm-ups, measured, traced
 
     def bind_run(self, **facts: Any) -> None:
@@ -159,7 +160,7 @@ class SeqMemPlanner:
         Example:
             >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, multiple_of=64))
             >>> p.bind_run(length_limit=300, length_limit_reason="config.max_position_embeddings=300")
-            >>> p.course.stages, p.settings.within_limit(300), p.settings.within_limit(301), p.take_advice()[0].kind
+            >>> p.course.stages, p.settings.within_limit(300), p.settings.within_limit(301), p.advice.take_advice()[0].kind
             ((64, 128, 256), True, False, 'length_limit')
         """
         if facts.get("length_limit") is not None:
@@ -171,7 +172,7 @@ class SeqMemPlanner:
         dropped = self.course.drop_past(limit)
         if dropped:
             reason = self.settings.length_limit_reason
-            self._advice.advise(A.length_limit(limit, reason, dropped, self.course.stages[-1]))
+            self.advice.advise(A.length_limit(limit, reason, dropped, self.course.stages[-1]))
 
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, shape: tuple[int, int], applicable: Applicability) -> Decision:
@@ -189,11 +190,7 @@ class SeqMemPlanner:
         """Take ``decision`` (every rank, the same one). A rung is recorded in :meth:`on_rung`."""
         self.course.commit(decision)
         for item in decision.advice:
-            self._advice.advise(item)
-
-    def take_advice(self) -> list[A.Advice]:
-        """The advice given since the last call (the callback warns each once)."""
-        return self._advice.take_advice()
+            self.advice.advise(item)
 
     # -- rungs ----------------------------------------------------------------------------------
     def on_rung(self, event: str, name: "str | Sequence[str]", detail: str = "",
@@ -218,7 +215,7 @@ class SeqMemPlanner:
         if event == "dropped":
             if name:
                 self.ladder.drop(name)
-                self._advice.advise(A.mitigations_dropped(name, detail))
+                self.advice.advise(A.mitigations_dropped(name, detail))
             return
         assert isinstance(name, str)
         if event == "before":
@@ -236,7 +233,7 @@ class SeqMemPlanner:
                     pending.mitigations = tuple(m for m in pending.mitigations if m != name)
                 self.ladder.removed(name, detail)
             self.course.replan()
-            self._advice.advise(A.mitigation_failed(name, detail))
+            self.advice.advise(A.mitigation_failed(name, detail))
 
     def restart(self, allowed: Sequence[str], still_on: Sequence[str] = ()) -> None:
         """A fresh run that may use the rungs ``allowed``, with ``still_on`` on already (found on
@@ -286,7 +283,7 @@ class SeqMemPlanner:
         checkpoints load); the records are bounded
         (:func:`~lightning_seqmem.plan.checkpoint.compact_records`, ``checkpoint_records``)."""
         return {**self.course.state_dict(), **self.evidence.state_dict(), **self._schedule.state_dict(),
-                **self._advice.state_dict(), **self.ladder.state_dict()}
+                **self.advice.state_dict(), **self.ladder.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any],
                         run_config: Optional[Mapping[str, Any]] = None) -> tuple[list[str], tuple[str, ...]]:
@@ -303,11 +300,11 @@ class SeqMemPlanner:
         fresh.course.load_state_dict(state)
         fresh.ladder.load_state_dict(state)
         fresh.evidence.load_state_dict(state)
-        fresh._advice.load_state_dict(state)
+        fresh.advice.load_state_dict(state)
         fresh._schedule.load_state_dict(state, resume_warmup=max(1, self.settings.warmup_steps_after_change))
         changed: tuple[list[str], tuple[str, ...]] = ([], ())
         if run_config is not None:
-            parts = PlannerParts(fresh.settings, fresh.ladder, fresh.course, fresh.evidence, fresh._advice)
+            parts = PlannerParts(fresh.settings, fresh.ladder, fresh.course, fresh.evidence, fresh.advice)
             changed = reconcile(state.get("config"), run_config, allowed, state.get("mitigations_left"), parts)
         self.__dict__.update(fresh.__dict__)
         return changed

@@ -17,7 +17,7 @@ Example:
     64000
     >>> s = p.begin_step(64, 2, global_step=0)
     >>> r = p.observe(s, StepMemory(2000 * 64, {"forward": 2000 * 64}, 0, 2000 * 64))
-    >>> p.take_advice()[-1].kind, r.forecast_method, r.forecast_error   # the dry run predicted half
+    >>> p.advice.take_advice()[-1].kind, r.forecast_method, r.forecast_error   # the dry run predicted half
     ('predictor_wrong', 'dry_run', -0.5)
 """
 

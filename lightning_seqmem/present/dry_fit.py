@@ -31,7 +31,7 @@ from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.plan.dry_evidence import fitted_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_seqmem.plan.planner import SeqMemPlanner
+    from lightning_seqmem.plan.view import PlanView
 
 __all__ = ["DRY_RUN_FIT", "dry_fit_anchors", "dry_fit_forecast"]
 
@@ -39,21 +39,21 @@ DRY_RUN_FIT = "dry_run_fit"
 """``Forecast.method`` of a forecast interpolated from the dry runs cached (no dry run at its length)."""
 
 
-def dry_fit_anchors(planner: "SeqMemPlanner", batch_size: int) -> dict[int, Forecast]:
+def dry_fit_anchors(view: "PlanView", batch_size: int) -> dict[int, Forecast]:
     """``seq_len -> Forecast`` of the dry runs cached at ``batch_size`` with the rungs on now (none
     runs), and, where fewer than two lengths were dry-run, of the measured steps of that setting
     after the first (the real peak, the dry run's margin on it; method ``"measured"``)."""
     out: dict[int, Forecast] = {}
-    for L in planner.evidence.dry_answers(batch_size):
-        fc = planner.evidence.dry_forecast(L, batch_size)  # cached: no dry run
+    for L in view.evidence.dry_answers(batch_size):
+        fc = view.evidence.dry_forecast(L, batch_size)  # cached: no dry run
         if fc is not None:
             out[L] = fc
     if len(out) >= 2:
         return out
-    margin = 1 + planner.evidence.dry_margin()
+    margin = 1 + view.evidence.dry_margin()
     dried = set(out)
-    for r in planner.evidence.records:
-        if (r.mitigations != planner.ladder.applied or r.batch_size != batch_size or r.seq_len in dried
+    for r in view.evidence.records:
+        if (r.mitigations != view.ladder.applied or r.batch_size != batch_size or r.seq_len in dried
                 or r.step < 1):  # (the first step has no optimizer state yet)
             continue
         if r.seq_len in out and out[r.seq_len].peak_bytes >= r.peak_bytes:
@@ -66,12 +66,12 @@ def dry_fit_anchors(planner: "SeqMemPlanner", batch_size: int) -> dict[int, Fore
     return out
 
 
-def dry_fit_forecast(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
+def dry_fit_forecast(view: "PlanView", seq_len: int, batch_size: int,
                      anchors: Optional[dict[int, Forecast]] = None) -> Optional[Forecast]:
     """The forecast at ``(seq_len, batch_size)`` with the rungs on now from the dry runs cached: the
     dry run's own where ``seq_len`` was dry-run, else the fit through :func:`dry_fit_anchors`
     (method :data:`DRY_RUN_FIT`); None with fewer than two anchors. Never runs a dry run."""
-    anchors = dry_fit_anchors(planner, batch_size) if anchors is None else anchors
+    anchors = dry_fit_anchors(view, batch_size) if anchors is None else anchors
     if seq_len in anchors and anchors[seq_len].method == "dry_run":
         return anchors[seq_len]
     if len(anchors) < 2:

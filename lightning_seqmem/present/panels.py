@@ -25,7 +25,7 @@ from lightning_seqmem.present.dry_fit import DRY_RUN_FIT, dry_fit_anchors, dry_f
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-    from lightning_seqmem.plan.planner import SeqMemPlanner
+    from lightning_seqmem.plan.view import PlanView
 
 __all__ = [
     "BREAKDOWN_TAG",
@@ -114,25 +114,25 @@ def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, m
     return list(lengths), [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts]
 
 
-def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: int = 8):
+def _dry_run_curve(view: "PlanView", right: int, batch_size: int, num: int = 8):
     """``(method, (lengths, peaks, uppers))`` of the dry run at ``num`` lengths up to ``right`` and the
     lengths dry-run already, or None where there is no dry run. Where two lengths or more are
     known (dry runs cached, else measured steps: :func:`~lightning_seqmem.present.dry_fit.dry_fit_anchors`)
     no dry run runs: the lengths between and past them come from the fit through them (method
     ``"dry_run_fit"``, :mod:`.dry_fit`); else each length is dry-run."""
-    right = right if planner.settings.length_limit is None else min(right, planner.settings.length_limit)  # the model's positions
-    anchors = dry_fit_anchors(planner, batch_size)
+    right = right if view.settings.length_limit is None else min(right, view.settings.length_limit)  # the model's positions
+    anchors = dry_fit_anchors(view, batch_size)
     evenly = {max(1, right * k // num) for k in range(1, num + 1)}
     if len(anchors) >= 2:  # no dry run: the dry runs cached and the fit through them
         dried = {L for L, fc in anchors.items() if fc.method == "dry_run" and L <= right}
         lengths = sorted(evenly | dried)
-        forecasts = [dry_fit_forecast(planner, L, batch_size, anchors) for L in lengths]
+        forecasts = [dry_fit_forecast(view, L, batch_size, anchors) for L in lengths]
     else:
         lengths = sorted(evenly)
-        if planner.evidence.dry_peak(lengths[0], batch_size) is None:
+        if view.evidence.dry_peak(lengths[0], batch_size) is None:
             return None
         try:
-            forecasts = [planner.evidence.forecast(L, batch_size) for L in lengths]
+            forecasts = [view.evidence.forecast(L, batch_size) for L in lengths]
         except (NotEnoughMeasurements, ValueError, RuntimeError):  # a longer length refused: no curve, a figure
             return None
     if any(f is None or f.method not in ("dry_run", DRY_RUN_FIT) for f in forecasts):
@@ -141,24 +141,24 @@ def _dry_run_curve(planner: "SeqMemPlanner", right: int, batch_size: int, num: i
     return method, (lengths, [f.peak_bytes for f in forecasts], [f.upper_bytes for f in forecasts])
 
 
-def _reference_batch_size(planner: "SeqMemPlanner") -> Optional[int]:
-    measured = [r.batch_size for r in planner.evidence.records if not r.warmup]
-    if planner.evidence.last_batch_size is not None:
-        return planner.evidence.last_batch_size
-    return measured[-1] if measured else (planner.evidence.records[-1].batch_size if planner.evidence.records else None)
+def _reference_batch_size(view: "PlanView") -> Optional[int]:
+    measured = [r.batch_size for r in view.evidence.records if not r.warmup]
+    if view.evidence.last_batch_size is not None:
+        return view.evidence.last_batch_size
+    return measured[-1] if measured else (view.evidence.records[-1].batch_size if view.evidence.records else None)
 
 
-def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
+def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
     """``(seq_len, what was switched on)`` for each mitigation switched on.
 
     From the planner's ``mitigation_events`` (the length at which it was decided), else from the
     records: the first record whose ``mitigations`` differ from the previous record's.
     """
-    events = planner.ladder.events
+    events = view.ladder.events
     if events:
         return [(int(e.seq_len), e.name) for e in events]
     marks, previous = [], ()
-    for record in planner.evidence.records:
+    for record in view.evidence.records:
         current = tuple(record.mitigations)
         if current != previous:
             added = [m for m in current if m not in previous]
@@ -167,37 +167,37 @@ def _mitigation_marks(planner: "SeqMemPlanner") -> list[tuple[int, str]]:
     return marks
 
 
-def _other_settings(planner: "SeqMemPlanner") -> list[tuple[tuple[str, ...], Any]]:
+def _other_settings(view: "PlanView") -> list[tuple[tuple[str, ...], Any]]:
     """Forecasters of the mitigation settings other than the current one (fitted before a switch)."""
-    forecasters = planner.evidence.forecasters
-    current = tuple(planner.ladder.applied)
+    forecasters = view.evidence.forecasters
+    current = tuple(view.ladder.applied)
     return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
 
 
-def _curves(planner: "SeqMemPlanner", lengths: list[int], right: int, batch_size: Optional[int]) -> dict[str, Any]:
+def _curves(view: "PlanView", lengths: list[int], right: int, batch_size: Optional[int]) -> dict[str, Any]:
     """``method -> (lengths, peaks, uppers)`` of the predictors of the setting on now (the dry run's
     where the setting has too few lengths for a fit)."""
     curves = {}
-    if batch_size is not None and planner.evidence.forecaster.ready:
+    if batch_size is not None and view.evidence.forecaster.ready:
         for method in ("quadratic", "replay"):
-            curve = _predictor_curve(planner.evidence.forecaster, lengths, batch_size, method)
+            curve = _predictor_curve(view.evidence.forecaster, lengths, batch_size, method)
             if curve is not None:
                 curves[method] = curve
     if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
-        dry = _dry_run_curve(planner, right, batch_size)
+        dry = _dry_run_curve(view, right, batch_size)
         if dry is not None:
             curves[dry[0]] = dry[1]
     return curves
 
 
-def _scale(planner: "SeqMemPlanner", measured: list, curves: dict[str, Any], right: int,
+def _scale(view: "PlanView", measured: list, curves: dict[str, Any], right: int,
            batch_size: Optional[int]) -> tuple[list[int], tuple[str, float]]:
     """The heights the figure may show, and its unit: the budget kept in view."""
-    budget, usable = planner.settings.budget_bytes, planner.settings.usable_budget_bytes
+    budget, usable = view.settings.budget_bytes, view.settings.usable_budget_bytes
     candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
     candidates += [max(c[2]) for c in curves.values()]
     if batch_size is not None:
-        for _, other in _other_settings(planner):
+        for _, other in _other_settings(view):
             try:
                 candidates.append(other.forecast(right, batch_size).peak_bytes)
             except Exception:  # noqa: BLE001
@@ -225,11 +225,11 @@ _STYLES = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "repla
 """Colour and legend label of each predictor's curve in :func:`memory_figure`."""
 
 
-def _draw_curves(ax: Any, planner: "SeqMemPlanner", curves: dict[str, Any], lengths: list[int], right: int,
+def _draw_curves(ax: Any, view: "PlanView", curves: dict[str, Any], lengths: list[int], right: int,
                  batch_size: Optional[int], scale: float) -> None:
     """The predictors' curves with their upper-bound bands, the lengths dry-run under a fit through
     them (markers: the only dry-run points), and the fits of the other settings (dashed)."""
-    current = tuple(planner.ladder.applied)
+    current = tuple(view.ladder.applied)
     setting = f", with {'+'.join(current)}" if current else ""
     for method, (xs, peaks, uppers) in curves.items():
         color, label = _STYLES[method]
@@ -237,10 +237,10 @@ def _draw_curves(ax: Any, planner: "SeqMemPlanner", curves: dict[str, Any], leng
         ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
                         label=f"{method} upper bound")
     if DRY_RUN_FIT in curves and batch_size is not None:
-        dried = [L for L in planner.evidence.dry_answers(batch_size) if L <= right]
-        ax.scatter(dried, [planner.evidence.dry_peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
+        dried = [L for L in view.evidence.dry_answers(batch_size) if L <= right]
+        ax.scatter(dried, [view.evidence.dry_peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
                    color="tab:purple", zorder=3, label=f"dry run (batch {batch_size}{setting})")
-    for key, other in _other_settings(planner) if batch_size is not None else ():
+    for key, other in _other_settings(view) if batch_size is not None else ():
         try:
             ys = [other.forecast(L, batch_size).peak_bytes / scale for L in lengths]
         except Exception:  # noqa: BLE001 - a figure never fails on a forecast
@@ -249,17 +249,17 @@ def _draw_curves(ax: Any, planner: "SeqMemPlanner", curves: dict[str, Any], leng
                 label=f"forecast {'with ' + '+'.join(key) if key else 'before mitigations'}")
 
 
-def _draw_lengths(ax: Any, planner: "SeqMemPlanner", right: int, batch_size: Optional[int], target: int) -> None:
+def _draw_lengths(ax: Any, view: "PlanView", right: int, batch_size: Optional[int], target: int) -> None:
     """Vertical lines: the largest length that fits (by the fit), each switch of rungs, the target."""
-    usable = planner.settings.usable_budget_bytes
-    if usable and batch_size is not None and planner.evidence.forecaster.ready:
+    usable = view.settings.usable_budget_bytes
+    if usable and batch_size is not None and view.evidence.forecaster.ready:
         try:
-            fit = planner.evidence.max_seq_len(usable, batch_size)
+            fit = view.evidence.max_seq_len(usable, batch_size)
         except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
             fit = None
         if fit and fit < right:
             ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
-    for i, (seq_len, what) in enumerate(_mitigation_marks(planner)):
+    for i, (seq_len, what) in enumerate(_mitigation_marks(view)):
         ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
                    label=f"switched on at L={seq_len}: {what}" if i < 4 else None)
     if target:
@@ -267,7 +267,7 @@ def _draw_lengths(ax: Any, planner: "SeqMemPlanner", right: int, batch_size: Opt
 
 
 def memory_figure(
-    planner: "SeqMemPlanner",
+    view: "PlanView",
     max_seq_len: Optional[int] = None,
     batch_size: Optional[int] = None,
     title: Optional[str] = None,
@@ -275,7 +275,7 @@ def memory_figure(
     """Memory against sequence length: measured points, both predictors, budget, mitigations.
 
     Args:
-        planner: a fitted (or resumed) :class:`~lightning_seqmem.SeqMemCallback`.
+        view: a fitted (or resumed) :class:`~lightning_seqmem.SeqMemCallback`.
         max_seq_len: right end of the curves, in tokens; default twice the largest of the
             curriculum target and the longest measured length.
         batch_size: batch size of the curves; default the last measured batch's. Measured points
@@ -290,27 +290,27 @@ def memory_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    measured = [r for r in planner.evidence.records if not r.warmup]
-    batch_size = batch_size or _reference_batch_size(planner)
-    target = planner.settings.curriculum.target if planner.settings.curriculum is not None else 0
-    longest = max([r.seq_len for r in planner.evidence.records], default=0)
+    measured = [r for r in view.evidence.records if not r.warmup]
+    batch_size = batch_size or _reference_batch_size(view)
+    target = view.settings.curriculum.target if view.settings.curriculum is not None else 0
+    longest = max([r.seq_len for r in view.evidence.records], default=0)
     right = max_seq_len or max(2 * max(target, longest), 16)
     lengths = _curve_lengths(right)
 
-    curves = _curves(planner, lengths, right, batch_size)
-    budget, usable = planner.settings.budget_bytes, planner.settings.usable_budget_bytes
-    candidates, (unit, scale) = _scale(planner, measured, curves, right, batch_size)
+    curves = _curves(view, lengths, right, batch_size)
+    budget, usable = view.settings.budget_bytes, view.settings.usable_budget_bytes
+    candidates, (unit, scale) = _scale(view, measured, curves, right, batch_size)
 
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    _draw_curves(ax, planner, curves, lengths, right, batch_size, scale)
-    _scatter_measured(ax, measured, tuple(planner.ladder.applied), batch_size, scale)
+    _draw_curves(ax, view, curves, lengths, right, batch_size, scale)
+    _scatter_measured(ax, measured, tuple(view.ladder.applied), batch_size, scale)
     if usable:
         ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
     if budget and budget != usable:
         ax.axhline(budget / scale, color="tab:red", linestyle=":", alpha=0.6, label=f"budget {budget / scale:.2f} {unit}")
-    _draw_lengths(ax, planner, right, batch_size, target)
+    _draw_lengths(ax, view, right, batch_size, target)
     ax.set_xlim(0, right)
     top = max(candidates, default=0)
     if budget:  # keep the budget in view: curves may climb far above it at the right end

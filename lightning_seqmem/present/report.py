@@ -1,6 +1,6 @@
 """The run report: what was measured, what both predictors say, what fits, what was done about it.
 
-:func:`build_report` turns a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner` (what the callback
+:func:`build_report` turns a :class:`~lightning_seqmem.plan.view.SeqMemPlanner` (what the callback
 knows) into a plain, JSON-able dict (bytes everywhere); :func:`lightning_seqmem.trainer.outputs.write_report`
 writes it as ``seqmem_report.json``, a Markdown summary ``seqmem_report.md`` and the figure
 ``seqmem_memory.png``; :func:`~lightning_seqmem.present.render.render_console` prints it as ``rich`` tables;
@@ -33,7 +33,7 @@ from lightning_seqmem.present.summary import run_summary
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-    from lightning_seqmem.plan.planner import SeqMemPlanner
+    from lightning_seqmem.plan.view import PlanView
 
 __all__ = [
     "JSON_NAME",
@@ -56,7 +56,7 @@ JSON_NAME, MARKDOWN_NAME, PNG_NAME = "seqmem_report.json", "seqmem_report.md", "
 # ----------------------------------------------------------------------------------------------
 # Building
 # ----------------------------------------------------------------------------------------------
-def _run_facts(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], device: Any = None,
+def _run_facts(view: "PlanView", trainer: Optional["pl.Trainer"], device: Any = None,
                probe: Optional[str] = None) -> dict[str, Any]:
     from lightning_seqmem import __version__
 
@@ -66,13 +66,13 @@ def _run_facts(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], device
         "device": None if device is None else str(device),
         "device_name": None,
         "probe": probe,
-        "budget_bytes": planner.settings.budget_bytes,
-        "usable_budget_bytes": planner.settings.usable_budget_bytes,
-        "safety_margin": planner.settings.safety_margin,
-        "tolerance": planner.settings.tolerance,
-        "warmup_steps": planner.settings.warmup_steps,
-        "warmup_steps_after_change": planner.settings.warmup_steps_after_change,
-        "mitigations_allowed": list(planner.ladder.allowed),
+        "budget_bytes": view.settings.budget_bytes,
+        "usable_budget_bytes": view.settings.usable_budget_bytes,
+        "safety_margin": view.settings.safety_margin,
+        "tolerance": view.settings.tolerance,
+        "warmup_steps": view.settings.warmup_steps,
+        "warmup_steps_after_change": view.settings.warmup_steps_after_change,
+        "mitigations_allowed": list(view.ladder.allowed),
         "model_class": None,
         "num_parameters": None,
         "precision": None,
@@ -93,13 +93,13 @@ def _run_facts(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], device
         facts["strategy"] = type(trainer.strategy).__name__
         facts["world_size"] = trainer.world_size
         facts["global_step"] = trainer.global_step
-    if planner.settings.curriculum is not None:
+    if view.settings.curriculum is not None:
         facts["curriculum"] = {
-            **planner.settings.curriculum.to_dict(),
-            "stages": list(planner.settings.curriculum.stages),
-            "stages_run": list(planner.course.stages),
-            "capped_at": planner.course.capped_at,
-            "final_stage": planner.course.stage,
+            **view.settings.curriculum.to_dict(),
+            "stages": list(view.settings.curriculum.stages),
+            "stages_run": list(view.course.stages),
+            "capped_at": view.course.capped_at,
+            "final_stage": view.course.stage,
         }
     return facts
 
@@ -111,10 +111,10 @@ def _version(distribution: str) -> Optional[str]:
         return None
 
 
-def _points(planner: "SeqMemPlanner") -> list[dict[str, Any]]:
+def _points(view: "PlanView") -> list[dict[str, Any]]:
     """Per (seq_len, batch_size, mitigations): max over non-warm-up records of each peak."""
     out: dict[tuple, dict[str, Any]] = {}
-    for r in planner.evidence.records:
+    for r in view.evidence.records:
         if r.warmup:
             continue
         key = (r.seq_len, r.batch_size, tuple(r.mitigations))
@@ -132,8 +132,8 @@ def _points(planner: "SeqMemPlanner") -> list[dict[str, Any]]:
     return [out[k] for k in sorted(out, key=lambda k: (k[1] * k[0], k[0], k[2]))]
 
 
-def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
-    forecaster = planner.evidence.forecaster
+def _predictors(view: "PlanView") -> dict[str, Any]:
+    forecaster = view.evidence.forecaster
     quadratic, timeline = forecaster.quadratic, forecaster.timeline
     q: dict[str, Any] = {"available": quadratic is not None}
     if quadratic is not None:
@@ -154,11 +154,11 @@ def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
         r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size, notes=list(timeline.notes),
                  num_allocations=int(timeline.coefficients.shape[1]),
                  max_fit_residual_bytes=timeline.max_fit_residual_bytes)
-    settings = planner.evidence.forecasters
+    settings = view.evidence.forecasters
     verifications = [
         {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method, "forecast_bytes": v.forecast_bytes,
          "measured_bytes": v.measured_bytes, "relative_error": v.relative_error,
-         "within_tolerance": abs(v.relative_error) <= planner.settings.tolerance, "mitigations": list(key)}
+         "within_tolerance": abs(v.relative_error) <= view.settings.tolerance, "mitigations": list(key)}
         for key, f in settings.items() for v in f.verifications
     ]
     accuracy = {}
@@ -168,23 +168,23 @@ def _predictors(planner: "SeqMemPlanner") -> dict[str, Any]:
             accuracy[method] = {"num_verifications": len(errors), "max_abs_error": max(abs(e) for e in errors),
                                 "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
                                 "worst_under_prediction": min(min(errors), 0.0)}
-    return {"mitigations": list(_applied(planner)), "quadratic": q, "replay": r, "verifications": verifications,
+    return {"mitigations": list(_applied(view)), "quadratic": q, "replay": r, "verifications": verifications,
             "accuracy": accuracy, "reserved_ratio": forecaster.reserved_ratio,
             "settings": [{"mitigations": list(key), "num_points": len(f.points), "num_traces": len(f.traces),
                           "ready": f.ready} for key, f in settings.items()]}
 
 
-def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
+def _forecast_row(view: "PlanView", seq_len: int, batch_size: int,
                   anchors: Optional[dict[int, Any]] = None) -> dict[str, Any]:
     # the fit of the setting on now where it has one (checked against the dry run at the target
     # length while training); where it has not, the dry run cached at that length, else the fit
     # through the dry runs cached (method "dry_run_fit", :mod:`.dry_fit`), else a dry run: a report
     # costs no dry run it need not
-    fc = planner.evidence.forecaster.forecast(seq_len, batch_size) if planner.evidence.forecaster.ready else None
+    fc = view.evidence.forecaster.forecast(seq_len, batch_size) if view.evidence.forecaster.ready else None
     if fc is None and anchors is not None:
-        fc = dry_fit_forecast(planner, seq_len, batch_size, anchors)
-    fc = fc or planner.evidence.forecast(seq_len, batch_size)
-    bound = planner.evidence.bound_of(fc)
+        fc = dry_fit_forecast(view, seq_len, batch_size, anchors)
+    fc = fc or view.evidence.forecast(seq_len, batch_size)
+    bound = view.evidence.bound_of(fc)
     row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
            "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,
            "phase_peak_bytes": dict(fc.phase_peak_bytes), "fits": None}
@@ -192,12 +192,12 @@ def _forecast_row(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
         row["detail"] = fc.detail
     for method in ("quadratic", "replay"):
         try:
-            other = planner.evidence.forecaster.forecast(seq_len, batch_size, method=method)
+            other = view.evidence.forecaster.forecast(seq_len, batch_size, method=method)
             row[f"{method}_peak_bytes"] = other.peak_bytes if other.method == method else None
         except (NotEnoughMeasurements, ValueError):
             row[f"{method}_peak_bytes"] = None
-    if planner.settings.usable_budget_bytes is not None:
-        row["fits"] = bound <= planner.settings.usable_budget_bytes
+    if view.settings.usable_budget_bytes is not None:
+        row["fits"] = bound <= view.settings.usable_budget_bytes
     return row
 
 
@@ -217,63 +217,63 @@ def _spread(lengths: set[int], n: int) -> set[int]:
     return {ordered[round(i * (len(ordered) - 1) / (n - 1))] for i in range(n)}
 
 
-def _forecasts(planner: "SeqMemPlanner", batch_size: Optional[int]) -> dict[str, Any]:
+def _forecasts(view: "PlanView", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
-    if batch_size is None or not (planner.evidence.forecaster.ready or planner.evidence.dry_answers(batch_size)):
+    if batch_size is None or not (view.evidence.forecaster.ready or view.evidence.dry_answers(batch_size)):
         out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
         return out
-    measured = {r.seq_len for r in planner.evidence.records}
-    if planner.evidence.forecaster.ready:  # the fit answers: any length, for free
+    measured = {r.seq_len for r in view.evidence.records}
+    if view.evidence.forecaster.ready:  # the fit answers: any length, for free
         lengths = _spread(measured, REPORT_MEASURED_LENGTHS)
     else:  # the dry run answers (one each): the lengths it ran already, and the longest measured
-        lengths = _spread(set(planner.evidence.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
-    if planner.settings.curriculum is not None:
-        lengths |= set(planner.settings.curriculum.stages)
-        target = planner.settings.curriculum.target
+        lengths = _spread(set(view.evidence.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
+    if view.settings.curriculum is not None:
+        lengths |= set(view.settings.curriculum.stages)
+        target = view.settings.curriculum.target
         out["target"] = target
         lengths |= {2 * target, 4 * target}
     else:
         longest = max(measured, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
-    lengths = {L for L in lengths if planner.settings.within_limit(L)}  # none past the model's own positions
+    lengths = {L for L in lengths if view.settings.within_limit(L)}  # none past the model's own positions
     try:
-        if planner.settings.usable_budget_bytes is not None:  # first: its dry run (before a fit) anchors the rows
-            out["max_seq_len"] = planner.evidence.max_seq_len(planner.settings.usable_budget_bytes, batch_size)
+        if view.settings.usable_budget_bytes is not None:  # first: its dry run (before a fit) anchors the rows
+            out["max_seq_len"] = view.evidence.max_seq_len(view.settings.usable_budget_bytes, batch_size)
     except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
         out["error"] = f"{type(exc).__name__}: {exc}"
     try:
-        anchors = None if planner.evidence.forecaster.ready else dry_fit_anchors(planner, batch_size)
-        out["at"] = [_forecast_row(planner, L, batch_size, anchors) for L in sorted(lengths)]
+        anchors = None if view.evidence.forecaster.ready else dry_fit_anchors(view, batch_size)
+        out["at"] = [_forecast_row(view, L, batch_size, anchors) for L in sorted(lengths)]
     except Exception as exc:  # noqa: BLE001
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
-def _applied(planner: "SeqMemPlanner") -> tuple[str, ...]:
-    return tuple(planner.ladder.applied)
+def _applied(view: "PlanView") -> tuple[str, ...]:
+    return tuple(view.ladder.applied)
 
 
-def _mitigations(planner: "SeqMemPlanner") -> dict[str, Any]:
+def _mitigations(view: "PlanView") -> dict[str, Any]:
     """Allowed rungs, the ones on now, each switch (from the planner's events) and the record changes."""
     changes, previous = [], ()
-    for r in planner.evidence.records:
+    for r in view.evidence.records:
         current = tuple(r.mitigations)
         if current != previous:
             changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
                             "before": list(previous), "after": list(current)})
         previous = current
     events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "batch_size", "detail", "before_bytes", "before_method", "after_bytes", "removed")}
-              for e in planner.ladder.events]
-    return {"allowed": list(planner.ladder.allowed), "active": list(_applied(planner)),
-            "not_applicable": dict(getattr(planner, "not_applicable", {})), "events": events, "changes": changes}
+              for e in view.ladder.events]
+    return {"allowed": list(view.ladder.allowed), "active": list(_applied(view)),
+            "not_applicable": dict(view.ladder.not_applicable), "events": events, "changes": changes}
 
 
-def _warnings(planner: "SeqMemPlanner") -> list[dict[str, str]]:
-    return [{"key": key, "kind": kind, "meaning": KINDS.get(kind, "other")} for key, kind in sorted(planner._advice.warned.items())]
+def _warnings(view: "PlanView") -> list[dict[str, str]]:
+    return [{"key": key, "kind": kind, "meaning": KINDS.get(kind, "other")} for key, kind in sorted(view.advice.warned.items())]
 
 
-def _records_summary(planner: "SeqMemPlanner") -> dict[str, Any]:
-    records = planner.evidence.records
+def _records_summary(view: "PlanView") -> dict[str, Any]:
+    records = view.evidence.records
     if not records:
         return {"num_records": 0}
     top = max(records, key=lambda r: r.peak_bytes)
@@ -296,31 +296,31 @@ def _records_summary(planner: "SeqMemPlanner") -> dict[str, Any]:
     }
 
 
-def _peak_site(planner: "SeqMemPlanner", breakdown: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+def _peak_site(view: "PlanView", breakdown: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """Where the peak sits at the longest length the run measured: the end-of-fit breakdown's (a real
     step traced on a copy, ``source`` ``"breakdown"``) when it traced that length or a longer one, else
     the dry run of that step's shape and mitigations (``"dry_run"``; cached, or one fake step now);
     None when neither answers. ``seq_len``, ``batch_size``, ``mitigations``, then
     :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
-    measured = [r for r in planner.evidence.records if not r.warmup]
+    measured = [r for r in view.evidence.records if not r.warmup]
     longest = max(measured, key=lambda r: (r.seq_len, r.batch_size, r.peak_bytes), default=None)
     site = (breakdown or {}).get("peak_site")
     if site is not None and (longest is None or breakdown["seq_lens"][-1] >= longest.seq_len):
         return {"source": "breakdown", "seq_len": breakdown["seq_lens"][-1], "batch_size": breakdown["batch_size"],
-                "mitigations": list(planner.ladder.applied), **site}  # it traces with the rungs on at the end
+                "mitigations": list(view.ladder.applied), **site}  # it traces with the rungs on at the end
     if longest is None:
         return None
     key = (longest.seq_len, longest.batch_size, tuple(longest.mitigations))
-    if planner.evidence.dry_peak(*key) is None:
+    if view.evidence.dry_peak(*key) is None:
         return None
-    found = planner.evidence.dry_peak_site(*key)
+    found = view.evidence.dry_peak_site(*key)
     if found is None:
         return None
     return {"source": "dry_run", "seq_len": key[0], "batch_size": key[1], "mitigations": list(key[2]),
             **found.to_dict()}
 
 
-def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = None, include_records: bool = True,
+def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None, include_records: bool = True,
                  device: Any = None, probe: Optional[str] = None,
                  breakdown: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Everything the planner knows, as plain JSON-able values (bytes, tokens, fractions).
@@ -337,26 +337,26 @@ def build_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
     sits at the longest length run: phase and kinds of tensor, see :func:`_peak_site`) and, with ``include_records``,
     ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
     """
-    batch_size = planner.evidence.last_batch_size
-    if batch_size is None and planner.evidence.records:
-        batch_size = planner.evidence.records[-1].batch_size
+    batch_size = view.evidence.last_batch_size
+    if batch_size is None and view.evidence.records:
+        batch_size = view.evidence.records[-1].batch_size
     report = {
         "format": REPORT_FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "run": _run_facts(planner, trainer, device, probe),
-        "points": _points(planner),
-        "predictors": _predictors(planner),
-        "forecasts": _forecasts(planner, batch_size),
-        "mitigations": _mitigations(planner),
-        "warnings": _warnings(planner),
-        "records_summary": _records_summary(planner),
-        "summary": run_summary(planner).to_dict(),
+        "run": _run_facts(view, trainer, device, probe),
+        "points": _points(view),
+        "predictors": _predictors(view),
+        "forecasts": _forecasts(view, batch_size),
+        "mitigations": _mitigations(view),
+        "warnings": _warnings(view),
+        "records_summary": _records_summary(view),
+        "summary": run_summary(view).to_dict(),
     }
     if breakdown is not None:
         report["breakdown"] = breakdown
-    report["peak_site"] = _peak_site(planner, breakdown)
+    report["peak_site"] = _peak_site(view, breakdown)
     if include_records:
-        report["records"] = [r.to_dict() for r in planner.evidence.records]
+        report["records"] = [r.to_dict() for r in view.evidence.records]
     return _plain(report)
 
 

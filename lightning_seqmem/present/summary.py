@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from lightning_seqmem.core.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_seqmem.plan.planner import SeqMemPlanner
+    from lightning_seqmem.plan.view import PlanView
 
 __all__ = ["RunSummary", "run_summary"]
 
@@ -80,25 +80,25 @@ class RunSummary:
         return cls(**{k: tuple(v) if k in ("rungs_on", "rungs_left") else v for k, v in values.items() if k in names})
 
 
-def run_summary(planner: "SeqMemPlanner") -> RunSummary:
+def run_summary(view: "PlanView") -> RunSummary:
     """The :class:`RunSummary` of ``planner``'s run so far."""
-    records = planner.evidence.records
-    reserved = bool(planner.settings.compare_reserved)
+    records = view.evidence.records
+    reserved = bool(view.settings.compare_reserved)
     longest = max(records, key=lambda r: (r.seq_len, r.batch_size), default=None)
     peak = max((r.reserved_bytes if reserved and r.reserved_bytes is not None else r.peak_bytes for r in records),
                default=None)
-    usable = planner.settings.usable_budget_bytes
+    usable = view.settings.usable_budget_bytes
     return RunSummary(
         num_measured=len(records),
         longest_seq_len=None if longest is None else longest.seq_len,
         longest_batch_size=None if longest is None else longest.batch_size,
         peak_bytes=peak,
         peak_level="reserved" if reserved else "allocated",
-        budget_bytes=planner.settings.budget_bytes,
+        budget_bytes=view.settings.budget_bytes,
         usable_budget_bytes=usable,
         over_budget=peak is not None and usable is not None and peak > usable,
-        rungs_on=tuple(planner.ladder.applied),
-        rungs_left=tuple(m for m in planner.ladder.allowed if m not in planner.ladder.applied),
-        capped_at=planner.course.capped_at,
-        num_warnings=len(planner._advice.warned),
+        rungs_on=tuple(view.ladder.applied),
+        rungs_left=tuple(m for m in view.ladder.allowed if m not in view.ladder.applied),
+        capped_at=view.course.capped_at,
+        num_warnings=len(view.advice.warned),
     )

@@ -1,21 +1,19 @@
 """``SeqMemCallback``: the Lightning edge of lightning-seqmem.
 
-The hooks, in the order a fit runs them, each calling the part that does the work: the checks
-before the first step (:mod:`.fit_setup`), a resume or a second fit (:mod:`.resume`), the decision
-before each batch and its rungs on every rank (:mod:`.batch_decision`), the curriculum's length on the
-batch (:mod:`.lengths`), the measured step around the probe (:mod:`.measured_step`) and the outputs
-at the end of fit (:mod:`.fit_end`). Every decision is the torch-free
+The hooks, in the order a fit runs them, each a line or two into one of two small objects: the
+:class:`~.fit_cycle.FitCycle` (set-up, the checks before the first step, a resume or a second fit,
+the outputs at the end of fit) and the :class:`~.batch_cycle.BatchCycle` (before each batch: the
+decision and its rungs on every rank, the curriculum's length, the measured step begun; after it:
+gathered, recorded, logged). Every decision is the torch-free
 :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s; everything written goes through
 :mod:`~lightning_seqmem.trainer.outputs`. The callback's own run state for a fit is one
 :class:`~lightning_seqmem.trainer.run_state.EdgeState` (``cb.edge``, fresh for each fit), which the
-parts read and write; they warn and stop measuring through :mod:`.guard`.
+two objects write; they warn and stop measuring through the :class:`~.guard.Guard`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-import weakref
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
@@ -23,23 +21,23 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_seqmem.core import advice as A
-from lightning_seqmem.trainer import access as edge
-from lightning_seqmem.trainer import batch_decision, fit_end, fit_setup, lengths, measured_step, outputs, resume
-from lightning_seqmem.measure.batch import read_batch_shape
+from lightning_seqmem.trainer import outputs
+from lightning_seqmem.trainer.batch_cycle import BatchCycle
+from lightning_seqmem.trainer.fit_cycle import FitCycle, adopt_legacy_state
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.config import SeqLenFn
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.trainer.fit_setup import COMPILED_MEASURE_EVERY_N_STEPS  # noqa: F401 - importable here too
+from lightning_seqmem.trainer.fit_cycle import COMPILED_MEASURE_EVERY_N_STEPS  # noqa: F401 - importable here too
+from lightning_seqmem.trainer.guard import Guard
 from lightning_seqmem.trainer.guard import guarded as _guarded
-from lightning_seqmem.trainer.guard import safely, warn_advice
 from lightning_seqmem.trainer.run_state import EdgeState
 from lightning_seqmem.trainer.oom import is_oom
 from lightning_seqmem.plan.planner import SeqMemPlanner
-from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - as before
 from lightning_seqmem.core.units import parse_bytes
+from lightning_seqmem.plan.view import PlanView
 
 
 
@@ -187,7 +185,15 @@ class SeqMemCallback(Callback):
             mitigations=mitigations, breakdown=breakdown, dry_run=dry_run, name=name, summary=summary,
             host_memory_budget=host_memory_budget)
         self.planner = SeqMemPlanner(config=self.config)
-        self.edge = EdgeState()  # the edge's own run state, fresh for each fit (the planner's is in self.planner)
+        self._bind(EdgeState())
+
+    def _bind(self, state: EdgeState) -> None:
+        """Take ``state`` as the edge's run state (fresh for each fit; the planner's is in
+        ``self.planner``), with the objects that write it: the guard, the batch cycle, the fit cycle."""
+        self.edge = state
+        self.guard = Guard(state, self.planner)
+        self._batches = BatchCycle(self.config, self.planner, state, self.guard)
+        self._fit = FitCycle(self.config, self.planner, state, self.guard)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ARGUMENTS:  # the arguments are `config`, frozen: a change is a new callback
@@ -234,7 +240,7 @@ class SeqMemCallback(Callback):
             fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.evidence.batch_size_or_last(batch_size), key, world_size)
         else:
             fc = self.planner.evidence.forecast(seq_len, batch_size, mitigations)
-            warn_advice(self)  # a dry run found wrong at its first check, or refused, is said here too
+            self.guard.warn_advice()  # a dry run found wrong at its first check, or refused, is said here too
         probe = self.edge.probe
         note = A.program_note(self.edge.compiled_reason, probe.name if probe is not None else self.config.probe)
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
@@ -250,67 +256,22 @@ class SeqMemCallback(Callback):
         if stage != "fit":
             return
         if self.planner.evidence.records or self.planner.course.step:
-            resume.next_fit(self, trainer, pl_module)
-        self.edge.fit_refs = (weakref.ref(trainer), weakref.ref(pl_module))
-        device = self.edge.device = trainer.strategy.root_device
-        self.edge.probe = make_probe(self.config.probe, device)
-        on_cuda = device.type == "cuda"
-        if self.config.memory_budget_bytes is None and on_cuda:
-            self.planner.bind_run(budget_bytes=torch.cuda.get_device_properties(device).total_memory)
-        self.planner.bind_run(compare_reserved=on_cuda, block_bytes=512 if on_cuda else 1,
-                              precision=str(trainer.precision), device_type=device.type)
-        self.edge.sharding_template = edge.sharding_template(trainer, pl_module)  # before configure_model() shards it
-        self._check_strategy_and_module(trainer, pl_module)
-        warn_advice(self)
-
-    def _check_strategy_and_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Drop the rungs this run cannot take, saying why, before training starts."""
-        self.planner.on_rung("dropped", *edge.unsupported_rungs(trainer, pl_module, self.planner.ladder.allowed))
-        warn_advice(self)
+            self._bind(self._fit.next_fit(trainer, pl_module))
+        self._fit.setup(trainer, pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse a budget below the parameters; write the TensorBoard panel layout; after a resume,
-        switch the mitigations on again."""
-        fit_setup.check_parameters_fit(self.planner, pl_module, self.edge.device)
-        fit_setup.check_compiled(self, pl_module)
-        safely(self, "the model's length limit", lambda: self.planner.bind_run(**dict(zip(("length_limit", "length_limit_reason"), edge.model_length_limit(pl_module) or (None, "")))))
-        if trainer.is_global_zero:
-            safely(self, "the TensorBoard layout", lambda: outputs.write_layout(trainer))
-            if self.config.dry_run:
-                self.edge.dry_runner = fit_setup.start_dry_run(self, trainer, pl_module)
-                self.planner.bind_run(dry_run=self.edge.dry_runner)
-        resume.resume_rungs(self, trainer, pl_module)
+        switch the mitigations on again (:meth:`.fit_cycle.FitCycle.fit_start`)."""
+        self._fit.fit_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """With a curriculum and batches only the dataset can shorten: the first batch's length,
-        set ahead through its ``set_seq_len`` (:func:`.lengths.set_first_length`)."""
-        lengths.set_first_length(self, trainer)
+        set ahead through its ``set_seq_len`` (:meth:`.batch_cycle.BatchCycle.set_first_length`)."""
+        self._batches.set_first_length(trainer)
 
-    # -- Before a batch: agree, decide, apply, cut, start measuring ----------------------------------
-    def _read_shape(self, batch: Any) -> tuple[int, int]:
-        return read_batch_shape(batch, self.config.seq_len_fn)
-
+    # -- Each batch: agree, decide, apply, cut, measure; gather, record, log -------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.edge.window_batch = batch  # the step window opens: a dry run leaves room beside it
-        if self.edge.stopped:  # every rank stopped together: hold the curriculum where it is, no collectives
-            safely(self, "the curriculum", lambda: lengths.cut(self, trainer, batch, self.planner.course.seq_len))
-            return
-        failed, shape, applicable = batch_decision.local_inputs(self, trainer, pl_module, batch)
-        if self.edge.dry_runner is not None and not failed:
-            safely(self, "the dry run's batch", lambda: self.edge.dry_runner.keep(batch))
-        agreed = batch_decision.agree_and_apply(self, trainer, pl_module, batch, failed, shape, applicable)
-        if agreed is None:
-            return  # a rank stopped measuring, so every rank did
-        decision, shape = agreed
-        if decision.rungs or decision.action in ("cap", "probe"):  # a lighter setting or a shorter batch
-            safely(self, "releasing cached memory", lambda: edge.release_cached_memory(pl_module))
-        if decision.action != "run" and self.config.curriculum is not None and trainer.is_global_zero and self.records:
-            safely(self, "the memory figure", lambda: outputs.log_figure(trainer, self.planner))  # as the stage ends
-        lengths.cut_for_step(self, trainer, batch, decision.seq_len)
-        check = batch_decision.check_pending(self, trainer, pl_module, batch)  # (a collective)
-        measured_step.start_measurement(self, trainer, pl_module, batch, decision, shape, check)
-        warn_advice(self)
-        self.edge.step_started_s = time.perf_counter()  # the step itself from here: the decision and its dry runs are done
+        self._batches.before_batch(trainer, pl_module, batch)
 
     @_guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -322,53 +283,27 @@ class SeqMemCallback(Callback):
         if self.edge.probe is not None and self.edge.probe.running:
             self.edge.probe.mark_phase("optimizer")
 
-    # -- After a batch: gather, record, log ----------------------------------------------------------
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any, batch: Any, batch_idx: int) -> None:
-        try:
-            self._batch_end(trainer, pl_module, batch)
-        finally:
-            self.edge.window_batch = None  # the step window closes
-
-    def _batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        if self.edge.stopped:
-            return
-        pending, self.edge.pending = self.edge.pending, None
-        started, self.edge.step_started_s = self.edge.step_started_s, None
-        seconds = measured_step.step_seconds(started, pending, pl_module)
-        memory = measured_step.stop_probe(self, pending)
-        refusal = batch_decision.refusal(self, pl_module)
-        gathered = measured_step.gather(self, trainer, memory, refusal is not None)
-        if gathered is None:
-            return  # a rank stopped measuring, so every rank did
-        any_refused, row = gathered
-        if any_refused:  # e.g. the loss is not a mean: micro-batching is off on every rank, and this step ran whole
-            batch_decision.undo_refused(self, trainer, pl_module, refusal, pending)
-        measured_step.record_step(self, trainer, pending, row, memory, seconds)
-        if self.edge.uses_datamodule_length:  # the next batch is fetched before its batch start (every rank: a collective)
-            safely(self, "setting the next batch's length", lambda: batch_decision.set_next_length(self, trainer, pl_module, batch))
-        if self.config.breakdown and not self.edge.failed and trainer.is_global_zero:
-            safely(self, "the memory breakdown", lambda: setattr(self.edge, "breakdown_batch", edge.longest_batch(
-                self.edge.breakdown_batch, batch, self._read_shape(batch)[1])))
-        warn_advice(self)
+        self._batches.after_batch(trainer, pl_module, batch)
 
     # -- End of fit, reports, failures ---------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The memory breakdown (``breakdown=True``), the memory figure to TensorBoard, and the
-        JSON / Markdown report next to the logs (:func:`.fit_end.train_end`)."""
-        fit_end.train_end(self, trainer, pl_module)
+        JSON / Markdown report next to the logs (:meth:`.fit_cycle.FitCycle.train_end`)."""
+        self._fit.train_end(trainer, pl_module)
 
     def run_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Trace the memory breakdown now (see :func:`lightning_seqmem.trainer.fit_breakdown.run_breakdown`);
         sets :attr:`breakdowns`, :attr:`breakdown_table`, :attr:`breakdown_report`, warns each
         diagnosis once, logs the tables as TensorBoard text and returns the section."""
-        return fit_end.run_breakdown(self, trainer, pl_module)
+        return self._fit.run_breakdown(trainer, pl_module)
 
     def write_report(self, trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
         """Write ``seqmem_report.json``, ``seqmem_report.md`` and the figure; return their paths.
 
         ``directory`` defaults to the logger's ``log_dir`` (``default_root_dir`` without a logger).
         """
-        return fit_end.write_report(self, trainer, directory)
+        return self._fit.write_report(trainer, directory)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Leave the dispatch mode; for a real out-of-memory error, write a diagnosis. Lightning then
@@ -376,7 +311,7 @@ class SeqMemCallback(Callback):
         if self.edge.probe is not None:
             self.edge.probe.abort()
         if is_oom(exception) and trainer.global_rank == 0:
-            outputs.report_oom(self.planner, trainer, exception, self.edge.pending)
+            outputs.report_oom(PlanView.of(self.planner), trainer, exception, self.edge.pending)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.edge.probe is not None:
@@ -385,19 +320,19 @@ class SeqMemCallback(Callback):
     # -- Checkpointing -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {**self.planner.state_dict(), "uses_datamodule_length": self.edge.uses_datamodule_length,
-                "config": resume.run_config(self)}
+                "config": self._fit.run_config()}
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of an earlier version keyed the state by the configuration: found under that
         key (when it is the only such state), with the configuration it names, for reconciliation."""
-        resume.adopt_legacy_state(checkpoint, self.state_key)
+        adopt_legacy_state(checkpoint, self.state_key)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from a checkpoint, checked field by field (:func:`~lightning_seqmem.plan.checkpoint.validate_state`)
         and reconciled with this callback's configuration (:func:`~lightning_seqmem.plan.checkpoint.reconcile`).
         A state this version cannot read or trust gives one warning naming the field and a fresh
-        start (measurement resumes from scratch), never a failed resume (:func:`.resume.load_state`)."""
-        resume.load_state(self, state_dict)
+        start (measurement resumes from scratch), never a failed resume (:meth:`.fit_cycle.FitCycle.load_state`)."""
+        self._fit.load_state(state_dict)
 
 
 __all__ = ["SeqMemCallback", "StepRecord"]

@@ -1,14 +1,14 @@
 """The memory breakdown at the end of fit: what ``SeqMemCallback(breakdown=True)`` reads from the trainer.
 
 The work is :mod:`lightning_seqmem.diagnostics.section`'s (which lengths to trace, tracing them on a
-copy, the section); this module only reads what it needs from the trainer and the planner: the first
+copy, the section); this module only reads what it needs from the trainer and the view: the first
 optimizer, the precision plugin's autocast context, the micro-batching now on, and on a GPU the room
 the CUDA allocator leaves beside the trained model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -18,6 +18,9 @@ from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning
 from lightning_seqmem.diagnostics.section import end_of_fit_plan, end_of_fit_section, width_dims
 from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations import is_micro_batching
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_seqmem.plan.view import PlanView
 
 __all__ = ["run_breakdown"]
 
@@ -29,7 +32,7 @@ def _room_beside(pl_module: Any, optimizer: Any, device: torch.device) -> float:
     return 0.9 * (free - state)
 
 
-def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Callable[[Any], tuple[int, int]],
+def run_breakdown(view: "PlanView", kept: Optional[tuple[int, Any]], shape_of: Callable[[Any], tuple[int, int]],
                   device: Any, trainer: Any, pl_module: Any) -> tuple[dict[str, Any], list[Any], Any]:
     """The memory breakdown at the end of fit (``SeqMemCallback(breakdown=True)``).
 
@@ -48,15 +51,15 @@ def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Calla
     batch_size = int(shape_of(batch)[0])
     device = device or pl_module.device
     optimizer = trainer.optimizers[0]
-    curriculum = planner.settings.curriculum
+    curriculum = view.settings.curriculum
     plan = end_of_fit_plan(
-        planner.evidence.records, planner.ladder.applied, batch_len, batch_size, width_dims(pl_module, batch_size),
+        view.evidence.records, view.ladder.applied, batch_len, batch_size, width_dims(pl_module, batch_size),
         multiple_of=curriculum.multiple_of if curriculum is not None else 8,
         target=curriculum.target if curriculum is not None else 0,
         room_bytes=_room_beside(pl_module, optimizer, device) if device.type == "cuda" else None,
     )
     try:
-        forecast_peak = planner.evidence.forecaster.forecast(plan.extrapolate_to, batch_size).peak_bytes
+        forecast_peak = view.evidence.forecaster.forecast(plan.extrapolate_to, batch_size).peak_bytes
     except Exception:  # noqa: BLE001 - the table stands without it
         forecast_peak = None
     micro: dict[str, Any] = {}
@@ -69,5 +72,5 @@ def run_breakdown(planner: Any, kept: Optional[tuple[int, Any]], shape_of: Calla
         forecast_peak_bytes=forecast_peak, **micro,
     )
     for i, finding in enumerate(section["diagnoses"]):
-        planner._advice.advise(Advice("diagnosis", f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning))
+        view.advice.advise(Advice("diagnosis", f"diagnosis-{i}", f"seqmem: {finding}", MemoryDiagnosisWarning))
     return section, breakdowns, compare_breakdowns(breakdowns)

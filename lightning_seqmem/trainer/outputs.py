@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
     from matplotlib.figure import Figure
 
-    from lightning_seqmem.plan.planner import PendingStep, SeqMemPlanner
+    from lightning_seqmem.plan.schedule import PendingStep
+    from lightning_seqmem.plan.view import PlanView
 
 __all__ = [
     "OOM_NAME",
@@ -98,17 +99,17 @@ def report_dir(trainer: "pl.Trainer") -> str:
     return str(trainer.default_root_dir)
 
 
-def save_figure(planner: "SeqMemPlanner", path: Any, **kwargs: Any) -> "Figure":
+def save_figure(view: "PlanView", path: Any, **kwargs: Any) -> "Figure":
     """Draw :func:`~lightning_seqmem.present.panels.memory_figure` (``kwargs`` go to it) and save it to
     ``path`` (PNG, SVG or PDF, by its suffix), whole or not at all (:func:`atomic_write`)."""
-    figure = memory_figure(planner, **kwargs)
+    figure = memory_figure(view, **kwargs)
     suffix = Path(path).suffix.lstrip(".") or "png"
     with atomic_write(path, "wb") as f:
         figure.savefig(f, format=suffix)
     return figure
 
 
-def write_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = None,
+def write_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
                  directory: Optional[str | os.PathLike] = None, **facts: Any) -> Optional[tuple[Path, Path, Path]]:
     """Write ``seqmem_report.json``, ``seqmem_report.md`` and ``seqmem_memory.png`` to ``directory``.
 
@@ -124,9 +125,9 @@ def write_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
         directory = report_dir(trainer)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    report = build_report(planner, trainer, **facts)
+    report = build_report(view, trainer, **facts)
     png_path = out / PNG_NAME
-    save_figure(planner, png_path)
+    save_figure(view, png_path)
     report["files"] = {"json": JSON_NAME, "markdown": MARKDOWN_NAME, "figure": PNG_NAME}
     json_path, md_path = out / JSON_NAME, out / MARKDOWN_NAME
     with atomic_write(json_path) as f:
@@ -136,7 +137,7 @@ def write_report(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"] = Non
     return json_path, md_path, png_path
 
 
-def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
+def write_oom_diagnosis(view: "PlanView", trainer: Any, exception: BaseException,
                         pending: Optional["PendingStep"] = None, last_records: int = 10) -> str:
     """Write ``seqmem_oom_diagnosis.json`` (and the CUDA snapshot if history was on); return its path.
 
@@ -154,18 +155,18 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     forecast_used = "none: no forecast existed for this batch (nothing measured at two lengths, no dry run)"
     if seq_len and batch_size:
         try:
-            fc = _forecast_used(planner, seq_len, batch_size, pending)
+            fc = _forecast_used(view, seq_len, batch_size, pending)
             if fc is not None:
                 forecast = vars(fc)
                 forecast_used = FORECAST_NAMES.get(fc.method, fc.method)
         except Exception as exc:  # noqa: BLE001
             forecast = f"forecast failed: {exc!r}"
             forecast_used = f"none: the forecast failed ({exc!r})"
-    summary = run_summary(planner)
+    summary = run_summary(view)
     diagnosis: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "error": f"{type(exception).__name__}: {exception}",
-        "step": planner.course.step,
+        "step": view.course.step,
         "global_step": getattr(trainer, "global_step", None),
         "failing_batch": {"seq_len": seq_len, "batch_size": batch_size},
         "forecast_for_failing_batch": forecast,
@@ -174,8 +175,8 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
         "mitigations_applied": list(summary.rungs_on),
         "mitigations_left": list(summary.rungs_left),
         "summary": summary.to_dict(),  # what ran until the failing batch (lightning_seqmem.present.summary)
-        "would_have_done": _would_have_done(planner, batch_size),
-        "last_records": [r.to_dict() for r in planner.evidence.records[-last_records:]],
+        "would_have_done": _would_have_done(view, batch_size),
+        "last_records": [r.to_dict() for r in view.evidence.records[-last_records:]],
         "cuda_snapshot": None,
     }
     if torch.cuda.is_available():
@@ -195,7 +196,7 @@ def write_oom_diagnosis(planner: "SeqMemPlanner", trainer: Any, exception: BaseE
     return path
 
 
-def fit_summary(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], paths: Any = ()) -> str:
+def fit_summary(view: "PlanView", trainer: Optional["pl.Trainer"], paths: Any = ()) -> str:
     """The few lines printed at the end of fit (``SeqMemCallback(summary=True)``): what ran (the
     longest length, the measured peak against the usable budget, the rungs on, how many warnings)
     and where to look (the folder of the report files, the TensorBoard panels).
@@ -206,7 +207,7 @@ def fit_summary(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], paths
         seqmem: no training step was measured; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings.
         seqmem: report in runs/version_0 (seqmem_report.md, seqmem_report.json, seqmem_memory.png); no TensorBoard logger: no panels.
     """
-    first = f"seqmem: {run_summary(planner).sentence()}{' (above)' if planner._advice.warned else ''}."
+    first = f"seqmem: {run_summary(view).sentence()}{' (above)' if view.advice.warned else ''}."
     paths = [Path(p) for p in paths or ()]
     folder = str(paths[0].parent) if paths else (report_dir(trainer) if trainer is not None else None)
     where = (f"report in {folder} ({MARKDOWN_NAME}, {JSON_NAME}, {PNG_NAME})" if paths else
@@ -217,7 +218,7 @@ def fit_summary(planner: "SeqMemPlanner", trainer: Optional["pl.Trainer"], paths
     return f"{first}\nseqmem: {where}; {panels}."
 
 
-def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
+def report_oom(view: "PlanView", trainer: Any, exception: BaseException,
                pending: Optional["PendingStep"] = None) -> None:
     """Write the OOM diagnosis and say where, in one warning; never raises (the real error must
     reach the user unchanged)."""
@@ -226,7 +227,7 @@ def report_oom(planner: "SeqMemPlanner", trainer: Any, exception: BaseException,
     from lightning_seqmem.core.records import PredictedOOMWarning, SeqMemFailureWarning
 
     try:
-        path = write_oom_diagnosis(planner, trainer, exception, pending)
+        path = write_oom_diagnosis(view, trainer, exception, pending)
         rank_zero_warn(f"seqmem: out of memory; diagnosis written to {path}", category=PredictedOOMWarning)
     except Exception as exc:  # noqa: BLE001 - never mask the real error
         rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
@@ -236,35 +237,35 @@ FORECAST_NAMES = {"dry_run": "dry run", "replay": "timeline replay", "quadratic"
 """The predictor behind a forecast, in words (``Forecast.method`` -> name)."""
 
 
-def _forecast_used(planner: "SeqMemPlanner", seq_len: int, batch_size: int,
+def _forecast_used(view: "PlanView", seq_len: int, batch_size: int,
                    pending: Optional["PendingStep"]) -> Any:
     """The forecast the planner had for the failing batch: the one kept to verify it (the dry run's,
     the replay's or the fit's), else the dry run's or the fit's now; None where none exists."""
-    kept = planner.evidence.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
+    kept = view.evidence.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
     if kept is not None:
         return kept
     try:
-        return planner.evidence.forecast(seq_len, batch_size, pending.mitigations if pending is not None else None)
+        return view.evidence.forecast(seq_len, batch_size, pending.mitigations if pending is not None else None)
     except Exception:  # noqa: BLE001 - NotEnoughMeasurements, a length past the model's limit
         return None
 
 
-def _would_have_done(planner: "SeqMemPlanner", batch_size: Optional[int]) -> str:
-    if planner.settings.usable_budget_bytes is None:
+def _would_have_done(view: "PlanView", batch_size: Optional[int]) -> str:
+    if view.settings.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
-    if not planner.evidence.forecaster.ready and not planner.evidence.any_dry_run_answered():
+    if not view.evidence.forecaster.ready and not view.evidence.any_dry_run_answered():
         return "nothing yet: fewer than two lengths were measured and no dry run answered, so no forecast existed"
-    left = [m for m in planner.ladder.allowed if m not in planner.ladder.applied]
+    left = [m for m in view.ladder.allowed if m not in view.ladder.applied]
     if left:
         return f"switch on {left[0]!r} before growing past the largest length that fits"
-    batch_size = batch_size or planner.evidence.last_batch_size or 1
-    fit = planner.evidence.max_seq_len(planner.settings.usable_budget_bytes, batch_size)
+    batch_size = batch_size or view.evidence.last_batch_size or 1
+    fit = view.evidence.max_seq_len(view.settings.usable_budget_bytes, batch_size)
     if fit <= 0:
         from lightning_seqmem.core.advice import nothing_fits
 
-        return f"stop: {nothing_fits(planner.ladder.applied, batch_size)}"
-    by = ("dry run" if not planner.evidence.forecaster.ready else
-          FORECAST_NAMES["replay" if planner.evidence.forecaster.timeline is not None else "quadratic"])
+        return f"stop: {nothing_fits(view.ladder.applied, batch_size)}"
+    by = ("dry run" if not view.evidence.forecaster.ready else
+          FORECAST_NAMES["replay" if view.evidence.forecaster.timeline is not None else "quadratic"])
     return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget, by the {by})"
 
 
@@ -310,7 +311,7 @@ def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
 
 
 
-def log_figure(trainer: "pl.Trainer", planner: "SeqMemPlanner", step: Optional[int] = None) -> Optional["Figure"]:
+def log_figure(trainer: "pl.Trainer", view: "PlanView", step: Optional[int] = None) -> Optional["Figure"]:
     """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger.
 
     ``step`` defaults to ``trainer.global_step``. Only on global rank zero and with a TensorBoard
@@ -320,7 +321,7 @@ def log_figure(trainer: "pl.Trainer", planner: "SeqMemPlanner", step: Optional[i
     if not trainer.is_global_zero or not _tensorboard_loggers(trainer):
         return None
     step = trainer.global_step if step is None else int(step)
-    figure = memory_figure(planner)
+    figure = memory_figure(view)
     for logger in _tensorboard_loggers(trainer):
         steps = _FIGURES_LOGGED.setdefault(logger, set())
         if step in steps:

@@ -20,10 +20,10 @@ Example:
     >>> from lightning_seqmem.trainer.run_state import EdgeState
     >>> kept = {"ids": torch.zeros(2, 8, dtype=torch.long)}
     >>> edge = EdgeState(device=torch.device("cpu"), dry_runner=NS(batch=kept))
-    >>> resident_bytes(NS(edge=edge))  # the dry run's batch copy: 2 x 8 int64
+    >>> resident_bytes(edge)  # the dry run's batch copy: 2 x 8 int64
     128
     >>> edge.device = torch.device("cuda", 0)  # on a GPU the copy is host memory
-    >>> resident_bytes(NS(edge=edge))
+    >>> resident_bytes(edge)
     0
 """
 
@@ -36,7 +36,7 @@ import torch
 from lightning_seqmem.measure.probes import existing_tensors, flat_tensors, tensor_storages
 
 if TYPE_CHECKING:
-    from lightning_seqmem.trainer.callback import SeqMemCallback
+    from lightning_seqmem.trainer.run_state import EdgeState
 
 __all__ = ["bucket_bytes", "host_is_device", "own_tensors", "resident_bytes", "storage_bytes",
            "untracked_bytes", "value_room_bytes"]
@@ -54,15 +54,15 @@ def host_is_device(device: Optional[torch.device]) -> bool:
     return device is not None and device.type in HOST_DEVICE_TYPES
 
 
-def own_tensors(cb: "SeqMemCallback") -> list[torch.Tensor]:
+def own_tensors(state: "EdgeState") -> list[torch.Tensor]:
     """The tensors the callback keeps across steps on the training device (none off a CPU run)."""
-    device = cb.edge.device
+    device = state.device
     if not host_is_device(device):
         return []
-    runner = cb.edge.dry_runner
+    runner = state.dry_runner
     kept = flat_tensors(getattr(runner, "batch", None)) if runner is not None else []
-    if cb.edge.breakdown_batch is not None:
-        kept += flat_tensors(cb.edge.breakdown_batch[1])
+    if state.breakdown_batch is not None:
+        kept += flat_tensors(state.breakdown_batch[1])
     return [t for t in kept if t.device.type == device.type]
 
 
@@ -100,36 +100,36 @@ def bucket_bytes(trainer: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def untracked_bytes(cb: "SeqMemCallback", trainer: Any) -> int:
+def untracked_bytes(state: "EdgeState", trainer: Any) -> int:
     """What a CPU run's device holds for the strategy outside any tensor the tracker sees (DDP's
     bucket copies, :func:`bucket_bytes`): counted in each measured step and each dry-run answer. On
     a GPU the allocator's counters and the dry run's resident bytes hold them already: 0."""
-    return bucket_bytes(trainer) if host_is_device(cb.edge.device) else 0
+    return bucket_bytes(trainer) if host_is_device(state.device) else 0
 
 
-def resident_bytes(cb: "SeqMemCallback") -> int:
+def resident_bytes(state: "EdgeState") -> int:
     """What every dry-run answer adds on a CPU run: the bytes of :func:`own_tensors` (the callback's
     own copies) and :func:`untracked_bytes` (the strategy's)."""
-    device = cb.edge.device
+    device = state.device
     if not host_is_device(device):
         return 0
-    trainer = cb.edge.fit_refs[0]() if cb.edge.fit_refs is not None else None
-    strategy = untracked_bytes(cb, trainer) if trainer is not None else 0
-    return storage_bytes(own_tensors(cb), device.type) + strategy
+    trainer = state.fit_refs[0]() if state.fit_refs is not None else None
+    strategy = untracked_bytes(state, trainer) if trainer is not None else 0
+    return storage_bytes(own_tensors(state), device.type) + strategy
 
 
-def value_room_bytes(cb: "SeqMemCallback") -> Optional[int]:
+def value_room_bytes(state: "EdgeState", usable: Optional[int]) -> Optional[int]:
     """The most a dry run's real values may hold now: inside a step window of a CPU run with a
     budget, the usable budget less the run's tensors (the module's, the gradients, the optimizer
     state, the batch, the callback's own copies); None elsewhere (on a GPU they are host memory;
     outside a window no step runs)."""
-    device, usable = cb.edge.device, cb.planner.settings.usable_budget_bytes
-    refs = cb.edge.fit_refs
-    if not host_is_device(device) or usable is None or cb.edge.window_batch is None or refs is None:
+    device = state.device
+    refs = state.fit_refs
+    if not host_is_device(device) or usable is None or state.window_batch is None or refs is None:
         return None
     trainer, pl_module = refs[0](), refs[1]()
     if trainer is None or pl_module is None:
         return None
-    held = [*existing_tensors(pl_module, trainer.optimizers, cb.edge.window_batch),
-            *own_tensors(cb)]
-    return max(0, int(usable) - storage_bytes(held, device.type) - untracked_bytes(cb, trainer))
+    held = [*existing_tensors(pl_module, trainer.optimizers, state.window_batch),
+            *own_tensors(state)]
+    return max(0, int(usable) - storage_bytes(held, device.type) - untracked_bytes(state, trainer))

@@ -1,49 +1,49 @@
 """``EdgeState``: the callback's own run state for one fit (the planner's is in ``cb.planner``).
 
-:class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the parts of the edge
-(:mod:`.guard`, :mod:`.fit_setup`, :mod:`.resume`, :mod:`.batch_decision`, :mod:`.lengths`,
-:mod:`.measured_step`, :mod:`.fit_end`) read and write its fields. A fresh one is built when the
-callback is made and when a fit follows one that measured (:func:`.resume.next_fit`): on the same
+:class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the objects of the edge write
+its fields: the :class:`~.guard.Guard` (failures), the :class:`~.batch_cycle.BatchCycle` (each
+batch) and the :class:`~.fit_cycle.FitCycle` (each fit). A fresh one is built when the callback is
+made and when a fit follows one that measured (:meth:`.fit_cycle.FitCycle.next_fit`): on the same
 Trainer and module the breakdown fields are carried over, the rest starts afresh.
 
 ==========================  ================================================  ==============================================
 field                       what it holds                                     who writes it
 ==========================  ================================================  ==============================================
-``failed``                  this rank stopped measuring (an internal          :func:`.guard.fail`
+``failed``                  this rank stopped measuring (an internal          :meth:`.Guard.fail`
                             failure, said in one warning)
-``stopped``                 every rank agreed to stop: no more collectives    :mod:`.batch_decision`, :func:`.measured_step.gather`
-``pending``                 the step begun at this batch's start              :func:`.measured_step.start_measurement`; the
+``stopped``                 every rank agreed to stop: no more collectives    :class:`.BatchCycle` (``gather``)
+``pending``                 the step begun at this batch's start              ``BatchCycle.start_measurement``; the
                             (:class:`~lightning_seqmem.plan.planner.          batch end takes it (None again)
                             PendingStep`), None between batches
 ``step_started_s``          ``time.perf_counter()`` seconds when the step     the batch start, after the decision; the batch
                             itself began, None between batches                end takes it (None again)
-``shape``                   ``(batch size, length)`` of the last batch as     :func:`.measured_step.start_measurement`
+``shape``                   ``(batch size, length)`` of the last batch as     ``BatchCycle.start_measurement``
                             cut, on this rank
-``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     :func:`.batch_decision.applicability`
+``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     ``BatchCycle.applicability``
                             (applies here, why not)}}``, one entry
-``noop_rungs``              rungs that change nothing on this rank's batch    :func:`.batch_decision.applicability`
+``noop_rungs``              rungs that change nothing on this rank's batch    ``BatchCycle.applicability``
                             (with several ranks: agreed, not refused)
-``reapply_on_fit_start``    a checkpoint's rungs are to be switched on        :func:`.resume.load_state`; cleared by
-                            again at ``on_fit_start``                         :func:`.resume.resume_rungs`
-``resume_phrases``          what a resume under a changed configuration       :func:`.resume.load_state`; emptied by
-                            changed (said in one warning)                     :func:`.resume.say_resume`
+``reapply_on_fit_start``    a checkpoint's rungs are to be switched on        ``FitCycle.load_state``; cleared by
+                            again at ``on_fit_start``                         ``FitCycle.resume_rungs``
+``resume_phrases``          what a resume under a changed configuration       ``FitCycle.load_state``; emptied by
+                            changed (said in one warning)                     ``FitCycle.say_resume``
 ``resume_removed``          rungs that were on and are no longer allowed      as ``resume_phrases``
-``uses_datamodule_length``  a batch got its length through the dataset's      :mod:`.lengths`, :func:`.resume.load_state`
+``uses_datamodule_length``  a batch got its length through the dataset's      ``BatchCycle.cut``, ``FitCycle.load_state``
                             ``set_seq_len`` (saved in the checkpoint)
-``breakdowns``              the traced breakdowns (``breakdown=True``)        :func:`.fit_end.run_breakdown`
-``breakdown_table``         their table                                       :func:`.fit_end.run_breakdown`
-``breakdown_report``        the report's breakdown section                    :func:`.fit_end.run_breakdown`
+``breakdowns``              the traced breakdowns (``breakdown=True``)        ``FitCycle.run_breakdown``
+``breakdown_table``         their table                                       ``FitCycle.run_breakdown``
+``breakdown_report``        the report's breakdown section                    ``FitCycle.run_breakdown``
 ``breakdown_batch``         ``(length, batch)``: the longest batch seen       the batch end (``breakdown=True``, rank zero)
 ``dry_runner``              the :class:`~lightning_seqmem.dryrun.run.         ``on_fit_start`` (rank zero, ``dry_run=True``)
                             TrainingRunDryRun`, or None
-``compiled_reason``         why the module counts as ``torch.compile``'d,     :func:`.fit_setup.check_compiled`
+``compiled_reason``         why the module counts as ``torch.compile``'d,     ``FitCycle.check_compiled``
                             or None
 ``sharding_template``       an unsharded copy on meta for FSDP2 runs, or      ``setup`` (:func:`.access.sharding_template`)
                             None
 ``probe``                   the :class:`~lightning_seqmem.measure.probes.     ``setup`` (:func:`~lightning_seqmem.measure.
                             MemoryProbe` of this fit                          probes.make_probe`)
 ``device``                  the strategy's root device                        ``setup``
-``fit_refs``                weak references to this fit's (Trainer, module)   ``setup``; read by :func:`.resume.next_fit`
+``fit_refs``                weak references to this fit's (Trainer, module)   ``setup``; read by ``FitCycle.next_fit``
 ``window_batch``            the batch of the step window open now (batch      the batch start; the batch end clears it
                             start to batch end), None between: a dry run
                             inside leaves room beside it
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     import torch
 
     from lightning_seqmem.measure.probes import MemoryProbe
-    from lightning_seqmem.plan.planner import PendingStep
+    from lightning_seqmem.plan.schedule import PendingStep
 
 __all__ = ["EdgeState"]
 

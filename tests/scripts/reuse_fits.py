@@ -52,7 +52,7 @@ def main() -> None:
             "records": [[r.step, r.seq_len, r.peak_bytes] for r in cb.records],
             "independent": model.peaks,
             # the callback's own copies (the dry run's kept batch), alive in every step it measures
-            "own": storage_bytes(own_tensors(cb), "cpu"),
+            "own": storage_bytes(own_tensors(cb.edge), "cpu"),
             "refused": [str(m) for m in refused],
             "failures": failures,
         }), flush=True)
