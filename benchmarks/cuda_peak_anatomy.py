@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_seqmem.measure.steps import existing_tensors, training_step_memory
     from lightning_seqmem.measure.probes import make_probe, round_cuda_block_bytes
 
-    from lightning_seqmem.dryrun.step import resident_bytes, warm_cuda_workspaces
+    from lightning_seqmem.dryrun.cuda import resident_bytes, warm_cuda_workspaces
 
     device = torch.device("cuda")
     probe_model = _gpt(128, "sdpa")().to(device)

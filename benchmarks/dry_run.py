@@ -47,8 +47,9 @@ import torch.nn.functional as F
 
 import lightning.pytorch as pl
 from lightning_seqmem.reference.demo import LitGPT
-from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import make_probe
 

@@ -289,7 +289,7 @@ def check_offload(deadline: float, lengths=OFFLOAD_LENGTHS) -> list[dict]:
     from lightning_seqmem.measure.probes import make_probe
     from lightning_seqmem.measure.steps import training_step_memory
     from lightning_seqmem.mitigations import ladder
-    from lightning_seqmem.mitigations.offload import offloaded_bytes, reset_offloaded_bytes
+    from lightning_seqmem.mitigations.activation_offload.activation_offload import offloaded_bytes, reset_offloaded_bytes
 
     cuda = torch.device("cuda")
     loss = lambda model, batch: model.training_step(batch, 0)  # noqa: E731

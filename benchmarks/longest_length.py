@@ -53,6 +53,7 @@ from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.reference.hf import HFCausalLM
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import RungContext
+from lightning_seqmem.core.rungs import rung_names
 
 warnings.filterwarnings("ignore")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -77,7 +78,7 @@ def model(layers: int) -> HFCausalLM:
 
 def known(setting: Sequence[str]) -> tuple[str, ...]:
     """The rungs of ``setting`` this installation has (a missing one is said once in the output)."""
-    names = set(ladder.rung_names())
+    names = set(rung_names())
     return tuple(n for n in setting if n.split(":")[0] in names)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 from lightning_seqmem.core.quadratic import QuadraticMemoryModel
 from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.steps import training_step_memory

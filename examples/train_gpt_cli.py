@@ -21,7 +21,8 @@ from lightning_seqmem.plan.view import PlanView
 def report(trainer) -> None:
     """Write and print the report of the first SeqMemCallback (rank zero only)."""
     from lightning_seqmem.trainer.outputs import log_figure, write_layout
-    from lightning_seqmem.present.report import build_report, render_console
+    from lightning_seqmem.present.report import build_report
+    from lightning_seqmem.present.render import render_console
 
     callback = next((c for c in trainer.callbacks if isinstance(c, SeqMemCallback)), None)
     if callback is None or not trainer.is_global_zero:

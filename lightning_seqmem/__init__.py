@@ -20,6 +20,7 @@ from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements, Verification
 from lightning_seqmem.core.quadratic import QuadraticForecast, QuadraticMemoryModel
 from lightning_seqmem.core.records import (
+    StepMemory,
     ForecastMismatchWarning,
     MemoryBudgetError,
     PredictedOOMWarning,
@@ -33,10 +34,9 @@ _LAZY = {
     "SeqMemCallback": ".trainer.callback",
     "SeqMemPlanner": ".plan.planner",
     "CudaAllocatorProbe": ".measure.probes",
-    "LiveTensorTracker": ".measure.probes",
-    "StepMemory": ".measure.probes",
+    "LiveTensorTracker": ".measure.tracker",
     "TrackerProbe": ".measure.probes",
-    "infer_batch_shape": ".measure.batch",
+    "infer_batch_shape": ".measure.batch_shape",
     "set_batch_sequence_length": ".measure.batch",
 }
 

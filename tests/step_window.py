@@ -29,7 +29,8 @@ import lightning.pytorch as pl
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_seqmem.measure.probes import existing_tensors, tensor_storages
+from lightning_seqmem.measure.probes import existing_tensors
+from lightning_seqmem.measure.tracker import tensor_storages
 
 
 class StepWindows:
@@ -140,7 +141,7 @@ class StepWindows:
 
 
 def _tokens(batch: Any) -> Optional[int]:
-    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.measure.batch_shape import infer_batch_shape
 
     try:
         return int(infer_batch_shape(batch)[1])

@@ -23,8 +23,9 @@ from lightning_seqmem.dryrun.offload_saving import offload_forecast
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
-from lightning_seqmem.mitigations.offload import (
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing, is_checkpointed
+from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
+from lightning_seqmem.mitigations.activation_offload.activation_offload import (
     CPU_REFUSAL,
     ActivationOffload,
     OffloadedForward,
@@ -65,8 +66,8 @@ def test_on_cpu_the_rung_is_refused_with_its_reason_and_changes_nothing():
     assert ladder.applicability(["activation_offload"], None, module) == {"activation_offload": (False, CPU_REFUSAL)}
     assert ladder.try_apply("activation_offload", None, module) == (False, CPU_REFUSAL)
     assert not is_offloading(module) and not ladder.is_on("activation_offload", module)
-    assert "activation_offload" not in ladder.MITIGATIONS  # opt in: not in the default ladder
-    assert ladder.check_mitigations(["attention", "activation_offload"]) == ("attention", "activation_offload")
+    assert "activation_offload" not in MITIGATIONS  # opt in: not in the default ladder
+    assert check_mitigations(["attention", "activation_offload"]) == ("attention", "activation_offload")
 
 
 # -- the mechanism on CPU (the policy called directly) -----------------------------------------------
@@ -228,7 +229,7 @@ def test_seqmem_plan_shows_the_modelled_saving_where_the_rung_is_refused(tmp_pat
 def test_on_cuda_the_measured_peak_falls_as_the_dry_run_says():
     """The allocator's peak with and without the rung, against the dry run of each (fp32, SDPA)."""
     from lightning_seqmem.mitigations.base import RungContext
-    from lightning_seqmem.mitigations.offload import ActivationOffloadRung
+    from lightning_seqmem.mitigations.activation_offload.activation_offload import ActivationOffloadRung
 
     cuda = torch.device("cuda")
     seq_len, rows = 2048, 4

@@ -5,7 +5,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lightning_seqmem.measure.batch import infer_batch_shape, set_batch_sequence_length
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
+from lightning_seqmem.measure.batch import set_batch_sequence_length
 
 B, L = 3, 8
 

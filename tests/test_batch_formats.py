@@ -15,15 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_seqmem.measure.batch import (
-    BatchCut,
-    can_cut_in_place,
-    cut_batch,
-    infer_batch_shape,
-    padding_side,
-    read_batch_shape,
-    set_batch_sequence_length,
-)
+from lightning_seqmem.measure.batch import BatchCut, cut_batch, set_batch_sequence_length
+from lightning_seqmem.measure.batch_tree import can_cut_in_place
+from lightning_seqmem.measure.batch_shape import infer_batch_shape, padding_side, read_batch_shape
 
 B, L, S = 3, 8, 4
 
@@ -82,9 +76,9 @@ def test_infer_broadcast_rule_takes_most_rows_among_same_length_first_of_equals(
 
 
 def _reference(batch):
-    from lightning_seqmem.measure.batch import _find_reference
+    from lightning_seqmem.measure.batch_tree import find_reference
 
-    return _find_reference(batch)
+    return find_reference(batch)
 
 
 def test_infer_true_batch_of_one_stays_one():

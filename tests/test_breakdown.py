@@ -12,24 +12,31 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from lightning_seqmem.diagnostics.breakdown import (
-    ATTENTION_CATEGORIES,
-    Breakdown,
-    MemoryDiagnosisWarning,
-    attention_ablation,
-    classify_growth,
-    compare_breakdowns,
-    crossover_length,
-    diagnose,
-    find_attention_modules,
-    fit_growth,
-    korthikanti_activation_bytes,
-    module_category,
-    trace_breakdown,
-)
-from lightning_seqmem.mitigations import ActivationCheckpointing
+from lightning_seqmem.diagnostics import findings, tracer
+from lightning_seqmem.diagnostics.categories import ATTENTION_CATEGORIES, find_attention_modules, module_category
+from lightning_seqmem.diagnostics.compare import compare_breakdowns
+from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning, diagnose
+from lightning_seqmem.diagnostics.growth import classify_growth, crossover_length, fit_growth
+from lightning_seqmem.diagnostics.korthikanti import calibrate, korthikanti_activation_bytes
+from lightning_seqmem.diagnostics.tracer import Breakdown
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.probes import TrackerProbe
+
+def trace_breakdown(step_fn, model, *args, **kwargs) -> Breakdown:
+    """One traced step (:func:`.tracer.trace_breakdown`), calibrated against Korthikanti et al."""
+    breakdown = tracer.trace_breakdown(step_fn, model, *args, **kwargs)
+    breakdown.calibration = breakdown.calibration or calibrate(breakdown, model)
+    return breakdown
+
+
+def attention_ablation(step_fn, model, *args, **kwargs):
+    """:func:`.findings.attention_ablation`, both steps calibrated."""
+    ablation = findings.attention_ablation(step_fn, model, *args, **kwargs)
+    for breakdown in (ablation.with_attention, ablation.without_attention):
+        breakdown.calibration = breakdown.calibration or calibrate(breakdown, model)
+    return ablation
+
 
 # Lengths and widths chosen so that no model width, head count or batch size equals a length.
 LENGTHS = (48, 96)

@@ -10,9 +10,11 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
-from lightning_seqmem.diagnostics.section import copy_for_tracing, safe_seq_lens, trace_breakdowns, training_step_loss, width_dims
+from lightning_seqmem.diagnostics.traced_step import copy_for_tracing, training_step_loss
+from lightning_seqmem.diagnostics.section import safe_seq_lens, trace_breakdowns, width_dims
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.present.report import load_report, render_console
+from lightning_seqmem.present.report import load_report
+from lightning_seqmem.present.render import render_console
 from conftest import make_trainer
 
 # d_model 64, 4 heads (head size 16), d_ff 256, vocab 256, batch 2: no length below equals a width
@@ -187,7 +189,7 @@ def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
 
 
 def test_breakdown_after_fit_runs_the_micro_batching_now_on(tmp_path):
-    from lightning_seqmem.mitigations import MicroBatching
+    from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
 
     callback, trainer, model, _ = _fit(tmp_path, attention="sdpa")
     whole = callback.run_breakdown(trainer, model)

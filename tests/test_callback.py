@@ -308,7 +308,7 @@ def test_batch_without_a_sequence_dimension_is_refused_before_the_first_step():
 def test_a_tracker_failure_inside_an_op_does_not_reach_the_model(monkeypatch):
     """The dispatch mode sees every op of the step: a bookkeeping failure there must not break the
     op, only the measurement (one warning; same weights as a run without the callback)."""
-    from lightning_seqmem.measure.probes import LiveTensorTracker
+    from lightning_seqmem.measure.tracker import LiveTensorTracker
 
     original, calls = LiveTensorTracker._add, {"n": 0}
 

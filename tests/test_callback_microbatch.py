@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import make_trainer
 from lightning_seqmem import SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations import is_micro_batching
+from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching
 
 MODEL = dict(n_layer=1, d_model=32, n_head=2)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.demos import Transformer
 
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import make_probe
 

@@ -157,7 +157,7 @@ def test_every_config_parses_with_its_callback(tmp_path, monkeypatch):
     """All configs (the CUDA one built on CPU with a small model) give the documented callback values."""
     pytest.importorskip("transformers")
     from lightning_seqmem import SeqMemCallback
-    from lightning_seqmem.cli.main import build_from_config
+    from lightning_seqmem.cli.common import build_from_config
 
     monkeypatch.chdir(tmp_path)
     small = ["--model.init_args.n_layer=1", "--model.init_args.d_model=32", "--model.init_args.n_head=2",

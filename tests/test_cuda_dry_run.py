@@ -15,15 +15,11 @@ import pytest
 import torch
 
 from lightning_seqmem.reference.demo import LitGPT
-from lightning_seqmem.dryrun.step import (
-    cuda_kernel_scratch_bytes,
-    dry_run_step,
-    replay_peaks,
-    resident_bytes,
-    warm_cuda_workspaces,
-)
+from lightning_seqmem.dryrun.cuda import cuda_kernel_scratch_bytes, resident_bytes, warm_cuda_workspaces
+from lightning_seqmem.dryrun.step import dry_run_step, replay_peaks
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.measure.probes import LiveTensorTracker, make_probe
+from lightning_seqmem.measure.tracker import LiveTensorTracker
+from lightning_seqmem.measure.probes import make_probe
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -16,7 +16,8 @@ from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.measure.probes import LiveTensorTracker, TrackerProbe, existing_tensors
+from lightning_seqmem.measure.tracker import LiveTensorTracker
+from lightning_seqmem.measure.probes import TrackerProbe, existing_tensors
 
 VOCAB = 64
 

@@ -18,7 +18,7 @@ from lightning_seqmem.dryrun.depth import (
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 from lightning_seqmem.dryrun.step import dry_run_step
-from lightning_seqmem.mitigations.checkpointing import is_checkpointed
+from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
 from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.reference.hf import HFCausalLM
 

@@ -20,10 +20,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader
 
 from lightning_seqmem.reference.demo import LitGPT
-from lightning_seqmem.dryrun.step import DryRunUnsupported, allocator_block_bytes, dry_run_step, replay_peaks
-from lightning_seqmem.mitigations.attention import AttentionSwitch, current_attention_backend
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
-from lightning_seqmem.mitigations.microbatch import MicroBatching
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.cuda import allocator_block_bytes
+from lightning_seqmem.dryrun.step import dry_run_step, replay_peaks
+from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing, is_checkpointed
+from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import existing_tensors, make_probe, round_cuda_block_bytes
 
@@ -512,7 +514,8 @@ def test_microbatch_switch_step_includes_the_first_split_check():
 _FAILING_RECOMPUTE = '''
 import torch
 from torch.utils.checkpoint import checkpoint
-from lightning_seqmem.dryrun.step import dry_run_step, DryRunUnsupported
+from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.dryrun.result import DryRunUnsupported
 calls = [0]
 class M(torch.nn.Module):
     def __init__(self):

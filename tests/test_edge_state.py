@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.plan.planner import PendingStep
+from lightning_seqmem.plan.schedule import PendingStep
 from lightning_seqmem.trainer.run_state import EdgeState
 
 TRAINER_DIR = pathlib.Path(__file__).resolve().parents[1] / "lightning_seqmem" / "trainer"

@@ -56,7 +56,8 @@ def test_the_printed_lines_the_report_its_renderings_and_the_oom_file_say_the_sa
 
     import torch
 
-    from lightning_seqmem.present.report import load_report, render_console, render_markdown
+    from lightning_seqmem.present.report import load_report
+    from lightning_seqmem.present.render import render_console, render_markdown
     from lightning_seqmem.present.summary import RunSummary, run_summary
     from lightning_seqmem.trainer.outputs import write_oom_diagnosis
 

@@ -22,8 +22,8 @@ from lightning_seqmem.measure.probes import TrackerProbe
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import RungContext
-from lightning_seqmem.mitigations.fused_loss import FusedLinearCrossEntropy, FusedLossRung, fused_loss_backend
-from lightning_seqmem.mitigations.microbatch_functional import micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.fused_loss.fused_loss import FusedLinearCrossEntropy, FusedLossRung, fused_loss_backend
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import micro_batch_counts, split_batch
 
 VOCAB = 8192
 MODEL = dict(n_layer=2, d_model=64, n_head=2, vocab_size=VOCAB, attention="sdpa")
@@ -166,7 +166,7 @@ def test_models_it_cannot_take_are_refused_with_the_reason(monkeypatch):
     assert not applies and "final_logit_softcapping" in why
     applies, why = FusedLossRung().is_applicable(RungContext(torch.nn.Linear(2, 2)))
     assert not applies and "set_fused_loss" in why
-    import lightning_seqmem.mitigations.fused_loss as fused_loss
+    import lightning_seqmem.mitigations.fused_loss.fused_loss as fused_loss
 
     monkeypatch.setattr(fused_loss, "_installed", lambda module: False)
     applies, why = FusedLossRung().is_applicable(RungContext(LitGPT(**MODEL)))

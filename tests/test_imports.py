@@ -193,14 +193,13 @@ def _code_strings(path: Path) -> list[tuple[int, str]]:
 
 
 def test_rung_names_appear_in_code_only_in_their_rung_file_and_the_registry():
-    """issue 17: a rung is one file; no other module compares or dispatches on its name (docs and
-    doctests may name it). The registry is core/rungs.py (specs) and mitigations/ladder.py."""
-    from lightning_seqmem.core.rungs import BUILTIN_RUNGS, LEVEL_SEP
+    """A rung is one folder; no other module compares or dispatches on its name (docs and doctests
+    may name it). The registry is core/rungs.py (the folders) and mitigations/ladder.py."""
+    from lightning_seqmem.core.rung_spec import LEVEL_SEP
+    from lightning_seqmem.core.rungs import BUILTIN_RUNGS, RUNG_FOLDERS
 
-    owners = {"attention": ("mitigations/attention.py",), "checkpointing": ("mitigations/checkpointing",),
-              "microbatch": ("mitigations/microbatch",), "fused_loss": ("mitigations/fused_loss",),
-              "tiled_mlp": ("mitigations/tiled_mlp.py",), "activation_offload": ("mitigations/offload.py",)}
-    assert set(owners) == set(BUILTIN_RUNGS), "a new built-in rung: name its file here"
+    owners = {name: (f"mitigations/{name}/",) for name in RUNG_FOLDERS}
+    assert set(owners) == set(BUILTIN_RUNGS) and all((PACKAGE / o[0]).is_dir() for o in owners.values())
     registry = ("core/rungs.py", "mitigations/ladder.py")
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -267,3 +266,42 @@ def test_no_two_modules_share_a_basename():
         if path.name != "__init__.py":
             seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_a_rung_folder_holds_its_rung_its_spec_and_its_card_and_the_spec_is_torch_free_data():
+    """Each built-in rung's folder: a card (its ``__init__`` docstring, importing nothing), its rung
+    (``<rung>.py`` with ``RUNG``) and its spec (``<rung>_spec.py``: imports core only, so the
+    torch-free planner reads it)."""
+    from lightning_seqmem.core.rungs import RUNG_FOLDERS, spec
+
+    for name in RUNG_FOLDERS:
+        folder = PACKAGE / "mitigations" / name
+        card = ast.parse((folder / "__init__.py").read_text())
+        assert ast.get_docstring(card) and len(card.body) == 1, f"{name}: the card is a docstring only"
+        assert "RUNG = " in (folder / f"{name}.py").read_text()
+        spec_path = folder / f"{name}_spec.py"
+        imported, external = _imports(spec_path)
+        assert {_wing(m) for m in imported} <= {"core"} and external <= {"__future__"}, (name, imported, external)
+        assert spec(name).name == name
+
+
+def _reexports(path: Path) -> list[str]:
+    """Names ``path``'s ``__all__`` lists that it imports from another module of the package."""
+    tree = ast.parse(path.read_text())
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(ROOT)
+                for a in n.names}
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    listed: list[str] = []
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
+            listed = list(ast.literal_eval(n.value))
+    return sorted(name for name in listed if name in imported and name not in defined)
+
+
+def test_no_module_re_exports_another_modules_names():
+    """One path per name: a module's ``__all__`` is what it defines. The package's own ``__init__``
+    (the public API, ``from lightning_seqmem import SeqMemCallback``) is the exception."""
+    allowed = {PACKAGE / "__init__.py"}
+    found = {str(p.relative_to(PACKAGE)): r for p in sorted(PACKAGE.rglob("*.py")) if p not in allowed
+             for r in [_reexports(p)] if r}
+    assert found == {}

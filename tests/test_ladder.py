@@ -17,7 +17,10 @@ from conftest import make_trainer
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.core.rungs import base_name
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching, ladder
+from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
+from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching
+from lightning_seqmem.mitigations import ladder
+from lightning_seqmem.core.rungs import MITIGATIONS
 
 MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=64, attention="eager")
 BUDGET = 10_700_000  # bytes; the unmitigated eager model fits 80 tokens at batch 4, not 96
@@ -61,7 +64,7 @@ def test_unmitigated_model_fits_an_eighth_of_the_target():
 
 
 def test_ladder_reaches_the_target_within_budget():
-    cb, module, oom = _run(ladder.MITIGATIONS, max_steps=12)  # the plan reaches 640 by step 8
+    cb, module, oom = _run(MITIGATIONS, max_steps=12)  # the plan reaches 640 by step 8
     lengths = [r.seq_len for r in cb.records]
     assert lengths[-1] == TARGET and cb.planner.course.capped_at is None
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget
@@ -156,7 +159,7 @@ def test_the_readme_attention_protocol_is_enough_for_the_switch():
     import torch.nn.functional as F
     from torch import nn
 
-    from lightning_seqmem.mitigations import AttentionSwitch, current_attention_backend
+    from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend
 
     class MyAttention(nn.Module):
         attention_backend = "eager"
@@ -192,7 +195,7 @@ def test_a_rung_whose_check_fails_is_skipped_and_the_run_goes_on(monkeypatch):
         return original(name, *args, **kwargs)
 
     monkeypatch.setattr(ladder, "is_applicable", broken)
-    cb, module, oom = _run(ladder.MITIGATIONS, max_steps=10)
+    cb, module, oom = _run(MITIGATIONS, max_steps=10)
     # the fastest setting that fits goes on first: micro-batching (prior +10%) before checkpointing (+33%);
     # the ladder's old prefix order took checkpointing first
     assert "attention" not in cb.applied_mitigations and cb.applied_mitigations[0] == "microbatch"

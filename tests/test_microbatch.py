@@ -1,7 +1,7 @@
 """Micro-batching on a real LitGPT (no dropout): same samples, steps and parameters as the full batch.
 
 Every comparison trains the same seeded model twice, with and without
-:class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`, and checks the samples seen by
+:class:`~lightning_seqmem.mitigations.microbatch.microbatch.MicroBatching`, and checks the samples seen by
 ``training_step``, the optimizer steps, ``global_step``, the first gradients and the final
 parameters (fp32, allclose). Memory is live tensor bytes from :class:`TrackerProbe`.
 
@@ -26,8 +26,10 @@ from torch.utils.data import DataLoader
 
 from conftest import ddp_full_and_micro, launch_ddp_script, make_trainer
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule, SyntheticTokens
-from lightning_seqmem.mitigations import MitigationResult
-from lightning_seqmem.mitigations.microbatch import MicroBatching, is_micro_batching, split_batch
+from lightning_seqmem.mitigations.base import MitigationResult
+from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
+from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import split_batch
 from lightning_seqmem.measure.probes import TrackerProbe
 
 SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)  # no dropout: equality is exact up to rounding

@@ -1,4 +1,4 @@
-"""The one micro-batch twin (:mod:`lightning_seqmem.mitigations.microbatch_twin`): the wrapper in a real
+"""The one micro-batch twin (:mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin`): the wrapper in a real
 Lightning step, the dry run's step and the breakdown's step run the same loop, so they give the whole
 batch's loss and gradients alike, and the dry run's forecast of that loop is the tracker's measurement
 of it on real tensors, to the byte."""
@@ -18,9 +18,9 @@ from lightning_seqmem.dryrun.step import dry_run_step, state_after_a_step
 from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.mitigations import microbatch_twin
+from lightning_seqmem.mitigations.microbatch import microbatch_twin
 from lightning_seqmem.mitigations.base import CopyPlan
-from lightning_seqmem.mitigations.microbatch import MicroBatching
+from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
 from lightning_seqmem.reference.nn import GPT, GPTConfig
 
 from conftest import make_trainer

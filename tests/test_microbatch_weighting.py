@@ -29,14 +29,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from conftest import ddp_full_and_micro, launch_ddp_script, make_trainer
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations.microbatch import (
-    MicroBatching,
-    MicroBatchingRefusedWarning,
-    is_micro_batching,
-    micro_batch_counts,
-    micro_batching_check_pending,
-    micro_batching_refusal,
-)
+from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
+from lightning_seqmem.mitigations.microbatch.microbatch_step import MicroBatchingRefusedWarning, is_micro_batching, micro_batching_check_pending, micro_batching_refusal
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import micro_batch_counts
 
 transformers = pytest.importorskip("transformers")
 

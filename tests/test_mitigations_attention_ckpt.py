@@ -16,16 +16,9 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.attention import SDPBackend
 
-from lightning_seqmem.mitigations import (
-    ActivationCheckpointing,
-    AttentionSwitch,
-    MitigationResult,
-    current_attention_backend,
-    find_attention_targets,
-    find_repeated_blocks,
-    is_checkpointed,
-    sdpa_kernel_context,
-)
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing, find_repeated_blocks, is_checkpointed
+from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend, find_attention_targets, sdpa_kernel_context
+from lightning_seqmem.mitigations.base import MitigationResult
 from lightning_seqmem.reference.nn import GPT, Block, CausalSelfAttention, GPTConfig
 
 VOCAB = 64

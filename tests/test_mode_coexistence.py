@@ -15,7 +15,7 @@ from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.measure.mode_stack import stack
-from lightning_seqmem.measure.probes import LiveTensorTracker
+from lightning_seqmem.measure.tracker import LiveTensorTracker
 
 
 def _names() -> list[str]:

@@ -22,20 +22,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_seqmem.dryrun.accelerator import SIMULATED, simulated_device, stands_for
 from lightning_seqmem.dryrun.cuda import cuda_kernel_scratch_bytes
-from lightning_seqmem.dryrun.kernels import (
-    cce_loss,
-    flash_attn_3_func,
-    flash_attn_func,
-    liger_loss,
-    modelled_kernels,
-    recording,
-    sdpa_backend,
-)
+from lightning_seqmem.dryrun.kernels_loss import cce_loss, liger_loss
+from lightning_seqmem.dryrun.kernels_flash import flash_attn_3_func, flash_attn_func
+from lightning_seqmem.dryrun.kernels import modelled_kernels
+from lightning_seqmem.dryrun.kernels_scratch import recording
+from lightning_seqmem.dryrun.kernels_sdpa import sdpa_backend
 from lightning_seqmem.dryrun.kernels_loss import liger_chunks
-from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import round_cuda_block_bytes as blocks
 from lightning_seqmem.measure.tracker import LiveTensorTracker
-from lightning_seqmem.mitigations.attention import AttentionSwitch, current_attention_backend
+from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend
 from lightning_seqmem.plan.pricing import prior_factor
 
 BF16 = torch.bfloat16

@@ -25,10 +25,11 @@ from lightning_seqmem.reference.demo import SyntheticTokenDataModule
 from lightning_seqmem.dryrun import accelerator
 from lightning_seqmem.dryrun import session as session_module
 from lightning_seqmem.dryrun.moe import DryRunFakeMode, is_moe_block, routing_assignment
-from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 
 transformers = pytest.importorskip("transformers")
 from lightning_seqmem.reference.hf import HFCausalLM  # noqa: E402

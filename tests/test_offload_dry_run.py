@@ -176,7 +176,7 @@ def test_cpu_offload_moves_parameters_gradients_and_adamw_state_to_the_host(temp
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
+    from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
 
     return [b for b in find_repeated_blocks(model) if b is not model]
 

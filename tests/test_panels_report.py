@@ -16,8 +16,9 @@ from lightning_seqmem.core.advice import KINDS
 from lightning_seqmem.trainer.outputs import log_figure, report_dir, write_layout, write_report
 from lightning_seqmem.present.panels import FIGURE_TAG, LAYOUT_CATEGORIES, custom_scalars_layout, memory_figure
 from lightning_seqmem.plan.planner import SeqMemPlanner
-from lightning_seqmem.measure.probes import PHASES
-from lightning_seqmem.present.report import JSON_NAME, build_report, load_report, render_console, render_markdown
+from lightning_seqmem.core.records import PHASES
+from lightning_seqmem.present.report import JSON_NAME, build_report, load_report
+from lightning_seqmem.present.render import render_console, render_markdown
 from lightning_seqmem.plan.view import PlanView
 
 from conftest import make_trainer

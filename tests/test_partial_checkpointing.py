@@ -28,8 +28,8 @@ from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import RungContext
-from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
-from lightning_seqmem.mitigations.checkpointing_levels import FULL, NONE, SELECTIVE
+from lightning_seqmem.mitigations.checkpointing.checkpointing import CheckpointingRung
+from lightning_seqmem.mitigations.checkpointing.checkpointing_levels import FULL, NONE, SELECTIVE
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
 

@@ -11,7 +11,7 @@ from lightning_seqmem.core.peak import PEAK_KINDS, PeakSite
 from lightning_seqmem.diagnostics.peak_trace import trace_peak_site
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.reference.nn import GPT, GPTConfig
 

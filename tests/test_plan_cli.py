@@ -135,7 +135,7 @@ def test_plan_says_where_the_peak_sits_per_length(plan):
 def test_plan_matches_a_real_training_step(plan, mitigations):
     """The dry-run peak at 1024 tokens is the peak of a real training step of the config's model there."""
     from lightning_seqmem.measure.batch import set_batch_sequence_length
-    from lightning_seqmem.cli.main import build_from_config
+    from lightning_seqmem.cli.common import build_from_config
     from lightning_seqmem.mitigations.ladder import apply
     from lightning_seqmem.measure.steps import training_step_memory
     from lightning_seqmem.measure.probes import make_probe
@@ -183,7 +183,7 @@ def test_plan_bad_input_names_the_argument(args, message, capsys):
 
 def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, capsys):
     """Over a tiny budget nothing fits; the largest length that fits with the whole ladder is searched."""
-    from lightning_seqmem.cli.main import _first_optimizer, build_from_config
+    from lightning_seqmem.cli.common import build_from_config, first_optimizer
     from lightning_seqmem.dryrun.step import dry_run_step
 
     monkeypatch.chdir(tmp_path)
@@ -200,7 +200,7 @@ def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, ca
     cli.datamodule.prepare_data()
     cli.datamodule.setup("fit")
     batch = next(iter(cli.datamodule.train_dataloader()))
-    optimizer, _ = _first_optimizer(cli.model)
+    optimizer, _ = first_optimizer(cli.model)
     usable = int(16 * 2**20 * 0.9)
     assert dry_run_step(cli.model, optimizer, batch, largest, mitigations=ladder).peak_bytes <= usable
     assert dry_run_step(cli.model, optimizer, batch, largest + 8, mitigations=ladder).peak_bytes > usable
@@ -208,7 +208,7 @@ def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, ca
 
 def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, monkeypatch, capsys):
     """``--longest``: per setting dry-run, the longest multiple of 8 it fits, checked by two dry runs."""
-    from lightning_seqmem.cli.main import _first_optimizer, build_from_config
+    from lightning_seqmem.cli.common import build_from_config, first_optimizer
     from lightning_seqmem.dryrun.step import dry_run_step
 
     monkeypatch.chdir(tmp_path)
@@ -222,7 +222,7 @@ def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, mo
     cli.datamodule.prepare_data()
     cli.datamodule.setup("fit")
     batch = next(iter(cli.datamodule.train_dataloader()))
-    optimizer, _ = _first_optimizer(cli.model)
+    optimizer, _ = first_optimizer(cli.model)
     found = searched[("attention",)]
     assert dry_run_step(cli.model, optimizer, batch, found, mitigations=("attention",)).peak_bytes <= usable
     assert dry_run_step(cli.model, optimizer, batch, found + 8, mitigations=("attention",)).peak_bytes > usable

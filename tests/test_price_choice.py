@@ -17,7 +17,8 @@ import pytest
 from conftest import planner_batches
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory, StepRecord
-from lightning_seqmem.core.rungs import RungSpec, base_name, level_of, register_spec, unregister_spec
+from lightning_seqmem.core.rung_spec import RungSpec
+from lightning_seqmem.core.rungs import base_name, level_of, register_spec, unregister_spec
 from lightning_seqmem.plan import choose as C
 from lightning_seqmem.plan.decisions import Decider
 from lightning_seqmem.plan.planner import SeqMemPlanner
@@ -263,7 +264,7 @@ def test_a_real_run_switches_on_the_cheaper_of_two_rungs_that_fit():
     from conftest import make_trainer
     from lightning_seqmem import PredictedOOMWarning, SeqMemCallback
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-    from lightning_seqmem.mitigations import is_checkpointed
+    from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
 
     ckpt, _ = _measured(("checkpointing",))
     sdpa, _ = _measured(("attention",))

@@ -11,11 +11,12 @@ from conftest import make_trainer
 from lightning.pytorch.callbacks import Callback
 from lightning_seqmem import SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations import ActivationCheckpointing
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.dryrun.step import resident_bytes
-from lightning_seqmem.measure.probes import CudaAllocatorProbe, LiveTensorTracker, TrackerProbe, existing_tensors, make_probe
+from lightning_seqmem.dryrun.cuda import resident_bytes
+from lightning_seqmem.measure.probes import CudaAllocatorProbe, TrackerProbe, existing_tensors, make_probe
+from lightning_seqmem.measure.tracker import LiveTensorTracker
 
 CPU = torch.device("cpu")
 VARIANTS = [("eager", False), ("eager", True), ("sdpa", False), ("sdpa", True)]

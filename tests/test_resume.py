@@ -8,7 +8,8 @@ import torch
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching
+from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
+from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching
 
 BUDGET = 1_600_000  # bytes: caps this tiny model's curriculum between 64 and 256 tokens
 

@@ -22,7 +22,8 @@ from lightning.pytorch.callbacks import Callback
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback, SeqMemFailureWarning
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations import is_checkpointed, is_micro_batching
+from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
+from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching
 from lightning_seqmem.plan.checkpoint import legacy_key_config
 
 BUDGET = 1_300_000  # bytes: 'attention' then 'microbatch' go on, and the curriculum is capped at 144 tokens

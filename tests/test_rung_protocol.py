@@ -1,5 +1,7 @@
-"""A fifth rung, written here as a test fixture, plugs into the ladder, the dry run (one rank and
-sharded), the callback and ``seqmem plan`` through the Rung protocol alone: no other file knows its name.
+"""A new rung is one folder plus one registry line: ``tests/toy_rungs/no_dropout/`` (the rung, its
+spec, its card) and ``ladder.register_folder("toy_rungs.no_dropout")`` plug it into the ladder, the
+dry run (one rank and sharded), the callback and ``seqmem plan`` through the Rung protocol alone: no
+other file knows its name.
 
 The toy rung sets every ``nn.Dropout`` to ``p = 0``: its masks are no longer saved for backward, a
 real, measurable saving (about 10% on the dropout GPT below).
@@ -8,58 +10,43 @@ real, measurable saving (about 10% on the dropout GPT below).
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from conftest import make_trainer, plan_config, plan_json
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.core.rungs import RungSpec, check_mitigations, spec
+from lightning_seqmem.core.rungs import check_mitigations, spec
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext
+from lightning_seqmem.core.rungs import rung_names
 
 MODEL = dict(n_layer=2, d_model=64, n_head=2, vocab_size=64, attention="sdpa")
 
 
-class NoDropout(Rung):
-    spec = RungSpec("no_dropout", advice="set dropout to 0", step_time_prior=0.0)
-
-    @staticmethod
-    def _dropouts(module):
-        return [m for m in module.modules() if isinstance(m, nn.Dropout)]
-
-    def is_on(self, module):
-        dropouts = self._dropouts(module)
-        return bool(dropouts) and all(m.p == 0 for m in dropouts)
-
-    def is_applicable(self, ctx: RungContext):
-        if not self._dropouts(ctx.pl_module):
-            return False, "no nn.Dropout"
-        return (False, "dropout already 0") if self.is_on(ctx.pl_module) else (True, "dropout p -> 0")
-
-    def apply(self, ctx: RungContext):
-        applies, why = self.is_applicable(ctx)
-        if applies:
-            for m in self._dropouts(ctx.pl_module):
-                m.p = 0.0
-        return MitigationResult(self.name, applies, why, "on" if applies else "off", "off")
-
-
 @pytest.fixture
 def no_dropout():
-    rung = ladder.register(NoDropout())
+    rung = ladder.register_folder("toy_rungs.no_dropout")  # the one registry line
     yield rung
     ladder.unregister(rung.name)
-    assert "no_dropout" not in ladder.rung_names()
+    assert "no_dropout" not in rung_names()
 
 
 def _batch(seq_len, rows=4):
     g = torch.Generator().manual_seed(0)
     return {"input_ids": torch.randint(0, 64, (rows, seq_len), generator=g),
             "labels": torch.randint(0, 64, (rows, seq_len), generator=g)}
+
+
+def test_a_new_rung_is_one_folder_plus_one_registry_line(no_dropout):
+    folder = Path(__file__).parent / "toy_rungs" / "no_dropout"
+    assert sorted(p.name for p in folder.glob("*.py")) == ["__init__.py", "no_dropout.py", "no_dropout_spec.py"]
+    assert "no_dropout" in rung_names() and ladder.rung("no_dropout") is no_dropout
+    assert spec("no_dropout").step_time_prior == 0.0 and not no_dropout.is_on(LitGPT(**MODEL, dropout=0.1))
+    with pytest.raises(ValueError, match=r"`path` must name a rung folder .*got 'toy_rungs.missing'"):
+        ladder.register_folder("toy_rungs.missing")
 
 
 def test_a_registered_rung_is_a_name_the_callback_and_the_planner_accept(no_dropout):

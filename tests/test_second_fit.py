@@ -16,7 +16,7 @@ from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.core.rungs import base_name
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations import is_checkpointed
+from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
 
 BUDGET = 3_000_000  # bytes: the eager 128-token step (3.7 MB) is over, with SDPA and checkpointing it fits
 RUNGS = ("attention", "checkpointing")

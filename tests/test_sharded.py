@@ -14,8 +14,8 @@ import torch.distributed as dist
 from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.cli.main import main
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.dryrun.step import DryRunUnsupported
-from lightning_seqmem.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing, is_checkpointed
 from lightning_seqmem.core.rungs import MITIGATIONS
 from lightning_seqmem.dryrun.sharded import _shard, fake_world, sharded_dry_run_step, unsharded_template
 

@@ -54,7 +54,8 @@ _LATE = '''
 import torch
 w = torch.ones(2, requires_grad=True)
 (w * 2).sum().backward()  # the first backward of the process, before the package is imported
-from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.reference.demo import LitGPT
 module = LitGPT(n_layer=1, d_model=32, n_head=2)
 try:

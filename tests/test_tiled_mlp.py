@@ -25,7 +25,8 @@ from lightning_seqmem.core.rungs import EXTRA_RUNGS, MITIGATIONS, check_mitigati
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.mitigations.tiled_mlp import TiledMLP, find_mlps, tile_count_rule, tiled_mlp_tiles
+from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp import TiledMLP, find_mlps, tile_count_rule, tiled_mlp_tiles
+from lightning_seqmem.core.rungs import rung_names
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
 
@@ -164,7 +165,7 @@ def test_it_is_opt_in_and_says_why_it_does_not_apply(monkeypatch):
     assert MITIGATIONS == ("attention", "checkpointing", "microbatch")  # the default ladder is unchanged
     assert check_mitigations(["attention", "tiled_mlp"]) == ("attention", "tiled_mlp")
     ladder.unregister("tiled_mlp")  # a built-in: stays
-    assert "tiled_mlp" in ladder.rung_names()
+    assert "tiled_mlp" in rung_names()
 
     assert ladder.is_applicable("tiled_mlp", None, nn.Linear(2, 2))[0] is False
     dropout_in_mlp = nn.ModuleList([nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Linear(32, 8))})

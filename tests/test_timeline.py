@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_seqmem import MemoryForecaster, TimelineModel, Trace
-from lightning_seqmem.mitigations import ActivationCheckpointing
+from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing
 from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.probes import TrackerProbe
 from test_probes import VARIANTS, _step

@@ -202,7 +202,8 @@ def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_
              max_steps=2)
     said = [str(err.value)]
     assert "cannot be met" in said[0] and not [m for m in said if "SDPA" in m or "sdpa" in m.lower()]
-    from lightning_seqmem.present.report import build_report, render_markdown
+    from lightning_seqmem.present.report import build_report
+    from lightning_seqmem.present.render import render_markdown
 
     markdown = render_markdown(build_report(PlanView.of(cb.planner)))
     # stopped before any step: the report forecasts nothing, and never "0 tokens" nor SDPA

@@ -1,5 +1,1 @@
-"""The ``seqmem`` command."""
-
-from lightning_seqmem.cli.main import main
-
-__all__ = ["main"]
+"""The ``seqmem`` command (:mod:`.main`)."""

@@ -79,7 +79,7 @@ def run_forecast(args: argparse.Namespace) -> int:
     and where the memory goes; the exit status (``seqmem`` is :func:`.main.main`)."""
     from rich.console import Console
 
-    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.measure.batch_shape import infer_batch_shape
     from lightning_seqmem.measure.steps import trace_training_steps
     from lightning_seqmem.core.units import parse_bytes
 
@@ -158,9 +158,10 @@ def _forecast_table(forecaster: Any, lengths: Sequence[int], batch_size: int, us
 def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, trace: Sequence[int], longest: int,
                         forecaster: Any, console: Any) -> dict[str, Any]:
     """Breakdowns at the traced lengths (made safe: none equal to a model width) on a fresh copy, printed."""
-    from lightning_seqmem.measure.batch import infer_batch_shape
-    from lightning_seqmem.diagnostics.section import breakdown_section, safe_seq_lens, trace_breakdowns, training_step_loss, width_dims
-    from lightning_seqmem.present.report import render_breakdown_console
+    from lightning_seqmem.measure.batch_shape import infer_batch_shape
+    from lightning_seqmem.diagnostics.section import breakdown_section, safe_seq_lens, trace_breakdowns, width_dims
+    from lightning_seqmem.diagnostics.traced_step import training_step_loss
+    from lightning_seqmem.present.render import render_breakdown_console
 
     work = precision.convert_module(copy.deepcopy(model)).to(device)
     optimizer, _ = first_optimizer(work)

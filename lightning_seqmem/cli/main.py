@@ -8,7 +8,7 @@
   trained), and print the predicted peak at each length and the largest length that fits; then
   (``--no-breakdown`` to skip) where the memory goes: by kind and by module at the traced
   lengths and extrapolated to the longest asked, the attention share, the crossover length and
-  any diagnosis (:mod:`lightning_seqmem.diagnostics.breakdown`).
+  any diagnosis (:mod:`lightning_seqmem.diagnostics.findings`).
 * ``seqmem plan --config CONFIG.yaml --lengths 4096 16384 65536``: dry-run one training step of the
   config's model per length and mitigation set on fake tensors (:mod:`lightning_seqmem.dryrun.step`;
   nothing is trained or allocated) and print the predicted peaks, which fit the budget, and the
@@ -27,18 +27,14 @@ from typing import Any, NoReturn, Optional, Sequence
 
 __all__ = ["main"]
 
-from lightning_seqmem.cli.common import (  # noqa: F401 - build_from_config: a 0.1 name here
+from lightning_seqmem.cli.common import (
     DEFAULT_DATA,
     DEFAULT_MODEL,
     UserError,
-    build_from_config,
-    first_optimizer,
     quiet_warnings,
 )
 from lightning_seqmem.cli.forecast_command import run_forecast
 from lightning_seqmem.cli.plan import run_plan
-
-_first_optimizer = first_optimizer  # 0.1 name (tests import it from here)
 
 # ----------------------------------------------------------------------------------------------
 # seqmem demo
@@ -55,7 +51,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     from lightning_seqmem import Curriculum, SeqMemCallback
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-    from lightning_seqmem.present.report import load_report, render_console
+    from lightning_seqmem.present.report import load_report
+    from lightning_seqmem.present.render import render_console
 
     quiet_warnings()
     console = Console(width=None if sys.stdout.isatty() else 120)
@@ -116,7 +113,8 @@ def _panels(args: argparse.Namespace) -> int:
 # seqmem report
 # ----------------------------------------------------------------------------------------------
 def _report(args: argparse.Namespace) -> int:
-    from lightning_seqmem.present.report import JSON_NAME, load_report, render_console, render_markdown
+    from lightning_seqmem.present.report import JSON_NAME, load_report
+    from lightning_seqmem.present.render import render_console, render_markdown
 
     path = Path(args.path)
     if not path.exists():

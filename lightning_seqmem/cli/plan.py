@@ -53,7 +53,7 @@ from lightning_seqmem.cli.plan_text import (
 )
 from lightning_seqmem.dryrun.accelerator import step_context
 
-__all__ = ["PlanRun", "run_plan", "serve_worker"]
+__all__ = ["run_plan", "serve_worker"]
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _budget_args(args: argparse.Namespace) -> Optional[list[Any]]:
 def _set_up(args: argparse.Namespace) -> PlanRun:
     """Build the config's model (on ``meta``), data and optimizer (nothing is trained), the sets to dry-run
     and the devices to answer for."""
-    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.measure.batch_shape import infer_batch_shape
 
     # on meta, a model that trains with flash-attn built with its modelled kernel where flash-attn cannot run
     cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan", meta=True)

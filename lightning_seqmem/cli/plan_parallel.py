@@ -95,7 +95,7 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
     """One layout with ``names`` at ``res``'s length: degree 1 is the N-rank table's own row; a set whose
     model makes no SDPA call (``no_sdpa``, filled here) runs no degree above 1."""
     from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
-    from lightning_seqmem.dryrun.step import DryRunUnsupported
+    from lightning_seqmem.dryrun.result import DryRunUnsupported
 
     L = res["seq_len"]
     row = {**layout.to_json(), "layout": layout.name(), "mitigations": list(names), "seq_len": L,
@@ -140,7 +140,7 @@ def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
     """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a dry
     run; where it is refused, the formula on the row's own peak, marked so."""
     from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
-    from lightning_seqmem.dryrun.step import DryRunUnsupported
+    from lightning_seqmem.dryrun.result import DryRunUnsupported
     from lightning_seqmem.plan.parallel import offload_model
 
     degree = max(row["sequence_parallel_degree"], row["context_parallel_degree"])

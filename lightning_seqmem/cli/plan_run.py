@@ -93,7 +93,7 @@ class PlanRun:
         return dict(self.cache[key])
 
     def _run(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]], offload: bool) -> dict[str, Any]:
-        from lightning_seqmem.dryrun.step import DryRunUnsupported
+        from lightning_seqmem.dryrun.result import DryRunUnsupported
 
         started = time.perf_counter()
         result = error = None
@@ -221,7 +221,7 @@ def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_siz
     from lightning_seqmem.dryrun.accelerator import is_simulated
     from lightning_seqmem.mitigations.ladder import rung
     from lightning_seqmem.core.rungs import MITIGATIONS
-    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.measure.batch_shape import infer_batch_shape
     from lightning_seqmem.mitigations.ladder import applicability
 
     rungs = MITIGATIONS if seqmem is None else tuple(seqmem.configured_mitigations)  # in its order

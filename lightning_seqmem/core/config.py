@@ -53,7 +53,7 @@ class SeqMemConfig:
 
     ``checked=False`` skips the callback's checks (the mitigations are still checked): the
     :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s own keywords are plain values a caller
-    drives by hand (``warmup_steps=0`` fits from the first step), as they always were.
+    drives by hand (``warmup_steps=0`` fits from the first step).
 
     Example:
         >>> SeqMemConfig(warmup_steps=0)

@@ -8,11 +8,11 @@ it (``mitigations_before``), and later whether it was taken off again (``removed
 the attention check after it ran (``checked``). A change is a new value (:meth:`MitigationEvent.with_after`,
 :meth:`~MitigationEvent.with_checked`, :meth:`~MitigationEvent.with_removed`), made by the ladder.
 
-It is a read-only :class:`~collections.abc.Mapping` over the keys of the dict of earlier versions,
-so ``event["name"]``, ``event.get("checked")``, ``dict(event)`` and ``event == {...}`` read as
-before; :meth:`~MitigationEvent.to_dict` is that dict exactly (the same keys, in the same order:
-``removed`` and ``checked`` only once set, and an old checkpoint's event only with the keys it had),
-so checkpoints and reports are written as before, and :meth:`~MitigationEvent.from_dict` reads it back.
+It is a read-only :class:`~collections.abc.Mapping` over its plain-dict form, so
+``event["name"]``, ``event.get("checked")``, ``dict(event)`` and ``event == {...}`` read it;
+:meth:`~MitigationEvent.to_dict` is that dict exactly (fixed keys in a fixed order: ``removed`` and
+``checked`` only once set, and a checkpoint's event only with the keys it had), what checkpoints
+and reports hold, and :meth:`~MitigationEvent.from_dict` reads it back.
 
 Example:
     >>> e = MitigationEvent("checkpointing", step=3, seq_len=512, batch_size=4, detail="4 blocks",
@@ -90,7 +90,7 @@ class MitigationEvent(Mapping):
         return f"MitigationEvent({self.to_dict()!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        """The plain dict of earlier versions (what a checkpoint and a report hold)."""
+        """The plain dict (what a checkpoint and a report hold)."""
         return {k: self[k] for k in self.keys_present}
 
     @classmethod

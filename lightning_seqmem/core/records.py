@@ -96,7 +96,7 @@ class StepRecord(AllocatorCounters, _StepRecordHead):
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["mitigations"] = list(self.mitigations)
-        if out["step_seconds"] is None:  # not timed (a record of an older version): absent, as it was saved
+        if out["step_seconds"] is None:  # not timed (a record saved without it): absent
             del out["step_seconds"]
         return out
 

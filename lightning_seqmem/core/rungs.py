@@ -31,8 +31,10 @@ holds at most one variant of each rung. The user names rungs; the planner choose
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import importlib
 from typing import Any, Sequence
+
+from lightning_seqmem.core.rung_spec import LEVEL_SEP, RungSpec
 
 
 class RungNotApplicable(ValueError):
@@ -51,79 +53,13 @@ class RungNotApplicable(ValueError):
         super().__init__(self.reason)
 
 
-@dataclass(frozen=True)
-class RungSpec:
-    """What the planner knows of one rung (plain values).
+RUNG_FOLDERS = ("attention", "checkpointing", "microbatch", "fused_loss", "tiled_mlp", "activation_offload")
+"""The built-in rungs, one folder each (``lightning_seqmem/mitigations/<rung>/``: the rung, its spec,
+its method card), in the default order then the opt-in ones. A new built-in rung is its folder and
+its name here (a user's rung: its folder and :func:`lightning_seqmem.mitigations.ladder.register_folder`)."""
 
-    Example:
-        >>> RungSpec("fused_loss", advice="use a fused cross-entropy", step_time_prior=0.02).linearises_attention
-        False
-    """
-
-    name: str  # the rung's name in ``SeqMemCallback(mitigations=[...])``, the policy's ``.name`` too
-    advice: str  # what to do, in words, for a warning ("enable activation checkpointing")
-    step_time_prior: float = 0.0  # extra step time as a fraction of the plain step, until measured
-    linearises_attention: bool = False  # after the switch the L² term should fall: checked, warned if not
-    first_step_check: bool = False  # the step that switches it on runs a one-time check (dry-run apart)
-    # priors of named levels (``(("selective", 0.08),)``); a level "k/N" scales ``step_time_prior`` by k/N
-    level_priors: tuple[tuple[str, float], ...] = ()
-    # priors on one device type where it differs (``(("cpu", 0.6),)``: an eager fallback kernel there)
-    device_priors: tuple[tuple[str, float], ...] = ()
-    # the same mechanism as other training engines' configs switch it (``seqmem plan --emit``):
-    # "activation_checkpointing", "gradient_accumulation"; "" for none (see :func:`engine_features`)
-    engine_feature: str = ""
-
-    def prior_on(self, device_type: "str | None") -> float:
-        """The step-time prior on ``device_type`` (``"cpu"``, ``"cuda"``; None: the general one).
-
-        >>> RungSpec("fused_loss", "x", 0.05, device_priors=(("cpu", 0.6),)).prior_on("cpu")
-        0.6
-        """
-        return dict(self.device_priors).get(device_type, self.step_time_prior) if device_type else self.step_time_prior
-
-    def at(self, level: "str | None") -> "RungSpec":
-        """This spec for variant ``level`` (None: the full rung): its name and step-time prior.
-
-        >>> RungSpec("checkpointing", "x", 0.3, level_priors=(("selective", 0.1),)).at("selective").step_time_prior
-        0.1
-        """
-        if level is None:
-            return self
-        prior = dict(self.level_priors).get(level)
-        if prior is None:
-            k, _, n = level.partition("/")
-            prior = self.step_time_prior * int(k) / int(n) if k.isdigit() and n.isdigit() and int(n) > 0 else self.step_time_prior
-        return replace(self, name=f"{self.name}{LEVEL_SEP}{level}", step_time_prior=prior, device_priors=())
-
-
-_BUILTIN = (
-    # eager -> SDPA/flash-attn: no L^2 matrix, no extra compute
-    RungSpec("attention", "switch attention to SDPA or flash-attn", 0.0, linearises_attention=True),
-    # recompute every block in backward: about one more forward, ~1/3 of a step (Chen et al. 2016)
-    # levels: "k/N" blocks cost k/N of it; "selective" recomputes the pointwise ops only (norms, activations,
-    # residual adds), not the matmuls nor attention. Measured on CPU by benchmarks/checkpointing_levels.py
-    # (reference GPT, 4 layers, d_model 256, L=512, batch 2, AdamW, interleaved steps, a shared machine),
-    # step time over plain: selective x1.089 / x1.213, 2/4 x1.128 / x1.259, all blocks x1.271 / x1.373 (two
-    # runs): selective's extra time is 0.33-0.57 of full's, so 0.45 x 0.33 ~ 0.15. Its dispatch mode costs
-    # per op: on small models it can cost as much as full (x1.42 vs x1.44 at d_model 128, L=256).
-    RungSpec("checkpointing", "enable activation checkpointing", 0.33, level_priors=(("selective", 0.15),),
-             engine_feature="activation_checkpointing"),
-    # micro-batches of one sample: the same FLOPs in smaller kernels; the first split step checks the loss
-    RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1, first_step_check=True,
-             engine_feature="gradient_accumulation"),
-    # the causal-LM loss from hidden states and lm_head.weight in token shards: no [tokens, vocab] logits;
-    # the same matmuls (logits once, both gradients in the forward), a Python loop over the shards
-    # on CPU it runs DeepSpeed's eager tiled loss: measured by benchmarks/longest_length.py (32K vocabulary,
-    # hidden 256, 512 tokens x 2) at 0.515 s against 0.426 s for SDPA + full checkpointing (+33%): ~+60%
-    RungSpec("fused_loss", "compute the loss with a fused linear cross-entropy (allow the fused_loss rung)", 0.05,
-             device_priors=(("cpu", 0.6),)),
-    # DeepSpeed's TiledMLP: the MLPs run again in backward, tile by tile: about one more forward of the
-    # MLPs (~2/3 of a block's matmuls) on top of a step of ~3 forwards: ~0.2 (ALST, arXiv 2506.13996)
-    RungSpec("tiled_mlp", "tile the MLPs along the sequence (allow \"tiled_mlp\"; the `tiled` extra)", 0.2),
-    # saved activations to pinned host memory and back (CUDA only): two copies of them over the host link, on
-    # the compute stream; a guess until measured (ALST reports a few % at 650K tokens, more at short lengths)
-    RungSpec("activation_offload", "offload saved activations to pinned host memory (CUDA)", 0.15),
-)
+_BUILTIN = tuple(importlib.import_module(f"lightning_seqmem.mitigations.{folder}.{folder}_spec").SPEC
+                 for folder in RUNG_FOLDERS)  # torch-free data (tests/test_imports.py)
 _SPECS: dict[str, RungSpec] = {s.name: s for s in _BUILTIN}
 
 EXTRA_RUNGS = ("fused_loss", "tiled_mlp", "activation_offload")
@@ -136,10 +72,7 @@ BUILTIN_RUNGS = tuple(s.name for s in _BUILTIN)
 MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
 """The built-in rungs of the default ladder, cheapest first (the default order)."""
 
-ADVICE = {s.name: s.advice for s in _BUILTIN if s.name in MITIGATIONS}  # kept for 0.1 callers: prefer spec(name).advice
 
-
-LEVEL_SEP = ":"
 
 
 def base_name(name: str) -> str:
@@ -282,5 +215,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["ADVICE", "at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "LEVEL_SEP", "MITIGATIONS", "RungNotApplicable", "RungSpec", "base_name", "level_of", "check_mitigations", "check_setting", "engine_features", "register_spec", "remaining_advice",
+__all__ = ["at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "MITIGATIONS", "RUNG_FOLDERS", "RungNotApplicable", "base_name", "level_of", "check_mitigations", "check_setting", "engine_features", "register_spec", "remaining_advice",
            "rung_names", "spec", "unregister_spec"]

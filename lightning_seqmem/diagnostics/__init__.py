@@ -5,6 +5,5 @@ One concern a module: :mod:`.growth` (how a part grows with L), :mod:`.categorie
 byte belongs to), :mod:`.scope` (which module is running), :mod:`.tracer` (one traced step: the
 ``Breakdown``), :mod:`.korthikanti` (theory and ``calibrate``), :mod:`.compare` (several lengths side
 by side), :mod:`.findings` (diagnoses and the attention ablation), :mod:`.traced_step` (a step of a copy, as
-training runs it) and :mod:`.section` (the report's section, at safe lengths). :mod:`.breakdown` is
-the 0.1 import path, kept for one release.
+training runs it) and :mod:`.section` (the report's section, at safe lengths).
 """

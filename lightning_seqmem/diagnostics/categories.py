@@ -19,7 +19,7 @@ from typing import Sequence
 
 from torch import nn
 
-from lightning_seqmem.mitigations import find_repeated_blocks
+from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
 
 __all__ = [
     "ATTENTION_CATEGORIES",

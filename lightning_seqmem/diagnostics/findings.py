@@ -19,7 +19,7 @@ from torch import nn
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.diagnostics.categories import find_attention_modules, module_infos
 from lightning_seqmem.diagnostics.tracer import AllocationRecord, Breakdown, trace_breakdown
-from lightning_seqmem.mitigations import is_checkpointed
+from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
 
 __all__ = ["AttentionAblation", "MemoryDiagnosisWarning", "attention_ablation", "diagnose"]
 

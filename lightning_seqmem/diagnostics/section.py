@@ -46,21 +46,11 @@ from lightning_seqmem.diagnostics.korthikanti import calibrate, model_dims
 from lightning_seqmem.diagnostics.peak_trace import peak_site
 from lightning_seqmem.diagnostics.traced_step import LossFn, copy_for_tracing, run_training_step, training_step_loss
 from lightning_seqmem.diagnostics.tracer import Breakdown, trace_breakdown
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.steps import batch_copy_at, step_device
-from lightning_seqmem.mitigations.microbatch import IGNORE_INDEX
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX
 
-__all__ = [
-    "EndOfFitPlan",
-    "breakdown_section",
-    "copy_for_tracing",
-    "end_of_fit_plan",
-    "end_of_fit_section",
-    "safe_seq_lens",
-    "trace_breakdowns",
-    "training_step_loss",
-    "width_dims",
-]
+__all__ = ["EndOfFitPlan", "breakdown_section", "end_of_fit_plan", "end_of_fit_section", "safe_seq_lens", "trace_breakdowns", "width_dims"]
 
 
 # ----------------------------------------------------------------------------------------------

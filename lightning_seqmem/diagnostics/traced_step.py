@@ -7,9 +7,9 @@
 * :func:`run_training_step`: one step in Lightning's order
   (:func:`~lightning_seqmem.measure.steps.training_step_memory`: forward, ``zero_grad``, backward,
   optimizer step), micro-batched as the ``microbatch`` mitigation runs it when asked
-  (:mod:`lightning_seqmem.mitigations.microbatch_twin`): the batch is cut by the policy's own
-  :func:`~lightning_seqmem.mitigations.microbatch.split_batch` and each micro-batch's loss weighted
-  by :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts` (label tokens for a batch
+  (:mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin`): the batch is cut by the policy's own
+  :func:`~lightning_seqmem.mitigations.microbatch.microbatch.split_batch` and each micro-batch's loss weighted
+  by :func:`~lightning_seqmem.mitigations.microbatch.microbatch.micro_batch_counts` (label tokens for a batch
   with integer ``labels``, else samples).
 
 Example:
@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from lightning_seqmem.measure.steps import loss_of, training_step_memory
-from lightning_seqmem.mitigations.microbatch import IGNORE_INDEX
-from lightning_seqmem.mitigations.microbatch_twin import ZeroGradBeforeFirstMicroBatch, micro_batched_loss
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX
+from lightning_seqmem.mitigations.microbatch.microbatch_twin import ZeroGradBeforeFirstMicroBatch, micro_batched_loss
 
 __all__ = ["LossFn", "copy_for_tracing", "run_training_step", "training_step_loss"]
 
@@ -98,10 +98,10 @@ def run_training_step(
     """One training step in Lightning's order, micro-batched like :class:`~lightning_seqmem.mitigations.MicroBatching`.
 
     With ``micro_batch_size``, the wrapper's own step
-    (:func:`~lightning_seqmem.mitigations.microbatch_twin.micro_batched_loss`, under ``context``):
-    gradients zeroed once, each micro-batch of :func:`~lightning_seqmem.mitigations.microbatch.split_batch`
+    (:func:`~lightning_seqmem.mitigations.microbatch.microbatch_twin.micro_batched_loss`, under ``context``):
+    gradients zeroed once, each micro-batch of :func:`~lightning_seqmem.mitigations.microbatch.microbatch.split_batch`
     but the last backpropagated with its loss weighted by its share ``c_i / C`` of
-    :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts` (``weighting``,
+    :func:`~lightning_seqmem.mitigations.microbatch.microbatch.micro_batch_counts` (``weighting``,
     ``ignore_index`` as the policy's), the last one's in the step's backward; a micro-batch that
     counts nothing is not run, and a batch that is one micro-batch or counts nothing at all runs
     whole, as under the policy.

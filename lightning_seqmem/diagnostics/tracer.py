@@ -56,8 +56,9 @@ from lightning_seqmem.diagnostics.categories import (
 )
 from lightning_seqmem.diagnostics.growth import is_quadratic_shape
 from lightning_seqmem.diagnostics.scope import ModuleScope, in_backward
-from lightning_seqmem.measure.probes import LiveTensorTracker, tensor_storages
-from lightning_seqmem.mitigations import current_attention_backend, is_checkpointed
+from lightning_seqmem.measure.tracker import LiveTensorTracker, tensor_storages
+from lightning_seqmem.mitigations.attention.attention import current_attention_backend
+from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpointed
 
 if TYPE_CHECKING:
     from lightning_seqmem.diagnostics.korthikanti import Calibration

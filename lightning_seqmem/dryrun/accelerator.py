@@ -63,7 +63,7 @@ _ACTIVE = [0]  # dry runs on the simulated device now running (see simulating)
 class _Backend:
     """What torch asks a device module for (``torch.seqmem``): one bf16-able device, *available only while a
     dry run runs on it* (:func:`simulating`). Outside, ``torch.accelerator.is_available()``, the DataLoader's
-    ``pin_memory``, distributed checkpointing and ``fork_rng`` see no accelerator here, as before."""
+    ``pin_memory``, distributed checkpointing and ``fork_rng`` see no accelerator here."""
 
     def is_initialized(self) -> bool:
         return True

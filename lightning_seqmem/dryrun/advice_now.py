@@ -38,7 +38,8 @@ def precision_advice(dry: Any, view: "PlanView", precision: str, device: torch.d
 
     ``dry`` is the callback's :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun` (or None).
     """
-    from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+    from lightning_seqmem.dryrun.result import DryRunUnsupported
+    from lightning_seqmem.dryrun.step import dry_run_step
 
     if not str(precision).startswith("32") or dry is None or dry.unsupported or dry.batch is None:
         return None

@@ -102,13 +102,9 @@ from lightning_seqmem.dryrun.stack import (
     shallow_optimizer,
     state_key,
 )
-from lightning_seqmem.dryrun.step import (
-    allocator_block_bytes,
-    check_module,
-    checked_rungs,
-    dry_run_step,
-    simulated_device_for,
-)
+from lightning_seqmem.dryrun.cuda import allocator_block_bytes
+from lightning_seqmem.dryrun.fake import check_module
+from lightning_seqmem.dryrun.step import checked_rungs, dry_run_step, simulated_device_for
 
 __all__ = ["clear_depth_cache", "depth_dry_run_step", "depth_sequence_parallel_dry_run_step",
            "depth_sharded_dry_run_step"]

@@ -20,9 +20,9 @@ Cut Cross-Entropy, Liger            :mod:`.kernels_loss`: the ``fused_loss`` run
 
 On import this module registers them: the SDPA dispatch on the simulated device (when it is
 registered), the modelled flash-attn as the attention rung's ``"flash"`` there
-(:func:`~lightning_seqmem.mitigations.attention.register_modelled_flash`), CCE and Liger as the
+(:func:`~lightning_seqmem.mitigations.attention.attention.register_modelled_flash`), CCE and Liger as the
 ``fused_loss`` rung's backends there
-(:func:`~lightning_seqmem.mitigations.fused_loss.register_modelled_backends`). A dry run records the
+(:func:`~lightning_seqmem.mitigations.fused_loss.fused_loss.register_modelled_backends`). A dry run records the
 modelled kernels that ran (:func:`recording`) and says which in its result (``modelled_kernels``,
 ``detail``). On the CPU nothing changes: the models run on the simulated device only (and on fake
 CPU tensors of a model built for flash-attn under :func:`modelled_kernels`, which otherwise cannot
@@ -54,43 +54,15 @@ import contextlib
 
 from lightning_seqmem.dryrun.accelerator import SIMULATED
 from lightning_seqmem.dryrun.kernels_flash import (
-    HF_IMPLEMENTATIONS,
-    flash_attn_3_func,
-    flash_attn_3_varlen_func,
-    flash_attn_func,
-    flash_attn_varlen_func,
     hf_implementation,
     mapped_flash_requests,
 )
 from lightning_seqmem.dryrun.kernels_loss import cce_loss, liger_loss
-from lightning_seqmem.dryrun.kernels_scratch import (
-    CUDA_TARGET,
-    CudaTarget,
-    kernel_scratch_bytes,
-    note_kernel,
-    recording,
-)
-from lightning_seqmem.dryrun.kernels_sdpa import sdpa_backend
-from lightning_seqmem.mitigations.attention import register_modelled_flash
-from lightning_seqmem.mitigations.fused_loss import register_modelled_backends
+from lightning_seqmem.dryrun import kernels_sdpa  # noqa: F401 - registers the SDPA dispatch on the simulated device
+from lightning_seqmem.mitigations.attention.attention import register_modelled_flash
+from lightning_seqmem.mitigations.fused_loss.fused_loss import register_modelled_backends
 
-__all__ = [
-    "CUDA_TARGET",
-    "CudaTarget",
-    "HF_IMPLEMENTATIONS",
-    "cce_loss",
-    "flash_attn_3_func",
-    "flash_attn_3_varlen_func",
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "hf_implementation",
-    "kernel_scratch_bytes",
-    "liger_loss",
-    "modelled_kernels",
-    "note_kernel",
-    "recording",
-    "sdpa_backend",
-]
+__all__ = ["modelled_kernels"]
 
 
 def modelled_kernels() -> contextlib.AbstractContextManager[None]:

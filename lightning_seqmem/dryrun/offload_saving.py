@@ -1,6 +1,6 @@
 """What activation offload would save: two dry runs of one step, without and with the rung.
 
-Activation offload (:mod:`lightning_seqmem.mitigations.offload`) is CUDA only, but its effect on the
+Activation offload (:mod:`lightning_seqmem.mitigations.activation_offload.activation_offload`) is CUDA only, but its effect on the
 device's live bytes is modelled on any device: on the dry run's fake copy each saved activation is
 forgotten by the device as ``save_on_cpu`` would copy it out, and allocated again in the backward
 where it would be copied back. :func:`offload_forecast` runs the step without and with it and
@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_seqmem.dryrun.step import dry_run_step
-from lightning_seqmem.mitigations.offload import ActivationOffloadRung
+from lightning_seqmem.mitigations.activation_offload.activation_offload import ActivationOffloadRung
 
 __all__ = ["OffloadForecast", "offload_forecast"]
 

@@ -21,7 +21,8 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Optional, Union
 
-from lightning_seqmem.core.rungs import LEVEL_SEP, base_name, level_of
+from lightning_seqmem.core.rung_spec import LEVEL_SEP
+from lightning_seqmem.core.rungs import base_name, level_of
 from lightning_seqmem.dryrun.pumping import cut, events_of, insertions, pumped, shape, tokens_of
 from lightning_seqmem.dryrun.result import DryRunResult
 from lightning_seqmem.dryrun.step import replay_peaks

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_map
 from lightning_seqmem.core.rungs import RungNotApplicable, at_most
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.dryrun import sharded
-from lightning_seqmem.dryrun.step import DryRunUnsupported, dry_run_step
+from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.dryrun.step_functions import loop_of, trainer_loop
 from lightning_seqmem.dryrun.values import ValueRoom, value_room
 from lightning_seqmem.mitigations import ladder

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
-from lightning_seqmem.dryrun.step import DryRunResult, DryRunUnsupported
+from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 
 __all__ = ["AttentionCalls", "attention_calls", "ring_attention", "sequence_parallel_attention",
            "sequence_parallel_dry_run_step", "state_bytes", "ulysses_attention"]

@@ -53,20 +53,11 @@ from lightning_seqmem.core.search import smallest_fitting
 from lightning_seqmem.dryrun.accelerator import contained_unpack_failures
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.moe import routing_note
-from lightning_seqmem.dryrun.step import (
-    DryRunResult,
-    DryRunUnsupported,
-    check_module,
-    configured_optimizer,
-    unsupported_reason,
-    state_after_a_step,
-    transformers_without_fake_detection,
-    allocator_block_bytes,
-    checked_rungs,
-    host_peaks,
-    replay_peaks,
-    simulated_device_for,
-)
+from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
+from lightning_seqmem.dryrun.fake import check_module, configured_optimizer
+from lightning_seqmem.dryrun.step import unsupported_reason, state_after_a_step, checked_rungs, host_peaks, replay_peaks, simulated_device_for
+from lightning_seqmem.dryrun.values import transformers_without_fake_detection
+from lightning_seqmem.dryrun.cuda import allocator_block_bytes
 from lightning_seqmem.dryrun.cpu_offload import (
     cpu_offload_policy,
     is_offloaded,
@@ -83,9 +74,10 @@ from lightning_seqmem.dryrun.host import (
 )
 from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
+from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.measure.probes import PHASES, make_probe
+from lightning_seqmem.core.records import PHASES
+from lightning_seqmem.measure.probes import make_probe
 
 __all__ = ["STRATEGIES", "check_strategy", "data_parallel_size", "dry_run_refusal", "fake_world", "fsdp2_modules", "is_fsdp2",
            "sharded_dry_run_step", "sharding_root", "template_for", "unsharded_template", "world_forecast"]
@@ -329,7 +321,7 @@ def sharded_dry_run_step(
     check_module(template)
     if is_fsdp2(template):
         raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")
-    from lightning_seqmem.measure.batch import infer_batch_shape
+    from lightning_seqmem.measure.batch_shape import infer_batch_shape
 
     if not isinstance(offload, bool):
         raise ValueError(f"`offload` must be a bool, got {offload!r}")

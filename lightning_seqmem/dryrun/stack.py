@@ -1,7 +1,7 @@
 """The stack of repeated blocks of a model, whether its blocks are alike, and shallow copies of it.
 
 :func:`find_stack` finds the ``nn.ModuleList`` holding the model's repeated blocks (those
-:func:`~lightning_seqmem.mitigations.checkpointing.find_repeated_blocks` finds: a Hugging Face
+:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing.find_repeated_blocks` finds: a Hugging Face
 model's decoder layers, the reference GPT's ``blocks``); :func:`blocks_differ` says why they are not
 alike where they are not (a parameter shape, a sliding window on some layers, a per-layer list of
 the config); :func:`shallow_copy` is the model with only the first ``k`` blocks, for a dry run: the
@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_seqmem.dryrun.fake import unwrap_optimizer
 from lightning_seqmem.measure.probes import attribute_tensors
-from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
+from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
 
 __all__ = ["blocks_differ", "find_stack", "shallow_copy", "shallow_optimizer", "stack_configs",
            "state_key"]

@@ -28,12 +28,12 @@ What is counted, as in a real Lightning run after the first step:
   flash-attn, Cut Cross-Entropy, Liger) are modelled from their sources (:mod:`.kernels`); the
   result's ``modelled_kernels`` and ``detail`` name those that ran.
 
-Candidate mitigations (rung names, :func:`lightning_seqmem.mitigations.ladder.rung_names`) are
+Candidate mitigations (rung names, :func:`lightning_seqmem.mitigations.rung_names`) are
 applied to the copy only, each by its rung's ``apply_to_copy``
 (:class:`~lightning_seqmem.mitigations.base.Rung`): the attention switch and activation
 checkpointing change the copy; micro-batching changes the step (micro-batches of one sample, each loss weighted by its share of what the loss
 averages over and backpropagated on its own, one optimizer step, as
-:mod:`lightning_seqmem.mitigations.microbatch` runs it: the gradients are zeroed before the first
+:mod:`lightning_seqmem.mitigations.microbatch.microbatch` runs it: the gradients are zeroed before the first
 micro-batch, every micro-batch but the last is backpropagated inside the ``forward`` phase, the
 last one in ``backward``; the wrapper's one-time check of its first split batch is not included).
 
@@ -101,19 +101,17 @@ from torch._subclasses.fake_tensor import (
 )
 
 
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import CopyPlan
-from lightning_seqmem.mitigations.offload import offloaded_bytes, reset_offloaded_bytes
-from lightning_seqmem.mitigations.ladder import check_mitigations
+from lightning_seqmem.mitigations.activation_offload.activation_offload import offloaded_bytes, reset_offloaded_bytes
+from lightning_seqmem.core.rungs import check_mitigations
 from lightning_seqmem.measure.steps import training_step_memory
-from lightning_seqmem.measure.probes import PHASES, TrackedEvents, existing_tensors, make_probe
+from lightning_seqmem.core.records import PHASES, TrackedEvents
+from lightning_seqmem.measure.probes import existing_tensors, make_probe
 
-__all__ = ["DryRunResult", "DryRunUnsupported", "allocator_block_bytes", "check_module", "checked_rungs",
-           "compiled_reason", "configured_optimizer", "cuda_kernel_scratch_bytes", "dry_run_step", "host_peaks", "replay_peaks",
-           "resident_bytes", "simulated_device_for", "state_after_a_step", "transformers_without_fake_detection", "unsupported_reason",
-           "warm_cuda_workspaces"]
+__all__ = ["checked_rungs", "dry_run_step", "host_peaks", "replay_peaks", "simulated_device_for", "state_after_a_step", "unsupported_reason"]
 
 from lightning_seqmem.dryrun.cuda import (  # re-exported
     allocator_block_bytes,
@@ -123,7 +121,6 @@ from lightning_seqmem.dryrun.cuda import (  # re-exported
 )
 from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, configured_optimizer: re-exported
     check_module,
-    compiled_reason,
     configured_optimizer,
     fake_copy,
     rebuild_optimizer,
@@ -132,7 +129,7 @@ from lightning_seqmem.dryrun.fake import (  # check_module, compiled_reason, con
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.accelerator import contained_unpack_failures, simulated_device, stands_for
 from lightning_seqmem.dryrun.host import host_detail, host_events, with_host_probe
-from lightning_seqmem.dryrun.kernels import CUDA_TARGET, recording
+from lightning_seqmem.dryrun.kernels_scratch import CUDA_TARGET, recording
 from lightning_seqmem.dryrun.values import BatchValues, transformers_without_fake_detection  # the latter re-exported
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.moe import routing_note
@@ -324,12 +321,12 @@ def dry_run_step(
             :func:`shape_batch`); any length will do, values do not matter.
         seq_len: tokens per sample of the step to simulate.
         batch_size: samples in the step; ``None``: the batch's own.
-        mitigations: names from :data:`~lightning_seqmem.mitigations.ladder.MITIGATIONS`, applied
+        mitigations: names from :data:`~lightning_seqmem.mitigations.MITIGATIONS`, applied
             to the copy: ``"attention"``, ``"checkpointing"``, ``"microbatch"`` (micro-batches of 1),
             ``"activation_offload"`` (``host_bytes`` of the result: modelled on the CPU; on an
             accelerator ``save_on_cpu`` runs and its host copies are in ``host_peak_bytes``).
             Or a rung's variant (``"checkpointing:3/8"``, ``"checkpointing:selective"``).
-            A module already micro-batched by :class:`~lightning_seqmem.mitigations.microbatch.MicroBatching`
+            A module already micro-batched by :class:`~lightning_seqmem.mitigations.microbatch.microbatch.MicroBatching`
             is simulated with its micro-batch size.
         autocast: a zero-argument factory of the context the forward runs in (the precision
             plugin's ``forward_context``, e.g. ``lambda: torch.autocast("cpu", dtype=torch.bfloat16)``).

@@ -3,7 +3,7 @@
 :func:`step_functions` turns a dry run's :class:`~lightning_seqmem.mitigations.base.CopyPlan` (what the
 rungs made of the copy) into the ``(loss_fn, optimizer)`` pair that
 :func:`~lightning_seqmem.measure.steps.training_step_memory` steps: :func:`plain_loss` and the optimizer,
-or the micro-batched loss of :mod:`lightning_seqmem.mitigations.microbatch_twin` (the wrapper's own
+or the micro-batched loss of :mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin` (the wrapper's own
 loop: micro-batches backpropagated one by one, each loss weighted by its share of what the loss
 averages over) and an optimizer zeroed before the first micro-batch. Both the one-rank dry run
 (:mod:`lightning_seqmem.dryrun.step`) and the sharded one (:mod:`lightning_seqmem.dryrun.sharded`)
@@ -44,19 +44,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from lightning_seqmem.dryrun.result import DryRunUnsupported
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.mitigations.base import CopyPlan
-from lightning_seqmem.mitigations.microbatch import (
-    IGNORE_INDEX,
-    MicroBatching,
-    is_micro_batching,
-    micro_batch_counts,
-    micro_batching_check_pending,
-    split_batch,
-)
-from lightning_seqmem.mitigations.microbatch_check import copied_tensors
-from lightning_seqmem.mitigations.microbatch_twin import ZeroGradBeforeFirstMicroBatch, check_pair, micro_batched_loss
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX, micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
+from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching, micro_batching_check_pending
+from lightning_seqmem.mitigations.microbatch.microbatch_check import copied_tensors
+from lightning_seqmem.mitigations.microbatch.microbatch_twin import ZeroGradBeforeFirstMicroBatch, check_pair, micro_batched_loss
 
 __all__ = ["TrainerLoop", "loop_of", "plain_loss", "step_functions", "trainer_loop"]
 
@@ -182,7 +177,7 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 
 def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignore_index: int) -> list[int]:
-    """What each micro-batch's loss weighs (see :func:`~lightning_seqmem.mitigations.microbatch.micro_batch_counts`).
+    """What each micro-batch's loss weighs (see :func:`~lightning_seqmem.mitigations.microbatch.microbatch.micro_batch_counts`).
 
     Label tokens are counted from the batch's values (:class:`BatchValues`); a batch whose labels
     have none (too large to keep) is weighted by samples: the weights are scalars, the memory is the same.
@@ -195,8 +190,8 @@ def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignor
 
 def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: list[int]) -> None:
     """The memory of the wrapper's one-time check of its first split batch (see
-    :mod:`lightning_seqmem.mitigations.microbatch`): its copy of the module's buffers and attribute
-    tensors (:func:`~lightning_seqmem.mitigations.microbatch_check.copied_tensors`), then no-grad
+    :mod:`lightning_seqmem.mitigations.microbatch.microbatch`): its copy of the module's buffers and attribute
+    tensors (:func:`~lightning_seqmem.mitigations.microbatch.microbatch_check.copied_tensors`), then no-grad
     forwards of the first two counted micro-batches together and apart, while the previous step's
     gradients are still alive. Nothing is kept."""
     found = check_pair(batch, parts, counts)

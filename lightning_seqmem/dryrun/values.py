@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from lightning_seqmem.measure.batch import infer_batch_shape, scaled_length
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
+from lightning_seqmem.measure.batch_tensors import scaled_length
 from lightning_seqmem.measure.batch_tensors import is_square
 from lightning_seqmem.dryrun.accelerator import to_host_device
 

@@ -41,8 +41,8 @@ rows, or 1, whose length is not ``L``: the decoder ``labels [B, L/2]`` of an enc
 their ratio to ``L`` when truncated (see :func:`scaled_length`); ``truncate=False`` leaves them.
 
 **Padding.** With ``truncate=True`` the kept positions are the first ``seq_len`` of every row,
-except for a left-padded batch, where they are the last ``seq_len`` (the real tokens, ending at the
-same place as before); see :func:`padding_side` for how padding is read from ``attention_mask``.
+except for a left-padded batch, where they are the last ``seq_len`` (the real tokens, ending where
+the row's real tokens end); see :func:`padding_side` for how padding is read from ``attention_mask``.
 """
 
 from __future__ import annotations
@@ -68,30 +68,15 @@ from lightning_seqmem.measure.batch_shape import (  # reading a batch; its publi
     mask_stats,
     read_mask,
     infer_batch_shape,
-    padding_side,
-    read_batch_shape,
 )
 from lightning_seqmem.measure.batch_tree import (  # the tree walk; map_tensors re-exported
     find_attention_mask,
-    find_reference,
     is_immutable_container,
-    can_cut_in_place,
     map_tensors,
 )
 
-__all__ = [
-    "BatchCut",
-    "can_cut_in_place",
-    "cut_batch",
-    "infer_batch_shape",  # from batch_shape
-    "padding_side",  # from batch_shape
-    "map_tensors",  # from batch_tree
-    "read_batch_shape",  # from batch_shape
-    "scaled_length",
-    "set_batch_sequence_length",
-]
+__all__ = ["BatchCut", "cut_batch", "set_batch_sequence_length"]
 
-_find_reference = find_reference  # 0.1 name (tests name it measure.batch._find_reference)
 
 BatchT = TypeVar("BatchT")
 

@@ -26,16 +26,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from lightning_seqmem.core.config import PROBE_NAMES  # (checked with the other arguments, in core)
-from lightning_seqmem.core.records import PHASES, StepMemory, TrackedEvents  # noqa: F401 - re-exported
-from lightning_seqmem.measure.tracker import (  # noqa: F401 - re-exported: the tracker lives in measure/tracker.py
+from lightning_seqmem.core.records import StepMemory
+from lightning_seqmem.measure.tracker import (
     LiveTensorTracker,
     flat_tensors,
-    tensor_storages,
 )
 
-__all__ = ["PHASES", "PROBE_NAMES", "CudaAllocatorProbe", "DeviceAndHostProbe", "LiveTensorTracker", "MemoryProbe", "StepMemory", "optimizer_held_tensors",
-           "TrackedEvents", "TrackerProbe", "attribute_tensors", "existing_tensors", "make_probe",
-           "round_cuda_block_bytes", "tensor_storages"]
+__all__ = ["CudaAllocatorProbe", "DeviceAndHostProbe", "MemoryProbe", "optimizer_held_tensors", "TrackerProbe", "attribute_tensors", "existing_tensors", "make_probe", "round_cuda_block_bytes"]
 
 
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes

@@ -30,10 +30,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_seqmem.measure.batch import infer_batch_shape, set_batch_sequence_length
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
+from lightning_seqmem.measure.batch import set_batch_sequence_length
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.forecast import MemoryForecaster
-from lightning_seqmem.measure.probes import PHASES, StepMemory, existing_tensors, make_probe
+from lightning_seqmem.core.records import PHASES, StepMemory
+from lightning_seqmem.measure.probes import existing_tensors, make_probe
 from lightning_seqmem.core.timeline import Trace
 
 __all__ = ["batch_copy_at", "loss_of", "step_device", "trace_training_steps", "training_step_memory"]

@@ -17,13 +17,14 @@ method                                     asked by
 ``check_pending(module)``, ``refusal``     the callback: a one-time check after the switch
 =========================================  ===============================================================
 
-Its torch-free half, :class:`~lightning_seqmem.core.rungs.RungSpec` (``spec``), is what the planner
+Its torch-free half, :class:`~lightning_seqmem.core.rung_spec.RungSpec` (``spec``), is what the planner
 reads. A new rung is one file with a ``Rung`` subclass, registered with
 :func:`lightning_seqmem.mitigations.ladder.register`.
 
 Example:
     >>> from torch import nn
-    >>> from lightning_seqmem.core.rungs import RungNotApplicable, RungSpec
+    >>> from lightning_seqmem.core.rung_spec import RungSpec
+    >>> from lightning_seqmem.core.rungs import RungNotApplicable
     >>> class NoDropout(Rung):
     ...     spec = RungSpec("no_dropout", advice="drop dropout")
     ...     def is_on(self, module):
@@ -46,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from lightning_seqmem.core.checks import is_a
-from lightning_seqmem.core.rungs import RungNotApplicable, RungSpec
+from lightning_seqmem.core.rung_spec import RungSpec
+from lightning_seqmem.core.rungs import RungNotApplicable
 
 
 @dataclass(frozen=True)

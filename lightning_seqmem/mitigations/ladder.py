@@ -31,9 +31,10 @@ Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`, not in the default ord
 ==========================  ===================================================  =====================
 
 Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
-(:class:`~lightning_seqmem.core.rungs.RungSpec`) is what the planner reads. A new rung is one file
-with a ``Rung`` subclass and one :func:`register` call; the callback, the dry run and ``seqmem plan``
-take it by name from then on. The functions below never raise for a rung's failure: they return it.
+(:class:`~lightning_seqmem.core.rung_spec.RungSpec`) is what the planner reads. A new rung is one
+folder (its ``<rung>.py`` with a ``RUNG`` class, its spec, its card) and one line: its name in
+:data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` for a built-in, :func:`register_folder` for a
+user's; the callback, the dry run and ``seqmem plan`` take it by name from then on. The functions below never raise for a rung's failure: they return it.
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -43,30 +44,29 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.core.rungs import (
-    ADVICE,
     BUILTIN_RUNGS,
-    MITIGATIONS,
+    RUNG_FOLDERS,
     base_name,
-    check_mitigations,
     register_spec,
-    remaining_advice,
     rung_names,
     unregister_spec,
 )
-from lightning_seqmem.mitigations.attention import AttentionRung
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext
-from lightning_seqmem.mitigations.checkpointing import CheckpointingRung
-from lightning_seqmem.mitigations.fused_loss import FusedLossRung
-from lightning_seqmem.mitigations.microbatch import MicroBatchRung
-from lightning_seqmem.mitigations.offload import ActivationOffloadRung
-from lightning_seqmem.mitigations.tiled_mlp import TiledMLPRung
 
-_RUNGS: dict[str, Rung] = {r.name: r for r in (AttentionRung(), CheckpointingRung(), MicroBatchRung(),
-                                          FusedLossRung(), TiledMLPRung(), ActivationOffloadRung())}
+
+def _folder_rung(path: str) -> Rung:
+    """The rung of the folder (package) ``path``: its ``<leaf>.py`` module's ``RUNG`` class, made."""
+    module = importlib.import_module(f"{path}.{path.rsplit('.', 1)[-1]}")
+    return module.RUNG()
+
+
+_RUNGS: dict[str, Rung] = {r.name: r for r in (_folder_rung(f"lightning_seqmem.mitigations.{folder}")
+                                               for folder in RUNG_FOLDERS)}
 
 
 def register(rung: Rung) -> Rung:
@@ -80,6 +80,22 @@ def register(rung: Rung) -> Rung:
     register_spec(rung.spec)
     _RUNGS[rung.name] = rung
     return rung
+
+
+def register_folder(path: str) -> Rung:
+    """Add the rung of the folder ``path`` (a package, ``"my_rungs.no_dropout"``, holding
+    ``no_dropout.py`` with its ``RUNG`` class and, where it keeps one apart, its spec): one line
+    makes a new rung known to the callback, the dry run and ``seqmem plan``.
+
+    Raises:
+        ValueError: the folder has no rung module, or its ``RUNG`` is not a Rung with a spec.
+    """
+    try:
+        rung = _folder_rung(path)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"`path` must name a rung folder (a package with <leaf>.py defining RUNG), "
+                         f"got {path!r}: {type(exc).__name__}: {exc}") from exc
+    return register(rung)
 
 
 def unregister(name: str) -> None:
@@ -217,7 +233,4 @@ def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
     return None
 
 
-__all__ = ["ADVICE", "MITIGATIONS", "apply", "apply_to_copy", "applicability", "check_mitigations", "check_pending",
-           "copy_refusal", "noop",
-           "is_applicable", "is_on", "refused", "register", "remaining_advice", "remove", "rung", "rung_names",
-           "setup_refusals", "try_apply", "unregister"]
+__all__ = ["apply", "apply_to_copy", "applicability", "check_pending", "copy_refusal", "noop", "is_applicable", "is_on", "refused", "register", "register_folder", "remove", "rung", "setup_refusals", "try_apply", "unregister"]

@@ -15,7 +15,9 @@ not lower: fewer or lower rungs) cannot fit, and is skipped without a judgement.
 
 Example (two rungs: ``checkpointing`` and a toy ``fused_loss``, both applicable; only settings with
 ``fused_loss`` fit):
-    >>> from lightning_seqmem.core.rungs import RungSpec, register_spec, unregister_spec
+    >>> from lightning_seqmem.core.rung_spec import RungSpec
+    >>> from lightning_seqmem.core.rungs import register_spec, unregister_spec
+    >>> from lightning_seqmem.plan.pricing import prior_factor
     >>> register_spec(RungSpec("fused_loss", "use a fused loss", 0.02))
     >>> fits = lambda s: "fits" if "fused_loss" in s else "over"
     >>> c = choose((), ("checkpointing", "fused_loss"), {"checkpointing": (True, ""), "fused_loss": (True, "")},
@@ -39,14 +41,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.rungs import at_most, base_name, level_of
-from lightning_seqmem.plan.pricing import prior_factor  # noqa: F401 - the examples price by it
 
 Setting = tuple[str, ...]
 Applicability = Mapping[str, "tuple[bool, str]"]
 MAX_JUDGEMENTS = 12  # judgements (dry runs) one decision may spend on the search before the ladder order
 
-__all__ = ["Choice", "MAX_JUDGEMENTS", "at_most", "candidates", "choose", "combine", "describe", "dominated",
-           "switched_on", "with_why"]
+__all__ = ["Choice", "MAX_JUDGEMENTS", "candidates", "choose", "combine", "describe", "dominated", "switched_on", "with_why"]
 
 
 @dataclass(frozen=True)

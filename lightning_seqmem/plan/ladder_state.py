@@ -37,8 +37,7 @@ class LadderState:
     switched on), ``not_applicable`` (rung -> why it does not apply here, last checked; never
     advised), ``events`` (one :class:`~lightning_seqmem.core.events.MitigationEvent` per rung switched
     on, in order: ``name, step, seq_len, batch_size, detail, before_bytes, before_method, after_bytes,
-    mitigations_before``, later ``removed``, ``checked``; a frozen value that reads as the dict of
-    earlier versions). ``events`` reads a copy of the list; assigning a list of events or of their
+    mitigations_before``, later ``removed``, ``checked``; a frozen value that reads as a plain dict). ``events`` reads a copy of the list; assigning a list of events or of their
     dicts (a checkpoint's) replaces them; the methods below change one (:meth:`measured_after`,
     :meth:`mark_checked`, :meth:`mark_removed`)."""
 

@@ -81,9 +81,7 @@ from lightning_seqmem.plan.checkpoint import PlannerParts, reconcile
 from lightning_seqmem.plan.curriculum_state import CurriculumState
 from lightning_seqmem.plan.decisions import Decider, Decision
 from lightning_seqmem.plan.evidence import Evidence
-from lightning_seqmem.plan.judging import Verdict
 from lightning_seqmem.plan.ladder_state import LadderState
-from lightning_seqmem.plan.quadratic_check import quadratic_terms
 from lightning_seqmem.plan.schedule import MeasurementSchedule, PendingStep
 from lightning_seqmem.plan.settings import PlannerSettings, RunFacts, planner_config
 
@@ -279,8 +277,7 @@ class SeqMemPlanner:
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Flat plain values, each part's own keys (the keys of earlier versions kept, so their
-        checkpoints load); the records are bounded
+        """Flat plain values, each part's own keys; the records are bounded
         (:func:`~lightning_seqmem.plan.checkpoint.compact_records`, ``checkpoint_records``)."""
         return {**self.course.state_dict(), **self.evidence.state_dict(), **self._schedule.state_dict(),
                 **self.advice.state_dict(), **self.ladder.state_dict()}
@@ -310,4 +307,4 @@ class SeqMemPlanner:
         return changed
 
 
-__all__ = ["RUNG_EVENTS", "Decision", "PendingStep", "SeqMemPlanner", "Verdict", "quadratic_terms"]
+__all__ = ["RUNG_EVENTS", "SeqMemPlanner"]

@@ -11,7 +11,7 @@ The predictor, most trusted first:
    priors of that one)``: from the plain setting, that is ``1 + the priors of the rungs it lacks``.
 3. ``"priors"``: nothing timed yet: no seconds, only the prior factor ``1 + Σ priors``.
 
-A rung's prior is :attr:`~lightning_seqmem.core.rungs.RungSpec.step_time_prior` (its extra step time
+A rung's prior is :attr:`~lightning_seqmem.core.rung_spec.RungSpec.step_time_prior` (its extra step time
 as a fraction of the plain step; a variant's is scaled to its level, e.g. ``checkpointing:3/8``
 costs 3/8 of full checkpointing).
 

@@ -157,7 +157,7 @@ class PlannerSettings:
 
 
 def planner_config(config: Optional[SeqMemConfig], **keywords: Any) -> SeqMemConfig:
-    """``config``, else one of the planner's ``keywords`` (unchecked, as they always were); a keyword
+    """``config``, else one of the planner's ``keywords`` (unchecked); a keyword
     away from its default next to a ``config`` is a ``TypeError`` (the config holds it).
 
     >>> planner_config(None, warmup_steps=0, memory_budget=4096).warmup_steps

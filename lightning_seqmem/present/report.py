@@ -22,12 +22,6 @@ from lightning_seqmem.core.advice import KINDS
 from lightning_seqmem.core.forecast import NotEnoughMeasurements
 from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.present.dry_fit import DRY_RUN_FIT, dry_fit_anchors, dry_fit_forecast
-from lightning_seqmem.present.render import (  # re-exported: the rendering lives in present/render.py
-    render_breakdown_console,
-    render_breakdown_markdown,
-    render_console,
-    render_markdown,
-)
 from lightning_seqmem.present.summary import run_summary
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,18 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lightning_seqmem.plan.view import PlanView
 
-__all__ = [
-    "JSON_NAME",
-    "MARKDOWN_NAME",
-    "PNG_NAME",
-    "REPORT_FORMAT",
-    "build_report",
-    "load_report",
-    "render_breakdown_console",
-    "render_breakdown_markdown",
-    "render_console",
-    "render_markdown",
-]  # writing the files: lightning_seqmem.trainer.outputs.write_report
+__all__ = ["JSON_NAME", "MARKDOWN_NAME", "PNG_NAME", "REPORT_FORMAT", "build_report", "load_report"]  # writing the files: lightning_seqmem.trainer.outputs.write_report
 
 REPORT_FORMAT = "lightning-seqmem-report/1"
 JSON_NAME, MARKDOWN_NAME, PNG_NAME = "seqmem_report.json", "seqmem_report.md", "seqmem_memory.png"

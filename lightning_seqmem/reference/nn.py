@@ -344,7 +344,7 @@ class GPT(nn.Module):
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross entropy over the labels that are not ``ignore_index`` (``labels`` are
         the targets aligned with ``input_ids``). With :attr:`fused_loss` set (the fused-loss protocol of
-        :mod:`lightning_seqmem.mitigations.fused_loss`), computed from the hidden states and
+        :mod:`lightning_seqmem.mitigations.fused_loss.fused_loss`), computed from the hidden states and
         ``lm_head.weight`` by it, without the ``[B, L, vocab]`` logits. Calls the module (``self(...)``)."""
         return self(input_ids, labels, ignore_index)
 

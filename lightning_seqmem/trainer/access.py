@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_seqmem.measure.batch import can_cut_in_place, set_batch_sequence_length
+from lightning_seqmem.measure.batch_tree import can_cut_in_place
+from lightning_seqmem.measure.batch import set_batch_sequence_length
 from lightning_seqmem.mitigations import ladder
 
 

@@ -22,7 +22,7 @@ waits alone. It writes the per-batch fields of the edge state (``pending``, ``sh
 
 Example:
     >>> from lightning_seqmem.core.config import SeqMemConfig
-    >>> from lightning_seqmem.plan.protocol import Planner
+    >>> from lightning_seqmem.plan.planner import SeqMemPlanner
     >>> from lightning_seqmem.trainer.guard import Guard
     >>> from lightning_seqmem.trainer.run_state import EdgeState
     >>> planner, state = SeqMemPlanner(), EdgeState()
@@ -44,7 +44,7 @@ from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.records import MemoryBudgetError
 from lightning_seqmem.core.rungs import rung_names, spec
-from lightning_seqmem.measure.batch import read_batch_shape
+from lightning_seqmem.measure.batch_shape import read_batch_shape
 from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.decisions import Decision

@@ -28,16 +28,14 @@ from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.config import SeqLenFn
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
-from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.trainer.fit_cycle import COMPILED_MEASURE_EVERY_N_STEPS  # noqa: F401 - importable here too
 from lightning_seqmem.trainer.guard import Guard
 from lightning_seqmem.trainer.guard import guarded as _guarded
 from lightning_seqmem.trainer.run_state import EdgeState
 from lightning_seqmem.trainer.oom import is_oom
 from lightning_seqmem.plan.planner import SeqMemPlanner
-from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning, StepRecord  # noqa: F401 - as before
 from lightning_seqmem.core.units import parse_bytes
 from lightning_seqmem.plan.view import PlanView
+from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
 
 
 
@@ -171,7 +169,7 @@ class SeqMemCallback(Callback):
         trace_lengths: int = 3,
         measure_every_n_steps: int = 1,
         seq_len_fn: Optional[SeqLenFn] = None,
-        mitigations: Sequence[str] = ladder.MITIGATIONS,
+        mitigations: Sequence[str] = MITIGATIONS,
         breakdown: bool = False,
         dry_run: bool = True,
         name: Optional[str] = None,
@@ -236,7 +234,7 @@ class SeqMemCallback(Callback):
         if world_size is not None:
             from lightning_seqmem.dryrun.sharded import world_forecast
 
-            key = self.planner.ladder.applied if mitigations is None else ladder.check_mitigations(mitigations)
+            key = self.planner.ladder.applied if mitigations is None else check_mitigations(mitigations)
             fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.evidence.batch_size_or_last(batch_size), key, world_size)
         else:
             fc = self.planner.evidence.forecast(seq_len, batch_size, mitigations)
@@ -335,4 +333,4 @@ class SeqMemCallback(Callback):
         self._fit.load_state(state_dict)
 
 
-__all__ = ["SeqMemCallback", "StepRecord"]
+__all__ = ["SeqMemCallback"]

@@ -17,7 +17,7 @@ from lightning_seqmem.diagnostics.compare import compare_breakdowns
 from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning
 from lightning_seqmem.diagnostics.section import end_of_fit_plan, end_of_fit_section, width_dims
 from lightning_seqmem.measure.probes import existing_tensors
-from lightning_seqmem.mitigations import is_micro_batching
+from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.plan.view import PlanView

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning
-from lightning_seqmem.measure.batch import read_batch_shape
+from lightning_seqmem.measure.batch_shape import read_batch_shape
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan import checkpoint as S
@@ -251,7 +251,7 @@ class FitCycle:
     def check_compiled(self, pl_module: pl.LightningModule) -> None:
         """A ``torch.compile``'d module: measure without preventing compilation, and say so once
         (see the class docstring). Runs after ``configure_model``, where modules are often compiled."""
-        from lightning_seqmem.dryrun.step import compiled_reason
+        from lightning_seqmem.dryrun.fake import compiled_reason
 
         compiled = self.edge.compiled_reason = compiled_reason(pl_module)
         probe = self.edge.probe

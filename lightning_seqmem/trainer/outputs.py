@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_seqmem.present.panels import BREAKDOWN_TAG, FIGURE_TAG, custom_scalars_layout, memory_figure
-from lightning_seqmem.present.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, build_report, render_markdown
+from lightning_seqmem.present.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, build_report
+from lightning_seqmem.present.render import render_markdown
 from lightning_seqmem.present.summary import run_summary
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -334,7 +335,7 @@ def log_figure(trainer: "pl.Trainer", view: "PlanView", step: Optional[int] = No
 
 def log_breakdown(trainer: "pl.Trainer", section: dict[str, Any]) -> int:
     """The memory breakdown's tables as TensorBoard text (:data:`~lightning_seqmem.present.panels.BREAKDOWN_TAG`)."""
-    from lightning_seqmem.present.report import render_breakdown_markdown
+    from lightning_seqmem.present.render import render_breakdown_markdown
 
     return log_text(trainer, render_breakdown_markdown(section, "### seqmem: where the memory goes"))
 

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
-from lightning_seqmem.measure.probes import existing_tensors, flat_tensors, tensor_storages
+from lightning_seqmem.measure.probes import existing_tensors
+from lightning_seqmem.measure.tracker import flat_tensors, tensor_storages
 
 if TYPE_CHECKING:
     from lightning_seqmem.trainer.run_state import EdgeState

@@ -17,9 +17,9 @@ import torch
 
 import lightning.pytorch as pl
 from lightning_seqmem import Curriculum, SeqMemCallback
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-from lightning_seqmem.mitigations.tiled_mlp import tiled_mlp_tiles
+from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp import tiled_mlp_tiles
 
 
 def main() -> None:

@@ -30,9 +30,9 @@ from deepspeed_cpu import cpu_deepspeed_strategy  # noqa: E402
 from step_window import StepWindows  # noqa: E402
 
 from lightning_seqmem import Curriculum, SeqMemCallback  # noqa: E402
-from lightning_seqmem.mitigations.checkpointing import CheckpointingRung  # noqa: E402
+from lightning_seqmem.mitigations.checkpointing.checkpointing import CheckpointingRung  # noqa: E402
 from lightning_seqmem.mitigations.base import RungContext  # noqa: E402
-from lightning_seqmem.mitigations.microbatch import MicroBatching  # noqa: E402
+from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching  # noqa: E402
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule  # noqa: E402
 
 SMALL_BUCKETS = {"reduce_bucket_size": 2**16, "allgather_bucket_size": 2**16}  # else 2e8 elements each
@@ -46,7 +46,7 @@ class _Switch(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.what == "forced":  # as the refused rung would run, its check left out
-            import lightning_seqmem.mitigations.microbatch as microbatch
+            import lightning_seqmem.mitigations.microbatch.microbatch as microbatch
 
             stage_of, microbatch._deepspeed_stage = microbatch._deepspeed_stage, lambda strategy: None
             try:  # the stage unknown: nothing refuses it

@@ -36,7 +36,7 @@ def work(rank: int, out_dir: str, seq_len: int, batch_size: int, port: int) -> N
     from lightning_seqmem.dryrun.step_functions import plain_loss as _plain_loss
     from lightning_seqmem.measure.probes import make_probe
     from lightning_seqmem.measure.steps import training_step_memory
-    from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
+    from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
     result: dict = {"rank": rank, "seq_len": seq_len, "batch_size": batch_size}

@@ -1,8 +1,8 @@
 """The functional twin of micro-batching: split a batch, weigh each micro-batch by what the loss
 averages over. Plain functions on batches and tensors, used alike by the training-step wrapper
-(:mod:`lightning_seqmem.mitigations.microbatch_step`), the dry run and the memory breakdown, so all
-three split and weigh the same way; the step they all run is :mod:`lightning_seqmem.mitigations.microbatch_twin`
-(the method card: :mod:`lightning_seqmem.mitigations.microbatch`).
+(:mod:`lightning_seqmem.mitigations.microbatch.microbatch_step`), the dry run and the memory breakdown, so all
+three split and weigh the same way; the step they all run is :mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin`
+(the method card: :mod:`lightning_seqmem.mitigations.microbatch.microbatch`).
 
 Example:
     >>> import torch
@@ -21,7 +21,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_seqmem.core.checks import check_int
-from lightning_seqmem.measure.batch import infer_batch_shape, map_tensors
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
+from lightning_seqmem.measure.batch_tree import map_tensors
 
 __all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "is_deepspeed_engine", "micro_batch_counts",
            "slice_batch", "split_batch"]

@@ -1,6 +1,6 @@
 """The module micro-batching's first-step check runs on: the callback's own copy, not the user's.
 
-The check (:mod:`lightning_seqmem.mitigations.microbatch`) calls ``training_step`` three more times
+The check (:mod:`lightning_seqmem.mitigations.microbatch.microbatch`) calls ``training_step`` three more times
 without gradient. On the user's module anything it does besides the loss would happen those three
 more times: a sample counter, a ``torchmetrics`` update, a list of seen ids. So it runs on a copy
 (:func:`check_copy`): ``copy.deepcopy`` of the module with its parameters *shared* (no parameter is

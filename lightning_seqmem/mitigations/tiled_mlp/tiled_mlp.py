@@ -10,7 +10,7 @@ one more forward of the MLPs (about 20% of a step); the loss and gradients are u
 float rounding.
 
 What is tiled (found structurally, never by class name): the ``mlp`` (or ``feed_forward``,
-``ffn``) child of each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.find_repeated_blocks`):
+``ffn``) child of each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing.find_repeated_blocks`):
 Hugging Face ``LlamaMLP``, ``Qwen2MLP``, ``MistralMLP``, ..., and the reference GPT's
 ``nn.Sequential`` MLP (its trailing ``nn.Dropout`` runs after the tiles, untiled). Refused: MoE
 blocks (an ``experts`` child), an active dropout inside the tiled part (the recompute would draw
@@ -76,9 +76,9 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext, wrapping_strategy_refusal
-from lightning_seqmem.mitigations.checkpointing import counted_blocks, find_repeated_blocks
+from lightning_seqmem.mitigations.checkpointing.checkpointing import counted_blocks, find_repeated_blocks
+from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp_spec import SPEC
 
 __all__ = ["MLP_CHILD_NAMES", "TiledMLP", "TiledMLPRung", "find_mlps", "tile_count_rule", "tiled_mlp_tiles",
            "tiled_mlp_unavailable_reason", "tiles_for_length"]
@@ -417,7 +417,7 @@ class TiledMLPRung(Rung):
         (True, False)
     """
 
-    spec = spec("tiled_mlp")
+    spec = SPEC
 
     def __init__(self, tiles: Optional[int] = None) -> None:
         self.policy = TiledMLP(tiles)
@@ -441,3 +441,6 @@ class TiledMLPRung(Rung):
             return (f"{name} partitions the parameters in its engine: patch the MLPs with DeepSpeed's own TiledMLP "
                     "(deepspeed.runtime.sequence_parallel.ulysses_sp, with compute_params for ZeRO) instead")
         return why
+
+RUNG = TiledMLPRung
+"""This folder's rung (what :data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` names)."""

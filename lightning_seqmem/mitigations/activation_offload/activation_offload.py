@@ -1,6 +1,6 @@
 """Activation offload: what each transformer block saves for backward waits in pinned host memory.
 
-Each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.find_repeated_blocks`)
+Each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing.find_repeated_blocks`)
 runs its forward under PyTorch's ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` hooks: every
 tensor autograd saves inside the block (its input, the normalised activations, the attention
 output, the MLP's hidden activations...) is copied to pinned host memory as it is saved, and its
@@ -72,7 +72,6 @@ import torch
 from torch import nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
-from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.measure.tracker import is_fake, tensor_storages
 from lightning_seqmem.mitigations.base import (
     CopyPlan,
@@ -83,7 +82,8 @@ from lightning_seqmem.mitigations.base import (
 )
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from lightning_seqmem.mitigations.checkpointing import find_repeated_blocks
+from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
+from lightning_seqmem.mitigations.activation_offload.activation_offload_spec import SPEC
 
 __all__ = ["ActivationOffload", "ActivationOffloadRung", "OffloadedForward", "is_offloading", "offloaded_bytes",
            "reset_offloaded_bytes"]
@@ -314,7 +314,7 @@ class ActivationOffloadRung(Rung):
         (False, 'CUDA only: on CPU activations already live in host memory')
     """
 
-    spec = spec("activation_offload")
+    spec = SPEC
     modelled_where_refused = True
 
     def __init__(self, policy: Optional[ActivationOffload] = None) -> None:
@@ -349,3 +349,5 @@ class ActivationOffloadRung(Rung):
     def strategy_refusal(self, trainer: Any) -> Optional[str]:
         return wrapping_strategy_refusal(trainer)
 
+RUNG = ActivationOffloadRung
+"""This folder's rung (what :data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` names)."""

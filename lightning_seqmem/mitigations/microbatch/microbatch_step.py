@@ -1,6 +1,6 @@
 """The training-step wrapper behind micro-batching: its first-step check (the loss is a mean over
 what the weights count) and the split step itself, run inside ``training_step`` (the method card
-and the policy: :mod:`lightning_seqmem.mitigations.microbatch`).
+and the policy: :mod:`lightning_seqmem.mitigations.microbatch.microbatch`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_seqmem.measure.steps import loss_of
-from lightning_seqmem.mitigations.microbatch_check import check_copy
-from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX, RULE_TEXT, micro_batch_counts, split_batch
-from lightning_seqmem.mitigations.microbatch_twin import check_pair, run_micro_batches
+from lightning_seqmem.mitigations.microbatch.microbatch_check import check_copy
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX, RULE_TEXT, micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.microbatch.microbatch_twin import check_pair, run_micro_batches
 
 __all__ = ["REFUSED_ATTRIBUTE", "MicroBatchedTrainingStep", "MicroBatchingRefusedWarning", "is_micro_batching",
            "micro_batching_check_pending", "micro_batching_refusal", "unwrap_training_step", "wrapper_of"]
@@ -222,7 +222,7 @@ class MicroBatchedTrainingStep:
     def _check(self, batch: Any, parts: list[Any], counts: list[int], args: tuple) -> Optional[str]:
         """None when the loss passes (``verified`` set) or cannot be checked on this batch (deferred);
         else the reason for refusing. The forwards run on the check's own copy of the module
-        (:func:`~lightning_seqmem.mitigations.microbatch_check.check_copy`: parameters shared, the
+        (:func:`~lightning_seqmem.mitigations.microbatch.microbatch_check.check_copy`: parameters shared, the
         rest copied), so the user's ``training_step`` runs once per sample."""
         found = check_pair(batch, parts, counts)
         if found is None:
@@ -282,7 +282,7 @@ class MicroBatchedTrainingStep:
     # -- the micro-batched step -------------------------------------------------------------------
 
     def _run(self, trainer: Any, parts: list[Any], counts: list[int], *args: Any) -> Any:
-        """The split step (:func:`~lightning_seqmem.mitigations.microbatch_twin.run_micro_batches`):
+        """The split step (:func:`~lightning_seqmem.mitigations.microbatch.microbatch_twin.run_micro_batches`):
         each micro-batch but the last backpropagated through the strategy, the last one's loss returned."""
         accumulate = trainer.accumulate_grad_batches
         skip_backward = bool(getattr(trainer.fit_loop, "_skip_backward", False))

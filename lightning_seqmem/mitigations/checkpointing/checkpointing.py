@@ -40,10 +40,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from lightning_seqmem.core.rungs import spec
-from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
+from lightning_seqmem.mitigations.checkpointing.checkpointing_spec import SPEC
+from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, RungContext, wrapping_strategy_refusal
-from lightning_seqmem.mitigations.checkpointing_levels import (
+from lightning_seqmem.mitigations.checkpointing.checkpointing_levels import (
     NONE,
     SELECTIVE,
     Slot,
@@ -194,7 +194,7 @@ class ActivationCheckpointing:
             Hugging Face models.
         level: ``None`` (every block, recomputed whole), ``"selective"`` (every block, matmul outputs
             kept) or ``"k/N"`` (the first ``k`` of the model's ``N`` blocks); see
-            :mod:`~lightning_seqmem.mitigations.checkpointing_levels`. A level on top of a lower one
+            :mod:`~lightning_seqmem.mitigations.checkpointing.checkpointing_levels`. A level on top of a lower one
             raises the blocks it needs (an upgrade); it never lowers one.
 
     Example:
@@ -274,8 +274,8 @@ class ActivationCheckpointing:
 
     def is_on(self, model: nn.Module) -> bool:
         """Whether every block is at least at this level. Checkpointing that none of the blocks shows
-        (the user's own wrappers elsewhere) counts as on, at every level, as before levels: the
-        rung never wraps a model twice."""
+        (the user's own wrappers elsewhere) counts as on, at every level: the rung never wraps a
+        model twice."""
         slots = self._slots(model)
         levels = self.block_levels(model) if slots else []
         if not any(levels):
@@ -382,7 +382,7 @@ class CheckpointingRung(ModulePolicyRung):
         (True, True)
     """
 
-    spec = spec("checkpointing")
+    spec = SPEC
     after_sharding = True
 
     def __init__(self, policy: ActivationCheckpointing | None = None) -> None:
@@ -405,7 +405,7 @@ class CheckpointingRung(ModulePolicyRung):
 
     def variants(self, ctx: RungContext) -> tuple[str, ...]:
         """``"checkpointing:selective"``, ``"checkpointing:k/N"`` for up to seven ``k``
-        (:func:`~lightning_seqmem.mitigations.checkpointing_levels.partial_counts`), ``"checkpointing"``:
+        (:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing_levels.partial_counts`), ``"checkpointing"``:
         those this model can take, cheapest first."""
         base = type(self).spec.name
         n_blocks, partial_ok, selective_ok = self.policy.levels_available(ctx.pl_module)
@@ -415,3 +415,6 @@ class CheckpointingRung(ModulePolicyRung):
 
     def strategy_refusal(self, trainer) -> str | None:  # type: ignore[no-untyped-def]
         return wrapping_strategy_refusal(trainer)
+
+RUNG = CheckpointingRung
+"""This folder's rung (what :data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` names)."""

@@ -1,5 +1,5 @@
 """The one micro-batched training step: what the wrapper of
-:class:`~lightning_seqmem.mitigations.microbatch.MicroBatching` runs inside ``training_step``, what the
+:class:`~lightning_seqmem.mitigations.microbatch.microbatch.MicroBatching` runs inside ``training_step``, what the
 dry run runs on its fake copy and what the memory breakdown traces, so a forecast or a breakdown of a
 micro-batched step is the step's own order of allocations.
 
@@ -32,9 +32,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.steps import loss_of
-from lightning_seqmem.mitigations.microbatch_functional import (
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import (
     IGNORE_INDEX,
     deferred_gradient_reduction,
     micro_batch_counts,
@@ -197,7 +197,7 @@ def micro_batched_loss(
     :func:`~lightning_seqmem.measure.steps.training_step_memory` with :class:`ZeroGradBeforeFirstMicroBatch`.
 
     Counts ``c_i`` with ``counts_of(batch, micro_batch_size, weighting, ignore_index)`` (default: those of
-    :func:`~lightning_seqmem.mitigations.microbatch_functional.micro_batch_counts`), runs
+    :func:`~lightning_seqmem.mitigations.microbatch.microbatch_functional.micro_batch_counts`), runs
     ``before(model, batch, parts, counts)`` (the dry run: the memory of the wrapper's first-step check),
     zeroes ``optimizer``, backpropagates each micro-batch with ``c_i > 0`` but the last (autocast
     off), and returns the last one's weighted loss (plus the others', detached) for the caller's

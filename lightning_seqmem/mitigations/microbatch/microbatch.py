@@ -22,7 +22,7 @@ by weighting micro-batch ``i``'s loss by its share ``c_i / C`` of what that mean
   whole (``"label_tokens"``); 1-D labels (a class per sample) count one per sample not ignored.
   Weighting samples ``1/N`` instead changed the first step's gradient of a tiny Llama on a padded
   batch by 95% (relative L2 norm; 1.2e-7 with label tokens: tests/test_microbatch_weighting.py).
-* any other batch: ``c_i`` = its samples ``n_i`` (``"samples"``, ``n_i / N`` as before): the loss
+* any other batch: ``c_i`` = its samples ``n_i`` (``"samples"``, ``n_i / N``): the loss
   is assumed to be a mean over samples, or over equally many elements per sample.
 
 A micro-batch with ``c_i = 0`` (all its labels ignored; its Hugging Face loss would be 0/0 = NaN)
@@ -52,7 +52,7 @@ from then on (``verify=False`` skips the check and overrides an earlier refusal)
 finite, or fewer than two micro-batches with ``c_i > 0``, defers the check to the next batch split.
 
 The check's forwards run on the check's own copy of the module
-(:func:`~lightning_seqmem.mitigations.microbatch_check.check_copy`: its parameters shared, its
+(:func:`~lightning_seqmem.mitigations.microbatch.microbatch_check.check_copy`: its parameters shared, its
 buffers, attribute tensors and every other attribute copied), so whatever ``training_step`` does
 besides its loss (a user's sample counter, a ``torchmetrics`` update, batch-norm statistics) lands
 on the copy and is dropped with it: the user's ``training_step`` runs exactly once per sample. They
@@ -140,6 +140,7 @@ Caveats:
 
 Example:
     >>> import torch
+    >>> from lightning_seqmem.mitigations.microbatch.microbatch_functional import split_batch
     >>> batch = {"input_ids": torch.zeros(5, 3, dtype=torch.long), "index": torch.arange(5), "tag": "x"}
     >>> parts = split_batch(batch, 2)
     >>> [p["input_ids"].shape[0] for p in parts], [p["index"].tolist() for p in parts], parts[2]["tag"]
@@ -157,20 +158,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_seqmem.core.checks import check_int, is_a
-from lightning_seqmem.core.rungs import spec
-from lightning_seqmem.measure.batch import infer_batch_shape
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
+from lightning_seqmem.mitigations.microbatch.microbatch_spec import SPEC
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, wrapping_strategy_refusal
-from lightning_seqmem.mitigations.microbatch_functional import (  # the functional twin, re-exported
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import (  # the functional twin, re-exported
     IGNORE_INDEX,
     WEIGHTINGS,
-    deferred_gradient_reduction,
     is_deepspeed_engine,
     micro_batch_counts,
-    split_batch,
 )
-from lightning_seqmem.mitigations.microbatch_step import (  # the wrapper, re-exported
+from lightning_seqmem.mitigations.microbatch.microbatch_step import (  # the wrapper, re-exported
     REFUSED_ATTRIBUTE,
-    MicroBatchingRefusedWarning,
     MicroBatchedTrainingStep,
     unwrap_training_step,
     wrapper_of,
@@ -179,19 +177,7 @@ from lightning_seqmem.mitigations.microbatch_step import (  # the wrapper, re-ex
     micro_batching_refusal,
 )
 
-__all__ = [
-    "IGNORE_INDEX",
-    "WEIGHTINGS",
-    "deferred_gradient_reduction",
-    "MicroBatchRung",
-    "MicroBatching",
-    "MicroBatchingRefusedWarning",
-    "is_micro_batching",
-    "micro_batch_counts",
-    "micro_batching_check_pending",
-    "micro_batching_refusal",
-    "split_batch",
-]
+__all__ = ["MicroBatchRung", "MicroBatching"]
 
 def _describe(pl_module: Any) -> str:
     wrapper = wrapper_of(pl_module)
@@ -404,7 +390,7 @@ class MicroBatchRung(Rung):
         (1, False)
     """
 
-    spec = spec("microbatch")
+    spec = SPEC
 
     def __init__(self, policy: MicroBatching | None = None) -> None:
         self.policy = policy or MicroBatching(1)
@@ -455,3 +441,6 @@ class MicroBatchRung(Rung):
 
     def refusal(self, module: Any) -> str | None:
         return micro_batching_refusal(module)
+
+RUNG = MicroBatchRung
+"""This folder's rung (what :data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` names)."""

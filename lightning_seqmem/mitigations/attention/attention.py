@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, find_top_down
+from lightning_seqmem.mitigations.attention.attention_spec import SPEC
 
 __all__ = [
     "ATTENTION_SWITCH_BACKENDS",
@@ -322,10 +322,13 @@ class AttentionRung(ModulePolicyRung):
         ('attention eager -> sdpa on <root>', True)
     """
 
-    spec = spec("attention")
+    spec = SPEC
 
     def __init__(self, policy: AttentionSwitch | None = None) -> None:
         self.policy = policy or AttentionSwitch()
 
     def is_on(self, module: nn.Module) -> bool:
         return current_attention_backend(module) not in (None, "eager")
+
+RUNG = AttentionRung
+"""This folder's rung (what :data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` names)."""

@@ -7,7 +7,7 @@ as given; ``ignore_index`` -100; the mean over counted tokens, or the sum over
 ``num_items_in_batch`` where given); its output's ``.loss`` is that loss and its ``.logits`` None.
 The class is untouched and ``state_dict`` keys are unchanged. Models that scale or cap their logits
 are refused (:func:`hf_refusal`). The rung itself, and the models of the fused-loss protocol, are in
-:mod:`lightning_seqmem.mitigations.fused_loss`.
+:mod:`lightning_seqmem.mitigations.fused_loss.fused_loss`.
 
 Example:
     >>> import torch
@@ -37,8 +37,8 @@ from typing import Any, Callable, Optional
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
-from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
+from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
 
 __all__ = ["hf_fused_loss_of", "hf_refusal", "hf_refusals", "hf_switch_off", "hf_switch_on"]
 

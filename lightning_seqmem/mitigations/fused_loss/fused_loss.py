@@ -81,11 +81,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_seqmem.core.rungs import RungNotApplicable, spec
-from lightning_seqmem.mitigations.attention import is_hf_pretrained_model
+from lightning_seqmem.core.rungs import RungNotApplicable
+from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, find_top_down
-from lightning_seqmem.mitigations.fused_loss_hf import hf_refusal, hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on
-from lightning_seqmem.mitigations.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
+from lightning_seqmem.mitigations.fused_loss.fused_loss_hf import hf_refusal, hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
+from lightning_seqmem.mitigations.fused_loss.fused_loss_spec import SPEC
 
 __all__ = [
     "FUSED_LOSS_BACKENDS",
@@ -421,7 +422,7 @@ class FusedLossRung(Rung):
         ('plain', False)
     """
 
-    spec = spec("fused_loss")
+    spec = SPEC
     _LIBRARY = {"cce": "Apple Cut Cross-Entropy", "liger": "Liger-Kernel",
                 "tiled": "DeepSpeed TiledFusedLogitsLoss"}
 
@@ -448,7 +449,7 @@ class FusedLossRung(Rung):
             refused = hf_refusals(model)
             return False, (refused[0] if refused else
                            "no causal LM found: neither a Hugging Face *ForCausalLM model nor a module with "
-                           "set_fused_loss(fn) (the fused-loss protocol of lightning_seqmem.mitigations.fused_loss)")
+                           "set_fused_loss(fn) (the fused-loss protocol of lightning_seqmem.mitigations.fused_loss.fused_loss)")
         if all(_fn_of(t) is not None for _, t in targets):
             return False, f"already on {fused_loss_backend(model)}"
         backend, why = self._backend(model)
@@ -508,3 +509,5 @@ class FusedLossRung(Rung):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(backend={self.backend!r})"
 
+RUNG = FusedLossRung
+"""This folder's rung (what :data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` names)."""

@@ -1,0 +1,1 @@
+"""Rungs written outside the package, each a folder, for the tests of the rung protocol."""
