@@ -71,8 +71,8 @@ def test_after_a_short_fit_the_state_holds_what_its_table_says():
     assert state.dry_runner is None and state.compiled_reason is None and state.breakdown_batch is None
     assert state.resume_phrases == [] and state.resume_removed == () and not state.reapply_on_fit_start
     # the names users and tests read are the state's
-    assert cb.edge.failed is state.failed and cb.edge.probe is state.probe and cb.edge.breakdowns is state.breakdowns
-    assert cb.edge.breakdown_report is None and cb.edge.breakdown_table is None
+    assert cb.edge.failed is state.failed and cb.edge.probe is state.probe and cb.breakdowns is state.breakdowns
+    assert cb.breakdown_report is None and cb.breakdown_table is None
 
 
 def _fresh_but_for(snapshot: dict, kept: set) -> list[str]:

@@ -79,7 +79,7 @@ def test_wrapper_dry_run_and_breakdown_run_the_one_twin_and_get_the_whole_batch(
         return shared(parts, counts, *args, **kwargs)
 
     for module in ("microbatch_step", "microbatch_twin"):  # the wrapper's name for it, and the others'
-        monkeypatch.setattr(f"lightning_seqmem.mitigations.{module}.run_micro_batches", counted)
+        monkeypatch.setattr(f"lightning_seqmem.mitigations.microbatch.{module}.run_micro_batches", counted)
 
     # the wrapper, in a real Lightning step
     wrapped, capture = TokenMeanLM(), _Capture()

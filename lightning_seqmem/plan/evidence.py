@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.peak import PeakSite
-from lightning_seqmem.core.records import StepRecord
+from lightning_seqmem.core.records import StepMemory, StepRecord
 from lightning_seqmem.core.rungs import RungNotApplicable, check_setting
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.trust import PredictorChecks
@@ -36,6 +36,7 @@ from lightning_seqmem.plan import dry_evidence, judging, pricing, verification
 from lightning_seqmem.plan.checkpoint import compact_records
 from lightning_seqmem.plan.advice_queue import AdviceQueue
 from lightning_seqmem.plan.ladder_state import LadderState
+from lightning_seqmem.plan.schedule import PendingStep
 from lightning_seqmem.plan.settings import PlannerSettings
 
 __all__ = ["Evidence"]
@@ -65,28 +66,41 @@ class Evidence:
         self._max_seq_len_memo: dict[tuple, int] = {}
         self.view_cache: dict[str, Any] = {}  # the budget view (lightning_seqmem.plan.metrics)
 
-    # judging the budget (lightning_seqmem.plan.judging)
-    judge = judging.judge
-    _dry_judged = judging.dry_judged
-    _bucket = judging.bucket
-    _over = judging.over
-    _one_point_bound = judging.one_point_bound
-    fit_now = judging.fit_now
-    covered = judging.covered
-    held_bytes = judging.held_bytes
+    # judging the budget (lightning_seqmem.plan.judging) and measured steps (.verification)
+    def judge(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> judging.Verdict:
+        """Whether a batch at ``(seq_len, batch_size)`` with ``mitigations`` (default: those on) fits
+        the usable budget (:func:`~lightning_seqmem.plan.judging.judge`)."""
+        return judging.judge(self, seq_len, batch_size, mitigations)
 
-    # measured steps and verification (lightning_seqmem.plan.verification)
-    observe = verification.observe
-    keep_forecast = verification.keep_forecast
-    peak_before = verification.peak_before
-    dry_before_rung = verification.dry_before_rung
-    _check_dry_once = verification.check_dry_once
-    _compare_replay = verification.compare_replay
-    _check_predictors = verification.check_predictors
-    _deciding_before = verification.deciding_before
-    _verify = verification.verify
-    _after_mitigation = verification.after_mitigation
-    _dry_quadratic_terms = verification.dry_quadratic_terms
+    def fit_now(self, batch_size: int) -> int:
+        """The largest length the setting on now fits (:func:`~lightning_seqmem.plan.judging.fit_now`)."""
+        return judging.fit_now(self, batch_size)
+
+    def covered(self, seq_len: int, batch_size: int, setting: tuple[str, ...]) -> bool:
+        """Whether a measured step bounds this shape (:func:`~lightning_seqmem.plan.judging.covered`)."""
+        return judging.covered(self, seq_len, batch_size, setting)
+
+    def held_bytes(self) -> int:
+        """What every step begins with (:func:`~lightning_seqmem.plan.judging.held_bytes`)."""
+        return judging.held_bytes(self)
+
+    def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
+                batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
+                rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord:
+        """Record a measured step, fit, verify (:func:`~lightning_seqmem.plan.verification.observe`)."""
+        return verification.observe(self, pending, memory, seq_len, batch_size, trace, rank, step_seconds)
+
+    def keep_forecast(self, seq_len: int, batch_size: int) -> None:
+        """Keep the forecast at this shape to verify (:func:`~lightning_seqmem.plan.verification.keep_forecast`)."""
+        verification.keep_forecast(self, seq_len, batch_size)
+
+    def peak_before(self, seq_len: Optional[int], batch_size: Optional[int]) -> tuple[Optional[int], Optional[str]]:
+        """The peak before a rung (:func:`~lightning_seqmem.plan.verification.peak_before`)."""
+        return verification.peak_before(self, seq_len, batch_size)
+
+    def dry_before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
+        """Dry runs only the moment before a rung allows (:func:`~lightning_seqmem.plan.verification.dry_before_rung`)."""
+        verification.dry_before_rung(self, name, seq_len, batch_size)
 
     def see_length(self, seq_len: int) -> None:
         """A length the data has (bounds the dry runs' buckets)."""
@@ -155,7 +169,7 @@ class Evidence:
             raise ValueError(f"`seq_len`={seq_len} is past this model's limit of {self.settings.length_limit} tokens "
                              f"({self.settings.length_limit_reason}): pass a length up to {self.settings.length_limit}")
         key = self.ladder.applied if mitigations is None else check_setting(mitigations)
-        self._check_dry_once(key)
+        verification.check_dry_once(self, key)
         dry = self.dry_forecast(seq_len, self.batch_size_or_last(batch_size), key)
         if dry is not None:
             return dry

@@ -1,5 +1,5 @@
 """Judging a batch against the usable budget: :func:`judge` and the bounds behind it, as functions of
-the :class:`~lightning_seqmem.plan.evidence.Evidence` (bound to it as its methods).
+the :class:`~lightning_seqmem.plan.evidence.Evidence` (the public ones are its methods).
 
 Before a batch runs at ``(L, B)`` under the mitigations now on, :func:`judge` says whether it fits:
 
@@ -54,7 +54,7 @@ def judge(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[S
     if budget is None:
         return Verdict("fits")
     if mitigations is not None and tuple(mitigations) != ev.ladder.applied:
-        fc = ev._dry_judged(seq_len, batch_size, mitigations)
+        fc = dry_judged(ev, seq_len, batch_size, mitigations)
         if fc is None:
             return Verdict("unknown")
         return Verdict("fits" if ev.bound_of(fc) <= budget else "over", ev.bound_of(fc), fc.peak_bytes, "dry_run")
@@ -66,7 +66,7 @@ def judge(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[S
             return Verdict("over", ev._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
         if any(not r.warmup for r in here):
             return Verdict("fits", ev._measured_bound(worst), worst.peak_bytes, "measured", measured=True)
-    dry = ev._dry_judged(seq_len, batch_size)
+    dry = dry_judged(ev, seq_len, batch_size)
     if dry is not None:  # the exact program at this length (or a bound from a larger one): before any extrapolation
         return Verdict("fits" if ev.bound_of(dry) <= budget else "over", ev.bound_of(dry), dry.peak_bytes, "dry_run")
     bounds: list[tuple[int, int, str]] = []
@@ -77,7 +77,7 @@ def judge(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optional[S
     if earlier is not None:
         fc = ev.forecasters[earlier].forecast(seq_len, batch_size)
         bounds.append((ev.bound_of(fc), fc.peak_bytes, "previous setting"))
-    one_point = ev._one_point_bound(seq_len, batch_size)
+    one_point = one_point_bound(ev, seq_len, batch_size)
     if one_point is not None:
         bounds.append((*one_point, "one-point bound"))
     if not bounds:
@@ -153,10 +153,10 @@ def dry_judged(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optio
         fc = ev.dry_forecast(L, B, key, source=source)
         if fc is not None and ev.bound_of(fc) <= budget:
             return fc
-    bucket = ev._bucket(L, B, key, budget)
-    known_over = any(L <= k[0] <= bucket and k[1] == B and ev._over(k[0], B, key, budget) for k in answers)
-    if bucket > L and not known_over:
-        fc = ev.dry_forecast(L, B, key, source=(bucket, B))
+    top = bucket(ev, L, B, key, budget)
+    known_over = any(L <= k[0] <= top and k[1] == B and over(ev, k[0], B, key, budget) for k in answers)
+    if top > L and not known_over:
+        fc = ev.dry_forecast(L, B, key, source=(top, B))
         if fc is not None and ev.bound_of(fc) <= budget:
             return fc
     return ev.dry_forecast(L, B, key)

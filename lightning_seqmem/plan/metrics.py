@@ -16,6 +16,7 @@ from __future__ import annotations
 from lightning_seqmem.core.records import PHASES, StepRecord
 from lightning_seqmem.core.units import to_gib
 from lightning_seqmem.plan.curriculum_state import CurriculumState
+from lightning_seqmem.plan import judging
 from lightning_seqmem.plan.evidence import Evidence
 
 __all__ = ["budget_view", "metrics"]
@@ -33,7 +34,7 @@ def budget_view(evidence: Evidence, course: CurriculumState, batch_size: int) ->
     target = target or (ev.records[-1].seq_len if ev.records else None)
     # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
     fc = None if not target else (ev.forecaster.forecast(target, batch_size) if ev.forecaster.ready
-                                   else ev._dry_judged(target, batch_size))
+                                   else judging.dry_judged(ev, target, batch_size))
     if fc is not None:
         bound = ev.bound_of(fc)
         out["forecast_next_gib"] = to_gib(bound)

@@ -1,5 +1,5 @@
 """Measured steps and the verification of every forecast, as functions of the
-:class:`~lightning_seqmem.plan.evidence.Evidence` (bound to it as its methods).
+:class:`~lightning_seqmem.plan.evidence.Evidence` (the public ones are its methods).
 
 :func:`observe` records a measured step, checks each predictor that could answer for its shape
 against it before the step joins any fit (:func:`check_predictors`: one that misses beyond the
@@ -119,17 +119,17 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
     # kept and judged by, but fitted and checked against only as the step the predictors model
     if not record.warmup and pending.optimizer_steps:
         ev.last_batch_size = B
-        wrong_now = ev._check_predictors(record, forecaster)
+        wrong_now = check_predictors(ev, record, forecaster)
         forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
         tL, tB, tm = trace if trace is not None else (L, B, memory)
         if pending.traced and tm.events is not None:
             forecaster.add_trace(Trace(tL, tB, tm.events, block_bytes=ev.settings.block_bytes,
                                        measured_peak_bytes=tm.peak_bytes))
-            ev._compare_replay(forecaster, record.mitigations, B)
+            compare_replay(ev, forecaster, record.mitigations, B)
         fc = ev._pending.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
         if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # the forecast for the shape that ran
-            ev._verify(record, fc, forecaster, quiet=fc.method in wrong_now)
-        ev._after_mitigation(record)
+            verify(ev, record, fc, forecaster, quiet=fc.method in wrong_now)
+        after_mitigation(ev, record)
     if any(spec(m).first_step_check for m in record.mitigations) and not any(
             r.mitigations == record.mitigations for r in ev.records):
         # the step that switched such a rung on (micro-batching) ran its one-time check, which the dry
@@ -216,7 +216,7 @@ def check_predictors(ev: "Evidence", record: StepRecord, forecaster: MemoryForec
             forecaster.distrusted[method] = (f"it predicted {wrong.relative_error:+.1%} for the step measured at "
                                              f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
     # a predictor ranked after one that decides and is right steps aside silently (see Forecast.detail)
-    said = [m for m in ("dry_run", "replay", "quadratic") if m in newly and not ev._deciding_before(m, setting, forecaster)]
+    said = [m for m in ("dry_run", "replay", "quadratic") if m in newly and not deciding_before(ev, m, setting, forecaster)]
     if said:
         misses = [(m, predictions[m], ev.checks.latest[(setting, m, L, B)].relative_error) for m in said]
         ev.advice.advise(A.predictor_wrong(L, B, record.peak_bytes, misses, ev.settings.tolerance, ev.checks.right(setting)))
@@ -257,7 +257,7 @@ def after_mitigation(ev: "Evidence", record: StepRecord) -> None:
             ev.advice.advise(A.rung_added_memory(event.name, *rise))  # (once per rung: the advice's key)
     if not spec(event.name).linearises_attention or event.checked:
         return
-    terms = ev._dry_quadratic_terms(event, record.batch_size)
+    terms = dry_quadratic_terms(ev, event, record.batch_size)
     if terms is None and ev.forecaster.ready:
         terms = quadratic_terms(ev.forecasters.get(ev.ladder.applied[:-1]), ev.forecaster)
     if terms is None:

@@ -212,6 +212,9 @@ class SeqMemCallback(Callback):
     mitigations = property(lambda self: self.planner.ladder.allowed, doc="The rungs this run may still use.")
     usable_budget_bytes = property(lambda self: self.planner.settings.usable_budget_bytes, doc="budget × (1 − safety_margin).")
     seq_len = property(lambda self: self.planner.course.seq_len, doc="The curriculum's current length (None without one).")
+    breakdowns = property(lambda self: self.edge.breakdowns, doc="The traced breakdowns (``breakdown=True``, after fit).")
+    breakdown_table = property(lambda self: self.edge.breakdown_table, doc="Their table across lengths, or None.")
+    breakdown_report = property(lambda self: self.edge.breakdown_report, doc="The report's breakdown section, or None.")
 
     @property
     def forecaster(self) -> MemoryForecaster:
