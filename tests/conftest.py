@@ -211,5 +211,5 @@ def planner_batches(p, shape, n, applicable, peak_fn, static_bytes, switch_on, s
         seconds = None if seconds_fn is None else seconds_fn(L, B, p.ladder.applied)
         out.append((d, p.observe(s, StepMemory(value, {"forward": value}, static_bytes, static_bytes),
                                  step_seconds=seconds)))
-        p.end_batch()
+        p.course.end_batch()
     return out

@@ -145,7 +145,7 @@ def test_planner_caps_at_what_its_dry_run_says_fits_past_a_window():
         p.commit(d)
         s = p.begin_step(d.seq_len, 2, optimizer_steps=True, global_step=step)
         _ = p.observe(s, StepMemory(peak(s.seq_len, 2), {"forward": peak(s.seq_len, 2)}, 1_000_000, 1_000_000))
-        p.end_batch()
+        p.course.end_batch()
     assert max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes
     assert all(r.seq_len % 64 == 0 and r.seq_len <= 900 for r in p.evidence.records)
     assert all(key[0] <= 900 for key in p.evidence._dry)  # never dry-run past the limit

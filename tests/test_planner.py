@@ -44,7 +44,7 @@ def step(p, shape, applicable=NONE, peak_fn=peak, rung_ok=True):
     s = p.begin_step(L, B, True, global_step=p.course.step)
     value = peak_fn(L, B, p.ladder.applied)
     record = p.observe(s, StepMemory(value, {"forward": value}, STATIC, STATIC))
-    p.end_batch()
+    p.course.end_batch()
     return d, record
 
 
@@ -175,7 +175,7 @@ def test_decide_is_pure_and_state_round_trips():
     assert dataclasses.replace(q.decide((4, 512), ALL)) == d1
     assert q.state_dict()["records"] == state["records"] and q.ladder.applied == p.ladder.applied
     # the rest of the run is the same from the restored state (the first step after a resume is warm-up)
-    q._schedule.resume_warmup = p._schedule.resume_warmup
+    q.schedule.resume_warmup = p.schedule.resume_warmup
     assert [d for d, _ in run(p, (4, 512), 6, applicable=ALL)] == [d for d, _ in run(q, (4, 512), 6, applicable=ALL)]
 
 
@@ -221,7 +221,7 @@ def test_over_budget_words_name_the_length_measured_to_fit_before_any_fit():
         p.commit(d)
         s = p.begin_step(d.seq_len, 2, optimizer_steps=True, global_step=step)
         p.observe(s, StepMemory(100 * s.seq_len, {"forward": 100 * s.seq_len}, 0, 0))
-        p.end_batch()
+        p.course.end_batch()
     said = " ".join(a.text for a in p.advice.take_advice())
     assert "seq_len=128 is predicted" in said and "The largest length forecast to fit is 64." in said, said
     assert "No length is forecast to fit" not in said

@@ -12,11 +12,11 @@ from test_planner import ALL, peak, planner, run
 
 
 def _parts(p: SeqMemPlanner) -> tuple:
-    return p.settings, p.ladder, p.course, p.evidence, p.advice, p._schedule
+    return p.settings, p.ladder, p.course, p.evidence, p.advice, p.schedule
 
 
-PROTOCOL = {"decide", "commit", "begin_step", "observe", "end_batch", "on_rung", "bind_run", "restart",
-            "state_dict", "load_state_dict"}
+PROTOCOL = {"decide", "commit", "begin_step", "observe", "on_rung", "bind_run", "restart", "state_dict",
+            "load_state_dict"}
 
 
 def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
@@ -24,7 +24,7 @@ def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
     run(p, (4, 512), 8, applicable=ALL)
     public = {n for n in dir(p) if not n.startswith("_")}
     print(f"SeqMemPlanner public names ({len(public)}): {sorted(public)}")
-    assert public == PROTOCOL | {"settings", "evidence", "ladder", "course", "advice"} and len(public) <= 15
+    assert public == PROTOCOL | {"settings", "evidence", "ladder", "course", "advice", "schedule"} and len(public) <= 15
     assert p.ladder.applied and p.evidence.ladder is p.ladder and len(p.evidence.records) == 8
     assert p.ladder.events[0]["name"] == p.ladder.applied[0]
     p.ladder.applied = ()  # one owner: every part reads it

@@ -149,7 +149,7 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
     measured = [(r.seq_len, r.mitigations) for r in cb.records]
     it = iter(ran)
     assert all(m in it for m in measured), (measured, ran)  # the records: the steps that ran measured, in order
-    assert len(measured) + cb.planner._schedule.unmeasured == len(lengths)
+    assert len(measured) + cb.planner.schedule.unmeasured == len(lengths)
     for i, (L, setting) in enumerate(ran):  # each step left unmeasured: below a measured earlier one, in budget
         if (L, setting) not in measured:
             assert any(r.seq_len >= L and r.mitigations == setting and r.step < i for r in cb.records), (L, setting)

@@ -194,7 +194,7 @@ def test_step_seconds_survive_a_checkpoint_and_old_records_load_without_them():
     p = SeqMemPlanner(warmup_steps=0)
     s = p.begin_step(64, 2, True)
     p.observe(s, StepMemory(100, {"forward": 100}, 10, 10), step_seconds=0.25)
-    p.end_batch()
+    p.course.end_batch()
     q = SeqMemPlanner(warmup_steps=0)
     q.load_state_dict(p.state_dict())
     assert q.evidence.records[0].step_seconds == 0.25

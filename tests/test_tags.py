@@ -33,7 +33,7 @@ def _measured_planner():
                             1_000_000, reserved_bytes=peak + 4096, fragmentation_bytes=4096,
                             fragmentation_fraction=0.001, inactive_split_bytes=0, alloc_retries=0, num_ooms=0)
         records.append(p.observe(s, memory))
-        p.end_batch()
+        p.course.end_batch()
     return p, records
 
 

@@ -359,7 +359,7 @@ class Evidence:
             409600
             >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
             >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
-            >>> p.end_batch()
+            >>> p.course.end_batch()
             >>> p.evidence.records[0].peak_bytes - p.evidence.dry_peak(64, 2)[0]   # what the allocator counted beyond the dry run
             4096
             >>> p.evidence.scratch_bytes(128, 2, ()), p.evidence.scratch_bytes(128, 4, ())   # 4096 B at 64 tokens, batch 2

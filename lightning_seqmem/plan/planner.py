@@ -2,11 +2,11 @@
 
 The callback measures, applies and agrees across ranks; the planner decides. Its protocol is a
 handful of methods (:meth:`~SeqMemPlanner.decide`, :meth:`~SeqMemPlanner.commit`,
-:meth:`~SeqMemPlanner.begin_step`, :meth:`~SeqMemPlanner.observe`, :meth:`~SeqMemPlanner.end_batch`,
+:meth:`~SeqMemPlanner.begin_step`, :meth:`~SeqMemPlanner.observe`,
 :meth:`~SeqMemPlanner.on_rung`, :meth:`~SeqMemPlanner.bind_run`,
 :meth:`~SeqMemPlanner.restart`, the state dict) over parts that each own and checkpoint one state,
-read by name (``p.evidence.records``, ``p.ladder.applied``, ``p.course.stages``, the advice to
-warn in ``p.advice.take_advice()``):
+read by name (``p.evidence.records``, ``p.ladder.applied``, ``p.course.stages``, a batch's end in
+``p.course.end_batch()``, the advice to warn in ``p.advice.take_advice()``):
 
 * :class:`~lightning_seqmem.plan.settings.PlannerSettings`: its arguments and what the run binds at
   set-up (:meth:`SeqMemPlanner.bind_run`);
@@ -59,7 +59,7 @@ Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 
     ...     s = p.begin_step(d.seq_len, 4, optimizer_steps=True, global_step=step)
     ...     peak = 1_000_000 + 4 * (3000 * s.seq_len + s.seq_len ** 2)
     ...     _ = p.observe(s, StepMemory(peak, {"forward": peak}, 1_000_000, 1_000_000))
-    ...     p.end_batch()
+    ...     p.course.end_batch()
     ...     lengths.append((d.action, s.seq_len))
     >>> lengths[2:6]   # 128 judged from one length only is over: probe 32; then 128 is forecast over too: cap
     [('run', 64), ('probe', 32), ('run', 32), ('cap', 112)]
@@ -106,8 +106,8 @@ class SeqMemPlanner:
             the keywords it holds; without one, they make one (unchecked).
 
     Its state is in its parts, each checkpointed by its own ``state_dict``: ``settings`` (read-only;
-    what the run decides goes through :meth:`bind_run`), ``evidence``, ``ladder``, ``course`` and
-    ``advice`` (public, read by the callback and the report), and the measurement schedule.
+    what the run decides goes through :meth:`bind_run`), ``evidence``, ``ladder``, ``course``,
+    ``advice`` and ``schedule`` (public, read by the callback and the report).
     """
 
     def __init__(
@@ -145,7 +145,7 @@ class SeqMemPlanner:
         self.ladder = LadderState(self.ladder.allowed)
         self.course = CurriculumState(self.settings.curriculum)
         self.evidence = Evidence(self.settings, self.ladder, self.advice)
-        self._schedule = MeasurementSchedule()  # which batches are warm-ups, measured, traced
+        self.schedule = MeasurementSchedule()  # which batches are warm-ups, measured, traced
 
     def bind_run(self, **facts: Any) -> None:
         """Bind what the run decides at set-up (fields of
@@ -248,7 +248,7 @@ class SeqMemPlanner:
         traced."""
         s, on = self.settings, self.ladder.applied
         key = (seq_len, batch_size, on)
-        warmup, measure, count = self._schedule.next(
+        warmup, measure, count = self.schedule.next(
             key, self.course.step, s.warmup_steps, s.warmup_steps_after_change,
             s.measure_every_n_steps, global_step, self.evidence.covered(*key))
         if count == 0:  # kept to verify against the measurement
@@ -262,12 +262,6 @@ class SeqMemPlanner:
         return PendingStep(self.course.step, global_step, epoch, seq_len, batch_size, warmup, measure,
                            traced, stage, on, events, optimizer_steps=bool(optimizer_steps))
 
-    def end_batch(self, at_stage_length: bool = True) -> None:
-        """A batch finished (measured or not). Only a batch that ran at the length it was cut to
-        (``at_stage_length``) counts towards the stage's ``steps_per_stage``: where the data is
-        shorter than the stage, or the batch could not be cut, the curriculum holds."""
-        self.course.end_batch(at_stage_length)
-
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
                 rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord:
@@ -279,7 +273,7 @@ class SeqMemPlanner:
     def state_dict(self) -> dict[str, Any]:
         """Flat plain values, each part's own keys; the records are bounded
         (:func:`~lightning_seqmem.plan.checkpoint.compact_records`, ``checkpoint_records``)."""
-        return {**self.course.state_dict(), **self.evidence.state_dict(), **self._schedule.state_dict(),
+        return {**self.course.state_dict(), **self.evidence.state_dict(), **self.schedule.state_dict(),
                 **self.advice.state_dict(), **self.ladder.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any],
@@ -298,7 +292,7 @@ class SeqMemPlanner:
         fresh.ladder.load_state_dict(state)
         fresh.evidence.load_state_dict(state)
         fresh.advice.load_state_dict(state)
-        fresh._schedule.load_state_dict(state, resume_warmup=max(1, self.settings.warmup_steps_after_change))
+        fresh.schedule.load_state_dict(state, resume_warmup=max(1, self.settings.warmup_steps_after_change))
         changed: tuple[list[str], tuple[str, ...]] = ([], ())
         if run_config is not None:
             parts = PlannerParts(fresh.settings, fresh.ladder, fresh.course, fresh.evidence, fresh.advice)

@@ -20,7 +20,7 @@ from lightning_seqmem.plan.curriculum_state import CurriculumState
 from lightning_seqmem.plan.decisions import Decision
 from lightning_seqmem.plan.evidence import Evidence
 from lightning_seqmem.plan.ladder_state import LadderState
-from lightning_seqmem.plan.schedule import PendingStep
+from lightning_seqmem.plan.schedule import MeasurementSchedule, PendingStep
 from lightning_seqmem.plan.settings import PlannerSettings
 
 __all__ = ["Planner"]
@@ -35,6 +35,7 @@ class Planner(Protocol):
     ladder: LadderState
     course: CurriculumState
     advice: AdviceQueue
+    schedule: MeasurementSchedule
 
     def decide(self, shape: tuple[int, int], applicable: Mapping[str, tuple[bool, str]]) -> Decision: ...
 
@@ -45,8 +46,6 @@ class Planner(Protocol):
 
     def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True, global_step: int = 0,
                    epoch: int = 0) -> PendingStep: ...
-
-    def end_batch(self, at_stage_length: bool = True) -> None: ...
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,

@@ -351,7 +351,7 @@ class BatchCycle:
         shape = self.edge.shape
         ran = shape[1] if shape else None  # this rank's batch as it ran
         held = self.config.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
-        self.planner.end_batch(at_stage_length=not held)
+        self.planner.course.end_batch(at_stage_length=not held)
         if held:
             self.planner.advice.advise(A.curriculum_not_applied(pending.seq_len, ran))
         if pending is None or row is None:
