@@ -85,7 +85,7 @@ def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(
                         curriculum=Curriculum(start=64, target=1024, steps_per_stage=2, multiple_of=64))
     messages = _fit(cb, HFCausalLM(model_type="bert", config=bert, attn_implementation="sdpa"), 7, limit,
                     default_root_dir=tmp_path)
-    dry = cb.planner.settings.dry_run
+    dry = cb.planner.settings.dry_runner
     assert dry is not None and dry.unsupported is None  # before: a dry run at 4096 turned it off for the run
     assert not [w for w in messages if "cannot simulate" in w]
     asked = sorted({key[0] for key in cb.planner.evidence._dry})
@@ -137,7 +137,7 @@ def test_planner_caps_at_what_its_dry_run_says_fits_past_a_window():
 
     p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, growth=4, steps_per_stage=2, multiple_of=64),
                       memory_budget_bytes=11_000_000, warmup_steps=1, mitigations=(),
-                      dry_run=lambda L, B, m: (peak(L, B), {"forward": peak(L, B)}))
+                      dry_runner=lambda L, B, m: (peak(L, B), {"forward": peak(L, B)}))
     p.bind_run(length_limit=900, length_limit_reason="config.n_positions=900")
     no_rung = {name: (False, "not allowed") for name in MITIGATIONS}
     for step in range(10):

@@ -78,7 +78,7 @@ def test_the_callbacks_attributes_and_its_planner_read_its_config():
     assert p.settings.config is c and p.settings.config is c  # one copy
     assert (p.settings.warmup_steps, p.settings.tolerance, p.settings.budget_bytes, p.settings.usable_budget_bytes, p.settings.curriculum, p.ladder.allowed) == (
         3, 0.2, 2**20, int(2**20 * 0.75), curriculum, ("checkpointing",))
-    assert p.settings.dry_run is None and cb.state_key == "SeqMemCallback{'name': 'a'}"
+    assert p.settings.dry_runner is None and cb.state_key == "SeqMemCallback{'name': 'a'}"
 
 
 def test_bind_run_replaces_the_facts_and_every_part_sees_them():
@@ -105,8 +105,8 @@ def test_writes_through_the_planner_raise_or_bind():
     with pytest.raises(AttributeError, match=r"bind_run\(block_bytes=...\)"):
         p.settings.block_bytes = 512
     assert p.settings.tolerance == 0.15 and p.settings.block_bytes == 1
-    p.bind_run(dry_run=(fake := lambda L, B, m: (L * B, {"forward": L * B})))  # a run fact: a bind
-    assert p.settings.run_facts.dry_run is fake and p.evidence.settings.dry_run is fake
+    p.bind_run(dry_runner=(fake := lambda L, B, m: (L * B, {"forward": L * B})))  # a run fact: a bind
+    assert p.settings.run_facts.dry_runner is fake and p.evidence.settings.dry_runner is fake
 
 
 def test_a_planner_takes_a_config_or_its_keywords_not_both():
@@ -115,7 +115,7 @@ def test_a_planner_takes_a_config_or_its_keywords_not_both():
     assert p.settings.config is config and (p.settings.budget_bytes, p.settings.warmup_steps, p.settings.compare_reserved) == (4096, 3, True)
     with pytest.raises(TypeError, match="`SeqMemPlanner` got `config` and `memory_budget_bytes=10`"):
         SeqMemPlanner(config=config, memory_budget_bytes=10)
-    s = PlannerSettings(budget_bytes=1000, dry_run=None, trace_lengths=4)
+    s = PlannerSettings(budget_bytes=1000, dry_runner=None, trace_lengths=4)
     assert (s.config.memory_budget_bytes, s.budget_bytes, s.trace_lengths) == (1000, 1000, 4)
     assert s.run_facts == RunFacts.of(s.config)
 

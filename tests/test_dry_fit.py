@@ -55,7 +55,7 @@ def _planner(peak, budget, calls):
         calls.append(L)
         return peak(L), {"forward": peak(L) // 2, "backward": peak(L)}
 
-    p = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, dry_run=dry)
+    p = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, dry_runner=dry)
     p.evidence.last_batch_size = 2
     return p
 

@@ -197,7 +197,7 @@ def test_planner_work_per_batch_is_bounded():
         calls.append((L, B, setting))
         return peak(L, B, setting), {"forward": peak(L, B, setting)}
 
-    p = planner(peak(256, 4) - 1, Curriculum(**CURR), mitigations=MITIGATIONS, dry_run=dry)
+    p = planner(peak(256, 4) - 1, Curriculum(**CURR), mitigations=MITIGATIONS, dry_runner=dry)
     run(p, (4, 512), 20, applicable=ALL)
     first = len(calls)
     run(p, (4, 512), 20, applicable=ALL)  # the curriculum is done: the same shape again and again
@@ -215,7 +215,7 @@ def test_over_budget_words_name_the_length_measured_to_fit_before_any_fit():
 
     p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, memory_budget_bytes=10_000, safety_margin=0.0,
                       curriculum=Curriculum(start=64, target=128, steps_per_stage=1, multiple_of=64),
-                      dry_run=lambda L, B, m: (100 * L, {"forward": 100 * L}))
+                      dry_runner=lambda L, B, m: (100 * L, {"forward": 100 * L}))
     for step in range(2):
         d = p.decide((2, 128), {})
         p.commit(d)

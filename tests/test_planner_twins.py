@@ -55,7 +55,7 @@ BUDGET = peak(80, 4) + 1  # like tests/test_ladder.py: the plain model fits 80 t
 
 
 def _ladder_run(mitigations, coeffs=COEFFS, steps=24):
-    p = planner(BUDGET, Curriculum(**LADDER_CURR), mitigations=mitigations, dry_run=dry(coeffs))
+    p = planner(BUDGET, Curriculum(**LADDER_CURR), mitigations=mitigations, dry_runner=dry(coeffs))
     out = run(p, (4, 640), steps, applicable=ALL, peak_fn=lambda L, B, s: peak(L, B, s, coeffs))
     return p, out, p.advice.take_advice()
 
@@ -105,7 +105,7 @@ def test_twin_the_curriculum_caps_between_stages_at_the_step_the_trainer_run_ass
     256 and 512 (batch 2), no rung: one warning at the end of the 256 stage, capped from step 12."""
     budget = (peak(256, 2) + peak(512, 2)) // 2
     p = planner(budget, Curriculum(start=32, target=512, steps_per_stage=3, multiple_of=16), mitigations=(),
-                dry_run=dry())
+                dry_runner=dry())
     out = run(p, (2, 512), 21, applicable=ALL)
     lengths = [r.seq_len for _, r in out]
     cap = lengths[-1]

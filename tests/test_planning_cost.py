@@ -61,7 +61,7 @@ def _planner(peak, budget, calls, **kwargs):
         p = peak(L, B, m)
         return p, {"forward": p}
 
-    return SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, dry_run=dry, **kwargs)
+    return SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, dry_runner=dry, **kwargs)
 
 
 def test_dynamic_padding_is_judged_as_exactly_with_a_few_dry_runs():
@@ -134,8 +134,8 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
 
     class Count(pl_callback()):
         def on_fit_start(self, trainer, pl_module):  # after SeqMemCallback's, which wires the dry run
-            inner = cb.planner.settings.dry_run
-            cb.planner.bind_run(dry_run=lambda *key: calls.append(key) or inner(*key))
+            inner = cb.planner.settings.dry_runner
+            cb.planner.bind_run(dry_runner=lambda *key: calls.append(key) or inner(*key))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after SeqMemCallback's decision
             ran.append((batch["input_ids"].shape[1], cb.applied_mitigations))

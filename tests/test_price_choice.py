@@ -49,7 +49,7 @@ def twin(budget, mitigations, peak_fn, curriculum=None):
         value = peak_fn(L, B, setting)
         return value, {"forward": value}
     return SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, curriculum=curriculum, warmup_steps=1,
-                         mitigations=mitigations, dry_run=dry_run)
+                         mitigations=mitigations, dry_runner=dry_run)
 
 
 def run(p, shape, n, applicable, peak_fn, seconds_fn=lambda L, B, s: None):

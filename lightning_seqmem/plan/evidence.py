@@ -14,7 +14,7 @@ Example:
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
     >>> from lightning_seqmem.plan.ladder_state import LadderState
     >>> from lightning_seqmem.plan.settings import PlannerSettings
-    >>> ev = Evidence(PlannerSettings(budget_bytes=10**6, dry_run=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B})),
+    >>> ev = Evidence(PlannerSettings(budget_bytes=10**6, dry_runner=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B})),
     ...               LadderState(()), AdviceQueue())
     >>> ev.dry_peak(256, 4)[0], ev.forecast(256, 4).method, ev.judge(256, 4).kind, ev.judge(4096, 4).kind
     (102400, 'dry_run', 'fits', 'over')
@@ -188,7 +188,7 @@ class Evidence:
     def dry_run_why(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
         """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
         key = (int(seq_len), int(batch_size), self.ladder.applied if mitigations is None else tuple(mitigations))
-        if self.settings.dry_run is None:
+        if self.settings.dry_runner is None:
             return "no dry run (dry_run=False, or not rank zero, or before fit)"
         wrong = self.checks.wrong(key[2], "dry_run")
         if wrong is not None:
@@ -289,11 +289,11 @@ class Evidence:
         """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
         now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
         key = (int(seq_len), int(batch_size), self.ladder.applied if mitigations is None else tuple(mitigations))
-        if self.settings.dry_run is None or not self.settings.within_limit(seq_len):  # past the model's positions: never asked
+        if self.settings.dry_runner is None or not self.settings.within_limit(seq_len):  # past the model's positions: never asked
             return None
         if key not in self._dry:
             try:
-                answer = self.settings.dry_run(*key)
+                answer = self.settings.dry_runner(*key)
                 peak, phases = answer[0], answer[1]
                 self._dry[key] = (int(peak), {k: int(v) for k, v in phases.items()})
                 if len(answer) > 2 and isinstance(answer[2], PeakSite):
@@ -324,7 +324,7 @@ class Evidence:
 
         Example:
             >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-            >>> p = SeqMemPlanner(dry_run=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B}))
+            >>> p = SeqMemPlanner(dry_runner=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B}))
             >>> p.evidence.any_dry_run_answered(), p.evidence.dry_peak(64, 2)[0], p.evidence.any_dry_run_answered()
             (False, 12800, True)
             >>> s = p.begin_step(64, 2)   # the first step at this shape: the dry run's forecast is kept
@@ -354,7 +354,7 @@ class Evidence:
             >>> from lightning_seqmem.core.records import StepMemory
             >>> from lightning_seqmem.plan.planner import SeqMemPlanner
             >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, compare_reserved=True,
-            ...                   dry_run=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
+            ...                   dry_runner=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
             >>> p.evidence.dry_peak(64, 2)[0]
             409600
             >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
@@ -416,7 +416,7 @@ class Evidence:
             >>> from lightning_seqmem.core.peak import PeakSite
             >>> from lightning_seqmem.plan.planner import SeqMemPlanner
             >>> site = PeakSite("backward", (("attention_scores", 90 * 64 * 64), ("parameters", 10 * 64 * 64)))
-            >>> p = SeqMemPlanner(dry_run=lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site))
+            >>> p = SeqMemPlanner(dry_runner=lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site))
             >>> p.evidence.dry_peak(64, 2, ())[0], p.evidence.dry_peak_site(64, 2, ()).top_kind
             (409600, 'attention_scores')
             >>> p.evidence.forecast(64, 2, ()).detail.endswith("; peak at backward: attention scores 90%, parameters 10%")

@@ -145,7 +145,7 @@ def dry_judged(ev: "Evidence", seq_len: int, batch_size: int, mitigations: Optio
     key = ev.ladder.applied if mitigations is None else tuple(mitigations)
     budget = ev.settings.usable_budget_bytes
     L, B = int(seq_len), int(batch_size)
-    if (L, B, key) in ev._dry or budget is None or ev.settings.dry_run is None or ev.settings.curriculum is not None:
+    if (L, B, key) in ev._dry or budget is None or ev.settings.dry_runner is None or ev.settings.curriculum is not None:
         return ev.dry_forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
     answers = {(k[0], k[1]): v[0] for k, v in ev._dry.items() if v is not None and k[2] == key}
     source = dry_evidence.dominating(answers, L, B)

@@ -124,7 +124,7 @@ class SeqMemPlanner:
         compare_reserved: bool = False,
         block_bytes: int = 1,
         precision: str = "32-true",
-        dry_run: Optional[DryRun] = None,
+        dry_runner: Optional[DryRun] = None,
         config: Optional[SeqMemConfig] = None,
     ) -> None:
         config = planner_config(
@@ -133,7 +133,7 @@ class SeqMemPlanner:
             warmup_steps_after_change=warmup_steps_after_change, trace_lengths=trace_lengths,
             measure_every_n_steps=measure_every_n_steps, mitigations=mitigations)
         facts = RunFacts.of(config, compare_reserved=compare_reserved, block_bytes=block_bytes,
-                            precision=precision, dry_run=dry_run)
+                            precision=precision, dry_runner=dry_runner)
         self.settings = PlannerSettings(config, facts)
         self.ladder = LadderState(config.mitigations)  # the rungs left to this run
         self._reset()
@@ -149,7 +149,7 @@ class SeqMemPlanner:
 
     def bind_run(self, **facts: Any) -> None:
         """Bind what the run decides at set-up (fields of
-        :class:`~lightning_seqmem.plan.settings.RunFacts`: ``budget_bytes``, ``dry_run``,
+        :class:`~lightning_seqmem.plan.settings.RunFacts`: ``budget_bytes``, ``dry_runner``,
         ``device_type``, ...). A ``length_limit`` (the model's longest sequence, from
         ``length_limit_reason``) drops the curriculum stages past it (the last stage becomes the
         limit rounded down to ``multiple_of``), said once; no length past it is dry-run, forecast

@@ -19,7 +19,7 @@ Example:
     >>> s.bind_run(blocks=1)
     Traceback (most recent call last):
     ...
-    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes, precision, device_type, dry_run, measure_every_n_steps, length_limit, length_limit_reason, checkpoint_records, memory_records
+    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes, precision, device_type, dry_runner, measure_every_n_steps, length_limit, length_limit_reason, checkpoint_records, memory_records
     >>> s.block_bytes = 1
     Traceback (most recent call last):
     ...
@@ -46,7 +46,7 @@ class RunFacts:
     block_bytes: int = 1  # allocation granularity of traced steps (512 for CUDA)
     precision: str = "32-true"
     device_type: str = "cpu"  # the run's device type, for advice that fits the machine
-    dry_run: Optional[Callable[..., Any]] = None  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
+    dry_runner: Optional[Callable[..., Any]] = None  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
     measure_every_n_steps: int = 1  # the configured one, raised for a compiled module under the tracker
     length_limit: Optional[int] = None  # the model's longest sequence (positions), tokens; None: no limit
     length_limit_reason: str = ""  # where it comes from, e.g. "config.max_position_embeddings=2048"
@@ -101,7 +101,7 @@ class PlannerSettings:
     block_bytes = property(lambda self: self.run_facts.block_bytes, doc="``run_facts.block_bytes``")
     precision = property(lambda self: self.run_facts.precision, doc="``run_facts.precision``")
     device_type = property(lambda self: self.run_facts.device_type, doc="``run_facts.device_type``")
-    dry_run = property(lambda self: self.run_facts.dry_run, doc="``run_facts.dry_run``")
+    dry_runner = property(lambda self: self.run_facts.dry_runner, doc="``run_facts.dry_runner``")
     measure_every_n_steps = property(lambda self: self.run_facts.measure_every_n_steps, doc="``run_facts.measure_every_n_steps``")
     length_limit = property(lambda self: self.run_facts.length_limit, doc="``run_facts.length_limit``")
     length_limit_reason = property(lambda self: self.run_facts.length_limit_reason, doc="``run_facts.length_limit_reason``")
@@ -113,8 +113,8 @@ class PlannerSettings:
         if unknown or (values and (config is not None or run_facts is not None)):
             raise TypeError(f"`PlannerSettings` got {', '.join(unknown) or 'fields besides config/run_facts'}: pass "
                             "a SeqMemConfig and RunFacts, or fields of theirs by keyword")
-        if config is None:  # `budget_bytes` is the budget given; `dry_run` the dry run itself (a run fact)
-            given = {k: v for k, v in values.items() if k in _CONFIG_FIELDS and k != "dry_run"}
+        if config is None:  # `budget_bytes` is the budget given
+            given = {k: v for k, v in values.items() if k in _CONFIG_FIELDS}
             config = SeqMemConfig(**given, **({"memory_budget": values["budget_bytes"]} if "budget_bytes" in values else {}),
                                   checked=False)
         if run_facts is None:
@@ -149,7 +149,7 @@ class PlannerSettings:
     def bind_run(self, **changes: Any) -> None:
         """Bind what the run decides at set-up: any field of :class:`RunFacts` (``budget_bytes``, the
         device's memory when no budget was given, ``compare_reserved``, ``block_bytes``, ``precision``,
-        ``device_type``, ``dry_run``, ...); the facts are replaced as a whole, and every part sees them."""
+        ``device_type``, ``dry_runner``, ...); the facts are replaced as a whole, and every part sees them."""
         for name in changes:
             if name not in _RUN_FIELDS:
                 raise TypeError(f"`bind_run` got `{name}`: pass only {', '.join(_RUN_FIELDS)}")

@@ -12,7 +12,7 @@ Example:
     >>> from lightning_seqmem.core.records import StepMemory
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
     >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0,
-    ...                   dry_run=lambda L, B, m: (1000 * L, {"forward": 1000 * L}))
+    ...                   dry_runner=lambda L, B, m: (1000 * L, {"forward": 1000 * L}))
     >>> p.evidence.dry_peak(64, 2)[0]
     64000
     >>> s = p.begin_step(64, 2, global_step=0)
@@ -75,7 +75,7 @@ def peak_before(ev: "Evidence", seq_len: Optional[int], batch_size: Optional[int
 def dry_before_rung(ev: "Evidence", name: str, seq_len: int, batch_size: int) -> None:
     """Just before ``name`` goes on: dry runs of the setting now on that only this moment allows (a
     copy cannot undo a rung), for the check after the attention switch (:func:`dry_quadratic_terms`)."""
-    if spec(name).linearises_attention and ev.settings.dry_run is not None:
+    if spec(name).linearises_attention and ev.settings.dry_runner is not None:
         x = max(int(seq_len), 16)
         for k in (1, 2, 3):
             ev.dry_peak(k * x, batch_size)
@@ -150,7 +150,7 @@ def observe(ev: "Evidence", pending: PendingStep, memory: StepMemory, seq_len: O
 def check_dry_once(ev: "Evidence", setting: tuple[str, ...]) -> None:
     """Before a dry run answers a query with ``setting`` where it never met a measured step (a run
     without a budget asks it nothing), check it once at the latest measured shape."""
-    if ev.settings.dry_run is None or ev.checks.count(setting, "dry_run"):
+    if ev.settings.dry_runner is None or ev.checks.count(setting, "dry_run"):
         return
     measured = [r for r in ev.records if r.mitigations == setting and not r.warmup]
     if len(measured) < (2 if ev.settings.compare_reserved else 1):
@@ -166,7 +166,7 @@ def check_dry_once(ev: "Evidence", setting: tuple[str, ...]) -> None:
 def compare_replay(ev: "Evidence", forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
     """The replay against the dry run at the target length (the curriculum's, else 4× the longest
     traced): a replay off by more than the tolerance is not trusted, and that is said once."""
-    if forecaster.timeline is None or ev.settings.dry_run is None or ev.checks.wrong(setting, "dry_run") is not None:
+    if forecaster.timeline is None or ev.settings.dry_runner is None or ev.checks.wrong(setting, "dry_run") is not None:
         return  # (a dry run that missed measured steps is not the judge of the replay)
     target = ev.settings.curriculum.target if ev.settings.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
     target = target if ev.settings.length_limit is None else min(target, ev.settings.length_limit)
@@ -196,7 +196,7 @@ def check_predictors(ev: "Evidence", record: StepRecord, forecaster: MemoryForec
     # asked already (no dry run only to check it); with allocator counters, once this setting has a
     # measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
     residual_known = not ev.settings.compare_reserved or any(r.mitigations == setting and not r.warmup for r in ev.records)
-    if ev.settings.dry_run is not None and dry_key in ev._dry and residual_known:
+    if ev.settings.dry_runner is not None and dry_key in ev._dry and residual_known:
         dry = ev.dry_forecast(L, B, setting, trusted_only=False)
         if dry is not None:
             predictions["dry_run"] = dry.peak_bytes
@@ -227,7 +227,7 @@ def deciding_before(ev: "Evidence", method: str, setting: tuple[str, ...], forec
     """Whether a predictor ranked before ``method`` (dry run, replay, quadratic fit) answers and
     is trusted with ``setting``: then ``method`` was not what decisions used."""
     order = ("dry_run", "replay", "quadratic")
-    answers = {"dry_run": ev.settings.dry_run is not None and any(k[2] == setting and v is not None for k, v in ev._dry.items()),
+    answers = {"dry_run": ev.settings.dry_runner is not None and any(k[2] == setting and v is not None for k, v in ev._dry.items()),
                "replay": forecaster.timeline is not None, "quadratic": forecaster.quadratic is not None}
     return any(answers[m] and ev.checks.wrong(setting, m) is None for m in order[:order.index(method)])
 

@@ -13,7 +13,7 @@ the dry run's own forecast answers (cached, free).
 
 Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-    >>> p = SeqMemPlanner(memory_budget_bytes=10**7, dry_run=lambda L, B, m: (1_000 + 3 * L * L, {"forward": 1_000 + 3 * L * L}))
+    >>> p = SeqMemPlanner(memory_budget_bytes=10**7, dry_runner=lambda L, B, m: (1_000 + 3 * L * L, {"forward": 1_000 + 3 * L * L}))
     >>> _ = p.evidence.dry_peak(256, 2), p.evidence.dry_peak(512, 2), p.evidence.dry_peak(1024, 2)
     >>> fc = dry_fit_forecast(p, 768, 2)
     >>> fc.method, fc.peak_bytes == 1_000 + 3 * 768 * 768, fc.detail

@@ -104,7 +104,7 @@ class FitCycle:
             self.guard.safely("the TensorBoard layout", lambda: outputs.write_layout(trainer))
             if self.config.dry_run:
                 self.edge.dry_runner = self.start_dry_run(trainer, pl_module)
-                self.planner.bind_run(dry_run=self.edge.dry_runner)
+                self.planner.bind_run(dry_runner=self.edge.dry_runner)
         self.resume_rungs(trainer, pl_module)
 
     def _bind_length_limit(self, pl_module: pl.LightningModule) -> None:
