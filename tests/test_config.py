@@ -134,3 +134,15 @@ def test_a_compiled_module_under_the_tracker_binds_a_slower_measurement_rate_not
     assert cb.config is config and cb.config.measure_every_n_steps == 3  # the argument stays what was given
     cb._fit.check_compiled(torch.nn.Linear(2, 2))  # the next fit, of an eager module: the rate given
     assert cb.planner.settings.measure_every_n_steps == 3
+
+
+def test_the_dry_run_callable_is_dry_runner_and_a_callable_dry_run_says_so():
+    def fake(L, B, m):
+        return L * B, {"forward": L * B}
+
+    with pytest.raises(TypeError, match=r"`dry_run` is the callback's bool .* pass the dry run itself as `dry_runner`"):
+        PlannerSettings(dry_run=fake)
+    with pytest.raises(TypeError, match="dry_run"):
+        SeqMemPlanner(dry_run=fake)
+    settings = PlannerSettings(dry_runner=fake, dry_run=False)
+    assert settings.dry_runner is fake and settings.config.dry_run is False

@@ -28,12 +28,15 @@ from __future__ import annotations
 import ast
 import math
 import numbers
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import PHASES, StepRecord
 from lightning_seqmem.core.rungs import base_name, rung_names
 from lightning_seqmem.core.units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_seqmem.plan.view import PlanView
 
 CHECKPOINT_LAST_RECORDS = 256
 """Records kept in a checkpoint besides the per-(length, batch size, mitigations) summary
@@ -388,18 +391,8 @@ def _curriculum_change(old: Mapping[str, Any], old_stages: Sequence[int], new: C
     return ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in after if before.get(k) != after[k])
 
 
-class PlannerParts(NamedTuple):
-    """What :func:`reconcile` reads and changes: the parts of a planner being loaded."""
-
-    settings: Any
-    ladder: Any
-    course: Any
-    evidence: Any
-    advice: Any
-
-
 def _reconcile_ladder(old: Mapping[str, Any], new: Mapping[str, Any], allowed: Sequence[str],
-                      left: Optional[Sequence[str]], parts: "PlannerParts") -> tuple[list[str], tuple[str, ...], list[str]]:
+                      left: Optional[Sequence[str]], parts: "PlanView") -> tuple[list[str], tuple[str, ...], list[str]]:
     """The ladder's part of :func:`reconcile`: ``(phrases, removed_rungs, newly_allowed_rungs)``."""
     phrases: list[str] = []
     old_ladder = old.get("mitigations")
@@ -421,7 +414,7 @@ def _reconcile_ladder(old: Mapping[str, Any], new: Mapping[str, Any], allowed: S
 
 
 def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed: Sequence[str],
-              left: Optional[Sequence[str]], parts: "PlannerParts") -> tuple[list[str], tuple[str, ...]]:
+              left: Optional[Sequence[str]], parts: "PlanView") -> tuple[list[str], tuple[str, ...]]:
     """Fit the just-loaded ``parts`` of a planner (its ladder, course, evidence, advice and settings)
     to the configuration ``new`` it resumes under, from the ``old`` one its state was written under.
     Returns ``(phrases, removed_rungs)``: what changed and what was done, one phrase each, and the
@@ -493,4 +486,4 @@ def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed:
 
 
 __all__ = ["CHECKPOINT_LAST_RECORDS", "MEMORY_RECORDS", "InvalidState", "compact_records", "find_legacy_state",
-           "legacy_key_config", "PlannerParts", "reconcile", "run_config", "validate_state"]
+           "legacy_key_config", "reconcile", "run_config", "validate_state"]

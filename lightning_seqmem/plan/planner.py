@@ -77,13 +77,14 @@ from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import StepMemory, StepRecord
 from lightning_seqmem.core.rungs import MITIGATIONS
 from lightning_seqmem.plan.advice_queue import AdviceQueue
-from lightning_seqmem.plan.checkpoint import PlannerParts, reconcile
+from lightning_seqmem.plan.checkpoint import reconcile
 from lightning_seqmem.plan.curriculum_state import CurriculumState
 from lightning_seqmem.plan.decisions import Decider, Decision
 from lightning_seqmem.plan.evidence import Evidence
 from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.schedule import MeasurementSchedule, PendingStep
 from lightning_seqmem.plan.settings import PlannerSettings, RunFacts, planner_config
+from lightning_seqmem.plan.view import PlanView
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
@@ -295,8 +296,8 @@ class SeqMemPlanner:
         fresh.schedule.load_state_dict(state, resume_warmup=max(1, self.settings.warmup_steps_after_change))
         changed: tuple[list[str], tuple[str, ...]] = ([], ())
         if run_config is not None:
-            parts = PlannerParts(fresh.settings, fresh.ladder, fresh.course, fresh.evidence, fresh.advice)
-            changed = reconcile(state.get("config"), run_config, allowed, state.get("mitigations_left"), parts)
+            changed = reconcile(state.get("config"), run_config, allowed, state.get("mitigations_left"),
+                                PlanView.of(fresh))
         self.__dict__.update(fresh.__dict__)
         return changed
 

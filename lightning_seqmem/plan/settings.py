@@ -113,6 +113,9 @@ class PlannerSettings:
         if unknown or (values and (config is not None or run_facts is not None)):
             raise TypeError(f"`PlannerSettings` got {', '.join(unknown) or 'fields besides config/run_facts'}: pass "
                             "a SeqMemConfig and RunFacts, or fields of theirs by keyword")
+        if "dry_run" in values and not isinstance(values["dry_run"], bool):
+            raise TypeError(f"`dry_run` is the callback's bool (start a dry run or not), got {values['dry_run']!r}: "
+                            "pass the dry run itself as `dry_runner`")
         if config is None:  # `budget_bytes` is the budget given
             given = {k: v for k, v in values.items() if k in _CONFIG_FIELDS}
             config = SeqMemConfig(**given, **({"memory_budget": values["budget_bytes"]} if "budget_bytes" in values else {}),

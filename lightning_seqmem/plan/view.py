@@ -1,9 +1,10 @@
-"""``PlanView``: what a report, a figure or a summary reads of a planner, as one value.
+"""``PlanView``: a planner's parts as one value, without the planner's methods.
 
-The planner's parts (its settings, its evidence, its ladder, where its curriculum stands, the advice
-it gave), held by reference and read only: the readers in :mod:`lightning_seqmem.present` and the
-outputs of the Lightning edge take a view, never the planner, so nothing that draws or writes can
-decide, commit or observe.
+Its settings, its evidence, its ladder, where its curriculum stands and the advice it gave, held by
+reference: the readers in :mod:`lightning_seqmem.present` and the outputs of the Lightning edge take
+a view, never the planner, so nothing that draws or writes can decide, commit or observe; a resume
+reconciles the parts of a loaded state through one
+(:func:`~lightning_seqmem.plan.checkpoint.reconcile`).
 
 Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner

@@ -86,8 +86,7 @@ class FitCycle:
                               precision=str(trainer.precision), device_type=device.type)
         # before configure_model() shards it
         self.edge.sharding_template = edge.sharding_template(trainer, pl_module)
-        self.drop_unsupported(trainer, pl_module)
-        self.guard.warn_advice()
+        self.drop_unsupported(trainer, pl_module)  # (and warns what the set-up found)
 
     def drop_unsupported(self, trainer: Any, pl_module: pl.LightningModule) -> None:
         """Drop the rungs this strategy and module cannot take, saying why, before training starts."""
