@@ -99,9 +99,9 @@ def test_bind_run_replaces_the_facts_and_every_part_sees_them():
 
 def test_writes_through_the_planner_raise_or_bind():
     p = SeqMemPlanner(warmup_steps=0, memory_budget_bytes=1000)  # the planner's keywords: unchecked, as before
-    for part in (p, p.evidence):
+    for part in (p, p.settings, p.evidence):
         with pytest.raises(AttributeError, match="bind_run"):
-            part.settings.tolerance = 0.5
+            part.tolerance = 0.5
     with pytest.raises(AttributeError, match=r"bind_run\(block_bytes=...\)"):
         p.settings.block_bytes = 512
     assert p.settings.tolerance == 0.15 and p.settings.block_bytes == 1

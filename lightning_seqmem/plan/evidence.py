@@ -13,7 +13,7 @@ goes to the :class:`~lightning_seqmem.plan.advice_queue.AdviceQueue`.
 Example:
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
     >>> from lightning_seqmem.plan.ladder_state import LadderState
-    >>> from lightning_seqmem.plan.settings import PlannerSettings
+    >>> from lightning_seqmem.plan.settings import SETTING_NAMES, PlannerSettings, setting_write_error
     >>> ev = Evidence(PlannerSettings(budget_bytes=10**6, dry_runner=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B})),
     ...               LadderState(()), AdviceQueue())
     >>> ev.dry_peak(256, 4)[0], ev.forecast(256, 4).method, ev.judge(256, 4).kind, ev.judge(4096, 4).kind
@@ -37,13 +37,18 @@ from lightning_seqmem.plan.checkpoint import compact_records
 from lightning_seqmem.plan.advice_queue import AdviceQueue
 from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.schedule import PendingStep
-from lightning_seqmem.plan.settings import PlannerSettings
+from lightning_seqmem.plan.settings import SETTING_NAMES, PlannerSettings, setting_write_error
 
 __all__ = ["Evidence"]
 
 
 class Evidence:
     """Records, fits, dry-run answers and the checks of each predictor (see the module doc)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SETTING_NAMES:  # the settings are read through ``settings``, never copied here
+            raise setting_write_error("Evidence", name)
+        super().__setattr__(name, value)
 
     def __init__(self, settings: PlannerSettings, ladder: LadderState, advice: AdviceQueue) -> None:
         self.settings, self.ladder, self.advice = settings, ladder, advice

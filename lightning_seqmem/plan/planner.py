@@ -83,7 +83,7 @@ from lightning_seqmem.plan.decisions import Decider, Decision
 from lightning_seqmem.plan.evidence import Evidence
 from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.schedule import MeasurementSchedule, PendingStep
-from lightning_seqmem.plan.settings import PlannerSettings, RunFacts, planner_config
+from lightning_seqmem.plan.settings import SETTING_NAMES, PlannerSettings, RunFacts, planner_config, setting_write_error
 from lightning_seqmem.plan.view import PlanView
 
 Applicability = Mapping[str, "tuple[bool, str]"]
@@ -138,6 +138,11 @@ class SeqMemPlanner:
         self.settings = PlannerSettings(config, facts)
         self.ladder = LadderState(config.mitigations)  # the rungs left to this run
         self._reset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SETTING_NAMES:  # a setting written on the planner would change nothing: say so
+            raise setting_write_error("SeqMemPlanner", name)
+        super().__setattr__(name, value)
 
     def _reset(self) -> None:
         """Everything a run accumulates (what :meth:`state_dict` saves), as before the first step:

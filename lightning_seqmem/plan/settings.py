@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS
 
-__all__ = ["Budget", "PlannerSettings", "RunFacts", "planner_config"]
+__all__ = ["SETTING_NAMES", "setting_write_error", "Budget", "PlannerSettings", "RunFacts", "planner_config"]
 
 
 @dataclass(frozen=True)
@@ -127,10 +127,7 @@ class PlannerSettings:
         object.__setattr__(self, "run_facts", run_facts)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"`PlannerSettings.{name}` is read-only: bind what the run decides with `bind_run({name}=...)`"
-                             if name in _RUN_FIELDS else
-                             f"`PlannerSettings.{name}` is read-only: the arguments are a frozen SeqMemConfig, and "
-                             f"what the run decides goes through `bind_run` ({', '.join(_RUN_FIELDS)})")
+        raise setting_write_error("PlannerSettings", name)
 
     def __repr__(self) -> str:
         return f"PlannerSettings({self.config!r}, {self.run_facts!r})"
@@ -157,6 +154,24 @@ class PlannerSettings:
             if name not in _RUN_FIELDS:
                 raise TypeError(f"`bind_run` got `{name}`: pass only {', '.join(_RUN_FIELDS)}")
         object.__setattr__(self, "run_facts", replace(self.run_facts, **changes))
+
+
+SETTING_NAMES = frozenset(_RUN_FIELDS) | frozenset(_CONFIG_FIELDS) | {"budget", "usable_budget_bytes"}
+"""The names a :class:`PlannerSettings` reads: a part that holds the settings refuses to be written them."""
+
+
+def setting_write_error(owner: str, name: str) -> AttributeError:
+    """The error for a write of setting ``name`` on ``owner`` (the settings, or a part holding them),
+    naming what to do instead.
+
+    >>> str(setting_write_error("SeqMemPlanner", "block_bytes"))
+    '`SeqMemPlanner.block_bytes` is read-only (read it as `settings.block_bytes`): bind what the run decides with `bind_run(block_bytes=...)`'
+    """
+    where = "" if owner == "PlannerSettings" else f" (read it as `settings.{name}`)"
+    if name in _RUN_FIELDS:
+        return AttributeError(f"`{owner}.{name}` is read-only{where}: bind what the run decides with `bind_run({name}=...)`")
+    return AttributeError(f"`{owner}.{name}` is read-only{where}: the arguments are a frozen SeqMemConfig, and "
+                          f"what the run decides goes through `bind_run` ({', '.join(_RUN_FIELDS)})")
 
 
 def planner_config(config: Optional[SeqMemConfig], **keywords: Any) -> SeqMemConfig:
