@@ -143,7 +143,7 @@ def stage_decision(layers: int, batch_size: int, stage_len: int, next_len: int) 
     curriculum = Curriculum(start=stage_len, target=next_len, growth=next_len / stage_len, steps_per_stage=1)
     planner = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, curriculum=curriculum,
                             mitigations=("attention",) + every, dry_runner=dry)
-    planner.evidence.last_batch_size, planner.course.stage_steps = batch_size, 1
+    planner.evidence.measured.last_batch_size, planner.course.stage_steps = batch_size, 1
     applicable = {"attention": (False, "already SDPA"), "checkpointing": (True, ""), "microbatch": (True, "")}
     t0 = time.perf_counter()
     decision = planner.decide((batch_size, next_len), applicable)

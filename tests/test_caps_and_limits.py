@@ -44,7 +44,7 @@ def test_a_sliding_window_cap_is_the_dry_runs_and_every_step_stays_in_budget():
     cb = SeqMemCallback(warmup_steps=1, memory_budget=24_500_000, mitigations=(),
                         curriculum=Curriculum(start=64, target=1024, growth=4, steps_per_stage=2, multiple_of=m))
     messages = _fit(cb, HFCausalLM(model_type="mistral", config=config, attn_implementation="sdpa"), 9, 1024)
-    assert cb.planner.evidence.replay_checks[()]["relative_error"] < -cb.config.tolerance  # the scenario: the replay under-predicts
+    assert cb.planner.evidence.measured.replay_checks[()]["relative_error"] < -cb.config.tolerance  # the scenario: the replay under-predicts
     usable = cb.usable_budget_bytes
     assert len(cb.records) == 9  # every step measured, warm-ups included
     over = [(r.step, r.seq_len, r.peak_bytes) for r in cb.records if r.peak_bytes > usable]
@@ -88,7 +88,7 @@ def test_a_model_s_position_limit_bounds_every_dry_run_and_the_dry_run_stays_on(
     dry = cb.planner.settings.dry_runner
     assert dry is not None and dry.unsupported is None  # before: a dry run at 4096 turned it off for the run
     assert not [w for w in messages if "cannot simulate" in w]
-    asked = sorted({key[0] for key in cb.planner.evidence._dry})
+    asked = sorted({key[0] for key in cb.planner.evidence.dry.answers})
     assert asked and max(asked) <= limit, asked  # no length past the limit was dry-run
     assert max(cb.planner.course.stages) <= limit and max(r.seq_len for r in cb.records) <= limit
     assert [w for w in messages if "past this model's limit of 256 tokens (config.max_position_embeddings=256)" in w]
@@ -146,9 +146,9 @@ def test_planner_caps_at_what_its_dry_run_says_fits_past_a_window():
         s = p.begin_step(d.seq_len, 2, optimizer_steps=True, global_step=step)
         _ = p.observe(s, StepMemory(peak(s.seq_len, 2), {"forward": peak(s.seq_len, 2)}, 1_000_000, 1_000_000))
         p.course.end_batch()
-    assert max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes
-    assert all(r.seq_len % 64 == 0 and r.seq_len <= 900 for r in p.evidence.records)
-    assert all(key[0] <= 900 for key in p.evidence._dry)  # never dry-run past the limit
+    assert max(r.peak_bytes for r in p.evidence.measured.records) <= p.settings.usable_budget_bytes
+    assert all(r.seq_len % 64 == 0 and r.seq_len <= 900 for r in p.evidence.measured.records)
+    assert all(key[0] <= 900 for key in p.evidence.dry.answers)  # never dry-run past the limit
     (words,) = [a.text for a in p.advice.take_advice() if a.kind == "stage_over_budget"]
     cap = p.course.capped_at
     assert f"The largest length forecast to fit is {cap}." in words and f"stays at seq_len={cap}" in words

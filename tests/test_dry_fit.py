@@ -1,5 +1,5 @@
 """Planning cost at the end of fit: the largest length that fits confirmed by one dry run, report rows
-and the figure's curve from the dry runs cached (lightning_seqmem.plan.dry_evidence, present/dry_fit.py).
+and the figure's curve from the dry runs cached (lightning_seqmem.plan.dry_search, present/dry_fit.py).
 
 No model: the planner's dry run is an exact function of the length (a quadratic, or a max of two,
 as a step's peak is), so every answer can be checked against the truth."""
@@ -10,7 +10,7 @@ import random
 import pytest
 
 from lightning_seqmem.core.records import StepRecord
-from lightning_seqmem.plan.dry_evidence import confirmed_largest, fitted_bytes
+from lightning_seqmem.plan.dry_search import confirmed_largest, fitted_bytes
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.present.dry_fit import DRY_RUN_FIT
 from lightning_seqmem.present.panels import memory_figure
@@ -56,7 +56,7 @@ def _planner(peak, budget, calls):
         return peak(L), {"forward": peak(L) // 2, "backward": peak(L)}
 
     p = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, dry_runner=dry)
-    p.evidence.last_batch_size = 2
+    p.evidence.measured.last_batch_size = 2
     return p
 
 
@@ -71,8 +71,8 @@ def test_max_seq_len_before_a_fit_is_one_dry_run_a_lower_bound_and_stable():
     budget = int(peak(1118) * 1.02)
     calls = []
     p = _planner(peak, budget, calls)
-    p.evidence.dry_peak(512, 2), p.evidence.dry_peak(1024, 2)  # what the run dry-ran (a stage, the look-ahead)
-    p.evidence.records = [_record(5, 500, peak(500))]
+    p.evidence.dry.peak(512, 2), p.evidence.dry.peak(1024, 2)  # what the run dry-ran (a stage, the look-ahead)
+    p.evidence.measured.records = [_record(5, 500, peak(500))]
     calls.clear()
     got = p.evidence.max_seq_len()
     truth = max(L for L in range(512, 2049) if int(peak(L) * 1.02) <= budget)
@@ -86,8 +86,8 @@ def test_report_and_figure_before_a_fit_run_no_dry_run_and_say_the_fit():
     calls = []
     p = _planner(peak, int(peak(1118) * 1.02), calls)
     for L in (256, 512, 1024):
-        p.evidence.dry_peak(L, 2)
-    p.evidence.records = [_record(3, 400, peak(400)), _record(4, 500, peak(500))]
+        p.evidence.dry.peak(L, 2)
+    p.evidence.measured.records = [_record(3, 400, peak(400)), _record(4, 500, peak(500))]
     p.evidence.max_seq_len()  # (its one dry run: the report's first question)
     calls.clear()
     report = build_report(PlanView.of(p))
@@ -120,8 +120,8 @@ def test_after_a_dynamic_padding_run_what_a_step_begins_with_anchors_the_guess(o
     budget = int(peak(1118) * 1.02)
     calls = []
     p = _planner(peak, budget, calls)
-    p.evidence.dry_peak(512, 2)
-    p.evidence.records = [replace(_record(s, L, peak(L)), start_bytes=held) for s, L in ((1, 401), (2, 498), (3, 509), (4, 512))]
+    p.evidence.dry.peak(512, 2)
+    p.evidence.measured.records = [replace(_record(s, L, peak(L)), start_bytes=held) for s, L in ((1, 401), (2, 498), (3, 509), (4, 512))]
     calls.clear()
     got = p.evidence.max_seq_len()
     truth = max(L for L in range(512, 2049) if int(peak(L) * 1.02) <= budget)

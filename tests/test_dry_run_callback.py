@@ -34,7 +34,7 @@ def test_a_sliding_window_fools_the_replay_not_the_dry_run():
     cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=512, steps_per_stage=2, multiple_of=16))
     module = HFCausalLM(model_type="mistral", config=MISTRAL, attn_implementation="sdpa")
     messages = _fit(cb, module, 9, 512)
-    check = cb.planner.evidence.replay_checks[()]
+    check = cb.planner.evidence.measured.replay_checks[()]
     assert check["seq_len"] == 512 and abs(check["relative_error"]) > cb.config.tolerance, check
     assert any("The measured steps tell which one is right" in m for m in messages)  # no guessed cause (issue 21)
     assert cb.forecast(512).method == "dry_run"

@@ -32,9 +32,9 @@ def test_a_refusal_at_a_long_length_keeps_the_shorter_dry_runs():
     assert len(said) == 1 and ".item()" in said[0] and "shorter lengths keep their dry runs" in said[0], said
     assert [r.seq_len for r in cb.records] == [16, 16, 32, 32, 64, 64, 128, 128]
     planner = cb.planner
-    assert planner.evidence.dry_peak(128, 2) is None and planner.evidence.dry_peak(256, 2) is None  # refused there (and beyond)
+    assert planner.evidence.dry.peak(128, 2) is None and planner.evidence.dry.peak(256, 2) is None  # refused there (and beyond)
     for L in (16, 32, 48, 64):  # asked after the refusal at 128: each shorter length still answers
-        assert planner.evidence.dry_peak(L, 2) is not None, L
+        assert planner.evidence.dry.peak(L, 2) is not None, L
     assert cb.forecast(64, 2).method == "dry_run"
     fc = cb.forecast(256, 2)  # the replay answers, and says why the dry run did not
     assert fc.method == "replay" and "dry run refused" in fc.detail and ".item()" in fc.detail

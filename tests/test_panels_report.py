@@ -189,14 +189,14 @@ def test_report_facts_and_predictors(run):
     assert at[128]["peak_bytes"] == cb.forecaster.forecast(128, 2).peak_bytes  # the fit of the setting on now
     dry = cb.forecast(128)  # the callback's own forecast asks the dry run: it agrees with the fit here
     assert dry.method == "dry_run" and abs(dry.peak_bytes - at[128]["peak_bytes"]) <= 0.01 * dry.peak_bytes
-    assert dry.detail.endswith(f"; peak at {cb.planner.evidence.dry_peak_site(128, 2, ()).describe()}")  # where it sits, traced
+    assert dry.detail.endswith(f"; peak at {cb.planner.evidence.dry.site(128, 2, ()).describe()}")  # where it sits, traced
     assert at[64]["fits"] is True
     assert report["mitigations"]["active"] == [] and report["mitigations"]["changes"] == []
     # where the peak sits at the longest length run (64 tokens, no breakdown traced): the dry run of that step
     site = report["peak_site"]
     assert site["source"] == "dry_run" and (site["seq_len"], site["batch_size"], site["mitigations"]) == (64, 2, [])
-    assert site["describe"] == cb.planner.evidence.dry_peak_site(64, 2, ()).describe() and site["phase"] in ("backward", "loss")
-    assert site["peak_bytes"] == pytest.approx(cb.planner.evidence.dry_peak(64, 2, ())[0], rel=0.01)
+    assert site["describe"] == cb.planner.evidence.dry.site(64, 2, ()).describe() and site["phase"] in ("backward", "loss")
+    assert site["peak_bytes"] == pytest.approx(cb.planner.evidence.dry.peak(64, 2, ())[0], rel=0.01)
     assert report["mitigations"]["allowed"] == list(cb.mitigations)
     keys = [w["key"] for w in report["warnings"]]
     assert keys == sorted(set(keys)) and set(keys) == set(cb.planner.advice.warned)  # each warning said once, all of them
@@ -244,11 +244,11 @@ def _record(step, seq_len, peak, mitigations=()):
 
 def _callback_with_mitigations():
     cb = SeqMemPlanner(memory_budget_bytes=2**30)
-    cb.evidence.records = [_record(0, 128, 20 * 2**20), _record(1, 256, 60 * 2**20),
+    cb.evidence.measured.records = [_record(0, 128, 20 * 2**20), _record(1, 256, 60 * 2**20),
                   _record(2, 512, 90 * 2**20, ["attention"]), _record(3, 1024, 200 * 2**20, ["attention", "checkpointing"])]
-    for r in cb.evidence.records:
+    for r in cb.evidence.measured.records:
         cb.evidence.forecaster.add_measurement(r.seq_len, r.batch_size, {"forward": r.forward_peak_bytes})
-    cb.evidence.last_batch_size = 2
+    cb.evidence.measured.last_batch_size = 2
     return cb
 
 

@@ -124,12 +124,12 @@ def test_the_planner_says_where_the_peak_sits_in_a_dry_run_forecast():
 
     planner = SeqMemPlanner(dry_runner=dry_run)
     fc = planner.evidence.forecast(512, 2, ())
-    site = planner.evidence.dry_peak_site(512, 2, ())
+    site = planner.evidence.dry.site(512, 2, ())
     assert fc.method == "dry_run" and site is not None and site.top_kind == "attention_scores"
     assert fc.detail.endswith(f"; peak at {site.describe()}") and "attention scores" in fc.detail
     # a dry run that does not say (two values) leaves the detail as it was
     quiet = SeqMemPlanner(dry_runner=lambda L, B, m: dry_run(L, B, m)[:2])
-    assert "peak at" not in quiet.evidence.forecast(512, 2, ()).detail and quiet.evidence.dry_peak_site(512, 2, ()) is None
+    assert "peak at" not in quiet.evidence.forecast(512, 2, ()).detail and quiet.evidence.dry.site(512, 2, ()) is None
 
 
 def test_peak_site_rejects_unknown_phases_and_kinds():

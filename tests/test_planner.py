@@ -156,7 +156,7 @@ def test_a_verification_miss_widens_later_bounds():
         if i == 6:
             before = p.evidence.forecast(1024, 4).upper_bytes
         step(p, (4, 256), peak_fn=bumpy)
-    miss = [r for r in p.evidence.records if r.forecast_error is not None and r.seq_len == 256]
+    miss = [r for r in p.evidence.measured.records if r.forecast_error is not None and r.seq_len == 256]
     assert miss and miss[0].forecast_error < -p.settings.tolerance
     # said once, by the predictor check, naming the predictor that missed (issue 21)
     kinds = [a.kind for a in p.advice.take_advice()]

@@ -25,10 +25,10 @@ def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
     public = {n for n in dir(p) if not n.startswith("_")}
     print(f"SeqMemPlanner public names ({len(public)}): {sorted(public)}")
     assert public == PROTOCOL | {"settings", "evidence", "ladder", "course", "advice", "schedule"} and len(public) <= 15
-    assert p.ladder.applied and p.evidence.ladder is p.ladder and len(p.evidence.records) == 8
+    assert p.ladder.applied and p.evidence.ladder is p.ladder and len(p.evidence.measured.records) == 8
     assert p.ladder.events[0]["name"] == p.ladder.applied[0]
     p.ladder.applied = ()  # one owner: every part reads it
-    assert p.evidence.forecaster is p.evidence.forecasters[()]
+    assert p.evidence.forecaster is p.evidence.measured.forecasters[()]
     p.bind_run(compare_reserved=True, block_bytes=512)
     assert p.evidence.settings.compare_reserved and p.settings.block_bytes == 512
     with pytest.raises(TypeError, match="`bind_run` got `tolerance`"):
@@ -46,7 +46,7 @@ def test_checkpoint_round_trip_rebuilds_bound_parts():
     assert q.state_dict() == state
     assert q.evidence.ladder is q.ladder and q.evidence.advice is q.advice and q.evidence.settings is q.settings
     q.ladder.applied = ()
-    assert q.evidence.forecaster is q.evidence.forecasters[()]  # the loaded parts read each other, not a copy's
+    assert q.evidence.forecaster is q.evidence.measured.forecasters[()]  # the loaded parts read each other, not a copy's
 
 
 def test_unreadable_state_changes_nothing():

@@ -1,4 +1,4 @@
-"""Planning cost: fewer dry runs for the same, never less safe, decisions (lightning_seqmem.plan.dry_evidence)."""
+"""Planning cost: fewer dry runs for the same, never less safe, decisions (lightning_seqmem.plan.dry_search)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT
-from lightning_seqmem.plan.dry_evidence import bucket_up, dominating, largest_fitting
+from lightning_seqmem.plan.dry_search import bucket_up, dominating, largest_fitting
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.core.rungs import MITIGATIONS
@@ -73,14 +73,14 @@ def test_dynamic_padding_is_judged_as_exactly_with_a_few_dry_runs():
     p = _planner(peak, budget, calls, mitigations=())
     lengths = random.Random(0).sample(range(64, 1025), 200)
     for L in lengths:
-        p.evidence._longest_seen = max(p.evidence._longest_seen, L)
+        p.evidence.dry.longest_seen = max(p.evidence.dry.longest_seen, L)
         n = len(calls)
         v = p.evidence.judge(L, 4)
         exact_bound = int(peak(L, 4, ()) * 1.02)  # the dry run of this shape, with its 2% margin
         assert v.kind == ("fits" if exact_bound <= budget else "over"), (L, v, exact_bound)
         assert v.bound_bytes >= exact_bound  # a bound from a larger shape, never a smaller one
         if v.kind == "over":  # from this very shape's dry run
-            assert v.bound_bytes == exact_bound and (L, 4, ()) in p.evidence._dry
+            assert v.bound_bytes == exact_bound and (L, 4, ()) in p.evidence.dry.answers
         assert len(calls) - n <= 2  # a bucket and, where it is over, the shape itself
     over = sum(int(peak(L, 4, ()) * 1.02) > budget for L in lengths)
     assert len(calls) <= 2 * over + 12, (len(calls), over)  # one or two per length over, a handful for the rest
@@ -97,12 +97,12 @@ def test_a_capped_stage_finds_the_same_length_with_fewer_dry_runs():
     budget = peak(1500, 4, MITIGATIONS)
     calls = []
     p = _planner(peak, budget, calls, curriculum=Curriculum(start=512, target=2048, steps_per_stage=1, multiple_of=8))
-    p.evidence.last_batch_size, p.course.stage_steps = 4, 1
+    p.evidence.measured.last_batch_size, p.course.stage_steps = 4, 1
     p.course.stage = 1  # 1024 ran; 2048 is next
     d = p.decide((4, 2048), {m: (True, "") for m in MITIGATIONS})
     assert d.action == "cap" and d.rungs == MITIGATIONS
     truth = max(L for L in range(8, 2048, 8) if int(peak(L, 4, MITIGATIONS) * 1.02) <= budget)
-    assert d.seq_len == truth and (truth, 4, MITIGATIONS) in p.evidence._dry and (truth + 8, 4, MITIGATIONS) in p.evidence._dry
+    assert d.seq_len == truth and (truth, 4, MITIGATIONS) in p.evidence.dry.answers and (truth + 8, 4, MITIGATIONS) in p.evidence.dry.answers
     capped = [c for c in calls if c[2] == MITIGATIONS]
     assert len(capped) <= 5, capped  # a bisection of (1024, 2048) in steps of 8: 1 + 7
 

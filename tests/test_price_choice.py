@@ -183,7 +183,7 @@ def test_measured_step_times_change_the_choice(toy_rungs):
     budget = int(toy_peak(L, B, ("cheap",)) * 1.03)
     p = twin(budget, ("dear", "cheap"), toy_peak)
     for i, (setting, seconds) in enumerate([((), 0.1), ((), 0.1), (("cheap",), 0.3)]):
-        p.evidence.records.append(StepRecord(i, i, 0, 128, B, False, False, toy_peak(128, B, setting), None, None, None,
+        p.evidence.measured.records.append(StepRecord(i, i, 0, 128, B, False, False, toy_peak(128, B, setting), None, None, None,
                                     STATIC, mitigations=setting, step_seconds=seconds))
     assert p.evidence.price(("cheap",), L, B).seconds > p.evidence.price(("dear",), L, B).seconds  # 0.3 measured vs 0.1 × 1.4
     choice = Decider(p.settings, p.evidence, p.ladder, p.course).choose_setting(L, B, {"dear": (True, ""), "cheap": (True, "")})
@@ -197,12 +197,12 @@ def test_step_seconds_survive_a_checkpoint_and_old_records_load_without_them():
     p.course.end_batch()
     q = SeqMemPlanner(warmup_steps=0)
     q.load_state_dict(p.state_dict())
-    assert q.evidence.records[0].step_seconds == 0.25
+    assert q.evidence.measured.records[0].step_seconds == 0.25
     old = p.state_dict()
     for r in old["records"]:
         r.pop("step_seconds")
     q.load_state_dict(old)
-    assert q.evidence.records[0].step_seconds is None
+    assert q.evidence.measured.records[0].step_seconds is None
 
 
 def test_a_variant_setting_survives_a_checkpoint():

@@ -15,7 +15,7 @@ def test_max_seq_len_answers_after_a_rung_at_the_last_steps():
     assert r.mitigations == ("attention",) and not p.evidence.forecaster.ready
     answer = p.evidence.max_seq_len()  # raised NotEnoughMeasurements
     # the setting before the rung bounds this one (a mitigation never adds memory)
-    assert answer == p.evidence.forecasters[()].max_seq_len(p.settings.usable_budget_bytes, 4) > 0
+    assert answer == p.evidence.measured.forecasters[()].max_seq_len(p.settings.usable_budget_bytes, 4) > 0
     assert peak(answer, 4) <= budget
 
 

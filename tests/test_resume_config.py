@@ -204,7 +204,7 @@ def test_the_checkpoint_is_bounded_and_forecasts_come_back_the_same(run):
     restored = _callback()
     restored.load_state_dict(state)
     before, after = run.cb.planner, restored.planner
-    for setting in before.evidence.forecasters:
+    for setting in before.evidence.measured.forecasters:
         for seq_len in (48, CAP, 256, 1024):
             a, b = before.evidence.forecast(seq_len, 2, setting), after.evidence.forecast(seq_len, 2, setting)
             assert (b.method, b.phase_peak_bytes.keys()) == (a.method, a.phase_peak_bytes.keys())

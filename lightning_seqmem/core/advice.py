@@ -210,7 +210,7 @@ def attention_still_quadratic(detail: str, new_b: float, old_b: float) -> Advice
 
 def rung_added_memory(name: str, seq_len: int, batch_size: int, before_bytes: int, after_bytes: int) -> Advice:
     """A rung that raised the measured peak where it was switched on: later judgements stop taking
-    the setting before it as a bound (:func:`lightning_seqmem.plan.judging.adds_memory`).
+    the setting before it as a bound (:meth:`lightning_seqmem.plan.measured.MeasuredEvidence.memory_added`).
 
     >>> rung_added_memory("fused_loss", 128, 2, 2_000_000, 2_150_000).text[:73]
     'seqmem: switching on fused_loss raised the measured peak at seq_len=128 ('

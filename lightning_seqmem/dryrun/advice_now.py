@@ -24,7 +24,7 @@ def target_length(view: "PlanView") -> Optional[int]:
     if view.settings.curriculum is not None:
         limit = getattr(view, "length_limit", None)
         return int(view.settings.curriculum.target) if limit is None else min(int(view.settings.curriculum.target), int(limit))
-    return max((r.seq_len for r in view.evidence.records), default=None)
+    return max((r.seq_len for r in view.evidence.measured.records), default=None)
 
 
 BF16_MIN_GAIN = 0.05  # fraction of the 32-bit peak bf16 must save to be worth a restart
@@ -43,10 +43,10 @@ def precision_advice(dry: Any, view: "PlanView", precision: str, device: torch.d
 
     if not str(precision).startswith("32") or dry is None or dry.unsupported or dry.batch is None:
         return None
-    seq_len, batch_size = target_length(view), view.evidence.last_batch_size
+    seq_len, batch_size = target_length(view), view.evidence.measured.last_batch_size
     if seq_len is None or batch_size is None:
         return None
-    fp32 = view.evidence.dry_peak(seq_len, batch_size)
+    fp32 = view.evidence.dry.peak(seq_len, batch_size)
     if fp32 is None:
         return None
     optimizers = getattr(dry.trainer, "optimizers", None) or [None]

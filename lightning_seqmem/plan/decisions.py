@@ -158,7 +158,7 @@ class Decider:
                      margin=self.settings.safety_margin, fit=0, skipped=skipped, measured=verdict.measured,
                      applied=self.ladder.applied)
         advance = seq_len > current and seq_len in self.course.stages
-        held = self.evidence.held_bytes()
+        held = self.evidence.measured.held_bytes()
         if held > self.settings.usable_budget_bytes:  # no rung lowers what a step begins with: stop rather than run over
             return self.decision(action="stop", seq_len=None, advice=(A.held_over_budget(
                 held, self.settings.usable_budget_bytes, self.settings.budget_bytes, self.settings.safety_margin, self.settings.device_type),))
@@ -215,7 +215,7 @@ class Decider:
         """A length shorter than the current stage not yet fitted with these mitigations, or None."""
         assert self.settings.curriculum is not None
         m = self.settings.curriculum.multiple_of
-        fitted = {r.seq_len for r in self.evidence.records if not r.warmup and r.mitigations == self.ladder.applied
+        fitted = {r.seq_len for r in self.evidence.measured.records if not r.warmup and r.mitigations == self.ladder.applied
                   and r.batch_size == batch_size}
         length = self.course.stages[self.course.stage] // 2
         while length >= m:
@@ -230,9 +230,9 @@ class Decider:
         (:func:`~lightning_seqmem.plan.choose.choose`: what is on plus at most one applicable variant
         per rung left or an upgrade, judged by dry run, priced by :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.price`); every rung on and
         ``fits=False`` when none fits; None where the dry run cannot answer."""
-        if self.evidence.dry_peak(seq_len, batch_size) is None:
+        if self.evidence.dry.peak(seq_len, batch_size) is None:
             return None
-        timed = pricing.timed_records(self.evidence.records)  # filtered once: every candidate is priced
+        timed = pricing.timed_records(self.evidence.measured.records)  # filtered once: every candidate is priced
         return choose.choose(self.ladder.applied, self.ladder.allowed, applicable,
                              lambda s: self.evidence.judge(seq_len, batch_size, s),
                              lambda s: pricing.predict_step(timed, s, seq_len, batch_size, self.settings.device_type).key,
@@ -266,7 +266,7 @@ class Decider:
                 return None
             return verdict.bound_bytes if verdict.bound_bytes is not None else (0 if verdict.kind == "fits" else budget + 1)
 
-        return m * self.evidence._dry_search(lo, hi, m, batch_size, tuple(setting), budget, judged_bound)
+        return m * self.evidence.dry.search(lo, hi, m, batch_size, tuple(setting), budget, judged_bound)
 
     def checked_fit(self, high: int, batch_size: int) -> int:
         """Largest length below ``high`` that :func:`~lightning_seqmem.plan.judging.judge` says fits with the rungs on now (what a

@@ -1,336 +1,311 @@
-"""Fewer dry runs for the same decisions: buckets, bounds from dry runs already made, guided searches.
+"""``DryEvidence``: what the dry run said, and the dry-run forecasts made from it.
 
-Pure maths on plain values (no torch): the planner (:mod:`lightning_seqmem.plan.planner`) asks its dry
-run only where these cannot answer. Everything here rests on one assumption, the one the
-planner's one-point bound makes already: the peak of a training step does not fall when the
-length or the batch grows (more tokens, never fewer bytes). So
-
-* a dry run at ``(L', B')`` with ``L' >= L`` and ``B' >= B`` (same mitigations) bounds ``(L, B)``
-  from above (:func:`dominating`): a batch it says fits does fit;
-* a length rounded *up* onto a coarse grid (:func:`bucket_up`) bounds every length below it, so
-  one dry run there answers "fits" for all of them;
-* "over" is never answered from another shape: the planner then runs the exact shape;
-* the largest length that fits (:func:`largest_fitting`) starts from the answers known already
-  and guesses by interpolating the bound between the lengths known to fit and to be over, then
-  checks the guess and its neighbour: two dry runs where a bisection takes about seven. Every
-  answer it returns is backed by a dry run at that very length (and one at the next that is over);
-* where the exact token is not needed (the largest length that fits, as logged and reported),
-  :func:`confirmed_largest` guesses it from the answers known (:func:`fitted_largest`: a step's
-  peak is piecewise quadratic in the length) and confirms the guess by one dry run: a lower bound
-  backed by a dry run at that very length (within about 2% of the exact largest on a quadratic);
-* between and past the lengths dry-run, :func:`fitted_bytes` interpolates them (the parabola
-  through the three nearest, kept between its neighbours): what a report or figure shows there
-  is that fit, named as such, never a dry run.
+It owns the dry-run cache (answers, why one refused, which refusals no figure may stand for,
+where each peak sits) and the answers a search confirmed. A dry-run forecast is the cached answer
+calibrated by the measured steps (:class:`~lightning_seqmem.plan.measured.MeasuredEvidence`, read,
+never written): the kernel scratch the allocator counted beyond it (:meth:`DryEvidence.scratch_bytes`),
+the margin widened by its own misses, and no figure at all once it missed measured steps beyond the
+tolerance. :meth:`DryEvidence.judged` picks the dry run that answers for a shape with as few dry
+runs as possible (:mod:`.dry_search`). The rungs on (the default setting) are the ladder's.
 
 Example:
-    >>> bucket_up(300), bucket_up(256), bucket_up(1000), bucket_up(12)
-    (320, 256, 1024, 12)
-    >>> dominating({(512, 4): 9_000, (1024, 4): 30_000, (384, 4): 5_000}, 400, 4)
-    (512, 4)
-    >>> peak = lambda L: 1_000 + 3 * L * L   # bytes at length L
-    >>> calls = []
-    >>> def bound(L):
-    ...     calls.append(L)
-    ...     return peak(L)
-    >>> largest_fitting(1, 4096, bound, budget=3_000_000), len(calls)   # hi, lo, the guess and its neighbour (a bisection: 13)
-    (999, 4)
+    >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
+    >>> from lightning_seqmem.plan.ladder_state import LadderState
+    >>> from lightning_seqmem.plan.measured import MeasuredEvidence
+    >>> from lightning_seqmem.plan.settings import PlannerSettings
+    >>> settings = PlannerSettings(budget_bytes=10**6, dry_runner=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B}))
+    >>> dry = DryEvidence(settings, LadderState(()), MeasuredEvidence(settings, AdviceQueue()))
+    >>> dry.peak(256, 4)[0], dry.forecast(256, 4).upper_bytes, dry.answered(4)
+    (102400, 104448, [256])
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Optional, Sequence
 
-__all__ = ["AHEAD_REACH", "CONFIRM_SLACK", "ahead_length", "bucket_up", "confirmed_largest", "crossing", "dominating",
-           "fitted_bytes", "fitted_largest", "largest_fitting"]
+from lightning_seqmem.core.forecast import Forecast
+from lightning_seqmem.core.peak import PeakSite
+from lightning_seqmem.core.rungs import RungNotApplicable
+from lightning_seqmem.core.search import bisect_last
+from lightning_seqmem.plan import dry_search
+from lightning_seqmem.plan.ladder_state import LadderState
+from lightning_seqmem.plan.measured import MeasuredEvidence
+from lightning_seqmem.plan.settings import PlannerSettings
 
+__all__ = ["DryEvidence"]
 
-def bucket_up(seq_len: int, per_octave: int = 8) -> int:
-    """``seq_len`` rounded up onto a geometric grid of ``per_octave`` lengths per doubling (at most
-    ``1/per_octave`` longer; lengths up to ``2·per_octave`` are their own bucket).
-
-    >>> [bucket_up(L) for L in (16, 17, 33, 100, 129, 4097)]
-    [16, 18, 36, 104, 144, 4608]
-    """
-    if seq_len <= 2 * per_octave:
-        return int(seq_len)
-    unit = (1 << (int(seq_len).bit_length() - 1)) // per_octave
-    return -(-int(seq_len) // unit) * unit
+Setting = tuple[str, ...]
+Answer = tuple[int, dict[str, int]]
 
 
-AHEAD_REACH = 2
-"""Without a curriculum, how far past the longest length known a dry run looks ahead (a factor):
-a dry run costs about the same at any length (its tensors are fake), and one that fits there
-answers for every shorter length, so dynamic padding (a new length every batch) needs a dry run
-only when the data first goes past the reach."""
+class DryEvidence:
+    """The dry-run cache and its forecasts (see the module doc)."""
 
+    def __init__(self, settings: PlannerSettings, ladder: LadderState, measured: MeasuredEvidence) -> None:
+        self.settings, self.ladder, self.measured = settings, ladder, measured
+        self.answers: dict[tuple, Optional[Answer]] = {}  # (L, B, setting) -> (peak, phase peaks) (not saved)
+        self.why: dict[tuple, str] = {}  # key -> why it did not answer
+        self.sites: dict[tuple, PeakSite] = {}  # key -> where that step's peak sits, when told
+        # key -> why no figure may stand for it at all: a rung of it does not apply to the model
+        # (RungNotApplicable), or the model's own step fails at that shape (fails_at_length)
+        self.fatal: dict[tuple, str] = {}
+        self.longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
+        # (budget, batch size, rungs on, multiple_of, longest) -> the largest length a dry run confirmed to fit
+        self.confirmed: dict[tuple, int] = {}
 
-def ahead_length(seq_len: int, longest: int, bounds: Mapping[int, int], budget: int,
-                 limit: Optional[int] = None, reach: int = AHEAD_REACH) -> int:
-    """The length to dry-run to judge ``seq_len`` (not shorter): ``reach`` times the longest length
-    known, onto the grid of :func:`bucket_up`, while nothing known is over the ``budget``; short of
-    where the ``bounds`` known (length -> bound bytes) are guessed to cross it (95% of
-    :func:`crossing`) once they are; ``seq_len``'s own bucket when something is over and the
-    crossing cannot be guessed. Never past ``limit`` (the model's positions), never below ``seq_len``.
+    def _key(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]]) -> tuple:
+        return int(seq_len), int(batch_size), self.ladder.applied if mitigations is None else tuple(mitigations)
 
-    >>> ahead_length(300, 300, {}, 10_000)   # nothing known: twice as far, on the grid
-    640
-    >>> ahead_length(300, 500, {640: 9_000}, 10_000, limit=800)
-    800
-    >>> ahead_length(300, 500, {200: 4_000, 1000: 100_000}, 10_000)   # p + q·L² through both: crosses at 316
-    320
-    >>> ahead_length(300, 500, {1000: 100_000}, 10_000)   # over, no crossing: its own bucket
-    320
-    """
-    seq_len = int(seq_len)
-    cross = crossing(bounds, budget)
-    if cross is not None:
-        target = int(0.95 * cross)
-    elif any(v > budget for v in bounds.values()):
-        target = seq_len
-    else:
-        target = bucket_up(reach * max(int(longest), seq_len))
-    target = max(target, bucket_up(seq_len))
-    if limit is not None:
-        target = min(target, int(limit))
-    return max(target, seq_len)
+    def peak(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Answer]:
+        """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
+        now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
+        key = self._key(seq_len, batch_size, mitigations)
+        if self.settings.dry_runner is None or not self.settings.within_limit(seq_len):  # past the model's positions: never asked
+            return None
+        if key not in self.answers:
+            try:
+                answer = self.settings.dry_runner(*key)
+                peak, phases = answer[0], answer[1]
+                self.answers[key] = (int(peak), {k: int(v) for k, v in phases.items()})
+                if len(answer) > 2 and isinstance(answer[2], PeakSite):
+                    self.sites[key] = answer[2]
+            except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+                self.answers[key] = None
+                self.why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, RungNotApplicable) or getattr(exc, "fails_at_length", False) is True:
+                    self.fatal[key] = self.why[key]
+        return self.answers[key]
 
+    def asked(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> bool:
+        """Whether the dry run was asked about this shape already (answered or not)."""
+        return self._key(seq_len, batch_size, mitigations) in self.answers
 
-def dominating(answers: Mapping[tuple[int, int], int], seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:
-    """Of the ``(seq_len', batch_size') -> peak_bytes`` answers with ``seq_len' >= seq_len`` and
-    ``batch_size' >= batch_size``, the one with the smallest peak (the tightest upper bound), or None.
+    def answered(self, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> list[int]:
+        """The lengths the dry run answered already at ``batch_size`` with ``mitigations`` (default:
+        those on now) while it is trusted with them, sorted: what a report can show without another."""
+        key = self._key(0, batch_size, mitigations)[2]
+        return sorted(L for (L, B, m), v in self.answers.items() if v is not None and B == int(batch_size)
+                      and m == key and self.measured.checks.wrong(key, "dry_run") is None)
 
-    >>> dominating({(64, 2): 10, (128, 1): 20}, 100, 2) is None
-    True
-    """
-    above = [(peak, key) for key, peak in answers.items() if key[0] >= seq_len and key[1] >= batch_size]
-    return min(above)[1] if above else None
+    def any_answered(self, setting: Optional[Setting] = None) -> bool:
+        """Whether any dry run answered this run (with ``setting``; default: any rungs), trusted or not."""
+        return any(v is not None and (setting is None or k[2] == setting) for k, v in self.answers.items())
 
+    def forget(self, setting: Setting) -> None:
+        """Drop the answers of ``setting`` (they counted a one-time check that later steps do not run)."""
+        self.answers = {k: v for k, v in self.answers.items() if k[2] != setting}
+        self.sites = {k: v for k, v in self.sites.items() if k[2] != setting}
 
-def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
-    """Where ``bounds`` (length -> bound bytes) are guessed to reach ``budget``: between the longest
-    length that fits and the shortest longer one that does not (see :func:`largest_fitting`); None
-    without both.
+    def see_length(self, seq_len: int) -> None:
+        """A length the data has (bounds the dry runs' buckets)."""
+        self.longest_seen = max(self.longest_seen, int(seq_len))
 
-    >>> crossing({100: 10_000, 200: 40_000, 400: 160_000}, 90_000)   # 1·L² bytes: 300 tokens
-    300
-    >>> crossing({100: 10_000, 200: 40_000}, 90_000) is None   # nothing known over
-    True
-    """
-    fit = [x for x, v in bounds.items() if v <= budget]
-    if not fit:
-        return None
-    lo = max(fit)
-    over = [x for x, v in bounds.items() if v > budget and x > lo]
-    if not over:
-        return None
-    return _crossing(bounds, lo, min(over), budget)
+    def longest_known(self) -> int:
+        """The longest length known to be one the model runs: measured, asked about, the target."""
+        return max([r.seq_len for r in self.measured.records] + [self.longest_seen] +
+                   ([self.settings.curriculum.target] if self.settings.curriculum else []))
 
+    def site(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[PeakSite]:
+        """Where the dry-run step's peak sits at ``(seq_len, batch_size, mitigations)`` (phase, kinds of
+        tensor), when its dry run ran and said so; None otherwise (never runs one).
 
-def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
-                    known: Iterable[int] = ()) -> int:
-    """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget``, given that ``lo`` fits and that the
-    bound grows with ``x`` (``None``: no answer, taken as over).
+        Example:
+            >>> from lightning_seqmem.core.peak import PeakSite
+            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+            >>> site = PeakSite("backward", (("attention_scores", 90 * 64 * 64), ("parameters", 10 * 64 * 64)))
+            >>> p = SeqMemPlanner(dry_runner=lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site))
+            >>> p.evidence.dry.peak(64, 2, ())[0], p.evidence.dry.site(64, 2, ()).top_kind
+            (409600, 'attention_scores')
+            >>> p.evidence.forecast(64, 2, ()).detail.endswith("; peak at backward: attention scores 90%, parameters 10%")
+            True
+        """
+        return self.sites.get(self._key(seq_len, batch_size, mitigations))
 
-    ``known`` are points whose bound costs nothing (cached): they narrow the interval first. Then
-    each round guesses where the bound crosses the budget (the parabola through the three points
-    known nearest the interval; with only its two ends, ``p + q·x²`` through them: a step's peak
-    is a quadratic in the length) and checks the guess's neighbour on the far side too, so a good
-    guess ends the search; a round that does not halve the interval is followed by a bisection
-    step.
+    def why_not(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
+        """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
+        key = self._key(seq_len, batch_size, mitigations)
+        if self.settings.dry_runner is None:
+            return "no dry run (dry_run=False, or not rank zero, or before fit)"
+        wrong = self.measured.checks.wrong(key[2], "dry_run")
+        if wrong is not None:
+            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step measured at "
+                    f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+        return f"dry run refused: {self.why.get(key, 'no answer')}"
 
-    >>> largest_fitting(1, 10, lambda x: x, budget=100)   # hi fits: one call
-    10
-    >>> largest_fitting(1, 64, lambda x: 2 ** x, budget=1000)   # far from linear: still exact
-    9
-    """
-    values: dict[int, Optional[int]] = {}
+    def scratch_bytes(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> int:
+        """What the allocator counted beyond the dry run, grown to ``(seq_len, batch_size)``.
 
-    def value(x: int) -> Optional[int]:
-        if x not in values:
-            values[x] = bound(x)
-        return values[x]
+        Only with allocator counters (``compare_reserved``): a dry run counts tensors, and the
+        tracker probe counts the same tensors (0 by construction), but CUDA kernels also take
+        scratch buffers of their own (eager attention's backward: one more ``[B, H, L, L]`` block
+        on CUDA than on the CPU). From this setting's fitted steps (each shape dry-run once, cached),
+        the longest not longer than ``seq_len`` gives ``measured - dry``, scaled by
+        ``(L / L0)^2 * max(1, B / B0)`` (at most quadratic in L, linear in B); without one, the
+        shortest such step's, unscaled.
 
-    def fits(x: int) -> bool:
-        v = value(x)
-        return v is not None and v <= budget
+        Example:
+            >>> from lightning_seqmem.core.records import StepMemory
+            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+            >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, compare_reserved=True,
+            ...                   dry_runner=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
+            >>> p.evidence.dry.peak(64, 2)[0]
+            409600
+            >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
+            >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
+            >>> p.course.end_batch()
+            >>> p.evidence.measured.records[0].peak_bytes - p.evidence.dry.peak(64, 2)[0]   # beyond the dry run
+            4096
+            >>> p.evidence.dry.scratch_bytes(128, 2, ()), p.evidence.dry.scratch_bytes(128, 4, ())   # 4096 B at 64, batch 2
+            (16384, 32768)
+        """
+        if not self.settings.compare_reserved:
+            return 0
+        key = tuple(mitigations)
+        measured = [r for r in self.measured.records if r.mitigations == key and not r.warmup]
+        below = [r for r in measured if r.seq_len <= seq_len]
+        if not measured:
+            return 0
+        r = max(below, key=lambda r: (r.seq_len, r.peak_bytes)) if below else min(measured, key=lambda r: r.seq_len)
+        dry = self.peak(r.seq_len, r.batch_size, key)  # cached, or one dry run of that measured shape
+        if dry is None:
+            return 0
+        same = max(q.peak_bytes for q in measured if (q.seq_len, q.batch_size) == (r.seq_len, r.batch_size))
+        residual = max(0, same - dry[0])
+        if not below:
+            return residual
+        return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
-    if hi <= lo or fits(hi):
-        return max(lo, hi)
-    value(lo)  # (the caller's, cached)
-    for x in sorted(k for k in set(known) if lo < k < hi):  # cached points: free
-        if fits(x):
-            lo = x
-        else:
-            hi = x
-            break
-    bisect = False
-    while hi - lo > 1:
-        width = hi - lo
-        guess = None if bisect else _crossing(values, lo, hi, budget)
-        secant = guess is not None
-        x = min(max(guess, lo + 1), hi - 1) if guess is not None else (lo + hi) // 2
-        if fits(x):
-            lo = x
-            if secant and x + 1 < hi:
-                lo, hi = (x + 1, hi) if fits(x + 1) else (lo, x + 1)
-        else:
-            hi = x
-            if secant and x - 1 > lo:
-                lo, hi = (x - 1, hi) if fits(x - 1) else (lo, x - 1)
-        bisect = 2 * (hi - lo) > width
-    return lo
+    def forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
+                 source: Optional[tuple[int, int]] = None, trusted_only: bool = True) -> Optional[Forecast]:
+        """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from the
+        dry run of that larger shape (see :mod:`.dry_search`), scratch counted at ``seq_len``. None
+        where it cannot answer, or (``trusted_only``) where it missed measured steps of this setting
+        beyond the tolerance (:mod:`lightning_seqmem.core.trust`)."""
+        key = self._key(seq_len, batch_size, mitigations)[2]
+        if trusted_only and self.measured.checks.wrong(key, "dry_run") is not None:
+            return None
+        shape = source or (seq_len, batch_size)
+        answer = self.peak(*shape, key)
+        if answer is None:
+            return None
+        peak, phases = answer
+        scratch = self.scratch_bytes(seq_len, batch_size, key)
+        if scratch:
+            peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
+        upper = int(peak * (1 + self.measured.dry_margin()))
+        fits = self.measured.forecasters
+        ratio = (fits[key] if key in fits else self.measured.forecaster_of(self.ladder.applied)).reserved_ratio
+        detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
+        if source is not None and tuple(source) != (seq_len, batch_size):
+            detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
+        site = self.sites.get((*shape, key))
+        detail += f"; peak at {site.describe()}" if site is not None else ""
+        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
 
+    def bound(self, fc: Optional[Forecast]) -> Optional[int]:
+        """What a forecast compares with the budget (None without one)."""
+        return None if fc is None else (fc.reserved_upper_bytes if self.settings.compare_reserved else fc.upper_bytes)
 
-def _crossing(values: Mapping[int, Optional[int]], lo: int, hi: int, budget: int) -> Optional[int]:
-    """Where the bound is guessed to reach ``budget`` in ``(lo, hi)``, from the points known, or None."""
-    if values.get(lo) is None or values.get(hi) is None:
-        return None
-    middle = [x for x, v in values.items() if v is not None and x not in (lo, hi)]
-    if middle:  # the parabola through lo, hi and the known point nearest the interval
-        m = min(middle, key=lambda x: 0 if lo < x < hi else min(abs(x - lo), abs(x - hi)))
-        xs = (float(lo), float(m), float(hi))
-        ys = tuple(float(values[int(x)]) for x in xs)  # type: ignore[arg-type]
-        d = (xs[0] - xs[1]) * (xs[0] - xs[2]) * (xs[1] - xs[2])
-        a = (xs[2] * (ys[1] - ys[0]) + xs[1] * (ys[0] - ys[2]) + xs[0] * (ys[2] - ys[1])) / d
-        b = (xs[2] ** 2 * (ys[0] - ys[1]) + xs[1] ** 2 * (ys[2] - ys[0]) + xs[0] ** 2 * (ys[1] - ys[2])) / d
-        c = ys[0] - a * xs[0] ** 2 - b * xs[0]
-    else:  # p + q·x² through the two ends
-        q = (float(values[hi]) - float(values[lo])) / (float(hi) ** 2 - float(lo) ** 2)  # type: ignore[arg-type]
-        a, b, c = q, 0.0, float(values[lo]) - q * float(lo) ** 2  # type: ignore[arg-type]
-    c -= budget
-    if abs(a) < 1e-12:
-        roots = [-c / b] if abs(b) > 1e-12 else []
-    else:
-        disc = b * b - 4 * a * c
-        roots = [] if disc < 0 else [(-b + s * disc ** 0.5) / (2 * a) for s in (1, -1)]
-    inside = [r for r in roots if lo <= r <= hi]
-    return int(inside[0]) if inside else None
+    def judged(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
+        """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as possible
+        (:mod:`.dry_search`: a step's peak does not fall as the length or the batch grows):
 
+        1. this shape's own dry run, when it ran already, without a budget to judge against, or with
+           a curriculum (a few lengths, each dry-run and verified when it runs); without one (the
+           data sets the length: dynamic padding, a new length every batch):
+        2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
+        3. one dry run ahead, at a longer length (:meth:`bucket`: twice the longest length known,
+           or short of where the cached dry runs cross the budget), when its bound fits: it then
+           answers for every length below it;
+        4. else this shape's own dry run: "over" is only ever said from the exact shape.
+        """
+        L, B, key = self._key(seq_len, batch_size, mitigations)
+        budget = self.settings.usable_budget_bytes
+        if (L, B, key) in self.answers or budget is None or self.settings.dry_runner is None \
+                or self.settings.curriculum is not None:
+            return self.forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
+        answers = {(k[0], k[1]): v[0] for k, v in self.answers.items() if v is not None and k[2] == key}
+        source = dry_search.dominating(answers, L, B)
+        if source is not None:
+            fc = self.forecast(L, B, key, source=source)
+            if fc is not None and self.bound(fc) <= budget:
+                return fc
+        top = self.bucket(L, B, key, budget)
+        known_over = any(L <= k[0] <= top and k[1] == B and (self.bound(self.forecast(k[0], B, key)) or 0) > budget
+                         for k in answers)
+        if top > L and not known_over:
+            fc = self.forecast(L, B, key, source=(top, B))
+            if fc is not None and self.bound(fc) <= budget:
+                return fc
+        return self.forecast(L, B, key)
 
-CONFIRM_SLACK = 0.01
-"""How far below the budget :func:`confirmed_largest` aims its guess (a fraction of what the bytes
-grow by from the shortest length known to the budget: about half that fraction of the length), so
-that the one dry run confirming it fits (the fit is a guess; a peak is quadratic only piecewise);
-and how much longer a refit must say fits to be tried (twice that fraction of the length)."""
+    def bucket(self, seq_len: int, batch_size: int, key: Setting, budget: int) -> int:
+        """The length to dry-run for ``seq_len`` (not shorter; a dry run there that fits answers for
+        every shorter one): :func:`~lightning_seqmem.plan.dry_search.ahead_length` of the longest
+        length known and the bounds of the dry runs cached (twice the longest while none is over;
+        short of where they cross the budget once one is), never past the model's positions."""
+        longest = max(self.longest_known(), seq_len)
+        bounds = {}
+        for (L, B, m), answer in self.answers.items():
+            if answer is not None and B == batch_size and m == key:
+                fc = self.forecast(L, B, key)
+                if fc is not None:
+                    bounds[L] = self.bound(fc)
+        return dry_search.ahead_length(seq_len, longest, bounds, budget, self.settings.length_limit)
 
+    def max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
+        """A length whose dry-run bound fits, up to 4× the longest length known (with a curriculum, a
+        multiple of its ``multiple_of``): the largest the fit through the dry runs cached (and the
+        measured steps, where fewer than two lengths were dry-run) guesses to fit, aimed just below
+        the budget and confirmed by one dry run at that length
+        (:func:`~lightning_seqmem.plan.dry_search.confirmed_largest`; a second where the fit redone
+        with it says 2% more fits): a lower bound of the largest that a dry run says fits (within
+        about 2% of it where the peak is quadratic in the length), where a search to the token took
+        four or more. The same answer until a longer length is dry-run and fits."""
+        records = self.measured.records
+        curriculum = self.settings.curriculum
+        known = [r.seq_len for r in records] + ([curriculum.target] if curriculum else [])
+        step = int(curriculum.multiple_of) if curriculum is not None else 1
+        hi = 4 * max(known + [256])
+        hi = hi if self.settings.length_limit is None else min(hi, self.settings.length_limit)  # never past the positions
+        hi -= hi % step
 
-def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
-    """The bytes at length ``x`` of the parabola through the three ``points`` (length -> bytes)
-    nearest ``x`` (``p + q·L²`` through two; None with fewer), kept between the values known on
-    either side (a step's peak does not fall as the length grows): exact at the points.
+        def bound(L: int) -> Optional[int]:
+            return self.bound(self.forecast(L, batch_size))
 
-    >>> peak = {L: 1_000 + 3 * L * L for L in (100, 200, 400)}
-    >>> fitted_bytes(peak, 300), 1_000 + 3 * 300 * 300   # a quadratic: exact between the points
-    (271000.0, 271000)
-    >>> fitted_bytes(peak, 800) == 1_000 + 3 * 800 * 800, fitted_bytes({64: 5}, 128) is None
-    (True, True)
-    """
-    known = sorted((int(L), float(v)) for L, v in points.items() if v is not None)
-    if len(known) < 2:
-        return None
-    x = int(x)
-    exact = dict(known)
-    if x in exact:
-        return exact[x]
-    near = sorted(sorted(known, key=lambda p: (abs(p[0] - x), p[0]))[:3])
-    if len(near) == 3:
-        (x0, y0), (x1, y1), (x2, y2) = near
-        value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
-                 + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
-    else:
-        (x0, y0), (x1, y1) = near
-        q = (y1 - y0) / (x1 * x1 - x0 * x0)
-        value = y0 + q * (x * x - x0 * x0)
-    below = [v for L, v in known if L < x]
-    above = [v for L, v in known if L > x]
-    if below:
-        value = max(value, max(below))
-    if above:
-        value = min(value, min(above))
-    return value
+        def fits(L: int) -> bool:
+            b = bound(L)
+            return b is not None and b <= budget_bytes
 
+        fitting = [L for L in self.answered(batch_size) if L % step == 0 and L <= hi and fits(L)]  # cached: free
+        lo = max(fitting, default=step)
+        if not fits(lo):
+            return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
+        key = (budget_bytes, batch_size, self.ladder.applied, step, hi)
+        if self.confirmed.get(key) == lo:  # confirmed before, and no longer length dry-run to fit since
+            return lo
+        dried = {L: bound(L) for L in self.answered(batch_size)}  # cached: free
+        points = dict(dried)
+        if len(dried) < 2:  # the measured steps too (real peaks, the dry run's margin on them): anchors for the guess
+            margin = 1 + self.measured.dry_margin()
+            for r in records:  # (not the first step: no optimizer state yet)
+                if (r.mitigations == self.ladder.applied and r.batch_size == batch_size
+                        and r.step >= 1 and r.seq_len not in dried):
+                    points[r.seq_len] = max(points.get(r.seq_len, 0), int(self.measured.bound(r) * margin))
+            held = self.measured.held_bytes()  # what a step begins with: the peak's floor as the length goes to 0
+            if held and int(held * margin) < min((v for v in points.values() if v is not None), default=0):
+                points[0] = int(held * margin)  # a third point (through two, the parabola is p + q·L²: guesses short)
+        self.confirmed[key] = dry_search.confirmed_largest(lo, hi, bound, budget_bytes, points, step)
+        return self.confirmed[key]
 
-def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int, step: int = 1) -> int:
-    """The largest multiple of ``step`` in ``[lo, hi]`` whose :func:`fitted_bytes` fits ``budget``
-    (``lo`` when none does; pure arithmetic, no dry run).
+    def search(self, lo: int, hi: int, unit: int, batch_size: int, setting: Setting, budget: int,
+               bound: Optional[Callable[[int], Optional[int]]] = None) -> int:
+        """Largest ``x`` in ``[lo, hi]`` whose bound at ``x·unit`` tokens (the dry run's, or ``bound``'s)
+        fits ``budget``, given that ``lo`` fits: the dry runs cached narrow it, then guesses from their
+        bounds are checked (:func:`~lightning_seqmem.plan.dry_search.largest_fitting`)."""
+        def dry_bound(x: int) -> Optional[int]:
+            return self.bound(self.forecast(x * unit, batch_size, setting))
 
-    >>> fitted_largest({L: 1_000 + 3 * L * L for L in (256, 512)}, 3_000_000, 512, 4096)   # 999.8 tokens
-    999
-    >>> fitted_largest({256: 10, 512: 20}, 10_000, 512, 4096, step=64), fitted_largest({256: 10, 512: 20}, 15, 512, 4096)
-    (4096, 512)
-    """
-    def fits(x: int) -> bool:
-        v = fitted_bytes(points, x)
-        return v is not None and v <= budget
-
-    lo_k, hi_k = max(1, -(-int(lo) // step)), int(hi) // step
-    if hi_k < lo_k:
-        return int(lo)
-    if fits(hi_k * step):
-        return hi_k * step
-    if not fits(lo_k * step):
-        return int(lo)
-    while hi_k - lo_k > 1:  # fits(lo_k), not fits(hi_k)
-        mid = (lo_k + hi_k) // 2
-        lo_k, hi_k = (mid, hi_k) if fits(mid * step) else (lo_k, mid)
-    return max(int(lo), lo_k * step)
-
-
-def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
-                      known: Mapping[int, int], step: int = 1, tries: int = 2,
-                      slack: float = CONFIRM_SLACK) -> int:
-    """A large length in ``[lo, hi]`` (a multiple of ``step``) whose ``bound`` fits ``budget``,
-    given that ``lo`` fits, with one call of ``bound`` where the guess is right: the guess of
-    :func:`fitted_largest` from the bounds ``known`` (length -> bytes, cached: free) aimed
-    just below the budget (:data:`CONFIRM_SLACK`; ``hi`` itself where the fit says it fits), confirmed by
-    ``bound``; the fit is redone with each answer, and guesses again (up to ``tries`` in all) where
-    it then says more than ``2 · slack`` longer fits (a guess that fits) or less (a guess that is
-    over); ``lo`` when none fits (or fewer than two bounds are known). Every answer is a length
-    whose own ``bound`` fits (a lower bound of the largest; not the exact token).
-
-    >>> peak = lambda L: 1_000 + 3 * L * L   # the largest that fits 3 MB: 999; aimed 1% of the growth below
-    >>> calls = []
-    >>> def bound(L):
-    ...     calls.append(L)
-    ...     return peak(L)
-    >>> confirmed_largest(512, 4096, bound, 3_000_000, {L: peak(L) for L in (256, 512)}), calls
-    (995, [995])
-    """
-    anchors = {int(L): int(v) for L, v in known.items() if v is not None}  # for the guesses only
-
-    def fits(x: int) -> bool:  # the answer's own bound, always (cached by the caller where it ran)
-        v = bound(x)
-        if v is not None:
-            anchors[x] = int(v)
-        return v is not None and v <= budget
-
-    if hi <= lo:
-        return max(lo, hi)
-    best = lo
-    for _ in range(tries):
-        floor = min(anchors.values(), default=budget)  # what does not grow with the length, about
-        aim = int(budget - slack * max(0, budget - floor))
-        guess = fitted_largest(_spread_out(anchors), aim, best, hi, step)
-        if guess <= best or (best > lo and guess <= best * (1 + 2 * slack)):  # the refit agrees with the answer
-            break
-        if fits(guess):
-            best = guess
-        else:
-            hi = guess - 1
-    return best
-
-
-def _spread_out(points: Mapping[int, int], ratio: float = 1.25) -> dict[int, int]:
-    """``points`` from the longest down, each kept ``ratio`` shorter than the last kept (close points
-    make a parabola's extrapolation noisy); the shortest too where no other was kept.
-
-    >>> sorted(_spread_out({100: 1, 110: 2, 200: 3, 240: 4, 250: 5})), sorted(_spread_out({500: 1, 505: 2, 512: 3}))
-    ([110, 200, 250], [500, 512])
-    """
-    kept: dict[int, int] = {}
-    for L in sorted(points, reverse=True):
-        if not kept or L * ratio <= min(kept):
-            kept[L] = points[L]
-    if len(kept) < 2 <= len(points):  # all of them close: the widest pair
-        kept[min(points)] = points[min(points)]
-    return kept
+        known = [L // unit for (L, B, m), v in self.answers.items()
+                 if v is not None and B == batch_size and m == setting and L % unit == 0]
+        return dry_search.largest_fitting(lo, hi, bound or dry_bound, budget, known)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from lightning_seqmem.core.records import PHASES, StepRecord
 from lightning_seqmem.core.units import to_gib
 from lightning_seqmem.plan.curriculum_state import CurriculumState
-from lightning_seqmem.plan import judging
 from lightning_seqmem.plan.evidence import Evidence
 
 __all__ = ["budget_view", "metrics"]
@@ -31,10 +30,10 @@ def budget_view(evidence: Evidence, course: CurriculumState, batch_size: int) ->
         return ev.view_cache["value"]
     out: dict[str, float] = {}
     target = stages[stage + 1] if stage + 1 < len(stages) else None
-    target = target or (ev.records[-1].seq_len if ev.records else None)
+    target = target or (ev.measured.records[-1].seq_len if ev.measured.records else None)
     # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
     fc = None if not target else (ev.forecaster.forecast(target, batch_size) if ev.forecaster.ready
-                                   else judging.dry_judged(ev, target, batch_size))
+                                   else ev.dry.judged(target, batch_size))
     if fc is not None:
         bound = ev.bound_of(fc)
         out["forecast_next_gib"] = to_gib(bound)
@@ -63,8 +62,8 @@ def metrics(record: StepRecord, evidence: Evidence, course: CurriculumState) -> 
         out["inactive_split_gib"] = to_gib(record.inactive_split_bytes or 0)
         out["alloc_retries"] = record.alloc_retries or 0
         out["num_ooms"] = record.num_ooms or 0
-    if evidence.last_verification_error is not None:
-        out["verification_error"] = evidence.last_verification_error
+    if evidence.measured.last_verification_error is not None:
+        out["verification_error"] = evidence.measured.last_verification_error
     if record.stage is not None:
         out["stage"] = record.stage
     out["mitigations_applied"] = len(record.mitigations)

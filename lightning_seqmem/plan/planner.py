@@ -5,7 +5,7 @@ handful of methods (:meth:`~SeqMemPlanner.decide`, :meth:`~SeqMemPlanner.commit`
 :meth:`~SeqMemPlanner.begin_step`, :meth:`~SeqMemPlanner.observe`,
 :meth:`~SeqMemPlanner.on_rung`, :meth:`~SeqMemPlanner.bind_run`,
 :meth:`~SeqMemPlanner.restart`, the state dict) over parts that each own and checkpoint one state,
-read by name (``p.evidence.records``, ``p.ladder.applied``, ``p.course.stages``, a batch's end in
+read by name (``p.evidence.measured.records``, ``p.ladder.applied``, ``p.course.stages``, a batch's end in
 ``p.course.end_batch()``, the advice to warn in ``p.advice.take_advice()``):
 
 * :class:`~lightning_seqmem.plan.settings.PlannerSettings`: its arguments and what the run binds at
@@ -63,7 +63,7 @@ Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 
     ...     lengths.append((d.action, s.seq_len))
     >>> lengths[2:6]   # 128 judged from one length only is over: probe 32; then 128 is forecast over too: cap
     [('run', 64), ('probe', 32), ('run', 32), ('cap', 112)]
-    >>> max(r.peak_bytes for r in p.evidence.records) <= p.settings.usable_budget_bytes, [a.kind for a in p.advice.take_advice()][:1]
+    >>> max(r.peak_bytes for r in p.evidence.measured.records) <= p.settings.usable_budget_bytes, [a.kind for a in p.advice.take_advice()][:1]
     (True, ['stage_over_budget'])
 """
 
@@ -186,7 +186,7 @@ class SeqMemPlanner:
         (under DDP: applies on every rank). Pure: the state changes only in :meth:`commit`.
         """
         batch_size, seq_len = int(shape[0]), int(shape[1])
-        self.evidence.see_length(seq_len)  # (a cache: a length the data has)
+        self.evidence.dry.see_length(seq_len)  # (a cache: a length the data has)
         return Decider(self.settings, self.evidence, self.ladder, self.course).decide(
             seq_len, batch_size, applicable)
 
@@ -224,9 +224,9 @@ class SeqMemPlanner:
         assert isinstance(name, str)
         if event == "before":
             assert seq_len is not None and batch_size is not None
-            self.evidence.dry_before_rung(name, seq_len, batch_size)
+            self.evidence.verification.dry_before_rung(name, seq_len, batch_size)
         elif event == "on":
-            before, method = self.evidence.peak_before(seq_len, batch_size)
+            before, method = self.evidence.verification.peak_before(seq_len, batch_size)
             self.ladder.switched_on(name, self.course.step, seq_len, batch_size, detail, before, method)
             self.evidence.forecaster  # noqa: B018 - a fresh fit for the new setting
         else:
@@ -256,9 +256,9 @@ class SeqMemPlanner:
         key = (seq_len, batch_size, on)
         warmup, measure, count = self.schedule.next(
             key, self.course.step, s.warmup_steps, s.warmup_steps_after_change,
-            s.measure_every_n_steps, global_step, self.evidence.covered(*key))
+            s.measure_every_n_steps, global_step, self.evidence.measured.covered(*key))
         if count == 0:  # kept to verify against the measurement
-            self.evidence.keep_forecast(seq_len, batch_size)
+            self.evidence.verification.keep_forecast(seq_len, batch_size)
         # only steps ending in an optimizer step are traced: with accumulation the others run
         # another program
         traced = (measure and not warmup and optimizer_steps
@@ -272,8 +272,8 @@ class SeqMemPlanner:
                 batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
                 rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord:
         """Record a measured step, fit, verify; returns the record
-        (:func:`lightning_seqmem.plan.verification.observe`)."""
-        return self.evidence.observe(pending, memory, seq_len, batch_size, trace, rank, step_seconds)
+        (:meth:`lightning_seqmem.plan.verification.Verification.observe`)."""
+        return self.evidence.verification.observe(pending, memory, seq_len, batch_size, trace, rank, step_seconds)
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

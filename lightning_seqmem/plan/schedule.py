@@ -7,7 +7,7 @@ resume, the first fitted occurrence of a shape and one batch in ``every_n_steps`
 The warm-up occurrences of a new shape (measured, never fitted) are too, unless the planner says the
 shape is *covered*: a step at a shape not shorter and not smaller, with the same rungs, was measured
 within the budget already (a step's peak does not fall as the length or the batch grows, the
-assumption of :mod:`lightning_seqmem.plan.dry_evidence`), so that measured step bounds this one and
+assumption of :mod:`lightning_seqmem.plan.dry_search`), so that measured step bounds this one and
 its measurement would be neither fitted nor needed. That is what dynamic padding is (a new length
 every batch): only the steps that set a new longest shape are measured. An unmeasured step is still
 judged before it runs; it leaves no record (records are measured steps) and is counted in

@@ -6,7 +6,7 @@ a new shape's warm-up, never fitted) would otherwise dry-run every length it sho
 dry run is the exact step on fake tensors, and a step's peak is piecewise quadratic in the length,
 so the lengths dry-run already (and, where fewer than two were, the measured steps: real peaks,
 with the dry run's margin on them) are interpolated instead
-(:func:`~lightning_seqmem.plan.dry_evidence.fitted_bytes`: the parabola through the three nearest,
+(:func:`~lightning_seqmem.plan.dry_search.fitted_bytes`: the parabola through the three nearest,
 kept between its neighbours). Such a forecast has the method :data:`DRY_RUN_FIT` and a detail
 naming the lengths it rests on: it is never presented as a dry run. At a length dry-run already
 the dry run's own forecast answers (cached, free).
@@ -14,7 +14,7 @@ the dry run's own forecast answers (cached, free).
 Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
     >>> p = SeqMemPlanner(memory_budget_bytes=10**7, dry_runner=lambda L, B, m: (1_000 + 3 * L * L, {"forward": 1_000 + 3 * L * L}))
-    >>> _ = p.evidence.dry_peak(256, 2), p.evidence.dry_peak(512, 2), p.evidence.dry_peak(1024, 2)
+    >>> _ = p.evidence.dry.peak(256, 2), p.evidence.dry.peak(512, 2), p.evidence.dry.peak(1024, 2)
     >>> fc = dry_fit_forecast(p, 768, 2)
     >>> fc.method, fc.peak_bytes == 1_000 + 3 * 768 * 768, fc.detail
     ('dry_run_fit', True, 'quadratic through the dry runs at seq_len [256, 512, 1024] (batch 2): a fit, not a dry run at 768')
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional
 
 from lightning_seqmem.core.forecast import Forecast
 from lightning_seqmem.core.records import PHASES
-from lightning_seqmem.plan.dry_evidence import fitted_bytes
+from lightning_seqmem.plan.dry_search import fitted_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.plan.view import PlanView
@@ -44,15 +44,15 @@ def dry_fit_anchors(view: "PlanView", batch_size: int) -> dict[int, Forecast]:
     runs), and, where fewer than two lengths were dry-run, of the measured steps of that setting
     after the first (the real peak, the dry run's margin on it; method ``"measured"``)."""
     out: dict[int, Forecast] = {}
-    for L in view.evidence.dry_answers(batch_size):
-        fc = view.evidence.dry_forecast(L, batch_size)  # cached: no dry run
+    for L in view.evidence.dry.answered(batch_size):
+        fc = view.evidence.dry.forecast(L, batch_size)  # cached: no dry run
         if fc is not None:
             out[L] = fc
     if len(out) >= 2:
         return out
-    margin = 1 + view.evidence.dry_margin()
+    margin = 1 + view.evidence.measured.dry_margin()
     dried = set(out)
-    for r in view.evidence.records:
+    for r in view.evidence.measured.records:
         if (r.mitigations != view.ladder.applied or r.batch_size != batch_size or r.seq_len in dried
                 or r.step < 1):  # (the first step has no optimizer state yet)
             continue

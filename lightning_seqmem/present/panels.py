@@ -129,7 +129,7 @@ def _dry_run_curve(view: "PlanView", right: int, batch_size: int, num: int = 8):
         forecasts = [dry_fit_forecast(view, L, batch_size, anchors) for L in lengths]
     else:
         lengths = sorted(evenly)
-        if view.evidence.dry_peak(lengths[0], batch_size) is None:
+        if view.evidence.dry.peak(lengths[0], batch_size) is None:
             return None
         try:
             forecasts = [view.evidence.forecast(L, batch_size) for L in lengths]
@@ -142,10 +142,10 @@ def _dry_run_curve(view: "PlanView", right: int, batch_size: int, num: int = 8):
 
 
 def _reference_batch_size(view: "PlanView") -> Optional[int]:
-    measured = [r.batch_size for r in view.evidence.records if not r.warmup]
-    if view.evidence.last_batch_size is not None:
-        return view.evidence.last_batch_size
-    return measured[-1] if measured else (view.evidence.records[-1].batch_size if view.evidence.records else None)
+    measured = [r.batch_size for r in view.evidence.measured.records if not r.warmup]
+    if view.evidence.measured.last_batch_size is not None:
+        return view.evidence.measured.last_batch_size
+    return measured[-1] if measured else (view.evidence.measured.records[-1].batch_size if view.evidence.measured.records else None)
 
 
 def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
@@ -158,7 +158,7 @@ def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
     if events:
         return [(int(e.seq_len), e.name) for e in events]
     marks, previous = [], ()
-    for record in view.evidence.records:
+    for record in view.evidence.measured.records:
         current = tuple(record.mitigations)
         if current != previous:
             added = [m for m in current if m not in previous]
@@ -169,7 +169,7 @@ def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
 
 def _other_settings(view: "PlanView") -> list[tuple[tuple[str, ...], Any]]:
     """Forecasters of the mitigation settings other than the current one (fitted before a switch)."""
-    forecasters = view.evidence.forecasters
+    forecasters = view.evidence.measured.forecasters
     current = tuple(view.ladder.applied)
     return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
 
@@ -237,8 +237,8 @@ def _draw_curves(ax: Any, view: "PlanView", curves: dict[str, Any], lengths: lis
         ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
                         label=f"{method} upper bound")
     if DRY_RUN_FIT in curves and batch_size is not None:
-        dried = [L for L in view.evidence.dry_answers(batch_size) if L <= right]
-        ax.scatter(dried, [view.evidence.dry_peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
+        dried = [L for L in view.evidence.dry.answered(batch_size) if L <= right]
+        ax.scatter(dried, [view.evidence.dry.peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
                    color="tab:purple", zorder=3, label=f"dry run (batch {batch_size}{setting})")
     for key, other in _other_settings(view) if batch_size is not None else ():
         try:
@@ -290,10 +290,10 @@ def memory_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    measured = [r for r in view.evidence.records if not r.warmup]
+    measured = [r for r in view.evidence.measured.records if not r.warmup]
     batch_size = batch_size or _reference_batch_size(view)
     target = view.settings.curriculum.target if view.settings.curriculum is not None else 0
-    longest = max([r.seq_len for r in view.evidence.records], default=0)
+    longest = max([r.seq_len for r in view.evidence.measured.records], default=0)
     right = max_seq_len or max(2 * max(target, longest), 16)
     lengths = _curve_lengths(right)
 

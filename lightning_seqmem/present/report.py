@@ -97,7 +97,7 @@ def _version(distribution: str) -> Optional[str]:
 def _points(view: "PlanView") -> list[dict[str, Any]]:
     """Per (seq_len, batch_size, mitigations): max over non-warm-up records of each peak."""
     out: dict[tuple, dict[str, Any]] = {}
-    for r in view.evidence.records:
+    for r in view.evidence.measured.records:
         if r.warmup:
             continue
         key = (r.seq_len, r.batch_size, tuple(r.mitigations))
@@ -137,7 +137,7 @@ def _predictors(view: "PlanView") -> dict[str, Any]:
         r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size, notes=list(timeline.notes),
                  num_allocations=int(timeline.coefficients.shape[1]),
                  max_fit_residual_bytes=timeline.max_fit_residual_bytes)
-    settings = view.evidence.forecasters
+    settings = view.evidence.measured.forecasters
     verifications = [
         {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method, "forecast_bytes": v.forecast_bytes,
          "measured_bytes": v.measured_bytes, "relative_error": v.relative_error,
@@ -202,14 +202,14 @@ def _spread(lengths: set[int], n: int) -> set[int]:
 
 def _forecasts(view: "PlanView", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
-    if batch_size is None or not (view.evidence.forecaster.ready or view.evidence.dry_answers(batch_size)):
+    if batch_size is None or not (view.evidence.forecaster.ready or view.evidence.dry.answered(batch_size)):
         out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
         return out
-    measured = {r.seq_len for r in view.evidence.records}
+    measured = {r.seq_len for r in view.evidence.measured.records}
     if view.evidence.forecaster.ready:  # the fit answers: any length, for free
         lengths = _spread(measured, REPORT_MEASURED_LENGTHS)
     else:  # the dry run answers (one each): the lengths it ran already, and the longest measured
-        lengths = _spread(set(view.evidence.dry_answers(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
+        lengths = _spread(set(view.evidence.dry.answered(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
     if view.settings.curriculum is not None:
         lengths |= set(view.settings.curriculum.stages)
         target = view.settings.curriculum.target
@@ -239,7 +239,7 @@ def _applied(view: "PlanView") -> tuple[str, ...]:
 def _mitigations(view: "PlanView") -> dict[str, Any]:
     """Allowed rungs, the ones on now, each switch (from the planner's events) and the record changes."""
     changes, previous = [], ()
-    for r in view.evidence.records:
+    for r in view.evidence.measured.records:
         current = tuple(r.mitigations)
         if current != previous:
             changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
@@ -256,7 +256,7 @@ def _warnings(view: "PlanView") -> list[dict[str, str]]:
 
 
 def _records_summary(view: "PlanView") -> dict[str, Any]:
-    records = view.evidence.records
+    records = view.evidence.measured.records
     if not records:
         return {"num_records": 0}
     top = max(records, key=lambda r: r.peak_bytes)
@@ -285,7 +285,7 @@ def _peak_site(view: "PlanView", breakdown: Optional[dict[str, Any]]) -> Optiona
     the dry run of that step's shape and mitigations (``"dry_run"``; cached, or one fake step now);
     None when neither answers. ``seq_len``, ``batch_size``, ``mitigations``, then
     :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
-    measured = [r for r in view.evidence.records if not r.warmup]
+    measured = [r for r in view.evidence.measured.records if not r.warmup]
     longest = max(measured, key=lambda r: (r.seq_len, r.batch_size, r.peak_bytes), default=None)
     site = (breakdown or {}).get("peak_site")
     if site is not None and (longest is None or breakdown["seq_lens"][-1] >= longest.seq_len):
@@ -294,9 +294,9 @@ def _peak_site(view: "PlanView", breakdown: Optional[dict[str, Any]]) -> Optiona
     if longest is None:
         return None
     key = (longest.seq_len, longest.batch_size, tuple(longest.mitigations))
-    if view.evidence.dry_peak(*key) is None:
+    if view.evidence.dry.peak(*key) is None:
         return None
-    found = view.evidence.dry_peak_site(*key)
+    found = view.evidence.dry.site(*key)
     if found is None:
         return None
     return {"source": "dry_run", "seq_len": key[0], "batch_size": key[1], "mitigations": list(key[2]),
@@ -320,9 +320,9 @@ def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None, inclu
     sits at the longest length run: phase and kinds of tensor, see :func:`_peak_site`) and, with ``include_records``,
     ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
     """
-    batch_size = view.evidence.last_batch_size
-    if batch_size is None and view.evidence.records:
-        batch_size = view.evidence.records[-1].batch_size
+    batch_size = view.evidence.measured.last_batch_size
+    if batch_size is None and view.evidence.measured.records:
+        batch_size = view.evidence.measured.records[-1].batch_size
     report = {
         "format": REPORT_FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -339,7 +339,7 @@ def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None, inclu
         report["breakdown"] = breakdown
     report["peak_site"] = _peak_site(view, breakdown)
     if include_records:
-        report["records"] = [r.to_dict() for r in view.evidence.records]
+        report["records"] = [r.to_dict() for r in view.evidence.measured.records]
     return _plain(report)
 
 

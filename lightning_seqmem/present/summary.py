@@ -82,7 +82,7 @@ class RunSummary:
 
 def run_summary(view: "PlanView") -> RunSummary:
     """The :class:`RunSummary` of ``planner``'s run so far."""
-    records = view.evidence.records
+    records = view.evidence.measured.records
     reserved = bool(view.settings.compare_reserved)
     longest = max(records, key=lambda r: (r.seq_len, r.batch_size), default=None)
     peak = max((r.reserved_bytes if reserved and r.reserved_bytes is not None else r.peak_bytes for r in records),

@@ -104,7 +104,7 @@ class BatchCycle:
         if decision.rungs or decision.action in ("cap", "probe"):  # a lighter setting or a shorter batch
             self.guard.safely("releasing cached memory", lambda: edge.release_cached_memory(pl_module))
         curriculum = self.config.curriculum is not None
-        if decision.action != "run" and curriculum and trainer.is_global_zero and self.planner.evidence.records:
+        if decision.action != "run" and curriculum and trainer.is_global_zero and self.planner.evidence.measured.records:
             # as the stage ends
             self.guard.safely("the memory figure", lambda: outputs.log_figure(trainer, PlanView.of(self.planner)))
         self.cut_for_step(trainer, batch, decision.seq_len)

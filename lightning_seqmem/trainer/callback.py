@@ -206,7 +206,7 @@ class SeqMemCallback(Callback):
         ladder or curriculum, so a resume that changes them finds the state and reconciles it."""
         return type(self).__qualname__ if self.config.name is None else self._generate_state_key(name=self.config.name)
 
-    records = property(lambda self: self.planner.evidence.records, doc="Every measured batch, as :class:`StepRecord` (past ``state.MEMORY_RECORDS``, a summary and the latest).")
+    records = property(lambda self: self.planner.evidence.measured.records, doc="Every measured batch, as :class:`StepRecord` (past ``state.MEMORY_RECORDS``, a summary and the latest).")
     applied_mitigations = property(lambda self: self.planner.ladder.applied, doc="Rungs switched on, in order.")
     mitigation_events = property(lambda self: self.planner.ladder.events, doc="Each switch, with peaks before/after.")
     mitigations = property(lambda self: self.planner.ladder.allowed, doc="The rungs this run may still use.")
@@ -238,7 +238,7 @@ class SeqMemCallback(Callback):
             from lightning_seqmem.dryrun.sharded import world_forecast
 
             key = self.planner.ladder.applied if mitigations is None else check_mitigations(mitigations)
-            fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.evidence.batch_size_or_last(batch_size), key, world_size)
+            fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.evidence.measured.batch_size_or_last(batch_size), key, world_size)
         else:
             fc = self.planner.evidence.forecast(seq_len, batch_size, mitigations)
             self.guard.warn_advice()  # a dry run found wrong at its first check, or refused, is said here too
@@ -256,7 +256,7 @@ class SeqMemCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.planner.evidence.records or self.planner.course.step:
+        if self.planner.evidence.measured.records or self.planner.course.step:
             self._bind(self._fit.next_fit(trainer, pl_module))
         self._fit.setup(trainer, pl_module)
 

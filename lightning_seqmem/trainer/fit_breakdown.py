@@ -53,7 +53,7 @@ def run_breakdown(view: "PlanView", kept: Optional[tuple[int, Any]], shape_of: C
     optimizer = trainer.optimizers[0]
     curriculum = view.settings.curriculum
     plan = end_of_fit_plan(
-        view.evidence.records, view.ladder.applied, batch_len, batch_size, width_dims(pl_module, batch_size),
+        view.evidence.measured.records, view.ladder.applied, batch_len, batch_size, width_dims(pl_module, batch_size),
         multiple_of=curriculum.multiple_of if curriculum is not None else 8,
         target=curriculum.target if curriculum is not None else 0,
         room_bytes=_room_beside(pl_module, optimizer, device) if device.type == "cuda" else None,

@@ -138,7 +138,7 @@ class FitCycle:
         if same_trainer and same_module:
             on = ", ".join(self.planner.ladder.applied) or "none"
             rank_zero_info(f"seqmem: a new fit on the same Trainer and module continues from step {self.planner.course.step} "
-                           f"(rungs on: {on}; {len(self.planner.evidence.records)} records; curriculum stage "
+                           f"(rungs on: {on}; {len(self.planner.evidence.measured.records)} records; curriculum stage "
                            f"{self.planner.course.seq_len}).")
             return state
         still_on = tuple(n for n in self.planner.ladder.applied if ladder.is_on(n, pl_module))
@@ -202,7 +202,7 @@ class FitCycle:
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The precision advice, the memory breakdown (``breakdown=True``), the memory figure to
         TensorBoard, the JSON / Markdown report next to the logs and the summary (``summary=True``)."""
-        if not trainer.is_global_zero or not self.planner.evidence.records:
+        if not trainer.is_global_zero or not self.planner.evidence.measured.records:
             return
         if not self.edge.failed:
             self.guard.safely("the precision advice", lambda: self.advice_at_end(trainer))

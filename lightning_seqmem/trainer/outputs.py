@@ -177,7 +177,7 @@ def write_oom_diagnosis(view: "PlanView", trainer: Any, exception: BaseException
         "mitigations_left": list(summary.rungs_left),
         "summary": summary.to_dict(),  # what ran until the failing batch (lightning_seqmem.present.summary)
         "would_have_done": _would_have_done(view, batch_size),
-        "last_records": [r.to_dict() for r in view.evidence.records[-last_records:]],
+        "last_records": [r.to_dict() for r in view.evidence.measured.records[-last_records:]],
         "cuda_snapshot": None,
     }
     if torch.cuda.is_available():
@@ -242,7 +242,7 @@ def _forecast_used(view: "PlanView", seq_len: int, batch_size: int,
                    pending: Optional["PendingStep"]) -> Any:
     """The forecast the planner had for the failing batch: the one kept to verify it (the dry run's,
     the replay's or the fit's), else the dry run's or the fit's now; None where none exists."""
-    kept = view.evidence.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
+    kept = view.evidence.measured.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
     if kept is not None:
         return kept
     try:
@@ -254,12 +254,12 @@ def _forecast_used(view: "PlanView", seq_len: int, batch_size: int,
 def _would_have_done(view: "PlanView", batch_size: Optional[int]) -> str:
     if view.settings.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
-    if not view.evidence.forecaster.ready and not view.evidence.any_dry_run_answered():
+    if not view.evidence.forecaster.ready and not view.evidence.dry.any_answered():
         return "nothing yet: fewer than two lengths were measured and no dry run answered, so no forecast existed"
     left = [m for m in view.ladder.allowed if m not in view.ladder.applied]
     if left:
         return f"switch on {left[0]!r} before growing past the largest length that fits"
-    batch_size = batch_size or view.evidence.last_batch_size or 1
+    batch_size = batch_size or view.evidence.measured.last_batch_size or 1
     fit = view.evidence.max_seq_len(view.settings.usable_budget_bytes, batch_size)
     if fit <= 0:
         from lightning_seqmem.core.advice import nothing_fits

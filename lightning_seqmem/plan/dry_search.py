@@ -1,0 +1,336 @@
+"""Fewer dry runs for the same decisions: buckets, bounds from dry runs already made, guided searches.
+
+Pure maths on plain values (no torch): the planner (:mod:`lightning_seqmem.plan.planner`) asks its dry
+run only where these cannot answer. Everything here rests on one assumption, the one the
+planner's one-point bound makes already: the peak of a training step does not fall when the
+length or the batch grows (more tokens, never fewer bytes). So
+
+* a dry run at ``(L', B')`` with ``L' >= L`` and ``B' >= B`` (same mitigations) bounds ``(L, B)``
+  from above (:func:`dominating`): a batch it says fits does fit;
+* a length rounded *up* onto a coarse grid (:func:`bucket_up`) bounds every length below it, so
+  one dry run there answers "fits" for all of them;
+* "over" is never answered from another shape: the planner then runs the exact shape;
+* the largest length that fits (:func:`largest_fitting`) starts from the answers known already
+  and guesses by interpolating the bound between the lengths known to fit and to be over, then
+  checks the guess and its neighbour: two dry runs where a bisection takes about seven. Every
+  answer it returns is backed by a dry run at that very length (and one at the next that is over);
+* where the exact token is not needed (the largest length that fits, as logged and reported),
+  :func:`confirmed_largest` guesses it from the answers known (:func:`fitted_largest`: a step's
+  peak is piecewise quadratic in the length) and confirms the guess by one dry run: a lower bound
+  backed by a dry run at that very length (within about 2% of the exact largest on a quadratic);
+* between and past the lengths dry-run, :func:`fitted_bytes` interpolates them (the parabola
+  through the three nearest, kept between its neighbours): what a report or figure shows there
+  is that fit, named as such, never a dry run.
+
+Example:
+    >>> bucket_up(300), bucket_up(256), bucket_up(1000), bucket_up(12)
+    (320, 256, 1024, 12)
+    >>> dominating({(512, 4): 9_000, (1024, 4): 30_000, (384, 4): 5_000}, 400, 4)
+    (512, 4)
+    >>> peak = lambda L: 1_000 + 3 * L * L   # bytes at length L
+    >>> calls = []
+    >>> def bound(L):
+    ...     calls.append(L)
+    ...     return peak(L)
+    >>> largest_fitting(1, 4096, bound, budget=3_000_000), len(calls)   # hi, lo, the guess and its neighbour (a bisection: 13)
+    (999, 4)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping, Optional
+
+__all__ = ["AHEAD_REACH", "CONFIRM_SLACK", "ahead_length", "bucket_up", "confirmed_largest", "crossing", "dominating",
+           "fitted_bytes", "fitted_largest", "largest_fitting"]
+
+
+def bucket_up(seq_len: int, per_octave: int = 8) -> int:
+    """``seq_len`` rounded up onto a geometric grid of ``per_octave`` lengths per doubling (at most
+    ``1/per_octave`` longer; lengths up to ``2·per_octave`` are their own bucket).
+
+    >>> [bucket_up(L) for L in (16, 17, 33, 100, 129, 4097)]
+    [16, 18, 36, 104, 144, 4608]
+    """
+    if seq_len <= 2 * per_octave:
+        return int(seq_len)
+    unit = (1 << (int(seq_len).bit_length() - 1)) // per_octave
+    return -(-int(seq_len) // unit) * unit
+
+
+AHEAD_REACH = 2
+"""Without a curriculum, how far past the longest length known a dry run looks ahead (a factor):
+a dry run costs about the same at any length (its tensors are fake), and one that fits there
+answers for every shorter length, so dynamic padding (a new length every batch) needs a dry run
+only when the data first goes past the reach."""
+
+
+def ahead_length(seq_len: int, longest: int, bounds: Mapping[int, int], budget: int,
+                 limit: Optional[int] = None, reach: int = AHEAD_REACH) -> int:
+    """The length to dry-run to judge ``seq_len`` (not shorter): ``reach`` times the longest length
+    known, onto the grid of :func:`bucket_up`, while nothing known is over the ``budget``; short of
+    where the ``bounds`` known (length -> bound bytes) are guessed to cross it (95% of
+    :func:`crossing`) once they are; ``seq_len``'s own bucket when something is over and the
+    crossing cannot be guessed. Never past ``limit`` (the model's positions), never below ``seq_len``.
+
+    >>> ahead_length(300, 300, {}, 10_000)   # nothing known: twice as far, on the grid
+    640
+    >>> ahead_length(300, 500, {640: 9_000}, 10_000, limit=800)
+    800
+    >>> ahead_length(300, 500, {200: 4_000, 1000: 100_000}, 10_000)   # p + q·L² through both: crosses at 316
+    320
+    >>> ahead_length(300, 500, {1000: 100_000}, 10_000)   # over, no crossing: its own bucket
+    320
+    """
+    seq_len = int(seq_len)
+    cross = crossing(bounds, budget)
+    if cross is not None:
+        target = int(0.95 * cross)
+    elif any(v > budget for v in bounds.values()):
+        target = seq_len
+    else:
+        target = bucket_up(reach * max(int(longest), seq_len))
+    target = max(target, bucket_up(seq_len))
+    if limit is not None:
+        target = min(target, int(limit))
+    return max(target, seq_len)
+
+
+def dominating(answers: Mapping[tuple[int, int], int], seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:
+    """Of the ``(seq_len', batch_size') -> peak_bytes`` answers with ``seq_len' >= seq_len`` and
+    ``batch_size' >= batch_size``, the one with the smallest peak (the tightest upper bound), or None.
+
+    >>> dominating({(64, 2): 10, (128, 1): 20}, 100, 2) is None
+    True
+    """
+    above = [(peak, key) for key, peak in answers.items() if key[0] >= seq_len and key[1] >= batch_size]
+    return min(above)[1] if above else None
+
+
+def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
+    """Where ``bounds`` (length -> bound bytes) are guessed to reach ``budget``: between the longest
+    length that fits and the shortest longer one that does not (see :func:`largest_fitting`); None
+    without both.
+
+    >>> crossing({100: 10_000, 200: 40_000, 400: 160_000}, 90_000)   # 1·L² bytes: 300 tokens
+    300
+    >>> crossing({100: 10_000, 200: 40_000}, 90_000) is None   # nothing known over
+    True
+    """
+    fit = [x for x, v in bounds.items() if v <= budget]
+    if not fit:
+        return None
+    lo = max(fit)
+    over = [x for x, v in bounds.items() if v > budget and x > lo]
+    if not over:
+        return None
+    return _crossing(bounds, lo, min(over), budget)
+
+
+def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
+                    known: Iterable[int] = ()) -> int:
+    """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget``, given that ``lo`` fits and that the
+    bound grows with ``x`` (``None``: no answer, taken as over).
+
+    ``known`` are points whose bound costs nothing (cached): they narrow the interval first. Then
+    each round guesses where the bound crosses the budget (the parabola through the three points
+    known nearest the interval; with only its two ends, ``p + q·x²`` through them: a step's peak
+    is a quadratic in the length) and checks the guess's neighbour on the far side too, so a good
+    guess ends the search; a round that does not halve the interval is followed by a bisection
+    step.
+
+    >>> largest_fitting(1, 10, lambda x: x, budget=100)   # hi fits: one call
+    10
+    >>> largest_fitting(1, 64, lambda x: 2 ** x, budget=1000)   # far from linear: still exact
+    9
+    """
+    values: dict[int, Optional[int]] = {}
+
+    def value(x: int) -> Optional[int]:
+        if x not in values:
+            values[x] = bound(x)
+        return values[x]
+
+    def fits(x: int) -> bool:
+        v = value(x)
+        return v is not None and v <= budget
+
+    if hi <= lo or fits(hi):
+        return max(lo, hi)
+    value(lo)  # (the caller's, cached)
+    for x in sorted(k for k in set(known) if lo < k < hi):  # cached points: free
+        if fits(x):
+            lo = x
+        else:
+            hi = x
+            break
+    bisect = False
+    while hi - lo > 1:
+        width = hi - lo
+        guess = None if bisect else _crossing(values, lo, hi, budget)
+        secant = guess is not None
+        x = min(max(guess, lo + 1), hi - 1) if guess is not None else (lo + hi) // 2
+        if fits(x):
+            lo = x
+            if secant and x + 1 < hi:
+                lo, hi = (x + 1, hi) if fits(x + 1) else (lo, x + 1)
+        else:
+            hi = x
+            if secant and x - 1 > lo:
+                lo, hi = (x - 1, hi) if fits(x - 1) else (lo, x - 1)
+        bisect = 2 * (hi - lo) > width
+    return lo
+
+
+def _crossing(values: Mapping[int, Optional[int]], lo: int, hi: int, budget: int) -> Optional[int]:
+    """Where the bound is guessed to reach ``budget`` in ``(lo, hi)``, from the points known, or None."""
+    if values.get(lo) is None or values.get(hi) is None:
+        return None
+    middle = [x for x, v in values.items() if v is not None and x not in (lo, hi)]
+    if middle:  # the parabola through lo, hi and the known point nearest the interval
+        m = min(middle, key=lambda x: 0 if lo < x < hi else min(abs(x - lo), abs(x - hi)))
+        xs = (float(lo), float(m), float(hi))
+        ys = tuple(float(values[int(x)]) for x in xs)  # type: ignore[arg-type]
+        d = (xs[0] - xs[1]) * (xs[0] - xs[2]) * (xs[1] - xs[2])
+        a = (xs[2] * (ys[1] - ys[0]) + xs[1] * (ys[0] - ys[2]) + xs[0] * (ys[2] - ys[1])) / d
+        b = (xs[2] ** 2 * (ys[0] - ys[1]) + xs[1] ** 2 * (ys[2] - ys[0]) + xs[0] ** 2 * (ys[1] - ys[2])) / d
+        c = ys[0] - a * xs[0] ** 2 - b * xs[0]
+    else:  # p + q·x² through the two ends
+        q = (float(values[hi]) - float(values[lo])) / (float(hi) ** 2 - float(lo) ** 2)  # type: ignore[arg-type]
+        a, b, c = q, 0.0, float(values[lo]) - q * float(lo) ** 2  # type: ignore[arg-type]
+    c -= budget
+    if abs(a) < 1e-12:
+        roots = [-c / b] if abs(b) > 1e-12 else []
+    else:
+        disc = b * b - 4 * a * c
+        roots = [] if disc < 0 else [(-b + s * disc ** 0.5) / (2 * a) for s in (1, -1)]
+    inside = [r for r in roots if lo <= r <= hi]
+    return int(inside[0]) if inside else None
+
+
+CONFIRM_SLACK = 0.01
+"""How far below the budget :func:`confirmed_largest` aims its guess (a fraction of what the bytes
+grow by from the shortest length known to the budget: about half that fraction of the length), so
+that the one dry run confirming it fits (the fit is a guess; a peak is quadratic only piecewise);
+and how much longer a refit must say fits to be tried (twice that fraction of the length)."""
+
+
+def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
+    """The bytes at length ``x`` of the parabola through the three ``points`` (length -> bytes)
+    nearest ``x`` (``p + q·L²`` through two; None with fewer), kept between the values known on
+    either side (a step's peak does not fall as the length grows): exact at the points.
+
+    >>> peak = {L: 1_000 + 3 * L * L for L in (100, 200, 400)}
+    >>> fitted_bytes(peak, 300), 1_000 + 3 * 300 * 300   # a quadratic: exact between the points
+    (271000.0, 271000)
+    >>> fitted_bytes(peak, 800) == 1_000 + 3 * 800 * 800, fitted_bytes({64: 5}, 128) is None
+    (True, True)
+    """
+    known = sorted((int(L), float(v)) for L, v in points.items() if v is not None)
+    if len(known) < 2:
+        return None
+    x = int(x)
+    exact = dict(known)
+    if x in exact:
+        return exact[x]
+    near = sorted(sorted(known, key=lambda p: (abs(p[0] - x), p[0]))[:3])
+    if len(near) == 3:
+        (x0, y0), (x1, y1), (x2, y2) = near
+        value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+                 + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+    else:
+        (x0, y0), (x1, y1) = near
+        q = (y1 - y0) / (x1 * x1 - x0 * x0)
+        value = y0 + q * (x * x - x0 * x0)
+    below = [v for L, v in known if L < x]
+    above = [v for L, v in known if L > x]
+    if below:
+        value = max(value, max(below))
+    if above:
+        value = min(value, min(above))
+    return value
+
+
+def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int, step: int = 1) -> int:
+    """The largest multiple of ``step`` in ``[lo, hi]`` whose :func:`fitted_bytes` fits ``budget``
+    (``lo`` when none does; pure arithmetic, no dry run).
+
+    >>> fitted_largest({L: 1_000 + 3 * L * L for L in (256, 512)}, 3_000_000, 512, 4096)   # 999.8 tokens
+    999
+    >>> fitted_largest({256: 10, 512: 20}, 10_000, 512, 4096, step=64), fitted_largest({256: 10, 512: 20}, 15, 512, 4096)
+    (4096, 512)
+    """
+    def fits(x: int) -> bool:
+        v = fitted_bytes(points, x)
+        return v is not None and v <= budget
+
+    lo_k, hi_k = max(1, -(-int(lo) // step)), int(hi) // step
+    if hi_k < lo_k:
+        return int(lo)
+    if fits(hi_k * step):
+        return hi_k * step
+    if not fits(lo_k * step):
+        return int(lo)
+    while hi_k - lo_k > 1:  # fits(lo_k), not fits(hi_k)
+        mid = (lo_k + hi_k) // 2
+        lo_k, hi_k = (mid, hi_k) if fits(mid * step) else (lo_k, mid)
+    return max(int(lo), lo_k * step)
+
+
+def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
+                      known: Mapping[int, int], step: int = 1, tries: int = 2,
+                      slack: float = CONFIRM_SLACK) -> int:
+    """A large length in ``[lo, hi]`` (a multiple of ``step``) whose ``bound`` fits ``budget``,
+    given that ``lo`` fits, with one call of ``bound`` where the guess is right: the guess of
+    :func:`fitted_largest` from the bounds ``known`` (length -> bytes, cached: free) aimed
+    just below the budget (:data:`CONFIRM_SLACK`; ``hi`` itself where the fit says it fits), confirmed by
+    ``bound``; the fit is redone with each answer, and guesses again (up to ``tries`` in all) where
+    it then says more than ``2 · slack`` longer fits (a guess that fits) or less (a guess that is
+    over); ``lo`` when none fits (or fewer than two bounds are known). Every answer is a length
+    whose own ``bound`` fits (a lower bound of the largest; not the exact token).
+
+    >>> peak = lambda L: 1_000 + 3 * L * L   # the largest that fits 3 MB: 999; aimed 1% of the growth below
+    >>> calls = []
+    >>> def bound(L):
+    ...     calls.append(L)
+    ...     return peak(L)
+    >>> confirmed_largest(512, 4096, bound, 3_000_000, {L: peak(L) for L in (256, 512)}), calls
+    (995, [995])
+    """
+    anchors = {int(L): int(v) for L, v in known.items() if v is not None}  # for the guesses only
+
+    def fits(x: int) -> bool:  # the answer's own bound, always (cached by the caller where it ran)
+        v = bound(x)
+        if v is not None:
+            anchors[x] = int(v)
+        return v is not None and v <= budget
+
+    if hi <= lo:
+        return max(lo, hi)
+    best = lo
+    for _ in range(tries):
+        floor = min(anchors.values(), default=budget)  # what does not grow with the length, about
+        aim = int(budget - slack * max(0, budget - floor))
+        guess = fitted_largest(_spread_out(anchors), aim, best, hi, step)
+        if guess <= best or (best > lo and guess <= best * (1 + 2 * slack)):  # the refit agrees with the answer
+            break
+        if fits(guess):
+            best = guess
+        else:
+            hi = guess - 1
+    return best
+
+
+def _spread_out(points: Mapping[int, int], ratio: float = 1.25) -> dict[int, int]:
+    """``points`` from the longest down, each kept ``ratio`` shorter than the last kept (close points
+    make a parabola's extrapolation noisy); the shortest too where no other was kept.
+
+    >>> sorted(_spread_out({100: 1, 110: 2, 200: 3, 240: 4, 250: 5})), sorted(_spread_out({500: 1, 505: 2, 512: 3}))
+    ([110, 200, 250], [500, 512])
+    """
+    kept: dict[int, int] = {}
+    for L in sorted(points, reverse=True):
+        if not kept or L * ratio <= min(kept):
+            kept[L] = points[L]
+    if len(kept) < 2 <= len(points):  # all of them close: the widest pair
+        kept[min(points)] = points[min(points)]
+    return kept
