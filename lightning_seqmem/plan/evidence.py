@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.rungs import check_setting
+from lightning_seqmem.core.units import to_gib
 from lightning_seqmem.plan import judging, pricing
 from lightning_seqmem.plan.advice_queue import AdviceQueue
 from lightning_seqmem.plan.dry_evidence import DryEvidence
@@ -59,7 +60,7 @@ class Evidence:
         self.measured = MeasuredEvidence(settings, advice)
         self.dry = DryEvidence(settings, ladder, self.measured)
         self.verification = Verification(settings, ladder, advice, self.measured, self.dry)
-        self.view_cache: dict[str, Any] = {}  # the budget view (lightning_seqmem.plan.metrics)
+        self._view: tuple[tuple, dict[str, float]] = ((), {})  # the budget view, by what it depends on
 
     @property
     def forecaster(self) -> MemoryForecaster:
@@ -175,6 +176,33 @@ class Evidence:
         if earlier is not None:
             return within(self.measured.forecasters[earlier].max_seq_len(budget_bytes, batch_size, reserved=reserved))
         return self.measured.longest_within(budget_bytes, batch_size, self.ladder.applied, fitted_only=True)
+
+    def budget_view(self, target: Optional[int], batch_size: int) -> dict[str, float]:
+        """The logged budget view at ``target`` (the next stage; None: the last length measured), in
+        GiB: the forecast bound (``forecast_next_gib``), and with a budget the usable budget, the
+        largest length that fits, the headroom and its fraction; empty where nothing forecasts it.
+        Cached by the setting on, its fit, ``target`` and ``batch_size``: the same view every step
+        until one of them changes."""
+        key = (self.ladder.applied, self.forecaster.version, target, batch_size)
+        if self._view[0] == key:
+            return self._view[1]
+        out: dict[str, float] = {}
+        records = self.measured.records
+        target = target or (records[-1].seq_len if records else None)
+        # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
+        fc = None if not target else (self.forecaster.forecast(target, batch_size) if self.forecaster.ready
+                                      else self.dry.judged(target, batch_size))
+        if fc is not None:
+            bound = self.bound_of(fc)
+            out["forecast_next_gib"] = to_gib(bound)
+            budget = self.settings.usable_budget_bytes
+            if budget is not None:
+                out["budget_gib"] = to_gib(budget)
+                out["max_seq_len"] = float(self.max_seq_len(budget, batch_size))
+                out["headroom_gib"] = to_gib(budget - bound)
+                out["headroom_fraction"] = (budget - bound) / budget
+        self._view = (key, out)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The measured evidence's state (the dry runs are not saved: redone after a resume)."""
