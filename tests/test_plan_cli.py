@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_seqmem.cli.main import main
+from lightning_seqmem.plan.judging import dry_run_bound
 from limits import limit_s, shared_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,9 @@ def test_plan_json_on_cpu_demo(plan):
         assert [r["mitigations"] for r in rows] == sets
         for r in rows:
             assert r["error"] is None and isinstance(r["peak_bytes"], int) and r["peak_bytes"] > 0, r
-            assert r["fits"] is (r["peak_bytes"] <= usable), r
+            # judged as the callback judges a dry run before its first steps: the peak with the dry run's margin
+            assert r["bound_bytes"] == dry_run_bound(r["peak_bytes"]) > r["peak_bytes"], r
+            assert r["fits"] is (r["bound_bytes"] <= usable), r
             assert r["seconds"] > 0
         assert entry["plan"] == next((r["mitigations"] for r in rows if r["fits"]), None)
     for i in range(len(sets)):  # each set's peak grows with the length
@@ -81,16 +84,16 @@ def test_plan_lists_the_fastest_fitting_setting_per_length(plan):
     for entry in doc["lengths"]:
         fast = entry["fastest"]
         every = entry["rows"] + entry["searched_rows"]
-        assert fast is not None and fast["peak_bytes"] <= usable and fast["why"]
+        assert fast is not None and dry_run_bound(fast["peak_bytes"]) <= usable and fast["why"]
         device_type = doc["device"].split(":")[0]  # priors are per device type where a rung's differs
         assert fast["step_time_factor"] == pytest.approx(prior_factor(fast["mitigations"], device_type))
-        fitting = [r for r in every if r["peak_bytes"] is not None and r["peak_bytes"] <= usable]
+        fitting = [r for r in every if r["peak_bytes"] is not None and dry_run_bound(r["peak_bytes"]) <= usable]
         assert fast["step_time_factor"] == pytest.approx(min(prior_factor(r["mitigations"], device_type) for r in fitting))
         prefixes = [r["mitigations"] for r in entry["rows"]]
         assert all(r["mitigations"] not in prefixes for r in entry["searched_rows"])  # each set dry-run once
     for item in doc["longest_fitting_by_set"]:
         fits = [e["seq_len"] for e in doc["lengths"] for r in e["rows"] + e["searched_rows"]
-                if r["mitigations"] == item["mitigations"] and r["peak_bytes"] <= usable]
+                if r["mitigations"] == item["mitigations"] and dry_run_bound(r["peak_bytes"]) <= usable]
         assert item["seq_len"] == (max(fits) if fits else None)
 
 
@@ -109,7 +112,7 @@ def test_a_setting_over_at_a_shorter_length_is_not_dry_run_again(tmp_path):
     usable = doc["usable_budget_bytes"]
     first, second = doc["lengths"]
     over = {tuple(r["mitigations"]) for r in first["rows"] + first["searched_rows"]
-            if r["peak_bytes"] is not None and r["peak_bytes"] > usable}
+            if r["peak_bytes"] is not None and dry_run_bound(r["peak_bytes"]) > usable}
     judged_again = over - {tuple(r["mitigations"]) for r in second["rows"]}
     assert {tuple(r["mitigations"]) for r in first["searched_rows"]} & judged_again  # something to skip
     assert not {tuple(r["mitigations"]) for r in second["searched_rows"]} & over
@@ -195,15 +198,15 @@ def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, ca
     assert found, text
     largest = int(found.group(1))
     assert largest % 8 == 0 and 0 < largest < 1024
-    # the search's answer, checked by two more dry runs: it fits, 8 tokens more do not
+    # the search's answer, checked by two more dry runs: it fits (with the dry run's margin), 8 tokens more do not
     cli = build_from_config(str(CPU_DEMO))
     cli.datamodule.prepare_data()
     cli.datamodule.setup("fit")
     batch = next(iter(cli.datamodule.train_dataloader()))
     optimizer, _ = first_optimizer(cli.model)
     usable = int(16 * 2**20 * 0.9)
-    assert dry_run_step(cli.model, optimizer, batch, largest, mitigations=ladder).peak_bytes <= usable
-    assert dry_run_step(cli.model, optimizer, batch, largest + 8, mitigations=ladder).peak_bytes > usable
+    assert dry_run_bound(dry_run_step(cli.model, optimizer, batch, largest, mitigations=ladder).peak_bytes) <= usable
+    assert dry_run_bound(dry_run_step(cli.model, optimizer, batch, largest + 8, mitigations=ladder).peak_bytes) > usable
 
 
 def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, monkeypatch, capsys):
@@ -224,10 +227,11 @@ def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, mo
     batch = next(iter(cli.datamodule.train_dataloader()))
     optimizer, _ = first_optimizer(cli.model)
     found = searched[("attention",)]
-    assert dry_run_step(cli.model, optimizer, batch, found, mitigations=("attention",)).peak_bytes <= usable
-    assert dry_run_step(cli.model, optimizer, batch, found + 8, mitigations=("attention",)).peak_bytes > usable
+    peak = dry_run_step(cli.model, optimizer, batch, found, mitigations=("attention",)).peak_bytes
+    assert dry_run_bound(peak) <= usable
+    assert dry_run_bound(dry_run_step(cli.model, optimizer, batch, found + 8, mitigations=("attention",)).peak_bytes) > usable
     fastest = {e["seq_len"]: e["fastest"] for e in doc["lengths"]}
-    assert fastest[64]["mitigations"] == [] and fastest[256]["peak_bytes"] <= usable
+    assert fastest[64]["mitigations"] == [] and dry_run_bound(fastest[256]["peak_bytes"]) <= usable
 
 
 def test_plan_skips_rungs_that_do_not_apply_and_runs_without_budget(tmp_path, monkeypatch, capsys):
@@ -283,3 +287,48 @@ def test_plan_says_where_the_dry_run_is_unsupported(tmp_path, monkeypatch, capsy
     text = capsys.readouterr().out
     assert text.count("unsupported [1]") == 4 and "[1] unsupported: an op reads tensor values" in text
     assert "seqmem forecast" in text and "no plan: the dry run failed for every set" in text
+
+
+def test_the_plan_says_what_the_callback_does_at_the_safety_edge(tmp_path, monkeypatch, capsys):
+    """A budget whose usable part lies between the unmitigated step's dry-run peak and that peak with
+    the dry run's margin: the plan judges the row as the callback judges the batch (over), and the
+    setting it names as the fastest that fits is the one the callback switches on before step 0; the
+    steps that run stay within the usable budget (measured by the tensor tracker)."""
+    import lightning.pytorch as pl
+    import yaml
+
+    from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+    from lightning_seqmem.trainer.callback import SeqMemCallback
+
+    L, margin = 512, 0.1
+    config = yaml.safe_load(CPU_DEMO.read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["curriculum"] = None
+    config["data"]["seq_len"] = L
+
+    def planned(budget=None):
+        if budget is not None:
+            config["trainer"]["callbacks"][0]["init_args"]["memory_budget"] = budget
+        path = tmp_path / f"edge_{budget}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        assert main(["plan", "--config", str(path), "--lengths", str(L), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["lengths"][0]
+
+    monkeypatch.chdir(tmp_path)
+    peak = next(r["peak_bytes"] for r in planned()["rows"] if r["mitigations"] == [])
+    budget = int(peak * 1.01 / (1 - margin)) + 1  # usable: 1% over the peak, under the peak with the 2% margin
+    usable = int(budget * (1 - margin))
+    assert peak < usable < dry_run_bound(peak)
+    entry = planned(budget)
+    plain = next(r for r in entry["rows"] if r["mitigations"] == [])
+    assert plain["fits"] is False and entry["fastest"] is not None and entry["fastest"]["mitigations"] != []
+
+    model_args = {k: v for k, v in config["model"].items() if k != "lr"}
+    cb = SeqMemCallback(memory_budget=budget, safety_margin=margin, warmup_steps=2, curriculum=None)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, callbacks=[cb], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(UserWarning, match="over the usable budget"):
+        trainer.fit(LitGPT(**model_args), SyntheticTokenDataModule(batch_size=4, seq_len=L, num_samples=16))
+    records = cb.planner.evidence.measured.records
+    assert len(records) == 3 and all(r.seq_len == L for r in records)
+    assert [list(r.mitigations) for r in records] == [entry["fastest"]["mitigations"]] * 3
+    assert max(r.peak_bytes for r in records) <= usable

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from lightning_seqmem.plan.judging import dry_run_bound
+
 __all__ = ["optimizer_states_per_parameter", "parallel_plans"]
 
 RING_NOTE = ("ring rows: PyTorch's own ring attention code (context_parallel's _templated_ring_attention, allgather "
@@ -119,7 +121,8 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
         except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
             row["error"] = f"failed: {type(exc).__name__}: {exc}"
         row["seconds"] = time.perf_counter() - started
-    row["fits"] = None if shard.usable is None or row["peak_bytes"] is None else row["peak_bytes"] <= shard.usable
+    row["bound_bytes"] = None if row["peak_bytes"] is None else dry_run_bound(row["peak_bytes"])
+    row["fits"] = None if shard.usable is None or row["bound_bytes"] is None else row["bound_bytes"] <= shard.usable
     return row
 
 
@@ -169,7 +172,9 @@ def _offload_rows(shard: _Shard, rows: list[dict[str, Any]]) -> Optional[dict[st
         started = time.perf_counter()
         off = {**row, "offload": True, "layout": row["layout"] + " + offload",
                **_offload_peaks(shard, row)}
-        fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable, shard.host_budget)
+        off["bound_bytes"] = dry_run_bound(off["peak_bytes"])
+        fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable, shard.host_budget,
+                           bound_bytes=off["bound_bytes"])
         off.update(fits=fit.fits, fit=fit.reason, seconds=time.perf_counter() - started)
         rows.append(off)
         if off["fits"]:

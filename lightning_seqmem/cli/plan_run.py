@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.plan_devices import DeviceBudget
 from lightning_seqmem.cli.plan_text import SEARCH_MULTIPLE
+from lightning_seqmem.plan.judging import dry_run_bound
 
 __all__ = ["PlanRun", "fastest", "largest_fitting", "longest_by_set", "mitigation_sets", "modelled_rows", "peak_at",
            "search_longest", "setting_key"]
@@ -144,29 +145,34 @@ class PlanRun:
 
     def over_at_shorter(self, seq_len: int, names: Setting, usable: int,
                         world: Optional[tuple[int, str]] = None) -> Optional[int]:
-        """The device peak (bytes) of ``names`` dry-run at a length shorter than ``seq_len`` where it was
-        already over ``usable``, else None: a step's peak does not fall as its sequence grows (the same
-        rungs, the same batch), so the setting is over at ``seq_len`` too and need not be dry-run there."""
-        over = [row["peak_bytes"] for (L, n, w, off), row in self.cache.items()
+        """The bound (bytes, :func:`~lightning_seqmem.plan.judging.dry_run_bound`) of ``names`` dry-run at a
+        length shorter than ``seq_len`` where it was already over ``usable``, else None: a step's peak does
+        not fall as its sequence grows (the same rungs, the same batch), so the setting is over at
+        ``seq_len`` too and need not be dry-run there."""
+        over = [dry_run_bound(row["peak_bytes"]) for (L, n, w, off), row in self.cache.items()
                 if L < seq_len and n == tuple(names) and w == world and not off
-                and row.get("peak_bytes") is not None and row["peak_bytes"] > usable]
+                and row.get("peak_bytes") is not None and dry_run_bound(row["peak_bytes"]) > usable]
         return max(over, default=None)
 
     def beyond_any_rung(self, usable: Optional[int]) -> bool:
-        """Whether the state alone (:meth:`state_floor`) is over ``usable``: only offload can fit."""
+        """Whether the state alone (:meth:`state_floor`, its bound) is over ``usable``: only offload can fit."""
         floor = self.state_floor()
-        return usable is not None and floor is not None and floor > usable
+        return usable is not None and floor is not None and dry_run_bound(floor) > usable
 
     def row(self, seq_len: int, names: Setting, usable: Optional[int],
             world: Optional[tuple[int, str]] = None, offload: bool = False) -> dict[str, Any]:
-        """:meth:`dry` with ``fits``: the device peak within ``usable`` and the host peak within the host
-        budget (:func:`~lightning_seqmem.plan.budgets.fits_budgets`; None without a budget or a figure)."""
+        """:meth:`dry` with ``bound_bytes`` (the device peak as the planner judges it: with the dry run's
+        margin, :func:`~lightning_seqmem.plan.judging.dry_run_bound`) and ``fits``: that bound within
+        ``usable`` and the host peak within the host budget
+        (:func:`~lightning_seqmem.plan.budgets.fits_budgets`; None without a budget or a figure)."""
         from lightning_seqmem.plan.budgets import fits_budgets
 
         row = self.dry(seq_len, names, world, offload)
         row["fits"] = None
+        row["bound_bytes"] = None if row["peak_bytes"] is None else dry_run_bound(row["peak_bytes"])
         if usable is not None and row["peak_bytes"] is not None:
-            fit = fits_budgets(row["peak_bytes"], row["host_peak_bytes"] or 0, usable, self.host_budget)
+            fit = fits_budgets(row["peak_bytes"], row["host_peak_bytes"] or 0, usable, self.host_budget,
+                               bound_bytes=row["bound_bytes"])
             row["fits"] = fit.fits
             if fit.device_fits and not fit.host_fits:
                 row["over_host"] = fit.reason
@@ -192,7 +198,8 @@ class PlanRun:
 
                     try:
                         smallest, peaks = smallest_fitting_world_size(peak_at_world, usable, self.world[0],
-                                                                      {self.world[0]: row["peak_bytes"]})
+                                                                      {self.world[0]: row["peak_bytes"]},
+                                                                      bound=dry_run_bound)
                     except RuntimeError as exc:
                         row["error"] = f"failed: {exc}"
                 row.update(world_size=self.world[0], smallest_world_size=smallest,
@@ -262,7 +269,7 @@ def largest_fitting(run: PlanRun, names: Setting, usable: int, lo: int, hi: int,
         if row["peak_bytes"] is None:
             return float("inf")
         host = (row["host_peak_bytes"] or 0) / run.host_budget if run.host_budget else 0.0
-        return max(row["peak_bytes"] / usable, host)
+        return max(dry_run_bound(row["peak_bytes"]) / usable, host)
 
     known = {L // SEARCH_MULTIPLE: over(L // SEARCH_MULTIPLE)
              for (L, setting, world, off) in list(run.cache)
@@ -299,8 +306,8 @@ def fastest(run: PlanRun, seq_len: int, rows: list[dict[str, Any]], usable: Opti
         if shorter is not None:  # over at a shorter length already: over here (its peak there a lower bound)
             return SimpleNamespace(kind="over", bound_bytes=shorter)
         r = row(names)
-        kind = "unknown" if r["peak_bytes"] is None else ("fits" if r["peak_bytes"] <= usable else "over")
-        return SimpleNamespace(kind=kind, bound_bytes=r["peak_bytes"])
+        kind = "unknown" if r["bound_bytes"] is None else ("fits" if r["bound_bytes"] <= usable else "over")
+        return SimpleNamespace(kind=kind, bound_bytes=r["bound_bytes"])
 
     device_type = run.device_type
     plain = known.get(())
@@ -313,7 +320,7 @@ def fastest(run: PlanRun, seq_len: int, rows: list[dict[str, Any]], usable: Opti
             return None, extra
         choice_setting, why = choice.setting, choice.why
     r = known[choice_setting]
-    return {"mitigations": list(choice_setting), "peak_bytes": r["peak_bytes"],
+    return {"mitigations": list(choice_setting), "peak_bytes": r["peak_bytes"], "bound_bytes": r["bound_bytes"],
             "step_time_factor": prior_factor(choice_setting, device_type), "why": why}, extra
 
 
@@ -413,7 +420,7 @@ def modelled_rows(run: PlanRun, base: Setting, results: list[dict[str, Any]], us
                                        (*base, name), run.context, run.device)
                     row.update(peak_bytes=dry.peak_bytes, host_bytes=dry.host_bytes,
                                saved_bytes=without["peak_bytes"] - dry.peak_bytes,
-                               fits=None if usable is None else dry.peak_bytes <= usable)
+                               fits=None if usable is None else dry_run_bound(dry.peak_bytes) <= usable)
                 except Exception as exc:  # noqa: BLE001 - a modelled row must not hide the table
                     row["error"] = f"failed: {type(exc).__name__}: {exc}"
             rows.append(row)

@@ -92,14 +92,17 @@ def print_header(console: Any, run: Any, sequence_parallel: bool) -> None:
 
 def _table_title(run: Any) -> str:
     from lightning_seqmem.core.units import format_bytes
+    from lightning_seqmem.plan.judging import DRY_RUN_MARGIN
 
     title = f"seqmem plan: predicted peak of one training step (dry run), batch {run.batch_size}"
     if len(run.budgets) > 1:
-        title += (f"; fits on each device = peak within its usable budget (device memory − {run.margin:.0%} "
+        title += (f"; fits on each device = peak + {DRY_RUN_MARGIN:.0%} (the dry run's margin, as the callback "
+                  f"judges it) within its usable budget (device memory − {run.margin:.0%} "
                   f"safety margin: " + ", ".join(f"{b.name}: {format_bytes(b.usable_bytes)}" for b in run.budgets)
                   + ")")
     elif run.usable is not None:
-        title += (f"; fits = peak within the usable budget {format_bytes(run.usable)} ({format_bytes(run.budget)} − "
+        title += (f"; fits = peak + {DRY_RUN_MARGIN:.0%} (the dry run's margin, as the callback judges it) within "
+                  f"the usable budget {format_bytes(run.usable)} ({format_bytes(run.budget)} − "
                   f"{run.margin:.0%} safety margin)")
     if run.world is not None:
         title = title.replace("predicted peak of one training step", f"predicted per-rank peak at {run.world[0]} ranks "
@@ -131,7 +134,7 @@ def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any], errors: dic
                                               else f"> {run.world[0]}")]
     fits = fits_cell(row, run.usable)
     for b in run.budgets[1:]:
-        fits.append("-" if row["peak_bytes"] is None else ("yes" if row["peak_bytes"] <= b.usable_bytes else "NO"))
+        fits.append("-" if row["bound_bytes"] is None else ("yes" if row["bound_bytes"] <= b.usable_bytes else "NO"))
     host = [_host_cell(row)] if _shows_host(run) else []
     return [str(res["seq_len"]), str(run.batch_size), setting_name(row), peak, *host,
             *fits, *smallest, f"{row['seconds']:.1f}s"]

@@ -483,10 +483,12 @@ def world_sizes_up_to(world_size: int) -> list[int]:
 
 
 def smallest_fitting_world_size(peak_at: Callable[[int], int], usable_bytes: int, world_size: int,
-                                known: Optional[dict[int, int]] = None) -> tuple[Optional[int], dict[int, int]]:
-    """The smallest world size in :func:`world_sizes_up_to` whose per-rank peak fits ``usable_bytes``
-    (None where even ``world_size`` does not), by bisection (the per-rank peak does not grow with the
-    world size); returns it and every ``world size -> peak`` computed.
+                                known: Optional[dict[int, int]] = None,
+                                bound: Callable[[int], int] = int) -> tuple[Optional[int], dict[int, int]]:
+    """The smallest world size in :func:`world_sizes_up_to` whose per-rank peak (as ``bound`` judges
+    it: the peak itself by default) fits ``usable_bytes`` (None where even ``world_size`` does not), by
+    bisection (the per-rank peak does not grow with the world size); returns it and every ``world size
+    -> peak`` computed.
 
     Example:
         >>> smallest_fitting_world_size(lambda n: 100 + 800 // n, 350, 8)
@@ -500,7 +502,7 @@ def smallest_fitting_world_size(peak_at: Callable[[int], int], usable_bytes: int
             peaks[n] = int(peak_at(n))
         return peaks[n]
 
-    return smallest_fitting(lambda n: peak(n) <= usable_bytes, sizes), peaks
+    return smallest_fitting(lambda n: bound(peak(n)) <= usable_bytes, sizes), peaks
 
 
 def context_parallel_note(device: torch.device | str) -> str:

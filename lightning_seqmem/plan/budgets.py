@@ -70,18 +70,25 @@ class BudgetFit:
 
 
 def fits_budgets(peak_bytes: int, host_peak_bytes: int, usable_bytes: Optional[int],
-                 host_budget_bytes: Optional[int]) -> BudgetFit:
+                 host_budget_bytes: Optional[int], bound_bytes: Optional[int] = None) -> BudgetFit:
     """Whether a dry run's device peak fits ``usable_bytes`` (the device budget less its margin) and
-    its host peak fits ``host_budget_bytes`` (None: that side is not judged).
+    its host peak fits ``host_budget_bytes`` (None: that side is not judged). ``bound_bytes``: what
+    the device side compares (default the peak; ``seqmem plan`` passes the planner's bound of it,
+    :func:`~lightning_seqmem.plan.judging.dry_run_bound`).
 
     >>> fits_budgets(100, 0, 200, None).reason
     'fits: device peak 100 B of 200 B usable, host peak 0 B (no host budget)'
     >>> fits_budgets(300, 10, 200, 5).reason
     'device peak 300 B over 200 B usable; host peak 10 B over the host budget 5 B'
+    >>> fits_budgets(196, 0, 200, None, bound_bytes=199).fits, fits_budgets(198, 0, 200, None, bound_bytes=201).reason
+    (True, 'device peak 198 B (bound 201 B) over 200 B usable')
     """
-    device_fits = usable_bytes is None or peak_bytes <= usable_bytes
+    bound = peak_bytes if bound_bytes is None else bound_bytes
+    device_fits = usable_bytes is None or bound <= usable_bytes
     host_fits = host_budget_bytes is None or host_peak_bytes <= host_budget_bytes
     device, host = format_bytes(peak_bytes), format_bytes(host_peak_bytes)
+    if bound != peak_bytes and not device_fits:
+        device += f" (bound {format_bytes(bound)})"
     over = []
     if not device_fits:
         over.append(f"device peak {device} over {format_bytes(usable_bytes)} usable")

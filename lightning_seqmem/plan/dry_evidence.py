@@ -28,6 +28,7 @@ from lightning_seqmem.core.peak import PeakSite
 from lightning_seqmem.core.rungs import RungNotApplicable
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.plan import dry_search
+from lightning_seqmem.plan.judging import dry_run_bound
 from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.measured import MeasuredEvidence
 from lightning_seqmem.plan.settings import PlannerSettings
@@ -192,7 +193,7 @@ class DryEvidence:
         scratch = self.scratch_bytes(seq_len, batch_size, key)
         if scratch:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
-        upper = int(peak * (1 + self.measured.dry_margin()))
+        upper = dry_run_bound(peak, self.measured.dry_margin())
         fits = self.measured.forecasters
         ratio = (fits[key] if key in fits else self.measured.forecaster_of(self.ladder.applied)).reserved_ratio
         detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"

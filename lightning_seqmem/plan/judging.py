@@ -35,9 +35,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-__all__ = ["Verdict", "judge"]
+__all__ = ["DRY_RUN_MARGIN", "Verdict", "dry_run_bound", "judge"]
 
 Bound = tuple[int, int]  # (what is compared with the budget, the peak behind it), bytes
+DRY_RUN_MARGIN = 0.02
+"""The dry run's margin before any measured step widens it (by its largest under-prediction:
+:meth:`~lightning_seqmem.plan.measured.MeasuredEvidence.dry_margin`)."""
+
+
+def dry_run_bound(peak_bytes: int, margin: float = DRY_RUN_MARGIN) -> int:
+    """What a dry run's ``peak_bytes`` is compared with the usable budget as: its upper bound, the
+    peak plus the dry run's margin. The callback judges a dry-run answer so before its first steps,
+    and ``seqmem plan`` judges every row so: the plan says "fits" where the callback will run the
+    step without a rung.
+
+    >>> dry_run_bound(1_000_000)
+    1020000
+    """
+    return int(peak_bytes * (1 + margin))
 
 
 @dataclass(frozen=True)

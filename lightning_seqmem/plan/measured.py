@@ -36,6 +36,7 @@ from lightning_seqmem.core.records import StepRecord
 from lightning_seqmem.core.trust import PredictorChecks
 from lightning_seqmem.plan.advice_queue import AdviceQueue
 from lightning_seqmem.plan.checkpoint import compact_records
+from lightning_seqmem.plan.judging import DRY_RUN_MARGIN
 from lightning_seqmem.plan.settings import PlannerSettings
 
 __all__ = ["MeasuredEvidence", "ONE_POINT_MARGIN"]
@@ -170,10 +171,11 @@ class MeasuredEvidence:
                     and r.batch_size >= batch_size and self.bound(r) <= budget_bytes), default=0)
 
     def dry_margin(self) -> float:
-        """The dry run's margin: 2%, widened by its largest measured under-prediction."""
+        """The dry run's margin: :data:`~lightning_seqmem.plan.judging.DRY_RUN_MARGIN` (2%), widened by
+        its largest measured under-prediction."""
         misses = [v.measured_bytes / max(v.forecast_bytes, 1) - 1 for f in self.forecasters.values()
                   for v in f.verifications if v.method == "dry_run"]
-        return max([0.02] + misses)
+        return max([DRY_RUN_MARGIN] + misses)
 
     def state_dict(self) -> dict[str, Any]:
         """The records (bounded: :func:`~lightning_seqmem.plan.checkpoint.compact_records`), the fits,
