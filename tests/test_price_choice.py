@@ -75,6 +75,31 @@ def test_the_cheaper_rung_that_fits_is_chosen_not_the_first_in_ladder_order(toy_
     assert "+5% step time" in words[0] and "dear would cost +40%" in words[0]
 
 
+def test_the_planner_prices_with_the_rung_specs_bound_to_it_not_the_registry(toy_rungs):
+    """The rungs' specs are the planner's data (``bind_run(rung_specs=...)``): priors bound to it (a
+    machine's own measured priors) change its choice; the registry changed after it was built does not."""
+    from dataclasses import replace
+
+    from lightning_seqmem.core.rungs import rung_specs
+
+    L, B = 256, 2
+    budget = int(toy_peak(L, B, ("cheap",)) * 1.03)  # cheap alone fits, dear alone too
+    ok = {"dear": (True, ""), "cheap": (True, "")}
+    own = twin(budget, ("dear", "cheap"), toy_peak)
+    specs = rung_specs()
+    own.bind_run(rung_specs={**specs, "cheap": replace(specs["cheap"], step_time_prior=0.9)})
+    registry_later = twin(budget, ("dear", "cheap"), toy_peak)
+    register_spec(RungSpec("cheap", "switch the cheap rung on", 0.9))  # after it was built: not its data
+    try:
+        run(own, (B, L), 3, ok, toy_peak)
+        run(registry_later, (B, L), 3, ok, toy_peak)
+    finally:
+        register_spec(RungSpec("cheap", "switch the cheap rung on", 0.05))
+    assert own.ladder.applied == ("dear",)  # dear (+40%) is now the cheaper of the two that fit
+    assert registry_later.ladder.applied == ("cheap",)  # the specs it was handed: cheap at +5%
+    assert prior_factor(("cheap",)) == prior_factor(("cheap",), specs=registry_later.settings.rung_specs) == 1.05
+
+
 def test_without_a_cheap_fit_the_dear_rung_is_chosen(toy_rungs):
     L, B = 256, 2
     budget = int(toy_peak(L, B, ("dear",)) * 1.03)  # only dear (or both) fits: cheap alone is over

@@ -32,7 +32,8 @@ holds at most one variant of each rung. The user names rungs; the planner choose
 from __future__ import annotations
 
 import importlib
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.rung_spec import LEVEL_SEP, RungSpec
 
@@ -125,9 +126,22 @@ def rung_names() -> tuple[str, ...]:
     return tuple(_SPECS)
 
 
-def spec(name: str) -> RungSpec:
-    """The spec of rung (or variant) ``name``; an unknown name gets a spec with no special facts (never raises)."""
-    base = _SPECS.get(base_name(name)) or RungSpec(base_name(name), f"switch {base_name(name)} on")
+def rung_specs() -> Mapping[str, RungSpec]:
+    """The specs known now, as a read-only snapshot (what a planner is handed: a rung registered
+    later is not seen by it until the run binds the specs again).
+
+    >>> specs = rung_specs()
+    >>> specs["checkpointing"].step_time_prior, "toy" in specs
+    (0.33, False)
+    """
+    return MappingProxyType(dict(_SPECS))
+
+
+def spec(name: str, specs: Optional[Mapping[str, RungSpec]] = None) -> RungSpec:
+    """The spec of rung (or variant) ``name`` in ``specs`` (default: the registry); an unknown name
+    gets a spec with no special facts (never raises)."""
+    known = _SPECS if specs is None else specs
+    base = known.get(base_name(name)) or RungSpec(base_name(name), f"switch {base_name(name)} on")
     return base.at(level_of(name))
 
 
@@ -216,4 +230,4 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
 
 
 __all__ = ["at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "MITIGATIONS", "RUNG_FOLDERS", "RungNotApplicable", "base_name", "level_of", "check_mitigations", "check_setting", "engine_features", "register_spec", "remaining_advice",
-           "rung_names", "spec", "unregister_spec"]
+           "rung_names", "rung_specs", "spec", "unregister_spec"]

@@ -235,7 +235,8 @@ class Decider:
         timed = pricing.timed_records(self.evidence.measured.records)  # filtered once: every candidate is priced
         return choose.choose(self.ladder.applied, self.ladder.allowed, applicable,
                              lambda s: self.evidence.judge(seq_len, batch_size, s),
-                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size, self.settings.device_type).key,
+                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size, self.settings.device_type,
+                                                            self.settings.rung_specs).key,
                              fmt=format_bytes, usable=self.settings.usable_budget_bytes)
 
     def dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...],

@@ -119,7 +119,7 @@ class Evidence:
         batch_size)``, from the measured step times (:func:`~lightning_seqmem.plan.pricing.predict_step`)."""
         key = self.ladder.applied if setting is None else tuple(setting)
         return pricing.predict_step(self.measured.records, key, int(seq_len), int(batch_size),
-                                    self.settings.device_type)
+                                    self.settings.device_type, self.settings.rung_specs)
 
     def forecast(self, seq_len: int, batch_size: Optional[int] = None,
                  mitigations: Optional[Sequence[str]] = None) -> Forecast:

@@ -35,9 +35,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from statistics import median
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from lightning_seqmem.core.records import StepRecord
+from lightning_seqmem.core.rung_spec import RungSpec
 from lightning_seqmem.core.rungs import base_name, spec
 
 Setting = tuple[str, ...]
@@ -66,14 +67,16 @@ class Price:
         return self.factor if self.seconds is None else self.seconds
 
 
-def prior_factor(setting: Sequence[str], device_type: Optional[str] = None) -> float:
+def prior_factor(setting: Sequence[str], device_type: Optional[str] = None,
+                 specs: Optional[Mapping[str, RungSpec]] = None) -> float:
     """``1 + Σ step_time_prior`` of the rungs of ``setting`` (its step time over the plain step, by
-    priors), on ``device_type`` where a rung's prior depends on it (:meth:`RungSpec.prior_on`).
+    priors), on ``device_type`` where a rung's prior depends on it (:meth:`RungSpec.prior_on`); the
+    priors of ``specs`` (a planner's, bound to its run), default the registry's.
 
     >>> prior_factor(()), prior_factor(("attention", "checkpointing")), round(prior_factor(("checkpointing:1/3",)), 2)
     (1.0, 1.33, 1.11)
     """
-    return 1.0 + sum(spec(name).prior_on(device_type) for name in setting)
+    return 1.0 + sum(spec(name, specs).prior_on(device_type) for name in setting)
 
 
 def setting_distance(a: Sequence[str], b: Sequence[str]) -> float:
@@ -111,11 +114,11 @@ def _measured_seconds(timed: Sequence[StepRecord], setting: Setting, seq_len: in
 
 
 def predict_step(records: Sequence[StepRecord], setting: Sequence[str], seq_len: int, batch_size: int,
-                 device_type: Optional[str] = None) -> Price:
+                 device_type: Optional[str] = None, specs: Optional[Mapping[str, RungSpec]] = None) -> Price:
     """The predicted cost of one step with ``setting`` at ``(seq_len, batch_size)`` (see the module
-    doc), the priors taken on ``device_type``."""
+    doc), the priors (of ``specs``, default the registry's) taken on ``device_type``."""
     setting = tuple(setting)
-    factor = prior_factor(setting, device_type)
+    factor = prior_factor(setting, device_type, specs)
     timed = timed_records(records)
     own = _measured_seconds(timed, setting, seq_len, batch_size)
     if own is not None:
@@ -126,7 +129,7 @@ def predict_step(records: Sequence[StepRecord], setting: Sequence[str], seq_len:
     basis = min(counts, key=lambda s: (setting_distance(s, setting), -counts[s]))
     seconds = _measured_seconds(timed, basis, seq_len, batch_size)
     assert seconds is not None
-    return Price(seconds * factor / prior_factor(basis, device_type), factor, "nearest setting", basis)
+    return Price(seconds * factor / prior_factor(basis, device_type, specs), factor, "nearest setting", basis)
 
 
 def relative_cost(records: Sequence[StepRecord], setting: Sequence[str], reference: Sequence[str], seq_len: int,

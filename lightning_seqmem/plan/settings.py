@@ -19,7 +19,7 @@ Example:
     >>> s.bind_run(blocks=1)
     Traceback (most recent call last):
     ...
-    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes, precision, device_type, dry_runner, measure_every_n_steps, length_limit, length_limit_reason, checkpoint_records, memory_records
+    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes, precision, device_type, dry_runner, measure_every_n_steps, length_limit, length_limit_reason, checkpoint_records, memory_records, rung_specs
     >>> s.block_bytes = 1
     Traceback (most recent call last):
     ...
@@ -28,10 +28,12 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping, Optional
 
 from lightning_seqmem.core.config import SeqMemConfig
+from lightning_seqmem.core.rung_spec import RungSpec
+from lightning_seqmem.core.rungs import rung_specs, spec
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS
 
 __all__ = ["SETTING_NAMES", "setting_write_error", "Budget", "PlannerSettings", "RunFacts", "planner_config"]
@@ -52,6 +54,8 @@ class RunFacts:
     length_limit_reason: str = ""  # where it comes from, e.g. "config.max_position_embeddings=2048"
     checkpoint_records: int = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see checkpoint.compact_records)
     memory_records: int = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
+    # what the planner knows of each rung (priors, facts), handed to it as data: the registry when built
+    rung_specs: Mapping[str, RungSpec] = field(default_factory=rung_specs)
 
     @classmethod
     def of(cls, config: SeqMemConfig, **facts: Any) -> "RunFacts":
@@ -107,6 +111,7 @@ class PlannerSettings:
     length_limit_reason = property(lambda self: self.run_facts.length_limit_reason, doc="``run_facts.length_limit_reason``")
     checkpoint_records = property(lambda self: self.run_facts.checkpoint_records, doc="``run_facts.checkpoint_records``")
     memory_records = property(lambda self: self.run_facts.memory_records, doc="``run_facts.memory_records``")
+    rung_specs = property(lambda self: self.run_facts.rung_specs, doc="``run_facts.rung_specs``")
 
     def __init__(self, config: Optional[SeqMemConfig] = None, run_facts: Optional[RunFacts] = None, **values: Any) -> None:
         unknown = sorted(set(values) - set(_RUN_FIELDS) - set(_CONFIG_FIELDS))
@@ -141,6 +146,19 @@ class PlannerSettings:
     def usable_budget_bytes(self) -> Optional[int]:
         """``budget × (1 − safety_margin)``, or None without a budget."""
         return self.budget.usable_bytes
+
+    def spec(self, name: str) -> RungSpec:
+        """The spec of rung (or variant) ``name`` among the specs bound to this run (``rung_specs``).
+
+        >>> from dataclasses import replace
+        >>> s = PlannerSettings()
+        >>> s.spec("checkpointing:selective").step_time_prior
+        0.15
+        >>> s.bind_run(rung_specs={**s.rung_specs, "checkpointing": replace(s.spec("checkpointing"), step_time_prior=0.1)})
+        >>> s.spec("checkpointing").step_time_prior
+        0.1
+        """
+        return spec(name, self.rung_specs)
 
     def within_limit(self, seq_len: int) -> bool:
         """Whether the model can take ``seq_len`` tokens at all (``length_limit``: its positions)."""

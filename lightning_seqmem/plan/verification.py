@@ -31,7 +31,6 @@ from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.events import MitigationEvent
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
-from lightning_seqmem.core.rungs import spec
 from lightning_seqmem.core.timeline import Trace
 from lightning_seqmem.core.trust import Check
 from lightning_seqmem.plan import choose
@@ -88,7 +87,7 @@ class Verification:
     def dry_before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
         """Just before ``name`` goes on: dry runs of the setting now on that only this moment allows (a
         copy cannot undo a rung), for the check after the attention switch (:meth:`dry_quadratic_terms`)."""
-        if spec(name).linearises_attention and self.settings.dry_runner is not None:
+        if self.settings.spec(name).linearises_attention and self.settings.dry_runner is not None:
             x = max(int(seq_len), 16)
             for k in (1, 2, 3):
                 self.dry.peak(k * x, batch_size)
@@ -142,7 +141,7 @@ class Verification:
             if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # the forecast for the shape that ran
                 self.verify(record, fc, forecaster, quiet=fc.method in wrong_now)
             self.after_mitigation(record)
-        if any(spec(m).first_step_check for m in record.mitigations) and not any(
+        if any(self.settings.spec(m).first_step_check for m in record.mitigations) and not any(
                 r.mitigations == record.mitigations for r in self.measured.records):
             # the step that switched such a rung on (micro-batching) ran its one-time check, which the dry
             # runs of this setting so far counted: later steps are dry-run afresh, without it
@@ -260,7 +259,7 @@ class Verification:
                                         records=itertools.chain(self.measured.records, (record,)))  # (before it is recorded)
             if rise is not None and rise[3] > rise[2] * (1 + ADDED_MEMORY_FRACTION):  # (the bound goes at any rise)
                 self.advice.advise(A.rung_added_memory(event.name, *rise))  # (once per rung: the advice's key)
-        if not spec(event.name).linearises_attention or event.checked:
+        if not self.settings.spec(event.name).linearises_attention or event.checked:
             return
         terms = self.dry_quadratic_terms(event, record.batch_size)
         if terms is None and self.fit_on.ready:

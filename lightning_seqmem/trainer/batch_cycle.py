@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.records import MemoryBudgetError
-from lightning_seqmem.core.rungs import rung_names, spec
+from lightning_seqmem.core.rungs import rung_names
 from lightning_seqmem.measure.batch_shape import read_batch_shape
 from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations import ladder
@@ -264,7 +264,7 @@ class BatchCycle:
         it). Only a rung switched on at the step before runs such a check, so a rank that did not
         see the refusal itself takes the last rung switched on that has one."""
         if refusal is None:
-            checked = [m for m in self.planner.ladder.applied if spec(m).first_step_check]
+            checked = [m for m in self.planner.ladder.applied if self.planner.settings.spec(m).first_step_check]
             if not checked:
                 return
             refusal = (checked[-1], "another rank refused it")

@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.records import MemoryBudgetError, SeqMemFailureWarning
+from lightning_seqmem.core.rungs import rung_specs
 from lightning_seqmem.measure.batch_shape import read_batch_shape
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.mitigations import ladder
@@ -82,8 +83,10 @@ class FitCycle:
         on_cuda = device.type == "cuda"
         if self.config.memory_budget_bytes is None and on_cuda:
             self.planner.bind_run(budget_bytes=torch.cuda.get_device_properties(device).total_memory)
+        # the rungs' specs handed to the planner as data: those registered by now (a rung's folder
+        # registered after the callback was built, before fit, is seen)
         self.planner.bind_run(compare_reserved=on_cuda, block_bytes=512 if on_cuda else 1,
-                              precision=str(trainer.precision), device_type=device.type)
+                              precision=str(trainer.precision), device_type=device.type, rung_specs=rung_specs())
         # before configure_model() shards it
         self.edge.sharding_template = edge.sharding_template(trainer, pl_module)
         self.drop_unsupported(trainer, pl_module)  # (and warns what the set-up found)
