@@ -58,3 +58,22 @@ def test_unreadable_state_changes_nothing():
         p.load_state_dict(broken)
     assert _parts(p) == parts and all(a is b for a, b in zip(_parts(p), parts))
     assert p.state_dict() == before
+
+
+def test_a_callback_and_its_planner_pickle_and_deep_copy_after_measured_steps():
+    """Lightning pickles callbacks (``ddp_spawn``) and deep-copies them; the planner's parts (the rung
+    specs bound to it included) must survive both, with what they measured."""
+    import copy
+    import pickle
+
+    from lightning_seqmem.trainer.callback import SeqMemCallback
+
+    cb = SeqMemCallback(memory_budget="1GiB")
+    p = planner(budget=10**9, curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
+    run(p, (4, 1024), 6)
+    assert p.evidence.measured.records
+    for clone in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p)):
+        assert len(clone.evidence.measured.records) == len(p.evidence.measured.records)
+        assert clone.settings.rung_specs == p.settings.rung_specs
+    pickle.loads(pickle.dumps(cb))
+    copy.deepcopy(cb)

@@ -32,7 +32,6 @@ holds at most one variant of each rung. The user names rungs; the planner choose
 from __future__ import annotations
 
 import importlib
-from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.rung_spec import LEVEL_SEP, RungSpec
@@ -126,15 +125,15 @@ def rung_names() -> tuple[str, ...]:
     return tuple(_SPECS)
 
 
-def rung_specs() -> Mapping[str, RungSpec]:
-    """The specs known now, as a read-only snapshot (what a planner is handed: a rung registered
-    later is not seen by it until the run binds the specs again).
+def rung_specs() -> dict[str, RungSpec]:
+    """The specs known now, as a copy (what a planner is handed: a rung registered later is not seen
+    by it until the run binds the specs again; a plain dict, so a planner pickles and deep-copies).
 
     >>> specs = rung_specs()
     >>> specs["checkpointing"].step_time_prior, "toy" in specs
     (0.33, False)
     """
-    return MappingProxyType(dict(_SPECS))
+    return dict(_SPECS)
 
 
 def spec(name: str, specs: Optional[Mapping[str, RungSpec]] = None) -> RungSpec:
