@@ -332,3 +332,41 @@ def test_the_plan_says_what_the_callback_does_at_the_safety_edge(tmp_path, monke
     assert len(records) == 3 and all(r.seq_len == L for r in records)
     assert [list(r.mitigations) for r in records] == [entry["fastest"]["mitigations"]] * 3
     assert max(r.peak_bytes for r in records) <= usable
+
+
+def test_the_plans_fastest_setting_is_the_planners_decision_on_the_same_dry_runs():
+    """``seqmem plan``'s fastest setting that fits, per budget, is what the callback's planner decides
+    before a batch of that shape when its dry run answers with the plan's own dry runs: at budgets on
+    either side of each ladder set's bound (where the choice changes), the same rungs."""
+    from lightning_seqmem.cli.main import _parser
+    from lightning_seqmem.cli.plan import _set_up
+    from lightning_seqmem.cli.plan_run import fastest
+    from lightning_seqmem.plan.choose import combine
+    from lightning_seqmem.plan.planner import SeqMemPlanner
+
+    L, margin = 1024, 0.1
+    run = _set_up(_parser().parse_args(["plan", "--config", str(CPU_DEMO), "--lengths", str(L)]))
+
+    def dry_runner(seq_len, batch_size, mitigations):
+        row = run.dry(seq_len, tuple(mitigations))
+        if row["peak_bytes"] is None:
+            raise RuntimeError(row["error"])
+        return row["peak_bytes"], {"optimizer": row["optimizer_peak_bytes"] or 0}
+
+    bounds = sorted(dry_run_bound(run.dry(L, s)["peak_bytes"]) for s in run.sets)
+    budgets = [int(b / (1 - margin)) + d for b in bounds for d in (-2_000, 2_000)]
+    choices = []
+    for budget in budgets:
+        usable = int(budget * (1 - margin))
+        planned, _ = fastest(run, L, run.rows(L, run.sets, usable), usable)
+        planner = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=margin, curriculum=None,
+                                mitigations=tuple(run.ladder_rungs), dry_runner=dry_runner)
+        decision = planner.decide((run.batch_size, L), run.checks)
+        decided = list(combine((), decision.rungs)) if decision.action == "mitigate" else []
+        if planned is None:  # nothing fits: the planner runs over with every rung it has, or warns
+            assert decision.action in ("mitigate", "over"), (budget, decision)
+            choices.append(None)
+            continue
+        assert decided == planned["mitigations"], (budget, decided, planned)
+        choices.append(tuple(decided))
+    assert len(set(choices)) >= 3, choices  # the budgets cross the choice more than once
