@@ -1,4 +1,6 @@
-"""The one search every "largest length that fits" and "smallest world size that fits" uses.
+"""Searches for the largest length that fits and the smallest world size that fits (the planner's
+dry-run searches, which also guess from a quadratic through the two ends of a bracket, are
+:mod:`lightning_seqmem.plan.dry_search`).
 
 Every predicate here is monotone: a length that fits has every shorter length fit too (a peak never
 falls as L grows), and a world size that fits has every larger one fit (a per-rank peak never grows
