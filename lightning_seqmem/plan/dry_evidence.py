@@ -194,8 +194,9 @@ class DryEvidence:
         if scratch:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
         upper = dry_run_bound(peak, self.measured.dry_margin())
-        fits = self.measured.forecasters
-        ratio = (fits[key] if key in fits else self.measured.forecaster_of(self.ladder.applied)).reserved_ratio
+        forecasters = self.measured.forecasters
+        fit = forecasters[key] if key in forecasters else self.measured.forecaster_of(self.ladder.applied)
+        ratio = fit.reserved_ratio  # (the fit of this setting, else of the one on)
         detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
         if source is not None and tuple(source) != (seq_len, batch_size):
             detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
