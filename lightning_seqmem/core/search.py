@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 UNBOUNDED_SEQ_LEN = 2**31 - 1
@@ -78,9 +79,17 @@ def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional
     return bisect_last(lambda u: fits(u * step), u_lo, u_hi) * step
 
 
-def _crossing(points: Sequence[tuple[int, float]], limit: float) -> Optional[float]:
-    """Where the curve through ``points`` (``(x, value)``, 2 or 3 of them) reaches ``limit``: the root of the
-    interpolating line or parabola nearest the points, None where there is none (flat, or no real root)."""
+def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[float]:
+    """Where the curve through ``points`` (``(x, value)``, 2 or 3 of them, ascending) reaches ``limit``: the
+    root of the interpolating parabola nearest the points; through two (or where the parabola has no real
+    root), of ``p + q·x²`` (a step's peak in the length; a line where the points are not so ordered);
+    None where there is none (flat).
+
+    >>> crossing_of([(100, 10_000.0), (200, 40_000.0), (400, 160_000.0)], 90_000)   # 1·L² bytes: 300 tokens
+    300.0
+    >>> crossing_of([(100, 10_000.0), (400, 160_000.0)], 90_000)   # p + q·L² through two: the same
+    300.0
+    """
     if len(points) >= 3:
         (x0, y0), (x1, y1), (x2, y2) = points[:3]
         # Newton's form: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
@@ -97,6 +106,11 @@ def _crossing(points: Sequence[tuple[int, float]], limit: float) -> Optional[flo
     (x0, y0), (x1, y1) = points[0], points[-1]
     if y1 == y0:
         return None
+    if min(x0, x1) >= 0 and x0 != x1 and (y1 - y0) * (x1 - x0) > 0:  # p + q·x² through both (a peak in L)
+        q = (y1 - y0) / (x1 * x1 - x0 * x0)
+        square = (limit - (y0 - q * x0 * x0)) / q
+        if square >= 0:
+            return square ** 0.5
     return x0 + (limit - y0) * (x1 - x0) / (y1 - y0)
 
 
@@ -130,8 +144,8 @@ def interpolated_last(value: Callable[[int], float], limit: float, lo: int, hi: 
     hi = min([hi] + [x for x, v in known.items() if lo < x < hi and v > limit])
     while hi - lo > 1:
         near = sorted(known, key=lambda x: (0 if lo <= x <= hi else 1, abs(x - (lo + hi) / 2)))[:3]
-        guess = _crossing(sorted((x, known[x]) for x in near), limit) if len(near) >= 2 else None
-        x = (lo + hi) // 2 if guess is None or guess != guess else int(guess)
+        guess = crossing_of(sorted((x, known[x]) for x in near), limit) if len(near) >= 2 else None
+        x = (lo + hi) // 2 if guess is None or not math.isfinite(guess) else int(guess)
         x = min(max(x, lo + 1), hi - 1)
         width = hi - lo
         if ask(x) <= limit:
@@ -162,4 +176,4 @@ def smallest_fitting(fits: Callable[[int], bool], candidates: Sequence[int]) -> 
     return candidates[first]
 
 
-__all__ = ["UNBOUNDED_SEQ_LEN", "bisect_last", "interpolated_last", "largest_fitting", "smallest_fitting"]
+__all__ = ["UNBOUNDED_SEQ_LEN", "bisect_last", "crossing_of", "interpolated_last", "largest_fitting", "smallest_fitting"]

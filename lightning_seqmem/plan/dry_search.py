@@ -38,7 +38,10 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Mapping, Optional
+
+from lightning_seqmem.core.search import crossing_of, interpolated_last
 
 __all__ = ["AHEAD_REACH", "CONFIRM_SLACK", "ahead_length", "bucket_up", "confirmed_largest", "crossing", "dominating",
            "fitted_bytes", "fitted_largest", "largest_fitting"]
@@ -123,88 +126,42 @@ def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
     over = [x for x, v in bounds.items() if v > budget and x > lo]
     if not over:
         return None
-    return _crossing(bounds, lo, min(over), budget)
+    hi = min(over)
+    middle = [x for x in bounds if x not in (lo, hi)]  # the parabola through lo, hi and the nearest other
+    near = [min(middle, key=lambda x: 0 if lo < x < hi else min(abs(x - lo), abs(x - hi)))] if middle else []
+    guess = crossing_of(sorted((x, float(bounds[x])) for x in [lo, hi, *near]), budget)
+    return int(guess) if guess is not None and lo <= guess <= hi else None
 
 
 def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
                     known: Iterable[int] = ()) -> int:
     """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget``, given that ``lo`` fits and that the
-    bound grows with ``x`` (``None``: no answer, taken as over).
-
-    ``known`` are points whose bound costs nothing (cached): they narrow the interval first. Then
-    each round guesses where the bound crosses the budget (the parabola through the three points
-    known nearest the interval; with only its two ends, ``p + q·x²`` through them: a step's peak
-    is a quadratic in the length) and checks the guess's neighbour on the far side too, so a good
-    guess ends the search; a round that does not halve the interval is followed by a bisection
-    step.
+    bound grows with ``x`` (``None``: no answer, taken as over): ``hi`` asked first, then
+    :func:`~lightning_seqmem.core.search.interpolated_last` (each guess where the curve through the
+    points known nearest the bracket crosses the budget: a parabola, or ``p + q·x²`` through two, as a
+    step's peak in the length; checked with its neighbour). ``known`` are points whose bound costs
+    nothing (cached): they bracket the search first.
 
     >>> largest_fitting(1, 10, lambda x: x, budget=100)   # hi fits: one call
     10
-    >>> largest_fitting(1, 64, lambda x: 2 ** x, budget=1000)   # far from linear: still exact
+    >>> largest_fitting(1, 64, lambda x: 2 ** x, budget=1000)   # far from quadratic: still exact
     9
     """
-    values: dict[int, Optional[int]] = {}
+    values: dict[int, float] = {}
 
-    def value(x: int) -> Optional[int]:
+    def value(x: int) -> float:
         if x not in values:
-            values[x] = bound(x)
+            answer = bound(x)
+            values[x] = math.inf if answer is None else float(answer)
         return values[x]
 
-    def fits(x: int) -> bool:
-        v = value(x)
-        return v is not None and v <= budget
-
-    if hi <= lo or fits(hi):
+    if hi <= lo or value(hi) <= budget:
         return max(lo, hi)
     value(lo)  # (the caller's, cached)
-    for x in sorted(k for k in set(known) if lo < k < hi):  # cached points: free
-        if fits(x):
-            lo = x
-        else:
-            hi = x
-            break
-    bisect = False
-    while hi - lo > 1:
-        width = hi - lo
-        guess = None if bisect else _crossing(values, lo, hi, budget)
-        secant = guess is not None
-        x = min(max(guess, lo + 1), hi - 1) if guess is not None else (lo + hi) // 2
-        if fits(x):
-            lo = x
-            if secant and x + 1 < hi:
-                lo, hi = (x + 1, hi) if fits(x + 1) else (lo, x + 1)
-        else:
-            hi = x
-            if secant and x - 1 > lo:
-                lo, hi = (x - 1, hi) if fits(x - 1) else (lo, x - 1)
-        bisect = 2 * (hi - lo) > width
-    return lo
-
-
-def _crossing(values: Mapping[int, Optional[int]], lo: int, hi: int, budget: int) -> Optional[int]:
-    """Where the bound is guessed to reach ``budget`` in ``(lo, hi)``, from the points known, or None."""
-    if values.get(lo) is None or values.get(hi) is None:
-        return None
-    middle = [x for x, v in values.items() if v is not None and x not in (lo, hi)]
-    if middle:  # the parabola through lo, hi and the known point nearest the interval
-        m = min(middle, key=lambda x: 0 if lo < x < hi else min(abs(x - lo), abs(x - hi)))
-        xs = (float(lo), float(m), float(hi))
-        ys = tuple(float(values[int(x)]) for x in xs)  # type: ignore[arg-type]
-        d = (xs[0] - xs[1]) * (xs[0] - xs[2]) * (xs[1] - xs[2])
-        a = (xs[2] * (ys[1] - ys[0]) + xs[1] * (ys[0] - ys[2]) + xs[0] * (ys[2] - ys[1])) / d
-        b = (xs[2] ** 2 * (ys[0] - ys[1]) + xs[1] ** 2 * (ys[2] - ys[0]) + xs[0] ** 2 * (ys[1] - ys[2])) / d
-        c = ys[0] - a * xs[0] ** 2 - b * xs[0]
-    else:  # p + q·x² through the two ends
-        q = (float(values[hi]) - float(values[lo])) / (float(hi) ** 2 - float(lo) ** 2)  # type: ignore[arg-type]
-        a, b, c = q, 0.0, float(values[lo]) - q * float(lo) ** 2  # type: ignore[arg-type]
-    c -= budget
-    if abs(a) < 1e-12:
-        roots = [-c / b] if abs(b) > 1e-12 else []
-    else:
-        disc = b * b - 4 * a * c
-        roots = [] if disc < 0 else [(-b + s * disc ** 0.5) / (2 * a) for s in (1, -1)]
-    inside = [r for r in roots if lo <= r <= hi]
-    return int(inside[0]) if inside else None
+    for x in set(known):  # cached points: free
+        if lo < x < hi:
+            value(x)
+    return interpolated_last(value, budget, lo, hi, dict(values))
 
 
 CONFIRM_SLACK = 0.01
