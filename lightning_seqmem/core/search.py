@@ -1,6 +1,6 @@
-"""Searches for the largest length that fits and the smallest world size that fits (the planner's
-dry-run searches, which also guess from a quadratic through the two ends of a bracket, are
-:mod:`lightning_seqmem.plan.dry_search`).
+"""The searches every "largest length that fits" and "smallest world size that fits" uses: by
+bisection, and (:func:`interpolated_last`) by guesses from the points known, which the planner's
+dry-run searches (:mod:`lightning_seqmem.plan.dry_search`) and ``seqmem plan`` both ask through.
 
 Every predicate here is monotone: a length that fits has every shorter length fit too (a peak never
 falls as L grows), and a world size that fits has every larger one fit (a per-rank peak never grows
