@@ -81,15 +81,16 @@ def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional
 
 def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[float]:
     """Where the curve through ``points`` (``(x, value)``, 2 or 3 of them, ascending) reaches ``limit``: the
-    root of the interpolating parabola nearest the points; through two (or where the parabola has no real
-    root), of ``p + q·x²`` (a step's peak in the length; a line where the points are not so ordered);
-    None where there is none (flat).
+    root of the interpolating parabola nearest the points; through two, of ``p + q·x²`` (a step's peak in
+    the length; a line where the points are not so ordered); where three give no parabola's root (the
+    curve is not quadratic there), of the line through the outer two; None where there is none (flat).
 
     >>> crossing_of([(100, 10_000.0), (200, 40_000.0), (400, 160_000.0)], 90_000)   # 1·L² bytes: 300 tokens
     300.0
     >>> crossing_of([(100, 10_000.0), (400, 160_000.0)], 90_000)   # p + q·L² through two: the same
     300.0
     """
+    two = len(points) == 2
     if len(points) >= 3:
         (x0, y0), (x1, y1), (x2, y2) = points[:3]
         # Newton's form: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
@@ -106,7 +107,7 @@ def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[f
     (x0, y0), (x1, y1) = points[0], points[-1]
     if y1 == y0:
         return None
-    if min(x0, x1) >= 0 and x0 != x1 and (y1 - y0) * (x1 - x0) > 0:  # p + q·x² through both (a peak in L)
+    if two and min(x0, x1) >= 0 and x0 != x1 and (y1 - y0) * (x1 - x0) > 0:  # p + q·x² through both (a peak in L)
         q = (y1 - y0) / (x1 * x1 - x0 * x0)
         square = (limit - (y0 - q * x0 * x0)) / q
         if square >= 0:
