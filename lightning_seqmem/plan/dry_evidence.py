@@ -206,7 +206,7 @@ class DryEvidence:
 
     def bound(self, fc: Optional[Forecast]) -> Optional[int]:
         """What a forecast compares with the budget (None without one)."""
-        return None if fc is None else (fc.reserved_upper_bytes if self.settings.compare_reserved else fc.upper_bytes)
+        return None if fc is None else self.settings.bound_of(fc)
 
     def judged(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
         """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as possible

@@ -68,8 +68,8 @@ class Evidence:
         return self.measured.forecaster_of(self.ladder.applied)
 
     def bound_of(self, fc: Forecast) -> int:
-        """What to compare with the budget: the reserved bound on CUDA, the upper bound elsewhere."""
-        return fc.reserved_upper_bytes if self.settings.compare_reserved else fc.upper_bytes
+        """What to compare with the budget (:meth:`~lightning_seqmem.plan.settings.PlannerSettings.bound_of`)."""
+        return self.settings.bound_of(fc)
 
     def judge(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> judging.Verdict:
         """Whether a batch at ``(seq_len, batch_size)`` with ``mitigations`` (default: those on) fits

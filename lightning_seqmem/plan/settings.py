@@ -55,7 +55,7 @@ class RunFacts:
     checkpoint_records: int = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see checkpoint.compact_records)
     memory_records: int = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
     # what the planner knows of each rung (priors, facts), handed to it as data: the registry when built
-    rung_specs: Mapping[str, RungSpec] = field(default_factory=rung_specs)
+    rung_specs: Mapping[str, RungSpec] = field(default_factory=rung_specs, repr=False)
 
     @classmethod
     def of(cls, config: SeqMemConfig, **facts: Any) -> "RunFacts":
@@ -146,6 +146,11 @@ class PlannerSettings:
     def usable_budget_bytes(self) -> Optional[int]:
         """``budget × (1 − safety_margin)``, or None without a budget."""
         return self.budget.usable_bytes
+
+    def bound_of(self, fc: Any) -> int:
+        """What a forecast compares with the budget: its reserved bound where the run judges reserved
+        memory (CUDA), its upper bound elsewhere."""
+        return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
 
     def spec(self, name: str) -> RungSpec:
         """The spec of rung (or variant) ``name`` among the specs bound to this run (``rung_specs``).
