@@ -15,8 +15,8 @@ import pytest
 import torch
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
-# the test processes already fill the cores (xdist): a plan dry-runs in its own process alone unless a test
-# asks for workers (tests/test_plan_workers.py passes --workers)
+# the test processes already fill the cores (xdist): a plan dry-runs in its own process alone unless
+# a test asks for workers (tests/test_plan_workers.py passes --workers)
 os.environ.setdefault("SEQMEM_PLAN_WORKERS", "1")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -49,11 +49,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _port_range() -> tuple[int, int]:
-    """Ports the OS never hands out by itself (below the ephemeral range), split between xdist workers.
+    """Ports the OS never hands out itself (below the ephemeral range), split between xdist workers.
 
-    Each pytest-xdist worker takes its own slice, so two workers can never pick the same MASTER_PORT;
-    being below the ephemeral range, no process's ``bind(0)``/``connect`` (gloo's pair sockets, the
-    other worker's store clients) can take it between the choice and the bind either.
+    Each pytest-xdist worker takes its own slice, so two workers can never pick the same
+    MASTER_PORT; being below the ephemeral range, no process's ``bind(0)``/``connect`` (gloo's pair
+    sockets, the other worker's store clients) can take it between the choice and the bind either.
     """
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -72,7 +72,8 @@ def _port_range() -> tuple[int, int]:
 
 def _ports():
     start, stop = _port_range()
-    first = random.Random(os.getpid()).randrange(start, stop)  # another session on the machine starts elsewhere
+    # another session on the machine starts elsewhere
+    first = random.Random(os.getpid()).randrange(start, stop)
     for port in itertools.chain(range(first, stop), itertools.cycle(range(start, stop))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -87,8 +88,8 @@ _PORTS = _ports()
 
 @pytest.fixture(autouse=True)
 def _master_port(monkeypatch):
-    """A fresh MASTER_PORT for every test, inherited by the DDP processes it starts (Lightning uses it
-    instead of asking the OS for a free port), from this xdist worker's own slice of ports."""
+    """A fresh MASTER_PORT for every test, inherited by the DDP processes it starts (Lightning uses
+    it instead of asking the OS for a free port), from this xdist worker's own slice of ports."""
     monkeypatch.setenv("MASTER_PORT", str(next(_PORTS)))
 
 
@@ -117,9 +118,10 @@ def fit_messages(callbacks, model, data, max_steps, **kwargs) -> list[str]:
         make_trainer(callbacks, max_steps, **kwargs).fit(model, data)
     return [str(w.message) for w in caught]
 
-def measured_step(model, optimizer, batch, loss_fn, probe=None, *, record_events=False, after_warmup=None):
-    """One real training step after one unmeasured warm-up step (the first step has no optimizer state),
-    measured by ``probe`` (default: the live-tensor tracker on CPU): its ``StepMemory``.
+def measured_step(model, optimizer, batch, loss_fn, probe=None, *, record_events=False,
+                  after_warmup=None):
+    """One real training step after one unmeasured warm-up step (the first step has no optimizer
+    state), measured by ``probe`` (default: the live-tensor tracker on CPU): its ``StepMemory``.
     ``after_warmup()``, when given, runs between the two steps (to reset a counter)."""
     from lightning_seqmem.measure.probes import make_probe
     from lightning_seqmem.measure.steps import training_step_memory
@@ -128,12 +130,14 @@ def measured_step(model, optimizer, batch, loss_fn, probe=None, *, record_events
     if after_warmup is not None:
         after_warmup()
     probe = probe if probe is not None else make_probe("tracker", torch.device("cpu"))
-    return training_step_memory(model, optimizer, batch, loss_fn, probe, record_events=record_events)
+    return training_step_memory(model, optimizer, batch, loss_fn, probe,
+                                record_events=record_events)
 
 
 def plan_config(tmp_path, mitigations, model, data):
-    """A ``seqmem plan`` config file on CPU: the demo ``LitGPT`` (``model``: its init_args) on its synthetic
-    data (``data``: the data module's init_args), under a callback with a 1GiB budget and ``mitigations``."""
+    """A ``seqmem plan`` config file on CPU: the demo ``LitGPT`` (``model``: its init_args) on its
+    synthetic data (``data``: the data module's init_args), under a callback with a 1GiB budget and
+    ``mitigations``."""
     import json
 
     config = tmp_path / "plan.yaml"
@@ -158,7 +162,7 @@ data:
 
 
 def plan_json(config, capsys, lengths):
-    """What ``seqmem plan --config CONFIG --lengths ... --json`` prints, read as JSON (it must exit 0)."""
+    """The JSON ``seqmem plan --config CONFIG --lengths ... --json`` prints (it must exit 0)."""
     import json
 
     from lightning_seqmem.cli.main import main
@@ -168,18 +172,18 @@ def plan_json(config, capsys, lengths):
 
 
 def ddp_full_and_micro(fit, out) -> None:
-    """A test module's ``__main__`` under DDP: ``fit(None)`` (the full batch) then ``fit(1)`` (micro-batches
-    of one sample) in one launch (the launcher re-runs the script for rank 1, which runs both too);
-    rank 0 saves ``{"full": ..., "micro": ...}`` to ``out``."""
+    """A test module's ``__main__`` under DDP: ``fit(None)`` (the full batch) then ``fit(1)``
+    (micro-batches of one sample) in one launch (the launcher re-runs the script for rank 1, which
+    runs both too); rank 0 saves ``{"full": ..., "micro": ...}`` to ``out``."""
     results = {"full": fit(None), "micro": fit(1)}
     if results["full"]["rank"] == 0:
         torch.save(results, out)
 
 
 def launch_ddp_script(script, tmp_path, base_s):
-    """Run a test module as a script (its ``__main__``: :func:`ddp_full_and_micro`) in ``tmp_path``, without
-    the rank variables of this process (MASTER_PORT: this test's own, see ``_master_port``), under the
-    hang guard of ``base_s`` seconds; it must exit 0. What rank 0 saved."""
+    """Run a test module as a script (its ``__main__``: :func:`ddp_full_and_micro`) in ``tmp_path``,
+    without the rank variables of this process (MASTER_PORT: this test's own, see ``_master_port``),
+    under the hang guard of ``base_s`` seconds; it must exit 0. What rank 0 saved."""
     from limits import run
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -192,10 +196,10 @@ def launch_ddp_script(script, tmp_path, base_s):
 
 
 def planner_batches(p, shape, n, applicable, peak_fn, static_bytes, switch_on, seconds_fn=None):
-    """``n`` batches of ``shape`` (batch size, length) as the callback runs them through planner ``p``:
-    decide, commit, ``switch_on(p, decision, L, B)`` (the rungs the decision names), begin the step,
-    measure ``peak_fn(L, B, rungs on)`` (a step starting and ending at ``static_bytes``), observe it
-    (with ``seconds_fn(L, B, rungs on)`` as its wall time, if given), end the batch.
+    """``n`` batches of ``shape`` (batch size, length) as the callback runs them through planner
+    ``p``: decide, commit, ``switch_on(p, decision, L, B)`` (the rungs the decision names), begin
+    the step, measure ``peak_fn(L, B, rungs on)`` (a step starting and ending at ``static_bytes``),
+    observe it (with ``seconds_fn(L, B, rungs on)`` as its wall time, if given), end the batch.
     ``[(decision, record)]`` in order."""
     from lightning_seqmem.core.records import StepMemory
 
@@ -209,7 +213,7 @@ def planner_batches(p, shape, n, applicable, peak_fn, static_bytes, switch_on, s
         s = p.begin_step(L, B, True, global_step=p.course.step)
         value = peak_fn(L, B, p.ladder.applied)
         seconds = None if seconds_fn is None else seconds_fn(L, B, p.ladder.applied)
-        out.append((d, p.observe(s, StepMemory(value, {"forward": value}, static_bytes, static_bytes),
-                                 step_seconds=seconds)))
+        out.append((d, p.observe(s, StepMemory(value, {"forward": value}, static_bytes,
+                                               static_bytes), step_seconds=seconds)))
         p.course.end_batch()
     return out

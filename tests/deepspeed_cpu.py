@@ -1,7 +1,7 @@
-"""Lightning's ``DeepSpeedStrategy`` on the CPU, for tests: the strategy refuses any accelerator but CUDA
-(``setup_environment``) and asks for a device index; DeepSpeed itself runs on its CPU accelerator with gloo.
-Nothing else of the strategy is changed: the module is wrapped in a real ``DeepSpeedEngine``, ZeRO stages
-0-3 partition and reduce as on a GPU (on one rank)."""
+"""Lightning's ``DeepSpeedStrategy`` on the CPU, for tests: the strategy refuses any accelerator but
+CUDA (``setup_environment``) and asks for a device index; DeepSpeed itself runs on its CPU
+accelerator with gloo. Nothing else of the strategy is changed: the module is wrapped in a real
+``DeepSpeedEngine``, ZeRO stages 0-3 partition and reduce as on a GPU (on one rank)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ def cpu_deepspeed_strategy(**kwargs: Any) -> Any:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     class CPUDeepSpeedStrategy(DeepSpeedStrategy):
-        def setup_environment(self) -> None:  # DeepSpeedStrategy's own refuses a non-CUDA accelerator
+        # DeepSpeedStrategy's own refuses a non-CUDA accelerator
+        def setup_environment(self) -> None:
             super(DeepSpeedStrategy, self).setup_environment()
 
         def setup_distributed(self) -> None:
             check = lightning_deepspeed._validate_device_index_selection
-            lightning_deepspeed._validate_device_index_selection = lambda devices: None  # CPU devices have no index
+            # CPU devices have no index
+            lightning_deepspeed._validate_device_index_selection = lambda devices: None
             try:
                 super().setup_distributed()
             finally:

@@ -45,8 +45,9 @@ def run(cmd: Sequence[str], base_s: float, **kwargs: Any) -> subprocess.Complete
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-2000:]
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        pytest.fail(f"{' '.join(map(str, cmd))[:300]} ran past its hang guard of {limit:.0f} s ({base_s} s x "
-                    f"{GENEROUS:g} x load; set {SCALE_ENV} to raise it); stderr so far:\n{tail}", pytrace=False)
+        pytest.fail(f"{' '.join(map(str, cmd))[:300]} ran past its hang guard of {limit:.0f} s "
+                    f"({base_s} s x {GENEROUS:g} x load; set {SCALE_ENV} to raise it); "
+                    f"stderr so far:\n{tail}", pytrace=False)
 
 
 def shared_fixture(fn: Callable) -> Any:
@@ -63,10 +64,12 @@ def shared_fixture(fn: Callable) -> Any:
             except BaseException as exc:
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                outcome["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                outcome["error"] = (f"{type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}")
                 raise
         if "error" in outcome:
-            pytest.skip(f"the module's shared run {fn.__name__!r} failed in an earlier test: {outcome['error'][:300]}")
+            pytest.skip(f"the module's shared run {fn.__name__!r} failed in an earlier "
+                        f"test: {outcome['error'][:300]}")
         return outcome["value"]
 
     return fixture

@@ -33,8 +33,11 @@ def test_a_write_that_fails_half_way_leaves_the_previous_png_whole(tmp_path):
             print("written")
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=limit_s(120))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=limit_s(120))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[0] == "refused", out.stdout  # the figure is larger than 2 KiB: the write failed
+    # the figure is larger than 2 KiB: the write failed
+    assert out.stdout.split()[0] == "refused", out.stdout
     assert (tmp_path / "seqmem_memory.png").read_bytes() == b"previous figure"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["seqmem_memory.png"]  # no temporary file left
+    # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["seqmem_memory.png"]

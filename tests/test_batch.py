@@ -78,7 +78,7 @@ def test_infer_no_tokens_lists_what_was_found():
     assert "seq_len_fn" in message
 
 
-# set_batch_sequence_length: truncate ---------------------------------------------------------------
+# set_batch_sequence_length: truncate --------------------------------------------------------------
 
 
 def test_truncate_mapping_in_place():

@@ -1,4 +1,4 @@
-"""Every batch format users give, read and cut: lightning_seqmem.measure.batch beyond the dict of test_batch.
+"""Every batch format users give, read and cut: lightning_seqmem.measure.batch beyond test_batch.
 
 Formats: a bare 2-D tensor, dict, list, tuple, namedtuple, Hugging Face ``BatchEncoding``, read-only
 mapping, dataclasses (mutable and frozen); tensors with a broadcast ``[1, L]`` first dimension and
@@ -56,7 +56,7 @@ class BatchWithDerived:
 Pair = namedtuple("Pair", "input_ids labels")
 
 
-# infer_batch_shape: which tensor is the batch ------------------------------------------------------
+# infer_batch_shape: which tensor is the batch -----------------------------------------------------
 
 
 def test_infer_list_skips_a_broadcast_position_tensor():
@@ -82,7 +82,8 @@ def _reference(batch):
 
 
 def test_infer_true_batch_of_one_stays_one():
-    assert infer_batch_shape([torch.arange(L).view(1, L), torch.zeros(1, L, dtype=torch.long)]) == (1, L)
+    assert (infer_batch_shape([torch.arange(L).view(1, L), torch.zeros(1, L, dtype=torch.long)])
+            == (1, L))
     assert infer_batch_shape([torch.arange(L).view(1, L), ids(B, L + 1)]) == (1, L)  # other length
     assert infer_batch_shape(torch.zeros(1, L, dtype=torch.long)) == (1, L)
 
@@ -99,7 +100,8 @@ def test_infer_dict_with_position_ids_first_and_no_input_ids():
 
 def test_infer_batch_encoding_and_dataclasses():
     transformers = pytest.importorskip("transformers")
-    enc = transformers.BatchEncoding({"input_ids": ids(), "attention_mask": torch.ones(B, L, dtype=torch.long)})
+    enc = transformers.BatchEncoding({"input_ids": ids(),
+                                      "attention_mask": torch.ones(B, L, dtype=torch.long)})
     assert infer_batch_shape(enc) == (B, L)
     assert infer_batch_shape(Batch(ids(), ids(), torch.arange(B))) == (B, L)
     assert infer_batch_shape(FrozenBatch(ids(), ids())) == (B, L)
@@ -135,8 +137,8 @@ def test_can_cut_in_place():
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: (ids(), ids()), lambda: Pair(ids(), ids()), lambda: types.MappingProxyType({"input_ids": ids()}),
-     lambda: FrozenBatch(ids(), ids())],
+    [lambda: (ids(), ids()), lambda: Pair(ids(), ids()),
+     lambda: types.MappingProxyType({"input_ids": ids()}), lambda: FrozenBatch(ids(), ids())],
     ids=["tuple", "namedtuple", "mappingproxy", "frozen-dataclass"],
 )
 def test_in_place_refused_exactly_where_can_cut_in_place_is_false(make):
@@ -199,7 +201,8 @@ def test_cut_tuple_and_namedtuple_keep_their_type():
     positions = torch.arange(L).view(1, L)
     out = cut_batch((positions, ids(), torch.arange(B)), S)
     assert type(out.batch) is tuple
-    assert out.batch[0].shape == (1, S) and out.batch[1].shape == (B, S) and out.batch[2].shape == (B,)
+    assert (out.batch[0].shape == (1, S) and out.batch[1].shape == (B, S)
+            and out.batch[2].shape == (B,))
     assert (out.batch_size, out.seq_len) == (B, S)
     pair = cut_batch(Pair(ids(), ids() + 1), S).batch
     assert isinstance(pair, Pair) and pair.labels.shape == (B, S)
@@ -207,7 +210,8 @@ def test_cut_tuple_and_namedtuple_keep_their_type():
 
 def test_cut_batch_encoding_in_place_and_functional():
     transformers = pytest.importorskip("transformers")
-    data = {"input_ids": ids(), "attention_mask": torch.ones(B, L, dtype=torch.long), "labels": ids()}
+    data = {"input_ids": ids(), "attention_mask": torch.ones(B, L, dtype=torch.long),
+            "labels": ids()}
     enc = transformers.BatchEncoding(dict(data))
     out = cut_batch(enc, S)
     assert isinstance(out.batch, transformers.BatchEncoding) and out.batch is not enc
@@ -224,7 +228,8 @@ def test_cut_batch_encoding_from_a_real_tokenizer_left_padded():
     vocab = {"[PAD]": 0, "a": 1, "b": 2, "c": 3}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[PAD]"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", padding_side="left")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]",
+                                                     padding_side="left")
     enc = tokenizer(["a b c a b c", "a b"], padding=True, return_tensors="pt")
     assert enc["input_ids"].tolist() == [[1, 2, 3, 1, 2, 3], [0, 0, 0, 0, 1, 2]]
     assert padding_side(enc) == "left"
@@ -300,7 +305,8 @@ def test_square_masks_keep_diagonal_blocks_when_tokens_are_kept():
     causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
     mask = causal.expand(B, 1, L, L).clone()
     mask[1] = False  # make samples distinguishable
-    out = cut_batch({"input_ids": ids(), "mask": mask, "shared": causal.view(1, 1, L, L)}, S, truncate=False)
+    out = cut_batch({"input_ids": ids(), "mask": mask, "shared": causal.view(1, 1, L, L)}, S,
+                    truncate=False)
     chunks = L // S
     assert out.batch_size == B * chunks and out.seq_len == S
     assert out.batch["mask"].shape == (B * chunks, 1, S, S)
@@ -328,7 +334,8 @@ def test_keys_accept_a_broadcast_tensor():
     batch = {"inputs_embeds": torch.zeros(B, L, 2), "position_ids": torch.arange(L).view(1, L)}
     out = cut_batch(batch, S, keys=["inputs_embeds", "position_ids"])
     assert (out.batch_size, out.seq_len) == (B, S)
-    assert out.batch["position_ids"].shape == (1, S) and out.batch["inputs_embeds"].shape == (B, S, 2)
+    assert (out.batch["position_ids"].shape == (1, S)
+            and out.batch["inputs_embeds"].shape == (B, S, 2))
     with pytest.raises(ValueError, match="disagree"):
         cut_batch({"a": torch.zeros(2, L), "b": torch.zeros(3, L)}, S, keys=["a", "b"])
 
@@ -343,8 +350,10 @@ def test_truncated_broadcast_tensor_does_not_keep_the_full_storage():
 
 
 def left_padded():
-    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]])
-    return {"input_ids": ids() * mask, "attention_mask": mask, "labels": torch.where(mask.bool(), ids(), -100)}
+    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1],
+                         [0, 0, 1, 1, 1, 1, 1, 1]])
+    return {"input_ids": ids() * mask, "attention_mask": mask,
+            "labels": torch.where(mask.bool(), ids(), -100)}
 
 
 def right_padded():
@@ -422,9 +431,11 @@ def test_fake_tensors_are_cut_without_reading_the_mask():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        batch = {"input_ids": torch.zeros(B, L, dtype=torch.long), "attention_mask": torch.ones(B, L, dtype=torch.long)}
+        batch = {"input_ids": torch.zeros(B, L, dtype=torch.long),
+                 "attention_mask": torch.ones(B, L, dtype=torch.long)}
         out = cut_batch(batch, S)
-    assert out.batch["input_ids"].shape == (B, S) and out.padding_side is None and out.empty_rows is None
+    assert (out.batch["input_ids"].shape == (B, S) and out.padding_side is None
+            and out.empty_rows is None)
 
 
 @pytest.mark.parametrize("keep", ["middle", None, True])
@@ -433,7 +444,7 @@ def test_bad_keep(keep):
         cut_batch(left_padded(), S, keep=keep)
 
 
-# data shorter than the asked length ----------------------------------------------------------------
+# data shorter than the asked length ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("truncate", [True, False])
@@ -463,7 +474,7 @@ def test_numpy_int_seq_len_accepted():
     assert cut_batch(ids(), np.int64(S)).seq_len == S
 
 
-# read_batch_shape ----------------------------------------------------------------------------------
+# read_batch_shape ---------------------------------------------------------------------------------
 
 
 def test_read_batch_shape_without_fn_is_infer():
@@ -472,8 +483,8 @@ def test_read_batch_shape_without_fn_is_infer():
 
 @pytest.mark.parametrize(
     "value",
-    [(B, L), [B, L], torch.Size([B, L]), (np.int64(B), np.int32(L)), (torch.tensor(B), torch.tensor(L)),
-     (torch.tensor(B, dtype=torch.int32), np.array(L))],
+    [(B, L), [B, L], torch.Size([B, L]), (np.int64(B), np.int32(L)),
+     (torch.tensor(B), torch.tensor(L)), (torch.tensor(B, dtype=torch.int32), np.array(L))],
     ids=["tuple", "list", "Size", "numpy", "tensors", "mixed"],
 )
 def test_read_batch_shape_accepts_and_converts(value):
@@ -486,11 +497,13 @@ def test_read_batch_shape_accepts_and_converts(value):
     "value",
     [None, (B,), (B, L, 1), "38", 3, (0, L), (B, -1), (True, L), (B, False), (np.bool_(True), L),
      (B, 8.0), (B, np.float64(8)), (torch.tensor(B), torch.tensor(8.0)), (torch.tensor([B]), L),
-     (torch.tensor(True), L), (B, "8"), (B, None), {"batch_size": B, "seq_len": L}, torch.tensor([B, L])],
+     (torch.tensor(True), L), (B, "8"), (B, None), {"batch_size": B, "seq_len": L},
+     torch.tensor([B, L])],
     ids=lambda v: repr(v)[:30],
 )
 def test_read_batch_shape_refuses(value):
-    with pytest.raises(ValueError, match=r"^`seq_len_fn` must return a pair \(batch_size, seq_len\) of ints >= 1") as err:
+    with pytest.raises(ValueError, match=r"^`seq_len_fn` must return a pair \(batch_size, "
+                       r"seq_len\) of ints >= 1") as err:
         read_batch_shape({"x": torch.zeros(B, L)}, lambda batch: value)
     assert "got " in str(err.value)
     if value is None:
@@ -512,7 +525,8 @@ def test_read_batch_shape_errors_of_the_fn_propagate():
         read_batch_shape({}, "tokens")
 
 
-@pytest.mark.parametrize("name, value", [("truncate", "no"), ("truncate", 1), ("truncate", None), ("in_place", "yes")])
+@pytest.mark.parametrize("name, value", [("truncate", "no"), ("truncate", 1), ("truncate", None),
+                                         ("in_place", "yes")])
 def test_bad_flags(name, value):
     with pytest.raises(ValueError, match=rf"^`{name}` must be True or False, got {value!r}\.$"):
         cut_batch(ids(), S, **{name: value})

@@ -1,4 +1,4 @@
-"""Memory breakdown: attribution to modules and kinds, growth classes, diagnoses, ablation, theory."""
+"""Breakdown: attribution to modules and kinds, growth classes, diagnoses, ablation, theory."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing)
 
 from lightning_seqmem.diagnostics import findings, tracer
-from lightning_seqmem.diagnostics.categories import ATTENTION_CATEGORIES, find_attention_modules, module_category
+from lightning_seqmem.diagnostics.categories import (ATTENTION_CATEGORIES, find_attention_modules,
+                                                     module_category)
 from lightning_seqmem.diagnostics.compare import compare_breakdowns
 from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning, diagnose
 from lightning_seqmem.diagnostics.growth import classify_growth, crossover_length, fit_growth
@@ -85,10 +87,12 @@ def test_korthikanti_known_configs():
     assert korthikanti_activation_bytes(2048, 1, 12288, 96, recompute=True) == 2 * 2048 * 12288
     # fp32 without dropout: 4·(16·s·b·h + a·s²·b)
     s, b, h, a = 64, 2, 128, 4
-    assert korthikanti_activation_bytes(s, b, h, a, bytes_per_element=4, dropout=False) == 4 * (16 * s * b * h + a * s * s * b)
+    assert (korthikanti_activation_bytes(s, b, h, a, bytes_per_element=4, dropout=False)
+            == 4 * (16 * s * b * h + a * s * s * b))
     # 16-bit without dropout: the 2·s·b·h + 3·a·s²·b dropout bytes are gone
     with_dropout = korthikanti_activation_bytes(s, b, h, a)
-    assert with_dropout - korthikanti_activation_bytes(s, b, h, a, dropout=False) == 2 * s * b * h + 3 * a * s * s * b
+    assert (with_dropout - korthikanti_activation_bytes(s, b, h, a, dropout=False)
+            == 2 * s * b * h + 3 * a * s * s * b)
     with pytest.raises(ValueError, match="`heads` must be a positive int"):
         korthikanti_activation_bytes(64, 1, 128, 0)
 
@@ -106,15 +110,17 @@ def test_crossover_from_synthetic_polynomials():
 
 def test_crossover_through_compare_breakdowns_on_synthetic_parts():
     def synthetic(L):
-        activations = {"attention_scores": int(0.5 * L * L), "qkv_projection": 10 * L, "ffn": 70 * L}
+        activations = {"attention_scores": int(0.5 * L * L), "qkv_projection": 10 * L,
+                       "ffn": 70 * L}
         parts = {c: {"activations": n} for c, n in activations.items()}
         parts["ffn"]["parameters"] = 1000
         return Breakdown(
-            seq_len=L, batch_size=1, peak_bytes=1000 + sum(activations.values()), peak_phase="backward",
-            peak_op="", start_bytes=1000,
+            seq_len=L, batch_size=1, peak_bytes=1000 + sum(activations.values()),
+            peak_phase="backward", peak_op="", start_bytes=1000,
             peak_by_part=parts,
-            peak_by_module={}, activation_by_category=activations, layer_activation_bytes=[], autocast_dtype=None,
-            attention_backend="eager", checkpointed=False, tensors=[], alive_at_peak=[],
+            peak_by_module={}, activation_by_category=activations, layer_activation_bytes=[],
+            autocast_dtype=None, attention_backend="eager", checkpointed=False, tensors=[],
+            alive_at_peak=[],
         )
 
     table = compare_breakdowns([synthetic(L) for L in (64, 128)])
@@ -139,7 +145,8 @@ def test_growth_fit_and_classification():
     assert classify_growth([64, 128], [7, 7]) == "constant"
     assert classify_growth([64, 128], [100 + 64, 100 + 128]) == "linear"
     assert classify_growth([64, 128], [64**2, 128**2]) == "quadratic"
-    assert classify_growth([32, 64, 128], [1e6 + L for L in (32, 64, 128)]) == "constant"  # L term < 2%
+    # L term < 2%
+    assert classify_growth([32, 64, 128], [1e6 + L for L in (32, 64, 128)]) == "constant"
     assert classify_growth([32, 64, 128], [1000 * L + L * L for L in (32, 64, 128)]) == "quadratic"
 
 
@@ -151,17 +158,23 @@ def test_module_categories_from_paths():
     assert module_category(attn) == "attention_other"
     assert module_category(gpt + [("mlp", "Sequential"), ("1", "GELU")]) == "ffn"
     assert module_category(gpt + [("mlp", "Sequential"), ("3", "Dropout")]) == "norms_dropout"
-    assert module_category(gpt + [("_checkpoint_wrapped_module", "Block"), ("ln1", "LayerNorm")]) == "norms_dropout"
+    assert (module_category(gpt + [("_checkpoint_wrapped_module", "Block"), ("ln1", "LayerNorm")])
+            == "norms_dropout")
     assert module_category([("", "GPT"), ("tok_emb", "Embedding")]) == "embedding"
     assert module_category([("", "GPT"), ("lm_head", "Linear")]) == "loss_logits"
     assert module_category(gpt) == "other"
-    llama = [("", "LlamaForCausalLM"), ("model", "LlamaModel"), ("layers", "ModuleList"), ("0", "LlamaDecoderLayer")]
-    assert module_category(llama + [("self_attn", "LlamaAttention"), ("k_proj", "Linear")]) == "qkv_projection"
-    assert module_category(llama + [("self_attn", "LlamaAttention"), ("o_proj", "Linear")]) == "output_projection"
+    llama = [("", "LlamaForCausalLM"), ("model", "LlamaModel"), ("layers", "ModuleList"),
+             ("0", "LlamaDecoderLayer")]
+    assert (module_category(llama + [("self_attn", "LlamaAttention"), ("k_proj", "Linear")])
+            == "qkv_projection")
+    assert (module_category(llama + [("self_attn", "LlamaAttention"), ("o_proj", "Linear")])
+            == "output_projection")
     assert module_category(llama + [("mlp", "LlamaMLP"), ("down_proj", "Linear")]) == "ffn"
     assert module_category(llama + [("input_layernorm", "LlamaRMSNorm")]) == "norms_dropout"
-    gpt2_mlp = [("", "GPT2"), ("h", "ModuleList"), ("0", "GPT2Block"), ("mlp", "GPT2MLP"), ("c_proj", "Conv1D")]
-    assert module_category(gpt2_mlp) == "ffn"  # c_proj outside attention is not the output projection
+    gpt2_mlp = [("", "GPT2"), ("h", "ModuleList"), ("0", "GPT2Block"), ("mlp", "GPT2MLP"),
+                ("c_proj", "Conv1D")]
+    # c_proj outside attention is not the output projection
+    assert module_category(gpt2_mlp) == "ffn"
 
 
 # -- traced steps ----------------------------------------------------------------------------------
@@ -187,7 +200,8 @@ def test_breakdown_sums_to_the_tracker_probe_peak_of_the_same_step():
     assert kinds["activations"] > 0 and breakdown.peak_phase == "backward"
     # per-layer activations of this fp32, dropout-free eager GPT are within 5% of Korthikanti
     calibration = breakdown.calibration
-    assert calibration is not None and not calibration.dropout and calibration.bytes_per_element == 4
+    assert (calibration is not None and not calibration.dropout
+            and calibration.bytes_per_element == 4)
     assert calibration.ratio == pytest.approx(1.0, abs=0.05)
     assert "Korthikanti" in calibration.explanation and "_softmax" in calibration.explanation
     json.dumps(breakdown.to_dict())
@@ -251,7 +265,8 @@ def test_fp32_scores_under_autocast_are_diagnosed():
     model = TinyLM()
     breakdown = _trace(model, LENGTHS[0], autocast=True)
     assert breakdown.autocast_dtype == "bfloat16"
-    fp32 = [g for g in breakdown.quadratic_tensors() if g["dtype"] == "float32" and g["phase"] == "forward"]
+    fp32 = [g for g in breakdown.quadratic_tensors()
+            if g["dtype"] == "float32" and g["phase"] == "forward"]
     assert fp32 and {g["modules"][0] for g in fp32} == {"attn"}
     found = _diagnoses(breakdown, model)
     assert any("float32 under mixed precision" in f for f in found)
@@ -264,7 +279,8 @@ def test_fp32_scores_under_autocast_are_diagnosed():
 def test_package_gpt_eager_softmax_is_fp32_under_autocast_sdpa_is_clean():
     eager = _gpt("eager")
     breakdown = _trace(eager, LENGTHS[0], autocast=True)
-    softmax = [g for g in breakdown.quadratic_tensors() if g["op"] == "aten::_softmax" and g["phase"] == "forward"]
+    softmax = [g for g in breakdown.quadratic_tensors()
+               if g["op"] == "aten::_softmax" and g["phase"] == "forward"]
     assert softmax and softmax[0]["dtype"] == "float32" and softmax[0]["saved_for_backward"]
     assert any("float32 under mixed precision" in f for f in _diagnoses(breakdown, eager))
 
@@ -278,11 +294,13 @@ def test_checkpointing_that_misses_attention_is_diagnosed():
     covered = _gpt("eager")
     assert ActivationCheckpointing().apply(covered).applied
     breakdown = _trace(covered, LENGTHS[0])
-    assert not [g for g in breakdown.quadratic_tensors() if g["saved_for_backward"] and g["phase"] == "forward"]
+    assert not [g for g in breakdown.quadratic_tensors()
+                if g["saved_for_backward"] and g["phase"] == "forward"]
     assert not any("checkpointing" in f for f in _diagnoses(breakdown, covered))
     assert breakdown.calibration is not None and breakdown.calibration.recompute
     # full recompute: each block keeps its output only, e·s·b·h (fp32: 4·s·b·h)
-    assert breakdown.calibration.measured_bytes == breakdown.calibration.theory_bytes == 4 * LENGTHS[0] * BATCH * 64
+    assert (breakdown.calibration.measured_bytes == breakdown.calibration.theory_bytes
+            == 4 * LENGTHS[0] * BATCH * 64)
 
     missed = _gpt("eager")  # checkpointing "on", but wrapping the final norm only
     apply_activation_checkpointing(missed, check_fn=lambda m: m is missed.ln_f)
@@ -294,11 +312,13 @@ def test_checkpointing_that_misses_attention_is_diagnosed():
 def test_attention_ablation_lowers_the_peak_and_restores_attention():
     model = _gpt("eager")
     step, optimizer, ids = _trainer(model, LENGTHS[1])
-    ablation = attention_ablation(step, model, optimizer, [ids], seq_len=LENGTHS[1], batch_size=BATCH)
+    ablation = attention_ablation(step, model, optimizer, [ids], seq_len=LENGTHS[1],
+                                  batch_size=BATCH)
     assert ablation.replaced == ["blocks.0.attn", "blocks.1.attn"]
     assert ablation.without_attention.peak_bytes < ablation.with_attention.peak_bytes
     assert 0 < ablation.attention_peak_share < 1
-    assert not any(c in ablation.without_attention.activation_by_category for c in ("attention_scores", "attention_other"))
+    assert not any(c in ablation.without_attention.activation_by_category
+                   for c in ("attention_scores", "attention_other"))
     assert all("forward" not in vars(m) for _, m in find_attention_modules(model))
     after = trace_breakdown(step, model, optimizer, [ids], seq_len=LENGTHS[1], batch_size=BATCH)
     assert "attention_scores" in after.activation_by_category  # attention is back
@@ -323,11 +343,13 @@ def test_hf_llama_breakdown_and_ablation():
         optimizer.step()
 
     step()
-    ablation = attention_ablation(step, model, optimizer, [ids], seq_len=LENGTHS[0], batch_size=BATCH)
+    ablation = attention_ablation(step, model, optimizer, [ids], seq_len=LENGTHS[0],
+                                  batch_size=BATCH)
     breakdown = ablation.with_attention
     assert set(breakdown.peak_by_part["qkv_projection"]) >= {"parameters", "optimizer_state"}
     scores = [g for g in breakdown.quadratic_tensors() if g["op"] == "aten::_softmax"]
-    assert scores and scores[0]["modules"][0].endswith("self_attn") and scores[0]["saved_for_backward"]
+    assert (scores and scores[0]["modules"][0].endswith("self_attn")
+            and scores[0]["saved_for_backward"])
     assert breakdown.calibration is not None and breakdown.calibration.num_layers == 2
     assert ablation.without_attention.peak_bytes < breakdown.peak_bytes
     step()  # attention restored: a normal step still runs

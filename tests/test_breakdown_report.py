@@ -1,4 +1,5 @@
-"""The memory breakdown where users look: SeqMemCallback(breakdown=True) -> report, Markdown, TensorBoard text."""
+"""The memory breakdown where users look: SeqMemCallback(breakdown=True) -> report, Markdown,
+TensorBoard text."""
 
 from __future__ import annotations
 
@@ -38,12 +39,13 @@ def test_breakdown_in_report_markdown_and_tensorboard(tmp_path, capsys):
     report = load_report(logger.log_dir)
     section = report["breakdown"]
     assert section["seq_lens"] == [24, 48, 96] and section["batch_size"] == 2
-    # the traced peaks (sum of every part) are the tracker's measurements of the same lengths in training
+    # the traced peaks (sum of every part) are the tracker's measurements at those lengths, training
     measured = {}
     for r in callback.records:
         if not r.warmup:
             measured[r.seq_len] = max(measured.get(r.seq_len, 0), r.peak_bytes)
-    for L, traced, in_training in zip(section["seq_lens"], section["peak_bytes"], section["measured_peak_bytes"]):
+    for L, traced, in_training in zip(section["seq_lens"], section["peak_bytes"],
+                                      section["measured_peak_bytes"]):
         assert in_training == measured[L]
         assert traced == pytest.approx(measured[L], rel=0.01)
         parts = [r for r in section["by_kind"]]
@@ -52,24 +54,29 @@ def test_breakdown_in_report_markdown_and_tensorboard(tmp_path, capsys):
     assert growth["attention_scores"] == "quadratic" and growth["ffn"] == "linear"
     assert {r["kind"]: r["growth"] for r in section["by_kind"]}["parameters"] == "constant"
     assert section["extrapolated_seq_len"] == 4 * 96 and section["crossover_seq_len"] > 96
-    assert section["attention_share"][0] < section["attention_share"][-1] < section["attention_share_extrapolated"]
+    assert (section["attention_share"][0] < section["attention_share"][-1]
+            < section["attention_share_extrapolated"])
     assert any("hand-written matmul" in d for d in section["diagnoses"])
     assert section["calibration"]["ratio"] == pytest.approx(1.0, abs=0.1)
-    assert len(callback.edge.breakdowns) == 3 and callback.edge.breakdown_table.seq_lens == [24, 48, 96]
+    assert (len(callback.edge.breakdowns) == 3
+            and callback.edge.breakdown_table.seq_lens == [24, 48, 96])
     assert any(w["key"].startswith("diagnosis-") for w in report["warnings"])
-    # where the peak sits at the longest length run: the traced step's own kinds, adding up to its peak
+    # where the peak sits at the longest length run: the traced step's own kinds, summing to it
     site = report["peak_site"]
-    assert site["source"] == "breakdown" and site["seq_len"] == 96 and site == {**site, **section["peak_site"]}
+    assert (site["source"] == "breakdown" and site["seq_len"] == 96
+            and site == {**site, **section["peak_site"]})
     assert site["peak_bytes"] == section["peak_bytes"][-1] == sum(b for _, b in site["top_kinds"])
-    # the traced step's peak falls in the forward, in the cross-entropy over the logits: the site says "loss"
-    assert section["peak_phase"][-1] == "forward" and site["phase"] == "loss" and "logits" in dict(site["top_kinds"])
+    # the traced step peaks in the forward's cross-entropy over the logits: the site says "loss"
+    assert (section["peak_phase"][-1] == "forward" and site["phase"] == "loss"
+            and "logits" in dict(site["top_kinds"]))
 
     md = (tmp_path / "run" / "version_0" / "seqmem_report.md").read_text()
     assert "## Where the memory goes (breakdown)" in md
     assert "| kind | L=24 | L=48 | L=96 | L=384 (extrapolated) | growth |" in md
     assert "| attention_scores |" in md and "| attention share |" in md and "crossover length" in md
     assert "Korthikanti" in md and "peak measured in training" in md
-    assert f"| peak at (longest length) | seq_len 96, batch 2, no mitigation: {site['describe']} (a traced step" in md
+    assert (f"| peak at (longest length) | seq_len 96, batch 2, no mitigation: {site['describe']} "
+            "(a traced step" in md)
     assert f"Peak at L=96: {site['describe']}" in md
 
     render_console(report)
@@ -112,7 +119,8 @@ def test_breakdown_failure_is_one_warning_and_the_report_is_still_written(tmp_pa
     callback = SeqMemCallback(curriculum=Curriculum(**STAGES), breakdown=True)
     trainer = make_trainer([callback], max_steps=6, default_root_dir=str(tmp_path))
     with pytest.warns(SeqMemFailureWarning, match="could not write the memory breakdown.*boom"):
-        trainer.fit(LitGPT(n_layer=1, d_model=64, n_head=4), SyntheticTokenDataModule(batch_size=2, seq_len=96))
+        trainer.fit(LitGPT(n_layer=1, d_model=64, n_head=4),
+                    SyntheticTokenDataModule(batch_size=2, seq_len=96))
     report = json.loads((tmp_path / "seqmem_report.json").read_text())
     assert "breakdown" not in report and report["records_summary"]["num_records"] == 6
     assert callback.edge.breakdown_report is None and not callback.edge.failed
@@ -135,14 +143,18 @@ def test_copies_lengths_and_micro_batches():
     optimizer.step()
     moment = optimizer.state[lit.model.lm_head.weight]["exp_avg"].clone()
     model, model_optimizer = copy_for_tracing(lit, optimizer)
-    assert type(model_optimizer) is torch.optim.AdamW and model_optimizer.param_groups[0]["lr"] == 0.1
+    assert (type(model_optimizer) is torch.optim.AdamW
+            and model_optimizer.param_groups[0]["lr"] == 0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a trainer
         whole = trace_breakdowns(model, model_optimizer, batch, [40, 80], training_step_loss)
-        micro = trace_breakdowns(model, model_optimizer, batch, [40, 80], training_step_loss, micro_batch_size=1)
-    assert torch.equal(optimizer.state[lit.model.lm_head.weight]["exp_avg"], moment)  # the original is untouched
+        micro = trace_breakdowns(model, model_optimizer, batch, [40, 80], training_step_loss,
+                                 micro_batch_size=1)
+    # the original is untouched
+    assert torch.equal(optimizer.state[lit.model.lm_head.weight]["exp_avg"], moment)
     assert [b.seq_len for b in whole] == [40, 80] and whole[0].batch_size == 4
-    assert micro[1].activation_bytes < whole[1].activation_bytes / 2  # one sample's activations at a time
+    # one sample's activations at a time
+    assert micro[1].activation_bytes < whole[1].activation_bytes / 2
     # widths: d_model 64, qkv 192, d_ff and vocab 256, heads 4, head size 16, batch 4
     assert width_dims(lit, batch_size=4) == {4, 16, 64, 192, 256}
     lengths, notes = safe_seq_lens([64, 192, 200], width_dims(lit, batch_size=4), max_seq_len=200)
@@ -150,8 +162,8 @@ def test_copies_lengths_and_micro_batches():
 
 
 def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
-    """The breakdown's micro-batched step is the policy's: a padded Hugging Face-style batch (loss = mean
-    over label tokens) gives the full batch's gradient, where weighting samples would not."""
+    """The breakdown's micro-batched step is the policy's: a padded Hugging Face-style batch (loss =
+    mean over label tokens) gives the full batch's gradient; weighting samples would not."""
     import torch.nn.functional as F
 
     from lightning_seqmem.diagnostics.traced_step import run_training_step
@@ -164,7 +176,8 @@ def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
 
         def training_step(self, batch, batch_idx):
             logits = self.model(batch["input_ids"])
-            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                   ignore_index=-100)
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (4, 24))
@@ -176,7 +189,8 @@ def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
     def gradients(**micro):
         lm = TokenMeanLM()
         lm.load_state_dict(reference.state_dict())
-        optimizer = torch.optim.SGD(lm.parameters(), lr=0.0)  # the step leaves its gradients, changes nothing
+        # the step leaves its gradients, changes nothing
+        optimizer = torch.optim.SGD(lm.parameters(), lr=0.0)
         run_training_step(lm, optimizer, batch, training_step_loss, **micro)
         return torch.cat([p.grad.flatten() for p in lm.parameters()])
 
@@ -185,7 +199,8 @@ def test_micro_batched_breakdown_step_weighs_label_tokens_as_the_policy():
     micro = gradients(micro_batch_size=1)
     by_samples = gradients(micro_batch_size=1, weighting="samples")
     assert torch.allclose(micro, whole, rtol=1e-4, atol=1e-7)
-    assert (by_samples - whole).norm() > 0.1 * whole.norm()  # the sample weighting the step used to apply
+    # the sample weighting the step used to apply
+    assert (by_samples - whole).norm() > 0.1 * whole.norm()
 
 
 def test_breakdown_after_fit_runs_the_micro_batching_now_on(tmp_path):
@@ -195,7 +210,8 @@ def test_breakdown_after_fit_runs_the_micro_batching_now_on(tmp_path):
     whole = callback.run_breakdown(trainer, model)
     assert MicroBatching(micro_batch_size=1).apply(trainer, model).applied
     micro = callback.run_breakdown(trainer, model)
-    assert micro["seq_lens"] == whole["seq_lens"] and not any("micro-batches" in n for n in whole["notes"])
+    assert (micro["seq_lens"] == whole["seq_lens"]
+            and not any("micro-batches" in n for n in whole["notes"]))
     assert any("micro-batches of 1 sample(s)" in n for n in micro["notes"])
 
     def activations(section):

@@ -22,8 +22,9 @@ def _peak(seq_len: int, batch_size: int = 4, **model) -> int:
     """The fitted peak of a step at ``seq_len``, measured by a separate run."""
     cb = SeqMemCallback(warmup_steps=2)
     torch.manual_seed(0)
-    make_trainer([cb], max_steps=3).fit(LitGPT(**{**MODEL, **model}),
-                                        SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=16))
+    make_trainer([cb], max_steps=3).fit(
+        LitGPT(**{**MODEL, **model}),
+        SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=16))
     return cb.records[-1].peak_bytes
 
 
@@ -32,7 +33,8 @@ def _fit(cb, max_steps, seq_len, batch_size=4, **model):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer([cb], max_steps=max_steps).fit(
-            LitGPT(**{**MODEL, **model}), SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256))
+            LitGPT(**{**MODEL, **model}),
+            SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256))
     return [w for w in caught if issubclass(w.category, PredictedOOMWarning)]
 
 
@@ -41,9 +43,11 @@ def test_first_stage_change_is_not_blind():
     p64, p128 = _peak(64), _peak(128)
     budget = (p64 + p128) // 2
     cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=(),
-                        curriculum=Curriculum(start=64, target=512, steps_per_stage=2, multiple_of=16))
+                        curriculum=Curriculum(start=64, target=512, steps_per_stage=2,
+                                              multiple_of=16))
     oom = _fit(cb, 12, 512)
-    assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.peak_bytes) for r in cb.records]
+    assert max(r.peak_bytes for r in cb.records) <= budget, [
+        (r.seq_len, r.peak_bytes) for r in cb.records]
     assert 128 not in {r.seq_len for r in cb.records}
     assert cb.planner.course.capped_at is not None and 64 <= cb.planner.course.capped_at < 128
     assert len(oom) == 1
@@ -55,9 +59,11 @@ def test_last_stage_stays_in_budget_with_rungs_available():
     budget = (p128 + p256) // 2
     cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
                         mitigations=("checkpointing", "microbatch"),
-                        curriculum=Curriculum(start=64, target=256, steps_per_stage=3, multiple_of=16))
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=3,
+                                              multiple_of=16))
     _fit(cb, 30, 256)
-    assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.peak_bytes, r.mitigations) for r in cb.records]
+    assert max(r.peak_bytes for r in cb.records) <= budget, [
+        (r.seq_len, r.peak_bytes, r.mitigations) for r in cb.records]
     assert cb.applied_mitigations, "a rung was needed to reach the last stage"
     assert cb.records[-1].seq_len == 256
 
@@ -66,8 +72,8 @@ def test_a_warmup_step_over_budget_switches_a_rung_on_before_the_next():
     # no curriculum, no dry run: the first (warm-up) step is measured over the budget
     p = _peak(256)
     budget = int(p * 0.8)
-    cb = SeqMemCallback(warmup_steps=2, memory_budget=budget, safety_margin=0.0, mitigations=("attention", "checkpointing"),
-                        dry_run=False)
+    cb = SeqMemCallback(warmup_steps=2, memory_budget=budget, safety_margin=0.0,
+                        mitigations=("attention", "checkpointing"), dry_run=False)
     oom = _fit(cb, 4, 256)
     first, second = cb.records[0], cb.records[1]
     assert first.peak_bytes > budget and first.mitigations == ()
@@ -78,7 +84,8 @@ def test_a_warmup_step_over_budget_switches_a_rung_on_before_the_next():
 def test_with_the_dry_run_not_even_the_first_step_is_over():
     p = _peak(256)
     budget = int(p * 0.8)
-    cb = SeqMemCallback(warmup_steps=2, memory_budget=budget, safety_margin=0.0, mitigations=("attention", "checkpointing"))
+    cb = SeqMemCallback(warmup_steps=2, memory_budget=budget, safety_margin=0.0,
+                        mitigations=("attention", "checkpointing"))
     _fit(cb, 4, 256)
     assert cb.records[0].mitigations and "mitigation:attention" in cb.records[0].events
     assert max(r.peak_bytes for r in cb.records) <= budget
@@ -89,6 +96,8 @@ def test_no_step_over_budget_along_a_whole_ladder_run(attention):
     p = _peak(256, attention=attention)
     budget = int(p * 0.6)
     cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
-                        curriculum=Curriculum(start=32, target=256, steps_per_stage=3, multiple_of=16))
+                        curriculum=Curriculum(start=32, target=256, steps_per_stage=3,
+                                              multiple_of=16))
     _fit(cb, 36, 256, attention=attention)
-    assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.peak_bytes, r.mitigations) for r in cb.records]
+    assert max(r.peak_bytes for r in cb.records) <= budget, [
+        (r.seq_len, r.peak_bytes, r.mitigations) for r in cb.records]

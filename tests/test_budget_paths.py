@@ -137,7 +137,8 @@ def test_peft_lora_takes_the_fused_loss_within_the_budget(kind):
     windows, messages = _fit(cb, PeftLM(kind), _peft_data(16), 4)
     assert cb.applied_mitigations == ("fused_loss",), messages
     assert _over(windows, cb) == ([], [])
-    own = resident_bytes(cb.edge)  # the dry run's copy of the first batch: on a CPU run, the device's
+    # the dry run's copy of the first batch: on a CPU run, the device's
+    own = resident_bytes(cb.edge)
     assert 0 < own < 10_000
     assert [r.peak_bytes for r in cb.records[1:]] == [fused + own] * 3  # each with the fused loss
     assert abs(cb.forecast(256, 2, ("fused_loss",)).peak_bytes / (fused + own) - 1) < 0.01

@@ -54,7 +54,8 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs, match):
 
 def test_defaults_and_budget_strings():
     cb = SeqMemCallback()
-    assert cb.config.warmup_steps == 2 and cb.config.tolerance == 0.15 and cb.usable_budget_bytes is None
+    assert (cb.config.warmup_steps == 2 and cb.config.tolerance == 0.15
+            and cb.usable_budget_bytes is None)
     assert SeqMemCallback(memory_budget="1GiB", safety_margin=0.0).usable_budget_bytes == 2**30
     assert SeqMemCallback(memory_budget="900MB").usable_budget_bytes == int(900e6 * 0.9)
 
@@ -81,7 +82,8 @@ def _padded_loader(lengths, num_batches):
 
 def test_dynamic_padding_measured_at_real_lengths_and_forecast_verified():
     lengths = [32, 48, 64, 96, 128, 160]
-    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, dry_run=False)  # the replay's own path
+    # the replay's own path
+    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, dry_run=False)
     trainer = make_trainer([cb], max_steps=12)
     trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), _padded_loader(lengths, 12))
     assert [r.seq_len for r in cb.records] == [lengths[i % 6] for i in range(12)]
@@ -93,7 +95,8 @@ def test_dynamic_padding_measured_at_real_lengths_and_forecast_verified():
         assert r.forecast_method in ("replay", "quadratic")
     fc = cb.forecast(256)
     assert fc.method == "replay" and fc.upper_bytes >= fc.peak_bytes > cb.records[-1].peak_bytes
-    assert cb.max_seq_len(budget_bytes=fc.peak_bytes) < 256 <= cb.max_seq_len(budget_bytes=fc.upper_bytes * 2)
+    assert (cb.max_seq_len(budget_bytes=fc.peak_bytes) < 256
+            <= cb.max_seq_len(budget_bytes=fc.upper_bytes * 2))
 
 
 def test_forecast_before_two_lengths_raises_a_clear_error():
@@ -111,17 +114,20 @@ def test_forecast_before_two_lengths_raises_a_clear_error():
 def test_every_step_recorded_after_warmup_and_phase_peaks_present():
     cb = SeqMemCallback(warmup_steps=3)
     trainer = make_trainer([cb], max_steps=7, accumulate_grad_batches=2)
-    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=32))
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2),
+                SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=32))
     assert [r.step for r in cb.records] == list(range(14))
     # warm-up lasts until 3 optimizer steps were taken: 6 batches when accumulating 2
     assert [r.warmup for r in cb.records] == [True] * 6 + [False] * 8
     # only batches that end in an optimizer step are traced (the others run a different program)
     traced = [r for r in cb.records if r.traced]
-    assert traced and all(r.optimizer_peak_bytes is not None for r in traced), [r.step for r in traced]
+    assert traced and all(r.optimizer_peak_bytes is not None for r in traced), [
+        r.step for r in traced]
     # accumulating batches skip the optimizer phase; boundary batches have it
     for r in cb.records:
         assert (r.optimizer_peak_bytes is not None) == (r.step % 2 == 1)
-        assert r.peak_bytes == max(v for v in (r.forward_peak_bytes, r.backward_peak_bytes, r.optimizer_peak_bytes) if v)
+        assert (r.peak_bytes == max(v for v in (r.forward_peak_bytes, r.backward_peak_bytes,
+                                                r.optimizer_peak_bytes) if v))
 
 
 class _GrowsAfter64(LitGPT):
@@ -137,11 +143,14 @@ class _GrowsAfter64(LitGPT):
 
 
 def test_forecast_miss_beyond_tolerance_warns_once():
-    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, dry_run=False,  # the replay's own path
-                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
+    # the replay's own path
+    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, dry_run=False,
+                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2,
+                                              multiple_of=16))
     trainer = make_trainer([cb], max_steps=8)
     with pytest.warns(ForecastMismatchWarning, match="seq_len=128") as caught:
-        trainer.fit(_GrowsAfter64(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=128, num_samples=32))
+        trainer.fit(_GrowsAfter64(n_layer=1, d_model=32, n_head=2),
+                    SyntheticTokenDataModule(batch_size=2, seq_len=128, num_samples=32))
     assert len([w for w in caught if issubclass(w.category, ForecastMismatchWarning)]) == 1
     miss = [r for r in cb.records if r.seq_len == 128 and r.forecast_error is not None][0]
     assert miss.forecast_error < -cb.config.tolerance  # under-predicted
@@ -186,14 +195,17 @@ def test_internal_failure_becomes_one_warning_and_training_goes_on(monkeypatch):
 
 
 def test_callback_does_not_change_training():
-    assert all(torch.equal(a, b) for a, b in zip(_final_weights([SeqMemCallback()]).values(), _final_weights([]).values()))
+    assert all(torch.equal(a, b) for a, b in zip(_final_weights([SeqMemCallback()]).values(),
+                                                 _final_weights([]).values()))
 
 
 def test_logged_scalars_match_records(tmp_path):
-    cb = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
+    cb = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", curriculum=Curriculum(
+        start=16, target=64, steps_per_stage=2, multiple_of=16))
     logger = CSVLogger(tmp_path, name="run")
     trainer = make_trainer([cb], max_steps=6, logger=logger, log_every_n_steps=1)
-    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2),
+                SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
     rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
     by_step = {}
     for row in rows:
@@ -201,38 +213,48 @@ def test_logged_scalars_match_records(tmp_path):
             by_step[int(row["step"])] = row
     for r in cb.records:
         row = by_step[r.global_step]
-        assert float(row["seqmem/peak_allocated_gib"]) == pytest.approx(r.peak_bytes / 2**30, rel=1e-6)
-        assert float(row["seqmem/peak_backward_gib"]) == pytest.approx(r.backward_peak_bytes / 2**30, rel=1e-6)
+        assert (float(row["seqmem/peak_allocated_gib"])
+                == pytest.approx(r.peak_bytes / 2**30, rel=1e-6))
+        assert (float(row["seqmem/peak_backward_gib"])
+                == pytest.approx(r.backward_peak_bytes / 2**30, rel=1e-6))
         assert int(float(row["seqmem/seq_len"])) == r.seq_len
     budget_cells = [by_step[r.global_step]["seqmem/budget_gib"] for r in cb.records]
-    first = next(i for i, cell in enumerate(budget_cells) if cell != "")  # logged once a forecast exists
+    # logged once a forecast exists
+    first = next(i for i, cell in enumerate(budget_cells) if cell != "")
     assert first < len(budget_cells) - 1, budget_cells
-    assert [float(cell) for cell in budget_cells[first:]] == pytest.approx([0.9] * (len(budget_cells) - first))
+    assert ([float(cell) for cell in budget_cells[first:]]
+            == pytest.approx([0.9] * (len(budget_cells) - first)))
     last = by_step[cb.records[-1].global_step]
-    for tag in ("forecast_next_gib", "max_seq_len", "headroom_gib", "headroom_fraction", "verification_error", "stage"):
+    for tag in ("forecast_next_gib", "max_seq_len", "headroom_gib", "headroom_fraction",
+                "verification_error", "stage"):
         assert last[f"seqmem/{tag}"] != "", tag
     assert int(float(last["seqmem/max_seq_len"])) == cb.max_seq_len()
 
 
 def test_state_dict_round_trip_keeps_forecasts():
     # the fits are what a checkpoint holds (a dry run needs the live module: it is not state)
-    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(
+        start=16, target=64, steps_per_stage=2, multiple_of=16))
     trainer = make_trainer([cb], max_steps=6)
-    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
+    trainer.fit(LitGPT(n_layer=1, d_model=32, n_head=2),
+                SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
     state = cb.state_dict()
-    restored = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
+    restored = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(
+        start=16, target=64, steps_per_stage=2, multiple_of=16))
     restored.load_state_dict(state)
     assert restored.records == cb.records
     assert restored.forecast(256) == cb.forecast(256)
     assert restored.state_dict() == state
-    assert SeqMemCallback(memory_budget="1GiB").state_key == restored.state_key == "SeqMemCallback"  # not the configuration
+    # not the configuration
+    assert SeqMemCallback(memory_budget="1GiB").state_key == restored.state_key == "SeqMemCallback"
 
 
 class _OOMAtStep(LitGPT):
     def __init__(self, fail_at, **kwargs):
         super().__init__(**kwargs)
         self.fail_at = fail_at
-        self.error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+        self.error = torch.cuda.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
 
     def training_step(self, batch, batch_idx):
         if self.global_step == self.fail_at:
@@ -243,17 +265,20 @@ class _OOMAtStep(LitGPT):
 def test_real_oom_is_diagnosed_and_reraised_unchanged(tmp_path):
     import json
 
-    cb = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=2, multiple_of=16))
+    cb = SeqMemCallback(warmup_steps=1, memory_budget="1GiB", curriculum=Curriculum(
+        start=16, target=64, steps_per_stage=2, multiple_of=16))
     module = _OOMAtStep(5, n_layer=1, d_model=32, n_head=2)
     trainer = make_trainer([cb], max_steps=8, default_root_dir=tmp_path)
     with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
         trainer.fit(module, SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
     assert raised.value is module.error  # the very same error object
     diagnosis = json.loads((tmp_path / "seqmem_oom_diagnosis.json").read_text())
-    assert "injected" in diagnosis["error"] and diagnosis["failing_batch"] == {"seq_len": 64, "batch_size": 2}
+    assert ("injected" in diagnosis["error"]
+            and diagnosis["failing_batch"] == {"seq_len": 64, "batch_size": 2})
     assert [r["step"] for r in diagnosis["last_records"]] == [0, 1, 2, 3, 4]
     # the forecast the batch was judged by: the dry run (issue 22: the diagnosis names the one used)
-    assert diagnosis["forecast_for_failing_batch"]["method"] == "dry_run" and diagnosis["forecast_used"] == "dry run"
+    assert (diagnosis["forecast_for_failing_batch"]["method"] == "dry_run"
+            and diagnosis["forecast_used"] == "dry run")
     assert "switch on 'attention'" in diagnosis["would_have_done"]
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -274,8 +299,11 @@ def test_manual_optimization_drops_microbatching_at_setup():
             opt.step()
 
     cb = SeqMemCallback()
-    with pytest.warns(UserWarning, match=r"mitigations \['microbatch'\] are off for this run: manual optimization"):
-        make_trainer([cb], max_steps=3).fit(Manual(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=16))
+    with pytest.warns(UserWarning, match=r"mitigations \['microbatch'\] are off for this run: "
+                      r"manual optimization"):
+        make_trainer([cb], max_steps=3).fit(
+            Manual(n_layer=1, d_model=32, n_head=2),
+            SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=16))
     assert cb.mitigations == ("attention", "checkpointing") and len(cb.records) == 3
     assert all(r.backward_peak_bytes for r in cb.records)  # manual_backward still marks the phase
 
@@ -300,7 +328,8 @@ def test_batch_without_a_sequence_dimension_is_refused_before_the_first_step():
         make_trainer([cb], max_steps=2).fit(Regressor(), DataLoader(data, batch_size=None))
     assert cb.records == []
     # with a seq_len_fn the same run is measured
-    cb = SeqMemCallback(warmup_steps=1, seq_len_fn=lambda batch: (batch["x"].shape[0], batch["x"].shape[1]))
+    cb = SeqMemCallback(warmup_steps=1,
+                        seq_len_fn=lambda batch: (batch["x"].shape[0], batch["x"].shape[1]))
     make_trainer([cb], max_steps=3).fit(Regressor(), DataLoader(data, batch_size=None))
     assert [r.seq_len for r in cb.records] == [8, 8, 8]
 
@@ -314,7 +343,8 @@ def test_a_tracker_failure_inside_an_op_does_not_reach_the_model(monkeypatch):
 
     def flaky(self, st, op):
         if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-            return original(self, st, op)  # a dry run's fake step: not the real step this test breaks
+            # a dry run's fake step: not the real step this test breaks
+            return original(self, st, op)
         calls["n"] += 1
         if calls["n"] == 400:  # a few steps in (about 200 allocations per step here)
             raise RuntimeError("injected tracker fault")
@@ -341,25 +371,31 @@ def test_sharding_strategies_keep_measurement_and_drop_the_rungs_they_cannot_tak
     from lightning.pytorch.strategies import FSDPStrategy
 
     cb = SeqMemCallback()
-    with pytest.warns(UserWarning, match=r"\['checkpointing', 'microbatch'\] are off for this run: FSDPStrategy"):
-        cb._fit.drop_unsupported(SimpleNamespace(strategy=FSDPStrategy()), LitGPT(n_layer=1, d_model=32, n_head=2))
+    with pytest.warns(UserWarning, match=r"\['checkpointing', 'microbatch'\] are off for this run: "
+                      r"FSDPStrategy"):
+        cb._fit.drop_unsupported(SimpleNamespace(strategy=FSDPStrategy()),
+                                 LitGPT(n_layer=1, d_model=32, n_head=2))
     assert cb.mitigations == ("attention",)
 
 
 @pytest.mark.parametrize(
     "trainer_kwargs",
-    [dict(accumulate_grad_batches=2, max_steps=8), dict(precision="bf16-mixed", max_steps=16)],  # 16 batches each
+    # 16 batches each
+    [dict(accumulate_grad_batches=2, max_steps=8), dict(precision="bf16-mixed", max_steps=16)],
     ids=["accumulate", "bf16"],
 )
 def test_replay_holds_with_gradient_accumulation_and_mixed_precision(trainer_kwargs):
     cb = SeqMemCallback(warmup_steps=1, dry_run=False,  # the replay's own path
-                        curriculum=Curriculum(start=32, target=256, steps_per_stage=4, multiple_of=16))
+                        curriculum=Curriculum(start=32, target=256, steps_per_stage=4,
+                                              multiple_of=16))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer([cb], **trainer_kwargs).fit(
-            LitGPT(n_layer=2, d_model=64, n_head=4), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64)
+            LitGPT(n_layer=2, d_model=64, n_head=4),
+            SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64)
         )
     assert not [w for w in caught if issubclass(w.category, SeqMemFailureWarning)]
     assert cb.forecaster.timeline is not None, cb.forecaster.timeline_unavailable_reason
     replayed = [r for r in cb.records if r.forecast_method == "replay"]
-    assert replayed and all(abs(r.forecast_error) <= 0.05 for r in replayed), [(r.seq_len, r.forecast_error) for r in replayed]
+    assert replayed and all(abs(r.forecast_error) <= 0.05 for r in replayed), [
+        (r.seq_len, r.forecast_error) for r in replayed]

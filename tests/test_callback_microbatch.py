@@ -19,32 +19,40 @@ MODEL = dict(n_layer=1, d_model=32, n_head=2)
 class SumLossGPT(LitGPT):
     def training_step(self, batch, batch_idx):
         logits = self(batch["input_ids"])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                               reduction="sum")
 
 
 def _fit(module, budget):
-    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=("microbatch",))
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
+                        mitigations=("microbatch",))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer([cb], max_steps=4).fit(module, SyntheticTokenDataModule(batch_size=4, seq_len=64, num_samples=64))
+        make_trainer([cb], max_steps=4).fit(
+            module, SyntheticTokenDataModule(batch_size=4, seq_len=64, num_samples=64))
     return cb, [str(w.message) for w in caught]
 
 
 def _first_peak(module_cls):
     cb = SeqMemCallback(warmup_steps=1, mitigations=())
     torch.manual_seed(0)
-    make_trainer([cb], max_steps=1).fit(module_cls(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=64, num_samples=16))
+    make_trainer([cb], max_steps=1).fit(
+        module_cls(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=64, num_samples=16))
     return cb.records[0].peak_bytes
 
 
 def test_a_sum_loss_refuses_micro_batching_and_the_records_say_so():
-    budget = _first_peak(SumLossGPT) - 1  # the first step is over: micro-batching is asked for at once
+    # the first step is over: micro-batching is asked for at once
+    budget = _first_peak(SumLossGPT) - 1
     torch.manual_seed(0)
     module = SumLossGPT(**MODEL)
     cb, messages = _fit(module, budget)
-    assert not is_micro_batching(module) and cb.applied_mitigations == () and "microbatch" not in cb.mitigations
-    assert [r.mitigations for r in cb.records] == [()] * 4  # no step ran micro-batched: none says it did
-    assert cb.mitigation_events[0]["name"] == "microbatch" and "refused" in cb.mitigation_events[0]["removed"]
+    assert (not is_micro_batching(module) and cb.applied_mitigations == ()
+            and "microbatch" not in cb.mitigations)
+    # no step ran micro-batched: none says it did
+    assert [r.mitigations for r in cb.records] == [()] * 4
+    assert (cb.mitigation_events[0]["name"] == "microbatch"
+            and "refused" in cb.mitigation_events[0]["removed"])
     assert any("could not switch on 'microbatch'" in m and "refused" in m for m in messages)
     assert sum("switching on the next mitigation" in m for m in messages) == 1  # not tried again
 

@@ -28,13 +28,15 @@ def _step_peak(block_class_names=None, checkpoint=True) -> tuple[int, str]:
         return torch.nn.functional.nll_loss(out.view(-1, out.size(-1)), batch[:, 1:].reshape(-1))
 
     training_step_memory(model, optimizer, tokens, loss_fn)
-    memory = training_step_memory(model, optimizer, tokens, loss_fn, make_probe("tracker", torch.device("cpu")))
+    memory = training_step_memory(model, optimizer, tokens, loss_fn,
+                                  make_probe("tracker", torch.device("cpu")))
     return memory.peak_bytes, detail
 
 
 def test_checkpointing_wraps_the_encoder_and_the_decoder():
     plain, _ = _step_peak(checkpoint=False)
-    encoder_only, _ = _step_peak(["TransformerEncoderLayer"])  # what the first-found tie chose before
+    # what the first-found tie chose before
+    encoder_only, _ = _step_peak(["TransformerEncoderLayer"])
     both, detail = _step_peak()
     assert "2 x TransformerEncoderLayer + 2 x TransformerDecoderLayer" in detail, detail
     assert both < encoder_only < plain, (plain, encoder_only, both)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lightning_seqmem.reference.demo import LitGPT
-from lightning_seqmem.dryrun.cuda import cuda_kernel_scratch_bytes, resident_bytes, warm_cuda_workspaces
+from lightning_seqmem.dryrun.cuda import (cuda_kernel_scratch_bytes, resident_bytes,
+                                          warm_cuda_workspaces)
 from lightning_seqmem.dryrun.step import dry_run_step, replay_peaks
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.tracker import LiveTensorTracker
@@ -43,7 +44,8 @@ def test_scratch_is_counted_at_its_op_and_freed_at_once():
     assert plain.peak_bytes == 4 * block and with_scratch.peak_bytes == plain.peak_bytes + block
     assert with_scratch.live_bytes == plain.live_bytes  # nothing left behind
     ops = with_scratch.events.ops
-    assert [op for op in ops if op.endswith("(scratch)")] == ["aten::_softmax_backward_data (scratch)"]
+    assert ([op for op in ops if op.endswith("(scratch)")]
+            == ["aten::_softmax_backward_data (scratch)"])
     peak, _ = replay_peaks(with_scratch.events)
     assert peak == with_scratch.peak_bytes  # the replay sees the transient as the tracker did
 
@@ -75,8 +77,10 @@ def test_workspaces_are_resident_after_warming():
     optimizer = torch.optim.AdamW(model.parameters())
     batch = _batch(128)
     training_step_memory(model, optimizer, batch, _loss)
-    after_a_step = resident_bytes(torch.device("cuda"), list(model.parameters()) + [batch["input_ids"], batch["labels"]]
-                                  + [p.grad for p in model.parameters()] + [v for s in optimizer.state.values() for v in s.values()])  # fmt: skip
+    after_a_step = resident_bytes(
+        torch.device("cuda"), list(model.parameters()) + [batch["input_ids"], batch["labels"]]
+        + [p.grad for p in model.parameters()]
+        + [v for s in optimizer.state.values() for v in s.values()])  # fmt: skip
     assert resident > 0 and abs(after_a_step - resident) <= 0.1 * resident, (resident, after_a_step)
 
 
@@ -92,13 +96,15 @@ def test_dry_run_matches_the_allocator(attention):
     opt = torch.optim.AdamW(real.parameters())
     batch = _batch(1024)
     training_step_memory(real, opt, batch, _loss)
-    measured = training_step_memory(real, opt, batch, _loss, make_probe("cuda", torch.device("cuda")))
-    assert abs(dry.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (dry.peak_bytes, measured.peak_bytes)
+    measured = training_step_memory(real, opt, batch, _loss,
+                                    make_probe("cuda", torch.device("cuda")))
+    assert abs(dry.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (
+        dry.peak_bytes, measured.peak_bytes)
 
 
 def test_replay_adds_what_the_allocator_counted_beyond_the_traced_tensors():
-    """Traces made on the CPU and labelled as allocator traces (512-byte blocks) with a measured peak
-    above the replay by ``a + c·L²``, as workspaces plus a kernel's scratch make it on CUDA."""
+    """Traces made on the CPU and labelled as allocator traces (512-byte blocks) with a measured
+    peak above the replay by ``a + c·L²``, as workspaces plus a kernel's scratch make it on CUDA."""
     from lightning_seqmem.core.forecast import MemoryForecaster
     from lightning_seqmem.measure.probes import TrackerProbe
     from lightning_seqmem.core.timeline import Trace
@@ -125,10 +131,13 @@ def test_replay_adds_what_the_allocator_counted_beyond_the_traced_tensors():
         cpu.add_trace(traced(L, 1))
         cuda_like.add_trace(traced(L, 512))
     for t in cuda_like.traces:  # measured = replayed tensors + what the allocator adds
-        t.measured_peak_bytes = cuda_like.timeline.predict(t.seq_len, 2).peak_bytes + exact(t.seq_len)
+        t.measured_peak_bytes = (cuda_like.timeline.predict(t.seq_len, 2).peak_bytes
+                                 + exact(t.seq_len))
     for t in cpu.traces:
         t.measured_peak_bytes = cpu.timeline.predict(t.seq_len, 2).peak_bytes
     base = cuda_like.timeline.predict(512, 2).peak_bytes
     got = cuda_like.forecast(512, 2).peak_bytes - base
-    assert abs(got - exact(512)) <= 2, (got, exact(512))  # a + c·L² is recovered at 4x the longest trace
-    assert cpu.forecast(512, 2).peak_bytes == cpu.timeline.predict(512, 2).peak_bytes  # the tracker: nothing added
+    # a + c·L² is recovered at 4x the longest trace
+    assert abs(got - exact(512)) <= 2, (got, exact(512))
+    # the tracker: nothing added
+    assert cpu.forecast(512, 2).peak_bytes == cpu.timeline.predict(512, 2).peak_bytes

@@ -17,14 +17,16 @@ pytestmark = pytest.mark.ddp
 
 def _run(tmp_path, *args, timeout=240):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True, timeout=limit_s(timeout)
+        [sys.executable, str(SCRIPT), str(tmp_path), *args], capture_output=True, text=True,
+        timeout=limit_s(timeout)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def _decisions(rank):
-    return [(r["step"], r["seq_len"], r["batch_size"], r["stage"], r["peak_bytes"], r["warmup"]) for r in rank["records"]]
+    return [(r["step"], r["seq_len"], r["batch_size"], r["stage"], r["peak_bytes"], r["warmup"])
+            for r in rank["records"]]
 
 
 def test_ranks_agree_on_peaks_lengths_and_the_cap(tmp_path):
@@ -53,8 +55,8 @@ def test_uneven_batch_sizes_and_lengths_take_the_same_decisions(tmp_path, curric
     # rank 0: 4 samples of 64 tokens; rank 1: 1 sample of 128 tokens. Micro-batching changes nothing
     # on rank 1 (one sample): under the old per-rank choice the ranks took different collective
     # paths, then rank 1's refusal kept it off on both (issue 30: one that fits everywhere is taken)
-    args = ["--batch-sizes", "4,1", "--seq-lens", "64,128", "--mitigations", "microbatch,checkpointing",
-            "--budget", str(900_000), "--max-steps", "10"]
+    args = ["--batch-sizes", "4,1", "--seq-lens", "64,128", "--mitigations",
+            "microbatch,checkpointing", "--budget", str(900_000), "--max-steps", "10"]
     rank0, rank1 = _run(tmp_path, *args, *([] if curriculum else ["--no-curriculum"]), timeout=240)
     assert rank0["decisions"] == rank1["decisions"] and len(rank0["decisions"]) == 10
     assert rank0["applied_mitigations"] == rank1["applied_mitigations"]
@@ -64,14 +66,15 @@ def test_uneven_batch_sizes_and_lengths_take_the_same_decisions(tmp_path, curric
     # each record's peak comes with the length and batch size of the rank that had it
     for r in rank0["records"]:
         assert r["rank"] in (0, 1)
-        assert (r["batch_size"], r["seq_len"] <= 128) == ((4, True) if r["rank"] == 0 else (1, True))
+        assert ((r["batch_size"], r["seq_len"] <= 128)
+                == ((4, True) if r["rank"] == 0 else (1, True)))
     if not curriculum:
         assert {(r["rank"], r["seq_len"]) for r in rank0["records"]} <= {(0, 64), (1, 128)}
 
 
 def test_a_rank_that_cannot_read_its_batch_stops_every_rank_without_a_hang(tmp_path):
-    rank0, rank1 = _run(tmp_path, "--unreadable-rank1-at", "4", "--max-steps", "8", "--budget", str(2_000_000),
-                        timeout=180)
+    rank0, rank1 = _run(tmp_path, "--unreadable-rank1-at", "4", "--max-steps", "8", "--budget",
+                        str(2_000_000), timeout=180)
     assert rank0["disabled"] and rank1["disabled"]
     assert rank0["global_step"] == rank1["global_step"] == 8
     assert rank0["decisions"] == rank1["decisions"] and len(rank0["decisions"]) == 4

@@ -28,7 +28,8 @@ class DemoTransformer(LightningTransformer):
 
     def __init__(self, max_len: int = 8200, **sizes) -> None:
         super().__init__(vocab_size=VOCAB)
-        self.model = Transformer(vocab_size=VOCAB, **{**dict(ninp=8, nhead=1, nhid=8, nlayers=1, dropout=0.0), **sizes})
+        self.model = Transformer(
+            vocab_size=VOCAB, **{**dict(ninp=8, nhead=1, nhid=8, nlayers=1, dropout=0.0), **sizes})
         self.model.pos_encoder.max_len = max_len  # the demo reads pe[:, L]: more than L positions
 
     def prepare_data(self) -> None:
@@ -36,10 +37,11 @@ class DemoTransformer(LightningTransformer):
 
 
 class Tokens(Dataset):
-    """``(inputs, targets)`` rows of random tokens; ``set_seq_len`` sets the length of the next rows."""
+    """``(inputs, targets)`` rows of random tokens; ``set_seq_len`` sets the next rows' length."""
 
     def __init__(self, num_samples: int = 64, seq_len: int = 1024) -> None:
-        self.data = torch.randint(0, VOCAB, (num_samples, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        self.data = torch.randint(0, VOCAB, (num_samples, seq_len + 1),
+                                  generator=torch.Generator().manual_seed(0))
         self.seq_len = seq_len
 
     def set_seq_len(self, seq_len: int) -> None:
@@ -54,7 +56,8 @@ class Tokens(Dataset):
 
 
 def tuples(rows):
-    return tuple(default_collate(rows))  # default_collate makes a list, which the callback cuts in place
+    # default_collate makes a list, which the callback cuts in place
+    return tuple(default_collate(rows))
 
 
 def _batch(seq_len: int):
@@ -71,9 +74,10 @@ def _measured(model, batch) -> int:
 
 
 class CountedDemo(DemoTransformer):
-    """The demo module counting each step's peak with its own tracker, independently of the callback:
-    from its ``on_train_batch_start`` (after every callback's: dry runs done, the callback's tracker
-    entered) to the end of its ``optimizer_step`` (before the callback's ``on_train_batch_end``)."""
+    """The demo module counting each step's peak with its own tracker, independently of the
+    callback: from its ``on_train_batch_start`` (after every callback's: dry runs done, the
+    callback's tracker entered) to the end of its ``optimizer_step`` (before the callback's
+    ``on_train_batch_end``)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -99,7 +103,8 @@ def _fit(cb, dataset, max_steps, model=None):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer([cb], max_steps=max_steps).fit(model, DataLoader(dataset, batch_size=1, collate_fn=tuples))
+        make_trainer([cb], max_steps=max_steps).fit(
+            model, DataLoader(dataset, batch_size=1, collate_fn=tuples))
     return getattr(model, "peaks", None)
 
 
@@ -128,7 +133,8 @@ def test_demo_is_dry_run_at_long_lengths():
     # nn.TransformerDecoder reads its [L, L] mask's values (is it causal?): 16 MiB at 2048 tokens,
     # 256 MiB at 8192; with a fixed 8 MiB limit the dry run refused the demo from 2048 tokens on
     measured = _measured(DemoTransformer(), _batch(2048))
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=128, steps_per_stage=2, multiple_of=64))
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(
+        start=64, target=128, steps_per_stage=2, multiple_of=64))
     _fit(cb, Tokens(num_samples=8, seq_len=128), 4, DemoTransformer())
     at_2048, at_8192 = cb.forecast(2048, 1), cb.forecast(8192, 1)
     assert at_2048.method == at_8192.method == "dry_run", (at_2048.detail, at_8192.detail)
@@ -136,7 +142,8 @@ def test_demo_is_dry_run_at_long_lengths():
     assert at_8192.peak_bytes > 12 * at_2048.peak_bytes  # the [L, L] masks: ~quadratic
 
 
-@pytest.mark.slow  # real steps at 4096 tokens (290 MiB); 8192 (1.1 GiB): benchmarks/demo_transformer.py
+# real steps at 4096 tokens (290 MiB); 8192 (1.1 GiB): benchmarks/demo_transformer.py
+@pytest.mark.slow
 def test_demo_dry_run_at_4096_is_the_measured_step():
     measured = _measured(DemoTransformer(), _batch(4096))
     dry = dry_run_step(DemoTransformer(), None, _batch(64), 4096).peak_bytes
@@ -146,10 +153,12 @@ def test_demo_dry_run_at_4096_is_the_measured_step():
 def test_tuple_batches_through_the_dataset_arrive_at_their_stage_length_within_budget():
     # before, the first batch was fetched before the first stage's length was set (step 0 ran at the
     # data's 512 tokens, over the budget) and every stage's first batch came at the previous length
-    p256, p512 = _measured(DemoTransformer(), _batch(256)), _measured(DemoTransformer(), _batch(512))
+    p256, p512 = (_measured(DemoTransformer(), _batch(256)),
+                  _measured(DemoTransformer(), _batch(512)))
     usable = (p256 + p512) // 2
     cb = SeqMemCallback(warmup_steps=1, memory_budget=usable, safety_margin=0.0, mitigations=(),
-                        curriculum=Curriculum(start=64, target=256, steps_per_stage=2, multiple_of=64))
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=2,
+                                              multiple_of=64))
     peaks = _fit(cb, Tokens(num_samples=16, seq_len=512), 7)
     assert [L for L, _ in peaks] == [64, 64, 128, 128, 256, 256, 256], peaks
     over = [(L, p) for L, p in peaks if p > usable]
@@ -171,7 +180,8 @@ class _Stream(IterableDataset):
 def test_tuple_batches_from_an_unsized_stream_are_refused_before_the_first_step():
     # Lightning fetches one batch ahead from a loader without a length: the length set through the
     # dataset would always come one batch late
-    cb = SeqMemCallback(curriculum=Curriculum(start=64, target=128, steps_per_stage=2, multiple_of=64))
+    cb = SeqMemCallback(curriculum=Curriculum(start=64, target=128, steps_per_stage=2,
+                                              multiple_of=64))
     model = DemoTransformer()
     with pytest.raises(ValueError, match="__len__"):
         _fit(cb, _Stream(), 4, model)
@@ -182,7 +192,8 @@ def test_demo_refused_at_a_longer_length_still_dry_runs_the_shorter_ones():
     """Issue 21: one refusal is not a verdict. The demo's positional table has ``max_len`` rows: a
     dry run past them fails (the real step would too), and shorter lengths keep their dry runs. The
     forecast there says the model fails (issue 30: before, it gave the replay's figure)."""
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=128, steps_per_stage=2, multiple_of=64))
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(
+        start=64, target=128, steps_per_stage=2, multiple_of=64))
     _fit(cb, Tokens(num_samples=8, seq_len=128), 4, DemoTransformer(max_len=1100))
     with pytest.raises(ValueError, match="IndexError: index 2048 is out of bounds"):  # no figure
         cb.forecast(2048, 1)

@@ -223,47 +223,52 @@ def test_seqmem_plan_figures_are_the_full_dry_runs(tmp_path, capsys):
     largest, usable = doc["largest_fitting_seq_len"], doc["usable_budget_bytes"]
     last = doc["mitigation_sets"][-1]
     assert 256 < largest < 2048
-    from lightning_seqmem.plan.judging import dry_run_bound  # the plan judges a peak as the callback does
+    # the plan judges a peak as the callback does
+    from lightning_seqmem.plan.judging import dry_run_bound
 
     assert dry_run_bound(dry_run_step(model, None, batch, largest, None, last).peak_bytes) <= usable
-    assert dry_run_bound(dry_run_step(model, None, batch, largest + 8, None, last).peak_bytes) > usable
+    assert (dry_run_bound(dry_run_step(model, None, batch, largest + 8, None, last).peak_bytes)
+            > usable)
 
 
 @pytest.mark.parametrize("names", [(), ("checkpointing",), ("checkpointing", "activation_offload")])
 def test_offload_at_depth_equals_the_full_dry_run_on_device_and_host(names):
-    """FSDP2 CPUOffloadPolicy on the simulated CUDA device (parameters, gradients and AdamW state on the
-    host): the depth-extrapolated device and host peaks, phase by phase, equal the full dry run's. With
-    activation offload too, the host peak is not affine in the block count at 128 tokens (1–4 blocks: +164,900,
-    +197,540, +197,668 bytes): it is replayed from the pumped host trace, as the device's."""
+    """FSDP2 CPUOffloadPolicy on the simulated CUDA device (parameters, gradients and AdamW state on
+    the host): the depth-extrapolated device and host peaks, phase by phase, equal the full dry
+    run's. With activation offload too, the host peak is not affine in the block count at 128 tokens
+    (1–4 blocks: +164,900, +197,540, +197,668 bytes): it is replayed from the pumped host trace, as
+    the device's."""
     clear_depth_cache()
     template = unsharded_template(MODELS["llama"]())
     for world, seq_len in ((1, 128), (4, 128), (4, 200)):
-        deep = depth_sharded_dry_run_step(template, _batch(), seq_len, world, None, names, "fsdp2", None, "cuda",
-                                          offload=True)
-        full = sharded_dry_run_step(template, _batch(), seq_len, world, None, names, "fsdp2", None, "cuda",
-                                    offload=True)
+        deep = depth_sharded_dry_run_step(template, _batch(), seq_len, world, None, names, "fsdp2",
+                                          None, "cuda", offload=True)
+        full = sharded_dry_run_step(template, _batch(), seq_len, world, None, names, "fsdp2", None,
+                                    "cuda", offload=True)
         assert _figures(deep) == _figures(full) and full.host_peak_bytes > 0
         assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail
 
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_a_layout_that_changes_with_the_length_is_proved_again_from_two_copies(offload):
-    """The tiled MLP's tile count follows the length (here one tile per 32 tokens: 4, 7 and 8 tiles), so each
-    length lays its allocations out anew: the repetition proved on copies of 1, 2 and 3 blocks at the first
-    length is proved again from copies of 1 and 2 at the others (2 fake steps, not 3), and every answer equals
-    the full dry run's, device and host, phase by phase (FSDP2 CPUOffloadPolicy with activation offload too)."""
+    """The tiled MLP's tile count follows the length (here one tile per 32 tokens: 4, 7 and 8
+    tiles), so each length lays its allocations out anew: the repetition proved on copies of 1, 2
+    and 3 blocks at the first length is proved again from copies of 1 and 2 at the others (2 fake
+    steps, not 3), and every answer equals the full dry run's, device and host, phase by phase
+    (FSDP2 CPUOffloadPolicy with activation offload too)."""
     clear_depth_cache()
     batch = _batch()
     if offload:
         template = unsharded_template(MODELS["llama"]())
         names = ("checkpointing", "tiled_mlp", "activation_offload")
-        deep_at = lambda n: depth_sharded_dry_run_step(template, batch, n, 1, None, names, "fsdp2", None, "cuda",  # noqa: E731
-                                                       offload=True)
-        full_at = lambda n: sharded_dry_run_step(template, batch, n, 1, None, names, "fsdp2", None, "cuda",  # noqa: E731
-                                                 offload=True)
+        deep_at = lambda n: depth_sharded_dry_run_step(  # noqa: E731
+            template, batch, n, 1, None, names, "fsdp2", None, "cuda", offload=True)
+        full_at = lambda n: sharded_dry_run_step(  # noqa: E731
+            template, batch, n, 1, None, names, "fsdp2", None, "cuda", offload=True)
     else:
         model, names = MODELS["llama"](), ("tiled_mlp",)
-        deep_at = lambda n: depth_dry_run_step(model, None, batch, n, None, names, device="cuda")  # noqa: E731
+        deep_at = lambda n: depth_dry_run_step(  # noqa: E731
+            model, None, batch, n, None, names, device="cuda")
         full_at = lambda n: dry_run_step(model, None, batch, n, None, names, device="cuda")  # noqa: E731
     first = None
     for seq_len in (128, 200, 256):
@@ -274,4 +279,5 @@ def test_a_layout_that_changes_with_the_length_is_proved_again_from_two_copies(o
             first = checked
             assert checked.endswith("blocks at seq_len 128") and "and of" not in checked
         else:
-            assert checked.startswith(first + ", and of ") and checked.endswith(f"blocks at seq_len {seq_len}")
+            assert (checked.startswith(first + ", and of ")
+                    and checked.endswith(f"blocks at seq_len {seq_len}"))

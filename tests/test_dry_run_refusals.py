@@ -12,7 +12,7 @@ from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 
 class RefusesPast64(LitGPT):
-    """Past 64 tokens, a guard reads an activation's value: fake tensors have none (the dry run refuses)."""
+    """Past 64 tokens a guard reads an activation's value; fake tensors have none: no dry run."""
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -24,15 +24,19 @@ class RefusesPast64(LitGPT):
 
 def test_a_refusal_at_a_long_length_keeps_the_shorter_dry_runs():
     cb = SeqMemCallback(warmup_steps=1, memory_budget="1GiB",
-                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
+                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2,
+                                              multiple_of=16))
     torch.manual_seed(0)
     caught = fit_messages([cb], RefusesPast64(n_layer=1, d_model=32, n_head=2),
-                          SyntheticTokenDataModule(batch_size=2, seq_len=128, num_samples=64), max_steps=8)
+                          SyntheticTokenDataModule(batch_size=2, seq_len=128, num_samples=64),
+                          max_steps=8)
     said = [m for m in caught if "the dry run cannot simulate" in m]
-    assert len(said) == 1 and ".item()" in said[0] and "shorter lengths keep their dry runs" in said[0], said
+    assert (len(said) == 1 and ".item()" in said[0]
+            and "shorter lengths keep their dry runs" in said[0]), said
     assert [r.seq_len for r in cb.records] == [16, 16, 32, 32, 64, 64, 128, 128]
     planner = cb.planner
-    assert planner.evidence.dry.peak(128, 2) is None and planner.evidence.dry.peak(256, 2) is None  # refused there (and beyond)
+    # refused there (and beyond)
+    assert planner.evidence.dry.peak(128, 2) is None and planner.evidence.dry.peak(256, 2) is None
     for L in (16, 32, 48, 64):  # asked after the refusal at 128: each shorter length still answers
         assert planner.evidence.dry.peak(L, 2) is not None, L
     assert cb.forecast(64, 2).method == "dry_run"
@@ -42,8 +46,9 @@ def test_a_refusal_at_a_long_length_keeps_the_shorter_dry_runs():
 
 
 def test_a_tuple_batch_under_a_curriculum_warns_once_and_the_curriculum_holds():
-    """README's rule for a batch that cannot be cut (a tuple, no `set_seq_len`): one warning, the record
-    has the length that ran, the curriculum holds. It raised TypeError from on_train_batch_start."""
+    """README's rule for a batch that cannot be cut (a tuple, no `set_seq_len`): one warning, the
+    record has the length that ran, the curriculum holds. It raised TypeError from
+    on_train_batch_start."""
     from torch.utils.data import DataLoader
 
     from test_user_truth import TupleGPT, TupleTokens, tuple_collate
@@ -51,9 +56,12 @@ def test_a_tuple_batch_under_a_curriculum_warns_once_and_the_curriculum_holds():
     class NoSetter(TupleTokens):
         set_seq_len = None
 
-    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False,
+                        curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
     caught = fit_messages([cb], TupleGPT(n_layer=1, d_model=32, n_head=2),
-                          DataLoader(NoSetter(), batch_size=4, collate_fn=tuple_collate), max_steps=4)
+                          DataLoader(NoSetter(), batch_size=4, collate_fn=tuple_collate),
+                          max_steps=4)
     said = [m for m in caught if "could not be cut" in m]
     assert len(said) == 1 and "set_seq_len" in said[0] and "dicts or lists" in said[0], said
-    assert [r.seq_len for r in cb.records] == [64] * 4 and cb.seq_len == 16  # what ran; held at the first stage
+    # what ran; held at the first stage
+    assert [r.seq_len for r in cb.records] == [64] * 4 and cb.seq_len == 16

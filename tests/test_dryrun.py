@@ -1,8 +1,8 @@
 """Dry runs against real measured steps.
 
 Every expected figure is a real training step measured with the live-tensor tracker
-(:func:`lightning_seqmem.measure.steps.training_step_memory` under ``make_probe("tracker", cpu)``, one
-warm-up step first, then the measured one) on a separate copy of the module carrying the same
+(:func:`lightning_seqmem.measure.steps.training_step_memory` under ``make_probe("tracker", cpu)``,
+one warm-up step first, then the measured one) on a separate copy of the module carrying the same
 settings; nothing is hard-coded. Tolerance 1% of the measured step peak.
 """
 
@@ -23,8 +23,10 @@ from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.dryrun.cuda import allocator_block_bytes
 from lightning_seqmem.dryrun.step import dry_run_step, replay_peaks
-from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend
-from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing, is_checkpointed
+from lightning_seqmem.mitigations.attention.attention import (AttentionSwitch,
+                                                              current_attention_backend)
+from lightning_seqmem.mitigations.checkpointing.checkpointing import (
+    ActivationCheckpointing, is_checkpointed)
 from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.measure.probes import existing_tensors, make_probe, round_cuda_block_bytes
@@ -37,7 +39,8 @@ TOLERANCE = 0.01  # of the measured step peak
 VOCAB = 256
 L0 = 16  # the shortest length: dry runs start from a batch this long
 CPU = torch.device("cpu")
-BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731 - a context factory, as Lightning's forward_context
+# a context factory, as Lightning's forward_context
+BF16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
 
 
 def _batch(batch_size: int, seq_len: int, seed: int = 0, **extra: bool) -> dict:
@@ -71,15 +74,18 @@ def _measured(module: nn.Module, batch: dict, mitigations=(), autocast=None, opt
     real.train()
     optimizer = (optimizer_fn or (lambda p: torch.optim.AdamW(p, lr=1e-3)))(real.parameters())
     training_step_memory(real, optimizer, batch, _loss, context=autocast)
-    return training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU), context=autocast)
+    return training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU),
+                                context=autocast)
 
 
 def _check(dry, measured, phases=True):
     error = (dry.peak_bytes - measured.peak_bytes) / measured.peak_bytes
-    assert abs(error) <= TOLERANCE, (error, dry.phase_peak_bytes, measured.phase_peak_bytes, dry.detail)
+    assert abs(error) <= TOLERANCE, (error, dry.phase_peak_bytes, measured.phase_peak_bytes,
+                                     dry.detail)
     if phases:
         for phase, peak in measured.phase_peak_bytes.items():
-            assert abs(dry.phase_peak_bytes[phase] - peak) <= TOLERANCE * measured.peak_bytes, (phase, dry, measured)
+            assert abs(dry.phase_peak_bytes[phase] - peak) <= TOLERANCE * measured.peak_bytes, (
+                phase, dry, measured)
 
 
 def _gpt(**kwargs) -> LitGPT:
@@ -90,7 +96,8 @@ def _gpt(**kwargs) -> LitGPT:
 def _snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {
         "params": {n: p.detach().clone() for n, p in module.named_parameters()},
-        "grads": {n: (p.grad, None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()},
+        "grads": {n: (p.grad, None if p.grad is None else p.grad.clone())
+                  for n, p in module.named_parameters()},
         "state": {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()},
         "attention": current_attention_backend(module),
         "checkpointed": is_checkpointed(module),
@@ -101,8 +108,10 @@ def _snapshot(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def _assert_unchanged(module: nn.Module, optimizer: torch.optim.Optimizer, before: dict) -> None:
     after = _snapshot(module, optimizer)
-    assert after["attention"] == before["attention"] and after["checkpointed"] == before["checkpointed"]
-    assert after["modules"] == before["modules"] and after["training_step"] is before["training_step"]
+    assert (after["attention"] == before["attention"]
+            and after["checkpointed"] == before["checkpointed"])
+    assert (after["modules"] == before["modules"]
+            and after["training_step"] is before["training_step"])
     for name, p in before["params"].items():
         assert torch.equal(after["params"][name], p), name
     for name, (grad, value) in before["grads"].items():
@@ -113,20 +122,23 @@ def _assert_unchanged(module: nn.Module, optimizer: torch.optim.Optimizer, befor
         assert all(torch.equal(after["state"][key][k], v) for k, v in state.items())
 
 
-# -- the reference GPT and a Hugging Face LM at 16x the shortest length ------------------------------
+# -- the reference GPT and a Hugging Face LM at 16x the shortest length ----------------------------
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_gpt_matches_measured_step_at_16x(attention, checkpointing):
-    """One real step (a copy with this attention and checkpointing) against three ways to ask for it."""
-    measured = _measured(_gpt(attention=attention), _batch(2, 16 * L0), ["checkpointing"] if checkpointing else [])
+    """One real step (a copy with this attention and checkpointing) against three ways of asking."""
+    measured = _measured(_gpt(attention=attention), _batch(2, 16 * L0),
+                         ["checkpointing"] if checkpointing else [])
     configured = _gpt(attention=attention)  # 1. a module already set up this way
     if checkpointing:
         _apply(configured, ["checkpointing"])
-    dry = dry_run_step(configured, torch.optim.AdamW(configured.parameters(), lr=1e-3), _batch(2, L0), 16 * L0)
+    dry = dry_run_step(configured, torch.optim.AdamW(configured.parameters(), lr=1e-3),
+                       _batch(2, L0), 16 * L0)
     assert (dry.seq_len, dry.batch_size, dry.mitigations) == (16 * L0, 2, ())
     _check(dry, measured)
     # 2. the plain eager module with the same setting asked as mitigations: applied to the copy only
-    wanted = tuple(name for name, on in (("attention", attention == "sdpa"), ("checkpointing", checkpointing)) if on)
+    wanted = tuple(name for name, on in (("attention", attention == "sdpa"),
+                                         ("checkpointing", checkpointing)) if on)
     if wanted:
         module = _gpt(attention="eager")
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -139,17 +151,19 @@ def test_gpt_matches_measured_step_at_16x(attention, checkpointing):
 
 
 class _HFWithPositions(pl.LightningModule):
-    """A Hugging Face causal LM fed ``attention_mask`` and ``position_ids`` ([1, L]) from the batch."""
+    """A Hugging Face causal LM fed the batch's ``attention_mask`` and ``position_ids`` ([1, L])."""
 
     def __init__(self, model_type: str, attn_implementation: str, **config) -> None:
         super().__init__()
         import transformers
 
         torch.manual_seed(0)
-        fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      intermediate_size=128, vocab_size=VOCAB, **config)  # fmt: skip
+        fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=128, vocab_size=VOCAB,
+                      **config)  # fmt: skip
         hf_config = transformers.AutoConfig.for_model(model_type, **fields)
-        self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation=attn_implementation)
 
     def training_step(self, batch, batch_idx):
         out = self.model(
@@ -170,9 +184,9 @@ def test_hf_llama_matches_measured_step_at_16x(attention):
     _check(dry, _measured(module, _batch(2, 16 * L0, **extra)))
 
 
-# -- programs that change with the length -------------------------------------------------------------
+# -- programs that change with the length ----------------------------------------------------------
 class _SwitchingAttentionLM(nn.Module):
-    """One attention layer: eager (an L x L score matrix) below ``switch_len`` tokens, SDPA from there."""
+    """One attention layer: eager (an L x L score matrix) below ``switch_len`` tokens, then SDPA."""
 
     def __init__(self, switch_len: int = 128, d_model: int = 32, n_head: int = 2) -> None:
         super().__init__()
@@ -215,9 +229,9 @@ def test_hf_mistral_sliding_window_sdpa_matches_inside_and_beyond_the_window():
         _check(dry, _measured(module, _batch(2, seq_len)))
 
 
-# -- micro-batching: against a real Lightning step ----------------------------------------------------
+# -- micro-batching: against a real Lightning step -------------------------------------------------
 class _MeasureStep(pl.Callback):
-    """The tracker around one real Lightning training step (peak only: micro-batches interleave phases)."""
+    """The tracker around one real Lightning step (peak only: micro-batches interleave phases)."""
 
     def __init__(self, batch_idx: int) -> None:
         self.batch_idx, self.probe, self.memory = batch_idx, make_probe("tracker", CPU), None
@@ -250,10 +264,11 @@ def test_microbatch_matches_a_real_lightning_step_with_micro_batching():
     whole = dry_run_step(module, optimizer, _batch(4, L0), seq_len=8 * L0)
     assert dry.peak_bytes < whole.peak_bytes
     # a module already micro-batched is dry-run as it trains
-    assert dry_run_step(real, trainer.optimizers[0], _batch(4, L0), seq_len=8 * L0).peak_bytes == dry.peak_bytes
+    assert (dry_run_step(real, trainer.optimizers[0], _batch(4, L0), seq_len=8 * L0).peak_bytes
+            == dry.peak_bytes)
 
 
-# -- precision -----------------------------------------------------------------------------------------
+# -- precision -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_bf16_autocast_matches_measured_step(attention):
     module = _gpt(attention=attention)
@@ -264,7 +279,7 @@ def test_bf16_autocast_matches_measured_step(attention):
     _check(dry, _measured(module, _batch(2, 16 * L0), autocast=BF16))
 
 
-# -- values read from the batch; what cannot run -------------------------------------------------------
+# -- values read from the batch; what cannot run ---------------------------------------------------
 class _Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -274,14 +289,15 @@ class _Tiny(nn.Module):
 
 
 class _ReadsBatchValues(_Tiny):
-    """Reads values computed from the batch alone: a token count (.item()), positions (nonzero), a random mask."""
+    """Reads batch values alone: a token count (.item()), positions (nonzero), a random mask."""
 
     def training_step(self, batch, batch_idx):
         labels = batch["labels"].masked_fill(torch.rand(batch["labels"].shape) < 0.1, -100)
         count = (labels != -100).sum().item()
         last = batch["input_ids"].nonzero()[-1]  # a data-dependent shape, from the batch only
         logits = self.head(self.emb(batch["input_ids"]) + self.emb(last).sum())
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / max(count, 1)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                               reduction="sum") / max(count, 1)
 
 
 class _ReadsActivations(_Tiny):
@@ -314,13 +330,16 @@ def test_values_computed_from_the_batch_are_real_and_the_rng_is_restored():
     torch.manual_seed(123)
     rng = torch.get_rng_state()
     dry = dry_run_step(module, optimizer, _batch(2, L0), seq_len=64)
-    assert torch.equal(torch.get_rng_state(), rng)  # torch.rand ran for real (on the batch's values)
-    _check(dry, _measured(module, _batch(2, 64), optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)))
+    # torch.rand ran for real (on the batch's values)
+    assert torch.equal(torch.get_rng_state(), rng)
+    _check(dry, _measured(module, _batch(2, 64),
+                          optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)))
 
 
 def test_reading_an_activation_value_is_unsupported_with_the_line():
     module = _ReadsActivations()
-    with pytest.raises(DryRunUnsupported, match=r"reads tensor values.*h\.abs\(\)\.max\(\)\.item\(\)") as info:
+    with pytest.raises(DryRunUnsupported,
+                       match=r"reads tensor values.*h\.abs\(\)\.max\(\)\.item\(\)") as info:
         dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
     assert "test_dryrun.py" in info.value.reason
     with pytest.raises(DryRunUnsupported, match=r"reads tensor values.*if \(ids == 0\)\.any\(\)"):
@@ -334,23 +353,27 @@ def test_reading_an_activation_value_is_unsupported_with_the_line():
 def test_compiled_submodule_is_unsupported():
     module = _gpt()
     module.model.blocks[1] = torch.compile(module.model.blocks[1])  # lazy: nothing is compiled here
-    with pytest.raises(DryRunUnsupported, match=r"submodule 'model\.blocks\.1' .* torch\.compile'd"):
+    with pytest.raises(DryRunUnsupported,
+                       match=r"submodule 'model\.blocks\.1' .* torch\.compile'd"):
         dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=64)
 
 
-# -- the real module, its optimizer and the RNG are left alone ----------------------------------------
+# -- the real module, its optimizer and the RNG are left alone -------------------------------------
 def test_real_module_optimizer_state_and_rng_are_unchanged():
     module = _gpt(dropout=0.1, attention_dropout=0.1)
     groups = [
         {"params": [p for n, p in module.named_parameters() if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for n, p in module.named_parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
+        {"params": [p for n, p in module.named_parameters() if p.dim() < 2], "weight_decay": 0.0,
+         "lr": 3e-3},
     ]
     optimizer = torch.optim.AdamW(groups, lr=1e-3)
-    training_step_memory(module, optimizer, _batch(2, L0), _loss)  # real grads and optimizer state exist
+    # real grads and optimizer state exist
+    training_step_memory(module, optimizer, _batch(2, L0), _loss)
     before = _snapshot(module, optimizer)
     torch.manual_seed(7)
     rng = torch.get_rng_state()
-    dry = dry_run_step(module, optimizer, _batch(2, L0), seq_len=128, mitigations=["attention", "checkpointing"])
+    dry = dry_run_step(module, optimizer, _batch(2, L0), seq_len=128,
+                       mitigations=["attention", "checkpointing"])
     assert torch.equal(torch.get_rng_state(), rng)
     _assert_unchanged(module, optimizer, before)
     assert all(p.grad is not None for p in module.parameters()) and dry.peak_bytes > 0
@@ -369,12 +392,14 @@ def test_optimizer_param_groups_and_class_are_rebuilt():
     _check(dry, _measured(module, _batch(2, 128), optimizer_fn=sgd))
     assert "with SGD" in dry.detail
     adamw = dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=128)
-    assert adamw.phase_peak_bytes["optimizer"] > dry.phase_peak_bytes["optimizer"]  # two states vs half a momentum
-    configured = dry_run_step(module, None, _batch(2, L0), seq_len=128)  # LitGPT.configure_optimizers: AdamW
+    # two states vs half a momentum
+    assert adamw.phase_peak_bytes["optimizer"] > dry.phase_peak_bytes["optimizer"]
+    # LitGPT.configure_optimizers: AdamW
+    configured = dry_run_step(module, None, _batch(2, L0), seq_len=128)
     assert configured.peak_bytes == adamw.peak_bytes
 
 
-# -- the batch -----------------------------------------------------------------------------------------
+# -- the batch -------------------------------------------------------------------------------------
 SEEN: list = []
 
 
@@ -391,15 +416,18 @@ class _Recorder(_Tiny):
 def test_batch_is_cut_or_tiled_consistently(batch_size, seq_len):
     rows, length = 3, 10
     batch = _batch(rows, length, attention_mask=True, position_ids=True)
-    batch.update(index=torch.arange(rows), tag="keep", mask4d=torch.ones(rows, 1, length, length, dtype=torch.bool))
+    batch.update(index=torch.arange(rows), tag="keep",
+                 mask4d=torch.ones(rows, 1, length, length, dtype=torch.bool))
     SEEN.clear()
     module = _Recorder()
-    dry_run_step(module, torch.optim.SGD(module.parameters(), lr=0.1), batch, seq_len=seq_len, batch_size=batch_size)
+    dry_run_step(module, torch.optim.SGD(module.parameters(), lr=0.1), batch, seq_len=seq_len,
+                 batch_size=batch_size)
     seen = SEEN[-1]
     for key in ("input_ids", "labels", "attention_mask"):
         assert seen[key][0] == (batch_size, seq_len), key
     assert seen["position_ids"] == ((1, seq_len), [list(range(seq_len))])
-    assert seen["index"][0] == (batch_size,) and seen["mask4d"][0] == (batch_size, 1, seq_len, seq_len)
+    assert (seen["index"][0] == (batch_size,)
+            and seen["mask4d"][0] == (batch_size, 1, seq_len, seq_len))
     ids, source = seen["input_ids"][1], batch["input_ids"].tolist()
     for row in range(batch_size):  # rows repeated, tokens tiled (or cut)
         assert ids[row] == (source[row % rows] * 4)[:seq_len]
@@ -415,8 +443,10 @@ class _Batch:
 
 class _DataclassRecorder(_Tiny):
     def training_step(self, batch, batch_idx):
-        SEEN.append((type(batch), batch.name, tuple(batch.input_ids.shape), tuple(batch.bias.shape)))
-        return F.cross_entropy(self.head(self.emb(batch.input_ids)).flatten(0, 1), batch.labels.flatten())
+        SEEN.append((type(batch), batch.name, tuple(batch.input_ids.shape),
+                     tuple(batch.bias.shape)))
+        return F.cross_entropy(self.head(self.emb(batch.input_ids)).flatten(0, 1),
+                               batch.labels.flatten())
 
 
 def test_dataclass_batch_is_rebuilt_at_the_new_shape():
@@ -424,18 +454,20 @@ def test_dataclass_batch_is_rebuilt_at_the_new_shape():
     batch = _Batch(b["input_ids"], b["labels"], torch.zeros(3, 1, 10, 10))
     SEEN.clear()
     module = _DataclassRecorder()
-    dry_run_step(module, torch.optim.SGD(module.parameters(), lr=0.1), batch, seq_len=24, batch_size=2)
+    dry_run_step(module, torch.optim.SGD(module.parameters(), lr=0.1), batch, seq_len=24,
+                 batch_size=2)
     assert SEEN[-1] == (_Batch, "x", (2, 24), (2, 1, 24, 24))
     assert batch.input_ids.shape == (3, 10) and not isinstance(batch.input_ids, FakeTensor)
 
 
-# -- allocator rounding ---------------------------------------------------------------------------------
+# -- allocator rounding ----------------------------------------------------------------------------
 def test_replay_peaks_is_the_tracker_on_cpu_and_rounds_to_cuda_blocks():
     module = _gpt(attention="sdpa")
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     batch = _batch(2, 37)  # odd sizes: many storages are not multiples of 512 bytes
     training_step_memory(module, optimizer, batch, _loss)
-    m = training_step_memory(module, optimizer, batch, _loss, make_probe("tracker", CPU), record_events=True)
+    m = training_step_memory(module, optimizer, batch, _loss, make_probe("tracker", CPU),
+                             record_events=True)
     assert replay_peaks(m.events) == (m.peak_bytes, m.phase_peak_bytes)
     peak, phases = replay_peaks(m.events, allocator_block_bytes("cuda"))
     live = best = 0
@@ -447,25 +479,30 @@ def test_replay_peaks_is_the_tracker_on_cpu_and_rounds_to_cuda_blocks():
     assert allocator_block_bytes(CPU) == 1 and allocator_block_bytes(torch.device("cuda", 1)) == 512
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only torch build cannot fake CUDA tensors")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a CPU-only torch build cannot fake CUDA tensors")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a build with CUDA dry-runs CUDA itself")
 def test_cuda_on_a_cpu_only_build_is_the_real_program_in_512_byte_blocks():
-    """``device="cuda"`` on a CPU-only build runs the fake step on the simulated accelerator: the same
-    program as a real CPU step here (eager attention in fp32: no kernel chosen by device), every storage
-    rounded up to the CUDA allocator's 512-byte blocks: equal to the byte to the measured CPU step's
-    events replayed in those blocks, phase by phase, less AdamW's ``step`` counters, which live in host
-    memory on an accelerator (a CPU scalar each, alive through the whole step)."""
+    """``device="cuda"`` on a CPU-only build runs the fake step on the simulated accelerator: the
+    same program as a real CPU step here (eager attention in fp32: no kernel chosen by device),
+    every storage rounded up to the CUDA allocator's 512-byte blocks: equal to the byte to the
+    measured CPU step's events replayed in those blocks, phase by phase, less AdamW's ``step``
+    counters, which live in host memory on an accelerator (a CPU scalar each, alive through the
+    whole step)."""
     module = _gpt()
     batch = _batch(2, 4 * L0)
     real = copy.deepcopy(module)
     optimizer = torch.optim.AdamW(real.parameters(), lr=1e-3)
     training_step_memory(real, optimizer, batch, _loss)
-    measured = training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU), record_events=True)
+    measured = training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU),
+                                    record_events=True)
     peak, phases = replay_peaks(measured.events, round_cuda_block_bytes(1))
-    dry = dry_run_step(module, torch.optim.AdamW(module.parameters(), lr=1e-3), _batch(2, L0), 4 * L0, device="cuda")
+    dry = dry_run_step(module, torch.optim.AdamW(module.parameters(), lr=1e-3), _batch(2, L0),
+                       4 * L0, device="cuda")
     assert "on seqmem:0" in dry.detail and "512-byte blocks" in dry.detail, dry.detail
     block = round_cuda_block_bytes(1)
-    counters = sum(block for state in optimizer.state.values() for k, v in state.items() if k == "step")
+    counters = sum(block for state in optimizer.state.values() for k, v in state.items()
+                   if k == "step")
     assert counters == block * len(list(real.parameters()))
     assert dry.peak_bytes == peak - counters > measured.peak_bytes
     assert dry.phase_peak_bytes == {p: phases[p] - counters for p in dry.phase_peak_bytes}
@@ -486,10 +523,11 @@ def test_bad_arguments():
 
 
 def test_microbatch_switch_step_includes_the_first_split_check():
-    """The step that switches micro-batching on also runs its one-time loss check (no-grad forwards of
-    two micro-batches together and apart, while the last step's gradients are alive): the dry run of
-    that step counts it, so the switch step is judged at what it will really peak. A large vocabulary
-    over a narrow model makes the check's logits the peak (16% above the steady micro-batched step)."""
+    """The step that switches micro-batching on also runs its one-time loss check (no-grad forwards
+    of two micro-batches together and apart, while the last step's gradients are alive): the dry run
+    of that step counts it, so the switch step is judged at what it will really peak. A large
+    vocabulary over a narrow model makes the check's logits the peak (16% above the steady
+    micro-batched step)."""
     module = _gpt(attention="sdpa", n_layer=1, d_model=32, n_head=2, vocab_size=4096)
     batch = _batch(4, 8 * L0)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
@@ -539,12 +577,15 @@ except DryRunUnsupported as exc:
 
 
 def test_a_failing_recompute_on_the_simulated_device_is_a_refusal_not_an_abort():
-    """An exception in a checkpointed block's recompute (a saved-tensor unpack hook) on the simulated
-    device used to abort the whole process ("terminate called without an active exception": the engine's
-    device thread); now the dry run refuses with the reason, and the process lives on."""
+    """An exception in a checkpointed block's recompute (a saved-tensor unpack hook) on the
+    simulated device used to abort the whole process ("terminate called without an active
+    exception": the engine's device thread); now the dry run refuses with the reason, and the
+    process lives on."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _FAILING_RECOMPUTE], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _FAILING_RECOMPUTE], capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused: the fake step failed: RuntimeError: boom in recompute" in proc.stdout, proc.stdout
+    assert ("refused: the fake step failed: RuntimeError: boom in recompute"
+            in proc.stdout), proc.stdout

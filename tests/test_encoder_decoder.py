@@ -1,4 +1,4 @@
-"""Encoder-decoder batches: the decoder's ``labels [B, L/2]`` keep their ratio to the encoder length.
+"""Encoder-decoder: the decoder's ``labels [B, L/2]`` keep their ratio to the encoder length.
 
 A random Hugging Face T5 (SDPA, no download), its decoder at half the encoder's length: the
 curriculum cuts both, the dry run tiles both, and the replay and the quadratic fit see both grow.
@@ -61,21 +61,24 @@ class _Samples(torch.utils.data.Dataset):
 
 
 def measured_peak(seq_len: int) -> int:
-    """A real step of a fresh module at (seq_len, labels seq_len // 2), after one unmeasured step."""
+    """A real step of a fresh module at (seq_len, labels seq_len // 2), after an unmeasured one."""
     module = T5Module()
     optimizer = module.configure_optimizers()
     batch = t5_batch(seq_len)
     step = lambda model, b: model.training_step(b, 0)  # noqa: E731
     training_step_memory(module, optimizer, batch, step)
-    return training_step_memory(module, optimizer, batch, step, make_probe("tracker", torch.device("cpu"))).peak_bytes
+    return training_step_memory(module, optimizer, batch, step,
+                                make_probe("tracker", torch.device("cpu"))).peak_bytes
 
 
 def _fit(cb: SeqMemCallback, seq_len: int, max_steps: int) -> None:
-    trainer = pl.Trainer(max_steps=max_steps, callbacks=[cb], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer = pl.Trainer(max_steps=max_steps, callbacks=[cb], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(T5Module(), torch.utils.data.DataLoader(_Samples(seq_len, 4 * max_steps), batch_size=1))
+        trainer.fit(T5Module(), torch.utils.data.DataLoader(_Samples(seq_len, 4 * max_steps),
+                                                            batch_size=1))
 
 
 def test_cut_keeps_the_decoder_at_its_ratio():
@@ -90,7 +93,8 @@ def measured() -> dict[int, int]:
 
 
 def test_t5_forecasts_within_one_percent(measured):
-    cb = SeqMemCallback(curriculum=Curriculum(start=64, target=256, steps_per_stage=3), warmup_steps=1)
+    cb = SeqMemCallback(curriculum=Curriculum(start=64, target=256, steps_per_stage=3),
+                        warmup_steps=1)
     _fit(cb, 256, max_steps=10)
     assert {r.seq_len for r in cb.records} == {64, 128, 256}
     for L, peak in measured.items():
@@ -107,4 +111,5 @@ def test_t5_under_a_budget_no_step_over(measured):
                         curriculum=Curriculum(start=256, target=2048, steps_per_stage=2))
     _fit(cb, 2048, max_steps=10)
     assert max(r.peak_bytes for r in cb.records) <= cb.usable_budget_bytes
-    assert max(r.seq_len for r in cb.records) >= 1024  # the curriculum went as far as the budget allows
+    # the curriculum went as far as the budget allows
+    assert max(r.seq_len for r in cb.records) >= 1024

@@ -1,6 +1,6 @@
-"""FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy`` with 2 CPU processes (gloo):
-per-rank records, forecasts per rank and at other world sizes, rungs switched on mid-run under a
-budget with unchanged gradients, and resumption from a sharded checkpoint.
+"""FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy`` with 2 CPU processes
+(gloo): per-rank records, forecasts per rank and at other world sizes, rungs switched on mid-run
+under a budget with unchanged gradients, and resumption from a sharded checkpoint.
 
 One 2-process launch (tests/scripts/fsdp2_run.py) runs every fit; the tests read its JSON."""
 
@@ -28,7 +28,8 @@ def ranks(tmp_path_factory):
 
 
 def _rows(records, skip_peaks_of=()):
-    return [(r["step"], r["seq_len"], r["batch_size"], r["stage"], tuple(r["mitigations"]), r["warmup"])
+    return [(r["step"], r["seq_len"], r["batch_size"], r["stage"], tuple(r["mitigations"]),
+             r["warmup"])
             + (() if r["step"] in skip_peaks_of else (r["peak_bytes"],)) for r in records]
 
 
@@ -43,7 +44,8 @@ def test_every_rank_records_every_step_and_the_ranks_agree(ranks):
 def test_forecast_at_four_times_the_longest_traced_length_is_within_3_percent_per_rank(ranks):
     rank0 = ranks[0]
     assert rank0["traced_before_forecast"] == [64]
-    measured = max(r["peak_bytes"] for r in rank0["reference_records"] if r["seq_len"] == 256 and not r["warmup"])
+    measured = max(r["peak_bytes"] for r in rank0["reference_records"]
+                   if r["seq_len"] == 256 and not r["warmup"])
     for name in ("here", "world2"):  # the planner's forecast, and the explicit 2-rank plan
         fc = rank0[f"forecast256_{name}"]
         assert fc["method"] == "dry_run"

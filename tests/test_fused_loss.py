@@ -22,8 +22,10 @@ from lightning_seqmem.measure.probes import TrackerProbe
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import RungContext
-from lightning_seqmem.mitigations.fused_loss.fused_loss import FusedLinearCrossEntropy, FusedLossRung, fused_loss_backend
-from lightning_seqmem.mitigations.microbatch.microbatch_functional import micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.fused_loss.fused_loss import (
+    FusedLinearCrossEntropy, FusedLossRung, fused_loss_backend)
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import (micro_batch_counts,
+                                                                           split_batch)
 
 VOCAB = 8192
 MODEL = dict(n_layer=2, d_model=64, n_head=2, vocab_size=VOCAB, attention="sdpa")
@@ -32,8 +34,8 @@ LLAMA = {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_h
 
 
 def _batch(seq_len, rows=2, vocab=VOCAB, pad=0):
-    """Random tokens; with ``pad``, the last ``pad`` positions of row 1 are padding (mask 0, label -100)
-    and the first 5 labels of row 0 are ignored."""
+    """Random tokens; with ``pad``, the last ``pad`` positions of row 1 are padding (mask 0, label
+    -100) and the first 5 labels of row 0 are ignored."""
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, vocab, (rows, seq_len), generator=g),
              "labels": torch.randint(0, vocab, (rows, seq_len), generator=g)}
@@ -65,7 +67,8 @@ def _loss_and_grads(module, batch):
     module.zero_grad(set_to_none=True)
     loss = _step(module, batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()
+                           if p.grad is not None}
 
 
 def _assert_same(plain, fused):
@@ -90,7 +93,8 @@ def test_switched_on_mid_run_the_loss_and_gradients_are_the_plain_ones():
     optimizer = module.configure_optimizers()
     batch = _batch(128, pad=7)
     training_step_memory(module, optimizer, batch, _step)  # a run under way: optimizer state exists
-    keys, params = list(module.state_dict()), [id(p) for g in optimizer.param_groups for p in g["params"]]
+    keys, params = list(module.state_dict()), [id(p) for g in optimizer.param_groups
+                                               for p in g["params"]]
     twin = copy.deepcopy(module)
     result = ladder.apply("fused_loss", None, module)
     assert result.applied and result.after == "tiled" and "DeepSpeed" in result.detail
@@ -98,14 +102,15 @@ def test_switched_on_mid_run_the_loss_and_gradients_are_the_plain_ones():
     assert list(module.state_dict()) == keys
     assert [id(p) for g in optimizer.param_groups for p in g["params"]] == params
     _assert_same(_loss_and_grads(twin, batch), _loss_and_grads(module, batch))
-    # the loss is a mean over counted tokens: micro-batching's weights (label tokens) give the same loss
+    # the loss is a mean over counted tokens: micro-batching's weights (label tokens) keep it
     rule, counts = micro_batch_counts(batch, 1)
     parts = split_batch(batch, 1)
     weighted = sum(c * _step(module, p) for c, p in zip(counts, parts)) / sum(counts)
     assert rule == "label_tokens" and counts[0] != counts[1]
     assert torch.allclose(weighted, _step(twin, batch), rtol=1e-5)
     # it comes off again: the plain loss
-    assert ladder.remove("fused_loss", None, module).after == "plain" and not ladder.is_on("fused_loss", module)
+    assert (ladder.remove("fused_loss", None, module).after == "plain"
+            and not ladder.is_on("fused_loss", module))
     assert module.model.fused_loss is None
 
 
@@ -113,7 +118,8 @@ def test_the_measured_peak_falls_and_the_dry_run_forecasts_it():
     torch.manual_seed(0)
     module = _quiet(LitGPT(**MODEL))
     batch = _batch(256)
-    forecast = dry_run_step(module, module.configure_optimizers(), batch, 256, mitigations=["fused_loss"])
+    forecast = dry_run_step(module, module.configure_optimizers(), batch, 256,
+                            mitigations=["fused_loss"])
     assert not ladder.is_on("fused_loss", module)  # the dry run put it on its copy only
     plain = _measured(module, batch)
     ladder.apply("fused_loss", None, module)
@@ -135,24 +141,29 @@ def test_hugging_face_llama_from_a_random_config():
     keys = list(module.state_dict())
     plain = _loss_and_grads(module, batch)
     long_batch = _batch(256, vocab=4096)
-    forecast = dry_run_step(module, module.configure_optimizers(), long_batch, 256, mitigations=["fused_loss"])
+    forecast = dry_run_step(module, module.configure_optimizers(), long_batch, 256,
+                            mitigations=["fused_loss"])
     result = ladder.apply("fused_loss", None, module)
     assert result.applied and result.detail.endswith("on model")
-    assert "forward" in llama.__dict__ and list(module.state_dict()) == keys  # the instance's forward only
+    # the instance's forward only
+    assert "forward" in llama.__dict__ and list(module.state_dict()) == keys
     _assert_same(plain, _loss_and_grads(module, batch))
     out = llama(input_ids=batch["input_ids"], labels=batch["labels"])
     assert out.logits is None and out.loss is not None
     n = torch.tensor(40)  # Hugging Face's gradient accumulation: the sum over num_items_in_batch
-    fused_sum = llama(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=n).loss
+    fused_sum = llama(input_ids=batch["input_ids"], labels=batch["labels"],
+                      num_items_in_batch=n).loss
     ladder.remove("fused_loss", None, module)
     assert "forward" not in llama.__dict__ and not ladder.is_on("fused_loss", module)
     assert llama(input_ids=batch["input_ids"]).logits.shape == (2, 128, 4096)
-    plain_sum = llama(input_ids=batch["input_ids"], labels=batch["labels"], num_items_in_batch=n).loss
+    plain_sum = llama(input_ids=batch["input_ids"], labels=batch["labels"],
+                      num_items_in_batch=n).loss
     assert torch.allclose(fused_sum, plain_sum, rtol=1e-5)
     plain_peak = _measured(module, long_batch)
     ladder.apply("fused_loss", None, module)
     fused_peak = _measured(module, long_batch)
-    assert abs(forecast.peak_bytes - fused_peak) <= 0.01 * fused_peak, (forecast.peak_bytes, fused_peak)
+    assert abs(forecast.peak_bytes - fused_peak) <= 0.01 * fused_peak, (
+        forecast.peak_bytes, fused_peak)
     assert fused_peak < plain_peak - 2 * 256 * 4096 * 4
 
 
@@ -160,8 +171,9 @@ def test_models_it_cannot_take_are_refused_with_the_reason(monkeypatch):
     pytest.importorskip("transformers")
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                           num_hidden_layers=1, num_attention_heads=2,
+                                           num_key_value_heads=1, head_dim=8))
     applies, why = FusedLossRung().is_applicable(RungContext(gemma))
     assert not applies and "final_logit_softcapping" in why
     applies, why = FusedLossRung().is_applicable(RungContext(torch.nn.Linear(2, 2)))
@@ -172,7 +184,8 @@ def test_models_it_cannot_take_are_refused_with_the_reason(monkeypatch):
     applies, why = FusedLossRung().is_applicable(RungContext(LitGPT(**MODEL)))
     assert not applies and "lightning-seqmem[tiled]" in why
     with pytest.raises(RuntimeError, match=r"lightning-seqmem\[tiled\]"):
-        FusedLinearCrossEntropy()(torch.zeros(1, 2, 4), torch.zeros(8, 4), torch.zeros(1, 2, dtype=torch.long))
+        FusedLinearCrossEntropy()(torch.zeros(1, 2, 4), torch.zeros(8, 4),
+                                  torch.zeros(1, 2, dtype=torch.long))
 
 
 def test_the_callback_switches_it_on_before_the_stage_that_needs_it():
@@ -187,13 +200,15 @@ def test_the_callback_switches_it_on_before_the_stage_that_needs_it():
     budget = (fits + old_rungs) // 2  # 128 fits as it is; 256 with the fused loss only
     cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
                         mitigations=["attention", "checkpointing", "microbatch", "fused_loss"],
-                        curriculum=Curriculum(start=128, target=256, steps_per_stage=2, multiple_of=64))
+                        curriculum=Curriculum(start=128, target=256, steps_per_stage=2,
+                                              multiple_of=64))
     torch.manual_seed(0)
     module = LitGPT(**MODEL)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([cb], max_steps=4).fit(
-            module, SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=8, vocab_size=VOCAB))
+            module, SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=8,
+                                             vocab_size=VOCAB))
     assert "fused_loss" in cb.applied_mitigations and ladder.is_on("fused_loss", module)
     event = next(e for e in cb.mitigation_events if e["name"] == "fused_loss")
     lengths = [r.seq_len for r in cb.records]
@@ -207,20 +222,21 @@ def test_the_callback_switches_it_on_before_the_stage_that_needs_it():
 @pytest.mark.slow
 def test_two_gloo_ranks_take_the_same_decision(tmp_path):
     """DDP, 2 CPU processes: rank 0 has 1 sample of 256 tokens, rank 1 2 samples of 128; both switch
-    the fused loss on at the same step, and their parameters stay equal (its gradients reach DDP)."""
+    the fused loss on at the same step; their parameters stay equal (its gradients reach DDP)."""
     from test_ddp import _decisions, _run
 
     def dry(batch_size, seq_len, mitigations=()):
         module = LitGPT(n_layer=1, d_model=32, n_head=2, vocab_size=VOCAB)
-        return dry_run_step(module, module.configure_optimizers(), _batch(64, rows=batch_size), seq_len,
-                            mitigations=list(mitigations)).peak_bytes
+        return dry_run_step(module, module.configure_optimizers(), _batch(64, rows=batch_size),
+                            seq_len, mitigations=list(mitigations)).peak_bytes
 
     plain, fused = dry(2, 128), dry(2, 128, ["fused_loss"])
     assert dry(2, 64) < (plain + fused) // 2 < plain
-    budget = (plain + fused) // 2  # the 64 stage fits as it is, the 128 one with the fused loss only
-    rank0, rank1 = _run(tmp_path, "--budget", str(budget), "--max-steps", "6", "--mitigations", "fused_loss",
-                        "--vocab-size", str(VOCAB), "--curriculum", "64,256", "--batch-sizes", "1,2",
-                        "--seq-lens", "256,128", timeout=300)
+    # the 64 stage fits as it is, the 128 one with the fused loss only
+    budget = (plain + fused) // 2
+    rank0, rank1 = _run(tmp_path, "--budget", str(budget), "--max-steps", "6", "--mitigations",
+                        "fused_loss", "--vocab-size", str(VOCAB), "--curriculum", "64,256",
+                        "--batch-sizes", "1,2", "--seq-lens", "256,128", timeout=300)
     assert rank0["applied_mitigations"] == rank1["applied_mitigations"] == ["fused_loss"]
     assert rank0["mitigation_events"] == rank1["mitigation_events"]
     assert rank0["mitigation_events"][0]["seq_len"] == 128  # before the stage that needs it

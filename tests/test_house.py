@@ -1,6 +1,7 @@
 """The house's shape, tested: the parts do not reach back into the planner or the callback, no
 function works on the whole planner, the whole callback or the whole evidence (its parts are
-objects: measured, dry-run, verification), and the product wings' size is printed (and may not grow). Static reads of the source; milliseconds, no torch."""
+objects: measured, dry-run, verification), and the product wings' size is printed (and may not
+grow). Static reads of the source; milliseconds, no torch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_seqmem"
 OWNERS = {"lightning_seqmem.plan.planner", "lightning_seqmem.trainer.callback"}
-# the callback builds the planner and its edge objects: the one module of either wing that may name both
+# the callback builds the planner and its edge objects: the one module of either wing naming both
 COMPOSITION_ROOT = PACKAGE / "trainer" / "callback.py"
 PRODUCT_WINGS = ("core", "plan", "measure", "mitigations", "dryrun", "trainer", "present", "cli")
 LAB_WINGS = ("diagnostics", "reference")
@@ -45,7 +46,8 @@ def test_no_part_of_plan_or_trainer_imports_the_planner_or_the_callback():
         for path in sorted((PACKAGE / wing).glob("*.py")):
             if path == COMPOSITION_ROOT or _module(path) in OWNERS:
                 continue
-            imported = _all_imports(ast.parse(path.read_text()), _module(path).rsplit(".", 1)[0]) & OWNERS
+            imported = _all_imports(ast.parse(path.read_text()),
+                                    _module(path).rsplit(".", 1)[0]) & OWNERS
             if imported:
                 found[path.name] = sorted(imported)
     assert found == {}
@@ -70,7 +72,8 @@ def _first_param_offenders(source: str) -> list[str]:
     methods = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return [f"{fn.name} (line {fn.lineno})" for fn in ast.walk(tree)
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _whole_object_first(fn, id(fn) in methods)]
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and _whole_object_first(fn, id(fn) in methods)]
 
 
 def test_the_first_parameter_check_finds_a_planted_one():
@@ -84,7 +87,8 @@ def test_the_first_parameter_check_finds_a_planted_one():
               "    def n(self, x): ...\n"
               "    @classmethod\n"
               "    def of(cls, planner): ...\n")
-    assert _first_param_offenders(source) == ["f (line 1)", "g (line 2)", "e (line 4)", "m (line 7)"]
+    assert _first_param_offenders(source) == ["f (line 1)", "g (line 2)", "e (line 4)",
+                                              "m (line 7)"]
 
 
 def test_no_function_takes_the_whole_planner_callback_or_evidence_first():

@@ -53,13 +53,15 @@ def _dry_run(args: list[str], tmp_path: Path, *extra: str) -> tuple[list[str], s
     """``pip install --dry-run --report`` of ``args``: the ``name==version`` it would install, or
     skips the test when an index it names cannot be reached from this machine."""
     report = tmp_path / "report.json"
-    proc = run([sys.executable, "-m", "pip", "install", "--dry-run", "--report", str(report), "--retries", "1",
-                "--timeout", "30", *extra, *args], 120, env=_fresh_env(), cwd=ROOT)
-    unreachable = re.search(r"Could not fetch URL (\S+?): connection error|Failed to establish a new connection"
-                            r"|Name or service not known|Temporary failure in name resolution", proc.stderr)
+    proc = run([sys.executable, "-m", "pip", "install", "--dry-run", "--report", str(report),
+                "--retries", "1", "--timeout", "30", *extra, *args], 120, env=_fresh_env(),
+                cwd=ROOT)
+    unreachable = re.search(
+        r"Could not fetch URL (\S+?): connection error|Failed to establish a new connection"
+        r"|Name or service not known|Temporary failure in name resolution", proc.stderr)
     if proc.returncode != 0 and unreachable:
-        pytest.skip(f"an index of `pip install {' '.join(args)}` cannot be reached from this machine "
-                    f"({unreachable.group(0)[:160]}); the check needs it and was not made")
+        pytest.skip(f"an index of `pip install {' '.join(args)}` cannot be reached from this "
+                    f"machine ({unreachable.group(0)[:160]}); the check needs it and was not made")
     assert proc.returncode == 0, proc.stderr[-3000:]
     installs = json.loads(report.read_text())["install"]
     return [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in installs], proc.stderr
@@ -76,9 +78,12 @@ def test_the_readme_installs_torch_from_the_cpu_index_first():
     for command in _first_commands():
         pips = _pip_steps(command)
         torch_step, package_step = pips[0], pips[1]
-        assert "torch==2.13.0" in torch_step and torch_step[torch_step.index("--index-url") + 1] == CPU_INDEX
-        assert "--timeout" in torch_step and "--retries" in torch_step  # unreachable: seconds, not minutes
-        assert package_step[:1] == ["-e"]  # then the package, whose torch>=2.4 the CPU torch satisfies
+        assert ("torch==2.13.0" in torch_step
+                and torch_step[torch_step.index("--index-url") + 1] == CPU_INDEX)
+        # unreachable: seconds, not minutes
+        assert "--timeout" in torch_step and "--retries" in torch_step
+        # then the package, whose torch>=2.4 the CPU torch satisfies
+        assert package_step[:1] == ["-e"]
     assert CPU_INDEX in (ROOT / "pyproject.toml").read_text()
 
 
@@ -96,14 +101,16 @@ def test_the_readme_package_step_after_the_cpu_torch_resolves_no_cuda_package(tm
     import torch
 
     if torch.version.cuda is not None or "+cpu" not in torch.__version__:
-        pytest.skip(f"this environment's torch is {torch.__version__}, not the CPU build the first step installs")
+        pytest.skip(f"this environment's torch is {torch.__version__}, not the CPU build the first "
+                    "step installs")
     package_step = _pip_steps(_first_commands()[1])[1]
     installs, _ = _dry_run(package_step, tmp_path)
     names = [i.split("==")[0].lower() for i in installs]
     assert "torch" not in names and not [n for n in names if CUDA_PACKAGES.match(n)], installs
 
 
-@pytest.mark.skipif(not os.environ.get("SEQMEM_INSTALL_CONTRAST"), reason="opt-in (SEQMEM_INSTALL_CONTRAST=1): "
+@pytest.mark.skipif(not os.environ.get("SEQMEM_INSTALL_CONTRAST"),
+                    reason="opt-in (SEQMEM_INSTALL_CONTRAST=1): "
                     "resolving the CUDA build from the plain index takes 15-100 s of network")
 def test_without_the_cpu_index_the_plain_index_resolves_cuda_packages(tmp_path):
     """Why the first step names the CPU index: the same pin against the plain package index alone

@@ -1,4 +1,4 @@
-"""Tests for lightning_seqmem.trainer.oom.is_oom: only a real allocator out-of-memory error counts."""
+"""lightning_seqmem.trainer.oom.is_oom: only a real allocator out-of-memory error counts."""
 
 import pytest
 import torch
@@ -18,19 +18,24 @@ class _MyOOM(torch.OutOfMemoryError):
         _MyOOM("a subclass"),
         # the allocators' own phrases, as plain RuntimeErrors (older torch, other backends)
         RuntimeError(
-            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory:"
-            " you tried to allocate 4611686018427387904 bytes. Error code 12 (Cannot allocate memory)"
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 4611686018427387904 bytes. Error code 12 (Cannot "
+            "allocate memory)"
         ),
         RuntimeError(
-            r"[enforce fail at ..\c10\core\impl\alloc_cpu.cpp:72] data. DefaultCPUAllocator: not enough"
-            " memory: you tried to allocate 1073741824 bytes."
+            r"[enforce fail at ..\c10\core\impl\alloc_cpu.cpp:72] data. DefaultCPUAllocator: not "
+            "enough memory: you tried to allocate 1073741824 bytes."
         ),
-        RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.90 GiB total capacity)"),
+        RuntimeError(
+            "CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.90 GiB total capacity)"),
         RuntimeError("HIP out of memory. Tried to allocate 1.00 GiB"),
         RuntimeError("XPU out of memory. Tried to allocate 1.00 GiB"),
-        RuntimeError("MPS backend out of memory (MPS allocated: 1.49 GiB, other allocations: 6.01 GiB)"),
-        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
-        *([torch.AcceleratorError("CUDA error: out of memory")] if hasattr(torch, "AcceleratorError") else []),
+        RuntimeError(
+            "MPS backend out of memory (MPS allocated: 1.49 GiB, other allocations: 6.01 GiB)"),
+        RuntimeError(
+            "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+        *([torch.AcceleratorError("CUDA error: out of memory")]
+          if hasattr(torch, "AcceleratorError") else []),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
     ],
     ids=lambda e: f"{type(e).__name__}:{str(e)[:40]}",
@@ -45,7 +50,8 @@ def test_allocator_errors_are_oom(error):
         RuntimeError("my dataset ran out of memory-mapped files"),
         RuntimeError("out of memory"),
         RuntimeError("worker ran OUT OF MEMORY budget for the cache"),
-        RuntimeError("CUDA out of memory"),  # user code imitating, without the allocator's "Tried to allocate"
+        # user code imitating, without the allocator's "Tried to allocate"
+        RuntimeError("CUDA out of memory"),
         RuntimeError("CUDA error: device-side assert triggered"),
         MemoryError(),  # Python objects, not a tensor allocator
         ValueError("CUDA out of memory. Tried to allocate 2 GiB"),  # not a RuntimeError

@@ -39,7 +39,8 @@ def _peak(seq_len, names=()):
 
     torch.manual_seed(0)
     make_trainer([SwitchOn(), cb], max_steps=3).fit(
-        LitGPT(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=seq_len, num_samples=16, vocab_size=64)
+        LitGPT(**MODEL), SyntheticTokenDataModule(batch_size=4, seq_len=seq_len, num_samples=16,
+                                                  vocab_size=64)
     )
     return cb.records[-1].peak_bytes
 
@@ -54,7 +55,8 @@ def _run(mitigations, max_steps=20, **model):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer([cb], max_steps=max_steps).fit(
-            module, SyntheticTokenDataModule(batch_size=4, seq_len=TARGET, num_samples=4 * max_steps, vocab_size=64)
+            module, SyntheticTokenDataModule(batch_size=4, seq_len=TARGET,
+                                             num_samples=4 * max_steps, vocab_size=64)
         )
     return cb, module, [w for w in caught if issubclass(w.category, PredictedOOMWarning)]
 
@@ -69,8 +71,9 @@ def test_ladder_reaches_the_target_within_budget():
     assert lengths[-1] == TARGET and cb.planner.course.capped_at is None
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget
     names = [e["name"] for e in cb.mitigation_events]
-    # an upgrade (checkpointing 1 of 4 blocks -> 2 of 4) replaces its rung's entry: one entry per rung
-    assert list(dict.fromkeys(map(base_name, names))) == list(map(base_name, cb.applied_mitigations))
+    # an upgrade (checkpointing 1 of 4 blocks -> 2 of 4) replaces its rung's entry: one per rung
+    assert (list(dict.fromkeys(map(base_name, names)))
+            == list(map(base_name, cb.applied_mitigations)))
     assert names[0] == "attention" and len(names) >= 2 and names[-1] in cb.applied_mitigations
     # each mitigation: when (a record carries the event), and its measured effect at that length
     for event in cb.mitigation_events:
@@ -81,7 +84,8 @@ def test_ladder_reaches_the_target_within_budget():
             assert event["after_bytes"] < event["before_bytes"], event
     assert any(e["after_bytes"] is not None for e in cb.mitigation_events)
     lengths_seen = [r.seq_len for r in cb.records]
-    assert lengths_seen == sorted(lengths_seen)  # the dry run plans the rungs: the curriculum never goes back
+    # the dry run plans the rungs: the curriculum never goes back
+    assert lengths_seen == sorted(lengths_seen)
     assert module.attention_backend == "sdpa"
     assert is_checkpointed(module) == any(base_name(n) == "checkpointing" for n in names)
     assert is_micro_batching(module) == ("microbatch" in names)
@@ -102,7 +106,8 @@ def test_attention_switch_that_stays_quadratic_is_reported():
 
 
 def test_attention_switch_to_a_fused_kernel_is_not_reported():
-    cb, _, oom = _run(("attention",), max_steps=8)  # switched on at step 4 (96 tokens), checked at step 5
+    # switched on at step 4 (96 tokens), checked at step 5
+    cb, _, oom = _run(("attention",), max_steps=8)
     assert cb.mitigation_events[0].get("checked")
     assert not [w for w in oom if "still grows quadratically" in str(w.message)]
 
@@ -137,7 +142,8 @@ class _GrowingPadding(torch.utils.data.Dataset):
 
 
 def test_without_a_curriculum_an_over_budget_batch_switches_the_ladder_on_before_it_runs():
-    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, memory_budget=BUDGET, safety_margin=0.0)
+    cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, memory_budget=BUDGET,
+                        safety_margin=0.0)
     torch.manual_seed(0)
     module = LitGPT(**MODEL)
     loader = torch.utils.data.DataLoader(_GrowingPadding(), batch_size=None)
@@ -159,7 +165,8 @@ def test_the_readme_attention_protocol_is_enough_for_the_switch():
     import torch.nn.functional as F
     from torch import nn
 
-    from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend
+    from lightning_seqmem.mitigations.attention.attention import (AttentionSwitch,
+                                                                  current_attention_backend)
 
     class MyAttention(nn.Module):
         attention_backend = "eager"
@@ -196,8 +203,9 @@ def test_a_rung_whose_check_fails_is_skipped_and_the_run_goes_on(monkeypatch):
 
     monkeypatch.setattr(ladder, "is_applicable", broken)
     cb, module, oom = _run(MITIGATIONS, max_steps=10)
-    # the fastest setting that fits goes on first: micro-batching (prior +10%) before checkpointing (+33%);
-    # the ladder's old prefix order took checkpointing first
+    # the fastest setting that fits goes on first: micro-batching (prior +10%) before checkpointing
+    # (+33%); the ladder's old prefix order took checkpointing first
     assert "attention" not in cb.applied_mitigations and cb.applied_mitigations[0] == "microbatch"
-    assert any("attention: its check failed (RuntimeError: injected: odd model)" in str(w.message) for w in oom)
+    assert any("attention: its check failed (RuntimeError: injected: odd model)" in str(w.message)
+               for w in oom)
     assert max(r.peak_bytes for r in cb.records) <= BUDGET

@@ -41,7 +41,8 @@ def _run(rank: int, port: int, out: str, variant: str, seq_lens: list[int]) -> N
     batches = [torch.randint(0, 64, (2, seq_lens[rank]), generator=g) for _ in range(2)]
     result: dict = {"rank": rank}
     for step, ids in enumerate(batches):
-        if step == 1:  # between steps, on the live module inside DDP, as the callback switches a rung on
+        # between steps, on the live module inside DDP, as the callback switches a rung on
+        if step == 1:
             inner = models["variant"].module
             rung = ladder.rung(variant)
             result["variants"] = list(ladder.rung("checkpointing").variants(RungContext(inner)))
@@ -52,9 +53,11 @@ def _run(rank: int, port: int, out: str, variant: str, seq_lens: list[int]) -> N
             optimizers[key].zero_grad(set_to_none=True)
             _loss(model, ids).backward()
             if step == 1:
-                result.setdefault("grads", {})[key] = [p.grad.double().norm().item() for p in model.parameters()]
+                result.setdefault("grads", {})[key] = [p.grad.double().norm().item()
+                                                       for p in model.parameters()]
             optimizers[key].step()
-    result["param_sums"] = {k: [p.double().sum().item() for p in m.parameters()] for k, m in models.items()}
+    result["param_sums"] = {k: [p.double().sum().item() for p in m.parameters()]
+                            for k, m in models.items()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -69,7 +72,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_run, args=(port, args.out, args.variant, [int(x) for x in args.seq_lens.split(",")]), nprocs=2)
+    mp.spawn(_run, args=(port, args.out, args.variant, [int(x) for x in args.seq_lens.split(",")]),
+             nprocs=2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Run by tests/test_ddp.py: 2 CPU processes (gloo) train with SeqMemCallback; each rank writes JSON.
+"""Run by tests/test_ddp.py: 2 CPU processes (gloo) train with SeqMemCallback; each writes JSON.
 
-    python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES] [--batch-sizes 4,1]
+    python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES]
+        [--batch-sizes 4,1]
         [--seq-lens 64,128] [--no-curriculum] [--unreadable-rank1-at STEP] [--mitigations a,b]
         [--vocab-size 256] [--curriculum 16,256] [--d-ff N]
 """
@@ -33,22 +34,26 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="2,2", help="per-rank batch size")
     parser.add_argument("--seq-lens", default="256,256", help="per-rank data length")
     parser.add_argument("--no-curriculum", action="store_true")
-    parser.add_argument("--unreadable-rank1-at", type=int, default=None, help="rank 1 cannot read this batch")
+    parser.add_argument("--unreadable-rank1-at", type=int, default=None,
+                        help="rank 1 cannot read this batch")
     parser.add_argument("--vocab-size", type=int, default=256, help="of the model and the data")
     parser.add_argument("--curriculum", default="16,256", help="start,target of the curriculum")
-    parser.add_argument("--d-ff", type=int, default=None, help="the GPT's MLP width (default 4 * d_model)")
+    parser.add_argument("--d-ff", type=int, default=None,
+                        help="the GPT's MLP width (default 4 * d_model)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     rank = int(os.environ.get("LOCAL_RANK", 0))
     calls = {"batch": 0, "fault": 0}
 
-    class BatchIndex(pl.Callback):  # runs before SeqMemCallback: the index of the batch about to run
+    # runs before SeqMemCallback: the index of the batch about to run
+    class BatchIndex(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             calls["batch"] = batch_idx
 
     def seq_len_fn(batch):
-        if rank == 1 and args.unreadable_rank1_at is not None and calls["batch"] >= args.unreadable_rank1_at:
+        if (rank == 1 and args.unreadable_rank1_at is not None
+                and calls["batch"] >= args.unreadable_rank1_at):
             raise ValueError("injected: rank 1 cannot read this batch")
         return infer_batch_shape(batch)
 
@@ -63,7 +68,8 @@ def main() -> None:
     )
     decisions: list = []
     commit = cb.planner.commit
-    cb.planner.commit = lambda d: (decisions.append([d.action, d.seq_len, d.rung, list(d.stages)]), commit(d))[1]
+    cb.planner.commit = lambda d: (decisions.append([d.action, d.seq_len, d.rung, list(d.stages)]),
+                                   commit(d))[1]
     if args.fail_rank0_at is not None and rank == 0:
         original = cb.planner.observe
 
@@ -77,13 +83,14 @@ def main() -> None:
     batch_size = int(args.batch_sizes.split(",")[rank])
     seq_len = int(args.seq_lens.split(",")[rank])
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.max_steps, callbacks=[BatchIndex(), cb], default_root_dir=args.out,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.max_steps,
+        callbacks=[BatchIndex(), cb], default_root_dir=args.out, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
     module = LitGPT(n_layer=1, d_model=32, n_head=2, vocab_size=args.vocab_size, d_ff=args.d_ff)
-    trainer.fit(module, SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=256,
-                                                 vocab_size=args.vocab_size))
+    trainer.fit(module, SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len,
+                                                 num_samples=256, vocab_size=args.vocab_size))
     out = {
         "rank": trainer.global_rank,
         "seconds": time.perf_counter() - start,
@@ -95,10 +102,12 @@ def main() -> None:
         "global_step": trainer.global_step,
         "mitigations": list(cb.mitigations),
         "applied_mitigations": list(cb.applied_mitigations),
-        "mitigation_events": [{k: e[k] for k in ("name", "step", "seq_len")} for e in cb.mitigation_events],
+        "mitigation_events": [{k: e[k] for k in ("name", "step", "seq_len")}
+                              for e in cb.mitigation_events],
         "parameters_sum": float(sum(p.detach().double().sum() for p in module.parameters())),
         "tiled_mlp_tiles": tiled_mlp_tiles(module),
-        "parameters": [p.detach().double().sum().item() for p in module.parameters()],  # equal on every rank under DDP
+        # equal on every rank under DDP
+        "parameters": [p.detach().double().sum().item() for p in module.parameters()],
     }
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(out, f)

@@ -1,16 +1,17 @@
-"""Run by tests/test_deepspeed.py: Lightning's ``DeepSpeedStrategy`` on the CPU (tests/deepspeed_cpu.py,
-gloo, one process), writing JSON.
+"""Run by tests/test_deepspeed.py: Lightning's ``DeepSpeedStrategy`` on the CPU
+(tests/deepspeed_cpu.py, gloo, one process), writing JSON.
 
     python tests/scripts/deepspeed_run.py OUT.json equality STAGE [STAGE ...]
     python tests/scripts/deepspeed_run.py OUT.json callback STAGE BUDGET_BYTES
 
-``equality``: per ZeRO stage, two steps of a small GPT on batches of 4, whole and micro-batched (2 + 2,
-switched on before the first step) from the same initial weights, and the relative L2 norm of the
-difference of their parameter updates; ``MicroBatching.is_applicable`` at each stage, and the same with
-activation checkpointing switched on (its updates against the plain run's); where micro-batching is
-refused, the split step run all the same (``forced_micro_relative``).
-``callback``: ``SeqMemCallback`` (a curriculum 64 -> 256 tokens, the ladder checkpointing -> microbatch)
-under the strategy; each step window's peak counted by the profiler (tests/step_window.py).
+``equality``: per ZeRO stage, two steps of a small GPT on batches of 4, whole and micro-batched
+(2 + 2, switched on before the first step) from the same initial weights, and the relative L2 norm
+of the difference of their parameter updates; ``MicroBatching.is_applicable`` at each stage, and the
+same with activation checkpointing switched on (its updates against the plain run's); where
+micro-batching is refused, the split step run all the same (``forced_micro_relative``).
+``callback``: ``SeqMemCallback`` (a curriculum 64 -> 256 tokens, the ladder
+checkpointing -> microbatch) under the strategy; each step window's peak counted by the profiler
+(tests/step_window.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from lightning_seqmem.mitigations.base import RungContext  # noqa: E402
 from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching  # noqa: E402
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule  # noqa: E402
 
-SMALL_BUCKETS = {"reduce_bucket_size": 2**16, "allgather_bucket_size": 2**16}  # else 2e8 elements each
+# else 2e8 elements each
+SMALL_BUCKETS = {"reduce_bucket_size": 2**16, "allgather_bucket_size": 2**16}
 
 
 class _Switch(pl.Callback):
@@ -48,9 +50,11 @@ class _Switch(pl.Callback):
         if self.what == "forced":  # as the refused rung would run, its check left out
             import lightning_seqmem.mitigations.microbatch.microbatch as microbatch
 
-            stage_of, microbatch._deepspeed_stage = microbatch._deepspeed_stage, lambda strategy: None
+            stage_of, microbatch._deepspeed_stage = (microbatch._deepspeed_stage,
+                                                     lambda strategy: None)
             try:  # the stage unknown: nothing refuses it
-                self.applicable = MicroBatching(micro_batch_size=2).is_applicable(trainer, pl_module)
+                self.applicable = MicroBatching(micro_batch_size=2).is_applicable(
+                    trainer, pl_module)
                 MicroBatching(micro_batch_size=2).apply(trainer, pl_module)
             finally:
                 microbatch._deepspeed_stage = stage_of
@@ -68,11 +72,13 @@ def _update(stage: int, what: str) -> tuple[dict[str, torch.Tensor], object]:
     module = LitGPT(n_layer=2, d_model=32, n_head=2)
     start = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
     switch = _Switch(what)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[switch],
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[switch],
                          strategy=cpu_deepspeed_strategy(stage=stage, **SMALL_BUCKETS))
     trainer.fit(module, SyntheticTokenDataModule(seq_len=32, batch_size=4, num_samples=16))
-    return {k: v.detach().float() - start[k] for k, v in module.state_dict().items()}, switch.applicable
+    return {k: v.detach().float() - start[k]
+            for k, v in module.state_dict().items()}, switch.applicable
 
 
 def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -86,8 +92,10 @@ def equality(stages: list[int]) -> dict[str, object]:
         plain, _ = _update(stage, "none")
         micro, applicable = _update(stage, "micro")
         ckpt, applied = _update(stage, "checkpointing")
-        out[str(stage)] = {"micro_applicable": applicable, "micro_relative": _relative(plain, micro),
-                           "checkpointing_applied": applied, "checkpointing_relative": _relative(plain, ckpt),
+        out[str(stage)] = {"micro_applicable": applicable,
+                           "micro_relative": _relative(plain, micro),
+                           "checkpointing_applied": applied,
+                           "checkpointing_relative": _relative(plain, ckpt),
                            "update_norm": sum(float((v ** 2).sum()) for v in plain.values()) ** 0.5}
         if not applicable[0]:  # what the refusal avoids: the split step run all the same
             out[str(stage)]["forced_micro_relative"] = _relative(plain, _update(stage, "forced")[0])
@@ -100,18 +108,21 @@ def callback(stage: int, budget: int) -> dict[str, object]:
                         mitigations=("checkpointing", "microbatch"),
                         curriculum=Curriculum(64, 256, steps_per_stage=2, multiple_of=32))
     windows = StepWindows()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=windows.around(cb),
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=windows.around(cb),
                          strategy=cpu_deepspeed_strategy(stage=stage, **SMALL_BUCKETS))
     module = LitGPT(n_layer=2, d_model=64, n_head=2, vocab_size=4096)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, SyntheticTokenDataModule(batch_size=4, seq_len=256, num_samples=64, vocab_size=4096))
+        trainer.fit(module, SyntheticTokenDataModule(batch_size=4, seq_len=256, num_samples=64,
+                                                     vocab_size=4096))
     return {"global_step": trainer.global_step, "applied_mitigations": list(cb.applied_mitigations),
             "records": [[r.step, r.seq_len, r.batch_size, r.peak_bytes] for r in cb.records],
             "max_seq_len": cb.max_seq_len(), "engine": type(trainer.strategy.model).__name__,
             "windows_over": windows.over(budget), "window_peaks": windows.peaks(),
-            "warnings": sorted({str(w.message)[:300] for w in caught if "seqmem" in str(w.message)})}
+            "warnings": sorted({str(w.message)[:300] for w in caught
+                                if "seqmem" in str(w.message)})}
 
 
 def main() -> None:

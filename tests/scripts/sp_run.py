@@ -1,6 +1,6 @@
-"""Run by tests/test_sequence_parallel_plan.py: a Ulysses (all-to-all) sequence-parallel training step
-over 2 CPU processes (gloo), FSDP2 over the same 2 ranks; each rank measures its step with the
-live-tensor tracker, rank 0 dry-runs the same step (the plan's per-rank figure); each rank writes JSON.
+"""Run by tests/test_sequence_parallel_plan.py: a Ulysses (all-to-all) sequence-parallel training
+step over 2 CPU processes (gloo), FSDP2 over the same 2 ranks; each rank measures its step with the
+live-tensor tracker and writes JSON; rank 0 dry-runs the same step (the plan's per-rank figure).
 
     python tests/scripts/sp_run.py OUT_DIR [SEQ_LEN] [BATCH_SIZE]
 
@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-N_LAYER, D_MODEL, N_HEAD = 2, 64, 4  # tiny model: 2 blocks, width 64, 4 heads (divisible by 2 ranks)
+# tiny model: 2 blocks, width 64, 4 heads (divisible by 2 ranks)
+N_LAYER, D_MODEL, N_HEAD = 2, 64, 4
 WORLD = 2
 
 
@@ -31,7 +32,8 @@ def work(rank: int, out_dir: str, seq_len: int, batch_size: int, port: int) -> N
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_attention, sequence_parallel_dry_run_step
+    from lightning_seqmem.dryrun.sequence_parallel import (sequence_parallel_attention,
+                                                           sequence_parallel_dry_run_step)
     from lightning_seqmem.dryrun.sharded import unsharded_template
     from lightning_seqmem.dryrun.step_functions import plain_loss as _plain_loss
     from lightning_seqmem.measure.probes import make_probe
@@ -41,12 +43,13 @@ def work(rank: int, out_dir: str, seq_len: int, batch_size: int, port: int) -> N
 
     result: dict = {"rank": rank, "seq_len": seq_len, "batch_size": batch_size}
     local = seq_len // WORLD
-    # the all-to-all layout: each rank's chunk of Ulysses attention equals that chunk of full attention
+    # the all-to-all layout: a rank's chunk of Ulysses attention equals that chunk of full attention
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, N_HEAD, 64, 16) for _ in range(3))
     chunk = slice(rank * 32, (rank + 1) * 32)
     with sequence_parallel_attention("ulysses", WORLD, dist.group.WORLD):
-        y = F.scaled_dot_product_attention(q[:, :, chunk], k[:, :, chunk], v[:, :, chunk], is_causal=True)
+        y = F.scaled_dot_product_attention(q[:, :, chunk], k[:, :, chunk], v[:, :, chunk],
+                                           is_causal=True)
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     result["ulysses_max_abs_err"] = float((y - full[:, :, chunk]).abs().max())
 
@@ -61,10 +64,12 @@ def work(rank: int, out_dir: str, seq_len: int, batch_size: int, port: int) -> N
     optimizer = model.configure_optimizers()
     data = SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=batch_size)
     batch = next(iter(data.train_dataloader()))
-    mine = {key: (t[:, rank * local:(rank + 1) * local] if key != "index" else t) for key, t in batch.items()}
+    mine = {key: (t[:, rank * local:(rank + 1) * local] if key != "index" else t)
+            for key, t in batch.items()}
     probe = make_probe("tracker", torch.device("cpu"))
     with sequence_parallel_attention("ulysses", WORLD, dist.group.WORLD) as calls:
-        training_step_memory(model, optimizer, mine, _plain_loss)  # warm-up: gradients and AdamW state exist
+        # warm-up: gradients and AdamW state exist
+        training_step_memory(model, optimizer, mine, _plain_loss)
         started = time.perf_counter()
         memory = training_step_memory(model, optimizer, mine, _plain_loss, probe)
         result["measured_seconds"] = time.perf_counter() - started
@@ -73,7 +78,8 @@ def work(rank: int, out_dir: str, seq_len: int, batch_size: int, port: int) -> N
     result["measured_phase_peak_bytes"] = dict(memory.phase_peak_bytes)
     dist.barrier()
     if rank == 0:  # the plan's per-rank figure: a dry run of rank 0's shard in a fake process group
-        dry = sequence_parallel_dry_run_step(template, batch, seq_len, WORLD, WORLD, "ulysses", batch_size)
+        dry = sequence_parallel_dry_run_step(template, batch, seq_len, WORLD, WORLD, "ulysses",
+                                             batch_size)
         result["dry_run_peak_bytes"] = dry.peak_bytes
         result["dry_run_phase_peak_bytes"] = dict(dry.phase_peak_bytes)
         result["dry_run_detail"] = dry.detail

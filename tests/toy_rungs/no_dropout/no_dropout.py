@@ -22,7 +22,8 @@ class NoDropout(Rung):
     def is_applicable(self, ctx: RungContext):
         if not self._dropouts(ctx.pl_module):
             return False, "no nn.Dropout"
-        return (False, "dropout already 0") if self.is_on(ctx.pl_module) else (True, "dropout p -> 0")
+        return ((False, "dropout already 0") if self.is_on(ctx.pl_module)
+                else (True, "dropout p -> 0"))
 
     def apply(self, ctx: RungContext):
         applies, why = self.is_applicable(ctx)
