@@ -62,7 +62,8 @@ def main() -> None:
             optimizer.step()
             seconds[name].append(time.perf_counter() - started)
     median = {name: statistics.median(s[2:]) for name, s in seconds.items()}
-    peaks = {name: training_step_memory(m, o, ids, _loss, make_probe("tracker", torch.device("cpu"))).peak_bytes
+    peaks = {name: training_step_memory(m, o, ids, _loss,
+                                        make_probe("tracker", torch.device("cpu"))).peak_bytes
              for name, (m, o) in models.items()}
     for name in LEVELS:
         print(f"{name:25s} {median[name] * 1e3:8.1f} ms  x{median[name] / median['plain']:.3f}  "

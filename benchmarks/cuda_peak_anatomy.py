@@ -29,10 +29,13 @@ MIB = 2**20
 
 
 def _frames(frames: list[dict], n: int = 3) -> str:
-    mine = [f for f in frames if "/torch/" not in f.get("filename", "") and f.get("filename", "").endswith(".py")]
-    ops = [f for f in frames if "at::native" in f.get("name", "") or "autograd::generated" in f.get("name", "")]
+    mine = [f for f in frames if "/torch/" not in f.get("filename", "")
+            and f.get("filename", "").endswith(".py")]
+    ops = [f for f in frames if "at::native" in f.get("name", "")
+           or "autograd::generated" in f.get("name", "")]
     pick = (mine or ops or frames)[:n]
-    return " <- ".join(f"{os.path.basename(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}" for f in pick)
+    return " <- ".join(f"{os.path.basename(f.get('filename', '?'))}:{f.get('line', '?')} "
+                       f"{f.get('name', '?')}" for f in pick)
 
 
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
     parser.add_argument("--attention", nargs="+", default=["eager", "sdpa"])
     parser.add_argument("--top", type=int, default=8)
-    parser.add_argument("--cpp", action="store_true", help="record C++ frames too (op names of unnamed blocks)")
+    parser.add_argument("--cpp", action="store_true",
+                        help="record C++ frames too (op names of unnamed blocks)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: cuda_peak_anatomy skipped")
@@ -74,15 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     probe_model = _gpt(128, "sdpa")().to(device)
     params = list(probe_model.parameters())
-    print(f"resident outside the model's tensors: fresh {resident_bytes(device, params) / MIB:.1f} MiB", end="")
+    print("resident outside the model's tensors: fresh "
+          f"{resident_bytes(device, params) / MIB:.1f} MiB", end="")
     warm_cuda_workspaces(device)
     print(f", after warm_cuda_workspaces {resident_bytes(device, params) / MIB:.1f} MiB", end="")
     opt = torch.optim.AdamW(probe_model.parameters(), lr=1e-4)
     for precision in ("fp32", "bf16"):
-        ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16" else None
+        ctx = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16"
+               else None)
         batch = _batch(4, 256, device=device)
         training_step_memory(probe_model, opt, batch, _loss, context=ctx)
-        print(f", after a {precision} step {resident_bytes(device, existing_tensors(probe_model, [opt], batch)) / MIB:.1f} MiB", end="")
+        print(f", after a {precision} step "
+              f"{resident_bytes(device, existing_tensors(probe_model, [opt], batch)) / MIB:.1f} "
+              "MiB", end="")
     print()
     del probe_model, params, opt, batch
     torch.cuda.empty_cache()
@@ -107,25 +115,31 @@ def main(argv: list[str] | None = None) -> int:
                     seen.add(s.data_ptr())
                     known += round_cuda_block_bytes(s.nbytes())
             resident = torch.cuda.memory_allocated() - known
-            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="all" if args.cpp else "python")
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="all" if args.cpp
+                                                     else "python")
             m = training_step_memory(real, opt, batch, _loss, make_probe("cuda", device))
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
             trace = snapshot["device_traces"][0]
             _, at_peak = live_at_peak(trace)
             print(f"\n=== gpt-2L-d128 {attention} L={seq_len} batch 4 fp32 ===")
-            print(f"tensors at start {known / MIB:.1f} MiB; resident outside them {resident / MIB:.1f} MiB")
+            print(f"tensors at start {known / MIB:.1f} MiB; resident outside them "
+                  f"{resident / MIB:.1f} MiB")
             for phase in ("forward", "backward", "optimizer"):
                 r, d = m.phase_peak_bytes.get(phase, 0), dry.phase_peak_bytes.get(phase, 0)
-                print(f"  {phase:<9} real {r / MIB:9.2f} MiB  dry {d / MIB:9.2f} MiB  gap {(r - d) / MIB:+8.2f} MiB")
-            print(f"  step      real {m.peak_bytes / MIB:9.2f} MiB  dry {dry.peak_bytes / MIB:9.2f} MiB  "
-                  f"gap {(m.peak_bytes - dry.peak_bytes) / MIB:+8.2f} MiB; gap - resident {(m.peak_bytes - dry.peak_bytes - resident) / MIB:+8.2f} MiB")  # fmt: skip
+                print(f"  {phase:<9} real {r / MIB:9.2f} MiB  dry {d / MIB:9.2f} MiB  gap "
+                      f"{(r - d) / MIB:+8.2f} MiB")
+            print(f"  step      real {m.peak_bytes / MIB:9.2f} MiB  dry "
+                  f"{dry.peak_bytes / MIB:9.2f} MiB  "
+                  f"gap {(m.peak_bytes - dry.peak_bytes) / MIB:+8.2f} MiB; gap - resident "
+                  f"{(m.peak_bytes - dry.peak_bytes - resident) / MIB:+8.2f} MiB")  # fmt: skip
             print(f"  allocated during the step and live at its peak (top {args.top}):")
             for block in sorted(at_peak, key=lambda b: -b["size"])[: args.top]:
                 frames = block.get("frames", [])
                 print(f"    {block['size'] / MIB:9.2f} MiB  {_frames(frames)}")
                 if args.cpp:
-                    ops = [f.get("name", "")[:90] for f in frames if "at::native" in f.get("name", "")
+                    ops = [f.get("name", "")[:90] for f in frames
+                           if "at::native" in f.get("name", "")
                            or "autograd::generated" in f.get("name", "")][:3]
                     print(f"               {' <- '.join(ops)}")
             del real, opt, batch

@@ -37,7 +37,8 @@ STEPS_PER_PROBE = 3  # 2 warm-up steps + 1 measured step
 
 def _trainer(callbacks, max_steps):
     return pl.Trainer(
-        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
+        # the callback's report goes there
+        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),
         max_steps=max_steps, accelerator="cpu", callbacks=callbacks, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
@@ -48,7 +49,8 @@ def measure_peak(model_kwargs: dict, seq_len: int, batch_size: int) -> int:
     torch.manual_seed(0)
     cb = SeqMemCallback(warmup_steps=2)
     _trainer([cb], STEPS_PER_PROBE).fit(
-        LitGPT(**model_kwargs), SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=4 * batch_size)
+        LitGPT(**model_kwargs),
+        SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len, num_samples=4 * batch_size)
     )
     return cb.records[-1].peak_bytes
 
@@ -94,8 +96,10 @@ def doubling(counter: _Counter, start: int, multiple_of: int, bisect: bool) -> i
 
 def seqmem(model_kwargs, batch_size, budget, start, target, multiple_of, steps_per_stage):
     torch.manual_seed(0)
-    curriculum = Curriculum(start=start, target=target, steps_per_stage=steps_per_stage, multiple_of=multiple_of)
-    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, curriculum=curriculum, mitigations=())
+    curriculum = Curriculum(start=start, target=target, steps_per_stage=steps_per_stage,
+                            multiple_of=multiple_of)
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
+                        curriculum=curriculum, mitigations=())
 
     class StopWhenSettled(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
@@ -104,7 +108,9 @@ def seqmem(model_kwargs, batch_size, budget, start, target, multiple_of, steps_p
 
     max_steps = steps_per_stage * (curriculum.num_stages + 1)
     _trainer([cb, StopWhenSettled()], max_steps).fit(
-        LitGPT(**model_kwargs), SyntheticTokenDataModule(batch_size=batch_size, seq_len=target, num_samples=4 * max_steps * batch_size)
+        LitGPT(**model_kwargs),
+        SyntheticTokenDataModule(batch_size=batch_size, seq_len=target,
+                                 num_samples=4 * max_steps * batch_size)
     )
     ooms = sum(r.peak_bytes > budget for r in cb.records)
     return len(cb.records), ooms, cb.seq_len
@@ -113,7 +119,8 @@ def seqmem(model_kwargs, batch_size, budget, start, target, multiple_of, steps_p
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attention", default="eager", choices=["eager", "sdpa"])
-    parser.add_argument("--budget", default=None, help="bytes or e.g. '60MiB'; default: midway between the peaks at 1/2 and 1x target")
+    parser.add_argument("--budget", default=None, help="bytes or e.g. '60MiB'; default: midway "
+                                                       "between the peaks at 1/2 and 1x target")
     parser.add_argument("--quick", action="store_true", help="smaller model and lengths (< 1 min)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -125,10 +132,12 @@ def main() -> None:
         model_kwargs.update(n_layer=1, d_model=32, n_head=2)
     t0 = time.perf_counter()
     if args.budget is None:
-        budget = int(0.5 * (measure_peak(model_kwargs, target // 2, batch_size) + measure_peak(model_kwargs, target, batch_size)))
+        budget = int(0.5 * (measure_peak(model_kwargs, target // 2, batch_size)
+                            + measure_peak(model_kwargs, target, batch_size)))
     else:
         budget = parse_bytes(args.budget, "--budget")
-    print(f"model {model_kwargs}, batch {batch_size}, budget {format_bytes(budget)}, lengths {start}..{target}, multiple_of {multiple_of}")
+    print(f"model {model_kwargs}, batch {batch_size}, budget {format_bytes(budget)}, lengths "
+          f"{start}..{target}, multiple_of {multiple_of}")
 
     shared_cache: dict[int, int] = {}
     rows = []
@@ -138,17 +147,21 @@ def main() -> None:
         ("doubling + bisect", lambda c: doubling(c, start, multiple_of, bisect=True)),
     ]:
         counter = _Counter(model_kwargs, batch_size, budget)
-        counter.cache = shared_cache  # measurements are shared; steps and OOMs are counted per search
+        # measurements are shared; steps and OOMs are counted per search
+        counter.cache = shared_cache
         rows.append((name, run(counter), counter.steps, counter.ooms))
     true_len = rows[0][1]
-    steps, ooms, found = seqmem(model_kwargs, batch_size, budget, start, target, multiple_of, steps_per_stage=3)
+    steps, ooms, found = seqmem(model_kwargs, batch_size, budget, start, target, multiple_of,
+                                steps_per_stage=3)
     rows.append(("seqmem curriculum", found, steps, ooms))
 
     print(f"\n{'search':<22}{'found':>8}{'steps':>8}{'OOMs':>6}{'below truth (multiple_of)':>28}")
     for name, length, nsteps, nooms in rows:
-        print(f"{name:<22}{length:>8}{nsteps:>8}{nooms:>6}{(true_len - length) / multiple_of:>28.2f}")
+        print(f"{name:<22}{length:>8}{nsteps:>8}{nooms:>6}"
+              f"{(true_len - length) / multiple_of:>28.2f}")
     ok = ooms == 0 and 0 <= true_len - found <= multiple_of
-    print(f"\nseqmem: {ooms} OOMs, {(true_len - found) // multiple_of} multiple_of below the truth -> {'PASS' if ok else 'FAIL'} "
+    print(f"\nseqmem: {ooms} OOMs, {(true_len - found) // multiple_of} multiple_of below the truth "
+          f"-> {'PASS' if ok else 'FAIL'} "
           f"(goal: zero OOMs, within one multiple_of); total {time.perf_counter() - t0:.0f} s")
 
 

@@ -36,7 +36,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    print(f"{'tokens':>7} {'dry run MiB':>12} {'measured MiB':>13} {'error':>8} {'dry s':>6} {'real s':>7}")
+    print(f"{'tokens':>7} {'dry run MiB':>12} {'measured MiB':>13} {'error':>8} "
+          f"{'dry s':>6} {'real s':>7}")
     for seq_len in args.lengths:
         torch.manual_seed(0)
         model = Demo(seq_len + 8)
@@ -47,12 +48,13 @@ def main() -> None:
         dry_s = time.perf_counter() - started
         optimizer = model.configure_optimizers()
         step = lambda m, b: m.training_step(b, 0)  # noqa: E731
-        training_step_memory(model, optimizer, batch, step)  # warm-up: gradients, cached pe and mask
+        # warm-up: gradients, cached pe and mask
+        training_step_memory(model, optimizer, batch, step)
         started = time.perf_counter()
         real = training_step_memory(model, optimizer, batch, step, TrackerProbe("cpu")).peak_bytes
         real_s = time.perf_counter() - started
-        print(f"{seq_len:>7} {dry / MIB:>12.1f} {real / MIB:>13.1f} {dry / real - 1:>+8.2%} {dry_s:>6.1f} {real_s:>7.1f}",
-              flush=True)
+        print(f"{seq_len:>7} {dry / MIB:>12.1f} {real / MIB:>13.1f} {dry / real - 1:>+8.2%} "
+              f"{dry_s:>6.1f} {real_s:>7.1f}", flush=True)
 
 
 if __name__ == "__main__":

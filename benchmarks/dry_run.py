@@ -5,9 +5,9 @@ off / on, fp32 / bf16 autocast; Hugging Face Llama and a Mistral with a sliding 
 :func:`~lightning_seqmem.dryrun.step.dry_run_step` forecasts one training step at each length from a
 batch of ``L0`` tokens, and a real step is measured at that length on a separate copy of the
 module: AdamW, one warm-up step, then the measured step under the CPU
-:class:`~lightning_seqmem.measure.probes.TrackerProbe` (exact live tensor bytes; parameters, gradients,
-optimizer state and the batch counted). Error is ``(dry - measured) / measured``; negative is an
-under-prediction (an OOM risk). Target: within 1% everywhere.
+:class:`~lightning_seqmem.measure.probes.TrackerProbe` (exact live tensor bytes; parameters,
+gradients, optimizer state and the batch counted). Error is ``(dry - measured) / measured``;
+negative is an under-prediction (an OOM risk). Target: within 1% everywhere.
 
 Cost: the dry run alone at 1k, 8k and 32k tokens (real steps there would be too slow, or too big:
 eager attention at 32k tokens needs hundreds of GiB). Each row runs in a fresh process after
@@ -18,7 +18,8 @@ the current RSS through ``/proc/self/clear_refs`` just before it) minus its RSS 
 parent.) ``seconds`` is the measured call's own time.
 
     python benchmarks/dry_run.py            # L0=32, real steps up to 2048 tokens, 3 cost models
-    python benchmarks/dry_run.py --quick    # small models, real steps at 16·L0 = 256 tokens, 1 cost model
+    python benchmarks/dry_run.py --quick    # small models, real steps at 16·L0 = 256 tokens,
+                                            # 1 cost model
     python benchmarks/dry_run.py --json     # the figures as one JSON dict instead of tables
     python benchmarks/dry_run.py --device cuda --quick   # on a GPU: the dry run against the CUDA
                                             # allocator's counters (max_memory_allocated per phase)
@@ -62,15 +63,18 @@ DEVICE = CPU  # where the measured steps run (--device)
 
 
 class HFLM(pl.LightningModule):
-    """A randomly initialised Hugging Face causal LM (nothing downloaded), next-token cross entropy."""
+    """A randomly initialised Hugging Face causal LM (nothing downloaded), next-token cross
+    entropy."""
 
     def __init__(self, model_type: str, attn_implementation: str, **config: Any) -> None:
         super().__init__()
         import transformers
 
-        fields = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB_SIZE)
+        fields = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      vocab_size=VOCAB_SIZE)
         hf_config = transformers.AutoConfig.for_model(model_type, **{**fields, **config})
-        self.model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation=attn_implementation)
 
     def training_step(self, batch, batch_idx):
         logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits
@@ -88,11 +92,14 @@ class Case:
 
 
 def _gpt(d_model: int, attention: str) -> Callable[[], torch.nn.Module]:
-    return lambda: LitGPT(n_layer=2, d_model=d_model, n_head=4, attention=attention, vocab_size=VOCAB_SIZE)
+    return lambda: LitGPT(n_layer=2, d_model=d_model, n_head=4, attention=attention,
+                          vocab_size=VOCAB_SIZE)
 
 
-def _hf(model_type: str, attention: str, hidden: int, **config: Any) -> Callable[[], torch.nn.Module]:
-    return lambda: HFLM(model_type, attention, hidden_size=hidden, intermediate_size=2 * hidden, **config)
+def _hf(model_type: str, attention: str, hidden: int,
+        **config: Any) -> Callable[[], torch.nn.Module]:
+    return lambda: HFLM(model_type, attention, hidden_size=hidden, intermediate_size=2 * hidden,
+                        **config)
 
 
 def accuracy_cases(quick: bool) -> tuple[list[Case], tuple[int, ...], tuple[int, ...], int]:
@@ -107,13 +114,16 @@ def accuracy_cases(quick: bool) -> tuple[list[Case], tuple[int, ...], tuple[int,
     ]
     cases += [
         Case(f"llama-d{hidden}", "sdpa", False, False, _hf("llama", "sdpa", hidden), 2),
-        Case(f"mistral-sw{window}", "sdpa", False, False, _hf("mistral", "sdpa", hidden, sliding_window=window), 2),
+        Case(f"mistral-sw{window}", "sdpa", False, False,
+             _hf("mistral", "sdpa", hidden, sliding_window=window), 2),
     ]
     if quick:
         return cases, (256,), (16, 256), 16
     cases += [
-        Case(f"mistral-sw{window}", "sdpa", False, True, _hf("mistral", "sdpa", hidden, sliding_window=window), 2),
-        Case(f"mistral-sw{window}", "eager", False, False, _hf("mistral", "eager", hidden, sliding_window=window), 2),
+        Case(f"mistral-sw{window}", "sdpa", False, True,
+             _hf("mistral", "sdpa", hidden, sliding_window=window), 2),
+        Case(f"mistral-sw{window}", "eager", False, False,
+             _hf("mistral", "eager", hidden, sliding_window=window), 2),
     ]
     return cases, (128, 512, 2048), (128, 512, 2048), 32
 
@@ -121,7 +131,8 @@ def accuracy_cases(quick: bool) -> tuple[list[Case], tuple[int, ...], tuple[int,
 def _batch(batch_size: int, seq_len: int, seed: int = 0, device: torch.device = CPU) -> dict:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB_SIZE, (batch_size, seq_len + 1), generator=g)
-    return {"input_ids": tokens[:, :-1].clone().to(device), "labels": tokens[:, 1:].clone().to(device)}
+    return {"input_ids": tokens[:, :-1].clone().to(device),
+            "labels": tokens[:, 1:].clone().to(device)}
 
 
 def _loss(model, batch):
@@ -133,7 +144,8 @@ def _autocast(bf16: bool) -> Optional[Callable]:
 
 
 def measure_real(module: torch.nn.Module, case: Case, seq_len: int) -> int:
-    """Peak bytes of a real step (warm-up step first) on a copy of ``module`` with the case's settings."""
+    """Peak bytes of a real step (warm-up step first) on a copy of ``module`` with the case's
+    settings."""
     real = copy.deepcopy(module).to(DEVICE)
     if case.checkpointing:
         ActivationCheckpointing().apply(real)
@@ -152,10 +164,13 @@ def accuracy(quick: bool, show: bool) -> list[dict]:
     cases, gpt_lengths, hf_lengths, l0 = accuracy_cases(quick)
     rows = []
     if show:
-        print(f"accuracy: dry run from a batch of L0={l0} tokens vs a real measured step (AdamW, warm-up step first)")
-        probe = "CUDA allocator counters" if DEVICE.type == "cuda" else "CPU TrackerProbe, exact live bytes"
+        print(f"accuracy: dry run from a batch of L0={l0} tokens vs a real measured step (AdamW, "
+              "warm-up step first)")
+        probe = ("CUDA allocator counters" if DEVICE.type == "cuda"
+                 else "CPU TrackerProbe, exact live bytes")
         print(f"error = (dry - measured) / measured step peak ({probe}, on {DEVICE})")
-        header = f"{'model':<16} {'attention':<9} {'ckpt':<4} {'precision':<9} {'seq_len':>7} {'measured MiB':>12} {'dry MiB':>10} {'error':>8} {'dry s':>6}"
+        header = (f"{'model':<16} {'attention':<9} {'ckpt':<4} {'precision':<9} {'seq_len':>7} "
+                  f"{'measured MiB':>12} {'dry MiB':>10} {'error':>8} {'dry s':>6}")
         print(header)
         print("-" * len(header))
     for case in cases:
@@ -165,7 +180,8 @@ def accuracy(quick: bool, show: bool) -> list[dict]:
         mitigations = ["checkpointing"] if case.checkpointing else []
         for seq_len in gpt_lengths if case.name.startswith("gpt") else hf_lengths:
             try:
-                dry = dry_run_step(module, optimizer, _batch(case.batch_size, l0, device=DEVICE), seq_len, mitigations=mitigations,
+                dry = dry_run_step(module, optimizer, _batch(case.batch_size, l0, device=DEVICE),
+                                   seq_len, mitigations=mitigations,
                                    autocast=_autocast(case.bf16))  # fmt: skip
             except DryRunUnsupported as err:
                 print(f"  {case.name} {seq_len}: {err}")
@@ -175,24 +191,28 @@ def accuracy(quick: bool, show: bool) -> list[dict]:
             module.to(DEVICE)
             error = (dry.peak_bytes - measured) / measured
             row = dict(model=case.name, attention=case.attention, checkpointing=case.checkpointing,
-                       precision="bf16" if case.bf16 else "fp32", seq_len=seq_len, batch_size=case.batch_size,
+                       precision="bf16" if case.bf16 else "fp32", seq_len=seq_len,
+                       batch_size=case.batch_size,
                        measured_bytes=measured, dry_bytes=dry.peak_bytes, relative_error=error,
                        dry_seconds=dry.seconds)  # fmt: skip
             rows.append(row)
             if show:
                 print(
-                    f"{case.name:<16} {case.attention:<9} {'on' if case.checkpointing else 'off':<4} {row['precision']:<9} "
-                    f"{seq_len:>7} {measured / MIB:12.2f} {dry.peak_bytes / MIB:10.2f} {error:+8.2%} {dry.seconds:6.2f}"
+                    f"{case.name:<16} {case.attention:<9} "
+                    f"{'on' if case.checkpointing else 'off':<4} {row['precision']:<9} "
+                    f"{seq_len:>7} {measured / MIB:12.2f} {dry.peak_bytes / MIB:10.2f} "
+                    f"{error:+8.2%} {dry.seconds:6.2f}"
                 )
     if show:
         print("-" * len(header))
         worst = max(abs(r["relative_error"]) for r in rows)
         verdict = "PASS" if worst <= TOLERANCE else "FAIL"
-        print(f"SUMMARY worst |error| = {worst:.2%} over {len(rows)} steps: {verdict} (target <= {TOLERANCE:.0%})")
+        print(f"SUMMARY worst |error| = {worst:.2%} over {len(rows)} steps: {verdict} (target <= "
+              f"{TOLERANCE:.0%})")
     return rows
 
 
-# -- cost: one fresh process per row ---------------------------------------------------------------------
+# -- cost: one fresh process per row ---------------------------------------------------------------
 COST_MODELS = {
     "gpt-2L-d128 eager": lambda: _gpt(128, "eager")(),
     "gpt-2L-d128 sdpa": lambda: _gpt(128, "sdpa")(),
@@ -202,7 +222,8 @@ COST_BATCH_SIZE = 4
 
 
 def _status_kib(field: str) -> int:
-    """A ``/proc/self/status`` figure in KiB (``VmRSS``: resident now; ``VmHWM``: its high-water mark)."""
+    """A ``/proc/self/status`` figure in KiB (``VmRSS``: resident now; ``VmHWM``: its high-water
+    mark)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -237,7 +258,8 @@ def cost_worker(model: str, seq_len: int) -> dict:
     hwm_before = _status_kib("VmHWM")
     result = dry_run_step(module, optimizer, batch, seq_len)
     peak = _status_kib("VmHWM") - (rss_before if reset else hwm_before)
-    return dict(model=model, seq_len=seq_len, batch_size=COST_BATCH_SIZE, predicted_bytes=result.peak_bytes,
+    return dict(model=model, seq_len=seq_len, batch_size=COST_BATCH_SIZE,
+                predicted_bytes=result.peak_bytes,
                 seconds=result.seconds, peak_rss_increase_bytes=max(peak, 0) * 1024,
                 rss_before_bytes=rss_before * 1024, peak_reset=reset)  # fmt: skip
 
@@ -247,34 +269,45 @@ def cost(quick: bool, show: bool) -> list[dict]:
     rows = []
     if show:
         print()
-        print(f"cost of a dry run alone (batch {COST_BATCH_SIZE}; a fresh process per row, after imports, the model and a")
-        print("warm-up dry run at 64 tokens; peak RSS +MiB = the call's resident high-water mark (VmHWM, reset by")
-        print("/proc/self/clear_refs before it) minus the process's RSS just before it, 'process RSS MiB')")
-        header = f"{'model':<20} {'seq_len':>7} {'predicted peak GiB':>18} {'seconds':>8} {'peak RSS +MiB':>13} {'process RSS MiB':>15}"
+        print(f"cost of a dry run alone (batch {COST_BATCH_SIZE}; a fresh process per row, after "
+              "imports, the model and a")
+        print("warm-up dry run at 64 tokens; peak RSS +MiB = the call's resident high-water mark "
+              "(VmHWM, reset by")
+        print("/proc/self/clear_refs before it) minus the process's RSS just before it, "
+              "'process RSS MiB')")
+        header = (f"{'model':<20} {'seq_len':>7} {'predicted peak GiB':>18} {'seconds':>8} "
+                  f"{'peak RSS +MiB':>13} {'process RSS MiB':>15}")
         print(header)
         print("-" * len(header))
     for model in models:
         for seq_len in COST_LENGTHS:
             proc = subprocess.run(
                 [sys.executable, __file__, "--cost-worker", model, str(seq_len)],
-                capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                capture_output=True, text=True, check=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
             )  # fmt: skip
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append(row)
             if show:
                 print(
-                    f"{model:<20} {seq_len:>7} {row['predicted_bytes'] / 2**30:18.2f} {row['seconds']:8.2f} "
-                    f"{row['peak_rss_increase_bytes'] / MIB:13.1f} {row['rss_before_bytes'] / MIB:15.0f}"
+                    f"{model:<20} {seq_len:>7} {row['predicted_bytes'] / 2**30:18.2f} "
+                    f"{row['seconds']:8.2f} "
+                    f"{row['peak_rss_increase_bytes'] / MIB:13.1f} "
+                    f"{row['rss_before_bytes'] / MIB:15.0f}"
                 )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small models, real steps up to 256 tokens, one cost model")
-    parser.add_argument("--json", action="store_true", help="print the figures as one JSON dict instead of tables")
-    parser.add_argument("--device", default="cpu", help="where the measured steps run: cpu (default) or cuda")
-    parser.add_argument("--cost-worker", nargs=2, metavar=("MODEL", "SEQ_LEN"), help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true",
+                        help="small models, real steps up to 256 tokens, one cost model")
+    parser.add_argument("--json", action="store_true",
+                        help="print the figures as one JSON dict instead of tables")
+    parser.add_argument("--device", default="cpu",
+                        help="where the measured steps run: cpu (default) or cuda")
+    parser.add_argument("--cost-worker", nargs=2, metavar=("MODEL", "SEQ_LEN"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.cost_worker:
@@ -288,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     show = not args.json
     if show:
-        where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} threads"
+        where = (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda"
+                 else f"{torch.get_num_threads()} threads")
         print(f"dry_run: torch {torch.__version__}, {where}{' (quick)' if args.quick else ''}")
     figures = {"accuracy": accuracy(args.quick, show)}
     figures["cost"] = cost(args.quick, show) if DEVICE.type == "cpu" else []  # a CPU figure

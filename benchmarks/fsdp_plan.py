@@ -1,9 +1,10 @@
-"""What fits on N ranks with FSDP2, planned on one process; and how close the plan is to a real run. (CPU)
+"""What fits on N ranks with FSDP2, planned on one process; and how close the plan is to a real \
+run. (CPU)
 
-Plan figures: :func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` gives the per-rank peak of one
-training step of a GPT sharded with ``fully_shard`` (each block, then the root) at N ranks, by a
-dry run in a fake process group of N ranks (this process plays rank 0); printed against N at one
-length, and against the length at one N, with the seconds each plan took. DDP (replicas) for
+Plan figures: :func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` gives the per-rank peak
+of one training step of a GPT sharded with ``fully_shard`` (each block, then the root) at N ranks,
+by a dry run in a fake process group of N ranks (this process plays rank 0); printed against N at
+one length, and against the length at one N, with the seconds each plan took. DDP (replicas) for
 comparison: the world size changes nothing per rank.
 
 Accuracy: a real 4-process gloo run (Lightning's ``ModelParallelStrategy(data_parallel_size=4)``,
@@ -33,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
-MEASURE = dict(n_layer=2, d_model=64, n_head=2, seq_len=256, batch_size=2, world_size=4)  # the 4-process check
+# the 4-process check
+MEASURE = dict(n_layer=2, d_model=64, n_head=2, seq_len=256, batch_size=2, world_size=4)
 
 
 def _mib(n: int) -> str:
@@ -70,16 +72,19 @@ def plan_figures(quick: bool, show: bool) -> dict:
             row[key], row[key + "_seconds"] = r.peak_bytes, r.seconds
         by_length.append(row)
     if show:
-        print(f"fsdp_plan: LitGPT {shape}, SDPA, AdamW, {params:,} parameters, batch 1 per rank; per-rank peak (MiB)")
+        print(f"fsdp_plan: LitGPT {shape}, SDPA, AdamW, {params:,} parameters, batch 1 per rank; "
+              "per-rank peak (MiB)")
         print(f"\nvs world size N at {length} tokens")
         print(f"{'N':>4} {'fsdp2':>9} {'fsdp2+ckpt':>11} {'ddp':>9} {'plan s':>7}")
         for row in by_n:
-            print(f"{row['world_size']:>4} {_mib(row['fsdp2']):>9} {_mib(row['fsdp2+ckpt']):>11} {_mib(row['ddp']):>9} "
+            print(f"{row['world_size']:>4} {_mib(row['fsdp2']):>9} {_mib(row['fsdp2+ckpt']):>11} "
+                  f"{_mib(row['ddp']):>9} "
                   f"{row['fsdp2_seconds']:>7.2f}")
         print(f"\nvs length at N={n}")
         print(f"{'seq_len':>7} {'fsdp2':>9} {'fsdp2+ckpt':>11} {'plan s':>7}")
         for row in by_length:
-            print(f"{row['seq_len']:>7} {_mib(row['fsdp2']):>9} {_mib(row['fsdp2+ckpt']):>11} {row['fsdp2_seconds']:>7.2f}")
+            print(f"{row['seq_len']:>7} {_mib(row['fsdp2']):>9} {_mib(row['fsdp2+ckpt']):>11} "
+                  f"{row['fsdp2_seconds']:>7.2f}")
     return {"model": shape, "parameters": params, "by_world_size": by_n, "by_length": by_length}
 
 
@@ -97,15 +102,18 @@ def measure_worker(out: str) -> None:
     m = MEASURE
     cb = SeqMemCallback(warmup_steps=1, mitigations=(), dry_run=False)
     trainer = pl.Trainer(accelerator="cpu", devices=m["world_size"], max_steps=3, callbacks=[cb],
-                         strategy=ModelParallelStrategy(data_parallel_size=m["world_size"], tensor_parallel_size=1),
+                         strategy=ModelParallelStrategy(
+                             data_parallel_size=m["world_size"], tensor_parallel_size=1),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out)
     started = time.perf_counter()
     trainer.fit(ShardedLitGPT(n_layer=m["n_layer"], d_model=m["d_model"], n_head=m["n_head"]),
-                SyntheticTokenDataModule(batch_size=m["batch_size"], seq_len=m["seq_len"], num_samples=64))
+                SyntheticTokenDataModule(batch_size=m["batch_size"], seq_len=m["seq_len"],
+                                         num_samples=64))
     if trainer.is_global_zero:
         with open(os.path.join(out, "measured.json"), "w") as f:
-            json.dump({"records": [r.to_dict() for r in cb.records], "seconds": time.perf_counter() - started}, f)
+            json.dump({"records": [r.to_dict() for r in cb.records],
+                       "seconds": time.perf_counter() - started}, f)
 
 
 def accuracy(show: bool) -> dict:
@@ -116,24 +124,29 @@ def accuracy(show: bool) -> dict:
     m = MEASURE
     with tempfile.TemporaryDirectory(prefix="seqmem-fsdp-") as out:
         started = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--measure-worker", out], capture_output=True, text=True,
-                              timeout=900, cwd=ROOT)
+        proc = subprocess.run([sys.executable, __file__, "--measure-worker", out],
+                              capture_output=True, text=True, timeout=900, cwd=ROOT)
         if proc.returncode != 0:
             raise SystemExit(f"the 4-process run failed:\n{proc.stderr[-3000:]}")
         measured = json.loads(Path(out, "measured.json").read_text())
         wall = time.perf_counter() - started
     steady = [r for r in measured["records"] if not r["warmup"]]
     peak = max(r["peak_bytes"] for r in steady)
-    template = unsharded_template(ShardedLitGPT(n_layer=m["n_layer"], d_model=m["d_model"], n_head=m["n_head"]))
-    batch = next(iter(SyntheticTokenDataModule(batch_size=m["batch_size"], seq_len=m["seq_len"]).train_dataloader()))
+    template = unsharded_template(ShardedLitGPT(n_layer=m["n_layer"], d_model=m["d_model"],
+                                                n_head=m["n_head"]))
+    batch = next(iter(SyntheticTokenDataModule(batch_size=m["batch_size"],
+                                               seq_len=m["seq_len"]).train_dataloader()))
     plan = sharded_dry_run_step(template, batch, m["seq_len"], m["world_size"])
     error = (plan.peak_bytes - peak) / peak
-    result = {**m, "measured_bytes": peak, "measured_rank": steady[-1]["rank"], "plan_bytes": plan.peak_bytes,
+    result = {**m, "measured_bytes": peak, "measured_rank": steady[-1]["rank"],
+              "plan_bytes": plan.peak_bytes,
               "error": error, "plan_seconds": plan.seconds, "run_seconds": wall}
     if show:
-        print(f"\naccuracy: {m['world_size']}-process gloo FSDP2 run (ShardedLitGPT n_layer={m['n_layer']}, "
+        print(f"\naccuracy: {m['world_size']}-process gloo FSDP2 run (ShardedLitGPT "
+              f"n_layer={m['n_layer']}, "
               f"d_model={m['d_model']}), {m['seq_len']} tokens, batch {m['batch_size']} per rank")
-        print(f"measured per-rank peak {_mib(peak)} MiB (rank {result['measured_rank']}, the highest), "
+        print(f"measured per-rank peak {_mib(peak)} MiB "
+              f"(rank {result['measured_rank']}, the highest), "
               f"plan at N={m['world_size']} {_mib(plan.peak_bytes)} MiB: error {error:+.2%}; "
               f"plan {plan.seconds:.2f}s, run {wall:.0f}s")
     return result

@@ -19,10 +19,10 @@ run), as time allows:
    times the reserved/allocated ratio measured so far; and whether ``reserved_upper_bytes``
    covered the measured reserved memory).
 
-3. The ``activation_offload`` rung (also alone: ``--offload-only``): at 2048 and 4096 tokens, in fp32 and
-   bf16-mixed, without it, with it, with checkpointing and with both: the dry run's peak against the
-   allocator's, the bytes the dry run says go to host against those ``save_on_cpu`` copied, and the
-   step time.
+3. The ``activation_offload`` rung (also alone: ``--offload-only``): at 2048 and 4096 tokens, in
+   fp32 and bf16-mixed, without it, with it, with checkpointing and with both: the dry run's peak
+   against the allocator's, the bytes the dry run says go to host against those ``save_on_cpu``
+   copied, and the step time.
 
 Every variant and every target length is wrapped: one failure (an OOM, a kernel missing) is
 printed and the next one runs. Exit status is 0 unless the script itself is broken.
@@ -136,7 +136,8 @@ def build(args: argparse.Namespace):
 
     def trainer(callbacks, max_steps: int, precision: str) -> pl.Trainer:
         return pl.Trainer(
-            default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
+            # the callback's report goes there
+            default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),
             accelerator="cuda",
             devices=1,
             precision=precision,
@@ -166,7 +167,8 @@ def train(classes, attention: str, precision: str, seq_len: int, max_steps: int,
     )
     model.peak_reader = reader
     data = SyntheticTokenDataModule(
-        batch_size=BATCH_SIZE, seq_len=seq_len, num_samples=BATCH_SIZE * max_steps, vocab_size=VOCAB_SIZE
+        batch_size=BATCH_SIZE, seq_len=seq_len, num_samples=BATCH_SIZE * max_steps,
+        vocab_size=VOCAB_SIZE
     )
     trainer = make_trainer([reader, seqmem], max_steps, precision)  # reader BEFORE seqmem
     try:
@@ -175,13 +177,15 @@ def train(classes, attention: str, precision: str, seq_len: int, max_steps: int,
         del trainer, model, data
         _cleanup()
     if seqmem.edge.failed:
-        print("  WARNING: SeqMemCallback disabled itself after an internal failure (see warnings above)")
+        print("  WARNING: SeqMemCallback disabled itself after an internal failure "
+              "(see warnings above)")
     return seqmem, reader
 
 
 def print_records(seqmem, reader) -> None:
     print(
-        f"  {'step':>4} {'L':>5} {'flags':<6} {'fwd MiB':>8} {'bwd MiB':>8} {'opt MiB':>8} {'peak MiB':>8} "
+        f"  {'step':>4} {'L':>5} {'flags':<6} {'fwd MiB':>8} {'bwd MiB':>8} {'opt MiB':>8} "
+        f"{'peak MiB':>8} "
         f"{'indep':>8} {'diff':>7} {'resv MiB':>8} {'indep':>8} {'frag MiB':>8} {'frag%':>6} "
         f"{'inact MiB':>9} {'retry':>5} {'ooms':>4}"
     )
@@ -189,24 +193,29 @@ def print_records(seqmem, reader) -> None:
         ind = reader.steps[r.step] if r.step < len(reader.steps) else {}
         flags = ("w" if r.warmup else "") + ("t" if r.traced else "")
         print(
-            f"  {r.step:>4} {r.seq_len:>5} {flags:<6} {_mib(r.forward_peak_bytes)} {_mib(r.backward_peak_bytes)} "
+            f"  {r.step:>4} {r.seq_len:>5} {flags:<6} {_mib(r.forward_peak_bytes)} "
+            f"{_mib(r.backward_peak_bytes)} "
             f"{_mib(r.optimizer_peak_bytes)} {_mib(r.peak_bytes)} {_mib(ind.get('peak_bytes'))} "
             f"{_pct(_err(r.peak_bytes, ind.get('peak_bytes')))} {_mib(r.reserved_bytes)} "
             f"{_mib(ind.get('reserved_peak_bytes'))} {_mib(r.fragmentation_bytes)} "
             f"{(r.fragmentation_fraction or 0.0):6.1%} {_mib(r.inactive_split_bytes):>9} "
-            f"{r.alloc_retries if r.alloc_retries is not None else '-':>5} {r.num_ooms if r.num_ooms is not None else '-':>4}"
+            f"{r.alloc_retries if r.alloc_retries is not None else '-':>5} "
+            f"{r.num_ooms if r.num_ooms is not None else '-':>4}"
         )
-    print("  flags: w = warm-up (not fitted), t = traced for the replay; indep = independent reading, diff = probe vs it")
+    print("  flags: w = warm-up (not fitted), t = traced for the replay; indep = independent "
+          "reading, diff = probe vs it")
 
 
-def check_variant(classes, attention: str, precision: str, targets: list[int], deadline: float) -> list[dict]:
+def check_variant(classes, attention: str, precision: str, targets: list[int],
+                  deadline: float) -> list[dict]:
     from lightning_seqmem import Curriculum
 
     print(f"\n=== attention={attention} precision={precision} ===")
     curriculum = Curriculum(**CURRICULUM)
     t0 = time.perf_counter()
     seqmem, reader = train(
-        classes, attention, precision, curriculum.target, CURRICULUM["steps_per_stage"] * curriculum.num_stages, curriculum
+        classes, attention, precision, curriculum.target,
+        CURRICULUM["steps_per_stage"] * curriculum.num_stages, curriculum
     )
     print(f"curriculum run {curriculum.stages} took {time.perf_counter() - t0:.1f} s")
     print_records(seqmem, reader)
@@ -214,7 +223,8 @@ def check_variant(classes, attention: str, precision: str, targets: list[int], d
     timeline = seqmem.forecaster.timeline
     print(
         f"traced lengths {traced}; replay "
-        + ("available" if timeline is not None else f"unavailable: {seqmem.forecaster.timeline_unavailable_reason}")
+        + ("available" if timeline is not None
+           else f"unavailable: {seqmem.forecaster.timeline_unavailable_reason}")
         + f"; reserved/allocated ratio {seqmem.forecaster.reserved_ratio:.3f}"
     )
     forecasts = {}
@@ -227,8 +237,8 @@ def check_variant(classes, attention: str, precision: str, targets: list[int], d
             print(f"  quadratic forecast at {L} unavailable: {exc}")
         forecasts[L] = (fc, quad)
         print(
-            f"  forecast L={L}: {fc.method} peak {_mib(fc.peak_bytes)} MiB, upper {_mib(fc.upper_bytes)} MiB, "
-            f"reserved upper {_mib(fc.reserved_upper_bytes)} MiB"
+            f"  forecast L={L}: {fc.method} peak {_mib(fc.peak_bytes)} MiB, upper "
+            f"{_mib(fc.upper_bytes)} MiB, reserved upper {_mib(fc.reserved_upper_bytes)} MiB"
             + (f"; quadratic peak {_mib(quad.peak_bytes)} MiB" if quad is not None else "")
         )
     ratio = seqmem.forecaster.reserved_ratio
@@ -261,7 +271,8 @@ def check_variant(classes, attention: str, precision: str, targets: list[int], d
             }
             rows.append(row)
             print(
-                f"  measured L={L} ({time.perf_counter() - t0:.1f} s): peak {_mib(r.peak_bytes)} MiB "
+                f"  measured L={L} ({time.perf_counter() - t0:.1f} s): "
+                f"peak {_mib(r.peak_bytes)} MiB "
                 f"(independent {_mib(ind['peak_bytes'])}), reserved {_mib(r.reserved_bytes)} MiB, "
                 f"fragmentation {_mib(r.fragmentation_bytes)} MiB, retries {r.alloc_retries}"
             )
@@ -276,27 +287,31 @@ def check_variant(classes, attention: str, precision: str, targets: list[int], d
 
 
 OFFLOAD_LENGTHS = (2048, 4096)  # tokens per sample of the activation offload check
-OFFLOAD_SETTINGS = ((), ("activation_offload",), ("checkpointing",), ("checkpointing", "activation_offload"))
+OFFLOAD_SETTINGS = ((), ("activation_offload",), ("checkpointing",),
+                    ("checkpointing", "activation_offload"))
 
 
 def check_offload(deadline: float, lengths=OFFLOAD_LENGTHS) -> list[dict]:
-    """The ``activation_offload`` rung on CUDA: for each setting and length, the dry run's peak (fake CUDA
-    step, 512-byte blocks, resident workspaces) against the allocator's measured peak of a real step
-    (``training_step_memory`` with the CUDA probe, after a warm-up step), the bytes the dry run says go
-    to host against those ``save_on_cpu`` copied, and the step time (the transfers' cost)."""
+    """The ``activation_offload`` rung on CUDA: for each setting and length, the dry run's peak
+    (fake CUDA step, 512-byte blocks, resident workspaces) against the allocator's measured peak of
+    a real step (``training_step_memory`` with the CUDA probe, after a warm-up step), the bytes the
+    dry run says go to host against those ``save_on_cpu`` copied, and the step time (the transfers'
+    cost)."""
     from lightning_seqmem.reference.demo import LitGPT
     from lightning_seqmem.dryrun.step import dry_run_step
     from lightning_seqmem.measure.probes import make_probe
     from lightning_seqmem.measure.steps import training_step_memory
     from lightning_seqmem.mitigations import ladder
-    from lightning_seqmem.mitigations.activation_offload.activation_offload import offloaded_bytes, reset_offloaded_bytes
+    from lightning_seqmem.mitigations.activation_offload.activation_offload import (
+        offloaded_bytes, reset_offloaded_bytes)
 
     cuda = torch.device("cuda")
     loss = lambda model, batch: model.training_step(batch, 0)  # noqa: E731
     precisions = [("32-true", None)]
     if torch.cuda.is_bf16_supported():
         precisions.append(("bf16-mixed", lambda: torch.autocast("cuda", dtype=torch.bfloat16)))
-    print(f"\n=== activation_offload: LitGPT d={D_MODEL} {N_LAYER} layers, batch {BATCH_SIZE}, sdpa ===")
+    print(f"\n=== activation_offload: LitGPT d={D_MODEL} {N_LAYER} layers, "
+          f"batch {BATCH_SIZE}, sdpa ===")
     print(f"  {'precision':<10} {'L':>5} {'setting':<34} {'dry MiB':>8} {'meas MiB':>8} {'err':>7} "
           f"{'host dry':>8} {'host real':>9} {'step ms':>8}")
     rows = []
@@ -308,32 +323,37 @@ def check_offload(deadline: float, lengths=OFFLOAD_LENGTHS) -> list[dict]:
                     continue
                 try:
                     torch.manual_seed(0)
-                    module = LitGPT(n_layer=N_LAYER, d_model=D_MODEL, n_head=N_HEAD, vocab_size=VOCAB_SIZE,
-                                    attention="sdpa").to(cuda)
+                    module = LitGPT(n_layer=N_LAYER, d_model=D_MODEL, n_head=N_HEAD,
+                                    vocab_size=VOCAB_SIZE, attention="sdpa").to(cuda)
                     optimizer = module.configure_optimizers()
                     tokens = torch.randint(0, VOCAB_SIZE, (BATCH_SIZE, L + 1), device=cuda)
-                    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+                    batch = {"input_ids": tokens[:, :-1].contiguous(),
+                             "labels": tokens[:, 1:].contiguous()}
                     _cleanup()
                     dry = dry_run_step(module, optimizer, batch, L, BATCH_SIZE, setting, autocast)
                     for name in setting:
                         applied, detail = ladder.try_apply(name, None, module)
                         if not applied:
                             raise RuntimeError(f"{name} did not go on: {detail}")
-                    training_step_memory(module, optimizer, batch, loss, context=autocast)  # warm-up
+                    # warm-up
+                    training_step_memory(module, optimizer, batch, loss, context=autocast)
                     reset_offloaded_bytes(module)
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    measured = training_step_memory(module, optimizer, batch, loss, make_probe("cuda", cuda),
-                                                    context=autocast)
+                    measured = training_step_memory(module, optimizer, batch, loss,
+                                                    make_probe("cuda", cuda), context=autocast)
                     torch.cuda.synchronize()
                     step_s = time.perf_counter() - t0
                     row = {"precision": precision, "L": L, "setting": " + ".join(setting) or "none",
                            "dry": dry.peak_bytes, "measured": measured.peak_bytes,
-                           "err": _err(dry.peak_bytes, measured.peak_bytes), "host_dry": dry.host_bytes,
+                           "err": _err(dry.peak_bytes, measured.peak_bytes),
+                           "host_dry": dry.host_bytes,
                            "host_real": offloaded_bytes(module), "step_s": step_s}
                     rows.append(row)
-                    print(f"  {precision:<10} {L:>5} {row['setting']:<34} {_mib(row['dry'])} {_mib(row['measured'])} "
-                          f"{_pct(row['err'])} {_mib(row['host_dry'])} {_mib(row['host_real'])} {step_s * 1e3:8.1f}")
+                    print(f"  {precision:<10} {L:>5} {row['setting']:<34} {_mib(row['dry'])} "
+                          f"{_mib(row['measured'])} "
+                          f"{_pct(row['err'])} {_mib(row['host_dry'])} {_mib(row['host_real'])} "
+                          f"{step_s * 1e3:8.1f}")
                     del module, optimizer, batch, tokens
                 except torch.cuda.OutOfMemoryError as exc:
                     print(f"  {precision} L={L} {setting}: CUDA OOM ({str(exc).splitlines()[0]})")
@@ -346,11 +366,16 @@ def check_offload(deadline: float, lengths=OFFLOAD_LENGTHS) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget-s", type=float, default=270.0, help="stop starting new runs after this many seconds")
-    parser.add_argument("--targets", type=int, nargs="+", default=[2048, 4096, 8192], help="lengths to forecast and measure")
-    parser.add_argument("--ring", action="store_true", help="only the ring attention (context_parallel) check: "
-                        "2 ranks, measured per-rank peak against the plan's dry run (benchmarks/ring_check.py)")
-    parser.add_argument("--offload-only", action="store_true", help="run only the activation_offload check")
+    parser.add_argument("--budget-s", type=float, default=270.0,
+                        help="stop starting new runs after this many seconds")
+    parser.add_argument("--targets", type=int, nargs="+", default=[2048, 4096, 8192],
+                        help="lengths to forecast and measure")
+    parser.add_argument("--ring", action="store_true",
+                        help="only the ring attention (context_parallel) check: "
+                        "2 ranks, measured per-rank peak against the plan's dry run "
+                        "(benchmarks/ring_check.py)")
+    parser.add_argument("--offload-only", action="store_true",
+                        help="run only the activation_offload check")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if not torch.cuda.is_available():
@@ -377,9 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_seqmem.reference.nn import flash_attn_available, flash_attn_unavailable_reason
 
     print(
-        f"gpu_check: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), "
-        f"torch {torch.__version__}; LitGPT d={D_MODEL} {N_LAYER} layers {N_HEAD} heads, batch {BATCH_SIZE}, "
-        f"curriculum {CURRICULUM}"
+        f"gpu_check: {torch.cuda.get_device_name()} "
+        f"({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), "
+        f"torch {torch.__version__}; LitGPT d={D_MODEL} {N_LAYER} layers {N_HEAD} heads, batch "
+        f"{BATCH_SIZE}, curriculum {CURRICULUM}"
     )
     variants = []
     if torch.cuda.is_bf16_supported():
@@ -394,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for attention, precision in variants:
         if time.perf_counter() > deadline:
-            print(f"\n=== attention={attention} precision={precision}: skipped (time budget spent) ===")
+            print(f"\n=== attention={attention} precision={precision}: skipped "
+                  "(time budget spent) ===")
             continue
         try:
             rows += check_variant(classes, attention, precision, args.targets, deadline)
@@ -413,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         _cleanup()
     print("\nSUMMARY forecast error = (forecast - measured) / measured, fresh run at each length")
     print(
-        f"  {'variant':<18} {'L':>5} {'method':<9} {'alloc err':>9} {'quad err':>9} {'upper>=meas':>11} "
+        f"  {'variant':<18} {'L':>5} {'method':<9} {'alloc err':>9} {'quad err':>9} "
+        f"{'upper>=meas':>11} "
         f"{'resv err':>9} {'resv upper>=meas':>16}"
     )
     for row in rows:

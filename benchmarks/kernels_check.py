@@ -1,11 +1,12 @@
-"""The modelled CUDA kernels against the GPU: a dry run on the simulated device vs a measured CUDA step.
+"""The modelled CUDA kernels against the GPU: a dry run on the simulated device vs a measured CUDA \
+step.
 
 A plan made without a GPU dry-runs on the simulated CUDA device, where SDPA's backends, flash-attn,
-and their kernels' own buffers are modelled from their sources (``lightning_seqmem.dryrun.kernels``).
-This script holds those models against the allocator: for a small Hugging Face Llama (grouped-query
-heads) per variant and length, the simulated dry run's peak (run in a subprocess that sees no CUDA,
-as on a laptop) beside the measured step peak of the same model on the GPU, less what the allocator
-held before the step (cuBLAS workspaces), and the error.
+and their kernels' own buffers are modelled from their sources
+(``lightning_seqmem.dryrun.kernels``). This script holds those models against the allocator: for a
+small Hugging Face Llama (grouped-query heads) per variant and length, the simulated dry run's peak
+(run in a subprocess that sees no CUDA, as on a laptop) beside the measured step peak of the same
+model on the GPU, less what the allocator held before the step (cuBLAS workspaces), and the error.
 
 Variants: ``sdpa`` in bf16 (PyTorch's flash kernel), ``sdpa`` in fp32 (memory-efficient), ``sdpa``
 in bf16 with a padding mask (memory-efficient, mask expanded), ``flash_attention_2`` in bf16 where
@@ -51,8 +52,8 @@ class _Llama(torch.nn.Module):
         torch.manual_seed(0)
         with modelled_kernels():  # flash-attn modelled where it cannot run
             self.model = transformers.AutoModelForCausalLM.from_config(
-                config, attn_implementation=implementation, dtype=getattr(torch, {"bf16": "bfloat16",
-                                                                                   "fp32": "float32"}[dtype]))
+                config, attn_implementation=implementation,
+                dtype=getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self.model(**batch, use_cache=False).loss
@@ -138,17 +139,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     started = time.perf_counter()
     cuda = torch.cuda.is_available()
-    rows = _simulated_in_subprocess(variants, args.lengths) if cuda else simulated(variants, args.lengths)
+    rows = (_simulated_in_subprocess(variants, args.lengths) if cuda
+            else simulated(variants, args.lengths))
     if not cuda:
         print("no CUDA device: the measured column is skipped (simulated dry runs only)")
-    print(f"kernels_check: Llama d={HIDDEN}, {LAYERS} layers, {HEADS}/{KV_HEADS} heads, batch {BATCH}")
-    print(f"{'variant':<24}{'seq_len':>8}{'simulated MiB':>15}{'measured MiB':>14}{'error':>9}  kernels")
+    print(f"kernels_check: Llama d={HIDDEN}, {LAYERS} layers, "
+          f"{HEADS}/{KV_HEADS} heads, batch {BATCH}")
+    print(f"{'variant':<24}{'seq_len':>8}{'simulated MiB':>15}{'measured MiB':>14}{'error':>9}  "
+          "kernels")
     for row in rows:
         got = measured(row["variant"], row["seq_len"]) if cuda else None
         row["measured_bytes"] = got
         error = None if not got else (row["simulated_bytes"] - got) / got
         print(f"{row['variant']:<24}{row['seq_len']:>8}{row['simulated_bytes'] / MiB:>15.1f}"
-              f"{'-' if got is None else f'{got / MiB:.1f}':>14}{'-' if error is None else f'{error:+.2%}':>9}"
+              f"{'-' if got is None else f'{got / MiB:.1f}':>14}"
+              f"{'-' if error is None else f'{error:+.2%}':>9}"
               f"  {'; '.join(row['kernels'])}")
     print(f"total runtime: {time.perf_counter() - started:.1f} s")
     if args.json:

@@ -1,4 +1,5 @@
-"""FSDP2 ``CPUOffloadPolicy`` planned by dry run on a Llama-3.1-8B-shaped model (bf16, built on meta).
+"""FSDP2 ``CPUOffloadPolicy`` planned by dry run on a Llama-3.1-8B-shaped model (bf16, built on \
+meta).
 
     python benchmarks/offload_plan.py                      # 2 layers, 4096 tokens, 1 and 8 ranks
     python benchmarks/offload_plan.py --layers 32 --world-sizes 1
@@ -18,8 +19,8 @@ import torch
 from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
 from lightning_seqmem.reference.demo import SyntheticTokenDataModule
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                num_key_value_heads=8)
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_attention_heads=32, num_key_value_heads=8)
 
 
 class MetaLlama(torch.nn.Module):
@@ -35,7 +36,8 @@ class MetaLlama(torch.nn.Module):
                                                           dtype=torch.bfloat16)
 
     def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"],
+                          use_cache=False).loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters())
@@ -49,10 +51,12 @@ def main() -> None:
     args = parser.parse_args()
     module = MetaLlama(args.layers)
     billions = sum(p.numel() for p in module.parameters()) / 1e9
-    print(f"offload_plan: Llama-8B-shaped, {args.layers} layers ({billions:.2f} B parameters, bf16), "
+    print(f"offload_plan: Llama-8B-shaped, {args.layers} layers "
+          f"({billions:.2f} B parameters, bf16), "
           f"{args.seq_len} tokens, batch 1")
     batch = next(iter(SyntheticTokenDataModule(batch_size=1, seq_len=64,
-                                               vocab_size=LLAMA_8B["vocab_size"]).train_dataloader()))
+                                               vocab_size=LLAMA_8B[
+                                                   "vocab_size"]).train_dataloader()))
     template = unsharded_template(module)
     gib = 2**30
     print(f"{'ranks':>5} {'offload':>7} {'device GiB':>10} {'host GiB':>9} {'seconds':>7}")

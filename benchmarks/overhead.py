@@ -1,7 +1,7 @@
 """Step-time overhead of ``SeqMemCallback`` in a real Lightning training loop.
 
-Trains :class:`~lightning_seqmem.reference.demo.LitGPT` with ``lightning.pytorch.Trainer`` (no logger, no
-checkpointing, no progress bar) for ``--steps`` steps in three configurations:
+Trains :class:`~lightning_seqmem.reference.demo.LitGPT` with ``lightning.pytorch.Trainer`` (no
+logger, no checkpointing, no progress bar) for ``--steps`` steps in three configurations:
 
 * ``baseline``      no SeqMemCallback;
 * ``seqmem``        ``SeqMemCallback()`` (default arguments);
@@ -92,12 +92,14 @@ def run_once(config: str, accelerator: str, args: argparse.Namespace) -> list[fl
     torch.manual_seed(0)
     device = torch.device("cuda" if accelerator == "cuda" else "cpu")
     clock = StepClock(device)
-    model = LitGPT(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head, attention=args.attention)
+    model = LitGPT(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+                   attention=args.attention)
     data = SyntheticTokenDataModule(
         batch_size=args.batch_size, seq_len=args.seq_len, num_samples=args.batch_size * args.steps
     )
     trainer = pl.Trainer(
-        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),  # the callback's report goes there
+        # the callback's report goes there
+        default_root_dir=tempfile.mkdtemp(prefix="seqmem-bench-"),
         accelerator=accelerator,
         devices=1,
         max_steps=args.steps,
@@ -120,7 +122,8 @@ def run_once(config: str, accelerator: str, args: argparse.Namespace) -> list[fl
 
 def compare(accelerator: str, args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    run_once("seqmem", accelerator, args)  # untimed: process warm-up (thread pools, kernels, imports)
+    # untimed: process warm-up (thread pools, kernels, imports)
+    run_once("seqmem", accelerator, args)
     for repeat in range(args.repeats):
         # interleaved, in alternating order (ABC, CBA, ...): slow drifts of the machine's load hit
         # every configuration alike
@@ -130,11 +133,14 @@ def compare(accelerator: str, args: argparse.Namespace) -> None:
     base_mean = statistics.fmean(times["baseline"])
     base_median = statistics.median(times["baseline"])
     print(
-        f"[{accelerator}] LitGPT {args.n_layer}L d={args.d_model} h={args.n_head} {args.attention}, batch "
-        f"{args.batch_size}, seq_len {args.seq_len}; {args.steps} steps x {args.repeats} interleaved repeats, "
+        f"[{accelerator}] LitGPT {args.n_layer}L d={args.d_model} h={args.n_head} "
+        f"{args.attention}, batch "
+        f"{args.batch_size}, seq_len {args.seq_len}; {args.steps} steps x {args.repeats} "
+        "interleaved repeats, "
         f"first {args.skip} steps of each run skipped"
     )
-    print(f"  {'config':<11} {'steps':>5} {'mean ms':>9} {'median ms':>10} {'ratio mean':>11} {'ratio median':>13}")
+    print(f"  {'config':<11} {'steps':>5} {'mean ms':>9} {'median ms':>10} {'ratio mean':>11} "
+          f"{'ratio median':>13}")
     for name, values in times.items():
         mean, median = statistics.fmean(values), statistics.median(values)
         print(
@@ -143,12 +149,14 @@ def compare(accelerator: str, args: argparse.Namespace) -> None:
         )
     if accelerator == "cpu":
         print(
-            "  note: on CPU the live-tensor tracker runs on every measured step; the <= 1.01 target "
+            "  note: on CPU the live-tensor tracker runs on every measured step; "
+            "the <= 1.01 target "
             "applies to the CUDA allocator counters (the default probe on CUDA), not to this ratio"
         )
     else:
         ratio = statistics.median(times["seqmem"]) / base_median
-        print(f"  CUDA default probe median ratio {ratio:.3f}: {'PASS' if ratio <= 1.01 else 'FAIL'} (target <= 1.01)")
+        print(f"  CUDA default probe median ratio {ratio:.3f}: "
+              f"{'PASS' if ratio <= 1.01 else 'FAIL'} (target <= 1.01)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,26 +164,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run")
     parser.add_argument("--skip", type=int, default=None, help="first steps of each run not timed")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved runs per configuration")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="interleaved runs per configuration")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--attention", default="sdpa", choices=("eager", "sdpa"))
     parser.add_argument(
         "--threads", type=int, default=1,
-        help="torch CPU threads (default 1: on a shared machine a parallel region waits for its slowest thread)",
+        help="torch CPU threads (default 1: on a shared machine a parallel region waits for its "
+             "slowest thread)",
     )
     args = parser.parse_args(argv)
-    quick: dict[str, Any] = dict(steps=20, skip=8, repeats=3, seq_len=64, n_layer=2, d_model=128, n_head=4, batch_size=4)
-    full: dict[str, Any] = dict(steps=60, skip=10, repeats=3, seq_len=128, n_layer=2, d_model=128, n_head=4, batch_size=4)
+    quick: dict[str, Any] = dict(steps=20, skip=8, repeats=3, seq_len=64, n_layer=2, d_model=128,
+                                 n_head=4, batch_size=4)
+    full: dict[str, Any] = dict(steps=60, skip=10, repeats=3, seq_len=128, n_layer=2, d_model=128,
+                                n_head=4, batch_size=4)
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.skip >= args.steps:
-        parser.error(f"--skip must be smaller than --steps, got skip={args.skip}, steps={args.steps}")
+        parser.error(f"--skip must be smaller than --steps, got skip={args.skip}, "
+                     f"steps={args.steps}")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    print(f"overhead: SeqMemCallback step-time ratio vs no callback ({torch.get_num_threads()} CPU threads)")
+    print("overhead: SeqMemCallback step-time ratio vs no callback "
+          f"({torch.get_num_threads()} CPU threads)")
     compare("cpu", args)
     if torch.cuda.is_available():
         compare("cuda", args)

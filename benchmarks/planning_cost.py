@@ -1,16 +1,18 @@
-"""What does planning cost? Dry runs, stage decisions and a dynamic-padding run, at 2/8/32 layers (CPU)
+"""What does planning cost? Dry runs, stage decisions and a dynamic-padding run, at 2/8/32 layers \
+(CPU)
 
 For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded; d=256, MLP 512,
 4 heads, SDPA attention, AdamW) of 2, 8 and 32 decoder layers:
 
-* ``dry run s``: one :func:`~lightning_seqmem.dryrun.step.dry_run_step` at ``--length`` tokens (after
-  one warm-up dry run; the median of ``--repeats``);
-* ``decision s`` / ``dry runs``: one cold stage decision of :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`
-  (no dry run cached) in the worst case: the next stage is over the budget with every rung, so the
-  planner tries each set of rungs and then finds the longest length that fits. The budget is the
-  dry run's peak at 5/8 of the way between the two stages, with checkpointing and micro-batching;
-  ``cap`` is the length it settles on. Under DDP the other ranks wait in a collective for exactly
-  this long (the decision is taken on rank zero only);
+* ``dry run s``: one :func:`~lightning_seqmem.dryrun.step.dry_run_step` at ``--length`` tokens
+  (after one warm-up dry run; the median of ``--repeats``);
+* ``decision s`` / ``dry runs``: one cold stage decision of
+  :class:`~lightning_seqmem.plan.planner.SeqMemPlanner` (no dry run cached) in the worst case: the
+  next stage is over the budget with every rung, so the planner tries each set of rungs and then
+  finds the longest length that fits. The budget is the dry run's peak at 5/8 of the way between the
+  two stages, with checkpointing and micro-batching; ``cap`` is the length it settles on. Under DDP
+  the other ranks wait in a collective for exactly this long (the decision is taken on rank zero
+  only);
 * ``run s`` / ``base s``: a ``Trainer.fit`` of ``--steps`` steps with dynamic padding (every batch
   has a new length, drawn without repeats from ``--min-length`` to ``--max-length``) with
   ``SeqMemCallback(memory_budget=...)`` (a budget of twice the dry-run peak at the longest length:
@@ -41,7 +43,7 @@ For Llama-like models (a random Hugging Face ``LlamaConfig``: nothing downloaded
   that ran, and every measured record against the budget (the larger of the two counts).
 
     python benchmarks/planning_cost.py --layers 8 --json   # the headline: 200 steps, 64..512
-    python benchmarks/planning_cost.py --quick    # 16 steps, short lengths (a few minutes on 2 cores)
+    python benchmarks/planning_cost.py --quick  # 16 steps, short lengths (a few minutes on 2 cores)
     python benchmarks/planning_cost.py --quick --json   # last line: one JSON object
 
 The ``--json`` line has ``overhead_fraction`` (layer count as a string -> the per-step overhead as a
@@ -83,8 +85,9 @@ MIB = 2**20
 def llama(layers: int) -> HFCausalLM:
     """A random Llama-like causal LM: d=256, MLP 512, 4 heads, ``layers`` blocks, SDPA."""
     torch.manual_seed(0)
-    return HFCausalLM(config={"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": layers,
-                              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": VOCAB_SIZE},
+    return HFCausalLM(config={"hidden_size": 256, "intermediate_size": 512,
+                              "num_hidden_layers": layers, "num_attention_heads": 4,
+                              "num_key_value_heads": 4, "vocab_size": VOCAB_SIZE},
                       attn_implementation="sdpa")
 
 
@@ -95,13 +98,16 @@ def token_batch(batch_size: int, seq_len: int, seed: int = 0) -> dict[str, torch
 
 
 class DynamicPadding(Dataset):
-    """Whole batches, each padded to a new length (no length repeats): ``DataLoader(batch_size=None)``."""
+    """Whole batches, each padded to a new length (no length repeats):
+    ``DataLoader(batch_size=None)``."""
 
-    def __init__(self, num_batches: int, batch_size: int, min_length: int, max_length: int, seed: int = 0) -> None:
+    def __init__(self, num_batches: int, batch_size: int, min_length: int, max_length: int,
+                 seed: int = 0) -> None:
         lengths = list(range(min_length, max_length + 1))
         random.Random(seed).shuffle(lengths)
         if len(lengths) < num_batches:
-            raise ValueError(f"{num_batches} batches need {num_batches} lengths, got {min_length}..{max_length}")
+            raise ValueError(f"{num_batches} batches need {num_batches} lengths, got "
+                             f"{min_length}..{max_length}")
         self.lengths, self.batch_size = lengths[:num_batches], batch_size
 
     def __len__(self) -> int:
@@ -131,7 +137,8 @@ def stage_decision(layers: int, batch_size: int, stage_len: int, next_len: int) 
     batch = token_batch(batch_size, 64)
     calls: list[tuple[int, int, tuple[str, ...]]] = []
 
-    def dry(seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
+    def dry(seq_len: int, batch_size: int,
+            mitigations: tuple[str, ...]) -> tuple[int, dict[str, int]]:
         calls.append((seq_len, batch_size, tuple(mitigations)))
         r = dry_run_step(module, optimizer, batch, seq_len, batch_size, mitigations)
         return r.peak_bytes, r.phase_peak_bytes
@@ -140,16 +147,18 @@ def stage_decision(layers: int, batch_size: int, stage_len: int, next_len: int) 
     between = stage_len + (next_len - stage_len) * 5 // 8
     budget = dry(between, batch_size, every)[0]
     calls.clear()
-    curriculum = Curriculum(start=stage_len, target=next_len, growth=next_len / stage_len, steps_per_stage=1)
+    curriculum = Curriculum(start=stage_len, target=next_len, growth=next_len / stage_len,
+                            steps_per_stage=1)
     planner = SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, curriculum=curriculum,
                             mitigations=("attention",) + every, dry_runner=dry)
     planner.evidence.measured.last_batch_size, planner.course.stage_steps = batch_size, 1
-    applicable = {"attention": (False, "already SDPA"), "checkpointing": (True, ""), "microbatch": (True, "")}
+    applicable = {"attention": (False, "already SDPA"), "checkpointing": (True, ""),
+                  "microbatch": (True, "")}
     t0 = time.perf_counter()
     decision = planner.decide((batch_size, next_len), applicable)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "dry_runs": len(calls), "action": decision.action, "cap": decision.seq_len,
-            "budget_mib": budget / MIB}
+    return {"seconds": seconds, "dry_runs": len(calls), "action": decision.action,
+            "cap": decision.seq_len, "budget_mib": budget / MIB}
 
 
 class _Instrument:
@@ -270,17 +279,19 @@ def independent_peak(layers: int, seq_len: int, batch_size: int) -> int:
     batch = token_batch(batch_size, seq_len, seed=1)
     loss_fn = lambda m, b: m.training_step(b, 0)  # noqa: E731
     training_step_memory(module, optimizer, batch, loss_fn)
-    memory = training_step_memory(module, optimizer, batch, loss_fn, make_probe("tracker", torch.device("cpu")))
+    memory = training_step_memory(module, optimizer, batch, loss_fn,
+                                  make_probe("tracker", torch.device("cpu")))
     assert memory is not None
     return memory.peak_bytes
 
 
-def fit_seconds(layers: int, data: DynamicPadding, callbacks: Callable[[], list]) -> tuple[float, list]:
+def fit_seconds(layers: int, data: DynamicPadding,
+                callbacks: Callable[[], list]) -> tuple[float, list]:
     module = llama(layers)
     cbs = callbacks()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=len(data), max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=cbs,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=len(data), max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=cbs,
                          default_root_dir=tempfile.mkdtemp(prefix="seqmem-cost-"))
     loader = DataLoader(data, batch_size=None, shuffle=False)
     gc.collect()
@@ -313,16 +324,20 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
             run.append((seconds, clock.seconds(), inst))
             records = len(cb.records)
             usable = cb.planner.settings.usable_budget_bytes
-            over = sum(r.peak_bytes > usable for r in cb.records)  # the measured steps, by the callback's tracker
+            # the measured steps, by the callback's tracker
+            over = sum(r.peak_bytes > usable for r in cb.records)
     # the independent count: every step that ran, against a real step measured apart at the longest
     # shape that ran with the same rungs (a step's peak does not fall as the length grows): the
     # steps the callback left unmeasured are counted too
     longest: dict[tuple, tuple[int, int]] = {}
     for L, B, rungs in ran.shapes:
         longest[rungs] = max(longest.get(rungs, (0, 0)), (L, B))
-    independent = {rungs: independent_peak(layers, L, B) for rungs, (L, B) in longest.items() if not rungs}
-    unchecked = sum(bool(s[2]) for s in ran.shapes)  # with a rung on: not measured apart, counted as over (none here)
-    over_independent = sum(independent[s[2]] > usable for s in ran.shapes if s[2] in independent) + unchecked
+    independent = {rungs: independent_peak(layers, L, B) for rungs, (L, B) in longest.items()
+                   if not rungs}
+    # with a rung on: not measured apart, counted as over (none here)
+    unchecked = sum(bool(s[2]) for s in ran.shapes)
+    over_independent = sum(independent[s[2]] > usable for s in ran.shapes
+                           if s[2] in independent) + unchecked
     b_s, r_s = min(s for s, _ in base), min(s for s, _, _ in run)
     b_steps = [min(steps) for steps in zip(*(steps for _, steps in base))]  # each step's shortest
     less_dry = ([t - i.dry_by_batch.get(k, 0.0) for k, t in enumerate(ts)] for _, ts, i in run)
@@ -335,15 +350,18 @@ def dynamic_padding_run(layers: int, args: argparse.Namespace) -> dict[str, Any]
             "wait_s": inst.decide_s, "dry_s": inst.dry_s, "dry_n": inst.dry_n, "records": records,
             "steps": len(ran.shapes), "over_budget_records": over,
             "over_budget_steps": max(over, over_independent),
-            "independent_peak_mib": max(independent.values(), default=0) / MIB, "usable_mib": usable / MIB}
+            "independent_peak_mib": max(independent.values(), default=0) / MIB,
+            "usable_mib": usable / MIB}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 steps, lengths 32..160, 1 repeat")
-    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object, last line")
+    parser.add_argument("--json", action="store_true",
+                        help="print the figures as one JSON object, last line")
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
-    parser.add_argument("--steps", type=int, default=None, help="steps of the dynamic-padding run (200)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps of the dynamic-padding run (200)")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--min-length", type=int, default=None)
     parser.add_argument("--max-length", type=int, default=None)
@@ -388,17 +406,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "measured_steps": {k: v["run"]["records"] for k, v in rows.items()},
         "independent_peak_mib": {k: v["run"]["independent_peak_mib"] for k, v in rows.items()},
         "usable_budget_mib": {k: v["run"]["usable_mib"] for k, v in rows.items()},
-        "steps": args.steps, "lengths": [args.min_length, args.max_length], "batch_size": args.batch_size,
-        "total_s": total,
+        "steps": args.steps, "lengths": [args.min_length, args.max_length],
+        "batch_size": args.batch_size, "total_s": total,
     }
-    print(f"planning_cost: Llama d=256, batch {args.batch_size}, SDPA, CPU; dry run at {args.length} tokens; "
+    print(f"planning_cost: Llama d=256, batch {args.batch_size}, SDPA, CPU; dry run at "
+          f"{args.length} tokens; "
           f"{args.steps}-step dynamic padding {args.min_length}..{args.max_length} tokens")
     print(f"{'layers':>6} {'dry run s':>9} {'decision s':>10} {'dry runs':>8} {'cap':>5} | "
           f"{'run s':>7} {'base s':>7} {'fixed s':>7} {'per step':>8} {'fit ovh':>8} "
           f"{'wait s':>7} {'dry s':>7} {'dry n':>5} {'meas':>4} {'over':>4}")
     for k, v in rows.items():
         d, r = v["decision"], v["run"]
-        print(f"{k:>6} {v['dry_run_s']:>9.2f} {d['seconds']:>10.2f} {d['dry_runs']:>8} {d['cap'] or 0:>5} | "
+        print(f"{k:>6} {v['dry_run_s']:>9.2f} {d['seconds']:>10.2f} {d['dry_runs']:>8} "
+              f"{d['cap'] or 0:>5} | "
               f"{r['run_s']:>7.1f} {r['base_s']:>7.1f} {r['fixed_s']:>7.1f} {r['overhead']:>8.1%} "
               f"{r['fit_overhead']:>8.1%} {r['wait_s']:>7.1f} {r['dry_s']:>7.1f} {r['dry_n']:>5} "
               f"{r['records']:>4} {r['over_budget_steps']:>4}")

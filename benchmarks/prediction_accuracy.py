@@ -7,7 +7,8 @@ sequence length is measured with the CPU :class:`~lightning_seqmem.measure.probe
 existing; phases forward / backward / optimizer). From the steps at L0, 2·L0 and 4·L0:
 
 * ``replay``      :class:`~lightning_seqmem.core.timeline.TimelineModel` fitted on the three traces;
-* ``quad``        :class:`~lightning_seqmem.core.quadratic.QuadraticMemoryModel` on the per-phase peaks;
+* ``quad``        :class:`~lightning_seqmem.core.quadratic.QuadraticMemoryModel` on the per-phase
+  peaks;
 * ``quad>=T/4``   the quadratic fitted on lengths ≥ 1/4 of the target (8·L0: 2, 4, 6·L0;
                   16·L0: 4, 8, 12·L0), the article's "fit close enough to the target" regime;
 
@@ -74,7 +75,8 @@ class Stepper:
     def __init__(self, shape: Shape, attention: str, checkpointing: bool, seed: int = 0) -> None:
         torch.manual_seed(seed)
         config = GPTConfig(
-            vocab_size=VOCAB_SIZE, n_layer=shape.n_layer, n_head=shape.n_head, d_model=shape.d_model, attention=attention
+            vocab_size=VOCAB_SIZE, n_layer=shape.n_layer, n_head=shape.n_head,
+            d_model=shape.d_model, attention=attention
         )
         self.model = GPT(config)
         if checkpointing:
@@ -125,7 +127,8 @@ def predict(measured: dict, l0: int) -> dict[tuple[str, int], float]:
     phase_peaks = measured["phase_peaks"]
 
     def quadratic(multiples) -> QuadraticMemoryModel:
-        return QuadraticMemoryModel().fit([(m * l0, BATCH_SIZE, phase_peaks[m * l0]) for m in multiples])
+        return QuadraticMemoryModel().fit([(m * l0, BATCH_SIZE, phase_peaks[m * l0])
+                                           for m in multiples])
 
     short = quadratic(FIT_MULTIPLES)
     for t in TARGET_MULTIPLES:
@@ -148,8 +151,10 @@ def _pct(x: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 small shape, L0=16 (< 30 s on 2 CPU cores)")
-    parser.add_argument("--l0", type=int, default=None, help="shortest traced length (default 32; 16 with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 small shape, L0=16 (< 30 s on 2 CPU cores)")
+    parser.add_argument("--l0", type=int, default=None,
+                        help="shortest traced length (default 32; 16 with --quick)")
     args = parser.parse_args(argv)
     l0 = args.l0 if args.l0 is not None else (16 if args.quick else 32)
     if l0 < 1:
@@ -159,10 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"prediction_accuracy: batch {BATCH_SIZE}, vocab {VOCAB_SIZE}, L0={l0}; fit on "
         f"{', '.join(f'{m}·L0' for m in FIT_MULTIPLES)}; quad>=T/4 fits "
-        + "; ".join(f"{t}·L0 from {'/'.join(str(q) for q in quarter_fit_multiples(t))}·L0" for t in TARGET_MULTIPLES)
+        + "; ".join(f"{t}·L0 from {'/'.join(str(q) for q in quarter_fit_multiples(t))}·L0"
+                    for t in TARGET_MULTIPLES)
     )
-    print("error = (predicted - measured) / measured step peak (CPU TrackerProbe, exact live bytes)")
-    header = f"{'shape':<14} {'attention':<9} {'ckpt':<4} {'target':>10} {'measured MiB':>12}" + "".join(
+    print(
+        "error = (predicted - measured) / measured step peak (CPU TrackerProbe, exact live bytes)")
+    header = (f"{'shape':<14} {'attention':<9} {'ckpt':<4} {'target':>10} "
+              f"{'measured MiB':>12}") + "".join(
         f" {p:>10}" for p in PREDICTORS
     )
     print(header)
@@ -174,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             errors = predict(measured, l0)
             for t in TARGET_MULTIPLES:
                 mib = measured["step_peaks"][t * l0] / 2**20
-                row = f"{str(shape):<14} {attention:<9} {'on' if checkpointing else 'off':<4} {f'{t}·L0={t * l0}':>10} {mib:12.2f}"
+                row = (f"{str(shape):<14} {attention:<9} {'on' if checkpointing else 'off':<4} "
+                       f"{f'{t}·L0={t * l0}':>10} {mib:12.2f}")
                 for p in PREDICTORS:
                     e = errors[(p, t)]
                     row += f" {_pct(e):>10}"
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     criteria = {("replay", 16): REPLAY_TOLERANCE, ("quad>=T/4", 8): QUADRATIC_TOLERANCE}
     for p in PREDICTORS:
-        line = f"SUMMARY {p:<10} worst |error|:" + "".join(f" @{t}L0={worst[(p, t)]:.2%}" for t in TARGET_MULTIPLES)
+        line = f"SUMMARY {p:<10} worst |error|:" + "".join(
+            f" @{t}L0={worst[(p, t)]:.2%}" for t in TARGET_MULTIPLES)
         for (cp, ct), tol in criteria.items():
             if cp == p:
                 verdict = "PASS" if worst[(p, ct)] <= tol else "FAIL"

@@ -1,4 +1,5 @@
-"""Planning the runs people train, on this machine: Llama-3.1-8B at 32K-128K tokens on one GPU, 70B on 8.
+"""Planning the runs people train, on this machine: Llama-3.1-8B at 32K-128K tokens on one GPU, \
+70B on 8.
 
 Runs ``seqmem plan --json`` as a user would, in a subprocess whose address space is capped
 (``ulimit -v``, default 8,000,000 KiB: what a laptop may spare), on the repository's configs:
@@ -8,11 +9,12 @@ Runs ``seqmem plan --json`` as a user would, in a subprocess whose address space
 * ``configs/llama3_70b_node.yaml`` (70.6 B, 80 layers, hidden 8192): the same at ``--world-size 8``
   (``--lengths 16384 32768 65536``).
 
-It prints, per config, the wall time and the peak resident memory of the planning: of its largest process
-(``getrusage(RUSAGE_CHILDREN)``) and of all its processes together (the plan and its ``--workers``, sampled
-from ``/proc`` every 0.2 s), the goal (≤ 120 s and ≤ 180 s), and per setting the longest length
-that fits on each device with the host memory it holds there (offload settings hold parameters,
-gradients and optimizer state on the host). ``--json``: the last line is one JSON object with all of it.
+It prints, per config, the wall time and the peak resident memory of the planning: of its largest
+process (``getrusage(RUSAGE_CHILDREN)``) and of all its processes together (the plan and its
+``--workers``, sampled from ``/proc`` every 0.2 s), the goal (≤ 120 s and ≤ 180 s), and per setting
+the longest length that fits on each device with the host memory it holds there (offload settings
+hold parameters, gradients and optimizer state on the host). ``--json``: the last line is one JSON
+object with all of it.
 
     python benchmarks/real_scale.py               # both configs
     python benchmarks/real_scale.py --only 8b --json
@@ -33,21 +35,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {
-    "8b": {"config": "configs/llama3_8b_long.yaml", "args": ["--lengths", "32768", "65536", "131072", "--longest"],
-           "goal_s": 120.0},
+    "8b": {"config": "configs/llama3_8b_long.yaml",
+           "args": ["--lengths", "32768", "65536", "131072", "--longest"], "goal_s": 120.0},
     "70b": {"config": "configs/llama3_70b_node.yaml",
-            "args": ["--lengths", "16384", "32768", "65536", "--world-size", "8", "--longest"], "goal_s": 180.0},
+            "args": ["--lengths", "16384", "32768", "65536", "--world-size", "8", "--longest"],
+            "goal_s": 180.0},
 }
 
 
 def _tree_rss_bytes(pid: int) -> int:
-    """The resident memory of process ``pid`` and all its descendants now (Linux ``/proc``), 0 once gone."""
+    """The resident memory of process ``pid`` and all its descendants now (Linux ``/proc``), 0 once
+    gone."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
         try:
             with open(f"/proc/{p}/status") as f:
-                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+                total += next((int(line.split()[1]) * 1024 for line in f
+                               if line.startswith("VmRSS:")), 0)
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
@@ -57,14 +62,16 @@ def _tree_rss_bytes(pid: int) -> int:
 
 
 def _plan(case: dict[str, Any], limit_kib: int) -> dict[str, Any]:
-    """One ``seqmem plan --json`` under ``ulimit -v limit_kib``: its document, wall seconds, peak RSS of its
-    largest process (``getrusage``) and of all its processes together (sampled every 0.2 s: the plan's workers)."""
+    """One ``seqmem plan --json`` under ``ulimit -v limit_kib``: its document, wall seconds, peak
+    RSS of its largest process (``getrusage``) and of all its processes together (sampled every 0.2
+    s: the plan's workers)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    command = [sys.executable, "-m", "lightning_seqmem.cli.main", "plan", "--config", case["config"], *case["args"],
-               "--json"]
+    command = [sys.executable, "-m", "lightning_seqmem.cli.main", "plan", "--config",
+               case["config"], *case["args"], "--json"]
     cap = f"ulimit -v {int(limit_kib)} && exec " + " ".join(command)
     started = time.perf_counter()
-    proc = subprocess.Popen(["bash", "-c", cap], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(["bash", "-c", cap], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
     chunks: dict[str, list[str]] = {"out": [], "err": []}
     readers = [threading.Thread(target=lambda s=s, k=k: chunks[k].append(s.read()), daemon=True)
                for k, s in (("out", proc.stdout), ("err", proc.stderr))]
@@ -79,9 +86,11 @@ def _plan(case: dict[str, Any], limit_kib: int) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     stdout, stderr = "".join(chunks["out"]), "".join(chunks["err"])
     rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    out: dict[str, Any] = {"config": case["config"], "command": "seqmem plan --config " + case["config"] + " "
-                           + " ".join(case["args"]), "exit_status": proc.returncode, "wall_seconds": seconds,
-                           "goal_seconds": case["goal_s"], "peak_rss_bytes": max(rss_kib, before) * 1024,
+    out: dict[str, Any] = {"config": case["config"],
+                           "command": "seqmem plan --config " + case["config"] + " "
+                           + " ".join(case["args"]), "exit_status": proc.returncode,
+                           "wall_seconds": seconds, "goal_seconds": case["goal_s"],
+                           "peak_rss_bytes": max(rss_kib, before) * 1024,
                            "peak_rss_all_processes_bytes": tree_peak,
                            "address_space_limit_bytes": int(limit_kib) * 1024}
     try:
@@ -98,11 +107,14 @@ def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     settings: dict[str, dict[str, Any]] = {}
     for device in doc["devices"]:
         for entry in device["longest_fitting_by_set"]:
-            name = " + ".join(entry["mitigations"] + (["offload"] if entry.get("offload") else [])) or "none"
-            row = settings.setdefault(name, {"setting": name, "step_time_factor": entry["step_time_factor"],
+            name = " + ".join(entry["mitigations"]
+                              + (["offload"] if entry.get("offload") else [])) or "none"
+            row = settings.setdefault(name, {"setting": name,
+                                             "step_time_factor": entry["step_time_factor"],
                                              "longest": {}, "host_peak_bytes": None})
             longest = entry.get("searched_seq_len", entry["seq_len"])
-            row["longest"][device["name"]] = {"seq_len": longest, "at_least": bool(entry.get("open_ended")),
+            row["longest"][device["name"]] = {"seq_len": longest,
+                                              "at_least": bool(entry.get("open_ended")),
                                               "searched": "searched_seq_len" in entry}
             if entry.get("host_peak_bytes") is not None:
                 row["host_peak_bytes"] = max(row["host_peak_bytes"] or 0, entry["host_peak_bytes"])
@@ -112,16 +124,19 @@ def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
 def _print(name: str, result: dict[str, Any]) -> None:
     gib = 2**30
     print(f"\n{name}: {result['command']}")
-    print(f"  exit {result['exit_status']}, {result['wall_seconds']:.1f} s wall (goal ≤ {result['goal_seconds']:.0f} s: "
-          f"{'PASS' if result['wall_seconds'] <= result['goal_seconds'] and result['exit_status'] == 0 else 'FAIL'}), "
+    ok = result["wall_seconds"] <= result["goal_seconds"] and result["exit_status"] == 0
+    print(f"  exit {result['exit_status']}, {result['wall_seconds']:.1f} s wall (goal ≤ "
+          f"{result['goal_seconds']:.0f} s: {'PASS' if ok else 'FAIL'}), "
           f"peak RSS {result['peak_rss_bytes'] / gib:.2f} GiB per process under a "
           f"{result['address_space_limit_bytes'] / gib:.1f} GiB address-space limit, "
-          f"{result['peak_rss_all_processes_bytes'] / gib:.2f} GiB in all {result.get('processes', 1)} processes")
+          f"{result['peak_rss_all_processes_bytes'] / gib:.2f} GiB in all "
+          f"{result.get('processes', 1)} processes")
     doc = result["plan"]
     if doc is None:
         print("  no plan:", result.get("stderr", "")[-800:])
         return
-    print(f"  {doc['dry_runs']} dry runs in {doc['dry_run_seconds']:.1f} s on {doc['device']} (simulating "
+    print(f"  {doc['dry_runs']} dry runs in {doc['dry_run_seconds']:.1f} s on "
+          f"{doc['device']} (simulating "
           f"{doc['simulates']}), {doc['precision']}, batch {doc['batch_size']}")
     devices = [d["name"] for d in doc["devices"]]
     print("  " + f"{'setting':58s}" + "".join(f"{d:>20s}" for d in devices) + f"{'host GiB':>10s}")
@@ -130,17 +145,22 @@ def _print(name: str, result: dict[str, Any]) -> None:
         for d in devices:
             cell = row["longest"].get(d)
             cells.append("-" if cell is None else ("none" if not cell["seq_len"] else
-                                                   ("≥" if cell["at_least"] else "") + str(cell["seq_len"])
+                                                   ("≥" if cell["at_least"] else "")
+                                                   + str(cell["seq_len"])
                                                    + ("" if cell["searched"] else "*")))
         host = "-" if row["host_peak_bytes"] is None else f"{row['host_peak_bytes'] / gib:.1f}"
-        print("  " + f"{row['setting'][:58]:58s}" + "".join(f"{c:>20s}" for c in cells) + f"{host:>10s}")
-    print("  (≥N: fits the longest length asked; N*: the longest of the lengths dry-run, not searched)")
+        print("  " + f"{row['setting'][:58]:58s}" + "".join(f"{c:>20s}" for c in cells)
+              + f"{host:>10s}")
+    print("  (≥N: fits the longest length asked; N*: "
+          "the longest of the lengths dry-run, not searched)")
 
 
 def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=sorted(CASES), action="append", help="run only this config (repeatable)")
-    parser.add_argument("--address-space-kib", type=int, default=8_000_000, help="ulimit -v of the planning process")
+    parser.add_argument("--only", choices=sorted(CASES), action="append",
+                        help="run only this config (repeatable)")
+    parser.add_argument("--address-space-kib", type=int, default=8_000_000,
+                        help="ulimit -v of the planning process")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
     results = {}
@@ -149,7 +169,8 @@ def main(argv: Any = None) -> int:
         _print(name, results[name])
         if results[name]["plan"] is not None:
             results[name]["settings"] = _rows(results[name]["plan"])
-            del results[name]["plan"]["lengths"]  # the per-length rows: in `seqmem plan --json` itself
+            # the per-length rows: in `seqmem plan --json` itself
+            del results[name]["plan"]["lengths"]
     if args.json:
         print(json.dumps(results))
     return 0 if all(r["exit_status"] == 0 for r in results.values()) else 1

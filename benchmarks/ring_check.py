@@ -1,4 +1,5 @@
-"""Ring attention (PyTorch ``context_parallel``) on CUDA: a measured per-rank peak against the plan's.
+"""Ring attention (PyTorch ``context_parallel``) on CUDA: a measured per-rank peak against the \
+plan's.
 
 Run by ``benchmarks/gpu_check.py`` (``--ring`` for this check alone). Ring attention's real step
 (forward and backward) cannot run on CPU: ``context_parallel`` dispatches only the CUDA SDPA kernels
@@ -6,9 +7,9 @@ Run by ``benchmarks/gpu_check.py`` (``--ring`` for this check alone). Ring atten
 batch 1) with FSDP2 and ``context_parallel`` over a 2-rank mesh (NCCL on 2 GPUs; with one GPU both
 processes share it over gloo, which moves CUDA tensors through the host), measure
 ``torch.cuda.max_memory_allocated()`` of the second step, and rank 0 dry-runs the same rank shard
-with :func:`lightning_seqmem.dryrun.sequence_parallel.sequence_parallel_dry_run_step` (``kind="ring"``)
-on the CUDA device. The error is printed, not asserted (the dry run models the CPU flash kernel's
-buffers; CUDA kernels' workspaces differ).
+with :func:`lightning_seqmem.dryrun.sequence_parallel.sequence_parallel_dry_run_step`
+(``kind="ring"``) on the CUDA device. The error is printed, not asserted (the dry run models the CPU
+flash kernel's buffers; CUDA kernels' workspaces differ).
 
     python benchmarks/ring_check.py [SEQ_LEN]
 """
@@ -52,7 +53,8 @@ def _worker(rank: int, seq_len: int, port: int, out_dir: str) -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = model.configure_optimizers()
-        batch = next(iter(SyntheticTokenDataModule(batch_size=1, seq_len=seq_len, num_samples=1).train_dataloader()))
+        batch = next(iter(SyntheticTokenDataModule(batch_size=1, seq_len=seq_len,
+                                                   num_samples=1).train_dataloader()))
 
         def step() -> None:
             ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
@@ -72,7 +74,8 @@ def _worker(rank: int, seq_len: int, port: int, out_dir: str) -> None:
             try:
                 from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
 
-                dry = sequence_parallel_dry_run_step(template, batch, seq_len, WORLD, WORLD, "ring", 1, device="cuda")
+                dry = sequence_parallel_dry_run_step(template, batch, seq_len, WORLD, WORLD, "ring",
+                                                     1, device="cuda")
                 result["dry_run_peak_bytes"] = dry.peak_bytes
             except Exception as exc:  # noqa: BLE001 - reported
                 result["dry_run_error"] = f"{type(exc).__name__}: {exc}"
@@ -101,8 +104,10 @@ def check_ring(seq_len: int = 8192) -> list[dict]:
         if "error" in r:
             print(f"  rank {r['rank']} ({r['backend']}): FAILED {r['error']}\n{r['traceback']}")
             continue
-        err = "" if planned is None else f", plan {planned / 2**20:.1f} MiB ({(planned - r['measured_peak_bytes']) / r['measured_peak_bytes']:+.1%})"
-        print(f"  rank {r['rank']} ({r['backend']}): measured {r['measured_peak_bytes'] / 2**20:.1f} MiB{err}")
+        err = ("" if planned is None else f", plan {planned / 2**20:.1f} MiB "
+               f"({(planned - r['measured_peak_bytes']) / r['measured_peak_bytes']:+.1%})")
+        print(f"  rank {r['rank']} ({r['backend']}): measured "
+              f"{r['measured_peak_bytes'] / 2**20:.1f} MiB{err}")
     if "dry_run_error" in ranks[0]:
         print(f"  plan (dry run) failed: {ranks[0]['dry_run_error']}")
     return ranks

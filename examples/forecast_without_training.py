@@ -2,8 +2,9 @@
 
     python examples/forecast_without_training.py
 
-Three short training steps (64, 128, 256 tokens) are traced on a copy of the model and optimizer; the
-timeline replay and the quadratic fit then predict any length. One step at 512 checks the forecast.
+Three short training steps (64, 128, 256 tokens) are traced on a copy of the model and optimizer;
+the timeline replay and the quadratic fit then predict any length. One step at 512 checks the
+forecast.
 """
 
 import copy
@@ -29,7 +30,8 @@ def main() -> None:
 
     work = copy.deepcopy(model)  # the traced steps update weights: keep the real model untouched
     optimizer = torch.optim.AdamW(work.parameters(), lr=3e-4)
-    forecaster = trace_training_steps(work, optimizer, batch, [64, 128, 256], loss_fn, check_seq_lens=[512])
+    forecaster = trace_training_steps(work, optimizer, batch, [64, 128, 256], loss_fn,
+                                      check_seq_lens=[512])
 
     for v in forecaster.verifications:
         print(f"check at {v.seq_len}: forecast {v.forecast_bytes / 2**20:.1f} MiB, measured "
@@ -41,7 +43,8 @@ def main() -> None:
         print(f"{length:8d} {replay.peak_bytes / 2**20:13.1f} {quadratic.peak_bytes / 2**20:16.1f} "
               f"{replay.upper_bytes / 2**20:18.1f}")
     budget = 8 * 2**30
-    print(f"largest length that fits 8 GiB at batch {batch_size}: {forecaster.max_seq_len(budget, batch_size)} tokens")
+    print(f"largest length that fits 8 GiB at batch {batch_size}: "
+          f"{forecaster.max_seq_len(budget, batch_size)} tokens")
     print(f"... at batch 1: {forecaster.max_seq_len(budget, 1)} tokens")
 
 

@@ -1,13 +1,15 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) on CPU through Lightning's ``ModelParallelStrategy``.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) on CPU through Lightning's
+``ModelParallelStrategy``.
 
     python examples/fsdp2_cpu.py fit --config configs/fsdp2_cpu.yaml
     seqmem plan --config configs/fsdp2_cpu.yaml --lengths 1024 4096 --world-size 8 --strategy fsdp2
 
-``ShardedLitGPT`` is the reference :class:`~lightning_seqmem.reference.demo.LitGPT` whose ``configure_model()``
-shards every transformer block and then the root with ``fully_shard`` over the strategy's device
-mesh (``self.device_mesh``, data-parallel dimension), as torchtitan does. Each rank then holds
-``1/N`` of the parameters, gradients and AdamW state; a block's full parameters exist only while it
-runs (all-gathered before its forward and again before its backward, freed after).
+``ShardedLitGPT`` is the reference :class:`~lightning_seqmem.reference.demo.LitGPT` whose
+``configure_model()`` shards every transformer block and then the root with ``fully_shard`` over the
+strategy's device mesh (``self.device_mesh``, data-parallel dimension), as torchtitan does. Each
+rank then holds ``1/N`` of the parameters, gradients and AdamW state; a block's full parameters
+exist only while it runs (all-gathered before its forward and again before its backward, freed
+after).
 
 ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` runs on CPU with the gloo
 backend; Lightning's ``FSDPStrategy`` (FSDP1) refuses ``accelerator="cpu"``.
@@ -46,16 +48,19 @@ class ShardedLitGPT(LitGPT):
         mesh = self.device_mesh  # set by ModelParallelStrategy; None otherwise
         if mesh is None or isinstance(self.model, FSDPModule):
             return
-        dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+        dp_mesh = (mesh["data_parallel"] if mesh.mesh_dim_names
+                   and "data_parallel" in mesh.mesh_dim_names else mesh)
         for block in self.model.blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(self.model, mesh=dp_mesh, reshard_after_forward=self.reshard_after_forward)
 
 
 def main() -> None:
-    from train_gpt_cli import report  # noqa: PLC0415 - beside this file (sys.path[0] when run as a script)
+    # beside this file (sys.path[0] when run as a script)
+    from train_gpt_cli import report  # noqa: PLC0415
 
-    cli = LightningCLI(ShardedLitGPT, SyntheticTokenDataModule, save_config_kwargs={"overwrite": True})
+    cli = LightningCLI(ShardedLitGPT, SyntheticTokenDataModule,
+                       save_config_kwargs={"overwrite": True})
     if cli.subcommand == "fit":
         report(cli.trainer)
 

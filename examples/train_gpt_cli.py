@@ -5,7 +5,8 @@
     python examples/train_gpt_cli.py fit --config configs/ddp_cpu.yaml
     python examples/train_gpt_cli.py fit --help   # every option, SeqMemCallback's included
 
-At the end the seqmem report (JSON, Markdown, figure) is written to the logger's log_dir and printed.
+At the end the seqmem report (JSON, Markdown, figure) is written to the logger's log_dir and
+printed.
 """
 
 import sys
@@ -38,7 +39,8 @@ def main() -> None:
     try:
         cli = LightningCLI(LitGPT, SyntheticTokenDataModule, save_config_kwargs={"overwrite": True})
     except MisconfigurationException as exc:  # e.g. a GPU config on a machine without one: one line
-        hint = " (a GPU config: on CPU try configs/cpu_demo.yaml)" if "CUDAAccelerator" in str(exc) else ""
+        hint = (" (a GPU config: on CPU try configs/cpu_demo.yaml)" if "CUDAAccelerator" in str(exc)
+                else "")
         raise SystemExit(f"{sys.argv[0]}: error: {' '.join(str(exc).split())}{hint}") from None
     if cli.subcommand == "fit":
         report(cli.trainer)

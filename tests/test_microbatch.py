@@ -1,8 +1,9 @@
-"""Micro-batching on a real LitGPT (no dropout): same samples, steps and parameters as the full batch.
+"""Micro-batching on a real LitGPT (no dropout): same samples, steps and parameters as the full
+batch.
 
 Every comparison trains the same seeded model twice, with and without
-:class:`~lightning_seqmem.mitigations.microbatch.microbatch.MicroBatching`, and checks the samples seen by
-``training_step``, the optimizer steps, ``global_step``, the first gradients and the final
+:class:`~lightning_seqmem.mitigations.microbatch.microbatch.MicroBatching`, and checks the samples
+seen by ``training_step``, the optimizer steps, ``global_step``, the first gradients and the final
 parameters (fp32, allclose). Memory is live tensor bytes from :class:`TrackerProbe`.
 
 Run as a script (``python tests/test_microbatch.py OUT``) this file is the DDP worker of
@@ -32,7 +33,8 @@ from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_bat
 from lightning_seqmem.mitigations.microbatch.microbatch_functional import split_batch
 from lightning_seqmem.measure.probes import TrackerProbe
 
-SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)  # no dropout: equality is exact up to rounding
+# no dropout: equality is exact up to rounding
+SMALL = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32)
 
 
 class RecordingGPT(LitGPT):
@@ -55,7 +57,8 @@ class RecordingGPT(LitGPT):
 
 
 class Recorder(pl.Callback):
-    """Applies micro-batching at batch ``apply_at`` and records steps, first gradients and losses."""
+    """Applies micro-batching at batch ``apply_at`` and records steps, first gradients and
+    losses."""
 
     def __init__(self, micro_batch_size: int | None = None, apply_at: int = 0) -> None:
         self.micro_batch_size = micro_batch_size
@@ -69,7 +72,8 @@ class Recorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batches.append(batch["index"].tolist())
         if self.micro_batch_size is not None and batch_idx == self.apply_at:
-            self.results.append(MicroBatching(self.micro_batch_size).apply(trainer, pl_module, batch))
+            self.results.append(
+                MicroBatching(self.micro_batch_size).apply(trainer, pl_module, batch))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.optimizer_steps += 1
@@ -93,7 +97,8 @@ class Run:
     model: RecordingGPT | None = None
 
 
-@functools.lru_cache(maxsize=None)  # deterministic: the full-batch references are shared between tests
+# deterministic: the full-batch references are shared between tests
+@functools.lru_cache(maxsize=None)
 def _fit(
     micro_batch_size: int | None = None,
     apply_at: int = 0,
@@ -105,9 +110,11 @@ def _fit(
 ) -> Run:
     torch.manual_seed(0)
     model = RecordingGPT(optimizer=optimizer, **SMALL)
-    datamodule = SyntheticTokenDataModule(batch_size, seq_len, num_samples, vocab_size=SMALL["vocab_size"])
+    datamodule = SyntheticTokenDataModule(batch_size, seq_len, num_samples,
+                                          vocab_size=SMALL["vocab_size"])
     recorder = Recorder(micro_batch_size, apply_at)
-    trainer = make_trainer([recorder], max_steps=-1, max_epochs=1, accumulate_grad_batches=accumulate)
+    trainer = make_trainer([recorder], max_steps=-1, max_epochs=1,
+                           accumulate_grad_batches=accumulate)
     trainer.fit(model, datamodule=datamodule)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return Run(
@@ -116,10 +123,12 @@ def _fit(
     )
 
 
-def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, rtol: float = 1e-4) -> None:
+def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float,
+                  rtol: float = 1e-4) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def _flat(seen: list[list[int]]) -> list[int]:
@@ -132,14 +141,16 @@ def _flat(seen: list[list[int]]) -> list[int]:
 def test_split_batch_cuts_batch_tensors_and_passes_the_rest():
     ids = torch.arange(10).reshape(5, 2)
     mask = torch.ones(3, 3)  # dim 0 is not the batch size: every micro-batch gets it whole
-    batch = {"input_ids": ids, "index": torch.arange(5), "nested": [ids.float(), "tag"], "scale": torch.tensor(2.0),
-             "mask": mask, "names": ["a", "b", "c", "d", "e"]}
+    batch = {"input_ids": ids, "index": torch.arange(5), "nested": [ids.float(), "tag"],
+             "scale": torch.tensor(2.0), "mask": mask, "names": ["a", "b", "c", "d", "e"]}
     parts = split_batch(batch, 2)
     assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 1]
     assert torch.equal(torch.cat([p["input_ids"] for p in parts]), ids)
     assert [p["index"].tolist() for p in parts] == [[0, 1], [2, 3], [4]]
-    assert all(p["nested"][1] == "tag" and p["nested"][0].shape[0] == p["input_ids"].shape[0] for p in parts)
-    assert all(p["scale"] is batch["scale"] and p["mask"] is mask and p["names"] == batch["names"] for p in parts)
+    assert all(p["nested"][1] == "tag"
+               and p["nested"][0].shape[0] == p["input_ids"].shape[0] for p in parts)
+    assert all(p["scale"] is batch["scale"] and p["mask"] is mask
+               and p["names"] == batch["names"] for p in parts)
     assert parts[0]["input_ids"].data_ptr() == ids.data_ptr()  # views, nothing copied
     assert batch["input_ids"] is ids and batch["index"].shape == (5,)  # the input is not mutated
 
@@ -164,7 +175,8 @@ def test_split_batch_tuples_namedtuples_and_bare_tensors():
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("micro_batch_size", [1, 3])  # 3: micro-batches of 3 and 1, weighted n_i / N
+# 3: micro-batches of 3 and 1, weighted n_i / N
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
 def test_from_the_start_equals_full_batch(optimizer, micro_batch_size):
     full = _fit(None, optimizer=optimizer)
     micro = _fit(micro_batch_size, apply_at=0, optimizer=optimizer)
@@ -197,7 +209,8 @@ def test_accumulate_grad_batches_equals_without_micro_batching():
     # applied at batch 3: in the middle of an accumulation window of 2
     full = _fit(None, optimizer="sgd", accumulate=2, num_samples=32)
     micro = _fit(2, apply_at=3, optimizer="sgd", accumulate=2, num_samples=32)
-    assert micro.optimizer_steps == full.optimizer_steps == 4 and micro.global_step == full.global_step == 4
+    assert (micro.optimizer_steps == full.optimizer_steps == 4
+            and micro.global_step == full.global_step == 4)
     assert sorted(_flat(micro.seen)) == list(range(32))
     _assert_close(micro.first_grads, full.first_grads, atol=1e-6)
     _assert_close(micro.params, full.params, atol=1e-6)
@@ -221,7 +234,8 @@ def test_apply_before_fit_and_remove_mid_training():
                 assert MicroBatching().remove(pl_module).applied
 
     trainer = make_trainer([RemoveAt()], max_steps=-1, max_epochs=1)
-    trainer.fit(model, datamodule=SyntheticTokenDataModule(4, 16, 16, vocab_size=SMALL["vocab_size"]))
+    trainer.fit(model,
+                datamodule=SyntheticTokenDataModule(4, 16, 16, vocab_size=SMALL["vocab_size"]))
     assert [len(s) for s in model.seen] == [2, 2, 2, 2, 4, 4]
     assert not is_micro_batching(model) and "optimizer_zero_grad" not in model.__dict__
     full = _fit(None, optimizer="sgd", num_samples=16)
@@ -233,10 +247,13 @@ def _fit_fp16(micro_batch_size: int | None):
     model = RecordingGPT(optimizer="sgd", **SMALL)
     recorder = Recorder(micro_batch_size, apply_at=0)
     # "16-mixed" on CPU falls back to bf16 without a scaler: pass a GradScaler explicitly.
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    plugin = MixedPrecision("16-mixed", "cpu",
+                            scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
     trainer = make_trainer([recorder], max_steps=-1, max_epochs=1, plugins=[plugin])
-    trainer.fit(model, datamodule=SyntheticTokenDataModule(4, 16, 16, vocab_size=SMALL["vocab_size"]))
-    return recorder.first_grads, {n: p.detach() for n, p in model.named_parameters()}, plugin.scaler.get_scale()
+    trainer.fit(model,
+                datamodule=SyntheticTokenDataModule(4, 16, 16, vocab_size=SMALL["vocab_size"]))
+    return recorder.first_grads, {n: p.detach() for n,
+                                  p in model.named_parameters()}, plugin.scaler.get_scale()
 
 
 def test_grad_scaler_is_applied_to_every_micro_batch():
@@ -245,7 +262,8 @@ def test_grad_scaler_is_applied_to_every_micro_batch():
     micro_grads, micro_params, micro_scale = _fit_fp16(1)
     assert micro_scale == full_scale == 2.0**12
     for name, grad in full_grads.items():
-        torch.testing.assert_close(micro_grads[name], grad, atol=1e-2 * float(grad.abs().max()) + 1e-9, rtol=0)
+        torch.testing.assert_close(micro_grads[name], grad,
+                                   atol=1e-2 * float(grad.abs().max()) + 1e-9, rtol=0)
     _assert_close(micro_params, full_params, atol=1e-3, rtol=0)
 
 
@@ -262,7 +280,8 @@ class StepPeak(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx != 1:
             return
-        existing = list(pl_module.parameters()) + [p.grad for p in pl_module.parameters() if p.grad is not None]
+        existing = list(pl_module.parameters()) + [p.grad for p in pl_module.parameters()
+                                                   if p.grad is not None]
         for state in trainer.optimizers[0].state.values():
             existing += [v for v in state.values() if isinstance(v, torch.Tensor)]
         existing += [v for v in batch.values() if isinstance(v, torch.Tensor)]
@@ -279,13 +298,15 @@ def _step_memory(micro_batch_size: int | None):
     peak = StepPeak()
     callbacks = [peak] + ([Recorder(micro_batch_size, 0)] if micro_batch_size else [])
     trainer = make_trainer(callbacks, max_steps=2)
-    trainer.fit(model, datamodule=SyntheticTokenDataModule(batch_size=4, seq_len=256, num_samples=8))
+    trainer.fit(model,
+                datamodule=SyntheticTokenDataModule(batch_size=4, seq_len=256, num_samples=8))
     return peak.memory
 
 
 def test_micro_batch_one_lowers_the_step_peak():
     full, micro = _step_memory(None), _step_memory(1)
-    full_dynamic, micro_dynamic = full.peak_bytes - full.start_bytes, micro.peak_bytes - micro.start_bytes
+    full_dynamic, micro_dynamic = (full.peak_bytes - full.start_bytes,
+                                   micro.peak_bytes - micro.start_bytes)
     assert micro.peak_bytes < full.peak_bytes
     # activations of 1 sample instead of 4 (plus the gradients, alive during later micro-batches)
     assert micro_dynamic < 0.4 * full_dynamic, (micro_dynamic, full_dynamic)
@@ -314,17 +335,20 @@ def test_is_applicable_refusals_and_idempotence():
     ok, reason = MicroBatching(1).is_applicable(trainer, model, {"x": torch.zeros(4, 8)})
     assert not ok and "cannot split" in reason
     pair = (torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long))
-    assert MicroBatching(2).is_applicable(trainer, model, pair) == (True, "split batches of 4 into micro-batches of 2")
+    assert MicroBatching(2).is_applicable(trainer, model, pair) == (
+        True, "split batches of 4 into micro-batches of 2")
 
     first = MicroBatching(2).apply(trainer, model, four)
     again = MicroBatching(2).apply(trainer, model, four)
     assert first.applied and not again.applied and "already" in again.detail
     resized = MicroBatching(1).apply(trainer, model, four)
-    assert resized.applied and (resized.before, resized.after) == ("micro_batch_size=2", "micro_batch_size=1")
+    assert (resized.applied
+            and (resized.before, resized.after) == ("micro_batch_size=2", "micro_batch_size=1"))
     assert model.training_step.micro_batch_size == 1 and model.training_step.previous is None
     removed = MicroBatching().remove(model)
     assert removed.applied and removed.after == "off"
-    assert "training_step" not in model.__dict__ and model.training_step.__func__ is LitGPT.training_step
+    assert ("training_step" not in model.__dict__
+            and model.training_step.__func__ is LitGPT.training_step)
     assert not MicroBatching().remove(model).applied
 
 
@@ -360,7 +384,8 @@ def test_remove_restores_an_instance_training_step():
 def test_training_step_without_trainer_is_not_split():
     model = LitGPT(**SMALL)
     MicroBatching(1).apply(make_trainer([], max_steps=1), model)
-    batch = {"input_ids": torch.zeros(3, 8, dtype=torch.long), "labels": torch.zeros(3, 8, dtype=torch.long)}
+    batch = {"input_ids": torch.zeros(3, 8, dtype=torch.long),
+             "labels": torch.zeros(3, 8, dtype=torch.long)}
     with pytest.warns(Warning):  # self.log without a trainer
         loss = model.training_step(batch, 0)
     assert loss.requires_grad and loss.dim() == 0
@@ -370,7 +395,8 @@ def test_training_step_without_trainer_is_not_split():
 
 
 def _ddp_fit(micro_batch_size: int | None) -> dict:
-    """One DDP fit on 2 CPU processes (gloo); returns rank 0's parameters, counts and seen indices."""
+    """One DDP fit on 2 CPU processes (gloo); returns rank 0's parameters, counts and seen
+    indices."""
     torch.manual_seed(0)
     model = RecordingGPT(optimizer="sgd", **SMALL)
     recorder = Recorder(micro_batch_size, apply_at=0)
@@ -384,8 +410,10 @@ def _ddp_fit(micro_batch_size: int | None) -> dict:
         def on_train_start(self, trainer, pl_module):
             trainer.strategy.model.register_comm_hook(None, counting_allreduce)
 
-    trainer = make_trainer([recorder, CountAllreduces()], max_steps=-1, max_epochs=1, strategy="ddp", devices=2)
-    trainer.fit(model, datamodule=SyntheticTokenDataModule(4, 16, 32, vocab_size=SMALL["vocab_size"]))
+    trainer = make_trainer([recorder, CountAllreduces()], max_steps=-1, max_epochs=1,
+                           strategy="ddp", devices=2)
+    trainer.fit(model,
+                datamodule=SyntheticTokenDataModule(4, 16, 32, vocab_size=SMALL["vocab_size"]))
     seen = trainer.strategy.all_gather(torch.tensor(_flat(model.seen)))
     return {
         "rank": trainer.global_rank,
@@ -406,7 +434,8 @@ def test_ddp_equals_full_batch(tmp_path):
     assert micro["optimizer_steps"] == full["optimizer_steps"] == 4
     assert micro["calls"] == 4 * full["calls"] == 16  # per rank: 4 batches of 4, split into 1s
     assert sorted(micro["seen"]) == sorted(full["seen"]) == list(range(32))
-    assert micro["allreduces"] == full["allreduces"] == 4  # gradients synced once per optimizer step
+    # gradients synced once per optimizer step
+    assert micro["allreduces"] == full["allreduces"] == 4
     _assert_close(micro["params"], full["params"], atol=1e-6)
 
 
@@ -427,7 +456,8 @@ def test_hugging_face_model_same_gradients_and_less_memory():
     class GradsAtFirstStep(pl.Callback):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             if trainer.global_step == 2:
-                self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+                self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters()
+                              if p.grad is not None}
 
     def run(micro):
         torch.manual_seed(0)
@@ -440,10 +470,12 @@ def test_hugging_face_model_same_gradients_and_less_memory():
                     assert MicroBatching(micro).apply(trainer, pl_module).applied
 
         trainer = pl.Trainer(
-            max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=[SwitchOn(), grads, seqmem], default_root_dir=tempfile.mkdtemp(),
+            max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[SwitchOn(), grads, seqmem], default_root_dir=tempfile.mkdtemp(),
         )
-        data = SyntheticTokenDataModule(batch_size=4, seq_len=128, num_samples=16, vocab_size=module.model.config.vocab_size)
+        data = SyntheticTokenDataModule(batch_size=4, seq_len=128, num_samples=16,
+                                        vocab_size=module.model.config.vocab_size)
         trainer.fit(module, data)
         return grads.grads, seqmem.records[-1]
 

@@ -1,7 +1,7 @@
-"""The one micro-batch twin (:mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin`): the wrapper in a real
-Lightning step, the dry run's step and the breakdown's step run the same loop, so they give the whole
-batch's loss and gradients alike, and the dry run's forecast of that loop is the tracker's measurement
-of it on real tensors, to the byte."""
+"""The one micro-batch twin (:mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin`): the
+wrapper in a real Lightning step, the dry run's step and the breakdown's step run the same loop, so
+they give the whole batch's loss and gradients alike, and the dry run's forecast of that loop is the
+tracker's measurement of it on real tensors, to the byte."""
 
 from __future__ import annotations
 
@@ -40,10 +40,12 @@ class TokenMeanLM(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         logits = self.model(batch["input_ids"])
-        return {"loss": F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)}
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                        ignore_index=-100)}
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)  # the step leaves its gradients, changes nothing
+        # the step leaves its gradients, changes nothing
+        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 def _batch() -> dict:
@@ -78,8 +80,10 @@ def test_wrapper_dry_run_and_breakdown_run_the_one_twin_and_get_the_whole_batch(
         calls.append(f"{len(parts)} parts")
         return shared(parts, counts, *args, **kwargs)
 
-    for module in ("microbatch_step", "microbatch_twin"):  # the wrapper's name for it, and the others'
-        monkeypatch.setattr(f"lightning_seqmem.mitigations.microbatch.{module}.run_micro_batches", counted)
+    # the wrapper's name for it, and the others'
+    for module in ("microbatch_step", "microbatch_twin"):
+        monkeypatch.setattr(f"lightning_seqmem.mitigations.microbatch.{module}.run_micro_batches",
+                            counted)
 
     # the wrapper, in a real Lightning step
     wrapped, capture = TokenMeanLM(), _Capture()
@@ -88,33 +92,38 @@ def test_wrapper_dry_run_and_breakdown_run_the_one_twin_and_get_the_whole_batch(
     trainer.fit(wrapped, DataLoader([batch], batch_size=None))
     # the dry run's step functions, on real tensors
     dry = TokenMeanLM()
-    loss_fn, step_optimizer = step_functions(dry, dry.configure_optimizers(), CopyPlan(micro_batch_size=1), 4)
+    loss_fn, step_optimizer = step_functions(dry, dry.configure_optimizers(),
+                                             CopyPlan(micro_batch_size=1), 4)
     dry_loss = loss_fn(dry, batch)
     dry_loss.backward()
     # the breakdown's step
     broken = TokenMeanLM()
-    run_training_step(broken, broken.configure_optimizers(), batch, training_step_loss, micro_batch_size=1)
+    run_training_step(broken, broken.configure_optimizers(), batch, training_step_loss,
+                      micro_batch_size=1)
 
     assert calls == ["4 parts"] * 3
     for loss in (capture.loss, dry_loss.detach()):
         torch.testing.assert_close(loss, whole_loss.detach(), rtol=1e-5, atol=1e-6)
     for grads in (capture.grads, _grads(dry), _grads(broken)):
         torch.testing.assert_close(grads, whole, rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(_grads(dry), _grads(broken), rtol=0, atol=0)  # the same loop, the same floats
+    # the same loop, the same floats
+    torch.testing.assert_close(_grads(dry), _grads(broken), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("check", [False, True])
 def test_the_dry_run_of_the_micro_batched_step_is_the_tracked_real_step_to_the_byte(check):
-    """The fake step and the real one run the twin's loop, with the memory of the first-step check (the
-    rung switched on by the dry run) or without (a module micro-batched with ``verify=False``): the dry
-    run counts what the live-tensor tracker measures on real tensors."""
+    """The fake step and the real one run the twin's loop, with the memory of the first-step check
+    (the rung switched on by the dry run) or without (a module micro-batched with ``verify=False``):
+    the dry run counts what the live-tensor tracker measures on real tensors."""
     module, batch = TokenMeanLM(), _batch()
     if not check:
-        assert MicroBatching(1, verify=False).apply(make_trainer([], max_steps=1), module, batch).applied
+        assert MicroBatching(1, verify=False).apply(make_trainer([], max_steps=1), module,
+                                                    batch).applied
     optimizer = module.configure_optimizers()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dry = dry_run_step(module, optimizer, batch, seq_len=L, mitigations=["microbatch"] if check else ())
+        dry = dry_run_step(module, optimizer, batch, seq_len=L, mitigations=["microbatch"] if check
+                           else ())
     assert "4 micro-batches of 1" in dry.detail and ("one-time check" in dry.detail) == check
 
     real = TokenMeanLM()
@@ -122,6 +131,7 @@ def test_the_dry_run_of_the_micro_batched_step_is_the_tracked_real_step_to_the_b
     state_after_a_step(real, real_optimizer)  # as the dry run's first step leaves them
     plan = CopyPlan(micro_batch_size=1)
     loss_fn, step_optimizer = step_functions(real, real_optimizer, plan, 4, first_split_check=check)
-    measured = training_step_memory(real, step_optimizer, batch, loss_fn, make_probe("tracker", torch.device("cpu")))
+    measured = training_step_memory(real, step_optimizer, batch, loss_fn,
+                                    make_probe("tracker", torch.device("cpu")))
     assert measured.peak_bytes == dry.peak_bytes, (measured.phase_peak_bytes, dry.phase_peak_bytes)
     assert measured.phase_peak_bytes == dry.phase_peak_bytes

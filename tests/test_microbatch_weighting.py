@@ -30,7 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import ddp_full_and_micro, launch_ddp_script, make_trainer
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
-from lightning_seqmem.mitigations.microbatch.microbatch_step import MicroBatchingRefusedWarning, is_micro_batching, micro_batching_check_pending, micro_batching_refusal
+from lightning_seqmem.mitigations.microbatch.microbatch_step import (
+    MicroBatchingRefusedWarning, is_micro_batching, micro_batching_check_pending,
+    micro_batching_refusal)
 from lightning_seqmem.mitigations.microbatch.microbatch_functional import micro_batch_counts
 
 transformers = pytest.importorskip("transformers")
@@ -51,7 +53,8 @@ class PaddedTokens(Dataset):
     them). ``labels="next"``: the labels are already the next tokens (the loss does not shift).
     """
 
-    def __init__(self, labels: str = "inputs", lengths: tuple[int, ...] = tuple(LENGTHS), seed: int = 0) -> None:
+    def __init__(self, labels: str = "inputs", lengths: tuple[int, ...] = tuple(LENGTHS),
+                 seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.items = []
         for i, n in enumerate(lengths):
@@ -63,7 +66,8 @@ class PaddedTokens(Dataset):
             else:
                 target = torch.full((SEQ_LEN,), -100, dtype=torch.long)
                 target[: n - 1] = ids[1:n]
-            self.items.append({"input_ids": ids, "attention_mask": mask, "labels": target, "index": i})
+            self.items.append({"input_ids": ids, "attention_mask": mask, "labels": target,
+                               "index": i})
 
     def __len__(self) -> int:
         return len(self.items)
@@ -74,8 +78,8 @@ class PaddedTokens(Dataset):
 
 def _llama_config():
     return transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=VOCAB, attention_dropout=0.0,
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, attention_dropout=0.0,
     )
 
 
@@ -105,8 +109,8 @@ class HFLossLM(pl.LightningModule):
             self.seen.no_grad_calls += 1
         else:
             self.sizes.append(batch["input_ids"].shape[0])
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
-                         use_cache=False)
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["labels"], use_cache=False)
         self.log("train/loss", out.loss, batch_size=batch["input_ids"].shape[0])
         return out.loss
 
@@ -115,7 +119,8 @@ class HFLossLM(pl.LightningModule):
 
 
 def _project_hf_module():
-    """The project's :class:`HFCausalLM` (``shift_labels=False``: labels already the next tokens)."""
+    """The project's :class:`HFCausalLM` (``shift_labels=False``: labels already the next
+    tokens)."""
     from lightning_seqmem.reference.hf import HFCausalLM
 
     class SGDCausalLM(HFCausalLM):
@@ -146,7 +151,8 @@ class Grads(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.first_grads is None:
-            self.first_grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+            self.first_grads = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                                if p.grad is not None}
 
 
 @dataclass
@@ -168,15 +174,16 @@ class LossRecorder(pl.Callback):
 
 
 @functools.lru_cache(maxsize=None)
-def _fit_hf(module: str, micro: int | None, weighting: str = "auto", verify: bool = True, accumulate: int = 1,
+def _fit_hf(module: str, micro: int | None, weighting: str = "auto", verify: bool = True,
+            accumulate: int = 1,
             precision: str = "32-true", lengths: tuple[int, ...] = tuple(LENGTHS)) -> Run:
     torch.manual_seed(0)
     pl_module = HFLossLM() if module == "hf_loss" else _project_hf_module()
     data = PaddedTokens("inputs" if module == "hf_loss" else "next", lengths)
     policy = MicroBatching(micro, weighting=weighting, verify=verify) if micro else None
     grads, losses = Grads(policy), LossRecorder()
-    trainer = make_trainer([grads, losses], max_steps=-1, max_epochs=1, accumulate_grad_batches=accumulate,
-                           precision=precision)
+    trainer = make_trainer([grads, losses], max_steps=-1, max_epochs=1,
+                           accumulate_grad_batches=accumulate, precision=precision)
     trainer.fit(pl_module, DataLoader(data, batch_size=4))
     params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
     return Run(grads.first_grads, params, losses.losses, trainer.global_step, grads, pl_module)
@@ -189,10 +196,12 @@ def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     return (num / den) ** 0.5
 
 
-def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-4, atol: float = 1e-6):
+def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-4,
+                  atol: float = 1e-6):
     assert a.keys() == b.keys() and a
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 # --- what Hugging Face's loss averages over ------------------------------------------------------
@@ -204,36 +213,48 @@ def test_hugging_face_loss_is_a_mean_over_shifted_label_tokens():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama_config())
     batch = DataLoader(PaddedTokens("inputs"), batch_size=4).__iter__().__next__()
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                labels=batch["labels"])
     shifted = batch["labels"][:, 1:]
-    token_losses = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, VOCAB), shifted.reshape(-1),
-                                   ignore_index=-100, reduction="sum")
+    token_losses = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, VOCAB),
+                                   shifted.reshape(-1), ignore_index=-100, reduction="sum")
     valid = shifted != -100
     torch.testing.assert_close(out.loss, token_losses / valid.sum(), rtol=1e-6, atol=0)
-    assert not torch.isclose(out.loss, token_losses / (batch["labels"] != -100).sum())  # not the unshifted count
+    # not the unshifted count
+    assert not torch.isclose(out.loss, token_losses / (batch["labels"] != -100).sum())
     rule, counts = micro_batch_counts(batch, 1)
     assert rule == "shifted_label_tokens" and counts == valid.sum(1).tolist() == [2, 23, 9, 0]
     # weighted by those counts, per-sample losses give the batch's loss; weighted 1/N, they do not
-    per_sample = [model(input_ids=batch["input_ids"][i:i + 1], attention_mask=batch["attention_mask"][i:i + 1],
+    per_sample = [model(input_ids=batch["input_ids"][i:i + 1],
+                        attention_mask=batch["attention_mask"][i:i + 1],
                         labels=batch["labels"][i:i + 1]).loss for i in range(3)]
     weighted = sum(c * loss for c, loss in zip(counts, per_sample)) / sum(counts)
     torch.testing.assert_close(weighted, out.loss, rtol=1e-5, atol=0)
-    assert torch.isnan(model(input_ids=batch["input_ids"][3:], labels=batch["labels"][3:]).loss)  # 0 label tokens
+    # 0 label tokens
+    assert torch.isnan(model(input_ids=batch["input_ids"][3:], labels=batch["labels"][3:]).loss)
 
 
 def test_micro_batch_counts_rules():
     ids = torch.arange(1, 13).reshape(4, 3)
     assert micro_batch_counts({"input_ids": ids}, 2) == ("samples", [2, 2])  # no labels: samples
-    assert micro_batch_counts({"input_ids": ids, "labels": ids.float()}, 3) == ("samples", [3, 1])  # regression
-    assert micro_batch_counts({"inputs_embeds": torch.zeros(4, 3, 2), "labels": ids}, 2) == ("shifted_label_tokens", [4, 4])
-    assert micro_batch_counts({"input_ids": ids, "labels": torch.ones(4, 5, dtype=torch.long)}, 2) == ("label_tokens", [10, 10])
-    classes = torch.tensor([1, -100, 0, 2])  # sequence classification: one label per sample, never shifted
-    assert micro_batch_counts({"input_ids": ids, "labels": classes}, 1) == ("label_tokens", [1, 0, 1, 1])
-    assert micro_batch_counts({"input_ids": ids, "labels": ids}, 2, weighting="label_tokens") == ("label_tokens", [6, 6])
-    assert micro_batch_counts({"input_ids": ids, "labels": ids + 1}, 2, "shifted_label_tokens") == ("shifted_label_tokens", [4, 4])
-    assert micro_batch_counts({"input_ids": ids, "labels": ids}, 2, "samples") == ("samples", [2, 2])
-    assert micro_batch_counts({"input_ids": ids, "labels": ids.masked_fill(ids > 4, 7)}, 2, ignore_index=7) == (
-        "shifted_label_tokens", [2, 0])
+    # regression
+    assert micro_batch_counts({"input_ids": ids, "labels": ids.float()}, 3) == ("samples", [3, 1])
+    assert micro_batch_counts({"inputs_embeds": torch.zeros(4, 3, 2), "labels": ids},
+                              2) == ("shifted_label_tokens", [4, 4])
+    assert micro_batch_counts({"input_ids": ids, "labels": torch.ones(4, 5, dtype=torch.long)},
+                              2) == ("label_tokens", [10, 10])
+    # sequence classification: one label per sample, never shifted
+    classes = torch.tensor([1, -100, 0, 2])
+    assert (micro_batch_counts({"input_ids": ids, "labels": classes}, 1)
+            == ("label_tokens", [1, 0, 1, 1]))
+    assert micro_batch_counts({"input_ids": ids, "labels": ids}, 2,
+                              weighting="label_tokens") == ("label_tokens", [6, 6])
+    assert micro_batch_counts({"input_ids": ids, "labels": ids + 1}, 2,
+                              "shifted_label_tokens") == ("shifted_label_tokens", [4, 4])
+    assert (micro_batch_counts({"input_ids": ids, "labels": ids}, 2, "samples")
+            == ("samples", [2, 2]))
+    assert micro_batch_counts({"input_ids": ids, "labels": ids.masked_fill(ids > 4, 7)}, 2,
+                              ignore_index=7) == ("shifted_label_tokens", [2, 0])
     with pytest.raises(ValueError, match="needs a mapping batch with an integer 'labels'"):
         micro_batch_counts((ids, ids), 2, "label_tokens")
     with pytest.raises(ValueError, match="`weighting` must be one of"):
@@ -251,21 +272,25 @@ def test_padded_hugging_face_batches_equal_full_batch(module):
     wrapper = micro.callback.wrapper
     assert wrapper.rule == ("shifted_label_tokens" if module == "hf_loss" else "label_tokens")
     assert wrapper.verified and wrapper.refused_reason is None and is_micro_batching(micro.module)
-    assert micro.callback.pending_before == [True, False, False] and full.global_step == micro.global_step == 3
+    assert (micro.callback.pending_before == [True, False, False]
+            and full.global_step == micro.global_step == 3)
     _assert_close(micro.first_grads, full.first_grads, rtol=1e-4, atol=1e-6)
     _assert_close(micro.params, full.params, rtol=1e-4, atol=1e-6)
     assert micro.losses == pytest.approx(full.losses, rel=1e-5)  # the returned loss is the batch's
-    assert all(torch.isfinite(g).all() for g in micro.first_grads.values())  # the 0-token micro-batch: no NaN
-    new_error, old_error = _relative_difference(micro.first_grads, full.first_grads), _relative_difference(
+    # the 0-token micro-batch: no NaN
+    assert all(torch.isfinite(g).all() for g in micro.first_grads.values())
+    new_error, old_error = _relative_difference(micro.first_grads,
+                                                full.first_grads), _relative_difference(
         old.first_grads, full.first_grads)
-    print(f"\n{module}: first-step gradient vs the plain step, relative L2: label-token weights {new_error:.3g}, "
-          f"1/N weights {old_error:.3g}")
+    print(f"\n{module}: first-step gradient vs the plain step, relative L2: label-token weights "
+          f"{new_error:.3g}, 1/N weights {old_error:.3g}")
     assert new_error < 1e-5 and old_error > 0.01
 
 
 def test_padded_hugging_face_with_accumulation_and_the_check_runs_once():
     full = _fit_hf("hf_loss", None, accumulate=3)
-    micro = _fit_hf("hf_loss", 2, accumulate=3)  # micro-batches of 2: counts [25, 9], [24, 20], [11, 30]
+    # micro-batches of 2: counts [25, 9], [24, 20], [11, 30]
+    micro = _fit_hf("hf_loss", 2, accumulate=3)
     assert micro.global_step == full.global_step == 1
     _assert_close(micro.first_grads, full.first_grads, rtol=1e-4, atol=1e-6)
     _assert_close(micro.params, full.params, rtol=1e-4, atol=1e-6)
@@ -313,7 +338,8 @@ class SumLossGPT(LitGPT):
         if torch.is_grad_enabled():
             self.sizes.append(batch["input_ids"].shape[0])
         logits = self(batch["input_ids"])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), reduction="sum")
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                               reduction="sum")
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
@@ -331,7 +357,8 @@ class RandomLossGPT(SumLossGPT):
 
 
 class BatchNormLM(pl.LightningModule):
-    """Embedding, batch norm over the batch's tokens, linear head: samples mix through the statistics."""
+    """Embedding, batch norm over the batch's tokens, linear head: samples mix through the
+    statistics."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -359,7 +386,8 @@ def _fit_refused(cls, micro: int | None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, datamodule=SyntheticTokenDataModule(4, 16, 16, vocab_size=64))
-    state = {n: t.detach().clone() for n, t in module.state_dict().items()}  # parameters and buffers
+    # parameters and buffers
+    state = {n: t.detach().clone() for n, t in module.state_dict().items()}
     refused = [w for w in caught if issubclass(w.category, MicroBatchingRefusedWarning)]
     return module, state, callback, refused, trainer
 
@@ -367,7 +395,8 @@ def _fit_refused(cls, micro: int | None):
 @pytest.mark.parametrize("cls, expected", [
     (SumLossGPT, r"the loss is not a mean over label tokens .*a sum, reduction='sum'"),
     (RandomLossGPT, r"cannot verify that the loss is a mean over .*draws random numbers"),
-    (BatchNormLM, r"the loss is not a mean over .*or the batch norm in norm normalises over fewer samples"),
+    (BatchNormLM,
+     r"the loss is not a mean over .*or the batch norm in norm normalises over fewer samples"),
 ])
 def test_refused_loss_trains_as_without_micro_batching(cls, expected):
     full_module, full_state, _, _, _ = _fit_refused(cls, None)
@@ -378,7 +407,8 @@ def test_refused_loss_trains_as_without_micro_batching(cls, expected):
     assert len(refused) == 1 and reason in str(refused[0].message)
     assert not is_micro_batching(module) and "training_step" not in module.__dict__
     assert "optimizer_zero_grad" not in module.__dict__ and "log" not in module.__dict__
-    assert module.sizes == full_module.sizes == [4, 4, 4, 4]  # every batch whole, the first one included
+    # every batch whole, the first one included
+    assert module.sizes == full_module.sizes == [4, 4, 4, 4]
     assert callback.pending_before == [True, False, False, False]
     # bit for bit: parameters, batch-norm statistics (the check restores buffers) and the noise of
     # RandomLossGPT (the check drew its random numbers from a forked generator)
@@ -388,10 +418,11 @@ def test_refused_loss_trains_as_without_micro_batching(cls, expected):
     # the refusal is the answer from then on; verify=False overrides it
     ok, why = MicroBatching(1).is_applicable(trainer, module)
     assert not ok and why == f"refused by its first-step check: {reason}"
-    assert MicroBatching(1, verify=False).apply(trainer, module).applied and micro_batching_refusal(module) is None
+    assert (MicroBatching(1, verify=False).apply(trainer, module).applied
+            and micro_batching_refusal(module) is None)
 
 
-# --- dropout is off for the check only --------------------------------------------------------------
+# --- dropout is off for the check only ------------------------------------------------------------
 
 
 class DropoutGPT(LitGPT):
@@ -399,7 +430,8 @@ class DropoutGPT(LitGPT):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])  # F.dropout on the weights / dropout_p of sdpa
+# F.dropout on the weights / dropout_p of sdpa
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_dropout_is_off_for_the_check_and_the_run_is_unchanged(attention):
     def fit(verify):
         torch.manual_seed(0)
@@ -413,12 +445,13 @@ def test_dropout_is_off_for_the_check_and_the_run_is_unchanged(attention):
     unchecked, unchecked_params = fit(False)
     assert checked.wrapper.verified and checked.wrapper.refused_reason is None
     assert not unchecked.wrapper.verified and unchecked.pending_before == [False] * 3
-    # the check drew no random number from the run's stream: the dropout masks, hence the run, are the same
+    # the check drew no random number from the run's stream: the dropout masks, hence the run, are
+    # the same
     for name in checked_params:
         assert torch.equal(checked_params[name], unchecked_params[name]), name
 
 
-# --- DDP ------------------------------------------------------------------------------------------------
+# --- DDP ------------------------------------------------------------------------------------------
 
 
 def _ddp_fit(micro: int | None) -> dict:
@@ -426,8 +459,8 @@ def _ddp_fit(micro: int | None) -> dict:
     module = HFLossLM()
     callback = Grads(MicroBatching(micro) if micro else None)
     trainer = make_trainer([callback], max_steps=-1, max_epochs=1, strategy="ddp", devices=2)
-    # rank 0 gets rows 0, 2, 4, 6 (DistributedSampler, no shuffle): its first batch ends with a 0-label row;
-    # rank 1's first batch has a 0-label row (row 3) in the middle
+    # rank 0 gets rows 0, 2, 4, 6 (DistributedSampler, no shuffle): its first batch ends with a
+    # 0-label row; rank 1's first batch has a 0-label row (row 3) in the middle
     lengths = (3, 24, 10, 1, 24, 2, 1, 5, 1, 12, 24, 8, 7, 7, 9, 1)
     trainer.fit(module, DataLoader(PaddedTokens("inputs", lengths), batch_size=4))
     return {

@@ -16,8 +16,10 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.attention import SDPBackend
 
-from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationCheckpointing, find_repeated_blocks, is_checkpointed
-from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend, find_attention_targets, sdpa_kernel_context
+from lightning_seqmem.mitigations.checkpointing.checkpointing import (
+    ActivationCheckpointing, find_repeated_blocks, is_checkpointed)
+from lightning_seqmem.mitigations.attention.attention import (
+    AttentionSwitch, current_attention_backend, find_attention_targets, sdpa_kernel_context)
 from lightning_seqmem.mitigations.base import MitigationResult
 from lightning_seqmem.reference.nn import GPT, Block, CausalSelfAttention, GPTConfig
 
@@ -43,8 +45,10 @@ def _hf_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def _step(model: nn.Module, ids: torch.Tensor, loss_fn=_gpt_loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One forward+backward from zero grads; returns the loss and a copy of the grads by state_dict key."""
+def _step(model: nn.Module, ids: torch.Tensor,
+          loss_fn=_gpt_loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward+backward from zero grads; returns the loss and a copy of the grads by state_dict
+    key."""
     model.zero_grad(set_to_none=True)
     loss = loss_fn(model, ids)
     loss.backward()
@@ -52,7 +56,8 @@ def _step(model: nn.Module, ids: torch.Tensor, loss_fn=_gpt_loss) -> tuple[torch
     return loss.detach(), {names[id(p)]: p.grad.clone() for p in model.parameters()}
 
 
-def _peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, loss_fn=_gpt_loss) -> int:
+def _peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
+                loss_fn=_gpt_loss) -> int:
     """Peak live bytes of one forward+backward, grads of the previous step freed first."""
     model.zero_grad(set_to_none=True)
     tracker = MemTracker()
@@ -63,7 +68,8 @@ def _peak_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.T
     return tracker.get_tracker_snapshot("peak")[CPU]["Total"]
 
 
-def _assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+def _assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                       atol: float = 1e-6) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-4, msg=key)
@@ -86,9 +92,11 @@ def test_attention_switch_gpt_same_outputs_and_grads_less_memory():
     assert switch.is_applicable(model) == (True, "eager -> sdpa")
     result = switch.apply(model)
 
-    assert result == MitigationResult("attention", True, "attention eager -> sdpa on <root>", "eager", "sdpa")
+    assert result == MitigationResult("attention", True, "attention eager -> sdpa on <root>",
+                                      "eager", "sdpa")
     assert current_attention_backend(model) == "sdpa"
-    assert all(m.attention_backend == "sdpa" for m in model.modules() if isinstance(m, CausalSelfAttention))
+    assert all(m.attention_backend == "sdpa" for m in model.modules()
+               if isinstance(m, CausalSelfAttention))
     sdpa_loss, sdpa_grads = _step(model, ids)
     torch.testing.assert_close(sdpa_loss, eager_loss, atol=1e-5, rtol=1e-5)
     _assert_same_grads(eager_grads, sdpa_grads, atol=1e-5)
@@ -99,13 +107,15 @@ def test_attention_switch_gpt_same_outputs_and_grads_less_memory():
     assert sdpa_peak < 0.5 * eager_peak, (eager_peak, sdpa_peak)
 
     again = switch.apply(model)
-    assert not again.applied and again.detail == "already on sdpa" and again.before == again.after == "sdpa"
+    assert (not again.applied and again.detail == "already on sdpa"
+            and again.before == again.after == "sdpa")
 
 
 def test_attention_switch_reasons_when_not_applicable():
     assert AttentionSwitch("sdpa").is_applicable(nn.Sequential(nn.Linear(4, 4))) == (
         False,
-        "no attention module implements set_attention_backend and the model is not a Hugging Face PreTrainedModel",
+        "no attention module implements set_attention_backend and the model is not a Hugging Face "
+        "PreTrainedModel",
     )
     result = AttentionSwitch().apply(nn.Linear(4, 4))
     assert not result.applied and result.before == result.after == "unknown"
@@ -128,7 +138,8 @@ def test_find_attention_targets_top_down_and_inside_lightning_module():
             self.model = _gpt(n_layer=2)
 
     lit = LitGPT()
-    assert [(name, type(m).__name__) for name, m in find_attention_targets(lit)] == [("model", "GPT")]
+    assert [(name, type(m).__name__) for name,
+            m in find_attention_targets(lit)] == [("model", "GPT")]
 
     # bare attention modules (no GPT around them) are found one by one; a shared one once
     attn = CausalSelfAttention(GPTConfig(d_model=32, n_head=2))
@@ -139,7 +150,8 @@ def test_find_attention_targets_top_down_and_inside_lightning_module():
     tree["c"].attn.set_attention_backend("sdpa")
     assert current_attention_backend(tree) == "mixed"
     assert AttentionSwitch("sdpa", sdpa_backends=[SDPBackend.MATH]).apply(tree).after == "sdpa"
-    assert attn.sdpa_backends == [SDPBackend.MATH] and tree["c"].attn.sdpa_backends == [SDPBackend.MATH]
+    assert (attn.sdpa_backends == [SDPBackend.MATH]
+            and tree["c"].attn.sdpa_backends == [SDPBackend.MATH])
 
     result = AttentionSwitch("sdpa").apply(lit)
     assert result.applied and result.detail == "attention eager -> sdpa on model"
@@ -162,7 +174,8 @@ def test_sdpa_kernel_context_restores_flags_after_exception():
             raise RuntimeError("boom")
         assert [f() for f in flags] == before
 
-        context = sdpa_kernel_context([SDPBackend.MATH])  # driven from two hooks, as a callback would
+        # driven from two hooks, as a callback would
+        context = sdpa_kernel_context([SDPBackend.MATH])
         context.__enter__()
         assert not torch.backends.cuda.flash_sdp_enabled()
         context.__exit__(None, None, None)
@@ -178,15 +191,19 @@ def test_value_errors_name_argument_value_and_accepted():
     accepted = r"\('auto', 'eager', 'sdpa', 'flash'\)"
     with pytest.raises(ValueError, match=rf"`backend` must be one of {accepted}, got 'xformers'"):
         AttentionSwitch("xformers")
-    with pytest.raises(ValueError, match=r"`sdpa_backends` must be None or a non-empty sequence .* got \['math'\]"):
+    with pytest.raises(ValueError, match=r"`sdpa_backends` must be None or a non-empty sequence .* "
+                                         r"got \['math'\]"):
         AttentionSwitch("sdpa", sdpa_backends=["math"])
-    with pytest.raises(ValueError, match=r"`sdpa_backends` applies only to backend 'sdpa' or 'auto', got backend='eag"):
+    with pytest.raises(ValueError, match=r"`sdpa_backends` applies only to backend 'sdpa' or "
+                                         r"'auto', got backend='eag"):
         AttentionSwitch("eager", sdpa_backends=[SDPBackend.MATH])
     with pytest.raises(ValueError, match="`sdpa_backends`"), sdpa_kernel_context([]):
         pass
-    with pytest.raises(ValueError, match=r"`block_class_names` must be None or a non-empty sequence"):
+    with pytest.raises(ValueError,
+                       match=r"`block_class_names` must be None or a non-empty sequence"):
         ActivationCheckpointing(block_class_names=[])
-    with pytest.raises(ValueError, match=r"`block_class_names`=\['DecoderLayer'\] matches no module.*'Block'"):
+    with pytest.raises(ValueError,
+                       match=r"`block_class_names`=\['DecoderLayer'\] matches no module.*'Block'"):
         find_repeated_blocks(_gpt(n_layer=1), ["DecoderLayer"])
     with pytest.raises(ValueError, match="matches no module"):
         ActivationCheckpointing(["DecoderLayer"]).apply(_gpt(n_layer=1))
@@ -217,7 +234,8 @@ def test_checkpointing_gpt_same_loss_grads_params_keys_and_less_memory():
         result = policy.apply(model)
         ckpt_loss, ckpt_grads = _step(model, ids)
         ckpt_peak = _peak_bytes(model, optimizer, ids)
-    assert not [w for w in caught if "use_reentrant" in str(w.message)], [str(w.message) for w in caught]
+    assert not [w for w in caught if "use_reentrant" in str(w.message)], [
+        str(w.message) for w in caught]
 
     assert result.applied and (result.before, result.after) == ("off", "on")
     assert is_checkpointed(model) and not is_checkpointed(reference)
@@ -240,7 +258,8 @@ def test_checkpointing_gpt_same_loss_grads_params_keys_and_less_memory():
     for m, opt in ((model, optimizer), (reference, reference_optimizer)):
         _step(m, ids)
         opt.step()
-    for (key, a), b in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+    for (key, a), b in zip(model.state_dict().items(), reference.state_dict().values(),
+                           strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=key)
 
     # measured: 65.1 MiB -> 29.1 MiB (eager attention, 4 layers, d=64, batch 2, L=512, AdamW state)
@@ -256,16 +275,19 @@ def test_find_repeated_blocks_heuristics():
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh()])  # not one class
+            # not one class
+            self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh()])
             self.first = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
             self.second = nn.ModuleList([nn.ReLU() for _ in range(3)])  # a tie: the first wins
             self.short = nn.ModuleList([nn.Tanh() for _ in range(2)])
 
     net = Net()
     assert find_repeated_blocks(net) == list(net.first)
-    assert find_repeated_blocks(net, ["ReLU", "Tanh"]) == [net.mixed[1], net.mixed[3], *net.second, *net.short]
+    assert find_repeated_blocks(net, ["ReLU", "Tanh"]) == [net.mixed[1], net.mixed[3],
+                                                           *net.second, *net.short]
     model = _gpt(n_layer=2)
-    assert find_repeated_blocks(model, ["Block", "CausalSelfAttention"]) == list(model.blocks)  # nested dropped
+    # nested dropped
+    assert find_repeated_blocks(model, ["Block", "CausalSelfAttention"]) == list(model.blocks)
     assert find_repeated_blocks(nn.Linear(2, 2)) == []
     assert ActivationCheckpointing().apply(nn.Linear(2, 2)).applied is False
     detail = ActivationCheckpointing(["Linear"]).apply(net).detail
@@ -313,8 +335,10 @@ def test_hf_attention_switch_and_checkpointing(tiny_llama):
         ckpt = ActivationCheckpointing().apply(model)
         ckpt_loss, ckpt_grads = _step(model, ids, _hf_loss)
         ckpt_peak = _peak_bytes(model, optimizer, ids, _hf_loss)
-    noisy = [str(w.message) for w in caught if "reentrant" in str(w.message) or "checkpointing" in str(w.message)]
-    assert not noisy, noisy  # neither torch's use_reentrant warning nor transformers' deprecation of the old name
+    noisy = [str(w.message) for w in caught if "reentrant" in str(w.message)
+             or "checkpointing" in str(w.message)]
+    # neither torch's use_reentrant warning nor transformers' deprecation of the old name
+    assert not noisy, noisy
 
     assert (switched.applied, switched.before, switched.after) == (True, "eager", "sdpa")
     assert model.config._attn_implementation == "sdpa"
@@ -338,7 +362,8 @@ def test_hf_model_inside_a_wrapper_module(tiny_llama):
     assert AttentionSwitch("sdpa").apply(wrapper).detail == "attention eager -> sdpa on backbone"
     assert find_repeated_blocks(wrapper) == list(tiny_llama.model.layers)
     result = ActivationCheckpointing().apply(wrapper)
-    assert result.applied and result.detail.startswith("Hugging Face activation checkpointing on LlamaForCausalLM")
+    assert (result.applied and result.detail.startswith(
+        "Hugging Face activation checkpointing on LlamaForCausalLM"))
     assert is_checkpointed(wrapper)
     # explicit class names take the wrapper path instead (the copy is still on eager attention)
     assert not is_checkpointed(other)

@@ -23,7 +23,8 @@ def _names() -> list[str]:
 
 
 class HoldsAMode(pl.Callback):
-    """Enters its own dispatch mode at batch start and leaves it at batch end, as a profiler does."""
+    """Enters its own dispatch mode at batch start and leaves it at batch end, as a profiler
+    does."""
 
     def __init__(self, kind: str) -> None:
         self.kind, self.mode, self.results, self.stacks = kind, None, [], []
@@ -38,15 +39,18 @@ class HoldsAMode(pl.Callback):
         (torch.ones(4, 4) @ torch.ones(4, 4)).sum()  # its own end-of-step work, under its own mode
         mode.__exit__(None, None, None)
         self.stacks.append((before, _names()))
-        self.results.append(mode.get_total_flops() if self.kind == "flops" else mode.get_tracker_snapshot("peak"))
+        self.results.append(mode.get_total_flops() if self.kind == "flops"
+                            else mode.get_tracker_snapshot("peak"))
 
 
 def _run(extra=None, ours_first=True):
-    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False,
+                        curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
     callbacks = [cb] if extra is None else ([cb, extra] if ours_first else [extra, cb])
     torch.manual_seed(0)
-    make_trainer(callbacks, max_steps=6).fit(LitGPT(n_layer=1, d_model=32, n_head=2),
-                                             SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
+    make_trainer(callbacks, max_steps=6).fit(
+        LitGPT(n_layer=1, d_model=32, n_head=2),
+        SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=32))
     return cb
 
 
@@ -64,7 +68,8 @@ def test_another_callbacks_dispatch_mode(alone, kind, ours_first):
     assert [(r.seq_len, r.peak_bytes) for r in cb.records] == alone  # the same peaks as alone
     assert cb.forecaster.timeline is not None, cb.forecaster.timeline_unavailable_reason
     assert len(other.results) == 6
-    # at their batch end, before and after their exit: their mode on top, ours below it or gone already
+    # at their batch end, before and after their exit: their mode on top, ours below it or gone
+    # already
     want = (["theirs"], []) if ours_first else (["ours", "theirs"], ["ours"])
     assert other.stacks == [want] * 6, other.stacks
     if kind == "flops":

@@ -43,7 +43,8 @@ def test_exact_recovery_of_known_coefficients():
 def test_recovery_is_well_conditioned_at_large_values():
     # Bytes near 1e11 and L² near 1e10: unnormalised normal equations would lose the linear term.
     kw = dict(const=8e10, a=1e5, b=2e3)
-    model = QuadraticMemoryModel().fit(synthetic_points((8192, 16384, 32768, 65536, 100_000), (1, 2), **kw))
+    model = QuadraticMemoryModel().fit(
+        synthetic_points((8192, 16384, 32768, 65536, 100_000), (1, 2), **kw))
     coef = model.coefficients["step"]
     assert coef.const_bytes == pytest.approx(8e10, rel=1e-6)
     assert coef.linear_bytes_per_token == pytest.approx(1e5, rel=1e-5)
@@ -58,7 +59,8 @@ def test_negative_linear_term_is_clamped_to_zero():
 
 
 def test_negative_quadratic_term_is_clamped_to_zero():
-    model = QuadraticMemoryModel().fit(synthetic_points(lengths=(64, 128, 256, 512), a=5e4, b=-20.0))
+    model = QuadraticMemoryModel().fit(
+        synthetic_points(lengths=(64, 128, 256, 512), a=5e4, b=-20.0))
     coef = model.coefficients["step"]
     assert coef.quadratic_bytes_per_token2 == 0.0
     assert coef.linear_bytes_per_token > 0
@@ -103,7 +105,8 @@ def test_two_point_fit_falls_back_to_linear_when_quadratic_would_be_negative():
 def multi_phase_points(lengths=(64, 128, 256, 512)):
     # forward: small constant, large attention term; optimizer: large constant, flat in L.
     return [
-        (L, 2, {"forward": int(memory_bytes(L, 2, const=1e6, a=1e3, b=100.0)), "optimizer": 5 * 10**7})
+        (L, 2,
+         {"forward": int(memory_bytes(L, 2, const=1e6, a=1e3, b=100.0)), "optimizer": 5 * 10**7})
         for L in lengths
     ]
 
@@ -189,9 +192,11 @@ def test_residual_uncertainty_grows_with_noise():
     clean = synthetic_points()
 
     def uncertainty(noise_rel):
-        noisy = [(L, B, max(0, int(p * (1 + noise_rel * rng.standard_normal())))) for L, B, p in clean]
+        noisy = [(L, B, max(0, int(p * (1 + noise_rel * rng.standard_normal()))))
+                 for L, B, p in clean]
         model = QuadraticMemoryModel(min_relative_uncertainty=0.0).fit(noisy)
-        return model.coefficients["step"].residual_std_bytes, model.predict(8192, 4).uncertainty_bytes
+        return (model.coefficients["step"].residual_std_bytes,
+                model.predict(8192, 4).uncertainty_bytes)
 
     std0, unc0 = uncertainty(0.0)
     std1, unc1 = uncertainty(0.01)
@@ -249,13 +254,16 @@ def test_unfitted_model_raises_runtime_error():
         ([(True, 1, 10), (128, 1, 20)], r"`seq_len` must be a positive int, got True"),
         ([(64, -2, 10), (128, 1, 20)], r"`batch_size` must be a positive int, got -2"),
         ([(64, 1, -10), (128, 1, 20)], r"`peak` must be a non-negative finite number, got -10"),
-        ([(64, 1, float("nan")), (128, 1, 20)], r"`peak` must be a non-negative finite number, got nan"),
+        ([(64, 1, float("nan")), (128, 1, 20)],
+         r"`peak` must be a non-negative finite number, got nan"),
         ([(64, 1, "10"), (128, 1, 20)], r"`peak` must be a non-negative finite number, got '10'"),
         ([(64, 1, {"fwd": -1}), (128, 1, {"fwd": 2})], r"`peak\['fwd'\]` must be a non-negative"),
-        ([(64, 1, {"fwd": 1}), (128, 1, {"bwd": 2})], r"every point must have the phases \['fwd'\]"),
+        ([(64, 1, {"fwd": 1}), (128, 1, {"bwd": 2})],
+         r"every point must have the phases \['fwd'\]"),
         ([(64, 1, {1: 1}), (128, 1, {1: 2})], r"phase names must be str, got 1"),
         (
-            [(64, 1, {"f": 1, "b": None}), (128, 1, {"f": 2, "b": 5}), (256, 1, {"f": 3, "b": None})],
+            [(64, 1, {"f": 1, "b": None}), (128, 1, {"f": 2, "b": 5}),
+             (256, 1, {"f": 3, "b": None})],
             r"phase 'b': need at least 2 distinct .* got 1",
         ),
     ],
@@ -281,7 +289,8 @@ def test_predict_and_max_seq_len_value_errors():
     "kwargs, match",
     [
         (dict(min_relative_uncertainty=-0.1), r"`min_relative_uncertainty` must be .* got -0.1"),
-        (dict(confidence_z=float("inf")), r"`confidence_z` must be a non-negative finite number, got inf"),
+        (dict(confidence_z=float("inf")),
+         r"`confidence_z` must be a non-negative finite number, got inf"),
     ],
 )
 def test_init_value_errors(kwargs, match):

@@ -32,7 +32,8 @@ from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import round_cuda_block_bytes as blocks
 from lightning_seqmem.measure.tracker import LiveTensorTracker
-from lightning_seqmem.mitigations.attention.attention import AttentionSwitch, current_attention_backend
+from lightning_seqmem.mitigations.attention.attention import (
+    AttentionSwitch, current_attention_backend)
 from lightning_seqmem.plan.pricing import prior_factor
 
 BF16 = torch.bfloat16

@@ -1,5 +1,5 @@
-"""A newcomer's mistakes with the ``seqmem`` command and the examples: each ends in one clear line on
-stderr and a non-zero exit, fast (most before torch is imported), never in a traceback."""
+"""A newcomer's mistakes with the ``seqmem`` command and the examples: each ends in one clear line
+on stderr and a non-zero exit, fast (most before torch is imported), never in a traceback."""
 
 from __future__ import annotations
 
@@ -34,11 +34,14 @@ def _one_error_line(proc, command: str) -> str:
 
 
 @pytest.mark.parametrize("args, words", [
-    (["forecast", "--config", "missing.yaml", "--lengths", "128"], ["--config", "no such file: 'missing.yaml'"]),
-    (["plan", "--config", "missing.yaml", "--lengths", "128"], ["--config", "no such file: 'missing.yaml'"]),
+    (["forecast", "--config", "missing.yaml", "--lengths", "128"],
+     ["--config", "no such file: 'missing.yaml'"]),
+    (["plan", "--config", "missing.yaml", "--lengths", "128"],
+     ["--config", "no such file: 'missing.yaml'"]),
     (["report", "missing.json"], ["no such file or folder: 'missing.json'"]),
     (["demo", "--budget", "12G"], ["--budget", "'12G'", "KiB, MiB, GiB", "12GiB", "12GB"]),
-    (["demo", "--start", "2048", "--target", "1024"], ["--target 1024 is shorter than --start 2048"]),
+    (["demo", "--start", "2048", "--target", "1024"],
+     ["--target 1024 is shorter than --start 2048"]),
     (["demo", "--batch-size", "0"], ["--batch-size", "positive whole number", "'0'"]),
     (["demo", "--mitigations", "fp8"], ["--mitigations", "'fp8'", "attention"]),
     (["panels", "never_existed"], ["no such folder: 'never_existed'"]),
@@ -57,7 +60,8 @@ def test_report_and_panels_on_a_folder_without_them_say_what_is_missing_and_wher
     line = _one_error_line(_seqmem(["report", "runs"], tmp_path), "seqmem report")
     assert "'runs' holds no seqmem_report.json" in line and str(Path("runs/demo/version_0")) in line
     line = _one_error_line(_seqmem(["panels", "runs"], tmp_path), "seqmem panels")
-    assert "'runs' holds no TensorBoard event files" in line and str(Path("runs/demo/version_0")) in line
+    assert ("'runs' holds no TensorBoard event files" in line
+            and str(Path("runs/demo/version_0")) in line)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs the GPU config")

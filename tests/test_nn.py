@@ -1,4 +1,5 @@
-"""Tests for the reference GPT (lightning_seqmem.reference.nn) and the Lightning demo (lightning_seqmem.reference.demo)."""
+"""Tests for the reference GPT (lightning_seqmem.reference.nn) and the Lightning demo
+(lightning_seqmem.reference.demo)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _tiny(**overrides) -> GPT:
     return GPT(GPTConfig(**cfg))
 
 
-def _logits_and_grads(model: GPT, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _logits_and_grads(model: GPT,
+                      input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     logits = model(input_ids)
     # A loss that touches every logit with distinct weights, so every gradient path is exercised.
@@ -57,7 +59,8 @@ def test_eager_and_sdpa_give_same_logits_and_grads(length, sdpa_backends):
     torch.testing.assert_close(sdpa_logits, eager_logits, atol=1e-5, rtol=1e-4)
     assert eager_grads.keys() == sdpa_grads.keys()
     for name in eager_grads:
-        torch.testing.assert_close(sdpa_grads[name], eager_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(sdpa_grads[name], eager_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=name)
 
 
 def test_backends_agree_in_eval_mode_with_dropout_configured():
@@ -95,7 +98,8 @@ def test_switching_keeps_parameter_identity_and_state_dict_keys():
     for backend in ("sdpa", "eager", "sdpa"):
         model.set_attention_backend(backend)
         assert model.attention_backend == backend
-        assert all(m.attention_backend == backend for m in model.modules() if isinstance(m, CausalSelfAttention))
+        assert all(m.attention_backend == backend for m in model.modules()
+                   if isinstance(m, CausalSelfAttention))
         assert list(model.state_dict().keys()) == keys
         assert all(p is params[name] for name, p in model.named_parameters())
     assert model.config.attention == "sdpa"
@@ -165,7 +169,8 @@ def test_eager_and_sdpa_agree_on_cuda():
     sdpa_logits, sdpa_grads = _logits_and_grads(model, input_ids)
     torch.testing.assert_close(sdpa_logits, eager_logits, atol=1e-4, rtol=1e-3)
     for name in eager_grads:
-        torch.testing.assert_close(sdpa_grads[name], eager_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+        torch.testing.assert_close(sdpa_grads[name], eager_grads[name], atol=1e-4, rtol=1e-3,
+                                   msg=name)
 
 
 # --- config validation ----------------------------------------------------------------------------
@@ -192,12 +197,13 @@ def test_gpt_config_validation(kwargs, match):
 def test_gpt_config_defaults():
     cfg = GPTConfig()
     assert (cfg.vocab_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.d_ff) == (256, 2, 4, 128, 512)
-    assert (cfg.dropout, cfg.attention_dropout, cfg.attention, cfg.bias) == (0.0, 0.0, "eager", True)
+    assert ((cfg.dropout, cfg.attention_dropout, cfg.attention, cfg.bias)
+            == (0.0, 0.0, "eager", True))
     no_bias = GPT(GPTConfig(n_layer=1, bias=False))
     assert all(getattr(m, "bias", None) is None for m in no_bias.modules())
 
 
-# --- demo data --------------------------------------------------------------------------------------
+# --- demo data ------------------------------------------------------------------------------------
 
 
 def test_synthetic_tokens_deterministic_and_shifted():

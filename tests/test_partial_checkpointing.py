@@ -46,7 +46,8 @@ class LitLlama(pl.LightningModule):
         transformers = pytest.importorskip("transformers")
         torch.manual_seed(0)
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                          num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=4)
+                                          num_hidden_layers=n_layer, num_attention_heads=4,
+                                          num_key_value_heads=4)
         self.model = transformers.LlamaForCausalLM(config).train()
         self.model.config._attn_implementation = "sdpa"
 
@@ -107,21 +108,26 @@ def test_variants_names_levels_and_priors():
     assert rung.variants(RungContext(_gpt(8))) == (
         "checkpointing:selective", *(f"checkpointing:{k}/8" for k in range(1, 8)), "checkpointing")
     assert rung.variants(RungContext(_gpt(4))) == (
-        "checkpointing:selective", "checkpointing:1/4", "checkpointing:2/4", "checkpointing:3/4", "checkpointing")
+        "checkpointing:selective", "checkpointing:1/4", "checkpointing:2/4", "checkpointing:3/4",
+        "checkpointing")
     three = ladder.rung("checkpointing:3/8")
     assert three.name == three.spec.name == "checkpointing:3/8"
-    assert three.spec.step_time_prior == pytest.approx(spec("checkpointing").step_time_prior * 3 / 8)
-    assert 0 < ladder.rung("checkpointing:selective").spec.step_time_prior < spec("checkpointing").step_time_prior
+    assert three.spec.step_time_prior == pytest.approx(spec("checkpointing").step_time_prior * 3
+                                                       / 8)
+    assert 0 < ladder.rung("checkpointing:selective").spec.step_time_prior < spec(
+        "checkpointing").step_time_prior
     for bad in ("0/8", "9/8", "half", "3/"):
         with pytest.raises(ValueError, match=f"'selective' or 'k/N'.*got '{bad}'"):
             ladder.rung(f"checkpointing:{bad}")
     table = ladder.applicability(["checkpointing"], None, _gpt(4))
-    assert set(table) == set(rung.variants(RungContext(_gpt(4)))) and all(ok for ok, _ in table.values())
+    assert (set(table) == set(rung.variants(RungContext(_gpt(4))))
+            and all(ok for ok, _ in table.values()))
     assert ladder.is_applicable("checkpointing:3/8", None, _gpt(4)) == (
         False, "level '3/8' is for a model of 8 blocks; this one has 4 (4 x Block): use 'k/4'")
     assert check_mitigations(["checkpointing:3/8"], variants=True) == ("checkpointing:3/8",)
     with pytest.raises(ValueError, match="mitigations"):
-        check_mitigations(["checkpointing:3/8"])  # the callback takes rung names only: the planner picks levels
+        # the callback takes rung names only: the planner picks levels
+        check_mitigations(["checkpointing:3/8"])
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -142,7 +148,8 @@ def test_switched_on_mid_run_same_loss_grads_params_state_and_keys(kind):
         torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
         assert grads.keys() == plain_grads.keys()
         for key in grads:
-            torch.testing.assert_close(grads[key], plain_grads[key], atol=1e-6, rtol=1e-5, msg=f"{level} {key}")
+            torch.testing.assert_close(grads[key], plain_grads[key], atol=1e-6, rtol=1e-5,
+                                       msg=f"{level} {key}")
     # the same optimizer keeps stepping the same parameters after a switch
     before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
     _apply(plain, "2/4")
@@ -160,13 +167,15 @@ def test_measured_peak_falls_with_the_level(kind):
         module = MODELS[kind]()
         if level != "none":
             _apply(module, level)
-        peaks[level] = _measured(module, batch, torch.optim.SGD).peak_bytes  # no optimizer state: cheaper
+        # no optimizer state: cheaper
+        peaks[level] = _measured(module, batch, torch.optim.SGD).peak_bytes
     order = [peaks[k] for k in ("none", "1/4", "2/4", "3/4", None)]
     assert order == sorted(order, reverse=True) and len(set(order)) == len(order), peaks
     assert peaks[None] < peaks["selective"] < peaks["none"], peaks
 
 
-@pytest.mark.parametrize("kind,level", [("gpt", "2/4"), ("gpt", "selective"), ("llama", "3/4"), ("llama", "selective")])
+@pytest.mark.parametrize("kind,level", [("gpt", "2/4"), ("gpt", "selective"), ("llama", "3/4"),
+                                        ("llama", "selective")])
 def test_dry_run_of_a_variant_within_one_percent_of_the_measured_step(kind, level):
     name = f"checkpointing:{level}"
     module = MODELS[kind]()
@@ -174,8 +183,10 @@ def test_dry_run_of_a_variant_within_one_percent_of_the_measured_step(kind, leve
     _apply(real, level)
     measured = _measured(real, _batch(128))
     dry = dry_run_step(module, module.configure_optimizers(), _batch(16), 128, mitigations=(name,))
-    assert dry.mitigations == (name,) and not CheckpointingRung().policy.block_levels(module).count(FULL)
-    assert abs(dry.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (dry.detail, measured.peak_bytes)
+    assert (dry.mitigations == (name,)
+            and not CheckpointingRung().policy.block_levels(module).count(FULL))
+    assert abs(dry.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes, (
+        dry.detail, measured.peak_bytes)
     # the copy also comes from the ladder directly, as the planner's dry runs put it on
     fake = copy.deepcopy(module)
     plan = ladder.apply_to_copy([name], fake)
@@ -188,9 +199,11 @@ def test_dry_run_of_the_upgrade_of_a_module_already_partly_checkpointed():
     real = copy.deepcopy(module)
     _apply(real, None)  # 1/4 -> all four blocks
     measured = _measured(real, _batch(128))
-    dry = dry_run_step(module, module.configure_optimizers(), _batch(16), 128, mitigations=("checkpointing",))
+    dry = dry_run_step(module, module.configure_optimizers(), _batch(16), 128,
+                       mitigations=("checkpointing",))
     assert abs(dry.peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes
-    assert CheckpointingRung().policy.block_levels(module) == [FULL, NONE, NONE, NONE]  # the module untouched
+    # the module untouched
+    assert CheckpointingRung().policy.block_levels(module) == [FULL, NONE, NONE, NONE]
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -205,7 +218,8 @@ def test_upgrades_in_place(kind):
     assert not rung.at("1/4").is_applicable(RungContext(module))[0] and rung.at("1/4").is_on(module)
     assert not rung.is_on(module) and rung.is_applicable(RungContext(module))[0]
     full = _apply(module, None)
-    assert (full.before, full.after) == ("2/4", "on") and rung.policy.block_levels(module) == [FULL] * 4
+    assert ((full.before, full.after) == ("2/4", "on")
+            and rung.policy.block_levels(module) == [FULL] * 4)
     assert rung.is_applicable(RungContext(module)) == (False, "already checkpointed")
     assert rung.at("3/4").is_on(module) and rung.at("selective").is_on(module)
     # selective, then 2/4 on top (two blocks raised to full, the rest stay selective), then all
@@ -217,7 +231,8 @@ def test_upgrades_in_place(kind):
     _apply(other, None)
     assert rung.policy.block_levels(other) == [FULL] * 4
     for upgraded in (module, other):
-        assert all(a is b for a, b in zip(params if upgraded is module else other.parameters(), upgraded.parameters()))
+        assert all(a is b for a, b in zip(params if upgraded is module else other.parameters(),
+                                          upgraded.parameters()))
         assert list(upgraded.state_dict()) == keys
         loss, grads = _grads(upgraded, _batch(32))
         plain_loss, plain_grads = _grads(plain, _batch(32))
@@ -227,27 +242,32 @@ def test_upgrades_in_place(kind):
 
 
 def test_the_callback_takes_the_fewest_blocks_that_fit():
-    """With ``mitigations=["checkpointing"]`` and a budget the full rung meets with room to spare, the
-    callback switches on the cheapest level (by its step-time prior) that the dry run says fits, not
-    every block: the choice agrees with dry runs of every level, and no measured step is over."""
+    """With ``mitigations=["checkpointing"]`` and a budget the full rung meets with room to spare,
+    the callback switches on the cheapest level (by its step-time prior) that the dry run says fits,
+    not every block: the choice agrees with dry runs of every level, and no measured step is
+    over."""
     module = _gpt(4)
     variants = ladder.rung("checkpointing").variants(RungContext(module))
 
     def dry(names):
         m = _gpt(4)
-        return dry_run_step(m, m.configure_optimizers(), _batch(16), 256, mitigations=names).peak_bytes
+        return dry_run_step(m, m.configure_optimizers(), _batch(16), 256,
+                            mitigations=names).peak_bytes
 
     with_rung, without = dry(("checkpointing",)), dry(())
     budget = (with_rung + without) // 2
     fitting = [v for v in variants if dry((v,)) <= budget]
     cheapest = min(fitting, key=lambda v: spec(v).step_time_prior)
-    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=["checkpointing"],
-                        curriculum=Curriculum(start=128, target=256, steps_per_stage=2, multiple_of=64))
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
+                        mitigations=["checkpointing"], curriculum=Curriculum(
+                            start=128, target=256, steps_per_stage=2, multiple_of=64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([cb], max_steps=4).fit(
-            module, SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=16, vocab_size=VOCAB))
-    assert cb.applied_mitigations == (cheapest,) and cheapest != "checkpointing"  # fewer blocks than all
+            module,
+            SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=16, vocab_size=VOCAB))
+    # fewer blocks than all
+    assert cb.applied_mitigations == (cheapest,) and cheapest != "checkpointing"
     assert ladder.is_on(cheapest, module) and not ladder.is_on("checkpointing", module)
     assert max(r.peak_bytes for r in cb.records) <= budget
     lengths = [r.seq_len for r in cb.records]
@@ -261,7 +281,8 @@ def test_ddp_two_ranks_take_the_same_variant_with_different_lengths(tmp_path):
     equal across ranks after the step."""
     variant = "checkpointing:2/4"
     script = Path(__file__).parent / "scripts" / "ckpt_ddp_run.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), variant, "--seq-lens", "32,48"],
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), variant, "--seq-lens",
+                           "32,48"],
                           capture_output=True, text=True, timeout=limit_s(60))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -291,7 +312,8 @@ def test_fsdp2_partial_level_composes_with_fully_shard_and_its_sharded_dry_run_i
         names, keys = [n for n, _ in lit.named_parameters()], list(lit.state_dict())
         assert "checkpointing:selective" not in rung.variants(RungContext(lit))
         assert not rung.at("selective").is_applicable(RungContext(lit))[0]
-        assert "composable" in _apply(lit, "2/4").detail and rung.policy.block_levels(lit) == [FULL, FULL, NONE, NONE]
+        assert ("composable" in _apply(lit, "2/4").detail
+                and rung.policy.block_levels(lit) == [FULL, FULL, NONE, NONE])
         _apply(lit, None)
         assert rung.policy.block_levels(lit) == [FULL] * 4
         assert [n for n, _ in lit.named_parameters()] == names and list(lit.state_dict()) == keys

@@ -1,5 +1,6 @@
-"""Where the peak sits (phase, kinds of tensor), as the live-tensor tracker finds it: on a dry run's fake
-step, on a real step, in the planner's forecasts. Tiny reference GPTs; every figure is traced."""
+"""Where the peak sits (phase, kinds of tensor), as the live-tensor tracker finds it: on a dry run's
+fake step, on a real step, in the planner's forecasts. Tiny reference GPTs; every figure is
+traced."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from lightning_seqmem.reference.nn import GPT, GPTConfig
 
 
 class LM(torch.nn.Module):
-    """A LightningModule in practice: ``training_step`` is what the dry run and the real step run."""
+    """A LightningModule in practice: ``training_step`` is what the dry run and the real step
+    run."""
 
     def __init__(self, **config):
         super().__init__()
@@ -38,14 +40,17 @@ def _batch(vocab, rows=2, length=16):
 def _dry_site(model, batch, seq_len, mitigations=()):
     optimizer = torch.optim.AdamW(model.parameters())
     plain = dry_run_step(model, optimizer, batch, seq_len, mitigations=mitigations)
-    result = dry_run_step(model, optimizer, batch, seq_len, mitigations=mitigations, site=trace_peak_site)
-    assert result.peak_bytes == plain.peak_bytes  # tracing the site leaves the dry run's peak as it was
+    result = dry_run_step(model, optimizer, batch, seq_len, mitigations=mitigations,
+                          site=trace_peak_site)
+    # tracing the site leaves the dry run's peak as it was
+    assert result.peak_bytes == plain.peak_bytes
     assert plain.peak_site is None and isinstance(result.peak_site, PeakSite)
     return result
 
 
 def _real_site(model, batch):
-    """Where a real training step's peak sits (after a warm-up step), and the tracker probe's own peak."""
+    """Where a real training step's peak sits (after a warm-up step), and the tracker probe's own
+    peak."""
     from lightning_seqmem.measure.probes import make_probe
 
     optimizer = torch.optim.AdamW(model.parameters())
@@ -57,8 +62,10 @@ def _real_site(model, batch):
     box = []
     existing = list(model.buffers()) + list(batch.values())
     site = trace_peak_site(
-        lambda: box.append(training_step_memory(model, optimizer, batch, loss_fn, make_probe("tracker", torch.device("cpu")))),
-        model, optimizer, existing, seq_len=batch["input_ids"].shape[1], batch_size=batch["input_ids"].shape[0])
+        lambda: box.append(training_step_memory(model, optimizer, batch, loss_fn,
+                                                make_probe("tracker", torch.device("cpu")))),
+        model, optimizer, existing, seq_len=batch["input_ids"].shape[1],
+        batch_size=batch["input_ids"].shape[0])
     return site, box[0].peak_bytes
 
 
@@ -71,13 +78,15 @@ def test_eager_attention_at_a_long_length_peaks_on_its_scores_in_the_dry_run_and
     site = dry.peak_site
     assert site.top_kind == "attention_scores" and site.share("attention_scores") > 0.5, site
     assert site.phase == "backward" and set(dict(site.top_kinds)) <= set(PEAK_KINDS)
-    assert site.peak_bytes == pytest.approx(dry.peak_bytes, rel=0.01)  # the kinds add up to the dry run's peak
+    # the kinds add up to the dry run's peak
+    assert site.peak_bytes == pytest.approx(dry.peak_bytes, rel=0.01)
     # the same step, run for real: the same site, and the same bytes per kind within 1%
     real, measured = _real_site(LM(**EAGER), _batch(256, length=L))
     assert real.phase == site.phase and real.top_kind == "attention_scores"
     assert real.peak_bytes == pytest.approx(measured, rel=0.01)
     for kind, nbytes in site.top_kinds:
-        assert dict(real.top_kinds).get(kind, 0) == pytest.approx(nbytes, rel=0.01, abs=64 * 1024), (kind, site, real)
+        assert dict(real.top_kinds).get(kind, 0) == pytest.approx(
+            nbytes, rel=0.01, abs=64 * 1024), (kind, site, real)
 
 
 def test_a_large_vocabulary_at_a_short_length_peaks_on_the_logits():
@@ -94,7 +103,8 @@ def test_checkpointing_moves_the_peak_into_the_backward_recompute():
     model, L = LM(**{**EAGER, "attention": "sdpa"}), 512
     plain = _dry_site(model, _batch(256), L).peak_site
     checkpointed = _dry_site(model, _batch(256), L, ("checkpointing",)).peak_site
-    assert plain.phase == "backward" and plain.top_kind == "saved_activations" and plain.share("recompute") == 0, plain
+    assert (plain.phase == "backward" and plain.top_kind == "saved_activations"
+            and plain.share("recompute") == 0), plain
     assert checkpointed.phase == "recompute" and checkpointed.share("recompute") > 0.2, checkpointed
     assert checkpointed.share("saved_activations") < plain.share("saved_activations") / 2
     # a real step with checkpointing on: the tracker marks the recomputed tensors there too
@@ -108,10 +118,13 @@ def test_parameters_and_optimizer_state_hold_a_big_model_at_a_tiny_length():
     model = LM(n_layer=4, d_model=256, n_head=4, attention="sdpa")
     site = _dry_site(model, _batch(256), 8).peak_site
     weights = sum(site.share(k) for k in ("parameters", "gradients", "optimizer_state"))
-    assert site.top_kind == "optimizer_state" and site.share("parameters") + site.share("optimizer_state") > 0.6, site
+    assert (site.top_kind == "optimizer_state"
+            and site.share("parameters") + site.share("optimizer_state") > 0.6), site
     assert weights > 0.9 and site.phase == "optimizer", site
     n = sum(p.numel() for p in model.parameters()) * 4
-    assert dict(site.top_kinds)["parameters"] >= n and dict(site.top_kinds)["optimizer_state"] >= 2 * n  # AdamW: 2 moments
+    # AdamW: 2 moments
+    assert (dict(site.top_kinds)["parameters"] >= n
+            and dict(site.top_kinds)["optimizer_state"] >= 2 * n)
 
 
 def test_the_planner_says_where_the_peak_sits_in_a_dry_run_forecast():
@@ -119,7 +132,8 @@ def test_the_planner_says_where_the_peak_sits_in_a_dry_run_forecast():
     optimizer = torch.optim.AdamW(model.parameters())
 
     def dry_run(seq_len, batch_size, mitigations):
-        r = dry_run_step(model, optimizer, batch, seq_len, batch_size, mitigations, site=trace_peak_site)
+        r = dry_run_step(model, optimizer, batch, seq_len, batch_size, mitigations,
+                         site=trace_peak_site)
         return r.peak_bytes, r.phase_peak_bytes, r.peak_site
 
     planner = SeqMemPlanner(dry_runner=dry_run)
@@ -129,7 +143,8 @@ def test_the_planner_says_where_the_peak_sits_in_a_dry_run_forecast():
     assert fc.detail.endswith(f"; peak at {site.describe()}") and "attention scores" in fc.detail
     # a dry run that does not say (two values) leaves the detail as it was
     quiet = SeqMemPlanner(dry_runner=lambda L, B, m: dry_run(L, B, m)[:2])
-    assert "peak at" not in quiet.evidence.forecast(512, 2, ()).detail and quiet.evidence.dry.site(512, 2, ()) is None
+    assert ("peak at" not in quiet.evidence.forecast(512, 2, ()).detail
+            and quiet.evidence.dry.site(512, 2, ()) is None)
 
 
 def test_peak_site_rejects_unknown_phases_and_kinds():

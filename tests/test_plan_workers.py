@@ -1,5 +1,6 @@
-"""``seqmem plan --workers N``: the table's rows dry-run in N processes are the rows one process dry-runs,
-and a worker that fails or hangs costs the plan nothing but its wait (lightning_seqmem.cli.plan_workers)."""
+"""``seqmem plan --workers N``: the table's rows dry-run in N processes are the rows one process
+dry-runs, and a worker that fails or hangs costs the plan nothing but its wait
+(lightning_seqmem.cli.plan_workers)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from lightning_seqmem.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_DEMO = ROOT / "configs" / "cpu_demo.yaml"
-ARGS = ["plan", "--config", str(CPU_DEMO), "--lengths", "1024", "4096", "--budget", "450MiB", "--longest", "--json"]
+ARGS = ["plan", "--config", str(CPU_DEMO), "--lengths", "1024", "4096", "--budget", "450MiB",
+        "--longest", "--json"]
 
 
 def _plan(capsys, *extra: str) -> dict:
@@ -24,10 +26,12 @@ def _plan(capsys, *extra: str) -> dict:
 
 def _answers(doc: dict) -> tuple:
     """Everything a plan answers, its timings apart."""
-    rows = [[(r["mitigations"], r["offload"], r["peak_bytes"], r["host_peak_bytes"], r["fits"], r["error"])
+    rows = [[(r["mitigations"], r["offload"], r["peak_bytes"], r["host_peak_bytes"], r["fits"],
+              r["error"])
              for r in res["rows"] + res["searched_rows"]] for res in doc["lengths"]]
     devices = [{k: v for k, v in d.items() if k != "process"} for d in doc["devices"]]
-    return rows, [(res["plan"], res["fastest"]) for res in doc["lengths"]], doc["longest_fitting_by_set"], devices
+    return rows, [(res["plan"], res["fastest"])
+                  for res in doc["lengths"]], doc["longest_fitting_by_set"], devices
 
 
 def test_rows_dry_run_in_two_processes_are_the_rows_of_one(tmp_path, monkeypatch, capsys):
@@ -39,22 +43,25 @@ def test_rows_dry_run_in_two_processes_are_the_rows_of_one(tmp_path, monkeypatch
 
 
 def test_a_second_device_answered_by_a_worker_is_answered_as_here(tmp_path, monkeypatch, capsys):
-    """Two devices: the second one's plans and searches run in the worker, from this process's rows; every
-    device's answer equals a plan alone's (a length both devices' searches ask may be dry-run twice)."""
+    """Two devices: the second one's plans and searches run in the worker, from this process's rows;
+    every device's answer equals a plan alone's (a length both devices' searches ask may be dry-run
+    twice)."""
     monkeypatch.chdir(tmp_path)
     budgets = ["--budget", "450MiB", "600MiB"]
-    alone, split = _plan(capsys, *budgets, "--workers", "1"), _plan(capsys, *budgets, "--workers", "2")
+    alone, split = (_plan(capsys, *budgets, "--workers", "1"),
+                    _plan(capsys, *budgets, "--workers", "2"))
     assert split["processes"] == 2 and [d["process"] for d in split["devices"]] == [0, 1]
     assert [d["process"] for d in alone["devices"]] == [0, 0]
     assert _answers(split) == _answers(alone) and split["dry_runs"] >= alone["dry_runs"]
-    assert any(e["searched_seq_len"] for e in split["devices"][1]["longest_fitting_by_set"] if "searched_seq_len" in e)
+    assert any(e["searched_seq_len"] for e in split["devices"][1]["longest_fitting_by_set"]
+               if "searched_seq_len" in e)
 
 
 @pytest.mark.parametrize("command", [["python3", "-c", "import sys; sys.exit(3)"], ["sleep", "60"]],
                          ids=["fails", "hangs"])
 def test_a_worker_that_fails_or_hangs_is_ignored(command, tmp_path, monkeypatch, capsys):
-    """A worker that exits at once, or never answers (stopped after the wait), leaves its rows to this process:
-    the same answers as a plan alone."""
+    """A worker that exits at once, or never answers (stopped after the wait), leaves its rows to
+    this process: the same answers as a plan alone."""
     monkeypatch.chdir(tmp_path)
     alone = _plan(capsys, "--workers", "1")
     monkeypatch.setattr(plan_workers, "worker_command", lambda: command)

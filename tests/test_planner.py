@@ -30,7 +30,8 @@ def peak(L, B, setting=()):
 
 def planner(budget, curriculum=None, **kwargs):
     kwargs.setdefault("warmup_steps", 1)
-    return SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, curriculum=curriculum, **kwargs)
+    return SeqMemPlanner(memory_budget_bytes=budget, safety_margin=0.0, curriculum=curriculum,
+                         **kwargs)
 
 
 def step(p, shape, applicable=NONE, peak_fn=peak, rung_ok=True):
@@ -38,7 +39,8 @@ def step(p, shape, applicable=NONE, peak_fn=peak, rung_ok=True):
     d = p.decide(shape, applicable)
     p.commit(d)
     if d.rung is not None:
-        p.on_rung("on" if rung_ok else "failed", d.rung, "applied" if rung_ok else "it raised", d.seq_len or shape[1])
+        p.on_rung("on" if rung_ok else "failed", d.rung, "applied" if rung_ok else "it raised",
+                  d.seq_len or shape[1])
     L = d.seq_len or shape[1]
     B = p.course.batch_at(shape[0], shape[1], L) if p.settings.curriculum else shape[0]
     s = p.begin_step(L, B, True, global_step=p.course.step)
@@ -102,7 +104,8 @@ def test_warmup_step_over_budget_stops_the_next_one():
     assert r0.warmup and r0.peak_bytes > budget and d0.action == "run"
     d1, r1 = step(p, (4, 256), ALL)
     assert d1.action == "mitigate" and d1.rung == "attention" and r1.peak_bytes <= budget
-    assert [a.kind for a in p.advice.take_advice()][:2] == ["first_step_over_budget", "batch_over_budget"]
+    assert [a.kind for a in p.advice.take_advice()][:2] == [
+        "first_step_over_budget", "batch_over_budget"]
 
 
 def test_a_rung_not_applicable_on_one_rank_is_skipped_for_the_next():
@@ -131,7 +134,8 @@ def test_nothing_left_without_a_curriculum_warns_once_and_runs():
     p = planner(budget, mitigations=())
     out = run(p, (4, 256), 5)
     assert [d.action for d, _ in out] == ["run"] + ["over"] * 4
-    assert [a.kind for a in p.advice.take_advice()] == ["first_step_over_budget", "batch_over_budget"]
+    assert [a.kind for a in p.advice.take_advice()] == [
+        "first_step_over_budget", "batch_over_budget"]
 
 
 def test_a_new_shape_is_judged_before_it_runs():
@@ -156,7 +160,8 @@ def test_a_verification_miss_widens_later_bounds():
         if i == 6:
             before = p.evidence.forecast(1024, 4).upper_bytes
         step(p, (4, 256), peak_fn=bumpy)
-    miss = [r for r in p.evidence.measured.records if r.forecast_error is not None and r.seq_len == 256]
+    miss = [r for r in p.evidence.measured.records if r.forecast_error is not None
+            and r.seq_len == 256]
     assert miss and miss[0].forecast_error < -p.settings.tolerance
     # said once, by the predictor check, naming the predictor that missed (issue 21)
     kinds = [a.kind for a in p.advice.take_advice()]
@@ -174,9 +179,11 @@ def test_decide_is_pure_and_state_round_trips():
     q.load_state_dict(state)
     assert dataclasses.replace(q.decide((4, 512), ALL)) == d1
     assert q.state_dict()["records"] == state["records"] and q.ladder.applied == p.ladder.applied
-    # the rest of the run is the same from the restored state (the first step after a resume is warm-up)
+    # the rest of the run is the same from the restored state (the first step after a resume is
+    # warm-up)
     q.schedule.resume_warmup = p.schedule.resume_warmup
-    assert [d for d, _ in run(p, (4, 512), 6, applicable=ALL)] == [d for d, _ in run(q, (4, 512), 6, applicable=ALL)]
+    assert [d for d, _ in run(p, (4, 512), 6, applicable=ALL)] == [
+        d for d, _ in run(q, (4, 512), 6, applicable=ALL)]
 
 
 def test_a_state_with_an_unknown_rung_is_refused_whole():
@@ -189,8 +196,8 @@ def test_a_state_with_an_unknown_rung_is_refused_whole():
 
 
 def test_planner_work_per_batch_is_bounded():
-    """The planner's cost in work, not seconds (benchmarks/overhead.py times it): over 40 batches with
-    a dry run, a few dry runs per new setting or stage, none for a batch of a known shape."""
+    """The planner's cost in work, not seconds (benchmarks/overhead.py times it): over 40 batches
+    with a dry run, a few dry runs per new setting or stage, none for a batch of a known shape."""
     calls = []
 
     def dry(L, B, setting):
@@ -202,7 +209,8 @@ def test_planner_work_per_batch_is_bounded():
     first = len(calls)
     run(p, (4, 512), 20, applicable=ALL)  # the curriculum is done: the same shape again and again
     assert 0 < first <= 20, calls  # 8 today: stages judged, one rung planned
-    assert len(calls) == first, calls[first:]  # never a dry run, let alone a search, per batch of a known shape
+    # never a dry run, let alone a search, per batch of a known shape
+    assert len(calls) == first, calls[first:]
     assert len(set(calls)) == len(calls), "a dry run is never repeated for the same question"
 
 
@@ -213,8 +221,9 @@ def test_over_budget_words_name_the_length_measured_to_fit_before_any_fit():
     from lightning_seqmem.core.curriculum import Curriculum
     from lightning_seqmem.core.records import StepMemory
 
-    p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, memory_budget_bytes=10_000, safety_margin=0.0,
-                      curriculum=Curriculum(start=64, target=128, steps_per_stage=1, multiple_of=64),
+    p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, memory_budget_bytes=10_000,
+                      safety_margin=0.0, curriculum=Curriculum(start=64, target=128,
+                                                               steps_per_stage=1, multiple_of=64),
                       dry_runner=lambda L, B, m: (100 * L, {"forward": 100 * L}))
     for step in range(2):
         d = p.decide((2, 128), {})
@@ -223,5 +232,6 @@ def test_over_budget_words_name_the_length_measured_to_fit_before_any_fit():
         p.observe(s, StepMemory(100 * s.seq_len, {"forward": 100 * s.seq_len}, 0, 0))
         p.course.end_batch()
     said = " ".join(a.text for a in p.advice.take_advice())
-    assert "seq_len=128 is predicted" in said and "The largest length forecast to fit is 64." in said, said
+    assert ("seq_len=128 is predicted" in said
+            and "The largest length forecast to fit is 64." in said), said
     assert "No length is forecast to fit" not in said

@@ -1,6 +1,6 @@
-"""The planner over its parts: a handful of public names, the parts read each other's state (the rungs
-on, the settings) by reference, a checkpoint round trip rebuilds them bound to each other, and a
-state that cannot be read changes nothing. Milliseconds, no torch."""
+"""The planner over its parts: a handful of public names, the parts read each other's state (the
+rungs on, the settings) by reference, a checkpoint round trip rebuilds them bound to each other, and
+a state that cannot be read changes nothing. Milliseconds, no torch."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def _parts(p: SeqMemPlanner) -> tuple:
     return p.settings, p.ladder, p.course, p.evidence, p.advice, p.schedule
 
 
-PROTOCOL = {"decide", "commit", "begin_step", "observe", "on_rung", "bind_run", "restart", "state_dict",
-            "load_state_dict"}
+PROTOCOL = {"decide", "commit", "begin_step", "observe", "on_rung", "bind_run", "restart",
+            "state_dict", "load_state_dict"}
 
 
 def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
@@ -24,8 +24,10 @@ def test_the_planner_has_a_handful_of_public_names_and_its_parts_share_state():
     run(p, (4, 512), 8, applicable=ALL)
     public = {n for n in dir(p) if not n.startswith("_")}
     print(f"SeqMemPlanner public names ({len(public)}): {sorted(public)}")
-    assert public == PROTOCOL | {"settings", "evidence", "ladder", "course", "advice", "schedule"} and len(public) <= 15
-    assert p.ladder.applied and p.evidence.ladder is p.ladder and len(p.evidence.measured.records) == 8
+    assert (public == PROTOCOL | {"settings", "evidence", "ladder", "course", "advice", "schedule"}
+            and len(public) <= 15)
+    assert (p.ladder.applied and p.evidence.ladder is p.ladder
+            and len(p.evidence.measured.records) == 8)
     assert p.ladder.events[0]["name"] == p.ladder.applied[0]
     p.ladder.applied = ()  # one owner: every part reads it
     assert p.evidence.forecaster is p.evidence.measured.forecasters[()]
@@ -44,9 +46,11 @@ def test_checkpoint_round_trip_rebuilds_bound_parts():
     q = planner(peak(300, 4), Curriculum(start=64, target=512, steps_per_stage=2, multiple_of=16))
     q.load_state_dict(state)
     assert q.state_dict() == state
-    assert q.evidence.ladder is q.ladder and q.evidence.advice is q.advice and q.evidence.settings is q.settings
+    assert (q.evidence.ladder is q.ladder and q.evidence.advice is q.advice
+            and q.evidence.settings is q.settings)
     q.ladder.applied = ()
-    assert q.evidence.forecaster is q.evidence.measured.forecasters[()]  # the loaded parts read each other, not a copy's
+    # the loaded parts read each other, not a copy's
+    assert q.evidence.forecaster is q.evidence.measured.forecasters[()]
 
 
 def test_unreadable_state_changes_nothing():
@@ -61,8 +65,8 @@ def test_unreadable_state_changes_nothing():
 
 
 def test_a_callback_and_its_planner_pickle_and_deep_copy_after_measured_steps():
-    """Lightning pickles callbacks (``ddp_spawn``) and deep-copies them; the planner's parts (the rung
-    specs bound to it included) must survive both, with what they measured."""
+    """Lightning pickles callbacks (``ddp_spawn``) and deep-copies them; the planner's parts (the
+    rung specs bound to it included) must survive both, with what they measured."""
     import copy
     import pickle
 

@@ -51,7 +51,8 @@ def _fits_unmitigated(budget, B=4):
 
 
 LADDER_CURR = dict(start=32, target=640, steps_per_stage=2, multiple_of=16)
-BUDGET = peak(80, 4) + 1  # like tests/test_ladder.py: the plain model fits 80 tokens, the target is 8x
+# like tests/test_ladder.py: the plain model fits 80 tokens, the target is 8x
+BUDGET = peak(80, 4) + 1
 
 
 def _ladder_run(mitigations, coeffs=COEFFS, steps=24):
@@ -69,14 +70,16 @@ def test_twin_the_ladder_reaches_the_target_within_budget_rungs_in_order():
     assert max(r.peak_bytes for _, r in out) <= BUDGET
     names = [e["name"] for e in p.ladder.events]
     assert names == list(p.ladder.applied) and names[0] == "attention" and len(names) >= 2
-    for event in p.ladder.events:  # each switched on before the step it protected, its effect measured
+    # each switched on before the step it protected, its effect measured
+    for event in p.ladder.events:
         record = next(r for _, r in out if f"mitigation:{event['name']}" in r.events)
         assert record.step == event["step"] and event["name"] in record.mitigations
         assert event["before_method"] in ("measured", "dry_run")
         if event["after_bytes"] is not None:
             assert event["after_bytes"] < event["before_bytes"], event
     warned = [a for a in advice if a.kind in ("stage_over_budget", "batch_over_budget")]
-    assert len(warned) <= len(names) and all(repr(n) in " ".join(a.text for a in warned) for n in names)
+    assert (len(warned) <= len(names)
+            and all(repr(n) in " ".join(a.text for a in warned) for n in names))
 
 
 def test_twin_an_empty_ladder_warns_once_and_caps():
@@ -104,8 +107,8 @@ def test_twin_the_curriculum_caps_between_stages_at_the_step_the_trainer_run_ass
     """tests/test_budget_curriculum.py: stages 32..512, 3 steps each, a budget between the peaks at
     256 and 512 (batch 2), no rung: one warning at the end of the 256 stage, capped from step 12."""
     budget = (peak(256, 2) + peak(512, 2)) // 2
-    p = planner(budget, Curriculum(start=32, target=512, steps_per_stage=3, multiple_of=16), mitigations=(),
-                dry_runner=dry())
+    p = planner(budget, Curriculum(start=32, target=512, steps_per_stage=3, multiple_of=16),
+                mitigations=(), dry_runner=dry())
     out = run(p, (2, 512), 21, applicable=ALL)
     lengths = [r.seq_len for _, r in out]
     cap = lengths[-1]

@@ -1,4 +1,5 @@
-"""Planning cost: fewer dry runs for the same, never less safe, decisions (lightning_seqmem.plan.dry_search)."""
+"""Planning cost: fewer dry runs for the same, never less safe, decisions
+(lightning_seqmem.plan.dry_search)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_largest_fitting_is_exact_and_cheaper_than_a_bisection():
     for i in range(400):
         c, a, b = rng.randint(0, 10**6), rng.randint(0, 10**4), rng.randint(0, 100)
         steps = i % 2  # every other one not smooth: exact all the same
-        peak = (lambda c, a, b, s: lambda x: c + a * x + b * x * x + s * (x // 7) * 50 * a)(c, a, b, steps)
+        peak = (lambda c, a, b, s: lambda x: c + a * x + b * x * x + s * (x // 7) * 50 * a)(
+            c, a, b, steps)
         lo, hi = rng.randint(1, 64), rng.randint(65, 8192)
         budget = peak(rng.randint(lo, hi))
         calls = []
@@ -83,7 +85,8 @@ def test_dynamic_padding_is_judged_as_exactly_with_a_few_dry_runs():
             assert v.bound_bytes == exact_bound and (L, 4, ()) in p.evidence.dry.answers
         assert len(calls) - n <= 2  # a bucket and, where it is over, the shape itself
     over = sum(int(peak(L, 4, ()) * 1.02) > budget for L in lengths)
-    assert len(calls) <= 2 * over + 12, (len(calls), over)  # one or two per length over, a handful for the rest
+    # one or two per length over, a handful for the rest
+    assert len(calls) <= 2 * over + 12, (len(calls), over)
     assert len(calls) < 200 // 2
 
 
@@ -91,18 +94,21 @@ def test_a_capped_stage_finds_the_same_length_with_fewer_dry_runs():
     """The longest length that fits with every rung (a stage over the budget): the guided search
     gives the bisection's answer, each length it returns dry-run itself."""
     def peak(L, B, m):
-        act = B * (20 * L + (1 if "attention" in m else 8) * L * L // (4 if "checkpointing" in m else 1))
+        act = B * (20 * L + (1 if "attention" in m else 8) * L * L
+                   // (4 if "checkpointing" in m else 1))
         return 2_000_000 + act
 
     budget = peak(1500, 4, MITIGATIONS)
     calls = []
-    p = _planner(peak, budget, calls, curriculum=Curriculum(start=512, target=2048, steps_per_stage=1, multiple_of=8))
+    p = _planner(peak, budget, calls,
+                 curriculum=Curriculum(start=512, target=2048, steps_per_stage=1, multiple_of=8))
     p.evidence.measured.last_batch_size, p.course.stage_steps = 4, 1
     p.course.stage = 1  # 1024 ran; 2048 is next
     d = p.decide((4, 2048), {m: (True, "") for m in MITIGATIONS})
     assert d.action == "cap" and d.rungs == MITIGATIONS
     truth = max(L for L in range(8, 2048, 8) if int(peak(L, 4, MITIGATIONS) * 1.02) <= budget)
-    assert d.seq_len == truth and (truth, 4, MITIGATIONS) in p.evidence.dry.answers and (truth + 8, 4, MITIGATIONS) in p.evidence.dry.answers
+    assert (d.seq_len == truth and (truth, 4, MITIGATIONS) in p.evidence.dry.answers
+            and (truth + 8, 4, MITIGATIONS) in p.evidence.dry.answers)
     capped = [c for c in calls if c[2] == MITIGATIONS]
     assert len(capped) <= 5, capped  # a bisection of (1024, 2048) in steps of 8: 1 + 7
 
@@ -115,11 +121,13 @@ class _Shuffled(Dataset):
         return len(self.lengths)
 
     def __getitem__(self, i):
-        tokens = torch.randint(0, 256, (self.batch_size, self.lengths[i] + 1), generator=torch.Generator().manual_seed(i))
+        tokens = torch.randint(0, 256, (self.batch_size, self.lengths[i] + 1),
+                               generator=torch.Generator().manual_seed(i))
         return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-@pytest.mark.slow  # 10 steps and a few dry runs of a tiny model (~20 s; minutes on a loaded machine)
+# 10 steps and a few dry runs of a tiny model (~20 s; minutes on a loaded machine)
+@pytest.mark.slow
 def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
     """Lightning, a real model, a new length every batch, a budget the longest lengths exceed: every
     measured step (the tracker) is within the usable budget, every step left unmeasured ran below a
@@ -133,29 +141,38 @@ def test_a_real_dynamic_padding_run_stays_in_budget_with_few_dry_runs():
     calls, during = [], []
 
     class Count(pl_callback()):
-        def on_fit_start(self, trainer, pl_module):  # after SeqMemCallback's, which wires the dry run
+        # after SeqMemCallback's, which wires the dry run
+        def on_fit_start(self, trainer, pl_module):
             inner = cb.planner.settings.dry_runner
             cb.planner.bind_run(dry_runner=lambda *key: calls.append(key) or inner(*key))
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # after SeqMemCallback's decision
+        # after SeqMemCallback's decision
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             ran.append((batch["input_ids"].shape[1], cb.applied_mitigations))
 
-        def on_train_batch_end(self, *args):  # the dry runs while training (the report's come after)
+        # the dry runs while training (the report's come after)
+        def on_train_batch_end(self, *args):
             during[:] = calls
 
     ran = []
-    make_trainer([cb, Count()], max_steps=len(lengths)).fit(module, DataLoader(_Shuffled(lengths), batch_size=None))
+    make_trainer([cb, Count()], max_steps=len(lengths)).fit(
+        module, DataLoader(_Shuffled(lengths), batch_size=None))
     assert [L for L, _ in ran] == lengths
     measured = [(r.seq_len, r.mitigations) for r in cb.records]
     it = iter(ran)
-    assert all(m in it for m in measured), (measured, ran)  # the records: the steps that ran measured, in order
+    # the records: the steps that ran measured, in order
+    assert all(m in it for m in measured), (measured, ran)
     assert len(measured) + cb.planner.schedule.unmeasured == len(lengths)
-    for i, (L, setting) in enumerate(ran):  # each step left unmeasured: below a measured earlier one, in budget
+    # each step left unmeasured: below a measured earlier one, in budget
+    for i, (L, setting) in enumerate(ran):
         if (L, setting) not in measured:
-            assert any(r.seq_len >= L and r.mitigations == setting and r.step < i for r in cb.records), (L, setting)
-    assert all(r.peak_bytes <= cb.usable_budget_bytes for r in cb.records), [(r.seq_len, r.peak_bytes) for r in cb.records]
+            assert any(r.seq_len >= L and r.mitigations == setting
+                       and r.step < i for r in cb.records), (L, setting)
+    assert all(r.peak_bytes <= cb.usable_budget_bytes
+               for r in cb.records), [(r.seq_len, r.peak_bytes) for r in cb.records]
     assert any(r.mitigations for r in cb.records)  # the budget did bite: a rung went on
-    judged = [key for key in during if key[0] in lengths]  # (others: the logged max_seq_len's search, checks)
+    # (others: the logged max_seq_len's search, checks)
+    judged = [key for key in during if key[0] in lengths]
     assert len(judged) <= len(lengths) // 2, calls  # one per new length before
 
 
@@ -167,9 +184,9 @@ def pl_callback():
 
 @pytest.mark.slow  # ~1 min on the shared 2-core machine (a few dry runs and two tiny fits)
 def test_planning_cost_quick_json_has_the_overhead_per_layer_count():
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "planning_cost.py"), "--quick", "--json", "--layers", "2",
-                           "--steps", "4", "--length", "128"], capture_output=True, text=True, timeout=600,
-                          cwd=BENCHMARKS.parent)
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "planning_cost.py"), "--quick",
+                           "--json", "--layers", "2", "--steps", "4", "--length", "128"],
+                          capture_output=True, text=True, timeout=600, cwd=BENCHMARKS.parent)
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(figures["overhead_fraction"]) == {"2"}

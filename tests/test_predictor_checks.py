@@ -1,5 +1,6 @@
 """Every predictor answers to the measurements (issue 21): a dry run that misses measured steps is
-not trusted for decisions, whichever predictor it is, and that is said once, naming it and the miss."""
+not trusted for decisions, whichever predictor it is, and that is said once, naming it and the
+miss."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
 class FakeBlindGPT(LitGPT):
     """Deliberately mis-shaped for the dry run: a real step holds an extra ``[B, 32, L, L]`` buffer
-    and its gradient through backward; a step on fake tensors does not (the dry run cannot see it)."""
+    and its gradient through backward; a step on fake tensors does not (the dry run cannot see
+    it)."""
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -27,10 +29,12 @@ class FakeBlindGPT(LitGPT):
 def test_a_dry_run_wrong_at_measured_shapes_is_not_trusted():
     # measured: 128 tokens peak at 10.4 MB, 256 at 37.8 MB; the dry run says 256 peak at 4.2 MB
     cb = SeqMemCallback(warmup_steps=1, memory_budget="12MiB", safety_margin=0.0, mitigations=(),
-                        curriculum=Curriculum(start=16, target=256, steps_per_stage=2, multiple_of=16))
+                        curriculum=Curriculum(start=16, target=256, steps_per_stage=2,
+                                              multiple_of=16))
     torch.manual_seed(0)
     caught = fit_messages([cb], FakeBlindGPT(n_layer=1, d_model=32, n_head=2),
-                          SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64), max_steps=12)
+                          SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64),
+                          max_steps=12)
     messages = [m for m in caught if "seqmem" in m]
     # the budget held: decisions followed the replay (exact on the measured steps), not the dry run
     assert max(r.peak_bytes for r in cb.records) <= cb.usable_budget_bytes

@@ -15,7 +15,8 @@ from lightning_seqmem.mitigations.checkpointing.checkpointing import ActivationC
 from lightning_seqmem.reference.nn import GPT, GPTConfig
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.dryrun.cuda import resident_bytes
-from lightning_seqmem.measure.probes import CudaAllocatorProbe, TrackerProbe, existing_tensors, make_probe
+from lightning_seqmem.measure.probes import (
+    CudaAllocatorProbe, TrackerProbe, existing_tensors, make_probe)
 from lightning_seqmem.measure.tracker import LiveTensorTracker
 
 CPU = torch.device("cpu")
@@ -98,7 +99,8 @@ class _MemTrackerReference(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         mt = MemTracker()
-        mt.track_external(pl_module, *trainer.optimizers, batch["input_ids"], batch["labels"], batch["index"])
+        mt.track_external(pl_module, *trainer.optimizers, batch["input_ids"], batch["labels"],
+                          batch["index"])
         mt.__enter__()
         pl_module._reference = (self, mt, batch_idx)
 
@@ -155,7 +157,8 @@ def test_cuda_probe_phase_glue_with_fake_counters(monkeypatch):
     monkeypatch.setattr(
         torch.cuda,
         "memory_stats",
-        lambda d=None: {"inactive_split_bytes.all.current": 7, "num_alloc_retries": 1, "num_ooms": 0},
+        lambda d=None: {"inactive_split_bytes.all.current": 7, "num_alloc_retries": 1,
+                        "num_ooms": 0},
     )
     probe = CudaAllocatorProbe("cuda:0")
     probe.start_step([])
@@ -185,7 +188,8 @@ def test_cuda_probe_matches_torch_cuda_counters():
     m = _step(model, optimizer, x, CudaAllocatorProbe(device))  # phase peaks, tracer alongside
     assert abs(m.peak_bytes - reference) <= 0.01 * reference, (m.peak_bytes, reference)
     assert set(m.phase_peak_bytes) == {"forward", "backward", "optimizer"}
-    assert m.reserved_bytes >= m.peak_bytes and m.fragmentation_bytes == m.reserved_bytes - m.peak_bytes
+    assert (m.reserved_bytes >= m.peak_bytes
+            and m.fragmentation_bytes == m.reserved_bytes - m.peak_bytes)
     # the tracer saw the same tensors: its live-byte peak cannot exceed what the allocator held,
     # and what it misses is what the allocator holds outside them (cuBLAS workspaces) plus the
     # kernels' own scratch buffers (SDPA here: none of size)
@@ -193,4 +197,5 @@ def test_cuda_probe_matches_torch_cuda_counters():
     tracked = TrackerProbe("cuda")
     traced = _step(model, optimizer, x, tracked)
     assert traced.peak_bytes <= m.peak_bytes
-    assert m.peak_bytes - outside - traced.peak_bytes <= 0.05 * m.peak_bytes, (m.peak_bytes, outside, traced.peak_bytes)
+    assert m.peak_bytes - outside - traced.peak_bytes <= 0.05 * m.peak_bytes, (
+        m.peak_bytes, outside, traced.peak_bytes)

@@ -15,7 +15,8 @@ def test_max_seq_len_answers_after_a_rung_at_the_last_steps():
     assert r.mitigations == ("attention",) and not p.evidence.forecaster.ready
     answer = p.evidence.max_seq_len()  # raised NotEnoughMeasurements
     # the setting before the rung bounds this one (a mitigation never adds memory)
-    assert answer == p.evidence.measured.forecasters[()].max_seq_len(p.settings.usable_budget_bytes, 4) > 0
+    assert answer == p.evidence.measured.forecasters[()].max_seq_len(
+        p.settings.usable_budget_bytes, 4) > 0
     assert peak(answer, 4) <= budget
 
 
@@ -30,14 +31,17 @@ def test_a_step_is_verified_against_the_forecast_for_the_shape_that_ran():
     from lightning_seqmem import Curriculum, SeqMemCallback
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=128,
+                                                              steps_per_stage=2, multiple_of=16))
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer([cb], max_steps=8).fit(LitGPT(n_layer=1, d_model=32, n_head=2),
-                                            SyntheticTokenDataModule(batch_size=2, seq_len=40, num_samples=64))
+        make_trainer([cb], max_steps=8).fit(
+            LitGPT(n_layer=1, d_model=32, n_head=2),
+            SyntheticTokenDataModule(batch_size=2, seq_len=40, num_samples=64))
     assert 40 in [r.seq_len for r in cb.records]
     verified = [r for r in cb.records if r.forecast_error is not None]
     assert verified and all(abs(r.forecast_error) <= cb.config.tolerance for r in verified), \
         [(r.seq_len, r.forecast_error) for r in verified]
-    assert not [w for w in caught if "not trusted" in str(w.message) or "forecast for" in str(w.message)]
+    assert not [w for w in caught if "not trusted" in str(w.message)
+                or "forecast for" in str(w.message)]

@@ -24,17 +24,20 @@ def test_quick_start_runs(tmp_path, monkeypatch):
     block = re.search(r"## Quick start\n[^`]*```python\n(.*?)```", README, re.S).group(1)
     assert len([line for line in block.splitlines() if line.strip()]) <= 7  # imports + five lines
     namespace: dict = {}
-    exec(compile(block.replace("max_steps=48", "max_steps=40"), "README quick start", "exec"), namespace)
+    exec(compile(block.replace("max_steps=48", "max_steps=40"), "README quick start", "exec"),
+         namespace)
     cb = namespace["cb"]
     assert cb.records and cb.applied_mitigations == ("attention",)
 
 
 def test_files_the_readme_names_exist():
     root = Path(__file__).resolve().parents[1]
-    for path in re.findall(r"((?:configs|examples|benchmarks|docs)/[\w/-]+\.(?:py|yaml|png))", README):
+    for path in re.findall(r"((?:configs|examples|benchmarks|docs)/[\w/-]+\.(?:py|yaml|png))",
+                           README):
         assert (root / path).exists(), path
 
 
 def test_public_names_are_exported():
-    for name in ("SeqMemCallback", "Curriculum", "PredictedOOMWarning", "QuadraticMemoryModel", "TimelineModel"):
+    for name in ("SeqMemCallback", "Curriculum", "PredictedOOMWarning", "QuadraticMemoryModel",
+                 "TimelineModel"):
         assert name in lightning_seqmem.__all__

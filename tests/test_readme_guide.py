@@ -1,5 +1,6 @@
-"""The README's user guide stays true: it starts with the two commands for a fresh machine, then your
-model; its warning table names every kind of warning the callback gives; its examples name their extras."""
+"""The README's user guide stays true: it starts with the two commands for a fresh machine, then
+your model; its warning table names every kind of warning the callback gives; its examples name
+their extras."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ README = (ROOT / "README.md").read_text()
 def test_the_readme_starts_with_the_demo_and_test_commands_then_the_quick_start():
     head = README[: README.index("## Quick start")]
     blocks = re.findall(r"```bash\n(.*?)\n```", head, re.S)
-    assert len(blocks) == 2 and blocks[0].endswith("seqmem demo") and blocks[1].endswith("python -m pytest -q")
-    assert README.index("## Quick start") < README.index("## Reading the panels") < README.index("## How it works")
+    assert (len(blocks) == 2 and blocks[0].endswith("seqmem demo")
+            and blocks[1].endswith("python -m pytest -q"))
+    assert README.index("## Quick start") < README.index("## Reading the panels") < README.index(
+        "## How it works")
 
 
 def test_the_warning_table_names_every_kind():
     table = README[README.index("## What each warning means and what to do"):]
     table = table[: table.index("\n## ", 1)]
-    named = set(re.findall(r"`([a-z_]+)`", " ".join(line.split("|")[1] for line in table.splitlines()
+    named = set(re.findall(r"`([a-z_]+)`",
+                           " ".join(line.split("|")[1] for line in table.splitlines()
                                                      if line.startswith("| `"))))
     assert named == set(KINDS), set(KINDS) ^ named
 

@@ -42,10 +42,13 @@ def _batch(seq_len, rows=4):
 
 def test_a_new_rung_is_one_folder_plus_one_registry_line(no_dropout):
     folder = Path(__file__).parent / "toy_rungs" / "no_dropout"
-    assert sorted(p.name for p in folder.glob("*.py")) == ["__init__.py", "no_dropout.py", "no_dropout_spec.py"]
+    assert sorted(p.name for p in folder.glob("*.py")) == [
+        "__init__.py", "no_dropout.py", "no_dropout_spec.py"]
     assert "no_dropout" in rung_names() and ladder.rung("no_dropout") is no_dropout
-    assert spec("no_dropout").step_time_prior == 0.0 and not no_dropout.is_on(LitGPT(**MODEL, dropout=0.1))
-    with pytest.raises(ValueError, match=r"`path` must name a rung folder .*got 'toy_rungs.missing'"):
+    assert (spec("no_dropout").step_time_prior == 0.0
+            and not no_dropout.is_on(LitGPT(**MODEL, dropout=0.1)))
+    with pytest.raises(ValueError,
+                       match=r"`path` must name a rung folder .*got 'toy_rungs.missing'"):
         ladder.register_folder("toy_rungs.missing")
 
 
@@ -60,7 +63,8 @@ def test_a_registered_rung_is_a_name_the_callback_and_the_planner_accept(no_drop
 
 def test_the_dry_run_puts_the_rung_on_its_copy_only(no_dropout):
     module = LitGPT(**MODEL, dropout=0.1)
-    with_rung = dry_run_step(module, module.configure_optimizers(), _batch(64), 256, mitigations=["no_dropout"])
+    with_rung = dry_run_step(module, module.configure_optimizers(), _batch(64), 256,
+                             mitigations=["no_dropout"])
     plain = dry_run_step(module, module.configure_optimizers(), _batch(64), 256)
     assert not no_dropout.is_on(module)  # the real module is untouched
     by_hand = LitGPT(**MODEL, dropout=0.0)
@@ -88,14 +92,16 @@ def test_the_callback_switches_the_rung_on_before_the_stage_that_needs_it(no_dro
 
     with_rung, without = dry(0.0), dry(0.1)
     budget = (with_rung + without) // 2  # the last stage fits with the rung only
-    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=["no_dropout"],
-                        curriculum=Curriculum(start=128, target=512, steps_per_stage=2, multiple_of=64))
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
+                        mitigations=["no_dropout"], curriculum=Curriculum(
+                            start=128, target=512, steps_per_stage=2, multiple_of=64))
     torch.manual_seed(0)
     module = LitGPT(**MODEL, dropout=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([cb], max_steps=8).fit(
-            module, SyntheticTokenDataModule(batch_size=4, seq_len=512, num_samples=32, vocab_size=64))
+            module,
+            SyntheticTokenDataModule(batch_size=4, seq_len=512, num_samples=32, vocab_size=64))
     assert cb.applied_mitigations == ("no_dropout",) and no_dropout.is_on(module)
     event = cb.mitigation_events[0]
     assert event["name"] == "no_dropout" and event["seq_len"] == 512
@@ -112,4 +118,5 @@ def test_seqmem_plan_dry_runs_the_registered_rung(no_dropout, tmp_path, capsys):
     doc = plan_json(config, capsys, [256])
     assert doc["mitigation_sets"] == [[], ["no_dropout"]]
     plain, with_rung = doc["lengths"][0]["rows"]
-    assert with_rung["mitigations"] == ["no_dropout"] and with_rung["peak_bytes"] < plain["peak_bytes"]
+    assert (with_rung["mitigations"] == ["no_dropout"]
+            and with_rung["peak_bytes"] < plain["peak_bytes"])

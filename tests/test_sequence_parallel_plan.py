@@ -1,5 +1,6 @@
-"""Sequence/context parallelism in the N-rank plan (issue 19): constraint skips, the ``--json`` keys,
-``--emit`` configs, and a 2-process gloo Ulysses step measured against the plan's per-rank figure."""
+"""Sequence/context parallelism in the N-rank plan (issue 19): constraint skips, the ``--json``
+keys, ``--emit`` configs, and a 2-process gloo Ulysses step measured against the plan's per-rank
+figure."""
 
 from __future__ import annotations
 
@@ -48,21 +49,24 @@ data:
 
 @shared_fixture
 def peaks():
-    """Per-rank dry-run peaks of the tiny model at 512 tokens on 4 ranks: whole sequence, Ulysses 2, ring 2."""
+    """Per-rank dry-run peaks of the tiny model at 512 tokens on 4 ranks: whole sequence, Ulysses 2,
+    ring 2."""
     from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.sharded import unsharded_template
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 
     template = unsharded_template(LitGPT(**MODEL))
-    batch = next(iter(SyntheticTokenDataModule(batch_size=1, seq_len=64, num_samples=4).train_dataloader()))
-    return {(kind, d): sequence_parallel_dry_run_step(template, batch, 512, WORLD, d, kind).peak_bytes
+    batch = next(iter(SyntheticTokenDataModule(batch_size=1, seq_len=64,
+                                               num_samples=4).train_dataloader()))
+    return {(kind, d): sequence_parallel_dry_run_step(template, batch, 512, WORLD, d,
+                                                      kind).peak_bytes
             for kind, d in (("none", 1), ("ulysses", 2), ("ring", 2))}
 
 
 def _plan(tmp_path, capsys, budget, *more):
     config = _config(tmp_path, budget)
-    rc = main(["plan", "--config", str(config), "--lengths", *map(str, LENGTHS), "--world-size", str(WORLD), "--json",
-               *more])
+    rc = main(["plan", "--config", str(config), "--lengths", *map(str, LENGTHS), "--world-size",
+               str(WORLD), "--json", *more])
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
     return json.loads(out)
@@ -70,7 +74,8 @@ def _plan(tmp_path, capsys, budget, *more):
 
 def test_constraint_violations_are_never_planned_and_say_why():
     ok, skipped = layouts(8, 4100, n_heads=12, n_kv_heads=4, masked=True)
-    assert [(layout.kind, layout.degree) for layout in ok] == [("none", 1), ("ulysses", 2), ("ulysses", 4)]
+    assert [(layout.kind, layout.degree) for layout in ok] == [
+        ("none", 1), ("ulysses", 2), ("ulysses", 4)]
     reasons = {(k, d): why for k, d, why in skipped}
     assert reasons[("ulysses", 8)] == "heads 12 not divisible by degree 8"
     assert reasons[("ring", 2)].startswith("ring attention takes is_causal or no mask")
@@ -81,7 +86,8 @@ def test_constraint_violations_are_never_planned_and_say_why():
 
 
 def test_json_names_each_plans_degrees_and_skips(tmp_path, capsys, peaks):
-    # a budget between the whole sequence and its Ulysses/ring halves (peaks are computed, not constants)
+    # a budget between the whole sequence and its Ulysses/ring halves (peaks are computed, not
+    # constants)
     assert max(peaks[("ulysses", 2)], peaks[("ring", 2)]) < peaks[("none", 1)]
     budget = (max(peaks[("ulysses", 2)], peaks[("ring", 2)]) + peaks[("none", 1)]) // 2
     doc = _plan(tmp_path, capsys, budget)
@@ -91,11 +97,15 @@ def test_json_names_each_plans_degrees_and_skips(tmp_path, capsys, peaks):
     for key in ("sequence_parallel_degree", "context_parallel_degree", "fsdp_degree", "offload"):
         assert key in plan
     # the whole sequence does not fit: the first layout that does is Ulysses at degree 2, no rung
-    assert (plan["sequence_parallel_degree"], plan["context_parallel_degree"], plan["fsdp_degree"]) == (2, 1, 2)
-    assert plan["offload"] is False and plan["mitigations"] == [] and plan["peak_source"] == "dry run"
-    assert plan["peak_bytes"] == peaks[("ulysses", 2)] <= budget < by_len[512]["rows"][0]["peak_bytes"]
+    assert (plan["sequence_parallel_degree"], plan["context_parallel_degree"],
+            plan["fsdp_degree"]) == (2, 1, 2)
+    assert (plan["offload"] is False and plan["mitigations"] == []
+            and plan["peak_source"] == "dry run")
+    assert plan["peak_bytes"] == peaks[("ulysses",
+                                        2)] <= budget < by_len[512]["rows"][0]["peak_bytes"]
     assert plan["tokens_per_rank"] == 256
-    # offload is modelled from each rank's share of the state: AdamW's 2 states counted from a real step
+    # offload is modelled from each rank's share of the state: AdamW's 2 states counted from a real
+    # step
     from lightning_seqmem.dryrun.sequence_parallel import state_bytes
     from lightning_seqmem.reference.demo import LitGPT
 
@@ -112,37 +122,46 @@ def test_emit_prints_each_engines_own_keys(tmp_path, capsys, peaks):
     budget = (max(peaks[("ulysses", 2)], peaks[("ring", 2)]) + peaks[("none", 1)]) // 2
     doc = _plan(tmp_path, capsys, budget, "--emit", "torchtitan")
     plan = next(p["plan"] for p in doc["parallel_plans"] if p["seq_len"] == 512)
-    assert plan["sequence_parallel"] == "ring" and plan["context_parallel_degree"] == 2  # torchtitan runs ring only
+    # torchtitan runs ring only
+    assert plan["sequence_parallel"] == "ring" and plan["context_parallel_degree"] == 2
     assert plan["peak_bytes"] == peaks[("ring", 2)]
-    assert "[parallelism]" in plan["launch_config"] and "context_parallel_degree = 2" in plan["launch_config"]
+    assert ("[parallelism]" in plan["launch_config"]
+            and "context_parallel_degree = 2" in plan["launch_config"])
     assert "data_parallel_shard_degree = 2" in plan["launch_config"]
-    ulysses = {**Layout("ulysses", 2, 8).to_json(), "mitigations": ["checkpointing"], "seq_len": 4096, "batch_size": 1}
+    ulysses = {**Layout("ulysses", 2, 8).to_json(), "mitigations": ["checkpointing"],
+               "seq_len": 4096, "batch_size": 1}
     text = emit("deepspeed", ulysses)
     config = json.loads(text[text.index("{"):text.rindex("}") + 1])
     assert config["sequence_parallel_size"] == 2 and config["zero_optimization"]["stage"] == 3
     assert "Trainer(strategy=DeepSpeedStrategy(stage=3), devices=8)" in text
-    offloaded = {**Layout("ulysses", 2, 8, offload=True).to_json(), "mitigations": [], "seq_len": 4096,
-                 "batch_size": 1}
-    assert "DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)" in emit("deepspeed", offloaded)
-    ring = {**Layout("ring", 4, 8, offload=True).to_json(), "mitigations": [], "seq_len": 4096, "batch_size": 1}
+    offloaded = {**Layout("ulysses", 2, 8, offload=True).to_json(), "mitigations": [],
+                 "seq_len": 4096, "batch_size": 1}
+    assert "DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)" in emit(
+        "deepspeed", offloaded)
+    ring = {**Layout("ring", 4, 8, offload=True).to_json(), "mitigations": [], "seq_len": 4096,
+            "batch_size": 1}
     assert "ParallelismConfig(dp_shard_size=2, cp_size=4)" in emit("accelerate", ring)
     assert "cpu_offload=True" in emit("accelerate", ring)
     whole = {**Layout("none", 1, 8).to_json(), "mitigations": [], "seq_len": 4096, "batch_size": 1}
-    assert "ModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1)" in emit("lightning", whole)
+    assert "ModelParallelStrategy(data_parallel_size=8, tensor_parallel_size=1)" in emit(
+        "lightning", whole)
     with pytest.raises(ValueError, match="deepspeed does not run ring"):
         emit("deepspeed", ring)
 
 
 @pytest.mark.ddp
 def test_ulysses_step_over_two_gloo_ranks_is_within_3_percent_of_the_plan(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "512", "2"], capture_output=True, text=True,
-                          timeout=limit_s(180))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "512", "2"],
+                          capture_output=True, text=True, timeout=limit_s(180))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:
-        assert rank["ulysses_max_abs_err"] < 1e-5  # the all-to-all layout: each rank's chunk of full attention
+        # the all-to-all layout: each rank's chunk of full attention
+        assert rank["ulysses_max_abs_err"] < 1e-5
         assert rank["attention_calls"] == 2 * 2  # 2 blocks x (warm-up, measured step)
     planned = ranks[0]["dry_run_peak_bytes"]
     for rank in ranks:
-        assert abs(planned - rank["measured_peak_bytes"]) / rank["measured_peak_bytes"] <= 0.03, (planned, rank)
-    assert "ulysses sequence parallel over 2 ranks: 256 of 512 tokens per rank" in ranks[0]["dry_run_detail"]
+        assert abs(planned - rank["measured_peak_bytes"]) / rank["measured_peak_bytes"] <= 0.03, (
+            planned, rank)
+    assert "ulysses sequence parallel over 2 ranks: 256 of 512 tokens per rank" in ranks[0][
+        "dry_run_detail"]

@@ -1,5 +1,5 @@
-"""The simulated CUDA device (``lightning_seqmem.dryrun.accelerator``): CUDA's autocast lists, no phantom
-accelerator outside dry runs, and a clear refusal where it cannot be used."""
+"""The simulated CUDA device (``lightning_seqmem.dryrun.accelerator``): CUDA's autocast lists, no
+phantom accelerator outside dry runs, and a clear refusal where it cannot be used."""
 
 from __future__ import annotations
 
@@ -12,35 +12,38 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_seqmem.dryrun.accelerator import autocast, simulated_device, simulating
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a build with CUDA dry-runs CUDA itself")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="a build with CUDA dry-runs CUDA itself")
 
 
 def test_autocast_follows_cuda_op_lists():
-    """ATen/autocast_mode.h's CUDA lists, which differ from the CPU's: softmax, log_softmax and sum run in
-    float32 on CUDA (the dtype set, whether the caller passes it by position, by keyword or not at all),
-    matmuls in the lower precision, addcmul promoted to the widest input."""
+    """ATen/autocast_mode.h's CUDA lists, which differ from the CPU's: softmax, log_softmax and sum
+    run in float32 on CUDA (the dtype set, whether the caller passes it by position, by keyword or
+    not at all), matmuls in the lower precision, addcmul promoted to the widest input."""
     device = simulated_device()
     with simulating(), FakeTensorMode():
         x = torch.empty(4, 8, device=device, dtype=torch.bfloat16)
         w = torch.nn.Parameter(torch.empty(8, 8, device=device))
         f32 = torch.empty(4, 8, device=device)
         with autocast(device, torch.bfloat16):
-            assert (x @ w).dtype == torch.bfloat16 and torch.nn.functional.linear(f32, w).dtype == torch.bfloat16
+            assert ((x @ w).dtype == torch.bfloat16
+                    and torch.nn.functional.linear(f32, w).dtype == torch.bfloat16)
             assert torch.softmax(x, -1).dtype == torch.float32
             assert torch.nn.functional.softmax(x, -1, dtype=torch.float).dtype == torch.float32
             assert torch.ops.aten.softmax.int(x, -1, None).dtype == torch.float32
             assert torch.log_softmax(x, 1).dtype == torch.float32 and x.sum().dtype == torch.float32
             assert torch.addcmul(x, x, f32).dtype == torch.float32
             assert torch.exp(x).dtype == torch.float32 and torch.relu(x).dtype == torch.bfloat16
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # the CPU's lists: softmax in the input's dtype
+        # the CPU's lists: softmax in the input's dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             cpu = torch.softmax(torch.empty(4, 8, dtype=torch.bfloat16), -1)
         assert cpu.dtype == torch.bfloat16
 
 
 def test_no_accelerator_is_seen_outside_a_dry_run():
-    """Registered before the first backward, the device reports itself available only while a dry run runs
-    on it: outside, torch.accelerator, the DataLoader's pin_memory and distributed checkpointing (which
-    failed on a phantom device's missing streams) see none."""
+    """Registered before the first backward, the device reports itself available only while a dry
+    run runs on it: outside, torch.accelerator, the DataLoader's pin_memory and distributed
+    checkpointing (which failed on a phantom device's missing streams) see none."""
     from torch._utils import _get_available_device_type
 
     simulated_device()
@@ -64,39 +67,44 @@ try:
 except DryRunUnsupported as exc:
     print("refused:", exc.reason)
 print("cpu:", dry_run_step(module, None, {"input_ids": torch.zeros(2, 8, dtype=torch.long),
-                                          "labels": torch.zeros(2, 8, dtype=torch.long)}, 16).peak_bytes > 0)
+                                          "labels": torch.zeros(2, 8, dtype=torch.long)},
+                           16).peak_bytes > 0)
 '''
 
 
 def test_a_process_that_trained_before_the_import_gets_a_reason_and_cpu_dry_runs():
-    """The autograd engine sizes its device queues at the process's first backward: imported after one, the
-    simulated device cannot run a backward, and a CUDA dry run says so (what to do included) instead of
-    failing inside the engine; dry runs of the CPU still work."""
-    proc = subprocess.run([sys.executable, "-c", _LATE], capture_output=True, text=True, timeout=300)
+    """The autograd engine sizes its device queues at the process's first backward: imported after
+    one, the simulated device cannot run a backward, and a CUDA dry run says so (what to do
+    included) instead of failing inside the engine; dry runs of the CPU still work."""
+    proc = subprocess.run([sys.executable, "-c", _LATE], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused: cannot simulate CUDA on this torch build without it: the simulated CUDA device was " \
-           "registered after this process ran its first backward" in proc.stdout, proc.stdout
+    assert ("refused: cannot simulate CUDA on this torch build without it: the simulated CUDA "
+            "device was registered after this process ran its first backward"
+            in proc.stdout), proc.stdout
     assert "cpu: True" in proc.stdout
 
 
 def test_a_recompute_in_the_backward_caches_no_casts_into_the_optimizer_step():
-    """Under bf16-mixed on the simulated device, DeepSpeed's tiled MLP recomputes each MLP in the backward,
-    on the autograd engine's device thread, where torch's autocast-cache flag is on by default: the casts
-    it made were cached and alive into the optimizer step (+6 GiB at a 4-layer 8B width, making the tiled
-    MLP look worse than none). Lightning's MixedPrecision caches nothing: the optimizer phase peaks the
-    same with and without the rung, and the tiled step's peak is lower."""
+    """Under bf16-mixed on the simulated device, DeepSpeed's tiled MLP recomputes each MLP in the
+    backward, on the autograd engine's device thread, where torch's autocast-cache flag is on by
+    default: the casts it made were cached and alive into the optimizer step (+6 GiB at a 4-layer 8B
+    width, making the tiled MLP look worse than none). Lightning's MixedPrecision caches nothing:
+    the optimizer phase peaks the same with and without the rung, and the tiled step's peak is
+    lower."""
     from lightning_seqmem.dryrun.accelerator import step_context
     from lightning_seqmem.dryrun.step import dry_run_step
     from lightning_seqmem.reference.hf import HFCausalLM
 
     device = simulated_device()
-    config = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 256}
+    config = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 512,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
     with torch.device("meta"):
         module = HFCausalLM(config=config, attn_implementation="sdpa")
     plugin = type("Plugin", (), {"precision": "bf16-mixed", "train_step_context": None})()
     context = step_context(plugin, device)
-    batch = {"input_ids": torch.zeros(1, 64, dtype=torch.long), "labels": torch.zeros(1, 64, dtype=torch.long)}
+    batch = {"input_ids": torch.zeros(1, 64, dtype=torch.long),
+             "labels": torch.zeros(1, 64, dtype=torch.long)}
     plain = dry_run_step(module, None, batch, 8192, 1, (), context, "cuda")
     tiled = dry_run_step(module, None, batch, 8192, 1, ("tiled_mlp",), context, "cuda")
     assert tiled.phase_peak_bytes["optimizer"] == plain.phase_peak_bytes["optimizer"]

@@ -21,7 +21,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def _measured_planner():
     """A planner that has seen every kind of measurement: a budget, a curriculum, CUDA counters."""
     p = SeqMemPlanner(warmup_steps=1, memory_budget_bytes=10**9, safety_margin=0.1,
-                      curriculum=Curriculum(start=64, target=256, steps_per_stage=2, multiple_of=64))
+                      curriculum=Curriculum(start=64, target=256, steps_per_stage=2,
+                                            multiple_of=64))
     records = []
     for step in range(8):
         d = p.decide((2, 256), {m: (False, "test") for m in MITIGATIONS})
@@ -29,9 +30,10 @@ def _measured_planner():
         L = d.seq_len or 256
         s = p.begin_step(L, 2, True, global_step=step)
         peak = 1_000_000 + 2 * (300 * L + 4 * L * L)
-        memory = StepMemory(peak, {"forward": peak, "backward": peak - 1, "optimizer": 1_000_000}, 1_000_000,
-                            1_000_000, reserved_bytes=peak + 4096, fragmentation_bytes=4096,
-                            fragmentation_fraction=0.001, inactive_split_bytes=0, alloc_retries=0, num_ooms=0)
+        memory = StepMemory(peak, {"forward": peak, "backward": peak - 1, "optimizer": 1_000_000},
+                            1_000_000, 1_000_000, reserved_bytes=peak + 4096,
+                            fragmentation_bytes=4096, fragmentation_fraction=0.001,
+                            inactive_split_bytes=0, alloc_retries=0, num_ooms=0)
         records.append(p.observe(s, memory))
         p.course.end_batch()
     return p, records
@@ -46,7 +48,8 @@ def test_the_planner_logs_every_tag_and_only_those():
 
 
 def test_every_tag_has_a_panel_and_every_panel_a_tag():
-    charted = {tag for category in custom_scalars_layout().values() for _, tags in category.values() for tag in tags}
+    charted = {tag for category in custom_scalars_layout().values() for _, tags in category.values()
+               for tag in tags}
     assert charted == {PREFIX + t for t in TAGS}
 
 

@@ -25,7 +25,8 @@ from lightning_seqmem.core.rungs import EXTRA_RUNGS, MITIGATIONS, check_mitigati
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.mitigations import ladder
-from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp import TiledMLP, find_mlps, tile_count_rule, tiled_mlp_tiles
+from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp import (
+    TiledMLP, find_mlps, tile_count_rule, tiled_mlp_tiles)
 from lightning_seqmem.core.rungs import rung_names
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
@@ -47,7 +48,8 @@ def _loss(model, batch):
 
 def _gpt(**kwargs) -> LitGPT:
     torch.manual_seed(0)
-    return LitGPT(**{"n_layer": 2, "d_model": 64, "n_head": 2, "vocab_size": VOCAB, "attention": "sdpa", **kwargs})
+    return LitGPT(**{"n_layer": 2, "d_model": 64, "n_head": 2, "vocab_size": VOCAB,
+                     "attention": "sdpa", **kwargs})
 
 
 class _HFLlama(nn.Module):
@@ -58,9 +60,11 @@ class _HFLlama(nn.Module):
         import transformers
 
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=4,
                                           intermediate_size=intermediate_size, vocab_size=VOCAB)
-        self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="sdpa")
 
     def training_step(self, batch, batch_idx):
         logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits
@@ -99,12 +103,15 @@ def test_switched_on_mid_run_the_loss_and_gradients_are_unchanged(kind):
     state_before = {k: v.clone() for k, v in optimizers[1].state[next(tiled.parameters())].items()}
     result = ladder.apply("tiled_mlp", None, tiled)
     assert result.applied and ladder.is_on("tiled_mlp", tiled), result
-    assert tiled_mlp_tiles(tiled) == 4  # intermediate 256 / hidden 64: the rule, the same on every rank
-    assert [id(p) for p in tiled.parameters()] == params_before and list(tiled.state_dict()) == keys_before
+    # intermediate 256 / hidden 64: the rule, the same on every rank
+    assert tiled_mlp_tiles(tiled) == 4
+    assert ([id(p) for p in tiled.parameters()] == params_before
+            and list(tiled.state_dict()) == keys_before)
     state_after = optimizers[1].state[next(tiled.parameters())]
     assert all(torch.equal(state_after[k], v) for k, v in state_before.items())
 
-    (loss_a, grads_a), (loss_b, grads_b) = (step(m, o, 2) for m, o in zip((plain, tiled), optimizers))
+    (loss_a, grads_a), (loss_b, grads_b) = (step(m, o, 2) for m,
+                                            o in zip((plain, tiled), optimizers))
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
@@ -123,14 +130,17 @@ def test_the_measured_peak_falls_by_the_saved_intermediates_and_the_dry_run_fore
     tiled_module = copy.deepcopy(module)
     assert TiledMLP().apply(tiled_module).applied
     tiled = _measured(tiled_module, _batch(rows, seq_len))
-    saved_per_block = (2 if kind == "gpt" else 4) * rows * seq_len * d_ff * 4  # GELU in/out; gate, up, silu, product
-    assert plain.peak_bytes - tiled.peak_bytes >= (2 - 1) * saved_per_block, (plain.phase_peak_bytes, tiled.phase_peak_bytes)
+    # GELU in/out; gate, up, silu, product
+    saved_per_block = (2 if kind == "gpt" else 4) * rows * seq_len * d_ff * 4
+    assert plain.peak_bytes - tiled.peak_bytes >= (2 - 1) * saved_per_block, (
+        plain.phase_peak_bytes, tiled.phase_peak_bytes)
 
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     dry = dry_run_step(module, optimizer, _batch(rows, 16), seq_len, mitigations=["tiled_mlp"])
     assert not ladder.is_on("tiled_mlp", module)  # the rung went on the fake copy only
     assert "tiled_mlp: tile" in dry.detail and "into 8 sequence tiles" in dry.detail
-    assert abs(dry.peak_bytes - tiled.peak_bytes) <= TOLERANCE * tiled.peak_bytes, (dry.phase_peak_bytes, tiled.phase_peak_bytes)
+    assert abs(dry.peak_bytes - tiled.peak_bytes) <= TOLERANCE * tiled.peak_bytes, (
+        dry.phase_peak_bytes, tiled.phase_peak_bytes)
     for phase, peak in tiled.phase_peak_bytes.items():
         assert abs(dry.phase_peak_bytes[phase] - peak) <= TOLERANCE * tiled.peak_bytes, phase
 
@@ -140,19 +150,23 @@ def test_the_callback_switches_it_on_under_a_budget_only_it_meets():
 
     def dry(mitigations):
         module = _gpt(**model)
-        return dry_run_step(module, module.configure_optimizers(), _batch(rows, 64), target, mitigations=mitigations).peak_bytes
+        return dry_run_step(module, module.configure_optimizers(), _batch(rows, 64), target,
+                            mitigations=mitigations).peak_bytes
 
     with_rung, without = dry(["tiled_mlp"]), dry([])
     budget = (with_rung + without) // 2  # the target length fits with the rung only
-    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=["attention", "tiled_mlp"],
-                        curriculum=Curriculum(start=128, target=target, steps_per_stage=2, multiple_of=64))
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0,
+                        mitigations=["attention", "tiled_mlp"], curriculum=Curriculum(
+                            start=128, target=target, steps_per_stage=2, multiple_of=64))
     module = _gpt(**model)  # already on SDPA: the attention rung does not apply
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([cb], max_steps=5).fit(
-            module, SyntheticTokenDataModule(batch_size=rows, seq_len=target, num_samples=5 * rows, vocab_size=VOCAB))
+            module, SyntheticTokenDataModule(batch_size=rows, seq_len=target, num_samples=5 * rows,
+                                             vocab_size=VOCAB))
     assert cb.applied_mitigations == ("tiled_mlp",) and ladder.is_on("tiled_mlp", module)
-    assert cb.mitigation_events[0]["name"] == "tiled_mlp" and cb.mitigation_events[0]["seq_len"] == target
+    assert (cb.mitigation_events[0]["name"] == "tiled_mlp"
+            and cb.mitigation_events[0]["seq_len"] == target)
     at_target = [r for r in cb.records if r.seq_len == target]
     assert at_target and all(r.mitigations == ("tiled_mlp",) for r in at_target)
     assert max(r.peak_bytes for r in cb.records) <= budget  # measured by the tracker, every step
@@ -162,17 +176,20 @@ def test_the_callback_switches_it_on_under_a_budget_only_it_meets():
 
 def test_it_is_opt_in_and_says_why_it_does_not_apply(monkeypatch):
     assert "tiled_mlp" in EXTRA_RUNGS and "tiled_mlp" not in MITIGATIONS
-    assert MITIGATIONS == ("attention", "checkpointing", "microbatch")  # the default ladder is unchanged
+    # the default ladder is unchanged
+    assert MITIGATIONS == ("attention", "checkpointing", "microbatch")
     assert check_mitigations(["attention", "tiled_mlp"]) == ("attention", "tiled_mlp")
     ladder.unregister("tiled_mlp")  # a built-in: stays
     assert "tiled_mlp" in rung_names()
 
     assert ladder.is_applicable("tiled_mlp", None, nn.Linear(2, 2))[0] is False
-    dropout_in_mlp = nn.ModuleList([nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Linear(32, 8))})
+    dropout_in_mlp = nn.ModuleList(
+        [nn.ModuleDict({"mlp": nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Linear(32, 8))})
                                     for _ in range(2)])
     applies, why = ladder.is_applicable("tiled_mlp", None, dropout_in_mlp)
     assert not applies and "Dropout(p=0.1)" in why and "set its p to 0" in why
-    moe = nn.ModuleList([nn.ModuleDict({"mlp": nn.ModuleDict({"experts": nn.ModuleList([nn.Linear(8, 8)])})}) for _ in range(2)])
+    moe = nn.ModuleList([nn.ModuleDict(
+        {"mlp": nn.ModuleDict({"experts": nn.ModuleList([nn.Linear(8, 8)])})}) for _ in range(2)])
     assert "mixture of experts" in ladder.is_applicable("tiled_mlp", None, moe)[1]
 
     gpt = _gpt()
@@ -180,7 +197,8 @@ def test_it_is_opt_in_and_says_why_it_does_not_apply(monkeypatch):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed"
+                        else real_find_spec(name, *a))
     applies, why = ladder.is_applicable("tiled_mlp", None, gpt)
     assert not applies and "pip install 'lightning-seqmem[tiled]'" in why
     with pytest.raises(ValueError, match="`tiles` must be None"):
@@ -192,17 +210,20 @@ def test_ddp_ranks_with_different_lengths_take_the_same_decision_and_tile_count(
     """2 gloo ranks, rank 0 at 64 tokens and rank 1 at 128: only rank 1's step needs the rung under
     this budget; both switch it on at the same step with the same tile count, DDP reduces every
     gradient (no "marked ready twice"), the parameters stay equal, no step exceeds the budget."""
-    budget = 2_500_000  # between the dry-run peaks of rank 1's step tiled and untiled, above rank 0's untiled
+    # between the dry-run peaks of rank 1's step tiled and untiled, above rank 0's untiled
+    budget = 2_500_000
     script = Path(__file__).parent / "scripts" / "ddp_run.py"
-    args = ["--batch-sizes", "2,2", "--seq-lens", "64,128", "--mitigations", "tiled_mlp", "--d-ff", "512",
-            "--budget", str(budget), "--max-steps", "4", "--no-curriculum"]
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], capture_output=True, text=True,
-                          timeout=limit_s(240))
+    args = ["--batch-sizes", "2,2", "--seq-lens", "64,128", "--mitigations", "tiled_mlp", "--d-ff",
+            "512", "--budget", str(budget), "--max-steps", "4", "--no-curriculum"]
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), *args], capture_output=True,
+                          text=True, timeout=limit_s(240))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert rank0["decisions"] == rank1["decisions"] and rank0["global_step"] == rank1["global_step"] == 4
+    assert (rank0["decisions"] == rank1["decisions"]
+            and rank0["global_step"] == rank1["global_step"] == 4)
     assert rank0["applied_mitigations"] == rank1["applied_mitigations"] == ["tiled_mlp"]
-    assert rank0["tiled_mlp_tiles"] == rank1["tiled_mlp_tiles"] == 16  # d_ff 512 / d_model 32, whatever the length
+    # d_ff 512 / d_model 32, whatever the length
+    assert rank0["tiled_mlp_tiles"] == rank1["tiled_mlp_tiles"] == 16
     assert rank0["parameters"] == rank1["parameters"]
     assert max(r["peak_bytes"] for r in rank0["records"] + rank1["records"]) <= budget
 
@@ -215,16 +236,19 @@ def test_strategies_that_shard_or_wrap_the_model_refuse_it_at_set_up():
     class FSDPStrategy: ...
 
     rung = ladder.rung("tiled_mlp")
-    assert "DeepSpeed's own TiledMLP" in rung.setup_refusal(SimpleNamespace(strategy=DeepSpeedStrategy()), _gpt())
+    assert "DeepSpeed's own TiledMLP" in rung.setup_refusal(
+        SimpleNamespace(strategy=DeepSpeedStrategy()), _gpt())
     assert "FSDPStrategy" in rung.setup_refusal(SimpleNamespace(strategy=FSDPStrategy()), _gpt())
     assert rung.setup_refusal(None, _gpt()) is None
-    only_dropouts = nn.ModuleList([nn.ModuleDict({"mlp": nn.Sequential(nn.Dropout(0.1))}) for _ in range(2)])
+    only_dropouts = nn.ModuleList([nn.ModuleDict({"mlp": nn.Sequential(nn.Dropout(0.1))})
+                                   for _ in range(2)])
     assert "nothing to tile" in ladder.is_applicable("tiled_mlp", None, only_dropouts)[1]
 
 
 def test_seqmem_plan_forecasts_the_rung(tmp_path, capsys):
     config = plan_config(tmp_path, ["tiled_mlp"],
-                         {"n_layer": 2, "d_model": 64, "n_head": 2, "vocab_size": VOCAB, "attention": "sdpa", "d_ff": 512},
+                         {"n_layer": 2, "d_model": 64, "n_head": 2, "vocab_size": VOCAB,
+                          "attention": "sdpa", "d_ff": 512},
                          {"batch_size": 2, "seq_len": 64, "num_samples": 4, "vocab_size": VOCAB})
     doc = plan_json(config, capsys, [256])
     assert doc["mitigation_sets"] == [[], ["tiled_mlp"]]
@@ -240,7 +264,8 @@ def test_outside_training_the_mlp_runs_untiled_with_the_same_output():
         expected = module(ids)
         TiledMLP(tiles=3).apply(module)
         assert tiled_mlp_tiles(module) == 3
-        torch.testing.assert_close(module(ids), expected, rtol=0, atol=0)  # no_grad: the MLP's own forward
+        # no_grad: the MLP's own forward
+        torch.testing.assert_close(module(ids), expected, rtol=0, atol=0)
 
 
 def test_at_long_lengths_the_tile_count_follows_the_length_as_alst():

@@ -22,7 +22,8 @@ def _traced_model(attention, checkpointing, n_layer=2, d_model=64):
         _step(model, optimizer, torch.randint(0, 256, (2, 16)))
 
     def measure(seq_len, batch_size=2):
-        m = _step(model, optimizer, torch.randint(0, 256, (batch_size, seq_len)), TrackerProbe("cpu"))
+        m = _step(model, optimizer, torch.randint(0, 256, (batch_size, seq_len)),
+                  TrackerProbe("cpu"))
         return Trace(seq_len, batch_size, m.events, measured_peak_bytes=m.peak_bytes), m
 
     return measure

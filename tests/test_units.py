@@ -1,11 +1,13 @@
-"""Tests for lightning_seqmem.core.units: parsing what users write, refusing what is not a memory size."""
+"""Tests for lightning_seqmem.core.units: parsing what users write, refusing what is not a memory
+size."""
 
 import numpy as np
 import pytest
 
 from lightning_seqmem.core.units import MAX_BYTES, parse_bytes
 
-ACCEPTED = "must be a positive number of bytes up to 2\\*\\*63 - 1 \\(an int\\) or a string like '12GiB'"
+ACCEPTED = ("must be a positive number of bytes up to 2\\*\\*63 - 1 \\(an int\\) or a string "
+            "like '12GiB'")
 
 
 @pytest.mark.parametrize(
@@ -36,7 +38,8 @@ def test_parse_bytes_accepts(value, nbytes):
     [
         "9" * 400,
         "9" * 400 + "GiB",
-        pytest.param("9" * 5000, id="9*5000"),  # past Python's int-string limit: still our ValueError, not int()'s
+        # past Python's int-string limit: still our ValueError, not int()'s
+        pytest.param("9" * 5000, id="9*5000"),
         "9" * 30 + "GiB",
         "8388608TiB",  # 2**63 bytes exactly
         "1e400GiB",

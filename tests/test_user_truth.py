@@ -38,8 +38,10 @@ def test_curriculum_holds_when_the_data_is_shorter_than_the_stage():
     """40-token data under stages 16, 32, 64, 128: the old code advanced to 128 on paper while every
     batch ran at 40; now the curriculum holds at 64 (the first stage the data does not reach)."""
     cb = SeqMemCallback(warmup_steps=1, dry_run=False,
-                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2, multiple_of=16))
-    said = _fit(cb, _gpt(), SyntheticTokenDataModule(batch_size=2, seq_len=40, num_samples=64), max_steps=10)
+                        curriculum=Curriculum(start=16, target=128, steps_per_stage=2,
+                                              multiple_of=16))
+    said = _fit(cb, _gpt(), SyntheticTokenDataModule(batch_size=2, seq_len=40, num_samples=64),
+                max_steps=10)
     assert [r.seq_len for r in cb.records] == [16, 16, 32, 32] + [40] * 6  # what ran
     assert cb.seq_len == 64 and cb.planner.course.stage == 2  # held, not advanced to 128
     held = [m for m in said if "asked for seq_len=64" in m]
@@ -79,7 +81,8 @@ def test_dataset_length_setter_with_worker_processes_is_refused_before_training(
     """The old code set the length in the main process only: with num_workers=2 every batch kept 64
     tokens and the curriculum never took effect. Now the run is refused at its first batch, saying
     what to do."""
-    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False,
+                        curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
     loader = DataLoader(TupleTokens(), batch_size=4, num_workers=2, collate_fn=tuple_collate)
     with pytest.raises(ValueError) as info:
         _fit(cb, TupleGPT(n_layer=1, d_model=32, n_head=2), loader, max_steps=4)
@@ -89,16 +92,18 @@ def test_dataset_length_setter_with_worker_processes_is_refused_before_training(
 
 
 def test_dataset_length_setter_without_workers_still_drives_the_curriculum():
-    cb = SeqMemCallback(warmup_steps=1, dry_run=False, curriculum=Curriculum(start=16, target=32, steps_per_stage=2))
-    _fit(cb, TupleGPT(n_layer=1, d_model=32, n_head=2), DataLoader(TupleTokens(), batch_size=4, collate_fn=tuple_collate),
-         max_steps=8)
-    assert 32 in [r.seq_len for r in cb.records]  # the setter reached the data (a batch or two late)
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False,
+                        curriculum=Curriculum(start=16, target=32, steps_per_stage=2))
+    _fit(cb, TupleGPT(n_layer=1, d_model=32, n_head=2),
+         DataLoader(TupleTokens(), batch_size=4, collate_fn=tuple_collate), max_steps=8)
+    # the setter reached the data (a batch or two late)
+    assert 32 in [r.seq_len for r in cb.records]
 
 
 # -- 1. torch.compile inside the module ------------------------------------------------------------
 class CompiledGPT(LitGPT):
-    """``self.model = torch.compile(self.model)`` in ``configure_model`` (the "eager" backend: dynamo's
-    graph capture, the part a dispatch mode turns off, without a C++ build)."""
+    """``self.model = torch.compile(self.model)`` in ``configure_model`` (the "eager" backend:
+    dynamo's graph capture, the part a dispatch mode turns off, without a C++ build)."""
 
     def configure_model(self):
         if not hasattr(self.model, "_orig_mod"):
@@ -106,18 +111,20 @@ class CompiledGPT(LitGPT):
 
 
 def test_a_compiled_module_still_compiles_on_cpu_with_the_tracker_and_forecasts_say_eager():
-    """The old code kept the tracker's dispatch mode on at every step: torch.compile fell back to eager
-    on all of them (0 graphs), silently. Now most steps run compiled, one warning says which run eager,
-    and forecasts say they are of the eager program."""
+    """The old code kept the tracker's dispatch mode on at every step: torch.compile fell back to
+    eager on all of them (0 graphs), silently. Now most steps run compiled, one warning says which
+    run eager, and forecasts say they are of the eager program."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=16, target=32, steps_per_stage=4))
+    cb = SeqMemCallback(warmup_steps=1,
+                        curriculum=Curriculum(start=16, target=32, steps_per_stage=4))
     said = _fit(cb, CompiledGPT(n_layer=1, d_model=32, n_head=2),
                 SyntheticTokenDataModule(batch_size=2, seq_len=32, num_samples=64), max_steps=8)
     assert counters["stats"]["unique_graphs"] >= 1  # compiled steps ran
-    assert len(cb.records) < 8  # measured (eager) steps only: warm-ups and the first steps at each length
+    # measured (eager) steps only: warm-ups and the first steps at each length
+    assert len(cb.records) < 8
     assert sorted({r.seq_len for r in cb.records if not r.warmup}) == [16, 32]
     compiled = [m for m in said if "torch.compile" in m and "tracker is on only for" in m]
     assert len(compiled) == 1 and "'model'" in compiled[0]
@@ -140,7 +147,8 @@ class _GraphCounts(pl.Callback):
 def test_a_rung_switched_on_in_a_compiled_module_runs_compiled_and_within_the_budget(rung):
     """``torch.compile`` and a rung switched on mid-run: the rung finds its targets through the
     compiled wrapper, later unmeasured steps compile again with it (dynamo recompiles on the changed
-    modules), and every measured step (the tracker, eager) is within a budget only the rung meets."""
+    modules), and every measured step (the tracker, eager) is within a budget only the rung
+    meets."""
     from lightning_seqmem.dryrun.step import dry_run_step
     from lightning_seqmem.mitigations import ladder
     from torch._dynamo.utils import counters
@@ -151,26 +159,30 @@ def test_a_rung_switched_on_in_a_compiled_module_runs_compiled_and_within_the_bu
     def dry(mitigations):
         module = _gpt(**model)
         ids = torch.randint(0, 100, (rows, 64), generator=torch.Generator().manual_seed(0))
-        return dry_run_step(module, module.configure_optimizers(), {"input_ids": ids, "labels": ids}, target,
+        return dry_run_step(module, module.configure_optimizers(),
+                            {"input_ids": ids, "labels": ids}, target,
                             mitigations=mitigations).peak_bytes
 
     budget = (dry([rung]) + dry([])) // 2  # the target length fits with the rung only
     torch._dynamo.reset()
     counters.clear()
     cb = SeqMemCallback(warmup_steps=1, memory_budget=budget, safety_margin=0.0, mitigations=[rung],
-                        curriculum=Curriculum(start=64, target=target, steps_per_stage=2, multiple_of=64))
+                        curriculum=Curriculum(start=64, target=target, steps_per_stage=2,
+                                              multiple_of=64))
     graphs = _GraphCounts()
     torch.manual_seed(0)
     module = CompiledGPT(**{"n_layer": 1, "d_model": 32, "n_head": 2, **model})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer([cb, graphs], max_steps=16).fit(module, SyntheticTokenDataModule(batch_size=rows, seq_len=target,
-                                                                                       num_samples=64))
+        make_trainer([cb, graphs], max_steps=16).fit(
+            module, SyntheticTokenDataModule(batch_size=rows, seq_len=target, num_samples=64))
     assert cb.applied_mitigations == (rung,) and ladder.is_on(rung, module)
     (event,) = cb.mitigation_events
-    assert graphs.after_step[15] > graphs.after_step[event["step"]]  # compiled steps ran with the rung on
+    # compiled steps ran with the rung on
+    assert graphs.after_step[15] > graphs.after_step[event["step"]]
     assert max(r.seq_len for r in cb.records) == target
-    assert max(r.peak_bytes for r in cb.records) <= budget, [(r.seq_len, r.peak_bytes) for r in cb.records]
+    assert max(r.peak_bytes for r in cb.records) <= budget, [
+        (r.seq_len, r.peak_bytes) for r in cb.records]
     assert all(r.mitigations == (rung,) for r in cb.records if r.seq_len == target)
 
 
@@ -178,7 +190,8 @@ def test_a_rung_switched_on_in_a_compiled_module_runs_compiled_and_within_the_bu
 def test_bf16_is_not_advised_where_a_bf16_dry_run_raises_the_peak():
     """Eager attention, d=64, 2 layers, fp32, target 512: bf16 autocast raises this step's peak (the
     dry run says +5%). The old code advised bf16 from the first quadratic fit's L² share."""
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=128, target=512, steps_per_stage=2))
+    cb = SeqMemCallback(warmup_steps=1,
+                        curriculum=Curriculum(start=128, target=512, steps_per_stage=2))
     said = _fit(cb, _gpt(n_layer=2, d_model=64, n_head=4, attention="eager"),
                 SyntheticTokenDataModule(batch_size=2, seq_len=512, num_samples=64), max_steps=6)
     assert [r.seq_len for r in cb.records][-1] == 512
@@ -186,25 +199,31 @@ def test_bf16_is_not_advised_where_a_bf16_dry_run_raises_the_peak():
 
 
 def test_bf16_is_advised_with_the_dry_run_numbers_where_it_lowers_the_peak():
-    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
-    said = _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64),
-                max_steps=6)
+    cb = SeqMemCallback(warmup_steps=1,
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
+    said = _fit(cb, _gpt(attention="sdpa"),
+                SyntheticTokenDataModule(batch_size=2, seq_len=256, num_samples=64), max_steps=6)
     bf16 = [m for m in said if "bf16" in m]
-    assert len(bf16) == 1 and "seq_len=256" in bf16[0] and "dry run" in bf16[0] and "-" in bf16[0].split("(")[-1]
+    assert (len(bf16) == 1 and "seq_len=256" in bf16[0] and "dry run" in bf16[0]
+            and "-" in bf16[0].split("(")[-1])
 
 
 def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_of_zero():
     """An SDPA model with a budget nothing fits in: the old code advised "switch attention to SDPA"
     and its report said the largest length that fits is 0 tokens."""
-    cb = SeqMemCallback(warmup_steps=1, memory_budget="64KiB", curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
-    with pytest.raises(MemoryBudgetError) as err:  # a budget the parameters alone exceed stops the run (issue 23)
-        _fit(cb, _gpt(attention="sdpa"), SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=64),
-             max_steps=2)
+    cb = SeqMemCallback(warmup_steps=1, memory_budget="64KiB",
+                        curriculum=Curriculum(start=16, target=64, steps_per_stage=2))
+    # a budget the parameters alone exceed stops the run (issue 23)
+    with pytest.raises(MemoryBudgetError) as err:
+        _fit(cb, _gpt(attention="sdpa"),
+             SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=64), max_steps=2)
     said = [str(err.value)]
-    assert "cannot be met" in said[0] and not [m for m in said if "SDPA" in m or "sdpa" in m.lower()]
+    assert ("cannot be met" in said[0]
+            and not [m for m in said if "SDPA" in m or "sdpa" in m.lower()])
     from lightning_seqmem.present.report import build_report
     from lightning_seqmem.present.render import render_markdown
 
     markdown = render_markdown(build_report(PlanView.of(cb.planner)))
     # stopped before any step: the report forecasts nothing, and never "0 tokens" nor SDPA
-    assert "not enough measurements to forecast" in markdown and "0 tokens" not in markdown and "SDPA" not in markdown
+    assert ("not enough measurements to forecast" in markdown and "0 tokens" not in markdown
+            and "SDPA" not in markdown)
