@@ -3,23 +3,22 @@
 A rung is a small class with one signature for everything the callback, the dry run and
 ``seqmem plan`` ask of it (torchtitan's policy classes, Composer's ``Algorithm.match/apply``):
 
-=========================================  ===============================================================
-method                                     asked by
-=========================================  ===============================================================
-``is_applicable(ctx) -> (bool, reason)``   the planner's applicability table, ``seqmem plan``
-``apply(ctx) -> MitigationResult``         the callback, between steps (in place; parameters, optimizer
-                                           state and ``state_dict`` keys unchanged)
-``remove(ctx) -> MitigationResult|None``   the callback, when the rung's own check refuses it
-``is_on(module) -> bool``                  resume, a second fit, the report
-``apply_to_copy(copy, plan)``              the dry run: put the rung on a fake copy (or change the step
-                                           it runs: ``plan.micro_batch_size``)
-``setup_refusal(trainer, module)``         set-up: a strategy (or module) this rung cannot work under
-``check_pending(module)``, ``refusal``     the callback: a one-time check after the switch
-=========================================  ===============================================================
+========================================  ==========================================================
+method                                    asked by
+========================================  ==========================================================
+``is_applicable(ctx) -> (bool, reason)``  the planner's applicability table, ``seqmem plan``
+``apply(ctx) -> MitigationResult``        the callback, between steps (in place; parameters,
+                                          optimizer state and ``state_dict`` keys unchanged)
+``remove(ctx) -> MitigationResult|None``  the callback, when the rung's own check refuses it
+``is_on(module) -> bool``                 resume, a second fit, the report
+``apply_to_copy(copy, plan)``             the dry run: put the rung on a fake copy (or change the
+                                          step it runs: ``plan.micro_batch_size``)
+``setup_refusal(trainer, module)``        set-up: a strategy (or module) this rung cannot work under
+``check_pending(module)``, ``refusal``    the callback: a one-time check after the switch
+========================================  ==========================================================
 
-Its torch-free half, :class:`~lightning_seqmem.core.rung_spec.RungSpec` (``spec``), is what the planner
-reads. A new rung is one file with a ``Rung`` subclass, registered with
-:func:`lightning_seqmem.mitigations.ladder.register`.
+The planner reads its torch-free half, :class:`~lightning_seqmem.core.rung_spec.RungSpec`
+(``spec``). A new rung is a ``Rung`` subclass registered with :func:`.ladder.register`.
 
 Example:
     >>> from torch import nn
@@ -30,7 +29,8 @@ Example:
     ...     def is_on(self, module):
     ...         return all(m.p == 0 for m in module.modules() if isinstance(m, nn.Dropout))
     ...     def is_applicable(self, ctx):
-    ...         return (False, "no dropout") if self.is_on(ctx.pl_module) else (True, "dropout p -> 0")
+    ...         on = self.is_on(ctx.pl_module)
+    ...         return (False, "no dropout") if on else (True, "dropout p -> 0")
     ...     def apply(self, ctx):
     ...         for m in ctx.pl_module.modules():
     ...             if isinstance(m, nn.Dropout):
@@ -56,8 +56,10 @@ class MitigationResult:
     """What one ``apply`` did.
 
     Example:
-        >>> MitigationResult("attention", applied=True, detail="attention eager -> sdpa", before="eager", after="sdpa")
-        MitigationResult(name='attention', applied=True, detail='attention eager -> sdpa', before='eager', after='sdpa')
+        >>> MitigationResult("attention", True, "eager -> sdpa",
+        ...                  "eager", "sdpa")  # doctest: +NORMALIZE_WHITESPACE
+        MitigationResult(name='attention', applied=True, detail='eager -> sdpa', before='eager',
+                         after='sdpa')
     """
 
     name: str  # the rung, e.g. "attention", "checkpointing"
@@ -95,9 +97,9 @@ class Rung:
     one-time check and works under every strategy)."""
 
     spec: RungSpec
-    after_sharding = False  # the sharded dry run puts it on the copy after fully_shard (else before)
-    # a dry run models it where ``is_applicable`` refuses it (activation offload on CPU): ``seqmem plan``
-    # then says what it would do on a device where it applies, as a modelled figure
+    after_sharding = False  # the sharded dry run puts it on its copy after fully_shard, else before
+    # a dry run models it where ``is_applicable`` refuses it (activation offload on CPU): ``seqmem
+    # plan`` then says what it would do on a device where it applies, as a modelled figure
     modelled_where_refused = False
 
     @property
@@ -114,16 +116,16 @@ class Rung:
         raise NotImplementedError
 
     def at(self, level: Optional[str]) -> "Rung":
-        """This rung at variant ``level`` (``"3/8"``; None: its full level). A rung with levels
-        returns a configured instance whose ``spec`` is ``self.spec.at(level)``; one without refuses."""
+        """This rung at variant ``level`` (``"3/8"``; None: its full level): a configured instance
+        whose ``spec`` is ``self.spec.at(level)``; a rung without levels raises ValueError."""
         if level is None:
             return self
         raise ValueError(f"rung {self.name!r} has no levels, got level {level!r}")
 
     def variants(self, ctx: RungContext) -> tuple[str, ...]:
-        """The names of this rung's variants that apply to ``ctx``'s model, cheapest (least step time)
-        first, ending with the full rung (default: the rung alone). A variant may replace one of the
-        same rung that is on when it comes later in this order (an upgrade)."""
+        """The names of this rung's variants that apply to ``ctx``'s model, cheapest first, ending
+        with the full rung (default: the rung alone). A later variant may replace an earlier one
+        that is on (an upgrade)."""
         return (self.name,)
 
     def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
@@ -131,25 +133,22 @@ class Rung:
         return None
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """Put the rung on a dry run's fake copy (which has no trainer); one that cannot go on (and
-        is not on already) raises :class:`~lightning_seqmem.core.rungs.RungNotApplicable`: the step
-        would be another setting's."""
+        """Put the rung on a dry run's fake copy (no trainer); raises :class:`.RungNotApplicable`
+        where it cannot go on and is not on already (the step would be another setting's)."""
         result = self.apply(RungContext(copy))
         if not result.applied and not self.is_on(copy):
             raise RungNotApplicable(self.name, result.detail)
         plan.notes.append(f"{self.name}: {result.detail}")
 
     def noop(self, ctx: RungContext) -> Optional[str]:
-        """Why the rung would change nothing on this rank's batch (so it does not apply here alone),
-        where it may still go on when it applies on another rank of the run (``ctx.noop_ok``:
-        micro-batching a batch of one sample); None otherwise (default)."""
+        """Why the rung would change nothing on this rank's batch (micro-batching one sample), where
+        it may still go on as it applies on another rank (``ctx.noop_ok``); None otherwise."""
         return None
 
     def copy_refusal(self, ctx: RungContext) -> Optional[str]:
-        """Why a dry run of this model with the rung would not be a step with it (the rung cannot go
-        on, and is not on already), decided on the real module structure; None where it would be.
-        Asked before a dry run of a setting that holds the rung (a forecast never claims a rung that
-        does not apply)."""
+        """Why a dry run with the rung would not be a step with it (it cannot go on and is not on
+        already), decided on the real module, or None; asked before a dry run of a setting that
+        holds it (a forecast never claims a rung that does not apply)."""
         if self.modelled_where_refused:
             return None  # modelled on any device: its apply_to_copy says what it does
         applies, why = self.is_applicable(ctx)
@@ -164,8 +163,7 @@ class Rung:
         return self.strategy_refusal(trainer)
 
     def check_pending(self, module: Any, batch: Any = None) -> bool:
-        """Whether the next step runs the rung's one-time check (its memory falls in that step);
-        ``batch``: the step on that batch."""
+        """Whether the next step (on ``batch``) runs the rung's one-time check (and its memory)."""
         return False
 
     def refusal(self, module: Any) -> Optional[str]:
@@ -191,10 +189,9 @@ class ModulePolicyRung(Rung):
 
 def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
     """Why a rung that rewrites the module (checkpointing, micro-batching) cannot work under
-    ``trainer``'s strategy, or None: FSDP1 wraps the model in ``FullyShardedDataParallel``; single
-    device, DDP, ``ModelParallelStrategy`` (FSDP2 in ``configure_model()``) and Lightning's
-    ``DeepSpeedStrategy`` (a ``DDPStrategy``: the rungs act on the module inside its engine; each rung
-    says what DeepSpeed allows, e.g. micro-batching at ZeRO stages 0-2 only) take the rungs.
+    ``trainer``'s strategy, or None. FSDP1 wraps the model in ``FullyShardedDataParallel``; single
+    device, DDP, ``ModelParallelStrategy`` (FSDP2) and ``DeepSpeedStrategy`` (a ``DDPStrategy``;
+    each rung says what DeepSpeed allows, e.g. micro-batching at ZeRO stages 0-2 only) take them.
 
     Example:
         >>> from types import SimpleNamespace
@@ -203,27 +200,29 @@ def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
         'FSDPStrategy shards or wraps the model itself'
     """
     strategy = getattr(trainer, "strategy", None)
-    if strategy is None or is_a(strategy, "ModelParallelStrategy", "SingleDeviceStrategy", "DDPStrategy"):
+    if strategy is None or is_a(strategy, "ModelParallelStrategy", "SingleDeviceStrategy",
+                                "DDPStrategy"):
         return None
     name = type(strategy).__name__
-    how = ("for DeepSpeed use its config (activation checkpointing, gradient accumulation); measurement and "
-           "forecasts from measured steps still work, the dry run does not" if "DeepSpeed" in name else
-           "FSDPStrategy (FSDP1) wraps the model in FullyShardedDataParallel: use its activation_checkpointing_policy, "
-           "or ModelParallelStrategy with fully_shard (FSDP2) in configure_model(), where every rung works; "
-           "measurement and forecasts still work")
+    how = ("for DeepSpeed use its config (activation checkpointing, gradient accumulation); "
+           "measurement and forecasts from measured steps still work, the dry run does not"
+           if "DeepSpeed" in name else
+           "FSDPStrategy (FSDP1) wraps the model in FullyShardedDataParallel: use its "
+           "activation_checkpointing_policy, or ModelParallelStrategy with fully_shard (FSDP2) in "
+           "configure_model(), where every rung works; measurement and forecasts still work")
     return f"{name} shards or wraps the model itself: {how}"
 
 
 def find_top_down(model: Any, take: Callable[[Any], Optional[bool]]) -> list[tuple[str, Any]]:
-    """The modules of ``model`` a rung acts on, as ``(qualified name, module)`` (the root's name ``""``),
-    searched top-down: ``take(module)`` True takes it, False stops there (a model the rung refuses), None
-    searches its children. A module taken or stopped at is not searched further; a shared submodule is
-    visited once, as in ``named_modules()``.
+    """The modules of ``model`` a rung acts on, as ``(qualified name, module)`` (the root: ``""``),
+    searched top-down: ``take(module)`` True takes it, False stops there (a model the rung refuses),
+    None searches its children. A shared submodule is visited once, as in ``named_modules()``.
 
     Example:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
-        >>> [name for name, _ in find_top_down(model, lambda m: True if isinstance(m, nn.Linear) else None)]
+        >>> linear = lambda m: True if isinstance(m, nn.Linear) else None
+        >>> [name for name, _ in find_top_down(model, linear)]
         ['0', '1.1']
         >>> find_top_down(model, lambda m: False if isinstance(m, nn.Sequential) else None)
         []
@@ -247,5 +246,5 @@ def find_top_down(model: Any, take: Callable[[Any], Optional[bool]]) -> list[tup
     return targets
 
 
-__all__ = ["CopyPlan", "MitigationResult", "ModulePolicyRung", "Rung", "RungContext", "find_top_down",
-           "wrapping_strategy_refusal"]
+__all__ = ["CopyPlan", "MitigationResult", "ModulePolicyRung", "Rung", "RungContext",
+           "find_top_down", "wrapping_strategy_refusal"]

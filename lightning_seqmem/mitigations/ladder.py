@@ -1,47 +1,44 @@
-"""The mitigation ladder: every rung behind one name, cheapest first, and the registry that a new
-rung joins.
+"""The mitigation ladder: every rung behind one name, cheapest first, and the rung registry.
 
 Built-in rungs, in the default order (``SeqMemCallback(mitigations=...)`` may reorder or drop them):
 
-========================  =====================================================  =====================
-name                      what it does                                           cost (prior)
-========================  =====================================================  =====================
-``"attention"``           eager → SDPA (→ flash-attn where installed, on CUDA,   none: no L² matrix,
-                          fp16/bf16): :class:`AttentionRung`                      no extra compute
-``"checkpointing"``       recompute each transformer block in backward:          ~25-35% more compute
-                          :class:`CheckpointingRung`; at a level:                k/N of that for
-                          ``"checkpointing:k/N"`` (first k of N blocks),         ``k/N``; ~15% for
-                          ``"checkpointing:selective"`` (pointwise ops only)     ``selective``
-``"microbatch"``          split each batch into micro-batches of one sample      throughput (smaller
-                          inside the step: :class:`MicroBatchRung`               kernels)
-========================  =====================================================  =====================
+===================  ==================================================  ======================
+name                 what it does                                        cost (prior)
+===================  ==================================================  ======================
+``"attention"``      eager → SDPA (→ flash-attn where installed, on      none: no L² matrix,
+                     CUDA, fp16/bf16): :class:`AttentionRung`            no extra compute
+``"checkpointing"``  recompute each transformer block in backward:       ~25-35% more compute
+                     :class:`CheckpointingRung`; at a level:             k/N of that for
+                     ``"checkpointing:k/N"`` (first k of N blocks),      ``k/N``; ~15% for
+                     ``"checkpointing:selective"`` (pointwise ops only)  ``selective``
+``"microbatch"``     split each batch into micro-batches of one sample   throughput (smaller
+                     inside the step: :class:`MicroBatchRung`            kernels)
+===================  ==================================================  ======================
 
 Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`, not in the default order; name it in
 ``mitigations`` to allow it):
 
-==========================  ===================================================  =====================
-``"fused_loss"``            a causal LM's loss by a fused linear cross-entropy,  a Python loop over
-                            no ``[tokens, vocab]`` logits: :class:`FusedLossRung`  token shards (~5%)
-``"tiled_mlp"``             each block's MLP on sequence tiles, recomputed in    one more MLP forward
-                            backward (DeepSpeed's ``TiledMLP``, the ``tiled``    (~20%)
-                            extra): :class:`~.tiled_mlp.TiledMLPRung`
-``"activation_offload"``    (CUDA only) what each block saves for backward to    the host-device copies
-                            pinned host memory and back:                         (~15%, a guess)
-                            :class:`~.offload.ActivationOffloadRung`
-==========================  ===================================================  =====================
+========================  ==================================================  ======================
+``"fused_loss"``          fused linear cross-entropy: no ``[tokens, vocab]``  a Python loop over
+                          logits: :class:`FusedLossRung`                      token shards (~5%)
+``"tiled_mlp"``           each block's MLP on sequence tiles, recomputed in   one more MLP forward
+                          backward (DeepSpeed's ``TiledMLP``, the ``tiled``   (~20%)
+                          extra): :class:`TiledMLPRung`
+``"activation_offload"``  (CUDA only) what each block saves for backward to   the host-device copies
+                          pinned host memory and back:                        (~15%, a guess)
+                          :class:`ActivationOffloadRung`
+========================  ==================================================  ======================
 
-Each rung follows :class:`~lightning_seqmem.mitigations.base.Rung`; its torch-free half
-(:class:`~lightning_seqmem.core.rung_spec.RungSpec`) is what the planner reads. A new rung is one
-folder (its ``<rung>.py`` with a ``RUNG`` class, its spec, its card) and one line: its name in
-:data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` for a built-in, :func:`register_folder` for a
-user's; the callback, the dry run and ``seqmem plan`` take it by name from then on. The functions below never raise for a rung's failure: they return it.
+Each rung follows :class:`.base.Rung`. A new rung is one folder (``<rung>.py`` with ``RUNG``, its
+spec, its card) and one line: its name in ``core.rungs.RUNG_FOLDERS`` (a built-in) or
+:func:`register_folder` (a user's). The functions below return a rung's failure, never raise it.
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
-    >>> applicability(["attention", "checkpointing"], None, GPT(GPTConfig(n_layer=2, d_model=32, n_head=2)))["checkpointing"][0]
+    >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+    >>> applicability(["attention", "checkpointing"], None, model)["checkpointing"][0]
     True
 """
-
 from __future__ import annotations
 
 import importlib
@@ -60,13 +57,13 @@ from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, 
 
 
 def _folder_rung(path: str) -> Rung:
-    """The rung of the folder (package) ``path``: its ``<leaf>.py`` module's ``RUNG`` class, made."""
+    """The rung of the folder (package) ``path``: its ``<leaf>.py`` module's ``RUNG()``."""
     module = importlib.import_module(f"{path}.{path.rsplit('.', 1)[-1]}")
     return module.RUNG()
 
 
-_RUNGS: dict[str, Rung] = {r.name: r for r in (_folder_rung(f"lightning_seqmem.mitigations.{folder}")
-                                               for folder in RUNG_FOLDERS)}
+_RUNGS: dict[str, Rung] = {r.name: r for r in (
+    _folder_rung(f"lightning_seqmem.mitigations.{folder}") for folder in RUNG_FOLDERS)}
 
 
 def register(rung: Rung) -> Rung:
@@ -76,7 +73,8 @@ def register(rung: Rung) -> Rung:
         ValueError: ``rung`` is not a :class:`~lightning_seqmem.mitigations.base.Rung` with a spec.
     """
     if not isinstance(rung, Rung) or getattr(rung, "spec", None) is None:
-        raise ValueError(f"`rung` must be a Rung (lightning_seqmem.mitigations.base) with a `spec`, got {rung!r}")
+        raise ValueError("`rung` must be a Rung (lightning_seqmem.mitigations.base) with a `spec`, "
+                         f"got {rung!r}")
     register_spec(rung.spec)
     _RUNGS[rung.name] = rung
     return rung
@@ -84,8 +82,7 @@ def register(rung: Rung) -> Rung:
 
 def register_folder(path: str) -> Rung:
     """Add the rung of the folder ``path`` (a package, ``"my_rungs.no_dropout"``, holding
-    ``no_dropout.py`` with its ``RUNG`` class and, where it keeps one apart, its spec): one line
-    makes a new rung known to the callback, the dry run and ``seqmem plan``.
+    ``no_dropout.py`` with its ``RUNG`` class and, where it keeps one apart, its spec).
 
     Raises:
         ValueError: the folder has no rung module, or its ``RUNG`` is not a Rung with a spec.
@@ -93,8 +90,8 @@ def register_folder(path: str) -> Rung:
     try:
         rung = _folder_rung(path)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"`path` must name a rung folder (a package with <leaf>.py defining RUNG), "
-                         f"got {path!r}: {type(exc).__name__}: {exc}") from exc
+        raise ValueError("`path` must name a rung folder (a package with <leaf>.py defining "
+                         f"RUNG), got {path!r}: {type(exc).__name__}: {exc}") from exc
     return register(rung)
 
 
@@ -106,10 +103,10 @@ def unregister(name: str) -> None:
 
 
 def rung(name: str) -> Rung:
-    """The rung registered as ``name``, or its variant (``"checkpointing:3/8"``: the rung at that level).
+    """The rung registered as ``name``, or its variant (``"checkpointing:3/8"``: at that level).
 
     Raises:
-        ValueError: no rung of that name (names :func:`rung_names`), or a level the rung does not have.
+        ValueError: no rung of that name (names :func:`rung_names`), or a level it does not have.
     """
     base = base_name(name)
     if base not in _RUNGS:
@@ -136,8 +133,8 @@ def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
 
 
 def noop(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> Optional[str]:
-    """Why rung ``name`` would change nothing on this batch (it may go on where another rank's batch
-    needs it), or None; a check that raises answers None."""
+    """Why rung ``name`` would change nothing on this batch (it may go on where another rank's
+    batch needs it), or None; a check that raises answers None."""
     try:
         return rung(name).noop(_ctx(trainer, pl_module, batch))
     except Exception:  # noqa: BLE001 - an unusual model: as if it changed something
@@ -157,8 +154,8 @@ def is_on(name: str, pl_module: Any) -> bool:
 
 def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any = None,
                   batch_size: Optional[int] = None) -> dict[str, tuple[bool, str]]:
-    """``name -> (applies, reason)`` for each rung in ``names``, and for each variant of a rung with
-    levels (``"checkpointing:3/8"``) where the rung applies; a check that raises says so (never raises)."""
+    """``name -> (applies, reason)`` for each rung in ``names``, and for each variant of a rung
+    with levels (``"checkpointing:3/8"``) where it applies; a check that raises says so."""
     out = {}
     for name in names:
         try:
@@ -174,9 +171,8 @@ def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any
 
 def copy_refusal(name: str, trainer: Any, pl_module: Any,
                  batch_size: Optional[int] = None) -> Optional[str]:
-    """Why a dry run of ``pl_module`` with rung ``name`` would not be a step with it (the rung's
-    :meth:`~lightning_seqmem.mitigations.base.Rung.copy_refusal`, on the real module structure), or
-    None; a check that raises says so."""
+    """Why a dry run of ``pl_module`` with rung ``name`` would not be a step with it
+    (:meth:`.base.Rung.copy_refusal`), or None; a check that raises says so."""
     try:
         return rung(name).copy_refusal(_ctx(trainer, pl_module, None, batch_size))
     except Exception as exc:  # noqa: BLE001 - an unusual model: said, never raised
@@ -185,7 +181,7 @@ def copy_refusal(name: str, trainer: Any, pl_module: Any,
 
 def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
               noop_ok: bool = False) -> tuple[bool, str]:
-    """Switch rung ``name`` on: ``(applied, what was done or why not)``; a failure is returned, never raised."""
+    """Switch rung ``name`` on: ``(applied, what was done or why not)``; a failure is returned."""
     try:
         result = apply(name, trainer, pl_module, batch, noop_ok)
         return bool(result.applied), result.detail
@@ -203,9 +199,10 @@ def setup_refusals(trainer: Any, pl_module: Any, names: Sequence[str]) -> dict[s
     return out
 
 
-def apply_to_copy(names: Sequence[str], copy: Any, *, after_sharding: Optional[bool] = None) -> CopyPlan:
-    """Put the rungs ``names`` on a dry run's fake copy, in order; ``after_sharding``: only those that
-    go on before (False) or after (True) ``fully_shard`` (None: all). Returns what the step becomes."""
+def apply_to_copy(names: Sequence[str], copy: Any, *,
+                  after_sharding: Optional[bool] = None) -> CopyPlan:
+    """Put the rungs ``names`` on a dry run's fake copy, in order; ``after_sharding``: only those
+    that go on before (False) or after (True) ``fully_shard`` (None: all); returns the plan."""
     plan = CopyPlan()
     for name in names:
         r = rung(name)
@@ -215,8 +212,7 @@ def apply_to_copy(names: Sequence[str], copy: Any, *, after_sharding: Optional[b
 
 
 def check_pending(names: Sequence[str], pl_module: Any, batch: Any = None) -> bool:
-    """Whether a rung of ``names`` (those on) runs its one-time check at the next step (on
-    ``batch``)."""
+    """Whether a rung of ``names`` (those on) runs its one-time check at the next step."""
     def pending(r: Rung) -> bool:  # (a rung written before ``batch`` was asked takes the module)
         takes_batch = len(inspect.signature(r.check_pending).parameters) > 1
         return r.check_pending(pl_module, batch) if takes_batch else r.check_pending(pl_module)
@@ -225,7 +221,7 @@ def check_pending(names: Sequence[str], pl_module: Any, batch: Any = None) -> bo
 
 
 def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
-    """``(name, why)`` of the first rung of ``names`` (those on) whose own check refused it, or None."""
+    """``(name, why)`` of the first rung of ``names`` (those on) whose own check refused it."""
     for name in names:
         why = rung(name).refusal(pl_module) if base_name(name) in _RUNGS else None
         if why is not None:
@@ -233,4 +229,6 @@ def refused(names: Sequence[str], pl_module: Any) -> Optional[tuple[str, str]]:
     return None
 
 
-__all__ = ["apply", "apply_to_copy", "applicability", "check_pending", "copy_refusal", "noop", "is_applicable", "is_on", "refused", "register", "register_folder", "remove", "rung", "setup_refusals", "try_apply", "unregister"]
+__all__ = ["apply", "apply_to_copy", "applicability", "check_pending", "copy_refusal", "noop",
+           "is_applicable", "is_on", "refused", "register", "register_folder", "remove", "rung",
+           "setup_refusals", "try_apply", "unregister"]

@@ -1,54 +1,32 @@
 """Activation offload: what each transformer block saves for backward waits in pinned host memory.
 
-Each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing.find_repeated_blocks`)
-runs its forward under PyTorch's ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` hooks: every
-tensor autograd saves inside the block (its input, the normalised activations, the attention
-output, the MLP's hidden activations...) is copied to pinned host memory as it is saved, and its
-device copy is freed as soon as the forward no longer needs it; the backward copies each one back
-when its node runs, and frees it after. The device then holds the saved activations of no block
-between the forward and the backward, only the one being back-propagated: the peak falls where
-saved activations make it (the end of the forward), not where a backward's own temporaries do
-(huggingface/accelerate#4175: unchanged at short lengths, −25% at 1M tokens).
+Each repeated block (:func:`.checkpointing.find_repeated_blocks`) runs its forward under the hooks
+of ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: each tensor autograd saves there is copied
+to pinned host memory as it is saved, and back when its backward node runs. Between forward and
+backward the device holds no block's saved activations, so the peak falls where they make it (the
+end of the forward), not where a backward's temporaries do (huggingface/accelerate#4175: unchanged
+at short lengths, −25% at 1M tokens).
 
-Which tensors go to the host (:meth:`ActivationOffload.keeps` says which stay):
+What goes to the host (:meth:`OffloadedForward.keeps` says what stays):
 
-* offloaded: every tensor saved for backward inside a block's forward that is not a parameter or a
-  buffer: activations, the block's input, masks the block builds;
-* kept on the device: the block's parameters and buffers (and views of them, e.g. a transposed
-  weight a matmul saves) and any ``nn.Parameter`` (FSDP2's unsharded ones): they stay on the device
-  anyway, so a host copy would free nothing and the way back would allocate a second device copy.
-  ``save_on_cpu`` alone copies them too;
-* with activation checkpointing on a block, only the checkpoint's inputs (what the non-reentrant
-  checkpoint keeps for its recompute, saved outside its region): the hooks go around the checkpoint
-  (a ``checkpoint_wrapper`` is the block then; Hugging Face checkpoints inside the layer's
-  ``forward``, below the hooks), so the checkpoint's own hooks stay innermost and nothing inside it
-  is saved (ALST's "checkpoint offload", and what ``activation_checkpointing_enable(offload=True)``
-  does in transformers 5; that one is not used: enabling it again would reset which layers are
-  checkpointed, and it covers checkpointed layers only). Hugging Face models: in either order. A
-  ``checkpoint_wrapper`` (or composable ``checkpoint``) put on a block *after* offload was
-  switched on encloses the hooks: there they stand aside (checkpoint's hooks are on top), so
-  checkpointing works and that block's checkpoint inputs stay on the device. Switch offload on
-  after checkpointing (list it after ``"checkpointing"``) to offload them.
+* each tensor saved inside a block's forward (twice if saved twice), except the block's parameters
+  and buffers (and views of them) and any ``nn.Parameter`` (FSDP2's unsharded ones): they stay on
+  the device anyway, so a host copy would free nothing (``save_on_cpu`` alone copies them too);
+* with activation checkpointing on a block, only the checkpoint's inputs (ALST's "checkpoint
+  offload"): the hooks go around the checkpoint (its wrapper is the block; Hugging Face checkpoints
+  inside the layer's ``forward``, below the hooks), whose own hooks stay innermost. Transformers 5's
+  ``activation_checkpointing_enable(offload=True)`` is not used: it would reset which layers are
+  checkpointed. A ``checkpoint_wrapper`` put on *after* offload encloses the hooks, which then
+  stand aside: list ``"activation_offload"`` after ``"checkpointing"`` to offload its inputs.
 
-A tensor saved twice is copied twice (each save is its own host copy, as with ``save_on_cpu``).
+Switched on in place between steps: each block's ``forward`` becomes an instance attribute
+(:class:`OffloadedForward`); parameters, optimizer state and ``state_dict`` keys are unchanged.
+Cost: the two copies, on the compute stream, and that much pinned host memory.
 
-It is switched on in place, between steps: each block's ``forward`` becomes an instance attribute
-(:class:`OffloadedForward`) that runs the class's ``forward`` under the hooks; no module is wrapped,
-so parameters, optimizer state and ``state_dict`` keys are unchanged; :meth:`ActivationOffload.remove`
-deletes the attribute. CUDA only (:class:`ActivationOffloadRung`): on CPU the activations already
-live in host memory and a copy would only add one.
-
-Cost: a device-to-host copy of the saved activations in the forward and a host-to-device copy in
-the backward (on the compute stream: the step waits for them), and that much pinned host memory.
-
-On fake tensors of an accelerator (a dry run of the simulated CUDA device, or of CUDA) ``save_on_cpu``
-itself runs: its host copies are fake host tensors, which the dry run's host tracker counts
-(:mod:`lightning_seqmem.dryrun.host`), and the backward copies each back to the device. On fake CPU
-tensors (a dry run of the CPU, which has no host apart) the hooks *model* the offload: nothing is
-kept for a saved tensor but its shape, so the device's live bytes lose it at once, and the backward
-allocates it again on the device where ``save_on_cpu`` would copy it back.
-:attr:`OffloadedForward.host_bytes` counts the bytes that are (or would be) copied to the host
-(:func:`offloaded_bytes`), on any device.
+On fake accelerator tensors (a dry run) ``save_on_cpu`` itself runs and the host tracker
+(:mod:`lightning_seqmem.dryrun.host`) counts its fake host copies; on fake CPU tensors the hooks
+*model* it (the shape alone is kept; backward allocates the tensor again on the device).
+:attr:`OffloadedForward.host_bytes` counts the bytes copied (or that would be) to the host.
 
 Example:
     >>> import torch
@@ -85,16 +63,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
 from lightning_seqmem.mitigations.activation_offload.activation_offload_spec import SPEC
 
-__all__ = ["ActivationOffload", "ActivationOffloadRung", "OffloadedForward", "is_offloading", "offloaded_bytes",
-           "reset_offloaded_bytes"]
+__all__ = ["ActivationOffload", "ActivationOffloadRung", "OffloadedForward", "is_offloading",
+           "offloaded_bytes", "reset_offloaded_bytes"]
 
 CPU_REFUSAL = "CUDA only: on CPU activations already live in host memory"
 
 
-
 def _inside_checkpoint() -> bool:
     """Whether the saved-tensor hooks on top now are a non-reentrant checkpoint's (its forward or
-    its recompute): the tensors saved there are recomputed, not kept, so there is nothing to offload."""
+    recompute): the tensors saved there are recomputed, not kept, so there is nothing to offload."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
@@ -119,7 +96,8 @@ class OffloadedForward:
         block = self.block
         if not torch.is_grad_enabled() or _inside_checkpoint():
             return type(block).forward(block, *args, **kwargs)
-        self._own = {st._cdata for t in (*block.parameters(), *block.buffers()) for st in _storages(t)}
+        self._own = {st._cdata for t in (*block.parameters(), *block.buffers())
+                     for st in _storages(t)}
         try:
             with saved_tensors_hooks(self._pack, self._unpack):
                 return type(block).forward(block, *args, **kwargs)
@@ -130,20 +108,21 @@ class OffloadedForward:
         """Whether a tensor saved inside the block stays on the device: a parameter or buffer of the
         block (or a view of one), any ``nn.Parameter``, or a tensor that is not strided."""
         base = tensor._base if tensor._base is not None else tensor
-        if isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter) or tensor.layout != torch.strided:
+        if (isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter)
+                or tensor.layout != torch.strided):
             return True
         return any(st._cdata in self._own for st in _storages(tensor))
 
     def _save_on_cpu(self, device_type: str = "cuda") -> save_on_cpu:
-        """PyTorch's own copies to (pinned) host memory and back, for tensors of ``device_type`` (made once
-        per device type, not pickled)."""
+        """PyTorch's own copies to (pinned) host memory and back, for tensors of ``device_type``
+        (made once per device type, not pickled)."""
         hooks = self.__dict__.setdefault("_hooks", {})
         if device_type not in hooks:
             hooks[device_type] = save_on_cpu(pin_memory=self.pin_memory, device_type=device_type)
         return hooks[device_type]
 
     def _to_host(self, tensor: torch.Tensor) -> Any:
-        # the accelerator's own device module says whether pinning is possible (save_on_cpu's default: CUDA's)
+        # the accelerator's device module says whether pinning is possible (save_on_cpu's: CUDA's)
         device_type = "cuda" if tensor.device.type in ("cpu", "meta") else tensor.device.type
         return (device_type, self._save_on_cpu(device_type).pack_hook(tensor))
 
@@ -164,8 +143,8 @@ class OffloadedForward:
         self.host_bytes += nbytes
         self.host_tensors += 1
         if is_fake(tensor) and tensor.device.type in ("cpu", "meta"):
-            # a dry run of the CPU, which has no host apart: the shape alone (the device forgets it), back
-            # as a new device tensor; on an accelerator's fake tensors save_on_cpu itself runs (host copies)
+            # a dry run of the CPU, which has no host apart: the shape alone (the device forgets
+            # it), back as a new device tensor; on an accelerator's, save_on_cpu itself runs
             return ("modelled", (tensor.size(), tensor.dtype, tensor.device))
         return ("host", self._to_host(tensor))
 
@@ -190,7 +169,8 @@ def _storages(t: torch.Tensor) -> list:
 
 
 def _wrappers(module: nn.Module) -> list[OffloadedForward]:
-    return [m.__dict__["forward"] for m in module.modules() if isinstance(m.__dict__.get("forward"), OffloadedForward)]
+    return [m.__dict__["forward"] for m in module.modules()
+            if isinstance(m.__dict__.get("forward"), OffloadedForward)]
 
 
 def is_offloading(module: nn.Module) -> bool:
@@ -220,17 +200,18 @@ def _counted(blocks: list[nn.Module]) -> str:
 
 
 class ActivationOffload:
-    """Policy: offload the tensors every repeated block saves for backward, in place and idempotently.
+    """Policy: offload the tensors every repeated block saves for backward (in place, idempotent).
 
     Args:
         block_class_names: class names of the blocks; ``None`` finds them as activation
-            checkpointing does (:func:`find_repeated_blocks`; checkpoint wrappers are the blocks
-            where checkpointing is on, so their inputs are what goes to the host).
-        pin_memory: copy into pinned (page-locked) host memory, as ``save_on_cpu(pin_memory=True)``.
+            checkpointing does (:func:`find_repeated_blocks`; a checkpoint wrapper is the block).
+        pin_memory: copy into pinned (page-locked) host memory.
 
     Example:
-        >>> ActivationOffload().is_applicable(nn.Linear(2, 2))[1]
-        'no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); pass block_class_names'
+        >>> why = ActivationOffload().is_applicable(nn.Linear(2, 2))[1]
+        >>> print(why)  # doctest: +NORMALIZE_WHITESPACE
+        no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class);
+        pass block_class_names
         >>> ActivationOffload(block_class_names=[])
         Traceback (most recent call last):
         ...
@@ -239,12 +220,14 @@ class ActivationOffload:
 
     name = "activation_offload"
 
-    def __init__(self, block_class_names: Sequence[str] | None = None, pin_memory: bool = True) -> None:
+    def __init__(self, block_class_names: Sequence[str] | None = None,
+                 pin_memory: bool = True) -> None:
         if block_class_names is not None:
-            names = [block_class_names] if isinstance(block_class_names, str) else list(block_class_names)
+            names = ([block_class_names] if isinstance(block_class_names, str)
+                     else list(block_class_names))
             if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError(f"`block_class_names` must be None or a non-empty sequence of class names, "
-                                 f"got {block_class_names!r}.")
+                raise ValueError("`block_class_names` must be None or a non-empty sequence of "
+                                 f"class names, got {block_class_names!r}.")
             block_class_names = names
         if not isinstance(pin_memory, bool):
             raise ValueError(f"`pin_memory` must be True or False, got {pin_memory!r}.")
@@ -252,23 +235,26 @@ class ActivationOffload:
         self.pin_memory = pin_memory
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The blocks whose forward goes under the hooks (the checkpoint wrapper where there is one)."""
-        found = {id(b) for b in find_repeated_blocks(model, self.block_class_names) if b is not model}
-        # find_repeated_blocks sees through checkpoint wrappers: the wrapper of a found block goes under the
-        # hooks instead, so that the checkpoint's input is what leaves the device (not nothing, inside it)
-        wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, ActivationWrapper)}
+        """The blocks whose forward goes under the hooks (a checkpoint wrapper where one is)."""
+        found = {id(b) for b in find_repeated_blocks(model, self.block_class_names)
+                 if b is not model}
+        # find_repeated_blocks sees through checkpoint wrappers: a found block's wrapper goes under
+        # the hooks instead, so the checkpoint's input is what leaves the device (not nothing)
+        wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules()
+                    if isinstance(m, ActivationWrapper)}
         return [wrappers.get(i, b) for b in model.modules() if (i := id(b)) in found]
 
     def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
-        """``(True, what would be offloaded)`` or ``(False, reason)`` (any device: the rung checks CUDA)."""
+        """``(True, what would be offloaded)`` or ``(False, why)``, on any device."""
         if is_offloading(model):
             return False, "saved activations already offloaded"
         blocks = self.blocks(model)
         if not blocks:
-            return False, ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); "
-                           "pass block_class_names")
+            return False, ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of "
+                           "one class); pass block_class_names")
         where = "pinned host memory" if self.pin_memory else "host memory"
-        return True, f"offload the tensors {_counted(blocks)} save for backward to {where} (save_on_cpu)"
+        return True, (f"offload the tensors {_counted(blocks)} save for backward to {where} "
+                      "(save_on_cpu)")
 
     def apply(self, model: nn.Module) -> MitigationResult:
         """Put every block's forward under the hooks; a second call changes nothing."""
@@ -278,22 +264,26 @@ class ActivationOffload:
             return MitigationResult(self.name, False, reason, state, state)
         for block in self.blocks(model):
             if "forward" in block.__dict__:  # someone else's instance forward: do not hide it
-                raise ValueError(f"{type(block).__name__} already has an instance attribute `forward` "
-                                 f"({block.__dict__['forward']!r}); activation offload cannot wrap it")
+                raise ValueError(f"{type(block).__name__} already has an instance attribute "
+                                 f"`forward` ({block.__dict__['forward']!r}); activation offload "
+                                 "cannot wrap it")
         for block in self.blocks(model):
             block.forward = OffloadedForward(block, self.pin_memory)  # type: ignore[method-assign]
         return MitigationResult(self.name, True, reason, "off", "on")
 
     def remove(self, model: nn.Module) -> MitigationResult:
         """Give every block its class's forward back."""
-        found = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), OffloadedForward)]
+        found = [m for m in model.modules()
+                 if isinstance(m.__dict__.get("forward"), OffloadedForward)]
         for m in found:
             del m.forward
-        detail = f"{len(found)} blocks save for backward on the device again" if found else "not offloading"
+        detail = (f"{len(found)} blocks save for backward on the device again" if found
+                  else "not offloading")
         return MitigationResult(self.name, bool(found), detail, "on" if found else "off", "off")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(block_class_names={self.block_class_names!r}, pin_memory={self.pin_memory})"
+        return (f"{type(self).__name__}(block_class_names={self.block_class_names!r}, "
+                f"pin_memory={self.pin_memory})")
 
 
 def _device_type(module: nn.Module) -> str:
@@ -302,15 +292,15 @@ def _device_type(module: nn.Module) -> str:
 
 
 class ActivationOffloadRung(Rung):
-    """The ladder's ``"activation_offload"`` rung (opt in: ``SeqMemCallback(mitigations=[...,
-    "activation_offload"])``): :class:`ActivationOffload` on CUDA. Elsewhere it is refused with its
-    reason; a dry run still models it (``modelled_where_refused``: ``seqmem plan`` says what it
-    would save on a GPU). Removable. FSDP1 wraps the model itself and refuses it at set-up (under
-    DeepSpeed its saved-tensor hooks act inside the engine as anywhere).
+    """The ladder's opt-in ``"activation_offload"`` rung: :class:`ActivationOffload` on CUDA,
+    removable. Elsewhere it is refused with its reason, yet a dry run models it
+    (``modelled_where_refused``: ``seqmem plan`` says what it would save on a GPU). FSDP1 refuses it
+    at set-up (under DeepSpeed its hooks act inside the engine as anywhere).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
-        >>> ActivationOffloadRung().is_applicable(RungContext(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))))
+        >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+        >>> ActivationOffloadRung().is_applicable(RungContext(model))
         (False, 'CUDA only: on CPU activations already live in host memory')
     """
 
@@ -325,7 +315,7 @@ class ActivationOffloadRung(Rung):
 
     def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
         device = _device_type(ctx.pl_module)
-        if device in ("cpu", "meta"):  # a module built on meta is planned for the CPU unless a GPU is simulated
+        if device in ("cpu", "meta"):  # meta is planned for the CPU unless a GPU is simulated
             return False, CPU_REFUSAL
         if device != "cuda":
             return False, f"CUDA only: on {device} there is no pinned host memory to copy to"
@@ -342,9 +332,10 @@ class ActivationOffloadRung(Rung):
         return self.policy.remove(ctx.pl_module)
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """Model it on the dry run's fake copy on any device (the hooks see fake tensors: see the module)."""
+        """Model it on the dry run's fake copy on any device (the hooks see fake tensors)."""
         result = self.policy.apply(copy)
-        plan.notes.append(f"{self.name}: {result.detail}" + (" (modelled)" if result.applied else ""))
+        plan.notes.append(f"{self.name}: {result.detail}"
+                          + (" (modelled)" if result.applied else ""))
 
     def strategy_refusal(self, trainer: Any) -> Optional[str]:
         return wrapping_strategy_refusal(trainer)

@@ -1,16 +1,11 @@
 """Switch the attention kernel of a model to one without the ``L x L`` score matrix.
 
-Eager attention keeps the ``[batch, heads, L, L]`` weights alive for backward: the quadratic term of
-the memory model. A fused kernel (``scaled_dot_product_attention`` or flash-attn) recomputes them
-blockwise in backward instead, with the same parameters and the same result up to rounding, so it
-is the cheapest mitigation: no extra compute and no state to migrate.
-
-Two kinds of model can be switched, found top-down (a module taken is not searched further):
+Two kinds of model can be switched (see the folder's card for why), found top-down:
 
 * Hugging Face ``PreTrainedModel`` (duck-typed: a ``set_attn_implementation`` method and a
   ``config``), through ``set_attn_implementation("sdpa" | "flash_attention_2" | "eager")``;
 * any module with a callable ``set_attention_backend(backend, sdpa_backends=None)``, such as
-  :class:`lightning_seqmem.reference.nn.GPT`. Its current backend is read from ``attention_backend``.
+  :class:`lightning_seqmem.reference.nn.GPT`; its backend is read from ``attention_backend``.
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -47,21 +42,19 @@ __all__ = [
 ]
 
 ATTENTION_SWITCH_BACKENDS = ("auto", "eager", "sdpa", "flash")
-"""Values accepted by ``AttentionSwitch(backend=...)``; ``"auto"`` means flash if it can run, else sdpa."""
+"""Values of ``AttentionSwitch(backend=...)``; ``"auto"``: flash if it can run, else sdpa."""
 
 _HF_IMPLEMENTATION = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-_NO_TARGET_REASON = (
-    "no attention module implements set_attention_backend and the model is not a Hugging Face PreTrainedModel"
-)
+_NO_TARGET_REASON = ("no attention module implements set_attention_backend and the model is not a "
+                     "Hugging Face PreTrainedModel")
 _MODELLED_FLASH: dict[str, Callable[[], str]] = {}  # device type -> HF name of its modelled flash
 
 
 def register_modelled_flash(device_type: str, implementation: Callable[[], str]) -> None:
-    """On ``device_type`` flash-attn runs modelled, as the Hugging Face attention implementation
-    that ``implementation()`` names (the dry-run wing's simulated CUDA device,
-    :mod:`lightning_seqmem.dryrun.kernels`): the ``"flash"`` switch works there for Hugging Face
-    models.
+    """On ``device_type`` (the dry run's simulated CUDA, :mod:`lightning_seqmem.dryrun.kernels`)
+    flash-attn runs modelled as the Hugging Face implementation ``implementation()`` names, so the
+    ``"flash"`` switch works there for Hugging Face models.
 
     Example:
         >>> register_modelled_flash("example", lambda: "flash_attention_2_modelled")
@@ -89,11 +82,9 @@ def _implements_protocol(module: nn.Module) -> bool:
 
 
 def find_attention_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules whose attention kernel can be switched, as ``(qualified name, module)`` pairs.
-
-    Searched top-down from ``model`` (the root's name is ``""``); a module taken is not searched
-    further, so a ``GPT`` implementing the protocol is returned alone, not with its attention layers.
-    Hugging Face models are preferred over the protocol when a module is both.
+    """Modules whose attention kernel can be switched, as ``(qualified name, module)`` pairs,
+    searched top-down (:func:`.find_top_down`): a ``GPT`` implementing the protocol is returned
+    alone, not with its attention layers.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -101,7 +92,8 @@ def find_attention_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
         >>> [name for name, _ in find_attention_targets(wrapper)]
         ['net']
     """
-    return find_top_down(model, lambda m: True if is_hf_pretrained_model(m) or _implements_protocol(m) else None)
+    return find_top_down(
+        model, lambda m: True if is_hf_pretrained_model(m) or _implements_protocol(m) else None)
 
 
 def _backend_of(target: nn.Module) -> str | None:
@@ -116,10 +108,9 @@ def _backend_of(target: nn.Module) -> str | None:
 
 
 def current_attention_backend(model: nn.Module) -> str | None:
-    """The attention backend the switchable modules of ``model`` use.
-
-    Returns ``None`` if there is no switchable module or its backend cannot be read, ``"mixed"`` if
-    the modules disagree. Hugging Face ``"flash_attention_*"`` implementations read as ``"flash"``.
+    """The attention backend the switchable modules of ``model`` use: ``None`` if there is none or
+    its backend cannot be read, ``"mixed"`` if they disagree (Hugging Face ``"flash_attention_*"``
+    reads as ``"flash"``).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -143,8 +134,8 @@ def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str 
 
     Args:
         model: its first parameter gives the device (and the dtype when ``check_dtype``).
-        check_dtype: also require fp16/bf16 parameters. Off for an explicit request, since fp32
-            parameters under bf16 autocast (``precision="bf16-mixed"``) feed flash-attn half tensors.
+        check_dtype: also require fp16/bf16 parameters. Off for an explicit request: fp32
+            parameters under bf16 autocast (``"bf16-mixed"``) feed flash-attn half tensors.
     """
     param = _first_parameter(model)
     if param is not None and param.device.type in _MODELLED_FLASH:
@@ -153,7 +144,8 @@ def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str 
         if others:
             return (f"flash-attn is modelled on {param.device.type} for Hugging Face models only, "
                     f"not {', '.join(others)}")
-        refusing = [type(t).__name__ for _, t in targets if not getattr(t, "_supports_flash_attn", True)]
+        refusing = [type(t).__name__ for _, t in targets
+                    if not getattr(t, "_supports_flash_attn", True)]
         if refusing:
             return f"{', '.join(refusing)} does not support flash attention"
         if check_dtype and param.dtype not in _HALF_DTYPES:
@@ -179,7 +171,8 @@ def _hf_implementation(backend: str, target: nn.Module) -> str:
     return _HF_IMPLEMENTATION[backend]
 
 
-def _check_sdpa_backends(sdpa_backends: Sequence[SDPBackend] | SDPBackend | None) -> list[SDPBackend] | None:
+def _check_sdpa_backends(
+        sdpa_backends: Sequence[SDPBackend] | SDPBackend | None) -> list[SDPBackend] | None:
     if sdpa_backends is None:
         return None
     if isinstance(sdpa_backends, SDPBackend):
@@ -187,19 +180,16 @@ def _check_sdpa_backends(sdpa_backends: Sequence[SDPBackend] | SDPBackend | None
     backends = list(sdpa_backends) if isinstance(sdpa_backends, Sequence) else None
     if not backends or not all(isinstance(b, SDPBackend) for b in backends):
         raise ValueError(
-            f"`sdpa_backends` must be None or a non-empty sequence of torch.nn.attention.SDPBackend "
-            f"(e.g. [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), got {sdpa_backends!r}."
-        )
+            "`sdpa_backends` must be None or a non-empty sequence of torch.nn.attention.SDPBackend "
+            "(e.g. [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), "
+            f"got {sdpa_backends!r}.")
     return backends
 
 
 @contextlib.contextmanager
 def sdpa_kernel_context(backends: Sequence[SDPBackend] | SDPBackend | None) -> Iterator[None]:
-    """Restrict ``scaled_dot_product_attention`` to ``backends`` inside the block.
-
-    Wrap the training step with it (or drive ``__enter__``/``__exit__`` from batch-start/-end
-    hooks); the previous global flags are restored in ``finally``, also when the step raises.
-    ``None`` is a no-op.
+    """Restrict ``scaled_dot_product_attention`` to ``backends`` (None: no-op) inside the block,
+    e.g. the training step; the previous global flags are restored on exit, also on an error.
 
     Example:
         >>> with sdpa_kernel_context([SDPBackend.MATH]):
@@ -228,8 +218,8 @@ class AttentionSwitch:
             flash-attn is installed, CUDA is present and the model's parameters are on CUDA in
             fp16/bf16 (never on CPU), otherwise ``"sdpa"``.
         sdpa_backends: ``SDPBackend`` values the ``"sdpa"`` kernel is restricted to, passed to
-            protocol modules' ``set_attention_backend``. Hugging Face models take no such argument:
-            wrap their step in :func:`sdpa_kernel_context` (see :meth:`kernel_context`).
+            protocol modules' ``set_attention_backend``; for Hugging Face models wrap the step in
+            :meth:`kernel_context`.
 
     Example:
         >>> AttentionSwitch("xformers")
@@ -240,15 +230,16 @@ class AttentionSwitch:
 
     name = "attention"
 
-    def __init__(self, backend: str = "auto", sdpa_backends: Sequence[SDPBackend] | None = None) -> None:
+    def __init__(self, backend: str = "auto",
+                 sdpa_backends: Sequence[SDPBackend] | None = None) -> None:
         if backend not in ATTENTION_SWITCH_BACKENDS:
-            raise ValueError(f"`backend` must be one of {ATTENTION_SWITCH_BACKENDS}, got {backend!r}.")
+            raise ValueError(
+                f"`backend` must be one of {ATTENTION_SWITCH_BACKENDS}, got {backend!r}.")
         self.sdpa_backends = _check_sdpa_backends(sdpa_backends)
         if self.sdpa_backends is not None and backend in ("eager", "flash"):
             raise ValueError(
-                f"`sdpa_backends` applies only to backend 'sdpa' or 'auto', got backend={backend!r} "
-                f"with sdpa_backends={self.sdpa_backends!r}."
-            )
+                "`sdpa_backends` applies only to backend 'sdpa' or 'auto', "
+                f"got backend={backend!r} with sdpa_backends={self.sdpa_backends!r}.")
         self.backend = backend
 
     def resolve_backend(self, model: nn.Module) -> str:
@@ -258,17 +249,17 @@ class AttentionSwitch:
         return "flash" if flash_unavailable_reason(model, check_dtype=True) is None else "sdpa"
 
     def kernel_context(self) -> contextlib.AbstractContextManager[None]:
-        """:func:`sdpa_kernel_context` with this policy's ``sdpa_backends`` (a no-op if ``None``)."""
+        """:func:`sdpa_kernel_context` with this policy's ``sdpa_backends`` (None: a no-op)."""
         return sdpa_kernel_context(self.sdpa_backends)
 
     def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
-        """``(True, "eager -> sdpa")`` if ``apply`` would change something, else ``(False, reason)``."""
+        """``(True, "eager -> sdpa")`` if ``apply`` changes something, else ``(False, why)``."""
         if not find_attention_targets(model):
             return False, _NO_TARGET_REASON
         backend = self.resolve_backend(model)
         before = current_attention_backend(model)
         if before == "flash" and self.backend == "auto":
-            return False, "already on flash"  # auto never trades flash for sdpa, even where flash cannot be checked
+            return False, "already on flash"  # auto never trades flash for sdpa (even unchecked)
         if backend == "flash":
             reason = flash_unavailable_reason(model, check_dtype=False)
             if reason is not None:
@@ -282,7 +273,8 @@ class AttentionSwitch:
         before = _describe(current_attention_backend(model))
         applicable, reason = self.is_applicable(model)
         if not applicable:
-            return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
+            return MitigationResult(self.name, applied=False, detail=reason, before=before,
+                                    after=before)
         backend = self.resolve_backend(model)
         targets = find_attention_targets(model)
         try:
@@ -296,22 +288,25 @@ class AttentionSwitch:
         except (ValueError, RuntimeError, ImportError) as err:
             after = _describe(current_attention_backend(model))
             detail = f"switching to {backend} failed: {type(err).__name__}: {err}"
-            return MitigationResult(self.name, applied=False, detail=detail, before=before, after=after)
+            return MitigationResult(self.name, applied=False, detail=detail, before=before,
+                                    after=after)
         after = _describe(current_attention_backend(model))
         names = ", ".join(name or "<root>" for name, _ in targets)
-        if after != backend:  # e.g. a Hugging Face model that cannot switch dynamically only logs a warning
+        if after != backend:  # e.g. a Hugging Face model that cannot switch only logs a warning
             detail = f"asked for {backend} on {names} but the model reports {after}"
-            return MitigationResult(self.name, applied=False, detail=detail, before=before, after=after)
+            return MitigationResult(self.name, applied=False, detail=detail, before=before,
+                                    after=after)
         detail = f"attention {before} -> {after} on {names}"
         return MitigationResult(self.name, applied=True, detail=detail, before=before, after=after)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(backend={self.backend!r}, sdpa_backends={self.sdpa_backends!r})"
+        return (f"{type(self).__name__}(backend={self.backend!r}, "
+                f"sdpa_backends={self.sdpa_backends!r})")
 
 
 class AttentionRung(ModulePolicyRung):
-    """The ladder's ``"attention"`` rung: :class:`AttentionSwitch` (``"auto"``: flash-attn where it can
-    run, else SDPA) behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol.
+    """The ladder's ``"attention"`` rung: :class:`AttentionSwitch` (``"auto"``: flash-attn where
+    it can run, else SDPA) behind the :class:`.base.Rung` protocol.
 
     Example:
         >>> from lightning_seqmem.mitigations.base import RungContext

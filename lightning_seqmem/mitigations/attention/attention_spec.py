@@ -1,5 +1,4 @@
-"""The ``"attention"`` rung's spec: what the torch-free planner knows of it (see
-:class:`~lightning_seqmem.core.rung_spec.RungSpec`), its step-time prior with where it was measured."""
+"""The ``"attention"`` rung's :class:`.RungSpec` (torch-free) and step-time prior."""
 
 from __future__ import annotations
 
@@ -8,4 +7,5 @@ from lightning_seqmem.core.rung_spec import RungSpec
 __all__ = ["SPEC"]
 
 # eager -> SDPA/flash-attn: no L^2 matrix, no extra compute
-SPEC = RungSpec("attention", "switch attention to SDPA or flash-attn", 0.0, linearises_attention=True)
+SPEC = RungSpec("attention", "switch attention to SDPA or flash-attn", 0.0,
+                linearises_attention=True)

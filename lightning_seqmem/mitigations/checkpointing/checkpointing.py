@@ -1,22 +1,16 @@
 """Activation checkpointing of the repeated transformer blocks.
 
-Each checkpointed block keeps only its input for backward and recomputes the rest, so activations
-grow with the number of blocks times ``L`` instead of with everything each block saves (the
-``L x L`` attention weights included). Costs about one extra forward (~25-30% of step time).
-
-* Hugging Face ``PreTrainedModel``: ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
-  on older transformers) with ``use_reentrant=False``; it only takes effect in ``train()`` mode.
-* Anything else: the blocks (see :func:`find_repeated_blocks`) are wrapped in place by
-  ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``
-  with ``CheckpointImpl.NO_REENTRANT``. The wrappers hold the same parameter objects (an optimizer
-  built before keeps working, its state untouched) and strip their ``_checkpoint_wrapped_module.``
-  prefix from ``state_dict`` keys (and add it back on load), so checkpoints stay interchangeable
-  with an unwrapped model. ``named_parameters()`` of the root *does* show the prefix.
-* Blocks sharded with FSDP2 (``fully_shard``, e.g. in ``configure_model()``): PyTorch's composable
-  ``torch.distributed._composable.checkpoint`` is applied to each block in place instead (no
-  wrapper module: parameter names, ``state_dict`` keys and sharded checkpoints are unchanged). It
-  composes with ``fully_shard`` applied before or after it (FSDP2's hooks run outside the
-  checkpointed region either way), so it can be switched on mid-run.
+* Hugging Face ``PreTrainedModel``: ``activation_checkpointing_enable`` (older transformers:
+  ``gradient_checkpointing_enable``) with ``use_reentrant=False``; it takes effect in ``train()``.
+* Anything else: the blocks (:func:`find_repeated_blocks`) are wrapped in place by
+  ``apply_activation_checkpointing`` with ``CheckpointImpl.NO_REENTRANT``. The wrappers hold the
+  same parameter objects (an optimizer built before keeps working) and strip their
+  ``_checkpoint_wrapped_module.`` prefix from ``state_dict`` keys (and add it back on load), so
+  checkpoints stay interchangeable; ``named_parameters()`` of the root *does* show the prefix.
+* Blocks sharded with FSDP2 (``fully_shard``): the composable
+  ``torch.distributed._composable.checkpoint`` goes on each block in place (no wrapper: names,
+  ``state_dict`` keys and sharded checkpoints unchanged). It composes with ``fully_shard`` applied
+  before or after it (FSDP2's hooks run outside the checkpointed region), so it can go on mid-run.
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -42,7 +36,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from lightning_seqmem.mitigations.checkpointing.checkpointing_spec import SPEC
 from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
-from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, RungContext, wrapping_strategy_refusal
+from lightning_seqmem.mitigations.base import (MitigationResult, ModulePolicyRung, RungContext,
+                                               wrapping_strategy_refusal)
 from lightning_seqmem.mitigations.checkpointing.checkpointing_levels import (
     NONE,
     SELECTIVE,
@@ -62,11 +57,12 @@ from lightning_seqmem.mitigations.checkpointing.checkpointing_levels import (
     wrappers_by_block,
 )
 
-__all__ = ["ActivationCheckpointing", "CheckpointingRung", "counted_blocks", "find_repeated_blocks", "is_checkpointed"]
+__all__ = ["ActivationCheckpointing", "CheckpointingRung", "counted_blocks", "find_repeated_blocks",
+           "is_checkpointed"]
 
 
 def _outermost_matching(model: nn.Module, match) -> list[nn.Module]:
-    """Modules for which ``match(module)`` holds, top-down, not descending into a match; in order."""
+    """Modules where ``match(module)`` holds, top-down, not descending into a match; in order."""
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
@@ -95,20 +91,17 @@ def _modules_named(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
     return _outermost(model, [m for m in model.modules() if type(m).__name__ in class_names])
 
 
-def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | None = None) -> list[nn.Module]:
-    """The repeated blocks of ``model`` to checkpoint, outermost first-found order.
+def find_repeated_blocks(model: nn.Module,
+                         block_class_names: Sequence[str] | None = None) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (any module) to checkpoint, in first-found order; of nested
+    matches the outer one.
 
     Args:
-        model: any module (a ``LightningModule`` is searched like any other).
-        block_class_names: class names of the blocks. ``None`` means: the classes in
-            ``_no_split_modules`` of a Hugging Face model inside ``model``; failing that, the children
-            of every ``nn.ModuleList`` whose children all have one class and hold modules of their
-            own (every stack of blocks: an encoder's and a decoder's), outermost; failing that, the
-            largest such list of single layers.
-
-    Returns:
-        The matching modules; nested matches are dropped in favour of the outer one. Empty when
-        ``block_class_names`` is ``None`` and nothing repeated was found.
+        block_class_names: class names of the blocks. ``None``: the classes in
+            ``_no_split_modules`` of a Hugging Face model inside ``model``; failing that, the
+            children of every ``nn.ModuleList`` whose children all have one class and hold modules
+            of their own (an encoder's and a decoder's stack), outermost; failing that, the
+            largest such list of single layers; else none.
 
     Raises:
         ValueError: ``block_class_names`` given but no module has one of these class names.
@@ -118,14 +111,18 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
         >>> model = GPT(GPTConfig(n_layer=3, d_model=32, n_head=2))
         >>> [type(b).__name__ for b in find_repeated_blocks(model)]
         ['Block', 'Block', 'Block']
-        >>> from torch import nn
-        >>> seq2seq = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16)
-        >>> [type(b).__name__ for b in find_repeated_blocks(seq2seq)]  # both stacks, not the first found
-        ['TransformerEncoderLayer', 'TransformerEncoderLayer', 'TransformerDecoderLayer', 'TransformerDecoderLayer']
-        >>> find_repeated_blocks(model, ["DecoderLayer"])  # doctest: +ELLIPSIS
+        >>> seq2seq = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2,
+        ...                          num_decoder_layers=2, dim_feedforward=16)
+        >>> names = [type(b).__name__ for b in find_repeated_blocks(seq2seq)]  # both stacks
+        >>> print(names)  # doctest: +NORMALIZE_WHITESPACE
+        ['TransformerEncoderLayer', 'TransformerEncoderLayer', 'TransformerDecoderLayer',
+         'TransformerDecoderLayer']
+        >>> find_repeated_blocks(model, ["DecoderLayer"])
+        ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        ValueError: `block_class_names`=['DecoderLayer'] matches no module of the model; ...['Block', ...].
+        ValueError: `block_class_names`=['DecoderLayer'] matches no module of the model;
+        ...['Block', ...].
     """
     if block_class_names is not None:
         if isinstance(block_class_names, str):
@@ -135,8 +132,7 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
             present = sorted({type(m).__name__ for m in model.modules()})
             raise ValueError(
                 f"`block_class_names`={list(block_class_names)!r} matches no module of the model; "
-                f"class names present: {present}."
-            )
+                f"class names present: {present}.")
         return blocks
     no_split: set[str] = set()
     for hf_model in _find_hf_models(model):
@@ -145,13 +141,14 @@ def find_repeated_blocks(model: nn.Module, block_class_names: Sequence[str] | No
         blocks = _modules_named(model, no_split)
         if blocks:
             return blocks
-    # a block already wrapped (all of them, or the first k of a partial level) counts as the block inside
+    # a block already wrapped (all, or the first k of a partial level) counts as the block inside
     stacks = [[_unwrapped(c) for c in m] for m in model.modules()
-              if isinstance(m, nn.ModuleList) and len(m) and len({type(_unwrapped(c)) for c in m}) == 1]
+              if isinstance(m, nn.ModuleList) and len(m)
+              and len({type(_unwrapped(c)) for c in m}) == 1]
     blocks = [c for children in stacks for c in children if next(c.children(), None) is not None]
     if blocks:  # every stack of composite blocks (an encoder's and a decoder's), outermost
         return _outermost(model, blocks)
-    return max(stacks, key=len, default=[])  # only stacks of single layers: the largest (the first on a tie)
+    return max(stacks, key=len, default=[])  # stacks of single layers: the largest (first on a tie)
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -160,7 +157,7 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 
 def counted_blocks(blocks: list[nn.Module]) -> str:
-    """``"2 x TransformerEncoderLayer + 2 x TransformerDecoderLayer"``: the blocks by class, in order."""
+    """``"2 x Block + 1 x Linear"``: the blocks by class, in order."""
     counts: dict[str, int] = {}
     for b in blocks:
         counts[type(b).__name__] = counts.get(type(b).__name__, 0) + 1
@@ -189,35 +186,39 @@ class ActivationCheckpointing:
     """Policy: checkpoint the repeated blocks of a model at ``level``, in place and idempotently.
 
     Args:
-        block_class_names: class names of the blocks to wrap; ``None`` finds them (see
-            :func:`find_repeated_blocks`). Given names always use the wrapper path, also for
+        block_class_names: class names of the blocks to wrap; ``None`` finds them
+            (:func:`find_repeated_blocks`). Given names always use the wrapper path, also for
             Hugging Face models.
-        level: ``None`` (every block, recomputed whole), ``"selective"`` (every block, matmul outputs
-            kept) or ``"k/N"`` (the first ``k`` of the model's ``N`` blocks); see
-            :mod:`~lightning_seqmem.mitigations.checkpointing.checkpointing_levels`. A level on top of a lower one
-            raises the blocks it needs (an upgrade); it never lowers one.
+        level: ``None`` (every block, recomputed whole), ``"selective"`` (every block, matmul
+            outputs kept) or ``"k/N"`` (the first ``k`` of the model's ``N`` blocks); see
+            :mod:`.checkpointing_levels`. A level on top of a lower one raises the blocks it needs
+            (an upgrade); it never lowers one.
 
     Example:
-        >>> ActivationCheckpointing().is_applicable(nn.Linear(2, 2))[1]
-        'no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); pass block_class_names'
+        >>> why = ActivationCheckpointing().is_applicable(nn.Linear(2, 2))[1]
+        >>> print(why)  # doctest: +NORMALIZE_WHITESPACE
+        no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class);
+        pass block_class_names
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> model = GPT(GPTConfig(n_layer=4, d_model=32, n_head=2))
         >>> ActivationCheckpointing(level="2/4").apply(model).detail
         'wrapped 2 x Block with checkpoint_wrapper (non-reentrant; 2 of 4 blocks)'
-        >>> ActivationCheckpointing(level="1/4").is_applicable(model), ActivationCheckpointing().is_applicable(model)
-        ((False, 'already checkpointed at 1/4 or more'), (True, 'wrap 2 x Block (all blocks; now 2/4)'))
+        >>> ActivationCheckpointing(level="1/4").is_applicable(model)
+        (False, 'already checkpointed at 1/4 or more')
+        >>> ActivationCheckpointing().is_applicable(model)
+        (True, 'wrap 2 x Block (all blocks; now 2/4)')
         >>> ActivationCheckpointing(level="3/8").is_applicable(model)[1]
         "level '3/8' is for a model of 8 blocks; this one has 4 (4 x Block): use 'k/4'"
     """
 
-    def __init__(self, block_class_names: Sequence[str] | None = None, level: Optional[str] = None) -> None:
+    def __init__(self, block_class_names: Sequence[str] | None = None,
+                 level: Optional[str] = None) -> None:
         if block_class_names is not None:
-            names = [block_class_names] if isinstance(block_class_names, str) else list(block_class_names)
+            names = ([block_class_names] if isinstance(block_class_names, str)
+                     else list(block_class_names))
             if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError(
-                    f"`block_class_names` must be None or a non-empty sequence of class names, "
-                    f"got {block_class_names!r}."
-                )
+                raise ValueError("`block_class_names` must be None or a non-empty sequence of "
+                                 f"class names, got {block_class_names!r}.")
             block_class_names = names
         parse_level(level)  # raises for a bad level
         self.block_class_names = block_class_names
@@ -227,7 +228,8 @@ class ActivationCheckpointing:
     def _hf_models(self, model: nn.Module) -> list[nn.Module]:
         if self.block_class_names is not None:
             return []
-        return [m for m in _find_hf_models(model) if getattr(m, "supports_gradient_checkpointing", False)]
+        return [m for m in _find_hf_models(model)
+                if getattr(m, "supports_gradient_checkpointing", False)]
 
     def _slots(self, model: nn.Module) -> list[Slot]:
         """The checkpointable blocks of ``model``, in order (the order ``"k/N"`` counts in)."""
@@ -235,22 +237,24 @@ class ActivationCheckpointing:
         if hf_models:
             slots: list[Slot] = []
             for hf_model in hf_models:
-                layers = [m for m in _outermost_matching(hf_model, is_hf_layer) if m is not hf_model]
-                slots += [Slot("hf_layer", layer, hf_model) for layer in layers] or [Slot("hf_model", hf_model, hf_model)]
+                layers = [m for m in _outermost_matching(hf_model, is_hf_layer)
+                          if m is not hf_model]
+                slots += ([Slot("hf_layer", layer, hf_model) for layer in layers]
+                          or [Slot("hf_model", hf_model, hf_model)])
             return slots
         blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
         kind = "composable" if any(_is_fsdp2(m) for m in model.modules()) else "wrap"
         return [Slot(kind, b) for b in blocks]
 
     def block_levels(self, model: nn.Module) -> list[int]:
-        """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each checkpointable block of ``model``."""
+        """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each checkpointable block."""
         wrappers = wrappers_by_block(model)
         return [slot_level(s, wrappers) for s in self._slots(model)]
 
     def levels_available(self, model: nn.Module) -> tuple[int, bool, bool]:
-        """``(N, k/N possible, selective possible)`` for ``model``: N checkpointable blocks; partial
-        levels need per-block control (not a Hugging Face model without per-layer flags), the
-        selective one a path that can raise it to full in place (not FSDP2's composable checkpoint)."""
+        """``(N, k/N possible, selective possible)`` for ``model``'s N checkpointable blocks:
+        partial levels need per-block control (not a Hugging Face model without per-layer flags),
+        selective a path that can raise it to full in place (not FSDP2's composable checkpoint)."""
         slots = self._slots(model)
         partial_ok = len(slots) > 1 and not any(s.kind == "hf_model" for s in slots)
         return len(slots), partial_ok, bool(slots) and slots[0].kind != "composable"
@@ -262,20 +266,22 @@ class ActivationCheckpointing:
             k, n = parsed
             if any(s.kind == "hf_model" for s in slots):
                 names = ", ".join(type(s.block).__name__ for s in slots if s.kind == "hf_model")
-                return None, (f"{names} has no per-layer checkpointing flag (no GradientCheckpointingLayer): only "
-                              "'checkpointing' (all layers) or 'checkpointing:selective' apply")
+                return None, (f"{names} has no per-layer checkpointing flag (no "
+                              "GradientCheckpointingLayer): only 'checkpointing' (all layers) or "
+                              "'checkpointing:selective' apply")
             if n != len(slots):
-                return None, (f"level {self.level!r} is for a model of {n} blocks; this one has {len(slots)} "
-                              f"({counted_blocks([s.block for s in slots])}): use 'k/{len(slots)}'")
+                return None, (f"level {self.level!r} is for a model of {n} blocks; this one has "
+                              f"{len(slots)} ({counted_blocks([s.block for s in slots])}): "
+                              f"use 'k/{len(slots)}'")
         if parsed == "selective" and slots[0].kind == "composable":
-            return None, ("selective checkpointing is not offered under FSDP2 (its composable checkpoint cannot be "
-                          "raised to full in place): use 'checkpointing:k/N' or 'checkpointing'")
+            return None, ("selective checkpointing is not offered under FSDP2 (its composable "
+                          "checkpoint cannot be raised to full in place): use "
+                          "'checkpointing:k/N' or 'checkpointing'")
         return target_levels(self.level, len(slots)), ""
 
     def is_on(self, model: nn.Module) -> bool:
-        """Whether every block is at least at this level. Checkpointing that none of the blocks shows
-        (the user's own wrappers elsewhere) counts as on, at every level: the rung never wraps a
-        model twice."""
+        """Whether every block is at least at this level. Checkpointing no block shows (the user's
+        own wrappers elsewhere) counts as on, at every level: the rung never wraps a model twice."""
         slots = self._slots(model)
         levels = self.block_levels(model) if slots else []
         if not any(levels):
@@ -284,45 +290,43 @@ class ActivationCheckpointing:
         return targets is not None and all(c >= t for c, t in zip(levels, targets))
 
     def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
-        """``(True, what would be done)`` or ``(False, reason)``.
-
-        Raises:
-            ValueError: ``block_class_names`` matches no module of ``model``.
-        """
+        """``(True, what would be done)`` or ``(False, why)``; raises ValueError where
+        ``block_class_names`` matches no module of ``model``."""
         slots = self._slots(model)
         wrappers = wrappers_by_block(model)
         levels = [slot_level(s, wrappers) for s in slots]
         if not any(levels) and is_checkpointed(model):
             return False, "already checkpointed"
         if not slots:
-            return False, (
-                "no repeated blocks found (no Hugging Face model, no nn.ModuleList of one class); "
-                "pass block_class_names"
-            )
+            return False, ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of "
+                           "one class); pass block_class_names")
         targets, why = self._targets(model, slots)
         if targets is None:
             return False, why
         raised = [s.block for s, c, t in zip(slots, levels, targets) if t > c]
         if not raised:
-            return False, "already checkpointed" if self.level is None else f"already checkpointed at {self.level} or more"
+            return False, ("already checkpointed" if self.level is None
+                           else f"already checkpointed at {self.level} or more")
         hf = slots[0].kind.startswith("hf")
-        if self.level is None and not any(levels):  # the full rung from nothing: its words before levels
+        if self.level is None and not any(levels):  # the full rung from nothing: its own words
             if hf:
-                return True, "Hugging Face activation checkpointing on " + ", ".join(type(m).__name__ for m in self._hf_models(model))
+                return True, "Hugging Face activation checkpointing on " + ", ".join(
+                    type(m).__name__ for m in self._hf_models(model))
             return True, f"wrap {counted_blocks(raised)}"
         how = "Hugging Face activation checkpointing of" if hf else "wrap"
         now = f"; now {state_words(levels)}" if any(levels) else ""
         return True, f"{how} {counted_blocks(raised)} ({level_words(self.level)}{now})"
 
     def apply(self, model: nn.Module) -> MitigationResult:
-        """Switch this level on in place (raising blocks already lower); a second call changes nothing."""
+        """Switch this level on in place (raising lower blocks); a second call changes nothing."""
         applicable, reason = self.is_applicable(model)
         slots = self._slots(model)
         wrappers = wrappers_by_block(model)
         levels = [slot_level(s, wrappers) for s in slots]
         before = state_words(levels) if any(levels) or not is_checkpointed(model) else "on"
         if not applicable:
-            return MitigationResult(self.name, applied=False, detail=reason, before=before, after=before)
+            return MitigationResult(self.name, applied=False, detail=reason, before=before,
+                                    after=before)
         targets, _ = self._targets(model, slots)
         finals = [max(c, t) for c, t in zip(levels, targets)]
         raised = [(s, c, f) for s, c, f in zip(slots, levels, finals) if f > c]
@@ -336,7 +340,8 @@ class ActivationCheckpointing:
 
             for slot, _, _ in raised:
                 composable_checkpoint(slot.block)
-            detail = f"checkpointed {counted_blocks([s.block for s, _, _ in raised])} in place (composable, under FSDP2{words})"
+            detail = (f"checkpointed {counted_blocks([s.block for s, _, _ in raised])} in place "
+                      f"(composable, under FSDP2{words})")
         else:
             fresh = {id(s.block): f for s, c, f in raised if c == NONE}
             if fresh:
@@ -344,17 +349,21 @@ class ActivationCheckpointing:
                     model,
                     checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(
                         m, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                        **({"context_fn": selective_checkpoint_context} if fresh[id(m)] == SELECTIVE else {})),
+                        **({"context_fn": selective_checkpoint_context}
+                           if fresh[id(m)] == SELECTIVE else {})),
                     check_fn=lambda m: id(m) in fresh,
                 )
             for slot, current, final in raised:
-                if current != NONE:  # a selective wrapper raised to full: the same wrapper, another function
+                if current != NONE:  # a selective wrapper raised to full: another function
                     wrappers[id(slot.block)].checkpoint_fn = checkpoint_function(final)
-            detail = f"wrapped {counted_blocks([s.block for s, _, _ in raised])} with checkpoint_wrapper (non-reentrant{words})"
+            detail = (f"wrapped {counted_blocks([s.block for s, _, _ in raised])} with "
+                      f"checkpoint_wrapper (non-reentrant{words})")
             if any(c != NONE for _, c, _ in raised):
-                detail = f"raised {counted_blocks([s.block for s, _, _ in raised])} to {level_words(self.level)} in place"
+                detail = (f"raised {counted_blocks([s.block for s, _, _ in raised])} to "
+                          f"{level_words(self.level)} in place")
         after = state_words(self.block_levels(model))
-        return MitigationResult(self.name, applied=self.is_on(model), detail=detail, before=before, after=after)
+        return MitigationResult(self.name, applied=self.is_on(model), detail=detail, before=before,
+                                after=after)
 
     def __repr__(self) -> str:
         level = "" if self.level is None else f", level={self.level!r}"
@@ -362,12 +371,11 @@ class ActivationCheckpointing:
 
 
 class CheckpointingRung(ModulePolicyRung):
-    """The ladder's ``"checkpointing"`` rung: :class:`ActivationCheckpointing` of the repeated blocks
-    behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol, at its levels:
-    ``"checkpointing:selective"``, ``"checkpointing:k/N"`` and ``"checkpointing"`` (every block). Under
-    FSDP2 it goes on after ``fully_shard`` (composable ``checkpoint``), in a sharded dry run too; FSDP1
-    wraps the model itself and refuses it at set-up; under DeepSpeed it goes on the blocks inside the
-    engine (ZeRO stages 0-3: the updates unchanged, tests/test_deepspeed.py).
+    """The ladder's ``"checkpointing"`` rung: :class:`ActivationCheckpointing` behind the
+    :class:`.base.Rung` protocol, at ``"checkpointing:selective"``, ``"checkpointing:k/N"`` and
+    ``"checkpointing"`` (every block). Under FSDP2 it goes on after ``fully_shard`` (composable
+    ``checkpoint``), in a sharded dry run too; FSDP1 refuses it at set-up; under DeepSpeed it goes
+    on the blocks inside the engine (ZeRO stages 0-3: updates unchanged, tests/test_deepspeed.py).
 
     Example:
         >>> from lightning_seqmem.mitigations.base import RungContext
@@ -376,8 +384,10 @@ class CheckpointingRung(ModulePolicyRung):
         >>> CheckpointingRung().variants(RungContext(model))
         ('checkpointing:selective', 'checkpointing:1/2', 'checkpointing')
         >>> half = CheckpointingRung().at("1/2")
-        >>> half.name, half.apply(RungContext(model)).applied, half.is_on(model), CheckpointingRung().is_on(model)
-        ('checkpointing:1/2', True, True, False)
+        >>> half.name, half.apply(RungContext(model)).applied, half.is_on(model)
+        ('checkpointing:1/2', True, True)
+        >>> CheckpointingRung().is_on(model)
+        False
         >>> CheckpointingRung().apply(RungContext(model)).applied, CheckpointingRung().is_on(model)
         (True, True)
     """
@@ -392,21 +402,17 @@ class CheckpointingRung(ModulePolicyRung):
         return self.policy.is_on(module)
 
     def at(self, level: Optional[str]) -> "CheckpointingRung":
-        """This rung at ``level`` (``"selective"``, ``"k/N"``; None: every block).
-
-        Raises:
-            ValueError: any other level.
-        """
+        """The rung at ``"selective"``, ``"k/N"`` or None (every block); else ValueError."""
         if level is None:
             return self
-        rung = CheckpointingRung(ActivationCheckpointing(self.policy.block_class_names, level=level))
+        rung = CheckpointingRung(ActivationCheckpointing(self.policy.block_class_names,
+                                                         level=level))
         rung.spec = type(self).spec.at(level)
         return rung
 
     def variants(self, ctx: RungContext) -> tuple[str, ...]:
         """``"checkpointing:selective"``, ``"checkpointing:k/N"`` for up to seven ``k``
-        (:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing_levels.partial_counts`), ``"checkpointing"``:
-        those this model can take, cheapest first."""
+        (:func:`.partial_counts`), ``"checkpointing"``: those the model can take, cheapest first."""
         base = type(self).spec.name
         n_blocks, partial_ok, selective_ok = self.policy.levels_available(ctx.pl_module)
         names = [f"{base}:selective"] if selective_ok else []

@@ -1,44 +1,38 @@
 """The ``"fused_loss"`` rung: a causal LM's loss without its logits ever materialised whole.
 
-A language model's loss is ``cross_entropy(hidden @ lm_head.weight.T, labels)``: a ``[tokens, vocab]``
-logits tensor in float32, its log-softmax saved for backward and its gradient, each of them larger
-than everything else of a step once attention is linear (16K tokens x 248K vocabulary is 16 GB per
-copy). A fused linear cross-entropy computes the same loss and gradients from ``hidden`` and the
-weight, a block of tokens at a time, and keeps only the gradients ``[tokens, d_model]`` and
-``[vocab, d_model]``. Backends, picked per device when the rung is switched on:
+A causal LM's loss is ``cross_entropy(hidden @ lm_head.weight.T, labels)``: ``[tokens, vocab]``
+float32 logits, their log-softmax saved for backward and their gradient, each larger than the rest
+of a step once attention is linear (16K tokens x 248K vocabulary is 16 GB per copy). A fused linear
+cross-entropy computes the same loss and gradients a block of tokens at a time, keeping only the
+gradients ``[tokens, d_model]`` and ``[vocab, d_model]``. Backends, picked per device when the rung
+is switched on:
 
-=========  ============================================================  =======================
-backend    library                                                       where
-=========  ============================================================  =======================
-``cce``    Apple's Cut Cross-Entropy, ``linear_cross_entropy(...,        CUDA with triton
-           impl="cce")`` (``pip install 'lightning-seqmem[fused]'``)
-``liger``  Liger-Kernel's ``liger_fused_linear_cross_entropy``           CUDA, where installed
-``tiled``  DeepSpeed's eager ``TiledFusedLogitsLoss`` (shards of tokens  every device; the dry run
-           whose logits are the size of ``hidden``; gradients computed   on every device
-           in the forward and kept for backward)
-           (``pip install 'lightning-seqmem[tiled]'``)
-=========  ============================================================  =======================
+=========  =============================================================  ======================
+backend    library                                                        where
+=========  =============================================================  ======================
+``cce``    Apple's Cut Cross-Entropy, ``linear_cross_entropy(...,         CUDA with triton
+           impl="cce")`` (the ``fused`` extra)
+``liger``  Liger-Kernel's ``liger_fused_linear_cross_entropy``            CUDA, where installed
+``tiled``  DeepSpeed's eager ``TiledFusedLogitsLoss``: token shards        every device; the dry
+           whose logits are the size of ``hidden``, gradients computed    run on every device
+           in the forward (the ``tiled`` extra)
+=========  =============================================================  ======================
 
-The dry run runs ``tiled`` (eager, so it runs on fake tensors): on CPU it is what really runs; on a
-CUDA device it stands in for ``cce``/``liger``, whose triton kernels cannot run on fake tensors and
-whose memory is at most ``tiled``'s (no logits block at all). On the simulated CUDA device of a plan
-made without a GPU, the backend the run picks on CUDA (``"auto"``: ``cce``) runs as a model of the
-library's own allocations (:mod:`lightning_seqmem.dryrun.kernels_loss`, registered with
-:func:`register_modelled_backends`), and the dry run says so.
+The dry run runs ``tiled`` (eager, so it runs on fake tensors): on CPU what really runs; on CUDA a
+stand-in for ``cce``/``liger``, whose triton kernels cannot run on fake tensors and whose memory is
+at most ``tiled``'s. On the simulated CUDA device of a plan made without a GPU, the backend the run
+would pick (``"auto"``: ``cce``) runs as a model of the library's allocations
+(:mod:`lightning_seqmem.dryrun.kernels_loss`, via :func:`register_modelled_backends`).
 
-Two kinds of model take it, found top-down (a module taken is not searched further):
+Two kinds of model take it, found top-down:
 
-* Hugging Face causal LMs (``*ForCausalLM`` with an ``lm_head`` without bias and a base model): the
-  instance's ``forward`` is patched (the class is untouched, ``state_dict`` keys unchanged) so that
-  a call with ``labels`` runs the base model, then the fused loss on ``lm_head.weight`` with Hugging
-  Face's semantics (labels shifted, or ``shift_labels`` as given; ``ignore_index`` -100; the mean
-  over counted tokens, or the sum over ``num_items_in_batch`` where given). Its output's ``.loss`` is
-  that loss and its ``.logits`` is None. A call without labels runs the class's forward.
-  Models that scale or cap their logits (Gemma's soft-capping, Cohere, Granite) are refused.
+* Hugging Face causal LMs (``*ForCausalLM`` with a bias-free ``lm_head`` and a base model): their
+  instance's ``forward`` is patched (:mod:`.fused_loss_hf`); those that scale or cap their logits
+  (Gemma, Cohere, Granite) are refused.
 * the *fused-loss protocol*: a module with a callable ``set_fused_loss(fn)`` and a ``fused_loss``
   attribute (None: the plain loss), whose loss, when ``fused_loss`` is set, is
-  ``fused_loss(hidden, lm_head_weight, labels, ignore_index=-100)`` instead of ``cross_entropy`` of
-  its logits. :class:`lightning_seqmem.reference.nn.GPT` implements it (``GPT.loss``)::
+  ``fused_loss(hidden, lm_head_weight, labels, ignore_index=-100)``, as
+  :class:`lightning_seqmem.reference.nn.GPT` (``GPT.loss``)::
 
       class MyLM(nn.Module):
           fused_loss = None                      # set by the rung
@@ -83,9 +77,11 @@ from torch import nn
 
 from lightning_seqmem.core.rungs import RungNotApplicable
 from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
-from lightning_seqmem.mitigations.base import CopyPlan, MitigationResult, Rung, RungContext, find_top_down
-from lightning_seqmem.mitigations.fused_loss.fused_loss_hf import hf_refusal, hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on
-from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
+from lightning_seqmem.mitigations.base import (CopyPlan, MitigationResult, Rung, RungContext,
+                                               find_top_down)
+from lightning_seqmem.mitigations.fused_loss.fused_loss_hf import (
+    hf_refusal, hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on)
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX
 from lightning_seqmem.mitigations.fused_loss.fused_loss_spec import SPEC
 
 __all__ = [
@@ -101,23 +97,20 @@ __all__ = [
 ]
 
 FUSED_LOSS_BACKENDS = ("auto", "cce", "liger", "tiled")
-"""Values of ``FusedLinearCrossEntropy(backend=...)``; ``"auto"``: cce, then liger on CUDA, else tiled."""
+"""Values of ``FusedLinearCrossEntropy(backend=...)``; ``"auto"``: :func:`resolve_backend`."""
 
 _INSTALL = {"cce": "pip install 'lightning-seqmem[fused]' (cut-cross-entropy)",
             "liger": "pip install liger-kernel",
             "tiled": "pip install 'lightning-seqmem[tiled]' (deepspeed)"}
 _MODULE = {"cce": "cut_cross_entropy", "liger": "liger_kernel", "tiled": "deepspeed"}
-
-
 _MODELLED: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}  # device type -> backend -> model
 
 
 def register_modelled_backends(device_type: str,
                                backends: dict[str, Callable[..., torch.Tensor]]) -> None:
-    """On ``device_type`` the backends named run modelled: ``fn(hidden [N, d], weight [V, d],
-    labels [N], ignore_index) -> summed loss`` with the library's allocations (the dry-run wing's
-    simulated CUDA device, :mod:`lightning_seqmem.dryrun.kernels`); ``"auto"`` picks there as on
-    CUDA.
+    """On ``device_type`` (the dry run's simulated CUDA, :mod:`lightning_seqmem.dryrun.kernels`)
+    the backends named run modelled: ``fn(hidden [N, d], weight [V, d], labels [N], ignore_index)
+    -> summed loss`` with the library's allocations; ``"auto"`` picks there as on CUDA.
 
     Example:
         >>> register_modelled_backends("example", {"cce": lambda h, w, y, i: h.sum()})
@@ -159,9 +152,8 @@ def backend_unavailable_reason(backend: str, device_type: str) -> Optional[str]:
 
 
 def resolve_backend(device_type: str) -> Optional[str]:
-    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA (and on a device
-    where they run modelled: cce); tiled elsewhere (and on CUDA without either); None when none is
-    installed.
+    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA (or where they run
+    modelled), else tiled; None when none is installed.
 
     Example:
         >>> resolve_backend("cpu")
@@ -174,7 +166,8 @@ def resolve_backend(device_type: str) -> Optional[str]:
 
 def _none_installed_reason(device_type: str) -> str:
     if device_type == "cuda":
-        return f"no fused cross-entropy library is installed: {_INSTALL['cce']}, or {_INSTALL['tiled']}"
+        return (f"no fused cross-entropy library is installed: {_INSTALL['cce']}, "
+                f"or {_INSTALL['tiled']}")
     return f"no fused cross-entropy library for {device_type} is installed: {_INSTALL['tiled']}"
 
 
@@ -184,9 +177,9 @@ fewer Python iterations, where the hidden states are tiny."""
 
 
 def tiled_shards(tokens: int, d_model: int, vocab_size: int) -> int:
-    """How many shards ``tiled`` cuts ``tokens`` into: Liger's rule, a shard's logits about the size of
-    the hidden states (``ceil(vocab / d_model)`` shards, a power-of-two shard length), with shards of
-    at least :data:`MIN_SHARD_LOGITS` logits. The same on every rank for the same shape.
+    """How many shards ``tiled`` cuts ``tokens`` into: Liger's rule, a shard's logits about the size
+    of the hidden states (``ceil(vocab / d_model)`` shards, a power-of-two shard length), with at
+    least :data:`MIN_SHARD_LOGITS` logits a shard. The same on every rank for the same shape.
 
     Example:
         >>> tiled_shards(16384, 4096, 131072)  # Llama-3-8B at 16K tokens: 32 shards of 512 tokens
@@ -226,18 +219,17 @@ class _SavedTensors:
 
 
 class _TiledLinearCrossEntropy(torch.autograd.Function):
-    """``sum`` of the cross-entropy of ``hidden @ weight.T`` by DeepSpeed's ``TiledFusedLogitsLoss``.
+    """Summed cross-entropy of ``hidden @ weight.T`` by DeepSpeed's ``TiledFusedLogitsLoss``.
 
     DeepSpeed's function runs each shard's backward inside its forward and accumulates the weight's
-    gradient into ``param.grad`` at once, which Lightning's ``zero_grad`` (called after
-    ``training_step``) would erase and a scaled loss (micro-batch weights) would not scale. Here the
-    weight it sees is a detached leaf: both gradients are kept and returned in backward, scaled by
-    the incoming gradient, as any autograd function's.
+    gradient into ``param.grad`` at once, which Lightning's ``zero_grad`` (after ``training_step``)
+    would erase and a scaled loss (micro-batch weights) would not scale. Here it sees a detached
+    weight: both gradients are kept and returned in backward, scaled by the incoming gradient.
     """
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-                shards: int) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                ignore_index: int, shards: int) -> torch.Tensor:
         TiledFusedLogitsLoss = _tiled_fused_logits_loss()
         x = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
         w = weight.detach().requires_grad_(ctx.needs_input_grad[1])
@@ -248,8 +240,8 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
 
         saved = _SavedTensors()
         # its forward alone (its backward reads the incoming gradient's value: not on fake tensors)
-        loss = TiledFusedLogitsLoss.forward(saved, shard_loss, None, x.unsqueeze(0), labels.unsqueeze(0), None,
-                                            shards, [w], "sum")
+        loss = TiledFusedLogitsLoss.forward(saved, shard_loss, None, x.unsqueeze(0),
+                                            labels.unsqueeze(0), None, shards, [w], "sum")
         x_grad = saved.saved[0].squeeze(0) if saved.saved else None
         ctx.save_for_backward(x_grad, w.grad)
         return loss.detach()
@@ -277,7 +269,7 @@ class FusedLinearCrossEntropy:
         >>> hidden, weight = torch.randn(2, 8, 16, requires_grad=True), torch.randn(300, 16)
         >>> labels = torch.randint(0, 300, (2, 8)); labels[0, :3] = -100
         >>> fused = FusedLinearCrossEntropy("tiled")(hidden, weight, labels)
-        >>> plain = torch.nn.functional.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten())
+        >>> plain = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten())
         >>> bool(torch.allclose(fused, plain, atol=1e-5))
         True
         >>> FusedLinearCrossEntropy("xla")
@@ -292,7 +284,7 @@ class FusedLinearCrossEntropy:
         self.backend = backend
 
     def resolve(self, device_type: str) -> str:
-        """The backend a call on ``device_type`` runs (raises with what to install when none can)."""
+        """The backend a call on ``device_type`` runs (raises with what to install if none can)."""
         backend = self.backend if self.backend != "auto" else resolve_backend(device_type)
         if backend is None:
             raise RuntimeError(_none_installed_reason(device_type))
@@ -301,18 +293,20 @@ class FusedLinearCrossEntropy:
             raise RuntimeError(why)
         return backend
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-                 reduction: str = "mean", num_items_in_batch: Any = None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 ignore_index: int = IGNORE_INDEX, reduction: str = "mean",
+                 num_items_in_batch: Any = None) -> torch.Tensor:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}.")
         if hidden.shape[:-1] != labels.shape or hidden.shape[-1] != weight.shape[-1]:
-            raise ValueError(f"`hidden` [..., d] and `labels` [...] must share their leading shape and `weight` be "
-                             f"[vocab, d], got hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}, "
-                             f"weight {tuple(weight.shape)}.")
+            raise ValueError("`hidden` [..., d] and `labels` [...] must share their leading shape "
+                             f"and `weight` be [vocab, d], got hidden {tuple(hidden.shape)}, "
+                             f"labels {tuple(labels.shape)}, weight {tuple(weight.shape)}.")
         h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
         backend = self.resolve(weight.device.type)
-        if backend != "tiled" and torch.is_autocast_enabled(h.device.type):  # triton kernels: one dtype, cast
-            dtype = torch.get_autocast_dtype(h.device.type)  # as F.linear under autocast would
+        # triton kernels take one dtype: cast as F.linear under autocast would
+        if backend != "tiled" and torch.is_autocast_enabled(h.device.type):
+            dtype = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dtype), weight.to(dtype)
         modelled = _MODELLED.get(weight.device.type, {}).get(backend)
         if modelled is not None:
@@ -320,17 +314,20 @@ class FusedLinearCrossEntropy:
         elif backend == "cce":
             from cut_cross_entropy import linear_cross_entropy
 
-            total = linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction="sum", impl="cce")
+            total = linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction="sum",
+                                         impl="cce")
         elif backend == "liger":
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-            total = liger_fused_linear_cross_entropy(h, weight, y, ignore_index=ignore_index, reduction="sum")
+            total = liger_fused_linear_cross_entropy(h, weight, y, ignore_index=ignore_index,
+                                                     reduction="sum")
         else:
-            total = _TiledLinearCrossEntropy.apply(h, weight, y, ignore_index,
-                                                   tiled_shards(h.shape[0], h.shape[1], weight.shape[0]))
+            total = _TiledLinearCrossEntropy.apply(
+                h, weight, y, ignore_index, tiled_shards(h.shape[0], h.shape[1], weight.shape[0]))
         total = total.float()
         if num_items_in_batch is not None:
-            return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+            return total / (num_items_in_batch.to(total.device)
+                            if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
         if reduction == "sum":
             return total
         return total / (y != ignore_index).sum()
@@ -339,20 +336,21 @@ class FusedLinearCrossEntropy:
         return f"{type(self).__name__}(backend={self.backend!r})"
 
 
-# --- where it applies ---------------------------------------------------------------------------------
+# --- where it applies ----------------------------------------------------------------------------
 
 def _implements_protocol(module: nn.Module) -> bool:
     return callable(getattr(module, "set_fused_loss", None))
 
 
 def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules the rung acts on, as ``(qualified name, module)``: Hugging Face ``*ForCausalLM`` models
-    and modules implementing the fused-loss protocol, searched top-down (a module taken, or a Hugging
-    Face model refused, is not searched further).
+    """Modules the rung acts on, as ``(qualified name, module)``: Hugging Face ``*ForCausalLM``
+    models and modules implementing the fused-loss protocol, searched top-down (a module taken, or
+    a Hugging Face model refused, is not searched further).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
-        >>> [n for n, _ in find_fused_loss_targets(nn.ModuleDict({"net": GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))}))]
+        >>> wrapper = nn.ModuleDict({"net": GPT(GPTConfig(n_layer=1, d_model=32, n_head=2))})
+        >>> [n for n, _ in find_fused_loss_targets(wrapper)]
         ['net']
     """
     def take(module: nn.Module) -> Optional[bool]:
@@ -365,12 +363,13 @@ def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _fn_of(target: nn.Module) -> Any:
     """The fused loss a target runs, or None (the plain loss)."""
-    fn = hf_fused_loss_of(target) if is_hf_pretrained_model(target) else getattr(target, "fused_loss", None)
+    fn = (hf_fused_loss_of(target) if is_hf_pretrained_model(target)
+          else getattr(target, "fused_loss", None))
     return fn
 
 
 def fused_loss_backend(model: nn.Module) -> Optional[str]:
-    """The backend the fused loss of ``model`` runs (``"tiled"``, ...), ``"mixed"``, or None when off.
+    """The backend the fused loss of ``model`` runs (``"tiled"``, ...), ``"mixed"``, or None (off).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -414,8 +413,9 @@ class FusedLossRung(Rung):
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
         >>> model = GPT(GPTConfig(vocab_size=512, n_layer=1, d_model=32, n_head=2))
         >>> rung = FusedLossRung()
-        >>> rung.is_applicable(RungContext(model))
-        (True, 'plain -> fused linear cross-entropy (tiled, DeepSpeed TiledFusedLogitsLoss) on <root>')
+        >>> rung.is_applicable(RungContext(model))  # doctest: +NORMALIZE_WHITESPACE
+        (True, 'plain -> fused linear cross-entropy (tiled, DeepSpeed TiledFusedLogitsLoss)
+        on <root>')
         >>> rung.apply(RungContext(model)).detail
         'loss plain -> fused linear cross-entropy (tiled, DeepSpeed TiledFusedLogitsLoss) on <root>'
         >>> rung.remove(RungContext(model)).after, rung.is_on(model)
@@ -448,15 +448,17 @@ class FusedLossRung(Rung):
         if not targets:
             refused = hf_refusals(model)
             return False, (refused[0] if refused else
-                           "no causal LM found: neither a Hugging Face *ForCausalLM model nor a module with "
-                           "set_fused_loss(fn) (the fused-loss protocol of lightning_seqmem.mitigations.fused_loss.fused_loss)")
+                           "no causal LM found: neither a Hugging Face *ForCausalLM model nor a "
+                           "module with set_fused_loss(fn) (the fused-loss protocol of "
+                           "lightning_seqmem.mitigations.fused_loss.fused_loss)")
         if all(_fn_of(t) is not None for _, t in targets):
             return False, f"already on {fused_loss_backend(model)}"
         backend, why = self._backend(model)
         if backend is None:
             return False, why
         names = ", ".join(n or "<root>" for n, _ in targets)
-        return True, f"plain -> fused linear cross-entropy ({backend}, {self._LIBRARY[backend]}) on {names}"
+        return True, (f"plain -> fused linear cross-entropy ({backend}, "
+                      f"{self._LIBRARY[backend]}) on {names}")
 
     def apply(self, ctx: RungContext) -> MitigationResult:
         applies, why = self.is_applicable(ctx)
@@ -479,13 +481,12 @@ class FusedLossRung(Rung):
         for _, target in find_fused_loss_targets(ctx.pl_module):
             if _fn_of(target) is not None:
                 _switch_off(target)
-        return MitigationResult(self.name, before != "plain", f"loss {before} -> plain", before, "plain")
+        return MitigationResult(self.name, before != "plain", f"loss {before} -> plain", before,
+                                "plain")
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """The dry run runs ``tiled`` (eager: it runs on fake tensors): on CPU what really runs; on
-        CUDA a stand-in for cce/liger, whose memory is at most tiled's. On a device where cce and
-        liger run modelled (the simulated CUDA device), the backend the run picks there, as
-        modelled."""
+        """The dry run runs ``tiled``, or where cce and liger run modelled (the simulated CUDA
+        device) the backend the run picks there (see the module)."""
         applies, why = self.is_applicable(RungContext(copy))
         if not applies:
             if not self.is_on(copy):  # the step would be the plain loss's: not this setting's
@@ -503,7 +504,8 @@ class FusedLossRung(Rung):
             raise RungNotApplicable(self.name, f"{backend} on the model; the dry run needs tiled: "
                                                f"{_INSTALL['tiled']}")
         self._put_on(copy, "tiled")
-        stand_in = "" if backend == "tiled" else f" (standing in for {backend}, whose memory is at most tiled's)"
+        stand_in = ("" if backend == "tiled"
+                    else f" (standing in for {backend}, whose memory is at most tiled's)")
         plan.notes.append(f"{self.name}: loss plain -> tiled{stand_in}")
 
     def __repr__(self) -> str:

@@ -1,28 +1,29 @@
 """The ``"fused_loss"`` rung on a Hugging Face causal LM: its instance's ``forward`` patched.
 
-A ``*ForCausalLM`` model with an ``lm_head`` without bias and a base model takes the fused loss by
-a patched ``forward`` (:func:`hf_switch_on`): a call with ``labels`` runs the base model, then the
+A ``*ForCausalLM`` model with a bias-free ``lm_head`` and a base model takes the fused loss by a
+patched ``forward`` (:func:`hf_switch_on`): a call with ``labels`` runs the base model, then the
 fused loss on ``lm_head.weight`` with Hugging Face's semantics (labels shifted, or ``shift_labels``
 as given; ``ignore_index`` -100; the mean over counted tokens, or the sum over
-``num_items_in_batch`` where given); its output's ``.loss`` is that loss and its ``.logits`` None.
-The class is untouched and ``state_dict`` keys are unchanged. Models that scale or cap their logits
-are refused (:func:`hf_refusal`). The rung itself, and the models of the fused-loss protocol, are in
-:mod:`lightning_seqmem.mitigations.fused_loss.fused_loss`.
+``num_items_in_batch`` where given); ``.logits`` is None. A call without labels runs the class's
+forward. The class and ``state_dict`` keys are untouched. Models that scale or cap their logits
+are refused (:func:`hf_refusal`). The rung itself is in :mod:`.fused_loss`.
 
 Example:
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    ...                                      num_attention_heads=2, num_key_value_heads=1))
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...                                      num_hidden_layers=1, num_attention_heads=2,
+    ...                                      num_key_value_heads=1))
     >>> ids = torch.randint(0, 64, (1, 8))
     >>> plain = model(input_ids=ids, labels=ids).loss
-    >>> fused = lambda hidden, weight, labels, ignore_index, num_items_in_batch: torch.nn.functional.cross_entropy(
+    >>> fused = lambda hidden, weight, labels, ignore_index, num_items_in_batch: F.cross_entropy(
     ...     (hidden @ weight.T).flatten(0, 1), labels.flatten(), ignore_index=ignore_index)
     >>> hf_refusal(model) is None
     True
     >>> hf_switch_on(model, fused)
     >>> out = model(input_ids=ids, labels=ids)
-    >>> out.logits is None, bool(torch.allclose(out.loss, plain, atol=1e-6)), hf_fused_loss_of(model) is fused
+    >>> close = bool(torch.allclose(out.loss, plain, atol=1e-6))
+    >>> out.logits is None, close, hf_fused_loss_of(model) is fused
     (True, True, True)
     >>> hf_switch_off(model); hf_fused_loss_of(model) is None, "forward" in model.__dict__
     (True, False)
@@ -38,13 +39,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
-from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX  # the label value a loss skips
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX
 
 __all__ = ["hf_fused_loss_of", "hf_refusal", "hf_refusals", "hf_switch_off", "hf_switch_on"]
 
-_PATCH_MARK = "_seqmem_fused_loss"  # instance attribute of a patched Hugging Face model: the callable
+_PATCH_MARK = "_seqmem_fused_loss"  # a patched model's instance attribute: the fused loss
 # config fields of Hugging Face models whose logits are not plain ``hidden @ weight.T``
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                     "output_multiplier_scale")
 
 
 def hf_refusal(module: nn.Module) -> Optional[str]:
@@ -63,18 +65,19 @@ def hf_refusal(module: nn.Module) -> Optional[str]:
     for field in _LOGIT_TRANSFORMS:
         value = getattr(module.config, field, None)
         if value not in (None, 1, 1.0):
-            return f"{name} transforms its logits ({field}={value}): the fused loss would change the loss"
+            return (f"{name} transforms its logits ({field}={value}): the fused loss would change "
+                    "the loss")
     return None
 
 
 def hf_refusals(model: nn.Module) -> list[str]:
-    """:func:`hf_refusal` of every Hugging Face model in ``model``, those that refuse (empty: none does)."""
-    return [why for m in model.modules() if is_hf_pretrained_model(m) and (why := hf_refusal(m)) is not None]
+    """:func:`hf_refusal` of every Hugging Face model in ``model`` that refuses."""
+    return [why for m in model.modules()
+            if is_hf_pretrained_model(m) and (why := hf_refusal(m)) is not None]
 
 
 def _hf_fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The patched ``forward`` of a Hugging Face causal LM: with labels, the base model, then the fused
-    loss on ``lm_head.weight``; the logits are not computed (``.logits`` is None)."""
+    """The patched ``forward`` of a Hugging Face causal LM (see the module)."""
     cls_forward = type(self).forward
     arguments = dict(inspect.signature(cls_forward).bind(self, *args, **kwargs).arguments)
     arguments.pop("self", None)
@@ -93,9 +96,9 @@ def _hf_fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     if shift_labels is None:  # as Hugging Face's ForCausalLMLoss: tokens < n predict n
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    loss = self.__dict__[_PATCH_MARK](hidden, self.lm_head.weight, shift_labels, ignore_index=ignore_index,
-                                      num_items_in_batch=num_items)
-    from transformers.modeling_outputs import CausalLMOutputWithPast  # a Hugging Face model: installed
+    loss = self.__dict__[_PATCH_MARK](hidden, self.lm_head.weight, shift_labels,
+                                      ignore_index=ignore_index, num_items_in_batch=num_items)
+    from transformers.modeling_outputs import CausalLMOutputWithPast  # installed: an HF model
 
     fields = set(CausalLMOutputWithPast.__dataclass_fields__)
     rest = {k: v for k, v in outputs.items() if k in fields and k not in ("loss", "logits")}
@@ -109,7 +112,7 @@ def hf_fused_loss_of(model: nn.Module) -> Optional[Callable[..., Any]]:
 
 
 def hf_switch_on(model: nn.Module, fn: Callable[..., Any]) -> None:
-    """Patch ``model``'s forward to compute its loss by ``fn`` (the instance's forward, not the class's)."""
+    """Patch ``model``'s forward to compute its loss by ``fn``."""
     model.__dict__[_PATCH_MARK] = fn
     model.forward = types.MethodType(_hf_fused_forward, model)  # the instance's, not the class's
 

@@ -1,18 +1,13 @@
 """The module micro-batching's first-step check runs on: the callback's own copy, not the user's.
 
-The check (:mod:`lightning_seqmem.mitigations.microbatch.microbatch`) calls ``training_step`` three more times
-without gradient. On the user's module anything it does besides the loss would happen those three
-more times: a sample counter, a ``torchmetrics`` update, a list of seen ids. So it runs on a copy
-(:func:`check_copy`): ``copy.deepcopy`` of the module with its parameters *shared* (no parameter is
-copied; their gradients are theirs), its buffers and the tensors held as attributes copied (a
-batch norm's statistics, a metric's states: the check's updates land there), every other
-attribute deep-copied, and the Trainer (or Fabric) and device mesh it is attached to shared. What
-``training_step`` changes on the copy is dropped with it: the user's ``training_step`` runs once
-per sample per optimizer step. The copies of buffers and attribute tensors are the check's memory
-beside its forwards (in that step's measured peak; the dry run counts them: :func:`copied_tensors`).
-
-A module that cannot be deep-copied this way (an ``nn.Module`` holding objects that refuse a copy)
-raises; the wrapper then refuses to verify on it, saying why (``verify=False`` skips the check).
+The check (:mod:`.microbatch`) calls ``training_step`` three more times without gradient; on the
+user's module anything it does besides the loss (a sample counter, a ``torchmetrics`` update)
+would happen three more times. So it runs on a copy (:func:`check_copy`): the module deep-copied
+with its parameters *shared*, its buffers and attribute tensors copied (a batch norm's statistics,
+a metric's states: the check's updates land there) and the Trainer (or Fabric) and device mesh it
+is attached to shared. The copy, and what ``training_step`` changed on it, is then dropped. The
+copied tensors are the check's memory beside its forwards (the dry run counts them:
+:func:`copied_tensors`). A module that refuses a copy makes the wrapper refuse, saying why.
 
 Example:
     >>> import torch

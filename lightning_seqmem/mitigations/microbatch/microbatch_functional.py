@@ -1,8 +1,7 @@
 """The functional twin of micro-batching: split a batch, weigh each micro-batch by what the loss
-averages over. Plain functions on batches and tensors, used alike by the training-step wrapper
-(:mod:`lightning_seqmem.mitigations.microbatch.microbatch_step`), the dry run and the memory breakdown, so all
-three split and weigh the same way; the step they all run is :mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin`
-(the method card: :mod:`lightning_seqmem.mitigations.microbatch.microbatch`).
+averages over. Plain functions used alike by the training-step wrapper (:mod:`.microbatch_step`),
+the dry run and the memory breakdown, so all three split and weigh the same way; the step they all
+run is :mod:`.microbatch_twin` (the method card: :mod:`.microbatch`).
 
 Example:
     >>> import torch
@@ -24,8 +23,8 @@ from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.batch_tree import map_tensors
 
-__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction", "is_deepspeed_engine", "micro_batch_counts",
-           "slice_batch", "split_batch"]
+__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction",
+           "is_deepspeed_engine", "micro_batch_counts", "slice_batch", "split_batch"]
 
 IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
 WEIGHTINGS = ("auto", "samples", "label_tokens", "shifted_label_tokens")
@@ -43,7 +42,8 @@ def slice_batch(obj: Any, batch_size: int, start: int, length: int) -> Any:
     """``obj`` with every tensor whose dim 0 is ``batch_size`` narrowed to ``[start, start+length)``
     (views: no copy of the batch), in new containers of the same types (dataclasses included)."""
     def narrow(tensor: torch.Tensor, key: Any, top_key: Any) -> torch.Tensor:
-        return tensor.narrow(0, start, length) if tensor.dim() >= 1 and tensor.shape[0] == batch_size else tensor
+        return (tensor.narrow(0, start, length)
+                if tensor.dim() >= 1 and tensor.shape[0] == batch_size else tensor)
 
     return map_tensors(obj, narrow, in_place=False)
 
@@ -51,13 +51,11 @@ def slice_batch(obj: Any, batch_size: int, start: int, length: int) -> Any:
 def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     """Split a batch into consecutive micro-batches of at most ``micro_batch_size`` samples.
 
-    The batch size ``N`` is read with :func:`lightning_seqmem.measure.batch.infer_batch_shape` (the first
-    dimension of its 2-D integer token tensor). Every tensor whose dim 0 equals ``N`` is cut along
-    dim 0 (as views, nothing is copied); other values (scalars, strings, tensors of another first
-    dimension) are passed unchanged to every micro-batch. Mappings, lists, tuples and namedtuples
-    are rebuilt with their type; the input is never mutated. A list of ``N`` strings is a list, not
-    a tensor: it is *not* cut. The last micro-batch is smaller when ``micro_batch_size`` does not
-    divide ``N``.
+    The batch size ``N`` is read with :func:`.infer_batch_shape` (dim 0 of its 2-D integer token
+    tensor). Every tensor whose dim 0 is ``N`` is cut along it (as
+    views); other values (scalars, strings, a list of ``N`` strings, tensors of another first
+    dimension) go unchanged to every micro-batch. Containers are rebuilt with their type; the input
+    is never mutated.
 
     Raises:
         ValueError: bad ``micro_batch_size``, or no 2-D integer tensor in the batch.
@@ -98,16 +96,13 @@ def _labels_are_inputs(batch: Mapping, labels: torch.Tensor, ignore_index: int) 
     return bool(((labels == input_ids) | (labels == ignore_index)).all())
 
 
-def micro_batch_counts(
-    batch: Any, micro_batch_size: int, weighting: str = "auto", ignore_index: int = IGNORE_INDEX
-) -> tuple[str, list[int]]:
+def micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str = "auto",
+                       ignore_index: int = IGNORE_INDEX) -> tuple[str, list[int]]:
     """What the loss of ``batch`` averages over, counted in each micro-batch of :func:`split_batch`.
 
     Returns ``(rule, counts)``: ``rule`` is ``"samples"``, ``"label_tokens"`` or
-    ``"shifted_label_tokens"`` (see the module docstring for how ``"auto"`` picks it), ``counts[i]``
-    the samples or label tokens of micro-batch ``i``. Micro-batch ``i``'s loss weighs
-    ``counts[i] / sum(counts)`` in the batch's loss. This is the functional twin of the weighting
-    :class:`MicroBatching` applies; an offline micro-batched step should weight its losses with it.
+    ``"shifted_label_tokens"`` (how ``"auto"`` picks it: :mod:`.microbatch`), ``counts[i]`` the
+    samples or label tokens of micro-batch ``i``, whose loss weighs ``counts[i] / sum(counts)``.
 
     Raises:
         ValueError: bad ``micro_batch_size`` or ``weighting``, a batch :func:`split_batch` cannot
@@ -116,7 +111,7 @@ def micro_batch_counts(
     Example:
         >>> import torch
         >>> ids = torch.arange(1, 9).reshape(4, 2)
-        >>> next_tokens = torch.tensor([[2, 3], [4, -100], [-100, -100], [8, 9]])  # not the inputs: not shifted
+        >>> next_tokens = torch.tensor([[2, 3], [4, -100], [-100, -100], [8, 9]])  # not shifted
         >>> micro_batch_counts({"input_ids": ids, "labels": next_tokens}, 2)
         ('label_tokens', [3, 2])
         >>> micro_batch_counts({"input_ids": ids, "labels": ids.masked_fill(ids == 4, -100)}, 2)
@@ -135,12 +130,12 @@ def micro_batch_counts(
     if not _is_label_tensor(labels, batch_size):
         raise ValueError(
             f"`weighting={weighting!r}` needs a mapping batch with an integer 'labels' tensor of "
-            f"{batch_size} rows; this batch has none (use 'auto' or 'samples')"
-        )
+            f"{batch_size} rows; this batch has none (use 'auto' or 'samples')")
     if labels.dim() == 1:  # one label per sample: never shifted
         rule, valid = "label_tokens", labels != ignore_index
     else:
-        shifted = _labels_are_inputs(batch, labels, ignore_index) if weighting == "auto" else weighting == "shifted_label_tokens"
+        shifted = (_labels_are_inputs(batch, labels, ignore_index) if weighting == "auto"
+                   else weighting == "shifted_label_tokens")
         rule = "shifted_label_tokens" if shifted else "label_tokens"
         valid = (labels[..., 1:] if shifted else labels) != ignore_index
     per_sample = valid.reshape(batch_size, -1).sum(dim=1).tolist()
@@ -152,8 +147,8 @@ def micro_batch_counts(
 
 
 def is_deepspeed_engine(model: Any) -> bool:
-    """Whether ``model`` is DeepSpeed's ``DeepSpeedEngine`` (what Lightning's ``DeepSpeedStrategy`` wraps
-    the module in), told without importing DeepSpeed.
+    """Whether ``model`` is DeepSpeed's ``DeepSpeedEngine`` (what Lightning's ``DeepSpeedStrategy``
+    wraps the module in), told without importing DeepSpeed.
 
     Example:
         >>> is_deepspeed_engine(torch.nn.Linear(2, 2))
@@ -167,9 +162,9 @@ def is_deepspeed_engine(model: Any) -> bool:
 def deferred_gradient_reduction(model: Any) -> Any:
     """Backward passes inside accumulate gradients locally, without reducing them across ranks:
     ``DistributedDataParallel.no_sync()``, ``set_requires_gradient_sync(False)`` on every FSDP2
-    module (``fully_shard``) of ``model``, or DeepSpeed's ``set_gradient_accumulation_boundary(False)``
-    (ZeRO stages 0-3 then keep each backward's gradients, partitioned, until the boundary's backward
-    reduces them), switched back afterwards; nothing for anything else.
+    module of ``model``, or DeepSpeed's ``set_gradient_accumulation_boundary(False)`` (ZeRO stages
+    0-3 keep each backward's gradients, partitioned, until the boundary's backward reduces them),
+    switched back afterwards; nothing for anything else.
 
     Example:
         >>> with deferred_gradient_reduction(torch.nn.Linear(2, 2)):
@@ -187,7 +182,8 @@ def deferred_gradient_reduction(model: Any) -> Any:
         finally:
             model._is_gradient_accumulation_boundary = before
             if hasattr(model.optimizer, "set_gradient_accumulation_boundary"):
-                model.optimizer.set_gradient_accumulation_boundary(model.is_gradient_accumulation_boundary())
+                model.optimizer.set_gradient_accumulation_boundary(
+                    model.is_gradient_accumulation_boundary())
         return
     from torch.distributed.fsdp import FSDPModule
 

@@ -1,6 +1,6 @@
 """The training-step wrapper behind micro-batching: its first-step check (the loss is a mean over
-what the weights count) and the split step itself, run inside ``training_step`` (the method card
-and the policy: :mod:`lightning_seqmem.mitigations.microbatch.microbatch`).
+what the weights count) and the split step, run inside ``training_step`` (the method card and the
+policy: :mod:`.microbatch`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.mitigations.microbatch.microbatch_check import check_copy
-from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX, RULE_TEXT, micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import (
+    IGNORE_INDEX, RULE_TEXT, micro_batch_counts, split_batch)
 from lightning_seqmem.mitigations.microbatch.microbatch_twin import check_pair, run_micro_batches
 
-__all__ = ["REFUSED_ATTRIBUTE", "MicroBatchedTrainingStep", "MicroBatchingRefusedWarning", "is_micro_batching",
-           "micro_batching_check_pending", "micro_batching_refusal", "unwrap_training_step", "wrapper_of"]
+__all__ = ["REFUSED_ATTRIBUTE", "MicroBatchedTrainingStep", "MicroBatchingRefusedWarning",
+           "is_micro_batching", "micro_batching_check_pending", "micro_batching_refusal",
+           "unwrap_training_step", "wrapper_of"]
 
-
-REFUSED_ATTRIBUTE = "_seqmem_micro_batching_refused"  # instance attribute holding the refusal reason
-
-
+REFUSED_ATTRIBUTE = "_seqmem_micro_batching_refused"  # instance attribute: the refusal reason
 
 
 class MicroBatchingRefusedWarning(UserWarning):
@@ -48,25 +47,28 @@ def _positional_capacity(fn: Any) -> int | None:
         return None
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return None
-    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)
+    return sum(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                          inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 # --- the first-step check ------------------------------------------------------------------------
 
 _DROPOUTS = frozenset(
-    [getattr(F, name) for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                                    "feature_alpha_dropout") if hasattr(F, name)]
-    + [getattr(torch, name) for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
-                                         "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_")
+    [getattr(F, name) for name in ("dropout", "dropout1d", "dropout2d", "dropout3d",
+                                    "alpha_dropout", "feature_alpha_dropout") if hasattr(F, name)]
+    + [getattr(torch, name) for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_",
+                                         "feature_dropout", "feature_dropout_",
+                                         "feature_alpha_dropout", "feature_alpha_dropout_")
        if hasattr(torch, name)]
 )
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 class _NoDropout(TorchFunctionMode):
-    """Dropout off without ``eval()``: dropouts return their input, attention gets ``dropout_p=0``."""
+    """Dropout off without ``eval()``: dropouts return their input, attention ``dropout_p=0``."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
         kwargs = dict(kwargs or {})
         if func in _DROPOUTS:
             return args[0] if args else kwargs["input"]
@@ -111,7 +113,8 @@ def _side_effects_contained(pl_module: Any):  # type: ignore[no-untyped-def]
 
 def _low_precision(pl_module: Any, losses: list[torch.Tensor]) -> bool:
     sixteen = (torch.float16, torch.bfloat16)
-    if any(loss.dtype in sixteen for loss in losses) or any(p.dtype in sixteen for p in pl_module.parameters()):
+    if (any(loss.dtype in sixteen for loss in losses)
+            or any(p.dtype in sixteen for p in pl_module.parameters())):
         return True
     try:
         return torch.is_autocast_enabled(losses[0].device.type)
@@ -153,21 +156,18 @@ class MicroBatchedTrainingStep:
     """The wrapper put on ``pl_module.training_step`` (a picklable object, for ``ddp_spawn``).
 
     Attributes: ``micro_batch_size``, ``weighting``, ``ignore_index``, ``verify`` (as given to
-    :class:`MicroBatching`); ``verified`` (the first-step check passed; False while pending or
-    when ``verify=False``); ``rule`` (the weighting rule of the last batch split, e.g.
-    ``"shifted_label_tokens"``; None before); ``refused_reason`` (why the check refused; the
-    wrapper is then no longer on the module).
+    :class:`MicroBatching`); ``verified`` (the first-step check passed); ``rule`` (the weighting
+    rule of the last batch split, or None); ``refused_reason`` (why the check refused; the wrapper
+    is then off the module).
     """
 
     _seqmem_micro_batching = True
 
-    def __init__(
-        self, pl_module: Any, micro_batch_size: int, weighting: str = "auto", verify: bool = True,
-        ignore_index: int = IGNORE_INDEX,
-    ) -> None:
+    def __init__(self, pl_module: Any, micro_batch_size: int, weighting: str = "auto",
+                 verify: bool = True, ignore_index: int = IGNORE_INDEX) -> None:
         self.pl_module = pl_module
-        # A training_step set on the instance before us, else None: the class's method, looked up at
-        # call time (a stored bound method would pickle as getattr(module, "training_step"): us).
+        # A training_step set on the instance before us, else None: the class's method, looked up
+        # at call time (a stored bound method would pickle as getattr(module, "training_step"): us)
         self.previous = pl_module.__dict__.get("training_step")
         self.micro_batch_size = micro_batch_size
         self.weighting = weighting
@@ -194,7 +194,7 @@ class MicroBatchedTrainingStep:
         return self.verify and not self.verified and self.refused_reason is None
 
     def __call__(self, batch: Any, *args: Any) -> Any:
-        if self.num_args is not None:  # Lightning passes batch_idx only if the signature asks for it
+        if self.num_args is not None:  # Lightning passes batch_idx only if the signature asks
             args = args[: max(self.num_args - 1, 0)]
         trainer = _trainer_of(self.pl_module)
         if trainer is None or not self.pl_module.automatic_optimization:
@@ -202,8 +202,9 @@ class MicroBatchedTrainingStep:
         parts = split_batch(batch, self.micro_batch_size)
         if len(parts) == 1:
             return self.original(batch, *args)
-        self.rule, counts = micro_batch_counts(batch, self.micro_batch_size, self.weighting, self.ignore_index)
-        if sum(counts) == 0:  # nothing the loss averages over: the plain step, as without micro-batching
+        self.rule, counts = micro_batch_counts(batch, self.micro_batch_size, self.weighting,
+                                               self.ignore_index)
+        if sum(counts) == 0:  # nothing the loss averages over: the plain step
             return self.original(batch, *args)
         if self.check_pending:
             reason = self._check(batch, parts, counts, args)
@@ -212,7 +213,7 @@ class MicroBatchedTrainingStep:
                 return self.original(batch, *args)  # the plain step, for this batch and from now on
         return self._run(trainer, parts, counts, *args)
 
-    # -- the check --------------------------------------------------------------------------------
+    # -- the check ----------------------------------------------------------------------------
 
     @staticmethod
     def _loss(step: Any, batch: Any, args: tuple) -> Optional[torch.Tensor]:
@@ -220,19 +221,17 @@ class MicroBatchedTrainingStep:
         return None if loss is None else loss.detach()
 
     def _check(self, batch: Any, parts: list[Any], counts: list[int], args: tuple) -> Optional[str]:
-        """None when the loss passes (``verified`` set) or cannot be checked on this batch (deferred);
-        else the reason for refusing. The forwards run on the check's own copy of the module
-        (:func:`~lightning_seqmem.mitigations.microbatch.microbatch_check.check_copy`: parameters shared, the
-        rest copied), so the user's ``training_step`` runs once per sample."""
+        """None when the loss passes (``verified`` set) or cannot be checked on this batch
+        (deferred); else the reason for refusing. The forwards run on :func:`.check_copy`."""
         found = check_pair(batch, parts, counts)
         if found is None:
-            return None  # one micro-batch with something to count: its loss is the batch's; check later
+            return None  # one micro-batch with something to count: its loss is the batch's
         pair, used, start, length = found
         try:
             twin, step = check_copy(self.pl_module, self)
         except Exception as exc:  # noqa: BLE001 - a module that refuses a copy: never the user's
             why = f"{type(exc).__name__}: {exc}"
-            return (f"its first-step check runs on a copy of the module (so that training_step "
+            return ("its first-step check runs on a copy of the module (so that training_step "
                     f"runs once per sample), which could not be made ({why}); pass verify=False if "
                     "the loss is a mean over what the weights count")
         with _side_effects_contained(twin):
@@ -256,34 +255,34 @@ class MicroBatchedTrainingStep:
         samples = f"samples {start}..{start + length - 1}"
         if again is not None and not _close(float(again.float()), values[0], rtol, atol):
             return (
-                f"cannot verify that the loss is a mean over {what}: training_step gave {values[0]:.6g}, then "
-                f"{float(again.float()):.6g} on the same {samples} with torch's dropouts off; it draws random numbers "
-                "the check cannot turn off (noise drawn in training_step, a dropout outside torch such as "
-                "flash-attn's); pass verify=False if the loss is such a mean"
-            )
+                f"cannot verify that the loss is a mean over {what}: training_step gave "
+                f"{values[0]:.6g}, then {float(again.float()):.6g} on the same {samples} with "
+                "torch's dropouts off; it draws random numbers the check cannot turn off (noise "
+                "drawn in training_step, a dropout outside torch such as flash-attn's); pass "
+                "verify=False if the loss is such a mean")
         reason = (
-            f"the loss is not a mean over {what}: {samples} together gave {values[0]:.6g}, one micro-batch at a "
-            f"time {expected:.6g} weighted by {what} ({weights[0]} and {weights[1]}); split, it would be scaled "
-            "wrongly (a sum, reduction='sum', or a mean over something else)"
-        )
+            f"the loss is not a mean over {what}: {samples} together gave {values[0]:.6g}, one "
+            f"micro-batch at a time {expected:.6g} weighted by {what} ({weights[0]} and "
+            f"{weights[1]}); split, it would be scaled wrongly (a sum, reduction='sum', or a mean "
+            "over something else)")
         norms = _batch_norms(self.pl_module)
         if norms:
-            reason += f", or the batch norm in {', '.join(norms[:3])}{' ...' if len(norms) > 3 else ''} normalises over fewer samples"
+            reason += (f", or the batch norm in {', '.join(norms[:3])}"
+                       f"{' ...' if len(norms) > 3 else ''} normalises over fewer samples")
         return reason
 
     def _refuse(self, reason: str) -> None:
         self.refused_reason = reason
         unwrap_training_step(self.pl_module, self)
         self.pl_module.__dict__[REFUSED_ATTRIBUTE] = reason
-        warnings.warn(
-            f"micro-batching refused, the batch runs whole: {reason}", MicroBatchingRefusedWarning, stacklevel=2
-        )
+        warnings.warn(f"micro-batching refused, the batch runs whole: {reason}",
+                      MicroBatchingRefusedWarning, stacklevel=2)
 
-    # -- the micro-batched step -------------------------------------------------------------------
+    # -- the micro-batched step ---------------------------------------------------------------
 
     def _run(self, trainer: Any, parts: list[Any], counts: list[int], *args: Any) -> Any:
-        """The split step (:func:`~lightning_seqmem.mitigations.microbatch.microbatch_twin.run_micro_batches`):
-        each micro-batch but the last backpropagated through the strategy, the last one's loss returned."""
+        """The split step (:func:`.run_micro_batches`): each micro-batch but the last
+        backpropagated through the strategy, the last one's loss returned."""
         accumulate = trainer.accumulate_grad_batches
         skip_backward = bool(getattr(trainer.fit_loop, "_skip_backward", False))
         optimizer = trainer.optimizers[0]
@@ -292,24 +291,27 @@ class MicroBatchedTrainingStep:
             trainer.strategy.backward(scaled / accumulate, optimizer)
 
         return run_micro_batches(
-            parts, counts, lambda part: self.original(part, *args), None if skip_backward else backward,
+            parts, counts, lambda part: self.original(part, *args),
+            None if skip_backward else backward,
             trainer.strategy.model if trainer.strategy.model is not None else self.pl_module,
             zero_grad=lambda: self._zero_grad_first(trainer, optimizer, skip_backward),
         )
 
     def _zero_grad_first(self, trainer: Any, optimizer: Any, skip_backward: bool) -> None:
-        """Zero the gradients before the first micro-batch of an accumulation window (Lightning zeroes
-        after ``training_step``, in ``Closure.closure``: its call is skipped once)."""
-        if not skip_backward and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+        """Zero the gradients before the first micro-batch of an accumulation window (Lightning
+        zeroes after ``training_step``, in ``Closure.closure``: its call is skipped once)."""
+        if (not skip_backward
+                and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0):
             pending = self.pl_module.__dict__.get("optimizer_zero_grad")
             if isinstance(pending, _SkipNextZeroGrad):  # armed by a step whose zero_grad never came
                 pending.restore()
-            self.pl_module.optimizer_zero_grad(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, optimizer)
+            self.pl_module.optimizer_zero_grad(trainer.current_epoch,
+                                               trainer.fit_loop.epoch_loop.batch_idx, optimizer)
             self.pl_module.optimizer_zero_grad = _SkipNextZeroGrad(self.pl_module)
 
 
 def unwrap_training_step(pl_module: Any, wrapper: MicroBatchedTrainingStep) -> None:
-    """Take ``wrapper`` off ``pl_module``: the ``training_step`` it wrapped back, a pending zero-grad skip undone."""
+    """Take ``wrapper`` off ``pl_module`` (and undo a pending zero-grad skip)."""
     if wrapper.previous is not None:
         pl_module.training_step = wrapper.previous
     else:
@@ -344,8 +346,7 @@ def is_micro_batching(pl_module: Any) -> bool:
 
 def micro_batching_refusal(pl_module: Any) -> Optional[str]:
     """Why the first-step check of :class:`MicroBatching` switched micro-batching off for
-    ``pl_module`` (None: it never did). The reason stays until ``MicroBatching(verify=False)`` is
-    applied; while it is there, :meth:`MicroBatching.is_applicable` refuses with it.
+    ``pl_module``, or None; it stays (and ``is_applicable`` refuses) until ``verify=False``.
 
     Example:
         >>> import torch
@@ -356,9 +357,8 @@ def micro_batching_refusal(pl_module: Any) -> Optional[str]:
 
 
 def micro_batching_check_pending(pl_module: Any, batch: Any = None) -> bool:
-    """Whether the next split ``training_step`` of ``pl_module`` runs the first-step check (three
-    extra forwards without gradient, whose memory falls in that step's peak); with ``batch``,
-    whether that batch's step does (fewer than two micro-batches to count: whole, unchecked).
+    """Whether the next split ``training_step`` of ``pl_module`` (on ``batch``) runs the first-step
+    check: three extra forwards without gradient, whose memory falls in that step's peak.
 
     Example:
         >>> import torch

@@ -1,11 +1,10 @@
-"""The one micro-batched training step: what the wrapper of
-:class:`~lightning_seqmem.mitigations.microbatch.microbatch.MicroBatching` runs inside ``training_step``, what the
-dry run runs on its fake copy and what the memory breakdown traces, so a forecast or a breakdown of a
-micro-batched step is the step's own order of allocations.
+"""The one micro-batched training step: what the wrapper of :class:`.microbatch.MicroBatching` runs
+inside ``training_step``, what the dry run runs on its fake copy and what the memory breakdown
+traces, so a forecast or a breakdown of a micro-batched step is the step's own order of allocations.
 
 * :func:`run_micro_batches`: zero the gradients, backpropagate every counted micro-batch but the
   last (its loss weighted by ``c_i / C``), return the last one's weighted loss plus the others';
-* :func:`check_pair`: the sub-batch the wrapper's first-step check compares (the dry run counts its memory);
+* :func:`check_pair`: the sub-batch the first-step check compares (the dry run counts its memory);
 * :func:`micro_batched_loss` and :class:`ZeroGradBeforeFirstMicroBatch`: the same step as a
   ``(loss_fn, optimizer)`` pair for :func:`~lightning_seqmem.measure.steps.training_step_memory`
   (Lightning's order: forward, ``zero_grad``, backward, optimizer step).
@@ -15,7 +14,8 @@ Example:
     >>> from lightning_seqmem.measure.steps import training_step_memory
     >>> lin = torch.nn.Linear(2, 1)
     >>> optimizer = torch.optim.SGD(lin.parameters(), lr=0.0)
-    >>> batch = {"input_ids": torch.ones(3, 2, dtype=torch.long), "x": torch.tensor([[1.0, 0], [0, 1], [1, 1]])}
+    >>> batch = {"input_ids": torch.ones(3, 2, dtype=torch.long),
+    ...          "x": torch.tensor([[1.0, 0], [0, 1], [1, 1]])}
     >>> loss_fn = lambda model, b: model(b["x"]).mean()
     >>> step_loss = micro_batched_loss(optimizer, 1, loss_fn)  # three micro-batches of one sample
     >>> training_step_memory(lin, ZeroGradBeforeFirstMicroBatch(optimizer), batch, step_loss)
@@ -35,14 +35,10 @@ import torch
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.mitigations.microbatch.microbatch_functional import (
-    IGNORE_INDEX,
-    deferred_gradient_reduction,
-    micro_batch_counts,
-    slice_batch,
-    split_batch,
-)
+    IGNORE_INDEX, deferred_gradient_reduction, micro_batch_counts, slice_batch, split_batch)
 
-__all__ = ["CheckPair", "ZeroGradBeforeFirstMicroBatch", "check_pair", "micro_batched_loss", "run_micro_batches"]
+__all__ = ["CheckPair", "ZeroGradBeforeFirstMicroBatch", "check_pair", "micro_batched_loss",
+           "run_micro_batches"]
 
 
 def _with_loss(output: Any, loss: torch.Tensor) -> Any:
@@ -72,7 +68,7 @@ class CheckPair(NamedTuple):
 def check_pair(batch: Any, parts: list[Any], counts: list[int]) -> Optional[CheckPair]:
     """What the first-step check of micro-batching compares: the first two micro-batches with
     ``counts[i] > 0`` apart, and the samples from the first to the second of them together (the
-    wrapper checks their losses, the dry run counts their memory). None: fewer than two count something.
+    wrapper checks their losses, the dry run counts their memory). None: fewer than two count.
 
     Example:
         >>> import torch
@@ -91,43 +87,36 @@ def check_pair(batch: Any, parts: list[Any], counts: list[int]) -> Optional[Chec
     return CheckPair(slice_batch(batch, sum(sizes), start, length), used, start, length)
 
 
-def run_micro_batches(
-    parts: list[Any],
-    counts: list[int],
-    forward: Callable[[Any], Any],
-    backward: Optional[Callable[[torch.Tensor], Any]],
-    model: Any,
-    zero_grad: Callable[[], Any],
-    read_loss: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
-    hold: bool = True,
-) -> Any:
-    """One micro-batched ``training_step``: what the wrapper of :class:`MicroBatching` runs, and what
-    the dry run runs on its fake copy (one loop for both, so the forecast is the step's own order).
+def run_micro_batches(parts: list[Any], counts: list[int], forward: Callable[[Any], Any],
+                      backward: Optional[Callable[[torch.Tensor], Any]], model: Any,
+                      zero_grad: Callable[[], Any],
+                      read_loss: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
+                      hold: bool = True) -> Any:
+    """One micro-batched ``training_step`` (the wrapper's and the dry run's: one loop for both).
 
-    ``zero_grad()`` first; then every micro-batch with ``counts[i] > 0`` but the last: ``forward(part)``
-    (``training_step``), its loss (``read_loss``, default :func:`~lightning_seqmem.measure.steps.loss_of`
-    with ``required=False``; a None loss: skipped, as Lightning skips such a batch) scaled
-    by ``counts[i] / sum(counts)``, and ``backward(scaled)`` with autocast off and the gradient reduction
-    across ranks deferred (:func:`deferred_gradient_reduction` of ``model``; ``backward`` None: no
-    backward, as under Lightning's ``_skip_backward``). The last one is not backpropagated: returned
-    is its output with its ``"loss"`` (or itself) replaced by its scaled loss plus the others',
-    detached (the batch's loss; the caller backpropagates it), or its output as it came when its loss
-    is None. ``hold``: the outputs and unscaled losses stay alive until their micro-batch is done
-    (the wrapper's order); False: each is dropped as soon as it was read or scaled (the dry run's).
+    ``zero_grad()`` first; then every micro-batch with ``counts[i] > 0`` but the last:
+    ``forward(part)``, its loss (``read_loss``, default ``loss_of(..., required=False)``; None: the
+    micro-batch is skipped, as Lightning skips such a batch) scaled by ``counts[i] / sum(counts)``,
+    and ``backward(scaled)`` with autocast off and the gradient reduction deferred
+    (:func:`deferred_gradient_reduction` of ``model``; ``backward`` None: no backward, as under
+    Lightning's ``_skip_backward``). The last one is returned, not backpropagated: its output with
+    its ``"loss"`` (or itself) replaced by its scaled loss plus the others', detached, or as it came
+    when its loss is None. ``hold``: outputs and unscaled losses stay alive until their micro-batch
+    is done (the wrapper's order); False: each is dropped once read or scaled (the dry run's).
 
     Example:
         >>> import torch
         >>> w = torch.ones(2, requires_grad=True)
         >>> parts = split_batch(torch.tensor([[1, 1], [2, 2], [3, 3]]), 1)
-        >>> loss = run_micro_batches(parts, [1, 1, 1], lambda part: (w * part).sum(), lambda s: s.backward(),
-        ...                          w, zero_grad=lambda: None)
-        >>> round(float(loss.detach()), 4), w.grad.tolist()  # the mean of 2, 4, 6; the first two backpropagated
+        >>> loss = run_micro_batches(parts, [1, 1, 1], lambda part: (w * part).sum(),
+        ...                          lambda s: s.backward(), w, zero_grad=lambda: None)
+        >>> round(float(loss.detach()), 4), w.grad.tolist()  # the mean of 2, 4, 6; two backwards
         (4.0, [1.0, 1.0])
     """
     if read_loss is None:
         read_loss = partial(loss_of, required=False)
     total = sum(counts)
-    used = [i for i, c in enumerate(counts) if c > 0]  # c_i = 0: nothing counted, no gradient: not run
+    used = [i for i, c in enumerate(counts) if c > 0]  # c_i = 0: no gradient: not run
     zero_grad()
     done: torch.Tensor | None = None  # sum of the scaled losses already backpropagated, detached
     for i in used[:-1]:
@@ -159,10 +148,9 @@ def run_micro_batches(
 class ZeroGradBeforeFirstMicroBatch:
     """The optimizer as the micro-batching wrapper drives it: zeroed before the first micro-batch.
 
-    :func:`~lightning_seqmem.measure.steps.training_step_memory` calls ``zero_grad`` after the forward
-    (Lightning's place for it); under micro-batching that call is skipped, since the gradients of
-    the earlier micro-batches are already accumulated by then (:func:`micro_batched_loss` zeroes
-    the real optimizer itself).
+    ``training_step_memory`` calls ``zero_grad`` after the forward (Lightning's place for it); here
+    it is skipped, the earlier micro-batches' gradients being accumulated by then
+    (:func:`micro_batched_loss` zeroes the real optimizer itself).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -183,33 +171,29 @@ def _no_zero_grad() -> None:
     """A later batch of an accumulation window: its gradients add to the earlier batches'."""
 
 
-def micro_batched_loss(
-    optimizer: torch.optim.Optimizer,
-    micro_batch_size: int,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    weighting: str = "auto",
-    ignore_index: int = IGNORE_INDEX,
-    counts_of: Optional[Callable[[Any, int, str, int], list[int]]] = None,
-    before: Optional[Callable[[Any, Any, list[Any], list[int]], Any]] = None,
-    zero_grad: bool = True,
-) -> Callable[[Any, Any], torch.Tensor]:
-    """``(model, batch) -> loss``: ``loss_fn`` per micro-batch, as :func:`run_micro_batches` runs it, for
-    :func:`~lightning_seqmem.measure.steps.training_step_memory` with :class:`ZeroGradBeforeFirstMicroBatch`.
+def micro_batched_loss(optimizer: torch.optim.Optimizer, micro_batch_size: int,
+                       loss_fn: Callable[[Any, Any], torch.Tensor], weighting: str = "auto",
+                       ignore_index: int = IGNORE_INDEX,
+                       counts_of: Optional[Callable[[Any, int, str, int], list[int]]] = None,
+                       before: Optional[Callable[[Any, Any, list[Any], list[int]], Any]] = None,
+                       zero_grad: bool = True) -> Callable[[Any, Any], torch.Tensor]:
+    """``(model, batch) -> loss``: ``loss_fn`` per micro-batch by :func:`run_micro_batches`, for
+    :func:`~lightning_seqmem.measure.steps.training_step_memory` with
+    :class:`ZeroGradBeforeFirstMicroBatch`.
 
-    Counts ``c_i`` with ``counts_of(batch, micro_batch_size, weighting, ignore_index)`` (default: those of
-    :func:`~lightning_seqmem.mitigations.microbatch.microbatch_functional.micro_batch_counts`), runs
-    ``before(model, batch, parts, counts)`` (the dry run: the memory of the wrapper's first-step check),
-    zeroes ``optimizer``, backpropagates each micro-batch with ``c_i > 0`` but the last (autocast
-    off), and returns the last one's weighted loss (plus the others', detached) for the caller's
-    backward; each loss is dropped as soon as it is scaled. A batch with one micro-batch, or nothing
-    counted, runs whole, zeroed after its forward as Lightning does. ``zero_grad=False``: never
-    zeroed (a later batch of an accumulation window: the earlier batches' gradients are kept).
+    Counts ``c_i`` with ``counts_of(batch, micro_batch_size, weighting, ignore_index)`` (default:
+    :func:`micro_batch_counts`), runs ``before(model, batch, parts, counts)`` (the dry run: the
+    first-step check's memory), zeroes ``optimizer`` and returns the last micro-batch's loss for the
+    caller's backward (each loss dropped once scaled). A batch of one micro-batch, or nothing
+    counted, runs whole, zeroed after its forward as Lightning does.
+    ``zero_grad=False``: never zeroed (a later batch of an accumulation window).
     """
 
     def step_loss(model: Any, batch: Any) -> torch.Tensor:
         parts = split_batch(batch, micro_batch_size)
         if len(parts) > 1:
-            counts = (counts_of(batch, micro_batch_size, weighting, ignore_index) if counts_of is not None
+            counts = (counts_of(batch, micro_batch_size, weighting, ignore_index)
+                      if counts_of is not None
                       else micro_batch_counts(batch, micro_batch_size, weighting, ignore_index)[1])
         else:
             counts = [1]
@@ -222,9 +206,7 @@ def micro_batched_loss(
             before(model, batch, parts, counts)
         zero = partial(optimizer.zero_grad, set_to_none=True) if zero_grad else _no_zero_grad
         return run_micro_batches(
-            parts, counts, lambda part: loss_fn(model, part), lambda scaled: scaled.backward(), model,
-            zero_grad=zero,
-            read_loss=lambda loss: loss, hold=False,
-        )
+            parts, counts, lambda part: loss_fn(model, part), lambda scaled: scaled.backward(),
+            model, zero_grad=zero, read_loss=lambda loss: loss, hold=False)
 
     return step_loss

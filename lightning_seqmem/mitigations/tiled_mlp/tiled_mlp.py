@@ -1,49 +1,39 @@
 """Sequence-tiled feed-forward with recompute: DeepSpeed's ``TiledMLP`` on every block's MLP.
 
-An MLP keeps its wide intermediate activations (``[B, L, intermediate]``: a Llama MLP saves four
-of them, the reference GPT's two) for backward, in every block: with SDPA and a fused loss they
-are what holds the peak at long lengths. DeepSpeed's
-``deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`` (ALST, arXiv 2506.13996) runs the MLP
-on sequence tiles without saving anything but its input, and recomputes it tile by tile in
-backward: the saved intermediates are gone and the transient ones are ``1/tiles`` as wide. Costs
-one more forward of the MLPs (about 20% of a step); the loss and gradients are unchanged up to
-float rounding.
+An MLP saves its wide intermediate activations (``[B, L, intermediate]``: four in a Llama MLP, two
+in the reference GPT's) for backward, in every block: with SDPA and a fused loss they hold the
+peak at long lengths. DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``;
+ALST, arXiv 2506.13996) runs the MLP on sequence tiles saving only its input, and recomputes it
+tile by tile in backward: no saved intermediates, transient ones ``1/tiles`` as wide. Loss and
+gradients are unchanged up to float rounding.
 
-What is tiled (found structurally, never by class name): the ``mlp`` (or ``feed_forward``,
-``ffn``) child of each repeated block (:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing.find_repeated_blocks`):
-Hugging Face ``LlamaMLP``, ``Qwen2MLP``, ``MistralMLP``, ..., and the reference GPT's
-``nn.Sequential`` MLP (its trailing ``nn.Dropout`` runs after the tiles, untiled). Refused: MoE
-blocks (an ``experts`` child), an active dropout inside the tiled part (the recompute would draw
-new masks), FSDP2-sharded blocks (not tested), FSDP1 and DeepSpeed strategies (use DeepSpeed's own
-``TiledMLP`` with ``compute_params`` there).
+What is tiled (found structurally, never by class name): the ``mlp`` (or ``feed_forward``, ``ffn``)
+child of each repeated block (:func:`.checkpointing.find_repeated_blocks`): Hugging Face
+``LlamaMLP``, ``Qwen2MLP``, ..., and the reference GPT's ``nn.Sequential`` (its trailing
+``nn.Dropout`` runs after the tiles). Refused: MoE blocks (an ``experts`` child), an active dropout
+inside the tiled part (the recompute would draw new masks), FSDP2-sharded blocks (not tested),
+FSDP1 and DeepSpeed strategies (use DeepSpeed's own ``TiledMLP`` with ``compute_params`` there).
 
-How it is switched on: the MLP instance's ``forward`` is patched in place (an instance attribute;
-``remove`` deletes it): parameters, optimizer state and ``state_dict`` keys are unchanged. Two
-additions around the library's function make it safe in a Lightning run:
+The MLP instance's ``forward`` is patched in place (``remove`` deletes it): parameters, optimizer
+state and ``state_dict`` keys are unchanged. Around the library's function:
 
 * gradients reach the parameters once per step: ``TiledMLP``'s backward calls
-  ``torch.autograd.backward`` once per tile, which under DDP fires the reducer's hook of each
-  parameter once per tile ("Expected to mark a variable ready only once"). Each tile here runs on
-  detached aliases of the parameters (``_reparametrize_module``), whose gradients are handed to the
-  real parameters by one autograd node (:class:`_HandGradsToParameters`);
-* the recompute in backward runs under the autocast state of the forward (as ``torch.utils.checkpoint``).
+  ``torch.autograd.backward`` once per tile, which under DDP fires each parameter's reducer hook
+  once per tile ("Expected to mark a variable ready only once"). Each tile here runs on detached
+  aliases of the parameters (``_reparametrize_module``), whose gradients one autograd node hands
+  to the real parameters (:class:`_HandGradsToParameters`);
+* the recompute runs under the forward's autocast state (as ``torch.utils.checkpoint``).
 
-**The tile count** follows the length, at least a floor fixed when the rung is switched on:
-``tiles = max(floor, ceil(L / hidden))`` for a call on ``L`` tokens (:func:`tiles_for_length`). The
-length term is ALST's rule (ArcticTraining and DeepSpeed's ``TiledMLP`` example: ``num_shards =
-ceil(seqlen / hidden)``, one tile per 4,096 tokens for Llama-3.1-8B), so a tile's intermediate
-``[B, L/tiles, intermediate]`` stays the same size at any length. The floor is
-``max(2, ceil(intermediate / hidden))`` over the tiled MLPs, read from their 2-D weights (largest /
-smallest dimension; reference GPT: ``d_ff / d_model`` = 4; Llama-3.1-8B: 14336 / 4096 -> 4): at
-short lengths one tile's intermediate is then no larger than the block's hidden state ``[B, L,
-hidden]``. ``TiledMLPRung(tiles=n)`` fixes the count by hand, at every length.
-
-Every rank runs the same count where ranks run the same length: the count depends on the model and
-``L`` alone, and ranks under a curriculum share the stage's length. With uneven lengths across ranks
-(no curriculum, each rank padding its own batch), ranks may run different counts; that is harmless
-where this rung runs (one device, DDP: each parameter's gradient reaches the reducer once per step,
-whatever the count), while an engine that gathers parameters per tile (ZeRO-3, FSDP: refused here)
-would deadlock, which is why ALST all-reduces the maximum across ranks there.
+**The tile count** is ``max(floor, ceil(L / hidden))`` for a call on ``L`` tokens
+(:func:`tiles_for_length`). The length term is ALST's rule (DeepSpeed's ``TiledMLP`` example:
+``num_shards = ceil(seqlen / hidden)``, one tile per 4,096 tokens for Llama-3.1-8B), so a tile's
+intermediate stays the same size at any length. The floor, fixed at switch-on, is
+``max(2, ceil(intermediate / hidden))`` over the MLPs' 2-D weights (:func:`tile_count_rule`;
+Llama-3.1-8B: 14336 / 4096 -> 4): at short lengths a tile's intermediate is then no larger than the
+block's hidden state. ``TiledMLPRung(tiles=n)`` fixes the count at every length. Ranks running the
+same length run the same count; with uneven lengths counts may differ, harmless on one device or
+DDP (one gradient per parameter per step), while an engine gathering parameters per tile (ZeRO-3,
+FSDP: refused here) would deadlock, which is why ALST all-reduces the maximum there.
 
 Example:
     >>> import torch
@@ -76,18 +66,21 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from lightning_seqmem.mitigations.base import MitigationResult, Rung, RungContext, wrapping_strategy_refusal
-from lightning_seqmem.mitigations.checkpointing.checkpointing import counted_blocks, find_repeated_blocks
+from lightning_seqmem.mitigations.base import (MitigationResult, Rung, RungContext,
+                                               wrapping_strategy_refusal)
+from lightning_seqmem.mitigations.checkpointing.checkpointing import (counted_blocks,
+                                                                      find_repeated_blocks)
 from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp_spec import SPEC
 
-__all__ = ["MLP_CHILD_NAMES", "TiledMLP", "TiledMLPRung", "find_mlps", "tile_count_rule", "tiled_mlp_tiles",
-           "tiled_mlp_unavailable_reason", "tiles_for_length"]
+__all__ = ["MLP_CHILD_NAMES", "TiledMLP", "TiledMLPRung", "find_mlps", "tile_count_rule",
+           "tiled_mlp_tiles", "tiled_mlp_unavailable_reason", "tiles_for_length"]
 
 MLP_CHILD_NAMES = ("mlp", "feed_forward", "ffn")
 """Names of a block's feed-forward child, tried in this order."""
 
 _MARK = "_seqmem_tiled_mlp"  # the instance attribute holding a tiled MLP's _TiledState
-_INSTALL = "install the `tiled` extra: pip install 'lightning-seqmem[tiled]' (DeepSpeed >= 0.17; it runs on CPU too)"
+_INSTALL = ("install the `tiled` extra: pip install 'lightning-seqmem[tiled]' (DeepSpeed >= 0.17; "
+            "it runs on CPU too)")
 
 
 def tiled_mlp_unavailable_reason() -> Optional[str]:
@@ -105,8 +98,8 @@ def tiled_mlp_unavailable_reason() -> Optional[str]:
 
 def _library_tiled_mlp() -> Any:
     """DeepSpeed's ``TiledMLP`` autograd function (imported lazily: ~2 s, optional extra). Without
-    CUDA, DeepSpeed is told its accelerator is the CPU during the import (what it would detect, after
-    a warning on stdout); a ``DS_ACCELERATOR`` the user set is left alone."""
+    CUDA, DeepSpeed is told its accelerator is the CPU during the import (what it would detect,
+    after a warning on stdout); a ``DS_ACCELERATOR`` the user set is left alone."""
     told = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
     if told:
         os.environ["DS_ACCELERATOR"] = "cpu"
@@ -119,7 +112,8 @@ def _library_tiled_mlp() -> Any:
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
-    while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):  # a checkpoint_wrapper
+    # a checkpoint_wrapper
+    while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
         module = module._checkpoint_wrapped_module
     return module
 
@@ -130,7 +124,8 @@ def find_mlps(model: nn.Module) -> list[nn.Module]:
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
-        >>> [type(m).__name__ for m in find_mlps(GPT(GPTConfig(n_layer=2, d_model=32, n_head=2)))]
+        >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=2))
+        >>> [type(m).__name__ for m in find_mlps(model)]
         ['Sequential', 'Sequential']
         >>> find_mlps(nn.Linear(2, 2))
         []
@@ -157,7 +152,8 @@ def _split(mlp: nn.Module) -> tuple[int, Optional[str]]:
     dropouts (those run after the tiles); of any other MLP, all of it (0). The reason names an
     active dropout inside the tiled part, or an MoE block."""
     if isinstance(getattr(mlp, "experts", None), nn.Module):
-        return 0, f"{type(mlp).__name__} is a mixture of experts (an `experts` child): its routing is not tiled"
+        return 0, (f"{type(mlp).__name__} is a mixture of experts (an `experts` child): its "
+                   "routing is not tiled")
     tiled: list[nn.Module] = [mlp]
     count = 0
     if isinstance(mlp, nn.Sequential):
@@ -171,8 +167,9 @@ def _split(mlp: nn.Module) -> tuple[int, Optional[str]]:
     for part in tiled:
         for sub in part.modules():
             if _is_active_dropout(sub):
-                return count, (f"{type(mlp).__name__} has an active {type(sub).__name__}(p={sub.p}) inside: "
-                               "the recompute in backward would draw new masks (set its p to 0)")
+                return count, (f"{type(mlp).__name__} has an active {type(sub).__name__}"
+                               f"(p={sub.p}) inside: the recompute in backward would draw new "
+                               "masks (set its p to 0)")
     return count, None
 
 
@@ -193,9 +190,8 @@ def tiles_for_length(floor: int, seq_len: int, hidden: int) -> int:
 
 
 def tile_count_rule(mlps: list[nn.Module]) -> int:
-    """The floor of the tile count: ``max(2, ceil(intermediate / hidden))`` over ``mlps``, read from
-    each MLP's 2-D weights (largest / smallest dimension). The model alone decides it: the same on
-    every rank.
+    """The floor of the tile count: ``max(2, ceil(intermediate / hidden))`` over ``mlps``, read
+    from each MLP's 2-D weights (largest / smallest dimension): the same on every rank.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(64, 176), nn.GELU(), nn.Linear(176, 64))
@@ -216,7 +212,7 @@ class _TiledState:
     tiles: int  # the count, or its floor where the length decides (not fixed)
     fixed: bool  # set by hand (TiledMLP(tiles=n)): the same at every length
     hidden: int  # the MLPs' hidden size, for the length term
-    layers: int  # nn.Sequential: layers tiled (the rest run after); other MLPs: 0 (all of forward)
+    layers: int  # nn.Sequential: layers tiled (the rest run after); other MLPs: 0 (all forward)
     previous_forward: Any  # the instance's own ``forward`` before the patch (None: the class's)
 
 
@@ -243,7 +239,8 @@ class _HandGradsToParameters(torch.autograd.Function):
     once: DDP's reducer sees one gradient per parameter per step."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, aliases: list[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, aliases: list[torch.Tensor],
+                *params: torch.Tensor) -> torch.Tensor:
         ctx.aliases = aliases
         return x.view_as(x)
 
@@ -279,7 +276,7 @@ def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     params = dict(self.named_parameters())
     wants_grad = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and (
         x.requires_grad or any(p.requires_grad for p in params.values()))
-    if args or kwargs or not wants_grad or x.dim() < 2:  # no graph to save (eval, no_grad) or an unusual call
+    if args or kwargs or not wants_grad or x.dim() < 2:  # no graph to save, or an unusual call
         own = state.previous_forward or types.MethodType(type(self).forward, self)
         return own(x, *args, **kwargs)
     compute = _compute(self, state)
@@ -290,7 +287,8 @@ def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
     autocast_dtype = torch.get_autocast_dtype(device_type)
 
     def tile(module: nn.Module, part: torch.Tensor) -> torch.Tensor:
-        autocast = torch.autocast(device_type, dtype=autocast_dtype) if autocast_on else contextlib.nullcontext()
+        autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_on
+                    else contextlib.nullcontext())
         with autocast, _reparametrize_module(module, aliases):
             return compute(part)
 
@@ -302,25 +300,27 @@ def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class TiledMLP:
-    """Policy: tile the MLP of every repeated block along the sequence with DeepSpeed's ``TiledMLP``.
+    """Policy: tile the MLP of every repeated block along the sequence (DeepSpeed's ``TiledMLP``).
 
     Args:
         tiles: tiles per MLP call at every length; None: by the length, at least
-            :func:`tile_count_rule` (fixed at switch-on; see the module docstring).
+            :func:`tile_count_rule` (see the module).
 
     Example:
         >>> TiledMLP().is_applicable(nn.Linear(2, 2))
         (False, 'no MLP found: no repeated block has an `mlp`, `feed_forward` or `ffn` child')
-        >>> TiledMLP(tiles=0)
+        >>> TiledMLP(tiles=0)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        ValueError: `tiles` must be None (by the length: tiles_for_length) or an integer >= 1, got 0
+        ValueError: `tiles` must be None (by the length: tiles_for_length) or an integer >= 1,
+        got 0
     """
 
     name = "tiled_mlp"
 
     def __init__(self, tiles: Optional[int] = None) -> None:
-        if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 1):
+        if tiles is not None and (not isinstance(tiles, int) or isinstance(tiles, bool)
+                                  or tiles < 1):
             raise ValueError("`tiles` must be None (by the length: tiles_for_length) or an integer "
                              f">= 1, got {tiles!r}")
         self.tiles = tiles
@@ -328,7 +328,9 @@ class TiledMLP:
     def _plan(self, model: nn.Module) -> tuple[list[tuple[nn.Module, int]], Optional[str]]:
         mlps = find_mlps(model)
         if not mlps:
-            return [], f"no MLP found: no repeated block has an {', '.join(f'`{n}`' for n in MLP_CHILD_NAMES[:-1])} or `{MLP_CHILD_NAMES[-1]}` child"
+            return [], ("no MLP found: no repeated block has an "
+                        f"{', '.join(f'`{n}`' for n in MLP_CHILD_NAMES[:-1])} or "
+                        f"`{MLP_CHILD_NAMES[-1]}` child")
         planned = []
         for mlp in mlps:
             layers, why = _split(mlp)
@@ -345,7 +347,8 @@ class TiledMLP:
         if why is not None:
             return False, why
         if any(_is_fsdp2(m) for m in model.modules()):
-            return False, "the blocks are sharded with FSDP2 (fully_shard): the tiled MLP is not tested there"
+            return False, ("the blocks are sharded with FSDP2 (fully_shard): the tiled MLP is not "
+                           "tested there")
         reason = tiled_mlp_unavailable_reason()
         if reason is not None:
             return False, reason
@@ -364,7 +367,8 @@ class TiledMLP:
         applicable, reason = self.is_applicable(model)
         if not applicable:
             state = "on" if tiled_mlp_tiles(model) is not None else "off"
-            return MitigationResult(self.name, applied=False, detail=reason, before=state, after=state)
+            return MitigationResult(self.name, applied=False, detail=reason, before=state,
+                                    after=state)
         _library_tiled_mlp()  # import now (between steps), not inside the first tiled forward
         planned, _ = self._plan(model)
         mlps = [m for m, _ in planned]
@@ -402,10 +406,9 @@ def _is_fsdp2(module: nn.Module) -> bool:
 
 
 class TiledMLPRung(Rung):
-    """The ladder's ``"tiled_mlp"`` rung (opt-in: ``SeqMemCallback(mitigations=[..., "tiled_mlp"])``):
-    :class:`TiledMLP` behind the :class:`~lightning_seqmem.mitigations.base.Rung` protocol. The dry
-    run tiles its fake copy the same way (``TiledMLP`` runs on fake tensors), so forecasts are of the
-    real tiled step. FSDP1 and DeepSpeed strategies refuse it at set-up.
+    """The ladder's opt-in ``"tiled_mlp"`` rung: :class:`TiledMLP` behind the :class:`.base.Rung`
+    protocol. The dry run tiles its fake copy the same way (``TiledMLP`` runs on fake tensors).
+    FSDP1 and DeepSpeed strategies refuse it at set-up.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -438,8 +441,9 @@ class TiledMLPRung(Rung):
         why = wrapping_strategy_refusal(trainer)
         name = type(getattr(trainer, "strategy", None)).__name__
         if why is not None and "DeepSpeed" in name:
-            return (f"{name} partitions the parameters in its engine: patch the MLPs with DeepSpeed's own TiledMLP "
-                    "(deepspeed.runtime.sequence_parallel.ulysses_sp, with compute_params for ZeRO) instead")
+            return (f"{name} partitions the parameters in its engine: patch the MLPs with "
+                    "DeepSpeed's own TiledMLP (deepspeed.runtime.sequence_parallel.ulysses_sp, "
+                    "with compute_params for ZeRO) instead")
         return why
 
 RUNG = TiledMLPRung
