@@ -1,11 +1,9 @@
 """``AdviceQueue``: the advice the planner gave, each key once per run (what the callback warns).
 
 Example:
-    >>> from typing import Any, Mapping
-
-from lightning_seqmem.core import advice as A
     >>> q = AdviceQueue()
-    >>> q.advise(A.mitigation_failed("attention", "no SDPA")); q.advise(A.mitigation_failed("attention", "no SDPA"))
+    >>> item = A.mitigation_failed("attention", "no SDPA")
+    >>> q.advise(item); q.advise(A.mitigation_failed("attention", "no SDPA"))
     >>> [a.kind for a in q.take_advice()], q.take_advice(), list(q.warned.values())
     (['mitigation_failed'], [], ['mitigation_failed'])
 """

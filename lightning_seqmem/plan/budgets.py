@@ -1,9 +1,8 @@
 """Device and host budgets: whether a dry run's answer fits both (no torch).
 
-A setting that offloads (FSDP2 ``CPUOffloadPolicy``, DeepSpeed ZeRO-3 offload, activation offload)
-trades device memory for host memory: it fits only where its device peak fits the device's usable
-budget *and* its host peak fits the host budget (``SeqMemCallback(host_memory_budget=...)``,
-``seqmem plan --host-budget``; default the machine's RAM, :func:`machine_memory_bytes`).
+A setting that offloads trades device memory for host memory: it fits only where its device peak
+fits the usable budget *and* its host peak fits the host budget (``host_memory_budget``; default
+the machine's RAM).
 
 Example:
     >>> GiB = 2**30
@@ -27,8 +26,7 @@ __all__ = ["BudgetFit", "fits_budgets", "host_budget_bytes", "machine_memory_byt
 
 
 def machine_memory_bytes() -> Optional[int]:
-    """This machine's physical memory in bytes (``SC_PAGE_SIZE`` x ``SC_PHYS_PAGES``), None where
-    the system does not say (Windows).
+    """This machine's physical memory in bytes, None where the system does not say (Windows).
 
     >>> machine_memory_bytes() is None or machine_memory_bytes() > 0
     True
@@ -41,11 +39,8 @@ def machine_memory_bytes() -> Optional[int]:
 
 def host_budget_bytes(host_memory_budget: Optional[int | str] = None) -> Optional[int]:
     """The host budget in bytes: ``host_memory_budget`` (bytes or a string with a unit) parsed, or
-    where None the machine's RAM (:func:`machine_memory_bytes`; None where it cannot be read).
-
-    Raises:
-        ValueError: a budget that is not a positive number of bytes (the message names
-            ``host_memory_budget``).
+    where None the machine's RAM (None where it cannot be read). Raises ``ValueError`` on a budget
+    that is not a positive number of bytes.
 
     >>> host_budget_bytes("2GiB"), host_budget_bytes(None) == machine_memory_bytes()
     (2147483648, True)
@@ -73,14 +68,15 @@ def fits_budgets(peak_bytes: int, host_peak_bytes: int, usable_bytes: Optional[i
                  host_budget_bytes: Optional[int], bound_bytes: Optional[int] = None) -> BudgetFit:
     """Whether a dry run's device peak fits ``usable_bytes`` (the device budget less its margin) and
     its host peak fits ``host_budget_bytes`` (None: that side is not judged). ``bound_bytes``: what
-    the device side compares (default the peak; ``seqmem plan`` passes the planner's bound of it,
+    the device side compares (default the peak; ``seqmem plan`` passes
     :func:`~lightning_seqmem.plan.judging.dry_run_bound`).
 
     >>> fits_budgets(100, 0, 200, None).reason
     'fits: device peak 100 B of 200 B usable, host peak 0 B (no host budget)'
     >>> fits_budgets(300, 10, 200, 5).reason
     'device peak 300 B over 200 B usable; host peak 10 B over the host budget 5 B'
-    >>> fits_budgets(196, 0, 200, None, bound_bytes=199).fits, fits_budgets(198, 0, 200, None, bound_bytes=201).reason
+    >>> fits_budgets(196, 0, 200, None, bound_bytes=199).fits, fits_budgets(
+    ...     198, 0, 200, None, bound_bytes=201).reason
     (True, 'device peak 198 B (bound 201 B) over 200 B usable')
     """
     bound = peak_bytes if bound_bytes is None else bound_bytes

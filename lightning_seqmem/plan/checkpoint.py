@@ -1,26 +1,20 @@
-"""The callback's checkpoint state: what it was written under, whether it can be trusted, how it meets
-a changed configuration, and how big it may grow. Plain Python (no torch, no Lightning).
-
-* :func:`run_config` is the configuration saved beside the state (budget, safety margin, ladder,
-  curriculum): Lightning finds the state by a key that does not change with it
-  (``SeqMemCallback.state_key``), and :func:`reconcile` says in one line what a change did.
-* :func:`validate_state` checks a loaded state field by field (types, ranges, rung and phase names)
-  and raises :class:`InvalidState` naming the first bad field and its value.
-* :func:`compact_records` bounds the records a checkpoint keeps: the last ``keep_last`` and, per
-  ``(seq_len, batch_size, mitigations)``, the few records every decision and the report read
-  (the worst, the per-phase maxima, the verified one): judging a length, the one-point bound, the
-  peak before a rung and the per-length table come out the same from them as from every record.
-  The forecasters' own state (per-phase maxima, reserved ratio, traces, verifications) is saved
-  separately and is already bounded by the number of (length, batch size) pairs.
-* :func:`legacy_key_config` reads the configuration out of the key earlier versions saved under.
+"""The callback's checkpoint state: what it was written under (:func:`run_config`), whether it
+can be trusted (:func:`validate_state`), how it meets a changed configuration (:func:`reconcile`)
+and how big it may grow (:func:`compact_records`: the records every decision and the report read
+come out the same as from every record).
 
 Example:
     >>> run_config(1_000_000, 0.0, ("attention", "microbatch"), None)
-    {'memory_budget_bytes': 1000000, 'safety_margin': 0.0, 'mitigations': ['attention', 'microbatch'], 'curriculum': None}
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'memory_budget_bytes': 1000000, 'safety_margin': 0.0,
+     'mitigations': ['attention', 'microbatch'], 'curriculum': None}
     >>> validate_state({"step": 3, "applied_mitigations": "attention"})
+    ... # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    lightning_seqmem.plan.checkpoint.InvalidState: `applied_mitigations` is 'attention', expected a list of distinct rung names from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload')
+    lightning_seqmem.plan.checkpoint.InvalidState: `applied_mitigations` is 'attention', expected a
+    list of distinct rung names from ('attention', 'checkpointing', 'microbatch', 'fused_loss',
+    'tiled_mlp', 'activation_offload')
 """
 
 from __future__ import annotations
@@ -40,8 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CHECKPOINT_LAST_RECORDS = 256
 """Records kept in a checkpoint besides the per-(length, batch size, mitigations) summary
-(~0.12 KiB each); in memory, :attr:`SeqMemPlanner.records` keeps every measured step up to
-:data:`MEMORY_RECORDS`."""
+(~0.12 KiB each); in memory, every measured step is kept up to :data:`MEMORY_RECORDS`."""
 
 MEMORY_RECORDS = 100_000
 """Records :attr:`SeqMemPlanner.records` holds before it is compacted like a checkpoint's, keeping
@@ -53,7 +46,7 @@ _LEGACY_PREFIX = "SeqMemCallback{"
 
 
 class InvalidState(ValueError):
-    """A checkpoint state this version cannot trust: ``field``, its ``value``, what is ``accepted``."""
+    """A state this version cannot trust: ``field``, its ``value``, what is ``accepted``."""
 
     def __init__(self, field: str, value: Any, accepted: str) -> None:
         text = repr(value)
@@ -63,21 +56,23 @@ class InvalidState(ValueError):
 
 
 # -- the configuration saved beside the state ------------------------------------------------------
-def run_config(memory_budget_bytes: Optional[int], safety_margin: float, mitigations: Sequence[str],
-               curriculum: Optional[Curriculum]) -> dict[str, Any]:
-    """The settings a resumed state is reconciled against, as plain values (saved as ``"config"``)."""
+def run_config(memory_budget_bytes: Optional[int], safety_margin: float,
+               mitigations: Sequence[str], curriculum: Optional[Curriculum]) -> dict[str, Any]:
+    """The settings a resumed state is reconciled against, as plain values (saved as "config")."""
     return {"memory_budget_bytes": memory_budget_bytes, "safety_margin": float(safety_margin),
-            "mitigations": list(mitigations), "curriculum": None if curriculum is None else curriculum.to_dict()}
+            "mitigations": list(mitigations),
+            "curriculum": None if curriculum is None else curriculum.to_dict()}
 
 
 def legacy_key_config(key: Any) -> Optional[dict[str, Any]]:
-    """The configuration encoded in a state key of earlier versions, or None if ``key`` is not one.
+    """The configuration encoded in a state key of earlier versions, or None if ``key`` is not one
+    (the curriculum is known by its stages only).
 
-    Those keys were ``SeqMemCallback{'probe': ..., 'curriculum': <stages>, 'memory_budget': ...,
-    'mitigations': ...}``: the curriculum is known by its stages only.
-
-    >>> legacy_key_config("SeqMemCallback{'probe': 'auto', 'curriculum': (16, 32), 'memory_budget': 1500000, 'mitigations': ('attention',)}")
-    {'memory_budget_bytes': 1500000, 'safety_margin': None, 'mitigations': ['attention'], 'curriculum': None, 'stages': [16, 32]}
+    >>> legacy_key_config("SeqMemCallback{'probe': 'auto', 'curriculum': (16, 32), "
+    ...                   "'memory_budget': 1500000, 'mitigations': ('attention',)}")
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'memory_budget_bytes': 1500000, 'safety_margin': None, 'mitigations': ['attention'],
+     'curriculum': None, 'stages': [16, 32]}
     """
     if not isinstance(key, str) or not key.startswith(_LEGACY_PREFIX):
         return None
@@ -93,10 +88,12 @@ def legacy_key_config(key: Any) -> Optional[dict[str, Any]]:
             "stages": None if stages is None else list(stages)}
 
 
-def find_legacy_state(callback_states: Mapping[Any, Any]) -> Optional[tuple[Any, dict[str, Any]]]:
+def find_legacy_state(callback_states: Mapping[Any, Any]
+                      ) -> Optional[tuple[Any, dict[str, Any]]]:
     """``(key, config)`` of the one state saved under an earlier version's key, or None (none, or
     several: which one is this callback's cannot be told)."""
-    found = [(k, c) for k, c in ((k, legacy_key_config(k)) for k in callback_states) if c is not None]
+    found = [(k, c) for k, c in ((k, legacy_key_config(k)) for k in callback_states)
+             if c is not None]
     return found[0] if len(found) == 1 else None
 
 
@@ -140,7 +137,8 @@ def _dict(field: str, value: Any) -> Mapping:
 
 
 def _rungs(field: str, value: Any) -> None:
-    if (not isinstance(value, (list, tuple)) or any(not isinstance(v, str) or base_name(v) not in rung_names() for v in value)
+    if (not isinstance(value, (list, tuple))
+            or any(not isinstance(v, str) or base_name(v) not in rung_names() for v in value)
             or len({base_name(v) for v in value}) != len(value)):
         raise InvalidState(field, value, f"a list of distinct rung names from {rung_names()}")
 
@@ -154,10 +152,12 @@ def _phases(field: str, value: Any, allowed: Sequence[str] = _PHASE_NAMES) -> Ma
     return value
 
 
-_RECORD_INTS = {"step": 0, "global_step": 0, "epoch": 0, "seq_len": 1, "batch_size": 1, "peak_bytes": 0, "start_bytes": 0}
-_RECORD_OPTIONAL_INTS = ("forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes", "reserved_bytes",
-                         "fragmentation_bytes", "inactive_split_bytes", "alloc_retries", "num_ooms", "stage",
-                         "forecast_peak_bytes", "forecast_upper_bytes", "rank")
+_RECORD_INTS = {"step": 0, "global_step": 0, "epoch": 0, "seq_len": 1, "batch_size": 1,
+                "peak_bytes": 0, "start_bytes": 0}
+_RECORD_OPTIONAL_INTS = ("forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes",
+                         "reserved_bytes", "fragmentation_bytes", "inactive_split_bytes",
+                         "alloc_retries", "num_ooms", "stage", "forecast_peak_bytes",
+                         "forecast_upper_bytes", "rank")
 
 
 def _record(field: str, r: Any) -> None:
@@ -183,8 +183,8 @@ def _record(field: str, r: Any) -> None:
 
 def _forecast(field: str, fc: Any) -> None:
     fc = _dict(field, fc)
-    for name, minimum in (("seq_len", 1), ("batch_size", 1), ("peak_bytes", 0), ("upper_bytes", 0),
-                          ("reserved_upper_bytes", 0)):
+    for name, minimum in (("seq_len", 1), ("batch_size", 1), ("peak_bytes", 0),
+                          ("upper_bytes", 0), ("reserved_upper_bytes", 0)):
         _int(f"{field}.{name}", fc.get(name), minimum)
     _str(f"{field}.method", fc.get("method"))
     _phases(f"{field}.phase_peak_bytes", fc.get("phase_peak_bytes", {}))
@@ -205,12 +205,15 @@ def _trace(field: str, t: Any) -> None:
         raise InvalidState(f"{field}.events.ops", ops, f"{len(sizes)} op names, one per size")
     sequence = _list(f"{field}.events.sequence", events.get("sequence", []))
     for i, x in enumerate(sequence):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not -len(sizes) <= x < len(sizes):
-            raise InvalidState(f"{field}.events.sequence[{i}]", x, f"an allocation index i or ~i with 0 <= i < {len(sizes)}")
+        if (isinstance(x, bool) or not isinstance(x, numbers.Integral)
+                or not -len(sizes) <= x < len(sizes)):
+            raise InvalidState(f"{field}.events.sequence[{i}]", x,
+                               f"an allocation index i or ~i with 0 <= i < {len(sizes)}")
     starts = _phases(f"{field}.events.phase_starts", events.get("phase_starts", {}), PHASES)
     for phase, position in starts.items():
         if position > len(sequence):
-            raise InvalidState(f"{field}.events.phase_starts[{phase!r}]", position, f"a position <= {len(sequence)}")
+            raise InvalidState(f"{field}.events.phase_starts[{phase!r}]", position,
+                               f"a position <= {len(sequence)}")
     _int(f"{field}.events.num_existing", events.get("num_existing", 0))
 
 
@@ -218,7 +221,8 @@ def _forecaster(field: str, f: Any) -> None:
     f = _dict(field, f)
     for i, point in enumerate(_list(f"{field}.points", f.get("points", []))):
         if not isinstance(point, (list, tuple)) or len(point) != 3:
-            raise InvalidState(f"{field}.points[{i}]", point, "[seq_len, batch_size, {phase: bytes}]")
+            raise InvalidState(f"{field}.points[{i}]", point,
+                               "[seq_len, batch_size, {phase: bytes}]")
         _int(f"{field}.points[{i}] seq_len", point[0], 1)
         _int(f"{field}.points[{i}] batch_size", point[1], 1)
         _phases(f"{field}.points[{i}] peaks", point[2])
@@ -227,10 +231,12 @@ def _forecaster(field: str, f: Any) -> None:
         _trace(f"{field}.traces[{i}]", t)
     for i, v in enumerate(_list(f"{field}.verifications", f.get("verifications", []))):
         v = _dict(f"{field}.verifications[{i}]", v)
-        for name, minimum in (("seq_len", 1), ("batch_size", 1), ("forecast_bytes", 0), ("measured_bytes", 0)):
+        for name, minimum in (("seq_len", 1), ("batch_size", 1), ("forecast_bytes", 0),
+                              ("measured_bytes", 0)):
             _int(f"{field}.verifications[{i}].{name}", v.get(name), minimum)
         if v.get("method") not in _METHODS:
-            raise InvalidState(f"{field}.verifications[{i}].method", v.get("method"), f"one of {_METHODS}")
+            raise InvalidState(f"{field}.verifications[{i}].method", v.get("method"),
+                               f"one of {_METHODS}")
 
 
 def _setting(field: str, key: Any) -> None:
@@ -248,15 +254,14 @@ def _config(field: str, config: Any) -> None:
         try:
             Curriculum.from_dict(_dict(f"{field}.curriculum", config["curriculum"]))
         except (TypeError, ValueError) as exc:
-            raise InvalidState(f"{field}.curriculum", config["curriculum"], f"a Curriculum's arguments ({exc})") from None
+            raise InvalidState(f"{field}.curriculum", config["curriculum"],
+                               f"a Curriculum's arguments ({exc})") from None
 
 
 def validate_state(state: Any) -> None:
-    """Check a loaded callback state field by field; raise :class:`InvalidState` on the first bad one.
-
-    Keys this version does not know are ignored (a newer version's); keys it knows must hold what
-    this version writes: ints where it writes ints (a NaN or a float is refused), known rung and
-    phase names, stages strictly increasing, the stage inside them.
+    """Check a loaded callback state field by field; raise :class:`InvalidState` on the first bad
+    one. Unknown keys are ignored (a newer version's); known ones must hold what this version
+    writes (ints where it writes ints, known rung and phase names, stages strictly increasing).
 
     >>> validate_state({"step": 4, "stages": [16, 32], "stage": 1})
     >>> validate_state({"step": -1})
@@ -292,7 +297,8 @@ def validate_state(state: Any) -> None:
     for i, event in enumerate(_list("mitigation_events", state.get("mitigation_events", []))):
         event = _dict(f"mitigation_events[{i}]", event)
         if event.get("name") not in rung_names():
-            raise InvalidState(f"mitigation_events[{i}].name", event.get("name"), f"a rung name from {rung_names()}")
+            raise InvalidState(f"mitigation_events[{i}].name", event.get("name"),
+                               f"a rung name from {rung_names()}")
         _int(f"mitigation_events[{i}].step", event.get("step", 0))
         for name in ("before_bytes", "after_bytes"):
             _int(f"mitigation_events[{i}].{name}", event.get(name), optional=True)
@@ -306,7 +312,8 @@ def validate_state(state: Any) -> None:
     if any(b <= a for a, b in zip(stages, stages[1:])):
         raise InvalidState("stages", stages, "strictly increasing lengths")
     if stages and state.get("stage", 0) >= len(stages):
-        raise InvalidState("stage", state.get("stage"), f"an index into the {len(stages)} stages {stages}")
+        raise InvalidState("stage", state.get("stage"),
+                           f"an index into the {len(stages)} stages {stages}")
     _int("capped_at", state.get("capped_at"), 1, optional=True)
     _int("last_batch_size", state.get("last_batch_size"), 1, optional=True)
     _float("last_verification_error", state.get("last_verification_error"), optional=True)
@@ -314,7 +321,8 @@ def validate_state(state: Any) -> None:
         shape, *rungs = str(key).split("|")
         parts = shape.split("x")
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise InvalidState("pending key", key, "'<seq_len>x<batch_size>' then '|<rung>' per rung")
+            raise InvalidState("pending key", key,
+                               "'<seq_len>x<batch_size>' then '|<rung>' per rung")
         _rungs(f"pending[{key!r}] rungs", rungs)
         _forecast(f"pending[{key!r}]", fc)
     if state.get("config") is not None:
@@ -322,19 +330,19 @@ def validate_state(state: Any) -> None:
 
 
 # -- bounded records -------------------------------------------------------------------------------
-_NON_WARMUP_MAXIMA = ("peak_bytes", "forward_peak_bytes", "backward_peak_bytes", "optimizer_peak_bytes",
-                      "reserved_bytes", "fragmentation_bytes")
+_NON_WARMUP_MAXIMA = ("peak_bytes", "forward_peak_bytes", "backward_peak_bytes",
+                      "optimizer_peak_bytes", "reserved_bytes", "fragmentation_bytes")
 
 
-def compact_records(records: Sequence[StepRecord], keep_last: int, bound: Callable[[StepRecord], int]) -> list[StepRecord]:
+def compact_records(records: Sequence[StepRecord], keep_last: int,
+                    bound: Callable[[StepRecord], int]) -> list[StepRecord]:
     """The records a checkpoint keeps, in order: the last ``keep_last``, and per ``(seq_len,
-    batch_size, mitigations)`` the first record, the first with the largest ``bound`` and the first
-    with the largest peak (warm-ups included: they count when a length is judged), among fitted
-    records the first with the largest value of each peak field, and every record carrying a
-    verification or an event: ``keep_last`` and at most 10 per key (a verification and events
-    come once per key and rung), however long the run.
+    batch_size, mitigations)`` the first, the first with the largest ``bound`` and peak (warm-ups
+    included), the first with the largest of each peak field among fitted ones, and every record
+    with a verification or events: at most 10 per key besides ``keep_last``.
 
-    >>> rs = [StepRecord(i, i, 0, 64, 2, i == 0, False, 100 + (i == 5), None, None, None, 10) for i in range(50)]
+    >>> rs = [StepRecord(i, i, 0, 64, 2, i == 0, False, 100 + (i == 5), None, None, None, 10)
+    ...       for i in range(50)]
     >>> [r.step for r in compact_records(rs, 3, lambda r: r.peak_bytes)]
     [0, 5, 47, 48, 49]
     """
@@ -388,19 +396,23 @@ def _curriculum_change(old: Mapping[str, Any], old_stages: Sequence[int], new: C
     if old.get("curriculum") is None:
         return f"stages {list(old_stages)} -> {list(new.stages)}"
     before, after = old["curriculum"], new.to_dict()
-    return ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in after if before.get(k) != after[k])
+    return ", ".join(f"{k} {before.get(k)} -> {after[k]}" for k in after
+                     if before.get(k) != after[k])
 
 
 def _reconcile_ladder(old: Mapping[str, Any], new: Mapping[str, Any], allowed: Sequence[str],
-                      left: Optional[Sequence[str]], parts: "PlanView") -> tuple[list[str], tuple[str, ...], list[str]]:
+                      left: Optional[Sequence[str]], parts: "PlanView"
+                      ) -> tuple[list[str], tuple[str, ...], list[str]]:
     """The ladder's part of :func:`reconcile`: ``(phrases, removed_rungs, newly_allowed_rungs)``."""
     phrases: list[str] = []
     old_ladder = old.get("mitigations")
     applied = tuple(parts.ladder.applied)
     kept = tuple(m for m in applied if m in allowed)
     removed = tuple(m for m in applied if m not in allowed)
-    failed = set() if old_ladder is None or left is None else set(old_ladder) - set(left) - set(applied)
-    newly_allowed = [m for m in allowed if old_ladder is not None and m not in old_ladder and m not in failed]
+    failed = (set() if old_ladder is None or left is None
+              else set(old_ladder) - set(left) - set(applied))
+    newly_allowed = [m for m in allowed
+                     if old_ladder is not None and m not in old_ladder and m not in failed]
     if old_ladder is not None and list(old_ladder) != list(new["mitigations"]):
         phrases.append(f"mitigations {list(old_ladder)} -> {list(new['mitigations'])}")
     if old_ladder is not None:
@@ -414,39 +426,32 @@ def _reconcile_ladder(old: Mapping[str, Any], new: Mapping[str, Any], allowed: S
 
 
 def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed: Sequence[str],
-              left: Optional[Sequence[str]], parts: "PlanView") -> tuple[list[str], tuple[str, ...]]:
-    """Fit the just-loaded ``parts`` of a planner (its ladder, course, evidence, advice and settings)
-    to the configuration ``new`` it resumes under, from the ``old`` one its state was written under.
-    Returns ``(phrases, removed_rungs)``: what changed and what was done, one phrase each, and the
-    rungs that were on but are no longer allowed (the caller takes them off the module where it can
-    and says so).
+              left: Optional[Sequence[str]],
+              parts: "PlanView") -> tuple[list[str], tuple[str, ...]]:
+    """Fit the just-loaded ``parts`` of a planner to the configuration ``new`` it resumes under,
+    from the ``old`` one its state was written under. Returns ``(phrases, removed_rungs)``: what
+    changed, one phrase each, and the rungs on that are no longer allowed. ``allowed``: the new
+    ladder less the rungs this run cannot take; ``left``: the saved ``mitigations_left``.
 
-    ``allowed`` is the new ladder less the rungs this run cannot take; ``left`` the saved
-    ``mitigations_left`` (rungs not given up on). Semantics:
-
-    * rungs on and still allowed stay on (the callback switches them on again); rungs on but no
-      longer allowed are taken off; a rung new to the ladder is allowed; a rung that failed to
-      switch on before stays out;
-    * a usable budget raised (or removed), or a rung newly allowed, lifts a curriculum cap: the
-      capped length stays as a stage, the stages above it come back, and the next stage is judged
-      at the next batch; a lowered budget is judged before the next batch as always; over-budget
-      warnings can be given again;
-    * a changed curriculum keeps the length it had reached (rounded to the new ``multiple_of``,
-      inserted as a stage when the new schedule lacks it, never past the new target, never below
-      its start) and a cap that still binds; its step count and re-measurement queue are kept
-      only when the length is unchanged.
+    A raised (or removed) budget or a newly allowed rung lifts a curriculum cap; a changed
+    curriculum keeps the length it had reached (on the new ``multiple_of``, within its start and
+    target) and a cap that still binds; rungs that failed before stay out.
     """
     old = dict(old or {})
     phrases, removed, newly_allowed = _reconcile_ladder(old, new, allowed, left, parts)
     # -- the budget
-    old_usable, new_usable = _usable(old, parts.settings.safety_margin), _usable(new, parts.settings.safety_margin)
+    old_usable, new_usable = (_usable(old, parts.settings.safety_margin),
+                              _usable(new, parts.settings.safety_margin))
     old_margin = new["safety_margin"] if old.get("safety_margin") is None else old["safety_margin"]
     budget_changed = "memory_budget_bytes" in old and (old["memory_budget_bytes"], old_margin) != (
         new["memory_budget_bytes"], new["safety_margin"])
-    raised = budget_changed and old_usable is not None and (new_usable is None or new_usable > old_usable)
+    raised = (budget_changed and old_usable is not None
+              and (new_usable is None or new_usable > old_usable))
     if budget_changed:
-        margin = "" if old_margin == new["safety_margin"] else f", safety_margin {old_margin} -> {new['safety_margin']}"
-        phrases.append(f"memory_budget {_bytes(old.get('memory_budget_bytes'))} -> {_bytes(new['memory_budget_bytes'])}{margin}")
+        margin = ("" if old_margin == new["safety_margin"]
+                  else f", safety_margin {old_margin} -> {new['safety_margin']}")
+        phrases.append(f"memory_budget {_bytes(old.get('memory_budget_bytes'))} -> "
+                       f"{_bytes(new['memory_budget_bytes'])}{margin}")
         parts.advice.forget(_BUDGET_ADVICE)
     # -- the curriculum
     curriculum: Optional[Curriculum] = parts.settings.curriculum
@@ -462,7 +467,8 @@ def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed:
         changed = old_stages is not None and (tuple(old_stages) != curriculum.stages or (
             old.get("curriculum") is not None and old["curriculum"] != curriculum.to_dict()))
         if not parts.course.stages:  # no curriculum before: it starts at its first stage
-            parts.course.resume_at(curriculum.stages, 0, parts.course.capped_at, restart_stage=True)
+            parts.course.resume_at(curriculum.stages, 0, parts.course.capped_at,
+                                   restart_stage=True)
             if old_stages is None and "curriculum" in old:
                 phrases.append(f"curriculum added: starts at seq_len={curriculum.stages[0]}")
         elif changed or lift:
@@ -474,16 +480,19 @@ def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed:
             if position not in stages:  # a length between two stages: kept, on the new multiple_of
                 position = max(position - position % curriculum.multiple_of, stages[0])
                 stages = sorted(set(stages) | {position})
-            parts.course.resume_at(tuple(stages), stages.index(position), cap, restart_stage=position != here,
-                                     decide_now=lift)
+            parts.course.resume_at(tuple(stages), stages.index(position), cap,
+                                   restart_stage=position != here, decide_now=lift)
             if changed:
-                phrases.append(f"curriculum {_curriculum_change(old, old_stages, curriculum)}: resumes at "
-                               f"seq_len={position} (stage {parts.course.stage + 1} of {len(stages)})")
+                phrases.append(f"curriculum {_curriculum_change(old, old_stages, curriculum)}: "
+                               f"resumes at seq_len={position} "
+                               f"(stage {parts.course.stage + 1} of {len(stages)})")
             if lift:
-                why = "the budget was raised" if raised else f"{', '.join(map(repr, newly_allowed))} may now be switched on"
-                phrases.append(f"the cap at seq_len={here} is lifted ({why}): the next stage is judged at the next batch")
+                why = ("the budget was raised" if raised
+                       else f"{', '.join(map(repr, newly_allowed))} may now be switched on")
+                phrases.append(f"the cap at seq_len={here} is lifted ({why}): the next stage is "
+                               "judged at the next batch")
     return phrases, removed
 
 
-__all__ = ["CHECKPOINT_LAST_RECORDS", "MEMORY_RECORDS", "InvalidState", "compact_records", "find_legacy_state",
-           "legacy_key_config", "reconcile", "run_config", "validate_state"]
+__all__ = ["CHECKPOINT_LAST_RECORDS", "MEMORY_RECORDS", "InvalidState", "compact_records",
+           "find_legacy_state", "legacy_key_config", "reconcile", "run_config", "validate_state"]

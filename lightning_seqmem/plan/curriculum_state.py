@@ -1,6 +1,5 @@
-"""``CurriculumState``: where the run stands (checkpointed): the batches run, the stages, the stage,
-its step count, the cap, the queue of shorter lengths re-measured before growing. What to do before
-a batch under a curriculum is decided by :class:`~lightning_seqmem.plan.decisions.Decider`.
+"""``CurriculumState``: where the run stands (checkpointed). What to do before a batch under a
+curriculum is decided by :class:`~lightning_seqmem.plan.decisions.Decider`.
 
 Example:
     >>> from lightning_seqmem.core.curriculum import Curriculum
@@ -24,10 +23,10 @@ __all__ = ["CurriculumState"]
 
 
 class CurriculumState:
-    """Where a curriculum stands (checkpointed): ``stages`` (its lengths, the last one the cap once
-    capped), ``stage`` (the index running), ``stage_steps`` (batches run at it), ``capped_at``,
+    """``stages`` (its lengths, the last one the cap once capped; none without a curriculum),
+    ``stage`` (the index running), ``stage_steps`` (batches run at it), ``capped_at``,
     ``refit_queue`` (lengths to run before the next decision), ``decide_now`` (judge the next stage
-    at the next batch). Without a curriculum: no stages."""
+    at the next batch)."""
 
     def __init__(self, curriculum: Optional[Curriculum]) -> None:
         self.curriculum = curriculum
@@ -45,7 +44,7 @@ class CurriculumState:
         return self.stages[self.stage] if self.stages else None
 
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
-        """Samples per batch at ``seq_len``: ``truncate=False`` reshapes rows, keeping the tokens."""
+        """Samples per batch at ``seq_len`` (``truncate=False`` reshapes rows, keeping tokens)."""
         assert self.curriculum is not None
         if not self.curriculum.truncate and source_len > 0:
             return max(1, batch_size * source_len // seq_len)
@@ -60,12 +59,11 @@ class CurriculumState:
         if decision.action == "cap":
             self.capped_at = self.stages[-1]
 
-    def resume_at(self, stages: tuple[int, ...], stage: int, capped_at: Optional[int], *, restart_stage: bool = False,
-                  decide_now: bool = False) -> None:
-        """Resume under a changed configuration (:func:`~lightning_seqmem.plan.checkpoint.reconcile`):
-        ``stages`` with ``stage`` running and the cap ``capped_at``; ``restart_stage``: the length
-        changed, so its step count and re-measurement queue start again; ``decide_now``: judge the
-        next stage at the next batch (a cap lifted)."""
+    def resume_at(self, stages: tuple[int, ...], stage: int, capped_at: Optional[int], *,
+                  restart_stage: bool = False, decide_now: bool = False) -> None:
+        """Resume under a changed configuration (:func:`.checkpoint.reconcile`).
+        ``restart_stage``: the length changed, so its step count and re-measurement queue start
+        again; ``decide_now``: judge the next stage at the next batch (a cap lifted)."""
         self.stages, self.stage, self.capped_at = tuple(stages), int(stage), capped_at
         if restart_stage:
             self.stage_steps, self.refit_queue = 0, []
@@ -100,9 +98,9 @@ class CurriculumState:
 
     def state_dict(self) -> dict[str, Any]:
         """The step count and where the curriculum stands."""
-        return {"step": self.step, "refit_queue": list(self.refit_queue), "decide_now": self.decide_now,
-                "stages": list(self.stages), "stage": self.stage, "stage_steps": self.stage_steps,
-                "capped_at": self.capped_at}
+        return {"step": self.step, "refit_queue": list(self.refit_queue),
+                "decide_now": self.decide_now, "stages": list(self.stages), "stage": self.stage,
+                "stage_steps": self.stage_steps, "capped_at": self.capped_at}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (raises on a stage outside the stages)."""
@@ -112,6 +110,7 @@ class CurriculumState:
         self.stages = tuple(int(s) for s in state.get("stages", self.stages))
         self.stage = int(state.get("stage", 0))
         if self.stages and not 0 <= self.stage < len(self.stages):
-            raise ValueError(f"stage {self.stage} is outside the {len(self.stages)} stages {list(self.stages)}")
+            raise ValueError(f"stage {self.stage} is outside the {len(self.stages)} stages "
+                             f"{list(self.stages)}")
         self.stage_steps = int(state.get("stage_steps", 0))
         self.capped_at = state.get("capped_at")

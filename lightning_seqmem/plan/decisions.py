@@ -1,15 +1,10 @@
-"""The decisions before a batch: :class:`Decider` reads the planner's parts (its settings, its
-evidence and their judgement, its ladder, where the curriculum stands) and returns a
+"""The decisions before a batch: :class:`Decider` reads the planner's parts and returns a
 :class:`Decision`; it writes nothing (the state changes only when the planner commits it).
 
-Without a curriculum the data sets the length (:meth:`Decider.free`); with one,
-:meth:`Decider.curriculum` (a stage is entered only on a forecast that fits: while the next stage
-can be judged only by the one-point bound, a shorter cut of the batch is measured first). Over the
-budget, :meth:`Decider.choose_setting` picks the fastest setting the dry run says fits
-(:mod:`.choose`, priced by :mod:`.pricing`), :meth:`Decider.dry_fit` the longest length that fits;
-without a dry run the next applicable rung goes on and shorter lengths are re-measured with it
-before growing; else the curriculum is capped at the longest multiple of ``multiple_of`` that the
-judgement says fits (below the current stage if the current stage itself is over).
+Over the budget the fastest setting the dry run says fits goes on; without a dry run the next
+applicable rung, and shorter lengths are re-measured with it before growing; else the curriculum
+is capped at the longest multiple of ``multiple_of`` judged to fit. A stage is entered only on a
+forecast that fits.
 
 Example (no budget: every batch runs as it comes):
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
@@ -41,16 +36,12 @@ Applicability = Mapping[str, "tuple[bool, str]"]
 
 @dataclass(frozen=True)
 class Decision:
-    """What happens before a batch runs: taken once (rank zero), applied on every rank.
-
-    ``action`` is ``"run"`` (stay), ``"advance"`` (enter the next stage), ``"probe"`` (measure a
-    shorter cut first, to fit the next stage), ``"mitigate"`` (switch ``rungs`` on first),
-    ``"cap"`` (stop the curriculum at ``stages[-1]``; ``rungs`` may go on with it), ``"over"`` (no curriculum and nothing left
-    to switch on: the batch runs over the forecast budget, with a warning) or ``"stop"`` (nothing can
-    meet the budget: training stops before the batch, ``advice[0]`` says why; never committed). ``seq_len`` is the
-    length to cut the batch to (``None``: the batch's own). The curriculum fields are its state
-    after the decision.
-    """
+    """What happens before a batch runs: taken once (rank zero), applied on every rank. ``action``:
+    ``"run"``, ``"advance"`` (the next stage), ``"probe"`` (a shorter cut first), ``"mitigate"``
+    (``rungs`` on first), ``"cap"`` (the curriculum stops at ``stages[-1]``), ``"over"`` (runs
+    over, warned) or ``"stop"`` (training stops, ``advice[0]`` says why; never committed).
+    ``seq_len``: the length to cut to (None: the batch's own); the curriculum fields: its state
+    after the decision."""
 
     action: str
     seq_len: Optional[int]
@@ -73,31 +64,24 @@ def inapplicable(applicable: Applicability) -> tuple[str, ...]:
     return tuple(name for name, (ok, _) in applicable.items() if not ok)
 
 
-
 class Decider:
-    """The decision before each batch, from the parts it reads (and never writes).
-
-    Args:
-        settings: the planner's arguments and run facts (budget, curriculum, length limit).
-        evidence: the records, fits and dry-run answers, and their judgement (:meth:`Evidence.judge`).
-        ladder: the rungs on and left.
-        course: where the curriculum stands (stages, stage, steps at it, the re-measurement queue).
-    """
+    """The decision before each batch, from the settings, evidence, ladder and ``course`` (where
+    the curriculum stands) it reads and never writes."""
 
     def __init__(self, settings: PlannerSettings, evidence: Evidence, ladder: LadderState,
                  course: CurriculumState) -> None:
         self.settings, self.evidence, self.ladder, self.course = settings, evidence, ladder, course
 
     def decide(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
-        """What to do before a batch of ``(batch_size, seq_len)``; ``applicable`` maps each rung not
-        on yet to ``(applies, reason)``."""
+        """What to do before a batch of ``(batch_size, seq_len)``; ``applicable`` maps each rung
+        not on yet to ``(applies, reason)``."""
         if self.settings.curriculum is None:
             return self.decide_free(seq_len, batch_size, applicable)
         return self.decide_curriculum(seq_len, batch_size, applicable)
 
     def decide_free(self, seq_len: int, batch_size: int, applicable: Applicability) -> Decision:
-        """Without a curriculum (the data sets the length): a batch judged over switches the fastest
-        setting that fits on, else the next rung, else runs over with a warning."""
+        """Without a curriculum: a batch judged over switches the fastest setting that fits on, else
+        the next rung, else runs over with a warning."""
         verdict = self.evidence.judge(seq_len, batch_size)
         if verdict.kind != "over":
             return self.decision()
@@ -109,113 +93,143 @@ class Decider:
         else:
             rung, _ = self.ladder.next_rung(applicable)
             rungs, fits = ((rung,) if rung else ()), True
-        words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0, verdict.bound_bytes or 0,
-                                    verdict.method, usable, budget, self.settings.safety_margin, self.checked_fit(seq_len, batch_size),
-                                    self.ladder.applied, rungs, verdict.measured, still_over=not fits,
-                                    inapplicable=inapplicable(applicable), device=self.settings.device_type)
-        return self.decision(action="mitigate" if rungs else "over", rungs=rungs, advice=(choose.with_why(words, plan),))
+        words = A.over_budget_batch(seq_len, batch_size, verdict.peak_bytes or 0,
+                                    verdict.bound_bytes or 0, verdict.method, usable, budget,
+                                    self.settings.safety_margin,
+                                    self.checked_fit(seq_len, batch_size), self.ladder.applied,
+                                    rungs, verdict.measured, still_over=not fits,
+                                    inapplicable=inapplicable(applicable),
+                                    device=self.settings.device_type)
+        return self.decision(action="mitigate" if rungs else "over", rungs=rungs,
+                             advice=(choose.with_why(words, plan),))
 
-    def decide_curriculum(self, source_len: int, source_batch: int, applicable: Applicability) -> Decision:
-        """What to do before a batch of ``(source_batch, source_len)`` under a curriculum: the queued
-        length, the next stage when due, else the current one; judged, and over the budget handed to
-        :func:`over_in_curriculum` (or, judged by a one-point bound only, a probe first)."""
+    def decide_curriculum(self, source_len: int, source_batch: int,
+                          applicable: Applicability) -> Decision:
+        """What to do before a batch of ``(source_batch, source_len)`` under a curriculum: the
+        queued length, the next stage when due, else the current one; judged, and over the budget
+        handed to :meth:`over_in_curriculum` (or, judged by a one-point bound only, a probe)."""
         assert self.settings.curriculum is not None
         queue, advance = list(self.course.refit_queue), False
         if queue:
             seq_len = queue.pop(0)
-        elif (self.course.decide_now or self.course.stage_steps >= self.settings.curriculum.steps_per_stage) and self.course.stage + 1 < len(self.course.stages):
+        elif ((self.course.decide_now
+               or self.course.stage_steps >= self.settings.curriculum.steps_per_stage)
+              and self.course.stage + 1 < len(self.course.stages)):
             seq_len, advance = self.course.stages[self.course.stage + 1], True
         else:
             seq_len = self.course.stages[self.course.stage]
-        after_queue = bool(self.course.refit_queue) and not queue  # the last re-measurement: decide right after
+        # the last re-measurement: decide right after
+        after_queue = bool(self.course.refit_queue) and not queue
         batch_size = self.course.batch_at(source_batch, source_len, seq_len)
         verdict = self.evidence.judge(seq_len, batch_size)
-        go = self.decision(action="advance" if advance else "run", seq_len=seq_len, refit_queue=tuple(queue),
-                        stage=self.course.stage + advance, decide_now=after_queue, reset_stage_steps=advance)
+        go = self.decision(action="advance" if advance else "run", seq_len=seq_len,
+                           refit_queue=tuple(queue), stage=self.course.stage + advance,
+                           decide_now=after_queue, reset_stage_steps=advance)
         if verdict.kind == "fits":
             return go
         if verdict.kind == "unknown":  # nothing fitted yet with these mitigations: hold the stage
-            return go if not advance else self.decision(seq_len=self.course.stages[self.course.stage], decide_now=True)
-        if advance and verdict.method in ("one-point bound", "previous setting") and not self.evidence.forecaster.ready:
+            return go if not advance else self.decision(
+                seq_len=self.course.stages[self.course.stage], decide_now=True)
+        if (advance and verdict.method in ("one-point bound", "previous setting")
+                and not self.evidence.forecaster.ready):
             probe = self.probe_length(batch_size)
             if probe is not None:  # a real fit of this setting before judging the stage over
                 steps = [probe] * (max(1, self.settings.warmup_steps_after_change) + 1)
-                return self.decision(action="probe", seq_len=probe, refit_queue=tuple(steps[1:]), decide_now=False)
+                return self.decision(action="probe", seq_len=probe, refit_queue=tuple(steps[1:]),
+                                     decide_now=False)
         return self.over_in_curriculum(seq_len, batch_size, verdict, applicable,
-                                  lambda L: self.course.batch_at(source_batch, source_len, L))
+                                       lambda L: self.course.batch_at(source_batch, source_len, L))
 
-    def over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict, applicable: Applicability,
+    def over_in_curriculum(self, seq_len: int, batch_size: int, verdict: Verdict,
+                           applicable: Applicability,
                            batch_of: Optional[Callable[[int], int]] = None) -> Decision:
-        """Over the budget at ``seq_len`` (the next stage, or the one running): rungs, or a cap. Every
-        cap is the largest multiple of ``multiple_of`` that :func:`~lightning_seqmem.plan.judging.judge` (the dry run where it
-        answers: the predictor that judged the stage) says fits, and the words name that length."""
-        assert self.settings.curriculum is not None and self.settings.budget_bytes is not None and self.settings.usable_budget_bytes is not None
+        """Over the budget at ``seq_len`` (the next stage, or the one running): rungs, or a cap.
+        Every cap is the largest multiple of ``multiple_of`` that
+        :func:`~lightning_seqmem.plan.judging.judge` says fits, and the words name that length."""
+        assert (self.settings.curriculum is not None and self.settings.budget_bytes is not None
+                and self.settings.usable_budget_bytes is not None)
         m, current = self.settings.curriculum.multiple_of, self.course.stages[self.course.stage]
         rung, skipped = self.ladder.next_rung(applicable)
         plan = self.choose_setting(seq_len, batch_size, applicable)
         words = dict(seq_len=seq_len, peak=verdict.peak_bytes or 0, bound=verdict.bound_bytes or 0,
-                     method=verdict.method, usable=self.settings.usable_budget_bytes, budget=self.settings.budget_bytes,
-                     margin=self.settings.safety_margin, fit=0, skipped=skipped, measured=verdict.measured,
-                     applied=self.ladder.applied)
+                     method=verdict.method, usable=self.settings.usable_budget_bytes,
+                     budget=self.settings.budget_bytes, margin=self.settings.safety_margin, fit=0,
+                     skipped=skipped, measured=verdict.measured, applied=self.ladder.applied)
         advance = seq_len > current and seq_len in self.course.stages
         held = self.evidence.measured.held_bytes()
-        if held > self.settings.usable_budget_bytes:  # no rung lowers what a step begins with: stop rather than run over
+        # no rung lowers what a step begins with: stop rather than run over
+        if held > self.settings.usable_budget_bytes:
             return self.decision(action="stop", seq_len=None, advice=(A.held_over_budget(
-                held, self.settings.usable_budget_bytes, self.settings.budget_bytes, self.settings.safety_margin, self.settings.device_type),))
+                held, self.settings.usable_budget_bytes, self.settings.budget_bytes,
+                self.settings.safety_margin, self.settings.device_type),))
         low = current if seq_len > current else 1  # the next stage over: stay between the two
 
         def capped(cap: Optional[int]) -> int:
-            words["fit"] = cap or 0  # the length that was checked; 0: "no length is forecast to fit"
+            words["fit"] = cap or 0  # the length checked; 0: "no length is forecast to fit"
             return cap if cap is not None else (current if seq_len > current else m)
 
-        if plan is not None and plan.fits:  # the dry run says which rungs make it fit: on before the stage
+        if plan is not None and plan.fits:  # the dry run says which rungs make it fit: on first
             words["fit"] = self.dry_fit(1, seq_len, batch_size, self.ladder.applied, batch_of) or 0
-            action = (f"Switching on {', '.join(map(repr, plan.rungs))} before it runs (dry run: it then fits; "
-                      f"chosen as the fastest setting that fits: {plan.why})")
-            return self.decision(action="mitigate", rungs=plan.rungs, seq_len=seq_len, refit_queue=(), decide_now=False,
-                              stage=self.course.stages.index(seq_len) if advance else self.course.stage, reset_stage_steps=advance,
-                              advice=(A.over_budget_stage(action=action, **words),))
-        if plan is not None:  # nothing fits at this length even with every rung: all on, and the longest that fits
+            action = (f"Switching on {', '.join(map(repr, plan.rungs))} before it runs (dry run: "
+                      f"it then fits; chosen as the fastest setting that fits: {plan.why})")
+            return self.decision(action="mitigate", rungs=plan.rungs, seq_len=seq_len,
+                                 refit_queue=(), decide_now=False,
+                                 stage=(self.course.stages.index(seq_len) if advance
+                                        else self.course.stage), reset_stage_steps=advance,
+                                 advice=(A.over_budget_stage(action=action, **words),))
+        if plan is not None:  # nothing fits here even with every rung: all on, the longest fitting
             setting = plan.setting
             cap = self.dry_fit(low, seq_len, batch_size, setting, batch_of)
-            if cap is None and seq_len <= current:  # not even the shortest length fits with every rung
+            if cap is None and seq_len <= current:  # not even the shortest fits with every rung
                 every = self.evidence.judge(seq_len, batch_size, setting)
-                return self.stop(seq_len, batch_size, every if every.bound_bytes else verdict, setting)
+                return self.stop(seq_len, batch_size, every if every.bound_bytes else verdict,
+                                 setting)
             cap = capped(cap)
-            stages = tuple(s for s in self.course.stages[: self.course.stage + 1] if s < cap) + (cap,)
-            action = (f"Switching on {', '.join(map(repr, plan.rungs))}; the curriculum stays at seq_len={cap}. "
-                      f"To go further: {A.remaining_advice(setting, inapplicable(applicable), self.settings.device_type)}")
-            return self.decision(action="cap", rungs=plan.rungs, seq_len=cap, stages=stages, stage=len(stages) - 1,
-                              refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
-                              advice=(A.over_budget_stage(action=action, **words),))
+            stages = tuple(s for s in self.course.stages[: self.course.stage + 1]
+                           if s < cap) + (cap,)
+            further = A.remaining_advice(setting, inapplicable(applicable),
+                                         self.settings.device_type)
+            action = (f"Switching on {', '.join(map(repr, plan.rungs))}; the curriculum stays at "
+                      f"seq_len={cap}. To go further: {further}")
+            return self.decision(action="cap", rungs=plan.rungs, seq_len=cap, stages=stages,
+                                 stage=len(stages) - 1, refit_queue=(), decide_now=False,
+                                 reset_stage_steps=cap != current,
+                                 advice=(A.over_budget_stage(action=action, **words),))
         if rung is not None:
             words["fit"] = self.dry_fit(1, seq_len, batch_size, self.ladder.applied, batch_of) or 0
             base = min(current, seq_len)
-            lengths = sorted({self.settings.curriculum.round_down(max(base // d, m)) for d in (4, 2, 1)})
-            steps = max(1, self.settings.warmup_steps_after_change) + 1  # warm-up, then one fitted step per length
+            lengths = sorted({self.settings.curriculum.round_down(max(base // d, m))
+                              for d in (4, 2, 1)})
+            # warm-up, then one fitted step per length
+            steps = max(1, self.settings.warmup_steps_after_change) + 1
             queue = [L for L in lengths for _ in range(steps)]
-            action = (f"Switching on the next mitigation, {rung!r}, then re-measuring at seq_len {lengths} "
-                      "before growing")
-            return self.decision(action="mitigate", rungs=(rung,), seq_len=queue[0], refit_queue=tuple(queue[1:]),
-                              decide_now=False, advice=(A.over_budget_stage(action=action, **words),))
-        # no rung left: the longest length judged to fit (the next stage over: between the two; the
-        # stage running now over: below it)
+            action = (f"Switching on the next mitigation, {rung!r}, then re-measuring at seq_len "
+                      f"{lengths} before growing")
+            return self.decision(action="mitigate", rungs=(rung,), seq_len=queue[0],
+                                 refit_queue=tuple(queue[1:]), decide_now=False,
+                                 advice=(A.over_budget_stage(action=action, **words),))
+        # no rung left: the longest length judged to fit (the next stage over: between the two;
+        # the stage running now over: below it)
         found = self.dry_fit(low, seq_len, batch_size, self.ladder.applied, batch_of)
-        if found is None and seq_len <= current and (self.evidence.forecaster.ready or seq_len <= m):
-            return self.stop(seq_len, batch_size, verdict, self.ladder.applied)  # nothing fits: a fit says so,
-        cap = capped(found)  # or the shortest ran over; else the shortest is measured first
+        if (found is None and seq_len <= current
+                and (self.evidence.forecaster.ready or seq_len <= m)):
+            # nothing fits: a fit says so, or the shortest ran over
+            return self.stop(seq_len, batch_size, verdict, self.ladder.applied)
+        cap = capped(found)  # else the shortest is measured first
         stages = tuple(s for s in self.course.stages[: self.course.stage + 1] if s < cap) + (cap,)
-        action = (f"The curriculum stays at seq_len={cap}. To go further: "
-                  f"{A.remaining_advice(self.ladder.applied, inapplicable(applicable), self.settings.device_type)}")
-        return self.decision(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1, refit_queue=(),
-                          decide_now=False, reset_stage_steps=cap != current,
-                          advice=(A.over_budget_stage(action=action, **words),))
+        further = A.remaining_advice(self.ladder.applied, inapplicable(applicable),
+                                     self.settings.device_type)
+        action = f"The curriculum stays at seq_len={cap}. To go further: {further}"
+        return self.decision(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1,
+                             refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
+                             advice=(A.over_budget_stage(action=action, **words),))
 
     def probe_length(self, batch_size: int) -> Optional[int]:
-        """A length shorter than the current stage not yet fitted with these mitigations, or None."""
+        """A length shorter than the current stage not yet fitted with these rungs, or None."""
         assert self.settings.curriculum is not None
         m = self.settings.curriculum.multiple_of
-        fitted = {r.seq_len for r in self.evidence.measured.records if not r.warmup and r.mitigations == self.ladder.applied
+        fitted = {r.seq_len for r in self.evidence.measured.records
+                  if not r.warmup and r.mitigations == self.ladder.applied
                   and r.batch_size == batch_size}
         length = self.course.stages[self.course.stage] // 2
         while length >= m:
@@ -225,26 +239,27 @@ class Decider:
             length //= 2
         return None
 
-    def choose_setting(self, seq_len: int, batch_size: int, applicable: Applicability) -> Optional[choose.Choice]:
+    def choose_setting(self, seq_len: int, batch_size: int,
+                       applicable: Applicability) -> Optional[choose.Choice]:
         """The setting that fits at ``(seq_len, batch_size)`` with the least predicted step time
-        (:func:`~lightning_seqmem.plan.choose.choose`: what is on plus at most one applicable variant
-        per rung left or an upgrade, judged by dry run, priced by :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.price`); every rung on and
+        (:func:`~lightning_seqmem.plan.choose.choose`, judged by dry run); every rung on and
         ``fits=False`` when none fits; None where the dry run cannot answer."""
         if self.evidence.dry.peak(seq_len, batch_size) is None:
             return None
-        timed = pricing.timed_records(self.evidence.measured.records)  # filtered once: every candidate is priced
+        timed = pricing.timed_records(self.evidence.measured.records)  # filtered once
         return choose.choose(self.ladder.applied, self.ladder.allowed, applicable,
                              lambda s: self.evidence.judge(seq_len, batch_size, s),
-                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size, self.settings.device_type,
+                             lambda s: pricing.predict_step(timed, s, seq_len, batch_size,
+                                                            self.settings.device_type,
                                                             self.settings.rung_specs).key,
                              fmt=format_bytes, usable=self.settings.usable_budget_bytes)
 
     def dry_fit(self, low: int, high: int, batch_size: int, setting: tuple[str, ...],
                 batch_of: Optional[Callable[[int], int]] = None) -> Optional[int]:
         """Largest multiple of the curriculum's ``multiple_of`` in ``[low, high)`` (and within the
-        model's ``length_limit``) that :func:`~lightning_seqmem.plan.judging.judge` says fits with ``setting``, or None (bisection: a
-        handful of judgements, each the dry run where it answers, cached). ``batch_of(L)``: the batch
-        size at ``L`` (``truncate=False`` reshapes rows), else ``batch_size`` at every length."""
+        model's ``length_limit``) that :func:`~lightning_seqmem.plan.judging.judge` says fits with
+        ``setting``, or None. ``batch_of(L)``: the batch size at ``L`` (``truncate=False`` reshapes
+        rows), else ``batch_size`` at every length."""
         assert self.settings.curriculum is not None
         m = self.settings.curriculum.multiple_of
         if self.settings.length_limit is not None:
@@ -253,30 +268,34 @@ class Decider:
 
         def fits(k: int) -> bool:
             L = k * m
-            return self.evidence.judge(L, batch_of(L) if batch_of else batch_size, setting).kind == "fits"
+            return self.evidence.judge(L, batch_of(L) if batch_of else batch_size,
+                                       setting).kind == "fits"
 
         if hi < lo or not fits(lo):
             return None
         budget = self.settings.usable_budget_bytes
         assert budget is not None
 
-        def judged_bound(k: int) -> Optional[int]:  # the judgement's bound, so the search agrees with fits()
+        def judged_bound(k: int) -> Optional[int]:  # the judgement's bound: agrees with fits()
             L = k * m
             verdict = self.evidence.judge(L, batch_of(L) if batch_of else batch_size, setting)
             if verdict.kind == "unknown":
                 return None
-            return verdict.bound_bytes if verdict.bound_bytes is not None else (0 if verdict.kind == "fits" else budget + 1)
+            return (verdict.bound_bytes if verdict.bound_bytes is not None
+                    else (0 if verdict.kind == "fits" else budget + 1))
 
-        return m * self.evidence.dry.search(lo, hi, m, batch_size, tuple(setting), budget, judged_bound)
+        return m * self.evidence.dry.search(lo, hi, m, batch_size, tuple(setting), budget,
+                                            judged_bound)
 
     def checked_fit(self, high: int, batch_size: int) -> int:
-        """Largest length below ``high`` that :func:`~lightning_seqmem.plan.judging.judge` says fits with the rungs on now (what a
-        warning names as "the largest length forecast to fit"): a multiple of the curriculum's
-        ``multiple_of``; without one, the forecast's largest length, checked by the same judgement
-        (bisected below it when that is over); 0 if none."""
+        """Largest length below ``high`` judged to fit with the rungs on now (what a warning names
+        "the largest length forecast to fit"): a multiple of the curriculum's ``multiple_of``;
+        without one, the forecast's largest length, checked by the same judgement (bisected below
+        it when that is over); 0 if none."""
         if self.settings.curriculum is not None:
             return self.dry_fit(1, high, batch_size, self.ladder.applied) or 0
-        high = high if self.settings.length_limit is None else min(high, self.settings.length_limit + 1)
+        high = (high if self.settings.length_limit is None
+                else min(high, self.settings.length_limit + 1))
         guess = min(self.safe_fit(batch_size), high - 1)
         fits = lambda L: self.evidence.judge(L, batch_size).kind == "fits"  # noqa: E731
         if guess < 1 or fits(guess):
@@ -284,22 +303,27 @@ class Decider:
         return 0 if not fits(1) else bisect_last(fits, 1, guess)
 
     def safe_fit(self, batch_size: int) -> int:
-        """:meth:`~lightning_seqmem.plan.evidence.Evidence.fit_now`, or 0 where it cannot say (only words depend on it)."""
+        """:meth:`~lightning_seqmem.plan.evidence.Evidence.fit_now`, or 0 where it cannot say."""
         try:
             return self.evidence.fit_now(batch_size)
         except Exception:  # noqa: BLE001 - only words depend on it
             return 0
 
-    def stop(self, seq_len: int, batch_size: int, verdict: Verdict, setting: tuple[str, ...]) -> Decision:
-        """Nothing can meet the budget at ``seq_len`` with ``setting`` (every rung this run can take)."""
-        assert self.settings.curriculum is not None and self.settings.budget_bytes is not None and self.settings.usable_budget_bytes is not None
+    def stop(self, seq_len: int, batch_size: int, verdict: Verdict,
+             setting: tuple[str, ...]) -> Decision:
+        """Nothing meets the budget at ``seq_len`` with ``setting`` (every rung this run takes)."""
+        assert (self.settings.curriculum is not None and self.settings.budget_bytes is not None
+                and self.settings.usable_budget_bytes is not None)
         words = A.budget_unreachable(seq_len, batch_size, verdict.bound_bytes or 0, verdict.method,
-                                     self.settings.usable_budget_bytes, self.settings.budget_bytes, self.settings.safety_margin, setting,
-                                     self.settings.curriculum.multiple_of, self.settings.device_type)
+                                     self.settings.usable_budget_bytes, self.settings.budget_bytes,
+                                     self.settings.safety_margin, setting,
+                                     self.settings.curriculum.multiple_of,
+                                     self.settings.device_type)
         return self.decision(action="stop", seq_len=None, advice=(words,))
 
     def decision(self, **changes: Any) -> Decision:
         """The decision that keeps the curriculum state as it is, with ``changes``."""
-        base = Decision("run", None, stages=self.course.stages, stage=self.course.stage, refit_queue=tuple(self.course.refit_queue),
+        base = Decision("run", None, stages=self.course.stages, stage=self.course.stage,
+                        refit_queue=tuple(self.course.refit_queue),
                         decide_now=self.course.decide_now)
         return replace(base, **changes)

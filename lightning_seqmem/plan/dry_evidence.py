@@ -1,19 +1,16 @@
 """``DryEvidence``: what the dry run said, and the dry-run forecasts made from it.
 
-It owns the dry-run cache (answers, why one refused, which refusals no figure may stand for,
-where each peak sits) and the answers a search confirmed. A dry-run forecast is the cached answer
-calibrated by the measured steps (:class:`~lightning_seqmem.plan.measured.MeasuredEvidence`, read,
-never written): the kernel scratch the allocator counted beyond it (:meth:`DryEvidence.scratch_bytes`),
-the margin widened by its own misses, and no figure at all once it missed measured steps beyond the
-tolerance. :meth:`DryEvidence.judged` picks the dry run that answers for a shape with as few dry
-runs as possible (:mod:`.dry_search`). The rungs on (the default setting) are the ladder's.
+A dry-run forecast is the cached answer calibrated by the measured steps (read only): the kernel
+scratch counted beyond it (:meth:`DryEvidence.scratch_bytes`), the margin widened by its own
+misses, and no figure once it missed measured steps beyond the tolerance.
 
 Example:
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
     >>> from lightning_seqmem.plan.ladder_state import LadderState
     >>> from lightning_seqmem.plan.measured import MeasuredEvidence
     >>> from lightning_seqmem.plan.settings import PlannerSettings
-    >>> settings = PlannerSettings(budget_bytes=10**6, dry_runner=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B}))
+    >>> run = lambda L, B, m: (100 * L * B, {"forward": 100 * L * B})
+    >>> settings = PlannerSettings(budget_bytes=10**6, dry_runner=run)
     >>> dry = DryEvidence(settings, LadderState(()), MeasuredEvidence(settings, AdviceQueue()))
     >>> dry.peak(256, 4)[0], dry.forecast(256, 4).upper_bytes, dry.answered(4)
     (102400, 104448, [256])
@@ -42,26 +39,31 @@ Answer = tuple[int, dict[str, int]]
 class DryEvidence:
     """The dry-run cache and its forecasts (see the module doc)."""
 
-    def __init__(self, settings: PlannerSettings, ladder: LadderState, measured: MeasuredEvidence) -> None:
+    def __init__(self, settings: PlannerSettings, ladder: LadderState,
+                 measured: MeasuredEvidence) -> None:
         self.settings, self.ladder, self.measured = settings, ladder, measured
-        self.answers: dict[tuple, Optional[Answer]] = {}  # (L, B, setting) -> (peak, phase peaks) (not saved)
+        # (L, B, setting) -> (peak, phase peaks) (not saved)
+        self.answers: dict[tuple, Optional[Answer]] = {}
         self.why: dict[tuple, str] = {}  # key -> why it did not answer
         self.sites: dict[tuple, PeakSite] = {}  # key -> where that step's peak sits, when told
         # key -> why no figure may stand for it at all: a rung of it does not apply to the model
         # (RungNotApplicable), or the model's own step fails at that shape (fails_at_length)
         self.fatal: dict[tuple, str] = {}
-        self.longest_seen = 0  # the longest source length decided on (bounds the dry runs' buckets)
-        # (budget, batch size, rungs on, multiple_of, longest) -> the largest length a dry run confirmed to fit
+        self.longest_seen = 0  # the longest source length decided on (bounds the buckets)
+        # (budget, batch size, rungs on, multiple_of, longest) -> largest length confirmed to fit
         self.confirmed: dict[tuple, int] = {}
 
     def _key(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]]) -> tuple:
-        return int(seq_len), int(batch_size), self.ladder.applied if mitigations is None else tuple(mitigations)
+        return (int(seq_len), int(batch_size),
+                self.ladder.applied if mitigations is None else tuple(mitigations))
 
-    def peak(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Answer]:
-        """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those on
-        now), or None where no dry run can answer (cached; a dry run that raises answers None)."""
+    def peak(self, seq_len: int, batch_size: int,
+             mitigations: Optional[Sequence[str]] = None) -> Optional[Answer]:
+        """The dry run's ``(peak, phase peaks)`` of one step with ``mitigations`` (default: those
+        on now), or None where no dry run can answer (cached; one that raises answers None)."""
         key = self._key(seq_len, batch_size, mitigations)
-        if self.settings.dry_runner is None or not self.settings.within_limit(seq_len):  # past the model's positions: never asked
+        # past the model's positions: never asked
+        if self.settings.dry_runner is None or not self.settings.within_limit(seq_len):
             return None
         if key not in self.answers:
             try:
@@ -70,30 +72,34 @@ class DryEvidence:
                 self.answers[key] = (int(peak), {k: int(v) for k, v in phases.items()})
                 if len(answer) > 2 and isinstance(answer[2], PeakSite):
                     self.sites[key] = answer[2]
-            except Exception as exc:  # noqa: BLE001 - the edge says why, once; the other predictors answer
+            except Exception as exc:  # noqa: BLE001 - the edge says why; other predictors answer
                 self.answers[key] = None
                 self.why[key] = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                if isinstance(exc, RungNotApplicable) or getattr(exc, "fails_at_length", False) is True:
+                if (isinstance(exc, RungNotApplicable)
+                        or getattr(exc, "fails_at_length", False) is True):
                     self.fatal[key] = self.why[key]
         return self.answers[key]
 
-    def asked(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> bool:
+    def asked(self, seq_len: int, batch_size: int,
+              mitigations: Optional[Sequence[str]] = None) -> bool:
         """Whether the dry run was asked about this shape already (answered or not)."""
         return self._key(seq_len, batch_size, mitigations) in self.answers
 
     def answered(self, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> list[int]:
-        """The lengths the dry run answered already at ``batch_size`` with ``mitigations`` (default:
-        those on now) while it is trusted with them, sorted: what a report can show without another."""
+        """The lengths the dry run answered at ``batch_size`` with ``mitigations`` (default: those
+        on now) while it is trusted with them, sorted: what a report can show without another."""
         key = self._key(0, batch_size, mitigations)[2]
-        return sorted(L for (L, B, m), v in self.answers.items() if v is not None and B == int(batch_size)
-                      and m == key and self.measured.checks.wrong(key, "dry_run") is None)
+        return sorted(L for (L, B, m), v in self.answers.items()
+                      if v is not None and B == int(batch_size) and m == key
+                      and self.measured.checks.wrong(key, "dry_run") is None)
 
     def any_answered(self, setting: Optional[Setting] = None) -> bool:
-        """Whether any dry run answered this run (with ``setting``; default: any rungs), trusted or not."""
-        return any(v is not None and (setting is None or k[2] == setting) for k, v in self.answers.items())
+        """Whether any dry run answered (with ``setting``; default: any rungs), trusted or not."""
+        return any(v is not None and (setting is None or k[2] == setting)
+                   for k, v in self.answers.items())
 
     def forget(self, setting: Setting) -> None:
-        """Drop the answers of ``setting`` (they counted a one-time check that later steps do not run)."""
+        """Drop the answers of ``setting`` (they counted a one-time check later steps skip)."""
         self.answers = {k: v for k, v in self.answers.items() if k[2] != setting}
         self.sites = {k: v for k, v in self.sites.items() if k[2] != setting}
 
@@ -106,58 +112,60 @@ class DryEvidence:
         return max([r.seq_len for r in self.measured.records] + [self.longest_seen] +
                    ([self.settings.curriculum.target] if self.settings.curriculum else []))
 
-    def site(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[PeakSite]:
-        """Where the dry-run step's peak sits at ``(seq_len, batch_size, mitigations)`` (phase, kinds of
-        tensor), when its dry run ran and said so; None otherwise (never runs one).
+    def site(self, seq_len: int, batch_size: int,
+             mitigations: Optional[Sequence[str]] = None) -> Optional[PeakSite]:
+        """Where the dry-run step's peak sits at ``(seq_len, batch_size, mitigations)`` (phase,
+        kinds of tensor), when its dry run ran and said so; None otherwise (never runs one).
 
-        Example:
-            >>> from lightning_seqmem.core.peak import PeakSite
-            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-            >>> site = PeakSite("backward", (("attention_scores", 90 * 64 * 64), ("parameters", 10 * 64 * 64)))
-            >>> p = SeqMemPlanner(dry_runner=lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site))
-            >>> p.evidence.dry.peak(64, 2, ())[0], p.evidence.dry.site(64, 2, ()).top_kind
-            (409600, 'attention_scores')
-            >>> p.evidence.forecast(64, 2, ()).detail.endswith("; peak at backward: attention scores 90%, parameters 10%")
-            True
+        >>> from lightning_seqmem.core.peak import PeakSite
+        >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+        >>> site = PeakSite("backward", (("attention_scores", 90 * 64 * 64),
+        ...                              ("parameters", 10 * 64 * 64)))
+        >>> run = lambda L, B, m: (100 * L * L, {"backward": 100 * L * L}, site)
+        >>> p = SeqMemPlanner(dry_runner=run)
+        >>> p.evidence.dry.peak(64, 2, ())[0], p.evidence.dry.site(64, 2, ()).top_kind
+        (409600, 'attention_scores')
+        >>> p.evidence.forecast(64, 2, ()).detail.endswith(
+        ...     "; peak at backward: attention scores 90%, parameters 10%")
+        True
         """
         return self.sites.get(self._key(seq_len, batch_size, mitigations))
 
-    def why_not(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> str:
-        """Why the dry run does not answer at ``(seq_len, batch_size)`` (for a forecast's detail)."""
+    def why_not(self, seq_len: int, batch_size: int,
+                mitigations: Optional[Sequence[str]] = None) -> str:
+        """Why the dry run does not answer at ``(seq_len, batch_size)`` (a forecast's detail)."""
         key = self._key(seq_len, batch_size, mitigations)
         if self.settings.dry_runner is None:
             return "no dry run (dry_run=False, or not rank zero, or before fit)"
         wrong = self.measured.checks.wrong(key[2], "dry_run")
         if wrong is not None:
-            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step measured at "
-                    f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step "
+                    f"measured at seq_len={wrong.seq_len} (batch {wrong.batch_size})")
         return f"dry run refused: {self.why.get(key, 'no answer')}"
 
     def scratch_bytes(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> int:
         """What the allocator counted beyond the dry run, grown to ``(seq_len, batch_size)``.
 
-        Only with allocator counters (``compare_reserved``): a dry run counts tensors, and the
-        tracker probe counts the same tensors (0 by construction), but CUDA kernels also take
-        scratch buffers of their own (eager attention's backward: one more ``[B, H, L, L]`` block
-        on CUDA than on the CPU). From this setting's fitted steps (each shape dry-run once, cached),
-        the longest not longer than ``seq_len`` gives ``measured - dry``, scaled by
-        ``(L / L0)^2 * max(1, B / B0)`` (at most quadratic in L, linear in B); without one, the
-        shortest such step's, unscaled.
+        Only with ``compare_reserved``: CUDA kernels take scratch buffers (eager attention's
+        backward: one more ``[B, H, L, L]`` block). The longest fitted step not longer than
+        ``seq_len`` gives ``measured - dry``, scaled by ``(L / L0)^2 * max(1, B / B0)``.
 
-        Example:
-            >>> from lightning_seqmem.core.records import StepMemory
-            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-            >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0, compare_reserved=True,
-            ...                   dry_runner=lambda L, B, m: (100 * L * L, {"forward": 100 * L * L}))
-            >>> p.evidence.dry.peak(64, 2)[0]
-            409600
-            >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
-            >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0, 409600 + 4096))
-            >>> p.course.end_batch()
-            >>> p.evidence.measured.records[0].peak_bytes - p.evidence.dry.peak(64, 2)[0]   # beyond the dry run
-            4096
-            >>> p.evidence.dry.scratch_bytes(128, 2, ()), p.evidence.dry.scratch_bytes(128, 4, ())   # 4096 B at 64, batch 2
-            (16384, 32768)
+        >>> from lightning_seqmem.core.records import StepMemory
+        >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+        >>> run = lambda L, B, m: (100 * L * L, {"forward": 100 * L * L})
+        >>> p = SeqMemPlanner(warmup_steps=0, warmup_steps_after_change=0,
+        ...                   compare_reserved=True, dry_runner=run)
+        >>> dry = p.evidence.dry
+        >>> dry.peak(64, 2)[0]
+        409600
+        >>> s = p.begin_step(64, 2, optimizer_steps=True, global_step=0)
+        >>> _ = p.observe(s, StepMemory(409600 + 4096, {"forward": 409600 + 4096}, 0,
+        ...                             409600 + 4096))
+        >>> p.course.end_batch()
+        >>> p.evidence.measured.records[0].peak_bytes - dry.peak(64, 2)[0]   # beyond dry run
+        4096
+        >>> dry.scratch_bytes(128, 2, ()), dry.scratch_bytes(128, 4, ())   # 4096 B at (64, 2)
+        (16384, 32768)
         """
         if not self.settings.compare_reserved:
             return 0
@@ -166,22 +174,25 @@ class DryEvidence:
         below = [r for r in measured if r.seq_len <= seq_len]
         if not measured:
             return 0
-        r = max(below, key=lambda r: (r.seq_len, r.peak_bytes)) if below else min(measured, key=lambda r: r.seq_len)
-        dry = self.peak(r.seq_len, r.batch_size, key)  # cached, or one dry run of that measured shape
+        r = (max(below, key=lambda r: (r.seq_len, r.peak_bytes)) if below
+             else min(measured, key=lambda r: r.seq_len))
+        dry = self.peak(r.seq_len, r.batch_size, key)  # cached, or one dry run of that shape
         if dry is None:
             return 0
-        same = max(q.peak_bytes for q in measured if (q.seq_len, q.batch_size) == (r.seq_len, r.batch_size))
+        same = max(q.peak_bytes for q in measured
+                   if (q.seq_len, q.batch_size) == (r.seq_len, r.batch_size))
         residual = max(0, same - dry[0])
         if not below:
             return residual
         return int(residual * (seq_len / r.seq_len) ** 2 * max(1.0, batch_size / r.batch_size))
 
     def forecast(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None,
-                 source: Optional[tuple[int, int]] = None, trusted_only: bool = True) -> Optional[Forecast]:
-        """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from the
-        dry run of that larger shape (see :mod:`.dry_search`), scratch counted at ``seq_len``. None
-        where it cannot answer, or (``trusted_only``) where it missed measured steps of this setting
-        beyond the tolerance (:mod:`lightning_seqmem.core.trust`)."""
+                 source: Optional[tuple[int, int]] = None,
+                 trusted_only: bool = True) -> Optional[Forecast]:
+        """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from
+        the dry run of that larger shape, scratch counted at ``seq_len``. None where it cannot
+        answer, or (``trusted_only``) where it missed measured steps of this setting beyond the
+        tolerance (:mod:`lightning_seqmem.core.trust`)."""
         key = self._key(seq_len, batch_size, mitigations)[2]
         if trusted_only and self.measured.checks.wrong(key, "dry_run") is not None:
             return None
@@ -195,45 +206,43 @@ class DryEvidence:
             peak, phases = peak + scratch, {p: v + scratch for p, v in phases.items()}
         upper = dry_run_bound(peak, self.measured.dry_margin())
         forecasters = self.measured.forecasters
-        fit = forecasters[key] if key in forecasters else self.measured.forecaster_of(self.ladder.applied)
+        fit = (forecasters[key] if key in forecasters
+               else self.measured.forecaster_of(self.ladder.applied))
         ratio = fit.reserved_ratio  # (the fit of this setting, else of the one on)
         detail = f"dry run of the training step with mitigations {list(key)} on fake tensors"
         if source is not None and tuple(source) != (seq_len, batch_size):
-            detail += f", at seq_len={source[0]}, batch_size={source[1]} (a bound: not shorter, not smaller)"
+            detail += (f", at seq_len={source[0]}, batch_size={source[1]} "
+                       "(a bound: not shorter, not smaller)")
         site = self.sites.get((*shape, key))
         detail += f"; peak at {site.describe()}" if site is not None else ""
-        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run", phases, detail)
+        return Forecast(int(seq_len), int(batch_size), peak, upper, int(upper * ratio), "dry_run",
+                        phases, detail)
 
     def bound(self, fc: Optional[Forecast]) -> Optional[int]:
         """What a forecast compares with the budget (None without one)."""
         return None if fc is None else self.settings.bound_of(fc)
 
-    def judged(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
-        """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as possible
-        (:mod:`.dry_search`: a step's peak does not fall as the length or the batch grows):
-
-        1. this shape's own dry run, when it ran already, without a budget to judge against, or with
-           a curriculum (a few lengths, each dry-run and verified when it runs); without one (the
-           data sets the length: dynamic padding, a new length every batch):
-        2. a cached dry run of a shape not shorter and not smaller whose bound fits: it fits too;
-        3. one dry run ahead, at a longer length (:meth:`bucket`: twice the longest length known,
-           or short of where the cached dry runs cross the budget), when its bound fits: it then
-           answers for every length below it;
-        4. else this shape's own dry run: "over" is only ever said from the exact shape.
-        """
+    def judged(self, seq_len: int, batch_size: int,
+               mitigations: Optional[Sequence[str]] = None) -> Optional[Forecast]:
+        """The dry-run forecast to judge ``(seq_len, batch_size)`` by, with as few dry runs as
+        possible: this shape's own where it ran already, without a budget or under a curriculum;
+        else a cached dry run of a shape not shorter, not smaller, whose bound fits; else one at
+        :meth:`bucket` whose bound fits; else this shape's own ("over" only from its own)."""
         L, B, key = self._key(seq_len, batch_size, mitigations)
         budget = self.settings.usable_budget_bytes
         if (L, B, key) in self.answers or budget is None or self.settings.dry_runner is None \
                 or self.settings.curriculum is not None:
-            return self.forecast(L, B, key)  # a curriculum's few lengths: each its own dry run, verified
-        answers = {(k[0], k[1]): v[0] for k, v in self.answers.items() if v is not None and k[2] == key}
+            return self.forecast(L, B, key)  # a curriculum's few lengths: each its own dry run
+        answers = {(k[0], k[1]): v[0] for k, v in self.answers.items()
+                   if v is not None and k[2] == key}
         source = dry_search.dominating(answers, L, B)
         if source is not None:
             fc = self.forecast(L, B, key, source=source)
             if fc is not None and self.bound(fc) <= budget:
                 return fc
         top = self.bucket(L, B, key, budget)
-        known_over = any(L <= k[0] <= top and k[1] == B and (self.bound(self.forecast(k[0], B, key)) or 0) > budget
+        known_over = any(L <= k[0] <= top and k[1] == B
+                         and (self.bound(self.forecast(k[0], B, key)) or 0) > budget
                          for k in answers)
         if top > L and not known_over:
             fc = self.forecast(L, B, key, source=(top, B))
@@ -242,10 +251,9 @@ class DryEvidence:
         return self.forecast(L, B, key)
 
     def bucket(self, seq_len: int, batch_size: int, key: Setting, budget: int) -> int:
-        """The length to dry-run for ``seq_len`` (not shorter; a dry run there that fits answers for
-        every shorter one): :func:`~lightning_seqmem.plan.dry_search.ahead_length` of the longest
-        length known and the bounds of the dry runs cached (twice the longest while none is over;
-        short of where they cross the budget once one is), never past the model's positions."""
+        """The length to dry-run for ``seq_len`` (a dry run there that fits answers for every
+        shorter one): :func:`~lightning_seqmem.plan.dry_search.ahead_length` of the longest length
+        known and the bounds of the dry runs cached."""
         longest = max(self.longest_known(), seq_len)
         bounds = {}
         for (L, B, m), answer in self.answers.items():
@@ -256,20 +264,17 @@ class DryEvidence:
         return dry_search.ahead_length(seq_len, longest, bounds, budget, self.settings.length_limit)
 
     def max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
-        """A length whose dry-run bound fits, up to 4× the longest length known (with a curriculum, a
-        multiple of its ``multiple_of``): the largest the fit through the dry runs cached (and the
-        measured steps, where fewer than two lengths were dry-run) guesses to fit, aimed just below
-        the budget and confirmed by one dry run at that length
-        (:func:`~lightning_seqmem.plan.dry_search.confirmed_largest`; a second where the fit redone
-        with it says 2% more fits): a lower bound of the largest that a dry run says fits (within
-        about 2% of it where the peak is quadratic in the length), where a search to the token took
-        four or more. The same answer until a longer length is dry-run and fits."""
+        """A length whose dry-run bound fits, up to 4× the longest known (a multiple of the
+        curriculum's ``multiple_of``), confirmed by one dry run
+        (:func:`~lightning_seqmem.plan.dry_search.confirmed_largest`): within about 2% of the
+        largest where a search to the token took four dry runs or more."""
         records = self.measured.records
         curriculum = self.settings.curriculum
         known = [r.seq_len for r in records] + ([curriculum.target] if curriculum else [])
         step = int(curriculum.multiple_of) if curriculum is not None else 1
         hi = 4 * max(known + [256])
-        hi = hi if self.settings.length_limit is None else min(hi, self.settings.length_limit)  # never past the positions
+        hi = (hi if self.settings.length_limit is None  # never past the positions
+              else min(hi, self.settings.length_limit))
         hi -= hi % step
 
         def bound(L: int) -> Optional[int]:
@@ -279,32 +284,36 @@ class DryEvidence:
             b = bound(L)
             return b is not None and b <= budget_bytes
 
-        fitting = [L for L in self.answered(batch_size) if L % step == 0 and L <= hi and fits(L)]  # cached: free
+        fitting = [L for L in self.answered(batch_size)  # cached: free
+                   if L % step == 0 and L <= hi and fits(L)]
         lo = max(fitting, default=step)
         if not fits(lo):
             return 0 if step == 1 or not fits(1) else bisect_last(fits, 1, lo)
         key = (budget_bytes, batch_size, self.ladder.applied, step, hi)
-        if self.confirmed.get(key) == lo:  # confirmed before, and no longer length dry-run to fit since
+        if self.confirmed.get(key) == lo:  # confirmed, and no longer length dry-run to fit since
             return lo
         dried = {L: bound(L) for L in self.answered(batch_size)}  # cached: free
         points = dict(dried)
-        if len(dried) < 2:  # the measured steps too (real peaks, the dry run's margin on them): anchors for the guess
+        if len(dried) < 2:  # the measured steps too (with the dry run's margin): anchors to guess
             margin = 1 + self.measured.dry_margin()
             for r in records:  # (not the first step: no optimizer state yet)
                 if (r.mitigations == self.ladder.applied and r.batch_size == batch_size
                         and r.step >= 1 and r.seq_len not in dried):
-                    points[r.seq_len] = max(points.get(r.seq_len, 0), int(self.measured.bound(r) * margin))
-            held = self.measured.held_bytes()  # what a step begins with: the peak's floor as the length goes to 0
-            if held and int(held * margin) < min((v for v in points.values() if v is not None), default=0):
-                points[0] = int(held * margin)  # a third point (through two, the parabola is p + q·L²: guesses short)
-        self.confirmed[key] = dry_search.confirmed_largest(lo, hi, bound, budget_bytes, points, step)
+                    points[r.seq_len] = max(points.get(r.seq_len, 0),
+                                            int(self.measured.bound(r) * margin))
+            held = self.measured.held_bytes()  # the peak's floor as the length goes to 0
+            if held and int(held * margin) < min((v for v in points.values() if v is not None),
+                                                 default=0):
+                points[0] = int(held * margin)  # a third point (p + q·L² through two guesses short)
+        self.confirmed[key] = dry_search.confirmed_largest(lo, hi, bound, budget_bytes, points,
+                                                           step)
         return self.confirmed[key]
 
     def search(self, lo: int, hi: int, unit: int, batch_size: int, setting: Setting, budget: int,
                bound: Optional[Callable[[int], Optional[int]]] = None) -> int:
-        """Largest ``x`` in ``[lo, hi]`` whose bound at ``x·unit`` tokens (the dry run's, or ``bound``'s)
-        fits ``budget``, given that ``lo`` fits: the dry runs cached narrow it, then guesses from their
-        bounds are checked (:func:`~lightning_seqmem.plan.dry_search.largest_fitting`)."""
+        """Largest ``x`` in ``[lo, hi]`` whose bound at ``x·unit`` tokens (the dry run's, or
+        ``bound``'s) fits ``budget``, given that ``lo`` fits
+        (:func:`~lightning_seqmem.plan.dry_search.largest_fitting` over the dry runs cached)."""
         def dry_bound(x: int) -> Optional[int]:
             return self.bound(self.forecast(x * unit, batch_size, setting))
 

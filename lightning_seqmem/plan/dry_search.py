@@ -1,26 +1,12 @@
-"""Fewer dry runs for the same decisions: buckets, bounds from dry runs already made, guided searches.
+"""Fewer dry runs for the same decisions: buckets, bounds from dry runs made, guided searches.
 
-Pure maths on plain values (no torch): the planner (:mod:`lightning_seqmem.plan.planner`) asks its dry
-run only where these cannot answer. Everything here rests on one assumption, the one the
-planner's one-point bound makes already: the peak of a training step does not fall when the
-length or the batch grows (more tokens, never fewer bytes). So
-
-* a dry run at ``(L', B')`` with ``L' >= L`` and ``B' >= B`` (same mitigations) bounds ``(L, B)``
-  from above (:func:`dominating`): a batch it says fits does fit;
-* a length rounded *up* onto a coarse grid (:func:`bucket_up`) bounds every length below it, so
-  one dry run there answers "fits" for all of them;
-* "over" is never answered from another shape: the planner then runs the exact shape;
-* the largest length that fits (:func:`largest_fitting`) starts from the answers known already
-  and guesses by interpolating the bound between the lengths known to fit and to be over, then
-  checks the guess and its neighbour: two dry runs where a bisection takes about seven. Every
-  answer it returns is backed by a dry run at that very length (and one at the next that is over);
-* where the exact token is not needed (the largest length that fits, as logged and reported),
-  :func:`confirmed_largest` guesses it from the answers known (:func:`fitted_largest`: a step's
-  peak is piecewise quadratic in the length) and confirms the guess by one dry run: a lower bound
-  backed by a dry run at that very length (within about 2% of the exact largest on a quadratic);
-* between and past the lengths dry-run, :func:`fitted_bytes` interpolates them (the parabola
-  through the three nearest, kept between its neighbours): what a report or figure shows there
-  is that fit, named as such, never a dry run.
+Pure maths on plain values, resting on one assumption: a step's peak does not fall when the
+length or the batch grows. So a dry run at a shape not shorter and not smaller bounds a shape from
+above (:func:`dominating`, :func:`bucket_up`), and "over" is never answered from another shape.
+:func:`largest_fitting` takes two dry runs where a bisection takes about seven;
+:func:`confirmed_largest` one, where the exact token is not needed (within about 2% of the
+largest on a quadratic); :func:`fitted_bytes` interpolates between the lengths dry-run (what a
+report shows there is that fit, named so).
 
 Example:
     >>> bucket_up(300), bucket_up(256), bucket_up(1000), bucket_up(12)
@@ -32,7 +18,7 @@ Example:
     >>> def bound(L):
     ...     calls.append(L)
     ...     return peak(L)
-    >>> largest_fitting(1, 4096, bound, budget=3_000_000), len(calls)   # hi, lo, the guess and its neighbour (a bisection: 13)
+    >>> largest_fitting(1, 4096, bound, budget=3_000_000), len(calls)   # a bisection takes 13
     (999, 4)
 """
 
@@ -43,8 +29,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from lightning_seqmem.core.search import crossing_of, interpolated_last
 
-__all__ = ["AHEAD_REACH", "CONFIRM_SLACK", "ahead_length", "bucket_up", "confirmed_largest", "crossing", "dominating",
-           "fitted_bytes", "fitted_largest", "largest_fitting"]
+__all__ = ["AHEAD_REACH", "CONFIRM_SLACK", "ahead_length", "bucket_up", "confirmed_largest",
+           "crossing", "dominating", "fitted_bytes", "fitted_largest", "largest_fitting"]
 
 
 def bucket_up(seq_len: int, per_octave: int = 8) -> int:
@@ -61,25 +47,22 @@ def bucket_up(seq_len: int, per_octave: int = 8) -> int:
 
 
 AHEAD_REACH = 2
-"""Without a curriculum, how far past the longest length known a dry run looks ahead (a factor):
-a dry run costs about the same at any length (its tensors are fake), and one that fits there
-answers for every shorter length, so dynamic padding (a new length every batch) needs a dry run
-only when the data first goes past the reach."""
+"""Without a curriculum, how far past the longest length known a dry run looks ahead (a factor): a
+dry run costs about the same at any length, and one that fits answers for every shorter length, so
+dynamic padding needs a dry run only when the data first goes past the reach."""
 
 
 def ahead_length(seq_len: int, longest: int, bounds: Mapping[int, int], budget: int,
                  limit: Optional[int] = None, reach: int = AHEAD_REACH) -> int:
-    """The length to dry-run to judge ``seq_len`` (not shorter): ``reach`` times the longest length
-    known, onto the grid of :func:`bucket_up`, while nothing known is over the ``budget``; short of
-    where the ``bounds`` known (length -> bound bytes) are guessed to cross it (95% of
-    :func:`crossing`) once they are; ``seq_len``'s own bucket when something is over and the
-    crossing cannot be guessed. Never past ``limit`` (the model's positions), never below ``seq_len``.
+    """The length to dry-run to judge ``seq_len``: ``reach`` times the longest known, bucketed,
+    while nothing known is over ``budget``; else 95% of where the ``bounds`` (length -> bytes)
+    cross it, or ``seq_len``'s own bucket. Within ``[seq_len, limit]``.
 
     >>> ahead_length(300, 300, {}, 10_000)   # nothing known: twice as far, on the grid
     640
     >>> ahead_length(300, 500, {640: 9_000}, 10_000, limit=800)
     800
-    >>> ahead_length(300, 500, {200: 4_000, 1000: 100_000}, 10_000)   # p + q·L² through both: crosses at 316
+    >>> ahead_length(300, 500, {200: 4_000, 1000: 100_000}, 10_000)   # p + q·L² crosses at 316
     320
     >>> ahead_length(300, 500, {1000: 100_000}, 10_000)   # over, no crossing: its own bucket
     320
@@ -98,14 +81,16 @@ def ahead_length(seq_len: int, longest: int, bounds: Mapping[int, int], budget: 
     return max(target, seq_len)
 
 
-def dominating(answers: Mapping[tuple[int, int], int], seq_len: int, batch_size: int) -> Optional[tuple[int, int]]:
+def dominating(answers: Mapping[tuple[int, int], int], seq_len: int,
+               batch_size: int) -> Optional[tuple[int, int]]:
     """Of the ``(seq_len', batch_size') -> peak_bytes`` answers with ``seq_len' >= seq_len`` and
-    ``batch_size' >= batch_size``, the one with the smallest peak (the tightest upper bound), or None.
+    ``batch_size' >= batch_size``, the one with the smallest peak (the tightest bound), or None.
 
     >>> dominating({(64, 2): 10, (128, 1): 20}, 100, 2) is None
     True
     """
-    above = [(peak, key) for key, peak in answers.items() if key[0] >= seq_len and key[1] >= batch_size]
+    above = [(peak, key) for key, peak in answers.items()
+             if key[0] >= seq_len and key[1] >= batch_size]
     return min(above)[1] if above else None
 
 
@@ -127,19 +112,18 @@ def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
     if not over:
         return None
     hi = min(over)
-    middle = [x for x in bounds if x not in (lo, hi)]  # the parabola through lo, hi and the nearest other
-    near = [min(middle, key=lambda x: 0 if lo < x < hi else min(abs(x - lo), abs(x - hi)))] if middle else []
+    middle = [x for x in bounds if x not in (lo, hi)]  # the parabola through lo, hi, the nearest
+    near = ([min(middle, key=lambda x: 0 if lo < x < hi else min(abs(x - lo), abs(x - hi)))]
+            if middle else [])
     guess = crossing_of(sorted((x, float(bounds[x])) for x in [lo, hi, *near]), budget)
     return int(guess) if guess is not None and lo <= guess <= hi else None
 
 
 def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
                     known: Iterable[int] = ()) -> int:
-    """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget``, given that ``lo`` fits and that the
-    bound grows with ``x`` (``None``: no answer, taken as over): ``hi`` asked first, then
-    :func:`~lightning_seqmem.core.search.interpolated_last` (each guess where the curve through the
-    points known nearest the bracket crosses the budget: a parabola, or ``p + q·x²`` through two, as a
-    step's peak in the length; checked with its neighbour). ``known`` are points whose bound costs
+    """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget``, given that ``lo`` fits and that
+    the bound grows with ``x`` (``None``: taken as over): ``hi`` asked first, then
+    :func:`~lightning_seqmem.core.search.interpolated_last`. ``known``: points whose bound costs
     nothing (cached): they bracket the search first.
 
     >>> largest_fitting(1, 10, lambda x: x, budget=100)   # hi fits: one call
@@ -167,8 +151,7 @@ def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], bud
 CONFIRM_SLACK = 0.01
 """How far below the budget :func:`confirmed_largest` aims its guess (a fraction of what the bytes
 grow by from the shortest length known to the budget: about half that fraction of the length), so
-that the one dry run confirming it fits (the fit is a guess; a peak is quadratic only piecewise);
-and how much longer a refit must say fits to be tried (twice that fraction of the length)."""
+that the one dry run confirming it fits; a refit must say twice that fraction longer to be tried."""
 
 
 def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
@@ -192,7 +175,8 @@ def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
     near = sorted(sorted(known, key=lambda p: (abs(p[0] - x), p[0]))[:3])
     if len(near) == 3:
         (x0, y0), (x1, y1), (x2, y2) = near
-        value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+        value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2))
+                 + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
                  + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
     else:
         (x0, y0), (x1, y1) = near
@@ -207,13 +191,15 @@ def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
     return value
 
 
-def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int, step: int = 1) -> int:
+def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int,
+                   step: int = 1) -> int:
     """The largest multiple of ``step`` in ``[lo, hi]`` whose :func:`fitted_bytes` fits ``budget``
     (``lo`` when none does; pure arithmetic, no dry run).
 
-    >>> fitted_largest({L: 1_000 + 3 * L * L for L in (256, 512)}, 3_000_000, 512, 4096)   # 999.8 tokens
+    >>> fitted_largest({L: 1_000 + 3 * L * L for L in (256, 512)}, 3_000_000, 512, 4096)   # 999.8
     999
-    >>> fitted_largest({256: 10, 512: 20}, 10_000, 512, 4096, step=64), fitted_largest({256: 10, 512: 20}, 15, 512, 4096)
+    >>> two = {256: 10, 512: 20}
+    >>> fitted_largest(two, 10_000, 512, 4096, step=64), fitted_largest(two, 15, 512, 4096)
     (4096, 512)
     """
     def fits(x: int) -> bool:
@@ -237,15 +223,11 @@ def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], b
                       known: Mapping[int, int], step: int = 1, tries: int = 2,
                       slack: float = CONFIRM_SLACK) -> int:
     """A large length in ``[lo, hi]`` (a multiple of ``step``) whose ``bound`` fits ``budget``,
-    given that ``lo`` fits, with one call of ``bound`` where the guess is right: the guess of
-    :func:`fitted_largest` from the bounds ``known`` (length -> bytes, cached: free) aimed
-    just below the budget (:data:`CONFIRM_SLACK`; ``hi`` itself where the fit says it fits), confirmed by
-    ``bound``; the fit is redone with each answer, and guesses again (up to ``tries`` in all) where
-    it then says more than ``2 · slack`` longer fits (a guess that fits) or less (a guess that is
-    over); ``lo`` when none fits (or fewer than two bounds are known). Every answer is a length
-    whose own ``bound`` fits (a lower bound of the largest; not the exact token).
+    given that ``lo`` fits: :func:`fitted_largest` of the bounds ``known`` (cached) aimed just below
+    the budget (:data:`CONFIRM_SLACK`), confirmed by one call of ``bound``; refit, it guesses again
+    (``tries`` in all) where the refit disagrees by more than ``2 · slack``; ``lo`` if none fits.
 
-    >>> peak = lambda L: 1_000 + 3 * L * L   # the largest that fits 3 MB: 999; aimed 1% of the growth below
+    >>> peak = lambda L: 1_000 + 3 * L * L   # the largest to fit 3 MB: 999; aimed 1% below
     >>> calls = []
     >>> def bound(L):
     ...     calls.append(L)
@@ -268,7 +250,7 @@ def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], b
         floor = min(anchors.values(), default=budget)  # what does not grow with the length, about
         aim = int(budget - slack * max(0, budget - floor))
         guess = fitted_largest(_spread_out(anchors), aim, best, hi, step)
-        if guess <= best or (best > lo and guess <= best * (1 + 2 * slack)):  # the refit agrees with the answer
+        if guess <= best or (best > lo and guess <= best * (1 + 2 * slack)):  # the refit agrees
             break
         if fits(guess):
             best = guess
@@ -278,11 +260,13 @@ def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], b
 
 
 def _spread_out(points: Mapping[int, int], ratio: float = 1.25) -> dict[int, int]:
-    """``points`` from the longest down, each kept ``ratio`` shorter than the last kept (close points
-    make a parabola's extrapolation noisy); the shortest too where no other was kept.
+    """``points`` from the longest down, each kept ``ratio`` shorter than the last kept (close
+    points make a parabola's extrapolation noisy); the shortest too where no other was kept.
 
-    >>> sorted(_spread_out({100: 1, 110: 2, 200: 3, 240: 4, 250: 5})), sorted(_spread_out({500: 1, 505: 2, 512: 3}))
-    ([110, 200, 250], [500, 512])
+    >>> sorted(_spread_out({100: 1, 110: 2, 200: 3, 240: 4, 250: 5}))
+    [110, 200, 250]
+    >>> sorted(_spread_out({500: 1, 505: 2, 512: 3}))
+    [500, 512]
     """
     kept: dict[int, int] = {}
     for L in sorted(points, reverse=True):

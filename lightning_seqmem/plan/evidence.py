@@ -1,30 +1,22 @@
 """``Evidence``: what the planner knows about memory, and how it answers for a shape.
 
-Three parts, each the one writer of its state:
-
-* ``measured`` (:class:`~lightning_seqmem.plan.measured.MeasuredEvidence`): the records, one fit per
-  set of mitigations, the forecasts kept to verify, the trust in each predictor;
-* ``dry`` (:class:`~lightning_seqmem.plan.dry_evidence.DryEvidence`): the dry-run cache and the
-  dry-run forecasts made from it (calibrated by the measured steps, which it reads);
-* ``verification`` (:class:`~lightning_seqmem.plan.verification.Verification`): a measured step
-  taken in, every forecast checked against it.
-
-``Evidence`` answers from them: a :func:`~lightning_seqmem.plan.judging.judge` verdict for a shape
-(:meth:`Evidence.judge`), the forecast (:meth:`~Evidence.forecast`), the largest length that fits
-(:meth:`~Evidence.max_seq_len`, :meth:`~Evidence.fit_now`), the price of a setting
-(:meth:`~Evidence.price`). It reads the rungs on from the
-:class:`~lightning_seqmem.plan.ladder_state.LadderState` and the budget, the dry run and the model's
-length limit from the :class:`~lightning_seqmem.plan.settings.PlannerSettings`; what it has to say
-goes to the :class:`~lightning_seqmem.plan.advice_queue.AdviceQueue`.
+Three parts, each the one writer of its state: ``measured`` (records, fits, trust:
+:mod:`.measured`), ``dry`` (the dry-run cache and its forecasts: :mod:`.dry_evidence`) and
+``verification`` (a measured step taken in, every forecast checked: :mod:`.verification`).
+``Evidence`` answers from them: a verdict (:meth:`judge`), a forecast, the largest length that
+fits, the price of a setting.
 
 Example:
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
     >>> from lightning_seqmem.plan.ladder_state import LadderState
     >>> from lightning_seqmem.plan.settings import PlannerSettings
-    >>> ev = Evidence(PlannerSettings(budget_bytes=10**6, dry_runner=lambda L, B, m: (100 * L * B, {"forward": 100 * L * B})),
+    >>> dry_runner = lambda L, B, m: (100 * L * B, {"forward": 100 * L * B})
+    >>> ev = Evidence(PlannerSettings(budget_bytes=10**6, dry_runner=dry_runner),
     ...               LadderState(()), AdviceQueue())
-    >>> ev.dry.peak(256, 4)[0], ev.forecast(256, 4).method, ev.judge(256, 4).kind, ev.judge(4096, 4).kind
-    (102400, 'dry_run', 'fits', 'over')
+    >>> ev.dry.peak(256, 4)[0], ev.forecast(256, 4).method
+    (102400, 'dry_run')
+    >>> ev.judge(256, 4).kind, ev.judge(4096, 4).kind
+    ('fits', 'over')
 """
 
 from __future__ import annotations
@@ -48,7 +40,7 @@ __all__ = ["Evidence"]
 
 
 class Evidence:
-    """The measured and the dry-run evidence, and the answers drawn from both (see the module doc)."""
+    """The measured and the dry-run evidence, and the answers drawn from both (see module doc)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in SETTING_NAMES:  # the settings are read through ``settings``, never copied here
@@ -60,7 +52,7 @@ class Evidence:
         self.measured = MeasuredEvidence(settings, advice)
         self.dry = DryEvidence(settings, ladder, self.measured)
         self.verification = Verification(settings, ladder, advice, self.measured, self.dry)
-        self._view: tuple[tuple, dict[str, float]] = ((), {})  # the budget view, by what it depends on
+        self._view: tuple[tuple, dict[str, float]] = ((), {})  # the budget view, by its key
 
     @property
     def forecaster(self) -> MemoryForecaster:
@@ -68,18 +60,18 @@ class Evidence:
         return self.measured.forecaster_of(self.ladder.applied)
 
     def bound_of(self, fc: Forecast) -> int:
-        """What to compare with the budget (:meth:`~lightning_seqmem.plan.settings.PlannerSettings.bound_of`)."""
+        """What to compare with the budget (:meth:`.settings.PlannerSettings.bound_of`)."""
         return self.settings.bound_of(fc)
 
-    def judge(self, seq_len: int, batch_size: int, mitigations: Optional[Sequence[str]] = None) -> judging.Verdict:
-        """Whether a batch at ``(seq_len, batch_size)`` with ``mitigations`` (default: those on) fits
-        the usable budget (:func:`~lightning_seqmem.plan.judging.judge`); another set of rungs than
-        those on is judged by its dry run alone.
+    def judge(self, seq_len: int, batch_size: int,
+              mitigations: Optional[Sequence[str]] = None) -> judging.Verdict:
+        """Whether a batch at ``(seq_len, batch_size)`` with ``mitigations`` (default: those on)
+        fits the usable budget (:func:`~lightning_seqmem.plan.judging.judge`); a set of rungs
+        other than those on is judged by its dry run alone.
 
-        Example (no budget: everything fits):
-            >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-            >>> SeqMemPlanner().evidence.judge(4096, 8)
-            Verdict(kind='fits', bound_bytes=None, peak_bytes=None, method='', measured=False)
+        >>> from lightning_seqmem.plan.planner import SeqMemPlanner
+        >>> SeqMemPlanner().evidence.judge(4096, 8)   # no budget: everything fits
+        Verdict(kind='fits', bound_bytes=None, peak_bytes=None, method='', measured=False)
         """
         budget, on = self.settings.usable_budget_bytes, self.ladder.applied
 
@@ -94,8 +86,8 @@ class Evidence:
         return judging.judge(budget, here, dry, lambda: self._bounds(seq_len, batch_size))
 
     def _bounds(self, seq_len: int, batch_size: int) -> list[tuple[int, int, str]]:
-        """The upper bounds of the setting on without a dry run: its fit, the fit of the setting before
-        its last rung (a mitigation adds no memory, unless a step showed it did), the one-point bound."""
+        """The upper bounds of the setting on without a dry run: its fit, the fit of the setting
+        before its last rung (unless a step showed that rung adds memory), the one-point bound."""
         bounds: list[tuple[int, int, str]] = []
         if self.forecaster.ready:
             fc = self.forecaster.forecast(seq_len, batch_size)
@@ -114,18 +106,19 @@ class Evidence:
         (:meth:`~lightning_seqmem.plan.measured.MeasuredEvidence.fit_now`)."""
         return self.measured.fit_now(batch_size, self.ladder.applied)
 
-    def price(self, setting: Optional[Sequence[str]], seq_len: int, batch_size: int) -> pricing.Price:
+    def price(self, setting: Optional[Sequence[str]], seq_len: int,
+              batch_size: int) -> pricing.Price:
         """The predicted cost of one step with ``setting`` (default: the one on) at ``(seq_len,
-        batch_size)``, from the measured step times (:func:`~lightning_seqmem.plan.pricing.predict_step`)."""
+        batch_size)`` (:func:`~lightning_seqmem.plan.pricing.predict_step`)."""
         key = self.ladder.applied if setting is None else tuple(setting)
         return pricing.predict_step(self.measured.records, key, int(seq_len), int(batch_size),
                                     self.settings.device_type, self.settings.rung_specs)
 
     def forecast(self, seq_len: int, batch_size: Optional[int] = None,
                  mitigations: Optional[Sequence[str]] = None) -> Forecast:
-        """The forecast at ``(seq_len, batch_size)`` with ``mitigations`` (defaults: the last measured
-        batch size, the mitigations on now): the dry run's where it answers and is trusted, else the
-        fit's. Raises :class:`NotEnoughMeasurements` before that setting has two measured lengths."""
+        """The forecast at ``(seq_len, batch_size)`` with ``mitigations`` (defaults: the last
+        measured batch size, the rungs on now): the dry run's where it answers and is trusted, else
+        the fit's. Raises :class:`NotEnoughMeasurements` before that setting has two lengths."""
         check_int("seq_len", seq_len)
         limit = self.settings.length_limit
         if not self.settings.within_limit(seq_len):
@@ -139,7 +132,8 @@ class Evidence:
             return dry
         fatal = self.dry.fatal.get((int(seq_len), B, key))
         if fatal is not None:  # no predictor's figure may stand for this setting, or this length
-            raise ValueError(f"no forecast at seq_len={seq_len} with mitigations {list(key)}: {fatal}")
+            raise ValueError(f"no forecast at seq_len={seq_len} with mitigations {list(key)}: "
+                             f"{fatal}")
         why = self.dry.why_not(seq_len, B, key)
         forecaster = self.measured.forecasters.get(key)
         if forecaster is None:
@@ -148,16 +142,16 @@ class Evidence:
         fc = forecaster.forecast(seq_len, B)
         return replace(fc, detail=f"{fc.detail}; {why}")
 
-    def max_seq_len(self, budget_bytes: Optional[int] = None, batch_size: Optional[int] = None) -> int:
+    def max_seq_len(self, budget_bytes: Optional[int] = None,
+                    batch_size: Optional[int] = None) -> int:
         """Largest length whose forecast bound fits ``budget_bytes`` (default: the usable budget)
-        with the mitigations on now. Before this setting has a fit: by dry run
-        (:meth:`~lightning_seqmem.plan.dry_evidence.DryEvidence.max_seq_len`); without one, from
-        what is known (the forecast of the setting before the last rung, else the longest length
-        measured within the budget; 0 if none): it does not raise after a fit."""
+        with the rungs on now. Before this setting has a fit: by dry run, else from what is known
+        (the setting before the last rung, else the longest length measured within; 0 if none)."""
         if budget_bytes is None:
             budget_bytes = self.settings.usable_budget_bytes
             if budget_bytes is None:
-                raise ValueError("no memory budget: pass `budget_bytes` or set SeqMemCallback(memory_budget=...)")
+                raise ValueError("no memory budget: pass `budget_bytes` or set "
+                                 "SeqMemCallback(memory_budget=...)")
         batch_size = self.measured.batch_size_or_last(batch_size)
         limit = self.settings.length_limit
 
@@ -169,20 +163,19 @@ class Evidence:
             return within(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=reserved))
         if self.dry.answered(batch_size) or self.dry.forecast(1, batch_size) is not None:
             return self.dry.max_seq_len(budget_bytes, batch_size)
-        # what is known otherwise (a rung went on at the last steps): the setting before it, whose
-        # forecast bounds this one (unless a step showed the rung adds memory here), else the
-        # longest length measured within it
+        # a rung went on at the last steps: the setting before it bounds this one (unless a step
+        # showed the rung adds memory here), else the longest length measured within
         earlier = self.measured.bounding_setting(self.ladder.applied)
         if earlier is not None:
-            return within(self.measured.forecasters[earlier].max_seq_len(budget_bytes, batch_size, reserved=reserved))
-        return self.measured.longest_within(budget_bytes, batch_size, self.ladder.applied, fitted_only=True)
+            return within(self.measured.forecasters[earlier].max_seq_len(budget_bytes, batch_size,
+                                                                         reserved=reserved))
+        return self.measured.longest_within(budget_bytes, batch_size, self.ladder.applied,
+                                            fitted_only=True)
 
     def budget_view(self, target: Optional[int], batch_size: int) -> dict[str, float]:
         """The logged budget view at ``target`` (the next stage; None: the last length measured), in
-        GiB: the forecast bound (``forecast_next_gib``), and with a budget the usable budget, the
-        largest length that fits, the headroom and its fraction; empty where nothing forecasts it.
-        Cached by the setting on, its fit, ``target`` and ``batch_size``: the same view every step
-        until one of them changes."""
+        GiB: the forecast bound and, with a budget, the usable budget, the largest length that
+        fits and the headroom; empty where nothing forecasts it. Cached until its inputs change."""
         key = (self.ladder.applied, self.forecaster.version, target, batch_size)
         if self._view[0] == key:
             return self._view[1]
@@ -190,7 +183,8 @@ class Evidence:
         records = self.measured.records
         target = target or (records[-1].seq_len if records else None)
         # the fit of the setting on now; before it has two lengths, the dry run (when there is one)
-        fc = None if not target else (self.forecaster.forecast(target, batch_size) if self.forecaster.ready
+        fc = None if not target else (self.forecaster.forecast(target, batch_size)
+                                      if self.forecaster.ready
                                       else self.dry.judged(target, batch_size))
         if fc is not None:
             bound = self.bound_of(fc)
@@ -209,6 +203,6 @@ class Evidence:
         return self.measured.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the ladder's rungs loaded first: the setting on gets its fit)."""
+        """Restore :meth:`state_dict` (the ladder loaded first: the setting on gets its fit)."""
         self.measured.load_state_dict(state)
         self.forecaster  # noqa: B018

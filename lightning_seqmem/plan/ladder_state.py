@@ -1,9 +1,6 @@
-"""``LadderState``: which rungs are on, which may still go on, which do not apply here, and what
-happened to each: one :class:`~lightning_seqmem.core.events.MitigationEvent` per rung switched on
-(what a report and a checkpoint read), changed only here, each change a new value.
-
-It is bookkeeping only: what the planner decides to switch on is in :mod:`.decisions`; the planner
-says so (advice) and replans the curriculum around it.
+"""``LadderState``: which rungs are on, which may still go on, which do not apply here, and one
+:class:`~lightning_seqmem.core.events.MitigationEvent` per rung switched on (changed only here, each
+change a new value). Bookkeeping only: what to switch on is decided in :mod:`.decisions`.
 
 Example:
     >>> ladder = LadderState(("attention", "checkpointing"))
@@ -33,13 +30,10 @@ Applicability = Mapping[str, "tuple[bool, str]"]
 
 
 class LadderState:
-    """``allowed`` (the rungs left to this run, in ladder order), ``applied`` (on now, in the order
-    switched on), ``not_applicable`` (rung -> why it does not apply here, last checked; never
-    advised), ``events`` (one :class:`~lightning_seqmem.core.events.MitigationEvent` per rung switched
-    on, in order: ``name, step, seq_len, batch_size, detail, before_bytes, before_method, after_bytes,
-    mitigations_before``, later ``removed``, ``checked``; a frozen value that reads as a plain dict). ``events`` reads a copy of the list; assigning a list of events or of their
-    dicts (a checkpoint's) replaces them; the methods below change one (:meth:`measured_after`,
-    :meth:`mark_checked`, :meth:`mark_removed`)."""
+    """``allowed`` (the rungs left to this run, in ladder order), ``applied`` (on now, in order),
+    ``not_applicable`` (rung -> why, last checked; never advised), ``events`` (one per rung
+    switched on: frozen values that read as dicts; a copy; assigning events or dicts replaces
+    them)."""
 
     def __init__(self, allowed: Sequence[str]) -> None:
         self.allowed: tuple[str, ...] = tuple(allowed)
@@ -70,13 +64,14 @@ class LadderState:
             skipped.append(f"{name}: {reason}")
         return None, skipped
 
-    def switched_on(self, name: str, step: int, seq_len: Optional[int], batch_size: Optional[int], detail: str,
-                    before_bytes: Optional[int], before_method: Optional[str]) -> None:
+    def switched_on(self, name: str, step: int, seq_len: Optional[int],
+                    batch_size: Optional[int], detail: str, before_bytes: Optional[int],
+                    before_method: Optional[str]) -> None:
         """``name`` went on (an upgrade replaces its entry), recorded as an event."""
         setting_before = self.applied
         self.applied = choose.combine(self.applied, (name,))
-        self._events.append(MitigationEvent(name, step, seq_len, batch_size, detail, before_bytes, before_method,
-                                            mitigations_before=setting_before))
+        self._events.append(MitigationEvent(name, step, seq_len, batch_size, detail, before_bytes,
+                                            before_method, mitigations_before=setting_before))
         self.pending_events.append(f"mitigation:{name}")
 
     def measured_after(self, index: int, after_bytes: int) -> None:
@@ -99,7 +94,8 @@ class LadderState:
 
     def mark_removed(self, names: Sequence[str], why: str) -> None:
         """The events of ``names`` not marked yet say they were taken off, and ``why``."""
-        self._events = [e.with_removed(why) if e.name in names and "removed" not in e else e for e in self._events]
+        self._events = [e.with_removed(why) if e.name in names and "removed" not in e else e
+                        for e in self._events]
 
     def drop(self, names: Sequence[str]) -> None:
         """Rungs this run cannot take (set-up)."""
@@ -130,7 +126,8 @@ class LadderState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (raises on a rung name this version does not know); the rungs
         left are those this run allows that were left then or are on."""
-        self.applied = check_setting(list(state.get("applied_mitigations", ())), "applied_mitigations")
+        self.applied = check_setting(list(state.get("applied_mitigations", ())),
+                                     "applied_mitigations")
         if "mitigations_left" in state:
             left = set(check_mitigations(list(state["mitigations_left"])))
             self.allowed = tuple(m for m in self.allowed if m in left or m in self.applied)

@@ -1,7 +1,5 @@
-"""The planner's logged scalars, in GiB (the tags of :data:`lightning_seqmem.core.tags.TAGS`): one
-measured step's figures and the budget view (the next stage's forecast, the largest length that
-fits, the headroom: :meth:`~lightning_seqmem.plan.evidence.Evidence.budget_view`), read off the
-planner's evidence and where its curriculum stands.
+"""The planner's logged scalars in GiB (:data:`lightning_seqmem.core.tags.TAGS`): one measured
+step's figures and the budget view (:meth:`~lightning_seqmem.plan.evidence.Evidence.budget_view`).
 
 Example:
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
@@ -25,7 +23,8 @@ __all__ = ["metrics"]
 def metrics(record: StepRecord, evidence: Evidence, course: CurriculumState) -> dict[str, float]:
     """The logged scalars of ``record`` (tags without the ``seqmem/`` prefix; GiB = 2³⁰ bytes)."""
     out: dict[str, float] = {"seq_len": record.seq_len, "batch_size": record.batch_size,
-                             "warmup": float(record.warmup), "peak_allocated_gib": to_gib(record.peak_bytes)}
+                             "warmup": float(record.warmup),
+                             "peak_allocated_gib": to_gib(record.peak_bytes)}
     for phase in PHASES:
         value = getattr(record, f"{phase}_peak_bytes")
         if value is not None:
@@ -42,6 +41,7 @@ def metrics(record: StepRecord, evidence: Evidence, course: CurriculumState) -> 
     if record.stage is not None:
         out["stage"] = record.stage
     out["mitigations_applied"] = len(record.mitigations)
-    out.update(evidence.budget_view(course.stages[course.stage + 1] if course.stage + 1 < len(course.stages) else None,
+    out.update(evidence.budget_view(course.stages[course.stage + 1]
+                                    if course.stage + 1 < len(course.stages) else None,
                                     record.batch_size))
     return {k: float(v) for k, v in out.items()}

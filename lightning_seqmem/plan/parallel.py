@@ -1,20 +1,13 @@
-"""Sequence/context-parallel layouts at N ranks, their constraints and their search order (no torch).
+"""Sequence/context-parallel layouts at N ranks, their constraints and search order. A *layout*
+shards one sample's sequence over ``degree`` ranks of the world, beside FSDP2:
 
-A *layout* shards one sample's sequence over ``degree`` ranks of the world, beside FSDP2:
+- ``"ulysses"`` (DeepSpeed-Ulysses, ALST): an all-to-all around attention trades the sequence
+  split for a head split; heads and KV heads must divide by the degree; any mask works.
+- ``"ring"`` (PyTorch ``context_parallel``): each rank passes K/V chunks around the ring;
+  load-balanced sharding needs the length to divide by ``2*degree``; causal or no mask only.
 
-- ``"ulysses"`` (DeepSpeed-Ulysses, ALST): each rank holds ``L/degree`` tokens; around attention
-  an all-to-all trades the sequence split for a head split (full length, ``heads/degree`` heads),
-  and back. Needs heads and KV heads divisible by the degree (and the length); any mask works
-  (attention runs over the whole sequence for each rank's heads).
-- ``"ring"`` (PyTorch ``context_parallel``: torchtitan, accelerate): each rank keeps its
-  ``L/degree`` queries and passes K/V chunks around the ring. Load-balanced (causal) sharding
-  cuts the sequence into ``2*degree`` chunks: the length must divide by ``2*degree``; masks:
-  causal or none (torch's ring kernels refuse an explicit ``attn_mask``).
-
-The sequence-parallel group lies *within* the world: ``fsdp_degree * degree = world_size``, where
-``fsdp_degree`` is the data-parallel shard degree (distinct samples: torchtitan's
-``data_parallel_shard_degree``); FSDP2 shards the parameters over all ``world_size`` ranks
-(torchtitan's and accelerate's ``dp_shard_cp`` mesh, DeepSpeed's ZeRO-3 over the world).
+``fsdp_degree * degree = world_size``; FSDP2 shards the parameters over all ``world_size`` ranks
+(torchtitan's and accelerate's ``dp_shard_cp`` mesh).
 
 Example:
     >>> ok, skipped = layouts(8, 32768, n_heads=4, n_kv_heads=4, masked=False)
@@ -29,37 +22,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["KINDS", "ZERO3_OFFLOAD_NOTE", "Layout", "check_kinds", "degrees", "layouts", "offload_model", "skip_reason"]
+__all__ = ["KINDS", "ZERO3_OFFLOAD_NOTE", "Layout", "check_kinds", "degrees", "layouts",
+           "offload_model", "skip_reason"]
 
 KINDS = ("ulysses", "ring")
 """Sequence-parallel kinds a plan searches (see the module docstring)."""
 
 
 ZERO3_OFFLOAD_NOTE = (
-    "DeepSpeed ZeRO-3 with offload_param and offload_optimizer on cpu: planned as FSDP2 CPUOffloadPolicy: same "
-    "placement of parameters, gradients, optimizer state (each rank's shards on the host, the optimizer step "
-    "there, each layer gathered on the device while it runs). Differences not in the figures (DeepSpeed's "
-    "runtime/zero/stage3.py): its optimizer keeps fp32 master weights on the host beside the parameter shards "
-    "(4 bytes per parameter more) and the gradient partitions in one fp32 flat buffer kept across steps; it pins "
-    "one flat buffer per parameter group where FSDP2 pins each parameter's shard (the power-of-two rounding "
-    "differs); on the device it keeps up to stage3_max_live_parameters gathered and reduce buckets of "
-    "reduce_bucket_size, where FSDP2 gathers one block at a time"
+    "DeepSpeed ZeRO-3 with offload_param and offload_optimizer on cpu: planned as FSDP2 "
+    "CPUOffloadPolicy: same placement of parameters, gradients, optimizer state (each rank's "
+    "shards on the host, the optimizer step there, each layer gathered on the device while it "
+    "runs). Differences not in the figures (DeepSpeed's runtime/zero/stage3.py): its optimizer "
+    "keeps fp32 master weights on the host beside the parameter shards (4 bytes per parameter "
+    "more) and the gradient partitions in one fp32 flat buffer kept across steps; it pins one flat "
+    "buffer per parameter group where FSDP2 pins each parameter's shard (the power-of-two rounding "
+    "differs); on the device it keeps up to stage3_max_live_parameters gathered and reduce buckets "
+    "of reduce_bucket_size, where FSDP2 gathers one block at a time"
 )
-"""What a plan says of ZeRO-3 offload (DeepSpeed's ``zero_optimization.offload_param`` and
-``offload_optimizer``; its ``runtime/zero/stage3.py``)."""
-
+"""What a plan says of ZeRO-3 ``zero_optimization.offload_param`` and ``offload_optimizer``."""
 
 
 def check_kinds(kinds: Any) -> tuple[str, ...]:
     """Validate a plan's sequence-parallel kinds (``"auto"``: both; ``"none"``: neither).
 
-    Example:
-        >>> check_kinds("auto"), check_kinds("ring"), check_kinds("none")
-        (('ulysses', 'ring'), ('ring',), ())
-        >>> check_kinds("tp")
-        Traceback (most recent call last):
-        ...
-        ValueError: `sequence_parallel` must be one of ('auto', 'ulysses', 'ring', 'none'), got 'tp'
+    >>> check_kinds("auto"), check_kinds("ring"), check_kinds("none")
+    (('ulysses', 'ring'), ('ring',), ())
+    >>> check_kinds("tp")
+    Traceback (most recent call last):
+    ...
+    ValueError: `sequence_parallel` must be one of ('auto', 'ulysses', 'ring', 'none'), got 'tp'
     """
     if kinds == "auto":
         return KINDS
@@ -67,18 +59,18 @@ def check_kinds(kinds: Any) -> tuple[str, ...]:
         return ()
     if kinds in KINDS:
         return (kinds,)
-    raise ValueError(f"`sequence_parallel` must be one of ('auto', 'ulysses', 'ring', 'none'), got {kinds!r}")
+    raise ValueError("`sequence_parallel` must be one of ('auto', 'ulysses', 'ring', 'none'), "
+                     f"got {kinds!r}")
 
 
 @dataclass(frozen=True)
 class Layout:
     """One way to spread a step over ``world_size`` ranks: sequence-parallel ``kind`` and ``degree``
-    (``"none"``, 1: every rank holds the whole sequence), FSDP2 over the world, ``offload``
-    (FSDP2 ``CPUOffloadPolicy``: parameters, gradients and optimizer state on the host).
+    (``"none"``, 1: the whole sequence on every rank), FSDP2, ``offload`` (``CPUOffloadPolicy``).
 
-    Example:
-        >>> Layout("ring", 4, 8).to_json()["context_parallel_degree"], Layout("ring", 4, 8).fsdp_degree
-        (4, 2)
+    >>> ring = Layout("ring", 4, 8)
+    >>> ring.to_json()["context_parallel_degree"], ring.fsdp_degree
+    (4, 2)
     """
 
     kind: str
@@ -96,50 +88,50 @@ class Layout:
         return seq_len // self.degree
 
     def name(self) -> str:
-        """``"ulysses 2 x dp_shard 4"``, ``"dp_shard 8 + offload"`` (FSDP2 shards over all ranks in each).
+        """``"ulysses 2 x dp_shard 4"``, ``"dp_shard 8 + offload"`` (FSDP2 over all ranks in each).
 
-        Example:
-            >>> Layout("ulysses", 2, 8).name(), Layout("none", 1, 8, offload=True).name()
-            ('ulysses 2 x dp_shard 4', 'dp_shard 8 + offload')
+        >>> Layout("ulysses", 2, 8).name(), Layout("none", 1, 8, offload=True).name()
+        ('ulysses 2 x dp_shard 4', 'dp_shard 8 + offload')
         """
-        name = ("" if self.kind == "none" else f"{self.kind} {self.degree} x ") + f"dp_shard {self.fsdp_degree}"
+        name = (("" if self.kind == "none" else f"{self.kind} {self.degree} x ")
+                + f"dp_shard {self.fsdp_degree}")
         return name + (" + offload" if self.offload else "")
 
     def to_json(self) -> dict[str, Any]:
         """The JSON keys of a plan: the degrees by their engines' names."""
-        return {"sequence_parallel": self.kind, "sequence_parallel_degree": self.degree if self.kind == "ulysses" else 1,
-                "context_parallel_degree": self.degree if self.kind == "ring" else 1, "fsdp_degree": self.fsdp_degree,
-                "parameter_shards": self.world_size, "world_size": self.world_size, "offload": self.offload}
+        return {"sequence_parallel": self.kind,
+                "sequence_parallel_degree": self.degree if self.kind == "ulysses" else 1,
+                "context_parallel_degree": self.degree if self.kind == "ring" else 1,
+                "fsdp_degree": self.fsdp_degree, "parameter_shards": self.world_size,
+                "world_size": self.world_size, "offload": self.offload}
 
 
 def degrees(world_size: int) -> list[int]:
     """Sequence-parallel degrees tried at ``world_size`` ranks: its divisors above 1, ascending.
 
-    Example:
-        >>> degrees(8), degrees(6), degrees(1)
-        ([2, 4, 8], [2, 3, 6], [])
+    >>> degrees(8), degrees(6), degrees(1)
+    ([2, 4, 8], [2, 3, 6], [])
     """
     return [d for d in range(2, int(world_size) + 1) if world_size % d == 0]
 
 
-def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int], n_kv_heads: Optional[int],
-                masked: Optional[bool]) -> Optional[str]:
+def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int],
+                n_kv_heads: Optional[int], masked: Optional[bool]) -> Optional[str]:
     """Why ``kind`` at ``degree`` cannot shard this attention at ``seq_len``, or None.
+    ``n_heads``/``n_kv_heads``: the query and key/value heads of the model's attention calls;
+    ``masked``: whether they pass an explicit ``attn_mask`` (None: unknown).
 
-    ``n_heads``/``n_kv_heads``: the query and key/value heads of the model's attention calls (None:
-    unknown); ``masked``: whether they pass an explicit ``attn_mask`` (None: unknown).
-
-    Example:
-        >>> skip_reason("ulysses", 4, 4096, 8, 2, False)
-        'KV heads 2 not divisible by degree 4'
-        >>> skip_reason("ring", 4, 4100, 8, 8, False)
-        'length 4100 not divisible by 2*degree = 8 (load-balanced ring)'
-        >>> skip_reason("ring", 2, 4096, 8, 8, True)
-        'ring attention takes is_causal or no mask; the model passes an explicit attn_mask'
+    >>> skip_reason("ulysses", 4, 4096, 8, 2, False)
+    'KV heads 2 not divisible by degree 4'
+    >>> skip_reason("ring", 4, 4100, 8, 8, False)
+    'length 4100 not divisible by 2*degree = 8 (load-balanced ring)'
+    >>> skip_reason("ring", 2, 4096, 8, 8, True)
+    'ring attention takes is_causal or no mask; the model passes an explicit attn_mask'
     """
     if kind == "ulysses":
         if n_heads is None:
-            return "the model's attention heads are unknown (no scaled_dot_product_attention call seen)"
+            return ("the model's attention heads are unknown "
+                    "(no scaled_dot_product_attention call seen)")
         if n_heads % degree:
             return f"heads {n_heads} not divisible by degree {degree}"
         if n_kv_heads is not None and n_kv_heads % degree:
@@ -151,18 +143,21 @@ def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int], n_
         if seq_len % (2 * degree):
             return f"length {seq_len} not divisible by 2*degree = {2 * degree} (load-balanced ring)"
         if masked:
-            return "ring attention takes is_causal or no mask; the model passes an explicit attn_mask"
+            return ("ring attention takes is_causal or no mask; "
+                    "the model passes an explicit attn_mask")
         if n_heads is None:
-            return "the model makes no scaled_dot_product_attention call (ring attention shards SDPA)"
+            return ("the model makes no scaled_dot_product_attention call "
+                    "(ring attention shards SDPA)")
         return None
     raise ValueError(f"`kind` must be one of {KINDS}, got {kind!r}")
 
 
 def layouts(world_size: int, seq_len: int, n_heads: Optional[int], n_kv_heads: Optional[int],
-            masked: Optional[bool], kinds: tuple[str, ...] = KINDS) -> tuple[list[Layout], list[tuple[str, int, str]]]:
+            masked: Optional[bool], kinds: tuple[str, ...] = KINDS
+            ) -> tuple[list[Layout], list[tuple[str, int, str]]]:
     """The layouts to dry-run at ``world_size`` ranks, in search order (degree ascending, Ulysses
     before ring at a degree: less traffic per rank), and ``(kind, degree, why skipped)`` for each
-    constraint violation (never planned). Offload variants are not listed (see :func:`offload_model`)."""
+    one never planned. Offload variants are not listed (see :func:`offload_model`)."""
     ok = [Layout("none", 1, world_size)]
     skipped: list[tuple[str, int, str]] = []
     for degree in degrees(world_size):
@@ -177,18 +172,13 @@ def layouts(world_size: int, seq_len: int, n_heads: Optional[int], n_kv_heads: O
 
 def offload_model(peak_bytes: int, parameter_shard_bytes: int, gradient_shard_bytes: int,
                   optimizer_state_bytes: int) -> dict[str, int]:
-    """Modelled (a formula, not a dry run) effect of FSDP2 ``CPUOffloadPolicy`` on one rank: what a plan
-    falls back to only where the offload dry run (``sharded_dry_run_step(..., offload=True)``) is refused.
+    """Modelled effect of FSDP2 ``CPUOffloadPolicy`` on one rank, where the offload dry run is
+    refused: the device peak drops by the parameter shard and the optimizer state, not the
+    gradients (reduce-scattered on the device first: an upper bound); the host holds all three.
 
-    The sharded parameters and the optimizer state move to the host (the optimizer step runs there);
-    gathered parameters and activations stay on the device, so the device peak drops by the
-    parameter shard and the optimizer state. Gradients are reduce-scattered on the device and then
-    copied out: they are not subtracted (an upper bound). The host holds parameters, gradients and
-    optimizer state (pinned memory).
-
-    Example:
-        >>> offload_model(1000, 100, 100, 200)
-        {'device_peak_bytes': 700, 'host_bytes': 400}
+    >>> offload_model(1000, 100, 100, 200)
+    {'device_peak_bytes': 700, 'host_bytes': 400}
     """
-    return {"device_peak_bytes": max(0, int(peak_bytes) - parameter_shard_bytes - optimizer_state_bytes),
+    return {"device_peak_bytes": max(0, int(peak_bytes) - parameter_shard_bytes
+                                     - optimizer_state_bytes),
             "host_bytes": int(parameter_shard_bytes + gradient_shard_bytes + optimizer_state_bytes)}

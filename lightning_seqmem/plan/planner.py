@@ -1,56 +1,18 @@
 """``SeqMemPlanner``: every decision of the callback, on plain values (no torch, no Lightning).
 
-The callback measures, applies and agrees across ranks; the planner decides. Its protocol is a
-handful of methods (:meth:`~SeqMemPlanner.decide`, :meth:`~SeqMemPlanner.commit`,
-:meth:`~SeqMemPlanner.begin_step`, :meth:`~SeqMemPlanner.observe`,
-:meth:`~SeqMemPlanner.on_rung`, :meth:`~SeqMemPlanner.bind_run`,
-:meth:`~SeqMemPlanner.restart`, the state dict) over parts that each own and checkpoint one state,
-read by name (``p.evidence.measured.records``, ``p.ladder.applied``, ``p.course.stages``, a batch's end in
-``p.course.end_batch()``, the advice to warn in ``p.advice.take_advice()``):
-
-* :class:`~lightning_seqmem.plan.settings.PlannerSettings`: its arguments and what the run binds at
-  set-up (:meth:`SeqMemPlanner.bind_run`);
-* :class:`~lightning_seqmem.plan.schedule.MeasurementSchedule` (:meth:`begin_step`): warm-up steps,
-  warm-up after a change of shape or mitigations, ``measure_every_n_steps``, which steps are traced;
-* :class:`~lightning_seqmem.plan.evidence.Evidence`: the records, one
-  :class:`~lightning_seqmem.core.forecast.MemoryForecaster` per set of mitigations fed by
-  :meth:`observe`, the dry-run cache, the forecasts, the judgement against the budget
-  (:mod:`.judging`) and the verification of every forecast when its length runs (:mod:`.verification`);
-* :class:`~lightning_seqmem.plan.ladder_state.LadderState`: the rungs on, allowed, not applicable, and
-  what happened to each;
-* :class:`~lightning_seqmem.plan.curriculum_state.CurriculumState`: stage, cap, the queue of shorter
-  lengths measured before growing;
-* the decisions before every batch (:meth:`decide` → :class:`Decision`, by a
-  :class:`~lightning_seqmem.plan.decisions.Decider` over these parts, applied on every rank with
-  :meth:`commit`) and the advice they give (:class:`~lightning_seqmem.plan.advice_queue.AdviceQueue`).
-
-The budget holds at every step, on every path. Before a batch runs at ``(L, B)`` under the
-mitigations now on, ``evidence.judge`` says whether it fits the usable budget:
-
-1. measured already at ``(L, B)`` with these mitigations: over if any step (warm-up included)
-   went over, fits if a fitted step did not;
-2. otherwise the smallest of the upper bounds available: this setting's forecast, the forecast of
-   the setting before the last rung (a mitigation adds no memory, unless a step showed it does), and a one-point bound from
-   this setting's nearest shorter measurement (``static + dynamic·(L/L₀)²·B/B₀``: activations grow
-   at most quadratically in the length and linearly in the batch);
-3. nothing measured yet: unknown (the first steps), and the batch runs.
-
-A curriculum stage is entered only on a forecast that fits: while the next stage can be judged
-only by the one-point bound, a shorter cut of the batch is measured first, so the stage gets a
-real fit. Over the budget, the fastest setting the dry run says fits is switched on (:mod:`.choose`,
-priced by :mod:`.pricing`; without a dry run the next applicable rung, and shorter lengths are
-re-measured with it before growing), else the curriculum is capped at the longest multiple of
-``multiple_of`` that ``evidence.judge`` (the dry run where it answers: the predictor that judged the
-stage) says fits — below the current stage if the current stage itself is over — and the warning
-names that length. No length past the model's own limit (``length_limit``, its positions) is
-dry-run, forecast or proposed. Without a
-curriculum the data sets the length: a batch judged over switches the next rung on before it
-runs, or, with no rung left, warns once.
+The callback measures, applies and agrees across ranks; the planner decides. Its protocol
+(:class:`~lightning_seqmem.plan.protocol.Planner`) is a handful of methods over parts that each
+own and checkpoint one state, read by name: ``settings``, ``schedule`` (which steps are warm-ups,
+measured, traced), ``evidence`` (records, fits, dry runs, forecasts, judgement, verification),
+``ladder``, ``course`` (where the curriculum stands) and ``advice``. The budget holds at every
+step, on every path (:mod:`.judging`, :mod:`.decisions`); no length past the model's own limit
+(``length_limit``) is dry-run, forecast or proposed.
 
 Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 MB budget):
     >>> from lightning_seqmem.core.records import StepMemory
-    >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=256, steps_per_stage=3, multiple_of=16),
-    ...                   memory_budget_bytes=3_500_000, safety_margin=0.0, warmup_steps=1)
+    >>> course = Curriculum(start=64, target=256, steps_per_stage=3, multiple_of=16)
+    >>> p = SeqMemPlanner(curriculum=course, memory_budget_bytes=3_500_000, safety_margin=0.0,
+    ...                   warmup_steps=1)
     >>> no_rung = {name: (False, "not in this example") for name in MITIGATIONS}
     >>> lengths = []
     >>> for step in range(9):
@@ -61,10 +23,12 @@ Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 
     ...     _ = p.observe(s, StepMemory(peak, {"forward": peak}, 1_000_000, 1_000_000))
     ...     p.course.end_batch()
     ...     lengths.append((d.action, s.seq_len))
-    >>> lengths[2:6]   # 128 judged from one length only is over: probe 32; then 128 is forecast over too: cap
+    >>> lengths[2:6]   # 128 judged from one length is over: probe 32; then forecast over too: cap
     [('run', 64), ('probe', 32), ('run', 32), ('cap', 112)]
-    >>> max(r.peak_bytes for r in p.evidence.measured.records) <= p.settings.usable_budget_bytes, [a.kind for a in p.advice.take_advice()][:1]
-    (True, ['stage_over_budget'])
+    >>> max(r.peak_bytes for r in p.evidence.measured.records) <= p.settings.usable_budget_bytes
+    True
+    >>> [a.kind for a in p.advice.take_advice()][:1]
+    ['stage_over_budget']
 """
 
 from __future__ import annotations
@@ -83,33 +47,24 @@ from lightning_seqmem.plan.decisions import Decider, Decision
 from lightning_seqmem.plan.evidence import Evidence
 from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.schedule import MeasurementSchedule, PendingStep
-from lightning_seqmem.plan.settings import SETTING_NAMES, PlannerSettings, RunFacts, planner_config, setting_write_error
+from lightning_seqmem.plan.settings import (SETTING_NAMES, PlannerSettings, RunFacts,
+                                            planner_config, setting_write_error)
 from lightning_seqmem.plan.view import PlanView
 
 Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
-"""``(seq_len, batch_size, mitigations) -> (peak_bytes, phase_peak_bytes)``, or with a third value,
-the :class:`~lightning_seqmem.core.peak.PeakSite` of that step (None: not known)."""
+"""``(seq_len, batch_size, mitigations) -> (peak_bytes, phase_peak_bytes)``, or with a third
+value, the :class:`~lightning_seqmem.core.peak.PeakSite` of that step (None: not known)."""
 
 RUNG_EVENTS = ("before", "on", "failed", "off", "dropped")
 """What :meth:`SeqMemPlanner.on_rung` is told happened to a rung."""
 
 
 class SeqMemPlanner:
-    """The callback's decisions on plain values. Arguments as :class:`~lightning_seqmem.SeqMemCallback`'s.
-
-    Args:
-        memory_budget_bytes: the budget in bytes, or None (forecasts are then informational).
-        compare_reserved: judge against reserved memory (the CUDA caching allocator: an OOM happens
-            at the reserved level); the tracker has no reserved memory.
-        block_bytes: allocation granularity of traced steps (512 for CUDA, 1 for the tracker).
-        config: a :class:`~lightning_seqmem.core.config.SeqMemConfig` (the callback's) instead of
-            the keywords it holds; without one, they make one (unchecked).
-
-    Its state is in its parts, each checkpointed by its own ``state_dict``: ``settings`` (read-only;
-    what the run decides goes through :meth:`bind_run`), ``evidence``, ``ladder``, ``course``,
-    ``advice`` and ``schedule`` (public, read by the callback and the report).
-    """
+    """The callback's decisions on plain values; arguments as
+    :class:`~lightning_seqmem.SeqMemCallback`'s. ``compare_reserved``: judge against reserved
+    memory (CUDA); ``block_bytes``: allocation granularity of traced steps (512 for CUDA);
+    ``config``: a :class:`~lightning_seqmem.core.config.SeqMemConfig` instead of the keywords."""
 
     def __init__(
         self,
@@ -129,8 +84,8 @@ class SeqMemPlanner:
         config: Optional[SeqMemConfig] = None,
     ) -> None:
         config = planner_config(
-            config, warmup_steps=warmup_steps, tolerance=tolerance, memory_budget=memory_budget_bytes,
-            safety_margin=safety_margin, curriculum=curriculum,
+            config, warmup_steps=warmup_steps, tolerance=tolerance,
+            memory_budget=memory_budget_bytes, safety_margin=safety_margin, curriculum=curriculum,
             warmup_steps_after_change=warmup_steps_after_change, trace_lengths=trace_lengths,
             measure_every_n_steps=measure_every_n_steps, mitigations=mitigations)
         facts = RunFacts.of(config, compare_reserved=compare_reserved, block_bytes=block_bytes,
@@ -155,17 +110,16 @@ class SeqMemPlanner:
 
     def bind_run(self, **facts: Any) -> None:
         """Bind what the run decides at set-up (fields of
-        :class:`~lightning_seqmem.plan.settings.RunFacts`: ``budget_bytes``, ``dry_runner``,
-        ``device_type``, ...). A ``length_limit`` (the model's longest sequence, from
-        ``length_limit_reason``) drops the curriculum stages past it (the last stage becomes the
-        limit rounded down to ``multiple_of``), said once; no length past it is dry-run, forecast
-        or proposed.
+        :class:`~lightning_seqmem.plan.settings.RunFacts`). A ``length_limit`` (the model's longest
+        sequence) drops the curriculum stages past it (the last becomes the limit rounded down to
+        ``multiple_of``), said once.
 
-        Example:
-            >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, multiple_of=64))
-            >>> p.bind_run(length_limit=300, length_limit_reason="config.max_position_embeddings=300")
-            >>> p.course.stages, p.settings.within_limit(300), p.settings.within_limit(301), p.advice.take_advice()[0].kind
-            ((64, 128, 256), True, False, 'length_limit')
+        >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, multiple_of=64))
+        >>> p.bind_run(length_limit=300, length_limit_reason="max_position_embeddings=300")
+        >>> p.course.stages, p.settings.within_limit(300), p.settings.within_limit(301)
+        ((64, 128, 256), True, False)
+        >>> p.advice.take_advice()[0].kind
+        'length_limit'
         """
         if facts.get("length_limit") is not None:
             facts["length_limit"] = int(facts["length_limit"])
@@ -180,11 +134,8 @@ class SeqMemPlanner:
 
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, shape: tuple[int, int], applicable: Applicability) -> Decision:
-        """What to do before a batch whose full shape is ``(batch_size, seq_len)``.
-
-        ``applicable`` maps each rung not on yet to ``(applies, reason)`` for this model and batch
-        (under DDP: applies on every rank). Pure: the state changes only in :meth:`commit`.
-        """
+        """What to do before a batch of ``shape`` ``(batch_size, seq_len)``; ``applicable``: each
+        rung not on -> ``(applies, reason)`` (on every rank). Pure: :meth:`commit` changes state."""
         batch_size, seq_len = int(shape[0]), int(shape[1])
         self.evidence.dry.see_length(seq_len)  # (a cache: a length the data has)
         return Decider(self.settings, self.evidence, self.ladder, self.course).decide(
@@ -200,20 +151,10 @@ class SeqMemPlanner:
     def on_rung(self, event: str, name: "str | Sequence[str]", detail: str = "",
                 seq_len: Optional[int] = None, batch_size: Optional[int] = None,
                 pending: Optional[PendingStep] = None) -> None:
-        """What happened to rung ``name`` (every rank, the same), ``event`` one of
-        :data:`RUNG_EVENTS`:
-
-        * ``"before"``: it is about to be switched on at ``(seq_len, batch_size)``: dry runs of the
-          setting now on that only this moment allows (a copy cannot undo a rung);
-        * ``"on"``: a rung :meth:`decide` asked for is on (``detail``: how); ``seq_len`` and
-          ``batch_size``: where it was decided (the peak before is the measured one there, else
-          the dry run's);
-        * ``"failed"``: it could not be switched on (on no rank): not tried again, said once;
-        * ``"off"``: a rung that was on is off again: not tried again this run; ``pending``, the
-          step that found out, ran without it;
-        * ``"dropped"``: rungs (``name``: a sequence) this run cannot take at set-up: off for the
-          run, said once.
-        """
+        """What happened to rung ``name`` (every rank, the same): ``"before"`` it goes on at
+        ``(seq_len, batch_size)`` (dry runs only this moment allows), ``"on"`` (``detail``: how),
+        ``"failed"`` (not tried again), ``"off"`` again (``pending``, the step that found out, ran
+        without it) or ``"dropped"`` (rungs, a sequence, this run cannot take at set-up)."""
         if event not in RUNG_EVENTS:
             raise ValueError(f"`event` is {event!r}: pass one of {', '.join(RUNG_EVENTS)}")
         if event == "dropped":
@@ -227,7 +168,8 @@ class SeqMemPlanner:
             self.evidence.verification.dry_before_rung(name, seq_len, batch_size)
         elif event == "on":
             before, method = self.evidence.verification.peak_before(seq_len, batch_size)
-            self.ladder.switched_on(name, self.course.step, seq_len, batch_size, detail, before, method)
+            self.ladder.switched_on(name, self.course.step, seq_len, batch_size, detail, before,
+                                    method)
             self.evidence.forecaster  # noqa: B018 - a fresh fit for the new setting
         else:
             if event == "failed":
@@ -265,31 +207,33 @@ class SeqMemPlanner:
                   and self.evidence.forecaster.wants_trace(seq_len, batch_size, s.trace_lengths))
         events = self.ladder.take_pending_events()
         stage = self.course.stage if self.course.stages else None
-        return PendingStep(self.course.step, global_step, epoch, seq_len, batch_size, warmup, measure,
-                           traced, stage, on, events, optimizer_steps=bool(optimizer_steps))
+        return PendingStep(self.course.step, global_step, epoch, seq_len, batch_size, warmup,
+                           measure, traced, stage, on, events,
+                           optimizer_steps=bool(optimizer_steps))
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
-                batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
-                rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord:
+                batch_size: Optional[int] = None,
+                trace: Optional[tuple[int, int, StepMemory]] = None, rank: Optional[int] = None,
+                step_seconds: Optional[float] = None) -> StepRecord:
         """Record a measured step, fit, verify; returns the record
         (:meth:`lightning_seqmem.plan.verification.Verification.observe`)."""
-        return self.evidence.verification.observe(pending, memory, seq_len, batch_size, trace, rank, step_seconds)
+        return self.evidence.verification.observe(pending, memory, seq_len, batch_size, trace,
+                                                  rank, step_seconds)
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Flat plain values, each part's own keys; the records are bounded
         (:func:`~lightning_seqmem.plan.checkpoint.compact_records`, ``checkpoint_records``)."""
-        return {**self.course.state_dict(), **self.evidence.state_dict(), **self.schedule.state_dict(),
-                **self.advice.state_dict(), **self.ladder.state_dict()}
+        return {**self.course.state_dict(), **self.evidence.state_dict(),
+                **self.schedule.state_dict(), **self.advice.state_dict(),
+                **self.ladder.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any],
-                        run_config: Optional[Mapping[str, Any]] = None) -> tuple[list[str], tuple[str, ...]]:
-        """Restore :meth:`state_dict`, all or nothing (raises on a state this version cannot read:
-        the state is loaded into fresh parts, which then replace the planner's). With the
-        ``run_config`` this run resumes under (:func:`~lightning_seqmem.plan.checkpoint.run_config`),
-        the loaded state is reconciled with it from the one saved beside it
-        (:func:`~lightning_seqmem.plan.checkpoint.reconcile`); returns ``(phrases, removed_rungs)``:
-        what the change of configuration changed, and the rungs on that are no longer allowed."""
+                        run_config: Optional[Mapping[str, Any]] = None
+                        ) -> tuple[list[str], tuple[str, ...]]:
+        """Restore :meth:`state_dict`, all or nothing (raises on a state this version cannot read);
+        with the ``run_config`` this run resumes under, reconcile it and return its
+        ``(phrases, removed_rungs)`` (:func:`~lightning_seqmem.plan.checkpoint.reconcile`)."""
         allowed = self.ladder.allowed  # the ladder less the rungs this run cannot take
         fresh = type(self).__new__(type(self))
         fresh.__dict__.update(self.__dict__)
@@ -298,11 +242,12 @@ class SeqMemPlanner:
         fresh.ladder.load_state_dict(state)
         fresh.evidence.load_state_dict(state)
         fresh.advice.load_state_dict(state)
-        fresh.schedule.load_state_dict(state, resume_warmup=max(1, self.settings.warmup_steps_after_change))
+        fresh.schedule.load_state_dict(
+            state, resume_warmup=max(1, self.settings.warmup_steps_after_change))
         changed: tuple[list[str], tuple[str, ...]] = ([], ())
         if run_config is not None:
-            changed = reconcile(state.get("config"), run_config, allowed, state.get("mitigations_left"),
-                                PlanView.of(fresh))
+            changed = reconcile(state.get("config"), run_config, allowed,
+                                state.get("mitigations_left"), PlanView.of(fresh))
         self.__dict__.update(fresh.__dict__)
         return changed
 

@@ -1,8 +1,7 @@
 """``Planner``: the planner's protocol, what the Lightning edge calls (a :class:`typing.Protocol`).
 
-The edge objects (:mod:`lightning_seqmem.trainer`) are written against this protocol, not against
-:class:`~lightning_seqmem.plan.planner.SeqMemPlanner`: only the callback, which builds the planner,
-imports it. A planner is a handful of methods over parts that each own and checkpoint one state.
+The edge objects (:mod:`lightning_seqmem.trainer`) are written against it: only the callback, which
+builds the planner, imports :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`.
 
 Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
@@ -37,19 +36,22 @@ class Planner(Protocol):
     advice: AdviceQueue
     schedule: MeasurementSchedule
 
-    def decide(self, shape: tuple[int, int], applicable: Mapping[str, tuple[bool, str]]) -> Decision: ...
+    def decide(self, shape: tuple[int, int],
+               applicable: Mapping[str, tuple[bool, str]]) -> Decision: ...
 
     def commit(self, decision: Decision) -> None: ...
 
-    def on_rung(self, event: str, name: "str | Sequence[str]", detail: str = "", seq_len: Optional[int] = None,
-                batch_size: Optional[int] = None, pending: Optional[PendingStep] = None) -> None: ...
+    def on_rung(self, event: str, name: "str | Sequence[str]", detail: str = "",
+                seq_len: Optional[int] = None, batch_size: Optional[int] = None,
+                pending: Optional[PendingStep] = None) -> None: ...
 
-    def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True, global_step: int = 0,
-                   epoch: int = 0) -> PendingStep: ...
+    def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True,
+                   global_step: int = 0, epoch: int = 0) -> PendingStep: ...
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
-                batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
-                rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord: ...
+                batch_size: Optional[int] = None,
+                trace: Optional[tuple[int, int, StepMemory]] = None, rank: Optional[int] = None,
+                step_seconds: Optional[float] = None) -> StepRecord: ...
 
     def bind_run(self, **facts: Any) -> None: ...
 
@@ -58,4 +60,5 @@ class Planner(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any],
-                        run_config: Optional[Mapping[str, Any]] = None) -> tuple[list[str], tuple[str, ...]]: ...
+                        run_config: Optional[Mapping[str, Any]] = None
+                        ) -> tuple[list[str], tuple[str, ...]]: ...

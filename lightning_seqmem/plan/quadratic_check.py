@@ -10,18 +10,18 @@ from lightning_seqmem.core.forecast import MemoryForecaster
 __all__ = ["quadratic_terms"]
 
 
-def quadratic_terms(old: Optional[MemoryForecaster], new: MemoryForecaster) -> Optional[tuple[float, float]]:
-    """Bytes per token² (per sample) before and after a change, measured the same way, or None.
-
-    From the timeline replay when both settings have one (the L² coefficients of every allocation,
-    exact from two traced lengths); else from quadratic fits of three or more lengths (a two-point
-    fit is C + b·L² by construction and says nothing about the shape).
-    """
+def quadratic_terms(old: Optional[MemoryForecaster],
+                    new: MemoryForecaster) -> Optional[tuple[float, float]]:
+    """Bytes per token² (per sample) before and after a change, measured the same way, or None:
+    from the timeline replays (exact), else from quadratic fits of three or more lengths (a
+    two-point fit is C + b·L² by construction)."""
     if old is None:
         return None
     if old.timeline is not None and new.timeline is not None:
-        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum()) for f in (old, new))  # type: ignore[return-value]
+        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum())  # type: ignore[return-value]
+                     for f in (old, new))
     fits = [f.quadratic for f in (old, new)]
     if any(q is None for q in fits) or any(len({L for L, _ in f.points}) < 3 for f in (old, new)):
         return None
-    return tuple(max(c.quadratic_bytes_per_token2 for c in q.coefficients.values()) for q in fits)  # type: ignore[union-attr,return-value]
+    return tuple(max(c.quadratic_bytes_per_token2  # type: ignore[union-attr,return-value]
+                     for c in q.coefficients.values()) for q in fits)

@@ -1,27 +1,21 @@
-"""Which batches are warm-ups, which are measured and which are traced: the measurement schedule, one
-state of the planner (occurrences per shape and setting, warm-ups left after a resume, steps left
-unmeasured), torch-free.
+"""The measurement schedule (a planner state): which batches are warm-ups, measured, traced.
 
-A step is measured for the evidence it gives. The first ``warmup_steps`` batches, a batch after a
-resume, the first fitted occurrence of a shape and one batch in ``every_n_steps`` after it are.
-The warm-up occurrences of a new shape (measured, never fitted) are too, unless the planner says the
-shape is *covered*: a step at a shape not shorter and not smaller, with the same rungs, was measured
-within the budget already (a step's peak does not fall as the length or the batch grows, the
-assumption of :mod:`lightning_seqmem.plan.dry_search`), so that measured step bounds this one and
-its measurement would be neither fitted nor needed. That is what dynamic padding is (a new length
-every batch): only the steps that set a new longest shape are measured. An unmeasured step is still
-judged before it runs; it leaves no record (records are measured steps) and is counted in
-``unmeasured``.
+The warm-up occurrences of a new shape are not measured where it is *covered*: a step not shorter
+and not smaller, with the same rungs, was measured within the budget (under dynamic padding only
+new longest shapes are measured). An unmeasured step is still judged; it is counted in
+``unmeasured``, never recorded.
 
 Example:
     >>> s = MeasurementSchedule()
-    >>> [s.next((64, 2, ()), step, 1, after_change=1, every_n_steps=2, global_step=step)[:2] for step in range(5)]
+    >>> [s.next((64, 2, ()), step, 1, after_change=1, every_n_steps=2, global_step=step)[:2]
+    ...  for step in range(5)]
     [(True, True), (False, True), (False, True), (False, False), (False, True)]
     >>> s.counts
     {(64, 2, ()): 5}
-    >>> s.next((32, 2, ()), 5, 1, after_change=1, every_n_steps=1, global_step=5, covered=True)   # a new shape below 64
+    >>> kw = dict(after_change=1, every_n_steps=1, covered=True)
+    >>> s.next((32, 2, ()), 5, 1, global_step=5, **kw)   # a new shape below 64
     (True, False, 0)
-    >>> s.next((32, 2, ()), 6, 1, after_change=1, every_n_steps=1, global_step=6, covered=True)   # its first fitted one
+    >>> s.next((32, 2, ()), 6, 1, global_step=6, **kw)   # its first fitted one
     (False, True, 1)
     >>> s.unmeasured
     1
@@ -37,8 +31,7 @@ __all__ = ["MeasurementSchedule", "PendingStep"]
 
 @dataclass
 class PendingStep:
-    """What :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.begin_step` decided for the batch
-    about to run."""
+    """What :meth:`~lightning_seqmem.plan.planner.SeqMemPlanner.begin_step` decided for a batch."""
 
     step: int
     global_step: int
@@ -51,17 +44,15 @@ class PendingStep:
     stage: Optional[int]
     mitigations: tuple[str, ...]
     events: list[str] = field(default_factory=list)
-    # the batch ends with an optimizer step: under gradient accumulation the window's last, which
-    # the predictors model (the highest: the earlier batches' gradients alive through its backward)
+    # ends with an optimizer step: under gradient accumulation the window's last, which the
+    # predictors model (the highest: the earlier batches' gradients alive through its backward)
     optimizer_steps: bool = True
 
 
 @dataclass
 class MeasurementSchedule:
-    """The schedule's state: how often each ``(seq_len, batch_size, mitigations)`` ran (``counts``,
-    checkpointed), how many steps after a resume are warm-ups (``resume_warmup``: the gradients
-    and optimizer state were not saved with the records) and how many steps ran unmeasured
-    because a measured step covered them (``unmeasured``)."""
+    """How often each ``(seq_len, batch_size, mitigations)`` ran (``counts``, checkpointed), how
+    many steps after a resume are warm-ups (``resume_warmup``) and how many ran ``unmeasured``."""
 
     counts: dict[tuple, int] = field(default_factory=dict)
     resume_warmup: int = 0
@@ -71,12 +62,10 @@ class MeasurementSchedule:
              global_step: int = 0, covered: bool = False) -> tuple[bool, bool, int]:
         """``(warmup, measure, occurrences before)`` for the batch about to run at ``key``.
 
-        A warm-up is one of the first ``warmup_steps`` batches (or optimizer steps: with gradient
-        accumulation, until one has happened), one of the first ``after_change`` occurrences of a new
-        shape or setting, or a step right after a resume; it is measured, never fitted, except a
-        warm-up of a new shape only (not one of the first batches, not after a resume) that is
-        ``covered`` (see the module doc): it runs unmeasured. Afterwards the first fitted
-        occurrence is measured, then one batch in ``every_n_steps``.
+        A warm-up (one of the first ``warmup_steps`` batches or optimizer steps, of the first
+        ``after_change`` occurrences of a key, or right after a resume) is measured unless only
+        its key is new and ``covered``; never fitted. Then the first fitted occurrence is measured,
+        and one batch in ``every_n_steps``.
         """
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
@@ -96,5 +85,6 @@ class MeasurementSchedule:
     def load_state_dict(self, state: Mapping[str, Any], resume_warmup: int) -> None:
         """Restore :meth:`state_dict`; the next ``resume_warmup`` steps are warm-ups (the gradients
         and optimizer state were not saved with the records)."""
-        self.counts = {(int(k0), int(k1), tuple(k2)): int(v) for k0, k1, k2, v in state.get("key_counts", [])}
+        self.counts = {(int(k0), int(k1), tuple(k2)): int(v)
+                       for k0, k1, k2, v in state.get("key_counts", [])}
         self.resume_warmup = resume_warmup

@@ -1,13 +1,8 @@
 """``PlannerSettings``: what a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner` reads of its
-configuration, a read-only view over two frozen values:
-
-* :class:`~lightning_seqmem.core.config.SeqMemConfig`: the arguments, checked once, never written;
-* :class:`RunFacts`: what the run binds at set-up (the device's budget when none was given, the
-  allocator's granularity, the precision, the dry run, the model's length limit, the measurement
-  rate under ``torch.compile``), replaced as a whole by :meth:`PlannerSettings.bind_run`.
-
-One view, shared by reference by the planner's parts, so a fact bound once is read by all of them.
-Any write to the view raises ``AttributeError`` naming ``bind_run``.
+configuration, a read-only view (shared by the planner's parts) over two frozen values: the
+:class:`~lightning_seqmem.core.config.SeqMemConfig` (the arguments, checked once) and
+:class:`RunFacts` (what the run binds at set-up, replaced whole by
+:meth:`PlannerSettings.bind_run`). A write to the view raises ``AttributeError``.
 
 Example:
     >>> s = PlannerSettings(budget_bytes=1000, safety_margin=0.1)
@@ -16,14 +11,17 @@ Example:
     >>> s.bind_run(compare_reserved=True, block_bytes=512, device_type="cuda")
     >>> s.compare_reserved, s.block_bytes, s.device_type
     (True, 512, 'cuda')
-    >>> s.bind_run(blocks=1)
+    >>> s.bind_run(blocks=1)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes, precision, device_type, dry_runner, measure_every_n_steps, length_limit, length_limit_reason, checkpoint_records, memory_records, rung_specs
-    >>> s.block_bytes = 1
+    TypeError: `bind_run` got `blocks`: pass only budget_bytes, compare_reserved, block_bytes,
+    precision, device_type, dry_runner, measure_every_n_steps, length_limit, length_limit_reason,
+    checkpoint_records, memory_records, rung_specs
+    >>> s.block_bytes = 1  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    AttributeError: `PlannerSettings.block_bytes` is read-only: bind what the run decides with `bind_run(block_bytes=...)`
+    AttributeError: `PlannerSettings.block_bytes` is read-only: bind what the run decides with
+    `bind_run(block_bytes=...)`
 """
 
 from __future__ import annotations
@@ -36,32 +34,34 @@ from lightning_seqmem.core.rung_spec import RungSpec
 from lightning_seqmem.core.rungs import rung_specs, spec
 from lightning_seqmem.plan.checkpoint import CHECKPOINT_LAST_RECORDS, MEMORY_RECORDS
 
-__all__ = ["SETTING_NAMES", "setting_write_error", "Budget", "PlannerSettings", "RunFacts", "planner_config"]
+__all__ = ["SETTING_NAMES", "setting_write_error", "Budget", "PlannerSettings", "RunFacts",
+           "planner_config"]
 
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What the run binds at set-up (:meth:`PlannerSettings.bind_run`); the defaults are a CPU run's."""
+    """What the run binds at set-up (:meth:`PlannerSettings.bind_run`); defaults: a CPU run's."""
 
-    budget_bytes: Optional[int] = None  # the budget given, else the device's memory (CUDA); None: none
+    budget_bytes: Optional[int] = None  # the budget given, else the device's memory (CUDA)
     compare_reserved: bool = False  # judge against reserved memory (the CUDA caching allocator)
     block_bytes: int = 1  # allocation granularity of traced steps (512 for CUDA)
     precision: str = "32-true"
-    device_type: str = "cpu"  # the run's device type, for advice that fits the machine
-    dry_runner: Optional[Callable[..., Any]] = None  # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
-    measure_every_n_steps: int = 1  # the configured one, raised for a compiled module under the tracker
-    length_limit: Optional[int] = None  # the model's longest sequence (positions), tokens; None: no limit
-    length_limit_reason: str = ""  # where it comes from, e.g. "config.max_position_embeddings=2048"
-    checkpoint_records: int = CHECKPOINT_LAST_RECORDS  # last records a checkpoint keeps (see checkpoint.compact_records)
-    memory_records: int = MEMORY_RECORDS  # past this many, `records` is compacted to its summary and last half
-    # what the planner knows of each rung (priors, facts), handed to it as data: the registry when built
+    device_type: str = "cpu"  # for advice that fits the machine
+    # (seq_len, batch_size, mitigations) -> (peak, phase peaks), or raises
+    dry_runner: Optional[Callable[..., Any]] = None
+    measure_every_n_steps: int = 1  # the configured one, raised for a compiled module
+    length_limit: Optional[int] = None  # the model's longest sequence (positions); None: no limit
+    length_limit_reason: str = ""  # e.g. "config.max_position_embeddings=2048"
+    checkpoint_records: int = CHECKPOINT_LAST_RECORDS  # see checkpoint.compact_records
+    memory_records: int = MEMORY_RECORDS  # past this many, `records` is compacted
+    # what the planner knows of each rung (priors, facts), as data: the registry when built
     rung_specs: Mapping[str, RungSpec] = field(default_factory=rung_specs, repr=False)
 
     @classmethod
     def of(cls, config: SeqMemConfig, **facts: Any) -> "RunFacts":
-        """The facts before set-up binds any: the configured budget and measurement rate, and ``facts``."""
-        return cls(**{"budget_bytes": config.memory_budget_bytes, "measure_every_n_steps": config.measure_every_n_steps,
-                      **facts})
+        """The facts before set-up binds any: the configured budget and rate, and ``facts``."""
+        return cls(**{"budget_bytes": config.memory_budget_bytes,
+                      "measure_every_n_steps": config.measure_every_n_steps, **facts})
 
 
 _RUN_FIELDS = tuple(f.name for f in fields(RunFacts))
@@ -70,8 +70,8 @@ _CONFIG_FIELDS = tuple(f.name for f in fields(SeqMemConfig) if f.init)
 
 @dataclass(frozen=True)
 class Budget:
-    """The budget a step is judged against: ``total_bytes`` (None: no budget), the fraction kept free,
-    and how memory is counted (reserved memory, in blocks of ``block_bytes``, on CUDA).
+    """The budget a step is judged against: ``total_bytes`` (None: no budget), the fraction kept
+    free, and how memory is counted (reserved memory, in blocks of ``block_bytes``, on CUDA).
 
     >>> Budget(10_000, 0.1).usable_bytes, Budget(None, 0.1).usable_bytes
     (9000, None)
@@ -85,48 +85,59 @@ class Budget:
     @property
     def usable_bytes(self) -> Optional[int]:
         """``total × (1 − safety_margin)``, or None without a budget."""
-        return None if self.total_bytes is None else int(self.total_bytes * (1 - self.safety_margin))
+        return (None if self.total_bytes is None
+                else int(self.total_bytes * (1 - self.safety_margin)))
 
 
 class PlannerSettings:
-    """The planner's settings: its :class:`SeqMemConfig` (``config``) and :class:`RunFacts`
-    (``run_facts``), read by name. Built from both, or from any of their fields by keyword (the
-    config's then unchecked, as the planner's keywords are): ``PlannerSettings(budget_bytes=1000)``."""
+    """The planner's settings: ``config`` and ``run_facts``, read by name. Built from both, or from
+    any of their fields by keyword (the config's then unchecked, as the planner's keywords are)."""
 
     # the arguments (SeqMemConfig), then what the run binds (RunFacts): read-only, by name
     warmup_steps = property(lambda self: self.config.warmup_steps, doc="``config.warmup_steps``")
     tolerance = property(lambda self: self.config.tolerance, doc="``config.tolerance``")
     safety_margin = property(lambda self: self.config.safety_margin, doc="``config.safety_margin``")
     curriculum = property(lambda self: self.config.curriculum, doc="``config.curriculum``")
-    warmup_steps_after_change = property(lambda self: self.config.warmup_steps_after_change, doc="``config.warmup_steps_after_change``")
+    warmup_steps_after_change = property(lambda self: self.config.warmup_steps_after_change,
+                                         doc="``config.warmup_steps_after_change``")
     trace_lengths = property(lambda self: self.config.trace_lengths, doc="``config.trace_lengths``")
-    budget_bytes = property(lambda self: self.run_facts.budget_bytes, doc="``run_facts.budget_bytes``")
-    compare_reserved = property(lambda self: self.run_facts.compare_reserved, doc="``run_facts.compare_reserved``")
+    budget_bytes = property(lambda self: self.run_facts.budget_bytes,
+                            doc="``run_facts.budget_bytes``")
+    compare_reserved = property(lambda self: self.run_facts.compare_reserved,
+                                doc="``run_facts.compare_reserved``")
     block_bytes = property(lambda self: self.run_facts.block_bytes, doc="``run_facts.block_bytes``")
     precision = property(lambda self: self.run_facts.precision, doc="``run_facts.precision``")
     device_type = property(lambda self: self.run_facts.device_type, doc="``run_facts.device_type``")
     dry_runner = property(lambda self: self.run_facts.dry_runner, doc="``run_facts.dry_runner``")
-    measure_every_n_steps = property(lambda self: self.run_facts.measure_every_n_steps, doc="``run_facts.measure_every_n_steps``")
-    length_limit = property(lambda self: self.run_facts.length_limit, doc="``run_facts.length_limit``")
-    length_limit_reason = property(lambda self: self.run_facts.length_limit_reason, doc="``run_facts.length_limit_reason``")
-    checkpoint_records = property(lambda self: self.run_facts.checkpoint_records, doc="``run_facts.checkpoint_records``")
-    memory_records = property(lambda self: self.run_facts.memory_records, doc="``run_facts.memory_records``")
+    measure_every_n_steps = property(lambda self: self.run_facts.measure_every_n_steps,
+                                     doc="``run_facts.measure_every_n_steps``")
+    length_limit = property(lambda self: self.run_facts.length_limit,
+                            doc="``run_facts.length_limit``")
+    length_limit_reason = property(lambda self: self.run_facts.length_limit_reason,
+                                   doc="``run_facts.length_limit_reason``")
+    checkpoint_records = property(lambda self: self.run_facts.checkpoint_records,
+                                  doc="``run_facts.checkpoint_records``")
+    memory_records = property(lambda self: self.run_facts.memory_records,
+                              doc="``run_facts.memory_records``")
     rung_specs = property(lambda self: self.run_facts.rung_specs, doc="``run_facts.rung_specs``")
 
-    def __init__(self, config: Optional[SeqMemConfig] = None, run_facts: Optional[RunFacts] = None, **values: Any) -> None:
+    def __init__(self, config: Optional[SeqMemConfig] = None, run_facts: Optional[RunFacts] = None,
+                 **values: Any) -> None:
         unknown = sorted(set(values) - set(_RUN_FIELDS) - set(_CONFIG_FIELDS))
         if unknown or (values and (config is not None or run_facts is not None)):
-            raise TypeError(f"`PlannerSettings` got {', '.join(unknown) or 'fields besides config/run_facts'}: pass "
+            raise TypeError("`PlannerSettings` got "
+                            f"{', '.join(unknown) or 'fields besides config/run_facts'}: pass "
                             "a SeqMemConfig and RunFacts, or fields of theirs by keyword")
         if "dry_run" in values and not isinstance(values["dry_run"], bool):
-            raise TypeError(f"`dry_run` is the callback's bool (start a dry run or not), got {values['dry_run']!r}: "
-                            "pass the dry run itself as `dry_runner`")
+            raise TypeError("`dry_run` is the callback's bool (start a dry run or not), got "
+                            f"{values['dry_run']!r}: pass the dry run itself as `dry_runner`")
         if config is None:  # `budget_bytes` is the budget given
             given = {k: v for k, v in values.items() if k in _CONFIG_FIELDS}
-            config = SeqMemConfig(**given, **({"memory_budget": values["budget_bytes"]} if "budget_bytes" in values else {}),
-                                  checked=False)
+            config = SeqMemConfig(**given, **({"memory_budget": values["budget_bytes"]}
+                                              if "budget_bytes" in values else {}), checked=False)
         if run_facts is None:
-            bound = {k: v for k, v in values.items() if k in _RUN_FIELDS and k != "measure_every_n_steps"}
+            bound = {k: v for k, v in values.items()
+                     if k in _RUN_FIELDS and k != "measure_every_n_steps"}
             run_facts = RunFacts.of(config, **bound)
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "run_facts", run_facts)
@@ -140,7 +151,8 @@ class PlannerSettings:
     @property
     def budget(self) -> Budget:
         """The budget this run judges by (the one given, else the device's) and how it counts."""
-        return Budget(self.budget_bytes, self.safety_margin, self.compare_reserved, self.block_bytes)
+        return Budget(self.budget_bytes, self.safety_margin, self.compare_reserved,
+                      self.block_bytes)
 
     @property
     def usable_budget_bytes(self) -> Optional[int]:
@@ -148,53 +160,57 @@ class PlannerSettings:
         return self.budget.usable_bytes
 
     def bound_of(self, fc: Any) -> int:
-        """What a forecast compares with the budget: its reserved bound where the run judges reserved
-        memory (CUDA), its upper bound elsewhere."""
+        """What a forecast compares with the budget: its reserved bound where the run judges
+        reserved memory (CUDA), its upper bound elsewhere."""
         return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
 
     def spec(self, name: str) -> RungSpec:
-        """The spec of rung (or variant) ``name`` among the specs bound to this run (``rung_specs``).
+        """The spec of rung (or variant) ``name`` among those bound to this run (``rung_specs``).
 
         >>> from dataclasses import replace
         >>> s = PlannerSettings()
         >>> s.spec("checkpointing:selective").step_time_prior
         0.15
-        >>> s.bind_run(rung_specs={**s.rung_specs, "checkpointing": replace(s.spec("checkpointing"), step_time_prior=0.1)})
+        >>> ck = replace(s.spec("checkpointing"), step_time_prior=0.1)
+        >>> s.bind_run(rung_specs={**s.rung_specs, "checkpointing": ck})
         >>> s.spec("checkpointing").step_time_prior
         0.1
         """
         return spec(name, self.rung_specs)
 
     def within_limit(self, seq_len: int) -> bool:
-        """Whether the model can take ``seq_len`` tokens at all (``length_limit``: its positions)."""
+        """Whether the model can take ``seq_len`` tokens at all (``length_limit``: positions)."""
         return self.length_limit is None or int(seq_len) <= self.length_limit
 
     def bind_run(self, **changes: Any) -> None:
-        """Bind what the run decides at set-up: any field of :class:`RunFacts` (``budget_bytes``, the
-        device's memory when no budget was given, ``compare_reserved``, ``block_bytes``, ``precision``,
-        ``device_type``, ``dry_runner``, ...); the facts are replaced as a whole, and every part sees them."""
+        """Bind what the run decides at set-up: any field of :class:`RunFacts`; the facts are
+        replaced as a whole, and every part sees them."""
         for name in changes:
             if name not in _RUN_FIELDS:
                 raise TypeError(f"`bind_run` got `{name}`: pass only {', '.join(_RUN_FIELDS)}")
         object.__setattr__(self, "run_facts", replace(self.run_facts, **changes))
 
 
-SETTING_NAMES = frozenset(_RUN_FIELDS) | frozenset(_CONFIG_FIELDS) | {"budget", "usable_budget_bytes"}
-"""The names a :class:`PlannerSettings` reads: a part that holds the settings refuses to be written them."""
+SETTING_NAMES = (frozenset(_RUN_FIELDS) | frozenset(_CONFIG_FIELDS)
+                 | {"budget", "usable_budget_bytes"})
+"""The names a :class:`PlannerSettings` reads (a part holding the settings refuses their writes)."""
 
 
 def setting_write_error(owner: str, name: str) -> AttributeError:
-    """The error for a write of setting ``name`` on ``owner`` (the settings, or a part holding them),
-    naming what to do instead.
+    """The error for a write of setting ``name`` on ``owner`` (the settings, or a part holding
+    them), naming what to do instead.
 
-    >>> str(setting_write_error("SeqMemPlanner", "block_bytes"))
-    '`SeqMemPlanner.block_bytes` is read-only (read it as `settings.block_bytes`): bind what the run decides with `bind_run(block_bytes=...)`'
+    >>> print(setting_write_error("SeqMemPlanner", "block_bytes"))  # doctest: +NORMALIZE_WHITESPACE
+    `SeqMemPlanner.block_bytes` is read-only (read it as `settings.block_bytes`): bind what the run
+    decides with `bind_run(block_bytes=...)`
     """
     where = "" if owner == "PlannerSettings" else f" (read it as `settings.{name}`)"
     if name in _RUN_FIELDS:
-        return AttributeError(f"`{owner}.{name}` is read-only{where}: bind what the run decides with `bind_run({name}=...)`")
-    return AttributeError(f"`{owner}.{name}` is read-only{where}: the arguments are a frozen SeqMemConfig, and "
-                          f"what the run decides goes through `bind_run` ({', '.join(_RUN_FIELDS)})")
+        return AttributeError(f"`{owner}.{name}` is read-only{where}: bind what the run decides "
+                              f"with `bind_run({name}=...)`")
+    return AttributeError(f"`{owner}.{name}` is read-only{where}: the arguments are a frozen "
+                          "SeqMemConfig, and what the run decides goes through `bind_run` "
+                          f"({', '.join(_RUN_FIELDS)})")
 
 
 def planner_config(config: Optional[SeqMemConfig], **keywords: Any) -> SeqMemConfig:
@@ -214,5 +230,6 @@ def planner_config(config: Optional[SeqMemConfig], **keywords: Any) -> SeqMemCon
     for name, value in keywords.items():
         if value != defaults[name]:
             shown = "memory_budget_bytes" if name == "memory_budget" else name
-            raise TypeError(f"`SeqMemPlanner` got `config` and `{shown}={value!r}`: set it in the SeqMemConfig")
+            raise TypeError(f"`SeqMemPlanner` got `config` and `{shown}={value!r}`: "
+                            "set it in the SeqMemConfig")
     return config

@@ -1,13 +1,8 @@
 """``Verification``: a measured step taken in, and every forecast checked against it.
 
-:meth:`Verification.observe` records a measured step, checks each predictor that could answer for
-its shape against it before the step joins any fit (:meth:`~Verification.check_predictors`: one that
-misses beyond the tolerance is not trusted until it is right again, :mod:`lightning_seqmem.core.trust`),
-fits, checks the replay against the dry run (:meth:`~Verification.compare_replay`), verifies the
-forecast kept for that shape (:meth:`~Verification.verify`, kept by :meth:`~Verification.keep_forecast`)
-and fills the measured effect of the last rung (:meth:`~Verification.after_mitigation`: attention
-that stayed quadratic is said). It writes the measured evidence and the ladder's last event, reads
-the dry-run evidence, and says what it found to the advice queue.
+:meth:`Verification.observe` records a measured step, checks each predictor against it before
+the step joins any fit (:mod:`lightning_seqmem.core.trust`), fits, checks the replay against the
+dry run, verifies the forecast kept for that shape and fills the measured effect of the last rung.
 
 Example:
     >>> from lightning_seqmem.core.records import StepMemory
@@ -18,7 +13,7 @@ Example:
     64000
     >>> s = p.begin_step(64, 2, global_step=0)
     >>> r = p.observe(s, StepMemory(2000 * 64, {"forward": 2000 * 64}, 0, 2000 * 64))
-    >>> p.advice.take_advice()[-1].kind, r.forecast_method, r.forecast_error   # the dry run predicted half
+    >>> p.advice.take_advice()[-1].kind, r.forecast_method, r.forecast_error   # dry run said half
     ('predictor_wrong', 'dry_run', -0.5)
 """
 
@@ -46,7 +41,7 @@ from lightning_seqmem.plan.settings import PlannerSettings
 ADDED_MEMORY_FRACTION = 0.005
 """A rung is said to add memory (``rung_added_memory``) past this rise of the peak at one shape: the
 reserved memory of CUDA steps of one shape differs by a block or two. The judge stops taking the
-setting before it as a bound at any rise (:meth:`~lightning_seqmem.plan.measured.MeasuredEvidence.bounding_setting`)."""
+setting before it as a bound at any rise (:meth:`.measured.MeasuredEvidence.bounding_setting`)."""
 
 __all__ = ["ADDED_MEMORY_FRACTION", "Verification"]
 
@@ -56,7 +51,8 @@ class Verification:
 
     def __init__(self, settings: PlannerSettings, ladder: LadderState, advice: AdviceQueue,
                  measured: MeasuredEvidence, dry: DryEvidence) -> None:
-        self.settings, self.ladder, self.advice, self.measured, self.dry = settings, ladder, advice, measured, dry
+        (self.settings, self.ladder, self.advice,
+         self.measured, self.dry) = settings, ladder, advice, measured, dry
 
     @property
     def fit_on(self) -> MemoryForecaster:
@@ -64,101 +60,109 @@ class Verification:
         return self.measured.forecaster_of(self.ladder.applied)
 
     def keep_forecast(self, seq_len: int, batch_size: int) -> None:
-        """Keep the forecast at ``(seq_len, batch_size)`` with the rungs on now (the dry run's where it
-        answered, else the fit's) to verify against the step that runs there."""
+        """Keep the forecast at ``(seq_len, batch_size)`` with the rungs on now (the dry run's where
+        it answered, else the fit's) to verify against the step that runs there."""
         key = (seq_len, batch_size, self.ladder.applied)
-        fc = self.dry.forecast(seq_len, batch_size) if self.dry.asked(seq_len, batch_size, key[2]) else None
+        fc = (self.dry.forecast(seq_len, batch_size)
+              if self.dry.asked(seq_len, batch_size, key[2]) else None)
         if fc is None and self.fit_on.ready:
             fc = self.fit_on.forecast(seq_len, batch_size)
         if fc is not None:
             self.measured.kept[key] = fc
 
-    def peak_before(self, seq_len: Optional[int], batch_size: Optional[int]) -> tuple[Optional[int], Optional[str]]:
-        """``(peak, how)`` with the rungs on now at ``(seq_len, batch_size)``, before a rung goes on:
-        the measured peak there (``"measured"``), else the dry run's (``"dry_run"``), else ``(None, None)``."""
-        before = max((r.peak_bytes for r in self.measured.records if r.seq_len == seq_len and r.mitigations == self.ladder.applied
+    def peak_before(self, seq_len: Optional[int],
+                    batch_size: Optional[int]) -> tuple[Optional[int], Optional[str]]:
+        """``(peak, how)`` with the rungs on now at ``(seq_len, batch_size)``, before a rung goes
+        on: the measured peak (``"measured"``), else the dry run's (``"dry_run"``), else Nones."""
+        before = max((r.peak_bytes for r in self.measured.records
+                      if r.seq_len == seq_len and r.mitigations == self.ladder.applied
                       and (batch_size is None or r.batch_size == batch_size)), default=None)
         method = "measured" if before is not None else None
-        answer = self.dry.answers.get((seq_len, batch_size, self.ladder.applied)) if seq_len and batch_size else None
+        answer = (self.dry.answers.get((seq_len, batch_size, self.ladder.applied))
+                  if seq_len and batch_size else None)
         if before is None and answer:
             before, method = answer[0], "dry_run"
         return before, method
 
     def dry_before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
-        """Just before ``name`` goes on: dry runs of the setting now on that only this moment allows (a
-        copy cannot undo a rung), for the check after the attention switch (:meth:`dry_quadratic_terms`)."""
+        """Just before ``name`` goes on: dry runs of the setting now on that only this moment allows
+        (a copy cannot undo a rung), for the check after an attention switch
+        (:meth:`dry_quadratic_terms`)."""
         if self.settings.spec(name).linearises_attention and self.settings.dry_runner is not None:
             x = max(int(seq_len), 16)
             for k in (1, 2, 3):
                 self.dry.peak(k * x, batch_size)
 
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
-                batch_size: Optional[int] = None, trace: Optional[tuple[int, int, StepMemory]] = None,
-                rank: Optional[int] = None, step_seconds: Optional[float] = None) -> StepRecord:
+                batch_size: Optional[int] = None,
+                trace: Optional[tuple[int, int, StepMemory]] = None, rank: Optional[int] = None,
+                step_seconds: Optional[float] = None) -> StepRecord:
         """Record a measured step, fit, verify; returns the record.
 
-        Under gradient accumulation only a window's last batch (``pending.optimizer_steps``) is fitted
-        and verifies the forecasts: the predictors model that batch, the highest of the window; the
-        others are recorded (and judge their shape) all the same.
-
-        ``memory`` is the step's measurement; under DDP, that of the rank with the highest peak,
-        whose own ``(seq_len, batch_size)`` are given. ``trace`` is the ``(seq_len, batch_size,
-        memory)`` whose events are traced (default: the same); ``step_seconds``: the step's own wall
-        time (what :meth:`~lightning_seqmem.plan.evidence.Evidence.price` predicts from).
+        Under gradient accumulation only a window's last batch (``pending.optimizer_steps``) is
+        fitted and verified. ``memory``: under DDP, the rank with the highest peak, whose own
+        ``(seq_len, batch_size)`` are given; ``trace``: the ``(seq_len, batch_size, memory)`` whose
+        events are traced (default: the same); ``step_seconds``: the step's wall time.
         """
         L = pending.seq_len if seq_len is None else int(seq_len)
         B = pending.batch_size if batch_size is None else int(batch_size)
         phases = {p: memory.phase_peak_bytes.get(p) for p in PHASES}
         record = StepRecord(
-            step=pending.step, global_step=pending.global_step, epoch=pending.epoch, seq_len=L, batch_size=B,
-            warmup=pending.warmup, traced=pending.traced, peak_bytes=memory.peak_bytes,
-            forward_peak_bytes=phases["forward"], backward_peak_bytes=phases["backward"],
-            optimizer_peak_bytes=phases["optimizer"], start_bytes=memory.start_bytes,
-            reserved_bytes=memory.reserved_bytes, fragmentation_bytes=memory.fragmentation_bytes,
-            fragmentation_fraction=memory.fragmentation_fraction, inactive_split_bytes=memory.inactive_split_bytes,
-            alloc_retries=memory.alloc_retries, num_ooms=memory.num_ooms, stage=pending.stage,
+            step=pending.step, global_step=pending.global_step, epoch=pending.epoch, seq_len=L,
+            batch_size=B, warmup=pending.warmup, traced=pending.traced,
+            peak_bytes=memory.peak_bytes, forward_peak_bytes=phases["forward"],
+            backward_peak_bytes=phases["backward"], optimizer_peak_bytes=phases["optimizer"],
+            start_bytes=memory.start_bytes, reserved_bytes=memory.reserved_bytes,
+            fragmentation_bytes=memory.fragmentation_bytes,
+            fragmentation_fraction=memory.fragmentation_fraction,
+            inactive_split_bytes=memory.inactive_split_bytes, alloc_retries=memory.alloc_retries,
+            num_ooms=memory.num_ooms, stage=pending.stage,
             mitigations=pending.mitigations, events=list(pending.events), rank=rank,
             step_seconds=None if step_seconds is None else float(step_seconds),
         )
         usable = self.settings.usable_budget_bytes
         if record.step == 0 and usable is not None and self.measured.bound(record) > usable:
             assert self.settings.budget_bytes is not None
-            self.advice.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes, usable, self.settings.budget_bytes,
-                                                 self.settings.safety_margin))
+            self.advice.advise(A.first_step_over_budget(record.start_bytes, record.peak_bytes,
+                                                        usable, self.settings.budget_bytes,
+                                                        self.settings.safety_margin))
         forecaster = self.measured.forecaster_of(record.mitigations)
-        # a batch that does not end with an optimizer step (an accumulation window's earlier ones) is
-        # kept and judged by, but fitted and checked against only as the step the predictors model
+        # a batch without an optimizer step (an accumulation window's earlier ones) is kept and
+        # judged by, but fitted and checked against only as the step the predictors model
         if not record.warmup and pending.optimizer_steps:
             self.measured.last_batch_size = B
             wrong_now = self.check_predictors(record, forecaster)
-            forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None}, memory.reserved_bytes)
+            forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None},
+                                       memory.reserved_bytes)
             tL, tB, tm = trace if trace is not None else (L, B, memory)
             if pending.traced and tm.events is not None:
                 forecaster.add_trace(Trace(tL, tB, tm.events, block_bytes=self.settings.block_bytes,
                                            measured_peak_bytes=tm.peak_bytes))
                 self.compare_replay(forecaster, record.mitigations, B)
-            fc = self.measured.kept.pop((pending.seq_len, pending.batch_size, pending.mitigations), None)
-            if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # the forecast for the shape that ran
+            fc = self.measured.kept.pop((pending.seq_len, pending.batch_size, pending.mitigations),
+                                        None)
+            if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # for the shape that ran
                 self.verify(record, fc, forecaster, quiet=fc.method in wrong_now)
             self.after_mitigation(record)
         if any(self.settings.spec(m).first_step_check for m in record.mitigations) and not any(
                 r.mitigations == record.mitigations for r in self.measured.records):
-            # the step that switched such a rung on (micro-batching) ran its one-time check, which the dry
-            # runs of this setting so far counted: later steps are dry-run afresh, without it
+            # the step that switched such a rung on (micro-batching) ran its one-time check, which
+            # the dry runs of this setting so far counted: later steps are dry-run afresh
             self.dry.forget(record.mitigations)
             key = (record.seq_len, record.batch_size, record.mitigations)
-            if key in self.measured.kept:  # verified against the next (steady) step: forecast it as such
+            if key in self.measured.kept:  # verified against the next (steady) step: forecast so
                 fresh = self.dry.forecast(*key)
                 if fresh is not None:
                     self.measured.kept[key] = fresh
         self.measured.records.append(record)
-        if len(self.measured.records) > self.settings.memory_records:  # a very long run: bounded in memory too
-            self.measured.records = compact_records(self.measured.records, self.settings.memory_records // 2, self.measured.bound)
+        if len(self.measured.records) > self.settings.memory_records:  # bounded in memory too
+            self.measured.records = compact_records(
+                self.measured.records, self.settings.memory_records // 2, self.measured.bound)
         return record
 
     def check_dry_once(self, setting: tuple[str, ...]) -> None:
-        """Before a dry run answers a query with ``setting`` where it never met a measured step (a run
-        without a budget asks it nothing), check it once at the latest measured shape."""
+        """Before a dry run answers a query with ``setting`` where it never met a measured step (a
+        run without a budget asks it nothing), check it once at the latest measured shape."""
         if self.settings.dry_runner is None or self.measured.checks.count(setting, "dry_run"):
             return
         measured = [r for r in self.measured.records if r.mitigations == setting and not r.warmup]
@@ -166,32 +170,40 @@ class Verification:
             return
         r = measured[-1]
         dry = self.dry.forecast(r.seq_len, r.batch_size, setting, trusted_only=False)
-        if dry is not None and self.measured.checks.add(setting, Check("dry_run", r.seq_len, r.batch_size, dry.peak_bytes, r.peak_bytes)):
+        if dry is not None and self.measured.checks.add(setting, Check(
+                "dry_run", r.seq_len, r.batch_size, dry.peak_bytes, r.peak_bytes)):
             c = self.measured.checks.latest[(setting, "dry_run", r.seq_len, r.batch_size)]
-            self.advice.advise(A.predictor_wrong(r.seq_len, r.batch_size, r.peak_bytes, [("dry_run", dry.peak_bytes, c.relative_error)],
-                                          self.settings.tolerance, self.measured.checks.right(setting)))
+            self.advice.advise(A.predictor_wrong(
+                r.seq_len, r.batch_size, r.peak_bytes,
+                [("dry_run", dry.peak_bytes, c.relative_error)], self.settings.tolerance,
+                self.measured.checks.right(setting)))
 
-    def compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...], batch_size: int) -> None:
-        """The replay against the dry run at the target length (the curriculum's, else 4× the longest
-        traced): a replay off by more than the tolerance is not trusted, and that is said once."""
-        if forecaster.timeline is None or self.settings.dry_runner is None or self.measured.checks.wrong(setting, "dry_run") is not None:
+    def compare_replay(self, forecaster: MemoryForecaster, setting: tuple[str, ...],
+                       batch_size: int) -> None:
+        """The replay against the dry run at the target length (the curriculum's, else 4× the
+        longest traced): a replay off by more than the tolerance is not trusted, said once."""
+        if (forecaster.timeline is None or self.settings.dry_runner is None
+                or self.measured.checks.wrong(setting, "dry_run") is not None):
             return  # (a dry run that missed measured steps is not the judge of the replay)
-        target = self.settings.curriculum.target if self.settings.curriculum else 4 * max(t.seq_len for t in forecaster.traces)
-        target = target if self.settings.length_limit is None else min(target, self.settings.length_limit)
+        target = (self.settings.curriculum.target if self.settings.curriculum
+                  else 4 * max(t.seq_len for t in forecaster.traces))
+        target = (target if self.settings.length_limit is None
+                  else min(target, self.settings.length_limit))
         dry = self.dry.peak(target, batch_size, setting)
         if dry is None:
             return
         replay = forecaster.forecast(target, batch_size, method="replay").peak_bytes
         error = (replay - dry[0]) / max(dry[0], 1)
-        self.measured.replay_checks[setting] = {"seq_len": target, "batch_size": batch_size, "replay_bytes": replay,
-                                       "dry_run_bytes": dry[0], "relative_error": error}
+        self.measured.replay_checks[setting] = {"seq_len": target, "batch_size": batch_size,
+                                                "replay_bytes": replay, "dry_run_bytes": dry[0],
+                                                "relative_error": error}
         if abs(error) > self.settings.tolerance:
-            self.advice.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error, forecaster.timeline.seq_lens))
+            self.advice.advise(A.replay_disagrees(target, batch_size, replay, dry[0], error,
+                                                  forecaster.timeline.seq_lens))
 
     def check_predictors(self, record: StepRecord, forecaster: MemoryForecaster) -> set[str]:
         """Check each predictor that can answer for the shape that ran against its measured peak,
-        before this step is added to any fit; one that misses beyond the tolerance is not trusted
-        until it is right again, said once per predictor and setting (:mod:`.trust`). Returns the
+        before this step joins any fit (a miss is said once per predictor and setting). Returns the
         predictors this step found wrong where they were right before."""
         L, B, setting = record.seq_len, record.batch_size, record.mitigations
         seen = (L, B, setting, forecaster.version, self.dry.asked(L, B, setting), record.peak_bytes)
@@ -200,9 +212,10 @@ class Verification:
         self.measured.checked.add(seen)
         predictions: dict[str, int] = {}
         dry_key = (L, B, setting)
-        # asked already (no dry run only to check it); with allocator counters, once this setting has a
-        # measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
-        residual_known = not self.settings.compare_reserved or any(r.mitigations == setting and not r.warmup for r in self.measured.records)
+        # asked already (no dry run only to check it); with allocator counters, once this setting
+        # has a measured step for the kernel scratch beyond the dry run's tensors (scratch_bytes)
+        residual_known = not self.settings.compare_reserved or any(
+            r.mitigations == setting and not r.warmup for r in self.measured.records)
         if self.settings.dry_runner is not None and self.dry.asked(*dry_key) and residual_known:
             dry = self.dry.forecast(L, B, setting, trusted_only=False)
             if dry is not None:
@@ -220,50 +233,66 @@ class Verification:
         for method in ("replay", "quadratic"):
             wrong = self.measured.checks.wrong(setting, method)
             if wrong is not None:
-                forecaster.distrusted[method] = (f"it predicted {wrong.relative_error:+.1%} for the step measured at "
-                                                 f"seq_len={wrong.seq_len} (batch {wrong.batch_size})")
-        # a predictor ranked after one that decides and is right steps aside silently (see Forecast.detail)
-        said = [m for m in ("dry_run", "replay", "quadratic") if m in newly and not self.deciding_before(m, setting, forecaster)]
+                forecaster.distrusted[method] = (f"it predicted {wrong.relative_error:+.1%} for "
+                                                 f"the step measured at seq_len={wrong.seq_len} "
+                                                 f"(batch {wrong.batch_size})")
+        # a predictor ranked after one that decides and is right steps aside silently
+        said = [m for m in ("dry_run", "replay", "quadratic")
+                if m in newly and not self.deciding_before(m, setting, forecaster)]
         if said:
-            misses = [(m, predictions[m], self.measured.checks.latest[(setting, m, L, B)].relative_error) for m in said]
-            self.advice.advise(A.predictor_wrong(L, B, record.peak_bytes, misses, self.settings.tolerance, self.measured.checks.right(setting)))
+            misses = [(m, predictions[m], self.measured.checks.latest[(setting, m, L, B)]
+                       .relative_error) for m in said]
+            self.advice.advise(A.predictor_wrong(L, B, record.peak_bytes, misses,
+                                                 self.settings.tolerance,
+                                                 self.measured.checks.right(setting)))
         return newly
 
-    def deciding_before(self, method: str, setting: tuple[str, ...], forecaster: MemoryForecaster) -> bool:
-        """Whether a predictor ranked before ``method`` (dry run, replay, quadratic fit) answers and
-        is trusted with ``setting``: then ``method`` was not what decisions used."""
+    def deciding_before(self, method: str, setting: tuple[str, ...],
+                        forecaster: MemoryForecaster) -> bool:
+        """Whether a predictor ranked before ``method`` (dry run, replay, quadratic fit) answers
+        and is trusted with ``setting``: then ``method`` was not what decisions used."""
         order = ("dry_run", "replay", "quadratic")
-        answers = {"dry_run": self.settings.dry_runner is not None and self.dry.any_answered(setting),
-                   "replay": forecaster.timeline is not None, "quadratic": forecaster.quadratic is not None}
-        return any(answers[m] and self.measured.checks.wrong(setting, m) is None for m in order[:order.index(method)])
+        answers = {"dry_run": (self.settings.dry_runner is not None
+                               and self.dry.any_answered(setting)),
+                   "replay": forecaster.timeline is not None,
+                   "quadratic": forecaster.quadratic is not None}
+        return any(answers[m] and self.measured.checks.wrong(setting, m) is None
+                   for m in order[:order.index(method)])
 
-    def verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster, quiet: bool = False) -> None:
+    def verify(self, record: StepRecord, fc: Forecast, forecaster: MemoryForecaster,
+               quiet: bool = False) -> None:
         v = forecaster.verify(fc, record.peak_bytes)
         record.forecast_peak_bytes, record.forecast_upper_bytes = fc.peak_bytes, fc.upper_bytes
         record.forecast_method, record.forecast_error = fc.method, v.relative_error
         self.measured.last_verification_error = v.relative_error
-        if abs(v.relative_error) > self.settings.tolerance and not quiet:  # quiet: said by the predictor check
-            self.advice.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method, fc.peak_bytes,
-                                            record.peak_bytes, v.relative_error, self.settings.tolerance))
+        if abs(v.relative_error) > self.settings.tolerance and not quiet:  # said by the check
+            self.advice.advise(A.forecast_mismatch(record.seq_len, record.batch_size, fc.method,
+                                                   fc.peak_bytes, record.peak_bytes,
+                                                   v.relative_error, self.settings.tolerance))
 
     def after_mitigation(self, record: StepRecord) -> None:
         """Fill the measured effect of the last mitigation; warn if attention stayed quadratic."""
         if not self.ladder.events:
             return
         event = self.ladder.events[-1]
-        if event.after_bytes is None and record.seq_len == event.seq_len and record.mitigations == self.ladder.applied:
+        if (event.after_bytes is None and record.seq_len == event.seq_len
+                and record.mitigations == self.ladder.applied):
             self.ladder.measured_after(-1, record.peak_bytes)
         if not record.warmup and record.mitigations == self.ladder.applied:
-            before = tuple(event.mitigations_before) if "mitigations_before" in event else self.ladder.applied[:-1]
-            rise = self.measured.memory_added(before, self.ladder.applied, at=(record.seq_len, record.batch_size),
-                                        records=itertools.chain(self.measured.records, (record,)))  # (before it is recorded)
-            if rise is not None and rise[3] > rise[2] * (1 + ADDED_MEMORY_FRACTION):  # (the bound goes at any rise)
-                self.advice.advise(A.rung_added_memory(event.name, *rise))  # (once per rung: the advice's key)
+            before = (tuple(event.mitigations_before) if "mitigations_before" in event
+                      else self.ladder.applied[:-1])
+            rise = self.measured.memory_added(  # (the record is not recorded yet)
+                before, self.ladder.applied, at=(record.seq_len, record.batch_size),
+                records=itertools.chain(self.measured.records, (record,)))
+            # (the bound goes at any rise; said once per rung: the advice's key)
+            if rise is not None and rise[3] > rise[2] * (1 + ADDED_MEMORY_FRACTION):
+                self.advice.advise(A.rung_added_memory(event.name, *rise))
         if not self.settings.spec(event.name).linearises_attention or event.checked:
             return
         terms = self.dry_quadratic_terms(event, record.batch_size)
         if terms is None and self.fit_on.ready:
-            terms = quadratic_terms(self.measured.forecasters.get(self.ladder.applied[:-1]), self.fit_on)
+            terms = quadratic_terms(self.measured.forecasters.get(self.ladder.applied[:-1]),
+                                    self.fit_on)
         if terms is None:
             return
         old_b, new_b = terms
@@ -271,7 +300,8 @@ class Verification:
         if new_b > 0.5 * old_b:
             self.advice.advise(A.attention_still_quadratic(event.detail, new_b, old_b))
 
-    def dry_quadratic_terms(self, event: MitigationEvent, batch_size: int) -> Optional[tuple[float, float]]:
+    def dry_quadratic_terms(self, event: MitigationEvent,
+                            batch_size: int) -> Optional[tuple[float, float]]:
         """Bytes per token² per sample before and after the rung of ``event``, from dry runs at
         L, 2L, 3L (``p(3L) − 2p(2L) + p(L) = 2bL²`` for ``p = c + aL + bL²``), or None."""
         before = event.mitigations_before

@@ -1,10 +1,7 @@
-"""``PlanView``: a planner's parts as one value, without the planner's methods.
-
-Its settings, its evidence, its ladder, where its curriculum stands and the advice it gave, held by
-reference: the readers in :mod:`lightning_seqmem.present` and the outputs of the Lightning edge take
-a view, never the planner, so nothing that draws or writes can decide, commit or observe; a resume
-reconciles the parts of a loaded state through one
-(:func:`~lightning_seqmem.plan.checkpoint.reconcile`).
+"""``PlanView``: a planner's parts (settings, evidence, ladder, curriculum, advice) by reference,
+without its methods. :mod:`lightning_seqmem.present` and the Lightning edge's outputs take a view,
+never the planner, so nothing that draws or writes can decide, commit or observe; a resume
+reconciles a loaded state's parts through one (:func:`~lightning_seqmem.plan.checkpoint.reconcile`).
 
 Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
@@ -40,6 +37,6 @@ class PlanView:
 
     @classmethod
     def of(cls, planner: Any) -> "PlanView":
-        """The view of ``planner`` (a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`) now:
-        its parts as they are (a later reset or load replaces them: take a new view)."""
-        return cls(planner.settings, planner.evidence, planner.ladder, planner.course, planner.advice)
+        """``planner``'s parts now (a later reset or load replaces them: take a new view)."""
+        return cls(planner.settings, planner.evidence, planner.ladder, planner.course,
+                   planner.advice)
