@@ -1,5 +1,4 @@
-"""Argument checks shared by every module: one message shape, naming the argument, its value and
-what is accepted."""
+"""Argument checks: one message shape, naming the argument, its value and what is accepted."""
 
 from __future__ import annotations
 
@@ -7,7 +6,8 @@ import numbers
 from typing import Any, Optional
 
 
-def check_int(name: str, value: Any, minimum: int = 1, maximum: Optional[int] = None, accepted: Optional[str] = None) -> int:
+def check_int(name: str, value: Any, minimum: int = 1, maximum: Optional[int] = None,
+              accepted: Optional[str] = None) -> int:
     """``value`` as an int in ``[minimum, maximum]``, else ``ValueError`` naming it (bools refused).
 
     Example:
@@ -37,8 +37,10 @@ def check_int(name: str, value: Any, minimum: int = 1, maximum: Optional[int] = 
     return int(value)
 
 
-def check_fraction(name: str, value: Any, low: float, high: float, closed_low: bool = False) -> float:
-    """``value`` as a float in ``(low, high)`` (``[low, high)`` with ``closed_low``), else ``ValueError``.
+def check_fraction(name: str, value: Any, low: float, high: float,
+                   closed_low: bool = False) -> float:
+    """``value`` as a float in ``(low, high)`` (``[low, high)`` with ``closed_low``), else
+    ``ValueError``.
 
     Example:
         >>> check_fraction("safety_margin", 0.1, 0, 1, closed_low=True)
@@ -49,14 +51,16 @@ def check_fraction(name: str, value: Any, low: float, high: float, closed_low: b
         ValueError: `tolerance` must be a float in (0, 1), got 1.5
     """
     ok_low = (lambda v: v >= low) if closed_low else (lambda v: v > low)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (ok_low(value) and value < high):
-        raise ValueError(f"`{name}` must be a float in {'[' if closed_low else '('}{low:g}, {high:g}), got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not (ok_low(value) and value < high)):
+        raise ValueError(f"`{name}` must be a float in {'[' if closed_low else '('}{low:g}, "
+                         f"{high:g}), got {value!r}")
     return float(value)
 
 
 def is_a(obj: Any, *class_names: str) -> bool:
-    """Whether ``obj``'s class or one of its bases is named one of ``class_names``: an ``isinstance``
-    for Lightning's strategies (and other libraries' classes) that imports nothing.
+    """Whether ``obj``'s class or a base is named one of ``class_names``: an ``isinstance`` for
+    other libraries' classes (Lightning's strategies) that imports nothing.
 
     Example:
         >>> class SingleDeviceStrategy: ...

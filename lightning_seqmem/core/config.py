@@ -1,14 +1,10 @@
-"""``SeqMemConfig``: every argument of :class:`~lightning_seqmem.SeqMemCallback`, checked once, frozen.
+"""``SeqMemConfig``: every argument of :class:`~lightning_seqmem.SeqMemCallback`, checked once,
+frozen (plain values).
 
-The callback builds one (``cb.config``) and hands it to its
-:class:`~lightning_seqmem.plan.planner.SeqMemPlanner`; its old attributes (``cb.config.warmup_steps``,
-``cb.config.memory_budget_bytes``, ``cb.config.probe``, ...) read it. Nothing writes it after construction:
-what the run decides at set-up (the device's budget, its allocator, the dry run, the model's length
-limit) is the planner's :class:`~lightning_seqmem.plan.settings.RunFacts`, bound with
-``planner.bind_run``. Plain values (no torch, no Lightning).
-
-Every check raises ``ValueError`` naming the argument, its value and what is accepted; the budget
-arrives as bytes or as a string with a unit and is kept parsed as ``memory_budget_bytes``.
+The callback builds one (``cb.config``) and hands it to its planner. Nothing writes it after
+construction: what the run decides at set-up (budget, allocator, dry run, length limit) is the
+planner's :class:`~lightning_seqmem.plan.settings.RunFacts`. Every check raises ``ValueError``
+naming the argument, its value and what is accepted.
 
 Example:
     >>> c = SeqMemConfig(memory_budget="1GiB", safety_margin=0.25, mitigations=["checkpointing"])
@@ -47,13 +43,10 @@ SeqLenFn = Callable[[Any], "tuple[int, int]"]
 @dataclass(frozen=True)
 class SeqMemConfig:
     """The callback's arguments (see :class:`~lightning_seqmem.SeqMemCallback` for each), checked in
-    ``__post_init__``; ``memory_budget_bytes`` is ``memory_budget`` parsed (None: no budget given),
-    ``host_memory_budget_bytes`` is ``host_memory_budget`` parsed (None: the machine's RAM,
-    :func:`lightning_seqmem.plan.budgets.host_budget_bytes`): what host memory offload may use.
-
-    ``checked=False`` skips the callback's checks (the mitigations are still checked): the
-    :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s own keywords are plain values a caller
-    drives by hand (``warmup_steps=0`` fits from the first step).
+    ``__post_init__``; ``memory_budget_bytes`` is ``memory_budget`` parsed (None: no budget),
+    ``host_memory_budget_bytes`` is ``host_memory_budget`` parsed (None: the machine's RAM), what
+    host memory offload may use. ``checked=False`` skips all checks but the mitigations' (a planner
+    driven by hand: ``warmup_steps=0`` fits from the first step).
 
     Example:
         >>> SeqMemConfig(warmup_steps=0)
@@ -81,28 +74,32 @@ class SeqMemConfig:
     summary: bool = True
     host_memory_budget: Optional[Union[int, str]] = None
     memory_budget_bytes: Optional[int] = field(init=False)
-    host_memory_budget_bytes: Optional[int] = field(init=False)  # None: the machine's RAM, read at set-up
+    host_memory_budget_bytes: Optional[int] = field(init=False)  # None: the RAM, read at set-up
     checked: InitVar[bool] = True
 
     def __post_init__(self, checked: bool) -> None:
         if checked:
             self._check()
-        mitigations, budget, host = check_mitigations(self.mitigations), self.memory_budget, self.host_memory_budget
+        mitigations, budget, host = (check_mitigations(self.mitigations), self.memory_budget,
+                                     self.host_memory_budget)
         if checked and budget is not None:
             budget = parse_bytes(budget, "memory_budget")
         if checked and host is not None:
             host = parse_bytes(host, "host_memory_budget")
-        self._set(mitigations=mitigations, memory_budget_bytes=budget, host_memory_budget_bytes=host,
-                  tolerance=float(self.tolerance), safety_margin=float(self.safety_margin))
+        self._set(mitigations=mitigations, memory_budget_bytes=budget,
+                  host_memory_budget_bytes=host, tolerance=float(self.tolerance),
+                  safety_margin=float(self.safety_margin))
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():  # (frozen: only here, while it is built)
             object.__setattr__(self, name, value)
 
     def _check(self) -> None:
-        """Every argument but the budget and the mitigations, in the order the callback checked them."""
-        check_int("warmup_steps", self.warmup_steps, 1, accepted="an int ≥ 1 (the first step has no optimizer state)")
-        check_int("warmup_steps_after_change", self.warmup_steps_after_change, 0, accepted="an int ≥ 0")
+        """Every argument but the budget and the mitigations, in the callback's order."""
+        check_int("warmup_steps", self.warmup_steps, 1,
+                  accepted="an int ≥ 1 (the first step has no optimizer state)")
+        check_int("warmup_steps_after_change", self.warmup_steps_after_change, 0,
+                  accepted="an int ≥ 0")
         check_int("trace_lengths", self.trace_lengths, 2, 8)
         check_int("measure_every_n_steps", self.measure_every_n_steps, 1, accepted="an int ≥ 1")
         check_fraction("tolerance", self.tolerance, 0, 1)
@@ -110,9 +107,11 @@ class SeqMemConfig:
         if self.probe not in PROBE_NAMES:
             raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {self.probe!r}")
         if self.curriculum is not None and not isinstance(self.curriculum, Curriculum):
-            raise ValueError(f"`curriculum` must be a lightning_seqmem.Curriculum or None, got {type(self.curriculum).__name__}")
+            raise ValueError("`curriculum` must be a lightning_seqmem.Curriculum or None, got "
+                             f"{type(self.curriculum).__name__}")
         if self.seq_len_fn is not None and not callable(self.seq_len_fn):
-            raise ValueError(f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {self.seq_len_fn!r}")
+            raise ValueError("`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or "
+                             f"None, got {self.seq_len_fn!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ValueError(f"`name` must be a non-empty string or None, got {self.name!r}")
         for name in ("breakdown", "dry_run", "summary"):
@@ -123,9 +122,8 @@ class SeqMemConfig:
     def defaults(cls) -> dict[str, Any]:
         """Each argument's default, by name.
 
-        >>> SeqMemConfig.defaults()["warmup_steps"], "memory_budget_bytes" in SeqMemConfig.defaults()
-        (2, False)
-        >>> list(SeqMemConfig.defaults())[-1]
-        'host_memory_budget'
+        >>> d = SeqMemConfig.defaults()
+        >>> d["warmup_steps"], "memory_budget_bytes" in d, list(d)[-1]
+        (2, False, 'host_memory_budget')
         """
         return {f.name: f.default for f in fields(cls) if f.init}

@@ -1,8 +1,7 @@
 """Sequence-length curriculum: a validated, serialisable schedule of lengths.
 
-Pure Python (no torch, no Lightning). :class:`Curriculum` only says which lengths to train at and in
-which order; the callback decides when to move on (after ``steps_per_stage`` steps, and only when
-the memory model predicts the next length fits), and
+:class:`Curriculum` only says which lengths to train at and in which order; the callback decides
+when to move on (after ``steps_per_stage`` steps, when the next length is forecast to fit), and
 :func:`~lightning_seqmem.measure.batch.set_batch_sequence_length` applies a length to a batch.
 """
 
@@ -26,8 +25,7 @@ class Curriculum:
     """A strictly increasing schedule of sequence lengths from ``start`` to ``target``.
 
     Every length is rounded down to a multiple of ``multiple_of`` (never below it); the last stage
-    is ``target`` rounded down. Arguments are checked here and raise ``ValueError`` naming the
-    argument, its value and what is accepted.
+    is ``target`` rounded down. A bad argument raises ``ValueError``.
 
     >>> Curriculum(start=64, target=1010).stages
     (64, 128, 256, 512, 1008)
@@ -64,12 +62,13 @@ class Curriculum:
         set_ = object.__setattr__  # frozen dataclass: normalise the validated values once
         set_(self, "start", check_int("start", self.start, 1, accepted="an int >= 1"))
         set_(self, "target", check_int("target", self.target, 1, accepted="an int >= 1"))
-        set_(self, "steps_per_stage", check_int("steps_per_stage", self.steps_per_stage, 1, accepted="an int >= 1"))
-        set_(self, "multiple_of", check_int("multiple_of", self.multiple_of, 1, accepted="an int >= 1"))
+        set_(self, "steps_per_stage", check_int("steps_per_stage", self.steps_per_stage, 1,
+                                                accepted="an int >= 1"))
+        set_(self, "multiple_of", check_int("multiple_of", self.multiple_of, 1,
+                                            accepted="an int >= 1"))
         if self.start < self.multiple_of:
-            raise ValueError(
-                f"`start` must be >= `multiple_of`={self.multiple_of}, got start={self.start}."
-            )
+            raise ValueError(f"`start` must be >= `multiple_of`={self.multiple_of}, got "
+                             f"start={self.start}.")
         if self.target < self.start:
             raise ValueError(f"`target` must be >= `start`={self.start}, got target={self.target}.")
         if self.schedule not in _SCHEDULES:
@@ -84,24 +83,19 @@ class Curriculum:
             if not (1.0 < self.growth < math.inf):
                 raise ValueError(f"`growth` must be a finite number > 1, got {growth!r}.")
             if self.step_size is not None:
-                raise ValueError(
-                    "`step_size` is only used by schedule='linear'; got"
-                    f" step_size={self.step_size!r} with schedule='geometric'. Leave it None, or"
-                    " set schedule='linear'."
-                )
+                raise ValueError("`step_size` is only used by schedule='linear'; got"
+                                 f" step_size={self.step_size!r} with schedule='geometric'. Leave"
+                                 " it None, or set schedule='linear'.")
             stages = _geometric(self.start, self.target, self.growth, self.multiple_of)
         else:
             if self.step_size is None:
-                raise ValueError(
-                    "`step_size` is required with schedule='linear': a positive multiple of"
-                    f" `multiple_of`={self.multiple_of}, in tokens."
-                )
-            set_(self, "step_size", check_int("step_size", self.step_size, self.multiple_of, accepted=f"an int >= {self.multiple_of}"))
+                raise ValueError("`step_size` is required with schedule='linear': a positive "
+                                 f"multiple of `multiple_of`={self.multiple_of}, in tokens.")
+            set_(self, "step_size", check_int("step_size", self.step_size, self.multiple_of,
+                                              accepted=f"an int >= {self.multiple_of}"))
             if self.step_size % self.multiple_of:
-                raise ValueError(
-                    f"`step_size` must be a positive multiple of `multiple_of`={self.multiple_of},"
-                    f" got step_size={self.step_size}."
-                )
+                raise ValueError("`step_size` must be a positive multiple of `multiple_of`="
+                                 f"{self.multiple_of}, got step_size={self.step_size}.")
             stages = _linear(self.start, self.target, self.step_size, self.multiple_of)
         set_(self, "_stages", stages)
 
@@ -116,26 +110,24 @@ class Curriculum:
         return len(self._stages)
 
     def round_down(self, seq_len: int) -> int:
-        """``seq_len`` rounded down to a multiple of ``multiple_of``.
-
-        Raises ``ValueError`` when ``seq_len < multiple_of`` (no valid length is below it).
+        """``seq_len`` rounded down to a multiple of ``multiple_of``; ``ValueError`` below it.
 
         >>> Curriculum(start=64, target=1024).round_down(1010)
         1008
         """
-        seq_len = check_int("seq_len", seq_len, self.multiple_of, accepted=f"an int >= {self.multiple_of}")
+        seq_len = check_int("seq_len", seq_len, self.multiple_of,
+                            accepted=f"an int >= {self.multiple_of}")
         return seq_len - seq_len % self.multiple_of
 
     def stage_index(self, seq_len: int) -> int:
-        """Index of the last stage not longer than ``seq_len``.
-
-        A length between two stages (say, one capped by the memory budget) belongs to the lower one.
-        Raises ``ValueError`` when ``seq_len`` is below the first stage.
+        """Index of the last stage not longer than ``seq_len`` (a length between two stages, say a
+        capped one, belongs to the lower); ``ValueError`` below the first stage.
 
         >>> Curriculum(start=64, target=1024).stage_index(300)
         2
         """
-        seq_len = check_int("seq_len", seq_len, self._stages[0], accepted=f"an int >= {self._stages[0]}")
+        seq_len = check_int("seq_len", seq_len, self._stages[0],
+                            accepted=f"an int >= {self._stages[0]}")
         return sum(1 for length in self._stages if length <= seq_len) - 1
 
     def next_length(self, seq_len: int) -> int | None:
@@ -144,13 +136,12 @@ class Curriculum:
         return next((length for length in self._stages if length > seq_len), None)
 
     def capped(self, max_seq_len: int) -> tuple[int, ...]:
-        """The stages not longer than ``max_seq_len``, then ``max_seq_len`` rounded down.
-
-        The rounded cap is appended when it lies between the last stage kept and the next one, so
-        a budget that falls between stages is still reached; past the target, nothing is added.
-        Raises ``ValueError`` when ``max_seq_len < start``.
+        """The stages not longer than ``max_seq_len``, then ``max_seq_len`` rounded down where it
+        lies between the last stage kept and the next (past the target nothing is added).
+        ``ValueError`` when ``max_seq_len < start``.
         """
-        max_seq_len = check_int("max_seq_len", max_seq_len, self.start, accepted=f"an int >= {self.start}")
+        max_seq_len = check_int("max_seq_len", max_seq_len, self.start,
+                                accepted=f"an int >= {self.start}")
         kept = tuple(length for length in self._stages if length <= max_seq_len)
         cap = self.round_down(max_seq_len)
         if len(kept) < len(self._stages) and cap > kept[-1]:
@@ -159,16 +150,9 @@ class Curriculum:
 
     def to_dict(self) -> dict[str, Any]:
         """The constructor arguments as plain values (for checkpoints and YAML)."""
-        return {
-            "start": self.start,
-            "target": self.target,
-            "growth": self.growth,
-            "steps_per_stage": self.steps_per_stage,
-            "multiple_of": self.multiple_of,
-            "schedule": self.schedule,
-            "step_size": self.step_size,
-            "truncate": self.truncate,
-        }
+        return {"start": self.start, "target": self.target, "growth": self.growth,
+                "steps_per_stage": self.steps_per_stage, "multiple_of": self.multiple_of,
+                "schedule": self.schedule, "step_size": self.step_size, "truncate": self.truncate}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Curriculum:
@@ -213,8 +197,8 @@ def _geometric(start: int, target: int, growth: float, multiple_of: int) -> tupl
             break
         if not lengths or length > lengths[-1]:
             lengths.append(length)
-        # Jump to the first k that can give a new length: with growth close to 1 many k round
-        # down to the same length. The margin keeps float error from jumping past one.
+        # jump to the first k that can give a new length (with growth near 1 many k round down
+        # to the same one); the margin keeps float error from jumping past one
         wanted = math.log((lengths[-1] + multiple_of) / start) / math.log(growth)
         k = max(k + 1, math.ceil(wanted - 1e-9))
     lengths.append(top)

@@ -1,22 +1,21 @@
-"""``MitigationEvent``: one rung switched on, as a frozen value that reads like the dict it replaces.
+"""``MitigationEvent``: one rung switched on, as a frozen value.
 
-The ladder (:class:`~lightning_seqmem.plan.ladder_state.LadderState`) keeps one per rung switched on:
-where it was decided (``step``, ``seq_len``, ``batch_size``), what the rung said it did (``detail``),
-the peak before (``before_bytes``, by ``before_method``: ``"measured"`` or ``"dry_run"``) and the peak
-measured after (``after_bytes``, None until a step at that length ran with it), the rungs on before
-it (``mitigations_before``), and later whether it was taken off again (``removed``: why) and whether
-the attention check after it ran (``checked``). A change is a new value (:meth:`MitigationEvent.with_after`,
-:meth:`~MitigationEvent.with_checked`, :meth:`~MitigationEvent.with_removed`), made by the ladder.
+The ladder (:class:`~lightning_seqmem.plan.ladder_state.LadderState`) keeps one per rung switched
+on: where it was decided (``step``, ``seq_len``, ``batch_size``), what the rung did (``detail``),
+the peak before (``before_bytes``, by ``before_method``: ``"measured"`` or ``"dry_run"``) and after
+(``after_bytes``, None until a step ran with it), the rungs on before it, whether it was taken off
+(``removed``: why) and whether the attention check after it ran (``checked``). A change is a new
+value (``with_after``, ``with_checked``, ``with_removed``).
 
-It is a read-only :class:`~collections.abc.Mapping` over its plain-dict form, so
-``event["name"]``, ``event.get("checked")``, ``dict(event)`` and ``event == {...}`` read it;
-:meth:`~MitigationEvent.to_dict` is that dict exactly (fixed keys in a fixed order: ``removed`` and
-``checked`` only once set, and a checkpoint's event only with the keys it had), what checkpoints
-and reports hold, and :meth:`~MitigationEvent.from_dict` reads it back.
+It is a read-only :class:`~collections.abc.Mapping` over its plain-dict form (``event["name"]``,
+``dict(event)``, ``event == {...}``); :meth:`~MitigationEvent.to_dict` is that dict (fixed keys in
+a fixed order; ``removed`` and ``checked`` only once set, a checkpoint's event only with the keys it
+had), what checkpoints and reports hold; :meth:`~MitigationEvent.from_dict` reads it back.
 
 Example:
     >>> e = MitigationEvent("checkpointing", step=3, seq_len=512, batch_size=4, detail="4 blocks",
-    ...                     before_bytes=10_000, before_method="measured", mitigations_before=("attention",))
+    ...                     before_bytes=10_000, before_method="measured",
+    ...                     mitigations_before=("attention",))
     >>> e["name"], e.get("checked"), e.mitigations_before, e["mitigations_before"]
     ('checkpointing', None, ('attention',), ['attention'])
     >>> later = e.with_after(6_000).with_removed("it broke the step")
@@ -24,8 +23,9 @@ Example:
     (6000, 'it broke the step', ['mitigations_before', 'removed'], None)
     >>> MitigationEvent.from_dict(later.to_dict()) == later.to_dict() == later
     True
-    >>> old = MitigationEvent.from_dict({"name": "attention", "step": 6, "seq_len": 64, "detail": "sdpa",
-    ...                                  "before_bytes": 1112800, "after_bytes": 1044192, "checked": True})
+    >>> old = MitigationEvent.from_dict({"name": "attention", "step": 6, "seq_len": 64,
+    ...                                  "detail": "sdpa", "before_bytes": 1112800,
+    ...                                  "after_bytes": 1044192, "checked": True})
     >>> list(old), old.batch_size, old.checked
     (['name', 'step', 'seq_len', 'detail', 'before_bytes', 'after_bytes', 'checked'], None, True)
 """
@@ -38,10 +38,10 @@ from typing import Any, Optional
 
 __all__ = ["EVENT_KEYS", "MitigationEvent"]
 
-_BASE_KEYS = ("name", "step", "seq_len", "batch_size", "detail", "before_bytes", "before_method", "after_bytes",
-              "mitigations_before")
+_BASE_KEYS = ("name", "step", "seq_len", "batch_size", "detail", "before_bytes", "before_method",
+              "after_bytes", "mitigations_before")
 EVENT_KEYS = _BASE_KEYS + ("removed", "checked")
-"""The keys of an event's dict: those of a rung switched on, then ``removed`` and ``checked`` once set."""
+"""The keys of an event's dict: a rung switched on's, then ``removed`` and ``checked`` once set."""
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -59,17 +59,20 @@ class MitigationEvent(Mapping):
     mitigations_before: tuple[str, ...] = ()
     removed: Optional[str] = None
     checked: bool = False
-    # the keys it has, in order (default: those of a rung switched on, then removed/checked where set),
-    # and keys of a newer version's event, kept as they came
+    # the keys it has, in order (default: the base keys, then removed/checked where set), and keys
+    # of a newer version's event, kept as they came
     keys_present: tuple[str, ...] = field(default=(), compare=False)
     unknown: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mitigations_before", tuple(self.mitigations_before))
-        object.__setattr__(self, "unknown", tuple((str(k), v) for k, v in dict(self.unknown).items()))
+        object.__setattr__(self, "unknown",
+                           tuple((str(k), v) for k, v in dict(self.unknown).items()))
         if not self.keys_present:
-            set_later = tuple(k for k in ("removed", "checked") if getattr(self, k) not in (None, False))
-            object.__setattr__(self, "keys_present", _BASE_KEYS + set_later + tuple(k for k, _ in self.unknown))
+            set_later = tuple(k for k in ("removed", "checked")
+                              if getattr(self, k) not in (None, False))
+            object.__setattr__(self, "keys_present",
+                               _BASE_KEYS + set_later + tuple(k for k, _ in self.unknown))
 
     # the Mapping over the dict's keys
     def __getitem__(self, key: str) -> Any:
@@ -95,8 +98,8 @@ class MitigationEvent(Mapping):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MitigationEvent":
-        """Read :meth:`to_dict` back, from this version or an earlier one (which may lack keys); keys
-        of a newer version are kept as they came. ``data`` must hold a ``name``.
+        """Read :meth:`to_dict` back (an older one may lack keys; a newer one's extra keys are
+        kept as they came). ``data`` must hold a ``name``.
 
         >>> MitigationEvent.from_dict({"step": 1})
         Traceback (most recent call last):

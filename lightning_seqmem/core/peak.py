@@ -1,25 +1,23 @@
-"""Where the peak of a training step sits: its phase and the kinds of tensor alive there (plain values).
+"""Where the peak of a training step sits: its phase and the kinds of tensor alive there.
 
-A :class:`PeakSite` says *why* a step peaks where it does, so that a user sees why a lever helps or
-not: checkpointing helps when saved activations make the peak, a fused loss when the logits do, a
-memory-efficient attention kernel when the attention scores do, and none of them when parameters,
-gradients and optimizer state fill the device. It is computed by the live-tensor tracker
-(:func:`lightning_seqmem.diagnostics.peak_trace.peak_site` from a traced step, real or fake); here only the
-value, torch-free, for the planner, ``seqmem plan`` and the report.
+A :class:`PeakSite` says *why* a step peaks where it does, so a user sees why a lever helps or not:
+checkpointing when saved activations make the peak, a fused loss when the logits do, an efficient
+attention kernel when the scores do, none when parameters, gradients and optimizer state fill the
+device. Computed by :func:`lightning_seqmem.diagnostics.peak_trace.peak_site`; here only the value.
 
-Phases (:data:`PEAK_PHASES`): ``forward`` (the forward's end: saved activations), ``loss`` (the
-forward's peak reached while computing the logits and the loss), ``backward``, ``recompute`` (the
-backward's peak reached while a checkpointed forward is recomputed), ``optimizer`` (the optimizer
-step), ``existing`` (nothing the step made rose above what was alive before it).
+Phases (:data:`PEAK_PHASES`): ``forward`` (its end: saved activations), ``loss`` (the forward's
+peak reached in the logits and loss), ``backward``, ``recompute`` (the backward's peak reached while
+a checkpointed forward is recomputed), ``optimizer``, ``existing`` (nothing the step made rose
+above what was alive before it).
 
-Kinds (:data:`PEAK_KINDS`): ``parameters``, ``gradients``, ``optimizer_state``, ``saved_activations``
-(made in the forward, alive when the backward starts), ``attention_scores`` (any tensor with two
-dimensions equal to the sequence length), ``logits`` (the output layer and the loss, and their
-gradients), ``recompute`` (made while recomputing a checkpointed forward in the backward), ``other``
-(the batch, activation gradients, temporaries).
+Kinds (:data:`PEAK_KINDS`): ``parameters``, ``gradients``, ``optimizer_state``,
+``saved_activations`` (made in the forward, alive when the backward starts), ``attention_scores``
+(two dimensions equal to the sequence length), ``logits`` (the output layer and the loss, and their
+gradients), ``recompute``, ``other`` (the batch, activation gradients, temporaries).
 
 Example:
-    >>> site = PeakSite("backward", (("attention_scores", 600), ("saved_activations", 300), ("parameters", 100)))
+    >>> site = PeakSite("backward", (("attention_scores", 600), ("saved_activations", 300),
+    ...                              ("parameters", 100)))
     >>> site.peak_bytes, site.top_kind
     (1000, 'attention_scores')
     >>> site.describe()
@@ -38,19 +36,16 @@ __all__ = ["PEAK_KINDS", "PEAK_PHASES", "PeakSite"]
 PEAK_PHASES = ("existing", "forward", "loss", "backward", "recompute", "optimizer")
 """Where a step's peak can sit (see the module docstring)."""
 
-PEAK_KINDS = ("parameters", "gradients", "optimizer_state", "saved_activations", "attention_scores", "logits",
-              "recompute", "other")
+PEAK_KINDS = ("parameters", "gradients", "optimizer_state", "saved_activations", "attention_scores",
+              "logits", "recompute", "other")
 """What the bytes alive at the peak are for (see the module docstring), in display order."""
 
 
 @dataclass(frozen=True)
 class PeakSite:
-    """The phase holding a step's peak and the kinds of tensor alive there, largest first (bytes).
-
-    ``top_kinds`` holds ``(kind, bytes)`` for every kind of :data:`PEAK_KINDS` with bytes at the
-    peak, largest first; their sum is the peak the tracer saw. ``op`` is the op whose allocation
-    reached the peak ("" when unknown).
-    """
+    """The phase holding a step's peak and the kinds of tensor alive there: ``top_kinds`` holds
+    ``(kind, bytes)`` for every kind with bytes at the peak, largest first (their sum is the peak).
+    ``op`` is the op whose allocation reached the peak ("" when unknown)."""
 
     phase: str
     top_kinds: tuple[tuple[str, int], ...]
@@ -67,7 +62,8 @@ class PeakSite:
     def of(cls, phase: str, bytes_by_kind: Mapping[str, int], op: str = "") -> "PeakSite":
         """From ``kind -> bytes``: kinds without bytes left out, the largest first.
 
-        >>> PeakSite.of("optimizer", {"parameters": 10, "optimizer_state": 20, "logits": 0}).top_kinds
+        >>> kinds = {"parameters": 10, "optimizer_state": 20, "logits": 0}
+        >>> PeakSite.of("optimizer", kinds).top_kinds
         (('optimizer_state', 20), ('parameters', 10))
         """
         kinds = sorted(((k, int(v)) for k, v in bytes_by_kind.items() if v > 0),
@@ -95,14 +91,16 @@ class PeakSite:
     def describe(self, n: int = 3) -> str:
         """One line: the phase, then the ``n`` largest kinds with their share of the peak."""
         total = self.peak_bytes
-        parts = [f"{k.replace('_', ' ')} {b / total:.0%}" for k, b in self.top_kinds[:n]] if total else []
+        parts = ([f"{k.replace('_', ' ')} {b / total:.0%}" for k, b in self.top_kinds[:n]]
+                 if total else [])
         return f"{self.phase}: {', '.join(parts)}" if parts else self.phase
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values (``top_kinds`` as ``[kind, bytes]`` pairs)."""
-        return {"phase": self.phase, "top_kinds": [[k, b] for k, b in self.top_kinds], "op": self.op,
-                "peak_bytes": self.peak_bytes, "describe": self.describe()}
+        return {"phase": self.phase, "top_kinds": [[k, b] for k, b in self.top_kinds],
+                "op": self.op, "peak_bytes": self.peak_bytes, "describe": self.describe()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PeakSite":
-        return cls(str(d["phase"]), tuple((str(k), int(b)) for k, b in d["top_kinds"]), str(d.get("op", "")))
+        return cls(str(d["phase"]), tuple((str(k), int(b)) for k, b in d["top_kinds"]),
+                   str(d.get("op", "")))

@@ -1,14 +1,12 @@
 """Quadratic memory model: fit, predict and invert ``M(L, B) = C + B·(a·L + b·L²)`` per phase.
 
-The article fits ``M(L) = C + k·L²`` to peaks measured at short sequence lengths and extrapolates.
-We fit ``C + B·(a·L + b·L²)`` with ``a, b ≥ 0`` separately for every phase (forward, backward,
-optimizer step, ...) and predict the step peak as the maximum over phases. Constant memory
-(weights, grads, optimizer state) is ``C``; activations linear in ``L`` give ``a``; the attention
-score matrix ``[B, heads, L, L]`` gives ``b``. All values are bytes; no torch here.
+Fitted with ``a, b ≥ 0`` separately for every phase (forward, backward, optimizer step, ...);
+the step peak is the maximum over phases. ``C`` is constant memory (weights, grads, optimizer
+state), ``a`` activations linear in ``L``, ``b`` the attention scores ``[B, heads, L, L]``. Bytes.
 
 A fit on short lengths can under-predict a long one by 30% (the moment of the peak moves as ``L``
-grows, see DESIGN.md), so forecasts carry a conservative upper bound: the larger of ``z`` OLS
-prediction standard errors and a floor of ``min_relative_uncertainty`` times the dynamic bytes.
+grows, see DESIGN.md), so forecasts carry an upper bound: the larger of ``z`` OLS prediction
+standard errors and ``min_relative_uncertainty`` times the dynamic bytes.
 """
 
 from __future__ import annotations
@@ -61,14 +59,14 @@ class QuadraticCoefficients:
         return self.const_bytes + self.dynamic_bytes(seq_len, batch_size)
 
     def prediction_std_bytes(self, seq_len: float, batch_size: float) -> float:
-        """OLS standard error of the prediction, ``sqrt(x0ᵀ·Cov·x0)`` with ``x0 = [1, B·L, B·L²]``."""
+        """OLS standard error of the prediction, ``sqrt(x0ᵀ·Cov·x0)``, ``x0 = [1, B·L, B·L²]``."""
         x0 = _design_row(seq_len, batch_size)
         return math.sqrt(max(0.0, float(x0 @ np.asarray(self.covariance, dtype=float) @ x0)))
 
 
 @dataclass(frozen=True)
 class QuadraticForecast:
-    """Predicted peak at one ``(seq_len, batch_size)``; ``upper_bytes`` is what to budget against."""
+    """Predicted peak at one ``(seq_len, batch_size)``; budget against ``upper_bytes``."""
 
     seq_len: int
     batch_size: int
@@ -101,9 +99,8 @@ class QuadraticMemoryModel:
     """
 
     def __init__(self, min_relative_uncertainty: float = 0.15, confidence_z: float = 2.0) -> None:
-        self.min_relative_uncertainty = _check_non_negative(
-            "min_relative_uncertainty", min_relative_uncertainty
-        )
+        self.min_relative_uncertainty = _check_non_negative("min_relative_uncertainty",
+                                                            min_relative_uncertainty)
         self.confidence_z = _check_non_negative("confidence_z", confidence_z)
         self._coefficients: dict[str, QuadraticCoefficients] = {}
 
@@ -122,8 +119,8 @@ class QuadraticMemoryModel:
     def fit(self, points: Iterable[tuple[int, int, Any]]) -> QuadraticMemoryModel:
         """Fit every phase from ``(seq_len, batch_size, peak)`` points; returns ``self``.
 
-        ``peak`` is a byte count (one phase, named ``"step"``) or a mapping phase name → bytes, with
-        the same keys in every point; a ``None`` value means that phase was not measured there.
+        ``peak`` is a byte count (one phase, ``"step"``) or a mapping phase name → bytes, with the
+        same keys in every point; a ``None`` value means that phase was not measured there.
         """
         rows: list[tuple[int, int, Mapping[str, Any]]] = []
         phase_names: Optional[tuple[str, ...]] = None
@@ -136,12 +133,14 @@ class QuadraticMemoryModel:
             if phase_names is None:
                 phase_names = names
             elif set(names) != set(phase_names):
-                raise ValueError(f"every point must have the phases {list(phase_names)}, got {list(names)}")
+                raise ValueError(f"every point must have the phases {list(phase_names)}, got "
+                                 f"{list(names)}")
             for name, value in peaks.items():
                 if not isinstance(name, str):
                     raise ValueError(f"phase names must be str, got {name!r}")
                 if value is not None:
-                    _check_non_negative(f"peak[{name!r}]" if isinstance(peak, Mapping) else "peak", value)
+                    _check_non_negative(f"peak[{name!r}]" if isinstance(peak, Mapping) else "peak",
+                                        value)
             rows.append((int(seq_len), int(batch_size), peaks))
         if phase_names is None:
             raise ValueError("need at least 2 distinct (seq_len, batch_size) points, got 0")
@@ -175,22 +174,16 @@ class QuadraticMemoryModel:
             if point > peak:
                 peak_phase, peak = name, point
         peak_bytes, upper_bytes = math.ceil(peak), math.ceil(upper)
-        return QuadraticForecast(
-            seq_len=int(seq_len),
-            batch_size=int(batch_size),
-            peak_bytes=peak_bytes,
-            upper_bytes=upper_bytes,
-            uncertainty_bytes=upper_bytes - peak_bytes,
-            peak_phase=peak_phase,
-            phase_peak_bytes=phase_peak_bytes,
-        )
+        return QuadraticForecast(seq_len=int(seq_len), batch_size=int(batch_size),
+                                 peak_bytes=peak_bytes, upper_bytes=upper_bytes,
+                                 uncertainty_bytes=upper_bytes - peak_bytes,
+                                 peak_phase=peak_phase, phase_peak_bytes=phase_peak_bytes)
 
     def max_seq_len(self, budget_bytes: int, batch_size: int = 1, conservative: bool = True) -> int:
         """Largest ``L ≥ 1`` whose forecast fits ``budget_bytes``; 0 if ``L = 1`` does not fit.
 
-        Compares ``upper_bytes`` (``conservative=True``) or ``peak_bytes`` with the budget, exactly as
-        :meth:`predict` rounds them. Returns :data:`UNBOUNDED_SEQ_LEN` when no length up to it exceeds
-        the budget (no phase depends on ``L``).
+        Compares ``upper_bytes`` (``conservative=True``) or ``peak_bytes``, as :meth:`predict`
+        rounds them. :data:`UNBOUNDED_SEQ_LEN` when no phase depends on ``L``.
         """
         check_int("budget_bytes", budget_bytes)
         check_int("batch_size", batch_size)
@@ -201,8 +194,9 @@ class QuadraticMemoryModel:
             forecast = self.predict(seq_len, batch_size)
             return (forecast.upper_bytes if conservative else forecast.peak_bytes) <= budget_bytes
 
-        # Closed form for the point prediction (a lower bound of the upper bound) brackets the answer.
-        estimate = min(_largest_len_below(c, budget_bytes, batch_size) for c in self._coefficients.values())
+        # the point prediction's closed form (a lower bound of the upper bound) brackets the answer
+        estimate = min(_largest_len_below(c, budget_bytes, batch_size)
+                       for c in self._coefficients.values())
         return largest_fitting(fits, hint=int(min(estimate + 2.0, UNBOUNDED_SEQ_LEN)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,17 +204,13 @@ class QuadraticMemoryModel:
         return {
             "min_relative_uncertainty": self.min_relative_uncertainty,
             "confidence_z": self.confidence_z,
-            "phases": {
-                name: {
-                    "const_bytes": c.const_bytes,
-                    "linear_bytes_per_token": c.linear_bytes_per_token,
-                    "quadratic_bytes_per_token2": c.quadratic_bytes_per_token2,
-                    "residual_std_bytes": c.residual_std_bytes,
-                    "num_points": c.num_points,
-                    "covariance": [list(row) for row in c.covariance],
-                }
-                for name, c in self._coefficients.items()
-            },
+            "phases": {name: {"const_bytes": c.const_bytes,
+                              "linear_bytes_per_token": c.linear_bytes_per_token,
+                              "quadratic_bytes_per_token2": c.quadratic_bytes_per_token2,
+                              "residual_std_bytes": c.residual_std_bytes,
+                              "num_points": c.num_points,
+                              "covariance": [list(row) for row in c.covariance]}
+                       for name, c in self._coefficients.items()},
         }
 
     @classmethod
@@ -234,7 +224,8 @@ class QuadraticMemoryModel:
                 quadratic_bytes_per_token2=float(c["quadratic_bytes_per_token2"]),
                 residual_std_bytes=float(c.get("residual_std_bytes", 0.0)),
                 num_points=int(c.get("num_points", 0)),
-                covariance=tuple(tuple(float(v) for v in row) for row in c.get("covariance", _ZERO_COV)),
+                covariance=tuple(tuple(float(v) for v in row)
+                                 for row in c.get("covariance", _ZERO_COV)),
             )
         return model
 
@@ -247,7 +238,8 @@ def _fit_phase(points: list[tuple[int, int, float]]) -> QuadraticCoefficients:
     """Least squares on ``[1, B·L, B·L²]`` with ``a, b ≥ 0`` by enumerating the active sets."""
     num_distinct = len({(s, b) for s, b, _ in points})
     if num_distinct < 2:
-        raise ValueError(f"need at least 2 distinct (seq_len, batch_size) points, got {num_distinct}")
+        raise ValueError("need at least 2 distinct (seq_len, batch_size) points, got "
+                         f"{num_distinct}")
     x = np.array([_design_row(s, b) for s, b, _ in points])
     y = np.array([p for _, _, p in points])
     # Normalise columns and target: bytes reach 1e11 and B·L² reaches 1e10.
@@ -282,14 +274,10 @@ def _fit_phase(points: list[tuple[int, int, float]]) -> QuadraticCoefficients:
         cov_n = (sse / dof) * np.linalg.inv(xa.T @ xa)
         idx = np.ix_(active, active)
         cov[idx] = cov_n * y_scale**2 / np.outer(x_scale[list(active)], x_scale[list(active)])
-    return QuadraticCoefficients(
-        const_bytes=float(coef[0]),
-        linear_bytes_per_token=float(coef[1]),
-        quadratic_bytes_per_token2=float(coef[2]),
-        residual_std_bytes=residual_std,
-        num_points=len(points),
-        covariance=tuple(tuple(float(v) for v in row) for row in cov),
-    )
+    return QuadraticCoefficients(const_bytes=float(coef[0]), linear_bytes_per_token=float(coef[1]),
+                                 quadratic_bytes_per_token2=float(coef[2]),
+                                 residual_std_bytes=residual_std, num_points=len(points),
+                                 covariance=tuple(tuple(float(v) for v in row) for row in cov))
 
 
 def _largest_len_below(coef: QuadraticCoefficients, budget_bytes: int, batch_size: int) -> float:

@@ -28,15 +28,13 @@ class MemoryBudgetError(ValueError):
 
 @dataclass
 class AllocatorCounters:
-    """What a caching allocator counts over a step, declared once for :class:`StepMemory` (which
-    measures them) and :class:`StepRecord` (which keeps them): bytes, ``None`` for a probe without an
-    allocator (the live-tensor tracker).
+    """What a caching allocator counts over a step, for :class:`StepMemory` (which measures them)
+    and :class:`StepRecord` (which keeps them): bytes, ``None`` for a probe without an allocator.
 
-    ``fragmentation_bytes`` is the peak reserved minus the peak allocated, ``fragmentation_fraction``
-    that over the peak reserved; ``alloc_retries`` and ``num_ooms`` count the allocator's retries
-    after a failed allocation and its out-of-memory errors. Each record puts them after its own
-    leading fields (a base listed first comes later in ``fields()``, dataclasses reading bases in
-    reverse MRO), so field order, ``to_dict`` and positional arguments are what they were.
+    ``fragmentation_bytes`` is the peak reserved minus the peak allocated,
+    ``fragmentation_fraction`` that over the peak reserved; ``alloc_retries`` and ``num_ooms`` count
+    the allocator's retries and out-of-memory errors. Each record lists them after its own fields
+    (a base listed first comes later in ``fields()``), keeping its field order and positions.
 
     >>> memory = StepMemory(100, {"forward": 100}, 10, 10, 128)
     >>> memory.reserved_bytes, memory.fragmentation_bytes, [f.name for f in fields(memory)][3:5]
@@ -74,11 +72,10 @@ class StepRecord(AllocatorCounters, _StepRecordHead):
     """One measured training batch (bytes; ``None`` where the probe has no such counter).
 
     ``step`` counts the training batches the callback has seen (from 0), ``global_step`` is the
-    trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded but not fitted.
+    trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded, not fitted.
     ``forecast_*`` hold the forecast made for this ``(seq_len, batch_size)`` before it was first
-    measured, and ``forecast_error`` = (forecast − measured) / measured, filled on the first
-    non-warm-up measurement of a new length. ``step_seconds`` is the step's own wall time
-    (:mod:`lightning_seqmem.plan.pricing` prices settings from it).
+    measured; ``forecast_error`` = (forecast − measured) / measured, on the first non-warm-up
+    measurement of a new length.
     """
 
     stage: Optional[int] = None
@@ -88,9 +85,9 @@ class StepRecord(AllocatorCounters, _StepRecordHead):
     forecast_method: Optional[str] = None
     forecast_error: Optional[float] = None
     events: list[str] = field(default_factory=list)
-    rank: Optional[int] = None  # under DDP: the rank whose peak (the highest) this is, with its own shape
-    # wall seconds of the step itself (batch start after the decision -> batch end: forward, backward,
-    # optimizer), not the callback's own dry runs or decisions; None where not timed (older checkpoints)
+    rank: Optional[int] = None  # under DDP: the rank whose peak (the highest) this is, its shape
+    # wall seconds of the step itself (forward, backward, optimizer; not the callback's own dry runs
+    # or decisions), what :mod:`lightning_seqmem.plan.pricing` prices from; None: not timed
     step_seconds: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:

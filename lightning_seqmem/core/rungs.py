@@ -1,19 +1,18 @@
-"""The rungs of the mitigation ladder as plain values (no torch): what the torch-free planner knows of
-each, and the registry of their names.
+"""The rungs of the mitigation ladder as plain values (no torch): their specs and the registry.
 
-A rung is two halves. This module holds its :class:`RungSpec` (name, advice words, step-time prior,
-and the few facts the planner acts on); :mod:`lightning_seqmem.mitigations` holds the torch half
-that switches it on (the ``Rung`` protocol of :mod:`lightning_seqmem.mitigations.base`), which
-registers its spec here through :func:`lightning_seqmem.mitigations.ladder.register`. The planner
-never compares a rung's name: it reads the rung's spec.
+A rung is two halves: its :class:`RungSpec` here (name, advice words, step-time prior, the facts
+the planner acts on), and the torch half in :mod:`lightning_seqmem.mitigations` that switches it
+on and registers its spec (``ladder.register``). The planner reads specs, never compares names.
 
 Example:
     >>> check_mitigations(["attention", "microbatch"])
     ('attention', 'microbatch')
-    >>> check_mitigations(["attention", "fp8"])
+    >>> check_mitigations(["attention", "fp8"])  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: `mitigations` must be a sequence of distinct names from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload') (an empty one warns only), got ['attention', 'fp8']
+    ValueError: `mitigations` must be a sequence of distinct names from ('attention',
+    'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload') (an empty one
+    warns only), got ['attention', 'fp8']
     >>> remaining_advice(("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> spec("checkpointing").step_time_prior
@@ -53,26 +52,24 @@ class RungNotApplicable(ValueError):
         super().__init__(self.reason)
 
 
-RUNG_FOLDERS = ("attention", "checkpointing", "microbatch", "fused_loss", "tiled_mlp", "activation_offload")
-"""The built-in rungs, one folder each (``lightning_seqmem/mitigations/<rung>/``: the rung, its spec,
-its method card), in the default order then the opt-in ones. A new built-in rung is its folder and
-its name here (a user's rung: its folder and :func:`lightning_seqmem.mitigations.ladder.register_folder`)."""
+RUNG_FOLDERS = ("attention", "checkpointing", "microbatch", "fused_loss", "tiled_mlp",
+                "activation_offload")
+"""The built-in rungs, one folder each (``mitigations/<rung>/``: the rung, its spec, its method
+card), default order then opt-in. A user's rung: its folder and ``ladder.register_folder``."""
 
-_BUILTIN = tuple(importlib.import_module(f"lightning_seqmem.mitigations.{folder}.{folder}_spec").SPEC
-                 for folder in RUNG_FOLDERS)  # torch-free data (tests/test_imports.py)
+_BUILTIN = tuple(  # torch-free data (tests/test_imports.py)
+    importlib.import_module(f"lightning_seqmem.mitigations.{folder}.{folder}_spec").SPEC
+    for folder in RUNG_FOLDERS)
 _SPECS: dict[str, RungSpec] = {s.name: s for s in _BUILTIN}
 
 EXTRA_RUNGS = ("fused_loss", "tiled_mlp", "activation_offload")
-"""Built-in rungs a user opts in to (``SeqMemCallback(mitigations=[..., "fused_loss"])``): not in the
-default ladder, not advised unless allowed."""
+"""Built-in rungs a user opts in to: not in the default ladder, not advised unless allowed."""
 
 BUILTIN_RUNGS = tuple(s.name for s in _BUILTIN)
 """Every built-in rung (the default ladder and the opt-in ones): never unregistered."""
 
 MITIGATIONS = tuple(s.name for s in _BUILTIN if s.name not in EXTRA_RUNGS)
 """The built-in rungs of the default ladder, cheapest first (the default order)."""
-
-
 
 
 def base_name(name: str) -> str:
@@ -86,13 +83,14 @@ def level_of(name: str) -> "str | None":
 
 
 def at_most(a: str, b: str) -> bool:
-    """Whether variant ``a`` saves no more memory than ``b`` by construction: the same rung, and ``a``
-    equal to ``b``, or ``b`` its full level (the bare name), or both ``k/N`` of the same N with
-    ``a``'s k not larger. Other levels are not compared (a selective policy vs k of N blocks).
+    """Whether variant ``a`` saves no more memory than ``b`` by construction: the same rung, and
+    ``a`` equal to ``b``, or ``b`` its full level (the bare name), or both ``k/N`` of the same N
+    with ``a``'s k not larger. Other levels are not compared (a selective policy vs k of N blocks).
 
-    >>> at_most("checkpointing:3/8", "checkpointing"), at_most("checkpointing:3/8", "checkpointing:5/8")
+    >>> c = "checkpointing"
+    >>> at_most(f"{c}:3/8", c), at_most(f"{c}:3/8", f"{c}:5/8")
     (True, True)
-    >>> at_most("checkpointing", "checkpointing:5/8"), at_most("checkpointing:selective", "checkpointing:5/8")
+    >>> at_most(c, f"{c}:5/8"), at_most(f"{c}:selective", f"{c}:5/8")
     (False, False)
     """
     if base_name(a) != base_name(b):
@@ -108,8 +106,9 @@ def at_most(a: str, b: str) -> bool:
 
 
 def register_spec(rung_spec: RungSpec) -> None:
-    """Make ``rung_spec`` known (a rung registered by :func:`lightning_seqmem.mitigations.ladder.register`)."""
-    if not isinstance(rung_spec, RungSpec) or not rung_spec.name or not isinstance(rung_spec.name, str):
+    """Make ``rung_spec`` known (a rung registered by ``mitigations.ladder.register``)."""
+    if (not isinstance(rung_spec, RungSpec) or not rung_spec.name
+            or not isinstance(rung_spec.name, str)):
         raise ValueError(f"`rung_spec` must be a RungSpec with a non-empty name, got {rung_spec!r}")
     _SPECS[rung_spec.name] = rung_spec
 
@@ -126,8 +125,8 @@ def rung_names() -> tuple[str, ...]:
 
 
 def rung_specs() -> dict[str, RungSpec]:
-    """The specs known now, as a copy (what a planner is handed: a rung registered later is not seen
-    by it until the run binds the specs again; a plain dict, so a planner pickles and deep-copies).
+    """The specs known now, as a plain dict copy (a planner's: it pickles, and a rung registered
+    later is not seen until the run binds the specs again).
 
     >>> specs = rung_specs()
     >>> specs["checkpointing"].step_time_prior, "toy" in specs
@@ -145,9 +144,9 @@ def spec(name: str, specs: Optional[Mapping[str, RungSpec]] = None) -> RungSpec:
 
 
 def engine_features(setting: Sequence[str]) -> frozenset[str]:
-    """What the rungs of ``setting`` are in other training engines' own configs (each rung's
-    ``spec(name).engine_feature``): ``"activation_checkpointing"``, ``"gradient_accumulation"``. A rung
-    at a lower level (``"checkpointing:3/8"``) stands for none: those switches are all or nothing.
+    """The rungs of ``setting`` as other engines' config switches (``spec(n).engine_feature``,
+    e.g. ``"gradient_accumulation"``). A rung at a lower level (``"checkpointing:3/8"``) stands for
+    none: those switches are all or nothing.
 
     >>> sorted(engine_features(["attention", "checkpointing", "microbatch"]))
     ['activation_checkpointing', 'gradient_accumulation']
@@ -164,10 +163,12 @@ def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
 
     >>> check_mitigations(["attention", "checkpointing:3/8"], variants=True)
     ('attention', 'checkpointing:3/8')
-    >>> check_mitigations(["checkpointing", "checkpointing:3/8"], variants=True)  # doctest: +ELLIPSIS
+    >>> check_mitigations(["checkpointing", "checkpointing:3/8"], variants=True)
+    ... # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: `mitigations` must be a sequence of distinct names from (...), each rung at most once (at one level, e.g. 'checkpointing:3/8'), got ['checkpointing', 'checkpointing:3/8']
+    ValueError: `mitigations` must be a sequence of distinct names from (...), each rung at most
+    once (at one level, e.g. 'checkpointing:3/8'), got ['checkpointing', 'checkpointing:3/8']
     """
     names = tuple(value) if isinstance(value, (list, tuple)) else None
     if variants and names is not None and all(isinstance(n, str) for n in names):
@@ -175,8 +176,8 @@ def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
         if all(b in _SPECS for b in bases) and len(set(bases)) == len(bases):
             return names
         raise ValueError(
-            f"`mitigations` must be a sequence of distinct names from {rung_names()}, each rung at most once "
-            f"(at one level, e.g. 'checkpointing:3/8'), got {value!r}"
+            f"`mitigations` must be a sequence of distinct names from {rung_names()}, each rung at "
+            f"most once (at one level, e.g. 'checkpointing:3/8'), got {value!r}"
         )
     if names is None or any(n not in _SPECS for n in names) or len(set(names)) != len(names):
         raise ValueError(
@@ -187,40 +188,44 @@ def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
 
 
 def check_setting(value: Any, name: str = "mitigations") -> tuple[str, ...]:
-    """Validate a setting (the rungs on, variants included): distinct known rungs, one entry per rung.
+    """Validate a setting (the rungs on, variants included): known rungs, one entry per rung.
 
     >>> check_setting(["attention", "checkpointing:3/8"])
     ('attention', 'checkpointing:3/8')
-    >>> check_setting(["checkpointing:3/8", "checkpointing"])
+    >>> check_setting(["checkpointing:3/8", "checkpointing"])  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: `mitigations` (a setting) must be a sequence of names of known rungs (variants '<rung>:<level>' allowed), at most one entry per rung, from ('attention', 'checkpointing', 'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload'), got ['checkpointing:3/8', 'checkpointing']
+    ValueError: `mitigations` (a setting) must be a sequence of names of known rungs (variants
+    '<rung>:<level>' allowed), at most one entry per rung, from ('attention', 'checkpointing',
+    'microbatch', 'fused_loss', 'tiled_mlp', 'activation_offload'), got ['checkpointing:3/8',
+    'checkpointing']
     """
     names = tuple(value) if isinstance(value, (list, tuple)) else None
     if (names is None or any(not isinstance(n, str) or base_name(n) not in _SPECS for n in names)
             or len({base_name(n) for n in names}) != len(names)):
-        raise ValueError(f"`{name}` (a setting) must be a sequence of names of known rungs (variants '<rung>{LEVEL_SEP}<level>' "
-                         f"allowed), at most one entry per rung, from {rung_names()}, got {value!r}")
+        raise ValueError(f"`{name}` (a setting) must be a sequence of names of known rungs "
+                         f"(variants '<rung>{LEVEL_SEP}<level>' allowed), at most one entry per "
+                         f"rung, from {rung_names()}, got {value!r}")
     return names
 
 
-def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), device: str = "cuda") -> str:
-    """What else would help, in words, for a warning: every rung not on yet that applies to this
-    model (not ``inapplicable``: attention already on SDPA is never advised; nor the opt-in
-    :data:`EXTRA_RUNGS`), cheapest first; with
-    none left, what fits the machine (``device``: the run's device type): sharding across GPUs on
-    CUDA, a larger budget or a smaller step elsewhere.
+def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (),
+                     device: str = "cuda") -> str:
+    """What else would help, in words: every rung not on yet that applies (not ``inapplicable``,
+    not :data:`EXTRA_RUNGS`), cheapest first; with none left, what fits ``device`` (the run's
+    device type): sharding across GPUs on CUDA, a larger budget or a smaller step elsewhere.
 
     >>> remaining_advice((), inapplicable=("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> remaining_advice(MITIGATIONS, device="cpu")
     'raise `memory_budget`, lower the batch size, or train a smaller model'
-    >>> remaining_advice(("attention", "checkpointing:1/4", "microbatch"))  # a rung on at a lower level
+    >>> remaining_advice(("attention", "checkpointing:1/4", "microbatch"))  # one at a lower level
     'enable activation checkpointing (on now at level 1/4)'
     """
     levels = {base_name(n): level_of(n) for n in applied}
-    rest = [s.advice + (f" (on now at level {levels[n]})" if levels.get(n) else "") for n, s in _SPECS.items()
-            if (n not in levels or levels[n] is not None) and n not in inapplicable and n not in EXTRA_RUNGS]
+    rest = [s.advice + (f" (on now at level {levels[n]})" if levels.get(n) else "")
+            for n, s in _SPECS.items() if (n not in levels or levels[n] is not None)
+            and n not in inapplicable and n not in EXTRA_RUNGS]
     if rest:
         return ", or ".join(rest)
     if device == "cuda":
@@ -228,5 +233,7 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (), d
     return "raise `memory_budget`, lower the batch size, or train a smaller model"
 
 
-__all__ = ["at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "MITIGATIONS", "RUNG_FOLDERS", "RungNotApplicable", "base_name", "level_of", "check_mitigations", "check_setting", "engine_features", "register_spec", "remaining_advice",
-           "rung_names", "rung_specs", "spec", "unregister_spec"]
+__all__ = ["at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "MITIGATIONS", "RUNG_FOLDERS",
+           "RungNotApplicable", "base_name", "level_of", "check_mitigations", "check_setting",
+           "engine_features", "register_spec", "remaining_advice", "rung_names", "rung_specs",
+           "spec", "unregister_spec"]

@@ -1,11 +1,9 @@
-"""The searches every "largest length that fits" and "smallest world size that fits" uses: by
-bisection, and (:func:`interpolated_last`) by guesses from the points known, which the planner's
-dry-run searches (:mod:`lightning_seqmem.plan.dry_search`) and ``seqmem plan`` both ask through.
+"""The searches for "largest length that fits" and "smallest world size that fits": bisection,
+and (:func:`interpolated_last`) guesses from the points known (:mod:`..plan.dry_search` uses it).
 
-Every predicate here is monotone: a length that fits has every shorter length fit too (a peak never
-falls as L grows), and a world size that fits has every larger one fit (a per-rank peak never grows
-with the ranks). Each function asks the predicate as few times as a bisection must; callers cache
-expensive answers (dry runs) themselves.
+Every predicate is monotone: a length that fits has every shorter one fit (a peak never falls as L
+grows); a world size that fits has every larger one fit. Each function asks the predicate as few
+times as a bisection must; callers cache expensive answers (dry runs) themselves.
 
 Example:
     >>> largest_fitting(lambda L: 3 * L * L <= 10_000)  # 57² · 3 = 9747, 58² · 3 = 10092
@@ -22,12 +20,12 @@ import math
 from typing import Callable, Optional, Sequence
 
 UNBOUNDED_SEQ_LEN = 2**31 - 1
-"""Answer of :func:`largest_fitting` (and every ``max_seq_len``) when nothing up to it exceeds the budget."""
+"""Answer of :func:`largest_fitting` (and every ``max_seq_len``) when nothing up to it is over."""
 
 
 def bisect_last(fits: Callable[[int], bool], lo: int, hi: int) -> int:
-    """Largest ``x`` in ``[lo, hi)`` with ``fits(x)``, given ``fits(lo)`` and not ``fits(hi)`` (neither
-    is asked: either may be a sentinel).
+    """Largest ``x`` in ``[lo, hi)`` with ``fits(x)``, given ``fits(lo)`` and not ``fits(hi)``
+    (neither is asked: either may be a sentinel).
 
     Example:
         >>> bisect_last(lambda x: x * x <= 50, 0, 100)
@@ -39,12 +37,11 @@ def bisect_last(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return lo
 
 
-def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional[int] = None, step: int = 1,
-                    hint: Optional[int] = None, limit: int = UNBOUNDED_SEQ_LEN) -> int:
-    """Largest multiple of ``step`` in ``[low, high)`` that ``fits``; 0 when ``low`` (rounded up to a
-    multiple of ``step``) does not fit.
-
-    Without ``high`` the search doubles from ``hint`` (a guess, e.g. a closed-form estimate; default
+def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional[int] = None,
+                    step: int = 1, hint: Optional[int] = None,
+                    limit: int = UNBOUNDED_SEQ_LEN) -> int:
+    """Largest multiple of ``step`` in ``[low, high)`` that ``fits``; 0 when ``low`` (rounded up to
+    a multiple of ``step``) does not fit. Without ``high`` the search doubles from ``hint`` (default
     ``2·low``) until a length does not fit, and returns ``limit`` when every length up to it fits.
     With ``high`` the largest candidate is asked first: when it fits it is the answer.
 
@@ -80,14 +77,14 @@ def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional
 
 
 def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[float]:
-    """Where the curve through ``points`` (``(x, value)``, 2 or 3 of them, ascending) reaches ``limit``: the
-    root of the interpolating parabola nearest the points; through two, of ``p + q·x²`` (a step's peak in
-    the length; a line where the points are not so ordered); where three give no parabola's root (the
-    curve is not quadratic there), of the line through the outer two; None where there is none (flat).
+    """Where the curve through ``points`` (``(x, value)``, 2 or 3, ascending) reaches ``limit``: the
+    root of the interpolating parabola nearest the points; through two, of ``p + q·x²`` (a line
+    where the points are not so ordered); where three give no root, of the line through the outer
+    two; None where there is none (flat).
 
-    >>> crossing_of([(100, 10_000.0), (200, 40_000.0), (400, 160_000.0)], 90_000)   # 1·L² bytes: 300 tokens
+    >>> crossing_of([(100, 10_000.0), (200, 40_000.0), (400, 160_000.0)], 90_000)  # 1·L²
     300.0
-    >>> crossing_of([(100, 10_000.0), (400, 160_000.0)], 90_000)   # p + q·L² through two: the same
+    >>> crossing_of([(100, 10_000.0), (400, 160_000.0)], 90_000)  # p + q·L² through two
     300.0
     """
     two = len(points) == 2
@@ -107,7 +104,7 @@ def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[f
     (x0, y0), (x1, y1) = points[0], points[-1]
     if y1 == y0:
         return None
-    if two and min(x0, x1) >= 0 and x0 != x1 and (y1 - y0) * (x1 - x0) > 0:  # p + q·x² through both (a peak in L)
+    if two and min(x0, x1) >= 0 and x0 != x1 and (y1 - y0) * (x1 - x0) > 0:  # p + q·x² through both
         q = (y1 - y0) / (x1 * x1 - x0 * x0)
         square = (limit - (y0 - q * x0 * x0)) / q
         if square >= 0:
@@ -117,20 +114,19 @@ def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[f
 
 def interpolated_last(value: Callable[[int], float], limit: float, lo: int, hi: int,
                       known: Optional[dict[int, float]] = None) -> int:
-    """Largest ``x`` in ``[lo, hi)`` with ``value(x) <= limit``, given that ``lo`` fits (or is a sentinel
-    below every candidate) and ``hi`` does not, for a ``value`` that never falls as ``x`` grows: the
-    answer of :func:`bisect_last` with far fewer questions where ``value`` is smooth (a step's peak is
-    close to a quadratic in the length). Each guess interpolates the values known nearest the bracket
-    (``known``: ``x -> value`` already asked, extended with every answer) and is then closed in from
-    both sides; a guess that does not halve the bracket is replaced by its midpoint, so the count of
-    questions is never above about twice a bisection's.
+    """Largest ``x`` in ``[lo, hi)`` with ``value(x) <= limit`` (``lo`` fits or is a sentinel,
+    ``hi`` does not; ``value`` never falls as ``x`` grows): :func:`bisect_last`'s answer with far
+    fewer questions where ``value`` is smooth. Each guess interpolates the values known nearest the
+    bracket (``known``: ``x -> value``, extended with every answer) and is closed in from both
+    sides; a guess that does not halve the bracket is followed by its midpoint, so it never asks
+    more than about twice a bisection's count.
 
     Example:
         >>> asked = []
         >>> def peak(x):
         ...     asked.append(x)
         ...     return 100 + 3 * x + 0.01 * x * x
-        >>> known = {x: 100 + 3 * x + 0.01 * x * x for x in (1024, 2048, 4096)}  # three dry-run lengths, all over
+        >>> known = {x: 100 + 3 * x + 0.01 * x * x for x in (1024, 2048, 4096)}  # all over
         >>> interpolated_last(peak, 10_000, 0, 4096, known), asked  # bisection: 10 questions
         (856, [856, 857])
     """
@@ -145,7 +141,8 @@ def interpolated_last(value: Callable[[int], float], limit: float, lo: int, hi: 
     hi = min([hi] + [x for x, v in known.items() if lo < x < hi and v > limit])
     while hi - lo > 1:
         near = sorted(known, key=lambda x: (0 if lo <= x <= hi else 1, abs(x - (lo + hi) / 2)))[:3]
-        guess = crossing_of(sorted((x, known[x]) for x in near), limit) if len(near) >= 2 else None
+        guess = (crossing_of(sorted((x, known[x]) for x in near), limit) if len(near) >= 2
+                 else None)
         x = (lo + hi) // 2 if guess is None or not math.isfinite(guess) else int(guess)
         x = min(max(x, lo + 1), hi - 1)
         width = hi - lo
@@ -177,4 +174,5 @@ def smallest_fitting(fits: Callable[[int], bool], candidates: Sequence[int]) -> 
     return candidates[first]
 
 
-__all__ = ["UNBOUNDED_SEQ_LEN", "bisect_last", "crossing_of", "interpolated_last", "largest_fitting", "smallest_fitting"]
+__all__ = ["UNBOUNDED_SEQ_LEN", "bisect_last", "crossing_of", "interpolated_last",
+           "largest_fitting", "smallest_fitting"]

@@ -1,8 +1,8 @@
 """Every scalar tag the callback logs, with its meaning: the one table that the planner's metrics,
 the TensorBoard panels, the callback's docstring and the README agree with (``tests/test_tags.py``).
 
-Tags are logged with the prefix ``seqmem/``; GiB = 2³⁰ bytes; "CUDA only" tags come from the caching
-allocator's counters and are absent with the CPU tracker.
+Tags are logged with the prefix ``seqmem/``; GiB = 2³⁰ bytes; "CUDA only" tags come from the
+caching allocator's counters and are absent with the CPU tracker.
 
 Example:
     >>> TAGS["headroom_fraction"]

@@ -1,22 +1,19 @@
 """Timeline replay: predict a step's peak at any sequence length from a few short traced steps.
 
-A traced step (:class:`~lightning_seqmem.measure.probes.TrackedEvents`) is the ordered list of every
-storage allocation and free. At two or three sequence lengths the op sequence of a transformer step
-is the same; only the sizes differ, and each size is a polynomial of degree ≤ 2 in L (weights are
-constant, activations linear, attention scores quadratic). :class:`TimelineModel` fits each
-allocation's size as such a polynomial, then replays the alloc/free sequence at the asked length;
-the running sum's maximum is the peak, exactly as the step would reach it — including the moment of
-the peak moving from one op to another as L grows, which a fit of peaks alone cannot see.
+A traced step (:class:`~lightning_seqmem.core.records.TrackedEvents`) is the ordered list of every
+storage allocation and free. At two or three lengths a transformer step's op sequence is the same;
+only the sizes differ, each a polynomial of degree ≤ 2 in L (weights constant, activations linear,
+attention scores quadratic). :class:`TimelineModel` fits each allocation's size so, then replays
+the alloc/free sequence at the asked length: the running sum's maximum is the peak, including the
+peak moving from one op to another as L grows, which a fit of peaks alone cannot see.
 
 When the traces do not share one sequence (a kernel choice that depends on L, ``torch.compile``,
-data-dependent control flow), :meth:`TimelineModel.from_traces` refuses with the reason, and the
-caller falls back to the quadratic model.
+data-dependent control flow), :meth:`TimelineModel.from_traces` refuses with the reason.
 
-Batch size: when traces exist at two batch sizes for one length, each allocation is classified as
-proportional to the batch or not by comparing them. Otherwise every allocation whose size depends
-on L is assumed proportional to the batch (activations) and the others not (weights, gradients,
-optimizer state); a batch-independent L-dependent tensor (a causal mask, position encodings) is then
-over-counted, which errs on the safe side.
+Batch size: with traces at two batch sizes for one length, each allocation is classified as
+proportional to the batch or not by comparing them. Otherwise every L-dependent allocation is
+assumed proportional to the batch, the others not; a batch-independent L-dependent tensor (a causal
+mask) is then over-counted, which errs on the safe side.
 """
 
 from __future__ import annotations
@@ -49,7 +46,8 @@ class Trace:
     def signature(self) -> tuple:
         """What must be equal for two traces to be replayed as one program."""
         ev = self.events
-        return (tuple(ev.ops), tuple(ev.sequence), tuple(sorted(ev.phase_starts.items())), ev.num_existing)
+        return (tuple(ev.ops), tuple(ev.sequence), tuple(sorted(ev.phase_starts.items())),
+                ev.num_existing)
 
 
 @dataclass(frozen=True)
@@ -66,9 +64,7 @@ class TimelineForecast:
 
 @dataclass
 class TimelineModel:
-    """Per-allocation size polynomials plus the shared alloc/free sequence.
-
-    Build it with :meth:`from_traces`.
+    """Per-allocation size polynomials plus the shared alloc/free sequence (:meth:`from_traces`).
 
     Example:
         >>> import torch
@@ -105,7 +101,7 @@ class TimelineModel:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_traces(cls, traces: Sequence[Trace]) -> tuple[Optional["TimelineModel"], str]:
-        """Fit from traces; returns ``(model, "")`` or ``(None, reason)`` when replay cannot be used."""
+        """Fit from traces: ``(model, "")``, or ``(None, reason)`` when replay cannot be used."""
         if not traces:
             return None, "no traced steps yet"
         by_batch: dict[int, dict[int, Trace]] = {}
@@ -127,33 +123,27 @@ class TimelineModel:
         sizes = np.array([t.events.sizes for t in group], dtype=np.float64)  # [k, n]
         coefficients, residual = _fit_size_polynomials(seq_lens, sizes)
         longest = seq_lens.max()  # an allocation depends on L if that changes it by ≥ 1 byte
-        depends_on_len = np.abs(coefficients[1]) * longest + np.abs(coefficients[2]) * longest**2 >= 0.5
+        depends_on_len = (np.abs(coefficients[1]) * longest
+                          + np.abs(coefficients[2]) * longest**2 >= 0.5)
         batch_scaled, notes = depends_on_len, []
         other = _batch_companion(by_batch, batch_size, signature)
         if other is not None:
             here, there = by_batch[batch_size][other.seq_len], other
             batch_scaled = np.array(here.events.sizes) != np.array(there.events.sizes)
-            notes.append(f"batch scaling measured from batch sizes {batch_size} and {other.batch_size}")
+            notes.append(f"batch scaling measured from batch sizes {batch_size} and "
+                         f"{other.batch_size}")
         else:
             notes.append("batch scaling assumed: L-dependent allocations proportional to the batch")
         if residual > 0.5:
-            notes.append(f"allocation sizes are not exactly quadratic in L (residual {residual:.0f} B)")
+            notes.append("allocation sizes are not exactly quadratic in L (residual "
+                         f"{residual:.0f} B)")
         first = group[0].events
-        return (
-            cls(
-                seq_lens=tuple(int(L) for L in seq_lens),
-                batch_size=batch_size,
-                coefficients=coefficients,
-                batch_scaled=np.asarray(batch_scaled, dtype=bool),
-                sequence=np.asarray(first.sequence, dtype=np.int64),
-                phase_starts=dict(first.phase_starts),
-                ops=list(first.ops),
-                block_bytes=group[0].block_bytes,
-                max_fit_residual_bytes=float(residual),
-                notes=notes,
-            ),
-            "",
-        )
+        return (cls(seq_lens=tuple(int(L) for L in seq_lens), batch_size=batch_size,
+                    coefficients=coefficients, batch_scaled=np.asarray(batch_scaled, dtype=bool),
+                    sequence=np.asarray(first.sequence, dtype=np.int64),
+                    phase_starts=dict(first.phase_starts), ops=list(first.ops),
+                    block_bytes=group[0].block_bytes, max_fit_residual_bytes=float(residual),
+                    notes=notes), "")
 
     # -- prediction ------------------------------------------------------------------------------
     def allocation_bytes(self, seq_len: int, batch_size: Optional[int] = None) -> np.ndarray:
@@ -174,7 +164,8 @@ class TimelineModel:
         check_int("batch_size", batch_size)
         sizes = self.allocation_bytes(seq_len, batch_size)
         seq = self.sequence
-        deltas = np.where(seq >= 0, sizes[np.where(seq >= 0, seq, 0)], -sizes[np.where(seq < 0, ~seq, 0)])
+        deltas = np.where(seq >= 0, sizes[np.where(seq >= 0, seq, 0)],
+                          -sizes[np.where(seq < 0, ~seq, 0)])
         live = np.cumsum(deltas)
         peak_at = int(np.argmax(live)) if len(live) else 0
         phase_peaks: dict[str, int] = {}
@@ -185,16 +176,14 @@ class TimelineModel:
             segment = live[start:end]
             phase_peaks[phase] = max(before, int(segment.max()) if len(segment) else before)
         peak_index = int(seq[peak_at]) if len(seq) else 0
-        return TimelineForecast(
-            seq_len=seq_len,
-            batch_size=batch_size,
-            peak_bytes=int(live.max()) if len(live) else 0,
-            phase_peak_bytes=phase_peaks,
-            peak_op=self.ops[peak_index] if peak_index >= 0 and self.ops else "",
-        )
+        return TimelineForecast(seq_len=seq_len, batch_size=batch_size,
+                                peak_bytes=int(live.max()) if len(live) else 0,
+                                phase_peak_bytes=phase_peaks,
+                                peak_op=(self.ops[peak_index] if peak_index >= 0 and self.ops
+                                         else ""))
 
     def max_seq_len(self, budget_bytes: int, batch_size: Optional[int] = None) -> int:
-        """Largest L whose replayed peak is ≤ ``budget_bytes`` (0 if none; see UNBOUNDED_SEQ_LEN)."""
+        """Largest L whose replayed peak is ≤ ``budget_bytes`` (0: none; or UNBOUNDED_SEQ_LEN)."""
         def fits(L: int) -> bool:
             return self.predict(L, batch_size).peak_bytes <= budget_bytes
 
@@ -228,7 +217,8 @@ def _fit_size_polynomials(seq_lens: np.ndarray, sizes: np.ndarray) -> tuple[np.n
     return coefficients, 0.0
 
 
-def _batch_companion(by_batch: dict[int, dict[int, Trace]], batch_size: int, signature: tuple) -> Optional[Trace]:
+def _batch_companion(by_batch: dict[int, dict[int, Trace]], batch_size: int,
+                     signature: tuple) -> Optional[Trace]:
     """A trace at another batch size, at a length also traced at ``batch_size``, same program."""
     for other_batch, traces in by_batch.items():
         if other_batch == batch_size:

@@ -1,19 +1,17 @@
 """Every predictor against every measured step it could have predicted (plain values, no torch).
 
-The planner has three predictors of a step's peak: the dry run (``"dry_run"``), the timeline replay
-(``"replay"``) and the quadratic fit (``"quadratic"``). Each measured step is a test of each one
-that can answer for its shape (the shape that ran, at measured shapes too): :meth:`PredictorChecks.add`
-records the prediction it made for that step beside the measurement. A predictor whose latest check
-at some shape missed by more than the tolerance is *wrong* (:meth:`PredictorChecks.wrong`): it is not
-trusted for decisions until it is right again (a later check at that shape within the tolerance,
-after a refit). Whichever it is: an exact-looking method is not trusted on its reputation.
+The planner has three predictors of a step's peak: the dry run (``"dry_run"``), the timeline
+replay (``"replay"``) and the quadratic fit (``"quadratic"``). Each measured step tests each one
+that can answer for its shape (:meth:`PredictorChecks.add`). A predictor whose latest check at some
+shape missed by more than the tolerance is *wrong* (:meth:`PredictorChecks.wrong`): not trusted for
+decisions until a later check at that shape is within the tolerance. None is trusted on reputation.
 
 >>> checks = PredictorChecks(tolerance=0.15)
 >>> checks.add((), Check("dry_run", 64, 4, predicted_bytes=700, measured_bytes=1000))
 True
 >>> checks.wrong((), "dry_run").relative_error, checks.wrong((), "replay") is None
 (-0.3, True)
->>> checks.add((), Check("dry_run", 64, 4, 990, 1000)), checks.wrong((), "dry_run") is None  # right again
+>>> checks.add((), Check("dry_run", 64, 4, 990, 1000)), checks.wrong((), "dry_run") is None
 (False, True)
 """
 
@@ -23,12 +21,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 PREDICTORS = ("dry_run", "replay", "quadratic")
-NAMES = {"dry_run": "the dry run", "replay": "the timeline replay", "quadratic": "the quadratic fit"}
+NAMES = {"dry_run": "the dry run", "replay": "the timeline replay",
+         "quadratic": "the quadratic fit"}
 
 
 @dataclass(frozen=True)
 class Check:
-    """What ``method`` predicted for a step at ``(seq_len, batch_size)``, and what the step measured."""
+    """What ``method`` predicted for a step at ``(seq_len, batch_size)``, and what it measured."""
 
     method: str
     seq_len: int
@@ -47,7 +46,7 @@ class PredictorChecks:
 
     def __init__(self, tolerance: float = 0.15) -> None:
         self.tolerance = float(tolerance)
-        self.latest: dict[tuple, Check] = {}  # (setting, method, seq_len, batch_size) -> latest check
+        self.latest: dict[tuple, Check] = {}  # (setting, method, seq_len, batch_size) -> check
 
     def add(self, setting: tuple[str, ...], check: Check) -> bool:
         """Record ``check``; True when it makes ``check.method`` wrong where it was not before."""
@@ -58,7 +57,8 @@ class PredictorChecks:
     def wrong(self, setting: tuple[str, ...], method: str) -> Optional[Check]:
         """The worst latest miss beyond the tolerance of ``method`` with ``setting``, or None."""
         misses = [c for (s, m, _, _), c in self.latest.items()
-                  if s == tuple(setting) and m == method and abs(c.relative_error) > self.tolerance]
+                  if s == tuple(setting) and m == method
+                  and abs(c.relative_error) > self.tolerance]
         return max(misses, key=lambda c: abs(c.relative_error), default=None)
 
     def count(self, setting: tuple[str, ...], method: str) -> int:

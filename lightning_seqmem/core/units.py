@@ -16,7 +16,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-MAX_BYTES = 2**63 - 1  # the largest byte count an int64 memory counter (torch, CUDA) can hold: 8 EiB
+MAX_BYTES = 2**63 - 1  # the largest count an int64 memory counter (torch, CUDA) holds: 8 EiB
 _MAX_CHARS = 64  # a longer string is not a memory size; refused before any arithmetic on it
 _SHOWN_CHARS = 40  # characters of an over-long value repeated in the error message
 
@@ -26,23 +26,26 @@ def parse_bytes(value: Union[int, str], name: str = "memory_budget") -> int:
 
     The number in a string is a plain decimal (``12``, ``1.5``, ``.5``; no sign, exponent, ``inf``
     or ``nan``), converted exactly and rounded down to whole bytes. Any accepted value is in
-    ``[1, MAX_BYTES]`` (``2**63 - 1``); anything else, however large, raises ``ValueError`` (never
-    ``OverflowError``) naming ``name``, the value and what is accepted. Ints may be any
-    ``numbers.Integral`` (NumPy ints too); bools and floats are refused.
+    ``[1, MAX_BYTES]``; anything else raises ``ValueError`` (never ``OverflowError``) naming
+    ``name``. Ints may be any ``numbers.Integral`` (NumPy ints too); bools and floats are refused.
 
     Example:
         >>> parse_bytes("12GiB"), parse_bytes("900MB"), parse_bytes("1.5 KiB"), parse_bytes(4096)
         (12884901888, 900000000, 1536, 4096)
         >>> parse_bytes("0.3MB")  # exact decimal arithmetic: a float product would give 299999
         300000
-        >>> parse_bytes("12 parsecs")
+        >>> parse_bytes("12 parsecs")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        ValueError: `memory_budget` must be a positive number of bytes up to 2**63 - 1 (an int) or a string like '12GiB' or '900MB' (a plain decimal number; units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got '12 parsecs'
-        >>> parse_bytes("9" * 30 + "GiB", "--budget")
+        ValueError: `memory_budget` must be a positive number of bytes up to 2**63 - 1 (an int) or
+        a string like '12GiB' or '900MB' (a plain decimal number; units: B, KB, MB, GB, TB, KiB,
+        MiB, GiB, TiB), got '12 parsecs'
+        >>> parse_bytes("9" * 30 + "GiB", "--budget")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        ValueError: `--budget` must be a positive number of bytes up to 2**63 - 1 (an int) or a string like '12GiB' or '900MB' (a plain decimal number; units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got '999999999999999999999999999999GiB' (over 2**63 - 1 bytes)
+        ValueError: `--budget` must be a positive number of bytes up to 2**63 - 1 (an int) or a
+        string like '12GiB' or '900MB' (a plain decimal number; units: B, KB, MB, GB, TB, KiB, MiB,
+        GiB, TiB), got '999999999999999999999999999999GiB' (over 2**63 - 1 bytes)
     """
     accepted = (
         f"`{name}` must be a positive number of bytes up to 2**63 - 1 (an int) or a string like"

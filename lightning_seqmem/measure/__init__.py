@@ -1,2 +1,2 @@
-"""Torch, no Lightning: cutting batches, probes that measure a step, real short steps traced without a
-Trainer."""
+"""Torch, no Lightning: cutting batches, probes that measure a step, real short steps traced
+without a Trainer."""

@@ -1,12 +1,6 @@
-"""Reading a training batch without changing it: its shape ``(batch_size, seq_len)``, through a user's
-``seq_len_fn`` or from its reference tensor, and where its padding is (read from ``attention_mask``).
-
-Moved out of :mod:`lightning_seqmem.measure.batch` (which re-exports every public name here and
-whose module docstring states the rules: batch formats, which tensor is the reference):
-
-- :func:`infer_batch_shape` finds ``(batch_size, seq_len)`` in a batch;
-- :func:`read_batch_shape` does the same through ``seq_len_fn`` when one is given, and checks it;
-- :func:`padding_side` tells a left-padded batch from a right-padded one.
+"""Reading a training batch without changing it: its shape ``(batch_size, seq_len)``, through a
+user's ``seq_len_fn`` or from its reference tensor, and where its padding is (``attention_mask``).
+:mod:`lightning_seqmem.measure.batch` re-exports the public names; its docstring states the rules.
 
 Example:
     >>> import torch
@@ -24,11 +18,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from lightning_seqmem.measure.batch_tree import (
-    find_attention_mask,
-    find_reference,
-    is_dataclass_instance,
-)
+from lightning_seqmem.measure.batch_tree import (find_attention_mask, find_reference,
+                                                 is_dataclass_instance)
 
 __all__ = ["infer_batch_shape", "mask_stats", "padding_side", "read_batch_shape", "read_mask"]
 
@@ -36,16 +27,9 @@ _MAX_DESCRIBED = 20  # leaves listed in the "no token ids found" error, at most
 
 
 def infer_batch_shape(batch: Any) -> tuple[int, int]:
-    """Return ``(batch_size, seq_len)`` of a batch of token ids: the shape of its reference tensor.
-
-    The reference tensor is a 2-D integer (not bool, not float) tensor: ``input_ids`` in a mapping,
-    else the first one met depth first, unless that one has a single row (a broadcast
-    ``position_ids [1, L]``) and another of the same length has more (see the module docstring of
-    :mod:`lightning_seqmem.measure.batch`).
-
-    Raises:
-        ValueError: no 2-D integer tensor in the batch. The message lists what was found; pass
-            ``seq_len_fn`` to the callback to read the shape of such batches.
+    """``(batch_size, seq_len)`` of a batch of token ids: the shape of its reference tensor (a
+    2-D integer tensor, see :mod:`lightning_seqmem.measure.batch`). ``ValueError`` when there is
+    none, listing what was found.
 
     >>> import torch
     >>> infer_batch_shape(torch.zeros(2, 5, dtype=torch.long))
@@ -65,40 +49,35 @@ def infer_batch_shape(batch: Any) -> tuple[int, int]:
             "Could not infer (batch_size, seq_len) from the batch: expected a 2-D integer tensor of"
             " token ids (`input_ids` in a dict, or the first such tensor), found "
             f"{_describe_batch(batch)}. Pass `seq_len_fn` to the callback to read the shape of"
-            " this batch."
-        )
+            " this batch.")
     return int(reference.shape[0]), int(reference.shape[1])
 
 
-def read_batch_shape(
-    batch: Any, seq_len_fn: Optional[Callable[[Any], Any]] = None
-) -> tuple[int, int]:
-    """``(batch_size, seq_len)`` of a batch: ``seq_len_fn(batch)`` checked, else :func:`infer_batch_shape`.
+def read_batch_shape(batch: Any,
+                     seq_len_fn: Optional[Callable[[Any], Any]] = None) -> tuple[int, int]:
+    """``(batch_size, seq_len)``: ``seq_len_fn(batch)`` checked, else :func:`infer_batch_shape`.
 
-    What ``seq_len_fn`` returns must be a pair (tuple, list or ``torch.Size``) of two ints >= 1:
-    Python ints, NumPy integer scalars or 0-d integer tensors (converted to ``int``); bools,
-    floats, ``None`` and anything else raise ``ValueError`` naming ``seq_len_fn``, the value and
-    what is accepted. Errors raised by ``seq_len_fn`` itself propagate unchanged.
+    ``seq_len_fn`` must return a pair (tuple, list or ``torch.Size``) of ints >= 1 (Python, NumPy
+    or 0-d integer tensors); anything else raises ``ValueError``. Its own errors propagate.
 
     >>> import numpy as np, torch
     >>> read_batch_shape({"x": torch.zeros(2, 3)}, lambda b: (np.int64(2), torch.tensor(3)))
     (2, 3)
     >>> read_batch_shape({"x": torch.zeros(2, 3)}, lambda b: None)
+    ... # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: `seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or NumPy ints, or 0-d integer tensors; not bools), got None (did it forget to `return`?)
+    ValueError: `seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or
+    NumPy ints, or 0-d integer tensors; not bools), got None (did it forget to `return`?)
     """
     if seq_len_fn is None:
         return infer_batch_shape(batch)
     if not callable(seq_len_fn):
-        raise ValueError(
-            f"`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, got {seq_len_fn!r}"
-        )
+        raise ValueError("`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, "
+                         f"got {seq_len_fn!r}")
     value = seq_len_fn(batch)
-    accepted = (
-        "`seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or NumPy ints,"
-        " or 0-d integer tensors; not bools)"
-    )
+    accepted = ("`seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or "
+                "NumPy ints, or 0-d integer tensors; not bools)")
     if value is None:
         raise ValueError(f"{accepted}, got None (did it forget to `return`?)")
     if not isinstance(value, (tuple, list)) or len(value) != 2:
@@ -113,15 +92,14 @@ def padding_side(batch: Any) -> Optional[str]:
     """``"left"``, ``"right"`` or ``None``: where the padding of a batch is, read from its mask.
 
     The mask is a 2-D tensor under an ``attention_mask`` key (or dataclass field), a container's
-    own before any nested in its values (only names are read: a tuple of tensors has no mask); a
-    position is padding where the mask is 0. The batch is left-padded when some row
-    starts with padding and ends with a token and no row does the opposite; right-padded in the
-    mirror case. ``None`` when there is no such mask, no row is padded at one end only, rows are
-    padded on both sides, or the mask cannot be read (a fake or meta tensor). Reading the mask
-    synchronises with its device once.
+    own before any nested one; 0 is padding. Left-padded when some row starts with padding and
+    ends with a token and no row does the opposite; right-padded in the mirror case. ``None``
+    without such a mask, rows padded on both sides or at neither end only, or a mask that cannot
+    be read (fake or meta). One device sync.
 
     >>> import torch
-    >>> padding_side({"input_ids": torch.ones(2, 4).long(), "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])})
+    >>> padding_side({"input_ids": torch.ones(2, 4).long(),
+    ...               "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])})
     'left'
     >>> padding_side({"attention_mask": torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])})
     'right'
@@ -138,7 +116,6 @@ def padding_side(batch: Any) -> Optional[str]:
     return "left" if left and not right else "right" if right and not left else None
 
 
-
 def _side_flags(mask: torch.Tensor) -> torch.Tensor:
     """``[any row padded at its start only, any row padded at its end only]``."""
     first, last = mask[:, 0] != 0, mask[:, -1] != 0
@@ -148,7 +125,7 @@ def _side_flags(mask: torch.Tensor) -> torch.Tensor:
 def mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tensor:
     """Side flags, then rows all padding if the first / last ``seq_len`` are kept, then chunks all
     padding if rows are split into chunks of ``seq_len`` (0 where it does not apply): what
-    :func:`~lightning_seqmem.measure.batch.cut_batch` reads (with :func:`read_mask`) before a cut.
+    ``cut_batch`` reads (with :func:`read_mask`) before a cut.
 
     >>> import torch
     >>> mask_stats(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 2, truncate=True).tolist()
@@ -159,15 +136,17 @@ def mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tensor
     empty_first = (~real[:, :seq_len].any(dim=1)).sum()
     empty_last = (~real[:, -seq_len:].any(dim=1)).sum()
     empty_chunks = zero if truncate else (~real.reshape(-1, seq_len).any(dim=1)).sum()
-    return torch.cat([_side_flags(mask).long(), torch.stack([empty_first, empty_last, empty_chunks])])
+    return torch.cat([_side_flags(mask).long(),
+                      torch.stack([empty_first, empty_last, empty_chunks])])
 
 
 def read_mask(mask: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[list]:
-    """``fn(mask).tolist()`` (one device sync), or None when the mask has no values to read (a meta or
-    fake tensor: a dry run); :func:`padding_side` and the cut read a mask through it.
+    """``fn(mask).tolist()`` (one device sync), or None when the mask has no values to read (a
+    meta or fake tensor: a dry run).
 
     >>> import torch
-    >>> read_mask(torch.ones(2, 4), lambda m: m.sum(dim=1)), read_mask(torch.ones(2, 4, device="meta"), len)
+    >>> ones = torch.ones(2, 4)
+    >>> read_mask(ones, lambda m: m.sum(dim=1)), read_mask(ones.to("meta"), len)
     ([4, 4], None)
     """
     if mask.is_meta:
@@ -183,7 +162,8 @@ def _positive_int(value: Any) -> Optional[int]:
     if isinstance(value, (bool, np.bool_)):
         return None
     if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+        if (value.dim() != 0 or value.dtype == torch.bool or value.dtype.is_floating_point
+                or value.dtype.is_complex):
             return None
         value = value.item()
     elif isinstance(value, np.ndarray) and value.dtype == np.bool_:
@@ -220,4 +200,3 @@ def _describe_batch(batch: Any) -> str:
     if len(leaves) > _MAX_DESCRIBED:
         shown += f"; ... ({len(leaves) - _MAX_DESCRIBED} more)"
     return shown
-

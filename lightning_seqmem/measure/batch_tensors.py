@@ -1,18 +1,17 @@
-"""Cutting one tensor of a batch: which tensors are sequences (at ``seq_dim``, square ``[L, L]`` masks,
-sequences of another length that keep their ratio), and the cuts themselves (rows, diagonal blocks,
-broadcast rows, restarting position ids). Used by :func:`lightning_seqmem.measure.batch.cut_batch`, whose
-module docstring states the rules.
+"""Cutting one tensor of a batch: which tensors are sequences (at ``seq_dim``, square ``[L, L]``
+masks, sequences of another length), and the cuts (rows, diagonal blocks, broadcast rows, restarting
+position ids). Used by ``cut_batch``; :mod:`lightning_seqmem.measure.batch` states the rules.
 
 Example:
     >>> import torch
     >>> x = torch.arange(8).view(1, 8)
     >>> split_rows(x, 4, 1).tolist(), split_positions(x, 4, 1, 2, 2).tolist()
     ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 2, 3]])
-    >>> broadcast_rows(split_rows(x, 4, 1), x, batch_size=2, chunks=2).shape  # [1, L] tiled to 2 samples
+    >>> broadcast_rows(split_rows(x, 4, 1), x, batch_size=2, chunks=2).shape  # tiled to 2 samples
     torch.Size([4, 4])
     >>> diagonal_blocks(torch.arange(16).view(1, 4, 4), 2).tolist()
     [[[0, 1], [4, 5]], [[10, 11], [14, 15]]]
-    >>> is_square(torch.ones(2, 1, 8, 8), 2, 8), is_square(torch.ones(2, 8, 8), 2, 8)  # float [B, L, L]: embeddings
+    >>> is_square(torch.ones(2, 1, 8, 8), 2, 8), is_square(torch.ones(2, 8, 8), 2, 8)  # embeddings
     (True, False)
 """
 
@@ -23,19 +22,12 @@ from typing import Any, Optional
 import torch
 
 
-__all__ = ["broadcast_rows", "diagonal_blocks", "is_sequence", "is_square", "scaled_length", "split_positions",
-           "split_rows"]
+__all__ = ["broadcast_rows", "diagonal_blocks", "is_sequence", "is_square", "scaled_length",
+           "split_positions", "split_rows"]
 
 
-def is_sequence(
-    x: torch.Tensor,
-    key_set: Optional[frozenset[str]],
-    top_key: Any,
-    batch: Any,
-    batch_size: int,
-    length: int,
-    seq_dim: int,
-) -> bool:
+def is_sequence(x: torch.Tensor, key_set: Optional[frozenset[str]], top_key: Any, batch: Any,
+                batch_size: int, length: int, seq_dim: int) -> bool:
     """True for a tensor cut at ``seq_dim`` (rules in the module docstring)."""
     if key_set is not None:
         return top_key in key_set  # keyed values are tensors, so this is batch[top_key]
@@ -44,25 +36,26 @@ def is_sequence(
     return x.dim() > seq_dim and x.shape[0] in (batch_size, 1) and x.shape[seq_dim] == length
 
 
-def scaled_length(x: torch.Tensor, batch_size: int, length: int, seq_len: int, seq_dim: int = 1) -> Optional[int]:
-    """The length at ``seq_dim`` of a sequence of *another* length when the batch goes from ``length``
-    to ``seq_len`` tokens: its ratio to the leading length kept, at least 1; None for other tensors.
+def scaled_length(x: torch.Tensor, batch_size: int, length: int, seq_len: int,
+                  seq_dim: int = 1) -> Optional[int]:
+    """The length at ``seq_dim`` of a sequence of *another* length when the batch goes from
+    ``length`` to ``seq_len`` tokens (its ratio kept, at least 1); None for other tensors.
 
-    Such a tensor is a 2-D integer or bool tensor (token ids, labels, masks) with ``B`` rows (or 1)
-    whose length is not the reference length ``L``: the decoder's ``labels`` or
-    ``decoder_input_ids`` ``[B, L/2]`` of an encoder-decoder (T5, BART), a second segment's ids.
-    The curriculum cuts it and the dry run tiles it as the data grows: ``[B, r·L] -> [B, r·seq_len]``.
+    Such a tensor is 2-D integer or bool with ``B`` rows (or 1) and a length other than ``L``: the
+    decoder ``labels`` ``[B, L/2]`` of an encoder-decoder (T5, BART), a second segment's ids. The
+    curriculum cuts it and the dry run tiles it: ``[B, r·L] -> [B, r·seq_len]``.
 
     >>> import torch
     >>> labels = torch.zeros(2, 128, dtype=torch.long)
     >>> scaled_length(labels, 2, 256, 64), scaled_length(labels, 2, 256, 1024)
     (32, 512)
-    >>> scaled_length(torch.zeros(2, 256, dtype=torch.long), 2, 256, 64) is None  # the reference length
+    >>> scaled_length(torch.zeros(2, 256, dtype=torch.long), 2, 256, 64) is None  # the length L
     True
     >>> scaled_length(torch.zeros(2, 128), 2, 256, 64) is None  # float: features, not a sequence
     True
     """
-    if x.dim() != 2 or seq_dim != 1 or x.shape[0] not in (batch_size, 1) or x.shape[1] in (length, 0):
+    if (x.dim() != 2 or seq_dim != 1 or x.shape[0] not in (batch_size, 1)
+            or x.shape[1] in (length, 0)):
         return None
     if x.dtype.is_floating_point or x.dtype.is_complex:
         return None
@@ -70,9 +63,10 @@ def scaled_length(x: torch.Tensor, batch_size: int, length: int, seq_len: int, s
 
 
 def is_square(x: torch.Tensor, batch_size: int, length: int) -> bool:
-    """True for a ``[B or 1, ..., L, L]`` attention mask or bias, cut on both last dims: 4-D or more,
-    or 3-D and not float (a float ``[B, L, D]`` with ``D == L`` is embeddings, cut at ``seq_dim``)."""
-    if x.dim() < 3 or x.shape[0] not in (batch_size, 1) or not x.shape[-1] == x.shape[-2] == length:
+    """True for a ``[B or 1, ..., L, L]`` attention mask or bias, cut on both last dims: 4-D or
+    more, or 3-D and not float (a float ``[B, L, D]`` with ``D == L`` is embeddings)."""
+    if (x.dim() < 3 or x.shape[0] not in (batch_size, 1)
+            or not x.shape[-1] == x.shape[-2] == length):
         return False
     return x.dim() >= 4 or not (x.dtype.is_floating_point or x.dtype.is_complex)
 
@@ -87,8 +81,8 @@ def split_rows(x: torch.Tensor, seq_len: int, seq_dim: int) -> torch.Tensor:
 
 
 def diagonal_blocks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """``[R, ..., L, L]`` -> ``[R * chunks, ..., seq_len, seq_len]``: block ``j`` of row ``r`` is the
-    ``j``-th diagonal block ``x[r, ..., j*s:(j+1)*s, j*s:(j+1)*s]``, at row ``r * chunks + j``."""
+    """``[R, ..., L, L]`` -> ``[R * chunks, ..., seq_len, seq_len]``: row ``r * chunks + j`` is
+    the ``j``-th diagonal block ``x[r, ..., j*s:(j+1)*s, j*s:(j+1)*s]``."""
     *lead, length, _ = x.shape
     chunks = length // seq_len
     blocks = x.reshape(*lead, chunks, seq_len, chunks, seq_len)
@@ -97,15 +91,19 @@ def diagonal_blocks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return blocks.reshape(lead[0] * chunks, *lead[1:], seq_len, seq_len)
 
 
-def broadcast_rows(rows: torch.Tensor, x: torch.Tensor, batch_size: int, chunks: int) -> torch.Tensor:
+def broadcast_rows(rows: torch.Tensor, x: torch.Tensor, batch_size: int,
+                   chunks: int) -> torch.Tensor:
     """Split rows of a broadcast ``[1, ...]`` tensor (``chunks`` rows) tiled to every sample."""
     if x.shape[0] != 1 or batch_size == 1:
         return rows.contiguous()
-    return rows.unsqueeze(0).expand(batch_size, *rows.shape).reshape(batch_size * chunks, *rows.shape[1:])
+    return rows.unsqueeze(0).expand(batch_size, *rows.shape).reshape(batch_size * chunks,
+                                                                      *rows.shape[1:])
 
 
-def split_positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int, chunks: int) -> torch.Tensor:
-    """``arange(seq_len)`` at ``seq_dim`` in the shape of the split rows (``[1, ...]`` if broadcast)."""
+def split_positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int,
+                    chunks: int) -> torch.Tensor:
+    """``arange(seq_len)`` at ``seq_dim`` in the shape of the split rows (``[1, ...]`` if
+    broadcast)."""
     rows = split_rows(x, seq_len, seq_dim)
     if x.shape[0] == 1 and batch_size > 1:
         rows = rows[:1]

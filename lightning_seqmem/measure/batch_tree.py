@@ -20,17 +20,14 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["can_cut_in_place", "find_attention_mask", "find_reference", "is_dataclass_instance", "is_immutable_container",
-           "map_tensors"]
+__all__ = ["can_cut_in_place", "find_attention_mask", "find_reference", "is_dataclass_instance",
+           "is_immutable_container", "map_tensors"]
 
 
 def can_cut_in_place(batch: Any) -> bool:
-    """True if :func:`~lightning_seqmem.measure.batch.set_batch_sequence_length` can cut this batch in place.
-
-    True for a mutable mapping (``dict``, ``BatchEncoding``), a ``list`` and a non-frozen dataclass
-    instance; False for a tensor, a tuple (``namedtuple`` too), a read-only mapping, a frozen
-    dataclass and anything else. Only the outermost container matters: immutable containers
-    nested in a mutable one are rebuilt and put back in it.
+    """True if ``set_batch_sequence_length`` can cut this batch in place: a mutable mapping, a
+    ``list``, a non-frozen dataclass. Only the outermost container matters (immutable ones nested
+    in it are rebuilt and put back).
 
     >>> import torch
     >>> ids = torch.zeros(2, 4, dtype=torch.long)
@@ -48,18 +45,12 @@ def can_cut_in_place(batch: Any) -> bool:
 
 def _is_token_tensor(x: Any) -> bool:
     """True for a 2-D integer tensor (not bool, not float, not complex)."""
-    return (
-        isinstance(x, torch.Tensor)
-        and x.dim() == 2
-        and x.dtype != torch.bool
-        and not x.dtype.is_floating_point
-        and not x.dtype.is_complex
-    )
+    return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype != torch.bool
+            and not x.dtype.is_floating_point and not x.dtype.is_complex)
 
 
 def is_dataclass_instance(obj: Any) -> bool:
-    """True for an instance of a dataclass (not the class itself): a batch container whose fields are
-    walked here and by :mod:`.batch_shape`.
+    """True for an instance of a dataclass (not the class itself): a batch container.
 
     >>> import dataclasses
     >>> @dataclasses.dataclass
@@ -72,14 +63,14 @@ def is_dataclass_instance(obj: Any) -> bool:
 
 
 def is_immutable_container(obj: Any) -> bool:
-    """A container whose entries cannot be replaced: tuple, read-only mapping, frozen dataclass
-    (:func:`~lightning_seqmem.measure.batch.cut_batch` cannot cut one in place).
+    """A container whose entries cannot be replaced: tuple, read-only mapping, frozen dataclass.
 
     >>> import types
-    >>> is_immutable_container((1,)), is_immutable_container(types.MappingProxyType({})), is_immutable_container([])
-    (True, True, False)
+    >>> [is_immutable_container(c) for c in ((1,), types.MappingProxyType({}), [])]
+    [True, True, False]
     """
-    if isinstance(obj, tuple) or (isinstance(obj, Mapping) and not isinstance(obj, MutableMapping)):
+    if (isinstance(obj, tuple)
+            or (isinstance(obj, Mapping) and not isinstance(obj, MutableMapping))):
         return True
     return is_dataclass_instance(obj) and not isinstance(obj, Mapping) and not can_cut_in_place(obj)
 
@@ -97,7 +88,7 @@ def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
 
 
 def _token_tensors(obj: Any) -> Iterator[tuple[torch.Tensor, bool]]:
-    """Every 2-D integer tensor depth first, a mapping's ``input_ids`` first; ``(tensor, named)``."""
+    """``(tensor, named)``: every 2-D integer tensor depth first, a mapping's input_ids first."""
     if isinstance(obj, torch.Tensor):
         if _is_token_tensor(obj):
             yield obj, False
@@ -114,8 +105,7 @@ def _token_tensors(obj: Any) -> Iterator[tuple[torch.Tensor, bool]]:
 
 def find_reference(obj: Any) -> torch.Tensor | None:
     """The tensor whose shape is the batch shape, or None (rules in the docstring of
-    :mod:`lightning_seqmem.measure.batch`): :mod:`.batch_shape` reads the shape from it and
-    :mod:`.batch` cuts the batch by it.
+    :mod:`lightning_seqmem.measure.batch`).
 
     >>> import torch
     >>> find_reference({"position_ids": torch.zeros(1, 8, dtype=torch.long),
@@ -137,8 +127,7 @@ def find_reference(obj: Any) -> torch.Tensor | None:
 
 
 def find_attention_mask(obj: Any) -> Optional[torch.Tensor]:
-    """A 2-D tensor under an ``attention_mask`` key or field, a container's own first; else None:
-    where :mod:`.batch_shape` and :mod:`.batch` read the padding.
+    """A 2-D tensor under an ``attention_mask`` key or field, a container's own first; else None.
 
     >>> import torch
     >>> find_attention_mask({"x": [{"attention_mask": torch.ones(2, 4)}]}).shape
@@ -154,16 +143,9 @@ def find_attention_mask(obj: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def map_tensors(
-    obj: Any,
-    fn: Callable[[torch.Tensor, Any, Any], torch.Tensor],
-    in_place: bool,
-    key: Any = None,
-    top_key: Any = None,
-    depth: int = 0,
-) -> Any:
-    """Apply ``fn(tensor, key, top_key)`` to every tensor: the package's one walk of a batch tree
-    (mappings, ``BatchEncoding``, lists, tuples, namedtuples, dataclasses).
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor, Any, Any], torch.Tensor], in_place: bool,
+                key: Any = None, top_key: Any = None, depth: int = 0) -> Any:
+    """Apply ``fn(tensor, key, top_key)`` to every tensor: the package's one walk of a batch tree.
 
     With ``in_place`` mutable containers change in place (and are returned) and immutable ones are
     rebuilt; without it every container is rebuilt and ``obj`` is left untouched. ``key`` is the
@@ -214,10 +196,10 @@ def _rebuild(obj: Any, items: list) -> Any:
 
 
 def _rebuild_mapping(obj: Mapping, new: dict) -> Mapping:
-    """A new mapping like ``obj`` (its type and attributes, for a ``BatchEncoding``) holding ``new``."""
+    """A new mapping like ``obj`` (type and attributes, for a ``BatchEncoding``) holding ``new``."""
     if isinstance(obj, MutableMapping):
         try:
-            out = copy.copy(obj)  # a BatchEncoding keeps its tokenizer encodings (full-length offsets)
+            out = copy.copy(obj)  # a BatchEncoding keeps its encodings (full-length offsets)
             for k, v in new.items():
                 out[k] = v
             return out

@@ -2,19 +2,13 @@
 stack, never popping another's.
 
 ``TorchDispatchMode.__exit__`` pops the *top* of the stack, whichever mode it is. Two callbacks each
-holding a mode over the step (ours, and a user's ``MemTracker`` or ``FlopCounterMode``) enter in
-callback order and leave in callback order too, not in reverse: the first to leave pops the
-other's mode. :func:`exit_own_mode` leaves only the mode it is given:
-
-* on top: the ordinary ``__exit__``;
-* under other modes (entered after it): those are lifted off, it leaves, they are put back;
-* already popped by a mode below it that left first (whose own exit popped it instead): that
-  mode, which believes it has left, is taken off the stack now, as its exit meant to.
-
-:func:`enter_below_user_modes` enters a mode under the user modes already held, so that another
-mode held over the step, entered before it and left before it, pops itself and not this one.
-:func:`modes_below` records, when a mode enters, which modes are under it (with how many times each
-has entered), so that the last case is told apart from a mode that is still held.
+holding a mode over the step (ours, and a user's ``FlopCounterMode``) enter and leave in callback
+order, not in reverse: the first to leave pops the other's mode. :func:`exit_own_mode` leaves only
+its mode: on top, the ordinary ``__exit__``; under other modes, those are lifted off and put back;
+already popped by a mode below it that left first, that mode (which believes it has left) is taken
+off now. :func:`enter_below_user_modes` enters under the user modes already held, so one entered
+and left before it pops itself. :func:`modes_below` records, on entering, the modes under it (with
+their entry counts), to tell the last case from a mode still held.
 
 >>> import torch
 >>> from torch.utils._python_dispatch import TorchDispatchMode
@@ -80,14 +74,15 @@ def _is_infra(mode: Any) -> bool:
     return bool(getattr(mode, "is_infra_mode", lambda: False)())
 
 
-def enter_below_user_modes(mode: Any, enter_fn: Callable[[], Any], stop_at: Callable[[Any], bool] = lambda m: False) -> Any:
+def enter_below_user_modes(mode: Any, enter_fn: Callable[[], Any],
+                           stop_at: Callable[[Any], bool] = lambda m: False) -> Any:
     """Enter ``mode`` under the user modes already entered (above infra modes such as
-    FakeTensorMode, which always dispatch last): each of those still sees every op first and passes
-    it down to ``mode``, and leaving one of them (in any order relative to ``mode``) pops itself,
+    FakeTensorMode): each still sees every op first, and leaving one (in any order) pops itself,
     not ``mode``. ``enter_fn`` is the mode's ordinary ``__enter__``; returns what it returns. The
-    modes lifted stop at the first (from the top) for which ``stop_at`` holds: ``mode`` enters above it."""
+    lifting stops at the first mode (from the top) for which ``stop_at`` holds."""
     above = []
-    while torch._C._len_torch_dispatch_stack() and not _is_infra(stack()[-1]) and not stop_at(stack()[-1]):
+    while (torch._C._len_torch_dispatch_stack() and not _is_infra(stack()[-1])
+           and not stop_at(stack()[-1])):
         above.append(torch._C._pop_torch_dispatch_stack(None))
     try:
         return enter_fn()
@@ -115,7 +110,7 @@ def exit_own_mode(mode: Any, exit_fn: Callable[[], Any], below: list[tuple[Any, 
                 torch._C._push_on_torch_dispatch_stack(m)
             _sync_flags()
         return
-    # popped already, by the exit of a mode below it: finish that mode's exit, then ours without a pop
+    # popped already, by the exit of a mode below it: finish that mode's exit, then ours, no pop
     for m, entries in below:
         if any(x is m for x in stack()) and _entries(m) < entries:
             _remove(m)

@@ -1,21 +1,16 @@
 """Memory probes: what one training step really used, phase by phase.
 
 Two probes share one interface (:class:`MemoryProbe`): ``start_step`` at batch start,
-``mark_phase`` when the step moves from forward to backward to the optimizer step, ``end_step``
-at batch end, which returns a :class:`StepMemory`.
+``mark_phase`` at each phase boundary (forward, backward, optimizer), ``end_step`` at batch end,
+which returns a :class:`StepMemory` (bytes).
 
-* :class:`CudaAllocatorProbe` reads the CUDA caching allocator's counters. The peak is reset at
-  every phase boundary, so each phase gets its own peak; reserved memory, fragmentation, inactive
-  split blocks, allocator retries and OOMs come from ``torch.cuda.memory_stats``. It costs a few
-  microseconds per step.
-* :class:`TrackerProbe` works on any device (and is the only choice on CPU, whose memory cannot be
-  read from an allocator): a :class:`LiveTensorTracker` — a ``TorchDispatchMode`` that sees every
-  storage an op creates and registers a weakref finaliser on it — gives exact live tensor bytes,
-  counting the parameters, buffers, gradients, optimizer state and batch tensors that existed
-  before the step. With ``record_events=True`` it also keeps the ordered allocation/free sequence
-  that :mod:`lightning_seqmem.core.timeline` replays at other lengths.
-
-Bytes everywhere; conversion to GiB happens only where numbers are shown.
+* :class:`CudaAllocatorProbe` reads the CUDA caching allocator's counters, the peak reset at every
+  phase boundary; reserved memory, fragmentation, inactive split blocks, retries and OOMs come from
+  ``torch.cuda.memory_stats``. A few microseconds per step.
+* :class:`TrackerProbe` works on any device (the only choice on CPU): a :class:`LiveTensorTracker`
+  gives exact live tensor bytes, counting the tensors that existed before the step. With
+  ``record_events=True`` it also keeps the ordered allocation/free sequence that
+  :mod:`lightning_seqmem.core.timeline` replays at other lengths.
 """
 
 from __future__ import annotations
@@ -27,12 +22,11 @@ import torch
 
 from lightning_seqmem.core.config import PROBE_NAMES  # (checked with the other arguments, in core)
 from lightning_seqmem.core.records import StepMemory
-from lightning_seqmem.measure.tracker import (
-    LiveTensorTracker,
-    flat_tensors,
-)
+from lightning_seqmem.measure.tracker import LiveTensorTracker, flat_tensors
 
-__all__ = ["CudaAllocatorProbe", "DeviceAndHostProbe", "MemoryProbe", "optimizer_held_tensors", "TrackerProbe", "attribute_tensors", "existing_tensors", "make_probe", "round_cuda_block_bytes"]
+__all__ = ["CudaAllocatorProbe", "DeviceAndHostProbe", "MemoryProbe", "optimizer_held_tensors",
+           "TrackerProbe", "attribute_tensors", "existing_tensors", "make_probe",
+           "round_cuda_block_bytes"]
 
 
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes
@@ -63,12 +57,11 @@ class MemoryProbe:
 class _EagerStance:
     """``torch.compiler.set_stance("force_eager")`` while any tracked step holds it.
 
-    Under a ``TorchDispatchMode`` dynamo does not compile, and marks the code it was asked to
-    compile to be skipped from then on: one tracked step would leave a compiled module eager for the
-    rest of the run. With the ``"force_eager"`` stance dynamo is not asked, so the steps the tracker
-    does not watch run compiled. Holders are counted (probes may overlap and end in any order: a
-    dry run's fake step, the CUDA probe's tracer); the stance before the first holder comes back
-    when the last one lets go, or when an abandoned probe is collected.
+    Under a ``TorchDispatchMode`` dynamo does not compile and marks the code to be skipped from then
+    on: one tracked step would leave a compiled module eager for the rest of the run. With the
+    stance dynamo is not asked, so untracked steps run compiled. Holders are counted (probes may
+    overlap and end in any order); the earlier stance comes back when the last one lets go, or when
+    an abandoned probe is collected.
     """
 
     holders = 0
@@ -79,7 +72,7 @@ class _EagerStance:
         if cls.holders == 0:
             try:
                 cls.saved = torch.compiler.set_stance("force_eager")
-            except Exception:  # noqa: BLE001 - an older torch, or inside a compiled region: nothing to protect
+            except Exception:  # noqa: BLE001 - older torch, or in a compiled region: nothing to do
                 return False
         cls.holders += 1
         return True
@@ -119,7 +112,7 @@ class TrackerProbe(MemoryProbe):
     def __init__(self, device_type: str = "cpu") -> None:
         self.device_type = device_type
         self._tracker: Optional[LiveTensorTracker] = None
-        self.scratch: Optional[Callable[[Any, Any, Any], int]] = None  # see LiveTensorTracker.scratch
+        self.scratch: Optional[Callable[[Any, Any, Any], int]] = None  # LiveTensorTracker.scratch
         self.pinned: Optional[Callable[..., bool]] = None  # see LiveTensorTracker.pinned
         self._stance: Any = None
 
@@ -138,7 +131,8 @@ class TrackerProbe(MemoryProbe):
         tracker.track_bytes(resident_bytes)
         self._start_bytes = tracker.live_bytes
         if _EagerStance.hold():  # a tracked step runs eager; the others stay compiled
-            self._stance = weakref.finalize(self, _EagerStance.release)  # released once, by end, abort or GC
+            # released once, by end, abort or GC
+            self._stance = weakref.finalize(self, _EagerStance.release)
         tracker.__enter__()
         self._tracker = tracker
 
@@ -157,14 +151,12 @@ class TrackerProbe(MemoryProbe):
         if stance is not None:
             stance()
         if tracker.error is not None:
-            raise RuntimeError(f"the live-tensor tracker failed during the step: {tracker.error!r}") from tracker.error
-        return StepMemory(
-            peak_bytes=tracker.peak_bytes,
-            phase_peak_bytes=dict(tracker.phase_peak_bytes),
-            start_bytes=self._start_bytes,
-            end_bytes=tracker.live_bytes,
-            events=tracker.events,
-        )
+            raise RuntimeError("the live-tensor tracker failed during the step: "
+                               f"{tracker.error!r}") from tracker.error
+        return StepMemory(peak_bytes=tracker.peak_bytes,
+                          phase_peak_bytes=dict(tracker.phase_peak_bytes),
+                          start_bytes=self._start_bytes, end_bytes=tracker.live_bytes,
+                          events=tracker.events)
 
     def abort(self) -> None:
         tracker, self._tracker = self._tracker, None
@@ -181,8 +173,8 @@ class TrackerProbe(MemoryProbe):
 
 class DeviceAndHostProbe(MemoryProbe):
     """Two probes over one step, their phases marked together: ``device`` (what :meth:`end_step`
-    returns) and ``host`` (its :class:`StepMemory` is :attr:`host_memory` once the step ended): the
-    device a dry run simulates and the host memory apart from it, each counting its own device type.
+    returns; the device a dry run simulates) and ``host`` (its :class:`StepMemory` is
+    :attr:`host_memory` once the step ended), each counting its own device type.
 
     Example:
         >>> probe = DeviceAndHostProbe(TrackerProbe("seqmem"), TrackerProbe("cpu"))
@@ -190,8 +182,10 @@ class DeviceAndHostProbe(MemoryProbe):
         >>> probe.start_step([w], record_events=True)
         >>> probe.mark_phase("forward")
         >>> x = w.repeat(2)  # 32 bytes more
-        >>> probe.end_step().peak_bytes, probe.host_memory.peak_bytes, probe.host_memory.phase_peak_bytes
-        (0, 48, {'forward': 48})
+        >>> probe.end_step().peak_bytes, probe.host_memory.peak_bytes
+        (0, 48)
+        >>> probe.host_memory.phase_peak_bytes
+        {'forward': 48}
     """
 
     def __init__(self, device: MemoryProbe, host: TrackerProbe) -> None:
@@ -229,20 +223,19 @@ class DeviceAndHostProbe(MemoryProbe):
 class CudaAllocatorProbe(MemoryProbe):
     """Per-phase peaks from the CUDA caching allocator's counters.
 
-    ``reserved_bytes`` is the step's peak reserved memory; ``fragmentation_bytes`` is that minus the
-    step's peak allocated (memory the allocator holds that no tensor used even at the peak; the two
-    peaks may come from different moments), and ``fragmentation_fraction`` that over reserved.
-    With ``record_events=True`` a :class:`LiveTensorTracker` runs alongside, for the timeline replay.
+    ``reserved_bytes`` is the step's peak reserved memory; ``fragmentation_bytes`` that minus the
+    peak allocated (the two peaks may come from different moments), ``fragmentation_fraction`` that
+    over reserved. With ``record_events=True`` a :class:`LiveTensorTracker` runs alongside.
 
-    Note: the probe resets the device's peak counters (``torch.cuda.reset_peak_memory_stats``) at
-    every step and phase boundary, so other code reading ``torch.cuda.max_memory_allocated()``
-    sees the peak since the last boundary only.
+    Note: it resets the device's peak counters at every step and phase boundary, so other code
+    reading ``torch.cuda.max_memory_allocated()`` sees the peak since the last boundary only.
     """
 
     name = "cuda"
 
     def __init__(self, device: torch.device | int | str | None = None) -> None:
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if device is None
+                       else torch.device(device))
         self._tracker_probe = TrackerProbe("cuda")
         self._phase: Optional[str] = None
         self._phase_peaks: dict[str, int] = {}
@@ -257,7 +250,8 @@ class CudaAllocatorProbe(MemoryProbe):
         if self._phase is not None:
             peak = torch.cuda.max_memory_allocated(self.device)
             self._phase_peaks[self._phase] = max(self._phase_peaks.get(self._phase, 0), peak)
-            self._max_reserved = max(self._max_reserved, torch.cuda.max_memory_reserved(self.device))
+            self._max_reserved = max(self._max_reserved,
+                                     torch.cuda.max_memory_reserved(self.device))
 
     def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
         self.abort()
@@ -286,32 +280,29 @@ class CudaAllocatorProbe(MemoryProbe):
         peak = max(self._phase_peaks.values())
         reserved = max(self._max_reserved, torch.cuda.memory_reserved(self.device))
         fragmentation = max(reserved - peak, 0)
-        return StepMemory(
-            peak_bytes=peak,
-            phase_peak_bytes=dict(self._phase_peaks),
-            start_bytes=self._start_bytes,
-            end_bytes=torch.cuda.memory_allocated(self.device),
-            reserved_bytes=reserved,
-            fragmentation_bytes=fragmentation,
-            fragmentation_fraction=fragmentation / reserved if reserved else 0.0,
-            inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
-            alloc_retries=int(stats.get("num_alloc_retries", 0)),
-            num_ooms=int(stats.get("num_ooms", 0)),
-            events=events,
-        )
+        return StepMemory(peak_bytes=peak, phase_peak_bytes=dict(self._phase_peaks),
+                          start_bytes=self._start_bytes,
+                          end_bytes=torch.cuda.memory_allocated(self.device),
+                          reserved_bytes=reserved, fragmentation_bytes=fragmentation,
+                          fragmentation_fraction=fragmentation / reserved if reserved else 0.0,
+                          inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current",
+                                                             0)),
+                          alloc_retries=int(stats.get("num_alloc_retries", 0)),
+                          num_ooms=int(stats.get("num_ooms", 0)), events=events)
 
     def abort(self) -> None:
         self._running = False
         self._tracker_probe.abort()
 
 
-_NOT_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})  # walked elsewhere, or not the module's
+# walked elsewhere, or not the module's
+_NOT_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
 
 
 def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Tensors held as plain attributes of ``model`` or of its submodules (neither parameters nor
-    buffers): caches such as Lightning's demo ``PositionalEncoding.pe`` or ``Transformer.src_mask``,
-    directly or in a list, tuple or dict attribute (one level deep). Device memory all the same.
+    """Tensors held as plain attributes of ``model`` or its submodules (neither parameters nor
+    buffers: caches such as a ``PositionalEncoding.pe``), directly or in a list, tuple or dict
+    attribute (one level deep).
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
@@ -333,37 +324,39 @@ def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any], batch: Any) -> list[torch.Tensor]:
-    """Tensors alive before a training step, each once: parameters, buffers, tensors held as module
-    attributes (:func:`attribute_tensors`), gradients, optimizer state and the tensors an optimizer holds
-    besides (:func:`optimizer_held_tensors`), batch.
+def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any],
+                     batch: Any) -> list[torch.Tensor]:
+    """Tensors alive before a training step, each once: parameters, buffers, module attributes
+    (:func:`attribute_tensors`), gradients, optimizer state and what an optimizer holds besides
+    (:func:`optimizer_held_tensors`), batch.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
-        >>> len(existing_tensors(lin, [torch.optim.SGD(lin.parameters(), lr=0.1)], {"x": torch.ones(2, 4)}))
+        >>> opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        >>> len(existing_tensors(lin, [opt], {"x": torch.ones(2, 4)}))
         3
     """
-    out: list[torch.Tensor] = list(model.parameters()) + list(model.buffers()) + attribute_tensors(model)
+    out: list[torch.Tensor] = (list(model.parameters()) + list(model.buffers())
+                               + attribute_tensors(model))
     out += [p.grad for p in model.parameters() if p.grad is not None]
     for optimizer in optimizers:
         for state in optimizer.state.values():
             out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         out += optimizer_held_tensors(optimizer)
     out += flat_tensors(batch)
-    return list({id(t): t for t in out}.values())  # each once (an optimizer's param_groups hold the parameters)
+    return list({id(t): t for t in out}.values())  # each once (param_groups hold the parameters)
 
 
 def optimizer_held_tensors(optimizer: Any, depth: int = 4) -> list[torch.Tensor]:
-    """Tensors an optimizer holds as attributes, in lists, tuples and dicts of them, and in optimizers it
-    wraps: DeepSpeed's ZeRO optimizers keep flat fp32 partitions and gradient buffers so, allocated before
-    the first step (about 4 bytes per parameter at ZeRO-2), which its ``state`` does not show. Modules
-    are not entered (their tensors are the model's).
+    """Tensors an optimizer holds as attributes, in lists, tuples and dicts of them, and in
+    optimizers it wraps: DeepSpeed's ZeRO keeps flat fp32 partitions and gradient buffers so (about
+    4 bytes per parameter at ZeRO-2), which ``state`` does not show. Modules are not entered.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
         >>> opt = torch.optim.SGD(lin.parameters(), lr=0.1)
         >>> opt.flat_buffer = [torch.zeros(8)]
-        >>> [tuple(t.shape) for t in optimizer_held_tensors(opt) if t.dim() == 1 and t.numel() == 8]
+        >>> [tuple(t.shape) for t in optimizer_held_tensors(opt) if t.numel() == 8]
         [(8,)]
     """
     out: list[torch.Tensor] = []
@@ -373,7 +366,8 @@ def optimizer_held_tensors(optimizer: Any, depth: int = 4) -> list[torch.Tensor]
         if isinstance(value, torch.Tensor):
             out.append(value)
             return
-        if left <= 0 or id(value) in seen or isinstance(value, (torch.nn.Module, str, bytes, int, float)):
+        if (left <= 0 or id(value) in seen
+                or isinstance(value, (torch.nn.Module, str, bytes, int, float))):
             return
         seen.add(id(value))
         if isinstance(value, dict):
@@ -404,9 +398,8 @@ def round_cuda_block_bytes(nbytes: int) -> int:
 
 
 def make_probe(name: str, device: torch.device) -> MemoryProbe:
-    """The probe for ``SeqMemCallback(probe=name)`` on ``device``.
-
-    ``"auto"`` is the allocator probe on CUDA and the tracker elsewhere.
+    """The probe for ``SeqMemCallback(probe=name)`` on ``device`` (``"auto"``: the allocator
+    probe on CUDA, the tracker elsewhere).
 
     Example:
         >>> make_probe("auto", torch.device("cpu")).name
@@ -416,9 +409,7 @@ def make_probe(name: str, device: torch.device) -> MemoryProbe:
         raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {name!r}")
     if name == "cuda" or (name == "auto" and device.type == "cuda"):
         if device.type != "cuda":
-            raise ValueError(
-                f"`probe='cuda'` needs the model on a CUDA device, but it is on {device}; "
-                "use probe='tracker' or 'auto'"
-            )
+            raise ValueError("`probe='cuda'` needs the model on a CUDA device, but it is on "
+                             f"{device}; use probe='tracker' or 'auto'")
         return CudaAllocatorProbe(device)
     return TrackerProbe(device.type)

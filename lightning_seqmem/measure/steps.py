@@ -1,11 +1,10 @@
 """Forecast without training: trace a few short training steps of a model and fit both predictors.
 
-:func:`trace_training_steps` runs real training steps (forward, backward, optimizer step) at a few
-short sequence lengths under a memory probe, exactly as :class:`~lightning_seqmem.SeqMemCallback`
-measures them during training, and returns a fitted
-:class:`~lightning_seqmem.MemoryForecaster`. The steps change the weights and the optimizer state
-of what they are given: pass copies (``copy.deepcopy(model)`` and a fresh optimizer) to leave the
-real ones untouched. No Lightning here; :mod:`lightning_seqmem.cli.main` adapts a ``LightningModule``.
+:func:`trace_training_steps` runs real training steps (forward, backward, optimizer step) at a
+few short lengths under a memory probe, as the callback measures them, and returns a fitted
+:class:`~lightning_seqmem.MemoryForecaster`. The steps change the weights and optimizer state they
+are given: pass copies to keep the originals. No Lightning (:mod:`lightning_seqmem.cli.main`
+adapts a ``LightningModule``).
 
 Example:
     >>> import torch
@@ -15,7 +14,8 @@ Example:
     >>> batch = {"input_ids": torch.randint(0, 256, (2, 128))}
     >>> def loss_fn(model, batch):
     ...     return model(batch["input_ids"]).float().logsumexp(-1).mean()
-    >>> forecaster = trace_training_steps(model, optimizer, batch, [16, 32, 64], loss_fn, check_seq_lens=[128])
+    >>> forecaster = trace_training_steps(model, optimizer, batch, [16, 32, 64], loss_fn,
+    ...                                   check_seq_lens=[128])
     >>> forecaster.forecast(1024, 2).method, round(forecaster.verifications[0].relative_error, 3)
     ('replay', 0.0)
 """
@@ -38,43 +38,41 @@ from lightning_seqmem.core.records import PHASES, StepMemory
 from lightning_seqmem.measure.probes import existing_tensors, make_probe
 from lightning_seqmem.core.timeline import Trace
 
-__all__ = ["batch_copy_at", "loss_of", "step_device", "trace_training_steps", "training_step_memory"]
+__all__ = ["batch_copy_at", "loss_of", "step_device", "trace_training_steps",
+           "training_step_memory"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 def loss_of(output: Any, required: bool = True) -> Optional[torch.Tensor]:
     """The loss in a ``training_step`` output, as Lightning reads it: the tensor itself, a mapping's
-    ``"loss"``, or None (Lightning skips such a batch; ``required``: that is an error here). The one
-    reader of the package: the micro-batching wrapper, the dry run, the breakdown and ``seqmem``.
-
-    Raises:
-        TypeError: no loss tensor where one is needed (the message says what was returned).
+    ``"loss"``, or None (Lightning skips such a batch; ``required``: that is an error here). The
+    package's one reader. ``TypeError`` where a loss tensor is needed and missing.
 
     Example:
         >>> loss_of({"loss": torch.tensor(1.0), "log": 2})
         tensor(1.)
         >>> loss_of(None, required=False) is None
         True
-        >>> loss_of({"logits": 1})
+        >>> loss_of({"logits": 1})  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        TypeError: training_step returned a dict without a 'loss' key; in automatic optimization it needs one
+        TypeError: training_step returned a dict without a 'loss' key; in automatic optimization it
+        needs one
     """
     if isinstance(output, Mapping):
         loss = output.get("loss")
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"training_step returned a {type(output).__name__} without a 'loss' key; in automatic "
-                            "optimization it needs one")
+            raise TypeError(f"training_step returned a {type(output).__name__} without a 'loss' "
+                            "key; in automatic optimization it needs one")
         return loss
     if output is None and not required:
         return None
     if not isinstance(output, torch.Tensor):
         raise TypeError(
             f"training_step returned {type(output).__name__}, not a loss tensor"
-            + ("; a step that returns None is skipped by Lightning and has no backward to forecast" if output is None
-               else "; return a Tensor, a dict with a 'loss' key, or None")
-        )
+            + ("; a step that returns None is skipped by Lightning and has no backward to forecast"
+               if output is None else "; return a Tensor, a dict with a 'loss' key, or None"))
     return output
 
 
@@ -83,7 +81,8 @@ def step_device(model: nn.Module, device: Optional[torch.device | str] = None) -
     for a model without parameters).
 
     Example:
-        >>> step_device(torch.nn.Linear(2, 2)), step_device(torch.nn.Identity()), step_device(torch.nn.Identity(), "meta")
+        >>> none = torch.nn.Identity()
+        >>> step_device(torch.nn.Linear(2, 2)), step_device(none), step_device(none, "meta")
         (device(type='cpu'), device(type='cpu'), device(type='meta'))
     """
     if device is None:
@@ -96,29 +95,22 @@ def batch_copy_at(batch: Any, seq_len: int, device: torch.device) -> Any:
     """A copy of ``batch`` (new containers, tensors cut and copied) at ``seq_len``, on ``device``.
 
     Example:
-        >>> batch_copy_at({"input_ids": torch.ones(2, 8, dtype=torch.long)}, 4, torch.device("cpu"))["input_ids"].shape
+        >>> batch = {"input_ids": torch.ones(2, 8, dtype=torch.long)}
+        >>> batch_copy_at(batch, 4, torch.device("cpu"))["input_ids"].shape
         torch.Size([2, 4])
     """
-    copy = tree_map(lambda x: x, batch)  # new containers; set_batch_sequence_length changes them in place
+    copy = tree_map(lambda x: x, batch)  # new containers, which the cut changes in place
     copy = set_batch_sequence_length(copy, seq_len) if not isinstance(copy, tuple) else copy
     return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, copy)
 
 
-def training_step_memory(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    loss_fn: LossFn,
-    probe: Any = None,
-    record_events: bool = False,
-    context: Optional[Callable[[], ContextManager]] = None,
-) -> Optional[StepMemory]:
-    """Run one training step (Lightning's order) and return what ``probe`` measured (None without one).
-
-    The order is Lightning's automatic optimisation: forward (``loss_fn`` under ``context``, e.g.
-    autocast), ``zero_grad(set_to_none=True)``, backward, optimizer step; the previous step's
-    gradients are alive during the forward, as in a Lightning run.
-    """
+def training_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                         loss_fn: LossFn, probe: Any = None, record_events: bool = False,
+                         context: Optional[Callable[[], ContextManager]] = None
+                         ) -> Optional[StepMemory]:
+    """Run one training step and return what ``probe`` measured (None without one). Lightning's
+    order: forward (``loss_fn`` under ``context``, e.g. autocast), ``zero_grad(set_to_none=True)``,
+    backward, optimizer step (the previous step's gradients are alive during the forward)."""
     if probe is not None:
         probe.start_step(existing_tensors(model, [optimizer], batch), record_events=record_events)
         probe.mark_phase("forward")
@@ -140,52 +132,41 @@ def training_step_memory(
     return probe.end_step() if probe is not None else None
 
 
-def trace_training_steps(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    seq_lens: Sequence[int],
-    loss_fn: LossFn,
-    *,
-    device: Optional[torch.device | str] = None,
-    probe: str = "auto",
-    warmup_steps: int = 1,
-    context: Optional[Callable[[], ContextManager]] = None,
-    check_seq_lens: Iterable[int] = (),
-    forecaster: Optional[MemoryForecaster] = None,
-) -> MemoryForecaster:
-    """Trace one training step at each of ``seq_lens`` (after ``warmup_steps`` unmeasured ones).
+def trace_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                         seq_lens: Sequence[int], loss_fn: LossFn, *,
+                         device: Optional[torch.device | str] = None, probe: str = "auto",
+                         warmup_steps: int = 1,
+                         context: Optional[Callable[[], ContextManager]] = None,
+                         check_seq_lens: Iterable[int] = (),
+                         forecaster: Optional[MemoryForecaster] = None) -> MemoryForecaster:
+    """Trace one training step at each of ``seq_lens`` (after ``warmup_steps`` unmeasured ones);
+    returns the forecaster with one measured point and one trace per length.
 
     Args:
         model, optimizer: what to step (changed: pass copies to keep the originals).
-        batch: a batch at least as long as every length asked for (a tensor, mapping or list of
-            token tensors); each length is cut from a copy of it (never padded).
+        batch: a batch at least as long as every length asked (each is cut from a copy of it).
         seq_lens: 2 or more short lengths to trace (tokens), e.g. ``[64, 128, 256]``.
         loss_fn: ``(model, batch) -> scalar loss``.
         device: where to run; default the model's parameters' device.
-        probe: ``"auto"`` (CUDA allocator counters on CUDA, else the live-tensor tracker),
-            ``"cuda"`` or ``"tracker"``.
-        warmup_steps: unmeasured steps before each measured one (≥ 1 before the first: the
-            first step has no optimizer state; on CUDA a new length may autotune kernels).
+        probe: ``"auto"``, ``"cuda"`` or ``"tracker"`` (:func:`make_probe`).
+        warmup_steps: unmeasured steps before each measured one (≥ 1: the first step has no
+            optimizer state; on CUDA a new length may autotune kernels).
         context: a factory of the context the forward runs under (autocast for mixed precision).
         check_seq_lens: longer lengths measured after fitting, each verifying the forecast made
             for it beforehand (``forecaster.verifications``).
         forecaster: add to this forecaster instead of a new one.
-
-    Returns:
-        the forecaster, with one measured point and one trace per length.
     """
     lengths = sorted({int(L) for L in seq_lens})
     if len(lengths) < 2 or lengths[0] < 1:
-        raise ValueError(f"`seq_lens` must hold 2 or more distinct positive lengths, got {list(seq_lens)!r}")
+        raise ValueError("`seq_lens` must hold 2 or more distinct positive lengths, got "
+                         f"{list(seq_lens)!r}")
     check_int("warmup_steps", warmup_steps, accepted="an int >= 1")
     _, source_len = infer_batch_shape(batch)
     too_long = [L for L in [*lengths, *check_seq_lens] if L > source_len]
     if too_long:
-        raise ValueError(
-            f"the batch has {source_len} tokens per row; cannot trace or check at {too_long} "
-            "(lengths are cut from the batch, never padded): give a longer batch or shorter lengths"
-        )
+        raise ValueError(f"the batch has {source_len} tokens per row; cannot trace or check at "
+                         f"{too_long} (lengths are cut from the batch, never padded): give a "
+                         "longer batch or shorter lengths")
     device = step_device(model, device)
     memory_probe = make_probe(probe, device)
     block = 512 if memory_probe.name == "cuda" else 1
@@ -196,7 +177,8 @@ def trace_training_steps(
         batch_size, _ = infer_batch_shape(step_batch)
         for _ in range(warmup_steps):
             training_step_memory(model, optimizer, step_batch, loss_fn, context=context)
-        m = training_step_memory(model, optimizer, step_batch, loss_fn, memory_probe, record_events, context)
+        m = training_step_memory(model, optimizer, step_batch, loss_fn, memory_probe, record_events,
+                                 context)
         assert m is not None
         return batch_size, m
 
@@ -209,7 +191,8 @@ def trace_training_steps(
         batch_size, m = measure(seq_len, record_events=True)
         add(seq_len, batch_size, m)
         if m.events is not None:
-            forecaster.add_trace(Trace(seq_len, batch_size, m.events, block_bytes=block, measured_peak_bytes=m.peak_bytes))
+            forecaster.add_trace(Trace(seq_len, batch_size, m.events, block_bytes=block,
+                                       measured_peak_bytes=m.peak_bytes))
     for seq_len in sorted(set(int(L) for L in check_seq_lens) - set(lengths)):
         batch_size = infer_batch_shape(batch)[0]
         predicted = forecaster.forecast(seq_len, batch_size)

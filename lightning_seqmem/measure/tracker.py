@@ -1,7 +1,7 @@
-"""The live-tensor tracker: a ``TorchDispatchMode`` that sees every storage an op creates, registers a
-weakref finaliser on it and so knows the live bytes at every moment (exact on any device); it also
-sees storage resizes (FSDP2) and, with ``record_events``, keeps the ordered allocation/free
-sequence the timeline replays. The probes that wrap it: :mod:`lightning_seqmem.measure.probes`."""
+"""The live-tensor tracker: a ``TorchDispatchMode`` that sees every storage an op creates,
+registers a weakref finaliser on it and so knows the live bytes at every moment (exact on any
+device); it also sees storage resizes (FSDP2) and, with ``record_events``, keeps the ordered
+allocation/free sequence the timeline replays. Wrapped by :mod:`lightning_seqmem.measure.probes`."""
 
 from __future__ import annotations
 
@@ -20,29 +20,31 @@ from lightning_seqmem.measure.mode_stack import enter_below_user_modes, exit_own
 __all__ = ["PINNED", "LiveTensorTracker", "flat_tensors", "is_fake", "tensor_storages"]
 
 PINNED = " (pinned)"
-"""Appended to the op name of an allocation the tracker's ``pinned`` hook calls page-locked host memory
-(``TrackedEvents.ops``): the event keeps the tensor's bytes, the reader rounds them as the host allocator does."""
+"""Appended to the op name (``TrackedEvents.ops``) of an allocation the ``pinned`` hook calls
+page-locked host memory: the event keeps the tensor's bytes, the reader rounds them as the host
+allocator does."""
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def flat_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors in an op's output or arguments (fast path for the usual shapes); the probes list a
-    batch's tensors with it too.
+    """The tensors in an op's output or arguments, or a batch (fast path for the usual shapes).
 
     >>> [t.shape for t in flat_tensors((torch.zeros(2), None, {"x": torch.ones(3)}))]
     [torch.Size([2]), torch.Size([3])]
     """
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, (tuple, list)) and all(isinstance(x, torch.Tensor) or x is None for x in obj):
+    if (isinstance(obj, (tuple, list))
+            and all(isinstance(x, torch.Tensor) or x is None for x in obj)):
         return [x for x in obj if x is not None]
     return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
 
 
 def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages holding ``t``'s data (a wrapper subclass's inner tensors' too; none for meta or sparse)."""
+    """The storages holding ``t``'s data (a wrapper subclass's inner tensors'; none for meta or
+    sparse)."""
     if type(t) in _PLAIN_TENSORS:
         if t.layout != torch.strided or t.device.type == "meta":
             return []
@@ -61,8 +63,8 @@ def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 def is_fake(t: torch.Tensor) -> bool:
-    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports): the tracker and the
-    probes count no bytes for one (a dry run's tensors).
+    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports): counted as no
+    bytes by the tracker and the probes.
 
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
     >>> with FakeTensorMode():
@@ -86,7 +88,7 @@ class _Transient:
     """A placeholder for a scratch allocation's slot (dead at once: nothing to watch)."""
 
 
-_RESIZE_WATCHERS: list["LiveTensorTracker"] = []  # trackers entered now, told of every storage resize
+_RESIZE_WATCHERS: list["LiveTensorTracker"] = []  # trackers entered now, told of every resize
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 
 
@@ -101,9 +103,9 @@ def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
 
 
 def _watch_resizes(tracker: "LiveTensorTracker", on: bool) -> None:
-    """``torch.UntypedStorage.resize_`` is not a tensor op (no dispatch mode sees it), so while a
-    tracker is entered it is wrapped to tell the tracker (as ``torch.distributed._tools.MemTracker``
-    does); the original comes back when the last tracker leaves."""
+    """``torch.UntypedStorage.resize_`` is not a tensor op (no dispatch mode sees it): while a
+    tracker is entered it is wrapped to tell it (as ``torch.distributed._tools.MemTracker``
+    does)."""
     if on:
         _RESIZE_WATCHERS.append(tracker)
         torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
@@ -118,8 +120,8 @@ class LiveTensorTracker(TorchDispatchMode):
     """Exact live tensor bytes on one device type, by watching every storage an op creates.
 
     Storages that existed before tracking began are counted only if passed to
-    :meth:`track_existing` (parameters, gradients, optimizer state, the batch). A storage shared
-    with an op's input (a view, an in-place op) is not a new allocation.
+    :meth:`track_existing`. A storage shared with an op's input (a view, an in-place op) is not a
+    new allocation.
 
     Example:
         >>> import torch
@@ -148,12 +150,12 @@ class LiveTensorTracker(TorchDispatchMode):
         self._resized_to_zero: set[int] = set()  # tracked storages resized to 0 bytes, still alive
         self._finalizers: list[weakref.ref] = []
         self._active = True
-        self.error: Optional[BaseException] = None  # a bookkeeping failure: the step ran, the count is void
+        self.error: Optional[BaseException] = None  # bookkeeping failed: the count is void
         # (op, args, out) -> bytes a kernel takes for itself while it runs (a dry run of CUDA, see
-        # dryrun.cuda_kernel_scratch_bytes); counted as allocated and freed right after the output
+        # dryrun.cuda_kernel_scratch_bytes), counted as allocated and freed right after the output
         self.scratch: Optional[Callable[[Any, Any, Any], int]] = None
-        # (storage, op or None, args, kwargs) -> whether a new storage is pinned host memory (op None:
-        # one alive before tracking); its event's op name then ends with PINNED (dryrun.host reads it)
+        # (storage, op or None, args, kwargs) -> whether a new storage is pinned host memory (op
+        # None: alive before tracking); its event's op name then ends with PINNED (dryrun.host)
         self.pinned: Optional[Callable[[torch.UntypedStorage, Any, Any, Any], bool]] = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -187,12 +189,9 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.sequence.append(~index)
 
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
-        """``st.resize_(nbytes)`` ran: free its entry and count it again at its new size.
-
-        FSDP2 keeps each block's unsharded parameters in storages it resizes to 0 after the block
-        ran and back before it runs again (``free_storage`` / ``alloc_storage``), which no dispatch
-        mode sees; storages it grows from 0 are counted from then on, whenever they were created.
-        """
+        """``st.resize_(nbytes)`` ran: free its entry and count it again at its new size (FSDP2
+        resizes each block's unsharded parameters to 0 after it ran and back before it runs again;
+        a storage grown from 0 is counted from then on, whenever it was created)."""
         if not self._active or self.error is not None:
             return
         key = st._cdata
@@ -207,7 +206,7 @@ class LiveTensorTracker(TorchDispatchMode):
             if nbytes == 0:
                 self._resized_to_zero.add(key)
         elif key not in self._resized_to_zero and st.device.type != self.device_type:
-            return  # another device's storage (a fake tensor's storage is on "meta": known by its key above)
+            return  # another device's storage (a fake one's is on "meta": known by its key above)
         if nbytes > 0:
             self._resized_to_zero.discard(key)
             self._add(st, "<resize_>", nbytes)
@@ -223,7 +222,8 @@ class LiveTensorTracker(TorchDispatchMode):
                 continue
             for st in tensor_storages(t):
                 if st._cdata not in self._ids:
-                    self._add(st, f"<{kind}>" + (PINNED if self.pinned and self.pinned(st, None, (), {}) else ""))
+                    self._add(st, f"<{kind}>" + (PINNED if self.pinned
+                                                 and self.pinned(st, None, (), {}) else ""))
         if self.events is not None:
             self.events.num_existing = len(self.events.sizes)
 
@@ -256,12 +256,9 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.phase_starts[phase] = len(self.events.sequence)
 
     def stop(self) -> None:
-        """Ignore frees from now on (storages of this step die later, during the next one).
-
-        The weak references (and their callbacks, which hold this tracker) are dropped at once,
-        not left to the garbage collector: a stopped tracker reaches no storage, neither the
-        training's real ones nor a dry run's fake (meta) ones, whenever it is collected.
-        """
+        """Ignore frees from now on (storages of this step die later, during the next one). The
+        weak references (whose callbacks hold this tracker) are dropped at once: a stopped tracker
+        reaches no storage, real or fake, whenever it is collected."""
         self._active = False
         self._finalizers.clear()
         self._ids.clear()
@@ -272,7 +269,7 @@ class LiveTensorTracker(TorchDispatchMode):
     def __enter__(self):
         _watch_resizes(self, True)
         self._below = modes_below()
-        # a tracker entered under a FakeTensorMode counts fake storages (a dry run's); others skip them
+        # a tracker entered under a FakeTensorMode counts fake storages (a dry run's); others not
         self._counts_fakes = any(isinstance(m, FakeTensorMode) for m, _ in self._below)
         # under other tools' modes held now (so that they leave first without popping this one),
         # above another tracker (a second SeqMemCallback's)
@@ -283,7 +280,8 @@ class LiveTensorTracker(TorchDispatchMode):
         """Leave this mode only, wherever it is on the stack: another callback's mode entered after
         it (or before it, and left first) is never popped in its place (:mod:`.mode_stack`)."""
         _watch_resizes(self, False)
-        exit_own_mode(self, lambda: super(LiveTensorTracker, self).__exit__(*exc_info), getattr(self, "_below", []))
+        exit_own_mode(self, lambda: super(LiveTensorTracker, self).__exit__(*exc_info),
+                      getattr(self, "_below", []))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -292,7 +290,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._track_outputs(func, out, args, kwargs)
                 if self.scratch is not None:
                     self._transient(self.scratch(func, args, out), func.name())
-            except Exception as exc:  # noqa: BLE001 - the op's result must reach the model regardless
+            except Exception as exc:  # noqa: BLE001 - the op's result must reach the model
                 self.error = exc
         return out
 
@@ -305,7 +303,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if self.phase is not None:
-            self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes[self.phase], self.live_bytes)
+            self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes[self.phase],
+                                                    self.live_bytes)
         self.live_bytes -= nbytes
         if self.events is not None:
             self.events.sizes.append(nbytes)
@@ -318,7 +317,7 @@ class LiveTensorTracker(TorchDispatchMode):
             if t.device.type != self.device_type:
                 continue
             if not self._counts_fakes and isinstance(t, FakeTensor):
-                continue  # another callback's dry run inside this step's window: not this step's memory
+                continue  # another callback's dry run inside this step: not this step's memory
             for st in tensor_storages(t):
                 key = st._cdata
                 if key in self._ids:
