@@ -17,7 +17,8 @@ from typing import Any
 # imported on first use, so ``import lightning_seqmem.plan.planner`` loads neither.
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.curriculum import Curriculum
-from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements, Verification
+from lightning_seqmem.core.forecast import (Forecast, MemoryForecaster, NotEnoughMeasurements,
+                                            Verification)
 from lightning_seqmem.core.quadratic import QuadraticForecast, QuadraticMemoryModel
 from lightning_seqmem.core.records import (
     StepMemory,

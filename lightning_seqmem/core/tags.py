@@ -18,7 +18,7 @@ PREFIX = "seqmem/"
 TAGS: dict[str, str] = {
     "seq_len": "sequence length of the batch (tokens)",
     "batch_size": "samples in the batch",
-    "peak_allocated_gib": "peak allocated (CUDA) or live tensor (tracker) memory of the step",
+    "peak_allocated_gib": "peak allocated (CUDA) or live-tensor (tracker) memory",
     "peak_forward_gib": "peak during forward (batch start → before backward)",
     "peak_backward_gib": "peak during backward",
     "peak_optimizer_gib": "peak during the optimizer step (absent while accumulating)",
@@ -26,7 +26,7 @@ TAGS: dict[str, str] = {
     "fragmentation_gib": "reserved minus allocated at the peak (CUDA only)",
     "fragmentation_fraction": "fragmentation over reserved (CUDA only)",
     "inactive_split_gib": "inactive split blocks (CUDA only)",
-    "alloc_retries": "allocator retries after a failed cudaMalloc, cumulative (CUDA only)",
+    "alloc_retries": "cudaMalloc retries after a failure, cumulative (CUDA only)",
     "num_ooms": "allocator OOMs, cumulative (CUDA only)",
     "warmup": "1 for a warm-up batch (measured, not fitted)",
     "verification_error": "latest (forecast − measured) / measured at a new length",

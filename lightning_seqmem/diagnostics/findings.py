@@ -1,10 +1,9 @@
 """What is wrong in a traced step, and what attention costs: the article's FAQ and an ablation.
 
-:func:`diagnose` turns the quadratic (L×L) tensors of a :class:`~lightning_seqmem.diagnostics.tracer.Breakdown`
-into findings with their fix (fp32 scores under mixed precision, a hand-written matmul that
-materialises the score matrix, checkpointing that misses attention), each warned once as a
-:class:`MemoryDiagnosisWarning`. :func:`attention_ablation` traces a step with every attention
-module replaced by identity and sets it beside the real step (:class:`AttentionAblation`).
+:func:`diagnose` turns the quadratic (L×L) tensors of a :class:`~.tracer.Breakdown` into findings
+with their fix, each warned once as a :class:`MemoryDiagnosisWarning`. :func:`attention_ablation`
+traces a step with every attention module replaced by identity and sets it beside the real step
+(:class:`AttentionAblation`).
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpoi
 
 __all__ = ["AttentionAblation", "MemoryDiagnosisWarning", "attention_ablation", "diagnose"]
 
-_MATMUL_OPS = ("aten::bmm", "aten::mm", "aten::matmul", "aten::baddbmm", "aten::addmm", "aten::addbmm")
-
+_MATMUL_OPS = ("aten::bmm", "aten::mm", "aten::matmul", "aten::baddbmm", "aten::addmm",
+               "aten::addbmm")
 
 
 class MemoryDiagnosisWarning(UserWarning):
@@ -37,17 +36,11 @@ def _example(records: list[AllocationRecord]) -> str:
 
 
 def diagnose(breakdown: Breakdown, model: nn.Module, autocast: Optional[bool] = None) -> list[str]:
-    """The article's FAQ applied to a traced step; each finding is returned and warned once.
-
-    Findings (each at most once per call, as a :class:`MemoryDiagnosisWarning`):
-
-    * attention scores in fp32 under mixed precision (``autocast`` and a float32 L×L tensor);
-    * a hand-written ``bmm``/``matmul`` materialising the L×L matrix (where SDPA would not);
-    * activation checkpointing configured but L×L tensors still saved for backward in the forward.
-
-    Args:
-        autocast: whether the step ran under autocast; ``None`` uses what the trace saw.
-    """
+    """The article's FAQ applied to a traced step, each finding returned and warned once
+    (:class:`MemoryDiagnosisWarning`): attention scores in fp32 under mixed precision; a
+    hand-written ``bmm``/``matmul`` materialising the L×L matrix (where SDPA would not); activation
+    checkpointing configured but L×L tensors still saved for backward in the forward.
+    ``autocast``: whether the step ran under autocast (``None``: what the trace saw)."""
     autocast = breakdown.autocast if autocast is None else autocast
     quads = [r for r in breakdown.tensors if r.quadratic]
     found: list[str] = []
@@ -55,28 +48,31 @@ def diagnose(breakdown: Breakdown, model: nn.Module, autocast: Optional[bool] = 
     if autocast and fp32:
         found.append(
             f"Attention scores in float32 under mixed precision: {len(fp32)} L×L float32 tensors "
-            f"({format_bytes(sum(r.nbytes for r in fp32))} in total), e.g. {_example(fp32)}. Memory of the score "
-            "matrix doubles versus 16-bit. Fix: keep scores in the autocast dtype (softmax with dtype=float32 "
-            "returns fp32: cast back at once, or don't upcast), or better use scaled_dot_product_attention "
-            "(AttentionSwitch('sdpa')), which never materialises them."
+            f"({format_bytes(sum(r.nbytes for r in fp32))} in total), e.g. {_example(fp32)}. "
+            "Memory of the score matrix doubles versus 16-bit. Fix: keep scores in the autocast "
+            "dtype (softmax with dtype=float32 returns fp32: cast back at once, or don't upcast), "
+            "or better use scaled_dot_product_attention (AttentionSwitch('sdpa')), which never "
+            "materialises them."
         )
     mm = [r for r in quads if r.op.split(".")[0] in _MATMUL_OPS]
     if mm:
         found.append(
             f"A hand-written matmul materialises the full L×L score matrix: {len(mm)} tensors from "
-            f"{sorted({r.op for r in mm})} ({format_bytes(sum(r.nbytes for r in mm))}), e.g. {_example(mm)}. "
-            "scaled_dot_product_attention (or flash-attn) computes the same result blockwise without it. "
-            "Fix: replace `q @ k.transpose(-2, -1)`/softmax/`@ v` with F.scaled_dot_product_attention "
-            "(AttentionSwitch('sdpa') for models that support it)."
+            f"{sorted({r.op for r in mm})} ({format_bytes(sum(r.nbytes for r in mm))}), e.g. "
+            f"{_example(mm)}. scaled_dot_product_attention (or flash-attn) computes the same "
+            "result blockwise without it. Fix: replace `q @ k.transpose(-2, -1)`/softmax/`@ v` "
+            "with F.scaled_dot_product_attention (AttentionSwitch('sdpa') for models that "
+            "support it)."
         )
     saved = [r for r in quads if r.saved_for_backward and r.phase == "forward"]
     if saved and is_checkpointed(model):
         modules = sorted({r.module for r in saved})
         found.append(
-            f"Activation checkpointing is configured but not taking effect: {len(saved)} L×L tensors "
-            f"({format_bytes(sum(r.nbytes for r in saved))}) are still saved for backward in the forward, from "
-            f"{len(modules)} module(s) such as {modules[:3]}. Fix: make sure the blocks that contain attention are "
-            "the ones wrapped (ActivationCheckpointing(block_class_names=[...])), that a Hugging Face model is in "
+            f"Activation checkpointing is configured but not taking effect: {len(saved)} L×L "
+            f"tensors ({format_bytes(sum(r.nbytes for r in saved))}) are still saved for backward "
+            f"in the forward, from {len(modules)} module(s) such as {modules[:3]}. Fix: make sure "
+            "the blocks that contain attention are the ones wrapped "
+            "(ActivationCheckpointing(block_class_names=[...])), that a Hugging Face model is in "
             "train() mode, and that the forward calls the wrapped modules."
         )
     for message in found:
@@ -84,10 +80,9 @@ def diagnose(breakdown: Breakdown, model: nn.Module, autocast: Optional[bool] = 
     return found
 
 
-
 def _identity_forward(module: nn.Module) -> Callable[..., Any]:
-    if type(module).__module__.startswith("transformers"):
-        return lambda hidden_states, *args, **kwargs: (hidden_states, None)  # (attn_output, attn_weights)
+    if type(module).__module__.startswith("transformers"):  # (attn_output, attn_weights)
+        return lambda hidden_states, *args, **kwargs: (hidden_states, None)
     return lambda x, *args, **kwargs: x
 
 
@@ -121,25 +116,15 @@ class AttentionAblation:
         }
 
 
-def attention_ablation(
-    step_fn: Callable[[], Any],
-    model: nn.Module,
-    *args: Any,
-    attention_modules: Optional[Sequence[nn.Module]] = None,
-    baseline: Optional[Breakdown] = None,
-    **kwargs: Any,
-) -> AttentionAblation:
-    """Trace a step with attention (unless ``baseline`` is given), then one with attention as identity.
-
-    ``step_fn``, ``model``, ``args`` and ``kwargs`` are :func:`~lightning_seqmem.diagnostics.tracer.trace_breakdown`'s
-    arguments (``optimizer``, ``existing``, ``seq_len=``, ``batch_size=``, ``device_type=``); both
-    steps are traced with them (``existing`` read once, so an iterator serves both).
-    Each attention module's ``forward`` is replaced on the instance for that one step (Hugging Face
-    attention returns ``(hidden_states, None)``) and restored in ``finally``. The ablated step is a
-    real training step: the optimizer updates the other parameters, and the attention parameters get
-    no gradient in it. The difference in peaks is what attention costs, its parameters' gradients
-    and optimizer scratch included.
-    """
+def attention_ablation(step_fn: Callable[[], Any], model: nn.Module, *args: Any,
+                       attention_modules: Optional[Sequence[nn.Module]] = None,
+                       baseline: Optional[Breakdown] = None, **kwargs: Any) -> AttentionAblation:
+    """Trace a step with attention (unless ``baseline`` is given), then one with attention as
+    identity, both with :func:`~.tracer.trace_breakdown`'s arguments (``existing`` read once, so an
+    iterator serves both). Each attention module's ``forward`` is replaced on the instance for that
+    one step (Hugging Face attention returns ``(hidden_states, None)``) and restored after. The
+    ablated step is a real training step (the attention parameters get no gradient in it): the
+    difference in peaks is what attention costs, its gradients and optimizer scratch included."""
     trace = inspect.signature(trace_breakdown).bind(step_fn, model, *args, **kwargs)
     trace.arguments["existing"] = list(trace.arguments.get("existing", ()))
     if attention_modules is None:

@@ -6,7 +6,8 @@ length beyond which one polynomial outgrows another, and :func:`is_quadratic_sha
 tensor by its shape. No tracing, no model.
 
 Example:
-    >>> classify_growth([64, 128], [3 * 64**2, 3 * 128**2]), crossover_length((0, 0, 1), (0, 64, 0))
+    >>> (classify_growth([64, 128], [3 * 64**2, 3 * 128**2]),
+    ...  crossover_length((0, 0, 1), (0, 64, 0)))
     ('quadratic', 64.0)
 """
 
@@ -34,25 +35,27 @@ def is_quadratic_shape(shape: Sequence[int], seq_len: int) -> bool:
 
 
 def fit_growth(seq_lens: Sequence[float], sizes: Sequence[float]) -> tuple[float, float, float]:
-    """Coefficients ``(c0, c1, c2)`` of ``size ≈ c0 + c1·L + c2·L²`` through measured sizes.
-
-    Three or more lengths: least squares. Two lengths: a single term ``c_p·L^p`` (p = 0, 1 or 2)
-    when it goes through both points (within 0.1%), else the two terms that bracket the observed
-    growth exponent (constant + linear below 1, linear + quadratic above).
+    """Coefficients ``(c0, c1, c2)`` of ``size ≈ c0 + c1·L + c2·L²`` through measured sizes. Three
+    or more lengths: least squares. Two: a single term ``c_p·L^p`` (p = 0, 1 or 2) when it goes
+    through both points (within 0.1%), else the two terms that bracket the observed growth exponent
+    (constant + linear below 1, linear + quadratic above).
 
     Example:
         >>> fit_growth([64, 128], [100 * 64**2, 100 * 128**2])
         (0.0, 0.0, 100.0)
-        >>> [round(c, 6) for c in fit_growth([10, 20, 40], [7 + 3 * L + 0.5 * L * L for L in (10, 20, 40)])]
+        >>> sizes = [7 + 3 * L + 0.5 * L * L for L in (10, 20, 40)]
+        >>> [round(c, 6) for c in fit_growth([10, 20, 40], sizes)]
         [7.0, 3.0, 0.5]
     """
     L = np.asarray(seq_lens, dtype=np.float64)
     s = np.asarray(sizes, dtype=np.float64)
     if L.shape != s.shape or L.ndim != 1:
-        raise ValueError(f"`seq_lens` and `sizes` must be 1-D of one length, got {L.shape} and {s.shape}")
+        raise ValueError(
+            f"`seq_lens` and `sizes` must be 1-D of one length, got {L.shape} and {s.shape}")
     unique = np.unique(L)
     if len(unique) < 2 or np.any(L <= 0):
-        raise ValueError(f"`seq_lens` must hold two or more distinct positive lengths, got {list(seq_lens)}")
+        raise ValueError(f"`seq_lens` must hold two or more distinct positive lengths, got "
+                         f"{list(seq_lens)}")
     if not np.any(s):
         return (0.0, 0.0, 0.0)
     if len(unique) >= 3:
@@ -77,15 +80,14 @@ def fit_growth(seq_lens: Sequence[float], sizes: Sequence[float]) -> tuple[float
     return (float(s1 - c1 * L1), float(c1), 0.0)
 
 
-def classify_growth(seq_lens: Sequence[float], sizes: Sequence[float], rel_tol: float = 0.02) -> str:
-    """``"constant"``, ``"linear"`` or ``"quadratic"``: how a part grows with L.
-
-    The class is the highest-degree term present, assuming sizes have non-negative terms. Two
-    lengths: ``constant`` if the size changes by at most ``rel_tol``, ``quadratic`` if it grows faster
-    than L (ratio above ``(L2/L1)·(1 + rel_tol)``), else ``linear``. Three or more: the highest-degree
-    term of :func:`fit_growth` that contributes at least ``rel_tol`` of the largest size at the
-    longest length (falling back to the two-length rule on the two longest lengths when the fit
-    misses a point by more than 5%).
+def classify_growth(seq_lens: Sequence[float], sizes: Sequence[float],
+                    rel_tol: float = 0.02) -> str:
+    """``"constant"``, ``"linear"`` or ``"quadratic"``: the highest-degree term present (terms
+    assumed non-negative). Two lengths: ``constant`` if the size changes by at most ``rel_tol``,
+    ``quadratic`` if it grows faster than L (ratio above ``(L2/L1)·(1 + rel_tol)``), else
+    ``linear``. Three or more: the highest-degree term of :func:`fit_growth` contributing at least
+    ``rel_tol`` of the largest size at the longest length (the two-length rule on the two longest
+    when the fit misses a point by more than 5%).
 
     Example:
         >>> classify_growth([64, 128], [5, 5]), classify_growth([64, 128], [100 + 64, 100 + 128])
@@ -122,14 +124,10 @@ def classify_growth(seq_lens: Sequence[float], sizes: Sequence[float], rel_tol: 
     return "quadratic" if ratio > (L2 / L1) * (1 + rel_tol) else "linear"
 
 
-def crossover_length(
-    attention: Sequence[float], rest: Sequence[float]
-) -> Optional[float]:
-    """The length beyond which ``attention(L) > rest(L)`` for every larger L.
-
-    Both arguments are ``(c0, c1, c2)`` coefficients (bytes = c0 + c1·L + c2·L²). Returns ``0.0``
-    when attention already dominates at every positive length, ``None`` when it never comes to
-    dominate (its leading term is not larger).
+def crossover_length(attention: Sequence[float], rest: Sequence[float]) -> Optional[float]:
+    """The length beyond which ``attention(L) > rest(L)`` for every larger L, both ``(c0, c1, c2)``
+    coefficients (bytes = c0 + c1·L + c2·L²): ``0.0`` when attention already dominates at every
+    positive length, ``None`` when it never comes to (its leading term is not larger).
 
     Example:
         >>> crossover_length((0, 10, 1), (0, 100, 0))   # 10L + L² = 100L at L = 90
@@ -140,7 +138,8 @@ def crossover_length(
     a = np.asarray(attention, dtype=np.float64)
     r = np.asarray(rest, dtype=np.float64)
     if a.shape != (3,) or r.shape != (3,):
-        raise ValueError(f"coefficients must be (c0, c1, c2), got {tuple(attention)!r} and {tuple(rest)!r}")
+        raise ValueError(f"coefficients must be (c0, c1, c2), got {tuple(attention)!r} and "
+                         f"{tuple(rest)!r}")
     d0, d1, d2 = a - r
     if abs(d2) <= 1e-12 * (abs(a[2]) + abs(r[2])):
         d2 = 0.0
@@ -151,5 +150,6 @@ def crossover_length(
     if d2 == 0 and d1 == 0:
         return 0.0
     roots = np.roots([d2, d1, d0]) if d2 else np.array([-d0 / d1])
-    real = [float(x.real) for x in np.atleast_1d(roots) if abs(x.imag) <= 1e-9 * max(1.0, abs(x.real))]
+    real = [float(x.real) for x in np.atleast_1d(roots)
+            if abs(x.imag) <= 1e-9 * max(1.0, abs(x.real))]
     return max([0.0] + real)

@@ -1,10 +1,7 @@
 """Which module is running, in forward and in backward, while a training step runs.
 
 :class:`ModuleScope` answers "which module made this tensor" for the breakdown tracer
-(:mod:`lightning_seqmem.diagnostics.tracer`): global forward hooks keep a stack of running modules,
-and autograd nodes are labelled with the module whose forward created them, so that the backward
-pass is attributed too (the node being run names its module). It also notes the autocast dtype a
-module's forward ran under.
+(:mod:`.tracer`), and notes the autocast dtype a module's forward ran under.
 
 Example:
     >>> import torch
@@ -12,7 +9,8 @@ Example:
     >>> from lightning_seqmem.diagnostics.categories import module_infos
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     >>> scope, seen = ModuleScope(module_infos(model), model, "cpu"), []
-    >>> model[1].register_forward_pre_hook(lambda m, a: seen.append(scope.current()[0]))  # doctest: +ELLIPSIS
+    >>> hook = lambda m, a: seen.append(scope.current()[0])
+    >>> model[1].register_forward_pre_hook(hook)  # doctest: +ELLIPSIS
     <...RemovableHandle...>
     >>> scope.install()
     >>> _ = model(torch.ones(1, 2))
@@ -27,31 +25,32 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.modules.module import (register_module_forward_hook,
+                                     register_module_forward_pre_hook)
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["ModuleScope", "in_backward"]
 
 
 def in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass now (as ``torch.utils.module_tracker``)."""
-    return torch._C._current_graph_task_id() != -1  # as torch.utils.module_tracker.ModuleTracker.is_bw
+    """Whether the autograd engine runs a backward pass now (as ``torch.utils.module_tracker``)."""
+    return torch._C._current_graph_task_id() != -1  # as ModuleTracker.is_bw
 
 
-_NODE_KEY = "lightning_seqmem.module"  # key in autograd Node.metadata: (path, chain) of the module that made it
+# key in autograd Node.metadata: (path, chain) of the module that made the node
+_NODE_KEY = "lightning_seqmem.module"
 
 
 class ModuleScope:
-    """Which module is running, in forward and in backward.
+    """Which module is running. Forward: a stack kept by global module hooks. Backward: when a
+    module's forward returns, the autograd nodes it created (from its outputs back to its inputs'
+    nodes, not yet claimed by an inner module) are labelled with it in ``Node.metadata``; during
+    backward the node being run (``torch._C._current_autograd_node()``) names the module.
+    Recomputation under activation checkpointing runs forward hooks again in the backward, and the
+    stack wins."""
 
-    Forward: a stack kept by global module hooks. Backward: when a module's forward returns, the
-    autograd nodes it created (from its outputs back to its inputs' nodes, not yet claimed by an
-    inner module) are labelled with it in ``Node.metadata``; during backward the node being run
-    (``torch._C._current_autograd_node()``) names the module. Recomputation under activation
-    checkpointing runs forward hooks again inside the backward, and the stack wins.
-    """
-
-    def __init__(self, infos: dict[int, tuple[str, tuple]], root: nn.Module, device_type: str) -> None:
+    def __init__(self, infos: dict[int, tuple[str, tuple]], root: nn.Module,
+                 device_type: str) -> None:
         self.infos = infos
         self.root = root
         self.device_type = device_type
@@ -80,7 +79,8 @@ class ModuleScope:
     def _pre(self, module: nn.Module, args: Any) -> None:
         if self.autocast_dtype is None and torch.is_autocast_enabled(self.device_type):
             self.autocast_dtype = torch.get_autocast_dtype(self.device_type)
-        boundary = {id(t.grad_fn) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        boundary = {id(t.grad_fn) for t in tree_flatten(args)[0]
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None}
         self.stack.append((module, boundary))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -91,11 +91,12 @@ class ModuleScope:
                 del self.stack[i:]
                 break
         if module is self.root or (not self.stack and id(module) in self.infos):
-            # the model's forward returned: the root's, or (a LightningModule whose training_step calls
-            # its model, not itself) an outermost module of the model's
+            # the model's forward returned: the root's, or (a LightningModule whose training_step
+            # calls its model, not itself) an outermost module of the model's
             self.root_forward_ran = True
         label = self.info(module)
-        todo = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        todo = [t.grad_fn for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         visited = set(boundary)
         while todo:  # walk back to the inputs; nodes of inner modules are crossed, not relabelled
             node = todo.pop()
@@ -106,10 +107,8 @@ class ModuleScope:
             todo.extend(fn for fn, _ in node.next_functions if fn is not None)
 
     def install(self) -> None:
-        self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post, always_call=True),
-        ]
+        self._handles = [register_module_forward_pre_hook(self._pre),
+                         register_module_forward_hook(self._post, always_call=True)]
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,12 +1,11 @@
 """Trace one training step and attribute its peak to modules and kinds: the :class:`Breakdown`.
 
-:func:`trace_breakdown` runs one training step under a :class:`~lightning_seqmem.measure.probes.LiveTensorTracker`
-that also records, for every storage it sees allocated, the innermost module running at that moment
-(forward, or backward through autograd-node labels: :class:`~lightning_seqmem.diagnostics.scope.ModuleScope`),
-the op, shape and dtype, and whether autograd saved it for backward (a ``saved_tensors_hooks`` pack
-hook). At the step's peak moment the live storages are grouped by *category* (a friendly module
-name, :data:`~lightning_seqmem.diagnostics.categories.CATEGORIES`) and *kind*
-(:data:`~lightning_seqmem.diagnostics.categories.KINDS`):
+:func:`trace_breakdown` runs one training step under a ``LiveTensorTracker`` that also records,
+for every storage it sees allocated, the innermost module running (forward, or backward through
+autograd-node labels: :class:`~.scope.ModuleScope`), the op, shape and dtype, and whether autograd
+saved it for backward (a ``saved_tensors_hooks`` pack hook). At the step's peak the live storages
+are grouped by *category* (a friendly module name, :data:`~.categories.CATEGORIES`) and *kind*
+(:data:`~.categories.KINDS`):
 
 * ``parameters``, ``gradients``, ``optimizer_state``: from the tensors alive before the step, the
   gradient hooks and the optimizer's state after it; ``inputs``: the other tensors passed as
@@ -17,8 +16,7 @@ name, :data:`~lightning_seqmem.diagnostics.categories.CATEGORIES`) and *kind*
 
 Tensors with two dimensions equal to the sequence length are *quadratic* and counted as
 ``attention_scores`` whatever module made them (choose lengths that differ from every model width).
-Tracing is measurement only: the theory beside it (:func:`~lightning_seqmem.diagnostics.korthikanti.calibrate`)
-is the caller's to add (``Breakdown.calibration``).
+Tracing is measurement only: the theory (:func:`~.korthikanti.calibrate`) is the caller's to add.
 
 Example:
     >>> import torch
@@ -45,15 +43,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
 from lightning_seqmem.core.checks import check_int
-from lightning_seqmem.diagnostics.categories import (
-    ATTENTION_CATEGORIES,
-    CATEGORIES,
-    KINDS,
-    block_paths_of,
-    is_inside,
-    module_category,
-    module_infos,
-)
+from lightning_seqmem.diagnostics.categories import (ATTENTION_CATEGORIES, CATEGORIES, KINDS,
+                                                     block_paths_of, is_inside, module_category,
+                                                     module_infos)
 from lightning_seqmem.diagnostics.growth import is_quadratic_shape
 from lightning_seqmem.diagnostics.scope import ModuleScope, in_backward
 from lightning_seqmem.measure.tracker import LiveTensorTracker, tensor_storages
@@ -75,13 +67,13 @@ class AllocationRecord:
     op: str
     shape: tuple[int, ...]
     dtype: str
-    module: str  # "" for the root, "<global>" outside any module, "<ClassName>" for a module outside the model
+    module: str  # "" the root, "<global>" outside any module, "<ClassName>" one outside the model
     category: str
     phase: str  # "existing", "forward", "backward" or "optimizer"
     kind: str = "temporaries"
     saved_for_backward: bool = False
     quadratic: bool = False
-    recompute: bool = False  # made in the backward while a module's forward ran again (activation checkpointing)
+    recompute: bool = False  # made in the backward by a forward run again (checkpointing)
 
 
 class _BreakdownTracker(LiveTensorTracker):
@@ -103,10 +95,9 @@ class _BreakdownTracker(LiveTensorTracker):
         self._grow()
         for i in range(before, len(self._finalizers)):
             self.records[i] = AllocationRecord(
-                i, self.events.sizes[i], f"<{kind}>", tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                module, category, "existing", kind,
-                quadratic=is_quadratic_shape(tuple(tensor.shape), self.seq_len),
-            )
+                i, self.events.sizes[i], f"<{kind}>", tuple(tensor.shape),
+                str(tensor.dtype).replace("torch.", ""), module, category, "existing", kind,
+                quadratic=is_quadratic_shape(tuple(tensor.shape), self.seq_len))
 
     def index_of(self, tensor: torch.Tensor) -> list[int]:
         return [self._ids[st._cdata] for st in tensor_storages(tensor) if st._cdata in self._ids]
@@ -137,7 +128,8 @@ class _BreakdownTracker(LiveTensorTracker):
             late = scope.root_forward_ran or self.phase == "backward"
             category = "loss_logits" if late and self.phase != "optimizer" else "other"
         # a module's forward running inside the autograd engine: a checkpointed forward recomputed
-        recompute = self.phase == "backward" and current is not None and bool(scope.stack) and in_backward()
+        recompute = (self.phase == "backward" and current is not None and bool(scope.stack)
+                     and in_backward())
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -149,12 +141,12 @@ class _BreakdownTracker(LiveTensorTracker):
                 quadratic = is_quadratic_shape(shape, self.seq_len)
                 self.records[i] = AllocationRecord(
                     i, self.events.sizes[i], op, shape, str(t.dtype).replace("torch.", ""), path,
-                    "attention_scores" if quadratic else category, self.phase or "forward", quadratic=quadratic,
-                    recompute=recompute,
-                )
+                    "attention_scores" if quadratic else category, self.phase or "forward",
+                    quadratic=quadratic, recompute=recompute)
         for i in range(before, len(self.records)):
             if self.records[i] is None:  # an output we could not match (should not happen)
-                self.records[i] = AllocationRecord(i, self.events.sizes[i], op, (), "", path, category, self.phase or "forward")
+                self.records[i] = AllocationRecord(i, self.events.sizes[i], op, (), "", path,
+                                                   category, self.phase or "forward")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +173,7 @@ class Breakdown:
     tensors: list[AllocationRecord] = field(repr=False)  # every allocation, by index
     alive_at_peak: list[int] = field(repr=False)  # indices into tensors
     calibration: Optional[Calibration] = None
-    peak_index: int = -1  # index into tensors of the allocation that reached the peak (-1: none)
+    peak_index: int = -1  # index into tensors of the allocation reaching the peak (-1: none)
 
     @property
     def autocast(self) -> bool:
@@ -241,14 +233,9 @@ class Breakdown:
         """Plain JSON-able values for the report (no per-tensor list; quadratic tensors grouped)."""
         top_modules = sorted(self.peak_by_module.items(), key=lambda kv: -kv[1])[:20]
         return {
-            "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
-            "peak_bytes": self.peak_bytes,
-            "peak_phase": self.peak_phase,
-            "peak_op": self.peak_op,
-            "start_bytes": self.start_bytes,
-            "peak_by_kind": self.peak_by_kind,
-            "peak_by_category": self.peak_by_category,
+            "seq_len": self.seq_len, "batch_size": self.batch_size, "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase, "peak_op": self.peak_op, "start_bytes": self.start_bytes,
+            "peak_by_kind": self.peak_by_kind, "peak_by_category": self.peak_by_category,
             "peak_by_part": {c: dict(k) for c, k in self.peak_by_part.items()},
             "peak_by_module": dict(top_modules),
             "activation_bytes": self.activation_bytes,
@@ -258,12 +245,11 @@ class Breakdown:
             "layer_activation_bytes": list(self.layer_activation_bytes),
             "quadratic_tensors": self.quadratic_tensors(),
             "top_tensors": [
-                {"op": r.op, "shape": list(r.shape), "dtype": r.dtype, "module": r.module, "kind": r.kind,
-                 "category": r.category, "bytes": r.nbytes, "saved_for_backward": r.saved_for_backward}
-                for r in self.top_tensors()
-            ],
-            "autocast_dtype": self.autocast_dtype,
-            "attention_backend": self.attention_backend,
+                {"op": r.op, "shape": list(r.shape), "dtype": r.dtype, "module": r.module,
+                 "kind": r.kind, "category": r.category, "bytes": r.nbytes,
+                 "saved_for_backward": r.saved_for_backward}
+                for r in self.top_tensors()],
+            "autocast_dtype": self.autocast_dtype, "attention_backend": self.attention_backend,
             "checkpointed": self.checkpointed,
             "calibration": self.calibration.to_dict() if self.calibration else None,
         }
@@ -300,9 +286,11 @@ def _parameter_owners(model: nn.Module, infos: dict[int, tuple[str, tuple]]) -> 
     return owner
 
 
-def _track_existing(tracker: _BreakdownTracker, params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer],
-                    existing: Iterable[torch.Tensor], owner: Owners) -> int:
-    """Track what is alive before the step (parameters, gradients, optimizer state, inputs); their count."""
+def _track_existing(tracker: _BreakdownTracker, params: list[nn.Parameter],
+                    optimizers: list[torch.optim.Optimizer], existing: Iterable[torch.Tensor],
+                    owner: Owners) -> int:
+    """Track what is alive before the step (parameters, gradients, optimizer state, inputs);
+    returns their count."""
     for p in params:
         tracker.track_tensor(p, "parameters", *owner.get(id(p), ("", "other")))
     for p in params:
@@ -318,9 +306,9 @@ def _track_existing(tracker: _BreakdownTracker, params: list[nn.Parameter], opti
 
 
 def _run_step(step_fn: Callable[[], Any], tracker: _BreakdownTracker, scope: ModuleScope,
-              params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> dict[int, nn.Parameter]:
+              params: list[nn.Parameter],
+              optimizers: list[torch.optim.Optimizer]) -> dict[int, nn.Parameter]:
     """Run ``step_fn`` under the tracker and the hooks; the allocations that became a ``.grad``.
-
     An optimizer stepped inside ``step_fn`` that is not in ``optimizers`` is added to it."""
     grad_of: dict[int, nn.Parameter] = {}  # allocation index → parameter whose .grad it is
 
@@ -351,13 +339,15 @@ def _run_step(step_fn: Callable[[], Any], tracker: _BreakdownTracker, scope: Mod
     return grad_of
 
 
-def _assign_kinds(tracker: _BreakdownTracker, optimizers: list[torch.optim.Optimizer], grad_of: dict[int, nn.Parameter],
-                  owner: Owners, num_existing: int) -> list[AllocationRecord]:
-    """Every allocation's record with its kind: gradient, optimizer state, activation or temporary."""
+def _assign_kinds(tracker: _BreakdownTracker, optimizers: list[torch.optim.Optimizer],
+                  grad_of: dict[int, nn.Parameter], owner: Owners,
+                  num_existing: int) -> list[AllocationRecord]:
+    """Every allocation's record with its kind: gradient, optimizer state, activation, temporary."""
     records: list[AllocationRecord] = [r for r in tracker.records if r is not None]
     assert len(records) == len(tracker.events.sizes), "every allocation is described"
     sequence = np.asarray(tracker.events.sequence, dtype=np.int64)
-    alive_fwd_end = _alive(sequence, len(records), tracker.events.phase_starts.get("backward", len(sequence)))
+    alive_fwd_end = _alive(sequence, len(records),
+                           tracker.events.phase_starts.get("backward", len(sequence)))
     state_of: dict[int, Any] = {}
     for opt in optimizers:
         for t, p in _state_tensors(opt):
@@ -379,10 +369,11 @@ def _assign_kinds(tracker: _BreakdownTracker, optimizers: list[torch.optim.Optim
 
 
 def _peak_moment(tracker: _BreakdownTracker, n: int) -> tuple[list[int], str, int]:
-    """(indices alive at the peak, the phase the peak falls in, the index of the allocation reaching it)."""
+    """(indices alive at the peak, the peak's phase, the index of the allocation reaching it)."""
     sequence = np.asarray(tracker.events.sequence, dtype=np.int64)
     sizes = np.asarray(tracker.events.sizes, dtype=np.int64)
-    deltas = np.where(sequence >= 0, sizes[np.where(sequence >= 0, sequence, 0)], -sizes[np.where(sequence < 0, ~sequence, 0)])
+    deltas = np.where(sequence >= 0, sizes[np.where(sequence >= 0, sequence, 0)],
+                      -sizes[np.where(sequence < 0, ~sequence, 0)])
     live = np.cumsum(deltas) if len(deltas) else np.zeros(1, dtype=np.int64)
     peak_pos = int(np.argmax(live))
     peak_phase = "existing"
@@ -394,7 +385,8 @@ def _peak_moment(tracker: _BreakdownTracker, n: int) -> tuple[list[int], str, in
 
 
 def _sums(records: list[AllocationRecord], alive_at_peak: list[int]) -> tuple[dict, dict, dict]:
-    """(category → kind → bytes at the peak, module → bytes at the peak, activations by category)."""
+    """(category → kind → bytes at the peak, module → bytes at the peak, activations by
+    category)."""
     by_part: dict[str, dict[str, int]] = {}
     by_module: dict[str, int] = {}
     for i in alive_at_peak:
@@ -410,16 +402,10 @@ def _sums(records: list[AllocationRecord], alive_at_peak: list[int]) -> tuple[di
             {c: activations[c] for c in CATEGORIES if c in activations})
 
 
-def trace_breakdown(
-    step_fn: Callable[[], Any],
-    model: nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    existing: Iterable[torch.Tensor] = (),
-    *,
-    seq_len: int,
-    batch_size: int,
-    device_type: Optional[str] = None,
-) -> Breakdown:
+def trace_breakdown(step_fn: Callable[[], Any], model: nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer] = None,
+                    existing: Iterable[torch.Tensor] = (), *, seq_len: int, batch_size: int,
+                    device_type: Optional[str] = None) -> Breakdown:
     """Trace one training step and attribute its peak to modules and kinds.
 
     Args:
@@ -430,13 +416,13 @@ def trace_breakdown(
         optimizer: its state tensors are counted as ``optimizer_state``; an optimizer stepped inside
             ``step_fn`` is also recognised without it (global step hook).
         existing: other tensors alive before the step (the batch): kind ``inputs``.
-        seq_len: the step's sequence length: tensors with two dimensions equal to it are quadratic.
+        seq_len: the step's sequence length (tensors with two dimensions equal to it: quadratic).
         batch_size: the step's batch size (recorded; used by the calibration).
         device_type: the device whose memory is traced; default: the parameters' device.
 
     The forward ends at the first op run by the autograd engine; the optimizer phase starts at the
-    first ``Optimizer.step``. Several micro-batches in one ``step_fn`` read as one forward (the first).
-    The result has no ``calibration``: :func:`~lightning_seqmem.diagnostics.korthikanti.calibrate` adds it.
+    first ``Optimizer.step``. Several micro-batches in one ``step_fn`` read as one forward (the
+    first). The result has no ``calibration`` (:func:`~.korthikanti.calibrate` adds it).
     """
     if not callable(step_fn):
         raise ValueError(f"`step_fn` must be callable with no arguments, got {step_fn!r}")
@@ -455,23 +441,17 @@ def trace_breakdown(
     records = _assign_kinds(tracker, optimizers, grad_of, owner, num_existing)
     alive_at_peak, peak_phase, peak_index = _peak_moment(tracker, len(records))
     by_part, by_module, activations = _sums(records, alive_at_peak)
-    layer_bytes = [sum(r.nbytes for r in records if r.kind == "activations" and is_inside(r.module, bp))
+    layer_bytes = [sum(r.nbytes for r in records
+                       if r.kind == "activations" and is_inside(r.module, bp))
                    for bp in block_paths_of(model)]
     return Breakdown(
-        seq_len=seq_len,
-        batch_size=batch_size,
-        peak_bytes=int(tracker.peak_bytes),
+        seq_len=seq_len, batch_size=batch_size, peak_bytes=int(tracker.peak_bytes),
         peak_phase=peak_phase,
         peak_op=records[peak_index].op if peak_index >= 0 and records else "",
         start_bytes=int(sum(r.nbytes for r in records[:num_existing])),
-        peak_by_part=by_part,
-        peak_by_module=by_module,
-        activation_by_category=activations,
+        peak_by_part=by_part, peak_by_module=by_module, activation_by_category=activations,
         layer_activation_bytes=layer_bytes,
-        autocast_dtype=str(scope.autocast_dtype).replace("torch.", "") if scope.autocast_dtype else None,
-        attention_backend=current_attention_backend(model),
-        checkpointed=is_checkpointed(model),
-        tensors=records,
-        alive_at_peak=alive_at_peak,
-        peak_index=peak_index if records else -1,
-    )
+        autocast_dtype=(str(scope.autocast_dtype).replace("torch.", "")
+                        if scope.autocast_dtype else None),
+        attention_backend=current_attention_backend(model), checkpointed=is_checkpointed(model),
+        tensors=records, alive_at_peak=alive_at_peak, peak_index=peak_index if records else -1)

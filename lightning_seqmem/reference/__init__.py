@@ -1,2 +1,2 @@
-"""Reference models and data (a small GPT, its LightningModule and data, Hugging Face wrappers): examples
-the library never imports."""
+"""Reference models and data (a small GPT, its LightningModule and data, Hugging Face wrappers):
+examples the library never imports."""

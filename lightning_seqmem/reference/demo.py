@@ -1,15 +1,16 @@
-"""A self-contained Lightning demo: random tokens and the reference GPT of :mod:`lightning_seqmem.reference.nn`.
+"""A self-contained Lightning demo: random tokens and the reference GPT of :mod:`.nn`.
 
 Nothing is downloaded; every sample is a pure function of ``(seed, index, seq_len)``, so runs at
-any sequence length are reproducible and cheap to set up. The tokens are uniform noise: the loss
-stays near ``log(vocab_size)``; the point is the memory, not the learning.
+any sequence length are reproducible and cheap. The tokens are uniform noise: the loss stays near
+``log(vocab_size)``; the point is the memory, not the learning.
 
 Example:
     >>> import lightning.pytorch as pl
     >>> dm = SyntheticTokenDataModule(batch_size=2, seq_len=16, num_samples=8)
     >>> model = LitGPT(n_layer=1, d_model=32, n_head=2, attention="sdpa")
-    >>> trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-    ...                      enable_progress_bar=False, enable_model_summary=False)
+    >>> trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False,
+    ...                      enable_checkpointing=False, enable_progress_bar=False,
+    ...                      enable_model_summary=False)
     >>> trainer.fit(model, datamodule=dm)  # doctest: +ELLIPSIS
     >>> trainer.global_step
     2
@@ -39,9 +40,8 @@ def check_optimizer_args(lr: float, weight_decay: float) -> None:
 
 
 class SyntheticTokens(Dataset):
-    """Deterministic random token sequences for next-token prediction.
-
-    Item ``i`` draws ``seq_len + 1`` tokens from a generator seeded with ``seed + i`` and returns
+    """Deterministic random token sequences for next-token prediction: item ``i`` draws
+    ``seq_len + 1`` tokens from a generator seeded with ``seed + i`` and returns
     ``{"input_ids": tokens[:-1], "labels": tokens[1:], "index": i}``.
 
     Args:
@@ -62,7 +62,8 @@ class SyntheticTokens(Dataset):
         torch.Size([8])
     """
 
-    def __init__(self, num_samples: int = 512, seq_len: int = 256, vocab_size: int = 256, seed: int = 0) -> None:
+    def __init__(self, num_samples: int = 512, seq_len: int = 256, vocab_size: int = 256,
+                 seed: int = 0) -> None:
         check_int("num_samples", num_samples)
         check_int("seq_len", seq_len)
         check_int("vocab_size", vocab_size)
@@ -74,11 +75,8 @@ class SyntheticTokens(Dataset):
         self.seed = seed
 
     def set_seq_len(self, seq_len: int) -> None:
-        """Set the length of the items produced from now on.
-
-        With ``num_workers > 0`` worker processes hold their own copy of the dataset: the change
-        reaches them only when the dataloader iterator is re-created (the next epoch).
-        """
+        """Set the length of the items produced from now on (worker processes hold their own
+        copy: the change reaches them only with a new dataloader iterator, the next epoch)."""
         check_int("seq_len", seq_len)
         self.seq_len = seq_len
 
@@ -94,7 +92,8 @@ class SyntheticTokens(Dataset):
 
 
 class SyntheticTokenDataModule(pl.LightningDataModule):
-    """Serves :class:`SyntheticTokens` batches ``{"input_ids": [B, L], "labels": [B, L], "index": [B]}``.
+    """Serves :class:`SyntheticTokens` batches
+    ``{"input_ids": [B, L], "labels": [B, L], "index": [B]}``.
 
     Args:
         batch_size: samples per batch (incomplete last batch dropped).
@@ -111,23 +110,17 @@ class SyntheticTokenDataModule(pl.LightningDataModule):
         torch.Size([2, 8])
     """
 
-    def __init__(
-        self,
-        batch_size: int = 4,
-        seq_len: int = 256,
-        num_samples: int = 512,
-        vocab_size: int = 256,
-        seed: int = 0,
-        num_workers: int = 0,
-    ) -> None:
+    def __init__(self, batch_size: int = 4, seq_len: int = 256, num_samples: int = 512,
+                 vocab_size: int = 256, seed: int = 0, num_workers: int = 0) -> None:
         super().__init__()
         check_int("batch_size", batch_size)
         if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"`num_workers` must be a non-negative integer, got {num_workers!r}.")
+            raise ValueError(
+                f"`num_workers` must be a non-negative integer, got {num_workers!r}.")
         if batch_size > num_samples:
             raise ValueError(
-                f"`batch_size` must be at most `num_samples` (the last incomplete batch is dropped), "
-                f"got batch_size={batch_size}, num_samples={num_samples}."
+                f"`batch_size` must be at most `num_samples` (the last incomplete batch is "
+                f"dropped), got batch_size={batch_size}, num_samples={num_samples}."
             )
         self.save_hyperparameters()
         self.batch_size = batch_size
@@ -142,30 +135,21 @@ class SyntheticTokenDataModule(pl.LightningDataModule):
 
     def set_seq_len(self, seq_len: int) -> None:
         """Change the length of samples produced from now on (the hook a curriculum may call).
-
-        Batches already fetched (Lightning prefetches one) keep the old length; for an exact
-        switch at a given step, change the batch itself in ``on_train_batch_start``.
-        """
+        Batches already fetched (Lightning may prefetch one) keep the old length."""
         self.train_dataset.set_seq_len(seq_len)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            shuffle=False,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, shuffle=False,
+                          drop_last=True, num_workers=self.num_workers)
 
 
 class LitGPT(pl.LightningModule):
-    """The reference :class:`~lightning_seqmem.reference.nn.GPT` trained on next-token cross entropy.
-
-    Logged keys: ``train/loss`` (mean cross entropy per token, nats).
+    """The reference :class:`~.nn.GPT` trained on next-token cross entropy; logs ``train/loss``
+    (mean cross entropy per token, nats).
 
     Args:
         vocab_size, n_layer, n_head, d_model, d_ff, dropout, attention_dropout, attention: see
-            :class:`~lightning_seqmem.reference.nn.GPTConfig`.
+            :class:`~.nn.GPTConfig`.
         lr: AdamW learning rate.
         weight_decay: AdamW decoupled weight decay.
 
@@ -179,51 +163,38 @@ class LitGPT(pl.LightningModule):
         'sdpa'
     """
 
-    def __init__(
-        self,
-        vocab_size: int = 256,
-        n_layer: int = 2,
-        n_head: int = 4,
-        d_model: int = 128,
-        d_ff: int | None = None,
-        dropout: float = 0.0,
-        attention: str = "eager",
-        lr: float = 3e-4,
-        weight_decay: float = 0.0,
-        attention_dropout: float = 0.0,
-    ) -> None:
+    def __init__(self, vocab_size: int = 256, n_layer: int = 2, n_head: int = 4,
+                 d_model: int = 128, d_ff: int | None = None, dropout: float = 0.0,
+                 attention: str = "eager", lr: float = 3e-4, weight_decay: float = 0.0,
+                 attention_dropout: float = 0.0) -> None:
         super().__init__()
         check_optimizer_args(lr, weight_decay)
         self.save_hyperparameters()
-        self.model = GPT(
-            GPTConfig(
-                vocab_size=vocab_size,
-                n_layer=n_layer,
-                n_head=n_head,
-                d_model=d_model,
-                d_ff=d_ff,
-                dropout=dropout,
-                attention_dropout=attention_dropout,
-                attention=attention,
-            )
-        )
+        self.model = GPT(GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                                   d_model=d_model, d_ff=d_ff, dropout=dropout,
+                                   attention_dropout=attention_dropout, attention=attention))
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits ``[B, L, vocab]``; with ``labels``, the loss (:meth:`GPT.loss`: plain or fused)."""
+    def forward(self, input_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[B, L, vocab]``; with ``labels``, the loss (:meth:`GPT.loss`)."""
         return self.model(input_ids, labels)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         input_ids, labels = batch["input_ids"], batch["labels"]
-        if self.model.fused_loss is not None:  # the fused loss needs lm_head.weight: inside forward (FSDP2's root
-            loss = self(input_ids, labels)    # hooks gather it there), no [B, L, vocab] logits
-        else:  # the logits from forward, the loss after it (the breakdown tells the two phases apart)
+        # the fused loss needs lm_head.weight: inside forward (FSDP2's root hooks gather it
+        # there), no [B, L, vocab] logits; else the logits from forward, the loss after it (the
+        # breakdown tells the two phases apart)
+        if self.model.fused_loss is not None:
+            loss = self(input_ids, labels)
+        else:
             logits = self(input_ids)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         self.log("train/loss", loss, batch_size=input_ids.shape[0])
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
+                                 weight_decay=self.hparams.weight_decay)
 
     @property
     def attention_backend(self) -> str:

@@ -1,14 +1,12 @@
 """A small reference GPT whose attention kernel can be switched at run time.
 
-The three kernels compute the same function with the same parameters; they differ only in the
-memory they need. ``"eager"`` materialises the ``[batch, heads, L, L]`` score matrix (the
-quadratic term of the memory model), ``"sdpa"`` calls
-:func:`torch.nn.functional.scaled_dot_product_attention` (a fused kernel with no L² buffer on CPU
-and on CUDA, unless dropout or the MATH backend is used), ``"flash"`` calls ``flash_attn`` (CUDA
-only, fp16/bf16 only, optional extra).
-
-Any module that has a method ``set_attention_backend(backend: str)`` can be switched by the
-mitigation code; :class:`CausalSelfAttention` and :class:`GPT` implement it.
+The three kernels compute the same function with the same parameters and differ only in memory:
+``"eager"`` materialises the ``[batch, heads, L, L]`` score matrix (the quadratic term of the
+memory model), ``"sdpa"`` calls :func:`torch.nn.functional.scaled_dot_product_attention` (a fused
+kernel with no L² buffer on CPU and CUDA, unless dropout or the MATH backend is used), ``"flash"``
+calls ``flash_attn`` (CUDA, fp16/bf16, optional extra). The mitigation code switches any module
+with a ``set_attention_backend(backend: str)`` method, as :class:`CausalSelfAttention` and
+:class:`GPT` have. Torch only (no Lightning).
 
 Example:
     >>> import torch
@@ -18,8 +16,6 @@ Example:
     >>> model.set_attention_backend("sdpa")
     >>> torch.allclose(eager, model(ids), atol=1e-5)
     True
-
-This module imports torch only (no Lightning).
 """
 
 from __future__ import annotations
@@ -35,16 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = [
-    "ATTENTION_BACKENDS",
-    "Block",
-    "CausalSelfAttention",
-    "GPT",
-    "GPTConfig",
-    "flash_attn_available",
-    "flash_attn_unavailable_reason",
-    "sinusoidal_positions",
-]
+__all__ = ["ATTENTION_BACKENDS", "Block", "CausalSelfAttention", "GPT", "GPTConfig",
+           "flash_attn_available", "flash_attn_unavailable_reason", "sinusoidal_positions"]
 
 ATTENTION_BACKENDS = ("eager", "sdpa", "flash")
 """Names accepted by ``set_attention_backend`` and by ``GPTConfig.attention``."""
@@ -114,15 +102,15 @@ class GPTConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
         if self.d_model % self.n_head:
-            raise ValueError(
-                f"`d_model` must be divisible by `n_head`, got d_model={self.d_model}, n_head={self.n_head}."
-            )
+            raise ValueError(f"`d_model` must be divisible by `n_head`, got "
+                             f"d_model={self.d_model}, n_head={self.n_head}.")
         for name in ("dropout", "attention_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
         if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"`attention` must be one of {ATTENTION_BACKENDS}, got {self.attention!r}.")
+            raise ValueError(
+                f"`attention` must be one of {ATTENTION_BACKENDS}, got {self.attention!r}.")
 
 
 class CausalSelfAttention(nn.Module):
@@ -153,21 +141,14 @@ class CausalSelfAttention(nn.Module):
         self.sdpa_backends: list[SDPBackend] | None = None
         self.set_attention_backend(config.attention)
 
-    def set_attention_backend(
-        self, backend: str, sdpa_backends: SDPBackend | Sequence[SDPBackend] | None = None
-    ) -> None:
-        """Switch the kernel; parameters are untouched.
-
-        Args:
-            backend: one of :data:`ATTENTION_BACKENDS`.
-            sdpa_backends: only with ``backend="sdpa"``: the ``SDPBackend`` values the call is
-                restricted to (through :func:`torch.nn.attention.sdpa_kernel`); ``None`` lets
-                PyTorch choose.
-
-        Raises:
-            ValueError: unknown backend, or ``sdpa_backends`` given for another backend.
-            RuntimeError: ``"flash"`` requested where flash-attn cannot run.
-        """
+    def set_attention_backend(self, backend: str,
+                              sdpa_backends: SDPBackend | Sequence[SDPBackend] | None = None,
+                              ) -> None:
+        """Switch the kernel (one of :data:`ATTENTION_BACKENDS`); parameters are untouched.
+        ``sdpa_backends``: only with ``"sdpa"``, the ``SDPBackend`` values the call is restricted to
+        (:func:`torch.nn.attention.sdpa_kernel`; ``None``: PyTorch chooses). Raises ValueError for
+        an unknown backend or ``sdpa_backends`` with another, RuntimeError for ``"flash"`` where
+        flash-attn cannot run."""
         _check_backend(backend)
         if sdpa_backends is not None:
             if backend != "sdpa":
@@ -187,9 +168,9 @@ class CausalSelfAttention(nn.Module):
             reason = flash_attn_unavailable_reason()
             if reason is not None:
                 raise RuntimeError(
-                    f"Attention backend 'flash' is unavailable: {reason}. Install the `flash` extra "
-                    "(`pip install lightning-seqmem[flash]`) on Linux x86-64 with a CUDA GPU, "
-                    "or use backend 'sdpa', which also avoids the L x L score matrix."
+                    f"Attention backend 'flash' is unavailable: {reason}. Install the `flash` "
+                    "extra (`pip install lightning-seqmem[flash]`) on Linux x86-64 with a CUDA "
+                    "GPU, or use backend 'sdpa', which also avoids the L x L score matrix."
                 )
         self.attention_backend = backend
         self.sdpa_backends = sdpa_backends
@@ -210,7 +191,8 @@ class CausalSelfAttention(nn.Module):
             y = y.transpose(1, 2)
         return self.proj(y.reshape(batch, length, width))
 
-    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dropout_p: float) -> torch.Tensor:
         length = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # [B, H, L, L]
         future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(diagonal=1)
@@ -219,18 +201,21 @@ class CausalSelfAttention(nn.Module):
         weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
         return weights @ v
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              dropout_p: float) -> torch.Tensor:
         if self.sdpa_backends is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         with sdpa_kernel(self.sdpa_backends):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
-    def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               dropout_p: float) -> torch.Tensor:
         if q.device.type != "cuda" or q.dtype not in _FLASH_DTYPES:
             raise RuntimeError(
-                f"Attention backend 'flash' needs CUDA tensors in float16 or bfloat16, got {q.dtype} "
-                f"on {q.device}. Train with mixed precision (e.g. Trainer(precision='bf16-mixed') or "
-                "torch.autocast('cuda', dtype=torch.bfloat16)), or use backend 'sdpa'."
+                f"Attention backend 'flash' needs CUDA tensors in float16 or bfloat16, got "
+                f"{q.dtype} on {q.device}. Train with mixed precision (e.g. "
+                "Trainer(precision='bf16-mixed') or torch.autocast('cuda', dtype=torch.bfloat16)), "
+                "or use backend 'sdpa'."
             )
         from flash_attn import flash_attn_func  # lazy: optional extra, CUDA only
 
@@ -264,7 +249,8 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def sinusoidal_positions(length: int, width: int, device: torch.device | None = None) -> torch.Tensor:
+def sinusoidal_positions(length: int, width: int,
+                         device: torch.device | None = None) -> torch.Tensor:
     """Fixed sin/cos position encodings ``[length, width]`` in float32 (Vaswani et al. 2017, §3.5).
 
     Example:
@@ -272,9 +258,8 @@ def sinusoidal_positions(length: int, width: int, device: torch.device | None = 
         [0.0, 1.0, 0.0, 1.0]
     """
     position = torch.arange(length, dtype=torch.float32, device=device).unsqueeze(1)
-    inv_freq = torch.exp(
-        torch.arange(0, width, 2, dtype=torch.float32, device=device) * (-math.log(10000.0) / width)
-    )
+    inv_freq = torch.exp(torch.arange(0, width, 2, dtype=torch.float32, device=device)
+                         * (-math.log(10000.0) / width))
     angles = position * inv_freq  # [L, ceil(width / 2)]
     out = torch.empty(length, width, dtype=torch.float32, device=device)
     out[:, 0::2] = torch.sin(angles)
@@ -319,9 +304,11 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids``: LongTensor ``[B, L]`` → the final hidden states ``[B, L, d_model]`` (after ``ln_f``)."""
+        """``input_ids``: LongTensor ``[B, L]`` → the final hidden states ``[B, L, d_model]``
+        (after ``ln_f``)."""
         if input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` must have shape [batch, length], got {tuple(input_ids.shape)}.")
+            raise ValueError(
+                f"`input_ids` must have shape [batch, length], got {tuple(input_ids.shape)}.")
         x = self.tok_emb(input_ids)
         x = x + sinusoidal_positions(input_ids.shape[1], x.shape[-1], x.device).to(x.dtype)
         x = self.drop(x)
@@ -331,30 +318,33 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 ignore_index: int = -100) -> torch.Tensor:
-        """``input_ids``: LongTensor ``[B, L]`` → logits ``[B, L, vocab_size]``; with ``labels`` (the
-        targets aligned with ``input_ids``), the loss instead (see :meth:`loss`). The loss goes through
-        ``forward`` so that hooks on the module (FSDP2's ``fully_shard`` all-gathers) run for it too."""
+        """``input_ids``: LongTensor ``[B, L]`` → logits ``[B, L, vocab_size]``; with ``labels``
+        (the targets aligned with ``input_ids``), the loss instead (:meth:`loss`), through
+        ``forward`` so that hooks on the module (FSDP2's ``fully_shard`` all-gathers) run for it."""
         if labels is None:
             return self.lm_head(self.hidden_states(input_ids))
         if self.fused_loss is not None:
-            return self.fused_loss(self.hidden_states(input_ids), self.lm_head.weight, labels, ignore_index=ignore_index)
+            return self.fused_loss(self.hidden_states(input_ids), self.lm_head.weight, labels,
+                                   ignore_index=ignore_index)
         logits = self.lm_head(self.hidden_states(input_ids))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=ignore_index)
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean next-token cross entropy over the labels that are not ``ignore_index`` (``labels`` are
-        the targets aligned with ``input_ids``). With :attr:`fused_loss` set (the fused-loss protocol of
-        :mod:`lightning_seqmem.mitigations.fused_loss.fused_loss`), computed from the hidden states and
-        ``lm_head.weight`` by it, without the ``[B, L, vocab]`` logits. Calls the module (``self(...)``)."""
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
+             ignore_index: int = -100) -> torch.Tensor:
+        """Mean next-token cross entropy over the labels that are not ``ignore_index`` (``labels``:
+        the targets aligned with ``input_ids``). With :attr:`fused_loss` set (the protocol of
+        :mod:`lightning_seqmem.mitigations.fused_loss.fused_loss`), computed by it from the hidden
+        states and ``lm_head.weight``, without the ``[B, L, vocab]`` logits. Calls ``self(...)``."""
         return self(input_ids, labels, ignore_index)
 
     def set_fused_loss(self, fn: Any) -> None:
-        """Compute :meth:`loss` by ``fn(hidden, weight, labels, ignore_index=...)`` (None: the plain loss)."""
+        """Compute :meth:`loss` by ``fn(hidden, weight, labels, ignore_index=...)``; None: plain."""
         self.fused_loss = fn
 
-    def set_attention_backend(
-        self, backend: str, sdpa_backends: SDPBackend | Sequence[SDPBackend] | None = None
-    ) -> None:
+    def set_attention_backend(self, backend: str,
+                              sdpa_backends: SDPBackend | Sequence[SDPBackend] | None = None,
+                              ) -> None:
         """Switch every :class:`CausalSelfAttention` (see its method for arguments and errors)."""
         for module in self.modules():
             if isinstance(module, CausalSelfAttention):

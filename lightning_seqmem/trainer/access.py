@@ -38,11 +38,12 @@ def train_loader_workers(trainer: Any) -> int:
     """The most worker processes of the trainer's train dataloader(s) (0: loaded in this process).
 
     >>> from types import SimpleNamespace as NS
-    >>> train_loader_workers(NS(train_dataloader=NS(num_workers=2))), train_loader_workers(NS(train_dataloader=None))
-    (2, 0)
+    >>> [train_loader_workers(NS(train_dataloader=x)) for x in (NS(num_workers=2), None)]
+    [2, 0]
     """
     loader = getattr(trainer, "train_dataloader", None)
-    loaders = list(loader.values()) if isinstance(loader, dict) else list(loader) if isinstance(loader, (list, tuple)) else [loader]
+    loaders = (list(loader.values()) if isinstance(loader, dict)
+               else list(loader) if isinstance(loader, (list, tuple)) else [loader])
     return max([int(getattr(x, "num_workers", 0) or 0) for x in loaders] + [0])
 
 
@@ -52,33 +53,40 @@ def check_setter_reaches_data(trainer: Any) -> None:
 
     >>> from types import SimpleNamespace as NS
     >>> check_setter_reaches_data(NS(train_dataloader=NS(num_workers=0)))
-    >>> check_setter_reaches_data(NS(train_dataloader=NS(num_workers=2)))
+    >>> check_setter_reaches_data(  # doctest: +NORMALIZE_WHITESPACE
+    ...     NS(train_dataloader=NS(num_workers=2)))
     Traceback (most recent call last):
     ...
-    ValueError: the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers=2: each worker process holds its own copy of the dataset, so a length set in the main process never reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a dataclass) that the callback cuts itself, or drop the `curriculum`.
+    ValueError: the curriculum can set this batch's length only through the dataset's `set_seq_len`
+    (the batch is a tuple or a bare tensor, which cannot be cut in place), but the train DataLoader
+    has num_workers=2: each worker process holds its own copy of the dataset, so a length set in the
+    main process never reaches the batches. Use DataLoader(num_workers=0), or return batches as a
+    dict (or a list, or a dataclass) that the callback cuts itself, or drop the `curriculum`.
     """
     fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
     if getattr(fetcher, "prefetch_batches", 0) > 0 and getattr(fetcher, "length", 0) is None:
         raise ValueError(
-            "the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a "
-            "tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has no length, so "
-            "Lightning fetches each batch one ahead of the step: every stage's first batch would arrive at the "
-            "previous stage's length, the first at the data's own. Give the dataset a `__len__` (Lightning then "
-            "fetches each batch just before its step), or return batches as a dict (or a list, or a dataclass) that "
-            "the callback cuts itself, or drop the `curriculum`.")
+            "the curriculum can set this batch's length only through the dataset's `set_seq_len` "
+            "(the batch is a tuple or a bare tensor, which cannot be cut in place), but the train "
+            "DataLoader has no length, so Lightning fetches each batch one ahead of the step: "
+            "every stage's first batch would arrive at the previous stage's length, the first at "
+            "the data's own. Give the dataset a `__len__` (Lightning then fetches each batch just "
+            "before its step), or return batches as a dict (or a list, or a dataclass) that the "
+            "callback cuts itself, or drop the `curriculum`.")
     workers = train_loader_workers(trainer)
     if workers > 0:
         raise ValueError(
-            "the curriculum can set this batch's length only through the dataset's `set_seq_len` (the batch is a "
-            f"tuple or a bare tensor, which cannot be cut in place), but the train DataLoader has num_workers={workers}: "
-            "each worker process holds its own copy of the dataset, so a length set in the main process never "
-            "reaches the batches. Use DataLoader(num_workers=0), or return batches as a dict (or a list, or a "
-            "dataclass) that the callback cuts itself, or drop the `curriculum`.")
+            "the curriculum can set this batch's length only through the dataset's `set_seq_len` "
+            "(the batch is a tuple or a bare tensor, which cannot be cut in place), but the train "
+            f"DataLoader has num_workers={workers}: each worker process holds its own copy of the "
+            "dataset, so a length set in the main process never reaches the batches. Use "
+            "DataLoader(num_workers=0), or return batches as a dict (or a list, or a dataclass) "
+            "that the callback cuts itself, or drop the `curriculum`.")
 
 
 def batches_need_setter(trainer: Any) -> bool:
     """Whether the train loader's batches cannot be cut in place (a tuple, a bare tensor), so their
-    length is the dataset's: one sample collated by the loader's own ``collate_fn`` tells, before
+    length is the dataset's: one sample collated by the loader's ``collate_fn`` tells, before
     Lightning fetches the first batch (random generators restored). False where it cannot tell (an
     iterable dataset, several loaders): the first batch then says.
 
@@ -86,14 +94,15 @@ def batches_need_setter(trainer: Any) -> bool:
     >>> from torch.utils.data import DataLoader
     >>> rows = [(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long))]
     >>> tuples, lists = DataLoader(rows, collate_fn=lambda b: tuple(b[0])), DataLoader(rows)
-    >>> batches_need_setter(NS(train_dataloader=tuples)), batches_need_setter(NS(train_dataloader=lists))
-    (True, False)
+    >>> [batches_need_setter(NS(train_dataloader=x)) for x in (tuples, lists)]
+    [True, False]
     """
     import random
 
     loader = getattr(trainer, "train_dataloader", None)
     dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
-    if dataset is None or collate is None or not hasattr(type(dataset), "__getitem__") or not hasattr(dataset, "__len__"):
+    if (dataset is None or collate is None or not hasattr(type(dataset), "__getitem__")
+            or not hasattr(dataset, "__len__")):
         return False
     state = random.getstate()
     try:
@@ -107,10 +116,10 @@ def batches_need_setter(trainer: Any) -> bool:
 
 
 def set_length_ahead(trainer: Any, seq_len: int) -> bool:
-    """Give the datamodule's or train dataset's ``set_seq_len`` the length of the batch that will be
-    fetched next (Lightning fetches a batch of a sized loader just before its step, after
-    ``on_train_epoch_start`` and the previous ``on_train_batch_end``): a batch that only the dataset
-    can shorten then arrives at its stage's length. Returns whether there was a setter.
+    """Give the datamodule's or train dataset's ``set_seq_len`` the length of the batch fetched next
+    (a sized loader's batch is fetched just before its step, after ``on_train_epoch_start`` and the
+    previous ``on_train_batch_end``), so a batch only the dataset can shorten arrives at its stage's
+    length. Returns whether there was a setter.
 
     >>> from types import SimpleNamespace as NS
     >>> seen = []
@@ -124,14 +133,13 @@ def set_length_ahead(trainer: Any, seq_len: int) -> bool:
     return True
 
 
-def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, through_setter: bool) -> bool:
+def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool,
+                  through_setter: bool) -> bool:
     """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a batch that
     cannot be cut in place (a tuple, a bare tensor) goes through the datamodule's or dataset's
-    ``set_seq_len`` instead (refused with a ValueError where dataloader workers would never see
-    it: :func:`check_setter_reaches_data`). Returns whether the setter was used. A batch that cannot
-    be cut in place (a tuple, a bare tensor) with no setter is left as it is, as README says: the
-    callback records the length that ran, one warning says so (naming both ways out: dict or list
-    batches, or a ``set_seq_len``), and the curriculum holds."""
+    ``set_seq_len`` instead (a ValueError where dataloader workers would never see it:
+    :func:`check_setter_reaches_data`), or, with no setter, is left as it is (the caller records
+    the length that ran and warns; the curriculum holds). Returns whether the setter was used."""
     if not can_cut_in_place(batch) or through_setter:
         setter = length_setter(trainer)
         if setter is None:
@@ -143,18 +151,17 @@ def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool, throug
     return False
 
 
-def unsupported_rungs(trainer: Any, pl_module: Any, rungs: tuple[str, ...]) -> tuple[list[str], str]:
+def unsupported_rungs(trainer: Any, pl_module: Any,
+                      rungs: tuple[str, ...]) -> tuple[list[str], str]:
     """The rungs this strategy or module cannot take, and why (before training starts)."""
     refusals = ladder.setup_refusals(trainer, pl_module, rungs)
     return list(refusals), "; ".join(dict.fromkeys(refusals.values()))
 
 
 def release_cached_memory(pl_module: Any) -> None:
-    """Give the CUDA caching allocator's unused blocks back after a rung or a shorter length.
-
-    Reserved memory is what the budget is judged by on CUDA; blocks cached by the longer or
-    unmitigated steps before would otherwise be counted against the new setting (they are never
-    needed again by it). A no-op off CUDA.
+    """Give the CUDA caching allocator's unused blocks back after a rung or a shorter length: on
+    CUDA the budget is judged by reserved memory, and blocks cached by the earlier, longer or
+    unmitigated steps would count against the new setting, which never needs them. No-op off CUDA.
     """
     first = next(iter(pl_module.parameters()), None)
     if first is not None and first.device.type == "cuda":
@@ -163,8 +170,8 @@ def release_cached_memory(pl_module: Any) -> None:
 
 def sharding_template(trainer: Any, pl_module: Any) -> Optional[Any]:
     """An unsharded copy of the module on ``meta`` where the strategy will shard it in
-    ``configure_model()`` (see :func:`lightning_seqmem.dryrun.sharded.template_for`); None elsewhere or
-    where it cannot be copied (the dry run then says why)."""
+    ``configure_model()`` (:func:`lightning_seqmem.dryrun.sharded.template_for`); None elsewhere
+    or where it cannot be copied (the dry run then says why)."""
     from lightning_seqmem.dryrun.sharded import template_for
 
     try:
@@ -173,12 +180,13 @@ def sharding_template(trainer: Any, pl_module: Any) -> Optional[Any]:
         return None
 
 
-LENGTH_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "block_size", "max_seq_len")
-"""Config fields that give a model's longest sequence in tokens (Hugging Face, GPT-2, nanoGPT-style)."""
+LENGTH_LIMIT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "block_size",
+                       "max_seq_len")
+"""Config fields giving a model's longest sequence in tokens (Hugging Face, GPT-2, nanoGPT)."""
 
 
 def model_length_limit(module: Any) -> Optional[tuple[int, str]]:
-    """The longest sequence ``module`` can take, from its own configuration (its position embeddings):
+    """The longest sequence ``module`` can take, from its configuration (position embeddings):
     ``(tokens, where it comes from)``, the smallest over its sub-modules' ``config``, or None.
 
     >>> from types import SimpleNamespace as NS
@@ -190,21 +198,23 @@ def model_length_limit(module: Any) -> Optional[tuple[int, str]]:
     for sub in module.modules() if isinstance(module, torch.nn.Module) else ():
         config = getattr(sub, "config", None)
         for name in LENGTH_LIMIT_FIELDS:
-            value = getattr(config, name, None) if config is not None and not isinstance(config, dict) else None
+            value = (getattr(config, name, None)
+                     if config is not None and not isinstance(config, dict) else None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 found.append((value, f"config.{name}={value}"))
     return min(found) if found else None
 
 
 def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
-    """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the breakdown at the end)."""
+    """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the final breakdown)."""
     from torch.utils._pytree import tree_map
 
     if kept is not None and seq_len < kept[0]:
         return kept
-    return int(seq_len), tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
+    return int(seq_len), tree_map(
+        lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
 
 
-__all__ = ["batches_need_setter", "check_setter_reaches_data", "cut_to_length", "length_setter", "longest_batch",
-           "model_length_limit", "release_cached_memory", "set_length_ahead", "sharding_template", "steps_optimizer",
-           "train_loader_workers", "unsupported_rungs"]
+__all__ = ["batches_need_setter", "check_setter_reaches_data", "cut_to_length", "length_setter",
+           "longest_batch", "model_length_limit", "release_cached_memory", "set_length_ahead",
+           "sharding_template", "steps_optimizer", "train_loader_workers", "unsupported_rungs"]

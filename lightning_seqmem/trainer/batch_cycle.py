@@ -1,24 +1,20 @@
 """The batch cycle: what the callback does around each training batch, in one object.
 
-Before a batch (:meth:`BatchCycle.before_batch`): every rank reads its batch (its shape, which
-rungs apply here: :meth:`~BatchCycle.local_inputs`), the ranks agree on the inputs, rank zero asks
-the planner and broadcasts the decision, and every rank commits it and switches its rungs on
-(:meth:`~BatchCycle.agree_and_apply`; a rung that failed on any rank is off on all,
-:meth:`~BatchCycle.switch_on`, and the decision is taken again without it); the batch is cut to
-the curriculum's length (:meth:`~BatchCycle.cut_for_step`) and the measured step begins
-(:meth:`~BatchCycle.start_measurement`: the planner's schedule, the probe on the tensors alive
-before the batch, the callback's own copies on the training device among them:
-:mod:`.own_memory`).
+Before a batch (:meth:`BatchCycle.before_batch`): every rank reads its batch (shape, which rungs
+apply here: :meth:`~BatchCycle.local_inputs`), the ranks agree, rank zero asks the planner and
+broadcasts the decision, and every rank commits it and switches its rungs on
+(:meth:`~BatchCycle.agree_and_apply`; a rung that failed on any rank is off on all and the decision
+is taken again without it); the batch is cut to the curriculum's length and the measured step
+begins (:meth:`~BatchCycle.start_measurement`: the probe on the tensors alive before the batch,
+the callback's own copies among them: :mod:`.own_memory`).
 
-After it (:meth:`BatchCycle.after_batch`): the step is timed (:func:`step_seconds`), the probe
-stopped, every rank's measurement gathered (:meth:`~BatchCycle.gather`: the row with the highest
-peak, whole), a rung refused by its own one-time check on some rank taken off on every rank
-(:meth:`~BatchCycle.undo_refused`), and the record kept and logged
-(:meth:`~BatchCycle.record_step`). With lengths set through the dataset, the decision for the next
-batch is taken one batch ahead (:meth:`~BatchCycle.set_next_length`). The collectives are
-:mod:`~lightning_seqmem.trainer.ranks`'; a rank that failed still joins each of them, so no rank
-waits alone. It writes the per-batch fields of the edge state (``pending``, ``shape``,
-``step_started_s``, ``window_batch``, ``stopped``, the applicability cache).
+After it (:meth:`BatchCycle.after_batch`): the step is timed, the probe stopped, every rank's
+measurement gathered (:meth:`~BatchCycle.gather`: the row with the highest peak, whole), a rung
+refused by its own one-time check on some rank taken off on every rank, and the record kept and
+logged (:meth:`~BatchCycle.record_step`). With lengths set through the dataset, the next batch's
+decision is taken one batch ahead (:meth:`~BatchCycle.set_next_length`). The collectives are
+:mod:`.ranks`'; a rank that failed still joins each, so no rank waits alone. It writes the
+per-batch fields of the edge state (:mod:`.run_state`).
 
 Example:
     >>> from lightning_seqmem.core.config import SeqMemConfig
@@ -65,10 +61,10 @@ Shape = tuple[int, int]  # (batch size, length)
 Applicable = dict[str, tuple[bool, str]]  # rung -> (applies here, why not)
 
 
-def step_seconds(started: Optional[float], pending: Optional[PendingStep], pl_module: Any) -> Optional[float]:
-    """Wall seconds of the measured step that just ran (forward, backward, optimizer: from the
-    end of this callback's batch start, ``started``, to its batch end; on CUDA after a
-    synchronize), or None."""
+def step_seconds(started: Optional[float], pending: Optional[PendingStep],
+                 pl_module: Any) -> Optional[float]:
+    """Wall seconds of the measured step that just ran (from the end of this callback's batch
+    start, ``started``, to its batch end; on CUDA after a synchronize), or None."""
     if started is None or pending is None or not pending.measure:
         return None
     try:
@@ -81,17 +77,19 @@ def step_seconds(started: Optional[float], pending: Optional[PendingStep], pl_mo
 
 
 class BatchCycle:
-    """The callback's work around each batch (the module doc), over its arguments, its planner, its
-    edge state and its guard."""
+    """The callback's work around each batch (the module doc), over its arguments, planner, edge
+    state and guard."""
 
-    def __init__(self, config: SeqMemConfig, planner: Planner, state: EdgeState, guard: Guard) -> None:
+    def __init__(self, config: SeqMemConfig, planner: Planner, state: EdgeState,
+                 guard: Guard) -> None:
         self.config, self.planner, self.edge, self.guard = config, planner, state, guard
 
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """``on_train_batch_start``: agree, decide, apply, cut, start measuring."""
         self.edge.window_batch = batch  # the step window opens: a dry run leaves room beside it
         if self.edge.stopped:  # every rank stopped together: hold the curriculum, no collectives
-            self.guard.safely("the curriculum", lambda: self.cut(trainer, batch, self.planner.course.seq_len))
+            self.guard.safely("the curriculum",
+                              lambda: self.cut(trainer, batch, self.planner.course.seq_len))
             return
         failed, shape, applicable = self.local_inputs(trainer, pl_module, batch)
         runner = self.edge.dry_runner
@@ -101,12 +99,15 @@ class BatchCycle:
         if agreed is None:
             return  # a rank stopped measuring, so every rank did
         decision, shape = agreed
-        if decision.rungs or decision.action in ("cap", "probe"):  # a lighter setting or a shorter batch
-            self.guard.safely("releasing cached memory", lambda: edge.release_cached_memory(pl_module))
+        if decision.rungs or decision.action in ("cap", "probe"):  # lighter setting, shorter batch
+            self.guard.safely("releasing cached memory",
+                              lambda: edge.release_cached_memory(pl_module))
         curriculum = self.config.curriculum is not None
-        if decision.action != "run" and curriculum and trainer.is_global_zero and self.planner.evidence.measured.records:
+        if (decision.action != "run" and curriculum and trainer.is_global_zero
+                and self.planner.evidence.measured.records):
             # as the stage ends
-            self.guard.safely("the memory figure", lambda: outputs.log_figure(trainer, PlanView.of(self.planner)))
+            self.guard.safely("the memory figure",
+                              lambda: outputs.log_figure(trainer, PlanView.of(self.planner)))
         self.cut_for_step(trainer, batch, decision.seq_len)
         check = self.check_pending(trainer, pl_module, batch)  # (a collective)
         self.start_measurement(trainer, pl_module, batch, decision, shape, check)
@@ -133,10 +134,10 @@ class BatchCycle:
         if gathered is None:
             return  # a rank stopped measuring, so every rank did
         any_refused, row = gathered
-        if any_refused:  # e.g. the loss is not a mean: micro-batching is off on every rank, this step ran whole
+        if any_refused:  # e.g. a loss that is not a mean: micro-batching off everywhere, step whole
             self.undo_refused(trainer, pl_module, refusal, pending)
         self.record_step(trainer, pending, row, memory, seconds)
-        if self.edge.uses_datamodule_length:  # the next batch is fetched before its batch start (a collective)
+        if self.edge.uses_datamodule_length:  # fetched before its batch start (a collective)
             self.guard.safely("setting the next batch's length",
                               lambda: self.set_next_length(trainer, pl_module, batch))
         if self.config.breakdown and not self.edge.failed and trainer.is_global_zero:
@@ -150,8 +151,8 @@ class BatchCycle:
 
     def local_inputs(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      batch: Any) -> tuple[bool, Optional[Shape], Applicable]:
-        """(this rank failed, its batch's shape, which rungs apply here) before the agreement. A batch
-        that cannot be read raises before any step ran on one process, and later stops measuring."""
+        """(this rank failed, its batch's shape, which rungs apply here) before the agreement. An
+        unreadable batch raises before any step ran on one process, and later stops measuring."""
         failed, shape, applicable = self.edge.failed, None, {}
         if not failed:
             try:
@@ -168,7 +169,8 @@ class BatchCycle:
         return failed, shape, applicable
 
     def agree_and_apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                        failed: bool, shape: Optional[Shape], applicable: Applicable) -> Optional[tuple[Decision, Shape]]:
+                        failed: bool, shape: Optional[Shape],
+                        applicable: Applicable) -> Optional[tuple[Decision, Shape]]:
         """The decision for this batch and the shape agreed on, with its rungs on every rank; None
         where a rank stopped measuring (then every rank stops: no more collectives). A decision to
         stop (nothing can meet the budget) raises :class:`MemoryBudgetError` on every rank."""
@@ -176,7 +178,8 @@ class BatchCycle:
             try:
                 any_failed, shape, applicable = distributed.agree_inputs(
                     trainer, failed, shape, applicable, self.edge.noop_rungs)
-                decision = self._decide(shape, applicable) if trainer.is_global_zero and not any_failed else None
+                decision = (self._decide(shape, applicable)
+                            if trainer.is_global_zero and not any_failed else None)
                 decision = distributed.broadcast(trainer, decision)
             except Exception as exc:  # noqa: BLE001 - a broken collective: stop on this rank
                 self.guard.fail("the agreement across ranks", exc)
@@ -184,14 +187,16 @@ class BatchCycle:
                 return None
             if any_failed or decision is None or shape is None:
                 self.guard.fail("another rank" if not failed else "on_train_batch_start",
-                         RuntimeError("a rank stopped measuring, so every rank does"))
+                                RuntimeError("a rank stopped measuring, so every rank does"))
                 self.edge.stopped = True
-                self.guard.safely("the curriculum", lambda: self.cut(trainer, batch, self.planner.course.seq_len))
+                self.guard.safely("the curriculum",
+                                  lambda: self.cut(trainer, batch, self.planner.course.seq_len))
                 return None
-            if decision.action == "stop":  # every rank: nothing can meet the budget, so no step runs over it
+            if decision.action == "stop":  # every rank: nothing can meet the budget, no step runs
                 raise MemoryBudgetError(decision.advice[0].text)
             self.planner.commit(decision)
-            if all(self.switch_on(trainer, pl_module, batch, name, shape) for name in decision.rungs):
+            if all(self.switch_on(trainer, pl_module, batch, name, shape)
+                   for name in decision.rungs):
                 break
             applicable = {k: v for k, v in applicable.items() if k in self.planner.ladder.allowed}
         return decision, shape
@@ -205,7 +210,7 @@ class BatchCycle:
 
     def applicability(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                       shape: Shape) -> Applicable:
-        """Whether each rung left applies here (only with a budget; cached per setting and batch size)."""
+        """Whether each rung left applies here (with a budget; cached by setting and batch size)."""
         # every rung not on: those this run may not take are checked too, for the words only (a
         # warning never advises attention already on SDPA, even where the ladder leaves it out)
         left = tuple(m for m in rung_names() if m not in self.planner.ladder.applied)
@@ -214,44 +219,49 @@ class BatchCycle:
         key = (self.planner.ladder.applied, left, shape[0])
         if key not in self.edge.applicable_cache:
             found = ladder.applicability(left, trainer, pl_module, batch)
-            # with several ranks, a rung that changes nothing on this rank's batch (micro-batching one
-            # sample) is neither refused nor taken here: the ranks agree on it (ranks.agree_inputs)
+            # with several ranks, a rung that changes nothing on this rank's batch (micro-batching
+            # one sample) is neither refused nor taken here: the ranks agree (ranks.agree_inputs)
             noop = tuple(m for m, (ok, _) in found.items() if not ok and trainer.world_size > 1
                          and ladder.noop(m, trainer, pl_module, batch) is not None)
             self.edge.applicable_cache, self.edge.noop_rungs = {key: found}, noop
-            self.planner.ladder.note_not_applicable({m: v for m, v in found.items() if m not in noop})
+            self.planner.ladder.note_not_applicable(
+                {m: v for m, v in found.items() if m not in noop})
         return self.edge.applicable_cache[key]
 
     def switch_on(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, name: str,
                   shape: Shape) -> bool:
         """Apply rung ``name`` on every rank; if it failed on any, it is off on all and skipped."""
         seq_len = self.planner.course.seq_len or shape[1]  # where it was decided
-        batch_size = self.planner.course.batch_at(shape[0], shape[1], seq_len) if self.config.curriculum else shape[0]
+        batch_size = (self.planner.course.batch_at(shape[0], shape[1], seq_len)
+                      if self.config.curriculum else shape[0])
         if trainer.is_global_zero:
-            self.guard.safely("the dry runs before a rung", lambda: self.planner.on_rung("before", name, seq_len=seq_len, batch_size=batch_size))
-        ok, detail = ladder.try_apply(name, trainer, pl_module, batch, noop_ok=trainer.world_size > 1)
+            self.guard.safely("the dry runs before a rung", lambda: self.planner.on_rung(
+                "before", name, seq_len=seq_len, batch_size=batch_size))
+        ok, detail = ladder.try_apply(name, trainer, pl_module, batch,
+                                      noop_ok=trainer.world_size > 1)
         everywhere = distributed.all_ok(trainer, ok)
         if ok and not everywhere:
             detail = "it failed on another rank"
             self.guard.safely("undoing a rung", lambda: ladder.remove(name, trainer, pl_module))
         self.planner.on_rung("on" if everywhere else "failed", name, detail, seq_len, batch_size)
         if everywhere:
-            rank_zero_info(f"seqmem: switched on {name} at step {self.planner.course.step} ({detail}).")
+            rank_zero_info(
+                f"seqmem: switched on {name} at step {self.planner.course.step} ({detail}).")
         return everywhere
 
     def check_pending(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                       batch: Any) -> bool:
-        """Whether the step about to run runs a rung's one-time check on some rank (every rank calls
-        it: a collective): then every rank's step is a warm-up, so the ranks' records stay the same."""
+        """Whether the step about to run runs a rung's one-time check on some rank (a collective):
+        then every rank's step is a warm-up, so the ranks' records stay the same."""
         try:
             on = self.planner.ladder.applied
             here = not self.edge.failed and ladder.check_pending(on, pl_module, batch)
-        except Exception:  # noqa: BLE001 - a check that cannot tell: as if it runs (one fit point less)
+        except Exception:  # noqa: BLE001 - a check that cannot tell: as if it runs (one point less)
             here = True
         return distributed.any_rank(trainer, here)
 
     def refusal(self, pl_module: pl.LightningModule) -> Optional[tuple[str, str]]:
-        """``(rung, why)`` where a rung on this rank was refused by its own one-time check, else None."""
+        """``(rung, why)`` where its one-time check refused a rung on this rank, else None."""
         try:
             return ladder.refused(self.planner.ladder.applied, pl_module)
         except Exception as exc:  # noqa: BLE001
@@ -262,23 +272,27 @@ class BatchCycle:
                      refusal: Optional[tuple[str, str]], pending: Optional[PendingStep]) -> None:
         """A rung's one-time check refused it on some rank: off on every rank (this step ran without
         it). Only a rung switched on at the step before runs such a check, so a rank that did not
-        see the refusal itself takes the last rung switched on that has one."""
+        see the refusal takes the last rung switched on that has one."""
         if refusal is None:
-            checked = [m for m in self.planner.ladder.applied if self.planner.settings.spec(m).first_step_check]
+            checked = [m for m in self.planner.ladder.applied
+                       if self.planner.settings.spec(m).first_step_check]
             if not checked:
                 return
             refusal = (checked[-1], "another rank refused it")
         name, reason = refusal
         self.guard.safely(f"undoing {name}", lambda: ladder.remove(name, trainer, pl_module))
-        self.planner.on_rung("off", name, f"its first-step check refused it: {reason}", pending=pending)
+        self.planner.on_rung("off", name, f"its first-step check refused it: {reason}",
+                             pending=pending)
 
-    def set_next_length(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def set_next_length(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                        batch: Any) -> None:
         """One batch ahead: the planner's decision for the next batch (pure; taken again at its
         ``on_train_batch_start``) gives the length the dataset must produce, on every rank."""
         length, error = None, None
         if trainer.is_global_zero:
             try:
-                length = self.planner.course.refit_queue[0] if self.planner.course.refit_queue else self.planner.course.seq_len
+                length = (self.planner.course.refit_queue[0] if self.planner.course.refit_queue
+                          else self.planner.course.seq_len)
                 if not self.edge.failed and self.edge.shape is not None:
                     applicable = self.applicability(trainer, pl_module, batch, self.edge.shape)
                     length = self.planner.decide(self.edge.shape, applicable).seq_len
@@ -294,23 +308,27 @@ class BatchCycle:
     def start_measurement(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                           decision: Decision, shape: tuple[int, int], check: bool = False) -> None:
         """Begin the step the planner decided on (``shape``: the one agreed across ranks) and, for a
-        measured one, start the probe in its forward phase; ``check``: a rung's one-time check runs in
-        this step on some rank (:func:`.batch_decision.check_pending`): a warm-up."""
-        self.edge.shape = tuple(int(x) for x in read_batch_shape(batch, self.config.seq_len_fn))  # what this rank really runs
+        measured one, start the probe in its forward phase; ``check``: a rung's one-time check runs
+        in this step on some rank (:meth:`check_pending`): a warm-up."""
+        # what this rank really runs
+        self.edge.shape = tuple(int(x) for x in read_batch_shape(batch, self.config.seq_len_fn))
         if decision.seq_len is None:
             planned = shape
         else:
-            planned = (self.planner.course.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
-        pending = self.edge.pending = self.planner.begin_step(planned[1], planned[0], edge.steps_optimizer(trainer),
-                                                          trainer.global_step, trainer.current_epoch)
+            planned = (self.planner.course.batch_at(shape[0], shape[1], decision.seq_len),
+                       decision.seq_len)
+        pending = self.edge.pending = self.planner.begin_step(
+            planned[1], planned[0], edge.steps_optimizer(trainer), trainer.global_step,
+            trainer.current_epoch)
         probe = self.edge.probe
         if check:
-            pending.warmup, pending.traced = True, False  # a rung's one-time check adds to this peak
+            pending.warmup, pending.traced = True, False  # a rung's one-time check adds to the peak
         if self.edge.compiled_reason is not None and probe is not None and probe.name == "cuda":
-            pending.traced = False  # a traced step runs a dispatch mode, hence eager: keep it compiled
+            pending.traced = False  # a traced step runs a dispatch mode, hence eager: stay compiled
         if pending.measure:
             assert probe is not None, "setup() was not called"
-            existing = [*existing_tensors(pl_module, trainer.optimizers, batch), *own_tensors(self.edge)]
+            existing = [*existing_tensors(pl_module, trainer.optimizers, batch),
+                        *own_tensors(self.edge)]
             if probe.name == "tracker":  # (the allocator's counters hold what no tensor shows)
                 probe.start_step(existing, record_events=pending.traced,
                                  resident_bytes=untracked_bytes(self.edge, trainer))
@@ -326,31 +344,34 @@ class BatchCycle:
             return None
         return probe.end_step()
 
-    def gather(self, trainer: pl.Trainer, memory: Any, refused_here: bool) -> Optional[tuple[bool, Any]]:
+    def gather(self, trainer: pl.Trainer, memory: Any,
+               refused_here: bool) -> Optional[tuple[bool, Any]]:
         """(a rung was refused on some rank, the row kept) from every rank's measurement
-        (:func:`~lightning_seqmem.trainer.ranks.gather_measurement`); None where a rank stopped
-        measuring, and then every rank stops (no more collectives)."""
+        (:func:`.ranks.gather_measurement`); None where a rank stopped measuring, and then every
+        rank stops (no more collectives)."""
         try:
-            any_failed, any_refused, row = distributed.gather_measurement(trainer, self.edge.failed, memory, self.edge.shape,
-                                                                          refused_here)
+            any_failed, any_refused, row = distributed.gather_measurement(
+                trainer, self.edge.failed, memory, self.edge.shape, refused_here)
         except Exception as exc:  # noqa: BLE001
             self.guard.fail("the gathering of peaks across ranks", exc)
             self.edge.stopped = True
             return None
         if any_failed:
-            self.guard.fail("another rank", RuntimeError("a rank stopped measuring, so every rank does"))
+            self.guard.fail("another rank",
+                            RuntimeError("a rank stopped measuring, so every rank does"))
             self.edge.stopped = True
             return None
         return any_refused, row
 
     @guarded
-    def record_step(self, trainer: pl.Trainer, pending: Optional[PendingStep], row: Any, memory: Any,
-               seconds: Optional[float] = None) -> None:
-        """End the batch in the planner (a curriculum stage counts it only at the stage's length), keep
-        the gathered row as a :class:`~lightning_seqmem.core.records.StepRecord` and log its scalars."""
+    def record_step(self, trainer: pl.Trainer, pending: Optional[PendingStep], row: Any,
+                    memory: Any, seconds: Optional[float] = None) -> None:
+        """End the batch in the planner (a curriculum stage counts it only at the stage's length),
+        keep the gathered row as a :class:`~lightning_seqmem.core.records.StepRecord` and log it."""
         shape = self.edge.shape
         ran = shape[1] if shape else None  # this rank's batch as it ran
-        held = self.config.curriculum is not None and pending is not None and ran is not None and ran != pending.seq_len
+        held = (self.config.curriculum is not None and pending is not None and ran is not None
+                and ran != pending.seq_len)
         self.planner.course.end_batch(at_stage_length=not held)
         if held:
             self.planner.advice.advise(A.curriculum_not_applied(pending.seq_len, ran))
@@ -359,7 +380,8 @@ class BatchCycle:
         rank, reduced, seq_len, batch_size = row
         trace = (shape[1], shape[0], memory) if memory is not None and shape else None
         record = self.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
-                                    rank=rank if trainer.world_size > 1 else None, step_seconds=seconds)
+                                      rank=rank if trainer.world_size > 1 else None,
+                                      step_seconds=seconds)
         try:
             metrics = plan_metrics(record, self.planner.evidence, self.planner.course)
         except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
@@ -368,29 +390,34 @@ class BatchCycle:
         outputs.log_metrics(trainer, metrics, step=record.global_step)
 
     def cut(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
-        """Cut ``batch`` to the curriculum's ``seq_len`` (:func:`~lightning_seqmem.trainer.access.cut_to_length`)."""
+        """Cut ``batch`` to the curriculum's ``seq_len`` (:func:`.access.cut_to_length`)."""
         if self.config.curriculum is not None and seq_len is not None:
-            self.edge.uses_datamodule_length = edge.cut_to_length(trainer, batch, seq_len, self.config.curriculum.truncate,
-                                                                self.edge.uses_datamodule_length)
+            self.edge.uses_datamodule_length = edge.cut_to_length(
+                trainer, batch, seq_len, self.config.curriculum.truncate,
+                self.edge.uses_datamodule_length)
 
     def cut_for_step(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
-        """:func:`cut` the batch about to run; a batch format the curriculum cannot cut raises before
-        any step ran (a configuration problem), and later stops the callback measuring instead."""
+        """:meth:`cut` the batch about to run; a batch format the curriculum cannot cut raises
+        before any step ran (a configuration problem), and later stops the callback measuring."""
         try:
             self.cut(trainer, batch, seq_len)
         except (TypeError, ValueError):
             if self.planner.course.step == 0 and trainer.world_size == 1:
                 raise  # a batch format the curriculum cannot cut, found before any step ran: say so
-            self.guard.fail("cutting the batch to the curriculum's length", RuntimeError("the batch could not be cut"))
+            self.guard.fail("cutting the batch to the curriculum's length",
+                            RuntimeError("the batch could not be cut"))
 
     def set_first_length(self, trainer: pl.Trainer) -> None:
-        """With a curriculum, batches that cannot be cut in place (a tuple, a bare tensor: their
-        length is the dataset's; :func:`~lightning_seqmem.trainer.access.batches_need_setter`) and a
-        ``set_seq_len`` on the datamodule or train dataset, set the length of the first batch before
-        Lightning fetches it: the stage's length, or the next re-measurement's (the planner's state,
-        the same on every rank: no collective). From then on each batch end sets the next one's."""
+        """With a curriculum, batches that cannot be cut in place
+        (:func:`.access.batches_need_setter`) and a ``set_seq_len`` on the datamodule or dataset:
+        set the first batch's length before Lightning fetches it (the stage's, or the next
+        re-measurement's: the planner's state, the same on every rank, no collective). From then
+        on each batch end sets the next one's."""
         if self.config.curriculum is None or self.edge.stopped or self.edge.uses_datamodule_length:
-            return  # (once a batch went through the setter, each batch end sets the next one's length)
-        length = self.planner.course.refit_queue[0] if self.planner.course.refit_queue else self.planner.course.seq_len  # same on every rank
-        if length is not None and edge.length_setter(trainer) is not None and edge.batches_need_setter(trainer):
-            self.guard.safely("setting the next batch's length", lambda: edge.set_length_ahead(trainer, length))
+            return  # (once a batch went through the setter, each batch end sets the next one's)
+        length = (self.planner.course.refit_queue[0] if self.planner.course.refit_queue
+                  else self.planner.course.seq_len)  # same on every rank
+        if (length is not None and edge.length_setter(trainer) is not None
+                and edge.batches_need_setter(trainer)):
+            self.guard.safely("setting the next batch's length",
+                              lambda: edge.set_length_ahead(trainer, length))

@@ -1,14 +1,11 @@
 """``SeqMemCallback``: the Lightning edge of lightning-seqmem.
 
-The hooks, in the order a fit runs them, each a line or two into one of two small objects: the
-:class:`~.fit_cycle.FitCycle` (set-up, the checks before the first step, a resume or a second fit,
-the outputs at the end of fit) and the :class:`~.batch_cycle.BatchCycle` (before each batch: the
-decision and its rungs on every rank, the curriculum's length, the measured step begun; after it:
-gathered, recorded, logged). Every decision is the torch-free
-:class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s; everything written goes through
-:mod:`~lightning_seqmem.trainer.outputs`. The callback's own run state for a fit is one
-:class:`~lightning_seqmem.trainer.run_state.EdgeState` (``cb.edge``, fresh for each fit), which the
-two objects write; they warn and stop measuring through the :class:`~.guard.Guard`.
+Each hook is a line or two into the :class:`~.fit_cycle.FitCycle` (set-up, checks before the first
+step, a resume or a second fit, the outputs at the end) or the :class:`~.batch_cycle.BatchCycle`
+(before each batch: decision, rungs, length, measured step begun; after it: gathered, recorded,
+logged). Decisions are the torch-free :class:`~lightning_seqmem.plan.planner.SeqMemPlanner`'s;
+outputs go through :mod:`.outputs`; a fit's run state is one :class:`~.run_state.EdgeState`
+(``cb.edge``, fresh for each fit), which both write; they warn through the :class:`~.guard.Guard`.
 """
 
 from __future__ import annotations
@@ -38,42 +35,34 @@ from lightning_seqmem.plan.view import PlanView
 from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
 
 
-
 _ARGUMENTS = frozenset(f.name for f in dataclasses.fields(SeqMemConfig)) | {"probe_name"}
 
 
 class SeqMemCallback(Callback):
-    r"""Measure every training step's memory, predict it at any sequence length, stay in budget.
+    """Measure every training step's memory, predict it at any sequence length, stay in budget.
 
-    After ``warmup_steps`` batches, every batch's peak memory is measured phase by phase (forward,
-    backward, optimizer step) and kept in :attr:`records`. From the measured lengths two predictors
-    are fitted — a timeline replay of traced steps and the article's quadratic model
-    ``M(L, B) = C + B·(a·L + b·L²)`` — and :meth:`forecast` / :meth:`max_seq_len` answer for any
-    length. Before every batch the planner judges whether it fits the usable budget (see
-    :mod:`lightning_seqmem.plan.planner`): a curriculum stage is entered only on a forecast that fits,
-    a batch judged over switches the next mitigation on first, and with nothing left to switch on
-    the curriculum is capped with one :class:`PredictedOOMWarning`. A budget nothing can meet (the
-    parameters alone, or the shortest length with every rung) raises
-    :class:`~lightning_seqmem.MemoryBudgetError` before training, or before the batch where it is
-    first known, rather than training over it. Under DDP the decision is
-    taken once, on rank zero, from every rank's shape, and applied on all ranks at the same step.
+    After ``warmup_steps`` batches, every batch's peak is measured by phase (forward, backward,
+    optimizer step) into :attr:`records`; a timeline replay of traced steps and the article's
+    quadratic ``M(L, B) = C + B·(a·L + b·L²)`` are fitted, and :meth:`forecast` /
+    :meth:`max_seq_len` answer for any length. Before every batch the planner
+    (:mod:`lightning_seqmem.plan.planner`) judges the usable budget: a curriculum stage is entered
+    only on a forecast that fits, a batch judged over switches the next mitigation on, and with
+    none left the curriculum is capped (one :class:`PredictedOOMWarning`). A budget nothing can
+    meet raises :class:`~lightning_seqmem.MemoryBudgetError` before the batch where it is first
+    known. Under DDP rank zero decides from every rank's shape; all ranks apply it together.
 
-    A ``torch.compile``'d module (compiled in ``__init__`` or ``configure_model``) keeps compiling,
-    and one warning says what is measured. On CUDA the allocator counters leave compilation alone:
-    measurements and forecasts are of the compiled program, and no step is traced for the replay (a
-    traced step would run eager). The live-tensor tracker (CPU) is a ``TorchDispatchMode``, under
-    which ``torch.compile`` cannot run: a tracked step runs eager (``torch.compiler.set_stance(
-    "force_eager")``, so dynamo does not give up on the code), and with a compiled module only
-    warm-ups, the first steps at a new shape and one step in ``max(measure_every_n_steps, 10)`` are
-    tracked; every other step runs compiled. Those measurements and forecasts are of the eager
-    program, and say so (:meth:`forecast`'s ``detail``, the report's probe line). The dry run
-    refuses compiled modules (one warning); the fit of measured steps answers instead.
+    A ``torch.compile``'d module keeps compiling; one warning says what is measured. On CUDA the
+    allocator counters measure the compiled program (no step is traced: it would run eager). Under
+    the CPU tracker (a ``TorchDispatchMode``) a tracked step runs eager
+    (``torch.compiler.set_stance("force_eager")``) and, with a compiled module, only warm-ups, the
+    first steps at a new shape and one step in ``max(measure_every_n_steps, 10)`` are tracked; the
+    forecasts say they are of the eager program. The dry run refuses compiled modules.
 
-    A curriculum stage counts only the steps that ran at its length: where the data is shorter
-    than the stage, or a batch cannot be cut, the record says the length that ran, one warning says
-    so, and the curriculum holds instead of advancing. A batch that only the dataset can shorten
-    (a tuple or a bare tensor, through ``set_seq_len``) with ``DataLoader(num_workers > 0)`` is
-    refused before the first step: the workers' copies of the dataset would never see the length.
+    A curriculum stage counts only the steps that ran at its length: where the data is shorter or a
+    batch cannot be cut, the record says the length that ran, one warning says so, and the
+    curriculum holds. A batch only the dataset can shorten (a tuple or a bare tensor, through
+    ``set_seq_len``) with ``DataLoader(num_workers > 0)`` is refused before the first step (the
+    workers' copies of the dataset would never see the length).
 
     Args:
         warmup_steps: batches measured but not fitted at the start (≥ 1: the first step has no
@@ -85,42 +74,39 @@ class SeqMemCallback(Callback):
         memory_budget: bytes or a string with a unit (``"12GiB"``); default the CUDA device's
             memory, none on CPU (forecasts are then informational).
         safety_margin: fraction of the budget kept free, in [0, 1).
-        curriculum: a :class:`~lightning_seqmem.Curriculum` (batches are cut, or with
-            ``truncate=False`` reshaped, to the stage's length); ``None`` measures the data's lengths.
-        warmup_steps_after_change: occurrences of a new (length, batch size, mitigations) not fitted.
+        curriculum: a :class:`~lightning_seqmem.Curriculum` (batches are cut, or reshaped with
+            ``truncate=False``, to the stage's length); ``None`` measures the data's lengths.
+        warmup_steps_after_change: occurrences of a new (length, batch size, rungs) not fitted.
         trace_lengths: lengths traced for the replay (2–8).
         measure_every_n_steps: measure one batch in ``n`` once a length has been measured.
         seq_len_fn: ``batch -> (batch_size, seq_len)``; default reads the first 2-D integer tensor
             (``input_ids`` first in a mapping).
         mitigations: the ladder, in the order tried: ``"attention"`` (eager → SDPA → flash-attn),
-            ``"checkpointing"`` (activation checkpointing of the repeated blocks), ``"microbatch"``
-            (micro-batches of one sample inside the step); ``()`` warns and caps instead.
+            ``"checkpointing"`` (of the repeated blocks), ``"microbatch"`` (micro-batches of one
+            sample inside the step); ``()`` warns and caps instead.
         breakdown: after fit, attribute the memory to modules and kinds (:mod:`.fit_breakdown`) on a
             copy of the model: :attr:`breakdown_report`, the report's section, TensorBoard text.
         dry_run: judge every new length, batch size and set of rungs by a dry run of the training
             step on a fake copy of the module (:mod:`.dryrun`; rank zero, about a second each)
-            before extrapolating from measured steps; ``False`` uses the replay and quadratic fit only.
-        summary: at the end of fit, print a few lines on rank zero (longest length, peak against
-            the budget, rungs on, warnings, and the folder holding the report, figure and
-            TensorBoard panels: the logger's ``version_N/``); ``False`` prints nothing.
+            before extrapolating from measured steps; ``False``: the replay and quadratic fit only.
+        summary: print a few lines on rank zero at the end of fit (longest length, peak against
+            the budget, rungs on, warnings, the logger's ``version_N/`` folder of the outputs).
         name: tells this callback's checkpoint state apart from another ``SeqMemCallback``'s in the
-            same Trainer (each needs its own name there). The state is found by this name only, so
-            a resume may change ``memory_budget``, ``mitigations`` or ``curriculum``: the change is
-            reconciled and said in one warning (:func:`lightning_seqmem.plan.checkpoint.reconcile`).
+            same Trainer; found by this name only, a resume may change ``memory_budget``,
+            ``mitigations`` or ``curriculum`` (:func:`.checkpoint.reconcile`, one warning).
         host_memory_budget: host (CPU) memory a setting may use, bytes or a string with a unit
-            (``"256GiB"``); default the machine's RAM. What offload (FSDP2 ``CPUOffloadPolicy``,
-            activation offload) keeps there is held against it by the planners
+            (``"256GiB"``; default the machine's RAM), held against what offload keeps there
             (:func:`lightning_seqmem.plan.budgets.fits_budgets`).
 
     Logged scalars (through every logger of the trainer, at each measured batch; GiB = 2³⁰ bytes;
     the table is :data:`lightning_seqmem.core.tags.TAGS`):
 
-    ==================================  ================================================================
+    ==================================  ============================================================
     tag                                 meaning
-    ==================================  ================================================================
+    ==================================  ============================================================
     ``seqmem/seq_len``                  sequence length of the batch (tokens)
     ``seqmem/batch_size``               samples in the batch
-    ``seqmem/peak_allocated_gib``       peak allocated (CUDA) or live tensor (tracker) memory of the step
+    ``seqmem/peak_allocated_gib``       peak allocated (CUDA) or live-tensor (tracker) memory
     ``seqmem/peak_forward_gib``         peak during forward (batch start → before backward)
     ``seqmem/peak_backward_gib``        peak during backward
     ``seqmem/peak_optimizer_gib``       peak during the optimizer step (absent while accumulating)
@@ -128,7 +114,7 @@ class SeqMemCallback(Callback):
     ``seqmem/fragmentation_gib``        reserved minus allocated at the peak (CUDA only)
     ``seqmem/fragmentation_fraction``   fragmentation over reserved (CUDA only)
     ``seqmem/inactive_split_gib``       inactive split blocks (CUDA only)
-    ``seqmem/alloc_retries``            allocator retries after a failed cudaMalloc, cumulative (CUDA only)
+    ``seqmem/alloc_retries``            cudaMalloc retries after a failure, cumulative (CUDA only)
     ``seqmem/num_ooms``                 allocator OOMs, cumulative (CUDA only)
     ``seqmem/warmup``                   1 for a warm-up batch (measured, not fitted)
     ``seqmem/verification_error``       latest (forecast − measured) / measured at a new length
@@ -139,7 +125,7 @@ class SeqMemCallback(Callback):
     ``seqmem/budget_gib``               usable budget: budget × (1 − safety_margin)
     ``seqmem/headroom_gib``             usable budget − forecast_next
     ``seqmem/headroom_fraction``        headroom over the usable budget
-    ==================================  ================================================================
+    ==================================  ============================================================
 
     Example:
         >>> import lightning.pytorch as pl
@@ -148,8 +134,10 @@ class SeqMemCallback(Callback):
         >>> trainer = pl.Trainer(max_steps=9, accelerator="cpu", callbacks=[cb], logger=False,
         ...                      enable_checkpointing=False, enable_progress_bar=False,
         ...                      enable_model_summary=False)
-        >>> trainer.fit(LitGPT(n_layer=1, d_model=32), SyntheticTokenDataModule(batch_size=2, seq_len=64))  # doctest: +ELLIPSIS
-        seqmem: longest length 64 tokens (batch 2); peak ...; no memory budget; rungs on: none; 0 warnings.
+        >>> trainer.fit(LitGPT(n_layer=1, d_model=32),  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+        ...             SyntheticTokenDataModule(batch_size=2, seq_len=64))
+        seqmem: longest length 64 tokens (batch 2); peak ...; no memory budget; rungs on: none;
+        0 warnings.
         seqmem: report in ...
         >>> [r.seq_len for r in cb.records]
         [16, 16, 16, 32, 32, 32, 64, 64, 64]
@@ -177,17 +165,18 @@ class SeqMemCallback(Callback):
         host_memory_budget: Optional[int | str] = None,
     ) -> None:
         self.config = SeqMemConfig(
-            warmup_steps=warmup_steps, tolerance=tolerance, probe=probe, memory_budget=memory_budget,
-            safety_margin=safety_margin, curriculum=curriculum, warmup_steps_after_change=warmup_steps_after_change,
-            trace_lengths=trace_lengths, measure_every_n_steps=measure_every_n_steps, seq_len_fn=seq_len_fn,
-            mitigations=mitigations, breakdown=breakdown, dry_run=dry_run, name=name, summary=summary,
-            host_memory_budget=host_memory_budget)
+            warmup_steps=warmup_steps, tolerance=tolerance, probe=probe,
+            memory_budget=memory_budget, safety_margin=safety_margin, curriculum=curriculum,
+            warmup_steps_after_change=warmup_steps_after_change, trace_lengths=trace_lengths,
+            measure_every_n_steps=measure_every_n_steps, seq_len_fn=seq_len_fn,
+            mitigations=mitigations, breakdown=breakdown, dry_run=dry_run, name=name,
+            summary=summary, host_memory_budget=host_memory_budget)
         self.planner = SeqMemPlanner(config=self.config)
         self._bind(EdgeState())
 
     def _bind(self, state: EdgeState) -> None:
         """Take ``state`` as the edge's run state (fresh for each fit; the planner's is in
-        ``self.planner``), with the objects that write it: the guard, the batch cycle, the fit cycle."""
+        ``self.planner``), with the objects that write it: guard, batch cycle, fit cycle."""
         self.edge = state
         self.guard = Guard(state, self.planner)
         self._batches = BatchCycle(self.config, self.planner, state, self.guard)
@@ -199,22 +188,33 @@ class SeqMemCallback(Callback):
                                  f"`cb.config.{name}`, or make a new SeqMemCallback to change it")
         super().__setattr__(name, value)
 
-    # -- Public API (the planner's state, read-only) -------------------------------------------------
+    # -- Public API (the planner's state, read-only) -----------------------------------------------
     @property
     def state_key(self) -> str:
         """``"SeqMemCallback"`` (``"SeqMemCallback{'name': ...}"`` with a ``name``): not the budget,
         ladder or curriculum, so a resume that changes them finds the state and reconciles it."""
-        return type(self).__qualname__ if self.config.name is None else self._generate_state_key(name=self.config.name)
+        return (type(self).__qualname__ if self.config.name is None
+                else self._generate_state_key(name=self.config.name))
 
-    records = property(lambda self: self.planner.evidence.measured.records, doc="Every measured batch, as :class:`StepRecord` (past ``state.MEMORY_RECORDS``, a summary and the latest).")
-    applied_mitigations = property(lambda self: self.planner.ladder.applied, doc="Rungs switched on, in order.")
-    mitigation_events = property(lambda self: self.planner.ladder.events, doc="Each switch, with peaks before/after.")
-    mitigations = property(lambda self: self.planner.ladder.allowed, doc="The rungs this run may still use.")
-    usable_budget_bytes = property(lambda self: self.planner.settings.usable_budget_bytes, doc="budget × (1 − safety_margin).")
-    seq_len = property(lambda self: self.planner.course.seq_len, doc="The curriculum's current length (None without one).")
-    breakdowns = property(lambda self: self.edge.breakdowns, doc="The traced breakdowns (``breakdown=True``, after fit).")
-    breakdown_table = property(lambda self: self.edge.breakdown_table, doc="Their table across lengths, or None.")
-    breakdown_report = property(lambda self: self.edge.breakdown_report, doc="The report's breakdown section, or None.")
+    records = property(lambda self: self.planner.evidence.measured.records,
+                       doc="Every measured batch, as :class:`StepRecord` (past "
+                           "``state.MEMORY_RECORDS``, a summary and the latest).")
+    applied_mitigations = property(lambda self: self.planner.ladder.applied,
+                                   doc="Rungs switched on, in order.")
+    mitigation_events = property(lambda self: self.planner.ladder.events,
+                                 doc="Each switch, with peaks before/after.")
+    mitigations = property(lambda self: self.planner.ladder.allowed,
+                           doc="The rungs this run may still use.")
+    usable_budget_bytes = property(lambda self: self.planner.settings.usable_budget_bytes,
+                                   doc="budget × (1 − safety_margin).")
+    seq_len = property(lambda self: self.planner.course.seq_len,
+                       doc="The curriculum's current length (None without one).")
+    breakdowns = property(lambda self: self.edge.breakdowns,
+                          doc="The traced breakdowns (``breakdown=True``, after fit).")
+    breakdown_table = property(lambda self: self.edge.breakdown_table,
+                               doc="Their table across lengths, or None.")
+    breakdown_report = property(lambda self: self.edge.breakdown_report,
+                                doc="The report's breakdown section, or None.")
 
     @property
     def forecaster(self) -> MemoryForecaster:
@@ -227,32 +227,39 @@ class SeqMemCallback(Callback):
         (:attr:`mitigations` less what this run cannot take or lost on the way)."""
         return self.config.mitigations
 
-    def forecast(self, seq_len: int, batch_size: Optional[int] = None, mitigations: Optional[Sequence[str]] = None,
+    def forecast(self, seq_len: int, batch_size: Optional[int] = None,
+                 mitigations: Optional[Sequence[str]] = None,
                  world_size: Optional[int] = None) -> Forecast:
         """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``
         (defaults: the last measured batch size, the mitigations on now); see
         :meth:`SeqMemPlanner.forecast <lightning_seqmem.plan.planner.SeqMemPlanner.forecast>`. With
-        ``world_size``: the per-rank peak at that many ranks (FSDP2 for a sharded run, else DDP), by a
-        dry run in a fake process group (:func:`lightning_seqmem.dryrun.sharded.world_forecast`; rank zero)."""
+        ``world_size``: the per-rank peak at that many ranks (FSDP2 for a sharded run, else DDP), by
+        a dry run in a fake process group (:func:`lightning_seqmem.dryrun.sharded.world_forecast`;
+        rank zero)."""
         if world_size is not None:
             from lightning_seqmem.dryrun.sharded import world_forecast
 
-            key = self.planner.ladder.applied if mitigations is None else check_mitigations(mitigations)
-            fc = world_forecast(self.edge.dry_runner, seq_len, self.planner.evidence.measured.batch_size_or_last(batch_size), key, world_size)
+            key = (self.planner.ladder.applied if mitigations is None
+                   else check_mitigations(mitigations))
+            fc = world_forecast(self.edge.dry_runner, seq_len,
+                                self.planner.evidence.measured.batch_size_or_last(batch_size), key,
+                                world_size)
         else:
             fc = self.planner.evidence.forecast(seq_len, batch_size, mitigations)
-            self.guard.warn_advice()  # a dry run found wrong at its first check, or refused, is said here too
+            self.guard.warn_advice()  # says a dry run refused or found wrong at first check
         probe = self.edge.probe
-        note = A.program_note(self.edge.compiled_reason, probe.name if probe is not None else self.config.probe)
+        note = A.program_note(self.edge.compiled_reason,
+                              probe.name if probe is not None else self.config.probe)
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
-    def max_seq_len(self, budget_bytes: Optional[int | str] = None, batch_size: Optional[int] = None) -> int:
+    def max_seq_len(self, budget_bytes: Optional[int | str] = None,
+                    batch_size: Optional[int] = None) -> int:
         """Largest sequence length whose forecast bound fits ``budget_bytes`` (default: the usable
         budget); on CUDA the bound includes the fragmentation measured so far."""
         budget = None if budget_bytes is None else parse_bytes(budget_bytes, "budget_bytes")
         return self.planner.evidence.max_seq_len(budget, batch_size)
 
-    # -- Set-up --------------------------------------------------------------------------------------
+    # -- Set-up ------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -270,45 +277,48 @@ class SeqMemCallback(Callback):
         set ahead through its ``set_seq_len`` (:meth:`.batch_cycle.BatchCycle.set_first_length`)."""
         self._batches.set_first_length(trainer)
 
-    # -- Each batch: agree, decide, apply, cut, measure; gather, record, log -------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    # -- Each batch: agree, decide, apply, cut, measure; gather, record, log -----------------------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self._batches.before_batch(trainer, pl_module, batch)
 
     @_guarded
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           loss: torch.Tensor) -> None:
         if self.edge.probe is not None and self.edge.probe.running:
             self.edge.probe.mark_phase("backward")
 
     @_guarded
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
         if self.edge.probe is not None and self.edge.probe.running:
             self.edge.probe.mark_phase("optimizer")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any,
+                           batch: Any, batch_idx: int) -> None:
         self._batches.after_batch(trainer, pl_module, batch)
 
-    # -- End of fit, reports, failures ---------------------------------------------------------------
+    # -- End of fit, reports, failures -------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The memory breakdown (``breakdown=True``), the memory figure to TensorBoard, and the
         JSON / Markdown report next to the logs (:meth:`.fit_cycle.FitCycle.train_end`)."""
         self._fit.train_end(trainer, pl_module)
 
     def run_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Trace the memory breakdown now (see :func:`lightning_seqmem.trainer.fit_breakdown.run_breakdown`);
-        sets :attr:`breakdowns`, :attr:`breakdown_table`, :attr:`breakdown_report`, warns each
-        diagnosis once, logs the tables as TensorBoard text and returns the section."""
+        """Trace the memory breakdown now (:func:`.fit_breakdown.run_breakdown`): sets
+        :attr:`breakdowns`, :attr:`breakdown_table`, :attr:`breakdown_report`, warns each diagnosis
+        once, logs the tables as TensorBoard text and returns the section."""
         return self._fit.run_breakdown(trainer, pl_module)
 
     def write_report(self, trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
         """Write ``seqmem_report.json``, ``seqmem_report.md`` and the figure; return their paths.
-
-        ``directory`` defaults to the logger's ``log_dir`` (``default_root_dir`` without a logger).
-        """
+        ``directory`` defaults to the logger's ``log_dir`` (``default_root_dir`` without one)."""
         return self._fit.write_report(trainer, directory)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Leave the dispatch mode; for a real out-of-memory error, write a diagnosis. Lightning then
-        re-raises the error unchanged."""
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """Leave the dispatch mode; for a real out-of-memory error, write a diagnosis (Lightning
+        then re-raises the error unchanged)."""
         if self.edge.probe is not None:
             self.edge.probe.abort()
         if is_oom(exception) and trainer.global_rank == 0:
@@ -318,21 +328,24 @@ class SeqMemCallback(Callback):
         if self.edge.probe is not None:
             self.edge.probe.abort()
 
-    # -- Checkpointing -------------------------------------------------------------------------------
+    # -- Checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**self.planner.state_dict(), "uses_datamodule_length": self.edge.uses_datamodule_length,
+        return {**self.planner.state_dict(),
+                "uses_datamodule_length": self.edge.uses_datamodule_length,
                 "config": self._fit.run_config()}
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint of an earlier version keyed the state by the configuration: found under that
-        key (when it is the only such state), with the configuration it names, for reconciliation."""
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Adopt the state of a checkpoint that keyed it by the configuration (when it is the only
+        such state), with the configuration it names, for reconciliation."""
         adopt_legacy_state(checkpoint, self.state_key)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from a checkpoint, checked field by field (:func:`~lightning_seqmem.plan.checkpoint.validate_state`)
-        and reconciled with this callback's configuration (:func:`~lightning_seqmem.plan.checkpoint.reconcile`).
-        A state this version cannot read or trust gives one warning naming the field and a fresh
-        start (measurement resumes from scratch), never a failed resume (:meth:`.fit_cycle.FitCycle.load_state`)."""
+        """Restore from a checkpoint, checked field by field
+        (:func:`~lightning_seqmem.plan.checkpoint.validate_state`) and reconciled with this
+        callback's configuration (:func:`~lightning_seqmem.plan.checkpoint.reconcile`). A state this
+        version cannot read or trust gives one warning naming the field and a fresh start, never a
+        failed resume (:meth:`.fit_cycle.FitCycle.load_state`)."""
         self._fit.load_state(state_dict)
 
 

@@ -3,14 +3,14 @@
 :class:`Guard` holds the planner (whose advice queue keeps each warning once per run) and the edge
 state (``failed``, the probe), and is shared by the callback and its edge objects:
 
-* :func:`guarded` wraps a method of an object with a ``guard`` (and its ``edge``): once the callback
-  has failed it does nothing, and an exception from the body goes to :meth:`Guard.fail` instead of
-  up into the Trainer;
+* :func:`guarded` wraps a method of an object with a ``guard`` (and its ``edge``): once the
+  callback has failed it does nothing, and an exception from the body goes to :meth:`Guard.fail`
+  instead of up into the Trainer;
 * :meth:`Guard.fail`: this rank stops measuring (``edge.failed``), said in one
   :class:`~lightning_seqmem.core.records.SeqMemFailureWarning`;
-* :meth:`Guard.safely`: run an output (a log, a figure, a report), a failure said in one warning and
-  the run going on, still measured;
-* :meth:`Guard.warn_once` and :meth:`Guard.warn_advice`: the planner's advice, each item warned once.
+* :meth:`Guard.safely`: run an output (a log, a figure, a report); a failure is said in one warning
+  and the run goes on, still measured;
+* :meth:`Guard.warn_once`, :meth:`Guard.warn_advice`: the planner's advice, each item warned once.
 
 Example:
     >>> import warnings
@@ -75,14 +75,14 @@ class Guard:
         self.edge, self.planner = edge, planner
 
     def safely(self, what: str, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` (an output: ``what`` names it); an exception is said in one warning, never raised."""
+        """Run ``fn`` (the output ``what``); an exception is said in one warning, never raised."""
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - reporting must never end a run
             self.warn_once(A.output_failed(what, f"{type(exc).__name__}: {exc}"))
 
     def fail(self, where: str, exc: BaseException) -> None:
-        """This rank stops measuring (the probe left), said in one warning naming ``where`` and ``exc``."""
+        """This rank stops measuring (the probe left), said in one warning (``where``, ``exc``)."""
         self.edge.failed = True
         if self.edge.probe is not None:
             self.edge.probe.abort()

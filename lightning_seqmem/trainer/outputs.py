@@ -1,10 +1,8 @@
 """Everything the callback writes: logged scalars, the TensorBoard layout, figure and text, the
 report files and the OOM diagnosis. The one module of the package that touches
 ``trainer.loggers`` or the filesystem; what it writes is built elsewhere (:mod:`.planner`,
-:mod:`.panels`, :mod:`.report`).
-
-Files are written atomically: to a temporary file in the same directory, then renamed over the
-target, so a full disk or a crash never leaves a truncated report or picture behind.
+:mod:`.panels`, :mod:`.report`). Files are written atomically (a temporary file renamed over the
+target), so a full disk or a crash never leaves a truncated report or picture behind.
 """
 
 from __future__ import annotations
@@ -21,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_seqmem.present.panels import BREAKDOWN_TAG, FIGURE_TAG, custom_scalars_layout, memory_figure
+from lightning_seqmem.present.panels import (BREAKDOWN_TAG, FIGURE_TAG, custom_scalars_layout,
+                                             memory_figure)
 from lightning_seqmem.present.report import JSON_NAME, MARKDOWN_NAME, PNG_NAME, build_report
 from lightning_seqmem.present.render import render_markdown
 from lightning_seqmem.present.summary import run_summary
@@ -33,21 +32,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.plan.schedule import PendingStep
     from lightning_seqmem.plan.view import PlanView
 
-__all__ = [
-    "OOM_NAME",
-    "atomic_write",
-    "fit_summary",
-    "log_breakdown",
-    "log_figure",
-    "log_metrics",
-    "log_text",
-    "report_dir",
-    "report_oom",
-    "save_figure",
-    "write_layout",
-    "write_oom_diagnosis",
-    "write_report",
-]
+__all__ = ["OOM_NAME", "atomic_write", "fit_summary", "log_breakdown", "log_figure", "log_metrics",
+           "log_text", "report_dir", "report_oom", "save_figure", "write_layout",
+           "write_oom_diagnosis", "write_report"]
 
 OOM_NAME = "seqmem_oom_diagnosis.json"
 
@@ -88,10 +75,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
 
 def report_dir(trainer: "pl.Trainer") -> str:
     """Where the report goes: the first logger's ``log_dir`` (else its ``save_dir``), else
-    ``trainer.default_root_dir``.
-
-    Unlike ``trainer.log_dir`` this does not broadcast, so rank zero may call it alone.
-    """
+    ``trainer.default_root_dir``. Unlike ``trainer.log_dir`` it does not broadcast: rank zero may
+    call it alone."""
     for logger in trainer.loggers:
         for attribute in ("log_dir", "save_dir"):
             directory = getattr(logger, attribute, None)
@@ -101,8 +86,8 @@ def report_dir(trainer: "pl.Trainer") -> str:
 
 
 def save_figure(view: "PlanView", path: Any, **kwargs: Any) -> "Figure":
-    """Draw :func:`~lightning_seqmem.present.panels.memory_figure` (``kwargs`` go to it) and save it to
-    ``path`` (PNG, SVG or PDF, by its suffix), whole or not at all (:func:`atomic_write`)."""
+    """Draw :func:`~lightning_seqmem.present.panels.memory_figure` (``kwargs`` go to it) and save
+    it to ``path`` (PNG, SVG or PDF, by its suffix), whole or not at all (:func:`atomic_write`)."""
     figure = memory_figure(view, **kwargs)
     suffix = Path(path).suffix.lstrip(".") or "png"
     with atomic_write(path, "wb") as f:
@@ -111,13 +96,12 @@ def save_figure(view: "PlanView", path: Any, **kwargs: Any) -> "Figure":
 
 
 def write_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
-                 directory: Optional[str | os.PathLike] = None, **facts: Any) -> Optional[tuple[Path, Path, Path]]:
-    """Write ``seqmem_report.json``, ``seqmem_report.md`` and ``seqmem_memory.png`` to ``directory``.
-
-    ``directory`` defaults to :func:`report_dir` of ``trainer``; ``facts`` go to
-    :func:`~lightning_seqmem.present.report.build_report` (``device``, ``probe``, ``breakdown``). Returns
-    the three paths; on ranks other than global zero nothing is written and None is returned.
-    """
+                 directory: Optional[str | os.PathLike] = None,
+                 **facts: Any) -> Optional[tuple[Path, Path, Path]]:
+    """Write ``seqmem_report.json``, ``seqmem_report.md`` and ``seqmem_memory.png`` to ``directory``
+    (default :func:`report_dir` of ``trainer``); ``facts`` go to
+    :func:`~lightning_seqmem.present.report.build_report` (``device``, ``probe``, ``breakdown``).
+    Returns the three paths; None, writing nothing, on ranks other than global zero."""
     if trainer is not None and not trainer.is_global_zero:
         return None
     if directory is None:
@@ -140,20 +124,19 @@ def write_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
 
 def write_oom_diagnosis(view: "PlanView", trainer: Any, exception: BaseException,
                         pending: Optional["PendingStep"] = None, last_records: int = 10) -> str:
-    """Write ``seqmem_oom_diagnosis.json`` (and the CUDA snapshot if history was on); return its path.
-
-    The diagnosis holds the last records, the forecast for the failing batch, what the planner
-    would have done next, and — with ``torch.cuda.memory._record_memory_history()`` on — the
-    allocator snapshot beside it as ``seqmem_oom_snapshot.pickle`` (open it at
-    https://pytorch.org/memory_viz).
-    """
+    """Write ``seqmem_oom_diagnosis.json``: the last records, the forecast for the failing batch,
+    what the planner would have done next; with ``torch.cuda.memory._record_memory_history()`` on,
+    the allocator snapshot beside it as ``seqmem_oom_snapshot.pickle`` (open it at
+    https://pytorch.org/memory_viz). Returns the diagnosis's path."""
     import torch
 
     directory = report_dir(trainer)
     os.makedirs(directory, exist_ok=True)
-    seq_len, batch_size = (pending.seq_len, pending.batch_size) if pending is not None else (None, None)
+    seq_len, batch_size = ((pending.seq_len, pending.batch_size) if pending is not None
+                           else (None, None))
     forecast: Any = None
-    forecast_used = "none: no forecast existed for this batch (nothing measured at two lengths, no dry run)"
+    forecast_used = ("none: no forecast existed for this batch (nothing measured at two lengths, "
+                     "no dry run)")
     if seq_len and batch_size:
         try:
             fc = _forecast_used(view, seq_len, batch_size, pending)
@@ -175,7 +158,7 @@ def write_oom_diagnosis(view: "PlanView", trainer: Any, exception: BaseException
         "usable_budget_bytes": summary.usable_budget_bytes,
         "mitigations_applied": list(summary.rungs_on),
         "mitigations_left": list(summary.rungs_left),
-        "summary": summary.to_dict(),  # what ran until the failing batch (lightning_seqmem.present.summary)
+        "summary": summary.to_dict(),  # what ran until the failing batch (present.summary)
         "would_have_done": _would_have_done(view, batch_size),
         "last_records": [r.to_dict() for r in view.evidence.measured.records[-last_records:]],
         "cuda_snapshot": None,
@@ -204,18 +187,24 @@ def fit_summary(view: "PlanView", trainer: Optional["pl.Trainer"], paths: Any = 
 
     Example:
         >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-        >>> print(fit_summary(SeqMemPlanner(memory_budget_bytes=2**20), None, ("runs/version_0/seqmem_report.json",)))
-        seqmem: no training step was measured; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings.
-        seqmem: report in runs/version_0 (seqmem_report.md, seqmem_report.json, seqmem_memory.png); no TensorBoard logger: no panels.
+        >>> planner = SeqMemPlanner(memory_budget_bytes=2**20)
+        >>> print(fit_summary(planner, None, ("runs/version_0/seqmem_report.json",)))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        seqmem: no training step was measured; usable budget 921.6 KiB (budget 1.0 MiB); rungs on:
+        none; 0 warnings.
+        seqmem: report in runs/version_0 (seqmem_report.md, seqmem_report.json, seqmem_memory.png);
+        no TensorBoard logger: no panels.
     """
     first = f"seqmem: {run_summary(view).sentence()}{' (above)' if view.advice.warned else ''}."
     paths = [Path(p) for p in paths or ()]
-    folder = str(paths[0].parent) if paths else (report_dir(trainer) if trainer is not None else None)
+    folder = (str(paths[0].parent) if paths
+              else report_dir(trainer) if trainer is not None else None)
     where = (f"report in {folder} ({MARKDOWN_NAME}, {JSON_NAME}, {PNG_NAME})" if paths else
              f"no report written (see the warnings){f'; logs in {folder}' if folder else ''}")
     loggers = _tensorboard_loggers(trainer) if trainer is not None else []
     panels = (f"panels: tensorboard --logdir {loggers[0].log_dir} (tabs CUSTOM SCALARS, IMAGES), "
-              f"or seqmem panels {loggers[0].log_dir}" if loggers else "no TensorBoard logger: no panels")
+              f"or seqmem panels {loggers[0].log_dir}" if loggers
+              else "no TensorBoard logger: no panels")
     return f"{first}\nseqmem: {where}; {panels}."
 
 
@@ -229,9 +218,11 @@ def report_oom(view: "PlanView", trainer: Any, exception: BaseException,
 
     try:
         path = write_oom_diagnosis(view, trainer, exception, pending)
-        rank_zero_warn(f"seqmem: out of memory; diagnosis written to {path}", category=PredictedOOMWarning)
+        rank_zero_warn(f"seqmem: out of memory; diagnosis written to {path}",
+                       category=PredictedOOMWarning)
     except Exception as exc:  # noqa: BLE001 - never mask the real error
-        rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})", category=SeqMemFailureWarning)
+        rank_zero_warn(f"seqmem: could not write the OOM diagnosis ({exc!r})",
+                       category=SeqMemFailureWarning)
 
 
 FORECAST_NAMES = {"dry_run": "dry run", "replay": "timeline replay", "quadratic": "quadratic fit"}
@@ -240,13 +231,15 @@ FORECAST_NAMES = {"dry_run": "dry run", "replay": "timeline replay", "quadratic"
 
 def _forecast_used(view: "PlanView", seq_len: int, batch_size: int,
                    pending: Optional["PendingStep"]) -> Any:
-    """The forecast the planner had for the failing batch: the one kept to verify it (the dry run's,
-    the replay's or the fit's), else the dry run's or the fit's now; None where none exists."""
-    kept = view.evidence.measured.kept_forecast(seq_len, batch_size, pending.mitigations) if pending is not None else None
+    """The forecast the planner had for the failing batch: the one kept to verify it (the dry
+    run's, the replay's or the fit's), else the dry run's or the fit's now; None if none exists."""
+    kept = (view.evidence.measured.kept_forecast(seq_len, batch_size, pending.mitigations)
+            if pending is not None else None)
     if kept is not None:
         return kept
     try:
-        return view.evidence.forecast(seq_len, batch_size, pending.mitigations if pending is not None else None)
+        return view.evidence.forecast(seq_len, batch_size,
+                                      pending.mitigations if pending is not None else None)
     except Exception:  # noqa: BLE001 - NotEnoughMeasurements, a length past the model's limit
         return None
 
@@ -255,7 +248,8 @@ def _would_have_done(view: "PlanView", batch_size: Optional[int]) -> str:
     if view.settings.usable_budget_bytes is None:
         return "nothing: no memory budget was set, so forecasts were informational"
     if not view.evidence.forecaster.ready and not view.evidence.dry.any_answered():
-        return "nothing yet: fewer than two lengths were measured and no dry run answered, so no forecast existed"
+        return ("nothing yet: fewer than two lengths were measured and no dry run answered, so no "
+                "forecast existed")
     left = [m for m in view.ladder.allowed if m not in view.ladder.applied]
     if left:
         return f"switch on {left[0]!r} before growing past the largest length that fits"
@@ -265,15 +259,17 @@ def _would_have_done(view: "PlanView", batch_size: Optional[int]) -> str:
         from lightning_seqmem.core.advice import nothing_fits
 
         return f"stop: {nothing_fits(view.ladder.applied, batch_size)}"
-    by = ("dry run" if not view.evidence.forecaster.ready else
-          FORECAST_NAMES["replay" if view.evidence.forecaster.timeline is not None else "quadratic"])
-    return f"cap the sequence length at {fit} (the largest forecast to fit the usable budget, by the {by})"
+    by = ("dry run" if not view.evidence.forecaster.ready else FORECAST_NAMES[
+        "replay" if view.evidence.forecaster.timeline is not None else "quadratic"])
+    return (f"cap the sequence length at {fit} (the largest forecast to fit the usable budget, by "
+            f"the {by})")
 
 
 # ----------------------------------------------------------------------------------------------
 # Loggers
 # ----------------------------------------------------------------------------------------------
-def log_metrics(trainer: "pl.Trainer", metrics: dict[str, float], step: int, prefix: str = "seqmem/") -> None:
+def log_metrics(trainer: "pl.Trainer", metrics: dict[str, float], step: int,
+                prefix: str = "seqmem/") -> None:
     """Log ``metrics`` (tags without ``prefix``) to every logger of ``trainer``."""
     if trainer.loggers:
         tagged = {f"{prefix}{k}": float(v) for k, v in metrics.items()}
@@ -292,12 +288,10 @@ def _logger_prefix(logger: TensorBoardLogger) -> str:
 
 
 def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
-    """Write :func:`custom_scalars_layout` to every ``TensorBoardLogger`` of ``trainer``, once each.
-
-    Only on global rank zero (the other ranks' experiments are dummies). A logger created with
-    ``prefix=`` gets the layout of its prefixed tags. Calling again is a no-op for loggers already
-    written (TensorBoard keeps only the last layout written). Returns how many loggers were written.
-    """
+    """Write :func:`custom_scalars_layout` to every ``TensorBoardLogger`` of ``trainer``, once each
+    (TensorBoard keeps only the last layout), on global rank zero only (the other ranks'
+    experiments are dummies); a logger made with ``prefix=`` gets its prefixed tags. Returns how
+    many loggers were written."""
     if not trainer.is_global_zero:
         return 0
     written = 0
@@ -310,15 +304,11 @@ def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
     return written
 
 
-
-
-def log_figure(trainer: "pl.Trainer", view: "PlanView", step: Optional[int] = None) -> Optional["Figure"]:
-    """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger.
-
-    ``step`` defaults to ``trainer.global_step``. Only on global rank zero and with a TensorBoard
-    logger (returns None otherwise);
-    a step already logged to a logger is not logged to it again. Returns the figure.
-    """
+def log_figure(trainer: "pl.Trainer", view: "PlanView",
+               step: Optional[int] = None) -> Optional["Figure"]:
+    """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger
+    (at ``step``, default ``trainer.global_step``; once a step per logger). Returns the figure, or
+    None off global rank zero or without a TensorBoard logger."""
     if not trainer.is_global_zero or not _tensorboard_loggers(trainer):
         return None
     step = trainer.global_step if step is None else int(step)
@@ -334,18 +324,18 @@ def log_figure(trainer: "pl.Trainer", view: "PlanView", step: Optional[int] = No
 
 
 def log_breakdown(trainer: "pl.Trainer", section: dict[str, Any]) -> int:
-    """The memory breakdown's tables as TensorBoard text (:data:`~lightning_seqmem.present.panels.BREAKDOWN_TAG`)."""
+    """The memory breakdown's tables as TensorBoard text (:data:`.panels.BREAKDOWN_TAG`)."""
     from lightning_seqmem.present.render import render_breakdown_markdown
 
-    return log_text(trainer, render_breakdown_markdown(section, "### seqmem: where the memory goes"))
+    return log_text(trainer,
+                    render_breakdown_markdown(section, "### seqmem: where the memory goes"))
 
 
-def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None, tag: Optional[str] = None) -> int:
-    """Log Markdown ``text`` under ``tag`` (default :data:`BREAKDOWN_TAG`) to every TensorBoard logger.
-
-    TensorBoard shows it in the *TEXT* tab, tables rendered. ``step`` defaults to
-    ``trainer.global_step``. Only on global rank zero. Returns how many loggers got it.
-    """
+def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None,
+             tag: Optional[str] = None) -> int:
+    """Log Markdown ``text`` (the *TEXT* tab) under ``tag`` (default :data:`BREAKDOWN_TAG`) to every
+    TensorBoard logger at ``step`` (default ``trainer.global_step``), on global rank zero only.
+    Returns how many loggers got it."""
     if not trainer.is_global_zero:
         return 0
     step = trainer.global_step if step is None else int(step)
@@ -354,5 +344,3 @@ def log_text(trainer: "pl.Trainer", text: str, step: Optional[int] = None, tag: 
         logger.experiment.add_text(tag or BREAKDOWN_TAG, text, global_step=step)
         logger.experiment.flush()
     return len(loggers)
-
-

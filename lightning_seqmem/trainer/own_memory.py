@@ -1,18 +1,16 @@
-"""What the callback itself holds in the training device's memory, so that it is counted and judged.
+"""What the callback itself holds in the training device's memory, so it is counted and judged.
 
-On a GPU the callback's own tensors live in host memory: the batch copy its dry run reshapes
-(:meth:`~lightning_seqmem.dryrun.run.TrainingRunDryRun.keep`), the breakdown's longest batch, the
-dry run's real value twins (:class:`~lightning_seqmem.dryrun.values.BatchValues`, run on the CPU).
-Where the host is the device (a CPU run) the same tensors are the device's, so:
+The callback's own tensors (the batch copy its dry run reshapes, the breakdown's longest batch, the
+dry run's real value twins, run on the CPU) live in host memory: on a CPU run, the device's. So:
 
-* :func:`own_tensors`: the copies it keeps across steps on the training device; the probe counts
-  them as memory a step begins with, and every dry-run answer adds their bytes
-  (:func:`resident_bytes`), so records, forecasts and the budget agree; so do DDP's gradient
-  buckets where they are a copy of the gradients (:func:`untracked_bytes`);
-* :func:`value_room_bytes`: inside a step window (batch start to batch end, where the decisions and
-  their dry runs run) what the usable budget leaves beside the run's tensors now: the most a dry
-  run's real values may hold at once (:func:`~lightning_seqmem.dryrun.values.value_room`); a dry
-  run that would need more refuses, saying so, and the other predictors answer.
+* :func:`own_tensors`: the copies kept across steps; the probe counts them as memory a step begins
+  with and every dry-run answer adds their bytes (:func:`resident_bytes`), so records, forecasts
+  and the budget agree; likewise DDP's gradient buckets that copy the gradients
+  (:func:`untracked_bytes`);
+* :func:`value_room_bytes`: inside a step window (batch start to end, where decisions and their dry
+  runs run), what the usable budget leaves beside the run's tensors: the most a dry run's real
+  values may hold at once (:func:`~lightning_seqmem.dryrun.values.value_room`); a dry run needing
+  more refuses, saying so, and the other predictors answer.
 
 Example:
     >>> import torch
@@ -133,4 +131,5 @@ def value_room_bytes(state: "EdgeState", usable: Optional[int]) -> Optional[int]
         return None
     held = [*existing_tensors(pl_module, trainer.optimizers, state.window_batch),
             *own_tensors(state)]
-    return max(0, int(usable) - storage_bytes(held, device.type) - untracked_bytes(state, trainer))
+    return max(0, int(usable) - storage_bytes(held, device.type)
+               - untracked_bytes(state, trainer))

@@ -5,10 +5,8 @@ Every rank calls each function here at the same point of every batch, whatever h
 one process they return their input.
 
 * before a batch, :func:`agree_inputs`: the max over ranks of (failure, batch size, length) and,
-  per rung, of "does not apply here" and "applies here" — a rung applies only where no rank refuses
-  it and one applies it (a rank where it changes nothing, micro-batching one sample, does neither);
-  then :func:`any_rank` of "this step runs a rung's one-time check" (every rank's step is then a
-  warm-up);
+  per rung, of "does not apply here" and "applies here"; then :func:`any_rank` of "this step runs
+  a rung's one-time check" (every rank's step is then a warm-up);
 * the decision is taken on rank zero and :func:`broadcast` to all;
 * after a batch, :func:`gather_measurement`: every rank's measurement with its own length and batch
   size; the row with the highest peak is kept whole (never a peak with another rank's length).
@@ -24,7 +22,8 @@ import torch
 from lightning_seqmem.core.records import PHASES, StepMemory
 from lightning_seqmem.core.rungs import rung_names
 
-_INT_FIELDS = tuple(f.name for f in fields(StepMemory) if f.name not in ("phase_peak_bytes", "fragmentation_fraction", "events"))
+_INT_FIELDS = tuple(f.name for f in fields(StepMemory)
+                    if f.name not in ("phase_peak_bytes", "fragmentation_fraction", "events"))
 
 
 def _collective(trainer: Any, values: Sequence[int], op: str) -> list[Any]:
@@ -37,9 +36,9 @@ def _collective(trainer: Any, values: Sequence[int], op: str) -> list[Any]:
 def agree_inputs(trainer: Any, failed: bool, shape: Optional[tuple[int, int]],
                  applicable: dict[str, tuple[bool, str]], noop: Sequence[str] = (),
                  ) -> tuple[bool, Optional[tuple[int, int]], dict[str, tuple[bool, str]]]:
-    """(any rank failed, max shape, applicability on every rank). A rung in ``noop`` changes nothing
-    on this rank's batch (micro-batching a batch of one sample): it neither refuses nor applies
-    here, and the run takes it where it applies on another rank and no rank refuses it.
+    """(any rank failed, max shape, applicability on every rank): a rung applies only where no rank
+    refuses it and one applies it. A rung in ``noop`` changes nothing on this rank's batch
+    (micro-batching one sample): it neither refuses nor applies here.
 
     Example (one process: the inputs as they are):
         >>> from types import SimpleNamespace as NS
@@ -95,9 +94,11 @@ class MeasuredRow(NamedTuple):
         >>> memory = StepMemory(900, {"forward": 900, "backward": 700}, 100, 120)
         >>> row = MeasuredRow.of(False, True, memory, (2, 64))
         >>> back = MeasuredRow.from_list(row.to_list())
-        >>> back == row, back.peak_bytes, back.seq_len, back.batch_size, back.memory(None).phase_peak_bytes
-        (True, 900, 64, 2, {'forward': 900, 'backward': 700})
-        >>> MeasuredRow.of(True, False, None, None).peak_bytes   # a rank that failed: no measurement
+        >>> back == row, back.peak_bytes, back.seq_len, back.batch_size
+        (True, 900, 64, 2)
+        >>> back.memory(None).phase_peak_bytes
+        {'forward': 900, 'backward': 700}
+        >>> MeasuredRow.of(True, False, None, None).peak_bytes  # a rank that failed: no measurement
         -1
     """
 
@@ -109,12 +110,16 @@ class MeasuredRow(NamedTuple):
     phases: tuple[int, ...]  # the phase peaks (PHASES), -1 where a phase has none
 
     @classmethod
-    def of(cls, failed: bool, flag: bool, memory: Optional[StepMemory], shape: Optional[tuple[int, int]]) -> "MeasuredRow":
+    def of(cls, failed: bool, flag: bool, memory: Optional[StepMemory],
+           shape: Optional[tuple[int, int]]) -> "MeasuredRow":
         """This rank's row: its measurement at ``shape = (batch_size, seq_len)``, or -1s."""
         if memory is None or shape is None or failed:
-            return cls(int(failed), int(flag), -1, -1, (-1,) * len(_INT_FIELDS), (-1,) * len(PHASES))
-        counters = tuple(-1 if getattr(memory, f) is None else int(getattr(memory, f)) for f in _INT_FIELDS)
-        return cls(0, int(flag), shape[1], shape[0], counters, tuple(memory.phase_peak_bytes.get(p, -1) for p in PHASES))
+            return cls(int(failed), int(flag), -1, -1, (-1,) * len(_INT_FIELDS),
+                       (-1,) * len(PHASES))
+        counters = tuple(-1 if getattr(memory, f) is None else int(getattr(memory, f))
+                         for f in _INT_FIELDS)
+        return cls(0, int(flag), shape[1], shape[0], counters,
+                   tuple(memory.phase_peak_bytes.get(p, -1) for p in PHASES))
 
     def to_list(self) -> list[int]:
         return [self.failed, self.flag, self.seq_len, self.batch_size, *self.counters, *self.phases]
@@ -122,30 +127,34 @@ class MeasuredRow(NamedTuple):
     @classmethod
     def from_list(cls, values: Sequence[int]) -> "MeasuredRow":
         n = 4 + len(_INT_FIELDS)
-        return cls(*(int(v) for v in values[:4]), tuple(int(v) for v in values[4:n]), tuple(int(v) for v in values[n:]))
+        return cls(*(int(v) for v in values[:4]), tuple(int(v) for v in values[4:n]),
+                   tuple(int(v) for v in values[n:]))
 
     @property
     def peak_bytes(self) -> int:
         return self.counters[_INT_FIELDS.index("peak_bytes")]
 
     def memory(self, events: Any) -> StepMemory:
-        """The measurement of this row (``events``: the trace, kept only by the rank that measured it)."""
+        """This row's measurement (``events``: the trace, kept only by the rank that measured)."""
         ints = {f: (None if v < 0 else int(v)) for f, v in zip(_INT_FIELDS, self.counters)}
         phases = {p: int(v) for p, v in zip(PHASES, self.phases) if v >= 0}
         reserved, fragmentation = ints.get("reserved_bytes"), ints.get("fragmentation_bytes")
         fraction = fragmentation / reserved if reserved and fragmentation is not None else None
-        return StepMemory(phase_peak_bytes=phases, fragmentation_fraction=fraction, events=events, **ints)
+        return StepMemory(phase_peak_bytes=phases, fragmentation_fraction=fraction, events=events,
+                          **ints)
 
 
-def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory], shape: Optional[tuple[int, int]],
-                       flag: bool = False) -> tuple[bool, bool, Optional[tuple[int, StepMemory, int, int]]]:
+def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory],
+                       shape: Optional[tuple[int, int]], flag: bool = False,
+                       ) -> tuple[bool, bool, Optional[tuple[int, StepMemory, int, int]]]:
     """(any rank failed, ``flag`` on any rank, (rank, measurement, seq_len, batch_size) of the
-    highest peak, or None). ``flag`` carries one more yes/no every rank must hear (a refused rung)."""
+    highest peak, or None); ``flag``: one more yes/no every rank must hear (a refused rung)."""
     if trainer.world_size <= 1:
         if memory is None or shape is None:
             return failed, flag, None
         return failed, flag, (0, memory, shape[1], shape[0])
-    rows = [MeasuredRow.from_list(r) for r in _collective(trainer, MeasuredRow.of(failed, flag, memory, shape).to_list(), "gather")]
+    rows = [MeasuredRow.from_list(r) for r in _collective(
+        trainer, MeasuredRow.of(failed, flag, memory, shape).to_list(), "gather")]
     any_flag = any(r.flag for r in rows)
     if any(r.failed for r in rows):
         return True, any_flag, None

@@ -1,58 +1,53 @@
 """``EdgeState``: the callback's own run state for one fit (the planner's is in ``cb.planner``).
 
-:class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the objects of the edge write
-its fields: the :class:`~.guard.Guard` (failures), the :class:`~.batch_cycle.BatchCycle` (each
-batch) and the :class:`~.fit_cycle.FitCycle` (each fit). A fresh one is built when the callback is
-made and when a fit follows one that measured (:meth:`.fit_cycle.FitCycle.next_fit`): on the same
-Trainer and module the breakdown fields are carried over, the rest starts afresh.
+:class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the :class:`~.guard.Guard`
+(failures), the :class:`~.batch_cycle.BatchCycle` (each batch) and the :class:`~.fit_cycle.FitCycle`
+(each fit) write it. A fresh one is built with the callback and when a fit follows one that
+measured (:meth:`.fit_cycle.FitCycle.next_fit`): every field is reset to its default, except that a
+fit on the same Trainer and module keeps the three ``breakdown*`` results; ``setup`` sets
+``probe``, ``device`` and ``fit_refs`` again.
 
-==========================  ================================================  ==============================================
-field                       what it holds                                     who writes it
-==========================  ================================================  ==============================================
-``failed``                  this rank stopped measuring (an internal          :meth:`.Guard.fail`
-                            failure, said in one warning)
-``stopped``                 every rank agreed to stop: no more collectives    :class:`.BatchCycle` (``gather``)
-``pending``                 the step begun at this batch's start              ``BatchCycle.start_measurement``; the
-                            (:class:`~lightning_seqmem.plan.planner.          batch end takes it (None again)
-                            PendingStep`), None between batches
-``step_started_s``          ``time.perf_counter()`` seconds when the step     the batch start, after the decision; the batch
-                            itself began, None between batches                end takes it (None again)
-``shape``                   ``(batch size, length)`` of the last batch as     ``BatchCycle.start_measurement``
-                            cut, on this rank
-``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung:     ``BatchCycle.applicability``
-                            (applies here, why not)}}``, one entry
-``noop_rungs``              rungs that change nothing on this rank's batch    ``BatchCycle.applicability``
-                            (with several ranks: agreed, not refused)
-``reapply_on_fit_start``    a checkpoint's rungs are to be switched on        ``FitCycle.load_state``; cleared by
-                            again at ``on_fit_start``                         ``FitCycle.resume_rungs``
-``resume_phrases``          what a resume under a changed configuration       ``FitCycle.load_state``; emptied by
-                            changed (said in one warning)                     ``FitCycle.say_resume``
-``resume_removed``          rungs that were on and are no longer allowed      as ``resume_phrases``
-``uses_datamodule_length``  a batch got its length through the dataset's      ``BatchCycle.cut``, ``FitCycle.load_state``
-                            ``set_seq_len`` (saved in the checkpoint)
-``breakdowns``              the traced breakdowns (``breakdown=True``)        ``FitCycle.run_breakdown``
-``breakdown_table``         their table                                       ``FitCycle.run_breakdown``
-``breakdown_report``        the report's breakdown section                    ``FitCycle.run_breakdown``
-``breakdown_batch``         ``(length, batch)``: the longest batch seen       the batch end (``breakdown=True``, rank zero)
-``dry_runner``              the :class:`~lightning_seqmem.dryrun.run.         ``on_fit_start`` (rank zero, ``dry_run=True``)
-                            TrainingRunDryRun`, or None
-``compiled_reason``         why the module counts as ``torch.compile``'d,     ``FitCycle.check_compiled``
-                            or None
-``sharding_template``       an unsharded copy on meta for FSDP2 runs, or      ``setup`` (:func:`.access.sharding_template`)
-                            None
-``probe``                   the :class:`~lightning_seqmem.measure.probes.     ``setup`` (:func:`~lightning_seqmem.measure.
-                            MemoryProbe` of this fit                          probes.make_probe`)
-``device``                  the strategy's root device                        ``setup``
-``fit_refs``                weak references to this fit's (Trainer, module)   ``setup``; read by ``FitCycle.next_fit``
-``window_batch``            the batch of the step window open now (batch      the batch start; the batch end clears it
-                            start to batch end), None between: a dry run
-                            inside leaves room beside it
+==========================  ========================================================================
+field                       what it holds (who writes it)
+==========================  ========================================================================
+``failed``                  this rank stopped measuring after an internal failure, said in one
+                            warning (:meth:`.Guard.fail`)
+``stopped``                 every rank agreed to stop: no more collectives (``BatchCycle.gather``)
+``pending``                 the step begun at this batch's start (``BatchCycle.start_measurement``),
+                            taken by the batch end; None between batches
+``step_started_s``          ``time.perf_counter()`` when the step itself began (the batch start,
+                            after the decision), taken by the batch end; None between batches
+``shape``                   ``(batch size, length)`` of the last batch as cut, on this rank
+                            (``BatchCycle.start_measurement``)
+``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung: (applies here, why
+                            not)}}``, one entry (``BatchCycle.applicability``)
+``noop_rungs``              rungs that change nothing on this rank's batch (with several ranks:
+                            agreed, not refused) (``BatchCycle.applicability``)
+``reapply_on_fit_start``    a checkpoint's rungs are to be switched on again at ``on_fit_start``
+                            (``FitCycle.load_state``; cleared by ``FitCycle.resume_rungs``)
+``resume_phrases``          what a resume under a changed configuration changed, said in one
+                            warning (``FitCycle.load_state``; emptied by ``FitCycle.say_resume``)
+``resume_removed``          rungs that were on and are no longer allowed (as ``resume_phrases``)
+``uses_datamodule_length``  a batch got its length through the dataset's ``set_seq_len``, saved in
+                            the checkpoint (``BatchCycle.cut``, ``FitCycle.load_state``)
+``breakdown*``              ``breakdowns`` (traced with ``breakdown=True``), ``breakdown_table``,
+                            ``breakdown_report`` (the report's section) (``FitCycle.run_breakdown``)
+``breakdown_batch``         ``(length, batch)``: the longest batch seen (the batch end, rank zero)
+``dry_runner``              the :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`, or None
+                            (``on_fit_start``: rank zero, ``dry_run=True``)
+``compiled_reason``         why the module counts as ``torch.compile``'d, or None
+                            (``FitCycle.check_compiled``)
+``sharding_template``       an unsharded copy on meta for FSDP2 runs, or None (``setup``:
+                            :func:`.access.sharding_template`)
+``probe``                   this fit's :class:`~lightning_seqmem.measure.probes.MemoryProbe`
+                            (``setup``: ``make_probe``)
+``device``                  the strategy's root device (``setup``)
+``fit_refs``                weak references to this fit's (Trainer, module) (``setup``; read by
+                            ``FitCycle.next_fit``)
+``window_batch``            the batch of the step window open now (batch start to end; None
+                            between): a dry run inside leaves room beside it
                             (:func:`.own_memory.value_room_bytes`)
-==========================  ================================================  ==============================================
-
-Every field is reset (to the defaults below) with the state, except that a fit continuing on the
-same Trainer and module keeps the three ``breakdown*`` results; ``probe``, ``device`` and
-``fit_refs`` are set again by the ``setup`` that reset it.
+==========================  ========================================================================
 
 Example:
     >>> state = EdgeState()
@@ -85,7 +80,8 @@ class EdgeState:
     pending: Optional["PendingStep"] = None
     step_started_s: Optional[float] = None
     shape: Optional[tuple[int, int]] = None
-    applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(default_factory=dict)
+    applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(
+        default_factory=dict)
     noop_rungs: tuple[str, ...] = ()
     reapply_on_fit_start: bool = False
     resume_phrases: list[str] = dataclasses.field(default_factory=list)
@@ -104,8 +100,7 @@ class EdgeState:
     window_batch: Any = None
 
     def next_fit(self, continues: bool) -> "EdgeState":
-        """A fresh state for the next fit; ``continues`` (the same Trainer and module) keeps the
-        breakdown results.
+        """A fresh state for the next fit; ``continues`` (same Trainer and module) keeps breakdowns.
 
         >>> done = EdgeState(failed=True, breakdown_report={"peak": 1})
         >>> done.next_fit(continues=True).breakdown_report, done.next_fit(continues=True).failed
