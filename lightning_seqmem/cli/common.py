@@ -1,7 +1,5 @@
-"""What the ``seqmem`` commands share: building a LightningCLI config's model and data without
+"""What the ``seqmem`` commands share: a LightningCLI config's model and data built without
 training, the first batch and optimizer, the usable budget, one-line user errors.
-
-Used by :mod:`.main` (``seqmem`` and its options), :mod:`.forecast_command` and :mod:`.plan`.
 
 Example:
     >>> DEFAULT_MODEL
@@ -16,8 +14,9 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "asks_for_cuda", "build_from_config", "find_seqmem_callback",
-           "first_batch", "first_optimizer", "host_budget", "quiet_warnings", "usable_budget"]
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "asks_for_cuda", "build_from_config",
+           "find_seqmem_callback", "first_batch", "first_optimizer", "host_budget",
+           "quiet_warnings", "usable_budget"]
 
 DEFAULT_MODEL = "lightning_seqmem.reference.demo.LitGPT"
 """The model class of ``seqmem forecast/plan --model-class`` when the config names none."""
@@ -26,18 +25,17 @@ DEFAULT_DATA = "lightning_seqmem.reference.demo.SyntheticTokenDataModule"
 
 
 def quiet_warnings() -> None:
-    """Silence warnings that say nothing to a user of the command (they stay visible elsewhere): each
-    command calls it first."""
+    """Silence warnings that say nothing to a user of the command: each command calls it first."""
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*`self.log\\(\\)` but the `self.trainer` reference.*")
+    warnings.filterwarnings("ignore",
+                            message=".*`self.log\\(\\)` but the `self.trainer` reference.*")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 class UserError(Exception):
-    """A mistake in what the user asked for: :func:`~lightning_seqmem.cli.main.main` prints its message
-    on one line and exits with status 2 (no traceback)."""
-
+    """A mistake in what the user asked for: :func:`~lightning_seqmem.cli.main.main` prints its
+    message on one line and exits with status 2 (no traceback)."""
 
 
 def _read_yaml(path: str, command: str = "seqmem forecast") -> dict[str, Any]:
@@ -57,9 +55,8 @@ def asks_for_cuda(config: str, command: str = "seqmem plan") -> bool:
 
 
 def _cli_class(meta: bool, model_context: Any) -> Any:
-    """LightningCLI, or (``meta``) a subclass that builds the model without allocating it: on the ``meta``
-    device under ``model_context()`` (e.g. the modelled GPU kernels), then its ``configure_model()`` likewise
-    (Lightning's way of building large models; the trainer would call it in ``fit``)."""
+    """LightningCLI, or (``meta``) a subclass that builds the model on the ``meta`` device under
+    ``model_context()``, then its ``configure_model()`` likewise (as the trainer does in fit)."""
     from lightning.pytorch.cli import LightningCLI
 
     if not meta:
@@ -72,11 +69,13 @@ def _cli_class(meta: bool, model_context: Any) -> Any:
 
             lightning_fn = _InstantiatorFn(cli=self, key="model")
 
-            def on_meta(class_type: Any, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+            def on_meta(class_type: Any, *args: Any, applied_instantiation_links: dict,
+                        **kwargs: Any) -> Any:
                 import torch
 
                 with torch.device("meta"), model_context():
-                    return lightning_fn(class_type, *args, applied_instantiation_links=applied_instantiation_links,
+                    return lightning_fn(class_type, *args,
+                                        applied_instantiation_links=applied_instantiation_links,
                                         **kwargs)
 
             self.parser.add_instantiator(on_meta, _get_module_type(self._model_class),
@@ -88,29 +87,26 @@ def _cli_class(meta: bool, model_context: Any) -> Any:
             if callable(configure):
                 import torch
 
-                with torch.device("meta"), model_context(), self.trainer.precision_plugin.module_init_context():
+                with (torch.device("meta"), model_context(),
+                      self.trainer.precision_plugin.module_init_context()):
                     configure()
 
     return _MetaBuildCLI
 
 
 def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA,
-                      overrides: Sequence[str] = (), command: str = "seqmem forecast", meta: bool = False,
-                      model_context: Any = None) -> Any:
+                      overrides: Sequence[str] = (), command: str = "seqmem forecast",
+                      meta: bool = False, model_context: Any = None) -> Any:
     """A ``LightningCLI`` (not run) of ``config``: ``.model``, ``.datamodule`` and ``.trainer``.
 
-    The config's ``model``/``data`` sections may name their class (``class_path``); without one
-    they configure ``model_class`` / ``data_class``. The trainer is forced to one device without a
-    logger (a forecast is per device); a CUDA config is built on the CPU when no GPU is present.
-    ``command`` names the command in the messages printed or raised.
-
-    ``meta``: build the model on the ``meta`` device (shapes and dtypes, no memory: an 8B model costs
-    nothing), its ``configure_model()`` too, each under ``model_context()`` (default: the modelled GPU
-    kernels, :func:`lightning_seqmem.dryrun.kernels.modelled_kernels`: a model that trains with flash-attn
-    builds where it cannot run); what a
-    dry run needs (:func:`lightning_seqmem.dryrun.fake.fake_copy` fakes each tensor on the device it
-    simulates). A model whose construction fails on ``meta`` (its ``__init__`` reads tensor values)
-    raises :class:`UserError` saying so.
+    The config's ``model``/``data`` sections may name their class (``class_path``), else they
+    configure ``model_class`` / ``data_class``. The trainer is forced to one device without a logger
+    (a forecast is per device); a CUDA config is built on the CPU when no GPU is present.
+    ``meta``: build the model and its ``configure_model()`` on the ``meta`` device (an 8B model
+    costs nothing) under ``model_context()`` (default
+    :func:`lightning_seqmem.dryrun.kernels.modelled_kernels`: a flash-attn model builds where it
+    cannot run); a model that cannot (its ``__init__`` reads tensor values) raises
+    :class:`UserError`. ``command`` names the command in messages.
     """
     import contextlib
 
@@ -118,26 +114,28 @@ def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class:
     import torch
 
     trainer_cfg = _read_yaml(config, command).get("trainer") or {}
-    forced = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.devices=1",
-              "--trainer.num_nodes=1", "--trainer.strategy=auto"]
-    if str(trainer_cfg.get("accelerator", "auto")) in ("cuda", "gpu") and not torch.cuda.is_available():
+    forced = ["--trainer.logger=false", "--trainer.enable_progress_bar=false",
+              "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
+    if (str(trainer_cfg.get("accelerator", "auto")) in ("cuda", "gpu")
+            and not torch.cuda.is_available()):
         if not meta:
             print(f"{command}: the config asks for CUDA but none is available: tracing on the CPU "
                   "(kernel choice, workspace and fragmentation on a GPU differ)", file=sys.stderr)
         forced.append("--trainer.accelerator=cpu")
     args = ["--model", model_class, "--data", data_class, "--config", config, *forced, *overrides]
-    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when both `args` and sys.argv are given
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when given `args` and sys.argv
     if model_context is None and meta:
-        from lightning_seqmem.dryrun.kernels import modelled_kernels as model_context  # flash-attn, modelled
+        from lightning_seqmem.dryrun.kernels import modelled_kernels as model_context
     cli_class = _cli_class(meta, model_context or contextlib.nullcontext)
     try:
         return cli_class(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
                          subclass_mode_data=True, run=False, args=args, save_config_callback=None)
     except (NotImplementedError, RuntimeError) as exc:
         if meta and "meta" in str(exc):
-            raise UserError(f"{command}: the config's model cannot be built on the meta device (its __init__ or "
-                            f"configure_model() reads tensor values: {type(exc).__name__}: {exc}); make it build "
-                            "without reading values, or plan a smaller copy") from None
+            raise UserError(f"{command}: the config's model cannot be built on the meta device "
+                            "(its __init__ or configure_model() reads tensor values: "
+                            f"{type(exc).__name__}: {exc}); make it build without reading values, "
+                            "or plan a smaller copy") from None
         raise
     finally:
         sys.argv = argv
@@ -161,13 +159,14 @@ def usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem:
         budget = seqmem.config.memory_budget_bytes
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory
-    margin = safety_margin if safety_margin is not None else (seqmem.config.safety_margin if seqmem else 0.1)
+    margin = (safety_margin if safety_margin is not None
+              else (seqmem.config.safety_margin if seqmem else 0.1))
     return budget, margin, None if budget is None else int(budget * (1 - margin))
 
 
 def host_budget(host_budget_bytes: Optional[int], seqmem: Any) -> Optional[int]:
-    """The host budget of a plan (bytes): ``--host-budget`` if given, else the config's SeqMemCallback
-    ``host_memory_budget``, else this machine's RAM (None where it cannot be read).
+    """The host budget of a plan (bytes): ``--host-budget`` if given, else the config's
+    SeqMemCallback ``host_memory_budget``, else this machine's RAM (None where unreadable).
 
     >>> host_budget(2**30, None)
     1073741824
@@ -182,7 +181,8 @@ def host_budget(host_budget_bytes: Optional[int], seqmem: Any) -> Optional[int]:
 def first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> Any:
     """The first training batch of the config's data (its datamodule set to ``seq_len`` tokens
     first where it has ``set_seq_len``), else of the model's own ``train_dataloader``."""
-    if seq_len is not None and datamodule is not None and callable(getattr(datamodule, "set_seq_len", None)):
+    if (seq_len is not None and datamodule is not None
+            and callable(getattr(datamodule, "set_seq_len", None))):
         datamodule.set_seq_len(seq_len)
     source = datamodule if datamodule is not None else model
     if datamodule is not None:
@@ -192,9 +192,9 @@ def first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> A
 
 
 def first_optimizer(module: Any) -> tuple[Any, str]:
-    """``(optimizer, what)``: the first optimizer ``module.configure_optimizers()`` returns (a list,
-    tuple or Lightning's ``{"optimizer": ...}`` dict unwrapped) and its class name; else an ``AdamW``
-    over the module's parameters and why (the forecast and the dry run trace a step with it).
+    """``(optimizer, what)``: the first optimizer ``module.configure_optimizers()`` returns (list,
+    tuple or ``{"optimizer": ...}`` dict unwrapped) and its class name; else an ``AdamW`` over the
+    module's parameters and why (the forecast and the dry run trace a step with it).
 
     >>> import torch
     >>> class Tiny(torch.nn.Linear):
@@ -202,7 +202,7 @@ def first_optimizer(module: Any) -> tuple[Any, str]:
     ...         return [torch.optim.SGD(self.parameters(), lr=0.1)], []
     >>> first_optimizer(Tiny(2, 2))[1]
     'SGD'
-    >>> first_optimizer(torch.nn.Linear(2, 2))[1].endswith("; traced with AdamW")  # no configure_optimizers
+    >>> first_optimizer(torch.nn.Linear(2, 2))[1].endswith("; traced with AdamW")
     True
     """
     import torch
@@ -210,11 +210,13 @@ def first_optimizer(module: Any) -> tuple[Any, str]:
     try:
         conf = module.configure_optimizers()
     except Exception as exc:  # noqa: BLE001 - e.g. a schedule that reads self.trainer
-        return torch.optim.AdamW(module.parameters()), f"configure_optimizers() failed ({exc!r}); traced with AdamW"
+        return (torch.optim.AdamW(module.parameters()),
+                f"configure_optimizers() failed ({exc!r}); traced with AdamW")
     while isinstance(conf, (list, tuple)) and conf:
         conf = conf[0]
     if isinstance(conf, dict):
         conf = conf.get("optimizer")
     if isinstance(conf, torch.optim.Optimizer):
         return conf, type(conf).__name__
-    return torch.optim.AdamW(module.parameters()), "configure_optimizers() returned no optimizer; traced with AdamW"
+    return (torch.optim.AdamW(module.parameters()),
+            "configure_optimizers() returned no optimizer; traced with AdamW")

@@ -1,14 +1,13 @@
-"""``seqmem plan --emit ENGINE``: a launch config of a planned N-rank layout in that engine's own keys.
+"""``seqmem plan --emit ENGINE``: a launch config of a planned N-rank layout in the engine's keys.
 
-Each engine shards the sequence one way: torchtitan and accelerate run PyTorch's ring attention
-(``context_parallel``), DeepSpeed/ALST runs Ulysses (all-to-all), Lightning's
-``ModelParallelStrategy`` shards no sequence (FSDP2 and tensor parallelism only). A plan made for
-an engine searches only the sequence-parallel kind it runs (:data:`ENGINE_KINDS`).
+Each engine shards the sequence one way: torchtitan and accelerate run ring attention
+(``context_parallel``), DeepSpeed/ALST Ulysses (all-to-all), Lightning's ``ModelParallelStrategy``
+none; a plan made for an engine searches only the kind it runs (:data:`ENGINE_KINDS`).
 
 Example:
-    >>> plan = {"sequence_parallel": "ring", "sequence_parallel_degree": 1, "context_parallel_degree": 4,
-    ...         "fsdp_degree": 2, "world_size": 8, "offload": False, "mitigations": ["checkpointing"],
-    ...         "seq_len": 131072, "batch_size": 1}
+    >>> plan = {"sequence_parallel": "ring", "sequence_parallel_degree": 1,
+    ...         "context_parallel_degree": 4, "fsdp_degree": 2, "world_size": 8, "offload": False,
+    ...         "mitigations": ["checkpointing"], "seq_len": 131072, "batch_size": 1}
     >>> for line in emit("torchtitan", plan).splitlines()[:5]:
     ...     print(line)
     # seqmem plan: 131072 tokens on 8 ranks, ring 4 x dp_shard 2, rungs checkpointing
@@ -30,7 +29,8 @@ from lightning_seqmem.core.rungs import engine_features
 __all__ = ["ENGINES", "ENGINE_KINDS", "check_engine", "emit"]
 
 ENGINES = ("torchtitan", "accelerate", "deepspeed", "lightning")
-ENGINE_KINDS = {"torchtitan": ("ring",), "accelerate": ("ring",), "deepspeed": ("ulysses",), "lightning": ()}
+ENGINE_KINDS = {"torchtitan": ("ring",), "accelerate": ("ring",), "deepspeed": ("ulysses",),
+                "lightning": ()}
 """The sequence-parallel kinds each engine runs (degree 1, no sequence split, runs everywhere)."""
 
 
@@ -38,10 +38,11 @@ def check_engine(engine: Any) -> str:
     """Validate ``--emit``.
 
     Example:
-        >>> check_engine("megatron")
+        >>> check_engine("megatron")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        ValueError: `emit` must be one of ('torchtitan', 'accelerate', 'deepspeed', 'lightning'), got 'megatron'
+        ValueError: `emit` must be one of ('torchtitan', 'accelerate', 'deepspeed', 'lightning'),
+        got 'megatron'
     """
     if engine not in ENGINES:
         raise ValueError(f"`emit` must be one of {ENGINES}, got {engine!r}")
@@ -53,71 +54,86 @@ def _header(plan: dict[str, Any]) -> str:
 
     peak = plan.get("peak_bytes")
     degree = max(plan["sequence_parallel_degree"], plan["context_parallel_degree"])
-    layout = plan.get("layout") or Layout(plan["sequence_parallel"], degree, plan["world_size"], plan["offload"]).name()
-    return (f"# seqmem plan: {plan['seq_len']} tokens on {plan['world_size']} ranks, {layout}, rungs "
-            f"{' + '.join(plan['mitigations']) or 'none'}"
-            + (f", per-rank peak {peak / 2**30:.2f} GiB ({plan.get('peak_source', 'dry run')})" if peak else ""))
+    layout = plan.get("layout") or Layout(plan["sequence_parallel"], degree, plan["world_size"],
+                                          plan["offload"]).name()
+    return (f"# seqmem plan: {plan['seq_len']} tokens on {plan['world_size']} ranks, {layout}, "
+            f"rungs {' + '.join(plan['mitigations']) or 'none'}"
+            + (f", per-rank peak {peak / 2**30:.2f} GiB ({plan.get('peak_source', 'dry run')})"
+               if peak else ""))
 
 
 def emit(engine: str, plan: dict[str, Any]) -> str:
     """The launch config of ``plan`` (a JSON plan of ``seqmem plan``) for ``engine``."""
     engine = check_engine(engine)
-    features = engine_features(plan["mitigations"])  # what the rungs are in the engines' own keys, from their specs
+    features = engine_features(plan["mitigations"])  # the rungs in the engines' own keys
     ckpt, micro = "activation_checkpointing" in features, "gradient_accumulation" in features
-    cp, sp, fsdp, offload = (plan["context_parallel_degree"], plan["sequence_parallel_degree"], plan["fsdp_degree"],
-                             plan["offload"])
-    if plan["sequence_parallel"] != "none" and plan["sequence_parallel"] not in ENGINE_KINDS[engine]:
-        raise ValueError(f"{engine} does not run {plan['sequence_parallel']} sequence parallelism; plan with "
-                         f"--emit {engine} (it searches only what {engine} runs)")
+    cp, sp, fsdp, offload = (plan["context_parallel_degree"], plan["sequence_parallel_degree"],
+                             plan["fsdp_degree"], plan["offload"])
+    if (plan["sequence_parallel"] != "none"
+            and plan["sequence_parallel"] not in ENGINE_KINDS[engine]):
+        raise ValueError(f"{engine} does not run {plan['sequence_parallel']} sequence parallelism; "
+                         f"plan with --emit {engine} (it searches only what {engine} runs)")
     lines = [_header(plan)]
     if engine == "torchtitan":
-        lines += ["[parallelism]", "data_parallel_replicate_degree = 1", f"data_parallel_shard_degree = {fsdp}",
-                  f"context_parallel_degree = {cp}", "tensor_parallel_degree = 1",
+        lines += ["[parallelism]", "data_parallel_replicate_degree = 1",
+                  f"data_parallel_shard_degree = {fsdp}", f"context_parallel_degree = {cp}",
+                  "tensor_parallel_degree = 1",
                   'context_parallel_rotate_method = "allgather"  # torch default, as planned', "",
-                  "[training]", f"seq_len = {plan['seq_len']}", f"local_batch_size = {plan['batch_size']}",
+                  "[training]", f"seq_len = {plan['seq_len']}",
+                  f"local_batch_size = {plan['batch_size']}",
                   f"enable_cpu_offload = {'true' if offload else 'false'}", "",
                   "[activation_checkpoint]", f'mode = "{"full" if ckpt else "none"}"']
         if micro:
             lines.append("# microbatch: gradient accumulation: set [training] global_batch_size to "
-                         f"{plan['batch_size']} x {fsdp} x the accumulation steps and lower local_batch_size")
+                         f"{plan['batch_size']} x {fsdp} x the accumulation steps and lower "
+                         "local_batch_size")
     elif engine == "accelerate":
-        lines += ["from accelerate import Accelerator",
-                  "from accelerate.parallelism_config import ParallelismConfig",
-                  "from accelerate.utils import FullyShardedDataParallelPlugin", "",
-                  f"parallelism_config = ParallelismConfig(dp_shard_size={fsdp}, cp_size={cp})",
-                  f"fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload={offload}, "
-                  f"activation_checkpointing={ckpt})",
-                  "accelerator = Accelerator(parallelism_config=parallelism_config, fsdp_plugin=fsdp_plugin"
-                  + (", gradient_accumulation_steps=2" if micro else "") + ")",
-                  f"# per-rank batch {plan['batch_size']} of {plan['seq_len']} tokens; launch on {plan['world_size']} "
-                  f"processes: accelerate launch --num_processes {plan['world_size']} train.py"]
+        lines += [
+            "from accelerate import Accelerator",
+            "from accelerate.parallelism_config import ParallelismConfig",
+            "from accelerate.utils import FullyShardedDataParallelPlugin", "",
+            f"parallelism_config = ParallelismConfig(dp_shard_size={fsdp}, cp_size={cp})",
+            f"fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload={offload}, "
+            f"activation_checkpointing={ckpt})",
+            "accelerator = Accelerator(parallelism_config=parallelism_config, "
+            "fsdp_plugin=fsdp_plugin" + (", gradient_accumulation_steps=2" if micro else "") + ")",
+            f"# per-rank batch {plan['batch_size']} of {plan['seq_len']} tokens; launch on "
+            f"{plan['world_size']} processes: accelerate launch --num_processes "
+            f"{plan['world_size']} train.py"]
     elif engine == "deepspeed":
         zero: dict[str, Any] = {"stage": 3}
         if offload:
             zero.update(offload_param={"device": "cpu", "pin_memory": True},
                         offload_optimizer={"device": "cpu", "pin_memory": True})
-        config = {"train_micro_batch_size_per_gpu": plan["batch_size"], "gradient_accumulation_steps": 2 if micro else 1,
+        config = {"train_micro_batch_size_per_gpu": plan["batch_size"],
+                  "gradient_accumulation_steps": 2 if micro else 1,
                   "sequence_parallel_size": sp, "zero_optimization": zero}
         if offload:
             from lightning_seqmem.plan.parallel import ZERO3_OFFLOAD_NOTE
 
             lines.append(f"# {ZERO3_OFFLOAD_NOTE}")
-        lightning = ("DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)" if offload
-                     else "DeepSpeedStrategy(stage=3)")
-        lines += [json.dumps(config, indent=2),
-                  "# ALST/Ulysses: UlyssesSPAttentionHF.register_with_transformers(..., sequence_parallel_size="
-                  f"{sp}); data parallel degree {fsdp}"
-                  + ("; activation checkpointing: model.gradient_checkpointing_enable()" if ckpt else ""),
-                  f"# Lightning (sequence_parallel_size 1): Trainer(strategy={lightning}, devices={plan['world_size']}"
-                  + (", accumulate_grad_batches=2" if micro else "") + "); SeqMemCallback's micro-batching is "
-                  "refused under ZeRO-3 (use accumulate_grad_batches), its checkpointing works inside the engine"]
+        lightning = ("DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)"
+                     if offload else "DeepSpeedStrategy(stage=3)")
+        lines += [
+            json.dumps(config, indent=2),
+            "# ALST/Ulysses: UlyssesSPAttentionHF.register_with_transformers(..., "
+            f"sequence_parallel_size={sp}); data parallel degree {fsdp}"
+            + ("; activation checkpointing: model.gradient_checkpointing_enable()" if ckpt else ""),
+            f"# Lightning (sequence_parallel_size 1): Trainer(strategy={lightning}, "
+            f"devices={plan['world_size']}"
+            + (", accumulate_grad_batches=2" if micro else "") + "); SeqMemCallback's "
+            "micro-batching is refused under ZeRO-3 (use accumulate_grad_batches), its "
+            "checkpointing works inside the engine"]
     else:
-        lines += ["from lightning.pytorch import Trainer",
-                  "from lightning.pytorch.strategies import ModelParallelStrategy", "",
-                  f"strategy = ModelParallelStrategy(data_parallel_size={fsdp}, tensor_parallel_size=1)",
-                  f"trainer = Trainer(accelerator='cuda', devices={plan['world_size']}, strategy=strategy)",
-                  "# fully_shard each block and the root in configure_model() over self.device_mesh['data_parallel']"
-                  + ("; offload: fully_shard(..., offload_policy=CPUOffloadPolicy())" if offload else "")
-                  + ("; SeqMemCallback(mitigations=[...]) switches the planned rungs on: "
-                     + ", ".join(plan["mitigations"]) if plan["mitigations"] else "")]
+        lines += [
+            "from lightning.pytorch import Trainer",
+            "from lightning.pytorch.strategies import ModelParallelStrategy", "",
+            f"strategy = ModelParallelStrategy(data_parallel_size={fsdp}, tensor_parallel_size=1)",
+            f"trainer = Trainer(accelerator='cuda', devices={plan['world_size']}, "
+            "strategy=strategy)",
+            "# fully_shard each block and the root in configure_model() over "
+            "self.device_mesh['data_parallel']"
+            + ("; offload: fully_shard(..., offload_policy=CPUOffloadPolicy())" if offload else "")
+            + ("; SeqMemCallback(mitigations=[...]) switches the planned rungs on: "
+               + ", ".join(plan["mitigations"]) if plan["mitigations"] else "")]
     return "\n".join(lines)

@@ -11,21 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from lightning_seqmem.cli.common import (
-    build_from_config,
-    find_seqmem_callback,
-    first_batch,
-    first_optimizer,
-    quiet_warnings,
-    usable_budget,
-)
+from lightning_seqmem.cli.common import (build_from_config, find_seqmem_callback, first_batch,
+                                         first_optimizer, quiet_warnings, usable_budget)
 
 __all__ = ["run_forecast"]
 
 
 def _loss_of(output: Any) -> Any:
-    """The loss of a ``training_step`` output (moved from :mod:`.common`, its only user is here); a
-    step without one (manual optimisation) ends the command with a one-line message."""
+    """The loss of a ``training_step`` output; none (manual optimisation) ends the command."""
     from lightning_seqmem.measure.steps import loss_of
 
     try:
@@ -44,39 +37,43 @@ def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]
 
 
 def _lengths(args: argparse.Namespace) -> tuple[list[int], list[int], list[int]]:
-    """(the lengths asked, the lengths to trace, those to check at): ``--lengths``, ``--trace-lengths``
+    """(lengths asked, lengths to trace, those to check at): ``--lengths``, ``--trace-lengths``
     (default :func:`_default_trace_lengths`) and ``--no-check``, checked."""
     lengths = sorted(set(args.lengths))
     if min(lengths) < 1:
         raise SystemExit(f"seqmem forecast: --lengths must be positive, got {args.lengths}")
-    trace, check = (sorted(set(args.trace_lengths)), []) if args.trace_lengths else _default_trace_lengths(lengths)
+    trace, check = ((sorted(set(args.trace_lengths)), []) if args.trace_lengths
+                    else _default_trace_lengths(lengths))
     if len(trace) < 2:
-        raise SystemExit(f"seqmem forecast: --trace-lengths needs 2 or more distinct lengths, got {args.trace_lengths}")
+        raise SystemExit("seqmem forecast: --trace-lengths needs 2 or more distinct lengths, "
+                         f"got {args.trace_lengths}")
     if args.no_check:
         check = []
     return lengths, trace, check
 
 
-def _print_fit(console: Any, forecaster: Any, budget: Optional[int], margin: float, usable: Optional[int],
-               batch_size: int, reserved: bool) -> Optional[int]:
-    """The checks at a longer length, then the largest length that fits (returned; None without a budget)."""
+def _print_fit(console: Any, forecaster: Any, budget: Optional[int], margin: float,
+               usable: Optional[int], batch_size: int, reserved: bool) -> Optional[int]:
+    """Print the checks, then the largest length that fits (returned; None without a budget)."""
     from lightning_seqmem.core.units import format_bytes
 
     for v in forecaster.verifications:
-        console.print(f"check at seq_len {v.seq_len}: forecast {format_bytes(v.forecast_bytes)} ({v.method}), "
-                      f"measured {format_bytes(v.measured_bytes)}, error {v.relative_error:+.1%}")
+        console.print(f"check at seq_len {v.seq_len}: forecast {format_bytes(v.forecast_bytes)} "
+                      f"({v.method}), measured {format_bytes(v.measured_bytes)}, "
+                      f"error {v.relative_error:+.1%}")
     if usable is None:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback)")
         return None
     max_len = forecaster.max_seq_len(usable, batch_size, reserved=reserved)
-    console.print(f"largest length that fits {format_bytes(usable)} (budget {format_bytes(budget)} minus "
-                  f"safety margin {margin:.0%}) at batch {batch_size}: [bold]{max_len}[/bold] tokens")
+    console.print(f"largest length that fits {format_bytes(usable)} (budget {format_bytes(budget)} "
+                  f"minus safety margin {margin:.0%}) at batch {batch_size}: "
+                  f"[bold]{max_len}[/bold] tokens")
     return max_len
 
 
 def run_forecast(args: argparse.Namespace) -> int:
-    """``seqmem forecast ARGS``: trace the config's model on a copy, print (or ``--json``) the forecast
-    and where the memory goes; the exit status (``seqmem`` is :func:`.main.main`)."""
+    """``seqmem forecast ARGS``: trace the config's model on a copy, print (or ``--json``) the
+    forecast and where the memory goes; returns the exit status."""
     from rich.console import Console
 
     from lightning_seqmem.measure.batch_shape import infer_batch_shape
@@ -89,7 +86,8 @@ def run_forecast(args: argparse.Namespace) -> int:
     cli = build_from_config(args.config, args.model_class, args.data_class)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     if not model.automatic_optimization:
-        raise SystemExit("seqmem forecast: the model uses manual optimisation; trace it with lightning_seqmem.measure.steps")
+        raise SystemExit("seqmem forecast: the model uses manual optimisation; trace it with "
+                         "lightning_seqmem.measure.steps")
     seqmem = find_seqmem_callback(trainer)
     device = trainer.strategy.root_device
     budget = parse_bytes(args.budget, "--budget") if args.budget else None
@@ -103,15 +101,16 @@ def run_forecast(args: argparse.Namespace) -> int:
     precision = trainer.precision_plugin
     work = precision.convert_module(work).to(device)
     optimizer, optimizer_name = first_optimizer(work)
-    console.print(f"[bold]seqmem forecast[/bold]: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
-                  f"parameters), {trainer.precision} precision, on {device}, optimizer {optimizer_name}; tracing "
-                  f"{len(trace)} steps at seq_len {trace} (batch {traced_batch})"
+    console.print(f"[bold]seqmem forecast[/bold]: {type(model).__name__} "
+                  f"({sum(p.numel() for p in model.parameters()):,} parameters), "
+                  f"{trainer.precision} precision, on {device}, optimizer {optimizer_name}; "
+                  f"tracing {len(trace)} steps at seq_len {trace} (batch {traced_batch})"
                   + (f", checking at {check}" if check else ""))
     with console.status(f"tracing training steps at seq_len {trace}..."):
         forecaster = trace_training_steps(
-            work, optimizer, batch, trace, lambda m, b: _loss_of(m.training_step(b, 0)), device=device,
-            context=precision.train_step_context, check_seq_lens=[L for L in check if L <= source_len],
-        )
+            work, optimizer, batch, trace, lambda m, b: _loss_of(m.training_step(b, 0)),
+            device=device, context=precision.train_step_context,
+            check_seq_lens=[L for L in check if L <= source_len])
     del work, optimizer
     reserved = device.type == "cuda"
 
@@ -119,27 +118,29 @@ def run_forecast(args: argparse.Namespace) -> int:
     max_len = _print_fit(console, forecaster, budget, margin, usable, batch_size, reserved)
     section = None
     if args.breakdown:
-        section = _forecast_breakdown(model, precision, device, batch, trace, max(lengths), forecaster, console)
+        section = _forecast_breakdown(model, precision, device, batch, trace, max(lengths),
+                                      forecaster, console)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "config": os.fspath(args.config), "device": str(device), "precision": str(trainer.precision),
-            "trace_lengths": trace, "budget_bytes": budget, "usable_budget_bytes": usable,
-            "forecasts": rows, "max_seq_len": max_len,
-            "verifications": [{**vars(v), "relative_error": v.relative_error} for v in forecaster.verifications],
+            "config": os.fspath(args.config), "device": str(device),
+            "precision": str(trainer.precision), "trace_lengths": trace, "budget_bytes": budget,
+            "usable_budget_bytes": usable, "forecasts": rows, "max_seq_len": max_len,
+            "verifications": [{**vars(v), "relative_error": v.relative_error}
+                              for v in forecaster.verifications],
             "breakdown": section,
         }, indent=2) + "\n", encoding="utf-8")
     return 0
 
 
-def _forecast_table(forecaster: Any, lengths: Sequence[int], batch_size: int, usable: Optional[int],
-                    reserved: bool, console: Any) -> list[dict[str, Any]]:
-    """Print the forecast per length (peak, upper bound, whether it fits); return the rows for ``--json``."""
+def _forecast_table(forecaster: Any, lengths: Sequence[int], batch_size: int,
+                    usable: Optional[int], reserved: bool, console: Any) -> list[dict[str, Any]]:
+    """Print the forecast per length (peak, upper bound, fits); return the rows for ``--json``."""
     from rich.table import Table
 
     from lightning_seqmem.core.units import format_bytes
 
-    table = Table(title=f"seqmem forecast (batch {batch_size}); fits = upper bound within the usable budget "
-                        f"{format_bytes(usable)}", title_justify="left")
+    table = Table(title=f"seqmem forecast (batch {batch_size}); fits = upper bound within the "
+                        f"usable budget {format_bytes(usable)}", title_justify="left")
     for header in ("seq_len", "method", "peak", "upper bound", "fits"):
         table.add_column(header, justify="left" if header == "method" else "right")
     rows = []
@@ -147,19 +148,21 @@ def _forecast_table(forecaster: Any, lengths: Sequence[int], batch_size: int, us
         fc = forecaster.forecast(L, batch_size)
         bound = fc.reserved_upper_bytes if reserved else fc.upper_bytes
         fits = None if usable is None else bound <= usable
-        rows.append({"seq_len": L, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
-                     "upper_bytes": bound, "fits": fits})
+        rows.append({"seq_len": L, "batch_size": batch_size, "method": fc.method,
+                     "peak_bytes": fc.peak_bytes, "upper_bytes": bound, "fits": fits})
         table.add_row(str(L), fc.method, format_bytes(fc.peak_bytes), format_bytes(bound),
-                      "-" if fits is None else ("yes" if fits else "NO"), style=None if fits is not False else "red")
+                      "-" if fits is None else ("yes" if fits else "NO"),
+                      style=None if fits is not False else "red")
     console.print(table)
     return rows
 
 
-def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, trace: Sequence[int], longest: int,
-                        forecaster: Any, console: Any) -> dict[str, Any]:
-    """Breakdowns at the traced lengths (made safe: none equal to a model width) on a fresh copy, printed."""
+def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, trace: Sequence[int],
+                        longest: int, forecaster: Any, console: Any) -> dict[str, Any]:
+    """Breakdowns at the traced lengths (none equal to a model width) on a fresh copy, printed."""
     from lightning_seqmem.measure.batch_shape import infer_batch_shape
-    from lightning_seqmem.diagnostics.section import breakdown_section, safe_seq_lens, trace_breakdowns, width_dims
+    from lightning_seqmem.diagnostics.section import (breakdown_section, safe_seq_lens,
+                                                      trace_breakdowns, width_dims)
     from lightning_seqmem.diagnostics.traced_step import training_step_loss
     from lightning_seqmem.present.render import render_breakdown_console
 
@@ -168,14 +171,17 @@ def _forecast_breakdown(model: Any, precision: Any, device: Any, batch: Any, tra
     batch_size, source_len = infer_batch_shape(batch)
     lengths, notes = safe_seq_lens(trace, width_dims(work, batch_size), source_len, num=3)
     if len(lengths) < 2:
-        raise SystemExit(f"seqmem forecast: no two lengths to trace the breakdown at (from {list(trace)})")
-    console.print(f"[bold]where the memory goes[/bold]: tracing one step at seq_len {lengths} (batch {batch_size}) "
-                  "on a fresh copy of the model")
+        raise SystemExit("seqmem forecast: no two lengths to trace the breakdown at "
+                         f"(from {list(trace)})")
+    console.print(f"[bold]where the memory goes[/bold]: tracing one step at seq_len {lengths} "
+                  f"(batch {batch_size}) on a fresh copy of the model")
     with console.status(f"tracing the breakdown at seq_len {lengths}..."):
-        breakdowns = trace_breakdowns(work, optimizer, batch, lengths, training_step_loss, device=device,
-                                      context=precision.train_step_context)
-    forecast_peak = forecaster.forecast(longest, batch_size).peak_bytes if longest > lengths[-1] else None
-    section = breakdown_section(breakdowns, work, extrapolate_to=longest, forecast_peak_bytes=forecast_peak, notes=notes)
+        breakdowns = trace_breakdowns(work, optimizer, batch, lengths, training_step_loss,
+                                      device=device, context=precision.train_step_context)
+    forecast_peak = (forecaster.forecast(longest, batch_size).peak_bytes
+                     if longest > lengths[-1] else None)
+    section = breakdown_section(breakdowns, work, extrapolate_to=longest,
+                                forecast_peak_bytes=forecast_peak, notes=notes)
     del work, optimizer, breakdowns
     render_breakdown_console(section, console)
     return section

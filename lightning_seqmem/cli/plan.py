@@ -1,10 +1,10 @@
 """``seqmem plan``: dry-run one training step of a config's model per length and mitigation set, on
 fake tensors, and print which fit each device answered for and the cheapest that does.
 
-The model is built on the ``meta`` device (any size costs nothing); a CUDA config planned where there is
-no CUDA runs its dry runs on the simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`), with
-CUDA's allocator blocks, autocast and modelled kernels. The dry runs are :class:`.plan_run.PlanRun`'s,
-each made once whatever the number of devices (``--budget 80GB h200``, :mod:`.plan_devices`).
+The model is built on ``meta`` (any size costs nothing); a CUDA config planned without CUDA runs
+on the simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`: CUDA's allocator blocks,
+autocast, modelled kernels). The dry runs are :class:`.plan_run.PlanRun`'s, each made once whatever
+the number of devices (``--budget 80GB h200``, :mod:`.plan_devices`).
 """
 
 from __future__ import annotations
@@ -17,40 +17,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_seqmem.cli.common import (
-    asks_for_cuda,
-    build_from_config,
-    find_seqmem_callback,
-    first_batch,
-    host_budget,
-    first_optimizer,
-    quiet_warnings,
-)
+from lightning_seqmem.cli.common import (asks_for_cuda, build_from_config, find_seqmem_callback,
+                                         first_batch, host_budget, first_optimizer, quiet_warnings)
 from lightning_seqmem.cli.plan_devices import DeviceBudget, device_budgets
-from lightning_seqmem.cli.plan_workers import collect_rows, default_workers, device_plans, serve, start_workers
-from lightning_seqmem.cli.plan_run import (
-    PlanRun,
-    fastest,
-    largest_fitting,
-    longest_by_set,
-    mitigation_sets,
-    modelled_rows,
-    peak_at,
-    search_longest,
-    setting_key,
-)
-from lightning_seqmem.cli.plan_text import (
-    OFFLOAD_ASSUMED,
-    joined_names,
-    modelled_line,
-    print_devices_longest,
-    print_header,
-    print_longest,
-    print_peak_at,
-    print_plans,
-    print_table,
-    print_totals,
-)
+from lightning_seqmem.cli.plan_workers import (collect_rows, default_workers, device_plans, serve,
+                                               start_workers)
+from lightning_seqmem.cli.plan_run import (PlanRun, fastest, largest_fitting, longest_by_set,
+                                           mitigation_sets, modelled_rows, peak_at, search_longest,
+                                           setting_key)
+from lightning_seqmem.cli.plan_text import (OFFLOAD_ASSUMED, joined_names, modelled_line,
+                                            print_devices_longest, print_header, print_longest,
+                                            print_peak_at, print_plans, print_table, print_totals)
 from lightning_seqmem.dryrun.accelerator import step_context
 
 __all__ = ["run_plan", "serve_worker"]
@@ -58,8 +35,8 @@ __all__ = ["run_plan", "serve_worker"]
 
 @dataclass
 class _Search:
-    """The searches beyond the asked lengths on one device: the largest length the last set fits (where
-    nothing fits somewhere), and their dry runs and seconds (``--longest`` adds its own)."""
+    """The searches beyond the asked lengths on one device: the largest length the last set fits
+    (where nothing fits somewhere), their dry runs and seconds (``--longest`` adds its own)."""
 
     largest: Optional[int] = None
     searched: bool = False
@@ -70,15 +47,16 @@ class _Search:
 def _check_emit(args: argparse.Namespace) -> None:
     """``--emit`` plans an FSDP2 layout at ``--world-size`` ranks: refused without them."""
     if getattr(args, "emit", None) and args.world_size is None:
-        raise SystemExit(f"seqmem plan: --emit {args.emit} needs --world-size N (the ranks the launch config is for)")
+        raise SystemExit(f"seqmem plan: --emit {args.emit} needs --world-size N (the ranks the "
+                         "launch config is for)")
     if getattr(args, "emit", None) and args.strategy != "fsdp2":
-        raise SystemExit(f"seqmem plan: --emit {args.emit} plans FSDP2 layouts, got --strategy {args.strategy}: "
-                         "use --strategy fsdp2")
+        raise SystemExit(f"seqmem plan: --emit {args.emit} plans FSDP2 layouts, got --strategy "
+                         f"{args.strategy}: use --strategy fsdp2")
 
 
 def _plan_device(args: argparse.Namespace, trainer: Any) -> Any:
-    """The device the dry runs simulate: the trainer's; where the config asks for CUDA and this machine has
-    none, the simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`)."""
+    """The device the dry runs simulate: the trainer's, or the simulated CUDA device where the
+    config asks for CUDA and this machine has none."""
     import torch
 
     from lightning_seqmem.dryrun.step import simulated_device_for
@@ -90,9 +68,8 @@ def _plan_device(args: argparse.Namespace, trainer: Any) -> Any:
 
 def _plan_host_budget(args: argparse.Namespace, seqmem: Any, device: Any) -> Optional[int]:
     """The host memory offload settings are judged against: ``--host-budget``, else the config's
-    SeqMemCallback ``host_memory_budget``; planned on this machine's own device, else its RAM. For a device
-    simulated here this machine is not the one that trains: without a budget given, host peaks are shown,
-    not judged (None)."""
+    SeqMemCallback ``host_memory_budget``, else this machine's RAM; None for a simulated device
+    (this machine is not the one that trains: host peaks are shown, not judged)."""
     from lightning_seqmem.dryrun.accelerator import is_simulated
 
     given = getattr(args, "host_budget", None)
@@ -105,22 +82,24 @@ def _plan_host_budget(args: argparse.Namespace, seqmem: Any, device: Any) -> Opt
 
 def _budget_args(args: argparse.Namespace) -> Optional[list[Any]]:
     budget = getattr(args, "budget", None)
-    return None if budget is None else (list(budget) if isinstance(budget, (list, tuple)) else [budget])
+    return None if budget is None else (list(budget) if isinstance(budget, (list, tuple))
+                                        else [budget])
 
 
 def _set_up(args: argparse.Namespace) -> PlanRun:
-    """Build the config's model (on ``meta``), data and optimizer (nothing is trained), the sets to dry-run
-    and the devices to answer for."""
+    """Build the config's model (on ``meta``), data and optimizer (nothing is trained), the sets to
+    dry-run and the devices to answer for."""
     from lightning_seqmem.measure.batch_shape import infer_batch_shape
 
-    # on meta, a model that trains with flash-attn built with its modelled kernel where flash-attn cannot run
-    cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan", meta=True)
+    cli = build_from_config(args.config, args.model_class, args.data_class, command="seqmem plan",
+                            meta=True)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     seqmem = find_seqmem_callback(trainer)
     device = _plan_device(args, trainer)
-    margin = args.safety_margin if args.safety_margin is not None else (seqmem.config.safety_margin if seqmem else 0.1)
+    margin = (args.safety_margin if args.safety_margin is not None
+              else (seqmem.config.safety_margin if seqmem else 0.1))
     budgets = device_budgets(_budget_args(args), margin, seqmem, device)
-    batch = first_batch(model, datamodule)  # any length: the dry run cuts or tiles it to each length asked
+    batch = first_batch(model, datamodule)  # any length: each dry run cuts or tiles it
     batch_size = args.batch_size or infer_batch_shape(batch)[0]
     precision = trainer.precision_plugin
     model = precision.convert_module(model)  # as fit does (bf16-true: bf16 weights); on meta, free
@@ -130,38 +109,44 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     world = None if args.world_size is None else (args.world_size, args.strategy)
     host = _plan_host_budget(args, seqmem, device)
     # autocast under mixed precision, as in training_step (CUDA's autocast on the simulated device)
-    return PlanRun(trainer, model, optimizer, optimizer_name, batch, batch_size, step_context(precision, device),
-                   device, sets, skipped, checks, budgets, margin, world, host_budget=host)
+    return PlanRun(trainer, model, optimizer, optimizer_name, batch, batch_size,
+                   step_context(precision, device), device, sets, skipped, checks, budgets, margin,
+                   world, host_budget=host)
 
 
-def _length_result(run: PlanRun, seq_len: int, usable: Optional[int], with_site: bool) -> dict[str, Any]:
-    """The dry runs of one length judged against ``usable``: the sets' rows, the cheapest plan, the fastest
-    setting that fits (and the rows it ran beyond the sets), where the peak sits (``with_site``)."""
+def _length_result(run: PlanRun, seq_len: int, usable: Optional[int],
+                   with_site: bool) -> dict[str, Any]:
+    """The dry runs of one length judged against ``usable``: the sets' rows, the cheapest plan, the
+    fastest setting that fits (and the rows it ran beyond the sets), where the peak sits."""
     rows = run.rows(seq_len, run.sets, usable)
-    chosen = next((r for r in rows if r["fits"]), None)  # the sets cheapest first, offload after every one
+    chosen = next((r for r in rows if r["fits"]), None)  # cheapest first, offload after every one
     plan = None if chosen is None else chosen["mitigations"]
     fast, searched_rows = fastest(run, seq_len, rows, usable)
-    result = {"seq_len": seq_len, "rows": rows, "plan": plan, "plan_offload": bool(chosen and chosen["offload"]),
-              "fastest": fast, "searched_rows": searched_rows}
+    result = {"seq_len": seq_len, "rows": rows, "plan": plan,
+              "plan_offload": bool(chosen and chosen["offload"]), "fastest": fast,
+              "searched_rows": searched_rows}
     if with_site:
         result["peak_at"] = None if run.world is not None else peak_at(run, seq_len, rows, plan)
     return result
 
 
-def _search_largest(console: Any, run: PlanRun, results: list[dict[str, Any]], usable: Optional[int]) -> _Search:
+def _search_largest(console: Any, run: PlanRun, results: list[dict[str, Any]],
+                    usable: Optional[int]) -> _Search:
     """Nothing fits at some length: the largest length the last (lowest) set fits, searched once
     between the longest asked length it fits and the shortest it does not."""
     search = _Search()
     over = [res["seq_len"] for res in results if res["rows"][-1]["fits"] is False]
-    if not over or run.world is not None or usable is None:  # at N ranks the "fits from N" column answers
+    if not over or run.world is not None or usable is None:  # N ranks: "fits from N" answers
         return search
     if run.beyond_any_rung(usable):  # the state alone is over: no length fits with any rung
         search.searched = True
         return search
     hi = min(over)
-    lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi), default=0)
+    lo = max((res["seq_len"] for res in results if res["rows"][-1]["fits"] and res["seq_len"] < hi),
+             default=0)
     t0 = time.perf_counter()
-    with console.status(f"searching the largest length that fits with {joined_names(run.sets[-1])}..."):
+    with console.status("searching the largest length that fits with "
+                        f"{joined_names(run.sets[-1])}..."):
         try:
             search.largest, search.runs = largest_fitting(run, run.sets[-1], usable, lo, hi)
             search.searched = True
@@ -171,13 +156,14 @@ def _search_largest(console: Any, run: PlanRun, results: list[dict[str, Any]], u
     return search
 
 
-def _search_longest_each(console: Any, run: PlanRun, longest: list[dict[str, Any]], results: list[dict[str, Any]],
-                         search: _Search, usable: int) -> None:
-    """``--longest``: the longest length each setting fits (``searched_seq_len``), for the ladder's sets
-    (with and without offload) and each length's fastest; the other settings the fastest's search dry-ran
-    keep the longest of their dry-run lengths."""
+def _search_longest_each(console: Any, run: PlanRun, longest: list[dict[str, Any]],
+                         results: list[dict[str, Any]], search: _Search, usable: int) -> None:
+    """``--longest``: the longest length each setting fits (``searched_seq_len``), for the ladder's
+    sets (with and without offload) and each length's fastest; the other settings the fastest's
+    search dry-ran keep the longest of their dry-run lengths."""
     wanted = {(tuple(s), off) for s in run.sets for off in (False, True)}
-    wanted |= {(tuple(r["fastest"]["mitigations"]), False) for r in results if r["fastest"] is not None}
+    wanted |= {(tuple(r["fastest"]["mitigations"]), False) for r in results
+               if r["fastest"] is not None}
     t0 = time.perf_counter()
     with console.status("searching the longest length each setting fits..."):
         for entry in longest:
@@ -187,15 +173,16 @@ def _search_longest_each(console: Any, run: PlanRun, longest: list[dict[str, Any
             search.runs += runs
             if entry["searched_seq_len"]:
                 entry["host_at_seq_len"] = entry["searched_seq_len"]
-                entry["host_peak_bytes"] = run.dry(entry["searched_seq_len"], tuple(entry["mitigations"]),
-                                                   run.world, entry["offload"])["host_peak_bytes"]
+                entry["host_peak_bytes"] = run.dry(entry["searched_seq_len"],
+                                                   tuple(entry["mitigations"]), run.world,
+                                                   entry["offload"])["host_peak_bytes"]
     search.seconds += time.perf_counter() - t0
 
 
-def _device_plan(console: Any, run: PlanRun, lengths: list[int], budget: Optional[DeviceBudget], first: bool,
-                 args: argparse.Namespace) -> dict[str, Any]:
-    """Everything one device's answer holds: per length the rows judged against its usable budget, the plans
-    and searches; ``first``: the device whose rows the table shows (its results carry ``peak_at``)."""
+def _device_plan(console: Any, run: PlanRun, lengths: list[int], budget: Optional[DeviceBudget],
+                 first: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """One device's answer: per length the rows judged against its usable budget, the plans and
+    searches; ``first``: the device whose rows the table shows (its results carry ``peak_at``)."""
     usable = None if budget is None else budget.usable_bytes
     results = [_length_result(run, L, usable, first) for L in lengths]
     search = _search_largest(console, run, results, usable)
@@ -209,59 +196,63 @@ def _device_plan(console: Any, run: PlanRun, lengths: list[int], budget: Optiona
 
 
 def _json_document(args: argparse.Namespace, run: PlanRun, devices: list[dict[str, Any]],
-                   modelled: list[dict[str, Any]], seconds: float, parallel: Optional[list[dict[str, Any]]]
-                   ) -> dict[str, Any]:
-    """``--json``: the whole plan as one document (README: *Plan before training*); the top-level answer is
-    the first device's, ``devices`` holds every device's."""
+                   modelled: list[dict[str, Any]], seconds: float,
+                   parallel: Optional[list[dict[str, Any]]]) -> dict[str, Any]:
+    """``--json``: the whole plan as one document (README: *Plan before training*); the top-level
+    answer is the first device's, ``devices`` holds every device's."""
     world, first = run.world, devices[0]
     return {
         "parallel_plans": parallel,
         "config": os.fspath(args.config), "device": str(run.device), "simulates": run.device_type,
-        "precision": str(run.trainer.precision), "batch_size": run.batch_size, "budget_bytes": run.budget,
-        "safety_margin": run.margin, "usable_budget_bytes": run.usable, "host_budget_bytes": run.host_budget,
-        "mitigation_sets": [list(s) for s in run.sets], "skipped": run.skipped, "lengths": first["results"],
-        "largest_fitting_seq_len": first["search"].largest, "modelled": modelled, "seconds": seconds,
-        "method": "dry_run", "longest_fitting_by_set": first["longest"],
-        "devices": [{k: v for k, v in d.items() if k in ("name", "budget_bytes", "usable_budget_bytes")}
+        "precision": str(run.trainer.precision), "batch_size": run.batch_size,
+        "budget_bytes": run.budget, "safety_margin": run.margin, "usable_budget_bytes": run.usable,
+        "host_budget_bytes": run.host_budget, "mitigation_sets": [list(s) for s in run.sets],
+        "skipped": run.skipped, "lengths": first["results"],
+        "largest_fitting_seq_len": first["search"].largest, "modelled": modelled,
+        "seconds": seconds, "method": "dry_run", "longest_fitting_by_set": first["longest"],
+        "devices": [{k: v for k, v in d.items()
+                     if k in ("name", "budget_bytes", "usable_budget_bytes")}
                     | {"process": d.get("process", 0),
-                       "plans": [{"seq_len": r["seq_len"], "plan": r["plan"], "plan_offload": r["plan_offload"],
-                                  "fastest": r["fastest"]}
+                       "plans": [{"seq_len": r["seq_len"], "plan": r["plan"],
+                                  "plan_offload": r["plan_offload"], "fastest": r["fastest"]}
                                  for r in d["results"]],
-                       "largest_fitting_seq_len": d["search"].largest, "longest_fitting_by_set": d["longest"]}
+                       "largest_fitting_seq_len": d["search"].largest,
+                       "longest_fitting_by_set": d["longest"]}
                     for d in devices if "name" in d],
         "dry_runs": run.dry_runs, "dry_run_seconds": run.dry_seconds, "processes": run.processes,
         "offload_assumed": OFFLOAD_ASSUMED if run.offloads else None,
-        "world_size": None if world is None else world[0], "strategy": None if world is None else world[1],
+        "world_size": None if world is None else world[0],
+        "strategy": None if world is None else world[1],
     }
 
 
 def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
               args: argparse.Namespace) -> Optional[list[dict[str, Any]]]:
-    """With ``--world-size`` under fsdp2 (or ``--emit``): the sequence-parallel layouts beside the rungs."""
+    """With ``--world-size`` under fsdp2, or ``--emit``: sequence-parallel layouts beside rungs."""
     from lightning_seqmem.plan.parallel import check_kinds
 
-    kinds = () if run.world is None or run.world[1] != "fsdp2" or run.world[0] < 2 else check_kinds(
-        getattr(args, "sequence_parallel", "auto"))
+    kinds = (() if run.world is None or run.world[1] != "fsdp2" or run.world[0] < 2
+             else check_kinds(getattr(args, "sequence_parallel", "auto")))
     if not kinds and not getattr(args, "emit", None):
         return None
     from lightning_seqmem.cli.plan_parallel import parallel_plans
 
-    return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets, run.usable,
-                          run.context, run.device, run.world[0], results, kinds, getattr(args, "emit", None),
-                          run.host_budget)
+    return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets,
+                          run.usable, run.context, run.device, run.world[0], results, kinds,
+                          getattr(args, "emit", None), run.host_budget)
 
 
 def serve_worker() -> None:
-    """A ``seqmem plan --workers`` worker process (:func:`~lightning_seqmem.cli.plan_workers.serve`):
-    the plan set up as :func:`run_plan` sets it up, a device answered as :func:`run_plan` answers
-    one."""
+    """A ``seqmem plan --workers`` worker (:func:`~lightning_seqmem.cli.plan_workers.serve`): sets
+    the plan up and answers a device as :func:`run_plan` does."""
     from rich.console import Console
 
     def set_up(args: argparse.Namespace) -> PlanRun:
         quiet_warnings()
         return _set_up(args)
 
-    def device_plan(run: PlanRun, lengths: list[int], budget: DeviceBudget, args: argparse.Namespace) -> dict:
+    def device_plan(run: PlanRun, lengths: list[int], budget: DeviceBudget,
+                    args: argparse.Namespace) -> dict:
         return _device_plan(Console(quiet=True), run, lengths, budget, False, args)
 
     serve(set_up, device_plan)
@@ -269,29 +260,31 @@ def serve_worker() -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """``seqmem plan ARGS``: set up, dry-run every length and mitigation set, print the text output
-    (or, with ``--json``, the document alone); the exit status (``seqmem`` is :func:`.main.main`)."""
+    (or, with ``--json``, the document alone); returns the exit status."""
     from rich.console import Console
 
     _check_emit(args)
     quiet_warnings()
     started = time.perf_counter()
-    console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)  # --json: the document alone
+    console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)
     lengths = sorted(set(args.lengths))
     # the workers set the plan up while this process does (cli.plan_workers)
     workers = start_workers(args, getattr(args, "workers", None) or default_workers())
     try:
         run = _set_up(args)
-        print_header(console, run, run.world is not None and run.world[1] == "fsdp2" and run.world[0] >= 2
-                     and getattr(args, "sequence_parallel", "auto") != "none")
+        print_header(console, run, run.world is not None and run.world[1] == "fsdp2"
+                     and run.world[0] >= 2 and getattr(args, "sequence_parallel", "auto") != "none")
         with console.status(f"dry-running {len(run.sets)} mitigation sets at seq_len {lengths}..."):
             run.processes = collect_rows(run, lengths, workers)
-            devices = device_plans(run, workers, run.budgets, lengths,
-                                   lambda b, i: _device_plan(console, run, lengths, b, i == 0, args)
-                                   ) if run.budgets else [_device_plan(console, run, lengths, None, True, args)]
+            devices = (device_plans(run, workers, run.budgets, lengths,
+                                    lambda b, i: _device_plan(console, run, lengths, b, i == 0,
+                                                              args))
+                       if run.budgets else [_device_plan(console, run, lengths, None, True, args)])
     finally:
         workers.stop()  # a failed set-up: all of them
     first = devices[0]
-    modelled = modelled_rows(run, run.sets[-1], first["results"], run.usable) if run.world is None else []
+    modelled = (modelled_rows(run, run.sets[-1], first["results"], run.usable)
+                if run.world is None else [])
     seconds = time.perf_counter() - started
 
     print_table(console, run, first["results"], args.config)
@@ -308,12 +301,13 @@ def run_plan(args: argparse.Namespace) -> int:
         print_longest(console, first["longest"])
     print_peak_at(console, first["results"])
     if run.usable is None:
-        console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; on CUDA the "
-                      "device's total): no fits column and no plan")
+        console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; "
+                      "on CUDA the device's total): no fits column and no plan")
     print_totals(console, run, modelled, seconds)
     parallel = _parallel(console, run, first["results"], args)
     if args.json:
-        sys.stdout.write(json.dumps(_json_document(args, run, devices, modelled, seconds, parallel), indent=2) + "\n")
+        sys.stdout.write(json.dumps(_json_document(args, run, devices, modelled, seconds, parallel),
+                                    indent=2) + "\n")
     failed = any(r["error"] and not r["error"].startswith("unsupported:")
                  for res in first["results"] for r in res["rows"])
     return 1 if failed else 0

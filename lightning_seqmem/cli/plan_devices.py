@@ -1,12 +1,10 @@
-"""The devices ``seqmem plan`` answers for: one budget or several (``--budget 80GB h200``), named GPUs among
-them.
+"""The devices ``seqmem plan`` answers for: one budget or several (``--budget 80GB h200``).
 
-A budget is bytes (``80GiB``, ``141GB``) or the name of a GPU (:data:`DEVICE_MEMORY`: its memory as
-``nvidia-smi`` and ``torch.cuda.get_device_properties(...).total_memory`` report it). Without one, a CUDA
-config planned on a machine without CUDA answers for the two GPUs long-context runs train on, an
-80 GB H100 and a 141 GB H200; a CUDA device present gives its own total. The usable part of each is
-``budget × (1 − safety margin)``: the margin holds what no dry run counts (the CUDA context, ~0.5 GiB
-outside the allocator; NCCL buffers; fragmentation).
+A budget is bytes (``80GiB``, ``141GB``) or a GPU's name (:data:`DEVICE_MEMORY`: its memory as
+``nvidia-smi`` reports it). Without one, a CUDA config planned without CUDA answers for an 80 GB
+H100 and a 141 GB H200; a CUDA device present gives its own total. The usable part is
+``budget × (1 − safety margin)``: the margin holds what no dry run counts (the CUDA context,
+~0.5 GiB outside the allocator; NCCL buffers; fragmentation).
 
 Example:
     >>> [b.name for b in device_budgets(["h100", "100GiB"], 0.1, None, None)]
@@ -37,14 +35,15 @@ DEFAULT_GPUS = ("h100", "h200")
 
 @dataclass(frozen=True)
 class DeviceBudget:
-    """One device a plan answers for: its name in the output, its memory and the usable part (bytes)."""
+    """One device a plan answers for: name in the output, memory and usable part (bytes)."""
 
     name: str
     budget_bytes: int
     usable_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "budget_bytes": self.budget_bytes, "usable_budget_bytes": self.usable_bytes}
+        return {"name": self.name, "budget_bytes": self.budget_bytes,
+                "usable_budget_bytes": self.usable_bytes}
 
 
 def parse_budget(text: str, option: str = "--budget") -> tuple[str, int]:
@@ -52,10 +51,11 @@ def parse_budget(text: str, option: str = "--budget") -> tuple[str, int]:
 
     >>> parse_budget("H200")[1] == DEVICE_MEMORY["h200"], parse_budget("1GiB")
     (True, ('1.0 GiB', 1073741824))
-    >>> parse_budget("h300")
+    >>> parse_budget("h300")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: `--budget` must be a size (80GiB, 141GB, 900MB) or a GPU among ('h100', 'a100-80gb', 'h200', 'b200'), got 'h300'
+    ValueError: `--budget` must be a size (80GiB, 141GB, 900MB) or a GPU among
+    ('h100', 'a100-80gb', 'h200', 'b200'), got 'h300'
     """
     from lightning_seqmem.core.units import format_bytes, parse_bytes
 
@@ -70,17 +70,19 @@ def parse_budget(text: str, option: str = "--budget") -> tuple[str, int]:
     return format_bytes(size), size
 
 
-def device_budgets(budgets: Optional[Sequence[Any]], margin: float, seqmem: Any, device: Any) -> list[DeviceBudget]:
-    """The devices a plan answers for, first the one its single-budget output uses: ``budgets`` (texts or
-    bytes), else the config's SeqMemCallback ``memory_budget``, else a CUDA device's total, else (a CUDA
-    config simulated here) :data:`DEFAULT_GPUS`; empty where none applies (a CPU plan without a budget)."""
+def device_budgets(budgets: Optional[Sequence[Any]], margin: float, seqmem: Any,
+                   device: Any) -> list[DeviceBudget]:
+    """The devices a plan answers for, the single-budget output's first: ``budgets`` (texts or
+    bytes), else the config's SeqMemCallback ``memory_budget``, else a CUDA device's total, else
+    (a CUDA config simulated here) :data:`DEFAULT_GPUS`; empty for a CPU plan without a budget."""
     from lightning_seqmem.core.units import format_bytes
 
     out: list[tuple[str, int]] = []
     for b in budgets or ():
         out.append((format_bytes(b), int(b)) if isinstance(b, int) else parse_budget(b))
     if not out and seqmem is not None and seqmem.config.memory_budget_bytes is not None:
-        out.append((format_bytes(seqmem.config.memory_budget_bytes), int(seqmem.config.memory_budget_bytes)))
+        out.append((format_bytes(seqmem.config.memory_budget_bytes),
+                    int(seqmem.config.memory_budget_bytes)))
     if not out and device is not None:
         import torch
 

@@ -1,15 +1,13 @@
-"""``seqmem plan --world-size N``: the sequence/context-parallel degrees and offload beside the rungs.
+"""``seqmem plan --world-size N``: sequence/context-parallel degrees and offload beside the rungs.
 
-For each length, layouts (:mod:`lightning_seqmem.plan.parallel`) are dry-run in search order: the
-mitigation sets cheapest first; within a set, the sequence-parallel degree ascending (Ulysses before
-ring at a degree); the first that fits the usable budget per rank is the plan. Only where nothing
-fits, FSDP2 ``CPUOffloadPolicy`` is tried on the rows already run, each by a dry run of the same
-layout with offload (:mod:`lightning_seqmem.dryrun.cpu_offload`: the device peak and, beside it, the
-host peak), which fits where both fit: the device's usable budget and the host budget
-(:func:`lightning_seqmem.plan.budgets.fits_budgets`). Only where that dry run is refused does a formula
-stand in (``peak_source`` says so: :func:`lightning_seqmem.plan.parallel.offload_model`). DeepSpeed
-ZeRO-3 offload is planned by the same rows (:data:`~lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE`).
-The degree-1 rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run again.
+Per length, layouts (:mod:`lightning_seqmem.plan.parallel`) are dry-run in search order: the
+mitigation sets cheapest first, within a set the degree ascending (Ulysses before ring); the first
+that fits the usable budget per rank is the plan. Only where nothing fits is FSDP2
+``CPUOffloadPolicy`` dry-run on the rows already run (:mod:`lightning_seqmem.dryrun.cpu_offload`:
+device and host peaks, judged by :func:`lightning_seqmem.plan.budgets.fits_budgets`); where that
+dry run is refused, :func:`~lightning_seqmem.plan.parallel.offload_model` stands in
+(``peak_source`` says so). DeepSpeed ZeRO-3 offload is planned by the same rows. The degree-1
+rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run again.
 """
 
 from __future__ import annotations
@@ -22,10 +20,12 @@ from lightning_seqmem.plan.judging import dry_run_bound
 
 __all__ = ["optimizer_states_per_parameter", "parallel_plans"]
 
-RING_NOTE = ("ring rows: PyTorch's own ring attention code (context_parallel's _templated_ring_attention, allgather "
-             "rotation, float32 merge, and its backward) run on the CPU flash kernel in the fake process group; a real "
-             "ring step (forward and backward) runs only on CUDA, where context_parallel dispatches the flash/efficient/"
-             "cuDNN kernels: not measured on CPU (benchmarks/gpu_check.py --ring on a GPU)")
+RING_NOTE = ("ring rows: PyTorch's own ring attention code (context_parallel's "
+             "_templated_ring_attention, allgather rotation, float32 merge, and its backward) run "
+             "on the CPU flash kernel in the fake process group; a real ring step (forward and "
+             "backward) runs only on CUDA, where context_parallel dispatches the "
+             "flash/efficient/cuDNN kernels: not measured on CPU (benchmarks/gpu_check.py "
+             "--ring on a GPU)")
 
 
 def optimizer_states_per_parameter(optimizer: Any) -> Optional[int]:
@@ -44,10 +44,12 @@ def optimizer_states_per_parameter(optimizer: Any) -> Optional[int]:
         import inspect
 
         accepted = inspect.signature(type(optimizer).__init__).parameters
-        copy = type(optimizer)([p], **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
+        copy = type(optimizer)([p], **{k: v for k, v in optimizer.defaults.items()
+                                       if k in accepted and k != "params"})
         p.grad = torch.ones(4)
         copy.step()
-        return sum(1 for t in copy.state[p].values() if isinstance(t, torch.Tensor) and t.numel() == 4)
+        return sum(1 for t in copy.state[p].values()
+                   if isinstance(t, torch.Tensor) and t.numel() == 4)
     except Exception:  # noqa: BLE001 - an unknown optimizer: the offload model says so
         return None
 
@@ -71,8 +73,9 @@ class _Shard:
     host_budget: Optional[int] = None  # bytes of host memory per rank's process (None: not judged)
 
 
-def _attention_calls(console: Any, model: Any, batch: Any, batch_size: int, names: tuple[str, ...]) -> Any:
-    """The model's SDPA calls, heads and mask with ``names`` on (none known where they cannot be read)."""
+def _attention_calls(console: Any, model: Any, batch: Any, batch_size: int,
+                     names: tuple[str, ...]) -> Any:
+    """The model's SDPA calls, heads and mask with ``names`` on (none known if unreadable)."""
     from lightning_seqmem.dryrun.sequence_parallel import AttentionCalls, attention_calls
 
     try:
@@ -82,38 +85,43 @@ def _attention_calls(console: Any, model: Any, batch: Any, batch_size: int, name
         return AttentionCalls()
 
 
-def _print_search(console: Any, world_size: int, kinds: tuple[str, ...], engine: Optional[str], calls: Any) -> None:
-    console.print(f"sequence parallelism at {world_size} ranks: the group lies within the world (dp_shard x degree = "
-                  f"{world_size}; FSDP2 shards the parameters over all {world_size}, as torchtitan's dp_shard_cp mesh "
-                  "and DeepSpeed's ZeRO-3 do); search order: the rung sets cheapest first, within each the degree "
-                  "ascending (Ulysses before ring), offload last; kinds searched: "
+def _print_search(console: Any, world_size: int, kinds: tuple[str, ...], engine: Optional[str],
+                  calls: Any) -> None:
+    console.print(f"sequence parallelism at {world_size} ranks: the group lies within the world "
+                  f"(dp_shard x degree = {world_size}; FSDP2 shards the parameters over all "
+                  f"{world_size}, as torchtitan's dp_shard_cp mesh and DeepSpeed's ZeRO-3 do); "
+                  "search order: the rung sets cheapest first, within each the degree ascending "
+                  "(Ulysses before ring), offload last; kinds searched: "
                   f"{', '.join(kinds) or 'none'}" + (f" (what {engine} runs)" if engine else "")
-                  + f"; the model's attention: {calls.calls} SDPA calls, {calls.n_heads} heads, {calls.n_kv_heads} KV "
-                  f"heads, {'an explicit attn_mask' if calls.masked else 'no explicit mask'}")
+                  + f"; the model's attention: {calls.calls} SDPA calls, {calls.n_heads} heads, "
+                  f"{calls.n_kv_heads} KV heads, "
+                  f"{'an explicit attn_mask' if calls.masked else 'no explicit mask'}")
 
 
 def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layout: Any,
                 no_sdpa: dict[tuple[str, ...], str]) -> dict[str, Any]:
-    """One layout with ``names`` at ``res``'s length: degree 1 is the N-rank table's own row; a set whose
-    model makes no SDPA call (``no_sdpa``, filled here) runs no degree above 1."""
+    """One layout with ``names`` at ``res``'s length: degree 1 is the N-rank table's own row; a set
+    whose model makes no SDPA call (``no_sdpa``, filled here) runs no degree above 1."""
     from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.result import DryRunUnsupported
 
     L = res["seq_len"]
     row = {**layout.to_json(), "layout": layout.name(), "mitigations": list(names), "seq_len": L,
-           "batch_size": shard.batch_size, "tokens_per_rank": layout.local_seq_len(L), "peak_source": "dry run",
-           "host_bytes": None, "peak_bytes": None, "error": None, "seconds": 0.0}
+           "batch_size": shard.batch_size, "tokens_per_rank": layout.local_seq_len(L),
+           "peak_source": "dry run", "host_bytes": None, "peak_bytes": None, "error": None,
+           "seconds": 0.0}
     started = time.perf_counter()
     if layout.degree == 1:
         own = _peak_row(res["rows"], names) or {}
-        row.update(peak_bytes=own.get("peak_bytes"), error=own.get("error"), seconds=own.get("seconds", 0.0))
+        row.update(peak_bytes=own.get("peak_bytes"), error=own.get("error"),
+                   seconds=own.get("seconds", 0.0))
     elif names in no_sdpa:
         row["error"] = no_sdpa[names]
     else:
         try:
             row["peak_bytes"] = depth_sequence_parallel_dry_run_step(
-                shard.model, shard.batch, L, shard.world_size, layout.degree, layout.kind, shard.batch_size, names,
-                shard.context, shard.device).peak_bytes
+                shard.model, shard.batch, L, shard.world_size, layout.degree, layout.kind,
+                shard.batch_size, names, shard.context, shard.device).peak_bytes
         except DryRunUnsupported as exc:
             row["error"] = f"unsupported: {exc.reason}"
             if "no scaled_dot_product_attention call" in exc.reason:
@@ -122,15 +130,16 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
             row["error"] = f"failed: {type(exc).__name__}: {exc}"
         row["seconds"] = time.perf_counter() - started
     row["bound_bytes"] = None if row["peak_bytes"] is None else dry_run_bound(row["peak_bytes"])
-    row["fits"] = None if shard.usable is None or row["bound_bytes"] is None else row["bound_bytes"] <= shard.usable
+    row["fits"] = (None if shard.usable is None or row["bound_bytes"] is None
+                   else row["bound_bytes"] <= shard.usable)
     return row
 
 
 def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
                     ok: Sequence[Any]) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]]]:
-    """(the rows run, the first that fits or None): the sets in order, the layouts ``ok`` within each."""
+    """(rows run, the first that fits or None): the sets in order, layouts ``ok`` within each."""
     rows: list[dict[str, Any]] = []
-    no_sdpa: dict[tuple[str, ...], str] = {}  # a set whose model makes no SDPA call: no degree > 1 runs
+    no_sdpa: dict[tuple[str, ...], str] = {}  # sets without an SDPA call: no degree > 1 runs
     for names in sets:
         for layout in ok:
             rows.append(_layout_row(shard, res, names, layout, no_sdpa))
@@ -140,8 +149,8 @@ def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str
 
 
 def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
-    """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a dry
-    run; where it is refused, the formula on the row's own peak, marked so."""
+    """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a
+    dry run; where it is refused, the formula on the row's own peak, marked so."""
     from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.result import DryRunUnsupported
     from lightning_seqmem.plan.parallel import offload_model
@@ -153,7 +162,8 @@ def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
             row["sequence_parallel"], shard.batch_size, tuple(row["mitigations"]), shard.context,
             shard.device, offload=True)
         return {"peak_source": "dry run", "peak_bytes": result.peak_bytes,
-                "host_bytes": result.host_peak_bytes, "host_phase_peak_bytes": result.host_phase_peak_bytes}
+                "host_bytes": result.host_peak_bytes,
+                "host_phase_peak_bytes": result.host_phase_peak_bytes}
     except DryRunUnsupported as exc:
         state = shard.state
         model = offload_model(row["peak_bytes"], state["parameter_shard_bytes"],
@@ -173,8 +183,8 @@ def _offload_rows(shard: _Shard, rows: list[dict[str, Any]]) -> Optional[dict[st
         off = {**row, "offload": True, "layout": row["layout"] + " + offload",
                **_offload_peaks(shard, row)}
         off["bound_bytes"] = dry_run_bound(off["peak_bytes"])
-        fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable, shard.host_budget,
-                           bound_bytes=off["bound_bytes"])
+        fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable,
+                           shard.host_budget, bound_bytes=off["bound_bytes"])
         off.update(fits=fit.fits, fit=fit.reason, seconds=time.perf_counter() - started)
         rows.append(off)
         if off["fits"]:
@@ -182,19 +192,21 @@ def _offload_rows(shard: _Shard, rows: list[dict[str, Any]]) -> Optional[dict[st
     return None
 
 
-def _length_plan(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]], kinds: tuple[str, ...],
-                 calls: Any, state: dict[str, int], per_parameter: Optional[int]) -> dict[str, Any]:
+def _length_plan(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
+                 kinds: tuple[str, ...], calls: Any, state: dict[str, int],
+                 per_parameter: Optional[int]) -> dict[str, Any]:
     """The layouts of one length, searched (offload last, with a budget), as its JSON entry."""
     from lightning_seqmem.plan.parallel import layouts
 
-    ok, skipped = layouts(shard.world_size, res["seq_len"], calls.n_heads, calls.n_kv_heads, calls.masked, kinds)
+    ok, skipped = layouts(shard.world_size, res["seq_len"], calls.n_heads, calls.n_kv_heads,
+                          calls.masked, kinds)
     rows, plan = _search_layouts(shard, res, sets if shard.usable is not None else sets[-1:], ok)
     if plan is None and shard.usable is not None:  # offload, dry-run on the rows run
         plan = _offload_rows(shard, rows)
     return {"seq_len": res["seq_len"], "rows": rows, "plan": plan,
             "skipped_degrees": [{"kind": k, "degree": d, "reason": why} for k, d, why in skipped],
-            "attention": {"calls": calls.calls, "heads": calls.n_heads, "kv_heads": calls.n_kv_heads,
-                          "explicit_mask": calls.masked},
+            "attention": {"calls": calls.calls, "heads": calls.n_heads,
+                          "kv_heads": calls.n_kv_heads, "explicit_mask": calls.masked},
             "state_bytes_per_rank": state, "optimizer_states_per_parameter": per_parameter,
             "host_budget_bytes": shard.host_budget}
 
@@ -206,16 +218,19 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
     from lightning_seqmem.cli.plan_text import fits_cell
     from lightning_seqmem.core.units import format_bytes
 
-    table = Table(title=f"seqmem plan: per-rank peak at {world_size} ranks with the sequence split (dry run of one "
-                        "rank's shard: its tokens, the all-to-all or K/V buffers, the collectives' outputs; formula: "
-                        "modelled)", title_justify="left")
-    for header in ("seq_len", "layout", "mitigations", "tokens/rank", "peak/rank", "figure", "host/rank",
-                   *(["fits"] if usable is not None else []), "time"):
-        table.add_column(header, justify="left" if header in ("layout", "mitigations", "figure") else "right")
+    table = Table(title=f"seqmem plan: per-rank peak at {world_size} ranks with the sequence split "
+                        "(dry run of one rank's shard: its tokens, the all-to-all or K/V buffers, "
+                        "the collectives' outputs; formula: modelled)", title_justify="left")
+    for header in ("seq_len", "layout", "mitigations", "tokens/rank", "peak/rank", "figure",
+                   "host/rank", *(["fits"] if usable is not None else []), "time"):
+        table.add_column(header, justify="left" if header in ("layout", "mitigations", "figure")
+                         else "right")
     for entry in plans:
         for row in entry["rows"]:
-            peak = format_bytes(row["peak_bytes"]) if row["peak_bytes"] is not None else (row["error"] or "-")[:60]
-            table.add_row(str(row["seq_len"]), row["layout"], " + ".join(row["mitigations"]) or "none",
+            peak = (format_bytes(row["peak_bytes"]) if row["peak_bytes"] is not None
+                    else (row["error"] or "-")[:60])
+            table.add_row(str(row["seq_len"]), row["layout"],
+                          " + ".join(row["mitigations"]) or "none",
                           str(row["tokens_per_rank"]), peak, row["peak_source"],
                           "-" if row["host_bytes"] is None else format_bytes(row["host_bytes"]),
                           *fits_cell(row, usable), f"{row['seconds']:.1f}s",
@@ -224,9 +239,9 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
     return table
 
 
-def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_size: int, usable: Optional[int],
-                        engine: Optional[str]) -> None:
-    """Per length: the degrees skipped, the cheapest layout (and its launch config with ``--emit``), or none."""
+def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_size: int,
+                        usable: Optional[int], engine: Optional[str]) -> None:
+    """Per length: degrees skipped, the cheapest layout (with ``--emit`` its launch config)."""
     from lightning_seqmem.cli.emit import emit
     from lightning_seqmem.core.units import format_bytes
 
@@ -236,10 +251,13 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
             console.print(f"seq_len {L}: {skip['kind']} {skip['degree']} skipped: {skip['reason']}")
         plan = entry["plan"]
         if plan is not None:
-            console.print(f"seq_len {L}: cheapest layout at {world_size} ranks: [bold]{plan['layout']}[/bold], rungs "
-                          f"{' + '.join(plan['mitigations']) or 'none'} ({format_bytes(plan['peak_bytes'])} per rank"
-                          f" of {format_bytes(usable)} usable, {plan['peak_source']}"
-                          + (f"; host {format_bytes(plan['host_bytes'])} per rank" if plan["host_bytes"] else "") + ")")
+            console.print(f"seq_len {L}: cheapest layout at {world_size} ranks: "
+                          f"[bold]{plan['layout']}[/bold], rungs "
+                          f"{' + '.join(plan['mitigations']) or 'none'} "
+                          f"({format_bytes(plan['peak_bytes'])} per rank of {format_bytes(usable)} "
+                          f"usable, {plan['peak_source']}"
+                          + (f"; host {format_bytes(plan['host_bytes'])} per rank"
+                             if plan["host_bytes"] else "") + ")")
             if plan.get("offload") and engine == "deepspeed":
                 from lightning_seqmem.plan.parallel import ZERO3_OFFLOAD_NOTE
 
@@ -249,17 +267,18 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
                 console.print(f"--emit {engine} (seq_len {L}):", highlight=False)
                 console.print(plan["launch_config"], highlight=False, markup=False)
         elif usable is not None:
-            console.print(f"seq_len {L}: [red]no layout fits[/red] at {world_size} ranks (with offload: device and "
-                          "host peaks dry-run)")
+            console.print(f"seq_len {L}: [red]no layout fits[/red] at {world_size} ranks (with "
+                          "offload: device and host peaks dry-run)")
 
 
 def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_size: int,
-                   sets: Sequence[tuple[str, ...]], usable: Optional[int], context: Any, device: Any, world_size: int,
-                   results: Sequence[dict[str, Any]], kinds: tuple[str, ...], engine: Optional[str],
+                   sets: Sequence[tuple[str, ...]], usable: Optional[int], context: Any,
+                   device: Any, world_size: int, results: Sequence[dict[str, Any]],
+                   kinds: tuple[str, ...], engine: Optional[str],
                    host_budget: Optional[int] = None) -> list[dict[str, Any]]:
     """Search, print and return (JSON) the N-rank layouts of every length of ``results`` (the N-rank
-    table's rows, reused at degree 1); offload rows are held against ``host_budget`` too (bytes; None:
-    only the device's budget)."""
+    table's rows, reused at degree 1); offload rows are held against ``host_budget`` too (bytes;
+    None: only the device's budget)."""
     from lightning_seqmem.cli.emit import ENGINE_KINDS
     from lightning_seqmem.dryrun.sequence_parallel import state_bytes
 
@@ -269,7 +288,8 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     per_parameter = optimizer_states_per_parameter(optimizer)
     state = state_bytes(model, world_size, per_parameter)
     _print_search(console, world_size, kinds, engine, calls)
-    shard = _Shard(model, batch, batch_size, context, device, world_size, usable, state, host_budget)
+    shard = _Shard(model, batch, batch_size, context, device, world_size, usable, state,
+                   host_budget)
     plans = [_length_plan(shard, res, sets, kinds, calls, state, per_parameter) for res in results]
     console.print(_layout_table(plans, world_size, usable))
     if "ring" in kinds:

@@ -1,27 +1,19 @@
 """The rows of a plan's table dry-run in several processes at once (``seqmem plan --workers N``).
 
-Every row of the table (each length, mitigation set and offload choice) is one dry run, independent
-of the others, and most of a plan's time on a laptop (2 cores: one busy, one idle). At the start of
-the plan :func:`start_workers` starts ``workers - 1`` Python processes (:func:`worker_command`: the
-:func:`serve` loop, with ``seqmem plan``'s own set-up; not forked: this package's ``dryrun`` wing
-runs a backward on import, and a process forked after one cannot run autograd), each of which
-imports the package and sets the plan up as this one does (the same command line, the same
-``sys.path``), while this one does the same. :func:`collect_rows` then hands the table's rows out in
-whole *families* (:func:`families`: one setting, with or without offload, at every length: its
-depth proof is made once, in the process that asks it; :mod:`lightning_seqmem.dryrun.depth`), the
-likely costliest first: each worker gets the next family whenever it answers, this process takes
-the one after, and the rows the workers send back (length-prefixed pickles over pipes) go into the
-plan's cache, so that what follows reads them as its own. A plan that answers for several devices (``--budget 80GB h200``; a CUDA
-config planned without a GPU: an H100 and an H200) then answers the first here and the others in
-the workers (:func:`device_plans`: each device's plans, fastest-setting and longest-length
-searches, from the rows made so far). Same rows, same answers; only their ``seconds`` (each
-process's own), the order in which they were made and, where two devices' searches ask the same
-length, a few dry runs made twice differ.
+Each row of the table (length, mitigation set, offload) is one independent dry run, and the rows
+are most of a plan's time (on a 2-core laptop, one core sat idle). :func:`start_workers` starts
+``workers - 1`` Python processes (:func:`worker_command`; not forked: the ``dryrun`` wing runs a
+backward on import, and a process forked after one cannot run autograd) that set the plan up as
+this one does, meanwhile. :func:`collect_rows` hands the rows out in whole *families*
+(:func:`families`: one setting at every length, so its depth proof is made once), the likely
+costliest first, and merges the rows sent back (length-prefixed pickles over pipes) into the
+plan's cache. With several devices (``--budget 80GB h200``) the first is answered here, the others
+in the workers (:func:`device_plans`). Same rows, same answers; only ``seconds``, the order and a
+few dry runs made twice differ.
 
 Nothing here may fail a plan: a worker that cannot start, fails, dies or answers late
-(:data:`WAIT_FACTOR` times this process's own part, at least :data:`WAIT_FLOOR_S`) is ignored
-(killed where it still runs), and its rows are dry-run here (or when they are asked). One worker, one
-core, or a system without ``select`` on pipes (not POSIX), dry-runs in this process alone.
+(:data:`WAIT_FACTOR` times this process's own part, at least :data:`WAIT_FLOOR_S`) is killed and
+its rows are dry-run here. One worker, or no ``select`` on pipes (not POSIX): this process alone.
 
 Example:
     >>> [len(f) for f in families([(64, ("a",), None, False), (128, ("a",), None, False),
@@ -39,8 +31,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-__all__ = ["WAIT_FACTOR", "WAIT_FLOOR_S", "Workers", "collect_rows", "default_workers", "device_plans", "families",
-           "serve", "start_workers", "worker_command"]
+__all__ = ["WAIT_FACTOR", "WAIT_FLOOR_S", "Workers", "collect_rows", "default_workers",
+           "device_plans", "families", "serve", "start_workers", "worker_command"]
 
 WAIT_FACTOR = 4.0
 """A worker's answer is waited for up to this many times this process's own share of the rows."""
@@ -72,8 +64,8 @@ def default_workers() -> int:
 
 
 def families(keys: list[Key]) -> list[list[Key]]:
-    """``keys`` grouped in *families* (one setting, with or without offload, at one world: its rows at
-    every length), the likely costliest first: offload before none (a host tracker and FSDP2's
+    """``keys`` grouped in *families* (one setting, with or without offload, at one world: its rows
+    at every length), the likely costliest first: offload before none (a host tracker and FSDP2's
     copies beside the device's), more rungs before fewer, each family's lengths in order.
 
     Example:
@@ -121,7 +113,8 @@ def worker_command() -> list[str]:
     >>> worker_command()[1:]
     ['-c', 'from lightning_seqmem.cli.plan import serve_worker; serve_worker()']
     """
-    return [sys.executable, "-c", "from lightning_seqmem.cli.plan import serve_worker; serve_worker()"]
+    return [sys.executable, "-c",
+            "from lightning_seqmem.cli.plan import serve_worker; serve_worker()"]
 
 
 def start_workers(args: Any, workers: int) -> Workers:
@@ -137,8 +130,8 @@ def start_workers(args: Any, workers: int) -> Workers:
     children = []
     for _ in range(workers - 1):
         try:
-            child = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+            child = subprocess.Popen(worker_command(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         except OSError:
             continue
         if _send(child, (list(sys.path), args)):
@@ -149,7 +142,7 @@ def start_workers(args: Any, workers: int) -> Workers:
 
 
 def _send(child: subprocess.Popen, message: Any) -> bool:
-    """Write ``message`` to a worker (8 bytes of length, then the pickle); False where it is gone."""
+    """Write ``message`` to a worker (8 bytes of length, then the pickle); False if it is gone."""
     try:
         data = pickle.dumps(message)
         child.stdin.write(len(data).to_bytes(8, "big") + data)
@@ -175,7 +168,7 @@ def _read(fd: int, size: int, deadline: float) -> Optional[bytes]:
 
 
 def _receive(child: subprocess.Popen, deadline: float) -> Optional[tuple]:
-    """A worker's next answer, ``("ok", ...)``, or None: late, gone, garbled or ``("failed", why)``."""
+    """A worker's next ``("ok", ...)`` answer, else None (late, gone, garbled or ``"failed"``)."""
     fd = child.stdout.fileno()
     head = _read(fd, 8, deadline)
     data = None if head is None else _read(fd, int.from_bytes(head, "big"), deadline)
@@ -205,11 +198,10 @@ def _ready(child: subprocess.Popen) -> bool:
 
 
 def collect_rows(run: Any, lengths: list[int], workers: Workers) -> int:
-    """Dry-run the table's rows at ``lengths`` here and in the workers, a family at a time
-    (:func:`families`: each worker is given the next one whenever it answers, this process takes
-    the one after), every worker's rows into ``run.cache`` (``run.dry_runs`` and ``run.dry_seconds``
-    count every process's); the processes that answered, this one included (1: it ran alone). A
-    worker that failed, died or is late is stopped: its family is dry-run here (or when asked)."""
+    """Dry-run the table's rows at ``lengths`` here and in the workers, a family (:func:`families`)
+    at a time (each worker gets the next whenever it answers, this process the one after), every
+    row into ``run.cache`` (``run.dry_runs``, ``run.dry_seconds``: every process's); returns how
+    many processes answered, this one included. A failed, dead or late worker's family runs here."""
     todo = families(run.table_keys(lengths))
     busy: dict[subprocess.Popen, list[Key]] = {}
     answered: list[subprocess.Popen] = []
@@ -260,14 +252,15 @@ def device_plans(run: Any, workers: Workers, budgets: list[Any], lengths: list[i
     jobs: dict[int, subprocess.Popen] = {}
     snapshot = dict(run.cache)
     for i, child in zip(range(1, len(budgets)), workers.children):  # one job each: no second write
-        if _send(child, ("device", snapshot, budgets[i], lengths)):  # while a worker writes its answer
+        if _send(child, ("device", snapshot, budgets[i], lengths)):  # while it writes its answer
             jobs[i] = child
     started = time.monotonic()
     out = [{**local(budgets[0], 0), "process": 0}]
     deadline = _deadline(started)
     for i in range(1, len(budgets)):
         child = jobs.get(i)
-        answer = None if child is None or child not in workers.children else _receive(child, deadline)
+        answer = (None if child is None or child not in workers.children
+                  else _receive(child, deadline))
         if answer is None:
             if child is not None and child in workers.children:
                 _stop(child)
@@ -304,9 +297,8 @@ def _job(run: Any, args: Any, job: tuple, device_plan: Callable[..., dict]) -> t
 
 def serve(set_up: Callable[[Any], Any], device_plan: Callable[..., dict]) -> None:
     """A worker's loop (:func:`worker_command` runs it): read ``(sys.path, args)`` from stdin and
-    ``set_up(args)`` the plan, then answer each job read from stdin (:func:`_job`; ``device_plan(run,
-    lengths, budget, args)`` answers a device; length-prefixed pickles both ways) until stdin closes;
-    a job that fails answers ``("failed", why)``."""
+    ``set_up(args)`` the plan, then answer each job read (:func:`_job`; ``device_plan(run, lengths,
+    budget, args)`` answers a device) until stdin closes; a job that fails: ``("failed", why)``."""
     out, stdin = sys.stdout.buffer, sys.stdin.buffer
     sys.stdout = sys.stderr  # nothing but the answers on stdout
     run = args = None

@@ -1,2 +1,1 @@
-"""Plain values to text and figures: the report and the TensorBoard layout and figure. No loggers, no
-files."""
+"""Plain values to text and figures: the report, the TensorBoard layout and figure (no I/O)."""

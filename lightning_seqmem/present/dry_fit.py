@@ -1,23 +1,20 @@
-"""Between and past the lengths dry-run, without another dry run: the fit through the dry runs cached.
+"""Forecasts between and past the lengths dry-run, from the dry runs cached (no new dry run).
 
-A dry run costs about a second per length at real model sizes, and a report or figure drawn
-before the setting on now has a quadratic fit of its own (dynamic padding: every measured step is
-a new shape's warm-up, never fitted) would otherwise dry-run every length it shows. On the CPU a
-dry run is the exact step on fake tensors, and a step's peak is piecewise quadratic in the length,
-so the lengths dry-run already (and, where fewer than two were, the measured steps: real peaks,
-with the dry run's margin on them) are interpolated instead
-(:func:`~lightning_seqmem.plan.dry_search.fitted_bytes`: the parabola through the three nearest,
-kept between its neighbours). Such a forecast has the method :data:`DRY_RUN_FIT` and a detail
-naming the lengths it rests on: it is never presented as a dry run. At a length dry-run already
-the dry run's own forecast answers (cached, free).
+A dry run costs about a second per length at real model sizes; a report or figure would otherwise
+dry-run every length it shows. A step's peak is piecewise quadratic in the length, so the dry runs
+(with fewer than two, the measured steps plus the dry run's margin) are interpolated by
+:func:`~lightning_seqmem.plan.dry_search.fitted_bytes`. Such a forecast has the method
+:data:`DRY_RUN_FIT` and a detail naming its lengths: it is never presented as a dry run.
 
 Example:
     >>> from lightning_seqmem.plan.planner import SeqMemPlanner
-    >>> p = SeqMemPlanner(memory_budget_bytes=10**7, dry_runner=lambda L, B, m: (1_000 + 3 * L * L, {"forward": 1_000 + 3 * L * L}))
+    >>> run = lambda L, B, m: (1_000 + 3 * L * L, {"forward": 1_000 + 3 * L * L})
+    >>> p = SeqMemPlanner(memory_budget_bytes=10**7, dry_runner=run)
     >>> _ = p.evidence.dry.peak(256, 2), p.evidence.dry.peak(512, 2), p.evidence.dry.peak(1024, 2)
     >>> fc = dry_fit_forecast(p, 768, 2)
-    >>> fc.method, fc.peak_bytes == 1_000 + 3 * 768 * 768, fc.detail
-    ('dry_run_fit', True, 'quadratic through the dry runs at seq_len [256, 512, 1024] (batch 2): a fit, not a dry run at 768')
+    >>> fc.method, fc.peak_bytes == 1_000 + 3 * 768**2, fc.detail  # doctest: +NORMALIZE_WHITESPACE
+    ('dry_run_fit', True, 'quadratic through the dry runs at seq_len [256, 512, 1024] (batch 2):
+    a fit, not a dry run at 768')
     >>> dry_fit_forecast(p, 512, 2).method   # a length dry-run already: that dry run
     'dry_run'
 """
@@ -36,13 +33,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DRY_RUN_FIT", "dry_fit_anchors", "dry_fit_forecast"]
 
 DRY_RUN_FIT = "dry_run_fit"
-"""``Forecast.method`` of a forecast interpolated from the dry runs cached (no dry run at its length)."""
+"""``Forecast.method`` of a forecast interpolated from the dry runs cached (none at its length)."""
 
 
 def dry_fit_anchors(view: "PlanView", batch_size: int) -> dict[int, Forecast]:
-    """``seq_len -> Forecast`` of the dry runs cached at ``batch_size`` with the rungs on now (none
-    runs), and, where fewer than two lengths were dry-run, of the measured steps of that setting
-    after the first (the real peak, the dry run's margin on it; method ``"measured"``)."""
+    """``seq_len -> Forecast`` of the dry runs cached at ``batch_size``, rungs on now; with fewer
+    than two, also of that setting's measured steps after the first (method ``"measured"``)."""
     out: dict[int, Forecast] = {}
     for L in view.evidence.dry.answered(batch_size):
         fc = view.evidence.dry.forecast(L, batch_size)  # cached: no dry run
@@ -59,18 +55,19 @@ def dry_fit_anchors(view: "PlanView", batch_size: int) -> dict[int, Forecast]:
         if r.seq_len in out and out[r.seq_len].peak_bytes >= r.peak_bytes:
             continue
         upper = int(r.peak_bytes * margin)
-        reserved = int(upper * (r.reserved_bytes / r.peak_bytes)) if r.reserved_bytes and r.peak_bytes else upper
+        reserved = (int(upper * (r.reserved_bytes / r.peak_bytes))
+                    if r.reserved_bytes and r.peak_bytes else upper)
         phases = {ph: int(v) for ph in PHASES
                   if (v := getattr(r, f"{ph}_peak_bytes", None)) is not None}
-        out[r.seq_len] = Forecast(r.seq_len, batch_size, r.peak_bytes, upper, reserved, "measured", phases)
+        out[r.seq_len] = Forecast(r.seq_len, batch_size, r.peak_bytes, upper, reserved, "measured",
+                                  phases)
     return out
 
 
 def dry_fit_forecast(view: "PlanView", seq_len: int, batch_size: int,
                      anchors: Optional[dict[int, Forecast]] = None) -> Optional[Forecast]:
-    """The forecast at ``(seq_len, batch_size)`` with the rungs on now from the dry runs cached: the
-    dry run's own where ``seq_len`` was dry-run, else the fit through :func:`dry_fit_anchors`
-    (method :data:`DRY_RUN_FIT`); None with fewer than two anchors. Never runs a dry run."""
+    """The forecast at ``(seq_len, batch_size)``, rungs on now: the cached dry run's at a length
+    dry-run, else the fit through :func:`dry_fit_anchors` (None with fewer than two). No dry run."""
     anchors = dry_fit_anchors(view, batch_size) if anchors is None else anchors
     if seq_len in anchors and anchors[seq_len].method == "dry_run":
         return anchors[seq_len]
@@ -78,14 +75,17 @@ def dry_fit_forecast(view: "PlanView", seq_len: int, batch_size: int,
         return None
 
     def fit(value: str) -> int:
-        return int(fitted_bytes({L: getattr(fc, value) for L, fc in anchors.items()}, seq_len) or 0)
+        return int(fitted_bytes({L: getattr(fc, value) for L, fc in anchors.items()}, seq_len)
+                   or 0)
 
     phases = {}
     for ph in set.intersection(*(set(fc.phase_peak_bytes) for fc in anchors.values())):
-        phases[ph] = int(fitted_bytes({L: fc.phase_peak_bytes[ph] for L, fc in anchors.items()}, seq_len) or 0)
+        phases[ph] = int(fitted_bytes({L: fc.phase_peak_bytes[ph] for L, fc in anchors.items()},
+                                      seq_len) or 0)
     kinds = sorted({fc.method for fc in anchors.values()})
-    source = " and ".join({"dry_run": "the dry runs", "measured": "the measured steps"}.get(k, k) for k in kinds)
+    source = " and ".join({"dry_run": "the dry runs", "measured": "the measured steps"}.get(k, k)
+                          for k in kinds)
     detail = (f"quadratic through {source} at seq_len {sorted(anchors)} (batch {batch_size}): "
               f"a fit, not a dry run at {seq_len}")
-    return Forecast(int(seq_len), int(batch_size), fit("peak_bytes"), fit("upper_bytes"), fit("reserved_upper_bytes"),
-                    DRY_RUN_FIT, phases, detail)
+    return Forecast(int(seq_len), int(batch_size), fit("peak_bytes"), fit("upper_bytes"),
+                    fit("reserved_upper_bytes"), DRY_RUN_FIT, phases, detail)

@@ -1,17 +1,8 @@
 """TensorBoard panels: the custom-scalars layout of the ``seqmem/*`` scalars, and the memory figure.
 
-What the panels show; :mod:`lightning_seqmem.trainer.outputs` writes them. matplotlib is imported
-lazily, inside the functions that draw, and figures are drawn with its object API on an Agg canvas
-(``Figure`` + ``FigureCanvasAgg``): no global backend is switched and pyplot's figure registry is
-never touched, so drawing works headless and leaves a notebook's backend alone.
-
-* :func:`custom_scalars_layout` (written by :func:`lightning_seqmem.trainer.outputs.write_layout`): the "CUSTOM SCALARS" tab groups the
-  scalars that :class:`~lightning_seqmem.SeqMemCallback` logs (see its docstring for the tags) into
-  four categories: memory per step, forecast vs measured, headroom, and CUDA fragmentation.
-* :func:`memory_figure` (logged and saved by :mod:`lightning_seqmem.trainer.outputs`): memory against sequence length:
-  the measured points, both predictors' curves, the budget, and where mitigations switched on.
-
-Bytes everywhere else in the package; here, at the display edge, GiB (or MiB for small runs).
+Written by :mod:`lightning_seqmem.trainer.outputs`. matplotlib is imported lazily and draws on an
+Agg canvas with its object API: no global backend or pyplot registry is touched, so drawing works
+headless and leaves a notebook's backend alone. Here, at the display edge, GiB (or MiB), not bytes.
 """
 
 from __future__ import annotations
@@ -27,37 +18,25 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lightning_seqmem.plan.view import PlanView
 
-__all__ = [
-    "BREAKDOWN_TAG",
-    "FIGURE_TAG",
-    "LAYOUT_CATEGORIES",
-    "custom_scalars_layout",
-    "memory_figure",
-]
+__all__ = ["BREAKDOWN_TAG", "FIGURE_TAG", "LAYOUT_CATEGORIES", "custom_scalars_layout",
+           "memory_figure"]
 
 FIGURE_TAG = "seqmem/memory_vs_seq_len"
 """Image tag of :func:`log_figure` in TensorBoard's "IMAGES" tab."""
 
 BREAKDOWN_TAG = "seqmem/breakdown"
-"""Text tag of the memory breakdown (``SeqMemCallback(breakdown=True)``) in TensorBoard's "TEXT" tab."""
+"""Text tag (TensorBoard's "TEXT" tab) of the breakdown of ``SeqMemCallback(breakdown=True)``."""
 
-LAYOUT_CATEGORIES = (
-    "seqmem: memory per step (GiB)",
-    "seqmem: forecast vs measured",
-    "seqmem: headroom",
-    "seqmem: fragmentation (CUDA)",
-)
+LAYOUT_CATEGORIES = ("seqmem: memory per step (GiB)", "seqmem: forecast vs measured",
+                     "seqmem: headroom", "seqmem: fragmentation (CUDA)")
 """Category titles of :func:`custom_scalars_layout`, in display order."""
 
 
-
 def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]:
-    """The TensorBoard custom-scalars layout of the planner's scalars.
-
-    Returns ``{category: {chart title: ["Multiline", [tag, ...]]}}``, the format
-    ``SummaryWriter.add_custom_scalars`` takes. Tags are the planner's (``prefix`` + name, as in
-    the :class:`~lightning_seqmem.SeqMemCallback` docstring); TensorBoard reads them as regular
-    expressions, and none of them is a prefix of another. Units are in the chart titles.
+    """The custom-scalars layout of the planner's scalars, as ``SummaryWriter.add_custom_scalars``
+    takes it: ``{category: {chart title: ["Multiline", [tag, ...]]}}``. Tags are ``prefix`` + the
+    names in the :class:`~lightning_seqmem.SeqMemCallback` docstring; TensorBoard reads them as
+    regular expressions, and none is a prefix of another.
 
     Example:
         >>> layout = custom_scalars_layout()
@@ -72,13 +51,17 @@ def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]
     memory, forecast, headroom, fragmentation = LAYOUT_CATEGORIES
     return {
         memory: {
-            "peak per phase (GiB)": tags("peak_allocated_gib", "peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib"),
-            "peak allocated vs reserved vs usable budget (GiB)": tags("peak_allocated_gib", "reserved_gib", "budget_gib"),
+            "peak per phase (GiB)": tags("peak_allocated_gib", "peak_forward_gib",
+                                         "peak_backward_gib", "peak_optimizer_gib"),
+            "peak allocated vs reserved vs usable budget (GiB)": tags("peak_allocated_gib",
+                                                                      "reserved_gib", "budget_gib"),
             "sequence length (tokens)": tags("seq_len"),
-            "batch size (samples), curriculum stage (index), mitigations on (count)": tags("batch_size", "stage", "mitigations_applied"),
+            "batch size (samples), curriculum stage (index), mitigations on (count)":
+                tags("batch_size", "stage", "mitigations_applied"),
         },
         forecast: {
-            "forecast for the next stage vs measured peak (GiB)": tags("forecast_next_gib", "peak_allocated_gib"),
+            "forecast for the next stage vs measured peak (GiB)": tags("forecast_next_gib",
+                                                                       "peak_allocated_gib"),
             "verification error ((forecast - measured) / measured)": tags("verification_error"),
             "warm-up step (1 = measured, not fitted)": tags("warmup"),
         },
@@ -88,16 +71,15 @@ def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]
             "largest length that fits vs current (tokens)": tags("max_seq_len", "seq_len"),
         },
         fragmentation: {
-            "reserved - allocated at the peak, inactive split blocks (GiB)": tags("fragmentation_gib", "inactive_split_gib"),
+            "reserved - allocated at the peak, inactive split blocks (GiB)":
+                tags("fragmentation_gib", "inactive_split_gib"),
             "fragmentation fraction (of reserved)": tags("fragmentation_fraction"),
             "allocator retries and OOMs (count, cumulative)": tags("alloc_retries", "num_ooms"),
         },
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# The figure
-# ----------------------------------------------------------------------------------------------
+# ---- The figure ------------------------------------------------------------------------------
 def _curve_lengths(max_len: int, num: int = 80) -> list[int]:
     step = max(1, max_len // num)
     return sorted(set(range(step, max_len + 1, step)) | {max_len})
@@ -115,12 +97,11 @@ def _predictor_curve(forecaster: Any, lengths: Sequence[int], batch_size: int, m
 
 
 def _dry_run_curve(view: "PlanView", right: int, batch_size: int, num: int = 8):
-    """``(method, (lengths, peaks, uppers))`` of the dry run at ``num`` lengths up to ``right`` and the
-    lengths dry-run already, or None where there is no dry run. Where two lengths or more are
-    known (dry runs cached, else measured steps: :func:`~lightning_seqmem.present.dry_fit.dry_fit_anchors`)
-    no dry run runs: the lengths between and past them come from the fit through them (method
-    ``"dry_run_fit"``, :mod:`.dry_fit`); else each length is dry-run."""
-    right = right if view.settings.length_limit is None else min(right, view.settings.length_limit)  # the model's positions
+    """``(method, (lengths, peaks, uppers))`` of the dry run at ``num`` lengths up to ``right`` (at
+    most the model's positions) and at the lengths dry-run already, or None without a dry run. With
+    two :func:`~lightning_seqmem.present.dry_fit.dry_fit_anchors` or more no dry run runs: the fit
+    through them answers (method ``"dry_run_fit"``); else each length is dry-run."""
+    right = right if view.settings.length_limit is None else min(right, view.settings.length_limit)
     anchors = dry_fit_anchors(view, batch_size)
     evenly = {max(1, right * k // num) for k in range(1, num + 1)}
     if len(anchors) >= 2:  # no dry run: the dry runs cached and the fit through them
@@ -133,7 +114,7 @@ def _dry_run_curve(view: "PlanView", right: int, batch_size: int, num: int = 8):
             return None
         try:
             forecasts = [view.evidence.forecast(L, batch_size) for L in lengths]
-        except (NotEnoughMeasurements, ValueError, RuntimeError):  # a longer length refused: no curve, a figure
+        except (NotEnoughMeasurements, ValueError, RuntimeError):  # a length refused: no curve
             return None
     if any(f is None or f.method not in ("dry_run", DRY_RUN_FIT) for f in forecasts):
         return None
@@ -145,15 +126,13 @@ def _reference_batch_size(view: "PlanView") -> Optional[int]:
     measured = [r.batch_size for r in view.evidence.measured.records if not r.warmup]
     if view.evidence.measured.last_batch_size is not None:
         return view.evidence.measured.last_batch_size
-    return measured[-1] if measured else (view.evidence.measured.records[-1].batch_size if view.evidence.measured.records else None)
+    return measured[-1] if measured else (view.evidence.measured.records[-1].batch_size
+                                          if view.evidence.measured.records else None)
 
 
 def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
-    """``(seq_len, what was switched on)`` for each mitigation switched on.
-
-    From the planner's ``mitigation_events`` (the length at which it was decided), else from the
-    records: the first record whose ``mitigations`` differ from the previous record's.
-    """
+    """``(seq_len, what was switched on)`` of each switch: the ladder's events, else each record
+    whose ``mitigations`` differ from the previous record's."""
     events = view.ladder.events
     if events:
         return [(int(e.seq_len), e.name) for e in events]
@@ -162,28 +141,29 @@ def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
         current = tuple(record.mitigations)
         if current != previous:
             added = [m for m in current if m not in previous]
-            marks.append((record.seq_len, ", ".join(added) if added else "off: " + ", ".join(previous)))
+            marks.append((record.seq_len,
+                          ", ".join(added) if added else "off: " + ", ".join(previous)))
         previous = current
     return marks
 
 
 def _other_settings(view: "PlanView") -> list[tuple[tuple[str, ...], Any]]:
-    """Forecasters of the mitigation settings other than the current one (fitted before a switch)."""
+    """Forecasters of the settings other than the one on now (fitted before a switch)."""
     forecasters = view.evidence.measured.forecasters
     current = tuple(view.ladder.applied)
     return [(key, f) for key, f in forecasters.items() if tuple(key) != current and f.ready]
 
 
-def _curves(view: "PlanView", lengths: list[int], right: int, batch_size: Optional[int]) -> dict[str, Any]:
-    """``method -> (lengths, peaks, uppers)`` of the predictors of the setting on now (the dry run's
-    where the setting has too few lengths for a fit)."""
+def _curves(view: "PlanView", lengths: list[int], right: int,
+            batch_size: Optional[int]) -> dict[str, Any]:
+    """``method -> (lengths, peaks, uppers)``: the setting on now's predictors (or the dry run)."""
     curves = {}
     if batch_size is not None and view.evidence.forecaster.ready:
         for method in ("quadratic", "replay"):
             curve = _predictor_curve(view.evidence.forecaster, lengths, batch_size, method)
             if curve is not None:
                 curves[method] = curve
-    if batch_size is not None and not curves:  # the setting now on has too few lengths: ask the dry run
+    if batch_size is not None and not curves:  # too few lengths for a fit: ask the dry run
         dry = _dry_run_curve(view, right, batch_size)
         if dry is not None:
             curves[dry[0]] = dry[1]
@@ -202,26 +182,31 @@ def _scale(view: "PlanView", measured: list, curves: dict[str, Any], right: int,
                 candidates.append(other.forecast(right, batch_size).peak_bytes)
             except Exception:  # noqa: BLE001
                 pass
-    top = (min(max(candidates, default=0), 2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
+    top = (min(max(candidates, default=0),
+               2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
            if budget else max(candidates, default=0))
     return candidates, display_unit(top)
 
 
-def _scatter_measured(ax: Any, measured: list, current: tuple, batch_size: Optional[int], scale: float) -> None:
+def _scatter_measured(ax: Any, measured: list, current: tuple, batch_size: Optional[int],
+                      scale: float) -> None:
     """Measured peaks, one marker per (batch size, mitigations on); the setting drawn in black."""
     groups: dict[tuple, list] = {}  # (batch size, mitigations on) -> records
     for r in measured:
         groups.setdefault((r.batch_size, tuple(r.mitigations)), []).append(r)
     markers = iter("os^Dv<>phX")
-    for (b, mitigations), records in sorted(groups.items(), key=lambda kv: (kv[0][0], len(kv[0][1]))):
+    for (b, mitigations), records in sorted(groups.items(),
+                                            key=lambda kv: (kv[0][0], len(kv[0][1]))):
         mine = b == batch_size and mitigations == current
         suffix = f", with {'+'.join(mitigations)}" if mitigations else ""
-        ax.scatter([r.seq_len for r in records], [r.peak_bytes / scale for r in records], marker=next(markers, "o"),
-                   color="black" if mine else None, zorder=3, label=f"measured peak (batch {b}{suffix})")
+        ax.scatter([r.seq_len for r in records], [r.peak_bytes / scale for r in records],
+                   marker=next(markers, "o"), color="black" if mine else None, zorder=3,
+                   label=f"measured peak (batch {b}{suffix})")
 
 
-_STYLES = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"), "replay": ("tab:blue", "timeline replay"),
-           "dry_run": ("tab:purple", "dry run"), DRY_RUN_FIT: ("tab:purple", "quadratic through the dry runs")}
+_STYLES = {"quadratic": ("tab:orange", "quadratic fit C + B(aL + bL²)"),
+           "replay": ("tab:blue", "timeline replay"), "dry_run": ("tab:purple", "dry run"),
+           DRY_RUN_FIT: ("tab:purple", "quadratic through the dry runs")}
 """Colour and legend label of each predictor's curve in :func:`memory_figure`."""
 
 
@@ -233,13 +218,15 @@ def _draw_curves(ax: Any, view: "PlanView", curves: dict[str, Any], lengths: lis
     setting = f", with {'+'.join(current)}" if current else ""
     for method, (xs, peaks, uppers) in curves.items():
         color, label = _STYLES[method]
-        ax.plot(xs, [p / scale for p in peaks], color=color, label=f"{label} (batch {batch_size}{setting})")
-        ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color, alpha=0.15,
-                        label=f"{method} upper bound")
+        ax.plot(xs, [p / scale for p in peaks], color=color,
+                label=f"{label} (batch {batch_size}{setting})")
+        ax.fill_between(xs, [p / scale for p in peaks], [u / scale for u in uppers], color=color,
+                        alpha=0.15, label=f"{method} upper bound")
     if DRY_RUN_FIT in curves and batch_size is not None:
-        dried = [L for L in view.evidence.dry.answered(batch_size) if L <= right]
-        ax.scatter(dried, [view.evidence.dry.peak(L, batch_size)[0] / scale for L in dried], marker="x",  # cached
-                   color="tab:purple", zorder=3, label=f"dry run (batch {batch_size}{setting})")
+        dried = [L for L in view.evidence.dry.answered(batch_size) if L <= right]  # cached
+        ax.scatter(dried, [view.evidence.dry.peak(L, batch_size)[0] / scale for L in dried],
+                   marker="x", color="tab:purple", zorder=3,
+                   label=f"dry run (batch {batch_size}{setting})")
     for key, other in _other_settings(view) if batch_size is not None else ():
         try:
             ys = [other.forecast(L, batch_size).peak_bytes / scale for L in lengths]
@@ -249,8 +236,9 @@ def _draw_curves(ax: Any, view: "PlanView", curves: dict[str, Any], lengths: lis
                 label=f"forecast {'with ' + '+'.join(key) if key else 'before mitigations'}")
 
 
-def _draw_lengths(ax: Any, view: "PlanView", right: int, batch_size: Optional[int], target: int) -> None:
-    """Vertical lines: the largest length that fits (by the fit), each switch of rungs, the target."""
+def _draw_lengths(ax: Any, view: "PlanView", right: int, batch_size: Optional[int],
+                  target: int) -> None:
+    """Vertical lines: the largest length that fits, each switch of rungs, the target."""
     usable = view.settings.usable_budget_bytes
     if usable and batch_size is not None and view.evidence.forecaster.ready:
         try:
@@ -258,34 +246,25 @@ def _draw_lengths(ax: Any, view: "PlanView", right: int, batch_size: Optional[in
         except Exception:  # noqa: BLE001 - the figure must not fail on a forecast problem
             fit = None
         if fit and fit < right:
-            ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7, label=f"largest length that fits: {fit}")
+            ax.axvline(fit, color="tab:red", linestyle="--", alpha=0.7,
+                       label=f"largest length that fits: {fit}")
     for i, (seq_len, what) in enumerate(_mitigation_marks(view)):
         ax.axvline(seq_len, color="tab:green", linestyle="-.", alpha=0.8,
                    label=f"switched on at L={seq_len}: {what}" if i < 4 else None)
     if target:
-        ax.axvline(target, color="gray", linestyle=":", alpha=0.6, label=f"curriculum target {target}")
+        ax.axvline(target, color="gray", linestyle=":", alpha=0.6,
+                   label=f"curriculum target {target}")
 
 
-def memory_figure(
-    view: "PlanView",
-    max_seq_len: Optional[int] = None,
-    batch_size: Optional[int] = None,
-    title: Optional[str] = None,
-) -> "Figure":
+def memory_figure(view: "PlanView", max_seq_len: Optional[int] = None,
+                  batch_size: Optional[int] = None, title: Optional[str] = None) -> "Figure":
     """Memory against sequence length: measured points, both predictors, budget, mitigations.
 
-    Args:
-        view: a fitted (or resumed) :class:`~lightning_seqmem.SeqMemCallback`.
-        max_seq_len: right end of the curves, in tokens; default twice the largest of the
-            curriculum target and the longest measured length.
-        batch_size: batch size of the curves; default the last measured batch's. Measured points
-            of other batch sizes are drawn with their own marker.
-        title: figure title; default names the batch size.
-
-    The quadratic fit and the timeline replay (of the mitigations on now: each setting has its own
-    fit) are drawn with their conservative upper bound as a band; measured points are grouped by
-    batch size and mitigations; the usable budget (and the whole budget) as horizontal lines; a vertical line marks each
-    length where the set of mitigations changed, and a dotted one the largest length that fits.
+    ``max_seq_len``: the curves' right end, tokens (default twice the larger of the curriculum
+    target and the longest measured length); ``batch_size``: the curves' (default the last measured
+    batch's); ``title``: default names the batch size. Predictors of the rungs on now are drawn with
+    their upper bound as a band, measured points by batch size and mitigations, the budgets as
+    horizontal lines, rung switches as vertical ones.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -307,9 +286,11 @@ def memory_figure(
     _draw_curves(ax, view, curves, lengths, right, batch_size, scale)
     _scatter_measured(ax, measured, tuple(view.ladder.applied), batch_size, scale)
     if usable:
-        ax.axhline(usable / scale, color="tab:red", linestyle="-", label=f"usable budget {usable / scale:.2f} {unit}")
+        ax.axhline(usable / scale, color="tab:red", linestyle="-",
+                   label=f"usable budget {usable / scale:.2f} {unit}")
     if budget and budget != usable:
-        ax.axhline(budget / scale, color="tab:red", linestyle=":", alpha=0.6, label=f"budget {budget / scale:.2f} {unit}")
+        ax.axhline(budget / scale, color="tab:red", linestyle=":", alpha=0.6,
+                   label=f"budget {budget / scale:.2f} {unit}")
     _draw_lengths(ax, view, right, batch_size, target)
     ax.set_xlim(0, right)
     top = max(candidates, default=0)
@@ -329,16 +310,10 @@ def memory_figure(
     return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# A picture of the panels, from a run's event files
-# ----------------------------------------------------------------------------------------------
+# ---- A picture of the panels, from a run's event files ----------------------------------------
 def render_panels(log_dir: Any, path: Any, prefix: str = "seqmem/") -> "Figure":
-    """Draw the custom-scalars panels of a finished run, as TensorBoard lays them out, to a PNG.
-
-    Reads the scalars back from the event files in ``log_dir`` (``EventAccumulator``), one subplot
-    per chart of :func:`custom_scalars_layout`, charts without data left out. Handy for a design
-    review or a README, where TensorBoard itself is not at hand.
-    """
+    """Draw the custom-scalars panels of the event files in ``log_dir`` to a PNG at ``path``: one
+    subplot per chart with data (for a review or a README, where TensorBoard is not at hand)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -346,11 +321,9 @@ def render_panels(log_dir: Any, path: Any, prefix: str = "seqmem/") -> "Figure":
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
     available = set(events.Tags().get("scalars", []))
-    charts = [
-        (category, title, [t for t in tags if t in available])
-        for category, charts_ in custom_scalars_layout(prefix).items()
-        for title, (_, tags) in charts_.items()
-    ]
+    charts = [(category, title, [t for t in tags if t in available])
+              for category, charts_ in custom_scalars_layout(prefix).items()
+              for title, (_, tags) in charts_.items()]
     charts = [c for c in charts if c[2]]
     if not charts:
         raise ValueError(f"no {prefix}* scalars in the event files under {log_dir}")
@@ -362,7 +335,8 @@ def render_panels(log_dir: Any, path: Any, prefix: str = "seqmem/") -> "Figure":
         ax = fig.add_subplot(rows, columns, i + 1)
         for tag in tags:
             scalars = events.Scalars(tag)
-            ax.plot([s.step for s in scalars], [s.value for s in scalars], marker=".", label=tag[len(prefix):])
+            ax.plot([s.step for s in scalars], [s.value for s in scalars], marker=".",
+                    label=tag[len(prefix):])
         ax.set_title(f"{category.removeprefix('seqmem: ')}\n{title}", fontsize=8)
         ax.set_xlabel("step", fontsize=7)
         ax.tick_params(labelsize=7)

@@ -1,10 +1,9 @@
 """The run report: what was measured, what both predictors say, what fits, what was done about it.
 
-:func:`build_report` turns a :class:`~lightning_seqmem.plan.view.SeqMemPlanner` (what the callback
-knows) into a plain, JSON-able dict (bytes everywhere); :func:`lightning_seqmem.trainer.outputs.write_report`
-writes it as ``seqmem_report.json``, a Markdown summary ``seqmem_report.md`` and the figure
-``seqmem_memory.png``; :func:`~lightning_seqmem.present.render.render_console` prints it as ``rich`` tables;
-:func:`load_report` reads the JSON back. GiB/MiB appear only in the Markdown and console output.
+:func:`build_report` turns a :class:`~lightning_seqmem.plan.view.PlanView` into a plain JSON-able
+dict (bytes everywhere); :func:`lightning_seqmem.trainer.outputs.write_report` writes it (JSON,
+Markdown, figure), :mod:`~lightning_seqmem.present.render` renders it, :func:`load_report` reads
+the JSON back.
 """
 
 from __future__ import annotations
@@ -29,16 +28,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lightning_seqmem.plan.view import PlanView
 
-__all__ = ["JSON_NAME", "MARKDOWN_NAME", "PNG_NAME", "REPORT_FORMAT", "build_report", "load_report"]  # writing the files: lightning_seqmem.trainer.outputs.write_report
+__all__ = ["JSON_NAME", "MARKDOWN_NAME", "PNG_NAME", "REPORT_FORMAT", "build_report", "load_report"]
 
 REPORT_FORMAT = "lightning-seqmem-report/1"
 JSON_NAME, MARKDOWN_NAME, PNG_NAME = "seqmem_report.json", "seqmem_report.md", "seqmem_memory.png"
 
 
-
-# ----------------------------------------------------------------------------------------------
-# Building
-# ----------------------------------------------------------------------------------------------
+# ---- Building --------------------------------------------------------------------------------
 def _run_facts(view: "PlanView", trainer: Optional["pl.Trainer"], device: Any = None,
                probe: Optional[str] = None) -> dict[str, Any]:
     from lightning_seqmem import __version__
@@ -62,10 +58,12 @@ def _run_facts(view: "PlanView", trainer: Optional["pl.Trainer"], device: Any = 
         "strategy": None,
         "world_size": None,
         "global_step": None,
-        "versions": {"lightning_seqmem": __version__, "torch": _version("torch"), "lightning": _version("lightning")},
+        "versions": {"lightning_seqmem": __version__, "torch": _version("torch"),
+                     "lightning": _version("lightning")},
         "curriculum": None,
     }
-    if device is not None and device.type == "cuda" and torch is not None and torch.cuda.is_available():
+    if (device is not None and device.type == "cuda" and torch is not None
+            and torch.cuda.is_available()):
         facts["device_name"] = torch.cuda.get_device_name(device)
     if trainer is not None:
         module = getattr(trainer, "lightning_module", None)
@@ -108,7 +106,8 @@ def _points(view: "PlanView") -> list[dict[str, Any]]:
         })
         p["num_steps"] += 1
         p["peak_bytes"] = max(p["peak_bytes"], r.peak_bytes)
-        for name in [f"{ph}_peak_bytes" for ph in PHASES] + ["reserved_bytes", "fragmentation_bytes"]:
+        for name in ([f"{ph}_peak_bytes" for ph in PHASES]
+                     + ["reserved_bytes", "fragmentation_bytes"]):
             value = getattr(r, name)
             if value is not None:
                 p[name] = value if p[name] is None else max(p[name], value)
@@ -123,53 +122,56 @@ def _predictors(view: "PlanView") -> dict[str, Any]:
         state = quadratic.to_dict()
         q["min_relative_uncertainty"] = state["min_relative_uncertainty"]
         q["confidence_z"] = state["confidence_z"]
-        q["phases"] = {
-            name: {k: v for k, v in c.items() if k != "covariance"} for name, c in state["phases"].items()
-        }
+        q["phases"] = {name: {k: v for k, v in c.items() if k != "covariance"}
+                       for name, c in state["phases"].items()}
     r: dict[str, Any] = {
         "available": timeline is not None,
-        "traced": [{"seq_len": t.seq_len, "batch_size": t.batch_size, "measured_peak_bytes": t.measured_peak_bytes}
-                   for t in forecaster.traces],
+        "traced": [{"seq_len": t.seq_len, "batch_size": t.batch_size,
+                    "measured_peak_bytes": t.measured_peak_bytes} for t in forecaster.traces],
     }
     if timeline is None:
         r["unavailable_reason"] = forecaster.timeline_unavailable_reason
     else:
-        r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size, notes=list(timeline.notes),
-                 num_allocations=int(timeline.coefficients.shape[1]),
+        r.update(seq_lens=list(timeline.seq_lens), batch_size=timeline.batch_size,
+                 notes=list(timeline.notes), num_allocations=int(timeline.coefficients.shape[1]),
                  max_fit_residual_bytes=timeline.max_fit_residual_bytes)
     settings = view.evidence.measured.forecasters
     verifications = [
-        {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method, "forecast_bytes": v.forecast_bytes,
-         "measured_bytes": v.measured_bytes, "relative_error": v.relative_error,
-         "within_tolerance": abs(v.relative_error) <= view.settings.tolerance, "mitigations": list(key)}
+        {"seq_len": v.seq_len, "batch_size": v.batch_size, "method": v.method,
+         "forecast_bytes": v.forecast_bytes, "measured_bytes": v.measured_bytes,
+         "relative_error": v.relative_error,
+         "within_tolerance": abs(v.relative_error) <= view.settings.tolerance,
+         "mitigations": list(key)}
         for key, f in settings.items() for v in f.verifications
     ]
     accuracy = {}
     for method in ("dry_run", "replay", "quadratic"):
         errors = [v["relative_error"] for v in verifications if v["method"] == method]
         if errors:
-            accuracy[method] = {"num_verifications": len(errors), "max_abs_error": max(abs(e) for e in errors),
+            accuracy[method] = {"num_verifications": len(errors),
+                                "max_abs_error": max(abs(e) for e in errors),
                                 "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
                                 "worst_under_prediction": min(min(errors), 0.0)}
-    return {"mitigations": list(_applied(view)), "quadratic": q, "replay": r, "verifications": verifications,
-            "accuracy": accuracy, "reserved_ratio": forecaster.reserved_ratio,
-            "settings": [{"mitigations": list(key), "num_points": len(f.points), "num_traces": len(f.traces),
-                          "ready": f.ready} for key, f in settings.items()]}
+    return {"mitigations": list(_applied(view)), "quadratic": q, "replay": r,
+            "verifications": verifications,
+            "accuracy": accuracy, "reserved_ratio": forecaster.reserved_ratio, "settings": [
+                {"mitigations": list(key), "num_points": len(f.points), "num_traces": len(f.traces),
+                 "ready": f.ready} for key, f in settings.items()]}
 
 
 def _forecast_row(view: "PlanView", seq_len: int, batch_size: int,
                   anchors: Optional[dict[int, Any]] = None) -> dict[str, Any]:
-    # the fit of the setting on now where it has one (checked against the dry run at the target
-    # length while training); where it has not, the dry run cached at that length, else the fit
-    # through the dry runs cached (method "dry_run_fit", :mod:`.dry_fit`), else a dry run: a report
-    # costs no dry run it need not
-    fc = view.evidence.forecaster.forecast(seq_len, batch_size) if view.evidence.forecaster.ready else None
+    # the fit of the setting on now, else the dry run cached at that length, else the fit through
+    # the dry runs cached (:mod:`.dry_fit`), else a dry run: a report runs no dry run it need not
+    fc = (view.evidence.forecaster.forecast(seq_len, batch_size)
+          if view.evidence.forecaster.ready else None)
     if fc is None and anchors is not None:
         fc = dry_fit_forecast(view, seq_len, batch_size, anchors)
     fc = fc or view.evidence.forecast(seq_len, batch_size)
     bound = view.evidence.bound_of(fc)
-    row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method, "peak_bytes": fc.peak_bytes,
-           "upper_bytes": fc.upper_bytes, "reserved_upper_bytes": fc.reserved_upper_bytes,
+    row = {"seq_len": seq_len, "batch_size": batch_size, "method": fc.method,
+           "peak_bytes": fc.peak_bytes, "upper_bytes": fc.upper_bytes,
+           "reserved_upper_bytes": fc.reserved_upper_bytes,
            "phase_peak_bytes": dict(fc.phase_peak_bytes), "fits": None}
     if fc.method == DRY_RUN_FIT:
         row["detail"] = fc.detail
@@ -184,8 +186,7 @@ def _forecast_row(view: "PlanView", seq_len: int, batch_size: int,
     return row
 
 
-REPORT_MEASURED_LENGTHS = 8  # measured lengths with a forecast row (dynamic padding: hundreds; one dry run each
-# where no fit answers: then the lengths already dry-run, and the longest measured)
+REPORT_MEASURED_LENGTHS = 8  # measured lengths given a forecast row (dynamic padding: hundreds)
 
 
 def _spread(lengths: set[int], n: int) -> set[int]:
@@ -202,14 +203,17 @@ def _spread(lengths: set[int], n: int) -> set[int]:
 
 def _forecasts(view: "PlanView", batch_size: Optional[int]) -> dict[str, Any]:
     out: dict[str, Any] = {"batch_size": batch_size, "at": [], "max_seq_len": None, "error": None}
-    if batch_size is None or not (view.evidence.forecaster.ready or view.evidence.dry.answered(batch_size)):
-        out["error"] = "not enough measurements to forecast (two measured lengths, or a dry run, are needed)"
+    if batch_size is None or not (view.evidence.forecaster.ready
+                                  or view.evidence.dry.answered(batch_size)):
+        out["error"] = ("not enough measurements to forecast (two measured lengths, or a dry run, "
+                        "are needed)")
         return out
     measured = {r.seq_len for r in view.evidence.measured.records}
     if view.evidence.forecaster.ready:  # the fit answers: any length, for free
         lengths = _spread(measured, REPORT_MEASURED_LENGTHS)
     else:  # the dry run answers (one each): the lengths it ran already, and the longest measured
-        lengths = _spread(set(view.evidence.dry.answered(batch_size)), REPORT_MEASURED_LENGTHS) | {max(measured, default=0)} - {0}
+        lengths = (_spread(set(view.evidence.dry.answered(batch_size)), REPORT_MEASURED_LENGTHS)
+                   | {max(measured, default=0)} - {0})
     if view.settings.curriculum is not None:
         lengths |= set(view.settings.curriculum.stages)
         target = view.settings.curriculum.target
@@ -218,10 +222,11 @@ def _forecasts(view: "PlanView", batch_size: Optional[int]) -> dict[str, Any]:
     else:
         longest = max(measured, default=0)
         lengths |= {2 * longest, 4 * longest} - {0}
-    lengths = {L for L in lengths if view.settings.within_limit(L)}  # none past the model's own positions
+    lengths = {L for L in lengths if view.settings.within_limit(L)}  # within the model's positions
     try:
-        if view.settings.usable_budget_bytes is not None:  # first: its dry run (before a fit) anchors the rows
-            out["max_seq_len"] = view.evidence.max_seq_len(view.settings.usable_budget_bytes, batch_size)
+        if view.settings.usable_budget_bytes is not None:  # first: its dry run anchors the rows
+            out["max_seq_len"] = view.evidence.max_seq_len(view.settings.usable_budget_bytes,
+                                                           batch_size)
     except Exception as exc:  # noqa: BLE001 - a report is written even when a forecast fails
         out["error"] = f"{type(exc).__name__}: {exc}"
     try:
@@ -237,7 +242,7 @@ def _applied(view: "PlanView") -> tuple[str, ...]:
 
 
 def _mitigations(view: "PlanView") -> dict[str, Any]:
-    """Allowed rungs, the ones on now, each switch (from the planner's events) and the record changes."""
+    """Allowed rungs, those on now, each switch (the planner's events) and the record changes."""
     changes, previous = [], ()
     for r in view.evidence.measured.records:
         current = tuple(r.mitigations)
@@ -245,14 +250,18 @@ def _mitigations(view: "PlanView") -> dict[str, Any]:
             changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
                             "before": list(previous), "after": list(current)})
         previous = current
-    events = [{k: v for k, v in e.items() if k in ("name", "step", "seq_len", "batch_size", "detail", "before_bytes", "before_method", "after_bytes", "removed")}
+    events = [{k: v for k, v in e.items()
+               if k in ("name", "step", "seq_len", "batch_size", "detail", "before_bytes",
+                        "before_method", "after_bytes", "removed")}
               for e in view.ladder.events]
     return {"allowed": list(view.ladder.allowed), "active": list(_applied(view)),
-            "not_applicable": dict(view.ladder.not_applicable), "events": events, "changes": changes}
+            "not_applicable": dict(view.ladder.not_applicable), "events": events,
+            "changes": changes}
 
 
 def _warnings(view: "PlanView") -> list[dict[str, str]]:
-    return [{"key": key, "kind": kind, "meaning": KINDS.get(kind, "other")} for key, kind in sorted(view.advice.warned.items())]
+    return [{"key": key, "kind": kind, "meaning": KINDS.get(kind, "other")}
+            for key, kind in sorted(view.advice.warned.items())]
 
 
 def _records_summary(view: "PlanView") -> dict[str, Any]:
@@ -280,17 +289,17 @@ def _records_summary(view: "PlanView") -> dict[str, Any]:
 
 
 def _peak_site(view: "PlanView", breakdown: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """Where the peak sits at the longest length the run measured: the end-of-fit breakdown's (a real
-    step traced on a copy, ``source`` ``"breakdown"``) when it traced that length or a longer one, else
-    the dry run of that step's shape and mitigations (``"dry_run"``; cached, or one fake step now);
-    None when neither answers. ``seq_len``, ``batch_size``, ``mitigations``, then
-    :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
+    """Where the peak sits at the longest length measured: the end-of-fit breakdown's (``source``
+    ``"breakdown"``) when it traced that length or longer, else the dry run of that step
+    (``"dry_run"``; cached, or one fake step now); None when neither answers. ``seq_len``,
+    ``batch_size``, ``mitigations``, then :meth:`~lightning_seqmem.core.peak.PeakSite.to_dict`."""
     measured = [r for r in view.evidence.measured.records if not r.warmup]
     longest = max(measured, key=lambda r: (r.seq_len, r.batch_size, r.peak_bytes), default=None)
     site = (breakdown or {}).get("peak_site")
     if site is not None and (longest is None or breakdown["seq_lens"][-1] >= longest.seq_len):
-        return {"source": "breakdown", "seq_len": breakdown["seq_lens"][-1], "batch_size": breakdown["batch_size"],
-                "mitigations": list(view.ladder.applied), **site}  # it traces with the rungs on at the end
+        return {"source": "breakdown", "seq_len": breakdown["seq_lens"][-1],
+                "batch_size": breakdown["batch_size"],
+                "mitigations": list(view.ladder.applied), **site}  # traced with the final rungs on
     if longest is None:
         return None
     key = (longest.seq_len, longest.batch_size, tuple(longest.mitigations))
@@ -299,26 +308,22 @@ def _peak_site(view: "PlanView", breakdown: Optional[dict[str, Any]]) -> Optiona
     found = view.evidence.dry.site(*key)
     if found is None:
         return None
-    return {"source": "dry_run", "seq_len": key[0], "batch_size": key[1], "mitigations": list(key[2]),
-            **found.to_dict()}
+    return {"source": "dry_run", "seq_len": key[0], "batch_size": key[1],
+            "mitigations": list(key[2]), **found.to_dict()}
 
 
-def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None, include_records: bool = True,
-                 device: Any = None, probe: Optional[str] = None,
+def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
+                 include_records: bool = True, device: Any = None, probe: Optional[str] = None,
                  breakdown: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Everything the planner knows, as plain JSON-able values (bytes, tokens, fractions).
 
-    Keys: ``format``, ``created``, ``run`` (device, probe, budget, safety margin, model class,
-    parameter count, precision, curriculum stages planned and run), ``points`` (per measured
-    ``(seq_len, batch_size, mitigations)``: the maximum over non-warm-up steps of each peak),
-    ``predictors`` (quadratic coefficients per phase, replay lengths and notes, verifications and
-    accuracy per method), ``forecasts`` (at every measured and curriculum length, the target × 2 and
-    × 4, and the largest length that fits the usable budget), ``mitigations``, ``warnings`` (keys of
-    the warnings the planner gave), ``records_summary``, ``summary`` (what ran: :class:`~lightning_seqmem.present.summary.RunSummary`), ``breakdown`` (with
-    ``SeqMemCallback(breakdown=True)``, after fit: see
-    :func:`~lightning_seqmem.diagnostics.section.breakdown_section`), ``peak_site`` (where the peak
-    sits at the longest length run: phase and kinds of tensor, see :func:`_peak_site`) and, with ``include_records``,
-    ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
+    Keys: ``format``, ``created``, ``run`` (device, budget, model, precision, curriculum),
+    ``points`` (per ``(seq_len, batch_size, mitigations)``: the max over non-warm-up steps of each
+    peak), ``predictors`` (fits, replay, verifications, accuracy), ``forecasts`` (at the measured
+    and curriculum lengths, the target × 2 and × 4; the largest length that fits), ``mitigations``,
+    ``warnings``, ``records_summary``, ``summary`` (a :class:`~.summary.RunSummary`), ``breakdown``
+    (with ``SeqMemCallback(breakdown=True)``), ``peak_site`` (:func:`_peak_site`) and, with
+    ``include_records``, ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
     """
     batch_size = view.evidence.measured.last_batch_size
     if batch_size is None and view.evidence.measured.records:
@@ -359,12 +364,13 @@ def _plain(value: Any) -> Any:
 
 
 def load_report(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a report written by :func:`write_report` (a ``.json`` file, or the directory holding it)."""
+    """Read a report written by ``write_report`` (a ``.json`` file, or the directory holding it)."""
     path = Path(path)
     if path.is_dir():
         path = path / JSON_NAME
     with open(path, encoding="utf-8") as f:
         report = json.load(f)
     if not isinstance(report, dict) or report.get("format") != REPORT_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a lightning-seqmem report (expected format {REPORT_FORMAT!r})")
+        raise ValueError(f"{str(path)!r} is not a lightning-seqmem report "
+                         f"(expected format {REPORT_FORMAT!r})")
     return report

@@ -1,12 +1,9 @@
-"""``RunSummary``: what ran, in one value, read by everything that says so.
+"""``RunSummary``: what ran, in one value.
 
-The lines printed at the end of fit (:func:`lightning_seqmem.trainer.outputs.fit_summary`), the
-report's ``summary`` (hence its Markdown, the console table of ``seqmem report`` and the CLI that
-reads the JSON back) and the OOM diagnosis all take their "what ran" from :func:`run_summary`, so
-they cannot disagree on the longest length, the peak, the budget, the rungs on or the cap.
-
-The peak is what the budget is judged on: the reserved bytes where the run compares reserved memory
-(the CUDA caching allocator) and the step recorded them, else the allocated (or tracked) peak.
+The end-of-fit lines (:func:`lightning_seqmem.trainer.outputs.fit_summary`), the report's
+``summary`` and the OOM diagnosis all take "what ran" from :func:`run_summary`, so they cannot
+disagree. The peak is the one the budget is judged on: reserved bytes where the run compares
+reserved memory and the step recorded them, else the allocated (or tracked) peak.
 
 Example:
     >>> from lightning_seqmem.core.records import StepMemory
@@ -17,8 +14,9 @@ Example:
     >>> summary = run_summary(p)
     >>> summary.longest_seq_len, summary.peak_bytes, summary.over_budget, summary.rungs_left
     (128, 600000, False, ('attention', 'checkpointing'))
-    >>> summary.sentence()
-    'longest length 128 tokens (batch 2); peak 585.9 KiB; usable budget 921.6 KiB (budget 1.0 MiB); rungs on: none; 0 warnings'
+    >>> summary.sentence()  # doctest: +NORMALIZE_WHITESPACE
+    'longest length 128 tokens (batch 2); peak 585.9 KiB; usable budget 921.6 KiB (budget 1.0 MiB);
+    rungs on: none; 0 warnings'
     >>> RunSummary.from_dict(summary.to_dict()) == summary
     True
 """
@@ -54,16 +52,17 @@ class RunSummary:
     num_warnings: int
 
     def sentence(self) -> str:
-        """The summary in one line (the first line printed at the end of fit, without ``seqmem:``)."""
+        """One line: the first one printed at the end of fit, after ``seqmem:``."""
         if self.num_measured and self.longest_seq_len is not None:
-            ran = (f"longest length {self.longest_seq_len} tokens (batch {self.longest_batch_size}); "
-                   f"peak {format_bytes(self.peak_bytes)}")
+            ran = (f"longest length {self.longest_seq_len} tokens "
+                   f"(batch {self.longest_batch_size}); peak {format_bytes(self.peak_bytes)}")
         else:
             ran = "no training step was measured"
         if self.usable_budget_bytes is None:
             budget = "no memory budget"
         else:
-            budget = (f"usable budget {format_bytes(self.usable_budget_bytes)} (budget {format_bytes(self.budget_bytes)})"
+            budget = (f"usable budget {format_bytes(self.usable_budget_bytes)} "
+                      f"(budget {format_bytes(self.budget_bytes)})"
                       f"{' — OVER it' if self.over_budget else ''}")
         capped = f"; curriculum capped at {self.capped_at}" if self.capped_at is not None else ""
         warned = f"{self.num_warnings} warning{'' if self.num_warnings == 1 else 's'}"
@@ -77,7 +76,8 @@ class RunSummary:
     def from_dict(cls, values: Mapping[str, Any]) -> "RunSummary":
         """The inverse of :meth:`to_dict` (a report read back)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: tuple(v) if k in ("rungs_on", "rungs_left") else v for k, v in values.items() if k in names})
+        return cls(**{k: tuple(v) if k in ("rungs_on", "rungs_left") else v
+                      for k, v in values.items() if k in names})
 
 
 def run_summary(view: "PlanView") -> RunSummary:
@@ -85,8 +85,8 @@ def run_summary(view: "PlanView") -> RunSummary:
     records = view.evidence.measured.records
     reserved = bool(view.settings.compare_reserved)
     longest = max(records, key=lambda r: (r.seq_len, r.batch_size), default=None)
-    peak = max((r.reserved_bytes if reserved and r.reserved_bytes is not None else r.peak_bytes for r in records),
-               default=None)
+    peak = max((r.reserved_bytes if reserved and r.reserved_bytes is not None else r.peak_bytes
+                for r in records), default=None)
     usable = view.settings.usable_budget_bytes
     return RunSummary(
         num_measured=len(records),
