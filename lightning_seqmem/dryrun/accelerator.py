@@ -1,27 +1,20 @@
 """A simulated accelerator: fake tensors on a device this torch build does not have.
 
-A dry run on a laptop must answer for the GPU the run will train on, and keep apart what lives on
-that device from what lives in host memory (FSDP2 ``CPUOffloadPolicy``, activation offload). Fake
-CUDA tensors cannot run a backward on a CPU build of torch (the autograd engine asks the CUDA
-runtime for a device guard), and fake CPU tensors cannot tell the device from the host. So a dry
-run of ``device="cuda"`` on a build without CUDA runs its fake step on a *simulated device*: torch's
-``PrivateUse1`` key registered as a Python backend (``torch.utils.backend_registration``) under the
-name :data:`SIMULATED`, whose tensors exist only as fake tensors (no allocator: nothing is ever
-allocated on it). Autograd, optimizers and FSDP2 run on it as on any accelerator; ``cpu`` stays the
-host. On it:
+A dry run on a laptop must answer for the GPU the run will train on, and keep the device apart
+from host memory (``CPUOffloadPolicy``, activation offload). Fake CUDA tensors cannot run a backward
+on a CPU build of torch (autograd asks the CUDA runtime for a device guard), and fake CPU tensors
+cannot tell device from host. So a dry run of ``device="cuda"`` without CUDA steps on a *simulated
+device*: torch's ``PrivateUse1`` key registered as a Python backend named :data:`SIMULATED`, whose
+tensors exist only as fake tensors (nothing is ever allocated). Autograd, optimizers and FSDP2 run
+on it as on any accelerator; ``cpu`` stays the host. On it:
 
-* allocations are rounded to the CUDA caching allocator's 512-byte blocks
-  (:func:`~lightning_seqmem.dryrun.cuda.allocator_block_bytes`), as ``max_memory_allocated`` counts;
-* autocast follows CUDA's op lists (``ATen/autocast_mode.h``: matmuls and attention in the lower
-  precision; reductions, norms, losses, ``softmax``/``log_softmax``, ``exp``, ``pow`` in float32;
-  ``addcmul``, ``index_put``, ... promoted), registered here as Python autocast kernels, with CUDA's
-  cache of weight casts;
-* attention kernels are those :mod:`lightning_seqmem.dryrun.kernels` models (CUDA's SDPA backends,
-  flash-attn), since no GPU kernel can run here.
+* allocations are rounded to CUDA's 512-byte blocks (:func:`.cuda.allocator_block_bytes`);
+* autocast follows CUDA's op lists (``ATen/autocast_mode.h``), registered as Python autocast
+  kernels, with CUDA's cache of weight casts;
+* attention kernels are those :mod:`.kernels` models (SDPA backends, flash-attn).
 
-The registration is process-wide and made once, the first time a simulated device is asked for; a
-process whose ``PrivateUse1`` key already belongs to a real backend (Ascend's ``npu``) has none,
-and :func:`simulated_device` says why.
+The registration is process-wide, made once on first request; a process whose ``PrivateUse1`` key
+belongs to a real backend (Ascend's ``npu``) has none, and :func:`simulated_device` says why.
 
 Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -46,24 +39,23 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["SIMULATED", "autocast", "contained_unpack_failures", "host_of", "is_simulated", "on_registered", "register_early", "simulated_device",
-           "simulating", "simulation_refusal", "stands_for", "step_context", "to_host_device"]
+__all__ = ["SIMULATED", "autocast", "contained_unpack_failures", "host_of", "is_simulated",
+           "on_registered", "register_early", "simulated_device", "simulating",
+           "simulation_refusal", "stands_for", "step_context", "to_host_device"]
 
 SIMULATED = "seqmem"
-"""The device type of the simulated accelerator (``torch.device("seqmem", 0)``): a CUDA device modelled."""
+"""The device type of the simulated accelerator (``torch.device("seqmem", 0)``): a modelled CUDA."""
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"registered": False, "refusal": None, "library": None}
 _HOOKS: list[Callable[[], None]] = []  # run once the device is registered (on_registered)
-
-
 _ACTIVE = [0]  # dry runs on the simulated device now running (see simulating)
 
 
 class _Backend:
-    """What torch asks a device module for (``torch.seqmem``): one bf16-able device, *available only while a
-    dry run runs on it* (:func:`simulating`). Outside, ``torch.accelerator.is_available()``, the DataLoader's
-    ``pin_memory``, distributed checkpointing and ``fork_rng`` see no accelerator here."""
+    """What torch asks a device module for (``torch.seqmem``): one bf16-able device, *available
+    only while a dry run runs on it* (:func:`simulating`); otherwise ``torch.accelerator``, the
+    DataLoader's ``pin_memory``, distributed checkpointing and ``fork_rng`` see none."""
 
     def is_initialized(self) -> bool:
         return True
@@ -92,9 +84,8 @@ class _Backend:
     def synchronize(self, device: Any = None) -> None:
         return None
 
-    # -- what FSDP2 and DeviceMesh ask of a device module: streams and events that order nothing (a fake
-    # step runs no kernel), the device set (one device); the tensors a step keeps alive across them are
-    # held by Python references, as on CUDA, so the tracker counts the same storages
+    # -- what FSDP2 and DeviceMesh ask: streams and events that order nothing (a fake step runs no
+    # kernel); tensors kept alive across them are held by Python references, as on CUDA
     def set_device(self, device: Any) -> None:
         return None
 
@@ -114,7 +105,7 @@ class _Backend:
 
 
 class _Event:
-    """An event of the simulated device: recorded, waited on and queried at once (``torch.cuda.Event``'s API).
+    """An event of the simulated device (``torch.cuda.Event``'s API): every call returns at once.
 
     >>> _Event().record(), _Event().query()
     (None, True)
@@ -137,8 +128,8 @@ class _Event:
 
 
 class _Stream:
-    """A stream of the simulated device (``torch.cuda.Stream``'s API): ``record_event`` returns an event,
-    as FSDP2 expects of any device but the CPU, and every wait returns at once.
+    """A stream of the simulated device (``torch.cuda.Stream``'s API): ``record_event`` returns an
+    event, as FSDP2 expects of any device but the CPU, and every wait returns at once.
 
     >>> isinstance(_Stream(priority=-1).record_event(), _Event)
     True
@@ -172,8 +163,8 @@ def simulation_refusal() -> Optional[str]:
         return _STATE["refusal"]
     name = torch._C._get_privateuse1_backend_name()
     if name not in ("privateuseone", SIMULATED):
-        return (f"the PrivateUse1 device key already belongs to the {name!r} backend, so no simulated device can be "
-                "registered in this process; dry-run on the device itself")
+        return (f"the PrivateUse1 device key already belongs to the {name!r} backend, so no "
+                "simulated device can be registered in this process; dry-run on the device itself")
     return None
 
 
@@ -184,8 +175,8 @@ def _register() -> None:
     if reason is not None:
         raise RuntimeError(reason)
     if torch._C._get_privateuse1_backend_name() != SIMULATED:
-        backend_registration._setup_privateuseone_for_python_backend(rename=SIMULATED, backend_module=_Backend(),
-                                                                     hook=_Hooks())
+        backend_registration._setup_privateuseone_for_python_backend(
+            rename=SIMULATED, backend_module=_Backend(), hook=_Hooks())
     _STATE["library"] = _register_autocast()
     for hook in _HOOKS:
         hook()
@@ -194,7 +185,7 @@ def _register() -> None:
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    """The C++ side's view of the device (``torch.accelerator``): available while a dry run runs on it."""
+    """The C++ side's view of the device (``torch.accelerator``): available while a dry run runs."""
 
     def is_available(self) -> bool:
         return _ACTIVE[0] > 0
@@ -208,8 +199,8 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
 
 @contextlib.contextmanager
 def simulating(device: Any = None) -> Iterator[None]:
-    """While it lasts the simulated device reports itself available (FSDP2's device mesh, the optimizers'
-    device checks ask); a no-op for any other ``device`` (None: the simulated one)."""
+    """While it lasts the simulated device reports itself available (FSDP2's device mesh and the
+    optimizers ask); a no-op for any other ``device`` (None: the simulated one)."""
     if device is not None and not is_simulated(device):
         yield
         return
@@ -220,7 +211,7 @@ def simulating(device: Any = None) -> Iterator[None]:
         _ACTIVE[0] -= 1
 def on_registered(hook: Callable[[], None]) -> None:
     """Run ``hook()`` when the simulated device is registered, before its first use (at once if it
-    is already): how :mod:`lightning_seqmem.dryrun.kernels` puts CUDA's kernels on it."""
+    is already): how :mod:`.kernels` puts CUDA's kernels on it."""
     with _LOCK:
         if _STATE["registered"]:
             hook()
@@ -229,8 +220,8 @@ def on_registered(hook: Callable[[], None]) -> None:
 
 
 def _backward_refusal() -> Optional[str]:
-    """Why a backward cannot run on the simulated device (None: it can): the autograd engine sizes its
-    per-device queues once, at the process's first backward, so a device registered after it has none."""
+    """Why a backward cannot run on the simulated device (None: it can): autograd sizes its device
+    queues at the process's first backward, so a device registered after it has none."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
@@ -240,15 +231,15 @@ def _backward_refusal() -> Optional[str]:
     except RuntimeError as exc:
         if "device_ready_queues_" not in str(exc):
             raise
-        return ("the simulated CUDA device was registered after this process ran its first backward (the "
-                "autograd engine sizes its device queues then); import lightning_seqmem.dryrun before training, "
-                "or plan with `seqmem plan`")
+        return ("the simulated CUDA device was registered after this process ran its first "
+                "backward (the autograd engine sizes its device queues then); import "
+                "lightning_seqmem.dryrun before training, or plan with `seqmem plan`")
     return None
 
 
 def register_early() -> None:
-    """Register the simulated device now where this build has no CUDA and ``PrivateUse1`` is free (the
-    package's ``dryrun`` wing does so on import: it must precede the process's first backward); never raises."""
+    """Register the simulated device now where this build has no CUDA and ``PrivateUse1`` is free
+    (``dryrun`` does so on import, before any backward); never raises."""
     if torch.cuda.is_available() or simulation_refusal() is not None:
         return
     try:
@@ -281,7 +272,8 @@ def is_simulated(device: Any) -> bool:
 
 
 def stands_for(device: Any) -> str:
-    """The device type a dry run on ``device`` answers for: ``"cuda"`` for the simulated device, else its own.
+    """The device type a dry run on ``device`` answers for: ``"cuda"`` for the simulated one, else
+    its own.
 
     >>> stands_for("cpu"), stands_for("meta")
     ('cpu', 'meta')
@@ -290,7 +282,7 @@ def stands_for(device: Any) -> str:
 
 
 def host_of(device: Any) -> Optional[str]:
-    """The device type of host memory apart from ``device`` (``"cpu"`` for an accelerator, None for the CPU).
+    """The device type of host memory apart from ``device`` (``"cpu"``; None for the CPU).
 
     >>> host_of("cpu") is None, host_of("cuda:0")
     (True, 'cpu')
@@ -299,11 +291,12 @@ def host_of(device: Any) -> Optional[str]:
 
 
 def to_host_device(obj: Any) -> Any:
-    """``obj`` with every accelerator device (a ``torch.device``, or a string naming a CUDA or simulated
-    one) replaced by ``cpu``: how an op is run again for real on the values a dry run keeps, which live
-    in host memory (so a dry run never allocates on the device a run trains on).
+    """``obj`` with every accelerator device (a ``torch.device``, or a string naming a CUDA or
+    simulated one) replaced by ``cpu``: an op run again for real on a dry run's values runs in host
+    memory, never on the device a run trains on.
 
-    >>> to_host_device({"device": torch.device("cuda", 1), "n": 3, "to": "cuda:0", "mode": "floor"})
+    >>> to_host_device({"device": torch.device("cuda", 1), "n": 3, "to": "cuda:0",
+    ...                 "mode": "floor"})
     {'device': device(type='cpu'), 'n': 3, 'to': 'cpu', 'mode': 'floor'}
     """
     def swap(x: Any) -> Any:
@@ -316,32 +309,33 @@ def to_host_device(obj: Any) -> Any:
     return tree_map(swap, obj)
 
 
-# -- autocast on the simulated device: CUDA's op lists ------------------------------------------------
-# From ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
-# AT_FORALL_PROMOTE), the lists AutocastCUDA registers; every overload of each op name.
+# -- autocast on the simulated device: CUDA's op lists --------------------------------------------
+# From ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE); every overload of each op name.
 _LOWER = (
-    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
-    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "lstm_cell",
-    "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
-    "scaled_dot_product_attention",
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr",
+    "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm",
+    "chain_matmul", "linalg_multi_dot", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
 )
 _FP32 = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
-    "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm",
-    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
-    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+    "rsqrt", "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "rms_norm",
+    "group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss",
+    "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
     "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
 )
-_FP32_SET_DTYPE = ("prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm",
-                   "sum")
-_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
-            "tensordot", "scatter_add")
-_CAST_CACHE: dict[int, tuple[Any, torch.Tensor]] = {}  # id(fp32 leaf) -> (weakref to it, its lower-precision cast)
-# regions of :func:`autocast` with its cache on, now open. Not torch.is_autocast_cache_enabled(): that flag is
-# per thread and on (its default) in the autograd engine's device thread, so a recompute in the backward (a
-# tiled MLP's, a checkpoint's) would cache casts that nothing clears, alive into the optimizer step
+_FP32_SET_DTYPE = ("prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+                   "linalg_matrix_norm", "sum")
+_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+            "index_put", "tensordot", "scatter_add")
+_CAST_CACHE: dict[int, tuple[Any, torch.Tensor]] = {}  # id(fp32 leaf) -> (weakref, its cast)
+# open regions of :func:`autocast` with its cache on. Not torch.is_autocast_cache_enabled(): that
+# flag is per thread and on in autograd's device thread, so a recompute in the backward would cache
+# casts that nothing clears, alive into the optimizer step
 _CACHING = [0]
 
 
@@ -413,7 +407,8 @@ def _set_dtype_kernel(op: Any) -> Callable[..., Any]:
 def _promote_kernel(op: Any) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with _without_autocast():
-            floats = [x.dtype for x in torch.utils._pytree.tree_flatten((args, kwargs))[0] if _eligible(x)]
+            floats = [x.dtype for x in torch.utils._pytree.tree_flatten((args, kwargs))[0]
+                      if _eligible(x)]
             widest = floats[0] if floats else None
             for d in floats[1:]:
                 widest = torch.promote_types(widest, d)
@@ -428,24 +423,26 @@ def _register_autocast() -> Any:
     lib = torch.library.Library("aten", "IMPL")
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
-    for names, make in ((_LOWER, _lower_kernel), (_FP32, _fp32_kernel), (_FP32_SET_DTYPE, _set_dtype_kernel),
-                        (_PROMOTE, _promote_kernel)):
+    for names, make in ((_LOWER, _lower_kernel), (_FP32, _fp32_kernel),
+                        (_FP32_SET_DTYPE, _set_dtype_kernel), (_PROMOTE, _promote_kernel)):
         for name in names:
             packet = getattr(torch.ops.aten, name, None)
             if packet is None:
                 continue
             for overload in packet.overloads():
                 op = getattr(packet, overload)
-                if not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
-                    lib.impl(op, make(op), "AutocastPrivateUse1")  # out= and in-place overloads run as they are
+                if not any(a.alias_info is not None and a.alias_info.is_write
+                           for a in op._schema.arguments):  # out= and in-place ones run as they are
+                    lib.impl(op, make(op), "AutocastPrivateUse1")
     return (lib, fallback)
 
 
 @contextlib.contextmanager
-def autocast(device: Any, dtype: torch.dtype, enabled: bool = True, cache_enabled: bool = True) -> Iterator[None]:
+def autocast(device: Any, dtype: torch.dtype, enabled: bool = True,
+             cache_enabled: bool = True) -> Iterator[None]:
     """``torch.autocast`` on ``device``; on the simulated device with CUDA's op lists and, with
-    ``cache_enabled``, its cache of weight casts (each fp32 leaf cast once while the outermost such region
-    lasts, as CUDA's cache does; Lightning's ``MixedPrecision`` turns it off)."""
+    ``cache_enabled``, its cache of weight casts (each fp32 leaf cast once while the outermost such
+    region lasts; Lightning's ``MixedPrecision`` turns it off)."""
     device = torch.device(device)
     caching = int(device.type == SIMULATED and enabled and cache_enabled)
     _CACHING[0] += caching
@@ -459,10 +456,10 @@ def autocast(device: Any, dtype: torch.dtype, enabled: bool = True, cache_enable
 
 
 def step_context(precision_plugin: Any, device: Any) -> Callable[[], Any]:
-    """The zero-argument factory of a training step's context for a dry run on ``device``: the precision
-    plugin's own ``train_step_context``, except that a mixed-precision plugin's autocast (made for the
-    device the trainer has, e.g. ``cpu``) becomes CUDA's autocast on the simulated device, with the
-    plugin's dtype and cache setting (Lightning's ``MixedPrecision`` caches no casts).
+    """The zero-argument factory of a training step's context for a dry run on ``device``: the
+    precision plugin's ``train_step_context``, except that a mixed-precision plugin's autocast
+    becomes CUDA's autocast on the simulated device, with its dtype and no cast cache (as
+    Lightning's ``MixedPrecision``).
 
     Example:
         >>> from types import SimpleNamespace
@@ -479,18 +476,19 @@ def step_context(precision_plugin: Any, device: Any) -> Callable[[], Any]:
 
 @contextlib.contextmanager
 def contained_unpack_failures(device: Any) -> Iterator[list[BaseException]]:
-    """On the simulated device, keep a failure inside a saved-tensor unpack hook (a checkpointed block's
-    recompute, ``save_on_cpu``'s copy back) from reaching the autograd engine: there it aborts the process
-    (the engine runs a device's backward on its own thread and, with a Python error pending, cannot call
-    the device's Python guard). The failure is kept in the yielded list and a fake tensor of the saved
-    one's shape stands in; the caller raises it after the backward. A no-op on any other device.
+    """On the simulated device, keep a failure inside a saved-tensor unpack hook (a checkpoint's
+    recompute, ``save_on_cpu``'s copy back) from reaching the autograd engine, where it aborts the
+    process (its device thread cannot call the Python device guard with an error pending). The
+    failure goes to the yielded list and a fake tensor of the saved one's shape stands in; the
+    caller raises it after the backward. A no-op on any other device.
 
     Example:
         >>> from torch._subclasses.fake_tensor import FakeTensorMode
         >>> def unpack(_):
         ...     raise RuntimeError("boom")
-        >>> with contained_unpack_failures(simulated_device()) as failures, simulating(), FakeTensorMode():
-        ...     x = torch.empty(4, device=simulated_device(), requires_grad=True)
+        >>> device = simulated_device()
+        >>> with contained_unpack_failures(device) as failures, simulating(), FakeTensorMode():
+        ...     x = torch.empty(4, device=device, requires_grad=True)
         ...     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
         ...         y = (x * x).sum()
         ...     y.backward()

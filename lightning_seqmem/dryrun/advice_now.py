@@ -1,9 +1,9 @@
-"""Advice recomputed from the current best forecast when it is shown (end of fit), not from the
-first fit: each item is given only where it applies to this model and run.
+"""Advice recomputed from the current best forecast when it is shown (end of fit), each item only
+where it applies to this model and run.
 
-Torch layer: the bf16 advice asks the dry run (:mod:`lightning_seqmem.dryrun.step`) for this step's
-peak with and without bf16 autocast at the target length, and is given only if bf16 lowers it —
-with eager attention it can raise it (bf16 copies of the weights, fp32 softmax).
+The bf16 advice asks the dry run (:mod:`.step`) for this step's peak with and without bf16 autocast
+at the target length, and is given only if bf16 lowers it (with eager attention it can raise it:
+bf16 copies of the weights, fp32 softmax).
 """
 
 from __future__ import annotations
@@ -23,20 +23,19 @@ def target_length(view: "PlanView") -> Optional[int]:
     else the longest length measured."""
     if view.settings.curriculum is not None:
         limit = getattr(view, "length_limit", None)
-        return int(view.settings.curriculum.target) if limit is None else min(int(view.settings.curriculum.target), int(limit))
+        return (int(view.settings.curriculum.target) if limit is None
+                else min(int(view.settings.curriculum.target), int(limit)))
     return max((r.seq_len for r in view.evidence.measured.records), default=None)
 
 
 BF16_MIN_GAIN = 0.05  # fraction of the 32-bit peak bf16 must save to be worth a restart
 
 
-def precision_advice(dry: Any, view: "PlanView", precision: str, device: torch.device) -> Optional[A.Advice]:
+def precision_advice(dry: Any, view: "PlanView", precision: str,
+                     device: torch.device) -> Optional[A.Advice]:
     """bf16-mixed advice for a 32-bit run, only where a dry run at the target length with bf16
-    autocast (``torch.autocast(device.type, dtype=torch.bfloat16)``) peaks at least
-    :data:`BF16_MIN_GAIN` (5%) lower than without (a restart for less is not worth saying); None
-    otherwise, and where no dry run can answer (a compiled module, a model fake tensors cannot run).
-
-    ``dry`` is the callback's :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun` (or None).
+    autocast peaks at least :data:`BF16_MIN_GAIN` (5%) lower than without; None otherwise, and
+    where no dry run can answer. ``dry``: the callback's :class:`.run.TrainingRunDryRun` (or None).
     """
     from lightning_seqmem.dryrun.result import DryRunUnsupported
     from lightning_seqmem.dryrun.step import dry_run_step
@@ -52,8 +51,9 @@ def precision_advice(dry: Any, view: "PlanView", precision: str, device: torch.d
     optimizers = getattr(dry.trainer, "optimizers", None) or [None]
     try:
         bf16 = dry_run_step(dry.pl_module, optimizers[0], dry.batch, seq_len, batch_size,
-                            autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16), device=device)
-    except DryRunUnsupported:  # a sharded (FSDP2) module cannot be copied: no advice rather than a failure
+                            autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16),
+                            device=device)
+    except DryRunUnsupported:  # a sharded (FSDP2) module cannot be copied: no advice, no failure
         return None
     if bf16.peak_bytes > fp32[0] * (1 - BF16_MIN_GAIN):
         return None

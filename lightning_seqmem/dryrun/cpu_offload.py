@@ -1,24 +1,14 @@
 """FSDP2 ``CPUOffloadPolicy`` in a sharded dry run: parameters, gradients, optimizer state on host.
 
-``sharded_dry_run_step(..., offload=True)`` (:mod:`lightning_seqmem.dryrun.sharded`) shards the fake
-copy with ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=...))`` and runs the step
-as FSDP2 runs it: each rank's parameter shards live in host memory (pinned where the device is an
-accelerator), are copied to the device before each all-gather, the all-gathered blocks are freed
-as without offload; the reduce-scattered gradient shards are copied back to the host (non-blocking:
-pinned) and the optimizer steps on the host, its state there. Both sides are counted by trackers in
-the same fake step (:mod:`lightning_seqmem.dryrun.host`): the device peak holds the gathered blocks,
-the activations and FSDP2's device copies; the host peak the shards, gradients and optimizer state.
-
-Where the module's own ``configure_model()`` shards, its ``fully_shard`` calls get the offload
-policy by :func:`offloading_every_fully_shard` (PyTorch's internal ``_init_param_group``, wrapped
-while ``configure_model()`` runs); a ``configure_model()`` that offloads already is planned as is.
-
-DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on ``cpu`` is planned by the same
-dry run (:data:`lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE` says so, and what differs): the
-same placement of parameters, gradients and optimizer state.
-
-On the CPU itself (``device="cpu"``) offload moves nothing: FSDP2 copies the shards to the CPU they
-are on, pinning is off (there is no device to pin for); the dry run equals the one without offload.
+``sharded_dry_run_step(..., offload=True)`` (:mod:`.sharded`) shards the fake copy with
+``CPUOffloadPolicy`` and runs the step as FSDP2 does: parameter shards in host memory (pinned off
+the CPU), copied to the device before each all-gather; gradient shards copied back to the host and
+the optimizer stepping there. Trackers count both sides in the same fake step (:mod:`.host`): the
+device peak holds the gathered blocks, activations and FSDP2's device copies; the host peak the
+shards, gradients and optimizer state. A ``configure_model()`` that shards gets the policy through
+:func:`offloading_every_fully_shard`. DeepSpeed ZeRO-3 with CPU offload is planned by the same dry
+run (:data:`lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE`). On the CPU itself offload moves
+nothing (no pinning): the same as without.
 
 Example:
     >>> [cpu_offload_policy(torch.device(d)).pin_memory for d in ("cpu", "cuda")]
@@ -111,13 +101,11 @@ def _parameter_names(fn: Any) -> Iterator[str]:
 
 
 def settle_before_the_step(model: nn.Module) -> None:
-    """Let FSDP2 set up each sharded module's parameter shards before the measured step, as a run's
-    first step does: its lazy initialisation copies a shard that ``is_pinned()`` calls unpinned into
-    pinned memory again, and a fake tensor always answers False, so the measured forward would
-    otherwise hold two copies of each shard for a moment (which a real step, long set up, does not).
-    Each parameter group's own ``lazy_init()`` (idempotent; FSDP2 calls it from the root's first
-    forward) runs it now; nothing is gathered. Where this torch's FSDP2 has no such groups, nothing
-    is done (the figure is then the higher one)."""
+    """Let FSDP2 set up each sharded module's parameter shards before the measured step, as a
+    run's first step does: its lazy init re-pins a shard ``is_pinned()`` calls unpinned (always,
+    on a fake tensor), so the measured forward would briefly hold two copies of each shard. Each
+    parameter group's idempotent ``lazy_init()`` runs now; nothing is gathered. Without such
+    groups in this torch, nothing is done (the figure is then the higher one)."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in (m for m in model.modules() if isinstance(m, FSDPModule)):

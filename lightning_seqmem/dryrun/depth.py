@@ -1,61 +1,35 @@
 """Dry runs of a deep stack of identical blocks, answered from dry runs of a few shallow copies.
 
-A fake step costs time per op, so a 32-layer model costs 32 layers of Python dispatch per
-question, and ``seqmem plan --longest`` asks hundreds. :func:`depth_dry_run_step`,
+A fake step costs time per op (a 32-layer model: 32 layers of Python dispatch per question, and
+``seqmem plan --longest`` asks hundreds). :func:`depth_dry_run_step`,
 :func:`depth_sharded_dry_run_step` and :func:`depth_sequence_parallel_dry_run_step` take the
-arguments of :func:`~lightning_seqmem.dryrun.step.dry_run_step`,
-:func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` and
-:func:`~lightning_seqmem.dryrun.sequence_parallel.sequence_parallel_dry_run_step` and answer with
-the same figures, from dry runs of copies of the model holding only its first few blocks
-(:mod:`~lightning_seqmem.dryrun.stack`):
+arguments of :func:`.step.dry_run_step`, :func:`.sharded.sharded_dry_run_step` and
+:func:`.sequence_parallel.sequence_parallel_dry_run_step` and answer with the same figures from
+dry runs of copies holding only the first few blocks (:mod:`.stack`):
 
-* **Proof, once per setting** (at the first length asked;
-  :mod:`~lightning_seqmem.dryrun.repetition`): the dry runs of copies of 1, 2 and 3 blocks (the
-  first block takes the embedding's output, so it belongs to the base; under FSDP2, whose
-  next-to-last block prefetches the last one, 2, 3 and 4).
-  Their allocation sequences (:mod:`~lightning_seqmem.dryrun.pumping`) must differ by
-  *insertions* alone: one more block adds its own allocations and frees at fixed places (its
-  forward, its backward, its parameters, gradients and optimizer state) and changes nothing else,
-  and the sequence of the deepest copy must be exactly the base's with those insertions twice.
-  Where the runs trace the host side too (an accelerator: offloaded parameters, optimizer state,
-  saved activations), its sequence must pump the same way, and the host peaks are replayed from
-  it as the device's (a host peak is no more affine in the depth than a device peak). Every other
-  figure of the result (host bytes, what a runner adds beside the traced step) must be affine in
-  the block count: second difference 0 bytes. A rung at a level of ``k`` of ``N``
-  blocks (``"<rung>:k/N"``: the first ``k`` blocks at its full level, the rest plain) is fitted in
-  two counts, leveled and plain blocks, from copies of ``c + p`` blocks at ``"<rung>:c/(c+p)"``,
-  checked the same way on copies with one and two more of either; every ``k`` shares them.
-* **Each question**: one dry run of a shallow copy at the length asked (one per count and the
-  base where a figure beside the trace grows with depth). Its sequence must have the proof's
-  layout (the same ops in the same order); each block's chunk is read out of it and repeated to
-  the model's depth, and the peak and phase peaks are replayed from that sequence
-  (:func:`~lightning_seqmem.dryrun.step.replay_peaks`: the same counting and 512-byte blocks as a
-  dry run's). Where a length lays the allocations out anew (a tiled MLP's tile count follows the
-  length), a family of one kind of block is proved again there from the base copy and one more
-  block (:func:`~lightning_seqmem.dryrun.repetition.reprove`: that a further block repeats the
-  chunk was checked at the first length; ``detail`` names both), other families in full. The peak is not assumed affine in the depth: where it moves from one phase to
-  another as blocks are added (backward at 2 blocks, forward at 32), the replay follows it.
+* **Proof, once per setting** (at the first length asked; :mod:`.repetition`): copies of 1, 2 and
+  3 blocks (2, 3 and 4 under FSDP2, whose next-to-last block prefetches the last). Their allocation
+  sequences (:mod:`.pumping`) must differ by *insertions* alone (one more block adds its own
+  allocations and frees at fixed places, nothing else), the deepest being exactly the base's with
+  those insertions twice. A host-side trace must pump the same way; every other figure must be
+  affine in the block count (second difference 0 bytes). A rung at ``"<rung>:k/N"`` is fitted in
+  two counts (leveled and plain blocks) from copies at ``"<rung>:c/(c+p)"``, shared by every ``k``.
+* **Each question**: one dry run of a shallow copy at the length asked. Its sequence must have the
+  proof's layout; each block's chunk is repeated to the model's depth and the peaks replayed
+  (:func:`.step.replay_peaks`), so a peak that moves phase with depth is followed. Where a length
+  lays allocations out anew (a tiled MLP), a one-kind family is proved again there from the base
+  and one more block (:func:`.repetition.reprove`), other families in full.
 
-What stays assumed: that the blocks past the deepest copy behave as the copied ones. A block's
-attributes, parameters and hooks are compared across the whole stack, and a Hugging Face config's
-per-layer lists; a model whose own loop treats a block by its index in no other way than these
-show is seen only where that block is among the copied ones.
+Assumed: blocks past the deepest copy behave as the copied ones (attributes, parameters, hooks and
+an HF config's per-layer lists are compared across the stack). The full dry run answers instead,
+the reason in ``detail`` (``"; full depth: ..."``), where blocks differ
+(:func:`.stack.blocks_differ`), no single repeated stack is found, the proof fails, or a shallow
+copy cannot be dry-run. A stack of fewer than 4 blocks (5 with ``k/N``) is dry-run whole.
 
-The full dry run answers instead, with the reason in ``detail`` (``"; full depth: ..."``), where
-the blocks are not alike (:func:`~lightning_seqmem.dryrun.stack.blocks_differ`: sliding-window
-layers among global ones, a dense block before MoE ones), where no single stack of repeated blocks
-is found, where the proof fails, where a question's sequence has another layout (proved again at
-that length first), or where a shallow copy cannot be dry-run (the full dry run then answers or
-raises as it would). A stack of fewer than 4 blocks (5 with a ``k/N`` level) is dry-run whole.
-
-Cached per model state, batch and other arguments (:func:`clear_depth_cache` forgets them): each
-shallow dry run (a question at a length asked before, for any ``k``, costs none) and each
-setting's proof; models and optimizers are held weakly, the batch as given.
-
-``site`` (where the peak sits): each kind's bytes at the peak are extrapolated from traced dry
-runs of a question's copy and of one more block of each kind, where all of them put the peak in
-the same phase at the same op and the kinds add up to the extrapolated peak; else ``peak_site``
-is None (the peak's place changes with the depth).
+Cached per model state, batch and arguments (:func:`clear_depth_cache`): each shallow dry run and
+each proof; models and optimizers held weakly. ``site``: each kind's bytes at the peak
+extrapolated from traced copies (one more block of each kind) where all agree on phase and op and
+the kinds add up to the peak; else ``peak_site`` is None.
 
 Example:
     >>> import torch
@@ -85,23 +59,11 @@ from torch import nn
 
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.peak import PeakSite
-from lightning_seqmem.dryrun.repetition import (
-    Family,
-    Proof,
-    extrapolate,
-    plus,
-    prove,
-    reprove,
-    words,
-)
+from lightning_seqmem.dryrun.repetition import (Family, Proof, extrapolate, plus, prove, reprove,
+                                                words)
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
-from lightning_seqmem.dryrun.stack import (
-    blocks_differ,
-    find_stack,
-    shallow_copy,
-    shallow_optimizer,
-    state_key,
-)
+from lightning_seqmem.dryrun.stack import (blocks_differ, find_stack, shallow_copy,
+                                           shallow_optimizer, state_key)
 from lightning_seqmem.dryrun.cuda import allocator_block_bytes
 from lightning_seqmem.dryrun.fake import check_module
 from lightning_seqmem.dryrun.step import checked_rungs, dry_run_step, simulated_device_for
@@ -301,7 +263,7 @@ def _answer(call: _Call) -> DryRunResult:
             return call.full(f"not depth-extrapolated: {proof}")
         traced = None if site is None else context.run(call, stack, family, seq_len, site)
         peak_site = None if traced is None else _site(traced, proof, target, result)
-    except Exception as exc:  # noqa: BLE001 - the full dry run answers (or raises) as it would have
+    except Exception as exc:  # noqa: BLE001 - the full dry run answers (or raises) as it would
         reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         return call.full(f"not depth-extrapolated: a shallow copy's dry run failed: {reason}")
     runs = proof.runs()
@@ -316,26 +278,17 @@ def _answer(call: _Call) -> DryRunResult:
                                detail=detail, peak_site=peak_site)
 
 
-# -- the public doors ------------------------------------------------------------------------------
+# -- the public doors -----------------------------------------------------------------------------
 def depth_dry_run_step(
-    pl_module: nn.Module,
-    optimizer: Optional[Any],
-    batch: Any,
-    seq_len: int,
-    batch_size: Optional[int] = None,
-    mitigations: Sequence[str] = (),
+    pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_len: int,
+    batch_size: Optional[int] = None, mitigations: Sequence[str] = (),
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
-    device: Optional[torch.device | str] = None,
-    site: Optional[Callable[..., Any]] = None,
+    device: Optional[torch.device | str] = None, site: Optional[Callable[..., Any]] = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`~lightning_seqmem.dryrun.step.dry_run_step` (the same arguments, ``kwargs`` its later
-    ones), answered from shallow copies where the model's blocks repeat (see the module docstring):
-    the same peak, phase peaks and other figures; ``detail`` says how it was answered, ``seconds``
-    what this call took; ``peak_site`` with ``site``: extrapolated, or None where it cannot be.
-
-    Raises:
-        as :func:`~lightning_seqmem.dryrun.step.dry_run_step`.
+    """:func:`.step.dry_run_step` (the same arguments, ``kwargs`` its later ones; the same
+    raises), answered from shallow copies where the model's blocks repeat: the same figures;
+    ``detail`` says how, ``seconds`` what this call took; ``peak_site`` extrapolated, or None.
     """
     args = dict(pl_module=pl_module, optimizer=optimizer, batch=batch, seq_len=seq_len,
                 batch_size=batch_size, mitigations=mitigations, autocast=autocast, device=device,
@@ -347,25 +300,15 @@ def depth_dry_run_step(
 
 
 def depth_sharded_dry_run_step(
-    template: nn.Module,
-    batch: Any,
-    seq_len: int,
-    world_size: int,
-    batch_size: Optional[int] = None,
-    mitigations: Sequence[str] = (),
-    strategy: str = "fsdp2",
+    template: nn.Module, batch: Any, seq_len: int, world_size: int,
+    batch_size: Optional[int] = None, mitigations: Sequence[str] = (), strategy: str = "fsdp2",
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
-    device: Optional[torch.device | str] = None,
-    first_split_check: Optional[bool] = None,
+    device: Optional[torch.device | str] = None, first_split_check: Optional[bool] = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` (the same arguments, ``kwargs``
-    its later ones), answered from shallow copies of ``template`` where its blocks repeat: the same
-    per-rank peak, phase peaks and other figures; ``detail`` says how it was answered.
-
-    Raises:
-        as :func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step`.
-    """
+    """:func:`.sharded.sharded_dry_run_step` (the same arguments, ``kwargs`` its later ones; the
+    same raises), answered from shallow copies of ``template`` where its blocks repeat: the same
+    figures; ``detail`` says how."""
     from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
 
     args = dict(template=template, batch=batch, seq_len=seq_len, world_size=world_size,
@@ -376,25 +319,14 @@ def depth_sharded_dry_run_step(
 
 
 def depth_sequence_parallel_dry_run_step(
-    template: nn.Module,
-    batch: Any,
-    seq_len: int,
-    world_size: int,
-    degree: int,
-    kind: str,
-    batch_size: Optional[int] = None,
-    mitigations: Sequence[str] = (),
-    autocast: Optional[Callable[[], ContextManager[Any]]] = None,
-    device: Any = None,
+    template: nn.Module, batch: Any, seq_len: int, world_size: int, degree: int, kind: str,
+    batch_size: Optional[int] = None, mitigations: Sequence[str] = (),
+    autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`~lightning_seqmem.dryrun.sequence_parallel.sequence_parallel_dry_run_step` (the same
-    arguments, ``kwargs`` its later ones), answered from shallow copies of ``template`` where its
-    blocks repeat: the same per-rank peak and phase peaks; ``detail`` says how it was answered.
-
-    Raises:
-        as :func:`~lightning_seqmem.dryrun.sequence_parallel.sequence_parallel_dry_run_step`.
-    """
+    """:func:`.sequence_parallel.sequence_parallel_dry_run_step` (the same arguments, ``kwargs``
+    its later ones; the same raises), answered from shallow copies of ``template`` where its
+    blocks repeat: the same per-rank peaks; ``detail`` says how."""
     from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
 
     args = dict(template=template, batch=batch, seq_len=seq_len, world_size=world_size,

@@ -1,5 +1,5 @@
-"""The fake copy a dry run steps: up-front checks, a copy of the module on fake tensors (the real one
-is never touched), its optimizer rebuilt over the copy's parameters, the random state preserved."""
+"""The fake copy a dry run steps: up-front checks, a copy of the module on fake tensors (the real
+one is never touched), its optimizer rebuilt over the copy's parameters, the random state kept."""
 
 from __future__ import annotations
 
@@ -12,18 +12,16 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_seqmem.measure.probes import attribute_tensors
-
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.dryrun.values import BatchValues
 
-__all__ = ["QUIET_WARNINGS", "check_module", "compiled_reason", "configured_optimizer", "fake_copy", "preserved_rng",
-           "rebuild_optimizer", "unwrap_optimizer"]
+__all__ = ["QUIET_WARNINGS", "check_module", "compiled_reason", "configured_optimizer", "fake_copy",
+           "preserved_rng", "rebuild_optimizer", "unwrap_optimizer"]
 
 QUIET_WARNINGS = (  # warnings a fake copy without a Trainer raises by design
     "You are trying to `self.log()`",
@@ -40,8 +38,10 @@ def compiled_reason(module: nn.Module) -> Optional[str]:
         True
     """
     for name, sub in module.named_modules():
-        where = f"submodule {name!r} ({type(sub).__name__})" if name else f"the module ({type(sub).__name__})"
-        if type(sub).__name__ == "OptimizedModule" and type(sub).__module__.startswith("torch._dynamo"):
+        where = (f"submodule {name!r} ({type(sub).__name__})" if name
+                 else f"the module ({type(sub).__name__})")
+        if (type(sub).__name__ == "OptimizedModule"
+                and type(sub).__module__.startswith("torch._dynamo")):
             return f"{where} is a torch.compile'd module (OptimizedModule)"
         if getattr(sub, "_compiled_call_impl", None) is not None:
             return f"{where} was compiled in place (module.compile())"
@@ -53,29 +53,33 @@ def compiled_reason(module: nn.Module) -> Optional[str]:
 
 def check_module(pl_module: Any) -> None:
     """Refuse, before any work, a module no dry run can step: not an ``nn.Module`` with a
-    ``training_step`` (TypeError), compiled, or under manual optimization (:class:`DryRunUnsupported`).
+    ``training_step`` (TypeError), compiled, or under manual optimization
+    (:class:`DryRunUnsupported`).
 
     Example:
-        >>> check_module(nn.Linear(2, 2))
+        >>> check_module(nn.Linear(2, 2))  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        TypeError: `pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method (a LightningModule), got Linear
+        TypeError: `pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method
+        (a LightningModule), got Linear
     """
-    if not isinstance(pl_module, nn.Module) or not callable(getattr(pl_module, "training_step", None)):
+    if (not isinstance(pl_module, nn.Module)
+            or not callable(getattr(pl_module, "training_step", None))):
         raise TypeError(
-            f"`pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method (a LightningModule), "
-            f"got {type(pl_module).__name__}"
+            "`pl_module` must be an nn.Module with a `training_step(batch, batch_idx)` method "
+            f"(a LightningModule), got {type(pl_module).__name__}"
         )
     reason = compiled_reason(pl_module)
     if reason is not None:
         raise DryRunUnsupported(
-            f"{reason}: its memory is that of the kernels torch.compile generates (fused, with their own "
-            "buffers), which a fake eager step does not reproduce; forecast from measured steps instead"
+            f"{reason}: its memory is that of the kernels torch.compile generates (fused, with "
+            "their own buffers), which a fake eager step does not reproduce; forecast from "
+            "measured steps instead"
         )
     if getattr(pl_module, "automatic_optimization", True) is False:
         raise DryRunUnsupported(
-            "manual optimization (automatic_optimization=False): the module runs its own backward and optimizer "
-            "steps through the Trainer"
+            "manual optimization (automatic_optimization=False): the module runs its own backward "
+            "and optimizer steps through the Trainer"
         )
 
 
@@ -84,7 +88,8 @@ def check_module(pl_module: Any) -> None:
 def preserved_rng() -> Iterator[None]:
     """Restore the CPU and (initialised) CUDA generators afterwards, whatever the step drew."""
     cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = (torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
     try:
         yield
     finally:
@@ -93,23 +98,19 @@ def preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional["BatchValues"] = None,
+def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode,
+              values: Optional["BatchValues"] = None,
               device: Optional[torch.device] = None) -> nn.Module:
     """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
     (or Fabric) it is attached to.
 
-    Parameters, buffers and tensors held as plain attributes (:func:`~lightning_seqmem.measure.probes.attribute_tensors`:
-    caches such as a positional table or a causal mask, a rotary embedding's ``original_inv_freq``)
-    are faked first and put in the copy's memo, so the deep copy takes the fake ones and never
-    copies a real one (nor a gradient); the attribute tensors count as existing memory of the step,
-    as in a real one. ``values`` gets a copy of each attribute tensor's values (within its limit):
-    a step may read them.
-
-    ``device``: where the copy's tensors are made (default: where each real one is). A tensor on
-    the ``meta`` device (a module built with ``torch.device("meta")`` or Lightning's
-    ``init_module(empty_init=True)``: any size, nothing allocated) or on another device becomes a
-    fake one of the same shape, strides and dtype there, with no values; a tensor already there is
-    faked from itself (its values known to ``values``).
+    Parameters, buffers and plain-attribute tensors (:func:`.probes.attribute_tensors`: a
+    positional table, a causal mask) are faked first into the copy's memo, so the deep copy never
+    copies a real one (nor a gradient); attribute tensors count as existing memory of the step.
+    ``values`` gets a copy of each attribute tensor's values (within its limit): a step may read
+    them. ``device``: where the copy's tensors are made (default: where each real one is); a
+    ``meta`` tensor or one on another device becomes a fake one of the same shape, strides and
+    dtype there, with no values.
     """
     memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric"):
@@ -131,7 +132,8 @@ def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional[
         for b in pl_module.buffers():
             memo[id(b)] = fake(b)
         for t in attribute_tensors(pl_module):
-            if id(t) in memo or isinstance(t, FakeTensor) or (t.device.type == "meta" and device is None):
+            if (id(t) in memo or isinstance(t, FakeTensor)
+                    or (t.device.type == "meta" and device is None)):
                 continue
             memo[id(t)] = faked = fake(t)
             nbytes = t.numel() * t.element_size()
@@ -140,7 +142,8 @@ def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode, values: Optional[
                     values.give(faked, t.detach().clone().cpu())
         return copy.deepcopy(pl_module, memo)
     except Exception as exc:  # noqa: BLE001 - reported as the reason
-        raise DryRunUnsupported(f"copying the module onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
+        raise DryRunUnsupported("copying the module onto fake tensors failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -154,7 +157,7 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def _default_foreach(params: list[torch.Tensor]) -> Optional[bool]:
-    """What ``foreach=None`` resolves to for the *real* parameters (fake ones would always give False)."""
+    """What ``foreach=None`` resolves to for the *real* parameters (fake ones always give False)."""
     try:
         from torch.optim.optimizer import _default_to_fused_or_foreach
 
@@ -176,8 +179,9 @@ def rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.o
             fake = twins.get(id(p))
             if fake is None:
                 raise DryRunUnsupported(
-                    f"param group {index} of the optimizer holds a {tuple(p.shape)} tensor that is not a parameter "
-                    "of the module, so the fake copy cannot step it (pass the module's own optimizer)"
+                    f"param group {index} of the optimizer holds a {tuple(p.shape)} tensor that is "
+                    "not a parameter of the module, so the fake copy cannot step it (pass the "
+                    "module's own optimizer)"
                 )
             params.append(fake)
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -195,14 +199,14 @@ def rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.o
         return type(real)(groups, **kwargs)
     except Exception as exc:  # noqa: BLE001
         raise DryRunUnsupported(
-            f"cannot rebuild {type(real).__name__} over the fake copy from its defaults and param groups: "
-            f"{type(exc).__name__}: {exc}"
+            f"cannot rebuild {type(real).__name__} over the fake copy from its defaults and param "
+            f"groups: {type(exc).__name__}: {exc}"
         ) from exc
 
 
 def configured_optimizer(module: Any) -> torch.optim.Optimizer:
     """The (first) optimizer of ``module.configure_optimizers()``, called on the fake copy (an
-    optimizer, a list or tuple of them, or a dict with ``"optimizer"``, nested as Lightning takes them).
+    optimizer, a list or tuple of them, or a dict with ``"optimizer"``, nested as Lightning takes).
 
     Example:
         >>> class M(nn.Linear):
@@ -214,7 +218,8 @@ def configured_optimizer(module: Any) -> torch.optim.Optimizer:
     try:
         out = module.configure_optimizers()
     except Exception as exc:  # noqa: BLE001
-        raise DryRunUnsupported(f"configure_optimizers() failed on the fake copy: {type(exc).__name__}: {exc}") from exc
+        raise DryRunUnsupported("configure_optimizers() failed on the fake copy: "
+                                f"{type(exc).__name__}: {exc}") from exc
     while not isinstance(out, torch.optim.Optimizer):
         if isinstance(out, Mapping) and "optimizer" in out:
             out = out["optimizer"]
@@ -222,6 +227,7 @@ def configured_optimizer(module: Any) -> torch.optim.Optimizer:
             out = out[0]
         else:
             raise DryRunUnsupported(
-                f"configure_optimizers() returned {type(out).__name__}; pass the optimizer to dry_run_step"
+                f"configure_optimizers() returned {type(out).__name__}; pass the optimizer to "
+                "dry_run_step"
             )
     return out

@@ -1,30 +1,19 @@
 """Host memory beside a dry run's device: what one step keeps in host (CPU) memory.
 
-A dry run on an accelerator (the simulated CUDA device of :mod:`.accelerator`, or CUDA itself)
-keeps the host apart from the device: a second live-tensor tracker, counting device type ``"cpu"``,
-runs in the same fake step as the device's, its phases marked with them
-(:class:`~lightning_seqmem.measure.probes.DeviceAndHostProbe`). It counts the host-resident
-storages the step holds: the parameter shards, gradients and optimizer state FSDP2's
-``CPUOffloadPolicy`` keeps there, the saved activations ``save_on_cpu`` copies out, AdamW's
-``step`` scalars (on the host unless the optimizer is fused or capturable). Those alive before the
-step (parameters, gradients, optimizer state) are counted as existing, as on the device.
+On an accelerator (CUDA, or the simulated one of :mod:`.accelerator`) a second live-tensor tracker
+counts device type ``"cpu"`` in the same fake step, with the same phases
+(:class:`~lightning_seqmem.measure.probes.DeviceAndHostProbe`): FSDP2 ``CPUOffloadPolicy``'s
+shards, gradients and optimizer state, ``save_on_cpu``'s saved activations, AdamW's ``step``
+scalars (unless fused or capturable); those alive before the step count as existing.
 
-Pinned (page-locked) host memory is counted as PyTorch's caching host allocator holds it: every
-block rounded up to a power of two (``ATen/core/CachingHostAllocator.h``: ``PowerOf2Ceil``).
-Pinned are: ``pin_memory()`` results (FSDP2's shards under ``CPUOffloadPolicy(pin_memory=True)``),
-tensors made with ``pin_memory=True`` (``save_on_cpu(pin_memory=True)``'s host copies), and
-non-blocking copies from the device to the host (``at::_to_copy`` pins their output: FSDP2's
-offloaded gradients). A fake tensor has no pinned state of its own (its storage is on ``meta``, and
-``aten._pin_memory`` has no fake kernel), so :func:`register_fake_pin_memory` gives it one that
-copies into a new fake host storage, and the storages pinned are remembered here (by
-:class:`PinWatch` while FSDP2 shards, by the host tracker during the step); ``is_pinned()`` still
-answers False on fake tensors. Not modelled: the host allocator's cache of freed pinned blocks
-(reused for the same power of two, as a step's gradients are in the next step), the allocator
-overheads of pageable memory, and host memory outside the step's tensors (the process itself, the
-CUDA context's host side, data loader workers).
-
-A dry run of the CPU itself (``device="cpu"``) has no host apart: the device's tracker counts
-every storage, and the host peaks are 0.
+Pinned memory is counted as PyTorch's caching host allocator holds it, each block rounded up to a
+power of two (``CachingHostAllocator.h``: ``PowerOf2Ceil``). Pinned are ``pin_memory()`` results,
+tensors made with ``pin_memory=True`` and non-blocking device-to-host copies (FSDP2's offloaded
+gradients). Fake tensors have no pinned state and ``aten._pin_memory`` no fake kernel, so
+:func:`register_fake_pin_memory` adds one and the pinned storages are remembered here (by
+:class:`PinWatch` while FSDP2 shards, by the host tracker in the step). Not modelled: the host
+allocator's cache of freed pinned blocks, pageable allocator overheads, host memory outside the
+step's tensors. On the CPU itself there is no host apart: host peaks are 0.
 
 Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -61,8 +50,7 @@ _PINNED: dict[int, weakref.ref] = {}  # StorageImpl address -> weakref to the pi
 
 
 def power_of_two_bytes(nbytes: int) -> int:
-    """``nbytes`` rounded up to a power of two, as PyTorch's caching host allocator allocates pinned
-    memory.
+    """``nbytes`` rounded up to a power of two, as PyTorch's caching host allocator pins memory.
 
     >>> [power_of_two_bytes(n) for n in (0, 1, 4096, 4097)]
     [0, 1, 4096, 8192]
@@ -88,8 +76,7 @@ def is_pinned_storage(storage: torch.UntypedStorage) -> bool:
 
 def mark_pinned(tensor: torch.Tensor) -> None:
     """Count the storages of fake host tensor ``tensor`` as pinned from now on (what a real step
-    leaves pinned where the dry run made the tensor otherwise: FSDP2's offloaded gradients of the
-    step before)."""
+    leaves pinned where the dry run made it otherwise: FSDP2's offloaded gradients)."""
     from lightning_seqmem.measure.tracker import tensor_storages
 
     for storage in tensor_storages(tensor):
@@ -97,10 +84,11 @@ def mark_pinned(tensor: torch.Tensor) -> None:
 
 
 def _fake_pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
-    """``aten._pin_memory`` on a fake tensor: a copy in a new host storage, same strides (which
-    storages are pinned is told by :class:`PinWatch` or the host tracker: the fake mode's cache of
-    op results answers a second call of the same shape without calling this kernel)."""
-    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    """``aten._pin_memory`` on a fake tensor: a copy in a new host storage, same strides (pinned
+    storages are told by :class:`PinWatch` or the host tracker: the fake mode's cache answers a
+    second call of the same shape without this kernel)."""
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype,
+                               device=tensor.device)
 
 
 class PinWatch(TorchDispatchMode):
@@ -151,8 +139,8 @@ def _pins(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
 
 def pinned_storage(storage: torch.UntypedStorage, func: Any, args: Any,
                    kwargs: dict[str, Any]) -> bool:
-    """The host tracker's ``pinned`` hook: whether a host storage new to it (``func`` made it; None:
-    it existed before the step) is pinned memory; one ``func`` pins is remembered as such."""
+    """The host tracker's ``pinned`` hook: whether a host storage new to it (``func`` made it;
+    None: it existed before the step) is pinned; one ``func`` pins is remembered as such."""
     if func is not None and _pins(func, args, kwargs):
         _remember(storage)
         return True
@@ -160,8 +148,8 @@ def pinned_storage(storage: torch.UntypedStorage, func: Any, args: Any,
 
 
 def with_host_probe(probe: MemoryProbe, device: torch.device) -> MemoryProbe:
-    """``probe`` on ``device`` and a host tracker beside it (:class:`DeviceAndHostProbe`), where the
-    host is apart from ``device``; ``probe`` itself on the CPU."""
+    """``probe`` on ``device`` and a host tracker beside it (:class:`DeviceAndHostProbe`) where
+    the host is apart from ``device``; ``probe`` itself on the CPU."""
     if host_of(device) is None:
         return probe
     register_fake_pin_memory()
@@ -174,7 +162,7 @@ def host_events(memory: Optional[StepMemory],
                 pinned_blocks: bool = True) -> Optional[TrackedEvents]:
     """The allocation/free sequence of the host side of a step (None without one), each pinned
     allocation rounded up to a power of two (what the host holds; ``pinned_blocks=False``: the
-    tensors' own bytes), for :func:`~lightning_seqmem.dryrun.step.replay_peaks`.
+    tensors' own bytes), for :func:`.step.replay_peaks`.
 
     Example:
         >>> ev = TrackedEvents(sizes=[100, 3000], ops=["<existing>", "empty" + PINNED],

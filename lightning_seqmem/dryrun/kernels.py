@@ -1,9 +1,9 @@
 """The GPU's kernels on a CPU: a dry run for CUDA counts what the kernels the run will use allocate.
 
-A training config planned on a CPU-only machine is dry-run on the simulated CUDA device
-(:mod:`.accelerator`), where no GPU kernel exists and none is imported. The kernels it will run are
-modelled there from their sources, each counted as CUDA would count it (outputs, saved tensors, the
-buffers a kernel holds for itself while it runs, in 512-byte blocks):
+A config planned on a CPU-only machine is dry-run on the simulated CUDA device
+(:mod:`.accelerator`), where no GPU kernel exists. The kernels the run will use are modelled from
+their sources, counted as CUDA counts them (outputs, saved tensors, a kernel's own buffers while it
+runs, in 512-byte blocks):
 
 ==================================  ===============================================================
 what the run calls                  modelled by
@@ -18,15 +18,12 @@ flash-attn 2 / 3 (Hugging Face      :mod:`.kernels_flash`: ``flash_attn_func`` a
 Cut Cross-Entropy, Liger            :mod:`.kernels_loss`: the ``fused_loss`` rung's CUDA backends
 ==================================  ===============================================================
 
-On import this module registers them: the SDPA dispatch on the simulated device (when it is
-registered), the modelled flash-attn as the attention rung's ``"flash"`` there
-(:func:`~lightning_seqmem.mitigations.attention.attention.register_modelled_flash`), CCE and Liger as the
-``fused_loss`` rung's backends there
-(:func:`~lightning_seqmem.mitigations.fused_loss.fused_loss.register_modelled_backends`). A dry run records the
-modelled kernels that ran (:func:`recording`) and says which in its result (``modelled_kernels``,
-``detail``). On the CPU nothing changes: the models run on the simulated device only (and on fake
-CPU tensors of a model built for flash-attn under :func:`modelled_kernels`, which otherwise cannot
-run).
+On import this module registers them on the simulated device: the SDPA dispatch, the modelled
+flash-attn as the attention rung's ``"flash"`` (:func:`.attention.register_modelled_flash`), CCE and
+Liger as the ``fused_loss`` rung's backends (:func:`.fused_loss.register_modelled_backends`). A dry
+run names the modelled kernels that ran in its result (``modelled_kernels``, ``detail``). On the CPU
+nothing changes (except fake CPU tensors of a model built for flash-attn under
+:func:`modelled_kernels`, which otherwise cannot run).
 
 Approximations, each small: cuDNN attention is not modelled (PyTorch prefers it on sm90 only with
 cuDNN >= 9.15.1; a priority order that asks for it first gets the next backend here); the
@@ -53,12 +50,9 @@ from __future__ import annotations
 import contextlib
 
 from lightning_seqmem.dryrun.accelerator import SIMULATED
-from lightning_seqmem.dryrun.kernels_flash import (
-    hf_implementation,
-    mapped_flash_requests,
-)
+from lightning_seqmem.dryrun.kernels_flash import hf_implementation, mapped_flash_requests
 from lightning_seqmem.dryrun.kernels_loss import cce_loss, liger_loss
-from lightning_seqmem.dryrun import kernels_sdpa  # noqa: F401 - registers the SDPA dispatch on the simulated device
+from lightning_seqmem.dryrun import kernels_sdpa  # noqa: F401 - registers the SDPA dispatch
 from lightning_seqmem.mitigations.attention.attention import register_modelled_flash
 from lightning_seqmem.mitigations.fused_loss.fused_loss import register_modelled_backends
 
@@ -67,10 +61,9 @@ __all__ = ["modelled_kernels"]
 
 def modelled_kernels() -> contextlib.AbstractContextManager[None]:
     """A context under which a Hugging Face model asked for ``flash_attention_2``/``_3`` where
-    flash-attn cannot run (not installed, or no CUDA) gets the modelled kernel
-    (:func:`~lightning_seqmem.dryrun.kernels_flash.hf_implementation`), both while it is built and
-    in ``set_attn_implementation``: wrap the construction of a model that trains with flash-attn in
-    it to plan its run here. Re-entrant; a request that can run is left alone."""
+    flash-attn cannot run gets the modelled kernel (:func:`.kernels_flash.hf_implementation`),
+    while built and in ``set_attn_implementation``: wrap the construction of a model that trains
+    with flash-attn in it to plan its run here. Re-entrant; a request that can run is left alone."""
     return mapped_flash_requests()
 
 

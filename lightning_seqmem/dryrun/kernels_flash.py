@@ -1,30 +1,20 @@
 """flash-attn 2 and 3 without the package: their memory on fake tensors, and transformers' way in.
 
-A run that trains with ``attn_implementation="flash_attention_2"`` (or ``"_3"``) cannot even be
-built where flash-attn is not installed (transformers refuses it at construction). This module
-models the kernels from their sources (Dao-AILab/flash-attention
-``flash_attn/flash_attn_interface.py``, ``csrc/flash_attn/flash_api.cpp``;
-``hopper/flash_attn_interface.py``, ``hopper/flash_api.cpp``):
+A run with ``attn_implementation="flash_attention_2"`` (or ``"_3"``) cannot even be built without
+flash-attn. The kernels are modelled from their sources (Dao-AILab/flash-attention
+``flash_attn_interface.py`` and ``flash_api.cpp``, in ``csrc/flash_attn`` and ``hopper``):
 
-* :func:`flash_attn_func` / :func:`flash_attn_varlen_func` (flash-attn 2) on fake tensors allocate
-  what ``FlashAttnFunc`` and ``mha_fwd`` do (head dims padded to 8, ``out``, ``softmax_lse`` fp32
-  ``[B, H, Lq]``, the split-KV accumulators, ``rng_state``) and save what they save (``q, k, v,
-  out_padded, softmax_lse, rng_state``); backward allocates ``dq, dk, dv`` and, for the duration of
-  ``mha_bwd``, ``softmax_d``, ``dq_accum`` and (grouped-query attention) ``dk_expanded``,
-  ``dv_expanded`` (:func:`~lightning_seqmem.dryrun.kernels_scratch.fa2_backward_scratch`);
-* :func:`flash_attn_3_func` / :func:`flash_attn_3_varlen_func` (flash-attn 3, Hopper) likewise:
-  ``out`` and ``softmax_lse`` saved; backward's ``softmax_d``, ``softmax_lse_log2``, ``dq_accum``
-  (fp32, tiles of ``kBlockM`` queries), ``dq_semaphore`` and, for grouped-query attention, fp32
-  ``dk_accum``, ``dv_accum``
-  (:func:`~lightning_seqmem.dryrun.kernels_scratch.fa3_backward_scratch`);
-* on fake tensors they refuse what the kernels refuse (dtypes other than float16 and bfloat16,
-  head dims above 256), with the kernels' messages; on real tensors (a model built for flash-attn
-  run on the CPU) they compute attention in eager torch, with the same results up to rounding;
-* :func:`hf_implementation` registers them with transformers (``AttentionInterface`` and the flash
-  mask of ``AttentionMaskInterface``) as ``"flash_attention_2_modelled"`` /
-  ``"flash_attention_3_modelled"``, run through transformers' own flash glue
-  (``_flash_attention_forward``: unpadding, packed sequences, sliding windows);
-  :func:`mapped_flash_requests` maps a request for the real one to it.
+* :func:`flash_attn_func` / :func:`flash_attn_varlen_func` (flash-attn 2) allocate what
+  ``FlashAttnFunc`` and ``mha_fwd`` do (head dims padded to 8, ``out``, fp32 ``softmax_lse``,
+  split-KV accumulators, ``rng_state``) and save what they save; the backward's ``dq, dk, dv``
+  and ``mha_bwd``'s own buffers: :func:`.kernels_scratch.fa2_backward_scratch`;
+* :func:`flash_attn_3_func` / :func:`flash_attn_3_varlen_func` (flash-attn 3, Hopper) likewise
+  (:func:`.kernels_scratch.fa3_backward_scratch`);
+* on fake tensors they refuse what the kernels refuse (dtypes other than fp16/bf16, head dims
+  above 256), with their messages; on real tensors they compute attention in eager torch;
+* :func:`hf_implementation` registers them with transformers as ``"flash_attention_2_modelled"``
+  / ``"flash_attention_3_modelled"``, run through transformers' own flash glue (unpadding, packed
+  sequences, sliding windows); :func:`mapped_flash_requests` maps a request for the real one.
 
 Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -46,24 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from lightning_seqmem.dryrun.kernels_scratch import (
-    CUDA_TARGET,
-    fa2_backward_scratch,
-    fa2_forward_scratch,
-    fa2_head_rounded,
-    fa3_backward_scratch,
-    note_kernel,
-)
+from lightning_seqmem.dryrun.kernels_scratch import (CUDA_TARGET, fa2_backward_scratch,
+                                                     fa2_forward_scratch, fa2_head_rounded,
+                                                     fa3_backward_scratch, note_kernel)
 
-__all__ = [
-    "HF_IMPLEMENTATIONS",
-    "flash_attn_3_func",
-    "flash_attn_3_varlen_func",
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "hf_implementation",
-    "mapped_flash_requests",
-]
+__all__ = ["HF_IMPLEMENTATIONS", "flash_attn_3_func", "flash_attn_3_varlen_func",
+           "flash_attn_func", "flash_attn_varlen_func", "hf_implementation",
+           "mapped_flash_requests"]
 
 HF_IMPLEMENTATIONS = {2: "flash_attention_2_modelled", 3: "flash_attention_3_modelled"}
 """flash-attn version -> the name of its modelled Hugging Face attention implementation."""
@@ -87,19 +66,9 @@ class _ModelledFlash(torch.autograd.Function):
     the sequence boundaries of a varlen call (their shapes give the batch) and the longest ones."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        version: int,
-        causal: bool,
-        dropout_p: float,
-        window: tuple,
-        softcap: float,
-        deterministic: bool,
-        varlen: Any,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, version: int,
+                causal: bool, dropout_p: float, window: tuple, softcap: float,
+                deterministic: bool, varlen: Any) -> torch.Tensor:
         head_og = q.shape[-1]
         if version == 2 and head_og % 8:
             q, k, v = (F.pad(x, [0, 8 - head_og % 8]) for x in (q, k, v))
@@ -109,9 +78,8 @@ class _ModelledFlash(torch.autograd.Function):
             b, lq, h, d = q.shape
             lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
             if version == 2:
-                _allocate_and_free(
-                    fa2_forward_scratch(b, h, lq, k.shape[1], d, dropout_p), q.device
-                )
+                _allocate_and_free(fa2_forward_scratch(b, h, lq, k.shape[1], d, dropout_p),
+                                   q.device)
         else:
             lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         saved = [q, k, v, out, lse]
@@ -129,23 +97,15 @@ class _ModelledFlash(torch.autograd.Function):
         if dout.shape[-1] != q.shape[-1]:
             dout = F.pad(dout, [0, q.shape[-1] - dout.shape[-1]])
         dout = _contiguous_last(dout)
-        _allocate_and_free(
-            _backward_buffers(q, k, version, causal, window, softcap, varlen), q.device
-        )
+        _allocate_and_free(_backward_buffers(q, k, version, causal, window, softcap, varlen),
+                           q.device)
         del dout
         grads = tuple(g[..., :head_og] if g.shape[-1] != head_og else g for g in (dq, dk, dv))
         return grads + (None,) * 7
 
 
-def _backward_buffers(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    version: int,
-    causal: bool,
-    window: tuple,
-    softcap: float,
-    varlen: Any,
-) -> list:
+def _backward_buffers(q: torch.Tensor, k: torch.Tensor, version: int, causal: bool,
+                      window: tuple, softcap: float, varlen: Any) -> list:
     """The buffers ``mha_bwd`` (or ``mha_varlen_bwd``) of flash-attn ``version`` allocates beside
     dq, dk, dv."""
     local = (window[0] >= 0 or window[1] >= 0) and not causal
@@ -160,9 +120,8 @@ def _backward_buffers(
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     if version == 3:
-        return fa3_backward_scratch(
-            b, h, hk, max_q, max_k, d, causal, local, softcap, total_q, total_k
-        )
+        return fa3_backward_scratch(b, h, hk, max_q, max_k, d, causal, local, softcap, total_q,
+                                    total_k)
     rows = total_q + 128 * b
     accum: tuple[int, ...] = (rows, h, fa2_head_rounded(d))
     if torch.are_deterministic_algorithms_enabled():
@@ -173,18 +132,10 @@ def _backward_buffers(
     return out
 
 
-def _reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    causal: bool,
-    window: tuple,
-    softcap: float,
-) -> torch.Tensor:
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+               window: tuple, softcap: float) -> torch.Tensor:
     """Attention in eager torch on ``[B, L, H, D]`` tensors, flash-attn's semantics (causal aligned
-    to the bottom right, ``window`` (left, right) inclusive, ``softcap``): the values a real tensor
-    gets.
+    to the bottom right, ``window`` (left, right) inclusive, ``softcap``): a real tensor's values.
     """
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     if kt.shape[1] != qt.shape[1]:
@@ -205,32 +156,17 @@ def _reference(
     return (probs @ vt.float()).to(q.dtype).transpose(1, 2)
 
 
-def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    version: int,
-    softmax_scale: Optional[float],
-    causal: bool,
-    window: tuple,
-    softcap: float,
-    dropout_p: float,
-    deterministic: bool,
-    varlen: Any,
-) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, version: int,
+               softmax_scale: Optional[float], causal: bool, window: tuple, softcap: float,
+               dropout_p: float, deterministic: bool, varlen: Any) -> torch.Tensor:
     if not is_fake(q):
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         if varlen is None:
             return _reference(q, k, v, scale, causal, tuple(window), softcap)
         cu_q, cu_k = (c.tolist() for c in varlen[:2])
-        return torch.cat(
-            [
-                _reference(
-                    q[None, a:b], k[None, c:d], v[None, c:d], scale, causal, tuple(window), softcap
-                )[0]
-                for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])
-            ]
-        )
+        return torch.cat([_reference(q[None, a:b], k[None, c:d], v[None, c:d], scale, causal,
+                                     tuple(window), softcap)[0]
+                          for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])])
     if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16)):
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")  # as its mha_fwd
     if q.shape[-1] > 256:
@@ -239,108 +175,66 @@ def _attention(
         f"flash-attn {version} ({'varlen ' if varlen is not None else ''}modelled: "
         f"{'mha_fwd/mha_bwd' if version == 2 else 'hopper mha_fwd/mha_bwd'} allocations)"
     )
-    return _ModelledFlash.apply(
-        q, k, v, version, causal, dropout_p, tuple(window), softcap or 0.0, deterministic, varlen
-    )
+    return _ModelledFlash.apply(q, k, v, version, causal, dropout_p, tuple(window),
+                                softcap or 0.0, deterministic, varlen)
 
 
-def flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-    window_size: tuple = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Any = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-) -> torch.Tensor:
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: Optional[float] = None, causal: bool = False,
+                    window_size: tuple = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+                    deterministic: bool = False, return_attn_probs: bool = False) -> torch.Tensor:
     """flash-attn 2's ``flash_attn_func`` (``[B, L, H, D]`` in and out; grouped-query heads in
     ``k``/``v``): its memory modelled on fake tensors, its result computed in torch on real ones."""
     if return_attn_probs or alibi_slopes is not None:
         raise ValueError(
-            "the modelled flash_attn_func takes neither `return_attn_probs` nor `alibi_slopes`"
-        )
-    return _attention(
-        q, k, v, 2, softmax_scale, causal, window_size, softcap, dropout_p, deterministic, None
-    )
+            "the modelled flash_attn_func takes neither `return_attn_probs` nor `alibi_slopes`")
+    return _attention(q, k, v, 2, softmax_scale, causal, window_size, softcap, dropout_p,
+                      deterministic, None)
 
 
-def flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-    window_size: tuple = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Any = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    block_table: Any = None,
-) -> torch.Tensor:
-    """flash-attn 2's ``flash_attn_varlen_func`` (``[total, H, D]``, sequences at ``cu_seqlens``),
-    modelled."""
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: tuple = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Any = None, deterministic: bool = False,
+                           return_attn_probs: bool = False,
+                           block_table: Any = None) -> torch.Tensor:
+    """flash-attn 2's ``flash_attn_varlen_func`` (``[total, H, D]``, sequences at
+    ``cu_seqlens``), modelled."""
     if return_attn_probs or alibi_slopes is not None or block_table is not None:
         raise ValueError(
             "the modelled flash_attn_varlen_func takes no `return_attn_probs`, `alibi_slopes` "
-            "or `block_table`"
-        )
+            "or `block_table`")
     varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    return _attention(
-        q, k, v, 2, softmax_scale, causal, window_size, softcap, dropout_p, deterministic, varlen
-    )
+    return _attention(q, k, v, 2, softmax_scale, causal, window_size, softcap, dropout_p,
+                      deterministic, varlen)
 
 
-def flash_attn_3_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-    window_size: tuple = (-1, -1),
-    softcap: float = 0.0,
-    deterministic: bool = False,
-) -> torch.Tensor:
+def flash_attn_3_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      softmax_scale: Optional[float] = None, causal: bool = False,
+                      window_size: tuple = (-1, -1), softcap: float = 0.0,
+                      deterministic: bool = False) -> torch.Tensor:
     """flash-attn 3's ``flash_attn_func`` (``flash_attn_interface``, Hopper), modelled."""
-    return _attention(
-        q, k, v, 3, softmax_scale, causal, window_size, softcap, 0.0, deterministic, None
-    )
+    return _attention(q, k, v, 3, softmax_scale, causal, window_size, softcap, 0.0,
+                      deterministic, None)
 
 
-def flash_attn_3_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-    window_size: tuple = (-1, -1),
-    softcap: float = 0.0,
-    deterministic: bool = False,
-) -> torch.Tensor:
+def flash_attn_3_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int,
+                             softmax_scale: Optional[float] = None, causal: bool = False,
+                             window_size: tuple = (-1, -1), softcap: float = 0.0,
+                             deterministic: bool = False) -> torch.Tensor:
     """flash-attn 3's ``flash_attn_varlen_func``, modelled."""
     varlen = (cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    return _attention(
-        q, k, v, 3, softmax_scale, causal, window_size, softcap, 0.0, deterministic, varlen
-    )
+    return _attention(q, k, v, 3, softmax_scale, causal, window_size, softcap, 0.0,
+                      deterministic, varlen)
 
 
-# -- Hugging Face ----------------------------------------------------------------------------------
-_FUNCTIONS = {
-    2: (flash_attn_func, flash_attn_varlen_func),
-    3: (flash_attn_3_func, flash_attn_3_varlen_func),
-}
+# -- Hugging Face ---------------------------------------------------------------------------------
+_FUNCTIONS = {2: (flash_attn_func, flash_attn_varlen_func),
+              3: (flash_attn_3_func, flash_attn_3_varlen_func)}
 _REGISTERED: set[int] = set()
 
 
@@ -375,14 +269,9 @@ def hf_implementation(version: int = 2) -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-        def attention(
-            module: Any,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            attention_mask: Optional[torch.Tensor],
-            **kwargs: Any,
-        ) -> tuple[torch.Tensor, None]:
+        def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor],
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
             from transformers.integrations.flash_attention import flash_attention_forward
 
             _install(version)
@@ -408,11 +297,8 @@ def _mapped(model: Any, requested: Any) -> Any:
     """``requested`` with a flash-attn that cannot run here replaced by its model (for models that
     take flash attention at all; others keep their request, and transformers' refusal)."""
     for version in HF_IMPLEMENTATIONS:
-        if (
-            requested == f"flash_attention_{version}"
-            and not flash_runs_here(version)
-            and getattr(model, "_supports_flash_attn", False)
-        ):
+        if (requested == f"flash_attention_{version}" and not flash_runs_here(version)
+                and getattr(model, "_supports_flash_attn", False)):
             return hf_implementation(version)
     return requested
 
@@ -443,5 +329,4 @@ def mapped_flash_requests() -> Iterator[None]:
         if _DEPTH[0] == 0:
             current = PreTrainedModel.__dict__["_check_and_adjust_attn_implementation"]
             PreTrainedModel._check_and_adjust_attn_implementation = getattr(
-                current, "__wrapped__", current
-            )
+                current, "__wrapped__", current)

@@ -1,19 +1,16 @@
 """Cut Cross-Entropy and Liger's fused linear cross-entropy on fake tensors: what they allocate.
 
-The ``fused_loss`` rung runs Apple's Cut Cross-Entropy (``cce``) or Liger-Kernel (``liger``) on
-CUDA; their triton kernels cannot run on fake tensors. On the simulated CUDA device the rung runs
-these models instead, written from the libraries' sources, allocation by allocation, each called as
-the rung calls the library (``reduction="sum"``, hidden states and weight in the autocast dtype):
+The ``fused_loss`` rung's triton kernels (Apple's Cut Cross-Entropy ``cce``, Liger-Kernel
+``liger``) cannot run on fake tensors; on the simulated CUDA device the rung runs these models,
+written from the libraries' sources allocation by allocation, called as the rung calls them
+(``reduction="sum"``):
 
-* :func:`cce_loss` (apple/ml-cross-entropy ``cce.py``, ``cce_lse_forward.py``, ``indexed_dot.py``,
-  ``cce_backward.py``, defaults ``impl="cce"``, ``filter_eps="auto"``): forward keeps the int32
-  indices of the counted tokens (bound here: every token counted), ``lse`` fp32 ``[N]``,
-  ``logit_avg`` fp32 ``[V]`` and frees the rest; backward sorts the vocabulary (``argsort`` of
-  ``logit_avg``), allocates ``de`` and ``dc`` in the inputs' dtypes and lock arrays. No ``[N, V]``
-  block exists at any time.
-* :func:`liger_loss` (linkedin/Liger-Kernel ``ops/fused_linear_cross_entropy.py``): forward computes
-  the gradients chunk by chunk (``ceil(N / next_pow2(ceil(N / ceil(V / d))))`` chunks of logits
-  ``[chunk, V]``, ``torch.mm(...).float()`` of the weight gradient per chunk) and saves ``grad_input
+* :func:`cce_loss` (apple/ml-cross-entropy, ``impl="cce"``, ``filter_eps="auto"``): forward keeps
+  the int32 indices of counted tokens (bound: every token), ``lse`` fp32 ``[N]`` and ``logit_avg``
+  fp32 ``[V]``; backward sorts the vocabulary and allocates ``de``, ``dc`` and lock arrays. No
+  ``[N, V]`` block ever exists.
+* :func:`liger_loss` (Liger-Kernel ``fused_linear_cross_entropy.py``): forward computes the
+  gradients in chunks of logits ``[chunk, V]`` (:func:`liger_chunks`) and saves ``grad_input
   [N, d]`` and ``grad_weight [V, d]``; backward scales them in place.
 
 Example:
@@ -41,9 +38,8 @@ class _CCE(torch.autograd.Function):
     """Cut Cross-Entropy's ``LinearCrossEntropyFunction`` (``reduction="sum"``): its allocations."""
 
     @staticmethod
-    def forward(
-        ctx: Any, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, ignore_index: int
-    ) -> torch.Tensor:
+    def forward(ctx: Any, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
+                ignore_index: int) -> torch.Tensor:
         e, targets = e.contiguous(), targets.contiguous()
         n, v = e.shape[0], c.shape[0]
         # _build_flat_valids: (targets != ignore).nonzero().to(int32), bounded: every token counted
@@ -76,19 +72,18 @@ class _CCE(torch.autograd.Function):
         return de, dc, None, None
 
 
-def cce_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
-) -> torch.Tensor:
-    """The summed cross-entropy of ``hidden [N, d] @ weight [V, d].T`` as Cut Cross-Entropy computes
-    it, its memory modelled (fake tensors only: no value is computed)."""
+def cce_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+             ignore_index: int) -> torch.Tensor:
+    """The summed cross-entropy of ``hidden [N, d] @ weight [V, d].T`` as Cut Cross-Entropy
+    computes it, its memory modelled (fake tensors only: no value is computed)."""
     note_kernel("Cut Cross-Entropy linear_cross_entropy (modelled: cce_lse_forward / cce_backward "
                 "allocations)")
     return _CCE.apply(hidden, weight, labels, ignore_index)
 
 
 def liger_chunks(tokens: int, d_model: int, vocab_size: int) -> tuple[int, int]:
-    """``(chunk size, chunks)`` of Liger's fused linear cross-entropy: chunks whose logits are about
-    the size of the hidden states (``inc_factor = ceil(V / d)``, a power-of-two chunk).
+    """``(chunk size, chunks)`` of Liger's fused linear cross-entropy: chunks whose logits are
+    about the size of the hidden states (``inc_factor = ceil(V / d)``, a power-of-two chunk).
 
     >>> liger_chunks(131072, 4096, 128256)
     (4096, 32)
@@ -102,9 +97,8 @@ class _Liger(torch.autograd.Function):
     """``LigerFusedLinearCrossEntropyFunction`` (``reduction="sum"``): gradients made in forward."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ignore_index: int
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
+                ignore_index: int) -> torch.Tensor:
         n, d = x.shape
         size, chunks = liger_chunks(n, d, w.shape[0])
         grad_input = torch.zeros_like(x)
@@ -129,9 +123,8 @@ class _Liger(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
-def liger_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
-) -> torch.Tensor:
+def liger_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+               ignore_index: int) -> torch.Tensor:
     """The summed cross-entropy as Liger's fused linear cross-entropy computes it, its memory."""
     note_kernel("Liger fused_linear_cross_entropy (modelled: chunked logits, gradients in forward)")
     return _Liger.apply(hidden, weight, labels, ignore_index)

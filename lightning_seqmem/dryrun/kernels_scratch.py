@@ -1,9 +1,8 @@
 """What CUDA's attention kernels hold for themselves (from their sources), on which GPU, which ran.
 
-Fake tensors see a kernel's outputs only. The buffers a CUDA kernel allocates beside them while it
-runs are computed here from the kernel's source, each rounded to the allocator's 512-byte blocks,
-and counted by the live-tensor tracker's ``scratch`` hook (:func:`kernel_scratch_bytes`, reached
-through :func:`~lightning_seqmem.dryrun.cuda.cuda_kernel_scratch_bytes`):
+Fake tensors see a kernel's outputs only. The buffers a CUDA kernel holds beside them while it runs
+are computed here from its source, in 512-byte blocks, and counted by the tracker's ``scratch``
+hook (:func:`kernel_scratch_bytes`, through :func:`.cuda.cuda_kernel_scratch_bytes`):
 
 * flash-attn 2's ``mha_fwd`` split-KV accumulators (:func:`fa2_num_splits`) and ``mha_bwd``'s
   ``softmax_d``, ``dq_accum`` and the expanded ``dk``/``dv`` of grouped-query attention
@@ -32,21 +31,9 @@ import torch
 
 from lightning_seqmem.measure.probes import round_cuda_block_bytes
 
-__all__ = [
-    "CUDA_TARGET",
-    "CudaTarget",
-    "efficient_backward_workspace",
-    "fa2_backward_scratch",
-    "fa2_forward_scratch",
-    "fa2_head_rounded",
-    "fa2_num_splits",
-    "fa3_backward_scratch",
-    "fa3_head_rounded",
-    "kernel_blocks",
-    "kernel_scratch_bytes",
-    "note_kernel",
-    "recording",
-]
+__all__ = ["CUDA_TARGET", "CudaTarget", "efficient_backward_workspace", "fa2_backward_scratch",
+           "fa2_forward_scratch", "fa2_head_rounded", "fa2_num_splits", "fa3_backward_scratch",
+           "fa3_head_rounded", "kernel_blocks", "kernel_scratch_bytes", "note_kernel", "recording"]
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -54,8 +41,8 @@ _HALF = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class CudaTarget:
-    """The GPU whose kernels are modelled: its compute capability and multiprocessor count (what the
-    kernels' launch heuristics read)."""
+    """The GPU whose kernels are modelled: its compute capability and multiprocessor count (what
+    the kernels' launch heuristics read)."""
 
     name: str = "H100/H200 (sm90)"
     major: int = 9
@@ -67,14 +54,14 @@ CUDA_TARGET = CudaTarget()
 """The target every modelled kernel takes its heuristics from."""
 
 
-# -- which kernels were modelled -------------------------------------------------------------------
+# -- which kernels were modelled ------------------------------------------------------------------
 _RECORDS: list[dict[str, None]] = []
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[str]]:
-    """Collect the names of the modelled kernels that run inside the block, in first-run order (the
-    list is filled when the block ends).
+    """Collect the names of the modelled kernels that run inside the block, in first-run order
+    (the list is filled when the block ends).
 
     >>> with recording() as seen:
     ...     note_kernel("example kernel")
@@ -97,7 +84,7 @@ def note_kernel(name: str) -> None:
         seen.setdefault(name)
 
 
-# -- what the kernels allocate for themselves (the tracker's scratch hook) -------------------------
+# -- what the kernels allocate for themselves (the tracker's scratch hook) ------------------------
 def kernel_blocks(*shapes_and_dtypes: tuple[Sequence[int], torch.dtype]) -> int:
     """Bytes of buffers of these shapes, each rounded to the CUDA allocator's 512-byte blocks."""
     total = 0
@@ -122,15 +109,12 @@ def fa2_head_rounded(head: int) -> int:
 
 
 def _deterministic() -> bool:
-    return (
-        torch.are_deterministic_algorithms_enabled()
-        and not torch.is_deterministic_algorithms_warn_only_enabled()
-    )
+    return (torch.are_deterministic_algorithms_enabled()
+            and not torch.is_deterministic_algorithms_warn_only_enabled())
 
 
-def fa2_num_splits(
-    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int, dropout_p: float
-) -> int:
+def fa2_num_splits(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int,
+                   dropout_p: float) -> int:
     """flash-attn 2's split-KV count of a forward (``set_params_splitkv``,
     ``num_splits_heuristic``): 1 unless the batch, heads and query blocks fill under 80% of the
     multiprocessors.
@@ -158,34 +142,23 @@ def fa2_num_splits(
     return next((i + 1 for i, e in enumerate(efficiency) if e and e >= 0.85 * best), 1)
 
 
-def fa2_forward_scratch(
-    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int, dropout_p: float
-) -> list:
+def fa2_forward_scratch(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int,
+                        dropout_p: float) -> list:
     """``(shape, dtype)`` of the buffers flash-attn 2's ``mha_fwd`` holds while it runs beside its
     outputs: the split-KV accumulators where it splits (:func:`fa2_num_splits`)."""
     splits = fa2_num_splits(batch, heads, seqlen_q, seqlen_k, head, dropout_p)
     if splits <= 1:
         return []
-    return [
-        ((splits, batch, heads, seqlen_q), torch.float32),
-        ((splits, batch, heads, seqlen_q, fa2_head_rounded(head)), torch.float32),
-    ]
+    return [((splits, batch, heads, seqlen_q), torch.float32),
+            ((splits, batch, heads, seqlen_q, fa2_head_rounded(head)), torch.float32)]
 
 
-def fa2_backward_scratch(
-    batch: int,
-    heads: int,
-    heads_k: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    head: int,
-    dtype: torch.dtype,
-) -> list:
-    """``(shape, dtype)`` of the buffers flash-attn 2's ``mha_bwd`` allocates beside ``dq, dk, dv``
-    (its ``flash_api.cpp``): ``softmax_d`` fp32 ``[B, H, round128(Lq)]``, ``dq_accum`` fp32 ``[B,
-    round128(Lq), H, round(D)]`` (``[nsplits, ...]`` zeros when deterministic), and for
-    grouped-query attention ``dk_expanded``, ``dv_expanded`` ``[B, Lk, H, D]`` before their sum over
-    the groups.
+def fa2_backward_scratch(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int,
+                         head: int, dtype: torch.dtype) -> list:
+    """``(shape, dtype)`` of the buffers flash-attn 2's ``mha_bwd`` allocates beside ``dq, dk,
+    dv`` (``flash_api.cpp``): ``softmax_d`` fp32 ``[B, H, round128(Lq)]``, ``dq_accum`` fp32
+    ``[B, round128(Lq), H, round(D)]`` (``[nsplits, ...]`` when deterministic), and for
+    grouped-query attention ``dk_expanded``, ``dv_expanded`` ``[B, Lk, H, D]``.
 
     >>> [s for s, _ in fa2_backward_scratch(1, 32, 8, 1000, 1000, 128, torch.bfloat16)]
     [(1, 32, 1024), (1, 1024, 32, 128), (1, 1000, 32, 128), (1, 1000, 32, 128)]
@@ -203,22 +176,17 @@ def fa2_backward_scratch(
 def _flash_forward_scratch(args: Sequence[Any], out: Any) -> int:
     q, k = args[0], args[1]
     dropout = float(args[3]) if len(args) > 3 else 0.0
-    return kernel_blocks(
-        *fa2_forward_scratch(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], dropout)
-    )
+    return kernel_blocks(*fa2_forward_scratch(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                              q.shape[3], dropout))
 
 
 def _flash_backward_scratch(args: Sequence[Any], out: Any) -> int:
-    """``_scaled_dot_product_flash_attention_backward_cuda``: ``grad_out`` made contiguous in ``[B,
-    L, H, D]`` (``out`` is so on CUDA), then ``mha_bwd``."""
+    """``_scaled_dot_product_flash_attention_backward_cuda``: ``grad_out`` made contiguous in
+    ``[B, L, H, D]`` (``out`` is so on CUDA), then ``mha_bwd``."""
     grad, q, k = args[0], args[1], args[2]
     copy = [] if grad.transpose(1, 2).is_contiguous() else [(grad.shape, grad.dtype)]
-    return kernel_blocks(
-        *copy,
-        *fa2_backward_scratch(
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype
-        ),
-    )
+    return kernel_blocks(*copy, *fa2_backward_scratch(q.shape[0], q.shape[1], k.shape[1],
+                                                      q.shape[2], k.shape[2], q.shape[3], q.dtype))
 
 
 def fa3_head_rounded(head: int) -> int:
@@ -246,25 +214,14 @@ def _fa3_blocks(head: int, causal: bool, local: bool, softcap: float) -> tuple[i
     return block_m, block_n
 
 
-def fa3_backward_scratch(
-    batch: int,
-    heads: int,
-    heads_k: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    head: int,
-    causal: bool,
-    local: bool = False,
-    softcap: float = 0.0,
-    total_q: Optional[int] = None,
-    total_k: Optional[int] = None,
-) -> list:
+def fa3_backward_scratch(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int,
+                         head: int, causal: bool, local: bool = False, softcap: float = 0.0,
+                         total_q: Optional[int] = None, total_k: Optional[int] = None) -> list:
     """``(shape, dtype)`` of what flash-attn 3's ``mha_bwd`` allocates beside ``dq, dk, dv``:
     ``softmax_d`` and ``softmax_lse_log2`` fp32 ``[B, H, round(Lq, kBlockM)]``, ``dq_accum`` fp32
-    ``[B, H, round(Lq, kBlockM)
-    * round(D)]``, ``dq_semaphore`` int32, and for grouped-query attention ``dk_accum``,
-    ``dv_accum`` fp32 ``[B, Hk, round(Lk, kBlockN) * round(D)]`` (varlen: ``total + B * kBlock``
-    rows, rounded).
+    ``[B, H, round(Lq, kBlockM) * round(D)]``, ``dq_semaphore`` int32, and for grouped-query
+    attention ``dk_accum``, ``dv_accum`` fp32 ``[B, Hk, round(Lk, kBlockN) * round(D)]`` (varlen:
+    ``total + B * kBlock`` rows, rounded).
 
     >>> [s for s, _ in fa3_backward_scratch(1, 32, 8, 4096, 4096, 128, causal=True)][:3]
     [(1, 32, 4096), (1, 32, 4096), (1, 32, 524288)]
@@ -273,56 +230,34 @@ def fa3_backward_scratch(
     d = fa3_head_rounded(head)
     if total_q is None:
         rows_q, rows_k = (batch, heads, _round(seqlen_q, block_m)), (
-            batch,
-            heads_k,
-            _round(seqlen_k, block_n),
-        )
+            batch, heads_k, _round(seqlen_k, block_n))
     else:
         rows_q = (heads, _round(total_q + batch * block_m, block_m))
         rows_k = (heads_k, _round((total_k or 0) + batch * block_n, block_n))
-    out = [
-        (rows_q, torch.float32),
-        (rows_q, torch.float32),
-        (rows_q[:-1] + (rows_q[-1] * d,), torch.float32),
-        ((-(-seqlen_q // block_m), batch, heads), torch.int32),
-    ]
+    out = [(rows_q, torch.float32), (rows_q, torch.float32),
+           (rows_q[:-1] + (rows_q[-1] * d,), torch.float32),
+           ((-(-seqlen_q // block_m), batch, heads), torch.int32)]
     if heads_k != heads:
         out += [(rows_k[:-1] + (rows_k[-1] * d,), torch.float32)] * 2
     return out
 
 
-_CUTLASS_B_HALF = (
-    (64, 64, 32, True),
-    (64, 64, 32, False),
-    (64, 64, 64, True),
-    (64, 64, 64, False),
-    (128, 128, 128, True),
-    (128, 128, 128, False),
-    (64, 64, 128, True),
-    (64, 64, 128, False),
-    (128, 64, 65536, False),
-    (64, 64, 65536, False),
-)
-_CUTLASS_B_FLOAT = (
-    (64, 64, 32, False),
-    (64, 64, 64, False),
-    (128, 64, 128, False),
-    (64, 64, 128, False),
-    (128, 64, 65536, False),
-    (64, 64, 65536, False),
-)
-"""The sm80+ backward kernels of ``cutlassB.h`` in dispatch order: (kBlockSizeI, kBlockSizeJ, kMaxK,
-needs lengths aligned to its blocks); the dropout variants have the same shapes."""
+_CUTLASS_B_HALF = ((64, 64, 32, True), (64, 64, 32, False), (64, 64, 64, True),
+                   (64, 64, 64, False), (128, 128, 128, True), (128, 128, 128, False),
+                   (64, 64, 128, True), (64, 64, 128, False), (128, 64, 65536, False),
+                   (64, 64, 65536, False))
+_CUTLASS_B_FLOAT = ((64, 64, 32, False), (64, 64, 64, False), (128, 64, 128, False),
+                    (64, 64, 128, False), (128, 64, 65536, False), (64, 64, 65536, False))
+"""The sm80+ backward kernels of ``cutlassB.h`` in dispatch order: (kBlockSizeI, kBlockSizeJ,
+kMaxK, needs lengths aligned to its blocks); the dropout variants have the same shapes."""
 
 
-def efficient_backward_workspace(
-    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int, head_v: int, dtype: torch.dtype
-) -> tuple[int, bool]:
+def efficient_backward_workspace(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int,
+                                 head_v: int, dtype: torch.dtype) -> tuple[int, bool]:
     """``(workspace bytes, the kernel computes delta)`` of the memory-efficient backward on
-    :data:`CUDA_TARGET`: the first ``cutlassB`` kernel that takes these shapes, its split-keys count
-    (``attention_backward.cu``) and ``Params::workspace_size`` (``kernel_backward.h``): fp32 grad-Q
-    tiles of ``[I x J]`` per query block and column block, plus grad-K/V accumulators where they
-    are not kept in registers.
+    :data:`CUDA_TARGET`: the first ``cutlassB`` kernel that takes these shapes, its split-keys
+    count (``attention_backward.cu``) and ``Params::workspace_size`` (``kernel_backward.h``): fp32
+    grad-Q tiles per query and column block, plus grad-K/V accumulators not kept in registers.
 
     >>> efficient_backward_workspace(1, 8, 1024, 1024, 128, 128, torch.bfloat16)[1]
     True
@@ -371,8 +306,7 @@ def _efficient_backward_scratch(args: Sequence[Any], out: Any) -> int:
     if kernel_delta:
         return copy + delta + workspace
     product, summed = kernel_blocks(((b, m, h, dv), torch.float32)), kernel_blocks(
-        ((b, m, h), torch.float32)
-    )
+        ((b, m, h), torch.float32))
     return copy + max(product + summed, summed + delta, delta + workspace)
 
 
@@ -386,8 +320,8 @@ _SCRATCH: dict[Any, Callable[[Sequence[Any], Any], int]] = {
 
 def kernel_scratch_bytes(func: Any, args: Sequence[Any], out: Any) -> int:
     """Bytes SDPA's CUDA kernel ``func`` holds for itself beside its outputs while it runs (0 for
-    any other op), in 512-byte blocks: the live-tensor tracker's ``scratch`` hook (see
-    :func:`~lightning_seqmem.dryrun.cuda.cuda_kernel_scratch_bytes`). Modelled from the sources.
+    any other op), in 512-byte blocks, modelled from the sources: the tracker's ``scratch`` hook
+    (through :func:`.cuda.cuda_kernel_scratch_bytes`).
 
     >>> kernel_scratch_bytes(torch.ops.aten.mm.default, (), None)
     0

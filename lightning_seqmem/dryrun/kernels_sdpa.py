@@ -1,16 +1,12 @@
 """SDPA on the simulated CUDA device: the backend CUDA's dispatch picks, and that backend's aten op.
 
 ``F.scaled_dot_product_attention`` on the simulated device (:mod:`.accelerator`) runs the backend
-PyTorch's CUDA dispatch picks on :data:`CUDA_TARGET` (``sdp_utils.cpp: select_sdp_backend``, the
-rules in :func:`sdpa_backend`), as ``attention.cpp`` runs it: that backend's own aten op on the fake
-tensors (``aten._scaled_dot_product_flash_attention``,
-``aten._scaled_dot_product_efficient_attention``, or the math composite), whose meta kernels give
-CUDA's outputs and what autograd saves. The composite's own choice would be math there: an ``[B, H,
-L, L]`` matrix no CUDA run of flash has.
-
-What the CUDA kernels allocate for themselves, which fake tensors cannot see, is counted by the
-tracker's ``scratch`` hook (:mod:`.kernels_scratch`). Each backend that runs is recorded
-(:func:`~lightning_seqmem.dryrun.kernels_scratch.recording`).
+PyTorch's CUDA dispatch picks on :data:`CUDA_TARGET` (``select_sdp_backend``; rules in
+:func:`sdpa_backend`) as ``attention.cpp`` does: that backend's own aten op (flash, efficient, or
+the math composite), whose meta kernels give CUDA's outputs and saved tensors. The composite's own
+choice there would be math: an ``[B, H, L, L]`` matrix no CUDA flash run has. The kernels' own
+buffers come through the tracker's ``scratch`` hook (:mod:`.kernels_scratch`); each backend that
+runs is recorded (:func:`.kernels_scratch.recording`).
 
 Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -44,34 +40,22 @@ __all__ = ["sdpa_backend"]
 aten = torch.ops.aten
 
 
-# -- SDPA: the backend CUDA's dispatch picks -------------------------------------------------------
+# -- SDPA: the backend CUDA's dispatch picks ------------------------------------------------------
 _HALF = (torch.float16, torch.bfloat16)
-_BACKEND_OF_PRIORITY = {
-    0: "math",
-    1: "flash",
-    2: "efficient",
-    3: "cudnn",
-    4: "overrideable",
-}  # SDPBackend values
+_BACKEND_OF_PRIORITY = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn",
+                        4: "overrideable"}  # SDPBackend values
 
 
 def _priority_order() -> list[str]:
-    """The backends in the order ``select_sdp_backend`` tries them (the global priority order, which
-    ``sdpa_kernel(..., set_priority=True)`` sets)."""
+    """The backends in the order ``select_sdp_backend`` tries them (the global priority order,
+    which ``sdpa_kernel(..., set_priority=True)`` sets)."""
     get = getattr(torch._C, "_get_sdp_priority_order", None)
     order = list(get()) if get is not None else [1, 2, 0, 3, 4]
     return [_BACKEND_OF_PRIORITY.get(int(b), "?") for b in order]
 
 
-def _common_refusal(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    enable_gqa: bool,
-    gqa: bool,
-    ignore_singleton: bool,
-    mask: Optional[torch.Tensor],
-) -> Optional[str]:
+def _common_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, gqa: bool,
+                    ignore_singleton: bool, mask: Optional[torch.Tensor]) -> Optional[str]:
     """``check_tensor_shapes``, the dense checks (batch and heads, non-zero lengths, last-dim
     strides)."""
     if not (q.dim() == k.dim() == v.dim() == 4):
@@ -84,26 +68,18 @@ def _common_refusal(
             return f"grouped-query heads {hq}/{hk}/{hv} do not divide"
     elif not hq == hk == hv:
         return f"query, key and value heads differ ({hq}/{hk}/{hv})" + (
-            " and GQA runs on flash and math only" if enable_gqa else ""
-        )
+            " and GQA runs on flash and math only" if enable_gqa else "")
     if 0 in (q.shape[2], k.shape[2]):
         return "a sequence length is 0"
-    strides_ok = all(
-        x.stride(-1) == 1 or (ignore_singleton and x.shape[-1] == 1) for x in (q, k, v)
-    )
+    strides_ok = all(x.stride(-1) == 1 or (ignore_singleton and x.shape[-1] == 1)
+                     for x in (q, k, v))
     if not strides_ok or (mask is not None and mask.stride(-1) != 1):
         return "a last dimension is not contiguous"
     return None
 
 
-def _flash_refusal(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    is_causal: bool,
-    enable_gqa: bool,
-) -> Optional[str]:
+def _flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                   is_causal: bool, enable_gqa: bool) -> Optional[str]:
     """Why ``can_use_flash_attention`` refuses (None: flash runs)."""
     if not torch.backends.cuda.flash_sdp_enabled():
         return "disabled (sdpa_kernel)"
@@ -124,13 +100,8 @@ def _efficient_alignment(dtype: torch.dtype) -> int:
     return max(4, 128 // (16 if dtype in _HALF else 32)) if CUDA_TARGET.major >= 8 else 1
 
 
-def _efficient_refusal(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    enable_gqa: bool,
-) -> Optional[str]:
+def _efficient_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: Optional[torch.Tensor], enable_gqa: bool) -> Optional[str]:
     """Why ``can_use_mem_efficient_attention`` refuses (None: it runs). Grouped-query attention
     (``enable_gqa`` with fewer key heads) runs on flash and math only, as in PyTorch 2.13 (its
     documentation; ``check_batch_size_and_num_heads_dense<false>``; later versions take it here):
@@ -140,42 +111,28 @@ def _efficient_refusal(
     if q.dim() != 4:
         return _common_refusal(q, k, v, enable_gqa, False, False, mask)
     align = _efficient_alignment(q.dtype)
-    if (
-        q.shape[-1] != k.shape[-1]
-        or q.shape[-1] % align
-        or v.shape[-1] % align
-        or 0 in (q.shape[-1], v.shape[-1])
-    ):
+    if (q.shape[-1] != k.shape[-1] or q.shape[-1] % align or v.shape[-1] % align
+            or 0 in (q.shape[-1], v.shape[-1])):
         return f"head dims {q.shape[-1]}/{v.shape[-1]} not multiples of {align}"
     if any(x.storage_offset() % align for x in (q, k, v)):
         return f"storage offsets not aligned to {align} elements"
     common = _common_refusal(q, k, v, enable_gqa, False, False, mask)
     if common is not None:
         return common
-    if not (
-        q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.float32, torch.bfloat16)
-    ):
+    if not (q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.float16, torch.float32, torch.bfloat16)):
         return f"{q.dtype} (takes float16, bfloat16 and float32)"
     return None
 
 
-def sdpa_backend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    enable_gqa: bool = False,
-) -> tuple[str, str]:
+def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, enable_gqa: bool = False) -> tuple[str, str]:
     """``(backend, why the earlier ones did not run)``: the backend
-    ``F.scaled_dot_product_attention`` runs on :data:`CUDA_TARGET`, by PyTorch's
-    ``select_sdp_backend`` rules (``sdp_utils.cpp``): the priority order (flash, memory-efficient,
-    math unless set otherwise) and the enabled flags (``sdpa_kernel``); flash for float16/bfloat16
-    with head dims equal and at most 256, no explicit ``attn_mask`` (``is_causal`` is fine, with
-    equal lengths), grouped-query heads with ``enable_gqa``; memory-efficient for float32 too and
-    with an ``attn_mask``, head dims multiples of 8 (half) or 4 (float32), the same heads; else
-    math.
+    ``F.scaled_dot_product_attention`` runs on :data:`CUDA_TARGET` by ``select_sdp_backend``'s
+    rules: the priority order and enabled flags (``sdpa_kernel``); flash for fp16/bf16 with equal
+    head dims up to 256 and no explicit ``attn_mask``; memory-efficient for fp32 too and with a
+    mask, head dims multiples of 8 (half) or 4 (fp32), equal heads; else math.
 
     Raises:
         RuntimeError: no backend can run (PyTorch's "No available kernel").
@@ -195,11 +152,11 @@ def sdpa_backend(
         refused.append(f"{backend}: {why}")
     raise RuntimeError(
         f"No available kernel for scaled_dot_product_attention on {CUDA_TARGET.name}: "
-        + "; ".join(refused)
-    )
+        + "; ".join(refused))
 
 
-def _bool_mask_to_float(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _bool_mask_to_float(mask: Optional[torch.Tensor],
+                        dtype: torch.dtype) -> Optional[torch.Tensor]:
     """``convert_boolean_attn_mask``: a boolean mask as an additive one of the query's dtype."""
     if mask is None or mask.dtype != torch.bool:
         return mask
@@ -232,16 +189,10 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            f"but got attn_mask.dtype: {mask.dtype}")
 
 
-def _sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Optional[torch.Tensor] = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: Optional[float] = None,
+          enable_gqa: bool = False) -> torch.Tensor:
     """``aten::scaled_dot_product_attention`` on the simulated device (its autograd kernel): the
     backend of :func:`sdpa_backend`, run as ``attention.cpp`` runs it on CUDA."""
     _validate(query, key, value, attn_mask)
@@ -252,9 +203,8 @@ def _sdpa(
         og_scale = scale if scale is not None else 1.0 / math.sqrt(head)
         if head % 8:  # pad_last_dim<8>: the kernel takes head dims in multiples of 8
             query, key, value = (F.pad(x, [0, 8 - head % 8]) for x in (query, key, value))
-        out = aten._scaled_dot_product_flash_attention(
-            query, key, value, dropout_p, is_causal, False, scale=og_scale
-        )[0]
+        out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                       False, scale=og_scale)[0]
         return out[..., :head] if head % 8 else out
     mask = _bool_mask_to_float(attn_mask, query.dtype)
     if backend == "efficient":
@@ -262,14 +212,12 @@ def _sdpa(
             mask = _efficient_mask(mask, query, key)
         lse = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
         return aten._scaled_dot_product_efficient_attention(
-            query, key, value, mask, lse, dropout_p, is_causal, scale=scale
-        )[0]
+            query, key, value, mask, lse, dropout_p, is_causal, scale=scale)[0]
     return aten._scaled_dot_product_attention_math(
-        query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-    )[0]
+        query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
-# -- registration on the simulated device ----------------------------------------------------------
+# -- registration on the simulated device ---------------------------------------------------------
 _LIBRARIES: list[Any] = []
 
 

@@ -1,45 +1,26 @@
-"""Mixture-of-Experts steps in a dry run: a fake grouped matmul, and the routers' choices as values.
+"""Mixture-of-Experts in a dry run: a fake grouped matmul, and the routers' choices as values.
 
-Two things stop an MoE step on fake tensors, and this module answers both:
+* **``aten._grouped_mm``**: PyTorch's meta kernel accepts bfloat16 only, the real op float32,
+  bfloat16 and float16 (``ATen/native/GroupedMMUtils.h``). :class:`DryRunFakeMode` uses
+  :func:`grouped_mm_fake` instead: the real op's checks and output layout (last stride padded to
+  16 bytes); its backward is two more grouped matmuls. (transformers' ``"deepgemm"`` and
+  ``"sonicmoe"`` experts are CUDA kernels: not modelled.)
+* **Data-dependent routing**: a router picks each token's top-k experts from activations fake
+  tensors lack, and an eager experts loop sizes each expert's tensors by its tokens. Inside an MoE
+  block (:func:`is_moe_block`) every ``topk`` on an activation gets known indices
+  (:class:`RoutedValues`): :func:`routing_assignment`, the *heaviest* routing.
 
-* **``aten._grouped_mm`` has no usable fake kernel here.** PyTorch's meta kernel accepts bfloat16
-  only, while the real op takes float32, bfloat16 and float16 (on CPU and CUDA alike:
-  ``ATen/native/GroupedMMUtils.h``). :class:`DryRunFakeMode` is the dry run's ``FakeTensorMode``
-  with :func:`grouped_mm_fake` in its place: the real op's checks (dtypes, dimensions, strides
-  aligned to 16 bytes, int32 offsets, no bias, the output dtype that of ``mat_a``) and its output
-  (``[S, N]``, ``[G, M, N]`` ..., the last dimension's stride padded to 16 bytes, as the real op
-  allocates it). Its backward is two more grouped matmuls, so the kernel covers it too.
-  (transformers' ``"deepgemm"`` and ``"sonicmoe"`` experts are CUDA kernels: not modelled.)
-* **The routing is data-dependent.** A router picks each token's top-k experts from its
-  activations, which fake tensors do not have; an "eager" experts loop then reads them
-  (``nonzero``, ``torch.where``, ``if expert_idx == ...``) and sizes each expert's tensors by the
-  tokens sent to it. Inside an MoE block (:func:`is_moe_block`) the indices of every ``topk`` on
-  an activation are given known values (:class:`RoutedValues`): :func:`routing_assignment`, the
-  *heaviest* routing, so that the data-dependent ops downstream run on real values
-  (:class:`~lightning_seqmem.dryrun.values.BatchValues`).
-
-The routing assumed: every expert runs; experts ``0 .. k-1`` take every token, except the one
-token each of experts ``k .. E-1`` takes in place of expert ``k-1``. Every routing sends the same
-``T·k`` token-expert pairs, so what all experts save for the backward totals the same bytes
-whatever the routing; what one expert holds at a time grows with its tokens, and no expert can
-take more than ``T`` (top-k picks distinct experts per token). An eager loop (transformers'
-``experts_implementation="eager"``) runs its experts in ascending order, so the heavy experts run
-first in the forward and last in the backward: by then every other expert has allocated its
-full-size gradient buffers (a ``[T, H]`` gradient of the tokens it gathered, an ``[E, ...]``
-gradient of each expert weight it sliced, summed into the others as they come) and freed the one
-token it saved, while the heavy experts' saved tensors are all still alive. Measured against
-routings of every shape (``tests/test_moe_dry_run.py``), none peaks higher. Hence:
-
-* where no size depends on the routing (grouped or batched matmuls: ``T·k`` rows whatever it is)
-  the dry run is **exact**;
-* where sizes depend on it (an eager loop over experts) it is an **upper bound**, the step of the
-  heaviest routing. On CUDA, the 512-byte rounding of another routing's many small per-expert
-  tensors can add to its peak beyond this one's (at most 511 bytes per tensor).
-
-Which of the two held is said in the result's ``detail`` (:func:`routing_note`): the dry run
-records whether any op read values derived from the routing. Beyond the size up to which the dry
-run keeps values (:func:`~lightning_seqmem.dryrun.values.value_max_bytes`; an eager loop's
-``one_hot`` of the routing is ``T·k·(E+1)`` int64) the dry run refuses, with the op.
+The routing assumed: every expert runs; experts ``0 .. k-1`` take every token but one token each
+of experts ``k .. E-1`` takes instead of expert ``k-1``. Every routing sends ``T·k`` token-expert
+pairs, so the saved bytes total the same; an eager loop runs experts in ascending order, so the
+heavy ones run first in the forward and last in the backward, when every other expert's
+full-size gradient buffers exist and the heavy ones' saved tensors are still alive. Measured
+against routings of every shape (``tests/test_moe_dry_run.py``), none peaks higher. So where no
+size depends on the routing (grouped or batched matmuls) the dry run is **exact**; where sizes
+do (an eager loop) it is an **upper bound** (on CUDA another routing's 512-byte rounding can add
+at most 511 bytes per small tensor). ``detail`` says which (:func:`routing_note`). Beyond
+:func:`.values.value_max_bytes` (an eager loop's ``one_hot`` is ``T·k·(E+1)`` int64) the dry run
+refuses, with the op.
 
 Example:
     >>> import torch
@@ -47,7 +28,7 @@ Example:
     ...     x = torch.empty(10, 16)
     ...     w = torch.empty(3, 6, 16).transpose(-2, -1)  # 3 experts, 16 -> 6
     ...     y = torch._grouped_mm(x, w, offs=torch.tensor([3, 5, 10], dtype=torch.int32))
-    >>> tuple(y.shape), y.stride(), y.dtype  # the last dimension padded to 16 bytes, as the real op
+    >>> tuple(y.shape), y.stride(), y.dtype  # the last dimension padded to 16 bytes
     ((10, 6), (8, 1), torch.float32)
     >>> routing_assignment(tokens=4, k=2, experts=4).tolist()  # 0, 1 heavy; 2, 3 one token each
     [[0, 2], [0, 3], [0, 1], [0, 1]]
@@ -76,7 +57,7 @@ aten = torch.ops.aten
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# -- the grouped matmul ----------------------------------------------------------------------------
+# -- the grouped matmul ---------------------------------------------------------------------------
 def _check_strides(mat: torch.Tensor) -> None:
     """``check_valid_strides_and_return_transposed``: row- or column-major in the last two
     dimensions, the leading stride a multiple of 16 bytes (the data 16-byte aligned off the CPU)."""
@@ -117,10 +98,8 @@ def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tens
                     offs: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``aten._grouped_mm`` on fake tensors, as the real op checks its inputs and allocates its
-    output (``_grouped_mm_validate_inputs``, ``_resolve_grouped_mm_out_dtype`` and
-    ``create_grouped_gemm_output_tensor`` of ``ATen/native/GroupedMMUtils.h``): float32, bfloat16
-    or float16 operands of one dtype, the output in that dtype, its last dimension's stride padded
-    to 16 bytes (the real op's layout on CPU and CUDA; not on ROCm).
+    output (``GroupedMMUtils.h``): float32, bfloat16 or float16 operands of one dtype, the output
+    in that dtype, its last stride padded to 16 bytes (on CPU and CUDA; not on ROCm).
 
     Example:
         >>> mode = DryRunFakeMode()
@@ -184,7 +163,7 @@ class DryRunFakeMode(FakeTensorMode):
         return super().dispatch(func, types, args, kwargs)
 
 
-# -- the routing -----------------------------------------------------------------------------------
+# -- the routing ----------------------------------------------------------------------------------
 def routing_assignment(tokens: int, k: int, experts: int) -> torch.Tensor:
     """The ``[tokens, k]`` expert indices a dry run gives a router's top-k: every expert runs, and
     experts ``0 .. k-1`` take every token but the one each of experts ``k .. experts-1`` takes in
@@ -240,12 +219,11 @@ def _reads_values(func: Any, args: tuple) -> bool:
 
 
 class RoutedValues(BatchValues):
-    """:class:`~lightning_seqmem.dryrun.values.BatchValues` that also knows the routing: inside an
-    MoE block (while :func:`routing_scope` counts one running on the thread), the indices of a ``topk`` over an
-    activation get :func:`routing_assignment`'s values. It records what the routing decided:
-    ``routed_topk`` (calls given it), ``blocks`` (the MoE blocks run, by ``class (experts
-    implementation)``) and ``value_reads`` (ops whose output depends on values derived from the
-    routing: sizes that depend on it).
+    """:class:`.values.BatchValues` that also knows the routing: inside an MoE block (counted by
+    :func:`routing_scope` per thread), a ``topk`` over an activation gets
+    :func:`routing_assignment`'s indices. Records ``routed_topk`` (calls given it), ``blocks``
+    (MoE blocks run, by ``class (experts implementation)``) and ``value_reads`` (ops whose output
+    depends on values derived from the routing).
     """
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int) -> None:

@@ -1,19 +1,19 @@
 """What activation offload would save: two dry runs of one step, without and with the rung.
 
-Activation offload (:mod:`lightning_seqmem.mitigations.activation_offload.activation_offload`) is CUDA only, but its effect on the
-device's live bytes is modelled on any device: on the dry run's fake copy each saved activation is
-forgotten by the device as ``save_on_cpu`` would copy it out, and allocated again in the backward
-where it would be copied back. :func:`offload_forecast` runs the step without and with it and
-reports the device peak of each and the bytes moved to host memory, so ``seqmem plan`` can say
-what it would save on a GPU from a CPU machine. The figures are *modelled*, not measured: on a CPU
-module they are live tensor bytes as the CPU tracker counts them (the allocator's 512-byte blocks,
-workspaces and the copies' own timing on a GPU are not in them).
+Activation offload (:mod:`.activation_offload.activation_offload`) is CUDA only, but its effect on
+the device's live bytes is modelled on any device: on the fake copy each saved activation is freed
+as ``save_on_cpu`` would copy it out, and allocated again in the backward where it is copied back.
+:func:`offload_forecast` reports the device peak without and with it and the bytes moved to host,
+so ``seqmem plan`` can say what it would save on a GPU from a CPU machine. The figures are
+*modelled*: on a CPU module, live tensor bytes as the CPU tracker counts them (no 512-byte blocks,
+workspaces or copy timing).
 
 Example:
     >>> import torch
     >>> from lightning_seqmem.reference.demo import LitGPT
     >>> module = LitGPT(n_layer=2, d_model=32, n_head=2, vocab_size=64, attention="sdpa")
-    >>> batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)}
+    >>> ids = torch.zeros(2, 16, dtype=torch.long)
+    >>> batch = {"input_ids": ids, "labels": ids.clone()}
     >>> f = offload_forecast(module, None, batch, seq_len=256)
     >>> f.peak_bytes_with < f.peak_bytes_without, f.host_bytes > 0, f.measured
     (True, True, False)
@@ -38,8 +38,8 @@ RUNG = ActivationOffloadRung.spec.name
 
 @dataclass(frozen=True)
 class OffloadForecast:
-    """Device peaks of one step without and with activation offload (on top of ``mitigations``), and
-    the bytes it moves to host memory; modelled by dry runs (``measured`` is False)."""
+    """Device peaks of one step without and with activation offload (on top of ``mitigations``),
+    and the bytes it moves to host memory; modelled by dry runs (``measured`` is False)."""
 
     seq_len: int
     batch_size: int
@@ -75,17 +75,21 @@ def offload_forecast(
         TypeError: arguments :func:`~lightning_seqmem.dryrun.step.dry_run_step` does not take.
         DryRunUnsupported: the step cannot run on fake tensors.
     """
-    bound = inspect.signature(dry_run_step).bind(pl_module, optimizer, batch, seq_len, *step, **step_keywords)
+    bound = inspect.signature(dry_run_step).bind(pl_module, optimizer, batch, seq_len, *step,
+                                                 **step_keywords)
     arguments = bound.arguments  # as given, dry_run_step's defaults for the rest
     names = tuple(arguments.pop("mitigations", ()))
     if RUNG in names:
-        raise ValueError(f"`mitigations` must not hold {RUNG!r} (it is added for the second run), got {names!r}")
+        raise ValueError(f"`mitigations` must not hold {RUNG!r} (it is added for the second run), "
+                         f"got {names!r}")
     plain = without or dry_run_step(**arguments, mitigations=names)
     offloaded = dry_run_step(**arguments, mitigations=(*names, RUNG))
     device = arguments.get("device")
-    where = device if device is not None else next((str(p.device) for p in pl_module.parameters()), "cpu")
+    where = device if device is not None else next((str(p.device) for p in pl_module.parameters()),
+                                                   "cpu")
     return OffloadForecast(
-        seq_len=offloaded.seq_len, batch_size=offloaded.batch_size, mitigations=names, device=str(where),
-        peak_bytes_without=plain.peak_bytes, peak_bytes_with=offloaded.peak_bytes, host_bytes=offloaded.host_bytes,
-        phase_peak_bytes_without=dict(plain.phase_peak_bytes), phase_peak_bytes_with=dict(offloaded.phase_peak_bytes),
-    )
+        seq_len=offloaded.seq_len, batch_size=offloaded.batch_size, mitigations=names,
+        device=str(where), peak_bytes_without=plain.peak_bytes,
+        peak_bytes_with=offloaded.peak_bytes, host_bytes=offloaded.host_bytes,
+        phase_peak_bytes_without=dict(plain.phase_peak_bytes),
+        phase_peak_bytes_with=dict(offloaded.phase_peak_bytes))

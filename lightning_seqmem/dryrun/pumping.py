@@ -1,17 +1,13 @@
-"""The allocation sequence of a step through a stack of identical blocks, as a base and a chunk per
-block: found by comparing the traced sequences of two depths, repeated ("pumped") to any depth.
+"""The allocation sequence of a step through a stack of identical blocks, as a base and a chunk
+per block: found by comparing the traced sequences of two depths, repeated ("pumped") to any depth.
 
-A traced step (:class:`~lightning_seqmem.core.records.TrackedEvents`) becomes a list of *tokens*,
-one per event: ``(+1, op, bytes)`` for an allocation, ``(-1, "", bytes)`` for a free (by its bytes
-alone: which op made a freed tensor may depend on the block before, e.g. the embedding's output or a
-block's, of the same size) and ``(0, phase, 0)`` where a phase begins. Adding one block to the stack
-inserts the same tokens at the same places (its forward, its backward, its parameters, gradients
-and optimizer state, ...): :func:`insertions` finds them by comparing two depths (nothing but
-insertions is accepted), :func:`pumped` writes the sequence with each inserted chunk repeated any
-number of times, and :func:`cut` reads the base and the chunks back out of one traced sequence
-whose layout (its tokens without their bytes, :func:`shape`) is known. The peaks of a pumped
-sequence are those :func:`~lightning_seqmem.dryrun.step.replay_peaks` replays from
-:func:`events_of`: the same counting, rounding and phases as a dry run's own.
+A traced step (:class:`~lightning_seqmem.core.records.TrackedEvents`) becomes *tokens*, one per
+event: ``(+1, op, bytes)`` for an allocation, ``(-1, "", bytes)`` for a free (bytes alone: the op
+that made a freed tensor may depend on the block before) and ``(0, phase, 0)`` where a phase
+begins. One more block inserts the same tokens at the same places: :func:`insertions` finds them
+by comparing two depths (insertions only), :func:`pumped` repeats each chunk any number of times,
+and :func:`cut` reads the base and chunks back out of a sequence of known layout (:func:`shape`).
+A pumped sequence's peaks are :func:`.step.replay_peaks` of :func:`events_of`.
 
 Example:
     >>> base = [(1, "embed", 8), (0, "backward", 0), (-1, "", 8)]
@@ -116,8 +112,8 @@ def _segment_insertions(a: Sequence[Token], b: Sequence[Token],
 
 
 def _leftmost(base: Sequence[Token], found: list[tuple[int, list]]) -> list[tuple[int, list]]:
-    """Each insertion moved as far left as the tokens allow (the chunk rotated: the same sequence),
-    no further than the one before; insertions that meet are one."""
+    """Each insertion moved as far left as the tokens allow (the chunk rotated: the same
+    sequence), no further than the one before; insertions that meet are one."""
     out: list[tuple[int, list]] = []
     for position, chunk in found:
         floor = out[-1][0] if out else 0
@@ -157,8 +153,8 @@ def insertions(base: Sequence[Token], longer: Sequence[Token]) -> Optional[list[
 
 
 def pumped(base: Sequence[Token], inserts: Sequence[Insert], counts: dict) -> list[Token]:
-    """``base`` with each insert's chunk repeated ``counts[kind]`` times at its position (inserts in
-    order of position; at one position, in the order given).
+    """``base`` with each insert's chunk repeated ``counts[kind]`` times at its position (inserts
+    in order of position; at one position, in the order given).
 
     Example:
         >>> [t[1] for t in pumped([(1, "e", 1)], [(0, "c", [(1, "x", 1)]), (0, "p", [(1, "y", 1)])],

@@ -1,12 +1,10 @@
 """That a step's allocations repeat per block, proved on shallow copies, and the step at any depth.
 
-What :mod:`lightning_seqmem.dryrun.depth` asks of dry runs of shallow copies, whatever runs them
-(one device, N ranks): ``run(vector)`` is the dry run of a copy holding ``vector`` blocks, one count
-per kind of block (:class:`Family`). :func:`prove` checks on a few copies that one more block of a
-kind inserts the same allocations at the same places and changes nothing else
-(:mod:`~lightning_seqmem.dryrun.pumping`), and that every other integer figure of the result is
-affine in the counts; :func:`extrapolate` answers at any counts from the copies a
-:class:`Proof` names, replaying the pumped sequence.
+For :mod:`.depth`, whatever runs the copies: ``run(vector)`` is the dry run of a copy holding
+``vector`` blocks, one count per kind (:class:`Family`). :func:`prove` checks on a few copies that
+one more block inserts the same allocations at the same places and nothing else (:mod:`.pumping`),
+and that every other integer figure is affine in the counts; :func:`extrapolate` answers at any
+counts from the copies a :class:`Proof` names, replaying the pumped sequence.
 
 Example:
     >>> Family.of(("attention", "checkpointing:3/8")).names_at((2, 1))
@@ -54,9 +52,9 @@ def words(vector: Vector) -> str:
 class Family:
     """Settings whose shallow copies are the same, and which blocks of a copy are of which kind.
 
-    A setting with a rung at a level ``"k/N"`` (its first ``k`` blocks at the rung's full level, the
-    rest plain: ``partial`` is its index) has two kinds of block, one kind otherwise; its ``names``
-    hold ``"<rung>:k/N"`` there, so that every ``k`` shares the same copies.
+    A rung at a level ``"k/N"`` (first ``k`` blocks at its full level, the rest plain; ``partial``
+    is its index) makes two kinds of block; ``names`` then hold ``"<rung>:k/N"``, so every ``k``
+    shares the same copies.
     """
 
     names: tuple[str, ...]
@@ -94,9 +92,9 @@ class Family:
         return self.names[:i] + entry + self.names[i + 1:]
 
     def bases(self) -> list[Vector]:
-        """The base copies a proof tries, cheapest first: the first block of a stack takes the
-        embedding's output, so it is a block of the base, never a repeated one; under FSDP2 the
-        block before the last prefetches the last one's parameters, so the base holds two."""
+        """The base copies a proof tries, cheapest first: the first block takes the embedding's
+        output, so it belongs to the base; under FSDP2 the next-to-last block prefetches the last
+        one's parameters, so the base holds two."""
         return [(1,), (2,)] if self.partial is None else [(1, 0), (1, 1), (2, 0), (2, 1)]
 
 
@@ -117,10 +115,9 @@ def _integer_fields(result: DryRunResult) -> dict[str, Any]:
 
 
 def _fields(result: DryRunResult, block_bytes: int, host_traced: bool = False) -> dict[str, int]:
-    """Every integer figure of ``result`` but the trace's own peaks: the bytes a runner adds to the
-    replayed peaks (``peak_bytes``, ``phase_peak_bytes/<phase>``; with ``host_traced``, the same of
-    the host peaks over the replay of ``result.host_events``) and the other integer fields and
-    integer dicts of the result (``host_bytes``, ...)."""
+    """Every integer figure of ``result`` but the trace's own peaks: what a runner adds to the
+    replayed peaks (``peak_bytes``, ``phase_peak_bytes/<phase>``; with ``host_traced``, the same
+    of the host's) and the other integer fields and dicts (``host_bytes``, ...)."""
     peak, phases = replay_peaks(result.events, block_bytes)
     out = {"peak_bytes": result.peak_bytes - peak}
     out.update({f"phase_peak_bytes/{p}": v - phases.get(p, 0)
@@ -186,10 +183,9 @@ def _along(values: dict[str, int], slopes: dict[str, Vector], to: Vector,
 @dataclasses.dataclass
 class Proof:
     """A family's repetition, checked at ``seq_len`` on copies of ``checked`` blocks: the base
-    copy's layout (:func:`~lightning_seqmem.dryrun.pumping.shape`), where each block's chunk goes
-    (``inserts``: position in the base, kind, chunk shape), each other figure's slope per kind;
-    ``host``: the same layout and inserts of the host side's trace, where the runs trace one (its
-    peaks are then replayed from the pumped host sequence, as the device's)."""
+    copy's layout (:func:`.pumping.shape`), where each block's chunk goes (``inserts``: position in
+    the base, kind, chunk shape), each other figure's slope per kind; ``host``: the same of the
+    host side's trace, where traced."""
 
     base: Vector
     base_shape: list
@@ -284,9 +280,8 @@ def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union
 
 def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Proof, str]:
     """The :class:`Proof` of ``family``'s repetition at ``seq_len`` from the first base that holds
-    (:meth:`Family.bases`), or why none does. ``block_bytes``: the allocator's rounding, as the
-    runner replays. Runs the copies of the base, of one and two more blocks of each kind (and of one
-    more of both); a failing run raises."""
+    (:meth:`Family.bases`), or why none does. ``block_bytes``: the allocator's rounding. Runs the
+    base and one and two more blocks of each kind (and one more of both); a failing run raises."""
     reasons = []
     for base in family.bases():
         proof = _prove_from(run, base, seq_len, block_bytes)
@@ -319,11 +314,9 @@ def _pumped_at(results: dict[Vector, DryRunResult], trace: Callable[[DryRunResul
 
 
 def reprove(run: Run, proof: Proof, seq_len: int, block_bytes: int) -> Union[Proof, str]:
-    """``proof`` (a family of one kind of block) made again at ``seq_len``, where the layout of its
-    copies changed with the length (a tiled MLP's tile count follows it): from the copies of its
-    base and one more block alone (that a further block repeats the chunk was checked where
-    ``proof`` was made). A family of two kinds, or a proof that fails, is proved in full
-    (:func:`prove`)."""
+    """``proof`` (one kind of block) made again at ``seq_len``, where its copies' layout changed
+    with the length (a tiled MLP's tile count): from its base and one more block alone (a further
+    block was checked where ``proof`` was made); else why not (the caller then proves in full)."""
     if len(proof.base) != 1:
         return "two kinds of block are proved in full"
     base, unit = proof.base, plus(proof.base, 0)

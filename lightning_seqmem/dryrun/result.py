@@ -1,4 +1,4 @@
-"""What a dry run returns, and why it could not answer (plain values, shared by the dry-run wing)."""
+"""What a dry run returns, and why it could not answer (plain values shared by the dry-run wing)."""
 
 from __future__ import annotations
 
@@ -16,20 +16,13 @@ class DryRunResult:
 
     ``phase_peak_bytes`` maps ``forward``, ``backward`` and ``optimizer`` to the peak live bytes
     within each phase (each starts from the bytes live when it begins); ``peak_bytes`` is their
-    maximum. ``seconds`` is the wall time of the whole dry run (copy, two fake steps).
-    ``detail`` says what ran: model, device, optimizer, batch shape, what each mitigation did.
-    ``peak_site`` says where the peak sits (phase, kinds of tensor), when the dry run was asked
-    (``dry_run_step(..., site=trace_peak_site)``).
-    ``host_peak_bytes``/``host_phase_peak_bytes``: the same of host memory, where the device simulated
-    is not the CPU (:mod:`lightning_seqmem.dryrun.host`: pinned blocks rounded up to powers of two);
-    0 and ``{}`` on the CPU, which has no host apart. ``modelled_kernels`` names the CUDA kernels
-    whose memory was modelled rather than run (:mod:`lightning_seqmem.dryrun.kernels`), in
-    first-run order.
-    (``dry_run_step(..., site=trace_peak_site)``). ``events`` is the measured step's allocation
-    sequence the peaks were replayed from (None where the result was not replayed from one trace:
-    a depth-extrapolated one, :mod:`lightning_seqmem.dryrun.depth`); ``host_events`` the same of
-    the host side, each pinned block rounded up to a power of two, the host peaks replayed from it
-    (None without a host side apart from the device).
+    maximum. ``seconds``: wall time of the whole dry run (copy, two fake steps). ``detail``: what
+    ran. ``peak_site``: where the peak sits, when asked (``site=trace_peak_site``).
+    ``host_*``: the same of host memory where the simulated device is not the CPU
+    (:mod:`lightning_seqmem.dryrun.host`: pinned blocks rounded up to powers of two); 0 and ``{}``
+    on the CPU. ``modelled_kernels``: CUDA kernels modelled rather than run, in first-run order.
+    ``events``/``host_events``: the allocation sequences the peaks were replayed from (None where
+    not replayed from one trace, e.g. depth-extrapolated, or without a host side).
     """
 
     seq_len: int  # tokens per sample of the simulated step
@@ -39,14 +32,14 @@ class DryRunResult:
     phase_peak_bytes: dict[str, int]  # phase -> peak live bytes within it
     seconds: float  # wall time of the dry run
     detail: str  # what ran, for logs and reports
-    resident_bytes: int = 0  # device memory held outside the step's tensors, included above (CUDA)
-    host_bytes: int = 0  # saved activations copied to host memory (activation offload; its own count)
+    resident_bytes: int = 0  # device memory held outside the step's tensors, included (CUDA)
+    host_bytes: int = 0  # saved activations copied to host (activation offload; its own count)
     peak_site: Optional[PeakSite] = None  # where the peak sits (phase, kinds), when asked
     host_peak_bytes: int = 0  # peak live host-memory bytes of the step (0: the device is the CPU)
-    host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # phase -> host peak within it
+    host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)  # phase -> host peak
     modelled_kernels: tuple[str, ...] = ()  # CUDA kernels modelled (on the simulated device)
-    events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # the step's trace
-    host_events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # its host's
+    events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # step trace
+    host_events: Optional[TrackedEvents] = field(default=None, repr=False, compare=False)  # host's
 
 
 class DryRunUnsupported(RuntimeError):

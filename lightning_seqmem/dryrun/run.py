@@ -1,9 +1,7 @@
-"""The dry run of a training run's own step, wired to its trainer (what the callback hands the planner).
-
-:class:`TrainingRunDryRun` picks :func:`~lightning_seqmem.dryrun.step.dry_run_step` for a module on one
-device (or under DDP) and :func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` for an FSDP2
-module; it lives apart from both so that neither imports the other's caller.
-"""
+"""The dry run of a training run's own step, wired to its trainer (what the callback hands the
+planner): :func:`.step.dry_run_step` for a module on one device (or under DDP),
+:func:`.sharded.sharded_dry_run_step` for an FSDP2 module. Apart from both so neither imports the
+other's caller."""
 
 from __future__ import annotations
 
@@ -26,21 +24,17 @@ from lightning_seqmem.mitigations import ladder
 
 class TrainingRunDryRun:
     """The dry run of a training run's own step, as the planner asks it: ``(seq_len, batch_size,
-    mitigations) -> (peak_bytes, phase_peak_bytes, peak_site)`` (``peak_site``: where the peak sits, a
-    :class:`~lightning_seqmem.core.peak.PeakSite`, when ``site`` is given, else None; the planner's
-    forecasts say it).
+    mitigations) -> (peak_bytes, phase_peak_bytes, peak_site)`` (``peak_site``: a
+    :class:`~lightning_seqmem.core.peak.PeakSite` when ``site`` is given, else None).
 
-    Holds the module, its first optimizer, the precision plugin's context and a CPU copy of one
-    batch (:meth:`keep`, the first one given). ``applied()`` says which rungs are on the real
-    module now: the copy starts from them and adds the others (a copy cannot undo a rung, so a set
-    without one of them raises).
+    Holds the module, its first optimizer, the precision plugin's context and a CPU copy of the
+    first batch (:meth:`keep`). ``applied()``: the rungs on the real module now; the copy starts
+    from them and adds the others (a copy cannot undo a rung, so a set without one raises).
 
-    A refusal (:class:`DryRunUnsupported` or any other failure) is per shape and reason: it is kept
-    with its ``(seq_len, batch_size, mitigations)``, a later call at a shape at least as large with
-    the same mitigations raises it at once, and shorter or smaller shapes keep their dry runs (a
-    tensor-size limit, a length-dependent branch refuses only past some length). Each reason is
-    handed to ``on_unsupported(reason, seq_len, batch_size)`` once (reasons that differ only in their
-    numbers are one reason).
+    A refusal (any failure) is kept with its ``(seq_len, batch_size, mitigations)``: a later call
+    at a shape at least as large with the same mitigations raises it at once; smaller shapes keep
+    their dry runs. Each reason (up to its numbers) goes to ``on_unsupported(reason, seq_len,
+    batch_size)`` once.
     """
 
     def __init__(self, trainer: Any, pl_module: nn.Module, applied: Callable[[], tuple[str, ...]],
@@ -48,9 +42,10 @@ class TrainingRunDryRun:
                  site: Optional[Callable[..., Any]] = None,
                  room: Optional[Callable[[], Optional[int]]] = None,
                  resident: Optional[Callable[[], int]] = None) -> None:
-        self.trainer, self.pl_module, self.applied, self.on_unsupported = trainer, pl_module, applied, on_unsupported
-        self.site = site  # dry_run_step's site tracer (diagnostics.peak_trace.trace_peak_site): answers say where the peak sits
-        self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs; :mod:`.sharded`)
+        self.trainer, self.pl_module, self.applied, self.on_unsupported = (
+            trainer, pl_module, applied, on_unsupported)
+        self.site = site  # dry_run_step's site tracer (peak_trace.trace_peak_site)
+        self.template = template  # unsharded copy taken before configure_model() (FSDP2 runs)
         # bytes the dry run's real values may take now (None: any; on a CPU run, what the usable
         # budget leaves beside the run's tensors: :func:`.values.value_room`)
         self.room = room
@@ -58,19 +53,23 @@ class TrainingRunDryRun:
         self.resident = resident
         self.batch: Any = None
         self.unsupported: Optional[str] = None  # the first refusal's reason (any shape)
-        self.refusals: list[tuple[int, int, tuple[str, ...], str]] = []  # (seq_len, batch_size, mitigations, reason)
+        # (seq_len, batch_size, mitigations, reason)
+        self.refusals: list[tuple[int, int, tuple[str, ...], str]] = []
         self._said: set[str] = set()
 
     def keep(self, batch: Any) -> None:
         """Keep a CPU copy of ``batch`` (the first one only): each dry run reshapes it."""
         if self.batch is None:
-            self.batch = tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
+            self.batch = tree_map(lambda x: x.detach().to("cpu", copy=True)
+                                  if isinstance(x, torch.Tensor) else x, batch)
 
-    def __call__(self, seq_len: int, batch_size: int, mitigations: tuple[str, ...]) -> tuple[Any, ...]:
+    def __call__(self, seq_len: int, batch_size: int,
+                 mitigations: tuple[str, ...]) -> tuple[Any, ...]:
         applied = tuple(self.applied())
         if self.batch is None or not all(any(at_most(m, n) for n in mitigations) for m in applied):
-            raise DryRunUnsupported("no batch kept yet, or a rung on now cannot be undone on a copy")
-        for name in mitigations:  # a setting this model cannot take is never dry-run as another one
+            raise DryRunUnsupported("no batch kept yet, or a rung on now cannot be undone "
+                                    "on a copy")
+        for name in mitigations:  # a setting this model cannot take is never dry-run as another
             if name in applied:
                 continue
             why = ladder.copy_refusal(name, self.trainer, self.pl_module, batch_size)
@@ -141,9 +140,9 @@ class TrainingRunDryRun:
 
 
 def fails_at_length(exc: BaseException) -> bool:
-    """Whether a dry run's failure is the model's own at that shape, which its real step would raise
-    too: an index past a tensor's end (a positional table of fewer rows than the length: the
-    shape checks of a fake tensor are the real kernel's), or tensors whose sizes do not match.
+    """Whether a dry run's failure is the model's own at that shape, which its real step would
+    raise too: an index past a tensor's end (e.g. a positional table shorter than the length), or
+    tensors whose sizes do not match.
 
     Example:
         >>> failed = "the fake step failed: IndexError: index 8192 is out of bounds for dimension 1"

@@ -1,34 +1,28 @@
-"""Sequence/context parallelism: one rank's shard of a step, on fake tensors, in a fake process group.
+"""Sequence/context parallelism: one rank's shard of a step on fake tensors, in a fake world.
 
 :func:`sequence_parallel_dry_run_step` runs the module's own step as rank 0 of ``world_size`` ranks
-(FSDP2 over the world, as :func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step` does) on
-its ``L/degree`` tokens, with every ``torch.nn.functional.scaled_dot_product_attention`` call of
-the model replaced by its sequence-parallel form over a group of ``degree`` ranks:
+(FSDP2 over the world, as :func:`.sharded.sharded_dry_run_step`) on its ``L/degree`` tokens, every
+``F.scaled_dot_product_attention`` call replaced by its sequence-parallel form over ``degree``:
 
-- ``"ulysses"``: :func:`ulysses_attention` (DeepSpeed-Ulysses' all-to-all): q, k, v
-  ``[B, H, L/d, D]`` are all-to-all'ed into ``[B, H/d, L, D]`` (a contiguous send buffer and a
-  receive buffer each), attention runs at full length on ``H/d`` heads, and the output goes back
-  the same way; the backward does the same with the gradients. The same function runs in a real
-  gloo/NCCL process group (``tests/scripts/sp_run.py`` measures it over 2 CPU processes).
-- ``"ring"``: PyTorch's own ring (``torch.distributed.tensor.experimental._context_parallel``'s
-  ``_templated_ring_attention`` and its backward, the code ``context_parallel`` runs), called with
-  the CPU flash-attention kernel: the K/V all-gather (torch's default rotate method) or ring
-  buffers, the float32 merge of the partial outputs, and in the backward the float32 gradient
-  accumulators and the gradient ring. On real tensors ``context_parallel`` dispatches only CUDA
-  SDPA kernels (flash, efficient, cuDNN), so a real ring step cannot be measured on CPU here; see
-  ``benchmarks/gpu_check.py``.
+- ``"ulysses"``: :func:`ulysses_attention` (DeepSpeed-Ulysses): q, k, v ``[B, H, L/d, D]`` are
+  all-to-all'ed into ``[B, H/d, L, D]``, attention runs at full length on ``H/d`` heads, and the
+  output (and in the backward the gradients) goes back the same way. The same function runs in a
+  real process group (``tests/scripts/sp_run.py`` measures it over 2 CPU processes).
+- ``"ring"``: PyTorch's own ring (``_context_parallel``'s ``_templated_ring_attention`` and its
+  backward) with the CPU flash kernel: the K/V all-gather or ring buffers, the float32 merge of
+  partial outputs, the backward's float32 gradient accumulators and ring. A real ring step needs
+  CUDA SDPA kernels, so it is not measured on CPU here (see ``benchmarks/gpu_check.py``).
 
-The collectives' buffers are allocated by the fake process group's collectives (the all-to-all's
-output, the all-gather's output) and counted by the live-tensor tracker: *measured* by the dry
-run. Not counted: the backend's own communication buffers (NCCL's), as in the FSDP2 dry run.
+The collectives' output buffers come from the fake process group and are counted by the tracker:
+*measured* by the dry run. Not counted: the backend's own buffers (NCCL's), as in the FSDP2 dry run.
 
 Example:
     >>> from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     >>> from lightning_seqmem.dryrun.sharded import unsharded_template
     >>> template = unsharded_template(LitGPT(n_layer=2, d_model=64, n_head=4, attention="sdpa"))
     >>> batch = next(iter(SyntheticTokenDataModule(batch_size=1, seq_len=32).train_dataloader()))
-    >>> whole = sequence_parallel_dry_run_step(template, batch, 2048, world_size=4, degree=1, kind="none")
-    >>> ulysses = sequence_parallel_dry_run_step(template, batch, 2048, world_size=4, degree=4, kind="ulysses")
+    >>> whole = sequence_parallel_dry_run_step(template, batch, 2048, 4, degree=1, kind="none")
+    >>> ulysses = sequence_parallel_dry_run_step(template, batch, 2048, 4, degree=4, kind="ulysses")
     >>> ulysses.peak_bytes < whole.peak_bytes
     True
     >>> attention_calls(template, batch).n_heads
@@ -76,9 +70,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _seq_to_heads(x: torch.Tensor, degree: int, group: Any) -> torch.Tensor:
-    """``[B, H, L/d, D]`` (this rank's tokens, all heads) -> ``[B, H/d, L, D]`` (all tokens, its heads)."""
+    """``[B, H, L/d, D]`` (this rank's tokens, all heads) -> ``[B, H/d, L, D]`` (all tokens, its
+    heads)."""
     b, h, lc, d = x.shape
-    send = x.reshape(b, degree, h // degree, lc, d).transpose(0, 1)  # [d, B, H/d, Lc, D]: chunk j to rank j
+    # [d, B, H/d, Lc, D]: chunk j to rank j
+    send = x.reshape(b, degree, h // degree, lc, d).transpose(0, 1)
     recv = _AllToAll.apply(send, group)  # [d, B, H/d, Lc, D]: chunk j = rank j's tokens
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // degree, degree * lc, d)
 
@@ -86,17 +82,18 @@ def _seq_to_heads(x: torch.Tensor, degree: int, group: Any) -> torch.Tensor:
 def _heads_to_seq(y: torch.Tensor, degree: int, group: Any) -> torch.Tensor:
     """``[B, H/d, L, D]`` -> ``[B, H, L/d, D]`` (the inverse of :func:`_seq_to_heads`)."""
     b, hl, length, d = y.shape
-    send = y.reshape(b, hl, degree, length // degree, d).permute(2, 0, 1, 3, 4)  # chunk j: rank j's tokens
+    # chunk j: rank j's tokens
+    send = y.reshape(b, hl, degree, length // degree, d).permute(2, 0, 1, 3, 4)
     recv = _AllToAll.apply(send, group)  # [d, B, H/d, Lc, D]: chunk j = rank j's heads
     return recv.transpose(0, 1).reshape(b, hl * degree, length // degree, d)
 
 
-def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, degree: int, group: Any = None,
-                      **sdpa_kwargs: Any) -> torch.Tensor:
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, degree: int,
+                      group: Any = None, **sdpa_kwargs: Any) -> torch.Tensor:
     """DeepSpeed-Ulysses attention of this rank's ``[B, H, L/degree, D]`` q, k, v over ``group``
-    (``degree`` ranks, holding consecutive chunks of the sequence in rank order): all-to-all to
-    ``[B, H/degree, L, D]``, SDPA (``sdpa_kwargs``: ``is_causal``, ``attn_mask`` of the full length,
-    ``scale``, ``enable_gqa``), all-to-all back. Autograd runs the all-to-alls backwards.
+    (``degree`` ranks holding consecutive chunks in rank order): all-to-all to
+    ``[B, H/degree, L, D]``, SDPA (``sdpa_kwargs``, ``attn_mask`` of the full length), all-to-all
+    back. Autograd runs the all-to-alls backwards.
 
     Example (one rank: the all-to-all is the identity):
         >>> import torch.distributed as dist
@@ -115,13 +112,15 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 # -- ring (PyTorch's context_parallel code) -------------------------------------------------------
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, is_causal: bool,
-                scale: Optional[float]) -> torch.Tensor:
-        from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _templated_ring_attention)
 
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         kwargs = {} if scale is None else {"scale": scale}
-        out, lse, *_ = _templated_ring_attention(group, 2, op, q, k, v, is_causal=is_causal, **kwargs)
+        out, lse, *_ = _templated_ring_attention(group, 2, op, q, k, v, is_causal=is_causal,
+                                                 **kwargs)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.is_causal, ctx.scale = group, is_causal, scale
         return out
@@ -129,21 +128,22 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         from torch.distributed.tensor.experimental._context_parallel._attention import (
-            _templated_ring_attention_backward,
-        )
+            _templated_ring_attention_backward)
 
         q, k, v, out, lse = ctx.saved_tensors
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        kwargs: dict[str, Any] = {"dropout_p": 0.0} if ctx.scale is None else {"dropout_p": 0.0, "scale": ctx.scale}
-        dq, dk, dv, *_ = _templated_ring_attention_backward(ctx.group, 2, op, grad_out.contiguous(), "grad_out", q, k,
-                                                            v, out, lse, ctx.is_causal, **kwargs)
+        kwargs: dict[str, Any] = ({"dropout_p": 0.0} if ctx.scale is None
+                                  else {"dropout_p": 0.0, "scale": ctx.scale})
+        dq, dk, dv, *_ = _templated_ring_attention_backward(
+            ctx.group, 2, op, grad_out.contiguous(), "grad_out", q, k, v, out, lse, ctx.is_causal,
+            **kwargs)
         return dq, dk, dv, None, None, None
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any, is_causal: bool = False,
-                   scale: Optional[float] = None) -> torch.Tensor:
-    """Ring attention of this rank's ``[B, H, L/d, D]`` chunk by PyTorch's ``context_parallel`` code
-    (load-balanced when causal), with the CPU flash kernel; for the dry run (fake tensors)."""
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any,
+                   is_causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
+    """Ring attention of this rank's ``[B, H, L/d, D]`` chunk by PyTorch's ``context_parallel``
+    code (load-balanced when causal), with the CPU flash kernel; for the dry run (fake tensors)."""
     return _Ring.apply(query, key, value, group, is_causal, scale)
 
 
@@ -159,7 +159,8 @@ class AttentionCalls:
     dropout: bool = False
 
 
-def _note(calls: AttentionCalls, q: torch.Tensor, k: torch.Tensor, attn_mask: Any, dropout_p: float) -> None:
+def _note(calls: AttentionCalls, q: torch.Tensor, k: torch.Tensor, attn_mask: Any,
+          dropout_p: float) -> None:
     calls.calls += 1
     if calls.n_heads is None and q.dim() == 4:
         calls.n_heads, calls.n_kv_heads = int(q.shape[1]), int(k.shape[1])
@@ -168,7 +169,8 @@ def _note(calls: AttentionCalls, q: torch.Tensor, k: torch.Tensor, attn_mask: An
 
 
 @contextlib.contextmanager
-def sequence_parallel_attention(kind: str = "none", degree: int = 1, group: Any = None) -> Iterator[AttentionCalls]:
+def sequence_parallel_attention(kind: str = "none", degree: int = 1,
+                                group: Any = None) -> Iterator[AttentionCalls]:
     """Replace ``torch.nn.functional.scaled_dot_product_attention`` with its ``kind`` form over
     ``degree`` ranks of ``group`` (None: a new group of ranks ``0..degree-1``, made at the first
     call, in the current process group) for the duration; yields the calls seen. ``kind="none"``
@@ -180,19 +182,23 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1, group: Any 
         if groups[0] is None:
             import torch.distributed as dist
 
-            groups[0] = dist.group.WORLD if dist.get_world_size() == degree else dist.new_group(list(range(degree)))
+            groups[0] = (dist.group.WORLD if dist.get_world_size() == degree
+                         else dist.new_group(list(range(degree))))
         return groups[0]
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             **kwargs):
         _note(calls, query, key, attn_mask, dropout_p)
         if kind == "none" or degree == 1:
-            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, **kwargs)
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, **kwargs)
         if kind == "ulysses":
-            return ulysses_attention(query, key, value, degree, the_group(), attn_mask=attn_mask, dropout_p=dropout_p,
-                                     is_causal=is_causal, scale=scale, **kwargs)
+            return ulysses_attention(query, key, value, degree, the_group(), attn_mask=attn_mask,
+                                     dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                     **kwargs)
         if attn_mask is not None:
-            raise DryRunUnsupported("ring attention takes is_causal or no mask; the model passes an explicit attn_mask")
+            raise DryRunUnsupported("ring attention takes is_causal or no mask; the model passes "
+                                    "an explicit attn_mask")
         if kwargs.get("enable_gqa") and key.shape[1] != query.shape[1]:
             repeat = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
@@ -208,7 +214,7 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1, group: Any 
 
 def attention_calls(template: Any, batch: Any, seq_len: int = 64, batch_size: int = 1,
                     mitigations: Sequence[str] = ()) -> AttentionCalls:
-    """The heads, KV heads and masks of the model's SDPA calls, from a short dry run (``seq_len``)."""
+    """The heads, KV heads and masks of the model's SDPA calls, from a short dry run."""
     with sequence_parallel_attention("none") as calls:
         sharded_dry_run_step(template, batch, seq_len, 1, batch_size, mitigations)
     return calls
@@ -217,19 +223,20 @@ def attention_calls(template: Any, batch: Any, seq_len: int = 64, batch_size: in
 def sequence_parallel_dry_run_step(
     template: Any, batch: Any, seq_len: int, world_size: int, degree: int, kind: str,
     batch_size: Optional[int] = None, mitigations: Sequence[str] = (),
-    autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None, offload: bool = False,
+    autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None,
+    offload: bool = False,
 ) -> DryRunResult:
     """Per-rank peak of one training step (rank 0's) with the sequence split over ``degree`` ranks
-    (``kind``: ``"ulysses"``, ``"ring"``, or ``"none"`` with degree 1) and FSDP2 over ``world_size``
-    ranks: a dry run of the rank's ``seq_len // degree`` tokens (see the module docstring).
-    ``offload``: FSDP2 ``CPUOffloadPolicy`` (:func:`~lightning_seqmem.dryrun.sharded.sharded_dry_run_step`).
+    (``kind``: ``"ulysses"``, ``"ring"``, or ``"none"`` with degree 1) and FSDP2 over
+    ``world_size`` ranks: a dry run of the rank's ``seq_len // degree`` tokens.
+    ``offload``: FSDP2 ``CPUOffloadPolicy`` (as in :func:`.sharded.sharded_dry_run_step`).
 
     Raises:
-        ValueError: ``degree`` does not divide ``world_size`` or ``seq_len``, or an unknown ``kind``.
-        DryRunUnsupported: the step cannot run on fake tensors, or the model makes no SDPA call to shard.
+        ValueError: ``degree`` does not divide ``world_size`` or ``seq_len``; an unknown ``kind``.
+        DryRunUnsupported: the step cannot run on fake tensors, or makes no SDPA call to shard.
     """
-    seq_len, world_size, degree = (check_int(n, v) for n, v in (("seq_len", seq_len), ("world_size", world_size),
-                                                                 ("degree", degree)))
+    seq_len, world_size, degree = (check_int(n, v) for n, v in (
+        ("seq_len", seq_len), ("world_size", world_size), ("degree", degree)))
     if kind not in ("none", "ulysses", "ring"):
         raise ValueError(f"`kind` must be one of ('none', 'ulysses', 'ring'), got {kind!r}")
     if world_size % degree or seq_len % degree:
@@ -239,17 +246,21 @@ def sequence_parallel_dry_run_step(
         raise ValueError(f"`kind='none'` takes degree 1, got {degree}")
     started = time.perf_counter()
     with sequence_parallel_attention(kind, degree) as calls:
-        result = sharded_dry_run_step(template, batch, seq_len // degree, world_size, batch_size, mitigations,
-                                      "fsdp2", autocast, device, offload=offload)
+        result = sharded_dry_run_step(template, batch, seq_len // degree, world_size, batch_size,
+                                      mitigations, "fsdp2", autocast, device, offload=offload)
     if degree > 1 and not calls.calls:
-        raise DryRunUnsupported("the model made no scaled_dot_product_attention call (eager attention?): Ulysses and "
-                                "ring shard SDPA calls; plan it with the attention rung")
-    detail = result.detail + (f"; {kind} sequence parallel over {degree} ranks: {seq_len // degree} of {seq_len} "
-                              f"tokens per rank, {calls.calls} attention calls sharded" if degree > 1 else "")
-    return dataclasses.replace(result, seq_len=seq_len, detail=detail, seconds=time.perf_counter() - started)
+        raise DryRunUnsupported("the model made no scaled_dot_product_attention call (eager "
+                                "attention?): Ulysses and ring shard SDPA calls; plan it with the "
+                                "attention rung")
+    detail = result.detail + (f"; {kind} sequence parallel over {degree} ranks: "
+                              f"{seq_len // degree} of {seq_len} tokens per rank, {calls.calls} "
+                              "attention calls sharded" if degree > 1 else "")
+    return dataclasses.replace(result, seq_len=seq_len, detail=detail,
+                               seconds=time.perf_counter() - started)
 
 
-def state_bytes(template: Any, world_size: int, optimizer_state_per_parameter: Optional[int] = None) -> dict[str, int]:
+def state_bytes(template: Any, world_size: int,
+                optimizer_state_per_parameter: Optional[int] = None) -> dict[str, int]:
     """One rank's share of the parameters, gradients and optimizer state under FSDP2 over
     ``world_size`` ranks (each parameter cut in ``world_size`` rows, rank 0 the largest), in bytes.
     ``optimizer_state_per_parameter``: state tensors per parameter (AdamW: 2, fp32); None: 2.
@@ -267,4 +278,5 @@ def state_bytes(template: Any, world_size: int, optimizer_state_per_parameter: O
         if p.requires_grad:
             grads += numel * p.element_size()
             state += per * numel * 4
-    return {"parameter_shard_bytes": params, "gradient_shard_bytes": grads, "optimizer_state_bytes": state}
+    return {"parameter_shard_bytes": params, "gradient_shard_bytes": grads,
+            "optimizer_state_bytes": state}

@@ -1,29 +1,24 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``): the per-rank peak at any world size, on one process.
+"""FSDP2 (``fully_shard``): the per-rank peak at any world size, on one process.
 
-:func:`sharded_dry_run_step` answers "what does one rank hold at the peak of a training step at
-``(seq_len, batch_size, mitigations)`` when ``world_size`` ranks shard this module with FSDP2?"
-by running the module's own step on fake tensors (as :func:`~lightning_seqmem.dryrun.step.dry_run_step`
-does) inside a *fake process group* of ``world_size`` ranks: this process plays rank 0, every
-collective is a no-op that allocates what the real one would (the all-gather output of a block's
-parameters, the reduce-scatter input of its gradients), and the live storages are counted by the
-same :class:`~lightning_seqmem.measure.probes.LiveTensorTracker` that measures real steps (storage resizes
-included: FSDP2 frees a block's gathered parameters by resizing their storage to 0).
+:func:`sharded_dry_run_step` runs the module's own step on fake tensors (as
+:func:`.step.dry_run_step`) in a *fake process group* of ``world_size`` ranks: this process is rank
+0, every collective allocates what the real one would (a block's all-gathered parameters, its
+gradients' reduce-scatter input) without communicating, and the same
+:class:`~lightning_seqmem.measure.probes.LiveTensorTracker` that measures real steps counts the
+storages (resizes included: FSDP2 frees gathered parameters by resizing their storage to 0).
 
 What is sharded is what the module's own ``configure_model()`` shards, called on a fake copy with
-``self.device_mesh`` a ``(world_size, 1)`` mesh named ``("data_parallel", "tensor_parallel")``, as
-Lightning's ``ModelParallelStrategy`` builds it. A module whose ``configure_model()`` shards
-nothing is planned with ``fully_shard`` on each repeated block and then the root (torchtitan's
-layout). The copy is made from an *unsharded template* (:func:`unsharded_template`: a copy of
-the module on the ``meta`` device, taken before ``configure_model()`` ran), because an FSDP2
-module cannot be copied. Rank 0 holds the largest shard when a dimension does not divide evenly.
+``self.device_mesh`` a ``(world_size, 1)`` mesh named as ``ModelParallelStrategy`` names it; if it
+shards nothing, ``fully_shard`` goes on each repeated block, then the root (torchtitan's layout).
+The copy is made from an *unsharded template* (:func:`unsharded_template`, taken before
+``configure_model()``): an FSDP2 module cannot be copied. Rank 0 holds the largest shard.
 
-``strategy="ddp"`` is the unsharded step plus DDP's gradient buckets (one more copy of the
-trainable parameters' gradients, ``gradient_as_bucket_view=False`` as Lightning leaves it); the
-world size changes nothing per rank.
+``strategy="ddp"``: the unsharded step plus DDP's gradient buckets (one more copy of the trainable
+gradients); the world size changes nothing per rank.
 
-Modelled, not measured: the fake process group does no communication, so communication buffers
-the backend keeps (NCCL's, gloo's) are not counted; neither are CUDA allocator fragmentation and
-workspaces (see :mod:`lightning_seqmem.dryrun.step`).
+Not counted: the backend's communication buffers (NCCL's, gloo's), allocator fragmentation and
+workspaces (see :mod:`.step`).
+====
 
 Example:
     >>> from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
@@ -32,10 +27,10 @@ Example:
     >>> two, eight = (sharded_dry_run_step(template, batch, 64, world_size=n) for n in (2, 8))
     >>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
     True
-    >>> for part in two.detail.split("; ")[-2:]:  # LitGPT's configure_model() shards nothing
+    >>> for part in two.detail.split("; ")[-2:]:  # doctest: +NORMALIZE_WHITESPACE
     ...     print(part)
-    configure_model() shards nothing: fully_shard on 2 blocks and the root (GPT, holding every parameter)
-    no host memory apart from the cpu simulated (host peak 0)
+    configure_model() shards nothing: fully_shard on 2 blocks and the root (GPT, holding every
+    parameter) no host memory apart from the cpu simulated (host peak 0)
 """
 
 from __future__ import annotations
@@ -55,23 +50,15 @@ from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.moe import routing_note
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.fake import check_module, configured_optimizer
-from lightning_seqmem.dryrun.step import unsupported_reason, state_after_a_step, checked_rungs, host_peaks, replay_peaks, simulated_device_for
+from lightning_seqmem.dryrun.step import (unsupported_reason, state_after_a_step, checked_rungs,
+                                          host_peaks, replay_peaks, simulated_device_for)
 from lightning_seqmem.dryrun.values import transformers_without_fake_detection
 from lightning_seqmem.dryrun.cuda import allocator_block_bytes
-from lightning_seqmem.dryrun.cpu_offload import (
-    cpu_offload_policy,
-    is_offloaded,
-    offloading_every_fully_shard,
-    settle_before_the_step,
-)
-from lightning_seqmem.dryrun.host import (
-    PinWatch,
-    host_detail,
-    host_events,
-    is_pinned_storage,
-    mark_pinned,
-    with_host_probe,
-)
+from lightning_seqmem.dryrun.cpu_offload import (cpu_offload_policy, is_offloaded,
+                                                 offloading_every_fully_shard,
+                                                 settle_before_the_step)
+from lightning_seqmem.dryrun.host import (PinWatch, host_detail, host_events, is_pinned_storage,
+                                          mark_pinned, with_host_probe)
 from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
@@ -79,14 +66,16 @@ from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.measure.probes import make_probe
 
-__all__ = ["STRATEGIES", "check_strategy", "data_parallel_size", "dry_run_refusal", "fake_world", "fsdp2_modules", "is_fsdp2",
-           "sharded_dry_run_step", "sharding_root", "template_for", "unsharded_template", "world_forecast"]
+__all__ = ["STRATEGIES", "check_strategy", "data_parallel_size", "dry_run_refusal", "fake_world",
+           "fsdp2_modules", "is_fsdp2", "sharded_dry_run_step", "sharding_root", "template_for",
+           "unsharded_template", "world_forecast"]
 
 STRATEGIES = ("fsdp2", "ddp")
 """Strategies an N-rank plan models: FSDP2 sharding, or DDP replicas."""
 
-MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")  # as lightning's ModelParallelStrategy names them
-_C10D_MAPS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")  # as ModelParallelStrategy names them
+_C10D_MAPS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg",
+              "_pg_to_tag")
 
 
 def fsdp2_modules(module: nn.Module) -> list[nn.Module]:
@@ -128,17 +117,17 @@ def check_strategy(strategy: Any) -> str:
 
 
 def unsharded_template(pl_module: nn.Module) -> nn.Module:
-    """A copy of ``pl_module`` on the ``meta`` device (no memory, no trainer), to shard later.
-
-    Take it before ``configure_model()`` shards the module (an FSDP2 module cannot be copied).
+    """A copy of ``pl_module`` on the ``meta`` device (no memory, no trainer), to shard later: take
+    it before ``configure_model()`` shards the module (an FSDP2 module cannot be copied).
 
     Raises:
         DryRunUnsupported: ``pl_module`` is already sharded, or cannot be copied.
     """
     if is_fsdp2(pl_module):
         raise DryRunUnsupported(
-            "the module is already sharded with fully_shard (an FSDP2 module cannot be copied); the template "
-            "must be taken before configure_model() runs (SeqMemCallback does so in setup)"
+            "the module is already sharded with fully_shard (an FSDP2 module cannot be copied); "
+            "the template must be taken before configure_model() runs (SeqMemCallback does so in "
+            "setup)"
         )
     memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric", "_device_mesh"):
@@ -147,21 +136,23 @@ def unsharded_template(pl_module: nn.Module) -> nn.Module:
             memo[id(attached)] = None
     try:
         for p in pl_module.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                       requires_grad=p.requires_grad)
         for b in pl_module.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")
         return copy.deepcopy(pl_module, memo)
     except Exception as exc:  # noqa: BLE001
-        raise DryRunUnsupported(f"copying the module onto the meta device failed: {type(exc).__name__}: {exc}") from exc
+        raise DryRunUnsupported("copying the module onto the meta device failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
 
 @contextlib.contextmanager
 def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
     """A fake process group of ``world_size`` ranks (this process is rank 0) and its device mesh.
 
-    Collectives do nothing (their outputs are allocated, not filled). A real process group this
-    process belongs to (a training run's) is set aside for the duration and put back afterwards
-    (with the registry of group names); do not run a collective of the real run inside.
+    Collectives do nothing (their outputs are allocated, not filled). A real process group (a
+    training run's) is set aside meanwhile and put back after, with the registry of group names;
+    do not run a collective of the real run inside.
 
     Example:
         >>> with fake_world(8) as mesh:
@@ -177,7 +168,7 @@ def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     world_size = check_int("world_size", world_size)
-    # c10d's state: the ``_world`` object (default group) and module-level maps behind its properties
+    # c10d's state: the ``_world`` object (default group) and the module-level maps behind it
     saved_world, saved_count = c10d._world, c10d._group_count
     saved = {name: dict(getattr(c10d, name)) for name in _C10D_MAPS}
     saved["_tags_to_pg"] = {tag: list(groups) for tag, groups in saved["_tags_to_pg"].items()}
@@ -207,18 +198,21 @@ def _fake_from_template(template: nn.Module, fake_mode: Any, device: torch.devic
     memo: dict[int, Any] = {}
     with fake_mode:
         for p in template.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                       requires_grad=p.requires_grad)
         for b in template.buffers():
             memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
     try:
         return copy.deepcopy(template, memo)
     except Exception as exc:  # noqa: BLE001
-        raise DryRunUnsupported(f"copying the template onto fake tensors failed: {type(exc).__name__}: {exc}") from exc
+        raise DryRunUnsupported("copying the template onto fake tensors failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
 
 def _shard(model: nn.Module, mesh: Any, notes: list[str], offload_policy: Any = None) -> None:
-    """The module's own ``configure_model()`` over ``mesh``; the default layout if it shards nothing.
-    ``offload_policy`` (FSDP2's ``CPUOffloadPolicy``): given to every ``fully_shard``, the module's too."""
+    """The module's own ``configure_model()`` over ``mesh``; the default layout if it shards none.
+    ``offload_policy`` (FSDP2's ``CPUOffloadPolicy``): given to every ``fully_shard``, the module's
+    too."""
     from torch.distributed.fsdp import fully_shard
 
     model.__dict__["_device_mesh"] = mesh
@@ -232,7 +226,8 @@ def _shard(model: nn.Module, mesh: Any, notes: list[str], offload_policy: Any = 
         except DryRunUnsupported:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise DryRunUnsupported(f"configure_model() failed on the fake copy: {type(exc).__name__}: {exc}") from exc
+            raise DryRunUnsupported("configure_model() failed on the fake copy: "
+                                    f"{type(exc).__name__}: {exc}") from exc
     if is_fsdp2(model):
         notes.append(f"configure_model() sharded {len(fsdp2_modules(model))} modules")
         return
@@ -243,8 +238,9 @@ def _shard(model: nn.Module, mesh: Any, notes: list[str], offload_policy: Any = 
         fully_shard(block, mesh=dp_mesh, **offload)
     root = sharding_root(model)
     fully_shard(root, mesh=dp_mesh, **offload)
-    notes.append(f"configure_model() shards nothing: fully_shard on {len(blocks)} blocks and the root"
-                 + ("" if root is model else f" ({_class_name(root)}, holding every parameter)"))
+    notes.append(f"configure_model() shards nothing: fully_shard on {len(blocks)} blocks and the "
+                 "root" + ("" if root is model
+                           else f" ({_class_name(root)}, holding every parameter)"))
 
 
 def _class_name(module: nn.Module) -> str:
@@ -255,9 +251,8 @@ def _class_name(module: nn.Module) -> str:
 
 def sharding_root(model: nn.Module) -> nn.Module:
     """The innermost submodule of ``model`` holding all its parameters (``model`` itself where it
-    holds some directly, or they are spread over its children): the module whose forward a
-    LightningModule's ``training_step`` calls (``self.model(...)``), so that FSDP2's root hooks
-    gather the parameters outside the blocks (the embedding) before they are used.
+    holds some directly, or they are spread over its children): the one ``training_step`` calls
+    (``self.model(...)``), so FSDP2's root hooks gather the parameters outside the blocks in time.
 
     Example:
         >>> outer = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
@@ -274,40 +269,30 @@ def sharding_root(model: nn.Module) -> nn.Module:
 
 
 def sharded_dry_run_step(
-    template: nn.Module,
-    batch: Any,
-    seq_len: int,
-    world_size: int,
-    batch_size: Optional[int] = None,
-    mitigations: Sequence[str] = (),
-    strategy: str = "fsdp2",
+    template: nn.Module, batch: Any, seq_len: int, world_size: int,
+    batch_size: Optional[int] = None, mitigations: Sequence[str] = (), strategy: str = "fsdp2",
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
-    device: Optional[torch.device | str] = None,
-    first_split_check: Optional[bool] = None,
+    device: Optional[torch.device | str] = None, first_split_check: Optional[bool] = None,
     offload: bool = False,
 ) -> DryRunResult:
-    """Per-rank peak of one training step at ``world_size`` ranks (rank 0's; bytes), on fake tensors.
+    """Per-rank peak of one training step at ``world_size`` ranks (rank 0's; bytes).
 
     Args:
         template: the unsharded module (:func:`unsharded_template`, or any unsharded
-            ``LightningModule``; its parameters may be on ``meta``). Never modified.
+            ``LightningModule``; parameters may be on ``meta``). Never modified.
         batch: one rank's training batch (cut or tiled to ``(batch_size, seq_len)``).
         seq_len, batch_size: the step to simulate (``batch_size`` per rank; default the batch's).
         world_size: ranks sharing the model (the data-parallel degree).
-        mitigations: rungs applied to the copy: ``"attention"`` before sharding,
-            ``"checkpointing"`` after it (composed with ``fully_shard``, as the ladder applies it
-            mid-run), ``"microbatch"`` (gradient reduction deferred to the last micro-batch).
-        strategy: ``"fsdp2"`` or ``"ddp"`` (see the module docstring).
+        mitigations: rungs applied to the copy, before or after sharding as the ladder does.
+        strategy: ``"fsdp2"`` or ``"ddp"``.
         autocast: a zero-argument factory of the forward's context (the precision plugin's).
-        device: the device simulated (default ``cpu``); ``cuda`` on a build of torch without it is the
-            simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`), whose host memory is apart:
-            the result's ``host_peak_bytes`` (:mod:`lightning_seqmem.dryrun.host`).
-        first_split_check: whether the step includes micro-batching's one-time loss check (the step
-            that switches it on); None: whenever ``"microbatch"`` is among ``mitigations``.
-        offload: FSDP2 ``CPUOffloadPolicy`` on every ``fully_shard`` (the module's own
-            ``configure_model()``'s too): parameter shards, gradients and optimizer state on the host
-            (:mod:`lightning_seqmem.dryrun.cpu_offload`). A ``configure_model()`` that offloads is
-            planned as it is either way.
+        device: the device simulated (default ``cpu``); ``cuda`` without CUDA is the simulated
+            device (:mod:`.accelerator`), whose host memory is apart (``host_peak_bytes``).
+        first_split_check: whether the step includes micro-batching's one-time loss check; None:
+            whenever ``"microbatch"`` is among ``mitigations``.
+        offload: FSDP2 ``CPUOffloadPolicy`` on every ``fully_shard`` (``configure_model()``'s
+            too): shards, gradients and optimizer state on the host (:mod:`.cpu_offload`). A
+            ``configure_model()`` that offloads is planned as it is either way.
 
     Raises:
         ValueError: ``offload`` with ``strategy="ddp"``, or not a bool.
@@ -320,18 +305,22 @@ def sharded_dry_run_step(
     names = checked_rungs(mitigations)
     check_module(template)
     if is_fsdp2(template):
-        raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy (unsharded_template)")
+        raise DryRunUnsupported("`template` is already sharded; pass an unsharded copy "
+                                "(unsharded_template)")
     from lightning_seqmem.measure.batch_shape import infer_batch_shape
 
     if not isinstance(offload, bool):
         raise ValueError(f"`offload` must be a bool, got {offload!r}")
     if offload and strategy != "fsdp2":
-        raise ValueError(f"`offload` (FSDP2 CPUOffloadPolicy) needs strategy='fsdp2', got {strategy!r}")
-    batch_size = infer_batch_shape(batch)[0] if batch_size is None else check_int("batch_size", batch_size)
+        raise ValueError("`offload` (FSDP2 CPUOffloadPolicy) needs strategy='fsdp2', "
+                         f"got {strategy!r}")
+    batch_size = (infer_batch_shape(batch)[0] if batch_size is None
+                  else check_int("batch_size", batch_size))
     device = simulated_device_for(device, torch.device("cpu"))
     policy = cpu_offload_policy(device) if offload else None
     notes: list[str] = []
-    with fake_session(seq_len, device) as (fake_mode, values), fake_world(world_size, device.type) as mesh:
+    with (fake_session(seq_len, device) as (fake_mode, values),
+          fake_world(world_size, device.type) as mesh):
         try:
             model = _fake_from_template(template, fake_mode, device)
             with fake_mode:
@@ -343,12 +332,15 @@ def sharded_dry_run_step(
                     if offloaded:
                         settle_before_the_step(model)
                         plan.notes.append(_offload_note(device, policy is not None))
-                after = ladder.apply_to_copy(names, model, after_sharding=True)  # composed with fully_shard
+                # composed with fully_shard
+                after = ladder.apply_to_copy(names, model, after_sharding=True)
                 plan.notes += after.notes
                 plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
                 optimizer = configured_optimizer(model)
-            step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode, values)
-            loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size, first_split_check)
+            step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode,
+                                                  values)
+            loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size,
+                                                     first_split_check)
             notes = plan.notes
             probe = with_host_probe(make_probe("tracker", device), device)
             with fake_mode, values, transformers_without_fake_detection():
@@ -356,8 +348,8 @@ def sharded_dry_run_step(
                 if offloaded:
                     _pin_gradients_as_fsdp2_does(model)
                 with contained_unpack_failures(device) as failures:
-                    memory = training_step_memory(model, step_optimizer, step_batch, loss_fn, probe,
-                                                  record_events=True, context=autocast)
+                    memory = training_step_memory(model, step_optimizer, step_batch, loss_fn,
+                                                  probe, record_events=True, context=autocast)
                 if failures:
                     raise failures[0]
             host_memory = getattr(probe, "host_memory", None)
@@ -370,26 +362,27 @@ def sharded_dry_run_step(
     peak, phase_peaks = replay_peaks(memory.events, allocator_block_bytes(device))
     phase_peaks = {p: phase_peaks[p] for p in PHASES if p in phase_peaks}
     if strategy == "ddp":
-        buckets = sum(p.numel() * p.element_size() for p in template.parameters() if p.requires_grad)
+        buckets = sum(p.numel() * p.element_size() for p in template.parameters()
+                      if p.requires_grad)
         peak, phase_peaks = peak + buckets, {p: v + buckets for p, v in phase_peaks.items()}
         notes.append(f"DDP gradient buckets: {buckets} bytes")
     host_peak, host_phase_peaks = host_peaks(host_memory)
     detail = (
-        f"a fake step of {type(template).__name__} as rank 0 of {world_size} ({strategy}) on {device}, "
-        f"batch {source_shape} -> ({batch_size}, {seq_len}) per rank"
+        f"a fake step of {type(template).__name__} as rank 0 of {world_size} ({strategy}) on "
+        f"{device}, batch {source_shape} -> ({batch_size}, {seq_len}) per rank"
         + (f"; {'; '.join(notes)}" if notes else "")
         + f"; {host_detail(device, host_memory, host_peak)}"
     )
     return DryRunResult(seq_len=seq_len, batch_size=batch_size, mitigations=names, peak_bytes=peak,
-                        phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started, detail=detail,
-                        host_peak_bytes=host_peak, host_phase_peak_bytes=host_phase_peaks,
+                        phase_peak_bytes=phase_peaks, seconds=time.perf_counter() - started,
+                        detail=detail, host_peak_bytes=host_peak,
+                        host_phase_peak_bytes=host_phase_peaks,
                         events=memory.events, host_events=host_events(host_memory))
 
 
 def _pin_gradients_as_fsdp2_does(model: nn.Module) -> None:
-    """The gradients a first step leaves (zeros) pinned where their parameter shard is: FSDP2 copies
-    each reduce-scattered shard to the host non-blocking, into pinned memory, under
-    ``pin_memory=True``."""
+    """The gradients a first step leaves (zeros) pinned where their parameter shard is: FSDP2
+    copies each reduce-scattered shard into pinned host memory under ``pin_memory=True``."""
     from lightning_seqmem.measure.tracker import tensor_storages
 
     for p in model.parameters():
@@ -408,7 +401,7 @@ def _offload_note(device: torch.device, asked: bool) -> str:
             "activations and FSDP2's copies")
 
 
-# -- the training run's side (used by SeqMemCallback through TrainingRunDryRun) ---------------------
+# -- the training run's side (used by SeqMemCallback through TrainingRunDryRun) -------------------
 def data_parallel_size(trainer: Any, pl_module: Any) -> int:
     """Ranks sharing the model's data-parallel dimension: the device mesh's ``data_parallel`` size
     under ``ModelParallelStrategy``, else the trainer's world size."""
@@ -421,13 +414,15 @@ def data_parallel_size(trainer: Any, pl_module: Any) -> int:
 def template_for(trainer: Any, pl_module: nn.Module) -> Optional[nn.Module]:
     """The unsharded template of a run whose strategy shards the module in ``configure_model()``
     (``ModelParallelStrategy``, ``FSDPStrategy``), taken in ``setup`` before it does; else None."""
-    if not is_a(trainer.strategy, "ModelParallelStrategy", "FSDPStrategy") or is_fsdp2(pl_module):
+    if (not is_a(trainer.strategy, "ModelParallelStrategy", "FSDPStrategy")
+            or is_fsdp2(pl_module)):
         return None
     return unsharded_template(pl_module)
 
 
 def dry_run_refusal(trainer: Any) -> Optional[str]:
-    """Why no dry run of the run's own step can answer for this strategy (FSDP1, DeepSpeed), or None.
+    """Why no dry run of the run's own step can answer for this strategy (FSDP1, DeepSpeed), or
+    None.
 
     Example:
         >>> from types import SimpleNamespace
@@ -436,40 +431,45 @@ def dry_run_refusal(trainer: Any) -> Optional[str]:
     """
     name = type(getattr(trainer, "strategy", None)).__name__
     if name == "FSDPStrategy":
-        return ("FSDPStrategy (FSDP1) flattens and shards the parameters inside FullyShardedDataParallel, which a "
-                "fake copy of the module does not reproduce; forecasts come from measured steps (timeline replay, "
-                "quadratic fit); forecast(world_size=N) plans it as FSDP2 from the template taken in setup")
+        return ("FSDPStrategy (FSDP1) flattens and shards the parameters inside "
+                "FullyShardedDataParallel, which a fake copy of the module does not reproduce; "
+                "forecasts come from measured steps (timeline replay, quadratic fit); "
+                "forecast(world_size=N) plans it as FSDP2 from the template taken in setup")
     if "DeepSpeed" in name:
-        return (f"{name}: DeepSpeed partitions parameters, gradients and optimizer state inside its own engine, "
-                "which a fake copy of the module does not reproduce; forecasts come from measured steps "
-                "(timeline replay, quadratic fit)")
+        return (f"{name}: DeepSpeed partitions parameters, gradients and optimizer state inside "
+                "its own engine, which a fake copy of the module does not reproduce; forecasts "
+                "come from measured steps (timeline replay, quadratic fit)")
     return None
 
 
-def world_forecast(dry: Any, seq_len: int, batch_size: int, mitigations: Sequence[str], world_size: int,
-                   strategy: Optional[str] = None) -> Any:
-    """A :class:`~lightning_seqmem.core.forecast.Forecast` of the per-rank peak at ``world_size`` ranks,
-    by :func:`sharded_dry_run_step` on a run's :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`
-    (its template or module, kept batch and precision). ``strategy`` defaults to ``"fsdp2"`` for a
-    sharded run and ``"ddp"`` otherwise. The bound adds the dry run's 2% margin."""
+def world_forecast(dry: Any, seq_len: int, batch_size: int, mitigations: Sequence[str],
+                   world_size: int, strategy: Optional[str] = None) -> Any:
+    """A :class:`~lightning_seqmem.core.forecast.Forecast` of the per-rank peak at ``world_size``
+    ranks, by :func:`sharded_dry_run_step` on a run's :class:`.run.TrainingRunDryRun` (its template
+    or module, kept batch and precision). ``strategy`` defaults to ``"fsdp2"`` for a sharded run
+    and ``"ddp"`` otherwise. The bound adds the dry run's 2% margin."""
     from lightning_seqmem.core.forecast import Forecast
 
     if dry is None or dry.batch is None:
-        raise ValueError("`world_size` forecasts need the dry run's kept batch: SeqMemCallback(dry_run=True), "
-                         "on rank zero, after the first training batch")
+        raise ValueError("`world_size` forecasts need the dry run's kept batch: "
+                         "SeqMemCallback(dry_run=True), on rank zero, after the first training "
+                         "batch")
     template = dry.template if dry.template is not None else dry.pl_module
     strategy = check_strategy(strategy or ("fsdp2" if dry.template is not None else "ddp"))
     if is_fsdp2(template):
-        raise DryRunUnsupported("the module is sharded and no unsharded template was taken in setup")
-    result = sharded_dry_run_step(template, dry.batch, seq_len, world_size, batch_size, mitigations, strategy,
+        raise DryRunUnsupported("the module is sharded and no unsharded template was taken in "
+                                "setup")
+    result = sharded_dry_run_step(template, dry.batch, seq_len, world_size, batch_size,
+                                  mitigations, strategy,
                                   autocast=dry.trainer.precision_plugin.train_step_context,
                                   device=dry.trainer.strategy.root_device)
     upper = int(result.peak_bytes * 1.02)
     return Forecast(int(seq_len), int(batch_size), result.peak_bytes, upper, upper, "dry_run",
-                    dict(result.phase_peak_bytes), f"per rank at world size {world_size}: {result.detail}")
+                    dict(result.phase_peak_bytes),
+                    f"per rank at world size {world_size}: {result.detail}")
 
 
-# -- plans at N ranks (seqmem plan --world-size) -----------------------------------------------------
+# -- plans at N ranks (seqmem plan --world-size) --------------------------------------------------
 def world_sizes_up_to(world_size: int) -> list[int]:
     """The world sizes a plan tries: powers of two below ``world_size``, then ``world_size``.
 
@@ -482,13 +482,14 @@ def world_sizes_up_to(world_size: int) -> list[int]:
     return sizes + [world_size]
 
 
-def smallest_fitting_world_size(peak_at: Callable[[int], int], usable_bytes: int, world_size: int,
-                                known: Optional[dict[int, int]] = None,
-                                bound: Callable[[int], int] = int) -> tuple[Optional[int], dict[int, int]]:
-    """The smallest world size in :func:`world_sizes_up_to` whose per-rank peak (as ``bound`` judges
-    it: the peak itself by default) fits ``usable_bytes`` (None where even ``world_size`` does not), by
-    bisection (the per-rank peak does not grow with the world size); returns it and every ``world size
-    -> peak`` computed.
+def smallest_fitting_world_size(
+        peak_at: Callable[[int], int], usable_bytes: int, world_size: int,
+        known: Optional[dict[int, int]] = None,
+        bound: Callable[[int], int] = int) -> tuple[Optional[int], dict[int, int]]:
+    """The smallest world size in :func:`world_sizes_up_to` whose per-rank peak (as ``bound``
+    judges it; default the peak itself) fits ``usable_bytes`` (None where even ``world_size`` does
+    not), by bisection (the per-rank peak does not grow with the world size); returns it and every
+    ``world size -> peak`` computed.
 
     Example:
         >>> smallest_fitting_world_size(lambda n: 100 + 800 // n, 350, 8)
@@ -515,7 +516,8 @@ def context_parallel_note(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return (f"context parallelism: not planned on {device.type}: PyTorch's context_parallel "
-                "(torch.distributed.tensor.experimental) shards the sequence across ranks for CUDA SDPA kernels "
-                "(flash, memory-efficient, cuDNN) and cannot run here")
-    return ("context parallelism: not planned: context_parallel can run on CUDA, but this version does not "
-            "model it (its ring attention buffers are not simulated); each rank holds the whole sequence here")
+                "(torch.distributed.tensor.experimental) shards the sequence across ranks for CUDA "
+                "SDPA kernels (flash, memory-efficient, cuDNN) and cannot run here")
+    return ("context parallelism: not planned: context_parallel can run on CUDA, but this version "
+            "does not model it (its ring attention buffers are not simulated); each rank holds the "
+            "whole sequence here")

@@ -1,15 +1,12 @@
-"""The stack of repeated blocks of a model, whether its blocks are alike, and shallow copies of it.
+"""The stack of repeated blocks of a model, whether its blocks are alike, and shallow copies.
 
-:func:`find_stack` finds the ``nn.ModuleList`` holding the model's repeated blocks (those
-:func:`~lightning_seqmem.mitigations.checkpointing.checkpointing.find_repeated_blocks` finds: a Hugging Face
-model's decoder layers, the reference GPT's ``blocks``); :func:`blocks_differ` says why they are not
-alike where they are not (a parameter shape, a sliding window on some layers, a per-layer list of
-the config); :func:`shallow_copy` is the model with only the first ``k`` blocks, for a dry run: the
-module objects copied, every parameter, buffer and attribute tensor *shared* with the model (the
-dry run fakes them, as it fakes the model's), the model itself never changed. A Hugging Face config
-in the copy says ``num_hidden_layers = k`` (its per-layer lists cut to ``k``), as that of a model
-built with ``k`` layers does. :func:`shallow_optimizer` is the optimizer's view of the copy's
-parameters (for :func:`~lightning_seqmem.dryrun.fake.rebuild_optimizer`).
+:func:`find_stack` finds the ``nn.ModuleList`` of the blocks
+:func:`.checkpointing.find_repeated_blocks` finds; :func:`blocks_differ` says why they are not
+alike (a parameter shape, a sliding window on some layers, a per-layer config list);
+:func:`shallow_copy` is the model with only the first ``k`` blocks: modules copied, tensors
+*shared* (the dry run fakes them), the model unchanged, an HF config saying
+``num_hidden_layers = k``. :func:`shallow_optimizer` is the optimizer's view of the copy's
+parameters (for :func:`.fake.rebuild_optimizer`).
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -115,14 +112,13 @@ def _is_index(name: str, values: list) -> bool:
 def blocks_differ(stack: nn.ModuleList, model: Optional[nn.Module] = None) -> Optional[str]:
     """Why the blocks of ``stack`` are not alike (the first difference found), or None.
 
-    Attributes that count the blocks (named for an index, ``layer_idx``: the block's index plus a
-    constant) may differ;
-    nothing else may, and the Hugging Face config of the stack (:func:`stack_configs`) may hold no
-    per-layer list whose entries differ (``layer_types`` of local and global attention).
+    Only attributes that count the blocks (``layer_idx``: the index plus a constant) may differ,
+    and the stack's HF config (:func:`stack_configs`) may hold no per-layer list whose entries
+    differ (``layer_types`` of local and global attention).
 
     Example:
-        >>> blocks_differ(nn.ModuleList([nn.Linear(2, 2, bias=False), nn.Linear(2, 3, bias=False)]))
-        ... # doctest: +NORMALIZE_WHITESPACE
+        >>> two = nn.ModuleList([nn.Linear(2, 2, bias=False), nn.Linear(2, 3, bias=False)])
+        >>> blocks_differ(two)  # doctest: +NORMALIZE_WHITESPACE
         "block 1 differs from block 0 at _parameters.weight: ((3, 2), 'torch.float32', 'cpu', True)
         vs ((2, 2), 'torch.float32', 'cpu', True)"
     """

@@ -1,13 +1,10 @@
-"""What a fake step runs: the user's own ``training_step`` whole, or micro-batched as the ladder's rung runs it.
+"""What a fake step runs: the user's own ``training_step`` whole, or micro-batched as the rung runs.
 
-:func:`step_functions` turns a dry run's :class:`~lightning_seqmem.mitigations.base.CopyPlan` (what the
-rungs made of the copy) into the ``(loss_fn, optimizer)`` pair that
-:func:`~lightning_seqmem.measure.steps.training_step_memory` steps: :func:`plain_loss` and the optimizer,
-or the micro-batched loss of :mod:`lightning_seqmem.mitigations.microbatch.microbatch_twin` (the wrapper's own
-loop: micro-batches backpropagated one by one, each loss weighted by its share of what the loss
-averages over) and an optimizer zeroed before the first micro-batch. Both the one-rank dry run
-(:mod:`lightning_seqmem.dryrun.step`) and the sharded one (:mod:`lightning_seqmem.dryrun.sharded`)
-step through these.
+:func:`step_functions` turns a dry run's :class:`~lightning_seqmem.mitigations.base.CopyPlan` into
+the ``(loss_fn, optimizer)`` pair :func:`.steps.training_step_memory` steps: :func:`plain_loss` and
+the optimizer, or the micro-batched loss of :mod:`.microbatch.microbatch_twin` (micro-batches
+backpropagated one by one, each loss weighted by its share) and an optimizer zeroed before the
+first micro-batch. Used by the one-rank (:mod:`.step`) and the sharded (:mod:`.sharded`) dry run.
 
 Example:
     >>> import torch
@@ -25,7 +22,7 @@ Example:
     >>> plan.notes[-1]
     'microbatch: with the one-time check of the first split batch'
     >>> loss = loss_fn(model, batch)  # three micro-batches backpropagated, the last one's loss left
-    >>> bool(torch.allclose(loss, plain_loss(model, batch)))  # the weighted sum is the whole batch's mean
+    >>> bool(torch.allclose(loss, plain_loss(model, batch)))  # weighted sum: the whole batch's mean
     True
     >>> loss_fn is plain_loss, step_functions(model, optimizer, CopyPlan(), 4)[0] is plain_loss
     (False, True)
@@ -47,11 +44,14 @@ from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.steps import loss_of
 from lightning_seqmem.mitigations.base import CopyPlan
-from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX, micro_batch_counts, split_batch
+from lightning_seqmem.mitigations.microbatch.microbatch_functional import (
+    IGNORE_INDEX, micro_batch_counts, split_batch)
 from lightning_seqmem.mitigations.microbatch.microbatch import MicroBatching
-from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching, micro_batching_check_pending
+from lightning_seqmem.mitigations.microbatch.microbatch_step import (
+    is_micro_batching, micro_batching_check_pending)
 from lightning_seqmem.mitigations.microbatch.microbatch_check import copied_tensors
-from lightning_seqmem.mitigations.microbatch.microbatch_twin import ZeroGradBeforeFirstMicroBatch, check_pair, micro_batched_loss
+from lightning_seqmem.mitigations.microbatch.microbatch_twin import (
+    ZeroGradBeforeFirstMicroBatch, check_pair, micro_batched_loss)
 
 __all__ = ["TrainerLoop", "loop_of", "plain_loss", "step_functions", "trainer_loop"]
 
@@ -60,14 +60,11 @@ __all__ = ["TrainerLoop", "loop_of", "plain_loss", "step_functions", "trainer_lo
 class TrainerLoop:
     """The Trainer's loop settings a step's memory depends on (:func:`loop_of` reads them).
 
-    With ``accumulate_grad_batches > 1`` the step a dry run models is the last batch of an
-    accumulation window, the one that peaks highest: the gradients of the window's earlier batches
-    are alive through its forward *and* its backward (Lightning zeroes them only after the forward
-    of a window's first batch), its loss is divided by the window's batches, and it ends with the
-    optimizer step. ``gradient_clip_val``: the gradients are clipped (by norm, or by value) before
-    the optimizer step, in its phase, as Lightning's precision plugin does. Under DDP with
-    ``gradient_as_bucket_view=True`` the buckets are the gradients: ``zero_grad`` frees none of
-    their memory, so it is alive through the backward as under accumulation.
+    With ``accumulate_grad_batches > 1`` the modelled step is a window's last batch, the highest:
+    the earlier batches' gradients are alive through its forward and backward, its loss is divided
+    by the window's batches, and it ends with the optimizer step. ``gradient_clip_val``: gradients
+    clipped (by norm or value) before the optimizer step, in its phase. Under DDP with
+    ``gradient_as_bucket_view=True`` ``zero_grad`` frees no gradient memory, as under accumulation.
 
     Example:
         >>> TrainerLoop().keeps_gradients, TrainerLoop(accumulate_grad_batches=4).accumulating
@@ -176,11 +173,12 @@ def _loss_of(output: Any) -> torch.Tensor:
         raise DryRunUnsupported(str(exc)) from None
 
 
-def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignore_index: int) -> list[int]:
-    """What each micro-batch's loss weighs (see :func:`~lightning_seqmem.mitigations.microbatch.microbatch.micro_batch_counts`).
+def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str,
+                        ignore_index: int) -> list[int]:
+    """What each micro-batch's loss weighs (:func:`.microbatch_functional.micro_batch_counts`).
 
-    Label tokens are counted from the batch's values (:class:`BatchValues`); a batch whose labels
-    have none (too large to keep) is weighted by samples: the weights are scalars, the memory is the same.
+    Label tokens are counted from the batch's values; labels without values (too large to keep)
+    weigh by samples: the weights are scalars, the memory is the same.
     """
     try:
         return micro_batch_counts(batch, micro_batch_size, weighting, ignore_index)[1]
@@ -189,17 +187,17 @@ def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str, ignor
 
 
 def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: list[int]) -> None:
-    """The memory of the wrapper's one-time check of its first split batch (see
-    :mod:`lightning_seqmem.mitigations.microbatch.microbatch`): its copy of the module's buffers and attribute
-    tensors (:func:`~lightning_seqmem.mitigations.microbatch.microbatch_check.copied_tensors`), then no-grad
-    forwards of the first two counted micro-batches together and apart, while the previous step's
-    gradients are still alive. Nothing is kept."""
+    """The memory of the wrapper's one-time check of its first split batch
+    (:mod:`.microbatch.microbatch`): its copy of the module's buffers and attribute tensors
+    (:func:`.microbatch_check.copied_tensors`), then no-grad forwards of the first two counted
+    micro-batches together and apart, the previous step's gradients alive. Nothing is kept."""
     found = check_pair(batch, parts, counts)
     if found is None:
         return
     copies = [t.detach().clone() for t in copied_tensors(model)]
     with torch.no_grad():
-        losses = [plain_loss(model, part).detach() for part in (found.batch, *(parts[i] for i in found.used))]
+        losses = [plain_loss(model, part).detach()
+                  for part in (found.batch, *(parts[i] for i in found.used))]
     del copies, losses
 
 
@@ -222,9 +220,8 @@ def step_functions(
     pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan: CopyPlan, batch_size: int,
     first_split_check: Optional[bool] = None,
 ) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
-    """``(loss_fn, optimizer)`` for :func:`~lightning_seqmem.measure.steps.training_step_memory`:
-    plain or micro-batched, in the Trainer's loop of :func:`trainer_loop` (:class:`TrainerLoop`;
-    default: one batch per step).
+    """``(loss_fn, optimizer)`` for :func:`.steps.training_step_memory`: plain or micro-batched,
+    in the Trainer's loop of :func:`trainer_loop` (default: one batch per step).
 
     ``first_split_check``: whether the step includes micro-batching's one-time loss check; None:
     when the rung is switched on by this dry run, or the module's wrapper has not run it yet."""
@@ -244,7 +241,8 @@ def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan
                     keep_gradients: bool) -> tuple[LossFn, Any]:
     notes, micro_batch_size = plan.notes, plan.micro_batch_size
     policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
-    check = micro_batch_size is not None and policy.verify  # switched on now: its first split batch is checked
+    # switched on now: its first split batch is checked
+    check = micro_batch_size is not None and policy.verify
     if micro_batch_size is None and is_micro_batching(pl_module):
         check = micro_batching_check_pending(pl_module)
         policy = pl_module.__dict__["training_step"]  # the wrapper: its size and weighting
@@ -255,10 +253,13 @@ def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan
     if micro_batch_size is None:
         return plain_loss, optimizer
     if batch_size <= micro_batch_size:
-        notes.append(f"{MicroBatching.name}: batch size {batch_size} is already at most {micro_batch_size}")
+        notes.append(f"{MicroBatching.name}: batch size {batch_size} is already at most "
+                     f"{micro_batch_size}")
         return plain_loss, optimizer
-    notes.append(f"{MicroBatching.name}: {math.ceil(batch_size / micro_batch_size)} micro-batches of {micro_batch_size}")
-    weighting, ignore_index = getattr(policy, "weighting", "auto"), getattr(policy, "ignore_index", IGNORE_INDEX)
+    notes.append(f"{MicroBatching.name}: {math.ceil(batch_size / micro_batch_size)} micro-batches "
+                 f"of {micro_batch_size}")
+    weighting, ignore_index = (getattr(policy, "weighting", "auto"),
+                               getattr(policy, "ignore_index", IGNORE_INDEX))
     loss_fn = micro_batched_loss(optimizer, micro_batch_size, plain_loss, weighting, ignore_index,
                                  counts_of=_micro_batch_counts,
                                  before=_first_step_check if check else None,

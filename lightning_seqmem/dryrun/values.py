@@ -1,5 +1,5 @@
-"""The values a dry run keeps real: tensors computed from the batch alone (masks, positions), up to a
-size that grows with the length, and the batch itself shaped to the asked ``(batch_size, seq_len)``."""
+"""The values a dry run keeps real: tensors computed from the batch alone (masks, positions), up to
+a size that grows with the length, and the batch itself shaped to ``(batch_size, seq_len)``."""
 
 from __future__ import annotations
 
@@ -14,13 +14,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any, Iterator, Optional
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-)
-
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensor, FakeTensorMode)
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -32,34 +27,32 @@ from lightning_seqmem.dryrun.accelerator import to_host_device
 __all__ = ["BatchValues", "ValueRoom", "batch_to_device", "shape_batch",
            "transformers_without_fake_detection", "value_max_bytes", "value_room"]
 
-_VALUE_MAX_BYTES = 8 * 2**20  # real values kept for tensors computed from the batch alone, up to this size each
-_VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the simulated length (8192 tokens), never above
+_VALUE_MAX_BYTES = 8 * 2**20  # real values kept of tensors computed from the batch alone, each
+_VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the length (8192 tokens), at most
 
 
 def value_max_bytes(seq_len: int) -> int:
     """Largest tensor computed from the batch alone whose real value a dry run at ``seq_len`` keeps.
 
-    A fp32 ``[L, L]`` causal mask is what every ``nn.Transformer`` builds, and
-    ``nn.TransformerDecoder`` reads its values (``bool((mask == causal).all())``), so the limit is
+    ``nn.TransformerDecoder`` reads the values of its fp32 ``[L, L]`` causal mask, so the limit is
     at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors in host
-    memory (a few of that size at once, while the dry run lasts; where the host is the training
-    device, within :func:`value_room`): beyond 8192 tokens such a check refuses the dry run, and the
-    fit of measured steps answers.
+    memory (within :func:`value_room` where the host is the training device); beyond 8192 tokens
+    such a check refuses the dry run, and the fit of measured steps answers.
 
     Example:
-        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192, value_max_bytes(65536) == 2**28
-        (True, True, True)
+        >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192
+        (True, True)
+        >>> value_max_bytes(65536) == 2**28
+        True
     """
     return min(max(_VALUE_MAX_BYTES, 4 * int(seq_len) ** 2), _VALUE_CEILING_BYTES)
 
 
 class ValueRoom:
-    """How many bytes the real twins of one dry run may hold at once, all together (see
-    :func:`value_room`): on a run whose host memory is the training device's (the CPU), what the
-    usable budget leaves beside the run's own tensors, so that a dry run inside a step window never
-    takes the device past its budget. A twin that does not fit is not kept (its fake tensor's
-    values are unknown; a step that reads them refuses the dry run, and :attr:`withheld_bytes` says
-    how large the largest one was).
+    """How many bytes the real twins of one dry run may hold at once (:func:`value_room`): on a CPU
+    run, what the usable budget leaves beside the run's tensors, so a dry run inside a step window
+    never takes the device past its budget. A twin that does not fit is not kept (a step that reads
+    its values refuses the dry run; :attr:`withheld_bytes` is the largest one).
 
     Example:
         >>> room = ValueRoom(1000)
@@ -117,12 +110,13 @@ def value_room(limit_bytes: Optional[int]) -> Iterator[Optional[ValueRoom]]:
         _ROOM.reset(token)
 
 
-# -- values a step reads from its batch -------------------------------------------------------------
+# -- values a step reads from its batch -----------------------------------------------------------
 def _tensors_in(*objs: Any) -> list[torch.Tensor]:
     """The tensors among an op's arguments or outputs (aten nests at most one list deep)."""
     out: list[torch.Tensor] = []
     for obj in objs:
-        for x in obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (obj,):
+        for x in (obj.values() if isinstance(obj, dict)
+                  else obj if isinstance(obj, (list, tuple)) else (obj,)):
             if isinstance(x, torch.Tensor):
                 out.append(x)
             elif isinstance(x, (list, tuple)):
@@ -134,17 +128,17 @@ _UNINITIALISED = {torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.
                   torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
 """Ops whose output holds no values (uninitialised memory): never given a real twin."""
 
-_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
+_WRITTEN_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of args written
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments an op writes to (``self`` of an in-place op, ``out=``)."""
     where = _WRITTEN_ARGS.get(func)
     if where is None and getattr(func, "namespace", None) == "c10d":
-        # a collective writes its output tensors in place, but c10d's schemas carry no alias
-        # information: every tensor argument counts as written (a fake process group fills none of
-        # them, so an all-gather's output, FSDP2's gathered parameters, holds no known values)
-        where = tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if "Tensor" in str(a.type))
+        # a collective writes its outputs in place, but c10d's schemas carry no alias information:
+        # every tensor argument counts as written (a fake process group fills none of them)
+        where = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                      if "Tensor" in str(a.type))
         _WRITTEN_ARGS[func] = where
     if where is None:
         where = tuple(
@@ -184,17 +178,13 @@ def _bound_bytes(args: tuple, kwargs: dict) -> int:
 class BatchValues(TorchDispatchMode):
     """Real values of the small tensors a step computes from its batch and constants alone.
 
-    Fake tensors have no values, yet models read some: is the batch padded (``mask.all()``), are
-    sequences packed (``position_ids`` diffs), where are the labels (``(labels != -100).sum().item()``).
-    Those values come from the batch, not from the parameters, and are cheap to compute for real.
-    This mode (above the fake mode) keeps a real twin of every fake tensor that was computed only
-    from the batch, from constants or from other such tensors, when no larger than ``max_bytes``
-    (:func:`value_max_bytes` of the simulated length: a ``[L, L]`` mask fits), running each such op once more on the twins with every mode off (so
-    nothing is counted, and the real tensors die with their fake ones). An op that reads the
-    values of a tensor without a twin (an activation, anything computed from parameters) still
-    fails, as it must. A real tensor held by the module is its own twin, but never written to. A
-    tensor with a twin written from one without (``ids[:, 0] = activation.argmax()``) loses the
-    twins of its whole storage (every view of it).
+    Fake tensors have no values, yet models read some (``mask.all()``, ``position_ids`` diffs,
+    ``(labels != -100).sum().item()``). This mode (above the fake mode) keeps a real twin of every
+    fake tensor computed only from the batch, constants or other such tensors, up to ``max_bytes``
+    (:func:`value_max_bytes`), running each such op again on the twins with every mode off (nothing
+    counted; the twins die with their fake tensors). An op reading a tensor without a twin (an
+    activation) still fails, as it must. A real tensor held by the module is its own twin, never
+    written to. A storage written from a tensor without a twin loses the twins of all its views.
     """
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int = _VALUE_MAX_BYTES) -> None:
@@ -205,7 +195,8 @@ class BatchValues(TorchDispatchMode):
         # id(fake) -> (a weak reference to it, its twin, the twin's storage key)
         self._values: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
         self._held: dict[int, list[int]] = {}  # a twin storage's key -> [twins on it, its bytes]
-        self._unknown_storages: dict[int, weakref.ref] = {}  # storages whose values were overwritten unseen
+        # storages whose values were overwritten unseen
+        self._unknown_storages: dict[int, weakref.ref] = {}
 
     def can_keep(self, nbytes: int) -> bool:
         """Whether a twin of ``nbytes`` new bytes may be made: within ``max_bytes`` and the room."""
@@ -243,13 +234,14 @@ class BatchValues(TorchDispatchMode):
             self._drop(key)
 
     def forget(self, fake: torch.Tensor) -> None:
-        """``fake`` was written from values we do not know: no view of its storage has known values now."""
+        """``fake`` was written from unknown values: no view of its storage has known values now."""
         if self._value(fake) is None:
             return  # nothing known there (parameters, gradients, activations): nothing to forget
         self._drop(id(fake))
         storage = fake.untyped_storage()
         key = storage._cdata
-        self._unknown_storages[key] = weakref.ref(storage, lambda _, k=key: self._unknown_storages.pop(k, None))
+        self._unknown_storages[key] = weakref.ref(
+            storage, lambda _, k=key: self._unknown_storages.pop(k, None))
 
     def _value(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         if not isinstance(t, FakeTensor):
@@ -263,8 +255,8 @@ class BatchValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # an uninitialised tensor (torch.empty: FSDP2's all-gather buffers, a kernel's output) has no values
-        # to know: no twin (one of 256 MiB each took address space, untouched, 27 GB of it at 70B)
+        # an uninitialised tensor (torch.empty: FSDP2's all-gather buffers) has no values: no twin
+        # (one of 256 MiB each took address space, untouched, 27 GB of it at 70B)
         known = (getattr(func, "overloadpacket", None) not in _UNINITIALISED
                  and all(self._value(t) is not None for t in _tensors_in(args, kwargs)))
         written = _written_tensors(func, args, kwargs)
@@ -274,7 +266,8 @@ class BatchValues(TorchDispatchMode):
             out = func(*args, **kwargs)
             computed = True
         except (DataDependentOutputException, DynamicOutputShapeException):
-            if not known or sum(t.numel() * t.element_size() for t in _tensors_in(args, kwargs)) > self.max_bytes:
+            if not known or sum(t.numel() * t.element_size()
+                                for t in _tensors_in(args, kwargs)) > self.max_bytes:
                 raise
             out, computed = None, False
         new_bytes = _new_bytes(out, args, kwargs) if computed else _bound_bytes(args, kwargs)
@@ -284,13 +277,14 @@ class BatchValues(TorchDispatchMode):
             for t in written:
                 self.forget(t)  # its values are unknown from now on
             return out
-        real_args, real_kwargs = to_host_device(tree_map_only(torch.Tensor, self._value, (args, kwargs)))
-        if real_kwargs.get("pin_memory"):  # a twin's values are the same in pageable memory (pinning needs CUDA)
+        real_args, real_kwargs = to_host_device(tree_map_only(torch.Tensor, self._value,
+                                                              (args, kwargs)))
+        if real_kwargs.get("pin_memory"):  # the same values in pageable memory (pinning needs CUDA)
             real_kwargs = {**real_kwargs, "pin_memory": False}
         with _disable_current_modes():
-            real = func(*real_args, **real_kwargs)  # in host memory: the device's is the step's alone
-        if not computed:  # the output's shape (or the result itself) depends on the values: made on the
-            # op's device through the modes below, so that the tracker counts it as the real op's output
+            real = func(*real_args, **real_kwargs)  # in host memory: the device's is the step's
+        if not computed:  # the output's shape depends on the values: made on the op's device
+            # through the modes below, so that the tracker counts it as the real op's output
             device = next((t.device for t in _tensors_in(args, kwargs)), None)
             out = tree_map_only(torch.Tensor, lambda r: torch.empty_strided(
                 r.shape, r.stride(), dtype=r.dtype, device=device or r.device), real)
@@ -304,11 +298,10 @@ class BatchValues(TorchDispatchMode):
 def transformers_without_fake_detection() -> Iterator[None]:
     """Let Hugging Face transformers take a real step's shortcuts on fake tensors.
 
-    ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as a graph being traced,
-    and then skips the shortcuts that read values: SDPA gets an explicit ``[B, 1, L, L]`` causal
-    mask instead of ``is_causal=True`` (measured: +28% on a small Llama at 512 tokens, and a
-    quadratic term that a real step does not have). A real step takes them, so during the dry run
-    ``is_fake_tensor`` answers False; the values the shortcuts read come from :class:`BatchValues`.
+    ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as tracing and skips the
+    shortcuts that read values: SDPA gets an explicit ``[B, 1, L, L]`` causal mask instead of
+    ``is_causal=True`` (measured: +28% on a small Llama at 512 tokens, and a quadratic term a real
+    step lacks). So ``is_fake_tensor`` answers False meanwhile; :class:`BatchValues` has the values.
     """
     module = sys.modules.get("transformers.utils.import_utils")
     original = getattr(module, "is_fake_tensor", None)
@@ -322,7 +315,7 @@ def transformers_without_fake_detection() -> Iterator[None]:
         module.is_fake_tensor = original
 
 
-# -- the batch -------------------------------------------------------------------------------------
+# -- the batch ------------------------------------------------------------------------------------
 def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``x`` cut, or tiled (repeated whole, then cut), to ``size`` along ``dim``."""
     have = x.shape[dim]
@@ -340,17 +333,13 @@ def shape_batch(
 ) -> tuple[Any, tuple[int, int]]:
     """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
 
-    The batch shape ``(B, L)`` is read as :func:`~lightning_seqmem.measure.batch.infer_batch_shape` reads
-    it, and sequence tensors are those :mod:`lightning_seqmem.measure.batch` cuts: first dimension ``B`` or
-    1 (broadcast, e.g. ``position_ids`` of shape ``[1, L]``) and ``L`` at dim 1 (``input_ids``,
-    ``labels``, ``attention_mask``, embeddings ``[B, L, D]``), or at both last dims (masks and
-    biases ``[B, 1, L, L]``). Rows (dim 0 of every tensor with ``B`` rows) are cut or repeated;
-    sequence dims are cut or tiled (the tokens repeated from the start), and ``position_ids`` become
-    ``0 .. seq_len - 1``; sequences of another length (an encoder-decoder's ``labels [B, L/2]``)
-    keep their ratio to ``L`` (:func:`~lightning_seqmem.measure.batch.scaled_length`). Changed tensors are contiguous copies, so each storage holds exactly its
-    elements. Every tensor's values are given to ``values`` (copied: the step may change its batch
-    in place). Mappings, lists, tuples, namedtuples and dataclasses are rebuilt with their type;
-    the batch itself is left untouched.
+    ``(B, L)`` is read by :func:`.batch_shape.infer_batch_shape`; sequence tensors have first dim
+    ``B`` or 1 and ``L`` at dim 1 (``input_ids``, embeddings ``[B, L, D]``) or at both last dims
+    (masks ``[B, 1, L, L]``). Rows are cut or repeated; sequence dims cut or tiled (tokens repeated
+    from the start); ``position_ids`` become ``0 .. seq_len - 1``; another length (an
+    encoder-decoder's ``labels [B, L/2]``) keeps its ratio to ``L``
+    (:func:`.batch_tensors.scaled_length`). Changed tensors are contiguous copies. Every tensor's
+    values go to ``values`` (copied). Containers are rebuilt with their type; ``batch`` untouched.
     """
     rows, length = infer_batch_shape(batch)
 
@@ -364,7 +353,8 @@ def shape_batch(
                     values.give(fake, x.detach().clone())
         out = fake
         square = is_square(fake, rows, length)
-        sequence = not square and fake.dim() >= 2 and fake.shape[0] in (rows, 1) and fake.shape[1] == length
+        sequence = (not square and fake.dim() >= 2 and fake.shape[0] in (rows, 1)
+                    and fake.shape[1] == length)
         if fake.dim() >= 1 and fake.shape[0] == rows and not (rows == 1 and key == "position_ids"):
             out = _resize(out, 0, batch_size)
         if square:
@@ -377,7 +367,7 @@ def shape_batch(
         elif sequence:
             out = _resize(out, 1, seq_len)
         elif not square and (size := scaled_length(fake, rows, length, seq_len)) is not None:
-            out = _resize(out, 1, size)  # another length (an encoder-decoder's labels): its ratio kept
+            out = _resize(out, 1, size)  # another length (encoder-decoder labels): its ratio kept
         return out if out is fake else out.clone(memory_format=torch.contiguous_format)
 
     def visit(obj: Any, key: Any = None) -> Any:
@@ -391,7 +381,7 @@ def shape_batch(
                     for k, v in items.items():
                         new[k] = v
                     return new
-                except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict serves training_step
+                except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict will do
                     return items
             return items
         if isinstance(obj, (list, tuple)):
@@ -402,7 +392,8 @@ def shape_batch(
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             new = copy.copy(obj)
             for f in dataclasses.fields(obj):
-                object.__setattr__(new, f.name, visit(getattr(obj, f.name), f.name))  # frozen ones too
+                # frozen ones too
+                object.__setattr__(new, f.name, visit(getattr(obj, f.name), f.name))
             return new
         return obj
 
@@ -411,7 +402,8 @@ def shape_batch(
 
 
 def batch_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor moved to ``device``: mutable containers changed in place, others rebuilt."""
+    """``obj`` with every tensor moved to ``device``: mutable containers changed in place, others
+    rebuilt."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, MutableMapping):
