@@ -175,3 +175,14 @@ def test_a_wrapped_hugging_face_model_is_sharded_where_the_training_step_calls_i
             real = training_step_memory(lit, optimizer, batch,
                                         lambda m, b: m.training_step(b, 0), probe)
     assert dry.peak_bytes == real.peak_bytes and dry.phase_peak_bytes == real.phase_peak_bytes
+
+
+def test_a_sharded_dry_run_says_micro_batching_only_where_it_micro_batches(batch):
+    """The callback's sharded dry run passes whether micro-batching's one-time check is included
+    (a bool, always): the detail named micro-batching (``None per micro-batch``) with none on."""
+    module = LitGPT(n_layer=1, d_model=32, n_head=2)
+    plain = sharded_dry_run_step(module, batch, 64, 2, first_split_check=False)
+    micro = sharded_dry_run_step(module, batch, 64, 2, mitigations=("microbatch",),
+                                 first_split_check=True)
+    assert "micro-batch" not in plain.detail and "None" not in plain.detail
+    assert "2 micro-batches of 1" in micro.detail

@@ -249,7 +249,6 @@ def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan
         micro_batch_size = int(policy.micro_batch_size)
     if first_split_check is not None:
         check = first_split_check
-        notes.append(f"the module micro-batches ({micro_batch_size} per micro-batch)")
     if micro_batch_size is None:
         return plain_loss, optimizer
     if batch_size <= micro_batch_size:

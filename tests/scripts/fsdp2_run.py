@@ -92,8 +92,8 @@ def fit(out, cb, max_steps, *more, ckpt_path=None, save=None):
     trainer = pl.Trainer(
         accelerator="cpu", devices=2,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        # forecasts before the probe starts default_root_dir=out, logger=False,
-        # enable_checkpointing=False,
+        default_root_dir=out, logger=False, enable_checkpointing=False,
+        # the forecasts (``more``) come before the callback: they ask before its probe starts
         max_steps=max_steps, callbacks=[*more, cb, grads], use_distributed_sampler=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
