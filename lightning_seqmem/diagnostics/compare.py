@@ -21,7 +21,8 @@ import numpy as np
 
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.diagnostics.categories import ATTENTION_CATEGORIES, CATEGORIES, KINDS
-from lightning_seqmem.diagnostics.growth import classify_growth, crossover_length, fit_growth
+from lightning_seqmem.diagnostics.growth import (classify_growth, crossover_length, fit_growth,
+                                                  polynomial_at)
 from lightning_seqmem.diagnostics.tracer import Breakdown
 
 __all__ = ["BreakdownTable", "PartGrowth", "compare_breakdowns"]
@@ -59,8 +60,8 @@ class BreakdownTable:
 
     def attention_share_at(self, seq_len: float) -> float:
         """Attention share of activations at any length, from the per-part polynomials."""
-        a = sum(c * seq_len**p for p, c in enumerate(self.attention_coefficients))
-        r = sum(c * seq_len**p for p, c in enumerate(self.rest_coefficients))
+        a = polynomial_at(self.attention_coefficients, seq_len)
+        r = polynomial_at(self.rest_coefficients, seq_len)
         return a / (a + r) if a + r > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["GROWTHS", "classify_growth", "crossover_length", "fit_growth", "is_quadratic_shape"]
+__all__ = ["GROWTHS", "classify_growth", "crossover_length", "fit_growth", "is_quadratic_shape",
+           "polynomial_at"]
 
 GROWTHS = ("constant", "linear", "quadratic")
 """Growth classes, by degree."""
@@ -104,9 +105,9 @@ def classify_growth(seq_lens: Sequence[float], sizes: Sequence[float],
         return "constant"
     big = float(np.abs(s).max())
     fitted = c[0] + c[1] * L + c[2] * L * L
+    Lmax = L[-1]
+    terms = [abs(c[0]), abs(c[1]) * Lmax, abs(c[2]) * Lmax**2]  # each term at the longest length
     if len(np.unique(L)) >= 3 and np.abs(fitted - s).max() <= 0.05 * big:
-        Lmax = L[-1]
-        terms = [abs(c[0]), abs(c[1]) * Lmax, abs(c[2]) * Lmax**2]
         for p in (2, 1):
             if terms[p] >= rel_tol * big:
                 return GROWTHS[p]
@@ -115,13 +116,16 @@ def classify_growth(seq_lens: Sequence[float], sizes: Sequence[float],
     if L1 == L2:
         L1, s1 = L[0], s[0]
     if s1 <= 0 or s2 <= 0:  # appears or vanishes between lengths: judge by the fitted terms
-        Lmax = L[-1]
-        terms = [abs(c[0]), abs(c[1]) * Lmax, abs(c[2]) * Lmax**2]
         return GROWTHS[int(np.argmax(terms))]
     ratio = s2 / s1
     if abs(ratio - 1) <= rel_tol:
         return "constant"
     return "quadratic" if ratio > (L2 / L1) * (1 + rel_tol) else "linear"
+
+
+def polynomial_at(coefficients: Sequence[float], seq_len: float) -> float:
+    """``c0 + c1·L + c2·L²`` (``coefficients`` as :func:`fit_growth` gives them) at ``seq_len``."""
+    return sum(c * seq_len**p for p, c in enumerate(coefficients))
 
 
 def crossover_length(attention: Sequence[float], rest: Sequence[float]) -> Optional[float]:

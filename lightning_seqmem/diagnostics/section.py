@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_seqmem.diagnostics.compare import compare_breakdowns
 from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning, diagnose
-from lightning_seqmem.diagnostics.growth import classify_growth, fit_growth
+from lightning_seqmem.diagnostics.growth import classify_growth, fit_growth, polynomial_at
 from lightning_seqmem.diagnostics.korthikanti import calibrate, model_dims
 from lightning_seqmem.diagnostics.peak_trace import peak_site
 from lightning_seqmem.diagnostics.traced_step import (LossFn, copy_for_tracing, run_training_step,
@@ -171,10 +171,6 @@ def trace_breakdowns(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
 # ----------------------------------------------------------------------------------------------
 # The section
 # ----------------------------------------------------------------------------------------------
-def _at(coefficients: Sequence[float], seq_len: float) -> int:
-    return max(0, int(round(sum(c * seq_len**p for p, c in enumerate(coefficients)))))
-
-
 def _row(name: dict[str, str], values: list[int], lens: list[int],
          coefficients: Optional[Sequence[float]], growth: Optional[str],
          extrapolate_to: Optional[int]) -> dict[str, Any]:
@@ -184,8 +180,8 @@ def _row(name: dict[str, str], values: list[int], lens: list[int],
         growth = classify_growth(lens, values)
     row: dict[str, Any] = {**name, "bytes": list(values), "growth": growth,
                            "coefficients": list(coefficients)}
-    row["extrapolated_bytes"] = (None if extrapolate_to is None
-                                 else _at(coefficients, extrapolate_to))
+    row["extrapolated_bytes"] = (None if extrapolate_to is None else
+                                 max(0, int(round(polynomial_at(coefficients, extrapolate_to)))))
     return row
 
 

@@ -47,6 +47,14 @@ def train_loader_workers(trainer: Any) -> int:
     return max([int(getattr(x, "num_workers", 0) or 0) for x in loaders] + [0])
 
 
+# the start and the end of both errors of check_setter_reaches_data
+_SETTER_ONLY = ("the curriculum can set this batch's length only through the dataset's "
+                "`set_seq_len` (the batch is a tuple or a bare tensor, which cannot be cut in "
+                "place), but the train DataLoader has ")
+_OR_CUT_HERE = (", or return batches as a dict (or a list, or a dataclass) that the callback cuts "
+                "itself, or drop the `curriculum`.")
+
+
 def check_setter_reaches_data(trainer: Any) -> None:
     """ValueError where a length set through ``set_seq_len`` in this process would never reach the
     batches: the train dataloader's worker processes each hold their own copy of the dataset.
@@ -66,22 +74,16 @@ def check_setter_reaches_data(trainer: Any) -> None:
     fetcher = getattr(getattr(trainer, "fit_loop", None), "_data_fetcher", None)
     if getattr(fetcher, "prefetch_batches", 0) > 0 and getattr(fetcher, "length", 0) is None:
         raise ValueError(
-            "the curriculum can set this batch's length only through the dataset's `set_seq_len` "
-            "(the batch is a tuple or a bare tensor, which cannot be cut in place), but the train "
-            "DataLoader has no length, so Lightning fetches each batch one ahead of the step: "
+            f"{_SETTER_ONLY}no length, so Lightning fetches each batch one ahead of the step: "
             "every stage's first batch would arrive at the previous stage's length, the first at "
             "the data's own. Give the dataset a `__len__` (Lightning then fetches each batch just "
-            "before its step), or return batches as a dict (or a list, or a dataclass) that the "
-            "callback cuts itself, or drop the `curriculum`.")
+            f"before its step){_OR_CUT_HERE}")
     workers = train_loader_workers(trainer)
     if workers > 0:
         raise ValueError(
-            "the curriculum can set this batch's length only through the dataset's `set_seq_len` "
-            "(the batch is a tuple or a bare tensor, which cannot be cut in place), but the train "
-            f"DataLoader has num_workers={workers}: each worker process holds its own copy of the "
+            f"{_SETTER_ONLY}num_workers={workers}: each worker process holds its own copy of the "
             "dataset, so a length set in the main process never reaches the batches. Use "
-            "DataLoader(num_workers=0), or return batches as a dict (or a list, or a dataclass) "
-            "that the callback cuts itself, or drop the `curriculum`.")
+            f"DataLoader(num_workers=0){_OR_CUT_HERE}")
 
 
 def batches_need_setter(trainer: Any) -> bool:

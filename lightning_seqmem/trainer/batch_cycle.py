@@ -59,6 +59,7 @@ __all__ = ["BatchCycle", "step_seconds"]
 
 Shape = tuple[int, int]  # (batch size, length)
 Applicable = dict[str, tuple[bool, str]]  # rung -> (applies here, why not)
+_NEXT_LENGTH = "setting the next batch's length"  # (a guarded output: named in its warning)
 
 
 def step_seconds(started: Optional[float], pending: Optional[PendingStep],
@@ -88,8 +89,7 @@ class BatchCycle:
         """``on_train_batch_start``: agree, decide, apply, cut, start measuring."""
         self.edge.window_batch = batch  # the step window opens: a dry run leaves room beside it
         if self.edge.stopped:  # every rank stopped together: hold the curriculum, no collectives
-            self.guard.safely("the curriculum",
-                              lambda: self.cut(trainer, batch, self.planner.course.seq_len))
+            self.hold_length(trainer, batch)
             return
         failed, shape, applicable = self.local_inputs(trainer, pl_module, batch)
         runner = self.edge.dry_runner
@@ -138,8 +138,7 @@ class BatchCycle:
             self.undo_refused(trainer, pl_module, refusal, pending)
         self.record_step(trainer, pending, row, memory, seconds)
         if self.edge.uses_datamodule_length:  # fetched before its batch start (a collective)
-            self.guard.safely("setting the next batch's length",
-                              lambda: self.set_next_length(trainer, pl_module, batch))
+            self.guard.safely(_NEXT_LENGTH, lambda: self.set_next_length(trainer, pl_module, batch))
         if self.config.breakdown and not self.edge.failed and trainer.is_global_zero:
             self.guard.safely("the memory breakdown", lambda: self._keep_longest(batch))
         self.guard.warn_advice()
@@ -182,15 +181,11 @@ class BatchCycle:
                             if trainer.is_global_zero and not any_failed else None)
                 decision = distributed.broadcast(trainer, decision)
             except Exception as exc:  # noqa: BLE001 - a broken collective: stop on this rank
-                self.guard.fail("the agreement across ranks", exc)
-                self.edge.stopped = True
+                self.stop_everywhere("the agreement across ranks", exc)
                 return None
             if any_failed or decision is None or shape is None:
-                self.guard.fail("another rank" if not failed else "on_train_batch_start",
-                                RuntimeError("a rank stopped measuring, so every rank does"))
-                self.edge.stopped = True
-                self.guard.safely("the curriculum",
-                                  lambda: self.cut(trainer, batch, self.planner.course.seq_len))
+                self.stop_everywhere("another rank" if not failed else "on_train_batch_start")
+                self.hold_length(trainer, batch)
                 return None
             if decision.action == "stop":  # every rank: nothing can meet the budget, no step runs
                 raise MemoryBudgetError(decision.advice[0].text)
@@ -291,8 +286,7 @@ class BatchCycle:
         length, error = None, None
         if trainer.is_global_zero:
             try:
-                length = (self.planner.course.refit_queue[0] if self.planner.course.refit_queue
-                          else self.planner.course.seq_len)
+                length = self.queued_length()
                 if not self.edge.failed and self.edge.shape is not None:
                     applicable = self.applicability(trainer, pl_module, batch, self.edge.shape)
                     length = self.planner.decide(self.edge.shape, applicable).seq_len
@@ -353,13 +347,10 @@ class BatchCycle:
             any_failed, any_refused, row = distributed.gather_measurement(
                 trainer, self.edge.failed, memory, self.edge.shape, refused_here)
         except Exception as exc:  # noqa: BLE001
-            self.guard.fail("the gathering of peaks across ranks", exc)
-            self.edge.stopped = True
+            self.stop_everywhere("the gathering of peaks across ranks", exc)
             return None
         if any_failed:
-            self.guard.fail("another rank",
-                            RuntimeError("a rank stopped measuring, so every rank does"))
-            self.edge.stopped = True
+            self.stop_everywhere("another rank")
             return None
         return any_refused, row
 
@@ -389,6 +380,23 @@ class BatchCycle:
             metrics = {}
         outputs.log_metrics(trainer, metrics, step=record.global_step)
 
+    def stop_everywhere(self, where: str, exc: Optional[BaseException] = None) -> None:
+        """:meth:`.Guard.fail` (``exc`` None: another rank stopped) and join no more collectives."""
+        if exc is None:
+            exc = RuntimeError("a rank stopped measuring, so every rank does")
+        self.guard.fail(where, exc)
+        self.edge.stopped = True
+
+    def hold_length(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Measuring stopped: :meth:`cut` ``batch`` to the curriculum's length all the same."""
+        self.guard.safely("the curriculum",
+                          lambda: self.cut(trainer, batch, self.planner.course.seq_len))
+
+    def queued_length(self) -> Optional[int]:
+        """The next batch's length by the planner: the next re-measurement's, else the stage's."""
+        course = self.planner.course
+        return course.refit_queue[0] if course.refit_queue else course.seq_len
+
     def cut(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
         """Cut ``batch`` to the curriculum's ``seq_len`` (:func:`.access.cut_to_length`)."""
         if self.config.curriculum is not None and seq_len is not None:
@@ -415,9 +423,7 @@ class BatchCycle:
         on each batch end sets the next one's."""
         if self.config.curriculum is None or self.edge.stopped or self.edge.uses_datamodule_length:
             return  # (once a batch went through the setter, each batch end sets the next one's)
-        length = (self.planner.course.refit_queue[0] if self.planner.course.refit_queue
-                  else self.planner.course.seq_len)  # same on every rank
+        length = self.queued_length()  # same on every rank
         if (length is not None and edge.length_setter(trainer) is not None
                 and edge.batches_need_setter(trainer)):
-            self.guard.safely("setting the next batch's length",
-                              lambda: edge.set_length_ahead(trainer, length))
+            self.guard.safely(_NEXT_LENGTH, lambda: edge.set_length_ahead(trainer, length))

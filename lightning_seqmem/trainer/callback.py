@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_seqmem.core import advice as A
 from lightning_seqmem.trainer import outputs
 from lightning_seqmem.trainer.batch_cycle import BatchCycle
 from lightning_seqmem.trainer.fit_cycle import FitCycle, adopt_legacy_state
@@ -247,9 +246,7 @@ class SeqMemCallback(Callback):
         else:
             fc = self.planner.evidence.forecast(seq_len, batch_size, mitigations)
             self.guard.warn_advice()  # says a dry run refused or found wrong at first check
-        probe = self.edge.probe
-        note = A.program_note(self.edge.compiled_reason,
-                              probe.name if probe is not None else self.config.probe)
+        note = self._fit.program_note()[1]
         return dataclasses.replace(fc, detail=f"{fc.detail}; {note}") if note else fc
 
     def max_seq_len(self, budget_bytes: Optional[int | str] = None,
@@ -285,14 +282,17 @@ class SeqMemCallback(Callback):
     @_guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
-        if self.edge.probe is not None and self.edge.probe.running:
-            self.edge.probe.mark_phase("backward")
+        self._mark_phase("backward")
 
     @_guarded
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
+        self._mark_phase("optimizer")
+
+    def _mark_phase(self, phase: str) -> None:
+        """The measured step running now, if one is, enters ``phase``."""
         if self.edge.probe is not None and self.edge.probe.running:
-            self.edge.probe.mark_phase("optimizer")
+            self.edge.probe.mark_phase(phase)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -319,14 +319,12 @@ class SeqMemCallback(Callback):
                      exception: BaseException) -> None:
         """Leave the dispatch mode; for a real out-of-memory error, write a diagnosis (Lightning
         then re-raises the error unchanged)."""
-        if self.edge.probe is not None:
-            self.edge.probe.abort()
+        self.edge.abort_probe()
         if is_oom(exception) and trainer.global_rank == 0:
             outputs.report_oom(PlanView.of(self.planner), trainer, exception, self.edge.pending)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.edge.probe is not None:
-            self.edge.probe.abort()
+        self.edge.abort_probe()
 
     # -- Checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

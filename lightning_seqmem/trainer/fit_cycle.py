@@ -259,12 +259,16 @@ class FitCycle:
     def write_report(self, trainer: pl.Trainer, directory: Optional[str] = None) -> Any:
         """Write ``seqmem_report.json``, ``seqmem_report.md`` and the figure; return their paths
         (``directory`` defaults to the logger's ``log_dir``, ``default_root_dir`` without one)."""
-        probe = self.edge.probe.name if self.edge.probe is not None else self.config.probe
-        note = A.program_note(self.edge.compiled_reason, probe)
+        probe, note = self.program_note()
         probe = f"{probe}: measurements and forecasts {note}" if note else probe
         return outputs.write_report(PlanView.of(self.planner), trainer, directory,
                                     device=self.edge.device, probe=probe,
                                     breakdown=self.edge.breakdown_report)
+
+    def program_note(self) -> tuple[str, str]:
+        """(the probe's name, which program it measures: :func:`.advice.program_note`, or "")."""
+        probe = self.edge.probe.name if self.edge.probe is not None else self.config.probe
+        return probe, A.program_note(self.edge.compiled_reason, probe)
 
     def check_compiled(self, pl_module: pl.LightningModule) -> None:
         """A ``torch.compile``'d module: measure without preventing compilation, and say so once

@@ -84,8 +84,7 @@ class Guard:
     def fail(self, where: str, exc: BaseException) -> None:
         """This rank stops measuring (the probe left), said in one warning (``where``, ``exc``)."""
         self.edge.failed = True
-        if self.edge.probe is not None:
-            self.edge.probe.abort()
+        self.edge.abort_probe()
         self.warn_once(A.failure(where, f"{type(exc).__name__}: {exc}"))
 
     def warn_once(self, item: A.Advice) -> None:

@@ -309,11 +309,12 @@ def log_figure(trainer: "pl.Trainer", view: "PlanView",
     """Draw :func:`memory_figure` and log it under :data:`FIGURE_TAG` to every TensorBoard logger
     (at ``step``, default ``trainer.global_step``; once a step per logger). Returns the figure, or
     None off global rank zero or without a TensorBoard logger."""
-    if not trainer.is_global_zero or not _tensorboard_loggers(trainer):
+    loggers = _tensorboard_loggers(trainer)
+    if not trainer.is_global_zero or not loggers:
         return None
     step = trainer.global_step if step is None else int(step)
     figure = memory_figure(view)
-    for logger in _tensorboard_loggers(trainer):
+    for logger in loggers:
         steps = _FIGURES_LOGGED.setdefault(logger, set())
         if step in steps:
             continue

@@ -76,9 +76,7 @@ def any_rank(trainer: Any, flag: bool) -> bool:
 
 def all_ok(trainer: Any, ok: bool) -> bool:
     """Whether ``ok`` holds on every rank."""
-    if trainer.world_size <= 1:
-        return ok
-    return not _collective(trainer, [int(not ok)], "max")[0]
+    return not any_rank(trainer, not ok)
 
 
 def broadcast(trainer: Any, obj: Any) -> Any:

@@ -112,3 +112,8 @@ class EdgeState:
             return EdgeState()
         return EdgeState(breakdowns=self.breakdowns, breakdown_table=self.breakdown_table,
                          breakdown_report=self.breakdown_report)
+
+    def abort_probe(self) -> None:
+        """Leave the probe (its step, its dispatch mode), where there is one."""
+        if self.probe is not None:
+            self.probe.abort()
