@@ -141,6 +141,33 @@ def test_modelled_flash_attn_2_saves_out_and_lse_and_its_backward_holds_mha_bwd_
     assert traced.kernels == ["flash-attn 2 (modelled: mha_fwd/mha_bwd allocations)"]
 
 
+
+@pytest.mark.parametrize("torch_deterministic", [False, True], ids=["torch-free", "torch-strict"])
+def test_flash_attn_2s_deterministic_split_follows_its_own_argument(torch_deterministic):
+    """flash-attn 2's ``mha_bwd`` gives dq_accum a leading ``nsplits`` dimension when *its*
+    ``deterministic`` argument is set (flash_api.cpp; transformers passes it from
+    ``FLASH_ATTENTION_DETERMINISTIC``), whatever ``torch.use_deterministic_algorithms`` says: the
+    modelled backward read PyTorch's setting instead."""
+    b, length, heads, head = 1, 1000, 4, 64
+    lq = _r(length, 128)
+    split = (-(-132 // (b * heads)) - 1) * blocks(b * lq * heads * head * 4)  # H100: 132 SMs
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(torch_deterministic)
+    try:
+        backward = {}
+        for deterministic in (False, True):
+            with FakeTensorMode():
+                q, k, v, grad, existing = _qkv(b, length, heads, heads, head)
+                traced = _Traced(list(existing))
+                traced.run(lambda: flash_attn_func(q, k, v, deterministic=deterministic), grad,
+                           lambda node: node.saved_tensors)
+            backward[deterministic] = traced.backward_bytes
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert backward[False] == _fa2_backward_bytes(b, length, heads, heads, head)
+    assert backward[True] == backward[False] + split
+
+
 def test_sdpa_in_bf16_on_the_simulated_device_is_the_modelled_flash_kernel():
     """bf16 SDPA (causal, grouped-query heads) runs PyTorch's flash op: the same outputs and saved
     bytes as flash-attn 2, whose ``rng_state`` PyTorch's ``mha_fwd`` keeps too, with an ``_unused``

@@ -61,7 +61,7 @@ from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.core.peak import PeakSite
 from lightning_seqmem.dryrun.repetition import (Family, Proof, extrapolate, plus, prove, reprove,
                                                 words)
-from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
+from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported, reason_of
 from lightning_seqmem.dryrun.stack import (blocks_differ, find_stack, shallow_copy,
                                            shallow_optimizer, state_key)
 from lightning_seqmem.dryrun.cuda import allocator_block_bytes
@@ -75,6 +75,7 @@ _RUNS_KEPT = 160  # shallow dry runs kept per context (a plan makes about 100)
 _CONTEXTS_KEPT = 6  # contexts kept (model states, batches, argument sets), the latest used
 _PLAIN = (type(None), bool, int, float, str, torch.device, torch.dtype)
 _VARYING = ("seq_len", "mitigations", "site")  # what differs between the questions of a context
+_COPY_FAILED = "a shallow copy's dry run failed: "
 
 
 @dataclasses.dataclass
@@ -233,8 +234,7 @@ def _proved(run: Callable[[tuple], DryRunResult], family: Family, seq_len: int, 
                 return again
         return prove(run, family, seq_len, block)
     except Exception as exc:  # noqa: BLE001 - kept: the family's questions go to the full run
-        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-        return f"a shallow copy's dry run failed: {reason}"
+        return _COPY_FAILED + reason_of(exc)
 
 
 def _answer(call: _Call) -> DryRunResult:
@@ -264,8 +264,7 @@ def _answer(call: _Call) -> DryRunResult:
         traced = None if site is None else context.run(call, stack, family, seq_len, site)
         peak_site = None if traced is None else _site(traced, proof, target, result)
     except Exception as exc:  # noqa: BLE001 - the full dry run answers (or raises) as it would
-        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-        return call.full(f"not depth-extrapolated: a shallow copy's dry run failed: {reason}")
+        return call.full(f"not depth-extrapolated: {_COPY_FAILED}{reason_of(exc)}")
     runs = proof.runs()
     copy = context.run(call, stack, family, seq_len)(runs[-1])
     copies = (f"a dry run of a copy of {words(runs[0])}" if len(runs) == 1 else

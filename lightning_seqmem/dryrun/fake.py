@@ -20,8 +20,8 @@ from lightning_seqmem.dryrun.result import DryRunUnsupported
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.dryrun.values import BatchValues
 
-__all__ = ["QUIET_WARNINGS", "check_module", "compiled_reason", "configured_optimizer", "fake_copy",
-           "preserved_rng", "rebuild_optimizer", "unwrap_optimizer"]
+__all__ = ["QUIET_WARNINGS", "check_module", "compiled_reason", "configured_optimizer",
+           "detached_memo", "fake_copy", "preserved_rng", "rebuild_optimizer", "unwrap_optimizer"]
 
 QUIET_WARNINGS = (  # warnings a fake copy without a Trainer raises by design
     "You are trying to `self.log()`",
@@ -98,6 +98,18 @@ def preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def detached_memo(module: nn.Module, keep_mesh: bool = True) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo in which every reference to the Trainer (or Fabric) ``module`` is
+    attached to copies as None, and its device mesh as itself (shared, not copied: it holds process
+    groups), or as None without ``keep_mesh``."""
+    memo: dict[int, Any] = {}
+    for name in ("_trainer", "_fabric", "_device_mesh"):
+        attached = module.__dict__.get(name)
+        if attached is not None:
+            memo[id(attached)] = attached if name == "_device_mesh" and keep_mesh else None
+    return memo
+
+
 def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode,
               values: Optional["BatchValues"] = None,
               device: Optional[torch.device] = None) -> nn.Module:
@@ -112,14 +124,7 @@ def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode,
     ``meta`` tensor or one on another device becomes a fake one of the same shape, strides and
     dtype there, with no values.
     """
-    memo: dict[int, Any] = {}
-    for name in ("_trainer", "_fabric"):
-        attached = pl_module.__dict__.get(name)
-        if attached is not None:
-            memo[id(attached)] = None  # every reference to it copies as None
-    mesh = pl_module.__dict__.get("_device_mesh")
-    if mesh is not None:
-        memo[id(mesh)] = mesh  # shared, not copied (it holds process groups)
+    memo = detached_memo(pl_module)
     def fake(t: torch.Tensor) -> torch.Tensor:
         if device is None or (t.device == device and t.device.type != "meta"):
             return fake_mode.from_tensor(t.detach())

@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from lightning_seqmem.dryrun.kernels_scratch import (CUDA_TARGET, fa2_backward_scratch,
-                                                     fa2_forward_scratch, fa2_head_rounded,
+from lightning_seqmem.dryrun.kernels_scratch import (fa2_backward_scratch, fa2_forward_scratch,
                                                      fa3_backward_scratch, note_kernel)
 
 __all__ = ["HF_IMPLEMENTATIONS", "flash_attn_3_func", "flash_attn_3_varlen_func",
@@ -97,23 +96,23 @@ class _ModelledFlash(torch.autograd.Function):
         if dout.shape[-1] != q.shape[-1]:
             dout = F.pad(dout, [0, q.shape[-1] - dout.shape[-1]])
         dout = _contiguous_last(dout)
-        _allocate_and_free(_backward_buffers(q, k, version, causal, window, softcap, varlen),
-                           q.device)
+        _allocate_and_free(_backward_buffers(q, k, version, causal, window, softcap,
+                                             deterministic, varlen), q.device)
         del dout
         grads = tuple(g[..., :head_og] if g.shape[-1] != head_og else g for g in (dq, dk, dv))
         return grads + (None,) * 7
 
 
 def _backward_buffers(q: torch.Tensor, k: torch.Tensor, version: int, causal: bool,
-                      window: tuple, softcap: float, varlen: Any) -> list:
+                      window: tuple, softcap: float, deterministic: bool, varlen: Any) -> list:
     """The buffers ``mha_bwd`` (or ``mha_varlen_bwd``) of flash-attn ``version`` allocates beside
-    dq, dk, dv."""
+    dq, dk, dv (``deterministic``: the caller's flag, as flash-attn 2 reads it)."""
     local = (window[0] >= 0 or window[1] >= 0) and not causal
     if varlen is None:
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
         if version == 2:
-            return fa2_backward_scratch(b, h, hk, lq, lk, d, q.dtype)
+            return fa2_backward_scratch(b, h, hk, lq, lk, d, q.dtype, deterministic)
         return fa3_backward_scratch(b, h, hk, lq, lk, d, causal, local, softcap)
     cu_q, _, max_q, max_k = varlen
     b = cu_q.shape[0] - 1
@@ -122,14 +121,7 @@ def _backward_buffers(q: torch.Tensor, k: torch.Tensor, version: int, causal: bo
     if version == 3:
         return fa3_backward_scratch(b, h, hk, max_q, max_k, d, causal, local, softcap, total_q,
                                     total_k)
-    rows = total_q + 128 * b
-    accum: tuple[int, ...] = (rows, h, fa2_head_rounded(d))
-    if torch.are_deterministic_algorithms_enabled():
-        accum = (-(-CUDA_TARGET.sm_count // (b * h)),) + accum
-    out = [((h, rows), torch.float32), (accum, torch.float32)]
-    if hk != h:
-        out += [((total_k, h, d), q.dtype)] * 2
-    return out
+    return fa2_backward_scratch(b, h, hk, total_q, total_k, d, q.dtype, deterministic, packed=True)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,

@@ -154,22 +154,27 @@ def fa2_forward_scratch(batch: int, heads: int, seqlen_q: int, seqlen_k: int, he
 
 
 def fa2_backward_scratch(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int,
-                         head: int, dtype: torch.dtype) -> list:
+                         head: int, dtype: torch.dtype, deterministic: Optional[bool] = None,
+                         packed: bool = False) -> list:
     """``(shape, dtype)`` of the buffers flash-attn 2's ``mha_bwd`` allocates beside ``dq, dk,
     dv`` (``flash_api.cpp``): ``softmax_d`` fp32 ``[B, H, round128(Lq)]``, ``dq_accum`` fp32
     ``[B, round128(Lq), H, round(D)]`` (``[nsplits, ...]`` when deterministic), and for
-    grouped-query attention ``dk_expanded``, ``dv_expanded`` ``[B, Lk, H, D]``.
+    grouped-query attention ``dk_expanded``, ``dv_expanded`` ``[B, Lk, H, D]``. ``packed``: those
+    of ``mha_varlen_bwd``, ``seqlen_q``/``seqlen_k`` the totals of ``batch`` packed sequences (no
+    batch dim; ``total_q + 128 * B`` rows). ``deterministic``: the caller's flag (flash-attn's
+    argument); None: PyTorch's flash backend's (``use_deterministic_algorithms``, not warn-only).
 
     >>> [s for s, _ in fa2_backward_scratch(1, 32, 8, 1000, 1000, 128, torch.bfloat16)]
     [(1, 32, 1024), (1, 1024, 32, 128), (1, 1000, 32, 128), (1, 1000, 32, 128)]
     """
-    lq = _round(seqlen_q, 128)
-    accum: tuple[int, ...] = (batch, lq, heads, fa2_head_rounded(head))
-    if _deterministic():
+    lead = () if packed else (batch,)
+    lq = seqlen_q + 128 * batch if packed else _round(seqlen_q, 128)
+    accum: tuple[int, ...] = (*lead, lq, heads, fa2_head_rounded(head))
+    if _deterministic() if deterministic is None else deterministic:
         accum = (-(-CUDA_TARGET.sm_count // (batch * heads)),) + accum
-    out = [((batch, heads, lq), torch.float32), (accum, torch.float32)]
+    out = [((*lead, heads, lq), torch.float32), (accum, torch.float32)]
     if heads_k != heads:
-        out += [((batch, seqlen_k, heads, head), dtype)] * 2
+        out += [((*lead, seqlen_k, heads, head), dtype)] * 2
     return out
 
 

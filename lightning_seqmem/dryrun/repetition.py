@@ -230,8 +230,8 @@ def _ordered(base: list, found: list, target: list) -> Optional[list]:
 
 def _layout(tokens: dict[Vector, list], base: Vector, checks: list[Vector],
             none_added: bool) -> Union[list, str]:
-    """The inserts (position, kind, chunk) that turn the base copy's tokens into every other copy's
-    in ``tokens``, or why none do; ``none_added``: a block may add nothing (a host side)."""
+    """The inserts (position, kind, chunk shape) that turn the base copy's tokens into every other
+    copy's in ``tokens``, or why none do; ``none_added``: a block may add nothing (a host side)."""
     found = []
     for unit in (plus(base, k) for k in range(len(base))):
         inserts = insertions(tokens[base], tokens[unit])
@@ -245,7 +245,16 @@ def _layout(tokens: dict[Vector, list], base: Vector, checks: list[Vector],
     for v in checks:
         if pumped(tokens[base], order, {k: v[k] - base[k] for k in range(len(base))}) != tokens[v]:
             return f"the allocations of {words(v)} blocks are not the chunks repeated"
-    return order
+    return [(pos, k, shape(chunk)) for pos, k, chunk in order]
+
+
+def _host_layout(run: Run, copies: dict, base: Vector, checks: list) -> Union[tuple, str]:
+    """The host side's (base shape, inserts) over ``copies``, or why it does not repeat."""
+    tokens = {v: tokens_of(run(v).host_events) for v in copies}
+    order = _layout(tokens, base, checks, none_added=True)
+    if isinstance(order, str):
+        return f"host memory: {order}"
+    return shape(tokens[base]), order
 
 
 def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union[Proof, str]:
@@ -262,20 +271,15 @@ def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union
     order = _layout(tokens, base, checks, none_added=False)
     if isinstance(order, str):
         return order
-    host = None
     host_traced = all(run(v).host_events is not None for v in tokens)
-    if host_traced:
-        host_tokens = {v: tokens_of(run(v).host_events) for v in tokens}
-        host_order = _layout(host_tokens, base, checks, none_added=True)
-        if isinstance(host_order, str):
-            return f"host memory: {host_order}"
-        host = (shape(host_tokens[base]), [(p, k, shape(c)) for p, k, c in host_order])
+    host = _host_layout(run, tokens, base, checks) if host_traced else None
+    if isinstance(host, str):
+        return host
     slopes = _affine({v: _fields(run(v), block_bytes, host_traced) for v in tokens}, base)
     if slopes is None:
         return "a figure beside the traced step is not affine in the block count"
-    inserts = [(p, k, shape(c)) for p, k, c in order]
     checked = sorted(tokens, key=lambda v: (sum(v), v))
-    return Proof(base, shape(tokens[base]), inserts, slopes, seq_len, checked, host)
+    return Proof(base, shape(tokens[base]), order, slopes, seq_len, checked, host)
 
 
 def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Proof, str]:
@@ -324,23 +328,18 @@ def reprove(run: Run, proof: Proof, seq_len: int, block_bytes: int) -> Union[Pro
     order = _layout(tokens, base, [], none_added=False)
     if isinstance(order, str):
         return order
-    host = None
     host_traced = all(run(v).host_events is not None for v in tokens)
     if (proof.host is not None) != host_traced:
         return "the host side is traced at one length and not at the other"
-    if host_traced:
-        host_tokens = {v: tokens_of(run(v).host_events) for v in tokens}
-        host_order = _layout(host_tokens, base, [], none_added=True)
-        if isinstance(host_order, str):
-            return f"host memory: {host_order}"
-        host = (shape(host_tokens[base]), [(p, k, shape(c)) for p, k, c in host_order])
+    host = _host_layout(run, tokens, base, []) if host_traced else None
+    if isinstance(host, str):
+        return host
     slopes = _affine({v: _fields(run(v), block_bytes, host_traced) for v in tokens}, base)
     if slopes is None or {f for f, s in slopes.items() if any(s)} - \
             {f for f, s in proof.slopes.items() if any(s)}:
         return "a figure beside the traced step grows with the blocks here and not where proved"
     first = proof.first or (proof.seq_len, proof.checked)
-    return Proof(base, shape(tokens[base]), [(p, k, shape(c)) for p, k, c in order], slopes,
-                 seq_len, [base, unit], host, first)
+    return Proof(base, shape(tokens[base]), order, slopes, seq_len, [base, unit], host, first)
 
 
 def extrapolate(run: Run, proof: Proof, target: Vector, block_bytes: int) -> Optional[DryRunResult]:

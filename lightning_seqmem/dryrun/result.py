@@ -8,7 +8,7 @@ from typing import Optional
 from lightning_seqmem.core.peak import PeakSite
 from lightning_seqmem.core.records import TrackedEvents
 
-__all__ = ['DryRunResult', 'DryRunUnsupported']
+__all__ = ['DryRunResult', 'DryRunUnsupported', 'reason_of']
 
 @dataclass(frozen=True)
 class DryRunResult:
@@ -54,3 +54,8 @@ class DryRunUnsupported(RuntimeError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"dry run unsupported: {reason}")
         self.reason = reason
+
+
+def reason_of(exc: BaseException) -> str:
+    """Why ``exc`` stopped a dry run: a refusal's ``reason``, else ``"<type>: <message>"``."""
+    return getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 from lightning_seqmem.core.rungs import RungNotApplicable, at_most
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.dryrun import sharded
-from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.result import DryRunUnsupported, reason_of
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.dryrun.step_functions import loop_of, trainer_loop
 from lightning_seqmem.dryrun.values import ValueRoom, value_room
@@ -121,7 +121,7 @@ class TrainingRunDryRun:
     def _refused(self, exc: BaseException, seq_len: int, batch_size: int,
                  mitigations: tuple[str, ...], room: Optional[ValueRoom]) -> None:
         """Keep the refusal for this shape (and every larger one), and say its reason once."""
-        reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        reason = reason_of(exc)
         if room is not None and room.withheld_bytes:
             withheld, room_bytes = format_bytes(room.withheld_bytes), format_bytes(room.limit_bytes)
             reason += (f"; its real values (a {withheld} tensor computed from the batch) did not "

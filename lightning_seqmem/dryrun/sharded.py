@@ -49,7 +49,7 @@ from lightning_seqmem.dryrun.accelerator import contained_unpack_failures
 from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.moe import routing_note
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
-from lightning_seqmem.dryrun.fake import check_module, configured_optimizer
+from lightning_seqmem.dryrun.fake import check_module, configured_optimizer, detached_memo
 from lightning_seqmem.dryrun.step import (unsupported_reason, state_after_a_step, checked_rungs,
                                           host_peaks, replay_peaks, simulated_device_for)
 from lightning_seqmem.dryrun.values import transformers_without_fake_detection
@@ -129,11 +129,7 @@ def unsharded_template(pl_module: nn.Module) -> nn.Module:
             "the template must be taken before configure_model() runs (SeqMemCallback does so in "
             "setup)"
         )
-    memo: dict[int, Any] = {}
-    for name in ("_trainer", "_fabric", "_device_mesh"):
-        attached = pl_module.__dict__.get(name)
-        if attached is not None:
-            memo[id(attached)] = None
+    memo = detached_memo(pl_module, keep_mesh=False)
     try:
         for p in pl_module.parameters():
             memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_seqmem.dryrun.fake import unwrap_optimizer
+from lightning_seqmem.dryrun.fake import detached_memo, unwrap_optimizer
 from lightning_seqmem.measure.probes import attribute_tensors
 from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
 
@@ -173,14 +173,7 @@ def shallow_copy(model: nn.Module, stack: nn.ModuleList, depth: int) -> nn.Modul
     """``model`` with only the first ``depth`` blocks of ``stack``: module objects copied, tensors
     shared, no trainer; ``model`` unchanged. The stack's configs in the copy say ``depth`` layers
     (their per-layer lists cut to ``depth``)."""
-    memo: dict[int, Any] = {}
-    for name in ("_trainer", "_fabric"):
-        attached = model.__dict__.get(name)
-        if attached is not None:
-            memo[id(attached)] = None
-    mesh = model.__dict__.get("_device_mesh")
-    if mesh is not None:
-        memo[id(mesh)] = mesh
+    memo = detached_memo(model)
     for t in [*model.parameters(), *model.buffers(), *attribute_tensors(model)]:
         memo[id(t)] = t
     short = copy.copy(stack)  # a new ModuleList object over the same dict of blocks: replaced next
