@@ -15,7 +15,7 @@ import warnings
 from typing import Any, Optional, Sequence
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "UserError", "asks_for_cuda", "build_from_config",
-           "find_seqmem_callback", "first_batch", "first_optimizer", "host_budget",
+           "config_margin", "find_seqmem_callback", "first_batch", "first_optimizer", "host_budget",
            "quiet_warnings", "usable_budget"]
 
 DEFAULT_MODEL = "lightning_seqmem.reference.demo.LitGPT"
@@ -113,11 +113,9 @@ def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class:
     import lightning.pytorch as pl
     import torch
 
-    trainer_cfg = _read_yaml(config, command).get("trainer") or {}
     forced = ["--trainer.logger=false", "--trainer.enable_progress_bar=false",
               "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto"]
-    if (str(trainer_cfg.get("accelerator", "auto")) in ("cuda", "gpu")
-            and not torch.cuda.is_available()):
+    if asks_for_cuda(config, command) and not torch.cuda.is_available():
         if not meta:
             print(f"{command}: the config asks for CUDA but none is available: tracing on the CPU "
                   "(kernel choice, workspace and fragmentation on a GPU differ)", file=sys.stderr)
@@ -153,29 +151,42 @@ def usable_budget(budget: Optional[int], safety_margin: Optional[float], seqmem:
     """``(budget, margin, usable)``: ``budget`` (bytes) if given, else the config's SeqMemCallback
     ``memory_budget``, else the CUDA device's total, else None; ``margin`` likewise (default 0.1);
     ``usable = budget × (1 − margin)``."""
-    import torch
+    from lightning_seqmem.cli.plan_devices import device_budgets
 
-    if budget is None and seqmem is not None:
-        budget = seqmem.config.memory_budget_bytes
-    if budget is None and device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory
-    margin = (safety_margin if safety_margin is not None
-              else (seqmem.config.safety_margin if seqmem else 0.1))
-    return budget, margin, None if budget is None else int(budget * (1 - margin))
+    margin = config_margin(safety_margin, seqmem)
+    found = device_budgets(None if budget is None else [budget], margin, seqmem, device)
+    if not found:
+        return None, margin, None
+    return found[0].budget_bytes, margin, found[0].usable_bytes
 
 
-def host_budget(host_budget_bytes: Optional[int], seqmem: Any) -> Optional[int]:
+def config_margin(safety_margin: Optional[float], seqmem: Any) -> float:
+    """The safety margin: ``safety_margin`` if given, else the config's SeqMemCallback's, else 0.1.
+
+    >>> config_margin(None, None), config_margin(0.2, None)
+    (0.1, 0.2)
+    """
+    if safety_margin is not None:
+        return safety_margin
+    return seqmem.config.safety_margin if seqmem else 0.1
+
+
+def host_budget(host_budget_bytes: Optional[int], seqmem: Any,
+                machine: bool = True) -> Optional[int]:
     """The host budget of a plan (bytes): ``--host-budget`` if given, else the config's
-    SeqMemCallback ``host_memory_budget``, else this machine's RAM (None where unreadable).
+    SeqMemCallback ``host_memory_budget``, else (``machine``) this machine's RAM (None where
+    unreadable, or not ``machine``).
 
-    >>> host_budget(2**30, None)
-    1073741824
+    >>> host_budget(2**30, None), host_budget(None, None, machine=False)
+    (1073741824, None)
     """
     from lightning_seqmem.plan.budgets import machine_memory_bytes
 
     if host_budget_bytes is None and seqmem is not None:
         host_budget_bytes = seqmem.config.host_memory_budget_bytes
-    return host_budget_bytes if host_budget_bytes is not None else machine_memory_bytes()
+    if host_budget_bytes is not None or not machine:
+        return host_budget_bytes
+    return machine_memory_bytes()
 
 
 def first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> Any:

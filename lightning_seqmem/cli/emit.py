@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lightning_seqmem.cli.plan_text import joined_names
 from lightning_seqmem.core.rungs import engine_features
 
 __all__ = ["ENGINES", "ENGINE_KINDS", "check_engine", "emit"]
@@ -57,7 +58,7 @@ def _header(plan: dict[str, Any]) -> str:
     layout = plan.get("layout") or Layout(plan["sequence_parallel"], degree, plan["world_size"],
                                           plan["offload"]).name()
     return (f"# seqmem plan: {plan['seq_len']} tokens on {plan['world_size']} ranks, {layout}, "
-            f"rungs {' + '.join(plan['mitigations']) or 'none'}"
+            f"rungs {joined_names(plan['mitigations'])}"
             + (f", per-rank peak {peak / 2**30:.2f} GiB ({plan.get('peak_source', 'dry run')})"
                if peak else ""))
 

@@ -7,12 +7,13 @@ import argparse
 import copy
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.common import (build_from_config, find_seqmem_callback, first_batch,
                                          first_optimizer, quiet_warnings, usable_budget)
+from lightning_seqmem.core.units import format_bytes, parse_bytes
+from lightning_seqmem.present.render import stdout_console, yes_no
 
 __all__ = ["run_forecast"]
 
@@ -55,8 +56,6 @@ def _lengths(args: argparse.Namespace) -> tuple[list[int], list[int], list[int]]
 def _print_fit(console: Any, forecaster: Any, budget: Optional[int], margin: float,
                usable: Optional[int], batch_size: int, reserved: bool) -> Optional[int]:
     """Print the checks, then the largest length that fits (returned; None without a budget)."""
-    from lightning_seqmem.core.units import format_bytes
-
     for v in forecaster.verifications:
         console.print(f"check at seq_len {v.seq_len}: forecast {format_bytes(v.forecast_bytes)} "
                       f"({v.method}), measured {format_bytes(v.measured_bytes)}, "
@@ -74,14 +73,11 @@ def _print_fit(console: Any, forecaster: Any, budget: Optional[int], margin: flo
 def run_forecast(args: argparse.Namespace) -> int:
     """``seqmem forecast ARGS``: trace the config's model on a copy, print (or ``--json``) the
     forecast and where the memory goes; returns the exit status."""
-    from rich.console import Console
-
     from lightning_seqmem.measure.batch_shape import infer_batch_shape
     from lightning_seqmem.measure.steps import trace_training_steps
-    from lightning_seqmem.core.units import parse_bytes
 
     quiet_warnings()
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = stdout_console()
     lengths, trace, check = _lengths(args)
     cli = build_from_config(args.config, args.model_class, args.data_class)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
@@ -137,8 +133,6 @@ def _forecast_table(forecaster: Any, lengths: Sequence[int], batch_size: int,
     """Print the forecast per length (peak, upper bound, fits); return the rows for ``--json``."""
     from rich.table import Table
 
-    from lightning_seqmem.core.units import format_bytes
-
     table = Table(title=f"seqmem forecast (batch {batch_size}); fits = upper bound within the "
                         f"usable budget {format_bytes(usable)}", title_justify="left")
     for header in ("seq_len", "method", "peak", "upper bound", "fits"):
@@ -151,8 +145,7 @@ def _forecast_table(forecaster: Any, lengths: Sequence[int], batch_size: int,
         rows.append({"seq_len": L, "batch_size": batch_size, "method": fc.method,
                      "peak_bytes": fc.peak_bytes, "upper_bytes": bound, "fits": fits})
         table.add_row(str(L), fc.method, format_bytes(fc.peak_bytes), format_bytes(bound),
-                      "-" if fits is None else ("yes" if fits else "NO"),
-                      style=None if fits is not False else "red")
+                      yes_no(fits), style=None if fits is not False else "red")
     console.print(table)
     return rows
 

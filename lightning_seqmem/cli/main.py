@@ -29,15 +29,14 @@ def _demo(args: argparse.Namespace) -> int:
                          "(torch.cuda.is_available() is False); use --accelerator cpu")
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
-    from rich.console import Console
 
     from lightning_seqmem import Curriculum, SeqMemCallback
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     from lightning_seqmem.present.report import load_report
-    from lightning_seqmem.present.render import render_console
+    from lightning_seqmem.present.render import render_console, stdout_console
 
     quiet_warnings()
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = stdout_console()
     pl.seed_everything(args.seed, verbose=False)
     curriculum = Curriculum(start=args.start, target=args.target,
                             steps_per_stage=args.steps_per_stage)
@@ -71,15 +70,20 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _folders_below(folder: Path, pattern: str) -> str:
+    """The first three folders below ``folder`` holding ``pattern``, as the end of an error."""
+    found = sorted({str(p.parent) for p in folder.rglob(pattern)})[:3]
+    return f"; these folders below it do: {', '.join(found)}" if found else ""
+
+
 def _panels(args: argparse.Namespace) -> int:
     folder = Path(args.log_dir)
     if not folder.is_dir():
         raise UserError(f"no such folder: {args.log_dir!r} (a run's log folder holding "
                          "events.out.tfevents.* files, e.g. seqmem_runs/demo/version_0)")
     if not any(folder.glob("events.out.tfevents.*")):
-        found = sorted({str(p.parent) for p in folder.rglob("events.out.tfevents.*")})[:3]
         raise UserError(f"{args.log_dir!r} holds no TensorBoard event files (events.out.tfevents.*)"
-                         + (f"; these folders below it do: {', '.join(found)}" if found else ""))
+                         + _folders_below(folder, "events.out.tfevents.*"))
     from lightning_seqmem.present.panels import render_panels
 
     render_panels(args.log_dir, args.out)
@@ -97,10 +101,8 @@ def _report(args: argparse.Namespace) -> int:
         raise UserError(f"no such file or folder: {args.path!r} (a {JSON_NAME}, or the run folder "
                          "holding it: the logger's version_N/, e.g. seqmem_runs/demo/version_0)")
     if path.is_dir() and not (path / JSON_NAME).is_file():
-        found = sorted(str(p.parent) for p in path.rglob(JSON_NAME))[:3]
         raise UserError(f"{args.path!r} holds no {JSON_NAME} (written at the end of fit to the "
-                         "logger's version_N/)"
-                         + (f"; these folders below it do: {', '.join(found)}" if found else ""))
+                         "logger's version_N/)" + _folders_below(path, JSON_NAME))
 
     report = load_report(args.path)
     if args.markdown:

@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_seqmem.cli.common import (asks_for_cuda, build_from_config, find_seqmem_callback,
-                                         first_batch, host_budget, first_optimizer, quiet_warnings)
+from lightning_seqmem.cli.common import (asks_for_cuda, build_from_config, config_margin,
+                                         find_seqmem_callback, first_batch, host_budget,
+                                         first_optimizer, quiet_warnings)
 from lightning_seqmem.cli.plan_devices import DeviceBudget, device_budgets
 from lightning_seqmem.cli.plan_workers import (collect_rows, default_workers, device_plans, serve,
                                                start_workers)
@@ -29,6 +30,7 @@ from lightning_seqmem.cli.plan_text import (OFFLOAD_ASSUMED, joined_names, model
                                             print_devices_longest, print_header, print_longest,
                                             print_peak_at, print_plans, print_table, print_totals)
 from lightning_seqmem.dryrun.accelerator import step_context
+from lightning_seqmem.present.render import stdout_console
 
 __all__ = ["run_plan", "serve_worker"]
 
@@ -72,12 +74,7 @@ def _plan_host_budget(args: argparse.Namespace, seqmem: Any, device: Any) -> Opt
     (this machine is not the one that trains: host peaks are shown, not judged)."""
     from lightning_seqmem.dryrun.accelerator import is_simulated
 
-    given = getattr(args, "host_budget", None)
-    if given is None and seqmem is not None:
-        given = seqmem.config.host_memory_budget_bytes
-    if given is None and is_simulated(device):
-        return None
-    return host_budget(given, seqmem)
+    return host_budget(getattr(args, "host_budget", None), seqmem, machine=not is_simulated(device))
 
 
 def _budget_args(args: argparse.Namespace) -> Optional[list[Any]]:
@@ -96,8 +93,7 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
     seqmem = find_seqmem_callback(trainer)
     device = _plan_device(args, trainer)
-    margin = (args.safety_margin if args.safety_margin is not None
-              else (seqmem.config.safety_margin if seqmem else 0.1))
+    margin = config_margin(args.safety_margin, seqmem)
     budgets = device_budgets(_budget_args(args), margin, seqmem, device)
     batch = first_batch(model, datamodule)  # any length: each dry run cuts or tiles it
     batch_size = args.batch_size or infer_batch_shape(batch)[0]
@@ -231,8 +227,7 @@ def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
     """With ``--world-size`` under fsdp2, or ``--emit``: sequence-parallel layouts beside rungs."""
     from lightning_seqmem.plan.parallel import check_kinds
 
-    kinds = (() if run.world is None or run.world[1] != "fsdp2" or run.world[0] < 2
-             else check_kinds(getattr(args, "sequence_parallel", "auto")))
+    kinds = check_kinds(getattr(args, "sequence_parallel", "auto")) if run.splits_sequence else ()
     if not kinds and not getattr(args, "emit", None):
         return None
     from lightning_seqmem.cli.plan_parallel import parallel_plans
@@ -261,19 +256,17 @@ def serve_worker() -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """``seqmem plan ARGS``: set up, dry-run every length and mitigation set, print the text output
     (or, with ``--json``, the document alone); returns the exit status."""
-    from rich.console import Console
-
     _check_emit(args)
     quiet_warnings()
     started = time.perf_counter()
-    console = Console(width=None if sys.stdout.isatty() else 120, quiet=args.json)
+    console = stdout_console(quiet=args.json)
     lengths = sorted(set(args.lengths))
     # the workers set the plan up while this process does (cli.plan_workers)
     workers = start_workers(args, getattr(args, "workers", None) or default_workers())
     try:
         run = _set_up(args)
-        print_header(console, run, run.world is not None and run.world[1] == "fsdp2"
-                     and run.world[0] >= 2 and getattr(args, "sequence_parallel", "auto") != "none")
+        print_header(console, run, run.splits_sequence
+                     and getattr(args, "sequence_parallel", "auto") != "none")
         with console.status(f"dry-running {len(run.sets)} mitigation sets at seq_len {lengths}..."):
             run.processes = collect_rows(run, lengths, workers)
             devices = (device_plans(run, workers, run.budgets, lengths,

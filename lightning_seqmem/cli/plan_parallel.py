@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from lightning_seqmem.cli.plan_text import fits_cell, joined_names
+from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.plan.judging import dry_run_bound
 
 __all__ = ["optimizer_states_per_parameter", "parallel_plans"]
@@ -215,9 +217,6 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
     """The rows of every length's search (the plan in bold green)."""
     from rich.table import Table
 
-    from lightning_seqmem.cli.plan_text import fits_cell
-    from lightning_seqmem.core.units import format_bytes
-
     table = Table(title=f"seqmem plan: per-rank peak at {world_size} ranks with the sequence split "
                         "(dry run of one rank's shard: its tokens, the all-to-all or K/V buffers, "
                         "the collectives' outputs; formula: modelled)", title_justify="left")
@@ -229,11 +228,10 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
         for row in entry["rows"]:
             peak = (format_bytes(row["peak_bytes"]) if row["peak_bytes"] is not None
                     else (row["error"] or "-")[:60])
-            table.add_row(str(row["seq_len"]), row["layout"],
-                          " + ".join(row["mitigations"]) or "none",
+            table.add_row(str(row["seq_len"]), row["layout"], joined_names(row["mitigations"]),
                           str(row["tokens_per_rank"]), peak, row["peak_source"],
-                          "-" if row["host_bytes"] is None else format_bytes(row["host_bytes"]),
-                          *fits_cell(row, usable), f"{row['seconds']:.1f}s",
+                          format_bytes(row["host_bytes"]), *fits_cell(row, usable),
+                          f"{row['seconds']:.1f}s",
                           style="bold green" if row is entry["plan"] else None)
         table.add_section()
     return table
@@ -243,7 +241,6 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
                         usable: Optional[int], engine: Optional[str]) -> None:
     """Per length: degrees skipped, the cheapest layout (with ``--emit`` its launch config)."""
     from lightning_seqmem.cli.emit import emit
-    from lightning_seqmem.core.units import format_bytes
 
     for entry in plans:
         L = entry["seq_len"]
@@ -253,7 +250,7 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
         if plan is not None:
             console.print(f"seq_len {L}: cheapest layout at {world_size} ranks: "
                           f"[bold]{plan['layout']}[/bold], rungs "
-                          f"{' + '.join(plan['mitigations']) or 'none'} "
+                          f"{joined_names(plan['mitigations'])} "
                           f"({format_bytes(plan['peak_bytes'])} per rank of {format_bytes(usable)} "
                           f"usable, {plan['peak_source']}"
                           + (f"; host {format_bytes(plan['host_bytes'])} per rank"

@@ -82,6 +82,11 @@ class PlanRun:
 
         return host_of(self.device) is not None and (self.world is None or self.world[1] == "fsdp2")
 
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether sequence-parallel layouts may be planned: N ≥ 2 ranks sharded with FSDP2."""
+        return self.world is not None and self.world[1] == "fsdp2" and self.world[0] >= 2
+
     def dry(self, seq_len: int, names: Setting, world: Optional[tuple[int, str]] = None,
             offload: bool = False) -> dict[str, Any]:
         """The dry run of ``names`` at ``(seq_len, batch_size)`` (``world = (N, strategy)``;
@@ -99,26 +104,18 @@ class PlanRun:
         started = time.perf_counter()
         result = error = None
         try:
-            if offload:
-                from lightning_seqmem.dryrun.depth import (
-                    depth_sharded_dry_run_step as sharded_dry_run_step)
+            if offload or world is not None:  # offload: FSDP2, one rank without a world
+                from lightning_seqmem.dryrun.depth import depth_sharded_dry_run_step
 
-                result = sharded_dry_run_step(self.model, self.batch, seq_len,
-                                              1 if world is None else world[0], self.batch_size,
-                                              names, "fsdp2", self.context, self.device,
-                                              offload=True)
-            elif world is None:
-                from lightning_seqmem.dryrun.depth import depth_dry_run_step as dry_run_step
-
-                result = dry_run_step(self.model, self.optimizer, self.batch, seq_len,
-                                      self.batch_size, names, self.context, self.device)
+                result = depth_sharded_dry_run_step(
+                    self.model, self.batch, seq_len, 1 if world is None else world[0],
+                    self.batch_size, names, "fsdp2" if offload else world[1], self.context,
+                    self.device, offload=offload)
             else:
-                from lightning_seqmem.dryrun.depth import (
-                    depth_sharded_dry_run_step as sharded_dry_run_step)
+                from lightning_seqmem.dryrun.depth import depth_dry_run_step
 
-                result = sharded_dry_run_step(self.model, self.batch, seq_len, world[0],
-                                              self.batch_size, names, world[1], self.context,
-                                              self.device)
+                result = depth_dry_run_step(self.model, self.optimizer, self.batch, seq_len,
+                                            self.batch_size, names, self.context, self.device)
         except DryRunUnsupported as exc:
             error = f"unsupported: {exc.reason}"
         except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
@@ -154,10 +151,10 @@ class PlanRun:
         """The bound (:func:`~lightning_seqmem.plan.judging.dry_run_bound`) of ``names`` dry-run
         at a length shorter than ``seq_len`` where it was already over ``usable``, else None: a
         step's peak does not fall as its sequence grows: over at ``seq_len`` too."""
-        over = [dry_run_bound(row["peak_bytes"]) for (L, n, w, off), row in self.cache.items()
-                if L < seq_len and n == tuple(names) and w == world and not off
-                and row.get("peak_bytes") is not None and dry_run_bound(row["peak_bytes"]) > usable]
-        return max(over, default=None)
+        bounds = [dry_run_bound(row["peak_bytes"]) for (L, n, w, off), row in self.cache.items()
+                  if L < seq_len and n == tuple(names) and w == world and not off
+                  and row.get("peak_bytes") is not None]
+        return max((b for b in bounds if b > usable), default=None)
 
     def beyond_any_rung(self, usable: Optional[int]) -> bool:
         """Whether the bound of :meth:`state_floor` is over ``usable``: only offload can fit."""
@@ -230,10 +227,9 @@ def mitigation_sets(seqmem: Any, trainer: Any, model: Any, batch: Any, batch_siz
     refused only because this machine is not that device (``Rung.modelled_where_refused``) is
     taken: its dry run models it."""
     from lightning_seqmem.dryrun.accelerator import is_simulated
-    from lightning_seqmem.mitigations.ladder import rung
     from lightning_seqmem.core.rungs import MITIGATIONS
     from lightning_seqmem.measure.batch_shape import infer_batch_shape
-    from lightning_seqmem.mitigations.ladder import applicability
+    from lightning_seqmem.mitigations.ladder import applicability, rung
 
     rungs = MITIGATIONS if seqmem is None else tuple(seqmem.configured_mitigations)  # in its order
     # a rung's check may read the batch size from the batch: give it only a batch with the rows

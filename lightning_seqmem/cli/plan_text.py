@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from lightning_seqmem.core.units import format_bytes
+from lightning_seqmem.plan.judging import DRY_RUN_MARGIN
+from lightning_seqmem.present.render import yes_no
+
 SEARCH_MULTIPLE = 8  # the largest fitting length is searched among multiples of this
 
 
@@ -33,14 +37,11 @@ def setting_name(row: dict[str, Any]) -> str:
 
 def fits_cell(row: dict[str, Any], usable: Optional[int]) -> list[str]:
     """The ``fits`` cell of a table row (none without a budget: no such column); example above."""
-    return [] if usable is None else ["-" if row["fits"] is None
-                                      else ("yes" if row["fits"] else "NO")]
+    return [] if usable is None else [yes_no(row["fits"])]
 
 
 def modelled_line(row: dict[str, Any]) -> str:
     """One modelled row in words (``seqmem plan``'s text output)."""
-    from lightning_seqmem.core.units import format_bytes
-
     head = (f"seq_len {row['seq_len']}: {row['rung']} is refused here ({row['refused']}); "
             "modelled by a dry run, not measured")
     if row["peak_bytes"] is None:
@@ -92,9 +93,6 @@ def print_header(console: Any, run: Any, sequence_parallel: bool) -> None:
 
 
 def _table_title(run: Any) -> str:
-    from lightning_seqmem.core.units import format_bytes
-    from lightning_seqmem.plan.judging import DRY_RUN_MARGIN
-
     title = f"seqmem plan: predicted peak of one training step (dry run), batch {run.batch_size}"
     if len(run.budgets) > 1:
         title += (f"; fits on each device = peak + {DRY_RUN_MARGIN:.0%} (the dry run's margin, as "
@@ -112,19 +110,10 @@ def _table_title(run: Any) -> str:
     return title
 
 
-def _host_cell(row: dict[str, Any]) -> str:
-    from lightning_seqmem.core.units import format_bytes
-
-    host = row.get("host_peak_bytes")
-    return "-" if host is None else format_bytes(host)
-
-
 def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any],
                  errors: dict[str, int]) -> list[str]:
     """One row of the table; a row's error gets its note number in ``errors`` (first seen first)."""
     from rich.markup import escape
-
-    from lightning_seqmem.core.units import format_bytes
 
     if row["error"] is None:
         peak = format_bytes(row["peak_bytes"])
@@ -136,11 +125,10 @@ def _table_cells(run: Any, res: dict[str, Any], row: dict[str, Any],
         smallest = ["-" if row["error"]
                     else (str(row["smallest_world_size"]) if row["smallest_world_size"]
                           else f"> {run.world[0]}")]
+    bound = row["bound_bytes"]
     fits = fits_cell(row, run.usable)
-    for b in run.budgets[1:]:
-        fits.append("-" if row["bound_bytes"] is None
-                    else ("yes" if row["bound_bytes"] <= b.usable_bytes else "NO"))
-    host = [_host_cell(row)] if _shows_host(run) else []
+    fits += [yes_no(None if bound is None else bound <= b.usable_bytes) for b in run.budgets[1:]]
+    host = [format_bytes(row.get("host_peak_bytes"))] if _shows_host(run) else []
     return [str(res["seq_len"]), str(run.batch_size), setting_name(row), peak, *host,
             *fits, *smallest, f"{row['seconds']:.1f}s"]
 
@@ -187,8 +175,6 @@ def print_table(console: Any, run: Any, results: Sequence[dict[str, Any]], confi
 def _nothing_fits_line(res: dict[str, Any], usable: int, last_set: Sequence[str],
                        largest: Optional[int], searched: bool) -> str:
     """The line of a length nothing fits: the lowest peak, the largest length the last set fits."""
-    from lightning_seqmem.core.units import format_bytes
-
     lowest = min((r for r in res["rows"] if r["peak_bytes"] is not None and not r.get("offload")),
                  key=lambda r: r["peak_bytes"])
     if largest is not None:
@@ -205,8 +191,6 @@ def _nothing_fits_line(res: dict[str, Any], usable: int, last_set: Sequence[str]
 
 def _print_plan_of(console: Any, res: dict[str, Any], usable: int) -> None:
     """The cheapest plan of one length that has one, and the fastest setting that fits there."""
-    from lightning_seqmem.core.units import format_bytes
-
     offload = res.get("plan_offload", False)
     row = next(r for r in res["rows"]
                if r["mitigations"] == res["plan"] and bool(r.get("offload")) == offload)
@@ -241,8 +225,6 @@ def print_plans(console: Any, results: Sequence[dict[str, Any]], usable: Optiona
 
 def print_longest(console: Any, longest: Sequence[dict[str, Any]]) -> None:
     """Per setting dry-run: its prior step-time cost and the longest length it fits."""
-    from lightning_seqmem.core.units import format_bytes
-
     for entry in longest:
         host = entry.get("host_peak_bytes")
         console.print(f"{setting_name(entry)} (step time {_step_time(entry)}): longest length that "
@@ -276,8 +258,6 @@ def print_devices_longest(console: Any, run: Any, devices: Sequence[dict[str, An
     length it fits on each device (searched with ``--longest``, else of the lengths dry-run) and
     the host memory it holds at the longest length it fits (its dry run's host peak)."""
     from rich.table import Table
-
-    from lightning_seqmem.core.units import format_bytes
 
     by_device = [{(tuple(e["mitigations"]), bool(e.get("offload"))): e for e in d["longest"]}
                  for d in devices]

@@ -142,11 +142,9 @@ def start_workers(args: Any, workers: int) -> Workers:
 
 
 def _send(child: subprocess.Popen, message: Any) -> bool:
-    """Write ``message`` to a worker (8 bytes of length, then the pickle); False if it is gone."""
+    """Write ``message`` to a worker (:func:`_write`); False if it is gone."""
     try:
-        data = pickle.dumps(message)
-        child.stdin.write(len(data).to_bytes(8, "big") + data)
-        child.stdin.flush()
+        _write(child.stdin, message)
         return True
     except (OSError, ValueError):
         return False
@@ -273,7 +271,8 @@ def device_plans(run: Any, workers: Workers, budgets: list[Any], lengths: list[i
     return out
 
 
-def _answer(out: Any, message: Any) -> None:
+def _write(out: Any, message: Any) -> None:
+    """Write ``message`` to the pipe ``out``: 8 bytes of length, then the pickle."""
     data = pickle.dumps(message)
     out.write(len(data).to_bytes(8, "big") + data)
     out.flush()
@@ -313,8 +312,8 @@ def serve(set_up: Callable[[Any], Any], device_plan: Callable[..., dict]) -> Non
                 sys.path[:] = path
                 run = set_up(args)
                 continue
-            _answer(out, _job(run, args, message, device_plan))
+            _write(out, _job(run, args, message, device_plan))
         except BaseException as exc:  # noqa: BLE001 - the parent does the job itself
-            _answer(out, ("failed", f"{type(exc).__name__}: {exc}"))
+            _write(out, ("failed", f"{type(exc).__name__}: {exc}"))
             if run is None:
                 return

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from lightning_seqmem.core.forecast import NotEnoughMeasurements
 from lightning_seqmem.core.units import display_unit
 from lightning_seqmem.present.dry_fit import DRY_RUN_FIT, dry_fit_anchors, dry_fit_forecast
+from lightning_seqmem.present.summary import rung_changes
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -22,7 +23,7 @@ __all__ = ["BREAKDOWN_TAG", "FIGURE_TAG", "LAYOUT_CATEGORIES", "custom_scalars_l
            "memory_figure"]
 
 FIGURE_TAG = "seqmem/memory_vs_seq_len"
-"""Image tag of :func:`log_figure` in TensorBoard's "IMAGES" tab."""
+"""Image tag of :func:`~lightning_seqmem.trainer.outputs.log_figure` (TensorBoard's "IMAGES")."""
 
 BREAKDOWN_TAG = "seqmem/breakdown"
 """Text tag (TensorBoard's "TEXT" tab) of the breakdown of ``SeqMemCallback(breakdown=True)``."""
@@ -123,11 +124,11 @@ def _dry_run_curve(view: "PlanView", right: int, batch_size: int, num: int = 8):
 
 
 def _reference_batch_size(view: "PlanView") -> Optional[int]:
-    measured = [r.batch_size for r in view.evidence.measured.records if not r.warmup]
-    if view.evidence.measured.last_batch_size is not None:
-        return view.evidence.measured.last_batch_size
-    return measured[-1] if measured else (view.evidence.measured.records[-1].batch_size
-                                          if view.evidence.measured.records else None)
+    measured = view.evidence.measured
+    if measured.last_batch_size is not None:
+        return measured.last_batch_size
+    records = [r for r in measured.records if not r.warmup] or measured.records
+    return records[-1].batch_size if records else None
 
 
 def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
@@ -136,14 +137,10 @@ def _mitigation_marks(view: "PlanView") -> list[tuple[int, str]]:
     events = view.ladder.events
     if events:
         return [(int(e.seq_len), e.name) for e in events]
-    marks, previous = [], ()
-    for record in view.evidence.measured.records:
-        current = tuple(record.mitigations)
-        if current != previous:
-            added = [m for m in current if m not in previous]
-            marks.append((record.seq_len,
-                          ", ".join(added) if added else "off: " + ", ".join(previous)))
-        previous = current
+    marks = []
+    for record, before, after in rung_changes(view.evidence.measured.records):
+        added = [m for m in after if m not in before]
+        marks.append((record.seq_len, ", ".join(added) if added else "off: " + ", ".join(before)))
     return marks
 
 
@@ -171,8 +168,9 @@ def _curves(view: "PlanView", lengths: list[int], right: int,
 
 
 def _scale(view: "PlanView", measured: list, curves: dict[str, Any], right: int,
-           batch_size: Optional[int]) -> tuple[list[int], tuple[str, float]]:
-    """The heights the figure may show, and its unit: the budget kept in view."""
+           batch_size: Optional[int]) -> tuple[float, tuple[str, float]]:
+    """The top of the y axis (bytes; 0: nothing to show) and its unit: the budget kept in view
+    (curves may climb far above it at the right end)."""
     budget, usable = view.settings.budget_bytes, view.settings.usable_budget_bytes
     candidates = [r.peak_bytes for r in measured] + [b for b in (budget, usable) if b]
     candidates += [max(c[2]) for c in curves.values()]
@@ -185,7 +183,7 @@ def _scale(view: "PlanView", measured: list, curves: dict[str, Any], right: int,
     top = (min(max(candidates, default=0),
                2.5 * max([budget or 0] + [r.peak_bytes for r in measured]))
            if budget else max(candidates, default=0))
-    return candidates, display_unit(top)
+    return top, display_unit(top)
 
 
 def _scatter_measured(ax: Any, measured: list, current: tuple, batch_size: Optional[int],
@@ -278,7 +276,7 @@ def memory_figure(view: "PlanView", max_seq_len: Optional[int] = None,
 
     curves = _curves(view, lengths, right, batch_size)
     budget, usable = view.settings.budget_bytes, view.settings.usable_budget_bytes
-    candidates, (unit, scale) = _scale(view, measured, curves, right, batch_size)
+    top, (unit, scale) = _scale(view, measured, curves, right, batch_size)
 
     fig = Figure(figsize=(8.0, 5.0), dpi=100)
     FigureCanvasAgg(fig)
@@ -293,9 +291,6 @@ def memory_figure(view: "PlanView", max_seq_len: Optional[int] = None,
                    label=f"budget {budget / scale:.2f} {unit}")
     _draw_lengths(ax, view, right, batch_size, target)
     ax.set_xlim(0, right)
-    top = max(candidates, default=0)
-    if budget:  # keep the budget in view: curves may climb far above it at the right end
-        top = min(top, 2.5 * max([budget] + [r.peak_bytes for r in measured]))
     if top > 0:
         ax.set_ylim(0, 1.05 * top / scale)
     else:

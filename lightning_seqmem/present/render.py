@@ -13,7 +13,7 @@ from lightning_seqmem.core.units import display_unit, format_bytes
 from lightning_seqmem.present.summary import RunSummary
 
 __all__ = ["render_breakdown_console", "render_breakdown_markdown", "render_console",
-           "render_markdown"]
+           "render_markdown", "stdout_console", "yes_no"]
 
 
 # ---- Display (the only place, with panels.py, where bytes become MiB/GiB) ---------------------
@@ -21,8 +21,18 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
-def _fits(x: Optional[bool]) -> str:
+def yes_no(x: Optional[bool]) -> str:
+    """A table's yes/no cell (``fits``, ``within tolerance``): ``"yes"``, ``"NO"``, or ``"-"``
+    where unknown."""
     return "-" if x is None else ("yes" if x else "NO")
+
+
+def stdout_console(quiet: bool = False) -> Any:
+    """The ``rich`` console of a command's output: the terminal's width, or 120 columns on a pipe
+    or a log file (rather than rich's default 80)."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 120, quiet=quiet)
 
 
 def _facts_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
@@ -118,7 +128,7 @@ _FORECAST_HEADERS = ["seq_len", "batch", "method", "peak", "upper", "quadratic",
 def _forecast_rows(report: dict[str, Any]) -> list[list[str]]:
     return [[str(f["seq_len"]), str(f["batch_size"]), f["method"], format_bytes(f["peak_bytes"]),
              format_bytes(f["upper_bytes"]), format_bytes(f.get("quadratic_peak_bytes")),
-             format_bytes(f.get("replay_peak_bytes")), _fits(f["fits"])]
+             format_bytes(f.get("replay_peak_bytes")), yes_no(f["fits"])]
             for f in report["forecasts"]["at"]]
 
 
@@ -223,8 +233,8 @@ def render_breakdown_markdown(section: dict[str, Any], heading: str = "") -> str
     for title, headers, rows in _breakdown_tables(section):
         parts += [f"**{title}**", "", _md_table(headers, rows), ""]
     parts += [_crossover_text(section), ""]
-    if _breakdown_peak_text(section):
-        parts += [_breakdown_peak_text(section), ""]
+    if peak := _breakdown_peak_text(section):
+        parts += [peak, ""]
     if section.get("diagnoses"):
         parts += ["Diagnoses:", ""] + [f"- {d}" for d in section["diagnoses"]] + [""]
     else:
@@ -239,12 +249,11 @@ def render_breakdown_markdown(section: dict[str, Any], heading: str = "") -> str
 
 def render_breakdown_console(section: dict[str, Any], console: Any = None) -> None:
     """A breakdown section as ``rich`` tables, then its crossover, diagnoses and calibration."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     if console is None:
-        console = Console(width=None if sys.stdout.isatty() else 120)
+        console = stdout_console()
     console.print(_breakdown_intro(section))
     for title, headers, rows in _breakdown_tables(section):
         table = Table(title=f"seqmem: {title.lower()}", title_justify="left")
@@ -255,8 +264,8 @@ def render_breakdown_console(section: dict[str, Any], console: Any = None) -> No
                           or row[0] == "attention share" else None)
         console.print(table)
     console.print(_crossover_text(section))
-    if _breakdown_peak_text(section):
-        console.print(_breakdown_peak_text(section), highlight=False)
+    if peak := _breakdown_peak_text(section):
+        console.print(peak, highlight=False)
     for d in section.get("diagnoses", []):
         console.print(f"[yellow]diagnosis:[/yellow] {escape(str(d))}")
     calibration = _calibration_text(section)
@@ -309,7 +318,7 @@ def _md_predictors(pred: dict[str, Any]) -> list[str]:
                             [[str(v["seq_len"]), str(v["batch_size"]),
                               "+".join(v.get("mitigations", [])) or "none", v["method"],
                               format_bytes(v["forecast_bytes"]), format_bytes(v["measured_bytes"]),
-                              _pct(v["relative_error"]), "yes" if v["within_tolerance"] else "NO"]
+                              _pct(v["relative_error"]), yes_no(v["within_tolerance"])]
                              for v in pred["verifications"]]), ""]
     return parts
 
@@ -360,12 +369,11 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def render_console(report: dict[str, Any], console: Any = None) -> None:
     """Print the report as ``rich`` tables (run facts, measured peaks, forecasts) on ``console``."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    if console is None:  # a pipe or a log file gets 120 columns rather than rich's default 80
-        console = Console(width=None if sys.stdout.isatty() else 120)
+    if console is None:
+        console = stdout_console()
     facts = Table(title="seqmem: run", show_header=False, title_justify="left")
     facts.add_column(style="bold")
     facts.add_column()

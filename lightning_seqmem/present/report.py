@@ -21,7 +21,7 @@ from lightning_seqmem.core.advice import KINDS
 from lightning_seqmem.core.forecast import NotEnoughMeasurements
 from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.present.dry_fit import DRY_RUN_FIT, dry_fit_anchors, dry_fit_forecast
-from lightning_seqmem.present.summary import run_summary
+from lightning_seqmem.present.summary import rung_changes, run_summary
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -152,7 +152,7 @@ def _predictors(view: "PlanView") -> dict[str, Any]:
                                 "max_abs_error": max(abs(e) for e in errors),
                                 "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
                                 "worst_under_prediction": min(min(errors), 0.0)}
-    return {"mitigations": list(_applied(view)), "quadratic": q, "replay": r,
+    return {"mitigations": list(view.ladder.applied), "quadratic": q, "replay": r,
             "verifications": verifications,
             "accuracy": accuracy, "reserved_ratio": forecaster.reserved_ratio, "settings": [
                 {"mitigations": list(key), "num_points": len(f.points), "num_traces": len(f.traces),
@@ -237,24 +237,16 @@ def _forecasts(view: "PlanView", batch_size: Optional[int]) -> dict[str, Any]:
     return out
 
 
-def _applied(view: "PlanView") -> tuple[str, ...]:
-    return tuple(view.ladder.applied)
-
-
 def _mitigations(view: "PlanView") -> dict[str, Any]:
     """Allowed rungs, those on now, each switch (the planner's events) and the record changes."""
-    changes, previous = [], ()
-    for r in view.evidence.measured.records:
-        current = tuple(r.mitigations)
-        if current != previous:
-            changes.append({"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
-                            "before": list(previous), "after": list(current)})
-        previous = current
+    changes = [{"step": r.step, "global_step": r.global_step, "seq_len": r.seq_len,
+                "before": list(before), "after": list(after)}
+               for r, before, after in rung_changes(view.evidence.measured.records)]
     events = [{k: v for k, v in e.items()
                if k in ("name", "step", "seq_len", "batch_size", "detail", "before_bytes",
                         "before_method", "after_bytes", "removed")}
               for e in view.ladder.events]
-    return {"allowed": list(view.ladder.allowed), "active": list(_applied(view)),
+    return {"allowed": list(view.ladder.allowed), "active": list(view.ladder.applied),
             "not_applicable": dict(view.ladder.not_applicable), "events": events,
             "changes": changes}
 

@@ -24,14 +24,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.plan.view import PlanView
 
-__all__ = ["RunSummary", "run_summary"]
+__all__ = ["RunSummary", "rung_changes", "run_summary"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +102,11 @@ def run_summary(view: "PlanView") -> RunSummary:
         capped_at=view.course.capped_at,
         num_warnings=len(view.advice.warned),
     )
+
+
+def rung_changes(records: Sequence[Any]) -> list[tuple[Any, tuple[str, ...], tuple[str, ...]]]:
+    """``(record, rungs before, rungs after)`` of each record whose ``mitigations`` differ from the
+    previous record's (the first record's: from none)."""
+    rungs = [()] + [tuple(r.mitigations) for r in records]
+    return [(r, before, after) for r, before, after in zip(records, rungs, rungs[1:])
+            if after != before]
