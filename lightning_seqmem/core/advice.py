@@ -10,12 +10,14 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_seqmem.core.records import (ForecastMismatchWarning, PredictedOOMWarning,
                                            SeqMemFailureWarning)
 from lightning_seqmem.core.rungs import remaining_advice
+from lightning_seqmem.core.trust import NAMES
 from lightning_seqmem.core.units import format_bytes
 
 KINDS = {
@@ -73,15 +75,19 @@ def _measured(peak: int, bound: int) -> str:
     return format_bytes(peak)
 
 
+def _peaked(peak: int, bound: int, method: str, measured: bool) -> str:
+    """How a length or batch peaks: as measured, or as ``method`` predicts (with its bound)."""
+    if measured:
+        return f"already peaked at {_measured(peak, bound)}"
+    return (f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, "
+            f"{method})")
+
+
 def over_budget_stage(seq_len: int, peak: int, bound: int, method: str, usable: int, budget: int,
                       margin: float, fit: int, action: str, skipped: Sequence[str],
                       measured: bool = False, applied: Sequence[str] = ()) -> Advice:
     """A stage (the next, or the one running) does not fit: what was seen and what is done."""
-    if measured:
-        why = f"seq_len={seq_len} already peaked at {_measured(peak, bound)}"
-    else:
-        why = (f"seq_len={seq_len} is predicted to peak at {format_bytes(peak)} (upper bound "
-               f"{format_bytes(bound)}, {method})")
+    why = f"seq_len={seq_len} {_peaked(peak, bound, method, measured)}"
     fits = (f"The largest length forecast to fit is {fit}. " if fit > 0
             else "No length is forecast to fit. ")
     skipped_text = f" (skipped: {'; '.join(skipped)})" if skipped else ""
@@ -95,11 +101,8 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
                       rungs: Sequence[str] = (), measured: bool = False, still_over: bool = False,
                       inapplicable: Sequence[str] = (), device: str = "cuda") -> Advice:
     """Without a curriculum: a batch of the data's own length does not fit."""
-    what = (f"already peaked at {_measured(peak, bound)}" if measured else
-            f"is predicted to peak at {format_bytes(peak)} (upper bound {format_bytes(bound)}, "
-            f"{method})")
-    head = (f"seqmem: a batch of seq_len={seq_len}, batch {batch_size} {what}, over "
-            f"{_usable(budget, usable, margin)}")
+    head = (f"seqmem: a batch of seq_len={seq_len}, batch {batch_size} "
+            f"{_peaked(peak, bound, method, measured)}, over {_usable(budget, usable, margin)}")
     if rungs:
         names = ", ".join(map(repr, rungs))
         tail = (f"; switching on {names} before it runs, but it is forecast over the budget even "
@@ -354,8 +357,6 @@ def compiled_module(reason: str, probe: str, every_n_steps: int) -> Advice:
 def dry_run_unavailable(reason: str, seq_len: Optional[int] = None,
                         batch_size: Optional[int] = None) -> Advice:
     """The dry run refused: said once per reason (the key holds the reason without its numbers)."""
-    import re
-
     where = "" if seq_len is None else f" at seq_len={seq_len} (batch {batch_size})"
     scope = ("" if seq_len is None else
              " there and at larger shapes; shorter lengths keep their dry runs")
@@ -380,8 +381,6 @@ def predictor_wrong(seq_len: int, batch_size: int, measured: int,
                     trusted: Sequence[str]) -> Advice:
     """Predictors that missed a measured step beyond the tolerance (``misses``: ``(method,
     predicted bytes, relative error)``): not trusted for decisions until right again."""
-    from lightning_seqmem.core.trust import NAMES
-
     who = "; ".join(f"{NAMES.get(m, m)} predicted {format_bytes(p)} ({e:+.1%})"
                     for m, p, e in misses)
     now = (" and ".join(NAMES.get(m, m) for m in trusted)

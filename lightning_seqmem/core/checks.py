@@ -58,6 +58,14 @@ def check_fraction(name: str, value: Any, low: float, high: float,
     return float(value)
 
 
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """``value`` if it is one of ``choices``, else ``ValueError`` naming them (``SeqMemConfig``'s
+    doc shows one)."""
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
+    return value
+
+
 def is_a(obj: Any, *class_names: str) -> bool:
     """Whether ``obj``'s class or a base is named one of ``class_names``: an ``isinstance`` for
     other libraries' classes (Lightning's strategies) that imports nothing.

@@ -27,17 +27,24 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence, Union
 
-from lightning_seqmem.core.checks import check_fraction, check_int
+from lightning_seqmem.core.checks import check_choice, check_fraction, check_int
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
 from lightning_seqmem.core.units import parse_bytes
 
-__all__ = ["PROBE_NAMES", "SeqMemConfig"]
+__all__ = ["PROBE_NAMES", "SeqMemConfig", "check_seq_len_fn"]
 
 PROBE_NAMES = ("auto", "cuda", "tracker")
 """Accepted values of ``SeqMemCallback(probe=...)``."""
 
 SeqLenFn = Callable[[Any], "tuple[int, int]"]
+
+
+def check_seq_len_fn(value: Any) -> None:
+    """``ValueError`` unless ``value`` (``seq_len_fn``) is None or a callable."""
+    if value is not None and not callable(value):
+        raise ValueError("`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, "
+                         f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -104,14 +111,11 @@ class SeqMemConfig:
         check_int("measure_every_n_steps", self.measure_every_n_steps, 1, accepted="an int ≥ 1")
         check_fraction("tolerance", self.tolerance, 0, 1)
         check_fraction("safety_margin", self.safety_margin, 0, 1, closed_low=True)
-        if self.probe not in PROBE_NAMES:
-            raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {self.probe!r}")
+        check_choice("probe", self.probe, PROBE_NAMES)
         if self.curriculum is not None and not isinstance(self.curriculum, Curriculum):
             raise ValueError("`curriculum` must be a lightning_seqmem.Curriculum or None, got "
                              f"{type(self.curriculum).__name__}")
-        if self.seq_len_fn is not None and not callable(self.seq_len_fn):
-            raise ValueError("`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or "
-                             f"None, got {self.seq_len_fn!r}")
+        check_seq_len_fn(self.seq_len_fn)
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ValueError(f"`name` must be a non-empty string or None, got {self.name!r}")
         for name in ("breakdown", "dry_run", "summary"):

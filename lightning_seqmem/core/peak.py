@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from lightning_seqmem.core.checks import check_choice
+
 __all__ = ["PEAK_KINDS", "PEAK_PHASES", "PeakSite"]
 
 PEAK_PHASES = ("existing", "forward", "loss", "backward", "recompute", "optimizer")
@@ -52,8 +54,7 @@ class PeakSite:
     op: str = ""
 
     def __post_init__(self) -> None:
-        if self.phase not in PEAK_PHASES:
-            raise ValueError(f"`phase` must be one of {PEAK_PHASES}, got {self.phase!r}")
+        check_choice("phase", self.phase, PEAK_PHASES)
         unknown = [k for k, _ in self.top_kinds if k not in PEAK_KINDS]
         if unknown:
             raise ValueError(f"`top_kinds` holds unknown kinds {unknown}; accepted: {PEAK_KINDS}")

@@ -108,6 +108,10 @@ class QuadraticMemoryModel:
     def is_fitted(self) -> bool:
         return bool(self._coefficients)
 
+    def _check_fitted(self) -> None:
+        if not self.is_fitted:
+            raise RuntimeError("QuadraticMemoryModel is not fitted: call `fit(points)` first")
+
     @property
     def phases(self) -> tuple[str, ...]:
         return tuple(self._coefficients)
@@ -158,8 +162,7 @@ class QuadraticMemoryModel:
 
     def predict(self, seq_len: int, batch_size: int = 1) -> QuadraticForecast:
         """Point and upper-bound peak at ``(seq_len, batch_size)``, maximised over phases."""
-        if not self.is_fitted:
-            raise RuntimeError("QuadraticMemoryModel is not fitted: call `fit(points)` first")
+        self._check_fitted()
         check_int("seq_len", seq_len)
         check_int("batch_size", batch_size)
         phase_peak_bytes, peak_phase, peak, upper = {}, "", -math.inf, 0.0
@@ -187,8 +190,7 @@ class QuadraticMemoryModel:
         """
         check_int("budget_bytes", budget_bytes)
         check_int("batch_size", batch_size)
-        if not self.is_fitted:
-            raise RuntimeError("QuadraticMemoryModel is not fitted: call `fit(points)` first")
+        self._check_fitted()
 
         def fits(seq_len: int) -> bool:
             forecast = self.predict(seq_len, batch_size)

@@ -156,6 +156,13 @@ def engine_features(setting: Sequence[str]) -> frozenset[str]:
     return frozenset(f for n in setting if level_of(n) is None and (f := spec(n).engine_feature))
 
 
+def is_setting(names: Sequence[Any]) -> bool:
+    """Whether ``names`` are names of known rungs (variants ``'<rung>:<level>'`` allowed), at most
+    one entry per rung."""
+    return (all(isinstance(n, str) and base_name(n) in _SPECS for n in names)
+            and len({base_name(n) for n in names}) == len(names))
+
+
 def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
     """Validate ``SeqMemCallback(mitigations=...)``: distinct names of known rungs. ``variants``: a
     setting (a dry run's), where a rung may be named at a level (``"checkpointing:3/8"``), at most
@@ -172,8 +179,7 @@ def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
     """
     names = tuple(value) if isinstance(value, (list, tuple)) else None
     if variants and names is not None and all(isinstance(n, str) for n in names):
-        bases = [base_name(n) for n in names]
-        if all(b in _SPECS for b in bases) and len(set(bases)) == len(bases):
+        if is_setting(names):
             return names
         raise ValueError(
             f"`mitigations` must be a sequence of distinct names from {rung_names()}, each rung at "
@@ -201,8 +207,7 @@ def check_setting(value: Any, name: str = "mitigations") -> tuple[str, ...]:
     'checkpointing']
     """
     names = tuple(value) if isinstance(value, (list, tuple)) else None
-    if (names is None or any(not isinstance(n, str) or base_name(n) not in _SPECS for n in names)
-            or len({base_name(n) for n in names}) != len(names)):
+    if names is None or not is_setting(names):
         raise ValueError(f"`{name}` (a setting) must be a sequence of names of known rungs "
                          f"(variants '<rung>{LEVEL_SEP}<level>' allowed), at most one entry per "
                          f"rung, from {rung_names()}, got {value!r}")
@@ -235,5 +240,5 @@ def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (),
 
 __all__ = ["at_most", "BUILTIN_RUNGS", "EXTRA_RUNGS", "MITIGATIONS", "RUNG_FOLDERS",
            "RungNotApplicable", "base_name", "level_of", "check_mitigations", "check_setting",
-           "engine_features", "register_spec", "remaining_advice", "rung_names", "rung_specs",
-           "spec", "unregister_spec"]
+           "engine_features", "is_setting", "register_spec", "remaining_advice", "rung_names",
+           "rung_specs", "spec", "unregister_spec"]

@@ -100,8 +100,7 @@ def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[f
                 roots = [(-b + sign * disc ** 0.5) / (2 * a) for sign in (1, -1)]
                 centre = sum(x for x, _ in points[:3]) / 3
                 return min(roots, key=lambda r: abs(r - centre))
-        points = [points[0], points[-1]] if len(points) > 2 else points
-    (x0, y0), (x1, y1) = points[0], points[-1]
+    (x0, y0), (x1, y1) = points[0], points[-1]  # the outer two
     if y1 == y0:
         return None
     if two and min(x0, x1) >= 0 and x0 != x1 and (y1 - y0) * (x1 - x0) > 0:  # p + q·x² through both

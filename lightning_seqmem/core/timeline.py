@@ -24,8 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from lightning_seqmem.core.checks import check_int
-from lightning_seqmem.core.quadratic import UNBOUNDED_SEQ_LEN
-from lightning_seqmem.core.search import largest_fitting
+from lightning_seqmem.core.search import UNBOUNDED_SEQ_LEN, largest_fitting
 from lightning_seqmem.core.records import TrackedEvents
 
 

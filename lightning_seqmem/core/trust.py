@@ -40,6 +40,12 @@ class Check:
         """(predicted − measured) / measured: negative is an under-prediction."""
         return (self.predicted_bytes - self.measured_bytes) / max(self.measured_bytes, 1)
 
+    @property
+    def miss(self) -> str:
+        """The check in words: "it predicted -30.0% for the step measured at seq_len=64 …"."""
+        return (f"it predicted {self.relative_error:+.1%} for the step measured at "
+                f"seq_len={self.seq_len} (batch {self.batch_size})")
+
 
 class PredictorChecks:
     """The latest check of each predictor at each measured shape, per setting (mitigations on)."""

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from lightning_seqmem.core.config import check_seq_len_fn
 from lightning_seqmem.measure.batch_tree import (find_attention_mask, find_reference,
                                                  is_dataclass_instance)
 
@@ -72,18 +73,15 @@ def read_batch_shape(batch: Any,
     """
     if seq_len_fn is None:
         return infer_batch_shape(batch)
-    if not callable(seq_len_fn):
-        raise ValueError("`seq_len_fn` must be a callable batch -> (batch_size, seq_len) or None, "
-                         f"got {seq_len_fn!r}")
+    check_seq_len_fn(seq_len_fn)
     value = seq_len_fn(batch)
     accepted = ("`seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or "
                 "NumPy ints, or 0-d integer tensors; not bools)")
     if value is None:
         raise ValueError(f"{accepted}, got None (did it forget to `return`?)")
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{accepted}, got {value!r}")
-    shape = tuple(_positive_int(item) for item in value)
-    if None in shape:
+    shape = (tuple(_positive_int(item) for item in value)
+             if isinstance(value, (tuple, list)) and len(value) == 2 else None)
+    if shape is None or None in shape:
         raise ValueError(f"{accepted}, got {value!r}")
     return shape  # type: ignore[return-value]
 

@@ -27,7 +27,8 @@ True
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._python_dispatch as _dispatch
@@ -49,15 +50,26 @@ def modes_below() -> list[tuple[Any, int]]:
     return [(m, _entries(m)) for m in stack()]
 
 
+@contextmanager
+def _lifted(until: Callable[[Any], bool]) -> Iterator[None]:
+    """The modes on top lifted off, down to the first for which ``until`` holds (or all); put back
+    after, and the flags synced."""
+    above = []
+    while torch._C._len_torch_dispatch_stack() and not until(stack()[-1]):
+        above.append(torch._C._pop_torch_dispatch_stack(None))
+    try:
+        yield
+    finally:
+        for m in reversed(above):
+            torch._C._push_on_torch_dispatch_stack(m)
+        _sync_flags()
+
+
 def _remove(mode: Any) -> None:
     """Take ``mode`` off the stack, putting back the modes above it."""
-    above = []
-    while torch._C._len_torch_dispatch_stack() and stack()[-1] is not mode:
-        above.append(torch._C._pop_torch_dispatch_stack(None))
-    if torch._C._len_torch_dispatch_stack():
-        torch._C._pop_torch_dispatch_stack(None)
-    for m in reversed(above):
-        torch._C._push_on_torch_dispatch_stack(m)
+    with _lifted(lambda m: m is mode):
+        if torch._C._len_torch_dispatch_stack():
+            torch._C._pop_torch_dispatch_stack(None)
 
 
 def _sync_flags() -> None:
@@ -80,16 +92,8 @@ def enter_below_user_modes(mode: Any, enter_fn: Callable[[], Any],
     FakeTensorMode): each still sees every op first, and leaving one (in any order) pops itself,
     not ``mode``. ``enter_fn`` is the mode's ordinary ``__enter__``; returns what it returns. The
     lifting stops at the first mode (from the top) for which ``stop_at`` holds."""
-    above = []
-    while (torch._C._len_torch_dispatch_stack() and not _is_infra(stack()[-1])
-           and not stop_at(stack()[-1])):
-        above.append(torch._C._pop_torch_dispatch_stack(None))
-    try:
+    with _lifted(lambda m: _is_infra(m) or stop_at(m)):
         return enter_fn()
-    finally:
-        for m in reversed(above):
-            torch._C._push_on_torch_dispatch_stack(m)
-        _sync_flags()
 
 
 def exit_own_mode(mode: Any, exit_fn: Callable[[], Any], below: list[tuple[Any, int]]) -> None:
@@ -100,15 +104,8 @@ def exit_own_mode(mode: Any, exit_fn: Callable[[], Any], below: list[tuple[Any, 
         exit_fn()
         return
     if any(m is mode for m in modes):
-        above = []
-        while stack()[-1] is not mode:
-            above.append(torch._C._pop_torch_dispatch_stack(None))
-        try:
+        with _lifted(lambda m: m is mode):
             exit_fn()  # pops `mode`, now on top, and restores its flags
-        finally:
-            for m in reversed(above):
-                torch._C._push_on_torch_dispatch_stack(m)
-            _sync_flags()
         return
     # popped already, by the exit of a mode below it: finish that mode's exit, then ours, no pop
     for m, entries in below:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from lightning_seqmem.core.checks import check_choice
 from lightning_seqmem.core.config import PROBE_NAMES  # (checked with the other arguments, in core)
 from lightning_seqmem.core.records import StepMemory
 from lightning_seqmem.measure.tracker import LiveTensorTracker, flat_tensors
@@ -30,6 +31,7 @@ __all__ = ["CudaAllocatorProbe", "DeviceAndHostProbe", "MemoryProbe", "optimizer
 
 
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to 512 bytes
+_NOT_STARTED = "end_step() called without start_step()"
 
 
 class MemoryProbe:
@@ -143,13 +145,11 @@ class TrackerProbe(MemoryProbe):
     def end_step(self) -> StepMemory:
         tracker = self._tracker
         if tracker is None:
-            raise RuntimeError("end_step() called without start_step()")
+            raise RuntimeError(_NOT_STARTED)
         self._tracker = None
         tracker.__exit__(None, None, None)
         tracker.stop()
-        self._stance, stance = None, self._stance
-        if stance is not None:
-            stance()
+        self._release_stance()
         if tracker.error is not None:
             raise RuntimeError("the live-tensor tracker failed during the step: "
                                f"{tracker.error!r}") from tracker.error
@@ -166,6 +166,10 @@ class TrackerProbe(MemoryProbe):
             except Exception:  # the mode stack was already unwound by someone else
                 pass
             tracker.stop()
+        self._release_stance()
+
+    def _release_stance(self) -> None:
+        """Let go of the eager stance this step holds, if any (once)."""
         self._stance, stance = None, self._stance
         if stance is not None:
             stance()
@@ -270,7 +274,7 @@ class CudaAllocatorProbe(MemoryProbe):
 
     def end_step(self) -> StepMemory:
         if not self._running:
-            raise RuntimeError("end_step() called without start_step()")
+            raise RuntimeError(_NOT_STARTED)
         self._running = False
         self._close_phase()
         events = self._tracker_probe.end_step().events if self._tracker_probe.running else None
@@ -405,8 +409,7 @@ def make_probe(name: str, device: torch.device) -> MemoryProbe:
         >>> make_probe("auto", torch.device("cpu")).name
         'tracker'
     """
-    if name not in PROBE_NAMES:
-        raise ValueError(f"`probe` must be one of {PROBE_NAMES}, got {name!r}")
+    check_choice("probe", name, PROBE_NAMES)
     if name == "cuda" or (name == "auto" and device.type == "cuda"):
         if device.type != "cuda":
             raise ValueError("`probe='cuda'` needs the model on a CUDA device, but it is on "

@@ -161,7 +161,7 @@ def trace_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, bat
         raise ValueError("`seq_lens` must hold 2 or more distinct positive lengths, got "
                          f"{list(seq_lens)!r}")
     check_int("warmup_steps", warmup_steps, accepted="an int >= 1")
-    _, source_len = infer_batch_shape(batch)
+    source_batch, source_len = infer_batch_shape(batch)
     too_long = [L for L in [*lengths, *check_seq_lens] if L > source_len]
     if too_long:
         raise ValueError(f"the batch has {source_len} tokens per row; cannot trace or check at "
@@ -194,8 +194,7 @@ def trace_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, bat
             forecaster.add_trace(Trace(seq_len, batch_size, m.events, block_bytes=block,
                                        measured_peak_bytes=m.peak_bytes))
     for seq_len in sorted(set(int(L) for L in check_seq_lens) - set(lengths)):
-        batch_size = infer_batch_shape(batch)[0]
-        predicted = forecaster.forecast(seq_len, batch_size)
+        predicted = forecaster.forecast(seq_len, source_batch)
         batch_size, m = measure(seq_len, record_events=False)
         forecaster.verify(predicted, m.peak_bytes)
         add(seq_len, batch_size, m)

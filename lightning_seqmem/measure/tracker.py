@@ -9,12 +9,13 @@ import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake as torch_is_fake
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from lightning_seqmem.core.records import TrackedEvents
-from lightning_seqmem.measure.mode_stack import enter_below_user_modes, exit_own_mode, modes_below
+from lightning_seqmem.measure.mode_stack import (enter_below_user_modes, exit_own_mode, modes_below,
+                                                 stack)
 
 
 __all__ = ["PINNED", "LiveTensorTracker", "flat_tensors", "is_fake", "tensor_storages"]
@@ -72,16 +73,11 @@ def is_fake(t: torch.Tensor) -> bool:
     >>> is_fake(fake), is_fake(torch.zeros(2))
     (True, False)
     """
-    from torch._subclasses.fake_tensor import is_fake as torch_is_fake
-
     return torch_is_fake(t)
 
 
 def _fake_mode_active() -> bool:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+    return any(isinstance(m, FakeTensorMode) for m in stack())
 
 
 class _Transient:
@@ -161,11 +157,18 @@ class LiveTensorTracker(TorchDispatchMode):
     # -- bookkeeping ---------------------------------------------------------------------------
     def _add(self, st: torch.UntypedStorage, op: str, nbytes: Optional[int] = None) -> None:
         nbytes = st.nbytes() if nbytes is None else nbytes
-        index = len(self._finalizers)
+        index = len(self._finalizers)  # the one _count gives it
         key = st._cdata
         self._ids[key] = index
         self._sizes[key] = nbytes
-        self._finalizers.append(weakref.ref(st, lambda _ref, i=index, k=key: self._free(i, k)))
+        self._count(nbytes, op, weakref.ref(st, lambda _ref, i=index, k=key: self._free(i, k)))
+
+    def _count(self, nbytes: int, op: str, finalizer: Optional[weakref.ref] = None) -> int:
+        """Count a new allocation of ``nbytes`` made by ``op`` (the live bytes, the peaks, the
+        event); returns its index. ``finalizer``: its storage's; bytes no storage holds get a
+        placeholder (it keeps indices aligned with events)."""
+        index = len(self._finalizers)
+        self._finalizers.append(finalizer if finalizer is not None else weakref.ref(_Transient()))
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
@@ -175,6 +178,7 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.sizes.append(nbytes)
             self.events.ops.append(op)
             self.events.sequence.append(index)
+        return index
 
     def _free(self, index: int, key: int) -> None:
         self._resized_to_zero.discard(key)  # the storage died: its address may be reused
@@ -238,14 +242,8 @@ class LiveTensorTracker(TorchDispatchMode):
         """
         if nbytes <= 0:
             return
-        index = len(self._finalizers)
-        self._finalizers.append(weakref.ref(_Transient()))  # keeps indices aligned with events
-        self.live_bytes += int(nbytes)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._count(int(nbytes), f"<{kind}>")
         if self.events is not None:
-            self.events.sizes.append(int(nbytes))
-            self.events.ops.append(f"<{kind}>")
-            self.events.sequence.append(index)
             self.events.num_existing = len(self.events.sizes)
 
     def mark_phase(self, phase: str) -> None:
@@ -298,18 +296,10 @@ class LiveTensorTracker(TorchDispatchMode):
         """An allocation of ``nbytes`` freed at once (a kernel's own scratch, beside its output)."""
         if nbytes <= 0:
             return
-        index = len(self._finalizers)
-        self._finalizers.append(weakref.ref(_Transient()))  # keeps indices aligned with events
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if self.phase is not None:
-            self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes[self.phase],
-                                                    self.live_bytes)
+        index = self._count(nbytes, f"{op} (scratch)")
         self.live_bytes -= nbytes
         if self.events is not None:
-            self.events.sizes.append(nbytes)
-            self.events.ops.append(f"{op} (scratch)")
-            self.events.sequence.extend((index, ~index))
+            self.events.sequence.append(~index)
 
     def _track_outputs(self, func, out, args, kwargs) -> None:
         inputs: Optional[set[int]] = None

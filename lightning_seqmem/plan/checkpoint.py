@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.records import PHASES, StepRecord
-from lightning_seqmem.core.rungs import base_name, rung_names
+from lightning_seqmem.core.rungs import is_setting, rung_names
 from lightning_seqmem.core.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,9 +137,7 @@ def _dict(field: str, value: Any) -> Mapping:
 
 
 def _rungs(field: str, value: Any) -> None:
-    if (not isinstance(value, (list, tuple))
-            or any(not isinstance(v, str) or base_name(v) not in rung_names() for v in value)
-            or len({base_name(v) for v in value}) != len(value)):
+    if not isinstance(value, (list, tuple)) or not is_setting(value):
         raise InvalidState(field, value, f"a list of distinct rung names from {rung_names()}")
 
 

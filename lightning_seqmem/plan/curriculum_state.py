@@ -43,6 +43,11 @@ class CurriculumState:
         """The curriculum's current stage length (None without a curriculum)."""
         return self.stages[self.stage] if self.stages else None
 
+    @property
+    def next_stage(self) -> Optional[int]:
+        """The next stage's length (None at the last stage, or without a curriculum)."""
+        return self.stages[self.stage + 1] if self.stage + 1 < len(self.stages) else None
+
     def batch_at(self, batch_size: int, source_len: int, seq_len: int) -> int:
         """Samples per batch at ``seq_len`` (``truncate=False`` reshapes rows, keeping tokens)."""
         assert self.curriculum is not None

@@ -17,12 +17,13 @@ Example (no budget: every batch runs as it comes):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.plan import choose, pricing
+from lightning_seqmem.plan.choose import Applicability
 from lightning_seqmem.plan.curriculum_state import CurriculumState
 from lightning_seqmem.plan.evidence import Evidence
 from lightning_seqmem.plan.judging import Verdict
@@ -30,8 +31,6 @@ from lightning_seqmem.plan.ladder_state import LadderState
 from lightning_seqmem.plan.settings import PlannerSettings
 
 __all__ = ["Decider", "Decision", "inapplicable"]
-
-Applicability = Mapping[str, "tuple[bool, str]"]
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,8 @@ class Decider:
             seq_len = queue.pop(0)
         elif ((self.course.decide_now
                or self.course.stage_steps >= self.settings.curriculum.steps_per_stage)
-              and self.course.stage + 1 < len(self.course.stages)):
-            seq_len, advance = self.course.stages[self.course.stage + 1], True
+              and self.course.next_stage is not None):
+            seq_len, advance = self.course.next_stage, True
         else:
             seq_len = self.course.stages[self.course.stage]
         # the last re-measurement: decide right after
@@ -164,9 +163,21 @@ class Decider:
                 self.settings.safety_margin, self.settings.device_type),))
         low = current if seq_len > current else 1  # the next stage over: stay between the two
 
-        def capped(cap: Optional[int]) -> int:
-            words["fit"] = cap or 0  # the length checked; 0: "no length is forecast to fit"
-            return cap if cap is not None else (current if seq_len > current else m)
+        def cap_at(found: Optional[int], setting: tuple[str, ...], rungs: tuple[str, ...],
+                   lead: str) -> Decision:
+            """The curriculum capped at ``found`` (None: the stage running, or the shortest, is
+            measured first), ``rungs`` switched on first (``setting``: the rungs on then)."""
+            words["fit"] = found or 0  # the length checked; 0: "no length is forecast to fit"
+            cap = found if found is not None else (current if seq_len > current else m)
+            stages = tuple(s for s in self.course.stages[: self.course.stage + 1]
+                           if s < cap) + (cap,)
+            further = A.remaining_advice(setting, inapplicable(applicable),
+                                         self.settings.device_type)
+            action = f"{lead} curriculum stays at seq_len={cap}. To go further: {further}"
+            return self.decision(action="cap", rungs=rungs, seq_len=cap, stages=stages,
+                                 stage=len(stages) - 1, refit_queue=(), decide_now=False,
+                                 reset_stage_steps=cap != current,
+                                 advice=(A.over_budget_stage(action=action, **words),))
 
         if plan is not None and plan.fits:  # the dry run says which rungs make it fit: on first
             words["fit"] = self.dry_fit(1, seq_len, batch_size, self.ladder.applied, batch_of) or 0
@@ -184,17 +195,8 @@ class Decider:
                 every = self.evidence.judge(seq_len, batch_size, setting)
                 return self.stop(seq_len, batch_size, every if every.bound_bytes else verdict,
                                  setting)
-            cap = capped(cap)
-            stages = tuple(s for s in self.course.stages[: self.course.stage + 1]
-                           if s < cap) + (cap,)
-            further = A.remaining_advice(setting, inapplicable(applicable),
-                                         self.settings.device_type)
-            action = (f"Switching on {', '.join(map(repr, plan.rungs))}; the curriculum stays at "
-                      f"seq_len={cap}. To go further: {further}")
-            return self.decision(action="cap", rungs=plan.rungs, seq_len=cap, stages=stages,
-                                 stage=len(stages) - 1, refit_queue=(), decide_now=False,
-                                 reset_stage_steps=cap != current,
-                                 advice=(A.over_budget_stage(action=action, **words),))
+            return cap_at(cap, setting, plan.rungs,
+                          f"Switching on {', '.join(map(repr, plan.rungs))}; the")
         if rung is not None:
             words["fit"] = self.dry_fit(1, seq_len, batch_size, self.ladder.applied, batch_of) or 0
             base = min(current, seq_len)
@@ -215,14 +217,7 @@ class Decider:
                 and (self.evidence.forecaster.ready or seq_len <= m)):
             # nothing fits: a fit says so, or the shortest ran over
             return self.stop(seq_len, batch_size, verdict, self.ladder.applied)
-        cap = capped(found)  # else the shortest is measured first
-        stages = tuple(s for s in self.course.stages[: self.course.stage + 1] if s < cap) + (cap,)
-        further = A.remaining_advice(self.ladder.applied, inapplicable(applicable),
-                                     self.settings.device_type)
-        action = f"The curriculum stays at seq_len={cap}. To go further: {further}"
-        return self.decision(action="cap", seq_len=cap, stages=stages, stage=len(stages) - 1,
-                             refit_queue=(), decide_now=False, reset_stage_steps=cap != current,
-                             advice=(A.over_budget_stage(action=action, **words),))
+        return cap_at(found, self.ladder.applied, (), "The")  # else the shortest is measured first
 
     def probe_length(self, batch_size: int) -> Optional[int]:
         """A length shorter than the current stage not yet fitted with these rungs, or None."""
@@ -262,23 +257,20 @@ class Decider:
         rows), else ``batch_size`` at every length."""
         assert self.settings.curriculum is not None
         m = self.settings.curriculum.multiple_of
-        if self.settings.length_limit is not None:
-            high = min(high, self.settings.length_limit + 1)
-        lo, hi = max(-(-low // m), 1), (high - 1) // m  # in units of m: multiples in [low, high)
+        # in units of m: multiples in [low, high), within the limit
+        lo, hi = max(-(-low // m), 1), self.settings.clip_to_limit(high - 1) // m
 
-        def fits(k: int) -> bool:
+        def judged(k: int) -> Verdict:
             L = k * m
-            return self.evidence.judge(L, batch_of(L) if batch_of else batch_size,
-                                       setting).kind == "fits"
+            return self.evidence.judge(L, batch_of(L) if batch_of else batch_size, setting)
 
-        if hi < lo or not fits(lo):
+        if hi < lo or judged(lo).kind != "fits":
             return None
         budget = self.settings.usable_budget_bytes
         assert budget is not None
 
-        def judged_bound(k: int) -> Optional[int]:  # the judgement's bound: agrees with fits()
-            L = k * m
-            verdict = self.evidence.judge(L, batch_of(L) if batch_of else batch_size, setting)
+        def judged_bound(k: int) -> Optional[int]:  # the judgement's bound: agrees with judged()
+            verdict = judged(k)
             if verdict.kind == "unknown":
                 return None
             return (verdict.bound_bytes if verdict.bound_bytes is not None
@@ -294,9 +286,7 @@ class Decider:
         it when that is over); 0 if none."""
         if self.settings.curriculum is not None:
             return self.dry_fit(1, high, batch_size, self.ladder.applied) or 0
-        high = (high if self.settings.length_limit is None
-                else min(high, self.settings.length_limit + 1))
-        guess = min(self.safe_fit(batch_size), high - 1)
+        guess = min(self.safe_fit(batch_size), self.settings.clip_to_limit(high - 1))
         fits = lambda L: self.evidence.judge(L, batch_size).kind == "fits"  # noqa: E731
         if guess < 1 or fits(guess):
             return max(guess, 0)

@@ -139,8 +139,7 @@ class DryEvidence:
             return "no dry run (dry_run=False, or not rank zero, or before fit)"
         wrong = self.measured.checks.wrong(key[2], "dry_run")
         if wrong is not None:
-            return (f"dry run not trusted: it predicted {wrong.relative_error:+.1%} for the step "
-                    f"measured at seq_len={wrong.seq_len} (batch {wrong.batch_size})")
+            return f"dry run not trusted: {wrong.miss}"
         return f"dry run refused: {self.why.get(key, 'no answer')}"
 
     def scratch_bytes(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> int:
@@ -272,9 +271,7 @@ class DryEvidence:
         curriculum = self.settings.curriculum
         known = [r.seq_len for r in records] + ([curriculum.target] if curriculum else [])
         step = int(curriculum.multiple_of) if curriculum is not None else 1
-        hi = 4 * max(known + [256])
-        hi = (hi if self.settings.length_limit is None  # never past the positions
-              else min(hi, self.settings.length_limit))
+        hi = self.settings.clip_to_limit(4 * max(known + [256]))  # never past the positions
         hi -= hi % step
 
         def bound(L: int) -> Optional[int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable, Mapping, Optional
 
-from lightning_seqmem.core.search import crossing_of, interpolated_last
+from lightning_seqmem.core.search import bisect_last, crossing_of, interpolated_last
 
 __all__ = ["AHEAD_REACH", "CONFIRM_SLACK", "ahead_length", "bucket_up", "confirmed_largest",
            "crossing", "dominating", "fitted_bytes", "fitted_largest", "largest_fitting"]
@@ -213,10 +213,7 @@ def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int,
         return hi_k * step
     if not fits(lo_k * step):
         return int(lo)
-    while hi_k - lo_k > 1:  # fits(lo_k), not fits(hi_k)
-        mid = (lo_k + hi_k) // 2
-        lo_k, hi_k = (mid, hi_k) if fits(mid * step) else (lo_k, mid)
-    return max(int(lo), lo_k * step)
+    return max(int(lo), bisect_last(lambda k: fits(k * step), lo_k, hi_k) * step)
 
 
 def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,

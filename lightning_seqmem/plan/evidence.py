@@ -153,11 +153,7 @@ class Evidence:
                 raise ValueError("no memory budget: pass `budget_bytes` or set "
                                  "SeqMemCallback(memory_budget=...)")
         batch_size = self.measured.batch_size_or_last(batch_size)
-        limit = self.settings.length_limit
-
-        def within(fit: int) -> int:
-            return fit if limit is None else min(fit, limit)
-
+        within = self.settings.clip_to_limit  # never past the model's limit
         reserved = self.settings.compare_reserved
         if self.forecaster.ready:
             return within(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=reserved))

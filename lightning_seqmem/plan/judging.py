@@ -73,9 +73,7 @@ def judge(budget_bytes: Optional[int], measured_here: Sequence[tuple[int, int, b
         return Verdict("fits")
     if measured_here:
         worst = max(measured_here, key=lambda m: m[0])  # the first of the highest, in order
-        if worst[0] > budget_bytes:
-            return Verdict.of(worst[:2], budget_bytes, "measured", measured=True)
-        if any(not warmup for _, _, warmup in measured_here):
+        if worst[0] > budget_bytes or any(not warmup for _, _, warmup in measured_here):
             return Verdict.of(worst[:2], budget_bytes, "measured", measured=True)
     answer = dry()
     if answer is not None:  # the exact program here (or a larger one's bound): before extrapolating

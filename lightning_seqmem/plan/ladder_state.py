@@ -26,8 +26,6 @@ from lightning_seqmem.plan import choose
 
 __all__ = ["LadderState"]
 
-Applicability = Mapping[str, "tuple[bool, str]"]
-
 
 class LadderState:
     """``allowed`` (the rungs left to this run, in ladder order), ``applied`` (on now, in order),
@@ -51,7 +49,7 @@ class LadderState:
     def events(self, events: Iterable[Mapping[str, Any]]) -> None:
         self._events = [MitigationEvent.from_dict(e) for e in events]
 
-    def next_rung(self, applicable: Applicability) -> tuple[Optional[str], list[str]]:
+    def next_rung(self, applicable: choose.Applicability) -> tuple[Optional[str], list[str]]:
         """The first allowed rung not on that applies, and why each one before it does not."""
         skipped = []
         on = {base_name(n) for n in self.applied}
@@ -109,7 +107,7 @@ class LadderState:
         """The rungs on now, as found on the module (a new fit) or kept on resume; no event."""
         self.applied = tuple(names)
 
-    def note_not_applicable(self, applicability: Applicability) -> None:
+    def note_not_applicable(self, applicability: choose.Applicability) -> None:
         """Why each rung that does not apply here does not (the last check; never advised)."""
         self.not_applicable = {name: why for name, (ok, why) in applicability.items() if not ok}
 

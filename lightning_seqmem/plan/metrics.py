@@ -41,7 +41,5 @@ def metrics(record: StepRecord, evidence: Evidence, course: CurriculumState) -> 
     if record.stage is not None:
         out["stage"] = record.stage
     out["mitigations_applied"] = len(record.mitigations)
-    out.update(evidence.budget_view(course.stages[course.stage + 1]
-                                    if course.stage + 1 < len(course.stages) else None,
-                                    record.batch_size))
+    out.update(evidence.budget_view(course.next_stage, record.batch_size))
     return {k: float(v) for k, v in out.items()}

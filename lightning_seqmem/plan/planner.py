@@ -42,6 +42,7 @@ from lightning_seqmem.core.records import StepMemory, StepRecord
 from lightning_seqmem.core.rungs import MITIGATIONS
 from lightning_seqmem.plan.advice_queue import AdviceQueue
 from lightning_seqmem.plan.checkpoint import reconcile
+from lightning_seqmem.plan.choose import Applicability
 from lightning_seqmem.plan.curriculum_state import CurriculumState
 from lightning_seqmem.plan.decisions import Decider, Decision
 from lightning_seqmem.plan.evidence import Evidence
@@ -51,7 +52,6 @@ from lightning_seqmem.plan.settings import (SETTING_NAMES, PlannerSettings, RunF
                                             planner_config, setting_write_error)
 from lightning_seqmem.plan.view import PlanView
 
-Applicability = Mapping[str, "tuple[bool, str]"]
 DryRun = Callable[[int, int, "tuple[str, ...]"], "tuple[int, dict[str, int]]"]
 """``(seq_len, batch_size, mitigations) -> (peak_bytes, phase_peak_bytes)``, or with a third
 value, the :class:`~lightning_seqmem.core.peak.PeakSite` of that step (None: not known)."""

@@ -182,6 +182,10 @@ class PlannerSettings:
         """Whether the model can take ``seq_len`` tokens at all (``length_limit``: positions)."""
         return self.length_limit is None or int(seq_len) <= self.length_limit
 
+    def clip_to_limit(self, seq_len: int) -> int:
+        """``seq_len``, or the model's ``length_limit`` where that is shorter."""
+        return seq_len if self.length_limit is None else min(seq_len, self.length_limit)
+
     def bind_run(self, **changes: Any) -> None:
         """Bind what the run decides at set-up: any field of :class:`RunFacts`; the facts are
         replaced as a whole, and every part sees them."""

@@ -187,8 +187,7 @@ class Verification:
             return  # (a dry run that missed measured steps is not the judge of the replay)
         target = (self.settings.curriculum.target if self.settings.curriculum
                   else 4 * max(t.seq_len for t in forecaster.traces))
-        target = (target if self.settings.length_limit is None
-                  else min(target, self.settings.length_limit))
+        target = self.settings.clip_to_limit(target)
         dry = self.dry.peak(target, batch_size, setting)
         if dry is None:
             return
@@ -233,9 +232,7 @@ class Verification:
         for method in ("replay", "quadratic"):
             wrong = self.measured.checks.wrong(setting, method)
             if wrong is not None:
-                forecaster.distrusted[method] = (f"it predicted {wrong.relative_error:+.1%} for "
-                                                 f"the step measured at seq_len={wrong.seq_len} "
-                                                 f"(batch {wrong.batch_size})")
+                forecaster.distrusted[method] = wrong.miss
         # a predictor ranked after one that decides and is right steps aside silently
         said = [m for m in ("dry_run", "replay", "quadratic")
                 if m in newly and not self.deciding_before(m, setting, forecaster)]
