@@ -246,5 +246,28 @@ def find_top_down(model: Any, take: Callable[[Any], Optional[bool]]) -> list[tup
     return targets
 
 
+def fsdp2_modules(module: Any) -> list[Any]:
+    """The modules of ``module`` (itself included) that FSDP2's ``fully_shard`` was applied to, in
+    ``modules()`` order; none where ``module`` is not an ``nn.Module``.
+
+    Example:
+        >>> from torch import nn
+        >>> fsdp2_modules(nn.Linear(2, 2)), fsdp2_modules(None)
+        ([], [])
+    """
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, nn.Module):
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def device_type_of(module: Any) -> str:
+    """The device type of ``module``'s first parameter (``"cpu"`` where it has none)."""
+    first = next(iter(module.parameters()), None)
+    return first.device.type if first is not None else "cpu"
+
+
 __all__ = ["CopyPlan", "MitigationResult", "ModulePolicyRung", "Rung", "RungContext",
-           "find_top_down", "wrapping_strategy_refusal"]
+           "device_type_of", "find_top_down", "fsdp2_modules", "wrapping_strategy_refusal"]

@@ -114,29 +114,24 @@ def rung(name: str) -> Rung:
     return _RUNGS[base] if base == name else _RUNGS[base].at(name[len(base) + 1:])
 
 
-def _ctx(trainer: Any, pl_module: Any, batch: Any = None, batch_size: Optional[int] = None,
-         noop_ok: bool = False) -> RungContext:
-    return RungContext(pl_module, trainer, batch, batch_size, noop_ok)
-
-
 def is_applicable(name: str, trainer: Any, pl_module: Any, batch: Any = None,
                   batch_size: Optional[int] = None) -> tuple[bool, str]:
     """Whether rung ``name`` would change this model and run, with the reason."""
-    return rung(name).is_applicable(_ctx(trainer, pl_module, batch, batch_size))
+    return rung(name).is_applicable(RungContext(pl_module, trainer, batch, batch_size))
 
 
 def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
           noop_ok: bool = False) -> MitigationResult:
     """Switch rung ``name`` on (in place, between training steps); ``noop_ok``: even where it
     changes nothing on this batch (:meth:`.base.Rung.noop`: another rank's batch needs it)."""
-    return rung(name).apply(_ctx(trainer, pl_module, batch, noop_ok=noop_ok))
+    return rung(name).apply(RungContext(pl_module, trainer, batch, noop_ok=noop_ok))
 
 
 def noop(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> Optional[str]:
     """Why rung ``name`` would change nothing on this batch (it may go on where another rank's
     batch needs it), or None; a check that raises answers None."""
     try:
-        return rung(name).noop(_ctx(trainer, pl_module, batch))
+        return rung(name).noop(RungContext(pl_module, trainer, batch))
     except Exception:  # noqa: BLE001 - an unusual model: as if it changed something
         return None
 
@@ -144,7 +139,7 @@ def noop(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> Optional
 def remove(name: str, trainer: Any, pl_module: Any) -> Optional[MitigationResult]:
     """Switch rung ``name`` off again where it can; None where it cannot (attention and
     checkpointing change numerics by float rounding only, so they may stay)."""
-    return rung(name).remove(_ctx(trainer, pl_module))
+    return rung(name).remove(RungContext(pl_module, trainer))
 
 
 def is_on(name: str, pl_module: Any) -> bool:
@@ -161,7 +156,8 @@ def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any
         try:
             out[name] = is_applicable(name, trainer, pl_module, batch, batch_size)
             if out[name][0]:
-                for variant in rung(name).variants(_ctx(trainer, pl_module, batch, batch_size)):
+                ctx = RungContext(pl_module, trainer, batch, batch_size)
+                for variant in rung(name).variants(ctx):
                     if variant != name:
                         out[variant] = is_applicable(variant, trainer, pl_module, batch, batch_size)
         except Exception as exc:  # noqa: BLE001 - an unusual model must not end the run here
@@ -174,7 +170,7 @@ def copy_refusal(name: str, trainer: Any, pl_module: Any,
     """Why a dry run of ``pl_module`` with rung ``name`` would not be a step with it
     (:meth:`.base.Rung.copy_refusal`), or None; a check that raises says so."""
     try:
-        return rung(name).copy_refusal(_ctx(trainer, pl_module, None, batch_size))
+        return rung(name).copy_refusal(RungContext(pl_module, trainer, None, batch_size))
     except Exception as exc:  # noqa: BLE001 - an unusual model: said, never raised
         return f"its check failed ({type(exc).__name__}: {exc})"
 

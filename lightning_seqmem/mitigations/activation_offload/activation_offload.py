@@ -56,11 +56,13 @@ from lightning_seqmem.mitigations.base import (
     MitigationResult,
     Rung,
     RungContext,
+    device_type_of,
     wrapping_strategy_refusal,
 )
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-
-from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
+from lightning_seqmem.mitigations.checkpointing.checkpointing import (NO_BLOCKS_FOUND,
+                                                                      check_block_class_names,
+                                                                      find_repeated_blocks)
+from lightning_seqmem.mitigations.checkpointing.checkpointing_levels import wrappers_by_block
 from lightning_seqmem.mitigations.activation_offload.activation_offload_spec import SPEC
 
 __all__ = ["ActivationOffload", "ActivationOffloadRung", "OffloadedForward", "is_offloading",
@@ -222,16 +224,9 @@ class ActivationOffload:
 
     def __init__(self, block_class_names: Sequence[str] | None = None,
                  pin_memory: bool = True) -> None:
-        if block_class_names is not None:
-            names = ([block_class_names] if isinstance(block_class_names, str)
-                     else list(block_class_names))
-            if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError("`block_class_names` must be None or a non-empty sequence of "
-                                 f"class names, got {block_class_names!r}.")
-            block_class_names = names
+        self.block_class_names = check_block_class_names(block_class_names)
         if not isinstance(pin_memory, bool):
             raise ValueError(f"`pin_memory` must be True or False, got {pin_memory!r}.")
-        self.block_class_names = block_class_names
         self.pin_memory = pin_memory
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
@@ -240,8 +235,7 @@ class ActivationOffload:
                  if b is not model}
         # find_repeated_blocks sees through checkpoint wrappers: a found block's wrapper goes under
         # the hooks instead, so the checkpoint's input is what leaves the device (not nothing)
-        wrappers = {id(m._checkpoint_wrapped_module): m for m in model.modules()
-                    if isinstance(m, ActivationWrapper)}
+        wrappers = wrappers_by_block(model)
         return [wrappers.get(i, b) for b in model.modules() if (i := id(b)) in found]
 
     def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
@@ -250,8 +244,7 @@ class ActivationOffload:
             return False, "saved activations already offloaded"
         blocks = self.blocks(model)
         if not blocks:
-            return False, ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of "
-                           "one class); pass block_class_names")
+            return False, NO_BLOCKS_FOUND
         where = "pinned host memory" if self.pin_memory else "host memory"
         return True, (f"offload the tensors {_counted(blocks)} save for backward to {where} "
                       "(save_on_cpu)")
@@ -260,16 +253,21 @@ class ActivationOffload:
         """Put every block's forward under the hooks; a second call changes nothing."""
         applies, reason = self.is_applicable(model)
         if not applies:
-            state = "on" if is_offloading(model) else "off"
-            return MitigationResult(self.name, False, reason, state, state)
-        for block in self.blocks(model):
+            return self.unchanged(model, reason)
+        blocks = self.blocks(model)
+        for block in blocks:
             if "forward" in block.__dict__:  # someone else's instance forward: do not hide it
                 raise ValueError(f"{type(block).__name__} already has an instance attribute "
                                  f"`forward` ({block.__dict__['forward']!r}); activation offload "
                                  "cannot wrap it")
-        for block in self.blocks(model):
+        for block in blocks:
             block.forward = OffloadedForward(block, self.pin_memory)  # type: ignore[method-assign]
         return MitigationResult(self.name, True, reason, "off", "on")
+
+    def unchanged(self, model: nn.Module, reason: str) -> MitigationResult:
+        """What ``apply`` returns where it changes nothing, for ``reason``."""
+        state = "on" if is_offloading(model) else "off"
+        return MitigationResult(self.name, False, reason, state, state)
 
     def remove(self, model: nn.Module) -> MitigationResult:
         """Give every block its class's forward back."""
@@ -284,11 +282,6 @@ class ActivationOffload:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(block_class_names={self.block_class_names!r}, "
                 f"pin_memory={self.pin_memory})")
-
-
-def _device_type(module: nn.Module) -> str:
-    first = next(iter(module.parameters()), None)
-    return first.device.type if first is not None else "cpu"
 
 
 class ActivationOffloadRung(Rung):
@@ -314,7 +307,7 @@ class ActivationOffloadRung(Rung):
         return is_offloading(module)
 
     def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
-        device = _device_type(ctx.pl_module)
+        device = device_type_of(ctx.pl_module)
         if device in ("cpu", "meta"):  # meta is planned for the CPU unless a GPU is simulated
             return False, CPU_REFUSAL
         if device != "cuda":
@@ -324,8 +317,7 @@ class ActivationOffloadRung(Rung):
     def apply(self, ctx: RungContext) -> MitigationResult:
         applies, reason = self.is_applicable(ctx)
         if not applies:
-            state = "on" if is_offloading(ctx.pl_module) else "off"
-            return MitigationResult(self.name, False, reason, state, state)
+            return self.policy.unchanged(ctx.pl_module, reason)
         return self.policy.apply(ctx.pl_module)
 
     def remove(self, ctx: RungContext) -> Optional[MitigationResult]:

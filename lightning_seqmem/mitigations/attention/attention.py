@@ -148,14 +148,11 @@ def flash_unavailable_reason(model: nn.Module, check_dtype: bool = True) -> str 
                     if not getattr(t, "_supports_flash_attn", True)]
         if refusing:
             return f"{', '.join(refusing)} does not support flash attention"
-        if check_dtype and param.dtype not in _HALF_DTYPES:
-            return f"model parameters are {param.dtype}, flash-attn needs float16 or bfloat16"
-        return None
-    if importlib.util.find_spec("flash_attn") is None:
+    elif importlib.util.find_spec("flash_attn") is None:
         return "flash-attn not installed"
-    if not torch.cuda.is_available():
+    elif not torch.cuda.is_available():
         return "CUDA not available"
-    if param is not None and param.device.type != "cuda":
+    elif param is not None and param.device.type != "cuda":
         return f"model parameters are on {param.device.type}, flash-attn needs CUDA"
     if check_dtype and param is not None and param.dtype not in _HALF_DTYPES:
         return f"model parameters are {param.dtype}, flash-attn needs float16 or bfloat16"

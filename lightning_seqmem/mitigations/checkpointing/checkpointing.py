@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from lightning_seqmem.mitigations.checkpointing.checkpointing_spec import SPEC
 from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import (MitigationResult, ModulePolicyRung, RungContext,
-                                               wrapping_strategy_refusal)
+                                               fsdp2_modules, wrapping_strategy_refusal)
 from lightning_seqmem.mitigations.checkpointing.checkpointing_levels import (
     NONE,
     SELECTIVE,
@@ -57,8 +57,12 @@ from lightning_seqmem.mitigations.checkpointing.checkpointing_levels import (
     wrappers_by_block,
 )
 
-__all__ = ["ActivationCheckpointing", "CheckpointingRung", "counted_blocks", "find_repeated_blocks",
-           "is_checkpointed"]
+__all__ = ["NO_BLOCKS_FOUND", "ActivationCheckpointing", "CheckpointingRung",
+           "check_block_class_names", "counted_blocks", "find_repeated_blocks", "is_checkpointed"]
+
+NO_BLOCKS_FOUND = ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of one "
+                   "class); pass block_class_names")
+"""Why a policy acting on the repeated blocks refuses a model where none is found."""
 
 
 def _outermost_matching(model: nn.Module, match) -> list[nn.Module]:
@@ -176,10 +180,16 @@ def is_checkpointed(model: nn.Module) -> bool:
     return any(hf_is_checkpointing(m) for m in _find_hf_models(model))
 
 
-def _is_fsdp2(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
+def check_block_class_names(block_class_names: Sequence[str] | None) -> list[str] | None:
+    """``block_class_names`` as a list (a single name in one), or None; ValueError where it is
+    neither None nor a non-empty sequence of class names."""
+    if block_class_names is None:
+        return None
+    names = [block_class_names] if isinstance(block_class_names, str) else list(block_class_names)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("`block_class_names` must be None or a non-empty sequence of "
+                         f"class names, got {block_class_names!r}.")
+    return names
 
 
 class ActivationCheckpointing:
@@ -213,15 +223,8 @@ class ActivationCheckpointing:
 
     def __init__(self, block_class_names: Sequence[str] | None = None,
                  level: Optional[str] = None) -> None:
-        if block_class_names is not None:
-            names = ([block_class_names] if isinstance(block_class_names, str)
-                     else list(block_class_names))
-            if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError("`block_class_names` must be None or a non-empty sequence of "
-                                 f"class names, got {block_class_names!r}.")
-            block_class_names = names
+        self.block_class_names = check_block_class_names(block_class_names)
         parse_level(level)  # raises for a bad level
-        self.block_class_names = block_class_names
         self.level = level
         self.name = "checkpointing" if level is None else f"checkpointing:{level}"
 
@@ -243,13 +246,14 @@ class ActivationCheckpointing:
                           or [Slot("hf_model", hf_model, hf_model)])
             return slots
         blocks = [b for b in find_repeated_blocks(model, self.block_class_names) if b is not model]
-        kind = "composable" if any(_is_fsdp2(m) for m in model.modules()) else "wrap"
+        kind = "composable" if fsdp2_modules(model) else "wrap"
         return [Slot(kind, b) for b in blocks]
 
-    def block_levels(self, model: nn.Module) -> list[int]:
-        """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each checkpointable block."""
+    def block_levels(self, model: nn.Module, slots: Optional[list[Slot]] = None) -> list[int]:
+        """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each checkpointable block (of
+        ``slots``, ``model``'s own where None)."""
         wrappers = wrappers_by_block(model)
-        return [slot_level(s, wrappers) for s in self._slots(model)]
+        return [slot_level(s, wrappers) for s in (self._slots(model) if slots is None else slots)]
 
     def levels_available(self, model: nn.Module) -> tuple[int, bool, bool]:
         """``(N, k/N possible, selective possible)`` for ``model``'s N checkpointable blocks:
@@ -283,7 +287,7 @@ class ActivationCheckpointing:
         """Whether every block is at least at this level. Checkpointing no block shows (the user's
         own wrappers elsewhere) counts as on, at every level: the rung never wraps a model twice."""
         slots = self._slots(model)
-        levels = self.block_levels(model) if slots else []
+        levels = self.block_levels(model, slots)
         if not any(levels):
             return is_checkpointed(model)
         targets, _ = self._targets(model, slots)
@@ -293,13 +297,11 @@ class ActivationCheckpointing:
         """``(True, what would be done)`` or ``(False, why)``; raises ValueError where
         ``block_class_names`` matches no module of ``model``."""
         slots = self._slots(model)
-        wrappers = wrappers_by_block(model)
-        levels = [slot_level(s, wrappers) for s in slots]
+        levels = self.block_levels(model, slots)
         if not any(levels) and is_checkpointed(model):
             return False, "already checkpointed"
         if not slots:
-            return False, ("no repeated blocks found (no Hugging Face model, no nn.ModuleList of "
-                           "one class); pass block_class_names")
+            return False, NO_BLOCKS_FOUND
         targets, why = self._targets(model, slots)
         if targets is None:
             return False, why
@@ -331,6 +333,7 @@ class ActivationCheckpointing:
         finals = [max(c, t) for c, t in zip(levels, targets)]
         raised = [(s, c, f) for s, c, f in zip(slots, levels, finals) if f > c]
         words = "" if self.level is None else f"; {level_words(self.level)}"
+        what = counted_blocks([s.block for s, _, _ in raised])
         kind = slots[0].kind
         if kind.startswith("hf"):
             raise_hf_levels(slots, levels, finals)
@@ -340,8 +343,7 @@ class ActivationCheckpointing:
 
             for slot, _, _ in raised:
                 composable_checkpoint(slot.block)
-            detail = (f"checkpointed {counted_blocks([s.block for s, _, _ in raised])} in place "
-                      f"(composable, under FSDP2{words})")
+            detail = f"checkpointed {what} in place (composable, under FSDP2{words})"
         else:
             fresh = {id(s.block): f for s, c, f in raised if c == NONE}
             if fresh:
@@ -356,11 +358,9 @@ class ActivationCheckpointing:
             for slot, current, final in raised:
                 if current != NONE:  # a selective wrapper raised to full: another function
                     wrappers[id(slot.block)].checkpoint_fn = checkpoint_function(final)
-            detail = (f"wrapped {counted_blocks([s.block for s, _, _ in raised])} with "
-                      f"checkpoint_wrapper (non-reentrant{words})")
+            detail = f"wrapped {what} with checkpoint_wrapper (non-reentrant{words})"
             if any(c != NONE for _, c, _ in raised):
-                detail = (f"raised {counted_blocks([s.block for s, _, _ in raised])} to "
-                          f"{level_words(self.level)} in place")
+                detail = f"raised {what} to {level_words(self.level)} in place"
         after = state_words(self.block_levels(model))
         return MitigationResult(self.name, applied=self.is_on(model), detail=detail, before=before,
                                 after=after)

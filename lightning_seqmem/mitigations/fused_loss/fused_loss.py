@@ -78,7 +78,7 @@ from torch import nn
 from lightning_seqmem.core.rungs import RungNotApplicable
 from lightning_seqmem.mitigations.attention.attention import is_hf_pretrained_model
 from lightning_seqmem.mitigations.base import (CopyPlan, MitigationResult, Rung, RungContext,
-                                               find_top_down)
+                                               device_type_of, find_top_down)
 from lightning_seqmem.mitigations.fused_loss.fused_loss_hf import (
     hf_refusal, hf_refusals, hf_fused_loss_of, hf_switch_off, hf_switch_on)
 from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX
@@ -363,9 +363,8 @@ def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _fn_of(target: nn.Module) -> Any:
     """The fused loss a target runs, or None (the plain loss)."""
-    fn = (hf_fused_loss_of(target) if is_hf_pretrained_model(target)
-          else getattr(target, "fused_loss", None))
-    return fn
+    return (hf_fused_loss_of(target) if is_hf_pretrained_model(target)
+            else getattr(target, "fused_loss", None))
 
 
 def fused_loss_backend(model: nn.Module) -> Optional[str]:
@@ -397,11 +396,6 @@ def _switch_off(target: nn.Module) -> None:
         target.set_fused_loss(None)
 
 
-def _device_type(model: nn.Module) -> str:
-    param = next(iter(model.parameters()), None)
-    return param.device.type if param is not None else "cpu"
-
-
 class FusedLossRung(Rung):
     """The ladder's ``"fused_loss"`` rung: the causal-LM loss by :class:`FusedLinearCrossEntropy`.
 
@@ -427,12 +421,10 @@ class FusedLossRung(Rung):
                 "tiled": "DeepSpeed TiledFusedLogitsLoss"}
 
     def __init__(self, backend: str = "auto") -> None:
-        if backend not in FUSED_LOSS_BACKENDS:
-            raise ValueError(f"`backend` must be one of {FUSED_LOSS_BACKENDS}, got {backend!r}.")
-        self.backend = backend
+        self.backend = FusedLinearCrossEntropy(backend).backend  # raises for an unknown one
 
     def _backend(self, model: nn.Module) -> tuple[Optional[str], str]:
-        device = _device_type(model)
+        device = device_type_of(model)
         if self.backend == "auto":
             chosen = resolve_backend(device)
             return chosen, ("" if chosen else _none_installed_reason(device))
@@ -494,13 +486,13 @@ class FusedLossRung(Rung):
             plan.notes.append(f"{self.name}: {why}")
             return
         backend, _ = self._backend(copy)
-        modelled = _MODELLED.get(_device_type(copy), {})
+        modelled = _MODELLED.get(device_type_of(copy), {})
         if backend in modelled:
             self._put_on(copy, backend)
             plan.notes.append(f"{self.name}: loss plain -> {backend} ({self._LIBRARY[backend]}, "
                               "modelled: its allocations on the simulated CUDA device)")
             return
-        if backend_unavailable_reason("tiled", _device_type(copy)) is not None:
+        if backend_unavailable_reason("tiled", device_type_of(copy)) is not None:
             raise RungNotApplicable(self.name, f"{backend} on the model; the dry run needs tiled: "
                                                f"{_INSTALL['tiled']}")
         self._put_on(copy, "tiled")

@@ -85,17 +85,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_seqmem.core.checks import check_int, is_a
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.mitigations.microbatch.microbatch_spec import SPEC
 from lightning_seqmem.mitigations.base import (CopyPlan, MitigationResult, Rung, RungContext,
-                                               wrapping_strategy_refusal)
+                                               fsdp2_modules, wrapping_strategy_refusal)
 from lightning_seqmem.mitigations.microbatch.microbatch_functional import (
     IGNORE_INDEX,
-    WEIGHTINGS,
+    check_weighting,
     is_deepspeed_engine,
     micro_batch_counts,
 )
@@ -116,11 +115,11 @@ def _describe(pl_module: Any) -> str:
     return f"micro_batch_size={wrapper.micro_batch_size}" if wrapper is not None else "off"
 
 
-def _has_fsdp2(module: Any) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, torch.nn.Module) and any(isinstance(m, FSDPModule)
-                                                       for m in module.modules())
+def _manual_refusal(pl_module: Any) -> Optional[str]:
+    """Why a module with manual optimization cannot be micro-batched, or None (automatic)."""
+    if getattr(pl_module, "automatic_optimization", True):
+        return None
+    return "manual optimization runs its own backward, which cannot be split"
 
 
 def _dataloader_batch_size(trainer: Any) -> int | None:
@@ -178,11 +177,9 @@ class MicroBatching:
                  ignore_index: int = IGNORE_INDEX) -> None:
         self.micro_batch_size = check_int("micro_batch_size", micro_batch_size,
                                           accepted="an int >= 1")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"`weighting` must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.weighting = check_weighting(weighting)
         if not isinstance(verify, bool):
             raise ValueError(f"`verify` must be a bool, got {verify!r}")
-        self.weighting = weighting
         self.verify = verify
         self.ignore_index = check_int("ignore_index", ignore_index, minimum=-(2**63),
                                       accepted="an int")
@@ -190,15 +187,22 @@ class MicroBatching:
     def _settings(self) -> tuple[int, str, bool, int]:
         return self.micro_batch_size, self.weighting, self.verify, self.ignore_index
 
+    def check_refusal(self, pl_module: Any) -> Optional[str]:
+        """Why the first-step check refused ``pl_module`` (unless ``verify=False``), or None."""
+        refusal = micro_batching_refusal(pl_module)
+        if refusal is None or not self.verify:
+            return None
+        return f"refused by its first-step check: {refusal}"
+
     def is_applicable(self, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
         """``(True, what would change)`` or ``(False, why)`` for this ``trainer``'s strategy and
         ``pl_module``, on ``batch`` (else the train dataloader's ``batch_size`` where known)."""
         if not getattr(pl_module, "automatic_optimization", True):
             return False, ("manual optimization (automatic_optimization=False): the module runs "
                            "its own backward")
-        refusal = micro_batching_refusal(pl_module)
-        if refusal is not None and self.verify:
-            return False, f"refused by its first-step check: {refusal}"
+        refusal = self.check_refusal(pl_module)
+        if refusal is not None:
+            return False, refusal
         strategy = trainer.strategy
         model = strategy.model
         deepspeed = is_a(strategy, "DeepSpeedStrategy")
@@ -214,7 +218,7 @@ class MicroBatching:
                            "batch size and raise Trainer(accumulate_grad_batches=...), which "
                            "DeepSpeed runs as its gradient_accumulation_steps, or use ZeRO stage 1 "
                            "or 2")
-        fsdp2 = is_a(strategy, "ModelParallelStrategy") and _has_fsdp2(pl_module)
+        fsdp2 = is_a(strategy, "ModelParallelStrategy") and bool(fsdp2_modules(pl_module))
         if not is_a(strategy, "SingleDeviceStrategy", "DDPStrategy") and not fsdp2:
             return False, (f"strategy {type(strategy).__name__} not supported (single device, "
                            "DDP, DeepSpeed and ModelParallelStrategy with fully_shard (FSDP2) "
@@ -316,6 +320,7 @@ class MicroBatchRung(Rung):
     changes the step, not the copy.
 
     Example:
+        >>> import torch
         >>> rung = MicroBatchRung()
         >>> plan = CopyPlan()
         >>> rung.apply_to_copy(torch.nn.Linear(2, 2), plan)
@@ -353,20 +358,13 @@ class MicroBatchRung(Rung):
     def copy_refusal(self, ctx: RungContext) -> str | None:
         """A dry run models micro-batching on any batch (changing the step, not the copy); refused
         only where the module refuses it (manual optimization, its first-step check)."""
-        if not getattr(ctx.pl_module, "automatic_optimization", True):
-            return "manual optimization runs its own backward, which cannot be split"
-        refusal = micro_batching_refusal(ctx.pl_module)
-        if refusal is None or not self.policy.verify:
-            return None
-        return f"refused by its first-step check: {refusal}"
+        return _manual_refusal(ctx.pl_module) or self.policy.check_refusal(ctx.pl_module)
 
     def strategy_refusal(self, trainer: Any) -> str | None:
         return wrapping_strategy_refusal(trainer)
 
     def setup_refusal(self, trainer: Any, pl_module: Any) -> str | None:
-        if not getattr(pl_module, "automatic_optimization", True):
-            return "manual optimization runs its own backward, which cannot be split"
-        return self.strategy_refusal(trainer)
+        return _manual_refusal(pl_module) or self.strategy_refusal(trainer)
 
     def check_pending(self, module: Any, batch: Any = None) -> bool:
         return micro_batching_check_pending(module, batch)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_seqmem.measure.probes import attribute_tensors
+from lightning_seqmem.mitigations.base import fsdp2_modules
 
 __all__ = ["check_copy", "copied_tensors", "sharded_modules"]
 
@@ -63,12 +64,9 @@ def sharded_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     >>> sharded_modules(torch.nn.Linear(2, 2))
     []
     """
-    from torch.distributed.fsdp import FSDPModule
-
     found: dict[int, torch.nn.Module] = {}
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            found.update({id(m): m for m in sub.modules()})
+    for sub in fsdp2_modules(module):
+        found.update({id(m): m for m in sub.modules()})
     return list(found.values())
 
 

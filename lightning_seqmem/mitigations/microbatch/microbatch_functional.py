@@ -22,9 +22,11 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_seqmem.core.checks import check_int
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.batch_tree import map_tensors
+from lightning_seqmem.mitigations.base import fsdp2_modules
 
-__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "deferred_gradient_reduction",
-           "is_deepspeed_engine", "micro_batch_counts", "slice_batch", "split_batch"]
+__all__ = ["IGNORE_INDEX", "RULE_TEXT", "WEIGHTINGS", "check_weighting",
+           "deferred_gradient_reduction", "is_deepspeed_engine", "micro_batch_counts",
+           "slice_batch", "split_batch"]
 
 IGNORE_INDEX = -100  # label value a loss skips (torch's cross_entropy and Hugging Face's default)
 WEIGHTINGS = ("auto", "samples", "label_tokens", "shifted_label_tokens")
@@ -33,6 +35,15 @@ RULE_TEXT = {  # what each weighting rule counts, in words
     "label_tokens": "label tokens (labels != ignore_index)",
     "shifted_label_tokens": "label tokens after the causal shift (labels[..., 1:] != ignore_index)",
 }
+
+
+def check_weighting(weighting: str) -> str:
+    """``weighting`` where it is one of :data:`WEIGHTINGS`, else ValueError."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"`weighting` must be one of {WEIGHTINGS}, got {weighting!r}")
+    return weighting
+
+
 def _micro_batch_sizes(batch_size: int, micro_batch_size: int) -> list[int]:
     full, rest = divmod(batch_size, micro_batch_size)
     return [micro_batch_size] * full + ([rest] if rest else [])
@@ -120,8 +131,7 @@ def micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str = "auto
         ('samples', [3, 1])
     """
     micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"`weighting` must be one of {WEIGHTINGS}, got {weighting!r}")
+    check_weighting(weighting)
     batch_size, _ = infer_batch_shape(batch)
     sizes = _micro_batch_sizes(batch_size, micro_batch_size)
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
@@ -185,10 +195,7 @@ def deferred_gradient_reduction(model: Any) -> Any:
                 model.optimizer.set_gradient_accumulation_boundary(
                     model.is_gradient_accumulation_boundary())
         return
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = [m for m in model.modules()] if isinstance(model, torch.nn.Module) else []
-    sharded = [m for m in sharded if isinstance(m, FSDPModule)]
+    sharded = fsdp2_modules(model)
     for m in sharded:
         m.set_requires_gradient_sync(False, recurse=False)
     try:

@@ -66,8 +66,8 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from lightning_seqmem.mitigations.base import (MitigationResult, Rung, RungContext,
-                                               wrapping_strategy_refusal)
+from lightning_seqmem.mitigations.base import (MitigationResult, ModulePolicyRung, RungContext,
+                                               fsdp2_modules, wrapping_strategy_refusal)
 from lightning_seqmem.mitigations.checkpointing.checkpointing import (counted_blocks,
                                                                       find_repeated_blocks)
 from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp_spec import SPEC
@@ -346,7 +346,7 @@ class TiledMLP:
         planned, why = self._plan(model)
         if why is not None:
             return False, why
-        if any(_is_fsdp2(m) for m in model.modules()):
+        if fsdp2_modules(model):
             return False, ("the blocks are sharded with FSDP2 (fully_shard): the tiled MLP is not "
                            "tested there")
         reason = tiled_mlp_unavailable_reason()
@@ -399,13 +399,7 @@ class TiledMLP:
         return f"{type(self).__name__}(tiles={self.tiles!r})"
 
 
-def _is_fsdp2(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-class TiledMLPRung(Rung):
+class TiledMLPRung(ModulePolicyRung):
     """The ladder's opt-in ``"tiled_mlp"`` rung: :class:`TiledMLP` behind the :class:`.base.Rung`
     protocol. The dry run tiles its fake copy the same way (``TiledMLP`` runs on fake tensors).
     FSDP1 and DeepSpeed strategies refuse it at set-up.
@@ -424,12 +418,6 @@ class TiledMLPRung(Rung):
 
     def __init__(self, tiles: Optional[int] = None) -> None:
         self.policy = TiledMLP(tiles)
-
-    def is_applicable(self, ctx: RungContext) -> tuple[bool, str]:
-        return self.policy.is_applicable(ctx.pl_module)
-
-    def apply(self, ctx: RungContext) -> MitigationResult:
-        return self.policy.apply(ctx.pl_module)
 
     def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
         return self.policy.remove(ctx.pl_module)
