@@ -61,13 +61,14 @@ from lightning_seqmem.dryrun.host import (PinWatch, host_detail, host_events, is
                                           mark_pinned, with_host_probe)
 from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
+from lightning_seqmem.mitigations.base import fsdp2_modules
 from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.measure.probes import make_probe
 
 __all__ = ["STRATEGIES", "check_strategy", "data_parallel_size", "dry_run_refusal", "fake_world",
-           "fsdp2_modules", "is_fsdp2", "sharded_dry_run_step", "sharding_root", "template_for",
+           "is_fsdp2", "sharded_dry_run_step", "sharding_root", "template_for",
            "unsharded_template", "world_forecast"]
 
 STRATEGIES = ("fsdp2", "ddp")
@@ -76,18 +77,6 @@ STRATEGIES = ("fsdp2", "ddp")
 MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")  # as ModelParallelStrategy names them
 _C10D_MAPS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg",
               "_pg_to_tag")
-
-
-def fsdp2_modules(module: nn.Module) -> list[nn.Module]:
-    """The submodules of ``module`` (itself included) that ``fully_shard`` was applied to.
-
-    Example:
-        >>> fsdp2_modules(nn.Linear(2, 2))
-        []
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def is_fsdp2(module: Any) -> bool:
