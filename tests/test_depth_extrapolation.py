@@ -269,7 +269,8 @@ def test_a_layout_that_changes_with_the_length_is_proved_again_from_two_copies(o
         model, names = MODELS["llama"](), ("tiled_mlp",)
         deep_at = lambda n: depth_dry_run_step(  # noqa: E731
             model, None, batch, n, None, names, device="cuda")
-        full_at = lambda n: dry_run_step(model, None, batch, n, None, names, device="cuda")  # noqa: E731
+        full_at = lambda n: dry_run_step(  # noqa: E731
+            model, None, batch, n, None, names, device="cuda")
     first = None
     for seq_len in (128, 200, 256):
         deep, full = deep_at(seq_len), full_at(seq_len)

@@ -16,7 +16,7 @@ COMPOSITION_ROOT = PACKAGE / "trainer" / "callback.py"
 PRODUCT_WINGS = ("core", "plan", "measure", "mitigations", "dryrun", "trainer", "present", "cli")
 LAB_WINGS = ("diagnostics", "reference")
 PRODUCT_LINES_GOAL = 12_000
-PRODUCT_LINES_CEILING = 26_500  # today's count, rounded up: the count may fall, never rise past it
+PRODUCT_LINES_CEILING = 25_500  # today's count, rounded up: the count may fall, never rise past it
 WHOLE_NAMES = {"planner", "cb", "callback", "ev", "evidence"}
 WHOLE_TYPES = re.compile(r"\b(SeqMemPlanner|SeqMemCallback|Planner|Evidence)\b")
 
@@ -104,11 +104,33 @@ def _lines(wing: str) -> int:
     return sum(len(p.read_text().splitlines()) for p in (PACKAGE / wing).rglob("*.py"))
 
 
+def _code_lines(source: str) -> int:
+    """Lines of ``source`` that are neither blank, a comment, nor part of a docstring (a string
+    statement: module, class and function docstrings and attribute notes)."""
+    prose: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        for statement in body if isinstance(body, list) else []:
+            if (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+                    and isinstance(statement.value.value, str)):
+                prose.update(range(statement.lineno, statement.end_lineno + 1))
+    return sum(1 for number, line in enumerate(source.splitlines(), 1)
+               if number not in prose and line.strip() and not line.lstrip().startswith("#"))
+
+
+def test_code_lines_skip_docstrings_comments_and_blanks():
+    source = ('"""Doc\n\nstring."""\n\nx = 1  # kept\n# gone\n\n'
+              'def f():\n    """Doc."""\n    return x\n')
+    assert _code_lines(source) == 3
+
+
 def test_the_product_wings_size_is_printed_and_does_not_grow():
     product = {wing: _lines(wing) for wing in PRODUCT_WINGS}
     lab = {wing: _lines(wing) for wing in LAB_WINGS}
     total = sum(product.values())
-    print(f"product wings: {total:,} lines (goal {PRODUCT_LINES_GOAL:,}): "
+    code = sum(_code_lines(p.read_text()) for wing in PRODUCT_WINGS
+               for p in (PACKAGE / wing).rglob("*.py"))
+    print(f"product wings: {total:,} lines (goal {PRODUCT_LINES_GOAL:,}; {code:,} of them code): "
           + ", ".join(f"{w} {n:,}" for w, n in product.items())
           + "; lab apart: " + ", ".join(f"{w} {n:,}" for w, n in lab.items()))
     assert total <= PRODUCT_LINES_CEILING, f"the product wings grew to {total:,} lines"

@@ -18,8 +18,8 @@ def quadratic_terms(old: Optional[MemoryForecaster],
     if old is None:
         return None
     if old.timeline is not None and new.timeline is not None:
-        return tuple(float(f.timeline.coefficients[2].clip(min=0).sum())  # type: ignore[return-value]
-                     for f in (old, new))
+        return tuple(  # type: ignore[return-value]
+            float(f.timeline.coefficients[2].clip(min=0).sum()) for f in (old, new))
     fits = [f.quadratic for f in (old, new)]
     if any(q is None for q in fits) or any(len({L for L, _ in f.points}) < 3 for f in (old, new)):
         return None
