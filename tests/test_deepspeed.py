@@ -11,6 +11,9 @@ real ``DeepSpeedEngine``).
 * ``SeqMemCallback`` under ZeRO-2 with a tight budget switches both on, every step window (the
   profiler's count) within the usable budget, and each record equal to the window's peak: the
   tracker counts the tensors the ZeRO optimizer holds (its flat fp32 gradient partitions).
+
+One process (tests/scripts/deepspeed_run.py) runs every fit, the callback's first; the tests read
+its JSON.
 """
 
 from __future__ import annotations
@@ -21,23 +24,27 @@ import sys
 from pathlib import Path
 
 import pytest
-from limits import limit_s
+from limits import limit_s, shared_fixture
 
 pytest.importorskip("deepspeed")
 SCRIPT = Path(__file__).parent / "scripts" / "deepspeed_run.py"
 pytestmark = pytest.mark.slow
+BUDGET = 30 * 2**20  # 128 tokens x 4: 38.9 MiB measured; the callback's run settles at 64 tokens
 
 
-def _run(tmp_path: Path, *args: str) -> dict:
+@shared_fixture  # once per module; a failure fails one test, the other skips
+def runs(tmp_path_factory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("deepspeed")
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], capture_output=True,
-                          text=True, timeout=limit_s(120), cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "callback", "2", str(BUDGET),
+                           "equality", "0", "2", "3"], capture_output=True, text=True,
+                          timeout=limit_s(120), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def test_micro_batching_and_checkpointing_keep_the_updates_under_zero_stages(tmp_path):
-    result = _run(tmp_path, "equality", "0", "2", "3")
+def test_micro_batching_and_checkpointing_keep_the_updates_under_zero_stages(runs):
+    result = runs["equality"]
     for stage in ("0", "2"):
         assert result[stage]["micro_applicable"][0], result[stage]["micro_applicable"]
         # measured 1.7e-6 (float rounding)
@@ -51,9 +58,8 @@ def test_micro_batching_and_checkpointing_keep_the_updates_under_zero_stages(tmp
     assert all(result[s]["update_norm"] > 0 for s in result)
 
 
-def test_callback_under_zero2_switches_rungs_on_within_the_budget(tmp_path):
-    budget = 30 * 2**20  # 128 tokens x 4: 38.9 MiB measured; the run settles at 64 tokens
-    result = _run(tmp_path, "callback", "2", str(budget))
+def test_callback_under_zero2_switches_rungs_on_within_the_budget(runs):
+    result, budget = runs["callback"], BUDGET
     assert result["engine"] == "DeepSpeedEngine" and result["global_step"] == 10
     assert result["applied_mitigations"] == ["checkpointing", "microbatch"]
     assert result["windows_over"] == []

@@ -62,11 +62,21 @@ def _run(mitigations, max_steps=20, **model):
 
 
 def test_unmitigated_model_fits_an_eighth_of_the_target():
-    assert _peak(80) <= BUDGET < _peak(96)
+    # one fit of batches of 80, 80 and 96 tokens: the measured peaks of the second and third steps,
+    # both with the optimizer state (the first step starts without it)
+    cb = SeqMemCallback(warmup_steps=1, mitigations=())
+    lengths = [80, 80, 96]
+    torch.manual_seed(0)
+    make_trainer([cb], max_steps=len(lengths)).fit(
+        LitGPT(**MODEL), torch.utils.data.DataLoader(_Padded(lengths), batch_size=None))
+    assert [r.seq_len for r in cb.records] == lengths
+    at_80, at_96 = (r.peak_bytes for r in cb.records[1:])
+    assert at_80 <= BUDGET < at_96
 
 
 def test_ladder_reaches_the_target_within_budget():
-    cb, module, oom = _run(MITIGATIONS, max_steps=12)  # the plan reaches 640 by step 8
+    # the plan reaches 640 at step 10 (the 11th batch: two per length, 32 to 512 doubling)
+    cb, module, oom = _run(MITIGATIONS, max_steps=11)
     lengths = [r.seq_len for r in cb.records]
     assert lengths[-1] == TARGET and cb.planner.course.capped_at is None
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget
@@ -97,8 +107,8 @@ def test_ladder_reaches_the_target_within_budget():
 
 def test_attention_switch_that_stays_quadratic_is_reported():
     """With attention dropout, SDPA on CPU takes its math path: the L² term stays, and we say so."""
-    # switched on at step 2 (48 tokens), checked at step 3, capped at 48 from then on
-    cb, module, oom = _run(("attention",), max_steps=8, attention_dropout=0.1)
+    # switched on at step 2 (48 tokens), checked at step 3 (the last), capped at 48 from then on
+    cb, module, oom = _run(("attention",), max_steps=4, attention_dropout=0.1)
     assert cb.applied_mitigations == ("attention",) and module.attention_backend == "sdpa"
     still = [w for w in oom if "still grows quadratically" in str(w.message)]
     assert len(still) == 1 and "attention dropout" in str(still[0].message)
@@ -106,14 +116,15 @@ def test_attention_switch_that_stays_quadratic_is_reported():
 
 
 def test_attention_switch_to_a_fused_kernel_is_not_reported():
-    # switched on at step 4 (96 tokens), checked at step 5
-    cb, _, oom = _run(("attention",), max_steps=8)
+    # switched on at step 4 (96 tokens), checked at step 5 (the last)
+    cb, _, oom = _run(("attention",), max_steps=6)
     assert cb.mitigation_events[0].get("checked")
     assert not [w for w in oom if "still grows quadratically" in str(w.message)]
 
 
 def test_empty_ladder_warns_and_caps():
-    cb, module, oom = _run((), max_steps=8)  # capped at 64 tokens from step 2 on
+    # capped at 64 tokens from step 2 on, decided at step 4 (the last), where 128 would be next
+    cb, module, oom = _run((), max_steps=5)
     assert cb.applied_mitigations == () and module.attention_backend == "eager"
     assert cb.planner.course.capped_at is not None and cb.planner.course.capped_at < 96
     assert max(r.peak_bytes for r in cb.records) <= BUDGET
@@ -127,10 +138,11 @@ def test_ladder_validation():
         SeqMemCallback(mitigations="attention")
 
 
-class _GrowingPadding(torch.utils.data.Dataset):
-    """Dynamic padding whose padded length grows: batch i has length lengths[i]."""
+class _Padded(torch.utils.data.Dataset):
+    """Dynamic padding: batch i (4 samples) has length lengths[i]."""
 
-    lengths = [32, 48, 64, 32, 48, 64, 96, 128, 192, 256, 320, 320]
+    def __init__(self, lengths):
+        self.lengths = lengths
 
     def __len__(self):
         return len(self.lengths)
@@ -141,16 +153,20 @@ class _GrowingPadding(torch.utils.data.Dataset):
         return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
+# the padded length grows: over the budget from 96 tokens; the last rung goes on at 192
+GROWING = [32, 48, 64, 32, 48, 64, 96, 128, 192]
+
+
 def test_without_a_curriculum_an_over_budget_batch_switches_the_ladder_on_before_it_runs():
     cb = SeqMemCallback(warmup_steps=1, warmup_steps_after_change=0, memory_budget=BUDGET,
                         safety_margin=0.0)
     torch.manual_seed(0)
     module = LitGPT(**MODEL)
-    loader = torch.utils.data.DataLoader(_GrowingPadding(), batch_size=None)
+    loader = torch.utils.data.DataLoader(_Padded(GROWING), batch_size=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer([cb], max_steps=len(_GrowingPadding.lengths)).fit(module, loader)
-    assert [r.seq_len for r in cb.records] == _GrowingPadding.lengths  # every batch ran, none cut
+        make_trainer([cb], max_steps=len(GROWING)).fit(module, loader)
+    assert [r.seq_len for r in cb.records] == GROWING  # every batch ran, none cut
     assert max(r.peak_bytes for r in cb.records) <= BUDGET
     assert cb.applied_mitigations and cb.applied_mitigations[0] == "attention"
     oom = [str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning)]
@@ -202,10 +218,12 @@ def test_a_rung_whose_check_fails_is_skipped_and_the_run_goes_on(monkeypatch):
         return original(name, *args, **kwargs)
 
     monkeypatch.setattr(ladder, "is_applicable", broken)
-    cb, module, oom = _run(MITIGATIONS, max_steps=10)
+    # the first rung goes on at step 4 (128 tokens); the run goes on at 128 in step 5
+    cb, module, oom = _run(MITIGATIONS, max_steps=6)
     # the fastest setting that fits goes on first: micro-batching (prior +10%) before checkpointing
     # (+33%); the ladder's old prefix order took checkpointing first
     assert "attention" not in cb.applied_mitigations and cb.applied_mitigations[0] == "microbatch"
     assert any("attention: its check failed (RuntimeError: injected: odd model)" in str(w.message)
                for w in oom)
     assert max(r.peak_bytes for r in cb.records) <= BUDGET
+    assert cb.records[-1].step > cb.mitigation_events[0]["step"]  # it trained on after the switch

@@ -1,14 +1,18 @@
 """Run by tests/test_deepspeed.py: Lightning's ``DeepSpeedStrategy`` on the CPU
-(tests/deepspeed_cpu.py, gloo, one process), writing JSON.
+(tests/deepspeed_cpu.py, gloo, one process), writing JSON: ``{MODE: its result}``.
 
-    python tests/scripts/deepspeed_run.py OUT.json equality STAGE [STAGE ...]
-    python tests/scripts/deepspeed_run.py OUT.json callback STAGE BUDGET_BYTES
+    python tests/scripts/deepspeed_run.py OUT.json [callback STAGE BUDGET_BYTES] \
+        [equality STAGE [STAGE ...]]
+
+Both modes run in one process (torch, Lightning and DeepSpeed start once), ``callback`` first: its
+measurements see no earlier fit's tensors.
 
 ``equality``: per ZeRO stage, two steps of a small GPT on batches of 4, whole and micro-batched
 (2 + 2, switched on before the first step) from the same initial weights, and the relative L2 norm
 of the difference of their parameter updates; ``MicroBatching.is_applicable`` at each stage, and the
 same with activation checkpointing switched on (its updates against the plain run's); where
-micro-batching is refused, the split step run all the same (``forced_micro_relative``).
+micro-batching is refused, the split step run all the same (``forced_micro_relative``, in place of
+``micro_relative``).
 ``callback``: ``SeqMemCallback`` (a curriculum 64 -> 256 tokens, the ladder
 checkpointing -> microbatch) under the strategy; each step window's peak counted by the profiler
 (tests/step_window.py).
@@ -47,21 +51,20 @@ class _Switch(pl.Callback):
         self.what, self.applicable = what, None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.what == "forced":  # as the refused rung would run, its check left out
-            import lightning_seqmem.mitigations.microbatch.microbatch as microbatch
-
-            stage_of, microbatch._deepspeed_stage = (microbatch._deepspeed_stage,
-                                                     lambda strategy: None)
-            try:  # the stage unknown: nothing refuses it
-                self.applicable = MicroBatching(micro_batch_size=2).is_applicable(
-                    trainer, pl_module)
-                MicroBatching(micro_batch_size=2).apply(trainer, pl_module)
-            finally:
-                microbatch._deepspeed_stage = stage_of
-        elif self.what == "micro":
+        if self.what == "micro":
             self.applicable = MicroBatching(micro_batch_size=2).is_applicable(trainer, pl_module)
             if self.applicable[0]:
                 MicroBatching(micro_batch_size=2).apply(trainer, pl_module)
+            else:  # refused: run it all the same, as the rung would run with its check left out
+                import lightning_seqmem.mitigations.microbatch.microbatch as microbatch
+
+                stage_of, microbatch._deepspeed_stage = (microbatch._deepspeed_stage,
+                                                         lambda strategy: None)
+                try:  # the stage unknown: nothing refuses it
+                    assert MicroBatching(micro_batch_size=2).is_applicable(trainer, pl_module)[0]
+                    MicroBatching(micro_batch_size=2).apply(trainer, pl_module)
+                finally:
+                    microbatch._deepspeed_stage = stage_of
         elif self.what == "checkpointing":
             result = CheckpointingRung().apply(RungContext(pl_module, trainer))
             self.applicable = (result.applied, result.detail)
@@ -90,15 +93,14 @@ def equality(stages: list[int]) -> dict[str, object]:
     out: dict[str, object] = {}
     for stage in stages:
         plain, _ = _update(stage, "none")
-        micro, applicable = _update(stage, "micro")
+        micro, applicable = _update(stage, "micro")  # refused: the split step run all the same
         ckpt, applied = _update(stage, "checkpointing")
         out[str(stage)] = {"micro_applicable": applicable,
-                           "micro_relative": _relative(plain, micro),
+                           ("micro_relative" if applicable[0] else "forced_micro_relative"):
+                           _relative(plain, micro),
                            "checkpointing_applied": applied,
                            "checkpointing_relative": _relative(plain, ckpt),
                            "update_norm": sum(float((v ** 2).sum()) for v in plain.values()) ** 0.5}
-        if not applicable[0]:  # what the refusal avoids: the split step run all the same
-            out[str(stage)]["forced_micro_relative"] = _relative(plain, _update(stage, "forced")[0])
     return out
 
 
@@ -126,12 +128,15 @@ def callback(stage: int, budget: int) -> dict[str, object]:
 
 
 def main() -> None:
-    out, mode = sys.argv[1], sys.argv[2]
+    out, args = sys.argv[1], sys.argv[2:]
     warnings.simplefilter("ignore")
-    if mode == "equality":
-        result = equality([int(s) for s in sys.argv[3:]])
-    else:
-        result = callback(int(sys.argv[3]), int(sys.argv[4]))
+    result: dict[str, object] = {}
+    if args[:1] == ["callback"]:
+        result["callback"], args = callback(int(args[1]), int(args[2])), args[3:]
+    if args[:1] == ["equality"]:
+        result["equality"], args = equality([int(s) for s in args[1:]]), []
+    if args or not result:
+        raise SystemExit(f"unknown arguments {args}: see this script's docstring")
     with open(out, "w") as fh:
         json.dump(result, fh)
 
