@@ -51,7 +51,8 @@ def test_micro_batching_and_checkpointing_keep_the_updates_under_zero_stages(run
         assert result[stage]["micro_relative"] < 1e-4, result[stage]
     applies, why = result["3"]["micro_applicable"]
     assert not applies and "ZeRO stage 3" in why and "accumulate_grad_batches" in why
-    assert result["3"]["forced_micro_relative"] > 0.1  # what the refusal avoids (measured 0.96)
+    # what the refusal avoids (measured 0.83-0.96)
+    assert result["3"]["forced_micro_relative"] > 0.1
     for stage in ("2", "3"):
         assert result[stage]["checkpointing_applied"][0], result[stage]["checkpointing_applied"]
         assert result[stage]["checkpointing_relative"] < 1e-6

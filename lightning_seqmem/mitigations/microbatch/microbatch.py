@@ -65,7 +65,7 @@ per micro-batch (pass ``batch_size=``); only training batches are split; under D
 ``find_unused_parameters=True`` a parameter only an earlier micro-batch used counts as unused
 (``static_graph=True`` untested). Supported: automatic optimization on a single device, DDP, FSDP2,
 DeepSpeed ZeRO 0-2 (updates equal the whole batch's to 4e-6, tests/test_deepspeed.py). Refused,
-saying why: manual optimization, ZeRO stage 3 (an update 0.96 relative off; cause not traced),
+saying why: manual optimization, ZeRO stage 3 (an update 0.83-0.96 relative off; cause not traced),
 DeepSpeed's pipeline engine, FSDP1 and other model-parallel strategies.
 
 Example:
@@ -213,8 +213,9 @@ class MicroBatching:
             return False, "DeepSpeed's pipeline engine splits batches into micro-batches itself"
         if deepspeed and _deepspeed_stage(strategy) == 3:
             return False, ("under DeepSpeed ZeRO stage 3 a split step's update is not the whole "
-                           "batch's (measured 0.96 relative off on CPU, tests/test_deepspeed.py; "
-                           "the cause in ZeRO-3's gradient partitioning is not traced); lower the "
+                           "batch's (measured 0.83-0.96 relative off on CPU, "
+                           "tests/test_deepspeed.py; the cause in ZeRO-3's gradient partitioning "
+                           "is not traced); lower the "
                            "batch size and raise Trainer(accumulate_grad_batches=...), which "
                            "DeepSpeed runs as its gradient_accumulation_steps, or use ZeRO stage 1 "
                            "or 2")
