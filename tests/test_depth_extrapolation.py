@@ -5,6 +5,8 @@ get the full dry run and say why."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -22,21 +24,31 @@ from lightning_seqmem.mitigations.checkpointing.checkpointing import is_checkpoi
 from lightning_seqmem.reference.demo import LitGPT
 from lightning_seqmem.reference.hf import HFCausalLM
 
-SETTINGS = [(), ("attention",), ("checkpointing",), ("checkpointing:3/8",),
+# The full models' depth: deeper than every copy a proof runs (dryrun.repetition): 1, 2, 3 blocks
+# (2, 3, 4 under FSDP2); a rung at "k/N" up to 4 (3 + 1, 2 + 2), or 5 under FSDP2 (2 + 3, 3 + 2),
+# where the sharded test takes a block more.
+BLOCKS = 5
+PLAIN_PAST = f"checkpointing:2/{BLOCKS}"  # 3 plain blocks: one more than the copies hold
+LEVELED_PAST = f"checkpointing:4/{BLOCKS}"  # 4 checkpointed blocks: one more than the copies
+SETTINGS = [(), ("attention",), ("checkpointing",), (PLAIN_PAST,),
             ("checkpointing:selective",), ("microbatch",), ("fused_loss",), ("tiled_mlp",),
             ("activation_offload",)]  # host bytes grow per block: a base and a unit copy a length
 FIRST = 128  # each setting's repetition is proved at the first length it is asked
-ON_CPU_TOO = [(("checkpointing:3/8",), 200), (("microbatch",), 200),  # answered from one copy
-              (("attention", "checkpointing:5/8", "microbatch"), 128)]
-TINY_LLAMA_8 = dict(num_hidden_layers=8, hidden_size=32, intermediate_size=64,
-                    num_attention_heads=2, num_key_value_heads=2, vocab_size=256)
+ON_CPU_TOO = [((PLAIN_PAST,), 200), (("microbatch",), 200),  # answered from one copy
+              (("attention", LEVELED_PAST, "microbatch"), 128)]
+TINY_LLAMA = dict(num_hidden_layers=BLOCKS, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=2, vocab_size=256)
 MODELS = {
-    "gpt": lambda: LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager"),
-    "llama": lambda: HFCausalLM(config=TINY_LLAMA_8, attn_implementation="eager"),
+    "gpt": lambda blocks=BLOCKS: LitGPT(n_layer=blocks, d_model=32, n_head=2, attention="eager"),
+    "llama": lambda blocks=BLOCKS: HFCausalLM(config=dict(TINY_LLAMA, num_hidden_layers=blocks),
+                                              attn_implementation="eager"),
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _batch() -> dict:
+    """One batch object for the module: the depth cache matches a batch by identity, so the tests
+    asking about one model object share its proofs and copies (in the order pytest runs them)."""
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
@@ -55,10 +67,21 @@ def _outcome(fn) -> tuple:
     return _figures(result), result.detail, result
 
 
+@functools.lru_cache(maxsize=None)
+def _model(name: str) -> nn.Module:
+    """The module's model of that name at BLOCKS blocks, one object (see ``_batch``)."""
+    return MODELS[name]()
+
+
+@functools.lru_cache(maxsize=None)
+def _full_dry_run(model: nn.Module, names: tuple, seq_len: int, device: str):
+    """The full dry run of ``model`` (one of ``_model``'s) on ``_batch()``, made once a module."""
+    return dry_run_step(model, None, _batch(), seq_len, None, names, device=device)
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request):
-    clear_depth_cache()
-    return MODELS[request.param]()
+    return _model(request.param)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: simulated (dryrun.accelerator)
@@ -69,44 +92,97 @@ def test_depth_extrapolated_equals_the_full_dry_run_to_the_byte(model, device):
     for names, seq_len in asked:
         deep, detail, result = _outcome(
             lambda: depth_dry_run_step(model, None, batch, seq_len, None, names, device=device))
-        full, why, _ = _outcome(
-            lambda: dry_run_step(model, None, batch, seq_len, None, names, device=device))
+        full, why, _ = _outcome(lambda: _full_dry_run(model, names, seq_len, device))
         assert deep == full, (names, seq_len, detail)
         if deep == "unsupported":  # the full dry run refuses it too, for the same reason
             assert detail == why
             continue
-        assert detail.startswith(("depth-extrapolated: 8 blocks from a dry run of a copy of ",
-                                  "depth-extrapolated: 8 blocks from dry runs of copies of "))
+        assert detail.startswith(tuple(f"depth-extrapolated: {BLOCKS} blocks from {how} of "
+                                       for how in ("a dry run of a copy", "dry runs of copies")))
         assert result.events is None and result.mitigations == names
         extrapolated += 1
     assert extrapolated >= len(asked) - 1  # fused_loss on the simulated device: refused by both
 
 
 def test_partial_checkpointing_shares_its_copies_across_levels(model):
-    """Every k of 'checkpointing:k/8' is answered from the same copies (one proof, one copy)."""
+    """Every k of 'checkpointing:k/N' is answered from the same copies (one proof, one copy). On
+    the cpu, as the test above: its proof at 128 tokens stands here, where it ran first."""
     batch = _batch()
-    first = depth_dry_run_step(model, None, batch, 160, None, ["checkpointing:2/8"])
+    first = depth_dry_run_step(model, None, batch, 160, None, [PLAIN_PAST], device="cpu")
     copies = first.detail.split(" (each block")[0]
-    for k in (1, 7):
-        deep = depth_dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
-        full = dry_run_step(model, None, batch, 160, None, [f"checkpointing:{k}/8"])
+    for k in (1, BLOCKS - 1):
+        names = [f"checkpointing:{k}/{BLOCKS}"]
+        deep = depth_dry_run_step(model, None, batch, 160, None, names, device="cpu")
+        full = dry_run_step(model, None, batch, 160, None, names, device="cpu")
         assert _figures(deep) == _figures(full)
         assert deep.detail.split(" (each block")[0] == copies
         assert deep.seconds < first.seconds  # the copy's dry run is cached: no new fake step
 
 
+@pytest.mark.parametrize("names", [(), ("checkpointing",)])
+def test_the_peak_site_is_extrapolated_where_it_stays_put(names):
+    """On the cpu's GPT of the first test: its proofs at 128 tokens stand here, where it ran."""
+    model, cpu = _model("gpt"), "cpu"
+    deep = depth_dry_run_step(model, None, _batch(), 256, None, names, device=cpu,
+                              site=trace_peak_site)
+    full = dry_run_step(model, None, _batch(), 256, None, names, device=cpu, site=trace_peak_site)
+    assert _figures(deep) == _figures(full)
+    assert deep.peak_site is not None and deep.peak_site == full.peak_site
+    assert "the peak site extrapolated from traced copies" in deep.detail
+    short = depth_dry_run_step(model, None, _batch(), 128, None, names, device=cpu,
+                               site=trace_peak_site)
+    assert short.peak_site is None or short.peak_site == dry_run_step(
+        model, None, _batch(), 128, None, names, device=cpu, site=trace_peak_site).peak_site
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_layout_that_changes_with_the_length_is_proved_again_from_two_copies(offload):
+    """The tiled MLP's tile count follows the length (here one tile per 32 tokens: 4, 7 and 8
+    tiles), so each length lays its allocations out anew: the repetition proved on copies of 1, 2
+    and 3 blocks at the first length is proved again from copies of 1 and 2 at the others (2 fake
+    steps, not 3), and every answer equals the full dry run's, device and host, phase by phase
+    (FSDP2 CPUOffloadPolicy with activation offload too). Without offload, on the simulated CUDA
+    device's Llama of the first test: its proof at 128 tokens stands here, where it ran."""
+    batch = _batch()
+    if offload:
+        clear_depth_cache()
+        template = unsharded_template(MODELS["llama"]())
+        names = ("checkpointing", "tiled_mlp", "activation_offload")
+        deep_at = lambda n: depth_sharded_dry_run_step(  # noqa: E731
+            template, batch, n, 1, None, names, "fsdp2", None, "cuda", offload=True)
+        full_at = lambda n: sharded_dry_run_step(  # noqa: E731
+            template, batch, n, 1, None, names, "fsdp2", None, "cuda", offload=True)
+    else:
+        model, names = _model("llama"), ("tiled_mlp",)
+        deep_at = lambda n: depth_dry_run_step(  # noqa: E731
+            model, None, batch, n, None, names, device="cuda")
+        full_at = lambda n: _full_dry_run(model, names, n, "cuda")  # noqa: E731
+    first = None
+    for seq_len in (128, 200, 256):
+        deep, full = deep_at(seq_len), full_at(seq_len)
+        assert _figures(deep) == _figures(full), (seq_len, deep.detail)
+        checked = deep.detail.split("the repetition checked on ")[1].split(")")[0]
+        if first is None:
+            first = checked
+            assert checked.endswith("blocks at seq_len 128") and "and of" not in checked
+        else:
+            assert (checked.startswith(first + ", and of ")
+                    and checked.endswith(f"blocks at seq_len {seq_len}"))
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_sharded_depth_extrapolated_equals_the_full_sharded_dry_run(strategy):
     clear_depth_cache()
-    template = unsharded_template(MODELS["gpt"]())
+    blocks = BLOCKS + 1 if strategy == "fsdp2" else BLOCKS  # past FSDP2's copies of 2 + 3, 3 + 2
+    template = unsharded_template(MODELS["gpt"](blocks))
     batch = _batch()
-    asked = [((), 128), ((), 200), (("checkpointing:3/8",), 128)]
+    asked = [((), 128), ((), 200), ((f"checkpointing:2/{blocks}",), 128)]  # 2 plain past the copies
     asked += [(("microbatch",), 128)] if strategy == "fsdp2" else []
     for names, seq_len in asked:
         deep = depth_sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
         full = sharded_dry_run_step(template, batch, seq_len, 4, None, names, strategy)
         assert (deep.peak_bytes, deep.phase_peak_bytes) == (full.peak_bytes, full.phase_peak_bytes)
-        assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail
+        assert deep.detail.startswith(f"depth-extrapolated: {blocks} blocks"), deep.detail
 
 
 def test_sharded_hugging_face_model_answered_or_refused_alike():
@@ -119,7 +195,7 @@ def test_sharded_hugging_face_model_answered_or_refused_alike():
 
 def test_layers_that_differ_get_the_full_dry_run_with_the_reason():
     """Qwen2 with sliding-window attention on the layers past max_window_layers."""
-    config = dict(TINY_LLAMA_8, use_sliding_window=True, sliding_window=64, max_window_layers=4)
+    config = dict(TINY_LLAMA, use_sliding_window=True, sliding_window=64, max_window_layers=4)
     model = HFCausalLM(model_type="qwen2", config=config, attn_implementation="eager")
     deep = depth_dry_run_step(model, None, _batch(), 128)
     assert _figures(deep) == _figures(dry_run_step(model, None, _batch(), 128))
@@ -170,31 +246,20 @@ def test_the_model_and_its_optimizer_are_left_as_they_were():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
     layers = list(model.model.model.layers)
-    deep = depth_dry_run_step(model, optimizer, _batch(), 128, None, ["checkpointing:3/8"])
+    deep = depth_dry_run_step(model, optimizer, _batch(), 128, None, [PLAIN_PAST])
     assert deep.detail.startswith("depth-extrapolated")
-    assert list(model.model.model.layers) == layers and model.model.config.num_hidden_layers == 8
+    assert list(model.model.model.layers) == layers
+    assert model.model.config.num_hidden_layers == BLOCKS
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert len(optimizer.state) == 0 and len(optimizer.param_groups[0]["params"]) == len(before)
     assert not is_checkpointed(model)
 
 
-@pytest.mark.parametrize("names", [(), ("checkpointing",)])
-def test_the_peak_site_is_extrapolated_where_it_stays_put(names):
-    model = MODELS["gpt"]()
-    deep = depth_dry_run_step(model, None, _batch(), 256, None, names, site=trace_peak_site)
-    full = dry_run_step(model, None, _batch(), 256, None, names, site=trace_peak_site)
-    assert _figures(deep) == _figures(full)
-    assert deep.peak_site is not None and deep.peak_site == full.peak_site
-    assert "the peak site extrapolated from traced copies" in deep.detail
-    short = depth_dry_run_step(model, None, _batch(), 128, None, names, site=trace_peak_site)
-    assert short.peak_site is None or short.peak_site == dry_run_step(
-        model, None, _batch(), 128, None, names, site=trace_peak_site).peak_site
-
-
-PLAN_CONFIG = """\
-trainer: {accelerator: cpu, devices: 1}
-model: {n_layer: 8, d_model: 32, n_head: 2, attention: eager}
-data: {batch_size: 2, seq_len: 64, num_samples: 8}
+PLAN_BLOCKS = 4  # the plan's rows are of one kind of block: proved on copies of 1, 2, 3
+PLAN_CONFIG = f"""\
+trainer: {{accelerator: cpu, devices: 1}}
+model: {{n_layer: {PLAN_BLOCKS}, d_model: 32, n_head: 2, attention: eager}}
+data: {{batch_size: 2, seq_len: 64, num_samples: 8}}
 """
 
 
@@ -206,12 +271,12 @@ def test_seqmem_plan_figures_are_the_full_dry_runs(tmp_path, capsys):
     from lightning_seqmem.cli.main import main
     from lightning_seqmem.reference.demo import SyntheticTokenDataModule
 
-    config = tmp_path / "gpt8.yaml"
+    config = tmp_path / "gpt.yaml"
     config.write_text(PLAN_CONFIG)
     assert main(["plan", "--config", str(config), "--lengths", "256", "2048", "--budget", "8MiB",
                  "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    model = LitGPT(n_layer=8, d_model=32, n_head=2, attention="eager")
+    model = MODELS["gpt"](PLAN_BLOCKS)
     data = SyntheticTokenDataModule(batch_size=2, seq_len=64, num_samples=8)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
@@ -246,39 +311,4 @@ def test_offload_at_depth_equals_the_full_dry_run_on_device_and_host(names):
         full = sharded_dry_run_step(template, _batch(), seq_len, world, None, names, "fsdp2", None,
                                     "cuda", offload=True)
         assert _figures(deep) == _figures(full) and full.host_peak_bytes > 0
-        assert deep.detail.startswith("depth-extrapolated: 8 blocks"), deep.detail
-
-
-@pytest.mark.parametrize("offload", [False, True])
-def test_a_layout_that_changes_with_the_length_is_proved_again_from_two_copies(offload):
-    """The tiled MLP's tile count follows the length (here one tile per 32 tokens: 4, 7 and 8
-    tiles), so each length lays its allocations out anew: the repetition proved on copies of 1, 2
-    and 3 blocks at the first length is proved again from copies of 1 and 2 at the others (2 fake
-    steps, not 3), and every answer equals the full dry run's, device and host, phase by phase
-    (FSDP2 CPUOffloadPolicy with activation offload too)."""
-    clear_depth_cache()
-    batch = _batch()
-    if offload:
-        template = unsharded_template(MODELS["llama"]())
-        names = ("checkpointing", "tiled_mlp", "activation_offload")
-        deep_at = lambda n: depth_sharded_dry_run_step(  # noqa: E731
-            template, batch, n, 1, None, names, "fsdp2", None, "cuda", offload=True)
-        full_at = lambda n: sharded_dry_run_step(  # noqa: E731
-            template, batch, n, 1, None, names, "fsdp2", None, "cuda", offload=True)
-    else:
-        model, names = MODELS["llama"](), ("tiled_mlp",)
-        deep_at = lambda n: depth_dry_run_step(  # noqa: E731
-            model, None, batch, n, None, names, device="cuda")
-        full_at = lambda n: dry_run_step(  # noqa: E731
-            model, None, batch, n, None, names, device="cuda")
-    first = None
-    for seq_len in (128, 200, 256):
-        deep, full = deep_at(seq_len), full_at(seq_len)
-        assert _figures(deep) == _figures(full), (seq_len, deep.detail)
-        checked = deep.detail.split("the repetition checked on ")[1].split(")")[0]
-        if first is None:
-            first = checked
-            assert checked.endswith("blocks at seq_len 128") and "and of" not in checked
-        else:
-            assert (checked.startswith(first + ", and of ")
-                    and checked.endswith(f"blocks at seq_len {seq_len}"))
+        assert deep.detail.startswith(f"depth-extrapolated: {BLOCKS} blocks"), deep.detail

@@ -1,9 +1,13 @@
 """A newcomer's mistakes with the ``seqmem`` command and the examples: each ends in one clear line
-on stderr and a non-zero exit, fast (most before torch is imported), never in a traceback."""
+on stderr and a non-zero exit, fast (most before torch is imported), never in a traceback.
+
+Most run ``seqmem``'s :func:`main` in this process, as the console script calls it; a mistake
+found after training started, and the example script's, run in a process of their own."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +23,24 @@ def _seqmem(args, cwd, base_s=30):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "140"}
     env.pop("SEQMEM_TRACEBACK", None)
     return run([sys.executable, "-m", "lightning_seqmem.cli.main", *args], base_s, cwd=cwd, env=env)
+
+
+def _seqmem_here(args, cwd, monkeypatch, capsys):
+    """``seqmem ARGS`` in ``cwd`` through :func:`main` in this process (the console script runs
+    ``sys.exit(main())``): its exit status, stdout and stderr, as :func:`_seqmem` gives a
+    process's. An exception escaping ``main`` (a traceback) fails the test."""
+    from lightning_seqmem.cli.main import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("COLUMNS", "140")
+    monkeypatch.delenv("SEQMEM_TRACEBACK", raising=False)
+    capsys.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def _one_error_line(proc, command: str) -> str:
@@ -46,27 +68,31 @@ def _one_error_line(proc, command: str) -> str:
     (["demo", "--mitigations", "fp8"], ["--mitigations", "'fp8'", "attention"]),
     (["panels", "never_existed"], ["no such folder: 'never_existed'"]),
 ])
-def test_a_mistake_ends_in_one_line(tmp_path, args, words):
-    line = _one_error_line(_seqmem(args, tmp_path), f"seqmem {args[0]}")
+def test_a_mistake_ends_in_one_line(tmp_path, args, words, monkeypatch, capsys):
+    line = _one_error_line(_seqmem_here(args, tmp_path, monkeypatch, capsys), f"seqmem {args[0]}")
     for word in words:
         assert word in line, line
     assert "permanently deleted" not in line
 
 
-def test_report_and_panels_on_a_folder_without_them_say_what_is_missing_and_where_it_is(tmp_path):
+def test_report_and_panels_on_a_folder_without_them_say_what_is_missing_and_where_it_is(
+        tmp_path, monkeypatch, capsys):
     (tmp_path / "runs" / "demo" / "version_0").mkdir(parents=True)
     (tmp_path / "runs" / "demo" / "version_0" / "seqmem_report.json").write_text("{}")
     (tmp_path / "runs" / "demo" / "version_0" / "events.out.tfevents.1.host").write_bytes(b"")
-    line = _one_error_line(_seqmem(["report", "runs"], tmp_path), "seqmem report")
+    line = _one_error_line(_seqmem_here(["report", "runs"], tmp_path, monkeypatch, capsys),
+                           "seqmem report")
     assert "'runs' holds no seqmem_report.json" in line and str(Path("runs/demo/version_0")) in line
-    line = _one_error_line(_seqmem(["panels", "runs"], tmp_path), "seqmem panels")
+    line = _one_error_line(_seqmem_here(["panels", "runs"], tmp_path, monkeypatch, capsys),
+                           "seqmem panels")
     assert ("'runs' holds no TensorBoard event files" in line
             and str(Path("runs/demo/version_0")) in line)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs the GPU config")
-def test_the_gpu_accelerator_on_a_cpu_machine_is_one_line(tmp_path):
-    line = _one_error_line(_seqmem(["demo", "--accelerator", "cuda"], tmp_path), "seqmem demo")
+def test_the_gpu_accelerator_on_a_cpu_machine_is_one_line(tmp_path, monkeypatch, capsys):
+    proc = _seqmem_here(["demo", "--accelerator", "cuda"], tmp_path, monkeypatch, capsys)
+    line = _one_error_line(proc, "seqmem demo")
     assert "no CUDA device" in line and "--accelerator cpu" in line
 
 

@@ -20,7 +20,8 @@ from limits import limit_s, shared_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_DEMO = ROOT / "configs" / "cpu_demo.yaml"
-LENGTHS = [1024, 8192, 32768]
+# two lengths with different plans: 1024 (eager fits) and 32768 (the whole ladder)
+LENGTHS = [1024, 32768]
 
 
 def _seqmem(args, cwd, timeout=120):
@@ -33,8 +34,8 @@ def _seqmem(args, cwd, timeout=120):
 
 @shared_fixture  # once per module; a failure fails one test, the others skip
 def plan(tmp_path_factory):
-    """``seqmem plan --config configs/cpu_demo.yaml --lengths 1024 8192 32768 --json``: (document,
-    wall seconds)."""
+    """``seqmem plan --config configs/cpu_demo.yaml --lengths 1024 32768 --json``: (document, wall
+    seconds)."""
     cwd = tmp_path_factory.mktemp("plan")
     proc, seconds = _seqmem(["plan", "--config", str(CPU_DEMO), "--lengths", *map(str, LENGTHS),
                              "--json"], cwd)
@@ -74,8 +75,8 @@ def test_plan_json_on_cpu_demo(plan):
     for i in range(len(sets)):  # each set's peak grows with the length
         peaks = [entry["rows"][i]["peak_bytes"] for entry in doc["lengths"]]
         assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks), (sets[i], peaks)
-    at_8k = {tuple(r["mitigations"]): r["peak_bytes"] for r in doc["lengths"][1]["rows"]}
-    assert at_8k[("attention",)] < at_8k[()] / 10  # SDPA: no [4, 4, 8192, 8192] scores
+    at_32k = {tuple(r["mitigations"]): r["peak_bytes"] for r in doc["lengths"][1]["rows"]}
+    assert at_32k[("attention",)] < at_32k[()] / 10  # SDPA: no [4, 4, 32768, 32768] scores
     # the plan changes with the length on this budget: something fits everywhere, and not always
     # without help
     assert all(entry["plan"] is not None for entry in doc["lengths"])
@@ -112,19 +113,20 @@ def test_plan_lists_the_fastest_fitting_setting_per_length(plan):
         assert item["seq_len"] == (max(fits) if fits else None)
 
 
-def test_a_setting_over_at_a_shorter_length_is_not_dry_run_again(tmp_path):
+def test_a_setting_over_at_a_shorter_length_is_not_dry_run_again(tmp_path, monkeypatch, capsys):
     """The fastest-setting search takes a setting over the budget at a shorter length as over at a
     longer one (a step's peak does not fall as the sequence grows) without dry-running it there; the
     answer is the one a plan of that length alone gives, which dry-runs every setting it judges.
-    (450 MiB: at 32768 tokens four settings beyond the ladder's prefixes are judged and over before
-    one fits.)"""
-    def planned(*lengths):
-        proc, _ = _seqmem(["plan", "--config", str(CPU_DEMO), "--budget", "450MiB", "--lengths",
-                           *map(str, lengths), "--json"], tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout)
+    (450 MiB: at 32768 tokens the settings beyond the ladder's prefixes are judged and over, and the
+    whole ladder fits; at 34816 it still fits, so neither plan searches a largest length.)"""
+    monkeypatch.chdir(tmp_path)
 
-    doc = planned(32768, 65536)
+    def planned(*lengths):
+        assert main(["plan", "--config", str(CPU_DEMO), "--budget", "450MiB", "--lengths",
+                     *map(str, lengths), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    doc = planned(32768, 34816)
     usable = doc["usable_budget_bytes"]
     first, second = doc["lengths"]
     over = {tuple(r["mitigations"]) for r in first["rows"] + first["searched_rows"]
@@ -133,8 +135,8 @@ def test_a_setting_over_at_a_shorter_length_is_not_dry_run_again(tmp_path):
     # something to skip
     assert {tuple(r["mitigations"]) for r in first["searched_rows"]} & judged_again
     assert not {tuple(r["mitigations"]) for r in second["searched_rows"]} & over
-    alone = planned(65536)["lengths"][0]
-    assert alone["fastest"] == second["fastest"]
+    alone = planned(34816)["lengths"][0]
+    assert second["fastest"] is not None and alone["fastest"] == second["fastest"]
     assert len(alone["searched_rows"]) > len(second["searched_rows"])  # the dry runs it saved
 
 
@@ -245,18 +247,18 @@ def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, ca
 
 def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, monkeypatch, capsys):
     """``--longest``: per setting dry-run, the longest multiple of 8 it fits, checked by two dry
-    runs."""
+    runs (at 16 MiB, attention alone fits 64 tokens and not 128)."""
     from lightning_seqmem.cli.common import build_from_config, first_optimizer
     from lightning_seqmem.dryrun.step import dry_run_step
 
     monkeypatch.chdir(tmp_path)
-    assert main(["plan", "--config", str(CPU_DEMO), "--lengths", "64", "256", "--budget", "16MiB",
+    assert main(["plan", "--config", str(CPU_DEMO), "--lengths", "64", "128", "--budget", "16MiB",
                  "--longest", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     usable = doc["usable_budget_bytes"]
     searched = {tuple(e["mitigations"]): e["searched_seq_len"]
                 for e in doc["longest_fitting_by_set"]}
-    assert searched[("attention",)] is not None and 64 <= searched[("attention",)] < 256
+    assert searched[("attention",)] is not None and 64 <= searched[("attention",)] < 128
     cli = build_from_config(str(CPU_DEMO))
     cli.datamodule.prepare_data()
     cli.datamodule.setup("fit")
@@ -268,7 +270,7 @@ def test_plan_longest_searches_the_longest_length_each_setting_fits(tmp_path, mo
     assert dry_run_bound(dry_run_step(cli.model, optimizer, batch, found + 8,
                                       mitigations=("attention",)).peak_bytes) > usable
     fastest = {e["seq_len"]: e["fastest"] for e in doc["lengths"]}
-    assert fastest[64]["mitigations"] == [] and dry_run_bound(fastest[256]["peak_bytes"]) <= usable
+    assert fastest[64]["mitigations"] == [] and dry_run_bound(fastest[128]["peak_bytes"]) <= usable
 
 
 def test_plan_skips_rungs_that_do_not_apply_and_runs_without_budget(tmp_path, monkeypatch, capsys):
@@ -346,6 +348,8 @@ def test_the_plan_says_what_the_callback_does_at_the_safety_edge(tmp_path, monke
     import lightning.pytorch as pl
     import yaml
 
+    from lightning_seqmem.cli.main import _parser
+    from lightning_seqmem.cli.plan import _set_up
     from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
     from lightning_seqmem.trainer.callback import SeqMemCallback
 
@@ -354,23 +358,24 @@ def test_the_plan_says_what_the_callback_does_at_the_safety_edge(tmp_path, monke
     config["trainer"]["callbacks"][0]["init_args"]["curriculum"] = None
     config["data"]["seq_len"] = L
 
-    def planned(budget=None):
+    def written(budget=None):
         if budget is not None:
             config["trainer"]["callbacks"][0]["init_args"]["memory_budget"] = budget
         path = tmp_path / f"edge_{budget}.yaml"
         path.write_text(yaml.safe_dump(config))
-        assert main(["plan", "--config", str(path), "--lengths", str(L), "--json"]) == 0
-        return json.loads(capsys.readouterr().out)["lengths"][0]
+        return ["plan", "--config", str(path), "--lengths", str(L)]
 
     monkeypatch.chdir(tmp_path)
-    peak = next(r["peak_bytes"] for r in planned()["rows"] if r["mitigations"] == [])
+    # the plan's dry run of the unmitigated step (the one its row reports: checked below)
+    peak = _set_up(_parser().parse_args(written())).dry(L, ())["peak_bytes"]
     # usable: 1% over the peak, under the peak with the 2% margin
     budget = int(peak * 1.01 / (1 - margin)) + 1
     usable = int(budget * (1 - margin))
     assert peak < usable < dry_run_bound(peak)
-    entry = planned(budget)
+    assert main([*written(budget), "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)["lengths"][0]
     plain = next(r for r in entry["rows"] if r["mitigations"] == [])
-    assert (plain["fits"] is False and entry["fastest"] is not None
+    assert (plain["peak_bytes"] == peak and plain["fits"] is False and entry["fastest"] is not None
             and entry["fastest"]["mitigations"] != [])
 
     model_args = {k: v for k, v in config["model"].items() if k != "lr"}
