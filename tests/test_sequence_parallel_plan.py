@@ -14,6 +14,7 @@ from limits import limit_s, shared_fixture
 
 from lightning_seqmem.cli.emit import emit
 from lightning_seqmem.cli.main import main
+from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.plan.parallel import Layout, layouts, skip_reason
 
 SCRIPT = Path(__file__).parent / "scripts" / "sp_run.py"
@@ -147,6 +148,22 @@ def test_emit_prints_each_engines_own_keys(tmp_path, capsys, peaks):
         "lightning", whole)
     with pytest.raises(ValueError, match="deepspeed does not run ring"):
         emit("deepspeed", ring)
+
+
+def test_the_lightning_launch_config_names_the_device_the_plan_dry_ran(tmp_path, capsys, peaks):
+    """A plan dry-run on the CPU (this config's accelerator) emits a CPU Trainer: FSDP2 under
+    ModelParallelStrategy runs there over gloo, and its peaks are the CPU's, not a GPU's."""
+    budget = (max(peaks[("ulysses", 2)], peaks[("ring", 2)]) + peaks[("none", 1)]) // 2
+    doc = _plan(tmp_path, capsys, budget, "--emit", "lightning")
+    assert doc["simulates"] == "cpu"
+    plan = next(p["plan"] for p in doc["parallel_plans"] if p["seq_len"] == 512)
+    assert plan["sequence_parallel"] == "none"  # Lightning's strategy shards no sequence
+    text = plan["launch_config"]
+    assert f"Trainer(accelerator='cpu', devices={WORLD}, strategy=strategy)" in text
+    # the peak in the header as the table gives it (a few MiB here, not "0.00 GiB")
+    assert f"per-rank peak {format_bytes(plan['peak_bytes'])} (dry run)" in text.splitlines()[0]
+    whole = {**Layout("none", 1, 8).to_json(), "mitigations": [], "seq_len": 4096, "batch_size": 1}
+    assert "Trainer(accelerator='cuda', devices=8, " in emit("lightning", whole, "cuda")
 
 
 @pytest.mark.ddp

@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning_seqmem.cli.plan_text import joined_names
 from lightning_seqmem.core.rungs import engine_features
+from lightning_seqmem.core.units import format_bytes
 
 __all__ = ["ENGINES", "ENGINE_KINDS", "check_engine", "emit"]
 
@@ -59,12 +60,13 @@ def _header(plan: dict[str, Any]) -> str:
                                           plan["offload"]).name()
     return (f"# seqmem plan: {plan['seq_len']} tokens on {plan['world_size']} ranks, {layout}, "
             f"rungs {joined_names(plan['mitigations'])}"
-            + (f", per-rank peak {peak / 2**30:.2f} GiB ({plan.get('peak_source', 'dry run')})"
+            + (f", per-rank peak {format_bytes(peak)} ({plan.get('peak_source', 'dry run')})"
                if peak else ""))
 
 
-def emit(engine: str, plan: dict[str, Any]) -> str:
-    """The launch config of ``plan`` (a JSON plan of ``seqmem plan``) for ``engine``."""
+def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
+    """The launch config of ``plan`` (a JSON plan of ``seqmem plan``) for ``engine``; Lightning's
+    names ``accelerator``, the device type the plan dry-ran (``cpu``: FSDP2 over gloo)."""
     engine = check_engine(engine)
     features = engine_features(plan["mitigations"])  # the rungs in the engines' own keys
     ckpt, micro = "activation_checkpointing" in features, "gradient_accumulation" in features
@@ -130,7 +132,7 @@ def emit(engine: str, plan: dict[str, Any]) -> str:
             "from lightning.pytorch import Trainer",
             "from lightning.pytorch.strategies import ModelParallelStrategy", "",
             f"strategy = ModelParallelStrategy(data_parallel_size={fsdp}, tensor_parallel_size=1)",
-            f"trainer = Trainer(accelerator='cuda', devices={plan['world_size']}, "
+            f"trainer = Trainer(accelerator={accelerator!r}, devices={plan['world_size']}, "
             "strategy=strategy)",
             "# fully_shard each block and the root in configure_model() over "
             "self.device_mesh['data_parallel']"

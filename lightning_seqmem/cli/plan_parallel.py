@@ -238,9 +238,11 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
 
 
 def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_size: int,
-                        usable: Optional[int], engine: Optional[str]) -> None:
-    """Per length: degrees skipped, the cheapest layout (with ``--emit`` its launch config)."""
+                        usable: Optional[int], engine: Optional[str], device: Any) -> None:
+    """Per length: degrees skipped, the cheapest layout (with ``--emit`` its launch config for the
+    device type ``device`` stands for)."""
     from lightning_seqmem.cli.emit import emit
+    from lightning_seqmem.dryrun.accelerator import stands_for
 
     for entry in plans:
         L = entry["seq_len"]
@@ -260,7 +262,7 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
 
                 console.print(ZERO3_OFFLOAD_NOTE, highlight=False)
             if engine is not None:
-                plan["launch_config"] = emit(engine, plan)
+                plan["launch_config"] = emit(engine, plan, stands_for(device))
                 console.print(f"--emit {engine} (seq_len {L}):", highlight=False)
                 console.print(plan["launch_config"], highlight=False, markup=False)
         elif usable is not None:
@@ -291,5 +293,5 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     console.print(_layout_table(plans, world_size, usable))
     if "ring" in kinds:
         console.print(RING_NOTE)
-    _print_layout_plans(console, plans, world_size, usable, engine)
+    _print_layout_plans(console, plans, world_size, usable, engine, device)
     return plans
