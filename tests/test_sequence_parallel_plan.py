@@ -166,6 +166,27 @@ def test_the_lightning_launch_config_names_the_device_the_plan_dry_ran(tmp_path,
     assert "Trainer(accelerator='cuda', devices=8, " in emit("lightning", whole, "cuda")
 
 
+def test_the_layout_plan_is_never_dearer_than_the_fastest_setting_that_fits(tmp_path, capsys):
+    """``configs/fsdp2_cpu.yaml`` at 1024 tokens on 2 ranks, 30 MiB: the ladder's cheapest prefix
+    that fits is attention + checkpointing + microbatch (+43% by the priors), while attention +
+    microbatch (+10%, beyond the prefixes) fits too and is what the callback would take. The layout
+    plan, and the launch config it emits, name the cheaper one, with that setting's dry-run peak."""
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "fsdp2_cpu.yaml"
+    assert main(["plan", "--config", str(config), "--lengths", "1024", "--world-size", "2",
+                 "--budget", "30MiB", "--emit", "lightning", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    entry, layout = doc["lengths"][0], doc["parallel_plans"][0]["plan"]
+    fastest = entry["fastest"]
+    # the case this is about: the fastest setting is cheaper than the ladder's plan
+    assert prior_factor(fastest["mitigations"], "cpu") < prior_factor(entry["plan"], "cpu")
+    assert (layout["layout"], layout["mitigations"]) == ("dp_shard 2", fastest["mitigations"])
+    assert layout["peak_bytes"] == fastest["peak_bytes"] and layout["fits"] is True
+    assert ("switches the planned rungs on: " + ", ".join(fastest["mitigations"])
+            in layout["launch_config"])
+
+
 @pytest.mark.ddp
 def test_ulysses_step_over_two_gloo_ranks_is_within_3_percent_of_the_plan(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "512", "2"],

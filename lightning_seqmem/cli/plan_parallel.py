@@ -92,7 +92,8 @@ def _print_search(console: Any, world_size: int, kinds: tuple[str, ...], engine:
     console.print(f"sequence parallelism at {world_size} ranks: the group lies within the world "
                   f"(dp_shard x degree = {world_size}; FSDP2 shards the parameters over all "
                   f"{world_size}, as torchtitan's dp_shard_cp mesh and DeepSpeed's ZeRO-3 do); "
-                  "search order: the rung sets cheapest first, within each the degree ascending "
+                  "search order: the rung sets cheapest first (the ladder's and the fastest that "
+                  "fits, by their step-time priors), within each the degree ascending "
                   "(Ulysses before ring), offload last; kinds searched: "
                   f"{', '.join(kinds) or 'none'}" + (f" (what {engine} runs)" if engine else "")
                   + f"; the model's attention: {calls.calls} SDPA calls, {calls.n_heads} heads, "
@@ -113,8 +114,8 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
            "peak_source": "dry run", "host_bytes": None, "peak_bytes": None, "error": None,
            "seconds": 0.0}
     started = time.perf_counter()
-    if layout.degree == 1:
-        own = _peak_row(res["rows"], names) or {}
+    if layout.degree == 1:  # the table's row, or the fastest-setting search's
+        own = _peak_row(res["rows"] + res.get("searched_rows", []), names) or {}
         row.update(peak_bytes=own.get("peak_bytes"), error=own.get("error"),
                    seconds=own.get("seconds", 0.0))
     elif names in no_sdpa:
@@ -135,6 +136,27 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
     row["fits"] = (None if shard.usable is None or row["bound_bytes"] is None
                    else row["bound_bytes"] <= shard.usable)
     return row
+
+
+def _by_cost(res: dict[str, Any], sets: Sequence[tuple[str, ...]],
+             device_type: str) -> list[tuple[str, ...]]:
+    """The ladder's ``sets`` and the length's fastest fitting setting (``res["fastest"]``, found
+    beyond the prefixes), cheapest first by the rungs' step-time priors (ladder order on ties): the
+    callback takes the fastest setting that fits, so no layout plan is dearer than it.
+
+    >>> res = {"fastest": {"mitigations": ["attention", "microbatch"]}}
+    >>> ladder = [(), ("attention",), ("attention", "checkpointing"),
+    ...           ("attention", "checkpointing", "microbatch")]
+    >>> _by_cost(res, ladder, "cpu")[2:]
+    [('attention', 'microbatch'), ('attention', 'checkpointing'), \
+('attention', 'checkpointing', 'microbatch')]
+    """
+    from lightning_seqmem.plan.pricing import prior_factor
+
+    fastest = res.get("fastest")
+    extra = [] if fastest is None else [tuple(fastest["mitigations"])]
+    candidates = list(sets) + [names for names in extra if names not in sets]
+    return sorted(candidates, key=lambda names: prior_factor(names, device_type))
 
 
 def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
@@ -198,11 +220,14 @@ def _length_plan(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, .
                  kinds: tuple[str, ...], calls: Any, state: dict[str, int],
                  per_parameter: Optional[int]) -> dict[str, Any]:
     """The layouts of one length, searched (offload last, with a budget), as its JSON entry."""
+    from lightning_seqmem.dryrun.accelerator import stands_for
     from lightning_seqmem.plan.parallel import layouts
 
     ok, skipped = layouts(shard.world_size, res["seq_len"], calls.n_heads, calls.n_kv_heads,
                           calls.masked, kinds)
-    rows, plan = _search_layouts(shard, res, sets if shard.usable is not None else sets[-1:], ok)
+    searched = (_by_cost(res, sets, stands_for(shard.device)) if shard.usable is not None
+                else sets[-1:])
+    rows, plan = _search_layouts(shard, res, searched, ok)
     if plan is None and shard.usable is not None:  # offload, dry-run on the rows run
         plan = _offload_rows(shard, rows)
     return {"seq_len": res["seq_len"], "rows": rows, "plan": plan,
