@@ -150,6 +150,33 @@ def test_emit_prints_each_engines_own_keys(tmp_path, capsys, peaks):
         emit("deepspeed", ring)
 
 
+def test_the_microbatch_rung_is_emitted_as_accumulation_over_batches_of_one_sample():
+    """The rung the plan dry-ran splits each rank's 4 rows into 4 micro-batches of 1: each engine
+    gets 4 accumulated steps of 1 sample per rank (the same 4 samples per optimizer step), not its
+    full batch twice over."""
+    import re
+
+    def deepspeed_batch(text):
+        config = json.loads(text[text.index("{"):text.rindex("}") + 1])
+        return config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+
+    plan = {**Layout("ulysses", 2, 8).to_json(), "mitigations": ["checkpointing", "microbatch"],
+            "seq_len": 4096, "batch_size": 4}
+    text = emit("deepspeed", plan)
+    assert deepspeed_batch(text) == (1, 4)
+    assert "accumulate_grad_batches=4) over a DataLoader of batch 1" in text
+    ring = {**plan, **Layout("ring", 2, 8).to_json()}
+    text = emit("accelerate", ring)
+    assert "gradient_accumulation_steps=4)" in text and "per-rank batch 1 of 4096 tokens" in text
+    text = emit("torchtitan", ring)  # global = local x dp_shard (4) x accumulation steps (4)
+    assert re.search(r"^local_batch_size = 1$", text, re.M)
+    assert re.search(r"^global_batch_size = 16  #", text, re.M)
+    whole = {**plan, "mitigations": ["checkpointing"]}  # no micro-batches: the batch as planned
+    assert deepspeed_batch(emit("deepspeed", whole)) == (4, 1)
+    assert re.search(r"^local_batch_size = 4$",
+                     emit("torchtitan", {**ring, "mitigations": ["checkpointing"]}), re.M)
+
+
 def test_the_lightning_launch_config_names_the_device_the_plan_dry_ran(tmp_path, capsys, peaks):
     """A plan dry-run on the CPU (this config's accelerator) emits a CPU Trainer: FSDP2 under
     ModelParallelStrategy runs there over gloo, and its peaks are the CPU's, not a GPU's."""

@@ -77,19 +77,21 @@ def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
         raise ValueError(f"{engine} does not run {plan['sequence_parallel']} sequence parallelism; "
                          f"plan with --emit {engine} (it searches only what {engine} runs)")
     lines = [_header(plan)]
+    # the microbatch rung runs each rank's batch as micro-batches of one sample: the engines'
+    # gradient accumulation over batches of 1, as many as the rows (the same samples per step)
+    rows = plan["batch_size"]
+    micro_rows, accumulation = (1, rows) if micro else (rows, 1)
     if engine == "torchtitan":
         lines += ["[parallelism]", "data_parallel_replicate_degree = 1",
                   f"data_parallel_shard_degree = {fsdp}", f"context_parallel_degree = {cp}",
                   "tensor_parallel_degree = 1",
                   'context_parallel_rotate_method = "allgather"  # torch default, as planned', "",
                   "[training]", f"seq_len = {plan['seq_len']}",
-                  f"local_batch_size = {plan['batch_size']}",
+                  f"local_batch_size = {micro_rows}",
+                  *([f"global_batch_size = {rows * fsdp}  # {accumulation} accumulated steps "
+                     "of 1 sample per rank: the planned micro-batches"] if micro else []),
                   f"enable_cpu_offload = {'true' if offload else 'false'}", "",
                   "[activation_checkpoint]", f'mode = "{"full" if ckpt else "none"}"']
-        if micro:
-            lines.append("# microbatch: gradient accumulation: set [training] global_batch_size to "
-                         f"{plan['batch_size']} x {fsdp} x the accumulation steps and lower "
-                         "local_batch_size")
     elif engine == "accelerate":
         lines += [
             "from accelerate import Accelerator",
@@ -99,8 +101,11 @@ def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
             f"fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload={offload}, "
             f"activation_checkpointing={ckpt})",
             "accelerator = Accelerator(parallelism_config=parallelism_config, "
-            "fsdp_plugin=fsdp_plugin" + (", gradient_accumulation_steps=2" if micro else "") + ")",
-            f"# per-rank batch {plan['batch_size']} of {plan['seq_len']} tokens; launch on "
+            "fsdp_plugin=fsdp_plugin"
+            + (f", gradient_accumulation_steps={accumulation}" if micro else "") + ")",
+            f"# per-rank batch {micro_rows} of {plan['seq_len']} tokens"
+            + (f" ({accumulation} accumulated: the planned micro-batches)" if micro else "")
+            + "; launch on "
             f"{plan['world_size']} processes: accelerate launch --num_processes "
             f"{plan['world_size']} train.py"]
     elif engine == "deepspeed":
@@ -108,8 +113,8 @@ def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
         if offload:
             zero.update(offload_param={"device": "cpu", "pin_memory": True},
                         offload_optimizer={"device": "cpu", "pin_memory": True})
-        config = {"train_micro_batch_size_per_gpu": plan["batch_size"],
-                  "gradient_accumulation_steps": 2 if micro else 1,
+        config = {"train_micro_batch_size_per_gpu": micro_rows,
+                  "gradient_accumulation_steps": accumulation,
                   "sequence_parallel_size": sp, "zero_optimization": zero}
         if offload:
             from lightning_seqmem.plan.parallel import ZERO3_OFFLOAD_NOTE
@@ -124,7 +129,8 @@ def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
             + ("; activation checkpointing: model.gradient_checkpointing_enable()" if ckpt else ""),
             f"# Lightning (sequence_parallel_size 1): Trainer(strategy={lightning}, "
             f"devices={plan['world_size']}"
-            + (", accumulate_grad_batches=2" if micro else "") + "); SeqMemCallback's "
+            + (f", accumulate_grad_batches={accumulation}" if micro else "") + ")"
+            + (" over a DataLoader of batch 1" if micro else "") + "; SeqMemCallback's "
             "micro-batching is refused under ZeRO-3 (use accumulate_grad_batches), its "
             "checkpointing works inside the engine"]
     else:
