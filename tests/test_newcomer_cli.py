@@ -17,6 +17,7 @@ import torch
 from limits import run
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "cpu_demo.yaml"
 
 
 def _seqmem(args, cwd, base_s=30):
@@ -67,6 +68,11 @@ def _one_error_line(proc, command: str) -> str:
     (["demo", "--batch-size", "0"], ["--batch-size", "positive whole number", "'0'"]),
     (["demo", "--mitigations", "fp8"], ["--mitigations", "'fp8'", "attention"]),
     (["panels", "never_existed"], ["no such folder: 'never_existed'"]),
+    # forecast checks what plan checks, before any work: a margin of 150% planned nothing
+    *[(["forecast", "--config", str(CONFIG), "--lengths", "512", *more], words) for more, words in [
+        (["--safety-margin", "1.5"], ["--safety-margin", "[0, 1)", "'1.5'"]),
+        (["--batch-size", "0"], ["--batch-size", "positive whole number", "'0'"]),
+        (["--trace-lengths", "0", "64"], ["--trace-lengths", "positive whole number", "'0'"])]],
 ])
 def test_a_mistake_ends_in_one_line(tmp_path, args, words, monkeypatch, capsys):
     line = _one_error_line(_seqmem_here(args, tmp_path, monkeypatch, capsys), f"seqmem {args[0]}")

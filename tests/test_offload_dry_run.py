@@ -285,16 +285,28 @@ def test_a_gloo_fsdp2_cpu_offload_run_measures_what_its_dry_run_says(gloo_ranks)
     offload_policy=CPUOffloadPolicy())``, the tracker on every step; rank 0's dry run of the same
     setting on ``device="cpu"``. On the CPU the device and the host are one memory (the dry run has
     no host apart: ``host_peak_bytes`` 0), so the totals compare: within 1%, per phase. Offload
-    moves nothing there: the dry run equals the one without."""
+    moves nothing there: the dry run equals the one without.
+
+    One deviation is known and allowed, exactly: a phase (forward or backward) measured one block's
+    parameters higher. That is FSDP2's flat all-gather output of a block, which gloo's worker
+    thread keeps alive (in its work object) until it is scheduled again after ``wait()`` returned:
+    in about a quarter of the runs under pytest on 2 cores, never the same way twice. The dry run
+    counts program order; any other difference fails."""
     rank0 = gloo_ranks[0]
+    block = rank0["block_bytes"]  # 199,936 B: 49,984 float32
     dry, plain = rank0["dry_offload"], rank0["dry_plain"]
     assert dry["host"] == 0 and "CPUOffloadPolicy (offload=True) on the CPU itself" in dry["detail"]
     assert "CPUOffloadPolicy (configure_model()) on the CPU itself" in plain["detail"]
     assert (dry["peak"], dry["phases"]) == (plain["peak"], plain["phases"])
     measured = [r for r in rank0["records"] if not r["warmup"]]
     assert len(measured) >= 2
+
+    def matches(measured_bytes, dry_bytes, late_ok):
+        return any(abs(measured_bytes - dry_bytes - late) <= 0.01 * measured_bytes
+                   for late in ((0, block) if late_ok else (0,)))
+
     for record in measured:
-        assert abs(record["peak"] - dry["peak"]) <= 0.01 * record["peak"], (record, dry)
+        assert matches(record["peak"], dry["peak"], True), (record, dry)
         for phase, peak in dry["phases"].items():
-            measured_phase = record["phases"][phase]
-            assert abs(measured_phase - peak) <= 0.01 * measured_phase, (phase, record, dry)
+            late_ok = phase != "optimizer"  # no collective in the optimizer step
+            assert matches(record["phases"][phase], peak, late_ok), (phase, record, dry)

@@ -77,8 +77,7 @@ def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
         raise ValueError(f"{engine} does not run {plan['sequence_parallel']} sequence parallelism; "
                          f"plan with --emit {engine} (it searches only what {engine} runs)")
     lines = [_header(plan)]
-    # the microbatch rung runs each rank's batch as micro-batches of one sample: the engines'
-    # gradient accumulation over batches of 1, as many as the rows (the same samples per step)
+    # the microbatch rung: each rank's rows as micro-batches of 1, accumulated (same samples)
     rows = plan["batch_size"]
     micro_rows, accumulation = (1, rows) if micro else (rows, 1)
     if engine == "torchtitan":

@@ -40,9 +40,7 @@ def _default_trace_lengths(lengths: Sequence[int]) -> tuple[list[int], list[int]
 def _lengths(args: argparse.Namespace) -> tuple[list[int], list[int], list[int]]:
     """(lengths asked, lengths to trace, those to check at): ``--lengths``, ``--trace-lengths``
     (default :func:`_default_trace_lengths`) and ``--no-check``, checked."""
-    lengths = sorted(set(args.lengths))
-    if min(lengths) < 1:
-        raise SystemExit(f"seqmem forecast: --lengths must be positive, got {args.lengths}")
+    lengths = sorted(set(args.lengths))  # each ≥ 1: the parser checks
     trace, check = ((sorted(set(args.trace_lengths)), []) if args.trace_lengths
                     else _default_trace_lengths(lengths))
     if len(trace) < 2:

@@ -233,6 +233,23 @@ def _add_panels_and_report(sub: Any) -> None:
     report.set_defaults(func=_report)
 
 
+def _add_config_options(command: Any, lengths: str) -> None:
+    """The options ``seqmem forecast`` and ``seqmem plan`` share, checked alike."""
+    command.add_argument("--config", required=True, type=_config_file,
+                         help="LightningCLI YAML (model, data, trainer sections)")
+    command.add_argument("--lengths", type=_positive_int, nargs="+", required=True,
+                         help=f"sequence lengths {lengths} (tokens, ≥ 1)")
+    command.add_argument("--batch-size", type=_positive_int, default=None,
+                         help="samples per step (default: the data's)")
+    command.add_argument("--safety-margin", type=_fraction, default=None,
+                         help="fraction of the budget kept free, in [0, 1) (default: the config's "
+                         "SeqMemCallback, else 0.1)")
+    command.add_argument("--model-class", default=DEFAULT_MODEL,
+                         help="model class when the config names none")
+    command.add_argument("--data-class", default=DEFAULT_DATA,
+                         help="datamodule class when the config names none")
+
+
 def _add_forecast(sub: Any) -> None:
     """``seqmem forecast``: its options."""
     forecast = sub.add_parser(
@@ -242,26 +259,14 @@ def _add_forecast(sub: Any) -> None:
         "training steps on a copy of the model (nothing is trained), and print the forecast "
         "peak at each length, the largest length that fits the budget, and where the memory "
         "goes (by kind and module, attention share, crossover length, diagnoses).")
-    forecast.add_argument("--config", required=True, type=_config_file,
-                          help="LightningCLI YAML (model, data, trainer sections)")
-    forecast.add_argument("--lengths", type=_positive_int, nargs="+", required=True,
-                          help="sequence lengths to forecast (tokens)")
+    _add_config_options(forecast, "to forecast")
     forecast.add_argument("--budget", default=None, type=_budget_text,
                           help="memory budget, e.g. 12GiB (default: the config's SeqMemCallback "
                           "memory_budget, else the GPU's total memory)")
-    forecast.add_argument("--safety-margin", type=float, default=None,
-                          help="fraction of the budget kept free (default: the config's "
-                          "SeqMemCallback, else 0.1)")
-    forecast.add_argument("--batch-size", type=int, default=None,
-                          help="batch size to forecast at (default: the data's)")
-    forecast.add_argument("--trace-lengths", type=int, nargs="+", default=None,
+    forecast.add_argument("--trace-lengths", type=_positive_int, nargs="+", default=None,
                           help="short lengths to trace (default 64 128 256, then a check at 512)")
     forecast.add_argument("--no-check", action="store_true",
                           help="skip the check step at a longer length")
-    forecast.add_argument("--model-class", default=DEFAULT_MODEL,
-                          help="model class when the config names none")
-    forecast.add_argument("--data-class", default=DEFAULT_DATA,
-                          help="datamodule class when the config names none")
     forecast.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                           help="after the forecast, trace one step per traced length on a fresh "
                           "copy and show where the memory goes: by kind and module, extrapolated "
@@ -286,28 +291,16 @@ def _add_plan(sub: Any) -> None:
         "The sets, in cost order: none; attention; attention + checkpointing; attention + "
         "checkpointing + microbatch, restricted to the config's SeqMemCallback mitigations (in "
         "their order), without the rungs that do not apply to the model.")
-    plan.add_argument("--config", required=True, type=_config_file,
-                      help="LightningCLI YAML (model, data, trainer sections)")
-    plan.add_argument("--lengths", type=_positive_int, nargs="+", required=True,
-                      help="sequence lengths to plan for (tokens, ≥ 1)")
-    plan.add_argument("--batch-size", type=_positive_int, default=None,
-                      help="samples per step (default: the data's)")
+    _add_config_options(plan, "to plan for")
     plan.add_argument("--budget", type=_device_budget, nargs="+", default=None,
                       help="one or more devices to plan for: a size (80GiB, 141GB) or a GPU (h100, "
                       "a100-80gb, h200, b200); default: the config's SeqMemCallback memory_budget, "
                       "else the GPU's total memory, else for a CUDA config planned without a GPU "
                       "h100 and h200, else none (no fits column)")
-    plan.add_argument("--safety-margin", type=_fraction, default=None,
-                      help="fraction of the budget kept free, in [0, 1) (default: the config's "
-                      "SeqMemCallback, else 0.1)")
     plan.add_argument("--host-budget", type=_bytes, default=None,
                       help="host (CPU) memory an offload setting may use per rank's process, e.g. "
                       "256GiB (default: the config's SeqMemCallback host_memory_budget, else this "
                       "machine's RAM)")
-    plan.add_argument("--model-class", default=DEFAULT_MODEL,
-                      help="model class when the config names none")
-    plan.add_argument("--data-class", default=DEFAULT_DATA,
-                      help="datamodule class when the config names none")
     plan.add_argument("--longest", action="store_true",
                       help="with a budget: search, per setting dry-run, the longest length it fits "
                       "(multiples of 8, between the longest asked length it fits and the shortest "

@@ -77,12 +77,6 @@ def _plan_host_budget(args: argparse.Namespace, seqmem: Any, device: Any) -> Opt
     return host_budget(getattr(args, "host_budget", None), seqmem, machine=not is_simulated(device))
 
 
-def _budget_args(args: argparse.Namespace) -> Optional[list[Any]]:
-    budget = getattr(args, "budget", None)
-    return None if budget is None else (list(budget) if isinstance(budget, (list, tuple))
-                                        else [budget])
-
-
 def _set_up(args: argparse.Namespace) -> PlanRun:
     """Build the config's model (on ``meta``), data and optimizer (nothing is trained), the sets to
     dry-run and the devices to answer for."""
@@ -94,7 +88,7 @@ def _set_up(args: argparse.Namespace) -> PlanRun:
     seqmem = find_seqmem_callback(trainer)
     device = _plan_device(args, trainer)
     margin = config_margin(args.safety_margin, seqmem)
-    budgets = device_budgets(_budget_args(args), margin, seqmem, device)
+    budgets = device_budgets(args.budget, margin, seqmem, device)  # None, or a list
     batch = first_batch(model, datamodule)  # any length: each dry run cuts or tiles it
     batch_size = args.batch_size or infer_batch_shape(batch)[0]
     precision = trainer.precision_plugin

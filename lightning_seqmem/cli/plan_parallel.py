@@ -1,8 +1,9 @@
 """``seqmem plan --world-size N``: sequence/context-parallel degrees and offload beside the rungs.
 
 Per length, layouts (:mod:`lightning_seqmem.plan.parallel`) are dry-run in search order: the
-mitigation sets cheapest first, within a set the degree ascending (Ulysses before ring); the first
-that fits the usable budget per rank is the plan. Only where nothing fits is FSDP2
+ladder's sets and the fastest fitting one cheapest first, within a set the degree ascending (Ulysses
+before ring); the first that fits the usable budget per rank is the plan. Only where nothing fits is
+FSDP2
 ``CPUOffloadPolicy`` dry-run on the rows already run (:mod:`lightning_seqmem.dryrun.cpu_offload`:
 device and host peaks, judged by :func:`lightning_seqmem.plan.budgets.fits_budgets`); where that
 dry run is refused, :func:`~lightning_seqmem.plan.parallel.offload_model` stands in
@@ -114,7 +115,7 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
            "peak_source": "dry run", "host_bytes": None, "peak_bytes": None, "error": None,
            "seconds": 0.0}
     started = time.perf_counter()
-    if layout.degree == 1:  # the table's row, or the fastest-setting search's
+    if layout.degree == 1:  # the table's row or the fastest setting's
         own = _peak_row(res["rows"] + res.get("searched_rows", []), names) or {}
         row.update(peak_bytes=own.get("peak_bytes"), error=own.get("error"),
                    seconds=own.get("seconds", 0.0))
@@ -140,23 +141,13 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
 
 def _by_cost(res: dict[str, Any], sets: Sequence[tuple[str, ...]],
              device_type: str) -> list[tuple[str, ...]]:
-    """The ladder's ``sets`` and the length's fastest fitting setting (``res["fastest"]``, found
-    beyond the prefixes), cheapest first by the rungs' step-time priors (ladder order on ties): the
-    callback takes the fastest setting that fits, so no layout plan is dearer than it.
-
-    >>> res = {"fastest": {"mitigations": ["attention", "microbatch"]}}
-    >>> ladder = [(), ("attention",), ("attention", "checkpointing"),
-    ...           ("attention", "checkpointing", "microbatch")]
-    >>> _by_cost(res, ladder, "cpu")[2:]
-    [('attention', 'microbatch'), ('attention', 'checkpointing'), \
-('attention', 'checkpointing', 'microbatch')]
-    """
+    """The ladder's ``sets`` and the length's fastest fitting setting (``res["fastest"]``), cheapest
+    first by the rungs' step-time priors (ladder order on ties): none dearer than the callback's."""
     from lightning_seqmem.plan.pricing import prior_factor
 
-    fastest = res.get("fastest")
-    extra = [] if fastest is None else [tuple(fastest["mitigations"])]
-    candidates = list(sets) + [names for names in extra if names not in sets]
-    return sorted(candidates, key=lambda names: prior_factor(names, device_type))
+    fastest = [tuple(res["fastest"]["mitigations"])] if res.get("fastest") else []
+    return sorted([*sets, *(names for names in fastest if names not in sets)],
+                  key=lambda names: prior_factor(names, device_type))
 
 
 def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
@@ -264,8 +255,7 @@ def _layout_table(plans: Sequence[dict[str, Any]], world_size: int, usable: Opti
 
 def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_size: int,
                         usable: Optional[int], engine: Optional[str], device: Any) -> None:
-    """Per length: degrees skipped, the cheapest layout (with ``--emit`` its launch config for the
-    device type ``device`` stands for)."""
+    """Per length: degrees skipped, the cheapest layout (with ``--emit`` its launch config)."""
     from lightning_seqmem.cli.emit import emit
     from lightning_seqmem.dryrun.accelerator import stands_for
 

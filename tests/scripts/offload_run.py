@@ -64,6 +64,9 @@ class DryRuns(pl.Callback):
         data = SyntheticTokenDataModule(batch_size=ROWS, seq_len=SEQ_LEN, num_samples=2,
                                         vocab_size=MODEL["vocab_size"])
         batch = next(iter(data.train_dataloader()))
+        # one block's parameters: the size of FSDP2's flat all-gather output for that block
+        self.result["block_bytes"] = sum(p.numel() * p.element_size()
+                                         for p in pl_module.model.blocks[0].parameters())
         for name, offload in (("dry_offload", True), ("dry_plain", False)):
             dry = sharded_dry_run_step(template, batch, SEQ_LEN, 2, device="cpu", offload=offload)
             self.result[name] = {"peak": dry.peak_bytes, "phases": dry.phase_peak_bytes,
