@@ -2,9 +2,8 @@
 
 Per length, layouts (:mod:`lightning_seqmem.plan.parallel`) are dry-run in search order: the
 ladder's sets and the fastest fitting one cheapest first, within a set the degree ascending (Ulysses
-before ring); the first that fits the usable budget per rank is the plan. Only where nothing fits is
-FSDP2
-``CPUOffloadPolicy`` dry-run on the rows already run (:mod:`lightning_seqmem.dryrun.cpu_offload`:
+before ring); the first that fits the usable budget per rank is the plan. Only where nothing fits
+is FSDP2 ``CPUOffloadPolicy`` dry-run on the rows run (:mod:`lightning_seqmem.dryrun.cpu_offload`:
 device and host peaks, judged by :func:`lightning_seqmem.plan.budgets.fits_budgets`); where that
 dry run is refused, :func:`~lightning_seqmem.plan.parallel.offload_model` stands in
 (``peak_source`` says so). DeepSpeed ZeRO-3 offload is planned by the same rows. The degree-1
