@@ -214,6 +214,20 @@ def test_the_layout_plan_is_never_dearer_than_the_fastest_setting_that_fits(tmp_
             in layout["launch_config"])
 
 
+def test_a_fastest_setting_with_a_partial_rung_is_not_a_layout_candidate():
+    """``checkpointing:selective`` or ``checkpointing:3/8`` cannot be launched by an engine's
+    all-or-nothing switch (its config would run without checkpointing, over the planned peak): the
+    layout search keeps to the ladder's sets there; a whole-rung fastest setting joins them."""
+    from lightning_seqmem.cli.plan_parallel import _by_cost
+
+    ladder = [(), ("attention",), ("attention", "checkpointing")]
+    for partial in (["attention", "checkpointing:selective"], ["checkpointing:3/8"]):
+        assert _by_cost({"fastest": {"mitigations": partial}}, ladder, "cpu") == ladder
+    whole = _by_cost({"fastest": {"mitigations": ["attention", "microbatch"]}}, ladder, "cpu")
+    assert whole == [*ladder[:2], ("attention", "microbatch"), ladder[2]]
+    assert _by_cost({"fastest": None}, ladder, "cpu") == ladder
+
+
 @pytest.mark.ddp
 def test_ulysses_step_over_two_gloo_ranks_is_within_3_percent_of_the_plan(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "512", "2"],

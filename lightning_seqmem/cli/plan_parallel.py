@@ -140,13 +140,14 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
 
 def _by_cost(res: dict[str, Any], sets: Sequence[tuple[str, ...]],
              device_type: str) -> list[tuple[str, ...]]:
-    """The ladder's ``sets`` and the length's fastest fitting setting (``res["fastest"]``), cheapest
-    first by the rungs' step-time priors (ladder order on ties): none dearer than the callback's."""
+    """``sets`` and the fastest fitting setting (whole rungs: engines switch them all or nothing),
+    cheapest first by step-time priors (ladder order on ties): none dearer than the callback's."""
+    from lightning_seqmem.core.rungs import level_of
     from lightning_seqmem.plan.pricing import prior_factor
 
-    fastest = [tuple(res["fastest"]["mitigations"])] if res.get("fastest") else []
-    return sorted([*sets, *(names for names in fastest if names not in sets)],
-                  key=lambda names: prior_factor(names, device_type))
+    names = tuple((res.get("fastest") or {}).get("mitigations", ()))
+    whole = names and names not in sets and all(level_of(n) is None for n in names)
+    return sorted([*sets, *([names] if whole else [])], key=lambda s: prior_factor(s, device_type))
 
 
 def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
