@@ -216,16 +216,45 @@ def test_the_layout_plan_is_never_dearer_than_the_fastest_setting_that_fits(tmp_
 
 def test_a_fastest_setting_with_a_partial_rung_is_not_a_layout_candidate():
     """``checkpointing:selective`` or ``checkpointing:3/8`` cannot be launched by an engine's
-    all-or-nothing switch (its config would run without checkpointing, over the planned peak): the
-    layout search keeps to the ladder's sets there; a whole-rung fastest setting joins them."""
+    all-or-nothing switch (its config would run without checkpointing, over the planned peak), nor
+    a rung the searched sets leave out: the layout search keeps to those sets there; a fastest
+    setting of their whole rungs joins them."""
     from lightning_seqmem.cli.plan_parallel import _by_cost
 
-    ladder = [(), ("attention",), ("attention", "checkpointing")]
-    for partial in (["attention", "checkpointing:selective"], ["checkpointing:3/8"]):
+    ladder = [(), ("attention",), ("attention", "checkpointing"),
+              ("attention", "checkpointing", "microbatch")]
+    # fused_loss: a rung left out of the sets (an engine without its switch, --emit torchtitan)
+    for partial in (["attention", "checkpointing:selective"], ["checkpointing:3/8"],
+                    ["attention", "fused_loss"]):
         assert _by_cost({"fastest": {"mitigations": partial}}, ladder, "cpu") == ladder
     whole = _by_cost({"fastest": {"mitigations": ["attention", "microbatch"]}}, ladder, "cpu")
-    assert whole == [*ladder[:2], ("attention", "microbatch"), ladder[2]]
+    assert whole == [*ladder[:2], ("attention", "microbatch"), *ladder[2:]]
     assert _by_cost({"fastest": None}, ladder, "cpu") == ladder
+
+
+def test_a_rung_an_engine_cannot_switch_is_never_in_its_launch_config(tmp_path, capsys):
+    """torchtitan has no switch for ``fused_loss``: a launch config planned with it would run
+    without it, over the planned peak. ``--emit torchtitan`` searches only the sets it can launch
+    (and says which rungs it left out); ``emit`` refuses such a plan; Lightning runs every rung."""
+    config = _config(tmp_path, 1000)  # nothing fits: every set and layout is searched
+    config.write_text(config.read_text().replace("[checkpointing]", "[checkpointing, fused_loss]"))
+
+    def searched(engine):
+        assert main(["plan", "--config", str(config), "--lengths", "512", "--world-size",
+                     str(WORLD), "--emit", engine, "--json"]) == 0
+        entry = json.loads(capsys.readouterr().out)["parallel_plans"][0]
+        return entry["rungs_left_out"], {tuple(r["mitigations"]) for r in entry["rows"]}
+
+    assert searched("lightning") == ([], {(), ("checkpointing",), ("checkpointing", "fused_loss")})
+    assert searched("torchtitan") == (["fused_loss"], {(), ("checkpointing",)})
+    plan = {**Layout("ring", 2, 8).to_json(), "mitigations": ["checkpointing", "fused_loss"],
+            "seq_len": 4096, "batch_size": 1}
+    for engine in ("torchtitan", "accelerate", "deepspeed"):
+        with pytest.raises(ValueError, match=f"{engine} has no switch for fused_loss"):
+            emit(engine, {**plan, **Layout("ulysses", 2, 8).to_json()} if engine == "deepspeed"
+                 else plan)
+    assert "fused_loss" in emit("lightning", {**plan, **Layout("none", 1, 8).to_json()})
+    assert 'attn_implementation="sdpa"' in emit("accelerate", {**plan, "mitigations": ["attention"]})
 
 
 @pytest.mark.ddp

@@ -22,13 +22,13 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_seqmem.cli.plan_text import joined_names
 from lightning_seqmem.core.rungs import engine_features
 from lightning_seqmem.core.units import format_bytes
 
-__all__ = ["ENGINES", "ENGINE_KINDS", "check_engine", "emit"]
+__all__ = ["ENGINES", "ENGINE_KINDS", "check_engine", "emit", "switched_sets"]
 
 ENGINES = ("torchtitan", "accelerate", "deepspeed", "lightning")
 ENGINE_KINDS = {"torchtitan": ("ring",), "accelerate": ("ring",), "deepspeed": ("ulysses",),
@@ -51,6 +51,18 @@ def check_engine(engine: Any) -> str:
     return engine
 
 
+def switched_sets(engine: str, sets: Sequence[Sequence[str]]) -> tuple[list[Any], list[str]]:
+    """(the sets whose every rung ``engine`` switches, the rungs left out): Lightning runs every
+    rung (``SeqMemCallback``), other engines those with an ``engine_feature``, whole.
+
+    >>> switched_sets("torchtitan", [(), ("attention",), ("attention", "fused_loss")])
+    ([(), ('attention',)], ['fused_loss'])
+    """
+    left = sorted({n for s in sets for n in s if not engine_features([n])}
+                  if engine != "lightning" else ())
+    return [s for s in sets if not set(s) & set(left)], left
+
+
 def _header(plan: dict[str, Any]) -> str:
     from lightning_seqmem.plan.parallel import Layout
 
@@ -68,6 +80,11 @@ def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
     """The launch config of ``plan`` (a JSON plan of ``seqmem plan``) for ``engine``; Lightning's
     names ``accelerator``, the device type the plan dry-ran (``cpu``: FSDP2 over gloo)."""
     engine = check_engine(engine)
+    left = switched_sets(engine, [plan["mitigations"]])[1]
+    if left:
+        raise ValueError(f"{engine} has no switch for {joined_names(left)}: its config would run "
+                         f"without them, over the planned peak; plan with --emit {engine} (it "
+                         "searches only the rungs it switches) or emit lightning")
     features = engine_features(plan["mitigations"])  # the rungs in the engines' own keys
     ckpt, micro = "activation_checkpointing" in features, "gradient_accumulation" in features
     cp, sp, fsdp, offload = (plan["context_parallel_degree"], plan["sequence_parallel_degree"],
@@ -144,4 +161,6 @@ def emit(engine: str, plan: dict[str, Any], accelerator: str = "cuda") -> str:
             + ("; offload: fully_shard(..., offload_policy=CPUOffloadPolicy())" if offload else "")
             + ("; SeqMemCallback(mitigations=[...]) switches the planned rungs on: "
                + ", ".join(plan["mitigations"]) if plan["mitigations"] else "")]
+    if engine in ("accelerate", "deepspeed") and "sdpa_attention" in features:
+        lines.append('# attention as planned: from_pretrained(..., attn_implementation="sdpa")')
     return "\n".join(lines)

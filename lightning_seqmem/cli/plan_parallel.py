@@ -140,14 +140,14 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
 
 def _by_cost(res: dict[str, Any], sets: Sequence[tuple[str, ...]],
              device_type: str) -> list[tuple[str, ...]]:
-    """``sets`` and the fastest fitting setting (whole rungs: engines switch them all or nothing),
-    cheapest first by step-time priors (ladder order on ties): none dearer than the callback's."""
-    from lightning_seqmem.core.rungs import level_of
+    """``sets`` and the fastest fitting setting when made of their rungs (whole: engines switch rungs
+    all or nothing), cheapest first by step-time priors (ladder order on ties): none dearer than
+    the callback's."""
     from lightning_seqmem.plan.pricing import prior_factor
 
     names = tuple((res.get("fastest") or {}).get("mitigations", ()))
-    whole = names and names not in sets and all(level_of(n) is None for n in names)
-    return sorted([*sets, *([names] if whole else [])], key=lambda s: prior_factor(s, device_type))
+    ours = names and names not in sets and set(names) <= {n for s in sets for n in s}
+    return sorted([*sets, *([names] if ours else [])], key=lambda s: prior_factor(s, device_type))
 
 
 def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
@@ -293,18 +293,23 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     """Search, print and return (JSON) the N-rank layouts of every length of ``results`` (the N-rank
     table's rows, reused at degree 1); offload rows are held against ``host_budget`` too (bytes;
     None: only the device's budget)."""
-    from lightning_seqmem.cli.emit import ENGINE_KINDS
+    from lightning_seqmem.cli.emit import ENGINE_KINDS, switched_sets
     from lightning_seqmem.dryrun.sequence_parallel import state_bytes
 
+    calls = _attention_calls(console, model, batch, batch_size, sets[-1])
     if engine is not None:
         kinds = tuple(k for k in kinds if k in ENGINE_KINDS[engine])
-    calls = _attention_calls(console, model, batch, batch_size, sets[-1])
+        sets, left = switched_sets(engine, sets)  # those engine runs (its launch config)
+        if left:
+            console.print(f"--emit {engine}: sets with {joined_names(left)} not searched ({engine} "
+                          "has no switch for them; --emit lightning runs them)", highlight=False)
     per_parameter = optimizer_states_per_parameter(optimizer)
     state = state_bytes(model, world_size, per_parameter)
     _print_search(console, world_size, kinds, engine, calls)
     shard = _Shard(model, batch, batch_size, context, device, world_size, usable, state,
                    host_budget)
-    plans = [_length_plan(shard, res, sets, kinds, calls, state, per_parameter) for res in results]
+    plans = [{**_length_plan(shard, res, sets, kinds, calls, state, per_parameter),
+              "rungs_left_out": left if engine else []} for res in results]
     console.print(_layout_table(plans, world_size, usable))
     if "ring" in kinds:
         console.print(RING_NOTE)

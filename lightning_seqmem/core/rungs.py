@@ -149,7 +149,7 @@ def engine_features(setting: Sequence[str]) -> frozenset[str]:
     none: those switches are all or nothing.
 
     >>> sorted(engine_features(["attention", "checkpointing", "microbatch"]))
-    ['activation_checkpointing', 'gradient_accumulation']
+    ['activation_checkpointing', 'gradient_accumulation', 'sdpa_attention']
     >>> engine_features(["checkpointing:3/8", "fused_loss"])
     frozenset()
     """

@@ -8,4 +8,4 @@ __all__ = ["SPEC"]
 
 # eager -> SDPA/flash-attn: no L^2 matrix, no extra compute
 SPEC = RungSpec("attention", "switch attention to SDPA or flash-attn", 0.0,
-                linearises_attention=True)
+                linearises_attention=True, engine_feature="sdpa_attention")
