@@ -119,6 +119,20 @@ def test_json_names_each_plans_degrees_and_skips(tmp_path, capsys, peaks):
                for p in doc["parallel_plans"] for r in p["rows"] if p["seq_len"] == 508)
 
 
+def test_each_device_gets_its_own_layout_search(tmp_path, capsys, peaks):
+    """``--budget`` with two devices: the smaller needs the sequence split, the larger fits the
+    whole sequence; each device's entry holds its own layouts, the top level the first's."""
+    split = max(peaks[("ulysses", 2)], peaks[("ring", 2)])
+    small, large = (split + peaks[("none", 1)]) // 2, 2 * peaks[("none", 1)]
+    doc = _plan(tmp_path, capsys, small, "--budget", f"{small}B", f"{large}B")
+    plans = [next(p["plan"] for p in d["parallel_plans"] if p["seq_len"] == 512)
+             for d in doc["devices"]]
+    assert [d["usable_budget_bytes"] for d in doc["devices"]] == [small, large]
+    assert [p["layout"] for p in plans] == ["ulysses 2 x dp_shard 2", f"dp_shard {WORLD}"]
+    assert plans[1]["peak_bytes"] == peaks[("none", 1)]
+    assert doc["parallel_plans"] == doc["devices"][0]["parallel_plans"]
+
+
 def test_emit_prints_each_engines_own_keys(tmp_path, capsys, peaks):
     budget = (max(peaks[("ulysses", 2)], peaks[("ring", 2)]) + peaks[("none", 1)]) // 2
     doc = _plan(tmp_path, capsys, budget, "--emit", "torchtitan")
@@ -254,7 +268,8 @@ def test_a_rung_an_engine_cannot_switch_is_never_in_its_launch_config(tmp_path, 
             emit(engine, {**plan, **Layout("ulysses", 2, 8).to_json()} if engine == "deepspeed"
                  else plan)
     assert "fused_loss" in emit("lightning", {**plan, **Layout("none", 1, 8).to_json()})
-    assert 'attn_implementation="sdpa"' in emit("accelerate", {**plan, "mitigations": ["attention"]})
+    sdpa = emit("accelerate", {**plan, "mitigations": ["attention"]})
+    assert 'attn_implementation="sdpa"' in sdpa
 
 
 @pytest.mark.ddp

@@ -207,7 +207,8 @@ def _json_document(args: argparse.Namespace, run: PlanRun, devices: list[dict[st
                                   "plan_offload": r["plan_offload"], "fastest": r["fastest"]}
                                  for r in d["results"]],
                        "largest_fitting_seq_len": d["search"].largest,
-                       "longest_fitting_by_set": d["longest"]}
+                       "longest_fitting_by_set": d["longest"],
+                       "parallel_plans": d.get("parallel_plans")}
                     for d in devices if "name" in d],
         "dry_runs": run.dry_runs, "dry_run_seconds": run.dry_seconds, "processes": run.processes,
         "offload_assumed": OFFLOAD_ASSUMED if run.offloads else None,
@@ -216,9 +217,10 @@ def _json_document(args: argparse.Namespace, run: PlanRun, devices: list[dict[st
     }
 
 
-def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
+def _parallel(console: Any, run: PlanRun, devices: list[dict[str, Any]],
               args: argparse.Namespace) -> Optional[list[dict[str, Any]]]:
-    """With ``--world-size`` under fsdp2, or ``--emit``: sequence-parallel layouts beside rungs."""
+    """With ``--world-size`` under fsdp2, or ``--emit``: sequence-parallel layouts beside rungs,
+    searched for each device (its ``parallel_plans``); the first device's returned."""
     from lightning_seqmem.plan.parallel import check_kinds
 
     kinds = check_kinds(getattr(args, "sequence_parallel", "auto")) if run.splits_sequence else ()
@@ -226,9 +228,15 @@ def _parallel(console: Any, run: PlanRun, results: list[dict[str, Any]],
         return None
     from lightning_seqmem.cli.plan_parallel import parallel_plans
 
-    return parallel_plans(console, run.model, run.optimizer, run.batch, run.batch_size, run.sets,
-                          run.usable, run.context, run.device, run.world[0], results, kinds,
-                          getattr(args, "emit", None), run.host_budget)
+    peaks: dict[tuple, Any] = {}  # a layout's dry run, made once for every device
+    for device, budget in zip(devices, run.budgets or [None]):
+        if len(devices) > 1:
+            console.print(f"[bold]layouts on {budget.name}[/bold]:", highlight=False)
+        device["parallel_plans"] = parallel_plans(
+            console, run.model, run.optimizer, run.batch, run.batch_size, run.sets,
+            device.get("usable_budget_bytes"), run.context, run.device, run.world[0],
+            device["results"], kinds, getattr(args, "emit", None), run.host_budget, peaks)
+    return devices[0]["parallel_plans"]
 
 
 def serve_worker() -> None:
@@ -291,7 +299,7 @@ def run_plan(args: argparse.Namespace) -> int:
         console.print("no budget (pass --budget, or memory_budget in the config's SeqMemCallback; "
                       "on CUDA the device's total): no fits column and no plan")
     print_totals(console, run, modelled, seconds)
-    parallel = _parallel(console, run, first["results"], args)
+    parallel = _parallel(console, run, devices, args)
     if args.json:
         sys.stdout.write(json.dumps(_json_document(args, run, devices, modelled, seconds, parallel),
                                     indent=2) + "\n")

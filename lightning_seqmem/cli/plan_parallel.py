@@ -13,7 +13,7 @@ rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.cli.plan_text import fits_cell, joined_names
@@ -73,6 +73,18 @@ class _Shard:
     usable: Optional[int]
     state: dict[str, int]  # one rank's parameter/gradient/optimizer-state bytes (the formula's)
     host_budget: Optional[int] = None  # bytes of host memory per rank's process (None: not judged)
+    peaks: dict = field(default_factory=dict)  # the dry runs made, by length, rungs and layout
+
+    def dry(self, L: int, names: Sequence[str], degree: int, kind: str, offload: bool) -> Any:
+        """The dry run of one rank's shard, made once (every device's search reads it)."""
+        from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
+
+        key = (L, tuple(names), degree, kind, offload)
+        if key not in self.peaks:
+            self.peaks[key] = depth_sequence_parallel_dry_run_step(
+                self.model, self.batch, L, self.world_size, degree, kind, self.batch_size,
+                tuple(names), self.context, self.device, offload=offload)
+        return self.peaks[key]
 
 
 def _attention_calls(console: Any, model: Any, batch: Any, batch_size: int,
@@ -105,7 +117,6 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
                 no_sdpa: dict[tuple[str, ...], str]) -> dict[str, Any]:
     """One layout with ``names`` at ``res``'s length: degree 1 is the N-rank table's own row; a set
     whose model makes no SDPA call (``no_sdpa``, filled here) runs no degree above 1."""
-    from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.result import DryRunUnsupported
 
     L = res["seq_len"]
@@ -122,9 +133,7 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
         row["error"] = no_sdpa[names]
     else:
         try:
-            row["peak_bytes"] = depth_sequence_parallel_dry_run_step(
-                shard.model, shard.batch, L, shard.world_size, layout.degree, layout.kind,
-                shard.batch_size, names, shard.context, shard.device).peak_bytes
+            row["peak_bytes"] = shard.dry(L, names, layout.degree, layout.kind, False).peak_bytes
         except DryRunUnsupported as exc:
             row["error"] = f"unsupported: {exc.reason}"
             if "no scaled_dot_product_attention call" in exc.reason:
@@ -140,9 +149,9 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
 
 def _by_cost(res: dict[str, Any], sets: Sequence[tuple[str, ...]],
              device_type: str) -> list[tuple[str, ...]]:
-    """``sets`` and the fastest fitting setting when made of their rungs (whole: engines switch rungs
-    all or nothing), cheapest first by step-time priors (ladder order on ties): none dearer than
-    the callback's."""
+    """``sets`` and the fastest fitting setting when made of their rungs (whole: engines switch
+    rungs all or nothing), cheapest first by step-time priors (ladder order on ties): none dearer
+    than the callback's."""
     from lightning_seqmem.plan.pricing import prior_factor
 
     names = tuple((res.get("fastest") or {}).get("mitigations", ()))
@@ -166,16 +175,13 @@ def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str
 def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
     """The device and host peaks of ``row``'s layout and rungs with FSDP2 ``CPUOffloadPolicy``: a
     dry run; where it is refused, the formula on the row's own peak, marked so."""
-    from lightning_seqmem.dryrun.depth import depth_sequence_parallel_dry_run_step
     from lightning_seqmem.dryrun.result import DryRunUnsupported
     from lightning_seqmem.plan.parallel import offload_model
 
     degree = max(row["sequence_parallel_degree"], row["context_parallel_degree"])
     try:
-        result = depth_sequence_parallel_dry_run_step(
-            shard.model, shard.batch, row["seq_len"], shard.world_size, degree,
-            row["sequence_parallel"], shard.batch_size, tuple(row["mitigations"]), shard.context,
-            shard.device, offload=True)
+        result = shard.dry(row["seq_len"], row["mitigations"], degree, row["sequence_parallel"],
+                           True)
         return {"peak_source": "dry run", "peak_bytes": result.peak_bytes,
                 "host_bytes": result.host_peak_bytes,
                 "host_phase_peak_bytes": result.host_phase_peak_bytes}
@@ -289,10 +295,11 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
                    sets: Sequence[tuple[str, ...]], usable: Optional[int], context: Any,
                    device: Any, world_size: int, results: Sequence[dict[str, Any]],
                    kinds: tuple[str, ...], engine: Optional[str],
-                   host_budget: Optional[int] = None) -> list[dict[str, Any]]:
+                   host_budget: Optional[int] = None,
+                   peaks: Optional[dict] = None) -> list[dict[str, Any]]:
     """Search, print and return (JSON) the N-rank layouts of every length of ``results`` (the N-rank
     table's rows, reused at degree 1); offload rows are held against ``host_budget`` too (bytes;
-    None: only the device's budget)."""
+    None: only the device's budget); ``peaks`` keeps the dry runs for another device's search."""
     from lightning_seqmem.cli.emit import ENGINE_KINDS, switched_sets
     from lightning_seqmem.dryrun.sequence_parallel import state_bytes
 
@@ -307,7 +314,7 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     state = state_bytes(model, world_size, per_parameter)
     _print_search(console, world_size, kinds, engine, calls)
     shard = _Shard(model, batch, batch_size, context, device, world_size, usable, state,
-                   host_budget)
+                   host_budget, {} if peaks is None else peaks)
     plans = [{**_length_plan(shard, res, sets, kinds, calls, state, per_parameter),
               "rungs_left_out": left if engine else []} for res in results]
     console.print(_layout_table(plans, world_size, usable))
