@@ -29,7 +29,7 @@ class MemoryBudgetError(ValueError):
 @dataclass
 class AllocatorCounters:
     """What a caching allocator counts over a step, for :class:`StepMemory` (which measures them)
-    and :class:`StepRecord` (which keeps them): bytes, ``None`` for a probe without an allocator.
+    and :class:`StepRecord` (which keeps them): bytes, ``None`` without an allocator (the tracker).
 
     ``fragmentation_bytes`` is the peak reserved minus the peak allocated,
     ``fragmentation_fraction`` that over the peak reserved; ``alloc_retries`` and ``num_ooms`` count
@@ -137,8 +137,7 @@ class StepMemory(AllocatorCounters, _StepMemoryHead):
     """What a probe measured over one training step (bytes).
 
     ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
-    a phase the step skipped (no optimizer step while accumulating gradients) is absent. The
-    allocator fields are ``None`` for a probe without an allocator (the tracker).
+    a phase the step skipped (no optimizer step while accumulating gradients) is absent.
     """
 
     events: Optional[TrackedEvents] = None

@@ -157,8 +157,7 @@ def engine_features(setting: Sequence[str]) -> frozenset[str]:
 
 
 def is_setting(names: Sequence[Any]) -> bool:
-    """Whether ``names`` are names of known rungs (variants ``'<rung>:<level>'`` allowed), at most
-    one entry per rung."""
+    """Whether ``names`` name known rungs, each at most once (variants ``'<rung>:<level>'`` too)."""
     return (all(isinstance(n, str) and base_name(n) in _SPECS for n in names)
             and len({base_name(n) for n in names}) == len(names))
 

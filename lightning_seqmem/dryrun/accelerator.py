@@ -242,10 +242,8 @@ def register_early() -> None:
     (``dryrun`` does so on import, before any backward); never raises."""
     if torch.cuda.is_available() or simulation_refusal() is not None:
         return
-    try:
+    with contextlib.suppress(Exception):  # a dry run that asks for it says why
         simulated_device()
-    except Exception:  # noqa: BLE001 - a dry run that asks for it says why
-        pass
 
 
 def simulated_device() -> torch.device:
@@ -272,8 +270,7 @@ def is_simulated(device: Any) -> bool:
 
 
 def stands_for(device: Any) -> str:
-    """The device type a dry run on ``device`` answers for: ``"cuda"`` for the simulated one, else
-    its own.
+    """The device type a dry run on ``device`` answers for: ``"cuda"`` if simulated, else its own.
 
     >>> stands_for("cpu"), stands_for("meta")
     ('cpu', 'meta')
@@ -367,20 +364,12 @@ def _without_autocast() -> Any:
     return torch._C._ExcludeDispatchKeyGuard(keys)
 
 
-def _lower_kernel(op: Any) -> Callable[..., Any]:
+def _cast_kernel(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., Any]:
+    """``op`` on its arguments cast to ``dtype`` (None: the autocast dtype, with the cast cache)."""
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        dtype = torch.get_autocast_dtype(SIMULATED)
+        to = torch.get_autocast_dtype(SIMULATED) if dtype is None else dtype
         with _without_autocast():
-            args, kwargs = tree_map(_cast(dtype, True), (args, kwargs))
-            return op(*args, **kwargs)
-
-    return kernel
-
-
-def _fp32_kernel(op: Any) -> Callable[..., Any]:
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        with _without_autocast():
-            args, kwargs = tree_map(_cast(torch.float32, False), (args, kwargs))
+            args, kwargs = tree_map(_cast(to, dtype is None), (args, kwargs))
             return op(*args, **kwargs)
 
     return kernel
@@ -423,7 +412,8 @@ def _register_autocast() -> Any:
     lib = torch.library.Library("aten", "IMPL")
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
-    for names, make in ((_LOWER, _lower_kernel), (_FP32, _fp32_kernel),
+    for names, make in ((_LOWER, _cast_kernel),
+                        (_FP32, lambda op: _cast_kernel(op, torch.float32)),
                         (_FP32_SET_DTYPE, _set_dtype_kernel), (_PROMOTE, _promote_kernel)):
         for name in names:
             packet = getattr(torch.ops.aten, name, None)

@@ -287,8 +287,7 @@ def depth_dry_run_step(
 ) -> DryRunResult:
     """:func:`.step.dry_run_step` (the same arguments, ``kwargs`` its later ones; the same
     raises), answered from shallow copies where the model's blocks repeat: the same figures;
-    ``detail`` says how, ``seconds`` what this call took; ``peak_site`` extrapolated, or None.
-    """
+    ``detail`` says how, ``seconds`` what this call took; ``peak_site`` extrapolated, or None."""
     args = dict(pl_module=pl_module, optimizer=optimizer, batch=batch, seq_len=seq_len,
                 batch_size=batch_size, mitigations=mitigations, autocast=autocast, device=device,
                 site=site, **kwargs)

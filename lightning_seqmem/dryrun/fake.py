@@ -113,17 +113,13 @@ def detached_memo(module: nn.Module, keep_mesh: bool = True) -> dict[int, Any]:
 def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode,
               values: Optional["BatchValues"] = None,
               device: Optional[torch.device] = None) -> nn.Module:
-    """``copy.deepcopy`` with fake parameters, buffers and attribute tensors, without the Trainer
-    (or Fabric) it is attached to.
-
-    Parameters, buffers and plain-attribute tensors (:func:`.probes.attribute_tensors`: a
-    positional table, a causal mask) are faked first into the copy's memo, so the deep copy never
-    copies a real one (nor a gradient); attribute tensors count as existing memory of the step.
-    ``values`` gets a copy of each attribute tensor's values (within its limit): a step may read
-    them. ``device``: where the copy's tensors are made (default: where each real one is); a
-    ``meta`` tensor or one on another device becomes a fake one of the same shape, strides and
-    dtype there, with no values.
-    """
+    """``copy.deepcopy`` without the Trainer (or Fabric) it is attached to, its parameters, buffers
+    and plain-attribute tensors (:func:`.probes.attribute_tensors`: a positional table, a causal
+    mask) faked first into the copy's memo, so the deep copy never copies a real one (nor a
+    gradient); attribute tensors count as existing memory of the step. ``values`` gets a copy of
+    each attribute tensor's values (within its limit): a step may read them. ``device``: where the
+    copy's tensors are made (default: where each real one is); a ``meta`` tensor or one on another
+    device becomes a fake one of the same shape, strides and dtype there, with no values."""
     memo = detached_memo(pl_module)
     def fake(t: torch.Tensor) -> torch.Tensor:
         if device is None or (t.device == device and t.device.type != "meta"):
@@ -172,10 +168,8 @@ def _default_foreach(params: list[torch.Tensor]) -> Optional[bool]:
 
 
 def rebuild_optimizer(optimizer: Any, twins: dict[int, nn.Parameter]) -> torch.optim.Optimizer:
-    """A fresh optimizer of the same class and param-group hyperparameters over the fake copy.
-
-    ``twins`` maps ``id`` of each real parameter to its fake twin.
-    """
+    """A fresh optimizer of the same class and param-group hyperparameters over the fake copy
+    (``twins``: ``id`` of each real parameter -> its fake twin)."""
     real = unwrap_optimizer(optimizer)
     groups = []
     for index, group in enumerate(real.param_groups):

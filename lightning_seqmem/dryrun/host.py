@@ -116,8 +116,7 @@ class PinWatch(TorchDispatchMode):
 
 def register_fake_pin_memory() -> None:
     """Give ``aten._pin_memory`` a fake kernel (process-wide, once; PyTorch has none), so that
-    ``tensor.pin_memory()`` runs on fake tensors, as FSDP2's ``CPUOffloadPolicy(pin_memory=True)``
-    asks."""
+    ``tensor.pin_memory()`` runs on fake tensors (FSDP2's ``CPUOffloadPolicy(pin_memory=True)``)."""
     with _LOCK:
         if _STATE["library"] is None:
             library = torch.library.Library("aten", "FRAGMENT")

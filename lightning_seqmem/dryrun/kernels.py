@@ -26,12 +26,11 @@ nothing changes (except fake CPU tensors of a model built for flash-attn under
 :func:`modelled_kernels`, which otherwise cannot run).
 
 Approximations, each small: cuDNN attention is not modelled (PyTorch prefers it on sm90 only with
-cuDNN >= 9.15.1; a priority order that asks for it first gets the next backend here); the
+cuDNN >= 9.15.1; a priority order asking for it first gets the next backend here); the
 memory-efficient kernel's seed and offset scalars are counted on the device (two 512-byte blocks a
-call; CUDA keeps them in host memory); Cut Cross-Entropy's indices of the counted tokens are
-bounded by every token (4 bytes a token); scheduler metadata under 1 KiB (flash-attn 3's tile
-semaphore) is left out; the memory-efficient backward's kernels are assumed to fit in an sm90's
-shared memory.
+call; CUDA keeps them in host memory); Cut Cross-Entropy's indices of the counted tokens are bounded
+by every token (4 bytes a token); scheduler metadata under 1 KiB (flash-attn 3's tile semaphore) is
+left out; the memory-efficient backward's kernels are assumed to fit an sm90's shared memory.
 
 Example:
     >>> import transformers

@@ -232,8 +232,7 @@ _REGISTERED: set[int] = set()
 
 def _install(version: int) -> str:
     """Make transformers' flash glue (``lazy_import_flash_attention``) hand out the modelled
-    functions for the modelled implementation's name (it keeps the functions of one implementation
-    at a time)."""
+    functions for the modelled implementation's name (it keeps one implementation's at a time)."""
     import transformers.modeling_flash_attention_utils as glue
 
     name = HF_IMPLEMENTATIONS[version]

@@ -115,9 +115,8 @@ def _deterministic() -> bool:
 
 def fa2_num_splits(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int,
                    dropout_p: float) -> int:
-    """flash-attn 2's split-KV count of a forward (``set_params_splitkv``,
-    ``num_splits_heuristic``): 1 unless the batch, heads and query blocks fill under 80% of the
-    multiprocessors.
+    """flash-attn 2's forward split-KV count (``set_params_splitkv``, ``num_splits_heuristic``): 1
+    unless the batch, heads and query blocks fill under 80% of the multiprocessors.
 
     >>> fa2_num_splits(1, 32, 4096, 4096, 128, 0.0), fa2_num_splits(1, 2, 64, 64, 64, 0.0)
     (1, 1)
@@ -299,8 +298,7 @@ def _efficient_forward_scratch(args: Sequence[Any], out: Any) -> int:
 
 def _efficient_backward_scratch(args: Sequence[Any], out: Any) -> int:
     """``_efficient_attention_backward`` beside its gradients: ``grad_out`` made contiguous,
-    ``delta`` (fp32 ``[B, H, M]``; computed in torch from an fp32 ``grad_out * out`` in float32),
-    the workspace."""
+    ``delta`` (fp32 ``[B, H, M]``, from an fp32 ``grad_out * out`` in torch), the workspace."""
     grad, q, k, v = args[0], args[1], args[2], args[3]
     b, h, m, d = q.shape
     n, dv = k.shape[2], v.shape[3]

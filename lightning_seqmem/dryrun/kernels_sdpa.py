@@ -95,8 +95,7 @@ def _flash_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
 
 
 def _efficient_alignment(dtype: torch.dtype) -> int:
-    """``minimum_gemm_alignment`` on sm80+: 128 bits of tensor-core operands, at least 4
-    elements."""
+    """``minimum_gemm_alignment`` (sm80+): 128-bit tensor-core operands, at least 4 elements."""
     return max(4, 128 // (16 if dtype in _HALF else 32)) if CUDA_TARGET.major >= 8 else 1
 
 
@@ -222,8 +221,7 @@ _LIBRARIES: list[Any] = []
 
 
 def _register_on_device() -> None:
-    """Put the SDPA dispatch on the simulated device (its autograd key: the composite would run
-    math)."""
+    """Put the SDPA dispatch on the simulated device (its autograd key: the composite runs math)."""
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     _LIBRARIES.append(lib)

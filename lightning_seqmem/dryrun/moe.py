@@ -165,9 +165,8 @@ class DryRunFakeMode(FakeTensorMode):
 
 # -- the routing ----------------------------------------------------------------------------------
 def routing_assignment(tokens: int, k: int, experts: int) -> torch.Tensor:
-    """The ``[tokens, k]`` expert indices a dry run gives a router's top-k: every expert runs, and
-    experts ``0 .. k-1`` take every token but the one each of experts ``k .. experts-1`` takes in
-    place of expert ``k-1`` (the heaviest routing: see the module's docstring).
+    """The ``[tokens, k]`` expert indices a dry run gives a router's top-k: the heaviest routing,
+    in which every expert runs (the module's docstring says how).
 
     Example:
         >>> routing_assignment(tokens=5, k=2, experts=4).tolist()
@@ -221,10 +220,8 @@ def _reads_values(func: Any, args: tuple) -> bool:
 class RoutedValues(BatchValues):
     """:class:`.values.BatchValues` that also knows the routing: inside an MoE block (counted by
     :func:`routing_scope` per thread), a ``topk`` over an activation gets
-    :func:`routing_assignment`'s indices. Records ``routed_topk`` (calls given it), ``blocks``
-    (MoE blocks run, by ``class (experts implementation)``) and ``value_reads`` (ops whose output
-    depends on values derived from the routing).
-    """
+    :func:`routing_assignment`'s indices. ``blocks`` keys read ``class (experts implementation)``;
+    ``value_reads`` holds the ops whose output depends on values derived from the routing."""
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int) -> None:
         super().__init__(fake_mode, max_bytes)

@@ -70,8 +70,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _seq_to_heads(x: torch.Tensor, degree: int, group: Any) -> torch.Tensor:
-    """``[B, H, L/d, D]`` (this rank's tokens, all heads) -> ``[B, H/d, L, D]`` (all tokens, its
-    heads)."""
+    """``[B, H, L/d, D]`` (own tokens, all heads) -> ``[B, H/d, L, D]`` (all tokens, own heads)."""
     b, h, lc, d = x.shape
     # [d, B, H/d, Lc, D]: chunk j to rank j
     send = x.reshape(b, degree, h // degree, lc, d).transpose(0, 1)

@@ -18,7 +18,6 @@ gradients); the world size changes nothing per rank.
 
 Not counted: the backend's communication buffers (NCCL's, gloo's), allocator fragmentation and
 workspaces (see :mod:`.step`).
-====
 
 Example:
     >>> from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
@@ -196,8 +195,7 @@ def _fake_from_template(template: nn.Module, fake_mode: Any, device: torch.devic
 
 def _shard(model: nn.Module, mesh: Any, notes: list[str], offload_policy: Any = None) -> None:
     """The module's own ``configure_model()`` over ``mesh``; the default layout if it shards none.
-    ``offload_policy`` (FSDP2's ``CPUOffloadPolicy``): given to every ``fully_shard``, the module's
-    too."""
+    Every ``fully_shard``, the module's too, gets ``offload_policy`` (a ``CPUOffloadPolicy``)."""
     from torch.distributed.fsdp import fully_shard
 
     model.__dict__["_device_mesh"] = mesh
@@ -406,8 +404,7 @@ def template_for(trainer: Any, pl_module: nn.Module) -> Optional[nn.Module]:
 
 
 def dry_run_refusal(trainer: Any) -> Optional[str]:
-    """Why no dry run of the run's own step can answer for this strategy (FSDP1, DeepSpeed), or
-    None.
+    """Why no dry run of the run's own step answers for this strategy (FSDP1, DeepSpeed), or None.
 
     Example:
         >>> from types import SimpleNamespace

@@ -402,8 +402,7 @@ def shape_batch(
 
 
 def batch_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor moved to ``device``: mutable containers changed in place, others
-    rebuilt."""
+    """``obj``, its tensors on ``device``: mutable containers changed in place, others rebuilt."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, MutableMapping):

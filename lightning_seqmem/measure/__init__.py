@@ -1,2 +1,1 @@
-"""Torch, no Lightning: cutting batches, probes that measure a step, real short steps traced
-without a Trainer."""
+"""Torch, no Lightning: batch cuts, memory probes, real short steps traced without a Trainer."""

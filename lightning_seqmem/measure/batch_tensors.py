@@ -102,8 +102,7 @@ def broadcast_rows(rows: torch.Tensor, x: torch.Tensor, batch_size: int,
 
 def split_positions(x: torch.Tensor, seq_len: int, seq_dim: int, batch_size: int,
                     chunks: int) -> torch.Tensor:
-    """``arange(seq_len)`` at ``seq_dim`` in the shape of the split rows (``[1, ...]`` if
-    broadcast)."""
+    """``arange(seq_len)`` at ``seq_dim`` in the split rows' shape (``[1, ...]`` if broadcast)."""
     rows = split_rows(x, seq_len, seq_dim)
     if x.shape[0] == 1 and batch_size > 1:
         rows = rows[:1]

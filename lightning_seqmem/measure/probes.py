@@ -15,6 +15,7 @@ which returns a :class:`StepMemory` (bytes).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -86,10 +87,8 @@ class _EagerStance:
         cls.holders -= 1
         if cls.holders == 0:
             saved, cls.saved = cls.saved, None
-            try:
+            with contextlib.suppress(Exception):  # never raises
                 saved.__exit__(None, None, None)
-            except Exception:  # noqa: BLE001 - never raises
-                pass
 
 
 class TrackerProbe(MemoryProbe):
@@ -161,10 +160,8 @@ class TrackerProbe(MemoryProbe):
     def abort(self) -> None:
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
-            try:
+            with contextlib.suppress(Exception):  # the mode stack was already unwound by another
                 tracker.__exit__(None, None, None)
-            except Exception:  # the mode stack was already unwound by someone else
-                pass
             tracker.stop()
         self._release_stance()
 

@@ -44,8 +44,7 @@ def flat_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages holding ``t``'s data (a wrapper subclass's inner tensors'; none for meta or
-    sparse)."""
+    """The storages of ``t`` (a wrapper subclass: its inner tensors'; none for meta or sparse)."""
     if type(t) in _PLAIN_TENSORS:
         if t.layout != torch.strided or t.device.type == "meta":
             return []
@@ -99,9 +98,8 @@ def _resize_and_tell(storage: torch.UntypedStorage, size: int) -> Any:
 
 
 def _watch_resizes(tracker: "LiveTensorTracker", on: bool) -> None:
-    """``torch.UntypedStorage.resize_`` is not a tensor op (no dispatch mode sees it): while a
-    tracker is entered it is wrapped to tell it (as ``torch.distributed._tools.MemTracker``
-    does)."""
+    """``torch.UntypedStorage.resize_`` is not a tensor op (no dispatch mode sees it): wrapped to
+    tell an entered tracker (as ``torch.distributed._tools.MemTracker`` does)."""
     if on:
         _RESIZE_WATCHERS.append(tracker)
         torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
@@ -115,9 +113,8 @@ def _watch_resizes(tracker: "LiveTensorTracker", on: bool) -> None:
 class LiveTensorTracker(TorchDispatchMode):
     """Exact live tensor bytes on one device type, by watching every storage an op creates.
 
-    Storages that existed before tracking began are counted only if passed to
-    :meth:`track_existing`. A storage shared with an op's input (a view, an in-place op) is not a
-    new allocation.
+    Storages alive before tracking began count only if passed to :meth:`track_existing`; a storage
+    shared with an op's input (a view, an in-place op) is not a new allocation.
 
     Example:
         >>> import torch

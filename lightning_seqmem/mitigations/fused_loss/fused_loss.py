@@ -382,18 +382,14 @@ def fused_loss_backend(model: nn.Module) -> Optional[str]:
     return found.pop() if len(found) == 1 else "mixed"
 
 
-def _switch_on(target: nn.Module, fn: FusedLinearCrossEntropy) -> None:
-    if is_hf_pretrained_model(target):
-        hf_switch_on(target, fn)
-    else:
+def _switch(target: nn.Module, fn: Optional[FusedLinearCrossEntropy]) -> None:
+    """Put ``fn`` on ``target`` (None: the plain loss back)."""
+    if not is_hf_pretrained_model(target):
         target.set_fused_loss(fn)
-
-
-def _switch_off(target: nn.Module) -> None:
-    if is_hf_pretrained_model(target):
+    elif fn is None:
         hf_switch_off(target)
     else:
-        target.set_fused_loss(None)
+        hf_switch_on(target, fn)
 
 
 class FusedLossRung(Rung):
@@ -466,13 +462,13 @@ class FusedLossRung(Rung):
         fn = FusedLinearCrossEntropy(backend)
         for _, target in find_fused_loss_targets(model):
             if _fn_of(target) is None:
-                _switch_on(target, fn)
+                _switch(target, fn)
 
     def remove(self, ctx: RungContext) -> Optional[MitigationResult]:
         before = fused_loss_backend(ctx.pl_module) or "plain"
         for _, target in find_fused_loss_targets(ctx.pl_module):
             if _fn_of(target) is not None:
-                _switch_off(target)
+                _switch(target, None)
         return MitigationResult(self.name, before != "plain", f"loss {before} -> plain", before,
                                 "plain")
 
@@ -500,8 +496,7 @@ class FusedLossRung(Rung):
                     else f" (standing in for {backend}, whose memory is at most tiled's)")
         plan.notes.append(f"{self.name}: loss plain -> tiled{stand_in}")
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(backend={self.backend!r})"
+    __repr__ = FusedLinearCrossEntropy.__repr__
 
 RUNG = FusedLossRung
 """This folder's rung (what :data:`~lightning_seqmem.core.rungs.RUNG_FOLDERS` names)."""

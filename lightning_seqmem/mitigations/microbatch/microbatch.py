@@ -152,9 +152,8 @@ class MicroBatching:
         micro_batch_size: samples per micro-batch (the last one of a batch may be smaller).
             ``1`` gives the lowest peak, at the cost of the least parallel work per kernel.
         weighting: what the loss is a mean over, so what each micro-batch's loss is weighted by:
-            ``"auto"`` (label tokens when the batch has integer ``"labels"``, shifted as Hugging
-            Face's causal-LM loss shifts them when they are the inputs; samples otherwise),
-            ``"samples"``, ``"label_tokens"`` or ``"shifted_label_tokens"``.
+            ``"auto"`` (the module docstring's *Weighting*), ``"samples"``, ``"label_tokens"`` or
+            ``"shifted_label_tokens"``.
         verify: check on the first batch split that the loss is such a mean; refuse (and run
             the plain step) when it is not. ``False`` also overrides an earlier refusal.
         ignore_index: the label value the loss skips.
@@ -215,10 +214,9 @@ class MicroBatching:
             return False, ("under DeepSpeed ZeRO stage 3 a split step's update is not the whole "
                            "batch's (measured 0.83-0.96 relative off on CPU, "
                            "tests/test_deepspeed.py; the cause in ZeRO-3's gradient partitioning "
-                           "is not traced); lower the "
-                           "batch size and raise Trainer(accumulate_grad_batches=...), which "
-                           "DeepSpeed runs as its gradient_accumulation_steps, or use ZeRO stage 1 "
-                           "or 2")
+                           "is not traced); lower the batch size and raise "
+                           "Trainer(accumulate_grad_batches=...), which DeepSpeed runs as its "
+                           "gradient_accumulation_steps, or use ZeRO stage 1 or 2")
         fsdp2 = is_a(strategy, "ModelParallelStrategy") and bool(fsdp2_modules(pl_module))
         if not is_a(strategy, "SingleDeviceStrategy", "DDPStrategy") and not fsdp2:
             return False, (f"strategy {type(strategy).__name__} not supported (single device, "

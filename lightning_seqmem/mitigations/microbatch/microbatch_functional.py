@@ -63,10 +63,9 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     """Split a batch into consecutive micro-batches of at most ``micro_batch_size`` samples.
 
     The batch size ``N`` is read with :func:`.infer_batch_shape` (dim 0 of its 2-D integer token
-    tensor). Every tensor whose dim 0 is ``N`` is cut along it (as
-    views); other values (scalars, strings, a list of ``N`` strings, tensors of another first
-    dimension) go unchanged to every micro-batch. Containers are rebuilt with their type; the input
-    is never mutated.
+    tensor). Every tensor whose dim 0 is ``N`` is cut along it (as views); other values (scalars,
+    strings, a list of ``N`` strings, tensors of another first dimension) go unchanged to every
+    micro-batch. Containers are rebuilt with their type; the input is never mutated.
 
     Raises:
         ValueError: bad ``micro_batch_size``, or no 2-D integer tensor in the batch.
@@ -79,11 +78,8 @@ def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
     """
     micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
     batch_size, _ = infer_batch_shape(batch)
-    parts, start = [], 0
-    for length in _micro_batch_sizes(batch_size, micro_batch_size):
-        parts.append(slice_batch(batch, batch_size, start, length))
-        start += length
-    return parts
+    return [slice_batch(batch, batch_size, start, min(micro_batch_size, batch_size - start))
+            for start in range(0, batch_size, micro_batch_size)]
 
 
 def _is_label_tensor(labels: Any, batch_size: int) -> bool:
@@ -133,10 +129,9 @@ def micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str = "auto
     micro_batch_size = check_int("micro_batch_size", micro_batch_size, accepted="an int >= 1")
     check_weighting(weighting)
     batch_size, _ = infer_batch_shape(batch)
-    sizes = _micro_batch_sizes(batch_size, micro_batch_size)
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if weighting == "samples" or (weighting == "auto" and not _is_label_tensor(labels, batch_size)):
-        return "samples", sizes
+        return "samples", _micro_batch_sizes(batch_size, micro_batch_size)
     if not _is_label_tensor(labels, batch_size):
         raise ValueError(
             f"`weighting={weighting!r}` needs a mapping batch with an integer 'labels' tensor of "
@@ -149,11 +144,8 @@ def micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str = "auto
         rule = "shifted_label_tokens" if shifted else "label_tokens"
         valid = (labels[..., 1:] if shifted else labels) != ignore_index
     per_sample = valid.reshape(batch_size, -1).sum(dim=1).tolist()
-    counts, start = [], 0
-    for size in sizes:
-        counts.append(int(sum(per_sample[start : start + size])))
-        start += size
-    return rule, counts
+    return rule, [int(sum(per_sample[start : start + micro_batch_size]))
+                  for start in range(0, batch_size, micro_batch_size)]
 
 
 def is_deepspeed_engine(model: Any) -> bool:

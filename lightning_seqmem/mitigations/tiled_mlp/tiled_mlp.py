@@ -265,9 +265,8 @@ def _compute(module: nn.Module, state: _TiledState) -> Callable[[torch.Tensor], 
             return x
 
         return run
-    if state.previous_forward is not None:
-        return state.previous_forward
-    return types.MethodType(type(module).forward, module)
+    return (state.previous_forward if state.previous_forward is not None
+            else types.MethodType(type(module).forward, module))
 
 
 def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
