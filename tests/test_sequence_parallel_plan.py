@@ -104,7 +104,7 @@ def test_json_names_each_plans_degrees_and_skips(tmp_path, capsys, peaks):
             and plan["peak_source"] == "dry run")
     assert plan["peak_bytes"] == peaks[("ulysses",
                                         2)] <= budget < by_len[512]["rows"][0]["peak_bytes"]
-    assert plan["tokens_per_rank"] == 256
+    assert plan["tokens_per_rank"] == 256 and by_len[512]["state_over_budget"] is False
     # offload is modelled from each rank's share of the state: AdamW's 2 states counted from a real
     # step
     from lightning_seqmem.dryrun.sequence_parallel import state_bytes
@@ -246,6 +246,29 @@ def test_a_fastest_setting_with_a_partial_rung_is_not_a_layout_candidate():
     assert _by_cost({"fastest": None}, ladder, "cpu") == ladder
 
 
+def test_a_set_whose_largest_degree_does_not_fit_runs_no_other_degree():
+    """Per-rank peaks fall as the degree rises (each rank's share of the tokens does): where a set
+    fits neither at degree 1 nor at the largest degree, its middle degrees are not dry-run; the plan
+    is the one the exhaustive search finds (the first that fits, degree ascending)."""
+    from lightning_seqmem.cli.plan_parallel import _first_fit
+
+    ok = layouts(8, 4096, 8, 8, False, ("ulysses",))[0]  # degree 1, Ulysses 2, 4, 8
+    peaks = {(): [16, 8, 4, 2], ("checkpointing",): [4, 2, 1, 0.5]}  # budget 1.5
+    asked = []
+
+    def row_of(names, layout):
+        asked.append((names, layout.degree))
+        return {"fits": peaks[names][ok.index(layout)] <= 1.5, "degree": layout.degree}
+
+    rows = []
+    plan = _first_fit(rows, list(peaks), ok, row_of)
+    ck = ("checkpointing",)
+    assert asked == [((), 1), ((), 8), (ck, 1), (ck, 8), (ck, 2), (ck, 4)]
+    assert [r["degree"] for r in rows] == [1, 8, 1, 2, 4] and plan is rows[-1]
+    exhaustive = next((n, x.degree) for n in peaks for x in ok if peaks[n][ok.index(x)] <= 1.5)
+    assert exhaustive == (ck, plan["degree"])
+
+
 def test_a_rung_an_engine_cannot_switch_is_never_in_its_launch_config(tmp_path, capsys):
     """torchtitan has no switch for ``fused_loss``: a launch config planned with it would run
     without it, over the planned peak. ``--emit torchtitan`` searches only the sets it can launch
@@ -257,6 +280,10 @@ def test_a_rung_an_engine_cannot_switch_is_never_in_its_launch_config(tmp_path, 
         assert main(["plan", "--config", str(config), "--lengths", "512", "--world-size",
                      str(WORLD), "--emit", engine, "--json"]) == 0
         entry = json.loads(capsys.readouterr().out)["parallel_plans"][0]
+        # the state shards alone are over 1000 B: no degree > 1 is dry-run without offload
+        assert entry["state_over_budget"] and {
+            r["sequence_parallel_degree"] * r["context_parallel_degree"]
+            for r in entry["rows"] if not r["offload"]} == {1}
         return entry["rungs_left_out"], {tuple(r["mitigations"]) for r in entry["rows"]}
 
     assert searched("lightning") == ([], {(), ("checkpointing",), ("checkpointing", "fused_loss")})
@@ -270,6 +297,54 @@ def test_a_rung_an_engine_cannot_switch_is_never_in_its_launch_config(tmp_path, 
     assert "fused_loss" in emit("lightning", {**plan, **Layout("none", 1, 8).to_json()})
     sdpa = emit("accelerate", {**plan, "mitigations": ["attention"]})
     assert 'attn_implementation="sdpa"' in sdpa
+
+
+def test_a_flash_attention_model_is_planned_with_ulysses_as_alst_runs_it():
+    """A transformers model on flash-attn makes no SDPA call: its attention function is wrapped
+    instead (ALST's ``UlyssesSPAttentionHF``): at Ulysses 2 the kernel runs all 1024 tokens on half
+    the heads, and the rank's peak falls; ring (PyTorch's, over SDPA) is skipped, saying why. The
+    float32 model reads its calls under the plan's bf16 autocast (flash-attn refuses float32)."""
+    import torch
+    from transformers.modeling_utils import AttentionInterface
+
+    from lightning_seqmem.dryrun.accelerator import simulated_device, step_context
+    from lightning_seqmem.dryrun.kernels import modelled_kernels
+    from lightning_seqmem.dryrun.sequence_parallel import (
+        attention_calls, sequence_parallel_dry_run_step)
+    from lightning_seqmem.dryrun.sharded import unsharded_template
+    from lightning_seqmem.reference.hf import HFCausalLM
+
+    config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=512)
+    with modelled_kernels():
+        template = unsharded_template(HFCausalLM("llama", config,
+                                                 attn_implementation="flash_attention_2"))
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    batch, device = {"input_ids": ids, "labels": ids.clone()}, simulated_device()
+    bf16 = step_context(type("P", (), {"precision": "bf16-mixed"})(), device)
+    calls = attention_calls(template, batch, autocast=bf16, device=device)
+    name = template.model.config._attn_implementation
+    assert (calls.calls, calls.n_heads, calls.n_kv_heads, calls.attention) == (2, 4, 2, name)
+    kernel, shapes = AttentionInterface._global_mapping[name], []
+
+    def spy(module, query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return kernel(module, query, *args, **kwargs)
+
+    AttentionInterface._global_mapping[name] = spy
+    try:
+        whole, ulysses = (sequence_parallel_dry_run_step(
+            template, batch, 1024, 2, degree, kind, autocast=bf16, device=device).peak_bytes
+            for degree, kind in ((1, "none"), (2, "ulysses")))
+    finally:
+        AttentionInterface._global_mapping[name] = kernel
+    assert shapes[0] == (1, 4, 1024, 16) and shapes[-1] == (1, 2, 1024, 16)  # [B, H/d, L, D]
+    assert ulysses < 0.7 * whole
+    ok, skipped = layouts(2, 1024, calls.n_heads, calls.n_kv_heads, calls.masked,
+                          attention=calls.attention)
+    assert [(x.kind, x.degree) for x in ok] == [("none", 1), ("ulysses", 2)]
+    assert skipped == [("ring", 2, f"ring attention shards SDPA calls; the model's attention is "
+                                   f"{name}")]
 
 
 @pytest.mark.ddp

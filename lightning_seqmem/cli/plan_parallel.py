@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lightning_seqmem.cli.plan_text import fits_cell, joined_names
 from lightning_seqmem.core.units import format_bytes
@@ -73,7 +73,7 @@ class _Shard:
     usable: Optional[int]
     state: dict[str, int]  # one rank's parameter/gradient/optimizer-state bytes (the formula's)
     host_budget: Optional[int] = None  # bytes of host memory per rank's process (None: not judged)
-    peaks: dict = field(default_factory=dict)  # the dry runs made, by length, rungs and layout
+    peaks: dict = field(default_factory=dict)  # the dry runs made (by length, rungs and layout)
 
     def dry(self, L: int, names: Sequence[str], degree: int, kind: str, offload: bool) -> Any:
         """The dry run of one rank's shard, made once (every device's search reads it)."""
@@ -87,16 +87,19 @@ class _Shard:
         return self.peaks[key]
 
 
-def _attention_calls(console: Any, model: Any, batch: Any, batch_size: int,
-                     names: tuple[str, ...]) -> Any:
-    """The model's SDPA calls, heads and mask with ``names`` on (none known if unreadable)."""
+def _attention_calls(console: Any, shard: _Shard, names: tuple[str, ...]) -> Any:
+    """The model's attention calls, heads and mask with ``names`` on (none known if unreadable),
+    read once for every device."""
     from lightning_seqmem.dryrun.sequence_parallel import AttentionCalls, attention_calls
 
-    try:
-        return attention_calls(model, batch, 64, batch_size, names)
-    except Exception as exc:  # noqa: BLE001 - the degrees are skipped with the reason
-        console.print(f"[yellow]reading the model's attention calls failed[/yellow]: {exc}")
-        return AttentionCalls()
+    if ("calls", names) not in shard.peaks:
+        try:
+            shard.peaks["calls", names] = attention_calls(
+                shard.model, shard.batch, 64, shard.batch_size, names, shard.context, shard.device)
+        except Exception as exc:  # noqa: BLE001 - the degrees are skipped with the reason
+            console.print(f"[yellow]reading the model's attention calls failed[/yellow]: {exc}")
+            return AttentionCalls()
+    return shard.peaks["calls", names]
 
 
 def _print_search(console: Any, world_size: int, kinds: tuple[str, ...], engine: Optional[str],
@@ -108,9 +111,17 @@ def _print_search(console: Any, world_size: int, kinds: tuple[str, ...], engine:
                   "fits, by their step-time priors), within each the degree ascending "
                   "(Ulysses before ring), offload last; kinds searched: "
                   f"{', '.join(kinds) or 'none'}" + (f" (what {engine} runs)" if engine else "")
-                  + f"; the model's attention: {calls.calls} SDPA calls, {calls.n_heads} heads, "
+                  + f"; the model's attention: {calls.calls} {calls.attention} calls, "
+                  f"{calls.n_heads} heads, "
                   f"{calls.n_kv_heads} KV heads, "
                   f"{'an explicit attn_mask' if calls.masked else 'no explicit mask'}")
+
+
+def _blank_row(shard: _Shard, L: int, names: tuple[str, ...], layout: Any) -> dict[str, Any]:
+    return {**layout.to_json(), "layout": layout.name(), "mitigations": list(names), "seq_len": L,
+            "batch_size": shard.batch_size, "tokens_per_rank": layout.local_seq_len(L),
+            "peak_source": "dry run", "host_bytes": None, "peak_bytes": None, "error": None,
+            "seconds": 0.0}
 
 
 def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layout: Any,
@@ -120,10 +131,7 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
     from lightning_seqmem.dryrun.result import DryRunUnsupported
 
     L = res["seq_len"]
-    row = {**layout.to_json(), "layout": layout.name(), "mitigations": list(names), "seq_len": L,
-           "batch_size": shard.batch_size, "tokens_per_rank": layout.local_seq_len(L),
-           "peak_source": "dry run", "host_bytes": None, "peak_bytes": None, "error": None,
-           "seconds": 0.0}
+    row = _blank_row(shard, L, names, layout)
     started = time.perf_counter()
     if layout.degree == 1:  # the table's row or the fastest setting's
         own = _peak_row(res["rows"] + res.get("searched_rows", []), names) or {}
@@ -159,17 +167,31 @@ def _by_cost(res: dict[str, Any], sets: Sequence[tuple[str, ...]],
     return sorted([*sets, *([names] if ours else [])], key=lambda s: prior_factor(s, device_type))
 
 
-def _search_layouts(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
-                    ok: Sequence[Any]) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]]]:
-    """(rows run, the first that fits or None): the sets in order, layouts ``ok`` within each."""
-    rows: list[dict[str, Any]] = []
-    no_sdpa: dict[tuple[str, ...], str] = {}  # sets without an SDPA call: no degree > 1 runs
+def _first_fit(rows: list[dict[str, Any]], sets: Sequence[tuple[str, ...]], ok: Sequence[Any],
+               row_of: Callable[..., Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    """The first row that fits (``row_of(names, layout)``; None: not a candidate), the sets in
+    order, within each the layouts ``ok`` by degree; the rows made are appended to ``rows``. Where
+    degree 1 does not fit, the largest degree is tried next: where it does not fit either, the
+    set's other degrees are not run (a rank's peak falls as its share of the tokens does)."""
+    top = [i for i, layout in enumerate(ok) if layout.degree == ok[-1].degree > 1]
     for names in sets:
-        for layout in ok:
-            rows.append(_layout_row(shard, res, names, layout, no_sdpa))
-            if rows[-1]["fits"]:
-                return rows, rows[-1]
-    return rows, None
+        made: dict[int, Optional[dict[str, Any]]] = {}
+
+        def row(i: int) -> Optional[dict[str, Any]]:
+            if i not in made:
+                made[i] = row_of(names, ok[i])  # noqa: B023 - called in this iteration only
+            return made[i]
+
+        for i in range(len(ok)):
+            if row(i) is not None:
+                rows.append(made[i])
+                if made[i]["fits"]:
+                    return made[i]
+            if i == 0 and top and all(row(j) is not None and made[j]["fits"] is False
+                                      for j in top):
+                rows.extend(made[j] for j in top)
+                break
+    return None
 
 
 def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +208,8 @@ def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
                 "host_bytes": result.host_peak_bytes,
                 "host_phase_peak_bytes": result.host_phase_peak_bytes}
     except DryRunUnsupported as exc:
+        if row["peak_bytes"] is None:  # a layout not run without offload: no formula either
+            return {"error": f"unsupported: {exc.reason}"}
         state = shard.state
         model = offload_model(row["peak_bytes"], state["parameter_shard_bytes"],
                               state["gradient_shard_bytes"], state["optimizer_state_bytes"])
@@ -193,24 +217,21 @@ def _offload_peaks(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
                 "peak_bytes": model["device_peak_bytes"], "host_bytes": model["host_bytes"]}
 
 
-def _offload_rows(shard: _Shard, rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """Nothing fits: each row run, again with FSDP2 CPU offload (:func:`_offload_peaks`), appended
-    to ``rows`` up to the first that fits both the device's usable budget and the host budget
-    (returned; None when none does)."""
+def _offload_row(shard: _Shard, row: dict[str, Any]) -> dict[str, Any]:
+    """``row``'s layout and rungs again with FSDP2 CPU offload (:func:`_offload_peaks`), held
+    against the device's usable budget and the host budget."""
     from lightning_seqmem.plan.budgets import fits_budgets
 
-    for row in [r for r in rows if r["peak_bytes"] is not None]:
-        started = time.perf_counter()
-        off = {**row, "offload": True, "layout": row["layout"] + " + offload",
-               **_offload_peaks(shard, row)}
-        off["bound_bytes"] = dry_run_bound(off["peak_bytes"])
-        fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable,
-                           shard.host_budget, bound_bytes=off["bound_bytes"])
-        off.update(fits=fit.fits, fit=fit.reason, seconds=time.perf_counter() - started)
-        rows.append(off)
-        if off["fits"]:
-            return off
-    return None
+    started = time.perf_counter()
+    off = {**row, "offload": True, "layout": row["layout"] + " + offload",
+           **_offload_peaks(shard, row)}
+    if off["peak_bytes"] is None:
+        return {**off, "bound_bytes": None, "fits": None, "seconds": time.perf_counter() - started}
+    off["bound_bytes"] = dry_run_bound(off["peak_bytes"])
+    fit = fits_budgets(off["peak_bytes"], off["host_bytes"] or 0, shard.usable,
+                       shard.host_budget, bound_bytes=off["bound_bytes"])
+    off.update(fits=fit.fits, fit=fit.reason, seconds=time.perf_counter() - started)
+    return off
 
 
 def _length_plan(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, ...]],
@@ -221,16 +242,32 @@ def _length_plan(shard: _Shard, res: dict[str, Any], sets: Sequence[tuple[str, .
     from lightning_seqmem.plan.parallel import layouts
 
     ok, skipped = layouts(shard.world_size, res["seq_len"], calls.n_heads, calls.n_kv_heads,
-                          calls.masked, kinds)
+                          calls.masked, kinds, calls.attention)
     searched = (_by_cost(res, sets, stands_for(shard.device)) if shard.usable is not None
                 else sets[-1:])
-    rows, plan = _search_layouts(shard, res, searched, ok)
-    if plan is None and shard.usable is not None:  # offload, dry-run on the rows run
-        plan = _offload_rows(shard, rows)
-    return {"seq_len": res["seq_len"], "rows": rows, "plan": plan,
+    rows: list[dict[str, Any]] = []
+    no_sdpa: dict[tuple[str, ...], str] = {}  # sets without an SDPA call: no degree > 1 runs
+    # the optimizer step's least peak (state shards: no degree changes them) over the budget
+    floor = min((r["optimizer_peak_bytes"] for r in res["rows"]
+                 if not r.get("offload") and r.get("optimizer_peak_bytes") is not None),
+                default=None)
+    state_over = (shard.usable is not None and floor is not None
+                  and dry_run_bound(floor) > shard.usable)
+    plan = _first_fit(rows, searched, ok[:1] if state_over else ok,
+                      lambda names, layout: _layout_row(shard, res, names, layout, no_sdpa))
+    if plan is None and shard.usable is not None:  # offload, in the same order
+        run = {(tuple(r["mitigations"]), r["layout"]): r for r in rows}
+
+        def offloaded(names: tuple[str, ...], layout: Any) -> Optional[dict[str, Any]]:
+            row = run.get((names, layout.name()), _blank_row(shard, res["seq_len"], names, layout))
+            return None if row["error"] else _offload_row(shard, row)
+
+        plan = _first_fit(rows, searched, ok, offloaded)
+    return {"seq_len": res["seq_len"], "rows": rows, "plan": plan, "state_over_budget": state_over,
             "skipped_degrees": [{"kind": k, "degree": d, "reason": why} for k, d, why in skipped],
-            "attention": {"calls": calls.calls, "heads": calls.n_heads,
-                          "kv_heads": calls.n_kv_heads, "explicit_mask": calls.masked},
+            "attention": {"calls": calls.calls, "function": calls.attention,
+                          "heads": calls.n_heads, "kv_heads": calls.n_kv_heads,
+                          "explicit_mask": calls.masked},
             "state_bytes_per_rank": state, "optimizer_states_per_parameter": per_parameter,
             "host_budget_bytes": shard.host_budget}
 
@@ -269,6 +306,9 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
         L = entry["seq_len"]
         for skip in entry["skipped_degrees"]:
             console.print(f"seq_len {L}: {skip['kind']} {skip['degree']} skipped: {skip['reason']}")
+        if entry["state_over_budget"]:
+            console.print(f"seq_len {L}: the optimizer step's state shards alone are over the "
+                          "budget: no degree without offload is dry-run", highlight=False)
         plan = entry["plan"]
         if plan is not None:
             console.print(f"seq_len {L}: cheapest layout at {world_size} ranks: "
@@ -303,7 +343,6 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     from lightning_seqmem.cli.emit import ENGINE_KINDS, switched_sets
     from lightning_seqmem.dryrun.sequence_parallel import state_bytes
 
-    calls = _attention_calls(console, model, batch, batch_size, sets[-1])
     if engine is not None:
         kinds = tuple(k for k in kinds if k in ENGINE_KINDS[engine])
         sets, left = switched_sets(engine, sets)  # those engine runs (its launch config)
@@ -312,9 +351,10 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
                           "has no switch for them; --emit lightning runs them)", highlight=False)
     per_parameter = optimizer_states_per_parameter(optimizer)
     state = state_bytes(model, world_size, per_parameter)
-    _print_search(console, world_size, kinds, engine, calls)
     shard = _Shard(model, batch, batch_size, context, device, world_size, usable, state,
                    host_budget, {} if peaks is None else peaks)
+    calls = _attention_calls(console, shard, sets[-1])
+    _print_search(console, world_size, kinds, engine, calls)
     plans = [{**_length_plan(shard, res, sets, kinds, calls, state, per_parameter),
               "rungs_left_out": left if engine else []} for res in results]
     console.print(_layout_table(plans, world_size, usable))

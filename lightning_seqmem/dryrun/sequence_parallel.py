@@ -2,7 +2,8 @@
 
 :func:`sequence_parallel_dry_run_step` runs the module's own step as rank 0 of ``world_size`` ranks
 (FSDP2 over the world, as :func:`.sharded.sharded_dry_run_step`) on its ``L/degree`` tokens, every
-``F.scaled_dot_product_attention`` call replaced by its sequence-parallel form over ``degree``:
+``F.scaled_dot_product_attention`` call replaced by its sequence-parallel form over ``degree`` (a
+transformers model's flash-attn or flex attention function likewise, Ulysses only, as ALST does):
 
 - ``"ulysses"``: :func:`ulysses_attention` (DeepSpeed-Ulysses): q, k, v ``[B, H, L/d, D]`` are
   all-to-all'ed into ``[B, H/d, L, D]``, attention runs at full length on ``H/d`` heads, and the
@@ -156,6 +157,7 @@ class AttentionCalls:
     n_kv_heads: Optional[int] = None
     masked: bool = False  # some call passed an explicit attn_mask
     dropout: bool = False
+    attention: str = "sdpa"  # or the transformers attention function called (flash_attention_2)
 
 
 def _note(calls: AttentionCalls, q: torch.Tensor, k: torch.Tensor, attn_mask: Any,
@@ -203,19 +205,62 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1,
             key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
         return ring_attention(query, key, value, the_group(), is_causal, scale)
 
+    def hf_attention(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """A transformers attention function (flash-attn, flex: no SDPA call) in ``kind`` form:
+        Ulysses as ALST runs it (``UlyssesSPAttentionHF``); out ``[B, L, H, D]``."""
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            _note(calls, query, key, attention_mask, kwargs.get("dropout", 0.0))
+            calls.attention = name
+            if kind == "none" or degree == 1:
+                return fn(module, query, key, value, attention_mask, *args, **kwargs)
+            if kind == "ring" or attention_mask is not None:
+                raise DryRunUnsupported(f"{kind} over {name} with attention_mask="
+                                        f"{'set' if attention_mask is not None else 'None'}: "
+                                        "not modelled (Ulysses with no padding mask is)")
+            kwargs.pop("position_ids", None)  # this rank's; after the all-to-all: every position
+            q, k, v = (_seq_to_heads(t, degree, the_group()) for t in (query, key, value))
+            out, weights = fn(module, q, k, v, None, *args, **kwargs)
+            return _heads_to_seq(out.transpose(1, 2), degree, the_group()).transpose(1, 2), weights
+
+        return attention
+
+    interface = _hf_attention_interface()
     previous = F.scaled_dot_product_attention  # an outer patch, if any, comes back afterwards
     F.scaled_dot_product_attention = sdpa
+    if interface is not None:
+        get = interface.get_interface
+
+        def get_interface(self, name, default):
+            fn = get(self, name, default)
+            return fn if name in (None, "sdpa", "eager") else hf_attention(fn, name)
+
+        interface.get_interface = get_interface
     try:
         yield calls
     finally:
         F.scaled_dot_product_attention = previous
+        if interface is not None:
+            interface.get_interface = get
+
+
+def _hf_attention_interface() -> Any:
+    """transformers' ``AttentionInterface`` class where it dispatches by ``get_interface``."""
+    import sys
+
+    module = sys.modules.get("transformers.modeling_utils")  # a model of it: imported already
+    interface = getattr(module, "AttentionInterface", None)
+    return interface if hasattr(interface, "get_interface") else None
 
 
 def attention_calls(template: Any, batch: Any, seq_len: int = 64, batch_size: int = 1,
-                    mitigations: Sequence[str] = ()) -> AttentionCalls:
-    """The heads, KV heads and masks of the model's SDPA calls, from a short dry run."""
+                    mitigations: Sequence[str] = (),
+                    autocast: Optional[Callable[[], ContextManager[Any]]] = None,
+                    device: Any = None) -> AttentionCalls:
+    """The heads, KV heads and masks of the model's SDPA calls, from a short dry run (``autocast``
+    and ``device`` as the plan's: flash-attn refuses float32)."""
     with sequence_parallel_attention("none") as calls:
-        sharded_dry_run_step(template, batch, seq_len, 1, batch_size, mitigations)
+        sharded_dry_run_step(template, batch, seq_len, 1, batch_size, mitigations, "fsdp2",
+                             autocast, device)
     return calls
 
 

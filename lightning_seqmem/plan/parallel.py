@@ -116,10 +116,12 @@ def degrees(world_size: int) -> list[int]:
 
 
 def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int],
-                n_kv_heads: Optional[int], masked: Optional[bool]) -> Optional[str]:
+                n_kv_heads: Optional[int], masked: Optional[bool],
+                attention: str = "sdpa") -> Optional[str]:
     """Why ``kind`` at ``degree`` cannot shard this attention at ``seq_len``, or None.
     ``n_heads``/``n_kv_heads``: the query and key/value heads of the model's attention calls;
-    ``masked``: whether they pass an explicit ``attn_mask`` (None: unknown).
+    ``masked``: whether they pass an explicit ``attn_mask`` (None: unknown); ``attention``: what
+    they call (``"sdpa"``, or a transformers attention function such as ``"flash_attention_2"``).
 
     >>> skip_reason("ulysses", 4, 4096, 8, 2, False)
     'KV heads 2 not divisible by degree 4'
@@ -140,6 +142,8 @@ def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int],
             return f"length {seq_len} not divisible by degree {degree}"
         return None
     if kind == "ring":
+        if attention != "sdpa":
+            return f"ring attention shards SDPA calls; the model's attention is {attention}"
         if seq_len % (2 * degree):
             return f"length {seq_len} not divisible by 2*degree = {2 * degree} (load-balanced ring)"
         if masked:
@@ -153,7 +157,7 @@ def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int],
 
 
 def layouts(world_size: int, seq_len: int, n_heads: Optional[int], n_kv_heads: Optional[int],
-            masked: Optional[bool], kinds: tuple[str, ...] = KINDS
+            masked: Optional[bool], kinds: tuple[str, ...] = KINDS, attention: str = "sdpa"
             ) -> tuple[list[Layout], list[tuple[str, int, str]]]:
     """The layouts to dry-run at ``world_size`` ranks, in search order (degree ascending, Ulysses
     before ring at a degree: less traffic per rank), and ``(kind, degree, why skipped)`` for each
@@ -162,7 +166,7 @@ def layouts(world_size: int, seq_len: int, n_heads: Optional[int], n_kv_heads: O
     skipped: list[tuple[str, int, str]] = []
     for degree in degrees(world_size):
         for kind in kinds:
-            reason = skip_reason(kind, degree, seq_len, n_heads, n_kv_heads, masked)
+            reason = skip_reason(kind, degree, seq_len, n_heads, n_kv_heads, masked, attention)
             if reason is None:
                 ok.append(Layout(kind, degree, world_size))
             else:
