@@ -123,9 +123,8 @@ class Rung:
         raise ValueError(f"rung {self.name!r} has no levels, got level {level!r}")
 
     def variants(self, ctx: RungContext) -> tuple[str, ...]:
-        """The names of this rung's variants that apply to ``ctx``'s model, cheapest first, ending
-        with the full rung (default: the rung alone). A later variant may replace an earlier one
-        that is on (an upgrade)."""
+        """This rung's variants applying to ``ctx``'s model, cheapest first, the full rung last
+        (default: the rung alone). A later variant may replace an earlier one on (an upgrade)."""
         return (self.name,)
 
     def remove(self, ctx: RungContext) -> Optional[MitigationResult]:

@@ -15,8 +15,7 @@ name                 what it does                                        cost (p
                      inside the step: :class:`MicroBatchRung`            kernels)
 ===================  ==================================================  ======================
 
-Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`, not in the default order; name it in
-``mitigations`` to allow it):
+Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`; name one in ``mitigations`` to allow it):
 
 ========================  ==================================================  ======================
 ``"fused_loss"``          fused linear cross-entropy: no ``[tokens, vocab]``  a Python loop over
@@ -187,12 +186,7 @@ def try_apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
 
 def setup_refusals(trainer: Any, pl_module: Any, names: Sequence[str]) -> dict[str, str]:
     """``name -> why`` for the rungs of ``names`` this strategy or module cannot take at all."""
-    out = {}
-    for name in names:
-        why = rung(name).setup_refusal(trainer, pl_module)
-        if why:
-            out[name] = why
-    return out
+    return {name: why for name in names if (why := rung(name).setup_refusal(trainer, pl_module))}
 
 
 def apply_to_copy(names: Sequence[str], copy: Any, *,

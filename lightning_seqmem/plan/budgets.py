@@ -1,8 +1,7 @@
 """Device and host budgets: whether a dry run's answer fits both (no torch).
 
-A setting that offloads trades device memory for host memory: it fits only where its device peak
-fits the usable budget *and* its host peak fits the host budget (``host_memory_budget``; default
-the machine's RAM).
+An offloading setting trades device for host memory: it fits where its device peak fits the usable
+budget *and* its host peak the host budget (``host_memory_budget``; default the machine's RAM).
 
 Example:
     >>> GiB = 2**30

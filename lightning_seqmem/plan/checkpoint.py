@@ -88,8 +88,7 @@ def legacy_key_config(key: Any) -> Optional[dict[str, Any]]:
             "stages": None if stages is None else list(stages)}
 
 
-def find_legacy_state(callback_states: Mapping[Any, Any]
-                      ) -> Optional[tuple[Any, dict[str, Any]]]:
+def find_legacy_state(callback_states: Mapping[Any, Any]) -> Optional[tuple[Any, dict[str, Any]]]:
     """``(key, config)`` of the one state saved under an earlier version's key, or None (none, or
     several: which one is this callback's cannot be told)."""
     found = [(k, c) for k, c in ((k, legacy_key_config(k)) for k in callback_states)
@@ -350,8 +349,7 @@ def compact_records(records: Sequence[StepRecord], keep_last: int,
     def consider(i: int, key: tuple, what: str, value: Optional[int]) -> None:
         if value is None:
             return
-        j = best.get((key, what))
-        if j is None or value > values[(key, what)]:
+        if (key, what) not in best or value > values[(key, what)]:
             best[(key, what)], values[(key, what)] = i, value
 
     values: dict[tuple, int] = {}
@@ -433,8 +431,7 @@ def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed:
 
     A raised (or removed) budget or a newly allowed rung lifts a curriculum cap; a changed
     curriculum keeps the length it had reached (on the new ``multiple_of``, within its start and
-    target) and a cap that still binds; rungs that failed before stay out.
-    """
+    target) and a cap that still binds; rungs that failed before stay out."""
     old = dict(old or {})
     phrases, removed, newly_allowed = _reconcile_ladder(old, new, allowed, left, parts)
     # -- the budget
@@ -465,8 +462,7 @@ def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed:
         changed = old_stages is not None and (tuple(old_stages) != curriculum.stages or (
             old.get("curriculum") is not None and old["curriculum"] != curriculum.to_dict()))
         if not parts.course.stages:  # no curriculum before: it starts at its first stage
-            parts.course.resume_at(curriculum.stages, 0, parts.course.capped_at,
-                                   restart_stage=True)
+            parts.course.resume_at(curriculum.stages, 0, parts.course.capped_at, restart_stage=True)
             if old_stages is None and "curriculum" in old:
                 phrases.append(f"curriculum added: starts at seq_len={curriculum.stages[0]}")
         elif changed or lift:

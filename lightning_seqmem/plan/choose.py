@@ -107,9 +107,8 @@ def _options(name: str, on: Sequence[str], applicable: Applicability) -> list[Op
 
 def candidates(on: Sequence[str], allowed: Sequence[str],
                applicable: Applicability) -> list[Setting]:
-    """Every setting the run may switch to from ``on``: at most one applicable variant of each rung
-    in ``allowed`` (new, or an upgrade of the entry on), new rungs in ``allowed``'s order; not
-    ``on`` itself.
+    """Every setting the run may switch to from ``on``, not ``on`` itself: at most one applicable
+    variant per rung of ``allowed`` (new, or an upgrade), new rungs in ``allowed``'s order.
 
     >>> candidates(("attention",), ("attention", "checkpointing", "microbatch"),
     ...            {"checkpointing": (True, ""), "checkpointing:1/2": (True, ""),
@@ -118,12 +117,8 @@ def candidates(on: Sequence[str], allowed: Sequence[str],
     """
     on = tuple(on)
     per_rung = [_options(name, on, applicable) for name in allowed]
-    out = []
-    for pick in itertools.product(*per_rung):
-        setting = combine(on, [v for v in pick if v is not None])
-        if setting != on:
-            out.append(setting)
-    return out
+    out = [combine(on, [v for v in pick if v is not None]) for pick in itertools.product(*per_rung)]
+    return [setting for setting in out if setting != on]
 
 
 def describe(setting: Sequence[str]) -> str:
@@ -243,8 +238,7 @@ def choose(on: Sequence[str], allowed: Sequence[str], applicable: Applicability,
     if chosen is None:
         if unknown:
             return None
-        most = max(options, key=lambda s: (len(s), sum(level_of(n) is None for n in s),
-                                           -costs[s]))
+        most = max(options, key=lambda s: (len(s), sum(level_of(n) is None for n in s), -costs[s]))
         return Choice(most, switched_on(on, most), False,
                       f"nothing fits: {describe(most)} is on, "
                       f"{_pct(costs[most], base_cost)} step time",

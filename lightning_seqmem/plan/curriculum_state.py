@@ -23,10 +23,9 @@ __all__ = ["CurriculumState"]
 
 
 class CurriculumState:
-    """``stages`` (its lengths, the last one the cap once capped; none without a curriculum),
-    ``stage`` (the index running), ``stage_steps`` (batches run at it), ``capped_at``,
-    ``refit_queue`` (lengths to run before the next decision), ``decide_now`` (judge the next stage
-    at the next batch)."""
+    """``stages`` (its lengths, the last the cap once capped; none without a curriculum), ``stage``
+    (the index running), ``stage_steps`` (batches at it), ``capped_at``, ``refit_queue`` (lengths
+    to run before the next decision), ``decide_now`` (judge the next stage at the next batch)."""
 
     def __init__(self, curriculum: Optional[Curriculum]) -> None:
         self.curriculum = curriculum

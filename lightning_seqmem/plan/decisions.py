@@ -210,8 +210,7 @@ class Decider:
             return self.decision(action="mitigate", rungs=(rung,), seq_len=queue[0],
                                  refit_queue=tuple(queue[1:]), decide_now=False,
                                  advice=(A.over_budget_stage(action=action, **words),))
-        # no rung left: the longest length judged to fit (the next stage over: between the two;
-        # the stage running now over: below it)
+        # no rung left: the longest length in [low, seq_len) judged to fit
         found = self.dry_fit(low, seq_len, batch_size, self.ladder.applied, batch_of)
         if (found is None and seq_len <= current
                 and (self.evidence.forecaster.ready or seq_len <= m)):

@@ -42,8 +42,7 @@ class DryEvidence:
     def __init__(self, settings: PlannerSettings, ladder: LadderState,
                  measured: MeasuredEvidence) -> None:
         self.settings, self.ladder, self.measured = settings, ladder, measured
-        # (L, B, setting) -> (peak, phase peaks) (not saved)
-        self.answers: dict[tuple, Optional[Answer]] = {}
+        self.answers: dict[tuple, Optional[Answer]] = {}  # (L, B, setting) -> (peak, phase peaks)
         self.why: dict[tuple, str] = {}  # key -> why it did not answer
         self.sites: dict[tuple, PeakSite] = {}  # key -> where that step's peak sits, when told
         # key -> why no figure may stand for it at all: a rung of it does not apply to the model

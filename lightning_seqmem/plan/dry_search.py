@@ -95,9 +95,8 @@ def dominating(answers: Mapping[tuple[int, int], int], seq_len: int,
 
 
 def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
-    """Where ``bounds`` (length -> bound bytes) are guessed to reach ``budget``: between the longest
-    length that fits and the shortest longer one that does not (see :func:`largest_fitting`); None
-    without both.
+    """Where ``bounds`` (length -> bound bytes) would reach ``budget``: between the longest length
+    that fits and the shortest longer one over (see :func:`largest_fitting`); None without both.
 
     >>> crossing({100: 10_000, 200: 40_000, 400: 160_000}, 90_000)   # 1·L² bytes: 300 tokens
     300
@@ -182,17 +181,11 @@ def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
         (x0, y0), (x1, y1) = near
         q = (y1 - y0) / (x1 * x1 - x0 * x0)
         value = y0 + q * (x * x - x0 * x0)
-    below = [v for L, v in known if L < x]
-    above = [v for L, v in known if L > x]
-    if below:
-        value = max(value, max(below))
-    if above:
-        value = min(value, min(above))
-    return value
+    value = max([value] + [v for L, v in known if L < x])
+    return min([value] + [v for L, v in known if L > x])
 
 
-def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int,
-                   step: int = 1) -> int:
+def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int, step: int = 1) -> int:
     """The largest multiple of ``step`` in ``[lo, hi]`` whose :func:`fitted_bytes` fits ``budget``
     (``lo`` when none does; pure arithmetic, no dry run).
 

@@ -102,8 +102,7 @@ class Evidence:
         return bounds
 
     def fit_now(self, batch_size: int) -> int:
-        """The largest length the setting on now fits
-        (:meth:`~lightning_seqmem.plan.measured.MeasuredEvidence.fit_now`)."""
+        """Largest length the setting on fits (:meth:`.measured.MeasuredEvidence.fit_now`)."""
         return self.measured.fit_now(batch_size, self.ladder.applied)
 
     def price(self, setting: Optional[Sequence[str]], seq_len: int,
@@ -159,8 +158,7 @@ class Evidence:
             return within(self.forecaster.max_seq_len(budget_bytes, batch_size, reserved=reserved))
         if self.dry.answered(batch_size) or self.dry.forecast(1, batch_size) is not None:
             return self.dry.max_seq_len(budget_bytes, batch_size)
-        # a rung went on at the last steps: the setting before it bounds this one (unless a step
-        # showed the rung adds memory here), else the longest length measured within
+        # the setting before the last rung bounds this one unless a step showed the rung adds memory
         earlier = self.measured.bounding_setting(self.ladder.applied)
         if earlier is not None:
             return within(self.measured.forecasters[earlier].max_seq_len(budget_bytes, batch_size,

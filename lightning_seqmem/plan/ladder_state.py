@@ -30,8 +30,7 @@ __all__ = ["LadderState"]
 class LadderState:
     """``allowed`` (the rungs left to this run, in ladder order), ``applied`` (on now, in order),
     ``not_applicable`` (rung -> why, last checked; never advised), ``events`` (one per rung
-    switched on: frozen values that read as dicts; a copy; assigning events or dicts replaces
-    them)."""
+    switched on: frozen values read as dicts; a copy; assigning events or dicts replaces them)."""
 
     def __init__(self, allowed: Sequence[str]) -> None:
         self.allowed: tuple[str, ...] = tuple(allowed)

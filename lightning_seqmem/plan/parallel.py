@@ -93,9 +93,8 @@ class Layout:
         >>> Layout("ulysses", 2, 8).name(), Layout("none", 1, 8, offload=True).name()
         ('ulysses 2 x dp_shard 4', 'dp_shard 8 + offload')
         """
-        name = (("" if self.kind == "none" else f"{self.kind} {self.degree} x ")
-                + f"dp_shard {self.fsdp_degree}")
-        return name + (" + offload" if self.offload else "")
+        prefix = "" if self.kind == "none" else f"{self.kind} {self.degree} x "
+        return prefix + f"dp_shard {self.fsdp_degree}" + (" + offload" if self.offload else "")
 
     def to_json(self) -> dict[str, Any]:
         """The JSON keys of a plan: the degrees by their engines' names."""

@@ -109,10 +109,9 @@ class SeqMemPlanner:
         self.schedule = MeasurementSchedule()  # which batches are warm-ups, measured, traced
 
     def bind_run(self, **facts: Any) -> None:
-        """Bind what the run decides at set-up (fields of
-        :class:`~lightning_seqmem.plan.settings.RunFacts`). A ``length_limit`` (the model's longest
-        sequence) drops the curriculum stages past it (the last becomes the limit rounded down to
-        ``multiple_of``), said once.
+        """Bind what the run decides at set-up (:class:`~lightning_seqmem.plan.settings.RunFacts`
+        fields). A ``length_limit`` (the model's longest sequence) drops the curriculum stages past
+        it (the last becomes the limit rounded down to ``multiple_of``), said once.
 
         >>> p = SeqMemPlanner(curriculum=Curriculum(start=64, target=1024, multiple_of=64))
         >>> p.bind_run(length_limit=300, length_limit_reason="max_position_embeddings=300")
@@ -192,8 +191,7 @@ class SeqMemPlanner:
     # -- measurement ----------------------------------------------------------------------------
     def begin_step(self, seq_len: int, batch_size: int, optimizer_steps: bool = True,
                    global_step: int = 0, epoch: int = 0) -> PendingStep:
-        """The schedule for a batch about to run at ``(seq_len, batch_size)``: warm-up, measured,
-        traced."""
+        """The next batch's schedule at ``(seq_len, batch_size)``: warm-up, measured, traced."""
         s, on = self.settings, self.ladder.applied
         key = (seq_len, batch_size, on)
         warmup, measure, count = self.schedule.next(
@@ -201,8 +199,7 @@ class SeqMemPlanner:
             s.measure_every_n_steps, global_step, self.evidence.measured.covered(*key))
         if count == 0:  # kept to verify against the measurement
             self.evidence.verification.keep_forecast(seq_len, batch_size)
-        # only steps ending in an optimizer step are traced: with accumulation the others run
-        # another program
+        # only steps ending in an optimizer step are traced (accumulating ones run another program)
         traced = (measure and not warmup and optimizer_steps
                   and self.evidence.forecaster.wants_trace(seq_len, batch_size, s.trace_lengths))
         events = self.ladder.take_pending_events()

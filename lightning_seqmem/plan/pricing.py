@@ -4,9 +4,8 @@
 1. ``"measured"``: the setting's fitted, untraced steps at the measured length nearest
    ``seq_len``: the median seconds per token, times ``seq_len·batch_size``;
 2. ``"nearest setting"``: the measured setting differing in the fewest rungs, scaled by the ratio
-   of their prior factors ``1 + Σ priors``
-   (:attr:`~lightning_seqmem.core.rung_spec.RungSpec.step_time_prior`, a variant's scaled to its
-   level);
+   of their prior factors ``1 + Σ priors`` (a variant's scaled to its level:
+   :attr:`~lightning_seqmem.core.rung_spec.RungSpec.step_time_prior`);
 3. ``"priors"``: nothing timed yet: no seconds, only the prior factor.
 
 Example (the plain setting ran at 128 tokens, batch 2, in 0.10 s; nothing else ran):
@@ -28,6 +27,7 @@ Example (the plain setting ran at 128 tokens, batch 2, in 0.10 s; nothing else r
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from statistics import median
 from typing import Mapping, Optional, Sequence
@@ -72,8 +72,7 @@ def prior_factor(setting: Sequence[str], device_type: Optional[str] = None,
 
 
 def setting_distance(a: Sequence[str], b: Sequence[str]) -> float:
-    """How far apart two settings are: 1 per rung on in one only, 0.5 per rung on in both at other
-    levels.
+    """Distance of two settings: 1 per rung on in one only, 0.5 per rung on in both at other levels.
 
     >>> d, ck = setting_distance, "checkpointing"
     >>> d(("attention",), ("attention", ck)), d(("checkpointing:2/4",), (ck,))
@@ -92,10 +91,7 @@ def timed_records(records: Sequence[StepRecord]) -> list[StepRecord]:
 
 def timed_settings(records: Sequence[StepRecord]) -> dict[Setting, int]:
     """``setting -> number of timed steps`` (fitted, untraced steps that carry ``step_seconds``)."""
-    out: dict[Setting, int] = {}
-    for r in timed_records(records):
-        out[tuple(r.mitigations)] = out.get(tuple(r.mitigations), 0) + 1
-    return out
+    return dict(Counter(tuple(r.mitigations) for r in timed_records(records)))
 
 
 def _measured_seconds(timed: Sequence[StepRecord], setting: Setting, seq_len: int,

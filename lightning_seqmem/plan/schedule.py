@@ -1,9 +1,8 @@
 """The measurement schedule (a planner state): which batches are warm-ups, measured, traced.
 
-The warm-up occurrences of a new shape are not measured where it is *covered*: a step not shorter
-and not smaller, with the same rungs, was measured within the budget (under dynamic padding only
-new longest shapes are measured). An unmeasured step is still judged; it is counted in
-``unmeasured``, never recorded.
+A new shape's warm-up occurrences go unmeasured where it is *covered*: a measured step not shorter
+and not smaller, with the same rungs, stayed in budget (under dynamic padding only new longest
+shapes are measured). An unmeasured step is still judged, counted in ``unmeasured``, never recorded.
 
 Example:
     >>> s = MeasurementSchedule()
@@ -65,8 +64,7 @@ class MeasurementSchedule:
         A warm-up (one of the first ``warmup_steps`` batches or optimizer steps, of the first
         ``after_change`` occurrences of a key, or right after a resume) is measured unless only
         its key is new and ``covered``; never fitted. Then the first fitted occurrence is measured,
-        and one batch in ``every_n_steps``.
-        """
+        and one batch in ``every_n_steps``."""
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
         early = step < warmup_steps or global_step < warmup_steps or self.resume_warmup > 0

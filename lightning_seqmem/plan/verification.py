@@ -85,9 +85,8 @@ class Verification:
         return before, method
 
     def dry_before_rung(self, name: str, seq_len: int, batch_size: int) -> None:
-        """Just before ``name`` goes on: dry runs of the setting now on that only this moment allows
-        (a copy cannot undo a rung), for the check after an attention switch
-        (:meth:`dry_quadratic_terms`)."""
+        """Before ``name`` goes on: dry runs of the setting on that only this moment allows (a copy
+        cannot undo a rung), for the attention-switch check (:meth:`dry_quadratic_terms`)."""
         if self.settings.spec(name).linearises_attention and self.settings.dry_runner is not None:
             x = max(int(seq_len), 16)
             for k in (1, 2, 3):
@@ -102,8 +101,7 @@ class Verification:
         Under gradient accumulation only a window's last batch (``pending.optimizer_steps``) is
         fitted and verified. ``memory``: under DDP, the rank with the highest peak, whose own
         ``(seq_len, batch_size)`` are given; ``trace``: the ``(seq_len, batch_size, memory)`` whose
-        events are traced (default: the same); ``step_seconds``: the step's wall time.
-        """
+        events are traced (default: the same); ``step_seconds``: the step's wall time."""
         L = pending.seq_len if seq_len is None else int(seq_len)
         B = pending.batch_size if batch_size is None else int(batch_size)
         phases = {p: memory.phase_peak_bytes.get(p) for p in PHASES}

@@ -39,11 +39,8 @@ DRY_RUN_FIT = "dry_run_fit"
 def dry_fit_anchors(view: "PlanView", batch_size: int) -> dict[int, Forecast]:
     """``seq_len -> Forecast`` of the dry runs cached at ``batch_size``, rungs on now; with fewer
     than two, also of that setting's measured steps after the first (method ``"measured"``)."""
-    out: dict[int, Forecast] = {}
-    for L in view.evidence.dry.answered(batch_size):
-        fc = view.evidence.dry.forecast(L, batch_size)  # cached: no dry run
-        if fc is not None:
-            out[L] = fc
+    out: dict[int, Forecast] = {L: fc for L in view.evidence.dry.answered(batch_size)  # cached
+                                if (fc := view.evidence.dry.forecast(L, batch_size)) is not None}
     if len(out) >= 2:
         return out
     margin = 1 + view.evidence.measured.dry_margin()
@@ -75,8 +72,7 @@ def dry_fit_forecast(view: "PlanView", seq_len: int, batch_size: int,
         return None
 
     def fit(value: str) -> int:
-        return int(fitted_bytes({L: getattr(fc, value) for L, fc in anchors.items()}, seq_len)
-                   or 0)
+        return int(fitted_bytes({L: getattr(fc, value) for L, fc in anchors.items()}, seq_len) or 0)
 
     phases = {}
     for ph in set.intersection(*(set(fc.phase_peak_bytes) for fc in anchors.values())):

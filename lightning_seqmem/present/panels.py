@@ -262,8 +262,7 @@ def memory_figure(view: "PlanView", max_seq_len: Optional[int] = None,
     target and the longest measured length); ``batch_size``: the curves' (default the last measured
     batch's); ``title``: default names the batch size. Predictors of the rungs on now are drawn with
     their upper bound as a band, measured points by batch size and mitigations, the budgets as
-    horizontal lines, rung switches as vertical ones.
-    """
+    horizontal lines, rung switches as vertical ones."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

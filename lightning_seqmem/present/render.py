@@ -22,8 +22,7 @@ def _pct(x: Optional[float]) -> str:
 
 
 def yes_no(x: Optional[bool]) -> str:
-    """A table's yes/no cell (``fits``, ``within tolerance``): ``"yes"``, ``"NO"``, or ``"-"``
-    where unknown."""
+    """A yes/no cell (``fits``, ``within tolerance``): ``"yes"``, ``"NO"``, ``"-"`` if unknown."""
     return "-" if x is None else ("yes" if x else "NO")
 
 
@@ -240,8 +239,7 @@ def render_breakdown_markdown(section: dict[str, Any], heading: str = "") -> str
     else:
         parts += ["Diagnoses: none (no fp32 scores under autocast, no hand-written L×L matmul, "
                   "checkpointing effective).", ""]
-    calibration = _calibration_text(section)
-    if calibration:
+    if calibration := _calibration_text(section):
         parts += [calibration, ""]
     parts += [f"- {n}" for n in section.get("notes", [])]
     return "\n".join(parts).rstrip() + "\n"
@@ -268,8 +266,7 @@ def render_breakdown_console(section: dict[str, Any], console: Any = None) -> No
         console.print(peak, highlight=False)
     for d in section.get("diagnoses", []):
         console.print(f"[yellow]diagnosis:[/yellow] {escape(str(d))}")
-    calibration = _calibration_text(section)
-    if calibration:
+    if calibration := _calibration_text(section):
         console.print(calibration)
     for n in section.get("notes", []):
         console.print(f"note: {escape(str(n))}")
@@ -397,8 +394,7 @@ def render_console(report: dict[str, Any], console: Any = None) -> None:
         for header in _FORECAST_HEADERS:
             table.add_column(header, justify="left" if header == "method" else "right")
         for row in _forecast_rows(report):
-            style = "red" if row[-1] == "NO" else None
-            table.add_row(*row, style=style)
+            table.add_row(*row, style="red" if row[-1] == "NO" else None)
         console.print(table)
     if fc.get("error"):
         console.print(f"[yellow]forecast unavailable:[/yellow] {escape(str(fc['error']))}")

@@ -2,9 +2,8 @@
 
 :func:`build_report` turns a :class:`~lightning_seqmem.plan.view.PlanView` into a plain JSON-able
 dict (bytes everywhere); :func:`lightning_seqmem.trainer.outputs.write_report` writes it (JSON,
-Markdown, figure), :mod:`~lightning_seqmem.present.render` renders it, :func:`load_report` reads
-the JSON back.
-"""
+Markdown, figure), :mod:`~lightning_seqmem.present.render` renders it, :func:`load_report` reads the
+JSON back."""
 
 from __future__ import annotations
 
@@ -216,8 +215,7 @@ def _forecasts(view: "PlanView", batch_size: Optional[int]) -> dict[str, Any]:
                    | {max(measured, default=0)} - {0})
     if view.settings.curriculum is not None:
         lengths |= set(view.settings.curriculum.stages)
-        target = view.settings.curriculum.target
-        out["target"] = target
+        target = out["target"] = view.settings.curriculum.target
         lengths |= {2 * target, 4 * target}
     else:
         longest = max(measured, default=0)
@@ -295,9 +293,7 @@ def _peak_site(view: "PlanView", breakdown: Optional[dict[str, Any]]) -> Optiona
     if longest is None:
         return None
     key = (longest.seq_len, longest.batch_size, tuple(longest.mitigations))
-    if view.evidence.dry.peak(*key) is None:
-        return None
-    found = view.evidence.dry.site(*key)
+    found = view.evidence.dry.site(*key) if view.evidence.dry.peak(*key) is not None else None
     if found is None:
         return None
     return {"source": "dry_run", "seq_len": key[0], "batch_size": key[1],
@@ -315,8 +311,7 @@ def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
     and curriculum lengths, the target × 2 and × 4; the largest length that fits), ``mitigations``,
     ``warnings``, ``records_summary``, ``summary`` (a :class:`~.summary.RunSummary`), ``breakdown``
     (with ``SeqMemCallback(breakdown=True)``), ``peak_site`` (:func:`_peak_site`) and, with
-    ``include_records``, ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict).
-    """
+    ``include_records``, ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict)."""
     batch_size = view.evidence.measured.last_batch_size
     if batch_size is None and view.evidence.measured.records:
         batch_size = view.evidence.measured.records[-1].batch_size

@@ -81,7 +81,7 @@ class RunSummary:
 
 
 def run_summary(view: "PlanView") -> RunSummary:
-    """The :class:`RunSummary` of ``planner``'s run so far."""
+    """The :class:`RunSummary` of ``view``'s run so far."""
     records = view.evidence.measured.records
     reserved = bool(view.settings.compare_reserved)
     longest = max(records, key=lambda r: (r.seq_len, r.batch_size), default=None)

@@ -78,8 +78,7 @@ def step_seconds(started: Optional[float], pending: Optional[PendingStep],
 
 
 class BatchCycle:
-    """The callback's work around each batch (the module doc), over its arguments, planner, edge
-    state and guard."""
+    """Per-batch work (module doc) over the callback's arguments, planner, edge state and guard."""
 
     def __init__(self, config: SeqMemConfig, planner: Planner, state: EdgeState,
                  guard: Guard) -> None:
@@ -104,8 +103,7 @@ class BatchCycle:
                               lambda: edge.release_cached_memory(pl_module))
         curriculum = self.config.curriculum is not None
         if (decision.action != "run" and curriculum and trainer.is_global_zero
-                and self.planner.evidence.measured.records):
-            # as the stage ends
+                and self.planner.evidence.measured.records):  # as the stage ends
             self.guard.safely("the memory figure",
                               lambda: outputs.log_figure(trainer, PlanView.of(self.planner)))
         self.cut_for_step(trainer, batch, decision.seq_len)
@@ -244,8 +242,7 @@ class BatchCycle:
                 f"seqmem: switched on {name} at step {self.planner.course.step} ({detail}).")
         return everywhere
 
-    def check_pending(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                      batch: Any) -> bool:
+    def check_pending(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> bool:
         """Whether the step about to run runs a rung's one-time check on some rank (a collective):
         then every rank's step is a warm-up, so the ranks' records stay the same."""
         try:
@@ -306,11 +303,8 @@ class BatchCycle:
         in this step on some rank (:meth:`check_pending`): a warm-up."""
         # what this rank really runs
         self.edge.shape = tuple(int(x) for x in read_batch_shape(batch, self.config.seq_len_fn))
-        if decision.seq_len is None:
-            planned = shape
-        else:
-            planned = (self.planner.course.batch_at(shape[0], shape[1], decision.seq_len),
-                       decision.seq_len)
+        planned = shape if decision.seq_len is None else (
+            self.planner.course.batch_at(shape[0], shape[1], decision.seq_len), decision.seq_len)
         pending = self.edge.pending = self.planner.begin_step(
             planned[1], planned[0], edge.steps_optimizer(trainer), trainer.global_step,
             trainer.current_epoch)

@@ -231,10 +231,9 @@ class SeqMemCallback(Callback):
                  world_size: Optional[int] = None) -> Forecast:
         """Predicted peak of a training step at ``(seq_len, batch_size)`` with ``mitigations``
         (defaults: the last measured batch size, the mitigations on now); see
-        :meth:`SeqMemPlanner.forecast <lightning_seqmem.plan.planner.SeqMemPlanner.forecast>`. With
-        ``world_size``: the per-rank peak at that many ranks (FSDP2 for a sharded run, else DDP), by
-        a dry run in a fake process group (:func:`lightning_seqmem.dryrun.sharded.world_forecast`;
-        rank zero)."""
+        :meth:`~lightning_seqmem.plan.evidence.Evidence.forecast`. With ``world_size``: the per-rank
+        peak at that many ranks (FSDP2 for a sharded run, else DDP), by a dry run in a fake process
+        group (:func:`lightning_seqmem.dryrun.sharded.world_forecast`; rank zero)."""
         if world_size is not None:
             from lightning_seqmem.dryrun.sharded import world_forecast
 
@@ -334,16 +333,14 @@ class SeqMemCallback(Callback):
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
-        """Adopt the state of a checkpoint that keyed it by the configuration (when it is the only
-        such state), with the configuration it names, for reconciliation."""
+        """Adopt an earlier version's state (:func:`.fit_cycle.adopt_legacy_state`)."""
         adopt_legacy_state(checkpoint, self.state_key)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from a checkpoint, checked field by field
-        (:func:`~lightning_seqmem.plan.checkpoint.validate_state`) and reconciled with this
-        callback's configuration (:func:`~lightning_seqmem.plan.checkpoint.reconcile`). A state this
-        version cannot read or trust gives one warning naming the field and a fresh start, never a
-        failed resume (:meth:`.fit_cycle.FitCycle.load_state`)."""
+        """Restore from a checkpoint, checked field by field (:func:`.checkpoint.validate_state`)
+        and reconciled with this callback's configuration (:func:`.checkpoint.reconcile`). A state
+        this version cannot read or trust gives one warning naming the field and a fresh start,
+        never a failed resume (:meth:`.fit_cycle.FitCycle.load_state`)."""
         self._fit.load_state(state_dict)
 
 

@@ -11,8 +11,7 @@ import torch
 from lightning_seqmem.core.advice import Advice
 from lightning_seqmem.diagnostics.compare import compare_breakdowns
 from lightning_seqmem.diagnostics.findings import MemoryDiagnosisWarning
-from lightning_seqmem.diagnostics.section import (end_of_fit_plan, end_of_fit_section,
-                                                  width_dims)
+from lightning_seqmem.diagnostics.section import end_of_fit_plan, end_of_fit_section, width_dims
 from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations.microbatch.microbatch_step import is_micro_batching
 

@@ -67,8 +67,7 @@ def adopt_legacy_state(checkpoint: dict[str, Any], state_key: str) -> None:
 
 
 class FitCycle:
-    """The callback's work once per fit (the module doc), over its arguments, planner, edge state
-    and guard."""
+    """Once-per-fit work (module doc) over the callback's arguments, planner, edge state, guard."""
 
     def __init__(self, config: SeqMemConfig, planner: Planner, state: EdgeState,
                  guard: Guard) -> None:
@@ -167,9 +166,8 @@ class FitCycle:
 
     def load_state(self, state_dict: dict[str, Any]) -> None:
         """Restore from a checkpoint, checked field by field (:func:`.checkpoint.validate_state`)
-        and reconciled with this callback's configuration (:func:`.checkpoint.reconcile`). A state
-        this version cannot read or trust gives one warning naming the field and a fresh start,
-        never a failed resume."""
+        and reconciled with this callback's configuration (:func:`.checkpoint.reconcile`); a state
+        this version cannot read or trust gives one warning naming the field and a fresh start."""
         allowed = self.planner.ladder.allowed  # the ladder less the rungs this run cannot take
         try:
             S.validate_state(state_dict)

@@ -7,13 +7,12 @@ import torch
 
 
 def is_oom(exception: BaseException) -> bool:
-    """True only for a real allocator out-of-memory error, on any device: a
-    ``torch.OutOfMemoryError`` (what the CUDA/HIP/XPU caching allocators raise), a ``RuntimeError``
-    (``torch.AcceleratorError`` included) carrying an allocator's, driver's or library's own failure
-    phrase (CPU, CUDA/HIP/XPU, MPS, cuBLAS/cuDNN), or an exception raised ``from`` one. Any other
-    error
-    is not an OOM, even if its text says "out of memory" (a dataset that "ran out of memory-mapped
-    files", a Python ``MemoryError``): the callback must not blame sequence length for it.
+    """True for a real allocator out-of-memory error, on any device: a ``torch.OutOfMemoryError``
+    (what the CUDA/HIP/XPU caching allocators raise), a ``RuntimeError`` (``torch.AcceleratorError``
+    included) carrying an allocator's, driver's or library's own failure phrase (CPU, CUDA/HIP/XPU,
+    MPS, cuBLAS/cuDNN), or an exception raised ``from`` one. Any other error is not an OOM, even if
+    its text says "out of memory" (a dataset that "ran out of memory-mapped files", a Python
+    ``MemoryError``): the callback must not blame sequence length for it.
 
     Example:
         >>> is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory")), is_oom(ValueError("x"))

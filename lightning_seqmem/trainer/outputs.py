@@ -2,8 +2,7 @@
 report files and the OOM diagnosis. The one module of the package that touches
 ``trainer.loggers`` or the filesystem; what it writes is built elsewhere (:mod:`.planner`,
 :mod:`.panels`, :mod:`.report`). Files are written atomically (a temporary file renamed over the
-target), so a full disk or a crash never leaves a truncated report or picture behind.
-"""
+target), so a full disk or a crash never leaves a truncated report or picture behind."""
 
 from __future__ import annotations
 
@@ -197,8 +196,7 @@ def fit_summary(view: "PlanView", trainer: Optional["pl.Trainer"], paths: Any = 
     """
     first = f"seqmem: {run_summary(view).sentence()}{' (above)' if view.advice.warned else ''}."
     paths = [Path(p) for p in paths or ()]
-    folder = (str(paths[0].parent) if paths
-              else report_dir(trainer) if trainer is not None else None)
+    folder = str(paths[0].parent) if paths else report_dir(trainer) if trainer is not None else None
     where = (f"report in {folder} ({MARKDOWN_NAME}, {JSON_NAME}, {PNG_NAME})" if paths else
              f"no report written (see the warnings){f'; logs in {folder}' if folder else ''}")
     loggers = _tensorboard_loggers(trainer) if trainer is not None else []
@@ -289,9 +287,8 @@ def _logger_prefix(logger: TensorBoardLogger) -> str:
 
 def write_layout(trainer: "pl.Trainer", prefix: str = "seqmem/") -> int:
     """Write :func:`custom_scalars_layout` to every ``TensorBoardLogger`` of ``trainer``, once each
-    (TensorBoard keeps only the last layout), on global rank zero only (the other ranks'
-    experiments are dummies); a logger made with ``prefix=`` gets its prefixed tags. Returns how
-    many loggers were written."""
+    (TensorBoard keeps only the last layout), on global rank zero (the other ranks' experiments are
+    dummies); a logger made with ``prefix=`` gets its prefixed tags. Returns how many it wrote."""
     if not trainer.is_global_zero:
         return 0
     written = 0

@@ -4,9 +4,8 @@ The callback's own tensors (the batch copy its dry run reshapes, the breakdown's
 dry run's real value twins, run on the CPU) live in host memory: on a CPU run, the device's. So:
 
 * :func:`own_tensors`: the copies kept across steps; the probe counts them as memory a step begins
-  with and every dry-run answer adds their bytes (:func:`resident_bytes`), so records, forecasts
-  and the budget agree; likewise DDP's gradient buckets that copy the gradients
-  (:func:`untracked_bytes`);
+  with and every dry-run answer adds their bytes (:func:`resident_bytes`), so records, forecasts and
+  the budget agree; likewise DDP's gradient buckets copying the gradients (:func:`untracked_bytes`);
 * :func:`value_room_bytes`: inside a step window (batch start to end, where decisions and their dry
   runs run), what the usable budget leaves beside the run's tensors: the most a dry run's real
   values may hold at once (:func:`~lightning_seqmem.dryrun.values.value_room`); a dry run needing
@@ -131,5 +130,4 @@ def value_room_bytes(state: "EdgeState", usable: Optional[int]) -> Optional[int]
         return None
     held = [*existing_tensors(pl_module, trainer.optimizers, state.window_batch),
             *own_tensors(state)]
-    return max(0, int(usable) - storage_bytes(held, device.type)
-               - untracked_bytes(state, trainer))
+    return max(0, int(usable) - storage_bytes(held, device.type) - untracked_bytes(state, trainer))

@@ -9,8 +9,7 @@ one process they return their input.
   a rung's one-time check" (every rank's step is then a warm-up);
 * the decision is taken on rank zero and :func:`broadcast` to all;
 * after a batch, :func:`gather_measurement`: every rank's measurement with its own length and batch
-  size; the row with the highest peak is kept whole (never a peak with another rank's length).
-"""
+  size; the row with the highest peak is kept whole (never a peak with another rank's length)."""
 
 from __future__ import annotations
 
@@ -69,9 +68,7 @@ def agree_inputs(trainer: Any, failed: bool, shape: Optional[tuple[int, int]],
 
 def any_rank(trainer: Any, flag: bool) -> bool:
     """Whether ``flag`` holds on some rank."""
-    if trainer.world_size <= 1:
-        return flag
-    return bool(_collective(trainer, [int(flag)], "max")[0])
+    return flag if trainer.world_size <= 1 else bool(_collective(trainer, [int(flag)], "max")[0])
 
 
 def all_ok(trainer: Any, ok: bool) -> bool:

@@ -83,8 +83,7 @@ class OffloadedForward:
 
     ``host_bytes``/``host_tensors``: bytes and tensors copied to host since the last
     :func:`reset_offloaded_bytes` (on fake tensors: that would be); ``kept_bytes``: bytes of saved
-    parameters and buffers left on the device.
-    """
+    parameters and buffers left on the device."""
 
     def __init__(self, block: nn.Module, pin_memory: bool = True) -> None:
         self.block = block
@@ -233,8 +232,7 @@ class ActivationOffload:
         """The blocks whose forward goes under the hooks (a checkpoint wrapper where one is)."""
         found = {id(b) for b in find_repeated_blocks(model, self.block_class_names)
                  if b is not model}
-        # find_repeated_blocks sees through checkpoint wrappers: a found block's wrapper goes under
-        # the hooks instead, so the checkpoint's input is what leaves the device (not nothing)
+        # find_repeated_blocks sees through checkpoint wrappers: the wrapper goes under the hooks
         wrappers = wrappers_by_block(model)
         return [wrappers.get(i, b) for b in model.modules() if (i := id(b)) in found]
 

@@ -29,17 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_seqmem.mitigations.base import MitigationResult, ModulePolicyRung, find_top_down
 from lightning_seqmem.mitigations.attention.attention_spec import SPEC
 
-__all__ = [
-    "ATTENTION_SWITCH_BACKENDS",
-    "AttentionRung",
-    "AttentionSwitch",
-    "current_attention_backend",
-    "find_attention_targets",
-    "flash_unavailable_reason",
-    "is_hf_pretrained_model",
-    "register_modelled_flash",
-    "sdpa_kernel_context",
-]
+__all__ = ["ATTENTION_SWITCH_BACKENDS", "AttentionRung", "AttentionSwitch",
+           "current_attention_backend", "find_attention_targets", "flash_unavailable_reason",
+           "is_hf_pretrained_model", "register_modelled_flash", "sdpa_kernel_context"]
 
 ATTENTION_SWITCH_BACKENDS = ("auto", "eager", "sdpa", "flash")
 """Values of ``AttentionSwitch(backend=...)``; ``"auto"``: flash if it can run, else sdpa."""
@@ -211,9 +203,8 @@ class AttentionSwitch:
     """Policy: switch every attention target of a model to a memory-efficient kernel.
 
     Args:
-        backend: one of :data:`ATTENTION_SWITCH_BACKENDS`. ``"auto"`` picks ``"flash"`` only when
-            flash-attn is installed, CUDA is present and the model's parameters are on CUDA in
-            fp16/bf16 (never on CPU), otherwise ``"sdpa"``.
+        backend: one of :data:`ATTENTION_SWITCH_BACKENDS`; ``"auto"``: ``"flash"`` where flash-attn
+            is installed and the model's parameters are fp16/bf16 on CUDA, else ``"sdpa"``.
         sdpa_backends: ``SDPBackend`` values the ``"sdpa"`` kernel is restricted to, passed to
             protocol modules' ``set_attention_backend``; for Hugging Face models wrap the step in
             :meth:`kernel_context`.

@@ -97,8 +97,7 @@ def _modules_named(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
 
 def find_repeated_blocks(model: nn.Module,
                          block_class_names: Sequence[str] | None = None) -> list[nn.Module]:
-    """The repeated blocks of ``model`` (any module) to checkpoint, in first-found order; of nested
-    matches the outer one.
+    """The repeated blocks of ``model``, in the order found; of nested matches, the outer one.
 
     Args:
         block_class_names: class names of the blocks. ``None``: the classes in

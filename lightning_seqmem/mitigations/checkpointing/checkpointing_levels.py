@@ -139,11 +139,10 @@ def level_words(level: Optional[str]) -> str:
 
 def hf_is_checkpointing(hf_model: nn.Module) -> bool:
     # `is_activation_checkpointing` (transformers 5.x) avoids the FutureWarning of the old name.
-    name = ("is_activation_checkpointing"
-            if hasattr(type(hf_model), "is_activation_checkpointing") else None)
-    if name is None and hasattr(type(hf_model), "is_gradient_checkpointing"):
-        name = "is_gradient_checkpointing"
-    return bool(getattr(hf_model, name)) if name is not None else False
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(hf_model), name):
+            return bool(getattr(hf_model, name))
+    return False
 
 
 def composably_checkpointed(module: nn.Module) -> bool:
@@ -226,8 +225,7 @@ def raise_hf_levels(slots: list[Slot], levels: list[int], finals: list[int]) -> 
             _hf_enable(owner, checkpoint_kwargs(mine[0][2]))
             continue
         if not hf_is_checkpointing(owner):  # its input-grad hook and every layer's function
-            _hf_enable(owner, checkpoint_kwargs(FULL if FULL in [f for _, _, f in mine]
-                                                else SELECTIVE))
+            _hf_enable(owner, checkpoint_kwargs(max(f for _, _, f in mine)))
         for slot, _, final in mine:
             layer = slot.block
             layer.gradient_checkpointing = final > NONE

@@ -4,8 +4,7 @@ A causal LM's loss is ``cross_entropy(hidden @ lm_head.weight.T, labels)``: ``[t
 float32 logits, their log-softmax saved for backward and their gradient, each larger than the rest
 of a step once attention is linear (16K tokens x 248K vocabulary is 16 GB per copy). A fused linear
 cross-entropy computes the same loss and gradients a block of tokens at a time, keeping only the
-gradients ``[tokens, d_model]`` and ``[vocab, d_model]``. Backends, picked per device when the rung
-is switched on:
+gradients ``[tokens, d_model]`` and ``[vocab, d_model]``. Backends, picked per device at switch-on:
 
 =========  =============================================================  ======================
 backend    library                                                        where
@@ -84,17 +83,9 @@ from lightning_seqmem.mitigations.fused_loss.fused_loss_hf import (
 from lightning_seqmem.mitigations.microbatch.microbatch_functional import IGNORE_INDEX
 from lightning_seqmem.mitigations.fused_loss.fused_loss_spec import SPEC
 
-__all__ = [
-    "FUSED_LOSS_BACKENDS",
-    "FusedLinearCrossEntropy",
-    "FusedLossRung",
-    "backend_unavailable_reason",
-    "find_fused_loss_targets",
-    "fused_loss_backend",
-    "register_modelled_backends",
-    "resolve_backend",
-    "tiled_shards",
-]
+__all__ = ["FUSED_LOSS_BACKENDS", "FusedLinearCrossEntropy", "FusedLossRung",
+           "backend_unavailable_reason", "find_fused_loss_targets", "fused_loss_backend",
+           "register_modelled_backends", "resolve_backend", "tiled_shards"]
 
 FUSED_LOSS_BACKENDS = ("auto", "cce", "liger", "tiled")
 """Values of ``FusedLinearCrossEntropy(backend=...)``; ``"auto"``: :func:`resolve_backend`."""
@@ -224,8 +215,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
     DeepSpeed's function runs each shard's backward inside its forward and accumulates the weight's
     gradient into ``param.grad`` at once, which Lightning's ``zero_grad`` (after ``training_step``)
     would erase and a scaled loss (micro-batch weights) would not scale. Here it sees a detached
-    weight: both gradients are kept and returned in backward, scaled by the incoming gradient.
-    """
+    weight: both gradients are kept and returned in backward, scaled by the incoming gradient."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -328,9 +318,7 @@ class FusedLinearCrossEntropy:
         if num_items_in_batch is not None:
             return total / (num_items_in_batch.to(total.device)
                             if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-        if reduction == "sum":
-            return total
-        return total / (y != ignore_index).sum()
+        return total if reduction == "sum" else total / (y != ignore_index).sum()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(backend={self.backend!r})"

@@ -235,8 +235,7 @@ class MicroBatching:
         if batch is not None:
             try:
                 batch_size: int | None = infer_batch_shape(batch)[0]
-                micro_batch_counts(batch, self.micro_batch_size, self.weighting,
-                                   self.ignore_index)
+                micro_batch_counts(batch, self.micro_batch_size, self.weighting, self.ignore_index)
             except ValueError as err:
                 return False, f"cannot split the batch: {err}"
         else:

@@ -75,9 +75,8 @@ def check_copy(pl_module: torch.nn.Module, wrapper: Optional[Any] = None,
     """``(copy, its training_step)``: ``pl_module`` deep-copied with its parameters shared and what
     it is attached to (Trainer, Fabric, device mesh) shared, and the submodules FSDP2 shards
     (:func:`sharded_modules`) shared too: what ``training_step`` changes on the module itself and
-    its other submodules lands on the copy. ``wrapper`` (the micro-batching wrapper on its
-    ``training_step``) is left out of the copy, whose ``training_step`` is the one the wrapper
-    wraps, bound to the copy.
+    its other submodules lands on the copy. ``wrapper`` (the micro-batching wrapper) is left out of
+    the copy, whose ``training_step`` is the one the wrapper wraps, bound to the copy.
 
     Raises:
         ValueError: the module itself is sharded with ``fully_shard``.

@@ -1,7 +1,6 @@
 """The training-step wrapper behind micro-batching: its first-step check (the loss is a mean over
 what the weights count) and the split step, run inside ``training_step`` (the method card and the
-policy: :mod:`.microbatch`).
-"""
+policy: :mod:`.microbatch`)."""
 
 from __future__ import annotations
 
@@ -158,8 +157,7 @@ class MicroBatchedTrainingStep:
     Attributes: ``micro_batch_size``, ``weighting``, ``ignore_index``, ``verify`` (as given to
     :class:`MicroBatching`); ``verified`` (the first-step check passed); ``rule`` (the weighting
     rule of the last batch split, or None); ``refused_reason`` (why the check refused; the wrapper
-    is then off the module).
-    """
+    is then off the module)."""
 
     _seqmem_micro_batching = True
 

@@ -42,9 +42,7 @@ __all__ = ["CheckPair", "ZeroGradBeforeFirstMicroBatch", "check_pair", "micro_ba
 
 
 def _with_loss(output: Any, loss: torch.Tensor) -> Any:
-    if isinstance(output, Mapping):
-        return {**output, "loss": loss}
-    return loss
+    return {**output, "loss": loss} if isinstance(output, Mapping) else loss
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
@@ -150,8 +148,7 @@ class ZeroGradBeforeFirstMicroBatch:
 
     ``training_step_memory`` calls ``zero_grad`` after the forward (Lightning's place for it); here
     it is skipped, the earlier micro-batches' gradients being accumulated by then
-    (:func:`micro_batched_loss` zeroes the real optimizer itself).
-    """
+    (:func:`micro_batched_loss` zeroes the real optimizer itself)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -185,9 +182,8 @@ def micro_batched_loss(optimizer: torch.optim.Optimizer, micro_batch_size: int,
     :func:`micro_batch_counts`), runs ``before(model, batch, parts, counts)`` (the dry run: the
     first-step check's memory), zeroes ``optimizer`` and returns the last micro-batch's loss for the
     caller's backward (each loss dropped once scaled). A batch of one micro-batch, or nothing
-    counted, runs whole, zeroed after its forward as Lightning does.
-    ``zero_grad=False``: never zeroed (a later batch of an accumulation window).
-    """
+    counted, runs whole, zeroed after its forward as Lightning does. ``zero_grad=False``: never
+    zeroed (a later batch of an accumulation window)."""
 
     def step_loss(model: Any, batch: Any) -> torch.Tensor:
         parts = split_batch(batch, micro_batch_size)
