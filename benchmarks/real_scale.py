@@ -13,8 +13,9 @@ It prints, per config, the wall time and the peak resident memory of the plannin
 process (``getrusage(RUSAGE_CHILDREN)``) and of all its processes together (the plan and its
 ``--workers``, sampled from ``/proc`` every 0.2 s), the goal (≤ 120 s and ≤ 180 s), and per setting
 the longest length that fits on each device with the host memory it holds there (offload settings
-hold parameters, gradients and optimizer state on the host). ``--json``: the last line is one JSON
-object with all of it.
+hold parameters, gradients and optimizer state on the host); at ``--world-size 8`` also each
+device's layout plan per length (sequence parallelism, offload). ``--json``: the last line is one
+JSON object with all of it.
 
     python benchmarks/real_scale.py               # both configs
     python benchmarks/real_scale.py --only 8b --json
@@ -153,6 +154,14 @@ def _print(name: str, result: dict[str, Any]) -> None:
               + f"{host:>10s}")
     print("  (≥N: fits the longest length asked; N*: "
           "the longest of the lengths dry-run, not searched)")
+    for device in doc["devices"]:  # --world-size N: each device's layout plan per length
+        for entry in device.get("parallel_plans") or []:
+            plan = entry["plan"]
+            print(f"  layout on {device['name']} at {entry['seq_len']}: " + (
+                "none fits" if plan is None else
+                f"{plan['layout']}, rungs {' + '.join(plan['mitigations']) or 'none'}, "
+                f"{plan['peak_bytes'] / gib:.1f} GiB per rank"
+                + (f", host {plan['host_bytes'] / gib:.1f} GiB" if plan["host_bytes"] else "")))
 
 
 def main(argv: Any = None) -> int:
