@@ -91,8 +91,12 @@ def test_json_names_each_plans_degrees_and_skips(tmp_path, capsys, peaks):
     # constants)
     assert max(peaks[("ulysses", 2)], peaks[("ring", 2)]) < peaks[("none", 1)]
     budget = (max(peaks[("ulysses", 2)], peaks[("ring", 2)]) + peaks[("none", 1)]) // 2
-    doc = _plan(tmp_path, capsys, budget)
+    large = 2 * peaks[("none", 1)]  # a second device: each gets its own layout search
+    doc = _plan(tmp_path, capsys, budget, "--budget", f"{budget}B", f"{large}B")
     by_len = {p["seq_len"]: p for p in doc["parallel_plans"]}
+    assert doc["parallel_plans"] == doc["devices"][0]["parallel_plans"]
+    plan = next(p["plan"] for p in doc["devices"][1]["parallel_plans"] if p["seq_len"] == 512)
+    assert (plan["layout"], plan["peak_bytes"]) == (f"dp_shard {WORLD}", peaks[("none", 1)])
     assert sorted(by_len) == sorted(LENGTHS)
     plan = by_len[512]["plan"]
     for key in ("sequence_parallel_degree", "context_parallel_degree", "fsdp_degree", "offload"):
@@ -117,20 +121,6 @@ def test_json_names_each_plans_degrees_and_skips(tmp_path, capsys, peaks):
     assert skips[("ring", 4)] == "length 508 not divisible by 2*degree = 8 (load-balanced ring)"
     assert all((r["sequence_parallel_degree"], r["context_parallel_degree"]) not in ((4, 1), (1, 4))
                for p in doc["parallel_plans"] for r in p["rows"] if p["seq_len"] == 508)
-
-
-def test_each_device_gets_its_own_layout_search(tmp_path, capsys, peaks):
-    """``--budget`` with two devices: the smaller needs the sequence split, the larger fits the
-    whole sequence; each device's entry holds its own layouts, the top level the first's."""
-    split = max(peaks[("ulysses", 2)], peaks[("ring", 2)])
-    small, large = (split + peaks[("none", 1)]) // 2, 2 * peaks[("none", 1)]
-    doc = _plan(tmp_path, capsys, small, "--budget", f"{small}B", f"{large}B")
-    plans = [next(p["plan"] for p in d["parallel_plans"] if p["seq_len"] == 512)
-             for d in doc["devices"]]
-    assert [d["usable_budget_bytes"] for d in doc["devices"]] == [small, large]
-    assert [p["layout"] for p in plans] == ["ulysses 2 x dp_shard 2", f"dp_shard {WORLD}"]
-    assert plans[1]["peak_bytes"] == peaks[("none", 1)]
-    assert doc["parallel_plans"] == doc["devices"][0]["parallel_plans"]
 
 
 def test_emit_prints_each_engines_own_keys(tmp_path, capsys, peaks):
