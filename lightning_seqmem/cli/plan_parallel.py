@@ -318,10 +318,6 @@ def _print_layout_plans(console: Any, plans: Sequence[dict[str, Any]], world_siz
                           f"usable, {plan['peak_source']}"
                           + (f"; host {format_bytes(plan['host_bytes'])} per rank"
                              if plan["host_bytes"] else "") + ")")
-            if plan.get("offload") and engine == "deepspeed":
-                from lightning_seqmem.plan.parallel import ZERO3_OFFLOAD_NOTE
-
-                console.print(ZERO3_OFFLOAD_NOTE, highlight=False)
             if engine is not None:
                 plan["launch_config"] = emit(engine, plan, stands_for(device))
                 console.print(f"--emit {engine} (seq_len {L}):", highlight=False)
