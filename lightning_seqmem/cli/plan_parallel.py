@@ -342,19 +342,21 @@ def parallel_plans(console: Any, model: Any, optimizer: Any, batch: Any, batch_s
     if engine is not None:
         kinds = tuple(k for k in kinds if k in ENGINE_KINDS[engine])
         sets, left = switched_sets(engine, sets)  # those engine runs (its launch config)
-        if left:
-            console.print(f"--emit {engine}: sets with {joined_names(left)} not searched ({engine} "
-                          "has no switch for them; --emit lightning runs them)", highlight=False)
+    first = not peaks  # the first device's search: the notes every device's search shares
+    if engine is not None and left and first:
+        console.print(f"--emit {engine}: sets with {joined_names(left)} not searched ({engine} "
+                      "has no switch for them; --emit lightning runs them)", highlight=False)
     per_parameter = optimizer_states_per_parameter(optimizer)
     state = state_bytes(model, world_size, per_parameter)
     shard = _Shard(model, batch, batch_size, context, device, world_size, usable, state,
                    host_budget, {} if peaks is None else peaks)
     calls = _attention_calls(console, shard, sets[-1])
-    _print_search(console, world_size, kinds, engine, calls)
+    if first:
+        _print_search(console, world_size, kinds, engine, calls)
     plans = [{**_length_plan(shard, res, sets, kinds, calls, state, per_parameter),
               "rungs_left_out": left if engine else []} for res in results]
     console.print(_layout_table(plans, world_size, usable))
-    if "ring" in kinds:
+    if "ring" in kinds and first:
         console.print(RING_NOTE)
     _print_layout_plans(console, plans, world_size, usable, engine, device)
     return plans
