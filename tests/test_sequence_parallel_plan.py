@@ -259,6 +259,36 @@ def test_a_set_whose_largest_degree_does_not_fit_runs_no_other_degree():
     assert exhaustive == (ck, plan["degree"])
 
 
+def test_the_middle_degrees_skipped_would_not_have_fit(tmp_path, capsys, peaks):
+    """A real plan whose budget holds the optimizer step's state but neither degree 1 nor ring 4
+    with either set: per set only those two rows run (ring 2 is skipped), and ring 2's own dry run
+    shows it would not have fit either."""
+    from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
+    from lightning_seqmem.dryrun.sharded import unsharded_template
+    from lightning_seqmem.plan.judging import dry_run_bound
+    from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+
+    template = unsharded_template(LitGPT(**MODEL))
+    batch = next(iter(SyntheticTokenDataModule(batch_size=1, seq_len=64,
+                                               num_samples=4).train_dataloader()))
+    floor = sequence_parallel_dry_run_step(template, batch, 512, WORLD, 1,
+                                           "none").phase_peak_bytes["optimizer"]
+    ring4 = sequence_parallel_dry_run_step(template, batch, 512, WORLD, 4, "ring",
+                                           mitigations=["checkpointing"]).peak_bytes
+    budget = (dry_run_bound(floor) + ring4) // 2
+    assert dry_run_bound(floor) < budget < ring4 < peaks[("ring", 2)]  # the case this is about
+    doc = _plan(tmp_path, capsys, budget, "--sequence-parallel", "ring")
+    entry = next(p for p in doc["parallel_plans"] if p["seq_len"] == 512)
+    assert entry["state_over_budget"] is False
+    ran = [(tuple(r["mitigations"]), r["layout"]) for r in entry["rows"] if not r["offload"]]
+    assert ran == [((), f"dp_shard {WORLD}"), ((), "ring 4 x dp_shard 1"),
+                   (("checkpointing",), f"dp_shard {WORLD}"),
+                   (("checkpointing",), "ring 4 x dp_shard 1")]
+    ring2 = sequence_parallel_dry_run_step(template, batch, 512, WORLD, 2, "ring",
+                                           mitigations=["checkpointing"]).peak_bytes
+    assert min(ring2, peaks[("ring", 2)]) > budget  # ring 2 would not have fit, either set
+
+
 def test_a_rung_an_engine_cannot_switch_is_never_in_its_launch_config(tmp_path, capsys):
     """torchtitan has no switch for ``fused_loss``: a launch config planned with it would run
     without it, over the planned peak. ``--emit torchtitan`` searches only the sets it can launch
