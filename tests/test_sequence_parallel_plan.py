@@ -367,6 +367,41 @@ def test_a_flash_attention_model_is_planned_with_ulysses_as_alst_runs_it():
                                    f"{name}")]
 
 
+def test_a_transformers_attention_function_that_calls_sdpa_is_split_once():
+    """A registered attention function that calls SDPA itself is split around the function; its
+    own SDPA call is neither counted nor split a second time."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+
+    from lightning_seqmem.dryrun.sequence_parallel import (
+        attention_calls, sequence_parallel_dry_run_step)
+    from lightning_seqmem.dryrun.sharded import unsharded_template
+    from lightning_seqmem.reference.hf import HFCausalLM
+
+    def own(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], 1) for t in (key, value))
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("seqmem_test_own", own)
+    try:
+        config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, vocab_size=512)
+        template = unsharded_template(HFCausalLM("llama", config,
+                                                 attn_implementation="seqmem_test_own"))
+        ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        calls = attention_calls(template, batch)
+        assert (calls.calls, calls.n_heads, calls.attention) == (2, 4, "seqmem_test_own")
+        whole, ulysses = (sequence_parallel_dry_run_step(template, batch, 512, 2, d, kind)
+                          for d, kind in ((1, "none"), (2, "ulysses")))
+        assert ulysses.peak_bytes < whole.peak_bytes
+        assert "2 attention calls sharded" in ulysses.detail
+    finally:
+        AttentionInterface._global_mapping.pop("seqmem_test_own", None)
+
+
 @pytest.mark.ddp
 def test_ulysses_step_over_two_gloo_ranks_is_within_3_percent_of_the_plan(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "512", "2"],

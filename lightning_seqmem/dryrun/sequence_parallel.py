@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
@@ -178,6 +179,7 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1,
     only records the calls."""
     calls = AttentionCalls()
     groups: list[Any] = [group]
+    inside = [False]  # within a wrapped transformers function: its own SDPA call is not split again
 
     def the_group() -> Any:
         if groups[0] is None:
@@ -189,6 +191,9 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1,
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              **kwargs):
+        if inside[0]:
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                         is_causal=is_causal, scale=scale, **kwargs)
         _note(calls, query, key, attn_mask, dropout_p)
         if kind == "none" or degree == 1:
             return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -211,20 +216,29 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1,
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
             _note(calls, query, key, attention_mask, kwargs.get("dropout", 0.0))
             calls.attention = name
-            if kind == "none" or degree == 1:
-                return fn(module, query, key, value, attention_mask, *args, **kwargs)
-            if kind == "ring" or attention_mask is not None:
+            split = kind != "none" and degree > 1
+            if split and (kind == "ring" or attention_mask is not None):
                 raise DryRunUnsupported(f"{kind} over {name} with attention_mask="
                                         f"{'set' if attention_mask is not None else 'None'}: "
                                         "not modelled (Ulysses with no padding mask is)")
-            kwargs.pop("position_ids", None)  # this rank's; after the all-to-all: every position
-            q, k, v = (_seq_to_heads(t, degree, the_group()) for t in (query, key, value))
-            out, weights = fn(module, q, k, v, None, *args, **kwargs)
-            return _heads_to_seq(out.transpose(1, 2), degree, the_group()).transpose(1, 2), weights
+            if split:
+                kwargs.pop("position_ids", None)  # this rank's; after the all-to-all: all of them
+                query, key, value = (_seq_to_heads(t, degree, the_group())
+                                     for t in (query, key, value))
+            inside[0] = True
+            try:
+                out, weights = fn(module, query, key, value, attention_mask, *args, **kwargs)
+            finally:
+                inside[0] = False
+            if split:
+                out = _heads_to_seq(out.transpose(1, 2), degree, the_group()).transpose(1, 2)
+            return out, weights
 
         return attention
 
-    interface = _hf_attention_interface()
+    # transformers' AttentionInterface where it dispatches by get_interface (imported by its models)
+    interface = getattr(sys.modules.get("transformers.modeling_utils"), "AttentionInterface", None)
+    interface = interface if hasattr(interface, "get_interface") else None
     previous = F.scaled_dot_product_attention  # an outer patch, if any, comes back afterwards
     F.scaled_dot_product_attention = sdpa
     if interface is not None:
@@ -241,15 +255,6 @@ def sequence_parallel_attention(kind: str = "none", degree: int = 1,
         F.scaled_dot_product_attention = previous
         if interface is not None:
             interface.get_interface = get
-
-
-def _hf_attention_interface() -> Any:
-    """transformers' ``AttentionInterface`` class where it dispatches by ``get_interface``."""
-    import sys
-
-    module = sys.modules.get("transformers.modeling_utils")  # a model of it: imported already
-    interface = getattr(module, "AttentionInterface", None)
-    return interface if hasattr(interface, "get_interface") else None
 
 
 def attention_calls(template: Any, batch: Any, seq_len: int = 64, batch_size: int = 1,
