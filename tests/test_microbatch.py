@@ -391,6 +391,39 @@ def test_training_step_without_trainer_is_not_split():
     assert loss.requires_grad and loss.dim() == 0
 
 
+class ValidatingGPT(LitGPT):
+    """A module whose ``validation_step`` calls its ``training_step`` (a common shortcut)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.training_step(batch, batch_idx)
+        self.val_losses.append(float(loss))
+        return loss
+
+
+def test_a_validation_step_that_calls_training_step_runs_whole():
+    """Validation runs without gradients: the split step, which backpropagates each micro-batch,
+    would fail there ("does not require grad"); the wrapper runs the batch whole. The first loss is
+    that of the same model without micro-batching (the sanity check: the same weights)."""
+    losses = []
+    for micro_batch_size in (None, 1):
+        torch.manual_seed(0)
+        model = ValidatingGPT(**SMALL)
+        data = SyntheticTokenDataModule(4, 16, 16, vocab_size=SMALL["vocab_size"])
+        data.val_dataloader = data.train_dataloader
+        trainer = make_trainer([Recorder(micro_batch_size)], max_steps=4, val_check_interval=2,
+                               num_sanity_val_steps=1, limit_val_batches=2)
+        trainer.fit(model, datamodule=data)
+        assert trainer.global_step == 4 and is_micro_batching(model) == (micro_batch_size == 1)
+        losses.append(model.val_losses)
+    assert len(losses[0]) == 5  # the sanity check's batch, then two at steps 2 and 4
+    assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-6)  # before any step: same weights
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses[1])
+
+
 # --- DDP ---------------------------------------------------------------------------------------
 
 

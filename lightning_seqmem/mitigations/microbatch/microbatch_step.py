@@ -195,8 +195,9 @@ class MicroBatchedTrainingStep:
         if self.num_args is not None:  # Lightning passes batch_idx only if the signature asks
             args = args[: max(self.num_args - 1, 0)]
         trainer = _trainer_of(self.pl_module)
-        if trainer is None or not self.pl_module.automatic_optimization:
-            return self.original(batch, *args)
+        if (trainer is None or not self.pl_module.automatic_optimization
+                or not trainer.training or not torch.is_grad_enabled()):
+            return self.original(batch, *args)  # validation_step calling training_step: whole
         parts = split_batch(batch, self.micro_batch_size)
         if len(parts) == 1:
             return self.original(batch, *args)
