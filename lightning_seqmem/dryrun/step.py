@@ -79,7 +79,7 @@ from lightning_seqmem.mitigations.base import CopyPlan
 from lightning_seqmem.mitigations.activation_offload.activation_offload import (
     offloaded_bytes, reset_offloaded_bytes)
 from lightning_seqmem.core.rungs import check_mitigations
-from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.steps import training_step_memory, validation_step_memory
 from lightning_seqmem.core.records import PHASES, TrackedEvents
 from lightning_seqmem.measure.probes import existing_tensors, make_probe
 
@@ -244,10 +244,14 @@ traces the step ``step_fn`` runs (:func:`.peak_trace.trace_peak_site`)."""
 
 def _measured_step(model: nn.Module, optimizer: Any, step_optimizer: Any, batch: Any, loss_fn: Any,
                    probe: Any, autocast: Any, site: Optional[SiteTracer], seq_len: int,
-                   batch_size: int, device: torch.device) -> tuple[Any, Any]:
-    """``(StepMemory, PeakSite or None)`` of the measured fake step; with ``site``, traced by it
-    too (the probe inside counts the same storages: the peak does not change)."""
+                   batch_size: int, device: torch.device,
+                   evaluate: bool = False) -> tuple[Any, Any]:
+    """``(StepMemory, PeakSite or None)`` of the measured fake step (``evaluate``: the
+    ``validation_step``); with ``site``, traced by it too (the probe inside counts the same
+    storages: the peak does not change)."""
     def step() -> Any:
+        if evaluate:
+            return validation_step_memory(model, optimizer, batch, probe, autocast)
         return training_step_memory(model, step_optimizer, batch, loss_fn, probe,
                                     record_events=True, context=autocast)
 
@@ -271,6 +275,7 @@ def dry_run_step(
     batch_size: Optional[int] = None, mitigations: Sequence[str] = (),
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
     device: Optional[torch.device | str] = None, site: Optional[SiteTracer] = None,
+    evaluate: bool = False,
 ) -> DryRunResult:
     """Peak memory of one training step of ``pl_module`` at ``(seq_len, batch_size)``.
 
@@ -292,6 +297,9 @@ def dry_run_step(
         device: the device to simulate; default that of the module's first parameter.
         site: a tracer of where the peak sits (:func:`.peak_trace.trace_peak_site`, handed in
             from above this wing): the result's ``peak_site``. A tracer that fails leaves it None.
+        evaluate: the step is ``validation_step`` as a fit's validation loop runs it (eval mode,
+            no gradients, the gradients and optimizer state of a training step alive): one
+            ``forward`` phase.
 
     Returns:
         a :class:`DryRunResult` of the second of two fake steps (the first creates gradients
@@ -311,7 +319,7 @@ def dry_run_step(
     module_device = _device_of(pl_module)
     device = simulated_device_for(device, module_device)
     step = _fake_step(pl_module, optimizer, batch, seq_len, batch_size, names, autocast, device,
-                      site)
+                      site, evaluate)
     block = allocator_block_bytes(device)
     peak, phase_peaks = replay_peaks(step.memory.events, block)
     resident = _resident_bytes(pl_module, optimizer, batch, device, module_device)
@@ -320,7 +328,8 @@ def dry_run_step(
     host, notes, modelled = step.host_bytes, step.notes, step.modelled_kernels
     host_peak, host_phase_peaks = host_peaks(step.host_memory)
     detail = (
-        f"a fake step of {type(pl_module).__name__} on {device} (after a zero-gradient optimizer "
+        f"a fake {'validation_step' if evaluate else 'step'} of {type(pl_module).__name__} on "
+        f"{device} (after a zero-gradient optimizer "
         f"step) with {step.optimizer_name}, batch {step.source_shape} -> ({batch_size}, {seq_len})"
         + (f"; {'; '.join(notes)}" if notes else "")
         + ("; live storages counted by LiveTensorTracker"
@@ -404,7 +413,7 @@ class _FakeStep(NamedTuple):
 def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_len: int,
                batch_size: int, names: tuple[str, ...],
                autocast: Optional[Callable[[], ContextManager[Any]]], device: torch.device,
-               site: Optional[SiteTracer]) -> _FakeStep:
+               site: Optional[SiteTracer], evaluate: bool = False) -> _FakeStep:
     """The measured fake step of :func:`dry_run_step` (its arguments checked); every failure of it
     raised as :class:`DryRunUnsupported` with the reason, the fake world freed first."""
     with fake_session(seq_len, device) as (fake_mode, values):
@@ -425,7 +434,7 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                 with recording() as modelled, contained_unpack_failures(device) as failures:
                     memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer,
                                                        step_batch, loss_fn, probe, autocast, site,
-                                                       seq_len, batch_size, device)
+                                                       seq_len, batch_size, device, evaluate)
                 if failures:
                     raise failures[0]
             host = offloaded_bytes(model)

@@ -39,7 +39,7 @@ from lightning_seqmem.measure.probes import existing_tensors, make_probe
 from lightning_seqmem.core.timeline import Trace
 
 __all__ = ["batch_copy_at", "loss_of", "step_device", "trace_training_steps",
-           "training_step_memory"]
+           "training_step_memory", "validation_step_memory"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -129,6 +129,30 @@ def training_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer, bat
         if probe is not None:
             probe.abort()
         raise
+    return probe.end_step() if probe is not None else None
+
+
+def validation_step_memory(model: nn.Module, optimizer: Any, batch: Any, probe: Any = None,
+                           context: Optional[Callable[[], ContextManager]] = None
+                           ) -> Optional[StepMemory]:
+    """Run ``model.validation_step(batch, 0)`` as a fit's validation loop runs it (eval mode, no
+    gradients; the parameters' gradients and ``optimizer``'s state alive) and return what
+    ``probe`` measured: one ``forward`` phase (None without a probe). The mode is restored."""
+    if probe is not None:
+        probe.start_step(existing_tensors(model, [optimizer] if optimizer else [], batch),
+                         record_events=True)
+        probe.mark_phase("forward")
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), (context() if context is not None else contextlib.nullcontext()):
+            model.validation_step(batch, 0)
+    except BaseException:
+        if probe is not None:
+            probe.abort()
+        raise
+    finally:
+        model.train(training)
     return probe.end_step() if probe is not None else None
 
 

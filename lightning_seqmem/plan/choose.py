@@ -160,7 +160,7 @@ def _why_chosen(on: Setting, chosen: Setting, verdict: object,
     bound = getattr(verdict, "bound_bytes", None)
     why = f"{describe(switched_on(on, chosen))}: fits"
     if bound is not None:
-        why += f" {fmt(bound)}" + (f" of {fmt(usable)}" if usable is not None else "")
+        why += f" (at most {fmt(bound)}" + (f" of {fmt(usable)})" if usable is not None else ")")
     why += f", {_pct(costs[chosen], base_cost)} step time"
     cheaper = [(s, v) for s, v in overs if costs[s] <= costs[chosen]]
     if cheaper:

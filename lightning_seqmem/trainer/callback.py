@@ -27,6 +27,7 @@ from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
 from lightning_seqmem.trainer.guard import Guard
 from lightning_seqmem.trainer.guard import guarded as _guarded
 from lightning_seqmem.trainer.run_state import EdgeState
+from lightning_seqmem.trainer.validation_check import ValidationCheck
 from lightning_seqmem.trainer.oom import is_oom
 from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.core.units import parse_bytes
@@ -180,6 +181,7 @@ class SeqMemCallback(Callback):
         self.guard = Guard(state, self.planner)
         self._batches = BatchCycle(self.config, self.planner, state, self.guard)
         self._fit = FitCycle(self.config, self.planner, state, self.guard)
+        self._validation = ValidationCheck(self.config, self.planner, state, self.guard)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ARGUMENTS:  # the arguments are `config`, frozen: a change is a new callback
@@ -296,6 +298,12 @@ class SeqMemCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any,
                            batch: Any, batch_idx: int) -> None:
         self._batches.after_batch(trainer, pl_module, batch)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                  batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Inside a fit, a new validation batch shape is dry-run; over the budget, it is said
+        before the batch runs (:class:`.validation_check.ValidationCheck`)."""
+        self._validation.before_batch(trainer, batch)
 
     # -- End of fit, reports, failures -------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,0 +1,118 @@
+"""Validation batches inside a fit: the dry run of ``validation_step`` equals the measured step to
+the byte, and a validation batch over the budget is said before it runs (once), on a real run."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from conftest import make_trainer
+from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
+from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.dryrun.step_functions import plain_loss
+from lightning_seqmem.measure.probes import TrackerProbe, existing_tensors
+from lightning_seqmem.measure.steps import training_step_memory, validation_step_memory
+from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.reference.hf import HFCausalLM
+
+MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=64)
+BUDGET = 10_700_000  # bytes: the eager model trains 80 tokens at batch 4 (tests/test_ladder.py)
+
+
+class ValidatedGPT(LitGPT):
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+
+def _batch(rows: int, seq_len: int, vocab: int = 64) -> dict:
+    seed = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (rows, seq_len + 1), generator=seed)
+    return {"input_ids": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone()}
+
+
+@pytest.mark.parametrize("name", ["gpt-eager", "gpt-sdpa", "llama-sdpa"])
+def test_the_validation_dry_run_equals_the_measured_validation_step(name):
+    """After a real training step (gradients and AdamW state alive, as in a fit's validation),
+    the measured no-gradient eval step and its dry run count the same bytes."""
+    torch.manual_seed(0)
+    if name.startswith("gpt"):
+        model = ValidatedGPT(**MODEL, attention=name.split("-")[1])
+    else:
+        model = HFCausalLM(config=dict(num_hidden_layers=2, hidden_size=64, vocab_size=64,
+                                       intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2), attn_implementation="sdpa")
+        model.validation_step = model.training_step
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = _batch(4, 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        training_step_memory(model, optimizer, batch, plain_loss)
+        measured = validation_step_memory(model, optimizer, batch, TrackerProbe())
+        dry = dry_run_step(model, optimizer, batch, 512, evaluate=True)
+    assert model.training and dry.phase_peak_bytes == {"forward": dry.peak_bytes}
+    assert dry.peak_bytes == measured.peak_bytes
+    assert dry.detail.startswith("a fake validation_step of")
+
+
+class ValidationPeaks(pl.Callback):
+    """The measured peak of every validation batch, and the warnings said before each ran."""
+
+    def __init__(self, caught: list) -> None:
+        self.caught, self.runs = caught, []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.said = sum(issubclass(w.category, PredictedOOMWarning)
+                        and "validation batch" in str(w.message) for w in self.caught)
+        self.probe = TrackerProbe()
+        self.probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch))
+        self.probe.mark_phase("forward")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
+                                dataloader_idx=0):
+        self.runs.append((batch["input_ids"].shape[1], self.probe.end_step().peak_bytes, self.said))
+
+
+def _fit_with_validation(lengths: list[int], max_steps: int = 4):
+    cb = SeqMemCallback(memory_budget=BUDGET, safety_margin=0.0, warmup_steps=1,
+                        curriculum=Curriculum(start=64, target=1024, steps_per_stage=2,
+                                              multiple_of=16))
+    data = SyntheticTokenDataModule(batch_size=4, seq_len=1024, num_samples=4 * max_steps,
+                                    vocab_size=64)
+    data.val_dataloader = lambda: torch.utils.data.DataLoader(
+        [_batch(4, n) for n in lengths], batch_size=None)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peaks = ValidationPeaks(caught)
+        make_trainer([cb, peaks], max_steps=max_steps, val_check_interval=2,
+                     num_sanity_val_steps=1).fit(ValidatedGPT(**MODEL, attention="eager"), data)
+    said = [str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning)
+            and "validation batch" in str(w.message)]
+    return cb, peaks.runs, said
+
+
+def test_a_validation_batch_over_the_budget_is_said_once_before_it_runs():
+    cb, runs, said = _fit_with_validation([1024])
+    # the sanity check's batch, then one at steps 2 and 4 (SDPA on by then): all over the budget
+    assert len(runs) == 3 and all(peak > BUDGET for _, peak, _ in runs)
+    assert runs[0][1] > 10 * BUDGET and runs[1][1] > 10 * BUDGET
+    assert runs[0][2] == 1  # said before the first validation batch ran
+    assert len(said) == 1 and "seq_len=1024, batch 4 is predicted to peak at" in said[0]
+    (key, predicted), = cb._validation.judged.items()
+    assert key == (1024, 4, ())
+    # the dry run counts a training step's gradients and AdamW state: the sanity check (before any
+    # step) peaks below it, the validation after two steps at most that state's bytes away
+    assert all(peak <= predicted for _, peak, _ in runs)
+    assert runs[1][1] >= 0.99 * predicted
+    assert max(r.peak_bytes for r in cb.records) <= BUDGET  # the training batches kept it
+
+
+def test_validation_batches_that_fit_are_never_said_and_the_shorter_not_dry_run():
+    cb, runs, said = _fit_with_validation([64, 32, 64], max_steps=2)
+    assert said == [] and len(runs) == 4  # the sanity check's first batch, then all three
+    assert all(peak <= BUDGET for _, peak, _ in runs)
+    # 64 tokens judged (sanity check); 32 within it: not dry-run
+    assert [key[:2] for key in cb._validation.judged] == [(64, 4)]
