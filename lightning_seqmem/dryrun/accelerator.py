@@ -1,33 +1,26 @@
 """A simulated accelerator: fake tensors on a device this torch build does not have.
 
-A dry run on a laptop must answer for the GPU the run will train on, and keep the device apart
-from host memory (``CPUOffloadPolicy``, activation offload). Fake CUDA tensors cannot run a backward
-on a CPU build of torch (autograd asks the CUDA runtime for a device guard), and fake CPU tensors
-cannot tell device from host. So a dry run of ``device="cuda"`` without CUDA steps on a *simulated
-device*: torch's ``PrivateUse1`` key registered as a Python backend named :data:`SIMULATED`, whose
-tensors exist only as fake tensors (nothing is ever allocated). Autograd, optimizers and FSDP2 run
-on it as on any accelerator; ``cpu`` stays the host. On it:
+Fake CUDA tensors cannot run a backward on a CPU build of torch (autograd asks the CUDA runtime for
+a device guard), and fake CPU tensors cannot tell device from host memory (``CPUOffloadPolicy``,
+activation offload). So ``device="cuda"`` without CUDA steps on a *simulated device*: torch's
+``PrivateUse1`` key registered as a Python backend named :data:`SIMULATED`, with fake tensors only.
+Autograd, optimizers and FSDP2 run on it as on any accelerator (``cpu`` stays the host); allocations
+are rounded to CUDA's 512-byte blocks (:func:`.cuda.allocator_block_bytes`), autocast follows CUDA's
+op lists (``ATen/autocast_mode.h``) and cast cache, and attention kernels are those :mod:`.kernels`
+models. The registration is process-wide, made once on first request; where ``PrivateUse1`` belongs
+to a real backend (Ascend's ``npu``) there is none, and :func:`simulated_device` says why.
 
-* allocations are rounded to CUDA's 512-byte blocks (:func:`.cuda.allocator_block_bytes`);
-* autocast follows CUDA's op lists (``ATen/autocast_mode.h``), registered as Python autocast
-  kernels, with CUDA's cache of weight casts;
-* attention kernels are those :mod:`.kernels` models (SDPA backends, flash-attn).
-
-The registration is process-wide, made once on first request; a process whose ``PrivateUse1`` key
-belongs to a real backend (Ascend's ``npu``) has none, and :func:`simulated_device` says why.
-
-Example:
-    >>> from torch._subclasses.fake_tensor import FakeTensorMode
-    >>> device = simulated_device()
-    >>> device.type == SIMULATED, stands_for(device), stands_for(torch.device("cpu"))
-    (True, 'cuda', 'cpu')
-    >>> with FakeTensorMode():
-    ...     w = torch.nn.Parameter(torch.empty(8, 8, device=device))
-    ...     with autocast(device, torch.bfloat16):
-    ...         y = torch.empty(4, 8, device=device) @ w
-    ...     y.float().sum().backward()
-    >>> y.dtype, w.grad.dtype, w.grad.device.type == SIMULATED
-    (torch.bfloat16, torch.float32, True)
+>>> from torch._subclasses.fake_tensor import FakeTensorMode
+>>> device = simulated_device()
+>>> device.type == SIMULATED, stands_for(device), stands_for(torch.device("cpu"))
+(True, 'cuda', 'cpu')
+>>> with FakeTensorMode():
+...     w = torch.nn.Parameter(torch.empty(8, 8, device=device))
+...     with autocast(device, torch.bfloat16):
+...         y = torch.empty(4, 8, device=device) @ w
+...     y.float().sum().backward()
+>>> y.dtype, w.grad.dtype, w.grad.device.type == SIMULATED
+(torch.bfloat16, torch.float32, True)
 """
 
 from __future__ import annotations
@@ -53,9 +46,9 @@ _ACTIVE = [0]  # dry runs on the simulated device now running (see simulating)
 
 
 class _Backend:
-    """What torch asks a device module for (``torch.seqmem``): one bf16-able device, *available
-    only while a dry run runs on it* (:func:`simulating`); otherwise ``torch.accelerator``, the
-    DataLoader's ``pin_memory``, distributed checkpointing and ``fork_rng`` see none."""
+    """The device module (``torch.seqmem``): one bf16-able device, *available only while a dry run
+    runs on it* (:func:`simulating`), so ``torch.accelerator``, ``pin_memory``, distributed
+    checkpointing and ``fork_rng`` otherwise see none."""
 
     def is_initialized(self) -> bool:
         return True
@@ -84,8 +77,7 @@ class _Backend:
     def synchronize(self, device: Any = None) -> None:
         return None
 
-    # -- what FSDP2 and DeviceMesh ask: streams and events that order nothing (a fake step runs no
-    # kernel); tensors kept alive across them are held by Python references, as on CUDA
+    # -- streams and events for FSDP2 and DeviceMesh: no kernel runs; references keep tensors alive
     def set_device(self, device: Any) -> None:
         return None
 
@@ -105,7 +97,7 @@ class _Backend:
 
 
 class _Event:
-    """An event of the simulated device (``torch.cuda.Event``'s API): every call returns at once.
+    """A ``torch.cuda.Event`` of the simulated device: every call returns at once.
 
     >>> _Event().record(), _Event().query()
     (None, True)
@@ -128,8 +120,8 @@ class _Event:
 
 
 class _Stream:
-    """A stream of the simulated device (``torch.cuda.Stream``'s API): ``record_event`` returns an
-    event, as FSDP2 expects of any device but the CPU, and every wait returns at once.
+    """A ``torch.cuda.Stream`` of the simulated device: waits return at once, ``record_event``
+    returns an event (as FSDP2 expects of any device but the CPU).
 
     >>> isinstance(_Stream(priority=-1).record_event(), _Event)
     True
@@ -210,8 +202,8 @@ def simulating(device: Any = None) -> Iterator[None]:
     finally:
         _ACTIVE[0] -= 1
 def on_registered(hook: Callable[[], None]) -> None:
-    """Run ``hook()`` when the simulated device is registered, before its first use (at once if it
-    is already): how :mod:`.kernels` puts CUDA's kernels on it."""
+    """Run ``hook()`` when the simulated device is registered (at once if it is already), before
+    its first use: how :mod:`.kernels` puts CUDA's kernels on it."""
     with _LOCK:
         if _STATE["registered"]:
             hook()
@@ -247,11 +239,8 @@ def register_early() -> None:
 
 
 def simulated_device() -> torch.device:
-    """The simulated accelerator (registered on first use).
-
-    Raises:
-        RuntimeError: this process cannot have one (:func:`simulation_refusal` says why).
-    """
+    """The simulated accelerator (registered on first use); raises ``RuntimeError`` where this
+    process cannot have one (:func:`simulation_refusal` says why)."""
     with _LOCK:
         if not _STATE["registered"]:
             _register()
@@ -288,9 +277,8 @@ def host_of(device: Any) -> Optional[str]:
 
 
 def to_host_device(obj: Any) -> Any:
-    """``obj`` with every accelerator device (a ``torch.device``, or a string naming a CUDA or
-    simulated one) replaced by ``cpu``: an op run again for real on a dry run's values runs in host
-    memory, never on the device a run trains on.
+    """``obj`` with every accelerator device (a ``torch.device``, or a CUDA or simulated one's
+    name) replaced by ``cpu``: an op rerun for real on a dry run's values runs in host memory.
 
     >>> to_host_device({"device": torch.device("cuda", 1), "n": 3, "to": "cuda:0",
     ...                 "mode": "floor"})
@@ -306,9 +294,8 @@ def to_host_device(obj: Any) -> Any:
     return tree_map(swap, obj)
 
 
-# -- autocast on the simulated device: CUDA's op lists --------------------------------------------
-# From ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
-# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE); every overload of each op name.
+# -- autocast on the simulated device: CUDA's op lists (ATen/autocast_mode.h) ---------------------
+# AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE
 _LOWER = (
     "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
     "conv_transpose2d", "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr",
@@ -330,9 +317,8 @@ _FP32_SET_DTYPE = ("prod", "softmax", "log_softmax", "cumprod", "cumsum", "linal
 _PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
             "index_put", "tensordot", "scatter_add")
 _CAST_CACHE: dict[int, tuple[Any, torch.Tensor]] = {}  # id(fp32 leaf) -> (weakref, its cast)
-# open regions of :func:`autocast` with its cache on. Not torch.is_autocast_cache_enabled(): that
-# flag is per thread and on in autograd's device thread, so a recompute in the backward would cache
-# casts that nothing clears, alive into the optimizer step
+# open caching autocast() regions. Not torch.is_autocast_cache_enabled(): it is per thread and on in
+# autograd's device thread, where a recompute would cache casts kept alive into the optimizer step
 _CACHING = [0]
 
 
@@ -431,8 +417,7 @@ def _register_autocast() -> Any:
 def autocast(device: Any, dtype: torch.dtype, enabled: bool = True,
              cache_enabled: bool = True) -> Iterator[None]:
     """``torch.autocast`` on ``device``; on the simulated device with CUDA's op lists and, with
-    ``cache_enabled``, its cache of weight casts (each fp32 leaf cast once while the outermost such
-    region lasts; Lightning's ``MixedPrecision`` turns it off)."""
+    ``cache_enabled``, its cache of weight casts (each fp32 leaf cast once per outermost region)."""
     device = torch.device(device)
     caching = int(device.type == SIMULATED and enabled and cache_enabled)
     _CACHING[0] += caching
@@ -446,16 +431,14 @@ def autocast(device: Any, dtype: torch.dtype, enabled: bool = True,
 
 
 def step_context(precision_plugin: Any, device: Any) -> Callable[[], Any]:
-    """The zero-argument factory of a training step's context for a dry run on ``device``: the
-    precision plugin's ``train_step_context``, except that a mixed-precision plugin's autocast
-    becomes CUDA's autocast on the simulated device, with its dtype and no cast cache (as
-    Lightning's ``MixedPrecision``).
+    """The zero-argument factory of a step's context for a dry run on ``device``: the precision
+    plugin's ``train_step_context``, but on the simulated device a mixed-precision plugin's autocast
+    becomes CUDA's, with its dtype and no cast cache (as Lightning's ``MixedPrecision``).
 
-    Example:
-        >>> from types import SimpleNamespace
-        >>> plain = SimpleNamespace(precision="32-true", train_step_context=contextlib.nullcontext)
-        >>> step_context(plain, simulated_device()) is contextlib.nullcontext
-        True
+    >>> from types import SimpleNamespace
+    >>> plain = SimpleNamespace(precision="32-true", train_step_context=contextlib.nullcontext)
+    >>> step_context(plain, simulated_device()) is contextlib.nullcontext
+    True
     """
     precision = str(getattr(precision_plugin, "precision", ""))
     if not is_simulated(device) or precision not in ("bf16-mixed", "16-mixed"):
@@ -466,24 +449,22 @@ def step_context(precision_plugin: Any, device: Any) -> Callable[[], Any]:
 
 @contextlib.contextmanager
 def contained_unpack_failures(device: Any) -> Iterator[list[BaseException]]:
-    """On the simulated device, keep a failure inside a saved-tensor unpack hook (a checkpoint's
-    recompute, ``save_on_cpu``'s copy back) from reaching the autograd engine, where it aborts the
-    process (its device thread cannot call the Python device guard with an error pending). The
-    failure goes to the yielded list and a fake tensor of the saved one's shape stands in; the
-    caller raises it after the backward. A no-op on any other device.
+    """On the simulated device, keep a failure in a saved-tensor unpack hook (a checkpoint's
+    recompute, ``save_on_cpu``'s copy back) from the autograd engine, which would abort (its device
+    thread cannot call the Python device guard with an error pending): it goes to the yielded list
+    for the caller to raise after the backward, and a fake tensor of the saved shape stands in.
 
-    Example:
-        >>> from torch._subclasses.fake_tensor import FakeTensorMode
-        >>> def unpack(_):
-        ...     raise RuntimeError("boom")
-        >>> device = simulated_device()
-        >>> with contained_unpack_failures(device) as failures, simulating(), FakeTensorMode():
-        ...     x = torch.empty(4, device=device, requires_grad=True)
-        ...     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
-        ...         y = (x * x).sum()
-        ...     y.backward()
-        >>> [str(e) for e in failures]  # x * x saved x twice: two unpacks
-        ['boom', 'boom']
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> def unpack(_):
+    ...     raise RuntimeError("boom")
+    >>> device = simulated_device()
+    >>> with contained_unpack_failures(device) as failures, simulating(), FakeTensorMode():
+    ...     x = torch.empty(4, device=device, requires_grad=True)
+    ...     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+    ...         y = (x * x).sum()
+    ...     y.backward()
+    >>> [str(e) for e in failures]  # x * x saved x twice: two unpacks
+    ['boom', 'boom']
     """
     failures: list[BaseException] = []
     if not is_simulated(device):

@@ -1,23 +1,14 @@
 """What CUDA's attention kernels hold for themselves (from their sources), on which GPU, which ran.
 
 Fake tensors see a kernel's outputs only. The buffers a CUDA kernel holds beside them while it runs
-are computed here from its source, in 512-byte blocks, and counted by the tracker's ``scratch``
-hook (:func:`kernel_scratch_bytes`, through :func:`.cuda.cuda_kernel_scratch_bytes`):
+on :data:`CUDA_TARGET` (the GPU whose heuristics they read) are computed here from its source, in
+512-byte blocks, for the tracker's ``scratch`` hook (:func:`kernel_scratch_bytes`, through
+:func:`.cuda.cuda_kernel_scratch_bytes`): flash-attn 2's forward and backward (``flash_api.cpp``,
+which PyTorch's flash backend is), flash-attn 3's backward (``hopper/flash_api.cpp``), and the
+memory-efficient kernels (``attention_backward.cu``, ``kernel_backward.h``, ``cutlassB.h``).
 
-* flash-attn 2's ``mha_fwd`` split-KV accumulators (:func:`fa2_num_splits`) and ``mha_bwd``'s
-  ``softmax_d``, ``dq_accum`` and the expanded ``dk``/``dv`` of grouped-query attention
-  (``flash_api.cpp``; PyTorch's flash backend is that code): :func:`fa2_backward_scratch`;
-* flash-attn 3's ``mha_bwd`` (``hopper/flash_api.cpp``): :func:`fa3_backward_scratch`;
-* the memory-efficient backward's ``delta`` and workspace (``attention_backward.cu``,
-  ``kernel_backward.h``, the kernel ``cutlassB.h`` dispatches to):
-  :func:`efficient_backward_workspace`, and its forward's fp32 accumulator above head dim 128.
-
-:data:`CUDA_TARGET` is the GPU whose heuristics they read (an H100/H200); :func:`recording` and
-:func:`note_kernel` say which modelled kernels ran.
-
-Example:
-    >>> [tuple(s) for s, _ in fa2_backward_scratch(1, 32, 8, 4096, 4096, 128, torch.bfloat16)][:2]
-    [(1, 32, 4096), (1, 4096, 32, 128)]
+>>> [tuple(s) for s, _ in fa2_backward_scratch(1, 32, 8, 4096, 4096, 128, torch.bfloat16)][:2]
+[(1, 32, 4096), (1, 4096, 32, 128)]
 """
 
 from __future__ import annotations
@@ -41,8 +32,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class CudaTarget:
-    """The GPU whose kernels are modelled: its compute capability and multiprocessor count (what
-    the kernels' launch heuristics read)."""
+    """The GPU modelled: compute capability and SM count, which launch heuristics read."""
 
     name: str = "H100/H200 (sm90)"
     major: int = 9
@@ -54,14 +44,12 @@ CUDA_TARGET = CudaTarget()
 """The target every modelled kernel takes its heuristics from."""
 
 
-# -- which kernels were modelled ------------------------------------------------------------------
 _RECORDS: list[dict[str, None]] = []
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[str]]:
-    """Collect the names of the modelled kernels that run inside the block, in first-run order
-    (the list is filled when the block ends).
+    """Names of the modelled kernels run inside the block, in first-run order (filled at its end).
 
     >>> with recording() as seen:
     ...     note_kernel("example kernel")
@@ -84,7 +72,6 @@ def note_kernel(name: str) -> None:
         seen.setdefault(name)
 
 
-# -- what the kernels allocate for themselves (the tracker's scratch hook) ------------------------
 def kernel_blocks(*shapes_and_dtypes: tuple[Sequence[int], torch.dtype]) -> int:
     """Bytes of buffers of these shapes, each rounded to the CUDA allocator's 512-byte blocks."""
     total = 0
@@ -155,13 +142,12 @@ def fa2_forward_scratch(batch: int, heads: int, seqlen_q: int, seqlen_k: int, he
 def fa2_backward_scratch(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int,
                          head: int, dtype: torch.dtype, deterministic: Optional[bool] = None,
                          packed: bool = False) -> list:
-    """``(shape, dtype)`` of the buffers flash-attn 2's ``mha_bwd`` allocates beside ``dq, dk,
-    dv`` (``flash_api.cpp``): ``softmax_d`` fp32 ``[B, H, round128(Lq)]``, ``dq_accum`` fp32
-    ``[B, round128(Lq), H, round(D)]`` (``[nsplits, ...]`` when deterministic), and for
-    grouped-query attention ``dk_expanded``, ``dv_expanded`` ``[B, Lk, H, D]``. ``packed``: those
-    of ``mha_varlen_bwd``, ``seqlen_q``/``seqlen_k`` the totals of ``batch`` packed sequences (no
-    batch dim; ``total_q + 128 * B`` rows). ``deterministic``: the caller's flag (flash-attn's
-    argument); None: PyTorch's flash backend's (``use_deterministic_algorithms``, not warn-only).
+    """``(shape, dtype)`` of what flash-attn 2's ``mha_bwd`` allocates beside ``dq, dk, dv``
+    (``flash_api.cpp``): fp32 ``softmax_d`` ``[B, H, round128(Lq)]`` and ``dq_accum``
+    ``[B, round128(Lq), H, round(D)]`` (``[nsplits, ...]`` when deterministic), and for GQA
+    ``dk_expanded``, ``dv_expanded`` ``[B, Lk, H, D]``. ``packed``: ``mha_varlen_bwd``'s, the
+    lengths totals over ``batch`` sequences (no batch dim; ``total_q + 128 * B`` rows).
+    ``deterministic``: flash-attn's flag (None: ``use_deterministic_algorithms``, not warn-only).
 
     >>> [s for s, _ in fa2_backward_scratch(1, 32, 8, 1000, 1000, 128, torch.bfloat16)]
     [(1, 32, 1024), (1, 1024, 32, 128), (1, 1000, 32, 128), (1, 1000, 32, 128)]
@@ -221,11 +207,10 @@ def _fa3_blocks(head: int, causal: bool, local: bool, softcap: float) -> tuple[i
 def fa3_backward_scratch(batch: int, heads: int, heads_k: int, seqlen_q: int, seqlen_k: int,
                          head: int, causal: bool, local: bool = False, softcap: float = 0.0,
                          total_q: Optional[int] = None, total_k: Optional[int] = None) -> list:
-    """``(shape, dtype)`` of what flash-attn 3's ``mha_bwd`` allocates beside ``dq, dk, dv``:
-    ``softmax_d`` and ``softmax_lse_log2`` fp32 ``[B, H, round(Lq, kBlockM)]``, ``dq_accum`` fp32
-    ``[B, H, round(Lq, kBlockM) * round(D)]``, ``dq_semaphore`` int32, and for grouped-query
-    attention ``dk_accum``, ``dv_accum`` fp32 ``[B, Hk, round(Lk, kBlockN) * round(D)]`` (varlen:
-    ``total + B * kBlock`` rows, rounded).
+    """``(shape, dtype)`` of what flash-attn 3's ``mha_bwd`` allocates beside ``dq, dk, dv``: fp32
+    ``softmax_d``, ``softmax_lse_log2`` ``[B, H, round(Lq, kBlockM)]`` and ``dq_accum`` (times
+    ``round(D)``), int32 ``dq_semaphore``, and for GQA fp32 ``dk_accum``, ``dv_accum``
+    ``[B, Hk, round(Lk, kBlockN) * round(D)]`` (varlen: ``total + B * kBlock`` rows, rounded).
 
     >>> [s for s, _ in fa3_backward_scratch(1, 32, 8, 4096, 4096, 128, causal=True)][:3]
     [(1, 32, 4096), (1, 32, 4096), (1, 32, 524288)]
@@ -258,10 +243,9 @@ kMaxK, needs lengths aligned to its blocks); the dropout variants have the same 
 
 def efficient_backward_workspace(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head: int,
                                  head_v: int, dtype: torch.dtype) -> tuple[int, bool]:
-    """``(workspace bytes, the kernel computes delta)`` of the memory-efficient backward on
-    :data:`CUDA_TARGET`: the first ``cutlassB`` kernel that takes these shapes, its split-keys
-    count (``attention_backward.cu``) and ``Params::workspace_size`` (``kernel_backward.h``): fp32
-    grad-Q tiles per query and column block, plus grad-K/V accumulators not kept in registers.
+    """``(workspace bytes, the kernel computes delta)`` of the memory-efficient backward: the first
+    ``cutlassB`` kernel for these shapes, its split-keys count (``attention_backward.cu``) and
+    ``Params::workspace_size`` (``kernel_backward.h``): fp32 grad-Q tiles and grad-K/V accumulators.
 
     >>> efficient_backward_workspace(1, 8, 1024, 1024, 128, 128, torch.bfloat16)[1]
     True
@@ -287,9 +271,8 @@ def efficient_backward_workspace(batch: int, heads: int, seqlen_q: int, seqlen_k
 
 
 def _efficient_forward_scratch(args: Sequence[Any], out: Any) -> int:
-    """``_efficient_attention_forward``: an fp32 output accumulator where the kernel (``cutlassF``
-    64x64 up to head dim 64, 64x128 up to 128, else 32x128 over gmem) iterates over the value dims
-    in half precision."""
+    """``_efficient_attention_forward``: an fp32 output accumulator where the half-precision kernel
+    iterates over value dims (``cutlassF``: 64x64 to head dim 64, 64x128 to 128, else 32x128)."""
     q, v = args[0], args[2]
     if q.dtype in _HALF and max(q.shape[-1], v.shape[-1]) > 128:
         return kernel_blocks(((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]), torch.float32))
@@ -323,8 +306,7 @@ _SCRATCH: dict[Any, Callable[[Sequence[Any], Any], int]] = {
 
 def kernel_scratch_bytes(func: Any, args: Sequence[Any], out: Any) -> int:
     """Bytes SDPA's CUDA kernel ``func`` holds for itself beside its outputs while it runs (0 for
-    any other op), in 512-byte blocks, modelled from the sources: the tracker's ``scratch`` hook
-    (through :func:`.cuda.cuda_kernel_scratch_bytes`).
+    any other op), in 512-byte blocks: the tracker's ``scratch`` hook.
 
     >>> kernel_scratch_bytes(torch.ops.aten.mm.default, (), None)
     0

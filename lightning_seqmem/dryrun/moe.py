@@ -1,37 +1,33 @@
 """Mixture-of-Experts in a dry run: a fake grouped matmul, and the routers' choices as values.
 
 * **``aten._grouped_mm``**: PyTorch's meta kernel accepts bfloat16 only, the real op float32,
-  bfloat16 and float16 (``ATen/native/GroupedMMUtils.h``). :class:`DryRunFakeMode` uses
-  :func:`grouped_mm_fake` instead: the real op's checks and output layout (last stride padded to
-  16 bytes); its backward is two more grouped matmuls. (transformers' ``"deepgemm"`` and
-  ``"sonicmoe"`` experts are CUDA kernels: not modelled.)
+  bfloat16 and float16 (``ATen/native/GroupedMMUtils.h``): :class:`DryRunFakeMode` uses
+  :func:`grouped_mm_fake`, the real op's checks and output layout; its backward is two more grouped
+  matmuls. transformers' ``"deepgemm"`` and ``"sonicmoe"`` experts (CUDA kernels) are not modelled.
 * **Data-dependent routing**: a router picks each token's top-k experts from activations fake
   tensors lack, and an eager experts loop sizes each expert's tensors by its tokens. Inside an MoE
   block (:func:`is_moe_block`) every ``topk`` on an activation gets known indices
   (:class:`RoutedValues`): :func:`routing_assignment`, the *heaviest* routing.
 
-The routing assumed: every expert runs; experts ``0 .. k-1`` take every token but one token each
-of experts ``k .. E-1`` takes instead of expert ``k-1``. Every routing sends ``T·k`` token-expert
-pairs, so the saved bytes total the same; an eager loop runs experts in ascending order, so the
-heavy ones run first in the forward and last in the backward, when every other expert's
-full-size gradient buffers exist and the heavy ones' saved tensors are still alive. Measured
-against routings of every shape (``tests/test_moe_dry_run.py``), none peaks higher. So where no
-size depends on the routing (grouped or batched matmuls) the dry run is **exact**; where sizes
-do (an eager loop) it is an **upper bound** (on CUDA another routing's 512-byte rounding can add
-at most 511 bytes per small tensor). ``detail`` says which (:func:`routing_note`). Beyond
-:func:`.values.value_max_bytes` (an eager loop's ``one_hot`` is ``T·k·(E+1)`` int64) the dry run
-refuses, with the op.
+The routing assumed: every expert runs; experts ``0 .. k-1`` take every token but one token each of
+experts ``k .. E-1`` takes instead of expert ``k-1``. Every routing sends ``T·k`` token-expert pairs
+(the same saved bytes); an eager loop runs experts in ascending order, the heavy ones first in the
+forward and last in the backward, when every other expert's full-size gradient buffers exist and the
+heavy ones' saved tensors are alive. No routing measured (``tests/test_moe_dry_run.py``) peaks
+higher. So the dry run is **exact** where no size depends on the routing (grouped or batched
+matmuls), an **upper bound** where sizes do (an eager loop; on CUDA another routing's 512-byte
+rounding adds at most 511 bytes per small tensor), as ``detail`` says (:func:`routing_note`). Beyond
+:func:`.values.value_max_bytes` (an eager loop's ``one_hot`` is ``T·k·(E+1)`` int64) it refuses.
 
-Example:
-    >>> import torch
-    >>> with DryRunFakeMode():
-    ...     x = torch.empty(10, 16)
-    ...     w = torch.empty(3, 6, 16).transpose(-2, -1)  # 3 experts, 16 -> 6
-    ...     y = torch._grouped_mm(x, w, offs=torch.tensor([3, 5, 10], dtype=torch.int32))
-    >>> tuple(y.shape), y.stride(), y.dtype  # the last dimension padded to 16 bytes
-    ((10, 6), (8, 1), torch.float32)
-    >>> routing_assignment(tokens=4, k=2, experts=4).tolist()  # 0, 1 heavy; 2, 3 one token each
-    [[0, 2], [0, 3], [0, 1], [0, 1]]
+>>> import torch
+>>> with DryRunFakeMode():
+...     x = torch.empty(10, 16)
+...     w = torch.empty(3, 6, 16).transpose(-2, -1)  # 3 experts, 16 -> 6
+...     y = torch._grouped_mm(x, w, offs=torch.tensor([3, 5, 10], dtype=torch.int32))
+>>> tuple(y.shape), y.stride(), y.dtype  # the last dimension padded to 16 bytes
+((10, 6), (8, 1), torch.float32)
+>>> routing_assignment(tokens=4, k=2, experts=4).tolist()  # 0, 1 heavy; 2, 3 one token each
+[[0, 2], [0, 3], [0, 1], [0, 1]]
 """
 
 from __future__ import annotations
@@ -57,7 +53,6 @@ aten = torch.ops.aten
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# -- the grouped matmul ---------------------------------------------------------------------------
 def _check_strides(mat: torch.Tensor) -> None:
     """``check_valid_strides_and_return_transposed``: row- or column-major in the last two
     dimensions, the leading stride a multiple of 16 bytes (the data 16-byte aligned off the CPU)."""
@@ -97,23 +92,22 @@ def _grouped_mm_out_shape(mat_a: torch.Tensor, mat_b: torch.Tensor,
 def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tensor,
                     offs: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``aten._grouped_mm`` on fake tensors, as the real op checks its inputs and allocates its
-    output (``GroupedMMUtils.h``): float32, bfloat16 or float16 operands of one dtype, the output
-    in that dtype, its last stride padded to 16 bytes (on CPU and CUDA; not on ROCm).
+    """``aten._grouped_mm`` on fake tensors, checked and allocated as the real op does
+    (``GroupedMMUtils.h``): float32, bfloat16 or float16 operands of one dtype, the output in that
+    dtype, its last stride padded to 16 bytes (on CPU and CUDA; not on ROCm).
 
-    Example:
-        >>> mode = DryRunFakeMode()
-        >>> with mode:
-        ...     a = torch.empty(8, 16, dtype=torch.bfloat16)
-        ...     b = torch.empty(16, 8, dtype=torch.bfloat16)
-        ...     offs = torch.tensor([4, 8], dtype=torch.int32)
-        >>> out = grouped_mm_fake(mode, a.t(), b, offs)  # 2d x 2d: a weight gradient per group
-        >>> tuple(out.shape), out.dtype
-        ((2, 16, 8), torch.bfloat16)
-        >>> grouped_mm_fake(mode, a.double(), b.double(), offs)
-        Traceback (most recent call last):
-        ...
-        RuntimeError: Expected mat_a to be Float32, BFloat16 or Float16 matrix, got torch.float64
+    >>> mode = DryRunFakeMode()
+    >>> with mode:
+    ...     a = torch.empty(8, 16, dtype=torch.bfloat16)
+    ...     b = torch.empty(16, 8, dtype=torch.bfloat16)
+    ...     offs = torch.tensor([4, 8], dtype=torch.int32)
+    >>> out = grouped_mm_fake(mode, a.t(), b, offs)  # 2d x 2d: a weight gradient per group
+    >>> tuple(out.shape), out.dtype
+    ((2, 16, 8), torch.bfloat16)
+    >>> grouped_mm_fake(mode, a.double(), b.double(), offs)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: Expected mat_a to be Float32, BFloat16 or Float16 matrix, got torch.float64
     """
     for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
         if mat.dtype not in _GROUPED_MM_DTYPES:
@@ -153,8 +147,7 @@ FAKE_KERNELS: dict[Any, Callable[..., Any]] = {aten._grouped_mm.default: grouped
 
 
 class DryRunFakeMode(FakeTensorMode):
-    """The dry run's ``FakeTensorMode``: PyTorch's, with :data:`FAKE_KERNELS` in place of the meta
-    kernels that do not match the real ops (only for this mode: other fake modes are untouched)."""
+    """``FakeTensorMode`` with :data:`FAKE_KERNELS` for mismatched meta kernels (this mode only)."""
 
     def dispatch(self, func, types, args=(), kwargs=None):  # noqa: D102 - FakeTensorMode's own
         kernel = FAKE_KERNELS.get(func)
@@ -163,16 +156,13 @@ class DryRunFakeMode(FakeTensorMode):
         return super().dispatch(func, types, args, kwargs)
 
 
-# -- the routing ----------------------------------------------------------------------------------
 def routing_assignment(tokens: int, k: int, experts: int) -> torch.Tensor:
-    """The ``[tokens, k]`` expert indices a dry run gives a router's top-k: the heaviest routing,
-    in which every expert runs (the module's docstring says how).
+    """The ``[tokens, k]`` expert indices a dry run gives a router's top-k: the heaviest routing.
 
-    Example:
-        >>> routing_assignment(tokens=5, k=2, experts=4).tolist()
-        [[0, 2], [0, 3], [0, 1], [0, 1], [0, 1]]
-        >>> routing_assignment(tokens=3, k=1, experts=2).tolist()
-        [[1], [0], [0]]
+    >>> routing_assignment(tokens=5, k=2, experts=4).tolist()
+    [[0, 2], [0, 3], [0, 1], [0, 1], [0, 1]]
+    >>> routing_assignment(tokens=3, k=1, experts=2).tolist()
+    [[1], [0], [0]]
     """
     out = torch.arange(k, dtype=torch.long).repeat(tokens, 1)
     light = min(experts - k, tokens)
@@ -184,17 +174,15 @@ _MOE_NAME = re.compile(r"moe|mixture|expert|sparsemlp", re.IGNORECASE)
 
 
 def is_moe_block(module: nn.Module) -> bool:
-    """A Mixture-of-Experts block: it holds an ``experts`` submodule (Mixtral, Qwen2-MoE, OLMoE,
-    DeepSeek, ... in transformers), or its class is named so (``...MoE``, ``...SparseMLP``) and it
-    holds a ``router`` or ``gate`` submodule. Its router's top-k choices are the routing.
+    """A Mixture-of-Experts block: it holds an ``experts`` submodule (transformers' MoE models), or
+    a ``router`` or ``gate`` one and its class is named so (``...MoE``, ``...SparseMLP``).
 
-    Example:
-        >>> class Block(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.gate, self.experts = nn.Linear(4, 2), nn.ModuleList([nn.Linear(4, 4)] * 2)
-        >>> is_moe_block(Block()), is_moe_block(nn.Linear(2, 2))
-        (True, False)
+    >>> class Block(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.gate, self.experts = nn.Linear(4, 2), nn.ModuleList([nn.Linear(4, 4)] * 2)
+    >>> is_moe_block(Block()), is_moe_block(nn.Linear(2, 2))
+    (True, False)
     """
     children = module._modules
     if isinstance(children.get("experts"), nn.Module):
@@ -218,10 +206,9 @@ def _reads_values(func: Any, args: tuple) -> bool:
 
 
 class RoutedValues(BatchValues):
-    """:class:`.values.BatchValues` that also knows the routing: inside an MoE block (counted by
-    :func:`routing_scope` per thread), a ``topk`` over an activation gets
-    :func:`routing_assignment`'s indices. ``blocks`` keys read ``class (experts implementation)``;
-    ``value_reads`` holds the ops whose output depends on values derived from the routing."""
+    """:class:`.values.BatchValues` that also knows the routing: in an MoE block
+    (:func:`routing_scope`) a ``topk`` over an activation gets :func:`routing_assignment`'s indices.
+    ``value_reads``: the ops whose output depends on routing-derived values."""
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int) -> None:
         super().__init__(fake_mode, max_bytes)
@@ -249,7 +236,6 @@ class RoutedValues(BatchValues):
             self._depth.pop(thread, None)
 
     def in_block(self) -> bool:
-        """Whether an MoE block is running on this thread."""
         return bool(self._depth) and threading.get_ident() in self._depth
 
     def known(self, t: torch.Tensor) -> bool:
@@ -294,8 +280,7 @@ class RoutedValues(BatchValues):
             self.routed_topk += 1
 
     def _histc_of_integers(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """``histc`` of integer expert ids (CUDA's kernel has it, the host's does not): the twin is
-        computed on their float copy, cast back."""
+        """``histc`` of integer expert ids (CUDA has it, the host not): the twin on a float copy."""
         out = func(*args, **kwargs)
         value = self._value(args[0])
         if value is not None:
@@ -307,8 +292,8 @@ class RoutedValues(BatchValues):
 
 
 class RoutingScope:
-    """The MoE blocks of one dry run's thread, counted in the :class:`RoutedValues` it watches
-    (held weakly: dropping the values frees the fake world while the scope is open)."""
+    """Counts MoE blocks in the :class:`RoutedValues` it watches, held weakly (dropping the values
+    frees the fake world while the scope is open)."""
 
     def __init__(self) -> None:
         self._values: Callable[[], Optional[RoutedValues]] = lambda: None
@@ -326,25 +311,23 @@ class RoutingScope:
 
 @contextlib.contextmanager
 def routing_scope() -> Iterator[RoutingScope]:
-    """While it is held, every MoE block (:func:`is_moe_block`) that runs counts in the values it
-    watches (per thread: a recomputation runs on the autograd engine's thread), so that the top-k
-    choices of its router are the routing assumed. Process-wide module hooks; the values act only
-    on the threads that run the dry run's dispatch modes.
+    """While held, every MoE block (:func:`is_moe_block`) that runs counts in the values watched
+    (per thread: a recomputation runs on the autograd engine's), so its router's top-k choices are
+    the routing assumed. Process-wide module hooks; the values act only on the dry run's threads.
 
-    Example:
-        >>> mode = DryRunFakeMode()
-        >>> with routing_scope() as scope:
-        ...     fake_mode, values = scope.watch((mode, RoutedValues(mode, 2**20)))
-        ...     with fake_mode, values:
-        ...         scores = torch.empty(6, 4)
-        ...         values.forget(scores)  # as an activation's: values unknown
-        ...         _, outside = scores.topk(2)
-        ...         block = nn.Module()
-        ...         block.experts = nn.Identity()
-        ...         block.forward = lambda x: x.topk(2)[1]
-        ...         inside = block(scores)
-        >>> values.known(outside), values.known(inside), list(values.blocks)
-        (False, True, ['Module'])
+    >>> mode = DryRunFakeMode()
+    >>> with routing_scope() as scope:
+    ...     fake_mode, values = scope.watch((mode, RoutedValues(mode, 2**20)))
+    ...     with fake_mode, values:
+    ...         scores = torch.empty(6, 4)
+    ...         values.forget(scores)  # as an activation's: values unknown
+    ...         _, outside = scores.topk(2)
+    ...         block = nn.Module()
+    ...         block.experts = nn.Identity()
+    ...         block.forward = lambda x: x.topk(2)[1]
+    ...         inside = block(scores)
+    >>> values.known(outside), values.known(inside), list(values.blocks)
+    (False, True, ['Module'])
     """
     scope = RoutingScope()
 
@@ -370,9 +353,8 @@ def routing_scope() -> Iterator[RoutingScope]:
 def routing_note(values: Any) -> Optional[str]:
     """What the dry run assumed of the routing, for the result's ``detail`` (None: no MoE ran).
 
-    Example:
-        >>> print(routing_note(None))
-        None
+    >>> print(routing_note(None))
+    None
     """
     if not isinstance(values, RoutedValues) or not values.blocks:
         return None

@@ -3,24 +3,22 @@ per block: found by comparing the traced sequences of two depths, repeated ("pum
 
 A traced step (:class:`~lightning_seqmem.core.records.TrackedEvents`) becomes *tokens*, one per
 event: ``(+1, op, bytes)`` for an allocation, ``(-1, "", bytes)`` for a free (bytes alone: the op
-that made a freed tensor may depend on the block before) and ``(0, phase, 0)`` where a phase
-begins. One more block inserts the same tokens at the same places: :func:`insertions` finds them
-by comparing two depths (insertions only), :func:`pumped` repeats each chunk any number of times,
-and :func:`cut` reads the base and chunks back out of a sequence of known layout (:func:`shape`).
-A pumped sequence's peaks are :func:`.step.replay_peaks` of :func:`events_of`.
+that made a freed tensor may depend on the block before) and ``(0, phase, 0)`` where a phase begins.
+One more block inserts the same tokens at the same places: :func:`insertions` finds them between two
+depths, :func:`pumped` repeats each chunk, :func:`cut` reads base and chunks back out of a sequence
+so laid out (:func:`shape`); the peaks are :func:`.step.replay_peaks` of :func:`events_of`.
 
-Example:
-    >>> base = [(1, "embed", 8), (0, "backward", 0), (-1, "", 8)]
-    >>> one = [(1, "embed", 8), (1, "mm", 4), (0, "backward", 0), (-1, "", 4), (-1, "", 8)]
-    >>> found = insertions(base, one)
-    >>> found
-    [(1, [(1, 'mm', 4)]), (2, [(-1, '', 4)])]
-    >>> three = pumped(base, [(p, "block", c) for p, c in found], {"block": 3})
-    >>> [t[1] or t[2] for t in three]
-    ['embed', 'mm', 'mm', 'mm', 'backward', 4, 4, 4, 8]
-    >>> from lightning_seqmem.dryrun.step import replay_peaks
-    >>> replay_peaks(events_of(three))
-    (20, {'backward': 20})
+>>> base = [(1, "embed", 8), (0, "backward", 0), (-1, "", 8)]
+>>> one = [(1, "embed", 8), (1, "mm", 4), (0, "backward", 0), (-1, "", 4), (-1, "", 8)]
+>>> found = insertions(base, one)
+>>> found
+[(1, [(1, 'mm', 4)]), (2, [(-1, '', 4)])]
+>>> three = pumped(base, [(p, "block", c) for p, c in found], {"block": 3})
+>>> [t[1] or t[2] for t in three]
+['embed', 'mm', 'mm', 'mm', 'backward', 4, 4, 4, 8]
+>>> from lightning_seqmem.dryrun.step import replay_peaks
+>>> replay_peaks(events_of(three))
+(20, {'backward': 20})
 """
 
 from __future__ import annotations
@@ -39,11 +37,10 @@ Insert = tuple  # (position in the base, kind, chunk): the chunk goes before bas
 def tokens_of(events: TrackedEvents) -> list[Token]:
     """The tokens of a traced step, phase starts included.
 
-    Example:
-        >>> ev = TrackedEvents(sizes=[10, 3], ops=["<existing>", "mm"], sequence=[0, 1, ~1],
-        ...                    phase_starts={"forward": 1})
-        >>> tokens_of(ev)
-        [(1, '<existing>', 10), (0, 'forward', 0), (1, 'mm', 3), (-1, '', 3)]
+    >>> ev = TrackedEvents(sizes=[10, 3], ops=["<existing>", "mm"], sequence=[0, 1, ~1],
+    ...                    phase_starts={"forward": 1})
+    >>> tokens_of(ev)
+    [(1, '<existing>', 10), (0, 'forward', 0), (1, 'mm', 3), (-1, '', 3)]
     """
     starts: dict[int, list[str]] = {}
     for name, position in events.phase_starts.items():
@@ -64,9 +61,8 @@ def tokens_of(events: TrackedEvents) -> list[Token]:
 def events_of(tokens: Sequence[Token]) -> TrackedEvents:
     """Events that replay as ``tokens`` do (each free its own entry: the replay reads its bytes).
 
-    Example:
-        >>> events_of([(1, "mm", 3), (0, "backward", 0), (-1, "mm", 3)]).sequence
-        [0, -2]
+    >>> events_of([(1, "mm", 3), (0, "backward", 0), (-1, "mm", 3)]).sequence
+    [0, -2]
     """
     events = TrackedEvents()
     for sign, op, nbytes in tokens:
@@ -82,9 +78,8 @@ def events_of(tokens: Sequence[Token]) -> TrackedEvents:
 def shape(tokens: Sequence[Token]) -> list[tuple[int, str]]:
     """The tokens without their bytes: what must stay the same from one length to another.
 
-    Example:
-        >>> shape([(1, "mm", 3), (0, "backward", 0)])
-        [(1, 'mm'), (0, 'backward')]
+    >>> shape([(1, "mm", 3), (0, "backward", 0)])
+    [(1, 'mm'), (0, 'backward')]
     """
     return [(sign, op) for sign, op, _ in tokens]
 
@@ -129,14 +124,12 @@ def _leftmost(base: Sequence[Token], found: list[tuple[int, list]]) -> list[tupl
 
 def insertions(base: Sequence[Token], longer: Sequence[Token]) -> Optional[list[tuple[int, list]]]:
     """``[(position in base, inserted tokens)]`` turning ``base`` into ``longer`` by insertions
-    alone (within each phase; the phases must match), each as far left as it can go; None where
-    ``longer`` is not ``base`` with tokens inserted.
+    alone (within each phase; the phases must match), each as far left as it can go, or None.
 
-    Example:
-        >>> insertions([(1, "a", 1), (1, "c", 1)], [(1, "a", 1), (1, "b", 2), (1, "c", 1)])
-        [(1, [(1, 'b', 2)])]
-        >>> insertions([(1, "a", 1)], [(1, "a", 2)]) is None  # a size changed: not an insertion
-        True
+    >>> insertions([(1, "a", 1), (1, "c", 1)], [(1, "a", 1), (1, "b", 2), (1, "c", 1)])
+    [(1, [(1, 'b', 2)])]
+    >>> insertions([(1, "a", 1)], [(1, "a", 2)]) is None  # a size changed: not an insertion
+    True
     """
     marks_a = [i for i, t in enumerate(base) if t[0] == 0]
     marks_b = [i for i, t in enumerate(longer) if t[0] == 0]
@@ -156,10 +149,9 @@ def pumped(base: Sequence[Token], inserts: Sequence[Insert], counts: dict) -> li
     """``base`` with each insert's chunk repeated ``counts[kind]`` times at its position (inserts
     in order of position; at one position, in the order given).
 
-    Example:
-        >>> [t[1] for t in pumped([(1, "e", 1)], [(0, "c", [(1, "x", 1)]), (0, "p", [(1, "y", 1)])],
-        ...                       {"c": 2, "p": 1})]
-        ['x', 'x', 'y', 'e']
+    >>> [t[1] for t in pumped([(1, "e", 1)], [(0, "c", [(1, "x", 1)]), (0, "p", [(1, "y", 1)])],
+    ...                       {"c": 2, "p": 1})]
+    ['x', 'x', 'y', 'e']
     """
     out: list[Token] = []
     previous = 0
@@ -173,14 +165,12 @@ def pumped(base: Sequence[Token], inserts: Sequence[Insert], counts: dict) -> li
 
 def cut(tokens: Sequence[Token], base_shape: Sequence[tuple[int, str]], inserts: Sequence[Insert],
         counts: dict) -> Optional[tuple[list[Token], list[list[Token]]]]:
-    """``(base, chunk of each insert)`` read out of ``tokens``, a sequence laid out as
-    ``pumped(base, inserts, counts)`` (``inserts`` carry chunk *shapes*: see :func:`shape`); None
-    where the tokens do not have that layout (a shape differs, or repeated chunks differ).
+    """``(base, chunk of each insert)`` read out of ``tokens`` laid out as :func:`pumped` lays them
+    (``inserts`` carry chunk *shapes*), or None where a shape or a repeated chunk differs.
 
-    Example:
-        >>> tokens = [(1, "e", 8), (1, "x", 3), (1, "x", 3), (-1, "e", 8)]
-        >>> cut(tokens, [(1, "e"), (-1, "e")], [(1, "block", [(1, "x")])], {"block": 2})
-        ([(1, 'e', 8), (-1, 'e', 8)], [[(1, 'x', 3)]])
+    >>> tokens = [(1, "e", 8), (1, "x", 3), (1, "x", 3), (-1, "e", 8)]
+    >>> cut(tokens, [(1, "e"), (-1, "e")], [(1, "block", [(1, "x")])], {"block": 2})
+    ([(1, 'e', 8), (-1, 'e', 8)], [[(1, 'x', 3)]])
     """
     base: list[Token] = []
     chunks: list[list[Token]] = []

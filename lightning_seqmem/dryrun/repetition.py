@@ -1,16 +1,14 @@
 """That a step's allocations repeat per block, proved on shallow copies, and the step at any depth.
 
-For :mod:`.depth`, whatever runs the copies: ``run(vector)`` is the dry run of a copy holding
-``vector`` blocks, one count per kind (:class:`Family`). :func:`prove` checks on a few copies that
-one more block inserts the same allocations at the same places and nothing else (:mod:`.pumping`),
-and that every other integer figure is affine in the counts; :func:`extrapolate` answers at any
-counts from the copies a :class:`Proof` names, replaying the pumped sequence.
+For :mod:`.depth`: ``run(vector)`` dry-runs a copy of ``vector`` blocks per kind (:class:`Family`).
+:func:`prove` checks on a few copies that one more block inserts the same allocations at the same
+places and nothing else (:mod:`.pumping`), and that every other integer figure is affine in the
+counts; :func:`extrapolate` answers at any counts from a :class:`Proof`'s copies.
 
-Example:
-    >>> Family.of(("attention", "checkpointing:3/8")).names_at((2, 1))
-    ('attention', 'checkpointing:2/3')
-    >>> Family.of(("attention",)).counts(("attention",), 8), plus((1, 0), 0, 1)
-    ((8,), (2, 1))
+>>> Family.of(("attention", "checkpointing:3/8")).names_at((2, 1))
+('attention', 'checkpointing:2/3')
+>>> Family.of(("attention",)).counts(("attention",), 8), plus((1, 0), 0, 1)
+((8,), (2, 1))
 """
 
 from __future__ import annotations
@@ -50,12 +48,9 @@ def words(vector: Vector) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """Settings whose shallow copies are the same, and which blocks of a copy are of which kind.
-
-    A rung at a level ``"k/N"`` (first ``k`` blocks at its full level, the rest plain; ``partial``
-    is its index) makes two kinds of block; ``names`` then hold ``"<rung>:k/N"``, so every ``k``
-    shares the same copies.
-    """
+    """Settings whose shallow copies are the same, and which blocks of a copy are of which kind: a
+    rung at a level ``"k/N"`` (first ``k`` blocks at its full level, the rest plain; ``partial`` is
+    its index) makes two kinds; ``names`` then hold ``"<rung>:k/N"``, so all ``k`` share copies."""
 
     names: tuple[str, ...]
     partial: Optional[int]
@@ -69,11 +64,8 @@ class Family:
         return cls(tuple(names), None)
 
     def counts(self, names: tuple[str, ...], blocks: int) -> Vector:
-        """The blocks of each kind of setting ``names`` on a stack of ``blocks``.
-
-        Raises:
-            ValueError: a level ``k/N`` for another ``N``.
-        """
+        """The blocks of each kind of setting ``names`` on a stack of ``blocks``; raises
+        ``ValueError`` for a level ``k/N`` of another ``N``."""
         if self.partial is None:
             return (blocks,)
         k, _, n = str(level_of(names[self.partial])).partition("/")
@@ -116,8 +108,8 @@ def _integer_fields(result: DryRunResult) -> dict[str, Any]:
 
 def _fields(result: DryRunResult, block_bytes: int, host_traced: bool = False) -> dict[str, int]:
     """Every integer figure of ``result`` but the trace's own peaks: what a runner adds to the
-    replayed peaks (``peak_bytes``, ``phase_peak_bytes/<phase>``; with ``host_traced``, the same
-    of the host's) and the other integer fields and dicts (``host_bytes``, ...)."""
+    replayed peaks (``peak_bytes``, ``phase_peak_bytes/<phase>``; with ``host_traced``, the host's
+    too) and the other integer fields and dicts (``host_bytes``, ...)."""
     peak, phases = replay_peaks(result.events, block_bytes)
     out = {"peak_bytes": result.peak_bytes - peak}
     out.update({f"phase_peak_bytes/{p}": v - phases.get(p, 0)
@@ -139,8 +131,8 @@ def _fields(result: DryRunResult, block_bytes: int, host_traced: bool = False) -
 
 def _with_fields(result: DryRunResult, values: dict[str, int], peaks: tuple[int, dict[str, int]],
                  host: Optional[tuple[int, dict[str, int]]] = None) -> DryRunResult:
-    """``result`` with the replayed peaks (device ``peaks``; ``host``: the host's, where traced)
-    plus their offsets and every other integer figure set."""
+    """``result`` with the replayed ``peaks`` (and ``host``'s) plus offsets, and every other
+    integer figure, set from ``values``."""
     peak, phases = peaks
     changes: dict[str, Any] = {
         "peak_bytes": peak + values["peak_bytes"],
@@ -183,9 +175,8 @@ def _along(values: dict[str, int], slopes: dict[str, Vector], to: Vector,
 @dataclasses.dataclass
 class Proof:
     """A family's repetition, checked at ``seq_len`` on copies of ``checked`` blocks: the base
-    copy's layout (:func:`.pumping.shape`), where each block's chunk goes (``inserts``: position in
-    the base, kind, chunk shape), each other figure's slope per kind; ``host``: the same of the
-    host side's trace, where traced."""
+    copy's layout (:func:`.pumping.shape`), each block's chunk (``inserts``: position in the base,
+    kind, chunk shape), each other figure's slope per kind; ``host``: the host trace's, if any."""
 
     base: Vector
     base_shape: list
@@ -197,8 +188,8 @@ class Proof:
     first: Optional[tuple[int, list]] = None  # a re-proof's (seq_len, checked) of the full proof
 
     def says(self) -> str:
-        """Where the repetition was checked, in words: ``"copies of 1, 2, 3 blocks at seq_len
-        128"`` (a re-proof's: and of its copies at its own length)."""
+        """Where the repetition was checked: ``"copies of 1, 2, 3 blocks at seq_len 128"`` (a
+        re-proof's: and of its copies at its own length)."""
         def at(seq_len: int, checked: list) -> str:
             return ", ".join(words(v) for v in checked) + f" blocks at seq_len {seq_len}"
         if self.first is None:
@@ -284,7 +275,7 @@ def _prove_from(run: Run, base: Vector, seq_len: int, block_bytes: int) -> Union
 
 def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Proof, str]:
     """The :class:`Proof` of ``family``'s repetition at ``seq_len`` from the first base that holds
-    (:meth:`Family.bases`), or why none does. ``block_bytes``: the allocator's rounding. Runs the
+    (:meth:`Family.bases`; ``block_bytes``: the allocator's rounding), or why none does. Runs the
     base and one and two more blocks of each kind (and one more of both); a failing run raises."""
     reasons = []
     for base in family.bases():
@@ -297,9 +288,8 @@ def prove(run: Run, family: Family, seq_len: int, block_bytes: int) -> Union[Pro
 
 def _pumped_at(results: dict[Vector, DryRunResult], trace: Callable[[DryRunResult], Any],
                layout: tuple[list, list], base: Vector, target: Vector) -> Optional[list]:
-    """The tokens of one trace (``trace(result)``: the device's or the host's events) at ``target``
-    blocks, read out of the copies in ``results`` laid out as ``layout`` (base shape, inserts of
-    chunk shapes), or None where one of them has another layout."""
+    """The tokens of one trace (``trace(result)``: device or host events) at ``target`` blocks, read
+    out of the copies in ``results`` laid out as ``layout`` (base and chunk shapes), else None."""
     base_shape, inserts = layout
     kinds = range(len(base))
     chunks: list = [None] * len(inserts)

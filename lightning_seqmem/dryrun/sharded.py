@@ -1,35 +1,24 @@
 """FSDP2 (``fully_shard``): the per-rank peak at any world size, on one process.
 
-:func:`sharded_dry_run_step` runs the module's own step on fake tensors (as
-:func:`.step.dry_run_step`) in a *fake process group* of ``world_size`` ranks: this process is rank
-0, every collective allocates what the real one would (a block's all-gathered parameters, its
-gradients' reduce-scatter input) without communicating, and the same
-:class:`~lightning_seqmem.measure.probes.LiveTensorTracker` that measures real steps counts the
-storages (resizes included: FSDP2 frees gathered parameters by resizing their storage to 0).
+:func:`sharded_dry_run_step` runs the module's own step on fake tensors as rank 0 of a *fake process
+group* (:func:`fake_world`): collectives allocate what the real ones would without communicating,
+and the tracker of real steps counts the storages (resizes included: FSDP2 frees gathered parameters
+by resizing their storage to 0). The sharding is the module's own ``configure_model()`` (on a fake
+copy of the :func:`unsharded_template`), else torchtitan's layout: ``fully_shard`` on each repeated
+block, then the root. Rank 0 holds the largest shard. ``strategy="ddp"`` adds DDP's gradient buckets
+(a copy of the trainable gradients) to the unsharded step. Not counted: communication buffers,
+allocator fragmentation and workspaces (see :mod:`.step`).
 
-What is sharded is what the module's own ``configure_model()`` shards, called on a fake copy with
-``self.device_mesh`` a ``(world_size, 1)`` mesh named as ``ModelParallelStrategy`` names it; if it
-shards nothing, ``fully_shard`` goes on each repeated block, then the root (torchtitan's layout).
-The copy is made from an *unsharded template* (:func:`unsharded_template`, taken before
-``configure_model()``): an FSDP2 module cannot be copied. Rank 0 holds the largest shard.
-
-``strategy="ddp"``: the unsharded step plus DDP's gradient buckets (one more copy of the trainable
-gradients); the world size changes nothing per rank.
-
-Not counted: the backend's communication buffers (NCCL's, gloo's), allocator fragmentation and
-workspaces (see :mod:`.step`).
-
-Example:
-    >>> from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
-    >>> template = unsharded_template(LitGPT(n_layer=2, d_model=64, n_head=2))
-    >>> batch = next(iter(SyntheticTokenDataModule(batch_size=2, seq_len=32).train_dataloader()))
-    >>> two, eight = (sharded_dry_run_step(template, batch, 64, world_size=n) for n in (2, 8))
-    >>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
-    True
-    >>> for part in two.detail.split("; ")[-2:]:  # doctest: +NORMALIZE_WHITESPACE
-    ...     print(part)
-    configure_model() shards nothing: fully_shard on 2 blocks and the root (GPT, holding every
-    parameter) no host memory apart from the cpu simulated (host peak 0)
+>>> from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+>>> template = unsharded_template(LitGPT(n_layer=2, d_model=64, n_head=2))
+>>> batch = next(iter(SyntheticTokenDataModule(batch_size=2, seq_len=32).train_dataloader()))
+>>> two, eight = (sharded_dry_run_step(template, batch, 64, world_size=n) for n in (2, 8))
+>>> two.peak_bytes > eight.peak_bytes  # parameters, gradients and AdamW state in 8 shards
+True
+>>> for part in two.detail.split("; ")[-2:]:  # doctest: +NORMALIZE_WHITESPACE
+...     print(part)
+configure_model() shards nothing: fully_shard on 2 blocks and the root (GPT, holding every
+parameter) no host memory apart from the cpu simulated (host peak 0)
 """
 
 from __future__ import annotations
@@ -81,9 +70,8 @@ _C10D_MAPS = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "
 def is_fsdp2(module: Any) -> bool:
     """Whether ``module`` is (or holds) an FSDP2 module.
 
-    Example:
-        >>> is_fsdp2(nn.Linear(2, 2)), is_fsdp2(None)
-        (False, False)
+    >>> is_fsdp2(nn.Linear(2, 2)), is_fsdp2(None)
+    (False, False)
     """
     return isinstance(module, nn.Module) and bool(fsdp2_modules(module))
 
@@ -91,13 +79,12 @@ def is_fsdp2(module: Any) -> bool:
 def check_strategy(strategy: Any) -> str:
     """Validate a plan's ``strategy`` argument.
 
-    Example:
-        >>> check_strategy("fsdp2")
-        'fsdp2'
-        >>> check_strategy("zero3")
-        Traceback (most recent call last):
-        ...
-        ValueError: `strategy` must be one of ('fsdp2', 'ddp'), got 'zero3'
+    >>> check_strategy("fsdp2")
+    'fsdp2'
+    >>> check_strategy("zero3")
+    Traceback (most recent call last):
+    ...
+    ValueError: `strategy` must be one of ('fsdp2', 'ddp'), got 'zero3'
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
@@ -105,12 +92,9 @@ def check_strategy(strategy: Any) -> str:
 
 
 def unsharded_template(pl_module: nn.Module) -> nn.Module:
-    """A copy of ``pl_module`` on the ``meta`` device (no memory, no trainer), to shard later: take
-    it before ``configure_model()`` shards the module (an FSDP2 module cannot be copied).
-
-    Raises:
-        DryRunUnsupported: ``pl_module`` is already sharded, or cannot be copied.
-    """
+    """A copy of ``pl_module`` on the ``meta`` device (no memory, no trainer), taken before
+    ``configure_model()`` shards it (an FSDP2 module cannot be copied); raises
+    :class:`DryRunUnsupported` where it is already sharded, or cannot be copied."""
     if is_fsdp2(pl_module):
         raise DryRunUnsupported(
             "the module is already sharded with fully_shard (an FSDP2 module cannot be copied); "
@@ -132,19 +116,16 @@ def unsharded_template(pl_module: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
-    """A fake process group of ``world_size`` ranks (this process is rank 0) and its device mesh.
+    """A fake process group of ``world_size`` ranks (this process is rank 0) and its device mesh;
+    collectives only allocate their outputs. A real process group is set aside meanwhile and put
+    back after: run none of its collectives inside.
 
-    Collectives do nothing (their outputs are allocated, not filled). A real process group (a
-    training run's) is set aside meanwhile and put back after, with the registry of group names;
-    do not run a collective of the real run inside.
-
-    Example:
-        >>> with fake_world(8) as mesh:
-        ...     mesh.shape, mesh.mesh_dim_names
-        ((8, 1), ('data_parallel', 'tensor_parallel'))
-        >>> import torch.distributed as dist
-        >>> dist.is_initialized()
-        False
+    >>> with fake_world(8) as mesh:
+    ...     mesh.shape, mesh.mesh_dim_names
+    ((8, 1), ('data_parallel', 'tensor_parallel'))
+    >>> import torch.distributed as dist
+    >>> dist.is_initialized()
+    False
     """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -152,7 +133,6 @@ def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     world_size = check_int("world_size", world_size)
-    # c10d's state: the ``_world`` object (default group) and the module-level maps behind it
     saved_world, saved_count = c10d._world, c10d._group_count
     saved = {name: dict(getattr(c10d, name)) for name in _C10D_MAPS}
     saved["_tags_to_pg"] = {tag: list(groups) for tag, groups in saved["_tags_to_pg"].items()}
@@ -171,8 +151,7 @@ def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
         for name in _C10D_MAPS:
             getattr(c10d, name).clear()
             getattr(c10d, name).update(saved[name])
-        # groups are also registered by name in a C++ registry, which the fake world's groups
-        # ("0", "1", ...) use too: empty it of them and put the real ones back
+        # the C++ registry of group names holds the fake groups ("0", "1", ...): put the real back
         c10d._unregister_all_process_groups()
         for pg, name in saved["_pg_names"].items():
             c10d._register_process_group(name, pg)
@@ -194,8 +173,8 @@ def _fake_from_template(template: nn.Module, fake_mode: Any, device: torch.devic
 
 
 def _shard(model: nn.Module, mesh: Any, notes: list[str], offload_policy: Any = None) -> None:
-    """The module's own ``configure_model()`` over ``mesh``; the default layout if it shards none.
-    Every ``fully_shard``, the module's too, gets ``offload_policy`` (a ``CPUOffloadPolicy``)."""
+    """The module's own ``configure_model()`` over ``mesh``, else the default layout; every
+    ``fully_shard`` (the module's too) gets ``offload_policy`` (a ``CPUOffloadPolicy``)."""
     from torch.distributed.fsdp import fully_shard
 
     model.__dict__["_device_mesh"] = mesh
@@ -233,14 +212,12 @@ def _class_name(module: nn.Module) -> str:
 
 
 def sharding_root(model: nn.Module) -> nn.Module:
-    """The innermost submodule of ``model`` holding all its parameters (``model`` itself where it
-    holds some directly, or they are spread over its children): the one ``training_step`` calls
-    (``self.model(...)``), so FSDP2's root hooks gather the parameters outside the blocks in time.
+    """The innermost submodule holding all of ``model``'s parameters (else ``model``): the one
+    ``training_step`` calls, so FSDP2's root hooks gather the parameters outside blocks in time.
 
-    Example:
-        >>> outer = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-        >>> sharding_root(outer) is outer[0]
-        True
+    >>> outer = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    >>> sharding_root(outer) is outer[0]
+    True
     """
     total = sum(1 for _ in model.parameters())
     while not any(True for _ in model.parameters(recurse=False)):
@@ -261,20 +238,16 @@ def sharded_dry_run_step(
     """Per-rank peak of one training step at ``world_size`` ranks (rank 0's; bytes).
 
     Args:
-        template: the unsharded module (:func:`unsharded_template`, or any unsharded
-            ``LightningModule``; parameters may be on ``meta``). Never modified.
+        template: the unsharded module (:func:`unsharded_template`; may be on ``meta``), unmodified.
         batch: one rank's training batch (cut or tiled to ``(batch_size, seq_len)``).
         seq_len, batch_size: the step to simulate (``batch_size`` per rank; default the batch's).
         world_size: ranks sharing the model (the data-parallel degree).
         mitigations: rungs applied to the copy, before or after sharding as the ladder does.
         strategy: ``"fsdp2"`` or ``"ddp"``.
         autocast: a zero-argument factory of the forward's context (the precision plugin's).
-        device: the device simulated (default ``cpu``); ``cuda`` without CUDA is the simulated
-            device (:mod:`.accelerator`), whose host memory is apart (``host_peak_bytes``).
-        first_split_check: whether the step includes micro-batching's one-time loss check; None:
-            whenever ``"microbatch"`` is among ``mitigations``.
-        offload: FSDP2 ``CPUOffloadPolicy`` on every ``fully_shard`` (``configure_model()``'s
-            too): shards, gradients and optimizer state on the host (:mod:`.cpu_offload`). A
+        device: default ``cpu``; ``cuda`` without CUDA: simulated, host apart (``host_peak_bytes``).
+        first_split_check: include micro-batching's one-time loss check (None: if ``"microbatch"``).
+        offload: FSDP2 ``CPUOffloadPolicy`` on every ``fully_shard`` (:mod:`.cpu_offload`); a
             ``configure_model()`` that offloads is planned as it is either way.
 
     Raises:
@@ -315,7 +288,6 @@ def sharded_dry_run_step(
                     if offloaded:
                         settle_before_the_step(model)
                         plan.notes.append(_offload_note(device, policy is not None))
-                # composed with fully_shard
                 after = ladder.apply_to_copy(names, model, after_sharding=True)
                 plan.notes += after.notes
                 plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
@@ -374,7 +346,6 @@ def _pin_gradients_as_fsdp2_does(model: nn.Module) -> None:
 
 
 def _offload_note(device: torch.device, asked: bool) -> str:
-    """What the detail says of FSDP2 CPU offload on ``device``."""
     how = "offload=True" if asked else "configure_model()"
     if device.type == "cpu":
         return (f"FSDP2 CPUOffloadPolicy ({how}) on the CPU itself: the shards, gradients and "
@@ -397,8 +368,7 @@ def data_parallel_size(trainer: Any, pl_module: Any) -> int:
 def template_for(trainer: Any, pl_module: nn.Module) -> Optional[nn.Module]:
     """The unsharded template of a run whose strategy shards the module in ``configure_model()``
     (``ModelParallelStrategy``, ``FSDPStrategy``), taken in ``setup`` before it does; else None."""
-    if (not is_a(trainer.strategy, "ModelParallelStrategy", "FSDPStrategy")
-            or is_fsdp2(pl_module)):
+    if (not is_a(trainer.strategy, "ModelParallelStrategy", "FSDPStrategy") or is_fsdp2(pl_module)):
         return None
     return unsharded_template(pl_module)
 
@@ -406,10 +376,9 @@ def template_for(trainer: Any, pl_module: nn.Module) -> Optional[nn.Module]:
 def dry_run_refusal(trainer: Any) -> Optional[str]:
     """Why no dry run of the run's own step answers for this strategy (FSDP1, DeepSpeed), or None.
 
-    Example:
-        >>> from types import SimpleNamespace
-        >>> dry_run_refusal(SimpleNamespace(strategy=None)) is None
-        True
+    >>> from types import SimpleNamespace
+    >>> dry_run_refusal(SimpleNamespace(strategy=None)) is None
+    True
     """
     name = type(getattr(trainer, "strategy", None)).__name__
     if name == "FSDPStrategy":
@@ -427,9 +396,8 @@ def dry_run_refusal(trainer: Any) -> Optional[str]:
 def world_forecast(dry: Any, seq_len: int, batch_size: int, mitigations: Sequence[str],
                    world_size: int, strategy: Optional[str] = None) -> Any:
     """A :class:`~lightning_seqmem.core.forecast.Forecast` of the per-rank peak at ``world_size``
-    ranks, by :func:`sharded_dry_run_step` on a run's :class:`.run.TrainingRunDryRun` (its template
-    or module, kept batch and precision). ``strategy`` defaults to ``"fsdp2"`` for a sharded run
-    and ``"ddp"`` otherwise. The bound adds the dry run's 2% margin."""
+    ranks by :func:`sharded_dry_run_step` on ``dry`` (a :class:`.run.TrainingRunDryRun`, with a kept
+    batch); ``strategy``: default ``"fsdp2"`` if sharded, else ``"ddp"``. The bound adds 2%."""
     from lightning_seqmem.core.forecast import Forecast
 
     if dry is None or dry.batch is None:
@@ -455,9 +423,8 @@ def world_forecast(dry: Any, seq_len: int, batch_size: int, mitigations: Sequenc
 def world_sizes_up_to(world_size: int) -> list[int]:
     """The world sizes a plan tries: powers of two below ``world_size``, then ``world_size``.
 
-    Example:
-        >>> world_sizes_up_to(8), world_sizes_up_to(6), world_sizes_up_to(1)
-        ([1, 2, 4, 8], [1, 2, 4, 6], [1])
+    >>> world_sizes_up_to(8), world_sizes_up_to(6), world_sizes_up_to(1)
+    ([1, 2, 4, 8], [1, 2, 4, 6], [1])
     """
     world_size = check_int("world_size", world_size)
     sizes = [1 << k for k in range(world_size.bit_length()) if 1 << k < world_size]
@@ -468,14 +435,12 @@ def smallest_fitting_world_size(
         peak_at: Callable[[int], int], usable_bytes: int, world_size: int,
         known: Optional[dict[int, int]] = None,
         bound: Callable[[int], int] = int) -> tuple[Optional[int], dict[int, int]]:
-    """The smallest world size in :func:`world_sizes_up_to` whose per-rank peak (as ``bound``
-    judges it; default the peak itself) fits ``usable_bytes`` (None where even ``world_size`` does
-    not), by bisection (the per-rank peak does not grow with the world size); returns it and every
-    ``world size -> peak`` computed.
+    """The smallest of :func:`world_sizes_up_to` whose per-rank peak (as ``bound`` judges it)
+    fits ``usable_bytes`` (None: even ``world_size`` does not), by bisection (the per-rank peak does
+    not grow with the world size), and every ``world size -> peak`` computed.
 
-    Example:
-        >>> smallest_fitting_world_size(lambda n: 100 + 800 // n, 350, 8)
-        (4, {8: 200, 2: 500, 4: 300})
+    >>> smallest_fitting_world_size(lambda n: 100 + 800 // n, 350, 8)
+    (4, {8: 200, 2: 500, 4: 300})
     """
     sizes = world_sizes_up_to(world_size)
     peaks: dict[int, int] = dict(known or {})
@@ -491,9 +456,8 @@ def smallest_fitting_world_size(
 def context_parallel_note(device: torch.device | str) -> str:
     """What a plan says about context (sequence) parallelism on ``device``.
 
-    Example:
-        >>> context_parallel_note("cpu").startswith("context parallelism: not planned on cpu")
-        True
+    >>> context_parallel_note("cpu").startswith("context parallelism: not planned on cpu")
+    True
     """
     device = torch.device(device)
     if device.type != "cuda":

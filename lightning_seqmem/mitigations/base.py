@@ -1,24 +1,20 @@
 """The one protocol every rung of the ladder follows, and the values it passes.
 
-A rung is a small class with one signature for everything the callback, the dry run and
-``seqmem plan`` ask of it (torchtitan's policy classes, Composer's ``Algorithm.match/apply``):
+A rung is a small class answering the callback, the dry run and ``seqmem plan``, one method each:
 
 ========================================  ==========================================================
-method                                    asked by
-========================================  ==========================================================
 ``is_applicable(ctx) -> (bool, reason)``  the planner's applicability table, ``seqmem plan``
-``apply(ctx) -> MitigationResult``        the callback, between steps (in place; parameters,
-                                          optimizer state and ``state_dict`` keys unchanged)
+``apply(ctx) -> MitigationResult``        the callback, between steps (in place, see below)
 ``remove(ctx) -> MitigationResult|None``  the callback, when the rung's own check refuses it
 ``is_on(module) -> bool``                 resume, a second fit, the report
-``apply_to_copy(copy, plan)``             the dry run: put the rung on a fake copy (or change the
-                                          step it runs: ``plan.micro_batch_size``)
+``apply_to_copy(copy, plan)``             the dry run: the rung on a fake copy, or ``plan``'s step
 ``setup_refusal(trainer, module)``        set-up: a strategy (or module) this rung cannot work under
 ``check_pending(module)``, ``refusal``    the callback: a one-time check after the switch
 ========================================  ==========================================================
 
-The planner reads its torch-free half, :class:`~lightning_seqmem.core.rung_spec.RungSpec`
-(``spec``). A new rung is a ``Rung`` subclass registered with :func:`.ladder.register`.
+``apply`` leaves parameters, optimizer state and ``state_dict`` keys unchanged. The planner reads
+the torch-free half, :class:`~lightning_seqmem.core.rung_spec.RungSpec` (``spec``). A new rung is
+a ``Rung`` subclass registered with :func:`.ladder.register`.
 
 Example:
     >>> from torch import nn
@@ -84,23 +80,19 @@ class RungContext:
 
 @dataclass
 class CopyPlan:
-    """What the dry run's step becomes once rungs are on its copy: micro-batches of
-    ``micro_batch_size`` samples (None: the whole batch), and notes for its detail line."""
+    """The dry run's step with rungs on its copy: ``micro_batch_size`` (None: the whole batch)."""
 
     micro_batch_size: Optional[int] = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # for the dry run's detail line
 
 
 class Rung:
-    """Base of every rung: override ``spec``, ``is_applicable``, ``apply`` and ``is_on``; the rest
-    has defaults (a rung that cannot be removed, applies to a copy as to the module, has no
-    one-time check and works under every strategy)."""
+    """Base of every rung: override ``spec``, ``is_applicable``, ``apply`` and ``is_on``. Defaults:
+    not removable, on a copy as on the module, no one-time check, works under every strategy."""
 
     spec: RungSpec
     after_sharding = False  # the sharded dry run puts it on its copy after fully_shard, else before
-    # a dry run models it where ``is_applicable`` refuses it (activation offload on CPU): ``seqmem
-    # plan`` then says what it would do on a device where it applies, as a modelled figure
-    modelled_where_refused = False
+    modelled_where_refused = False  # a dry run models it where refused (activation offload on CPU)
 
     @property
     def name(self) -> str:
@@ -140,14 +132,12 @@ class Rung:
         plan.notes.append(f"{self.name}: {result.detail}")
 
     def noop(self, ctx: RungContext) -> Optional[str]:
-        """Why the rung would change nothing on this rank's batch (micro-batching one sample), where
-        it may still go on as it applies on another rank (``ctx.noop_ok``); None otherwise."""
+        """Why the rung changes nothing on this rank's batch (micro-batching 1 sample), or None."""
         return None
 
     def copy_refusal(self, ctx: RungContext) -> Optional[str]:
-        """Why a dry run with the rung would not be a step with it (it cannot go on and is not on
-        already), decided on the real module, or None; asked before a dry run of a setting that
-        holds it (a forecast never claims a rung that does not apply)."""
+        """Why a dry run with the rung would not be a step with it (it cannot go on and is not on),
+        decided on the real module before a dry run of a setting holding it; or None."""
         if self.modelled_where_refused:
             return None  # modelled on any device: its apply_to_copy says what it does
         applies, why = self.is_applicable(ctx)
@@ -174,8 +164,7 @@ class Rung:
 
 
 class ModulePolicyRung(Rung):
-    """A rung whose policy acts on the module alone (``policy.is_applicable(module)``,
-    ``policy.apply(module)``): the attention switch, activation checkpointing."""
+    """A rung whose ``policy`` acts on the module alone: the attention switch, checkpointing."""
 
     policy: Any
 
@@ -187,10 +176,8 @@ class ModulePolicyRung(Rung):
 
 
 def wrapping_strategy_refusal(trainer: Any) -> Optional[str]:
-    """Why a rung that rewrites the module (checkpointing, micro-batching) cannot work under
-    ``trainer``'s strategy, or None. FSDP1 wraps the model in ``FullyShardedDataParallel``; single
-    device, DDP, ``ModelParallelStrategy`` (FSDP2) and ``DeepSpeedStrategy`` (a ``DDPStrategy``;
-    each rung says what DeepSpeed allows, e.g. micro-batching at ZeRO stages 0-2 only) take them.
+    """Why a rung rewriting the module cannot work under ``trainer``'s strategy, or None (FSDP1
+    wraps the model itself; single device, DDP, FSDP2 and DeepSpeed, a ``DDPStrategy``, take it).
 
     Example:
         >>> from types import SimpleNamespace
@@ -246,8 +233,7 @@ def find_top_down(model: Any, take: Callable[[Any], Optional[bool]]) -> list[tup
 
 
 def fsdp2_modules(module: Any) -> list[Any]:
-    """The modules of ``module`` (itself included) that FSDP2's ``fully_shard`` was applied to, in
-    ``modules()`` order; none where ``module`` is not an ``nn.Module``.
+    """``module``'s modules (itself included) under FSDP2's ``fully_shard``; none for a non-module.
 
     Example:
         >>> from torch import nn

@@ -3,14 +3,12 @@
 * Hugging Face ``PreTrainedModel``: ``activation_checkpointing_enable`` (older transformers:
   ``gradient_checkpointing_enable``) with ``use_reentrant=False``; it takes effect in ``train()``.
 * Anything else: the blocks (:func:`find_repeated_blocks`) are wrapped in place by
-  ``apply_activation_checkpointing`` with ``CheckpointImpl.NO_REENTRANT``. The wrappers hold the
-  same parameter objects (an optimizer built before keeps working) and strip their
-  ``_checkpoint_wrapped_module.`` prefix from ``state_dict`` keys (and add it back on load), so
-  checkpoints stay interchangeable; ``named_parameters()`` of the root *does* show the prefix.
-* Blocks sharded with FSDP2 (``fully_shard``): the composable
-  ``torch.distributed._composable.checkpoint`` goes on each block in place (no wrapper: names,
-  ``state_dict`` keys and sharded checkpoints unchanged). It composes with ``fully_shard`` applied
-  before or after it (FSDP2's hooks run outside the checkpointed region), so it can go on mid-run.
+  ``apply_activation_checkpointing`` with ``CheckpointImpl.NO_REENTRANT``, around the same
+  parameters (an optimizer built before keeps working); ``state_dict`` keys drop the wrappers'
+  ``_checkpoint_wrapped_module.`` prefix (checkpoints interchange); ``named_parameters()`` keep it.
+* Blocks sharded with FSDP2: ``torch.distributed._composable.checkpoint`` on each block in place
+  (no wrapper: names, ``state_dict`` keys and sharded checkpoints unchanged); it composes with
+  ``fully_shard`` before or after it (FSDP2's hooks run outside the region), so mid-run too.
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -97,17 +95,11 @@ def _modules_named(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
 
 def find_repeated_blocks(model: nn.Module,
                          block_class_names: Sequence[str] | None = None) -> list[nn.Module]:
-    """The repeated blocks of ``model``, in the order found; of nested matches, the outer one.
-
-    Args:
-        block_class_names: class names of the blocks. ``None``: the classes in
-            ``_no_split_modules`` of a Hugging Face model inside ``model``; failing that, the
-            children of every ``nn.ModuleList`` whose children all have one class and hold modules
-            of their own (an encoder's and a decoder's stack), outermost; failing that, the
-            largest such list of single layers; else none.
-
-    Raises:
-        ValueError: ``block_class_names`` given but no module has one of these class names.
+    """The repeated blocks of ``model`` in the order found (of nested matches, the outer one): the
+    modules of class ``block_class_names`` (ValueError where none is); else (None) those of the
+    classes in ``_no_split_modules`` of a Hugging Face model inside ``model``; else the children of
+    every ``nn.ModuleList`` whose children share one class and hold modules (an encoder's and a
+    decoder's stack), outermost; else the largest such list of single layers; else none.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -180,8 +172,7 @@ def is_checkpointed(model: nn.Module) -> bool:
 
 
 def check_block_class_names(block_class_names: Sequence[str] | None) -> list[str] | None:
-    """``block_class_names`` as a list (a single name in one), or None; ValueError where it is
-    neither None nor a non-empty sequence of class names."""
+    """``block_class_names`` (None, a name or non-empty names) as a list or None; or ValueError."""
     if block_class_names is None:
         return None
     names = [block_class_names] if isinstance(block_class_names, str) else list(block_class_names)
@@ -192,16 +183,11 @@ def check_block_class_names(block_class_names: Sequence[str] | None) -> list[str
 
 
 class ActivationCheckpointing:
-    """Policy: checkpoint the repeated blocks of a model at ``level``, in place and idempotently.
-
-    Args:
-        block_class_names: class names of the blocks to wrap; ``None`` finds them
-            (:func:`find_repeated_blocks`). Given names always use the wrapper path, also for
-            Hugging Face models.
-        level: ``None`` (every block, recomputed whole), ``"selective"`` (every block, matmul
-            outputs kept) or ``"k/N"`` (the first ``k`` of the model's ``N`` blocks); see
-            :mod:`.checkpointing_levels`. A level on top of a lower one raises the blocks it needs
-            (an upgrade); it never lowers one.
+    """Policy: checkpoint a model's repeated blocks (of class ``block_class_names``, then always by
+    the wrapper, Hugging Face models too; None: :func:`find_repeated_blocks`) in place and
+    idempotently, at ``level``: None (every block, recomputed whole), ``"selective"`` (every block,
+    matmul outputs kept) or ``"k/N"`` (the first ``k`` of ``N`` blocks; see
+    :mod:`.checkpointing_levels`). Over a lower level it raises the blocks it needs, never lowering.
 
     Example:
         >>> why = ActivationCheckpointing().is_applicable(nn.Linear(2, 2))[1]
@@ -249,8 +235,7 @@ class ActivationCheckpointing:
         return [Slot(kind, b) for b in blocks]
 
     def block_levels(self, model: nn.Module, slots: Optional[list[Slot]] = None) -> list[int]:
-        """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each checkpointable block (of
-        ``slots``, ``model``'s own where None)."""
+        """The level (``NONE``, ``SELECTIVE``, ``FULL``) of each block of ``slots`` (None: all)."""
         wrappers = wrappers_by_block(model)
         return [slot_level(s, wrappers) for s in (self._slots(model) if slots is None else slots)]
 
@@ -293,8 +278,7 @@ class ActivationCheckpointing:
         return targets is not None and all(c >= t for c, t in zip(levels, targets))
 
     def is_applicable(self, model: nn.Module) -> tuple[bool, str]:
-        """``(True, what would be done)`` or ``(False, why)``; raises ValueError where
-        ``block_class_names`` matches no module of ``model``."""
+        """``(True, what would be done)`` or ``(False, why)``; ValueError where no block matches."""
         slots = self._slots(model)
         levels = self.block_levels(model, slots)
         if not any(levels) and is_checkpointed(model):
@@ -370,11 +354,10 @@ class ActivationCheckpointing:
 
 
 class CheckpointingRung(ModulePolicyRung):
-    """The ladder's ``"checkpointing"`` rung: :class:`ActivationCheckpointing` behind the
-    :class:`.base.Rung` protocol, at ``"checkpointing:selective"``, ``"checkpointing:k/N"`` and
-    ``"checkpointing"`` (every block). Under FSDP2 it goes on after ``fully_shard`` (composable
-    ``checkpoint``), in a sharded dry run too; FSDP1 refuses it at set-up; under DeepSpeed it goes
-    on the blocks inside the engine (ZeRO stages 0-3: updates unchanged, tests/test_deepspeed.py).
+    """The ladder's ``"checkpointing"`` rung (``:selective``, ``:k/N`` or every block):
+    :class:`ActivationCheckpointing` behind the :class:`.base.Rung` protocol. Under FSDP2 it goes on
+    after ``fully_shard``, in a sharded dry run too; FSDP1 refuses it at set-up; under DeepSpeed it
+    goes on the blocks inside the engine (ZeRO 0-3: updates unchanged, tests/test_deepspeed.py).
 
     Example:
         >>> from lightning_seqmem.mitigations.base import RungContext
@@ -410,8 +393,7 @@ class CheckpointingRung(ModulePolicyRung):
         return rung
 
     def variants(self, ctx: RungContext) -> tuple[str, ...]:
-        """``"checkpointing:selective"``, ``"checkpointing:k/N"`` for up to seven ``k``
-        (:func:`.partial_counts`), ``"checkpointing"``: those the model can take, cheapest first."""
+        """The variants the model can take, cheapest first (``k/N``: :func:`.partial_counts`)."""
         base = type(self).spec.name
         n_blocks, partial_ok, selective_ok = self.policy.levels_available(ctx.pl_module)
         names = [f"{base}:selective"] if selective_ok else []

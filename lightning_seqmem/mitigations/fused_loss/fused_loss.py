@@ -1,37 +1,26 @@
 """The ``"fused_loss"`` rung: a causal LM's loss without its logits ever materialised whole.
 
-A causal LM's loss is ``cross_entropy(hidden @ lm_head.weight.T, labels)``: ``[tokens, vocab]``
+A causal LM's loss, ``cross_entropy(hidden @ lm_head.weight.T, labels)``, holds ``[tokens, vocab]``
 float32 logits, their log-softmax saved for backward and their gradient, each larger than the rest
-of a step once attention is linear (16K tokens x 248K vocabulary is 16 GB per copy). A fused linear
-cross-entropy computes the same loss and gradients a block of tokens at a time, keeping only the
-gradients ``[tokens, d_model]`` and ``[vocab, d_model]``. Backends, picked per device at switch-on:
+of a step once attention is linear (16K tokens x 248K vocabulary: 16 GB per copy). A fused linear
+cross-entropy gets the same loss (the mean over tokens not ``ignore_index``, so micro-batching's
+weighting by label tokens holds) and gradients a block of tokens at a time, keeping only the
+``[tokens, d_model]`` and ``[vocab, d_model]`` gradients. Backends, picked per device at switch-on:
+``cce``, Apple's Cut Cross-Entropy (the ``fused`` extra; CUDA with triton); ``liger``, Liger-Kernel
+(CUDA, where installed); ``tiled``, DeepSpeed's eager ``TiledFusedLogitsLoss`` (the ``tiled`` extra;
+every device): token shards with logits the size of ``hidden``, gradients computed in the forward.
 
-=========  =============================================================  ======================
-backend    library                                                        where
-=========  =============================================================  ======================
-``cce``    Apple's Cut Cross-Entropy, ``linear_cross_entropy(...,         CUDA with triton
-           impl="cce")`` (the ``fused`` extra)
-``liger``  Liger-Kernel's ``liger_fused_linear_cross_entropy``            CUDA, where installed
-``tiled``  DeepSpeed's eager ``TiledFusedLogitsLoss``: token shards        every device; the dry
-           whose logits are the size of ``hidden``, gradients computed    run on every device
-           in the forward (the ``tiled`` extra)
-=========  =============================================================  ======================
+The dry run runs ``tiled`` (eager, so on fake tensors): on CPU what really runs, on CUDA a stand-in
+for ``cce``/``liger`` (triton kernels cannot run on fake tensors; their memory is at most
+``tiled``'s). On a plan's simulated CUDA device (no GPU), ``"auto"``'s pick (``cce``) runs as a
+model of its allocations (:mod:`lightning_seqmem.dryrun.kernels_loss`).
 
-The dry run runs ``tiled`` (eager, so it runs on fake tensors): on CPU what really runs; on CUDA a
-stand-in for ``cce``/``liger``, whose triton kernels cannot run on fake tensors and whose memory is
-at most ``tiled``'s. On the simulated CUDA device of a plan made without a GPU, the backend the run
-would pick (``"auto"``: ``cce``) runs as a model of the library's allocations
-(:mod:`lightning_seqmem.dryrun.kernels_loss`, via :func:`register_modelled_backends`).
-
-Two kinds of model take it, found top-down:
-
-* Hugging Face causal LMs (``*ForCausalLM`` with a bias-free ``lm_head`` and a base model): their
-  instance's ``forward`` is patched (:mod:`.fused_loss_hf`); those that scale or cap their logits
-  (Gemma, Cohere, Granite) are refused.
-* the *fused-loss protocol*: a module with a callable ``set_fused_loss(fn)`` and a ``fused_loss``
-  attribute (None: the plain loss), whose loss, when ``fused_loss`` is set, is
-  ``fused_loss(hidden, lm_head_weight, labels, ignore_index=-100)``, as
-  :class:`lightning_seqmem.reference.nn.GPT` (``GPT.loss``)::
+Two kinds of model take it, found top-down: Hugging Face causal LMs (``*ForCausalLM`` with a
+bias-free ``lm_head`` and a base model; those scaling or capping their logits, Gemma, Cohere,
+Granite, refused), whose instance's ``forward`` is patched (:mod:`.fused_loss_hf`); and modules of
+the *fused-loss protocol*: a callable ``set_fused_loss(fn)``, a ``fused_loss`` attribute (None: the
+plain loss) and, when it is set, the loss ``fused_loss(hidden, lm_head_weight, labels,
+ignore_index=-100)``, as :class:`lightning_seqmem.reference.nn.GPT` (``GPT.loss``)::
 
       class MyLM(nn.Module):
           fused_loss = None                      # set by the rung
@@ -43,11 +32,7 @@ Two kinds of model take it, found top-down:
               hidden = self.body(input_ids)      # [batch, length, d_model]
               if self.fused_loss is not None:
                   return self.fused_loss(hidden, self.lm_head.weight, labels)
-              logits = self.lm_head(hidden)
-              return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-The loss is the mean over the tokens counted (labels not ``ignore_index``), as ``cross_entropy``'s,
-so micro-batching's weighting by label tokens is unchanged.
+              return F.cross_entropy(self.lm_head(hidden).flatten(0, 1), labels.flatten())
 
 Example:
     >>> import torch
@@ -99,9 +84,8 @@ _MODELLED: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}  # device type
 
 def register_modelled_backends(device_type: str,
                                backends: dict[str, Callable[..., torch.Tensor]]) -> None:
-    """On ``device_type`` (the dry run's simulated CUDA, :mod:`lightning_seqmem.dryrun.kernels`)
-    the backends named run modelled: ``fn(hidden [N, d], weight [V, d], labels [N], ignore_index)
-    -> summed loss`` with the library's allocations; ``"auto"`` picks there as on CUDA.
+    """Run ``backends`` modelled on ``device_type`` (the dry run's simulated CUDA), as ``fn(hidden
+    [N, d], weight [V, d], labels [N], ignore_index) -> summed loss``; ``"auto"`` picks as on CUDA.
 
     Example:
         >>> register_modelled_backends("example", {"cce": lambda h, w, y, i: h.sum()})
@@ -143,8 +127,7 @@ def backend_unavailable_reason(backend: str, device_type: str) -> Optional[str]:
 
 
 def resolve_backend(device_type: str) -> Optional[str]:
-    """The backend ``"auto"`` picks on ``device_type``: cce, then liger on CUDA (or where they run
-    modelled), else tiled; None when none is installed.
+    """``"auto"``'s pick on ``device_type``: cce, liger on CUDA (or modelled), else tiled; or None.
 
     Example:
         >>> resolve_backend("cpu")
@@ -163,8 +146,7 @@ def _none_installed_reason(device_type: str) -> str:
 
 
 MIN_SHARD_LOGITS = 1 << 20
-"""A ``tiled`` shard's logits have at least this many elements (4 MiB in float32): fewer shards, so
-fewer Python iterations, where the hidden states are tiny."""
+"""A ``tiled`` shard's fewest logits (4 MiB float32): fewer loops where hidden states are tiny."""
 
 
 def tiled_shards(tokens: int, d_model: int, vocab_size: int) -> int:
@@ -210,12 +192,10 @@ class _SavedTensors:
 
 
 class _TiledLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T`` by DeepSpeed's ``TiledFusedLogitsLoss``.
-
-    DeepSpeed's function runs each shard's backward inside its forward and accumulates the weight's
-    gradient into ``param.grad`` at once, which Lightning's ``zero_grad`` (after ``training_step``)
-    would erase and a scaled loss (micro-batch weights) would not scale. Here it sees a detached
-    weight: both gradients are kept and returned in backward, scaled by the incoming gradient."""
+    """Summed cross-entropy of ``hidden @ weight.T`` by DeepSpeed's ``TiledFusedLogitsLoss``. That
+    adds the weight's gradient to ``param.grad`` in its forward, where Lightning's ``zero_grad``
+    would erase it and micro-batch weights not scale it: given a detached weight, both gradients
+    are kept and returned in backward, scaled by the incoming gradient."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -244,15 +224,10 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
 
 
 class FusedLinearCrossEntropy:
-    """``cross_entropy(hidden @ weight.T, labels)`` without the logits, by one backend.
-
-    Args:
-        backend: one of :data:`FUSED_LOSS_BACKENDS` (``"auto"``: :func:`resolve_backend` of the
-            weight's device at each call).
-
-    Call it as ``fn(hidden [..., d], weight [vocab, d], labels [...], ignore_index=-100,
-    reduction="mean", num_items_in_batch=None)``: ``"mean"`` over the tokens counted (labels not
-    ``ignore_index``), ``"sum"``, or the sum divided by ``num_items_in_batch`` where given.
+    """``cross_entropy(hidden @ weight.T, labels)`` without the logits, by ``backend`` (``"auto"``:
+    :func:`resolve_backend` of the weight's device per call), called as ``fn(hidden [..., d], weight
+    [vocab, d], labels [...], ignore_index=-100, reduction="mean", num_items_in_batch=None)``: the
+    mean over labels not ``ignore_index``, the sum, or the sum / ``num_items_in_batch`` where given.
 
     Example:
         >>> import torch
@@ -324,16 +299,13 @@ class FusedLinearCrossEntropy:
         return f"{type(self).__name__}(backend={self.backend!r})"
 
 
-# --- where it applies ----------------------------------------------------------------------------
-
 def _implements_protocol(module: nn.Module) -> bool:
     return callable(getattr(module, "set_fused_loss", None))
 
 
 def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules the rung acts on, as ``(qualified name, module)``: Hugging Face ``*ForCausalLM``
-    models and modules implementing the fused-loss protocol, searched top-down (a module taken, or
-    a Hugging Face model refused, is not searched further).
+    """``(qualified name, module)`` of the Hugging Face ``*ForCausalLM`` models and fused-loss
+    protocol modules in ``model``, top-down (not below one taken or a Hugging Face model refused).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -381,11 +353,8 @@ def _switch(target: nn.Module, fn: Optional[FusedLinearCrossEntropy]) -> None:
 
 
 class FusedLossRung(Rung):
-    """The ladder's ``"fused_loss"`` rung: the causal-LM loss by :class:`FusedLinearCrossEntropy`.
-
-    Args:
-        backend: one of :data:`FUSED_LOSS_BACKENDS`; ``"auto"`` resolves by the model's device when
-            switched on (the detail says which).
+    """The ladder's ``"fused_loss"`` rung: the causal-LM loss by :class:`FusedLinearCrossEntropy`
+    of ``backend`` (``"auto"`` resolves by the model's device at switch-on; the detail says which).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -461,8 +430,7 @@ class FusedLossRung(Rung):
                                 "plain")
 
     def apply_to_copy(self, copy: Any, plan: CopyPlan) -> None:
-        """The dry run runs ``tiled``, or where cce and liger run modelled (the simulated CUDA
-        device) the backend the run picks there (see the module)."""
+        """Put on ``tiled``, or the run's pick where cce/liger run modelled (see the module)."""
         applies, why = self.is_applicable(RungContext(copy))
         if not applies:
             if not self.is_on(copy):  # the step would be the plain loss's: not this setting's

@@ -1,72 +1,55 @@
 """Micro-batching: run each training batch as several smaller ones, accumulating their gradients.
 
-The step's activations are one micro-batch's, so the batch-proportional part of the peak
-(``B * (a*L + b*L^2)``) drops to ``micro_batch_size / B`` of itself, while training stays the full
-batch's: the same batches in order, the same optimizer steps, ``global_step`` and LR schedule, and
-gradients equal up to rounding. It takes effect at the next ``training_step``, mid-epoch included;
-neither ``trainer.accumulate_grad_batches`` nor the dataloader is touched (DESIGN.md says why).
+The step's activations are one micro-batch's: the batch-proportional part of the peak
+(``B * (a*L + b*L^2)``) drops to ``micro_batch_size / B`` of itself, while batches, optimizer
+steps, ``global_step`` and LR schedule stay the full batch's and gradients equal up to rounding.
+It takes effect at the next ``training_step``, mid-epoch included; ``accumulate_grad_batches`` and
+the dataloader are untouched (DESIGN.md says why).
 
 Weighting. ``training_step`` returns a *mean*; micro-batch ``i``'s loss is weighted by its share
-``c_i / C`` of what that mean is over (:func:`micro_batch_counts`, ``weighting="auto"``):
+``c_i / C`` of what that mean is over (:func:`micro_batch_counts`; ``weighting="auto"`` or forced),
+which, unlike ``num_items_in_batch=C``, asks nothing of ``training_step``. A micro-batch with
+``c_i = 0`` is not run (under DDP, only non-final ones); a batch with ``C = 0`` runs unsplit:
 
 * a mapping batch with integer ``"labels"`` (Hugging Face: the mean over label tokens ``!= -100``):
-  ``c_i`` = its label tokens; ``labels[..., 1:]`` where the labels equal ``input_ids`` at every
-  counted position or there are no ``input_ids`` (``ForCausalLMLoss`` shifts them:
-  ``"shifted_label_tokens"``), else all (``"label_tokens"``: already the next tokens, as
-  :class:`~lightning_seqmem.reference.demo.SyntheticTokenDataModule` gives them, or seq2seq
-  targets); 1-D labels count one per sample not ignored. Weighting samples instead changed the
-  first step's gradient of a tiny Llama on a padded batch by 95% (relative L2 norm; 1.2e-7 with
-  label tokens: tests/test_microbatch_weighting.py).
-* any other batch: ``c_i`` = its samples (``"samples"``): a mean over samples, or over equally
-  many elements per sample.
+  its label tokens, of ``labels[..., 1:]`` where the labels equal ``input_ids`` at every counted
+  position or there are no ``input_ids`` (``"shifted_label_tokens"``: ``ForCausalLMLoss`` shifts
+  them), else all (``"label_tokens"``: already the next tokens, or seq2seq targets); 1-D labels
+  count the samples not ignored. Weighting samples instead moved a tiny Llama's first gradient on a
+  padded batch by 95% (tests/test_microbatch_weighting.py).
+* any other batch: its samples (``"samples"``: a mean over samples, or equally many elements each).
 
-A micro-batch with ``c_i = 0`` (its Hugging Face loss 0/0) is not run: no gradient changes (under
-DDP only non-final ones are left out). A batch with ``C = 0`` runs unsplit. Weights, unlike
-``num_items_in_batch=C``, ask nothing of ``training_step``. ``weighting`` can be forced.
+First-step check (``verify=True``): on the first batch split, before any gradient, ``training_step``
+runs without gradient on the first two micro-batches with ``c_i > 0`` and on their samples together;
+that loss must equal the ``c_i``-weighted mean of theirs within ``rtol`` 1e-3 (2e-2 with 16-bit
+autocast, parameters or loss), else (a sum, batch norm, ...) it refuses: the original
+``training_step`` runs the batch unsplit, :class:`MicroBatchingRefusedWarning` is warned,
+:func:`micro_batching_refusal` keeps the reason (``verify=False`` skips the check and overrides a
+refusal). A non-finite loss or fewer than two counted micro-batches defers it. Its forwards run on
+:func:`.check_copy`, dropout off by a ``TorchFunctionMode`` (``eval()`` would change batch norm), in
+``fork_rng``, ``self.log`` silenced; a loss that changes when rerun (flash-attn's dropout) is
+refused. Its memory is in that step's peak (:func:`micro_batching_check_pending`). Under DDP each
+rank checks and decides alone, still running one synced backward per batch.
 
-First-step check (``verify=True``). On the first batch split, before any gradient,
-``training_step`` runs without gradient on the first two micro-batches with ``c_i > 0`` and on the
-samples spanning them together (about ``2 * micro_batch_size``, never the whole batch); the pair's
-loss must equal the ``c_i``-weighted mean of theirs within ``rtol`` 1e-3 (2e-2 with a 16-bit
-autocast, parameters or loss). A sum (off by about 2), a loss normalised otherwise, or layers that
-mix samples (batch norm) are refused: the original ``training_step`` comes back, the batch runs
-unsplit, :class:`MicroBatchingRefusedWarning` is warned and the reason kept
-(:func:`micro_batching_refusal`; ``verify=False`` skips the check and overrides a refusal). A loss
-that is not finite, or fewer than two counted micro-batches, defers the check. Its forwards run on
-:func:`.check_copy` (what ``training_step`` does besides its loss is dropped with it), with dropout
-off through a ``TorchFunctionMode`` (``eval()`` would change batch norm), inside ``fork_rng``, with
-``self.log`` silenced. Losses that disagree are run again: a changed loss means randomness the check
-cannot turn off (flash-attn's dropout), and it refuses, saying so. Its memory falls in that step's
-peak (:func:`micro_batching_check_pending`). Under DDP each rank checks its own batch and decides
-alone; each runs one synced backward per batch either way.
+Mechanism (automatic optimization): the module instance's ``training_step`` becomes a wrapper
+(:meth:`MicroBatching.remove` restores it) splitting the batch (:func:`split_batch`). On an
+accumulation window's first batch it zeroes the gradients itself and skips the next
+``optimizer_zero_grad`` (Lightning's, after ``training_step``, would erase the first micro-batches'
+gradients). Each counted micro-batch but the last runs ``training_step``, scales its loss by
+``c_i / C / accumulate_grad_batches`` and calls ``trainer.strategy.backward`` without gradient sync
+(DDP's ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``, one more unsharded gradient
+copy until the last backward; DeepSpeed's ``set_gradient_accumulation_boundary(False)``). The
+last's scaled loss goes to Lightning's synced backward, as ``scaled_last + sum(others).detach()``
+(the full-batch loss, as logged); a dict output's other keys are the last micro-batch's.
 
-Mechanism (automatic optimization; Lightning's ``Closure`` runs ``training_step``, then
-``zero_grad`` on the first batch of an accumulation window, then ``backward``):
-
-1. The module *instance*'s ``training_step`` is replaced by a wrapper (:meth:`MicroBatching.remove`
-   restores it) that splits the batch (:func:`split_batch`) into micro-batches.
-2. On the first batch of an accumulation window it zeroes the gradients itself (the module's
-   ``optimizer_zero_grad``) and makes that hook a one-shot no-op, so Lightning's ``zero_grad``,
-   after ``training_step``, does not erase the first micro-batches' gradients.
-3. Each counted micro-batch but the last: the original ``training_step``, its loss scaled by
-   ``c_i / C / accumulate_grad_batches``, and ``trainer.strategy.backward`` (the precision plugin
-   and backward hooks run per micro-batch), without gradient sync: inside DDP's ``no_sync()``,
-   FSDP2's ``set_requires_gradient_sync(False)`` (one more unsharded copy of the gradients until
-   the last backward), DeepSpeed's ``set_gradient_accumulation_boundary(False)``.
-4. The last one's scaled loss is returned for Lightning to backpropagate (with the sync), valued
-   ``scaled_last + sum(others).detach()``: the full-batch loss, as ``on_train_batch_end`` and the
-   progress bar see it; other keys of a dict output come from the last micro-batch.
-
-Caveats: the check catches a wrong scale surely, wrong weights only as far as the two losses
-differ (at initialisation a per-sample mean of token means passes a token-weighted check: pass
-``weighting="samples"``); a per-batch auxiliary loss term is exact only if equal across
-micro-batches; with ``verify=False`` batch norm and dropout break the equality; ``self.log`` runs
-per micro-batch (pass ``batch_size=``); only training batches are split; under DDP with
-``find_unused_parameters=True`` a parameter only an earlier micro-batch used counts as unused
-(``static_graph=True`` untested). Supported: automatic optimization on a single device, DDP, FSDP2,
-DeepSpeed ZeRO 0-2 (updates equal the whole batch's to 4e-6, tests/test_deepspeed.py). Refused,
-saying why: manual optimization, ZeRO stage 3 (an update 0.83-0.96 relative off; cause not traced),
-DeepSpeed's pipeline engine, FSDP1 and other model-parallel strategies.
+Caveats: the check catches a wrong scale surely, wrong weights only as far as the two losses differ
+(at initialisation a per-sample mean of token means passes a token-weighted check: pass
+``weighting="samples"``); a per-batch auxiliary loss is exact only if equal across micro-batches;
+``self.log`` runs per micro-batch (pass ``batch_size=``); only training batches are split; under DDP
+with ``find_unused_parameters=True`` a parameter only an earlier micro-batch used counts as unused.
+Supported: single device, DDP, FSDP2, DeepSpeed ZeRO 0-2 (updates equal the whole batch's to 4e-6,
+tests/test_deepspeed.py). Refused, saying why: manual optimization, ZeRO stage 3 (an update
+0.83-0.96 relative off), DeepSpeed's pipeline engine, FSDP1 and other model-parallel strategies.
 
 Example:
     >>> import torch
@@ -145,18 +128,12 @@ def _deepspeed_stage(strategy: Any) -> Optional[int]:
 
 
 class MicroBatching:
-    """Policy: split every training batch into micro-batches of ``micro_batch_size`` samples (the
-    module docstring says how).
-
-    Args:
-        micro_batch_size: samples per micro-batch (the last one of a batch may be smaller).
-            ``1`` gives the lowest peak, at the cost of the least parallel work per kernel.
-        weighting: what the loss is a mean over, so what each micro-batch's loss is weighted by:
-            ``"auto"`` (the module docstring's *Weighting*), ``"samples"``, ``"label_tokens"`` or
-            ``"shifted_label_tokens"``.
-        verify: check on the first batch split that the loss is such a mean; refuse (and run
-            the plain step) when it is not. ``False`` also overrides an earlier refusal.
-        ignore_index: the label value the loss skips.
+    """Policy: split every training batch into micro-batches of ``micro_batch_size`` samples (a
+    batch's last may be smaller; ``1``: the lowest peak, the least parallel work per kernel),
+    weighting each loss by ``weighting``, what the loss is a mean over (``"auto"``: the module's
+    *Weighting*; ``"samples"``, ``"label_tokens"``, ``"shifted_label_tokens"``). ``verify``: check
+    on the first batch split that the loss is such a mean, else refuse and run the plain step
+    (``False`` also overrides an earlier refusal). ``ignore_index``: the label value the loss skips.
 
     Example:
         >>> MicroBatching(0)
@@ -194,8 +171,7 @@ class MicroBatching:
         return f"refused by its first-step check: {refusal}"
 
     def is_applicable(self, trainer: Any, pl_module: Any, batch: Any = None) -> tuple[bool, str]:
-        """``(True, what would change)`` or ``(False, why)`` for this ``trainer``'s strategy and
-        ``pl_module``, on ``batch`` (else the train dataloader's ``batch_size`` where known)."""
+        """``(True, what would change)`` or ``(False, why)``, on ``batch`` (else the loader's)."""
         if not getattr(pl_module, "automatic_optimization", True):
             return False, ("manual optimization (automatic_optimization=False): the module runs "
                            "its own backward")
@@ -250,8 +226,8 @@ class MicroBatching:
         return f"batch size {batch_size} is already at most micro_batch_size={size}"
 
     def unsplit_reason(self, trainer: Any, pl_module: Any, batch: Any = None) -> str | None:
-        """Why ``batch`` (else the dataloader's batch size) has nothing to split where nothing else
-        refuses micro-batching (its batches would run whole, as without it), else None."""
+        """Why ``batch`` (else the dataloader's batch size) has nothing to split, where nothing
+        else refuses micro-batching, else None."""
         applicable, reason = self.is_applicable(trainer, pl_module, batch)
         if applicable:
             return None
@@ -263,12 +239,10 @@ class MicroBatching:
 
     def apply(self, trainer: Any, pl_module: Any, batch: Any = None,
               unsplit_ok: bool = False) -> MitigationResult:
-        """Wrap ``pl_module.training_step`` (call it outside ``training_step``); takes effect at
-        the next training step. A second call with other settings changes them. A refusal by the
-        first-step check shows in :func:`micro_batching_refusal`, not in this result.
-        ``unsplit_ok``: wrap it even where this batch has nothing to split (other ranks' batches
-        do; batches of at most ``micro_batch_size`` samples run whole).
-        """
+        """Wrap ``pl_module.training_step`` (call it outside ``training_step``) from the next step
+        on; a second call with other settings changes them. A first-step check's refusal shows in
+        :func:`micro_batching_refusal`, not here. ``unsplit_ok``: wrap it even where this batch has
+        nothing to split (other ranks' do; batches of at most ``micro_batch_size`` run whole)."""
         before = _describe(pl_module)
         applicable, reason = self.is_applicable(trainer, pl_module, batch)
         unsplit = not applicable and unsplit_ok and self.unsplit_reason(trainer, pl_module, batch)
@@ -313,9 +287,7 @@ class MicroBatching:
 
 
 class MicroBatchRung(Rung):
-    """The ladder's ``"microbatch"`` rung: :class:`MicroBatching` into micro-batches of one sample
-    behind the :class:`.base.Rung` protocol; removable, with a first-step check; in a dry run it
-    changes the step, not the copy.
+    """The ``"microbatch"`` rung: one-sample :class:`MicroBatching`; dry runs change the step.
 
     Example:
         >>> import torch
@@ -338,7 +310,7 @@ class MicroBatchRung(Rung):
 
     def noop(self, ctx: RungContext) -> str | None:
         """Why this rank's batch would run whole (at most ``micro_batch_size`` samples, nothing
-        else refusing it), as without the rung; None otherwise."""
+        else refusing it), or None."""
         return self.policy.unsplit_reason(ctx.trainer, ctx.pl_module, ctx.batch)
 
     def apply(self, ctx: RungContext) -> MitigationResult:
@@ -354,8 +326,7 @@ class MicroBatchRung(Rung):
         plan.micro_batch_size = self.policy.micro_batch_size
 
     def copy_refusal(self, ctx: RungContext) -> str | None:
-        """A dry run models micro-batching on any batch (changing the step, not the copy); refused
-        only where the module refuses it (manual optimization, its first-step check)."""
+        """Refused only where the module refuses it (a dry run models it on any batch)."""
         return _manual_refusal(ctx.pl_module) or self.policy.check_refusal(ctx.pl_module)
 
     def strategy_refusal(self, trainer: Any) -> str | None:

@@ -1,39 +1,30 @@
 """Sequence-tiled feed-forward with recompute: DeepSpeed's ``TiledMLP`` on every block's MLP.
 
-An MLP saves its wide intermediate activations (``[B, L, intermediate]``: four in a Llama MLP, two
-in the reference GPT's) for backward, in every block: with SDPA and a fused loss they hold the
-peak at long lengths. DeepSpeed's ``TiledMLP`` (``deepspeed.runtime.sequence_parallel.ulysses_sp``;
-ALST, arXiv 2506.13996) runs the MLP on sequence tiles saving only its input, and recomputes it
-tile by tile in backward: no saved intermediates, transient ones ``1/tiles`` as wide. Loss and
-gradients are unchanged up to float rounding.
+An MLP saves its wide intermediates (``[B, L, intermediate]``: four in a Llama MLP, two in the
+reference GPT's) for backward in every block; with SDPA and a fused loss they hold the peak at long
+lengths. DeepSpeed's ``TiledMLP`` (ALST, arXiv 2506.13996) runs the MLP on sequence tiles saving
+only its input and recomputes it tile by tile in backward: no saved intermediates, transient ones
+``1/tiles`` as wide, loss and gradients unchanged up to float rounding.
 
-What is tiled (found structurally, never by class name): the ``mlp`` (or ``feed_forward``, ``ffn``)
-child of each repeated block (:func:`.checkpointing.find_repeated_blocks`): Hugging Face
-``LlamaMLP``, ``Qwen2MLP``, ..., and the reference GPT's ``nn.Sequential`` (its trailing
-``nn.Dropout`` runs after the tiles). Refused: MoE blocks (an ``experts`` child), an active dropout
-inside the tiled part (the recompute would draw new masks), FSDP2-sharded blocks (not tested),
-FSDP1 and DeepSpeed strategies (use DeepSpeed's own ``TiledMLP`` with ``compute_params`` there).
+Tiled (found structurally, not by class name): the ``mlp`` (or ``feed_forward``, ``ffn``) child of
+each repeated block (:func:`.checkpointing.find_repeated_blocks`), e.g. ``LlamaMLP`` or the
+reference GPT's ``nn.Sequential`` (its trailing ``nn.Dropout`` runs after the tiles). Refused: MoE
+blocks (an ``experts`` child), an active dropout in the tiled part (the recompute would draw new
+masks), FSDP2-sharded blocks (untested), FSDP1 and DeepSpeed (use DeepSpeed's ``TiledMLP`` there).
 
-The MLP instance's ``forward`` is patched in place (``remove`` deletes it): parameters, optimizer
-state and ``state_dict`` keys are unchanged. Around the library's function:
+The MLP instance's ``forward`` is patched in place (``remove`` deletes it; parameters, optimizer
+state and ``state_dict`` keys unchanged). Each tile runs on detached aliases of the parameters
+(``_reparametrize_module``), whose gradients one autograd node hands over
+(:class:`_HandGradsToParameters`): ``TiledMLP``'s per-tile ``torch.autograd.backward`` would fire
+DDP's reducer hooks once per tile. The recompute runs under the forward's autocast state.
 
-* gradients reach the parameters once per step: ``TiledMLP``'s backward calls
-  ``torch.autograd.backward`` once per tile, which under DDP fires each parameter's reducer hook
-  once per tile ("Expected to mark a variable ready only once"). Each tile here runs on detached
-  aliases of the parameters (``_reparametrize_module``), whose gradients one autograd node hands
-  to the real parameters (:class:`_HandGradsToParameters`);
-* the recompute runs under the forward's autocast state (as ``torch.utils.checkpoint``).
-
-**The tile count** is ``max(floor, ceil(L / hidden))`` for a call on ``L`` tokens
-(:func:`tiles_for_length`). The length term is ALST's rule (DeepSpeed's ``TiledMLP`` example:
-``num_shards = ceil(seqlen / hidden)``, one tile per 4,096 tokens for Llama-3.1-8B), so a tile's
-intermediate stays the same size at any length. The floor, fixed at switch-on, is
-``max(2, ceil(intermediate / hidden))`` over the MLPs' 2-D weights (:func:`tile_count_rule`;
-Llama-3.1-8B: 14336 / 4096 -> 4): at short lengths a tile's intermediate is then no larger than the
-block's hidden state. ``TiledMLPRung(tiles=n)`` fixes the count at every length. Ranks running the
-same length run the same count; with uneven lengths counts may differ, harmless on one device or
-DDP (one gradient per parameter per step), while an engine gathering parameters per tile (ZeRO-3,
-FSDP: refused here) would deadlock, which is why ALST all-reduces the maximum there.
+A call on ``L`` tokens runs ``max(floor, ceil(L / hidden))`` tiles (:func:`tiles_for_length`):
+ALST's rule (one tile per 4,096 tokens for Llama-3.1-8B) keeps a tile's intermediate one size at any
+length, and the floor, ``max(2, ceil(intermediate / hidden))`` over the MLPs' 2-D weights fixed at
+switch-on (:func:`tile_count_rule`; Llama-3.1-8B: 14336 / 4096 -> 4), keeps it no larger than the
+hidden state at short lengths. ``TiledMLPRung(tiles=n)`` fixes the count. Ranks of uneven lengths
+may run different counts: harmless on one device or DDP (one gradient per parameter per step), a
+deadlock where parameters are gathered per tile (ZeRO-3, FSDP; ALST all-reduces the maximum).
 
 Example:
     >>> import torch
@@ -97,9 +88,8 @@ def tiled_mlp_unavailable_reason() -> Optional[str]:
 
 
 def _library_tiled_mlp() -> Any:
-    """DeepSpeed's ``TiledMLP`` autograd function (imported lazily: ~2 s, optional extra). Without
-    CUDA, DeepSpeed is told its accelerator is the CPU during the import (what it would detect,
-    after a warning on stdout); a ``DS_ACCELERATOR`` the user set is left alone."""
+    """DeepSpeed's ``TiledMLP`` (imported lazily: ~2 s, optional extra). Without CUDA or a user's
+    ``DS_ACCELERATOR``, the import is told the CPU (what it would detect after a stdout warning)."""
     told = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
     if told:
         os.environ["DS_ACCELERATOR"] = "cpu"
@@ -112,15 +102,13 @@ def _library_tiled_mlp() -> Any:
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
-    # a checkpoint_wrapper
     while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
         module = module._checkpoint_wrapped_module
     return module
 
 
 def find_mlps(model: nn.Module) -> list[nn.Module]:
-    """The feed-forward modules to tile: the first child named in :data:`MLP_CHILD_NAMES` of each
-    repeated block of ``model`` (a checkpoint-wrapped block is looked through), in block order.
+    """Each repeated block's first child in :data:`MLP_CHILD_NAMES` (through checkpoint wrappers).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -148,9 +136,8 @@ def _is_active_dropout(module: nn.Module) -> bool:
 
 
 def _split(mlp: nn.Module) -> tuple[int, Optional[str]]:
-    """``(layers tiled, why not)``: of an ``nn.Sequential``, every layer before its trailing
-    dropouts (those run after the tiles); of any other MLP, all of it (0). The reason names an
-    active dropout inside the tiled part, or an MoE block."""
+    """``(layers tiled, why not)``: a ``Sequential``'s layers before its trailing dropouts, else 0
+    (all of the MLP); why not: an active dropout in the tiled part, or an MoE block."""
     if isinstance(getattr(mlp, "experts", None), nn.Module):
         return 0, (f"{type(mlp).__name__} is a mixture of experts (an `experts` child): its "
                    "routing is not tiled")
@@ -179,8 +166,7 @@ def _hidden(mlps: list[nn.Module]) -> int:
 
 
 def tiles_for_length(floor: int, seq_len: int, hidden: int) -> int:
-    """The tiles of a call on ``seq_len`` tokens of width ``hidden``: ``max(floor, ceil(seq_len /
-    hidden))`` (ALST's one tile per ``hidden`` tokens, at least ``floor``).
+    """The tiles of a call on ``seq_len`` tokens: ``max(floor, ceil(seq_len / hidden))``.
 
     Example:
         >>> tiles_for_length(4, 8192, 4096), tiles_for_length(4, 131072, 4096)
@@ -190,8 +176,8 @@ def tiles_for_length(floor: int, seq_len: int, hidden: int) -> int:
 
 
 def tile_count_rule(mlps: list[nn.Module]) -> int:
-    """The floor of the tile count: ``max(2, ceil(intermediate / hidden))`` over ``mlps``, read
-    from each MLP's 2-D weights (largest / smallest dimension): the same on every rank.
+    """The tile count's floor, the same on every rank: ``max(2, ceil(intermediate / hidden))`` over
+    ``mlps``, read from each MLP's 2-D weights (largest / smallest dimension).
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(64, 176), nn.GELU(), nn.Linear(176, 64))
@@ -217,8 +203,7 @@ class _TiledState:
 
 
 def tiled_mlp_tiles(model: nn.Module, seq_len: Optional[int] = None) -> Optional[int]:
-    """The tile count of the tiled MLPs in ``model`` (its floor, or with ``seq_len`` the count a
-    call on that many tokens runs: :func:`tiles_for_length`), None when none is tiled.
+    """The tile count of ``model``'s tiled MLPs (its floor; with ``seq_len``, a call's), or None.
 
     Example:
         >>> tiled_mlp_tiles(nn.Linear(2, 2)) is None
@@ -234,9 +219,8 @@ def tiled_mlp_tiles(model: nn.Module, seq_len: Optional[int] = None) -> Optional
 
 
 class _HandGradsToParameters(torch.autograd.Function):
-    """Identity on ``x``; in backward hands the gradients accumulated on the detached parameter
-    aliases (by the tiles' recompute, which runs before this node's backward) to the parameters,
-    once: DDP's reducer sees one gradient per parameter per step."""
+    """Identity on ``x``; its backward (after the tiles' recompute) hands the aliases' gradients to
+    the parameters once: DDP's reducer sees one gradient per parameter per step."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, aliases: list[torch.Tensor],
@@ -299,11 +283,8 @@ def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class TiledMLP:
-    """Policy: tile the MLP of every repeated block along the sequence (DeepSpeed's ``TiledMLP``).
-
-    Args:
-        tiles: tiles per MLP call at every length; None: by the length, at least
-            :func:`tile_count_rule` (see the module).
+    """Policy: tile the MLP of every repeated block along the sequence (DeepSpeed's ``TiledMLP``)
+    into ``tiles`` per call at every length (None: by the length, at least :func:`tile_count_rule`).
 
     Example:
         >>> TiledMLP().is_applicable(nn.Linear(2, 2))
@@ -400,8 +381,7 @@ class TiledMLP:
 
 class TiledMLPRung(ModulePolicyRung):
     """The ladder's opt-in ``"tiled_mlp"`` rung: :class:`TiledMLP` behind the :class:`.base.Rung`
-    protocol. The dry run tiles its fake copy the same way (``TiledMLP`` runs on fake tensors).
-    FSDP1 and DeepSpeed strategies refuse it at set-up.
+    protocol, on a dry run's fake copy too; FSDP1 and DeepSpeed strategies refuse it at set-up.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
