@@ -75,8 +75,8 @@ class ValidationPeaks(pl.Callback):
         self.runs.append((batch["input_ids"].shape[1], self.probe.end_step().peak_bytes, self.said))
 
 
-def _fit_with_validation(lengths: list[int], max_steps: int = 4):
-    cb = SeqMemCallback(memory_budget=BUDGET, safety_margin=0.0, warmup_steps=1,
+def _fit_with_validation(lengths: list[int], max_steps: int = 4, budget: int = BUDGET):
+    cb = SeqMemCallback(memory_budget=budget, safety_margin=0.0, warmup_steps=1,
                         curriculum=Curriculum(start=64, target=1024, steps_per_stage=2,
                                               multiple_of=16))
     data = SyntheticTokenDataModule(batch_size=4, seq_len=1024, num_samples=4 * max_steps,
@@ -101,8 +101,8 @@ def test_a_validation_batch_over_the_budget_is_said_once_before_it_runs():
     assert runs[0][1] > 10 * BUDGET and runs[1][1] > 10 * BUDGET
     assert runs[0][2] == 1  # said before the first validation batch ran
     assert len(said) == 1 and "seq_len=1024, batch 4 is predicted to peak at" in said[0]
-    (key, predicted), = cb._validation.judged.items()
-    assert key == (1024, 4, ())
+    assert "no rung left makes its dry run fit" in said[0]  # SDPA: 14 MiB (the third run)
+    predicted = cb._validation.judged[(1024, 4, ())]
     # the dry run counts a training step's gradients and AdamW state: the sanity check (before any
     # step) peaks below it, the validation after two steps at most that state's bytes away
     assert all(peak <= predicted for _, peak, _ in runs)
@@ -116,3 +116,17 @@ def test_validation_batches_that_fit_are_never_said_and_the_shorter_not_dry_run(
     assert all(peak <= BUDGET for _, peak, _ in runs)
     # 64 tokens judged (sanity check); 32 within it: not dry-run
     assert [key[:2] for key in cb._validation.judged] == [(64, 4)]
+
+
+def test_a_rung_that_makes_the_validation_batch_fit_goes_on_before_it_runs():
+    """At 17 MB the 4 × 1024 validation batch fits with SDPA (14 MiB), not eager (139 MiB): the
+    attention rung goes on before the sanity check's batch runs, and every validation batch and
+    training step is measured within the budget."""
+    budget = 17_000_000
+    cb, runs, said = _fit_with_validation([1024], budget=budget)
+    assert len(said) == 1 and "switched on attention before it runs" in said[0], said
+    assert len(runs) == 3 and all(peak <= budget for _, peak, _ in runs)
+    assert runs[0][2] == 1  # said (and switched) before the first validation batch ran
+    assert cb.applied_mitigations[0] == "attention" and cb.mitigation_events[0]["step"] == 0
+    assert cb.records[0].mitigations[0] == "attention"
+    assert max(r.peak_bytes for r in cb.records) <= budget

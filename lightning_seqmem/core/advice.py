@@ -24,7 +24,8 @@ KINDS = {
     "stage_over_budget": "a curriculum stage (or the current one) did not fit: a mitigation was "
                          "switched on or the curriculum capped",
     "batch_over_budget": "a batch was predicted or measured over the budget",
-    "validation_over_budget": "a validation batch was predicted over the budget (its dry run)",
+    "validation_over_budget": "a validation batch was predicted over the budget (its dry run): "
+                              "rungs switched on before it, or what to change",
     "replay_disagrees": "the replay of short traces disagreed with the dry run at the target "
                         "length",
     "dry_run_unavailable":
@@ -123,16 +124,20 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
 
 
 def validation_over_budget(seq_len: int, batch_size: int, peak: int, bound: int, usable: int,
-                           budget: int, margin: float, applied: Sequence[str]) -> Advice:
-    """A validation batch is predicted over the budget: said before it runs; nothing is cut."""
+                           budget: int, margin: float, applied: Sequence[str],
+                           several_ranks: bool = False) -> Advice:
+    """A validation batch is predicted over the budget and no rung was switched for it: said once,
+    before it runs; nothing is cut."""
+    why = ("with several ranks the rungs switch before training batches only" if several_ranks
+           else "no rung left makes its dry run fit")
     return Advice(
         "validation_over_budget", "validation",  # once a run: the first shape over says it
         f"seqmem: a validation batch of seq_len={seq_len}, batch {batch_size} "
         f"{_peaked(peak, bound, 'dry run of validation_step', False)} with the rungs on now "
-        f"({', '.join(applied) or 'none'}), over {_usable(budget, usable, margin)}. Validation "
-        "batches are never cut and the rungs switch before training batches only: lower the "
-        "validation batch size or padded length, or build the model with the attention kernel "
-        "and loss it needs at that length.", PredictedOOMWarning)
+        f"({', '.join(applied) or 'none'}), over {_usable(budget, usable, margin)}, and "
+        f"{why}. Validation batches are never cut: lower the validation batch size or padded "
+        "length, or build the model with the attention kernel and loss it needs at that length.",
+        PredictedOOMWarning)
 
 
 def budget_unreachable(seq_len: int, batch_size: int, bound: int, method: str, usable: int,

@@ -31,6 +31,7 @@ class RungSpec:
     step_time_prior: float = 0.0  # extra step time as a fraction of the plain step, until measured
     linearises_attention: bool = False  # the L² term should fall after it: checked, warned if not
     first_step_check: bool = False  # its first step runs a one-time check (dry-run apart)
+    training_only: bool = False  # lowers only what backward keeps: no step without gradients
     # priors of named levels (``(("selective", 0.08),)``); a level "k/N" scales the prior by k/N
     level_priors: tuple[tuple[str, float], ...] = ()
     # priors on one device type where it differs (``(("cpu", 0.6),)``: an eager fallback kernel)

@@ -181,7 +181,8 @@ class SeqMemCallback(Callback):
         self.guard = Guard(state, self.planner)
         self._batches = BatchCycle(self.config, self.planner, state, self.guard)
         self._fit = FitCycle(self.config, self.planner, state, self.guard)
-        self._validation = ValidationCheck(self.config, self.planner, state, self.guard)
+        self._validation = ValidationCheck(self.config, self.planner, state, self.guard,
+                                           self._batches.switch_on)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ARGUMENTS:  # the arguments are `config`, frozen: a change is a new callback
@@ -301,9 +302,9 @@ class SeqMemCallback(Callback):
 
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                   batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Inside a fit, a new validation batch shape is dry-run; over the budget, it is said
-        before the batch runs (:class:`.validation_check.ValidationCheck`)."""
-        self._validation.before_batch(trainer, batch)
+        """Inside a fit, a new validation batch shape is dry-run; over the budget, rungs go on
+        before it runs, or it is said (:class:`.validation_check.ValidationCheck`)."""
+        self._validation.before_batch(trainer, pl_module, batch)
 
     # -- End of fit, reports, failures -------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

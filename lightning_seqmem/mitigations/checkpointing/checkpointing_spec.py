@@ -13,4 +13,5 @@ __all__ = ["SPEC"]
 # x1.259, all x1.271 / x1.373: selective's extra is 0.33-0.57 of full's, so 0.45 x 0.33 ~ 0.15. Its
 # dispatch mode costs per op: on small models as much as full (x1.42 vs x1.44, d_model 128, L=256).
 SPEC = RungSpec("checkpointing", "enable activation checkpointing", 0.33,
-                level_priors=(("selective", 0.15),), engine_feature="activation_checkpointing")
+                level_priors=(("selective", 0.15),), engine_feature="activation_checkpointing",
+                training_only=True)

@@ -8,4 +8,5 @@ __all__ = ["SPEC"]
 
 # one-sample micro-batches: the same FLOPs in smaller kernels; the first split step checks the loss
 SPEC = RungSpec("microbatch", "train with batch size 1 and gradient accumulation", 0.1,
-                first_step_check=True, engine_feature="gradient_accumulation")
+                first_step_check=True, engine_feature="gradient_accumulation",
+                training_only=True)
