@@ -1,19 +1,14 @@
-"""The rows of a plan's table dry-run in several processes at once (``seqmem plan --workers N``).
+"""A plan's table rows dry-run in several processes at once (``seqmem plan --workers N``).
 
-Each row of the table (length, mitigation set, offload) is one independent dry run, and the rows
-are most of a plan's time (on a 2-core laptop, one core sat idle). :func:`start_workers` starts
-``workers - 1`` Python processes (:func:`worker_command`; not forked: the ``dryrun`` wing runs a
-backward on import, and a process forked after one cannot run autograd) that set the plan up as
-this one does, meanwhile. :func:`collect_rows` hands the rows out in whole *families*
-(:func:`families`: one setting at every length, so its depth proof is made once), the likely
-costliest first, and merges the rows sent back (length-prefixed pickles over pipes) into the
-plan's cache. With several devices (``--budget 80GB h200``) the first is answered here, the others
-in the workers (:func:`device_plans`). Same rows, same answers; only ``seconds``, the order and a
-few dry runs made twice differ.
-
-Nothing here may fail a plan: a worker that cannot start, fails, dies or answers late
-(:data:`WAIT_FACTOR` times this process's own part, at least :data:`WAIT_FLOOR_S`) is killed and
-its rows are dry-run here. One worker, or no ``select`` on pipes (not POSIX): this process alone.
+Each row (length, mitigation set, offload) is an independent dry run, most of a plan's time.
+:func:`start_workers` starts ``workers - 1`` processes (:func:`worker_command`; not forked: the
+``dryrun`` wing runs a backward on import, after which a forked process cannot run autograd).
+:func:`collect_rows` hands out whole :func:`families` (a setting's depth proof made once),
+costliest first, merging the rows sent back (length-prefixed pickles over pipes) into the plan's
+cache; :func:`device_plans` answers the first device here, the others in the workers. Only
+``seconds``, the order and a few duplicate dry runs differ. Nothing here may fail a plan: a worker
+that cannot start, fails, dies or answers late (:data:`WAIT_FACTOR`) is killed and its rows are
+dry-run here. One worker, or no ``select`` on pipes (not POSIX): this process alone.
 
 Example:
     >>> [len(f) for f in families([(64, ("a",), None, False), (128, ("a",), None, False),
@@ -43,9 +38,8 @@ Key = tuple  # a PlanRun cache key: (seq_len, mitigations, world, offload)
 
 
 def default_workers() -> int:
-    """The processes a plan uses by default: ``SEQMEM_PLAN_WORKERS`` where set (a positive integer),
-    else the cores this process may run on, at most 2 (a laptop's plan gains little past that, and
-    each process holds its own copy of the fake steps).
+    """Processes a plan uses by default: ``SEQMEM_PLAN_WORKERS`` where set (a positive integer, else
+    ValueError), else the usable cores, at most 2 (each process holds its own fake steps).
 
     Example:
         >>> 1 <= default_workers() <= 2
@@ -64,9 +58,8 @@ def default_workers() -> int:
 
 
 def families(keys: list[Key]) -> list[list[Key]]:
-    """``keys`` grouped in *families* (one setting, with or without offload, at one world: its rows
-    at every length), the likely costliest first: offload before none (a host tracker and FSDP2's
-    copies beside the device's), more rungs before fewer, each family's lengths in order.
+    """``keys`` grouped in *families* (one setting, offload and world, at every length, in order),
+    likely costliest first: offload first (host tracker, FSDP2 copies), then more rungs first.
 
     Example:
         >>> [f[0][1:] for f in families([(64, (), None, False), (64, ("a", "b"), None, False),
@@ -107,8 +100,7 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 def worker_command() -> list[str]:
-    """The command line of a worker process: ``seqmem plan``'s :func:`serve` loop
-    (:func:`lightning_seqmem.cli.plan.serve_worker`).
+    """A worker's command line: :func:`serve` via :func:`lightning_seqmem.cli.plan.serve_worker`.
 
     >>> worker_command()[1:]
     ['-c', 'from lightning_seqmem.cli.plan import serve_worker; serve_worker()']
@@ -118,9 +110,8 @@ def worker_command() -> list[str]:
 
 
 def start_workers(args: Any, workers: int) -> Workers:
-    """Start ``workers - 1`` worker processes, each given ``args`` (the plan's parsed command line,
-    pickled) and this process's ``sys.path``: they import and set the plan up while this process
-    does; none with one worker, or where ``args`` cannot be pickled."""
+    """Start ``workers - 1`` workers, each sent ``args`` (the parsed command line, pickled) and
+    ``sys.path``; none with one worker, or where ``args`` cannot be pickled."""
     if workers < 2 or os.name != "posix":  # the answers are read with select()
         return Workers([])
     try:
@@ -185,8 +176,7 @@ def _merge(run: Any, rows: dict, runs: int, seconds: float) -> None:
 
 
 def _deadline(started: float) -> float:
-    """When a worker's answer is given up: :data:`WAIT_FACTOR` times this process's own share since
-    ``started``, at least :data:`WAIT_FLOOR_S` from now."""
+    """Deadline: now + max(:data:`WAIT_FLOOR_S`, :data:`WAIT_FACTOR` × time since ``started``)."""
     return time.monotonic() + max(WAIT_FLOOR_S, WAIT_FACTOR * (time.monotonic() - started))
 
 
@@ -196,10 +186,8 @@ def _ready(child: subprocess.Popen) -> bool:
 
 
 def collect_rows(run: Any, lengths: list[int], workers: Workers) -> int:
-    """Dry-run the table's rows at ``lengths`` here and in the workers, a family (:func:`families`)
-    at a time (each worker gets the next whenever it answers, this process the one after), every
-    row into ``run.cache`` (``run.dry_runs``, ``run.dry_seconds``: every process's); returns how
-    many processes answered, this one included. A failed, dead or late worker's family runs here."""
+    """Dry-run the rows at ``lengths`` here and in the workers (a failed, dead or late one's here)
+    into ``run.cache`` and the run's counters; returns how many processes answered, this one too."""
     todo = families(run.table_keys(lengths))
     busy: dict[subprocess.Popen, list[Key]] = {}
     answered: list[subprocess.Popen] = []
@@ -243,10 +231,9 @@ def collect_rows(run: Any, lengths: list[int], workers: Workers) -> int:
 
 def device_plans(run: Any, workers: Workers, budgets: list[Any], lengths: list[int],
                  local: Callable[[Any, int], dict]) -> list[dict]:
-    """Each device's answer (``local(budget, index)``: its plans and searches), the first here and
-    the others by the workers that answered :func:`collect_rows` (given this process's rows so far;
-    the rows they dry-run join ``run.cache``), in ``budgets`` order, each with ``"process"``: 0
-    here, ``i`` the ``i``-th worker; a device whose worker fails or is late is answered here."""
+    """Each device's answer (``local(budget, index)``) in ``budgets`` order, with ``"process"``:
+    0 for the first and any whose worker fails or is late (answered here), ``i`` for the ``i``-th
+    worker left by :func:`collect_rows` (its new rows join ``run.cache``)."""
     jobs: dict[int, subprocess.Popen] = {}
     snapshot = dict(run.cache)
     for i, child in zip(range(1, len(budgets)), workers.children):  # one job each: no second write
@@ -279,9 +266,8 @@ def _write(out: Any, message: Any) -> None:
 
 
 def _job(run: Any, args: Any, job: tuple, device_plan: Callable[..., dict]) -> tuple:
-    """One job's answer: ``("rows", keys)`` -> ``("ok", rows, dry runs, seconds)``; ``("device",
-    rows, budget, lengths)`` -> ``("ok", device_plan(run, lengths, budget, args), rows dry-run for
-    it, dry runs, seconds)``."""
+    """``("rows", keys)`` -> ``("ok", rows, dry runs, seconds)``; ``("device", rows, budget,
+    lengths)`` -> ``("ok", device_plan(...), new rows, dry runs, seconds)``."""
     before, seconds = run.dry_runs, run.dry_seconds
     if job[0] == "rows":
         rows = {tuple(key): run.dry(*key) for key in job[1]}
@@ -295,9 +281,8 @@ def _job(run: Any, args: Any, job: tuple, device_plan: Callable[..., dict]) -> t
 
 
 def serve(set_up: Callable[[Any], Any], device_plan: Callable[..., dict]) -> None:
-    """A worker's loop (:func:`worker_command` runs it): read ``(sys.path, args)`` from stdin and
-    ``set_up(args)`` the plan, then answer each job read (:func:`_job`; ``device_plan(run, lengths,
-    budget, args)`` answers a device) until stdin closes; a job that fails: ``("failed", why)``."""
+    """A worker's loop: read ``(sys.path, args)`` from stdin, ``set_up(args)``, then answer each
+    job (:func:`_job`) until stdin closes; a job that fails answers ``("failed", why)``."""
     out, stdin = sys.stdout.buffer, sys.stdin.buffer
     sys.stdout = sys.stderr  # nothing but the answers on stdout
     run = args = None

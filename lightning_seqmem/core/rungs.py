@@ -1,8 +1,9 @@
 """The rungs of the mitigation ladder as plain values (no torch): their specs and the registry.
 
-A rung is two halves: its :class:`RungSpec` here (name, advice words, step-time prior, the facts
-the planner acts on), and the torch half in :mod:`lightning_seqmem.mitigations` that switches it
-on and registers its spec (``ladder.register``). The planner reads specs, never compares names.
+A rung is its :class:`RungSpec` here (advice, step-time prior, the facts the planner reads instead
+of names) and a torch half in :mod:`lightning_seqmem.mitigations` that switches it on and registers
+the spec (``ladder.register``). A *variant* ``"<rung>:<level>"`` (``"checkpointing:3/8"``) is a rung
+at a level the planner chose (the bare name: full level), at most one per setting.
 
 Example:
     >>> check_mitigations(["attention", "microbatch"])
@@ -17,11 +18,6 @@ Example:
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'
     >>> spec("checkpointing").step_time_prior
     0.33
-
-A rung may come in levels (checkpointing k of N blocks, a selective policy): a *variant* is named
-``"<rung>:<level>"`` (``"checkpointing:3/8"``); the bare name is the rung's full level. A setting
-holds at most one variant of each rung. The user names rungs; the planner chooses their levels.
-
     >>> base_name("checkpointing:3/8"), level_of("checkpointing:3/8"), level_of("checkpointing")
     ('checkpointing', '3/8', None)
     >>> round(spec("checkpointing:3/8").step_time_prior, 4), spec("checkpointing:3/8").name
@@ -37,8 +33,7 @@ from lightning_seqmem.core.rung_spec import LEVEL_SEP, RungSpec
 
 
 class RungNotApplicable(ValueError):
-    """A setting asked about holds a rung this model cannot take (its own check says why): a dry
-    run, and so a forecast, of that setting would be the figure of another one.
+    """The model cannot take a rung (its check says why): a dry run would measure another setting.
 
     Example:
         >>> err = RungNotApplicable("fused_loss", "no causal LM found")
@@ -54,8 +49,8 @@ class RungNotApplicable(ValueError):
 
 RUNG_FOLDERS = ("attention", "checkpointing", "microbatch", "fused_loss", "tiled_mlp",
                 "activation_offload")
-"""The built-in rungs, one folder each (``mitigations/<rung>/``: the rung, its spec, its method
-card), default order then opt-in. A user's rung: its folder and ``ladder.register_folder``."""
+"""The built-in rungs, one folder each (``mitigations/<rung>/``: rung, spec, method card), default
+order then opt-in. A user's rung: its folder and ``ladder.register_folder``."""
 
 _BUILTIN = tuple(  # torch-free data (tests/test_imports.py)
     importlib.import_module(f"lightning_seqmem.mitigations.{folder}.{folder}_spec").SPEC
@@ -83,9 +78,8 @@ def level_of(name: str) -> "str | None":
 
 
 def at_most(a: str, b: str) -> bool:
-    """Whether variant ``a`` saves no more memory than ``b`` by construction: the same rung, and
-    ``a`` equal to ``b``, or ``b`` its full level (the bare name), or both ``k/N`` of the same N
-    with ``a``'s k not larger. Other levels are not compared (a selective policy vs k of N blocks).
+    """Whether variant ``a`` saves no more memory than ``b`` by construction (same rung, no higher
+    level: equal, ``b`` bare, or ``k/N`` of one N with ``a``'s k not larger).
 
     >>> c = "checkpointing"
     >>> at_most(f"{c}:3/8", c), at_most(f"{c}:3/8", f"{c}:5/8")
@@ -125,8 +119,7 @@ def rung_names() -> tuple[str, ...]:
 
 
 def rung_specs() -> dict[str, RungSpec]:
-    """The specs known now, as a plain dict copy (a planner's: it pickles, and a rung registered
-    later is not seen until the run binds the specs again).
+    """The specs known now, as a plain dict copy (it pickles; a rung registered later is not in it).
 
     >>> specs = rung_specs()
     >>> specs["checkpointing"].step_time_prior, "toy" in specs
@@ -136,17 +129,15 @@ def rung_specs() -> dict[str, RungSpec]:
 
 
 def spec(name: str, specs: Optional[Mapping[str, RungSpec]] = None) -> RungSpec:
-    """The spec of rung (or variant) ``name`` in ``specs`` (default: the registry); an unknown name
-    gets a spec with no special facts (never raises)."""
+    """The spec of rung or variant ``name`` in ``specs`` (default: registry), plain if unknown."""
     known = _SPECS if specs is None else specs
     base = known.get(base_name(name)) or RungSpec(base_name(name), f"switch {base_name(name)} on")
     return base.at(level_of(name))
 
 
 def engine_features(setting: Sequence[str]) -> frozenset[str]:
-    """The rungs of ``setting`` as other engines' config switches (``spec(n).engine_feature``,
-    e.g. ``"gradient_accumulation"``). A rung at a lower level (``"checkpointing:3/8"``) stands for
-    none: those switches are all or nothing.
+    """The rungs of ``setting`` as other engines' all-or-nothing config switches
+    (``spec(n).engine_feature``); a rung at a lower level (``"checkpointing:3/8"``) stands for none.
 
     >>> sorted(engine_features(["attention", "checkpointing", "microbatch"]))
     ['activation_checkpointing', 'gradient_accumulation', 'sdpa_attention']
@@ -164,8 +155,7 @@ def is_setting(names: Sequence[Any]) -> bool:
 
 def check_mitigations(value: Any, variants: bool = False) -> tuple[str, ...]:
     """Validate ``SeqMemCallback(mitigations=...)``: distinct names of known rungs. ``variants``: a
-    setting (a dry run's), where a rung may be named at a level (``"checkpointing:3/8"``), at most
-    one variant per rung; whether the rung has that level is the rung's to say (``ladder.rung``).
+    dry run's setting, a rung at most once, maybe at a level (checked by ``ladder.rung``).
 
     >>> check_mitigations(["attention", "checkpointing:3/8"], variants=True)
     ('attention', 'checkpointing:3/8')
@@ -216,8 +206,7 @@ def check_setting(value: Any, name: str = "mitigations") -> tuple[str, ...]:
 def remaining_advice(applied: Sequence[str], inapplicable: Sequence[str] = (),
                      device: str = "cuda") -> str:
     """What else would help, in words: every rung not on yet that applies (not ``inapplicable``,
-    not :data:`EXTRA_RUNGS`), cheapest first; with none left, what fits ``device`` (the run's
-    device type): sharding across GPUs on CUDA, a larger budget or a smaller step elsewhere.
+    not :data:`EXTRA_RUNGS`), cheapest first; with none left, what fits ``device`` (a device type).
 
     >>> remaining_advice((), inapplicable=("attention",))
     'enable activation checkpointing, or train with batch size 1 and gradient accumulation'

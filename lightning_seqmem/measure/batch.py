@@ -1,35 +1,24 @@
 """Read and set the sequence length of a training batch.
 
 Pure functions, no Lightning (after Composer's ``set_batch_sequence_length``):
-:func:`infer_batch_shape` finds ``(batch_size, seq_len)`` (:func:`read_batch_shape` through a
-user's ``seq_len_fn``); :func:`cut_batch` shortens a batch and says what the cut did
-(:class:`BatchCut`); :func:`set_batch_sequence_length` is its in-place form;
-:func:`can_cut_in_place` and :func:`padding_side` answer what their names ask.
+:func:`infer_batch_shape` finds ``(batch_size, seq_len)``; :func:`cut_batch` shortens a batch and
+says what the cut did (:class:`BatchCut`); :func:`set_batch_sequence_length` is its in-place form.
+A batch is a tensor, or a mapping (``dict``, ``BatchEncoding``, any ``Mapping``), list, tuple
+(``namedtuple`` too) or dataclass of tensors and other values, nested to any depth.
 
-**Batch formats.** A tensor, or a mapping (``dict``, ``BatchEncoding``, any ``Mapping``), list,
-tuple (``namedtuple`` too) or dataclass of tensors and other values, nested to any depth.
+**In place.** In Lightning's ``on_train_batch_start`` only a change *inside* the batch reaches
+``training_step``: a ``MutableMapping``, ``list`` or non-frozen dataclass is cut in place (nested
+immutable containers rebuilt); a tuple, read-only mapping, frozen dataclass or tensor comes back
+new, of use only where the caller hands it on (``collate_fn``, ``on_after_batch_transfer``).
 
-**Cutting in place.** In Lightning's ``on_train_batch_start`` only a change made *inside* the batch
-reaches ``training_step``. A ``MutableMapping``, a ``list`` and a non-frozen dataclass can be cut in
-place (nested immutable containers rebuilt inside them). A tuple, read-only mapping, frozen
-dataclass or bare tensor cannot: :func:`cut_batch` returns a new one, which helps only where the
-caller can hand it on (a ``collate_fn``, ``on_after_batch_transfer``).
-
-**The reference tensor** (its shape is the batch shape) is a 2-D integer tensor of token ids: in a
-mapping, ``input_ids`` when it is one (whatever its shape); otherwise the first met depth first,
-except that when it has one row (a broadcast ``[1, L]`` ``position_ids``) the tensor with the most
-rows among those of the same length ``L`` is taken (the first of equals).
-
-**Sequence tensors**, cut with the tokens (other than in ``keys`` mode), have first dimension ``B``
-or 1 and the reference length ``L`` at ``seq_dim`` (ids, labels, masks, embeddings ``[B, L, D]``)
-or at both last two dimensions (masks and biases ``[B, 1, L, L]``, and ``[B, L, L]`` when not
-float), cut on both. **Sequences of another length** (2-D integer or bool, ``B`` or 1 rows: the
-decoder ``labels [B, L/2]`` of an encoder-decoder) keep their ratio to ``L`` when truncated
-(:func:`scaled_length`).
-
-**Padding.** ``truncate=True`` keeps the first ``seq_len`` positions of every row, the last for a
-left-padded batch (:func:`padding_side` reads it from ``attention_mask``).
-"""
+**The reference tensor** (its shape is the batch shape) is a 2-D integer tensor of token ids:
+``input_ids`` in a mapping when it is one; else the first met depth first, but when that has one row
+(a broadcast ``[1, L]`` ``position_ids``), the first with the most rows of length ``L``. **Sequence
+tensors**, cut with the tokens (unless ``keys`` names them), have first dimension ``B`` or 1 and
+length ``L`` at ``seq_dim`` (ids, labels, masks, embeddings ``[B, L, D]``) or at both last two
+dimensions (``[B, 1, L, L]``, non-float ``[B, L, L]``), cut on both. **Sequences of another length**
+(2-D integer or bool, ``B`` or 1 rows: an encoder-decoder's ``labels [B, L/2]``) keep their ratio to
+``L`` when truncated (:func:`scaled_length`)."""
 
 from __future__ import annotations
 
@@ -59,8 +48,7 @@ _KEEP = ("auto", "first", "last")
 
 @dataclasses.dataclass(frozen=True)
 class BatchCut:
-    """What :func:`cut_batch` did: the batch it returns and the shape the batch really has
-    (``seq_len`` is read from the data: when they are shorter than asked nothing is cut)."""
+    """What :func:`cut_batch` did: the batch it returns and its real shape (read from the data)."""
 
     batch: Any  # the cut batch: the argument itself when cut in place or when nothing was cut
     batch_size: int  # rows after the cut: B, or B * L // seq_len with truncate=False
@@ -149,35 +137,29 @@ def _mask_plan(batch: Any, batch_size: int, length: int, seq_len: int, truncate:
 def cut_batch(batch: Any, seq_len: int, *, truncate: bool = True, keep: str = "auto",
               seq_dim: int = 1, keys: Optional[Iterable[str]] = None,
               in_place: bool = False) -> BatchCut:
-    """Shorten a batch to ``seq_len`` tokens per row; return the result and its real shape.
-
-    Sequence tensors (module docstring; with ``keys``, exactly ``batch[key]`` for each key) are
-    cut; other values (a per-sample ``index``, strings) are left alone but for ``truncate=False``.
-    If ``seq_len`` is not below the current length nothing is cut (never padded).
+    """Shorten a batch to ``seq_len`` tokens per row; return the result and its real shape. Sequence
+    tensors (module docstring; with ``keys``, exactly ``batch[key]`` for each key) are cut; other
+    values (a per-sample ``index``, strings) are left alone but for ``truncate=False``. If
+    ``seq_len`` is not below the current length nothing is cut (never padded).
 
     Args:
-        truncate: ``True`` keeps ``seq_len`` positions of every row (copied, so the full-length
-            storage is freed); ``[.., L, L]`` tensors keep the block ``[kept, kept]``. ``False``
-            keeps every token: rows ``[B, L]`` become ``[B * L // seq_len, seq_len]`` (chunk
-            ``j`` of sample ``b`` is row ``b * L // seq_len + j``), so ``seq_len`` must divide
-            ``L``; per-sample tensors with dim 0 equal to ``B`` are repeated to stay aligned,
-            broadcast ``[1, L]`` tensors split and tiled (``position_ids`` recomputed as
-            ``arange(seq_len)``), ``[..., L, L]`` masks keep their diagonal blocks. A chunk may
-            then hold only padding (counted in ``empty_rows``).
+        truncate: ``True`` keeps ``seq_len`` positions of every row, copied (freeing the full
+            storage); ``[.., L, L]`` tensors keep ``[kept, kept]``. ``False`` keeps every token:
+            ``[B, L]`` becomes ``[B * L // seq_len, seq_len]`` (``seq_len`` must divide ``L``;
+            chunk ``j`` of sample ``b`` is row ``b * L // seq_len + j``), per-sample tensors
+            repeated, broadcast ``[1, L]`` ones tiled (``position_ids`` as ``arange(seq_len)``),
+            ``[..., L, L]`` masks keep diagonal blocks; a chunk may be all padding (``empty_rows``).
         keep: ``"first"``, ``"last"``, or ``"auto"``: the last for a left-padded batch.
         seq_dim: the sequence dimension (>= 1; dim 0 is the batch).
         keys: names of the sequence tensors in a mapping batch, instead of detecting them (then
             they may be float, such as ``inputs_embeds``; cut at ``seq_dim`` only).
-        in_place: change the batch's own containers rather than return new ones (without it the
-            argument is untouched: new containers, new cut tensors, other values shared).
+        in_place: change the batch's own containers (else new ones; other values are shared).
 
     Returns:
-        A :class:`BatchCut`; ``kept``, ``padding_side`` and ``empty_rows`` are read from
-        ``attention_mask`` (one device sync per cut).
+        A :class:`BatchCut`, its mask facts read from ``attention_mask`` (one device sync).
 
     Raises:
-        ValueError: a bad argument, no sequence tensor found, or (``truncate=False``) ``seq_len``
-            does not divide the current length.
+        ValueError: a bad argument, no sequence tensor, or (``truncate=False``) ``L % seq_len``.
         TypeError: ``in_place=True`` for a container that cannot change in place.
 
     >>> import torch
@@ -228,8 +210,7 @@ def cut_batch(batch: Any, seq_len: int, *, truncate: bool = True, keep: str = "a
             size = scaled_length(x, batch_size, length, seq_len, seq_dim)
             if size is not None and size < x.shape[seq_dim]:  # encoder-decoder labels, [B, r·L]
                 begin = x.shape[seq_dim] - size if kept == "last" else 0
-                return x.narrow(seq_dim, begin, size).clone(
-                    memory_format=torch.contiguous_format)
+                return x.narrow(seq_dim, begin, size).clone(memory_format=torch.contiguous_format)
         if not truncate and x.dim() >= 1 and x.shape[0] == batch_size:
             return x.repeat_interleave(chunks, dim=0)
         return x
@@ -245,12 +226,9 @@ def cut_batch(batch: Any, seq_len: int, *, truncate: bool = True, keep: str = "a
 def set_batch_sequence_length(batch: BatchT, seq_len: int, *, truncate: bool = True,
                               seq_dim: int = 1, keys: Iterable[str] | None = None,
                               keep: str = "auto") -> BatchT:
-    """Set the sequence length of a batch to ``seq_len`` in place; return the batch.
-
-    :func:`cut_batch` with ``in_place=True``: a mutable mapping, list or non-frozen dataclass is
-    changed in place and returned (what ``training_step`` sees after ``on_train_batch_start``); a
-    tensor comes back new; a tuple, read-only mapping or frozen dataclass raises ``TypeError``
-    (:func:`can_cut_in_place` tells in advance). Never padded.
+    """Set the sequence length of a batch to ``seq_len`` in place; return the batch (never padded).
+    :func:`cut_batch` with ``in_place=True``: a tensor comes back new; a tuple, read-only mapping or
+    frozen dataclass raises ``TypeError`` (:func:`can_cut_in_place` tells in advance).
 
     >>> import torch
     >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "index": torch.tensor([0, 1])}
@@ -267,8 +245,7 @@ def set_batch_sequence_length(batch: BatchT, seq_len: int, *, truncate: bool = T
 
 
 def _keyed_shape(batch: Any, keys: Iterable[str], seq_dim: int) -> tuple[frozenset[str], int, int]:
-    """Check ``keys`` against a mapping batch; return them with (batch_size, seq_len). The named
-    tensors must agree on the length and the batch size (one row is broadcast)."""
+    """Check ``keys`` (tensors of one length and batch size, 1 broadcast); return (keys, B, L)."""
     if isinstance(keys, str):
         keys = [keys]
     key_list = list(keys)

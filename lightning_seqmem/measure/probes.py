@@ -1,17 +1,10 @@
 """Memory probes: what one training step really used, phase by phase.
 
-Two probes share one interface (:class:`MemoryProbe`): ``start_step`` at batch start,
-``mark_phase`` at each phase boundary (forward, backward, optimizer), ``end_step`` at batch end,
-which returns a :class:`StepMemory` (bytes).
-
-* :class:`CudaAllocatorProbe` reads the CUDA caching allocator's counters, the peak reset at every
-  phase boundary; reserved memory, fragmentation, inactive split blocks, retries and OOMs come from
-  ``torch.cuda.memory_stats``. A few microseconds per step.
-* :class:`TrackerProbe` works on any device (the only choice on CPU): a :class:`LiveTensorTracker`
-  gives exact live tensor bytes, counting the tensors that existed before the step. With
-  ``record_events=True`` it also keeps the ordered allocation/free sequence that
-  :mod:`lightning_seqmem.core.timeline` replays at other lengths.
-"""
+A :class:`MemoryProbe`'s ``start_step`` runs at batch start, ``mark_phase`` at each phase boundary
+(forward, backward, optimizer), ``end_step`` at batch end, returning a :class:`StepMemory` (bytes).
+:class:`CudaAllocatorProbe` reads the CUDA caching allocator (a few microseconds per step);
+:class:`TrackerProbe` works on any device: exact live tensor bytes (pre-step ones too) and, with
+``record_events=True``, the allocation/free events :mod:`lightning_seqmem.core.timeline` replays."""
 
 from __future__ import annotations
 
@@ -58,14 +51,10 @@ class MemoryProbe:
 
 
 class _EagerStance:
-    """``torch.compiler.set_stance("force_eager")`` while any tracked step holds it.
-
-    Under a ``TorchDispatchMode`` dynamo does not compile and marks the code to be skipped from then
-    on: one tracked step would leave a compiled module eager for the rest of the run. With the
-    stance dynamo is not asked, so untracked steps run compiled. Holders are counted (probes may
-    overlap and end in any order); the earlier stance comes back when the last one lets go, or when
-    an abandoned probe is collected.
-    """
+    """``torch.compiler.set_stance("force_eager")`` while any tracked step holds it: under a
+    ``TorchDispatchMode`` dynamo skips the code for good, so one tracked step would leave a compiled
+    module eager; with the stance dynamo is not asked. Holders are counted (probes may overlap); the
+    earlier stance comes back when the last lets go or an abandoned probe is collected."""
 
     holders = 0
     saved: Any = None
@@ -123,16 +112,14 @@ class TrackerProbe(MemoryProbe):
 
     def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False,
                    resident_bytes: int = 0) -> None:
-        """Start the step on the ``existing`` tensors, plus ``resident_bytes`` held by none of them
-        (:meth:`LiveTensorTracker.track_bytes`)."""
+        """Start the step on the ``existing`` tensors plus ``resident_bytes`` held by none."""
         self.abort()
         tracker = LiveTensorTracker(self.device_type, record_events=record_events)
         tracker.scratch, tracker.pinned = self.scratch, self.pinned
         tracker.track_existing(existing)
         tracker.track_bytes(resident_bytes)
         self._start_bytes = tracker.live_bytes
-        if _EagerStance.hold():  # a tracked step runs eager; the others stay compiled
-            # released once, by end, abort or GC
+        if _EagerStance.hold():  # released once, by end, abort or GC
             self._stance = weakref.finalize(self, _EagerStance.release)
         tracker.__enter__()
         self._tracker = tracker
@@ -173,9 +160,8 @@ class TrackerProbe(MemoryProbe):
 
 
 class DeviceAndHostProbe(MemoryProbe):
-    """Two probes over one step, their phases marked together: ``device`` (what :meth:`end_step`
-    returns; the device a dry run simulates) and ``host`` (its :class:`StepMemory` is
-    :attr:`host_memory` once the step ended), each counting its own device type.
+    """Two probes over one step, phases marked together: ``device`` (the device a dry run
+    simulates; :meth:`end_step` returns its figure) and ``host`` (its figure: :attr:`host_memory`).
 
     Example:
         >>> probe = DeviceAndHostProbe(TrackerProbe("seqmem"), TrackerProbe("cpu"))
@@ -222,15 +208,11 @@ class DeviceAndHostProbe(MemoryProbe):
 
 
 class CudaAllocatorProbe(MemoryProbe):
-    """Per-phase peaks from the CUDA caching allocator's counters.
-
-    ``reserved_bytes`` is the step's peak reserved memory; ``fragmentation_bytes`` that minus the
-    peak allocated (the two peaks may come from different moments), ``fragmentation_fraction`` that
-    over reserved. With ``record_events=True`` a :class:`LiveTensorTracker` runs alongside.
-
-    Note: it resets the device's peak counters at every step and phase boundary, so other code
-    reading ``torch.cuda.max_memory_allocated()`` sees the peak since the last boundary only.
-    """
+    """Per-phase peaks from the CUDA caching allocator's counters. ``reserved_bytes``: the step's
+    peak reserved memory; ``fragmentation_bytes``: that minus the peak allocated (the peaks may come
+    from different moments); ``fragmentation_fraction``: that over reserved. ``record_events=True``
+    runs a :class:`LiveTensorTracker` alongside. Resets the peak counters at every step and phase
+    boundary (``torch.cuda.max_memory_allocated()`` elsewhere sees the peak since the last one)."""
 
     name = "cuda"
 
@@ -301,9 +283,8 @@ _NOT_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules", "_trainer", 
 
 
 def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Tensors held as plain attributes of ``model`` or its submodules (neither parameters nor
-    buffers: caches such as a ``PositionalEncoding.pe``), directly or in a list, tuple or dict
-    attribute (one level deep).
+    """Tensors held as plain attributes of ``model`` or its submodules (caches such as
+    ``PositionalEncoding.pe``), directly or in a list, tuple or dict attribute (one level deep).
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
@@ -327,9 +308,7 @@ def attribute_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any],
                      batch: Any) -> list[torch.Tensor]:
-    """Tensors alive before a training step, each once: parameters, buffers, module attributes
-    (:func:`attribute_tensors`), gradients, optimizer state and what an optimizer holds besides
-    (:func:`optimizer_held_tensors`), batch.
+    """Tensors alive before a training step, each once: the model's, gradients, optimizers', batch.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
@@ -349,9 +328,8 @@ def existing_tensors(model: torch.nn.Module, optimizers: Iterable[Any],
 
 
 def optimizer_held_tensors(optimizer: Any, depth: int = 4) -> list[torch.Tensor]:
-    """Tensors an optimizer holds as attributes, in lists, tuples and dicts of them, and in
-    optimizers it wraps: DeepSpeed's ZeRO keeps flat fp32 partitions and gradient buffers so (about
-    4 bytes per parameter at ZeRO-2), which ``state`` does not show. Modules are not entered.
+    """Tensors an optimizer holds as attributes, in containers and wrapped optimizers (not modules),
+    unseen in ``state``: DeepSpeed ZeRO's flat fp32 partitions and gradient buffers (~4 B/param).
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
@@ -399,8 +377,7 @@ def round_cuda_block_bytes(nbytes: int) -> int:
 
 
 def make_probe(name: str, device: torch.device) -> MemoryProbe:
-    """The probe for ``SeqMemCallback(probe=name)`` on ``device`` (``"auto"``: the allocator
-    probe on CUDA, the tracker elsewhere).
+    """The probe for ``SeqMemCallback(probe=name)`` on ``device`` ("auto": allocator on CUDA).
 
     Example:
         >>> make_probe("auto", torch.device("cpu")).name

@@ -1,12 +1,10 @@
 """Fewer dry runs for the same decisions: buckets, bounds from dry runs made, guided searches.
 
-Pure maths on plain values, resting on one assumption: a step's peak does not fall when the
-length or the batch grows. So a dry run at a shape not shorter and not smaller bounds a shape from
-above (:func:`dominating`, :func:`bucket_up`), and "over" is never answered from another shape.
-:func:`largest_fitting` takes two dry runs where a bisection takes about seven;
-:func:`confirmed_largest` one, where the exact token is not needed (within about 2% of the
-largest on a quadratic); :func:`fitted_bytes` interpolates between the lengths dry-run (what a
-report shows there is that fit, named so).
+Pure maths on plain values, assuming a step's peak does not fall as the length or batch grows: a
+dry run bounds from above every shape no longer and no larger (:func:`dominating`,
+:func:`bucket_up`); "over" is never answered from another shape. :func:`largest_fitting` takes two
+dry runs where a bisection takes about seven, :func:`confirmed_largest` one (within about 2% of the
+largest on a quadratic); :func:`fitted_bytes` interpolates between the lengths dry-run.
 
 Example:
     >>> bucket_up(300), bucket_up(256), bucket_up(1000), bucket_up(12)
@@ -47,9 +45,8 @@ def bucket_up(seq_len: int, per_octave: int = 8) -> int:
 
 
 AHEAD_REACH = 2
-"""Without a curriculum, how far past the longest length known a dry run looks ahead (a factor): a
-dry run costs about the same at any length, and one that fits answers for every shorter length, so
-dynamic padding needs a dry run only when the data first goes past the reach."""
+"""How far past the longest length known a dry run looks ahead without a curriculum (a factor): it
+costs about the same at any length and, if it fits, answers for every shorter one."""
 
 
 def ahead_length(seq_len: int, longest: int, bounds: Mapping[int, int], budget: int,
@@ -83,8 +80,7 @@ def ahead_length(seq_len: int, longest: int, bounds: Mapping[int, int], budget: 
 
 def dominating(answers: Mapping[tuple[int, int], int], seq_len: int,
                batch_size: int) -> Optional[tuple[int, int]]:
-    """Of the ``(seq_len', batch_size') -> peak_bytes`` answers with ``seq_len' >= seq_len`` and
-    ``batch_size' >= batch_size``, the one with the smallest peak (the tightest bound), or None.
+    """Key of the least-peak answer at least ``seq_len`` long and ``batch_size`` large, or None.
 
     >>> dominating({(64, 2): 10, (128, 1): 20}, 100, 2) is None
     True
@@ -120,10 +116,9 @@ def crossing(bounds: Mapping[int, int], budget: int) -> Optional[int]:
 
 def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
                     known: Iterable[int] = ()) -> int:
-    """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget``, given that ``lo`` fits and that
-    the bound grows with ``x`` (``None``: taken as over): ``hi`` asked first, then
-    :func:`~lightning_seqmem.core.search.interpolated_last`. ``known``: points whose bound costs
-    nothing (cached): they bracket the search first.
+    """Largest ``x`` in ``[lo, hi]`` with ``bound(x) <= budget`` (``None``: over), given that ``lo``
+    fits and the bound grows with ``x``: ``hi`` first, then the free (cached) points ``known``, then
+    :func:`~lightning_seqmem.core.search.interpolated_last`.
 
     >>> largest_fitting(1, 10, lambda x: x, budget=100)   # hi fits: one call
     10
@@ -148,15 +143,13 @@ def largest_fitting(lo: int, hi: int, bound: Callable[[int], Optional[int]], bud
 
 
 CONFIRM_SLACK = 0.01
-"""How far below the budget :func:`confirmed_largest` aims its guess (a fraction of what the bytes
-grow by from the shortest length known to the budget: about half that fraction of the length), so
-that the one dry run confirming it fits; a refit must say twice that fraction longer to be tried."""
+"""How far below the budget :func:`confirmed_largest` aims, so its dry run fits: a fraction of the
+bytes' growth from the shortest known length (~half that of the length); refits need twice that."""
 
 
 def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
-    """The bytes at length ``x`` of the parabola through the three ``points`` (length -> bytes)
-    nearest ``x`` (``p + q·L²`` through two; None with fewer), kept between the values known on
-    either side (a step's peak does not fall as the length grows): exact at the points.
+    """Bytes at length ``x`` of the parabola through the 3 ``points`` (length -> bytes) nearest it
+    (``p + q·L²`` through 2; None with fewer), clamped between known neighbours: exact at points.
 
     >>> peak = {L: 1_000 + 3 * L * L for L in (100, 200, 400)}
     >>> fitted_bytes(peak, 300), 1_000 + 3 * 300 * 300   # a quadratic: exact between the points
@@ -186,8 +179,7 @@ def fitted_bytes(points: Mapping[int, int], x: int) -> Optional[float]:
 
 
 def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int, step: int = 1) -> int:
-    """The largest multiple of ``step`` in ``[lo, hi]`` whose :func:`fitted_bytes` fits ``budget``
-    (``lo`` when none does; pure arithmetic, no dry run).
+    """Largest multiple of ``step`` in ``[lo, hi]`` whose :func:`fitted_bytes` fits, else ``lo``.
 
     >>> fitted_largest({L: 1_000 + 3 * L * L for L in (256, 512)}, 3_000_000, 512, 4096)   # 999.8
     999
@@ -212,10 +204,9 @@ def fitted_largest(points: Mapping[int, int], budget: int, lo: int, hi: int, ste
 def confirmed_largest(lo: int, hi: int, bound: Callable[[int], Optional[int]], budget: int,
                       known: Mapping[int, int], step: int = 1, tries: int = 2,
                       slack: float = CONFIRM_SLACK) -> int:
-    """A large length in ``[lo, hi]`` (a multiple of ``step``) whose ``bound`` fits ``budget``,
-    given that ``lo`` fits: :func:`fitted_largest` of the bounds ``known`` (cached) aimed just below
-    the budget (:data:`CONFIRM_SLACK`), confirmed by one call of ``bound``; refit, it guesses again
-    (``tries`` in all) where the refit disagrees by more than ``2 · slack``; ``lo`` if none fits.
+    """A large multiple of ``step`` in ``[lo, hi]`` whose ``bound`` fits ``budget`` (else ``lo``,
+    which fits): :func:`fitted_largest` of the cached ``known`` aimed ``slack`` low, checked by one
+    ``bound`` call; it guesses again (``tries`` in all) where a refit differs by over ``2·slack``.
 
     >>> peak = lambda L: 1_000 + 3 * L * L   # the largest to fit 3 MB: 999; aimed 1% below
     >>> calls = []
