@@ -3,7 +3,9 @@ the byte, and a validation batch over the budget is said before it runs (once), 
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -17,6 +19,7 @@ from lightning_seqmem.measure.probes import TrackerProbe, existing_tensors
 from lightning_seqmem.measure.steps import training_step_memory, validation_step_memory
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 from lightning_seqmem.reference.hf import HFCausalLM
+from lightning_seqmem.trainer.outputs import report_dir
 
 MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=64)
 BUDGET = 10_700_000  # bytes: the eager model trains 80 tokens at batch 4 (tests/test_ladder.py)
@@ -87,8 +90,9 @@ def _fit_with_validation(lengths: list[int], max_steps: int = 4, budget: int = B
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         peaks = ValidationPeaks(caught)
-        make_trainer([cb, peaks], max_steps=max_steps, val_check_interval=2,
-                     num_sanity_val_steps=1).fit(ValidatedGPT(**MODEL, attention="eager"), data)
+        cb.trainer = make_trainer([cb, peaks], max_steps=max_steps, val_check_interval=2,
+                                  num_sanity_val_steps=1)
+        cb.trainer.fit(ValidatedGPT(**MODEL, attention="eager"), data)
     said = [str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning)
             and "validation batch" in str(w.message)]
     return cb, peaks.runs, said
@@ -108,6 +112,10 @@ def test_a_validation_batch_over_the_budget_is_said_once_before_it_runs():
     assert all(peak <= predicted for _, peak, _ in runs)
     assert runs[1][1] >= 0.99 * predicted
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # the training batches kept it
+    # the callback measured the batch it judged (the sanity check's), as the test's probe did
+    (row,) = cb.edge.validation
+    assert (row["global_step"], row["seq_len"], row["dry_run_peak_bytes"]) == (0, 1024, predicted)
+    assert row["peak_bytes"] == runs[0][1]
 
 
 def test_validation_batches_that_fit_are_never_said_and_the_shorter_not_dry_run():
@@ -130,3 +138,14 @@ def test_a_rung_that_makes_the_validation_batch_fit_goes_on_before_it_runs():
     assert cb.applied_mitigations[0] == "attention" and cb.mitigation_events[0]["step"] == 0
     assert cb.records[0].mitigations[0] == "attention"
     assert max(r.peak_bytes for r in cb.records) <= budget
+    # recorded and reported: the batch with SDPA on, its dry run and its measured peak
+    first = cb.edge.validation[0]
+    assert first["mitigations"] == ["attention"] and first["peak_bytes"] == runs[0][1]
+    # the sanity check runs before any step: the dry run's gradients and AdamW state (two moments
+    # and a 4-byte step per parameter tensor) are all it counts beyond the measured batch
+    params = list(cb.trainer.lightning_module.parameters())
+    state = sum(3 * p.numel() * p.element_size() + 4 for p in params)
+    assert first["dry_run_peak_bytes"] - first["peak_bytes"] == state
+    folder = Path(report_dir(cb.trainer))
+    assert json.loads((folder / "seqmem_report.json").read_text())["validation"][0] == first
+    assert "## Validation batches" in (folder / "seqmem_report.md").read_text()

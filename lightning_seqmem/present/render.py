@@ -351,6 +351,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("breakdown"):
         parts += [render_breakdown_markdown(report["breakdown"],
                                             "## Where the memory goes (breakdown)")]
+    if report.get("validation"):
+        parts += ["## Validation batches (the first of each shape)", "", _md_table(
+            ["global step", "seq_len", "batch", "rungs on", "dry run", "measured"],
+            [[str(v["global_step"]), str(v["seq_len"]), str(v["batch_size"]),
+              ", ".join(v["mitigations"]) or "none", format_bytes(v["dry_run_peak_bytes"]),
+              format_bytes(v["peak_bytes"])] for v in report["validation"]]), ""]
     parts += ["## Warnings", ""]
     parts += [f"- `{w['key']}`: {w['meaning']}" for w in report["warnings"]] or ["None."]
     s = report["records_summary"]

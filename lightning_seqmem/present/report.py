@@ -302,7 +302,8 @@ def _peak_site(view: "PlanView", breakdown: Optional[dict[str, Any]]) -> Optiona
 
 def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
                  include_records: bool = True, device: Any = None, probe: Optional[str] = None,
-                 breakdown: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 breakdown: Optional[dict[str, Any]] = None,
+                 validation: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
     """Everything the planner knows, as plain JSON-able values (bytes, tokens, fractions).
 
     Keys: ``format``, ``created``, ``run`` (device, budget, model, precision, curriculum),
@@ -310,7 +311,8 @@ def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
     peak), ``predictors`` (fits, replay, verifications, accuracy), ``forecasts`` (at the measured
     and curriculum lengths, the target × 2 and × 4; the largest length that fits), ``mitigations``,
     ``warnings``, ``records_summary``, ``summary`` (a :class:`~.summary.RunSummary`), ``breakdown``
-    (with ``SeqMemCallback(breakdown=True)``), ``peak_site`` (:func:`_peak_site`) and, with
+    (with ``SeqMemCallback(breakdown=True)``), ``validation`` (the validation batches measured:
+    shape, rungs, dry-run and measured peaks), ``peak_site`` (:func:`_peak_site`) and, with
     ``include_records``, ``records`` (every :class:`~lightning_seqmem.StepRecord` as a dict)."""
     batch_size = view.evidence.measured.last_batch_size
     if batch_size is None and view.evidence.measured.records:
@@ -329,6 +331,7 @@ def build_report(view: "PlanView", trainer: Optional["pl.Trainer"] = None,
     }
     if breakdown is not None:
         report["breakdown"] = breakdown
+    report["validation"] = list(validation or [])
     report["peak_site"] = _peak_site(view, breakdown)
     if include_records:
         report["records"] = [r.to_dict() for r in view.evidence.measured.records]

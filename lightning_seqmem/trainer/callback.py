@@ -302,9 +302,14 @@ class SeqMemCallback(Callback):
 
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                   batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Inside a fit, a new validation batch shape is dry-run; over the budget, rungs go on
-        before it runs, or it is said (:class:`.validation_check.ValidationCheck`)."""
+        """Inside a fit, a new validation batch shape is dry-run (over the budget, rungs go on
+        before it runs, or it is said) and measured (:class:`.validation_check.ValidationCheck`)."""
         self._validation.before_batch(trainer, pl_module, batch)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                outputs_: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        self._validation.after_batch()
 
     # -- End of fit, reports, failures -------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

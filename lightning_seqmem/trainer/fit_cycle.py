@@ -261,7 +261,8 @@ class FitCycle:
         probe = f"{probe}: measurements and forecasts {note}" if note else probe
         return outputs.write_report(PlanView.of(self.planner), trainer, directory,
                                     device=self.edge.device, probe=probe,
-                                    breakdown=self.edge.breakdown_report)
+                                    breakdown=self.edge.breakdown_report,
+                                    validation=self.edge.validation)
 
     def program_note(self) -> tuple[str, str]:
         """(the probe's name, which program it measures: :func:`.advice.program_note`, or "")."""

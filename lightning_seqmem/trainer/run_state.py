@@ -47,6 +47,8 @@ field                       what it holds (who writes it)
 ``window_batch``            the batch of the step window open now (batch start to end; None
                             between): a dry run inside leaves room beside it
                             (:func:`.own_memory.value_room_bytes`)
+``validation``              the validation batches measured (rank zero: the first of each shape
+                            dry-run), their predicted and measured peaks (``ValidationCheck``)
 ==========================  ========================================================================
 
 Example:
@@ -98,6 +100,7 @@ class EdgeState:
     device: Optional["torch.device"] = None
     fit_refs: Optional[tuple[Any, Any]] = None
     window_batch: Any = None
+    validation: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def next_fit(self, continues: bool) -> "EdgeState":
         """A fresh state for the next fit; ``continues`` (same Trainer and module) keeps breakdowns.

@@ -23,11 +23,12 @@ from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.measure.batch_shape import read_batch_shape
+from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.choose import Choice, choose, describe, switched_on
 from lightning_seqmem.plan.judging import Verdict, dry_run_bound
 from lightning_seqmem.plan.protocol import Planner
-from lightning_seqmem.trainer.guard import Guard
+from lightning_seqmem.trainer.guard import Guard, guarded
 from lightning_seqmem.trainer.run_state import EdgeState
 
 __all__ = ["ValidationCheck"]
@@ -48,8 +49,9 @@ class ValidationCheck:
         self.switch_on = switch_on
         self.judged: dict[tuple[int, int, Setting], Any] = {}
 
+    @guarded
     def before_batch(self, trainer: Any, pl_module: Any, batch: Any) -> None:
-        """``on_validation_batch_start``: judge this batch's shape if it is new (never raises)."""
+        """``on_validation_batch_start``: judge this batch's shape if it is new, and measure it."""
         runner, settings = self.edge.dry_runner, self.planner.settings
         if (runner is None or self.edge.failed or settings.usable_budget_bytes is None
                 or trainer.state.fn != TrainerFn.FITTING):
@@ -64,8 +66,46 @@ class ValidationCheck:
                 and dry_run_bound(peak) <= usable for (L, B, on), peak in self.judged.items()):
             return
         peak = self._peak(runner, batch, seq_len, batch_size, applied)
-        if peak is None or dry_run_bound(peak) <= usable:
+        if peak is not None and dry_run_bound(peak) > usable:
+            self._over(trainer, pl_module, runner, batch, seq_len, batch_size, peak)
+        self._start(trainer, pl_module, batch, seq_len, batch_size)
+
+    def _start(self, trainer: Any, pl_module: Any, batch: Any, seq_len: int,
+               batch_size: int) -> None:
+        """Measure this batch (its shape was dry-run, with the rungs on now): a row in
+        ``edge.validation`` at its end."""
+        probe, applied = self.edge.probe, self.planner.ladder.applied
+        if probe is None or probe.running:
             return
+        probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch))
+        probe.mark_phase("forward")
+        self.edge.validation.append({
+            "global_step": trainer.global_step, "seq_len": seq_len, "batch_size": batch_size,
+            "mitigations": list(applied), "peak_bytes": None,
+            "dry_run_peak_bytes": self.judged.get((seq_len, batch_size, applied))})
+
+    @guarded
+    def after_batch(self) -> None:
+        """``on_validation_batch_end``: the measured peak of a batch :meth:`before_batch` began
+        measuring; one warning where it ran over the usable budget."""
+        probe, usable = self.edge.probe, self.planner.settings.usable_budget_bytes
+        if probe is None or not probe.running or not self.edge.validation or self.edge.failed:
+            return
+        row = self.edge.validation[-1]
+        row["peak_bytes"] = peak = probe.end_step().peak_bytes
+        if usable is not None and peak > usable and "validation" not in self.planner.advice.warned:
+            self.guard.warn_once(A.Advice(  # (a prediction over the budget said it before)
+                "validation_over_budget", "validation-measured",
+                f"seqmem: a validation batch of seq_len={row['seq_len']}, batch "
+                f"{row['batch_size']} peaked at {format_bytes(peak)}, over the usable budget "
+                f"{format_bytes(usable)} (measured; rungs on: "
+                f"{', '.join(row['mitigations']) or 'none'}).", A.PredictedOOMWarning))
+
+    def _over(self, trainer: Any, pl_module: Any, runner: Any, batch: Any, seq_len: int,
+              batch_size: int, peak: int) -> None:
+        """Over the budget: the rungs that make it fit go on (one process), or it is said."""
+        usable, applied = self.planner.settings.usable_budget_bytes, self.planner.ladder.applied
+        settings = self.planner.settings
         choice = (self._choose(trainer, pl_module, runner, batch, seq_len, batch_size)
                   if trainer.world_size == 1 else None)
         if choice is not None and choice.fits:
