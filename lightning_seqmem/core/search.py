@@ -1,9 +1,6 @@
-"""The searches for "largest length that fits" and "smallest world size that fits": bisection,
-and (:func:`interpolated_last`) guesses from the points known (:mod:`..plan.dry_search` uses it).
-
-Every predicate is monotone: a length that fits has every shorter one fit (a peak never falls as L
-grows); a world size that fits has every larger one fit. Each function asks the predicate as few
-times as a bisection must; callers cache expensive answers (dry runs) themselves.
+"""Searches for the largest length and the smallest world size that fit: bisection, and guesses
+from known points (:func:`interpolated_last`). Predicates are monotone (a peak never falls as L
+grows; more ranks never hurt); each asks as few times as a bisection must; callers cache dry runs.
 
 Example:
     >>> largest_fitting(lambda L: 3 * L * L <= 10_000)  # 57² · 3 = 9747, 58² · 3 = 10092
@@ -40,10 +37,9 @@ def bisect_last(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional[int] = None,
                     step: int = 1, hint: Optional[int] = None,
                     limit: int = UNBOUNDED_SEQ_LEN) -> int:
-    """Largest multiple of ``step`` in ``[low, high)`` that ``fits``; 0 when ``low`` (rounded up to
-    a multiple of ``step``) does not fit. Without ``high`` the search doubles from ``hint`` (default
-    ``2·low``) until a length does not fit, and returns ``limit`` when every length up to it fits.
-    With ``high`` the largest candidate is asked first: when it fits it is the answer.
+    """Largest multiple of ``step`` in ``[low, high)`` that ``fits``; 0 when ``low`` (rounded up)
+    does not. With ``high`` the largest candidate is asked first; without, the search doubles from
+    ``hint`` (default ``2·low``) until one does not fit, returning ``limit`` if all up to it fit.
 
     Example:
         >>> largest_fitting(lambda L: L <= 5, hint=4)
@@ -77,10 +73,9 @@ def largest_fitting(fits: Callable[[int], bool], *, low: int = 1, high: Optional
 
 
 def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[float]:
-    """Where the curve through ``points`` (``(x, value)``, 2 or 3, ascending) reaches ``limit``: the
-    root of the interpolating parabola nearest the points; through two, of ``p + q·x²`` (a line
-    where the points are not so ordered); where three give no root, of the line through the outer
-    two; None where there is none (flat).
+    """Where the curve through ``points`` (2 or 3 ascending ``(x, value)``) reaches ``limit``: the
+    root nearest the points of the parabola through three (else of the line through the outer two),
+    of ``p + q·x²`` through two (else of their line); None where flat.
 
     >>> crossing_of([(100, 10_000.0), (200, 40_000.0), (400, 160_000.0)], 90_000)  # 1·L²
     300.0
@@ -113,12 +108,10 @@ def crossing_of(points: Sequence[tuple[int, float]], limit: float) -> Optional[f
 
 def interpolated_last(value: Callable[[int], float], limit: float, lo: int, hi: int,
                       known: Optional[dict[int, float]] = None) -> int:
-    """Largest ``x`` in ``[lo, hi)`` with ``value(x) <= limit`` (``lo`` fits or is a sentinel,
-    ``hi`` does not; ``value`` never falls as ``x`` grows): :func:`bisect_last`'s answer with far
-    fewer questions where ``value`` is smooth. Each guess interpolates the values known nearest the
-    bracket (``known``: ``x -> value``, extended with every answer) and is closed in from both
-    sides; a guess that does not halve the bracket is followed by its midpoint, so it never asks
-    more than about twice a bisection's count.
+    """Largest ``x`` in ``[lo, hi)`` with ``value(x) <= limit`` (:func:`bisect_last`'s answer;
+    ``value`` never falls as ``x`` grows) in far fewer asks where ``value`` is smooth: each guess
+    interpolates the known values (``known``: ``x -> value``, extended by every answer) nearest the
+    bracket; one not halving it is followed by its midpoint: at most ~twice a bisection's asks.
 
     Example:
         >>> asked = []

@@ -1,19 +1,16 @@
 """Host memory beside a dry run's device: what one step keeps in host (CPU) memory.
 
 On an accelerator (CUDA, or the simulated one of :mod:`.accelerator`) a second live-tensor tracker
-counts device type ``"cpu"`` in the same fake step, with the same phases
-(:class:`~lightning_seqmem.measure.probes.DeviceAndHostProbe`): FSDP2 ``CPUOffloadPolicy``'s
-shards, gradients and optimizer state, ``save_on_cpu``'s saved activations, AdamW's ``step``
-scalars (unless fused or capturable); those alive before the step count as existing.
-
-Pinned memory is counted as PyTorch's caching host allocator holds it, each block rounded up to a
-power of two (``CachingHostAllocator.h``: ``PowerOf2Ceil``). Pinned are ``pin_memory()`` results,
-tensors made with ``pin_memory=True`` and non-blocking device-to-host copies (FSDP2's offloaded
-gradients). Fake tensors have no pinned state and ``aten._pin_memory`` no fake kernel, so
-:func:`register_fake_pin_memory` adds one and the pinned storages are remembered here (by
-:class:`PinWatch` while FSDP2 shards, by the host tracker in the step). Not modelled: the host
-allocator's cache of freed pinned blocks, pageable allocator overheads, host memory outside the
-step's tensors. On the CPU itself there is no host apart: host peaks are 0.
+counts device type ``"cpu"`` in the same fake step and phases (:class:`DeviceAndHostProbe`): FSDP2
+``CPUOffloadPolicy``'s shards, gradients and optimizer state, ``save_on_cpu``'s activations,
+AdamW's ``step`` scalars (unless fused or capturable); those alive before the step count as
+existing. On the CPU itself host peaks are 0. Pinned memory (``pin_memory()``, ``pin_memory=True``,
+non-blocking device-to-host copies such as FSDP2's offloaded gradients) counts as PyTorch's caching
+host allocator holds it, each block rounded up to a power of two (``CachingHostAllocator.h``:
+``PowerOf2Ceil``). Fake tensors have no pinned state nor a fake ``aten._pin_memory``:
+:func:`register_fake_pin_memory` adds one, and pinned storages are remembered here (by
+:class:`PinWatch` while FSDP2 shards, by the host tracker in the step). Not modelled: the cache of
+freed pinned blocks, pageable allocator overheads, host memory outside the step's tensors.
 
 Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -75,8 +72,7 @@ def is_pinned_storage(storage: torch.UntypedStorage) -> bool:
 
 
 def mark_pinned(tensor: torch.Tensor) -> None:
-    """Count the storages of fake host tensor ``tensor`` as pinned from now on (what a real step
-    leaves pinned where the dry run made it otherwise: FSDP2's offloaded gradients)."""
+    """Count fake host ``tensor``'s storages as pinned, as a real step would (FSDP2's gradients)."""
     from lightning_seqmem.measure.tracker import tensor_storages
 
     for storage in tensor_storages(tensor):
@@ -84,17 +80,15 @@ def mark_pinned(tensor: torch.Tensor) -> None:
 
 
 def _fake_pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
-    """``aten._pin_memory`` on a fake tensor: a copy in a new host storage, same strides (pinned
-    storages are told by :class:`PinWatch` or the host tracker: the fake mode's cache answers a
-    second call of the same shape without this kernel)."""
+    """``aten._pin_memory`` on a fake tensor: a new host storage, same strides (:class:`PinWatch` or
+    the host tracker marks it pinned: the fake mode's cache answers repeat calls without this)."""
     return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype,
                                device=tensor.device)
 
 
 class PinWatch(TorchDispatchMode):
-    """Remembers as pinned the host storages ops allocate in pinned memory while it is entered
-    (above a ``FakeTensorMode``): what FSDP2 pins as ``fully_shard`` and its set-up run, before any
-    step is tracked.
+    """Remembers as pinned the host storages ops allocate in pinned memory while entered (above a
+    ``FakeTensorMode``): what FSDP2 pins in ``fully_shard`` and its set-up run, before any step.
 
     Example:
         >>> from torch._subclasses.fake_tensor import FakeTensorMode
@@ -115,8 +109,7 @@ class PinWatch(TorchDispatchMode):
 
 
 def register_fake_pin_memory() -> None:
-    """Give ``aten._pin_memory`` a fake kernel (process-wide, once; PyTorch has none), so that
-    ``tensor.pin_memory()`` runs on fake tensors (FSDP2's ``CPUOffloadPolicy(pin_memory=True)``)."""
+    """Give ``aten._pin_memory`` a fake kernel (once per process) so fake tensors can be pinned."""
     with _LOCK:
         if _STATE["library"] is None:
             library = torch.library.Library("aten", "FRAGMENT")
@@ -147,8 +140,7 @@ def pinned_storage(storage: torch.UntypedStorage, func: Any, args: Any,
 
 
 def with_host_probe(probe: MemoryProbe, device: torch.device) -> MemoryProbe:
-    """``probe`` on ``device`` and a host tracker beside it (:class:`DeviceAndHostProbe`) where
-    the host is apart from ``device``; ``probe`` itself on the CPU."""
+    """``probe``, with a host tracker beside it (:class:`DeviceAndHostProbe`) off the CPU."""
     if host_of(device) is None:
         return probe
     register_fake_pin_memory()
@@ -159,9 +151,8 @@ def with_host_probe(probe: MemoryProbe, device: torch.device) -> MemoryProbe:
 
 def host_events(memory: Optional[StepMemory],
                 pinned_blocks: bool = True) -> Optional[TrackedEvents]:
-    """The allocation/free sequence of the host side of a step (None without one), each pinned
-    allocation rounded up to a power of two (what the host holds; ``pinned_blocks=False``: the
-    tensors' own bytes), for :func:`.step.replay_peaks`.
+    """The host side's allocation/free sequence of a step for :func:`.step.replay_peaks` (None
+    without one), pinned allocations rounded up to a power of two (``pinned_blocks=False``: not).
 
     Example:
         >>> ev = TrackedEvents(sizes=[100, 3000], ops=["<existing>", "empty" + PINNED],

@@ -2,31 +2,22 @@
 
 Built-in rungs, in the default order (``SeqMemCallback(mitigations=...)`` may reorder or drop them):
 
-===================  ==================================================  ======================
-name                 what it does                                        cost (prior)
-===================  ==================================================  ======================
-``"attention"``      eager → SDPA (→ flash-attn where installed, on      none: no L² matrix,
-                     CUDA, fp16/bf16): :class:`AttentionRung`            no extra compute
-``"checkpointing"``  recompute each transformer block in backward:       ~25-35% more compute
-                     :class:`CheckpointingRung`; at a level:             k/N of that for
-                     ``"checkpointing:k/N"`` (first k of N blocks),      ``k/N``; ~15% for
-                     ``"checkpointing:selective"`` (pointwise ops only)  ``selective``
-``"microbatch"``     split each batch into micro-batches of one sample   throughput (smaller
-                     inside the step: :class:`MicroBatchRung`            kernels)
-===================  ==================================================  ======================
+- ``"attention"`` (:class:`AttentionRung`): eager → SDPA (→ flash-attn where installed, on CUDA,
+  fp16/bf16); prior cost: none (no L² matrix, no extra compute).
+- ``"checkpointing"`` (:class:`CheckpointingRung`): recompute each transformer block in backward,
+  ~25-35% more compute; ``"checkpointing:k/N"``: the first k of N blocks (k/N of that);
+  ``"checkpointing:selective"``: pointwise ops only (~15%).
+- ``"microbatch"`` (:class:`MicroBatchRung`): split each batch into micro-batches of one sample
+  inside the step; prior cost: throughput (smaller kernels).
 
 Opt-in (:data:`~lightning_seqmem.core.rungs.EXTRA_RUNGS`; name one in ``mitigations`` to allow it):
 
-========================  ==================================================  ======================
-``"fused_loss"``          fused linear cross-entropy: no ``[tokens, vocab]``  a Python loop over
-                          logits: :class:`FusedLossRung`                      token shards (~5%)
-``"tiled_mlp"``           each block's MLP on sequence tiles, recomputed in   one more MLP forward
-                          backward (DeepSpeed's ``TiledMLP``, the ``tiled``   (~20%)
-                          extra): :class:`TiledMLPRung`
-``"activation_offload"``  (CUDA only) what each block saves for backward to   the host-device copies
-                          pinned host memory and back:                        (~15%, a guess)
-                          :class:`ActivationOffloadRung`
-========================  ==================================================  ======================
+- ``"fused_loss"`` (:class:`FusedLossRung`): fused linear cross-entropy, no ``[tokens, vocab]``
+  logits; prior cost: a Python loop over token shards (~5%).
+- ``"tiled_mlp"`` (:class:`TiledMLPRung`): each block's MLP on sequence tiles, recomputed in
+  backward (DeepSpeed's ``TiledMLP``, the ``tiled`` extra); prior cost: one more MLP forward (~20%).
+- ``"activation_offload"`` (:class:`ActivationOffloadRung`, CUDA only): what each block saves for
+  backward goes to pinned host memory and back; prior cost: the host-device copies (~15%, a guess).
 
 Each rung follows :class:`.base.Rung`. A new rung is one folder (``<rung>.py`` with ``RUNG``, its
 spec, its card) and one line: its name in ``core.rungs.RUNG_FOLDERS`` (a built-in) or
@@ -67,10 +58,7 @@ _RUNGS: dict[str, Rung] = {r.name: r for r in (
 
 def register(rung: Rung) -> Rung:
     """Add ``rung`` to the ladder (or replace the rung of that name); its spec goes to the planner.
-
-    Raises:
-        ValueError: ``rung`` is not a :class:`~lightning_seqmem.mitigations.base.Rung` with a spec.
-    """
+    ValueError where ``rung`` is not a :class:`.base.Rung` with a spec."""
     if not isinstance(rung, Rung) or getattr(rung, "spec", None) is None:
         raise ValueError("`rung` must be a Rung (lightning_seqmem.mitigations.base) with a `spec`, "
                          f"got {rung!r}")
@@ -80,12 +68,8 @@ def register(rung: Rung) -> Rung:
 
 
 def register_folder(path: str) -> Rung:
-    """Add the rung of the folder ``path`` (a package, ``"my_rungs.no_dropout"``, holding
-    ``no_dropout.py`` with its ``RUNG`` class and, where it keeps one apart, its spec).
-
-    Raises:
-        ValueError: the folder has no rung module, or its ``RUNG`` is not a Rung with a spec.
-    """
+    """Add the rung of package ``path`` (``"my_rungs.no_dropout"``: ``no_dropout.py`` with ``RUNG``,
+    and its spec if apart); ValueError where it has no rung module or no ``RUNG`` with a spec."""
     try:
         rung = _folder_rung(path)
     except (ImportError, AttributeError) as exc:
@@ -102,11 +86,8 @@ def unregister(name: str) -> None:
 
 
 def rung(name: str) -> Rung:
-    """The rung registered as ``name``, or its variant (``"checkpointing:3/8"``: at that level).
-
-    Raises:
-        ValueError: no rung of that name (names :func:`rung_names`), or a level it does not have.
-    """
+    """The rung registered as ``name``, or its variant (``"checkpointing:3/8"``: at that level);
+    ValueError for an unknown name (naming :func:`rung_names`) or a level it does not have."""
     base = base_name(name)
     if base not in _RUNGS:
         raise ValueError(f"no rung named {base!r}; known rungs: {rung_names()}")
@@ -127,8 +108,7 @@ def apply(name: str, trainer: Any, pl_module: Any, batch: Any = None,
 
 
 def noop(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> Optional[str]:
-    """Why rung ``name`` would change nothing on this batch (it may go on where another rank's
-    batch needs it), or None; a check that raises answers None."""
+    """Why rung ``name`` would change nothing on this batch, or None (also if its check raises)."""
     try:
         return rung(name).noop(RungContext(pl_module, trainer, batch))
     except Exception:  # noqa: BLE001 - an unusual model: as if it changed something
@@ -136,8 +116,7 @@ def noop(name: str, trainer: Any, pl_module: Any, batch: Any = None) -> Optional
 
 
 def remove(name: str, trainer: Any, pl_module: Any) -> Optional[MitigationResult]:
-    """Switch rung ``name`` off again where it can; None where it cannot (attention and
-    checkpointing change numerics by float rounding only, so they may stay)."""
+    """Switch rung ``name`` off where it can, else None (a rung changing only rounding may stay)."""
     return rung(name).remove(RungContext(pl_module, trainer))
 
 

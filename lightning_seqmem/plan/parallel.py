@@ -1,13 +1,11 @@
 """Sequence/context-parallel layouts at N ranks, their constraints and search order. A *layout*
-shards one sample's sequence over ``degree`` ranks of the world, beside FSDP2:
+shards one sample's sequence over ``degree`` ranks, beside FSDP2 sharding the parameters over all
+``world_size = fsdp_degree * degree`` ranks (torchtitan's and accelerate's ``dp_shard_cp`` mesh):
 
 - ``"ulysses"`` (DeepSpeed-Ulysses, ALST): an all-to-all around attention trades the sequence
   split for a head split; heads and KV heads must divide by the degree; any mask works.
 - ``"ring"`` (PyTorch ``context_parallel``): each rank passes K/V chunks around the ring;
   load-balanced sharding needs the length to divide by ``2*degree``; causal or no mask only.
-
-``fsdp_degree * degree = world_size``; FSDP2 shards the parameters over all ``world_size`` ranks
-(torchtitan's and accelerate's ``dp_shard_cp`` mesh).
 
 Example:
     >>> ok, skipped = layouts(8, 32768, n_heads=4, n_kv_heads=4, masked=False)
@@ -117,10 +115,9 @@ def degrees(world_size: int) -> list[int]:
 def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int],
                 n_kv_heads: Optional[int], masked: Optional[bool],
                 attention: str = "sdpa") -> Optional[str]:
-    """Why ``kind`` at ``degree`` cannot shard this attention at ``seq_len``, or None.
-    ``n_heads``/``n_kv_heads``: the query and key/value heads of the model's attention calls;
-    ``masked``: whether they pass an explicit ``attn_mask`` (None: unknown); ``attention``: what
-    they call (``"sdpa"``, or a transformers attention function such as ``"flash_attention_2"``).
+    """Why ``kind`` at ``degree`` cannot shard this attention at ``seq_len``, or None. ``n_heads``,
+    ``n_kv_heads``: the attention calls' query and key/value heads; ``masked``: whether they pass an
+    ``attn_mask`` (None: unknown); ``attention``: ``"sdpa"`` or a transformers attention function.
 
     >>> skip_reason("ulysses", 4, 4096, 8, 2, False)
     'KV heads 2 not divisible by degree 4'
@@ -158,9 +155,8 @@ def skip_reason(kind: str, degree: int, seq_len: int, n_heads: Optional[int],
 def layouts(world_size: int, seq_len: int, n_heads: Optional[int], n_kv_heads: Optional[int],
             masked: Optional[bool], kinds: tuple[str, ...] = KINDS, attention: str = "sdpa"
             ) -> tuple[list[Layout], list[tuple[str, int, str]]]:
-    """The layouts to dry-run at ``world_size`` ranks, in search order (degree ascending, Ulysses
-    before ring at a degree: less traffic per rank), and ``(kind, degree, why skipped)`` for each
-    one never planned. Offload variants are not listed (see :func:`offload_model`)."""
+    """Layouts to dry-run at ``world_size`` ranks, degree ascending, Ulysses before ring at a degree
+    (less traffic per rank), and ``(kind, degree, why)`` of those skipped; no offload variants."""
     ok = [Layout("none", 1, world_size)]
     skipped: list[tuple[str, int, str]] = []
     for degree in degrees(world_size):

@@ -1,8 +1,6 @@
-"""``PlannerSettings``: what a :class:`~lightning_seqmem.plan.planner.SeqMemPlanner` reads of its
-configuration, a read-only view (shared by the planner's parts) over two frozen values: the
-:class:`~lightning_seqmem.core.config.SeqMemConfig` (the arguments, checked once) and
-:class:`RunFacts` (what the run binds at set-up, replaced whole by
-:meth:`PlannerSettings.bind_run`). A write to the view raises ``AttributeError``.
+"""``PlannerSettings``: the planner's configuration, a read-only view shared by its parts (a write
+raises ``AttributeError``) over the frozen :class:`~lightning_seqmem.core.config.SeqMemConfig` (the
+arguments, checked once) and :class:`RunFacts` (bound at set-up, replaced whole by ``bind_run``).
 
 Example:
     >>> s = PlannerSettings(budget_bytes=1000, safety_margin=0.1)
@@ -54,7 +52,6 @@ class RunFacts:
     length_limit_reason: str = ""  # e.g. "config.max_position_embeddings=2048"
     checkpoint_records: int = CHECKPOINT_LAST_RECORDS  # see checkpoint.compact_records
     memory_records: int = MEMORY_RECORDS  # past this many, `records` is compacted
-    # what the planner knows of each rung (priors, facts), as data: the registry when built
     rung_specs: Mapping[str, RungSpec] = field(default_factory=rung_specs, repr=False)
 
     @classmethod
@@ -70,8 +67,7 @@ _CONFIG_FIELDS = tuple(f.name for f in fields(SeqMemConfig) if f.init)
 
 @dataclass(frozen=True)
 class Budget:
-    """The budget a step is judged against: ``total_bytes`` (None: no budget), the fraction kept
-    free, and how memory is counted (reserved memory, in blocks of ``block_bytes``, on CUDA).
+    """A step's budget: ``total_bytes`` (None: none), the fraction kept free, how memory counts.
 
     >>> Budget(10_000, 0.1).usable_bytes, Budget(None, 0.1).usable_bytes
     (9000, None)
@@ -90,10 +86,8 @@ class Budget:
 
 
 class PlannerSettings:
-    """The planner's settings: ``config`` and ``run_facts``, read by name. Built from both, or from
-    any of their fields by keyword (the config's then unchecked, as the planner's keywords are)."""
+    """Reads ``config`` and ``run_facts`` by name; built from both, or their fields (unchecked)."""
 
-    # the arguments (SeqMemConfig), then what the run binds (RunFacts): read-only, by name
     warmup_steps = property(lambda self: self.config.warmup_steps, doc="``config.warmup_steps``")
     tolerance = property(lambda self: self.config.tolerance, doc="``config.tolerance``")
     safety_margin = property(lambda self: self.config.safety_margin, doc="``config.safety_margin``")
@@ -160,8 +154,7 @@ class PlannerSettings:
         return self.budget.usable_bytes
 
     def bound_of(self, fc: Any) -> int:
-        """What a forecast compares with the budget: its reserved bound where the run judges
-        reserved memory (CUDA), its upper bound elsewhere."""
+        """The bound of forecast ``fc`` compared with the budget: reserved on CUDA, else upper."""
         return fc.reserved_upper_bytes if self.compare_reserved else fc.upper_bytes
 
     def spec(self, name: str) -> RungSpec:
@@ -187,8 +180,7 @@ class PlannerSettings:
         return seq_len if self.length_limit is None else min(seq_len, self.length_limit)
 
     def bind_run(self, **changes: Any) -> None:
-        """Bind what the run decides at set-up: any field of :class:`RunFacts`; the facts are
-        replaced as a whole, and every part sees them."""
+        """Bind :class:`RunFacts` fields at set-up, replacing the facts whole for every part."""
         for name in changes:
             if name not in _RUN_FIELDS:
                 raise TypeError(f"`bind_run` got `{name}`: pass only {', '.join(_RUN_FIELDS)}")
@@ -201,8 +193,7 @@ SETTING_NAMES = (frozenset(_RUN_FIELDS) | frozenset(_CONFIG_FIELDS)
 
 
 def setting_write_error(owner: str, name: str) -> AttributeError:
-    """The error for a write of setting ``name`` on ``owner`` (the settings, or a part holding
-    them), naming what to do instead.
+    """The error for a write of setting ``name`` on ``owner``, naming what to do instead.
 
     >>> print(setting_write_error("SeqMemPlanner", "block_bytes"))  # doctest: +NORMALIZE_WHITESPACE
     `SeqMemPlanner.block_bytes` is read-only (read it as `settings.block_bytes`): bind what the run

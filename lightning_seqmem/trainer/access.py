@@ -1,5 +1,4 @@
-"""Small Lightning-edge helpers of the callback: what it reads from the trainer (each Lightning
-internal in one guarded place), how it cuts a batch, which rungs a strategy refuses."""
+"""The callback's Lightning edge: trainer reads (internals guarded), batch cuts, rung refusals."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ _OR_CUT_HERE = (", or return batches as a dict (or a list, or a dataclass) that 
 
 
 def check_setter_reaches_data(trainer: Any) -> None:
-    """ValueError where a length set through ``set_seq_len`` in this process would never reach the
-    batches: the train dataloader's worker processes each hold their own copy of the dataset.
+    """ValueError where a length given to ``set_seq_len`` here would not reach the batches in time.
 
     >>> from types import SimpleNamespace as NS
     >>> check_setter_reaches_data(NS(train_dataloader=NS(num_workers=0)))
@@ -87,10 +85,8 @@ def check_setter_reaches_data(trainer: Any) -> None:
 
 
 def batches_need_setter(trainer: Any) -> bool:
-    """Whether the train loader's batches cannot be cut in place (a tuple, a bare tensor), so their
-    length is the dataset's: one sample collated by the loader's ``collate_fn`` tells, before
-    Lightning fetches the first batch (random generators restored). False where it cannot tell (an
-    iterable dataset, several loaders): the first batch then says.
+    """Whether the train loader's batches cannot be cut in place (a tuple, a bare tensor), told by
+    collating one sample (random state restored); False where it cannot tell (an iterable dataset).
 
     >>> from types import SimpleNamespace as NS
     >>> from torch.utils.data import DataLoader
@@ -118,10 +114,9 @@ def batches_need_setter(trainer: Any) -> bool:
 
 
 def set_length_ahead(trainer: Any, seq_len: int) -> bool:
-    """Give the datamodule's or train dataset's ``set_seq_len`` the length of the batch fetched next
-    (a sized loader's batch is fetched just before its step, after ``on_train_epoch_start`` and the
-    previous ``on_train_batch_end``), so a batch only the dataset can shorten arrives at its stage's
-    length. Returns whether there was a setter.
+    """Pass the next batch's length (a sized loader fetches it just before its step) to the
+    ``set_seq_len`` of the datamodule or train dataset, so a batch only the dataset can shorten
+    arrives at its stage's length; returns whether there was one.
 
     >>> from types import SimpleNamespace as NS
     >>> seen = []
@@ -137,11 +132,9 @@ def set_length_ahead(trainer: Any, seq_len: int) -> bool:
 
 def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool,
                   through_setter: bool) -> bool:
-    """Cut (or, with ``truncate=False``, reshape) ``batch`` to ``seq_len`` in place; a batch that
-    cannot be cut in place (a tuple, a bare tensor) goes through the datamodule's or dataset's
-    ``set_seq_len`` instead (a ValueError where dataloader workers would never see it:
-    :func:`check_setter_reaches_data`), or, with no setter, is left as it is (the caller records
-    the length that ran and warns; the curriculum holds). Returns whether the setter was used."""
+    """Cut (``truncate=False``: reshape) ``batch`` to ``seq_len`` in place; a tuple or bare tensor
+    goes through ``set_seq_len`` (ValueError: :func:`check_setter_reaches_data`), or with no setter
+    stays as it is (the caller records what ran and warns). Returns whether the setter was used."""
     if not can_cut_in_place(batch) or through_setter:
         setter = length_setter(trainer)
         if setter is None:
@@ -161,19 +154,15 @@ def unsupported_rungs(trainer: Any, pl_module: Any,
 
 
 def release_cached_memory(pl_module: Any) -> None:
-    """Give the CUDA caching allocator's unused blocks back after a rung or a shorter length: on
-    CUDA the budget is judged by reserved memory, and blocks cached by the earlier, longer or
-    unmitigated steps would count against the new setting, which never needs them. No-op off CUDA.
-    """
+    """Empty the CUDA cache after a rung or shorter length (the budget counts reserved memory)."""
     first = next(iter(pl_module.parameters()), None)
     if first is not None and first.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def sharding_template(trainer: Any, pl_module: Any) -> Optional[Any]:
-    """An unsharded copy of the module on ``meta`` where the strategy will shard it in
-    ``configure_model()`` (:func:`lightning_seqmem.dryrun.sharded.template_for`); None elsewhere
-    or where it cannot be copied (the dry run then says why)."""
+    """:func:`~lightning_seqmem.dryrun.sharded.template_for`: an unsharded ``meta`` copy of a module
+    the strategy shards in ``configure_model()``; None elsewhere or where it cannot be copied."""
     from lightning_seqmem.dryrun.sharded import template_for
 
     try:

@@ -1,13 +1,9 @@
-"""The one micro-batched training step: what the wrapper of :class:`.microbatch.MicroBatching` runs
-inside ``training_step``, what the dry run runs on its fake copy and what the memory breakdown
-traces, so a forecast or a breakdown of a micro-batched step is the step's own order of allocations.
-
-* :func:`run_micro_batches`: zero the gradients, backpropagate every counted micro-batch but the
-  last (its loss weighted by ``c_i / C``), return the last one's weighted loss plus the others';
-* :func:`check_pair`: the sub-batch the first-step check compares (the dry run counts its memory);
-* :func:`micro_batched_loss` and :class:`ZeroGradBeforeFirstMicroBatch`: the same step as a
-  ``(loss_fn, optimizer)`` pair for :func:`~lightning_seqmem.measure.steps.training_step_memory`
-  (Lightning's order: forward, ``zero_grad``, backward, optimizer step).
+"""The one micro-batched training step, run by the wrapper of :class:`.microbatch.MicroBatching`
+(in ``training_step``), the dry run (on its fake copy) and the memory breakdown, so forecasts and
+breakdowns follow the step's own order of allocations: :func:`run_micro_batches` (the loop; losses
+weighted by ``c_i / C``), :func:`check_pair` (the first-step check's sub-batch), and
+:func:`micro_batched_loss` with :class:`ZeroGradBeforeFirstMicroBatch` (the step as a ``(loss_fn,
+optimizer)`` pair for :func:`~lightning_seqmem.measure.steps.training_step_memory`).
 
 Example:
     >>> import torch
@@ -64,9 +60,8 @@ class CheckPair(NamedTuple):
 
 
 def check_pair(batch: Any, parts: list[Any], counts: list[int]) -> Optional[CheckPair]:
-    """What the first-step check of micro-batching compares: the first two micro-batches with
-    ``counts[i] > 0`` apart, and the samples from the first to the second of them together (the
-    wrapper checks their losses, the dry run counts their memory). None: fewer than two count.
+    """The first two micro-batches with ``counts[i] > 0``, which the first-step check compares apart
+    and together (samples from the first to the second); None where fewer than two count.
 
     Example:
         >>> import torch
@@ -90,17 +85,15 @@ def run_micro_batches(parts: list[Any], counts: list[int], forward: Callable[[An
                       zero_grad: Callable[[], Any],
                       read_loss: Optional[Callable[[Any], Optional[torch.Tensor]]] = None,
                       hold: bool = True) -> Any:
-    """One micro-batched ``training_step`` (the wrapper's and the dry run's: one loop for both).
-
-    ``zero_grad()`` first; then every micro-batch with ``counts[i] > 0`` but the last:
-    ``forward(part)``, its loss (``read_loss``, default ``loss_of(..., required=False)``; None: the
-    micro-batch is skipped, as Lightning skips such a batch) scaled by ``counts[i] / sum(counts)``,
-    and ``backward(scaled)`` with autocast off and the gradient reduction deferred
-    (:func:`deferred_gradient_reduction` of ``model``; ``backward`` None: no backward, as under
-    Lightning's ``_skip_backward``). The last one is returned, not backpropagated: its output with
-    its ``"loss"`` (or itself) replaced by its scaled loss plus the others', detached, or as it came
-    when its loss is None. ``hold``: outputs and unscaled losses stay alive until their micro-batch
-    is done (the wrapper's order); False: each is dropped once read or scaled (the dry run's).
+    """One micro-batched ``training_step``, the wrapper's and the dry run's: ``zero_grad()``, then
+    for each micro-batch with ``counts[i] > 0`` but the last: ``forward``, its loss (``read_loss``,
+    default ``loss_of(..., required=False)``; None: skipped, as Lightning skips such a batch)
+    scaled by ``counts[i] / sum(counts)``, and ``backward(scaled)`` with autocast off and
+    ``model``'s gradient reduction deferred (``backward`` None: none, as under ``_skip_backward``).
+    Returns the last one's output (not backpropagated) with its ``"loss"`` (or itself) replaced by
+    its scaled loss plus the others' (detached); as it came if its loss is None. ``hold`` (the
+    wrapper's order): outputs and unscaled losses live until their micro-batch is done; False (the
+    dry run's): dropped once read or scaled.
 
     Example:
         >>> import torch
@@ -144,11 +137,8 @@ def run_micro_batches(parts: list[Any], counts: list[int], forward: Callable[[An
 
 
 class ZeroGradBeforeFirstMicroBatch:
-    """The optimizer as the micro-batching wrapper drives it: zeroed before the first micro-batch.
-
-    ``training_step_memory`` calls ``zero_grad`` after the forward (Lightning's place for it); here
-    it is skipped, the earlier micro-batches' gradients being accumulated by then
-    (:func:`micro_batched_loss` zeroes the real optimizer itself)."""
+    """The optimizer as the micro-batching wrapper drives it: zeroed before the first micro-batch
+    (by :func:`micro_batched_loss`), so the ``zero_grad`` after the forward does nothing."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -174,16 +164,12 @@ def micro_batched_loss(optimizer: torch.optim.Optimizer, micro_batch_size: int,
                        counts_of: Optional[Callable[[Any, int, str, int], list[int]]] = None,
                        before: Optional[Callable[[Any, Any, list[Any], list[int]], Any]] = None,
                        zero_grad: bool = True) -> Callable[[Any, Any], torch.Tensor]:
-    """``(model, batch) -> loss``: ``loss_fn`` per micro-batch by :func:`run_micro_batches`, for
-    :func:`~lightning_seqmem.measure.steps.training_step_memory` with
-    :class:`ZeroGradBeforeFirstMicroBatch`.
-
-    Counts ``c_i`` with ``counts_of(batch, micro_batch_size, weighting, ignore_index)`` (default:
+    """``(model, batch) -> loss`` for ``training_step_memory`` with
+    :class:`ZeroGradBeforeFirstMicroBatch`: counts ``c_i`` by ``counts_of`` (default:
     :func:`micro_batch_counts`), runs ``before(model, batch, parts, counts)`` (the dry run: the
-    first-step check's memory), zeroes ``optimizer`` and returns the last micro-batch's loss for the
-    caller's backward (each loss dropped once scaled). A batch of one micro-batch, or nothing
-    counted, runs whole, zeroed after its forward as Lightning does. ``zero_grad=False``: never
-    zeroed (a later batch of an accumulation window)."""
+    first-step check's memory), zeroes ``optimizer`` and runs :func:`run_micro_batches`, returning
+    the last micro-batch's loss for the caller's backward. A batch of one micro-batch, or nothing
+    counted, runs whole, zeroed after its forward as Lightning does; ``zero_grad=False``: never."""
 
     def step_loss(model: Any, batch: Any) -> torch.Tensor:
         parts = split_batch(batch, micro_batch_size)
