@@ -83,8 +83,8 @@ from lightning_seqmem.measure.steps import training_step_memory, validation_step
 from lightning_seqmem.core.records import PHASES, TrackedEvents
 from lightning_seqmem.measure.probes import existing_tensors, make_probe
 
-__all__ = ["checked_rungs", "dry_run_step", "host_peaks", "replay_peaks", "simulated_device_for",
-           "state_after_a_step", "unsupported_reason"]
+__all__ = ["checked_rungs", "dry_run_step", "held_state", "host_peaks", "replay_peaks",
+           "simulated_device_for", "state_after_a_step", "unsupported_reason"]
 
 from lightning_seqmem.dryrun.cuda import (allocator_block_bytes, cuda_kernel_scratch_bytes,
                                           resident_bytes, warm_cuda_workspaces)
@@ -237,6 +237,20 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
     optimizer.step()
 
 
+def held_state(pl_module: nn.Module, optimizer: Any) -> tuple[bool, bool]:
+    """``(gradients alive, optimizer state made)`` on ``pl_module`` now: what a validation step
+    runs beside. A fit zeroes the gradients before validation (but inside an accumulation window)
+    and the sanity check runs before any step; without ``optimizer``, a fit's after a step.
+
+    >>> lin = nn.Linear(2, 2)
+    >>> held_state(lin, torch.optim.AdamW(lin.parameters())), held_state(lin, None)
+    ((False, False), (False, True))
+    """
+    real = None if optimizer is None else unwrap_optimizer(optimizer)
+    return (any(p.grad is not None for p in pl_module.parameters()),
+            real is None or bool(real.state))
+
+
 SiteTracer = Callable[..., Any]
 """``(step_fn, model, optimizer, existing, *, seq_len, batch_size, device_type) -> PeakSite``:
 traces the step ``step_fn`` runs (:func:`.peak_trace.trace_peak_site`)."""
@@ -298,8 +312,8 @@ def dry_run_step(
         site: a tracer of where the peak sits (:func:`.peak_trace.trace_peak_site`, handed in
             from above this wing): the result's ``peak_site``. A tracer that fails leaves it None.
         evaluate: the step is ``validation_step`` as a fit's validation loop runs it (eval mode,
-            no gradients, the gradients and optimizer state of a training step alive): one
-            ``forward`` phase.
+            no gradients; beside it the gradients and optimizer state the module and ``optimizer``
+            hold now: :func:`held_state`): one ``forward`` phase.
 
     Returns:
         a :class:`DryRunResult` of the second of two fake steps (the first creates gradients
@@ -327,10 +341,11 @@ def dry_run_step(
     phase_peaks = {p: phase_peaks[p] + resident for p in PHASES if p in phase_peaks}
     host, notes, modelled = step.host_bytes, step.notes, step.modelled_kernels
     host_peak, host_phase_peaks = host_peaks(step.host_memory)
+    when = "beside the state held now" if evaluate else "after a zero-gradient optimizer step"
     detail = (
         f"a fake {'validation_step' if evaluate else 'step'} of {type(pl_module).__name__} on "
-        f"{device} (after a zero-gradient optimizer "
-        f"step) with {step.optimizer_name}, batch {step.source_shape} -> ({batch_size}, {seq_len})"
+        f"{device} ({when}) with {step.optimizer_name}, batch {step.source_shape} -> "
+        f"({batch_size}, {seq_len})"
         + (f"; {'; '.join(notes)}" if notes else "")
         + ("; live storages counted by LiveTensorTracker"
            f"{', 512-byte blocks' if block > 1 else ''}")
@@ -429,7 +444,11 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                 device_probe.scratch = cuda_kernel_scratch_bytes
             probe = with_host_probe(device_probe, device)
             with fake_mode, values, transformers_without_fake_detection():
-                state_after_a_step(model, fake_optimizer)
+                grads, stepped = held_state(pl_module, optimizer) if evaluate else (True, True)
+                if stepped:
+                    state_after_a_step(model, fake_optimizer)
+                for p in model.parameters() if not grads else ():
+                    p.grad = None
                 reset_offloaded_bytes(model)
                 with recording() as modelled, contained_unpack_failures(device) as failures:
                     memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer,

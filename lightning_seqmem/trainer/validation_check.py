@@ -22,6 +22,7 @@ from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.dryrun.result import DryRunUnsupported
+from lightning_seqmem.dryrun.step import held_state
 from lightning_seqmem.measure.batch_shape import read_batch_shape
 from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations import ladder
@@ -29,6 +30,7 @@ from lightning_seqmem.plan.choose import Choice, choose, describe, switched_on
 from lightning_seqmem.plan.judging import Verdict, dry_run_bound
 from lightning_seqmem.plan.protocol import Planner
 from lightning_seqmem.trainer.guard import Guard, guarded
+from lightning_seqmem.trainer.own_memory import own_tensors
 from lightning_seqmem.trainer.run_state import EdgeState
 
 __all__ = ["ValidationCheck"]
@@ -38,7 +40,8 @@ Setting = tuple[str, ...]
 
 class ValidationCheck:
     """Judges the validation batches of one fit (module doc); ``judged`` maps ``(seq_len,
-    batch_size, rungs on)`` to the dry run's peak (bytes), None where it could not. A shape no
+    batch_size, rungs on, held)`` to the dry run's peak (bytes), None where it could not (``held``:
+    :func:`~lightning_seqmem.dryrun.step.held_state`, which the dry run mirrors). A shape no
     larger than one that fits with the same rungs is not dry-run; after the warning, none is.
     ``switch_on(trainer, module, batch, name, shape) -> bool`` switches a rung on (the batch
     cycle's)."""
@@ -47,7 +50,8 @@ class ValidationCheck:
                  switch_on: Callable[..., bool]) -> None:
         self.config, self.planner, self.edge, self.guard = config, planner, state, guard
         self.switch_on = switch_on
-        self.judged: dict[tuple[int, int, Setting], Any] = {}
+        self.judged: dict[tuple[int, int, Setting, tuple[bool, bool]], Any] = {}
+        self.held = (True, True)  # (gradients alive, optimizer state made) beside this batch
 
     @guarded
     def before_batch(self, trainer: Any, pl_module: Any, batch: Any) -> None:
@@ -61,9 +65,12 @@ class ValidationCheck:
         except (TypeError, ValueError):
             return  # a batch the callback cannot read: the validation loop's own business
         usable, applied = settings.usable_budget_bytes, self.planner.ladder.applied
+        # what runs beside the step (no gradients, no optimizer state in the sanity check)
+        self.held = held_state(pl_module, (trainer.optimizers or [None])[0])
         if "validation" in self.planner.advice.warned or any(  # said, or bounded by one that fits
-                L >= seq_len and B >= batch_size and on == applied and peak is not None
-                and dry_run_bound(peak) <= usable for (L, B, on), peak in self.judged.items()):
+                L >= seq_len and B >= batch_size and (on, held) == (applied, self.held)
+                and peak is not None and dry_run_bound(peak) <= usable
+                for (L, B, on, held), peak in self.judged.items()):
             return
         peak = self._peak(runner, batch, seq_len, batch_size, applied)
         if peak is not None and dry_run_bound(peak) > usable:
@@ -77,12 +84,13 @@ class ValidationCheck:
         probe, applied = self.edge.probe, self.planner.ladder.applied
         if probe is None or probe.running:
             return
-        probe.start_step(existing_tensors(pl_module, trainer.optimizers, batch))
+        probe.start_step([*existing_tensors(pl_module, trainer.optimizers, batch),
+                          *own_tensors(self.edge)])  # as the dry run's answers count them
         probe.mark_phase("forward")
         self.edge.validation.append({
             "global_step": trainer.global_step, "seq_len": seq_len, "batch_size": batch_size,
             "mitigations": list(applied), "peak_bytes": None,
-            "dry_run_peak_bytes": self.judged.get((seq_len, batch_size, applied))})
+            "dry_run_peak_bytes": self.judged.get((seq_len, batch_size, applied, self.held))})
 
     @guarded
     def after_batch(self) -> None:
@@ -127,7 +135,7 @@ class ValidationCheck:
               setting: Setting) -> Optional[int]:
         """The validation dry run's peak with ``setting`` (kept in ``judged``), None where the dry
         run cannot answer (said once)."""
-        key = (seq_len, batch_size, setting)
+        key = (seq_len, batch_size, setting, self.held)
         if key not in self.judged:
             self.judged[key] = None
             try:
