@@ -1,35 +1,27 @@
 """Dry runs of a deep stack of identical blocks, answered from dry runs of a few shallow copies.
 
-A fake step costs time per op (a 32-layer model: 32 layers of Python dispatch per question, and
-``seqmem plan --longest`` asks hundreds). :func:`depth_dry_run_step`,
-:func:`depth_sharded_dry_run_step` and :func:`depth_sequence_parallel_dry_run_step` take the
-arguments of :func:`.step.dry_run_step`, :func:`.sharded.sharded_dry_run_step` and
-:func:`.sequence_parallel.sequence_parallel_dry_run_step` and answer with the same figures from
-dry runs of copies holding only the first few blocks (:mod:`.stack`):
+A fake step costs time per op, and ``seqmem plan --longest`` asks hundreds of questions.
+:func:`depth_dry_run_step`, :func:`depth_sharded_dry_run_step` and
+:func:`depth_sequence_parallel_dry_run_step` take the arguments (and raise as) of
+:func:`.step.dry_run_step`, :func:`.sharded.sharded_dry_run_step` and
+:func:`.sequence_parallel.sequence_parallel_dry_run_step` and give the same figures from dry runs
+of copies holding only the first few blocks (:mod:`.stack`):
 
-* **Proof, once per setting** (at the first length asked; :mod:`.repetition`): copies of 1, 2 and
-  3 blocks (2, 3 and 4 under FSDP2, whose next-to-last block prefetches the last). Their allocation
-  sequences (:mod:`.pumping`) must differ by *insertions* alone (one more block adds its own
-  allocations and frees at fixed places, nothing else), the deepest being exactly the base's with
-  those insertions twice. A host-side trace must pump the same way; every other figure must be
-  affine in the block count (second difference 0 bytes). A rung at ``"<rung>:k/N"`` is fitted in
-  two counts (leveled and plain blocks) from copies at ``"<rung>:c/(c+p)"``, shared by every ``k``.
-* **Each question**: one dry run of a shallow copy at the length asked. Its sequence must have the
-  proof's layout; each block's chunk is repeated to the model's depth and the peaks replayed
-  (:func:`.step.replay_peaks`), so a peak that moves phase with depth is followed. Where a length
-  lays allocations out anew (a tiled MLP), a one-kind family is proved again there from the base
-  and one more block (:func:`.repetition.reprove`), other families in full.
+* **Proof, once per setting** (:mod:`.repetition`): copies of 1, 2 and 3 blocks (2, 3, 4 under
+  FSDP2, whose next-to-last block prefetches the last) whose allocation sequences (:mod:`.pumping`)
+  differ by *insertions* alone, the deepest being the base's with those insertions twice; a
+  host-side trace pumps alike, every other figure is affine in the block count. A ``"<rung>:k/N"``
+  rung is fitted in two counts (leveled, plain) from copies at ``"<rung>:c/(c+p)"``.
+* **Each question**: one shallow dry run at the length asked, each block's chunk repeated to full
+  depth and the peaks replayed (:func:`.step.replay_peaks`), following a peak that moves phase.
+  Where a length lays allocations out anew (a tiled MLP), a one-kind family is reproved
+  (:func:`.repetition.reprove`), others in full.
 
 Assumed: blocks past the deepest copy behave as the copied ones (attributes, parameters, hooks and
-an HF config's per-layer lists are compared across the stack). The full dry run answers instead,
-the reason in ``detail`` (``"; full depth: ..."``), where blocks differ
-(:func:`.stack.blocks_differ`), no single repeated stack is found, the proof fails, or a shallow
-copy cannot be dry-run. A stack of fewer than 4 blocks (5 with ``k/N``) is dry-run whole.
-
-Cached per model state, batch and arguments (:func:`clear_depth_cache`): each shallow dry run and
-each proof; models and optimizers held weakly. ``site``: each kind's bytes at the peak
-extrapolated from traced copies (one more block of each kind) where all agree on phase and op and
-the kinds add up to the peak; else ``peak_site`` is None.
+an HF config's per-layer lists are compared). Else the full dry run answers, the reason in
+``detail`` (``"; full depth: ..."``), as it does when no single repeated stack is found, the proof
+fails or a copy cannot be dry-run; fewer than 4 blocks (5 with ``k/N``) are dry-run whole. Cached
+per model state, batch and arguments (:func:`clear_depth_cache`); models and optimizers held weakly.
 
 Example:
     >>> import torch
@@ -112,8 +104,8 @@ class _Call:
 
 
 def _held(value: Any) -> Any:
-    """How a context holds an argument: plain values and bound methods (a precision plugin's
-    context, fetched anew each time) as values, modules and optimizers weakly, others as given."""
+    """How a context holds an argument: plain values and bound methods (fetched anew each time)
+    as values, modules and optimizers weakly, others as given."""
     values = value if isinstance(value, tuple) else (value,)
     if all(isinstance(v, _PLAIN) for v in values) or inspect.ismethod(value):
         return ("value", value)
@@ -183,9 +175,9 @@ def _context(call: _Call, stack: nn.ModuleList) -> _Context:
 
 def _site(run: Callable[[tuple], DryRunResult], proof: Proof, target: tuple,
           result: DryRunResult) -> Optional[PeakSite]:
-    """Where the peak sits at depth: each kind's bytes at the peak extrapolated from the traced
-    copies of a question's copy and one more block of each kind, where all agree on the phase and
-    op and the kinds add up to the extrapolated peak (as they did to each copy's); else None."""
+    """``peak_site`` at depth: each kind's bytes at the peak extrapolated from traced copies (the
+    question's and one more block of each kind) where all agree on phase and op and the kinds add
+    up to the peak; else None."""
     first = plus(proof.base, *range(len(proof.base)))
     traced = [run(v) for v in [first, *(plus(first, k) for k in range(len(first)))]]
     sites = [r.peak_site for r in traced]
@@ -205,9 +197,8 @@ def _site(run: Callable[[tuple], DryRunResult], proof: Proof, target: tuple,
 
 def _extrapolated(call: _Call, context: _Context, stack: nn.ModuleList, family: Family,
                   target: tuple) -> tuple[Any, Optional[DryRunResult]]:
-    """``(the proof or why none holds, the result at depth or None)``; proved again at this length
-    where the proof's layout does not hold here (:func:`reprove` from the base and one more block,
-    else in full)."""
+    """``(the proof or why none holds, the result at depth or None)``; proved again where the
+    proof's layout does not hold at this length (see :func:`_proved`)."""
     seq_len, block = call.args["seq_len"], call.block_bytes
     run = context.run(call, stack, family, seq_len)
     for again in (False, True):
@@ -285,9 +276,8 @@ def depth_dry_run_step(
     device: Optional[torch.device | str] = None, site: Optional[Callable[..., Any]] = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`.step.dry_run_step` (the same arguments, ``kwargs`` its later ones; the same
-    raises), answered from shallow copies where the model's blocks repeat: the same figures;
-    ``detail`` says how, ``seconds`` what this call took; ``peak_site`` extrapolated, or None."""
+    """:func:`.step.dry_run_step` answered from shallow copies where the blocks repeat; ``detail``
+    says how, ``seconds`` what this call took; ``peak_site`` extrapolated, or None."""
     args = dict(pl_module=pl_module, optimizer=optimizer, batch=batch, seq_len=seq_len,
                 batch_size=batch_size, mitigations=mitigations, autocast=autocast, device=device,
                 site=site, **kwargs)
@@ -304,9 +294,8 @@ def depth_sharded_dry_run_step(
     device: Optional[torch.device | str] = None, first_split_check: Optional[bool] = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`.sharded.sharded_dry_run_step` (the same arguments, ``kwargs`` its later ones; the
-    same raises), answered from shallow copies of ``template`` where its blocks repeat: the same
-    figures; ``detail`` says how."""
+    """:func:`.sharded.sharded_dry_run_step` answered from shallow copies of ``template`` where
+    its blocks repeat; ``detail`` says how."""
     from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
 
     args = dict(template=template, batch=batch, seq_len=seq_len, world_size=world_size,
@@ -322,9 +311,8 @@ def depth_sequence_parallel_dry_run_step(
     autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`.sequence_parallel.sequence_parallel_dry_run_step` (the same arguments, ``kwargs``
-    its later ones; the same raises), answered from shallow copies of ``template`` where its
-    blocks repeat: the same per-rank peaks; ``detail`` says how."""
+    """:func:`.sequence_parallel.sequence_parallel_dry_run_step` answered from shallow copies of
+    ``template`` where its blocks repeat: the same per-rank peaks; ``detail`` says how."""
     from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
 
     args = dict(template=template, batch=batch, seq_len=seq_len, world_size=world_size,

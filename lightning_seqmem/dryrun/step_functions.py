@@ -1,10 +1,9 @@
 """What a fake step runs: the user's own ``training_step`` whole, or micro-batched as the rung runs.
 
 :func:`step_functions` turns a dry run's :class:`~lightning_seqmem.mitigations.base.CopyPlan` into
-the ``(loss_fn, optimizer)`` pair :func:`.steps.training_step_memory` steps: :func:`plain_loss` and
-the optimizer, or the micro-batched loss of :mod:`.microbatch.microbatch_twin` (micro-batches
-backpropagated one by one, each loss weighted by its share) and an optimizer zeroed before the
-first micro-batch. Used by the one-rank (:mod:`.step`) and the sharded (:mod:`.sharded`) dry run.
+the ``(loss_fn, optimizer)`` pair for :func:`.steps.training_step_memory`: :func:`plain_loss` and
+the optimizer, or the micro-batched loss of :mod:`.microbatch.microbatch_twin` (each micro-batch's
+loss weighted by its share) and an optimizer zeroed before the first micro-batch.
 
 Example:
     >>> import torch
@@ -61,10 +60,9 @@ class TrainerLoop:
     """The Trainer's loop settings a step's memory depends on (:func:`loop_of` reads them).
 
     With ``accumulate_grad_batches > 1`` the modelled step is a window's last batch, the highest:
-    the earlier batches' gradients are alive through its forward and backward, its loss is divided
-    by the window's batches, and it ends with the optimizer step. ``gradient_clip_val``: gradients
-    clipped (by norm or value) before the optimizer step, in its phase. Under DDP with
-    ``gradient_as_bucket_view=True`` ``zero_grad`` frees no gradient memory, as under accumulation.
+    earlier gradients alive throughout, the loss divided by the window. ``gradient_clip_val``:
+    clipped before the optimizer step. ``buckets_hold_gradients`` (DDP's
+    ``gradient_as_bucket_view=True``): ``zero_grad`` frees no gradient memory, as in accumulation.
 
     Example:
         >>> TrainerLoop().keeps_gradients, TrainerLoop(accumulate_grad_batches=4).accumulating
@@ -74,8 +72,6 @@ class TrainerLoop:
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = None
     gradient_clip_algorithm: str = "norm"  # or "value"
-    # DDP's buckets are the gradients (``gradient_as_bucket_view=True``): ``zero_grad`` frees no
-    # gradient memory, the buckets hold it through the next backward
     buckets_hold_gradients: bool = False
 
     @property
@@ -139,9 +135,8 @@ def trainer_loop(loop: TrainerLoop) -> Iterator[None]:
 
 
 class _LoopOptimizer:
-    """The optimizer as the Trainer's loop drives it in the modelled step: ``zero_grad`` a no-op
-    where the gradients' memory is kept (a window's last batch; DDP's bucket views), the gradients
-    clipped before ``step`` where the Trainer clips them."""
+    """The optimizer as the Trainer's loop drives it: ``zero_grad`` a no-op where the gradients'
+    memory is kept, gradients clipped before ``step`` where the Trainer clips them."""
 
     def __init__(self, optimizer: Any, loop: TrainerLoop, keep_gradients: bool) -> None:
         self.optimizer, self.loop, self.keep_gradients = optimizer, loop, keep_gradients
@@ -175,11 +170,8 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str,
                         ignore_index: int) -> list[int]:
-    """What each micro-batch's loss weighs (:func:`.microbatch_functional.micro_batch_counts`).
-
-    Label tokens are counted from the batch's values; labels without values (too large to keep)
-    weigh by samples: the weights are scalars, the memory is the same.
-    """
+    """What each micro-batch's loss weighs (:func:`.microbatch_functional.micro_batch_counts`);
+    by samples where labels have no values (the weights are scalars: the memory is the same)."""
     try:
         return micro_batch_counts(batch, micro_batch_size, weighting, ignore_index)[1]
     except DataDependentOutputException:
@@ -187,10 +179,8 @@ def _micro_batch_counts(batch: Any, micro_batch_size: int, weighting: str,
 
 
 def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: list[int]) -> None:
-    """The memory of the wrapper's one-time check of its first split batch
-    (:mod:`.microbatch.microbatch`): its copy of the module's buffers and attribute tensors
-    (:func:`.microbatch_check.copied_tensors`), then no-grad forwards of the first two counted
-    micro-batches together and apart, the previous step's gradients alive. Nothing is kept."""
+    """The memory of the wrapper's one-time check of its first split batch: its copy of the
+    module's tensors, no-grad forwards of the first two counted micro-batches together and apart."""
     found = check_pair(batch, parts, counts)
     if found is None:
         return
@@ -221,10 +211,9 @@ def step_functions(
     first_split_check: Optional[bool] = None,
 ) -> tuple[Callable[[nn.Module, Any], torch.Tensor], Any]:
     """``(loss_fn, optimizer)`` for :func:`.steps.training_step_memory`: plain or micro-batched,
-    in the Trainer's loop of :func:`trainer_loop` (default: one batch per step).
-
-    ``first_split_check``: whether the step includes micro-batching's one-time loss check; None:
-    when the rung is switched on by this dry run, or the module's wrapper has not run it yet."""
+    in the loop of :func:`trainer_loop` (default: one batch per step). ``first_split_check``:
+    whether the step includes micro-batching's one-time loss check; None: when this dry run
+    switches the rung on, or the module's wrapper has not run it yet."""
     loop = _LOOP.get()
     plan.notes.extend(loop.notes())
     loss_fn, step_optimizer = _step_functions(pl_module, optimizer, plan, batch_size,
@@ -241,8 +230,7 @@ def _step_functions(pl_module: nn.Module, optimizer: torch.optim.Optimizer, plan
                     keep_gradients: bool) -> tuple[LossFn, Any]:
     notes, micro_batch_size = plan.notes, plan.micro_batch_size
     policy = MicroBatching(micro_batch_size or 1)  # the rung's weighting
-    # switched on now: its first split batch is checked
-    check = micro_batch_size is not None and policy.verify
+    check = micro_batch_size is not None and policy.verify  # switched on now: checked
     if micro_batch_size is None and is_micro_batching(pl_module):
         check = micro_batching_check_pending(pl_module)
         policy = pl_module.__dict__["training_step"]  # the wrapper: its size and weighting

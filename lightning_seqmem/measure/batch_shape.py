@@ -1,6 +1,5 @@
-"""Reading a training batch without changing it: its shape ``(batch_size, seq_len)``, through a
-user's ``seq_len_fn`` or from its reference tensor, and where its padding is (``attention_mask``).
-:mod:`lightning_seqmem.measure.batch` re-exports the public names; its docstring states the rules.
+"""Reading a batch's shape ``(batch_size, seq_len)`` and padding (``attention_mask``) unchanged.
+:mod:`lightning_seqmem.measure.batch` re-exports the public names and states the rules.
 
 Example:
     >>> import torch
@@ -28,9 +27,8 @@ _MAX_DESCRIBED = 20  # leaves listed in the "no token ids found" error, at most
 
 
 def infer_batch_shape(batch: Any) -> tuple[int, int]:
-    """``(batch_size, seq_len)`` of a batch of token ids: the shape of its reference tensor (a
-    2-D integer tensor, see :mod:`lightning_seqmem.measure.batch`). ``ValueError`` when there is
-    none, listing what was found.
+    """``(batch_size, seq_len)``: the shape of the batch's reference tensor (2-D integer, see
+    :mod:`lightning_seqmem.measure.batch`); ``ValueError`` listing what was found when none.
 
     >>> import torch
     >>> infer_batch_shape(torch.zeros(2, 5, dtype=torch.long))
@@ -57,9 +55,8 @@ def infer_batch_shape(batch: Any) -> tuple[int, int]:
 def read_batch_shape(batch: Any,
                      seq_len_fn: Optional[Callable[[Any], Any]] = None) -> tuple[int, int]:
     """``(batch_size, seq_len)``: ``seq_len_fn(batch)`` checked, else :func:`infer_batch_shape`.
-
-    ``seq_len_fn`` must return a pair (tuple, list or ``torch.Size``) of ints >= 1 (Python, NumPy
-    or 0-d integer tensors); anything else raises ``ValueError``. Its own errors propagate.
+    ``seq_len_fn`` must return a pair (tuple, list, ``torch.Size``) of ints >= 1 (Python, NumPy or
+    0-d integer tensors), else ``ValueError``; its own errors propagate.
 
     >>> import numpy as np, torch
     >>> read_batch_shape({"x": torch.zeros(2, 3)}, lambda b: (np.int64(2), torch.tensor(3)))
@@ -88,12 +85,9 @@ def read_batch_shape(batch: Any,
 
 def padding_side(batch: Any) -> Optional[str]:
     """``"left"``, ``"right"`` or ``None``: where the padding of a batch is, read from its mask.
-
-    The mask is a 2-D tensor under an ``attention_mask`` key (or dataclass field), a container's
-    own before any nested one; 0 is padding. Left-padded when some row starts with padding and
-    ends with a token and no row does the opposite; right-padded in the mirror case. ``None``
-    without such a mask, rows padded on both sides or at neither end only, or a mask that cannot
-    be read (fake or meta). One device sync.
+    The mask: a 2-D ``attention_mask`` key or field, a container's own first; 0 is padding. Left
+    when some row is padded at its start only and none at its end only; right in the mirror case.
+    ``None`` otherwise, without such a mask, or if it cannot be read (fake, meta). One device sync.
 
     >>> import torch
     >>> padding_side({"input_ids": torch.ones(2, 4).long(),
@@ -121,9 +115,8 @@ def _side_flags(mask: torch.Tensor) -> torch.Tensor:
 
 
 def mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tensor:
-    """Side flags, then rows all padding if the first / last ``seq_len`` are kept, then chunks all
-    padding if rows are split into chunks of ``seq_len`` (0 where it does not apply): what
-    ``cut_batch`` reads (with :func:`read_mask`) before a cut.
+    """What ``cut_batch`` reads before a cut: side flags, rows all padding if the first / last
+    ``seq_len`` are kept, chunks all padding in chunks of ``seq_len`` (0 when ``truncate``).
 
     >>> import torch
     >>> mask_stats(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 2, truncate=True).tolist()
@@ -139,8 +132,7 @@ def mask_stats(mask: torch.Tensor, seq_len: int, truncate: bool) -> torch.Tensor
 
 
 def read_mask(mask: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[list]:
-    """``fn(mask).tolist()`` (one device sync), or None when the mask has no values to read (a
-    meta or fake tensor: a dry run).
+    """``fn(mask).tolist()`` (one device sync), or None for a meta or fake mask (a dry run).
 
     >>> import torch
     >>> ones = torch.ones(2, 4)
