@@ -149,3 +149,21 @@ def test_a_rung_that_makes_the_validation_batch_fit_goes_on_before_it_runs():
     folder = Path(report_dir(cb.trainer))
     assert json.loads((folder / "seqmem_report.json").read_text())["validation"][0] == first
     assert "## Validation batches" in (folder / "seqmem_report.md").read_text()
+
+
+def test_each_state_a_validation_runs_beside_is_dry_run_as_it_is():
+    """Validation after every batch of 2-batch accumulation windows: the sanity check (no gradients,
+    no optimizer state), inside the first window (gradients, no state), after a step (state, the
+    gradients freed by Lightning) and inside a later window (both): each is judged again, and each
+    dry run equals the callback's measurement of that batch to the byte."""
+    cb = SeqMemCallback(memory_budget=BUDGET, safety_margin=0.0, warmup_steps=1)
+    data = SyntheticTokenDataModule(batch_size=4, seq_len=64, num_samples=32, vocab_size=64)
+    data.val_dataloader = lambda: torch.utils.data.DataLoader([_batch(4, 64)], batch_size=None)
+    torch.manual_seed(0)
+    make_trainer([cb], max_steps=3, val_check_interval=1, num_sanity_val_steps=1,
+                 accumulate_grad_batches=2).fit(ValidatedGPT(**MODEL, attention="eager"), data)
+    held = [key[3] for key in cb._validation.judged]
+    assert held == [(False, False), (True, False), (False, True), (True, True)]
+    rows = cb.edge.validation
+    assert len(rows) == 4 and all(r["dry_run_peak_bytes"] == r["peak_bytes"] for r in rows), rows
+    assert len({r["peak_bytes"] for r in rows}) == 4  # four different states, four peaks

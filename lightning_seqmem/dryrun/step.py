@@ -447,8 +447,9 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                 grads, stepped = held_state(pl_module, optimizer) if evaluate else (True, True)
                 if stepped:
                     state_after_a_step(model, fake_optimizer)
-                for p in model.parameters() if not grads else ():
-                    p.grad = None
+                for p in model.parameters():  # (a validation inside the first window: no step yet)
+                    p.grad = (None if not grads else p.grad if p.grad is not None or not
+                              p.requires_grad else torch.zeros_like(p))
                 reset_offloaded_bytes(model)
                 with recording() as modelled, contained_unpack_failures(device) as failures:
                     memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer,
