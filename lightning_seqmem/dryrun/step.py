@@ -447,7 +447,7 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                 grads, stepped = held_state(pl_module, optimizer) if evaluate else (True, True)
                 if stepped:
                     state_after_a_step(model, fake_optimizer)
-                for p in model.parameters():  # (a validation inside the first window: no step yet)
+                for p in model.parameters() if evaluate else ():  # (first window: no step yet)
                     p.grad = (None if not grads else p.grad if p.grad is not None or not
                               p.requires_grad else torch.zeros_like(p))
                 reset_offloaded_bytes(model)
