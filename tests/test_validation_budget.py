@@ -167,3 +167,17 @@ def test_each_state_a_validation_runs_beside_is_dry_run_as_it_is():
     rows = cb.edge.validation
     assert len(rows) == 4 and all(r["dry_run_peak_bytes"] == r["peak_bytes"] for r in rows), rows
     assert len({r["peak_bytes"] for r in rows}) == 4  # four different states, four peaks
+
+
+def test_a_failing_validation_check_is_said_once_and_training_is_still_measured(monkeypatch):
+    from lightning_seqmem.trainer.validation_check import ValidationCheck
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the validation probe")
+
+    monkeypatch.setattr(ValidationCheck, "_start", broken)
+    cb, runs, said = _fit_with_validation([64], max_steps=2)
+    assert len(runs) == 2 and not cb.edge.failed  # validation ran; the callback measures on
+    assert [r.global_step for r in cb.records] == [0, 1]
+    assert sum("injected: the validation probe" in w for w in cb.planner.advice.warned) <= 1
+    assert any(kind == "output_failed" for kind in cb.planner.advice.warned.values())

@@ -304,12 +304,13 @@ class SeqMemCallback(Callback):
                                   batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Inside a fit, a new validation batch shape is dry-run (over the budget, rungs go on
         before it runs, or it is said) and measured (:class:`.validation_check.ValidationCheck`)."""
-        self._validation.before_batch(trainer, pl_module, batch)
+        self.guard.safely("the validation batch's check",  # one warning; training measured on
+                          lambda: self._validation.before_batch(trainer, pl_module, batch))
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs_: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
-        self._validation.after_batch()
+        self.guard.safely("the validation batch's measurement", self._validation.after_batch)
 
     # -- End of fit, reports, failures -------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -29,7 +29,7 @@ from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.choose import Choice, choose, describe, switched_on
 from lightning_seqmem.plan.judging import Verdict, dry_run_bound
 from lightning_seqmem.plan.protocol import Planner
-from lightning_seqmem.trainer.guard import Guard, guarded
+from lightning_seqmem.trainer.guard import Guard
 from lightning_seqmem.trainer.own_memory import own_tensors
 from lightning_seqmem.trainer.run_state import EdgeState
 
@@ -53,7 +53,6 @@ class ValidationCheck:
         self.judged: dict[tuple[int, int, Setting, tuple[bool, bool]], Any] = {}
         self.held = (True, True)  # (gradients alive, optimizer state made) beside this batch
 
-    @guarded
     def before_batch(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         """``on_validation_batch_start``: judge this batch's shape if it is new, and measure it."""
         runner, settings = self.edge.dry_runner, self.planner.settings
@@ -92,7 +91,6 @@ class ValidationCheck:
             "mitigations": list(applied), "peak_bytes": None,
             "dry_run_peak_bytes": self.judged.get((seq_len, batch_size, applied, self.held))})
 
-    @guarded
     def after_batch(self) -> None:
         """``on_validation_batch_end``: the measured peak of a batch :meth:`before_batch` began
         measuring; one warning where it ran over the usable budget."""
@@ -100,7 +98,11 @@ class ValidationCheck:
         if probe is None or not probe.running or not self.edge.validation or self.edge.failed:
             return
         row = self.edge.validation[-1]
-        row["peak_bytes"] = peak = probe.end_step().peak_bytes
+        try:
+            row["peak_bytes"] = peak = probe.end_step().peak_bytes
+        except Exception:  # a broken measurement: the probe left, the training steps' own
+            probe.abort()
+            raise
         if usable is not None and peak > usable and "validation" not in self.planner.advice.warned:
             self.guard.warn_once(A.Advice(  # (a prediction over the budget said it before)
                 "validation_over_budget", "validation-measured",
