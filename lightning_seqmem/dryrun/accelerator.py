@@ -3,12 +3,11 @@
 Fake CUDA tensors cannot run a backward on a CPU build of torch (autograd asks the CUDA runtime for
 a device guard), and fake CPU tensors cannot tell device from host memory (``CPUOffloadPolicy``,
 activation offload). So ``device="cuda"`` without CUDA steps on a *simulated device*: torch's
-``PrivateUse1`` key registered as a Python backend named :data:`SIMULATED`, with fake tensors only.
+``PrivateUse1`` key registered as the Python backend :data:`SIMULATED`, with fake tensors only.
 Autograd, optimizers and FSDP2 run on it as on any accelerator (``cpu`` stays the host); allocations
-are rounded to CUDA's 512-byte blocks (:func:`.cuda.allocator_block_bytes`), autocast follows CUDA's
-op lists (``ATen/autocast_mode.h``) and cast cache, and attention kernels are those :mod:`.kernels`
-models. The registration is process-wide, made once on first request; where ``PrivateUse1`` belongs
-to a real backend (Ascend's ``npu``) there is none, and :func:`simulated_device` says why.
+round to CUDA's 512-byte blocks (:func:`.cuda.allocator_block_bytes`), autocast follows CUDA's op
+lists (``ATen/autocast_mode.h``) and cast cache, attention kernels are modelled by :mod:`.kernels`.
+Registered per process; none where a real backend owns ``PrivateUse1`` (:func:`simulation_refusal`).
 
 >>> from torch._subclasses.fake_tensor import FakeTensorMode
 >>> device = simulated_device()
@@ -212,8 +211,7 @@ def on_registered(hook: Callable[[], None]) -> None:
 
 
 def _backward_refusal() -> Optional[str]:
-    """Why a backward cannot run on the simulated device (None: it can): autograd sizes its device
-    queues at the process's first backward, so a device registered after it has none."""
+    """Why a backward cannot run on the simulated device (registered too late), or None."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:

@@ -1,9 +1,8 @@
 """Mixture-of-Experts in a dry run: a fake grouped matmul, and the routers' choices as values.
 
-* **``aten._grouped_mm``**: PyTorch's meta kernel accepts bfloat16 only, the real op float32,
-  bfloat16 and float16 (``ATen/native/GroupedMMUtils.h``): :class:`DryRunFakeMode` uses
-  :func:`grouped_mm_fake`, the real op's checks and output layout; its backward is two more grouped
-  matmuls. transformers' ``"deepgemm"`` and ``"sonicmoe"`` experts (CUDA kernels) are not modelled.
+* **``aten._grouped_mm``**: PyTorch's meta kernel takes bfloat16 only, the real op float32 and
+  float16 too: :class:`DryRunFakeMode` runs :func:`grouped_mm_fake` (backward: two more grouped
+  matmuls). transformers' ``"deepgemm"`` and ``"sonicmoe"`` experts (CUDA kernels) are not modelled.
 * **Data-dependent routing**: a router picks each token's top-k experts from activations fake
   tensors lack, and an eager experts loop sizes each expert's tensors by its tokens. Inside an MoE
   block (:func:`is_moe_block`) every ``topk`` on an activation gets known indices
@@ -92,9 +91,9 @@ def _grouped_mm_out_shape(mat_a: torch.Tensor, mat_b: torch.Tensor,
 def grouped_mm_fake(mode: FakeTensorMode, mat_a: torch.Tensor, mat_b: torch.Tensor,
                     offs: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``aten._grouped_mm`` on fake tensors, checked and allocated as the real op does
-    (``GroupedMMUtils.h``): float32, bfloat16 or float16 operands of one dtype, the output in that
-    dtype, its last stride padded to 16 bytes (on CPU and CUDA; not on ROCm).
+    """``aten._grouped_mm`` on fake tensors, checked and allocated as by the real op
+    (``ATen/native/GroupedMMUtils.h``): operands of one dtype, float32, bfloat16 or float16, the
+    output too, its last stride padded to 16 bytes (on CPU and CUDA; not on ROCm).
 
     >>> mode = DryRunFakeMode()
     >>> with mode:
@@ -206,9 +205,9 @@ def _reads_values(func: Any, args: tuple) -> bool:
 
 
 class RoutedValues(BatchValues):
-    """:class:`.values.BatchValues` that also knows the routing: in an MoE block
-    (:func:`routing_scope`) a ``topk`` over an activation gets :func:`routing_assignment`'s indices.
-    ``value_reads``: the ops whose output depends on routing-derived values."""
+    """:class:`.values.BatchValues` knowing the routing: in an MoE block (:func:`routing_scope`)
+    an activation's ``topk`` gets :func:`routing_assignment`'s indices; ``value_reads``: ops whose
+    output depends on routed values."""
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int) -> None:
         super().__init__(fake_mode, max_bytes)

@@ -1,13 +1,11 @@
 """FSDP2 (``fully_shard``): the per-rank peak at any world size, on one process.
 
-:func:`sharded_dry_run_step` runs the module's own step on fake tensors as rank 0 of a *fake process
-group* (:func:`fake_world`): collectives allocate what the real ones would without communicating,
-and the tracker of real steps counts the storages (resizes included: FSDP2 frees gathered parameters
-by resizing their storage to 0). The sharding is the module's own ``configure_model()`` (on a fake
-copy of the :func:`unsharded_template`), else torchtitan's layout: ``fully_shard`` on each repeated
-block, then the root. Rank 0 holds the largest shard. ``strategy="ddp"`` adds DDP's gradient buckets
-(a copy of the trainable gradients) to the unsharded step. Not counted: communication buffers,
-allocator fragmentation and workspaces (see :mod:`.step`).
+:func:`sharded_dry_run_step` runs the module's own step on fake tensors as rank 0 (the largest
+shard) of a fake process group (:func:`fake_world`), the tracker counting storages and resizes (how
+FSDP2 frees gathered parameters). Sharding: the module's ``configure_model()`` on a fake
+:func:`unsharded_template` copy, else torchtitan's layout (``fully_shard`` on each repeated block,
+then the root). ``strategy="ddp"`` adds DDP's gradient buckets (the trainable gradients again) to
+the unsharded step. Not counted: communication buffers, fragmentation and workspaces (:mod:`.step`).
 
 >>> from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
 >>> template = unsharded_template(LitGPT(n_layer=2, d_model=64, n_head=2))
@@ -92,9 +90,8 @@ def check_strategy(strategy: Any) -> str:
 
 
 def unsharded_template(pl_module: nn.Module) -> nn.Module:
-    """A copy of ``pl_module`` on the ``meta`` device (no memory, no trainer), taken before
-    ``configure_model()`` shards it (an FSDP2 module cannot be copied); raises
-    :class:`DryRunUnsupported` where it is already sharded, or cannot be copied."""
+    """A ``meta`` copy of ``pl_module`` (no memory, no trainer) taken before ``configure_model()``
+    shards it (an FSDP2 module does not copy); raises :class:`DryRunUnsupported` if it cannot."""
     if is_fsdp2(pl_module):
         raise DryRunUnsupported(
             "the module is already sharded with fully_shard (an FSDP2 module cannot be copied); "
@@ -116,9 +113,8 @@ def unsharded_template(pl_module: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
-    """A fake process group of ``world_size`` ranks (this process is rank 0) and its device mesh;
-    collectives only allocate their outputs. A real process group is set aside meanwhile and put
-    back after: run none of its collectives inside.
+    """A fake ``world_size``-rank process group (this process: rank 0) yielding its device mesh;
+    collectives only allocate outputs. A real group is set aside meanwhile: call none of it inside.
 
     >>> with fake_world(8) as mesh:
     ...     mesh.shape, mesh.mesh_dim_names
@@ -435,9 +431,8 @@ def smallest_fitting_world_size(
         peak_at: Callable[[int], int], usable_bytes: int, world_size: int,
         known: Optional[dict[int, int]] = None,
         bound: Callable[[int], int] = int) -> tuple[Optional[int], dict[int, int]]:
-    """The smallest of :func:`world_sizes_up_to` whose per-rank peak (as ``bound`` judges it)
-    fits ``usable_bytes`` (None: even ``world_size`` does not), by bisection (the per-rank peak does
-    not grow with the world size), and every ``world size -> peak`` computed.
+    """The smallest of :func:`world_sizes_up_to` whose per-rank peak (by ``bound``) fits
+    ``usable_bytes`` (None: none), bisected (peaks do not grow with it), and every peak computed.
 
     >>> smallest_fitting_world_size(lambda n: 100 + 800 // n, 350, 8)
     (4, {8: 200, 2: 500, 4: 300})

@@ -1,35 +1,28 @@
 """Dry run: the peak memory of one training step at any length, without allocating it.
 
 :func:`dry_run_step` runs the module's own ``training_step``, backward and optimizer step on a
-*fake* copy of the module and optimizer under ``FakeTensorMode``: shapes, dtypes, devices and
-storages but no data, so a step at 32k tokens costs about as much as one at 64, and the program
-that runs is the real one at that length (kernels chosen by length, masks built in the model).
-Nothing is extrapolated. :class:`~lightning_seqmem.measure.probes.LiveTensorTracker` counts the
-storages through :func:`.steps.training_step_memory`, in Lightning's order.
+*fake* copy of module and optimizer (``FakeTensorMode``: shapes, dtypes, devices and storages, no
+data): a step at 32k tokens costs about as much as at 64 and runs the real program at that length
+(kernels chosen by length, masks built in the model), nothing extrapolated.
+:class:`~lightning_seqmem.measure.probes.LiveTensorTracker` counts the storages through
+:func:`.steps.training_step_memory` (Lightning's phases), as in a real run's step after its first: a
+step's gradients and optimizer state (:func:`state_after_a_step`), parameters, buffers and the batch
+exist; each phase's peak is the live bytes' maximum within it. On CUDA allocations round to 512-byte
+blocks (:func:`allocator_block_bytes`), kernels' own buffers come through the tracker's ``scratch``
+hook (:func:`cuda_kernel_scratch_bytes`) and the simulated device's kernels are modelled from their
+sources (:mod:`.kernels`); not modelled: fragmentation, cuBLAS/cuDNN workspaces, CUDA context.
 
-Counted as in a real run after its first step: an unmeasured fake step runs first (optimizer state
-allocated, the previous gradients alive in the forward); parameters, buffers, gradients, optimizer
-state and the batch count as existing; each phase's peak is the live bytes' maximum within it. On
-CUDA allocations are rounded to 512-byte blocks (:func:`allocator_block_bytes`) and kernels' own
-buffers come through the tracker's ``scratch`` hook (:func:`cuda_kernel_scratch_bytes`); not
-modelled: fragmentation, cuBLAS/cuDNN workspaces, CUDA context. On the simulated CUDA device the
-kernels the run uses are modelled from their sources (:mod:`.kernels`).
-
-Mitigations (rung names) are applied to the copy only, by each rung's ``apply_to_copy``;
-micro-batching changes the step as :mod:`.microbatch.microbatch` runs it (every micro-batch but the
-last backpropagated inside the ``forward`` phase).
-
-Values a step reads from its batch alone are known (:class:`BatchValues`); a step that reads an
-activation's values (``loss.item()``), shapes that depend on them, an op without a fake kernel, a
-compiled module or manual optimization raise :class:`DryRunUnsupported` with the reason and the
-user's line. The real module, optimizer and RNGs are untouched; the copy keeps each submodule's
-train/eval mode. transformers' fake-tensor check is off process-wide meanwhile
+Mitigations (rung names) go on the copy only (their ``apply_to_copy``); micro-batching runs the step
+as :mod:`.microbatch.microbatch` does (every micro-batch but the last backpropagated in the
+``forward`` phase). Values a step reads from its batch alone are known (:class:`BatchValues`); one
+reading an activation's values (``loss.item()``) or shapes depending on them raises
+:class:`DryRunUnsupported`. The real module, optimizer and RNGs are untouched; the copy keeps each
+submodule's train/eval mode. transformers' fake-tensor check is off process-wide
 (:func:`transformers_without_fake_detection`): no dry run beside a thread tracing an HF model.
 
-The step API every dry run (:mod:`.sharded` too) builds on: :func:`check_module`,
-:func:`configured_optimizer`, :func:`state_after_a_step`,
-:func:`transformers_without_fake_detection`, :func:`.step_functions.step_functions` and
-:func:`unsupported_reason`.
+The step API of every dry run (:mod:`.sharded` too): :func:`check_module`,
+:func:`configured_optimizer`, :func:`state_after_a_step`, :func:`unsupported_reason`,
+:func:`transformers_without_fake_detection` and :func:`.step_functions.step_functions`.
 
 Example:
     >>> import torch
@@ -102,10 +95,8 @@ from lightning_seqmem.dryrun.step_functions import step_functions
 
 
 def replay_peaks(events: TrackedEvents, block_bytes: int = 1) -> tuple[int, dict[str, int]]:
-    """``(peak, phase -> peak)`` of a traced step, every allocation rounded up to ``block_bytes``.
-
-    With ``block_bytes=1`` this is what the tracker counted; with 512 what the CUDA caching
-    allocator would report (1 byte -> 512, 513 -> 1024).
+    """``(peak, phase -> peak)`` of a traced step, allocations rounded up to ``block_bytes`` (1: as
+    the tracker counted; 512: as CUDA's caching allocator reports, 1 byte -> 512, 513 -> 1024).
 
     Example:
         >>> ev = TrackedEvents(sizes=[1000, 1, 513], sequence=[0, 1, ~1, 2],
@@ -173,8 +164,7 @@ def _user_frame(tb: Any) -> str:
 
 
 def unsupported_reason(exc: BaseException) -> str:
-    """Why a fake step failed, in words, with the user's line where it did (when known): the
-    reason of the :class:`DryRunUnsupported` it becomes.
+    """Why a fake step failed (the user's line where known), as a :class:`DryRunUnsupported` reason.
 
     Example:
         >>> unsupported_reason(ValueError("no such head"))
@@ -220,9 +210,8 @@ def _fake_module_and_optimizer(
 
 
 def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
-    """Gradients and optimizer state as a first real step leaves them, without running it: a zero
-    gradient for every trainable parameter, then one optimizer step (creating its state); half the
-    cost of a warm-up step, the same storages alive when the measured step starts.
+    """Gradients and optimizer state as a first step leaves them: a zero gradient per trainable
+    parameter, then one optimizer step; half a warm-up step's cost, the same storages alive.
 
     Example:
         >>> lin = nn.Linear(2, 2)
@@ -260,9 +249,8 @@ def _measured_step(model: nn.Module, optimizer: Any, step_optimizer: Any, batch:
                    probe: Any, autocast: Any, site: Optional[SiteTracer], seq_len: int,
                    batch_size: int, device: torch.device,
                    evaluate: bool = False) -> tuple[Any, Any]:
-    """``(StepMemory, PeakSite or None)`` of the measured fake step (``evaluate``: the
-    ``validation_step``); with ``site``, traced by it too (the probe inside counts the same
-    storages: the peak does not change)."""
+    """``(StepMemory, PeakSite or None)`` of the measured fake step (``evaluate``:
+    ``validation_step``), traced by ``site`` if given (its probe counts the same storages)."""
     def step() -> Any:
         if evaluate:
             return validation_step_memory(model, optimizer, batch, probe, autocast)
@@ -294,8 +282,7 @@ def dry_run_step(
     """Peak memory of one training step of ``pl_module`` at ``(seq_len, batch_size)``.
 
     Args:
-        pl_module: any ``nn.Module`` with ``training_step(batch, batch_idx)`` returning a loss
-            tensor or a dict with ``"loss"``. Left untouched, with its optimizer and the RNGs.
+        pl_module: its ``training_step(batch, batch_idx)`` returns a loss or ``{"loss": ...}``.
         optimizer: the optimizer training it (or Lightning's wrapper); a fresh one of the same
             class and param-group hyperparameters is built over the copy. ``None``: the copy's
             own ``configure_optimizers()`` (its first optimizer).
@@ -311,13 +298,11 @@ def dry_run_step(
         device: the device to simulate; default that of the module's first parameter.
         site: a tracer of where the peak sits (:func:`.peak_trace.trace_peak_site`, handed in
             from above this wing): the result's ``peak_site``. A tracer that fails leaves it None.
-        evaluate: the step is ``validation_step`` as a fit's validation loop runs it (eval mode,
-            no gradients; beside it the gradients and optimizer state the module and ``optimizer``
-            hold now: :func:`held_state`): one ``forward`` phase.
+        evaluate: the step is ``validation_step`` as a fit's validation loop runs it (eval mode, no
+            gradients, one ``forward`` phase) beside the state held now (:func:`held_state`).
 
     Returns:
-        a :class:`DryRunResult` of the second of two fake steps (the first creates gradients
-        and optimizer state, as a real run's warm-up does).
+        a :class:`DryRunResult` of the measured step, after a first step's state (see the module).
 
     Raises:
         DryRunUnsupported: the module cannot run on fake tensors (the reason names the op and the

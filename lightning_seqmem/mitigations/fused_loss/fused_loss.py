@@ -3,34 +3,30 @@
 A causal LM's loss, ``cross_entropy(hidden @ lm_head.weight.T, labels)``, holds ``[tokens, vocab]``
 float32 logits, their log-softmax saved for backward and their gradient, each larger than the rest
 of a step once attention is linear (16K tokens x 248K vocabulary: 16 GB per copy). A fused linear
-cross-entropy gets the same loss (the mean over tokens not ``ignore_index``, so micro-batching's
+cross-entropy computes the same loss (the mean over tokens not ``ignore_index``, so micro-batching's
 weighting by label tokens holds) and gradients a block of tokens at a time, keeping only the
 ``[tokens, d_model]`` and ``[vocab, d_model]`` gradients. Backends, picked per device at switch-on:
-``cce``, Apple's Cut Cross-Entropy (the ``fused`` extra; CUDA with triton); ``liger``, Liger-Kernel
-(CUDA, where installed); ``tiled``, DeepSpeed's eager ``TiledFusedLogitsLoss`` (the ``tiled`` extra;
-every device): token shards with logits the size of ``hidden``, gradients computed in the forward.
+``cce`` (Apple's Cut Cross-Entropy, the ``fused`` extra) and ``liger`` (Liger-Kernel) on CUDA with
+triton; ``tiled`` (DeepSpeed's eager ``TiledFusedLogitsLoss``, the ``tiled`` extra) on every device:
+token shards with logits the size of ``hidden``, gradients made in the forward. A dry run runs
+``tiled`` (eager: fake tensors work), on CUDA as a stand-in for ``cce``/``liger`` (triton kernels
+cannot run on fake tensors; their memory is at most ``tiled``'s); on the simulated CUDA device
+``"auto"``'s ``cce`` is modelled (:mod:`lightning_seqmem.dryrun.kernels_loss`).
 
-The dry run runs ``tiled`` (eager, so on fake tensors): on CPU what really runs, on CUDA a stand-in
-for ``cce``/``liger`` (triton kernels cannot run on fake tensors; their memory is at most
-``tiled``'s). On a plan's simulated CUDA device (no GPU), ``"auto"``'s pick (``cce``) runs as a
-model of its allocations (:mod:`lightning_seqmem.dryrun.kernels_loss`).
-
-Two kinds of model take it, found top-down: Hugging Face causal LMs (``*ForCausalLM`` with a
-bias-free ``lm_head`` and a base model; those scaling or capping their logits, Gemma, Cohere,
-Granite, refused), whose instance's ``forward`` is patched (:mod:`.fused_loss_hf`); and modules of
-the *fused-loss protocol*: a callable ``set_fused_loss(fn)``, a ``fused_loss`` attribute (None: the
-plain loss) and, when it is set, the loss ``fused_loss(hidden, lm_head_weight, labels,
-ignore_index=-100)``, as :class:`lightning_seqmem.reference.nn.GPT` (``GPT.loss``)::
+Two kinds of model take it, found top-down: Hugging Face ``*ForCausalLM`` models (with a bias-free
+``lm_head`` and a base model; those scaling or capping their logits, Gemma, Cohere, Granite,
+refused), their instance's ``forward`` patched (:mod:`.fused_loss_hf`); and modules of the
+*fused-loss protocol*, as :class:`lightning_seqmem.reference.nn.GPT` (``GPT.loss``)::
 
       class MyLM(nn.Module):
-          fused_loss = None                      # set by the rung
+          fused_loss = None                      # set by the rung; None: the plain loss
 
           def set_fused_loss(self, fn):
               self.fused_loss = fn
 
           def loss(self, input_ids, labels):
               hidden = self.body(input_ids)      # [batch, length, d_model]
-              if self.fused_loss is not None:
+              if self.fused_loss is not None:    # fn(hidden, weight, labels, ignore_index=-100)
                   return self.fused_loss(hidden, self.lm_head.weight, labels)
               return F.cross_entropy(self.lm_head(hidden).flatten(0, 1), labels.flatten())
 
@@ -150,9 +146,8 @@ MIN_SHARD_LOGITS = 1 << 20
 
 
 def tiled_shards(tokens: int, d_model: int, vocab_size: int) -> int:
-    """How many shards ``tiled`` cuts ``tokens`` into: Liger's rule, a shard's logits about the size
-    of the hidden states (``ceil(vocab / d_model)`` shards, a power-of-two shard length), with at
-    least :data:`MIN_SHARD_LOGITS` logits a shard. The same on every rank for the same shape.
+    """Shards ``tiled`` cuts ``tokens`` into (Liger's rule): ``ceil(vocab / d_model)``, each of a
+    power-of-two length, logits about the hidden states' size, at least :data:`MIN_SHARD_LOGITS`.
 
     Example:
         >>> tiled_shards(16384, 4096, 131072)  # Llama-3-8B at 16K tokens: 32 shards of 512 tokens
@@ -167,8 +162,7 @@ def tiled_shards(tokens: int, d_model: int, vocab_size: int) -> int:
 
 
 def _tiled_fused_logits_loss() -> Any:
-    """DeepSpeed's ``TiledFusedLogitsLoss``, imported without its accelerator-detection warning on
-    stdout: ``DS_ACCELERATOR`` is set, for the import only, to what DeepSpeed would detect."""
+    """DeepSpeed's ``TiledFusedLogitsLoss``, imported without its accelerator warning on stdout."""
     if "deepspeed" not in sys.modules and "DS_ACCELERATOR" not in os.environ:
         os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -192,10 +186,9 @@ class _SavedTensors:
 
 
 class _TiledLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``hidden @ weight.T`` by DeepSpeed's ``TiledFusedLogitsLoss``. That
-    adds the weight's gradient to ``param.grad`` in its forward, where Lightning's ``zero_grad``
-    would erase it and micro-batch weights not scale it: given a detached weight, both gradients
-    are kept and returned in backward, scaled by the incoming gradient."""
+    """Summed cross-entropy of ``hidden @ weight.T`` by DeepSpeed's ``TiledFusedLogitsLoss`` on a
+    detached weight: its forward adds the weight's gradient to ``param.grad`` (``zero_grad`` would
+    erase it, micro-batch weights not scale it); both gradients are kept for backward."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -2,29 +2,24 @@
 
 An MLP saves its wide intermediates (``[B, L, intermediate]``: four in a Llama MLP, two in the
 reference GPT's) for backward in every block; with SDPA and a fused loss they hold the peak at long
-lengths. DeepSpeed's ``TiledMLP`` (ALST, arXiv 2506.13996) runs the MLP on sequence tiles saving
-only its input and recomputes it tile by tile in backward: no saved intermediates, transient ones
-``1/tiles`` as wide, loss and gradients unchanged up to float rounding.
-
-Tiled (found structurally, not by class name): the ``mlp`` (or ``feed_forward``, ``ffn``) child of
-each repeated block (:func:`.checkpointing.find_repeated_blocks`), e.g. ``LlamaMLP`` or the
-reference GPT's ``nn.Sequential`` (its trailing ``nn.Dropout`` runs after the tiles). Refused: MoE
-blocks (an ``experts`` child), an active dropout in the tiled part (the recompute would draw new
-masks), FSDP2-sharded blocks (untested), FSDP1 and DeepSpeed (use DeepSpeed's ``TiledMLP`` there).
-
-The MLP instance's ``forward`` is patched in place (``remove`` deletes it; parameters, optimizer
-state and ``state_dict`` keys unchanged). Each tile runs on detached aliases of the parameters
-(``_reparametrize_module``), whose gradients one autograd node hands over
-(:class:`_HandGradsToParameters`): ``TiledMLP``'s per-tile ``torch.autograd.backward`` would fire
-DDP's reducer hooks once per tile. The recompute runs under the forward's autocast state.
+lengths. DeepSpeed's ``TiledMLP`` (ALST, arXiv 2506.13996) runs it on sequence tiles saving only its
+input, recomputing tile by tile in backward: no saved intermediates, transient ones ``1/tiles`` as
+wide, loss and gradients equal up to float rounding. Tiled: each repeated block's
+(:func:`.checkpointing.find_repeated_blocks`) :data:`MLP_CHILD_NAMES` child (:func:`find_mlps`),
+e.g. ``LlamaMLP`` or the reference GPT's ``nn.Sequential`` (its trailing ``nn.Dropout`` after the
+tiles). Refused: MoE blocks (an ``experts`` child), an active dropout in the tiled part (the
+recompute would draw new masks), FSDP2-sharded blocks (untested), FSDP1 and DeepSpeed (use
+DeepSpeed's ``TiledMLP`` there). The instance's ``forward`` is patched (``remove`` deletes it;
+parameters, optimizer state and ``state_dict`` keys unchanged); each tile runs, under the forward's
+autocast state, on detached aliases of the parameters (``_reparametrize_module``) whose gradients
+one autograd node hands over once, for DDP's reducer hooks (:class:`_HandGradsToParameters`).
 
 A call on ``L`` tokens runs ``max(floor, ceil(L / hidden))`` tiles (:func:`tiles_for_length`):
 ALST's rule (one tile per 4,096 tokens for Llama-3.1-8B) keeps a tile's intermediate one size at any
-length, and the floor, ``max(2, ceil(intermediate / hidden))`` over the MLPs' 2-D weights fixed at
-switch-on (:func:`tile_count_rule`; Llama-3.1-8B: 14336 / 4096 -> 4), keeps it no larger than the
-hidden state at short lengths. ``TiledMLPRung(tiles=n)`` fixes the count. Ranks of uneven lengths
-may run different counts: harmless on one device or DDP (one gradient per parameter per step), a
-deadlock where parameters are gathered per tile (ZeRO-3, FSDP; ALST all-reduces the maximum).
+length, the floor (:func:`tile_count_rule`, fixed at switch-on; Llama-3.1-8B: 14336 / 4096 -> 4) no
+larger than the hidden state at short lengths; ``TiledMLPRung(tiles=n)`` fixes the count. Ranks of
+uneven lengths may run different counts: harmless on one device or DDP, a deadlock where parameters
+are gathered per tile (ZeRO-3, FSDP; ALST all-reduces the maximum).
 
 Example:
     >>> import torch
@@ -136,8 +131,7 @@ def _is_active_dropout(module: nn.Module) -> bool:
 
 
 def _split(mlp: nn.Module) -> tuple[int, Optional[str]]:
-    """``(layers tiled, why not)``: a ``Sequential``'s layers before its trailing dropouts, else 0
-    (all of the MLP); why not: an active dropout in the tiled part, or an MoE block."""
+    """``(layers tiled, why not)``: a ``Sequential``'s layers before trailing dropouts, else 0."""
     if isinstance(getattr(mlp, "experts", None), nn.Module):
         return 0, (f"{type(mlp).__name__} is a mixture of experts (an `experts` child): its "
                    "routing is not tiled")
