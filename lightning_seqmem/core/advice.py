@@ -125,11 +125,11 @@ def over_budget_batch(seq_len: int, batch_size: int, peak: int, bound: int, meth
 
 def validation_over_budget(seq_len: int, batch_size: int, peak: int, bound: int, usable: int,
                            budget: int, margin: float, applied: Sequence[str],
-                           several_ranks: bool = False) -> Advice:
+                           ranks_apart: bool = False) -> Advice:
     """A validation batch is predicted over the budget and no rung was switched for it: said once,
     before it runs; nothing is cut."""
-    why = ("with several ranks the rungs switch before training batches only" if several_ranks
-           else "no rung left makes its dry run fit")
+    why = ("the ranks, counting their validation batches differently, cannot agree on rungs for it"
+           if ranks_apart else "no rung left makes its dry run fit")
     return Advice(
         "validation_over_budget", "validation",  # once a run: the first shape over says it
         f"seqmem: a validation batch of seq_len={seq_len}, batch {batch_size} "

@@ -118,11 +118,12 @@ class TrainingRunDryRun:
                               device=self.trainer.strategy.root_device, site=self.site)
         return result.peak_bytes, dict(result.phase_peak_bytes), result.peak_site
 
-    def validation_peak(self, batch: Any, seq_len: int, mitigations: tuple[str, ...] = ()) -> int:
-        """Peak bytes of ``validation_step`` on ``batch`` (``seq_len`` tokens), the rungs on now and
-        ``mitigations`` added, as a fit's validation loop runs it (:func:`.step.dry_run_step`,
-        ``evaluate=True``). One device, or a rank under DDP; a sharded module raises
-        :class:`DryRunUnsupported`."""
+    def validation_peak(self, batch: Any, seq_len: int, mitigations: tuple[str, ...] = (),
+                        batch_size: Optional[int] = None) -> int:
+        """Peak bytes of ``validation_step`` on ``batch`` cut or tiled to ``(batch_size, seq_len)``
+        (``batch_size`` None: its own), the rungs on now and ``mitigations`` added, as a fit's
+        validation loop runs it (:func:`.step.dry_run_step`, ``evaluate=True``). One device, or a
+        rank under DDP; a sharded module raises :class:`DryRunUnsupported`."""
         refusal = sharded.dry_run_refusal(self.trainer) or (
             "the validation step of an FSDP2 module is not dry-run"
             if sharded.is_fsdp2(self.pl_module) else None)
@@ -130,7 +131,7 @@ class TrainingRunDryRun:
             raise DryRunUnsupported(refusal)
         optimizers = getattr(self.trainer, "optimizers", None) or [None]
         with value_room(self.room() if self.room is not None else None):
-            result = dry_run_step(self.pl_module, optimizers[0], batch, seq_len, None,
+            result = dry_run_step(self.pl_module, optimizers[0], batch, seq_len, batch_size,
                                   tuple(m for m in mitigations if m not in self.applied()),
                                   autocast=self.trainer.precision_plugin.val_step_context,
                                   device=self.trainer.strategy.root_device, evaluate=True)

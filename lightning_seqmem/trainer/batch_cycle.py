@@ -41,7 +41,6 @@ from lightning_seqmem.core.config import SeqMemConfig
 from lightning_seqmem.core.records import MemoryBudgetError
 from lightning_seqmem.core.rungs import rung_names
 from lightning_seqmem.measure.batch_shape import read_batch_shape
-from lightning_seqmem.measure.probes import existing_tensors
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.decisions import Decision
 from lightning_seqmem.plan.metrics import metrics as plan_metrics
@@ -51,7 +50,7 @@ from lightning_seqmem.trainer import access as edge
 from lightning_seqmem.trainer import outputs
 from lightning_seqmem.trainer import ranks as distributed
 from lightning_seqmem.trainer.guard import Guard, guarded
-from lightning_seqmem.trainer.own_memory import own_tensors, untracked_bytes
+from lightning_seqmem.trainer.own_memory import start_probe
 from lightning_seqmem.trainer.run_state import EdgeState
 from lightning_seqmem.plan.view import PlanView
 
@@ -315,14 +314,7 @@ class BatchCycle:
             pending.traced = False  # a traced step runs a dispatch mode, hence eager: stay compiled
         if pending.measure:
             assert probe is not None, "setup() was not called"
-            existing = [*existing_tensors(pl_module, trainer.optimizers, batch),
-                        *own_tensors(self.edge)]
-            if probe.name == "tracker":  # (the allocator's counters hold what no tensor shows)
-                probe.start_step(existing, record_events=pending.traced,
-                                 resident_bytes=untracked_bytes(self.edge, trainer))
-            else:
-                probe.start_step(existing, record_events=pending.traced)
-            probe.mark_phase("forward")
+            start_probe(self.edge, trainer, pl_module, batch, record_events=pending.traced)
 
     @guarded
     def stop_probe(self, pending: Optional[PendingStep]) -> Any:

@@ -300,6 +300,9 @@ class SeqMemCallback(Callback):
                            batch: Any, batch_idx: int) -> None:
         self._batches.after_batch(trainer, pl_module, batch)
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guard.safely("the validation batches' check", lambda: self._validation.start(trainer))
+
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                   batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Inside a fit, a new validation batch shape is dry-run (over the budget, rungs go on

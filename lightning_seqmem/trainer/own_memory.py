@@ -36,8 +36,8 @@ from lightning_seqmem.measure.tracker import flat_tensors, tensor_storages
 if TYPE_CHECKING:
     from lightning_seqmem.trainer.run_state import EdgeState
 
-__all__ = ["bucket_bytes", "host_is_device", "own_tensors", "resident_bytes", "storage_bytes",
-           "untracked_bytes", "value_room_bytes"]
+__all__ = ["bucket_bytes", "host_is_device", "own_tensors", "resident_bytes", "start_probe",
+           "storage_bytes", "untracked_bytes", "value_room_bytes"]
 
 HOST_DEVICE_TYPES = ("cpu",)
 """Device types whose memory is the host's: what the callback keeps in host memory counts there."""
@@ -114,6 +114,20 @@ def resident_bytes(state: "EdgeState") -> int:
     trainer = state.fit_refs[0]() if state.fit_refs is not None else None
     strategy = untracked_bytes(state, trainer) if trainer is not None else 0
     return storage_bytes(own_tensors(state), device.type) + strategy
+
+
+def start_probe(state: "EdgeState", trainer: Any, pl_module: Any, batch: Any,
+                record_events: bool = False) -> None:
+    """Start ``state.probe`` in the forward phase of a step beside the run's tensors, the callback's
+    own (:func:`own_tensors`) and, for the tracker, :func:`untracked_bytes`: as dry runs count."""
+    probe = state.probe
+    existing = [*existing_tensors(pl_module, trainer.optimizers, batch), *own_tensors(state)]
+    if probe.name == "tracker":  # (the allocator's counters hold what no tensor shows)
+        probe.start_step(existing, record_events=record_events,
+                         resident_bytes=untracked_bytes(state, trainer))
+    else:
+        probe.start_step(existing, record_events=record_events)
+    probe.mark_phase("forward")
 
 
 def value_room_bytes(state: "EdgeState", usable: Optional[int]) -> Optional[int]:

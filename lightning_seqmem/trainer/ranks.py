@@ -76,6 +76,14 @@ def all_ok(trainer: Any, ok: bool) -> bool:
     return not any_rank(trainer, not ok)
 
 
+def same_on_every_rank(trainer: Any, value: int) -> bool:
+    """Whether ``value`` is the same on every rank."""
+    if trainer.world_size <= 1:
+        return True
+    high, negated_low = _collective(trainer, [value, -value], "max")
+    return high == -negated_low
+
+
 def broadcast(trainer: Any, obj: Any) -> Any:
     """Rank zero's ``obj`` on every rank."""
     return obj if trainer.world_size <= 1 else trainer.strategy.broadcast(obj, src=0)
@@ -161,4 +169,5 @@ def gather_measurement(trainer: Any, failed: bool, memory: Optional[StepMemory],
     return False, any_flag, (rank, r.memory(events), r.seq_len, r.batch_size)
 
 
-__all__ = ["MeasuredRow", "agree_inputs", "all_ok", "any_rank", "broadcast", "gather_measurement"]
+__all__ = ["MeasuredRow", "agree_inputs", "all_ok", "any_rank", "broadcast", "gather_measurement",
+           "same_on_every_rank"]
