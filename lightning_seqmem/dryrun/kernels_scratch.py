@@ -305,8 +305,7 @@ _SCRATCH: dict[Any, Callable[[Sequence[Any], Any], int]] = {
 
 
 def kernel_scratch_bytes(func: Any, args: Sequence[Any], out: Any) -> int:
-    """Bytes SDPA's CUDA kernel ``func`` holds for itself beside its outputs while it runs (0 for
-    any other op), in 512-byte blocks: the tracker's ``scratch`` hook.
+    """Bytes SDPA's CUDA kernel ``func`` holds beside its outputs while it runs (0 for other ops).
 
     >>> kernel_scratch_bytes(torch.ops.aten.mm.default, (), None)
     0

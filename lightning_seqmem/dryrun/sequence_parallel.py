@@ -5,10 +5,9 @@
 ``F.scaled_dot_product_attention`` call replaced by its sequence-parallel form over ``degree`` (a
 transformers model's flash-attn or flex attention function likewise, Ulysses only, as ALST does):
 
-- ``"ulysses"``: :func:`ulysses_attention` (DeepSpeed-Ulysses): q, k, v ``[B, H, L/d, D]`` are
-  all-to-all'ed into ``[B, H/d, L, D]``, attention runs at full length on ``H/d`` heads, and the
-  output (and in the backward the gradients) goes back the same way. The same function runs in a
-  real process group (``tests/scripts/sp_run.py`` measures it over 2 CPU processes).
+- ``"ulysses"``: :func:`ulysses_attention`: q, k, v ``[B, H, L/d, D]`` are all-to-all'ed into
+  ``[B, H/d, L, D]``, full-length attention runs on ``H/d`` heads, the output (and gradients) goes
+  back alike; also in a real process group (``tests/scripts/sp_run.py``, over 2 CPU processes).
 - ``"ring"``: PyTorch's own ring (``_context_parallel``'s ``_templated_ring_attention`` and its
   backward) with the CPU flash kernel: the K/V all-gather or ring buffers, the float32 merge of
   partial outputs, the backward's float32 gradient accumulators and ring. A real ring step needs
@@ -91,10 +90,9 @@ def _heads_to_seq(y: torch.Tensor, degree: int, group: Any) -> torch.Tensor:
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, degree: int,
                       group: Any = None, **sdpa_kwargs: Any) -> torch.Tensor:
-    """DeepSpeed-Ulysses attention of this rank's ``[B, H, L/degree, D]`` q, k, v over ``group``
-    (``degree`` ranks holding consecutive chunks in rank order): all-to-all to
-    ``[B, H/degree, L, D]``, SDPA (``sdpa_kwargs``, ``attn_mask`` of the full length), all-to-all
-    back. Autograd runs the all-to-alls backwards.
+    """DeepSpeed-Ulysses attention (module doc) of this rank's ``[B, H, L/degree, D]`` q, k, v over
+    the ``degree`` ranks of ``group``, which hold consecutive chunks in rank order; ``sdpa_kwargs``
+    go to SDPA (``attn_mask``: of the full length).
 
     Example (one rank: the all-to-all is the identity):
         >>> import torch.distributed as dist
@@ -143,8 +141,7 @@ class _Ring(torch.autograd.Function):
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any,
                    is_causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
-    """Ring attention of this rank's ``[B, H, L/d, D]`` chunk by PyTorch's ``context_parallel``
-    code (load-balanced when causal), with the CPU flash kernel; for the dry run (fake tensors)."""
+    """Ring attention (module doc) of a rank's ``[B, H, L/d, D]`` chunk, load-balanced if causal."""
     return _Ring.apply(query, key, value, group, is_causal, scale)
 
 
@@ -173,10 +170,9 @@ def _note(calls: AttentionCalls, q: torch.Tensor, k: torch.Tensor, attn_mask: An
 @contextlib.contextmanager
 def sequence_parallel_attention(kind: str = "none", degree: int = 1,
                                 group: Any = None) -> Iterator[AttentionCalls]:
-    """Replace ``torch.nn.functional.scaled_dot_product_attention`` with its ``kind`` form over
-    ``degree`` ranks of ``group`` (None: a new group of ranks ``0..degree-1``, made at the first
-    call, in the current process group) for the duration; yields the calls seen. ``kind="none"``
-    only records the calls."""
+    """Replace ``F.scaled_dot_product_attention`` with its ``kind`` form over ``degree`` ranks of
+    ``group`` (None: a new group of ranks ``0..degree-1``, made at the first call, in the current
+    process group) for the duration, yielding the calls seen (``"none"``: only records them)."""
     calls = AttentionCalls()
     groups: list[Any] = [group]
     inside = [False]  # within a wrapped transformers function: its own SDPA call is not split again
@@ -275,10 +271,9 @@ def sequence_parallel_dry_run_step(
     autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None,
     offload: bool = False,
 ) -> DryRunResult:
-    """Per-rank peak of one training step (rank 0's) with the sequence split over ``degree`` ranks
-    (``kind``: ``"ulysses"``, ``"ring"``, or ``"none"`` with degree 1) and FSDP2 over
-    ``world_size`` ranks: a dry run of the rank's ``seq_len // degree`` tokens.
-    ``offload``: FSDP2 ``CPUOffloadPolicy`` (as in :func:`.sharded.sharded_dry_run_step`).
+    """Rank 0's peak of one training step with the sequence split over ``degree`` ranks (``kind``:
+    ``"ulysses"``, ``"ring"``, or ``"none"`` with degree 1) and FSDP2 over ``world_size`` ranks.
+    ``offload``: as in :func:`.sharded.sharded_dry_run_step` (FSDP2 ``CPUOffloadPolicy``).
 
     Raises:
         ValueError: ``degree`` does not divide ``world_size`` or ``seq_len``; an unknown ``kind``.

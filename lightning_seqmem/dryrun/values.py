@@ -32,12 +32,11 @@ _VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the length (8
 
 
 def value_max_bytes(seq_len: int) -> int:
-    """Largest tensor computed from the batch alone whose real value a dry run at ``seq_len`` keeps.
-
-    ``nn.TransformerDecoder`` reads the values of its fp32 ``[L, L]`` causal mask, so the limit is
-    at least that: from 8 MiB up to 256 MiB (8192 tokens). The values are real tensors in host
-    memory (within :func:`value_room` where the host is the training device); beyond 8192 tokens
-    such a check refuses the dry run, and the fit of measured steps answers.
+    """Largest tensor computed from the batch alone whose real value a dry run at ``seq_len`` keeps:
+    at least the fp32 ``[L, L]`` causal mask whose values ``nn.TransformerDecoder`` reads, from
+    8 MiB up to 256 MiB (8192 tokens). The values are real tensors in host memory (within
+    :func:`value_room` where the host is the training device); beyond 8192 tokens such a check
+    refuses the dry run, and the fit of measured steps answers.
 
     Example:
         >>> value_max_bytes(512) == 8 * 2**20, value_max_bytes(8192) == 4 * 8192 * 8192
@@ -93,9 +92,8 @@ _ROOM: contextvars.ContextVar[Optional[ValueRoom]] = contextvars.ContextVar("seq
 
 @contextlib.contextmanager
 def value_room(limit_bytes: Optional[int]) -> Iterator[Optional[ValueRoom]]:
-    """The dry runs made inside keep real twins of at most ``limit_bytes`` bytes at once, all
-    together (None: no limit but each twin's :func:`value_max_bytes`); yields the
-    :class:`ValueRoom` (None without a limit), which says what was held and withheld.
+    """The dry runs inside keep real twins of at most ``limit_bytes`` at once, all together (None:
+    only each twin's :func:`value_max_bytes`); yields the :class:`ValueRoom` (None without a limit).
 
     Example:
         >>> with value_room(4096) as room:
@@ -176,16 +174,13 @@ def _bound_bytes(args: tuple, kwargs: dict) -> int:
 
 
 class BatchValues(TorchDispatchMode):
-    """Real values of the small tensors a step computes from its batch and constants alone.
-
-    Fake tensors have no values, yet models read some (``mask.all()``, ``position_ids`` diffs,
-    ``(labels != -100).sum().item()``). This mode (above the fake mode) keeps a real twin of every
-    fake tensor computed only from the batch, constants or other such tensors, up to ``max_bytes``
-    (:func:`value_max_bytes`), running each such op again on the twins with every mode off (nothing
-    counted; the twins die with their fake tensors). An op reading a tensor without a twin (an
-    activation) still fails, as it must. A real tensor held by the module is its own twin, never
-    written to. A storage written from a tensor without a twin loses the twins of all its views.
-    """
+    """Real values of the small tensors a step computes from its batch and constants alone: fake
+    tensors have none, yet models read some (``mask.all()``, ``position_ids`` diffs,
+    ``(labels != -100).sum().item()``). This mode (above the fake mode) keeps their real twins, up
+    to ``max_bytes`` (:func:`value_max_bytes`), rerunning each such op on the twins with every mode
+    off (uncounted; twins die with their fake tensors). An op reading a tensor without a twin (an
+    activation) still fails. A real tensor held by the module is its own twin, never written to.
+    Writing a storage from a tensor without a twin drops the twins of all its views."""
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int = _VALUE_MAX_BYTES) -> None:
         super().__init__()
@@ -296,13 +291,11 @@ class BatchValues(TorchDispatchMode):
 
 @contextlib.contextmanager
 def transformers_without_fake_detection() -> Iterator[None]:
-    """Let Hugging Face transformers take a real step's shortcuts on fake tensors.
-
-    ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as tracing and skips the
-    shortcuts that read values: SDPA gets an explicit ``[B, 1, L, L]`` causal mask instead of
-    ``is_causal=True`` (measured: +28% on a small Llama at 512 tokens, and a quadratic term a real
-    step lacks). So ``is_fake_tensor`` answers False meanwhile; :class:`BatchValues` has the values.
-    """
+    """Let Hugging Face transformers take a real step's shortcuts on fake tensors:
+    ``transformers.utils.import_utils.is_tracing`` counts a fake tensor as tracing, skipping the
+    shortcuts that read values (SDPA gets an explicit ``[B, 1, L, L]`` causal mask instead of
+    ``is_causal=True``: measured +28% on a small Llama at 512 tokens, and a quadratic term a real
+    step lacks), so ``is_fake_tensor`` is False meanwhile; :class:`BatchValues` has the values."""
     module = sys.modules.get("transformers.utils.import_utils")
     original = getattr(module, "is_fake_tensor", None)
     if original is None:
@@ -331,16 +324,13 @@ def _resize(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 def shape_batch(
     batch: Any, seq_len: int, batch_size: int, fake_mode: FakeTensorMode, values: BatchValues
 ) -> tuple[Any, tuple[int, int]]:
-    """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape.
-
-    ``(B, L)`` is read by :func:`.batch_shape.infer_batch_shape`; sequence tensors have first dim
-    ``B`` or 1 and ``L`` at dim 1 (``input_ids``, embeddings ``[B, L, D]``) or at both last dims
-    (masks ``[B, 1, L, L]``). Rows are cut or repeated; sequence dims cut or tiled (tokens repeated
-    from the start); ``position_ids`` become ``0 .. seq_len - 1``; another length (an
-    encoder-decoder's ``labels [B, L/2]``) keeps its ratio to ``L``
-    (:func:`.batch_tensors.scaled_length`). Changed tensors are contiguous copies. Every tensor's
-    values go to ``values`` (copied). Containers are rebuilt with their type; ``batch`` untouched.
-    """
+    """A fake copy of ``batch`` at ``(batch_size, seq_len)``, with the batch's original shape
+    ``(B, L)`` (:func:`.batch_shape.infer_batch_shape`). Sequence tensors as in
+    :mod:`lightning_seqmem.measure.batch` (``L`` at dim 1 or both last dims). Rows are cut or
+    repeated, sequence dims cut or tiled, ``position_ids`` made ``arange(seq_len)``; another length
+    (an encoder-decoder's ``labels [B, L/2]``) keeps its ratio to ``L``
+    (:func:`.batch_tensors.scaled_length`). Changed tensors are contiguous copies, all values go to
+    ``values`` (copied), containers are rebuilt with their type; ``batch`` is untouched."""
     rows, length = infer_batch_shape(batch)
 
     def convert(x: torch.Tensor, key: Any) -> torch.Tensor:

@@ -113,8 +113,7 @@ def _cut_extent(batch: Any, keys: Optional[Iterable[str]],
 
 def _mask_plan(batch: Any, batch_size: int, length: int, seq_len: int, truncate: bool,
                keep: str) -> tuple[Optional[str], Optional[str], Optional[int]]:
-    """``(kept, padding side, empty rows)`` of a cut, read from the batch's ``attention_mask``
-    (``kept``: which positions ``truncate=True`` keeps; None without truncation)."""
+    """``(kept, padding side, empty rows)`` of a cut, as in :class:`BatchCut`, from the mask."""
     mask = find_attention_mask(batch)
     if mask is not None and tuple(mask.shape) != (batch_size, length):
         mask = None  # a mask of another shape says nothing about these rows
@@ -137,10 +136,9 @@ def _mask_plan(batch: Any, batch_size: int, length: int, seq_len: int, truncate:
 def cut_batch(batch: Any, seq_len: int, *, truncate: bool = True, keep: str = "auto",
               seq_dim: int = 1, keys: Optional[Iterable[str]] = None,
               in_place: bool = False) -> BatchCut:
-    """Shorten a batch to ``seq_len`` tokens per row; return the result and its real shape. Sequence
-    tensors (module docstring; with ``keys``, exactly ``batch[key]`` for each key) are cut; other
-    values (a per-sample ``index``, strings) are left alone but for ``truncate=False``. If
-    ``seq_len`` is not below the current length nothing is cut (never padded).
+    """Shorten a batch to ``seq_len`` tokens per row, never padding; return the result and its real
+    shape. Sequence tensors (module docstring, or ``keys``) are cut; other values (a per-sample
+    ``index``, strings) are left alone but for ``truncate=False``.
 
     Args:
         truncate: ``True`` keeps ``seq_len`` positions of every row, copied (freeing the full
@@ -226,9 +224,8 @@ def cut_batch(batch: Any, seq_len: int, *, truncate: bool = True, keep: str = "a
 def set_batch_sequence_length(batch: BatchT, seq_len: int, *, truncate: bool = True,
                               seq_dim: int = 1, keys: Iterable[str] | None = None,
                               keep: str = "auto") -> BatchT:
-    """Set the sequence length of a batch to ``seq_len`` in place; return the batch (never padded).
-    :func:`cut_batch` with ``in_place=True``: a tensor comes back new; a tuple, read-only mapping or
-    frozen dataclass raises ``TypeError`` (:func:`can_cut_in_place` tells in advance).
+    """Set a batch's sequence length in place, returning it (:func:`cut_batch`, ``in_place=True``):
+    a tensor comes back new; an immutable container raises ``TypeError`` (:func:`can_cut_in_place`).
 
     >>> import torch
     >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "index": torch.tensor([0, 1])}

@@ -208,11 +208,10 @@ class DeviceAndHostProbe(MemoryProbe):
 
 
 class CudaAllocatorProbe(MemoryProbe):
-    """Per-phase peaks from the CUDA caching allocator's counters. ``reserved_bytes``: the step's
-    peak reserved memory; ``fragmentation_bytes``: that minus the peak allocated (the peaks may come
-    from different moments); ``fragmentation_fraction``: that over reserved. ``record_events=True``
-    runs a :class:`LiveTensorTracker` alongside. Resets the peak counters at every step and phase
-    boundary (``torch.cuda.max_memory_allocated()`` elsewhere sees the peak since the last one)."""
+    """Per-phase peaks and :class:`.AllocatorCounters` from the CUDA caching allocator (peak
+    reserved and allocated may come at different moments); ``record_events=True`` runs a
+    :class:`LiveTensorTracker` alongside. Resets the peak counters at each step and phase boundary
+    (``torch.cuda.max_memory_allocated()`` elsewhere sees the peak since the last)."""
 
     name = "cuda"
 

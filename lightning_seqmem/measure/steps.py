@@ -1,10 +1,8 @@
 """Forecast without training: trace a few short training steps of a model and fit both predictors.
 
-:func:`trace_training_steps` runs real training steps (forward, backward, optimizer step) at a
-few short lengths under a memory probe, as the callback measures them, and returns a fitted
-:class:`~lightning_seqmem.MemoryForecaster`. The steps change the weights and optimizer state they
-are given: pass copies to keep the originals. No Lightning (:mod:`lightning_seqmem.cli.main`
-adapts a ``LightningModule``).
+:func:`trace_training_steps` runs real training steps at a few short lengths under a memory probe,
+as the callback measures them, and returns a fitted :class:`~lightning_seqmem.MemoryForecaster`. No
+Lightning (:mod:`lightning_seqmem.cli.main` adapts a ``LightningModule``).
 
 Example:
     >>> import torch
@@ -45,9 +43,8 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 def loss_of(output: Any, required: bool = True) -> Optional[torch.Tensor]:
-    """The loss in a ``training_step`` output, as Lightning reads it: the tensor itself, a mapping's
-    ``"loss"``, or None (Lightning skips such a batch; ``required``: that is an error here). The
-    package's one reader. ``TypeError`` where a loss tensor is needed and missing.
+    """The package's one reader of the loss in a ``training_step`` output, as Lightning reads it:
+    the tensor, a mapping's ``"loss"`` or None (skipped; an error if ``required``); else TypeError.
 
     Example:
         >>> loss_of({"loss": torch.tensor(1.0), "log": 2})
@@ -77,8 +74,7 @@ def loss_of(output: Any, required: bool = True) -> Optional[torch.Tensor]:
 
 
 def step_device(model: nn.Module, device: Optional[torch.device | str] = None) -> torch.device:
-    """Where traced steps run: ``device``, else the device of ``model``'s first parameter (CPU
-    for a model without parameters).
+    """Where traced steps run: ``device``, else ``model``'s first parameter's (CPU without any).
 
     Example:
         >>> none = torch.nn.Identity()

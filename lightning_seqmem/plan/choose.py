@@ -57,8 +57,7 @@ class Choice:
 
 
 def combine(on: Sequence[str], rungs: Sequence[str]) -> Setting:
-    """``on`` with ``rungs`` switched on: a variant of a rung already on replaces its entry (an
-    upgrade, in place), a new rung is appended.
+    """``on`` plus ``rungs``: a variant of a rung on replaces its entry, a new rung is appended.
 
     >>> combine(("attention", "checkpointing:2/8"), ("checkpointing:4/8", "microbatch"))
     ('attention', 'checkpointing:4/8', 'microbatch')
@@ -188,11 +187,10 @@ def choose(on: Sequence[str], allowed: Sequence[str], applicable: Applicability,
            judge: Callable[[Setting], object], price: Callable[[Setting], float],
            max_judgements: int = MAX_JUDGEMENTS, fmt: Callable[[int], str] = lambda b: f"{b} B",
            usable: Optional[int] = None) -> Optional[Choice]:
-    """The setting that fits with the least ``price``, searched best-first (ties: more rungs
-    first, then ladder order). ``judge(setting)`` returns a
-    :class:`~lightning_seqmem.plan.judging.Verdict` or its kind; ``fmt`` formats bytes for the why,
-    ``usable`` the budget it names. None when there is nothing to switch to, or nothing was judged
-    to fit and some judgement could not answer; every rung on, ``fits=False``, when all are over."""
+    """The setting that fits with the least ``price`` (ties: more rungs first, then ladder order),
+    judged by ``judge(setting)``: a :class:`~lightning_seqmem.plan.judging.Verdict` or its kind;
+    ``fmt``: bytes in the why; ``usable``: the budget it names. None when nothing can be switched
+    to, or none fits and a judgement is unknown; every rung on, ``fits=False``, if all are over."""
     on = tuple(on)
     options = candidates(on, allowed, applicable)
     if not options:

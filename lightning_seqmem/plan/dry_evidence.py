@@ -142,11 +142,10 @@ class DryEvidence:
         return f"dry run refused: {self.why.get(key, 'no answer')}"
 
     def scratch_bytes(self, seq_len: int, batch_size: int, mitigations: Sequence[str]) -> int:
-        """What the allocator counted beyond the dry run, grown to ``(seq_len, batch_size)``.
-
-        Only with ``compare_reserved``: CUDA kernels take scratch buffers (eager attention's
-        backward: one more ``[B, H, L, L]`` block). The longest fitted step not longer than
-        ``seq_len`` gives ``measured - dry``, scaled by ``(L / L0)^2 * max(1, B / B0)``.
+        """What the allocator counted beyond the dry run (only with ``compare_reserved``: CUDA
+        kernels' scratch buffers, e.g. eager attention's backward: one more ``[B, H, L, L]`` block),
+        grown to ``(seq_len, batch_size)``: the longest fitted step not longer than ``seq_len``
+        gives ``measured - dry``, scaled by ``(L / L0)^2 * max(1, B / B0)``.
 
         >>> from lightning_seqmem.core.records import StepMemory
         >>> from lightning_seqmem.plan.planner import SeqMemPlanner
@@ -189,8 +188,7 @@ class DryEvidence:
                  trusted_only: bool = True) -> Optional[Forecast]:
         """The dry run's forecast at ``(seq_len, batch_size)``; with ``source``, an upper bound from
         the dry run of that larger shape, scratch counted at ``seq_len``. None where it cannot
-        answer, or (``trusted_only``) where it missed measured steps of this setting beyond the
-        tolerance (:mod:`lightning_seqmem.core.trust`)."""
+        answer or (``trusted_only``) is not trusted (:mod:`lightning_seqmem.core.trust`)."""
         key = self._key(seq_len, batch_size, mitigations)[2]
         if trusted_only and self.measured.checks.wrong(key, "dry_run") is not None:
             return None
@@ -249,9 +247,8 @@ class DryEvidence:
         return self.forecast(L, B, key)
 
     def bucket(self, seq_len: int, batch_size: int, key: Setting, budget: int) -> int:
-        """The length to dry-run for ``seq_len`` (a dry run there that fits answers for every
-        shorter one): :func:`~lightning_seqmem.plan.dry_search.ahead_length` of the longest length
-        known and the bounds of the dry runs cached."""
+        """The length to dry-run for ``seq_len``, :func:`.dry_search.ahead_length` of the longest
+        known length and cached bounds: a fitting dry run there answers every shorter length."""
         longest = max(self.longest_known(), seq_len)
         bounds = {}
         for (L, B, m), answer in self.answers.items():
@@ -262,10 +259,9 @@ class DryEvidence:
         return dry_search.ahead_length(seq_len, longest, bounds, budget, self.settings.length_limit)
 
     def max_seq_len(self, budget_bytes: int, batch_size: int) -> int:
-        """A length whose dry-run bound fits, up to 4× the longest known (a multiple of the
-        curriculum's ``multiple_of``), confirmed by one dry run
-        (:func:`~lightning_seqmem.plan.dry_search.confirmed_largest`): within about 2% of the
-        largest where a search to the token took four dry runs or more."""
+        """A length whose dry-run bound fits, up to 4× the longest known (curriculum: a multiple of
+        ``multiple_of``), confirmed by one dry run (:func:`.dry_search.confirmed_largest`): within
+        about 2% of the largest where a search to the token took four dry runs or more."""
         records = self.measured.records
         curriculum = self.settings.curriculum
         known = [r.seq_len for r in records] + ([curriculum.target] if curriculum else [])

@@ -2,31 +2,28 @@
 
 Each repeated block (:func:`.checkpointing.find_repeated_blocks`) runs its forward under the hooks
 of ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: each tensor autograd saves there is copied
-to pinned host memory as it is saved, and back when its backward node runs. Between forward and
-backward the device holds no block's saved activations, so the peak falls where they make it (the
-end of the forward), not where a backward's temporaries do (huggingface/accelerate#4175: unchanged
-at short lengths, −25% at 1M tokens).
+to the host when saved and back when its backward node runs. The device then holds no block's saved
+activations between forward and backward: the peak moves from the forward's end to a backward's
+temporaries (huggingface/accelerate#4175: unchanged at short lengths, −25% at 1M tokens).
 
 What goes to the host (:meth:`OffloadedForward.keeps` says what stays):
 
-* each tensor saved inside a block's forward (twice if saved twice), except the block's parameters
-  and buffers (and views of them) and any ``nn.Parameter`` (FSDP2's unsharded ones): they stay on
-  the device anyway, so a host copy would free nothing (``save_on_cpu`` alone copies them too);
-* with activation checkpointing on a block, only the checkpoint's inputs (ALST's "checkpoint
-  offload"): the hooks go around the checkpoint (its wrapper is the block; Hugging Face checkpoints
-  inside the layer's ``forward``, below the hooks), whose own hooks stay innermost. Transformers 5's
-  ``activation_checkpointing_enable(offload=True)`` is not used: it would reset which layers are
-  checkpointed. A ``checkpoint_wrapper`` put on *after* offload encloses the hooks, which then
-  stand aside: list ``"activation_offload"`` after ``"checkpointing"`` to offload its inputs.
+* each tensor saved inside a block's forward (twice if saved twice), but not the block's parameters,
+  buffers (or views of them) and ``nn.Parameter``s (FSDP2's unsharded ones): on the device anyway,
+  their host copies would free nothing (``save_on_cpu`` alone makes them too);
+* of a checkpointed block, only the checkpoint's inputs (ALST's "checkpoint offload"): the hooks go
+  around the checkpoint (its wrapper is the block; Hugging Face checkpoints inside the layer's
+  ``forward``, below the hooks). A ``checkpoint_wrapper`` added *after* offload encloses the hooks
+  and idles them: list ``"activation_offload"`` after ``"checkpointing"``. Transformers 5's
+  ``activation_checkpointing_enable(offload=True)`` is not used: it resets the checkpointed layers.
 
 Switched on in place between steps: each block's ``forward`` becomes an instance attribute
-(:class:`OffloadedForward`); parameters, optimizer state and ``state_dict`` keys are unchanged.
-Cost: the two copies, on the compute stream, and that much pinned host memory.
+(:class:`OffloadedForward`); parameters, optimizer state and ``state_dict`` keys stay. Cost: the two
+copies, on the compute stream, and that much pinned host memory.
 
-On fake accelerator tensors (a dry run) ``save_on_cpu`` itself runs and the host tracker
-(:mod:`lightning_seqmem.dryrun.host`) counts its fake host copies; on fake CPU tensors the hooks
-*model* it (the shape alone is kept; backward allocates the tensor again on the device).
-:attr:`OffloadedForward.host_bytes` counts the bytes copied (or that would be) to the host.
+On fake accelerator tensors (a dry run) ``save_on_cpu`` itself runs, its fake host copies counted by
+:mod:`lightning_seqmem.dryrun.host`; on fake CPU tensors the hooks *model* it (keeping the shape;
+backward allocates the tensor anew on the device). :attr:`OffloadedForward.host_bytes` counts both.
 
 Example:
     >>> import torch
@@ -79,9 +76,8 @@ def _inside_checkpoint() -> bool:
 
 
 class OffloadedForward:
-    """A block's ``forward`` under the offload hooks (the block's instance attribute ``forward``).
-
-    ``host_bytes``/``host_tensors``: bytes and tensors copied to host since the last
+    """A block's ``forward`` under the offload hooks, set as the block's instance attribute
+    ``forward``. ``host_bytes``/``host_tensors``: bytes and tensors copied to host since the last
     :func:`reset_offloaded_bytes` (on fake tensors: that would be); ``kept_bytes``: bytes of saved
     parameters and buffers left on the device."""
 
@@ -115,8 +111,7 @@ class OffloadedForward:
         return any(st._cdata in self._own for st in _storages(tensor))
 
     def _save_on_cpu(self, device_type: str = "cuda") -> save_on_cpu:
-        """PyTorch's own copies to (pinned) host memory and back, for tensors of ``device_type``
-        (made once per device type, not pickled)."""
+        """``save_on_cpu`` hooks for ``device_type`` tensors (made once per type, not pickled)."""
         hooks = self.__dict__.setdefault("_hooks", {})
         if device_type not in hooks:
             hooks[device_type] = save_on_cpu(pin_memory=self.pin_memory, device_type=device_type)
@@ -283,10 +278,9 @@ class ActivationOffload:
 
 
 class ActivationOffloadRung(Rung):
-    """The ladder's opt-in ``"activation_offload"`` rung: :class:`ActivationOffload` on CUDA,
-    removable. Elsewhere it is refused with its reason, yet a dry run models it
-    (``modelled_where_refused``: ``seqmem plan`` says what it would save on a GPU). FSDP1 refuses it
-    at set-up (under DeepSpeed its hooks act inside the engine as anywhere).
+    """The opt-in ``"activation_offload"`` rung: :class:`ActivationOffload` on CUDA, removable;
+    refused elsewhere, yet a dry run models it (``modelled_where_refused``: ``seqmem plan`` says
+    what it saves on a GPU). FSDP1 refuses it at set-up, DeepSpeed does not.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig

@@ -44,9 +44,8 @@ _MODELLED_FLASH: dict[str, Callable[[], str]] = {}  # device type -> HF name of 
 
 
 def register_modelled_flash(device_type: str, implementation: Callable[[], str]) -> None:
-    """On ``device_type`` (the dry run's simulated CUDA, :mod:`lightning_seqmem.dryrun.kernels`)
-    flash-attn runs modelled as the Hugging Face implementation ``implementation()`` names, so the
-    ``"flash"`` switch works there for Hugging Face models.
+    """On ``device_type`` (the dry run's simulated CUDA, :mod:`lightning_seqmem.dryrun.kernels`) the
+    ``"flash"`` switch gives Hugging Face models ``implementation()``, a modelled flash-attn.
 
     Example:
         >>> register_modelled_flash("example", lambda: "flash_attention_2_modelled")
@@ -74,9 +73,8 @@ def _implements_protocol(module: nn.Module) -> bool:
 
 
 def find_attention_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules whose attention kernel can be switched, as ``(qualified name, module)`` pairs,
-    searched top-down (:func:`.find_top_down`): a ``GPT`` implementing the protocol is returned
-    alone, not with its attention layers.
+    """``(qualified name, module)`` of each module whose attention kernel can be switched, found
+    top-down (:func:`.find_top_down`): a protocol ``GPT``, not its attention layers.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -100,9 +98,8 @@ def _backend_of(target: nn.Module) -> str | None:
 
 
 def current_attention_backend(model: nn.Module) -> str | None:
-    """The attention backend the switchable modules of ``model`` use: ``None`` if there is none or
-    its backend cannot be read, ``"mixed"`` if they disagree (Hugging Face ``"flash_attention_*"``
-    reads as ``"flash"``).
+    """The attention backend of ``model``'s switchable modules (Hugging Face
+    ``"flash_attention_*"``: ``"flash"``); None if none or unreadable, ``"mixed"`` if they disagree.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -206,8 +203,7 @@ class AttentionSwitch:
         backend: one of :data:`ATTENTION_SWITCH_BACKENDS`; ``"auto"``: ``"flash"`` where flash-attn
             is installed and the model's parameters are fp16/bf16 on CUDA, else ``"sdpa"``.
         sdpa_backends: ``SDPBackend`` values the ``"sdpa"`` kernel is restricted to, passed to
-            protocol modules' ``set_attention_backend``; for Hugging Face models wrap the step in
-            :meth:`kernel_context`.
+            ``set_attention_backend``; Hugging Face models: wrap the step in :meth:`kernel_context`.
 
     Example:
         >>> AttentionSwitch("xformers")
@@ -293,8 +289,7 @@ class AttentionSwitch:
 
 
 class AttentionRung(ModulePolicyRung):
-    """The ladder's ``"attention"`` rung: :class:`AttentionSwitch` (``"auto"``: flash-attn where
-    it can run, else SDPA) behind the :class:`.base.Rung` protocol.
+    """The ``"attention"`` rung: :class:`AttentionSwitch` (``"auto"``) as a :class:`.base.Rung`.
 
     Example:
         >>> from lightning_seqmem.mitigations.base import RungContext

@@ -95,11 +95,10 @@ def _modules_named(model: nn.Module, class_names: set[str]) -> list[nn.Module]:
 
 def find_repeated_blocks(model: nn.Module,
                          block_class_names: Sequence[str] | None = None) -> list[nn.Module]:
-    """The repeated blocks of ``model`` in the order found (of nested matches, the outer one): the
-    modules of class ``block_class_names`` (ValueError where none is); else (None) those of the
-    classes in ``_no_split_modules`` of a Hugging Face model inside ``model``; else the children of
-    every ``nn.ModuleList`` whose children share one class and hold modules (an encoder's and a
-    decoder's stack), outermost; else the largest such list of single layers; else none.
+    """The repeated blocks of ``model``, in order (of nested matches, the outer one): the modules of
+    class ``block_class_names`` (else ValueError); else (None) those of Hugging Face models'
+    ``_no_split_modules`` classes; else the children of every ``nn.ModuleList`` whose children share
+    one class and hold modules, outermost; else the largest such list of single layers; else none.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -184,10 +183,9 @@ def check_block_class_names(block_class_names: Sequence[str] | None) -> list[str
 
 class ActivationCheckpointing:
     """Policy: checkpoint a model's repeated blocks (of class ``block_class_names``, then always by
-    the wrapper, Hugging Face models too; None: :func:`find_repeated_blocks`) in place and
-    idempotently, at ``level``: None (every block, recomputed whole), ``"selective"`` (every block,
-    matmul outputs kept) or ``"k/N"`` (the first ``k`` of ``N`` blocks; see
-    :mod:`.checkpointing_levels`). Over a lower level it raises the blocks it needs, never lowering.
+    the wrapper, Hugging Face models too; None: :func:`find_repeated_blocks`) in place at ``level``:
+    None (every block, recomputed whole), ``"selective"`` (every block, matmul outputs kept) or
+    ``"k/N"`` (the first ``k`` of ``N`` blocks; :mod:`.checkpointing_levels`).
 
     Example:
         >>> why = ActivationCheckpointing().is_applicable(nn.Linear(2, 2))[1]
@@ -240,9 +238,8 @@ class ActivationCheckpointing:
         return [slot_level(s, wrappers) for s in (self._slots(model) if slots is None else slots)]
 
     def levels_available(self, model: nn.Module) -> tuple[int, bool, bool]:
-        """``(N, k/N possible, selective possible)`` for ``model``'s N checkpointable blocks:
-        partial levels need per-block control (not a Hugging Face model without per-layer flags),
-        selective a path that can raise it to full in place (not FSDP2's composable checkpoint)."""
+        """``(N, k/N possible, selective possible)`` for ``model``'s N checkpointable blocks: k/N
+        not for a Hugging Face model without per-layer flags, selective not under FSDP2."""
         slots = self._slots(model)
         partial_ok = len(slots) > 1 and not any(s.kind == "hf_model" for s in slots)
         return len(slots), partial_ok, bool(slots) and slots[0].kind != "composable"
@@ -354,10 +351,9 @@ class ActivationCheckpointing:
 
 
 class CheckpointingRung(ModulePolicyRung):
-    """The ladder's ``"checkpointing"`` rung (``:selective``, ``:k/N`` or every block):
-    :class:`ActivationCheckpointing` behind the :class:`.base.Rung` protocol. Under FSDP2 it goes on
-    after ``fully_shard``, in a sharded dry run too; FSDP1 refuses it at set-up; under DeepSpeed it
-    goes on the blocks inside the engine (ZeRO 0-3: updates unchanged, tests/test_deepspeed.py).
+    """The ``"checkpointing"`` rung (:class:`ActivationCheckpointing`; ``:selective``, ``:k/N`` or
+    every block). Under FSDP2 it goes on after ``fully_shard`` (dry runs too), under DeepSpeed on
+    the engine's blocks (ZeRO 0-3: updates unchanged, tests/test_deepspeed.py); FSDP1 refuses it.
 
     Example:
         >>> from lightning_seqmem.mitigations.base import RungContext

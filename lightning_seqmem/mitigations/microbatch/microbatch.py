@@ -7,9 +7,8 @@ It takes effect at the next ``training_step``, mid-epoch included; ``accumulate_
 the dataloader are untouched (DESIGN.md says why).
 
 Weighting. ``training_step`` returns a *mean*; micro-batch ``i``'s loss is weighted by its share
-``c_i / C`` of what that mean is over (:func:`micro_batch_counts`; ``weighting="auto"`` or forced),
-which, unlike ``num_items_in_batch=C``, asks nothing of ``training_step``. A micro-batch with
-``c_i = 0`` is not run (under DDP, only non-final ones); a batch with ``C = 0`` runs unsplit:
+``c_i / C`` of what that mean is over (:func:`micro_batch_counts`; no ``num_items_in_batch``
+needed), one with ``c_i = 0`` skipped (under DDP, unless last), a batch with ``C = 0`` unsplit:
 
 * a mapping batch with integer ``"labels"`` (Hugging Face: the mean over label tokens ``!= -100``):
   its label tokens, of ``labels[..., 1:]`` where the labels equal ``input_ids`` at every counted
@@ -19,28 +18,25 @@ which, unlike ``num_items_in_batch=C``, asks nothing of ``training_step``. A mic
   padded batch by 95% (tests/test_microbatch_weighting.py).
 * any other batch: its samples (``"samples"``: a mean over samples, or equally many elements each).
 
-First-step check (``verify=True``): on the first batch split, before any gradient, ``training_step``
-runs without gradient on the first two micro-batches with ``c_i > 0`` and on their samples together;
-that loss must equal the ``c_i``-weighted mean of theirs within ``rtol`` 1e-3 (2e-2 with 16-bit
-autocast, parameters or loss), else (a sum, batch norm, ...) it refuses: the original
-``training_step`` runs the batch unsplit, :class:`MicroBatchingRefusedWarning` is warned,
-:func:`micro_batching_refusal` keeps the reason (``verify=False`` skips the check and overrides a
-refusal). A non-finite loss or fewer than two counted micro-batches defers it. Its forwards run on
-:func:`.check_copy`, dropout off by a ``TorchFunctionMode`` (``eval()`` would change batch norm), in
-``fork_rng``, ``self.log`` silenced; a loss that changes when rerun (flash-attn's dropout) is
-refused. Its memory is in that step's peak (:func:`micro_batching_check_pending`). Under DDP each
-rank checks and decides alone, still running one synced backward per batch.
+First-step check (``verify=True``): on the first batch split, before any backward, ``training_step``
+runs gradient-free on the first two counted micro-batches (``c_i > 0``) and on their samples
+together; that loss must equal the ``c_i``-weighted mean of theirs within ``rtol`` 1e-3 (2e-2 with
+16-bit autocast, parameters or loss), else (a sum, batch norm, ...) it refuses, running the batch
+unsplit (:class:`MicroBatchingRefusedWarning`; why: :func:`micro_batching_refusal`). A non-finite
+loss or under two counted micro-batches defers it. Its forwards run on :func:`.check_copy` in
+``fork_rng``, dropout off by a ``TorchFunctionMode`` (``eval()`` would change batch norm),
+``self.log`` silenced; a loss that changes when rerun (flash-attn's dropout) is refused. Its memory
+is in that step's peak (:func:`micro_batching_check_pending`). Under DDP, ranks decide alone.
 
-Mechanism (automatic optimization): the module instance's ``training_step`` becomes a wrapper
-(:meth:`MicroBatching.remove` restores it) splitting the batch (:func:`split_batch`). On an
-accumulation window's first batch it zeroes the gradients itself and skips the next
-``optimizer_zero_grad`` (Lightning's, after ``training_step``, would erase the first micro-batches'
+Mechanism: a wrapper of the instance's ``training_step`` (:meth:`MicroBatching.remove` restores it)
+splits the batch (:func:`split_batch`). On an accumulation window's first batch it zeroes the
+gradients itself and skips the next ``optimizer_zero_grad`` (it would erase earlier micro-batches'
 gradients). Each counted micro-batch but the last runs ``training_step``, scales its loss by
 ``c_i / C / accumulate_grad_batches`` and calls ``trainer.strategy.backward`` without gradient sync
 (DDP's ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``, one more unsharded gradient
-copy until the last backward; DeepSpeed's ``set_gradient_accumulation_boundary(False)``). The
-last's scaled loss goes to Lightning's synced backward, as ``scaled_last + sum(others).detach()``
-(the full-batch loss, as logged); a dict output's other keys are the last micro-batch's.
+copy till the last backward; DeepSpeed's ``set_gradient_accumulation_boundary(False)``). The last's
+scaled loss goes to Lightning's synced backward as ``scaled_last + sum(others).detach()`` (the
+full-batch loss, as logged); a dict output's other keys are the last micro-batch's.
 
 Caveats: the check catches a wrong scale surely, wrong weights only as far as the two losses differ
 (at initialisation a per-sample mean of token means passes a token-weighted check: pass
@@ -128,12 +124,11 @@ def _deepspeed_stage(strategy: Any) -> Optional[int]:
 
 
 class MicroBatching:
-    """Policy: split every training batch into micro-batches of ``micro_batch_size`` samples (a
-    batch's last may be smaller; ``1``: the lowest peak, the least parallel work per kernel),
-    weighting each loss by ``weighting``, what the loss is a mean over (``"auto"``: the module's
-    *Weighting*; ``"samples"``, ``"label_tokens"``, ``"shifted_label_tokens"``). ``verify``: check
-    on the first batch split that the loss is such a mean, else refuse and run the plain step
-    (``False`` also overrides an earlier refusal). ``ignore_index``: the label value the loss skips.
+    """Policy: split each training batch into micro-batches of ``micro_batch_size`` samples (``1``:
+    the lowest peak, the least parallel work per kernel), weighting each loss by what it is a mean
+    over (``weighting``: ``"auto"``, ``"samples"``, ``"label_tokens"``, ``"shifted_label_tokens"``;
+    see *Weighting*). ``verify``: run the *First-step check* (``False`` also overrides an earlier
+    refusal); ``ignore_index``: the label the loss skips.
 
     Example:
         >>> MicroBatching(0)
@@ -239,10 +234,9 @@ class MicroBatching:
 
     def apply(self, trainer: Any, pl_module: Any, batch: Any = None,
               unsplit_ok: bool = False) -> MitigationResult:
-        """Wrap ``pl_module.training_step`` (call it outside ``training_step``) from the next step
-        on; a second call with other settings changes them. A first-step check's refusal shows in
-        :func:`micro_batching_refusal`, not here. ``unsplit_ok``: wrap it even where this batch has
-        nothing to split (other ranks' do; batches of at most ``micro_batch_size`` run whole)."""
+        """Wrap ``pl_module.training_step`` (call it outside ``training_step``); called again with
+        other settings, it changes them. ``unsplit_ok``: wrap it even where this batch has nothing
+        to split (other ranks' do; batches of at most ``micro_batch_size`` run whole)."""
         before = _describe(pl_module)
         applicable, reason = self.is_applicable(trainer, pl_module, batch)
         unsplit = not applicable and unsplit_ok and self.unsplit_reason(trainer, pl_module, batch)
@@ -309,8 +303,7 @@ class MicroBatchRung(Rung):
         return self.policy.is_applicable(ctx.trainer, ctx.pl_module, ctx.batch)
 
     def noop(self, ctx: RungContext) -> str | None:
-        """Why this rank's batch would run whole (at most ``micro_batch_size`` samples, nothing
-        else refusing it), or None."""
+        """Why this rank's batch would run whole (:meth:`MicroBatching.unsplit_reason`), or None."""
         return self.policy.unsplit_reason(ctx.trainer, ctx.pl_module, ctx.batch)
 
     def apply(self, ctx: RungContext) -> MitigationResult:
