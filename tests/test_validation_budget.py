@@ -193,12 +193,14 @@ def _ddp_fit(tmp_path: Path, mode: str) -> list[dict]:
 
 
 @pytest.mark.ddp
-def test_ddp_ranks_agree_on_the_rungs_for_the_longest_validation_batch_on_any_rank(tmp_path):
+@pytest.mark.parametrize("mode", ["together", "fsdp2"])
+def test_ddp_ranks_agree_on_the_rungs_for_the_longest_validation_batch_on_any_rank(tmp_path, mode):
     """Lightning's distributed sampler gives rank 0 a validation batch of 64 tokens and rank 1 one
     of 1024, which eager attention runs at 138 MiB against a 16.2 MiB budget: rank zero judges the
     largest shape on any rank, and attention goes on on both ranks before the sanity check's batch
-    runs. Rank 1's measured batch equals rank zero's dry run of it to the byte."""
-    zero, one = _ddp_fit(tmp_path, "together")
+    runs. Rank 1's measured batch equals rank zero's dry run of it to the byte, under DDP and with
+    the module sharded by FSDP2 (the sharded dry run of the unsharded template)."""
+    zero, one = _ddp_fit(tmp_path, mode)
     usable = zero["usable"]
     for rank in (zero, one):
         assert rank["global_step"] == 2 and rank["applied_mitigations"] == ["attention"]

@@ -16,7 +16,7 @@ from lightning_seqmem.core.rungs import RungNotApplicable, at_most
 from lightning_seqmem.core.units import format_bytes
 from lightning_seqmem.dryrun import sharded
 from lightning_seqmem.dryrun.result import DryRunUnsupported, reason_of
-from lightning_seqmem.dryrun.step import dry_run_step
+from lightning_seqmem.dryrun.step import dry_run_step, held_state
 from lightning_seqmem.dryrun.step_functions import loop_of, trainer_loop
 from lightning_seqmem.dryrun.values import ValueRoom, value_room
 from lightning_seqmem.mitigations import ladder
@@ -122,19 +122,26 @@ class TrainingRunDryRun:
                         batch_size: Optional[int] = None) -> int:
         """Peak bytes of ``validation_step`` on ``batch`` cut or tiled to ``(batch_size, seq_len)``
         (``batch_size`` None: its own), the rungs on now and ``mitigations`` added, as a fit's
-        validation loop runs it (:func:`.step.dry_run_step`, ``evaluate=True``). One device, or a
-        rank under DDP; a sharded module raises :class:`DryRunUnsupported`."""
-        refusal = sharded.dry_run_refusal(self.trainer) or (
-            "the validation step of an FSDP2 module is not dry-run"
-            if sharded.is_fsdp2(self.pl_module) else None)
+        validation loop runs it (:func:`.step.dry_run_step`, ``evaluate=True``; FSDP2: the sharded
+        one of the template, ``held``)."""
+        refusal = sharded.dry_run_refusal(self.trainer)
         if refusal is not None:
             raise DryRunUnsupported(refusal)
-        optimizers = getattr(self.trainer, "optimizers", None) or [None]
+        optimizer = (getattr(self.trainer, "optimizers", None) or [None])[0]
+        context = self.trainer.precision_plugin.val_step_context
+        device = self.trainer.strategy.root_device
         with value_room(self.room() if self.room is not None else None):
-            result = dry_run_step(self.pl_module, optimizers[0], batch, seq_len, batch_size,
-                                  tuple(m for m in mitigations if m not in self.applied()),
-                                  autocast=self.trainer.precision_plugin.val_step_context,
-                                  device=self.trainer.strategy.root_device, evaluate=True)
+            if sharded.is_fsdp2(self.pl_module):  # the template takes every rung on
+                if self.template is None:
+                    raise DryRunUnsupported("no unsharded template of the FSDP2 module was kept")
+                result = sharded.sharded_dry_run_step(
+                    self.template, batch, seq_len, sharded.data_parallel_size(
+                        self.trainer, self.pl_module), batch_size, mitigations, autocast=context,
+                    device=device, held=held_state(self.pl_module, optimizer))
+            else:
+                result = dry_run_step(self.pl_module, optimizer, batch, seq_len, batch_size,
+                                      tuple(m for m in mitigations if m not in self.applied()),
+                                      autocast=context, device=device, evaluate=True)
         return result.peak_bytes + (int(self.resident()) if self.resident is not None else 0)
 
     def _refused(self, exc: BaseException, seq_len: int, batch_size: int,

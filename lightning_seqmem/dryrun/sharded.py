@@ -49,7 +49,7 @@ from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import fsdp2_modules
 from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
-from lightning_seqmem.measure.steps import training_step_memory
+from lightning_seqmem.measure.steps import training_step_memory, validation_step_memory
 from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.measure.probes import make_probe
 
@@ -229,7 +229,7 @@ def sharded_dry_run_step(
     batch_size: Optional[int] = None, mitigations: Sequence[str] = (), strategy: str = "fsdp2",
     autocast: Optional[Callable[[], ContextManager[Any]]] = None,
     device: Optional[torch.device | str] = None, first_split_check: Optional[bool] = None,
-    offload: bool = False,
+    offload: bool = False, held: Optional[tuple[bool, bool]] = None,
 ) -> DryRunResult:
     """Per-rank peak of one training step at ``world_size`` ranks (rank 0's; bytes).
 
@@ -245,6 +245,8 @@ def sharded_dry_run_step(
         first_split_check: include micro-batching's one-time loss check (None: if ``"microbatch"``).
         offload: FSDP2 ``CPUOffloadPolicy`` on every ``fully_shard`` (:mod:`.cpu_offload`); a
             ``configure_model()`` that offloads is planned as it is either way.
+        held: the step is ``validation_step`` as a fit's validation loop runs it, beside
+            ``(gradients alive, optimizer state made)`` (:func:`.step.held_state`): one phase.
 
     Raises:
         ValueError: ``offload`` with ``strategy="ddp"``, or not a bool.
@@ -295,12 +297,19 @@ def sharded_dry_run_step(
             notes = plan.notes
             probe = with_host_probe(make_probe("tracker", device), device)
             with fake_mode, values, transformers_without_fake_detection():
-                state_after_a_step(model, optimizer)
+                grads, stepped = held or (True, True)
+                if stepped:
+                    state_after_a_step(model, optimizer)
                 if offloaded:
                     _pin_gradients_as_fsdp2_does(model)
+                for p in model.parameters() if held else ():  # as for one device (.step)
+                    p.grad = (None if not grads else p.grad if p.grad is not None or not
+                              p.requires_grad else torch.zeros_like(p))
                 with contained_unpack_failures(device) as failures:
-                    memory = training_step_memory(model, step_optimizer, step_batch, loss_fn,
-                                                  probe, record_events=True, context=autocast)
+                    memory = (validation_step_memory(model, optimizer, step_batch, probe, autocast)
+                              if held else
+                              training_step_memory(model, step_optimizer, step_batch, loss_fn,
+                                                   probe, record_events=True, context=autocast))
                 if failures:
                     raise failures[0]
             host_memory = getattr(probe, "host_memory", None)
@@ -319,7 +328,8 @@ def sharded_dry_run_step(
         notes.append(f"DDP gradient buckets: {buckets} bytes")
     host_peak, host_phase_peaks = host_peaks(host_memory)
     detail = (
-        f"a fake step of {type(template).__name__} as rank 0 of {world_size} ({strategy}) on "
+        f"a fake {'validation_step' if held else 'step'} of {type(template).__name__} as rank 0 "
+        f"of {world_size} ({strategy}) on "
         f"{device}, batch {source_shape} -> ({batch_size}, {seq_len}) per rank"
         + (f"; {'; '.join(notes)}" if notes else "")
         + f"; {host_detail(device, host_memory, host_peak)}"

@@ -5,7 +5,8 @@ its own validation batches (the live-tensor tracker) and writes JSON.
     python tests/scripts/validation_ddp_run.py OUT_DIR MODE
 
 ``MODE``: ``together`` (Lightning's distributed sampler: rank 0 draws a batch of 64 tokens, rank 1
-one of 1024) or ``apart`` (``use_distributed_sampler=False``: rank 0's loader a batch of 1024
+one of 1024), ``fsdp2`` (the same, the module sharded by FSDP2 under ``ModelParallelStrategy``) or
+``apart`` (``use_distributed_sampler=False``: rank 0's loader a batch of 1024
 tokens, rank 1's two of 64).
 """
 
@@ -19,6 +20,11 @@ import warnings
 import torch
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "examples"))
+from fsdp2_cpu import ShardedLitGPT  # noqa: E402
 
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.measure.probes import TrackerProbe, existing_tensors
@@ -31,6 +37,10 @@ BUDGET = 17_000_000  # bytes: 4 x 1024 tokens peak 139 MiB eager, 14 MiB with SD
 class ValidatedGPT(LitGPT):
     def validation_step(self, batch, batch_idx):
         return self.training_step(batch, batch_idx)
+
+
+class ShardedValidatedGPT(ShardedLitGPT):
+    validation_step = ValidatedGPT.validation_step
 
 
 class ValidationPeaks(pl.Callback):
@@ -58,7 +68,7 @@ def _batch(seq_len: int) -> dict:
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    together = mode == "together"
+    together = mode != "apart"
     batches = [_batch(64), _batch(1024)] if together else ([_batch(1024)], [_batch(64)] * 2)[rank]
     cb = SeqMemCallback(memory_budget=BUDGET, safety_margin=0.0, warmup_steps=1,
                         curriculum=Curriculum(start=64, target=1024, steps_per_stage=2,
@@ -66,7 +76,9 @@ def main() -> None:
     peaks = ValidationPeaks(cb)
     data = SyntheticTokenDataModule(batch_size=4, seq_len=1024, num_samples=16, vocab_size=64)
     data.val_dataloader = lambda: torch.utils.data.DataLoader(batches, batch_size=None)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2,
+    strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+                if mode == "fsdp2" else "ddp")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2,
                          val_check_interval=2, num_sanity_val_steps=1,
                          use_distributed_sampler=together, callbacks=[cb, peaks],
                          default_root_dir=out, logger=False, enable_checkpointing=False,
@@ -74,8 +86,9 @@ def main() -> None:
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(ValidatedGPT(n_layer=4, d_model=64, n_head=4, vocab_size=64,
-                                 attention="eager"), data)
+        module = (ShardedValidatedGPT if mode == "fsdp2" else ValidatedGPT)(
+            n_layer=4, d_model=64, n_head=4, vocab_size=64, attention="eager")
+        trainer.fit(module, data)
     result = {
         "rank": trainer.global_rank,
         "global_step": trainer.global_step,
