@@ -1,10 +1,9 @@
-"""``SeqMemConfig``: every argument of :class:`~lightning_seqmem.SeqMemCallback`, checked once,
-frozen (plain values).
+"""``SeqMemConfig``: every argument of :class:`~lightning_seqmem.SeqMemCallback`, checked, frozen.
 
-The callback builds one (``cb.config``) and hands it to its planner. Nothing writes it after
-construction: what the run decides at set-up (budget, allocator, dry run, length limit) is the
-planner's :class:`~lightning_seqmem.plan.settings.RunFacts`. Every check raises ``ValueError``
-naming the argument, its value and what is accepted.
+The callback builds one (``cb.config``, plain values) for its planner; nothing writes it after: what
+the run decides at set-up (budget, allocator, dry run, length limit) is the planner's
+:class:`~lightning_seqmem.plan.settings.RunFacts`. Every check raises ``ValueError`` naming the
+argument, its value and what is accepted.
 
 Example:
     >>> c = SeqMemConfig(memory_budget="1GiB", safety_margin=0.25, mitigations=["checkpointing"])

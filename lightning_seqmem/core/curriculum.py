@@ -1,9 +1,8 @@
 """Sequence-length curriculum: a validated, serialisable schedule of lengths.
 
-:class:`Curriculum` only says which lengths to train at and in which order; the callback decides
-when to move on (after ``steps_per_stage`` steps, when the next length is forecast to fit), and
-:func:`~lightning_seqmem.measure.batch.set_batch_sequence_length` applies a length to a batch.
-"""
+:class:`Curriculum` only says which lengths to train at, in order; the callback decides when to move
+on (after ``steps_per_stage`` steps, when the next length is forecast to fit) and
+:func:`~lightning_seqmem.measure.batch.set_batch_sequence_length` applies a length to a batch."""
 
 from __future__ import annotations
 
@@ -22,10 +21,8 @@ _SCHEDULES = ("geometric", "linear")
 
 @dataclass(frozen=True)
 class Curriculum:
-    """A strictly increasing schedule of sequence lengths from ``start`` to ``target``.
-
-    Every length is rounded down to a multiple of ``multiple_of`` (never below it); the last stage
-    is ``target`` rounded down. A bad argument raises ``ValueError``.
+    """A strictly increasing schedule of lengths from ``start`` to ``target``, each rounded down to
+    a multiple of ``multiple_of`` (never below it); a bad argument raises ``ValueError``.
 
     >>> Curriculum(start=64, target=1010).stages
     (64, 128, 256, 512, 1008)
@@ -136,10 +133,8 @@ class Curriculum:
         return next((length for length in self._stages if length > seq_len), None)
 
     def capped(self, max_seq_len: int) -> tuple[int, ...]:
-        """The stages not longer than ``max_seq_len``, then ``max_seq_len`` rounded down where it
-        lies between the last stage kept and the next (past the target nothing is added).
-        ``ValueError`` when ``max_seq_len < start``.
-        """
+        """The stages up to ``max_seq_len``, then ``max_seq_len`` rounded down where it lies between
+        the last stage kept and the next (none past the target); ``ValueError`` below ``start``."""
         max_seq_len = check_int("max_seq_len", max_seq_len, self.start,
                                 accepted=f"an int >= {self.start}")
         kept = tuple(length for length in self._stages if length <= max_seq_len)

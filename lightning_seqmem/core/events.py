@@ -1,16 +1,14 @@
 """``MitigationEvent``: one rung switched on, as a frozen value.
 
 The ladder (:class:`~lightning_seqmem.plan.ladder_state.LadderState`) keeps one per rung switched
-on: where it was decided (``step``, ``seq_len``, ``batch_size``), what the rung did (``detail``),
-the peak before (``before_bytes``, by ``before_method``: ``"measured"`` or ``"dry_run"``) and after
-(``after_bytes``, None until a step ran with it), the rungs on before it, whether it was taken off
-(``removed``: why) and whether the attention check after it ran (``checked``). A change is a new
-value (``with_after``, ``with_checked``, ``with_removed``).
+on: where it was decided (``step``, ``seq_len``, ``batch_size``), what it did (``detail``), the peak
+before (``before_bytes``, by ``before_method``: ``"measured"`` or ``"dry_run"``) and after
+(``after_bytes``, None until a step ran), the rungs already on, why it was taken off (``removed``)
+and whether the attention check after it ran (``checked``). A change is a new value (``with_*``).
 
-It is a read-only :class:`~collections.abc.Mapping` over its plain-dict form (``event["name"]``,
-``dict(event)``, ``event == {...}``); :meth:`~MitigationEvent.to_dict` is that dict (fixed keys in
-a fixed order; ``removed`` and ``checked`` only once set, a checkpoint's event only with the keys it
-had), what checkpoints and reports hold; :meth:`~MitigationEvent.from_dict` reads it back.
+It is a read-only :class:`~collections.abc.Mapping` (``event["name"]``, ``dict(event)``,
+``event == {...}``) over its plain dict, :meth:`~MitigationEvent.to_dict`: fixed keys in a fixed
+order, ``removed`` and ``checked`` only once set, a checkpoint's event with the keys it had.
 
 Example:
     >>> e = MitigationEvent("checkpointing", step=3, seq_len=512, batch_size=4, detail="4 blocks",

@@ -32,12 +32,10 @@ class NotEnoughMeasurements(RuntimeError):
 
 @dataclass(frozen=True)
 class Forecast:
-    """A predicted step peak at ``(seq_len, batch_size)``, bytes.
-
-    ``upper_bytes`` is what to budget against (≥ ``peak_bytes``). ``reserved_upper_bytes`` adds
-    the allocator's fragmentation measured so far (CUDA; ``upper_bytes`` elsewhere): OOM happens at
-    the reserved level. ``method`` is ``"replay"`` or ``"quadratic"``; ``detail`` says why.
-    """
+    """A predicted step peak at ``(seq_len, batch_size)``, bytes. ``upper_bytes`` is what to budget
+    against (≥ ``peak_bytes``). ``reserved_upper_bytes`` adds the allocator's fragmentation measured
+    so far (CUDA; ``upper_bytes`` elsewhere): OOM happens at the reserved level. ``method`` is
+    ``"replay"`` or ``"quadratic"``; ``detail`` says why."""
 
     seq_len: int
     batch_size: int
@@ -185,12 +183,10 @@ class MemoryForecaster:
                             for v in self.verifications if v.method == method])
 
     def _allocator_residual(self, timeline: TimelineModel, seq_len: int, batch_size: int) -> int:
-        """Allocator counters only (traces in 512-byte blocks): what the allocator's peak held
-        beyond the replayed tensors, ``a + c·L²·max(1, B/B0)`` through the shortest trace and the
-        longest one not longer than ``seq_len`` (workspaces are the constant, kernel scratch the
-        growing part; one growing slower than L² is over-predicted, never under). 0 for the
-        tracker, whose replay is exact.
-        """
+        """Allocator counters only (traces in 512-byte blocks): the allocator's peak beyond the
+        replayed tensors, ``a + c·L²·max(1, B/B0)`` through the shortest trace and the longest up to
+        ``seq_len`` (workspaces are the constant, kernel scratch the growing part; one growing
+        slower than L² is over-predicted, never under). 0 for the tracker, whose replay is exact."""
         if timeline.block_bytes <= 1:
             return 0
         points = sorted((t.seq_len, t.batch_size,

@@ -6,8 +6,7 @@ state), ``a`` activations linear in ``L``, ``b`` the attention scores ``[B, head
 
 A fit on short lengths can under-predict a long one by 30% (the moment of the peak moves as ``L``
 grows, see DESIGN.md), so forecasts carry an upper bound: the larger of ``z`` OLS prediction
-standard errors and ``min_relative_uncertainty`` times the dynamic bytes.
-"""
+standard errors and ``min_relative_uncertainty`` times the dynamic bytes."""
 
 from __future__ import annotations
 
@@ -124,8 +123,7 @@ class QuadraticMemoryModel:
         """Fit every phase from ``(seq_len, batch_size, peak)`` points; returns ``self``.
 
         ``peak`` is a byte count (one phase, ``"step"``) or a mapping phase name → bytes, with the
-        same keys in every point; a ``None`` value means that phase was not measured there.
-        """
+        same keys in every point; a ``None`` value means that phase was not measured there."""
         rows: list[tuple[int, int, Mapping[str, Any]]] = []
         phase_names: Optional[tuple[str, ...]] = None
         for point in points:
@@ -186,8 +184,7 @@ class QuadraticMemoryModel:
         """Largest ``L ≥ 1`` whose forecast fits ``budget_bytes``; 0 if ``L = 1`` does not fit.
 
         Compares ``upper_bytes`` (``conservative=True``) or ``peak_bytes``, as :meth:`predict`
-        rounds them. :data:`UNBOUNDED_SEQ_LEN` when no phase depends on ``L``.
-        """
+        rounds them. :data:`UNBOUNDED_SEQ_LEN` when no phase depends on ``L``."""
         check_int("budget_bytes", budget_bytes)
         check_int("batch_size", batch_size)
         self._check_fitted()

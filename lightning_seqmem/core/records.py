@@ -32,9 +32,9 @@ class AllocatorCounters:
     and :class:`StepRecord` (which keeps them): bytes, ``None`` without an allocator (the tracker).
 
     ``fragmentation_bytes`` is the peak reserved minus the peak allocated,
-    ``fragmentation_fraction`` that over the peak reserved; ``alloc_retries`` and ``num_ooms`` count
-    the allocator's retries and out-of-memory errors. Each record lists them after its own fields
-    (a base listed first comes later in ``fields()``), keeping its field order and positions.
+    ``fragmentation_fraction`` that over the peak reserved; ``alloc_retries``, ``num_ooms``: the
+    allocator's retries and out-of-memory errors. A record lists them after its own fields (a base
+    listed first comes later in ``fields()``), keeping its field order and positions.
 
     >>> memory = StepMemory(100, {"forward": 100}, 10, 10, 128)
     >>> memory.reserved_bytes, memory.fragmentation_bytes, [f.name for f in fields(memory)][3:5]
@@ -75,8 +75,7 @@ class StepRecord(AllocatorCounters, _StepRecordHead):
     trainer's optimizer-step counter at batch start. ``warmup`` steps are recorded, not fitted.
     ``forecast_*`` hold the forecast made for this ``(seq_len, batch_size)`` before it was first
     measured; ``forecast_error`` = (forecast − measured) / measured, on the first non-warm-up
-    measurement of a new length.
-    """
+    measurement of a new length."""
 
     stage: Optional[int] = None
     mitigations: tuple[str, ...] = ()
@@ -112,8 +111,7 @@ class TrackedEvents:
     ``sizes[i]`` and ``ops[i]`` describe allocation ``i`` (the first ``num_existing`` are the
     storages alive before the step: parameters, gradients, optimizer state, batch). ``sequence``
     holds ``i`` for "allocation i happened" and ``~i`` (negative) for "allocation i was freed", in
-    order. ``phase_starts`` maps a phase to the position in ``sequence`` where it began.
-    """
+    order. ``phase_starts`` maps a phase to the position in ``sequence`` where it began."""
 
     sizes: list[int] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
@@ -134,10 +132,8 @@ class _StepMemoryHead:
 
 @dataclass
 class StepMemory(AllocatorCounters, _StepMemoryHead):
-    """What a probe measured over one training step (bytes).
-
-    ``phase_peak_bytes`` maps each phase in :data:`PHASES` that the step went through to its peak;
-    a phase the step skipped (no optimizer step while accumulating gradients) is absent.
-    """
+    """What a probe measured over one training step (bytes). ``phase_peak_bytes`` maps each phase in
+    :data:`PHASES` the step went through to its peak; one it skipped (no optimizer step while
+    accumulating gradients) is absent."""
 
     events: Optional[TrackedEvents] = None

@@ -10,11 +10,9 @@ peak moving from one op to another as L grows, which a fit of peaks alone cannot
 When the traces do not share one sequence (a kernel choice that depends on L, ``torch.compile``,
 data-dependent control flow), :meth:`TimelineModel.from_traces` refuses with the reason.
 
-Batch size: with traces at two batch sizes for one length, each allocation is classified as
-proportional to the batch or not by comparing them. Otherwise every L-dependent allocation is
-assumed proportional to the batch, the others not; a batch-independent L-dependent tensor (a causal
-mask) is then over-counted, which errs on the safe side.
-"""
+Batch size: traces at two batch sizes for one length tell which allocations are proportional to the
+batch. Otherwise every L-dependent allocation is assumed to be, the others not; a batch-independent
+L-dependent tensor (a causal mask) is then over-counted, which errs on the safe side."""
 
 from __future__ import annotations
 
@@ -30,11 +28,9 @@ from lightning_seqmem.core.records import TrackedEvents
 
 @dataclass
 class Trace:
-    """One traced training step at a known ``(seq_len, batch_size)``.
-
-    ``block_bytes`` is the allocator's rounding (512 on CUDA, 1 on CPU), applied to every
-    predicted allocation so that replayed peaks compare with the allocator's counters.
-    """
+    """One traced training step at a known ``(seq_len, batch_size)``; ``block_bytes`` is the
+    allocator's rounding (512 on CUDA, 1 on CPU), applied to every predicted allocation so that
+    replayed peaks compare with the allocator's counters."""
 
     seq_len: int
     batch_size: int

@@ -1,7 +1,5 @@
-"""Byte quantities: parse what users write ("12GiB", "900MB"), show what we measured.
-
-Bytes are the only unit inside the package; these helpers are the display and input edge.
-"""
+"""Byte quantities: parse what users write ("12GiB", "900MB"), show what we measured. Bytes are the
+only unit inside the package; these helpers are its input and display edge."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The callback's checkpoint state: what it was written under (:func:`run_config`), whether it
-can be trusted (:func:`validate_state`), how it meets a changed configuration (:func:`reconcile`)
-and how big it may grow (:func:`compact_records`: the records every decision and the report read
-come out the same as from every record).
+"""The callback's checkpoint state: what it was written under (:func:`run_config`), whether it can
+be trusted (:func:`validate_state`), how it meets a changed configuration (:func:`reconcile`) and
+how big it may grow (:func:`compact_records`, with the same decisions and report).
 
 Example:
     >>> run_config(1_000_000, 0.0, ("attention", "microbatch"), None)
@@ -65,8 +64,7 @@ def run_config(memory_budget_bytes: Optional[int], safety_margin: float,
 
 
 def legacy_key_config(key: Any) -> Optional[dict[str, Any]]:
-    """The configuration encoded in a state key of earlier versions, or None if ``key`` is not one
-    (the curriculum is known by its stages only).
+    """The configuration in an earlier version's state ``key`` (curriculum: stages only), else None.
 
     >>> legacy_key_config("SeqMemCallback{'probe': 'auto', 'curriculum': (16, 32), "
     ...                   "'memory_budget': 1500000, 'mitigations': ('attention',)}")
@@ -427,11 +425,10 @@ def reconcile(old: Optional[Mapping[str, Any]], new: Mapping[str, Any], allowed:
     """Fit the just-loaded ``parts`` of a planner to the configuration ``new`` it resumes under,
     from the ``old`` one its state was written under. Returns ``(phrases, removed_rungs)``: what
     changed, one phrase each, and the rungs on that are no longer allowed. ``allowed``: the new
-    ladder less the rungs this run cannot take; ``left``: the saved ``mitigations_left``.
-
-    A raised (or removed) budget or a newly allowed rung lifts a curriculum cap; a changed
-    curriculum keeps the length it had reached (on the new ``multiple_of``, within its start and
-    target) and a cap that still binds; rungs that failed before stay out."""
+    ladder less the rungs this run cannot take; ``left``: the saved ``mitigations_left``. A raised
+    (or removed) budget or a newly allowed rung lifts a curriculum cap; a changed curriculum keeps
+    the length it had reached (on the new ``multiple_of``, within its start and target) and a cap
+    that still binds; rungs that failed before stay out."""
     old = dict(old or {})
     phrases, removed, newly_allowed = _reconcile_ladder(old, new, allowed, left, parts)
     # -- the budget

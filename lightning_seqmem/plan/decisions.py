@@ -1,10 +1,9 @@
 """The decisions before a batch: :class:`Decider` reads the planner's parts and returns a
 :class:`Decision`; it writes nothing (the state changes only when the planner commits it).
 
-Over the budget the fastest setting the dry run says fits goes on; without a dry run the next
-applicable rung, and shorter lengths are re-measured with it before growing; else the curriculum
-is capped at the longest multiple of ``multiple_of`` judged to fit. A stage is entered only on a
-forecast that fits.
+Over the budget the fastest setting the dry run says fits goes on; without one, the next applicable
+rung, shorter lengths re-measured with it before growing; else the curriculum is capped at the
+longest multiple of ``multiple_of`` judged to fit. A stage is entered only if forecast to fit.
 
 Example (no budget: every batch runs as it comes):
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue
@@ -35,12 +34,11 @@ __all__ = ["Decider", "Decision", "inapplicable"]
 
 @dataclass(frozen=True)
 class Decision:
-    """What happens before a batch runs: taken once (rank zero), applied on every rank. ``action``:
+    """What happens before a batch runs: taken on rank zero, applied on every rank. ``action``:
     ``"run"``, ``"advance"`` (the next stage), ``"probe"`` (a shorter cut first), ``"mitigate"``
-    (``rungs`` on first), ``"cap"`` (the curriculum stops at ``stages[-1]``), ``"over"`` (runs
-    over, warned) or ``"stop"`` (training stops, ``advice[0]`` says why; never committed).
-    ``seq_len``: the length to cut to (None: the batch's own); the curriculum fields: its state
-    after the decision."""
+    (``rungs`` on first), ``"cap"`` (the curriculum stops at ``stages[-1]``), ``"over"`` (runs over,
+    warned) or ``"stop"`` (training stops, ``advice[0]`` says why; never committed). ``seq_len``:
+    the length to cut to (None: the batch's own); the curriculum fields: its state after it."""
 
     action: str
     seq_len: Optional[int]

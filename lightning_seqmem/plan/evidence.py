@@ -1,10 +1,9 @@
 """``Evidence``: what the planner knows about memory, and how it answers for a shape.
 
-Three parts, each the one writer of its state: ``measured`` (records, fits, trust:
-:mod:`.measured`), ``dry`` (the dry-run cache and its forecasts: :mod:`.dry_evidence`) and
-``verification`` (a measured step taken in, every forecast checked: :mod:`.verification`).
-``Evidence`` answers from them: a verdict (:meth:`judge`), a forecast, the largest length that
-fits, the price of a setting.
+Three parts, each the one writer of its state: ``measured`` (:mod:`.measured`: records, fits,
+trust), ``dry`` (:mod:`.dry_evidence`: the dry-run cache and forecasts) and ``verification``
+(:mod:`.verification`: a measured step taken in, every forecast checked). It answers from them: a
+verdict (:meth:`judge`), a forecast, the largest length that fits, a setting's price.
 
 Example:
     >>> from lightning_seqmem.plan.advice_queue import AdviceQueue

@@ -1,12 +1,11 @@
 """``SeqMemPlanner``: every decision of the callback, on plain values (no torch, no Lightning).
 
 The callback measures, applies and agrees across ranks; the planner decides. Its protocol
-(:class:`~lightning_seqmem.plan.protocol.Planner`) is a handful of methods over parts that each
-own and checkpoint one state, read by name: ``settings``, ``schedule`` (which steps are warm-ups,
-measured, traced), ``evidence`` (records, fits, dry runs, forecasts, judgement, verification),
-``ladder``, ``course`` (where the curriculum stands) and ``advice``. The budget holds at every
-step, on every path (:mod:`.judging`, :mod:`.decisions`); no length past the model's own limit
-(``length_limit``) is dry-run, forecast or proposed.
+(:class:`~lightning_seqmem.plan.protocol.Planner`) is a few methods over parts that each own and
+checkpoint one state, read by name: ``settings``, ``schedule`` (which steps are warm-ups, measured,
+traced), ``evidence`` (:mod:`.evidence`), ``ladder``, ``course`` (where the curriculum stands) and
+``advice``. The budget holds at every step, on every path (:mod:`.judging`, :mod:`.decisions`); no
+length past the model's limit (``length_limit``) is dry-run, forecast or proposed.
 
 Example (a model whose step peaks at 1 MB + 4·(3000·L + L²) bytes, and a 3.5 MB budget):
     >>> from lightning_seqmem.core.records import StepMemory

@@ -59,12 +59,11 @@ class MeasurementSchedule:
 
     def next(self, key: tuple, step: int, warmup_steps: int, after_change: int, every_n_steps: int,
              global_step: int = 0, covered: bool = False) -> tuple[bool, bool, int]:
-        """``(warmup, measure, occurrences before)`` for the batch about to run at ``key``.
-
-        A warm-up (one of the first ``warmup_steps`` batches or optimizer steps, of the first
-        ``after_change`` occurrences of a key, or right after a resume) is measured unless only
-        its key is new and ``covered``; never fitted. Then the first fitted occurrence is measured,
-        and one batch in ``every_n_steps``."""
+        """``(warmup, measure, occurrences before)`` for the batch about to run at ``key``. A
+        warm-up (one of the first ``warmup_steps`` batches or optimizer steps, of the first
+        ``after_change`` occurrences of a key, or right after a resume) is measured unless only its
+        key is new and ``covered``; never fitted. Then the first fitted occurrence is measured, and
+        one batch in ``every_n_steps``."""
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
         early = step < warmup_steps or global_step < warmup_steps or self.resume_warmup > 0

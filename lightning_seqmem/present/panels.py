@@ -1,9 +1,8 @@
 """TensorBoard panels: the custom-scalars layout of the ``seqmem/*`` scalars, and the memory figure.
 
 Written by :mod:`lightning_seqmem.trainer.outputs`. matplotlib is imported lazily and draws on an
-Agg canvas with its object API: no global backend or pyplot registry is touched, so drawing works
-headless and leaves a notebook's backend alone. Here, at the display edge, GiB (or MiB), not bytes.
-"""
+Agg canvas with its object API, touching no global backend or pyplot registry: it works headless and
+leaves a notebook's backend alone. Here, at the display edge, GiB (or MiB), not bytes."""
 
 from __future__ import annotations
 
@@ -261,8 +260,7 @@ def memory_figure(view: "PlanView", max_seq_len: Optional[int] = None,
     ``max_seq_len``: the curves' right end, tokens (default twice the larger of the curriculum
     target and the longest measured length); ``batch_size``: the curves' (default the last measured
     batch's); ``title``: default names the batch size. Predictors of the rungs on now are drawn with
-    their upper bound as a band, measured points by batch size and mitigations, the budgets as
-    horizontal lines, rung switches as vertical ones."""
+    their upper-bound bands, the budgets as horizontal lines, rung switches as vertical ones."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

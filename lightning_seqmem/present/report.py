@@ -1,9 +1,8 @@
 """The run report: what was measured, what both predictors say, what fits, what was done about it.
 
-:func:`build_report` turns a :class:`~lightning_seqmem.plan.view.PlanView` into a plain JSON-able
-dict (bytes everywhere); :func:`lightning_seqmem.trainer.outputs.write_report` writes it (JSON,
-Markdown, figure), :mod:`~lightning_seqmem.present.render` renders it, :func:`load_report` reads the
-JSON back."""
+:func:`build_report` turns a :class:`~lightning_seqmem.plan.view.PlanView` into a JSON-able dict
+(bytes everywhere); :func:`lightning_seqmem.trainer.outputs.write_report` writes it (JSON, Markdown,
+figure), :mod:`~lightning_seqmem.present.render` renders it, :func:`load_report` reads it back."""
 
 from __future__ import annotations
 

@@ -5,12 +5,10 @@
 * fit start (:meth:`FitCycle.fit_start`): a budget below the parameters refused, a compiled module
   measured without preventing compilation, the model's length limit, the TensorBoard layout, the
   dry run (rank zero), and after a resume the checkpoint's rungs switched on again;
-* continuing: a second ``fit`` (:meth:`~FitCycle.next_fit`: the same Trainer and module continue;
-  otherwise a fresh start, said), a checkpoint's state restored and reconciled
-  (:meth:`~FitCycle.load_state`; one untrusted: one warning and a fresh start), an earlier
-  version's state found under its key (:func:`adopt_legacy_state`);
-* the end of fit (:meth:`~FitCycle.train_end`): the precision advice, the memory breakdown, the
-  figure, the report and the summary, each output guarded on its own.
+* continuing: a second ``fit`` (:meth:`~FitCycle.next_fit`), a checkpoint's state restored and
+  reconciled (:meth:`~FitCycle.load_state`), an earlier version's state found under its key
+  (:func:`adopt_legacy_state`);
+* the end of fit (:meth:`~FitCycle.train_end`), each output guarded on its own.
 
 It writes the per-fit fields of the edge state (:mod:`.run_state`).
 
@@ -287,9 +285,8 @@ class FitCycle:
         self.guard.warn_advice()
 
     def start_dry_run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-        """The dry run of this module's training step (rank zero;
-        :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`) that the planner judges each new
-        setting by, with the rungs on now."""
+        """The :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun` of this module's training
+        step (rank zero) that the planner judges each new setting by, with the rungs on now."""
         from lightning_seqmem.diagnostics.peak_trace import trace_peak_site
         from lightning_seqmem.dryrun.run import TrainingRunDryRun
         from lightning_seqmem.trainer.own_memory import resident_bytes, value_room_bytes

@@ -1,8 +1,7 @@
 """Everything the callback writes: logged scalars, the TensorBoard layout, figure and text, the
-report files and the OOM diagnosis. The one module of the package that touches
-``trainer.loggers`` or the filesystem; what it writes is built elsewhere (:mod:`.planner`,
-:mod:`.panels`, :mod:`.report`). Files are written atomically (a temporary file renamed over the
-target), so a full disk or a crash never leaves a truncated report or picture behind."""
+report files and the OOM diagnosis. The package's one module touching ``trainer.loggers`` or the
+filesystem; what it writes is built elsewhere (:mod:`.planner`, :mod:`.panels`, :mod:`.report`).
+Files are written whole or not at all (:func:`atomic_write`), even on a full disk or a crash."""
 
 from __future__ import annotations
 
@@ -208,8 +207,7 @@ def fit_summary(view: "PlanView", trainer: Optional["pl.Trainer"], paths: Any = 
 
 def report_oom(view: "PlanView", trainer: Any, exception: BaseException,
                pending: Optional["PendingStep"] = None) -> None:
-    """Write the OOM diagnosis and say where, in one warning; never raises (the real error must
-    reach the user unchanged)."""
+    """Write the OOM diagnosis and say where (one warning); never raises: the real error stands."""
     from lightning.pytorch.utilities import rank_zero_warn
 
     from lightning_seqmem.core.records import PredictedOOMWarning, SeqMemFailureWarning

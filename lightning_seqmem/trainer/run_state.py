@@ -2,10 +2,9 @@
 
 :class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the :class:`~.guard.Guard`
 (failures), the :class:`~.batch_cycle.BatchCycle` (each batch) and the :class:`~.fit_cycle.FitCycle`
-(each fit) write it. A fresh one is built with the callback and when a fit follows one that
-measured (:meth:`.fit_cycle.FitCycle.next_fit`): every field is reset to its default, except that a
-fit on the same Trainer and module keeps the three ``breakdown*`` results; ``setup`` sets
-``probe``, ``device`` and ``fit_refs`` again.
+(each fit) write it. A fresh one is built with the callback and when a fit follows one that measured
+(:meth:`.fit_cycle.FitCycle.next_fit`): every field at its default, but a fit on the same Trainer
+and module keeps the three ``breakdown*`` results (:meth:`EdgeState.next_fit`).
 
 ==========================  ========================================================================
 field                       what it holds (who writes it)
