@@ -4,7 +4,6 @@ the byte, and a validation batch over the budget is said before it runs (once), 
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from conftest import make_trainer
-from limits import run
 from lightning_seqmem import Curriculum, PredictedOOMWarning, SeqMemCallback
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.dryrun.step_functions import plain_loss
@@ -184,50 +182,3 @@ def test_a_failing_validation_check_is_said_once_and_training_is_still_measured(
     assert sum("injected: the validation probe" in w for w in cb.planner.advice.warned) <= 1
     assert any(kind == "output_failed" for kind in cb.planner.advice.warned.values())
 
-
-def _ddp_fit(tmp_path: Path, mode: str) -> list[dict]:
-    script = Path(__file__).parent / "scripts" / "validation_ddp_run.py"
-    proc = run([sys.executable, str(script), str(tmp_path), mode], 30)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
-@pytest.mark.ddp
-@pytest.mark.parametrize("mode", ["together", "fsdp2"])
-def test_ddp_ranks_agree_on_the_rungs_for_the_longest_validation_batch_on_any_rank(tmp_path, mode):
-    """Lightning's distributed sampler gives rank 0 a validation batch of 64 tokens and rank 1 one
-    of 1024, which eager attention runs at 138 MiB against a 16.2 MiB budget: rank zero judges the
-    largest shape on any rank, and attention goes on on both ranks before the sanity check's batch
-    runs. Rank 1's measured batch equals rank zero's dry run of it to the byte, under DDP and with
-    the module sharded by FSDP2 (the sharded dry run of the unsharded template)."""
-    zero, one = _ddp_fit(tmp_path, mode)
-    usable = zero["usable"]
-    for rank in (zero, one):
-        assert rank["global_step"] == 2 and rank["applied_mitigations"] == ["attention"]
-        assert [e[:2] for e in rank["events"]] == [[0, "attention"]]  # before any step
-        assert [run[2] for run in rank["runs"]] == [["attention"]] * 2  # every batch ran with it
-        assert max(rank["training_peaks"]) <= usable
-        assert all(row["peak_bytes"] <= usable for row in rank["validation_rows"])
-    assert [run[0] for run in one["runs"]] == [1024, 1024]
-    said = [s for s in zero["said"] if "validation batch" in s]
-    assert len(said) == 1 and "seq_len=1024, batch 4" in said[0]
-    assert "switched on attention before it runs" in said[0]
-    # the sanity check (no gradients, no optimizer state): rank zero's dry run of rank 1's shape
-    judged = {(L, B, tuple(on), tuple(held)): peak for L, B, on, held, peak in zero["judged"]}
-    assert judged[(1024, 4, (), (False, False))] > 8 * usable  # 144 MB eager
-    assert one["validation_rows"][0]["peak_bytes"] == judged[(1024, 4, ("attention",),
-                                                              (False, False))]
-
-
-@pytest.mark.ddp
-def test_ddp_ranks_that_count_validation_batches_apart_are_said_and_never_hang(tmp_path):
-    """Without Lightning's distributed sampler (rank 0 one batch, rank 1 two) the ranks cannot
-    agree before each batch: it is said once, rank zero's batch over the budget is said, and both
-    ranks finish."""
-    zero, one = _ddp_fit(tmp_path, "apart")
-    assert zero["global_step"] == one["global_step"] == 2 and len(one["runs"]) == 3
-    said = [s for s in zero["said"] if "validation" in s]
-    assert len(said) == 2 and "not drawn by Lightning's distributed sampler" in said[0]
-    assert "seq_len=1024" in said[1] and "cannot agree on rungs for it" in said[1]
-    (row,) = zero["validation_rows"]
-    assert row["dry_run_peak_bytes"] == row["peak_bytes"] > zero["usable"]
