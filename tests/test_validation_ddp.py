@@ -45,6 +45,14 @@ def test_ddp_ranks_agree_on_the_rungs_for_the_longest_validation_batch_on_any_ra
     assert judged[(1024, 4, (), (False, False))] > 8 * usable  # 144 MB eager
     assert one["validation_rows"][0]["peak_bytes"] == judged[(1024, 4, ("attention",),
                                                               (False, False))]
+    # the report's rows (rank zero's) are the highest peak on any rank, with its rank and shape;
+    # after a step the dry run holds rank zero's own batch copy too (an upper bound for rank 1)
+    rows = zero["validation_rows"]
+    assert [(row["rank"], row["seq_len"]) for row in rows] == [(1, 1024), (1, 1024)]
+    assert [row["peak_bytes"] for row in rows] == [row["peak_bytes"] for row in one[
+        "validation_rows"]]
+    assert rows[0]["dry_run_peak_bytes"] == rows[0]["peak_bytes"]
+    assert 0 <= rows[1]["dry_run_peak_bytes"] - rows[1]["peak_bytes"] < 0.01 * usable
 
 
 def test_ddp_ranks_that_count_validation_batches_apart_are_said_and_never_hang(tmp_path):

@@ -352,9 +352,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         parts += [render_breakdown_markdown(report["breakdown"],
                                             "## Where the memory goes (breakdown)")]
     if report.get("validation"):
-        parts += ["## Validation batches (the first of each shape)", "", _md_table(
-            ["global step", "seq_len", "batch", "rungs on", "dry run", "measured"],
-            [[str(v["global_step"]), str(v["seq_len"]), str(v["batch_size"]),
+        parts += ["## Validation batches (each shape's first, its highest rank)", "", _md_table(
+            ["global step", "rank", "seq_len", "batch", "rungs on", "dry run", "measured"],
+            [[str(v["global_step"]), str(v.get("rank", 0)), str(v["seq_len"]), str(v["batch_size"]),
               ", ".join(v["mitigations"]) or "none", format_bytes(v["dry_run_peak_bytes"]),
               format_bytes(v["peak_bytes"])] for v in report["validation"]]), ""]
     parts += ["## Warnings", ""]

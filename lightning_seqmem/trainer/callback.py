@@ -313,7 +313,8 @@ class SeqMemCallback(Callback):
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs_: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
-        self.guard.safely("the validation batch's measurement", self._validation.after_batch)
+        self.guard.safely("the validation batch's measurement",
+                          lambda: self._validation.after_batch(trainer))
 
     # -- End of fit, reports, failures -------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -65,6 +65,8 @@ class ValidationCheck:
         self.judged: dict[tuple[int, int, Setting, tuple[bool, bool]], Any] = {}
         self.held = (True, True)  # (gradients alive, optimizer state made) beside this batch
         self.together, self.over_peak = False, 0  # the last dry run over the budget (bytes)
+        self.measuring: Optional[Shape] = None  # this rank's batch to measure (every rank)
+        self.started = False  # and its probe started here
 
     def _judging(self, trainer: Any) -> bool:  # the same on every rank
         return (self.config.dry_run and self.planner.settings.usable_budget_bytes is not None
@@ -124,7 +126,8 @@ class ValidationCheck:
                                           A.PredictedOOMWarning))
         elif names and trainer.is_global_zero:  # a rung failed: off on every rank
             self._said_over(shape)
-        if own is not None and why is not None:
+        if own is not None and why is not None:  # every rank together: measured, gathered
+            self.measuring = own
             self._start(trainer, pl_module, batch, *own[::-1])
 
     def _decide(self, trainer: Any, pl_module: Any, batch: Any,
@@ -169,30 +172,47 @@ class ValidationCheck:
         if probe is None or probe.running:
             return
         start_probe(self.edge, trainer, pl_module, batch)  # as the dry run's answers count
+        self.started = True
         self.edge.validation.append({
             "global_step": trainer.global_step, "seq_len": seq_len, "batch_size": batch_size,
             "mitigations": list(applied), "peak_bytes": None,
             "dry_run_peak_bytes": self.judged.get((seq_len, batch_size, applied, self.held))})
 
-    def after_batch(self) -> None:
+    def after_batch(self, trainer: Any) -> None:
         """``on_validation_batch_end``: the measured peak of a batch :meth:`before_batch` began
-        measuring; one warning where it ran over the usable budget."""
+        measuring (together, the highest on any rank, with its shape and rank); one warning where
+        it ran over the usable budget."""
         probe, usable = self.edge.probe, self.planner.settings.usable_budget_bytes
-        if probe is None or not probe.running or not self.edge.validation or self.edge.failed:
+        measuring, started = self.measuring, self.started
+        self.measuring, self.started = None, False
+        if measuring is None:
             return
-        row = self.edge.validation[-1]
-        try:
-            row["peak_bytes"] = peak = probe.end_step().peak_bytes
-        except Exception:  # a broken measurement: the probe left, the training steps' own
-            probe.abort()
-            raise
+        memory, error = None, None
+        if started and probe is not None and probe.running and not self.edge.failed:
+            try:
+                memory = probe.end_step()
+                self.edge.validation[-1]["peak_bytes"] = memory.peak_bytes  # this rank's
+            except Exception as exc:  # a broken measurement: the probe left, the steps' own
+                probe.abort()
+                error = exc
+        best = (0, memory, *measuring[::-1]) if memory is not None else None
+        if self.together and trainer.world_size > 1:  # every rank that began, whatever happened
+            best = distributed.gather_measurement(trainer, memory is None, memory, measuring)[2]
+        if error is not None:
+            raise error
+        if best is None or not trainer.is_global_zero:
+            return
+        row, (rank, memory, seq_len, batch_size) = self.edge.validation[-1], best
+        row.update(rank=rank, seq_len=seq_len, batch_size=batch_size, peak_bytes=memory.peak_bytes,
+                   dry_run_peak_bytes=self.judged.get((seq_len, batch_size,
+                                                       tuple(row["mitigations"]), self.held)))
+        peak = memory.peak_bytes
         if usable is not None and peak > usable and "validation" not in self.planner.advice.warned:
             self.guard.warn_once(A.Advice(  # (a prediction over the budget said it before)
                 "validation_over_budget", "validation-measured",
-                f"seqmem: a validation batch of seq_len={row['seq_len']}, batch "
-                f"{row['batch_size']} peaked at {format_bytes(peak)}, over the usable budget "
-                f"{format_bytes(usable)} (measured; rungs on: "
-                f"{', '.join(row['mitigations']) or 'none'}).", A.PredictedOOMWarning))
+                f"seqmem: a validation batch of seq_len={seq_len}, batch {batch_size} peaked at "
+                f"{format_bytes(peak)}, over the usable budget {format_bytes(usable)} (measured; "
+                f"rungs on: {', '.join(row['mitigations']) or 'none'}).", A.PredictedOOMWarning))
 
     def _peak(self, runner: Any, batch: Any, seq_len: int, batch_size: int,
               setting: Setting) -> Optional[int]:
