@@ -66,3 +66,16 @@ def test_ddp_ranks_that_count_validation_batches_apart_are_said_and_never_hang(t
     assert "seq_len=1024" in said[1] and "cannot agree on rungs for it" in said[1]
     (row,) = zero["validation_rows"]
     assert row["dry_run_peak_bytes"] == row["peak_bytes"] > zero["usable"]
+
+
+def test_a_rank_whose_validation_measurement_breaks_still_joins_the_gather(tmp_path):
+    """The callback's measurement of rank 1's validation batches raises: rank 1 says it once and
+    still joins the gather, so no rank hangs; both ranks train on, measured, and rank zero's rows
+    keep its own measurements (no rank's batch is reported as measured when one failed)."""
+    zero, one = _ddp_fit(tmp_path, "broken")
+    assert zero["global_step"] == one["global_step"] == 2
+    assert len(zero["training_peaks"]) == len(one["training_peaks"]) == 2
+    assert "failed-the validation batch's measurement" in one["warned"]
+    assert [row["peak_bytes"] for row in one["validation_rows"]] == [None, None]
+    assert [(row["rank"], row["seq_len"]) for row in zero["validation_rows"]] == [(0, 64)] * 2
+    assert all(row["peak_bytes"] > 0 for row in zero["validation_rows"])

@@ -174,8 +174,8 @@ class ValidationCheck:
         start_probe(self.edge, trainer, pl_module, batch)  # as the dry run's answers count
         self.started = True
         self.edge.validation.append({
-            "global_step": trainer.global_step, "seq_len": seq_len, "batch_size": batch_size,
-            "mitigations": list(applied), "peak_bytes": None,
+            "global_step": trainer.global_step, "rank": trainer.global_rank, "seq_len": seq_len,
+            "batch_size": batch_size, "mitigations": list(applied), "peak_bytes": None,
             "dry_run_peak_bytes": self.judged.get((seq_len, batch_size, applied, self.held))})
 
     def after_batch(self, trainer: Any) -> None:

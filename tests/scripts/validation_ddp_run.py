@@ -5,7 +5,8 @@ its own validation batches (the live-tensor tracker) and writes JSON.
     python tests/scripts/validation_ddp_run.py OUT_DIR MODE
 
 ``MODE``: ``together`` (Lightning's distributed sampler: rank 0 draws a batch of 64 tokens, rank 1
-one of 1024), ``fsdp2`` (the same, the module sharded by FSDP2 under ``ModelParallelStrategy``) or
+one of 1024), ``fsdp2`` (the same, the module sharded by FSDP2 under ``ModelParallelStrategy``),
+``broken`` (as ``together``, the callback's measurement of rank 1's validation batches raising) or
 ``apart`` (``use_distributed_sampler=False``: rank 0's loader a batch of 1024
 tokens, rank 1's two of 64).
 """
@@ -60,6 +61,23 @@ class ValidationPeaks(pl.Callback):
                           list(self.cb.applied_mitigations)])
 
 
+class BreakRankOne(pl.Callback):
+    """The callback's measurement of rank 1's validation batches raises (placed after it)."""
+
+    def __init__(self, cb: SeqMemCallback) -> None:
+        self.cb = cb
+
+    def on_validation_batch_start(self, trainer, *args, **kwargs):
+        def broken():
+            raise RuntimeError("injected: rank 1's validation measurement")
+
+        if trainer.global_rank == 1:
+            self.cb.edge.probe.end_step = broken
+
+    def on_validation_batch_end(self, trainer, *args, **kwargs):
+        self.cb.edge.probe.__dict__.pop("end_step", None)
+
+
 def _batch(seq_len: int) -> dict:
     tokens = torch.randint(0, 64, (4, seq_len + 1), generator=torch.Generator().manual_seed(0))
     return {"input_ids": tokens[:, :-1].clone(), "labels": tokens[:, 1:].clone()}
@@ -80,7 +98,8 @@ def main() -> None:
                 if mode == "fsdp2" else "ddp")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2,
                          val_check_interval=2, num_sanity_val_steps=1,
-                         use_distributed_sampler=together, callbacks=[cb, peaks],
+                         use_distributed_sampler=together,
+                         callbacks=[cb, peaks, *([BreakRankOne(cb)] if mode == "broken" else [])],
                          default_root_dir=out, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     torch.manual_seed(0)
@@ -101,6 +120,7 @@ def main() -> None:
         "judged": [[*key[:2], list(key[2]), list(key[3]), peak]
                    for key, peak in cb._validation.judged.items()],
         "buckets": bucket_bytes(trainer),  # DDP's bucket copies of the gradients: no tensor shows
+        "warned": list(cb.planner.advice.warned),
         "said": [str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning)
                  or "validation" in str(w.message)],
     }
