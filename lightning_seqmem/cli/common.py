@@ -99,15 +99,13 @@ def build_from_config(config: str, model_class: str = DEFAULT_MODEL, data_class:
                       meta: bool = False, model_context: Any = None) -> Any:
     """A ``LightningCLI`` (not run) of ``config``: ``.model``, ``.datamodule`` and ``.trainer``.
 
-    The config's ``model``/``data`` sections may name their class (``class_path``), else they
-    configure ``model_class`` / ``data_class``. The trainer is forced to one device without a logger
-    (a forecast is per device); a CUDA config is built on the CPU when no GPU is present.
-    ``meta``: build the model and its ``configure_model()`` on the ``meta`` device (an 8B model
-    costs nothing) under ``model_context()`` (default
-    :func:`lightning_seqmem.dryrun.kernels.modelled_kernels`: a flash-attn model builds where it
-    cannot run); a model that cannot (its ``__init__`` reads tensor values) raises
-    :class:`UserError`. ``command`` names the command in messages.
-    """
+    The ``model``/``data`` sections may name their class (``class_path``), else they configure
+    ``model_class`` / ``data_class``. The trainer is forced to one device without a logger (a
+    forecast is per device); a CUDA config is built on the CPU when no GPU is present. ``meta``: the
+    model and its ``configure_model()`` built on ``meta`` (an 8B model costs nothing) under
+    ``model_context()`` (default :func:`lightning_seqmem.dryrun.kernels.modelled_kernels`: a
+    flash-attn model builds where it cannot run); a model that cannot (its ``__init__`` reads tensor
+    values) raises :class:`UserError`. ``command`` names the command in messages."""
     import contextlib
 
     import lightning.pytorch as pl
@@ -173,9 +171,8 @@ def config_margin(safety_margin: Optional[float], seqmem: Any) -> float:
 
 def host_budget(host_budget_bytes: Optional[int], seqmem: Any,
                 machine: bool = True) -> Optional[int]:
-    """The host budget of a plan (bytes): ``--host-budget`` if given, else the config's
-    SeqMemCallback ``host_memory_budget``, else (``machine``) this machine's RAM (None where
-    unreadable, or not ``machine``).
+    """The host budget of a plan (bytes): ``--host-budget``, else the config's SeqMemCallback
+    ``host_memory_budget``, else (``machine``) this machine's RAM, else None.
 
     >>> host_budget(2**30, None), host_budget(None, None, machine=False)
     (1073741824, None)

@@ -1,9 +1,8 @@
-"""The ``seqmem`` command: ``demo`` (train the reference GPT under
-:class:`~lightning_seqmem.SeqMemCallback` and report), ``panels``, ``report PATH`` (print a saved
-report), ``forecast`` (trace a few short steps of a LightningCLI config's model on a copy) and
-``plan`` (dry-run one step per length and mitigation set on fake tensors and pick the cheapest set
-that fits). ``seqmem COMMAND --help`` lists the options.
-"""
+"""The ``seqmem`` command (``seqmem COMMAND --help`` lists the options): ``demo`` (train the
+reference GPT under :class:`~lightning_seqmem.SeqMemCallback` and report), ``panels``,
+``report PATH`` (print a saved report), ``forecast`` (trace a few short steps of a LightningCLI
+config's model on a copy) and ``plan`` (dry-run one step per length and mitigation set on fake
+tensors and pick the cheapest set that fits)."""
 
 from __future__ import annotations
 

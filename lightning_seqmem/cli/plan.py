@@ -1,11 +1,10 @@
 """``seqmem plan``: dry-run one training step of a config's model per length and mitigation set, on
 fake tensors, and print which fit each device answered for and the cheapest that does.
 
-The model is built on ``meta`` (any size costs nothing); a CUDA config planned without CUDA runs
-on the simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`: CUDA's allocator blocks,
+The model is built on ``meta`` (any size costs nothing); a CUDA config planned without CUDA runs on
+the simulated CUDA device (:mod:`lightning_seqmem.dryrun.accelerator`: CUDA's allocator blocks,
 autocast, modelled kernels). The dry runs are :class:`.plan_run.PlanRun`'s, each made once whatever
-the number of devices (``--budget 80GB h200``, :mod:`.plan_devices`).
-"""
+the number of devices (``--budget 80GB h200``, :mod:`.plan_devices`)."""
 
 from __future__ import annotations
 

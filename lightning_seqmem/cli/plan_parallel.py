@@ -2,13 +2,11 @@
 
 Per length, layouts (:mod:`lightning_seqmem.plan.parallel`) are dry-run in search order: the
 ladder's sets and the fastest fitting one cheapest first, within a set the degree ascending (Ulysses
-before ring); the first that fits the usable budget per rank is the plan. Only where nothing fits
-is FSDP2 ``CPUOffloadPolicy`` dry-run on the rows run (:mod:`lightning_seqmem.dryrun.cpu_offload`:
-device and host peaks, judged by :func:`lightning_seqmem.plan.budgets.fits_budgets`); where that
-dry run is refused, :func:`~lightning_seqmem.plan.parallel.offload_model` stands in
-(``peak_source`` says so). DeepSpeed ZeRO-3 offload is planned by the same rows. The degree-1
-rows are the N-rank table's own dry runs (FSDP2 over N ranks), not run again.
-"""
+before ring); the first that fits the usable budget per rank is the plan. Only where nothing fits is
+FSDP2 ``CPUOffloadPolicy`` dry-run on the rows run (:mod:`lightning_seqmem.dryrun.cpu_offload`:
+device and host peaks, judged by :func:`lightning_seqmem.plan.budgets.fits_budgets`); where that dry
+run is refused, :func:`~lightning_seqmem.plan.parallel.offload_model` stands in (``peak_source``
+says so). DeepSpeed ZeRO-3 offload is planned by the same rows."""
 
 from __future__ import annotations
 
@@ -88,8 +86,7 @@ class _Shard:
 
 
 def _attention_calls(console: Any, shard: _Shard, names: tuple[str, ...]) -> Any:
-    """The model's attention calls, heads and mask with ``names`` on (none known if unreadable),
-    read once for every device."""
+    """The model's attention calls, heads and mask with ``names`` on (none if unreadable), kept."""
     from lightning_seqmem.dryrun.sequence_parallel import AttentionCalls, attention_calls
 
     if ("calls", names) not in shard.peaks:
@@ -157,9 +154,8 @@ def _layout_row(shard: _Shard, res: dict[str, Any], names: tuple[str, ...], layo
 
 def _by_cost(res: dict[str, Any], sets: Sequence[tuple[str, ...]],
              device_type: str) -> list[tuple[str, ...]]:
-    """``sets`` and the fastest fitting setting when made of their rungs (whole: engines switch
-    rungs all or nothing), cheapest first by step-time priors (ladder order on ties): none dearer
-    than the callback's."""
+    """``sets`` and the fastest fitting setting if made of their rungs (engines switch rungs whole),
+    cheapest first by step-time priors (ladder order on ties): none dearer than the callback's."""
     from lightning_seqmem.plan.pricing import prior_factor
 
     names = tuple((res.get("fastest") or {}).get("mitigations", ()))

@@ -1,12 +1,10 @@
 """What every dry run of one ``seqmem plan`` shares (:class:`PlanRun`), and what it answers: the
 rows of one length, the fastest setting that fits, the longest length a setting fits.
 
-Each dry run is made once per ``(seq_len, mitigations, world, offload)`` and kept
-(:meth:`PlanRun.dry`): several devices (``--budget 80GB h200``) judge the same dry runs. A stack of
-identical blocks is dry-run on shallow copies and extrapolated to its depth
-(:mod:`lightning_seqmem.dryrun.depth`: proved on copies of 1, 2 and 3 blocks, equal to the full dry
-run to the byte; the full one where the proof fails).
-"""
+Each dry run (:meth:`PlanRun.dry`) is made once per ``(seq_len, mitigations, world, offload)`` and
+kept: every device (``--budget 80GB h200``) judges the same dry runs. A stack of identical blocks is
+dry-run on shallow copies and extrapolated to its depth (:mod:`lightning_seqmem.dryrun.depth`:
+proved on copies of 1, 2 and 3 blocks, equal to the full dry run to the byte; else the full one)."""
 
 from __future__ import annotations
 
@@ -335,10 +333,9 @@ def setting_key(row: dict[str, Any]) -> tuple[Setting, bool]:
 
 def longest_by_set(results: list[dict[str, Any]], usable: Optional[int],
                    device_type: Optional[str] = None) -> list[dict[str, Any]]:
-    """Per setting dry-run (the ladder's prefixes, with and without offload, and those the search of
-    the fastest setting ran), the longest asked length at which it fits (device and host), its
-    prior step-time factor (offload's host transfers are not priced) and its host peak there (empty
-    without a budget)."""
+    """Per setting dry-run (the ladder's prefixes, with and without offload, and those the fastest's
+    search ran), the longest asked length it fits (device and host), its prior step-time factor
+    (offload's host transfers are not priced) and its host peak there (empty without a budget)."""
     from lightning_seqmem.plan.pricing import prior_factor
 
     if usable is None:

@@ -1,14 +1,13 @@
 """FSDP2 ``CPUOffloadPolicy`` in a sharded dry run: parameters, gradients, optimizer state on host.
 
 ``sharded_dry_run_step(..., offload=True)`` (:mod:`.sharded`) shards the fake copy with
-``CPUOffloadPolicy`` and runs the step as FSDP2 does: parameter shards in host memory (pinned off
-the CPU), copied to the device before each all-gather; gradient shards copied back to the host and
-the optimizer stepping there. Trackers count both sides in the same fake step (:mod:`.host`): the
-device peak holds the gathered blocks, activations and FSDP2's device copies; the host peak the
-shards, gradients and optimizer state. A ``configure_model()`` that shards gets the policy through
-:func:`offloading_every_fully_shard`. DeepSpeed ZeRO-3 with CPU offload is planned by the same dry
-run (:data:`lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE`). On the CPU itself offload moves
-nothing (no pinning): the same as without.
+``CPUOffloadPolicy`` and steps as FSDP2 does (on the CPU itself nothing moves): parameter shards in
+host memory (pinned off the CPU) copied to the device before each all-gather, gradient shards copied
+back, the optimizer stepping on the host. Trackers count both sides in the same fake step
+(:mod:`.host`): the device peak holds the gathered blocks, activations and FSDP2's device copies;
+the host peak the shards, gradients and optimizer state. A sharding ``configure_model()`` gets the
+policy through :func:`offloading_every_fully_shard`. DeepSpeed ZeRO-3 with CPU offload is planned by
+the same dry run (:data:`lightning_seqmem.plan.parallel.ZERO3_OFFLOAD_NOTE`).
 
 Example:
     >>> [cpu_offload_policy(torch.device(d)).pin_memory for d in ("cpu", "cuda")]

@@ -48,11 +48,9 @@ def cuda_kernel_scratch_bytes(func: Any, args: Any, out: Any) -> int:
 
 def warm_cuda_workspaces(device: torch.device) -> None:
     """Make cuBLAS and cuBLASLt allocate their workspaces on ``device`` now, as a first step does.
-
-    They stay allocated, so ``max_memory_allocated`` counts them in every step (tens of MiB); a
-    tiny matmul with and without bias (the two libraries), forward and backward, fp32 and bf16,
-    allocates them before :func:`resident_bytes` reads the device.
-    """
+    They stay allocated, so ``max_memory_allocated`` counts them in every step (tens of MiB); a tiny
+    matmul with and without bias (the two libraries), forward and backward, fp32 and bf16, allocates
+    them before :func:`resident_bytes` reads the device."""
     dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
     for dtype in dtypes:
         x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
@@ -63,12 +61,10 @@ def warm_cuda_workspaces(device: torch.device) -> None:
 
 
 def resident_bytes(device: torch.device, tensors: Any) -> int:
-    """Bytes the CUDA allocator holds on ``device`` outside ``tensors`` (what a step starts with).
-
+    """Bytes the CUDA allocator holds on ``device`` outside ``tensors`` (what a step starts with):
     ``torch.cuda.memory_allocated`` minus the 512-byte blocks of the distinct storages among
-    ``tensors`` on that device (cuBLAS workspaces, a second model, an EMA copy): added to a dry
-    run's peak so it compares with what the allocator reports. 0 off CUDA.
-    """
+    ``tensors`` on that device (cuBLAS workspaces, a second model, an EMA copy), added to a dry
+    run's peak so it compares with what the allocator reports. 0 off CUDA."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0
     seen: set[int] = set()

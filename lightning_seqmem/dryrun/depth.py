@@ -1,11 +1,10 @@
 """Dry runs of a deep stack of identical blocks, answered from dry runs of a few shallow copies.
 
 A fake step costs time per op, and ``seqmem plan --longest`` asks hundreds of questions.
-:func:`depth_dry_run_step`, :func:`depth_sharded_dry_run_step` and
-:func:`depth_sequence_parallel_dry_run_step` take the arguments (and raise as) of
-:func:`.step.dry_run_step`, :func:`.sharded.sharded_dry_run_step` and
-:func:`.sequence_parallel.sequence_parallel_dry_run_step` and give the same figures from dry runs
-of copies holding only the first few blocks (:mod:`.stack`):
+:func:`depth_dry_run_step` (:func:`.step.dry_run_step`), :func:`depth_sharded_dry_run_step`
+(:func:`.sharded.sharded_dry_run_step`) and :func:`depth_sequence_parallel_dry_run_step`
+(:func:`.sequence_parallel.sequence_parallel_dry_run_step`) take the arguments of the dry run named,
+raise as it does and give its figures from dry runs of shallow copies (:mod:`.stack`):
 
 * **Proof, once per setting** (:mod:`.repetition`): copies of 1, 2 and 3 blocks (2, 3, 4 under
   FSDP2, whose next-to-last block prefetches the last) whose allocation sequences (:mod:`.pumping`)

@@ -52,9 +52,8 @@ def compiled_reason(module: nn.Module) -> Optional[str]:
 
 
 def check_module(pl_module: Any) -> None:
-    """Refuse, before any work, a module no dry run can step: not an ``nn.Module`` with a
-    ``training_step`` (TypeError), compiled, or under manual optimization
-    (:class:`DryRunUnsupported`).
+    """Refuse a module no dry run can step: not an ``nn.Module`` with a ``training_step``
+    (TypeError), compiled, or under manual optimization (:class:`DryRunUnsupported`).
 
     Example:
         >>> check_module(nn.Linear(2, 2))  # doctest: +NORMALIZE_WHITESPACE
@@ -99,9 +98,8 @@ def preserved_rng() -> Iterator[None]:
 
 
 def detached_memo(module: nn.Module, keep_mesh: bool = True) -> dict[int, Any]:
-    """A ``copy.deepcopy`` memo in which every reference to the Trainer (or Fabric) ``module`` is
-    attached to copies as None, and its device mesh as itself (shared, not copied: it holds process
-    groups), or as None without ``keep_mesh``."""
+    """A ``copy.deepcopy`` memo: ``module``'s Trainer (or Fabric) copied as None, its device mesh as
+    itself (shared, not copied: it holds process groups) or, without ``keep_mesh``, as None."""
     memo: dict[int, Any] = {}
     for name in ("_trainer", "_fabric", "_device_mesh"):
         attached = module.__dict__.get(name)
@@ -113,13 +111,12 @@ def detached_memo(module: nn.Module, keep_mesh: bool = True) -> dict[int, Any]:
 def fake_copy(pl_module: nn.Module, fake_mode: FakeTensorMode,
               values: Optional["BatchValues"] = None,
               device: Optional[torch.device] = None) -> nn.Module:
-    """``copy.deepcopy`` without the Trainer (or Fabric) it is attached to, its parameters, buffers
-    and plain-attribute tensors (:func:`.probes.attribute_tensors`: a positional table, a causal
-    mask) faked first into the copy's memo, so the deep copy never copies a real one (nor a
-    gradient); attribute tensors count as existing memory of the step. ``values`` gets a copy of
-    each attribute tensor's values (within its limit): a step may read them. ``device``: where the
-    copy's tensors are made (default: where each real one is); a ``meta`` tensor or one on another
-    device becomes a fake one of the same shape, strides and dtype there, with no values."""
+    """``copy.deepcopy`` without its Trainer or Fabric, its parameters, buffers and plain-attribute
+    tensors (:func:`.probes.attribute_tensors`: a positional table, a causal mask) faked first into
+    the memo, so no real one (nor a gradient) is copied; attribute tensors count as the step's
+    existing memory. ``values`` gets each attribute tensor's values (within its limit) for a step to
+    read. ``device``: where the copy's tensors live (default: the real one's); a ``meta`` tensor or
+    one on another device becomes a fake with no values there, alike in shape, strides and dtype."""
     memo = detached_memo(pl_module)
     def fake(t: torch.Tensor) -> torch.Tensor:
         if device is None or (t.device == device and t.device.type != "meta"):

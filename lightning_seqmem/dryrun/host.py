@@ -1,16 +1,15 @@
 """Host memory beside a dry run's device: what one step keeps in host (CPU) memory.
 
-On an accelerator (CUDA, or the simulated one of :mod:`.accelerator`) a second live-tensor tracker
-counts device type ``"cpu"`` in the same fake step and phases (:class:`DeviceAndHostProbe`): FSDP2
-``CPUOffloadPolicy``'s shards, gradients and optimizer state, ``save_on_cpu``'s activations,
-AdamW's ``step`` scalars (unless fused or capturable); those alive before the step count as
-existing. On the CPU itself host peaks are 0. Pinned memory (``pin_memory()``, ``pin_memory=True``,
-non-blocking device-to-host copies such as FSDP2's offloaded gradients) counts as PyTorch's caching
-host allocator holds it, each block rounded up to a power of two (``CachingHostAllocator.h``:
-``PowerOf2Ceil``). Fake tensors have no pinned state nor a fake ``aten._pin_memory``:
-:func:`register_fake_pin_memory` adds one, and pinned storages are remembered here (by
-:class:`PinWatch` while FSDP2 shards, by the host tracker in the step). Not modelled: the cache of
-freed pinned blocks, pageable allocator overheads, host memory outside the step's tensors.
+On an accelerator (CUDA, or the simulated one of :mod:`.accelerator`) a second tracker counts the
+``"cpu"`` tensors of the same fake step and phases (:class:`DeviceAndHostProbe`): ``save_on_cpu``'s
+activations, FSDP2 ``CPUOffloadPolicy``'s shards, gradients and optimizer state, AdamW's ``step``
+scalars (unless fused or capturable); those alive before the step count as existing. On the CPU
+itself host peaks are 0. Pinned memory (``pin_memory()``, ``pin_memory=True``, non-blocking
+device-to-host copies such as FSDP2's offloaded gradients) counts in blocks rounded up to a power of
+two, as PyTorch's caching host allocator holds it (``CachingHostAllocator.h``: ``PowerOf2Ceil``).
+Fake tensors have no pinned state nor a fake ``aten._pin_memory``: :func:`register_fake_pin_memory`
+adds one; :class:`PinWatch` and the host tracker remember pinned storages. Not modelled: the cache
+of freed pinned blocks, pageable allocator overheads, host memory outside the step's tensors.
 
 Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode

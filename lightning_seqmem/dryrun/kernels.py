@@ -1,9 +1,8 @@
 """The GPU's kernels on a CPU: a dry run for CUDA counts what the kernels the run will use allocate.
 
-A config planned on a CPU-only machine is dry-run on the simulated CUDA device
-(:mod:`.accelerator`), where no GPU kernel exists. The kernels the run will use are modelled from
-their sources, counted as CUDA counts them (outputs, saved tensors, a kernel's own buffers while it
-runs, in 512-byte blocks):
+On a CPU-only machine a config is dry-run on the simulated CUDA device (:mod:`.accelerator`), where
+no GPU kernel exists: the run's kernels are modelled from their sources, counted as CUDA does
+(outputs, saved tensors, a kernel's own buffers while it runs, in 512-byte blocks):
 
 ==================================  ===============================================================
 what the run calls                  modelled by
@@ -21,9 +20,8 @@ Cut Cross-Entropy, Liger            :mod:`.kernels_loss`: the ``fused_loss`` run
 On import this module registers them on the simulated device: the SDPA dispatch, the modelled
 flash-attn as the attention rung's ``"flash"`` (:func:`.attention.register_modelled_flash`), CCE and
 Liger as the ``fused_loss`` rung's backends (:func:`.fused_loss.register_modelled_backends`). A dry
-run names the modelled kernels that ran in its result (``modelled_kernels``, ``detail``). On the CPU
-nothing changes (except fake CPU tensors of a model built for flash-attn under
-:func:`modelled_kernels`, which otherwise cannot run).
+run's result names those that ran (``modelled_kernels``, ``detail``). On the CPU nothing changes,
+except that a model built for flash-attn under :func:`modelled_kernels` runs on fake CPU tensors.
 
 Approximations, each small: cuDNN attention is not modelled (PyTorch prefers it on sm90 only with
 cuDNN >= 9.15.1; a priority order asking for it first gets the next backend here); the

@@ -126,9 +126,8 @@ def _backward_buffers(q: torch.Tensor, k: torch.Tensor, version: int, causal: bo
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                window: tuple, softcap: float) -> torch.Tensor:
-    """Attention in eager torch on ``[B, L, H, D]`` tensors, flash-attn's semantics (causal aligned
-    to the bottom right, ``window`` (left, right) inclusive, ``softcap``): a real tensor's values.
-    """
+    """Eager-torch attention on ``[B, L, H, D]`` tensors with flash-attn's semantics (causal aligned
+    to the bottom right, ``window`` (left, right) inclusive, ``softcap``): real tensors' values."""
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     if kt.shape[1] != qt.shape[1]:
         kt, vt = (x.repeat_interleave(qt.shape[1] // x.shape[1], dim=1) for x in (kt, vt))
@@ -192,8 +191,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            alibi_slopes: Any = None, deterministic: bool = False,
                            return_attn_probs: bool = False,
                            block_table: Any = None) -> torch.Tensor:
-    """flash-attn 2's ``flash_attn_varlen_func`` (``[total, H, D]``, sequences at
-    ``cu_seqlens``), modelled."""
+    """flash-attn 2's ``flash_attn_varlen_func`` (``[total, H, D]`` at ``cu_seqlens``), modelled."""
     if return_attn_probs or alibi_slopes is not None or block_table is not None:
         raise ValueError(
             "the modelled flash_attn_varlen_func takes no `return_attn_probs`, `alibi_slopes` "

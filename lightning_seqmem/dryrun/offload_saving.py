@@ -3,10 +3,9 @@
 Activation offload (:mod:`.activation_offload.activation_offload`) is CUDA only, but its effect on
 the device's live bytes is modelled on any device: on the fake copy each saved activation is freed
 as ``save_on_cpu`` would copy it out, and allocated again in the backward where it is copied back.
-:func:`offload_forecast` reports the device peak without and with it and the bytes moved to host,
-so ``seqmem plan`` can say what it would save on a GPU from a CPU machine. The figures are
-*modelled*: on a CPU module, live tensor bytes as the CPU tracker counts them (no 512-byte blocks,
-workspaces or copy timing).
+:func:`offload_forecast` lets ``seqmem plan`` say what it would save on a GPU from a CPU machine.
+The figures are *modelled*: on a CPU module, live tensor bytes as the CPU tracker counts them (no
+512-byte blocks, workspaces or copy timing).
 
 Example:
     >>> import torch

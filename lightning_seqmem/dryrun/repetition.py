@@ -84,9 +84,8 @@ class Family:
         return self.names[:i] + entry + self.names[i + 1:]
 
     def bases(self) -> list[Vector]:
-        """The base copies a proof tries, cheapest first: the first block takes the embedding's
-        output, so it belongs to the base; under FSDP2 the next-to-last block prefetches the last
-        one's parameters, so the base holds two."""
+        """The base copies a proof tries, cheapest first: one block (the first takes the embedding's
+        output), then two (under FSDP2 the next-to-last prefetches the last one's parameters)."""
         return [(1,), (2,)] if self.partial is None else [(1, 0), (1, 1), (2, 0), (2, 1)]
 
 

@@ -22,8 +22,7 @@ class DryRunResult:
     (:mod:`lightning_seqmem.dryrun.host`: pinned blocks rounded up to powers of two); 0 and ``{}``
     on the CPU. ``modelled_kernels``: CUDA kernels modelled rather than run, in first-run order.
     ``events``/``host_events``: the allocation sequences the peaks were replayed from (None where
-    not replayed from one trace, e.g. depth-extrapolated, or without a host side).
-    """
+    not replayed from one trace, e.g. depth-extrapolated, or without a host side)."""
 
     seq_len: int  # tokens per sample of the simulated step
     batch_size: int  # samples in the simulated batch

@@ -51,8 +51,7 @@ def fake_session(seq_len: int,
 
     The session holds no reference to the mode or the twins: a caller that drops them frees the fake
     world while it is open. On close, every twin still held is cleared
-    (:meth:`.values.BatchValues.clear`), freeing real memory before the cycles are collected.
-    """
+    (:meth:`.values.BatchValues.clear`), freeing real memory before the cycles are collected."""
     with preserved_rng(), warnings.catch_warnings(), simulating(device):
         for message in QUIET_WARNINGS:
             warnings.filterwarnings("ignore", message=".*" + re.escape(message))

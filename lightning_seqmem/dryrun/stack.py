@@ -1,12 +1,9 @@
 """The stack of repeated blocks of a model, whether its blocks are alike, and shallow copies.
 
-:func:`find_stack` finds the ``nn.ModuleList`` of the blocks
-:func:`.checkpointing.find_repeated_blocks` finds; :func:`blocks_differ` says why they are not
-alike (a parameter shape, a sliding window on some layers, a per-layer config list);
-:func:`shallow_copy` is the model with only the first ``k`` blocks: modules copied, tensors
-*shared* (the dry run fakes them), the model unchanged, an HF config saying
-``num_hidden_layers = k``. :func:`shallow_optimizer` is the optimizer's view of the copy's
-parameters (for :func:`.fake.rebuild_optimizer`).
+:func:`blocks_differ` says why the blocks of :func:`find_stack`'s ``nn.ModuleList`` (those
+:func:`.checkpointing.find_repeated_blocks` finds) are not alike (a parameter shape, a sliding
+window on some layers, a per-layer config list); :func:`shallow_copy` is the model with only the
+first ``k`` blocks, :func:`shallow_optimizer` the optimizer's view of the copy's parameters.
 
 Example:
     >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -110,11 +107,10 @@ def _is_index(name: str, values: list) -> bool:
 
 
 def blocks_differ(stack: nn.ModuleList, model: Optional[nn.Module] = None) -> Optional[str]:
-    """Why the blocks of ``stack`` are not alike (the first difference found), or None.
-
-    Only attributes that count the blocks (``layer_idx``: the index plus a constant) may differ,
-    and the stack's HF config (:func:`stack_configs`) may hold no per-layer list whose entries
-    differ (``layer_types`` of local and global attention).
+    """Why the blocks of ``stack`` are not alike (the first difference found), or None. Only
+    attributes that count the blocks (``layer_idx``: the index plus a constant) may differ, and the
+    stack's HF config (:func:`stack_configs`) may hold no per-layer list whose entries differ
+    (``layer_types`` of local and global attention).
 
     Example:
         >>> two = nn.ModuleList([nn.Linear(2, 2, bias=False), nn.Linear(2, 3, bias=False)])
@@ -159,9 +155,8 @@ def stack_configs(model: nn.Module, stack: nn.ModuleList) -> list[Any]:
 
 
 def state_key(model: nn.Module, stack: nn.ModuleList) -> tuple:
-    """What a shallow copy of ``model`` is made from, hashable: its modules and parameters (by
-    identity), their train/eval modes, a block's signature and the layer configs' values. Equal
-    keys: the same shallow copies."""
+    """The cache key of ``model``'s shallow copies: its modules and parameters (by identity), their
+    train/eval modes, a block's signature and the layer configs' values."""
     return (tuple(id(m) for m in model.modules()), tuple(id(p) for p in model.parameters()),
             tuple(m.training for m in model.modules()),
             tuple(sorted(map(repr, _signature(stack[0]).items()))),
@@ -170,9 +165,8 @@ def state_key(model: nn.Module, stack: nn.ModuleList) -> tuple:
 
 
 def shallow_copy(model: nn.Module, stack: nn.ModuleList, depth: int) -> nn.Module:
-    """``model`` with only the first ``depth`` blocks of ``stack``: module objects copied, tensors
-    shared, no trainer; ``model`` unchanged. The stack's configs in the copy say ``depth`` layers
-    (their per-layer lists cut to ``depth``)."""
+    """``model`` (unchanged) with only the first ``depth`` blocks of ``stack``: modules copied,
+    tensors shared, no trainer, the stack's configs (per-layer lists too) cut to ``depth``."""
     memo = detached_memo(model)
     for t in [*model.parameters(), *model.buffers(), *attribute_tensors(model)]:
         memo[id(t)] = t
@@ -189,9 +183,8 @@ def shallow_copy(model: nn.Module, stack: nn.ModuleList, depth: int) -> nn.Modul
 
 
 def shallow_optimizer(optimizer: Any, clone: nn.Module) -> Optional[torch.optim.Optimizer]:
-    """A view of ``optimizer`` (same class, defaults and param-group hyperparameters) over the
-    parameters of ``clone`` alone (a shallow copy's), for the dry run to rebuild; None for None.
-    ``optimizer`` is not changed."""
+    """A view of ``optimizer`` (unchanged; same class, defaults and param-group hyperparameters)
+    over the parameters of ``clone`` alone, for :func:`.fake.rebuild_optimizer`; None for None."""
     if optimizer is None:
         return None
     real = unwrap_optimizer(optimizer)

@@ -6,9 +6,8 @@ holding a mode over the step (ours, and a user's ``FlopCounterMode``) enter and 
 order, not in reverse: the first to leave pops the other's mode. :func:`exit_own_mode` leaves only
 its mode: on top, the ordinary ``__exit__``; under other modes, those are lifted off and put back;
 already popped by a mode below it that left first, that mode (which believes it has left) is taken
-off now. :func:`enter_below_user_modes` enters under the user modes already held, so one entered
-and left before it pops itself. :func:`modes_below` records, on entering, the modes under it (with
-their entry counts), to tell the last case from a mode still held.
+off now (:func:`modes_below`, called on entering, tells this case from a mode still held).
+:func:`enter_below_user_modes` enters under the user modes already held.
 
 >>> import torch
 >>> from torch.utils._python_dispatch import TorchDispatchMode

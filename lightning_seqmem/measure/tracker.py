@@ -63,8 +63,7 @@ def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 def is_fake(t: torch.Tensor) -> bool:
-    """A ``FakeTensor`` (its storage is on ``meta`` whatever device it reports): counted as no
-    bytes by the tracker and the probes.
+    """A ``FakeTensor`` (its storage on ``meta``, whatever its device): counted as no bytes.
 
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
     >>> with FakeTensorMode():
