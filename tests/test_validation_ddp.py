@@ -9,26 +9,40 @@ import sys
 from pathlib import Path
 
 import pytest
-from limits import run
+from limits import run, shared_fixture
 
 pytestmark = pytest.mark.ddp
+DDP_MODES = ("together", "broken", "apart")  # one launch (the FSDP2 fit has its own)
 
 
-def _ddp_fit(tmp_path: Path, mode: str) -> list[dict]:
+def _launch(tmp_path: Path, modes: tuple[str, ...]) -> dict[str, list[dict]]:
     script = Path(__file__).parent / "scripts" / "validation_ddp_run.py"
-    proc = run([sys.executable, str(script), str(tmp_path), mode], 30)
+    proc = run([sys.executable, str(script), str(tmp_path), ",".join(modes)], 15 * len(modes))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {mode: [json.loads((tmp_path / f"rank{r}_{mode}.json").read_text()) for r in (0, 1)]
+            for mode in modes}
+
+
+@shared_fixture  # once per module
+def ddp_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return _launch(tmp_path_factory.mktemp("validation_ddp"), DDP_MODES)
+
+
+def _ddp_fit(request: pytest.FixtureRequest, tmp_path: Path, mode: str) -> list[dict]:
+    if mode in DDP_MODES:
+        return request.getfixturevalue("ddp_runs")[mode]
+    return _launch(tmp_path, (mode,))[mode]
 
 
 @pytest.mark.parametrize("mode", ["together", "fsdp2"])
-def test_ddp_ranks_agree_on_the_rungs_for_the_longest_validation_batch_on_any_rank(tmp_path, mode):
+def test_ddp_ranks_agree_on_the_rungs_for_the_longest_validation_batch_on_any_rank(
+        request, tmp_path, mode):
     """Lightning's distributed sampler gives rank 0 a validation batch of 64 tokens and rank 1 one
     of 1024, which eager attention runs at 138 MiB against a 16.2 MiB budget: rank zero judges the
     largest shape on any rank, and attention goes on on both ranks before the sanity check's batch
     runs. Rank 1's measured batch equals rank zero's dry run of it to the byte, under DDP and with
     the module sharded by FSDP2 (the sharded dry run of the unsharded template)."""
-    zero, one = _ddp_fit(tmp_path, mode)
+    zero, one = _ddp_fit(request, tmp_path, mode)
     usable = zero["usable"]
     for rank in (zero, one):
         assert rank["global_step"] == 2 and rank["applied_mitigations"] == ["attention"]
@@ -55,24 +69,24 @@ def test_ddp_ranks_agree_on_the_rungs_for_the_longest_validation_batch_on_any_ra
     assert 0 <= rows[1]["dry_run_peak_bytes"] - rows[1]["peak_bytes"] < 0.01 * usable
 
 
-def test_ddp_ranks_that_count_validation_batches_apart_are_said_and_never_hang(tmp_path):
+def test_ddp_ranks_that_count_validation_batches_apart_are_said_and_never_hang(ddp_runs):
     """Without Lightning's distributed sampler (rank 0 one batch, rank 1 two) the ranks cannot
     agree before each batch: it is said once, rank zero's batch over the budget is said, and both
     ranks finish."""
-    zero, one = _ddp_fit(tmp_path, "apart")
+    zero, one = ddp_runs["apart"]
     assert zero["global_step"] == one["global_step"] == 2 and len(one["runs"]) == 3
     said = [s for s in zero["said"] if "validation" in s]
     assert len(said) == 2 and "not drawn by Lightning's distributed sampler" in said[0]
-    assert "seq_len=1024" in said[1] and "cannot agree on rungs for it" in said[1]
+    assert "seq_len=512" in said[1] and "cannot agree on rungs for it" in said[1]
     (row,) = zero["validation_rows"]
     assert row["dry_run_peak_bytes"] == row["peak_bytes"] > zero["usable"]
 
 
-def test_a_rank_whose_validation_measurement_breaks_still_joins_the_gather(tmp_path):
+def test_a_rank_whose_validation_measurement_breaks_still_joins_the_gather(ddp_runs):
     """The callback's measurement of rank 1's validation batches raises: rank 1 says it once and
     still joins the gather, so no rank hangs; both ranks train on, measured, and rank zero's rows
     keep its own measurements (no rank's batch is reported as measured when one failed)."""
-    zero, one = _ddp_fit(tmp_path, "broken")
+    zero, one = ddp_runs["broken"]
     assert zero["global_step"] == one["global_step"] == 2
     assert len(zero["training_peaks"]) == len(one["training_peaks"]) == 2
     assert "failed-the validation batch's measurement" in one["warned"]

@@ -1,14 +1,14 @@
-"""Run by tests/test_validation_budget.py: 2 CPU processes (gloo) whose validation batches differ in
+"""Run by tests/test_validation_ddp.py: 2 CPU processes (gloo) whose validation batches differ in
 length, the callback under a budget that 4 x 1024 tokens meet with SDPA only; each rank measures
 its own validation batches (the live-tensor tracker) and writes JSON.
 
-    python tests/scripts/validation_ddp_run.py OUT_DIR MODE
+    python tests/scripts/validation_ddp_run.py OUT_DIR MODE[,MODE...]
 
-``MODE``: ``together`` (Lightning's distributed sampler: rank 0 draws a batch of 64 tokens, rank 1
-one of 1024), ``fsdp2`` (the same, the module sharded by FSDP2 under ``ModelParallelStrategy``),
-``broken`` (as ``together``, the callback's measurement of rank 1's validation batches raising) or
-``apart`` (``use_distributed_sampler=False``: rank 0's loader a batch of 1024
-tokens, rank 1's two of 64).
+A fit per ``MODE``, each writing ``OUT_DIR/rank{0,1}_{MODE}.json``: ``together`` (Lightning's
+distributed sampler: rank 0 draws a batch of 64 tokens, rank 1 one of 1024), ``fsdp2`` (the same,
+the module sharded by FSDP2 under ``ModelParallelStrategy``), ``broken`` (as ``together``, the
+callback's measurement of rank 1's validation batches raising) or ``apart``
+(``use_distributed_sampler=False``: rank 0's loader a batch of 512 tokens, rank 1's two of 64).
 """
 
 from __future__ import annotations
@@ -84,10 +84,13 @@ def _batch(seq_len: int) -> dict:
 
 
 def main() -> None:
-    out, mode = sys.argv[1], sys.argv[2]
-    rank = int(os.environ.get("LOCAL_RANK", 0))
+    for mode in sys.argv[2].split(","):  # one launch, a fit per mode
+        fit(sys.argv[1], mode, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def fit(out: str, mode: str, rank: int) -> None:
     together = mode != "apart"
-    batches = [_batch(64), _batch(1024)] if together else ([_batch(1024)], [_batch(64)] * 2)[rank]
+    batches = [_batch(64), _batch(1024)] if together else ([_batch(512)], [_batch(64)] * 2)[rank]
     cb = SeqMemCallback(memory_budget=BUDGET, safety_margin=0.0, warmup_steps=1,
                         curriculum=Curriculum(start=64, target=1024, steps_per_stage=2,
                                               multiple_of=16))
@@ -124,7 +127,7 @@ def main() -> None:
         "said": [str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning)
                  or "validation" in str(w.message)],
     }
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{trainer.global_rank}_{mode}.json"), "w") as f:
         json.dump(result, f)
 
 
