@@ -114,6 +114,9 @@ def test_bad_strategy_names_the_argument(batch):
                        match=r"`strategy` must be one of \('fsdp2', 'ddp'\), got 'zero3'"):
         sharded_dry_run_step(LitGPT(n_layer=1, d_model=32, n_head=2), batch, 64, 2,
                              strategy="zero3")
+    with pytest.raises(ValueError, match=r"`held` must be None or \(gradients alive, optimizer "
+                       r"state made\), two bools .*got \(True,\)"):
+        sharded_dry_run_step(LitGPT(n_layer=1, d_model=32, n_head=2), batch, 64, 2, held=(True,))
 
 
 @pytest.mark.parametrize("mitigations", [(), ("checkpointing",)], ids=["plain", "checkpointing"])

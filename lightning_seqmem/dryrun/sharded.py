@@ -36,7 +36,7 @@ from lightning_seqmem.dryrun.session import fake_batch, fake_session
 from lightning_seqmem.dryrun.moe import routing_note
 from lightning_seqmem.dryrun.result import DryRunResult, DryRunUnsupported
 from lightning_seqmem.dryrun.fake import check_module, configured_optimizer, detached_memo
-from lightning_seqmem.dryrun.step import (unsupported_reason, state_after_a_step, checked_rungs,
+from lightning_seqmem.dryrun.step import (unsupported_reason, state_as_held, checked_rungs,
                                           host_peaks, replay_peaks, simulated_device_for)
 from lightning_seqmem.dryrun.values import transformers_without_fake_detection
 from lightning_seqmem.dryrun.cuda import allocator_block_bytes
@@ -249,7 +249,7 @@ def sharded_dry_run_step(
             ``(gradients alive, optimizer state made)`` (:func:`.step.held_state`): one phase.
 
     Raises:
-        ValueError: ``offload`` with ``strategy="ddp"``, or not a bool.
+        ValueError: ``offload`` with ``strategy="ddp"``, or not a bool; ``held`` not two bools.
         DryRunUnsupported: the step cannot run on fake tensors, or the module cannot be sharded.
     """
     started = time.perf_counter()
@@ -265,6 +265,10 @@ def sharded_dry_run_step(
 
     if not isinstance(offload, bool):
         raise ValueError(f"`offload` must be a bool, got {offload!r}")
+    if held is not None and not (isinstance(held, tuple) and len(held) == 2
+                                 and all(isinstance(x, bool) for x in held)):
+        raise ValueError("`held` must be None or (gradients alive, optimizer state made), two "
+                         f"bools (dryrun.step.held_state), got {held!r}")
     if offload and strategy != "fsdp2":
         raise ValueError("`offload` (FSDP2 CPUOffloadPolicy) needs strategy='fsdp2', "
                          f"got {strategy!r}")
@@ -297,14 +301,9 @@ def sharded_dry_run_step(
             notes = plan.notes
             probe = with_host_probe(make_probe("tracker", device), device)
             with fake_mode, values, transformers_without_fake_detection():
-                grads, stepped = held or (True, True)
-                if stepped:
-                    state_after_a_step(model, optimizer)
+                state_as_held(model, optimizer, held)
                 if offloaded:
                     _pin_gradients_as_fsdp2_does(model)
-                for p in model.parameters() if held else ():  # as for one device (.step)
-                    p.grad = (None if not grads else p.grad if p.grad is not None or not
-                              p.requires_grad else torch.zeros_like(p))
                 with contained_unpack_failures(device) as failures:
                     memory = (validation_step_memory(model, optimizer, step_batch, probe, autocast)
                               if held else

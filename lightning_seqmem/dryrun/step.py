@@ -77,7 +77,7 @@ from lightning_seqmem.core.records import PHASES, TrackedEvents
 from lightning_seqmem.measure.probes import existing_tensors, make_probe
 
 __all__ = ["checked_rungs", "dry_run_step", "held_state", "host_peaks", "replay_peaks",
-           "simulated_device_for", "state_after_a_step", "unsupported_reason"]
+           "simulated_device_for", "state_after_a_step", "state_as_held", "unsupported_reason"]
 
 from lightning_seqmem.dryrun.cuda import (allocator_block_bytes, cuda_kernel_scratch_bytes,
                                           resident_bytes, warm_cuda_workspaces)
@@ -238,6 +238,17 @@ def held_state(pl_module: nn.Module, optimizer: Any) -> tuple[bool, bool]:
     real = None if optimizer is None else unwrap_optimizer(optimizer)
     return (any(p.grad is not None for p in pl_module.parameters()),
             real is None or bool(real.state))
+
+
+def state_as_held(model: nn.Module, optimizer: Any, held: Optional[tuple[bool, bool]]) -> None:
+    """Gradients and optimizer state on ``model`` as ``held`` (:func:`held_state`) says; None: a
+    training step's (:func:`state_after_a_step`)."""
+    grads, stepped = held or (True, True)
+    if stepped:
+        state_after_a_step(model, optimizer)
+    for p in model.parameters() if held else ():  # (first window: no step yet)
+        p.grad = (None if not grads else p.grad if p.grad is not None or not p.requires_grad
+                  else torch.zeros_like(p))
 
 
 SiteTracer = Callable[..., Any]
@@ -429,12 +440,8 @@ def _fake_step(pl_module: nn.Module, optimizer: Optional[Any], batch: Any, seq_l
                 device_probe.scratch = cuda_kernel_scratch_bytes
             probe = with_host_probe(device_probe, device)
             with fake_mode, values, transformers_without_fake_detection():
-                grads, stepped = held_state(pl_module, optimizer) if evaluate else (True, True)
-                if stepped:
-                    state_after_a_step(model, fake_optimizer)
-                for p in model.parameters() if evaluate else ():  # (first window: no step yet)
-                    p.grad = (None if not grads else p.grad if p.grad is not None or not
-                              p.requires_grad else torch.zeros_like(p))
+                state_as_held(model, fake_optimizer,
+                              held_state(pl_module, optimizer) if evaluate else None)
                 reset_offloaded_bytes(model)
                 with recording() as modelled, contained_unpack_failures(device) as failures:
                     memory, peak_site = _measured_step(model, fake_optimizer, step_optimizer,

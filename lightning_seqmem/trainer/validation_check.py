@@ -1,17 +1,12 @@
-"""Validation batches inside a fit, judged before they run: the training batches' budget holds
-there too.
-
-``on_validation_batch_start`` (the sanity check's too): each new batch shape with the rungs on now
-is dry-run once on rank zero as the validation loop runs it (eval mode, no gradients:
-:meth:`~lightning_seqmem.dryrun.run.TrainingRunDryRun.validation_peak`). Over the usable budget, the
-fastest setting whose validation dry run fits (:func:`~lightning_seqmem.plan.choose.choose`; rungs
-``training_only`` are not tried) goes on before the batch runs; where none fits it is said once
-(``validation_over_budget``). A validation batch is never cut.
-
-Several ranks drawing through Lightning's distributed sampler (as many batches on each) agree on
-each batch as on a training batch: rank zero judges the largest shape on any rank, every rank
-switches the same rungs on. Ranks drawing otherwise are said once (a collective per batch could
-hang), and only rank zero's batches are judged, only said.
+"""Validation batches inside a fit, judged before they run (the sanity check's too): each new
+shape with the rungs on now is dry-run once on rank zero as the validation loop runs it
+(:meth:`~lightning_seqmem.dryrun.run.TrainingRunDryRun.validation_peak`). Over the usable budget,
+the fastest setting whose validation dry run fits (:func:`~lightning_seqmem.plan.choose.choose`;
+rungs ``training_only`` not tried) goes on before the batch runs; where none fits it is said once
+(``validation_over_budget``). A validation batch is never cut. Ranks drawing through Lightning's
+distributed sampler agree on each batch as on a training batch (rank zero judges the largest shape
+on any rank, all switch the same rungs on); ranks drawing otherwise are said once (a collective per
+batch could hang), and only rank zero's batches are judged, only said.
 """
 
 from __future__ import annotations
@@ -156,8 +151,7 @@ class ValidationCheck:
                        f"over the usable budget {format_bytes(usable)}; switched on "
                        f"{describe(names)} before it runs: {choice.why}.")
 
-    def _said_over(self, shape: Shape) -> None:
-        """Say that a batch of ``shape`` is over the budget (``over_peak``), no rung switched."""
+    def _said_over(self, shape: Shape) -> None:  # over the budget (over_peak), no rung switched
         settings, (batch_size, seq_len), peak = self.planner.settings, shape, self.over_peak
         self.guard.warn_once(A.validation_over_budget(
             seq_len, batch_size, peak, dry_run_bound(peak), settings.usable_budget_bytes,
