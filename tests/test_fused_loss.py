@@ -236,7 +236,7 @@ def test_two_gloo_ranks_take_the_same_decision(tmp_path):
     budget = (plain + fused) // 2
     rank0, rank1 = _run(tmp_path, "--budget", str(budget), "--max-steps", "6", "--mitigations",
                         "fused_loss", "--vocab-size", str(VOCAB), "--curriculum", "64,256",
-                        "--batch-sizes", "1,2", "--seq-lens", "256,128", timeout=300)
+                        "--batch-sizes", "1,2", "--seq-lens", "256,128", timeout=100)
     assert rank0["applied_mitigations"] == rank1["applied_mitigations"] == ["fused_loss"]
     assert rank0["mitigation_events"] == rank1["mitigation_events"]
     assert rank0["mitigation_events"][0]["seq_len"] == 128  # before the stage that needs it

@@ -1,9 +1,12 @@
 """Run by tests/test_ddp.py: 2 CPU processes (gloo) train with SeqMemCallback; each writes JSON.
 
-    python tests/scripts/ddp_run.py OUT_DIR [--fail-rank0-at STEP] [--budget BYTES]
+    python tests/scripts/ddp_run.py OUT_DIR [NAME] [--fail-rank0-at STEP] [--budget BYTES]
         [--batch-sizes 4,1]
         [--seq-lens 64,128] [--no-curriculum] [--unreadable-rank1-at STEP] [--mitigations a,b]
-        [--vocab-size 256] [--curriculum 16,256] [--d-ff N]
+        [--vocab-size 256] [--curriculum 16,256] [--d-ff N] [++ NAME ARGS ...]
+
+Each fit writes ``OUT_DIR/rank{0,1}.json``, or ``rank{0,1}_NAME.json`` where named; ``++`` starts
+another fit in the same launch (the process group made once: a launch costs ~10 s of imports).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import warnings
 
@@ -24,8 +28,19 @@ from lightning_seqmem.mitigations.tiled_mlp.tiled_mlp import tiled_mlp_tiles
 
 
 def main() -> None:
+    out, fits = sys.argv[1], [[]]
+    for arg in sys.argv[2:]:
+        if arg == "++":
+            fits.append([])
+        else:
+            fits[-1].append(arg)
+    for argv in fits:
+        name = argv.pop(0) if argv and not argv[0].startswith("--") else ""
+        fit(out, name, argv)
+
+
+def fit(out: str, name: str, argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("out")
     parser.add_argument("--fail-rank0-at", type=int, default=None)
     parser.add_argument("--budget", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=12)
@@ -40,7 +55,7 @@ def main() -> None:
     parser.add_argument("--curriculum", default="16,256", help="start,target of the curriculum")
     parser.add_argument("--d-ff", type=int, default=None,
                         help="the GPT's MLP width (default 4 * d_model)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -84,14 +99,14 @@ def main() -> None:
     seq_len = int(args.seq_lens.split(",")[rank])
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.max_steps,
-        callbacks=[BatchIndex(), cb], default_root_dir=args.out, logger=False,
+        callbacks=[BatchIndex(), cb], default_root_dir=out, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
     module = LitGPT(n_layer=1, d_model=32, n_head=2, vocab_size=args.vocab_size, d_ff=args.d_ff)
     trainer.fit(module, SyntheticTokenDataModule(batch_size=batch_size, seq_len=seq_len,
                                                  num_samples=256, vocab_size=args.vocab_size))
-    out = {
+    result = {
         "rank": trainer.global_rank,
         "seconds": time.perf_counter() - start,
         "records": [r.to_dict() for r in cb.records],
@@ -109,8 +124,8 @@ def main() -> None:
         # equal on every rank under DDP
         "parameters": [p.detach().double().sum().item() for p in module.parameters()],
     }
-    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(out, f)
+    with open(os.path.join(out, f"rank{trainer.global_rank}{name and '_' + name}.json"), "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":
