@@ -265,8 +265,8 @@ class BatchValues(TorchDispatchMode):
                                 for t in _tensors_in(args, kwargs)) > self.max_bytes:
                 raise
             out, computed = None, False
-        new_bytes = _new_bytes(out, args, kwargs) if computed else _bound_bytes(args, kwargs)
-        if known and not self.can_keep(new_bytes):
+        if known and not self.can_keep(_new_bytes(out, args, kwargs) if computed
+                                       else _bound_bytes(args, kwargs)):
             known = False  # no room for its values (on a CPU run the room is the device's)
         if not known or (computed and not _small(out, self.max_bytes)):
             for t in written:
