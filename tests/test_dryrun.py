@@ -488,11 +488,11 @@ def test_cuda_on_a_cpu_only_build_is_the_real_program_in_512_byte_blocks():
     every storage rounded up to the CUDA allocator's 512-byte blocks: equal to the byte to the
     measured CPU step's events replayed in those blocks, phase by phase, less AdamW's ``step``
     counters, which live in host memory on an accelerator (a CPU scalar each, alive through the
-    whole step)."""
+    whole step). AdamW's default on CUDA is its foreach step, so the CPU step here takes it too."""
     module = _gpt()
     batch = _batch(2, 4 * L0)
     real = copy.deepcopy(module)
-    optimizer = torch.optim.AdamW(real.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True)
     training_step_memory(real, optimizer, batch, _loss)
     measured = training_step_memory(real, optimizer, batch, _loss, make_probe("tracker", CPU),
                                     record_events=True)

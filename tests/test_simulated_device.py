@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -109,3 +110,36 @@ def test_a_recompute_in_the_backward_caches_no_casts_into_the_optimizer_step():
     tiled = dry_run_step(module, None, batch, 8192, 1, ("tiled_mlp",), context, "cuda")
     assert tiled.phase_peak_bytes["optimizer"] == plain.phase_peak_bytes["optimizer"]
     assert tiled.peak_bytes < plain.peak_bytes
+
+
+def test_the_optimizer_steps_as_a_cuda_run_would_foreach_and_a_cpu_run_per_tensor():
+    """``foreach=None`` (AdamW's default) takes PyTorch's foreach kernels for parameters on CUDA and
+    the per-tensor loop on the CPU; fake parameters always give the loop, so the dry run resolves it
+    for the device it simulates. The CPU's answer is the measured step's to the byte, each way."""
+    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.dryrun.step_functions import plain_loss
+    from lightning_seqmem.measure.probes import TrackerProbe
+    from lightning_seqmem.measure.steps import training_step_memory
+    from lightning_seqmem.reference.demo import LitGPT
+
+    torch.manual_seed(0)
+    model = LitGPT(n_layer=2, d_model=32, n_head=2, attention="eager")
+    tokens = torch.randint(0, 256, (2, 257))
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    def optimizer_peak(device, foreach, measured=False):
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach)
+        if not measured:
+            return dry_run_step(model, optimizer, batch, 256, device=device).phase_peak_bytes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a Trainer
+            training_step_memory(model, optimizer, batch, plain_loss)  # the state: a first step
+            return training_step_memory(model, optimizer, batch, plain_loss, TrackerProbe(),
+                                        record_events=True).phase_peak_bytes
+
+    cuda = {foreach: optimizer_peak("cuda", foreach) for foreach in (None, True, False)}
+    assert cuda[None] == cuda[True] and cuda[True]["optimizer"] > cuda[False]["optimizer"]
+    cpu = {foreach: optimizer_peak("cpu", foreach) for foreach in (None, True, False)}
+    assert cpu[None] == cpu[False] and cpu[True]["optimizer"] > cpu[False]["optimizer"]
+    assert optimizer_peak("cpu", True, measured=True) == cpu[True]
+    assert optimizer_peak("cpu", None, measured=True) == cpu[None]
