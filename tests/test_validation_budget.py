@@ -182,3 +182,23 @@ def test_a_failing_validation_check_is_said_once_and_training_is_still_measured(
     assert sum("injected: the validation probe" in w for w in cb.planner.advice.warned) <= 1
     assert any(kind == "output_failed" for kind in cb.planner.advice.warned.values())
 
+
+
+def test_validate_outside_a_fit_is_said_once_and_never_recorded():
+    """``trainer.validate()`` after a fit: the callback has no hook there, so it says once that
+    nothing is measured or judged, records nothing and leaves the fit's state as it was."""
+    cb, runs, _ = _fit_with_validation([64], max_steps=2)
+    rows, records = list(cb.edge.validation), list(cb.records)
+    data = SyntheticTokenDataModule(batch_size=4, seq_len=64, num_samples=8, vocab_size=64)
+    data.val_dataloader = lambda: torch.utils.data.DataLoader([_batch(4, 1024)], batch_size=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            cb.trainer.validate(cb.trainer.lightning_module, data, verbose=False)
+    said = [str(w.message) for w in caught if "outside a fit" in str(w.message)]
+    assert said == ["seqmem: trainer.validate() runs outside a fit: its batches are neither "
+                    "measured nor judged against the memory budget (the callback watches "
+                    "trainer.fit(); forecast(seq_len) or `seqmem plan` bound a length's training "
+                    "step, which a no-gradient step stays under)."]
+    assert cb.edge.validation == rows and cb.records == records  # nothing recorded
+    assert "outside-fit-validate" in cb.planner.advice.warned

@@ -51,6 +51,7 @@ KINDS = {
                        "forecasts describe",
     "length_limit":
         "the curriculum reaches past the model's own position limit: it stops at that limit",
+    "outside_fit": "trainer.validate(), test() or predict(): not measured, not judged",
 }
 """Every kind of advice, with what it means (the report groups warnings by kind)."""
 
@@ -412,6 +413,14 @@ def predictor_wrong(seq_len: int, batch_size: int, measured: int,
                   f"right again; decisions use {now}.", ForecastMismatchWarning)
 
 
+def outside_fit(stage: str) -> Advice:
+    """``trainer.validate()``, ``test()``, ``predict()`` (``stage``): the callback sees none."""
+    return Advice("outside_fit", f"outside-fit-{stage}", (
+        f"seqmem: trainer.{stage}() runs outside a fit: its batches are neither measured nor "
+        "judged against the memory budget (the callback watches trainer.fit(); forecast(seq_len) "
+        "or `seqmem plan` bound a length's training step, which a no-gradient step stays under)."))
+
+
 def kind_of_key(key: str) -> str:
     """The kind of a warning key in a checkpoint written before warnings had kinds.
 
@@ -430,4 +439,4 @@ def kind_of_key(key: str) -> str:
     return next((kind for prefix, kind in prefixes if key.startswith(prefix)), "other")
 
 
-__all__ = ["KINDS", "Advice", "kind_of_key"]
+__all__ = ["KINDS", "Advice", "kind_of_key", "outside_fit"]

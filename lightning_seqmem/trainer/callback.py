@@ -20,12 +20,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning_seqmem.trainer import outputs
 from lightning_seqmem.trainer.batch_cycle import BatchCycle
 from lightning_seqmem.trainer.fit_cycle import FitCycle, adopt_legacy_state
-from lightning_seqmem.core.config import SeqMemConfig
-from lightning_seqmem.core.config import SeqLenFn
+from lightning_seqmem.core import advice as A
+from lightning_seqmem.core.config import SeqLenFn, SeqMemConfig
 from lightning_seqmem.core.curriculum import Curriculum
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster
-from lightning_seqmem.trainer.guard import Guard
-from lightning_seqmem.trainer.guard import guarded as _guarded
+from lightning_seqmem.trainer.guard import Guard, guarded as _guarded
 from lightning_seqmem.trainer.run_state import EdgeState
 from lightning_seqmem.trainer.validation_check import ValidationCheck
 from lightning_seqmem.trainer.oom import is_oom
@@ -260,7 +259,8 @@ class SeqMemCallback(Callback):
 
     # -- Set-up ------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit":  # no hook of the callback's runs there: said once
+            self.guard.warn_once(A.outside_fit(getattr(stage, "value", stage)))
             return
         if self.planner.evidence.measured.records or self.planner.course.step:
             self._bind(self._fit.next_fit(trainer, pl_module))
