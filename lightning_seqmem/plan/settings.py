@@ -85,35 +85,32 @@ class Budget:
                 else int(self.total_bytes * (1 - self.safety_margin)))
 
 
+def _read(part: str, name: str) -> property:
+    """``settings.name`` reads ``settings.part.name``."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=f"``{part}.{name}``")
+
+
 class PlannerSettings:
     """Reads ``config`` and ``run_facts`` by name; built from both, or their fields (unchecked)."""
 
-    warmup_steps = property(lambda self: self.config.warmup_steps, doc="``config.warmup_steps``")
-    tolerance = property(lambda self: self.config.tolerance, doc="``config.tolerance``")
-    safety_margin = property(lambda self: self.config.safety_margin, doc="``config.safety_margin``")
-    curriculum = property(lambda self: self.config.curriculum, doc="``config.curriculum``")
-    warmup_steps_after_change = property(lambda self: self.config.warmup_steps_after_change,
-                                         doc="``config.warmup_steps_after_change``")
-    trace_lengths = property(lambda self: self.config.trace_lengths, doc="``config.trace_lengths``")
-    budget_bytes = property(lambda self: self.run_facts.budget_bytes,
-                            doc="``run_facts.budget_bytes``")
-    compare_reserved = property(lambda self: self.run_facts.compare_reserved,
-                                doc="``run_facts.compare_reserved``")
-    block_bytes = property(lambda self: self.run_facts.block_bytes, doc="``run_facts.block_bytes``")
-    precision = property(lambda self: self.run_facts.precision, doc="``run_facts.precision``")
-    device_type = property(lambda self: self.run_facts.device_type, doc="``run_facts.device_type``")
-    dry_runner = property(lambda self: self.run_facts.dry_runner, doc="``run_facts.dry_runner``")
-    measure_every_n_steps = property(lambda self: self.run_facts.measure_every_n_steps,
-                                     doc="``run_facts.measure_every_n_steps``")
-    length_limit = property(lambda self: self.run_facts.length_limit,
-                            doc="``run_facts.length_limit``")
-    length_limit_reason = property(lambda self: self.run_facts.length_limit_reason,
-                                   doc="``run_facts.length_limit_reason``")
-    checkpoint_records = property(lambda self: self.run_facts.checkpoint_records,
-                                  doc="``run_facts.checkpoint_records``")
-    memory_records = property(lambda self: self.run_facts.memory_records,
-                              doc="``run_facts.memory_records``")
-    rung_specs = property(lambda self: self.run_facts.rung_specs, doc="``run_facts.rung_specs``")
+    warmup_steps = _read("config", "warmup_steps")
+    tolerance = _read("config", "tolerance")
+    safety_margin = _read("config", "safety_margin")
+    curriculum = _read("config", "curriculum")
+    warmup_steps_after_change = _read("config", "warmup_steps_after_change")
+    trace_lengths = _read("config", "trace_lengths")
+    budget_bytes = _read("run_facts", "budget_bytes")
+    compare_reserved = _read("run_facts", "compare_reserved")
+    block_bytes = _read("run_facts", "block_bytes")
+    precision = _read("run_facts", "precision")
+    device_type = _read("run_facts", "device_type")
+    dry_runner = _read("run_facts", "dry_runner")
+    measure_every_n_steps = _read("run_facts", "measure_every_n_steps")
+    length_limit = _read("run_facts", "length_limit")
+    length_limit_reason = _read("run_facts", "length_limit_reason")
+    checkpoint_records = _read("run_facts", "checkpoint_records")
+    memory_records = _read("run_facts", "memory_records")
+    rung_specs = _read("run_facts", "rung_specs")
 
     def __init__(self, config: Optional[SeqMemConfig] = None, run_facts: Optional[RunFacts] = None,
                  **values: Any) -> None:
