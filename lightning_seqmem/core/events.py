@@ -6,9 +6,8 @@ before (``before_bytes``, by ``before_method``: ``"measured"`` or ``"dry_run"``)
 (``after_bytes``, None until a step ran), the rungs already on, why it was taken off (``removed``)
 and whether the attention check after it ran (``checked``). A change is a new value (``with_*``).
 
-It is a read-only :class:`~collections.abc.Mapping` (``event["name"]``, ``dict(event)``,
-``event == {...}``) over its plain dict, :meth:`~MitigationEvent.to_dict`: fixed keys in a fixed
-order, ``removed`` and ``checked`` only once set, a checkpoint's event with the keys it had.
+A read-only :class:`~collections.abc.Mapping` (``event["name"]``, ``dict(event)``) over
+:meth:`~MitigationEvent.to_dict`: keys in :data:`EVENT_KEYS`'s order (a checkpoint's as they came).
 
 Example:
     >>> e = MitigationEvent("checkpointing", step=3, seq_len=512, batch_size=4, detail="4 blocks",
@@ -96,8 +95,7 @@ class MitigationEvent(Mapping):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MitigationEvent":
-        """Read :meth:`to_dict` back (an older one may lack keys; a newer one's extra keys are
-        kept as they came). ``data`` must hold a ``name``.
+        """Read :meth:`to_dict` back (keys as they came: older fewer, newer more); needs a ``name``.
 
         >>> MitigationEvent.from_dict({"step": 1})
         Traceback (most recent call last):

@@ -1,10 +1,9 @@
 """Dry runs of a deep stack of identical blocks, answered from dry runs of a few shallow copies.
 
 A fake step costs time per op, and ``seqmem plan --longest`` asks hundreds of questions.
-:func:`depth_dry_run_step` (:func:`.step.dry_run_step`), :func:`depth_sharded_dry_run_step`
-(:func:`.sharded.sharded_dry_run_step`) and :func:`depth_sequence_parallel_dry_run_step`
-(:func:`.sequence_parallel.sequence_parallel_dry_run_step`) take the arguments of the dry run named,
-raise as it does and give its figures from dry runs of shallow copies (:mod:`.stack`):
+:func:`depth_dry_run_step`, :func:`depth_sharded_dry_run_step` and
+:func:`depth_sequence_parallel_dry_run_step` take the arguments of the dry run each names, raise as
+it does and give its figures from dry runs of shallow copies (:mod:`.stack`):
 
 * **Proof, once per setting** (:mod:`.repetition`): copies of 1, 2 and 3 blocks (2, 3, 4 under
   FSDP2, whose next-to-last block prefetches the last) whose allocation sequences (:mod:`.pumping`)
@@ -174,9 +173,8 @@ def _context(call: _Call, stack: nn.ModuleList) -> _Context:
 
 def _site(run: Callable[[tuple], DryRunResult], proof: Proof, target: tuple,
           result: DryRunResult) -> Optional[PeakSite]:
-    """``peak_site`` at depth: each kind's bytes at the peak extrapolated from traced copies (the
-    question's and one more block of each kind) where all agree on phase and op and the kinds add
-    up to the peak; else None."""
+    """``peak_site`` at depth: each kind's bytes extrapolated from traced copies (the question's,
+    one more block per kind) if phase and op agree and the kinds sum to the peak; else None."""
     first = plus(proof.base, *range(len(proof.base)))
     traced = [run(v) for v in [first, *(plus(first, k) for k in range(len(first)))]]
     sites = [r.peak_site for r in traced]
@@ -196,8 +194,7 @@ def _site(run: Callable[[tuple], DryRunResult], proof: Proof, target: tuple,
 
 def _extrapolated(call: _Call, context: _Context, stack: nn.ModuleList, family: Family,
                   target: tuple) -> tuple[Any, Optional[DryRunResult]]:
-    """``(the proof or why none holds, the result at depth or None)``; proved again where the
-    proof's layout does not hold at this length (see :func:`_proved`)."""
+    """``(proof or why none holds, result at depth or None)``, reproved as :func:`_proved` says."""
     seq_len, block = call.args["seq_len"], call.block_bytes
     run = context.run(call, stack, family, seq_len)
     for again in (False, True):
@@ -215,8 +212,7 @@ def _extrapolated(call: _Call, context: _Context, stack: nn.ModuleList, family: 
 
 def _proved(run: Callable[[tuple], DryRunResult], family: Family, seq_len: int, block: int,
             before: Any) -> Any:
-    """The family's proof at ``seq_len`` (again from the base and one more block where ``before``
-    is a proof made at another length), or why none holds."""
+    """The proof at ``seq_len`` (``before`` reproved if at another length), or why none holds."""
     try:
         if isinstance(before, Proof) and before.seq_len != seq_len:
             again = reprove(run, before, seq_len, block)
@@ -293,8 +289,7 @@ def depth_sharded_dry_run_step(
     device: Optional[torch.device | str] = None, first_split_check: Optional[bool] = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`.sharded.sharded_dry_run_step` answered from shallow copies of ``template`` where
-    its blocks repeat; ``detail`` says how."""
+    """:func:`.sharded.sharded_dry_run_step` answered from shallow copies; ``detail`` says how."""
     from lightning_seqmem.dryrun.sharded import sharded_dry_run_step
 
     args = dict(template=template, batch=batch, seq_len=seq_len, world_size=world_size,
@@ -310,8 +305,7 @@ def depth_sequence_parallel_dry_run_step(
     autocast: Optional[Callable[[], ContextManager[Any]]] = None, device: Any = None,
     **kwargs: Any,
 ) -> DryRunResult:
-    """:func:`.sequence_parallel.sequence_parallel_dry_run_step` answered from shallow copies of
-    ``template`` where its blocks repeat: the same per-rank peaks; ``detail`` says how."""
+    """:func:`.sequence_parallel.sequence_parallel_dry_run_step` answered from shallow copies."""
     from lightning_seqmem.dryrun.sequence_parallel import sequence_parallel_dry_run_step
 
     args = dict(template=template, batch=batch, seq_len=seq_len, world_size=world_size,

@@ -7,13 +7,11 @@ no GPU kernel exists: the run's kernels are modelled from their sources, counted
 ==================================  ===============================================================
 what the run calls                  modelled by
 ==================================  ===============================================================
-``F.scaled_dot_product_attention``  :mod:`.kernels_sdpa`: the backend CUDA's dispatch picks on an
-                                    H100/H200 (flash, memory-efficient, math), its own aten op;
-                                    :mod:`.kernels_scratch`: its kernels' own buffers, through
-                                    the tracker's ``scratch`` hook
+``F.scaled_dot_product_attention``  :mod:`.kernels_sdpa`: the backend CUDA picks on an H100/H200
+                                    (flash, memory-efficient, math), its own aten op;
+                                    :mod:`.kernels_scratch`: its kernels' buffers (``scratch`` hook)
 flash-attn 2 / 3 (Hugging Face      :mod:`.kernels_flash`: ``flash_attn_func`` and the varlen one,
-``flash_attention_2``/``_3``)       registered with transformers; :func:`modelled_kernels` maps a
-                                    request for them where they cannot run
+``flash_attention_2``/``_3``)       registered with transformers
 Cut Cross-Entropy, Liger            :mod:`.kernels_loss`: the ``fused_loss`` rung's CUDA backends
 ==================================  ===============================================================
 
@@ -57,10 +55,9 @@ __all__ = ["modelled_kernels"]
 
 
 def modelled_kernels() -> contextlib.AbstractContextManager[None]:
-    """A context under which a Hugging Face model asked for ``flash_attention_2``/``_3`` where
-    flash-attn cannot run gets the modelled kernel (:func:`.kernels_flash.hf_implementation`),
-    while built and in ``set_attn_implementation``: wrap the construction of a model that trains
-    with flash-attn in it to plan its run here. Re-entrant; a request that can run is left alone."""
+    """A context in which a Hugging Face ``flash_attention_2``/``_3`` request that cannot run gets
+    the modelled kernel (:func:`.kernels_flash.hf_implementation`), while the model is built and in
+    ``set_attn_implementation``: build a flash-attn model in it to plan its run here. Re-entrant."""
     return mapped_flash_requests()
 
 

@@ -205,9 +205,8 @@ def _reads_values(func: Any, args: tuple) -> bool:
 
 
 class RoutedValues(BatchValues):
-    """:class:`.values.BatchValues` knowing the routing: in an MoE block (:func:`routing_scope`)
-    an activation's ``topk`` gets :func:`routing_assignment`'s indices; ``value_reads``: ops whose
-    output depends on routed values."""
+    """:class:`.values.BatchValues` giving an MoE block's ``topk`` the routing
+    (:func:`routing_scope`); ``value_reads``: ops whose output depends on routed values."""
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int) -> None:
         super().__init__(fake_mode, max_bytes)
@@ -291,8 +290,7 @@ class RoutedValues(BatchValues):
 
 
 class RoutingScope:
-    """Counts MoE blocks in the :class:`RoutedValues` it watches, held weakly (dropping the values
-    frees the fake world while the scope is open)."""
+    """Counts MoE blocks in the watched :class:`RoutedValues`, held weakly (freeable while open)."""
 
     def __init__(self) -> None:
         self._values: Callable[[], Optional[RoutedValues]] = lambda: None

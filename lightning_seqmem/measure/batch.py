@@ -11,14 +11,13 @@ A batch is a tensor, or a mapping (``dict``, ``BatchEncoding``, any ``Mapping``)
 immutable containers rebuilt); a tuple, read-only mapping, frozen dataclass or tensor comes back
 new, of use only where the caller hands it on (``collate_fn``, ``on_after_batch_transfer``).
 
-**The reference tensor** (its shape is the batch shape) is a 2-D integer tensor of token ids:
-``input_ids`` in a mapping when it is one; else the first met depth first, but when that has one row
-(a broadcast ``[1, L]`` ``position_ids``), the first with the most rows of length ``L``. **Sequence
-tensors**, cut with the tokens (unless ``keys`` names them), have first dimension ``B`` or 1 and
-length ``L`` at ``seq_dim`` (ids, labels, masks, embeddings ``[B, L, D]``) or at both last two
-dimensions (``[B, 1, L, L]``, non-float ``[B, L, L]``), cut on both. **Sequences of another length**
-(2-D integer or bool, ``B`` or 1 rows: an encoder-decoder's ``labels [B, L/2]``) keep their ratio to
-``L`` when truncated (:func:`scaled_length`)."""
+**The reference tensor** (its shape: the batch's), 2-D integer token ids: a mapping's ``input_ids``
+if it is one; else the first met depth first, but if that has one row (a broadcast ``[1, L]``
+``position_ids``), the first with most rows of length ``L``. **Sequence tensors**, cut with the
+tokens (unless ``keys`` names them), have first dimension ``B`` or 1 and length ``L`` at ``seq_dim``
+(ids, labels, masks, embeddings ``[B, L, D]``) or at the last two (``[B, 1, L, L]``, non-float
+``[B, L, L]``), cut on both. **Other-length sequences** (2-D integer or bool, ``B`` or 1 rows:
+seq2seq ``labels [B, L/2]``) keep their ratio to ``L`` if truncated (:func:`scaled_length`)."""
 
 from __future__ import annotations
 
@@ -136,9 +135,8 @@ def _mask_plan(batch: Any, batch_size: int, length: int, seq_len: int, truncate:
 def cut_batch(batch: Any, seq_len: int, *, truncate: bool = True, keep: str = "auto",
               seq_dim: int = 1, keys: Optional[Iterable[str]] = None,
               in_place: bool = False) -> BatchCut:
-    """Shorten a batch to ``seq_len`` tokens per row, never padding; return the result and its real
-    shape. Sequence tensors (module docstring, or ``keys``) are cut; other values (a per-sample
-    ``index``, strings) are left alone but for ``truncate=False``.
+    """Cut a batch to ``seq_len`` tokens per row, never padding: sequence tensors (module docstring,
+    or ``keys``) are cut, others (a per-sample ``index``, strings) kept but for ``truncate=False``.
 
     Args:
         truncate: ``True`` keeps ``seq_len`` positions of every row, copied (freeing the full

@@ -13,8 +13,7 @@ A rung is a small class answering the callback, the dry run and ``seqmem plan``,
 ========================================  ==========================================================
 
 ``apply`` leaves parameters, optimizer state and ``state_dict`` keys unchanged. The planner reads
-the torch-free half, :class:`~lightning_seqmem.core.rung_spec.RungSpec` (``spec``). A new rung is
-a ``Rung`` subclass registered with :func:`.ladder.register`.
+the torch-free :class:`.RungSpec` (``spec``). :func:`.ladder.register` adds a new rung.
 
 Example:
     >>> from torch import nn

@@ -145,8 +145,7 @@ def applicability(names: Sequence[str], trainer: Any, pl_module: Any, batch: Any
 
 def copy_refusal(name: str, trainer: Any, pl_module: Any,
                  batch_size: Optional[int] = None) -> Optional[str]:
-    """Why a dry run of ``pl_module`` with rung ``name`` would not be a step with it
-    (:meth:`.base.Rung.copy_refusal`), or None; a check that raises says so."""
+    """Rung ``name``'s :meth:`.base.Rung.copy_refusal`, or None; a check that raises says so."""
     try:
         return rung(name).copy_refusal(RungContext(pl_module, trainer, None, batch_size))
     except Exception as exc:  # noqa: BLE001 - an unusual model: said, never raised

@@ -3,13 +3,10 @@
 :class:`Guard` holds the planner (whose advice queue keeps each warning once per run) and the edge
 state (``failed``, the probe), and is shared by the callback and its edge objects:
 
-* :func:`guarded` wraps a method of an object with a ``guard`` (and its ``edge``): once the
-  callback has failed it does nothing, and an exception from the body goes to :meth:`Guard.fail`
-  instead of up into the Trainer;
-* :meth:`Guard.fail`: this rank stops measuring (``edge.failed``), said in one
-  :class:`~lightning_seqmem.core.records.SeqMemFailureWarning`;
-* :meth:`Guard.safely`: run an output (a log, a figure, a report); a failure is said in one warning
-  and the run goes on, still measured;
+* :func:`guarded` wraps a method of an object with a ``guard`` and ``edge``: after a failure it does
+  nothing; an exception from the body goes to :meth:`Guard.fail`, not up into the Trainer;
+* :meth:`Guard.fail`: this rank stops measuring, said in one :class:`.SeqMemFailureWarning`;
+* :meth:`Guard.safely`: run an output (log, figure, report): a failure warns, measuring goes on;
 * :meth:`Guard.warn_once`, :meth:`Guard.warn_advice`: the planner's advice, each item warned once.
 
 Example:
@@ -51,8 +48,7 @@ __all__ = ["Guard", "guarded"]
 
 
 def guarded(method: Callable) -> Callable:
-    """Run a method of an object with a ``guard`` and an ``edge``; an internal failure becomes one
-    warning and the callback stops measuring."""
+    """Guard a method of an object with a ``guard`` and an ``edge`` (see the module docstring)."""
 
     @functools.wraps(method)
     def wrapper(owner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -68,8 +64,7 @@ def guarded(method: Callable) -> Callable:
 
 
 class Guard:
-    """Failures and warnings of one fit: ``edge`` holds the failed flag (and the probe to leave),
-    ``planner`` the advice, each item kept once."""
+    """Failures and warnings of one fit, kept in ``edge`` and ``planner`` (see the module)."""
 
     def __init__(self, edge: "EdgeState", planner: "Planner") -> None:
         self.edge, self.planner = edge, planner

@@ -1,16 +1,13 @@
 """``EdgeState``: the callback's own run state for one fit (the planner's is in ``cb.planner``).
 
-:class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; the :class:`~.guard.Guard`
-(failures), the :class:`~.batch_cycle.BatchCycle` (each batch) and the :class:`~.fit_cycle.FitCycle`
-(each fit) write it. A fresh one is built with the callback and when a fit follows one that measured
-(:meth:`.fit_cycle.FitCycle.next_fit`): every field at its default, but a fit on the same Trainer
-and module keeps the three ``breakdown*`` results (:meth:`EdgeState.next_fit`).
+:class:`~lightning_seqmem.SeqMemCallback` keeps one as ``cb.edge``; :class:`~.guard.Guard`,
+:class:`~.batch_cycle.BatchCycle` and :class:`~.fit_cycle.FitCycle` write it. A fresh one comes with
+the callback and each fit after one that measured (:meth:`EdgeState.next_fit`).
 
 ==========================  ========================================================================
 field                       what it holds (who writes it)
 ==========================  ========================================================================
-``failed``                  this rank stopped measuring after an internal failure, said in one
-                            warning (:meth:`.Guard.fail`)
+``failed``                  this rank stopped measuring on an internal failure (:meth:`.Guard.fail`)
 ``stopped``                 every rank agreed to stop: no more collectives (``BatchCycle.gather``)
 ``pending``                 the step begun at this batch's start (``BatchCycle.start_measurement``),
                             taken by the batch end; None between batches
@@ -34,18 +31,14 @@ field                       what it holds (who writes it)
 ``breakdown_batch``         ``(length, batch)``: the longest batch seen (the batch end, rank zero)
 ``dry_runner``              the :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`, or None
                             (``on_fit_start``: rank zero, ``dry_run=True``)
-``compiled_reason``         why the module counts as ``torch.compile``'d, or None
-                            (``FitCycle.check_compiled``)
+``compiled_reason``         why the module counts as compiled, or None (``FitCycle.check_compiled``)
 ``sharding_template``       an unsharded copy on meta for FSDP2 runs, or None (``setup``:
                             :func:`.access.sharding_template`)
-``probe``                   this fit's :class:`~lightning_seqmem.measure.probes.MemoryProbe`
-                            (``setup``: ``make_probe``)
+``probe``                   this fit's :class:`~.probes.MemoryProbe` (``setup``: ``make_probe``)
 ``device``                  the strategy's root device (``setup``)
-``fit_refs``                weak references to this fit's (Trainer, module) (``setup``; read by
-                            ``FitCycle.next_fit``)
-``window_batch``            the batch of the step window open now (batch start to end; None
-                            between): a dry run inside leaves room beside it
-                            (:func:`.own_memory.value_room_bytes`)
+``fit_refs``                weakrefs to (Trainer, module) (``setup``; read by ``FitCycle.next_fit``)
+``window_batch``            the open step window's batch (batch start to end; None between): a dry
+                            run inside leaves room beside it (:func:`.own_memory.value_room_bytes`)
 ``validation``              the validation batches measured (rank zero: the first of each shape
                             dry-run), their predicted and measured peaks (``ValidationCheck``)
 ==========================  ========================================================================

@@ -17,9 +17,8 @@ What goes to the host (:meth:`OffloadedForward.keeps` says what stays):
   and idles them: list ``"activation_offload"`` after ``"checkpointing"``. Transformers 5's
   ``activation_checkpointing_enable(offload=True)`` is not used: it resets the checkpointed layers.
 
-Switched on in place between steps: each block's ``forward`` becomes an instance attribute
-(:class:`OffloadedForward`); parameters, optimizer state and ``state_dict`` keys stay. Cost: the two
-copies, on the compute stream, and that much pinned host memory.
+Switched on between steps: each block gets an instance ``forward`` (:class:`OffloadedForward`).
+Cost: the two copies, on the compute stream, and that much pinned host memory.
 
 On fake accelerator tensors (a dry run) ``save_on_cpu`` itself runs, its fake host copies counted by
 :mod:`lightning_seqmem.dryrun.host`; on fake CPU tensors the hooks *model* it (keeping the shape;
@@ -69,17 +68,15 @@ CPU_REFUSAL = "CUDA only: on CPU activations already live in host memory"
 
 
 def _inside_checkpoint() -> bool:
-    """Whether the saved-tensor hooks on top now are a non-reentrant checkpoint's (its forward or
-    recompute): the tensors saved there are recomputed, not kept, so there is nothing to offload."""
+    """Whether the top saved-tensor hooks are a non-reentrant checkpoint's (nothing to offload)."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return top is not None and getattr(top[0], "__module__", "") == "torch.utils.checkpoint"
 
 
 class OffloadedForward:
-    """A block's ``forward`` under the offload hooks, set as the block's instance attribute
-    ``forward``. ``host_bytes``/``host_tensors``: bytes and tensors copied to host since the last
-    :func:`reset_offloaded_bytes` (on fake tensors: that would be); ``kept_bytes``: bytes of saved
-    parameters and buffers left on the device."""
+    """A block's ``forward`` under the offload hooks. ``host_bytes``/``host_tensors``: bytes and
+    tensors copied to host since the last :func:`reset_offloaded_bytes` (on fake tensors: that would
+    be); ``kept_bytes``: bytes of saved parameters and buffers left on the device."""
 
     def __init__(self, block: nn.Module, pin_memory: bool = True) -> None:
         self.block = block
@@ -179,8 +176,7 @@ def is_offloading(module: nn.Module) -> bool:
 
 
 def offloaded_bytes(module: nn.Module) -> int:
-    """Bytes the offloading blocks of ``module`` copied (or, on fake tensors, would copy) to host
-    memory since the last :func:`reset_offloaded_bytes` (each saved tensor at each save)."""
+    """``host_bytes`` summed over ``module``'s offloading blocks (each tensor at each save)."""
     return sum(w.host_bytes for w in _wrappers(module))
 
 
@@ -199,8 +195,7 @@ class ActivationOffload:
     """Policy: offload the tensors every repeated block saves for backward (in place, idempotent).
 
     Args:
-        block_class_names: class names of the blocks; ``None`` finds them as activation
-            checkpointing does (:func:`find_repeated_blocks`; a checkpoint wrapper is the block).
+        block_class_names: the blocks' class names (``None``: :func:`find_repeated_blocks`).
         pin_memory: copy into pinned (page-locked) host memory.
 
     Example:
@@ -279,8 +274,8 @@ class ActivationOffload:
 
 class ActivationOffloadRung(Rung):
     """The opt-in ``"activation_offload"`` rung: :class:`ActivationOffload` on CUDA, removable;
-    refused elsewhere, yet a dry run models it (``modelled_where_refused``: ``seqmem plan`` says
-    what it saves on a GPU). FSDP1 refuses it at set-up, DeepSpeed does not.
+    refused elsewhere (and by FSDP1 at set-up, not DeepSpeed), yet a dry run models it for ``seqmem
+    plan`` (``modelled_where_refused``).
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig

@@ -3,15 +3,14 @@
 A causal LM's loss, ``cross_entropy(hidden @ lm_head.weight.T, labels)``, holds ``[tokens, vocab]``
 float32 logits, their log-softmax saved for backward and their gradient, each larger than the rest
 of a step once attention is linear (16K tokens x 248K vocabulary: 16 GB per copy). A fused linear
-cross-entropy computes the same loss (the mean over tokens not ``ignore_index``, so micro-batching's
-weighting by label tokens holds) and gradients a block of tokens at a time, keeping only the
-``[tokens, d_model]`` and ``[vocab, d_model]`` gradients. Backends, picked per device at switch-on:
-``cce`` (Apple's Cut Cross-Entropy, the ``fused`` extra) and ``liger`` (Liger-Kernel) on CUDA with
-triton; ``tiled`` (DeepSpeed's eager ``TiledFusedLogitsLoss``, the ``tiled`` extra) on every device:
-token shards with logits the size of ``hidden``, gradients made in the forward. A dry run runs
-``tiled`` (eager: fake tensors work), on CUDA as a stand-in for ``cce``/``liger`` (triton kernels
-cannot run on fake tensors; their memory is at most ``tiled``'s); on the simulated CUDA device
-``"auto"``'s ``cce`` is modelled (:mod:`lightning_seqmem.dryrun.kernels_loss`).
+cross-entropy computes the same loss (micro-batching's weighting by label tokens holds) and
+gradients a block of tokens at a time, keeping only the ``[tokens, d_model]`` and
+``[vocab, d_model]`` gradients. Backends, picked by device at switch-on: ``cce`` (Apple's Cut
+Cross-Entropy, the ``fused`` extra) and ``liger`` (Liger-Kernel) on CUDA with triton; ``tiled``
+(DeepSpeed's eager ``TiledFusedLogitsLoss``, the ``tiled`` extra) on every device, in token shards
+(:func:`tiled_shards`), gradients made in the forward. A dry run runs ``tiled`` (eager: fake tensors
+work), on CUDA standing in for ``cce``/``liger`` (triton needs real tensors; their memory is at most
+``tiled``'s); on the simulated CUDA device ``"auto"``'s ``cce`` is modelled (:mod:`.kernels_loss`).
 
 Two kinds of model take it, found top-down: Hugging Face ``*ForCausalLM`` models (with a bias-free
 ``lm_head`` and a base model; those scaling or capping their logits, Gemma, Cohere, Granite,
@@ -297,8 +296,7 @@ def _implements_protocol(module: nn.Module) -> bool:
 
 
 def find_fused_loss_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` of the Hugging Face ``*ForCausalLM`` models and fused-loss
-    protocol modules in ``model``, top-down (not below one taken or a Hugging Face model refused).
+    """``(qualified name, module)`` of the targets in ``model`` (the module's two kinds), top-down.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
@@ -346,8 +344,7 @@ def _switch(target: nn.Module, fn: Optional[FusedLinearCrossEntropy]) -> None:
 
 
 class FusedLossRung(Rung):
-    """The ladder's ``"fused_loss"`` rung: the causal-LM loss by :class:`FusedLinearCrossEntropy`
-    of ``backend`` (``"auto"`` resolves by the model's device at switch-on; the detail says which).
+    """The ``"fused_loss"`` rung: :class:`FusedLinearCrossEntropy` of ``backend``.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig

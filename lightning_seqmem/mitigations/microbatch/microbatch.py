@@ -1,10 +1,9 @@
 """Micro-batching: run each training batch as several smaller ones, accumulating their gradients.
 
-The step's activations are one micro-batch's: the batch-proportional part of the peak
-(``B * (a*L + b*L^2)``) drops to ``micro_batch_size / B`` of itself, while batches, optimizer
-steps, ``global_step`` and LR schedule stay the full batch's and gradients equal up to rounding.
-It takes effect at the next ``training_step``, mid-epoch included; ``accumulate_grad_batches`` and
-the dataloader are untouched (DESIGN.md says why).
+The step holds one micro-batch's activations: the peak's part ``B * (a*L + b*L^2)`` scales by
+``micro_batch_size / B``; optimizer steps, ``global_step`` and LR schedule stay the full batch's,
+gradients equal up to rounding. It acts from the next ``training_step``, mid-epoch too;
+``accumulate_grad_batches`` and the dataloader are untouched (DESIGN.md says why).
 
 Weighting. ``training_step`` returns a *mean*; micro-batch ``i``'s loss is weighted by its share
 ``c_i / C`` of what that mean is over (:func:`micro_batch_counts`; no ``num_items_in_batch``
@@ -125,10 +124,9 @@ def _deepspeed_stage(strategy: Any) -> Optional[int]:
 
 class MicroBatching:
     """Policy: split each training batch into micro-batches of ``micro_batch_size`` samples (``1``:
-    the lowest peak, the least parallel work per kernel), weighting each loss by what it is a mean
-    over (``weighting``: ``"auto"``, ``"samples"``, ``"label_tokens"``, ``"shifted_label_tokens"``;
-    see *Weighting*). ``verify``: run the *First-step check* (``False`` also overrides an earlier
-    refusal); ``ignore_index``: the label the loss skips.
+    lowest peak, least parallel work per kernel), each loss weighted by what it is a mean over
+    (``weighting``: ``"auto"`` or a kind of *Weighting*). ``verify``: the *First-step check*
+    (``False`` also overrides an earlier refusal); ``ignore_index``: the label the loss skips.
 
     Example:
         >>> MicroBatching(0)
@@ -221,8 +219,7 @@ class MicroBatching:
         return f"batch size {batch_size} is already at most micro_batch_size={size}"
 
     def unsplit_reason(self, trainer: Any, pl_module: Any, batch: Any = None) -> str | None:
-        """Why ``batch`` (else the dataloader's batch size) has nothing to split, where nothing
-        else refuses micro-batching, else None."""
+        """Why ``batch`` (or the loader's) has nothing to split if nothing else refuses, or None."""
         applicable, reason = self.is_applicable(trainer, pl_module, batch)
         if applicable:
             return None

@@ -4,22 +4,19 @@ An MLP saves its wide intermediates (``[B, L, intermediate]``: four in a Llama M
 reference GPT's) for backward in every block; with SDPA and a fused loss they hold the peak at long
 lengths. DeepSpeed's ``TiledMLP`` (ALST, arXiv 2506.13996) runs it on sequence tiles saving only its
 input, recomputing tile by tile in backward: no saved intermediates, transient ones ``1/tiles`` as
-wide, loss and gradients equal up to float rounding. Tiled: each repeated block's
-(:func:`.checkpointing.find_repeated_blocks`) :data:`MLP_CHILD_NAMES` child (:func:`find_mlps`),
-e.g. ``LlamaMLP`` or the reference GPT's ``nn.Sequential`` (its trailing ``nn.Dropout`` after the
-tiles). Refused: MoE blocks (an ``experts`` child), an active dropout in the tiled part (the
-recompute would draw new masks), FSDP2-sharded blocks (untested), FSDP1 and DeepSpeed (use
-DeepSpeed's ``TiledMLP`` there). The instance's ``forward`` is patched (``remove`` deletes it;
-parameters, optimizer state and ``state_dict`` keys unchanged); each tile runs, under the forward's
-autocast state, on detached aliases of the parameters (``_reparametrize_module``) whose gradients
-one autograd node hands over once, for DDP's reducer hooks (:class:`_HandGradsToParameters`).
+wide, loss and gradients equal up to float rounding. Tiled: each repeated block's MLP
+(:func:`find_mlps`), e.g. ``LlamaMLP`` or the reference GPT's ``nn.Sequential`` (its trailing
+``nn.Dropout`` after the tiles). Refused: MoE blocks (an ``experts`` child), an active dropout in
+the tiled part (the recompute would draw new masks), FSDP2-sharded blocks (untested), FSDP1 and
+DeepSpeed (use DeepSpeed's ``TiledMLP`` there). The instance's ``forward`` is patched (``remove``
+deletes it); each tile runs, in the forward's autocast state, on detached aliases of the parameters
+(``_reparametrize_module``) whose gradients :class:`_HandGradsToParameters` hands over once.
 
-A call on ``L`` tokens runs ``max(floor, ceil(L / hidden))`` tiles (:func:`tiles_for_length`):
-ALST's rule (one tile per 4,096 tokens for Llama-3.1-8B) keeps a tile's intermediate one size at any
-length, the floor (:func:`tile_count_rule`, fixed at switch-on; Llama-3.1-8B: 14336 / 4096 -> 4) no
-larger than the hidden state at short lengths; ``TiledMLPRung(tiles=n)`` fixes the count. Ranks of
-uneven lengths may run different counts: harmless on one device or DDP, a deadlock where parameters
-are gathered per tile (ZeRO-3, FSDP; ALST all-reduces the maximum).
+A call runs :func:`tiles_for_length` tiles: ALST's rule (one tile per 4,096 tokens for Llama-3.1-8B)
+keeps a tile's intermediate one size at any length, the floor (:func:`tile_count_rule`, fixed at
+switch-on; Llama-3.1-8B: 14336 / 4096 -> 4) no larger than the hidden state at short lengths. Ranks
+of uneven lengths may run different counts: harmless on one device or DDP, a deadlock where
+parameters are gathered per tile (ZeRO-3, FSDP; ALST all-reduces the maximum).
 
 Example:
     >>> import torch
@@ -277,8 +274,7 @@ def _tiled_forward(self: nn.Module, x: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class TiledMLP:
-    """Policy: tile the MLP of every repeated block along the sequence (DeepSpeed's ``TiledMLP``)
-    into ``tiles`` per call at every length (None: by the length, at least :func:`tile_count_rule`).
+    """Policy: tile every repeated block's MLP into ``tiles`` (None: by :func:`tiles_for_length`).
 
     Example:
         >>> TiledMLP().is_applicable(nn.Linear(2, 2))
@@ -374,8 +370,7 @@ class TiledMLP:
 
 
 class TiledMLPRung(ModulePolicyRung):
-    """The ladder's opt-in ``"tiled_mlp"`` rung: :class:`TiledMLP` behind the :class:`.base.Rung`
-    protocol, on a dry run's fake copy too; FSDP1 and DeepSpeed strategies refuse it at set-up.
+    """The opt-in ``"tiled_mlp"`` rung: :class:`TiledMLP`, on a dry run's fake copy too.
 
     Example:
         >>> from lightning_seqmem.reference.nn import GPT, GPTConfig
