@@ -23,6 +23,8 @@ parent.) ``seconds`` is the measured call's own time.
     python benchmarks/dry_run.py --json     # the figures as one JSON dict instead of tables
     python benchmarks/dry_run.py --device cuda --quick   # on a GPU: the dry run against the CUDA
                                             # allocator's counters (max_memory_allocated per phase)
+    python benchmarks/dry_run.py --device cuda --quick --from-cpu   # the same, the dry run made
+                                            # from a CPU copy (what seqmem plan does on a laptop)
 
 On CUDA the measured step is read by the CUDA allocator probe (``torch.cuda.max_memory_allocated``
 reset at each phase boundary, 512-byte blocks), the dry run simulates ``cuda`` with the same
@@ -60,6 +62,7 @@ COST_LENGTHS = (1024, 8192, 32768)  # tokens per sample of the dry-run-only rows
 MIB = 2**20
 CPU = torch.device("cpu")
 DEVICE = CPU  # where the measured steps run (--device)
+FROM_CPU = False  # --from-cpu: the dry run gets a CPU module and optimizer, simulating DEVICE
 
 
 class HFLM(pl.LightningModule):
@@ -175,20 +178,21 @@ def accuracy(quick: bool, show: bool) -> list[dict]:
         print("-" * len(header))
     for case in cases:
         torch.manual_seed(0)
-        module = case.build().to(DEVICE)
+        home = CPU if FROM_CPU else DEVICE  # where the dry run's module and optimizer live
+        module = case.build().to(home)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
         mitigations = ["checkpointing"] if case.checkpointing else []
         for seq_len in gpt_lengths if case.name.startswith("gpt") else hf_lengths:
             try:
-                dry = dry_run_step(module, optimizer, _batch(case.batch_size, l0, device=DEVICE),
+                dry = dry_run_step(module, optimizer, _batch(case.batch_size, l0, device=home),
                                    seq_len, mitigations=mitigations,
-                                   autocast=_autocast(case.bf16))  # fmt: skip
+                                   autocast=_autocast(case.bf16), device=DEVICE)  # fmt: skip
             except DryRunUnsupported as err:
                 print(f"  {case.name} {seq_len}: {err}")
                 continue
             module.to(CPU)  # only the measured copy on the device: its peak is the step's alone
             measured = measure_real(module, case, seq_len)
-            module.to(DEVICE)
+            module.to(home)
             error = (dry.peak_bytes - measured) / measured
             row = dict(model=case.name, attention=case.attention, checkpointing=case.checkpointing,
                        precision="bf16" if case.bf16 else "fp32", seq_len=seq_len,
@@ -306,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the figures as one JSON dict instead of tables")
     parser.add_argument("--device", default="cpu",
                         help="where the measured steps run: cpu (default) or cuda")
+    parser.add_argument("--from-cpu", action="store_true",
+                        help="with --device cuda: dry-run a CPU module and optimizer onto the "
+                        "device (as seqmem plan plans a GPU run from a laptop: AdamW's foreach "
+                        "step resolved for CUDA, not for the CPU tensors it copies)")
     parser.add_argument("--cost-worker", nargs=2, metavar=("MODEL", "SEQ_LEN"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -313,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cost_worker:
         print(json.dumps(cost_worker(args.cost_worker[0], int(args.cost_worker[1]))))
         return 0
-    global DEVICE
-    DEVICE = torch.device(args.device)
+    global DEVICE, FROM_CPU
+    DEVICE, FROM_CPU = torch.device(args.device), args.from_cpu
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: dry_run --device cuda skipped")
         return 0
