@@ -226,7 +226,7 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
             p.grad = torch.zeros_like(p)
     groups = [g for g in optimizer.param_groups if "foreach" in g and not g["foreach"]
               and not g.get("fused")]
-    for group in groups:  # its state only: one kernel per state tensor, a third of the dry run
+    for group in groups:  # only its state counts: foreach makes it in fewer ops (~20% less)
         group["foreach"] = True
     try:
         optimizer.step()
