@@ -214,6 +214,34 @@ def test_plan_bad_input_names_the_argument(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_under_the_optimizer_steps_own_peak_only_offload_could_fit_and_nothing_is_searched(
+        tmp_path, monkeypatch, capsys):
+    """Under the optimizer step's own peak (parameters, gradients, AdamW state and the step's
+    temporaries: no rung lowers it) no setting without offload fits at any length: the plan says
+    so once, with the lowest optimizer-phase peak of its dry runs, and searches no length (the
+    search's bisection would dry-run lengths down to 8 tokens)."""
+    from lightning_seqmem.core.units import format_bytes
+
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--config", str(CPU_DEMO), "--lengths", "64", "256", "--budget", "6MiB"]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = [r for entry in doc["lengths"] for r in entry["rows"]]
+    floor = min(r["optimizer_peak_bytes"] for r in rows)
+    assert dry_run_bound(floor) > doc["usable_budget_bytes"] > floor // 2
+    assert all(r["fits"] is False for r in rows) and doc["largest_fitting_seq_len"] is None
+    assert doc["dry_runs"] == len(rows) == 8  # the table's: no search
+    assert main(args) == 0
+    text = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    said = f"the optimizer step alone peaks at {format_bytes(floor)} (parameters, gradients,"
+    assert text.count("the optimizer step alone peaks at") == 1 and said in text
+    assert "no setting without offload fits at any length" in text
+    assert text.count("not even 8 tokens fit with") == 2  # a line per length, not searched
+    # a budget over it: not said
+    assert main(["plan", "--config", str(CPU_DEMO), "--lengths", "64", "--budget", "16MiB"]) == 0
+    assert "the optimizer step alone" not in capsys.readouterr().out
+
+
 def test_plan_nothing_fits_searches_the_largest_length(tmp_path, monkeypatch, capsys):
     """Over a tiny budget nothing fits; the largest length that fits with the whole ladder is
     searched."""

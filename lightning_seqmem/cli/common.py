@@ -200,9 +200,8 @@ def first_batch(model: Any, datamodule: Any, seq_len: Optional[int] = None) -> A
 
 
 def first_optimizer(module: Any) -> tuple[Any, str]:
-    """``(optimizer, what)``: the first optimizer ``module.configure_optimizers()`` returns (list,
-    tuple or ``{"optimizer": ...}`` dict unwrapped) and its class name; else an ``AdamW`` over the
-    module's parameters and why (the forecast and the dry run trace a step with it).
+    """``(optimizer, what)``: the first optimizer ``module.configure_optimizers()`` returns
+    (unwrapped as Lightning does) and its class name; else an ``AdamW`` over its parameters and why.
 
     >>> import torch
     >>> class Tiny(torch.nn.Linear):

@@ -1,10 +1,9 @@
 """The devices ``seqmem plan`` answers for: one budget or several (``--budget 80GB h200``).
 
-A budget is bytes (``80GiB``, ``141GB``) or a GPU's name (:data:`DEVICE_MEMORY`: its memory as
-``nvidia-smi`` reports it). Without one, a CUDA config planned without CUDA answers for an 80 GB
-H100 and a 141 GB H200; a CUDA device present gives its own total. The usable part is
-``budget × (1 − safety margin)``: the margin holds what no dry run counts (the CUDA context,
-~0.5 GiB outside the allocator; NCCL buffers; fragmentation).
+A budget is bytes (``80GiB``) or a GPU's name (:data:`DEVICE_MEMORY`, as ``nvidia-smi`` reports
+it). Without one, a CUDA config planned without CUDA answers for an 80 GB H100 and a 141 GB H200;
+a CUDA device present gives its own total. Usable: ``budget × (1 − safety margin)``, the margin for
+what no dry run counts (the CUDA context, ~0.5 GiB outside the allocator; NCCL; fragmentation).
 
 Example:
     >>> [b.name for b in device_budgets(["h100", "100GiB"], 0.1, None, None)]

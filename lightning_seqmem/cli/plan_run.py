@@ -1,10 +1,7 @@
 """What every dry run of one ``seqmem plan`` shares (:class:`PlanRun`), and what it answers: the
-rows of one length, the fastest setting that fits, the longest length a setting fits.
-
-Each dry run (:meth:`PlanRun.dry`) is made once per ``(seq_len, mitigations, world, offload)`` and
-kept: every device (``--budget 80GB h200``) judges the same dry runs. A stack of identical blocks is
-dry-run on shallow copies and extrapolated to its depth (:mod:`lightning_seqmem.dryrun.depth`:
-proved on copies of 1, 2 and 3 blocks, equal to the full dry run to the byte; else the full one)."""
+rows of one length, the fastest setting that fits, the longest length a setting fits. Each dry run
+(:meth:`PlanRun.dry`) is made once per ``(seq_len, mitigations, world, offload)`` for every device,
+a stack of identical blocks on shallow copies (:mod:`lightning_seqmem.dryrun.depth`)."""
 
 from __future__ import annotations
 
@@ -137,9 +134,8 @@ class PlanRun:
                 for off in offloads]
 
     def state_floor(self) -> Optional[int]:
-        """The least optimizer-step peak (bytes) of the dry runs without offload so far: the
-        parameters, gradients and optimizer state, which no rung changes. Over a device's usable
-        budget, no setting without offload fits there at any length and none is searched."""
+        """The least optimizer-step peak (bytes) of the dry runs without offload so far: no rung
+        lowers it: over a device's usable budget no setting without offload fits (not searched)."""
         floors = [row["optimizer_peak_bytes"] for (_, _, _, off), row in self.cache.items()
                   if not off and row.get("optimizer_peak_bytes") is not None]
         return min(floors, default=None)

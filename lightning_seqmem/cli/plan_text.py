@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from lightning_seqmem.core.units import format_bytes
-from lightning_seqmem.plan.judging import DRY_RUN_MARGIN
+from lightning_seqmem.plan.judging import DRY_RUN_MARGIN, dry_run_bound
 from lightning_seqmem.present.render import yes_no
 
 SEARCH_MULTIPLE = 8  # the largest fitting length is searched among multiples of this
@@ -213,6 +213,13 @@ def print_plans(console: Any, results: Sequence[dict[str, Any]], usable: Optiona
     """Per length (with a budget): the cheapest plan and the fastest that fits, or why none."""
     if usable is None:
         return
+    floor = min((r["optimizer_peak_bytes"] for res in results for r in res["rows"]
+                 if not r.get("offload") and r.get("optimizer_peak_bytes")), default=None)
+    if floor is not None and dry_run_bound(floor) > usable:  # no rung lowers it
+        console.print(f"the optimizer step alone peaks at {format_bytes(floor)} (parameters, "
+                      "gradients, optimizer state and the step's temporaries), over "
+                      f"{format_bytes(usable)} usable: no setting without offload fits at any "
+                      "length", highlight=False)
     for res in results:
         if res["plan"] is not None:
             _print_plan_of(console, res, usable)

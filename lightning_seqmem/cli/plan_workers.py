@@ -1,6 +1,5 @@
-"""A plan's table rows dry-run in several processes at once (``seqmem plan --workers N``).
+"""A plan's table rows (each an independent dry run) in several processes (``--workers N``).
 
-Each row (length, mitigation set, offload) is an independent dry run, most of a plan's time.
 :func:`start_workers` starts ``workers - 1`` processes (:func:`worker_command`; not forked: the
 ``dryrun`` wing runs a backward on import, after which a forked process cannot run autograd).
 :func:`collect_rows` hands out whole :func:`families` (a setting's depth proof made once),
