@@ -143,3 +143,23 @@ def test_the_optimizer_steps_as_a_cuda_run_would_foreach_and_a_cpu_run_per_tenso
     assert cpu[None] == cpu[False] and cpu[True]["optimizer"] > cpu[False]["optimizer"]
     assert optimizer_peak("cpu", True, measured=True) == cpu[True]
     assert optimizer_peak("cpu", None, measured=True) == cpu[None]
+
+
+def test_a_sharded_step_on_the_simulated_device_steps_foreach_as_fsdp2_on_cuda():
+    """FSDP2's parameters are DTensors, which PyTorch's ``foreach=None`` takes the foreach step for
+    on CUDA: the sharded dry run's optimizer step peaks as with ``foreach=True``, above the
+    per-tensor loop's, after the first step that makes the state (which runs foreach) too."""
+    from lightning_seqmem.dryrun.sharded import sharded_dry_run_step, unsharded_template
+    from lightning_seqmem.reference.demo import LitGPT
+
+    def gpt(foreach):
+        class GPT(LitGPT):
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), foreach=foreach)
+        return unsharded_template(GPT(n_layer=2, d_model=32, n_head=2, attention="eager"))
+
+    tokens = torch.randint(0, 256, (2, 65))
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    optimizer = {foreach: sharded_dry_run_step(gpt(foreach), batch, 256, 2, device="cuda")
+                 .phase_peak_bytes["optimizer"] for foreach in (None, True, False)}
+    assert optimizer[None] == optimizer[True] > optimizer[False]

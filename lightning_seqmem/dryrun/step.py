@@ -224,9 +224,9 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    groups = [g for g in optimizer.param_groups if "foreach" in g and not g["foreach"]
-              and not g.get("fused")]
-    for group in groups:  # only its state counts: foreach makes it in fewer ops (~20% less)
+    groups = {id(g): (g, g["foreach"]) for g in optimizer.param_groups
+              if "foreach" in g and not g["foreach"] and not g.get("fused")}
+    for group, _ in groups.values():  # only its state counts: foreach makes it in fewer ops
         group["foreach"] = True
     try:
         optimizer.step()
@@ -234,11 +234,11 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
         if not groups:
             raise
         optimizer.state.clear()
-        for group in groups:
+        for group, _ in groups.values():
             group["foreach"] = False
         optimizer.step()
-    for group in groups:
-        group["foreach"] = False
+    for group, given in groups.values():  # None stays None: a sharded (DTensor) step resolves it
+        group["foreach"] = given
 
 
 def held_state(pl_module: nn.Module, optimizer: Any) -> tuple[bool, bool]:
