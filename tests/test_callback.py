@@ -130,6 +130,19 @@ def test_every_step_recorded_after_warmup_and_phase_peaks_present():
                                                 r.optimizer_peak_bytes) if v))
 
 
+def test_one_step_in_ten_measured_keeps_every_stage_to_its_steps_per_stage():
+    """The first step after the run's warm-up is measured whatever ``measure_every_n_steps`` is
+    (a torch.compile'd module raises it to 10). It was not: the first fitted measurement came at
+    step 10, and a compiled module (no dry run) held its first stage until then, not 4 steps."""
+    cb = SeqMemCallback(memory_budget="200MiB", measure_every_n_steps=10, summary=False,
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=4))
+    make_trainer([cb], max_steps=12).fit(LitGPT(n_layer=1, d_model=32, n_head=2),
+                                         SyntheticTokenDataModule(batch_size=2, seq_len=256))
+    assert [(r.step, r.seq_len, r.warmup) for r in cb.records] == [
+        (0, 64, True), (1, 64, True), (2, 64, False), (4, 128, True), (5, 128, False),
+        (8, 256, True), (9, 256, False), (10, 256, False)]
+
+
 class _GrowsAfter64(LitGPT):
     """Allocates an extra L·L·64-byte buffer beyond L=64: a kernel switch the fit cannot know."""
 

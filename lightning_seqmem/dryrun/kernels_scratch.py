@@ -189,8 +189,7 @@ def fa3_head_rounded(head: int) -> int:
 
 
 def _fa3_blocks(head: int, causal: bool, local: bool, softcap: float) -> tuple[int, int]:
-    """``(kBlockM, kBlockN)`` of flash-attn 3's backward on sm90 (``mha_bwd``: "must match the
-    kernel")."""
+    """``(kBlockM, kBlockN)`` of flash-attn 3's backward on sm90 (as ``mha_bwd``'s kernel)."""
     d = fa3_head_rounded(head)
     if d <= 64:
         block_m = 96 if causal and softcap > 0 else 128

@@ -56,8 +56,7 @@ def _priority_order() -> list[str]:
 
 def _common_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, gqa: bool,
                     ignore_singleton: bool, mask: Optional[torch.Tensor]) -> Optional[str]:
-    """``check_tensor_shapes``, the dense checks (batch and heads, non-zero lengths, last-dim
-    strides)."""
+    """``check_tensor_shapes``, the dense checks (batch, heads, non-zero lengths, last strides)."""
     if not (q.dim() == k.dim() == v.dim() == 4):
         return "query, key and value are not 4-D"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):

@@ -1,7 +1,6 @@
 """The dry run of a training run's own step, wired to its trainer (what the callback hands the
 planner): :func:`.step.dry_run_step` for a module on one device (or under DDP),
-:func:`.sharded.sharded_dry_run_step` for an FSDP2 module. Apart from both so neither imports the
-other's caller."""
+:func:`.sharded.sharded_dry_run_step` for an FSDP2 module; apart, so neither imports the other."""
 
 from __future__ import annotations
 

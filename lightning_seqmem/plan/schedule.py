@@ -50,10 +50,11 @@ class PendingStep:
 
 @dataclass
 class MeasurementSchedule:
-    """How often each ``(seq_len, batch_size, mitigations)`` ran (``counts``, checkpointed), how
-    many steps after a resume are warm-ups (``resume_warmup``) and how many ran ``unmeasured``."""
+    """Per ``(seq_len, batch_size, mitigations)``: its runs (``counts``, checkpointed) and whether a
+    fitted step was measured (``fitted``); warm-ups left after a resume; steps ``unmeasured``."""
 
     counts: dict[tuple, int] = field(default_factory=dict)
+    fitted: set = field(default_factory=set)
     resume_warmup: int = 0
     unmeasured: int = 0
 
@@ -62,17 +63,19 @@ class MeasurementSchedule:
         """``(warmup, measure, occurrences before)`` for the batch about to run at ``key``. A
         warm-up (one of the first ``warmup_steps`` batches or optimizer steps, of the first
         ``after_change`` occurrences of a key, or right after a resume) is measured unless only its
-        key is new and ``covered``; never fitted. Then the first fitted occurrence is measured, and
-        one batch in ``every_n_steps``."""
+        key is new and ``covered``; never fitted. Then the first fitted one (after the run's warm-up
+        too) and one batch in ``every_n_steps`` are measured."""
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
         early = step < warmup_steps or global_step < warmup_steps or self.resume_warmup > 0
         warmup = early or count < after_change
         self.resume_warmup = max(0, self.resume_warmup - 1)
-        measure = warmup or count == after_change or step % every_n_steps == 0
+        measure = warmup or key not in self.fitted or step % every_n_steps == 0
         if warmup and not early and covered:  # never fitted, and a measured longer step bounds it
             measure = False
             self.unmeasured += 1
+        elif not warmup:
+            self.fitted.add(key)
         return warmup, measure, count
 
     def state_dict(self) -> dict[str, Any]:
