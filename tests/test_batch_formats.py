@@ -222,6 +222,21 @@ def test_cut_batch_encoding_in_place_and_functional():
     assert all(enc[k].shape == (B, S) for k in data)
 
 
+def test_copies_of_a_batch_encoding_leave_it_whole():
+    # torch's tree_map takes a BatchEncoding for a leaf: the copy at a length cut the user's batch
+    # in place, and the kept copies (the dry run's, the breakdown's) were the batch itself
+    transformers = pytest.importorskip("transformers")
+    from lightning_seqmem.measure.steps import batch_copy_at
+    from lightning_seqmem.trainer.access import longest_batch
+
+    enc = transformers.BatchEncoding({"input_ids": ids(), "labels": ids()})
+    out = batch_copy_at(enc, S, torch.device("cpu"))
+    assert isinstance(out, transformers.BatchEncoding) and out["input_ids"].shape == (B, S)
+    kept = longest_batch(None, enc, L)[1]
+    assert kept["labels"] is not enc["labels"] and same(kept["labels"], enc["labels"])
+    assert enc["input_ids"].shape == (B, L)
+
+
 def test_cut_batch_encoding_from_a_real_tokenizer_left_padded():
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")

@@ -232,3 +232,48 @@ def test_training_step_runs_once_per_sample_under_micro_batching():
     assert model.training_step.verified  # the check ran (on the copy) and passed
     assert model.samples_seen == 6 * 4
     assert _over(windows, cb) == ([], [])
+
+
+# -- 6. Hugging Face BatchEncoding batches, left padded --------------------------------------------
+def _left_padded(num_samples: int = 32, length: int = 256):
+    """Batches of 4 as a tokenizer gives them: ``BatchEncoding``, 1 to 95 pad tokens on the left
+    of each row (so a curriculum's cut to 128 keeps real tokens only; the full length has pads)."""
+    from transformers import BatchEncoding
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (num_samples, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate(torch.randint(1, 96, (num_samples,), generator=g).tolist()):
+        mask[row, :pads] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def collate(rows):
+        return BatchEncoding({k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels)]
+    return DataLoader(rows, batch_size=4, collate_fn=collate)
+
+
+def test_the_dry_run_keeps_a_copy_of_a_batch_encoding_not_the_batch_the_curriculum_cuts():
+    # the dry run kept its first batch with torch's tree_map, which takes a BatchEncoding for a
+    # leaf: it held the batch itself, which the curriculum then cut in place to 64 real tokens. Its
+    # forecast of the padded full length was that of an unpadded one (SDPA with is_causal and no
+    # [B, 1, L, L] mask): 32.4 MiB for a measured 41.4 MiB on a Llama at 512, -21.7%
+    from lightning_seqmem.reference.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    cb = SeqMemCallback(warmup_steps=1, curriculum=Curriculum(start=64, target=256,
+                                                              steps_per_stage=2))
+    make_trainer([cb], max_steps=7).fit(HFCausalLM(attn_implementation="sdpa"), _left_padded())
+    full = [r for r in cb.records if r.seq_len == 256 and r.forecast_method == "dry_run"]
+    assert full, [(r.step, r.seq_len, r.forecast_method) for r in cb.records]
+    assert all(abs(r.forecast_peak_bytes / r.peak_bytes - 1) < 1e-3 for r in full), [
+        (r.forecast_peak_bytes, r.peak_bytes) for r in full]
+
+    # a budget the unpadded forecast fits in (-6.8%) and the padded step does not: held below
+    torch.manual_seed(0)
+    cb = SeqMemCallback(warmup_steps=1, memory_budget=int(full[0].peak_bytes * 0.96),
+                        safety_margin=0.0, mitigations=(),
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
+    windows, _ = _fit(cb, HFCausalLM(attn_implementation="sdpa"), _left_padded(), 7)
+    assert _over(windows, cb) == ([], []) and cb.records[-1].seq_len < 256

@@ -7,9 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from lightning_seqmem.core.rungs import RungNotApplicable, at_most
 from lightning_seqmem.core.units import format_bytes
@@ -18,6 +16,7 @@ from lightning_seqmem.dryrun.result import DryRunUnsupported, reason_of
 from lightning_seqmem.dryrun.step import dry_run_step, held_state
 from lightning_seqmem.dryrun.step_functions import loop_of, trainer_loop
 from lightning_seqmem.dryrun.values import ValueRoom, value_room
+from lightning_seqmem.measure.batch_tree import map_tensors
 from lightning_seqmem.mitigations import ladder
 
 
@@ -59,8 +58,8 @@ class TrainingRunDryRun:
     def keep(self, batch: Any) -> None:
         """Keep a CPU copy of ``batch`` (the first one only): each dry run reshapes it."""
         if self.batch is None:
-            self.batch = tree_map(lambda x: x.detach().to("cpu", copy=True)
-                                  if isinstance(x, torch.Tensor) else x, batch)
+            # every container rebuilt (a BatchEncoding too): the step's in-place cut leaves it
+            self.batch = map_tensors(batch, lambda x, *_: x.detach().to("cpu", copy=True), False)
 
     def __call__(self, seq_len: int, batch_size: int,
                  mitigations: tuple[str, ...]) -> tuple[Any, ...]:

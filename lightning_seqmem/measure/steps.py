@@ -26,7 +26,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from lightning_seqmem.measure.batch_tree import map_tensors
 
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.batch import set_batch_sequence_length
@@ -95,9 +95,9 @@ def batch_copy_at(batch: Any, seq_len: int, device: torch.device) -> Any:
         >>> batch_copy_at(batch, 4, torch.device("cpu"))["input_ids"].shape
         torch.Size([2, 4])
     """
-    copy = tree_map(lambda x: x, batch)  # new containers, which the cut changes in place
+    copy = map_tensors(batch, lambda x, *_: x, False)  # new containers, which the cut changes
     copy = set_batch_sequence_length(copy, seq_len) if not isinstance(copy, tuple) else copy
-    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, copy)
+    return map_tensors(copy, lambda x, *_: x.to(device), False)
 
 
 def training_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any,

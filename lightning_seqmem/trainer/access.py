@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_seqmem.measure.batch_tree import can_cut_in_place
+from lightning_seqmem.measure.batch_tree import can_cut_in_place, map_tensors
 from lightning_seqmem.measure.batch import set_batch_sequence_length
 from lightning_seqmem.mitigations import ladder
 
@@ -198,12 +198,9 @@ def model_length_limit(module: Any) -> Optional[tuple[int, str]]:
 
 def longest_batch(kept: Optional[tuple[int, Any]], batch: Any, seq_len: int) -> tuple[int, Any]:
     """``kept``, or a CPU copy of ``batch`` if it is at least as long (for the final breakdown)."""
-    from torch.utils._pytree import tree_map
-
     if kept is not None and seq_len < kept[0]:
         return kept
-    return int(seq_len), tree_map(
-        lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, batch)
+    return int(seq_len), map_tensors(batch, lambda x, *_: x.detach().to("cpu", copy=True), False)
 
 
 __all__ = ["batches_need_setter", "check_setter_reaches_data", "cut_to_length", "length_setter",
