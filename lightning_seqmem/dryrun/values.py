@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
-import dataclasses
 import math
 import sys
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any, Iterator, Optional
 
 import torch
@@ -19,7 +17,9 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from lightning_seqmem.measure.batch import cut_batch
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
+from lightning_seqmem.measure.batch_tree import map_tensors
 from lightning_seqmem.measure.batch_tensors import scaled_length
 from lightning_seqmem.measure.batch_tensors import is_square
 from lightning_seqmem.dryrun.accelerator import to_host_device
@@ -330,8 +330,13 @@ def shape_batch(
     repeated, sequence dims cut or tiled, ``position_ids`` made ``arange(seq_len)``; another length
     (an encoder-decoder's ``labels [B, L/2]``) keeps its ratio to ``L``
     (:func:`.batch_tensors.scaled_length`). Changed tensors are contiguous copies, all values go to
-    ``values`` (copied), containers are rebuilt with their type; ``batch`` is untouched."""
-    rows, length = infer_batch_shape(batch)
+    ``values`` (copied), containers are rebuilt with their type; ``batch`` is untouched. A shorter
+    length is cut as the callback cuts (:func:`.batch.cut_batch`: a left-padded batch keeps its
+    last tokens, the real ones), so the dry run sees the padding, or none, that the step will."""
+    rows, length = source = infer_batch_shape(batch)
+    if seq_len < length:
+        with contextlib.suppress(TypeError, ValueError):  # else cut below, from the first token
+            batch, length = cut_batch(batch, seq_len).batch, seq_len
 
     def convert(x: torch.Tensor, key: Any) -> torch.Tensor:
         if isinstance(x, FakeTensor):
@@ -360,35 +365,8 @@ def shape_batch(
             out = _resize(out, 1, size)  # another length (encoder-decoder labels): its ratio kept
         return out if out is fake else out.clone(memory_format=torch.contiguous_format)
 
-    def visit(obj: Any, key: Any = None) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return convert(obj, key)
-        if isinstance(obj, Mapping):
-            items = {k: visit(v, k) for k, v in obj.items()}
-            if isinstance(obj, MutableMapping):
-                try:
-                    new = copy.copy(obj)  # keeps the mapping's type (dict, BatchEncoding, ...)
-                    for k, v in items.items():
-                        new[k] = v
-                    return new
-                except Exception:  # noqa: BLE001 - an exotic mapping: a plain dict will do
-                    return items
-            return items
-        if isinstance(obj, (list, tuple)):
-            parts = [visit(v) for v in obj]
-            if isinstance(obj, list):
-                return parts
-            return type(obj)(*parts) if hasattr(obj, "_fields") else type(obj)(parts)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            new = copy.copy(obj)
-            for f in dataclasses.fields(obj):
-                # frozen ones too
-                object.__setattr__(new, f.name, visit(getattr(obj, f.name), f.name))
-            return new
-        return obj
-
     with fake_mode, values:
-        return visit(batch), (rows, length)
+        return map_tensors(batch, lambda x, key, _: convert(x, key), False), source
 
 
 def batch_to_device(obj: Any, device: torch.device) -> Any:
