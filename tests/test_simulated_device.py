@@ -145,6 +145,26 @@ def test_the_optimizer_steps_as_a_cuda_run_would_foreach_and_a_cpu_run_per_tenso
     assert optimizer_peak("cpu", None, measured=True) == cpu[None]
 
 
+def test_a_configured_per_tensor_step_is_kept_on_the_simulated_device():
+    """``HFCausalLM(foreach=False)`` (what an 8B run on one H200 needs without offload: README) is
+    planned as that: its ``configure_optimizers()`` optimizer, rebuilt over the fake copy, keeps
+    ``foreach=False`` on the simulated GPU, where ``foreach=None`` takes the foreach step."""
+    from lightning_seqmem.dryrun.step import dry_run_step
+    from lightning_seqmem.reference.hf import HFCausalLM
+
+    batch = {"input_ids": torch.randint(0, 256, (1, 64)), "labels": torch.randint(0, 256, (1, 64))}
+
+    def optimizer_peak(foreach, explicit=False):
+        torch.manual_seed(0)
+        model = HFCausalLM(foreach=foreach, config=dict(num_hidden_layers=1, hidden_size=64,
+                                                        intermediate_size=128))
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=foreach) if explicit else None
+        return dry_run_step(model, optimizer, batch, 64, device="cuda").phase_peak_bytes[
+            "optimizer"]
+
+    assert optimizer_peak(False) == optimizer_peak(False, explicit=True) < optimizer_peak(None)
+
+
 def test_a_sharded_step_on_the_simulated_device_steps_foreach_as_fsdp2_on_cuda():
     """FSDP2's parameters are DTensors, which PyTorch's ``foreach=None`` takes the foreach step for
     on CUDA: the sharded dry run's optimizer step peaks as with ``foreach=True``, above the

@@ -67,6 +67,16 @@ def _plan_device(args: argparse.Namespace, trainer: Any) -> Any:
     return trainer.strategy.root_device
 
 
+def _steps_foreach(run: PlanRun) -> bool:
+    """Whether the optimizer takes the foreach step on the planned device (``foreach=None``
+    takes it on CUDA, the simulated device too; :func:`.fake.resolve_foreach`)."""
+    from lightning_seqmem.dryrun.accelerator import is_simulated
+
+    cuda = is_simulated(run.device) or getattr(run.device, "type", None) == "cuda"
+    return any(g.get("foreach") or (cuda and "foreach" in g and g["foreach"] is None
+                                    and not g.get("fused")) for g in run.optimizer.param_groups)
+
+
 def _plan_host_budget(args: argparse.Namespace, seqmem: Any, device: Any) -> Optional[int]:
     """The host memory offload settings are judged against: ``--host-budget``, else the config's
     SeqMemCallback ``host_memory_budget``, else this machine's RAM; None for a simulated device
@@ -286,7 +296,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if len(run.budgets) > 1:
             console.print(f"[bold]on {budget.name}[/bold]:", highlight=False)
         print_plans(console, device["results"], device.get("usable_budget_bytes"), run.sets[-1],
-                    device["search"].largest, device["search"].searched)
+                    device["search"].largest, device["search"].searched, _steps_foreach(run))
     for row in modelled:
         console.print(modelled_line(row), highlight=False)
     if len(run.budgets) > 1:

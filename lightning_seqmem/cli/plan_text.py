@@ -209,8 +209,10 @@ def _print_plan_of(console: Any, res: dict[str, Any], usable: int) -> None:
 
 
 def print_plans(console: Any, results: Sequence[dict[str, Any]], usable: Optional[int],
-                last_set: Sequence[str], largest: Optional[int], searched: bool) -> None:
-    """Per length (with a budget): the cheapest plan and the fastest that fits, or why none."""
+                last_set: Sequence[str], largest: Optional[int], searched: bool,
+                foreach: bool = False) -> None:
+    """Per length (with a budget): the cheapest plan and the fastest that fits, or why none
+    (``foreach``: the optimizer steps foreach, and ``foreach=False`` would lower the floor)."""
     if usable is None:
         return
     floor = min((r["optimizer_peak_bytes"] for res in results for r in res["rows"]
@@ -219,7 +221,9 @@ def print_plans(console: Any, results: Sequence[dict[str, Any]], usable: Optiona
         console.print(f"the optimizer step alone peaks at {format_bytes(floor)} (parameters, "
                       "gradients, optimizer state and the step's temporaries), over "
                       f"{format_bytes(usable)} usable: no setting without offload fits at any "
-                      "length", highlight=False)
+                      "length" + ("; the optimizer's foreach=False steps one tensor at a time, "
+                                  "with fewer temporaries: plan it too" if foreach else ""),
+                      highlight=False)
     for res in results:
         if res["plan"] is not None:
             _print_plan_of(console, res, usable)

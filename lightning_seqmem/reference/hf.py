@@ -58,13 +58,17 @@ class HFCausalLM(pl.LightningModule):
             without ``labels`` in the batch, ``input_ids`` are used.
         lr: AdamW learning rate.
         weight_decay: AdamW decoupled weight decay.
+        foreach: AdamW's ``foreach`` (``None``: PyTorch's choice, the foreach step on CUDA, which
+            holds one more fp32 copy of the parameters at its peak; ``False``: one parameter at a
+            time, the lower optimizer-step peak, the slower step).
 
     Logged keys: ``train/loss`` (mean cross entropy per token, nats).
     """
 
     def __init__(self, model_type: str = "llama", config: Optional[dict[str, Any]] = None,
                  attn_implementation: str = "eager", gradient_checkpointing: bool = False,
-                 shift_labels: bool = False, lr: float = 3e-4, weight_decay: float = 0.0) -> None:
+                 shift_labels: bool = False, lr: float = 3e-4, weight_decay: float = 0.0,
+                 foreach: Optional[bool] = None) -> None:
         super().__init__()
         check_optimizer_args(lr, weight_decay)
         if config is not None and not isinstance(config, dict):
@@ -104,4 +108,5 @@ class HFCausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr,
-                                 weight_decay=self.hparams.weight_decay)
+                                 weight_decay=self.hparams.weight_decay,
+                                 foreach=self.hparams.get("foreach"))
