@@ -130,6 +130,18 @@ def test_every_step_recorded_after_warmup_and_phase_peaks_present():
                                                 r.optimizer_peak_bytes) if v))
 
 
+def test_a_stage_holds_steps_per_stage_optimizer_steps_whole_accumulation_windows():
+    """Under ``accumulate_grad_batches=2`` a stage of 2 steps is 2 optimizer steps (4 batches), as
+    ``max_steps`` counts them; it was 2 batches, and with 3 the length changed inside a window."""
+    for steps, lengths in ((2, [64] * 4 + [128] * 4), (3, [64] * 6 + [128] * 2)):
+        cb = SeqMemCallback(summary=False, dry_run=False,
+                            curriculum=Curriculum(start=64, target=256, steps_per_stage=steps))
+        make_trainer([cb], max_steps=4, accumulate_grad_batches=2).fit(
+            LitGPT(n_layer=1, d_model=32, n_head=2), SyntheticTokenDataModule(batch_size=2,
+                                                                              seq_len=256))
+        assert [r.seq_len for r in cb.records] == lengths
+
+
 def test_one_step_in_ten_measured_keeps_every_stage_to_its_steps_per_stage():
     """The first step after the run's warm-up is measured whatever ``measure_every_n_steps`` is
     (a torch.compile'd module raises it to 10). It was not: the first fitted measurement came at
@@ -398,8 +410,9 @@ def test_sharding_strategies_keep_measurement_and_drop_the_rungs_they_cannot_tak
     ids=["accumulate", "bf16"],
 )
 def test_replay_holds_with_gradient_accumulation_and_mixed_precision(trainer_kwargs):
-    cb = SeqMemCallback(warmup_steps=1, dry_run=False,  # the replay's own path
-                        curriculum=Curriculum(start=32, target=256, steps_per_stage=4,
+    steps = 4 // trainer_kwargs.get("accumulate_grad_batches", 1)  # 4 batches a stage: optimizer
+    cb = SeqMemCallback(warmup_steps=1, dry_run=False,  # steps; the replay's own path
+                        curriculum=Curriculum(start=32, target=256, steps_per_stage=steps,
                                               multiple_of=16))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

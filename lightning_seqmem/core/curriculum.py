@@ -44,7 +44,7 @@ class Curriculum:
     growth: float = 2.0
     """Geometric schedule: each length is the previous one times ``growth`` (> 1)."""
     steps_per_stage: int = 20
-    """Training steps spent at each length (>= 1), warm-up steps included."""
+    """Optimizer steps at each length (>= 1), warm-ups included: accumulation windows kept whole."""
     multiple_of: int = 8
     """Every length is a multiple of this, in tokens (>= 1; 8 or 64 suit tensor cores)."""
     schedule: str = "geometric"

@@ -24,8 +24,8 @@ __all__ = ["CurriculumState"]
 
 class CurriculumState:
     """``stages`` (its lengths, the last the cap once capped; none without a curriculum), ``stage``
-    (the index running), ``stage_steps`` (batches at it), ``capped_at``, ``refit_queue`` (lengths
-    to run before the next decision), ``decide_now`` (judge the next stage at the next batch)."""
+    (the index running), ``stage_steps`` (its optimizer steps), ``capped_at``, ``refit_queue``
+    (lengths before the next decision), ``decide_now`` (judge the next stage at the next batch)."""
 
     def __init__(self, curriculum: Optional[Curriculum]) -> None:
         self.curriculum = curriculum
@@ -96,7 +96,7 @@ class CurriculumState:
         return dropped
 
     def end_batch(self, at_stage_length: bool = True) -> None:
-        """A batch finished: one more step, and one more at the stage if it ran at its length."""
+        """A batch finished: one more step, and one more at the stage if it counts there."""
         self.step += 1
         self.stage_steps += 1 if at_stage_length else 0
 

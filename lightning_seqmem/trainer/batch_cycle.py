@@ -343,13 +343,13 @@ class BatchCycle:
     @guarded
     def record_step(self, trainer: pl.Trainer, pending: Optional[PendingStep], row: Any,
                     memory: Any, seconds: Optional[float] = None) -> None:
-        """End the batch in the planner (a curriculum stage counts it only at the stage's length),
-        keep the gathered row as a :class:`~lightning_seqmem.core.records.StepRecord` and log it."""
+        """End the batch in the planner (a stage counts its optimizer steps at its length), keep
+        the gathered row as a :class:`~lightning_seqmem.core.records.StepRecord` and log it."""
         shape = self.edge.shape
         ran = shape[1] if shape else None  # this rank's batch as it ran
         held = (self.config.curriculum is not None and pending is not None and ran is not None
                 and ran != pending.seq_len)
-        self.planner.course.end_batch(at_stage_length=not held)
+        self.planner.course.end_batch(not held and (pending is None or pending.optimizer_steps))
         if held:
             self.planner.advice.advise(A.curriculum_not_applied(pending.seq_len, ran))
         if pending is None or row is None:
