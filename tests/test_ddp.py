@@ -57,6 +57,10 @@ def test_ranks_agree_on_peaks_lengths_and_the_cap(fits):
     assert rank0["stages"] == rank1["stages"] and rank0["capped_at"] == rank1["capped_at"]
     assert rank0["capped_at"] is not None
     assert max(r["peak_bytes"] for r in rank0["records"]) <= 1_300_000
+    # DDP rebuilds its buckets before step 1's forward: the tracker saw the new ones and counted
+    # the old ones too (-13.7% against the dry run there); each is counted once now
+    verified = [r for r in rank0["records"] if r["forecast_method"] == "dry_run"]
+    assert verified[0]["step"] == 1 and all(abs(r["forecast_error"]) < 1e-4 for r in verified)
 
 
 def test_a_rank0_only_fault_does_not_deadlock_and_all_ranks_stop_together(fits):

@@ -141,6 +141,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it now
         self._resized_to_zero: set[int] = set()  # tracked storages resized to 0 bytes, still alive
         self._finalizers: list[weakref.ref] = []
+        self._resident: list[tuple[int, int]] = []  # (index, bytes) of track_bytes' counts
         self._active = True
         self.error: Optional[BaseException] = None  # bookkeeping failed: the count is void
         # (op, args, out) -> bytes a kernel takes for itself while it runs (a dry run of CUDA, see
@@ -238,9 +239,17 @@ class LiveTensorTracker(TorchDispatchMode):
         """
         if nbytes <= 0:
             return
-        self._count(int(nbytes), f"<{kind}>")
+        self._resident.append((self._count(int(nbytes), f"<{kind}>"), int(nbytes)))
         if self.events is not None:
             self.events.num_existing = len(self.events.sizes)
+
+    def release_bytes(self) -> None:
+        """Free what :meth:`track_bytes` counted first: its holder freed it unseen."""
+        if self._resident and self._active:
+            index, nbytes = self._resident.pop(0)
+            self.live_bytes -= nbytes
+            if self.events is not None:
+                self.events.sequence.append(~index)
 
     def mark_phase(self, phase: str) -> None:
         """Start a new phase: its peak starts from the bytes live now."""

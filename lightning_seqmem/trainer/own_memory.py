@@ -123,11 +123,27 @@ def start_probe(state: "EdgeState", trainer: Any, pl_module: Any, batch: Any,
     probe = state.probe
     existing = [*existing_tensors(pl_module, trainer.optimizers, batch), *own_tensors(state)]
     if probe.name == "tracker":  # (the allocator's counters hold what no tensor shows)
-        probe.start_step(existing, record_events=record_events,
-                         resident_bytes=untracked_bytes(state, trainer))
+        untracked = untracked_bytes(state, trainer)
+        probe.start_step(existing, record_events=record_events, resident_bytes=untracked)
+        if untracked and not getattr(trainer.strategy.model, "_has_rebuilt_buckets", True):
+            _release_when_rebuilt(trainer.strategy.model, probe)
     else:
         probe.start_step(existing, record_events=record_events)
     probe.mark_phase("forward")
+
+
+def _release_when_rebuilt(ddp: Any, probe: Any) -> None:
+    """DDP rebuilds its buckets before the forward of its second iteration (third with
+    ``static_graph``): the tracker sees the new ones and counted the old ones as resident, freed
+    unseen then; a one-shot hook on the wrapped module (after the rebuild) frees them there."""
+    tracker = probe._tracker
+
+    def rebuilt(*_: Any) -> None:
+        handle.remove()
+        if ddp._has_rebuilt_buckets and probe._tracker is tracker:
+            tracker.release_bytes()
+
+    handle = ddp.module.register_forward_pre_hook(rebuilt)
 
 
 def value_room_bytes(state: "EdgeState", usable: Optional[int]) -> Optional[int]:
