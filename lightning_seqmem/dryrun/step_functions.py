@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
-from lightning_seqmem.measure.steps import loss_of
+from lightning_seqmem.measure.steps import keep_outputs, loss_of
 from lightning_seqmem.mitigations.base import CopyPlan
 from lightning_seqmem.mitigations.microbatch.microbatch_functional import (
     IGNORE_INDEX, micro_batch_counts, split_batch)
@@ -192,7 +192,9 @@ def _first_step_check(model: nn.Module, batch: Any, parts: list[Any], counts: li
 
 
 def plain_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    return _loss_of(model.training_step(batch, 0))
+    output = model.training_step(batch, 0)
+    keep_outputs(output)  # a dict's other tensors live to the end of the step, as in Lightning
+    return _loss_of(output)
 
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]

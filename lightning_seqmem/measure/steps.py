@@ -21,12 +21,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Mapping
 from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 from lightning_seqmem.measure.batch_tree import map_tensors
+from lightning_seqmem.measure.tracker import flat_tensors
 
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.measure.batch import set_batch_sequence_length
@@ -36,8 +38,19 @@ from lightning_seqmem.core.records import PHASES, StepMemory
 from lightning_seqmem.measure.probes import existing_tensors, make_probe
 from lightning_seqmem.core.timeline import Trace
 
-__all__ = ["batch_copy_at", "loss_of", "step_device", "trace_training_steps",
+__all__ = ["batch_copy_at", "keep_outputs", "loss_of", "step_device", "trace_training_steps",
            "training_step_memory", "validation_step_memory"]
+
+_KEPT: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("seqmem_kept", default=None)
+
+
+def keep_outputs(output: Any) -> None:
+    """Keep a ``training_step`` dict's tensors besides its loss, detached, to the end of the
+    :func:`training_step_memory` running, as Lightning keeps them for ``on_train_batch_end`` (the
+    last call's: micro-batching returns its last micro-batch's output)."""
+    kept = _KEPT.get()
+    if kept is not None and isinstance(output, Mapping):
+        kept[:] = [t.detach() for k, v in output.items() if k != "loss" for t in flat_tensors(v)]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -110,6 +123,7 @@ def training_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer, bat
     if probe is not None:
         probe.start_step(existing_tensors(model, [optimizer], batch), record_events=record_events)
         probe.mark_phase("forward")
+    kept = _KEPT.set([])  # (:func:`keep_outputs`)
     try:
         with (context() if context is not None else contextlib.nullcontext()):
             loss = loss_fn(model, batch)
@@ -121,11 +135,13 @@ def training_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer, bat
         if probe is not None:
             probe.mark_phase("optimizer")
         optimizer.step()
+        return probe.end_step() if probe is not None else None
     except BaseException:
         if probe is not None:
             probe.abort()
         raise
-    return probe.end_step() if probe is not None else None
+    finally:
+        _KEPT.reset(kept)
 
 
 def validation_step_memory(model: nn.Module, optimizer: Any, batch: Any, probe: Any = None,
