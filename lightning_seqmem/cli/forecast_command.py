@@ -19,9 +19,10 @@ __all__ = ["run_forecast"]
 
 
 def _loss_of(output: Any) -> Any:
-    """The loss of a ``training_step`` output; none (manual optimisation) ends the command."""
-    from lightning_seqmem.measure.steps import loss_of
+    """The loss of a ``training_step`` output (:func:`.keep_outputs`); none ends the command."""
+    from lightning_seqmem.measure.steps import keep_outputs, loss_of
 
+    keep_outputs(output)
     try:
         return loss_of(output)
     except TypeError as exc:

@@ -45,9 +45,8 @@ _KEPT: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("seqmem_k
 
 
 def keep_outputs(output: Any) -> None:
-    """Keep a ``training_step`` dict's tensors besides its loss, detached, to the end of the
-    :func:`training_step_memory` running, as Lightning keeps them for ``on_train_batch_end`` (the
-    last call's: micro-batching returns its last micro-batch's output)."""
+    """Keep a ``training_step`` dict's other tensors, detached, to the end of the step running, as
+    Lightning does for ``on_train_batch_end`` (the last call's: micro-batching returns its last)."""
     kept = _KEPT.get()
     if kept is not None and isinstance(output, Mapping):
         kept[:] = [t.detach() for k, v in output.items() if k != "loss" for t in flat_tensors(v)]
