@@ -244,3 +244,28 @@ def test_two_gloo_ranks_take_the_same_decision(tmp_path):
     assert rank0["parameters_sum"] == pytest.approx(rank1["parameters_sum"], rel=1e-9)
     assert {(r["rank"], r["seq_len"]) for r in rank0["records"] if r["seq_len"] > 128} <= {(0, 256)}
     assert max(r["peak_bytes"] for r in rank0["records"]) <= budget
+
+
+def test_gpt2_lm_head_model_takes_it_with_the_same_loss():
+    # GPT2LMHeadModel (HF's causal LM loss under another class name) was refused as "not a
+    # *ForCausalLM model": a GPT-2 fit under a 60 MiB budget stopped at 208 tokens, 240 with it
+    pytest.importorskip("transformers")
+    from lightning_seqmem.reference.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    module = _quiet(HFCausalLM(model_type="gpt2", attn_implementation="sdpa", shift_labels=True,
+                               config=dict(vocab_size=4096, n_embd=64, n_layer=2, n_head=4,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)))
+    batch, long_batch = _batch(128, vocab=4096, pad=9), _batch(256, vocab=4096)
+    plain = _loss_and_grads(module, batch)
+    forecast = dry_run_step(module, module.configure_optimizers(), long_batch, 256,
+                            mitigations=["fused_loss"])
+    assert ladder.apply("fused_loss", None, module).applied
+    _assert_same(plain, _loss_and_grads(module, batch))
+    ladder.remove("fused_loss", None, module)
+    plain_peak = _measured(module, long_batch)  # (a real step: the parameters change)
+    ladder.apply("fused_loss", None, module)
+    fused_peak = _measured(module, long_batch)
+    assert abs(forecast.peak_bytes - fused_peak) <= 0.01 * fused_peak, (
+        forecast.peak_bytes, fused_peak)
+    assert fused_peak < plain_peak - 2 * 256 * 4096 * 4

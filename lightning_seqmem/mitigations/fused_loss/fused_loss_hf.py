@@ -1,12 +1,12 @@
 """The ``"fused_loss"`` rung on a Hugging Face causal LM: its instance's ``forward`` patched.
 
-A ``*ForCausalLM`` model with a bias-free ``lm_head`` and a base model takes the fused loss by a
-patched ``forward`` (:func:`hf_switch_on`): a call with ``labels`` runs the base model, then the
-fused loss on ``lm_head.weight`` with Hugging Face's semantics (labels shifted, or ``shift_labels``
-as given; ``ignore_index`` -100; the mean over counted tokens, or the sum over
-``num_items_in_batch`` where given); ``.logits`` is None. A call without labels runs the class's
-forward. The class and ``state_dict`` keys are untouched. Models that scale or cap their logits
-are refused (:func:`hf_refusal`). The rung itself is in :mod:`.fused_loss`.
+A ``*ForCausalLM`` model (or GPT-2's ``*LMHeadModel``, same loss) with a bias-free ``lm_head``
+and a base model takes the fused loss by a patched ``forward`` (:func:`hf_switch_on`): a call with
+``labels`` runs the base model, then the fused loss on ``lm_head.weight`` with Hugging Face's
+semantics (labels shifted, or ``shift_labels`` as given; ``ignore_index`` -100; the mean over
+counted tokens, or the sum over ``num_items_in_batch`` where given); ``.logits`` is None. A call
+without labels runs the class's forward. The class and ``state_dict`` keys are untouched. Models
+that scale or cap their logits are refused (:func:`hf_refusal`). The rung is in :mod:`.fused_loss`.
 
 Example:
     >>> import torch
@@ -52,8 +52,8 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 def hf_refusal(module: nn.Module) -> Optional[str]:
     """Why a Hugging Face model cannot take the patched forward, or None."""
     name = type(module).__name__
-    if not name.endswith("ForCausalLM"):
-        return f"{name} is not a *ForCausalLM model"
+    if not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel") and _causal_loss(module)):
+        return f"{name} is not a *ForCausalLM model (nor an *LMHeadModel with its loss, as GPT-2)"
     head = getattr(module, "lm_head", None)
     if not isinstance(head, nn.Linear):
         return f"{name} has no nn.Linear lm_head"
@@ -68,6 +68,16 @@ def hf_refusal(module: nn.Module) -> Optional[str]:
             return (f"{name} transforms its logits ({field}={value}): the fused loss would change "
                     "the loss")
     return None
+
+
+def _causal_loss(module: nn.Module) -> bool:
+    """Whether ``module.loss_function`` is Hugging Face's ``ForCausalLMLoss`` (GPT-2's is)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        return module.loss_function is LOSS_MAPPING["ForCausalLM"]
+    except Exception:  # noqa: BLE001 - an older transformers: only *ForCausalLM models
+        return False
 
 
 def hf_refusals(model: nn.Module) -> list[str]:
