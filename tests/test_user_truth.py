@@ -227,3 +227,29 @@ def test_over_budget_advice_never_names_the_kernel_the_model_is_on_nor_a_length_
     # stopped before any step: the report forecasts nothing, and never "0 tokens" nor SDPA
     assert ("not enough measurements to forecast" in markdown and "0 tokens" not in markdown
             and "SDPA" not in markdown)
+
+
+class EmbeddingEncoder(pl.LightningModule):
+    """A model fed float embeddings ``x [B, L, 32]`` with float targets: no token ids anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def training_step(self, batch, batch_idx):
+        return (self.encoder(batch["x"]) - batch["y"]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_curriculum_cuts_embeddings_by_the_shape_seq_len_fn_reads():
+    # with seq_len_fn given, a batch of float embeddings stopped the fit before its first step:
+    # the cut looked for token ids, and its error said to pass the seq_len_fn that was passed
+    rows = [{"x": torch.randn(256, 32), "y": torch.randn(256, 32)} for _ in range(16)]
+    cb = SeqMemCallback(warmup_steps=1, seq_len_fn=lambda b: tuple(b["x"].shape[:2]),
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
+    make_trainer([cb], max_steps=6).fit(EmbeddingEncoder(), DataLoader(rows, batch_size=2))
+    assert [r.seq_len for r in cb.records] == [64, 64, 128, 128, 256, 256]
+    assert cb.records[-1].forecast_method == "replay" and abs(cb.records[-1].forecast_error) < 0.01

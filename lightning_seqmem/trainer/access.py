@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -131,10 +132,12 @@ def set_length_ahead(trainer: Any, seq_len: int) -> bool:
 
 
 def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool,
-                  through_setter: bool) -> bool:
+                  through_setter: bool, seq_len_fn: Optional[Callable[[Any], Any]] = None) -> bool:
     """Cut (``truncate=False``: reshape) ``batch`` to ``seq_len`` in place; a tuple or bare tensor
     goes through ``set_seq_len`` (ValueError: :func:`check_setter_reaches_data`), or with no setter
-    stays as it is (the caller records what ran and warns). Returns whether the setter was used."""
+    stays as it is (the caller records what ran and warns). Returns whether the setter was used.
+    A mapping without token ids (embeddings) is cut, with ``seq_len_fn``, on the tensors whose
+    first two dimensions are the ``(batch_size, seq_len)`` it reads."""
     if not can_cut_in_place(batch) or through_setter:
         setter = length_setter(trainer)
         if setter is None:
@@ -142,7 +145,15 @@ def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool,
         check_setter_reaches_data(trainer)
         setter(seq_len)
         return True
-    set_batch_sequence_length(batch, seq_len, truncate=truncate)
+    try:
+        set_batch_sequence_length(batch, seq_len, truncate=truncate)
+    except ValueError:
+        if seq_len_fn is None or not isinstance(batch, Mapping):
+            raise
+        shape = tuple(int(x) for x in seq_len_fn(batch))
+        keys = [k for k, v in batch.items()
+                if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == shape]
+        set_batch_sequence_length(batch, seq_len, truncate=truncate, keys=keys)
     return False
 
 

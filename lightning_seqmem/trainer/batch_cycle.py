@@ -388,7 +388,7 @@ class BatchCycle:
         if self.config.curriculum is not None and seq_len is not None:
             self.edge.uses_datamodule_length = edge.cut_to_length(
                 trainer, batch, seq_len, self.config.curriculum.truncate,
-                self.edge.uses_datamodule_length)
+                self.edge.uses_datamodule_length, self.config.seq_len_fn)
 
     def cut_for_step(self, trainer: pl.Trainer, batch: Any, seq_len: Optional[int]) -> None:
         """:meth:`cut` the batch about to run; a batch format the curriculum cannot cut raises
