@@ -123,8 +123,11 @@ class StepWindows:
             while position < len(allocations) and allocations[position][0] <= end:
                 _, ptr, size = allocations[position]
                 if size > 0:
+                    # an address allocated again: what held it was freed where the profiler does
+                    # not record (gloo's worker thread releasing a collective's buffer)
+                    stale = inside.pop(ptr, None) or existing.pop(ptr, None)
+                    live += size - (stale or 0)
                     inside[ptr] = size
-                    live += size
                 else:
                     known = existing.pop(ptr, None)
                     if known is None:
