@@ -68,12 +68,12 @@ def _plan_device(args: argparse.Namespace, trainer: Any) -> Any:
 
 
 def _steps_foreach(run: PlanRun) -> bool:
-    """Whether the optimizer takes the foreach step on the planned device (``foreach=None``
-    takes it on CUDA, the simulated device too; :func:`.fake.resolve_foreach`)."""
-    from lightning_seqmem.dryrun.accelerator import is_simulated
+    """Whether the optimizer takes the foreach step on the planned device (``foreach=None`` as
+    :func:`.fake.foreach_default` resolves it: on CUDA, the simulated device too)."""
+    from lightning_seqmem.dryrun.fake import foreach_default
 
-    cuda = is_simulated(run.device) or getattr(run.device, "type", None) == "cuda"
-    return any(g.get("foreach") or (cuda and "foreach" in g and g["foreach"] is None
+    default = foreach_default(run.device, run.model.parameters())
+    return any(g.get("foreach") or (default and "foreach" in g and g["foreach"] is None
                                     and not g.get("fused")) for g in run.optimizer.param_groups)
 
 

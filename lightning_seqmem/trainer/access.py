@@ -9,6 +9,7 @@ import torch
 
 from lightning_seqmem.measure.batch_tree import can_cut_in_place, map_tensors
 from lightning_seqmem.measure.batch import set_batch_sequence_length
+from lightning_seqmem.measure.batch_shape import read_batch_shape
 from lightning_seqmem.mitigations import ladder
 
 
@@ -150,7 +151,7 @@ def cut_to_length(trainer: Any, batch: Any, seq_len: int, truncate: bool,
     except ValueError:
         if seq_len_fn is None or not isinstance(batch, Mapping):
             raise
-        shape = tuple(int(x) for x in seq_len_fn(batch))
+        shape = read_batch_shape(batch, seq_len_fn)
         keys = [k for k, v in batch.items()
                 if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == shape]
         set_batch_sequence_length(batch, seq_len, truncate=truncate, keys=keys)
