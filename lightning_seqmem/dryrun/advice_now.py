@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from lightning_seqmem.core import advice as A
+from lightning_seqmem.measure.batch_shape import shapes_read_by
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_seqmem.plan.view import PlanView
@@ -50,9 +51,10 @@ def precision_advice(dry: Any, view: "PlanView", precision: str,
         return None
     optimizers = getattr(dry.trainer, "optimizers", None) or [None]
     try:
-        bf16 = dry_run_step(dry.pl_module, optimizers[0], dry.batch, seq_len, batch_size,
-                            autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16),
-                            device=device)
+        with shapes_read_by(dry.seq_len_fn):
+            bf16 = dry_run_step(dry.pl_module, optimizers[0], dry.batch, seq_len, batch_size,
+                                autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16),
+                                device=device)
     except DryRunUnsupported:  # a sharded (FSDP2) module cannot be copied: no advice, no failure
         return None
     if bf16.peak_bytes > fp32[0] * (1 - BF16_MIN_GAIN):

@@ -16,6 +16,7 @@ from lightning_seqmem.dryrun.result import DryRunUnsupported, reason_of
 from lightning_seqmem.dryrun.step import dry_run_step, held_state
 from lightning_seqmem.dryrun.step_functions import loop_of, trainer_loop
 from lightning_seqmem.dryrun.values import ValueRoom, value_room
+from lightning_seqmem.measure.batch_shape import shapes_read_by
 from lightning_seqmem.measure.batch_tree import map_tensors
 from lightning_seqmem.mitigations import ladder
 
@@ -26,8 +27,10 @@ class TrainingRunDryRun:
     :class:`~lightning_seqmem.core.peak.PeakSite` when ``site`` is given, else None).
 
     Holds the module, its first optimizer, the precision plugin's context and a CPU copy of the
-    first batch (:meth:`keep`). ``applied()``: the rungs on the real module now; the copy starts
-    from them and adds the others (a copy cannot undo a rung, so a set without one raises).
+    first batch (:meth:`keep`), its shape read by ``seq_len_fn`` where the callback has one
+    (:func:`~lightning_seqmem.measure.batch_shape.shapes_read_by`). ``applied()``: the rungs on
+    the real module now; the copy starts from them and adds the others (a copy cannot undo a rung,
+    so a set without one raises).
 
     A refusal (any failure) is kept with its ``(seq_len, batch_size, mitigations)``: a later call
     at a shape at least as large with the same mitigations raises it at once; smaller shapes keep
@@ -39,7 +42,8 @@ class TrainingRunDryRun:
                  on_unsupported: Callable[[str], None], template: Optional[nn.Module] = None,
                  site: Optional[Callable[..., Any]] = None,
                  room: Optional[Callable[[], Optional[int]]] = None,
-                 resident: Optional[Callable[[], int]] = None) -> None:
+                 resident: Optional[Callable[[], int]] = None,
+                 seq_len_fn: Optional[Callable[[Any], Any]] = None) -> None:
         self.trainer, self.pl_module, self.applied, self.on_unsupported = (
             trainer, pl_module, applied, on_unsupported)
         self.site = site  # dry_run_step's site tracer (peak_trace.trace_peak_site)
@@ -49,6 +53,7 @@ class TrainingRunDryRun:
         self.room = room
         # bytes the caller keeps on the training device across steps (its copies): in every answer
         self.resident = resident
+        self.seq_len_fn = seq_len_fn  # the callback's: how each batch's shape is read
         self.batch: Any = None
         self.unsupported: Optional[str] = None  # the first refusal's reason (any shape)
         # (seq_len, batch_size, mitigations, reason)
@@ -80,7 +85,8 @@ class TrainingRunDryRun:
                 err.fails_at_length = fails_at_length(err)  # type: ignore[attr-defined]
                 raise err
         limit = self.room() if self.room is not None else None
-        with value_room(limit) as room, trainer_loop(loop_of(self.trainer)):
+        with (value_room(limit) as room, trainer_loop(loop_of(self.trainer)),
+              shapes_read_by(self.seq_len_fn)):
             try:
                 peak, phases, site = self._step(seq_len, batch_size, mitigations, applied)
             except Exception as exc:  # noqa: BLE001 - said once per reason; others answer
@@ -128,7 +134,8 @@ class TrainingRunDryRun:
         optimizer = (getattr(self.trainer, "optimizers", None) or [None])[0]
         context = self.trainer.precision_plugin.val_step_context
         device = self.trainer.strategy.root_device
-        with value_room(self.room() if self.room is not None else None):
+        with (value_room(self.room() if self.room is not None else None),
+              shapes_read_by(self.seq_len_fn)):
             if sharded.is_fsdp2(self.pl_module):  # the template takes every rung on
                 if self.template is None:
                     raise DryRunUnsupported("no unsharded template of the FSDP2 module was kept")

@@ -49,6 +49,7 @@ from lightning_seqmem.dryrun.step_functions import step_functions
 from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.mitigations.base import fsdp2_modules
 from lightning_seqmem.mitigations.checkpointing.checkpointing import find_repeated_blocks
+from lightning_seqmem.measure.batch_shape import shapes_read_by
 from lightning_seqmem.measure.steps import training_step_memory, validation_step_memory
 from lightning_seqmem.core.records import PHASES
 from lightning_seqmem.measure.probes import make_probe
@@ -414,10 +415,11 @@ def world_forecast(dry: Any, seq_len: int, batch_size: int, mitigations: Sequenc
     if is_fsdp2(template):
         raise DryRunUnsupported("the module is sharded and no unsharded template was taken in "
                                 "setup")
-    result = sharded_dry_run_step(template, dry.batch, seq_len, world_size, batch_size,
-                                  mitigations, strategy,
-                                  autocast=dry.trainer.precision_plugin.train_step_context,
-                                  device=dry.trainer.strategy.root_device)
+    with shapes_read_by(dry.seq_len_fn):
+        result = sharded_dry_run_step(template, dry.batch, seq_len, world_size, batch_size,
+                                      mitigations, strategy,
+                                      autocast=dry.trainer.precision_plugin.train_step_context,
+                                      device=dry.trainer.strategy.root_device)
     upper = int(result.peak_bytes * 1.02)
     return Forecast(int(seq_len), int(batch_size), result.peak_bytes, upper, upper, "dry_run",
                     dict(result.phase_peak_bytes),

@@ -9,9 +9,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, Optional
 
 import numpy as np
@@ -21,9 +23,33 @@ from lightning_seqmem.core.config import check_seq_len_fn
 from lightning_seqmem.measure.batch_tree import (find_attention_mask, find_reference,
                                                  is_dataclass_instance)
 
-__all__ = ["infer_batch_shape", "mask_stats", "padding_side", "read_batch_shape", "read_mask"]
+__all__ = ["infer_batch_shape", "mask_stats", "padding_side", "read_batch_shape", "read_mask",
+           "shapes_read_by"]
 
 _MAX_DESCRIBED = 20  # leaves listed in the "no token ids found" error, at most
+# the user's seq_len_fn while a dry run of their step reads its batches (shapes_read_by)
+_SEQ_LEN_FN: ContextVar[Optional[Callable[[Any], Any]]] = ContextVar("seqmem_seq_len_fn",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def shapes_read_by(seq_len_fn: Optional[Callable[[Any], Any]]) -> Iterator[None]:
+    """Meanwhile :func:`infer_batch_shape` reads every batch with ``seq_len_fn`` (checked, as
+    :func:`read_batch_shape`), not by its token ids: the dry run of a step whose batch has none
+    (float embeddings) reshapes it by the shape the callback reads. ``None`` changes nothing.
+
+    >>> import torch
+    >>> embeds = {"x": torch.zeros(2, 8, 4)}
+    >>> with shapes_read_by(lambda b: tuple(b["x"].shape[:2])):
+    ...     infer_batch_shape(embeds)
+    (2, 8)
+    """
+    check_seq_len_fn(seq_len_fn)
+    token = _SEQ_LEN_FN.set(seq_len_fn)
+    try:
+        yield
+    finally:
+        _SEQ_LEN_FN.reset(token)
 
 
 def infer_batch_shape(batch: Any) -> tuple[int, int]:
@@ -41,7 +67,12 @@ def infer_batch_shape(batch: Any) -> tuple[int, int]:
     >>> positions, tokens = torch.arange(9).view(1, 9), torch.zeros(4, 9, dtype=torch.long)
     >>> infer_batch_shape([positions, tokens])  # not (1, 9): [1, L] is broadcast over the batch
     (4, 9)
+
+    Inside :func:`shapes_read_by`, its ``seq_len_fn`` reads the shape instead.
     """
+    seq_len_fn = _SEQ_LEN_FN.get()
+    if seq_len_fn is not None:
+        return read_batch_shape(batch, seq_len_fn)
     reference = find_reference(batch)
     if reference is None:
         raise ValueError(
