@@ -279,3 +279,18 @@ def test_the_dry_run_reads_the_shape_seq_len_fn_reads():
     make_trainer([cb], max_steps=6).fit(EmbeddingEncoder(), DataLoader(rows, batch_size=2))
     assert max(r.seq_len for r in cb.records) < 256
     assert all(r.peak_bytes <= budget for r in cb.records)
+
+
+def test_micro_batching_splits_embeddings_by_the_shape_seq_len_fn_reads():
+    # the rung's split looked for token ids: refused ("Pass `seq_len_fn`", which was passed), so
+    # the curriculum stopped at 88 tokens where micro-batches of one sample reach 256
+    rows = [{"x": torch.randn(256, 32), "y": torch.randn(256, 32)} for _ in range(32)]
+    budget = 1_200_000
+    cb = SeqMemCallback(warmup_steps=1, seq_len_fn=lambda b: tuple(b["x"].shape[:2]),
+                        memory_budget=budget, safety_margin=0.0, mitigations=("microbatch",),
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=2))
+    make_trainer([cb], max_steps=6).fit(EmbeddingEncoder(), DataLoader(rows, batch_size=4))
+    assert cb.applied_mitigations == ("microbatch",)
+    assert [r.seq_len for r in cb.records] == [64, 64, 128, 128, 256, 256]
+    assert all(r.peak_bytes <= budget for r in cb.records)
+    assert all(abs(r.forecast_error) < 0.01 for r in cb.records if r.forecast_error is not None)

@@ -10,6 +10,7 @@ outputs go through :mod:`.outputs`; a fit's run state is one :class:`~.run_state
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional, Sequence
 
@@ -32,6 +33,7 @@ from lightning_seqmem.plan.planner import SeqMemPlanner
 from lightning_seqmem.core.units import parse_bytes
 from lightning_seqmem.plan.view import PlanView
 from lightning_seqmem.core.rungs import MITIGATIONS, check_mitigations
+from lightning_seqmem.measure.batch_shape import shapes_read_by
 
 
 _ARGUMENTS = frozenset(f.name for f in dataclasses.fields(SeqMemConfig)) | {"probe_name"}
@@ -179,6 +181,8 @@ class SeqMemCallback(Callback):
         self.edge = state
         self.guard = Guard(state, self.planner)
         self._batches = BatchCycle(self.config, self.planner, state, self.guard)
+        # seq_len_fn reads every shape in a batch's window (a rung's split of the batch too)
+        self._shapes = contextlib.ExitStack()
         self._fit = FitCycle(self.config, self.planner, state, self.guard)
         self._validation = ValidationCheck(self.config, self.planner, state, self.guard,
                                            self._batches.switch_on)
@@ -279,6 +283,9 @@ class SeqMemCallback(Callback):
     # -- Each batch: agree, decide, apply, cut, measure; gather, record, log -----------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._shapes.close()
+        if self.config.seq_len_fn is not None:
+            self._shapes.enter_context(shapes_read_by(self.config.seq_len_fn))
         self._batches.before_batch(trainer, pl_module, batch)
 
     @_guarded
@@ -299,6 +306,7 @@ class SeqMemCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs_: Any,
                            batch: Any, batch_idx: int) -> None:
         self._batches.after_batch(trainer, pl_module, batch)
+        self._shapes.close()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guard.safely("the validation batches' check", lambda: self._validation.start(trainer))
@@ -337,6 +345,7 @@ class SeqMemCallback(Callback):
                      exception: BaseException) -> None:
         """Leave the dispatch mode; for a real out-of-memory error, write a diagnosis (Lightning
         then re-raises the error unchanged)."""
+        self._shapes.close()
         self.edge.abort_probe()
         if is_oom(exception) and trainer.global_rank == 0:
             outputs.report_oom(PlanView.of(self.planner), trainer, exception, self.edge.pending)
