@@ -43,6 +43,10 @@ def shapes_read_by(seq_len_fn: Optional[Callable[[Any], Any]]) -> Iterator[None]
     >>> with shapes_read_by(lambda b: tuple(b["x"].shape[:2])):
     ...     infer_batch_shape(embeds)
     (2, 8)
+    >>> tokens = torch.zeros(3, 5, dtype=torch.long)
+    >>> with shapes_read_by(infer_batch_shape):  # its own call reads token ids: no recursion
+    ...     infer_batch_shape(tokens)
+    (3, 5)
     """
     check_seq_len_fn(seq_len_fn)
     token = _SEQ_LEN_FN.set(seq_len_fn)
@@ -102,7 +106,11 @@ def read_batch_shape(batch: Any,
     if seq_len_fn is None:
         return infer_batch_shape(batch)
     check_seq_len_fn(seq_len_fn)
-    value = seq_len_fn(batch)
+    token = _SEQ_LEN_FN.set(None)  # a seq_len_fn calling infer_batch_shape reads token ids
+    try:
+        value = seq_len_fn(batch)
+    finally:
+        _SEQ_LEN_FN.reset(token)
     accepted = ("`seq_len_fn` must return a pair (batch_size, seq_len) of ints >= 1 (Python or "
                 "NumPy ints, or 0-d integer tensors; not bools)")
     if value is None:
