@@ -4,7 +4,10 @@ dry-runs, and a worker that fails or hangs costs the plan nothing but its wait
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +27,19 @@ def _plan(capsys, *extra: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory) -> dict:
+    """The plan of ARGS in this process alone (``--workers 1``), made once for the module."""
+    out, cwd = io.StringIO(), os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("alone"))
+    try:
+        with contextlib.redirect_stdout(out):
+            assert main([*ARGS, "--workers", "1"]) == 0
+    finally:
+        os.chdir(cwd)
+    return json.loads(out.getvalue())
+
+
 def _answers(doc: dict) -> tuple:
     """Everything a plan answers, its timings apart."""
     rows = [[(r["mitigations"], r["offload"], r["peak_bytes"], r["host_peak_bytes"], r["fits"],
@@ -34,9 +50,9 @@ def _answers(doc: dict) -> tuple:
                   for res in doc["lengths"]], doc["longest_fitting_by_set"], devices
 
 
-def test_rows_dry_run_in_two_processes_are_the_rows_of_one(tmp_path, monkeypatch, capsys):
+def test_rows_dry_run_in_two_processes_are_the_rows_of_one(alone, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    alone, split = _plan(capsys, "--workers", "1"), _plan(capsys, "--workers", "2")
+    split = _plan(capsys, "--workers", "2")
     assert (alone["processes"], split["processes"]) == (1, 2)
     assert _answers(split) == _answers(alone) and split["dry_runs"] == alone["dry_runs"]
     assert alone["dry_runs"] >= 8  # 4 sets at 2 lengths at least, each a real fake step
@@ -59,11 +75,10 @@ def test_a_second_device_answered_by_a_worker_is_answered_as_here(tmp_path, monk
 
 @pytest.mark.parametrize("command", [["python3", "-c", "import sys; sys.exit(3)"], ["sleep", "60"]],
                          ids=["fails", "hangs"])
-def test_a_worker_that_fails_or_hangs_is_ignored(command, tmp_path, monkeypatch, capsys):
+def test_a_worker_that_fails_or_hangs_is_ignored(command, alone, tmp_path, monkeypatch, capsys):
     """A worker that exits at once, or never answers (stopped after the wait), leaves its rows to
     this process: the same answers as a plan alone."""
     monkeypatch.chdir(tmp_path)
-    alone = _plan(capsys, "--workers", "1")
     monkeypatch.setattr(plan_workers, "worker_command", lambda: command)
     monkeypatch.setattr(plan_workers, "WAIT_FLOOR_S", 1.0)
     monkeypatch.setattr(plan_workers, "WAIT_FACTOR", 0.0)
