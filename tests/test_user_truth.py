@@ -8,6 +8,7 @@ from the current forecast and only given where it applies. Tiny real models, rea
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 
 import lightning.pytorch as pl
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import make_trainer
 from lightning_seqmem import Curriculum, MemoryBudgetError, SeqMemCallback
 from lightning_seqmem.reference.demo import LitGPT, SyntheticTokenDataModule
+from lightning_seqmem.measure.batch_shape import infer_batch_shape
 from lightning_seqmem.plan.view import PlanView
 
 
@@ -294,3 +296,22 @@ def test_micro_batching_splits_embeddings_by_the_shape_seq_len_fn_reads():
     assert [r.seq_len for r in cb.records] == [64, 64, 128, 128, 256, 256]
     assert all(r.peak_bytes <= budget for r in cb.records)
     assert all(abs(r.forecast_error) < 0.01 for r in cb.records if r.forecast_error is not None)
+
+
+def test_the_shape_reading_ends_with_the_fit_when_a_batch_never_ends():
+    # the module's on_train_batch_start returning -1 ends the epoch with no on_train_batch_end:
+    # the batch's seq_len_fn scope stayed open, and after the fit infer_batch_shape read every
+    # batch of the process with the user's function (here (2, 3) for a float tensor)
+    class StopsAtTheThirdBatch(EmbeddingEncoder):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 2 else None
+
+    rows = [{"x": torch.randn(64, 32), "y": torch.randn(64, 32)} for _ in range(8)]
+    cb = SeqMemCallback(warmup_steps=1, seq_len_fn=lambda b: tuple(b["x"].shape[:2]))
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                         default_root_dir=tempfile.mkdtemp(prefix="seqmem-test-"))
+    trainer.fit(StopsAtTheThirdBatch(), DataLoader(rows, batch_size=2))
+    assert len(cb.records) == 2
+    with pytest.raises(ValueError, match="Could not infer"):
+        infer_batch_shape({"x": torch.zeros(2, 3, 4)})

@@ -351,6 +351,7 @@ class SeqMemCallback(Callback):
             outputs.report_oom(PlanView.of(self.planner), trainer, exception, self.edge.pending)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._shapes.close()  # a batch whose end never ran (the module's on_train_batch_start -1)
         self.edge.abort_probe()
 
     # -- Checkpointing -----------------------------------------------------------------------------
