@@ -399,6 +399,38 @@ def test_optimizer_param_groups_and_class_are_rebuilt():
     assert configured.peak_bytes == adamw.peak_bytes
 
 
+class _SkipsZeroGradients(torch.optim.SGD):
+    """Steps only parameters whose gradient is not all zero: a branch on a value."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.abs().sum() > 0:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adafactor_reads_norms_in_its_step_and_is_dry_run_to_the_byte(foreach):
+    """Adafactor's step reads ``param.norm().item()`` (a float that scales the update): the dry run
+    reads a stand-in there and is exact; its factored moments hold less than AdamW's two."""
+    module = _gpt(attention="sdpa")
+
+    def adafactor(params):
+        return torch.optim.Adafactor(params, lr=1e-2, weight_decay=0.01, foreach=foreach)
+
+    dry = dry_run_step(module, adafactor(module.parameters()), _batch(2, L0), seq_len=128)
+    measured = _measured(module, _batch(2, 128), optimizer_fn=adafactor)
+    assert dry.peak_bytes == measured.peak_bytes
+    assert dry.phase_peak_bytes == measured.phase_peak_bytes and "with Adafactor" in dry.detail
+    adamw = dry_run_step(module, torch.optim.AdamW(module.parameters()), _batch(2, L0), seq_len=128)
+    assert dry.phase_peak_bytes["forward"] < adamw.phase_peak_bytes["forward"]  # less state held
+    # a bool read in a step (a branch) still refuses, naming the line
+    with pytest.raises(DryRunUnsupported, match=r"reads tensor values.*p\.grad\.abs\(\)\.sum"):
+        dry_run_step(module, _SkipsZeroGradients(module.parameters(), lr=0.1), _batch(2, L0),
+                     seq_len=128)
+
+
 # -- the batch -------------------------------------------------------------------------------------
 SEEN: list = []
 

@@ -295,6 +295,7 @@ def sharded_dry_run_step(
                 plan.notes += after.notes
                 plan.micro_batch_size = plan.micro_batch_size or after.micro_batch_size
                 optimizer = configured_optimizer(model)
+                values.let_step_read(optimizer)
             step_batch, source_shape = fake_batch(batch, seq_len, batch_size, device, fake_mode,
                                                   values)
             loss_fn, step_optimizer = step_functions(model, optimizer, plan, batch_size,

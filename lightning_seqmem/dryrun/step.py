@@ -193,7 +193,7 @@ def _device_of(module: nn.Module) -> torch.device:
 
 def _fake_module_and_optimizer(
     pl_module: nn.Module, optimizer: Any, names: tuple[str, ...], device: torch.device,
-    fake_mode: FakeTensorMode, values: Optional["BatchValues"] = None,
+    fake_mode: FakeTensorMode, values: "BatchValues",
 ) -> tuple[nn.Module, torch.optim.Optimizer, CopyPlan]:
     """The fake copy on ``device`` with the asked rungs, its optimizer, and what its step is."""
     notes: list[str] = []
@@ -205,6 +205,7 @@ def _fake_module_and_optimizer(
         fake_optimizer = (configured_optimizer(model) if optimizer is None
                           else rebuild_optimizer(optimizer, twins))
         resolve_foreach(fake_optimizer, device, pl_module.parameters())
+        values.let_step_read(fake_optimizer)
         plan = ladder.apply_to_copy(names, model)  # after the optimizer: rungs keep the parameters
     plan.notes[:0] = notes
     return model, fake_optimizer, plan

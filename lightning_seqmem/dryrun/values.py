@@ -24,11 +24,13 @@ from lightning_seqmem.measure.batch_tensors import scaled_length
 from lightning_seqmem.measure.batch_tensors import is_square
 from lightning_seqmem.dryrun.accelerator import to_host_device
 
-__all__ = ["BatchValues", "ValueRoom", "batch_to_device", "shape_batch",
+__all__ = ["STAND_IN", "BatchValues", "ValueRoom", "batch_to_device", "shape_batch",
            "transformers_without_fake_detection", "value_max_bytes", "value_room"]
 
 _VALUE_MAX_BYTES = 8 * 2**20  # real values kept of tensors computed from the batch alone, each
 _VALUE_CEILING_BYTES = 2**28  # ... or up to a fp32 [L, L] mask of the length (8192 tokens), at most
+
+STAND_IN = 1.0  # what an optimizer step reads from a float scalar of unknown value
 
 
 def value_max_bytes(seq_len: int) -> int:
@@ -179,7 +181,8 @@ class BatchValues(TorchDispatchMode):
     ``(labels != -100).sum().item()``). This mode (above the fake mode) keeps their real twins, up
     to ``max_bytes`` (:func:`value_max_bytes`), rerunning each such op on the twins with every mode
     off (uncounted; twins die with their fake tensors). An op reading a tensor without a twin (an
-    activation) still fails. A real tensor held by the module is its own twin, never written to.
+    activation) still fails, except a floating-point scalar read inside an optimizer's step
+    (:meth:`let_step_read`). A real tensor held by the module is its own twin, never written to.
     Writing a storage from a tensor without a twin drops the twins of all its views."""
 
     def __init__(self, fake_mode: FakeTensorMode, max_bytes: int = _VALUE_MAX_BYTES) -> None:
@@ -192,6 +195,22 @@ class BatchValues(TorchDispatchMode):
         self._held: dict[int, list[int]] = {}  # a twin storage's key -> [twins on it, its bytes]
         # storages whose values were overwritten unseen
         self._unknown_storages: dict[int, weakref.ref] = {}
+        self._in_optimizer_step = False
+
+    def let_step_read(self, optimizer: torch.optim.Optimizer) -> None:
+        """In ``optimizer.step()`` a float scalar of unknown value (Adafactor's ``p.norm().item()``)
+        reads as :data:`STAND_IN`: it scales the update, not a size. An int or bool still refuses.
+
+        >>> from lightning_seqmem.dryrun.session import fake_session
+        >>> with fake_session(8, torch.device("cpu")) as (fake_mode, values), fake_mode, values:
+        ...     w = torch.nn.Parameter(torch.empty(4, 4)); w.grad = torch.zeros_like(w)
+        ...     values.let_step_read(optimizer := torch.optim.Adafactor([w]))
+        ...     optimizer.step()  # reads w.norm().item(), unknown: the stand-in
+        >>> sorted(optimizer.state[w])
+        ['col_var', 'row_var', 'step']
+        """
+        optimizer.register_step_pre_hook(lambda *_: setattr(self, "_in_optimizer_step", True))
+        optimizer.register_step_post_hook(lambda *_: setattr(self, "_in_optimizer_step", False))
 
     def can_keep(self, nbytes: int) -> bool:
         """Whether a twin of ``nbytes`` new bytes may be made: within ``max_bytes`` and the room."""
@@ -261,6 +280,9 @@ class BatchValues(TorchDispatchMode):
             out = func(*args, **kwargs)
             computed = True
         except (DataDependentOutputException, DynamicOutputShapeException):
+            if (self._in_optimizer_step and func is torch.ops.aten._local_scalar_dense.default
+                    and args[0].is_floating_point()):
+                return STAND_IN
             if not known or sum(t.numel() * t.element_size()
                                 for t in _tensors_in(args, kwargs)) > self.max_bytes:
                 raise

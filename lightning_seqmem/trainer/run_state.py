@@ -4,45 +4,6 @@
 :class:`~.batch_cycle.BatchCycle` and :class:`~.fit_cycle.FitCycle` write it. A fresh one comes with
 the callback and each fit after one that measured (:meth:`EdgeState.next_fit`).
 
-==========================  ========================================================================
-field                       what it holds (who writes it)
-==========================  ========================================================================
-``failed``                  this rank stopped measuring on an internal failure (:meth:`.Guard.fail`)
-``stopped``                 every rank agreed to stop: no more collectives (``BatchCycle.gather``)
-``pending``                 the step begun at this batch's start (``BatchCycle.start_measurement``),
-                            taken by the batch end; None between batches
-``step_started_s``          ``time.perf_counter()`` when the step itself began (the batch start,
-                            after the decision), taken by the batch end; None between batches
-``shape``                   ``(batch size, length)`` of the last batch as cut, on this rank
-                            (``BatchCycle.start_measurement``)
-``applicable_cache``        ``{(rungs on, rungs left, batch size): {rung: (applies here, why
-                            not)}}``, one entry (``BatchCycle.applicability``)
-``noop_rungs``              rungs that change nothing on this rank's batch (with several ranks:
-                            agreed, not refused) (``BatchCycle.applicability``)
-``reapply_on_fit_start``    a checkpoint's rungs are to be switched on again at ``on_fit_start``
-                            (``FitCycle.load_state``; cleared by ``FitCycle.resume_rungs``)
-``resume_phrases``          what a resume under a changed configuration changed, said in one
-                            warning (``FitCycle.load_state``; emptied by ``FitCycle.say_resume``)
-``resume_removed``          rungs that were on and are no longer allowed (as ``resume_phrases``)
-``uses_datamodule_length``  a batch got its length through the dataset's ``set_seq_len``, saved in
-                            the checkpoint (``BatchCycle.cut``, ``FitCycle.load_state``)
-``breakdown*``              ``breakdowns`` (traced with ``breakdown=True``), ``breakdown_table``,
-                            ``breakdown_report`` (the report's section) (``FitCycle.run_breakdown``)
-``breakdown_batch``         ``(length, batch)``: the longest batch seen (the batch end, rank zero)
-``dry_runner``              the :class:`~lightning_seqmem.dryrun.run.TrainingRunDryRun`, or None
-                            (``on_fit_start``: rank zero, ``dry_run=True``)
-``compiled_reason``         why the module counts as compiled, or None (``FitCycle.check_compiled``)
-``sharding_template``       an unsharded copy on meta for FSDP2 runs, or None (``setup``:
-                            :func:`.access.sharding_template`)
-``probe``                   this fit's :class:`~.probes.MemoryProbe` (``setup``: ``make_probe``)
-``device``                  the strategy's root device (``setup``)
-``fit_refs``                weakrefs to (Trainer, module) (``setup``; read by ``FitCycle.next_fit``)
-``window_batch``            the open step window's batch (batch start to end; None between): a dry
-                            run inside leaves room beside it (:func:`.own_memory.value_room_bytes`)
-``validation``              the validation batches measured (rank zero: the first of each shape
-                            dry-run), their predicted and measured peaks (``ValidationCheck``)
-==========================  ========================================================================
-
 Example:
     >>> state = EdgeState()
     >>> state.failed, state.pending, state.shape, state.applicable_cache
@@ -67,31 +28,45 @@ __all__ = ["EdgeState"]
 
 @dataclasses.dataclass
 class EdgeState:
-    """The callback's per-fit run state (the table in the module docstring)."""
+    """The callback's per-fit run state (each field: what it holds, who writes it)."""
 
-    failed: bool = False
-    stopped: bool = False
+    failed: bool = False  # this rank stopped measuring on an internal failure (Guard.fail)
+    stopped: bool = False  # every rank agreed to stop: no more collectives (BatchCycle.gather)
+    # the step begun at this batch's start (BatchCycle.start_measurement), taken by the batch end
     pending: Optional["PendingStep"] = None
+    # perf_counter() when the step itself began (after the decision); None between batches
     step_started_s: Optional[float] = None
+    # (batch size, length) of the last batch as cut, on this rank
     shape: Optional[tuple[int, int]] = None
+    # {(rungs on, rungs left, batch size): {rung: (applies, why not)}}, one entry
     applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(
         default_factory=dict)
+    # rungs that change nothing on this rank's batch (several ranks: agreed)
     noop_rungs: tuple[str, ...] = ()
+    # a checkpoint's rungs go on again at on_fit_start (FitCycle.load_state)
     reapply_on_fit_start: bool = False
+    # what a resume under a changed configuration changed, said in one warning (FitCycle)
     resume_phrases: list[str] = dataclasses.field(default_factory=list)
+    # rungs that were on and are no longer allowed (as resume_phrases)
     resume_removed: tuple[str, ...] = ()
+    # a batch got its length through the dataset's set_seq_len (checkpointed)
     uses_datamodule_length: bool = False
+    # traced with breakdown=True; the table and the report section below (FitCycle)
     breakdowns: list[Any] = dataclasses.field(default_factory=list)
     breakdown_table: Optional[Any] = None
     breakdown_report: Optional[dict[str, Any]] = None
+    # (length, batch): the longest batch seen (the batch end, rank zero)
     breakdown_batch: Optional[tuple[int, Any]] = None
-    dry_runner: Any = None
+    dry_runner: Any = None  # the TrainingRunDryRun, or None (on_fit_start: rank zero, dry_run=True)
+    # why the module counts as compiled, or None (FitCycle.check_compiled)
     compiled_reason: Optional[str] = None
-    sharding_template: Any = None
-    probe: Optional["MemoryProbe"] = None
-    device: Optional["torch.device"] = None
+    sharding_template: Any = None  # an unsharded copy on meta for FSDP2 runs, or None (setup)
+    probe: Optional["MemoryProbe"] = None  # this fit's MemoryProbe (setup: make_probe)
+    device: Optional["torch.device"] = None  # the strategy's root device (setup)
+    # weakrefs to (Trainer, module) (setup; read by FitCycle.next_fit)
     fit_refs: Optional[tuple[Any, Any]] = None
-    window_batch: Any = None
+    window_batch: Any = None  # the open step window's batch: a dry run inside leaves room beside it
+    # validation batches measured (rank zero dry-runs the first of each shape)
     validation: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def next_fit(self, continues: bool) -> "EdgeState":
