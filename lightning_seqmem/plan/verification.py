@@ -98,10 +98,11 @@ class Verification:
                 step_seconds: Optional[float] = None) -> StepRecord:
         """Record a measured step, fit, verify; returns the record.
 
-        Under gradient accumulation only a window's last batch (``pending.optimizer_steps``) is
-        fitted and verified. ``memory``: under DDP, the rank with the highest peak, whose own
-        ``(seq_len, batch_size)`` are given; ``trace``: the ``(seq_len, batch_size, memory)`` whose
-        events are traced (default: the same); ``step_seconds``: the step's wall time."""
+        Only a batch that ends an accumulation window (``pending.optimizer_steps``) and ran a
+        backward (``training_step`` did not return None) is fitted and verified. ``memory``: under
+        DDP, the rank with the highest peak, whose own ``(seq_len, batch_size)`` are given;
+        ``trace``: the ``(seq_len, batch_size, memory)`` whose events are traced (default: the
+        same); ``step_seconds``: the step's wall time."""
         L = pending.seq_len if seq_len is None else int(seq_len)
         B = pending.batch_size if batch_size is None else int(batch_size)
         phases = {p: memory.phase_peak_bytes.get(p) for p in PHASES}
@@ -125,9 +126,8 @@ class Verification:
                                                         usable, self.settings.budget_bytes,
                                                         self.settings.safety_margin))
         forecaster = self.measured.forecaster_of(record.mitigations)
-        # a batch without an optimizer step (an accumulation window's earlier ones) is kept and
-        # judged by, but fitted and checked against only as the step the predictors model
-        if not record.warmup and pending.optimizer_steps:
+        skipped = phases["backward"] is None and phases["optimizer"] is not None  # returned None
+        if not record.warmup and pending.optimizer_steps and not skipped:
             self.measured.last_batch_size = B
             wrong_now = self.check_predictors(record, forecaster)
             forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None},
