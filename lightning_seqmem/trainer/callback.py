@@ -82,9 +82,9 @@ class SeqMemCallback(Callback):
         measure_every_n_steps: measure one batch in ``n`` once a length has been measured.
         seq_len_fn: ``batch -> (batch_size, seq_len)``; default reads the first 2-D integer tensor
             (``input_ids`` first in a mapping).
-        mitigations: the ladder, in the order tried: ``"attention"`` (eager → SDPA → flash-attn),
-            ``"checkpointing"`` (of the repeated blocks), ``"microbatch"`` (micro-batches of one
-            sample inside the step); ``()`` warns and caps instead.
+        mitigations: the ladder, in the order tried: by default ``"attention"`` (eager → SDPA →
+            flash-attn), ``"checkpointing"``, ``"microbatch"``; opt in to ``"fused_loss"``,
+            ``"tiled_mlp"``, ``"activation_offload"``; ``()`` warns and caps instead.
         breakdown: after fit, attribute the memory to modules and kinds (:mod:`.fit_breakdown`) on a
             copy of the model: :attr:`breakdown_report`, the report's section, TensorBoard text.
         dry_run: judge every new length, batch size and set of rungs by a dry run of the training
