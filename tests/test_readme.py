@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -17,6 +18,16 @@ def _tags(text: str) -> list[str]:
 
 def test_tag_table_matches_the_callback_docstring():
     assert _tags(README) and set(_tags(README)) == set(_tags(SeqMemCallback.__doc__))
+
+
+def test_the_arguments_table_has_every_argument_with_its_default():
+    table = README.split("## Arguments")[1].split("\n\n`Curriculum(")[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, re.M))
+    params = list(inspect.signature(SeqMemCallback.__init__).parameters.values())[1:]
+    assert set(rows) == {p.name for p in params}, sorted(set(rows) ^ {p.name for p in params})
+    for p in params:  # a default in code form is the code's; the rest say it in words
+        if rows[p.name].startswith("`"):
+            assert rows[p.name].strip() == f"`{p.default!r}`".replace("'", '"'), p.name
 
 
 def test_quick_start_runs(tmp_path, monkeypatch):
