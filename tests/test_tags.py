@@ -44,7 +44,7 @@ def test_the_planner_logs_every_tag_and_only_those():
     logged = set()
     for r in records:
         logged |= set(plan_metrics(r, p.evidence, p.course))
-    assert logged == set(TAGS)
+    assert logged == {t for t in TAGS if not t.startswith("validation_")}  # (the fit's own)
 
 
 def test_every_tag_has_a_panel_and_every_panel_a_tag():

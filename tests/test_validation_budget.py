@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import Logger
 import pytest
 import torch
 
@@ -78,7 +79,8 @@ class ValidationPeaks(pl.Callback):
         self.runs.append((batch["input_ids"].shape[1], self.probe.end_step().peak_bytes, self.said))
 
 
-def _fit_with_validation(lengths: list[int], max_steps: int = 4, budget: int = BUDGET):
+def _fit_with_validation(lengths: list[int], max_steps: int = 4, budget: int = BUDGET,
+                         logger=False):
     cb = SeqMemCallback(memory_budget=budget, safety_margin=0.0, warmup_steps=1,
                         curriculum=Curriculum(start=64, target=1024, steps_per_stage=2,
                                               multiple_of=16))
@@ -91,7 +93,7 @@ def _fit_with_validation(lengths: list[int], max_steps: int = 4, budget: int = B
         warnings.simplefilter("always")
         peaks = ValidationPeaks(caught)
         cb.trainer = make_trainer([cb, peaks], max_steps=max_steps, val_check_interval=2,
-                                  num_sanity_val_steps=1)
+                                  num_sanity_val_steps=1, logger=logger)
         cb.trainer.fit(ValidatedGPT(**MODEL, attention="eager"), data)
     said = [str(w.message) for w in caught if issubclass(w.category, PredictedOOMWarning)
             and "validation batch" in str(w.message)]
@@ -128,6 +130,30 @@ def test_validation_batches_that_fit_are_never_said_and_the_shorter_not_dry_run(
     judged = [(key[0], key[3]) for key in cb._validation.judged]
     assert judged == [(64, (False, False)), (64, (False, True))]
     assert all(row["dry_run_peak_bytes"] == row["peak_bytes"] for row in cb.edge.validation)
+
+
+class Scalars(Logger):
+    """Every scalar logged, as ``(step, tag, value)``."""
+
+    name, version, logged = "scalars", 0, None
+
+    def log_metrics(self, metrics, step=None):
+        self.logged = (self.logged or []) + [(step, k, v) for k, v in metrics.items()]
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_each_measured_validation_batch_is_logged_at_the_step_its_validation_ran():
+    logger = Scalars()
+    cb, runs, _ = _fit_with_validation([64, 32, 64], max_steps=2, logger=logger)
+    logged = [(step, tag, value) for step, tag, value in logger.logged if "validation" in tag]
+    rows = [(r["global_step"], r["seq_len"], r["peak_bytes"]) for r in cb.edge.validation]
+    lengths = [(step, n) for step, tag, n in logged if tag == "seqmem/validation_seq_len"]
+    assert len(rows) == 2 and lengths == [(s, n) for s, n, _ in rows]
+    assert [(step, value * 2**30) for step, tag, value in logged  # (a power of 2: exact)
+            if tag == "seqmem/validation_peak_gib"] == [(s, p) for s, _, p in rows]
+    assert rows[0][2] == runs[0][1]  # what ran: the test's own probe measured the same batch
 
 
 def test_a_rung_that_makes_the_validation_batch_fit_goes_on_before_it_runs():

@@ -37,6 +37,8 @@ TAGS: dict[str, str] = {
     "budget_gib": "usable budget: budget × (1 − safety_margin)",
     "headroom_gib": "usable budget − forecast_next",
     "headroom_fraction": "headroom over the usable budget",
+    "validation_peak_gib": "measured peak of a validation batch of a new shape",
+    "validation_seq_len": "its sequence length (tokens)",
 }
 """Tag (without :data:`PREFIX`) -> meaning, in the order of the tables."""
 

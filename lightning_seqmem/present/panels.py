@@ -53,9 +53,9 @@ def custom_scalars_layout(prefix: str = "seqmem/") -> dict[str, dict[str, list]]
         memory: {
             "peak per phase (GiB)": tags("peak_allocated_gib", "peak_forward_gib",
                                          "peak_backward_gib", "peak_optimizer_gib"),
-            "peak allocated vs reserved vs usable budget (GiB)": tags("peak_allocated_gib",
-                                                                      "reserved_gib", "budget_gib"),
-            "sequence length (tokens)": tags("seq_len"),
+            "peak allocated vs reserved vs usable budget, validation peak (GiB)": tags(
+                "peak_allocated_gib", "reserved_gib", "budget_gib", "validation_peak_gib"),
+            "sequence length (tokens)": tags("seq_len", "validation_seq_len"),
             "batch size (samples), curriculum stage (index), mitigations on (count)":
                 tags("batch_size", "stage", "mitigations_applied"),
         },

@@ -126,6 +126,8 @@ class SeqMemCallback(Callback):
     ``seqmem/budget_gib``               usable budget: budget × (1 − safety_margin)
     ``seqmem/headroom_gib``             usable budget − forecast_next
     ``seqmem/headroom_fraction``        headroom over the usable budget
+    ``seqmem/validation_peak_gib``      measured peak of a validation batch of a new shape
+    ``seqmem/validation_seq_len``       its sequence length (tokens)
     ==================================  ============================================================
 
     Example:

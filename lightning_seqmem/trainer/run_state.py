@@ -28,43 +28,33 @@ __all__ = ["EdgeState"]
 
 @dataclasses.dataclass
 class EdgeState:
-    """The callback's per-fit run state (each field: what it holds, who writes it)."""
+    """The callback's per-fit run state (each field: what it holds; writers: the module doc)."""
 
     failed: bool = False  # this rank stopped measuring on an internal failure (Guard.fail)
     stopped: bool = False  # every rank agreed to stop: no more collectives (BatchCycle.gather)
-    # the step begun at this batch's start (BatchCycle.start_measurement), taken by the batch end
-    pending: Optional["PendingStep"] = None
-    # perf_counter() when the step itself began (after the decision); None between batches
-    step_started_s: Optional[float] = None
-    # (batch size, length) of the last batch as cut, on this rank
-    shape: Optional[tuple[int, int]] = None
+    pending: Optional["PendingStep"] = None  # the measured step begun at the batch start
+    step_started_s: Optional[float] = None  # perf_counter() as the step began
+    shape: Optional[tuple[int, int]] = None  # (batch size, length) as cut, this rank
     # {(rungs on, rungs left, batch size): {rung: (applies, why not)}}, one entry
     applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(
         default_factory=dict)
-    # rungs that change nothing on this rank's batch (several ranks: agreed)
-    noop_rungs: tuple[str, ...] = ()
-    # a checkpoint's rungs go on again at on_fit_start (FitCycle.load_state)
-    reapply_on_fit_start: bool = False
+    noop_rungs: tuple[str, ...] = ()  # rungs changing nothing on this rank's batch
+    reapply_on_fit_start: bool = False  # a checkpoint's rungs go on at fit start
     # what a resume under a changed configuration changed, said in one warning (FitCycle)
     resume_phrases: list[str] = dataclasses.field(default_factory=list)
-    # rungs that were on and are no longer allowed (as resume_phrases)
-    resume_removed: tuple[str, ...] = ()
-    # a batch got its length through the dataset's set_seq_len (checkpointed)
-    uses_datamodule_length: bool = False
+    resume_removed: tuple[str, ...] = ()  # rungs on before a resume, no longer allowed
+    uses_datamodule_length: bool = False  # lengths set by the dataset's set_seq_len
     # traced with breakdown=True; the table and the report section below (FitCycle)
     breakdowns: list[Any] = dataclasses.field(default_factory=list)
     breakdown_table: Optional[Any] = None
     breakdown_report: Optional[dict[str, Any]] = None
-    # (length, batch): the longest batch seen (the batch end, rank zero)
-    breakdown_batch: Optional[tuple[int, Any]] = None
+    breakdown_batch: Optional[tuple[int, Any]] = None  # (length, batch): the longest seen
     dry_runner: Any = None  # the TrainingRunDryRun, or None (on_fit_start: rank zero, dry_run=True)
-    # why the module counts as compiled, or None (FitCycle.check_compiled)
-    compiled_reason: Optional[str] = None
+    compiled_reason: Optional[str] = None  # why the module counts as compiled
     sharding_template: Any = None  # an unsharded copy on meta for FSDP2 runs, or None (setup)
     probe: Optional["MemoryProbe"] = None  # this fit's MemoryProbe (setup: make_probe)
     device: Optional["torch.device"] = None  # the strategy's root device (setup)
-    # weakrefs to (Trainer, module) (setup; read by FitCycle.next_fit)
-    fit_refs: Optional[tuple[Any, Any]] = None
+    fit_refs: Optional[tuple[Any, Any]] = None  # weakrefs to (Trainer, module)
     window_batch: Any = None  # the open step window's batch: a dry run inside leaves room beside it
     # validation batches measured (rank zero dry-runs the first of each shape)
     validation: list[dict[str, Any]] = dataclasses.field(default_factory=list)

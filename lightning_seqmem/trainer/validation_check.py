@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.config import SeqMemConfig
-from lightning_seqmem.core.units import format_bytes
+from lightning_seqmem.core.units import format_bytes, to_gib
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.dryrun.step import held_state
 from lightning_seqmem.measure.batch_shape import read_batch_shape
@@ -27,7 +27,7 @@ from lightning_seqmem.mitigations import ladder
 from lightning_seqmem.plan.choose import Choice, choose, describe, switched_on
 from lightning_seqmem.plan.judging import Verdict, dry_run_bound
 from lightning_seqmem.plan.protocol import Planner
-from lightning_seqmem.trainer import ranks as distributed
+from lightning_seqmem.trainer import outputs, ranks as distributed
 from lightning_seqmem.trainer.guard import Guard
 from lightning_seqmem.trainer.own_memory import start_probe
 from lightning_seqmem.trainer.run_state import EdgeState
@@ -201,6 +201,8 @@ class ValidationCheck:
                    dry_run_peak_bytes=self.judged.get((seq_len, batch_size,
                                                        tuple(row["mitigations"]), self.held)))
         peak = memory.peak_bytes
+        outputs.log_metrics(trainer, {"validation_peak_gib": to_gib(peak),
+                                      "validation_seq_len": seq_len}, step=trainer.global_step)
         if usable is not None and peak > usable and "validation" not in self.planner.advice.warned:
             self.guard.warn_once(A.Advice(  # (a prediction over the budget said it before)
                 "validation_over_budget", "validation-measured",
