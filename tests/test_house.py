@@ -16,7 +16,7 @@ COMPOSITION_ROOT = PACKAGE / "trainer" / "callback.py"
 PRODUCT_WINGS = ("core", "plan", "measure", "mitigations", "dryrun", "trainer", "present", "cli")
 LAB_WINGS = ("diagnostics", "reference")
 PRODUCT_LINES_GOAL = 12_000
-PRODUCT_LINES_CEILING = 25_391  # today's count, rounded up: the count may fall, never rise past it
+PRODUCT_LINES_CEILING = 25_390  # today's count, rounded up: the count may fall, never rise past it
 WHOLE_NAMES = {"planner", "cb", "callback", "ev", "evidence"}
 WHOLE_TYPES = re.compile(r"\b(SeqMemPlanner|SeqMemCallback|Planner|Evidence)\b")
 

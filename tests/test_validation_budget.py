@@ -228,3 +228,24 @@ def test_validate_outside_a_fit_is_said_once_and_never_recorded():
                     "step, which a no-gradient step stays under)."]
     assert cb.edge.validation == rows and cb.records == records  # nothing recorded
     assert "outside-fit-validate" in cb.planner.advice.warned
+
+
+def test_validation_rows_survive_a_resume_and_a_continuing_fit(tmp_path):
+    """The measured validation rows are in the checkpoint (a resume's report has them) and a
+    second fit on the same Trainer and module keeps them, as it keeps the training records."""
+    cb, _, _ = _fit_with_validation([64, 32], max_steps=2)
+    rows = [dict(row) for row in cb.edge.validation]
+    assert len(rows) == 2  # the sanity check's 64, then 64 after step 2 (32: within it)
+    cb.trainer.save_checkpoint(tmp_path / "two.ckpt")
+    model, data = cb.trainer.lightning_module, cb.trainer.datamodule
+    resumed = SeqMemCallback(memory_budget=BUDGET, safety_margin=0.0, warmup_steps=1,
+                             curriculum=cb.config.curriculum)
+    trainer = make_trainer([resumed], max_steps=4, val_check_interval=2)
+    trainer.fit(ValidatedGPT(**MODEL, attention="eager"), data, ckpt_path=tmp_path / "two.ckpt")
+    assert resumed.edge.validation[:2] == rows and len(resumed.edge.validation) == 3
+    saved = json.loads((Path(report_dir(trainer)) / "seqmem_report.json").read_text())
+    assert [row["global_step"] for row in saved["validation"]] == [0, 2, 4]
+    cb.trainer.fit_loop.epoch_loop.max_steps = 4  # the first run goes on: its sanity check, and
+    cb.trainer.fit(model, data)                   # the validation at step 4, add rows
+    assert cb.edge.validation[:2] == rows
+    assert [row["global_step"] for row in cb.edge.validation] == [0, 2, 2, 4]

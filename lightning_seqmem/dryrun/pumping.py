@@ -198,6 +198,4 @@ def cut(tokens: Sequence[Token], base_shape: Sequence[tuple[int, str]], inserts:
                 return None
         chunks.append(first)
     segment = take(base_shape[previous:])
-    if segment is None or at != len(tokens):
-        return None
-    return base + segment, chunks
+    return None if segment is None or at != len(tokens) else (base + segment, chunks)

@@ -297,6 +297,12 @@ def validate_state(state: Any) -> None:
         _int(f"mitigation_events[{i}].step", event.get("step", 0))
         for name in ("before_bytes", "after_bytes"):
             _int(f"mitigation_events[{i}].{name}", event.get(name), optional=True)
+    for i, row in enumerate(_list("validation", state.get("validation", []))):
+        row = _dict(f"validation[{i}]", row)
+        for name, low in (("global_step", 0), ("rank", 0), ("seq_len", 1), ("batch_size", 1),
+                          ("peak_bytes", None), ("dry_run_peak_bytes", None)):  # None: optional
+            _int(f"validation[{i}].{name}", row.get(name), low or 0, optional=low is None)
+        _rungs(f"validation[{i}].mitigations", row.get("mitigations"))
     for i, L in enumerate(_list("refit_queue", state.get("refit_queue", []))):
         _int(f"refit_queue[{i}]", L, 1)
     for name in ("decide_now", "uses_datamodule_length"):

@@ -360,6 +360,7 @@ class SeqMemCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {**self.planner.state_dict(),
                 "uses_datamodule_length": self.edge.uses_datamodule_length,
+                "validation": [dict(row) for row in self.edge.validation],
                 "config": self._fit.run_config()}
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -180,6 +180,7 @@ class FitCycle:
                            category=SeqMemFailureWarning)
             return
         self.edge.uses_datamodule_length = bool(state_dict.get("uses_datamodule_length", False))
+        self.edge.validation = [dict(row) for row in state_dict.get("validation", [])]
         self.edge.reapply_on_fit_start = bool(self.planner.ladder.applied)
 
     def resume_rungs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

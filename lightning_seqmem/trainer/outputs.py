@@ -42,9 +42,7 @@ _LAYOUT_WRITTEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _FIGURES_LOGGED: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
 
 
-# ----------------------------------------------------------------------------------------------
-# Files
-# ----------------------------------------------------------------------------------------------
+# -- Files -------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     """Open a temporary file beside ``path``; on success rename it to ``path``, else remove it.
@@ -261,9 +259,7 @@ def _would_have_done(view: "PlanView", batch_size: Optional[int]) -> str:
             f"the {by})")
 
 
-# ----------------------------------------------------------------------------------------------
-# Loggers
-# ----------------------------------------------------------------------------------------------
+# -- Loggers -----------------------------------------------------------------------------------
 def log_metrics(trainer: "pl.Trainer", metrics: dict[str, float], step: int,
                 prefix: str = "seqmem/") -> None:
     """Log ``metrics`` (tags without ``prefix``) to every logger of ``trainer``."""

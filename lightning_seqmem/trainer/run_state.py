@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["EdgeState"]
 
 
-@dataclasses.dataclass
+@dataclass
 class EdgeState:
     """The callback's per-fit run state (each field: what it holds; writers: the module doc)."""
 
@@ -36,16 +36,13 @@ class EdgeState:
     step_started_s: Optional[float] = None  # perf_counter() as the step began
     shape: Optional[tuple[int, int]] = None  # (batch size, length) as cut, this rank
     # {(rungs on, rungs left, batch size): {rung: (applies, why not)}}, one entry
-    applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = dataclasses.field(
-        default_factory=dict)
+    applicable_cache: dict[tuple, dict[str, tuple[bool, str]]] = field(default_factory=dict)
     noop_rungs: tuple[str, ...] = ()  # rungs changing nothing on this rank's batch
     reapply_on_fit_start: bool = False  # a checkpoint's rungs go on at fit start
-    # what a resume under a changed configuration changed, said in one warning (FitCycle)
-    resume_phrases: list[str] = dataclasses.field(default_factory=list)
+    resume_phrases: list[str] = field(default_factory=list)  # a changed configuration's changes
     resume_removed: tuple[str, ...] = ()  # rungs on before a resume, no longer allowed
     uses_datamodule_length: bool = False  # lengths set by the dataset's set_seq_len
-    # traced with breakdown=True; the table and the report section below (FitCycle)
-    breakdowns: list[Any] = dataclasses.field(default_factory=list)
+    breakdowns: list[Any] = field(default_factory=list)  # traced with breakdown=True
     breakdown_table: Optional[Any] = None
     breakdown_report: Optional[dict[str, Any]] = None
     breakdown_batch: Optional[tuple[int, Any]] = None  # (length, batch): the longest seen
@@ -56,11 +53,11 @@ class EdgeState:
     device: Optional["torch.device"] = None  # the strategy's root device (setup)
     fit_refs: Optional[tuple[Any, Any]] = None  # weakrefs to (Trainer, module)
     window_batch: Any = None  # the open step window's batch: a dry run inside leaves room beside it
-    # validation batches measured (rank zero dry-runs the first of each shape)
-    validation: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    validation: list[dict[str, Any]] = field(default_factory=list)  # measured validation batches
 
     def next_fit(self, continues: bool) -> "EdgeState":
-        """A fresh state for the next fit; ``continues`` (same Trainer and module) keeps breakdowns.
+        """A fresh state for the next fit; ``continues`` (same Trainer, module) keeps breakdowns and
+        validation rows.
 
         >>> done = EdgeState(failed=True, breakdown_report={"peak": 1})
         >>> done.next_fit(continues=True).breakdown_report, done.next_fit(continues=True).failed
@@ -71,7 +68,7 @@ class EdgeState:
         if not continues:
             return EdgeState()
         return EdgeState(breakdowns=self.breakdowns, breakdown_table=self.breakdown_table,
-                         breakdown_report=self.breakdown_report)
+                         breakdown_report=self.breakdown_report, validation=self.validation)
 
     def abort_probe(self) -> None:
         """Leave the probe (its step, its dispatch mode), where there is one."""
