@@ -74,9 +74,25 @@ def test_unmitigated_model_fits_an_eighth_of_the_target():
     assert at_80 <= BUDGET < at_96
 
 
-def test_ladder_reaches_the_target_within_budget():
+def test_ladder_reaches_the_target_within_budget(monkeypatch):
     # the plan reaches 640 at step 10 (the 11th batch: two per length, 32 to 512 doubling)
+    import lightning_seqmem.dryrun.run as run
+
+    programs, dry_run_step = [], run.dry_run_step
+
+    def counted(module, optimizer, batch, seq_len, batch_size, names, **kwargs):
+        program = (seq_len, batch_size, names, module.attention_backend, is_checkpointed(module),
+                   is_micro_batching(module), kwargs.get("autocast"))
+        programs.append(program)
+        return dry_run_step(module, optimizer, batch, seq_len, batch_size, names, **kwargs)
+
+    monkeypatch.setattr(run, "dry_run_step", counted)
     cb, module, oom = _run(MITIGATIONS, max_steps=11)
+    # no program dry-run twice: micro-batching's one-time check was counted by the dry runs made
+    # before its first step, dropped then, and by none after (a later change of checkpointing
+    # levels kept its answers)
+    assert len(programs) == len(set(programs)) > 10, programs
+    assert all(abs(r.forecast_error) < 1e-4 for r in cb.records if r.forecast_method == "dry_run")
     lengths = [r.seq_len for r in cb.records]
     assert lengths[-1] == TARGET and cb.planner.course.capped_at is None
     assert max(r.peak_bytes for r in cb.records) <= BUDGET  # never measured above the budget

@@ -173,9 +173,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor, Any, Any], torch.Tensor], 
                 obj[:] = items
                 return obj
             return items if type(obj) is list else _rebuild(obj, items)
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return _rebuild(obj, items)
+        return type(obj)(*items) if hasattr(obj, "_fields") else _rebuild(obj, items)  # namedtuple
     if is_dataclass_instance(obj):
         new = {f.name: visit(f.name, getattr(obj, f.name), f.name) for f in dataclasses.fields(obj)}
         changed = {name: v for name, v in new.items() if v is not getattr(obj, name)}

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Sequence
 
 from lightning_seqmem.core.forecast import Forecast
 from lightning_seqmem.core.peak import PeakSite
-from lightning_seqmem.core.rungs import RungNotApplicable
+from lightning_seqmem.core.rungs import RungNotApplicable, base_name
 from lightning_seqmem.core.search import bisect_last
 from lightning_seqmem.plan import dry_search
 from lightning_seqmem.plan.judging import dry_run_bound
@@ -97,10 +97,11 @@ class DryEvidence:
         return any(v is not None and (setting is None or k[2] == setting)
                    for k, v in self.answers.items())
 
-    def forget(self, setting: Setting) -> None:
-        """Drop the answers of ``setting`` (they counted a one-time check later steps skip)."""
-        self.answers = {k: v for k, v in self.answers.items() if k[2] != setting}
-        self.sites = {k: v for k, v in self.sites.items() if k[2] != setting}
+    def forget(self, rungs: set[str]) -> None:
+        """Drop the answers of settings with any of ``rungs`` (they counted a one-time check)."""
+        for table in (self.answers, self.sites):
+            for key in [k for k in table if rungs & {base_name(m) for m in k[2]}]:
+                del table[key]
 
     def see_length(self, seq_len: int) -> None:
         """A length the data has (bounds the dry runs' buckets)."""

@@ -26,6 +26,7 @@ from lightning_seqmem.core import advice as A
 from lightning_seqmem.core.events import MitigationEvent
 from lightning_seqmem.core.forecast import Forecast, MemoryForecaster, NotEnoughMeasurements
 from lightning_seqmem.core.records import PHASES, StepMemory, StepRecord
+from lightning_seqmem.core.rungs import base_name
 from lightning_seqmem.core.timeline import Trace
 from lightning_seqmem.core.trust import Check
 from lightning_seqmem.plan import choose
@@ -142,11 +143,11 @@ class Verification:
             if fc is not None and (fc.seq_len, fc.batch_size) == (L, B):  # for the shape that ran
                 self.verify(record, fc, forecaster, quiet=fc.method in wrong_now)
             self.after_mitigation(record)
-        if any(self.settings.spec(m).first_step_check for m in record.mitigations) and not any(
-                r.mitigations == record.mitigations for r in self.measured.records):
-            # the step that switched such a rung on (micro-batching) ran its one-time check, which
-            # the dry runs of this setting so far counted: later steps are dry-run afresh
-            self.dry.forget(record.mitigations)
+        once = {base_name(m) for m in record.mitigations if self.settings.spec(m).first_step_check}
+        if once and not once & {base_name(m) for r in self.measured.records for m in r.mitigations}:
+            # the first step with such a rung (micro-batching) ran its one-time check, which every
+            # dry run with the rung so far counted and none after it will: those are dropped, once
+            self.dry.forget(once)
             key = (record.seq_len, record.batch_size, record.mitigations)
             if key in self.measured.kept:  # verified against the next (steady) step: forecast so
                 fresh = self.dry.forecast(*key)
