@@ -330,3 +330,28 @@ def test_a_skipped_batch_is_recorded_but_neither_fitted_nor_checked_against():
     assert [r.step for r in skipped] == list(range(1, 16, 2))  # recorded as they ran
     assert not [m for m in messages if "tolerance" in m], messages
     assert cb.records[-1].seq_len == 408 and _over(windows, cb) == ([], [])
+
+
+class PlainBackwardGPT(LitGPT):
+    """Manual optimization calling ``loss.backward()`` itself: Lightning sees no backward."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        super().training_step(batch, batch_idx).backward()
+        optimizer.step()
+
+
+def test_a_manual_step_whose_backward_lightning_never_sees_is_still_fitted():
+    # the rule of the test above is automatic optimization's: here every step has an optimizer
+    # phase and no backward one, and taking them for skipped batches left nothing to forecast from
+    cb = SeqMemCallback(dry_run=False, mitigations=(),
+                        curriculum=Curriculum(start=64, target=256, steps_per_stage=3))
+    _fit(cb, PlainBackwardGPT(d_model=64, n_layer=2), SyntheticTokenDataModule(seq_len=256), 9)
+    assert all(r.backward_peak_bytes is None for r in cb.records) and len(cb.records) == 9
+    forecast = cb.forecast(512)
+    assert forecast.method == "replay" and forecast.peak_bytes > cb.records[-1].peak_bytes

@@ -169,9 +169,7 @@ def _efficient_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tor
     last = mask.shape[-1]
     if last % 16:
         return F.pad(mask, (0, 16 - last % 16))[..., :last]
-    if any(mask.stride(i) % 16 for i in range(3)):
-        return mask.contiguous()
-    return mask
+    return mask.contiguous() if any(mask.stride(i) % 16 for i in range(3)) else mask
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

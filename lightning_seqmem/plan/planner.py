@@ -210,11 +210,11 @@ class SeqMemPlanner:
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None,
                 trace: Optional[tuple[int, int, StepMemory]] = None, rank: Optional[int] = None,
-                step_seconds: Optional[float] = None) -> StepRecord:
+                step_seconds: Optional[float] = None, trained: bool = True) -> StepRecord:
         """Record a measured step, fit, verify; returns the record
         (:meth:`lightning_seqmem.plan.verification.Verification.observe`)."""
         return self.evidence.verification.observe(pending, memory, seq_len, batch_size, trace,
-                                                  rank, step_seconds)
+                                                  rank, step_seconds, trained)
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -96,12 +96,12 @@ class Verification:
     def observe(self, pending: PendingStep, memory: StepMemory, seq_len: Optional[int] = None,
                 batch_size: Optional[int] = None,
                 trace: Optional[tuple[int, int, StepMemory]] = None, rank: Optional[int] = None,
-                step_seconds: Optional[float] = None) -> StepRecord:
+                step_seconds: Optional[float] = None, trained: bool = True) -> StepRecord:
         """Record a measured step, fit, verify; returns the record.
 
-        Only a batch that ends an accumulation window (``pending.optimizer_steps``) and ran a
-        backward (``training_step`` did not return None) is fitted and verified. ``memory``: under
-        DDP, the rank with the highest peak, whose own ``(seq_len, batch_size)`` are given;
+        Only a batch that ends an accumulation window (``pending.optimizer_steps``) and was
+        ``trained`` (no ``training_step`` that returned None) is fitted and verified. ``memory``:
+        under DDP, the rank with the highest peak, whose own ``(seq_len, batch_size)`` are given;
         ``trace``: the ``(seq_len, batch_size, memory)`` whose events are traced (default: the
         same); ``step_seconds``: the step's wall time."""
         L = pending.seq_len if seq_len is None else int(seq_len)
@@ -127,8 +127,7 @@ class Verification:
                                                         usable, self.settings.budget_bytes,
                                                         self.settings.safety_margin))
         forecaster = self.measured.forecaster_of(record.mitigations)
-        skipped = phases["backward"] is None and phases["optimizer"] is not None  # returned None
-        if not record.warmup and pending.optimizer_steps and not skipped:
+        if not record.warmup and pending.optimizer_steps and trained:
             self.measured.last_batch_size = B
             wrong_now = self.check_predictors(record, forecaster)
             forecaster.add_measurement(L, B, {p: v for p, v in phases.items() if v is not None},

@@ -356,9 +356,12 @@ class BatchCycle:
             return
         rank, reduced, seq_len, batch_size = row
         trace = (shape[1], shape[0], memory) if memory is not None and shape else None
+        # a training_step that returned None (a manual step may call loss.backward(), unseen)
+        skipped = (trainer.lightning_module.automatic_optimization and "optimizer" in
+                   reduced.phase_peak_bytes and "backward" not in reduced.phase_peak_bytes)
         record = self.planner.observe(pending, reduced, seq_len, batch_size, trace=trace,
                                       rank=rank if trainer.world_size > 1 else None,
-                                      step_seconds=seconds)
+                                      step_seconds=seconds, trained=not skipped)
         try:
             metrics = plan_metrics(record, self.planner.evidence, self.planner.course)
         except Exception as exc:  # noqa: BLE001 - a forecast failure must not stop the logging
