@@ -80,7 +80,8 @@ class HFLM(pl.LightningModule):
             hf_config, attn_implementation=attn_implementation)
 
     def training_step(self, batch, batch_idx):
-        logits = self.model(input_ids=batch["input_ids"], use_cache=False).logits
+        logits = self.model(input_ids=batch["input_ids"], use_cache=False,
+                            attention_mask=batch.get("attention_mask")).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
 
 

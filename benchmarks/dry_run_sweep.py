@@ -22,19 +22,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import sys
 import warnings
 
 import torch
-import torch.nn.functional as F
 
-import lightning.pytorch as pl
 from lightning_seqmem.dryrun.result import DryRunUnsupported
 from lightning_seqmem.dryrun.step import dry_run_step
 from lightning_seqmem.measure.probes import make_probe
 from lightning_seqmem.measure.steps import training_step_memory
 from lightning_seqmem.reference.demo import LitGPT
 
-VOCAB = 256
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dry_run import HFLM, VOCAB_SIZE, _loss  # noqa: E402 - the sibling benchmark's LM, loss
+
 TOLERANCE = 0.01
 ARCHITECTURES = {  # model_type -> config fields beside the shared ones
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=16), "gemma": dict(head_dim=16),
@@ -61,28 +63,9 @@ OPTIMIZERS = {  # name -> params -> optimizer; a name alone is the class with it
 QUICK = (("llama", "qwen2"), ("SGD momentum", "AdamW", "Adafactor", "Adafactor foreach"))
 
 
-class HFLM(pl.LightningModule):
-    def __init__(self, model_type: str, attn_implementation: str) -> None:
-        super().__init__()
-        import transformers
-
-        torch.manual_seed(0)
-        fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB)
-        config = transformers.AutoConfig.for_model(model_type,
-                                                   **{**fields, **ARCHITECTURES[model_type]})
-        self.model = transformers.AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation)
-
-    def training_step(self, batch, batch_idx):
-        logits = self.model(input_ids=batch["input_ids"], use_cache=False,
-                            attention_mask=batch.get("attention_mask")).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
-
-
 def _batch(rows: int, seq_len: int, masked: bool = False) -> dict:
     seed = torch.Generator().manual_seed(0)
-    batch = {name: torch.randint(0, VOCAB, (rows, seq_len), generator=seed)
+    batch = {name: torch.randint(0, VOCAB_SIZE, (rows, seq_len), generator=seed)
              for name in ("input_ids", "labels")}
     if masked:
         batch["attention_mask"] = torch.ones(rows, seq_len, dtype=torch.long)
@@ -90,11 +73,7 @@ def _batch(rows: int, seq_len: int, masked: bool = False) -> dict:
     return batch
 
 
-def _loss(module, batch):
-    return module.training_step(batch, 0)
-
-
-def _row(name: str, module: pl.LightningModule, make_optimizer, seq_len: int,
+def _row(name: str, module: torch.nn.Module, make_optimizer, seq_len: int,
          masked: bool = False) -> float | None:
     """Print one row; its error, or None where the dry run refused."""
     try:
@@ -129,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         for attention in ("sdpa", "eager"):
             for masked in (False, True):
                 name = f"{model_type} {attention}{' padded' if masked else ''} @128"
-                errors.append(_row(name, HFLM(model_type, attention), optim.AdamW, 128, masked))
+                torch.manual_seed(0)
+                module = HFLM(model_type, attention, hidden_size=64, intermediate_size=128,
+                              num_key_value_heads=2, **ARCHITECTURES[model_type])
+                errors.append(_row(name, module, optim.AdamW, 128, masked))
     for name in optimizers:
         torch.manual_seed(0)
         errors.append(_row(f"GPT + {name} @256", LitGPT(d_model=64, n_layer=2),

@@ -38,7 +38,7 @@ TAGS: dict[str, str] = {
     "headroom_gib": "usable budget − forecast_next",
     "headroom_fraction": "headroom over the usable budget",
     "validation_peak_gib": "measured peak of a validation batch of a new shape",
-    "validation_seq_len": "its sequence length (tokens)",
+    "validation_seq_len": "length of that validation batch (tokens)",
 }
 """Tag (without :data:`PREFIX`) -> meaning, in the order of the tables."""
 

@@ -127,7 +127,7 @@ class SeqMemCallback(Callback):
     ``seqmem/headroom_gib``             usable budget − forecast_next
     ``seqmem/headroom_fraction``        headroom over the usable budget
     ``seqmem/validation_peak_gib``      measured peak of a validation batch of a new shape
-    ``seqmem/validation_seq_len``       its sequence length (tokens)
+    ``seqmem/validation_seq_len``       length of that validation batch (tokens)
     ==================================  ============================================================
 
     Example:
