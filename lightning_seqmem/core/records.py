@@ -111,13 +111,16 @@ class TrackedEvents:
     ``sizes[i]`` and ``ops[i]`` describe allocation ``i`` (the first ``num_existing`` are the
     storages alive before the step: parameters, gradients, optimizer state, batch). ``sequence``
     holds ``i`` for "allocation i happened" and ``~i`` (negative) for "allocation i was freed", in
-    order. ``phase_starts`` maps a phase to the position in ``sequence`` where it began."""
+    order. ``phase_starts`` maps a phase to the position in ``sequence`` where it began.
+    ``left_bytes``: what earlier steps allocated and left alive, at the step's peak (no part of the
+    sequence: not the step's own program)."""
 
     sizes: list[int] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     sequence: list[int] = field(default_factory=list)
     phase_starts: dict[str, int] = field(default_factory=dict)
     num_existing: int = 0
+    left_bytes: int = 0
 
 
 @dataclass

@@ -92,6 +92,7 @@ class TimelineModel:
     block_bytes: int = 1
     max_fit_residual_bytes: float = 0.0
     notes: list[str] = field(default_factory=list)
+    left_bytes: int = 0  # what earlier steps left alive at the longest trace's peak: added
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -138,7 +139,7 @@ class TimelineModel:
                     sequence=np.asarray(first.sequence, dtype=np.int64),
                     phase_starts=dict(first.phase_starts), ops=list(first.ops),
                     block_bytes=group[0].block_bytes, max_fit_residual_bytes=float(residual),
-                    notes=notes), "")
+                    notes=notes, left_bytes=group[-1].events.left_bytes), "")
 
     # -- prediction ------------------------------------------------------------------------------
     def allocation_bytes(self, seq_len: int, batch_size: Optional[int] = None) -> np.ndarray:
@@ -161,18 +162,18 @@ class TimelineModel:
         seq = self.sequence
         deltas = np.where(seq >= 0, sizes[np.where(seq >= 0, seq, 0)],
                           -sizes[np.where(seq < 0, ~seq, 0)])
-        live = np.cumsum(deltas)
+        live = np.cumsum(deltas) + self.left_bytes
         peak_at = int(np.argmax(live)) if len(live) else 0
         phase_peaks: dict[str, int] = {}
         starts = sorted(self.phase_starts.items(), key=lambda kv: kv[1])
         for i, (phase, start) in enumerate(starts):
             end = starts[i + 1][1] if i + 1 < len(starts) else len(live)
-            before = int(live[start - 1]) if start > 0 else 0
+            before = int(live[start - 1]) if start > 0 else self.left_bytes
             segment = live[start:end]
             phase_peaks[phase] = max(before, int(segment.max()) if len(segment) else before)
         peak_index = int(seq[peak_at]) if len(seq) else 0
         return TimelineForecast(seq_len=seq_len, batch_size=batch_size,
-                                peak_bytes=int(live.max()) if len(live) else 0,
+                                peak_bytes=int(live.max()) if len(live) else self.left_bytes,
                                 phase_peak_bytes=phase_peaks,
                                 peak_op=(self.ops[peak_index] if peak_index >= 0 and self.ops
                                          else ""))

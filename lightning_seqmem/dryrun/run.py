@@ -42,7 +42,7 @@ class TrainingRunDryRun:
                  on_unsupported: Callable[[str], None], template: Optional[nn.Module] = None,
                  site: Optional[Callable[..., Any]] = None,
                  room: Optional[Callable[[], Optional[int]]] = None,
-                 resident: Optional[Callable[[], int]] = None,
+                 resident: Optional[Callable[..., int]] = None,
                  seq_len_fn: Optional[Callable[[Any], Any]] = None) -> None:
         self.trainer, self.pl_module, self.applied, self.on_unsupported = (
             trainer, pl_module, applied, on_unsupported)
@@ -51,7 +51,8 @@ class TrainingRunDryRun:
         # bytes the dry run's real values may take now (None: any; on a CPU run, what the usable
         # budget leaves beside the run's tensors: :func:`.values.value_room`)
         self.room = room
-        # bytes the caller keeps on the training device across steps (its copies): in every answer
+        # bytes held on the training device beside the step (the caller's copies, what earlier
+        # steps left alive): in every answer; called with evaluate=True for a validation batch
         self.resident = resident
         self.seq_len_fn = seq_len_fn  # the callback's: how each batch's shape is read
         self.batch: Any = None
@@ -147,7 +148,8 @@ class TrainingRunDryRun:
                 result = dry_run_step(self.pl_module, optimizer, batch, seq_len, batch_size,
                                       tuple(m for m in mitigations if m not in self.applied()),
                                       autocast=context, device=device, evaluate=True)
-        return result.peak_bytes + (int(self.resident()) if self.resident is not None else 0)
+        return result.peak_bytes + (int(self.resident(evaluate=True))
+                                    if self.resident is not None else 0)
 
     def _refused(self, exc: BaseException, seq_len: int, batch_size: int,
                  mitigations: tuple[str, ...], room: Optional[ValueRoom]) -> None:

@@ -32,6 +32,10 @@ class MemoryProbe:
     """Interface of a per-step memory probe (see the module docstring)."""
 
     name = "abstract"
+    # whether each step counts what earlier steps allocated and left alive (the callback's probe:
+    # the steps of one run; an allocator's counters always do, a dry run's steps are of copies)
+    carries = False
+    left_at_peak_bytes = 0  # of those, alive at the last step's peak (0 where not carried)
 
     def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False) -> None:
         raise NotImplementedError
@@ -105,10 +109,17 @@ class TrackerProbe(MemoryProbe):
         self.scratch: Optional[Callable[[Any, Any, Any], int]] = None  # LiveTensorTracker.scratch
         self.pinned: Optional[Callable[..., bool]] = None  # see LiveTensorTracker.pinned
         self._stance: Any = None
+        self._left: list[weakref.ref] = []  # weak references to those storages
+        self._first_new = 0  # the tracker's first allocation not among the step's existing
 
     @property
     def running(self) -> bool:
         return self._tracker is not None
+
+    def left_storages(self) -> list[torch.UntypedStorage]:
+        """The storages earlier steps allocated and left alive, which the next step counts where
+        they are not among its existing tensors (its gradients and optimizer state may be)."""
+        return [st for st in (ref() for ref in self._left) if st is not None]
 
     def start_step(self, existing: Iterable[torch.Tensor], record_events: bool = False,
                    resident_bytes: int = 0) -> None:
@@ -117,6 +128,10 @@ class TrackerProbe(MemoryProbe):
         tracker = LiveTensorTracker(self.device_type, record_events=record_events)
         tracker.scratch, tracker.pinned = self.scratch, self.pinned
         tracker.track_existing(existing)
+        self._first_new = tracker.allocations
+        if self.carries:
+            tracker.track_left(self._left)
+        self._left = []
         tracker.track_bytes(resident_bytes)
         self._start_bytes = tracker.live_bytes
         if _EagerStance.hold():  # released once, by end, abort or GC
@@ -134,7 +149,9 @@ class TrackerProbe(MemoryProbe):
             raise RuntimeError(_NOT_STARTED)
         self._tracker = None
         tracker.__exit__(None, None, None)
-        tracker.stop()
+        self._keep_left(tracker)
+        if tracker.events is not None:
+            tracker.events.left_bytes = tracker.peak_left_bytes
         self._release_stance()
         if tracker.error is not None:
             raise RuntimeError("the live-tensor tracker failed during the step: "
@@ -149,8 +166,15 @@ class TrackerProbe(MemoryProbe):
         if tracker is not None:
             with contextlib.suppress(Exception):  # the mode stack was already unwound by another
                 tracker.__exit__(None, None, None)
-            tracker.stop()
+            self._keep_left(tracker)
         self._release_stance()
+
+    def _keep_left(self, tracker: LiveTensorTracker) -> None:
+        """Stop ``tracker``, keeping what its step leaves alive for the next (where it carries)."""
+        if self.carries:
+            self._left = tracker.left_alive(self._first_new)
+            self.left_at_peak_bytes = tracker.peak_left_bytes
+        tracker.stop()
 
     def _release_stance(self) -> None:
         """Let go of the eager stance this step holds, if any (once)."""

@@ -141,6 +141,10 @@ class LiveTensorTracker(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # StorageImpl address -> bytes counted for it now
         self._resized_to_zero: set[int] = set()  # tracked storages resized to 0 bytes, still alive
         self._finalizers: list[weakref.ref] = []
+        self._left: dict[int, tuple[int, weakref.ref]] = {}  # track_left's: address -> bytes, ref
+        self.not_left: set[int] = set()  # allocations counted elsewhere once alive (left_alive)
+        self.left_bytes = 0  # of track_left's storages, alive now
+        self.peak_left_bytes = 0  # of those, alive at the peak
         self._resident: list[tuple[int, int]] = []  # (index, bytes) of track_bytes' counts
         self._active = True
         self.error: Optional[BaseException] = None  # bookkeeping failed: the count is void
@@ -166,16 +170,20 @@ class LiveTensorTracker(TorchDispatchMode):
         placeholder (it keeps indices aligned with events)."""
         index = len(self._finalizers)
         self._finalizers.append(finalizer if finalizer is not None else weakref.ref(_Transient()))
-        self.live_bytes += nbytes
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
-        if self.phase is not None and self.live_bytes > self.phase_peak_bytes[self.phase]:
-            self.phase_peak_bytes[self.phase] = self.live_bytes
+        self._live(nbytes)
         if self.events is not None:
             self.events.sizes.append(nbytes)
             self.events.ops.append(op)
             self.events.sequence.append(index)
         return index
+
+    def _live(self, nbytes: int) -> None:
+        """``nbytes`` more are alive: the peaks follow."""
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_left_bytes = self.live_bytes, self.left_bytes
+        if self.phase is not None and self.live_bytes > self.phase_peak_bytes[self.phase]:
+            self.phase_peak_bytes[self.phase] = self.live_bytes
 
     def _free(self, index: int, key: int) -> None:
         self._resized_to_zero.discard(key)  # the storage died: its address may be reused
@@ -228,6 +236,44 @@ class LiveTensorTracker(TorchDispatchMode):
         if self.events is not None:
             self.events.num_existing = len(self.events.sizes)
 
+    def track_left(self, storages: Iterable[weakref.ref]) -> None:
+        """Count the storages earlier steps allocated and left alive (:meth:`left_alive`), not
+        counted yet (another callback's kept outputs; a GPU's allocator counts them): in the live
+        bytes till freed, not in the events (no part of the step's program, which a replay scales).
+
+        >>> kept, tracker = torch.ones(4), LiveTensorTracker("cpu")
+        >>> tracker.track_left([weakref.ref(kept.untyped_storage())])
+        >>> before = tracker.live_bytes; del kept; before, tracker.live_bytes
+        (16, 0)
+        """
+        for ref in storages:
+            st = ref()
+            if st is None or st._cdata in self._ids or st._cdata in self._left:
+                continue
+            key, nbytes = st._cdata, st.nbytes()
+            self._left[key] = (nbytes, weakref.ref(st, lambda _ref, k=key: self._free_left(k)))
+            self.left_bytes += nbytes
+            self._live(nbytes)
+
+    def _free_left(self, key: int) -> None:
+        entry = self._left.pop(key, None)
+        if entry is not None and self._active:
+            self.live_bytes -= entry[0]
+            self.left_bytes -= entry[0]
+
+    @property
+    def allocations(self) -> int:
+        """How many allocations were counted so far (the next one's index)."""
+        return len(self._finalizers)
+
+    def left_alive(self, since: int = 0) -> list[weakref.ref]:
+        """Weak references to the storages still alive that this step allocated (from allocation
+        ``since`` on) or was left (:meth:`track_left`), for the next step's :meth:`track_left`."""
+        alive = [ref() for _, ref in self._left.values()]
+        alive += [self._finalizers[i]() for i in self._ids.values()
+                  if i >= since and i not in self.not_left]
+        return [weakref.ref(st) for st in alive if st is not None]
+
     def track_bytes(self, nbytes: int, kind: str = "resident") -> None:
         """Count ``nbytes`` held for the whole step by no tensor this tracker can see (a distributed
         strategy's gradient buckets, allocated in C++ before the step): alive, never freed.
@@ -264,6 +310,7 @@ class LiveTensorTracker(TorchDispatchMode):
         reaches no storage, real or fake, whenever it is collected."""
         self._active = False
         self._finalizers.clear()
+        self._left.clear()
         self._ids.clear()
         self._sizes.clear()
         self._resized_to_zero.clear()
@@ -315,7 +362,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 continue  # another callback's dry run inside this step: not this step's memory
             for st in tensor_storages(t):
                 key = st._cdata
-                if key in self._ids:
+                if key in self._ids or key in self._left:
                     continue
                 if inputs is None:  # only built when an output storage is new to us
                     tensors = flat_tensors(args) + (flat_tensors(kwargs) if kwargs else [])

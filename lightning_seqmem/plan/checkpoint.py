@@ -210,6 +210,7 @@ def _trace(field: str, t: Any) -> None:
             raise InvalidState(f"{field}.events.phase_starts[{phase!r}]", position,
                                f"a position <= {len(sequence)}")
     _int(f"{field}.events.num_existing", events.get("num_existing", 0))
+    _int(f"{field}.events.left_bytes", events.get("left_bytes", 0))
 
 
 def _forecaster(field: str, f: Any) -> None:

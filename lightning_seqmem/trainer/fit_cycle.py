@@ -297,4 +297,5 @@ class FitCycle:
             lambda why, *shape: self.planner.advice.advise(A.dry_run_unavailable(why, *shape)),
             template=self.edge.sharding_template, site=trace_peak_site,
             room=lambda: value_room_bytes(self.edge, self.planner.settings.usable_budget_bytes),
-            resident=lambda: resident_bytes(self.edge), seq_len_fn=self.config.seq_len_fn)
+            resident=lambda evaluate=False: resident_bytes(self.edge, evaluate),
+            seq_len_fn=self.config.seq_len_fn)
