@@ -17,8 +17,8 @@ Example:
     >>> from lightning_seqmem.trainer.run_state import EdgeState
     >>> kept = {"ids": torch.zeros(2, 8, dtype=torch.long)}
     >>> edge = EdgeState(device=torch.device("cpu"), dry_runner=NS(batch=kept))
-    >>> resident_bytes(edge)  # the dry run's batch copy: 2 x 8 int64
-    128
+    >>> resident_bytes(edge), left_bytes(edge, evaluate=True)  # the batch copy: 2 x 8 int64
+    (128, 0)
     >>> edge.device = torch.device("cuda", 0)  # on a GPU the copy is host memory
     >>> resident_bytes(edge)
     0
@@ -123,10 +123,11 @@ def left_bytes(state: "EdgeState", evaluate: bool = False) -> int:
     till the next is logged), which the probe counts: for a training step, those alive at the last
     one's peak (a step frees them where the last did); for a validation batch, which frees none,
     all alive now beyond the run's tensors and the callback's own."""
-    probe, refs = state.probe, state.fit_refs
-    if not evaluate or not hasattr(probe, "left_storages") or refs is None:
+    probe = state.probe
+    trainer, pl_module = (r() for r in state.fit_refs or (lambda: None, lambda: None))
+    if not evaluate or not hasattr(probe, "left_storages") or None in (trainer, pl_module):
         return int(getattr(probe, "left_at_peak_bytes", 0))
-    held = [*existing_tensors(refs[1](), refs[0]().optimizers, ()), *own_tensors(state)]
+    held = [*existing_tensors(pl_module, trainer.optimizers, ()), *own_tensors(state)]
     seen = {st._cdata for t in held for st in tensor_storages(t)}
     return sum({st._cdata: st.nbytes() for st in probe.left_storages() if st._cdata not in seen
                 and st.device.type == state.device.type}.values())
@@ -138,8 +139,7 @@ def start_probe(state: "EdgeState", trainer: Any, pl_module: Any, batch: Any,
     own (:func:`own_tensors`) and, for the tracker, :func:`untracked_bytes`: as dry runs count."""
     probe = state.probe
     existing = [*existing_tensors(pl_module, trainer.optimizers, batch), *own_tensors(state)]
-    # what earlier steps left alive, counted in this one; not under FSDP2 (its storages, resized
-    # and freed by its collectives, left 2 MB the sharded dry run does not model: not yet known why)
+    # earlier steps' left-overs counted; not under FSDP2 (2 MB its sharded dry run lacks: unknown)
     probe.carries = not is_fsdp2(pl_module)
     if probe.name == "tracker":  # (the allocator's counters hold what no tensor shows)
         untracked = untracked_bytes(state, trainer)
