@@ -621,3 +621,39 @@ def test_a_failing_recompute_on_the_simulated_device_is_a_refusal_not_an_abort()
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ("refused: the fake step failed: RuntimeError: boom in recompute"
             in proc.stdout), proc.stdout
+
+
+class _HoldsATensor(torch.optim.SGD):
+    """SGD that keeps a tensor beside its state (as some optimizers do): its first step must run."""
+
+    def step(self, closure=None):
+        self.scratch = torch.zeros(64)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: _HoldsATensor(ps, lr=0.1, momentum=0.9)])
+def test_a_later_dry_run_makes_the_first_step_s_state_from_its_layout_to_the_byte(
+        make, monkeypatch):
+    # a fake optimizer step made the state as after a first step in every dry run (a quarter of
+    # a warm dry run of the 5-block GPT); a later one of the same optimizer and parameters makes
+    # those tensors from the first one's layout, with the same figures and no step
+    import lightning_seqmem.dryrun.step as step_module
+
+    model, optimizer = _gpt(), None
+    optimizer = make(model.parameters())
+    steps = []
+    original = type(optimizer).step
+    monkeypatch.setattr(type(optimizer), "step", lambda self, *a, **k: (
+        steps.append(1), original(self, *a, **k))[1])
+    step_module._STATE_LAYOUTS.clear()
+    cold = dry_run_step(model, optimizer, _batch(2, L0), 64, device=CPU)
+    cold_steps, steps[:] = len(steps), []
+    warm = dry_run_step(model, optimizer, _batch(2, L0), 64, device=CPU)
+    assert (warm.peak_bytes, warm.phase_peak_bytes) == (cold.peak_bytes, cold.phase_peak_bytes)
+    holds = isinstance(optimizer, _HoldsATensor)
+    assert cold_steps == 2 and len(steps) == (2 if holds else 1)  # state and measured steps
+    assert [type(v) for v in step_module._STATE_LAYOUTS.values()] == [type(None) if holds
+                                                                      else list]

@@ -53,8 +53,10 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
+from collections import OrderedDict
 import traceback
 from typing import Any, Callable, ContextManager, NamedTuple, Optional, Sequence
 
@@ -62,7 +64,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                           DynamicOutputShapeException, FakeTensorMode,
+                                           DynamicOutputShapeException, FakeTensor, FakeTensorMode,
                                            UnsupportedOperatorException)
 
 from lightning_seqmem.measure.batch_shape import infer_batch_shape
@@ -74,7 +76,7 @@ from lightning_seqmem.mitigations.activation_offload.activation_offload import (
 from lightning_seqmem.core.rungs import check_mitigations
 from lightning_seqmem.measure.steps import training_step_memory, validation_step_memory
 from lightning_seqmem.core.records import PHASES, TrackedEvents
-from lightning_seqmem.measure.probes import existing_tensors, make_probe
+from lightning_seqmem.measure.probes import existing_tensors, make_probe, optimizer_held_tensors
 
 __all__ = ["checked_rungs", "dry_run_step", "held_state", "host_peaks", "replay_peaks",
            "simulated_device_for", "state_after_a_step", "state_as_held", "unsupported_reason"]
@@ -225,6 +227,15 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+    key = _state_key(optimizer)
+    layout = _STATE_LAYOUTS.get(key) if key is not None else None
+    if layout is not None:  # the state this step made last time, made again without the step
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p, entries in zip(params, layout):
+            if entries:
+                optimizer.state[p] = {k: torch.empty_strided(v[1], v[2], dtype=v[3], device=v[4])
+                                      if v[0] else copy.deepcopy(v[1]) for k, v in entries.items()}
+        return
     groups = {id(g): (g, g["foreach"]) for g in optimizer.param_groups
               if "foreach" in g and not g["foreach"] and not g.get("fused")}
     for group, _ in groups.values():  # only its state counts: foreach makes it in fewer ops
@@ -240,6 +251,49 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
         optimizer.step()
     for group, given in groups.values():  # None stays None: a sharded (DTensor) step resolves it
         group["foreach"] = given
+    if key is not None and key == _state_key(optimizer):
+        _STATE_LAYOUTS[key] = _state_layout(optimizer)
+        while len(_STATE_LAYOUTS) > 64:
+            _STATE_LAYOUTS.popitem(last=False)
+
+
+_STATE_LAYOUTS: "OrderedDict[tuple, Optional[list]]" = OrderedDict()
+"""(optimizer class, groups, parameter specs) -> each parameter's state as a first step left it:
+``{key: (True, shape, stride, dtype, device) or (False, value)}``; None where it must step."""
+
+
+def _state_key(optimizer: Any) -> Optional[tuple]:
+    """What a first step's state depends on: the class, each group's options and its parameters'
+    specs; None where a parameter is not a plain fake tensor (a DTensor: its own state)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not all(type(p) is FakeTensor for p in params):
+        return None
+    return (type(optimizer), tuple(repr(sorted((k, v) for k, v in g.items() if k != "params"))
+                                   + f"/{len(g['params'])}" for g in optimizer.param_groups),
+            tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad) for p in params))
+
+
+def _state_layout(optimizer: Any) -> Optional[list]:
+    """:data:`_STATE_LAYOUTS`' entry of ``optimizer`` after its first step: None where a state
+    tensor shares or overruns its storage, or the optimizer holds tensors outside its state."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    known, out = {id(p) for p in params}, []
+    for p in params:
+        entries = {}
+        for k, v in optimizer.state.get(p, {}).items():
+            if not isinstance(v, torch.Tensor):
+                entries[k] = (False, copy.deepcopy(v))
+                continue
+            st = v.untyped_storage()
+            if (type(v) is not FakeTensor or v.requires_grad or v.storage_offset()
+                    or st.nbytes() != v.numel() * v.element_size() or id(v) in known):
+                return None
+            known.add(id(v))
+            entries[k] = (True, tuple(v.shape), v.stride(), v.dtype, v.device)
+        out.append(entries)
+    if any(id(t) not in known for t in optimizer_held_tensors(optimizer)):
+        return None
+    return out
 
 
 def held_state(pl_module: nn.Module, optimizer: Any) -> tuple[bool, bool]:
