@@ -631,10 +631,21 @@ class _HoldsATensor(torch.optim.SGD):
         return super().step(closure)
 
 
+class _SharesAStorage(torch.optim.SGD):
+    """SGD whose state holds a view of its momentum buffer: one storage, two state tensors."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for state in self.state.values():
+            state["flat"] = state["momentum_buffer"].view(-1)
+        return out
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    lambda ps: _HoldsATensor(ps, lr=0.1, momentum=0.9)])
+    lambda ps: _HoldsATensor(ps, lr=0.1, momentum=0.9),
+    lambda ps: _SharesAStorage(ps, lr=0.1, momentum=0.9)])
 def test_a_later_dry_run_makes_the_first_step_s_state_from_its_layout_to_the_byte(
         make, monkeypatch):
     # a fake optimizer step made the state as after a first step in every dry run (a quarter of
@@ -653,7 +664,7 @@ def test_a_later_dry_run_makes_the_first_step_s_state_from_its_layout_to_the_byt
     cold_steps, steps[:] = len(steps), []
     warm = dry_run_step(model, optimizer, _batch(2, L0), 64, device=CPU)
     assert (warm.peak_bytes, warm.phase_peak_bytes) == (cold.peak_bytes, cold.phase_peak_bytes)
-    holds = isinstance(optimizer, _HoldsATensor)
+    holds = isinstance(optimizer, (_HoldsATensor, _SharesAStorage))
     assert cold_steps == 2 and len(steps) == (2 if holds else 1)  # state and measured steps
     assert [type(v) for v in step_module._STATE_LAYOUTS.values()] == [type(None) if holds
                                                                       else list]

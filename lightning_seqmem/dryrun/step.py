@@ -263,8 +263,7 @@ _STATE_LAYOUTS: "OrderedDict[tuple, Optional[list]]" = OrderedDict()
 
 
 def _state_key(optimizer: Any) -> Optional[tuple]:
-    """What a first step's state depends on: the class, each group's options and its parameters'
-    specs; None where a parameter is not a plain fake tensor (a DTensor: its own state)."""
+    """What a first step's state depends on; None for parameters not plain fakes (DTensor)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not all(type(p) is FakeTensor for p in params):
         return None
@@ -277,7 +276,7 @@ def _state_layout(optimizer: Any) -> Optional[list]:
     """:data:`_STATE_LAYOUTS`' entry of ``optimizer`` after its first step: None where a state
     tensor shares or overruns its storage, or the optimizer holds tensors outside its state."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    known, out = {id(p) for p in params}, []
+    known, storages, out = {id(p) for p in params}, {p.untyped_storage()._cdata for p in params}, []
     for p in params:
         entries = {}
         for k, v in optimizer.state.get(p, {}).items():
@@ -286,9 +285,10 @@ def _state_layout(optimizer: Any) -> Optional[list]:
                 continue
             st = v.untyped_storage()
             if (type(v) is not FakeTensor or v.requires_grad or v.storage_offset()
-                    or st.nbytes() != v.numel() * v.element_size() or id(v) in known):
+                    or st.nbytes() != v.numel() * v.element_size() or st._cdata in storages):
                 return None
             known.add(id(v))
+            storages.add(st._cdata)
             entries[k] = (True, tuple(v.shape), v.stride(), v.dtype, v.device)
         out.append(entries)
     if any(id(t) not in known for t in optimizer_held_tensors(optimizer)):
