@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import lightning.pytorch as pl
 import pytest
@@ -668,3 +669,26 @@ def test_a_later_dry_run_makes_the_first_step_s_state_from_its_layout_to_the_byt
     assert cold_steps == 2 and len(steps) == (2 if holds else 1)  # state and measured steps
     assert [type(v) for v in step_module._STATE_LAYOUTS.values()] == [type(None) if holds
                                                                       else list]
+
+
+class _KeepsALock(torch.optim.SGD):
+    """SGD with a value in its state that cannot be copied (a lock)."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for state in self.state.values():
+            state["lock"] = threading.Lock()
+        return out
+
+
+def test_a_state_the_layout_cannot_record_steps_each_time_and_is_still_dry_run():
+    import lightning_seqmem.dryrun.step as step_module
+
+    model = _gpt()
+    optimizer = _KeepsALock(model.parameters(), lr=0.1, momentum=0.9)
+    step_module._STATE_LAYOUTS.clear()
+    first = dry_run_step(model, optimizer, _batch(2, L0), 64, device=CPU)
+    second = dry_run_step(model, optimizer, _batch(2, L0), 64, device=CPU)
+    assert (first.peak_bytes, first.phase_peak_bytes) == (second.peak_bytes,
+                                                          second.phase_peak_bytes)
+    assert not step_module._STATE_LAYOUTS

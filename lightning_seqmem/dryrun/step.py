@@ -53,6 +53,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
@@ -252,7 +253,8 @@ def state_after_a_step(model: nn.Module, optimizer: Any) -> None:
     for group, given in groups.values():  # None stays None: a sharded (DTensor) step resolves it
         group["foreach"] = given
     if key is not None and key == _state_key(optimizer):
-        _STATE_LAYOUTS[key] = _state_layout(optimizer)
+        with contextlib.suppress(Exception):  # a state it cannot record: it steps each time
+            _STATE_LAYOUTS[key] = _state_layout(optimizer)
         while len(_STATE_LAYOUTS) > 64:
             _STATE_LAYOUTS.popitem(last=False)
 
@@ -267,9 +269,12 @@ def _state_key(optimizer: Any) -> Optional[tuple]:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not all(type(p) is FakeTensor for p in params):
         return None
-    return (type(optimizer), tuple(repr(sorted((k, v) for k, v in g.items() if k != "params"))
-                                   + f"/{len(g['params'])}" for g in optimizer.param_groups),
-            tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad) for p in params))
+    with contextlib.suppress(Exception):  # options without a repr: no layout, a step each time
+        groups = tuple(repr(sorted((k, v) for k, v in g.items() if k != "params"))
+                       + f"/{len(g['params'])}" for g in optimizer.param_groups)
+        return (type(optimizer), groups, tuple((tuple(p.shape), p.stride(), p.dtype, p.device,
+                                                p.requires_grad) for p in params))
+    return None
 
 
 def _state_layout(optimizer: Any) -> Optional[list]:
